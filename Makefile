@@ -1,0 +1,30 @@
+# Two commands (see README): `make run` sets up .venv and starts the local PD stack with the
+# built-in model; `make test` sets up .venv and runs the test suite.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kvpipe-installed
+
+.PHONY: setup run test test-unit clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# CPU torch first, pinned, so nothing later pulls a CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[mooncake,router,bench,test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: setup
+	$(BIN)/kvpipe launch
+
+test: setup
+	$(BIN)/python -m pytest -q -ra tests
+
+test-unit: setup
+	$(BIN)/python -m pytest -q -ra tests/unit
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,81 @@
+"""Paged KV pool: one K and one V tensor per layer, per-page head-major layout.
+
+Layout per layer and per K/V: [num_pages, kv_heads, page_size, head_dim] (see
+docs/architecture.md). One page is contiguous, and so is one head range of one page, which
+keeps a heterogeneous-TP page transfer to one op per (layer, K/V, page).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVBufferInfo:
+    """Raw view of one buffer for the transfer layer: base address and sizes in bytes."""
+
+    layer: int
+    kind: str  # "k" | "v"
+    addr: int
+    nbytes: int
+    page_nbytes: int  # bytes of one page = kv_heads * page_size * head_dim * itemsize
+    head_nbytes: int  # bytes of one head within a page = page_size * head_dim * itemsize
+
+
+class KVPool:
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        self.num_layers = num_layers
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.kv_heads = kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        shape = (num_pages, kv_heads, page_size, head_dim)
+        # torch.zeros touches every page now; lazily faulted memory makes the first remote write
+        # into it three times slower (DESIGN.md §6).
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def write(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor,
+              k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new tokens. pages, offsets: [T] int64; k, v: [T, kv_heads, head_dim]."""
+        # Advanced indices around a slice put the index dim first: the target view is [T, H, D].
+        self.k[layer][pages, :, offsets] = k
+        self.v[layer][pages, :, offsets] = v
+
+    def gather(self, layer: int, page_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one sequence's first `length` tokens, each [kv_heads, length, head_dim]."""
+        n = -(-length // self.page_size)
+        idx = page_table[:n]
+
+        def one(buf: torch.Tensor) -> torch.Tensor:
+            # [n, H, P, D] -> [H, n*P, D] -> first `length` tokens
+            return buf[idx].transpose(0, 1).reshape(self.kv_heads, n * self.page_size, self.head_dim)[:, :length]
+
+        return one(self.k[layer]), one(self.v[layer])
+
+    def buffer_infos(self) -> list[KVBufferInfo]:
+        """Per-(layer, K/V) buffers in a fixed order: layer-major, K before V."""
+        item = self.k[0].element_size()
+        page_nbytes = self.kv_heads * self.page_size * self.head_dim * item
+        out = []
+        for layer in range(self.num_layers):
+            for kind, buf in (("k", self.k[layer]), ("v", self.v[layer])):
+                out.append(KVBufferInfo(layer, kind, buf.data_ptr(), buf.numel() * item,
+                                        page_nbytes, self.page_size * self.head_dim * item))
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffer_infos())

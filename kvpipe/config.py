@@ -1,0 +1,149 @@
+"""Frozen configuration dataclasses shared by every layer of kvpipe.
+
+ModelConfig is parsed from an HF `config.json`; the others come from CLI flags.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# HF `architectures[0]` -> our family name. The family decides q/k/v bias and q/k norm.
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+class ConfigError(ValueError):
+    """A model directory or flag combination kvpipe cannot serve."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str  # "llama" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    rope_scaling: dict[str, Any] | None = None
+    dtype: str = "float32"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ConfigError(
+                f"unsupported architecture {archs!r}; kvpipe supports {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+            qk_norm=arch == "qwen3",
+            rope_scaling=cfg.get("rope_scaling"),
+            dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"{model_dir}: no config.json (expected a local HF checkpoint directory)")
+        return cls.from_hf_dict(json.loads(path.read_text()))
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tp_size: int = 1
+    tp_rank: int = 0
+
+    def local_heads(self, num_heads: int) -> int:
+        if num_heads % self.tp_size:
+            raise ConfigError(f"{num_heads} attention heads do not split over tp_size={self.tp_size}")
+        return num_heads // self.tp_size
+
+    def local_kv_heads(self, num_kv_heads: int) -> int:
+        """KV heads held by one rank; with tp > kv heads each rank holds one replicated head."""
+        if num_kv_heads >= self.tp_size:
+            if num_kv_heads % self.tp_size:
+                raise ConfigError(f"{num_kv_heads} KV heads do not split over tp_size={self.tp_size}")
+            return num_kv_heads // self.tp_size
+        if self.tp_size % num_kv_heads:
+            raise ConfigError(f"tp_size={self.tp_size} is not a multiple of {num_kv_heads} KV heads")
+        return 1
+
+    def kv_head_start(self, num_kv_heads: int) -> int:
+        """First global KV head index held by this rank."""
+        if num_kv_heads >= self.tp_size:
+            return self.tp_rank * (num_kv_heads // self.tp_size)
+        return self.tp_rank // (self.tp_size // num_kv_heads)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    page_size: int = 64
+    num_pages: int | None = None  # None: derived from max_total_tokens
+    max_total_tokens: int = 65536  # KV capacity in tokens when num_pages is None
+    debug_checks: bool = True  # catch double free / use-after-free in the allocator
+
+    def pages(self) -> int:
+        return self.num_pages if self.num_pages is not None else -(-self.max_total_tokens // self.page_size)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running_requests: int = 64
+    chunked_prefill_size: int = 8192  # max prompt tokens per prefill step; <= 0 disables chunking
+    max_prefill_tokens: int = 16384  # token budget of one prefill batch
+    context_length: int | None = None  # None: model's max_position_embeddings
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_path: str
+    host: str = "127.0.0.1"
+    port: int = 30000
+    served_model_name: str | None = None
+    tokenizer_path: str | None = None
+    tp_size: int = 1
+    device: str = "cpu"
+    seed: int = 0
+    log_level: str = "info"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model_path).name

@@ -1,0 +1,84 @@
+"""Requests as the engine sees them: sampling parameters, lifecycle state, streamed outputs."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no limit
+    min_p: float = 0.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0 or self.top_k == 1
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"  # queued, no pages yet
+    RUNNING = "running"  # has pages; prefilling (maybe in chunks) or decoding
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"
+    STOP = "stop"  # EOS, stop token id or stop string
+    ABORT = "abort"
+
+
+@dataclass
+class Req:
+    """Mutable per-request state owned by the scheduler thread."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    return_logprob: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    status: ReqStatus = ReqStatus.WAITING
+    finish_reason: FinishReason | None = None
+    finish_detail: str | int | None = None  # matched stop string / token id, or abort message
+    pages: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    num_cached: int = 0  # tokens whose KV is in `pages`
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.num_cached >= len(self.input_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is ReqStatus.FINISHED
+
+
+@dataclass(frozen=True)
+class TokenOutput:
+    """One engine step's news for one request: new token(s), and the finish if it ended."""
+
+    rid: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: FinishReason | None = None
+    finish_detail: str | int | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0

@@ -1,0 +1,69 @@
+"""What one forward pass needs besides weights: packed tokens and where their KV lives.
+
+Tokens of all sequences in the batch are packed along one dim T (varlen, no padding). Each
+sequence contributes `extend_len` new tokens that follow `prefix_len` tokens already in the
+KV pool (0 for a fresh prefill, the context so far for a decode step or a later chunk).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SeqSpan:
+    start: int  # offset of this sequence's first new token in the packed batch
+    extend_len: int  # new tokens in this forward
+    prefix_len: int  # tokens of this sequence already in the KV pool
+    page_table: torch.Tensor  # [n_pages] int64, covers prefix_len + extend_len tokens
+
+    @property
+    def total_len(self) -> int:
+        return self.prefix_len + self.extend_len
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, position of each token in its sequence
+    slot_pages: torch.Tensor  # [T] int64, page that receives each new token's K/V
+    slot_offsets: torch.Tensor  # [T] int64, offset inside that page
+    seqs: tuple[SeqSpan, ...]
+    logit_indices: torch.Tensor  # [B_out] int64, packed rows whose logits are wanted
+
+    @classmethod
+    def build(cls, token_ids: list[list[int]], prefix_lens: list[int], page_tables: list[torch.Tensor],
+              page_size: int, want_logits: list[bool] | None = None) -> "ForwardBatch":
+        """Pack sequences. token_ids[i] are the new tokens of sequence i (extend_len of them)."""
+        seqs, ids, pos, start = [], [], [], 0
+        for toks, pre, table in zip(token_ids, prefix_lens, page_tables):
+            seqs.append(SeqSpan(start, len(toks), pre, table))
+            ids.extend(toks)
+            pos.append(torch.arange(pre, pre + len(toks), dtype=torch.int64))
+            start += len(toks)
+        positions = torch.cat(pos) if pos else torch.zeros(0, dtype=torch.int64)
+        pages = torch.cat([s.page_table[p // page_size] for s, p in zip(seqs, pos)]) if seqs else positions
+        want = want_logits if want_logits is not None else [True] * len(seqs)
+        last = [s.start + s.extend_len - 1 for s, w in zip(seqs, want) if w]
+        return cls(
+            input_ids=torch.tensor(ids, dtype=torch.int64),
+            positions=positions,
+            slot_pages=pages,
+            slot_offsets=positions % page_size,
+            seqs=tuple(seqs),
+            logit_indices=torch.tensor(last, dtype=torch.int64),
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    def to(self, device: torch.device | str) -> "ForwardBatch":
+        return ForwardBatch(
+            self.input_ids.to(device), self.positions.to(device), self.slot_pages.to(device),
+            self.slot_offsets.to(device),
+            tuple(SeqSpan(s.start, s.extend_len, s.prefix_len, s.page_table.to(device)) for s in self.seqs),
+            self.logit_indices.to(device),
+        )
