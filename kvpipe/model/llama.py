@@ -1,0 +1,84 @@
+"""Llama / Qwen2 / Qwen3 causal LM over a paged KV pool, with model-level tensor parallelism.
+
+The three families differ only in q/k/v bias (Qwen2) and per-head q/k RMSNorm (Qwen3); both are
+flags in ModelConfig. The forward is split (embed, layer range, logits) so the engine can run a
+prefill in layer groups and ship each group's KV while the next group computes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from kvpipe.cache.kv_pool import KVPool
+from kvpipe.config import ConfigError, ModelConfig, ParallelConfig
+from kvpipe.model.forward_batch import ForwardBatch
+from kvpipe.model.layers import DecoderLayer, Linear, RMSNorm
+from kvpipe.model.rope import rope_cos_sin, rope_inv_freq
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, parallel: ParallelConfig = ParallelConfig(),
+                 group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        check_parallel(cfg, parallel)
+        self.cfg = cfg
+        self.parallel = parallel
+        self.group = group
+        # Embedding and lm_head are replicated on every rank: simple and bit-exact across TP sizes.
+        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, parallel, group) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Tied: logits reuse embed_tokens (no second parameter that a device move could untie).
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        # A plain attribute, not a buffer: it stays fp32 when the weights move to bf16.
+        self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+    @property
+    def num_layers(self) -> int:
+        return self.cfg.num_layers
+
+    @property
+    def local_kv_heads(self) -> int:
+        """KV heads this rank stores: the KVPool of this rank must be built with this many."""
+        return self.parallel.local_kv_heads(self.cfg.num_kv_heads)
+
+    def embed(self, batch: ForwardBatch) -> torch.Tensor:
+        """[T] token ids -> [T, hidden]."""
+        return F.embedding(batch.input_ids, self.embed_tokens)
+
+    def forward_layers(self, hidden: torch.Tensor, batch: ForwardBatch, pool: KVPool,
+                       start: int, end: int) -> torch.Tensor:
+        """Run layers [start, end); writes their K/V into `pool` (global layer index)."""
+        if not 0 <= start <= end <= self.cfg.num_layers:
+            raise ValueError(f"layer range [{start}, {end}) outside [0, {self.cfg.num_layers})")
+        if self.inv_freq.device != hidden.device:
+            self.inv_freq = self.inv_freq.to(hidden.device)
+        cos, sin = rope_cos_sin(self.inv_freq, batch.positions, hidden.dtype)  # [T, D] each
+        for i in range(start, end):
+            hidden = self.layers[i](hidden, cos, sin, batch, pool)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Final norm + lm_head on the rows in batch.logit_indices -> [B_out, vocab] fp32."""
+        h = self.norm(hidden[batch.logit_indices])
+        weight = self.embed_tokens if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, weight).float()
+
+    def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
+        hidden = self.forward_layers(self.embed(batch), batch, pool, 0, self.cfg.num_layers)
+        return self.compute_logits(hidden, batch)
+
+
+def check_parallel(cfg: ModelConfig, parallel: ParallelConfig) -> None:
+    """Raise ConfigError when the model does not split over parallel.tp_size."""
+    if not 0 <= parallel.tp_rank < parallel.tp_size:
+        raise ConfigError(f"tp_rank={parallel.tp_rank} outside tp_size={parallel.tp_size}")
+    parallel.local_heads(cfg.num_heads)
+    parallel.local_kv_heads(cfg.num_kv_heads)
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise ConfigError(f"{cfg.num_heads} heads are not a multiple of {cfg.num_kv_heads} KV heads")
+    if cfg.intermediate_size % parallel.tp_size:
+        raise ConfigError(f"intermediate_size={cfg.intermediate_size} does not split over tp_size={parallel.tp_size}")

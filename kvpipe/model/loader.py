@@ -1,0 +1,159 @@
+"""Load an HF checkpoint directory (config.json + safetensors) into a CausalLM.
+
+Each TP rank reads only its slice of every sharded tensor (safe_open(...).get_slice), so a rank
+never materialises the full q/k/v/o or MLP matrices.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+
+from kvpipe.config import ConfigError, ModelConfig, ParallelConfig
+from kvpipe.model.llama import CausalLM
+from kvpipe.model.rope import rope_inv_freq
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
+    path = Path(model_dir) / "config.json"
+    if not Path(model_dir).is_dir():
+        raise ConfigError(f"{model_dir}: not a directory (expected a local HF checkpoint directory)")
+    if not path.is_file():
+        raise ConfigError(f"{model_dir}: no config.json (expected a local HF checkpoint directory)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: invalid JSON: {e}") from None
+
+
+def check_supported(raw: dict[str, Any]) -> None:
+    """Reject config options the model code does not implement, rather than compute wrong logits."""
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"hidden_act={act!r} is not supported (only silu)")
+    if raw.get("mlp_bias"):
+        raise ConfigError("mlp_bias=true is not supported")
+    if raw.get("use_sliding_window"):
+        raise ConfigError("use_sliding_window=true is not supported by the Llama/Qwen model")
+    if float(raw.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ConfigError("partial_rotary_factor != 1 is not supported")
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, cfg: ModelConfig, device: str | torch.device) -> torch.dtype:
+    """None: fp32 on CPU (half-precision matmuls are slow there), the checkpoint's dtype elsewhere."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is not None:
+        if dtype not in _DTYPES:
+            raise ConfigError(f"unsupported dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
+        return _DTYPES[dtype]
+    if torch.device(device).type == "cpu":
+        return torch.float32
+    return _DTYPES.get(cfg.dtype, torch.float32)
+
+
+def weight_files(model_dir: Path) -> dict[str, Path]:
+    """HF tensor name -> safetensors file holding it."""
+    single = model_dir / "model.safetensors"
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = {name: model_dir / f for name, f in weight_map.items()}
+        missing = sorted({str(p.name) for p in files.values() if not p.is_file()})
+        if missing:
+            raise ConfigError(f"{model_dir}: shard files listed in the index are missing: {missing}")
+        return files
+    if single.is_file():
+        with safe_open(str(single), framework="pt") as f:
+            return {name: single for name in f.keys()}
+    raise ConfigError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+
+
+def shard_plan(model: CausalLM) -> dict[str, tuple[str, int | None, int, int]]:
+    """our param name -> (HF name, sliced dim or None, start, length) for this rank."""
+    cfg, par = model.cfg, model.parallel
+    d = cfg.head_dim
+    lq = par.local_heads(cfg.num_heads)
+    q0 = par.tp_rank * lq
+    lkv = par.local_kv_heads(cfg.num_kv_heads)
+    kv0 = par.kv_head_start(cfg.num_kv_heads)
+    inter = cfg.intermediate_size // par.tp_size
+    i0 = par.tp_rank * inter
+    rows = {"q_proj": (q0 * d, lq * d), "k_proj": (kv0 * d, lkv * d), "v_proj": (kv0 * d, lkv * d),
+            "gate_proj": (i0, inter), "up_proj": (i0, inter)}
+    cols = {"o_proj": (q0 * d, lq * d), "down_proj": (i0, inter)}
+    plan: dict[str, tuple[str, int | None, int, int]] = {}
+    for name, p in model.named_parameters():
+        if name == "embed_tokens":
+            hf = "model.embed_tokens.weight"
+        elif name.startswith("lm_head."):
+            hf = name
+        else:
+            hf = "model." + name
+        parts = name.split(".")
+        proj = parts[-2] if len(parts) >= 2 else ""
+        if par.tp_size > 1 and proj in rows:
+            plan[name] = (hf, 0, *rows[proj])
+        elif par.tp_size > 1 and proj in cols and parts[-1] == "weight":
+            plan[name] = (hf, 1, *cols[proj])
+        else:
+            plan[name] = (hf, None, 0, p.shape[0])
+    return plan
+
+
+def load_model(model_dir: str | Path, parallel: ParallelConfig = ParallelConfig(),
+               device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None,
+               group: dist.ProcessGroup | None = None) -> CausalLM:
+    model_dir = Path(model_dir)
+    raw = read_hf_config(model_dir)
+    cfg = ModelConfig.from_hf_dict(raw)
+    check_supported(raw)
+    files = weight_files(model_dir)
+    torch_dtype = resolve_dtype(dtype, cfg, device)
+    # Build on the meta device (no allocation, no random init), then allocate uninitialised.
+    with torch.device("meta"):
+        model = CausalLM(cfg, parallel, group)
+    model = model.to(dtype=torch_dtype).to_empty(device=device)
+    # inv_freq was computed on meta above; compute it for real, in fp32
+    model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+    plan = shard_plan(model)
+    missing = sorted(hf for hf, *_ in plan.values() if hf not in files)
+    if missing:
+        raise ConfigError(f"{model_dir}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
+    params = dict(model.named_parameters())
+    with ExitStack() as stack, torch.no_grad():
+        handles: dict[Path, Any] = {}
+        for name, (hf, dim, start, length) in plan.items():
+            path = files[hf]
+            if path not in handles:
+                handles[path] = stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+            sl = handles[path].get_slice(hf)
+            t = sl[:] if dim is None else (sl[start:start + length] if dim == 0 else sl[:, start:start + length])
+            p = params[name]
+            if tuple(t.shape) != tuple(p.shape):
+                raise ConfigError(f"{model_dir}: tensor {hf} has shape {tuple(t.shape)}, "
+                                  f"expected {tuple(p.shape)} for this config and tp rank")
+            p.copy_(t)
+    return model.eval()
+
+
+def load_generation_eos(model_dir: str | Path) -> tuple[int, ...]:
+    """EOS ids from generation_config.json first, then config.json's, without duplicates."""
+    ids: list[int] = []
+    for fname in ("generation_config.json", "config.json"):
+        path = Path(model_dir) / fname
+        if not path.is_file():
+            continue
+        eos = json.loads(path.read_text()).get("eos_token_id")
+        for i in eos if isinstance(eos, list) else ([] if eos is None else [eos]):
+            if int(i) not in ids:
+                ids.append(int(i))
+    return tuple(ids)
