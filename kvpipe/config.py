@@ -54,6 +54,13 @@ class ModelConfig:
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         eos = cfg.get("eos_token_id")
+        # transformers >= 5 writes `rope_parameters` (rope_theta + scaling) instead of the
+        # top-level `rope_theta` / `rope_scaling` of older checkpoints; accept both.
+        rope_params = cfg.get("rope_parameters") or {}
+        rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        rope_scaling = cfg.get("rope_scaling")
+        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+            rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
             architecture=arch,
@@ -65,12 +72,12 @@ class ModelConfig:
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(cfg.get("head_dim") or hidden // num_heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rope_theta=float(rope_theta),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
             qk_norm=arch == "qwen3",
-            rope_scaling=cfg.get("rope_scaling"),
+            rope_scaling=rope_scaling,
             dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
