@@ -1,0 +1,37 @@
+"""Timeouts and limits of the disaggregation control plane (one frozen config for both sides)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DisaggConfig:
+    # Prefill: add_room -> the decode's TransferRequest. Decode: add_room -> TransferRequest sent
+    # (bootstrap fetch, compatibility check, peer registration).
+    bootstrap_timeout_s: float = 30.0
+    # Decode: TransferRequest sent -> every prefill rank reported Success (SGLang's default 300 s:
+    # the prefill may queue the request behind others).
+    waiting_timeout_s: float = 300.0
+    heartbeat_interval_s: float = 1.0
+    heartbeat_misses: int = 5  # a peer silent for misses * interval is dead
+    # A write batch that makes no progress for this long fails the room; a decode that aborted a
+    # room keeps its pages reserved at most this long when the prefill never acknowledges.
+    transfer_timeout_s: float = 30.0
+    max_inflight_ops: int = 1024  # per sender; Mooncake rejects past ~2,048 per peer (DESIGN §6)
+    http_timeout_s: float = 2.0  # one bootstrap HTTP call
+    control_send_hwm: int = 10000  # queued control messages per peer before sends are dropped
+    tick_s: float = 0.0005  # worker sleep between backend polls while writes are in flight
+    idle_tick_s: float = 0.01  # worker sleep when nothing is in flight
+
+    def __post_init__(self) -> None:
+        for name in ("bootstrap_timeout_s", "waiting_timeout_s", "heartbeat_interval_s",
+                     "transfer_timeout_s", "http_timeout_s", "tick_s", "idle_tick_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"DisaggConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.heartbeat_misses < 1 or self.max_inflight_ops < 1 or self.control_send_hwm < 1:
+            raise ValueError("DisaggConfig: heartbeat_misses, max_inflight_ops and control_send_hwm must be >= 1")
+
+    @property
+    def heartbeat_timeout_s(self) -> float:
+        return self.heartbeat_interval_s * self.heartbeat_misses
