@@ -1,0 +1,60 @@
+"""What the scheduler hands the runner (ScheduledBatch) and what crosses to TP ranks (ForwardSpec).
+
+ScheduledBatch holds live Req objects (rank 0 only). ForwardSpec is its plain, picklable
+description: the new tokens, prefix lengths and page tables of every row, enough for any TP
+rank to build the same ForwardBatch.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvpipe.engine.request import Req
+
+
+class ForwardMode(enum.Enum):
+    PREFILL = "prefill"  # prompt tokens (a whole prompt or one chunk of it) of one or more requests
+    DECODE = "decode"  # one token for every running decoder
+
+
+@dataclass(frozen=True)
+class ForwardSpec:
+    """Plain data (lists, numpy) sent to every TP rank once per step."""
+
+    token_ids: tuple[list[int], ...]  # new tokens of each row
+    prefix_lens: tuple[int, ...]  # tokens of each row already in the KV pool
+    page_tables: tuple[np.ndarray, ...]  # int64 pages covering prefix + new tokens of each row
+    want_logits: tuple[bool, ...]  # rows whose last token is sampled
+    layer_groups: tuple[tuple[int, int], ...] | None = None  # [start, end) layer ranges; None: one pass
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for t in self.token_ids)
+
+
+@dataclass
+class ScheduledBatch:
+    mode: ForwardMode
+    reqs: list[Req]
+    extend_lens: list[int]  # new tokens per row
+    prefix_lens: list[int]  # tokens per row already cached before this step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.extend_lens)
+
+    def completes_prefill(self, i: int) -> bool:
+        """Row i reaches the end of its prompt (or is a decode row): its last token is sampled."""
+        return self.prefix_lens[i] + self.extend_lens[i] >= len(self.reqs[i].input_ids)
+
+    def spec(self, page_size: int) -> ForwardSpec:
+        toks, tables = [], []
+        for req, pre, n in zip(self.reqs, self.prefix_lens, self.extend_lens):
+            ids = req.input_ids[pre:pre + n] if pre + n <= len(req.input_ids) else req.all_ids[pre:pre + n]
+            toks.append(list(ids))
+            tables.append(np.ascontiguousarray(req.pages[:-(-(pre + n) // page_size)], dtype=np.int64))
+        return ForwardSpec(tuple(toks), tuple(self.prefix_lens), tuple(tables),
+                           tuple(self.completes_prefill(i) for i in range(len(self.reqs))))

@@ -1,0 +1,284 @@
+"""Continuous batching with chunked prefill over Req objects and a PageAllocator (no tensors).
+
+Policy (simple and fair):
+- One step is either a prefill batch or a decode batch, never mixed. Prefill goes first,
+  but never twice in a row while decoders wait, so a stream of long prompts cannot stall
+  running generations for more than one step and new prompts are never starved either.
+- A prefill batch first continues partially prefilled requests, then admits waiting ones in
+  FIFO order (head-of-line: no overtaking), up to a token budget of
+  min(max_prefill_tokens, chunked_prefill_size). With chunking, the last row takes what is
+  left of the budget, so a prompt spans several steps; without, prompts go whole.
+- Pages are allocated lazily, per step, for exactly the tokens that step writes. Admission
+  is conservative instead: a request is admitted only if the pages it could ever need
+  (prompt + max_new_tokens - 1 tokens) fit in the free pages minus those promised to admitted
+  requests. Running requests therefore never run out of pages, and nothing is preempted;
+  the rest wait in the queue. A request that could never fit is finished with ABORT.
+
+Seams for disaggregation: `reserve` + `add_prefilled` (a request whose KV another server
+wrote goes straight to decode), SchedulerHooks (per prefill chunk, per completed prefill),
+and held pages (a finished request keeps its pages until `release(rid)`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvpipe.cache.page_allocator import PageAllocator
+from kvpipe.config import SchedulerConfig
+from kvpipe.engine.batch import ForwardMode, ScheduledBatch
+from kvpipe.engine.request import FinishReason, Req, ReqStatus
+
+
+@dataclass(frozen=True)
+class SchedulerHooks:
+    # (req, start, end): prompt tokens [start, end) now have their KV in req.pages
+    on_chunk_done: Callable[[Req, int, int], None] | None = None
+    # the prompt is fully prefilled and req.output_ids[0] (the first token) was just appended
+    on_prefill_done: Callable[[Req], None] | None = None
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, allocator: PageAllocator, page_size: int,
+                 context_length: int, hooks: SchedulerHooks = SchedulerHooks(),
+                 hold_finished_pages: bool = False) -> None:
+        self.cfg = cfg
+        self.allocator = allocator
+        self.page_size = page_size
+        self.context_length = context_length
+        self.hooks = hooks
+        self.hold_finished_pages = hold_finished_pages
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []  # admitted: prefilling (maybe in chunks) or decoding
+        self.reserved: dict[str, Req] = {}  # pages reserved, KV being written by someone else
+        self.held: dict[str, Req] = {}  # finished, pages kept until release(rid)
+        self._live: dict[str, Req] = {}  # every unfinished request: waiting, running, reserved
+        self._promised: dict[str, int] = {}  # rid -> pages it may hold at most (admitted ones)
+        self._last_was_prefill = False
+
+    # ---- admission -------------------------------------------------------------------------
+    def max_pages(self, req: Req) -> int:
+        """Pages for the most KV a request can write: prompt + max_new_tokens - 1 tokens."""
+        tokens = len(req.input_ids) + max(req.params.max_new_tokens - 1, 0)
+        return _cdiv(max(tokens, 1), self.page_size)
+
+    def _reject_reason(self, req: Req) -> str | None:
+        n, m = len(req.input_ids), req.params.max_new_tokens
+        if n == 0:
+            return "the prompt is empty"
+        if n + m > self.context_length:
+            return (f"the prompt ({n} tokens) plus max_new_tokens ({m}) exceeds the context length "
+                    f"({self.context_length} tokens)")
+        if self.max_pages(req) > self.allocator.num_pages:
+            return (f"the prompt ({n} tokens) plus max_new_tokens ({m}) needs {self.max_pages(req)} KV "
+                    f"pages of {self.page_size} tokens; the KV cache holds only {self.allocator.num_pages}")
+        return None
+
+    def _outstanding(self) -> int:
+        """Pages promised to admitted requests but not allocated yet."""
+        return sum(self._promised[rid] - len(r.pages) for rid, r in self._live.items() if rid in self._promised)
+
+    def _can_admit(self, req: Req, outstanding: int) -> bool:
+        return self.max_pages(req) <= self.allocator.num_free - outstanding
+
+    def add(self, req: Req) -> bool:
+        """Queue a request. Returns False if it can never run (then it is finished with ABORT)."""
+        if req.rid in self._live or req.rid in self.held:
+            raise ValueError(f"request id {req.rid!r} is already in use")
+        req.status = ReqStatus.WAITING
+        self._live[req.rid] = req
+        reason = self._reject_reason(req)
+        if reason is not None:
+            self.finish(req, FinishReason.ABORT, reason)
+            return False
+        self.waiting.append(req)
+        return True
+
+    def reserve(self, req: Req) -> bool:
+        """Allocate pages for a prompt whose KV someone else will write (decode side of PD).
+
+        True: req.pages covers the prompt and the rest of its pages are promised. False: no
+        room now (retry later), or never (then req is finished with ABORT; check req.finished).
+        """
+        if req.rid not in self._live:
+            if req.rid in self.held:
+                raise ValueError(f"request id {req.rid!r} is already in use")
+            req.status = ReqStatus.WAITING
+            self._live[req.rid] = req
+        reason = self._reject_reason(req)
+        if reason is not None:
+            self.finish(req, FinishReason.ABORT, reason)
+            return False
+        if len(self.running) + len(self.reserved) >= self.cfg.max_running_requests:
+            return False
+        if not self._can_admit(req, self._outstanding()):
+            return False
+        self._promised[req.rid] = self.max_pages(req)
+        self._ensure_pages(req, len(req.input_ids))
+        self.reserved[req.rid] = req
+        return True
+
+    def add_prefilled(self, req: Req) -> None:
+        """A reserved request whose prompt KV is now in its pages and whose first token is known."""
+        if self.reserved.pop(req.rid, None) is None:
+            raise ValueError(f"request {req.rid!r} has no reserved pages")
+        if not req.output_ids:
+            raise ValueError(f"request {req.rid!r} enters decode without its first output token")
+        req.num_cached = len(req.input_ids)
+        req.status = ReqStatus.RUNNING
+        self.running.append(req)
+
+    # ---- scheduling ------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch | None:
+        """The next batch to run, or None when there is nothing runnable."""
+        has_decoders = any(r.prefill_done for r in self.running)
+        if not (has_decoders and self._last_was_prefill):
+            batch = self._schedule_prefill()
+            if batch is not None:
+                self._last_was_prefill = True
+                return batch
+        self._last_was_prefill = False
+        return self._schedule_decode() if has_decoders else None
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        chunking = self.cfg.chunked_prefill_size > 0
+        budget = self.cfg.max_prefill_tokens
+        if chunking:
+            budget = min(budget, self.cfg.chunked_prefill_size)
+        budget = max(budget, 1)
+        batch = ScheduledBatch(ForwardMode.PREFILL, [], [], [])
+
+        def take(req: Req) -> None:
+            nonlocal budget
+            remaining = len(req.input_ids) - req.num_cached
+            n = min(remaining, budget) if chunking else remaining
+            self._ensure_pages(req, req.num_cached + n)
+            batch.reqs.append(req)
+            batch.extend_lens.append(n)
+            batch.prefix_lens.append(req.num_cached)
+            budget -= n
+
+        for req in self.running:
+            if budget <= 0:
+                break
+            if not req.prefill_done:
+                take(req)
+        outstanding = self._outstanding()
+        while self.waiting and budget > 0 and len(self.running) + len(self.reserved) < self.cfg.max_running_requests:
+            req = self.waiting[0]
+            if not chunking and batch.reqs and len(req.input_ids) - req.num_cached > budget:
+                break
+            if not self._can_admit(req, outstanding):
+                break  # FIFO: later requests do not overtake the head
+            self.waiting.popleft()
+            self._promised[req.rid] = self.max_pages(req)
+            outstanding += self._promised[req.rid]
+            req.status = ReqStatus.RUNNING
+            self.running.append(req)
+            take(req)
+            outstanding -= len(req.pages)
+        return batch if batch.reqs else None
+
+    def _schedule_decode(self) -> ScheduledBatch:
+        reqs = [r for r in self.running if r.prefill_done]
+        for r in reqs:
+            self._ensure_pages(r, r.num_cached + 1)
+        return ScheduledBatch(ForwardMode.DECODE, reqs, [1] * len(reqs), [r.num_cached for r in reqs])
+
+    def _ensure_pages(self, req: Req, tokens: int) -> None:
+        need = _cdiv(tokens, self.page_size) - len(req.pages)
+        if need <= 0:
+            return
+        if len(req.pages) + need > self._promised[req.rid]:
+            raise RuntimeError(f"request {req.rid!r} needs more than its {self._promised[req.rid]} "
+                               f"promised pages ({tokens} tokens); it should have finished")
+        req.pages = np.concatenate([req.pages, self.allocator.alloc(need)])
+
+    # ---- results and lifecycle -------------------------------------------------------------
+    def commit(self, batch: ScheduledBatch, tokens: Sequence[int | None],
+               logprobs: Sequence[float | None]) -> None:
+        """Record a finished forward: KV of every row is cached; rows with a token grow by it."""
+        for i, req in enumerate(batch.reqs):
+            if req.finished:
+                continue
+            start, n = batch.prefix_lens[i], batch.extend_lens[i]
+            was_prefill = not req.prefill_done
+            req.num_cached = start + n
+            if was_prefill and self.hooks.on_chunk_done is not None:
+                self.hooks.on_chunk_done(req, start, start + n)
+            if tokens[i] is None:
+                continue
+            if req.params.max_new_tokens > 0:
+                req.output_ids.append(int(tokens[i]))
+                req.output_logprobs.append(float(logprobs[i]) if logprobs[i] is not None else 0.0)
+            if was_prefill and self.hooks.on_prefill_done is not None:
+                self.hooks.on_prefill_done(req)
+
+    def finish(self, req: Req, reason: FinishReason, detail: str | int | None = None,
+               hold: bool | None = None) -> None:
+        """End a request (idempotent). Its pages are freed exactly once, now or at release()."""
+        if req.finished:
+            return
+        self._live.pop(req.rid, None)
+        self._promised.pop(req.rid, None)
+        self.reserved.pop(req.rid, None)
+        # by identity: Req is a dataclass whose == compares fields (numpy pages among them)
+        if any(r is req for r in self.waiting):
+            self.waiting = deque(r for r in self.waiting if r is not req)
+        self.running = [r for r in self.running if r is not req]
+        req.status = ReqStatus.FINISHED
+        req.finish_reason = reason
+        req.finish_detail = detail
+        if req.pages.size == 0:
+            return
+        if self.hold_finished_pages if hold is None else hold:
+            self.held[req.rid] = req
+        else:
+            self._free(req)
+
+    def abort(self, rid: str, message: str = "aborted", hold: bool | None = None) -> Req | None:
+        """Finish a waiting, reserved or running request with ABORT; None if rid is not live."""
+        req = self._live.get(rid)
+        if req is not None:
+            self.finish(req, FinishReason.ABORT, message, hold)
+        return req
+
+    def release(self, rid: str) -> bool:
+        """Free the pages a finished request held (see hold_finished_pages). False if none."""
+        req = self.held.pop(rid, None)
+        if req is None:
+            return False
+        self._free(req)
+        return True
+
+    def _free(self, req: Req) -> None:
+        self.allocator.free(req.pages)
+        req.pages = np.zeros(0, dtype=np.int64)
+
+    def get(self, rid: str) -> Req | None:
+        return self._live.get(rid)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def stats(self) -> dict[str, int]:
+        decoding = sum(1 for r in self.running if r.prefill_done)
+        return {
+            "num_running": len(self.running),
+            "num_prefilling": len(self.running) - decoding,
+            "num_decoding": decoding,
+            "num_waiting": len(self.waiting),
+            "num_reserved": len(self.reserved),
+            "num_held": len(self.held),
+            "free_pages": self.allocator.num_free,
+            "used_pages": self.allocator.num_used,
+            "total_pages": self.allocator.num_pages,
+            "page_size": self.page_size,
+        }

@@ -1,0 +1,40 @@
+import torch
+
+from kvpipe.cache.kv_pool import KVPool
+
+
+def test_write_then_gather_roundtrip_across_pages():
+    pool = KVPool(num_layers=2, num_pages=6, page_size=4, kv_heads=2, head_dim=3)
+    table = torch.tensor([5, 1, 3])  # a non-contiguous page table
+    n = 10
+    pos = torch.arange(n)
+    k = torch.randn(n, 2, 3)
+    v = torch.randn(n, 2, 3)
+    pool.write(1, table[pos // 4], pos % 4, k, v)
+    gk, gv = pool.gather(1, table, n)
+    assert gk.shape == (2, n, 3)
+    assert torch.equal(gk, k.transpose(0, 1)) and torch.equal(gv, v.transpose(0, 1))
+    # layer 0 untouched, pages not in the table untouched
+    assert pool.k[0].abs().sum() == 0
+    assert pool.k[1][[0, 2, 4]].abs().sum() == 0
+
+
+def test_layout_is_page_then_head_major():
+    pool = KVPool(1, 3, page_size=4, kv_heads=2, head_dim=5)
+    k = torch.arange(2 * 5, dtype=torch.float32).reshape(1, 2, 5)
+    pool.write(0, torch.tensor([2]), torch.tensor([3]), k, k + 100)
+    # [num_pages, kv_heads, page_size, head_dim]: head h of token 3 in page 2
+    assert torch.equal(pool.k[0][2, 1, 3], k[0, 1])
+    assert torch.equal(pool.v[0][2, 0, 3], k[0, 0] + 100)
+
+
+def test_buffer_infos_describe_raw_memory():
+    pool = KVPool(3, 4, page_size=8, kv_heads=2, head_dim=16, dtype=torch.float16)
+    infos = pool.buffer_infos()
+    assert [(i.layer, i.kind) for i in infos] == [(l, kv) for l in range(3) for kv in ("k", "v")]
+    page = 2 * 8 * 16 * 2
+    assert all(i.page_nbytes == page and i.head_nbytes == 8 * 16 * 2 and i.nbytes == 4 * page for i in infos)
+    assert infos[0].addr == pool.k[0].data_ptr() and infos[1].addr == pool.v[0].data_ptr()
+    assert pool.nbytes == 6 * 4 * page
+    # one page is contiguous: byte offset of page p = p * page_nbytes
+    assert pool.k[2][3].data_ptr() - pool.k[2].data_ptr() == 3 * page

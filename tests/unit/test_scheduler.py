@@ -1,0 +1,248 @@
+import random
+
+import numpy as np
+import pytest
+
+from kvpipe.cache.page_allocator import PageAllocator
+from kvpipe.config import SchedulerConfig
+from kvpipe.engine.batch import ForwardMode
+from kvpipe.engine.request import FinishReason, Req, ReqStatus, SamplingParams
+from kvpipe.engine.scheduler import Scheduler, SchedulerHooks
+
+
+def make(num_pages=64, page_size=4, ctx=4096, hooks=SchedulerHooks(), hold=False, **cfg):
+    return Scheduler(SchedulerConfig(**cfg), PageAllocator(num_pages), page_size, ctx, hooks, hold)
+
+
+def req(rid, n, max_new=4):
+    return Req(rid, list(range(1, n + 1)), SamplingParams(max_new_tokens=max_new))
+
+
+def step(s: Scheduler):
+    """One engine step with a fake model: token = seq_len; finish at max_new_tokens."""
+    b = s.schedule()
+    if b is None:
+        return None
+    check_pages(s, b)
+    toks = [r.seq_len if b.completes_prefill(i) else None for i, r in enumerate(b.reqs)]
+    s.commit(b, toks, [0.0 if t is not None else None for t in toks])
+    for r, t in zip(b.reqs, toks):
+        if t is not None and len(r.output_ids) >= r.params.max_new_tokens:
+            s.finish(r, FinishReason.LENGTH)
+    return b
+
+
+def check_pages(s: Scheduler, b):
+    """Every row has pages for exactly the tokens it holds after this step; no page shared."""
+    for r, pre, n in zip(b.reqs, b.prefix_lens, b.extend_lens):
+        assert len(r.pages) == -(-(pre + n) // s.page_size)
+    live = [r.pages for r in s.running] + [r.pages for r in s.reserved.values()] + [r.pages for r in s.held.values()]
+    allp = np.concatenate(live) if live else np.zeros(0)
+    assert np.unique(allp).size == allp.size
+    assert allp.size == s.allocator.num_used
+    s.allocator.check_owned(allp.astype(np.int64))
+
+
+def drain(s: Scheduler, limit=10_000):
+    batches = []
+    for _ in range(limit):
+        b = step(s)
+        if b is None:
+            return batches
+        batches.append(b)
+    raise AssertionError("scheduler did not drain")
+
+
+def test_single_request_prefill_then_decode():
+    s = make(page_size=4)
+    r = req("a", 10, max_new=5)
+    assert s.add(r)
+    bs = drain(s)
+    assert [b.mode for b in bs] == [ForwardMode.PREFILL] + [ForwardMode.DECODE] * 4
+    assert bs[0].extend_lens == [10] and bs[0].prefix_lens == [0]
+    assert [b.prefix_lens[0] for b in bs[1:]] == [10, 11, 12, 13]
+    assert r.output_ids == [10, 11, 12, 13, 14]
+    assert r.finish_reason is FinishReason.LENGTH and r.status is ReqStatus.FINISHED
+    assert s.allocator.num_free == 64 and r.pages.size == 0
+
+
+@pytest.mark.parametrize("chunk", [7, 33, 64, 100])
+def test_chunked_prefill_spans_steps(chunk):
+    s = make(page_size=16, chunked_prefill_size=chunk, max_prefill_tokens=10_000)
+    r = req("a", 150, max_new=2)
+    s.add(r)
+    bs = drain(s)
+    pre = [b for b in bs if b.mode is ForwardMode.PREFILL]
+    sizes = [b.extend_lens[0] for b in pre]
+    assert sum(sizes) == 150 and all(n <= chunk for n in sizes)
+    assert [b.prefix_lens[0] for b in pre] == list(np.cumsum([0] + sizes[:-1]))
+    assert [b.completes_prefill(0) for b in pre] == [False] * (len(pre) - 1) + [True]
+    assert r.output_ids == [150, 151]
+    assert s.allocator.num_free == 64
+
+
+def test_prefill_budget_and_fifo():
+    s = make(chunked_prefill_size=0, max_prefill_tokens=25)
+    for i in range(5):
+        s.add(req(f"r{i}", 10))
+    b = s.schedule()
+    # whole prompts only: two fit the budget of 25, the third waits (FIFO)
+    assert [r.rid for r in b.reqs] == ["r0", "r1"]
+    assert [r.rid for r in s.waiting] == ["r2", "r3", "r4"]
+
+
+def test_prompt_longer_than_budget_runs_alone_without_chunking():
+    s = make(num_pages=200, chunked_prefill_size=0, max_prefill_tokens=8)
+    s.add(req("big", 30))
+    s.add(req("small", 3))
+    b = s.schedule()
+    assert [r.rid for r in b.reqs] == ["big"] and b.extend_lens == [30]
+
+
+def test_chunking_fills_budget_with_partial_last_row():
+    s = make(num_pages=200, chunked_prefill_size=16, max_prefill_tokens=1000)
+    s.add(req("a", 10))
+    s.add(req("b", 10))
+    b = s.schedule()
+    assert [r.rid for r in b.reqs] == ["a", "b"] and b.extend_lens == [10, 6]
+    s.commit(b, [1, None], [0.0, None])
+    b2 = s.schedule()  # a is decoding now and the last step was a prefill: decode first
+    assert b2.mode is ForwardMode.DECODE and [r.rid for r in b2.reqs] == ["a"]
+    s.commit(b2, [2], [0.0])
+    b3 = s.schedule()
+    assert [r.rid for r in b3.reqs] == ["b"] and (b3.prefix_lens, b3.extend_lens) == ([6], [4])
+
+
+def test_prefill_and_decode_alternate():
+    s = make(num_pages=200, chunked_prefill_size=5, max_prefill_tokens=5)
+    s.add(req("a", 3, max_new=50))
+    step(s)
+    s.add(req("b", 20, max_new=2))
+    modes = [step(s).mode for _ in range(8)]
+    P, D = ForwardMode.PREFILL, ForwardMode.DECODE
+    assert modes == [D, P, D, P, D, P, D, P]
+
+
+def test_exhaustion_queues_then_runs():
+    # each request needs ceil((8 + 8 - 1) / 4) = 4 pages; 10 pages fit two at a time
+    s = make(num_pages=10, page_size=4)
+    reqs = [req(f"r{i}", 8, max_new=8) for i in range(6)]
+    for r in reqs:
+        s.add(r)
+    step(s)
+    assert len(s.running) == 2 and len(s.waiting) == 4
+    drain(s)
+    assert all(r.finish_reason is FinishReason.LENGTH and len(r.output_ids) == 8 for r in reqs)
+    assert s.allocator.num_free == 10
+
+
+def test_never_fits_is_aborted_with_message():
+    s = make(num_pages=4, page_size=4, ctx=64)
+    too_big = req("big", 14, max_new=8)  # 21 KV tokens -> 6 pages > 4
+    assert not s.add(too_big)
+    assert too_big.finish_reason is FinishReason.ABORT and "KV cache" in too_big.finish_detail
+    too_long = req("long", 60, max_new=8)
+    assert not s.add(too_long)
+    assert "context length" in too_long.finish_detail
+    empty = Req("e", [], SamplingParams())
+    assert not s.add(empty) and "empty" in empty.finish_detail
+    assert not s.has_work() and s.allocator.num_free == 4
+
+
+def test_abort_waiting_and_running_frees_once():
+    s = make(num_pages=6, page_size=4)  # each needs ceil((8 + 8 - 1) / 4) = 4 pages
+    a, b = req("a", 8, max_new=8), req("b", 8, max_new=8)
+    s.add(a)
+    s.add(b)
+    step(s)
+    assert a.status is ReqStatus.RUNNING and b.status is ReqStatus.WAITING
+    assert s.abort("b") is b and b.finish_reason is FinishReason.ABORT
+    assert s.abort("a", "client gone") is a and a.finish_detail == "client gone"
+    assert s.abort("a") is None and s.abort("nope") is None
+    s.finish(a, FinishReason.ABORT)  # idempotent: no double free
+    assert s.allocator.num_free == 6 and not s.has_work()
+
+
+def test_duplicate_rid_rejected():
+    s = make()
+    s.add(req("a", 3))
+    with pytest.raises(ValueError):
+        s.add(req("a", 3))
+
+
+def test_hooks_cover_prompt_in_order():
+    chunks, done = [], []
+    hooks = SchedulerHooks(lambda r, a, b: chunks.append((r.rid, a, b)),
+                           lambda r: done.append((r.rid, list(r.output_ids))))
+    s = make(num_pages=100, hooks=hooks, chunked_prefill_size=7, max_prefill_tokens=7)
+    s.add(req("a", 20, max_new=3))
+    drain(s)
+    assert chunks == [("a", 0, 7), ("a", 7, 14), ("a", 14, 20)]
+    assert done == [("a", [20])]
+
+
+def test_held_pages_until_release():
+    s = make(num_pages=16, hold=True)
+    r = req("a", 10, max_new=1)
+    s.add(r)
+    drain(s)
+    assert r.finished and s.allocator.num_free == 13 and "a" in s.held
+    assert s.stats()["num_held"] == 1
+    assert s.release("a") and not s.release("a")
+    assert s.allocator.num_free == 16 and r.pages.size == 0
+
+
+def test_reserved_request_goes_straight_to_decode():
+    s = make(num_pages=16, page_size=4)
+    r = req("pd", 10, max_new=3)
+    assert s.reserve(r) and r.pages.tolist() == [0, 1, 2]
+    assert s.schedule() is None  # KV still arriving: nothing to run
+    r.output_ids.append(77)
+    s.add_prefilled(r)
+    b = step(s)
+    assert b.mode is ForwardMode.DECODE and b.prefix_lens == [10] and b.spec(4).token_ids == ([77],)
+    drain(s)
+    assert r.output_ids == [77, 11, 12] and s.allocator.num_free == 16
+
+
+def test_reserve_abort_frees():
+    s = make(num_pages=16, page_size=4)
+    r = req("pd", 10, max_new=3)
+    assert s.reserve(r)
+    s.abort("pd")
+    assert s.allocator.num_free == 16
+
+
+def test_spec_tokens_and_page_tables():
+    s = make(num_pages=32, page_size=4, chunked_prefill_size=6, max_prefill_tokens=6)
+    r = req("a", 9, max_new=3)
+    s.add(r)
+    b = s.schedule()
+    spec = b.spec(4)
+    assert spec.token_ids == ([1, 2, 3, 4, 5, 6],) and spec.prefix_lens == (0,)
+    assert spec.page_tables[0].tolist() == [0, 1] and spec.want_logits == (False,)
+
+
+def test_200_mixed_requests_with_aborts_return_all_pages():
+    rnd = random.Random(0)
+    s = make(num_pages=40, page_size=4, chunked_prefill_size=rnd.choice([5, 16]), max_prefill_tokens=24,
+             max_running_requests=8)
+    reqs, nxt = [], 0
+    for it in range(5000):
+        if nxt < 200 and rnd.random() < 0.5:
+            r = req(f"r{nxt}", rnd.randint(1, 40), max_new=rnd.randint(1, 20))
+            nxt += 1
+            s.add(r)
+            reqs.append(r)
+        if reqs and rnd.random() < 0.15:
+            s.abort(rnd.choice(reqs).rid)
+        step(s)
+        assert s.allocator.num_used == sum(len(r.pages) for r in s.running) + sum(
+            len(r.pages) for r in s.reserved.values())
+        if nxt == 200 and not s.has_work():
+            break
+    assert nxt == 200 and not s.has_work()
+    assert all(r.finished for r in reqs)
+    assert any(r.finish_reason is FinishReason.ABORT for r in reqs)
+    assert any(r.finish_reason is FinishReason.LENGTH for r in reqs)
+    assert s.allocator.num_free == 40
