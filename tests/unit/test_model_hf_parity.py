@@ -1,0 +1,156 @@
+"""Logits and greedy generations of kvpipe's CausalLM against HF transformers, fp32."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from kvpipe.model.forward_batch import ForwardBatch  # noqa: E402
+from kvpipe.model.loader import load_model  # noqa: E402
+from model_utils import all_logits, greedy_generate, incremental_logits, make_pool  # noqa: E402
+
+ATOL = 1e-4
+VOCAB = 160
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 32}
+CASES = {
+    # GQA, untied, llama3 frequency scaling (wavelengths on both sides of the smoothing band)
+    "llama_gqa_llama3": ("llama", dict(num_key_value_heads=2, rope_scaling=LLAMA3_SCALING, rope_theta=500.0)),
+    # MHA, tied embeddings, linear position interpolation
+    "llama_mha_tied_linear": ("llama", dict(num_key_value_heads=4, tie_word_embeddings=True,
+                                            rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "qwen2_gqa_tied_bias": ("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen3_gqa_qknorm": ("qwen3", dict(num_key_value_heads=1, head_dim=24, tie_word_embeddings=False)),
+}
+
+
+def hf_model(family: str, seed: int = 0, **overrides):
+    cls_cfg, cls_model = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[family]
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+              num_attention_heads=4, max_position_embeddings=256, initializer_range=0.1,
+              bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    model = cls_model(cls_cfg(**kw)).eval()
+    if family == "qwen2":  # HF zero-inits biases; random ones make the bias path observable
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0, 0.5)
+    return model
+
+
+def save(model, path: Path, **kw) -> Path:
+    model.save_pretrained(path, safe_serialization=True, **kw)
+    return path
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request, tmp_path_factory):
+    family, overrides = CASES[request.param]
+    hf = hf_model(family, **overrides)
+    return hf, load_model(save(hf, tmp_path_factory.mktemp(request.param)))
+
+
+def prompt_ids(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@torch.no_grad()
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    return hf(torch.tensor([ids])).logits[0].float()
+
+
+def test_full_prompt_logits_match_hf(case):
+    hf, ours = case
+    ids = prompt_ids(37)
+    batch = all_logits(ForwardBatch.build([ids], [0], [torch.arange(10)], 4))
+    got = ours(batch, make_pool(ours, 10, 4))
+    assert got.dtype == torch.float32 and got.shape == (37, VOCAB)
+    torch.testing.assert_close(got, hf_logits(hf, ids), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("chunk", [None, 5])
+def test_paged_decode_matches_hf(case, chunk):
+    hf, ours = case
+    ids = prompt_ids(30, seed=2)
+    # prompt of 13 tokens over pages of 4 (13 % 4 != 0), then 17 single-token decode steps
+    got = incremental_logits(ours, ids, prompt_len=13, page_size=4, chunk=chunk)
+    torch.testing.assert_close(got, hf_logits(hf, ids), atol=ATOL, rtol=0)
+
+
+def test_packed_batch_of_sequences_matches_hf(case):
+    """Two sequences in one forward: a decode step of one next to a prefill of the other."""
+    hf, ours = case
+    a, b = prompt_ids(11, seed=3), prompt_ids(7, seed=4)
+    pool = make_pool(ours, 12, 3)
+    ta, tb = torch.tensor([5, 2, 9, 0]), torch.tensor([7, 1, 11])
+    ours(ForwardBatch.build([a[:10]], [0], [ta], 3), pool)
+    batch = ForwardBatch.build([a[10:], b], [10, 0], [ta, tb], 3)
+    got = ours(all_logits(batch), pool)
+    torch.testing.assert_close(got[:1], hf_logits(hf, a)[10:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(got[1:], hf_logits(hf, b), atol=ATOL, rtol=0)
+
+
+def test_layer_groups_equal_full_forward(case):
+    _, ours = case
+    ids = prompt_ids(9, seed=5)
+    batch = ForwardBatch.build([ids], [0], [torch.arange(3)], 4)
+    pool_a, pool_b = make_pool(ours, 3, 4), make_pool(ours, 3, 4)
+    full = ours(batch, pool_a)
+    h = ours.embed(batch)
+    for start, end in [(0, 1), (1, 1), (1, 3)]:
+        h = ours.forward_layers(h, batch, pool_b, start, end)
+    assert torch.equal(ours.compute_logits(h, batch), full)
+    for layer in range(ours.num_layers):
+        assert torch.equal(pool_a.k[layer], pool_b.k[layer]) and torch.equal(pool_a.v[layer], pool_b.v[layer])
+    with pytest.raises(ValueError):
+        ours.forward_layers(h, batch, pool_b, 2, 4)
+
+
+def test_greedy_generation_matches_hf_generate(case):
+    hf, ours = case
+    prompt = prompt_ids(10, seed=6)
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)[0, len(prompt):].tolist()
+    assert len(want) == 32
+    assert greedy_generate(ours, prompt, 32, page_size=4) == want
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    hf = hf_model("qwen3", num_key_value_heads=2)
+    path = save(hf, tmp_path / "sharded", max_shard_size="40KB")
+    assert (path / "model.safetensors.index.json").is_file()
+    assert len(list(path.glob("model-*.safetensors"))) > 2
+    ours = load_model(path)
+    ids = prompt_ids(12, seed=7)
+    got = ours(all_logits(ForwardBatch.build([ids], [0], [torch.arange(3)], 4)), make_pool(ours, 3, 4))
+    torch.testing.assert_close(got, hf_logits(hf, ids), atol=ATOL, rtol=0)
+
+
+def test_tiny_preset_matches_hf(tiny_model_dir):
+    hf = transformers.LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    ours = load_model(tiny_model_dir)
+    ids = [ours.cfg.bos_token_id or 0, *prompt_ids(20, seed=8)]
+    got = incremental_logits(ours, ids, prompt_len=9, page_size=4)
+    torch.testing.assert_close(got, hf_logits(hf, ids), atol=ATOL, rtol=0)
+
+
+def test_bf16_load_keeps_rope_in_fp32(tiny_model_dir):
+    ours = load_model(tiny_model_dir, dtype="bfloat16")
+    assert ours.embed_tokens.dtype == torch.bfloat16 and ours.inv_freq.dtype == torch.float32
+    ids = prompt_ids(6, seed=9)
+    ref = load_model(tiny_model_dir)
+    batch = ForwardBatch.build([ids], [0], [torch.arange(2)], 4)
+    got = ours(batch, make_pool(ours, 2, 4))
+    assert got.dtype == torch.float32
+    want = ref(batch, make_pool(ref, 2, 4))
+    assert (got - want).abs().max() < 0.1 * want.abs().max()  # same model, bf16 rounding only
