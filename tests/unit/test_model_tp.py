@@ -1,0 +1,76 @@
+"""Tensor parallelism: tp=2 and tp=4 (more ranks than KV heads) give the logits of tp=1, and each
+rank's KV pool holds exactly its slice of the KV heads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+transformers = pytest.importorskip("transformers")
+
+from kvpipe.config import ConfigError, ParallelConfig  # noqa: E402
+from kvpipe.model.loader import load_model  # noqa: E402
+from model_utils import incremental_logits, make_pool  # noqa: E402
+from test_model_hf_parity import hf_model, save  # noqa: E402
+
+PAGE = 4
+IDS = list(range(3, 23))  # 20 tokens: 13 prompt (prefilled in chunks of 5) + 7 decode steps
+TABLE = torch.tensor([4, 0, 5, 2, 1])
+
+
+def _run(model_dir: Path, parallel: ParallelConfig) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    model = load_model(model_dir, parallel)
+    pool = make_pool(model, 6, PAGE)
+    logits = incremental_logits(model, IDS, prompt_len=13, page_size=PAGE, chunk=5, page_table=TABLE, pool=pool)
+    return logits, [torch.stack([pool.k[i], pool.v[i]]) for i in range(model.num_layers)]
+
+
+def _worker(rank: int, world: int, init_file: str, dirs: dict[str, str], out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", world_size=world, rank=rank)
+    try:
+        for name, d in dirs.items():
+            logits, kv = _run(Path(d), ParallelConfig(world, rank))
+            torch.save({"logits": logits, "kv": kv}, Path(out) / f"{name}-{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tp_models")
+    return {
+        "tiny_llama": str(tiny_model_dir),  # 4 heads, 2 KV heads
+        "qwen2_bias": str(save(hf_model("qwen2", num_key_value_heads=2), root / "qwen2")),
+        "qwen3_1kv": str(save(hf_model("qwen3", num_key_value_heads=1, head_dim=24), root / "qwen3")),
+    }
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 4])
+def test_tp_matches_tp1(world, model_dirs, tmp_path):
+    mp.spawn(_worker, args=(world, str(tmp_path / "rendezvous"), model_dirs, str(tmp_path)),
+             nprocs=world, join=True)
+    for name, d in model_dirs.items():
+        want_logits, want_kv = _run(Path(d), ParallelConfig())
+        num_kv = load_model(d).cfg.num_kv_heads
+        for rank in range(world):
+            got = torch.load(tmp_path / f"{name}-{rank}.pt")
+            torch.testing.assert_close(got["logits"], want_logits, atol=1e-5, rtol=0, msg=f"{name} rank {rank}")
+            par = ParallelConfig(world, rank)
+            h0, n = par.kv_head_start(num_kv), par.local_kv_heads(num_kv)
+            for layer, (g, w) in enumerate(zip(got["kv"], want_kv)):
+                # [2, pages, heads, page, dim]: this rank's heads only
+                assert g.shape[2] == n
+                torch.testing.assert_close(g, w[:, :, h0:h0 + n], atol=1e-5, rtol=0, msg=f"{name} L{layer} r{rank}")
+
+
+def test_tp_rejects_indivisible_split(tiny_model_dir):
+    with pytest.raises(ConfigError, match="tp_size=3"):
+        load_model(tiny_model_dir, ParallelConfig(3, 0))
+    with pytest.raises(ConfigError, match="tp_rank"):
+        load_model(tiny_model_dir, ParallelConfig(2, 2))
