@@ -1,0 +1,75 @@
+"""Presets: real HF checkpoints, byte-identical per seed, cached once, not degenerate."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from kvpipe.config import ConfigError, ModelConfig
+from kvpipe.model.loader import load_generation_eos, load_model
+from kvpipe.model.presets import PRESETS, default_model_dir, write_preset
+from kvpipe.model.tokenizer import Tokenizer
+from model_utils import greedy_generate
+
+FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
+def digests(path: Path) -> dict[str, str]:
+    return {f: hashlib.sha256((path / f).read_bytes()).hexdigest() for f in FILES}
+
+
+def test_tiny_is_byte_identical_across_writes(tiny_model_dir, tmp_path):
+    again = write_preset("tiny", tmp_path / "again")
+    assert digests(again) == digests(tiny_model_dir)
+    other = write_preset("tiny", tmp_path / "seed1", seed=1)
+    d0, d1 = digests(tiny_model_dir), digests(other)
+    assert d0["model.safetensors"] != d1["model.safetensors"]
+    assert {k: v for k, v in d0.items() if k != "model.safetensors"} == \
+        {k: v for k, v in d1.items() if k != "model.safetensors"}
+
+
+def test_tiny_config_shape(tiny_model_dir):
+    cfg = ModelConfig.from_dir(tiny_model_dir)
+    spec = PRESETS["tiny"]
+    assert (cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == \
+        ("llama", spec.num_layers, 128, 4, 2, 32)
+    assert cfg.max_position_embeddings == 8192
+    tok = Tokenizer.from_dir(tiny_model_dir)
+    assert cfg.vocab_size == tok.vocab_size and cfg.bos_token_id == tok.bos_token_id
+    assert load_generation_eos(tiny_model_dir) == (tok.token_to_id("<|eos|>"), tok.token_to_id("<|im_end|>"))
+
+
+def test_bench_spec_is_realistic():
+    b = PRESETS["bench"]
+    assert (b.num_layers, b.hidden_size, b.num_heads) == (12, 768, 12)
+    assert b.num_heads % b.num_kv_heads == 0 and b.num_heads // b.num_kv_heads <= 4
+
+
+def test_greedy_generation_is_not_constant(tiny_model_dir):
+    model, tok = load_model(tiny_model_dir), Tokenizer.from_dir(tiny_model_dir)
+    for prompt in ("the cat and the dog", "hello world"):
+        out = greedy_generate(model, tok.encode(prompt), 32, page_size=8)
+        assert len(set(out)) >= 4, out
+
+
+def test_unknown_preset(tmp_path):
+    with pytest.raises(ConfigError, match="unknown preset"):
+        write_preset("huge", tmp_path)
+
+
+def test_default_model_dir_writes_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVPIPE_CACHE_DIR", str(tmp_path))
+    first = default_model_dir("tiny")
+    assert first == tmp_path / "tiny"
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    assert default_model_dir("tiny") == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == ["tiny"]  # no temporary leftovers
+    # a stale format version is rewritten
+    marker = first / "kvpipe_preset.json"
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "version": -1}))
+    assert default_model_dir("tiny") == first
+    assert json.loads(marker.read_text())["version"] != -1
