@@ -1,0 +1,148 @@
+"""Transfer backend interface: one-sided batched writes into a peer's registered memory.
+
+Lifecycle: the receiving side registers its KV buffers once in its own backend (`register`)
+and tells each sender once (RegisterPeer: its `address` and the buffer addresses). A sender
+then writes with `submit(peer_address, ...)`; it registers nothing per request or per peer.
+A write to memory the peer has not registered fails the batch.
+
+A batch is terminal (DONE or FAILED) only when none of its writes can still land, so the
+receiver may reuse pages as soon as the sender reports the outcome.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import random
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class TransferError(RuntimeError):
+    """A backend could not start, register memory or reach a peer."""
+
+
+class BatchState(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class BatchHandle:
+    """One submitted batch. The backend updates it; callers read `state` / `error`."""
+
+    def __init__(self, batch_id: int, peer: str, num_ops: int, nbytes: int) -> None:
+        self.batch_id = batch_id
+        self.peer = peer
+        self.num_ops = num_ops
+        self.nbytes = nbytes
+        self.submitted_at = time.monotonic()
+        self.finished_at: float | None = None
+        self._state = BatchState.PENDING
+        self._error: str | None = None
+
+    @property
+    def state(self) -> BatchState:
+        return self._state
+
+    @property
+    def error(self) -> str | None:
+        return self._error
+
+    def _finish(self, state: BatchState, error: str | None = None) -> None:
+        if self._state is BatchState.PENDING:  # terminal states never change again
+            self._state, self._error, self.finished_at = state, error, time.monotonic()
+
+    def __repr__(self) -> str:
+        return f"BatchHandle(id={self.batch_id}, peer={self.peer!r}, ops={self.num_ops}, {self._state.value})"
+
+
+@dataclass(frozen=True)
+class FailureInjection:
+    """Test knob: fail each batch with probability `prob` (seeded, reproducible).
+
+    A failed batch really writes a random prefix of its ops first, like a link that dies midway.
+    """
+
+    prob: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.prob <= 1.0:
+            raise ValueError(f"failure probability must be in [0, 1], got {self.prob}")
+
+
+class _Injector:
+    def __init__(self, cfg: FailureInjection | None) -> None:
+        self.prob = cfg.prob if cfg else 0.0
+        self._rng = random.Random(cfg.seed if cfg else 0)
+
+    def ops_before_failure(self, num_ops: int) -> int | None:
+        """None: the batch runs normally; else fail it after this many ops were written."""
+        if self.prob <= 0.0 or self._rng.random() >= self.prob:
+            return None
+        return self._rng.randrange(num_ops + 1)
+
+
+def as_op_arrays(src_addrs, dst_addrs, lengths) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    s, d, n = (np.asarray(x, dtype=np.int64).ravel() for x in (src_addrs, dst_addrs, lengths))
+    if not s.shape == d.shape == n.shape:
+        raise ValueError(f"op arrays differ in length: {s.size}, {d.size}, {n.size}")
+    if n.size and (n.min() <= 0 or s.min() <= 0 or d.min() <= 0):
+        raise ValueError("op lengths and addresses must be positive")
+    return s, d, n
+
+
+class TransferBackend(abc.ABC):
+    name: str = "base"
+
+    @property
+    @abc.abstractmethod
+    def address(self) -> str:
+        """What peers pass as `peer` to write into this backend's registered memory."""
+
+    @abc.abstractmethod
+    def register(self, addr: int, nbytes: int) -> None:
+        """Expose [addr, addr + nbytes) to peers' writes (and as a write source)."""
+
+    def register_many(self, addrs: list[int], sizes: list[int]) -> None:
+        for a, n in zip(addrs, sizes, strict=True):
+            self.register(a, n)
+
+    @abc.abstractmethod
+    def unregister(self, addr: int) -> None: ...
+
+    @abc.abstractmethod
+    def submit(self, peer: str, src_addrs, dst_addrs, lengths) -> BatchHandle:
+        """Start writing local [src, src+len) to the peer's [dst, dst+len) for every op."""
+
+    @abc.abstractmethod
+    def poll(self, handle: BatchHandle) -> BatchState:
+        """Make progress without blocking; the batch's current state."""
+
+    @abc.abstractmethod
+    def cancel(self, handle: BatchHandle, reason: str = "cancelled") -> None:
+        """Stop issuing the batch's remaining ops; it turns FAILED once nothing is in flight."""
+
+    def wait(self, handle: BatchHandle, deadline: float | None = None,
+             poll_interval_s: float = 100e-6) -> BatchState:
+        """Poll until terminal or `deadline` (time.monotonic()); PENDING means the deadline passed.
+
+        Sleeps between polls: the engine's own blocking waits busy-spin a core (DESIGN.md §6).
+        """
+        while True:
+            state = self.poll(handle)
+            if state is not BatchState.PENDING or (deadline is not None and time.monotonic() >= deadline):
+                return state
+            time.sleep(poll_interval_s)
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self) -> "TransferBackend":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

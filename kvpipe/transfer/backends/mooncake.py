@@ -1,0 +1,189 @@
+"""Mooncake Transfer Engine backend: non-blocking one-sided writes with a bounded window.
+
+Facts this is built on (DESIGN.md §6, checked against mooncake-transfer-engine 0.3.13):
+- `transfer_submit_write` queues one op and returns a batch id (0 or -1 on failure);
+  `transfer_check_status(id)` returns 1 done, 0 pending, -1 failed (both free the id), -2 timed out.
+  The blocking calls busy-spin a core, so we poll with a short sleep instead.
+- More than ~2,048 ops in flight to one peer get "queue-full" rejections, after which the peer's
+  remaining ops never finish and new ones fail until the engine is recreated. So: at most
+  `window` ops in flight per peer; a failed op fails its batch, which stops issuing ops and
+  drains the ones in flight; if they do not drain within `drain_timeout_s` (or nothing
+  completes for `stall_timeout_s`), the engine is recreated. Recreation fails every batch still
+  in flight, re-registers local memory and gives the backend a new `address` (port): only a
+  sender ever needs it, and peers of a receiver never see its address change otherwise.
+- A write outside the peer's registered memory fails with -1 and the engine stays usable.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+
+import numpy as np
+
+from kvpipe.transfer.backends.base import (BatchHandle, BatchState, FailureInjection, TransferBackend,
+                                           TransferError, _Injector, as_op_arrays)
+
+_BAD_BATCH_IDS = (0, -1, (1 << 64) - 1)  # how a failed submit comes back through pybind
+
+
+class _Batch:
+    def __init__(self, handle: BatchHandle, s: np.ndarray, d: np.ndarray, n: np.ndarray, fail_at: int | None):
+        self.handle = handle
+        self.src, self.dst, self.len = s.tolist(), d.tolist(), n.tolist()
+        self.cursor = 0  # next op to issue
+        self.limit = len(self.len) if fail_at is None else fail_at  # ops that may be issued
+        self.injected = fail_at is not None
+        self.inflight: list[int] = []  # engine batch ids
+        self.failure: str | None = None  # set once: stop issuing, drain, then FAILED
+        self.last_progress = time.monotonic()
+
+    def fail(self, reason: str) -> None:
+        if self.failure is None:
+            self.failure = reason
+            self.limit = self.cursor
+
+
+class MooncakeBackend(TransferBackend):
+    name = "mooncake"
+
+    def __init__(self, hostname: str = "127.0.0.1", protocol: str = "tcp", device: str = "", *,
+                 window: int = 256, drain_timeout_s: float = 2.0, stall_timeout_s: float = 30.0,
+                 inject: FailureInjection | None = None) -> None:
+        if not 0 < window <= 1024:
+            raise ValueError(f"window must be in (0, 1024] ops per peer, got {window}")
+        self.hostname, self.protocol, self.device = hostname, protocol, device
+        self.window = window
+        self.drain_timeout_s = drain_timeout_s
+        self.stall_timeout_s = stall_timeout_s
+        self.generation = 0  # bumped on every engine recreation
+        self._injector = _Injector(inject)
+        self._regions: dict[int, int] = {}  # addr -> nbytes, re-registered on recreation
+        self._queues: dict[str, collections.deque[_Batch]] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.RLock()
+        self._engine = self._new_engine()
+
+    def _new_engine(self):
+        from mooncake.engine import TransferEngine  # lazy: optional dependency
+
+        engine = TransferEngine()
+        rc = engine.initialize(self.hostname, "P2PHANDSHAKE", self.protocol, self.device)
+        if rc != 0:
+            raise TransferError(f"Mooncake initialize({self.hostname!r}, P2PHANDSHAKE, {self.protocol!r}, "
+                                f"{self.device!r}) returned {rc}")
+        if self._regions:
+            addrs = list(self._regions)
+            rc = engine.batch_register_memory(addrs, [self._regions[a] for a in addrs])
+            if rc != 0:
+                raise TransferError(f"re-registering {len(addrs)} buffers returned {rc}")
+        self._address = f"{self.hostname}:{engine.get_rpc_port()}"
+        return engine
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def register(self, addr: int, nbytes: int) -> None:
+        self.register_many([addr], [nbytes])
+
+    def register_many(self, addrs: list[int], sizes: list[int]) -> None:
+        if len(addrs) != len(sizes) or any(a <= 0 or n <= 0 for a, n in zip(addrs, sizes)):
+            raise TransferError(f"bad registration: addrs {addrs}, sizes {sizes}")
+        with self._lock:
+            rc = self._engine.batch_register_memory(list(addrs), list(sizes))
+            if rc != 0:
+                raise TransferError(f"Mooncake batch_register_memory of {len(addrs)} buffers returned {rc}")
+            self._regions.update(zip(addrs, sizes))
+
+    def unregister(self, addr: int) -> None:
+        with self._lock:
+            if self._regions.pop(addr, None) is None:
+                raise TransferError(f"address {addr:#x} was not registered")
+            self._engine.unregister_memory(addr)
+
+    def submit(self, peer: str, src_addrs, dst_addrs, lengths) -> BatchHandle:
+        s, d, n = as_op_arrays(src_addrs, dst_addrs, lengths)
+        with self._lock:
+            if self._engine is None:
+                raise TransferError("backend is closed")
+            handle = BatchHandle(next(self._ids), peer, int(n.size), int(n.sum()))
+            batch = _Batch(handle, s, d, n, self._injector.ops_before_failure(int(n.size)))
+            self._queues.setdefault(peer, collections.deque()).append(batch)
+            self._progress()
+        return handle
+
+    def poll(self, handle: BatchHandle) -> BatchState:
+        if handle.state is BatchState.PENDING:
+            with self._lock:
+                self._progress()
+        return handle.state
+
+    def cancel(self, handle: BatchHandle, reason: str = "cancelled") -> None:
+        with self._lock:
+            for batch in self._queues.get(handle.peer, ()):
+                if batch.handle is handle:
+                    batch.fail(reason)
+            self._progress()
+
+    def _progress(self) -> None:
+        """Reap finished ops, issue new ones up to the window, finish batches. Never blocks."""
+        engine, now, broken = self._engine, time.monotonic(), None
+        for peer, queue in list(self._queues.items()):
+            inflight = 0
+            for b in queue:
+                still = []
+                for bid in b.inflight:
+                    rc = engine.transfer_check_status(bid)
+                    if rc == 0:
+                        still.append(bid)
+                        continue
+                    b.last_progress = now
+                    if rc < 0:
+                        b.fail(f"transfer to {peer} failed (status {rc})")
+                b.inflight = still
+                inflight += len(still)
+            for b in queue:  # FIFO: earlier batches get the window first
+                while b.cursor < b.limit and inflight < self.window:
+                    i = b.cursor
+                    if not b.inflight:  # the stall clock starts when the batch gets the wire
+                        b.last_progress = now
+                    bid = engine.transfer_submit_write(peer, b.src[i], b.dst[i], b.len[i])
+                    if bid in _BAD_BATCH_IDS:
+                        b.fail(f"submitting op {i} to {peer} failed (peer unreachable?)")
+                        break
+                    b.cursor += 1
+                    b.inflight.append(bid)
+                    inflight += 1
+                if b.injected and b.failure is None and b.cursor == b.limit:
+                    b.fail(f"injected failure after {b.limit} of {b.handle.num_ops} ops")
+                timeout = self.drain_timeout_s if b.failure else self.stall_timeout_s
+                if b.inflight and now - b.last_progress > timeout:
+                    broken = f"{len(b.inflight)} ops to {peer} stuck for {now - b.last_progress:.1f}s"
+            for b in [b for b in queue if not b.inflight and (b.failure or b.cursor == len(b.len))]:
+                queue.remove(b)
+                b.handle._finish(BatchState.FAILED if b.failure else BatchState.DONE, b.failure)
+            if not queue:
+                del self._queues[peer]
+        if broken is not None:
+            self._recreate(broken)
+
+    def _recreate(self, reason: str) -> None:
+        """Throw the engine away (its stuck ops die with it) and start a fresh one."""
+        for queue in self._queues.values():
+            for b in queue:
+                b.handle._finish(BatchState.FAILED, b.failure or f"engine recreated: {reason}")
+        self._queues.clear()
+        self._engine = None  # destroys the old engine and its connections
+        self._engine = self._new_engine()
+        self.generation += 1
+
+    def close(self) -> None:
+        with self._lock:
+            for queue in self._queues.values():
+                for b in queue:
+                    b.handle._finish(BatchState.FAILED, "backend closed")
+            self._queues.clear()
+            self._engine = None

@@ -1,0 +1,104 @@
+"""One rank's KV pool as the transfer layer sees it: raw buffers plus the shape that gives them meaning.
+
+Each buffer is one (layer, K/V) tensor of shape [num_pages, kv_heads, page_size, head_dim]
+(kvpipe/cache/kv_pool.py). Byte offsets inside a buffer:
+  page p, local head h  ->  p * page_nbytes + h * head_nbytes
+so one page is contiguous and so is any head range [h0, h1) of one page.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the pool pulls in torch; the layout itself is plain data
+    from kvpipe.cache.kv_pool import KVPool
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    num_layers: int
+    page_size: int  # tokens per page
+    kv_heads: int  # heads held by this rank
+    head_start: int  # global index of this rank's first KV head
+    total_kv_heads: int  # KV heads of the model (before TP)
+    head_dim: int
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
+    itemsize: int  # bytes per element
+    buffer_addrs: tuple[int, ...]  # 2 * num_layers base addresses: layer-major, K then V
+    buffer_nbytes: int  # bytes of each buffer (all buffers have the same shape)
+
+    def __post_init__(self) -> None:
+        if len(self.buffer_addrs) != 2 * self.num_layers:
+            raise ValueError(f"expected {2 * self.num_layers} buffer addresses, got {len(self.buffer_addrs)}")
+        for name in ("num_layers", "page_size", "kv_heads", "total_kv_heads", "head_dim", "itemsize"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.head_start < 0 or self.head_end > self.total_kv_heads:
+            raise ValueError(f"heads [{self.head_start}, {self.head_end}) outside [0, {self.total_kv_heads})")
+        if self.buffer_nbytes % self.page_nbytes:
+            raise ValueError(f"buffer of {self.buffer_nbytes} bytes is not a whole number of "
+                             f"{self.page_nbytes}-byte pages")
+
+    @property
+    def head_end(self) -> int:
+        return self.head_start + self.kv_heads
+
+    @property
+    def head_nbytes(self) -> int:
+        """Bytes of one head of one page: page_size * head_dim * itemsize."""
+        return self.page_size * self.head_dim * self.itemsize
+
+    @property
+    def page_nbytes(self) -> int:
+        return self.kv_heads * self.head_nbytes
+
+    @property
+    def num_pages(self) -> int:
+        return self.buffer_nbytes // self.page_nbytes
+
+    @property
+    def num_buffers(self) -> int:
+        return 2 * self.num_layers
+
+    @property
+    def token_nbytes(self) -> int:
+        """KV bytes of one token over all layers, K and V, local heads."""
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * self.itemsize
+
+    @classmethod
+    def from_pool(cls, pool: "KVPool", head_start: int = 0, total_kv_heads: int | None = None) -> "KVLayout":
+        infos = pool.buffer_infos()
+        nbytes = {b.nbytes for b in infos}
+        if len(nbytes) != 1:
+            raise ValueError(f"KV buffers differ in size: {sorted(nbytes)}")
+        return cls(
+            num_layers=pool.num_layers,
+            page_size=pool.page_size,
+            kv_heads=pool.kv_heads,
+            head_start=head_start,
+            total_kv_heads=pool.kv_heads if total_kv_heads is None else total_kv_heads,
+            head_dim=pool.head_dim,
+            dtype=str(pool.dtype).removeprefix("torch."),
+            itemsize=infos[0].nbytes // (pool.num_pages * pool.kv_heads * pool.page_size * pool.head_dim),
+            buffer_addrs=tuple(b.addr for b in infos),
+            buffer_nbytes=nbytes.pop(),
+        )
+
+    def compatible_with(self, other: "KVLayout") -> str | None:
+        """None when KV can move between the two pools, else why not (for a clear error)."""
+        checks = (
+            ("page size", self.page_size, other.page_size),
+            ("KV dtype", self.dtype, other.dtype),
+            ("number of layers", self.num_layers, other.num_layers),
+            ("head_dim", self.head_dim, other.head_dim),
+            ("total KV heads", self.total_kv_heads, other.total_kv_heads),
+            ("itemsize", self.itemsize, other.itemsize),
+        )
+        for what, mine, theirs in checks:
+            if mine != theirs:
+                return f"{what} mismatch: {mine!r} here vs {theirs!r} on the peer"
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in self.__dataclass_fields__}

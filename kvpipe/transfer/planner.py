@@ -1,0 +1,161 @@
+"""Pages -> coalesced (src_addr, dst_addr, length) write ops, vectorised with numpy.
+
+Same heads on both sides: the (src page, dst page) pairs split wherever either side is not
+consecutive; each contiguous run is one op per (layer, K/V) buffer: ops = layers * 2 * runs.
+Different head ranges (heterogeneous TP): the moved head range of one page is contiguous on each
+side but pages are not, so one op per (layer, K/V, page); when the range covers whole pages on
+both sides it is the same-heads case again and runs coalesce.
+
+Op order is buffer-major (layer l K, layer l V, layer l+1 K, ...) then run, so the ops of a
+layer range are one contiguous slice of the arrays: layer-pipelined transfer ships
+`plan.layers(a, b)` per layer group without replanning.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvpipe.transfer.layout import KVLayout
+from kvpipe.transfer.tp_mapping import head_intersection
+
+
+@dataclass(frozen=True, eq=False)
+class TransferPlan:
+    src_addr: np.ndarray  # [num_ops] int64 absolute addresses in the source process
+    dst_addr: np.ndarray  # [num_ops] int64 absolute addresses in the destination process
+    length: np.ndarray  # [num_ops] int64 bytes
+    layer_start: int  # the plan covers layers [layer_start, layer_end)
+    layer_end: int
+    num_runs: int  # ops per buffer: contiguous page runs (or pages, when heads are sliced)
+    num_pages: int
+    head_start: int  # global KV heads moved: [head_start, head_end)
+    head_end: int
+    planning_ms: float
+
+    @property
+    def ops_per_layer(self) -> int:
+        return 2 * self.num_runs
+
+    @property
+    def num_ops(self) -> int:
+        return int(self.length.size)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.length.sum())
+
+    def layers(self, start: int, end: int) -> "TransferPlan":
+        """The sub-plan of layers [start, end): array views, no replanning."""
+        if not self.layer_start <= start <= end <= self.layer_end:
+            raise ValueError(f"layers [{start}, {end}) outside the plan's [{self.layer_start}, {self.layer_end})")
+        a = (start - self.layer_start) * self.ops_per_layer
+        b = (end - self.layer_start) * self.ops_per_layer
+        return TransferPlan(self.src_addr[a:b], self.dst_addr[a:b], self.length[a:b], start, end,
+                            self.num_runs, self.num_pages, self.head_start, self.head_end, 0.0)
+
+
+def plan_layers(plan: TransferPlan, layer_start: int, layer_end: int) -> TransferPlan:
+    return plan.layers(layer_start, layer_end)
+
+
+def page_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Split page pairs into maximal runs consecutive on both sides: (src_first, dst_first, length)."""
+    n = src_pages.size
+    if n == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
+    breaks = np.flatnonzero((np.diff(src_pages) != 1) | (np.diff(dst_pages) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    lengths = np.diff(np.concatenate((starts, [n])))
+    return src_pages[starts], dst_pages[starts], lengths
+
+
+def _check_pages(pages: np.ndarray, layout: KVLayout, side: str) -> None:
+    if pages.size and (pages.min() < 0 or pages.max() >= layout.num_pages):
+        raise ValueError(f"{side} page ids outside [0, {layout.num_pages}): min {pages.min()}, max {pages.max()}")
+
+
+def plan_pages(src_pages: np.ndarray | list[int], dst_pages: np.ndarray | list[int],
+               src: KVLayout, dst: KVLayout, *, heads: tuple[int, int] | None = None,
+               layers: tuple[int, int] | None = None) -> TransferPlan:
+    """Plan writing source pages `src_pages[i]` into destination pages `dst_pages[i]`.
+
+    heads: global KV heads to move (default: the intersection of both ranks' ranges).
+    layers: [start, end) to plan (default: all).
+    """
+    t0 = time.perf_counter()
+    reason = src.compatible_with(dst)
+    if reason is not None:
+        raise ValueError(f"incompatible KV layouts: {reason}")
+    s = np.asarray(src_pages, dtype=np.int64).ravel()
+    d = np.asarray(dst_pages, dtype=np.int64).ravel()
+    if s.shape != d.shape:
+        raise ValueError(f"{s.size} source pages vs {d.size} destination pages")
+    _check_pages(s, src, "source")
+    _check_pages(d, dst, "destination")
+    if np.unique(d).size != d.size:
+        raise ValueError("duplicate destination pages: two source pages would land in one")
+
+    common = head_intersection((src.head_start, src.head_end), (dst.head_start, dst.head_end))
+    if heads is None:
+        if common is None:
+            raise ValueError(f"no common KV heads: source [{src.head_start}, {src.head_end}), "
+                             f"destination [{dst.head_start}, {dst.head_end})")
+        heads = common
+    elif common is None or not (common[0] <= heads[0] < heads[1] <= common[1]):
+        raise ValueError(f"heads {heads} not held by both sides (common: {common})")
+    l0, l1 = layers if layers is not None else (0, src.num_layers)
+    if not 0 <= l0 <= l1 <= src.num_layers:
+        raise ValueError(f"layers [{l0}, {l1}) outside [0, {src.num_layers})")
+
+    h0, h1 = heads
+    slice_nbytes = (h1 - h0) * src.head_nbytes  # head_nbytes is equal on both sides (compatible)
+    whole_pages = h1 - h0 == src.kv_heads == dst.kv_heads
+    if whole_pages:
+        run_src, run_dst, run_len = page_runs(s, d)
+    else:  # a head slice of consecutive pages is strided: one op per page
+        run_src, run_dst, run_len = s, d, np.ones_like(s)
+    # Offsets inside one buffer, [R]; bases of the planned buffers, [B]; ops = [B, R] flattened.
+    src_rel = run_src * src.page_nbytes + (h0 - src.head_start) * src.head_nbytes
+    dst_rel = run_dst * dst.page_nbytes + (h0 - dst.head_start) * dst.head_nbytes
+    src_base = np.asarray(src.buffer_addrs[2 * l0:2 * l1], dtype=np.int64)
+    dst_base = np.asarray(dst.buffer_addrs[2 * l0:2 * l1], dtype=np.int64)
+    src_addr = (src_base[:, None] + src_rel[None, :]).ravel()
+    dst_addr = (dst_base[:, None] + dst_rel[None, :]).ravel()
+    length = np.tile(run_len * slice_nbytes, src_base.size)
+    ms = (time.perf_counter() - t0) * 1e3
+    return TransferPlan(src_addr, dst_addr, length, l0, l1, int(run_len.size), int(s.size), h0, h1, ms)
+
+
+@dataclass(frozen=True)
+class PageSpan:
+    """Pages [first, end) of a request's page table that can be sent now."""
+
+    first: int
+    end: int
+    token_end: int  # the request's send cursor (tokens) once this span is sent
+
+    @property
+    def num_pages(self) -> int:
+        return max(0, self.end - self.first)
+
+
+def sendable_pages(sent_tokens: int, ready_tokens: int, page_size: int, final: bool) -> PageSpan:
+    """Incremental (chunked) transfer: which pages to send when KV of `ready_tokens` tokens exists.
+
+    `sent_tokens` (the cursor, or the prefix decode already holds) is page aligned: a trailing
+    partial page waits for the next chunk unless this is the final chunk, so a page is never
+    sent while tokens may still be appended to it.
+    """
+    if sent_tokens % page_size:
+        raise ValueError(f"send cursor {sent_tokens} is not a multiple of page size {page_size}")
+    if not 0 <= sent_tokens <= ready_tokens:
+        raise ValueError(f"send cursor {sent_tokens} beyond ready tokens {ready_tokens}")
+    first = sent_tokens // page_size
+    if final:
+        return PageSpan(first, -(-ready_tokens // page_size), ready_tokens)
+    end = ready_tokens // page_size
+    return PageSpan(first, end, end * page_size)

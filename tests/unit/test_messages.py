@@ -1,0 +1,133 @@
+"""Control-plane messages: round trips, and every malformed input raises ProtocolError."""
+
+from __future__ import annotations
+
+import random
+
+import msgpack
+import pytest
+
+from kvpipe.transfer.layout import KVLayout
+from kvpipe.transfer.messages import (PROTOCOL_VERSION, Abort, AuxData, Heartbeat, ProtocolError, RegisterPeer,
+                                      Side, TransferRequest, TransferState, TransferStatus, decode, encode)
+
+LAYOUT = KVLayout(num_layers=2, page_size=16, kv_heads=2, head_start=2, total_kv_heads=4, head_dim=64,
+                  dtype="bfloat16", itemsize=2, buffer_addrs=(0x7F0000001000, 0x7F0000101000, 0x7F0000201000,
+                                                             0x7F0000301000), buffer_nbytes=16 * 2 * 16 * 64 * 2)
+ROOM = (1 << 63) - 5
+
+MESSAGES = [
+    RegisterPeer("decode-0-abc", 1, 2, "10.0.0.2:15000", "tcp://10.0.0.2:5555", LAYOUT),
+    TransferRequest(ROOM, "decode-0-abc", tuple(range(100, 164)), 32, 3),
+    TransferRequest(0, "s", (), 0, 0),
+    TransferStatus(ROOM, "decode-0-abc", TransferState.SUCCESS, aux=AuxData(ROOM, 42, -0.25)),
+    TransferStatus(7, "s", TransferState.FAILED, reason="queue-full"),
+    Abort(ROOM, "s", Side.PREFILL, "client disconnected"),
+    Heartbeat("s", 12345),
+]
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg):
+    out = decode(encode(msg))
+    assert out == msg and type(out) is type(msg)
+
+
+def test_stale_room_detection():
+    st = TransferStatus(5, "s", TransferState.SUCCESS, aux=AuxData(6, 1, 0.0))
+    assert st.is_stale_for(5) and st.is_stale_for(6)
+    assert not TransferStatus(5, "s", TransferState.SUCCESS, aux=AuxData(5, 1, 0.0)).is_stale_for(5)
+
+
+def raw(**fields) -> bytes:
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+def good_fields(msg) -> dict:
+    return msgpack.unpackb(encode(msg), raw=False)
+
+
+BAD = {
+    "empty": b"",
+    "not msgpack": b"\xc1\xc1\xc1",
+    "trailing bytes": encode(MESSAGES[-1]) + b"\x00",
+    "a list": msgpack.packb([1, 2, 3]),
+    "an int": msgpack.packb(5),
+    "no kind": raw(version=PROTOCOL_VERSION, session_id="s", seq=1),
+    "unknown kind": raw(kind="nope", version=PROTOCOL_VERSION),
+    "kind not str": raw(kind=5, version=PROTOCOL_VERSION),
+    "wrong version": raw(kind="heartbeat", version=PROTOCOL_VERSION + 1, session_id="s", seq=1),
+    "version as str": raw(kind="heartbeat", version="1", session_id="s", seq=1),
+    "missing field": raw(kind="heartbeat", version=PROTOCOL_VERSION, session_id="s"),
+    "unknown field": raw(kind="heartbeat", version=PROTOCOL_VERSION, session_id="s", seq=1, x=2),
+    "negative seq": raw(kind="heartbeat", version=PROTOCOL_VERSION, session_id="s", seq=-1),
+    "bool seq": raw(kind="heartbeat", version=PROTOCOL_VERSION, session_id="s", seq=True),
+    "float seq": raw(kind="heartbeat", version=PROTOCOL_VERSION, session_id="s", seq=1.0),
+    "huge room": raw(kind="abort", version=PROTOCOL_VERSION, room=1 << 63, session_id="s", side="decode", reason=""),
+    "bad enum": raw(kind="abort", version=PROTOCOL_VERSION, room=1, session_id="s", side="router", reason=""),
+    "str is bytes": raw(kind="heartbeat", version=PROTOCOL_VERSION, session_id=b"s", seq=1),
+    "bad utf8": b"\x82\xa4kind\xa9heartbeat\xa7version\xa2\xff\xfe",
+    "int key": msgpack.packb({1: 2}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_malformed_raises_protocol_error(name):
+    with pytest.raises(ProtocolError):
+        decode(BAD[name])
+
+
+def mutated(msg, **changes) -> bytes:
+    fields = good_fields(msg)
+    fields.update(changes)
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+@pytest.mark.parametrize("changes", [
+    {"dst_pages": [1, 2, 3]},  # a list, not int64 bytes
+    {"dst_pages": b"\x00" * 7},  # not a whole number of int64
+    {"dst_pages": (-1).to_bytes(8, "little", signed=True)},  # negative page id
+    {"prefix_len": -16},
+    {"room": "5"},
+    {"aux_slot": None},
+])
+def test_bad_transfer_request_fields(changes):
+    with pytest.raises(ProtocolError):
+        decode(mutated(MESSAGES[1], **changes))
+
+
+def test_bad_nested_layout_and_status():
+    layout = good_fields(MESSAGES[0])["layout"]
+    for bad in ({**layout, "kv_heads": 0}, {**layout, "buffer_addrs": b"\x01" * 8}, {**layout, "extra": 1},
+                {**layout, "head_start": 3}, "layout"):
+        with pytest.raises(ProtocolError):
+            decode(mutated(MESSAGES[0], layout=bad))
+    with pytest.raises(ProtocolError, match="aux"):
+        decode(mutated(MESSAGES[4], state="success"))  # success without aux data
+    with pytest.raises(ProtocolError):
+        decode(mutated(MESSAGES[3], aux={"room": 1, "first_token_id": 2}))
+    with pytest.raises(ProtocolError):
+        decode(mutated(MESSAGES[3], aux={"room": 1, "first_token_id": 2, "first_token_logprob": "x"}))
+
+
+def test_random_bytes_and_truncations_only_raise_protocol_error():
+    rng = random.Random(0)
+    blobs = [bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64))) for _ in range(500)]
+    for msg in MESSAGES:
+        data = encode(msg)
+        blobs += [data[:i] for i in range(len(data))]
+        for _ in range(50):  # single-byte corruptions
+            i = rng.randrange(len(data))
+            blobs.append(data[:i] + bytes([rng.randrange(256)]) + data[i + 1:])
+    for blob in blobs:
+        try:
+            decode(blob)
+        except ProtocolError:
+            pass  # anything else propagates and fails the test
+
+
+def test_non_bytes_and_encode_of_foreign_objects():
+    with pytest.raises(ProtocolError):
+        decode("heartbeat")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        encode(LAYOUT)  # type: ignore[arg-type]
