@@ -16,7 +16,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from kvpipe.config import ConfigError, ModelConfig, ParallelConfig
-from kvpipe.model.llama import CausalLM
+from kvpipe.model.llama import CausalLM, check_parallel
 from kvpipe.model.rope import rope_inv_freq
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -45,6 +45,18 @@ def check_supported(raw: dict[str, Any]) -> None:
         raise ConfigError("use_sliding_window=true is not supported by the Llama/Qwen model")
     if float(raw.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ConfigError("partial_rotary_factor != 1 is not supported")
+
+
+def check_group(parallel: ParallelConfig, group: dist.ProcessGroup | None) -> None:
+    """TP > 1 needs an initialised process group of exactly tp_size ranks (else all_reduce hangs)."""
+    if parallel.tp_size == 1:
+        return
+    if not dist.is_available() or not dist.is_initialized():
+        raise ConfigError(f"tp_size={parallel.tp_size} needs torch.distributed initialised on every rank")
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if size != parallel.tp_size or rank != parallel.tp_rank:
+        raise ConfigError(f"process group has rank {rank} of {size}, but ParallelConfig says "
+                          f"rank {parallel.tp_rank} of {parallel.tp_size}")
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, cfg: ModelConfig, device: str | torch.device) -> torch.dtype:
@@ -117,6 +129,8 @@ def load_model(model_dir: str | Path, parallel: ParallelConfig = ParallelConfig(
     cfg = ModelConfig.from_hf_dict(raw)
     check_supported(raw)
     files = weight_files(model_dir)
+    check_parallel(cfg, parallel)
+    check_group(parallel, group)
     torch_dtype = resolve_dtype(dtype, cfg, device)
     # Build on the meta device (no allocation, no random init), then allocate uninitialised.
     with torch.device("meta"):

@@ -74,3 +74,5 @@ def test_tp_rejects_indivisible_split(tiny_model_dir):
         load_model(tiny_model_dir, ParallelConfig(3, 0))
     with pytest.raises(ConfigError, match="tp_rank"):
         load_model(tiny_model_dir, ParallelConfig(2, 2))
+    with pytest.raises(ConfigError, match="torch.distributed"):
+        load_model(tiny_model_dir, ParallelConfig(2, 0))  # no process group in this process
