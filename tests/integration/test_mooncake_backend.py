@@ -1,0 +1,165 @@
+"""Mooncake backend on loopback (TCP): real engines, real KVPools, real failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("mooncake.engine")
+
+from kvpipe.cache.kv_pool import KVPool  # noqa: E402
+from kvpipe.transfer.backends import BatchState, FailureInjection  # noqa: E402
+from kvpipe.transfer.backends.mooncake import MooncakeBackend  # noqa: E402
+from kvpipe.transfer.layout import KVLayout  # noqa: E402
+from kvpipe.transfer.planner import plan_pages  # noqa: E402
+
+pytestmark = pytest.mark.integration
+LAYERS, PAGES, PAGE, HEADS, HD = 2, 32, 8, 2, 16
+
+
+def registered_pool(backend: MooncakeBackend, seed: int | None) -> KVPool:
+    pool = KVPool(LAYERS, PAGES, PAGE, HEADS, HD)
+    if seed is not None:
+        g = torch.Generator().manual_seed(seed)
+        for buf in pool.k + pool.v:
+            buf.copy_(torch.randn(buf.shape, generator=g))
+    infos = pool.buffer_infos()
+    backend.register_many([b.addr for b in infos], [b.nbytes for b in infos])
+    return pool
+
+
+def deadline(seconds: float = 20.0) -> float:
+    return time.monotonic() + seconds
+
+
+@pytest.fixture()
+def engines():  # per test: pools die with the test, and their registrations must too
+    tx, rx = MooncakeBackend(window=64), MooncakeBackend()
+    yield tx, rx
+    tx.close()
+    rx.close()
+
+
+def assert_pages_equal(src: KVPool, dst: KVPool, src_pages, dst_pages) -> None:
+    for layer in range(LAYERS):
+        assert torch.equal(dst.k[layer][dst_pages], src.k[layer][src_pages])
+        assert torch.equal(dst.v[layer][dst_pages], src.v[layer][src_pages])
+
+
+def test_pages_move_between_pools(engines):
+    tx, rx = engines
+    src, dst = registered_pool(tx, seed=1), registered_pool(rx, seed=None)
+    src_pages, dst_pages = [2, 3, 4, 10, 11, 20], [0, 1, 2, 3, 9, 30]
+    plan = plan_pages(src_pages, dst_pages, KVLayout.from_pool(src), KVLayout.from_pool(dst))
+    assert plan.num_ops == LAYERS * 2 * 4
+    h = tx.submit(rx.address, plan.src_addr, plan.dst_addr, plan.length)
+    assert tx.wait(h, deadline()) is BatchState.DONE, h.error
+    assert_pages_equal(src, dst, src_pages, dst_pages)
+    untouched = np.setdiff1d(np.arange(PAGES), dst_pages)
+    assert not dst.k[0][untouched].any()
+
+
+def test_window_bounds_many_small_ops(engines):
+    tx, rx = engines  # 1,536 single-head ops, more than the window of 64 and the engine's queue
+    src, dst = registered_pool(tx, seed=2), registered_pool(rx, seed=None)
+    sl, dl = KVLayout.from_pool(src), KVLayout.from_pool(dst)
+    pages = np.arange(PAGES)
+    handles = [tx.submit(rx.address, p.src_addr, p.dst_addr, p.length)
+               for h0 in range(HEADS) for p in [plan_pages(pages, pages[::-1], sl, dl, heads=(h0, h0 + 1))]]
+    handles += [tx.submit(rx.address, p.src_addr, p.dst_addr, p.length) for p in
+                [plan_pages(pages, pages[::-1], sl, dl, heads=(0, 1))] * 10]
+    for h in handles:
+        assert tx.wait(h, deadline()) is BatchState.DONE, h.error
+    assert_pages_equal(src, dst, pages, pages[::-1].copy())
+    assert tx.generation == 0
+
+
+def test_unregistered_destination_fails_cleanly_then_next_succeeds(engines):
+    tx, rx = engines
+    src, dst = registered_pool(tx, seed=3), registered_pool(rx, seed=None)
+    stray = np.zeros(4096, dtype=np.uint8)  # never registered on the receiver
+    base = src.buffer_infos()[0].addr
+    h = tx.submit(rx.address, [base], [stray.ctypes.data], [1024])
+    assert tx.wait(h, deadline()) is BatchState.FAILED and "failed" in h.error
+    assert not stray.any() and tx.generation == 0  # the engine stays usable: no recreation
+    plan = plan_pages([0, 1], [5, 6], KVLayout.from_pool(src), KVLayout.from_pool(dst))
+    h = tx.submit(rx.address, plan.src_addr, plan.dst_addr, plan.length)
+    assert tx.wait(h, deadline()) is BatchState.DONE, h.error
+    assert_pages_equal(src, dst, [0, 1], [5, 6])
+
+
+def test_unreachable_peer_fails(engines):
+    tx, rx = engines
+    src = registered_pool(tx, seed=4)
+    h = tx.submit("127.0.0.1:1", [src.buffer_infos()[0].addr], [0x10000], [64])
+    assert tx.wait(h, deadline()) is BatchState.FAILED
+
+
+def test_failure_injection_and_cancel():
+    tx, rx = MooncakeBackend(window=8, inject=FailureInjection(prob=0.5, seed=3)), MooncakeBackend()
+    try:
+        src, dst = registered_pool(tx, seed=5), registered_pool(rx, seed=None)
+        sl, dl = KVLayout.from_pool(src), KVLayout.from_pool(dst)
+        states = []
+        for i in range(16):
+            pages = [i, (i + 7) % PAGES]
+            plan = plan_pages(pages, pages, sl, dl)
+            h = tx.submit(rx.address, plan.src_addr, plan.dst_addr, plan.length)
+            states.append(tx.wait(h, deadline()))
+            if states[-1] is BatchState.DONE:
+                assert_pages_equal(src, dst, pages, pages)
+            else:
+                assert "injected" in h.error
+        assert 2 <= states.count(BatchState.FAILED) <= 14
+        # cancel: nothing is issued after it, and the batch ends FAILED once drained
+        clean = MooncakeBackend(window=4)
+        clean.register_many([b.addr for b in src.buffer_infos()], [b.nbytes for b in src.buffer_infos()])
+        plan = plan_pages(np.arange(PAGES), np.arange(PAGES), sl, dl, heads=(0, 1))
+        h = clean.submit(rx.address, plan.src_addr, plan.dst_addr, plan.length)
+        clean.cancel(h, "client went away")
+        assert clean.wait(h, deadline()) is BatchState.FAILED and h.error == "client went away"
+        clean.close()
+    finally:
+        tx.close()
+        rx.close()
+
+
+QUEUE_FULL_SCRIPT = r"""
+import json, time, numpy as np
+from kvpipe.transfer.backends.mooncake import MooncakeBackend
+tx, rx = MooncakeBackend(window=256, drain_timeout_s=0.5), MooncakeBackend()
+n, size = 1024, 4096
+src, dst = np.full(n * size, 7, np.uint8), np.zeros(n * size, np.uint8)
+tx.register(src.ctypes.data, src.nbytes); rx.register(dst.ctypes.data, dst.nbytes)
+off = np.arange(n, dtype=np.int64) * size
+out = {}
+h = tx.submit(rx.address, src.ctypes.data + off, dst.ctypes.data + off, np.full(n, size))
+out["first"] = tx.wait(h, time.monotonic() + 30).value
+out["generation"] = tx.generation
+tx.window = 8  # below the engine's queue limit of 16
+dst[:] = 0
+h = tx.submit(rx.address, src.ctypes.data + off, dst.ctypes.data + off, np.full(n, size))
+out["second"] = tx.wait(h, time.monotonic() + 30).value
+out["landed"] = bool((dst == 7).all())
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_queue_full_fails_batch_and_engine_recovers():
+    """A window above the engine's per-peer queue limit provokes real queue-full rejections."""
+    env = {**os.environ, "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "16",
+           "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "16", "GLOG_minloglevel": "2"}
+    proc = subprocess.run([sys.executable, "-c", QUEUE_FULL_SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=120)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-2000:]
+    out = json.loads(lines[-1].removeprefix("RESULT "))
+    assert out["first"] == "failed"
+    assert out["second"] == "done" and out["landed"]
