@@ -1,0 +1,202 @@
+"""`kvpipe` command line: `serve`, `generate`, `init-model`, and the commands others register.
+
+Subcommands live in a registry (`COMMANDS`) of modules imported only when their command runs
+(or when `--help` lists them), so `kvpipe init-model` never imports torch. A command module
+provides `add_args(parser)` and `run(args, extra) -> int`; `extra` holds the flags argparse did
+not know, for commands that pass flags through (`launch` hands them to both servers).
+Flag names follow SGLang's `launch_server`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+from kvpipe.config import CacheConfig, SchedulerConfig, ServerConfig
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    module: str | None  # provides add_args(parser) and run(args, extra) -> int; None: defined here
+    pass_unknown: bool = False  # unknown flags go to run() instead of being an error
+
+
+# New commands (`bench ...`, `testbed ...`) register here.
+COMMANDS: list[Command] = [
+    Command("serve", "run an HTTP server (SGLang native + OpenAI API)", None),
+    Command("generate", "one-shot generation without a server", None),
+    Command("init-model", "write a built-in preset checkpoint directory", None),
+    Command("launch", "local PD stack: prefill + decode + sglang-router", "kvpipe.server.launcher",
+            pass_unknown=True),
+]
+
+
+# ---- flags shared by every command that builds a ServerConfig --------------------------------------
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    d_cache, d_sched = CacheConfig(), SchedulerConfig()
+    p.add_argument("--model-path", default=None,
+                   help="local HF checkpoint directory (default: the built-in tiny preset)")
+    p.add_argument("--tokenizer-path", default=None, help="tokenizer directory (default: --model-path)")
+    p.add_argument("--served-model-name", default=None, help="model name in the API (default: the directory name)")
+    p.add_argument("--tp-size", "--tp", type=int, default=1, help="tensor parallel ranks")
+    p.add_argument("--page-size", type=int, default=d_cache.page_size, help="tokens per KV page")
+    p.add_argument("--max-total-tokens", type=int, default=d_cache.max_total_tokens, help="KV cache capacity in tokens")
+    p.add_argument("--chunked-prefill-size", type=int, default=d_sched.chunked_prefill_size,
+                   help="max prompt tokens per prefill step (<= 0 disables chunking)")
+    p.add_argument("--max-prefill-tokens", type=int, default=d_sched.max_prefill_tokens,
+                   help="token budget of one prefill batch")
+    p.add_argument("--max-running-requests", type=int, default=d_sched.max_running_requests)
+    p.add_argument("--context-length", type=int, default=None, help="default: the model's max_position_embeddings")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--random-seed", "--seed", dest="seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
+
+
+def _positive(name: str, value: int | None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value < 1:
+        raise SystemExit(f"kvpipe: {name} must be a positive integer, got {value}")
+
+
+def resolve_model_path(path: str | None) -> str:
+    if path:
+        return path
+    from kvpipe.model.presets import default_model_dir  # writes the tiny preset once, then reuses it
+    return str(default_model_dir("tiny"))
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """Flags from `add_server_args` (plus --host/--port when present) -> a ServerConfig."""
+    for name in ("tp_size", "page_size", "max_total_tokens", "max_running_requests", "max_prefill_tokens"):
+        _positive("--" + name.replace("_", "-"), getattr(args, name))
+    _positive("--context-length", args.context_length, allow_none=True)
+    return ServerConfig(
+        model_path=resolve_model_path(args.model_path),
+        host=getattr(args, "host", "127.0.0.1"),
+        port=getattr(args, "port", 30000),
+        served_model_name=args.served_model_name,
+        tokenizer_path=args.tokenizer_path,
+        tp_size=args.tp_size,
+        device=args.device,
+        seed=args.seed,
+        log_level=args.log_level,
+        cache=CacheConfig(page_size=args.page_size, max_total_tokens=args.max_total_tokens),
+        scheduler=SchedulerConfig(max_running_requests=args.max_running_requests,
+                                  chunked_prefill_size=args.chunked_prefill_size,
+                                  max_prefill_tokens=args.max_prefill_tokens,
+                                  context_length=args.context_length),
+    )
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+# ---- serve ---------------------------------------------------------------------------------------
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    add_server_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+
+
+def _serve(args: argparse.Namespace, extra: list[str]) -> int:
+    cfg = server_config_from_args(args)
+    _setup_logging(cfg.log_level)
+    from kvpipe.server.http_server import run_server
+    return run_server(cfg)
+
+
+# ---- generate ------------------------------------------------------------------------------------
+def _generate_args(p: argparse.ArgumentParser) -> None:
+    add_server_args(p)
+    p.add_argument("--prompt", required=True, action="append", help="prompt text (repeat for a batch)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt (text, output_ids, ...)")
+
+
+def _generate(args: argparse.Namespace, extra: list[str]) -> int:
+    from kvpipe.engine.engine import Engine
+    from kvpipe.engine.request import SamplingParams
+
+    _positive("--max-new-tokens", args.max_new_tokens)
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise SystemExit("kvpipe: --temperature must be >= 0 and --top-p in (0, 1]")
+    cfg = server_config_from_args(args)
+    _setup_logging("warning" if args.log_level == "info" else args.log_level)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k)
+    engine = Engine(cfg)
+    try:
+        results = engine.generate(args.prompt, params)
+    finally:
+        engine.shutdown()
+    for prompt, r in zip(args.prompt, results):
+        if args.json:
+            print(json.dumps({"prompt": prompt, **r}, ensure_ascii=False))
+        else:
+            print(r["text"])
+    return 0
+
+
+# ---- init-model ----------------------------------------------------------------------------------
+def _init_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="tiny", choices=["tiny", "bench"])
+    p.add_argument("--out", required=True, help="directory to write the checkpoint into")
+    p.add_argument("--seed", type=int, default=0, help="weight seed")
+
+
+def _init_model(args: argparse.Namespace, extra: list[str]) -> int:
+    from kvpipe.model.presets import write_preset
+    out = write_preset(args.preset, args.out, seed=args.seed)
+    print(out)
+    return 0
+
+
+_LOCAL: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace, list[str]], int]]] = {
+    "serve": (_serve_args, _serve),
+    "generate": (_generate_args, _generate),
+    "init-model": (_init_model_args, _init_model),
+}
+
+
+def _handlers(cmd: Command) -> tuple[Callable, Callable]:
+    if cmd.module is None:
+        return _LOCAL[cmd.name]
+    mod = importlib.import_module(cmd.module)
+    return mod.add_args, mod.run
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, tuple[Command, Callable]]]:
+    parser = argparse.ArgumentParser(prog="kvpipe", description="prefill/decode disaggregated LLM serving")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    runners: dict[str, tuple[Command, Callable]] = {}
+    for cmd in COMMANDS:
+        add_args, run = _handlers(cmd)
+        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
+        add_args(p)
+        runners[cmd.name] = (cmd, run)
+    return parser, runners
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, runners = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    cmd, run = runners[args.command]
+    if extra and not cmd.pass_unknown:
+        parser.error(f"unrecognized arguments for {cmd.name}: {' '.join(extra)}")
+    return int(run(args, extra) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,277 @@
+"""The bridge between the synchronous engine and the asyncio HTTP server.
+
+One dedicated thread owns the engine: it loads it, then loops `step()` while there is work and
+sleeps on a `threading.Event` when there is none (add_request / abort / stop set the event; the
+event is cleared *before* `has_work()` is checked, so a wake-up is never lost). Step outputs go
+to per-request asyncio queues through `loop.call_soon_threadsafe`. `generate()` is an async
+iterator of cumulative `RequestOutput`s; leaving it early for any reason (client disconnect,
+cancellation, error) aborts the request in the engine, which frees its pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import AsyncIterator, Callable, Protocol
+
+from kvpipe.engine.request import FinishReason, Req, TokenOutput
+from kvpipe.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvpipe.server.errors import APIError
+from kvpipe.server.metrics import ServerMetrics
+from kvpipe.server.protocol import GenerateInput
+from kvpipe.server.request_tracker import RequestOutput, RequestTracker
+
+logger = logging.getLogger(__name__)
+
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+
+
+class EngineLike(Protocol):
+    """What the bridge needs of an engine (kvpipe.engine.engine.Engine and the PD workers)."""
+
+    tokenizer: Tokenizer
+    context_length: int
+    eos_token_ids: tuple[int, ...]
+
+    def add_request(self, req: Req) -> None: ...
+    def abort(self, rid: str) -> None: ...
+    def step(self) -> list[TokenOutput]: ...
+    def has_work(self) -> bool: ...
+    def stats(self) -> dict: ...
+    def shutdown(self) -> None: ...
+
+
+_CLOSED = object()  # queued by RequestStream.close() so a pending iteration ends
+
+
+class _EngineFailure:
+    """Queued to a request when the engine thread failed under it."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+class AsyncEngine:
+    def __init__(self, engine_factory: Callable[[], EngineLike],
+                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
+        self._factory = engine_factory
+        self._on_fatal = on_fatal
+        self._engine: EngineLike | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._wake = threading.Event()
+        self._stopping = False
+        self._queues: dict[str, asyncio.Queue] = {}
+        self.metrics: ServerMetrics | None = None
+        self.fatal_error: BaseException | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread; call from inside the running event loop."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="kvpipe-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self, timeout_s: float = 30.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, timeout_s)
+
+    @property
+    def ready(self) -> bool:
+        return self._engine is not None and self.fatal_error is None and not self._stopping
+
+    @property
+    def engine(self) -> EngineLike:
+        if self.fatal_error is not None:
+            raise APIError(f"the engine failed: {self.fatal_error}", 503)
+        if self._engine is None:
+            raise APIError("the engine is still loading", 503)
+        return self._engine
+
+    def stats(self) -> dict | None:
+        return self._engine.stats() if self._engine is not None else None
+
+    def num_active(self) -> int:
+        return len(self._queues)
+
+    # ---- engine thread ---------------------------------------------------------------------------
+    def _post(self, fn: Callable, *args: object) -> None:
+        try:
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: the server is going away
+            pass
+
+    def _fatal(self, exc: BaseException) -> None:
+        self.fatal_error = exc
+        self._post(self._fail_all, f"the engine failed: {exc}")
+        if self._on_fatal is not None:
+            self._on_fatal(exc)
+
+    def _run(self) -> None:
+        try:
+            engine = self._factory()
+        except BaseException as e:  # noqa: BLE001 - reported through health and on_fatal
+            logger.exception("loading the engine failed")
+            self._fatal(e)
+            return
+        self._engine = engine
+        logger.info("engine ready")
+        failures = 0
+        try:
+            while not self._stopping:
+                self._wake.clear()
+                if not engine.has_work():
+                    self._wake.wait()
+                    continue
+                try:
+                    outs = engine.step()
+                    failures = 0
+                except Exception as e:  # noqa: BLE001 - fail the requests, keep serving if we can
+                    failures += 1
+                    logger.exception("engine step failed (%d in a row)", failures)
+                    if failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+                        self._fatal(e)
+                        return
+                    self._post(self._fail_all, f"engine step failed: {type(e).__name__}: {e}")
+                    continue
+                if outs:
+                    self._post(self._dispatch, outs)
+        finally:
+            try:
+                engine.shutdown()
+            except Exception:  # noqa: BLE001
+                logger.exception("engine shutdown failed")
+
+    # ---- event loop side -------------------------------------------------------------------------
+    def _dispatch(self, outs: list[TokenOutput]) -> None:
+        for out in outs:
+            q = self._queues.get(out.rid)
+            if q is not None:  # else: the request already ended here (stop string, disconnect)
+                q.put_nowait(out)
+
+    def _fail_all(self, message: str) -> None:
+        for rid, q in list(self._queues.items()):
+            q.put_nowait(_EngineFailure(message))
+            self._abort_in_engine(rid)
+
+    def _abort_in_engine(self, rid: str) -> None:
+        if self._engine is not None and self.fatal_error is None:
+            try:
+                self._engine.abort(rid)
+            except Exception:  # noqa: BLE001 - the request may already be gone
+                logger.exception("abort of %s failed", rid)
+            self._wake.set()
+
+    def abort(self, rid: str) -> bool:
+        """Abort a running request (the `/abort_request` route); its stream ends with finish abort."""
+        if rid not in self._queues:
+            return False
+        self._abort_in_engine(rid)
+        return True
+
+    def abort_all(self) -> int:
+        rids = list(self._queues)
+        for rid in rids:
+            self._abort_in_engine(rid)
+        return len(rids)
+
+    def make_req(self, inp: GenerateInput) -> Req:
+        return Req(rid=inp.rid, input_ids=list(inp.input_ids), params=inp.params,
+                   eos_token_ids=self.engine.eos_token_ids, return_logprob=inp.return_logprob)
+
+    def submit(self, inp: GenerateInput) -> "RequestStream":
+        """Add one prompt to the engine now (errors are raised here, before any response is sent)."""
+        engine = self.engine
+        if inp.rid in self._queues:
+            raise APIError(f"a request with rid {inp.rid!r} is already running", 400, param="rid")
+        req = self.make_req(inp)
+        detok = IncrementalDetokenizer(engine.tokenizer, inp.text_options.skip_special_tokens)
+        stream = RequestStream(self, RequestTracker(inp, detok, time.monotonic()))
+        self._queues[inp.rid] = stream.queue
+        try:
+            engine.add_request(req)
+        except ValueError as e:
+            self._queues.pop(inp.rid, None)
+            raise APIError(str(e), 400) from e
+        self._wake.set()
+        return stream
+
+    def _on_first_token(self, tracker: RequestTracker) -> None:
+        if self.metrics is not None and tracker.first_token_time is not None:
+            self.metrics.on_first_token(tracker.first_token_time - tracker.start_time)
+
+    def _on_finished(self, tracker: RequestTracker) -> None:
+        if self.metrics is None:
+            return
+        ttft = None if tracker.first_token_time is None else tracker.first_token_time - tracker.start_time
+        reason = tracker.finish_reason or FinishReason.ABORT
+        self.metrics.on_finish(reason.value, tracker.prompt_tokens, tracker.cached_tokens,
+                               len(tracker.output_ids), time.monotonic() - tracker.start_time, ttft)
+
+
+class RequestStream:
+    """One submitted request: iterate for cumulative outputs; `close()` (idempotent) ends it.
+
+    Closing before the finish, e.g. because the client went away, aborts the request in the engine.
+    """
+
+    def __init__(self, owner: AsyncEngine, tracker: RequestTracker) -> None:
+        self._owner = owner
+        self.tracker = tracker
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self._closed = False
+
+    @property
+    def rid(self) -> str:
+        return self.tracker.inp.rid
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        tracker = self.tracker
+        try:
+            while not tracker.finished:
+                items = [await self.queue.get()]
+                while not self.queue.empty():
+                    items.append(self.queue.get_nowait())
+                if any(x is _CLOSED for x in items):
+                    return
+                failure = next((x for x in items if isinstance(x, _EngineFailure)), None)
+                if failure is not None:
+                    raise APIError(failure.message, 500)
+                had_first = tracker.first_token_time is not None
+                out = tracker.update(items, time.monotonic())
+                if not had_first:
+                    self._owner._on_first_token(tracker)
+                if tracker.finished:
+                    self.close()
+                if out is not None:
+                    yield out
+        finally:
+            self.close()
+
+    async def result(self) -> RequestOutput:
+        """Run to the end and return the final output."""
+        last = None
+        async for out in self:
+            last = out
+        if last is None or not last.finished:  # closed from outside before the finish
+            return self.tracker.finish_abort("request closed", time.monotonic())
+        return last
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.queue.put_nowait(_CLOSED)
+        owner, tracker = self._owner, self.tracker
+        owner._queues.pop(self.rid, None)
+        if not tracker.finished:  # client gone, cancelled or failed: free the engine's pages
+            owner._abort_in_engine(self.rid)
+            tracker.finish_abort("client disconnected or request failed", time.monotonic())
+        elif tracker.needs_engine_abort:  # a stop string matched here before the engine stopped
+            owner._abort_in_engine(self.rid)
+        owner._on_finished(tracker)

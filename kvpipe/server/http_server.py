@@ -1,0 +1,232 @@
+"""The HTTP server: SGLang native routes, server/model info, health, metrics; `run_server`.
+
+The engine loads in the engine thread after the server starts listening, so `/health` answers
+503 while loading (what sglang-router and the launcher poll for) and 200 once it is ready.
+OpenAI-compatible routes live in `openai_api.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+import kvpipe
+from kvpipe.config import ModelConfig, ServerConfig
+from kvpipe.engine.request import SamplingParams
+from kvpipe.server.async_engine import AsyncEngine, EngineLike, RequestStream
+from kvpipe.server.errors import APIError, install_error_handlers
+from kvpipe.server.metrics import CONTENT_TYPE, ServerMetrics
+from kvpipe.server.protocol import GenerateInput, GenerateRequest, new_rid, split_generate_request
+from kvpipe.server.request_tracker import RequestOutput
+from kvpipe.server.streaming import (SSE_DONE, ClientDisconnected, ClosingStreamingResponse, close_all, collect,
+                                     merge_streams, read_json, sse, sse_error, until_disconnect)
+from kvpipe.server.validation import ModelLimits, prepare_prompts
+
+logger = logging.getLogger(__name__)
+
+HEALTH_GENERATE_TIMEOUT_S = 30.0
+
+
+def _local_dir(path: str | None) -> str | None:
+    """sglang-router downloads a tokenizer for any path that is not a local directory: hide those."""
+    return os.path.abspath(path) if path and os.path.isdir(path) else None
+
+
+@dataclass
+class ServerState:
+    cfg: ServerConfig
+    engine: AsyncEngine
+    metrics: ServerMetrics
+    disaggregation_mode: str = "null"
+
+    @property
+    def limits(self) -> ModelLimits:
+        e = self.engine.engine
+        return ModelLimits(vocab_size=e.model_config.vocab_size, context_length=e.context_length)
+
+    def context_length(self) -> int | None:
+        if self.engine.ready:
+            return self.engine.engine.context_length
+        if self.cfg.scheduler.context_length is not None:
+            return self.cfg.scheduler.context_length
+        with contextlib.suppress(Exception):
+            return ModelConfig.from_dir(self.cfg.model_path).max_position_embeddings
+        return None
+
+    def submit_all(self, inputs: list[GenerateInput]) -> list[RequestStream]:
+        """Submit a batch all-or-nothing: if one prompt is refused, the others are aborted."""
+        streams: list[RequestStream] = []
+        try:
+            for inp in inputs:
+                streams.append(self.engine.submit(inp))
+        except BaseException:
+            close_all(streams)()
+            raise
+        return streams
+
+
+def generate_response(out: RequestOutput, inp: GenerateInput, batched: bool) -> dict[str, Any]:
+    """SGLang's `/generate` object (also each streamed event: cumulative text and output_ids)."""
+    meta: dict[str, Any] = {
+        "id": out.rid, "finish_reason": out.finish_reason_json(), "prompt_tokens": out.prompt_tokens,
+        "completion_tokens": out.completion_tokens, "cached_tokens": out.cached_tokens,
+        "e2e_latency": round(out.e2e_latency, 6),
+    }
+    if inp.return_logprob:
+        # [logprob, token_id, text]; prompt logprobs are not computed by this engine.
+        meta["input_token_logprobs"] = []
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(out.output_logprobs, out.output_ids)]
+    body: dict[str, Any] = {"text": out.text, "output_ids": out.output_ids, "meta_info": meta}
+    if batched:
+        body["index"] = out.index
+    return body
+
+
+def register_native_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        if not state.engine.ready:
+            reason = "failed" if state.engine.fatal_error is not None else "loading"
+            return JSONResponse({"status": reason}, status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        """Health with a real one-token generation through the engine."""
+        tok = state.engine.engine.tokenizer
+        inp = GenerateInput(rid=f"health-{new_rid()}", input_ids=tuple(tok.encode("hi")),
+                            params=SamplingParams(max_new_tokens=1, temperature=0.0))
+        stream = state.engine.submit(inp)
+        try:
+            out = await asyncio.wait_for(stream.result(), HEALTH_GENERATE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return JSONResponse({"status": "timeout"}, status_code=503)
+        finally:
+            stream.close()
+        return Response(status_code=200 if out.completion_tokens == 1 else 503)
+
+    async def server_info() -> dict[str, Any]:
+        c = state.cfg
+        return {
+            "model_path": _local_dir(c.model_path), "tokenizer_path": _local_dir(c.tokenizer_path or c.model_path),
+            "served_model_name": c.model_name, "tp_size": c.tp_size, "dp_size": 1,
+            "page_size": c.cache.page_size, "context_length": state.context_length(),
+            "max_total_num_tokens": c.cache.pages() * c.cache.page_size,
+            "chunked_prefill_size": c.scheduler.chunked_prefill_size,
+            "max_running_requests": c.scheduler.max_running_requests, "device": c.device,
+            "disaggregation_mode": state.disaggregation_mode, "version": kvpipe.__version__,
+            "status": "ready" if state.engine.ready else "loading",
+            "internal_states": [state.engine.stats() or {}],
+        }
+
+    async def model_info() -> dict[str, Any]:
+        c = state.cfg
+        return {"model_path": _local_dir(c.model_path), "tokenizer_path": _local_dir(c.tokenizer_path or c.model_path),
+                "is_generation": True, "served_model_name": c.model_name}
+
+    for path in ("/server_info", "/get_server_info"):
+        app.add_api_route(path, server_info, methods=["GET"])
+    for path in ("/model_info", "/get_model_info"):
+        app.add_api_route(path, model_info, methods=["GET"])
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> dict[str, Any]:
+        body = await read_json(request)
+        if not isinstance(body, dict):
+            raise APIError("expected a JSON object {\"rid\": ...}")
+        rid, abort_all = body.get("rid"), body.get("abort_all", False)
+        if not isinstance(abort_all, bool) or not (rid is None or isinstance(rid, str)):
+            raise APIError("rid must be a string and abort_all a boolean", param="rid")
+        if abort_all:
+            return {"aborted": state.engine.abort_all()}
+        if not rid:
+            raise APIError("rid is required (or abort_all: true)", param="rid")
+        return {"aborted": int(state.engine.abort(rid))}
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        req = GenerateRequest.model_validate(await read_json(request))
+        specs, batched = split_generate_request(req)
+        inputs = prepare_prompts(specs, state.engine.engine.tokenizer, state.limits)
+        by_rid = {inp.rid: inp for inp in inputs}
+        streams = state.submit_all(inputs)
+        if req.stream:
+            async def events() -> AsyncIterator[bytes]:
+                try:
+                    async for out in merge_streams(streams):
+                        yield sse(generate_response(out, by_rid[out.rid], batched))
+                except APIError as e:
+                    yield sse_error(e)
+                yield SSE_DONE
+            return ClosingStreamingResponse(events(), on_close=close_all(streams))
+        try:
+            outs = await until_disconnect(request, collect(streams))
+        except ClientDisconnected:
+            return Response(status_code=499)  # nobody reads it; the requests were aborted
+        finally:
+            close_all(streams)()
+        bodies = [generate_response(o, inp, False) for o, inp in zip(outs, inputs)]
+        return JSONResponse(bodies if batched else bodies[0])
+
+
+def create_app(cfg: ServerConfig, engine_factory: Callable[[], EngineLike] | None = None,
+               on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
+    """The ASGI app of one server; the engine starts loading when the app starts."""
+    if engine_factory is None:
+        def engine_factory() -> EngineLike:
+            from kvpipe.engine.engine import Engine  # heavy: torch, model weights
+            return Engine(cfg)
+
+    async_engine = AsyncEngine(engine_factory, on_fatal=on_fatal)
+    metrics = ServerMetrics(cfg.model_name, async_engine.stats)
+    async_engine.metrics = metrics
+    state = ServerState(cfg, async_engine, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        try:
+            yield
+        finally:
+            await async_engine.stop()
+
+    app = FastAPI(title="kvpipe", version=kvpipe.__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.kvpipe = state
+    install_error_handlers(app)
+    register_native_routes(app, state)
+    from kvpipe.server.openai_api import register_openai_routes
+    register_openai_routes(app, state)
+    return app
+
+
+def run_server(cfg: ServerConfig, engine_factory: Callable[[], EngineLike] | None = None) -> int:
+    """Serve until SIGINT/SIGTERM; returns 1 if the engine failed to load or died."""
+    import uvicorn
+
+    holder: dict[str, Any] = {}
+
+    def on_fatal(exc: BaseException) -> None:
+        logger.error("engine failed (%s): shutting the server down", exc)
+        holder["failed"] = exc
+        server = holder.get("server")
+        if server is not None:
+            server.should_exit = True  # read by uvicorn's main loop; safe from another thread
+
+    app = create_app(cfg, engine_factory, on_fatal)
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+                            timeout_keep_alive=30, access_log=cfg.log_level == "debug")
+    server = uvicorn.Server(config)
+    holder["server"] = server
+    server.run()
+    return 1 if "failed" in holder else 0

@@ -1,0 +1,76 @@
+"""Prometheus metrics of one server, in a registry of its own (no process-global state).
+
+Counters and histograms are fed by the async bridge as requests finish; the engine gauges
+(running / waiting requests, free pages) are read from `Engine.stats()` at scrape time, so they
+are never stale and cost nothing between scrapes.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+# Engine.stats() key -> (metric name, help)
+_GAUGES = {
+    "num_running": ("kvpipe_num_running_reqs", "Requests holding KV pages (prefilling or decoding)"),
+    "num_waiting": ("kvpipe_num_waiting_reqs", "Requests queued for admission"),
+    "free_pages": ("kvpipe_free_pages", "KV cache pages free for new requests"),
+    "total_pages": ("kvpipe_total_pages", "KV cache pages in the pool"),
+}
+
+
+class _EngineStatsCollector(Collector):
+    def __init__(self, stats: Callable[[], dict | None]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        stats = self._stats() or {}
+        for key, (name, doc) in _GAUGES.items():
+            if key in stats:
+                yield GaugeMetricFamily(name, doc, value=float(stats[key]))
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, stats: Callable[[], dict | None]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name"]
+        self._model = model_name
+        self.requests = Counter("kvpipe_requests", "Finished requests by finish reason",
+                                [*labels, "finish_reason"], registry=self.registry)
+        self.prompt_tokens = Counter("kvpipe_prompt_tokens", "Prompt tokens of finished requests",
+                                     labels, registry=self.registry)
+        self.cached_tokens = Counter("kvpipe_cached_tokens", "Prompt tokens served from the prefix cache",
+                                     labels, registry=self.registry)
+        self.generation_tokens = Counter("kvpipe_generation_tokens", "Generated tokens",
+                                         labels, registry=self.registry)
+        self.ttft = Histogram("kvpipe_time_to_first_token_seconds", "Time to first token",
+                              labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("kvpipe_time_per_output_token_seconds", "Mean time per output token after the first",
+                              labels, buckets=_TPOT_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("kvpipe_e2e_request_latency_seconds", "End-to-end request latency",
+                             labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.registry.register(_EngineStatsCollector(stats))
+
+    def on_first_token(self, ttft_s: float) -> None:
+        self.ttft.labels(self._model).observe(ttft_s)
+
+    def on_finish(self, finish_reason: str, prompt_tokens: int, cached_tokens: int, completion_tokens: int,
+                  e2e_s: float, ttft_s: float | None) -> None:
+        self.requests.labels(self._model, finish_reason).inc()
+        self.prompt_tokens.labels(self._model).inc(prompt_tokens)
+        self.cached_tokens.labels(self._model).inc(cached_tokens)
+        self.generation_tokens.labels(self._model).inc(completion_tokens)
+        self.e2e.labels(self._model).observe(e2e_s)
+        if ttft_s is not None and completion_tokens > 1:
+            self.tpot.labels(self._model).observe((e2e_s - ttft_s) / (completion_tokens - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

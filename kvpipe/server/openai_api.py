@@ -1,0 +1,193 @@
+"""OpenAI-compatible routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions` (with SSE)."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+import jinja2
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from kvpipe.config import ConfigError
+from kvpipe.server.errors import APIError
+from kvpipe.server.openai_protocol import (DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest,
+                                           _OpenAIBase)
+from kvpipe.server.protocol import GenerateInput, new_rid, text_options, to_sampling_params
+from kvpipe.server.request_tracker import RequestOutput
+from kvpipe.server.streaming import (SSE_DONE, ClientDisconnected, ClosingStreamingResponse, close_all, collect,
+                                     merge_streams, read_json, sse, sse_error, until_disconnect)
+from kvpipe.server.validation import finalize_input, with_default_max_tokens
+
+if TYPE_CHECKING:
+    from kvpipe.server.http_server import ServerState
+
+
+def _finish(out: RequestOutput) -> str | None:
+    return None if out.finish_reason is None else out.finish_reason.value
+
+
+def _usage(outs: list[RequestOutput]) -> dict[str, Any]:
+    prompt = sum(o.prompt_tokens for o in outs)
+    completion = sum(o.completion_tokens for o in outs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in outs)}}
+
+
+class _Responder:
+    """Builds response objects and SSE chunks for one OpenAI request."""
+
+    def __init__(self, state: "ServerState", kind: str, rid: str, want_logprobs: bool) -> None:
+        self.state, self.kind, self.want_logprobs = state, kind, want_logprobs
+        self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{rid}"
+        self.created = int(time.time())
+        self.object = "chat.completion" if kind == "chat" else "text_completion"
+        self.chunk_object = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+    def _token_text(self, t: int) -> str:
+        return self.state.engine.engine.tokenizer.decode([t], skip_special_tokens=False)
+
+    def logprobs(self, out: RequestOutput, start: int = 0) -> dict[str, Any] | None:
+        if not self.want_logprobs:
+            return None
+        ids, lps = out.output_ids[start:], out.output_logprobs[start:]
+        toks = [self._token_text(t) for t in ids]
+        if self.kind == "chat":
+            return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
+                                for s, lp in zip(toks, lps)]}
+        return {"tokens": toks, "token_logprobs": lps, "top_logprobs": None, "text_offset": None}
+
+    def _choice_extra(self, out: RequestOutput) -> dict[str, Any]:
+        return {"matched_stop": out.finish_detail} if out.finish_reason is not None and \
+            out.finish_reason.value == "stop" else {}
+
+    def body(self, outs: list[RequestOutput]) -> dict[str, Any]:
+        choices = []
+        for out in outs:
+            c: dict[str, Any] = {"index": out.index}
+            if self.kind == "chat":
+                c["message"] = {"role": "assistant", "content": out.text}
+            else:
+                c["text"] = out.text
+            c.update(logprobs=self.logprobs(out), finish_reason=_finish(out), **self._choice_extra(out))
+            choices.append(c)
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.state.cfg.model_name,
+                "choices": choices, "usage": _usage(outs)}
+
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None, include_usage: bool) -> bytes:
+        obj: dict[str, Any] = {"id": self.id, "object": self.chunk_object,
+                               "created": self.created, "model": self.state.cfg.model_name, "choices": choices}
+        if include_usage:
+            obj["usage"] = usage
+        return sse(obj)
+
+    def delta_choice(self, out: RequestOutput) -> dict[str, Any] | None:
+        """The streamed choice for one update; None when there is nothing to say."""
+        if not out.delta_text and not out.finished and not (self.want_logprobs and out.num_new_ids):
+            return None
+        start = out.completion_tokens - out.num_new_ids
+        c: dict[str, Any] = {"index": out.index}
+        if self.kind == "chat":
+            c["delta"] = {"content": out.delta_text} if out.delta_text else {}
+        else:
+            c["text"] = out.delta_text
+        c.update(logprobs=self.logprobs(out, start), finish_reason=_finish(out), **self._choice_extra(out))
+        return c
+
+
+def _check_model(state: "ServerState", req: _OpenAIBase) -> None:
+    if req.model is not None and req.model not in (state.cfg.model_name, state.cfg.model_path):
+        raise APIError(f"The model `{req.model}` does not exist; this server serves `{state.cfg.model_name}`",
+                       404, param="model")
+
+
+def _build_inputs(state: "ServerState", req: _OpenAIBase, rid: str, prompts: list[list[int]],
+                  max_tokens: int | None, default_max: int | None, want_logprobs: bool) -> list[GenerateInput]:
+    limits = state.limits
+    sp = req.sampling(max_tokens)
+    params = to_sampling_params(sp, default_max or 1)
+    inputs = []
+    for i, ids in enumerate(prompts):
+        p = params if default_max is not None else with_default_max_tokens(params, len(ids), limits)
+        inputs.append(finalize_input(rid if len(prompts) == 1 else f"{rid}-{i}", ids, p, limits,
+                                     return_logprob=want_logprobs, text_options=text_options(sp),
+                                     bootstrap=req.bootstrap(), index=i))
+    return inputs
+
+
+async def _respond(request: Request, state: "ServerState", req: _OpenAIBase, inputs: list[GenerateInput],
+                   responder: _Responder) -> Response:
+    streams = state.submit_all(inputs)
+    if not req.stream:
+        try:
+            outs = await until_disconnect(request, collect(streams))
+        except ClientDisconnected:
+            return Response(status_code=499)
+        finally:
+            close_all(streams)()
+        return JSONResponse(responder.body(outs))
+
+    include_usage = req.include_usage()
+
+    async def events() -> AsyncIterator[bytes]:
+        if responder.kind == "chat":  # OpenAI opens a chat stream with the role
+            for inp in inputs:
+                yield responder.chunk([{"index": inp.index, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}], None, include_usage)
+        finals: dict[int, RequestOutput] = {}
+        try:
+            async for out in merge_streams(streams):
+                choice = responder.delta_choice(out)
+                if choice is not None:
+                    yield responder.chunk([choice], None, include_usage)
+                if out.finished:
+                    finals[out.index] = out
+        except APIError as e:
+            yield sse_error(e)
+        if include_usage:
+            yield responder.chunk([], _usage(list(finals.values())), True)
+        yield SSE_DONE
+
+    return ClosingStreamingResponse(events(), on_close=close_all(streams))
+
+
+def register_openai_routes(app: FastAPI, state: "ServerState") -> None:
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": state.cfg.model_name, "object": "model", "created": 0, "owned_by": "kvpipe",
+            "root": state.cfg.model_name, "max_model_len": state.context_length()}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = CompletionRequest.model_validate(await read_json(request))
+        req.check_supported()
+        _check_model(state, req)
+        tok = state.engine.engine.tokenizer
+        prompts = []
+        for p in req.prompts():
+            if p == "":
+                raise APIError("the prompt is empty", param="prompt")
+            prompts.append(tok.encode(p) if isinstance(p, str) else p)
+        max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
+        rid = req.rid or new_rid()
+        inputs = _build_inputs(state, req, rid, prompts, max_tokens, DEFAULT_COMPLETION_MAX_TOKENS,
+                               req.logprobs is not None)
+        return await _respond(request, state, req, inputs,
+                              _Responder(state, "completion", rid, req.logprobs is not None))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = ChatCompletionRequest.model_validate(await read_json(request))
+        req.check_supported()
+        _check_model(state, req)
+        try:
+            ids = state.engine.engine.tokenizer.encode_chat(req.message_dicts())
+        except (ValueError, ConfigError, jinja2.TemplateError) as e:
+            raise APIError(f"cannot apply the chat template: {e}", param="messages") from e
+        max_new = req.max_new_tokens()
+        # No max tokens: up to the end of the context (default_max=None picks it per prompt).
+        rid = req.rid or new_rid()
+        inputs = _build_inputs(state, req, rid, [ids], max_new, max_new, bool(req.logprobs))
+        return await _respond(request, state, req, inputs, _Responder(state, "chat", rid, bool(req.logprobs)))
+

@@ -1,0 +1,128 @@
+"""OpenAI-compatible request schemas and their mapping onto kvpipe's sampling parameters.
+
+Fields OpenAI defines that kvpipe cannot honour are refused with a 400 when set to a
+non-default value (never silently ignored); unknown fields are ignored, because sglang-router
+rebuilds bodies with fields of its own. SGLang's extensions (top_k, min_p, stop_token_ids,
+ignore_eos, rid, bootstrap_*) are accepted as SGLang does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+from kvpipe.server.errors import APIError
+from kvpipe.server.protocol import BootstrapInfo, SamplingParamsIn, WireModel
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class StreamOptions(WireModel):
+    include_usage: bool | None = False
+
+
+class _OpenAIBase(WireModel):
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # SGLang extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    repetition_penalty: float | None = None
+    rid: str | None = None
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
+
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def bootstrap(self) -> BootstrapInfo | None:
+        if self.bootstrap_host is None and self.bootstrap_port is None and self.bootstrap_room is None:
+            return None
+        return BootstrapInfo(self.bootstrap_host, self.bootstrap_port, self.bootstrap_room)
+
+    def sampling(self, max_tokens: int | None) -> SamplingParamsIn:
+        if self.logit_bias:
+            raise APIError("logit_bias is not supported", param="logit_bias")
+        return SamplingParamsIn(
+            max_new_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            min_p=self.min_p, stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            seed=self.seed, n=self.n, frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty, repetition_penalty=self.repetition_penalty,
+            skip_special_tokens=self.skip_special_tokens, no_stop_trim=self.no_stop_trim)
+
+
+class CompletionRequest(_OpenAIBase):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int | None = None
+    logprobs: int | None = None
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise APIError("the prompt is empty", param="prompt")
+        if isinstance(p[0], int):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+    def check_supported(self) -> None:
+        if self.echo:
+            raise APIError("echo is not supported", param="echo")
+        if self.best_of not in (None, 1):
+            raise APIError("best_of must be 1", param="best_of")
+        if self.suffix:
+            raise APIError("suffix is not supported", param="suffix")
+        if self.logprobs not in (None, 0):
+            raise APIError("only logprobs=0 (logprobs of the sampled tokens) is supported", param="logprobs")
+
+
+class ChatMessage(WireModel):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_OpenAIBase):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def max_new_tokens(self) -> int | None:
+        # sglang-router turns max_tokens into max_completion_tokens; OpenAI deprecates max_tokens.
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def check_supported(self) -> None:
+        if not self.messages:
+            raise APIError("messages must not be empty", param="messages")
+        if self.tools:
+            raise APIError("tool calling is not supported", param="tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise APIError("only response_format {\"type\": \"text\"} is supported", param="response_format")
+        if self.top_logprobs not in (None, 0):
+            raise APIError("top_logprobs is not supported (only the sampled tokens' logprobs)", param="top_logprobs")
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        return [m.model_dump(exclude_none=True) for m in self.messages]

@@ -1,0 +1,199 @@
+"""SGLang native `/generate` schema, the sampling-parameter checks, and the normalised request.
+
+Wire schemas are strict pydantic models (a string where a number belongs is an error, not a
+coercion) that ignore unknown fields: sglang-router rebuilds request bodies and adds fields of
+its own. `GenerateInput` is what the rest of the server works with: one prompt, tokenised,
+validated, with its engine `SamplingParams` and the PD bootstrap fields carried through.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any, Union
+
+from pydantic import BaseModel, ConfigDict
+
+from kvpipe.engine.request import SamplingParams
+from kvpipe.server.errors import APIError
+
+MAX_SEED = 2**63 - 1
+
+
+class WireModel(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class SamplingParamsIn(WireModel):
+    """SGLang's `sampling_params` object; None means "use the default"."""
+
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    seed: int | None = None
+    n: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    skip_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+
+
+class GenerateRequest(WireModel):
+    """Body of `POST /generate`: one prompt, or a batch when `text`/`input_ids` is a list of prompts."""
+
+    text: str | list[str] | None = None
+    input_ids: Union[list[int], list[list[int]], None] = None
+    sampling_params: SamplingParamsIn | list[SamplingParamsIn] | None = None
+    stream: bool = False
+    return_logprob: bool | list[bool] = False
+    logprob_start_len: int | list[int] | None = None
+    top_logprobs_num: int | list[int] | None = None
+    rid: str | list[str] | None = None
+    bootstrap_host: str | list[str | None] | None = None
+    bootstrap_port: int | list[int | None] | None = None
+    bootstrap_room: int | list[int | None] | None = None
+
+
+@dataclass(frozen=True)
+class BootstrapInfo:
+    """Where a PD request's KV comes from (injected by the router); unused by a colocated server."""
+
+    host: str | None = None
+    port: int | None = None
+    room: int | None = None
+
+
+@dataclass(frozen=True)
+class TextOptions:
+    """How generated tokens become text."""
+
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False  # keep a matched stop string at the end of the text
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    """One validated prompt, ready for the engine."""
+
+    rid: str
+    input_ids: tuple[int, ...]
+    params: SamplingParams
+    return_logprob: bool = False
+    text_options: TextOptions = TextOptions()
+    bootstrap: BootstrapInfo | None = None
+    index: int = 0  # position in a batched request
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    """One prompt of a (maybe batched) request before tokenisation and limit checks."""
+
+    text: str | None
+    input_ids: list[int] | None
+    sampling: SamplingParamsIn
+    rid: str
+    return_logprob: bool
+    bootstrap: BootstrapInfo | None
+
+
+def new_rid() -> str:
+    return uuid.uuid4().hex
+
+
+def _pick(value: Any, i: int, n: int, name: str) -> Any:
+    """Element i of a per-prompt list, or the scalar shared by the whole batch."""
+    if isinstance(value, list):
+        if len(value) != n:
+            raise APIError(f"{name} has {len(value)} entries for a batch of {n} prompts", param=name)
+        return value[i]
+    return value
+
+
+def split_generate_request(req: GenerateRequest) -> tuple[list[PromptSpec], bool]:
+    """Normalise a `/generate` body into per-prompt specs; the flag says the reply is a list."""
+    if req.text is not None and req.input_ids is not None:
+        raise APIError("give either text or input_ids, not both", param="text")
+    if req.text is None and req.input_ids is None:
+        raise APIError("one of text or input_ids is required", param="text")
+    prompts: list[tuple[str | None, list[int] | None]]
+    if req.text is not None:
+        batched = isinstance(req.text, list)
+        prompts = [(t, None) for t in req.text] if batched else [(req.text, None)]
+    else:
+        ids = req.input_ids
+        batched = bool(ids) and isinstance(ids[0], list)
+        prompts = [(None, list(x)) for x in ids] if batched else [(None, list(ids))]
+    if batched and not prompts:
+        raise APIError("empty batch", param="text" if req.text is not None else "input_ids")
+    n = len(prompts)
+    for name in ("top_logprobs_num",):
+        for i in range(n):
+            if (_pick(getattr(req, name), i, n, name) or 0) > 0:
+                raise APIError("top_logprobs_num > 0 is not supported", param=name)
+    if not batched and isinstance(req.rid, list):
+        raise APIError("rid must be a string for a single prompt", param="rid")
+    specs = []
+    for i, (text, ids) in enumerate(prompts):
+        boot = BootstrapInfo(_pick(req.bootstrap_host, i, n, "bootstrap_host"),
+                             _pick(req.bootstrap_port, i, n, "bootstrap_port"),
+                             _pick(req.bootstrap_room, i, n, "bootstrap_room"))
+        has_boot = boot.host is not None or boot.port is not None or boot.room is not None
+        specs.append(PromptSpec(
+            text=text, input_ids=ids,
+            sampling=_pick(req.sampling_params, i, n, "sampling_params") or SamplingParamsIn(),
+            rid=_pick(req.rid, i, n, "rid") or new_rid(),
+            return_logprob=bool(_pick(req.return_logprob, i, n, "return_logprob")),
+            bootstrap=boot if has_boot else None,
+        ))
+    rids = [s.rid for s in specs]
+    if len(set(rids)) != len(rids):
+        raise APIError("duplicate rid inside one batch", param="rid")
+    return specs, batched
+
+
+def to_sampling_params(sp: SamplingParamsIn, default_max_new_tokens: int) -> SamplingParams:
+    """Check ranges (SGLang's rules) and build the engine's frozen SamplingParams."""
+    max_new = default_max_new_tokens if sp.max_new_tokens is None else sp.max_new_tokens
+    if max_new < 1:
+        raise APIError(f"max_new_tokens must be at least 1, got {max_new}", param="max_new_tokens")
+    temperature = 1.0 if sp.temperature is None else sp.temperature
+    if not temperature >= 0.0:  # also rejects NaN
+        raise APIError(f"temperature must be non-negative, got {temperature}", param="temperature")
+    top_p = 1.0 if sp.top_p is None else sp.top_p
+    if not 0.0 < top_p <= 1.0:
+        raise APIError(f"top_p must be in (0, 1], got {top_p}", param="top_p")
+    top_k = -1 if sp.top_k in (None, 0) else sp.top_k
+    if top_k < -1:
+        raise APIError(f"top_k must be -1 (disabled) or at least 1, got {top_k}", param="top_k")
+    min_p = 0.0 if sp.min_p is None else sp.min_p
+    if not 0.0 <= min_p <= 1.0:
+        raise APIError(f"min_p must be in [0, 1], got {min_p}", param="min_p")
+    stop = (sp.stop,) if isinstance(sp.stop, str) else tuple(sp.stop or ())
+    if any(s == "" for s in stop):
+        raise APIError("stop strings must not be empty", param="stop")
+    stop_ids = tuple(sp.stop_token_ids or ())
+    if any(t < 0 for t in stop_ids):
+        raise APIError("stop_token_ids must be non-negative", param="stop_token_ids")
+    if sp.seed is not None and not 0 <= sp.seed <= MAX_SEED:
+        raise APIError(f"seed must be in [0, 2**63), got {sp.seed}", param="seed")
+    if sp.n not in (None, 1):
+        raise APIError("only n=1 is supported", param="n")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if getattr(sp, name) not in (None, 0.0):
+            raise APIError(f"{name} is not supported (must be 0)", param=name)
+    if sp.repetition_penalty not in (None, 1.0):
+        raise APIError("repetition_penalty is not supported (must be 1)", param="repetition_penalty")
+    return SamplingParams(max_new_tokens=max_new, temperature=float(temperature), top_p=float(top_p),
+                          top_k=top_k, min_p=float(min_p), stop=stop, stop_token_ids=stop_ids,
+                          ignore_eos=bool(sp.ignore_eos), seed=sp.seed)
+
+
+def text_options(sp: SamplingParamsIn) -> TextOptions:
+    return TextOptions(skip_special_tokens=sp.skip_special_tokens is not False,
+                       no_stop_trim=bool(sp.no_stop_trim))
