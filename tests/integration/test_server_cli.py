@@ -1,0 +1,70 @@
+"""The `kvpipe` console script: init-model, generate --json, flag parsing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvpipe.cli import build_parser, server_config_from_args
+
+pytestmark = pytest.mark.timeout(300)
+
+KVPIPE = str(Path(sys.executable).parent / "kvpipe")  # the installed console script
+
+
+def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([KVPIPE, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_init_model_then_generate_json(tmp_path: Path, tiny_model_dir: Path) -> None:
+    out = tmp_path / "ckpt"
+    r = _run("init-model", "--preset", "tiny", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert Path(r.stdout.strip()) == out
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"):
+        assert (out / name).is_file(), name
+
+    def gen(model: Path) -> list[dict]:
+        g = _run("generate", "--model-path", str(model), "--prompt", "Hello there", "--prompt", "Bye",
+                 "--max-new-tokens", "6", "--temperature", "0", "--json")
+        assert g.returncode == 0, g.stderr
+        return [json.loads(line) for line in g.stdout.splitlines() if line.strip()]
+
+    mine, fixture = gen(out), gen(tiny_model_dir)
+    assert [m["prompt"] for m in mine] == ["Hello there", "Bye"]
+    for m in mine:
+        assert 1 <= len(m["output_ids"]) <= 6 and isinstance(m["text"], str)
+        assert m["meta_info"]["completion_tokens"] == len(m["output_ids"])
+    # same preset and seed -> same weights -> same greedy tokens
+    assert [m["output_ids"] for m in mine] == [f["output_ids"] for f in fixture]
+
+
+def test_bad_flags_fail_cleanly(tmp_path: Path) -> None:
+    r = _run("init-model", "--preset", "huge", "--out", str(tmp_path / "x"))
+    assert r.returncode == 2 and "invalid choice" in r.stderr
+    r = _run("serve", "--no-such-flag")
+    assert r.returncode == 2 and "unrecognized" in r.stderr
+    r = _run("generate", "--model-path", str(tmp_path), "--prompt", "x", "--max-new-tokens", "0")
+    assert r.returncode != 0 and "max-new-tokens" in r.stderr
+    r = _run("--help")
+    assert r.returncode == 0 and all(c in r.stdout for c in ("serve", "generate", "init-model", "launch"))
+
+
+def test_server_config_from_args(tmp_path: Path) -> None:
+    parser, _ = build_parser()
+    args = parser.parse_args(["serve", "--model-path", str(tmp_path), "--port", "1234", "--tp-size", "2",
+                              "--page-size", "16", "--chunked-prefill-size", "256", "--max-running-requests", "8",
+                              "--max-total-tokens", "4096", "--context-length", "1024",
+                              "--served-model-name", "m", "--log-level", "warning"])
+    cfg = server_config_from_args(args)
+    assert (cfg.model_path, cfg.port, cfg.tp_size, cfg.model_name, cfg.log_level) == (str(tmp_path), 1234, 2, "m",
+                                                                                       "warning")
+    assert (cfg.cache.page_size, cfg.cache.max_total_tokens, cfg.cache.pages()) == (16, 4096, 256)
+    assert (cfg.scheduler.chunked_prefill_size, cfg.scheduler.max_running_requests,
+            cfg.scheduler.context_length) == (256, 8, 1024)
+    with pytest.raises(SystemExit):
+        server_config_from_args(parser.parse_args(["serve", "--model-path", "x", "--page-size", "0"]))

@@ -1,0 +1,147 @@
+"""OpenAI-compatible routes of `kvpipe serve`, driven by the official `openai` client over HTTP."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import openai
+import pytest
+
+from server_harness import ServerProc, server_fixture
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+MODEL = "tiny-chat"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[ServerProc]:
+    # a context of 512 tokens keeps chat without max_tokens short
+    yield from server_fixture(tiny_model_dir, tmp_path_factory.mktemp("srv"), "--context-length", "512",
+                              "--served-model-name", MODEL)
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProc) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi"}]
+
+
+def test_models(client: openai.OpenAI) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_chat_non_stream_matches_native(client: openai.OpenAI, server: ServerProc) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0)
+    choice = r.choices[0]
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert choice.message.role == "assistant" and choice.finish_reason in ("length", "stop")
+    assert r.usage.prompt_tokens > 0 and r.usage.completion_tokens <= 10
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    # the chat template is the tokenizer's: the same prompt through /generate gives the same text
+    from kvpipe.model.tokenizer import Tokenizer
+    ids = Tokenizer.from_dir(Path(server.get("/model_info").json()["model_path"])).encode_chat(MESSAGES)
+    assert len(ids) == r.usage.prompt_tokens
+    native = server.post("/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 10,
+                                                                                  "temperature": 0}}).json()
+    assert native["text"] == choice.message.content
+
+
+def test_chat_content_parts_and_max_completion_tokens(client: openai.OpenAI) -> None:
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hi"}]}]
+    r = client.chat.completions.create(model=MODEL, messages=parts, max_completion_tokens=4, temperature=0)
+    r2 = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi"}],
+                                        max_tokens=4, temperature=0)
+    assert r.choices[0].message.content == r2.choices[0].message.content
+    assert r.usage.completion_tokens <= 4
+
+
+def test_chat_stream_with_usage(client: openai.OpenAI) -> None:
+    full = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, seed=7)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0,
+                                                 seed=7, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_without_max_tokens_stops_at_context(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.total_tokens == 512
+
+
+def test_completions(client: openai.OpenAI) -> None:
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.object == "text_completion" and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 8
+    chunks = list(client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 8
+    # default max_tokens is OpenAI's 16
+    d = client.completions.create(model=MODEL, prompt="Once", temperature=0, extra_body={"ignore_eos": True})
+    assert d.usage.completion_tokens == 16
+
+
+def test_completions_batch_and_token_prompt(client: openai.OpenAI) -> None:
+    r = client.completions.create(model=MODEL, prompt=["one", "two"], max_tokens=4, temperature=0)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    single = client.completions.create(model=MODEL, prompt="two", max_tokens=4, temperature=0)
+    assert next(c.text for c in r.choices if c.index == 1) == single.choices[0].text
+    ids = client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=3, temperature=0,
+                                    logprobs=0)
+    lp = ids.choices[0].logprobs
+    assert len(lp.token_logprobs) == ids.usage.completion_tokens and all(x <= 0 for x in lp.token_logprobs)
+
+
+def test_chat_logprobs(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0, logprobs=True)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens and all(c.logprob <= 0 for c in content)
+
+
+@pytest.mark.parametrize("kwargs,error", [
+    ({"model": "no-such-model"}, openai.NotFoundError),
+    ({"n": 2}, openai.BadRequestError),
+    ({"max_tokens": 0}, openai.BadRequestError),
+    ({"max_tokens": -1}, openai.BadRequestError),
+    ({"max_tokens": 100_000}, openai.BadRequestError),
+    ({"temperature": -1.0}, openai.BadRequestError),
+    ({"top_p": 2.0}, openai.BadRequestError),
+    ({"messages": []}, openai.BadRequestError),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     openai.BadRequestError),
+    ({"presence_penalty": 0.5}, openai.BadRequestError),
+])
+def test_chat_bad_requests(client: openai.OpenAI, server: ServerProc, kwargs: dict, error: type) -> None:
+    args = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, **kwargs}
+    with pytest.raises(error) as info:
+        client.chat.completions.create(**args)
+    assert info.value.body and "message" in info.value.body
+    assert server.get("/health").status_code == 200
+
+
+def test_completions_bad_requests(server: ServerProc) -> None:
+    for body in ({"model": MODEL, "prompt": ""}, {"model": MODEL, "prompt": []}, {"model": MODEL, "prompt": 3},
+                 {"model": MODEL, "prompt": "x", "echo": True}, {"model": MODEL, "prompt": [10**7]},
+                 {"model": MODEL, "prompt": "x", "max_tokens": "3"}):
+        r = server.post("/v1/completions", json=body)
+        assert r.status_code == 400, (body, r.text)
+        assert set(r.json()["error"]) >= {"message", "type", "code"}
+    r = server.post("/v1/chat/completions", content=b"{oops", headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    assert httpx.get(server.url + "/health").status_code == 200
