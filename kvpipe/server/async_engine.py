@@ -195,9 +195,12 @@ class AsyncEngine:
         self._queues[inp.rid] = stream.queue
         try:
             engine.add_request(req)
-        except ValueError as e:
+        except ValueError as e:  # e.g. the engine still holds this rid
             self._queues.pop(inp.rid, None)
             raise APIError(str(e), 400) from e
+        except RuntimeError as e:  # the engine is shutting down
+            self._queues.pop(inp.rid, None)
+            raise APIError(str(e), 503) from e
         self._wake.set()
         return stream
 

@@ -32,6 +32,7 @@ from kvpipe.server.validation import ModelLimits, prepare_prompts
 logger = logging.getLogger(__name__)
 
 HEALTH_GENERATE_TIMEOUT_S = 30.0
+GRACEFUL_SHUTDOWN_S = 5.0
 
 
 def _local_dir(path: str | None) -> str | None:
@@ -225,7 +226,9 @@ def run_server(cfg: ServerConfig, engine_factory: Callable[[], EngineLike] | Non
 
     app = create_app(cfg, engine_factory, on_fatal)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                            timeout_keep_alive=30, access_log=cfg.log_level == "debug")
+                            timeout_keep_alive=30, access_log=cfg.log_level == "debug",
+                            # on SIGTERM, streams still running after this long are cut (and aborted)
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     server = uvicorn.Server(config)
     holder["server"] = server
     server.run()

@@ -64,6 +64,9 @@ def prepare_prompts(specs: list[PromptSpec], tokenizer: TextEncoder, limits: Mod
         else:
             ids = list(spec.input_ids or [])
         params = to_sampling_params(spec.sampling, default_max_new_tokens)
+        if spec.sampling.max_new_tokens is None:  # a default, not a request: clamp it to the context
+            params = replace(params, max_new_tokens=max(1, min(params.max_new_tokens,
+                                                               limits.context_length - len(ids))))
         out.append(finalize_input(spec.rid, ids, params, limits, return_logprob=spec.return_logprob,
                                   text_options=text_options(spec.sampling), bootstrap=spec.bootstrap, index=i))
     return out
