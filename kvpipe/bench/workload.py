@@ -1,0 +1,159 @@
+"""Synthetic serving workload: token-id prompts of exact lengths, output lengths, arrival times.
+
+Everything here is plain Python/numpy and deterministic for a given `WorkloadConfig` (seeded
+`numpy.random.Generator`), so a sweep runs the same requests against every mode.
+
+Prompts are `input_ids` rather than text: a tokenizer round trip would change their lengths, and
+the benchmark is about prompt length. Output lengths are exact too: requests set `ignore_eos`.
+
+Length specs (`parse_lengths`):
+  "1024"              every request 1024
+  "256,1024,2048"     cycled in request order (request i gets item i % 3)
+  "uniform:256:2048"  drawn uniformly from [256, 2048] (inclusive)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class LengthSpec:
+    """Either a fixed list cycled over requests, or a uniform integer range."""
+
+    values: tuple[int, ...] = ()
+    low: int = 0
+    high: int = 0
+
+    @property
+    def is_range(self) -> bool:
+        return not self.values
+
+    def max(self) -> int:
+        return self.high if self.is_range else max(self.values)
+
+    def min(self) -> int:
+        return self.low if self.is_range else min(self.values)
+
+    def sample(self, n: int, rng: np.random.Generator) -> list[int]:
+        if self.is_range:
+            return [int(x) for x in rng.integers(self.low, self.high + 1, size=n)]
+        return [self.values[i % len(self.values)] for i in range(n)]
+
+
+def parse_lengths(spec: str | int | list[int] | tuple[int, ...], what: str = "length") -> LengthSpec:
+    """"1024" | "256,1024" | "uniform:LO:HI" | an int | a list of ints -> LengthSpec (all ≥ 1)."""
+    if isinstance(spec, int):
+        spec = [spec]
+    if isinstance(spec, str):
+        s = spec.strip()
+        if s.startswith("uniform:"):
+            parts = s.split(":")
+            try:
+                low, high = int(parts[1]), int(parts[2])
+            except (IndexError, ValueError):
+                raise ValueError(f"{what}: expected uniform:LO:HI, got {spec!r}") from None
+            if len(parts) != 3 or not 1 <= low <= high:
+                raise ValueError(f"{what}: expected uniform:LO:HI with 1 <= LO <= HI, got {spec!r}")
+            return LengthSpec(low=low, high=high)
+        try:
+            spec = [int(x) for x in s.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"{what}: expected N, N,N,... or uniform:LO:HI, got {s!r}") from None
+    values = tuple(int(v) for v in spec)
+    if not values or min(values) < 1:
+        raise ValueError(f"{what}: lengths must be positive integers, got {list(values)}")
+    return LengthSpec(values=values)
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    prompt_lens: LengthSpec
+    output_lens: LengthSpec
+    num_requests: int
+    vocab_size: int
+    request_rate: float = math.inf  # requests/s of a Poisson process; inf = all at t=0
+    seed: int = 0
+    # Shared-prefix mode: request i belongs to group i % num_prefix_groups, and the first
+    # `prefix_len` tokens of its prompt are that group's prefix (0 groups = off).
+    num_prefix_groups: int = 0
+    prefix_len: int = 0
+    # Token ids are drawn from [token_id_low, vocab_size): keeps the lowest (often special) ids out.
+    token_id_low: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_requests < 1:
+            raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
+        if not 0 <= self.token_id_low < self.vocab_size:
+            raise ValueError(f"need 0 <= token_id_low < vocab_size, got {self.token_id_low}, {self.vocab_size}")
+        if not self.request_rate > 0:
+            raise ValueError(f"request_rate must be > 0 (inf = no pacing), got {self.request_rate}")
+        if self.num_prefix_groups < 0 or self.prefix_len < 0:
+            raise ValueError("num_prefix_groups and prefix_len must be >= 0")
+        if self.num_prefix_groups and self.prefix_len >= self.prompt_lens.min():
+            raise ValueError(f"prefix_len ({self.prefix_len}) must be shorter than every prompt "
+                             f"(shortest {self.prompt_lens.min()})")
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    index: int
+    input_ids: tuple[int, ...]
+    output_len: int
+    arrival_s: float  # offset from the start of the run at which the request is sent
+    prefix_group: int | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.input_ids)
+
+    def body(self, stream: bool = True, temperature: float = 0.0) -> dict:
+        """The SGLang native `/generate` body; ignore_eos makes the output length exact."""
+        return {"input_ids": list(self.input_ids), "stream": stream,
+                "sampling_params": {"max_new_tokens": self.output_len, "temperature": temperature,
+                                    "ignore_eos": True}}
+
+
+def arrival_times(n: int, rate: float, rng: np.random.Generator) -> list[float]:
+    """Offsets (s) of n Poisson arrivals at `rate` req/s, the first at 0; all 0 when rate is inf."""
+    if math.isinf(rate):
+        return [0.0] * n
+    gaps = rng.exponential(1.0 / rate, size=n)
+    gaps[0] = 0.0
+    return [float(x) for x in np.cumsum(gaps)]
+
+
+@dataclass(frozen=True)
+class Workload:
+    config: WorkloadConfig
+    requests: tuple[BenchRequest, ...] = field(default_factory=tuple)
+
+    @property
+    def total_prompt_tokens(self) -> int:
+        return sum(r.prompt_len for r in self.requests)
+
+    @property
+    def total_output_tokens(self) -> int:
+        return sum(r.output_len for r in self.requests)
+
+
+def build_workload(cfg: WorkloadConfig) -> Workload:
+    """The requests of `cfg`, identical for identical configs (one seeded generator, fixed draw order)."""
+    rng = np.random.default_rng(cfg.seed)
+    n = cfg.num_requests
+    prompt_lens = cfg.prompt_lens.sample(n, rng)
+    output_lens = cfg.output_lens.sample(n, rng)
+    arrivals = arrival_times(n, cfg.request_rate, rng)
+    prefixes = [rng.integers(cfg.token_id_low, cfg.vocab_size, size=cfg.prefix_len)
+                for _ in range(cfg.num_prefix_groups)]
+    reqs = []
+    for i in range(n):
+        group = i % cfg.num_prefix_groups if cfg.num_prefix_groups else None
+        head = prefixes[group] if group is not None else np.empty(0, dtype=np.int64)
+        tail = rng.integers(cfg.token_id_low, cfg.vocab_size, size=prompt_lens[i] - len(head))
+        ids = tuple(int(t) for t in np.concatenate([head, tail]))
+        reqs.append(BenchRequest(i, ids, output_lens[i], arrivals[i], group))
+    return Workload(cfg, tuple(reqs))

@@ -1,0 +1,125 @@
+"""Link testbed: namespaces come up joined by a shaped veth pair and always go away.
+
+Root and iproute2 only; nothing is timed. TCP crosses the link with plain sockets opened inside
+each namespace (via setns in a thread, and via `ip netns exec` for a subprocess).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+from dataclasses import replace
+
+import pytest
+
+from kvpipe.bench.testbed import LinkTestbed, LinkTestbedError, make_spec, namespace_exists, parse_rate, \
+    setup_commands
+from kvpipe.bench.testbed_cli import recorded, removable
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+needs_root = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
+                                reason="needs root and iproute2")
+
+
+def test_parse_rate_and_commands() -> None:
+    assert parse_rate("2Gbit") == ("2gbit", 2e9)
+    assert parse_rate("100mbps") == ("100mbps", 8e8)
+    for bad in ("fast", "10", "0mbit", "-1gbit", "3 furlongs"):
+        with pytest.raises(ValueError):
+            parse_rate(bad)
+    s = make_spec("2gbit")
+    assert s.burst_bytes == 250_000  # 1 ms at 2 Gbit/s = DESIGN.md's 2 Mbit
+    assert len(s.veth_a) <= 15 and s.veth_a != s.veth_b and s.ns_a != s.ns_b
+    assert make_spec("2gbit").name != s.name
+    cmds = setup_commands(s)
+    tbf = [c for c in cmds if "tbf" in c]
+    assert len(tbf) == 2 and all("2gbit" in c for c in tbf)
+    assert {c[2] for c in cmds if c[:2] == ["ip", "-n"] and "lo" in c} == {s.ns_a, s.ns_b}
+
+
+def _echo_server(sock: socket.socket) -> None:
+    conn, _ = sock.accept()
+    with conn:
+        conn.sendall(conn.recv(64).upper())
+
+
+@needs_root
+def test_tcp_across_and_cleanup(tmp_path) -> None:
+    with LinkTestbed("500mbit", state_dir=tmp_path) as tb:
+        assert namespace_exists(tb.ns_a) and namespace_exists(tb.ns_b)
+        assert [st["spec"]["name"] for _, st in recorded(tmp_path)] == [tb.spec.name]
+        assert not removable(recorded(tmp_path)[0][1], None)  # live, run-scoped: `down` leaves it
+        qdisc = subprocess.run(["tc", "-n", tb.ns_a, "qdisc", "show", "dev", tb.spec.veth_a],
+                               capture_output=True, text=True, check=True).stdout
+        assert "tbf" in qdisc and "500Mbit" in qdisc
+        srv = tb.call_in("a", socket.create_server, (tb.addr_a, 0))
+        port = srv.getsockname()[1]
+        t = threading.Thread(target=_echo_server, args=(srv,), daemon=True)
+        t.start()
+
+        def talk() -> bytes:
+            with socket.create_connection((tb.addr_a, port), timeout=5) as c:
+                c.sendall(b"ping")
+                return c.recv(64)
+
+        assert tb.call_in("b", talk) == b"PING"
+        t.join(5)
+        srv.close()
+        # Our own namespace cannot reach the 10.x address: it exists only inside the testbed.
+        with pytest.raises(OSError):
+            socket.create_connection((tb.addr_a, port), timeout=1).close()
+        # A subprocess started on side b reaches a listener on side a.
+        srv2 = tb.call_in("a", socket.create_server, (tb.addr_a, 0))
+        code = f"import socket; socket.create_connection(('{tb.addr_a}', {srv2.getsockname()[1]}), timeout=5)"
+        p = tb.popen("b", [sys.executable, "-c", code])
+        assert p.wait(20) == 0
+        srv2.close()
+        names = (tb.ns_a, tb.ns_b)
+    assert not any(namespace_exists(n) for n in names)
+    assert recorded(tmp_path) == []
+
+
+@needs_root
+def test_cleanup_when_body_raises_and_processes_inside(tmp_path) -> None:
+    with pytest.raises(RuntimeError, match="boom"):
+        with LinkTestbed("100mbit", state_dir=tmp_path) as tb:
+            names = (tb.ns_a, tb.ns_b)
+            sleeper = tb.popen("a", [sys.executable, "-c", "import time; time.sleep(60)"])
+            raise RuntimeError("boom")
+    assert sleeper.poll() is not None  # stopped, not left running in a deleted namespace
+    assert not any(namespace_exists(n) for n in names)
+    assert recorded(tmp_path) == []
+
+
+@needs_root
+def test_failed_setup_rolls_back(tmp_path) -> None:
+    tb = LinkTestbed("100mbit", burst_bytes=2048, state_dir=tmp_path)
+    tb.spec = replace(tb.spec, addr_a="not-an-address")  # makes `ip addr add` fail mid-setup
+    with pytest.raises(LinkTestbedError, match="not-an-address"):
+        tb.up()
+    assert not namespace_exists(tb.ns_a) and not namespace_exists(tb.ns_b)
+    assert recorded(tmp_path) == []
+
+
+@needs_root
+def test_cli_up_then_down(tmp_path, monkeypatch) -> None:
+    from kvpipe.bench import testbed_cli as cli
+
+    monkeypatch.setenv("KVPIPE_TESTBED_DIR", str(tmp_path))
+    assert cli.main(["up", "--rate", "50mbit"]) == 0
+    (path, st), = recorded(tmp_path)
+    ns = (st["spec"]["name"] + "-a", st["spec"]["name"] + "-b")
+    assert st["persistent"] and all(namespace_exists(n) for n in ns)
+    assert cli.main(["down", "--name", "nope"]) == 1 and all(namespace_exists(n) for n in ns)
+    assert cli.main(["down"]) == 0
+    assert not any(namespace_exists(n) for n in ns) and not path.exists()
+
+
+def test_not_root_is_a_clear_error(monkeypatch) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(LinkTestbedError, match="root"):
+        LinkTestbed("1gbit").up()
