@@ -32,6 +32,9 @@ from kvpipe.transfer.layout import KVLayout
 from kvpipe.transfer.tp_mapping import transfer_slices
 
 
+DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's convention; the router sends null for "default"
+
+
 class BootstrapError(RuntimeError):
     """The bootstrap server is unreachable, not ready, or answered something unusable."""
 
@@ -277,14 +280,18 @@ def fetch_prefill_rank(host: str, port: int, rank: int, timeout_s: float = 2.0) 
 
 
 def wait_prefill_info(host: str, port: int, timeout_s: float, http_timeout_s: float = 2.0,
-                      retry_s: float = 0.05) -> PrefillInstanceInfo:
-    """fetch_prefill_info, retrying unreachable / not-ready servers until `timeout_s` passed."""
+                      retry_s: float = 0.05, stop: threading.Event | None = None) -> PrefillInstanceInfo:
+    """fetch_prefill_info, retrying unreachable / not-ready servers until `timeout_s` passed
+    (or `stop` is set: then the last error is raised)."""
     end = time.monotonic() + timeout_s
     while True:
         try:
             return fetch_prefill_info(host, port, min(http_timeout_s, max(0.05, end - time.monotonic())))
         except (BootstrapUnreachable, BootstrapNotReady):
             # Unreachable and not-ready servers may heal (prefill starting); other errors will not.
-            if time.monotonic() + retry_s >= end:
+            if time.monotonic() + retry_s >= end or (stop is not None and stop.is_set()):
                 raise
-        time.sleep(retry_s)
+        if stop is not None:
+            stop.wait(retry_s)
+        else:
+            time.sleep(retry_s)

@@ -29,6 +29,10 @@ from kvpipe.transfer.config import DisaggConfig
 Clock = Callable[[], float]
 
 
+class DuplicateRoomError(ValueError):
+    """add_room for a room that is still active: the engine must reject the new request only."""
+
+
 class TransferState(enum.IntEnum):
     # The order is the forward direction of the state machine.
     BOOTSTRAPPING = 0

@@ -1,0 +1,179 @@
+"""Prefill-side bookkeeping of one room: destinations, queued send calls, per-layer send cursors.
+
+Plain Python/numpy, no sockets and no backend: `KVSender` owns the threads and I/O and drives a
+`SenderRoom` under its lock; this file turns `send()` calls into coalesced write batches.
+
+Pages. `src_pages[i]` holds prompt tokens [i*ps, (i+1)*ps) on prefill. A destination (one decode
+rank) holds the first `prefix_len` tokens already (page aligned) and gave `dst_pages[j]` for
+request page `prefix_len // ps + j`. Each destination keeps one cursor per layer: tokens whose
+pages of that layer are already planned. A send call (token_end, layers [a, b)) plans, per run of
+layers with equal cursors, the pages `planner.sendable_pages` allows: full pages only, a trailing
+partial page waits for the next chunk, and `last=True` flushes every layer up to token_end
+(layer-pipelined prefill: the earlier layer groups of the final chunk get their partial page too).
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvpipe.transfer.backends.base import BatchHandle
+from kvpipe.transfer.layout import KVLayout
+from kvpipe.transfer.messages import AuxData
+from kvpipe.transfer.planner import plan_pages, sendable_pages
+from kvpipe.transfer.state import RoomRecord, TransferState
+
+
+class PlanError(ValueError):
+    """A send call or request that cannot be planned (sizes inconsistent); fails the room."""
+
+
+@dataclass(frozen=True)
+class SendCall:
+    token_start: int
+    token_end: int
+    layer_start: int
+    layer_end: int
+    last: bool
+
+
+@dataclass
+class Destination:
+    """One decode rank this prefill rank writes a room's KV into (from RegisterPeer + TransferRequest)."""
+
+    session_id: str
+    decode_rank: int
+    control_address: str
+    data_address: str
+    layout: KVLayout
+    dst_pages: np.ndarray  # [n] int64
+    prefix_len: int
+    heads: tuple[int, int] | None  # global KV heads to write; None: another prefill rank sends them
+    cursor: np.ndarray  # [num_layers] int64 tokens planned per layer, starts at prefix_len
+
+
+@dataclass
+class Inflight:
+    handle: BatchHandle
+    submitted_at: float  # manager clock
+    cancelled: bool = False
+
+
+@dataclass
+class OpBatch:
+    peer: str  # the destination's data-plane address
+    src: np.ndarray  # [ops] int64 addresses
+    dst: np.ndarray
+    length: np.ndarray
+
+    @property
+    def num_ops(self) -> int:
+        return int(self.length.size)
+
+
+def equal_runs(values: np.ndarray, start: int, end: int) -> list[tuple[int, int, int]]:
+    """Maximal runs [l0, l1) of equal values inside [start, end): (l0, l1, value)."""
+    if start >= end:
+        return []
+    seg = values[start:end]
+    cuts = np.flatnonzero(np.diff(seg)) + 1
+    bounds = np.concatenate(([0], cuts, [seg.size])) + start
+    return [(int(a), int(b), int(values[a])) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+@dataclass
+class SenderRoom:
+    room: int
+    rec: RoomRecord
+    layout: KVLayout  # this prefill rank's pool
+    src_pages: np.ndarray | None = None  # None until the engine called add_room
+    expected: int | None = None  # destinations to wait for; known from the first request
+    dests: dict[str, Destination] = field(default_factory=dict)  # by decode session id
+    calls: collections.deque[SendCall] = field(default_factory=collections.deque)
+    token_end: int = 0  # highest token_end passed to send()
+    last_called: bool = False
+    aux: AuxData | None = None
+    queued: collections.deque[OpBatch] = field(default_factory=collections.deque)  # planned, not submitted
+    inflight: list[Inflight] = field(default_factory=list)
+    submitting: int = 0  # batches taken off `queued` by the worker, not yet recorded as inflight
+    notified: set[str] = field(default_factory=set)  # sessions that got our final TransferStatus
+    ops_planned: int = 0
+    ops_done: int = 0
+    bytes_done: int = 0
+    reported: bool = False  # poll() handed the outcome to the engine
+
+    @property
+    def ready(self) -> bool:
+        """Every destination is known and the engine admitted the room: planning may start."""
+        return self.src_pages is not None and self.expected is not None and len(self.dests) >= self.expected
+
+    @property
+    def drained(self) -> bool:
+        """No write of this room is queued or in flight: its source pages may be reused."""
+        return not self.queued and not self.inflight and not self.submitting
+
+    @property
+    def complete(self) -> bool:
+        return self.ready and self.last_called and not self.calls and self.drained
+
+    def add_call(self, call: SendCall) -> None:
+        if self.last_called:
+            raise PlanError(f"room {self.room}: send() after the last chunk")
+        n_layers = self.layout.num_layers
+        if not (0 <= call.token_start <= call.token_end and 0 <= call.layer_start < call.layer_end <= n_layers):
+            raise PlanError(f"room {self.room}: bad send range tokens [{call.token_start}, {call.token_end}) "
+                            f"layers [{call.layer_start}, {call.layer_end}) of {n_layers}")
+        if self.src_pages is not None and -(-call.token_end // self.layout.page_size) > self.src_pages.size:
+            raise PlanError(f"room {self.room}: {call.token_end} tokens need more than the "
+                            f"{self.src_pages.size} source pages given to add_room")
+        self.token_end = max(self.token_end, call.token_end)
+        self.last_called = call.last
+        self.calls.append(call)
+
+    def plan(self, chunk_ops: int) -> int:
+        """Turn queued calls into write batches of at most `chunk_ops` ops; returns ops planned."""
+        if not self.ready or self.rec.state is TransferState.FAILED:
+            return 0
+        planned = 0
+        while self.calls:
+            call = self.calls.popleft()
+            for dest in self.dests.values():
+                for batch in self._plan_dest(call, dest):
+                    for i in range(0, batch.num_ops, chunk_ops):
+                        sl = slice(i, i + chunk_ops)
+                        self.queued.append(OpBatch(batch.peer, batch.src[sl], batch.dst[sl], batch.length[sl]))
+                    planned += batch.num_ops
+        self.ops_planned += planned
+        return planned
+
+    def _plan_dest(self, call: SendCall, dest: Destination) -> list[OpBatch]:
+        if dest.heads is None:
+            return []
+        assert self.src_pages is not None
+        ps = self.layout.page_size
+        layers = (0, self.layout.num_layers) if call.last else (call.layer_start, call.layer_end)
+        end_tok = self.token_end if call.last else call.token_end
+        if -(-end_tok // ps) > self.src_pages.size:
+            raise PlanError(f"room {self.room}: {end_tok} tokens need more than {self.src_pages.size} source pages")
+        first_dst_page = dest.prefix_len // ps
+        out = []
+        for l0, l1, cur in equal_runs(dest.cursor, *layers):
+            if cur >= end_tok:  # decode holds these tokens already, or they went with an earlier call
+                continue
+            span = sendable_pages(cur, end_tok, ps, final=call.last)
+            dest.cursor[l0:l1] = span.token_end
+            if span.num_pages == 0:
+                continue
+            j0, j1 = span.first - first_dst_page, span.end - first_dst_page
+            if j1 > dest.dst_pages.size:
+                raise PlanError(f"room {self.room}: decode rank {dest.decode_rank} gave {dest.dst_pages.size} "
+                                f"pages after its {dest.prefix_len}-token prefix, {end_tok} tokens need {j1}")
+            try:
+                p = plan_pages(self.src_pages[span.first:span.end], dest.dst_pages[j0:j1], self.layout,
+                               dest.layout, heads=dest.heads, layers=(l0, l1))
+            except ValueError as e:
+                raise PlanError(f"room {self.room}: {e}") from e
+            out.append(OpBatch(dest.data_address, p.src_addr, p.dst_addr, p.length))
+        return out
