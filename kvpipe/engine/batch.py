@@ -50,11 +50,11 @@ class ScheduledBatch:
         """Row i reaches the end of its prompt (or is a decode row): its last token is sampled."""
         return self.prefix_lens[i] + self.extend_lens[i] >= len(self.reqs[i].input_ids)
 
-    def spec(self, page_size: int) -> ForwardSpec:
+    def spec(self, page_size: int, layer_groups: tuple[tuple[int, int], ...] | None = None) -> ForwardSpec:
         toks, tables = [], []
         for req, pre, n in zip(self.reqs, self.prefix_lens, self.extend_lens):
             ids = req.input_ids[pre:pre + n] if pre + n <= len(req.input_ids) else req.all_ids[pre:pre + n]
             toks.append(list(ids))
             tables.append(np.ascontiguousarray(req.pages[:-(-(pre + n) // page_size)], dtype=np.int64))
         return ForwardSpec(tuple(toks), tuple(self.prefix_lens), tuple(tables),
-                           tuple(self.completes_prefill(i) for i in range(len(self.reqs))))
+                           tuple(self.completes_prefill(i) for i in range(len(self.reqs))), layer_groups)

@@ -1,0 +1,70 @@
+"""When a request stops: stop tokens, stop strings, max_new_tokens, context length.
+
+Checked after every token appended to a request, in this order: EOS (unless ignore_eos) and
+stop_token_ids (detail: the token id), stop strings in the decoded output (detail: the matched
+string), max_new_tokens, context length (both LENGTH). The stop token stays in output_ids; the
+text shown to a client ends before a matched stop string, which the server trims using
+finish_detail (the engine does not stream text).
+"""
+
+from __future__ import annotations
+
+from kvpipe.engine.request import FinishReason, Req
+from kvpipe.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class StopStringMatcher:
+    """Finds stop strings in a request's growing output text, decoding only new tokens."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...]) -> None:
+        self.stops = tuple(s for s in stops if s)
+        self._detok = IncrementalDetokenizer(tokenizer)
+        self._text = ""
+        self._searched = 0  # _text[:_searched] holds no complete stop string
+        self._longest = max((len(s) for s in self.stops), default=0)
+
+    def add(self, new_ids: list[int]) -> str | None:
+        """Feed new output tokens; return the first stop string that now appears, if any."""
+        if not self.stops:
+            return None
+        self._text += self._detok.add(new_ids)
+        # a match may straddle the old end: look back longest-1 characters
+        start = max(0, self._searched - self._longest + 1)
+        hits = [(pos, s) for s in self.stops if (pos := self._text.find(s, start)) >= 0]
+        self._searched = len(self._text)
+        return min(hits)[1] if hits else None
+
+
+class FinishChecker:
+    def __init__(self, tokenizer: Tokenizer, eos_token_ids: tuple[int, ...], context_length: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.context_length = context_length
+        self._matchers: dict[str, StopStringMatcher] = {}
+
+    def check(self, req: Req, num_new: int) -> tuple[FinishReason, str | int | None] | None:
+        """Call after `num_new` tokens were appended to req.output_ids (0 after a prefill that
+        produced no token). Returns (reason, detail) if the request is done."""
+        p = req.params
+        if num_new > 0:
+            last = req.output_ids[-1]
+            eos = req.eos_token_ids or self.eos_token_ids
+            if (not p.ignore_eos and last in eos) or last in p.stop_token_ids:
+                return FinishReason.STOP, last
+            if p.stop:
+                m = self._matchers.get(req.rid)
+                if m is None:
+                    m = self._matchers[req.rid] = StopStringMatcher(self.tokenizer, p.stop)
+                    hit = m.add(req.output_ids)
+                else:
+                    hit = m.add(req.output_ids[-num_new:])
+                if hit is not None:
+                    return FinishReason.STOP, hit
+        if len(req.output_ids) >= p.max_new_tokens:
+            return FinishReason.LENGTH, len(req.output_ids)
+        if req.seq_len >= self.context_length:
+            return FinishReason.LENGTH, len(req.output_ids)
+        return None
+
+    def forget(self, rid: str) -> None:
+        self._matchers.pop(rid, None)

@@ -1,0 +1,73 @@
+"""Owns one rank's model shard and KV pool; turns a ForwardSpec into logits.
+
+The same runner runs on every TP rank; only rank 0 samples from what it returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kvpipe.cache.kv_pool import KVPool
+from kvpipe.config import CacheConfig
+from kvpipe.engine.batch import ForwardSpec
+from kvpipe.model.forward_batch import ForwardBatch
+from kvpipe.model.llama import CausalLM
+
+# (start, end, batch): layers [start, end) of this forward have written their KV into the pool
+GroupCallback = Callable[[int, int, ForwardBatch], None]
+
+
+def split_layers(num_layers: int, num_groups: int) -> tuple[tuple[int, int], ...]:
+    """[start, end) ranges of `num_groups` near-equal contiguous layer groups."""
+    n = max(1, min(num_groups, num_layers))
+    bounds = [round(i * num_layers / n) for i in range(n + 1)]
+    return tuple((bounds[i], bounds[i + 1]) for i in range(n))
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, cache: CacheConfig, device: str | torch.device = "cpu") -> None:
+        self.model = model
+        self.device = torch.device(device)
+        self.page_size = cache.page_size
+        cfg = model.cfg
+        dtype = next(model.parameters()).dtype
+        # KV heads of this rank only (one replicated head when tp_size > num_kv_heads)
+        self.pool = KVPool(cfg.num_layers, cache.pages(), cache.page_size, model.local_kv_heads,
+                           cfg.head_dim, dtype, self.device)
+        self.on_group_done: GroupCallback | None = None  # seam for layer-pipelined KV transfer
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.cfg.num_layers
+
+    def build_batch(self, spec: ForwardSpec) -> ForwardBatch:
+        tables = [torch.from_numpy(t) for t in spec.page_tables]
+        fb = ForwardBatch.build([list(t) for t in spec.token_ids], list(spec.prefix_lens), tables,
+                                self.page_size, list(spec.want_logits))
+        return fb if self.device.type == "cpu" else fb.to(self.device)
+
+    def _groups(self, spec: ForwardSpec) -> tuple[tuple[int, int], ...]:
+        groups = spec.layer_groups or ((0, self.num_layers),)
+        flat = [b for g in groups for b in g]
+        ok = flat[0] == 0 and flat[-1] == self.num_layers and all(
+            groups[i][1] == groups[i + 1][0] for i in range(len(groups) - 1)) and all(s < e for s, e in groups)
+        if not ok:
+            raise ValueError(f"layer groups {groups} do not tile [0, {self.num_layers})")
+        return groups
+
+    @torch.inference_mode()
+    def run(self, spec: ForwardSpec, on_group_done: GroupCallback | None = None) -> torch.Tensor | None:
+        """Forward the batch (layer group by layer group). Returns fp32 logits [B_out, V] for
+        rows with want_logits (in row order), or None when no row wants them."""
+        fb = self.build_batch(spec)
+        callback = on_group_done or self.on_group_done
+        hidden = self.model.embed(fb)  # [T, hidden]
+        for start, end in self._groups(spec):
+            hidden = self.model.forward_layers(hidden, fb, self.pool, start, end)
+            if callback is not None:
+                callback(start, end, fb)
+        if not any(spec.want_logits):
+            return None
+        return self.model.compute_logits(hidden, fb)

@@ -1,0 +1,260 @@
+"""Tensor parallelism over processes: rank 0 lives in the engine, ranks 1..N-1 are children.
+
+Children are `python -m kvpipe.engine.tp_worker` subprocesses (no multiprocessing spawn, so
+nothing depends on the parent's __main__ being import-safe). Data plane: torch.distributed
+(gloo on CPU, nccl on CUDA) for the model's all-reduces, with a file:// rendezvous in a private
+temp dir (no ports to pick). Control plane: one socketpair per child carrying typed, pickled
+messages; every step rank 0 sends the ForwardSpec, and all ranks run the same forward on their
+shard. Children wait on their pipe, never on a collective, so an idle
+server needs no heartbeat; a watchdog thread exits a child as soon as its parent is gone
+(os.getppid() changes), even while it is blocked inside a collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import argparse
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+
+from kvpipe.config import ParallelConfig, ServerConfig
+from kvpipe.engine.batch import ForwardSpec
+from kvpipe.engine.model_runner import ModelRunner
+from kvpipe.model.loader import load_model
+
+logger = logging.getLogger(__name__)
+
+# rendezvous and every collective give up after this long (a dead peer mid-forward, a child
+# that never started); ranks run in lockstep, so a healthy all-reduce waits far less
+COLLECTIVE_TIMEOUT_S = 180.0
+START_TIMEOUT_S = 180.0  # rendezvous + model load of all ranks
+
+
+@dataclass(frozen=True)
+class StartMsg:
+    cfg: ServerConfig
+    rank: int
+    init_method: str
+
+
+@dataclass(frozen=True)
+class HelloMsg:  # the child imported everything and is about to join the rendezvous
+    rank: int
+
+
+@dataclass(frozen=True)
+class StepMsg:
+    spec: ForwardSpec
+
+
+@dataclass(frozen=True)
+class StopMsg:
+    pass
+
+
+@dataclass(frozen=True)
+class ReadyMsg:
+    rank: int
+
+
+@dataclass(frozen=True)
+class ErrorMsg:
+    rank: int
+    text: str
+
+
+def rank_device(device: str, rank: int) -> str:
+    """'cuda' -> 'cuda:<rank>' (one GPU per rank); anything else unchanged."""
+    return f"cuda:{rank}" if device == "cuda" else device
+
+
+def build_runner(cfg: ServerConfig, parallel: ParallelConfig, device: str) -> ModelRunner:
+    group = dist.group.WORLD if parallel.tp_size > 1 else None
+    model = load_model(cfg.model_path, parallel, device, None, group)
+    return ModelRunner(model, cfg.cache, device)
+
+
+def _init_rank(cfg: ServerConfig, rank: int, init_method: str) -> str:
+    device = rank_device(cfg.device, rank)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    else:
+        # the ranks share the machine's cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.tp_size))
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=cfg.tp_size,
+                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    return device
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(3)  # parent died: leave at once, even from inside a collective
+        time.sleep(0.5)
+
+
+def worker_main(fd: int, parent_pid: int) -> None:
+    """Entry point of TP rank >= 1 (a child process); everything else arrives on the pipe."""
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    conn = Connection(fd)
+    code, rank = 0, -1
+    try:
+        start = conn.recv()
+        rank = start.rank
+        conn.send(HelloMsg(rank))
+        device = _init_rank(start.cfg, rank, start.init_method)
+        runner = build_runner(start.cfg, ParallelConfig(start.cfg.tp_size, rank), device)
+        conn.send(ReadyMsg(rank))
+        while True:
+            msg = conn.recv()  # EOFError when rank 0 closed the pipe
+            if isinstance(msg, StopMsg):
+                break
+            runner.run(msg.spec)
+    except EOFError:
+        code = 2
+    except BaseException:  # noqa: BLE001 - reported to rank 0, then this rank exits
+        code = 1
+        text = traceback.format_exc()
+        print(f"kvpipe TP rank {rank} failed:\n{text}", file=sys.stderr, flush=True)
+        try:
+            conn.send(ErrorMsg(rank, text))
+        except Exception:  # noqa: BLE001
+            pass
+    finally:
+        conn.close()
+    # skip interpreter teardown: gloo/nccl destructors may block on peers that are gone
+    os._exit(code)
+
+
+class TPGroup:
+    """Rank 0's handle on a TP group: runs its own shard and drives ranks 1..N-1."""
+
+    def __init__(self, cfg: ServerConfig) -> None:
+        if dist.is_initialized():
+            raise RuntimeError("torch.distributed is already initialised in this process; "
+                               "one TP engine per process")
+        self.cfg = cfg
+        self._tmp = tempfile.mkdtemp(prefix="kvpipe-tp-")
+        init_method = f"file://{os.path.join(self._tmp, 'rendezvous')}"
+        self._procs: list[subprocess.Popen] = []
+        self._conns: list[Connection] = []
+        try:
+            for rank in range(1, cfg.tp_size):
+                mine, theirs = socket.socketpair()
+                fd = theirs.fileno()
+                p = subprocess.Popen([sys.executable, "-m", "kvpipe.engine.tp_worker", "--fd", str(fd),
+                                      "--parent-pid", str(os.getpid())], pass_fds=(fd,))
+                theirs.close()
+                self._procs.append(p)
+                self._conns.append(Connection(mine.detach()))
+                self._conns[-1].send(StartMsg(cfg, rank, init_method))
+            # join the rendezvous only once every child is alive and importable
+            self._wait_for(HelloMsg, "start")
+            self.device = _init_rank(cfg, 0, init_method)
+            self.runner = build_runner(cfg, ParallelConfig(cfg.tp_size, 0), self.device)
+            self._wait_for(ReadyMsg, "load the model")
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _wait_for(self, kind: type, what: str) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        pending = dict(enumerate(self._conns, start=1))
+        while pending:
+            for rank, conn in list(pending.items()):
+                if conn.poll(0.05):
+                    msg = conn.recv()
+                    if isinstance(msg, ErrorMsg):
+                        raise RuntimeError(f"TP rank {msg.rank} failed to {what}:\n{msg.text}")
+                    if isinstance(msg, kind):
+                        pending.pop(rank)
+                elif self._procs[rank - 1].poll() is not None:
+                    raise RuntimeError(f"TP rank {rank} exited with code {self._procs[rank - 1].returncode} "
+                                       f"before it could {what}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"TP ranks {sorted(pending)} did not {what} within {START_TIMEOUT_S:.0f}s")
+
+    @property
+    def pool(self):  # noqa: ANN201 - rank 0's KVPool
+        return self.runner.pool
+
+    def run(self, spec: ForwardSpec) -> torch.Tensor | None:
+        for rank, conn in enumerate(self._conns, start=1):
+            if self._procs[rank - 1].poll() is not None:
+                raise RuntimeError(f"TP rank {rank} is gone (exit code {self._procs[rank - 1].returncode})")
+            conn.send(StepMsg(spec))
+        try:
+            return self.runner.run(spec)
+        except Exception as e:
+            raise RuntimeError(f"TP forward failed: {e}{self._child_errors()}") from e
+
+    def _child_errors(self) -> str:
+        """Error reports children sent before exiting (a failed child breaks rank 0's collective)."""
+        texts = []
+        for conn in self._conns:
+            try:
+                while conn.poll(0):
+                    msg = conn.recv()
+                    if isinstance(msg, ErrorMsg):
+                        texts.append(f"\nTP rank {msg.rank}: {msg.text}")
+            except (EOFError, OSError):
+                pass
+        return "".join(texts)
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop message, join with timeout, then terminate/kill what is left. Idempotent."""
+        for conn in self._conns:
+            try:
+                conn.send(StopMsg())
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + timeout_s
+        for p in self._procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for p in self._procs:
+            for stop in (p.terminate, p.kill):
+                if p.poll() is None:
+                    stop()
+                    try:
+                        p.wait(2.0)
+                    except subprocess.TimeoutExpired:
+                        pass
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="kvpipe TP worker (started by the engine, not by hand)")
+    ap.add_argument("--fd", type=int, required=True)
+    ap.add_argument("--parent-pid", type=int, required=True)
+    args = ap.parse_args()
+    worker_main(args.fd, args.parent_pid)
+
+
+if __name__ == "__main__":
+    # run the copy imported under its real name, so pickled messages name
+    # kvpipe.engine.tp_worker.*, not __main__.*
+    from kvpipe.engine.tp_worker import main as _main
+
+    _main()
