@@ -170,22 +170,29 @@ def remove_testbed(s: LinkSpec) -> None:
         _run(cmd, check=False)
 
 
-def run_in_netns(ns: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """Call fn in a fresh thread switched into namespace `ns` (setns is per thread on Linux), so
-    the sockets fn opens live there; the calling thread and later subprocesses are unaffected."""
+def enter_netns(ns: str) -> None:
+    """Move the calling thread into namespace `ns` (setns is per thread on Linux). Called first
+    thing in a freshly spawned child, it moves the whole process, since no other thread exists."""
     import ctypes
 
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(NETNS_RUN_DIR / ns, os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise LinkTestbedError(f"setns into {ns} failed: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def run_in_netns(ns: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Call fn in a fresh thread switched into namespace `ns`, so the sockets fn opens live there;
+    the calling thread and later subprocesses are unaffected."""
     box: dict[str, Any] = {}
 
     def target() -> None:
         try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            fd = os.open(NETNS_RUN_DIR / ns, os.O_RDONLY)
-            try:
-                if libc.setns(fd, CLONE_NEWNET) != 0:
-                    raise LinkTestbedError(f"setns({ns}) failed: {os.strerror(ctypes.get_errno())}")
-            finally:
-                os.close(fd)
+            enter_netns(ns)
             box["value"] = fn(*args, **kwargs)
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
             box["error"] = e

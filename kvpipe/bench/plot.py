@@ -1,0 +1,92 @@
+"""PNG plots of benchmark results (matplotlib, Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from kvpipe.bench.metrics import RequestRecord, request_metrics
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _cdf(ax: Any, values_ms: Sequence[float], label: str) -> None:
+    xs = sorted(values_ms)
+    if xs:
+        ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=label)
+
+
+def plot_run(records: Sequence[RequestRecord], summary: Mapping[str, Any], path: str | Path,
+             title: str = "kvpipe bench serve") -> Path:
+    """Two panels: CDFs of TTFT and e2e latency, and the ITL histogram (all in ms)."""
+    plt = _pyplot()
+    done = [request_metrics(r) for r in records if r.ok]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    _cdf(ax1, [m.ttft_s * 1e3 for m in done], "TTFT")
+    _cdf(ax1, [m.e2e_s * 1e3 for m in done], "end to end")
+    ax1.set(xlabel="latency (ms)", ylabel="fraction of requests", title="latency CDF")
+    ax1.grid(alpha=0.3)
+    ax1.legend()
+    itl = [x * 1e3 for m in done for x in m.itl_s]
+    if itl:
+        ax2.hist(itl, bins=min(50, max(5, len(itl) // 4)))
+    ax2.set(xlabel="inter-token latency (ms)", ylabel="tokens", title="ITL")
+    ax2.grid(alpha=0.3)
+
+    def fmt(key: str) -> str:
+        v = summary.get(key)
+        return "n/a" if v is None else f"{v:.1f}"
+
+    fig.suptitle(f"{title} — {summary.get('completed')}/{summary.get('num_requests')} ok, "
+                 f"TTFT p50 {fmt('ttft_p50_ms')} ms, TPOT p50 {fmt('tpot_p50_ms')} ms, "
+                 f"{fmt('output_throughput')} tok/s")
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_sweep(rows: Sequence[Mapping[str, Any]], path: str | Path, title: str = "kvpipe serving sweep") -> Path:
+    """TTFT (p50 solid, p99 dashed) vs prompt length per mode; exposed transfer time per PD mode,
+    with the ideal line-rate transfer time when the rows carry it."""
+    plt = _pyplot()
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for i, mode in enumerate(modes):
+        pts = sorted((r for r in rows if r["mode"] == mode and r["ttft_p50_ms"] is not None),
+                     key=lambda r: r["prompt_len"])
+        color = f"C{i}"
+        xs = [r["prompt_len"] for r in pts]
+        ax1.plot(xs, [r["ttft_p50_ms"] for r in pts], "o-", color=color, label=f"{mode} p50")
+        p99 = [(r["prompt_len"], r["ttft_p99_ms"]) for r in pts if r["ttft_p99_ms"] is not None]
+        if p99:
+            ax1.plot(*zip(*p99), "--", color=color, alpha=0.5, label=f"{mode} p99")
+        exp = [(r["prompt_len"], r["exposed_transfer_ms"]) for r in pts if r.get("exposed_transfer_ms") is not None]
+        if exp:
+            label = mode + "".join(f"  N={r['num_groups']}" for r in pts[-1:] if r.get("num_groups"))
+            ax2.plot(*zip(*exp), "o-", color=color, label=label)
+    ideal = sorted({(r["prompt_len"], r["ideal_transfer_ms"]) for r in rows if r.get("ideal_transfer_ms")})
+    if ideal:
+        ax2.plot(*zip(*ideal), ":", color="gray", label="KV at line rate (T)")
+    ax1.set(xlabel="prompt length (tokens)", ylabel="TTFT (ms)", title="time to first token")
+    ax2.set(xlabel="prompt length (tokens)", ylabel="TTFT − TTFT(inproc) (ms)", title="exposed transfer time")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

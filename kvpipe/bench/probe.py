@@ -1,0 +1,92 @@
+"""What the benchmark asks a running server: its layer-group count, its model's config.
+
+The parsers are pure; the fetchers are plain sync httpx (run them through `Endpoint.call` so they
+work from inside a testbed namespace).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+import httpx
+
+# Names under which a prefill server may report the layer-group count of its last batch:
+# keys of /server_info (top level or any `internal_states` entry) and Prometheus gauge names
+# (any prefix, e.g. `kvpipe:num_layer_groups`).
+NUM_GROUPS_KEYS = ("num_groups", "last_num_groups", "num_layer_groups", "layer_groups")
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+
+
+def _as_groups(v: Any) -> int | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return None
+    return int(v) if v >= 1 and v == int(v) else None
+
+
+def num_groups_from_server_info(info: Mapping[str, Any]) -> int | None:
+    states = info.get("internal_states")
+    scopes = [info, *(s for s in states if isinstance(s, Mapping))] if isinstance(states, list) else [info]
+    for scope in scopes:
+        for key in NUM_GROUPS_KEYS:
+            g = _as_groups(scope.get(key))
+            if g is not None:
+                return g
+    return None
+
+
+def num_groups_from_metrics(text: str) -> int | None:
+    """The last sample of a gauge whose name ends in one of NUM_GROUPS_KEYS (histogram/summary
+    series `_bucket`, `_sum`, `_count` are not group counts and are skipped)."""
+    found = None
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m or not m.group(1).endswith(NUM_GROUPS_KEYS):
+            continue
+        try:
+            g = _as_groups(float(m.group(3)))
+        except ValueError:
+            continue
+        found = g if g is not None else found
+    return found
+
+
+def read_num_groups(info_url: str, timeout_s: float = 5.0) -> int | None:
+    """From `info_url`'s /server_info, else its /metrics; None when the server reports neither."""
+    base = info_url.rstrip("/")
+    try:
+        r = httpx.get(base + "/server_info", timeout=timeout_s)
+        if r.status_code == 200:
+            g = num_groups_from_server_info(r.json())
+            if g is not None:
+                return g
+        r = httpx.get(base + "/metrics", timeout=timeout_s)
+        if r.status_code == 200:
+            return num_groups_from_metrics(r.text)
+    except (httpx.HTTPError, ValueError):
+        pass
+    return None
+
+
+def model_config(model_path: str | Path) -> dict[str, Any] | None:
+    """config.json of a local checkpoint directory, or None."""
+    try:
+        return json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def server_model_path(url: str, timeout_s: float = 5.0) -> str | None:
+    """The local model directory a server (or the router in front of it) reports."""
+    base = url.rstrip("/")
+    for path in ("/model_info", "/get_model_info", "/server_info", "/get_server_info"):
+        try:
+            r = httpx.get(base + path, timeout=timeout_s)
+            if r.status_code == 200 and isinstance(r.json(), dict) and r.json().get("model_path"):
+                return str(r.json()["model_path"])
+        except (httpx.HTTPError, ValueError):
+            continue
+    return None

@@ -1,0 +1,184 @@
+"""`kvpipe bench serve`: drive a streaming `/generate` endpoint with a synthetic workload.
+
+Single run against a running server or router:
+    kvpipe bench serve --url http://127.0.0.1:8000 --prompt-lens 1024 --output-lens 32 \
+        --num-requests 16 --concurrency 4 --json --out run.json         # + run.png
+Sweep, one stack per mode started here (optionally across an emulated link, needs root):
+    kvpipe bench serve --model-path DIR --sweep-prompt-lens 256,1024,2048 \
+        --modes baseline,pipelined,inproc --link-rate 1gbit --json --out sweep.json  # + sweep.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import shlex
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+from kvpipe.bench.workload import WorkloadConfig, build_workload, parse_lengths
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    w = p.add_argument_group("workload")
+    w.add_argument("--prompt-lens", default="1024", help="N | N,N,... (cycled) | uniform:LO:HI")
+    w.add_argument("--output-lens", default="16", help="output tokens, same forms as --prompt-lens")
+    w.add_argument("--num-requests", type=int, default=8, help="requests per run (per point in a sweep)")
+    w.add_argument("--concurrency", type=int, default=1, help="max requests in flight")
+    w.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at once)")
+    w.add_argument("--seed", type=int, default=0, help="workload seed (prompts, lengths, arrivals)")
+    w.add_argument("--num-prefix-groups", type=int, default=0, help="shared-prefix mode: number of groups")
+    w.add_argument("--prefix-len", type=int, default=0, help="shared-prefix mode: tokens shared per group")
+    w.add_argument("--vocab-size", type=int, default=None, help="token ids are drawn below this "
+                   "(default: the model's config.json)")
+    w.add_argument("--token-id-low", type=int, default=0, help="token ids are drawn at or above this")
+    w.add_argument("--warmup-requests", type=int, default=1, help="unmeasured requests first (per sweep point)")
+    w.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    t = p.add_argument_group("target")
+    t.add_argument("--url", default=None, help="a running server or router (single run)")
+    t.add_argument("--sweep-prompt-lens", default=None, help="sweep: prompt lengths, e.g. 256,1024,2048")
+    t.add_argument("--modes", default="baseline,pipelined,inproc",
+                   help="sweep: baseline, pipelined, pipelined-N (forced N groups), inproc (colocated)")
+    t.add_argument("--model-path", default=None, help="sweep: checkpoint directory (default: tiny preset)")
+    t.add_argument("--server-args", default="", help="sweep: extra flags for every server, one string")
+    t.add_argument("--link-rate", default=None, help="sweep: run PD stacks across an emulated link of "
+                   "this tc rate (e.g. 1gbit); needs root")
+    t.add_argument("--log-dir", default=None, help="sweep: write server logs here")
+    t.add_argument("--startup-timeout", type=float, default=300.0, help="sweep: seconds for a stack to start")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    o.add_argument("--out", default=None, help="write the JSON result to this file")
+    o.add_argument("--plot", default=None, help="PNG plot path (default: --out with .png)")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _vocab_size(args: argparse.Namespace, model_path: str | None) -> int:
+    from kvpipe.bench.probe import model_config
+
+    if args.vocab_size:
+        return args.vocab_size
+    cfg = model_config(model_path) if model_path else None
+    if not cfg or not isinstance(cfg.get("vocab_size"), int):
+        raise SystemExit(f"kvpipe bench serve: cannot read vocab_size from {model_path!r}; pass --vocab-size")
+    return int(cfg["vocab_size"])
+
+
+def _workload_config(args: argparse.Namespace, vocab: int, prompt_lens: str | int) -> WorkloadConfig:
+    try:
+        return WorkloadConfig(parse_lengths(prompt_lens, "--prompt-lens"), parse_lengths(args.output_lens, "--output-lens"),
+                              args.num_requests, vocab, args.request_rate, args.seed, args.num_prefix_groups,
+                              args.prefix_len, args.token_id_low)
+    except ValueError as e:
+        raise SystemExit(f"kvpipe bench serve: {e}") from None
+
+
+def _measure(call: Any, url: str, cfg: WorkloadConfig, args: argparse.Namespace, desc: str) -> tuple[dict, list]:
+    """Warm-up requests (other prompts), then the measured run; returns (summary, records)."""
+    from kvpipe.bench.client import run_workload
+    from kvpipe.bench.metrics import first_errors, summarize
+
+    progress = not args.no_progress
+    if args.warmup_requests > 0:
+        warm = replace(cfg, num_requests=args.warmup_requests, seed=cfg.seed + 1_000_003, request_rate=math.inf)
+        call(run_workload, url, build_workload(warm), args.concurrency, args.timeout, progress, f"{desc} warmup")
+    res = call(run_workload, url, build_workload(cfg), args.concurrency, args.timeout, progress, desc)
+    summary = summarize(res.records, res.duration_s)
+    errors = first_errors(res.records)
+    if errors:
+        summary["errors"] = errors
+        print(f"kvpipe bench serve: {desc}: {summary['failed']} failed, e.g. {errors[0]}", file=sys.stderr)
+    return summary, res.records
+
+
+def _config_dict(cfg: WorkloadConfig, args: argparse.Namespace) -> dict[str, Any]:
+    d = asdict(cfg)
+    d["request_rate"] = None if math.isinf(cfg.request_rate) else cfg.request_rate
+    return {**d, "concurrency": args.concurrency, "warmup_requests": args.warmup_requests}
+
+
+def _emit(result: Mapping[str, Any], args: argparse.Namespace, plot: Any) -> None:
+    text = json.dumps(result, indent=None if args.json else 2)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    plot_path = args.plot or (str(Path(args.out).with_suffix(".png")) if args.out else None)
+    if plot_path:
+        plot(plot_path)
+    if args.json:
+        print(text)
+    else:
+        print(text if not args.out else f"wrote {args.out}" + (f" and {plot_path}" if plot_path else ""))
+
+
+def run_single(args: argparse.Namespace) -> int:
+    from kvpipe.bench.plot import plot_run
+    from kvpipe.bench.probe import server_model_path
+
+    model_path = args.model_path or (None if args.vocab_size else server_model_path(args.url))
+    cfg = _workload_config(args, _vocab_size(args, model_path), args.prompt_lens)
+    summary, records = _measure(lambda f, *a: f(*a), args.url, cfg, args, "requests")
+    result = {"url": args.url, "workload": _config_dict(cfg, args), "summary": summary}
+    _emit(result, args, lambda path: plot_run(records, summary, path))
+    return 0 if summary["completed"] else 1
+
+
+def run_sweep_cmd(args: argparse.Namespace) -> int:
+    from kvpipe.bench.plot import plot_sweep
+    from kvpipe.bench.probe import model_config, read_num_groups
+    from kvpipe.bench.stacks import Endpoint, StackOptions, default_stack_factory
+    from kvpipe.bench.sweep import INPROC, kv_bytes_per_token, parse_modes, parse_prompt_lens, run_sweep, sweep_rows
+    from kvpipe.bench.testbed import LinkTestbed, LinkTestbedError, parse_rate
+    from kvpipe.cli import resolve_model_path
+
+    try:
+        lens, modes = parse_prompt_lens(args.sweep_prompt_lens), parse_modes(args.modes)
+        rate_bps = parse_rate(args.link_rate)[1] if args.link_rate else None
+    except ValueError as e:
+        raise SystemExit(f"kvpipe bench serve: {e}") from None
+    model_path = resolve_model_path(args.model_path)
+    vocab = _vocab_size(args, model_path)
+    configs = {n: _workload_config(args, vocab, n) for n in lens}  # same prompts for every mode
+    opts = StackOptions(model_path, tuple(shlex.split(args.server_args)), args.log_dir, args.startup_timeout)
+
+    def measure(ep: Endpoint, mode: str, n: int) -> tuple[dict, int | None]:
+        summary, _ = _measure(ep.call, ep.url, configs[n], args, f"{mode} len={n}")
+        groups = ep.call(read_num_groups, ep.info_url) if ep.info_url and mode != INPROC else None
+        return summary, groups
+
+    try:
+        with contextlib.ExitStack() as stack:
+            tb = stack.enter_context(LinkTestbed(args.link_rate)) if args.link_rate else None
+            points = run_sweep(lens, modes, default_stack_factory(opts, tb), measure)
+    except LinkTestbedError as e:
+        raise SystemExit(f"kvpipe bench serve: {e}") from None
+    rows = sweep_rows(points, rate_bps, kv_bytes_per_token(model_config(model_path) or {}))
+    result = {"model_path": model_path, "link_rate": args.link_rate or "loopback", "link_rate_bps": rate_bps,
+              "modes": modes, "server_args": list(opts.server_args),
+              "workload": _config_dict(configs[lens[0]], args) | {"prompt_lens": lens}, "rows": rows,
+              "summaries": [{"prompt_len": p.prompt_len, "mode": p.mode, **p.summary} for p in points]}
+    title = f"kvpipe sweep, link {result['link_rate']}, {args.num_requests} req/point, c={args.concurrency}"
+    _emit(result, args, lambda path: plot_sweep(rows, path, title))
+    return 0 if all(p.summary["completed"] for p in points) else 1
+
+
+def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
+    if (args.url is None) == (args.sweep_prompt_lens is None):
+        raise SystemExit("kvpipe bench serve: give either --url (one run against a running server) or "
+                         "--sweep-prompt-lens (start a stack per mode)")
+    if args.link_rate and not args.sweep_prompt_lens:
+        raise SystemExit("kvpipe bench serve: --link-rate applies to sweeps (the stacks started here)")
+    return run_sweep_cmd(args) if args.sweep_prompt_lens else run_single(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvpipe bench serve", description=__doc__.splitlines()[0])
+    add_args(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""Sweep bookkeeping: modes, the (prompt_len, mode) loop, result rows and exposed-transfer ratios.
+
+Plain Python: the loop takes the stack factory and the measurement as callables, so it runs in
+tests without servers. Modes:
+  inproc        colocated server: the transfer costs nothing (the reference)
+  baseline      PD with the plain transfer (one layer group)
+  pipelined     PD with layer-pipelined transfer, group count chosen by the server
+  pipelined-N   PD with layer-pipelined transfer forced to N groups
+Exposed transfer time of a PD mode = TTFT(mode) - TTFT(inproc), medians of the same run;
+exposed_transfer_ratio of a pipelined mode = its exposed time / the baseline's.
+"""
+
+from __future__ import annotations
+
+import re
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
+
+E = TypeVar("E")
+BASELINE, PIPELINED, INPROC = "baseline", "pipelined", "inproc"
+_PIPELINED_N = re.compile(r"^pipelined-(\d+)$")
+
+
+def is_pipelined(mode: str) -> bool:
+    return mode == PIPELINED or _PIPELINED_N.match(mode) is not None
+
+
+def parse_modes(spec: str) -> list[str]:
+    modes = [m.strip() for m in spec.split(",") if m.strip()]
+    for m in modes:
+        if m not in (BASELINE, PIPELINED, INPROC) and not (_PIPELINED_N.match(m) and int(m[10:]) >= 1):
+            raise ValueError(f"unknown mode {m!r}: choose from baseline, pipelined, pipelined-N, inproc")
+    if not modes or len(set(modes)) != len(modes):
+        raise ValueError(f"modes must be a non-empty list without repeats, got {spec!r}")
+    return modes
+
+
+def mode_server_flags(mode: str) -> list[str] | None:
+    """Server flags of a PD mode (given to both servers); None for the colocated inproc mode."""
+    if mode == INPROC:
+        return None
+    if mode == BASELINE:
+        return ["--disaggregation-layer-groups", "1"]
+    if mode == PIPELINED:
+        return ["--disaggregation-layer-groups", "auto"]
+    m = _PIPELINED_N.match(mode)
+    if m:
+        return ["--disaggregation-layer-groups", m.group(1)]
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+def parse_prompt_lens(spec: str) -> list[int]:
+    try:
+        lens = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"prompt lengths: expected N,N,..., got {spec!r}") from None
+    if not lens or min(lens) < 1:
+        raise ValueError(f"prompt lengths must be positive, got {spec!r}")
+    return lens
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    prompt_len: int
+    mode: str
+    summary: Mapping[str, Any]  # kvpipe.bench.metrics.summarize() of this point
+    num_groups: int | None = None
+
+
+def run_sweep(prompt_lens: Sequence[int], modes: Sequence[str],
+              open_stack: Callable[[str], AbstractContextManager[E]],
+              measure: Callable[[E, str, int], tuple[Mapping[str, Any], int | None]]) -> list[SweepPoint]:
+    """One stack per mode (started once, stopped before the next), every prompt length on it."""
+    points = []
+    for mode in modes:
+        with open_stack(mode) as endpoint:
+            for n in prompt_lens:
+                summary, groups = measure(endpoint, mode, n)
+                points.append(SweepPoint(n, mode, summary, groups))
+    return points
+
+
+def exposed_ratio(ttft_mode: float | None, ttft_baseline: float | None, ttft_inproc: float | None) -> float | None:
+    """(TTFT_mode - TTFT_inproc) / (TTFT_baseline - TTFT_inproc); None when undefined (a missing
+    figure, or a baseline that exposes nothing: no transfer to hide)."""
+    if None in (ttft_mode, ttft_baseline, ttft_inproc):
+        return None
+    denom = ttft_baseline - ttft_inproc
+    return (ttft_mode - ttft_inproc) / denom if denom > 0 else None
+
+
+def kv_bytes_per_token(model_config: Mapping[str, Any], dtype_bytes: int | None = None) -> int | None:
+    """K and V of every layer for one token, from an HF config.json (GQA/MHA layout); None if unknown."""
+    try:
+        layers = int(model_config["num_hidden_layers"])
+        heads = int(model_config["num_attention_heads"])
+        kv_heads = int(model_config.get("num_key_value_heads") or heads)
+        head_dim = int(model_config.get("head_dim") or int(model_config["hidden_size"]) // heads)
+    except (KeyError, TypeError, ValueError):
+        return None
+    if dtype_bytes is None:
+        dt = str(model_config.get("torch_dtype") or model_config.get("dtype") or "float32")
+        dtype_bytes = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}.get(dt, 4)
+    return 2 * layers * kv_heads * head_dim * dtype_bytes
+
+
+def _get(summary: Mapping[str, Any] | None, key: str) -> Any:
+    return None if summary is None else summary.get(key)
+
+
+def sweep_rows(points: Iterable[SweepPoint], link_rate_bps: float | None = None,
+               kv_bytes_token: int | None = None) -> list[dict[str, Any]]:
+    """One row per (prompt_len, mode), ordered by prompt length then by the order modes ran.
+
+    With the link rate and the KV size known, a row also states the ideal transfer time of the
+    prompt's KV at line rate and its ratio to compute (T/C, C = the inproc TTFT)."""
+    points = list(points)
+    mode_order = list(dict.fromkeys(p.mode for p in points))
+    by_key = {(p.prompt_len, p.mode): p for p in points}
+    rows = []
+    for n in sorted({p.prompt_len for p in points}):
+        ref = by_key.get((n, INPROC))
+        base = by_key.get((n, BASELINE))
+        ttft_inproc = _get(ref.summary if ref else None, "ttft_p50_ms")
+        ttft_base = _get(base.summary if base else None, "ttft_p50_ms")
+        kv_bytes = kv_bytes_token * n if kv_bytes_token else None
+        t_ms = kv_bytes * 8 / link_rate_bps * 1e3 if kv_bytes and link_rate_bps else None
+        for mode in mode_order:
+            p = by_key.get((n, mode))
+            if p is None:
+                continue
+            s = p.summary
+            ttft = s.get("ttft_p50_ms")
+            exposed = ttft - ttft_inproc if mode != INPROC and None not in (ttft, ttft_inproc) else None
+            rows.append({
+                "prompt_len": n, "mode": mode,
+                "ttft_p50_ms": ttft, "ttft_p99_ms": s.get("ttft_p99_ms"),
+                "tpot_p50_ms": s.get("tpot_p50_ms"), "itl_p50_ms": s.get("itl_p50_ms"),
+                "e2e_p50_ms": s.get("e2e_p50_ms"),
+                "output_throughput": s.get("output_throughput"),
+                "completed": s.get("completed"), "failed": s.get("failed"),
+                "num_groups": p.num_groups,
+                "exposed_transfer_ms": exposed,
+                "exposed_transfer_ratio": exposed_ratio(ttft, ttft_base, ttft_inproc) if is_pipelined(mode) else None,
+                "ttft_vs_baseline": ttft / ttft_base - 1 if mode != BASELINE and ttft and ttft_base else None,
+                "kv_bytes": kv_bytes,
+                "ideal_transfer_ms": t_ms,
+                "t_over_c": t_ms / ttft_inproc if t_ms and ttft_inproc else None,
+            })
+    return rows

@@ -1,0 +1,151 @@
+"""Sweep bookkeeping without servers: modes, the loop, rows, exposed-transfer ratios, probes."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import pytest
+
+from kvpipe.bench.probe import num_groups_from_metrics, num_groups_from_server_info
+from kvpipe.bench.sweep import SweepPoint, exposed_ratio, kv_bytes_per_token, mode_server_flags, parse_modes, \
+    parse_prompt_lens, run_sweep, sweep_rows
+
+
+def s(ttft50: float | None, ttft99: float | None = None, tpot50: float | None = 5.0) -> dict:
+    return {"ttft_p50_ms": ttft50, "ttft_p99_ms": ttft99 if ttft99 is not None else ttft50,
+            "tpot_p50_ms": tpot50, "completed": 4, "failed": 0}
+
+
+def test_parse_modes_and_flags() -> None:
+    assert parse_modes("baseline, pipelined,inproc") == ["baseline", "pipelined", "inproc"]
+    assert parse_modes("pipelined-4") == ["pipelined-4"]
+    for bad in ("", "baseline,baseline", "fast", "pipelined-0", "pipelined-x"):
+        with pytest.raises(ValueError):
+            parse_modes(bad)
+    assert mode_server_flags("baseline") == ["--disaggregation-layer-groups", "1"]
+    assert mode_server_flags("pipelined") == ["--disaggregation-layer-groups", "auto"]
+    assert mode_server_flags("pipelined-3") == ["--disaggregation-layer-groups", "3"]
+    assert mode_server_flags("inproc") is None
+    assert parse_prompt_lens("256,1024") == [256, 1024]
+    for bad in ("", "0", "a,b"):
+        with pytest.raises(ValueError):
+            parse_prompt_lens(bad)
+
+
+def test_exposed_ratio() -> None:
+    assert exposed_ratio(130.0, 200.0, 100.0) == pytest.approx(0.3)
+    assert exposed_ratio(90.0, 200.0, 100.0) == pytest.approx(-0.1)  # noise can go below the reference
+    assert exposed_ratio(None, 200.0, 100.0) is None
+    assert exposed_ratio(130.0, None, 100.0) is None
+    assert exposed_ratio(130.0, 200.0, None) is None
+    assert exposed_ratio(130.0, 100.0, 100.0) is None  # nothing exposed by the baseline: undefined
+
+
+def test_rows_order_ratio_and_fields() -> None:
+    points = [
+        SweepPoint(1024, "baseline", s(300.0, 320.0), 1),
+        SweepPoint(256, "baseline", s(60.0), 1),
+        SweepPoint(1024, "pipelined", s(150.0, 170.0, 6.0), 4),
+        SweepPoint(256, "pipelined", s(61.0), 1),
+        SweepPoint(1024, "inproc", s(100.0), None),
+        SweepPoint(256, "inproc", s(50.0), None),
+    ]
+    rows = sweep_rows(points, link_rate_bps=1e9, kv_bytes_token=1000)
+    assert [(r["prompt_len"], r["mode"]) for r in rows] == [
+        (256, "baseline"), (256, "pipelined"), (256, "inproc"),
+        (1024, "baseline"), (1024, "pipelined"), (1024, "inproc")]
+    by = {(r["prompt_len"], r["mode"]): r for r in rows}
+    p = by[(1024, "pipelined")]
+    assert (p["ttft_p50_ms"], p["ttft_p99_ms"], p["tpot_p50_ms"], p["num_groups"]) == (150.0, 170.0, 6.0, 4)
+    assert p["exposed_transfer_ms"] == pytest.approx(50.0)
+    assert p["exposed_transfer_ratio"] == pytest.approx(0.25)  # (150-100)/(300-100)
+    assert p["ttft_vs_baseline"] == pytest.approx(-0.5)
+    assert by[(256, "pipelined")]["exposed_transfer_ratio"] == pytest.approx(1.1)
+    assert by[(1024, "baseline")]["exposed_transfer_ratio"] is None
+    assert by[(1024, "baseline")]["exposed_transfer_ms"] == pytest.approx(200.0)
+    assert by[(1024, "inproc")]["exposed_transfer_ms"] is None
+    # KV of 1024 tokens * 1000 B at 1 Gbit/s = 8.192 ms; C = inproc TTFT = 100 ms.
+    assert p["kv_bytes"] == 1_024_000 and p["ideal_transfer_ms"] == pytest.approx(8.192)
+    assert p["t_over_c"] == pytest.approx(0.08192)
+    for r in rows:
+        assert {"prompt_len", "mode", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "num_groups",
+                "exposed_transfer_ratio"} <= r.keys()
+
+
+def test_rows_without_reference_or_link() -> None:
+    rows = sweep_rows([SweepPoint(512, "pipelined-2", s(80.0), 2), SweepPoint(512, "baseline", s(100.0), 1)])
+    assert [r["mode"] for r in rows] == ["pipelined-2", "baseline"]
+    assert all(r["exposed_transfer_ratio"] is None and r["exposed_transfer_ms"] is None for r in rows)
+    assert rows[0]["ttft_vs_baseline"] == pytest.approx(-0.2)
+    assert rows[0]["ideal_transfer_ms"] is None and rows[0]["t_over_c"] is None
+    failed = sweep_rows([SweepPoint(512, "pipelined", s(None), None), SweepPoint(512, "baseline", s(100.0)),
+                         SweepPoint(512, "inproc", s(50.0))])
+    assert failed[0]["exposed_transfer_ratio"] is None and failed[0]["ttft_vs_baseline"] is None
+
+
+def test_run_sweep_one_stack_per_mode_every_length() -> None:
+    events: list[tuple] = []
+
+    @contextlib.contextmanager
+    def open_stack(mode: str) -> Iterator[str]:
+        events.append(("start", mode))
+        try:
+            yield f"url-{mode}"
+        finally:
+            events.append(("stop", mode))
+
+    def measure(ep: str, mode: str, n: int) -> tuple[dict, int | None]:
+        events.append(("measure", ep, n))
+        return s(float(n)), (4 if mode == "pipelined" else None)
+
+    points = run_sweep([256, 1024], ["baseline", "pipelined"], open_stack, measure)
+    assert events == [("start", "baseline"), ("measure", "url-baseline", 256), ("measure", "url-baseline", 1024),
+                      ("stop", "baseline"), ("start", "pipelined"), ("measure", "url-pipelined", 256),
+                      ("measure", "url-pipelined", 1024), ("stop", "pipelined")]
+    assert [(p.prompt_len, p.mode, p.num_groups) for p in points] == [
+        (256, "baseline", None), (1024, "baseline", None), (256, "pipelined", 4), (1024, "pipelined", 4)]
+
+
+def test_run_sweep_stops_the_stack_when_measuring_fails() -> None:
+    stopped = []
+
+    @contextlib.contextmanager
+    def open_stack(mode: str) -> Iterator[str]:
+        try:
+            yield mode
+        finally:
+            stopped.append(mode)
+
+    def measure(ep: str, mode: str, n: int) -> tuple[dict, int | None]:
+        raise RuntimeError("server died")
+
+    with pytest.raises(RuntimeError):
+        run_sweep([256], ["baseline", "inproc"], open_stack, measure)
+    assert stopped == ["baseline"]
+
+
+def test_kv_bytes_per_token() -> None:
+    bench = {"num_hidden_layers": 12, "num_attention_heads": 12, "num_key_value_heads": 4, "head_dim": 64,
+             "hidden_size": 768, "torch_dtype": "float32"}
+    assert kv_bytes_per_token(bench) == 2 * 12 * 4 * 64 * 4
+    assert kv_bytes_per_token(bench | {"torch_dtype": "bfloat16"}) == 2 * 12 * 4 * 64 * 2
+    no_hd = {k: v for k, v in bench.items() if k != "head_dim"}
+    assert kv_bytes_per_token(no_hd | {"num_key_value_heads": None}) == 2 * 12 * 12 * 64 * 4  # MHA
+    assert kv_bytes_per_token({}) is None
+
+
+def test_num_groups_probes() -> None:
+    assert num_groups_from_server_info({"internal_states": [{"num_groups": 4}]}) == 4
+    assert num_groups_from_server_info({"last_num_groups": 3, "internal_states": [{}]}) == 3
+    assert num_groups_from_server_info({"internal_states": [{"num_layer_groups": 0}]}) is None
+    assert num_groups_from_server_info({"num_groups": True}) is None
+    assert num_groups_from_server_info({"tp_size": 1}) is None
+    text = ("# HELP kvpipe:num_layer_groups groups of the last prefill batch\n"
+            "# TYPE kvpipe:num_layer_groups gauge\n"
+            'kvpipe:num_layer_groups{model_name="m"} 6.0\n'
+            'kvpipe:layer_groups_bucket{le="4"} 9\n'
+            "kvpipe:prompt_tokens_total 100\n")
+    assert num_groups_from_metrics(text) == 6
+    assert num_groups_from_metrics("kvpipe:num_layer_groups_count 9\nfoo 1\n") is None
+    assert num_groups_from_metrics("") is None
