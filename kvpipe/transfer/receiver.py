@@ -38,8 +38,8 @@ from typing import Sequence
 
 import numpy as np
 
-from kvpipe.transfer.bootstrap import (DEFAULT_BOOTSTRAP_PORT, BootstrapError, DecodeInfo, PrefillInstanceInfo,
-                                       check_compatible, wait_prefill_info)
+from kvpipe.transfer.bootstrap import (DEFAULT_BOOTSTRAP_PORT, BootstrapNotReady, BootstrapUnreachable, DecodeInfo,
+                                       PrefillInstanceInfo, check_compatible, fetch_prefill_info)
 from kvpipe.transfer.config import DisaggConfig
 from kvpipe.transfer.control import ControlEndpoint
 from kvpipe.transfer.layout import KVLayout
@@ -94,6 +94,7 @@ class KVReceiver:
         self._prefills: dict[tuple[str, int], _Prefill] = {}
         self._by_session: dict[str, tuple[tuple[str, int], int]] = {}  # prefill session -> (addr, rank)
         self._waiting: dict[tuple[str, int], list[int]] = {}  # rooms waiting for a bootstrap fetch
+        self._fetch_errors: dict[tuple[str, int], str] = {}  # last error of a fetch still retrying
         self._liveness = PeerLiveness(cfg.heartbeat_timeout_s)
         self._endpoint = ControlEndpoint(host, self._on_message, name="kvreceiver", send_hwm=cfg.control_send_hwm)
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvreceiver-bootstrap")
@@ -179,6 +180,12 @@ class KVReceiver:
                     self.stats.rooms_failed += 1
         return out
 
+    def room_state(self, room: int) -> TransferState | None:
+        """Current state of an active room (None once reported by poll, or unknown)."""
+        with self._lock:
+            r = self._rooms.get(room)
+            return None if r is None else r.rec.state
+
     def num_active_rooms(self) -> int:
         with self._lock:
             return len(self._rooms)
@@ -186,21 +193,30 @@ class KVReceiver:
     # ---- bootstrap, registration, requests ---------------------------------------------------
 
     def _fetch(self, addr: tuple[str, int]) -> None:
-        """Pool thread: fetch a prefill's ranks, then request every room waiting for it."""
+        """Pool thread: fetch a prefill's ranks (retrying while it starts), then request every
+        room waiting for it."""
         info, err = None, None
-        try:
-            info = wait_prefill_info(*addr, timeout_s=self.cfg.bootstrap_timeout_s,
-                                     http_timeout_s=self.cfg.http_timeout_s, stop=self._stop)
-            check_compatible(info, self.decode_info)
-        except BootstrapError as e:
-            info, err = None, e
-        except Exception as e:  # keep the rooms from hanging on a bug: fail them with the error
-            log.exception("bootstrap fetch from %s:%d", *addr)
-            info, err = None, e
+        end = time.monotonic() + self.cfg.bootstrap_timeout_s
+        while not self._stop.is_set():
+            try:
+                info = fetch_prefill_info(*addr, self.cfg.http_timeout_s)
+                check_compatible(info, self.decode_info)
+                break
+            except (BootstrapUnreachable, BootstrapNotReady) as e:
+                info, err = None, e
+                with self._lock:
+                    self._fetch_errors[addr] = str(e)  # named when a waiting room times out
+                if time.monotonic() >= end:
+                    break
+                self._stop.wait(0.05)
+            except Exception as e:  # incompatible, malformed, or a bug: fail the rooms with it
+                info, err = None, e
+                break
         with self._lock:
             now = self._clock()
             rooms = [self._rooms.get(room) for room in self._waiting.pop(addr, [])]
             rooms = [r for r in rooms if r is not None and not r.requested and not r.rec.state.terminal]
+            self._fetch_errors.pop(addr, None)
             if info is None:
                 why = f"bootstrap with prefill {addr[0]}:{addr[1]} failed: {err}"
                 log.warning("%s (%d rooms)", why, len(rooms))
@@ -308,6 +324,11 @@ class KVReceiver:
                 with self._lock:
                     now = self._clock()
                     for r in self._rooms.values():
+                        if r.rec.state is TransferState.BOOTSTRAPPING and r.rec.deadline is not None \
+                                and now >= r.rec.deadline:
+                            err = self._fetch_errors.get(r.prefill)
+                            r.rec.fail(f"bootstrap with prefill {r.prefill[0]}:{r.prefill[1]} failed: not done "
+                                       f"within {self.cfg.bootstrap_timeout_s}s" + (f" ({err})" if err else ""), now)
                         r.rec.expire(now)
                         self._settle(r, now)
                     for s in self._liveness.reap(now):

@@ -188,6 +188,12 @@ class KVSender:
                 self._bury(r)
         return out
 
+    def room_state(self, room: int) -> TransferState | None:
+        """Current state of an active room (None once reported by poll, or unknown)."""
+        with self._lock:
+            r = self._rooms.get(room)
+            return None if r is None else r.rec.state
+
     def num_active_rooms(self) -> int:
         with self._lock:
             return sum(1 for r in self._rooms.values() if r.src_pages is not None)
@@ -268,13 +274,14 @@ class KVSender:
 
     def _on_abort(self, msg: Abort, now: float) -> None:
         room, session = msg.room, msg.session_id
-        r = self._rooms.get(room)
+        r, tomb = self._rooms.get(room), self._tombstones.get(room)
+        if (r is not None and session in r.notified) or (tomb is not None and session in tomb[2]):
+            return  # it already has our final status (the abort crossed it on the wire)
         if r is not None and session in r.dests:
             r.rec.fail(f"aborted by decode: {msg.reason}", now)
             return
-        tomb = self._tombstones.get(room)
         addr = self.peers.reply_address(session)
-        if r is not None or (tomb is not None and session in tomb[2]) or addr is None:
+        if r is not None or addr is None:
             self._reject(f"Abort for room {room} from {session}, which is not bound to it")
             return
         # Never saw this room from this session: nothing was written; say so, and remember it so

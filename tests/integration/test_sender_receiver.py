@@ -1,0 +1,425 @@
+"""KVSender <-> KVReceiver in one process: real KV pools, real bootstrap server, real ZMQ, local
+and Mooncake (loopback TCP) backends. Every wait is bounded; heartbeats are fast."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from kvpipe.cache.kv_pool import KVPool
+from kvpipe.transfer import messages as m
+from kvpipe.transfer.backends import FailureInjection
+from kvpipe.transfer.backends.local import LocalBackend, LocalFabric
+from kvpipe.transfer.bootstrap import BootstrapServer, PrefillRankInfo, register_prefill_rank
+from kvpipe.transfer.config import DisaggConfig
+from kvpipe.transfer.layout import KVLayout
+from kvpipe.transfer.receiver import DecodeRank, KVReceiver
+from kvpipe.transfer.sender import KVSender
+from kvpipe.transfer.state import DuplicateRoomError, TransferState
+from kvpipe.transfer.tp_mapping import kv_head_range
+
+pytestmark = pytest.mark.integration
+L, PAGES, PS, HD, H = 2, 32, 4, 8, 2  # layers, pages per pool, page size, head dim, total KV heads
+CFG = DisaggConfig(bootstrap_timeout_s=3.0, waiting_timeout_s=5.0, heartbeat_interval_s=0.05, heartbeat_misses=6,
+                   transfer_timeout_s=1.0, http_timeout_s=1.0)
+S, F = TransferState.SUCCESS, TransferState.FAILED
+
+
+def wait_for(fn, timeout: float = 10.0, what: str = "condition"):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got = fn()
+        if got:
+            return got
+        time.sleep(0.005)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+class Results:
+    """Collects poll() output of one manager; `get(room)` waits for that room."""
+
+    def __init__(self, mgr) -> None:
+        self.mgr, self.seen = mgr, {}
+
+    def _pull(self):
+        for entry in self.mgr.poll():
+            assert entry[0] not in self.seen, f"room {entry[0]} reported twice"
+            self.seen[entry[0]] = entry
+        return self.seen
+
+    def get(self, room: int, timeout: float = 10.0):
+        return wait_for(lambda: self._pull().get(room), timeout, f"room {room}")
+
+    def absent(self, room: int) -> bool:
+        return room not in self._pull()
+
+
+@pytest.fixture
+def stack():
+    with contextlib.ExitStack() as es:
+        yield es
+
+
+def make_backend(kind: str, fabric: LocalFabric, stack, inject=None):
+    if kind == "mooncake":
+        pytest.importorskip("mooncake.engine")
+        from kvpipe.transfer.backends.mooncake import MooncakeBackend
+        backend = MooncakeBackend("127.0.0.1", inject=inject)
+    else:
+        backend = LocalBackend(fabric, inject=inject)
+    stack.callback(backend.close)
+    return backend
+
+
+def truth(seed: int = 0) -> list[torch.Tensor]:
+    """Full-head KV per (layer, K/V): [PAGES, H, PS, HD] each, layer-major, K then V."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(PAGES, H, PS, HD, generator=g) for _ in range(2 * L)]
+
+
+def rank_pool(tp: int, rank: int, data: list[torch.Tensor] | None):
+    h0, h1 = kv_head_range(tp, rank, H)
+    pool = KVPool(L, PAGES, PS, h1 - h0, HD)
+    if data is not None:
+        for i, buf in enumerate(b for layer in range(L) for b in (pool.k[layer], pool.v[layer])):
+            buf.copy_(data[i][:, h0:h1])
+    return pool, KVLayout.from_pool(pool, head_start=h0, total_kv_heads=H)
+
+
+def register(backend, layout: KVLayout) -> None:
+    backend.register_many(list(layout.buffer_addrs), [layout.buffer_nbytes] * layout.num_buffers)
+
+
+@dataclasses.dataclass
+class Prefill:
+    server: BootstrapServer
+    senders: list[KVSender]
+    data: list[torch.Tensor]
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+
+def start_prefill(stack, kind="local", fabric=None, tp=1, cfg=CFG, server=None, instance="p0", seed=0, inject=None):
+    fabric = fabric or LocalFabric()
+    if server is None:
+        server = stack.enter_context(BootstrapServer("127.0.0.1", 0))
+    data, senders = truth(seed), []
+    for rank in range(tp):
+        pool, layout = rank_pool(tp, rank, data)
+        backend = make_backend(kind, fabric, stack, inject)
+        register(backend, layout)
+        s = KVSender(cfg, layout=layout, backend=backend, tp_rank=rank, tp_size=tp, model_name="m",
+                     instance_id=instance)
+        s.pool = pool  # keep the memory alive as long as the sender
+        stack.callback(s.close)
+        senders.append(s.start(("127.0.0.1", server.port)))
+    return Prefill(server, senders, data)
+
+
+def start_decode(stack, kind="local", fabric=None, tp=1, cfg=CFG, clock=time.monotonic, model="m"):
+    fabric = fabric or LocalFabric()
+    pools, ranks = [], []
+    for rank in range(tp):
+        pool, layout = rank_pool(tp, rank, None)
+        backend = make_backend(kind, fabric, stack)
+        register(backend, layout)
+        pools.append(pool)
+        ranks.append(DecodeRank(layout, backend.address))
+    recv = KVReceiver(cfg, ranks=ranks, model_name=model, clock=clock)
+    recv.pools = pools
+    stack.callback(recv.close)
+    return recv.start()
+
+
+def assert_moved(prefill: Prefill, recv: KVReceiver, src: np.ndarray, dst: np.ndarray, untouched: np.ndarray):
+    """Decode pages `dst` hold prefill pages `src` for every decode rank's heads; `untouched` stay zero."""
+    for rank, pool in enumerate(recv.pools):
+        h0, h1 = kv_head_range(len(recv.pools), rank, H)
+        bufs = [b for layer in range(L) for b in (pool.k[layer], pool.v[layer])]
+        for full, buf in zip(prefill.data, bufs):
+            assert torch.equal(buf[dst], full[src][:, h0:h1])
+            assert not buf[untouched].any()
+
+
+SRC = np.array([3, 4, 5, 9, 10, 11])  # prefill page table of a 22-token prompt (page size 4)
+
+
+@pytest.mark.parametrize("kind", ["local", "mooncake"])
+def test_chunked_transfer_with_decode_prefix(stack, kind):
+    fabric = LocalFabric()
+    prefill = start_prefill(stack, kind, fabric)
+    recv = start_decode(stack, kind, fabric)
+    sender = prefill.senders[0]
+    dst = np.array([20, 21, 7, 8])  # decode holds 8 tokens (2 pages) already: pages for tokens 8..21
+    recv.add_room(11, "127.0.0.1", prefill.port, dst, prefix_len=8)
+    sender.add_room(11, SRC)
+    assert sender.send(11, 0, 6)  # entirely inside decode's prefix: nothing to write
+    assert sender.send(11, 6, 13)  # page 2 (tokens 8..11) is full; page 3 waits
+    assert sender.send(11, 13, 22, last=True, aux=(42, -0.25))  # pages 3..5, the last one partial
+    assert Results(sender).get(11) == (11, S, "")
+    room, state, reason, aux = Results(recv).get(11)
+    assert (state, reason) == (S, "") and aux == m.AuxData(11, 42, -0.25)
+    assert_moved(prefill, recv, SRC[2:], dst, np.setdiff1d(np.arange(PAGES), dst))
+    assert sender.stats.rooms_succeeded == 1 and recv.stats.rooms_succeeded == 1
+    assert sender.num_active_rooms() == 0 and recv.num_active_rooms() == 0
+
+
+def test_layer_groups_and_sends_before_the_request(stack):
+    fabric = LocalFabric()
+    prefill = start_prefill(stack, fabric=fabric)
+    recv = start_decode(stack, fabric=fabric)
+    sender = prefill.senders[0]
+    sender.add_room(5, SRC)
+    # Layer-pipelined prefill of one 22-token chunk, before the decode asked for anything: queued.
+    sender.send(5, 0, 22, 0, 1)
+    sender.send(5, 0, 22, 1, 2, last=True, aux=(7, -1.0))
+    assert sender.room_state(5) is TransferState.BOOTSTRAPPING
+    dst = np.array([30, 2, 17, 18, 19, 0])
+    recv.add_room(5, "127.0.0.1", prefill.port, dst, prefix_len=0)
+    assert Results(recv).get(5)[1:] == (S, "", m.AuxData(5, 7, -1.0))
+    assert Results(sender).get(5)[1] is S
+    assert_moved(prefill, recv, SRC, dst, np.setdiff1d(np.arange(PAGES), dst))
+
+
+@pytest.mark.parametrize("p_tp, d_tp", [(1, 2), (2, 1), (1, 4), (4, 1), (2, 4)])
+def test_heterogeneous_tp(stack, p_tp, d_tp):
+    fabric = LocalFabric()
+    prefill = start_prefill(stack, fabric=fabric, tp=p_tp)
+    recv = start_decode(stack, fabric=fabric, tp=d_tp)
+    dst = np.array([1, 2, 3, 12, 13])
+    recv.add_room(9, "127.0.0.1", prefill.port, [dst] * d_tp, prefix_len=4)
+    for s in prefill.senders:
+        s.add_room(9, SRC)
+        s.send(9, 0, 10)
+        s.send(9, 10, 21, last=True, aux=(3, -0.5))
+    for s in prefill.senders:
+        assert Results(s).get(9)[1:] == (S, "")
+    assert Results(recv).get(9)[1] is S
+    assert_moved(prefill, recv, SRC[1:], dst, np.setdiff1d(np.arange(PAGES), dst))
+    if p_tp > H:  # replicated heads: only one prefill rank per head writes
+        assert sum(s.stats.ops_submitted > 0 for s in prefill.senders) == H
+
+
+def test_decode_abort_keeps_pages_until_prefill_acknowledges(stack):
+    """The test plays the prefill rank with raw ZMQ sockets; the decode runs on a fake clock."""
+    cfg = dataclasses.replace(CFG, heartbeat_interval_s=1.0, heartbeat_misses=100, transfer_timeout_s=2.0)
+    now = [100.0]
+    server = stack.enter_context(BootstrapServer("127.0.0.1", 0))
+    ctx = zmq.Context()
+    stack.callback(ctx.term)
+    pull = ctx.socket(zmq.PULL)
+    stack.callback(pull.close, 0)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    _, layout = rank_pool(1, 0, None)
+    register_prefill_rank("127.0.0.1", server.port, PrefillRankInfo(
+        0, 1, layout, "local:nowhere", f"tcp://127.0.0.1:{port}", "m", "fake"))
+    recv = start_decode(stack, clock=lambda: now[0])
+    got = []
+
+    def receive(n):
+        while len(got) < n and pull.poll(5000):
+            got.append(m.decode(pull.recv()))
+        return got
+    recv.add_room(1, "127.0.0.1", server.port, [4, 5], prefix_len=0)
+    recv.add_room(2, "127.0.0.1", server.port, [6, 7], prefix_len=0)
+    kinds = [type(x).__name__ for x in receive(3)]
+    assert kinds == ["RegisterPeer", "TransferRequest", "TransferRequest"]
+    recv.abort(1, "client disconnected")
+    recv.abort(2, "client disconnected")
+    aborts = [x for x in receive(5)[3:] if isinstance(x, m.Abort)]
+    assert {a.room for a in aborts} == {1, 2} and all(a.side is m.Side.DECODE for a in aborts)
+    res = Results(recv)
+    time.sleep(0.05)
+    assert res.absent(1) and res.absent(2)  # a write may still land: pages stay reserved
+    push = ctx.socket(zmq.PUSH)
+    stack.callback(push.close, 0)
+    push.connect(recv.control_address)
+    push.send(m.encode(m.TransferStatus(1, recv.sessions[0], m.TransferState.FAILED, "aborted")))
+    assert res.get(1, timeout=5)[1:3] == (F, "client disconnected")
+    assert res.absent(2)
+    now[0] += 2.01  # no acknowledgement for room 2: released when the transfer deadline passed
+    assert res.get(2, timeout=5)[1] is F
+    push.send(m.encode(m.TransferStatus(2, recv.sessions[0], m.TransferState.FAILED, "late")))
+    wait_for(lambda: recv.stats.rejected_messages >= 1, 5, "late status rejected")
+
+
+def test_decode_abort_with_real_prefill(stack):
+    fabric = LocalFabric()
+    prefill = start_prefill(stack, fabric=fabric)
+    recv = start_decode(stack, fabric=fabric)
+    sender = prefill.senders[0]
+    sender.add_room(3, SRC)
+    recv.add_room(3, "127.0.0.1", prefill.port, np.arange(6), prefix_len=0)
+    wait_for(lambda: sender.room_state(3) is TransferState.WAITING_FOR_INPUT, 5, "request bound")
+    sender.send(3, 0, 8)
+    recv.abort(3, "client went away")
+    room, state, reason = Results(sender).get(3)
+    assert state is F and "aborted by decode: client went away" in reason
+    assert Results(recv).get(3)[1:3] == (F, "client went away")
+    # A late add_room of the same room on the prefill fails at once instead of waiting.
+    sender.add_room(3, SRC)
+    assert "already used or aborted" in Results(sender).get(3, timeout=5)[2]
+    assert sender.stats.rejected_messages == 0 and recv.stats.rejected_messages == 0
+
+
+def test_prefill_abort_reaches_decode(stack):
+    fabric = LocalFabric()
+    prefill = start_prefill(stack, fabric=fabric)
+    recv = start_decode(stack, fabric=fabric)
+    sender = prefill.senders[0]
+    for room in (1, 2):
+        sender.add_room(room, SRC)
+        recv.add_room(room, "127.0.0.1", prefill.port, np.arange(6) + 6 * room, prefix_len=0)
+    wait_for(lambda: sender.room_state(1) is TransferState.WAITING_FOR_INPUT, 5, "request bound")
+    sender.send(1, 0, 12)
+    sender.abort(1, "prefill OOM")
+    assert not sender.send(1, 12, 22, last=True, aux=(1, 0.0))  # the room already failed
+    sender.abort(2, "prefill OOM")  # possibly before the decode's request arrived
+    rs, rr = Results(sender), Results(recv)
+    for room in (1, 2):
+        assert rs.get(room)[1] is F
+        state, reason = rr.get(room)[1:3]
+        assert state is F and "prefill OOM" in reason
+
+
+def test_malformed_and_invalid_messages_are_dropped(stack):
+    fabric = LocalFabric()
+    prefill = start_prefill(stack, fabric=fabric)
+    recv = start_decode(stack, fabric=fabric)
+    sender = prefill.senders[0]
+    ctx = zmq.Context()
+    stack.callback(ctx.term)
+    push = ctx.socket(zmq.PUSH)
+    stack.callback(push.close, 0)
+    push.connect(sender.control_address)
+    push.connect(recv.control_address)  # PUSH round-robins: frames alternate between the two
+    bad = [b"\x00garbage", m.encode(m.Heartbeat("x", 1))[:-1], b"\x81\xa4kind\xa5abort",
+           m.encode(m.TransferRequest(99, "unregistered", (1, 2), 0, 0)),
+           m.encode(m.TransferStatus(99, "nobody", m.TransferState.FAILED, "x"))]
+    for frame in bad * 2:
+        push.send(frame)
+    wait_for(lambda: sender._endpoint.stats.received + recv._endpoint.stats.received >= 10, 5, "frames")
+    assert sender._endpoint.stats.malformed + recv._endpoint.stats.malformed == 6
+    assert sender.stats.rejected_messages + recv.stats.rejected_messages == 4
+    sender.add_room(4, SRC)
+    recv.add_room(4, "127.0.0.1", prefill.port, np.arange(6), prefix_len=0)
+    sender.send(4, 0, 22, last=True, aux=(5, -0.1))
+    assert Results(recv).get(4)[1] is S and Results(sender).get(4)[1] is S
+
+
+def test_decode_death_fails_prefill_rooms(stack):
+    fabric = LocalFabric()
+    prefill = start_prefill(stack, fabric=fabric)
+    recv = start_decode(stack, fabric=fabric)
+    sender = prefill.senders[0]
+    sender.add_room(8, SRC)
+    recv.add_room(8, "127.0.0.1", prefill.port, np.arange(6), prefix_len=0)
+    wait_for(lambda: sender.room_state(8) is TransferState.WAITING_FOR_INPUT, 5, "request bound")
+    recv.close()  # the decode process is gone: no more heartbeats
+    t0 = time.monotonic()
+    room, state, reason = Results(sender).get(8, timeout=5)
+    assert state is F and "heartbeats missed" in reason
+    assert time.monotonic() - t0 < 5 * CFG.heartbeat_timeout_s + 1.0
+
+
+def test_prefill_death_then_restart_is_picked_up(stack):
+    fabric = LocalFabric()
+    server = stack.enter_context(BootstrapServer("127.0.0.1", 0))
+    first = start_prefill(stack, fabric=fabric, server=server, instance="first")
+    recv = start_decode(stack, fabric=fabric)
+    rr = Results(recv)
+    recv.add_room(1, "127.0.0.1", server.port, np.arange(6), prefix_len=0)
+    wait_for(lambda: first.senders[0].room_state(1) is TransferState.BOOTSTRAPPING, 5, "request arrived")
+    first.senders[0].close()  # prefill crashed before admitting the request
+    state, reason = rr.get(1, timeout=5)[1:3]
+    assert state is F and "sent no heartbeat" in reason and "prefill rank 0" in reason
+    registrations = recv.stats.registrations
+    second = start_prefill(stack, fabric=fabric, server=server, instance="second", seed=1)
+    recv.add_room(2, "127.0.0.1", server.port, np.arange(6) + 10, prefix_len=0)
+    second.senders[0].add_room(2, SRC)
+    second.senders[0].send(2, 0, 22, last=True, aux=(9, -2.0))
+    assert rr.get(2)[1:] == (S, "", m.AuxData(2, 9, -2.0))
+    assert recv.stats.registrations == registrations + 1  # registered again with the new instance
+    assert_moved(second, recv, SRC, np.arange(6) + 10, np.arange(6))
+
+
+def test_duplicate_rooms(stack):
+    fabric = LocalFabric()
+    prefill = start_prefill(stack, fabric=fabric)
+    a, b = start_decode(stack, fabric=fabric), start_decode(stack, fabric=fabric)
+    sender = prefill.senders[0]
+    sender.add_room(6, SRC)
+    with pytest.raises(DuplicateRoomError):
+        sender.add_room(6, SRC)
+    a.add_room(6, "127.0.0.1", prefill.port, np.arange(6), prefix_len=0)
+    with pytest.raises(DuplicateRoomError):
+        a.add_room(6, "127.0.0.1", prefill.port, np.arange(6), prefix_len=0)
+    wait_for(lambda: sender.room_state(6) is TransferState.WAITING_FOR_INPUT, 5, "request bound")
+    b.add_room(6, "127.0.0.1", prefill.port, np.arange(6), prefix_len=0)  # a client reused the room
+    state, reason = Results(b).get(6)[1:3]
+    assert state is F and "already bound to another decode" in reason
+    sender.send(6, 0, 22, last=True, aux=(1, -1.0))
+    assert Results(a).get(6)[1] is S and Results(sender).get(6)[1] is S
+    assert not b.pools[0].k[0].any()  # nothing was written into the second decode
+
+
+def test_deadlines_and_bootstrap_errors(stack):
+    cfg = dataclasses.replace(CFG, bootstrap_timeout_s=0.3, waiting_timeout_s=0.5)
+    fabric = LocalFabric()
+    prefill = start_prefill(stack, fabric=fabric, cfg=cfg)
+    recv = start_decode(stack, fabric=fabric, cfg=cfg)
+    sender = prefill.senders[0]
+    rs, rr = Results(sender), Results(recv)
+    sender.add_room(1, SRC)  # no decode ever asks for it
+    assert "bootstrapping timed out" in rs.get(1, timeout=5)[2]
+    recv.add_room(2, "127.0.0.1", prefill.port, np.arange(6), prefix_len=0)  # prefill never admits it
+    state, reason = rr.get(2, timeout=5)[1:3]
+    assert state is F and "waiting_for_input timed out" in reason
+    sender.add_room(2, SRC)  # admitted too late: fails at once, the decode already gave up
+    assert rs.get(2, timeout=5)[1] is F
+    with socket_port() as dead:
+        recv.add_room(3, "127.0.0.1", dead, np.arange(6), prefix_len=0)
+        state, reason = rr.get(3, timeout=5)[1:3]
+    assert state is F and f"bootstrap with prefill 127.0.0.1:{dead} failed" in reason and "unreachable" in reason
+    assert sender.num_active_rooms() == 0 and recv.num_active_rooms() == 0
+
+
+@contextlib.contextmanager
+def socket_port():
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    yield port
+
+
+def test_incompatible_decode_is_refused_clearly(stack):
+    fabric = LocalFabric()
+    prefill = start_prefill(stack, fabric=fabric)
+    recv = start_decode(stack, fabric=fabric, model="other-model")
+    recv.add_room(1, "127.0.0.1", prefill.port, np.arange(6), prefix_len=0)
+    state, reason = Results(recv).get(1, timeout=5)[1:3]
+    assert state is F and "serves model 'm'" in reason and "'other-model'" in reason
+
+
+def test_write_failure_fails_both_sides(stack):
+    fabric = LocalFabric()
+    prefill = start_prefill(stack, fabric=fabric, inject=FailureInjection(prob=1.0, seed=3))
+    recv = start_decode(stack, fabric=fabric)
+    sender = prefill.senders[0]
+    sender.add_room(1, SRC)
+    recv.add_room(1, "127.0.0.1", prefill.port, np.arange(6), prefix_len=0)
+    sender.send(1, 0, 22, last=True, aux=(1, 0.0))
+    assert "injected failure" in Results(sender).get(1)[2]
+    state, reason = Results(recv).get(1)[1:3]
+    assert state is F and "injected failure" in reason
+    assert sender.stats.batches_failed >= 1
