@@ -27,6 +27,7 @@ from kvpipe.transfer.backends.base import (BatchHandle, BatchState, FailureInjec
                                            TransferError, _Injector, as_op_arrays)
 
 _BAD_BATCH_IDS = (0, -1, (1 << 64) - 1)  # how a failed submit comes back through pybind
+FULL_SCAN_S = 0.01
 
 
 class _Batch:
@@ -39,6 +40,7 @@ class _Batch:
         self.inflight: list[int] = []  # engine batch ids
         self.failure: str | None = None  # set once: stop issuing, drain, then FAILED
         self.last_progress = time.monotonic()
+        self.last_full_scan = 0.0
 
     def fail(self, reason: str) -> None:
         if self.failure is None:
@@ -134,11 +136,20 @@ class MooncakeBackend(TransferBackend):
         for peer, queue in list(self._queues.items()):
             inflight = 0
             for b in queue:
+                # Ops mostly finish in order: check from the oldest and stop at the first pending
+                # one (a full scan costs ~1 us per op per poll); every FULL_SCAN_S look at all of
+                # them, so a failure or completion behind a slow op is not missed for long.
+                full = now - b.last_full_scan >= FULL_SCAN_S
+                if full:
+                    b.last_full_scan = now
                 still = []
-                for bid in b.inflight:
+                for j, bid in enumerate(b.inflight):
                     rc = engine.transfer_check_status(bid)
                     if rc == 0:
                         still.append(bid)
+                        if not full:
+                            still.extend(b.inflight[j + 1:])
+                            break
                         continue
                     b.last_progress = now
                     if rc < 0:

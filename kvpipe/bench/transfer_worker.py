@@ -1,0 +1,205 @@
+"""The two processes of `kvpipe bench transfer`: a decode side that owns the destination KVPool
+and a prefill side that plans and writes pages into it, both over a real Mooncake engine.
+
+Heavy imports happen inside the process bodies, after the process has entered its network
+namespace, so every thread Mooncake starts lives in the right one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import statistics
+import time
+import uuid
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str  # torch dtype name
+    page_size: int
+    prompt_lens: tuple[int, ...]
+    repeat: int
+    fragmentation: float  # probability that a decode page starts a new run (0: one run)
+    window: int  # Mooncake ops in flight per peer
+    seed: int
+    log_path: str  # this process's stderr (Mooncake logs a lot) goes here
+    hostname: str = "127.0.0.1"
+    netns: str | None = None
+
+    @property
+    def max_pages(self) -> int:
+        return -(-max(self.prompt_lens) // self.page_size)
+
+    @property
+    def pool_pages(self) -> int:  # fragmented runs are laid out with gaps: up to 2x the pages
+        return self.max_pages * (2 if self.fragmentation > 0 else 1)
+
+
+def fragmented_pages(n: int, fraction: float, rng: np.random.Generator) -> np.ndarray:
+    """n destination page ids in runs: each page starts a new run with probability `fraction`.
+
+    Runs are placed in random order with a one-page gap, so no two runs merge; ids < 2n.
+    """
+    if fraction <= 0 or n == 0:
+        return np.arange(n, dtype=np.int64)
+    starts = rng.random(n) < fraction
+    starts[0] = True
+    run_id = np.cumsum(starts) - 1
+    run_len = np.bincount(run_id)
+    order = rng.permutation(run_len.size)
+    placed = np.concatenate(([0], np.cumsum(run_len[order] + 1)[:-1]))
+    run_start = np.empty_like(placed)
+    run_start[order] = placed
+    first_index = np.flatnonzero(starts)
+    return (run_start[run_id] + np.arange(n) - first_index[run_id]).astype(np.int64)
+
+
+def _setup(cfg: WorkerConfig, num_pages: int):
+    fd = os.open(cfg.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 2)
+    os.close(fd)
+    if cfg.netns:
+        from kvpipe.bench.transfer_link import enter_netns
+
+        enter_netns(cfg.netns)
+    import torch
+
+    from kvpipe.cache.kv_pool import KVPool
+    from kvpipe.transfer.backends.mooncake import MooncakeBackend
+
+    backend = MooncakeBackend(hostname=cfg.hostname, protocol="tcp", window=cfg.window)
+    pool = KVPool(cfg.num_layers, num_pages, cfg.page_size, cfg.kv_heads, cfg.head_dim,
+                  dtype=getattr(torch, cfg.dtype))
+    # Raw-transfer buffer as big as the largest request; np.ones touches every page of it.
+    raw = np.ones(cfg.max_pages * cfg.page_size * _token_nbytes(pool), dtype=np.uint8)
+    infos = pool.buffer_infos()
+    backend.register_many([b.addr for b in infos] + [raw.ctypes.data], [b.nbytes for b in infos] + [raw.nbytes])
+    return backend, pool, raw
+
+
+def _token_nbytes(pool) -> int:
+    return pool.nbytes // (pool.num_pages * pool.page_size)
+
+
+def _digest(pool, pages: np.ndarray) -> str:
+    import torch
+
+    h = hashlib.blake2b(digest_size=16)
+    idx = torch.from_numpy(pages)
+    for buf in (b for layer in range(pool.num_layers) for b in (pool.k[layer], pool.v[layer])):
+        h.update(buf[idx].contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def decode_main(cfg: WorkerConfig, peer: Connection) -> None:
+    """Receiver: registers its pool once, then serves reset/digest requests until told to quit."""
+    from kvpipe.transfer.layout import KVLayout
+    from kvpipe.transfer.messages import RegisterPeer, encode
+
+    backend, pool, raw = _setup(cfg, cfg.pool_pages)
+    try:
+        reg = RegisterPeer(f"bench-decode-{uuid.uuid4().hex[:8]}", 0, 1, backend.address, "pipe",
+                           KVLayout.from_pool(pool))
+        peer.send(("register", encode(reg), raw.ctypes.data))
+        while True:
+            cmd, arg = peer.recv()
+            if cmd == "reset":
+                for buf in pool.k + pool.v:
+                    buf.zero_()
+                peer.send("ok")
+            elif cmd == "digest":
+                peer.send(_digest(pool, arg))
+            else:
+                break
+    finally:
+        backend.close()
+
+
+def prefill_main(cfg: WorkerConfig, peer: Connection, parent: Connection) -> None:
+    """Sender: for each prompt length, moves a request's KV `repeat` times, plus a raw transfer."""
+    try:
+        parent.send(("result", _prefill(cfg, peer)))
+    except BaseException as e:  # report, then let the process die
+        parent.send(("error", f"{type(e).__name__}: {e}"))
+        raise
+    finally:
+        peer.send(("quit", None))
+
+
+def _prefill(cfg: WorkerConfig, peer: Connection) -> dict[str, Any]:
+    import torch
+
+    from kvpipe.transfer.backends.base import BatchState
+    from kvpipe.transfer.layout import KVLayout
+    from kvpipe.transfer.messages import RegisterPeer, decode
+    from kvpipe.transfer.planner import plan_pages
+
+    backend, pool, raw = _setup(cfg, cfg.max_pages)
+    try:
+        g = torch.Generator().manual_seed(cfg.seed)
+        for buf in pool.k + pool.v:
+            buf.copy_(torch.randn(buf.shape, generator=g).to(buf.dtype))
+        _, blob, raw_dst = peer.recv()
+        reg = decode(blob)
+        assert isinstance(reg, RegisterPeer)
+        src_layout = KVLayout.from_pool(pool)
+        if (why := src_layout.compatible_with(reg.layout)) is not None:
+            raise RuntimeError(f"decode pool incompatible: {why}")
+        rng = np.random.default_rng(cfg.seed)
+
+        def timed(make_ops) -> float:
+            """Wall time of planning (inside make_ops) plus the transfer until every op landed."""
+            t0 = time.perf_counter()
+            h = backend.submit(reg.data_address, *make_ops())
+            if backend.wait(h, time.monotonic() + 300) is not BatchState.DONE:
+                raise RuntimeError(f"transfer failed: {h.error or 'timed out'}")
+            return time.perf_counter() - t0
+
+        per_len = []
+        for n_tokens in cfg.prompt_lens:
+            n = -(-n_tokens // cfg.page_size)
+            nbytes = n * src_layout.page_nbytes * src_layout.num_buffers
+            src_pages = np.arange(n, dtype=np.int64)
+            dst_pages = fragmented_pages(n, cfg.fragmentation, rng)
+            peer.send(("reset", None))
+            peer.recv()
+            plans: list[Any] = []
+
+            def kv_ops():
+                plans.append(plan_pages(src_pages, dst_pages, src_layout, reg.layout))
+                return plans[-1].src_addr, plans[-1].dst_addr, plans[-1].length
+
+            def raw_ops():
+                return [raw.ctypes.data], [raw_dst], [nbytes]
+
+            kv_s, raw_s = [], []
+            for r in range(cfg.repeat):  # alternate the order so both share the machine's noise
+                for kind in (("kv", "raw") if r % 2 == 0 else ("raw", "kv")):
+                    if kind == "kv":
+                        kv_s.append(timed(kv_ops))
+                    else:
+                        raw_s.append(timed(raw_ops))
+            peer.send(("digest", dst_pages))
+            verified = peer.recv() == _digest(pool, src_pages)
+            plan = plans[-1]
+            kv, rw = statistics.median(kv_s), statistics.median(raw_s)
+            per_len.append({
+                "prompt_len": n_tokens, "pages": n, "bytes": nbytes, "ops_per_request": plan.num_ops,
+                "runs": plan.num_runs, "planning_ms": statistics.median(p.planning_ms for p in plans),
+                "transfer_ms": kv * 1e3, "raw_ms": rw * 1e3, "goodput_gbps": nbytes / kv / 1e9,
+                "raw_goodput_gbps": nbytes / rw / 1e9, "goodput_ratio": rw / kv, "verified": verified,
+                "transfer_ms_all": [x * 1e3 for x in kv_s], "raw_ms_all": [x * 1e3 for x in raw_s],
+            })
+        return {"lengths": per_len, "engine_generation": backend.generation}
+    finally:
+        backend.close()
+
