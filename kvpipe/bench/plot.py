@@ -31,7 +31,7 @@ def plot_run(records: Sequence[RequestRecord], summary: Mapping[str, Any], path:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     _cdf(ax1, [m.ttft_s * 1e3 for m in done], "TTFT")
     _cdf(ax1, [m.e2e_s * 1e3 for m in done], "end to end")
-    ax1.set(xlabel="latency (ms)", ylabel="fraction of requests", title="latency CDF")
+    ax1.set(xlabel="latency (ms)", ylabel="fraction of requests", title="latency CDF", ylim=(0, 1.02))
     ax1.grid(alpha=0.3)
     ax1.legend()
     itl = [x * 1e3 for m in done for x in m.itl_s]

@@ -97,6 +97,7 @@ def _measure(call: Any, url: str, cfg: WorkloadConfig, args: argparse.Namespace,
 def _config_dict(cfg: WorkloadConfig, args: argparse.Namespace) -> dict[str, Any]:
     d = asdict(cfg)
     d["request_rate"] = None if math.isinf(cfg.request_rate) else cfg.request_rate
+    d["prompt_lens"], d["output_lens"] = cfg.prompt_lens.describe(), cfg.output_lens.describe()
     return {**d, "concurrency": args.concurrency, "warmup_requests": args.warmup_requests}
 
 

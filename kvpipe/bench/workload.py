@@ -38,6 +38,10 @@ class LengthSpec:
     def min(self) -> int:
         return self.low if self.is_range else min(self.values)
 
+    def describe(self) -> str:
+        """The spec in `parse_lengths` form."""
+        return f"uniform:{self.low}:{self.high}" if self.is_range else ",".join(map(str, self.values))
+
     def sample(self, n: int, rng: np.random.Generator) -> list[int]:
         if self.is_range:
             return [int(x) for x in rng.integers(self.low, self.high + 1, size=n)]

@@ -23,6 +23,7 @@ def test_parse_lengths_forms() -> None:
     assert parse_lengths([3, 5]).values == (3, 5)
     r = parse_lengths("uniform:10:20")
     assert r.is_range and (r.low, r.high, r.min(), r.max()) == (10, 20, 10, 20)
+    assert r.describe() == "uniform:10:20" and parse_lengths("3,5").describe() == "3,5"
     for bad in ("0", "-3", "", "abc", "uniform:5", "uniform:9:3", "uniform:0:4", "uniform:1:2:3"):
         with pytest.raises(ValueError):
             parse_lengths(bad)

@@ -1,0 +1,70 @@
+"""`kvpipe bench serve` against a real colocated `kvpipe serve` (tiny preset, 4 short requests),
+and the same client reaching a server across the link testbed (root only). Nothing is timed:
+the tests check that every request completes with the exact token counts and that the JSON and
+PNG outputs are written."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvpipe.bench import serve
+from kvpipe.bench.client import run_workload
+from kvpipe.bench.metrics import summarize
+from kvpipe.bench.stacks import Endpoint
+from kvpipe.bench.workload import WorkloadConfig, build_workload, parse_lengths
+from kvpipe.server.launcher import free_port, stop_process, wait_healthy
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+
+def _serve_cmd(model: Path, host: str, port: int) -> list[str]:
+    return [sys.executable, "-m", "kvpipe.cli", "serve", "--model-path", str(model), "--host", host,
+            "--port", str(port), "--max-total-tokens", "4096", "--log-level", "warning"]
+
+
+def test_bench_serve_smoke(tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    port = free_port()
+    proc = subprocess.Popen(_serve_cmd(tiny_model_dir, "127.0.0.1", port), start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url + "/health", 120, [proc])
+        out = tmp_path / "run.json"
+        rc = serve.main(["--url", url, "--prompt-lens", "8,24", "--output-lens", "3", "--num-requests", "4",
+                         "--concurrency", "2", "--json", "--out", str(out), "--no-progress"])
+    finally:
+        stop_process(proc)
+    assert rc == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed == json.loads(out.read_text())
+    s = printed["summary"]
+    assert (s["completed"], s["failed"]) == (4, 0)
+    assert s["total_output_tokens"] == 12 and s["total_input_tokens"] == 8 + 24 + 8 + 24
+    assert 0 < s["ttft_p50_ms"] <= s["ttft_p99_ms"] and s["tpot_p50_ms"] > 0 and s["output_throughput"] > 0
+    assert printed["workload"]["vocab_size"] == json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    assert (tmp_path / "run.png").stat().st_size > 1000
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2")
+def test_client_across_testbed(tiny_model_dir: Path) -> None:
+    from kvpipe.bench.testbed import LinkTestbed
+
+    vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    wl = build_workload(WorkloadConfig(parse_lengths("16"), parse_lengths("2"), 4, vocab))
+    with LinkTestbed("1gbit") as tb:
+        port = tb.call_in("a", free_port, tb.addr_a)
+        proc = tb.popen("a", _serve_cmd(tiny_model_dir, tb.addr_a, port),
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        ep = Endpoint(f"http://{tb.addr_a}:{port}", netns=tb.ns_b)  # the client sits on side b
+        ep.call(wait_healthy, ep.url + "/health", 120, [proc])
+        res = ep.call(run_workload, ep.url, wl, 2, 60.0, False)
+    assert proc.poll() is not None  # the testbed stopped it
+    assert [r.error for r in res.records] == [None] * 4
+    assert summarize(res.records, res.duration_s)["total_output_tokens"] == 8
