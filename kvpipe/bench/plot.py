@@ -36,7 +36,10 @@ def plot_run(records: Sequence[RequestRecord], summary: Mapping[str, Any], path:
     ax1.legend()
     itl = [x * 1e3 for m in done for x in m.itl_s]
     if itl:
-        ax2.hist(itl, bins=min(50, max(5, len(itl) // 4)))
+        lo, hi = min(itl), max(itl)
+        if hi - lo < 1e-3:  # (nearly) equal values: numpy cannot split a float-noise range into bins
+            lo, hi = lo - 0.5, hi + 0.5
+        ax2.hist(itl, bins=min(50, max(5, len(itl) // 4)), range=(lo, hi))
     ax2.set(xlabel="inter-token latency (ms)", ylabel="tokens", title="ITL")
     ax2.grid(alpha=0.3)
 
@@ -72,8 +75,11 @@ def plot_sweep(rows: Sequence[Mapping[str, Any]], path: str | Path, title: str =
             ax1.plot(*zip(*p99), "--", color=color, alpha=0.5, label=f"{mode} p99")
         exp = [(r["prompt_len"], r["exposed_transfer_ms"]) for r in pts if r.get("exposed_transfer_ms") is not None]
         if exp:
-            label = mode + "".join(f"  N={r['num_groups']}" for r in pts[-1:] if r.get("num_groups"))
-            ax2.plot(*zip(*exp), "o-", color=color, label=label)
+            ax2.plot(*zip(*exp), "o-", color=color, label=mode)
+            for r in pts:  # the group count each PD point used, when the prefill reported it
+                if r.get("num_groups") and r.get("exposed_transfer_ms") is not None:
+                    ax2.annotate(f"N={r['num_groups']}", (r["prompt_len"], r["exposed_transfer_ms"]),
+                                 textcoords="offset points", xytext=(4, 4), fontsize=7, color=color)
     ideal = sorted({(r["prompt_len"], r["ideal_transfer_ms"]) for r in rows if r.get("ideal_transfer_ms")})
     if ideal:
         ax2.plot(*zip(*ideal), ":", color="gray", label="KV at line rate (T)")

@@ -15,10 +15,13 @@ import contextlib
 import json
 import math
 import shlex
+import signal
 import sys
+import tempfile
+import threading
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from kvpipe.bench.workload import WorkloadConfig, build_workload, parse_lengths
 
@@ -47,7 +50,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--server-args", default="", help="sweep: extra flags for every server, one string")
     t.add_argument("--link-rate", default=None, help="sweep: run PD stacks across an emulated link of "
                    "this tc rate (e.g. 1gbit); needs root")
-    t.add_argument("--log-dir", default=None, help="sweep: write server logs here")
+    t.add_argument("--log-dir", default=None, help="sweep: write server logs here (default: a new temp dir)")
     t.add_argument("--startup-timeout", type=float, default=300.0, help="sweep: seconds for a stack to start")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print the result as one JSON object")
@@ -143,7 +146,8 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
     model_path = resolve_model_path(args.model_path)
     vocab = _vocab_size(args, model_path)
     configs = {n: _workload_config(args, vocab, n) for n in lens}  # same prompts for every mode
-    opts = StackOptions(model_path, tuple(shlex.split(args.server_args)), args.log_dir, args.startup_timeout)
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix="kvpipe-bench-serve-")  # server logs, always kept
+    opts = StackOptions(model_path, tuple(shlex.split(args.server_args)), log_dir, args.startup_timeout)
 
     def measure(ep: Endpoint, mode: str, n: int) -> tuple[dict, int | None]:
         summary, _ = _measure(ep.call, ep.url, configs[n], args, f"{mode} len={n}")
@@ -154,10 +158,10 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
         with contextlib.ExitStack() as stack:
             tb = stack.enter_context(LinkTestbed(args.link_rate)) if args.link_rate else None
             points = run_sweep(lens, modes, default_stack_factory(opts, tb), measure)
-    except LinkTestbedError as e:
-        raise SystemExit(f"kvpipe bench serve: {e}") from None
+    except (LinkTestbedError, RuntimeError, TimeoutError) as e:  # a stack that did not start
+        raise SystemExit(f"kvpipe bench serve: {e} (server logs in {log_dir})") from None
     rows = sweep_rows(points, rate_bps, kv_bytes_per_token(model_config(model_path) or {}))
-    result = {"model_path": model_path, "link_rate": args.link_rate or "loopback", "link_rate_bps": rate_bps,
+    result = {"model_path": model_path, "log_dir": log_dir, "link_rate": args.link_rate or "loopback", "link_rate_bps": rate_bps,
               "modes": modes, "server_args": list(opts.server_args),
               "workload": _config_dict(configs[lens[0]], args) | {"prompt_lens": lens}, "rows": rows,
               "summaries": [{"prompt_len": p.prompt_len, "mode": p.mode, **p.summary} for p in points]}
@@ -166,13 +170,31 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
     return 0 if all(p.summary["completed"] for p in points) else 1
 
 
+@contextlib.contextmanager
+def _sigterm_as_exit() -> Iterator[None]:
+    """SIGTERM raises SystemExit while we run, so every `finally` stops the servers we started."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_term(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     if (args.url is None) == (args.sweep_prompt_lens is None):
         raise SystemExit("kvpipe bench serve: give either --url (one run against a running server) or "
                          "--sweep-prompt-lens (start a stack per mode)")
     if args.link_rate and not args.sweep_prompt_lens:
         raise SystemExit("kvpipe bench serve: --link-rate applies to sweeps (the stacks started here)")
-    return run_sweep_cmd(args) if args.sweep_prompt_lens else run_single(args)
+    with _sigterm_as_exit():
+        return run_sweep_cmd(args) if args.sweep_prompt_lens else run_single(args)
 
 
 def main(argv: list[str] | None = None) -> int:

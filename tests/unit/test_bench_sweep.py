@@ -149,3 +149,18 @@ def test_num_groups_probes() -> None:
     assert num_groups_from_metrics(text) == 6
     assert num_groups_from_metrics("kvpipe:num_layer_groups_count 9\nfoo 1\n") is None
     assert num_groups_from_metrics("") is None
+
+
+def test_plots_write_pngs(tmp_path) -> None:
+    from kvpipe.bench.metrics import RequestRecord, summarize
+    from kvpipe.bench.plot import plot_run, plot_sweep
+
+    points = [SweepPoint(n, m, s(t * n / 256, t * n / 200), g) for n in (256, 1024, 2048)
+              for m, t, g in (("baseline", 60.0, 1), ("pipelined", 40.0, 4), ("inproc", 30.0, None))]
+    rows = sweep_rows(points, link_rate_bps=1e9, kv_bytes_token=24576)
+    out = plot_sweep(rows, tmp_path / "sub" / "sweep.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    recs = [RequestRecord(i, 8, 0.0, [0.1 * (i + 1), 0.1 * (i + 1) + 0.05], [1, 2], end_s=1.0) for i in range(4)]
+    recs.append(RequestRecord(9, 8, 0.0, error="timeout"))
+    run_png = plot_run(recs, summarize(recs, 1.0), tmp_path / "run.png")
+    assert run_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
