@@ -7,8 +7,9 @@
 Side "a" (10.99.0.1) and side "b" (10.99.0.2) each see only the other end and their own lo;
 the 10.x addresses exist only inside these namespaces, so every run may use the same ones.
 Names carry the pid and a random tag, so concurrent runs never collide. Teardown always runs:
-`close()` from `__exit__`, an atexit hook, and SIGTERM turned into SystemExit so `finally`
-blocks run; a SIGKILLed owner leaves a state file that `kvpipe testbed down` uses to clean up.
+`close()` from `__exit__`, an atexit hook, and SIGTERM turned into SystemExit (Ctrl-C already
+raises KeyboardInterrupt) so `finally` blocks run; a SIGKILLed owner leaves a state file that
+`kvpipe testbed down` uses to clean up.
 Deleting a namespace destroys its veth end (and with it the pair). Needs root and iproute2.
 """
 
