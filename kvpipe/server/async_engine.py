@@ -16,6 +16,7 @@ import threading
 import time
 from typing import AsyncIterator, Callable, Protocol
 
+from kvpipe.config import ModelConfig
 from kvpipe.engine.request import FinishReason, Req, TokenOutput
 from kvpipe.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvpipe.server.errors import APIError
@@ -32,6 +33,7 @@ class EngineLike(Protocol):
     """What the bridge needs of an engine (kvpipe.engine.engine.Engine and the PD workers)."""
 
     tokenizer: Tokenizer
+    model_config: ModelConfig
     context_length: int
     eos_token_ids: tuple[int, ...]
 

@@ -182,8 +182,13 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def create_app(cfg: ServerConfig, engine_factory: Callable[[], EngineLike] | None = None,
-               on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
-    """The ASGI app of one server; the engine starts loading when the app starts."""
+               on_fatal: Callable[[BaseException], None] | None = None,
+               disaggregation_mode: str = "null") -> FastAPI:
+    """The ASGI app of one server; the engine starts loading when the app starts.
+
+    `engine_factory` runs in the engine thread (default: the colocated Engine); PD workers pass
+    their own engine and mode here.
+    """
     if engine_factory is None:
         def engine_factory() -> EngineLike:
             from kvpipe.engine.engine import Engine  # heavy: torch, model weights
@@ -192,7 +197,7 @@ def create_app(cfg: ServerConfig, engine_factory: Callable[[], EngineLike] | Non
     async_engine = AsyncEngine(engine_factory, on_fatal=on_fatal)
     metrics = ServerMetrics(cfg.model_name, async_engine.stats)
     async_engine.metrics = metrics
-    state = ServerState(cfg, async_engine, metrics)
+    state = ServerState(cfg, async_engine, metrics, disaggregation_mode)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -211,7 +216,8 @@ def create_app(cfg: ServerConfig, engine_factory: Callable[[], EngineLike] | Non
     return app
 
 
-def run_server(cfg: ServerConfig, engine_factory: Callable[[], EngineLike] | None = None) -> int:
+def run_server(cfg: ServerConfig, engine_factory: Callable[[], EngineLike] | None = None,
+               disaggregation_mode: str = "null") -> int:
     """Serve until SIGINT/SIGTERM; returns 1 if the engine failed to load or died."""
     import uvicorn
 
@@ -224,7 +230,7 @@ def run_server(cfg: ServerConfig, engine_factory: Callable[[], EngineLike] | Non
         if server is not None:
             server.should_exit = True  # read by uvicorn's main loop; safe from another thread
 
-    app = create_app(cfg, engine_factory, on_fatal)
+    app = create_app(cfg, engine_factory, on_fatal, disaggregation_mode)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
                             timeout_keep_alive=30, access_log=cfg.log_level == "debug",
                             # on SIGTERM, streams still running after this long are cut (and aborted)

@@ -18,8 +18,8 @@ MODEL = "tiny-chat"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[ServerProc]:
-    # a context of 512 tokens keeps chat without max_tokens short
-    yield from server_fixture(tiny_model_dir, tmp_path_factory.mktemp("srv"), "--context-length", "512",
+    # a context of 128 tokens keeps chat without max_tokens short
+    yield from server_fixture(tiny_model_dir, tmp_path_factory.mktemp("srv"), "--context-length", "128",
                               "--served-model-name", MODEL)
 
 
@@ -79,7 +79,7 @@ def test_chat_without_max_tokens_stops_at_context(client: openai.OpenAI) -> None
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0,
                                        extra_body={"ignore_eos": True})
     assert r.choices[0].finish_reason == "length"
-    assert r.usage.total_tokens == 512
+    assert r.usage.total_tokens == 128
 
 
 def test_completions(client: openai.OpenAI) -> None:
