@@ -29,7 +29,7 @@ import uvicorn
 from fastapi import FastAPI, HTTPException
 
 from kvpipe.transfer.layout import KVLayout
-from kvpipe.transfer.tp_mapping import transfer_slices
+from kvpipe.transfer.tp_mapping import kv_head_range, transfer_slices
 
 
 DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's convention; the router sends null for "default"
@@ -121,8 +121,16 @@ def check_compatible(prefill: PrefillInstanceInfo, decode: DecodeInfo) -> None:
             why = p.layout.compatible_with(d)
             if why:
                 raise IncompatiblePeerError(f"{where} rank {p.rank} vs decode rank {d_rank}: {why}")
+    total = decode.layouts[0].total_kv_heads
     try:
-        transfer_slices(prefill.tp_size, decode.tp_size, decode.layouts[0].total_kv_heads)
+        transfer_slices(prefill.tp_size, decode.tp_size, total)
+        for side, tp, layouts in (("prefill", prefill.tp_size, [p.layout for p in prefill.ranks]),
+                                  ("decode", decode.tp_size, decode.layouts)):
+            for rank, lay in enumerate(layouts):
+                want = kv_head_range(tp, rank, total)
+                if (lay.head_start, lay.head_end) != want:
+                    raise ValueError(f"{side} rank {rank} holds KV heads [{lay.head_start}, {lay.head_end}), "
+                                     f"TP {tp} needs [{want[0]}, {want[1]})")
     except ValueError as e:
         raise IncompatiblePeerError(f"{where}: TP {prefill.tp_size} -> decode TP {decode.tp_size}: {e}") from e
 

@@ -17,7 +17,7 @@ from kvpipe.transfer.config import DisaggConfig
 from kvpipe.transfer.layout import KVLayout
 from kvpipe.transfer.messages import RegisterPeer, TransferRequest
 from kvpipe.transfer.state import PeerLiveness
-from kvpipe.transfer.tp_mapping import slices_for_decode_rank, source_ranks
+from kvpipe.transfer.tp_mapping import kv_head_range, slices_for_decode_rank, source_ranks
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ def expected_destinations(prefill_rank: int, prefill_tp: int, decode_tp: int) ->
 
 
 class SenderPeers:
-    def __init__(self, cfg: DisaggConfig, layout: KVLayout, tp_rank: int, tp_size: int, now: float) -> None:
+    def __init__(self, cfg: DisaggConfig, layout: KVLayout, tp_rank: int, tp_size: int) -> None:
         self.layout, self.tp_rank, self.tp_size = layout, tp_rank, tp_size
         self.peers: dict[str, RegisterPeer] = {}
         self.heads: dict[str, tuple[int, int] | None] = {}  # per session: heads we write, None = dummy pair
@@ -61,6 +61,10 @@ class SenderPeers:
         if not 0 <= msg.tp_rank < msg.tp_size:
             return f"decode tp_rank {msg.tp_rank} outside tp_size {msg.tp_size}"
         try:
+            heads = kv_head_range(msg.tp_size, msg.tp_rank, self.layout.total_kv_heads)
+            if (msg.layout.head_start, msg.layout.head_end) != heads:
+                return (f"decode layout holds KV heads [{msg.layout.head_start}, {msg.layout.head_end}), "
+                        f"TP {msg.tp_size} rank {msg.tp_rank} needs [{heads[0]}, {heads[1]})")
             if self.tp_rank not in source_ranks(msg.tp_rank, self.tp_size, msg.tp_size):
                 return (f"prefill rank {self.tp_rank} (TP {self.tp_size}) never sends to decode rank "
                         f"{msg.tp_rank} (TP {msg.tp_size})")

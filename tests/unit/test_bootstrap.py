@@ -124,3 +124,8 @@ def test_check_compatible_refuses_indivisible_tp():
         dataclasses.replace(rank_info(r, tp=2), layout=layout(kv_heads=3, total=6, head_start=3 * r)) for r in range(2)))
     with pytest.raises(IncompatiblePeerError, match="one must divide the other"):
         check_compatible(prefill, DecodeInfo("m", 3, three))
+
+
+def test_check_compatible_refuses_wrong_head_ranges():
+    with pytest.raises(IncompatiblePeerError, match=r"decode rank 1 holds KV heads \[0, 1\), TP 2 needs \[1, 2\)"):
+        check_compatible(instance(tp=1), DecodeInfo("m", 2, (layout(1, 0), layout(1, 0))))

@@ -1,0 +1,313 @@
+"""Everything a prefill rank's KVSender decides, without threads, sockets or a backend.
+
+`SenderBook` holds the rooms (sender_room.py), the decode peers (sender_peers.py) and tombstones
+of finished rooms, and reacts to control messages and to the clock. It never performs I/O: control
+messages go out through the injected `send(address, message)`, write batches are handed to the
+caller by `take_work` and their outcomes come back through `record`. KVSender calls every method
+under its lock with `now` from its clock.
+
+Protocol rules it keeps (DESIGN.md §8):
+- every decode session bound to a room gets exactly one final TransferStatus, and only once none
+  of our writes for that room can still land (a failed room first drains its in-flight batches);
+- a room the engine never admitted (the decode's request came first) that fails is answered and
+  forgotten; a tombstone makes a late add_room of it fail at once;
+- the engine sees a room in `poll` only when it is drained and its destinations were told.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from kvpipe.transfer.backends.base import BatchHandle, BatchState
+from kvpipe.transfer.config import DisaggConfig
+from kvpipe.transfer.layout import KVLayout
+from kvpipe.transfer.messages import (Abort, AuxData, Heartbeat, RegisterPeer, Side, TransferRequest,
+                                      TransferStatus)
+from kvpipe.transfer.messages import TransferState as WireState
+from kvpipe.transfer.sender_peers import SenderPeers, expected_destinations
+from kvpipe.transfer.sender_room import Destination, Inflight, OpBatch, PlanError, SendCall, SenderRoom
+from kvpipe.transfer.state import DuplicateRoomError, RoomRecord, TransferState, sender_timeouts
+
+log = logging.getLogger(__name__)
+S, F = TransferState.SUCCESS, TransferState.FAILED
+
+
+@dataclass
+class SenderStats:
+    rejected_messages: int = 0  # invalid RegisterPeer / TransferRequest / Abort, answered or dropped
+    batches_submitted: int = 0
+    batches_failed: int = 0
+    ops_submitted: int = 0
+    bytes_written: int = 0
+    rooms_succeeded: int = 0
+    rooms_failed: int = 0
+
+
+@dataclass
+class Tombstone:
+    expires_at: float
+    what: str  # how the room ended
+    notified: set[str]  # decode sessions that already got our final status
+
+
+class SenderBook:
+    def __init__(self, cfg: DisaggConfig, layout: KVLayout, tp_rank: int, tp_size: int, session_id: str,
+                 send: Callable[[str, Any], bool]) -> None:
+        self.cfg, self.layout, self.tp_rank, self.tp_size = cfg, layout, tp_rank, tp_size
+        self.session_id = session_id
+        self.send = send
+        self.stats = SenderStats()
+        self.peers = SenderPeers(cfg, layout, tp_rank, tp_size)
+        self.rooms: dict[int, SenderRoom] = {}  # insertion order = FIFO for the write window
+        self.tombstones: dict[int, Tombstone] = {}
+        self.inflight_ops = 0
+        self._timeouts = sender_timeouts(cfg)
+        self._orphan_timeouts = {TransferState.BOOTSTRAPPING: cfg.waiting_timeout_s}  # request before add_room
+        self._tomb_ttl = 2 * cfg.waiting_timeout_s + cfg.bootstrap_timeout_s
+        self._hb_seq, self._next_hb = 0, float("-inf")
+
+    # ---- engine side -----------------------------------------------------------------------
+
+    def add_room(self, room: int, pages: np.ndarray, now: float) -> None:
+        r = self.rooms.get(room)
+        if r is not None and r.src_pages is not None:
+            raise DuplicateRoomError(f"bootstrap_room {room} is already active on this prefill")
+        if r is None:
+            r = self.rooms[room] = SenderRoom(room, RoomRecord.new(room, self._timeouts, now), self.layout)
+        elif r.rec.state is not F:  # the decode's request came first: restart the clock now
+            r.rec = RoomRecord.new(room, self._timeouts, now)
+        r.src_pages = pages
+        tomb = self.tombstones.pop(room, None)
+        if tomb is not None:
+            r.notified |= tomb.notified
+            r.rec.fail(f"room {room} was already used or aborted: {tomb.what}", now)
+        if r.ready:
+            r.rec.move(TransferState.WAITING_FOR_INPUT, now)
+
+    def add_call(self, room: int, call: SendCall, aux: tuple[int, float] | None) -> bool:
+        r = self.rooms.get(room)
+        if r is None or r.src_pages is None:
+            raise KeyError(f"room {room} is not active on this prefill (add_room first)")
+        if r.rec.state is F:
+            return False
+        r.add_call(call)
+        if call.last:
+            r.aux = AuxData(room, int(aux[0]), float(aux[1]))
+        return True
+
+    def abort(self, room: int, reason: str, now: float) -> None:
+        r = self.rooms.get(room)
+        if r is not None and r.rec.fail(reason, now):
+            for d in r.dests.values():
+                self.send(d.control_address, Abort(room, d.session_id, Side.PREFILL, reason))
+
+    def poll(self, now: float) -> list[tuple[int, TransferState, str]]:
+        out = []
+        for room, r in list(self.rooms.items()):
+            if r.src_pages is not None and r.rec.state.terminal and r.drained and set(r.dests) <= r.notified:
+                out.append((room, r.rec.state, r.rec.reason))
+                self._bury(r, now)
+        return out
+
+    # ---- control messages ------------------------------------------------------------------
+
+    def on_message(self, msg: object, now: float) -> None:
+        if isinstance(msg, Heartbeat):
+            self.peers.seen(msg.session_id, now)
+        elif isinstance(msg, RegisterPeer):
+            why = self.peers.register(msg, now)
+            if why is not None:
+                self._reject(f"RegisterPeer from {msg.session_id}: {why}")
+        elif isinstance(msg, TransferRequest):
+            self.peers.seen(msg.session_id, now)
+            self._on_request(msg, now)
+        elif isinstance(msg, Abort):
+            self.peers.seen(msg.session_id, now)
+            self._on_abort(msg, now)
+        else:
+            self._reject(f"unexpected {type(msg).__name__} on a prefill rank")
+
+    def _reject(self, what: str) -> None:
+        self.stats.rejected_messages += 1
+        log.warning("prefill rank %d rejected %s", self.tp_rank, what)
+
+    def _status(self, addr: str, room: int, session: str, ok: bool, reason: str = "",
+                aux: AuxData | None = None) -> None:
+        self.send(addr, TransferStatus(room, session, WireState.SUCCESS if ok else WireState.FAILED, reason, aux))
+
+    def _on_request(self, msg: TransferRequest, now: float) -> None:
+        room, session = msg.room, msg.session_id
+        r, tomb = self.rooms.get(room), self.tombstones.get(room)
+        if (r is not None and session in r.dests) or (tomb is not None and session in tomb.notified):
+            # This session has (or will get) its final status for the room; a second one would lie.
+            return self._reject(f"repeated TransferRequest for room {room} from {session}")
+        peer, why = self.peers.check_request(msg)
+        if why is None:
+            why = f"room {room} already finished here ({tomb.what})" if tomb else self._bind(msg, peer, now)
+        if why is None:
+            return
+        self._reject(f"TransferRequest for room {room} from {session}: {why}")
+        addr = peer.control_address if peer is not None else self.peers.reply_address(session)
+        if addr is None:
+            return  # unknown session: nowhere to answer; its decode times out
+        self._status(addr, room, session, False, f"prefill rank {self.tp_rank}: {why}")
+        if r is not None:
+            r.notified.add(session)
+        elif tomb is not None:
+            tomb.notified.add(session)
+        else:  # a later add_room for this room fails at once instead of waiting for a request
+            self.tombstones[room] = Tombstone(now + self._tomb_ttl, f"invalid TransferRequest: {why}", {session})
+
+    def _bind(self, msg: TransferRequest, peer: RegisterPeer, now: float) -> str | None:
+        """Attach a validated request to its room; returns why it cannot be, or None."""
+        room, session = msg.room, msg.session_id
+        r = self.rooms.get(room)
+        if r is None:  # the decode is ahead of our engine: keep it until add_room (or time out)
+            r = self.rooms[room] = SenderRoom(room, RoomRecord.new(room, self._orphan_timeouts, now), self.layout)
+        expected = expected_destinations(self.tp_rank, self.tp_size, peer.tp_size)
+        if ((r.expected is not None and r.expected != expected) or len(r.dests) >= expected
+                or any(d.decode_rank == peer.tp_rank or d.control_address != peer.control_address
+                       for d in r.dests.values())):
+            return f"room {room} is already bound to another decode (duplicate bootstrap_room?)"
+        r.expected = expected
+        r.dests[session] = Destination(session, peer.tp_rank, peer.control_address, peer.data_address,
+                                       peer.layout, np.asarray(msg.dst_pages, dtype=np.int64), msg.prefix_len,
+                                       self.peers.heads.get(session),
+                                       np.full(self.layout.num_layers, msg.prefix_len, dtype=np.int64))
+        if r.ready:
+            r.rec.move(TransferState.WAITING_FOR_INPUT, now)
+        return None
+
+    def _on_abort(self, msg: Abort, now: float) -> None:
+        room, session = msg.room, msg.session_id
+        r, tomb = self.rooms.get(room), self.tombstones.get(room)
+        if (r is not None and session in r.notified) or (tomb is not None and session in tomb.notified):
+            return  # it already has our final status (the abort crossed it on the wire)
+        if r is not None and session in r.dests:
+            r.rec.fail(f"aborted by decode: {msg.reason}", now)
+            return
+        addr = self.peers.reply_address(session)
+        if r is not None or addr is None:
+            return self._reject(f"Abort for room {room} from {session}, which is not bound to it")
+        # Never saw this room from this session: nothing was written; say so, and remember it so
+        # that a late add_room fails at once instead of waiting for a request that never comes.
+        self._status(addr, room, session, False, f"prefill rank {self.tp_rank} never wrote room {room}")
+        if tomb is None:
+            self.tombstones[room] = Tombstone(now + self._tomb_ttl, f"aborted by decode: {msg.reason}", {session})
+        else:
+            tomb.notified.add(session)
+
+    def _bury(self, r: SenderRoom, now: float) -> None:
+        del self.rooms[r.room]
+        what = "succeeded" if r.rec.state is S else f"failed: {r.rec.reason}"
+        self.tombstones[r.room] = Tombstone(now + self._tomb_ttl, what, r.notified | set(r.dests))
+        if r.src_pages is not None:
+            self.stats.rooms_succeeded += r.rec.state is S
+            self.stats.rooms_failed += r.rec.state is F
+
+    # ---- clock: deadlines, liveness, heartbeats, planning, the write window --------------------
+
+    def housekeeping(self, now: float) -> list[str]:
+        """Deadlines, dead decodes, heartbeats; returns decode addresses forgotten for good."""
+        for addr in self.peers.liveness.reap(now):
+            why = f"decode at {addr} sent nothing for {self.cfg.heartbeat_timeout_s:.1f}s (heartbeats missed)"
+            log.warning("prefill rank %d: %s", self.tp_rank, why)
+            for r in self.rooms.values():
+                if any(d.control_address == addr for d in r.dests.values()):
+                    r.rec.fail(why, now)
+        for r in self.rooms.values():
+            r.rec.expire(now)
+        if now < self._next_hb:
+            return []
+        self._next_hb = now + self.cfg.heartbeat_interval_s
+        for addr in self.peers.control_addresses():
+            self.send(addr, Heartbeat(self.session_id, self._hb_seq))
+        self._hb_seq += 1
+        for room in [k for k, t in self.tombstones.items() if t.expires_at <= now]:
+            del self.tombstones[room]
+        return self.peers.prune(now, {d.control_address for r in self.rooms.values() for d in r.dests.values()})
+
+    def take_work(self, now: float) -> tuple[list[tuple[SenderRoom, OpBatch]], list[tuple[Inflight, str]],
+                                              list[tuple[SenderRoom, Inflight]]]:
+        """Plan queued sends; returns (batches to submit, batches to cancel, batches to poll)."""
+        chunk = max(1, self.cfg.max_inflight_ops // 4)  # a few batches in flight keep the link busy
+        take, cancels, watch = [], [], []
+        for r in self.rooms.values():
+            if r.rec.state is not F and r.calls and r.ready:
+                try:
+                    if r.plan(chunk):
+                        r.rec.move(TransferState.TRANSFERRING, now)
+                except PlanError as e:
+                    r.rec.fail(str(e), now)
+            for inf in r.inflight:
+                age = now - inf.submitted_at
+                if not inf.cancelled and age > self.cfg.transfer_timeout_s:
+                    r.rec.fail(f"a write batch of {inf.handle.num_ops} ops made no progress in {age:.1f}s", now)
+                if r.rec.state is F and not inf.cancelled:
+                    inf.cancelled = True
+                    cancels.append((inf, r.rec.reason))
+                watch.append((r, inf))
+            if r.rec.state is F:
+                r.queued.clear()
+                r.calls.clear()
+            while r.queued and (self.inflight_ops == 0
+                                or self.inflight_ops + r.queued[0].num_ops <= self.cfg.max_inflight_ops):
+                b = r.queued.popleft()
+                self.inflight_ops += b.num_ops
+                r.submitting += 1
+                take.append((r, b))
+        self.finalize(now)
+        return take, cancels, watch
+
+    def record(self, fresh: list[tuple[SenderRoom, OpBatch, BatchHandle | None, str | None]],
+               polled: list[tuple[SenderRoom, Inflight, BatchState]], now: float) -> bool:
+        """Outcomes of submits and polls; returns True while writes are queued or in flight."""
+        for r, b, handle, err in fresh:
+            r.submitting -= 1
+            if handle is None:
+                self.inflight_ops -= b.num_ops
+                self.stats.batches_failed += 1
+                r.rec.fail(f"submitting writes to {b.peer} failed: {err}", now)
+                continue
+            self.stats.batches_submitted += 1
+            self.stats.ops_submitted += b.num_ops
+            r.inflight.append(Inflight(handle, now))
+        for r, inf, state in polled:
+            abandon = inf.cancelled and now - inf.submitted_at > 2 * self.cfg.transfer_timeout_s
+            if state is BatchState.PENDING and not abandon:
+                continue
+            if state is BatchState.PENDING:
+                log.error("prefill rank %d: abandoning batch %r that never finished", self.tp_rank, inf.handle)
+            r.inflight.remove(inf)
+            self.inflight_ops -= inf.handle.num_ops
+            if state is BatchState.DONE:
+                r.ops_done += inf.handle.num_ops
+                r.bytes_done += inf.handle.nbytes
+                self.stats.bytes_written += inf.handle.nbytes
+            elif state is BatchState.FAILED:
+                self.stats.batches_failed += 1
+                r.rec.fail(f"write to decode failed: {inf.handle.error}", now)
+        self.finalize(now)
+        return self.inflight_ops > 0 or any(r.queued for r in self.rooms.values())
+
+    def finalize(self, now: float) -> None:
+        """Send final statuses of drained rooms; forget failed rooms the engine never admitted."""
+        for r in list(self.rooms.values()):
+            if not r.drained:
+                continue
+            if r.rec.state is not F and r.complete:
+                r.rec.move(S, now)
+            if not r.rec.state.terminal:
+                continue
+            ok = r.rec.state is S
+            for d in r.dests.values():
+                if d.session_id not in r.notified:
+                    self._status(d.control_address, r.room, d.session_id, ok, "" if ok else r.rec.reason,
+                                 r.aux if ok else None)
+                    r.notified.add(d.session_id)
+            if r.src_pages is None:  # a request without add_room that timed out or was aborted
+                self._bury(r, now)

@@ -1,0 +1,249 @@
+"""Sender/receiver bookkeeping without threads, sockets or memory: planning per send() call,
+final-status rules, deadlines and liveness on a fake clock."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+
+from kvpipe.transfer import messages as m
+from kvpipe.transfer.backends.base import BatchHandle, BatchState
+from kvpipe.transfer.config import DisaggConfig
+from kvpipe.transfer.layout import KVLayout
+from kvpipe.transfer.receiver_room import ReceiverRoom, rank_pairs
+from kvpipe.transfer.sender_book import SenderBook
+from kvpipe.transfer.sender_peers import expected_destinations
+from kvpipe.transfer.sender_room import Destination, PlanError, SendCall, SenderRoom, equal_runs
+from kvpipe.transfer.state import DuplicateRoomError, RoomRecord, TransferState, receiver_timeouts, sender_timeouts
+
+L, PS, HD, PAGES = 2, 4, 8, 64
+T = TransferState
+CFG = DisaggConfig(bootstrap_timeout_s=5, waiting_timeout_s=50, heartbeat_interval_s=1, heartbeat_misses=3,
+                   transfer_timeout_s=10, max_inflight_ops=8)
+
+
+def layout(base: int, heads: int = 2, start: int = 0) -> KVLayout:
+    page = heads * PS * HD * 4
+    return KVLayout(L, PS, heads, start, 2, HD, "float32", 4,
+                    tuple(base + i * (1 << 20) for i in range(2 * L)), PAGES * page)
+
+
+SRC, DST = layout(1 << 30), layout(1 << 40)
+
+
+def room_with_dest(prefix: int, dst_pages) -> tuple[SenderRoom, Destination]:
+    r = SenderRoom(1, RoomRecord.new(1, sender_timeouts(CFG), 0.0), SRC, src_pages=np.arange(10, 20), expected=1)
+    d = Destination("d/0", 0, "tcp://d", "data-d", DST, np.asarray(dst_pages), prefix, (0, 2),
+                    np.full(L, prefix))
+    r.dests[d.session_id] = d
+    return r, d
+
+
+def pages_of(r: SenderRoom) -> list[tuple[int, int, int]]:
+    """(buffer, src page, dst page) of every planned op, one op per page (runs split)."""
+    out = []
+    pn = SRC.page_nbytes
+    for b in r.queued:
+        for s, d, n in zip(b.src, b.dst, b.length):
+            buf = (int(s) - SRC.buffer_addrs[0]) >> 20
+            s_page = (int(s) - SRC.buffer_addrs[buf]) // pn
+            d_page = (int(d) - DST.buffer_addrs[buf]) // pn
+            out += [(buf, s_page + i, d_page + i) for i in range(int(n) // pn)]
+    r.queued.clear()
+    return sorted(out)
+
+
+def test_equal_runs():
+    assert equal_runs(np.array([4, 4, 8, 8, 8, 4]), 0, 6) == [(0, 2, 4), (2, 5, 8), (5, 6, 4)]
+    assert equal_runs(np.array([4, 4, 8]), 1, 3) == [(1, 2, 4), (2, 3, 8)]
+    assert equal_runs(np.array([1]), 0, 0) == []
+
+
+def test_chunks_skip_prefix_and_hold_back_partial_pages():
+    r, d = room_with_dest(prefix=8, dst_pages=[40, 41, 30, 31])
+    r.add_call(SendCall(0, 6, 0, L, False))
+    assert r.plan(100) == 0  # inside the decode's prefix
+    r.add_call(SendCall(6, 13, 0, L, False))
+    assert pages_of(r) == [] and r.plan(100) == 4  # page 2 (tokens 8..11), K and V of 2 layers
+    assert pages_of(r) == [(b, 12, 40) for b in range(4)]
+    assert list(d.cursor) == [12, 12]
+    r.add_call(SendCall(13, 22, 0, L, True))
+    r.plan(100)
+    assert pages_of(r) == sorted((b, 10 + p, dst) for b in range(4) for p, dst in ((3, 41), (4, 30), (5, 31)))
+    with pytest.raises(PlanError, match="after the last chunk"):
+        r.add_call(SendCall(22, 23, 0, L, True))
+
+
+def test_last_call_flushes_every_layer_group():
+    r, d = room_with_dest(prefix=0, dst_pages=np.arange(6))
+    r.add_call(SendCall(0, 22, 0, 1, False))  # layer group 0: pages 0..4 full, page 5 partial
+    r.plan(100)
+    assert pages_of(r) == [(b, 10 + p, p) for b in (0, 1) for p in range(5)]
+    r.add_call(SendCall(0, 22, 1, 2, True))  # last group: layer 1 all pages, layer 0 its page 5
+    r.plan(100)
+    assert pages_of(r) == sorted([(b, 15, 5) for b in (0, 1)] + [(b, 10 + p, p) for b in (2, 3) for p in range(6)])
+    assert list(d.cursor) == [22, 22]
+
+
+def test_plan_errors_and_batch_chunking():
+    r, _ = room_with_dest(prefix=0, dst_pages=[1, 3])  # fragmented: one op per page and buffer
+    r.add_call(SendCall(0, 8, 0, L, False))
+    assert r.plan(3) == 8 and [b.num_ops for b in r.queued] == [3, 3, 2]
+    r.add_call(SendCall(8, 16, 0, L, False))
+    with pytest.raises(PlanError, match="gave 2 pages"):
+        r.plan(3)
+    r2, _ = room_with_dest(prefix=0, dst_pages=np.arange(20))
+    with pytest.raises(PlanError, match="source pages"):
+        r2.add_call(SendCall(0, 41, 0, L, False))  # 10 source pages hold 40 tokens
+    with pytest.raises(PlanError, match="bad send range"):
+        r2.add_call(SendCall(5, 4, 0, L, False))
+
+
+class Book:
+    """A SenderBook with registered decode session "d/0" and a list as its network."""
+
+    def __init__(self, cfg=CFG):
+        self.sent: list[tuple[str, object]] = []
+        self.book = SenderBook(cfg, SRC, 0, 1, "p/0", lambda a, msg: self.sent.append((a, msg)) or True)
+        self.book.on_message(m.RegisterPeer("d/0", 0, 1, "data-d", "tcp://d", DST), 0.0)
+
+    def statuses(self):
+        out = [msg for _, msg in self.sent if isinstance(msg, m.TransferStatus)]
+        self.sent.clear()
+        return out
+
+    def run(self, now, state=BatchState.DONE):
+        """One worker round: every submitted batch finishes with `state`."""
+        take, cancels, watch = self.book.take_work(now)
+        fresh = [(r, b, BatchHandle(i, b.peer, b.num_ops, 4 * b.num_ops), None) for i, (r, b) in enumerate(take)]
+        self.book.record(fresh, [], now)
+        polled = [(r, inf, state) for r in self.book.rooms.values() for inf in r.inflight]
+        return self.book.record([], polled, now), cancels
+
+
+def test_book_success_after_request_first():
+    b = Book()
+    b.book.on_message(m.TransferRequest(7, "d/0", tuple(range(6)), 0, 0), 1.0)  # before add_room
+    assert b.book.rooms[7].rec.state is T.BOOTSTRAPPING
+    b.book.add_room(7, np.arange(6), 2.0)
+    with pytest.raises(DuplicateRoomError):
+        b.book.add_room(7, np.arange(6), 2.0)
+    assert b.book.rooms[7].rec.state is T.WAITING_FOR_INPUT
+    b.book.add_call(7, SendCall(0, 22, 0, L, True), (5, -0.5))
+    b.run(3.0)
+    assert b.book.poll(3.0) == [(7, T.SUCCESS, "")]
+    [st] = b.statuses()
+    assert st.state is m.TransferState.SUCCESS and st.aux == m.AuxData(7, 5, -0.5)
+    b.book.on_message(m.Abort(7, "d/0", m.Side.DECODE, "late"), 4.0)  # crossed our status: ignored
+    assert b.statuses() == [] and b.book.stats.rejected_messages == 0
+
+
+def test_book_abort_waits_for_inflight_writes():
+    b = Book()
+    b.book.add_room(1, np.arange(6), 0.0)
+    b.book.on_message(m.TransferRequest(1, "d/0", tuple(range(6)), 0, 0), 0.0)
+    b.book.add_call(1, SendCall(0, 8, 0, L, False), None)
+    take, _, _ = b.book.take_work(0.1)
+    b.book.record([(r, bt, BatchHandle(1, bt.peer, bt.num_ops, 64), None) for r, bt in take], [], 0.1)
+    b.book.on_message(m.Abort(1, "d/0", m.Side.DECODE, "client gone"), 0.2)
+    take, cancels, watch = b.book.take_work(0.3)
+    assert take == [] and len(cancels) == len(watch) == 2  # 4 ops in batches of max_inflight_ops // 4
+    assert b.book.rooms[1].queued == collections.deque()  # nothing more is issued
+    b.book.record([], [(r, inf, BatchState.DONE) for r, inf in watch[:1]], 0.35)
+    assert b.book.poll(0.35) == [] and b.statuses() == []  # a write is still in flight
+    b.book.record([], [(watch[1][0], watch[1][1], BatchState.FAILED)], 0.4)
+    assert b.book.poll(0.4) == [(1, T.FAILED, "aborted by decode: client gone")]
+    [st] = b.statuses()
+    assert st.state is m.TransferState.FAILED and b.book.inflight_ops == 0
+
+
+def test_book_rejects_bad_requests_with_a_reason():
+    b = Book()
+    b.book.on_message(m.TransferRequest(1, "d/0", (1, 1), 0, 0), 0.0)
+    b.book.on_message(m.TransferRequest(2, "d/0", (PAGES,), 0, 0), 0.0)
+    b.book.on_message(m.TransferRequest(3, "d/0", (1,), 3, 0), 0.0)
+    b.book.on_message(m.TransferRequest(4, "stranger", (1,), 0, 0), 0.0)  # nowhere to answer
+    b.book.on_message(m.RegisterPeer("d/8", 0, 1, "x", "tcp://x", layout(1 << 41, heads=1)), 0.0)
+    b.book.on_message(m.TransferRequest(5, "d/8", (1,), 0, 0), 0.0)
+    other = KVLayout(L, PS, 2, 0, 2, HD, "bfloat16", 2, layout(1 << 42).buffer_addrs, PAGES * 2 * PS * HD * 2)
+    b.book.on_message(m.RegisterPeer("d/9", 0, 1, "y", "tcp://y", other), 0.0)
+    b.book.on_message(m.TransferRequest(6, "d/9", (1,), 0, 0), 0.0)
+    reasons = {st.room: st.reason for st in b.statuses()}
+    assert "duplicate destination pages" in reasons[1]
+    assert f"outside the decode pool of {PAGES}" in reasons[2]
+    assert "not a multiple of the page size" in reasons[3]
+    assert 4 not in reasons and "holds KV heads [0, 1), TP 1 rank 0 needs [0, 2)" in reasons[5]
+    assert "KV dtype mismatch" in reasons[6]
+    assert b.book.stats.rejected_messages == 8
+    b.book.add_room(1, np.arange(6), 1.0)  # its decode was refused: fail at once
+    assert b.book.poll(1.0)[0][1] is T.FAILED and b.statuses() == []
+
+
+def test_book_deadlines_and_dead_decode():
+    b = Book()
+    b.book.add_room(1, np.arange(6), 0.0)
+    b.book.housekeeping(4.9)
+    assert b.book.poll(4.9) == []
+    b.book.housekeeping(5.0)
+    assert "bootstrapping timed out" in b.book.poll(5.0)[0][2]
+    b.book.add_room(2, np.arange(6), 5.0)
+    b.book.on_message(m.TransferRequest(2, "d/0", tuple(range(6)), 0, 0), 5.0)
+    b.book.on_message(m.Heartbeat("d/0", 1), 5.5)
+    b.book.housekeeping(8.4)
+    assert b.book.rooms[2].rec.state is T.WAITING_FOR_INPUT  # no deadline while computing
+    b.book.housekeeping(8.6)  # silent for 3.1 s > 3 misses * 1 s
+    b.book.finalize(8.6)
+    room, state, reason = b.book.poll(8.6)[0]
+    assert (room, state) == (2, T.FAILED) and "heartbeats missed" in reason
+    assert any(isinstance(msg, m.Heartbeat) for _, msg in b.sent)
+
+
+def test_rank_pairs_and_expected_destinations():
+    assert rank_pairs(1, 2) == [(0, 0), (0, 1)]
+    assert rank_pairs(4, 2) == [(0, 0), (1, 0), (2, 1), (3, 1)]
+    assert [expected_destinations(0, 1, d) for d in (1, 2, 4)] == [1, 2, 4]
+    assert [expected_destinations(p, 4, 1) for p in range(4)] == [1, 1, 1, 1]
+    # every pair is counted once on each side
+    for p_tp, d_tp in ((1, 4), (4, 1), (2, 4), (4, 2), (2, 2)):
+        assert sum(expected_destinations(p, p_tp, d_tp) for p in range(p_tp)) == len(rank_pairs(p_tp, d_tp))
+
+
+def status(room, ok=True, aux_room=None, token=1):
+    aux = m.AuxData(room if aux_room is None else aux_room, token, -0.1) if ok else None
+    return m.TransferStatus(room, "d/0", m.TransferState.SUCCESS if ok else m.TransferState.FAILED, "", aux)
+
+
+def recv_room(p_tp=2, d_tp=1) -> ReceiverRoom:
+    r = ReceiverRoom(3, RoomRecord.new(3, receiver_timeouts(CFG), 0.0), ("h", 1), (np.arange(4),) * d_tp, 0)
+    r.requested_from("inst", p_tp, d_tp)
+    return r
+
+
+def test_receiver_room_needs_every_prefill_rank():
+    r = recv_room(p_tp=2)
+    assert not r.quiet(1.0)
+    assert r.on_status(0, status(3), 1.0) is None and r.rec.state is T.TRANSFERRING
+    assert r.on_status(0, status(3), 2.0) is None and r.rec.state is T.SUCCESS
+    assert r.aux == m.AuxData(3, 1, -0.1) and r.quiet(2.0)
+    assert "more final statuses" in r.on_status(0, status(3), 3.0)
+    assert "did not request" in r.on_status(1, status(3), 3.0)
+
+
+def test_receiver_room_stale_aux_and_quiet_rules():
+    r = recv_room(p_tp=2)
+    r.on_status(0, status(3, aux_room=4), 1.0)
+    assert r.rec.state is T.FAILED and "aux data of room 4" in r.rec.reason
+    assert not r.quiet(1.0)  # the other prefill rank may still write
+    r.quiet_deadline = 11.0
+    assert not r.quiet(10.9) and r.quiet(11.0)
+    r2 = recv_room(p_tp=2)
+    r2.on_status(0, status(3, token=1), 1.0)
+    r2.on_status(0, status(3, token=2), 1.0)
+    assert r2.rec.state is T.FAILED and "disagree" in r2.rec.reason and r2.quiet(1.0)
+    r3 = recv_room(p_tp=1)
+    r3.on_status(0, status(3, ok=False), 1.0)
+    assert r3.rec.state is T.FAILED and r3.quiet(1.0)
+    unrequested = ReceiverRoom(4, RoomRecord.new(4, receiver_timeouts(CFG), 0.0), ("h", 1), (np.arange(4),), 0)
+    assert unrequested.quiet(0.0)
