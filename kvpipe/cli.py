@@ -22,20 +22,30 @@ from kvpipe.config import CacheConfig, SchedulerConfig, ServerConfig
 
 @dataclass(frozen=True)
 class Command:
-    name: str
+    name: str  # "serve", or "GROUP SUB" for a command inside a group ("bench serve")
     help: str
     module: str | None  # provides add_args(parser) and run(args, extra) -> int; None: defined here
     pass_unknown: bool = False  # unknown flags go to run() instead of being an error
 
+    @property
+    def path(self) -> tuple[str, ...]:
+        return tuple(self.name.split())
 
-# New commands (`bench ...`, `testbed ...`) register here.
+
+# The registry: add a Command here to add a subcommand (a module with add_args/run).
 COMMANDS: list[Command] = [
     Command("serve", "run an HTTP server (SGLang native + OpenAI API)", None),
     Command("generate", "one-shot generation without a server", None),
     Command("init-model", "write a built-in preset checkpoint directory", None),
     Command("launch", "local PD stack: prefill + decode + sglang-router", "kvpipe.server.launcher",
             pass_unknown=True),
+    Command("bench serve", "serving benchmark: TTFT/TPOT/ITL/throughput against a server or stacks",
+            "kvpipe.bench.serve"),
+    Command("bench transfer", "KV transfer goodput between a prefill and a decode process", "kvpipe.bench.transfer"),
+    Command("testbed", "emulated link between two network namespaces (up/down/status)",
+            "kvpipe.bench.testbed_cli"),
 ]
+GROUP_HELP = {"bench": "benchmarks (results as JSON and PNG)"}
 
 
 # ---- flags shared by every command that builds a ServerConfig --------------------------------------
@@ -177,22 +187,40 @@ def _handlers(cmd: Command) -> tuple[Callable, Callable]:
     return mod.add_args, mod.run
 
 
-def build_parser() -> tuple[argparse.ArgumentParser, dict[str, tuple[Command, Callable]]]:
+def _positionals(argv: list[str]) -> list[str]:
+    return [a for a in argv if not a.startswith("-")][:2]
+
+
+def build_parser(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], tuple]]:
+    """The full parser; with `argv`, only the command it names imports its module and adds its flags
+    (so `kvpipe serve` never imports the benchmarks). Returns the parser and path -> (Command, run)."""
+    wanted = _positionals(argv) if argv is not None else None
     parser = argparse.ArgumentParser(prog="kvpipe", description="prefill/decode disaggregated LLM serving")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    runners: dict[str, tuple[Command, Callable]] = {}
+    sub = parser.add_subparsers(dest="cmd0", metavar="COMMAND", required=True)
+    groups: dict[str, argparse._SubParsersAction] = {}
+    runners: dict[tuple[str, ...], tuple] = {}
     for cmd in COMMANDS:
-        add_args, run = _handlers(cmd)
-        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
-        add_args(p)
-        runners[cmd.name] = (cmd, run)
+        path = cmd.path
+        if len(path) == 1:
+            p = sub.add_parser(path[0], help=cmd.help, description=cmd.help)
+        else:
+            if path[0] not in groups:
+                gp = sub.add_parser(path[0], help=GROUP_HELP.get(path[0]))
+                groups[path[0]] = gp.add_subparsers(dest="cmd1", metavar="SUBCOMMAND", required=True)
+            p = groups[path[0]].add_parser(path[1], help=cmd.help, description=cmd.help)
+        if wanted is None or list(path) == wanted[:len(path)]:
+            add_args, run = _handlers(cmd)
+            add_args(p)
+            runners[path] = (cmd, run)
     return parser, runners
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser, runners = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser, runners = build_parser(argv)
     args, extra = parser.parse_known_args(argv)
-    cmd, run = runners[args.command]
+    path = (args.cmd0,) if (args.cmd0,) in runners else (args.cmd0, getattr(args, "cmd1", None))
+    cmd, run = runners[path]
     if extra and not cmd.pass_unknown:
         parser.error(f"unrecognized arguments for {cmd.name}: {' '.join(extra)}")
     return int(run(args, extra) or 0)

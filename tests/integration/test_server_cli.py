@@ -51,11 +51,15 @@ def test_bad_flags_fail_cleanly(tmp_path: Path) -> None:
     r = _run("generate", "--model-path", str(tmp_path), "--prompt", "x", "--max-new-tokens", "0")
     assert r.returncode != 0 and "max-new-tokens" in r.stderr
     r = _run("--help")
-    assert r.returncode == 0 and all(c in r.stdout for c in ("serve", "generate", "init-model", "launch"))
+    assert r.returncode == 0 and all(c in r.stdout for c in ("serve", "generate", "init-model", "launch", "bench",
+                                                             "testbed"))
+    r = _run("bench", "--help")
+    assert r.returncode == 0 and "serve" in r.stdout and "transfer" in r.stdout
 
 
 def test_server_config_from_args(tmp_path: Path) -> None:
-    parser, _ = build_parser()
+    parser, runners = build_parser(["serve"])
+    assert list(runners) == [("serve",)]  # only the named command's module is loaded
     args = parser.parse_args(["serve", "--model-path", str(tmp_path), "--port", "1234", "--tp-size", "2",
                               "--page-size", "16", "--chunked-prefill-size", "256", "--max-running-requests", "8",
                               "--max-total-tokens", "4096", "--context-length", "1024",
