@@ -69,7 +69,7 @@ class Engine:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the engine is shut down")
-            if req.rid in self._active:
+            if req.rid in self._active or req.rid in self.scheduler.held:
                 raise ValueError(f"a request with rid {req.rid!r} is already running")
             self._active.add(req.rid)
             self._inbox.append(req)
@@ -143,7 +143,13 @@ class Engine:
         for req in new:
             if not req.eos_token_ids:
                 req.eos_token_ids = self.eos_token_ids
-            if not self.scheduler.add(req):  # can never run: finished with ABORT and a message
+            try:
+                accepted = self.scheduler.add(req)
+            except ValueError as e:  # its rid is taken (e.g. by a finished request holding pages)
+                self._forget(req.rid)
+                outs.append(TokenOutput(req.rid, (), (), FinishReason.ABORT, str(e), len(req.input_ids), 0))
+                continue
+            if not accepted:  # can never run: finished with ABORT and a message
                 logger.warning("request %s rejected: %s", req.rid, req.finish_detail)
                 outs.append(self._finish_output(req))
         for rid in aborts:

@@ -16,6 +16,7 @@ import logging
 import argparse
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
+from kvpipe.cache.kv_pool import KVPool
 from kvpipe.config import ParallelConfig, ServerConfig
 from kvpipe.engine.batch import ForwardSpec
 from kvpipe.engine.model_runner import ModelRunner
@@ -109,6 +111,8 @@ def _watch_parent(parent_pid: int) -> None:
 
 def worker_main(fd: int, parent_pid: int) -> None:
     """Entry point of TP rank >= 1 (a child process); everything else arrives on the pipe."""
+    # Ctrl-C reaches the whole process group; rank 0 decides when this rank stops
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     conn = Connection(fd)
     code, rank = 0, -1
@@ -189,14 +193,17 @@ class TPGroup:
                 raise TimeoutError(f"TP ranks {sorted(pending)} did not {what} within {START_TIMEOUT_S:.0f}s")
 
     @property
-    def pool(self):  # noqa: ANN201 - rank 0's KVPool
+    def pool(self) -> KVPool:
         return self.runner.pool
 
     def run(self, spec: ForwardSpec) -> torch.Tensor | None:
         for rank, conn in enumerate(self._conns, start=1):
             if self._procs[rank - 1].poll() is not None:
                 raise RuntimeError(f"TP rank {rank} is gone (exit code {self._procs[rank - 1].returncode})")
-            conn.send(StepMsg(spec))
+            try:
+                conn.send(StepMsg(spec))
+            except OSError as e:
+                raise RuntimeError(f"TP rank {rank} is unreachable: {e}") from e
         try:
             return self.runner.run(spec)
         except Exception as e:
