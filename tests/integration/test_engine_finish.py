@@ -201,6 +201,8 @@ def test_prefill_server_seams(tiny_model_dir):
         run(e, [r])
         assert chunks == [(0, 7), (7, 14), (14, 17)] and firsts == r.output_ids
         assert e.stats()["num_held"] == 1 and e.allocator.num_used == 2
+        with pytest.raises(ValueError):  # its rid stays taken while the pages are held
+            e.add_request(Req("p", PROMPT, params(max_new_tokens=1)))
         assert e.scheduler.release("p") and e.allocator.num_used == 0
     finally:
         e.shutdown()

@@ -246,3 +246,27 @@ def test_200_mixed_requests_with_aborts_return_all_pages():
     assert any(r.finish_reason is FinishReason.ABORT for r in reqs)
     assert any(r.finish_reason is FinishReason.LENGTH for r in reqs)
     assert s.allocator.num_free == 40
+
+
+def test_reserve_waits_for_room_then_succeeds():
+    s = make(num_pages=8, page_size=4)
+    a, b = req("a", 8, max_new=8), req("b", 8, max_new=8)  # 4 pages each at most
+    s.add(a)
+    step(s)
+    s.add(req("c", 8, max_new=8))
+    assert s.reserve(b) and not s.reserve(req("d", 8, max_new=8))  # a and b hold all 8 promised pages
+    assert step(s).mode is ForwardMode.DECODE  # the turn after a prefill
+    assert step(s).mode is ForwardMode.DECODE  # c's turn, but nothing is left to promise it
+    assert [r.rid for r in s.waiting] == ["c"] and not b.finished
+    s.abort("b")
+    assert step(s).mode is ForwardMode.PREFILL and not s.waiting
+
+
+def test_max_running_requests_caps_admission():
+    s = make(num_pages=100, max_running_requests=2)
+    for i in range(4):
+        s.add(req(f"r{i}", 3))
+    b = s.schedule()
+    assert [r.rid for r in b.reqs] == ["r0", "r1"] and len(s.waiting) == 2
+    drain(s)
+    assert s.allocator.num_free == 100
