@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -69,10 +69,17 @@ class SenderBook:
         self._orphan_timeouts = {TransferState.BOOTSTRAPPING: cfg.waiting_timeout_s}  # request before add_room
         self._tomb_ttl = 2 * cfg.waiting_timeout_s + cfg.bootstrap_timeout_s
         self._hb_seq, self._next_hb = 0, float("-inf")
+        # A full scan of all rooms (deadlines, planning, final statuses) runs after any event and
+        # every idle_tick_s; in between, worker ticks only touch rooms with writes in flight.
+        self._busy: dict[int, SenderRoom] = {}  # rooms with planned or in-flight writes
+        self._done: dict[int, None] = {}  # rooms poll() may report
+        self._dirty = True
+        self._next_scan = float("-inf")
 
     # ---- engine side -----------------------------------------------------------------------
 
     def add_room(self, room: int, pages: np.ndarray, now: float) -> None:
+        self._dirty = True
         r = self.rooms.get(room)
         if r is not None and r.src_pages is not None:
             raise DuplicateRoomError(f"bootstrap_room {room} is already active on this prefill")
@@ -89,6 +96,7 @@ class SenderBook:
             r.rec.move(TransferState.WAITING_FOR_INPUT, now)
 
     def add_call(self, room: int, call: SendCall, aux: tuple[int, float] | None) -> bool:
+        self._dirty = True
         r = self.rooms.get(room)
         if r is None or r.src_pages is None:
             raise KeyError(f"room {room} is not active on this prefill (add_room first)")
@@ -100,6 +108,7 @@ class SenderBook:
         return True
 
     def abort(self, room: int, reason: str, now: float) -> None:
+        self._dirty = True
         r = self.rooms.get(room)
         if r is not None and r.rec.fail(reason, now):
             for d in r.dests.values():
@@ -107,15 +116,22 @@ class SenderBook:
 
     def poll(self, now: float) -> list[tuple[int, TransferState, str]]:
         out = []
-        for room, r in list(self.rooms.items()):
-            if r.src_pages is not None and r.rec.state.terminal and r.drained and set(r.dests) <= r.notified:
+        for room in list(self._done):
+            del self._done[room]
+            r = self.rooms.get(room)
+            if r is not None and self._reportable(r):  # else: a late destination, finalize re-adds it
                 out.append((room, r.rec.state, r.rec.reason))
                 self._bury(r, now)
         return out
 
+    @staticmethod
+    def _reportable(r: SenderRoom) -> bool:
+        return r.src_pages is not None and r.rec.state.terminal and r.drained and set(r.dests) <= r.notified
+
     # ---- control messages ------------------------------------------------------------------
 
     def on_message(self, msg: object, now: float) -> None:
+        self._dirty = not isinstance(msg, Heartbeat) or self._dirty
         if isinstance(msg, Heartbeat):
             self.peers.seen(msg.session_id, now)
         elif isinstance(msg, RegisterPeer):
@@ -203,6 +219,8 @@ class SenderBook:
 
     def _bury(self, r: SenderRoom, now: float) -> None:
         del self.rooms[r.room]
+        self._busy.pop(r.room, None)
+        self._done.pop(r.room, None)
         what = "succeeded" if r.rec.state is S else f"failed: {r.rec.reason}"
         self.tombstones[r.room] = Tombstone(now + self._tomb_ttl, what, r.notified | set(r.dests))
         if r.src_pages is not None:
@@ -219,8 +237,7 @@ class SenderBook:
             for r in self.rooms.values():
                 if any(d.control_address == addr for d in r.dests.values()):
                     r.rec.fail(why, now)
-        for r in self.rooms.values():
-            r.rec.expire(now)
+                    self._dirty = True
         if now < self._next_hb:
             return []
         self._next_hb = now + self.cfg.heartbeat_interval_s
@@ -236,7 +253,12 @@ class SenderBook:
         """Plan queued sends; returns (batches to submit, batches to cancel, batches to poll)."""
         chunk = max(1, self.cfg.max_inflight_ops // 4)  # a few batches in flight keep the link busy
         take, cancels, watch = [], [], []
-        for r in self.rooms.values():
+        full = self._dirty or now >= self._next_scan
+        if full:
+            self._dirty, self._next_scan = False, now + self.cfg.idle_tick_s
+        rooms = list(self.rooms.values() if full else self._busy.values())
+        for r in rooms:
+            r.rec.expire(now)
             if r.rec.state is not F and r.calls and r.ready:
                 try:
                     if r.plan(chunk):
@@ -260,7 +282,7 @@ class SenderBook:
                 self.inflight_ops += b.num_ops
                 r.submitting += 1
                 take.append((r, b))
-        self.finalize(now)
+        self.finalize(now, rooms)
         return take, cancels, watch
 
     def record(self, fresh: list[tuple[SenderRoom, OpBatch, BatchHandle | None, str | None]],
@@ -291,12 +313,19 @@ class SenderBook:
             elif state is BatchState.FAILED:
                 self.stats.batches_failed += 1
                 r.rec.fail(f"write to decode failed: {inf.handle.error}", now)
-        self.finalize(now)
-        return self.inflight_ops > 0 or any(r.queued for r in self.rooms.values())
+        self.finalize(now, {id(r): r for r, *_ in fresh + polled}.values())
+        return self.inflight_ops > 0 or any(r.queued for r in self._busy.values())
 
-    def finalize(self, now: float) -> None:
-        """Send final statuses of drained rooms; forget failed rooms the engine never admitted."""
-        for r in list(self.rooms.values()):
+    def finalize(self, now: float, rooms: Iterable[SenderRoom] | None = None) -> None:
+        """Send final statuses of drained rooms, note what poll() may report, forget failed rooms
+        the engine never admitted. `rooms`: those to look at (default all)."""
+        for r in list(self.rooms.values() if rooms is None else rooms):
+            if self.rooms.get(r.room) is not r:  # buried meanwhile
+                continue
+            if r.queued or r.inflight or r.submitting or (r.calls and r.ready and r.rec.state is not F):
+                self._busy[r.room] = r
+            else:
+                self._busy.pop(r.room, None)
             if not r.drained:
                 continue
             if r.rec.state is not F and r.complete:
@@ -311,3 +340,5 @@ class SenderBook:
                     r.notified.add(d.session_id)
             if r.src_pages is None:  # a request without add_room that timed out or was aborted
                 self._bury(r, now)
+            elif self._reportable(r):
+                self._done[r.room] = None

@@ -114,6 +114,11 @@ class Book:
         self.sent.clear()
         return out
 
+    def tick(self, now):
+        """A worker round with nothing to submit or poll."""
+        self.book.housekeeping(now)
+        assert self.book.take_work(now) == ([], [], [])
+
     def run(self, now, state=BatchState.DONE):
         """One worker round: every submitted batch finishes with `state`."""
         take, cancels, watch = self.book.take_work(now)
@@ -178,23 +183,23 @@ def test_book_rejects_bad_requests_with_a_reason():
     assert "KV dtype mismatch" in reasons[6]
     assert b.book.stats.rejected_messages == 8
     b.book.add_room(1, np.arange(6), 1.0)  # its decode was refused: fail at once
+    b.tick(1.0)
     assert b.book.poll(1.0)[0][1] is T.FAILED and b.statuses() == []
 
 
 def test_book_deadlines_and_dead_decode():
     b = Book()
     b.book.add_room(1, np.arange(6), 0.0)
-    b.book.housekeeping(4.9)
+    b.tick(4.9)
     assert b.book.poll(4.9) == []
-    b.book.housekeeping(5.0)
+    b.tick(5.0)
     assert "bootstrapping timed out" in b.book.poll(5.0)[0][2]
     b.book.add_room(2, np.arange(6), 5.0)
     b.book.on_message(m.TransferRequest(2, "d/0", tuple(range(6)), 0, 0), 5.0)
     b.book.on_message(m.Heartbeat("d/0", 1), 5.5)
-    b.book.housekeeping(8.4)
+    b.tick(8.4)
     assert b.book.rooms[2].rec.state is T.WAITING_FOR_INPUT  # no deadline while computing
-    b.book.housekeeping(8.6)  # silent for 3.1 s > 3 misses * 1 s
-    b.book.finalize(8.6)
+    b.tick(8.6)  # silent for 3.1 s > 3 misses * 1 s
     room, state, reason = b.book.poll(8.6)[0]
     assert (room, state) == (2, T.FAILED) and "heartbeats missed" in reason
     assert any(isinstance(msg, m.Heartbeat) for _, msg in b.sent)
