@@ -329,7 +329,7 @@ class KVReceiver:
                             err = self._fetch_errors.get(r.prefill)
                             r.rec.fail(f"bootstrap with prefill {r.prefill[0]}:{r.prefill[1]} failed: not done "
                                        f"within {self.cfg.bootstrap_timeout_s}s" + (f" ({err})" if err else ""), now)
-                        r.rec.expire(now)
+                        r.rec.expire(now, "not every prefill rank reported the transfer finished")
                         self._settle(r, now)
                     for s in self._liveness.reap(now):
                         addr, p = self._by_session.get(s, (None, 0))

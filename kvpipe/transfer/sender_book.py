@@ -258,7 +258,8 @@ class SenderBook:
             self._dirty, self._next_scan = False, now + self.cfg.idle_tick_s
         rooms = list(self.rooms.values() if full else self._busy.values())
         for r in rooms:
-            r.rec.expire(now)
+            if r.rec.deadline is not None and now >= r.rec.deadline:
+                r.rec.expire(now, self._awaited(r))
             if r.rec.state is not F and r.calls and r.ready:
                 try:
                     if r.plan(chunk):
@@ -284,6 +285,14 @@ class SenderBook:
                 take.append((r, b))
         self.finalize(now, rooms)
         return take, cancels, watch
+
+    @staticmethod
+    def _awaited(r: SenderRoom) -> str:
+        if r.src_pages is None:
+            return "the prefill engine never admitted the request the decode sent"
+        if r.expected is None:
+            return "no TransferRequest from the decode"
+        return f"only {len(r.dests)} of {r.expected} decode ranks sent a TransferRequest"
 
     def record(self, fresh: list[tuple[SenderRoom, OpBatch, BatchHandle | None, str | None]],
                polled: list[tuple[SenderRoom, Inflight, BatchState]], now: float) -> bool:

@@ -112,12 +112,13 @@ class RoomRecord:
         """Progress was made: restart the current state's deadline."""
         self._arm(now)
 
-    def expire(self, now: float) -> bool:
-        """Fail the room if its deadline passed. Returns True if it failed now."""
+    def expire(self, now: float, detail: str = "") -> bool:
+        """Fail the room if its deadline passed (`detail` says what was awaited). Returns True if
+        it failed now."""
         if self.deadline is None or now < self.deadline:
             return False
-        return self.fail(f"{self.state.name.lower()} timed out after "
-                         f"{self.timeouts.get(self.state)}s", now)
+        return self.fail(f"{self.state.name.lower()} timed out after {self.timeouts.get(self.state)}s"
+                         + (f": {detail}" if detail else ""), now)
 
 
 @dataclass
