@@ -111,7 +111,7 @@ def _build_inputs(state: "ServerState", req: _OpenAIBase, rid: str, prompts: lis
         p = params if default_max is not None else with_default_max_tokens(params, len(ids), limits)
         inputs.append(finalize_input(rid if len(prompts) == 1 else f"{rid}-{i}", ids, p, limits,
                                      return_logprob=want_logprobs, text_options=text_options(sp),
-                                     bootstrap=req.bootstrap(), index=i))
+                                     bootstrap=req.bootstrap(i, len(prompts)), index=i))
     return inputs
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Union
 
 from kvpipe.server.errors import APIError
-from kvpipe.server.protocol import BootstrapInfo, SamplingParamsIn, WireModel
+from kvpipe.server.protocol import BootstrapInfo, SamplingParamsIn, WireModel, pick
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -42,17 +42,20 @@ class _OpenAIBase(WireModel):
     no_stop_trim: bool | None = None
     repetition_penalty: float | None = None
     rid: str | None = None
-    bootstrap_host: str | None = None
-    bootstrap_port: int | None = None
-    bootstrap_room: int | None = None
+    # PD fields injected by sglang-router (lists for a batched prompt)
+    bootstrap_host: str | list[str | None] | None = None
+    bootstrap_port: int | list[int | None] | None = None
+    bootstrap_room: int | list[int | None] | None = None
 
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def bootstrap(self) -> BootstrapInfo | None:
-        if self.bootstrap_host is None and self.bootstrap_port is None and self.bootstrap_room is None:
-            return None
-        return BootstrapInfo(self.bootstrap_host, self.bootstrap_port, self.bootstrap_room)
+    def bootstrap(self, i: int = 0, n: int = 1) -> BootstrapInfo | None:
+        """The PD bootstrap fields of prompt i of n."""
+        info = BootstrapInfo(pick(self.bootstrap_host, i, n, "bootstrap_host"),
+                             pick(self.bootstrap_port, i, n, "bootstrap_port"),
+                             pick(self.bootstrap_room, i, n, "bootstrap_room"))
+        return None if info == BootstrapInfo() else info
 
     def sampling(self, max_tokens: int | None) -> SamplingParamsIn:
         if self.logit_bias:

@@ -50,8 +50,8 @@ class GenerateRequest(WireModel):
     text: str | list[str] | None = None
     input_ids: Union[list[int], list[list[int]], None] = None
     sampling_params: SamplingParamsIn | list[SamplingParamsIn] | None = None
-    stream: bool = False
-    return_logprob: bool | list[bool] = False
+    stream: bool | None = False  # null (a rebuilt body's unset field) means the default
+    return_logprob: bool | list[bool] | None = False
     logprob_start_len: int | list[int] | None = None
     top_logprobs_num: int | list[int] | None = None
     rid: str | list[str] | None = None
@@ -106,7 +106,7 @@ def new_rid() -> str:
     return uuid.uuid4().hex
 
 
-def _pick(value: Any, i: int, n: int, name: str) -> Any:
+def pick(value: Any, i: int, n: int, name: str) -> Any:
     """Element i of a per-prompt list, or the scalar shared by the whole batch."""
     if isinstance(value, list):
         if len(value) != n:
@@ -134,21 +134,21 @@ def split_generate_request(req: GenerateRequest) -> tuple[list[PromptSpec], bool
     n = len(prompts)
     for name in ("top_logprobs_num",):
         for i in range(n):
-            if (_pick(getattr(req, name), i, n, name) or 0) > 0:
+            if (pick(getattr(req, name), i, n, name) or 0) > 0:
                 raise APIError("top_logprobs_num > 0 is not supported", param=name)
     if not batched and isinstance(req.rid, list):
         raise APIError("rid must be a string for a single prompt", param="rid")
     specs = []
     for i, (text, ids) in enumerate(prompts):
-        boot = BootstrapInfo(_pick(req.bootstrap_host, i, n, "bootstrap_host"),
-                             _pick(req.bootstrap_port, i, n, "bootstrap_port"),
-                             _pick(req.bootstrap_room, i, n, "bootstrap_room"))
+        boot = BootstrapInfo(pick(req.bootstrap_host, i, n, "bootstrap_host"),
+                             pick(req.bootstrap_port, i, n, "bootstrap_port"),
+                             pick(req.bootstrap_room, i, n, "bootstrap_room"))
         has_boot = boot.host is not None or boot.port is not None or boot.room is not None
         specs.append(PromptSpec(
             text=text, input_ids=ids,
-            sampling=_pick(req.sampling_params, i, n, "sampling_params") or SamplingParamsIn(),
-            rid=_pick(req.rid, i, n, "rid") or new_rid(),
-            return_logprob=bool(_pick(req.return_logprob, i, n, "return_logprob")),
+            sampling=pick(req.sampling_params, i, n, "sampling_params") or SamplingParamsIn(),
+            rid=pick(req.rid, i, n, "rid") or new_rid(),
+            return_logprob=bool(pick(req.return_logprob, i, n, "return_logprob")),
             bootstrap=boot if has_boot else None,
         ))
     rids = [s.rid for s in specs]

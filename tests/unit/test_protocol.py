@@ -135,7 +135,12 @@ def test_context_and_vocab_checks() -> None:
 def test_openai_schemas() -> None:
     c = CompletionRequest.model_validate({"model": "m", "prompt": [1, 2], "max_tokens": 3, "stream": True,
                                           "stream_options": {"include_usage": True}, "unknown_field": 1})
-    assert c.prompts() == [[1, 2]] and c.include_usage()
+    assert c.prompts() == [[1, 2]] and c.include_usage() and c.bootstrap() is None
+    b = CompletionRequest.model_validate({"prompt": ["a", "b"], "bootstrap_host": ["h", "h"], "bootstrap_port": None,
+                                          "bootstrap_room": [1, 2]})
+    assert [b.bootstrap(i, 2) for i in range(2)] == [BootstrapInfo("h", None, 1), BootstrapInfo("h", None, 2)]
+    with pytest.raises(APIError):
+        b.bootstrap(0, 3)
     assert CompletionRequest.model_validate({"prompt": ["a", "b"]}).prompts() == ["a", "b"]
     assert not CompletionRequest.model_validate({"prompt": "a", "stream_options": {"include_usage": True}}
                                                 ).include_usage()  # only with stream
