@@ -13,11 +13,14 @@ class DisaggConfig:
     # Decode: TransferRequest sent -> every prefill rank reported Success (SGLang's default 300 s:
     # the prefill may queue the request behind others).
     waiting_timeout_s: float = 300.0
-    heartbeat_interval_s: float = 1.0
-    heartbeat_misses: int = 5  # a peer silent for misses * interval is dead
-    # A write batch that makes no progress for this long fails the room; a decode that aborted a
-    # room keeps its pages reserved at most this long when the prefill never acknowledges.
-    transfer_timeout_s: float = 30.0
+    # A peer silent for misses * interval is dead. Lenient: on a loaded 2-core host a busy
+    # process can stall for seconds, and a false death fails every room with that peer.
+    heartbeat_interval_s: float = 2.0
+    heartbeat_misses: int = 5
+    # Prefill: a write batch fails its room when nothing to that peer completed for this long
+    # (the backend's own stall detection usually fires first). Decode: a failed room whose
+    # prefill never acknowledges keeps its pages reserved at most this long.
+    transfer_timeout_s: float = 60.0
     max_inflight_ops: int = 1024  # per sender; Mooncake rejects past ~2,048 per peer (DESIGN §6)
     http_timeout_s: float = 2.0  # one bootstrap HTTP call
     control_send_hwm: int = 10000  # queued control messages per peer before sends are dropped

@@ -121,6 +121,12 @@ class KVReceiver:
     def add_room(self, room: int, bootstrap_host: str, bootstrap_port: int | None,
                  dst_pages: Sequence[np.ndarray] | np.ndarray | list[int], prefix_len: int = 0,
                  aux_slot: int = 0) -> None:
+        """Ask the prefill at bootstrap_host:bootstrap_port (None: 8998) for request `room`'s KV.
+
+        dst_pages: per decode rank (a single array when tp_size is 1), distinct pages for prompt
+        tokens [prefix_len, ...), page i holding tokens prefix_len + i*page_size onwards;
+        prefix_len: leading tokens this decode already holds (page aligned). Non-blocking.
+        Raises DuplicateRoomError if the room is active already (reject that request only)."""
         pages = self._check_pages(room, dst_pages, prefix_len)
         addr = (bootstrap_host, DEFAULT_BOOTSTRAP_PORT if bootstrap_port is None else int(bootstrap_port))
         with self._lock:

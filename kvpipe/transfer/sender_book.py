@@ -75,6 +75,7 @@ class SenderBook:
         self._done: dict[int, None] = {}  # rooms poll() may report
         self._dirty = True
         self._next_scan = float("-inf")
+        self._peer_progress: dict[str, float] = {}  # data address -> last time a batch to it completed
 
     # ---- engine side -----------------------------------------------------------------------
 
@@ -267,9 +268,10 @@ class SenderBook:
                 except PlanError as e:
                     r.rec.fail(str(e), now)
             for inf in r.inflight:
-                age = now - inf.submitted_at
+                # Stalled: nothing to this peer completed since the batch was submitted.
+                age = now - max(inf.submitted_at, self._peer_progress.get(inf.handle.peer, inf.submitted_at))
                 if not inf.cancelled and age > self.cfg.transfer_timeout_s:
-                    r.rec.fail(f"a write batch of {inf.handle.num_ops} ops made no progress in {age:.1f}s", now)
+                    r.rec.fail(f"writes to {inf.handle.peer} made no progress for {age:.1f}s", now)
                 if r.rec.state is F and not inf.cancelled:
                     inf.cancelled = True
                     cancels.append((inf, r.rec.reason))
@@ -316,6 +318,7 @@ class SenderBook:
             r.inflight.remove(inf)
             self.inflight_ops -= inf.handle.num_ops
             if state is BatchState.DONE:
+                self._peer_progress[inf.handle.peer] = now
                 r.ops_done += inf.handle.num_ops
                 r.bytes_done += inf.handle.nbytes
                 self.stats.bytes_written += inf.handle.nbytes

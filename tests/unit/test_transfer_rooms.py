@@ -252,3 +252,23 @@ def test_receiver_room_stale_aux_and_quiet_rules():
     assert r3.rec.state is T.FAILED and r3.quiet(1.0)
     unrequested = ReceiverRoom(4, RoomRecord.new(4, receiver_timeouts(CFG), 0.0), ("h", 1), (np.arange(4),), 0)
     assert unrequested.quiet(0.0)
+
+
+def test_book_stalled_writes_fail_the_room_and_are_abandoned_later():
+    b = Book()
+    b.book.add_room(1, np.arange(6), 0.0)
+    b.book.on_message(m.TransferRequest(1, "d/0", tuple(range(6)), 0, 0), 0.0)
+    b.book.add_call(1, SendCall(0, 22, 0, L, True), (1, 0.0))
+    take, _, _ = b.book.take_work(0.0)
+    b.book.record([(r, bt, BatchHandle(i, bt.peer, bt.num_ops, 64), None) for i, (r, bt) in enumerate(take)], [], 0.0)
+    _, cancels, watch = b.book.take_work(9.9)
+    assert cancels == [] and b.book.rooms[1].rec.state is T.TRANSFERRING
+    b.book.record([], [(watch[0][0], watch[0][1], BatchState.DONE)], 9.9)  # progress restarts the clock
+    _, cancels, watch = b.book.take_work(19.0)
+    assert cancels == [] and len(watch) == len(take) - 1
+    _, cancels, watch = b.book.take_work(20.0)
+    assert len(cancels) == len(watch) and "made no progress for 10.1s" in b.book.rooms[1].rec.reason
+    b.book.record([], [(r, inf, BatchState.PENDING) for r, inf in watch], 19.99)
+    assert b.book.poll(20.0) == []  # still pending: pages stay reserved
+    b.book.record([], [(r, inf, BatchState.PENDING) for r, inf in watch], 20.01)  # 2 * timeout: abandoned
+    assert b.book.poll(20.01)[0][1] is T.FAILED and b.book.inflight_ops == 0
