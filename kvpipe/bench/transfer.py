@@ -80,13 +80,13 @@ def config_from_args(args: argparse.Namespace, log_path: str, hostname: str = "1
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Start both processes (inside an emulated link when asked), collect the prefill's report."""
-    from kvpipe.bench.transfer_link import EmulatedLink
+    from kvpipe.bench.testbed import LinkTestbed
 
     with ExitStack() as stack:
         logdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvpipe-bench-transfer-"))
         ends = [("127.0.0.1", None), ("127.0.0.1", None)]
         if args.link_rate:
-            link = stack.enter_context(EmulatedLink(args.link_rate))
+            link = stack.enter_context(LinkTestbed(args.link_rate))
             ends = [(link.addr_a, link.ns_a), (link.addr_b, link.ns_b)]
         pcfg = config_from_args(args, os.path.join(logdir, "prefill.log"), *ends[0])
         dcfg = config_from_args(args, os.path.join(logdir, "decode.log"), *ends[1])

@@ -68,7 +68,7 @@ def _setup(cfg: WorkerConfig, num_pages: int):
     os.dup2(fd, 2)
     os.close(fd)
     if cfg.netns:
-        from kvpipe.bench.transfer_link import enter_netns
+        from kvpipe.bench.testbed import enter_netns
 
         enter_netns(cfg.netns)
     import torch
