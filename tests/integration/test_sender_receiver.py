@@ -26,7 +26,8 @@ from kvpipe.transfer.tp_mapping import kv_head_range
 
 pytestmark = pytest.mark.integration
 L, PAGES, PS, HD, H = 2, 32, 4, 8, 2  # layers, pages per pool, page size, head dim, total KV heads
-CFG = DisaggConfig(bootstrap_timeout_s=3.0, waiting_timeout_s=5.0, heartbeat_interval_s=0.05, heartbeat_misses=6,
+# Heartbeat timeout 1 s: short for the tests, long enough for a loaded shared machine.
+CFG = DisaggConfig(bootstrap_timeout_s=3.0, waiting_timeout_s=5.0, heartbeat_interval_s=0.1, heartbeat_misses=10,
                    transfer_timeout_s=1.0, http_timeout_s=1.0)
 S, F = TransferState.SUCCESS, TransferState.FAILED
 
@@ -372,10 +373,9 @@ def test_duplicate_rooms(stack):
 
 
 def test_deadlines_and_bootstrap_errors(stack):
-    cfg = dataclasses.replace(CFG, bootstrap_timeout_s=0.3, waiting_timeout_s=0.5)
     fabric = LocalFabric()
-    prefill = start_prefill(stack, fabric=fabric, cfg=cfg)
-    recv = start_decode(stack, fabric=fabric, cfg=cfg)
+    prefill = start_prefill(stack, fabric=fabric, cfg=dataclasses.replace(CFG, bootstrap_timeout_s=0.3))
+    recv = start_decode(stack, fabric=fabric, cfg=dataclasses.replace(CFG, waiting_timeout_s=0.5))
     sender = prefill.senders[0]
     rs, rr = Results(sender), Results(recv)
     sender.add_room(1, SRC)  # no decode ever asks for it
@@ -385,11 +385,12 @@ def test_deadlines_and_bootstrap_errors(stack):
     assert state is F and "waiting_for_input timed out" in reason
     sender.add_room(2, SRC)  # admitted too late: fails at once, the decode already gave up
     assert rs.get(2, timeout=5)[1] is F
-    with socket_port() as dead:
-        recv.add_room(3, "127.0.0.1", dead, np.arange(6), prefix_len=0)
-        state, reason = rr.get(3, timeout=5)[1:3]
-    assert state is F and f"bootstrap with prefill 127.0.0.1:{dead} failed" in reason and "unreachable" in reason
     assert sender.num_active_rooms() == 0 and recv.num_active_rooms() == 0
+    impatient = start_decode(stack, fabric=fabric, cfg=dataclasses.replace(CFG, bootstrap_timeout_s=0.5))
+    with socket_port() as dead:
+        impatient.add_room(3, "127.0.0.1", dead, np.arange(6), prefix_len=0)
+        state, reason = Results(impatient).get(3, timeout=5)[1:3]
+    assert state is F and f"bootstrap with prefill 127.0.0.1:{dead} failed" in reason and "unreachable" in reason
 
 
 @contextlib.contextmanager
