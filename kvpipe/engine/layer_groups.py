@@ -1,0 +1,138 @@
+"""How many layer groups a prefill batch runs as, for layer-pipelined KV transfer.
+
+Plain Python, no tensors: the prefill engine feeds measurements in and asks for a choice.
+
+Cost model (DESIGN.md §8). With compute C for the whole forward, transfer T for the batch's KV
+and N equal groups, the last group's KV leaves after all compute, and each group's transfer waits
+for its compute, so
+
+    TTFT(N) ≈ max(C + T/N, C/N + T) + (N - 1) · overhead
+
+(`overhead`: the fixed cost of one more group — planning, submitting, polling). N = 1 is the plain
+path. We pick the N with the smallest predicted TTFT and keep the plain path unless pipelining
+saves at least `min_gain` of the plain TTFT: a short prompt never pays for groups it cannot use.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LayerGroupPolicy:
+    fixed_groups: int | None = None  # None: adaptive; 1: plain path always; N: always N groups
+    max_groups: int = 8
+    min_tokens: int = 512  # below this many prompt tokens in the batch: plain path
+    min_gain: float = 0.05  # pipelining must save this fraction of the plain TTFT
+    group_overhead_ms: float = 1.0  # fixed cost of one more group
+    ema: float = 0.3  # weight of a new measurement in the running estimates
+
+    @classmethod
+    def parse(cls, value: str | int) -> "LayerGroupPolicy":
+        """`auto` or a positive group count (the --disaggregation-layer-groups flag)."""
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return cls()
+        n = int(value)
+        if n < 1:
+            raise ValueError(f"layer groups must be 'auto' or a positive integer, got {value!r}")
+        return cls(fixed_groups=n)
+
+
+def predicted_ttft_ms(compute_ms: float, transfer_ms: float, groups: int, overhead_ms: float) -> float:
+    n = max(1, groups)
+    return max(compute_ms + transfer_ms / n, compute_ms / n + transfer_ms) + (n - 1) * overhead_ms
+
+
+class ComputeEstimator:
+    """Running estimate of forward milliseconds per layer as a function of batch tokens.
+
+    Kept per power-of-two token bucket (attention makes cost superlinear in tokens); a query
+    between measured buckets interpolates linearly, outside them it scales from the nearest one.
+    """
+
+    def __init__(self, ema: float = 0.3) -> None:
+        self.ema = ema
+        self._buckets: dict[int, float] = {}  # bucket tokens -> ms per layer per token
+
+    @staticmethod
+    def _bucket(tokens: int) -> int:
+        return 1 << max(0, math.ceil(math.log2(max(tokens, 1))))
+
+    def observe(self, tokens: int, layers: int, ms: float) -> None:
+        if tokens <= 0 or layers <= 0 or ms <= 0:
+            return
+        b, per = self._bucket(tokens), ms / (layers * tokens)
+        old = self._buckets.get(b)
+        self._buckets[b] = per if old is None else (1 - self.ema) * old + self.ema * per
+
+    def ms_per_layer(self, tokens: int) -> float | None:
+        if not self._buckets or tokens <= 0:
+            return None
+        keys = sorted(self._buckets)
+        i = bisect.bisect_left(keys, tokens)
+        if i == 0:
+            return self._buckets[keys[0]] * tokens
+        if i == len(keys):
+            return self._buckets[keys[-1]] * tokens
+        lo, hi = keys[i - 1], keys[i]
+        w = (tokens - lo) / (hi - lo)
+        return ((1 - w) * self._buckets[lo] + w * self._buckets[hi]) * tokens
+
+
+class LinkEstimator:
+    """Running estimate of transfer goodput (bytes per millisecond) from finished transfers."""
+
+    def __init__(self, ema: float = 0.3) -> None:
+        self.ema = ema
+        self.bytes_per_ms: float | None = None
+
+    def observe(self, nbytes: int, ms: float) -> None:
+        if nbytes <= 0 or ms <= 0:
+            return
+        rate = nbytes / ms
+        self.bytes_per_ms = rate if self.bytes_per_ms is None else (1 - self.ema) * self.bytes_per_ms + self.ema * rate
+
+    def transfer_ms(self, nbytes: int) -> float | None:
+        return None if self.bytes_per_ms is None else nbytes / self.bytes_per_ms
+
+
+@dataclass(frozen=True)
+class GroupChoice:
+    groups: int
+    reason: str  # "fixed" | "short" | "no-estimate" | "no-gain" | "cost-model"
+    compute_ms: float | None = None
+    transfer_ms: float | None = None
+    predicted_ms: float | None = None
+
+
+class LayerGroupPlanner:
+    def __init__(self, policy: LayerGroupPolicy, num_layers: int) -> None:
+        self.policy = policy
+        self.num_layers = num_layers
+        self.compute = ComputeEstimator(policy.ema)
+        self.link = LinkEstimator(policy.ema)
+        self.last: GroupChoice = GroupChoice(1, "no-estimate")
+
+    def choose(self, tokens: int, kv_bytes: int) -> GroupChoice:
+        """Groups for a prefill batch of `tokens` new tokens whose KV is `kv_bytes` on the wire."""
+        p, cap = self.policy, max(1, min(self.policy.max_groups, self.num_layers))
+        if p.fixed_groups is not None:
+            choice = GroupChoice(min(p.fixed_groups, self.num_layers), "fixed")
+        elif tokens < p.min_tokens:
+            choice = GroupChoice(1, "short")
+        else:
+            per_layer, t = self.compute.ms_per_layer(tokens), self.link.transfer_ms(kv_bytes)
+            if per_layer is None or t is None:
+                choice = GroupChoice(1, "no-estimate")
+            else:
+                c = per_layer * self.num_layers
+                cost = {n: predicted_ttft_ms(c, t, n, p.group_overhead_ms) for n in range(1, cap + 1)}
+                best = min(cost, key=lambda n: (cost[n], n))
+                if cost[best] > (1 - p.min_gain) * cost[1]:
+                    choice = GroupChoice(1, "no-gain", c, t, cost[1])
+                else:
+                    choice = GroupChoice(best, "cost-model", c, t, cost[best])
+        self.last = choice
+        return choice

@@ -1,0 +1,86 @@
+"""Adaptive layer grouping: cost model, estimators and the plain-path rules."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpipe.engine.layer_groups import (ComputeEstimator, LayerGroupPlanner, LayerGroupPolicy, LinkEstimator,
+                                        predicted_ttft_ms)
+
+
+def test_predicted_ttft_matches_the_two_regimes():
+    # T < C: the last group's transfer is what stays exposed
+    assert predicted_ttft_ms(100, 40, 4, 0) == pytest.approx(110)
+    # T > C: the first group's compute is exposed, then the link is the bottleneck
+    assert predicted_ttft_ms(40, 100, 4, 0) == pytest.approx(110)
+    assert predicted_ttft_ms(100, 40, 1, 0) == pytest.approx(140)
+    assert predicted_ttft_ms(100, 40, 4, 2.5) == pytest.approx(117.5)
+
+
+def test_policy_parse():
+    assert LayerGroupPolicy.parse("auto").fixed_groups is None
+    assert LayerGroupPolicy.parse("3").fixed_groups == 3
+    assert LayerGroupPolicy.parse(1).fixed_groups == 1
+    with pytest.raises(ValueError):
+        LayerGroupPolicy.parse("0")
+
+
+def test_compute_estimator_interpolates_between_buckets():
+    est = ComputeEstimator(ema=1.0)
+    assert est.ms_per_layer(100) is None
+    est.observe(tokens=256, layers=4, ms=4 * 256 * 0.01)  # 0.01 ms per layer-token
+    est.observe(tokens=1024, layers=4, ms=4 * 1024 * 0.03)
+    assert est.ms_per_layer(256) == pytest.approx(2.56)
+    assert est.ms_per_layer(1024) == pytest.approx(30.72)
+    mid = est.ms_per_layer(640)  # between buckets 256 and 1024: per-token rate interpolated
+    assert 0.01 * 640 < mid < 0.03 * 640
+    assert est.ms_per_layer(64) == pytest.approx(0.01 * 64)  # below: nearest bucket's rate
+
+
+def test_link_estimator_ema():
+    link = LinkEstimator(ema=0.5)
+    assert link.transfer_ms(1000) is None
+    link.observe(1000, 1.0)
+    link.observe(3000, 1.0)
+    assert link.bytes_per_ms == pytest.approx(2000)
+    assert link.transfer_ms(4000) == pytest.approx(2.0)
+
+
+def _planner(**kw) -> LayerGroupPlanner:
+    pl = LayerGroupPlanner(LayerGroupPolicy(**kw), num_layers=12)
+    pl.compute.observe(tokens=2048, layers=12, ms=1200.0)  # C = 1200 ms at 2048 tokens
+    pl.link.observe(nbytes=1_000_000, ms=1.0)  # 1 MB/ms
+    return pl
+
+
+def test_plain_path_for_short_prompts_and_without_estimates():
+    assert _planner().choose(tokens=100, kv_bytes=10**9).groups == 1
+    assert _planner().choose(tokens=100, kv_bytes=10**9).reason == "short"
+    cold = LayerGroupPlanner(LayerGroupPolicy(), num_layers=12)
+    assert cold.choose(tokens=4096, kv_bytes=10**9).reason == "no-estimate"
+
+
+def test_cost_model_pipelines_when_transfer_is_comparable_to_compute():
+    pl = _planner(group_overhead_ms=1.0)
+    ch = pl.choose(tokens=2048, kv_bytes=1_200_000_000)  # T = 1200 ms = C
+    assert ch.reason == "cost-model" and ch.groups == 8  # capped by max_groups
+    assert ch.predicted_ms < 0.6 * predicted_ttft_ms(ch.compute_ms, ch.transfer_ms, 1, 1.0)
+    assert pl.last is ch
+
+
+def test_no_gain_keeps_the_plain_path():
+    pl = _planner()
+    ch = pl.choose(tokens=2048, kv_bytes=10_000)  # T = 0.01 ms: nothing to hide
+    assert ch.groups == 1 and ch.reason == "no-gain"
+
+
+def test_overhead_limits_the_group_count():
+    pl = _planner(group_overhead_ms=100.0, max_groups=12)
+    ch = pl.choose(tokens=2048, kv_bytes=600_000_000)  # T = 600 ms, C = 1200 ms
+    # gain of one more group is T/N - T/(N+1); it drops below 100 ms after N = 2
+    assert ch.groups == 2
+
+
+def test_fixed_groups_capped_by_layers():
+    assert LayerGroupPlanner(LayerGroupPolicy(fixed_groups=20), 12).choose(10, 10).groups == 12
+    assert LayerGroupPlanner(LayerGroupPolicy(fixed_groups=1), 12).choose(10**5, 10**12).groups == 1
