@@ -16,8 +16,9 @@ one fetch per prefill at a time, cached per prefill instance), checks compatibil
 RegisterPeer for every (prefill rank, decode rank) pair of the §8 mapping once per prefill
 instance, then a TransferRequest per pair. Prefill ranks answer with one final TransferStatus per
 pair (receiver_room.py). poll() reports a room only when it is safe to reuse its pages: after
-Success, or after a failure once every paired prefill rank gave its final word, the prefill died,
-or transfer_timeout_s passed since the failure. A failure (deadline, abort, a prefill rank's
+Success, or after a failure once every paired prefill rank gave its final word, the prefill
+restarted, or transfer_timeout_s passed since the failure (a silent prefill may be stalled with
+writes in flight, so heartbeat death alone does not free pages early). A failure (deadline, abort, a prefill rank's
 Failed) sends Abort to the paired prefill ranks. Heartbeats go both ways on the worker thread; a
 prefill rank that misses them is dead: its rooms fail, and the next add_room re-fetches the
 bootstrap info, so a restarted prefill (new instance id) is picked up and registered again.
@@ -239,7 +240,11 @@ class KVReceiver:
             return old
         if old is not None:
             self._drop_prefill(old, f"prefill at {addr[0]}:{addr[1]} restarted (instance "
-                                    f"{old.info.instance_id} -> {info.instance_id})", now)
+                                    f"{old.info.instance_id} -> {info.instance_id})", now, gone=True)
+        for r in self._rooms.values():  # rooms of an instance dropped earlier: now known to be gone
+            if r.prefill == addr and r.instance_id not in (None, info.instance_id):
+                r.prefill_gone = True
+                r.rec.fail(f"prefill at {addr[0]}:{addr[1]} restarted", now)
         peer = _Prefill(addr, info, {f"{info.instance_id}/{p}": p for p in range(info.tp_size)})
         for p, r in rank_pairs(info.tp_size, self.tp_size):
             d = self.ranks[r]
@@ -265,13 +270,18 @@ class KVReceiver:
             r.rec.fail(f"control queue to prefill {peer.addr[0]}:{peer.addr[1]} is full", now)
             self._settle(r, now)
 
-    def _drop_prefill(self, peer: _Prefill, why: str, now: float) -> None:
-        """The prefill instance is gone: fail its rooms (nothing more can land) and forget it."""
+    def _drop_prefill(self, peer: _Prefill, why: str, now: float, gone: bool) -> None:
+        """Fail the rooms of a prefill instance and forget it (the next add_room fetches again).
+
+        gone=True (it restarted): nothing of the old process can land any more, pages are free at
+        once. gone=False (silent): it may only be stalled with writes in flight, so its rooms keep
+        their pages until it answers our Abort or transfer_timeout_s passed."""
         log.warning("%s", why)
         for r in self._rooms.values():
             if r.prefill == peer.addr and r.instance_id == peer.info.instance_id:
-                r.prefill_gone = True
+                r.prefill_gone = r.prefill_gone or gone
                 r.rec.fail(why, now)
+                self._settle(r, now)
         for s in peer.sessions:
             self._by_session.pop(s, None)
             self._liveness.forget(s)
@@ -342,7 +352,7 @@ class KVReceiver:
                         peer = self._prefills.get(addr) if addr is not None else None
                         if peer is not None and s in peer.sessions:
                             self._drop_prefill(peer, f"prefill rank {p} at {addr[0]}:{addr[1]} sent no "
-                                               f"heartbeat for {self.cfg.heartbeat_timeout_s:.1f}s", now)
+                                               f"heartbeat for {self.cfg.heartbeat_timeout_s:.1f}s", now, gone=False)
                     if now >= next_hb:
                         next_hb = now + self.cfg.heartbeat_interval_s
                         for peer in self._prefills.values():

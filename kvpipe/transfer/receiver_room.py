@@ -7,7 +7,7 @@ exactly one final status per (room, decode session), and only once none of its w
 room can still land. So the room is
 - Success when every expected status is SUCCESS and the aux data echoes this room;
 - quiet (its pages may be reused) when nothing was requested yet, every expected final status
-  arrived, the prefill died, or `quiet_deadline` (failure time + transfer_timeout_s) passed.
+  arrived, the prefill restarted, or `quiet_deadline` (failure time + transfer_timeout_s) passed.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class ReceiverRoom:
     successes: dict[int, int] = field(default_factory=dict)
     aux: AuxData | None = None
     requested: bool = False  # TransferRequests went out: prefill may be writing
-    prefill_gone: bool = False  # the prefill instance died or restarted: nothing more can land
+    prefill_gone: bool = False  # the prefill instance restarted: nothing more of the old one can land
     aborts_sent: bool = False
     quiet_deadline: float | None = None
 

@@ -335,16 +335,18 @@ def test_prefill_death_then_restart_is_picked_up(stack):
     fabric = LocalFabric()
     server = stack.enter_context(BootstrapServer("127.0.0.1", 0))
     first = start_prefill(stack, fabric=fabric, server=server, instance="first")
-    recv = start_decode(stack, fabric=fabric)
+    recv = start_decode(stack, fabric=fabric, cfg=dataclasses.replace(CFG, transfer_timeout_s=60.0))
     rr = Results(recv)
     recv.add_room(1, "127.0.0.1", server.port, np.arange(6), prefix_len=0)
     wait_for(lambda: first.senders[0].room_state(1) is TransferState.BOOTSTRAPPING, 5, "request arrived")
     first.senders[0].close()  # prefill crashed before admitting the request
-    state, reason = rr.get(1, timeout=5)[1:3]
-    assert state is F and "sent no heartbeat" in reason and "prefill rank 0" in reason
+    wait_for(lambda: recv.room_state(1) is F, 5, "heartbeat death")
+    assert rr.absent(1)  # a silent prefill may only be stalled: pages stay reserved (60 s here)
     registrations = recv.stats.registrations
     second = start_prefill(stack, fabric=fabric, server=server, instance="second", seed=1)
     recv.add_room(2, "127.0.0.1", server.port, np.arange(6) + 10, prefix_len=0)
+    state, reason = rr.get(1, timeout=5)[1:3]  # the new instance proves the old one gone
+    assert state is F and "sent no heartbeat" in reason and "prefill rank 0" in reason
     second.senders[0].add_room(2, SRC)
     second.senders[0].send(2, 0, 22, last=True, aux=(9, -2.0))
     assert rr.get(2)[1:] == (S, "", m.AuxData(2, 9, -2.0))
