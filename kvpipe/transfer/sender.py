@@ -112,24 +112,31 @@ class KVSender:
     def add_room(self, room: int, src_pages: np.ndarray | list[int]) -> None:
         """The engine admitted request `room`; `src_pages` is its page table (tokens from 0).
         Raises DuplicateRoomError if the room is active already (reject that request only)."""
-        pages = np.asarray(src_pages, dtype=np.int64).ravel()
-        if pages.size and (pages.min() < 0 or pages.max() >= self.layout.num_pages):
-            raise ValueError(f"room {room}: source pages outside [0, {self.layout.num_pages})")
+        pages = self._check_pages(room, src_pages)
         with self._lock:
             self._book.add_room(room, pages, self._clock())
         self._wake.set()
 
+    def _check_pages(self, room: int, src_pages: np.ndarray | list[int]) -> np.ndarray:
+        pages = np.asarray(src_pages, dtype=np.int64).ravel()
+        if pages.size and (pages.min() < 0 or pages.max() >= self.layout.num_pages):
+            raise ValueError(f"room {room}: source pages outside [0, {self.layout.num_pages})")
+        return pages
+
     def send(self, room: int, token_start: int, token_end: int, layer_start: int = 0,
-             layer_end: int | None = None, last: bool = False, aux: tuple[int, float] | None = None) -> bool:
+             layer_end: int | None = None, last: bool = False, aux: tuple[int, float] | None = None,
+             src_pages: np.ndarray | list[int] | None = None) -> bool:
         """KV of tokens [token_start, token_end), and of every token before, is ready in layers
         [layer_start, layer_end). `last=True` (once, with aux = (first token id, logprob)) means
-        the prompt is complete in every layer. Returns False if the room already failed."""
+        the prompt is complete in every layer. `src_pages`: the room's page table when it grew
+        since add_room (it must extend the old one). Returns False if the room already failed."""
         if last and aux is None:
             raise ValueError(f"room {room}: the last send() carries aux = (first token id, logprob)")
         call = SendCall(token_start, token_end, layer_start, self.layout.num_layers if layer_end is None
                         else layer_end, last)
+        pages = None if src_pages is None else self._check_pages(room, src_pages)
         with self._lock:
-            ok = self._book.add_call(room, call, aux)
+            ok = self._book.add_call(room, call, aux, pages)
         self._wake.set()
         return ok
 

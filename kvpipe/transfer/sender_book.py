@@ -96,13 +96,19 @@ class SenderBook:
         if r.ready:
             r.rec.move(TransferState.WAITING_FOR_INPUT, now)
 
-    def add_call(self, room: int, call: SendCall, aux: tuple[int, float] | None) -> bool:
+    def add_call(self, room: int, call: SendCall, aux: tuple[int, float] | None,
+                 pages: np.ndarray | None = None) -> bool:
         self._dirty = True
         r = self.rooms.get(room)
         if r is None or r.src_pages is None:
             raise KeyError(f"room {room} is not active on this prefill (add_room first)")
         if r.rec.state is F:
             return False
+        if pages is not None:  # the page table grew (pages allocated chunk by chunk)
+            old = r.src_pages
+            if pages.size < old.size or not np.array_equal(pages[:old.size], old):
+                raise ValueError(f"room {room}: a new page table must extend the old one")
+            r.src_pages = pages
         r.add_call(call)
         if call.last:
             r.aux = AuxData(room, int(aux[0]), float(aux[1]))

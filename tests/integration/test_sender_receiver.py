@@ -161,10 +161,12 @@ def test_chunked_transfer_with_decode_prefix(stack, kind):
     sender = prefill.senders[0]
     dst = np.array([20, 21, 7, 8])  # decode holds 8 tokens (2 pages) already: pages for tokens 8..21
     recv.add_room(11, "127.0.0.1", prefill.port, dst, prefix_len=8)
-    sender.add_room(11, SRC)
+    sender.add_room(11, SRC[:2])  # pages are allocated chunk by chunk
     assert sender.send(11, 0, 6)  # entirely inside decode's prefix: nothing to write
-    assert sender.send(11, 6, 13)  # page 2 (tokens 8..11) is full; page 3 waits
-    assert sender.send(11, 13, 22, last=True, aux=(42, -0.25))  # pages 3..5, the last one partial
+    assert sender.send(11, 6, 13, src_pages=SRC[:4])  # page 2 (tokens 8..11) is full; page 3 waits
+    with pytest.raises(ValueError, match="must extend"):
+        sender.send(11, 13, 22, src_pages=SRC[::-1])
+    assert sender.send(11, 13, 22, last=True, aux=(42, -0.25), src_pages=SRC)  # pages 3..5, the last partial
     assert Results(sender).get(11) == (11, S, "")
     room, state, reason, aux = Results(recv).get(11)
     assert (state, reason) == (S, "") and aux == m.AuxData(11, 42, -0.25)
@@ -222,7 +224,7 @@ def test_decode_abort_keeps_pages_until_prefill_acknowledges(stack):
     _, layout = rank_pool(1, 0, None)
     register_prefill_rank("127.0.0.1", server.port, PrefillRankInfo(
         0, 1, layout, "local:nowhere", f"tcp://127.0.0.1:{port}", "m", "fake"))
-    recv = start_decode(stack, clock=lambda: now[0])
+    recv = start_decode(stack, cfg=cfg, clock=lambda: now[0])
     got = []
 
     def receive(n):
