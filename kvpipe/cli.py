@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
-from kvpipe.config import CacheConfig, SchedulerConfig, ServerConfig
+from kvpipe.config import CacheConfig, ConfigError, DisaggregationConfig, SchedulerConfig, ServerConfig
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,7 @@ COMMANDS: list[Command] = [
             pass_unknown=True),
     Command("bench serve", "serving benchmark: TTFT/TPOT/ITL/throughput against a server or stacks",
             "kvpipe.bench.serve"),
+    Command("bench engine", "offline engine prefill/decode throughput on this machine", "kvpipe.bench.engine"),
     Command("bench transfer", "KV transfer goodput between a prefill and a decode process", "kvpipe.bench.transfer"),
     Command("testbed", "emulated link between two network namespaces (up/down/status)",
             "kvpipe.bench.testbed_cli"),
@@ -67,6 +68,51 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--random-seed", "--seed", dest="seed", type=int, default=0, help="sampling seed")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
+    add_disaggregation_args(p)
+
+
+def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
+    """SGLang's --disaggregation-* flags (PD serving; see kvpipe/engine/prefill.py, decode.py)."""
+    d = DisaggregationConfig()
+    g = p.add_argument_group("PD disaggregation")
+    g.add_argument("--disaggregation-mode", choices=["null", "prefill", "decode"], default=d.mode,
+                   help="null: colocated server; prefill / decode: one half of a PD pair behind sglang-router")
+    g.add_argument("--disaggregation-bootstrap-port", type=int, default=d.bootstrap_port,
+                   help="prefill: port of its bootstrap server (decode servers fetch its KV layout there)")
+    g.add_argument("--disaggregation-transfer-backend", choices=["mooncake", "local"], default=d.transfer_backend,
+                   help="KV transfer engine (local: in-process copies, tests only)")
+    g.add_argument("--disaggregation-ib-device", default=None,
+                   help="RDMA device for Mooncake (e.g. mlx5_0); default: TCP")
+    g.add_argument("--disaggregation-host", default=None,
+                   help="address peers reach this server's KV data plane at (default: --host)")
+    g.add_argument("--disaggregation-layer-groups", type=int, default=d.layer_groups,
+                   help="prefill forwards run as this many layer groups")
+    g.add_argument("--disaggregation-bootstrap-timeout", type=float, default=d.bootstrap_timeout_s,
+                   help="seconds to reach the peer and exchange the request's pages")
+    g.add_argument("--disaggregation-waiting-timeout", type=float, default=d.waiting_timeout_s,
+                   help="decode: seconds a request may wait for free pages, then for its KV")
+    g.add_argument("--disaggregation-heartbeat-interval", type=float, default=d.heartbeat_interval_s,
+                   help="seconds between heartbeats; a peer silent for 5 intervals is dead")
+    g.add_argument("--disaggregation-transfer-timeout", type=float, default=d.transfer_timeout_s,
+                   help="seconds a KV write may make no progress before its request fails")
+    # test-only: fail each transfer batch with this probability (seeded by the next flag)
+    g.add_argument("--disaggregation-failure-prob", type=float, default=0.0, help=argparse.SUPPRESS)
+    g.add_argument("--disaggregation-failure-seed", type=int, default=0, help=argparse.SUPPRESS)
+
+
+def disaggregation_config_from_args(args: argparse.Namespace) -> DisaggregationConfig:
+    try:
+        return DisaggregationConfig(
+            mode=args.disaggregation_mode, bootstrap_port=args.disaggregation_bootstrap_port,
+            transfer_backend=args.disaggregation_transfer_backend, ib_device=args.disaggregation_ib_device,
+            host=args.disaggregation_host, layer_groups=args.disaggregation_layer_groups,
+            bootstrap_timeout_s=args.disaggregation_bootstrap_timeout,
+            waiting_timeout_s=args.disaggregation_waiting_timeout,
+            heartbeat_interval_s=args.disaggregation_heartbeat_interval,
+            transfer_timeout_s=args.disaggregation_transfer_timeout,
+            failure_prob=args.disaggregation_failure_prob, failure_seed=args.disaggregation_failure_seed)
+    except ConfigError as e:
+        raise SystemExit(f"kvpipe: {e}") from e
 
 
 def _positive(name: str, value: int | None, allow_none: bool = False) -> None:
@@ -88,6 +134,10 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     for name in ("tp_size", "page_size", "max_total_tokens", "max_running_requests", "max_prefill_tokens"):
         _positive("--" + name.replace("_", "-"), getattr(args, name))
     _positive("--context-length", args.context_length, allow_none=True)
+    disagg = disaggregation_config_from_args(args)
+    if disagg.enabled and args.tp_size > 1:
+        raise SystemExit(f"kvpipe: --disaggregation-mode {disagg.mode} supports only --tp-size 1 for now "
+                         f"(got {args.tp_size}); run TP=1 prefill and decode servers")
     return ServerConfig(
         model_path=resolve_model_path(args.model_path),
         host=getattr(args, "host", "127.0.0.1"),
@@ -103,6 +153,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                                   chunked_prefill_size=args.chunked_prefill_size,
                                   max_prefill_tokens=args.max_prefill_tokens,
                                   context_length=args.context_length),
+        disaggregation=disagg,
     )
 
 
@@ -119,9 +170,28 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 
 def _serve(args: argparse.Namespace, extra: list[str]) -> int:
     cfg = server_config_from_args(args)
+    mode = cfg.disaggregation.mode
+    if mode != "null" and cfg.disaggregation.transfer_backend == "local":
+        raise SystemExit("kvpipe: --disaggregation-transfer-backend local only connects engines inside one "
+                         "process; PD servers need mooncake")
     _setup_logging(cfg.log_level)
     from kvpipe.server.http_server import run_server
-    return run_server(cfg)
+    return run_server(cfg, engine_factory(cfg), mode)
+
+
+def engine_factory(cfg: ServerConfig) -> Callable[[], object]:
+    """What the server's engine thread builds: colocated Engine, PrefillEngine or DecodeEngine."""
+    def build() -> object:
+        mode = cfg.disaggregation.mode
+        if mode == "prefill":
+            from kvpipe.engine.prefill import PrefillEngine
+            return PrefillEngine(cfg)
+        if mode == "decode":
+            from kvpipe.engine.decode import DecodeEngine
+            return DecodeEngine(cfg)
+        from kvpipe.engine.engine import Engine
+        return Engine(cfg)
+    return build
 
 
 # ---- generate ------------------------------------------------------------------------------------

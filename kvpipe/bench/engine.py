@@ -1,0 +1,248 @@
+"""`kvpipe bench engine`: prefill and decode throughput of the offline Engine on this machine.
+
+Everything runs through the engine's own step loop (Engine.add_request + Engine.step), timed
+with time.perf_counter around the steps:
+- prefill: a batch of random prompts (batch 1 and --prefill-batch) with max_new_tokens=1; the
+  wall time from the first step until every request finished (their prefill, first-token
+  sampling included; chunked prefill may take several steps).
+- decode: --batch-sizes requests with --decode-context prompt tokens each are prefilled
+  (untimed), then --output-len decode steps that each advance all of them are timed one by one.
+Each point runs --warmup unmeasured times first; figures are medians over --repeat.
+
+Example: kvpipe bench engine --preset bench --prompt-lens 256,1024,2048 --batch-sizes 1,8,32 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvpipe.bench.engine_stats import (DecodePoint, PrefillPoint, decode_max_new_tokens, decode_points,
+                                       format_table, kv_tokens_needed, parse_int_list, prefill_points,
+                                       summarize_decode, summarize_prefill)
+
+STEP_LIMIT = 100_000  # no run of a point takes more engine steps than this
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    m = p.add_mutually_exclusive_group()
+    m.add_argument("--model-path", default=None, help="local HF checkpoint directory")
+    m.add_argument("--preset", default=None, choices=["tiny", "bench"], help="built-in preset (default: bench)")
+    p.add_argument("--prompt-lens", default="256,1024,2048", help="prefill prompt lengths in tokens")
+    p.add_argument("--prefill-batch", type=int, default=4, help="the batched prefill point (besides batch 1)")
+    p.add_argument("--batch-sizes", default="1,8,32", help="decode batch sizes")
+    p.add_argument("--decode-context", type=int, default=256, help="prompt tokens of each decoding request")
+    p.add_argument("--output-len", type=int, default=64, help="timed decode steps per repeat")
+    p.add_argument("--tp-size", "--tp", type=int, default=1, help="tensor parallel ranks")
+    p.add_argument("--page-size", type=int, default=64, help="tokens per KV page")
+    p.add_argument("--chunked-prefill-size", type=int, default=8192, help="max prompt tokens per prefill step")
+    p.add_argument("--max-prefill-tokens", type=int, default=16384, help="token budget of one prefill batch")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: as the engine's TP ranks, cpu_count // tp_size)")
+    p.add_argument("--repeat", type=int, default=3, help="measured runs per point (medians are reported)")
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured runs per point first")
+    p.add_argument("--seed", type=int, default=0, help="prompt token seed")
+    p.add_argument("--skip-prefill", action="store_true")
+    p.add_argument("--skip-decode", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--out", default=None, help="also write the JSON result to this file")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _check(args: argparse.Namespace) -> None:
+    for name in ("prefill_batch", "decode_context", "output_len", "tp_size", "page_size", "max_prefill_tokens",
+                 "repeat"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"kvpipe bench engine: --{name.replace('_', '-')} must be positive")
+    if args.warmup < 0 or (args.threads is not None and args.threads < 1):
+        raise SystemExit("kvpipe bench engine: --warmup must be >= 0 and --threads positive")
+
+
+def prefill_budget(args: argparse.Namespace) -> int:
+    """Prompt tokens one prefill step takes at most (the scheduler's rule)."""
+    if args.chunked_prefill_size > 0:
+        return min(args.max_prefill_tokens, args.chunked_prefill_size)
+    return args.max_prefill_tokens
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+class EngineBench:
+    """Drives one Engine through the benchmark points; holds the prompt RNG and rid counter."""
+
+    def __init__(self, engine: Any, seed: int) -> None:
+        self.engine = engine
+        self.vocab = engine.model_config.vocab_size
+        self.rng = np.random.default_rng(seed)
+        self._rids = itertools.count()
+
+    def _add(self, n: int, prompt_len: int, max_new_tokens: int) -> list[Any]:
+        from kvpipe.engine.request import Req, SamplingParams
+
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+        reqs = []
+        for _ in range(n):
+            ids = self.rng.integers(0, self.vocab, size=prompt_len).tolist()
+            req = Req(f"bench-{next(self._rids)}", ids, params)
+            self.engine.add_request(req)
+            reqs.append(req)
+        return reqs
+
+    def _fail_if_aborted(self, reqs: list[Any]) -> None:
+        from kvpipe.engine.request import FinishReason
+
+        bad = [r for r in reqs if r.finish_reason is FinishReason.ABORT]
+        if bad:
+            raise RuntimeError(f"benchmark request {bad[0].rid} was aborted: {bad[0].finish_detail}")
+
+    def prefill_once(self, point: PrefillPoint) -> tuple[float, int]:
+        """Seconds to prefill `point.batch` prompts together, and the engine steps it took."""
+        reqs = self._add(point.batch, point.prompt_len, 1)
+        steps, t0 = 0, time.perf_counter()
+        while not all(r.finished for r in reqs):
+            self.engine.step()
+            steps += 1
+            if steps > STEP_LIMIT:
+                raise RuntimeError("prefill did not finish")
+        elapsed = time.perf_counter() - t0
+        self._fail_if_aborted(reqs)
+        return elapsed, steps
+
+    def decode_once(self, point: DecodePoint, budget: int) -> list[float]:
+        """Step times (seconds) of `point.steps` decode steps that each advance the full batch."""
+        reqs = self._add(point.batch, point.context, decode_max_new_tokens(point, budget))
+        times: list[float] = []
+        try:
+            for _ in range(STEP_LIMIT):
+                if len(times) == point.steps or any(r.finished for r in reqs):
+                    break
+                s = self.engine.stats()
+                full = s["num_decoding"] == point.batch and s["num_prefilling"] == 0 and s["num_waiting"] == 0
+                before = [len(r.output_ids) for r in reqs]
+                t0 = time.perf_counter()
+                self.engine.step()
+                dt = time.perf_counter() - t0
+                # timed only if it was a decode step of the whole batch (every request got 1 token)
+                if full and all(len(r.output_ids) == b + 1 for r, b in zip(reqs, before)):
+                    times.append(dt)
+            self._fail_if_aborted(reqs)
+            if len(times) < point.steps:
+                raise RuntimeError(f"only {len(times)} of {point.steps} full-batch decode steps ran")
+        finally:
+            for r in reqs:
+                self.engine.abort(r.rid)
+            self.engine.step()  # drains the aborts: pages go back before the next point
+        if self.engine.has_work():
+            raise RuntimeError("benchmark requests left in the engine after a decode run")
+        return times
+
+
+def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+    _check(args)
+    import torch
+    from tqdm import tqdm
+
+    from kvpipe.config import CacheConfig, SchedulerConfig, ServerConfig
+    from kvpipe.engine.engine import Engine
+
+    # as the engine's TP ranks do: the ranks share the machine's cores
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.tp_size)
+    torch.set_num_threads(threads)
+    if args.model_path:
+        model_path, model = args.model_path, args.model_path
+    else:
+        from kvpipe.model.presets import default_model_dir
+        model = f"preset:{args.preset or 'bench'}"
+        model_path = str(default_model_dir(args.preset or "bench"))
+    budget = prefill_budget(args)
+    ppoints = [] if args.skip_prefill else prefill_points(parse_int_list(args.prompt_lens, "--prompt-lens"),
+                                                          [args.prefill_batch])
+    dpoints = [] if args.skip_decode else decode_points(parse_int_list(args.batch_sizes, "--batch-sizes"),
+                                                        args.decode_context, args.output_len)
+    # KV pool sized to the largest point (a page of slack per request), not the 64K-token default
+    max_batch = max([p.batch for p in ppoints] + [d.batch for d in dpoints] + [1])
+    kv_tokens = kv_tokens_needed(ppoints, dpoints, budget) + max_batch * args.page_size
+    cfg = ServerConfig(model_path=model_path, tp_size=args.tp_size, seed=args.seed, log_level="warning",
+                       cache=CacheConfig(page_size=args.page_size, max_total_tokens=kv_tokens),
+                       scheduler=SchedulerConfig(max_running_requests=max(64, max_batch),
+                                             chunked_prefill_size=args.chunked_prefill_size,
+                                             max_prefill_tokens=args.max_prefill_tokens))
+    engine = Engine(cfg)
+    runs = args.warmup + args.repeat
+    bar = tqdm(total=(len(ppoints) + len(dpoints)) * runs, desc="bench engine", file=sys.stderr,
+               disable=args.no_progress, leave=False)
+    prefill, decode = [], []
+    try:
+        bench = EngineBench(engine, args.seed)
+        for p in ppoints:
+            bar.set_postfix_str(f"prefill {p.prompt_len}x{p.batch}")
+            samples = []
+            for i in range(runs):
+                res = bench.prefill_once(p)
+                if i >= args.warmup:
+                    samples.append(res)
+                bar.update()
+            prefill.append(summarize_prefill(p, [t for t, _ in samples], [s for _, s in samples]))
+        for d in dpoints:
+            bar.set_postfix_str(f"decode batch {d.batch}")
+            reps = []
+            for i in range(runs):
+                times = bench.decode_once(d, budget)
+                if i >= args.warmup:
+                    reps.append(times)
+                bar.update()
+            decode.append(summarize_decode(d, reps))
+        kv_bytes = engine.stats()["kv_cache_bytes"]
+    finally:
+        bar.close()
+        engine.shutdown()
+    mc = engine.model_config
+    return {
+        "config": {"model": model, "model_path": model_path, "layers": mc.num_layers, "hidden": mc.hidden_size,
+                   "heads": mc.num_heads, "kv_heads": mc.num_kv_heads, "dtype": mc.dtype, "tp_size": args.tp_size,
+                   "page_size": args.page_size, "chunked_prefill_size": args.chunked_prefill_size,
+                   "max_prefill_tokens": args.max_prefill_tokens, "decode_context": args.decode_context,
+                   "output_len": args.output_len, "repeat": args.repeat, "warmup": args.warmup,
+                   "kv_cache_tokens": kv_tokens, "kv_cache_bytes": kv_bytes, "seed": args.seed},
+        "machine": {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
+                    "torch": torch.__version__, "python": platform.python_version(),
+                    "load_avg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None},
+        "prefill": prefill,
+        "decode": decode,
+    }
+
+
+def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
+    report = run_bench(args)
+    text = json.dumps(report)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(text if args.json else format_table(report))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvpipe bench engine", description=__doc__.split("\n")[0])
+    add_args(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

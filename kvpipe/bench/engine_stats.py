@@ -1,0 +1,112 @@
+"""Bookkeeping of `kvpipe bench engine`: plans, medians, throughputs and the table (no torch).
+
+Timings come in as plain seconds; everything here is a pure function so it is unit-tested
+without running a model.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PrefillPoint:
+    prompt_len: int
+    batch: int  # requests prefilled together (added before the first step)
+
+
+@dataclass(frozen=True)
+class DecodePoint:
+    batch: int  # requests decoding together in every timed step
+    context: int  # prompt tokens of each request (KV already cached when decode timing starts)
+    steps: int  # timed decode steps per repeat
+
+
+def parse_int_list(text: str, flag: str) -> tuple[int, ...]:
+    """'256,1024' -> (256, 1024); every value a positive integer, order kept, duplicates dropped."""
+    try:
+        vals = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"kvpipe bench engine: {flag} takes comma-separated integers, got {text!r}") from None
+    if not vals or min(vals) < 1:
+        raise SystemExit(f"kvpipe bench engine: {flag} needs positive integers, got {text!r}")
+    return tuple(dict.fromkeys(vals))
+
+
+def prefill_points(prompt_lens: Sequence[int], batch_sizes: Sequence[int]) -> list[PrefillPoint]:
+    """Each prompt length at batch 1 and at every other prefill batch size given."""
+    sizes = sorted(set(batch_sizes) | {1})
+    return [PrefillPoint(n, b) for n in prompt_lens for b in sizes]
+
+
+def decode_points(batch_sizes: Sequence[int], context: int, steps: int) -> list[DecodePoint]:
+    return [DecodePoint(b, context, steps) for b in batch_sizes]
+
+
+def decode_max_new_tokens(point: DecodePoint, prefill_budget: int) -> int:
+    """max_new_tokens for a decode request: the timed steps, plus the decode steps that may run
+    while the batch is still being prefilled (at most one per prefill step, and there are at
+    most ceil(context / budget) + 1 of those per request), plus the token each prefill yields."""
+    prefill_steps = point.batch * (math.ceil(point.context / max(prefill_budget, 1)) + 1)
+    return point.steps + prefill_steps + 1
+
+
+def kv_tokens_needed(prefill: Sequence[PrefillPoint], decode: Sequence[DecodePoint], prefill_budget: int) -> int:
+    """KV slots the largest point can ever hold at once (the scheduler admits by this bound)."""
+    need = [p.batch * p.prompt_len for p in prefill]
+    need += [d.batch * (d.context + decode_max_new_tokens(d, prefill_budget)) for d in decode]
+    return max(need, default=1)
+
+
+def median(xs: Sequence[float]) -> float:
+    if not xs:
+        raise ValueError("median of no samples")
+    return float(statistics.median(xs))
+
+
+def summarize_prefill(point: PrefillPoint, times_s: Sequence[float], steps: Sequence[int]) -> dict[str, Any]:
+    """One prefill point from per-repeat wall times (seconds to prefill the whole batch)."""
+    t = median(times_s)
+    tokens = point.prompt_len * point.batch
+    return {"prompt_len": point.prompt_len, "batch": point.batch, "repeats": len(times_s),
+            "ms_per_prefill": 1000.0 * t, "ms_min": 1000.0 * min(times_s), "ms_max": 1000.0 * max(times_s),
+            "tokens_per_s": tokens / t if t > 0 else math.inf,
+            "steps": int(median(steps)), "times_s": [float(x) for x in times_s]}
+
+
+def summarize_decode(point: DecodePoint, step_times_s: Sequence[Sequence[float]]) -> dict[str, Any]:
+    """One decode point from each repeat's list of step times (seconds, all at full batch).
+
+    Per repeat the mean step time; the median of those over repeats is the headline figure.
+    """
+    if not step_times_s or any(len(r) == 0 for r in step_times_s):
+        raise ValueError("every repeat needs at least one timed decode step")
+    per_repeat = [sum(r) / len(r) for r in step_times_s]
+    t = median(per_repeat)
+    flat = [x for r in step_times_s for x in r]
+    return {"batch": point.batch, "context": point.context, "steps": point.steps, "repeats": len(step_times_s),
+            "ms_per_step": 1000.0 * t, "ms_per_step_p50": 1000.0 * median(flat),
+            "ms_per_step_max": 1000.0 * max(flat),
+            "tokens_per_s": point.batch / t if t > 0 else math.inf,
+            "ms_per_step_by_repeat": [1000.0 * x for x in per_repeat]}
+
+
+def format_table(report: dict[str, Any]) -> str:
+    m, c = report["machine"], report["config"]
+    rows = [f"{c['model']} | tp {c['tp_size']} | page {c['page_size']} | chunk {c['chunked_prefill_size']} | "
+            f"median of {c['repeat']} after {c['warmup']} warm-up | torch {m['torch']} | {m['threads']} threads | "
+            f"{m['cpu']}",
+            "", "prefill", f"{'tokens':>7} {'batch':>5} {'ms':>10} {'tok/s':>10} {'steps':>5}"]
+    for x in report["prefill"]:
+        rows.append(f"{x['prompt_len']:>7} {x['batch']:>5} {x['ms_per_prefill']:>10.1f} "
+                    f"{x['tokens_per_s']:>10.0f} {x['steps']:>5}")
+    rows += ["", f"decode (context {c['decode_context']}, {c['output_len']} steps)",
+             f"{'batch':>5} {'ms/step':>9} {'tok/s':>9} {'p50 ms':>8} {'max ms':>8}"]
+    for x in report["decode"]:
+        rows.append(f"{x['batch']:>5} {x['ms_per_step']:>9.2f} {x['tokens_per_s']:>9.1f} "
+                    f"{x['ms_per_step_p50']:>8.2f} {x['ms_per_step_max']:>8.2f}")
+    return "\n".join(rows)

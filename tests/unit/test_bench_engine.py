@@ -1,0 +1,84 @@
+"""Bookkeeping of `kvpipe bench engine` (no timing asserted) and its CLI wiring."""
+
+import argparse
+import math
+
+import pytest
+
+from kvpipe.bench.engine_stats import (DecodePoint, PrefillPoint, decode_max_new_tokens, decode_points,
+                                       format_table, kv_tokens_needed, median, parse_int_list, prefill_points,
+                                       summarize_decode, summarize_prefill)
+
+
+def test_parse_int_list_keeps_order_and_drops_duplicates():
+    assert parse_int_list("256, 1024,256,2048", "--prompt-lens") == (256, 1024, 2048)
+    for bad in ("", "0,8", "a,2", "-1"):
+        with pytest.raises(SystemExit):
+            parse_int_list(bad, "--batch-sizes")
+
+
+def test_points_cover_batch_one_and_the_batched_prefill():
+    pts = prefill_points([256, 1024], [4])
+    assert pts == [PrefillPoint(256, 1), PrefillPoint(256, 4), PrefillPoint(1024, 1), PrefillPoint(1024, 4)]
+    assert prefill_points([64], [1]) == [PrefillPoint(64, 1)]
+    assert decode_points([1, 8], 256, 64) == [DecodePoint(1, 256, 64), DecodePoint(8, 256, 64)]
+
+
+def test_decode_token_budget_covers_interleaved_prefill_steps():
+    # one prefill step for the whole batch: the timed steps, one early step per request, the first token
+    assert decode_max_new_tokens(DecodePoint(8, 256, 64), 8192) == 64 + 8 * 2 + 1
+    # chunks of 100 tokens: each 256-token prompt needs 3 prefill steps, so more early decode steps
+    assert decode_max_new_tokens(DecodePoint(2, 256, 10), 100) == 10 + 2 * 4 + 1
+    need = kv_tokens_needed([PrefillPoint(2048, 4)], [DecodePoint(32, 256, 64)], 8192)
+    assert need == max(4 * 2048, 32 * (256 + 64 + 32 * 2 + 1))
+
+
+def test_median_and_prefill_throughput():
+    assert median([3.0, 1.0, 2.0]) == 2.0
+    assert median([1.0, 4.0]) == 2.5
+    with pytest.raises(ValueError):
+        median([])
+    r = summarize_prefill(PrefillPoint(1024, 4), [2.0, 1.0, 4.0], [1, 1, 2])
+    assert r["ms_per_prefill"] == pytest.approx(2000.0)
+    assert r["tokens_per_s"] == pytest.approx(4 * 1024 / 2.0)
+    assert (r["ms_min"], r["ms_max"], r["steps"], r["repeats"]) == (1000.0, 4000.0, 1, 3)
+
+
+def test_decode_throughput_is_batch_over_median_step_time():
+    # repeat means: 0.02, 0.04, 0.01 -> median 0.02 s per step
+    reps = [[0.01, 0.03], [0.04, 0.04], [0.01, 0.01]]
+    r = summarize_decode(DecodePoint(8, 256, 2), reps)
+    assert r["ms_per_step"] == pytest.approx(20.0)
+    assert r["tokens_per_s"] == pytest.approx(8 / 0.02)
+    assert r["ms_per_step_p50"] == pytest.approx(20.0)  # median of the six steps: (10 + 30) / 2
+    assert r["ms_per_step_max"] == pytest.approx(40.0)
+    assert r["ms_per_step_by_repeat"] == pytest.approx([20.0, 40.0, 10.0])
+    with pytest.raises(ValueError):
+        summarize_decode(DecodePoint(8, 256, 2), [[0.01], []])
+    assert math.isinf(summarize_decode(DecodePoint(1, 8, 1), [[0.0]])["tokens_per_s"])
+
+
+def test_format_table_lists_every_point():
+    report = {
+        "machine": {"cpu": "cpu", "threads": 2, "torch": "2.x"},
+        "config": {"model": "preset:bench", "tp_size": 1, "page_size": 64, "chunked_prefill_size": 8192,
+                   "repeat": 3, "warmup": 1, "decode_context": 256, "output_len": 64},
+        "prefill": [summarize_prefill(PrefillPoint(256, 1), [0.5], [1]),
+                    summarize_prefill(PrefillPoint(2048, 4), [8.0], [1])],
+        "decode": [summarize_decode(DecodePoint(32, 256, 1), [[0.25]])],
+    }
+    text = format_table(report)
+    assert "2048" in text and "1024" in text  # 2048x4 tokens in 8 s -> 1024 tok/s
+    assert "128.0" in text  # 32 tokens per 0.25 s step
+
+
+def test_cli_registers_bench_engine():
+    from kvpipe.cli import build_parser
+
+    parser, runners = build_parser(["bench", "engine", "--help"])
+    assert ("bench", "engine") in runners
+    args = parser.parse_args(["bench", "engine", "--preset", "tiny", "--batch-sizes", "1,8", "--json"])
+    assert isinstance(args, argparse.Namespace)
+    assert (args.preset, args.batch_sizes, args.json, args.output_len) == ("tiny", "1,8", True, 64)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "engine", "--preset", "tiny", "--model-path", "/x"])
