@@ -6,8 +6,10 @@ with time.perf_counter around the steps:
   wall time from the first step until every request finished (their prefill, first-token
   sampling included; chunked prefill may take several steps).
 - decode: --batch-sizes requests with --decode-context prompt tokens each are prefilled
-  (untimed), then --output-len decode steps that each advance all of them are timed one by one.
-Each point runs --warmup unmeasured times first; figures are medians over --repeat.
+  (untimed), then --decode-warmup-steps untimed and --output-len timed decode steps that each
+  advance all of them (timed one by one). Every repeat prefills fresh requests, so each repeat
+  decodes against the same context.
+Each prefill point runs --warmup unmeasured times first; figures are medians over --repeat.
 
 Example: kvpipe bench engine --preset bench --prompt-lens 256,1024,2048 --batch-sizes 1,8,32 --json
 """
@@ -42,6 +44,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", default="1,8,32", help="decode batch sizes")
     p.add_argument("--decode-context", type=int, default=256, help="prompt tokens of each decoding request")
     p.add_argument("--output-len", type=int, default=64, help="timed decode steps per repeat")
+    p.add_argument("--decode-warmup-steps", type=int, default=4,
+                   help="untimed full-batch decode steps before the timed ones, every repeat")
     p.add_argument("--tp-size", "--tp", type=int, default=1, help="tensor parallel ranks")
     p.add_argument("--page-size", type=int, default=64, help="tokens per KV page")
     p.add_argument("--chunked-prefill-size", type=int, default=8192, help="max prompt tokens per prefill step")
@@ -49,7 +53,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: as the engine's TP ranks, cpu_count // tp_size)")
     p.add_argument("--repeat", type=int, default=3, help="measured runs per point (medians are reported)")
-    p.add_argument("--warmup", type=int, default=1, help="unmeasured runs per point first")
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured runs per prefill point first")
     p.add_argument("--seed", type=int, default=0, help="prompt token seed")
     p.add_argument("--skip-prefill", action="store_true")
     p.add_argument("--skip-decode", action="store_true")
@@ -63,8 +67,8 @@ def _check(args: argparse.Namespace) -> None:
                  "repeat"):
         if getattr(args, name) < 1:
             raise SystemExit(f"kvpipe bench engine: --{name.replace('_', '-')} must be positive")
-    if args.warmup < 0 or (args.threads is not None and args.threads < 1):
-        raise SystemExit("kvpipe bench engine: --warmup must be >= 0 and --threads positive")
+    if args.warmup < 0 or args.decode_warmup_steps < 0 or (args.threads is not None and args.threads < 1):
+        raise SystemExit("kvpipe bench engine: --warmup and --decode-warmup-steps must be >= 0, --threads positive")
 
 
 def prefill_budget(args: argparse.Namespace) -> int:
@@ -126,12 +130,14 @@ class EngineBench:
         return elapsed, steps
 
     def decode_once(self, point: DecodePoint, budget: int) -> list[float]:
-        """Step times (seconds) of `point.steps` decode steps that each advance the full batch."""
+        """Step times (seconds) of `point.steps` decode steps that each advance the full batch,
+        after `point.warmup_steps` such steps left untimed."""
         reqs = self._add(point.batch, point.context, decode_max_new_tokens(point, budget))
         times: list[float] = []
+        want = point.warmup_steps + point.steps
         try:
             for _ in range(STEP_LIMIT):
-                if len(times) == point.steps or any(r.finished for r in reqs):
+                if len(times) == want or any(r.finished for r in reqs):
                     break
                 s = self.engine.stats()
                 full = s["num_decoding"] == point.batch and s["num_prefilling"] == 0 and s["num_waiting"] == 0
@@ -143,15 +149,15 @@ class EngineBench:
                 if full and all(len(r.output_ids) == b + 1 for r, b in zip(reqs, before)):
                     times.append(dt)
             self._fail_if_aborted(reqs)
-            if len(times) < point.steps:
-                raise RuntimeError(f"only {len(times)} of {point.steps} full-batch decode steps ran")
+            if len(times) < want:
+                raise RuntimeError(f"only {len(times)} of {want} full-batch decode steps ran")
         finally:
             for r in reqs:
                 self.engine.abort(r.rid)
             self.engine.step()  # drains the aborts: pages go back before the next point
         if self.engine.has_work():
             raise RuntimeError("benchmark requests left in the engine after a decode run")
-        return times
+        return times[point.warmup_steps:]
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -175,7 +181,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     ppoints = [] if args.skip_prefill else prefill_points(parse_int_list(args.prompt_lens, "--prompt-lens"),
                                                           [args.prefill_batch])
     dpoints = [] if args.skip_decode else decode_points(parse_int_list(args.batch_sizes, "--batch-sizes"),
-                                                        args.decode_context, args.output_len)
+                                                        args.decode_context, args.output_len,
+                                                        args.decode_warmup_steps)
     # KV pool sized to the largest point (a page of slack per request), not the 64K-token default
     max_batch = max([p.batch for p in ppoints] + [d.batch for d in dpoints] + [1])
     kv_tokens = kv_tokens_needed(ppoints, dpoints, budget) + max_batch * args.page_size
@@ -184,9 +191,10 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                        scheduler=SchedulerConfig(max_running_requests=max(64, max_batch),
                                              chunked_prefill_size=args.chunked_prefill_size,
                                              max_prefill_tokens=args.max_prefill_tokens))
+    load_start = list(os.getloadavg())
     engine = Engine(cfg)
     runs = args.warmup + args.repeat
-    bar = tqdm(total=(len(ppoints) + len(dpoints)) * runs, desc="bench engine", file=sys.stderr,
+    bar = tqdm(total=len(ppoints) * runs + len(dpoints) * args.repeat, desc="bench engine", file=sys.stderr,
                disable=args.no_progress, leave=False)
     prefill, decode = [], []
     try:
@@ -203,10 +211,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         for d in dpoints:
             bar.set_postfix_str(f"decode batch {d.batch}")
             reps = []
-            for i in range(runs):
-                times = bench.decode_once(d, budget)
-                if i >= args.warmup:
-                    reps.append(times)
+            for _ in range(args.repeat):
+                reps.append(bench.decode_once(d, budget))
                 bar.update()
             decode.append(summarize_decode(d, reps))
         kv_bytes = engine.stats()["kv_cache_bytes"]
@@ -219,11 +225,13 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                    "heads": mc.num_heads, "kv_heads": mc.num_kv_heads, "dtype": mc.dtype, "tp_size": args.tp_size,
                    "page_size": args.page_size, "chunked_prefill_size": args.chunked_prefill_size,
                    "max_prefill_tokens": args.max_prefill_tokens, "decode_context": args.decode_context,
-                   "output_len": args.output_len, "repeat": args.repeat, "warmup": args.warmup,
+                   "output_len": args.output_len,
+                   "decode_warmup_steps": args.decode_warmup_steps, "repeat": args.repeat, "warmup": args.warmup,
                    "kv_cache_tokens": kv_tokens, "kv_cache_bytes": kv_bytes, "seed": args.seed},
         "machine": {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
                     "torch": torch.__version__, "python": platform.python_version(),
-                    "load_avg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None},
+                    # the 1/5/15-minute load averages before and after: a shared machine is noisy
+                    "load_avg_start": load_start, "load_avg_end": list(os.getloadavg())},
         "prefill": prefill,
         "decode": decode,
     }

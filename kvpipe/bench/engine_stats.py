@@ -24,6 +24,7 @@ class DecodePoint:
     batch: int  # requests decoding together in every timed step
     context: int  # prompt tokens of each request (KV already cached when decode timing starts)
     steps: int  # timed decode steps per repeat
+    warmup_steps: int = 0  # untimed full-batch decode steps before the timed ones
 
 
 def parse_int_list(text: str, flag: str) -> tuple[int, ...]:
@@ -43,16 +44,16 @@ def prefill_points(prompt_lens: Sequence[int], batch_sizes: Sequence[int]) -> li
     return [PrefillPoint(n, b) for n in prompt_lens for b in sizes]
 
 
-def decode_points(batch_sizes: Sequence[int], context: int, steps: int) -> list[DecodePoint]:
-    return [DecodePoint(b, context, steps) for b in batch_sizes]
+def decode_points(batch_sizes: Sequence[int], context: int, steps: int, warmup_steps: int = 0) -> list[DecodePoint]:
+    return [DecodePoint(b, context, steps, warmup_steps) for b in batch_sizes]
 
 
 def decode_max_new_tokens(point: DecodePoint, prefill_budget: int) -> int:
-    """max_new_tokens for a decode request: the timed steps, plus the decode steps that may run
+    """max_new_tokens for a decode request: the warm-up and timed steps, plus the decode steps that may run
     while the batch is still being prefilled (at most one per prefill step, and there are at
     most ceil(context / budget) + 1 of those per request), plus the token each prefill yields."""
     prefill_steps = point.batch * (math.ceil(point.context / max(prefill_budget, 1)) + 1)
-    return point.steps + prefill_steps + 1
+    return point.warmup_steps + point.steps + prefill_steps + 1
 
 
 def kv_tokens_needed(prefill: Sequence[PrefillPoint], decode: Sequence[DecodePoint], prefill_budget: int) -> int:
@@ -88,7 +89,8 @@ def summarize_decode(point: DecodePoint, step_times_s: Sequence[Sequence[float]]
     per_repeat = [sum(r) / len(r) for r in step_times_s]
     t = median(per_repeat)
     flat = [x for r in step_times_s for x in r]
-    return {"batch": point.batch, "context": point.context, "steps": point.steps, "repeats": len(step_times_s),
+    return {"batch": point.batch, "context": point.context, "steps": point.steps,
+            "warmup_steps": point.warmup_steps, "repeats": len(step_times_s),
             "ms_per_step": 1000.0 * t, "ms_per_step_p50": 1000.0 * median(flat),
             "ms_per_step_max": 1000.0 * max(flat),
             "tokens_per_s": point.batch / t if t > 0 else math.inf,
@@ -98,13 +100,14 @@ def summarize_decode(point: DecodePoint, step_times_s: Sequence[Sequence[float]]
 def format_table(report: dict[str, Any]) -> str:
     m, c = report["machine"], report["config"]
     rows = [f"{c['model']} | tp {c['tp_size']} | page {c['page_size']} | chunk {c['chunked_prefill_size']} | "
-            f"median of {c['repeat']} after {c['warmup']} warm-up | torch {m['torch']} | {m['threads']} threads | "
+            f"median of {c['repeat']} | torch {m['torch']} | {m['threads']} threads | "
             f"{m['cpu']}",
-            "", "prefill", f"{'tokens':>7} {'batch':>5} {'ms':>10} {'tok/s':>10} {'steps':>5}"]
+            "", f"prefill ({c['warmup']} warm-up run per point)", f"{'tokens':>7} {'batch':>5} {'ms':>10} {'tok/s':>10} {'steps':>5}"]
     for x in report["prefill"]:
         rows.append(f"{x['prompt_len']:>7} {x['batch']:>5} {x['ms_per_prefill']:>10.1f} "
                     f"{x['tokens_per_s']:>10.0f} {x['steps']:>5}")
-    rows += ["", f"decode (context {c['decode_context']}, {c['output_len']} steps)",
+    rows += ["", f"decode (context {c['decode_context']}, {c['output_len']} timed steps after "
+                 f"{c['decode_warmup_steps']} warm-up steps, fresh prefill per repeat)",
              f"{'batch':>5} {'ms/step':>9} {'tok/s':>9} {'p50 ms':>8} {'max ms':>8}"]
     for x in report["decode"]:
         rows.append(f"{x['batch']:>5} {x['ms_per_step']:>9.2f} {x['tokens_per_s']:>9.1f} "

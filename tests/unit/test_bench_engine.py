@@ -21,7 +21,7 @@ def test_points_cover_batch_one_and_the_batched_prefill():
     pts = prefill_points([256, 1024], [4])
     assert pts == [PrefillPoint(256, 1), PrefillPoint(256, 4), PrefillPoint(1024, 1), PrefillPoint(1024, 4)]
     assert prefill_points([64], [1]) == [PrefillPoint(64, 1)]
-    assert decode_points([1, 8], 256, 64) == [DecodePoint(1, 256, 64), DecodePoint(8, 256, 64)]
+    assert decode_points([1, 8], 256, 64, 2) == [DecodePoint(1, 256, 64, 2), DecodePoint(8, 256, 64, 2)]
 
 
 def test_decode_token_budget_covers_interleaved_prefill_steps():
@@ -29,6 +29,8 @@ def test_decode_token_budget_covers_interleaved_prefill_steps():
     assert decode_max_new_tokens(DecodePoint(8, 256, 64), 8192) == 64 + 8 * 2 + 1
     # chunks of 100 tokens: each 256-token prompt needs 3 prefill steps, so more early decode steps
     assert decode_max_new_tokens(DecodePoint(2, 256, 10), 100) == 10 + 2 * 4 + 1
+    # untimed warm-up steps come out of the same token budget
+    assert decode_max_new_tokens(DecodePoint(2, 256, 10, warmup_steps=3), 100) == 3 + 10 + 2 * 4 + 1
     need = kv_tokens_needed([PrefillPoint(2048, 4)], [DecodePoint(32, 256, 64)], 8192)
     assert need == max(4 * 2048, 32 * (256 + 64 + 32 * 2 + 1))
 
@@ -62,7 +64,8 @@ def test_format_table_lists_every_point():
     report = {
         "machine": {"cpu": "cpu", "threads": 2, "torch": "2.x"},
         "config": {"model": "preset:bench", "tp_size": 1, "page_size": 64, "chunked_prefill_size": 8192,
-                   "repeat": 3, "warmup": 1, "decode_context": 256, "output_len": 64},
+                   "repeat": 3, "warmup": 1, "decode_context": 256, "output_len": 64,
+                   "decode_warmup_steps": 4},
         "prefill": [summarize_prefill(PrefillPoint(256, 1), [0.5], [1]),
                     summarize_prefill(PrefillPoint(2048, 4), [8.0], [1])],
         "decode": [summarize_decode(DecodePoint(32, 256, 1), [[0.25]])],
