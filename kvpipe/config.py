@@ -137,6 +137,49 @@ class SchedulerConfig:
     context_length: int | None = None  # None: model's max_position_embeddings
 
 
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class DisaggregationConfig:
+    """Prefill/decode disaggregation settings of one server (SGLang's --disaggregation-* flags).
+
+    The timeouts map onto kvpipe.transfer.config.DisaggConfig (see kvpipe/engine/disagg.py).
+    """
+
+    mode: str = "null"  # "null" (colocated) | "prefill" | "decode"
+    bootstrap_port: int = 8998  # prefill: where its bootstrap HTTP server listens (0: a free port)
+    transfer_backend: str = "mooncake"  # "mooncake" | "local" (in-process only)
+    ib_device: str | None = None  # RDMA device for Mooncake; None: TCP
+    host: str | None = None  # data/control-plane address; None: ServerConfig.host
+    layer_groups: int = 1  # prefill forwards run as this many layer groups
+    bootstrap_timeout_s: float = 30.0
+    waiting_timeout_s: float = 300.0
+    heartbeat_interval_s: float = 2.0
+    transfer_timeout_s: float = 60.0
+    failure_prob: float = 0.0  # test knob: each transfer batch fails with this probability
+    failure_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in DISAGGREGATION_MODES:
+            raise ConfigError(f"disaggregation mode must be one of {DISAGGREGATION_MODES}, got {self.mode!r}")
+        if self.transfer_backend not in ("mooncake", "local"):
+            raise ConfigError(f"unknown transfer backend {self.transfer_backend!r}; choose mooncake or local")
+        if not 0 <= self.bootstrap_port < 65536:
+            raise ConfigError(f"bootstrap port {self.bootstrap_port} is not a TCP port")
+        if self.layer_groups < 1:
+            raise ConfigError(f"layer groups must be >= 1, got {self.layer_groups}")
+        for name in ("bootstrap_timeout_s", "waiting_timeout_s", "heartbeat_interval_s", "transfer_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0.0 <= self.failure_prob <= 1.0:
+            raise ConfigError(f"failure probability must be in [0, 1], got {self.failure_prob}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "null"
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     model_path: str
@@ -150,6 +193,7 @@ class ServerConfig:
     log_level: str = "info"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
 
     @property
     def model_name(self) -> str:

@@ -53,6 +53,10 @@ class Req:
     finish_detail: str | int | None = None  # matched stop string / token id, or abort message
     pages: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     num_cached: int = 0  # tokens whose KV is in `pages`
+    # PD disaggregation (injected by sglang-router): where the KV comes from / goes to
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None  # None: the default bootstrap port
+    bootstrap_room: int | None = None
 
     @property
     def seq_len(self) -> int:

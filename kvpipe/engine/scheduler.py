@@ -135,6 +135,14 @@ class Scheduler:
         req.status = ReqStatus.RUNNING
         self.running.append(req)
 
+    def allocate_prompt(self, req: Req) -> np.ndarray:
+        """Allocate the pages of an admitted request's whole prompt now (they are promised
+        already) and return its page table; a PD prefill hands it to the KV sender up front."""
+        if req.rid not in self._promised:
+            raise ValueError(f"request {req.rid!r} is not admitted")
+        self._ensure_pages(req, len(req.input_ids))
+        return req.pages
+
     # ---- scheduling ------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
         """The next batch to run, or None when there is nothing runnable."""

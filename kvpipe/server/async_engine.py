@@ -183,8 +183,11 @@ class AsyncEngine:
         return len(rids)
 
     def make_req(self, inp: GenerateInput) -> Req:
+        boot = inp.bootstrap
         return Req(rid=inp.rid, input_ids=list(inp.input_ids), params=inp.params,
-                   eos_token_ids=self.engine.eos_token_ids, return_logprob=inp.return_logprob)
+                   eos_token_ids=self.engine.eos_token_ids, return_logprob=inp.return_logprob,
+                   bootstrap_host=boot.host if boot else None, bootstrap_port=boot.port if boot else None,
+                   bootstrap_room=boot.room if boot else None)
 
     def submit(self, inp: GenerateInput) -> "RequestStream":
         """Add one prompt to the engine now (errors are raised here, before any response is sent)."""

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 
 import kvpipe
 from kvpipe.config import ModelConfig, ServerConfig
-from kvpipe.engine.request import SamplingParams
+from kvpipe.engine.request import FinishReason, SamplingParams
 from kvpipe.server.async_engine import AsyncEngine, EngineLike, RequestStream
 from kvpipe.server.errors import APIError, install_error_handlers
 from kvpipe.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -61,6 +61,20 @@ class ServerState:
             return ModelConfig.from_dir(self.cfg.model_path).max_position_embeddings
         return None
 
+    @property
+    def is_prefill(self) -> bool:
+        """A PD prefill server answers with one plain JSON body, never a stream (the router
+        waits for it before it streams the decode's answer)."""
+        return self.disaggregation_mode == "prefill"
+
+    def check_prefill_outputs(self, outs: list[RequestOutput]) -> None:
+        """On a prefill server a request that did not hand its KV over is an error response."""
+        if not self.is_prefill:
+            return
+        for out in outs:
+            if out.finish_reason is FinishReason.ABORT:
+                raise APIError(f"prefill of request {out.rid} failed: {out.finish_detail or 'aborted'}", 500)
+
     def submit_all(self, inputs: list[GenerateInput]) -> list[RequestStream]:
         """Submit a batch all-or-nothing: if one prompt is refused, the others are aborted."""
         streams: list[RequestStream] = []
@@ -101,6 +115,8 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health_generate")
     async def health_generate() -> Response:
         """Health with a real one-token generation through the engine."""
+        if state.disaggregation_mode != "null":  # a PD server cannot generate alone
+            return await health()
         tok = state.engine.engine.tokenizer
         inp = GenerateInput(rid=f"health-{new_rid()}", input_ids=tuple(tok.encode("hi")),
                             params=SamplingParams(max_new_tokens=1, temperature=0.0))
@@ -162,7 +178,7 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
         inputs = prepare_prompts(specs, state.engine.engine.tokenizer, state.limits)
         by_rid = {inp.rid: inp for inp in inputs}
         streams = state.submit_all(inputs)
-        if req.stream:
+        if req.stream and not state.is_prefill:
             async def events() -> AsyncIterator[bytes]:
                 try:
                     async for out in merge_streams(streams):
@@ -177,6 +193,7 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
             return Response(status_code=499)  # nobody reads it; the requests were aborted
         finally:
             close_all(streams)()
+        state.check_prefill_outputs(outs)
         bodies = [generate_response(o, inp, False) for o, inp in zip(outs, inputs)]
         return JSONResponse(bodies if batched else bodies[0])
 

@@ -118,13 +118,14 @@ def _build_inputs(state: "ServerState", req: _OpenAIBase, rid: str, prompts: lis
 async def _respond(request: Request, state: "ServerState", req: _OpenAIBase, inputs: list[GenerateInput],
                    responder: _Responder) -> Response:
     streams = state.submit_all(inputs)
-    if not req.stream:
+    if not req.stream or state.is_prefill:
         try:
             outs = await until_disconnect(request, collect(streams))
         except ClientDisconnected:
             return Response(status_code=499)
         finally:
             close_all(streams)()
+        state.check_prefill_outputs(outs)
         return JSONResponse(responder.body(outs))
 
     include_usage = req.include_usage()

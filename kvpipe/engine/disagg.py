@@ -1,0 +1,72 @@
+"""What the PD prefill and decode engines share: config mapping, backend and address set-up.
+
+`ServerConfig.disaggregation` (CLI flags) -> the transfer layer's `DisaggConfig`, a transfer
+backend with the rank's KV pool registered once, the data-plane host, and the TP check.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+from kvpipe.config import ConfigError, ServerConfig
+from kvpipe.transfer.backends import FailureInjection, TransferBackend, create_backend
+from kvpipe.transfer.config import DisaggConfig
+from kvpipe.transfer.layout import KVLayout
+
+logger = logging.getLogger(__name__)
+
+# How long an engine step sleeps when its only work is waiting for transfers: long enough not
+# to spin a core (DESIGN.md §6), short enough to add at most this much to a request's TTFT.
+TRANSFER_POLL_S = 0.002
+
+_WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def check_supported(cfg: ServerConfig) -> None:
+    """Refuse configurations the PD engines cannot serve, with a clear message."""
+    d = cfg.disaggregation
+    if not d.enabled:
+        return
+    if cfg.tp_size > 1:
+        raise ConfigError(f"--disaggregation-mode {d.mode} with --tp-size {cfg.tp_size} is not supported yet: "
+                          "PD serving runs TP=1 prefill and decode servers (per-rank KV senders and "
+                          "receivers for TP > 1 are not wired into the server)")
+    if d.ib_device and d.transfer_backend != "mooncake":
+        raise ConfigError("--disaggregation-ib-device needs --disaggregation-transfer-backend mooncake")
+
+
+def transfer_config(cfg: ServerConfig) -> DisaggConfig:
+    d = cfg.disaggregation
+    return DisaggConfig(bootstrap_timeout_s=d.bootstrap_timeout_s, waiting_timeout_s=d.waiting_timeout_s,
+                        heartbeat_interval_s=d.heartbeat_interval_s, transfer_timeout_s=d.transfer_timeout_s)
+
+
+def data_host(cfg: ServerConfig) -> str:
+    """The address peers reach this server's transfer engine and control socket at: the
+    --disaggregation-host, else --host; a wildcard --host becomes this machine's address."""
+    host = cfg.disaggregation.host or cfg.host
+    if host in _WILDCARDS:
+        try:
+            host = socket.gethostbyname(socket.gethostname())
+        except OSError:
+            host = "127.0.0.1"
+        logger.warning("--host is a wildcard: using %s for the KV data plane (set --disaggregation-host "
+                       "to choose the interface)", host)
+    return host
+
+
+def make_backend(cfg: ServerConfig) -> TransferBackend:
+    """The configured transfer backend (Mooncake over TCP, or RDMA with --disaggregation-ib-device)."""
+    d = cfg.disaggregation
+    inject = FailureInjection(d.failure_prob, d.failure_seed) if d.failure_prob > 0 else None
+    if d.transfer_backend == "mooncake":
+        device = d.ib_device or ""
+        return create_backend("mooncake", hostname=data_host(cfg), protocol="rdma" if device else "tcp",
+                              device=device, inject=inject)
+    return create_backend("local", inject=inject)
+
+
+def register_pool(backend: TransferBackend, layout: KVLayout) -> None:
+    """Expose every KV buffer of the rank's pool to the backend (once, at start)."""
+    backend.register_many(list(layout.buffer_addrs), [layout.buffer_nbytes] * layout.num_buffers)

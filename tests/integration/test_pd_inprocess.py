@@ -1,0 +1,225 @@
+"""A PrefillEngine and a DecodeEngine in one process over the `local` backend (real bootstrap
+server, real ZMQ control plane): greedy exactness against the colocated Engine and the request
+lifecycle, stepping both engines from the test thread. Every wait is bounded."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import random
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+
+from kvpipe.config import CacheConfig, DisaggregationConfig, SchedulerConfig, ServerConfig
+from kvpipe.engine.decode import DecodeEngine
+from kvpipe.engine.engine import Engine
+from kvpipe.engine.prefill import PrefillEngine
+from kvpipe.engine.request import FinishReason, Req, SamplingParams, TokenOutput
+from kvpipe.transfer.backends import FailureInjection
+from kvpipe.transfer.backends.local import LocalBackend, LocalFabric
+
+pytestmark = pytest.mark.integration
+PS = 16
+GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+_rooms = itertools.count(1000)
+
+
+def cfg(model_dir: Path, mode: str, chunk: int = 0, pages: int = 128, **disagg) -> ServerConfig:
+    # generous deadlines: a loaded 2-core host can stall an engine step for a second
+    d = dict(mode=mode, bootstrap_port=0, transfer_backend="local", bootstrap_timeout_s=20.0,
+             waiting_timeout_s=30.0, heartbeat_interval_s=0.5, transfer_timeout_s=10.0)
+    return ServerConfig(model_path=str(model_dir), cache=CacheConfig(page_size=PS, num_pages=pages),
+                        scheduler=SchedulerConfig(chunked_prefill_size=chunk, max_prefill_tokens=4096),
+                        disaggregation=DisaggregationConfig(**{**d, **disagg}))
+
+
+@dataclass
+class Pair:
+    prefill: PrefillEngine
+    decode: DecodeEngine
+
+    def reqs(self, ids: list[int], params: SamplingParams = GREEDY, room: int | None = None,
+             rid: str | None = None) -> tuple[Req, Req]:
+        room = next(_rooms) if room is None else room
+        rid = rid or f"r{room}"
+        p = Req(rid, list(ids), params, bootstrap_room=room)
+        d = Req(rid, list(ids), params, bootstrap_host="127.0.0.1", bootstrap_port=self.prefill.bootstrap_port,
+                bootstrap_room=room)
+        return p, d
+
+    def run(self, pairs: list[tuple[Req | None, Req | None]], timeout_s: float = 60.0,
+            until=None) -> tuple[dict[str, list[TokenOutput]], dict[str, list[TokenOutput]]]:
+        """Add the requests, step both engines until every one finished on both sides (or
+        `until()` holds); returns the outputs per rid of prefill and decode."""
+        p_out: dict[str, list[TokenOutput]] = {}
+        d_out: dict[str, list[TokenOutput]] = {}
+        for p, d in pairs:
+            if p is not None:
+                self.prefill.add_request(p)
+            if d is not None:
+                self.decode.add_request(d)
+        done = until or (lambda: all(_finished(p_out, p) for p, _ in pairs if p is not None)
+                         and all(_finished(d_out, d) for _, d in pairs if d is not None))
+        end = time.monotonic() + timeout_s
+        while not done():
+            assert time.monotonic() < end, f"not done after {timeout_s}s: {self.prefill.stats()} {self.decode.stats()}"
+            for out in self.prefill.step():
+                p_out.setdefault(out.rid, []).append(out)
+            for out in self.decode.step():
+                d_out.setdefault(out.rid, []).append(out)
+        return p_out, d_out
+
+    def settle(self, timeout_s: float = 30.0) -> None:
+        """Step until both sides are idle with every page free."""
+        end = time.monotonic() + timeout_s
+        while True:
+            self.prefill.step()
+            self.decode.step()
+            ps, ds = self.prefill.stats(), self.decode.stats()
+            if (not self.prefill.has_work() and not self.decode.has_work()
+                    and ps["free_pages"] == ps["total_pages"] and ds["free_pages"] == ds["total_pages"]):
+                return
+            assert time.monotonic() < end, f"pages leaked: prefill {ps}, decode {ds}"
+
+
+def _finished(outs: dict[str, list[TokenOutput]], req: Req) -> bool:
+    return any(o.finish_reason is not None for o in outs.get(req.rid, []))
+
+
+def tokens(outs: list[TokenOutput]) -> list[int]:
+    return [t for o in outs for t in o.token_ids]
+
+
+@contextlib.contextmanager
+def make_pair(model_dir: Path, chunk: int = 0, p_pages: int = 128, d_pages: int = 128, inject=None, **disagg):
+    fabric = LocalFabric()
+    with contextlib.ExitStack() as es:
+        pb, db = LocalBackend(fabric, inject=inject), LocalBackend(fabric)
+        es.callback(pb.close)
+        es.callback(db.close)
+        prefill = PrefillEngine(cfg(model_dir, "prefill", chunk, p_pages, **disagg), backend=pb)
+        es.callback(prefill.shutdown)
+        decode = DecodeEngine(cfg(model_dir, "decode", 0, d_pages, **disagg), backend=db)
+        es.callback(decode.shutdown)
+        yield Pair(prefill, decode)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    eng = Engine(ServerConfig(model_path=str(tiny_model_dir), cache=CacheConfig(page_size=PS, num_pages=256)))
+    cache: dict[tuple, list[int]] = {}
+
+    def ref(ids: list[int], params: SamplingParams = GREEDY) -> list[int]:
+        key = (tuple(ids), params)
+        if key not in cache:
+            cache[key] = eng.generate([ids], params)[0]["output_ids"]
+        return cache[key]
+    yield ref
+    eng.shutdown()
+
+
+def prompts(seed: int, lens: list[int]) -> list[list[int]]:
+    rnd = random.Random(seed)
+    return [[rnd.randrange(3, 290) for _ in range(n)] for n in lens]
+
+
+LENS = [1, 2, 15, 16, 17, 40, 100, 333]
+
+
+@pytest.mark.parametrize("chunk", [0, 24])  # 24 does not divide into pages of 16
+def test_greedy_matches_colocated(tiny_model_dir, reference, chunk):
+    ps = prompts(chunk, LENS)
+    with make_pair(tiny_model_dir, chunk) as pair:
+        reqs = [pair.reqs(ids) for ids in ps]
+        p_out, d_out = pair.run(reqs)
+        for (p, d), ids in zip(reqs, ps):
+            assert d.output_ids == reference(ids), f"prompt of {len(ids)} tokens: {d.finish_detail} {p_out.get(p.rid)}"
+            assert tokens(d_out[d.rid]) == d.output_ids  # streamed token by token, first one included
+            assert d_out[d.rid][0].token_ids == (d.output_ids[0],) and d.finish_reason is FinishReason.LENGTH
+            final = p_out[p.rid][-1]  # the prefill answers with its first token once the KV landed
+            assert final.finish_reason is FinishReason.LENGTH and final.token_ids == (d.output_ids[0],)
+        st = pair.prefill.stats()["disaggregation"]
+        assert st["rooms_succeeded"] == len(ps) and st["rooms_failed"] == 0 and st["bytes_written"] > 0
+        pair.settle()
+
+
+def test_first_token_finishes(tiny_model_dir, reference):
+    """max_new_tokens=1 and EOS / stop id on the first token finish on the decode without a decode step."""
+    ids = prompts(7, [50])[0]
+    first = reference(ids)[0]
+    with make_pair(tiny_model_dir) as pair:
+        one = pair.reqs(ids, replace(GREEDY, max_new_tokens=1))
+        eos = pair.reqs(ids, replace(GREEDY, ignore_eos=False))
+        eos[1].eos_token_ids = (first,)
+        stop = pair.reqs(ids, replace(GREEDY, stop_token_ids=(first,)))
+        _, d_out = pair.run([one, eos, stop])
+        assert one[1].output_ids == [first] and one[1].finish_reason is FinishReason.LENGTH
+        for _, d in (eos, stop):
+            assert d.output_ids == [first] and d.finish_reason is FinishReason.STOP and d.finish_detail == first
+            assert [o.token_ids for o in d_out[d.rid]] == [(first,)]
+        assert pair.decode.engine.scheduler.stats()["num_running"] == 0
+        pair.settle()
+
+
+def test_rejections(tiny_model_dir):
+    """Missing bootstrap info and rooms in use are refused; a prompt the prefill cannot hold
+    fails on the decode at once, not after a timeout."""
+    with make_pair(tiny_model_dir, p_pages=4) as pair:
+        with pytest.raises(ValueError, match="bootstrap_room"):
+            pair.prefill.add_request(Req("x", [5, 6], GREEDY))
+        with pytest.raises(ValueError, match="bootstrap_host"):
+            pair.decode.add_request(Req("x", [5, 6], GREEDY, bootstrap_room=1))
+        p, d = pair.reqs([7] * 20, room=77)
+        pair.prefill.add_request(p)
+        with pytest.raises(ValueError, match="already in use"):
+            pair.prefill.add_request(pair.reqs([7] * 20, room=77, rid="other")[0])
+        pair.decode.add_request(d)
+        with pytest.raises(ValueError, match="already in use"):
+            pair.decode.add_request(pair.reqs([7] * 20, room=77, rid="other")[1])
+        big_p, big_d = pair.reqs([9] * 100)  # 7 pages; the prefill pool has 4
+        t0 = time.monotonic()
+        p_out, _ = pair.run([(big_p, big_d)])
+        assert time.monotonic() - t0 < 2.0  # well before any timeout
+        assert p_out[big_p.rid][-1].finish_reason is FinishReason.ABORT
+        assert big_d.finish_reason is FinishReason.ABORT and "prefill" in str(big_d.finish_detail)
+        pair.run([], until=lambda: d.finished)
+        assert d.output_ids and d.finish_reason is FinishReason.LENGTH
+        pair.settle()
+
+
+def test_injected_failures_and_aborts_free_pages(tiny_model_dir, reference):
+    with make_pair(tiny_model_dir, chunk=32, inject=FailureInjection(prob=0.5, seed=3)) as pair:
+        ps = prompts(11, [20, 64, 90, 130, 200, 47])
+        reqs = [pair.reqs(ids) for ids in ps]
+        _, d_out = pair.run(reqs)
+        failed = [d for _, d in reqs if d.finish_reason is FinishReason.ABORT]
+        ok = [(d, ids) for (_, d), ids in zip(reqs, ps) if d.finish_reason is not FinishReason.ABORT]
+        assert failed and ok, "the seed should give both outcomes"
+        for d in failed:
+            assert "KV transfer failed" in str(d.finish_detail)
+        for d, ids in ok:
+            assert d.output_ids == reference(ids)
+        pair.settle()
+    with make_pair(tiny_model_dir, chunk=32) as pair:
+        # Decode-side abort while the prefill still computes; prefill-side abort after its prefill.
+        a = pair.reqs(prompts(1, [300])[0])
+        b = pair.reqs(prompts(2, [40])[0])
+        pair.prefill.add_request(a[0])
+        pair.decode.add_request(a[1])
+        pair.prefill.step()
+        pair.decode.step()
+        pair.decode.abort(a[1].rid)
+        pair.run([b], until=lambda: a[1].finished and b[1].finished)
+        assert a[1].finish_reason is FinishReason.ABORT and b[1].finish_reason is FinishReason.LENGTH
+        pair.settle()
+        c = pair.reqs(prompts(3, [40])[0])
+        pair.decode.add_request(c[1])  # the prefill request comes later, is aborted when done
+        pair.prefill.add_request(c[0])
+        p_out, d_out = pair.run([], until=lambda: c[0].finished)
+        pair.prefill.abort(c[0].rid)
+        pair.run([], until=lambda: c[1].finished)
+        assert c[1].finish_reason in (FinishReason.ABORT, FinishReason.LENGTH)  # it may have landed already
+        pair.settle()
