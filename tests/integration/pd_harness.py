@@ -1,0 +1,116 @@
+"""A local PD stack (prefill + decode + sglang-router, Mooncake over loopback TCP) for the PD
+integration tests: handles on each server, restarts on the same ports, direct requests."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvpipe.server.launcher import PDStack, start_pd_stack, stop_process, wait_healthy
+from server_harness import ServerProc, sse_events
+
+_rooms = itertools.count(random.Random().randrange(1 << 40))
+
+
+@dataclass
+class Stack:
+    pd: PDStack
+    log_dir: Path
+
+    @property
+    def router(self) -> str:
+        return self.pd.router_url
+
+    def server(self, name: str) -> ServerProc:
+        i, url = {"prefill": (0, self.pd.prefill_url), "decode": (1, self.pd.decode_url)}[name]
+        return ServerProc(url, self.pd.procs[i], self.log_dir / f"{name}.log")
+
+    @property
+    def prefill(self) -> ServerProc:
+        return self.server("prefill")
+
+    @property
+    def decode(self) -> ServerProc:
+        return self.server("decode")
+
+    def restart(self, name: str, timeout_s: float = 120.0) -> None:
+        """Start the killed server again with the same command line (same ports)."""
+        i = {"prefill": 0, "decode": 1}[name]
+        old = self.pd.procs[i]
+        assert old.poll() is not None, f"{name} is still running"
+        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
+        self.pd.procs[i] = subprocess.Popen(old.args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        srv = self.server(name)
+        wait_healthy(srv.url + "/health", timeout_s, [srv.proc])
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(self.log_dir.glob("*.log")))
+
+    def close(self) -> None:
+        self.pd.close()
+
+
+def start_stack(model_dir: Path, log_dir: Path, *server_args: str, prefill_args: tuple[str, ...] = (),
+                decode_args: tuple[str, ...] = ()) -> Stack:
+    pd = start_pd_stack(str(model_dir), server_args=list(server_args), prefill_args=list(prefill_args),
+                        decode_args=list(decode_args), log_dir=str(log_dir), timeout_s=180.0)
+    return Stack(pd, log_dir)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    stop_process(proc)
+
+
+def greedy(max_new_tokens: int = 8, **kw: Any) -> dict[str, Any]:
+    return {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True, **kw}
+
+
+def generate(url: str, body: dict[str, Any], timeout_s: float = 120.0) -> dict[str, Any]:
+    """POST /generate; a streamed answer is folded into the final event (plus the event count)."""
+    if not body.get("stream"):
+        r = httpx.post(url + "/generate", json=body, timeout=timeout_s)
+        assert r.status_code == 200, r.text
+        return r.json()
+    events = []
+    with httpx.stream("POST", url + "/generate", json=body, timeout=timeout_s) as r:
+        assert r.status_code == 200, r.read()
+        for ev in sse_events(r.iter_lines()):
+            events.append(ev)
+    assert events and events[-1] == "[DONE]", events[-3:]
+    final = dict(events[-2])
+    final["num_events"] = len(events) - 1
+    return final
+
+
+def pd_body(stack: Stack, body: dict[str, Any], room: int | None = None) -> dict[str, Any]:
+    """A request body as sglang-router would send it to one of the servers directly."""
+    return {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": stack.pd.bootstrap_port,
+            "bootstrap_room": next(_rooms) if room is None else room}
+
+
+def wait_for(fn, timeout_s: float, what: str, interval_s: float = 0.1):
+    end = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < end:
+        last = fn()
+        if last:
+            return last
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what} (last: {last!r})")
+
+
+def disagg_stats(srv: ServerProc) -> dict[str, Any]:
+    return srv.engine_stats()["disaggregation"]
+
+
+def dumps(x: Any) -> str:
+    return json.dumps(x)[:400]
