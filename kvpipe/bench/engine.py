@@ -1,7 +1,8 @@
 """`kvpipe bench engine`: prefill and decode throughput of the offline Engine on this machine.
 
 Everything runs through the engine's own step loop (Engine.add_request + Engine.step), timed
-with time.perf_counter around the steps:
+with time.perf_counter around the steps (and time.process_time: CPU seconds per wall second
+show how much of its cores the benchmark really had on a shared machine; TP children excluded):
 - prefill: a batch of random prompts (batch 1 and --prefill-batch) with max_new_tokens=1; the
   wall time from the first step until every request finished (their prefill, first-token
   sampling included; chunked prefill may take several steps).
@@ -28,9 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from kvpipe.bench.engine_stats import (DecodePoint, PrefillPoint, decode_max_new_tokens, decode_points,
-                                       format_table, kv_tokens_needed, parse_int_list, prefill_points,
-                                       summarize_decode, summarize_prefill)
+from kvpipe.bench.engine_stats import (DecodePoint, PrefillPoint, cpu_per_wall, decode_max_new_tokens,
+                                       decode_points, format_table, kv_tokens_needed, parse_int_list,
+                                       prefill_points, summarize_decode, summarize_prefill)
 
 STEP_LIMIT = 100_000  # no run of a point takes more engine steps than this
 
@@ -116,24 +117,26 @@ class EngineBench:
         if bad:
             raise RuntimeError(f"benchmark request {bad[0].rid} was aborted: {bad[0].finish_detail}")
 
-    def prefill_once(self, point: PrefillPoint) -> tuple[float, int]:
-        """Seconds to prefill `point.batch` prompts together, and the engine steps it took."""
+    def prefill_once(self, point: PrefillPoint) -> tuple[float, int, float]:
+        """Seconds to prefill `point.batch` prompts together, the engine steps it took, and the
+        process CPU seconds per wall second meanwhile."""
         reqs = self._add(point.batch, point.prompt_len, 1)
-        steps, t0 = 0, time.perf_counter()
+        steps, c0, t0 = 0, time.process_time(), time.perf_counter()
         while not all(r.finished for r in reqs):
             self.engine.step()
             steps += 1
             if steps > STEP_LIMIT:
                 raise RuntimeError("prefill did not finish")
-        elapsed = time.perf_counter() - t0
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
         self._fail_if_aborted(reqs)
-        return elapsed, steps
+        return elapsed, steps, cpu_per_wall(cpu, elapsed)
 
-    def decode_once(self, point: DecodePoint, budget: int) -> list[float]:
+    def decode_once(self, point: DecodePoint, budget: int) -> tuple[list[float], float]:
         """Step times (seconds) of `point.steps` decode steps that each advance the full batch,
-        after `point.warmup_steps` such steps left untimed."""
+        after `point.warmup_steps` such steps left untimed; and their CPU seconds per wall second."""
         reqs = self._add(point.batch, point.context, decode_max_new_tokens(point, budget))
         times: list[float] = []
+        cpu: list[float] = []
         want = point.warmup_steps + point.steps
         try:
             for _ in range(STEP_LIMIT):
@@ -142,12 +145,13 @@ class EngineBench:
                 s = self.engine.stats()
                 full = s["num_decoding"] == point.batch and s["num_prefilling"] == 0 and s["num_waiting"] == 0
                 before = [len(r.output_ids) for r in reqs]
-                t0 = time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 self.engine.step()
-                dt = time.perf_counter() - t0
+                dt, dc = time.perf_counter() - t0, time.process_time() - c0
                 # timed only if it was a decode step of the whole batch (every request got 1 token)
                 if full and all(len(r.output_ids) == b + 1 for r, b in zip(reqs, before)):
                     times.append(dt)
+                    cpu.append(dc)
             self._fail_if_aborted(reqs)
             if len(times) < want:
                 raise RuntimeError(f"only {len(times)} of {want} full-batch decode steps ran")
@@ -157,7 +161,8 @@ class EngineBench:
             self.engine.step()  # drains the aborts: pages go back before the next point
         if self.engine.has_work():
             raise RuntimeError("benchmark requests left in the engine after a decode run")
-        return times[point.warmup_steps:]
+        timed = times[point.warmup_steps:]
+        return timed, cpu_per_wall(sum(cpu[point.warmup_steps:]), sum(timed))
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -207,14 +212,15 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                 if i >= args.warmup:
                     samples.append(res)
                 bar.update()
-            prefill.append(summarize_prefill(p, [t for t, _ in samples], [s for _, s in samples]))
+            prefill.append(summarize_prefill(p, [x[0] for x in samples], [x[1] for x in samples],
+                                             [x[2] for x in samples]))
         for d in dpoints:
             bar.set_postfix_str(f"decode batch {d.batch}")
             reps = []
             for _ in range(args.repeat):
                 reps.append(bench.decode_once(d, budget))
                 bar.update()
-            decode.append(summarize_decode(d, reps))
+            decode.append(summarize_decode(d, [r[0] for r in reps], [r[1] for r in reps]))
         kv_bytes = engine.stats()["kv_cache_bytes"]
     finally:
         bar.close()

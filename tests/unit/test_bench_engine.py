@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from kvpipe.bench.engine_stats import (DecodePoint, PrefillPoint, decode_max_new_tokens, decode_points,
+from kvpipe.bench.engine_stats import (DecodePoint, PrefillPoint, cpu_per_wall, decode_max_new_tokens, decode_points,
                                        format_table, kv_tokens_needed, median, parse_int_list, prefill_points,
                                        summarize_decode, summarize_prefill)
 
@@ -44,6 +44,10 @@ def test_median_and_prefill_throughput():
     assert r["ms_per_prefill"] == pytest.approx(2000.0)
     assert r["tokens_per_s"] == pytest.approx(4 * 1024 / 2.0)
     assert (r["ms_min"], r["ms_max"], r["steps"], r["repeats"]) == (1000.0, 4000.0, 1, 3)
+    assert r["cpu_per_wall"] is None
+    r = summarize_prefill(PrefillPoint(8, 1), [1.0, 1.0, 1.0], [1, 1, 1], [cpu_per_wall(2.0, 1.0), 0.5, 1.5])
+    assert r["cpu_per_wall"] == pytest.approx(1.5)
+    assert cpu_per_wall(1.0, 0.0) == 0.0
 
 
 def test_decode_throughput_is_batch_over_median_step_time():
@@ -55,6 +59,7 @@ def test_decode_throughput_is_batch_over_median_step_time():
     assert r["ms_per_step_p50"] == pytest.approx(20.0)  # median of the six steps: (10 + 30) / 2
     assert r["ms_per_step_max"] == pytest.approx(40.0)
     assert r["ms_per_step_by_repeat"] == pytest.approx([20.0, 40.0, 10.0])
+    assert summarize_decode(DecodePoint(8, 256, 2), reps, [1.9, 0.7, 1.2])["cpu_per_wall"] == pytest.approx(1.2)
     with pytest.raises(ValueError):
         summarize_decode(DecodePoint(8, 256, 2), [[0.01], []])
     assert math.isinf(summarize_decode(DecodePoint(1, 8, 1), [[0.0]])["tokens_per_s"])
@@ -68,11 +73,12 @@ def test_format_table_lists_every_point():
                    "decode_warmup_steps": 4},
         "prefill": [summarize_prefill(PrefillPoint(256, 1), [0.5], [1]),
                     summarize_prefill(PrefillPoint(2048, 4), [8.0], [1])],
-        "decode": [summarize_decode(DecodePoint(32, 256, 1), [[0.25]])],
+        "decode": [summarize_decode(DecodePoint(32, 256, 1), [[0.25]], [1.87])],
     }
     text = format_table(report)
     assert "2048" in text and "1024" in text  # 2048x4 tokens in 8 s -> 1024 tok/s
     assert "128.0" in text  # 32 tokens per 0.25 s step
+    assert "1.87" in text
 
 
 def test_cli_registers_bench_engine():
