@@ -66,7 +66,9 @@ class PrefillEngine:
         d = cfg.disaggregation
         self.cfg = cfg
         hooks = SchedulerHooks(on_chunk_done=self._on_chunk_done, on_prefill_done=self._on_prefill_done)
-        self.engine = Engine(cfg, hooks, hold_finished_pages=True, prefill_layer_groups=d.layer_groups)
+        # a fixed group count runs as given; "auto" (layer-pipelined transfer) plugs in here
+        groups = d.layer_groups if isinstance(d.layer_groups, int) else 1
+        self.engine = Engine(cfg, hooks, hold_finished_pages=True, prefill_layer_groups=groups)
         self.tokenizer = self.engine.tokenizer
         self.model_config = self.engine.model_config
         self.context_length = self.engine.context_length

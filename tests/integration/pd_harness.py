@@ -41,13 +41,13 @@ class Stack:
     def decode(self) -> ServerProc:
         return self.server("decode")
 
-    def restart(self, name: str, timeout_s: float = 120.0) -> None:
-        """Start the killed server again with the same command line (same ports)."""
+    def restart(self, name: str, *extra: str, timeout_s: float = 120.0) -> None:
+        """Start the killed server again with the same command line (same ports) plus `extra` flags."""
         i = {"prefill": 0, "decode": 1}[name]
         old = self.pd.procs[i]
         assert old.poll() is not None, f"{name} is still running"
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
-        self.pd.procs[i] = subprocess.Popen(old.args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.pd.procs[i] = subprocess.Popen([*old.args, *extra], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         srv = self.server(name)
         wait_healthy(srv.url + "/health", timeout_s, [srv.proc])

@@ -1,0 +1,201 @@
+"""PD lifecycle through sglang-router with short deadlines: malformed control messages, client
+disconnects, a decode killed mid-transfer, a prefill killed and restarted on the same ports (with
+injected transfer failures from then on). After each: no leaked pages on either side, and the
+stack serves again without restarting the survivor. One stack for the module; tests run in order."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import msgpack
+import pytest
+import zmq
+
+from kvpipe.transfer import messages as m
+from pd_harness import Stack, disagg_stats, generate, greedy, pd_body, start_stack, wait_for
+from server_harness import ServerProc
+
+pytest.importorskip("mooncake.engine")
+pytestmark = pytest.mark.integration
+
+HEARTBEAT_S = 0.5  # a peer silent for 5 beats (2.5 s) is dead
+BOOTSTRAP_S, TRANSFER_S = 5.0, 3.0
+FLAGS = ["--page-size", "16", "--max-total-tokens", "32768", "--chunked-prefill-size", "128",
+         "--disaggregation-heartbeat-interval", str(HEARTBEAT_S),
+         "--disaggregation-bootstrap-timeout", str(BOOTSTRAP_S), "--disaggregation-waiting-timeout", "20",
+         "--disaggregation-transfer-timeout", str(TRANSFER_S)]
+DEADLINE_S = 5 * HEARTBEAT_S + TRANSFER_S + 10.0  # detection + drain + slack for a loaded host
+LONG = [(i * 7919) % 280 + 3 for i in range(7000)]  # 55 chunks of 128: a long prefill to interrupt
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = start_stack(tiny_model_dir, tmp_path_factory.mktemp("pd-lifecycle"), *FLAGS)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def short(stack: Stack, n: int = 30, new: int = 4) -> dict:
+    return generate(stack.router, {"input_ids": LONG[:n], "sampling_params": greedy(new)})
+
+
+def idle(*servers: ServerProc, timeout_s: float = DEADLINE_S) -> None:
+    for srv in servers:
+        srv.wait_idle(timeout_s)
+
+
+def kill(srv: ServerProc) -> None:
+    os.killpg(srv.proc.pid, signal.SIGKILL)
+    srv.proc.wait(10)
+
+
+def serves_again(stack: Stack, timeout_s: float = 60.0) -> dict:
+    """The router may need a few health checks to trust a restarted worker again."""
+    def attempt() -> dict | None:
+        try:
+            out = short(stack)
+        except (AssertionError, httpx.HTTPError):
+            return None
+        return out if out["meta_info"]["finish_reason"]["type"] == "length" else None
+    return wait_for(attempt, timeout_s, "a successful request through the router", interval_s=0.5)
+
+
+def test_malformed_control_messages_are_rejected(stack: Stack) -> None:
+    ref = short(stack)["output_ids"]
+    junk = [b"", b"\x00garbage\xff", os.urandom(257), msgpack.packb([1, 2, 3]),
+            msgpack.packb({"kind": "transfer_request", "version": 1}),  # fields missing
+            msgpack.packb({"kind": "transfer_request", "version": 99, "room": 1}),
+            msgpack.packb({"kind": "no_such_message", "version": 1})]
+    typed = [m.TransferRequest(room=7, session_id="intruder/0", dst_pages=(10**9,), prefix_len=0, aux_slot=0),
+             m.TransferStatus(room=7, session_id="intruder/0", state=m.TransferState.SUCCESS,
+                              aux=m.AuxData(7, 1, 0.0)),
+             m.Abort(room=7, session_id="intruder/0", side=m.Side.PREFILL, reason="x")]
+    ctx = zmq.Context()
+    try:
+        for srv in (stack.prefill, stack.decode):
+            before = disagg_stats(srv)["rejected_messages"]
+            sock = ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 2000)
+            sock.connect(disagg_stats(srv)["control_address"])
+            for frame in junk + [m.encode(x) for x in typed]:
+                sock.send(frame)
+            sock.close()
+            wait_for(lambda: disagg_stats(srv)["rejected_messages"] >= before + len(typed), 10,
+                     "the typed bogus messages to be rejected")
+            assert srv.alive()
+    finally:
+        ctx.term()
+    assert short(stack)["output_ids"] == ref  # both keep serving, unchanged
+    idle(stack.prefill, stack.decode)
+
+
+def test_client_disconnects_leave_no_pages(stack: Stack) -> None:
+    # Through the router: a stream dropped after its first event.
+    body = {"input_ids": LONG[:500], "sampling_params": greedy(5000), "stream": True}
+    with httpx.stream("POST", stack.router + "/generate", json=body, timeout=60) as r:
+        assert next(line for line in r.iter_lines() if line.startswith("data: "))
+    # Non-streaming, the client gives up while the prefill computes.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(stack.router + "/generate", json={"input_ids": LONG, "sampling_params": greedy(8)}, timeout=0.5)
+    # A decode waiting for a prefill request that never comes; a prefill whose decode never asks.
+    for srv in (stack.decode, stack.prefill):
+        t0 = time.monotonic()
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(srv.url + "/generate", json=pd_body(stack, {"input_ids": LONG[:300],
+                                                                   "sampling_params": greedy(8)}), timeout=0.5)
+        srv.wait_idle(DEADLINE_S)
+        assert time.monotonic() - t0 < DEADLINE_S
+    idle(stack.prefill, stack.decode)
+    assert short(stack)["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def _in_background(fn) -> tuple[threading.Thread, dict]:
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["out"] = fn()
+        except BaseException as e:  # noqa: BLE001 - inspected by the test
+            box["err"] = e
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, box
+
+
+def test_decode_killed_mid_transfer(stack: Stack) -> None:
+    p, d = stack.prefill, stack.decode
+    sent = disagg_stats(p)["bytes_written"]
+    t, _ = _in_background(lambda: httpx.post(stack.router + "/generate", timeout=120,
+                                             json={"input_ids": LONG, "sampling_params": greedy(8)}))
+    # KV of the first chunks landed on the decode and the prefill is still computing the rest.
+    at_kill = wait_for(lambda: (s := p.engine_stats())["disaggregation"]["bytes_written"] > sent
+                       and s["num_running"] >= 1 and s, 60, "the transfer to start", interval_s=0.02)
+    kill(d)
+    t0 = time.monotonic()
+    assert at_kill["used_pages"] > 0
+    p.wait_idle(DEADLINE_S)  # its room failed (dead decode), the prefill stopped and freed the pages
+    assert time.monotonic() - t0 < DEADLINE_S
+    assert disagg_stats(p)["rooms_failed"] >= 1 and p.alive()
+    t.join(60)
+    stack.restart("decode")
+    serves_again(stack)
+    idle(stack.prefill, stack.decode)
+
+
+def test_prefill_killed_then_restarted(stack: Stack) -> None:
+    p, d = stack.prefill, stack.decode
+    body = pd_body(stack, {"input_ids": LONG, "sampling_params": greedy(8)})  # what the router sends
+    t, box = _in_background(lambda: generate(d.url, body))
+    bt, _ = _in_background(lambda: httpx.post(p.url + "/generate", json=body, timeout=120))
+    wait_for(lambda: disagg_stats(d)["active_rooms"] >= 1 and p.engine_stats()["num_running"] >= 1, 60,
+             "the decode to wait for a prefill that is computing", interval_s=0.02)
+    kill(p)
+    t0 = time.monotonic()
+    t.join(DEADLINE_S + 5)
+    assert not t.is_alive(), "the decode kept waiting for a dead prefill"
+    assert time.monotonic() - t0 < DEADLINE_S
+    out = box["out"]
+    assert out["meta_info"]["finish_reason"]["type"] == "abort", out
+    assert "prefill" in out["meta_info"]["finish_reason"]["message"]
+    # While no prefill runs, a new request fails after the bootstrap timeout, not later.
+    t0 = time.monotonic()
+    out = generate(d.url, pd_body(stack, {"input_ids": LONG[:40], "sampling_params": greedy(4)}))
+    assert out["meta_info"]["finish_reason"]["type"] == "abort" and "bootstrap" in str(out["meta_info"])
+    assert time.monotonic() - t0 < BOOTSTRAP_S + 10
+    d.wait_idle(10)
+    bt.join(10)
+    # A prefill back on the same ports (now failing some transfer batches on purpose) is picked up
+    # by the running decode; failures end cleanly on both sides.
+    stack.restart("prefill", "--disaggregation-failure-prob", "0.2", "--disaggregation-failure-seed", "1")
+    serves_again(stack)
+
+    def one(n: int) -> tuple[str, str]:
+        r = httpx.post(stack.router + "/generate", json={"input_ids": LONG[:n], "sampling_params": greedy(6)},
+                       timeout=120)
+        if r.status_code == 200:  # the decode's answer (it may carry an abort of its own)
+            fin = r.json()["meta_info"]["finish_reason"]
+            return fin["type"], str(fin.get("message"))
+        return f"http {r.status_code}", r.text  # the router passes the prefill's error through
+
+    failed_before = disagg_stats(stack.prefill)["rooms_failed"], disagg_stats(stack.decode)["rooms_failed"]
+    # The router retries a failed prefill with a new room (and opens its circuit breaker after a
+    # run of failures), so the client mostly sees successes; the servers count the failures.
+    with ThreadPoolExecutor(2) as pool:
+        outs = list(pool.map(one, [30, 300] * 8))
+    for kind, msg in outs:
+        assert kind in ("length", "abort", "http 500"), (kind, msg)
+        if kind != "length":
+            assert "KV transfer failed" in msg, msg
+    assert sum(k == "length" for k, _ in outs) >= len(outs) // 2, outs
+    idle(stack.prefill, stack.decode)
+    assert disagg_stats(stack.prefill)["rooms_failed"] > failed_before[0]  # injected failures happened,
+    assert disagg_stats(stack.decode)["rooms_failed"] > failed_before[1]  # reached the decode, leaked nothing
