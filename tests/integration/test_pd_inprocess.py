@@ -20,6 +20,7 @@ from kvpipe.engine.prefill import PrefillEngine
 from kvpipe.engine.request import FinishReason, Req, SamplingParams, TokenOutput
 from kvpipe.transfer.backends import FailureInjection
 from kvpipe.transfer.backends.local import LocalBackend, LocalFabric
+from kvpipe.transfer.state import TransferState
 
 pytestmark = pytest.mark.integration
 PS = 16
@@ -209,12 +210,18 @@ def test_injected_failures_and_aborts_free_pages(tiny_model_dir, reference):
         b = pair.reqs(prompts(2, [40])[0])
         pair.prefill.add_request(a[0])
         pair.decode.add_request(a[1])
-        pair.prefill.step()
-        pair.decode.step()
+        pair.prefill.step()  # the first of ten chunks
+        end = time.monotonic() + 30
+        while pair.decode.receiver.room_state(a[1].bootstrap_room) is not TransferState.WAITING_FOR_INPUT:
+            assert time.monotonic() < end, "the decode never asked the prefill for the KV"
+            pair.decode.step()
         pair.decode.abort(a[1].rid)
-        pair.run([b], until=lambda: a[1].finished and b[1].finished)
+        t0 = time.monotonic()
+        pair.run([b], until=lambda: a[0].finished and a[1].finished and b[1].finished)
         assert a[1].finish_reason is FinishReason.ABORT and b[1].finish_reason is FinishReason.LENGTH
+        assert a[0].finish_reason is FinishReason.ABORT and a[0].num_cached < 300  # the prefill stopped early
         pair.settle()
+        assert time.monotonic() - t0 < 15  # the abort reached the prefill; no timeout was involved
         c = pair.reqs(prompts(3, [40])[0])
         pair.decode.add_request(c[1])  # the prefill request comes later, is aborted when done
         pair.prefill.add_request(c[0])

@@ -1,0 +1,45 @@
+"""--disaggregation-* flags -> DisaggregationConfig -> the transfer layer's DisaggConfig; refusals."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpipe.cli import build_parser, server_config_from_args
+from kvpipe.config import ConfigError, DisaggregationConfig, ServerConfig
+from kvpipe.engine.disagg import check_supported, data_host, transfer_config
+
+
+def parse(*flags: str) -> ServerConfig:
+    argv = ["serve", "--model-path", "m", *flags]
+    parser, _ = build_parser(argv)
+    return server_config_from_args(parser.parse_args(argv))
+
+
+def test_flags_map_onto_the_configs() -> None:
+    cfg = parse("--disaggregation-mode", "decode", "--disaggregation-bootstrap-port", "9000",
+                "--disaggregation-ib-device", "mlx5_0", "--disaggregation-host", "10.99.0.2",
+                "--disaggregation-bootstrap-timeout", "3", "--disaggregation-waiting-timeout", "7",
+                "--disaggregation-heartbeat-interval", "0.25", "--disaggregation-transfer-timeout", "4",
+                "--disaggregation-failure-prob", "0.5", "--disaggregation-failure-seed", "9", "--host", "0.0.0.0")
+    d = cfg.disaggregation
+    assert (d.mode, d.bootstrap_port, d.ib_device, d.host, d.failure_prob, d.failure_seed) == (
+        "decode", 9000, "mlx5_0", "10.99.0.2", 0.5, 9)
+    t = transfer_config(cfg)
+    assert (t.bootstrap_timeout_s, t.waiting_timeout_s, t.heartbeat_interval_s, t.transfer_timeout_s) == (3, 7, 0.25, 4)
+    assert data_host(cfg) == "10.99.0.2"  # the data plane uses the given address, not the wildcard --host
+    assert parse().disaggregation == DisaggregationConfig() and not parse().disaggregation.enabled
+
+
+def test_refusals() -> None:
+    with pytest.raises(SystemExit, match="tp-size 1"):
+        parse("--disaggregation-mode", "prefill", "--tp-size", "2")
+    with pytest.raises(SystemExit, match="failure probability"):
+        parse("--disaggregation-failure-prob", "2")
+    with pytest.raises(SystemExit):
+        parse("--disaggregation-mode", "bogus")
+    with pytest.raises(ConfigError, match="not supported yet"):
+        check_supported(ServerConfig("m", tp_size=2, disaggregation=DisaggregationConfig(mode="decode")))
+    with pytest.raises(ConfigError, match="ib-device"):
+        check_supported(ServerConfig("m", disaggregation=DisaggregationConfig(
+            mode="decode", transfer_backend="local", ib_device="mlx5_0")))
+    check_supported(ServerConfig("m", tp_size=2))  # colocated TP is fine
