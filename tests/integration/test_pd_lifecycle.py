@@ -134,8 +134,10 @@ def _in_background(fn) -> tuple[threading.Thread, dict]:
 def test_decode_killed_mid_transfer(stack: Stack) -> None:
     p, d = stack.prefill, stack.decode
     sent = disagg_stats(p)["bytes_written"]
-    t, _ = _in_background(lambda: httpx.post(stack.router + "/generate", timeout=120,
-                                             json={"input_ids": LONG, "sampling_params": greedy(8)}))
+    # Straight to both servers, as the router sends it (the router would retry with new rooms).
+    body = pd_body(stack, {"input_ids": LONG, "sampling_params": greedy(8)})
+    t, box = _in_background(lambda: httpx.post(p.url + "/generate", json=body, timeout=120))
+    _in_background(lambda: httpx.post(d.url + "/generate", json=body, timeout=120))
     # KV of the first chunks landed on the decode and the prefill is still computing the rest.
     at_kill = wait_for(lambda: (s := p.engine_stats())["disaggregation"]["bytes_written"] > sent
                        and s["num_running"] >= 1 and s, 60, "the transfer to start", interval_s=0.02)
@@ -145,7 +147,8 @@ def test_decode_killed_mid_transfer(stack: Stack) -> None:
     p.wait_idle(DEADLINE_S)  # its room failed (dead decode), the prefill stopped and freed the pages
     assert time.monotonic() - t0 < DEADLINE_S
     assert disagg_stats(p)["rooms_failed"] >= 1 and p.alive()
-    t.join(60)
+    t.join(30)
+    assert box["out"].status_code == 500 and "failed" in box["out"].json()["error"]["message"]
     stack.restart("decode")
     serves_again(stack)
     idle(stack.prefill, stack.decode)
