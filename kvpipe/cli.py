@@ -85,8 +85,10 @@ def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
                    help="RDMA device for Mooncake (e.g. mlx5_0); default: TCP")
     g.add_argument("--disaggregation-host", default=None,
                    help="address peers reach this server's KV data plane at (default: --host)")
-    g.add_argument("--disaggregation-layer-groups", type=int, default=d.layer_groups,
-                   help="prefill forwards run as this many layer groups")
+    g.add_argument("--disaggregation-layer-groups", type=_layer_groups, default=d.layer_groups,
+                   help="prefill: 'auto' (per batch from measured compute and link speed; short prompts "
+                        "take the plain path) or N layer groups whose KV ships while the next computes "
+                        "(1: plain transfer after the forward)")
     g.add_argument("--disaggregation-bootstrap-timeout", type=float, default=d.bootstrap_timeout_s,
                    help="seconds to reach the peer and exchange the request's pages")
     g.add_argument("--disaggregation-waiting-timeout", type=float, default=d.waiting_timeout_s,
@@ -98,6 +100,19 @@ def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
     # test-only: fail each transfer batch with this probability (seeded by the next flag)
     g.add_argument("--disaggregation-failure-prob", type=float, default=0.0, help=argparse.SUPPRESS)
     g.add_argument("--disaggregation-failure-seed", type=int, default=0, help=argparse.SUPPRESS)
+
+
+def _layer_groups(value: str) -> int | str:
+    v = value.strip().lower()
+    if v == "auto":
+        return v
+    try:
+        n = int(v)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a positive integer, got {value!r}")
+    return n
 
 
 def disaggregation_config_from_args(args: argparse.Namespace) -> DisaggregationConfig:

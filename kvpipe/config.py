@@ -152,7 +152,9 @@ class DisaggregationConfig:
     transfer_backend: str = "mooncake"  # "mooncake" | "local" (in-process only)
     ib_device: str | None = None  # RDMA device for Mooncake; None: TCP
     host: str | None = None  # data/control-plane address; None: ServerConfig.host
-    layer_groups: int = 1  # prefill forwards run as this many layer groups
+    # prefill: "auto" (a cost model picks the layer groups per batch; short prompts take the plain
+    # path) or a fixed group count N (1: plain path, no layer pipelining)
+    layer_groups: int | str = "auto"
     bootstrap_timeout_s: float = 30.0
     waiting_timeout_s: float = 300.0
     heartbeat_interval_s: float = 2.0
@@ -167,8 +169,8 @@ class DisaggregationConfig:
             raise ConfigError(f"unknown transfer backend {self.transfer_backend!r}; choose mooncake or local")
         if not 0 <= self.bootstrap_port < 65536:
             raise ConfigError(f"bootstrap port {self.bootstrap_port} is not a TCP port")
-        if self.layer_groups < 1:
-            raise ConfigError(f"layer groups must be >= 1, got {self.layer_groups}")
+        if self.layer_groups != "auto" and not (isinstance(self.layer_groups, int) and self.layer_groups >= 1):
+            raise ConfigError(f"layer groups must be 'auto' or an integer >= 1, got {self.layer_groups!r}")
         for name in ("bootstrap_timeout_s", "waiting_timeout_s", "heartbeat_interval_s", "transfer_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")

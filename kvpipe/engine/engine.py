@@ -10,15 +10,15 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from kvpipe.cache.page_allocator import PageAllocator
 from kvpipe.config import ModelConfig, ParallelConfig, ServerConfig
-from kvpipe.engine.batch import ForwardMode
+from kvpipe.engine.batch import ForwardMode, ForwardSpec, ScheduledBatch
 from kvpipe.engine.finish import FinishChecker
-from kvpipe.engine.model_runner import ModelRunner, split_layers
+from kvpipe.engine.model_runner import GroupCallback, ModelRunner, split_layers
 from kvpipe.engine.request import FinishReason, Req, SamplingParams, TokenOutput
 from kvpipe.engine.sampler import Sampler, make_generator
 from kvpipe.engine.scheduler import Scheduler, SchedulerHooks
@@ -28,10 +28,16 @@ from kvpipe.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
+# (batch) -> layer groups its prefill forward runs as (1: one pass); called right before the forward
+PrefillGroupsFn = Callable[[ScheduledBatch], int]
+# (batch, start, end): layers [start, end) of the batch's prefill forward have written their KV
+BatchGroupCallback = Callable[[ScheduledBatch, int, int], None]
+
 
 class Engine:
     def __init__(self, cfg: ServerConfig, hooks: SchedulerHooks = SchedulerHooks(),
-                 hold_finished_pages: bool = False, prefill_layer_groups: int = 1) -> None:
+                 hold_finished_pages: bool = False, prefill_layer_groups: int | PrefillGroupsFn = 1,
+                 on_group_done: BatchGroupCallback | None = None) -> None:
         self.cfg = cfg
         self.model_config = ModelConfig.from_dir(cfg.model_path)
         self.tokenizer = Tokenizer.from_dir(cfg.tokenizer_path or cfg.model_path,
@@ -40,8 +46,13 @@ class Engine:
             self.tokenizer.eos_token_ids + self.model_config.eos_token_ids))
         self.context_length: int = cfg.scheduler.context_length or self.model_config.max_position_embeddings
         self.page_size = cfg.cache.page_size
-        # prefill forwards run as this many layer groups (seam for layer-pipelined KV transfer)
+        # Seams for layer-pipelined KV transfer: a prefill forward runs as `prefill_layer_groups`
+        # groups (a count, or a function of the batch called right before its forward), and
+        # `on_group_done(batch, start, end)` runs after each group of a prefill forward (TP = 1).
         self.prefill_layer_groups = prefill_layer_groups
+        self.on_group_done = on_group_done
+        if cfg.tp_size > 1 and on_group_done is not None:
+            raise ValueError("on_group_done needs tp_size 1 (TP ranks run the forward in other processes)")
         self._tp: TPGroup | None = None
         if cfg.tp_size > 1:
             self._tp = TPGroup(cfg)
@@ -101,12 +112,9 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch is None:
             return outs
-        groups = None
-        if batch.mode is ForwardMode.PREFILL and self.prefill_layer_groups > 1:
-            groups = split_layers(self.model_config.num_layers, self.prefill_layer_groups)
-        spec = batch.spec(self.page_size, groups)
         try:
-            logits = self._tp.run(spec) if self._tp is not None else self.runner.run(spec)
+            spec, callback = self._forward_spec(batch)
+            logits = self._tp.run(spec) if self._tp is not None else self.runner.run(spec, callback)
         except Exception as e:
             # leave no half-run request behind: its pages go back, the caller sees the error
             for req in batch.reqs:
@@ -135,6 +143,19 @@ class Engine:
                 req.rid, (tokens[i],) if num_new else (), (logprobs[i],) if num_new else (),
                 req.finish_reason, req.finish_detail, len(req.input_ids), 0))
         return outs
+
+    def _forward_spec(self, batch: ScheduledBatch) -> tuple[ForwardSpec, GroupCallback | None]:
+        """The batch's ForwardSpec (layer groups chosen for a prefill) and its per-group callback."""
+        if batch.mode is not ForwardMode.PREFILL:
+            return batch.spec(self.page_size), None
+        n = self.prefill_layer_groups
+        n = n if isinstance(n, int) else n(batch)
+        groups = split_layers(self.model_config.num_layers, n) if n > 1 else None
+        callback = None
+        if self.on_group_done is not None:
+            on_group = self.on_group_done
+            callback = lambda start, end, fb: on_group(batch, start, end)  # noqa: E731
+        return batch.spec(self.page_size, groups), callback
 
     def _drain_inbox(self, outs: list[TokenOutput]) -> None:
         with self._lock:

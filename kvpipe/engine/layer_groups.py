@@ -40,9 +40,30 @@ class LayerGroupPolicy:
         return cls(fixed_groups=n)
 
 
-def predicted_ttft_ms(compute_ms: float, transfer_ms: float, groups: int, overhead_ms: float) -> float:
+def split_layers(num_layers: int, num_groups: int) -> tuple[tuple[int, int], ...]:
+    """[start, end) ranges of `num_groups` near-equal contiguous layer groups."""
+    n = max(1, min(num_groups, num_layers))
+    bounds = [round(i * num_layers / n) for i in range(n + 1)]
+    return tuple((bounds[i], bounds[i + 1]) for i in range(n))
+
+
+def predicted_ttft_ms(compute_ms: float, transfer_ms: float, groups: int, overhead_ms: float,
+                      num_layers: int | None = None) -> float:
+    """Prefill compute plus the transfer left after it, for `groups` layer groups.
+
+    Without `num_layers` the groups are equal (the closed form above). With it, the groups are
+    those `split_layers` makes (12 layers in 8 groups: sizes 2,1,1,2,2,1,1,2), and the pipeline
+    is simulated: group k's KV leaves once group k is computed and group k-1's KV has left, so a
+    split whose last group is larger exposes more than T/N."""
     n = max(1, groups)
-    return max(compute_ms + transfer_ms / n, compute_ms / n + transfer_ms) + (n - 1) * overhead_ms
+    if num_layers is None:
+        return max(compute_ms + transfer_ms / n, compute_ms / n + transfer_ms) + (n - 1) * overhead_ms
+    c_done = t_done = 0.0
+    for start, end in split_layers(num_layers, n):
+        frac = (end - start) / num_layers
+        c_done += compute_ms * frac
+        t_done = max(t_done, c_done) + transfer_ms * frac
+    return t_done + (len(split_layers(num_layers, n)) - 1) * overhead_ms
 
 
 class ComputeEstimator:
@@ -128,7 +149,7 @@ class LayerGroupPlanner:
                 choice = GroupChoice(1, "no-estimate")
             else:
                 c = per_layer * self.num_layers
-                cost = {n: predicted_ttft_ms(c, t, n, p.group_overhead_ms) for n in range(1, cap + 1)}
+                cost = {n: predicted_ttft_ms(c, t, n, p.group_overhead_ms, self.num_layers) for n in range(1, cap + 1)}
                 best = min(cost, key=lambda n: (cost[n], n))
                 if cost[best] > (1 - p.min_gain) * cost[1]:
                     choice = GroupChoice(1, "no-gain", c, t, cost[1])

@@ -12,18 +12,12 @@ import torch
 from kvpipe.cache.kv_pool import KVPool
 from kvpipe.config import CacheConfig
 from kvpipe.engine.batch import ForwardSpec
+from kvpipe.engine.layer_groups import split_layers  # noqa: F401 - re-exported (the cost model simulates the same split)
 from kvpipe.model.forward_batch import ForwardBatch
 from kvpipe.model.llama import CausalLM
 
 # (start, end, batch): layers [start, end) of this forward have written their KV into the pool
 GroupCallback = Callable[[int, int, ForwardBatch], None]
-
-
-def split_layers(num_layers: int, num_groups: int) -> tuple[tuple[int, int], ...]:
-    """[start, end) ranges of `num_groups` near-equal contiguous layer groups."""
-    n = max(1, min(num_groups, num_layers))
-    bounds = [round(i * num_layers / n) for i in range(n + 1)]
-    return tuple((bounds[i], bounds[i + 1]) for i in range(n))
 
 
 class ModelRunner:

@@ -3,10 +3,15 @@
 Per request (DESIGN.md §3), keyed by its bootstrap_room:
 - admission: the request runs with max_new_tokens = 1 and the engine holds its pages after the
   finish (`hold_finished_pages`) until the sender says no write from them can still be in flight;
-- first finished chunk: the whole prompt's pages are allocated (they were promised at admission)
-  and the room is added to the sender with that page table;
-- every finished chunk: `send(room, start, end)`; the sender moves full pages only and keeps a
-  trailing partial page for the next call;
+- first prefill batch: right before its forward the whole prompt's pages are allocated (they were
+  promised at admission) and the room is added to the sender with that page table;
+- layer groups (layer-pipelined transfer, F5): per prefill batch `LayerPipeline` (cost model of
+  kvpipe/engine/layer_groups.py, or the fixed --disaggregation-layer-groups N) picks N groups;
+  with N > 1, after each group `send(room, start, end, layer_start, layer_end)` for every row
+  of the batch, so a group's KV is on the wire while the next group computes (on CUDA the write
+  waits on an event recorded after the group). With N = 1 (plain path) nothing is sent per group;
+- every finished chunk not sent group by group: `send(room, start, end)`; the sender moves full
+  pages only and keeps a trailing partial page for the next call;
 - prefill done: `send(room, start, n, last=True, aux=(first token, logprob))`;
 - sender reports Success: the finish (with the first token) goes to the client; Failed: an ABORT
   with the reason. Either way the pages are released then, and only then.
@@ -28,7 +33,10 @@ import numpy as np
 from kvpipe.config import ServerConfig
 from kvpipe.engine.disagg import TRANSFER_POLL_S, check_supported, data_host, make_backend, register_pool, \
     transfer_config
+from kvpipe.engine.batch import ScheduledBatch
 from kvpipe.engine.engine import Engine
+from kvpipe.engine.layer_groups import LayerGroupPolicy
+from kvpipe.engine.layer_pipeline import LayerPipeline
 from kvpipe.engine.request import FinishReason, Req, TokenOutput
 from kvpipe.engine.scheduler import SchedulerHooks
 from kvpipe.transfer.backends.base import TransferBackend
@@ -66,9 +74,8 @@ class PrefillEngine:
         d = cfg.disaggregation
         self.cfg = cfg
         hooks = SchedulerHooks(on_chunk_done=self._on_chunk_done, on_prefill_done=self._on_prefill_done)
-        # a fixed group count runs as given; "auto" (layer-pipelined transfer) plugs in here
-        groups = d.layer_groups if isinstance(d.layer_groups, int) else 1
-        self.engine = Engine(cfg, hooks, hold_finished_pages=True, prefill_layer_groups=groups)
+        self.engine = Engine(cfg, hooks, hold_finished_pages=True, prefill_layer_groups=self._plan_batch,
+                             on_group_done=self._on_group_done)
         self.tokenizer = self.engine.tokenizer
         self.model_config = self.engine.model_config
         self.context_length = self.engine.context_length
@@ -80,6 +87,9 @@ class PrefillEngine:
         self._aborts: list[str] = []
         self._rooms: dict[int, _Room] = {}  # engine thread only
         self._by_rid: dict[str, _Room] = {}
+        # rows of the prefill batch being forwarded whose KV goes out group by group:
+        # (room, chunk start, chunk end); empty for a plain-path batch
+        self._piped: list[tuple[_Room, int, int]] = []
         self.bootstrap: BootstrapServer | None = None
         self.sender: KVSender | None = None
         self.backend: TransferBackend | None = None
@@ -93,6 +103,8 @@ class PrefillEngine:
             self.sender = KVSender(transfer_config(cfg), layout=self.layout, backend=self.backend,
                                    model_name=cfg.model_name, instance_id=uuid.uuid4().hex[:12], host=host)
             self.sender.start(bootstrap=(reg_host, self.bootstrap.port))
+            self.pipeline = LayerPipeline(LayerGroupPolicy.parse(d.layer_groups), self.model_config.num_layers,
+                                          self.layout.token_nbytes, self.engine.runner.device)
         except BaseException:
             self._close_transfer(own_backend=backend is None)
             self.engine.shutdown()
@@ -146,7 +158,13 @@ class PrefillEngine:
                 "rooms_succeeded": st.rooms_succeeded, "rooms_failed": st.rooms_failed,
                 "bytes_written": st.bytes_written, "ops_submitted": st.ops_submitted,
                 "rejected_messages": st.rejected_messages,
+                "link_busy_s": st.busy_s, "link_busy_bytes": st.busy_bytes,
+                "layer_groups": self.pipeline.stats(),
             }
+            # the layer-group choice of the last prefill batch (bench probes read `num_groups`)
+            s["num_groups"] = self.pipeline.last.groups
+            s["layer_groups_reason"] = self.pipeline.last.reason
+            s["layer_group_batches"] = dict(self.pipeline.batches_by_groups)
         return s
 
     # ---- the step --------------------------------------------------------------------------
@@ -172,7 +190,13 @@ class PrefillEngine:
             else:
                 self._engine_finished(r, out, str(out.finish_detail), outs)
         assert self.sender is not None
-        for room, state, reason in self.sender.poll():
+        finished = self.sender.poll()
+        if finished:
+            st = self.sender.stats
+            self.pipeline.observe_link(st.busy_bytes, st.busy_s)
+            for t in self.sender.take_timings():
+                logger.debug("room %d: %d bytes, link busy %.1f ms", t.room, t.nbytes, t.busy_s * 1e3)
+        for room, state, reason in finished:
             r = self._rooms.get(room)
             if r is None:
                 continue
@@ -252,24 +276,58 @@ class PrefillEngine:
         with self._lock:
             self._claimed.discard(r.room)
 
-    # ---- scheduler hooks (engine thread, inside Engine.step) --------------------------------
+    # ---- engine hooks (engine thread, inside Engine.step) -----------------------------------
+    def _add_room(self, r: _Room) -> bool:
+        """Hand the room's whole page table to the sender (once); False if it cannot be sent."""
+        if r.added:
+            return True
+        assert self.sender is not None
+        pages = self.engine.scheduler.allocate_prompt(r.req)
+        try:
+            self.sender.add_room(r.room, pages.copy())
+            r.added = True
+            return True
+        except ValueError as e:
+            logger.warning("room %d: %s", r.room, e)
+            r.transfer_done = True  # nothing of ours in the sender
+            self.engine.abort(r.req.rid)
+            return False
+
+    def _plan_batch(self, batch: ScheduledBatch) -> int:
+        """Right before a prefill forward: rooms go to the sender, the layer groups are chosen."""
+        rows = []
+        for req, pre, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+            r = self._room_of(req.rid)
+            if r is not None and not r.transfer_done and self._add_room(r):
+                rows.append((r, pre, pre + n))
+        choice = self.pipeline.begin(batch.num_tokens, sum(t1 - t0 for _, t0, t1 in rows))
+        self._piped = rows if choice.groups > 1 else []
+        return choice.groups
+
+    def _on_group_done(self, batch: ScheduledBatch, start: int, end: int) -> None:
+        """Layers [start, end) of the batch hold their KV: ship them while the next group computes
+        (full pages only; the final send() flushes each layer's partial page)."""
+        if self._piped:
+            assert self.sender is not None
+            ready = self.pipeline.group_ready()
+            for r, t0, t1 in self._piped:
+                if r.transfer_done:
+                    continue
+                try:
+                    self.sender.send(r.room, t0, t1, start, end, ready=ready)
+                except (KeyError, ValueError) as e:  # a planning error fails this room, not the batch
+                    logger.warning("room %d: %s", r.room, e)
+                    self.sender.abort(r.room, f"layer-group send failed: {e}")
+        if end == self.model_config.num_layers:
+            self.pipeline.end()
+
     def _on_chunk_done(self, req: Req, start: int, end: int) -> None:
         r = self._room_of(req.rid)
-        if r is None or r.transfer_done:
+        if r is None or r.transfer_done or not self._add_room(r):
             return
         assert self.sender is not None
-        if not r.added:
-            pages = self.engine.scheduler.allocate_prompt(req)
-            try:
-                self.sender.add_room(r.room, pages.copy())
-                r.added = True
-            except ValueError as e:
-                logger.warning("room %d: %s", r.room, e)
-                r.transfer_done = True  # nothing of ours in the sender
-                self.engine.abort(req.rid)
-                return
         r.chunk_start = start
-        if end < len(req.input_ids):
+        if end < len(req.input_ids) and not any(p is r for p, _, _ in self._piped):
             self.sender.send(r.room, start, end)  # full pages go now; a partial page waits
 
     def _on_prefill_done(self, req: Req) -> None:

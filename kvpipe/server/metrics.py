@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -24,6 +24,8 @@ _GAUGES = {
     "num_waiting": ("kvpipe_num_waiting_reqs", "Requests queued for admission"),
     "free_pages": ("kvpipe_free_pages", "KV cache pages free for new requests"),
     "total_pages": ("kvpipe_total_pages", "KV cache pages in the pool"),
+    # PD prefill (layer-pipelined KV transfer)
+    "num_groups": ("kvpipe_num_layer_groups", "Layer groups of the last prefill batch (1: plain transfer)"),
 }
 
 
@@ -31,11 +33,18 @@ class _EngineStatsCollector(Collector):
     def __init__(self, stats: Callable[[], dict | None]) -> None:
         self._stats = stats
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         stats = self._stats() or {}
         for key, (name, doc) in _GAUGES.items():
             if key in stats:
                 yield GaugeMetricFamily(name, doc, value=float(stats[key]))
+        by_groups = stats.get("layer_group_batches")
+        if isinstance(by_groups, dict):
+            c = CounterMetricFamily("kvpipe_prefill_batches_by_layer_groups",
+                                    "Prefill batches by the number of layer groups they ran as", labels=["groups"])
+            for groups, n in sorted(by_groups.items()):
+                c.add_metric([str(groups)], float(n))
+            yield c
 
 
 class ServerMetrics:

@@ -7,6 +7,7 @@
     sender.send(room, t0, t1, layer_start, layer_end)          # KV of tokens < t1 ready (chunk,
     sender.send(room, t0, n, last=True, aux=(token_id, logprob))  # layer group); final call
     for room, state, reason in sender.poll(): ...  # Success or Failed: free the room's pages now
+    sender.take_timings()                         # bytes and busy seconds of rooms that succeeded
     sender.abort(room, "client went away")        # the room turns Failed; poll reports it later
     sender.close()
 
@@ -33,6 +34,7 @@ import logging
 import threading
 import time
 import uuid
+from typing import Callable
 
 import numpy as np
 
@@ -41,7 +43,7 @@ from kvpipe.transfer.bootstrap import BootstrapError, PrefillRankInfo, register_
 from kvpipe.transfer.config import DisaggConfig
 from kvpipe.transfer.control import ControlEndpoint
 from kvpipe.transfer.layout import KVLayout
-from kvpipe.transfer.sender_book import SenderBook, SenderStats
+from kvpipe.transfer.sender_book import SenderBook, SenderStats, TransferTiming
 from kvpipe.transfer.sender_room import OpBatch, SendCall
 from kvpipe.transfer.state import Clock, TransferState
 
@@ -125,15 +127,17 @@ class KVSender:
 
     def send(self, room: int, token_start: int, token_end: int, layer_start: int = 0,
              layer_end: int | None = None, last: bool = False, aux: tuple[int, float] | None = None,
-             src_pages: np.ndarray | list[int] | None = None) -> bool:
+             src_pages: np.ndarray | list[int] | None = None, ready: Callable[[], bool] | None = None) -> bool:
         """KV of tokens [token_start, token_end), and of every token before, is ready in layers
         [layer_start, layer_end). `last=True` (once, with aux = (first token id, logprob)) means
         the prompt is complete in every layer. `src_pages`: the room's page table when it grew
-        since add_room (it must extend the old one). Returns False if the room already failed."""
+        since add_room (it must extend the old one). `ready`: the KV is still being computed
+        on a device; nothing of this call (or later ones of the room) is written before
+        `ready()` returns True (e.g. a CUDA event's `query`). Returns False if the room already failed."""
         if last and aux is None:
             raise ValueError(f"room {room}: the last send() carries aux = (first token id, logprob)")
         call = SendCall(token_start, token_end, layer_start, self.layout.num_layers if layer_end is None
-                        else layer_end, last)
+                        else layer_end, last, ready)
         pages = None if src_pages is None else self._check_pages(room, src_pages)
         with self._lock:
             ok = self._book.add_call(room, call, aux, pages)
@@ -150,6 +154,13 @@ class KVSender:
         """(room, Success | Failed, reason) of rooms whose pages the engine may free now; once each."""
         with self._lock:
             return self._book.poll(self._clock())
+
+    def take_timings(self) -> list[TransferTiming]:
+        """How rooms that succeeded since the last call used the link (oldest first)."""
+        with self._lock:
+            out = list(self._book.timings)
+            self._book.timings.clear()
+        return out
 
     def room_state(self, room: int) -> TransferState | None:
         """Current state of an active room (None once reported by poll, or unknown)."""

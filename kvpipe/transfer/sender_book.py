@@ -16,6 +16,7 @@ Protocol rules it keeps (DESIGN.md §8):
 
 from __future__ import annotations
 
+import collections
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -45,6 +46,21 @@ class SenderStats:
     bytes_written: int = 0
     rooms_succeeded: int = 0
     rooms_failed: int = 0
+    # Link goodput = busy_bytes / busy_s: seconds with at least one batch in flight and the bytes
+    # those batches landed, counted over finished busy periods only (the two always agree).
+    busy_s: float = 0.0
+    busy_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class TransferTiming:
+    """How a room that succeeded used the link (sender clock, seconds)."""
+
+    room: int
+    nbytes: int  # bytes written to every destination
+    busy_s: float  # seconds with at least one of its batches in flight
+    first_submit_at: float | None
+    last_done_at: float | None
 
 
 @dataclass
@@ -76,6 +92,9 @@ class SenderBook:
         self._dirty = True
         self._next_scan = float("-inf")
         self._peer_progress: dict[str, float] = {}  # data address -> last time a batch to it completed
+        self._link_busy_since: float | None = None  # start of the current busy period
+        self._period_bytes = 0  # bytes landed in the current busy period
+        self.timings: collections.deque[TransferTiming] = collections.deque(maxlen=1024)  # succeeded rooms
 
     # ---- engine side -----------------------------------------------------------------------
 
@@ -233,6 +252,8 @@ class SenderBook:
         if r.src_pages is not None:
             self.stats.rooms_succeeded += r.rec.state is S
             self.stats.rooms_failed += r.rec.state is F
+            if r.rec.state is S:
+                self.timings.append(TransferTiming(r.room, r.bytes_done, r.busy_s, r.first_submit_at, r.last_done_at))
 
     # ---- clock: deadlines, liveness, heartbeats, planning, the write window --------------------
 
@@ -288,6 +309,9 @@ class SenderBook:
             while r.queued and (self.inflight_ops == 0
                                 or self.inflight_ops + r.queued[0].num_ops <= self.cfg.max_inflight_ops):
                 b = r.queued.popleft()
+                if self.inflight_ops == 0 and self._link_busy_since is None:
+                    self._link_busy_since = now
+                r.mark_busy(now)
                 self.inflight_ops += b.num_ops
                 r.submitting += 1
                 take.append((r, b))
@@ -328,11 +352,20 @@ class SenderBook:
                 r.ops_done += inf.handle.num_ops
                 r.bytes_done += inf.handle.nbytes
                 self.stats.bytes_written += inf.handle.nbytes
+                self._period_bytes += inf.handle.nbytes
             elif state is BatchState.FAILED:
                 self.stats.batches_failed += 1
                 r.rec.fail(f"write to decode failed: {inf.handle.error}", now)
-        self.finalize(now, {id(r): r for r, *_ in fresh + polled}.values())
-        return self.inflight_ops > 0 or any(r.queued for r in self._busy.values())
+        touched = {id(r): r for r, *_ in fresh + polled}.values()
+        for r in touched:
+            r.mark_idle_if_drained(now)
+        if self.inflight_ops == 0 and self._link_busy_since is not None:
+            self.stats.busy_s += max(0.0, now - self._link_busy_since)
+            self.stats.busy_bytes += self._period_bytes
+            self._link_busy_since, self._period_bytes = None, 0
+        self.finalize(now, touched)
+        # a call gated on a compute event is polled every tick too, so its writes start promptly
+        return self.inflight_ops > 0 or any(r.queued or r.waiting_on_compute for r in self._busy.values())
 
     def finalize(self, now: float, rooms: Iterable[SenderRoom] | None = None) -> None:
         """Send final statuses of drained rooms, note what poll() may report, forget failed rooms

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -37,6 +38,10 @@ class SendCall:
     layer_start: int
     layer_end: int
     last: bool
+    # None: the KV is in memory already (CPU). Else polled before planning and this call and every
+    # later one of the room wait until it returns True (e.g. `torch.cuda.Event.query` of an event
+    # recorded after the layer group: the write waits for the group, never for the whole device).
+    ready: Callable[[], bool] | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -102,6 +107,11 @@ class SenderRoom:
     ops_planned: int = 0
     ops_done: int = 0
     bytes_done: int = 0
+    # transfer time: seconds with at least one of this room's batches taken and not yet finished
+    busy_s: float = 0.0
+    busy_since: float | None = None
+    first_submit_at: float | None = None
+    last_done_at: float | None = None
     reported: bool = False  # poll() handed the outcome to the engine
 
     @property
@@ -117,6 +127,25 @@ class SenderRoom:
     @property
     def complete(self) -> bool:
         return self.ready and self.last_called and not self.calls and self.drained
+
+    @property
+    def waiting_on_compute(self) -> bool:
+        """The next queued call waits for its `ready` event."""
+        return bool(self.calls) and self.calls[0].ready is not None
+
+    def mark_busy(self, now: float) -> None:
+        """A batch of this room was taken for submission."""
+        if self.busy_since is None:
+            self.busy_since = now
+        if self.first_submit_at is None:
+            self.first_submit_at = now
+
+    def mark_idle_if_drained(self, now: float) -> None:
+        """Close the busy interval once nothing of this room is in flight."""
+        if self.busy_since is not None and not self.inflight and not self.submitting:
+            self.busy_s += max(0.0, now - self.busy_since)
+            self.busy_since = None
+            self.last_done_at = now
 
     def add_call(self, call: SendCall) -> None:
         if self.last_called:
@@ -138,6 +167,8 @@ class SenderRoom:
             return 0
         planned = 0
         while self.calls:
+            if self.calls[0].ready is not None and not self.calls[0].ready():
+                break  # its layers are still being computed; later calls come after it
             call = self.calls.popleft()
             for dest in self.dests.values():
                 for batch in self._plan_dest(call, dest):

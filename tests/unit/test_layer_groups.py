@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvpipe.engine.layer_groups import (ComputeEstimator, LayerGroupPlanner, LayerGroupPolicy, LinkEstimator,
-                                        predicted_ttft_ms)
+                                        predicted_ttft_ms, split_layers)
 
 
 def test_predicted_ttft_matches_the_two_regimes():
@@ -63,7 +63,8 @@ def test_plain_path_for_short_prompts_and_without_estimates():
 def test_cost_model_pipelines_when_transfer_is_comparable_to_compute():
     pl = _planner(group_overhead_ms=1.0)
     ch = pl.choose(tokens=2048, kv_bytes=1_200_000_000)  # T = 1200 ms = C
-    assert ch.reason == "cost-model" and ch.groups == 8  # capped by max_groups
+    # 8 groups of 12 layers include 2-layer groups, exposing as much as 6 groups of 2: 6 is cheaper
+    assert ch.reason == "cost-model" and ch.groups == 6
     assert ch.predicted_ms < 0.6 * predicted_ttft_ms(ch.compute_ms, ch.transfer_ms, 1, 1.0)
     assert pl.last is ch
 
@@ -84,3 +85,16 @@ def test_overhead_limits_the_group_count():
 def test_fixed_groups_capped_by_layers():
     assert LayerGroupPlanner(LayerGroupPolicy(fixed_groups=20), 12).choose(10, 10).groups == 12
     assert LayerGroupPlanner(LayerGroupPolicy(fixed_groups=1), 12).choose(10**5, 10**12).groups == 1
+
+
+def test_simulated_pipeline_matches_the_closed_form_for_equal_groups():
+    for c, t, n in [(100, 40, 4), (40, 100, 4), (120, 120, 6), (90, 10, 3)]:
+        assert predicted_ttft_ms(c, t, n, 1.5, num_layers=12) == pytest.approx(predicted_ttft_ms(c, t, n, 1.5))
+
+
+def test_uneven_split_exposes_its_largest_last_group():
+    assert [e - s for s, e in split_layers(12, 8)] == [2, 1, 1, 2, 2, 1, 1, 2]
+    assert split_layers(4, 9) == ((0, 1), (1, 2), (2, 3), (3, 4))  # at most one group per layer
+    # T < C: the last group (2 of 12 layers) stays exposed, as with 6 groups, not T/8
+    assert predicted_ttft_ms(1200, 600, 8, 0, num_layers=12) == pytest.approx(1200 + 600 * 2 / 12)
+    assert predicted_ttft_ms(1200, 600, 8, 0, num_layers=12) > predicted_ttft_ms(1200, 600, 8, 0)

@@ -1,0 +1,125 @@
+"""Layer-pipelined prefill, the engine side: per batch, choose the layer groups, time the forward,
+feed the planner's estimators, and keep the choices for logs, /server_info and /metrics.
+
+The PrefillEngine calls, per prefill batch (engine thread):
+
+    choice = pipe.begin(batch_tokens, tokens_to_send)   # right before the forward
+    ready = pipe.group_ready()                          # after each group: None on CPU, else the
+                                                        # `query` of a CUDA event recorded there
+    pipe.end()                                          # after the last group
+and, as rooms finish, `pipe.observe_link(busy_bytes, busy_s)` with the sender's cumulative
+link counters (kvpipe.transfer.sender_book.SenderStats).
+
+Compute time on CPU is host wall time (the forward is synchronous); on CUDA it is the elapsed time
+between two timing events, read once the end event completed (never a synchronize).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from typing import Any, Callable
+
+import torch
+
+from kvpipe.engine.layer_groups import GroupChoice, LayerGroupPlanner, LayerGroupPolicy
+
+logger = logging.getLogger(__name__)
+
+# Link samples smaller than this are kept accumulating: a few pages are mostly per-op latency.
+MIN_LINK_SAMPLE_BYTES = 256 * 1024
+
+
+class LayerPipeline:
+    def __init__(self, policy: LayerGroupPolicy, num_layers: int, token_nbytes: int,
+                 device: torch.device | str = "cpu", clock: Callable[[], float] = time.perf_counter) -> None:
+        self.policy = policy
+        self.planner = LayerGroupPlanner(policy, num_layers)
+        self.num_layers = num_layers
+        self.token_nbytes = token_nbytes  # KV bytes of one token over all layers (this rank)
+        self.device = torch.device(device)
+        self._clock = clock
+        self.batches_by_groups: Counter[int] = Counter()  # prefill batches per group count
+        self.reasons: Counter[str] = Counter()
+        self._tokens = 0  # tokens of the batch being forwarded
+        self._t0: float | None = None
+        self._cuda_start: Any = None
+        self._cuda_pending: list[tuple[int, Any, Any]] = []  # (tokens, start event, end event)
+        self._link_base = (0, 0.0)  # sender's (busy_bytes, busy_s) at the last sample
+
+    @property
+    def last(self) -> GroupChoice:
+        return self.planner.last
+
+    def begin(self, tokens: int, send_tokens: int) -> GroupChoice:
+        """Choose the groups of a prefill batch of `tokens` new tokens, `send_tokens` of which
+        go to a decode; starts its compute timer."""
+        choice = self.planner.choose(tokens, send_tokens * self.token_nbytes)
+        self.batches_by_groups[choice.groups] += 1
+        self.reasons[choice.reason] += 1
+        self._tokens = tokens
+        self._poll_cuda()
+        if self.device.type == "cuda":
+            self._cuda_start = torch.cuda.Event(enable_timing=True)
+            self._cuda_start.record()
+        else:
+            self._t0 = self._clock()
+        if choice.groups > 1:
+            logger.info("prefill batch of %d tokens (%d to send): %d layer groups (%s; C~%s ms, T~%s ms, "
+                        "predicted TTFT %s ms)", tokens, send_tokens, choice.groups, choice.reason,
+                        _ms(choice.compute_ms), _ms(choice.transfer_ms), _ms(choice.predicted_ms))
+        else:
+            logger.debug("prefill batch of %d tokens: plain path (%s)", tokens, choice.reason)
+        return choice
+
+    def group_ready(self) -> Callable[[], bool] | None:
+        """After a layer group: what a transfer of its KV must wait for (None: nothing, CPU)."""
+        if self.device.type != "cuda":
+            return None
+        ev = torch.cuda.Event()
+        ev.record()  # on the current stream, after the group's kernels
+        return ev.query
+
+    def end(self) -> None:
+        """The last layer group of the batch was issued (CPU: computed)."""
+        if self.device.type == "cuda":
+            if self._cuda_start is not None:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self._cuda_pending.append((self._tokens, self._cuda_start, end))
+                self._cuda_start = None
+            return
+        if self._t0 is not None:
+            self.planner.compute.observe(self._tokens, self.num_layers, (self._clock() - self._t0) * 1e3)
+            self._t0 = None
+
+    def _poll_cuda(self) -> None:
+        while self._cuda_pending and self._cuda_pending[0][2].query():
+            tokens, start, end = self._cuda_pending.pop(0)
+            self.planner.compute.observe(tokens, self.num_layers, start.elapsed_time(end))
+
+    def observe_link(self, busy_bytes: int, busy_s: float) -> None:
+        """The sender's cumulative (bytes, seconds) of finished busy periods; a sample is taken
+        once enough bytes accumulated since the last one."""
+        b0, s0 = self._link_base
+        db, ds = busy_bytes - b0, busy_s - s0
+        if db >= MIN_LINK_SAMPLE_BYTES and ds > 0:
+            self.planner.link.observe(db, ds * 1e3)
+            self._link_base = (busy_bytes, busy_s)
+
+    def stats(self) -> dict[str, Any]:
+        last = self.planner.last
+        rate = self.planner.link.bytes_per_ms
+        return {
+            "policy": "auto" if self.policy.fixed_groups is None else self.policy.fixed_groups,
+            "num_groups": last.groups, "reason": last.reason,
+            "predicted_ms": last.predicted_ms, "compute_ms": last.compute_ms, "transfer_ms": last.transfer_ms,
+            "batches_by_groups": {str(k): v for k, v in sorted(self.batches_by_groups.items())},
+            "reasons": dict(self.reasons),
+            "link_goodput_gbps": None if rate is None else rate * 8e3 / 1e9,
+        }
+
+
+def _ms(v: float | None) -> str:
+    return "?" if v is None else f"{v:.0f}"
