@@ -139,7 +139,12 @@ class DecodeEngine:
             self._on_abort(rid, outs)
         self._reserve(now, outs)
         self._poll(outs)
-        for out in self.engine.step():
+        try:
+            eng_outs = self.engine.step()
+        except Exception:
+            self._prune_active()  # the engine finished the failed batch's requests without outputs
+            raise
+        for out in eng_outs:
             if out.finish_reason is not None:
                 self._forget(out.rid)
             outs.append(out)
@@ -247,6 +252,13 @@ class DecodeEngine:
         with self._lock:
             self._claimed.discard(req.bootstrap_room)  # type: ignore[arg-type]
             self._active.discard(req.rid)
+
+    def _prune_active(self) -> None:
+        waiting = {p.req.rid for p in self._pending} | {r.rid for r in self._transfers.values()}
+        with self._lock:
+            new = {r.rid for r in self._inbox}
+            self._active = {rid for rid in self._active if rid in waiting or rid in new
+                            or self.engine.scheduler.get(rid) is not None}
 
     def _forget(self, rid: str) -> None:
         with self._lock:

@@ -230,3 +230,25 @@ def test_injected_failures_and_aborts_free_pages(tiny_model_dir, reference):
         pair.run([], until=lambda: c[1].finished)
         assert c[1].finish_reason in (FinishReason.ABORT, FinishReason.LENGTH)  # it may have landed already
         pair.settle()
+
+
+def test_prefill_forward_error_reaches_decode(tiny_model_dir):
+    with make_pair(tiny_model_dir) as pair:
+        p, d = pair.reqs(prompts(5, [60])[0])
+        pair.prefill.add_request(p)
+        pair.decode.add_request(d)
+        real_run = pair.prefill.engine.runner.run
+
+        def broken(*a, **kw):
+            pair.prefill.engine.runner.run = real_run  # fail once
+            raise RuntimeError("device lost")
+        pair.prefill.engine.runner.run = broken
+        with pytest.raises(RuntimeError, match="device lost"):
+            for _ in range(1000):  # bounded: the first prefill forward raises
+                pair.prefill.step()
+        _, d_out = pair.run([], until=lambda: d.finished)
+        assert d.finish_reason is FinishReason.ABORT and "forward failed: device lost" in str(d.finish_detail)
+        pair.settle()
+        ok = pair.reqs(prompts(6, [30])[0])  # both keep serving
+        pair.run([ok])
+        assert ok[1].finish_reason is FinishReason.LENGTH
