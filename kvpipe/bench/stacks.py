@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, TypeVar
 
 from kvpipe.bench.sweep import mode_server_flags
 from kvpipe.bench.testbed import LinkTestbed, run_in_netns
-from kvpipe.server.launcher import free_port, start_pd_stack, stop_process, wait_healthy
+from kvpipe.server.launcher import free_port, router_command, start_pd_stack, stop_process, wait_healthy
 
 T = TypeVar("T")
 
@@ -101,9 +101,7 @@ def testbed_pd_stack(tb: LinkTestbed, opts: StackOptions, flags: list[str], name
         start("b", "decode", _serve_cmd(opts, b, d_port, *flags, "--disaggregation-mode", "decode"))
         for url in (p_url, d_url):
             tb.call_in("b", wait_healthy, url + "/health", opts.timeout_s, procs)
-        start("b", "router", [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-                              "--prefill", p_url, str(b_port), "--decode", d_url, "--host", b,
-                              "--port", str(r_port), "--log-level", "warn"])
+        start("b", "router", router_command(p_url, b_port, d_url, b, r_port, tb.call_in("b", free_port, b)))
         tb.call_in("b", wait_healthy, r_url + "/health", opts.timeout_s, procs)
         yield Endpoint(r_url, p_url, tb.ns_b)
     finally:

@@ -80,6 +80,16 @@ class PDStack:
         self.close()
 
 
+def router_command(prefill_url: str, bootstrap_port: int, decode_url: str, host: str, port: int,
+                   prometheus_port: int) -> list[str]:
+    """sglang-router in PD mode. Its Prometheus exporter gets a port of its own (it defaults to a
+    fixed one, so a second router on the machine would die at startup)."""
+    return [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+            "--prefill", prefill_url, str(bootstrap_port), "--decode", decode_url,
+            "--host", host, "--port", str(port), "--prometheus-host", host,
+            "--prometheus-port", str(prometheus_port), "--log-level", "warn"]
+
+
 def _spawn(cmd: list[str], log_path: str | None) -> subprocess.Popen:
     out = open(log_path, "ab") if log_path else None  # noqa: SIM115 - owned by the child
     # A new session per child: Ctrl-C reaches only us, and we stop children in order.
@@ -108,10 +118,8 @@ def start_pd_stack(model_path: str | None, host: str = "127.0.0.1", router_port:
                                    "--disaggregation-mode", "decode", *(decode_args or [])], log("decode")))
         for url in (stack.prefill_url, stack.decode_url):
             wait_healthy(url + "/health", timeout_s, stack.procs)
-        stack.procs.append(_spawn([py, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-                                   "--prefill", stack.prefill_url, str(b_port), "--decode", stack.decode_url,
-                                   "--host", host, "--port", str(r_port), "--log-level", "warn"],
-                                  log("router")))
+        stack.procs.append(_spawn(router_command(stack.prefill_url, b_port, stack.decode_url, host, r_port,
+                                                 free_port(host)), log("router")))
         wait_healthy(stack.router_url + "/health", timeout_s, stack.procs)
     except BaseException:
         stack.close()
