@@ -48,6 +48,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="sweep: baseline, pipelined, pipelined-N (forced N groups), inproc (colocated)")
     t.add_argument("--model-path", default=None, help="sweep: checkpoint directory (default: tiny preset)")
     t.add_argument("--server-args", default="", help="sweep: extra flags for every server, one string")
+    t.add_argument("--interleave", action="store_true", help="sweep: run every mode's stack at once and "
+                   "alternate the modes request by request (round by round of --concurrency requests), so "
+                   "a shared machine's load drift hits all modes alike")
     t.add_argument("--link-rate", default=None, help="sweep: run PD stacks across an emulated link of "
                    "this tc rate (e.g. 1gbit); needs root")
     t.add_argument("--log-dir", default=None, help="sweep: write server logs here (default: a new temp dir)")
@@ -134,7 +137,8 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
     from kvpipe.bench.plot import plot_sweep
     from kvpipe.bench.probe import model_config, read_num_groups
     from kvpipe.bench.stacks import Endpoint, StackOptions, default_stack_factory
-    from kvpipe.bench.sweep import INPROC, kv_bytes_per_token, parse_modes, parse_prompt_lens, run_sweep, sweep_rows
+    from kvpipe.bench.sweep import (INPROC, SliceResult, kv_bytes_per_token, parse_modes, parse_prompt_lens,
+                                    run_sweep, run_sweep_interleaved, sweep_rows)
     from kvpipe.bench.testbed import LinkTestbed, LinkTestbedError, parse_rate
     from kvpipe.cli import resolve_model_path
 
@@ -154,15 +158,44 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
         groups = ep.call(read_num_groups, ep.info_url) if ep.info_url and mode != INPROC else None
         return summary, groups
 
+    rounds = -(-args.num_requests // args.concurrency)
+    workloads = {n: build_workload(configs[n]) for n in lens} if args.interleave else {}
+
+    def measure_slice(ep: Endpoint, mode: str, n: int, r: int) -> SliceResult:
+        from kvpipe.bench.client import run_workload
+        from kvpipe.bench.workload import Workload
+
+        cfg, desc = configs[n], f"{mode} len={n} round {r + 1}/{rounds}"
+        if r == 0 and args.warmup_requests > 0:
+            warm = replace(cfg, num_requests=args.warmup_requests, seed=cfg.seed + 1_000_003, request_rate=math.inf)
+            ep.call(run_workload, ep.url, build_workload(warm), args.concurrency, args.timeout, False, desc)
+        part = workloads[n].requests[r * args.concurrency:(r + 1) * args.concurrency]
+        sub = Workload(cfg, tuple(replace(q, arrival_s=0.0) for q in part))
+        res = ep.call(run_workload, ep.url, sub, args.concurrency, args.timeout, not args.no_progress, desc)
+        groups = ep.call(read_num_groups, ep.info_url) if ep.info_url and mode != INPROC else None
+        return SliceResult(res.records, res.duration_s, groups)
+
+    def summarize_records(records: Any, duration_s: float) -> dict:
+        from kvpipe.bench.metrics import first_errors, summarize
+
+        summary = summarize(records, duration_s)
+        if first_errors(records):
+            summary["errors"] = first_errors(records)
+        return summary
+
     try:
         with contextlib.ExitStack() as stack:
             tb = stack.enter_context(LinkTestbed(args.link_rate)) if args.link_rate else None
-            points = run_sweep(lens, modes, default_stack_factory(opts, tb), measure)
+            factory = default_stack_factory(opts, tb)
+            if args.interleave:
+                points = run_sweep_interleaved(lens, modes, factory, measure_slice, rounds, summarize_records)
+            else:
+                points = run_sweep(lens, modes, factory, measure)
     except (LinkTestbedError, RuntimeError, TimeoutError) as e:  # a stack that did not start
         raise SystemExit(f"kvpipe bench serve: {e} (server logs in {log_dir})") from None
     rows = sweep_rows(points, rate_bps, kv_bytes_per_token(model_config(model_path) or {}))
     result = {"model_path": model_path, "log_dir": log_dir, "link_rate": args.link_rate or "loopback", "link_rate_bps": rate_bps,
-              "modes": modes, "server_args": list(opts.server_args),
+              "modes": modes, "interleaved": args.interleave, "server_args": list(opts.server_args),
               "workload": _config_dict(configs[lens[0]], args) | {"prompt_lens": lens}, "rows": rows,
               "summaries": [{"prompt_len": p.prompt_len, "mode": p.mode, **p.summary} for p in points]}
     title = f"kvpipe sweep, link {result['link_rate']}, {args.num_requests} req/point, c={args.concurrency}"
@@ -191,6 +224,9 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     if (args.url is None) == (args.sweep_prompt_lens is None):
         raise SystemExit("kvpipe bench serve: give either --url (one run against a running server) or "
                          "--sweep-prompt-lens (start a stack per mode)")
+    if args.interleave and (not args.sweep_prompt_lens or not math.isinf(args.request_rate)):
+        raise SystemExit("kvpipe bench serve: --interleave applies to sweeps without --request-rate "
+                         "(each round sends its requests at once)")
     if args.link_rate and not args.sweep_prompt_lens:
         raise SystemExit("kvpipe bench serve: --link-rate applies to sweeps (the stacks started here)")
     with _sigterm_as_exit():

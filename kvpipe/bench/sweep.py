@@ -13,7 +13,7 @@ exposed_transfer_ratio of a pipelined mode = its exposed time / the baseline's.
 from __future__ import annotations
 
 import re
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
@@ -78,6 +78,46 @@ def run_sweep(prompt_lens: Sequence[int], modes: Sequence[str],
             for n in prompt_lens:
                 summary, groups = measure(endpoint, mode, n)
                 points.append(SweepPoint(n, mode, summary, groups))
+    return points
+
+
+@dataclass(frozen=True)
+class SliceResult:
+    """One round of an interleaved sweep on one mode: its request records and wall time."""
+
+    records: Sequence[Any]  # kvpipe.bench.metrics.RequestRecord
+    duration_s: float
+    num_groups: int | None = None
+
+
+def round_order(modes: Sequence[str], r: int) -> list[str]:
+    """Modes of round r, rotated by r, so no mode always runs first (right after a mode switch)."""
+    k = r % len(modes) if modes else 0
+    return [*modes[k:], *modes[:k]]
+
+
+def run_sweep_interleaved(prompt_lens: Sequence[int], modes: Sequence[str],
+                          open_stack: Callable[[str], AbstractContextManager[E]],
+                          measure_slice: Callable[[E, str, int, int], SliceResult], rounds: int,
+                          summarize: Callable[[Sequence[Any], float], Mapping[str, Any]]) -> list[SweepPoint]:
+    """Every mode's stack runs at once; per prompt length, `rounds` rounds each run one slice of
+    the workload (`measure_slice(endpoint, mode, prompt_len, round)`) on every mode in turn.
+    On a shared, noisy machine a load change then hits all modes alike instead of the one mode
+    that happened to run at the time, which is what the side-by-side ratios need."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    points = []
+    with ExitStack() as stacks:
+        eps = {m: stacks.enter_context(open_stack(m)) for m in modes}
+        for n in prompt_lens:
+            parts: dict[str, list[SliceResult]] = {m: [] for m in modes}
+            for r in range(rounds):
+                for m in round_order(modes, r):
+                    parts[m].append(measure_slice(eps[m], m, n, r))
+            for m in modes:
+                records = [rec for p in parts[m] for rec in p.records]
+                groups = next((p.num_groups for p in reversed(parts[m]) if p.num_groups is not None), None)
+                points.append(SweepPoint(n, m, summarize(records, sum(p.duration_s for p in parts[m])), groups))
     return points
 
 

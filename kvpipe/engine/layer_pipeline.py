@@ -43,6 +43,7 @@ class LayerPipeline:
         self.batches_by_groups: Counter[int] = Counter()  # prefill batches per group count
         self.reasons: Counter[str] = Counter()
         self._tokens = 0  # tokens of the batch being forwarded
+        self._send_tokens = 0  # of which go to a decode
         self._t0: float | None = None
         self._cuda_start: Any = None
         self._cuda_pending: list[tuple[int, Any, Any]] = []  # (tokens, start event, end event)
@@ -65,12 +66,7 @@ class LayerPipeline:
             self._cuda_start.record()
         else:
             self._t0 = self._clock()
-        if choice.groups > 1:
-            logger.info("prefill batch of %d tokens (%d to send): %d layer groups (%s; C~%s ms, T~%s ms, "
-                        "predicted TTFT %s ms)", tokens, send_tokens, choice.groups, choice.reason,
-                        _ms(choice.compute_ms), _ms(choice.transfer_ms), _ms(choice.predicted_ms))
-        else:
-            logger.debug("prefill batch of %d tokens: plain path (%s)", tokens, choice.reason)
+        self._send_tokens = send_tokens
         return choice
 
     def group_ready(self) -> Callable[[], bool] | None:
@@ -89,10 +85,22 @@ class LayerPipeline:
                 end.record()
                 self._cuda_pending.append((self._tokens, self._cuda_start, end))
                 self._cuda_start = None
+            self._log()  # the forward's time is known once its end event completed
             return
         if self._t0 is not None:
-            self.planner.compute.observe(self._tokens, self.num_layers, (self._clock() - self._t0) * 1e3)
+            ms = (self._clock() - self._t0) * 1e3
+            self.planner.compute.observe(self._tokens, self.num_layers, ms)
             self._t0 = None
+            self._log(ms)
+
+    def _log(self, forward_ms: float | None = None) -> None:
+        c = self.planner.last
+        level = logging.INFO if c.groups > 1 else logging.DEBUG  # one line per pipelined batch
+        if logger.isEnabledFor(level):
+            logger.log(level, "prefill batch of %d tokens (%d to send): %d layer group%s (%s; estimated C %s ms, "
+                       "T %s ms, TTFT %s ms); forward took %s ms", self._tokens, self._send_tokens, c.groups,
+                       "s" if c.groups > 1 else "", c.reason, _ms(c.compute_ms), _ms(c.transfer_ms),
+                       _ms(c.predicted_ms), _ms(forward_ms))
 
     def _poll_cuda(self) -> None:
         while self._cuda_pending and self._cuda_pending[0][2].query():

@@ -25,11 +25,15 @@ class DisaggConfig:
     http_timeout_s: float = 2.0  # one bootstrap HTTP call
     control_send_hwm: int = 10000  # queued control messages per peer before sends are dropped
     tick_s: float = 0.0005  # worker sleep between backend polls while writes are in flight
+    # ... doubled after each poll that finished nothing, up to this: on a slow link a write takes
+    # far longer than a tick, and polling at 2 kHz would take CPU (and the GIL) from the prefill
+    # forward that layer-pipelined transfer overlaps with
+    max_tick_s: float = 0.004
     idle_tick_s: float = 0.01  # worker sleep when nothing is in flight
 
     def __post_init__(self) -> None:
         for name in ("bootstrap_timeout_s", "waiting_timeout_s", "heartbeat_interval_s",
-                     "transfer_timeout_s", "http_timeout_s", "tick_s", "idle_tick_s"):
+                     "transfer_timeout_s", "http_timeout_s", "tick_s", "max_tick_s", "idle_tick_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"DisaggConfig.{name} must be positive, got {getattr(self, name)}")
         if self.heartbeat_misses < 1 or self.max_inflight_ops < 1 or self.control_send_hwm < 1:

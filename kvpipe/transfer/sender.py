@@ -38,7 +38,7 @@ from typing import Callable
 
 import numpy as np
 
-from kvpipe.transfer.backends.base import BatchHandle, TransferBackend, TransferError
+from kvpipe.transfer.backends.base import BatchHandle, BatchState, TransferBackend, TransferError
 from kvpipe.transfer.bootstrap import BootstrapError, PrefillRankInfo, register_prefill_rank
 from kvpipe.transfer.config import DisaggConfig
 from kvpipe.transfer.control import ControlEndpoint
@@ -180,9 +180,10 @@ class KVSender:
         self._wake.set()
 
     def _run(self) -> None:
+        delay = self.cfg.tick_s
         while not self._stop.is_set():
             self._wake.clear()
-            busy = False
+            busy = progressed = False
             try:
                 with self._lock:
                     now = self._clock()
@@ -193,13 +194,17 @@ class KVSender:
                 for inf, why in cancels:
                     self.backend.cancel(inf.handle, why)
                 polled = [(r, inf, self.backend.poll(inf.handle)) for r, inf in watch]
+                progressed = bool(fresh) or any(st is not BatchState.PENDING for _, _, st in polled)
                 with self._lock:
                     busy = self._book.record(fresh, polled, self._clock())
             except Exception:  # never let the worker die: rooms would hang until their deadlines
                 log.exception("prefill rank %d transfer worker error", self.tp_rank)
             if busy:
-                self._stop.wait(self.cfg.tick_s)
+                # back off while nothing finishes (slow link); a new send() wakes us at once
+                delay = self.cfg.tick_s if progressed else min(2 * delay, self.cfg.max_tick_s)
+                self._wake.wait(delay)
             else:
+                delay = self.cfg.tick_s
                 self._wake.wait(self.cfg.idle_tick_s)
 
     def _submit(self, b: OpBatch) -> tuple[BatchHandle | None, str | None]:
