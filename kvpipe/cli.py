@@ -150,10 +150,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         _positive("--" + name.replace("_", "-"), getattr(args, name))
     _positive("--context-length", args.context_length, allow_none=True)
     disagg = disaggregation_config_from_args(args)
-    if disagg.enabled and args.tp_size > 1:
-        raise SystemExit(f"kvpipe: --disaggregation-mode {disagg.mode} supports only --tp-size 1 for now "
-                         f"(got {args.tp_size}); run TP=1 prefill and decode servers")
-    return ServerConfig(
+    cfg = ServerConfig(
         model_path=resolve_model_path(args.model_path),
         host=getattr(args, "host", "127.0.0.1"),
         port=getattr(args, "port", 30000),
@@ -170,6 +167,13 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                                   context_length=args.context_length),
         disaggregation=disagg,
     )
+    from kvpipe.engine.disagg import check_supported  # lazy: the transfer layer is not needed to parse
+
+    try:
+        check_supported(cfg)
+    except ConfigError as e:
+        raise SystemExit(f"kvpipe: {e}") from e
+    return cfg
 
 
 def _setup_logging(level: str) -> None:

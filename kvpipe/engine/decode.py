@@ -29,10 +29,11 @@ from kvpipe.engine.disagg import TRANSFER_POLL_S, check_supported, data_host, ma
     transfer_config
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import FinishReason, Req, TokenOutput
+from kvpipe.engine.tp_disagg import decode_ranks
 from kvpipe.transfer.backends.base import TransferBackend
 from kvpipe.transfer.layout import KVLayout
 from kvpipe.transfer.messages import AuxData
-from kvpipe.transfer.receiver import DecodeRank, KVReceiver
+from kvpipe.transfer.receiver import KVReceiver
 from kvpipe.transfer.state import TransferState
 
 logger = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ class _Pending:
 
 
 class DecodeEngine:
-    """EngineLike for `--disaggregation-mode decode` (TP = 1)."""
+    """EngineLike for `--disaggregation-mode decode` (any TP size)."""
 
     def __init__(self, cfg: ServerConfig, backend: TransferBackend | None = None) -> None:
         check_supported(cfg)
@@ -72,7 +73,9 @@ class DecodeEngine:
             self.layout = KVLayout.from_pool(self.engine.runner.pool, 0, self.model_config.num_kv_heads)
             self.backend = backend if backend is not None else make_backend(cfg)
             register_pool(self.backend, self.layout)
-            self.receiver = KVReceiver(transfer_config(cfg), ranks=[DecodeRank(self.layout, self.backend.address)],
+            # one destination per TP rank: rank 0's pool here, the children's through their agents
+            ranks = decode_ranks(cfg, self.engine, self.layout, self.backend)
+            self.receiver = KVReceiver(transfer_config(cfg), ranks=ranks,
                                        model_name=cfg.model_name, host=data_host(cfg)).start()
         except BaseException:
             if own and self.backend is not None:
@@ -173,7 +176,10 @@ class DecodeEngine:
             room = req.bootstrap_room
             assert room is not None and req.bootstrap_host is not None
             try:
-                self.receiver.add_room(room, req.bootstrap_host, req.bootstrap_port, req.pages.copy(), 0)
+                # every TP rank holds the same page ids (one scheduler): the same list per rank
+                pages = req.pages.copy()
+                self.receiver.add_room(room, req.bootstrap_host, req.bootstrap_port,
+                                       [pages] * self.receiver.tp_size, 0)
             except ValueError as e:  # a duplicate room, or pages the receiver refuses: nothing was sent
                 sched.finish(req, FinishReason.ABORT, str(e))
                 self._end(req, outs)

@@ -1,7 +1,8 @@
 """What the PD prefill and decode engines share: config mapping, backend and address set-up.
 
 `ServerConfig.disaggregation` (CLI flags) -> the transfer layer's `DisaggConfig`, a transfer
-backend with the rank's KV pool registered once, the data-plane host, and the TP check.
+backend with the rank's KV pool registered once, the data-plane host, and the refusals.
+With TP > 1 every rank does this for its own KV shard (rank 0 here, children in tp_agent.py).
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ def check_supported(cfg: ServerConfig) -> None:
     d = cfg.disaggregation
     if not d.enabled:
         return
-    if cfg.tp_size > 1:
-        raise ConfigError(f"--disaggregation-mode {d.mode} with --tp-size {cfg.tp_size} is not supported yet: "
-                          "PD serving runs TP=1 prefill and decode servers (per-rank KV senders and "
-                          "receivers for TP > 1 are not wired into the server)")
+    if cfg.tp_size > 1 and d.transfer_backend == "local":
+        raise ConfigError(f"--disaggregation-mode {d.mode} with --tp-size {cfg.tp_size} needs "
+                          "--disaggregation-transfer-backend mooncake: TP ranks are separate processes and "
+                          "the local backend only copies inside one process")
     if d.ib_device and d.transfer_backend != "mooncake":
         raise ConfigError("--disaggregation-ib-device needs --disaggregation-transfer-backend mooncake")
 

@@ -48,11 +48,10 @@ class Engine:
         self.page_size = cfg.cache.page_size
         # Seams for layer-pipelined KV transfer: a prefill forward runs as `prefill_layer_groups`
         # groups (a count, or a function of the batch called right before its forward), and
-        # `on_group_done(batch, start, end)` runs after each group of a prefill forward (TP = 1).
+        # `on_group_done(batch, start, end)` runs after each group of a prefill forward (on rank 0
+        # with TP: each layer ends in an all-reduce, so every rank wrote the group's KV by then).
         self.prefill_layer_groups = prefill_layer_groups
         self.on_group_done = on_group_done
-        if cfg.tp_size > 1 and on_group_done is not None:
-            raise ValueError("on_group_done needs tp_size 1 (TP ranks run the forward in other processes)")
         self._tp: TPGroup | None = None
         if cfg.tp_size > 1:
             self._tp = TPGroup(cfg)
@@ -73,6 +72,11 @@ class Engine:
         self._aborts: list[str] = []
         self._active: set[str] = set()  # rids added and not yet finished (duplicate check)
         self._closed = False
+
+    @property
+    def tp_group(self) -> TPGroup | None:
+        """Rank 0's handle on the TP children (None with tp_size 1)."""
+        return self._tp
 
     # ---- thread-safe entry points ----------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -114,7 +118,7 @@ class Engine:
             return outs
         try:
             spec, callback = self._forward_spec(batch)
-            logits = self._tp.run(spec) if self._tp is not None else self.runner.run(spec, callback)
+            logits = self._tp.run(spec, callback) if self._tp is not None else self.runner.run(spec, callback)
         except Exception as e:
             # leave no half-run request behind: its pages go back, the caller sees the error
             for req in batch.reqs:

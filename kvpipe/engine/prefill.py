@@ -25,20 +25,20 @@ from __future__ import annotations
 
 import logging
 import threading
-import uuid
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from kvpipe.config import ServerConfig
-from kvpipe.engine.disagg import TRANSFER_POLL_S, check_supported, data_host, make_backend, register_pool, \
-    transfer_config
+from kvpipe.engine.disagg import TRANSFER_POLL_S, check_supported, data_host, make_backend, register_pool
 from kvpipe.engine.batch import ScheduledBatch
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.layer_groups import LayerGroupPolicy
 from kvpipe.engine.layer_pipeline import LayerPipeline
 from kvpipe.engine.request import FinishReason, Req, TokenOutput
 from kvpipe.engine.scheduler import SchedulerHooks
+from kvpipe.engine.tp_disagg import make_sender
+from kvpipe.engine.tp_sender import TPSender
 from kvpipe.transfer.backends.base import TransferBackend
 from kvpipe.transfer.bootstrap import BootstrapServer
 from kvpipe.transfer.layout import KVLayout
@@ -67,7 +67,7 @@ class _Room:
 
 
 class PrefillEngine:
-    """EngineLike for `--disaggregation-mode prefill` (TP = 1)."""
+    """EngineLike for `--disaggregation-mode prefill` (any TP size)."""
 
     def __init__(self, cfg: ServerConfig, backend: TransferBackend | None = None) -> None:
         check_supported(cfg)
@@ -91,7 +91,7 @@ class PrefillEngine:
         # (room, chunk start, chunk end); empty for a plain-path batch
         self._piped: list[tuple[_Room, int, int]] = []
         self.bootstrap: BootstrapServer | None = None
-        self.sender: KVSender | None = None
+        self.sender: KVSender | TPSender | None = None
         self.backend: TransferBackend | None = None
         try:
             self.layout = KVLayout.from_pool(self.engine.runner.pool, 0, self.model_config.num_kv_heads)
@@ -100,9 +100,9 @@ class PrefillEngine:
             host = data_host(cfg)
             self.bootstrap = BootstrapServer(cfg.host, d.bootstrap_port).start()
             reg_host = "127.0.0.1" if cfg.host in ("0.0.0.0", "") else "::1" if cfg.host == "::" else cfg.host
-            self.sender = KVSender(transfer_config(cfg), layout=self.layout, backend=self.backend,
-                                   model_name=cfg.model_name, instance_id=uuid.uuid4().hex[:12], host=host)
-            self.sender.start(bootstrap=(reg_host, self.bootstrap.port))
+            # one KVSender per TP rank (children's behind a TPSender, kvpipe/engine/tp_sender.py)
+            self.sender = make_sender(cfg, self.engine, self.layout, self.backend, host,
+                                      (reg_host, self.bootstrap.port))
             self.pipeline = LayerPipeline(LayerGroupPolicy.parse(d.layer_groups), self.model_config.num_layers,
                                           self.layout.token_nbytes, self.engine.runner.device)
         except BaseException:

@@ -8,6 +8,10 @@ messages; every step rank 0 sends the ForwardSpec, and all ranks run the same fo
 shard. Children wait on their pipe, never on a collective, so an idle
 server needs no heartbeat; a watchdog thread exits a child as soon as its parent is gone
 (os.getppid() changes), even while it is blocked inside a collective.
+
+PD servers (a disaggregation mode) open a second socketpair per child, the agent channel: the
+child's KV transfer agent (tp_agent.py) serves it on its own thread, so KV sends of rank 0 reach
+the child while its main thread is inside a forward.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import torch.distributed as dist
 from kvpipe.cache.kv_pool import KVPool
 from kvpipe.config import ParallelConfig, ServerConfig
 from kvpipe.engine.batch import ForwardSpec
-from kvpipe.engine.model_runner import ModelRunner
+from kvpipe.engine.model_runner import GroupCallback, ModelRunner
 from kvpipe.model.loader import load_model
 
 logger = logging.getLogger(__name__)
@@ -109,19 +113,25 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(0.5)
 
 
-def worker_main(fd: int, parent_pid: int) -> None:
-    """Entry point of TP rank >= 1 (a child process); everything else arrives on the pipe."""
+def worker_main(fd: int, parent_pid: int, agent_fd: int | None = None) -> None:
+    """Entry point of TP rank >= 1 (a child process); everything else arrives on the pipe
+    (and, for PD servers, on the agent channel `agent_fd`)."""
     # Ctrl-C reaches the whole process group; rank 0 decides when this rank stops
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     conn = Connection(fd)
     code, rank = 0, -1
+    agent = None
     try:
         start = conn.recv()
         rank = start.rank
         conn.send(HelloMsg(rank))
         device = _init_rank(start.cfg, rank, start.init_method)
         runner = build_runner(start.cfg, ParallelConfig(start.cfg.tp_size, rank), device)
+        if agent_fd is not None:
+            from kvpipe.engine.tp_agent import ChildAgent
+
+            agent = ChildAgent(start.cfg, rank, runner, Connection(agent_fd)).start()
         conn.send(ReadyMsg(rank))
         while True:
             msg = conn.recv()  # EOFError when rank 0 closed the pipe
@@ -140,6 +150,8 @@ def worker_main(fd: int, parent_pid: int) -> None:
             pass
     finally:
         conn.close()
+        if agent is not None:
+            agent.close()
     # skip interpreter teardown: gloo/nccl destructors may block on peers that are gone
     os._exit(code)
 
@@ -156,13 +168,22 @@ class TPGroup:
         init_method = f"file://{os.path.join(self._tmp, 'rendezvous')}"
         self._procs: list[subprocess.Popen] = []
         self._conns: list[Connection] = []
+        self.agent_conns: list[Connection] = []  # PD servers: rank 0's end of each child's agent channel
         try:
             for rank in range(1, cfg.tp_size):
                 mine, theirs = socket.socketpair()
                 fd = theirs.fileno()
-                p = subprocess.Popen([sys.executable, "-m", "kvpipe.engine.tp_worker", "--fd", str(fd),
-                                      "--parent-pid", str(os.getpid())], pass_fds=(fd,))
+                args, fds = ["--fd", str(fd)], [fd]
+                agent_pair = socket.socketpair() if cfg.disaggregation.enabled else None
+                if agent_pair is not None:
+                    args += ["--agent-fd", str(agent_pair[1].fileno())]
+                    fds.append(agent_pair[1].fileno())
+                p = subprocess.Popen([sys.executable, "-m", "kvpipe.engine.tp_worker", *args,
+                                      "--parent-pid", str(os.getpid())], pass_fds=tuple(fds))
                 theirs.close()
+                if agent_pair is not None:
+                    agent_pair[1].close()
+                    self.agent_conns.append(Connection(agent_pair[0].detach()))
                 self._procs.append(p)
                 self._conns.append(Connection(mine.detach()))
                 self._conns[-1].send(StartMsg(cfg, rank, init_method))
@@ -196,7 +217,9 @@ class TPGroup:
     def pool(self) -> KVPool:
         return self.runner.pool
 
-    def run(self, spec: ForwardSpec) -> torch.Tensor | None:
+    def run(self, spec: ForwardSpec, on_group_done: GroupCallback | None = None) -> torch.Tensor | None:
+        """Every rank forwards `spec`; `on_group_done` runs on rank 0 after each layer group (each
+        layer ends in an all-reduce, so every rank has written that group's KV by then)."""
         for rank, conn in enumerate(self._conns, start=1):
             if self._procs[rank - 1].poll() is not None:
                 raise RuntimeError(f"TP rank {rank} is gone (exit code {self._procs[rank - 1].returncode})")
@@ -205,7 +228,7 @@ class TPGroup:
             except OSError as e:
                 raise RuntimeError(f"TP rank {rank} is unreachable: {e}") from e
         try:
-            return self.runner.run(spec)
+            return self.runner.run(spec, on_group_done)
         except Exception as e:
             raise RuntimeError(f"TP forward failed: {e}{self._child_errors()}") from e
 
@@ -243,9 +266,9 @@ class TPGroup:
                         p.wait(2.0)
                     except subprocess.TimeoutExpired:
                         pass
-        for conn in self._conns:
+        for conn in self._conns + self.agent_conns:
             conn.close()
-        self._procs, self._conns = [], []
+        self._procs, self._conns, self.agent_conns = [], [], []
         if dist.is_initialized():
             dist.destroy_process_group()
         shutil.rmtree(self._tmp, ignore_errors=True)
@@ -255,8 +278,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description="kvpipe TP worker (started by the engine, not by hand)")
     ap.add_argument("--fd", type=int, required=True)
     ap.add_argument("--parent-pid", type=int, required=True)
+    ap.add_argument("--agent-fd", type=int, default=None)
     args = ap.parse_args()
-    worker_main(args.fd, args.parent_pid)
+    worker_main(args.fd, args.parent_pid, args.agent_fd)
 
 
 if __name__ == "__main__":

@@ -31,14 +31,17 @@ def test_flags_map_onto_the_configs() -> None:
 
 
 def test_refusals() -> None:
-    with pytest.raises(SystemExit, match="tp-size 1"):
-        parse("--disaggregation-mode", "prefill", "--tp-size", "2")
+    assert parse("--disaggregation-mode", "prefill", "--tp-size", "2").tp_size == 2  # PD with TP is served
+    with pytest.raises(SystemExit, match="needs --disaggregation-transfer-backend mooncake"):
+        parse("--disaggregation-mode", "prefill", "--tp-size", "2", "--disaggregation-transfer-backend", "local")
     with pytest.raises(SystemExit, match="failure probability"):
         parse("--disaggregation-failure-prob", "2")
     with pytest.raises(SystemExit):
         parse("--disaggregation-mode", "bogus")
-    with pytest.raises(ConfigError, match="not supported yet"):
-        check_supported(ServerConfig("m", tp_size=2, disaggregation=DisaggregationConfig(mode="decode")))
+    with pytest.raises(ConfigError, match="TP ranks are separate processes"):
+        check_supported(ServerConfig("m", tp_size=2, disaggregation=DisaggregationConfig(
+            mode="decode", transfer_backend="local")))
+    check_supported(ServerConfig("m", tp_size=4, disaggregation=DisaggregationConfig(mode="decode")))
     with pytest.raises(ConfigError, match="ib-device"):
         check_supported(ServerConfig("m", disaggregation=DisaggregationConfig(
             mode="decode", transfer_backend="local", ib_device="mlx5_0")))

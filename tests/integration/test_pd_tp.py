@@ -1,0 +1,185 @@
+"""PD serving with tensor parallelism on either side (F6), through sglang-router with Mooncake over
+loopback: prefill TP x decode TP = (1,2), (2,1), (2,2), (1,4), (4,1) on the tiny preset (2 KV
+heads: TP 4 holds replicated heads), with chunked prefill and layer-pipelined sends. Greedy tokens
+equal the colocated engine's and so do their logprobs (within fp32 all-reduce noise): a KV head
+missing or misplaced on one decode rank moves them by ~1e-3 on this model while the tokens stay.
+Every prefill rank's writes are counted: the bytes equal what the head-slice mapping moves. Then
+a prefill TP child is killed while its room waits for the decode: the room fails on both sides
+with an error naming the rank, and no page leaks. No process survives its stack."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+
+from kvpipe.config import CacheConfig, ServerConfig
+from kvpipe.engine.engine import Engine
+from kvpipe.engine.request import SamplingParams
+from kvpipe.transfer.tp_mapping import transfer_slices
+from pd_harness import Stack, disagg_stats, generate, greedy, pd_body, start_stack, wait_for
+
+pytest.importorskip("mooncake.engine")
+pytestmark = pytest.mark.integration
+
+PS, NEW, LAYERS, HEAD_DIM, KV_HEADS = 16, 5, 4, 32, 2  # the tiny preset, fp32
+LENGTHS = [300, 137, 64, 211]
+LOGPROB_TOL = 1e-4  # TP all-reduces reorder fp32 sums (~1e-6); a wrong KV head moves them ~1e-3
+FLAGS = ["--page-size", str(PS), "--max-total-tokens", "8192", "--disaggregation-heartbeat-interval", "0.5",
+         "--disaggregation-bootstrap-timeout", "30", "--disaggregation-transfer-timeout", "3"]
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(7)
+    return [[rng.randrange(3, 290) for _ in range(n)] for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path) -> list[tuple[list[int], list[float]]]:
+    """Colocated TP 1 engine: (tokens, logprobs) per prompt."""
+    eng = Engine(ServerConfig(model_path=str(tiny_model_dir), cache=CacheConfig(page_size=PS, num_pages=128)))
+    try:
+        outs = eng.generate(prompts(), SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True))
+    finally:
+        eng.shutdown()
+    return [(o["output_ids"], o["meta_info"]["output_token_logprobs"]) for o in outs]
+
+
+def tp_children(pid: int) -> list[int]:
+    """PIDs of the TP worker processes a server started."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid and b"kvpipe.engine.tp_worker" in cmd:
+            out.append(int(entry))
+    return sorted(out)
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def close_and_check_no_orphans(stack: Stack) -> None:
+    pids = [p for proc in stack.pd.procs[:2] for p in tp_children(proc.pid)]
+    stack.close()
+    wait_for(lambda: not any(alive(p) for p in pids), 20, f"TP workers {pids} to exit")
+
+
+def start(model: Path, tmp: Path, p_tp: int, d_tp: int, extra: tuple[str, ...]) -> Stack:
+    s = start_stack(model, tmp, *FLAGS, *extra, prefill_args=("--tp-size", str(p_tp)),
+                    decode_args=("--tp-size", str(d_tp)))
+    try:
+        assert len(tp_children(s.pd.procs[0].pid)) == p_tp - 1
+        assert len(tp_children(s.pd.procs[1].pid)) == d_tp - 1
+    except BaseException:
+        s.close()
+        raise
+    return s
+
+
+def expected_bytes(p_tp: int, d_tp: int) -> int:
+    """Bytes every prefill rank together writes for the prompts: whole pages, each decode rank's
+    heads once (decode ranks sharing a replicated head each get it)."""
+    heads = sum(s.num_heads for s in transfer_slices(p_tp, d_tp, KV_HEADS))
+    pages = sum(-(-n // PS) for n in LENGTHS)
+    return pages * heads * PS * HEAD_DIM * 4 * 2 * LAYERS
+
+
+def check_parity(stack: Stack, reference, p_tp: int, d_tp: int, groups: int) -> None:
+    def one(ids: list[int]) -> dict:
+        return generate(stack.router, {"input_ids": ids, "sampling_params": greedy(NEW), "return_logprob": True})
+
+    with ThreadPoolExecutor(len(LENGTHS)) as pool:  # concurrent: prefill batches several rooms
+        outs = list(pool.map(one, prompts()))
+    for n, out, (ref_ids, ref_lp) in zip(LENGTHS, outs, reference):
+        assert out["output_ids"] == ref_ids, (n, out["meta_info"])
+        got = [t[0] for t in out["meta_info"]["output_token_logprobs"]]
+        assert max(abs(a - b) for a, b in zip(got, ref_lp)) < LOGPROB_TOL, (n, got, ref_lp)
+    p = stack.prefill.wait_idle(30)  # every page back on both sides
+    stack.decode.wait_idle(30)
+    st = disagg_stats(stack.prefill)
+    assert (st["rooms_succeeded"], st["rooms_failed"]) == (len(LENGTHS), 0), st
+    assert st["bytes_written"] == expected_bytes(p_tp, d_tp), st  # every rank's writes, counted
+    assert p["tp_size"] == p_tp and stack.decode.engine_stats()["tp_size"] == d_tp
+    if groups > 1:
+        assert p["layer_group_batches"].get(str(groups), 0) > 0, p["layer_group_batches"]
+
+
+@pytest.mark.parametrize("p_tp,d_tp,chunk,groups", [
+    (1, 2, 64, 2),
+    (2, 2, 0, 1),  # plain path, unchunked
+    (1, 4, 48, 2),  # replicated heads on decode: prefill writes each head twice
+    (4, 1, 64, 2),  # replicated heads on prefill: only one of each pair sends
+])
+def test_pd_tp_matches_colocated(tiny_model_dir: Path, tmp_path: Path, reference, p_tp: int, d_tp: int,
+                                 chunk: int, groups: int) -> None:
+    stack = start(tiny_model_dir, tmp_path, p_tp, d_tp,
+                  ("--chunked-prefill-size", str(chunk), "--disaggregation-layer-groups", str(groups)))
+    try:
+        check_parity(stack, reference, p_tp, d_tp, groups)
+    except BaseException:
+        print(stack.logs())
+        raise
+    finally:
+        close_and_check_no_orphans(stack)
+
+
+@pytest.fixture(scope="module")
+def tp2_stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """Prefill TP 2 -> decode TP 1, chunked, 2 layer groups; its TP child gets killed last."""
+    s = start(tiny_model_dir, tmp_path_factory.mktemp("pd-tp2"), 2, 1,
+              ("--chunked-prefill-size", "64", "--disaggregation-layer-groups", "2"))
+    try:
+        yield s
+    finally:
+        close_and_check_no_orphans(s)
+
+
+def test_pd_tp2_to_tp1_matches_colocated(tp2_stack: Stack, reference) -> None:
+    check_parity(tp2_stack, reference, 2, 1, 2)
+
+
+def test_prefill_tp_child_killed_fails_room_on_both_sides(tp2_stack: Stack) -> None:
+    stack = tp2_stack
+    before = disagg_stats(stack.prefill)
+    body = pd_body(stack, {"input_ids": prompts()[0], "sampling_params": greedy(4)})
+    box: dict[str, httpx.Response] = {}
+    t = threading.Thread(target=lambda: box.setdefault("p", httpx.post(stack.prefill.url + "/generate", json=body,
+                                                                       timeout=60)))
+    t.start()
+    try:
+        # the prompt is computed and its room is in every rank's sender, waiting for the decode
+        wait_for(lambda: stack.prefill.engine_stats()["num_held"] == 1, 30, "the prefill to hold the room's pages")
+        (child,) = tp_children(stack.prefill.proc.pid)
+        os.kill(child, signal.SIGKILL)
+    finally:
+        t.join(60)
+    p = box["p"]
+    assert p.status_code == 500 and "TP rank 1" in p.json()["error"]["message"], p.text
+    out = generate(stack.decode.url, body, timeout_s=60)  # the decode's half of the same request
+    fin = out["meta_info"]["finish_reason"]
+    assert fin["type"] == "abort" and "TP rank 1" in fin["message"], fin
+    stack.prefill.wait_idle(30)  # no page leaked on either side
+    stack.decode.wait_idle(30)
+    after = disagg_stats(stack.prefill)
+    assert after["rooms_failed"] == before["rooms_failed"] + 1 and after["active_rooms"] == 0
+    assert stack.prefill.alive() and stack.decode.alive()
