@@ -1,0 +1,47 @@
+"""CUDA paths of the engine (skipped without a GPU): the model, the paged pool and layer groups on
+the device give the CPU's greedy tokens, and the pool's buffers are device memory."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvpipe.config import CacheConfig, SchedulerConfig, ServerConfig
+from kvpipe.engine.engine import Engine
+from kvpipe.engine.request import SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+PROMPTS = [[5 + (i * 7) % 200 for i in range(n)] for n in (1, 13, 64, 150)]
+
+
+def _outputs(model_dir, device: str, **kw) -> list[list[int]]:
+    cfg = ServerConfig(model_path=str(model_dir), device=device, cache=CacheConfig(page_size=16, num_pages=128),
+                       scheduler=SchedulerConfig(chunked_prefill_size=kw.pop("chunk", 0)))
+    eng = Engine(cfg, **kw)
+    try:
+        assert eng.runner.pool.k[0].device.type == device
+        return [r["output_ids"] for r in eng.generate(PROMPTS, GREEDY)]
+    finally:
+        eng.shutdown()
+
+
+def test_cuda_greedy_matches_cpu(tiny_model_dir):
+    cpu = _outputs(tiny_model_dir, "cpu")
+    assert _outputs(tiny_model_dir, "cuda") == cpu
+    assert _outputs(tiny_model_dir, "cuda", chunk=33, prefill_layer_groups=2) == cpu
+
+
+def test_cuda_pool_exposes_device_addresses(tiny_model_dir):
+    cfg = dataclasses.replace(ServerConfig(model_path=str(tiny_model_dir), device="cuda"),
+                              cache=CacheConfig(page_size=16, num_pages=8))
+    eng = Engine(cfg)
+    try:
+        infos = eng.runner.pool.buffer_infos()
+        assert len(infos) == 2 * eng.model_config.num_layers
+        assert all(i.addr == t.data_ptr() for i, t in zip(infos[::2], eng.runner.pool.k))
+    finally:
+        eng.shutdown()
