@@ -33,7 +33,7 @@ from kvpipe.transfer.sender_book import SenderStats
 from kvpipe.transfer.state import TransferState
 
 if TYPE_CHECKING:
-    from kvpipe.engine.model_runner import ModelRunner
+    from kvpipe.cache.kv_pool import KVPool
     from kvpipe.transfer.backends.base import TransferBackend
     from kvpipe.transfer.sender import KVSender
 
@@ -101,17 +101,18 @@ class RoomsDone:
     stats: SenderStats  # a snapshot of its counters
 
 
-def rank_layout(cfg: ServerConfig, rank: int, runner: "ModelRunner") -> KVLayout:
+def rank_layout(cfg: ServerConfig, rank: int, pool: "KVPool", total_kv_heads: int) -> KVLayout:
     """A TP rank's pool as the transfer layer sees it: its KV head range among all KV heads."""
-    total = runner.model.cfg.num_kv_heads
-    return KVLayout.from_pool(runner.pool, ParallelConfig(cfg.tp_size, rank).kv_head_start(total), total)
+    start = ParallelConfig(cfg.tp_size, rank).kv_head_start(total_kv_heads)
+    return KVLayout.from_pool(pool, start, total_kv_heads)
 
 
 class ChildAgent:
     """The transfer agent of TP rank `rank` >= 1 (lives in the child process, on its own thread)."""
 
-    def __init__(self, cfg: ServerConfig, rank: int, runner: "ModelRunner", conn: Connection) -> None:
-        self.cfg, self.rank, self.runner, self.conn = cfg, rank, runner, conn
+    def __init__(self, cfg: ServerConfig, rank: int, pool: "KVPool", total_kv_heads: int, conn: Connection) -> None:
+        self.cfg, self.rank, self.conn = cfg, rank, conn
+        self.pool, self.total_kv_heads = pool, total_kv_heads  # this rank's KV shard, the model's KV heads
         self.backend: TransferBackend | None = None
         self.sender: KVSender | None = None
         self._failed: list[tuple[int, TransferState, str]] = []  # rooms refused locally, reported next
@@ -145,7 +146,7 @@ class ChildAgent:
         from kvpipe.engine.disagg import data_host, make_backend, register_pool, transfer_config
         from kvpipe.transfer.sender import KVSender
 
-        layout = rank_layout(self.cfg, self.rank, self.runner)
+        layout = rank_layout(self.cfg, self.rank, self.pool, self.total_kv_heads)
         self.backend = make_backend(self.cfg)
         register_pool(self.backend, layout)
         control = None

@@ -131,7 +131,8 @@ def worker_main(fd: int, parent_pid: int, agent_fd: int | None = None) -> None:
         if agent_fd is not None:
             from kvpipe.engine.tp_agent import ChildAgent
 
-            agent = ChildAgent(start.cfg, rank, runner, Connection(agent_fd)).start()
+            agent = ChildAgent(start.cfg, rank, runner.pool, runner.model.cfg.num_kv_heads,
+                               Connection(agent_fd)).start()
         conn.send(ReadyMsg(rank))
         while True:
             msg = conn.recv()  # EOFError when rank 0 closed the pipe
