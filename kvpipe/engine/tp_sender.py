@@ -31,7 +31,7 @@ from kvpipe.engine.tp_agent import AbortRoom, AddRoom, AgentFailed, CloseAgent, 
 from kvpipe.engine.tp_tally import RoomTally
 from kvpipe.transfer.sender import KVSender
 from kvpipe.transfer.sender_book import SenderStats, TransferTiming
-from kvpipe.transfer.state import TransferState
+from kvpipe.transfer.state import DuplicateRoomError, TransferState
 
 logger = logging.getLogger(__name__)
 
@@ -71,9 +71,16 @@ class TPSender:
 
     def add_room(self, room: int, src_pages: np.ndarray | list[int]) -> None:
         pages = np.asarray(src_pages, dtype=np.int64).ravel().copy()
-        self.local.add_room(room, pages)  # raises (duplicate, bad pages) before any child sees it
-        with self._lock:
+        with self._lock:  # tracked first: a poll() on another thread must not lose rank 0's report
+            if room in self._tally:
+                raise DuplicateRoomError(f"bootstrap_room {room} is still finishing on a TP rank of this prefill")
             failed = self._tally.add(room)  # a gone child fails it at once
+        try:
+            self.local.add_room(room, pages)  # raises (duplicate, bad pages) before any child sees it
+        except BaseException:
+            with self._lock:
+                self._tally.discard(room)
+            raise
         self._post(AddRoom(room, pages))
         if failed:
             self._abort_all(room)

@@ -49,6 +49,11 @@ class RoomTally:
             failed |= self.report(rank, room, TransferState.FAILED, why)
         return failed
 
+    def discard(self, room: int) -> None:
+        """Forget a room that never started (its add_room was refused)."""
+        self._rooms.pop(room, None)
+        self._finished.pop(room, None)
+
     def report(self, rank: int, room: int, state: TransferState, reason: str = "") -> bool:
         """Rank `rank` is done with `room`. Returns True if this is the room's first failure.
         Reports for unknown rooms and repeated reports are ignored."""

@@ -119,6 +119,8 @@ def test_calls_reach_the_child_in_order_and_the_room_waits_for_both(group) -> No
     time.sleep(0.1)
     assert tp.poll() == [] and tp.num_active_rooms() == 1  # rank 0 is done, rank 1 is not
     assert tp.room_state(5) is F
+    with pytest.raises(ValueError, match="still finishing on a TP rank"):
+        tp.add_room(5, np.arange(3))
     child.send(RoomsDone(1, ((5, F, "aborted"),), SenderStats(bytes_written=123, ops_submitted=4)))
     assert poll_until(tp) == [(5, F, "prefill TP rank 0: client gone")]
     st = tp.stats
