@@ -90,23 +90,15 @@ class Scheduler:
 
     def add(self, req: Req) -> bool:
         """Queue a request. Returns False if it can never run (then it is finished with ABORT)."""
-        if req.rid in self._live or req.rid in self.held:
+        if req.rid in self._live:
             raise ValueError(f"request id {req.rid!r} is already in use")
-        req.status = ReqStatus.WAITING
-        self._live[req.rid] = req
-        reason = self._reject_reason(req)
-        if reason is not None:
-            self.finish(req, FinishReason.ABORT, reason)
+        if not self._track(req):
             return False
         self.waiting.append(req)
         return True
 
-    def reserve(self, req: Req) -> bool:
-        """Allocate pages for a prompt whose KV someone else will write (decode side of PD).
-
-        True: req.pages covers the prompt and the rest of its pages are promised. False: no
-        room now (retry later), or never (then req is finished with ABORT; check req.finished).
-        """
+    def _track(self, req: Req) -> bool:
+        """Make `req` live (idempotent); False, with req finished as ABORT, if it can never run."""
         if req.rid not in self._live:
             if req.rid in self.held:
                 raise ValueError(f"request id {req.rid!r} is already in use")
@@ -115,6 +107,16 @@ class Scheduler:
         reason = self._reject_reason(req)
         if reason is not None:
             self.finish(req, FinishReason.ABORT, reason)
+            return False
+        return True
+
+    def reserve(self, req: Req) -> bool:
+        """Allocate pages for a prompt whose KV someone else will write (decode side of PD).
+
+        True: req.pages covers the prompt and the rest of its pages are promised. False: no
+        room now (retry later), or never (then req is finished with ABORT; check req.finished).
+        """
+        if not self._track(req):
             return False
         if len(self.running) + len(self.reserved) >= self.cfg.max_running_requests:
             return False
