@@ -95,7 +95,8 @@ class LayerPipeline:
 
     def _log(self, forward_ms: float | None = None) -> None:
         c = self.planner.last
-        level = logging.INFO if c.groups > 1 else logging.DEBUG  # one line per pipelined batch
+        # one line per batch that pipelined or was long enough to be considered
+        level = logging.INFO if c.groups > 1 or self._tokens >= self.policy.min_tokens else logging.DEBUG
         if logger.isEnabledFor(level):
             logger.log(level, "prefill batch of %d tokens (%d to send): %d layer group%s (%s; estimated C %s ms, "
                        "T %s ms, TTFT %s ms); forward took %s ms", self._tokens, self._send_tokens, c.groups,

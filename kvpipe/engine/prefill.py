@@ -34,7 +34,7 @@ from kvpipe.engine.disagg import TRANSFER_POLL_S, check_supported, data_host, ma
 from kvpipe.engine.batch import ScheduledBatch
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.layer_groups import LayerGroupPolicy
-from kvpipe.engine.layer_pipeline import LayerPipeline
+from kvpipe.engine.layer_pipeline import MIN_LINK_SAMPLE_BYTES, LayerPipeline
 from kvpipe.engine.request import FinishReason, Req, TokenOutput
 from kvpipe.engine.scheduler import SchedulerHooks
 from kvpipe.engine.tp_disagg import make_sender
@@ -195,7 +195,10 @@ class PrefillEngine:
             st = self.sender.stats
             self.pipeline.observe_link(st.busy_bytes, st.busy_s)
             for t in self.sender.take_timings():
-                logger.debug("room %d: %d bytes, link busy %.1f ms", t.room, t.nbytes, t.busy_s * 1e3)
+                span = None if t.first_submit_at is None or t.last_done_at is None else t.last_done_at - t.first_submit_at
+                logger.log(logging.INFO if t.nbytes >= MIN_LINK_SAMPLE_BYTES else logging.DEBUG,
+                           "room %d: %d bytes written, link busy %.0f ms, first write to last done %.0f ms",
+                           t.room, t.nbytes, t.busy_s * 1e3, (span or 0.0) * 1e3)
         for room, state, reason in finished:
             r = self._rooms.get(room)
             if r is None:
