@@ -59,8 +59,9 @@ def plot_run(records: Sequence[RequestRecord], summary: Mapping[str, Any], path:
 
 
 def plot_sweep(rows: Sequence[Mapping[str, Any]], path: str | Path, title: str = "kvpipe serving sweep") -> Path:
-    """TTFT (p50 solid, p99 dashed) vs prompt length per mode; exposed transfer time per PD mode,
-    with the ideal line-rate transfer time when the rows carry it."""
+    """TTFT (p50 solid, p99 dashed) vs prompt length per mode; exposed transfer time per PD mode
+    (and the KV tail after the forward with the 1.5/N target when the rows carry them), with the
+    ideal line-rate transfer time when the rows carry it."""
     plt = _pyplot()
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -80,6 +81,15 @@ def plot_sweep(rows: Sequence[Mapping[str, Any]], path: str | Path, title: str =
                 if r.get("num_groups") and r.get("exposed_transfer_ms") is not None:
                     ax2.annotate(f"N={r['num_groups']}", (r["prompt_len"], r["exposed_transfer_ms"]),
                                  textcoords="offset points", xytext=(4, 4), fontsize=7, color=color)
+        tail = [(r["prompt_len"], r["transfer_tail_ms"]) for r in pts if r.get("transfer_tail_ms") is not None]
+        if tail:  # the prefill's own measure: KV still landing after the forward
+            ax2.plot(*zip(*tail), "s--", color=color, alpha=0.6, label=f"{mode}: KV tail after forward")
+    base_tail = {r["prompt_len"]: r["transfer_tail_ms"] for r in rows
+                 if r["mode"] == "baseline" and r.get("transfer_tail_ms")}
+    target = sorted((r["prompt_len"], 1.5 / r["num_groups"] * base_tail[r["prompt_len"]]) for r in rows
+                    if r.get("transfer_tail_ratio") is not None and r.get("num_groups") and r["prompt_len"] in base_tail)
+    if target:
+        ax2.plot(*zip(*target), "x", color="black", label="1.5/N × baseline tail")
     ideal = sorted({(r["prompt_len"], r["ideal_transfer_ms"]) for r in rows if r.get("ideal_transfer_ms")})
     if ideal:
         ax2.plot(*zip(*ideal), ":", color="gray", label="KV at line rate (T)")

@@ -71,6 +71,32 @@ def read_num_groups(info_url: str, timeout_s: float = 5.0) -> int | None:
     return None
 
 
+def transfer_tail_from_server_info(info: Mapping[str, Any]) -> tuple[float, int] | None:
+    """(sum of ms, rooms) of a prefill's transfer tails: how long each room's KV kept landing
+    after its prefill forward ended (kvpipe/engine/layer_pipeline.py); None if not reported."""
+    states = info.get("internal_states")
+    for scope in [info, *(s for s in states if isinstance(s, Mapping))] if isinstance(states, list) else [info]:
+        total, count = scope.get("transfer_tail_ms_sum"), scope.get("transfer_tail_count")
+        if isinstance(total, (int, float)) and isinstance(count, int) and not isinstance(count, bool):
+            return float(total), count
+    return None
+
+
+def read_transfer_tail(info_url: str, timeout_s: float = 5.0) -> tuple[float, int] | None:
+    try:
+        r = httpx.get(info_url.rstrip("/") + "/server_info", timeout=timeout_s)
+        return transfer_tail_from_server_info(r.json()) if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def tail_delta(before: tuple[float, int] | None, after: tuple[float, int] | None) -> float | None:
+    """Mean transfer tail (ms) of the rooms that finished between two readings."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
 def model_config(model_path: str | Path) -> dict[str, Any] | None:
     """config.json of a local checkpoint directory, or None."""
     try:

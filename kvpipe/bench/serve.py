@@ -82,8 +82,9 @@ def _workload_config(args: argparse.Namespace, vocab: int, prompt_lens: str | in
         raise SystemExit(f"kvpipe bench serve: {e}") from None
 
 
-def _measure(call: Any, url: str, cfg: WorkloadConfig, args: argparse.Namespace, desc: str) -> tuple[dict, list]:
-    """Warm-up requests (other prompts), then the measured run; returns (summary, records)."""
+def _measure(call: Any, url: str, cfg: WorkloadConfig, args: argparse.Namespace, desc: str,
+             after_warmup: Any = None) -> tuple[dict, list]:
+    """Warm-up requests (other prompts), `after_warmup()`, then the measured run; returns (summary, records)."""
     from kvpipe.bench.client import run_workload
     from kvpipe.bench.metrics import first_errors, summarize
 
@@ -91,6 +92,8 @@ def _measure(call: Any, url: str, cfg: WorkloadConfig, args: argparse.Namespace,
     if args.warmup_requests > 0:
         warm = replace(cfg, num_requests=args.warmup_requests, seed=cfg.seed + 1_000_003, request_rate=math.inf)
         call(run_workload, url, build_workload(warm), args.concurrency, args.timeout, progress, f"{desc} warmup")
+    if after_warmup is not None:
+        after_warmup()
     res = call(run_workload, url, build_workload(cfg), args.concurrency, args.timeout, progress, desc)
     summary = summarize(res.records, res.duration_s)
     errors = first_errors(res.records)
@@ -135,7 +138,7 @@ def run_single(args: argparse.Namespace) -> int:
 
 def run_sweep_cmd(args: argparse.Namespace) -> int:
     from kvpipe.bench.plot import plot_sweep
-    from kvpipe.bench.probe import model_config, read_num_groups
+    from kvpipe.bench.probe import model_config, read_num_groups, read_transfer_tail, tail_delta
     from kvpipe.bench.stacks import Endpoint, StackOptions, default_stack_factory
     from kvpipe.bench.sweep import (INPROC, SliceResult, kv_bytes_per_token, parse_modes, parse_prompt_lens,
                                     run_sweep, run_sweep_interleaved, sweep_rows)
@@ -153,10 +156,14 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="kvpipe-bench-serve-")  # server logs, always kept
     opts = StackOptions(model_path, tuple(shlex.split(args.server_args)), log_dir, args.startup_timeout)
 
-    def measure(ep: Endpoint, mode: str, n: int) -> tuple[dict, int | None]:
-        summary, _ = _measure(ep.call, ep.url, configs[n], args, f"{mode} len={n}")
-        groups = ep.call(read_num_groups, ep.info_url) if ep.info_url and mode != INPROC else None
-        return summary, groups
+    def measure(ep: Endpoint, mode: str, n: int) -> tuple[dict, int | None, float | None]:
+        pd = ep.info_url is not None and mode != INPROC
+        before: list = []
+        summary, _ = _measure(ep.call, ep.url, configs[n], args, f"{mode} len={n}",
+                              lambda: before.append(ep.call(read_transfer_tail, ep.info_url)) if pd else None)
+        groups = ep.call(read_num_groups, ep.info_url) if pd else None
+        tail = tail_delta(before[0], ep.call(read_transfer_tail, ep.info_url)) if pd else None
+        return summary, groups, tail
 
     rounds = -(-args.num_requests // args.concurrency)
     workloads = {n: build_workload(configs[n]) for n in lens} if args.interleave else {}
@@ -166,14 +173,17 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
         from kvpipe.bench.workload import Workload
 
         cfg, desc = configs[n], f"{mode} len={n} round {r + 1}/{rounds}"
+        pd = ep.info_url is not None and mode != INPROC
         if r == 0 and args.warmup_requests > 0:
             warm = replace(cfg, num_requests=args.warmup_requests, seed=cfg.seed + 1_000_003, request_rate=math.inf)
             ep.call(run_workload, ep.url, build_workload(warm), args.concurrency, args.timeout, False, desc)
         part = workloads[n].requests[r * args.concurrency:(r + 1) * args.concurrency]
         sub = Workload(cfg, tuple(replace(q, arrival_s=0.0) for q in part))
+        before = ep.call(read_transfer_tail, ep.info_url) if pd else None
         res = ep.call(run_workload, ep.url, sub, args.concurrency, args.timeout, not args.no_progress, desc)
-        groups = ep.call(read_num_groups, ep.info_url) if ep.info_url and mode != INPROC else None
-        return SliceResult(res.records, res.duration_s, groups)
+        groups = ep.call(read_num_groups, ep.info_url) if pd else None
+        tail = tail_delta(before, ep.call(read_transfer_tail, ep.info_url)) if pd else None
+        return SliceResult(res.records, res.duration_s, groups, tail)
 
     def summarize_records(records: Any, duration_s: float) -> dict:
         from kvpipe.bench.metrics import first_errors, summarize

@@ -7,12 +7,15 @@ tests without servers. Modes:
   pipelined     PD with layer-pipelined transfer, group count chosen by the server
   pipelined-N   PD with layer-pipelined transfer forced to N groups
 Exposed transfer time of a PD mode = TTFT(mode) - TTFT(inproc), medians of the same run;
-exposed_transfer_ratio of a pipelined mode = its exposed time / the baseline's.
+exposed_transfer_ratio of a pipelined mode = its exposed time / the baseline's. The transfer tail
+(the prefill's own measure of the KV still landing after the forward) and its ratio say the same
+without the compute noise between the processes.
 """
 
 from __future__ import annotations
 
 import re
+import statistics
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
@@ -66,18 +69,21 @@ class SweepPoint:
     mode: str
     summary: Mapping[str, Any]  # kvpipe.bench.metrics.summarize() of this point
     num_groups: int | None = None
+    # median over requests (rounds) of the KV transfer time left after the prefill forward, from
+    # the prefill's own clock: exposed transfer without the compute noise between processes
+    transfer_tail_ms: float | None = None
 
 
 def run_sweep(prompt_lens: Sequence[int], modes: Sequence[str],
               open_stack: Callable[[str], AbstractContextManager[E]],
-              measure: Callable[[E, str, int], tuple[Mapping[str, Any], int | None]]) -> list[SweepPoint]:
-    """One stack per mode (started once, stopped before the next), every prompt length on it."""
+              measure: Callable[[E, str, int], tuple[Any, ...]]) -> list[SweepPoint]:
+    """One stack per mode (started once, stopped before the next), every prompt length on it.
+    `measure` returns (summary, num_groups[, transfer_tail_ms])."""
     points = []
     for mode in modes:
         with open_stack(mode) as endpoint:
             for n in prompt_lens:
-                summary, groups = measure(endpoint, mode, n)
-                points.append(SweepPoint(n, mode, summary, groups))
+                points.append(SweepPoint(n, mode, *measure(endpoint, mode, n)))
     return points
 
 
@@ -88,6 +94,7 @@ class SliceResult:
     records: Sequence[Any]  # kvpipe.bench.metrics.RequestRecord
     duration_s: float
     num_groups: int | None = None
+    transfer_tail_ms: float | None = None  # mean over the slice's rooms (PD modes)
 
 
 def round_order(modes: Sequence[str], r: int) -> list[str]:
@@ -117,7 +124,9 @@ def run_sweep_interleaved(prompt_lens: Sequence[int], modes: Sequence[str],
             for m in modes:
                 records = [rec for p in parts[m] for rec in p.records]
                 groups = next((p.num_groups for p in reversed(parts[m]) if p.num_groups is not None), None)
-                points.append(SweepPoint(n, m, summarize(records, sum(p.duration_s for p in parts[m])), groups))
+                tails = [p.transfer_tail_ms for p in parts[m] if p.transfer_tail_ms is not None]
+                points.append(SweepPoint(n, m, summarize(records, sum(p.duration_s for p in parts[m])), groups,
+                                         statistics.median(tails) if tails else None))
     return points
 
 
@@ -164,6 +173,7 @@ def sweep_rows(points: Iterable[SweepPoint], link_rate_bps: float | None = None,
         base = by_key.get((n, BASELINE))
         ttft_inproc = _get(ref.summary if ref else None, "ttft_p50_ms")
         ttft_base = _get(base.summary if base else None, "ttft_p50_ms")
+        tail_base = base.transfer_tail_ms if base else None
         kv_bytes = kv_bytes_token * n if kv_bytes_token else None
         t_ms = kv_bytes * 8 / link_rate_bps * 1e3 if kv_bytes and link_rate_bps else None
         for mode in mode_order:
@@ -183,6 +193,9 @@ def sweep_rows(points: Iterable[SweepPoint], link_rate_bps: float | None = None,
                 "num_groups": p.num_groups,
                 "exposed_transfer_ms": exposed,
                 "exposed_transfer_ratio": exposed_ratio(ttft, ttft_base, ttft_inproc) if is_pipelined(mode) else None,
+                "transfer_tail_ms": p.transfer_tail_ms,
+                "transfer_tail_ratio": (p.transfer_tail_ms / tail_base if is_pipelined(mode) and tail_base
+                                        and p.transfer_tail_ms is not None else None),
                 "ttft_vs_baseline": ttft / ttft_base - 1 if mode != BASELINE and ttft and ttft_base else None,
                 "kv_bytes": kv_bytes,
                 "ideal_transfer_ms": t_ms,

@@ -8,7 +8,8 @@ The PrefillEngine calls, per prefill batch (engine thread):
                                                         # `query` of a CUDA event recorded there
     pipe.end()                                          # after the last group
 and, as rooms finish, `pipe.observe_link(busy_bytes, busy_s)` with the sender's cumulative
-link counters (kvpipe.transfer.sender_book.SenderStats).
+link counters (kvpipe.transfer.sender_book.SenderStats) and `pipe.room_done(timing, forward_done_at)`
+per room that succeeded (its log line and the transfer tail that stayed exposed).
 
 Compute time on CPU is host wall time (the forward is synchronous); on CUDA it is the elapsed time
 between two timing events, read once the end event completed (never a synchronize).
@@ -24,6 +25,7 @@ from typing import Any, Callable
 import torch
 
 from kvpipe.engine.layer_groups import GroupChoice, LayerGroupPlanner, LayerGroupPolicy
+from kvpipe.transfer.sender_book import TransferTiming
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +50,9 @@ class LayerPipeline:
         self._cuda_start: Any = None
         self._cuda_pending: list[tuple[int, Any, Any]] = []  # (tokens, start event, end event)
         self._link_base = (0, 0.0)  # sender's (busy_bytes, busy_s) at the last sample
+        # transfer tails (last write landed - forward end) of rooms that succeeded, for benchmarks
+        self.tail_ms_sum = 0.0
+        self.tail_count = 0
 
     @property
     def last(self) -> GroupChoice:
@@ -116,6 +121,24 @@ class LayerPipeline:
         if db >= MIN_LINK_SAMPLE_BYTES and ds > 0:
             self.planner.link.observe(db, ds * 1e3)
             self._link_base = (busy_bytes, busy_s)
+
+    def room_done(self, timing: TransferTiming | None, forward_done_at: float | None) -> None:
+        """A room's KV all landed. `forward_done_at`: when its last prefill forward ended (the
+        sender's clock, time.monotonic). What is left after that forward is the transfer time
+        the request saw exposed on the prefill side (`transfer_tail_ms`)."""
+        if timing is None:
+            return
+        if forward_done_at is not None and timing.last_done_at is not None:
+            self.tail_ms_sum += max(0.0, timing.last_done_at - forward_done_at) * 1e3
+            self.tail_count += 1
+        span = (timing.last_done_at - timing.first_submit_at
+                if timing.first_submit_at is not None and timing.last_done_at is not None else 0.0)
+        tail = (timing.last_done_at - forward_done_at
+                if forward_done_at is not None and timing.last_done_at is not None else None)
+        logger.log(logging.INFO if timing.nbytes >= MIN_LINK_SAMPLE_BYTES else logging.DEBUG,
+                   "room %d: %d bytes written, link busy %.0f ms, first write to last done %.0f ms, "
+                   "last done %s ms after the forward", timing.room, timing.nbytes, timing.busy_s * 1e3,
+                   span * 1e3, _ms(None if tail is None else tail * 1e3))
 
     def stats(self) -> dict[str, Any]:
         last = self.planner.last

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -34,7 +35,7 @@ from kvpipe.engine.disagg import TRANSFER_POLL_S, check_supported, data_host, ma
 from kvpipe.engine.batch import ScheduledBatch
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.layer_groups import LayerGroupPolicy
-from kvpipe.engine.layer_pipeline import MIN_LINK_SAMPLE_BYTES, LayerPipeline
+from kvpipe.engine.layer_pipeline import LayerPipeline
 from kvpipe.engine.request import FinishReason, Req, TokenOutput
 from kvpipe.engine.scheduler import SchedulerHooks
 from kvpipe.engine.tp_disagg import make_sender
@@ -59,6 +60,7 @@ class _Room:
     replied: bool = False  # the client got its final output already
     engine_done: bool = False  # the engine finished the request (its pages are held)
     transfer_done: bool = False  # the sender reported the room (or it never reached the sender)
+    forward_done_at: float | None = None  # time.monotonic() when its last prefill forward ended
 
     @property
     def room(self) -> int:
@@ -163,6 +165,9 @@ class PrefillEngine:
             }
             # the layer-group choice of the last prefill batch (bench probes read `num_groups`)
             s["num_groups"] = self.pipeline.last.groups
+            # transfer time left after the forward, summed over rooms (bench probes take deltas)
+            s["transfer_tail_ms_sum"] = self.pipeline.tail_ms_sum
+            s["transfer_tail_count"] = self.pipeline.tail_count
             s["layer_groups_reason"] = self.pipeline.last.reason
             s["layer_group_batches"] = dict(self.pipeline.batches_by_groups)
         return s
@@ -191,19 +196,18 @@ class PrefillEngine:
                 self._engine_finished(r, out, str(out.finish_detail), outs)
         assert self.sender is not None
         finished = self.sender.poll()
+        timings = {}
         if finished:
             st = self.sender.stats
             self.pipeline.observe_link(st.busy_bytes, st.busy_s)
-            for t in self.sender.take_timings():
-                span = None if t.first_submit_at is None or t.last_done_at is None else t.last_done_at - t.first_submit_at
-                logger.log(logging.INFO if t.nbytes >= MIN_LINK_SAMPLE_BYTES else logging.DEBUG,
-                           "room %d: %d bytes written, link busy %.0f ms, first write to last done %.0f ms",
-                           t.room, t.nbytes, t.busy_s * 1e3, (span or 0.0) * 1e3)
+            timings = {t.room: t for t in self.sender.take_timings()}
         for room, state, reason in finished:
             r = self._rooms.get(room)
             if r is None:
                 continue
             r.transfer_done = True
+            if state is TransferState.SUCCESS:
+                self.pipeline.room_done(timings.get(room), r.forward_done_at)
             if state is TransferState.SUCCESS and r.result is not None:
                 if not r.replied:
                     outs.append(r.result)
@@ -323,6 +327,11 @@ class PrefillEngine:
                     self.sender.abort(r.room, f"layer-group send failed: {e}")
         if end == self.model_config.num_layers:
             self.pipeline.end()
+            now = time.monotonic()  # the sender's clock: transfer tails are measured from here
+            for i, req in enumerate(batch.reqs):
+                r = self._by_rid.get(req.rid)
+                if r is not None and batch.completes_prefill(i):
+                    r.forward_done_at = now
 
     def _on_chunk_done(self, req: Req, start: int, end: int) -> None:
         r = self._room_of(req.rid)

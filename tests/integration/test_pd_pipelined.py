@@ -142,6 +142,9 @@ def test_auto_pipelines_long_prompts_on_a_slow_link(tiny_model_dir, reference, c
         assert s["num_groups"] == 1 and s["layer_groups_reason"] == "short"
         assert sum(s["layer_group_batches"].values()) == sum(pipe.batches_by_groups.values())
         assert s["disaggregation"]["layer_groups"]["link_goodput_gbps"] > 0
+        # every room that succeeded reported how long its KV kept landing after its forward
+        assert s["transfer_tail_count"] == s["disaggregation"]["rooms_succeeded"] == 6
+        assert s["transfer_tail_ms_sum"] >= 0
         pair.settle()
 
 

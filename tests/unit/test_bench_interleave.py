@@ -1,4 +1,5 @@
-"""Interleaved sweeps: all stacks at once, modes alternating round by round (rotated order)."""
+"""Interleaved sweeps (all stacks at once, modes alternating round by round) and the prefill's
+transfer tail (KV still landing after the forward) from probe to rows and plot."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from typing import Iterator
 
 import pytest
 
-from kvpipe.bench.sweep import SliceResult, round_order, run_sweep_interleaved
+from kvpipe.bench.plot import plot_sweep
+from kvpipe.bench.probe import tail_delta, transfer_tail_from_server_info
+from kvpipe.bench.sweep import SliceResult, SweepPoint, round_order, run_sweep_interleaved, sweep_rows
 
 
 def test_round_order_rotates():
@@ -30,7 +33,7 @@ def test_interleaved_sweep_alternates_modes_and_merges_rounds():
     def measure(ep: str, mode: str, n: int, r: int) -> SliceResult:
         events.append((mode, n, r))
         groups = None if mode == "a" else r + 1  # the last round's count is reported
-        return SliceResult([(mode, n, r)], 0.5, groups)
+        return SliceResult([(mode, n, r)], 0.5, groups, None if mode == "a" else [30.0, 10.0, 90.0][r])
 
     def summarize(records, duration_s):
         return {"records": list(records), "duration_s": duration_s}
@@ -42,6 +45,7 @@ def test_interleaved_sweep_alternates_modes_and_merges_rounds():
     assert [(p.prompt_len, p.mode, p.num_groups) for p in points] == [(10, "a", None), (10, "b", 3),
                                                                      (20, "a", None), (20, "b", 3)]
     assert points[1].summary == {"records": [("b", 10, 0), ("b", 10, 1), ("b", 10, 2)], "duration_s": 1.5}
+    assert points[1].transfer_tail_ms == 30.0 and points[0].transfer_tail_ms is None  # median of rounds
 
 
 def test_interleaved_sweep_stops_every_stack_on_failure():
@@ -62,3 +66,23 @@ def test_interleaved_sweep_stops_every_stack_on_failure():
     assert stopped == ["b", "a"]
     with pytest.raises(ValueError):
         run_sweep_interleaved([1], ["a"], open_stack, measure, 0, lambda recs, d: {})
+
+
+def test_transfer_tail_probe_rows_and_plot(tmp_path):
+    info = {"internal_states": [{"num_groups": 4, "transfer_tail_ms_sum": 900.0, "transfer_tail_count": 3}]}
+    assert transfer_tail_from_server_info(info) == (900.0, 3)
+    assert transfer_tail_from_server_info({"internal_states": [{"free_pages": 1}]}) is None
+    assert tail_delta((900.0, 3), (1500.0, 5)) == pytest.approx(300.0)
+    assert tail_delta((900.0, 3), (900.0, 3)) is None and tail_delta(None, (1.0, 1)) is None
+
+    def s(ttft):
+        return {"ttft_p50_ms": ttft, "ttft_p99_ms": ttft, "completed": 3, "failed": 0}
+
+    points = [SweepPoint(2048, "inproc", s(1000.0)), SweepPoint(2048, "baseline", s(2000.0), 1, 960.0),
+              SweepPoint(2048, "pipelined", s(1200.0), 6, 180.0)]
+    rows = {r["mode"]: r for r in sweep_rows(points, 1e8, 1000)}
+    assert rows["pipelined"]["transfer_tail_ms"] == 180.0
+    assert rows["pipelined"]["transfer_tail_ratio"] == pytest.approx(0.1875)  # 180 / 960 <= 1.5 / 6
+    assert rows["baseline"]["transfer_tail_ratio"] is None and rows["inproc"]["transfer_tail_ms"] is None
+    out = plot_sweep(list(rows.values()), tmp_path / "sweep.png")
+    assert out.stat().st_size > 1000
