@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
-from kvpipe.config import CacheConfig, ConfigError, DisaggregationConfig, SchedulerConfig, ServerConfig
+from kvpipe.config import CacheConfig, ConfigError, DisaggregationConfig, SchedulerConfig, ServerConfig, parse_layer_groups
 
 
 @dataclass(frozen=True)
@@ -103,16 +103,10 @@ def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
 
 
 def _layer_groups(value: str) -> int | str:
-    v = value.strip().lower()
-    if v == "auto":
-        return v
     try:
-        n = int(v)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or a positive integer, got {value!r}")
-    return n
+        return parse_layer_groups(value)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
 
 
 def disaggregation_config_from_args(args: argparse.Namespace) -> DisaggregationConfig:
@@ -150,30 +144,29 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         _positive("--" + name.replace("_", "-"), getattr(args, name))
     _positive("--context-length", args.context_length, allow_none=True)
     disagg = disaggregation_config_from_args(args)
-    cfg = ServerConfig(
-        model_path=resolve_model_path(args.model_path),
-        host=getattr(args, "host", "127.0.0.1"),
-        port=getattr(args, "port", 30000),
-        served_model_name=args.served_model_name,
-        tokenizer_path=args.tokenizer_path,
-        tp_size=args.tp_size,
-        device=args.device,
-        seed=args.seed,
-        log_level=args.log_level,
-        cache=CacheConfig(page_size=args.page_size, max_total_tokens=args.max_total_tokens),
-        scheduler=SchedulerConfig(max_running_requests=args.max_running_requests,
-                                  chunked_prefill_size=args.chunked_prefill_size,
-                                  max_prefill_tokens=args.max_prefill_tokens,
-                                  context_length=args.context_length),
-        disaggregation=disagg,
-    )
-    from kvpipe.engine.disagg import check_supported  # lazy: the transfer layer is not needed to parse
-
+    model_path = resolve_model_path(args.model_path)
     try:
-        check_supported(cfg)
+        cfg = ServerConfig(
+            model_path=model_path,
+            host=getattr(args, "host", "127.0.0.1"),
+            port=getattr(args, "port", 30000),
+            served_model_name=args.served_model_name,
+            tokenizer_path=args.tokenizer_path,
+            tp_size=args.tp_size,
+            device=args.device,
+            seed=args.seed,
+            log_level=args.log_level,
+            cache=CacheConfig(page_size=args.page_size, max_total_tokens=args.max_total_tokens),
+            scheduler=SchedulerConfig(max_running_requests=args.max_running_requests,
+                                      chunked_prefill_size=args.chunked_prefill_size,
+                                      max_prefill_tokens=args.max_prefill_tokens,
+                                      context_length=args.context_length),
+            disaggregation=disagg,
+        )
+        cfg.check_servable()
+        return cfg
     except ConfigError as e:
         raise SystemExit(f"kvpipe: {e}") from e
-    return cfg
 
 
 def _setup_logging(level: str) -> None:

@@ -140,12 +140,24 @@ class SchedulerConfig:
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 
 
+def parse_layer_groups(value: str | int) -> int | str:
+    """The text of --disaggregation-layer-groups -> 'auto' or a group count N >= 1 (1: plain path)."""
+    v = value.strip().lower() if isinstance(value, str) else value
+    if v == "auto":
+        return "auto"
+    try:
+        n = int(v)
+    except (TypeError, ValueError):
+        n = 0
+    if n < 1 or isinstance(v, bool) or isinstance(v, float):
+        raise ConfigError(f"layer groups must be 'auto' or an integer >= 1, got {value!r}")
+    return n
+
+
 @dataclass(frozen=True)
 class DisaggregationConfig:
-    """Prefill/decode disaggregation settings of one server (SGLang's --disaggregation-* flags).
-
-    The timeouts map onto kvpipe.transfer.config.DisaggConfig (see kvpipe/engine/disagg.py).
-    """
+    """Prefill/decode disaggregation of one server: SGLang's --disaggregation-* flags plus the
+    limits of the transfer layer (validated once, here; every layer takes this object)."""
 
     mode: str = "null"  # "null" (colocated) | "prefill" | "decode"
     bootstrap_port: int = 8998  # prefill: where its bootstrap HTTP server listens (0: a free port)
@@ -155,12 +167,31 @@ class DisaggregationConfig:
     # prefill: "auto" (a cost model picks the layer groups per batch; short prompts take the plain
     # path) or a fixed group count N (1: plain path, no layer pipelining)
     layer_groups: int | str = "auto"
+    # Prefill: add_room -> the decode's TransferRequest. Decode: add_room -> TransferRequest sent
+    # (bootstrap fetch, compatibility check, peer registration).
     bootstrap_timeout_s: float = 30.0
+    # Decode: seconds a request may wait for free pages, then (from the TransferRequest) for every
+    # prefill rank's Success (SGLang's default 300 s: the prefill may queue the request).
     waiting_timeout_s: float = 300.0
+    # A peer silent for misses * interval is dead. Lenient: on a loaded 2-core host a busy
+    # process can stall for seconds, and a false death fails every room with that peer.
     heartbeat_interval_s: float = 2.0
+    heartbeat_misses: int = 5
+    # Prefill: a write batch fails its room when nothing to that peer completed for this long
+    # (the backend's own stall detection usually fires first). Decode: a failed room whose
+    # prefill never acknowledges keeps its pages reserved at most this long.
     transfer_timeout_s: float = 60.0
     failure_prob: float = 0.0  # test knob: each transfer batch fails with this probability
     failure_seed: int = 0
+    max_inflight_ops: int = 1024  # per sender; Mooncake rejects past ~2,048 per peer (architecture.md)
+    http_timeout_s: float = 2.0  # one bootstrap HTTP call
+    control_send_hwm: int = 10000  # queued control messages per peer before sends are dropped
+    tick_s: float = 0.0005  # sender worker sleep between backend polls while writes are in flight
+    # ... doubled after each poll that finished nothing, up to this: on a slow link a write takes
+    # far longer than a tick, and polling at 2 kHz would take CPU (and the GIL) from the prefill
+    # forward that layer-pipelined transfer overlaps with
+    max_tick_s: float = 0.004
+    idle_tick_s: float = 0.01  # worker sleep when nothing is in flight
 
     def __post_init__(self) -> None:
         if self.mode not in DISAGGREGATION_MODES:
@@ -169,17 +200,24 @@ class DisaggregationConfig:
             raise ConfigError(f"unknown transfer backend {self.transfer_backend!r}; choose mooncake or local")
         if not 0 <= self.bootstrap_port < 65536:
             raise ConfigError(f"bootstrap port {self.bootstrap_port} is not a TCP port")
-        if self.layer_groups != "auto" and not (isinstance(self.layer_groups, int) and self.layer_groups >= 1):
+        if self.layer_groups != "auto" and not (type(self.layer_groups) is int and self.layer_groups >= 1):
             raise ConfigError(f"layer groups must be 'auto' or an integer >= 1, got {self.layer_groups!r}")
-        for name in ("bootstrap_timeout_s", "waiting_timeout_s", "heartbeat_interval_s", "transfer_timeout_s"):
+        for name in ("bootstrap_timeout_s", "waiting_timeout_s", "heartbeat_interval_s", "transfer_timeout_s",
+                     "http_timeout_s", "tick_s", "max_tick_s", "idle_tick_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.heartbeat_misses < 1 or self.max_inflight_ops < 1 or self.control_send_hwm < 1:
+            raise ConfigError("heartbeat_misses, max_inflight_ops and control_send_hwm must be >= 1")
         if not 0.0 <= self.failure_prob <= 1.0:
             raise ConfigError(f"failure probability must be in [0, 1], got {self.failure_prob}")
 
     @property
     def enabled(self) -> bool:
         return self.mode != "null"
+
+    @property
+    def heartbeat_timeout_s(self) -> float:
+        return self.heartbeat_interval_s * self.heartbeat_misses
 
 
 @dataclass(frozen=True)
@@ -196,6 +234,20 @@ class ServerConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
+
+    def check_servable(self) -> None:
+        """Refuse PD set-ups no server can run (a TP group cannot share the in-process local
+        backend). Checked when a server is configured, not on construction: tests drive TP ranks'
+        transfer parts inside one process with the local backend."""
+        d = self.disaggregation
+        if not d.enabled:
+            return
+        if self.tp_size > 1 and d.transfer_backend == "local":
+            raise ConfigError(f"--disaggregation-mode {d.mode} with --tp-size {self.tp_size} needs "
+                              "--disaggregation-transfer-backend mooncake: TP ranks are separate processes and "
+                              "the local backend only copies inside one process")
+        if d.ib_device and d.transfer_backend != "mooncake":
+            raise ConfigError("--disaggregation-ib-device needs --disaggregation-transfer-backend mooncake")
 
     @property
     def model_name(self) -> str:

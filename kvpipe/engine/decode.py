@@ -25,8 +25,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvpipe.config import ServerConfig
-from kvpipe.engine.disagg import TRANSFER_POLL_S, check_supported, data_host, make_backend, register_pool, \
-    transfer_config
+from kvpipe.engine.disagg import TRANSFER_POLL_S, data_host, make_backend, register_pool
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import FinishReason, Req, TokenOutput
 from kvpipe.engine.tp_disagg import decode_ranks
@@ -49,7 +48,7 @@ class DecodeEngine:
     """EngineLike for `--disaggregation-mode decode` (any TP size)."""
 
     def __init__(self, cfg: ServerConfig, backend: TransferBackend | None = None) -> None:
-        check_supported(cfg)
+        cfg.check_servable()
         self.cfg = cfg
         self.engine = Engine(cfg)
         self.tokenizer = self.engine.tokenizer
@@ -75,7 +74,7 @@ class DecodeEngine:
             register_pool(self.backend, self.layout)
             # one destination per TP rank: rank 0's pool here, the children's through their agents
             ranks = decode_ranks(cfg, self.engine, self.layout, self.backend)
-            self.receiver = KVReceiver(transfer_config(cfg), ranks=ranks,
+            self.receiver = KVReceiver(cfg.disaggregation, ranks=ranks,
                                        model_name=cfg.model_name, host=data_host(cfg)).start()
         except BaseException:
             if own and self.backend is not None:

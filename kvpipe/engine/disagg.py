@@ -1,6 +1,6 @@
 """What the PD prefill and decode engines share: config mapping, backend and address set-up.
 
-`ServerConfig.disaggregation` (CLI flags) -> the transfer layer's `DisaggConfig`, a transfer
+`ServerConfig.disaggregation` (CLI flags) -> the transfer layer's `DisaggregationConfig`, a transfer
 backend with the rank's KV pool registered once, the data-plane host, and the refusals.
 With TP > 1 every rank does this for its own KV shard (rank 0 here, children in tp_agent.py).
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 import socket
 
-from kvpipe.config import ConfigError, ServerConfig
+from kvpipe.config import ServerConfig
 from kvpipe.transfer.backends import FailureInjection, TransferBackend, create_backend
-from kvpipe.transfer.config import DisaggConfig
+from kvpipe.config import DisaggregationConfig
 from kvpipe.transfer.layout import KVLayout
 
 logger = logging.getLogger(__name__)
@@ -22,25 +22,6 @@ logger = logging.getLogger(__name__)
 TRANSFER_POLL_S = 0.002
 
 _WILDCARDS = ("0.0.0.0", "::", "")
-
-
-def check_supported(cfg: ServerConfig) -> None:
-    """Refuse configurations the PD engines cannot serve, with a clear message."""
-    d = cfg.disaggregation
-    if not d.enabled:
-        return
-    if cfg.tp_size > 1 and d.transfer_backend == "local":
-        raise ConfigError(f"--disaggregation-mode {d.mode} with --tp-size {cfg.tp_size} needs "
-                          "--disaggregation-transfer-backend mooncake: TP ranks are separate processes and "
-                          "the local backend only copies inside one process")
-    if d.ib_device and d.transfer_backend != "mooncake":
-        raise ConfigError("--disaggregation-ib-device needs --disaggregation-transfer-backend mooncake")
-
-
-def transfer_config(cfg: ServerConfig) -> DisaggConfig:
-    d = cfg.disaggregation
-    return DisaggConfig(bootstrap_timeout_s=d.bootstrap_timeout_s, waiting_timeout_s=d.waiting_timeout_s,
-                        heartbeat_interval_s=d.heartbeat_interval_s, transfer_timeout_s=d.transfer_timeout_s)
 
 
 def data_host(cfg: ServerConfig) -> str:

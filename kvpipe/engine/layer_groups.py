@@ -19,6 +19,8 @@ import bisect
 import math
 from dataclasses import dataclass
 
+from kvpipe.config import parse_layer_groups
+
 
 @dataclass(frozen=True)
 class LayerGroupPolicy:
@@ -32,12 +34,8 @@ class LayerGroupPolicy:
     @classmethod
     def parse(cls, value: str | int) -> "LayerGroupPolicy":
         """`auto` or a positive group count (the --disaggregation-layer-groups flag)."""
-        if isinstance(value, str) and value.strip().lower() == "auto":
-            return cls()
-        n = int(value)
-        if n < 1:
-            raise ValueError(f"layer groups must be 'auto' or a positive integer, got {value!r}")
-        return cls(fixed_groups=n)
+        n = parse_layer_groups(value)
+        return cls() if n == "auto" else cls(fixed_groups=int(n))
 
 
 def split_layers(num_layers: int, num_groups: int) -> tuple[tuple[int, int], ...]:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from kvpipe.config import ServerConfig
-from kvpipe.engine.disagg import TRANSFER_POLL_S, check_supported, data_host, make_backend, register_pool
+from kvpipe.engine.disagg import TRANSFER_POLL_S, data_host, make_backend, register_pool
 from kvpipe.engine.batch import ScheduledBatch
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.layer_groups import LayerGroupPolicy
@@ -72,7 +72,7 @@ class PrefillEngine:
     """EngineLike for `--disaggregation-mode prefill` (any TP size)."""
 
     def __init__(self, cfg: ServerConfig, backend: TransferBackend | None = None) -> None:
-        check_supported(cfg)
+        cfg.check_servable()
         d = cfg.disaggregation
         self.cfg = cfg
         hooks = SchedulerHooks(on_chunk_done=self._on_chunk_done, on_prefill_done=self._on_prefill_done)

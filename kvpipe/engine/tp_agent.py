@@ -143,7 +143,7 @@ class ChildAgent:
             self.close()
 
     def _setup(self, start: AgentStart) -> AgentReady:
-        from kvpipe.engine.disagg import data_host, make_backend, register_pool, transfer_config
+        from kvpipe.engine.disagg import data_host, make_backend, register_pool
         from kvpipe.transfer.sender import KVSender
 
         layout = rank_layout(self.cfg, self.rank, self.pool, self.total_kv_heads)
@@ -153,7 +153,7 @@ class ChildAgent:
         if self.cfg.disaggregation.mode == "prefill":
             if start.instance_id is None or start.bootstrap is None:
                 raise ValueError("a prefill TP rank needs the instance id and the bootstrap address")
-            self.sender = KVSender(transfer_config(self.cfg), layout=layout, backend=self.backend,
+            self.sender = KVSender(self.cfg.disaggregation, layout=layout, backend=self.backend,
                                    tp_rank=self.rank, tp_size=self.cfg.tp_size, model_name=self.cfg.model_name,
                                    instance_id=start.instance_id, host=data_host(self.cfg))
             self.sender.start(bootstrap=start.bootstrap)

@@ -14,7 +14,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Sequence
 
 from kvpipe.config import ServerConfig
-from kvpipe.engine.disagg import transfer_config
+
 from kvpipe.engine.tp_agent import AgentFailed, AgentReady, AgentStart, CloseAgent
 from kvpipe.engine.tp_sender import TPSender
 from kvpipe.transfer.backends.base import TransferBackend
@@ -71,7 +71,7 @@ def make_sender(cfg: ServerConfig, engine: "Engine", layout: KVLayout, backend: 
     """Rank 0's KVSender, registered with the bootstrap server; with TP > 1 every child starts
     its own (same instance id) and a TPSender drives them all."""
     instance_id = uuid.uuid4().hex[:12]
-    local = KVSender(transfer_config(cfg), layout=layout, backend=backend, tp_rank=0, tp_size=cfg.tp_size,
+    local = KVSender(cfg.disaggregation, layout=layout, backend=backend, tp_rank=0, tp_size=cfg.tp_size,
                      model_name=cfg.model_name, instance_id=instance_id, host=host)
     local.start(bootstrap=bootstrap)
     if cfg.tp_size == 1:

@@ -41,7 +41,7 @@ import numpy as np
 
 from kvpipe.transfer.bootstrap import (DEFAULT_BOOTSTRAP_PORT, BootstrapNotReady, BootstrapUnreachable, DecodeInfo,
                                        PrefillInstanceInfo, check_compatible, fetch_prefill_info)
-from kvpipe.transfer.config import DisaggConfig
+from kvpipe.config import DisaggregationConfig
 from kvpipe.transfer.control import ControlEndpoint
 from kvpipe.transfer.layout import KVLayout
 from kvpipe.transfer.messages import (Abort, AuxData, Heartbeat, RegisterPeer, Side, TransferRequest,
@@ -76,7 +76,7 @@ class _Prefill:
 
 
 class KVReceiver:
-    def __init__(self, cfg: DisaggConfig, *, ranks: Sequence[DecodeRank], model_name: str,
+    def __init__(self, cfg: DisaggregationConfig, *, ranks: Sequence[DecodeRank], model_name: str,
                  instance_id: str | None = None, host: str = "127.0.0.1", clock: Clock = time.monotonic) -> None:
         if not ranks:
             raise ValueError("KVReceiver needs at least one decode rank")

@@ -40,7 +40,7 @@ import numpy as np
 
 from kvpipe.transfer.backends.base import BatchHandle, BatchState, TransferBackend, TransferError
 from kvpipe.transfer.bootstrap import BootstrapError, PrefillRankInfo, register_prefill_rank
-from kvpipe.transfer.config import DisaggConfig
+from kvpipe.config import DisaggregationConfig
 from kvpipe.transfer.control import ControlEndpoint
 from kvpipe.transfer.layout import KVLayout
 from kvpipe.transfer.sender_book import SenderBook, SenderStats, TransferTiming
@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 
 class KVSender:
-    def __init__(self, cfg: DisaggConfig, *, layout: KVLayout, backend: TransferBackend, tp_rank: int = 0,
+    def __init__(self, cfg: DisaggregationConfig, *, layout: KVLayout, backend: TransferBackend, tp_rank: int = 0,
                  tp_size: int = 1, model_name: str, instance_id: str | None = None, host: str = "127.0.0.1",
                  clock: Clock = time.monotonic) -> None:
         if instance_id is None:

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from kvpipe.transfer.backends.base import BatchHandle, BatchState
-from kvpipe.transfer.config import DisaggConfig
+from kvpipe.config import DisaggregationConfig
 from kvpipe.transfer.layout import KVLayout
 from kvpipe.transfer.messages import (Abort, AuxData, Heartbeat, RegisterPeer, Side, TransferRequest,
                                       TransferStatus)
@@ -71,7 +71,7 @@ class Tombstone:
 
 
 class SenderBook:
-    def __init__(self, cfg: DisaggConfig, layout: KVLayout, tp_rank: int, tp_size: int, session_id: str,
+    def __init__(self, cfg: DisaggregationConfig, layout: KVLayout, tp_rank: int, tp_size: int, session_id: str,
                  send: Callable[[str, Any], bool]) -> None:
         self.cfg, self.layout, self.tp_rank, self.tp_size = cfg, layout, tp_rank, tp_size
         self.session_id = session_id

@@ -13,7 +13,7 @@ import logging
 
 import numpy as np
 
-from kvpipe.transfer.config import DisaggConfig
+from kvpipe.config import DisaggregationConfig
 from kvpipe.transfer.layout import KVLayout
 from kvpipe.transfer.messages import RegisterPeer, TransferRequest
 from kvpipe.transfer.state import PeerLiveness
@@ -28,7 +28,7 @@ def expected_destinations(prefill_rank: int, prefill_tp: int, decode_tp: int) ->
 
 
 class SenderPeers:
-    def __init__(self, cfg: DisaggConfig, layout: KVLayout, tp_rank: int, tp_size: int) -> None:
+    def __init__(self, cfg: DisaggregationConfig, layout: KVLayout, tp_rank: int, tp_size: int) -> None:
         self.layout, self.tp_rank, self.tp_size = layout, tp_rank, tp_size
         self.peers: dict[str, RegisterPeer] = {}
         self.heads: dict[str, tuple[int, int] | None] = {}  # per session: heads we write, None = dummy pair

@@ -24,7 +24,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Mapping
 
-from kvpipe.transfer.config import DisaggConfig
+from kvpipe.config import DisaggregationConfig
 
 Clock = Callable[[], float]
 
@@ -56,14 +56,14 @@ def advance(cur: TransferState, new: TransferState) -> TransferState:
 Timeouts = Mapping[TransferState, float | None]
 
 
-def sender_timeouts(cfg: DisaggConfig) -> dict[TransferState, float | None]:
+def sender_timeouts(cfg: DisaggregationConfig) -> dict[TransferState, float | None]:
     # WaitingForInput / Transferring on prefill wait for the engine's own compute; a stuck write
     # batch is bounded separately (transfer_timeout_s without progress).
     return {TransferState.BOOTSTRAPPING: cfg.bootstrap_timeout_s,
             TransferState.WAITING_FOR_INPUT: None, TransferState.TRANSFERRING: None}
 
 
-def receiver_timeouts(cfg: DisaggConfig) -> dict[TransferState, float | None]:
+def receiver_timeouts(cfg: DisaggregationConfig) -> dict[TransferState, float | None]:
     return {TransferState.BOOTSTRAPPING: cfg.bootstrap_timeout_s,
             TransferState.WAITING_FOR_INPUT: cfg.waiting_timeout_s,
             TransferState.TRANSFERRING: cfg.waiting_timeout_s}

@@ -17,7 +17,7 @@ from kvpipe.transfer import messages as m
 from kvpipe.transfer.backends import FailureInjection
 from kvpipe.transfer.backends.local import LocalBackend, LocalFabric
 from kvpipe.transfer.bootstrap import BootstrapServer, PrefillRankInfo, register_prefill_rank
-from kvpipe.transfer.config import DisaggConfig
+from kvpipe.config import DisaggregationConfig
 from kvpipe.transfer.layout import KVLayout
 from kvpipe.transfer.receiver import DecodeRank, KVReceiver
 from kvpipe.transfer.sender import KVSender
@@ -27,7 +27,7 @@ from kvpipe.transfer.tp_mapping import kv_head_range
 pytestmark = pytest.mark.integration
 L, PAGES, PS, HD, H = 2, 32, 4, 8, 2  # layers, pages per pool, page size, head dim, total KV heads
 # Heartbeat timeout 1 s: short for the tests, long enough for a loaded shared machine.
-CFG = DisaggConfig(bootstrap_timeout_s=3.0, waiting_timeout_s=5.0, heartbeat_interval_s=0.1, heartbeat_misses=10,
+CFG = DisaggregationConfig(bootstrap_timeout_s=3.0, waiting_timeout_s=5.0, heartbeat_interval_s=0.1, heartbeat_misses=10,
                    transfer_timeout_s=1.0, http_timeout_s=1.0)
 S, F = TransferState.SUCCESS, TransferState.FAILED
 

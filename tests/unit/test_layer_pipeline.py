@@ -12,7 +12,7 @@ from kvpipe.engine.layer_groups import LayerGroupPolicy
 from kvpipe.engine.layer_pipeline import MIN_LINK_SAMPLE_BYTES, LayerPipeline
 from kvpipe.transfer import messages as m
 from kvpipe.transfer.backends.base import BatchHandle, BatchState
-from kvpipe.transfer.config import DisaggConfig
+from kvpipe.config import DisaggregationConfig
 from kvpipe.transfer.layout import KVLayout
 from kvpipe.transfer.sender_book import SenderBook
 from kvpipe.transfer.sender_room import SendCall
@@ -26,7 +26,7 @@ def layout(base: int) -> KVLayout:
 
 
 def book() -> SenderBook:
-    cfg = DisaggConfig(max_inflight_ops=1024)
+    cfg = DisaggregationConfig(max_inflight_ops=1024)
     b = SenderBook(cfg, layout(1 << 30), 0, 1, "p/0", lambda a, msg: True)
     b.on_message(m.RegisterPeer("d/0", 0, 1, "data-d", "tcp://d", layout(1 << 40)), 0.0)
     b.add_room(1, np.arange(8), 0.0)

@@ -1,4 +1,4 @@
-"""--disaggregation-* flags -> DisaggregationConfig -> the transfer layer's DisaggConfig; refusals."""
+"""--disaggregation-* flags -> DisaggregationConfig (one config for the servers and the transfer layer); refusals."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from kvpipe.cli import build_parser, server_config_from_args
 from kvpipe.config import ConfigError, DisaggregationConfig, ServerConfig
-from kvpipe.engine.disagg import check_supported, data_host, transfer_config
+from kvpipe.engine.disagg import data_host
 
 
 def parse(*flags: str) -> ServerConfig:
@@ -24,7 +24,7 @@ def test_flags_map_onto_the_configs() -> None:
     d = cfg.disaggregation
     assert (d.mode, d.bootstrap_port, d.ib_device, d.host, d.failure_prob, d.failure_seed) == (
         "decode", 9000, "mlx5_0", "10.99.0.2", 0.5, 9)
-    t = transfer_config(cfg)
+    t = cfg.disaggregation
     assert (t.bootstrap_timeout_s, t.waiting_timeout_s, t.heartbeat_interval_s, t.transfer_timeout_s) == (3, 7, 0.25, 4)
     assert data_host(cfg) == "10.99.0.2"  # the data plane uses the given address, not the wildcard --host
     assert parse().disaggregation == DisaggregationConfig() and not parse().disaggregation.enabled
@@ -38,11 +38,17 @@ def test_refusals() -> None:
         parse("--disaggregation-failure-prob", "2")
     with pytest.raises(SystemExit):
         parse("--disaggregation-mode", "bogus")
+    with pytest.raises(SystemExit):
+        parse("--disaggregation-layer-groups", "0")
+    assert parse("--disaggregation-layer-groups", " AUTO ").disaggregation.layer_groups == "auto"
+    assert parse("--disaggregation-layer-groups", "3").disaggregation.layer_groups == 3
+    with pytest.raises(ConfigError, match="layer groups"):
+        DisaggregationConfig(layer_groups=1.5)
     with pytest.raises(ConfigError, match="TP ranks are separate processes"):
-        check_supported(ServerConfig("m", tp_size=2, disaggregation=DisaggregationConfig(
-            mode="decode", transfer_backend="local")))
-    check_supported(ServerConfig("m", tp_size=4, disaggregation=DisaggregationConfig(mode="decode")))
+        ServerConfig("m", tp_size=2, disaggregation=DisaggregationConfig(mode="decode",
+                                                                          transfer_backend="local")).check_servable()
+    ServerConfig("m", tp_size=4, disaggregation=DisaggregationConfig(mode="decode")).check_servable()
     with pytest.raises(ConfigError, match="ib-device"):
-        check_supported(ServerConfig("m", disaggregation=DisaggregationConfig(
-            mode="decode", transfer_backend="local", ib_device="mlx5_0")))
-    check_supported(ServerConfig("m", tp_size=2))  # colocated TP is fine
+        ServerConfig("m", disaggregation=DisaggregationConfig(mode="decode", transfer_backend="local",
+                                                              ib_device="mlx5_0")).check_servable()
+    ServerConfig("m", tp_size=2).check_servable()  # colocated TP is fine

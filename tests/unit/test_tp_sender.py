@@ -17,7 +17,7 @@ from kvpipe.engine.tp_agent import AbortRoom, AddRoom, AgentFailed, CloseAgent, 
 from kvpipe.engine.tp_sender import TPSender
 from kvpipe.engine.tp_tally import RoomTally
 from kvpipe.transfer.backends.local import LocalBackend
-from kvpipe.transfer.config import DisaggConfig
+from kvpipe.config import DisaggregationConfig
 from kvpipe.transfer.layout import KVLayout
 from kvpipe.transfer.sender import KVSender
 from kvpipe.transfer.sender_book import SenderStats
@@ -70,7 +70,7 @@ def test_tally_gone_rank_fails_open_and_later_rooms() -> None:
 
 # ---- TPSender ------------------------------------------------------------------------------
 L, PS, HD, PAGES = 2, 4, 8, 32
-CFG = DisaggConfig(bootstrap_timeout_s=5, waiting_timeout_s=50, heartbeat_interval_s=1, transfer_timeout_s=10)
+CFG = DisaggregationConfig(bootstrap_timeout_s=5, waiting_timeout_s=50, heartbeat_interval_s=1, transfer_timeout_s=10)
 
 
 def layout() -> KVLayout:  # rank 0 of TP 2 over 2 KV heads; addresses are never written here

@@ -10,7 +10,7 @@ import pytest
 
 from kvpipe.transfer import messages as m
 from kvpipe.transfer.backends.base import BatchHandle, BatchState
-from kvpipe.transfer.config import DisaggConfig
+from kvpipe.config import DisaggregationConfig
 from kvpipe.transfer.layout import KVLayout
 from kvpipe.transfer.receiver_room import ReceiverRoom, rank_pairs
 from kvpipe.transfer.sender_book import SenderBook
@@ -20,7 +20,7 @@ from kvpipe.transfer.state import DuplicateRoomError, RoomRecord, TransferState,
 
 L, PS, HD, PAGES = 2, 4, 8, 64
 T = TransferState
-CFG = DisaggConfig(bootstrap_timeout_s=5, waiting_timeout_s=50, heartbeat_interval_s=1, heartbeat_misses=3,
+CFG = DisaggregationConfig(bootstrap_timeout_s=5, waiting_timeout_s=50, heartbeat_interval_s=1, heartbeat_misses=3,
                    transfer_timeout_s=10, max_inflight_ops=8)
 
 

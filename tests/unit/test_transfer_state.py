@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from kvpipe.transfer.config import DisaggConfig
+from kvpipe.config import DisaggregationConfig
 from kvpipe.transfer.state import (PeerLiveness, RoomRecord, TransferState, advance,
                                    receiver_timeouts, sender_timeouts)
 
@@ -28,7 +28,7 @@ def test_advance_only_forward_and_failed_wins():
 
 
 def test_record_deadlines_follow_state():
-    cfg = DisaggConfig(bootstrap_timeout_s=5, waiting_timeout_s=50)
+    cfg = DisaggregationConfig(bootstrap_timeout_s=5, waiting_timeout_s=50)
     r = RoomRecord.new(7, receiver_timeouts(cfg), now=100.0)
     assert r.state is S.BOOTSTRAPPING and r.deadline == 105.0
     assert not r.expire(104.9)
@@ -44,7 +44,7 @@ def test_record_deadlines_follow_state():
 
 
 def test_sender_waits_without_deadline_after_bootstrap():
-    cfg = DisaggConfig(bootstrap_timeout_s=2)
+    cfg = DisaggregationConfig(bootstrap_timeout_s=2)
     r = RoomRecord.new(1, sender_timeouts(cfg), now=0.0)
     assert r.expire(2.5) and "bootstrapping timed out" in r.reason
     r2 = RoomRecord.new(2, sender_timeouts(cfg), now=0.0)
@@ -53,18 +53,18 @@ def test_sender_waits_without_deadline_after_bootstrap():
 
 
 def test_first_failure_reason_wins_and_success_is_terminal():
-    r = RoomRecord.new(3, receiver_timeouts(DisaggConfig()), now=0.0)
+    r = RoomRecord.new(3, receiver_timeouts(DisaggregationConfig()), now=0.0)
     assert r.fail("peer died", now=1.0)
     assert not r.fail("timeout", now=2.0)
     assert r.reason == "peer died" and r.finished_at == 1.0
-    ok = RoomRecord.new(4, receiver_timeouts(DisaggConfig()), now=0.0)
+    ok = RoomRecord.new(4, receiver_timeouts(DisaggregationConfig()), now=0.0)
     ok.move(S.SUCCESS, now=1.0)
     assert ok.deadline is None and not ok.expire(1e9) and ok.state is S.SUCCESS
     assert ok.fail("late abort", now=2.0) and ok.state is S.FAILED  # Failed wins over Success
 
 
 def test_refresh_restarts_deadline():
-    cfg = DisaggConfig(bootstrap_timeout_s=1, waiting_timeout_s=10)
+    cfg = DisaggregationConfig(bootstrap_timeout_s=1, waiting_timeout_s=10)
     r = RoomRecord.new(5, receiver_timeouts(cfg), now=0.0)
     r.move(S.TRANSFERRING, now=0.5)
     r.refresh(now=9.0)
@@ -91,7 +91,7 @@ def test_peer_liveness_reports_death_once_and_revival():
 
 def test_config_validation():
     with pytest.raises(ValueError):
-        DisaggConfig(bootstrap_timeout_s=0)
+        DisaggregationConfig(bootstrap_timeout_s=0)
     with pytest.raises(ValueError):
-        DisaggConfig(max_inflight_ops=0)
-    assert DisaggConfig(heartbeat_interval_s=0.5, heartbeat_misses=4).heartbeat_timeout_s == 2.0
+        DisaggregationConfig(max_inflight_ops=0)
+    assert DisaggregationConfig(heartbeat_interval_s=0.5, heartbeat_misses=4).heartbeat_timeout_s == 2.0
