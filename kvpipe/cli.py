@@ -72,7 +72,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
-    """SGLang's --disaggregation-* flags (PD serving; see kvpipe/engine/prefill.py, decode.py)."""
+    """SGLang's --disaggregation-* flags (PD serving; see kvpipe/disagg/)."""
     d = DisaggregationConfig()
     g = p.add_argument_group("PD disaggregation")
     g.add_argument("--disaggregation-mode", choices=["null", "prefill", "decode"], default=d.mode,
@@ -192,17 +192,11 @@ def _serve(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def engine_factory(cfg: ServerConfig) -> Callable[[], object]:
-    """What the server's engine thread builds: colocated Engine, PrefillEngine or DecodeEngine."""
+    """What the server's engine thread builds: an Engine, with the PD connector of its mode."""
     def build() -> object:
-        mode = cfg.disaggregation.mode
-        if mode == "prefill":
-            from kvpipe.engine.prefill import PrefillEngine
-            return PrefillEngine(cfg)
-        if mode == "decode":
-            from kvpipe.engine.decode import DecodeEngine
-            return DecodeEngine(cfg)
+        from kvpipe.disagg import make_connector
         from kvpipe.engine.engine import Engine
-        return Engine(cfg)
+        return Engine(cfg, make_connector(cfg))
     return build
 
 

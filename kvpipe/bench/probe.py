@@ -73,7 +73,7 @@ def read_num_groups(info_url: str, timeout_s: float = 5.0) -> int | None:
 
 def transfer_tail_from_server_info(info: Mapping[str, Any]) -> tuple[float, int] | None:
     """(sum of ms, rooms) of a prefill's transfer tails: how long each room's KV kept landing
-    after its prefill forward ended (kvpipe/engine/layer_pipeline.py); None if not reported."""
+    after its prefill forward ended (kvpipe/disagg/layer_pipeline.py); None if not reported."""
     states = info.get("internal_states")
     for scope in [info, *(s for s in states if isinstance(s, Mapping))] if isinstance(states, list) else [info]:
         total, count = scope.get("transfer_tail_ms_sum"), scope.get("transfer_tail_count")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -29,6 +30,7 @@ class ForwardSpec:
     page_tables: tuple[np.ndarray, ...]  # int64 pages covering prefix + new tokens of each row
     want_logits: tuple[bool, ...]  # rows whose last token is sampled
     layer_groups: tuple[tuple[int, int], ...] | None = None  # [start, end) layer ranges; None: one pass
+    connector_meta: Any = None  # the KV connector's plan for this forward, for every rank's worker
 
     @property
     def num_tokens(self) -> int:
@@ -50,11 +52,13 @@ class ScheduledBatch:
         """Row i reaches the end of its prompt (or is a decode row): its last token is sampled."""
         return self.prefix_lens[i] + self.extend_lens[i] >= len(self.reqs[i].input_ids)
 
-    def spec(self, page_size: int, layer_groups: tuple[tuple[int, int], ...] | None = None) -> ForwardSpec:
+    def spec(self, page_size: int, layer_groups: tuple[tuple[int, int], ...] | None = None,
+             connector_meta: Any = None) -> ForwardSpec:
         toks, tables = [], []
         for req, pre, n in zip(self.reqs, self.prefix_lens, self.extend_lens):
             ids = req.input_ids[pre:pre + n] if pre + n <= len(req.input_ids) else req.all_ids[pre:pre + n]
             toks.append(list(ids))
             tables.append(np.ascontiguousarray(req.pages[:-(-(pre + n) // page_size)], dtype=np.int64))
         return ForwardSpec(tuple(toks), tuple(self.prefix_lens), tuple(tables),
-                           tuple(self.completes_prefill(i) for i in range(len(self.reqs))), layer_groups)
+                           tuple(self.completes_prefill(i) for i in range(len(self.reqs))), layer_groups,
+                           connector_meta)

@@ -1,7 +1,9 @@
-"""The colocated engine: tokenizer, scheduler, model runner (or TP group), sampler, finish logic.
+"""The engine: tokenizer, scheduler, model runner (or TP group), sampler, finish logic, and an
+optional KV connector (kvpipe/engine/connector.py) through which PD disaggregation plugs in.
 
-One thread calls step() in a loop; add_request/abort may come from any thread and land in a
-lock-protected inbox that step() drains first.
+One thread calls step() in a loop; add_request/abort may come from any thread and land in the
+one lock-protected inbox that step() drains first. `poll_interval()` tells the loop when the
+next step has something to do (now, after a transfer poll interval, or only on new input).
 """
 
 from __future__ import annotations
@@ -10,34 +12,46 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from kvpipe.cache.page_allocator import PageAllocator
 from kvpipe.config import ModelConfig, ParallelConfig, ServerConfig
 from kvpipe.engine.batch import ForwardMode, ForwardSpec, ScheduledBatch
+from kvpipe.engine.connector import (Admission, ConnectorContext, ForwardPlan, KVArrived, KVConnector,
+                                     KVConnectorWorker, TransferFinished)
 from kvpipe.engine.finish import FinishChecker
-from kvpipe.engine.model_runner import GroupCallback, ModelRunner, split_layers
+from kvpipe.engine.model_runner import ModelRunner, split_layers
 from kvpipe.engine.request import FinishReason, Req, SamplingParams, TokenOutput
 from kvpipe.engine.sampler import Sampler, make_generator
-from kvpipe.engine.scheduler import Scheduler, SchedulerHooks
+from kvpipe.engine.scheduler import Scheduler
 from kvpipe.engine.tp_worker import TPGroup, build_runner
+from kvpipe.engine.worker_group import RankWorkers
 from kvpipe.model.loader import load_generation_eos
 from kvpipe.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-# (batch) -> layer groups its prefill forward runs as (1: one pass); called right before the forward
-PrefillGroupsFn = Callable[[ScheduledBatch], int]
-# (batch, start, end): layers [start, end) of the batch's prefill forward have written their KV
-BatchGroupCallback = Callable[[ScheduledBatch, int, int], None]
+# A REMOTE request waiting for free pages is retried this often when nothing else wakes the loop.
+RESERVE_RETRY_S = 0.01
+
+
+@dataclass
+class _Held:
+    """A finished request whose pages a transfer still owns (see connector.py)."""
+
+    req: Req
+    replied: bool  # the client got its final output
+    deferred: TokenOutput | None = None  # the normal finish, sent once the transfer succeeded
 
 
 class Engine:
-    def __init__(self, cfg: ServerConfig, hooks: SchedulerHooks = SchedulerHooks(),
-                 hold_finished_pages: bool = False, prefill_layer_groups: int | PrefillGroupsFn = 1,
-                 on_group_done: BatchGroupCallback | None = None) -> None:
+    def __init__(self, cfg: ServerConfig, connector: KVConnector | None = None, layer_groups: int = 1) -> None:
+        """`layer_groups`: prefill forwards run as this many layer groups when no connector
+        plans them (a colocated engine computes the same either way)."""
         self.cfg = cfg
         self.model_config = ModelConfig.from_dir(cfg.model_path)
         self.tokenizer = Tokenizer.from_dir(cfg.tokenizer_path or cfg.model_path,
@@ -46,15 +60,12 @@ class Engine:
             self.tokenizer.eos_token_ids + self.model_config.eos_token_ids))
         self.context_length: int = cfg.scheduler.context_length or self.model_config.max_position_embeddings
         self.page_size = cfg.cache.page_size
-        # Seams for layer-pipelined KV transfer: a prefill forward runs as `prefill_layer_groups`
-        # groups (a count, or a function of the batch called right before its forward), and
-        # `on_group_done(batch, start, end)` runs after each group of a prefill forward (on rank 0
-        # with TP: each layer ends in an all-reduce, so every rank wrote the group's KV by then).
-        self.prefill_layer_groups = prefill_layer_groups
-        self.on_group_done = on_group_done
+        self.connector = connector
+        self._layer_groups = layer_groups
         self._tp: TPGroup | None = None
+        self._worker: KVConnectorWorker | None = None
         if cfg.tp_size > 1:
-            self._tp = TPGroup(cfg)
+            self._tp = TPGroup(cfg, connector.worker_factory if connector is not None else None)
             self.runner: ModelRunner = self._tp.runner
             device = self._tp.device
         else:
@@ -62,7 +73,7 @@ class Engine:
             self.runner = build_runner(cfg, ParallelConfig(), device)
         self.allocator = PageAllocator(cfg.cache.pages(), cfg.cache.debug_checks)
         self.scheduler = Scheduler(cfg.scheduler, self.allocator, self.page_size, self.context_length,
-                                   hooks, hold_finished_pages)
+                                   whole_prompt_pages=connector is not None and connector.whole_prompt_pages)
         self.sampler = Sampler(cfg.seed, device)
         self.finisher = FinishChecker(self.tokenizer, self.eos_token_ids, self.context_length)
         self._device = device
@@ -70,22 +81,29 @@ class Engine:
         self._lock = threading.Lock()
         self._inbox: list[Req] = []
         self._aborts: list[str] = []
-        self._active: set[str] = set()  # rids added and not yet finished (duplicate check)
+        self._active: set[str] = set()  # rids added whose pages are not all free yet (duplicate check)
+        self._remote: deque[tuple[Req, float]] = deque()  # REMOTE requests waiting for pages, deadline
+        self._held: dict[str, _Held] = {}
         self._closed = False
-
-    @property
-    def tp_group(self) -> TPGroup | None:
-        """Rank 0's handle on the TP children (None with tp_size 1)."""
-        return self._tp
+        if connector is not None:
+            try:
+                self._worker = connector.make_worker(self.runner.pool, self.model_config.num_kv_heads)
+                connector.start(ConnectorContext(cfg, self.model_config, RankWorkers(self._worker, self._tp)))
+            except BaseException:
+                self.shutdown()
+                raise
 
     # ---- thread-safe entry points ----------------------------------------------------------
     def add_request(self, req: Req) -> None:
-        """Queue a request (any thread). Raises ValueError for a rid that is still active."""
+        """Queue a request (any thread). ValueError: its rid is still active, or the connector
+        refuses it (e.g. PD bootstrap fields missing or in use)."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("the engine is shut down")
-            if req.rid in self._active or req.rid in self.scheduler.held:
+            if req.rid in self._active:
                 raise ValueError(f"a request with rid {req.rid!r} is already running")
+            if self.connector is not None:
+                self.connector.claim(req)
             self._active.add(req.rid)
             self._inbox.append(req)
 
@@ -94,18 +112,32 @@ class Engine:
         with self._lock:
             self._aborts.append(rid)
 
-    def has_work(self) -> bool:
+    def poll_interval(self) -> float | None:
+        """When step() has something to do: 0.0 now; s > 0 after s seconds (only transfers are
+        in flight, or requests wait for pages a transfer holds); None only on new input."""
         with self._lock:
             if self._inbox or self._aborts:
-                return True
-        return self.scheduler.has_work()
+                return 0.0
+        s = self.scheduler
+        if s.running or (s.waiting and not self._held and not s.reserved and not self._remote):
+            return 0.0
+        hint = self.connector.wait_hint() if self.connector is not None else None
+        if self._remote:
+            hint = RESERVE_RETRY_S if hint is None else min(hint, RESERVE_RETRY_S)
+        return hint
+
+    def has_work(self) -> bool:
+        return self.poll_interval() is not None
 
     def stats(self) -> dict:
         s = dict(self.scheduler.stats())
         with self._lock:
             s["num_waiting"] += len(self._inbox)
+        s["num_waiting"] += len(self._remote)
         s.update(context_length=self.context_length, tp_size=self.cfg.tp_size,
                  kv_cache_bytes=self.runner.pool.nbytes)
+        if self.connector is not None:
+            s.update(self.connector.stats())
         return s
 
     # ---- the step --------------------------------------------------------------------------
@@ -113,18 +145,20 @@ class Engine:
         """Run one scheduler step; returns the news of every request it touched ([] when idle)."""
         outs: list[TokenOutput] = []
         self._drain_inbox(outs)
+        if self.connector is not None:
+            self._reserve_remote(outs)
+            self._poll_connector(outs)
         batch = self.scheduler.schedule()
         if batch is None:
             return outs
         try:
-            spec, callback = self._forward_spec(batch)
-            logits = self._tp.run(spec, callback) if self._tp is not None else self.runner.run(spec, callback)
+            logits = self._forward(batch)
         except Exception as e:
-            # leave no half-run request behind: its pages go back, the caller sees the error
+            # leave no half-run request behind: its pages go back (or to its transfer), the caller sees the error
             for req in batch.reqs:
                 self._finish(req, FinishReason.ABORT, f"forward failed: {e}")
             raise
-        rows = [i for i, w in enumerate(spec.want_logits) if w]
+        rows = [i for i, r in enumerate(batch.reqs) if batch.completes_prefill(i)]
         tokens: list[int | None] = [None] * len(batch.reqs)
         logprobs: list[float | None] = [None] * len(batch.reqs)
         if rows:
@@ -134,58 +168,155 @@ class Engine:
             for j, i in enumerate(rows):
                 tokens[i], logprobs[i] = out.token_ids[j], out.logprobs[j]
         self.scheduler.commit(batch, tokens, logprobs)
+        if self.connector is not None and batch.mode is ForwardMode.PREFILL:
+            self.connector.after_commit(batch)
         for i in rows:
             req = batch.reqs[i]
-            if req.finished:  # a hook may have ended it
-                self._forget(req.rid)
+            if req.finished:  # aborted while its forward ran (e.g. its transfer failed)
                 continue
             num_new = 1 if req.params.max_new_tokens > 0 else 0
             fin = self.finisher.check(req, num_new)
-            if fin is not None:
-                self._finish(req, *fin)
-            outs.append(TokenOutput(
-                req.rid, (tokens[i],) if num_new else (), (logprobs[i],) if num_new else (),
-                req.finish_reason, req.finish_detail, len(req.input_ids), 0))
+            held = self._finish(req, *fin) if fin is not None else False
+            out = TokenOutput(req.rid, (tokens[i],) if num_new else (), (logprobs[i],) if num_new else (),
+                              req.finish_reason, req.finish_detail, len(req.input_ids), 0)
+            if held and req.finish_reason is not FinishReason.ABORT:
+                self._held[req.rid].deferred = out  # the client hears once the KV has landed
+            else:
+                outs.append(out)
         return outs
 
-    def _forward_spec(self, batch: ScheduledBatch) -> tuple[ForwardSpec, GroupCallback | None]:
-        """The batch's ForwardSpec (layer groups chosen for a prefill) and its per-group callback."""
-        if batch.mode is not ForwardMode.PREFILL:
-            return batch.spec(self.page_size), None
-        n = self.prefill_layer_groups
-        n = n if isinstance(n, int) else n(batch)
+    def _forward(self, batch: ScheduledBatch) -> torch.Tensor | None:
+        """Run the batch on every rank: prefills as the planned layer groups, the connector's
+        workers moving KV from their layer-group hooks."""
+        plan = ForwardPlan(self._layer_groups)
+        if batch.mode is ForwardMode.PREFILL and self.connector is not None:
+            plan = self.connector.plan_forward(batch)
+        n = plan.layer_groups if batch.mode is ForwardMode.PREFILL else 1
         groups = split_layers(self.model_config.num_layers, n) if n > 1 else None
+        spec: ForwardSpec = batch.spec(self.page_size, groups, plan.meta)
         callback = None
-        if self.on_group_done is not None:
-            on_group = self.on_group_done
-            callback = lambda start, end, fb: on_group(batch, start, end)  # noqa: E731
-        return batch.spec(self.page_size, groups), callback
+        worker = self._worker
+        if worker is not None:
+            worker.before_forward(plan.meta)
+            callback = lambda start, end, fb: worker.after_layers(plan.meta, start, end)  # noqa: E731
+        logits = self._tp.run(spec, callback) if self._tp is not None else self.runner.run(spec, callback)
+        if self.connector is not None and batch.mode is ForwardMode.PREFILL:
+            self.connector.after_forward(batch)
+        return logits
 
     def _drain_inbox(self, outs: list[TokenOutput]) -> None:
         with self._lock:
             new, aborts = self._inbox, self._aborts
             self._inbox, self._aborts = [], []
+        now = time.monotonic()
         for req in new:
             if not req.eos_token_ids:
                 req.eos_token_ids = self.eos_token_ids
-            try:
-                accepted = self.scheduler.add(req)
-            except ValueError as e:  # its rid is taken (e.g. by a finished request holding pages)
-                self._forget(req.rid)
-                outs.append(TokenOutput(req.rid, (), (), FinishReason.ABORT, str(e), len(req.input_ids), 0))
+            if self.connector is not None and self.connector.admit(req) is Admission.REMOTE:
+                self._remote.append((req, now + self.connector.reserve_deadline_s()))
                 continue
-            if not accepted:  # can never run: finished with ABORT and a message
+            if not self.scheduler.add(req):  # can never run: finished with ABORT and a message
                 logger.warning("request %s rejected: %s", req.rid, req.finish_detail)
+                self._settle(req, self._connector_holds(req, FinishReason.ABORT, req.finish_detail))
                 outs.append(self._finish_output(req))
         for rid in aborts:
-            req = self.scheduler.get(rid)
-            if req is not None:
-                self._finish(req, FinishReason.ABORT, "aborted")
+            self._abort(rid, outs)
+
+    def _abort(self, rid: str, outs: list[TokenOutput]) -> None:
+        req = self.scheduler.get(rid) or next((r for r, _ in self._remote if r.rid == rid), None)
+        if req is not None and not req.finished:
+            self._finish(req, FinishReason.ABORT, "aborted")
+            outs.append(self._finish_output(req))
+            return
+        h = self._held.get(rid)
+        if h is not None and not h.replied:  # done here, its transfer still runs: stop it, answer now
+            h.replied = True
+            outs.append(TokenOutput(rid, (), (), FinishReason.ABORT, "aborted", len(h.req.input_ids), 0))
+            assert self.connector is not None
+            self.connector.abort_transfer(h.req, "client disconnected or request aborted")
+
+    def _reserve_remote(self, outs: list[TokenOutput]) -> None:
+        """Give REMOTE requests the pages of their prompt (FIFO, head of line) and let the
+        connector ask for their KV; a request that finds no pages by its deadline fails."""
+        assert self.connector is not None
+        now = time.monotonic()
+        while self._remote:
+            req, deadline = self._remote[0]
+            if req.finished:
+                self._remote.popleft()
+                continue
+            if not self.scheduler.reserve(req):
+                if not req.finished and now < deadline:
+                    return  # no room now: retry next step
+                self._remote.popleft()
+                if req.finished:  # it can never fit: the scheduler finished it with a message
+                    self._settle(req, self._connector_holds(req, FinishReason.ABORT, req.finish_detail))
+                else:
+                    self._finish(req, FinishReason.ABORT, f"no free KV pages within the waiting timeout "
+                                                          f"({self.cfg.disaggregation.waiting_timeout_s}s)")
+                outs.append(self._finish_output(req))
+                continue
+            self._remote.popleft()
+            try:
+                self.connector.on_reserved(req)
+            except ValueError as e:  # e.g. pages the transfer refuses: nothing was asked for
+                self._finish(req, FinishReason.ABORT, str(e))
                 outs.append(self._finish_output(req))
 
-    def _finish(self, req: Req, reason: FinishReason, detail: str | int | None) -> None:
-        self.scheduler.finish(req, reason, detail)
+    def _poll_connector(self, outs: list[TokenOutput]) -> None:
+        assert self.connector is not None
+        for ev in self.connector.poll():
+            if isinstance(ev, KVArrived):
+                self._kv_arrived(ev, outs)
+                continue
+            assert isinstance(ev, TransferFinished)
+            h = self._held.pop(ev.rid, None)
+            if h is not None:  # pages are safe now
+                self.scheduler.release(ev.rid)
+                self._forget(ev.rid)
+                if not h.replied:
+                    outs.append(h.deferred if ev.ok and h.deferred is not None else TokenOutput(
+                        ev.rid, (), (), FinishReason.ABORT, f"KV transfer failed: {ev.reason}",
+                        len(h.req.input_ids), 0))
+                continue
+            req = self.scheduler.get(ev.rid)
+            if req is not None and not ev.ok:  # still computing or waiting for its KV: stop it
+                self._finish(req, FinishReason.ABORT, f"KV transfer failed: {ev.reason}")
+                outs.append(self._finish_output(req))
+
+    def _kv_arrived(self, ev: KVArrived, outs: list[TokenOutput]) -> None:
+        req = self.scheduler.get(ev.rid)
+        if req is None or req.rid not in self.scheduler.reserved:
+            logger.warning("KV arrived for %s, which is not waiting for it", ev.rid)
+            return
+        req.output_ids.append(ev.first_token_id)
+        req.output_logprobs.append(ev.first_token_logprob)
+        fin = self.finisher.check(req, 1)
+        if fin is not None:
+            self._finish(req, *fin)
+        else:
+            self.scheduler.add_prefilled(req)
+        outs.append(TokenOutput(req.rid, (ev.first_token_id,), (ev.first_token_logprob,), req.finish_reason,
+                                req.finish_detail, len(req.input_ids), 0))
+
+    def _connector_holds(self, req: Req, reason: FinishReason, detail: str | int | None) -> bool:
+        return self.connector is not None and self.connector.on_finish(req, reason, detail)
+
+    def _finish(self, req: Req, reason: FinishReason, detail: str | int | None) -> bool:
+        """End `req`; True when a transfer keeps its pages (then they are freed at its
+        TransferFinished, and a normal finish is answered then)."""
+        hold = self._connector_holds(req, reason, detail)
+        self.scheduler.finish(req, reason, detail, hold=hold)
+        return self._settle(req, hold)
+
+    def _settle(self, req: Req, hold: bool) -> bool:
+        if hold:
+            self._held[req.rid] = _Held(req, replied=req.finish_reason is FinishReason.ABORT)
+            self._generators.pop(req.rid, None)
+            self.finisher.forget(req.rid)
+            return True
         self._forget(req.rid)
+        return False
 
     def _forget(self, rid: str) -> None:
         self._generators.pop(rid, None)
@@ -194,7 +325,6 @@ class Engine:
             self._active.discard(rid)
 
     def _finish_output(self, req: Req) -> TokenOutput:
-        self._forget(req.rid)
         return TokenOutput(req.rid, (), (), req.finish_reason, req.finish_detail, len(req.input_ids), 0)
 
     def _generator(self, req: Req) -> torch.Generator | None:
@@ -210,6 +340,10 @@ class Engine:
             if self._closed:
                 return
             self._closed = True
+        if self.connector is not None:
+            self.connector.shutdown()
+        if self._worker is not None:
+            self._worker.close()
         if self._tp is not None:
             self._tp.shutdown()
 

@@ -12,12 +12,18 @@ import torch
 from kvpipe.cache.kv_pool import KVPool
 from kvpipe.config import CacheConfig
 from kvpipe.engine.batch import ForwardSpec
-from kvpipe.engine.layer_groups import split_layers  # noqa: F401 - re-exported (the cost model simulates the same split)
 from kvpipe.model.forward_batch import ForwardBatch
 from kvpipe.model.llama import CausalLM
 
 # (start, end, batch): layers [start, end) of this forward have written their KV into the pool
 GroupCallback = Callable[[int, int, ForwardBatch], None]
+
+
+def split_layers(num_layers: int, num_groups: int) -> tuple[tuple[int, int], ...]:
+    """[start, end) ranges of `num_groups` near-equal contiguous layer groups."""
+    n = max(1, min(num_groups, num_layers))
+    bounds = [round(i * num_layers / n) for i in range(n + 1)]
+    return tuple((bounds[i], bounds[i + 1]) for i in range(n))
 
 
 class ModelRunner:
@@ -30,7 +36,6 @@ class ModelRunner:
         # KV heads of this rank only (one replicated head when tp_size > num_kv_heads)
         self.pool = KVPool(cfg.num_layers, cache.pages(), cache.page_size, model.local_kv_heads,
                            cfg.head_dim, dtype, self.device)
-        self.on_group_done: GroupCallback | None = None  # seam for layer-pipelined KV transfer
 
     @property
     def num_layers(self) -> int:
@@ -56,7 +61,7 @@ class ModelRunner:
         """Forward the batch (layer group by layer group). Returns fp32 logits [B_out, V] for
         rows with want_logits (in row order), or None when no row wants them."""
         fb = self.build_batch(spec)
-        callback = on_group_done or self.on_group_done
+        callback = on_group_done
         hidden = self.model.embed(fb)  # [T, hidden]
         for start, end in self._groups(spec):
             hidden = self.model.forward_layers(hidden, fb, self.pool, start, end)

@@ -14,15 +14,17 @@ Policy (simple and fair):
   requests. Running requests therefore never run out of pages, and nothing is preempted;
   the rest wait in the queue. A request that could never fit is finished with ABORT.
 
-Seams for disaggregation: `reserve` + `add_prefilled` (a request whose KV another server
-wrote goes straight to decode), SchedulerHooks (per prefill chunk, per completed prefill),
-and held pages (a finished request keeps its pages until `release(rid)`).
+Seams for disaggregation (driven by the engine for its KV connector, never by the connector):
+`reserve` + `add_prefilled` (a request whose KV another server wrote goes straight to decode),
+`whole_prompt_pages` (a prompt's pages are allocated at its first chunk, so a PD prefill can
+hand the whole page table to its transfer), and held pages (`finish(..., hold=True)` keeps a
+finished request's pages until `release(rid)`).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,28 +35,18 @@ from kvpipe.engine.batch import ForwardMode, ScheduledBatch
 from kvpipe.engine.request import FinishReason, Req, ReqStatus
 
 
-@dataclass(frozen=True)
-class SchedulerHooks:
-    # (req, start, end): prompt tokens [start, end) now have their KV in req.pages
-    on_chunk_done: Callable[[Req, int, int], None] | None = None
-    # the prompt is fully prefilled and req.output_ids[0] (the first token) was just appended
-    on_prefill_done: Callable[[Req], None] | None = None
-
-
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, allocator: PageAllocator, page_size: int,
-                 context_length: int, hooks: SchedulerHooks = SchedulerHooks(),
-                 hold_finished_pages: bool = False) -> None:
+                 context_length: int, whole_prompt_pages: bool = False) -> None:
         self.cfg = cfg
         self.allocator = allocator
         self.page_size = page_size
         self.context_length = context_length
-        self.hooks = hooks
-        self.hold_finished_pages = hold_finished_pages
+        self.whole_prompt_pages = whole_prompt_pages
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # admitted: prefilling (maybe in chunks) or decoding
         self.reserved: dict[str, Req] = {}  # pages reserved, KV being written by someone else
@@ -137,14 +129,6 @@ class Scheduler:
         req.status = ReqStatus.RUNNING
         self.running.append(req)
 
-    def allocate_prompt(self, req: Req) -> np.ndarray:
-        """Allocate the pages of an admitted request's whole prompt now (they are promised
-        already) and return its page table; a PD prefill hands it to the KV sender up front."""
-        if req.rid not in self._promised:
-            raise ValueError(f"request {req.rid!r} is not admitted")
-        self._ensure_pages(req, len(req.input_ids))
-        return req.pages
-
     # ---- scheduling ------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
         """The next batch to run, or None when there is nothing runnable."""
@@ -169,7 +153,7 @@ class Scheduler:
             nonlocal budget
             remaining = len(req.input_ids) - req.num_cached
             n = min(remaining, budget) if chunking else remaining
-            self._ensure_pages(req, req.num_cached + n)
+            self._ensure_pages(req, len(req.input_ids) if self.whole_prompt_pages else req.num_cached + n)
             batch.reqs.append(req)
             batch.extend_lens.append(n)
             batch.prefix_lens.append(req.num_cached)
@@ -219,21 +203,17 @@ class Scheduler:
             if req.finished:
                 continue
             start, n = batch.prefix_lens[i], batch.extend_lens[i]
-            was_prefill = not req.prefill_done
             req.num_cached = start + n
-            if was_prefill and self.hooks.on_chunk_done is not None:
-                self.hooks.on_chunk_done(req, start, start + n)
             if tokens[i] is None:
                 continue
             if req.params.max_new_tokens > 0:
                 req.output_ids.append(int(tokens[i]))
                 req.output_logprobs.append(float(logprobs[i]) if logprobs[i] is not None else 0.0)
-            if was_prefill and self.hooks.on_prefill_done is not None:
-                self.hooks.on_prefill_done(req)
 
     def finish(self, req: Req, reason: FinishReason, detail: str | int | None = None,
-               hold: bool | None = None) -> None:
-        """End a request (idempotent). Its pages are freed exactly once, now or at release()."""
+               hold: bool = False) -> None:
+        """End a request (idempotent). Its pages are freed exactly once: now, or with hold=True
+        at release(rid)."""
         if req.finished:
             return
         self._live.pop(req.rid, None)
@@ -248,12 +228,12 @@ class Scheduler:
         req.finish_detail = detail
         if req.pages.size == 0:
             return
-        if self.hold_finished_pages if hold is None else hold:
+        if hold:
             self.held[req.rid] = req
         else:
             self._free(req)
 
-    def abort(self, rid: str, message: str = "aborted", hold: bool | None = None) -> Req | None:
+    def abort(self, rid: str, message: str = "aborted", hold: bool = False) -> Req | None:
         """Finish a waiting, reserved or running request with ABORT; None if rid is not live."""
         req = self._live.get(rid)
         if req is not None:
@@ -261,7 +241,7 @@ class Scheduler:
         return req
 
     def release(self, rid: str) -> bool:
-        """Free the pages a finished request held (see hold_finished_pages). False if none."""
+        """Free the pages a finished request held (finish(..., hold=True)). False if none."""
         req = self.held.pop(rid, None)
         if req is None:
             return False

@@ -9,15 +9,18 @@ shard. Children wait on their pipe, never on a collective, so an idle
 server needs no heartbeat; a watchdog thread exits a child as soon as its parent is gone
 (os.getppid() changes), even while it is blocked inside a collective.
 
-PD servers (a disaggregation mode) open a second socketpair per child, the agent channel: the
-child's KV transfer agent (tp_agent.py) serves it on its own thread, so KV sends of rank 0 reach
-the child while its main thread is inside a forward.
+With a KV connector (PD servers) every child builds its own connector worker from the
+connector's `worker_factory` and runs it SPMD: the ForwardSpec's connector meta tells it what to
+send from its own layer-group hooks; `CommandMsg`s run between forwards (set-up, sends that need
+the sampled token, aborts), a `ReplyMsg` answers those that want one, and the child polls its
+worker while idle and pushes `ReportMsg`s (finished rooms, counters) back on the same pipe.
 """
 
 from __future__ import annotations
 
-import logging
 import argparse
+import importlib
+import logging
 import os
 import shutil
 import signal
@@ -38,6 +41,7 @@ import torch.distributed as dist
 from kvpipe.cache.kv_pool import KVPool
 from kvpipe.config import ParallelConfig, ServerConfig
 from kvpipe.engine.batch import ForwardSpec
+from kvpipe.engine.connector import KVConnectorWorker, WorkerFactory
 from kvpipe.engine.model_runner import GroupCallback, ModelRunner
 from kvpipe.model.loader import load_model
 
@@ -54,6 +58,7 @@ class StartMsg:
     cfg: ServerConfig
     rank: int
     init_method: str
+    worker_factory: str | None = None  # "module:function" of the KV connector's worker
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,25 @@ class StepMsg:
 @dataclass(frozen=True)
 class StopMsg:
     pass
+
+
+@dataclass(frozen=True)
+class CommandMsg:  # for the child's connector worker, between forwards
+    cmd: object
+    reply: bool
+
+
+@dataclass(frozen=True)
+class ReplyMsg:
+    rank: int
+    reply: object
+    error: str | None = None  # the worker raised: its traceback
+
+
+@dataclass(frozen=True)
+class ReportMsg:  # the child's connector worker has news for rank 0
+    rank: int
+    news: object
 
 
 @dataclass(frozen=True)
@@ -113,32 +137,30 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(0.5)
 
 
-def worker_main(fd: int, parent_pid: int, agent_fd: int | None = None) -> None:
-    """Entry point of TP rank >= 1 (a child process); everything else arrives on the pipe
-    (and, for PD servers, on the agent channel `agent_fd`)."""
+def load_factory(path: str) -> WorkerFactory:
+    """'package.module:function' -> the function (imported here, lazily)."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def worker_main(fd: int, parent_pid: int) -> None:
+    """Entry point of TP rank >= 1 (a child process); everything else arrives on the pipe."""
     # Ctrl-C reaches the whole process group; rank 0 decides when this rank stops
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     conn = Connection(fd)
     code, rank = 0, -1
-    agent = None
+    worker: KVConnectorWorker | None = None
     try:
         start = conn.recv()
         rank = start.rank
         conn.send(HelloMsg(rank))
         device = _init_rank(start.cfg, rank, start.init_method)
         runner = build_runner(start.cfg, ParallelConfig(start.cfg.tp_size, rank), device)
-        if agent_fd is not None:
-            from kvpipe.engine.tp_agent import ChildAgent
-
-            agent = ChildAgent(start.cfg, rank, runner.pool, runner.model.cfg.num_kv_heads,
-                               Connection(agent_fd)).start()
+        if start.worker_factory is not None:
+            worker = load_factory(start.worker_factory)(start.cfg, rank, runner.pool, runner.model.cfg.num_kv_heads)
         conn.send(ReadyMsg(rank))
-        while True:
-            msg = conn.recv()  # EOFError when rank 0 closed the pipe
-            if isinstance(msg, StopMsg):
-                break
-            runner.run(msg.spec)
+        _serve(conn, rank, runner, worker)
     except EOFError:
         code = 2
     except BaseException:  # noqa: BLE001 - reported to rank 0, then this rank exits
@@ -151,43 +173,72 @@ def worker_main(fd: int, parent_pid: int, agent_fd: int | None = None) -> None:
             pass
     finally:
         conn.close()
-        if agent is not None:
-            agent.close()
+        if worker is not None:
+            worker.close()
     # skip interpreter teardown: gloo/nccl destructors may block on peers that are gone
     os._exit(code)
+
+
+def _serve(conn: Connection, rank: int, runner: ModelRunner, worker: KVConnectorWorker | None) -> None:
+    """A child's loop: forwards and commands in pipe order; while idle, the worker's news."""
+    while True:
+        timeout = worker.poll_interval_s if worker is not None else None
+        if conn.poll(timeout):
+            msg = conn.recv()  # EOFError when rank 0 closed the pipe
+            if isinstance(msg, StopMsg):
+                return
+            if isinstance(msg, StepMsg):
+                meta = msg.spec.connector_meta
+                callback = None
+                if worker is not None:
+                    worker.before_forward(meta)
+                    callback = lambda start, end, fb, w=worker: w.after_layers(meta, start, end)  # noqa: E731
+                runner.run(msg.spec, callback)
+            elif isinstance(msg, CommandMsg):
+                if worker is None:
+                    raise TypeError(f"TP rank {rank} has no KV connector worker for {type(msg.cmd).__name__}")
+                if not msg.reply:
+                    worker.handle(msg.cmd)  # a failure here is this rank's failure (ErrorMsg, exit)
+                else:
+                    try:
+                        conn.send(ReplyMsg(rank, worker.handle(msg.cmd)))
+                    except Exception:  # noqa: BLE001 - rank 0 raises it where it called
+                        conn.send(ReplyMsg(rank, None, traceback.format_exc()))
+            else:
+                raise TypeError(f"TP rank {rank} got an unexpected {type(msg).__name__}")
+            if conn.poll(0):
+                continue  # messages first: a step's commands land together
+        if worker is not None:
+            news = worker.poll()
+            if news is not None:
+                conn.send(ReportMsg(rank, news))
 
 
 class TPGroup:
     """Rank 0's handle on a TP group: runs its own shard and drives ranks 1..N-1."""
 
-    def __init__(self, cfg: ServerConfig) -> None:
+    def __init__(self, cfg: ServerConfig, worker_factory: str | None = None) -> None:
         if dist.is_initialized():
             raise RuntimeError("torch.distributed is already initialised in this process; "
                                "one TP engine per process")
         self.cfg = cfg
         self._tmp = tempfile.mkdtemp(prefix="kvpipe-tp-")
         init_method = f"file://{os.path.join(self._tmp, 'rendezvous')}"
+        self.tp_size = cfg.tp_size
         self._procs: list[subprocess.Popen] = []
         self._conns: list[Connection] = []
-        self.agent_conns: list[Connection] = []  # PD servers: rank 0's end of each child's agent channel
+        self._reports: list[tuple[int, object]] = []  # children's ReportMsgs read while waiting for something else
+        self._gone: dict[int, str] = {}  # child rank -> why it can no longer take part
         try:
             for rank in range(1, cfg.tp_size):
                 mine, theirs = socket.socketpair()
                 fd = theirs.fileno()
-                args, fds = ["--fd", str(fd)], [fd]
-                agent_pair = socket.socketpair() if cfg.disaggregation.enabled else None
-                if agent_pair is not None:
-                    args += ["--agent-fd", str(agent_pair[1].fileno())]
-                    fds.append(agent_pair[1].fileno())
-                p = subprocess.Popen([sys.executable, "-m", "kvpipe.engine.tp_worker", *args,
-                                      "--parent-pid", str(os.getpid())], pass_fds=tuple(fds))
+                p = subprocess.Popen([sys.executable, "-m", "kvpipe.engine.tp_worker", "--fd", str(fd),
+                                      "--parent-pid", str(os.getpid())], pass_fds=(fd,))
                 theirs.close()
-                if agent_pair is not None:
-                    agent_pair[1].close()
-                    self.agent_conns.append(Connection(agent_pair[0].detach()))
                 self._procs.append(p)
                 self._conns.append(Connection(mine.detach()))
-                self._conns[-1].send(StartMsg(cfg, rank, init_method))
+                self._conns[-1].send(StartMsg(cfg, rank, init_method, worker_factory))
             # join the rendezvous only once every child is alive and importable
             self._wait_for(HelloMsg, "start")
             self.device = _init_rank(cfg, 0, init_method)
@@ -235,16 +286,76 @@ class TPGroup:
 
     def _child_errors(self) -> str:
         """Error reports children sent before exiting (a failed child breaks rank 0's collective)."""
-        texts = []
-        for conn in self._conns:
-            try:
-                while conn.poll(0):
-                    msg = conn.recv()
-                    if isinstance(msg, ErrorMsg):
-                        texts.append(f"\nTP rank {msg.rank}: {msg.text}")
-            except (EOFError, OSError):
-                pass
+        self.reports_into_buffer()
+        texts = [f"\nTP rank {rank}: {why}" for rank, why in sorted(self._gone.items())]
         return "".join(texts)
+
+    # ---- the connector workers' channel (kvpipe/engine/worker_group.py) ------------------------
+    def command(self, cmd: object, reply: bool) -> None:
+        """Send `cmd` to every live child's connector worker (after the forward it may be in)."""
+        for rank, conn in enumerate(self._conns, start=1):
+            if rank in self._gone:
+                continue
+            try:
+                conn.send(CommandMsg(cmd, reply))
+            except (OSError, ValueError) as e:
+                self._gone.setdefault(rank, f"TP rank {rank} is unreachable ({e}): its process exited")
+
+    def replies(self, timeout_s: float) -> list[object]:
+        """The reply of every child (in rank order) to the last `command(..., reply=True)`."""
+        deadline = time.monotonic() + timeout_s
+        out: list[object] = []
+        for rank, conn in enumerate(self._conns, start=1):
+            while True:
+                if rank in self._gone:
+                    raise RuntimeError(self._gone[rank])
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"TP rank {rank} did not answer its KV connector command within {timeout_s:.0f}s")
+                msg = self._read(rank, conn, 0.05)
+                if isinstance(msg, ReplyMsg):
+                    if msg.error is not None:
+                        raise RuntimeError(f"TP rank {rank}'s KV connector worker failed:\n{msg.error}")
+                    out.append(msg.reply)
+                    break
+        return out
+
+    def reports(self) -> list[tuple[int, object]]:
+        """(rank, news) the children's workers pushed since the last call."""
+        self.reports_into_buffer()
+        out, self._reports = self._reports, []
+        return out
+
+    def reports_into_buffer(self, max_reads: int = 4096) -> None:
+        for rank, conn in enumerate(self._conns, start=1):
+            for _ in range(max_reads):
+                if rank in self._gone or self._read(rank, conn, 0) is None:
+                    break
+
+    def gone(self) -> dict[int, str]:
+        """Children that exited (or failed), and why; their transfers cannot finish."""
+        for rank, p in enumerate(self._procs, start=1):
+            if rank not in self._gone and p.poll() is not None:
+                self.reports_into_buffer()  # its last words may name the cause
+                self._gone.setdefault(rank, f"TP rank {rank} exited (exit code {p.returncode})")
+        return dict(self._gone)
+
+    def _read(self, rank: int, conn: Connection, timeout: float) -> object | None:
+        """One message from a child, if one comes within `timeout`; reports are buffered,
+        errors and EOF mark the child gone."""
+        try:
+            if not conn.poll(timeout):
+                return None
+            msg = conn.recv()
+        except (EOFError, OSError):
+            self._gone.setdefault(rank, f"TP rank {rank} exited (its pipe closed)")
+            return None
+        if isinstance(msg, ReportMsg):
+            self._reports.append((msg.rank, msg.news))
+            return msg
+        if isinstance(msg, ErrorMsg):
+            self._gone[rank] = f"TP rank {rank} failed: {msg.text.strip()[-2000:]}"
+            return msg
+        return msg
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop message, join with timeout, then terminate/kill what is left. Idempotent."""
@@ -267,9 +378,9 @@ class TPGroup:
                         p.wait(2.0)
                     except subprocess.TimeoutExpired:
                         pass
-        for conn in self._conns + self.agent_conns:
+        for conn in self._conns:
             conn.close()
-        self._procs, self._conns, self.agent_conns = [], [], []
+        self._procs, self._conns = [], []
         if dist.is_initialized():
             dist.destroy_process_group()
         shutil.rmtree(self._tmp, ignore_errors=True)
@@ -279,9 +390,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description="kvpipe TP worker (started by the engine, not by hand)")
     ap.add_argument("--fd", type=int, required=True)
     ap.add_argument("--parent-pid", type=int, required=True)
-    ap.add_argument("--agent-fd", type=int, default=None)
     args = ap.parse_args()
-    worker_main(args.fd, args.parent_pid, args.agent_fd)
+    worker_main(args.fd, args.parent_pid)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """The bridge between the synchronous engine and the asyncio HTTP server.
 
-One dedicated thread owns the engine: it loads it, then loops `step()` while there is work and
-sleeps on a `threading.Event` when there is none (add_request / abort / stop set the event; the
-event is cleared *before* `has_work()` is checked, so a wake-up is never lost). Step outputs go
+One dedicated thread owns the engine: it loads it, then loops `step()` while there is work; when
+there is none it sleeps on a `threading.Event`, for as long as `poll_interval()` allows (only
+transfers in flight: a few ms) or until add_request / abort / stop set the event (cleared
+*before* `poll_interval()` is asked, so a wake-up is never lost). Step outputs go
 to per-request asyncio queues through `loop.call_soon_threadsafe`. `generate()` is an async
 iterator of cumulative `RequestOutput`s; leaving it early for any reason (client disconnect,
 cancellation, error) aborts the request in the engine, which frees its pages.
@@ -30,7 +31,7 @@ MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
 class EngineLike(Protocol):
-    """What the bridge needs of an engine (kvpipe.engine.engine.Engine and the PD workers)."""
+    """What the bridge needs of an engine (kvpipe.engine.engine.Engine, colocated or PD)."""
 
     tokenizer: Tokenizer
     model_config: ModelConfig
@@ -40,7 +41,7 @@ class EngineLike(Protocol):
     def add_request(self, req: Req) -> None: ...
     def abort(self, rid: str) -> None: ...
     def step(self) -> list[TokenOutput]: ...
-    def has_work(self) -> bool: ...
+    def poll_interval(self) -> float | None: ...
     def stats(self) -> dict: ...
     def shutdown(self) -> None: ...
 
@@ -127,9 +128,12 @@ class AsyncEngine:
         try:
             while not self._stopping:
                 self._wake.clear()
-                if not engine.has_work():
+                wait = engine.poll_interval()
+                if wait is None:
                     self._wake.wait()
                     continue
+                if wait > 0:  # only transfers in flight: poll them without spinning a core
+                    self._wake.wait(wait)
                 try:
                     outs = engine.step()
                     failures = 0

@@ -7,11 +7,11 @@ import time
 
 import pytest
 
+from connector_utils import RecordingConnector
 from engine_utils import GREEDY, make_engine, prompts
 from kvpipe.config import CacheConfig, SchedulerConfig, ServerConfig
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import FinishReason, Req, SamplingParams
-from kvpipe.engine.scheduler import SchedulerHooks
 
 PROMPT = prompts(3)[2]  # 17 tokens
 
@@ -191,44 +191,73 @@ def test_threaded_add_and_abort(eng):
     assert eng.allocator.num_free == n0
 
 
-def test_prefill_server_seams(tiny_model_dir):
-    """Hold pages after finish until release(); hooks see chunk ranges and the first token."""
-    chunks, firsts = [], []
-    hooks = SchedulerHooks(lambda r, a, b: chunks.append((a, b)), lambda r: firsts.append(r.output_ids[0]))
-    e = make_engine(tiny_model_dir, chunk=7, hooks=hooks, hold_finished_pages=True)
+def test_connector_seam_holds_pages_and_defers_the_answer(tiny_model_dir):
+    """A connector sees every committed chunk and the first token; a finished request whose
+    transfer owns its pages keeps them (and its rid), and its answer waits for the transfer."""
+    conn = RecordingConnector(hold=True)
+    e = make_engine(tiny_model_dir, chunk=7, connector=conn)
     try:
+        with pytest.raises(ValueError, match="refused by the connector"):
+            e.add_request(Req("refuse-me", PROMPT, params(max_new_tokens=1)))
         r = Req("p", PROMPT, params(max_new_tokens=1))
-        run(e, [r])
-        assert chunks == [(0, 7), (7, 14), (14, 17)] and firsts == r.output_ids
-        assert e.stats()["num_held"] == 1 and e.allocator.num_used == 2
+        e.add_request(r)
+        outs = []
+        for _ in range(100):
+            outs += e.step()
+            if r.finished:
+                break
+        assert conn.chunks == [("p", 0, 7), ("p", 7, 14), ("p", 14, 17)] and conn.firsts == r.output_ids
+        assert conn.finished == [("p", FinishReason.LENGTH)] and outs == []  # held: no answer yet
+        assert e.stats()["num_held"] == 1 and e.allocator.num_used == 2 and e.poll_interval() == 0.01
         with pytest.raises(ValueError):  # its rid stays taken while the pages are held
             e.add_request(Req("p", PROMPT, params(max_new_tokens=1)))
-        assert e.scheduler.release("p") and e.allocator.num_used == 0
+        conn.end_transfer("p")
+        outs = e.step()
+        assert [(o.rid, o.token_ids, o.finish_reason) for o in outs] == [("p", tuple(r.output_ids), FinishReason.LENGTH)]
+        assert e.allocator.num_used == 0 and e.stats()["num_held"] == 0
+        # an abort while held answers at once; a failed transfer of a held request answers nothing more
+        q = Req("q", PROMPT, params(max_new_tokens=1))
+        e.add_request(q)
+        for _ in range(100):
+            e.step()
+            if q.finished:
+                break
+        e.abort("q")
+        assert [(o.rid, o.finish_reason) for o in e.step()] == [("q", FinishReason.ABORT)]
+        assert e.allocator.num_used == 2  # its transfer still owns the pages
+        conn.end_transfer("q", ok=False, reason="gone")
+        assert e.step() == [] and e.allocator.num_used == 0
     finally:
         e.shutdown()
 
 
-def test_prefilled_request_enters_decode(tiny_model_dir, ref):
-    """A request whose KV another engine computed decodes to the same tokens (PD seam)."""
-    src = make_engine(tiny_model_dir, hold_finished_pages=True)
-    dst = make_engine(tiny_model_dir)
+def test_remote_request_enters_decode(tiny_model_dir, ref):
+    """A REMOTE request whose KV another engine computed decodes to the same tokens (PD seam)."""
+    src_conn = RecordingConnector(hold=True)
+    src = make_engine(tiny_model_dir, connector=src_conn)
+    dst_conn = RecordingConnector(remote=True)
+    dst = make_engine(tiny_model_dir, connector=dst_conn)
     try:
         r = Req("pd", PROMPT, params(max_new_tokens=1))
-        run(src, [r])
+        src.add_request(r)
+        for _ in range(100):
+            src.step()
+            if r.finished:
+                break
         d = Req("pd", PROMPT, params())
-        assert dst.scheduler.reserve(d)
-        for layer in range(src.model_config.num_layers):  # "transfer" the prompt's pages
-            dst.runner.pool.k[layer][d.pages] = src.runner.pool.k[layer][r.pages]
-            dst.runner.pool.v[layer][d.pages] = src.runner.pool.v[layer][r.pages]
-        src.scheduler.release("pd")
-        d.output_ids.append(r.output_ids[0])
-        dst.scheduler.add_prefilled(d)
+        dst.add_request(d)
+        dst.step()
+        assert dst_conn.reserved == [d] and d.pages.size > 0 and dst.stats()["num_reserved"] == 1
+        assert src_conn.worker is not None
+        dst_conn.deliver(d, src_conn.worker.pool, r.pages, r.output_ids[0])
+        src_conn.end_transfer("pd")
+        src.step()
         for _ in range(100):
             dst.step()
             if d.finished:
                 break
         assert d.output_ids == ref["output_ids"]
-        assert dst.allocator.num_free == dst.allocator.num_pages
+        assert dst.allocator.num_free == dst.allocator.num_pages and src.allocator.num_used == 0
     finally:
         src.shutdown()
         dst.shutdown()

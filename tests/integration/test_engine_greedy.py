@@ -2,6 +2,7 @@
 
 import pytest
 
+from connector_utils import RecordingConnector
 from engine_utils import make_engine, one_at_a_time, output_ids, prompts
 
 PROMPTS = prompts()
@@ -53,12 +54,27 @@ def test_page_size_does_not_change_outputs(tiny_model_dir, reference, page_size)
 
 
 def test_layer_groups_equal_one_pass(tiny_model_dir, reference):
-    groups = []
-    eng = make_engine(tiny_model_dir, chunk=64, prefill_layer_groups=3)
-    eng.runner.on_group_done = lambda s, e, fb: groups.append((s, e))
+    eng = make_engine(tiny_model_dir, chunk=64, layer_groups=3)
     try:
         assert output_ids(eng, PROMPTS) == reference
-        assert groups[:3] == [(0, 1), (1, 3), (3, 4)]
+    finally:
+        eng.shutdown()
+
+
+def test_connector_plans_groups_per_batch(tiny_model_dir, reference):
+    """The connector chooses each prefill batch's split; its worker hears every group with the
+    plan's meta; decode steps run in one pass with no meta."""
+    conn = RecordingConnector(groups=lambda b: 3 if b.num_tokens > 100 else 1)
+    eng = make_engine(tiny_model_dir, chunk=0, connector=conn)
+    try:
+        assert one_at_a_time(eng, PROMPTS) == reference
+        assert conn.worker is not None
+        prefill = [(meta[1], s, e) for meta, s, e in conn.worker.groups if meta is not None]
+        want = []
+        for n in (len(p) for p in PROMPTS):
+            want += [(n, 0, 1), (n, 1, 3), (n, 3, 4)] if n > 100 else [(n, 0, 4)]
+        assert prefill == want
+        assert {(s, e) for meta, s, e in conn.worker.groups if meta is None} == {(0, 4)}
     finally:
         eng.shutdown()
 

@@ -1,5 +1,5 @@
-"""A PrefillEngine and a DecodeEngine in one process over the `local` backend (real bootstrap
-server, real ZMQ control plane): greedy exactness against the colocated Engine and the request
+"""A prefill Engine and a decode Engine (their PD connectors) in one process over the `local`
+backend (real bootstrap server, real ZMQ control plane): greedy exactness against the colocated Engine and the request
 lifecycle, stepping both engines from the test thread. Every wait is bounded."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from kvpipe.config import CacheConfig, DisaggregationConfig, SchedulerConfig, ServerConfig
-from kvpipe.engine.decode import DecodeEngine
+from kvpipe.disagg.decode import DecodeConnector
+from kvpipe.disagg.prefill import PrefillConnector
 from kvpipe.engine.engine import Engine
-from kvpipe.engine.prefill import PrefillEngine
 from kvpipe.engine.request import FinishReason, Req, SamplingParams, TokenOutput
 from kvpipe.transfer.backends import FailureInjection
 from kvpipe.transfer.backends.local import LocalBackend, LocalFabric
@@ -39,15 +39,41 @@ def cfg(model_dir: Path, mode: str, chunk: int = 0, pages: int = 128, **disagg) 
 
 @dataclass
 class Pair:
-    prefill: PrefillEngine
-    decode: DecodeEngine
+    prefill: Engine
+    decode: Engine
+
+    @property
+    def bootstrap_port(self) -> int:
+        assert isinstance(self.prefill.connector, PrefillConnector)
+        return self.prefill.connector.bootstrap_port
+
+    @property
+    def sender(self):
+        """Rank 0's KVSender (in its TransferWorker)."""
+        assert isinstance(self.prefill.connector, PrefillConnector) and self.prefill.connector.local_worker
+        return self.prefill.connector.local_worker.sender
+
+    @property
+    def pipeline(self):
+        assert isinstance(self.prefill.connector, PrefillConnector)
+        return self.prefill.connector.pipeline
+
+    @property
+    def layout(self):
+        assert isinstance(self.prefill.connector, PrefillConnector) and self.prefill.connector.local_worker
+        return self.prefill.connector.local_worker.layout
+
+    @property
+    def receiver(self):
+        assert isinstance(self.decode.connector, DecodeConnector)
+        return self.decode.connector.receiver
 
     def reqs(self, ids: list[int], params: SamplingParams = GREEDY, room: int | None = None,
              rid: str | None = None) -> tuple[Req, Req]:
         room = next(_rooms) if room is None else room
         rid = rid or f"r{room}"
         p = Req(rid, list(ids), params, bootstrap_room=room)
-        d = Req(rid, list(ids), params, bootstrap_host="127.0.0.1", bootstrap_port=self.prefill.bootstrap_port,
+        d = Req(rid, list(ids), params, bootstrap_host="127.0.0.1", bootstrap_port=self.bootstrap_port,
                 bootstrap_room=room)
         return p, d
 
@@ -101,9 +127,11 @@ def make_pair(model_dir: Path, chunk: int = 0, p_pages: int = 128, d_pages: int 
         pb, db = LocalBackend(fabric, inject=inject), LocalBackend(fabric)
         es.callback(pb.close)
         es.callback(db.close)
-        prefill = PrefillEngine(cfg(model_dir, "prefill", chunk, p_pages, **disagg), backend=pb)
+        p_cfg = cfg(model_dir, "prefill", chunk, p_pages, **disagg)
+        prefill = Engine(p_cfg, PrefillConnector(p_cfg, pb))
         es.callback(prefill.shutdown)
-        decode = DecodeEngine(cfg(model_dir, "decode", 0, d_pages, **disagg), backend=db)
+        d_cfg = cfg(model_dir, "decode", 0, d_pages, **disagg)
+        decode = Engine(d_cfg, DecodeConnector(d_cfg, db))
         es.callback(decode.shutdown)
         yield Pair(prefill, decode)
 
@@ -161,7 +189,7 @@ def test_first_token_finishes(tiny_model_dir, reference):
         for _, d in (eos, stop):
             assert d.output_ids == [first] and d.finish_reason is FinishReason.STOP and d.finish_detail == first
             assert [o.token_ids for o in d_out[d.rid]] == [(first,)]
-        assert pair.decode.engine.scheduler.stats()["num_running"] == 0
+        assert pair.decode.stats()["num_running"] == 0
         pair.settle()
 
 
@@ -212,7 +240,7 @@ def test_injected_failures_and_aborts_free_pages(tiny_model_dir, reference):
         pair.decode.add_request(a[1])
         pair.prefill.step()  # the first of ten chunks
         end = time.monotonic() + 30
-        while pair.decode.receiver.room_state(a[1].bootstrap_room) is not TransferState.WAITING_FOR_INPUT:
+        while pair.receiver.room_state(a[1].bootstrap_room) is not TransferState.WAITING_FOR_INPUT:
             assert time.monotonic() < end, "the decode never asked the prefill for the KV"
             pair.decode.step()
         pair.decode.abort(a[1].rid)
@@ -237,12 +265,12 @@ def test_prefill_forward_error_reaches_decode(tiny_model_dir):
         p, d = pair.reqs(prompts(5, [60])[0])
         pair.prefill.add_request(p)
         pair.decode.add_request(d)
-        real_run = pair.prefill.engine.runner.run
+        real_run = pair.prefill.runner.run
 
         def broken(*a, **kw):
-            pair.prefill.engine.runner.run = real_run  # fail once
+            pair.prefill.runner.run = real_run  # fail once
             raise RuntimeError("device lost")
-        pair.prefill.engine.runner.run = broken
+        pair.prefill.runner.run = broken
         with pytest.raises(RuntimeError, match="device lost"):
             for _ in range(1000):  # bounded: the first prefill forward raises
                 pair.prefill.step()

@@ -12,10 +12,8 @@ from typing import Any
 
 import pytest
 
-from kvpipe.config import CacheConfig, ServerConfig
-from kvpipe.engine.batch import ForwardMode, ScheduledBatch
-from kvpipe.engine.engine import Engine
-from kvpipe.engine.layer_groups import ComputeEstimator, LinkEstimator, split_layers
+from kvpipe.disagg.layer_groups import ComputeEstimator, LinkEstimator
+from kvpipe.engine.model_runner import split_layers
 from kvpipe.engine.request import FinishReason
 from test_pd_inprocess import GREEDY, PS, Pair, make_pair, prompts, reference  # noqa: F401 - fixture
 
@@ -27,14 +25,14 @@ MIXED = [1, 17, 40, 100, 333, 250]  # one batch (or a few chunks) of long and sh
 def spy_sends(pair: Pair) -> list[dict[str, Any]]:
     """Record every send() the prefill engine makes (the real sender still does the work)."""
     calls: list[dict[str, Any]] = []
-    real = pair.prefill.sender.send
+    real = pair.sender.send
 
     def send(room, t0, t1, layer_start=0, layer_end=None, **kw):
         calls.append({"room": room, "tokens": (t0, t1), "layers": (layer_start, layer_end or LAYERS),
                       "last": kw.get("last", False)})
         return real(room, t0, t1, layer_start, layer_end, **kw)
 
-    pair.prefill.sender.send = send  # type: ignore[method-assign]
+    pair.sender.send = send  # type: ignore[method-assign]
     return calls
 
 
@@ -54,7 +52,7 @@ def test_fixed_groups_match_colocated(tiny_model_dir, reference, groups, chunk):
         reqs = [pair.reqs(ids) for ids in ps]
         pair.run(reqs)
         check_outputs(pair, reqs, ps, reference)
-        assert set(pair.prefill.pipeline.batches_by_groups) == {groups}
+        assert set(pair.pipeline.batches_by_groups) == {groups}
         want = set(split_layers(LAYERS, groups))
         for p, _ in reqs:
             mine = [c for c in calls if c["room"] == p.bootstrap_room]
@@ -77,28 +75,28 @@ def test_group_kv_lands_while_later_groups_compute(tiny_model_dir, reference):
     with make_pair(tiny_model_dir, layer_groups=2) as pair:
         p, d = pair.reqs(ids)
         pair.decode.add_request(d)
-        book = pair.prefill.sender._book  # noqa: SLF001 - wait until the decode's TransferRequest is in
+        book = pair.sender._book  # noqa: SLF001 - wait until the decode's TransferRequest is in
         end = time.monotonic() + 20
         while not (p.bootstrap_room in book.rooms and book.rooms[p.bootstrap_room].dests):
             assert time.monotonic() < end, "the decode never sent its TransferRequest"
             pair.decode.step()
             time.sleep(0.01)
-        model, seen = pair.prefill.engine.runner.model, []
+        model, seen = pair.prefill.runner.model, []
         real = model.forward_layers
 
         def forward_layers(hidden, fb, pool, start, end_):
             if start > 0:  # group 2: wait (bounded) for group 1's writes to complete
                 stop = time.monotonic() + 10
-                while pair.prefill.sender.stats.bytes_written == 0 and time.monotonic() < stop:
+                while pair.sender.stats.bytes_written == 0 and time.monotonic() < stop:
                     time.sleep(0.005)
-                seen.append(pair.prefill.sender.stats.bytes_written)
+                seen.append(pair.sender.stats.bytes_written)
             return real(hidden, fb, pool, start, end_)
 
         model.forward_layers = forward_layers  # type: ignore[method-assign]
         pair.run([(p, None)], until=lambda: p.finished)
         pair.run([], until=lambda: d.finished)
         model.forward_layers = real  # type: ignore[method-assign]
-        layer_bytes = (len(ids) // PS) * PS * pair.prefill.layout.token_nbytes // LAYERS  # full pages, 1 layer
+        layer_bytes = (len(ids) // PS) * PS * pair.layout.token_nbytes // LAYERS  # full pages, 1 layer
         assert seen and seen[0] >= 2 * layer_bytes  # layers 0-1, full pages, before layer 2 ran
         assert d.output_ids == reference(ids)
         pair.settle()
@@ -107,11 +105,11 @@ def test_group_kv_lands_while_later_groups_compute(tiny_model_dir, reference):
 def inject_slow_link(pair: Pair, tokens: int, ms_per_layer: float) -> None:
     """Model a link whose transfer of `tokens` tokens takes as long as their compute (T/C = 1);
     ema 0 keeps the injected estimates fixed while real measurements come in."""
-    planner = pair.prefill.pipeline.planner
+    planner = pair.pipeline.planner
     planner.compute = ComputeEstimator(ema=0.0)
     planner.compute.observe(tokens, LAYERS, ms_per_layer * LAYERS)
     planner.link = LinkEstimator(ema=0.0)
-    planner.link.observe(tokens * pair.prefill.layout.token_nbytes, ms_per_layer * LAYERS)
+    planner.link.observe(tokens * pair.layout.token_nbytes, ms_per_layer * LAYERS)
 
 
 @pytest.mark.parametrize("chunk", [0, 512])  # chunks of 512: the first is long enough to pipeline
@@ -120,14 +118,14 @@ def test_auto_pipelines_long_prompts_on_a_slow_link(tiny_model_dir, reference, c
         calls = spy_sends(pair)
         warm = [pair.reqs(ids) for ids in prompts(1, [40, 700])]
         pair.run(warm)  # real estimates; no link estimate before the first room landed: plain path
-        assert pair.prefill.pipeline.reasons["no-estimate"] >= 1
+        assert pair.pipeline.reasons["no-estimate"] >= 1
         inject_slow_link(pair, 600, ms_per_layer=10.0)
         ps = prompts(2, [600, 30, 90])  # mixed: one long prompt, two short ones, one batch
         reqs = [pair.reqs(ids) for ids in ps]
         calls.clear()
         pair.run(reqs)
         check_outputs(pair, reqs + warm, ps + prompts(1, [40, 700]), reference)
-        pipe = pair.prefill.pipeline
+        pipe = pair.pipeline
         chosen = [g for g in pipe.batches_by_groups if g > 1]
         assert chosen and pipe.reasons["cost-model"] >= 1
         assert any(c["layers"] != (0, LAYERS) for c in calls if c["room"] == reqs[0][0].bootstrap_room)
@@ -146,25 +144,6 @@ def test_auto_pipelines_long_prompts_on_a_slow_link(tiny_model_dir, reference, c
         assert s["transfer_tail_count"] == s["disaggregation"]["rooms_succeeded"] == 6
         assert s["transfer_tail_ms_sum"] >= 0
         pair.settle()
-
-
-def test_engine_seam_chooses_groups_per_batch(tiny_model_dir, reference):
-    """Engine(prefill_layer_groups=fn, on_group_done=cb): per prefill batch its own split."""
-    seen: list[tuple[int, int, int]] = []
-
-    def choose(batch: ScheduledBatch) -> int:
-        assert batch.mode is ForwardMode.PREFILL
-        return 3 if batch.num_tokens > 100 else 1
-
-    eng = Engine(ServerConfig(model_path=str(tiny_model_dir), cache=CacheConfig(page_size=PS, num_pages=128)),
-                 prefill_layer_groups=choose, on_group_done=lambda b, s, e: seen.append((b.num_tokens, s, e)))
-    try:
-        ps = prompts(9, [200, 20])
-        outs = [eng.generate([ids], GREEDY)[0]["output_ids"] for ids in ps]
-        assert outs == [reference(ids) for ids in ps]
-        assert seen == [(200, *g) for g in split_layers(LAYERS, 3)] + [(20, 0, LAYERS)]
-    finally:
-        eng.shutdown()
 
 
 def test_router_with_forced_groups(tiny_model_dir: Path, tmp_path: Path, reference) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpipe.engine.layer_groups import (ComputeEstimator, LayerGroupPlanner, LayerGroupPolicy, LinkEstimator,
+from kvpipe.disagg.layer_groups import (ComputeEstimator, LayerGroupPlanner, LayerGroupPolicy, LinkEstimator,
                                         predicted_ttft_ms, split_layers)
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from kvpipe.cli import build_parser, server_config_from_args
 from kvpipe.config import ConfigError, DisaggregationConfig, ServerConfig
-from kvpipe.engine.disagg import data_host
+from kvpipe.disagg.setup import data_host
 
 
 def parse(*flags: str) -> ServerConfig:

@@ -7,11 +7,13 @@ from kvpipe.cache.page_allocator import PageAllocator
 from kvpipe.config import SchedulerConfig
 from kvpipe.engine.batch import ForwardMode
 from kvpipe.engine.request import FinishReason, Req, ReqStatus, SamplingParams
-from kvpipe.engine.scheduler import Scheduler, SchedulerHooks
+from kvpipe.engine.scheduler import Scheduler
 
 
-def make(num_pages=64, page_size=4, ctx=4096, hooks=SchedulerHooks(), hold=False, **cfg):
-    return Scheduler(SchedulerConfig(**cfg), PageAllocator(num_pages), page_size, ctx, hooks, hold)
+def make(num_pages=64, page_size=4, ctx=4096, whole=False, **cfg):
+    s = Scheduler(SchedulerConfig(**cfg), PageAllocator(num_pages), page_size, ctx, whole_prompt_pages=whole)
+    s.hold_on_finish = False  # test knob of step(): keep a finished request's pages until release()
+    return s
 
 
 def req(rid, n, max_new=4):
@@ -28,14 +30,15 @@ def step(s: Scheduler):
     s.commit(b, toks, [0.0 if t is not None else None for t in toks])
     for r, t in zip(b.reqs, toks):
         if t is not None and len(r.output_ids) >= r.params.max_new_tokens:
-            s.finish(r, FinishReason.LENGTH)
+            s.finish(r, FinishReason.LENGTH, hold=s.hold_on_finish)
     return b
 
 
 def check_pages(s: Scheduler, b):
     """Every row has pages for exactly the tokens it holds after this step; no page shared."""
     for r, pre, n in zip(b.reqs, b.prefix_lens, b.extend_lens):
-        assert len(r.pages) == -(-(pre + n) // s.page_size)
+        tokens = max(pre + n, len(r.input_ids)) if s.whole_prompt_pages else pre + n
+        assert len(r.pages) == -(-tokens // s.page_size)
     live = [r.pages for r in s.running] + [r.pages for r in s.reserved.values()] + [r.pages for r in s.held.values()]
     allp = np.concatenate(live) if live else np.zeros(0)
     assert np.unique(allp).size == allp.size
@@ -170,19 +173,25 @@ def test_duplicate_rid_rejected():
         s.add(req("a", 3))
 
 
-def test_hooks_cover_prompt_in_order():
-    chunks, done = [], []
-    hooks = SchedulerHooks(lambda r, a, b: chunks.append((r.rid, a, b)),
-                           lambda r: done.append((r.rid, list(r.output_ids))))
-    s = make(num_pages=100, hooks=hooks, chunked_prefill_size=7, max_prefill_tokens=7)
-    s.add(req("a", 20, max_new=3))
-    drain(s)
-    assert chunks == [("a", 0, 7), ("a", 7, 14), ("a", 14, 20)]
-    assert done == [("a", [20])]
+def test_whole_prompt_pages_at_the_first_chunk():
+    """A PD prefill hands the whole page table to its transfer: every prompt page exists from
+    the first chunk on, chunks still run in order, and admission accounting is unchanged."""
+    s = make(num_pages=100, whole=True, chunked_prefill_size=7, max_prefill_tokens=7)
+    r = req("a", 20, max_new=3)
+    s.add(r)
+    bs = drain(s)
+    prefill = [(b.prefix_lens[0], b.prefix_lens[0] + b.extend_lens[0]) for b in bs if b.mode is ForwardMode.PREFILL]
+    assert prefill == [(0, 7), (7, 14), (14, 20)]
+    assert r.output_ids[0] == 20 and s.allocator.num_free == 100
+    s2 = make(num_pages=100, whole=True, chunked_prefill_size=7, max_prefill_tokens=7)
+    s2.add(req("b", 20, max_new=3))
+    first = s2.schedule()
+    assert first is not None and len(first.reqs[0].pages) == 5  # 20 tokens in pages of 4, not 7
 
 
 def test_held_pages_until_release():
-    s = make(num_pages=16, hold=True)
+    s = make(num_pages=16)
+    s.hold_on_finish = True
     r = req("a", 10, max_new=1)
     s.add(r)
     drain(s)

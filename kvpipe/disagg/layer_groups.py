@@ -2,7 +2,7 @@
 
 Plain Python, no tensors: the prefill engine feeds measurements in and asks for a choice.
 
-Cost model (DESIGN.md §8). With compute C for the whole forward, transfer T for the batch's KV
+Cost model (docs/architecture.md, layer-pipelined transfer; SGLang's open layer-wise PRs). With compute C for the whole forward, transfer T for the batch's KV
 and N equal groups, the last group's KV leaves after all compute, and each group's transfer waits
 for its compute, so
 
@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass
 
 from kvpipe.config import parse_layer_groups
+from kvpipe.engine.model_runner import split_layers
 
 
 @dataclass(frozen=True)
@@ -36,13 +37,6 @@ class LayerGroupPolicy:
         """`auto` or a positive group count (the --disaggregation-layer-groups flag)."""
         n = parse_layer_groups(value)
         return cls() if n == "auto" else cls(fixed_groups=int(n))
-
-
-def split_layers(num_layers: int, num_groups: int) -> tuple[tuple[int, int], ...]:
-    """[start, end) ranges of `num_groups` near-equal contiguous layer groups."""
-    n = max(1, min(num_groups, num_layers))
-    bounds = [round(i * num_layers / n) for i in range(n + 1)]
-    return tuple((bounds[i], bounds[i + 1]) for i in range(n))
 
 
 def predicted_ttft_ms(compute_ms: float, transfer_ms: float, groups: int, overhead_ms: float,

@@ -1,8 +1,5 @@
-"""What the PD prefill and decode engines share: config mapping, backend and address set-up.
-
-`ServerConfig.disaggregation` (CLI flags) -> the transfer layer's `DisaggregationConfig`, a transfer
-backend with the rank's KV pool registered once, the data-plane host, and the refusals.
-With TP > 1 every rank does this for its own KV shard (rank 0 here, children in tp_agent.py).
+"""What every rank of a PD server sets up: a transfer backend with the rank's KV shard
+registered once, the rank's KV layout (its head range), and the data-plane host.
 """
 
 from __future__ import annotations
@@ -10,15 +7,16 @@ from __future__ import annotations
 import logging
 import socket
 
-from kvpipe.config import ServerConfig
+from kvpipe.cache.kv_pool import KVPool
+from kvpipe.config import ParallelConfig, ServerConfig
 from kvpipe.transfer.backends import FailureInjection, TransferBackend, create_backend
-from kvpipe.config import DisaggregationConfig
 from kvpipe.transfer.layout import KVLayout
 
 logger = logging.getLogger(__name__)
 
-# How long an engine step sleeps when its only work is waiting for transfers: long enough not
-# to spin a core (DESIGN.md §6), short enough to add at most this much to a request's TTFT.
+# How long the engine loop sleeps when its only work is waiting for transfers: long enough not
+# to spin a core (a busy-polling loop halves throughput on 2 cores, docs/architecture.md), short
+# enough to add at most this much to a request's TTFT.
 TRANSFER_POLL_S = 0.002
 
 _WILDCARDS = ("0.0.0.0", "::", "")
@@ -52,3 +50,9 @@ def make_backend(cfg: ServerConfig) -> TransferBackend:
 def register_pool(backend: TransferBackend, layout: KVLayout) -> None:
     """Expose every KV buffer of the rank's pool to the backend (once, at start)."""
     backend.register_many(list(layout.buffer_addrs), [layout.buffer_nbytes] * layout.num_buffers)
+
+
+def rank_layout(cfg: ServerConfig, rank: int, pool: KVPool, total_kv_heads: int) -> KVLayout:
+    """A TP rank's pool as the transfer layer sees it: its KV head range among all KV heads."""
+    start = ParallelConfig(cfg.tp_size, rank).kv_head_start(total_kv_heads)
+    return KVLayout.from_pool(pool, start, total_kv_heads)

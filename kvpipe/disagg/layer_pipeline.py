@@ -1,12 +1,10 @@
 """Layer-pipelined prefill, the engine side: per batch, choose the layer groups, time the forward,
 feed the planner's estimators, and keep the choices for logs, /server_info and /metrics.
 
-The PrefillEngine calls, per prefill batch (engine thread):
+The PrefillConnector calls, per prefill batch (engine thread, rank 0):
 
     choice = pipe.begin(batch_tokens, tokens_to_send)   # right before the forward
-    ready = pipe.group_ready()                          # after each group: None on CPU, else the
-                                                        # `query` of a CUDA event recorded there
-    pipe.end()                                          # after the last group
+    pipe.end()                                          # after the forward
 and, as rooms finish, `pipe.observe_link(busy_bytes, busy_s)` with the sender's cumulative
 link counters (kvpipe.transfer.sender_book.SenderStats) and `pipe.room_done(timing, forward_done_at)`
 per room that succeeded (its log line and the transfer tail that stayed exposed).
@@ -24,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from kvpipe.engine.layer_groups import GroupChoice, LayerGroupPlanner, LayerGroupPolicy
+from kvpipe.disagg.layer_groups import GroupChoice, LayerGroupPlanner, LayerGroupPolicy
 from kvpipe.transfer.sender_book import TransferTiming
 
 logger = logging.getLogger(__name__)
@@ -73,14 +71,6 @@ class LayerPipeline:
             self._t0 = self._clock()
         self._send_tokens = send_tokens
         return choice
-
-    def group_ready(self) -> Callable[[], bool] | None:
-        """After a layer group: what a transfer of its KV must wait for (None: nothing, CPU)."""
-        if self.device.type != "cuda":
-            return None
-        ev = torch.cuda.Event()
-        ev.record()  # on the current stream, after the group's kernels
-        return ev.query
 
     def end(self) -> None:
         """The last layer group of the batch was issued (CPU: computed)."""

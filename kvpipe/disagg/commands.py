@@ -1,0 +1,90 @@
+"""Typed messages between a PD connector (rank 0) and the transfer worker of every TP rank.
+
+    rank 0 -> every rank, as ForwardSpec.connector_meta (run inside the rank's own forward):
+        PrefillStep     rooms to start and the rows whose KV ships group by group
+    rank 0 -> every rank, between forwards (WorkerGroup.call / post):
+        StartPrefill -> RankStarted   a KVSender per rank, registered with the bootstrap server
+        StartDecode  -> RankStarted   the rank's pool registered with its own backend
+        SendChunks                    KV of finished chunks (the last one with the first token)
+        FailRooms                     rooms that failed on the prefill: tell their decodes
+        AbortRooms                    rooms another rank failed: stop writing them
+    every rank -> rank 0 (WorkerGroup.reports):
+        RankReport                    rooms its sender is done with, and its counters
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvpipe.transfer.layout import KVLayout
+from kvpipe.transfer.sender_book import SenderStats, TransferTiming
+from kvpipe.transfer.state import TransferState
+
+
+@dataclass(frozen=True)
+class StartPrefill:
+    instance_id: str  # shared by all ranks of the instance, new on every start
+    bootstrap: tuple[str, int]  # the bootstrap server every rank registers with
+
+
+@dataclass(frozen=True)
+class StartDecode:
+    pass
+
+
+@dataclass(frozen=True)
+class RankStarted:
+    rank: int
+    layout: KVLayout  # this rank's pool (its head range)
+    data_address: str  # its backend: where peers write
+    control_address: str | None  # prefill: its KVSender's control endpoint
+
+
+@dataclass(frozen=True)
+class RoomStart:
+    room: int
+    pages: np.ndarray  # int64 page table of the whole prompt (the same page ids on every rank)
+
+
+@dataclass(frozen=True)
+class ChunkSend:
+    """KV of prompt tokens [token_start, token_end) (and every token before) is in the pool."""
+
+    room: int
+    token_start: int
+    token_end: int
+    last: bool = False  # the prompt is complete: flush partial pages, then aux
+    aux: tuple[int, float] | None = None  # (first token id, its logprob), with `last`
+
+
+@dataclass(frozen=True)
+class PrefillStep:
+    """ForwardSpec.connector_meta of a prefill forward."""
+
+    start: tuple[RoomStart, ...] = ()  # rooms whose first forward this is: add_room before it
+    grouped: tuple[ChunkSend, ...] = ()  # rows sent after each layer group (layer pipelining)
+
+
+@dataclass(frozen=True)
+class SendChunks:
+    sends: tuple[ChunkSend, ...]
+
+
+@dataclass(frozen=True)
+class FailRooms:
+    rooms: tuple[tuple[int, str], ...]  # (room, reason); a room unknown to the sender is added empty
+
+
+@dataclass(frozen=True)
+class AbortRooms:
+    rooms: tuple[tuple[int, str], ...]  # (room, reason)
+
+
+@dataclass(frozen=True)
+class RankReport:
+    rank: int
+    results: tuple[tuple[int, TransferState, str], ...]  # what the rank's KVSender.poll reported
+    stats: SenderStats  # a snapshot of its counters
+    timings: tuple[TransferTiming, ...] = ()  # link use of rooms that succeeded (rank 0 only)

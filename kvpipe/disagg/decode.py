@@ -1,0 +1,152 @@
+"""`DecodeConnector`: the engine's KV connector for `--disaggregation-mode decode` (any TP size).
+
+Per request, keyed by its bootstrap_room (the request flow is in docs/architecture.md):
+- claim: bootstrap host and room must be given, the room unused; admit -> REMOTE: the engine
+  reserves the prompt's pages (retried while the pool is full, FIFO, until the waiting timeout);
+- on_reserved: `KVReceiver.add_room(room, host, port, pages)`: the receiver fetches the
+  prefill's bootstrap info, registers every decode rank once per prefill, and asks for the KV;
+- poll: Success with aux data (room echo and vocabulary checked) -> KVArrived (the engine runs
+  the finish check on the first token and the request decodes); Failed -> TransferFinished.
+  The receiver reports a room only when no write from the prefill can still land in its pages.
+- on_finish while the KV is on its way (client abort): the room is aborted, the pages stay
+  reserved (True) until the receiver reports it.
+TP ranks other than 0 only register their pools (TransferWorker); the receiver on rank 0 speaks
+for every decode rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from kvpipe.config import ServerConfig
+from kvpipe.disagg.commands import RankStarted, StartDecode
+from kvpipe.disagg.setup import TRANSFER_POLL_S, data_host
+from kvpipe.disagg.worker import WORKER_FACTORY, TransferWorker
+from kvpipe.engine.connector import (Admission, ConnectorContext, ConnectorEvent, KVArrived, KVConnector,
+                                     TransferFinished)
+from kvpipe.engine.request import FinishReason, Req
+from kvpipe.transfer.backends.base import TransferBackend
+from kvpipe.transfer.messages import AuxData
+from kvpipe.transfer.receiver import DecodeRank, KVReceiver
+from kvpipe.transfer.state import TransferState
+
+logger = logging.getLogger(__name__)
+
+START_MARGIN_S = 30.0  # on top of the bootstrap timeout: backend start-up of every rank on a loaded host
+
+
+class DecodeConnector(KVConnector):
+    worker_factory = WORKER_FACTORY
+
+    def __init__(self, cfg: ServerConfig, backend: TransferBackend | None = None) -> None:
+        """`backend`: rank 0's transfer backend (tests pass an in-process one); made otherwise."""
+        cfg.check_servable()
+        self.cfg = cfg
+        self._backend = backend
+        self.local_worker: TransferWorker | None = None  # rank 0's (the engine owns and closes it)
+        self._claim_lock = threading.Lock()
+        self._claimed: set[int] = set()  # rooms of requests claimed and not yet out of the transfer phase
+        self._transfers: dict[int, Req] = {}  # engine thread: room -> request whose KV is on its way
+        self._vocab_size = 0
+        self.receiver: KVReceiver | None = None
+        self.ranks: list[RankStarted] = []
+
+    def make_worker(self, pool: Any, total_kv_heads: int) -> TransferWorker:
+        self.local_worker = TransferWorker(self.cfg, 0, pool, total_kv_heads, self._backend)
+        return self.local_worker
+
+    def start(self, ctx: ConnectorContext) -> None:
+        d = self.cfg.disaggregation
+        self._vocab_size = ctx.model_config.vocab_size
+        self.ranks = [r for r in ctx.workers.call(StartDecode(), d.bootstrap_timeout_s + START_MARGIN_S)
+                      if isinstance(r, RankStarted)]
+        self.receiver = KVReceiver(d, ranks=[DecodeRank(r.layout, r.data_address) for r in self.ranks],
+                                   model_name=self.cfg.model_name, host=data_host(self.cfg)).start()
+        logger.info("decode ready: control %s, data %s", self.receiver.control_address, self.ranks[0].data_address)
+
+    # ---- admission -----------------------------------------------------------------------------
+    def claim(self, req: Req) -> None:
+        if req.bootstrap_room is None or not req.bootstrap_host:
+            raise ValueError("a decode server needs bootstrap_host and bootstrap_room (and bootstrap_port) "
+                             "with every request; send requests through sglang-router --pd-disaggregation")
+        with self._claim_lock:
+            if req.bootstrap_room in self._claimed:
+                raise ValueError(f"bootstrap_room {req.bootstrap_room} is already in use on this decode server")
+            self._claimed.add(req.bootstrap_room)
+
+    def admit(self, req: Req) -> Admission:
+        return Admission.REMOTE
+
+    def reserve_deadline_s(self) -> float:
+        return self.cfg.disaggregation.waiting_timeout_s
+
+    def on_reserved(self, req: Req) -> None:
+        assert self.receiver is not None and req.bootstrap_room is not None and req.bootstrap_host is not None
+        # every TP rank holds the same page ids (one scheduler): the same list per rank
+        pages = req.pages.copy()
+        self.receiver.add_room(req.bootstrap_room, req.bootstrap_host, req.bootstrap_port,
+                               [pages] * self.receiver.tp_size, 0)  # ValueError: nothing was asked for
+        self._transfers[req.bootstrap_room] = req
+
+    # ---- finish and transfer news --------------------------------------------------------------
+    def on_finish(self, req: Req, reason: FinishReason, detail: str | int | None) -> bool:
+        room = req.bootstrap_room
+        if room is not None and self._transfers.get(room) is req:  # its KV may still be landing
+            assert self.receiver is not None
+            self.receiver.abort(room, "aborted on the decode (client disconnected or request aborted)")
+            return True
+        self._release(room)
+        return False
+
+    def poll(self) -> list[ConnectorEvent]:
+        assert self.receiver is not None
+        events: list[ConnectorEvent] = []
+        for room, state, reason, aux in self.receiver.poll():
+            req = self._transfers.pop(room, None)
+            if req is None:
+                continue
+            self._release(room)
+            if req.finished:  # aborted while the KV was on its way: its pages are safe now
+                events.append(TransferFinished(req.rid, state is TransferState.SUCCESS, reason))
+                continue
+            if state is TransferState.SUCCESS:
+                why = self._check_aux(room, aux)
+                if why is None:
+                    assert aux is not None
+                    events.append(KVArrived(req.rid, aux.first_token_id, aux.first_token_logprob))
+                    continue
+                reason = why
+            events.append(TransferFinished(req.rid, False, reason))
+        return events
+
+    def _check_aux(self, room: int, aux: AuxData | None) -> str | None:
+        if aux is None or aux.room != room:
+            return f"stale transfer: aux data of room {aux.room if aux else None} arrived for room {room}"
+        if not 0 <= aux.first_token_id < self._vocab_size:
+            return f"first token id {aux.first_token_id} from the prefill is outside the vocabulary"
+        return None
+
+    def _release(self, room: int | None) -> None:
+        with self._claim_lock:
+            self._claimed.discard(room)  # type: ignore[arg-type]
+
+    def wait_hint(self) -> float | None:
+        return TRANSFER_POLL_S if self._transfers else None
+
+    def stats(self) -> dict[str, Any]:
+        if self.receiver is None:
+            return {}
+        st = self.receiver.stats
+        return {"disaggregation": {
+            "mode": "decode", "control_address": self.receiver.control_address,
+            "data_address": self.ranks[0].data_address if self.ranks else None,
+            "active_rooms": len(self._transfers), "rooms_succeeded": st.rooms_succeeded,
+            "rooms_failed": st.rooms_failed, "rejected_messages": st.rejected_messages,
+            "bootstrap_fetches": st.bootstrap_fetches,
+        }}
+
+    def shutdown(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()

@@ -1,0 +1,311 @@
+"""`PrefillConnector`: the engine's KV connector for `--disaggregation-mode prefill` (any TP size).
+
+Per request, keyed by its bootstrap_room (the request flow is in docs/architecture.md):
+- claim: the room must be given and unused; the request runs with max_new_tokens = 1 (the
+  decode generates the rest), its whole prompt's pages allocated at its first chunk;
+- first prefill forward: the room starts on every rank with that page table (PrefillStep.start);
+  the layer-group count comes from the LayerPipeline (cost model, or the fixed flag); with N > 1
+  every rank sends each finished layer group of the batch's rows from its own hook;
+- after each step: every rank sends the finished chunk (full pages; a partial page waits), or,
+  when the prompt is complete, the rest with aux = (first token, logprob) (SendChunks);
+- the engine's finish holds the pages (on_finish -> True) and its answer waits for the transfer;
+  every rank reports the room through its worker; when all did (tally.py) the engine gets a
+  TransferFinished: Success sends the held answer, Failed an ABORT. Pages are freed then only.
+A prefill-side failure (rejected prompt, forward error, abort, client gone) fails the room on
+every rank (FailRooms), so the decode hears of it at once. The first rank to fail a room makes
+the others stop it (AbortRooms); a rank that exited fails every room it had not reported.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from kvpipe.config import ServerConfig
+from kvpipe.disagg.commands import (AbortRooms, ChunkSend, FailRooms, PrefillStep, RankReport, RankStarted,
+                                    RoomStart, SendChunks, StartPrefill)
+from kvpipe.disagg.layer_groups import LayerGroupPolicy
+from kvpipe.disagg.layer_pipeline import LayerPipeline
+from kvpipe.disagg.setup import TRANSFER_POLL_S
+from kvpipe.disagg.tally import RoomTally
+from kvpipe.disagg.worker import WORKER_FACTORY, TransferWorker
+from kvpipe.engine.batch import ScheduledBatch
+from kvpipe.engine.connector import (Admission, ConnectorContext, ConnectorEvent, ForwardPlan, KVConnector,
+                                     TransferFinished, WorkerGroup)
+from kvpipe.engine.request import FinishReason, Req
+from kvpipe.transfer.backends.base import TransferBackend
+from kvpipe.transfer.bootstrap import BootstrapServer
+from kvpipe.transfer.sender_book import SenderStats
+from kvpipe.transfer.state import TransferState
+
+logger = logging.getLogger(__name__)
+
+START_MARGIN_S = 30.0  # on top of the bootstrap timeout: backend start-up of every rank on a loaded host
+SUMMED_STATS = ("rejected_messages", "batches_submitted", "batches_failed", "ops_submitted", "bytes_written")
+
+
+@dataclass
+class _Room:
+    """Engine-thread bookkeeping of one request on the prefill."""
+
+    req: Req
+    started: bool = False  # the ranks got its page table (or its failure)
+    engine_done: bool = False  # the engine finished the request
+    transfer_done: bool = False  # every rank reported the room (or it never reached them)
+    forward_done_at: float | None = None  # time.monotonic() when its last prefill forward ended
+
+    @property
+    def room(self) -> int:
+        assert self.req.bootstrap_room is not None
+        return self.req.bootstrap_room
+
+
+class PrefillConnector(KVConnector):
+    worker_factory = WORKER_FACTORY
+    whole_prompt_pages = True
+
+    def __init__(self, cfg: ServerConfig, backend: TransferBackend | None = None) -> None:
+        """`backend`: rank 0's transfer backend (tests pass an in-process one); made otherwise."""
+        cfg.check_servable()
+        self.cfg = cfg
+        self._backend = backend
+        self.local_worker: TransferWorker | None = None  # rank 0's (the engine owns and closes it)
+        self._claim_lock = threading.Lock()
+        self._claimed: set[int] = set()  # rooms of requests claimed and not yet done (any thread)
+        self._rooms: dict[int, _Room] = {}  # engine thread only
+        self._by_rid: dict[str, _Room] = {}
+        self._piped: tuple[ChunkSend, ...] = ()  # rows of the forward in flight sent group by group
+        self._rank_stats: dict[int, SenderStats] = {}
+        self._succeeded = self._failed = 0
+        self.bootstrap: BootstrapServer | None = None
+        self._workers: WorkerGroup | None = None
+        self._tally: RoomTally | None = None
+        self.pipeline: LayerPipeline | None = None
+        self.ranks: list[RankStarted] = []
+
+    # ---- set-up --------------------------------------------------------------------------------
+    def make_worker(self, pool: Any, total_kv_heads: int) -> TransferWorker:
+        self.local_worker = TransferWorker(self.cfg, 0, pool, total_kv_heads, self._backend)
+        return self.local_worker
+
+    def start(self, ctx: ConnectorContext) -> None:
+        d = self.cfg.disaggregation
+        self._workers = ctx.workers
+        self._tally = RoomTally(ctx.workers.tp_size)
+        self.bootstrap = BootstrapServer(self.cfg.host, d.bootstrap_port).start()
+        host = self.cfg.host
+        reg_host = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
+        start = StartPrefill(uuid.uuid4().hex[:12], (reg_host, self.bootstrap.port))
+        self.ranks = [r for r in ctx.workers.call(start, d.bootstrap_timeout_s + START_MARGIN_S)
+                      if isinstance(r, RankStarted)]
+        layout = self.ranks[0].layout
+        self.pipeline = LayerPipeline(LayerGroupPolicy.parse(d.layer_groups), ctx.model_config.num_layers,
+                                      layout.token_nbytes)
+        logger.info("prefill ready: bootstrap port %d, control %s, data %s", self.bootstrap.port,
+                    self.ranks[0].control_address, self.ranks[0].data_address)
+
+    @property
+    def bootstrap_port(self) -> int:
+        assert self.bootstrap is not None
+        return self.bootstrap.port
+
+    # ---- admission -----------------------------------------------------------------------------
+    def claim(self, req: Req) -> None:
+        room = req.bootstrap_room
+        if room is None:
+            raise ValueError("a prefill server needs bootstrap_room (and bootstrap_host/port) with every "
+                             "request; send requests through sglang-router --pd-disaggregation")
+        with self._claim_lock:
+            if room in self._claimed:
+                raise ValueError(f"bootstrap_room {room} is already in use on this prefill server")
+            self._claimed.add(room)
+        req.params = replace(req.params, max_new_tokens=1)  # the decode server generates the rest
+
+    def admit(self, req: Req) -> Admission:
+        r = _Room(req)
+        self._rooms[r.room] = r
+        self._by_rid[req.rid] = r
+        return Admission.LOCAL
+
+    # ---- the forward ---------------------------------------------------------------------------
+    def plan_forward(self, batch: ScheduledBatch) -> ForwardPlan:
+        """Start the rooms of first-time rows; choose the batch's layer groups."""
+        assert self.pipeline is not None and self._tally is not None
+        starts, rows = [], []
+        for req, pre, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+            r = self._by_rid.get(req.rid)
+            if r is None or r.transfer_done:
+                continue
+            if not r.started:
+                r.started = True
+                starts.append(RoomStart(r.room, req.pages.copy()))
+                if self._tally.add(r.room):  # a rank is gone: the room fails at once
+                    self._abort_everywhere([r.room])
+            rows.append(ChunkSend(r.room, pre, pre + n))
+        choice = self.pipeline.begin(batch.num_tokens, sum(c.token_end - c.token_start for c in rows))
+        self._piped = tuple(rows) if choice.groups > 1 else ()
+        return ForwardPlan(choice.groups, PrefillStep(tuple(starts), self._piped))
+
+    def after_forward(self, batch: ScheduledBatch) -> None:
+        assert self.pipeline is not None
+        self.pipeline.end()
+        now = time.monotonic()  # the sender's clock: transfer tails are measured from here
+        for i, req in enumerate(batch.reqs):
+            r = self._by_rid.get(req.rid)
+            if r is not None and batch.completes_prefill(i):
+                r.forward_done_at = now
+
+    def after_commit(self, batch: ScheduledBatch) -> None:
+        """Every rank ships the finished chunks: full pages of a chunk that is not the last (unless
+        its layer groups went already), the rest of the prompt with the first token."""
+        piped = {c.room for c in self._piped}
+        sends = []
+        for i, req in enumerate(batch.reqs):
+            r = self._by_rid.get(req.rid)
+            if r is None or not r.started or r.transfer_done or req.finished:
+                continue
+            start, end = batch.prefix_lens[i], batch.prefix_lens[i] + batch.extend_lens[i]
+            if batch.completes_prefill(i):
+                sends.append(ChunkSend(r.room, start, end, last=True, aux=(req.output_ids[0], req.output_logprobs[0])))
+            elif r.room not in piped:
+                sends.append(ChunkSend(r.room, start, end))
+        self._piped = ()
+        if sends:
+            self._post(SendChunks(tuple(sends)))
+
+    # ---- finish and abort ----------------------------------------------------------------------
+    def on_finish(self, req: Req, reason: FinishReason, detail: str | int | None) -> bool:
+        r = self._by_rid.get(req.rid)
+        if r is None:
+            return False
+        r.engine_done = True
+        if reason is FinishReason.ABORT:
+            self._fail_room(r, f"prefill failed: {detail}")
+        hold = not r.transfer_done
+        self._maybe_forget(r)
+        return hold
+
+    def abort_transfer(self, req: Req, reason: str) -> None:
+        r = self._by_rid.get(req.rid)
+        if r is not None:
+            self._fail_room(r, f"aborted on the prefill ({reason})")
+
+    def _fail_room(self, r: _Room, reason: str) -> None:
+        """Tell the decode the room failed (it may be waiting for it); the pages stay held
+        until every rank reported the room drained."""
+        if r.transfer_done:
+            return
+        assert self._tally is not None
+        if not r.started:
+            r.started = True
+            if self._tally.add(r.room):
+                self._abort_everywhere([r.room])
+        self._post(FailRooms(((r.room, reason),)))
+
+    # ---- transfer news -------------------------------------------------------------------------
+    def poll(self) -> list[ConnectorEvent]:
+        assert self._workers is not None and self._tally is not None and self.pipeline is not None
+        fresh: list[int] = []
+        timings = {}
+        for rank, news in self._workers.reports():
+            if not isinstance(news, RankReport):
+                continue
+            self._rank_stats[rank] = news.stats
+            timings.update({t.room: t for t in news.timings})
+            fresh += [room for room, state, reason in news.results if self._tally.report(rank, room, state, reason)]
+        for rank, why in self._workers.gone().items():  # a rank that exited can report nothing more
+            fresh += self._tally.rank_gone(rank, why)
+        if fresh:
+            self._abort_everywhere(list(dict.fromkeys(fresh)))
+        finished = self._tally.take_finished()
+        if not finished:
+            return []
+        st = self._rank_stats.get(0)
+        if st is not None:
+            self.pipeline.observe_link(st.busy_bytes, st.busy_s)
+        events: list[ConnectorEvent] = []
+        for room, state, reason in finished:
+            ok = state is TransferState.SUCCESS
+            self._succeeded += ok
+            self._failed += not ok
+            r = self._rooms.get(room)
+            if r is None:
+                continue
+            r.transfer_done = True
+            if ok:
+                self.pipeline.room_done(timings.get(room), r.forward_done_at)
+            events.append(TransferFinished(r.req.rid, ok, reason))
+            self._maybe_forget(r)
+        return events
+
+    def _abort_everywhere(self, rooms: list[int]) -> None:
+        """A room failed on one rank: stop it on every rank that is still at it."""
+        assert self._tally is not None
+        aborts = []
+        for room in rooms:
+            pending = self._tally.pending_ranks(room)
+            why = self._tally.failure(room) or "another TP rank failed"
+            if pending:
+                logger.warning("room %d failed (%s); aborting it on TP ranks %s", room, why, pending)
+                aborts.append((room, why))
+        if aborts:
+            self._post(AbortRooms(tuple(aborts)))
+
+    def _post(self, cmd: object) -> None:
+        assert self._workers is not None
+        self._workers.post(cmd)
+
+    def _maybe_forget(self, r: _Room) -> None:
+        if not (r.engine_done and r.transfer_done):
+            return
+        self._rooms.pop(r.room, None)
+        self._by_rid.pop(r.req.rid, None)
+        with self._claim_lock:
+            self._claimed.discard(r.room)
+
+    def wait_hint(self) -> float | None:
+        return TRANSFER_POLL_S if self._rooms else None
+
+    # ---- stats and shutdown --------------------------------------------------------------------
+    def sender_stats(self) -> SenderStats:
+        """Counters summed over ranks; rooms counted per instance; link busy time and bytes are
+        rank 0's (the layer-group planner models one rank's link, like its token_nbytes)."""
+        out = SenderStats()
+        local = self._rank_stats.get(0)
+        if local is not None:
+            out = SenderStats(**{f.name: getattr(local, f.name) for f in fields(SenderStats)})
+        for name in SUMMED_STATS:
+            setattr(out, name, sum(getattr(st, name) for st in self._rank_stats.values()))
+        out.rooms_succeeded, out.rooms_failed = self._succeeded, self._failed
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        if self.pipeline is None or not self.ranks:
+            return {}
+        st = self.sender_stats()
+        pipe = self.pipeline
+        return {
+            "disaggregation": {
+                "mode": "prefill", "bootstrap_port": self.bootstrap_port,
+                "control_address": self.ranks[0].control_address, "data_address": self.ranks[0].data_address,
+                "active_rooms": len(self._rooms), "rooms_succeeded": st.rooms_succeeded,
+                "rooms_failed": st.rooms_failed, "bytes_written": st.bytes_written,
+                "ops_submitted": st.ops_submitted, "rejected_messages": st.rejected_messages,
+                "link_busy_s": st.busy_s, "link_busy_bytes": st.busy_bytes, "layer_groups": pipe.stats(),
+            },
+            # the layer-group choice of the last prefill batch (bench probes read `num_groups`)
+            "num_groups": pipe.last.groups,
+            # transfer time left after the forward, summed over rooms (bench probes take deltas)
+            "transfer_tail_ms_sum": pipe.tail_ms_sum, "transfer_tail_count": pipe.tail_count,
+            "layer_groups_reason": pipe.last.reason,
+            "layer_group_batches": dict(pipe.batches_by_groups),
+        }
+
+    def shutdown(self) -> None:
+        if self.bootstrap is not None:
+            self.bootstrap.close()
+            self.bootstrap = None
