@@ -17,15 +17,13 @@ for every decode rank.
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any
 
 from kvpipe.config import ServerConfig
-from kvpipe.disagg.commands import RankStarted, StartDecode
+from kvpipe.disagg.base import PDConnector
+from kvpipe.disagg.commands import StartDecode
 from kvpipe.disagg.setup import TRANSFER_POLL_S, data_host
-from kvpipe.disagg.worker import WORKER_FACTORY, TransferWorker
-from kvpipe.engine.connector import (Admission, ConnectorContext, ConnectorEvent, KVArrived, KVConnector,
-                                     TransferFinished)
+from kvpipe.engine.connector import Admission, ConnectorContext, ConnectorEvent, KVArrived, TransferFinished
 from kvpipe.engine.request import FinishReason, Req
 from kvpipe.transfer.backends.base import TransferBackend
 from kvpipe.transfer.messages import AuxData
@@ -34,34 +32,19 @@ from kvpipe.transfer.state import TransferState
 
 logger = logging.getLogger(__name__)
 
-START_MARGIN_S = 30.0  # on top of the bootstrap timeout: backend start-up of every rank on a loaded host
-
-
-class DecodeConnector(KVConnector):
-    worker_factory = WORKER_FACTORY
+class DecodeConnector(PDConnector):
+    side = "decode"
 
     def __init__(self, cfg: ServerConfig, backend: TransferBackend | None = None) -> None:
-        """`backend`: rank 0's transfer backend (tests pass an in-process one); made otherwise."""
-        cfg.check_servable()
-        self.cfg = cfg
-        self._backend = backend
-        self.local_worker: TransferWorker | None = None  # rank 0's (the engine owns and closes it)
-        self._claim_lock = threading.Lock()
-        self._claimed: set[int] = set()  # rooms of requests claimed and not yet out of the transfer phase
+        super().__init__(cfg, backend)
         self._transfers: dict[int, Req] = {}  # engine thread: room -> request whose KV is on its way
         self._vocab_size = 0
         self.receiver: KVReceiver | None = None
-        self.ranks: list[RankStarted] = []
-
-    def make_worker(self, pool: Any, total_kv_heads: int) -> TransferWorker:
-        self.local_worker = TransferWorker(self.cfg, 0, pool, total_kv_heads, self._backend)
-        return self.local_worker
 
     def start(self, ctx: ConnectorContext) -> None:
         d = self.cfg.disaggregation
         self._vocab_size = ctx.model_config.vocab_size
-        self.ranks = [r for r in ctx.workers.call(StartDecode(), d.bootstrap_timeout_s + START_MARGIN_S)
-                      if isinstance(r, RankStarted)]
+        self._start_ranks(ctx.workers, StartDecode())
         self.receiver = KVReceiver(d, ranks=[DecodeRank(r.layout, r.data_address) for r in self.ranks],
                                    model_name=self.cfg.model_name, host=data_host(self.cfg)).start()
         logger.info("decode ready: control %s, data %s", self.receiver.control_address, self.ranks[0].data_address)
@@ -71,10 +54,7 @@ class DecodeConnector(KVConnector):
         if req.bootstrap_room is None or not req.bootstrap_host:
             raise ValueError("a decode server needs bootstrap_host and bootstrap_room (and bootstrap_port) "
                              "with every request; send requests through sglang-router --pd-disaggregation")
-        with self._claim_lock:
-            if req.bootstrap_room in self._claimed:
-                raise ValueError(f"bootstrap_room {req.bootstrap_room} is already in use on this decode server")
-            self._claimed.add(req.bootstrap_room)
+        self._claim_room(req.bootstrap_room)
 
     def admit(self, req: Req) -> Admission:
         return Admission.REMOTE
@@ -97,7 +77,7 @@ class DecodeConnector(KVConnector):
             assert self.receiver is not None
             self.receiver.abort(room, "aborted on the decode (client disconnected or request aborted)")
             return True
-        self._release(room)
+        self._release_room(room)
         return False
 
     def poll(self) -> list[ConnectorEvent]:
@@ -107,7 +87,7 @@ class DecodeConnector(KVConnector):
             req = self._transfers.pop(room, None)
             if req is None:
                 continue
-            self._release(room)
+            self._release_room(room)
             if req.finished:  # aborted while the KV was on its way: its pages are safe now
                 events.append(TransferFinished(req.rid, state is TransferState.SUCCESS, reason))
                 continue
@@ -127,10 +107,6 @@ class DecodeConnector(KVConnector):
         if not 0 <= aux.first_token_id < self._vocab_size:
             return f"first token id {aux.first_token_id} from the prefill is outside the vocabulary"
         return None
-
-    def _release(self, room: int | None) -> None:
-        with self._claim_lock:
-            self._claimed.discard(room)  # type: ignore[arg-type]
 
     def wait_hint(self) -> float | None:
         return TRANSFER_POLL_S if self._transfers else None

@@ -19,23 +19,22 @@ the others stop it (AbortRooms); a rank that exited fails every room it had not 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import uuid
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from kvpipe.config import ServerConfig
-from kvpipe.disagg.commands import (AbortRooms, ChunkSend, FailRooms, PrefillStep, RankReport, RankStarted,
-                                    RoomStart, SendChunks, StartPrefill)
+from kvpipe.disagg.base import PDConnector
+from kvpipe.disagg.commands import (AbortRooms, ChunkSend, FailRooms, PrefillStep, RankReport, RoomStart, SendChunks,
+                                    StartPrefill)
 from kvpipe.disagg.layer_groups import LayerGroupPolicy
 from kvpipe.disagg.layer_pipeline import LayerPipeline
 from kvpipe.disagg.setup import TRANSFER_POLL_S
 from kvpipe.disagg.tally import RoomTally
-from kvpipe.disagg.worker import WORKER_FACTORY, TransferWorker
 from kvpipe.engine.batch import ScheduledBatch
-from kvpipe.engine.connector import (Admission, ConnectorContext, ConnectorEvent, ForwardPlan, KVConnector,
-                                     TransferFinished, WorkerGroup)
+from kvpipe.engine.connector import (Admission, ConnectorContext, ConnectorEvent, ForwardPlan, TransferFinished,
+                                     WorkerGroup)
 from kvpipe.engine.request import FinishReason, Req
 from kvpipe.transfer.backends.base import TransferBackend
 from kvpipe.transfer.bootstrap import BootstrapServer
@@ -44,7 +43,6 @@ from kvpipe.transfer.state import TransferState
 
 logger = logging.getLogger(__name__)
 
-START_MARGIN_S = 30.0  # on top of the bootstrap timeout: backend start-up of every rank on a loaded host
 SUMMED_STATS = ("rejected_messages", "batches_submitted", "batches_failed", "ops_submitted", "bytes_written")
 
 
@@ -64,18 +62,12 @@ class _Room:
         return self.req.bootstrap_room
 
 
-class PrefillConnector(KVConnector):
-    worker_factory = WORKER_FACTORY
+class PrefillConnector(PDConnector):
+    side = "prefill"
     whole_prompt_pages = True
 
     def __init__(self, cfg: ServerConfig, backend: TransferBackend | None = None) -> None:
-        """`backend`: rank 0's transfer backend (tests pass an in-process one); made otherwise."""
-        cfg.check_servable()
-        self.cfg = cfg
-        self._backend = backend
-        self.local_worker: TransferWorker | None = None  # rank 0's (the engine owns and closes it)
-        self._claim_lock = threading.Lock()
-        self._claimed: set[int] = set()  # rooms of requests claimed and not yet done (any thread)
+        super().__init__(cfg, backend)
         self._rooms: dict[int, _Room] = {}  # engine thread only
         self._by_rid: dict[str, _Room] = {}
         self._piped: tuple[ChunkSend, ...] = ()  # rows of the forward in flight sent group by group
@@ -85,13 +77,8 @@ class PrefillConnector(KVConnector):
         self._workers: WorkerGroup | None = None
         self._tally: RoomTally | None = None
         self.pipeline: LayerPipeline | None = None
-        self.ranks: list[RankStarted] = []
 
     # ---- set-up --------------------------------------------------------------------------------
-    def make_worker(self, pool: Any, total_kv_heads: int) -> TransferWorker:
-        self.local_worker = TransferWorker(self.cfg, 0, pool, total_kv_heads, self._backend)
-        return self.local_worker
-
     def start(self, ctx: ConnectorContext) -> None:
         d = self.cfg.disaggregation
         self._workers = ctx.workers
@@ -100,8 +87,7 @@ class PrefillConnector(KVConnector):
         host = self.cfg.host
         reg_host = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
         start = StartPrefill(uuid.uuid4().hex[:12], (reg_host, self.bootstrap.port))
-        self.ranks = [r for r in ctx.workers.call(start, d.bootstrap_timeout_s + START_MARGIN_S)
-                      if isinstance(r, RankStarted)]
+        self._start_ranks(ctx.workers, start)
         layout = self.ranks[0].layout
         self.pipeline = LayerPipeline(LayerGroupPolicy.parse(d.layer_groups), ctx.model_config.num_layers,
                                       layout.token_nbytes)
@@ -119,10 +105,7 @@ class PrefillConnector(KVConnector):
         if room is None:
             raise ValueError("a prefill server needs bootstrap_room (and bootstrap_host/port) with every "
                              "request; send requests through sglang-router --pd-disaggregation")
-        with self._claim_lock:
-            if room in self._claimed:
-                raise ValueError(f"bootstrap_room {room} is already in use on this prefill server")
-            self._claimed.add(room)
+        self._claim_room(room)
         req.params = replace(req.params, max_new_tokens=1)  # the decode server generates the rest
 
     def admit(self, req: Req) -> Admission:
@@ -264,8 +247,7 @@ class PrefillConnector(KVConnector):
             return
         self._rooms.pop(r.room, None)
         self._by_rid.pop(r.req.rid, None)
-        with self._claim_lock:
-            self._claimed.discard(r.room)
+        self._release_room(r.room)
 
     def wait_hint(self) -> float | None:
         return TRANSFER_POLL_S if self._rooms else None
