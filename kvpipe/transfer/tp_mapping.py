@@ -85,8 +85,3 @@ def transfer_slices(prefill_tp: int, decode_tp: int, total_kv_heads: int) -> lis
     return [s for r in range(decode_tp)
             for s in slices_for_decode_rank(r, prefill_tp, decode_tp, total_kv_heads)]
 
-
-def slices_from_prefill_rank(prefill_rank: int, prefill_tp: int, decode_tp: int,
-                             total_kv_heads: int) -> list[HeadSlice]:
-    """What one prefill rank sends; its length is how many destinations that rank waits for."""
-    return [s for s in transfer_slices(prefill_tp, decode_tp, total_kv_heads) if s.prefill_rank == prefill_rank]
