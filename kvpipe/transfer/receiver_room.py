@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvpipe.transfer.messages import AuxData, TransferStatus
-from kvpipe.transfer.messages import TransferState as WireState
+from kvpipe.transfer.messages import AuxData, TransferStatus, WireState
 from kvpipe.transfer.state import RoomRecord, TransferState
 from kvpipe.transfer.tp_mapping import source_ranks
 

@@ -27,8 +27,7 @@ from kvpipe.transfer.backends.base import BatchHandle, BatchState
 from kvpipe.config import DisaggregationConfig
 from kvpipe.transfer.layout import KVLayout
 from kvpipe.transfer.messages import (Abort, AuxData, Heartbeat, RegisterPeer, Side, TransferRequest,
-                                      TransferStatus)
-from kvpipe.transfer.messages import TransferState as WireState
+                                      TransferStatus, WireState)
 from kvpipe.transfer.sender_peers import SenderPeers, expected_destinations
 from kvpipe.transfer.sender_room import Destination, Inflight, OpBatch, PlanError, SendCall, SenderRoom
 from kvpipe.transfer.state import DuplicateRoomError, RoomRecord, TransferState, sender_timeouts
