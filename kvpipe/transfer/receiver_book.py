@@ -80,7 +80,7 @@ class ReceiverBook:
         self._session_rank = {s: r for r, s in enumerate(self.sessions)}
         self._timeouts = receiver_timeouts(cfg)
         self._by_session: dict[str, tuple[Address, int]] = {}  # prefill session -> (addr, prefill rank)
-        self._waiting: dict[Address, list[int]] = {}  # rooms waiting for a bootstrap fetch
+        self._waiting: dict[Address, list[ReceiverRoom]] = {}  # rooms waiting for a bootstrap fetch
         self._fetch_errors: dict[Address, str] = {}  # last error of a fetch still retrying
         self._hb_seq, self._next_hb = 0, float("-inf")
 
@@ -118,7 +118,7 @@ class ReceiverBook:
             self._request(r, peer, now)
             return None
         waiting = self._waiting.setdefault(prefill, [])
-        waiting.append(room)
+        waiting.append(r)
         if len(waiting) > 1:
             return None  # a fetch of this prefill is in flight already
         self.stats.bootstrap_fetches += 1
@@ -162,8 +162,10 @@ class ReceiverBook:
     def on_fetched(self, prefill: Address, info: PrefillInstanceInfo | None, error: str | None, now: float) -> None:
         """The fetch add_room asked for ended: `info` fetched and compatible, or None and why not.
         Requests every room waiting for it, or fails them."""
-        rooms = [self.rooms.get(room) for room in self._waiting.pop(prefill, [])]
-        rooms = [r for r in rooms if r is not None and not r.requested and not r.rec.state.terminal]
+        # A room that was reported and whose id came back (maybe for another prefill) is a new
+        # room: only the very objects that waited, still active, are requested.
+        rooms = [r for r in self._waiting.pop(prefill, [])
+                 if self.rooms.get(r.room) is r and not r.requested and not r.rec.state.terminal]
         self._fetch_errors.pop(prefill, None)
         if info is None:
             why = f"bootstrap with prefill {prefill[0]}:{prefill[1]} failed: {error or 'no answer'}"

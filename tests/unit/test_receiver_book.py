@@ -323,3 +323,18 @@ def test_messages_that_are_not_for_a_waiting_room_are_rejected():
     d.book.on_message(m.TransferRequest(1, "d/0", (1,), 0, 0), 0.0)
     d.book.on_message(m.Heartbeat("stranger/0", 1), 0.0)  # ignored, not counted
     assert d.book.stats.rejected_messages == 4 and d.book.room_state(1) is T.BOOTSTRAPPING
+
+
+def test_a_fetch_requests_only_the_rooms_that_still_wait_for_it():
+    d = Decode()
+    d.add(5, 0.0)
+    d.book.abort(5, "client gone", 0.1)
+    assert d.book.poll(0.1)[0][:2] == (5, T.FAILED)
+    assert d.add(5, 0.2, addr=("other", 1)) == ("other", 1)  # the id comes back for another prefill
+    d.add(6, 0.3)
+    d.book.abort(6, "client gone", 0.3)
+    d.book.poll(0.3)
+    assert d.add(6, 0.4) is None  # back for the same prefill, whose fetch still runs
+    d.book.on_fetched(ADDR, prefill(), None, 0.5)
+    assert [msg.room for _, msg in d.take(m.TransferRequest)] == [6]  # once; room 5 waits for "other"
+    assert d.book.room_state(5) is T.BOOTSTRAPPING
