@@ -3,9 +3,9 @@
 Wire form: a msgpack map {"kind": <tag>, "version": PROTOCOL_VERSION, <fields>}; see codec.py
 for the field rules. `decode` raises ProtocolError for anything malformed and nothing else.
 
-Flow (DESIGN.md §3): decode rank -> prefill: RegisterPeer once per (decode rank, prefill rank),
-then a TransferRequest per request; prefill -> decode: TransferStatus when the KV has landed
-(or failed); either side: Abort; both: Heartbeat.
+Flow: decode rank -> prefill: RegisterPeer once per (decode rank, prefill rank), then a
+TransferRequest per request; prefill -> decode: TransferStatus when the KV has landed (or
+failed); either side: Abort; both: Heartbeat.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ never performs I/O: control messages go out through the injected `send(address, 
 prefill at a time), and the caller hands the outcome back with `on_fetched`. KVReceiver calls
 every method under its lock with `now` from its clock.
 
-Flow (DESIGN.md §3): the first room for a prefill waits for its bootstrap info; once it is known
-(and compatible) every (prefill rank, decode rank) pair of the §8 mapping gets RegisterPeer once
+Flow: the first room for a prefill waits for its bootstrap info; once it is known (and
+compatible) every (prefill rank, decode rank) pair of the TP rank mapping gets RegisterPeer once
 per prefill instance, then every room a TransferRequest per pair. Prefill ranks answer with one
 final TransferStatus per pair (receiver_room.py). Rules it keeps:
 - poll() reports a room only when it is safe to reuse its pages: after Success, or after a

@@ -6,7 +6,8 @@ messages go out through the injected `send(address, message)`, write batches are
 caller by `take_work` and their outcomes come back through `record`. KVSender calls every method
 under its lock with `now` from its clock.
 
-Protocol rules it keeps (DESIGN.md §8):
+Protocol rules it keeps (a decode must never reuse pages a write may still land in, and must
+hear of every failure):
 - every decode session bound to a room gets exactly one final TransferStatus, and only once none
   of our writes for that room can still land (a failed room first drains its in-flight batches);
 - a room the engine never admitted (the decode's request came first) that fails is answered and
