@@ -189,11 +189,9 @@ class ReceiverBook:
                 r.prefill_gone = True
                 r.rec.fail(f"prefill at {addr[0]}:{addr[1]} restarted", now)
         peer = KnownPrefill(addr, info, {f"{info.instance_id}/{p}": p for p in range(info.tp_size)})
-        for p, r in rank_pairs(info.tp_size, self.tp_size):
-            d = self.ranks[r]
-            self.send(info.ranks[p].control_address, RegisterPeer(
-                self.sessions[r], r, self.tp_size, d.data_address, self.control_address, d.layout))
-            self.stats.registrations += 1
+        self._to_pairs(info, lambda r: RegisterPeer(self.sessions[r], r, self.tp_size, self.ranks[r].data_address,
+                                                    self.control_address, self.ranks[r].layout))
+        self.stats.registrations += len(rank_pairs(info.tp_size, self.tp_size))
         for s, p in peer.sessions.items():
             self._by_session[s] = (addr, p)
             self.liveness.track(s, now)  # the grace period for its first heartbeat starts now
@@ -202,14 +200,11 @@ class ReceiverBook:
 
     def _request(self, r: ReceiverRoom, peer: KnownPrefill, now: float) -> None:
         info = peer.info
-        ok = True
-        for p, rank in rank_pairs(info.tp_size, self.tp_size):
-            msg = TransferRequest(r.room, self.sessions[rank], tuple(r.dst_pages[rank].tolist()), r.prefix_len,
-                                  r.aux_slot)
-            ok &= self.send(info.ranks[p].control_address, msg)
+        queued = self._to_pairs(info, lambda rank: TransferRequest(
+            r.room, self.sessions[rank], tuple(r.dst_pages[rank].tolist()), r.prefix_len, r.aux_slot))
         r.requested_from(info.instance_id, info.tp_size, self.tp_size)
         r.rec.move(TransferState.WAITING_FOR_INPUT, now)
-        if not ok:
+        if not queued:
             r.rec.fail(f"control queue to prefill {peer.addr[0]}:{peer.addr[1]} is full", now)
             self._settle(r, now)
 
@@ -240,10 +235,14 @@ class ReceiverBook:
         if (not r.requested or r.all_final or r.prefill_gone or peer is None
                 or peer.info.instance_id != r.instance_id):
             return
-        for p, rank in rank_pairs(peer.info.tp_size, self.tp_size):
-            self.send(peer.info.ranks[p].control_address,
-                      Abort(r.room, self.sessions[rank], Side.DECODE, r.rec.reason))
+        self._to_pairs(peer.info, lambda rank: Abort(r.room, self.sessions[rank], Side.DECODE, r.rec.reason))
         r.aborts_sent = True
+
+    def _to_pairs(self, info: PrefillInstanceInfo, make: Callable[[int], Any]) -> bool:
+        """Send `make(decode rank)` to the prefill rank of every (prefill rank, decode rank) pair
+        of the TP mapping; True when every message was queued."""
+        queued = [self.send(info.ranks[p].control_address, make(r)) for p, r in rank_pairs(info.tp_size, self.tp_size)]
+        return all(queued)  # a list first: every pair gets its message, also after a refused one
 
     # ---- control messages --------------------------------------------------------------------
 

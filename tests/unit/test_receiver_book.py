@@ -43,13 +43,13 @@ class Decode:
 
     def __init__(self, tp: int = 1, cfg: DisaggregationConfig = CFG) -> None:
         self.sent: list[tuple[str, object]] = []
-        self.queue_full = False
+        self.full: set[str] = set()  # addresses whose control queue refuses messages
         ranks = [DecodeRank(layout(tp, r), f"data-d{r}") for r in range(tp)]
         self.book = ReceiverBook(cfg, ranks, "d", "tcp://decode", self._send)
 
     def _send(self, addr: str, msg: object) -> bool:
         self.sent.append((addr, msg))
-        return not self.queue_full
+        return addr not in self.full
 
     def take(self, kind: type | None = None) -> list[tuple[str, object]]:
         """Messages sent since the last take (of `kind` only, the others are dropped)."""
@@ -201,9 +201,10 @@ def test_waiting_deadline_fails_and_aborts():
 
 def test_full_control_queue_fails_the_request():
     d = Decode()
-    d.queue_full = True
-    d.connected(1, prefill())
+    d.full = {"tcp://p0-0"}
+    d.connected(1, prefill(tp=2))
     assert "control queue to prefill prefill-host:8998 is full" in d.book.rooms[1].rec.reason
+    assert [a for a, _ in d.take(m.TransferRequest)] == ["tcp://p0-0", "tcp://p0-1"]  # each was tried
     assert d.book.poll(0.0) == []  # a request might have gone out: wait for the prefill or the timeout
 
 
