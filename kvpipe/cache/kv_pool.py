@@ -43,7 +43,7 @@ class KVPool:
         self.dtype = dtype
         shape = (num_pages, kv_heads, page_size, head_dim)
         # torch.zeros touches every page now; lazily faulted memory makes the first remote write
-        # into it three times slower (DESIGN.md §6).
+        # into it three times slower (measured with Mooncake on a CPU host).
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 

@@ -33,9 +33,6 @@ class PageAllocator:
     def num_used(self) -> int:
         return self.num_pages - len(self._free)
 
-    def can_alloc(self, n: int) -> bool:
-        return n <= len(self._free)
-
     def alloc(self, n: int) -> np.ndarray:
         """Return `n` page ids (int64, ascending) or raise OutOfPagesError without side effects."""
         if n < 0:

@@ -1,4 +1,6 @@
-"""The prefill's bootstrap HTTP server and the decode's client for it (DESIGN.md §3 steps 2-3).
+"""The prefill's bootstrap HTTP server and the decode's client for it.
+
+Where they sit in a request's life: docs/architecture.md, The path of one PD request.
 
 One server per prefill instance (CLI default port 8998). Every prefill rank PUTs its
 `PrefillRankInfo` (KV layout, data-plane address, control-plane ZMQ address, model name and an

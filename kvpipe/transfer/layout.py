@@ -102,3 +102,11 @@ class KVLayout:
 
     def to_dict(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in self.__dataclass_fields__}
+
+
+@dataclass(frozen=True)
+class DecodeRank:
+    """One decode rank as its KVReceiver announces it to prefill ranks (RegisterPeer)."""
+
+    layout: KVLayout  # this rank's pool (head range set for its TP rank)
+    data_address: str  # its backend's address: where prefill writes

@@ -3,9 +3,9 @@
 Wire form: a msgpack map {"kind": <tag>, "version": PROTOCOL_VERSION, <fields>}; see codec.py
 for the field rules. `decode` raises ProtocolError for anything malformed and nothing else.
 
-Flow (DESIGN.md §3): decode rank -> prefill: RegisterPeer once per (decode rank, prefill rank),
-then a TransferRequest per request; prefill -> decode: TransferStatus when the KV has landed
-(or failed); either side: Abort; both: Heartbeat.
+Flow: decode rank -> prefill: RegisterPeer once per (decode rank, prefill rank), then a
+TransferRequest per request; prefill -> decode: TransferStatus when the KV has landed (or
+failed); either side: Abort; both: Heartbeat.
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 64 << 20  # a page list of 8M pages; anything bigger is garbage
 
 
-class TransferState(enum.Enum):
+class WireState(enum.Enum):
+    """Outcome carried by TransferStatus; not the room state machine (state.TransferState)."""
+
     SUCCESS = "success"
     FAILED = "failed"
 
@@ -74,12 +76,12 @@ class TransferStatus:
     KIND = "transfer_status"
     room: int
     session_id: str  # the decode session the writes went to
-    state: TransferState
+    state: WireState
     reason: str = ""
     aux: AuxData | None = None  # required with SUCCESS
 
     def __post_init__(self) -> None:
-        if self.state is TransferState.SUCCESS and self.aux is None:
+        if self.state is WireState.SUCCESS and self.aux is None:
             raise ValueError("a successful transfer status carries aux data")
 
     def is_stale_for(self, room: int) -> bool:

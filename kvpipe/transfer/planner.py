@@ -57,10 +57,6 @@ class TransferPlan:
                             self.num_runs, self.num_pages, self.head_start, self.head_end, 0.0)
 
 
-def plan_layers(plan: TransferPlan, layer_start: int, layer_end: int) -> TransferPlan:
-    return plan.layers(layer_start, layer_end)
-
-
 def page_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Split page pairs into maximal runs consecutive on both sides: (src_first, dst_first, length)."""
     n = src_pages.size

@@ -1,10 +1,10 @@
 """Decode-side bookkeeping of one room: which final statuses are due, aux data, when pages are safe.
 
-Plain Python for `KVReceiver` (called under its lock). Per decode rank r the room expects one
-final TransferStatus from each prefill rank of `source_ranks(r, P, D)` (DESIGN.md §8; prefill
-ranks whose heads another rank already sends still answer, without writing). A prefill rank sends
-exactly one final status per (room, decode session), and only once none of its writes for the
-room can still land. So the room is
+Plain Python for `ReceiverBook`. Per decode rank r the room expects one final TransferStatus
+from each prefill rank of `source_ranks(r, P, D)` (r // (D/P) when D >= P, else ranks r*P/D to
+(r+1)*P/D - 1; prefill ranks whose heads another rank already sends still answer, without
+writing). A prefill rank sends exactly one final status per (room, decode session), and only
+once none of its writes for the room can still land. So the room is
 - Success when every expected status is SUCCESS and the aux data echoes this room;
 - quiet (its pages may be reused) when nothing was requested yet, every expected final status
   arrived, the prefill restarted, or `quiet_deadline` (failure time + transfer_timeout_s) passed.
@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvpipe.transfer.messages import AuxData, TransferStatus
-from kvpipe.transfer.messages import TransferState as WireState
+from kvpipe.transfer.messages import AuxData, TransferStatus, WireState
 from kvpipe.transfer.state import RoomRecord, TransferState
 from kvpipe.transfer.tp_mapping import source_ranks
 

@@ -6,7 +6,8 @@ messages go out through the injected `send(address, message)`, write batches are
 caller by `take_work` and their outcomes come back through `record`. KVSender calls every method
 under its lock with `now` from its clock.
 
-Protocol rules it keeps (DESIGN.md §8):
+Protocol rules it keeps (a decode must never reuse pages a write may still land in, and must
+hear of every failure):
 - every decode session bound to a room gets exactly one final TransferStatus, and only once none
   of our writes for that room can still land (a failed room first drains its in-flight batches);
 - a room the engine never admitted (the decode's request came first) that fails is answered and
@@ -27,8 +28,7 @@ from kvpipe.transfer.backends.base import BatchHandle, BatchState
 from kvpipe.config import DisaggregationConfig
 from kvpipe.transfer.layout import KVLayout
 from kvpipe.transfer.messages import (Abort, AuxData, Heartbeat, RegisterPeer, Side, TransferRequest,
-                                      TransferStatus)
-from kvpipe.transfer.messages import TransferState as WireState
+                                      TransferStatus, WireState)
 from kvpipe.transfer.sender_peers import SenderPeers, expected_destinations
 from kvpipe.transfer.sender_room import Destination, Inflight, OpBatch, PlanError, SendCall, SenderRoom
 from kvpipe.transfer.state import DuplicateRoomError, RoomRecord, TransferState, sender_timeouts

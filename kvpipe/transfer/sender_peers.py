@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 
 def expected_destinations(prefill_rank: int, prefill_tp: int, decode_tp: int) -> int:
-    """Decode ranks that pair with `prefill_rank` (§8 mapping): each sends it one TransferRequest."""
+    """Decode ranks that pair with `prefill_rank` (tp_mapping.source_ranks): each sends it one TransferRequest."""
     return sum(prefill_rank in source_ranks(r, prefill_tp, decode_tp) for r in range(decode_tp))
 
 

@@ -14,8 +14,9 @@ Meaning per side:
 - decode (KVReceiver): Bootstrapping = fetching the prefill's layout / registering;
   WaitingForInput = TransferRequest sent; Transferring = a prefill rank reported progress.
 
-A Failed room is not necessarily safe to free: writes may still be in flight (DESIGN.md §8).
-`RoomRecord.quiet_deadline` bounds how long a manager waits for that to settle.
+A Failed room is not necessarily safe to free: writes may still be in flight, and a page reused
+under a landing write corrupts its new owner's KV.
+On decode, `ReceiverRoom.quiet_deadline` bounds how long it waits for that to settle.
 """
 
 from __future__ import annotations

@@ -1,13 +1,14 @@
 """Which prefill rank sends which KV heads to which decode rank when the two TP sizes differ.
 
-Rank mapping (DESIGN.md §8) with P prefill ranks and D decode ranks, decode rank r:
+Rank mapping with P prefill ranks and D decode ranks, decode rank r (docs/architecture.md,
+Rank mapping and head slicing):
   D == P -> prefill rank r;  D > P -> prefill rank r // (D/P);
   D < P  -> prefill ranks r*P/D ... (r+1)*P/D - 1, each sending its head slice.
 Heads are given as global [start, end) ranges (ParallelConfig: with tp > heads, rank t holds the
 replicated head t // (tp / heads)). The slice a pair moves is the intersection of the two ranges,
-which reproduces §8's offset formulas (tested) without their modulo pitfalls. When several
-prefill ranks hold the same replicated head, only the first sends it, so every decode head is
-written exactly once (MLA's single latent "head" falls out of the same rule).
+which reproduces SGLang's head-offset formulas (tests/unit/test_planner.py) without their modulo
+pitfalls. When several prefill ranks hold the same replicated head, only the first sends it, so
+every decode head is written exactly once (MLA's single latent "head" falls out of the same rule).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def head_intersection(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]
 
 
 def source_ranks(decode_rank: int, prefill_tp: int, decode_tp: int) -> range:
-    """Prefill ranks that decode rank `decode_rank` receives from (§8), before de-duplication."""
+    """Prefill ranks that decode rank `decode_rank` receives from (the mapping above), before de-duplication."""
     if prefill_tp <= 0 or decode_tp <= 0:
         raise ValueError(f"TP sizes must be positive, got prefill {prefill_tp}, decode {decode_tp}")
     if prefill_tp % decode_tp and decode_tp % prefill_tp:
@@ -85,8 +86,3 @@ def transfer_slices(prefill_tp: int, decode_tp: int, total_kv_heads: int) -> lis
     return [s for r in range(decode_tp)
             for s in slices_for_decode_rank(r, prefill_tp, decode_tp, total_kv_heads)]
 
-
-def slices_from_prefill_rank(prefill_rank: int, prefill_tp: int, decode_tp: int,
-                             total_kv_heads: int) -> list[HeadSlice]:
-    """What one prefill rank sends; its length is how many destinations that rank waits for."""
-    return [s for s in transfer_slices(prefill_tp, decode_tp, total_kv_heads) if s.prefill_rank == prefill_rank]

@@ -76,7 +76,7 @@ def test_malformed_control_messages_are_rejected(stack: Stack) -> None:
             msgpack.packb({"kind": "transfer_request", "version": 99, "room": 1}),
             msgpack.packb({"kind": "no_such_message", "version": 1})]
     typed = [m.TransferRequest(room=7, session_id="intruder/0", dst_pages=(10**9,), prefix_len=0, aux_slot=0),
-             m.TransferStatus(room=7, session_id="intruder/0", state=m.TransferState.SUCCESS,
+             m.TransferStatus(room=7, session_id="intruder/0", state=m.WireState.SUCCESS,
                               aux=m.AuxData(7, 1, 0.0)),
              m.Abort(room=7, session_id="intruder/0", side=m.Side.PREFILL, reason="x")]
     ctx = zmq.Context()

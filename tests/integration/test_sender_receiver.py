@@ -245,12 +245,12 @@ def test_decode_abort_keeps_pages_until_prefill_acknowledges(stack):
     push = ctx.socket(zmq.PUSH)
     stack.callback(push.close, 0)
     push.connect(recv.control_address)
-    push.send(m.encode(m.TransferStatus(1, recv.sessions[0], m.TransferState.FAILED, "aborted")))
+    push.send(m.encode(m.TransferStatus(1, recv.sessions[0], m.WireState.FAILED, "aborted")))
     assert res.get(1, timeout=5)[1:3] == (F, "client disconnected")
     assert res.absent(2)
     now[0] += 2.01  # no acknowledgement for room 2: released when the transfer deadline passed
     assert res.get(2, timeout=5)[1] is F
-    push.send(m.encode(m.TransferStatus(2, recv.sessions[0], m.TransferState.FAILED, "late")))
+    push.send(m.encode(m.TransferStatus(2, recv.sessions[0], m.WireState.FAILED, "late")))
     wait_for(lambda: recv.stats.rejected_messages >= 1, 5, "late status rejected")
 
 
@@ -306,7 +306,7 @@ def test_malformed_and_invalid_messages_are_dropped(stack):
     push.connect(recv.control_address)  # PUSH round-robins: frames alternate between the two
     bad = [b"\x00garbage", m.encode(m.Heartbeat("x", 1))[:-1], b"\x81\xa4kind\xa5abort",
            m.encode(m.TransferRequest(99, "unregistered", (1, 2), 0, 0)),
-           m.encode(m.TransferStatus(99, "nobody", m.TransferState.FAILED, "x"))]
+           m.encode(m.TransferStatus(99, "nobody", m.WireState.FAILED, "x"))]
     for frame in bad * 2:
         push.send(frame)
     wait_for(lambda: sender._endpoint.stats.received + recv._endpoint.stats.received >= 10, 5, "frames")

@@ -9,7 +9,7 @@ import pytest
 
 from kvpipe.transfer.layout import KVLayout
 from kvpipe.transfer.messages import (PROTOCOL_VERSION, Abort, AuxData, Heartbeat, ProtocolError, RegisterPeer,
-                                      Side, TransferRequest, TransferState, TransferStatus, decode, encode)
+                                      Side, TransferRequest, TransferStatus, WireState, decode, encode)
 
 LAYOUT = KVLayout(num_layers=2, page_size=16, kv_heads=2, head_start=2, total_kv_heads=4, head_dim=64,
                   dtype="bfloat16", itemsize=2, buffer_addrs=(0x7F0000001000, 0x7F0000101000, 0x7F0000201000,
@@ -20,8 +20,8 @@ MESSAGES = [
     RegisterPeer("decode-0-abc", 1, 2, "10.0.0.2:15000", "tcp://10.0.0.2:5555", LAYOUT),
     TransferRequest(ROOM, "decode-0-abc", tuple(range(100, 164)), 32, 3),
     TransferRequest(0, "s", (), 0, 0),
-    TransferStatus(ROOM, "decode-0-abc", TransferState.SUCCESS, aux=AuxData(ROOM, 42, -0.25)),
-    TransferStatus(7, "s", TransferState.FAILED, reason="queue-full"),
+    TransferStatus(ROOM, "decode-0-abc", WireState.SUCCESS, aux=AuxData(ROOM, 42, -0.25)),
+    TransferStatus(7, "s", WireState.FAILED, reason="queue-full"),
     Abort(ROOM, "s", Side.PREFILL, "client disconnected"),
     Heartbeat("s", 12345),
 ]
@@ -33,10 +33,30 @@ def test_round_trip(msg):
     assert out == msg and type(out) is type(msg)
 
 
+# TransferStatus as peers running earlier code send it: renaming Python names must not change it.
+STATUS_BYTES = {
+    "success": bytes.fromhex(
+        "87a46b696e64af7472616e736665725f737461747573a776657273696f6e01a4726f6f6d07aa73657373696f6e5f6964"
+        "a3642f30a57374617465a773756363657373a6726561736f6ea0a361757883a4726f6f6d07ae66697273745f746f6b65"
+        "6e5f69642ab366697273745f746f6b656e5f6c6f6770726f62cbbfd0000000000000"),
+    "failed": bytes.fromhex(
+        "87a46b696e64af7472616e736665725f737461747573a776657273696f6e01a4726f6f6d07aa73657373696f6e5f6964"
+        "a3642f30a57374617465a66661696c6564a6726561736f6eaa71756575652d66756c6ca3617578c0"),
+}
+
+
+def test_transfer_status_bytes_are_unchanged():
+    ok = TransferStatus(7, "d/0", WireState.SUCCESS, "", AuxData(7, 42, -0.25))
+    failed = TransferStatus(7, "d/0", WireState.FAILED, "queue-full")
+    assert encode(ok) == STATUS_BYTES["success"] and decode(STATUS_BYTES["success"]) == ok
+    assert encode(failed) == STATUS_BYTES["failed"] and decode(STATUS_BYTES["failed"]) == failed
+    assert msgpack.unpackb(STATUS_BYTES["failed"])["state"] == "failed"
+
+
 def test_stale_room_detection():
-    st = TransferStatus(5, "s", TransferState.SUCCESS, aux=AuxData(6, 1, 0.0))
+    st = TransferStatus(5, "s", WireState.SUCCESS, aux=AuxData(6, 1, 0.0))
     assert st.is_stale_for(5) and st.is_stale_for(6)
-    assert not TransferStatus(5, "s", TransferState.SUCCESS, aux=AuxData(5, 1, 0.0)).is_stale_for(5)
+    assert not TransferStatus(5, "s", WireState.SUCCESS, aux=AuxData(5, 1, 0.0)).is_stale_for(5)
 
 
 def raw(**fields) -> bytes:

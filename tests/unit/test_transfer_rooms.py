@@ -140,7 +140,7 @@ def test_book_success_after_request_first():
     b.run(3.0)
     assert b.book.poll(3.0) == [(7, T.SUCCESS, "")]
     [st] = b.statuses()
-    assert st.state is m.TransferState.SUCCESS and st.aux == m.AuxData(7, 5, -0.5)
+    assert st.state is m.WireState.SUCCESS and st.aux == m.AuxData(7, 5, -0.5)
     b.book.on_message(m.Abort(7, "d/0", m.Side.DECODE, "late"), 4.0)  # crossed our status: ignored
     assert b.statuses() == [] and b.book.stats.rejected_messages == 0
 
@@ -161,7 +161,7 @@ def test_book_abort_waits_for_inflight_writes():
     b.book.record([], [(watch[1][0], watch[1][1], BatchState.FAILED)], 0.4)
     assert b.book.poll(0.4) == [(1, T.FAILED, "aborted by decode: client gone")]
     [st] = b.statuses()
-    assert st.state is m.TransferState.FAILED and b.book.inflight_ops == 0
+    assert st.state is m.WireState.FAILED and b.book.inflight_ops == 0
 
 
 def test_book_rejects_bad_requests_with_a_reason():
@@ -217,7 +217,7 @@ def test_rank_pairs_and_expected_destinations():
 
 def status(room, ok=True, aux_room=None, token=1):
     aux = m.AuxData(room if aux_room is None else aux_room, token, -0.1) if ok else None
-    return m.TransferStatus(room, "d/0", m.TransferState.SUCCESS if ok else m.TransferState.FAILED, "", aux)
+    return m.TransferStatus(room, "d/0", m.WireState.SUCCESS if ok else m.WireState.FAILED, "", aux)
 
 
 def recv_room(p_tp=2, d_tp=1) -> ReceiverRoom:

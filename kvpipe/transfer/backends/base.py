@@ -130,7 +130,7 @@ class TransferBackend(abc.ABC):
              poll_interval_s: float = 100e-6) -> BatchState:
         """Poll until terminal or `deadline` (time.monotonic()); PENDING means the deadline passed.
 
-        Sleeps between polls: the engine's own blocking waits busy-spin a core (DESIGN.md §6).
+        Sleeps between polls: Mooncake's own blocking waits busy-spin a core (half the throughput on 2 cores).
         """
         while True:
             state = self.poll(handle)

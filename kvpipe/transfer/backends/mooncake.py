@@ -1,6 +1,7 @@
 """Mooncake Transfer Engine backend: non-blocking one-sided writes with a bounded window.
 
-Facts this is built on (DESIGN.md §6, checked against mooncake-transfer-engine 0.3.13):
+Facts this is built on (docs/architecture.md, Transfer engine facts; checked against
+mooncake-transfer-engine 0.3.13):
 - `transfer_submit_write` queues one op and returns a batch id (0 or -1 on failure);
   `transfer_check_status(id)` returns 1 done, 0 pending, -1 failed (both free the id), -2 timed out.
   The blocking calls busy-spin a core, so we poll with a short sleep instead.

@@ -1,0 +1,341 @@
+"""ReceiverBook (the decode's KVReceiver without threads, sockets or HTTP): bootstrap outcomes,
+final statuses, aborts, deadlines, liveness and prefill restarts, on explicit clock values with
+a list as the network."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from kvpipe.config import DisaggregationConfig
+from kvpipe.transfer import messages as m
+from kvpipe.transfer.bootstrap import (DecodeInfo, IncompatiblePeerError, PrefillInstanceInfo, PrefillRankInfo,
+                                       check_compatible)
+from kvpipe.transfer.layout import DecodeRank, KVLayout
+from kvpipe.transfer.receiver_book import ReceiverBook
+from kvpipe.transfer.state import DuplicateRoomError, TransferState
+from kvpipe.transfer.tp_mapping import kv_head_range
+
+L, PS, HD, PAGES, H = 2, 4, 8, 64, 2  # layers, page size, head dim, pages per pool, total KV heads
+T = TransferState
+CFG = DisaggregationConfig(bootstrap_timeout_s=5, waiting_timeout_s=50, heartbeat_interval_s=1, heartbeat_misses=3,
+                           transfer_timeout_s=10)
+ADDR = ("prefill-host", 8998)
+
+
+def layout(tp: int, rank: int) -> KVLayout:
+    h0, h1 = kv_head_range(tp, rank, H)
+    page = (h1 - h0) * PS * HD * 4
+    return KVLayout(L, PS, h1 - h0, h0, H, HD, "float32", 4, tuple((rank + 1) << 32 | i << 20 for i in range(2 * L)),
+                    PAGES * page)
+
+
+def prefill(instance: str = "p0", tp: int = 1, model: str = "m") -> PrefillInstanceInfo:
+    ranks = tuple(PrefillRankInfo(p, tp, layout(tp, p), f"data-{instance}-{p}", f"tcp://{instance}-{p}", model,
+                                  instance) for p in range(tp))
+    return PrefillInstanceInfo(instance, tp, model, ranks)
+
+
+class Decode:
+    """A ReceiverBook of instance "d" whose network is a list of (address, message)."""
+
+    def __init__(self, tp: int = 1, cfg: DisaggregationConfig = CFG) -> None:
+        self.sent: list[tuple[str, object]] = []
+        self.full: set[str] = set()  # addresses whose control queue refuses messages
+        ranks = [DecodeRank(layout(tp, r), f"data-d{r}") for r in range(tp)]
+        self.book = ReceiverBook(cfg, ranks, "d", "tcp://decode", self._send)
+
+    def _send(self, addr: str, msg: object) -> bool:
+        self.sent.append((addr, msg))
+        return addr not in self.full
+
+    def take(self, kind: type | None = None) -> list[tuple[str, object]]:
+        """Messages sent since the last take (of `kind` only, the others are dropped)."""
+        out = [(a, msg) for a, msg in self.sent if kind is None or isinstance(msg, kind)]
+        self.sent.clear()
+        return out
+
+    def add(self, room: int, now: float, pages=None, prefix_len: int = 0, addr=ADDR):
+        pages = [np.arange(4) + 4 * room] * self.book.tp_size if pages is None else pages
+        return self.book.add_room(room, addr, self.book.check_pages(room, pages, prefix_len), prefix_len, room % 7,
+                                  now)
+
+    def connected(self, room: int, info: PrefillInstanceInfo, now: float = 0.0) -> None:
+        """add_room, then the fetch it asked for succeeds."""
+        assert self.add(room, now) == ADDR
+        self.book.on_fetched(ADDR, info, None, now)
+
+    def status(self, room: int, session: str = "d/0", ok: bool = True, aux_room: int | None = None,
+               now: float = 1.0, reason: str = "") -> None:
+        aux = m.AuxData(room if aux_room is None else aux_room, 42, -0.5) if ok else None
+        self.book.on_message(m.TransferStatus(room, session, m.WireState.SUCCESS if ok else m.WireState.FAILED,
+                                              reason, aux), now)
+
+
+def test_bootstrap_deadline_names_the_last_fetch_error():
+    d = Decode()
+    assert d.add(1, 0.0) == ADDR  # the caller starts one fetch of this prefill
+    assert d.add(2, 1.0) is None  # ... and no second one while it runs
+    d.book.fetch_retrying(ADDR, "connection refused")
+    d.book.housekeeping(4.9)
+    assert d.book.room_state(1) is T.BOOTSTRAPPING and d.book.poll(4.9) == []
+    d.book.housekeeping(5.0)
+    [(room, state, reason, aux)] = d.book.poll(5.0)  # nothing was requested: pages are free at once
+    assert (room, state, aux) == (1, T.FAILED, None)
+    assert "prefill-host:8998 failed: not done within 5s (connection refused)" in reason
+    d.book.on_fetched(ADDR, prefill(), None, 5.5)  # late: room 2 is still waiting for it
+    assert [msg.room for _, msg in d.take(m.TransferRequest)] == [2]
+    assert d.book.stats.bootstrap_fetches == 1 and d.book.stats.rooms_failed == 1
+
+
+def test_fetch_failure_fails_every_waiting_room_and_the_next_room_fetches_again():
+    d = Decode()
+    d.add(1, 0.0)
+    d.add(2, 0.0)
+    d.book.on_fetched(ADDR, None, "HTTP 500: boom", 0.5)
+    out = d.book.poll(0.5)
+    assert [(room, state) for room, state, *_ in out] == [(1, T.FAILED), (2, T.FAILED)]
+    assert all("bootstrap with prefill prefill-host:8998 failed: HTTP 500: boom" in r for _, _, r, _ in out)
+    assert d.take() == [] and d.book.num_active_rooms() == 0
+    assert d.add(3, 1.0) == ADDR and d.book.stats.bootstrap_fetches == 2
+
+
+def test_incompatible_prefill_fails_the_room_with_the_reason():
+    d = Decode()
+    info = prefill(model="other-model")
+    with pytest.raises(IncompatiblePeerError) as e:  # what KVReceiver's fetch thread runs
+        check_compatible(info, DecodeInfo("m", 1, (layout(1, 0),)))
+    d.add(1, 0.0)
+    d.book.on_fetched(ADDR, None, str(e.value), 0.1)
+    [(_, state, reason, _)] = d.book.poll(0.1)
+    assert state is T.FAILED and "serves model 'other-model'" in reason and "'m'" in reason
+    assert d.take() == []  # never registered with it
+
+
+def test_success_registers_once_and_delivers_aux():
+    d = Decode()
+    d.connected(5, prefill(), 0.0)
+    (a1, reg), (a2, req) = d.take()
+    assert a1 == a2 == "tcp://p0-0"
+    assert reg == m.RegisterPeer("d/0", 0, 1, "data-d0", "tcp://decode", layout(1, 0))
+    assert req == m.TransferRequest(5, "d/0", (20, 21, 22, 23), 0, 5)
+    assert d.book.room_state(5) is T.WAITING_FOR_INPUT
+    assert d.add(6, 0.5, pages=[9, 10], prefix_len=4) is None  # known prefill: requested at once
+    assert d.take() == [("tcp://p0-0", m.TransferRequest(6, "d/0", (9, 10), 4, 6))]
+    d.status(5, now=1.0)
+    assert d.book.poll(1.0) == [(5, T.SUCCESS, "", m.AuxData(5, 42, -0.5))]
+    assert d.book.poll(1.0) == [] and d.book.room_state(5) is None  # reported once
+    assert d.book.stats.rooms_succeeded == 1 and d.book.stats.registrations == 1 and d.take() == []
+
+
+def test_stale_aux_fails_the_room_without_an_abort():
+    d = Decode()
+    d.connected(5, prefill())
+    d.take()
+    d.status(5, aux_room=4)
+    [(_, state, reason, aux)] = d.book.poll(1.0)  # its only prefill rank gave its final word
+    assert state is T.FAILED and aux is None and "aux data of room 4 arrived for room 5" in reason
+    assert d.take() == []
+
+
+def test_a_prefill_ranks_failure_frees_pages_only_after_every_final_or_the_transfer_timeout():
+    d = Decode()  # P=2, D=1: decode rank 0 waits for a final status from both prefill ranks
+    d.connected(1, prefill(tp=2))
+    d.add(2, 0.0)
+    d.take()
+    d.book.on_message(m.TransferStatus(1, "d/0", m.WireState.FAILED, "write failed"), 1.0)
+    assert d.book.room_state(1) is T.FAILED and d.book.poll(1.0) == []  # prefill rank 1 may still write
+    aborts = d.take(m.Abort)
+    assert {a for a, _ in aborts} == {"tcp://p0-0", "tcp://p0-1"}
+    assert all(msg == m.Abort(1, "d/0", m.Side.DECODE, "prefill failed the transfer: write failed")
+               for _, msg in aborts)
+    d.status(1, ok=False, now=2.0)  # the other rank's final word
+    assert [(room, state) for room, state, *_ in d.book.poll(2.0)] == [(1, T.FAILED)]
+    d.book.on_message(m.TransferStatus(2, "d/0", m.WireState.FAILED, "x"), 3.0)
+    assert d.book.poll(12.9) == []  # the other rank never answers: wait transfer_timeout_s
+    assert [room for room, *_ in d.book.poll(13.0)] == [2]
+
+
+def test_decode_abort_asks_every_paired_prefill_rank_to_stop():
+    d = Decode()
+    d.connected(1, prefill(tp=2))
+    d.take()
+    d.book.abort(1, "client disconnected", 1.0)
+    assert sorted(d.take()) == [(f"tcp://p0-{p}", m.Abort(1, "d/0", m.Side.DECODE, "client disconnected"))
+                                for p in (0, 1)]
+    d.book.abort(1, "again", 1.5)  # once is enough
+    assert d.take() == [] and d.book.poll(2.0) == []
+    d.status(1, ok=False, now=2.0, reason="aborted")
+    d.status(1, ok=False, now=2.0, reason="aborted")
+    assert d.book.poll(2.0) == [(1, T.FAILED, "client disconnected", None)]
+    d.add(2, 3.0, addr=("elsewhere", 1))  # aborted while bootstrapping: nothing to stop
+    d.book.abort(2, "gone", 3.0)
+    assert d.take() == [] and d.book.poll(3.0)[0][:2] == (2, T.FAILED)
+
+
+def test_prefill_abort_waits_for_its_final_status():
+    d = Decode()
+    d.connected(1, prefill())
+    d.take()
+    d.book.on_message(m.Abort(1, "d/0", m.Side.DECODE, "spoofed"), 0.5)
+    assert d.book.room_state(1) is T.WAITING_FOR_INPUT and d.book.stats.rejected_messages == 1
+    d.book.on_message(m.Abort(1, "d/0", m.Side.PREFILL, "prefill OOM"), 1.0)
+    assert d.book.poll(1.0) == []  # its writes may still be in flight
+    d.status(1, ok=False, now=1.5)
+    assert d.book.poll(1.5) == [(1, T.FAILED, "aborted by prefill: prefill OOM", None)]
+
+
+def test_waiting_deadline_fails_and_aborts():
+    d = Decode(cfg=dataclasses.replace(CFG, heartbeat_misses=100))  # the prefill stays alive
+    d.connected(1, prefill())
+    d.take()
+    d.book.housekeeping(49.9)
+    assert d.book.room_state(1) is T.WAITING_FOR_INPUT
+    d.book.housekeeping(50.0)
+    assert "waiting_for_input timed out after 50s: not every prefill rank" in d.book.rooms[1].rec.reason
+    assert [msg.room for _, msg in d.take(m.Abort)] == [1]
+    assert d.book.poll(59.9) == [] and d.book.poll(60.0)[0][0] == 1
+
+
+def test_full_control_queue_fails_the_request():
+    d = Decode()
+    d.full = {"tcp://p0-0"}
+    d.connected(1, prefill(tp=2))
+    assert "control queue to prefill prefill-host:8998 is full" in d.book.rooms[1].rec.reason
+    assert [a for a, _ in d.take(m.TransferRequest)] == ["tcp://p0-0", "tcp://p0-1"]  # each was tried
+    assert d.book.poll(0.0) == []  # a request might have gone out: wait for the prefill or the timeout
+
+
+def test_heartbeats_one_per_prefill_rank_with_increasing_seq():
+    d = Decode(tp=2)  # P=1, D=2: the prefill rank pairs with both decode ranks, gets one beat
+    d.book.housekeeping(0.0)
+    assert d.take() == []  # nobody known yet
+    d.connected(1, prefill(), 0.0)
+    d.take()
+    d.book.housekeeping(0.9)  # an interval has not passed since the first round
+    assert d.take() == []
+    for now in (1.0, 1.5, 2.0):
+        d.book.housekeeping(now)
+    assert d.take() == [("tcp://p0-0", m.Heartbeat("d/1", 1)), ("tcp://p0-0", m.Heartbeat("d/1", 2))]
+
+
+def test_heartbeat_death_keeps_pages_until_quiet_and_forgets_the_prefill():
+    d = Decode()
+    d.connected(1, prefill(), 0.0)
+    d.take()
+    d.book.on_message(m.Heartbeat("p0/0", 7), 2.0)
+    d.book.housekeeping(5.0)
+    assert d.book.room_state(1) is T.WAITING_FOR_INPUT  # silent for exactly 3 misses * 1 s: alive
+    d.book.housekeeping(5.01)
+    assert d.book.room_state(1) is T.FAILED and "prefill rank 0 at prefill-host:8998 sent no heartbeat for 3.0s" \
+        in d.book.rooms[1].rec.reason
+    assert [msg.room for _, msg in d.take(m.Abort)] == [1]
+    assert d.book.poll(15.0) == []  # a silent prefill may be stalled with writes in flight
+    assert d.book.poll(15.01)[0][:2] == (1, T.FAILED)
+    assert d.add(2, 16.0) == ADDR  # forgotten: the next room fetches its bootstrap info again
+
+
+def test_prefill_restart_fails_old_rooms_and_frees_them_at_once():
+    d = Decode()
+    d.connected(1, prefill("p0"), 0.0)
+    d.book.housekeeping(3.5)  # p0 dies: room 1 fails, keeps its pages
+    assert d.book.room_state(1) is T.FAILED and d.book.poll(3.5) == []
+    d.take()
+    assert d.add(2, 4.0) == ADDR
+    d.book.on_fetched(ADDR, prefill("p1"), None, 4.0)  # a new instance there: p0's writes cannot land
+    [(room, state, reason, _)] = d.book.poll(4.0)
+    assert (room, state) == (1, T.FAILED) and "sent no heartbeat" in reason
+    assert [type(msg).__name__ for _, msg in d.take()] == ["RegisterPeer", "TransferRequest"]
+    assert d.book.stats.registrations == 2 and d.book.room_state(2) is T.WAITING_FOR_INPUT
+    # A fetch that finds another instance while the old one is still known drops it the same way.
+    d.book.on_fetched(ADDR, prefill("p2"), None, 5.0)
+    [(room, state, reason, _)] = d.book.poll(5.0)
+    assert (room, state) == (2, T.FAILED) and "restarted (instance p1 -> p2)" in reason
+    assert not any(isinstance(msg, m.Abort) for _, msg in d.take())  # p1 is gone: nobody to tell
+    d.status(2, now=5.5)  # a status from the old instance's session is not for a room any more
+    assert d.book.stats.rejected_messages == 1
+
+
+def test_duplicate_room_is_refused_and_the_first_unharmed():
+    d = Decode()
+    d.connected(1, prefill())
+    d.take()
+    with pytest.raises(DuplicateRoomError):
+        d.add(1, 0.5)
+    assert d.take() == [] and d.book.num_active_rooms() == 1
+    d.status(1)
+    assert d.book.poll(1.0)[0][:2] == (1, T.SUCCESS)
+    assert d.add(1, 2.0) is None  # reported: the id may be used again
+
+
+def test_two_prefill_ranks_into_one_decode_rank():
+    d = Decode()  # P=2, D=1
+    d.connected(1, prefill(tp=2))
+    sent = d.take()
+    assert [(a, type(msg).__name__) for a, msg in sent] == [
+        ("tcp://p0-0", "RegisterPeer"), ("tcp://p0-1", "RegisterPeer"),
+        ("tcp://p0-0", "TransferRequest"), ("tcp://p0-1", "TransferRequest")]
+    d.status(1)
+    assert d.book.room_state(1) is T.TRANSFERRING and d.book.poll(1.0) == []
+    d.status(1)
+    assert d.book.poll(1.0)[0][:2] == (1, T.SUCCESS)
+
+
+def test_one_prefill_rank_into_two_decode_ranks():
+    d = Decode(tp=2)  # P=1, D=2: each decode rank gets its own pages and its own final status
+    d.add(1, 0.0, pages=[np.array([1, 2]), np.array([3, 4])])
+    d.book.on_fetched(ADDR, prefill(), None, 0.0)
+    regs, reqs = d.take(m.RegisterPeer), None
+    assert [(a, msg.session_id, msg.tp_rank, msg.data_address) for a, msg in regs] == [
+        ("tcp://p0-0", "d/0", 0, "data-d0"), ("tcp://p0-0", "d/1", 1, "data-d1")]
+    d.book.abort(9, "unknown room", 0.0)  # nothing happens
+    d.add(2, 0.5, pages=[np.array([5]), np.array([6])])
+    reqs = d.take(m.TransferRequest)
+    assert [(msg.session_id, msg.dst_pages) for _, msg in reqs] == [("d/0", (5,)), ("d/1", (6,))]
+    d.status(1, "d/0")
+    d.status(1, "d/0")  # one final per (room, session): a second one is refused
+    assert d.book.stats.rejected_messages == 1 and d.book.poll(1.0) == []
+    d.status(1, "d/1")
+    assert d.book.poll(1.0)[0][:2] == (1, T.SUCCESS)
+
+
+def test_page_checks():
+    d = Decode(tp=2)
+    with pytest.raises(ValueError, match="1 page lists for 2 decode ranks"):
+        d.book.check_pages(1, [1, 2], 0)
+    with pytest.raises(ValueError, match="not a multiple of the page size 4"):
+        d.book.check_pages(1, [[1], [2]], 2)
+    with pytest.raises(ValueError, match=r"decode rank 1 pages must be distinct ids in \[0, 64\)"):
+        d.book.check_pages(1, [[1], [2, 2]], 0)
+    with pytest.raises(ValueError, match="decode rank 0 pages"):
+        d.book.check_pages(1, [[PAGES], [2]], 0)
+    pages = d.book.check_pages(1, [np.array([3]), [4, 5]], 8)
+    assert [p.tolist() for p in pages] == [[3], [4, 5]] and all(p.dtype == np.int64 for p in pages)
+
+
+def test_messages_that_are_not_for_a_waiting_room_are_rejected():
+    d = Decode()
+    d.add(1, 0.0)  # still bootstrapping: nothing requested, nothing may answer
+    d.status(1)
+    d.status(2)
+    d.book.on_message(m.TransferStatus(1, "stranger/0", m.WireState.FAILED), 0.0)
+    d.book.on_message(m.TransferRequest(1, "d/0", (1,), 0, 0), 0.0)
+    d.book.on_message(m.Heartbeat("stranger/0", 1), 0.0)  # ignored, not counted
+    assert d.book.stats.rejected_messages == 4 and d.book.room_state(1) is T.BOOTSTRAPPING
+
+
+def test_a_fetch_requests_only_the_rooms_that_still_wait_for_it():
+    d = Decode()
+    d.add(5, 0.0)
+    d.book.abort(5, "client gone", 0.1)
+    assert d.book.poll(0.1)[0][:2] == (5, T.FAILED)
+    assert d.add(5, 0.2, addr=("other", 1)) == ("other", 1)  # the id comes back for another prefill
+    d.add(6, 0.3)
+    d.book.abort(6, "client gone", 0.3)
+    d.book.poll(0.3)
+    assert d.add(6, 0.4) is None  # back for the same prefill, whose fetch still runs
+    d.book.on_fetched(ADDR, prefill(), None, 0.5)
+    assert [msg.room for _, msg in d.take(m.TransferRequest)] == [6]  # once; room 5 waits for "other"
+    assert d.book.room_state(5) is T.BOOTSTRAPPING
