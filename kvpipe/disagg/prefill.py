@@ -256,12 +256,16 @@ class PrefillConnector(PDConnector):
     def sender_stats(self) -> SenderStats:
         """Counters summed over ranks; rooms counted per instance; link busy time and bytes are
         rank 0's (the layer-group planner models one rank's link, like its token_nbytes)."""
+        ranks = dict(self._rank_stats)
+        worker = self.local_worker
+        if worker is not None and worker.sender is not None:  # rank 0's own counters are live, not reported
+            ranks[0] = replace(worker.sender.stats)
         out = SenderStats()
-        local = self._rank_stats.get(0)
+        local = ranks.get(0)
         if local is not None:
             out = SenderStats(**{f.name: getattr(local, f.name) for f in fields(SenderStats)})
         for name in SUMMED_STATS:
-            setattr(out, name, sum(getattr(st, name) for st in self._rank_stats.values()))
+            setattr(out, name, sum(getattr(st, name) for st in ranks.values()))
         out.rooms_succeeded, out.rooms_failed = self._succeeded, self._failed
         return out
 
