@@ -94,7 +94,7 @@ class LinkSpec:
 
 def make_spec(rate: str, burst_bytes: int | None = None, latency_ms: int = 50) -> LinkSpec:
     """A spec with fresh unique names; burst defaults to 1 ms at line rate, at least 64 KiB
-    (GSO segments are up to 64 KiB; 2 Gbit/s gives DESIGN.md's 2 Mbit)."""
+    (GSO segments are up to 64 KiB; 2 Gbit/s gives a 2 Mbit burst)."""
     norm, bps = parse_rate(rate)
     burst = burst_bytes if burst_bytes is not None else max(64 * 1024, int(bps / 8 / 1000))
     if burst < 2048 or latency_ms < 1:
@@ -104,7 +104,8 @@ def make_spec(rate: str, burst_bytes: int | None = None, latency_ms: int = 50) -
 
 
 def setup_commands(s: LinkSpec) -> list[list[str]]:
-    """DESIGN.md §6, with the veth ends created directly inside the namespaces (never in ours)."""
+    """Two namespaces joined by a veth pair with a tbf qdisc on both ends (docs/architecture.md,
+    transfer engine facts), the veth ends created directly inside the namespaces (never in ours)."""
     cmds = [["ip", "netns", "add", s.ns_a], ["ip", "netns", "add", s.ns_b],
             ["ip", "link", "add", s.veth_a, "netns", s.ns_a, "type", "veth", "peer", "name", s.veth_b,
              "netns", s.ns_b]]

@@ -7,7 +7,7 @@ goodput (bytes / wall time, planning included), raw goodput, their ratio, ops pe
 planning time, with medians over --repeat and a digest check that the pages really landed.
 
 --link-rate RATE runs the two processes in two network namespaces joined by a rate-limited veth
-(DESIGN.md §6; root). Without it both ends use loopback.
+(root). Without it both ends use loopback.
 
 Example: kvpipe bench transfer --preset bench --prompt-lens 1024,4096 --repeat 5 --json
 """

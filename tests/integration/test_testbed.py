@@ -32,7 +32,7 @@ def test_parse_rate_and_commands() -> None:
         with pytest.raises(ValueError):
             parse_rate(bad)
     s = make_spec("2gbit")
-    assert s.burst_bytes == 250_000  # 1 ms at 2 Gbit/s = DESIGN.md's 2 Mbit
+    assert s.burst_bytes == 250_000  # 1 ms at 2 Gbit/s = a 2 Mbit burst
     assert len(s.veth_a) <= 15 and s.veth_a != s.veth_b and s.ns_a != s.ns_b
     assert make_spec("2gbit").name != s.name
     cmds = setup_commands(s)

@@ -160,7 +160,8 @@ def test_heterogeneous_tp_gives_each_decode_rank_its_heads(P, D, H):
 
 
 def _sglang_offsets(p_rank: int, d_rank: int, P: int, D: int, H: int) -> tuple[int, int, int]:
-    """DESIGN.md §8 formulas: (prefill head offset, decode head offset, heads moved)."""
+    """SGLang's head-slicing formulas (docs/architecture.md, rank mapping and head slicing):
+    (prefill head offset, decode head offset, heads moved)."""
     src_h, dst_h = max(1, H // P), max(1, H // D)
     if P > D:
         unique_p = (p_rank % P) // max(1, P // H)
