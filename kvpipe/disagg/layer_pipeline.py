@@ -90,10 +90,9 @@ class LayerPipeline:
 
     def _log(self, forward_ms: float | None = None) -> None:
         c = self.planner.last
-        # one line per batch that pipelined or was long enough to be considered
-        level = logging.INFO if c.groups > 1 or self._tokens >= self.policy.min_tokens else logging.DEBUG
-        if logger.isEnabledFor(level):
-            logger.log(level, "prefill batch of %d tokens (%d to send): %d layer group%s (%s; estimated C %s ms, "
+        # per batch: DEBUG (--log-level debug); the choices are counted in stats() and /metrics
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("prefill batch of %d tokens (%d to send): %d layer group%s (%s; estimated C %s ms, "
                        "T %s ms, TTFT %s ms); forward took %s ms", self._tokens, self._send_tokens, c.groups,
                        "s" if c.groups > 1 else "", c.reason, _ms(c.compute_ms), _ms(c.transfer_ms),
                        _ms(c.predicted_ms), _ms(forward_ms))
@@ -125,8 +124,7 @@ class LayerPipeline:
                 if timing.first_submit_at is not None and timing.last_done_at is not None else 0.0)
         tail = (timing.last_done_at - forward_done_at
                 if forward_done_at is not None and timing.last_done_at is not None else None)
-        logger.log(logging.INFO if timing.nbytes >= MIN_LINK_SAMPLE_BYTES else logging.DEBUG,
-                   "room %d: %d bytes written, link busy %.0f ms, first write to last done %.0f ms, "
+        logger.debug("room %d: %d bytes written, link busy %.0f ms, first write to last done %.0f ms, "
                    "last done %s ms after the forward", timing.room, timing.nbytes, timing.busy_s * 1e3,
                    span * 1e3, _ms(None if tail is None else tail * 1e3))
 
