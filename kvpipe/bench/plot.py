@@ -50,12 +50,7 @@ def plot_run(records: Sequence[RequestRecord], summary: Mapping[str, Any], path:
     fig.suptitle(f"{title} — {summary.get('completed')}/{summary.get('num_requests')} ok, "
                  f"TTFT p50 {fmt('ttft_p50_ms')} ms, TPOT p50 {fmt('tpot_p50_ms')} ms, "
                  f"{fmt('output_throughput')} tok/s")
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, path)
 
 
 def plot_sweep(rows: Sequence[Mapping[str, Any]], path: str | Path, title: str = "kvpipe serving sweep") -> Path:
@@ -100,6 +95,11 @@ def plot_sweep(rows: Sequence[Mapping[str, Any]], path: str | Path, title: str =
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
     fig.suptitle(title)
+    return _save(plt, fig, path)
+
+
+def _save(plt: Any, fig: Any, path: str | Path) -> Path:
+    """Write the figure as PNG (parent folders made) and free it."""
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
