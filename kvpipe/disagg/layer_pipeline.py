@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
 from kvpipe.disagg.layer_groups import GroupChoice, LayerGroupPlanner, LayerGroupPolicy
+from kvpipe.disagg.metrics import TransferCounters, TransferObserver
 from kvpipe.transfer.sender_book import TransferTiming
 
 logger = logging.getLogger(__name__)
@@ -33,24 +33,23 @@ MIN_LINK_SAMPLE_BYTES = 256 * 1024
 
 class LayerPipeline:
     def __init__(self, policy: LayerGroupPolicy, num_layers: int, token_nbytes: int,
-                 device: torch.device | str = "cpu", clock: Callable[[], float] = time.perf_counter) -> None:
+                 device: torch.device | str = "cpu", clock: Callable[[], float] = time.perf_counter,
+                 observers: Sequence[TransferObserver] = ()) -> None:
+        """`observers` hear every batch's choice and every landed room, besides `counters`."""
         self.policy = policy
         self.planner = LayerGroupPlanner(policy, num_layers)
         self.num_layers = num_layers
         self.token_nbytes = token_nbytes  # KV bytes of one token over all layers (this rank)
         self.device = torch.device(device)
         self._clock = clock
-        self.batches_by_groups: Counter[int] = Counter()  # prefill batches per group count
-        self.reasons: Counter[str] = Counter()
+        self.counters = TransferCounters()
+        self.observers: tuple[TransferObserver, ...] = (self.counters, *observers)
         self._tokens = 0  # tokens of the batch being forwarded
         self._send_tokens = 0  # of which go to a decode
         self._t0: float | None = None
         self._cuda_start: Any = None
         self._cuda_pending: list[tuple[int, Any, Any]] = []  # (tokens, start event, end event)
         self._link_base = (0, 0.0)  # sender's (busy_bytes, busy_s) at the last sample
-        # transfer tails (last write landed - forward end) of rooms that succeeded, for benchmarks
-        self.tail_ms_sum = 0.0
-        self.tail_count = 0
 
     @property
     def last(self) -> GroupChoice:
@@ -60,8 +59,8 @@ class LayerPipeline:
         """Choose the groups of a prefill batch of `tokens` new tokens, `send_tokens` of which
         go to a decode; starts its compute timer."""
         choice = self.planner.choose(tokens, send_tokens * self.token_nbytes)
-        self.batches_by_groups[choice.groups] += 1
-        self.reasons[choice.reason] += 1
+        for obs in self.observers:
+            obs.on_layer_groups(tokens, choice)
         self._tokens = tokens
         self._poll_cuda()
         if self.device.type == "cuda":
@@ -117,13 +116,12 @@ class LayerPipeline:
         the request saw exposed on the prefill side (`transfer_tail_ms`)."""
         if timing is None:
             return
-        if forward_done_at is not None and timing.last_done_at is not None:
-            self.tail_ms_sum += max(0.0, timing.last_done_at - forward_done_at) * 1e3
-            self.tail_count += 1
         span = (timing.last_done_at - timing.first_submit_at
                 if timing.first_submit_at is not None and timing.last_done_at is not None else 0.0)
         tail = (timing.last_done_at - forward_done_at
                 if forward_done_at is not None and timing.last_done_at is not None else None)
+        for obs in self.observers:
+            obs.on_room_landed(timing, None if tail is None else tail * 1e3)
         logger.debug("room %d: %d bytes written, link busy %.0f ms, first write to last done %.0f ms, "
                    "last done %s ms after the forward", timing.room, timing.nbytes, timing.busy_s * 1e3,
                    span * 1e3, _ms(None if tail is None else tail * 1e3))
@@ -135,8 +133,8 @@ class LayerPipeline:
             "policy": "auto" if self.policy.fixed_groups is None else self.policy.fixed_groups,
             "num_groups": last.groups, "reason": last.reason,
             "predicted_ms": last.predicted_ms, "compute_ms": last.compute_ms, "transfer_ms": last.transfer_ms,
-            "batches_by_groups": {str(k): v for k, v in sorted(self.batches_by_groups.items())},
-            "reasons": dict(self.reasons),
+            "batches_by_groups": {str(k): v for k, v in sorted(self.counters.batches_by_groups.items())},
+            "reasons": dict(self.counters.reasons),
             "link_goodput_gbps": None if rate is None else rate * 8e3 / 1e9,
         }
 

@@ -283,12 +283,9 @@ class PrefillConnector(PDConnector):
                 "ops_submitted": st.ops_submitted, "rejected_messages": st.rejected_messages,
                 "link_busy_s": st.busy_s, "link_busy_bytes": st.busy_bytes, "layer_groups": pipe.stats(),
             },
-            # the layer-group choice of the last prefill batch (bench probes read `num_groups`)
-            "num_groups": pipe.last.groups,
-            # transfer time left after the forward, summed over rooms (bench probes take deltas)
-            "transfer_tail_ms_sum": pipe.tail_ms_sum, "transfer_tail_count": pipe.tail_count,
-            "layer_groups_reason": pipe.last.reason,
-            "layer_group_batches": dict(pipe.batches_by_groups),
+            # the observer's counters: the last batch's choice (bench probes read `num_groups`), the
+            # transfer left after the forward summed over rooms (bench probes take deltas)
+            **pipe.counters.snapshot(),
         }
 
     def shutdown(self) -> None:

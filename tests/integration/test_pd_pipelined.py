@@ -52,7 +52,7 @@ def test_fixed_groups_match_colocated(tiny_model_dir, reference, groups, chunk):
         reqs = [pair.reqs(ids) for ids in ps]
         pair.run(reqs)
         check_outputs(pair, reqs, ps, reference)
-        assert set(pair.pipeline.batches_by_groups) == {groups}
+        assert set(pair.pipeline.counters.batches_by_groups) == {groups}
         want = set(split_layers(LAYERS, groups))
         for p, _ in reqs:
             mine = [c for c in calls if c["room"] == p.bootstrap_room]
@@ -118,7 +118,7 @@ def test_auto_pipelines_long_prompts_on_a_slow_link(tiny_model_dir, reference, c
         calls = spy_sends(pair)
         warm = [pair.reqs(ids) for ids in prompts(1, [40, 700])]
         pair.run(warm)  # real estimates; no link estimate before the first room landed: plain path
-        assert pair.pipeline.reasons["no-estimate"] >= 1
+        assert pair.pipeline.counters.reasons["no-estimate"] >= 1
         inject_slow_link(pair, 600, ms_per_layer=10.0)
         ps = prompts(2, [600, 30, 90])  # mixed: one long prompt, two short ones, one batch
         reqs = [pair.reqs(ids) for ids in ps]
@@ -126,8 +126,8 @@ def test_auto_pipelines_long_prompts_on_a_slow_link(tiny_model_dir, reference, c
         pair.run(reqs)
         check_outputs(pair, reqs + warm, ps + prompts(1, [40, 700]), reference)
         pipe = pair.pipeline
-        chosen = [g for g in pipe.batches_by_groups if g > 1]
-        assert chosen and pipe.reasons["cost-model"] >= 1
+        chosen = [g for g in pipe.counters.batches_by_groups if g > 1]
+        assert chosen and pipe.counters.reasons["cost-model"] >= 1
         assert any(c["layers"] != (0, LAYERS) for c in calls if c["room"] == reqs[0][0].bootstrap_room)
         # a short prompt alone takes the plain path: no per-group sends
         short = pair.reqs(prompts(3, [50])[0])
@@ -138,7 +138,7 @@ def test_auto_pipelines_long_prompts_on_a_slow_link(tiny_model_dir, reference, c
         assert short[1].output_ids == reference(short[0].input_ids)
         s = pair.prefill.stats()
         assert s["num_groups"] == 1 and s["layer_groups_reason"] == "short"
-        assert sum(s["layer_group_batches"].values()) == sum(pipe.batches_by_groups.values())
+        assert sum(s["layer_group_batches"].values()) == sum(pipe.counters.batches_by_groups.values())
         assert s["disaggregation"]["layer_groups"]["link_goodput_gbps"] > 0
         # every room that succeeded reported how long its KV kept landing after its forward
         assert s["transfer_tail_count"] == s["disaggregation"]["rooms_succeeded"] == 6

@@ -118,3 +118,31 @@ def test_fixed_policy_and_flag():
             parse("--disaggregation-layer-groups", bad)
     with pytest.raises(ConfigError):
         DisaggregationConfig(layer_groups="3")  # type: ignore[arg-type]  # ints are ints
+
+
+def test_observers_hear_every_choice_and_landed_room():
+    from kvpipe.disagg.layer_groups import GroupChoice
+    from kvpipe.transfer.sender_book import TransferTiming
+
+    heard: list = []
+
+    class Spy:
+        def on_layer_groups(self, tokens: int, choice: GroupChoice) -> None:
+            heard.append(("groups", tokens, choice.groups))
+
+        def on_room_landed(self, timing: TransferTiming, tail_ms: float | None) -> None:
+            heard.append(("room", timing.room, tail_ms))
+
+    clock = FakeClock()
+    pipe = LayerPipeline(LayerGroupPolicy(fixed_groups=2), num_layers=4, token_nbytes=10, clock=clock,
+                         observers=[Spy()])
+    pipe.begin(tokens=100, send_tokens=100)
+    pipe.end()
+    timing = TransferTiming(room=3, nbytes=1000, busy_s=0.01, first_submit_at=1.0, last_done_at=2.5)
+    pipe.room_done(timing, forward_done_at=2.0)
+    pipe.room_done(TransferTiming(room=4, nbytes=500, busy_s=0.01, first_submit_at=1.0, last_done_at=2.0), None)
+    assert heard == [("groups", 100, 2), ("room", 3, 500.0), ("room", 4, None)]
+    c = pipe.counters
+    assert (c.rooms_landed, c.bytes_landed, c.tail_count, c.tail_ms_sum) == (2, 1500, 1, 500.0)
+    assert c.snapshot() == {"num_groups": 2, "layer_groups_reason": "fixed", "layer_group_batches": {2: 1},
+                            "transfer_tail_ms_sum": 500.0, "transfer_tail_count": 1}
