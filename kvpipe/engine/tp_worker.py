@@ -31,7 +31,6 @@ import tempfile
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
@@ -41,6 +40,8 @@ import torch.distributed as dist
 from kvpipe.cache.kv_pool import KVPool
 from kvpipe.config import ParallelConfig, ServerConfig
 from kvpipe.engine.batch import ForwardSpec
+from kvpipe.engine.tp_messages import (CommandMsg, ErrorMsg, HelloMsg, ReadyMsg, ReplyMsg, ReportMsg, StartMsg,
+                                       StepMsg, StopMsg)
 from kvpipe.engine.connector import KVConnectorWorker, WorkerFactory
 from kvpipe.engine.model_runner import GroupCallback, ModelRunner
 from kvpipe.model.loader import load_model
@@ -51,59 +52,6 @@ logger = logging.getLogger(__name__)
 # that never started); ranks run in lockstep, so a healthy all-reduce waits far less
 COLLECTIVE_TIMEOUT_S = 180.0
 START_TIMEOUT_S = 180.0  # rendezvous + model load of all ranks
-
-
-@dataclass(frozen=True)
-class StartMsg:
-    cfg: ServerConfig
-    rank: int
-    init_method: str
-    worker_factory: str | None = None  # "module:function" of the KV connector's worker
-
-
-@dataclass(frozen=True)
-class HelloMsg:  # the child imported everything and is about to join the rendezvous
-    rank: int
-
-
-@dataclass(frozen=True)
-class StepMsg:
-    spec: ForwardSpec
-
-
-@dataclass(frozen=True)
-class StopMsg:
-    pass
-
-
-@dataclass(frozen=True)
-class CommandMsg:  # for the child's connector worker, between forwards
-    cmd: object
-    reply: bool
-
-
-@dataclass(frozen=True)
-class ReplyMsg:
-    rank: int
-    reply: object
-    error: str | None = None  # the worker raised: its traceback
-
-
-@dataclass(frozen=True)
-class ReportMsg:  # the child's connector worker has news for rank 0
-    rank: int
-    news: object
-
-
-@dataclass(frozen=True)
-class ReadyMsg:
-    rank: int
-
-
-@dataclass(frozen=True)
-class ErrorMsg:
-    rank: int
-    text: str
 
 
 def rank_device(device: str, rank: int) -> str:

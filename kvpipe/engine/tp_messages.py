@@ -1,0 +1,66 @@
+"""Typed messages on a TP child's step pipe (kvpipe/engine/tp_worker.py).
+
+    rank 0 -> child: StartMsg, then StepMsg (a forward) | CommandMsg (for its connector worker) ..., StopMsg
+    child -> rank 0: HelloMsg, ReadyMsg, then ReplyMsg (to a CommandMsg that wants one) |
+                     ReportMsg (its worker's news) ..., ErrorMsg before it exits on a failure
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpipe.config import ServerConfig
+from kvpipe.engine.batch import ForwardSpec
+
+
+@dataclass(frozen=True)
+class StartMsg:
+    cfg: ServerConfig
+    rank: int
+    init_method: str
+    worker_factory: str | None = None  # "module:function" of the KV connector's worker
+
+
+@dataclass(frozen=True)
+class HelloMsg:  # the child imported everything and is about to join the rendezvous
+    rank: int
+
+
+@dataclass(frozen=True)
+class StepMsg:
+    spec: ForwardSpec
+
+
+@dataclass(frozen=True)
+class StopMsg:
+    pass
+
+
+@dataclass(frozen=True)
+class CommandMsg:  # for the child's connector worker, between forwards
+    cmd: object
+    reply: bool
+
+
+@dataclass(frozen=True)
+class ReplyMsg:
+    rank: int
+    reply: object
+    error: str | None = None  # the worker raised: its traceback
+
+
+@dataclass(frozen=True)
+class ReportMsg:  # the child's connector worker has news for rank 0
+    rank: int
+    news: object
+
+
+@dataclass(frozen=True)
+class ReadyMsg:
+    rank: int
+
+
+@dataclass(frozen=True)
+class ErrorMsg:
+    rank: int
+    text: str
