@@ -40,6 +40,7 @@ class RecordingConnector(KVConnector):
         self.firsts: list[int] = []  # first tokens, as after_commit saw them
         self.finished: list[tuple[str, FinishReason]] = []
         self.reserved: list[Req] = []
+        self.owned: set[str] = set()  # rids whose pages a "transfer" holds
         self._events: list[ConnectorEvent] = []
         self.worker: RecordingWorker | None = None
         self.ctx: ConnectorContext | None = None
@@ -73,10 +74,13 @@ class RecordingConnector(KVConnector):
 
     def on_finish(self, req: Req, reason: FinishReason, detail: str | int | None) -> bool:
         self.finished.append((req.rid, reason))
+        if self.hold:
+            self.owned.add(req.rid)
         return self.hold
 
     def end_transfer(self, rid: str, ok: bool = True, reason: str = "") -> None:
         self._events.append(TransferFinished(rid, ok, reason))
+        self.owned.discard(rid)
 
     def deliver(self, req: Req, src_pool: Any, src_pages: np.ndarray, first_token: int) -> None:
         """'Transfer' a prompt's KV from another engine's pool into req's reserved pages."""
@@ -91,4 +95,4 @@ class RecordingConnector(KVConnector):
         return out
 
     def wait_hint(self) -> float | None:
-        return 0.01 if self.hold or self.reserved else None
+        return 0.01 if self.owned or any(not r.finished and not r.output_ids for r in self.reserved) else None

@@ -199,8 +199,10 @@ def test_connector_seam_holds_pages_and_defers_the_answer(tiny_model_dir):
     try:
         with pytest.raises(ValueError, match="refused by the connector"):
             e.add_request(Req("refuse-me", PROMPT, params(max_new_tokens=1)))
+        assert e.poll_interval() is None  # idle: the server loop sleeps until new input
         r = Req("p", PROMPT, params(max_new_tokens=1))
         e.add_request(r)
+        assert e.poll_interval() == 0.0
         outs = []
         for _ in range(100):
             outs += e.step()
@@ -227,6 +229,7 @@ def test_connector_seam_holds_pages_and_defers_the_answer(tiny_model_dir):
         assert e.allocator.num_used == 2  # its transfer still owns the pages
         conn.end_transfer("q", ok=False, reason="gone")
         assert e.step() == [] and e.allocator.num_used == 0
+        assert e.poll_interval() is None
     finally:
         e.shutdown()
 
