@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import Any, AsyncIterator
 
 import jinja2
 from fastapi import FastAPI, Request
@@ -15,12 +15,10 @@ from kvpipe.server.openai_protocol import (DEFAULT_COMPLETION_MAX_TOKENS, ChatCo
                                            _OpenAIBase)
 from kvpipe.server.protocol import GenerateInput, new_rid, text_options, to_sampling_params
 from kvpipe.server.request_tracker import RequestOutput
+from kvpipe.server.state import ServerState
 from kvpipe.server.streaming import (SSE_DONE, ClientDisconnected, ClosingStreamingResponse, close_all, collect,
                                      merge_streams, read_json, sse, sse_error, until_disconnect)
 from kvpipe.server.validation import finalize_input, with_default_max_tokens
-
-if TYPE_CHECKING:
-    from kvpipe.server.http_server import ServerState
 
 
 def _finish(out: RequestOutput) -> str | None:
@@ -37,7 +35,7 @@ def _usage(outs: list[RequestOutput]) -> dict[str, Any]:
 class _Responder:
     """Builds response objects and SSE chunks for one OpenAI request."""
 
-    def __init__(self, state: "ServerState", kind: str, rid: str, want_logprobs: bool) -> None:
+    def __init__(self, state: ServerState, kind: str, rid: str, want_logprobs: bool) -> None:
         self.state, self.kind, self.want_logprobs = state, kind, want_logprobs
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{rid}"
         self.created = int(time.time())
@@ -45,7 +43,7 @@ class _Responder:
         self.chunk_object = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
     def _token_text(self, t: int) -> str:
-        return self.state.engine.engine.tokenizer.decode([t], skip_special_tokens=False)
+        return self.state.tokenizer.decode([t], skip_special_tokens=False)
 
     def logprobs(self, out: RequestOutput, start: int = 0) -> dict[str, Any] | None:
         if not self.want_logprobs:
@@ -95,13 +93,13 @@ class _Responder:
         return c
 
 
-def _check_model(state: "ServerState", req: _OpenAIBase) -> None:
+def _check_model(state: ServerState, req: _OpenAIBase) -> None:
     if req.model is not None and req.model not in (state.cfg.model_name, state.cfg.model_path):
         raise APIError(f"The model `{req.model}` does not exist; this server serves `{state.cfg.model_name}`",
                        404, param="model")
 
 
-def _build_inputs(state: "ServerState", req: _OpenAIBase, rid: str, prompts: list[list[int]],
+def _build_inputs(state: ServerState, req: _OpenAIBase, rid: str, prompts: list[list[int]],
                   max_tokens: int | None, default_max: int | None, want_logprobs: bool) -> list[GenerateInput]:
     limits = state.limits
     sp = req.sampling(max_tokens)
@@ -115,7 +113,7 @@ def _build_inputs(state: "ServerState", req: _OpenAIBase, rid: str, prompts: lis
     return inputs
 
 
-async def _respond(request: Request, state: "ServerState", req: _OpenAIBase, inputs: list[GenerateInput],
+async def _respond(request: Request, state: ServerState, req: _OpenAIBase, inputs: list[GenerateInput],
                    responder: _Responder) -> Response:
     streams = state.submit_all(inputs)
     if not req.stream or state.is_prefill:
@@ -152,19 +150,19 @@ async def _respond(request: Request, state: "ServerState", req: _OpenAIBase, inp
     return ClosingStreamingResponse(events(), on_close=close_all(streams))
 
 
-def register_openai_routes(app: FastAPI, state: "ServerState") -> None:
+def register_openai_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{
             "id": state.cfg.model_name, "object": "model", "created": 0, "owned_by": "kvpipe",
-            "root": state.cfg.model_name, "max_model_len": state.context_length()}]}
+            "root": state.cfg.model_name, "max_model_len": state.advertised_context_length()}]}
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req = CompletionRequest.model_validate(await read_json(request))
         req.check_supported()
         _check_model(state, req)
-        tok = state.engine.engine.tokenizer
+        tok = state.tokenizer
         prompts = []
         for p in req.prompts():
             if p == "":
@@ -183,7 +181,7 @@ def register_openai_routes(app: FastAPI, state: "ServerState") -> None:
         req.check_supported()
         _check_model(state, req)
         try:
-            ids = state.engine.engine.tokenizer.encode_chat(req.message_dicts())
+            ids = state.tokenizer.encode_chat(req.message_dicts())
         except (ValueError, ConfigError, jinja2.TemplateError) as e:
             raise APIError(f"cannot apply the chat template: {e}", param="messages") from e
         max_new = req.max_new_tokens()
