@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvpipe.config import ConfigError
+from kvpipe.engine.request import FinishReason
 from kvpipe.server.errors import APIError
 from kvpipe.server.openai_protocol import (DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest,
                                            _OpenAIBase)
@@ -21,8 +22,13 @@ from kvpipe.server.streaming import (SSE_DONE, ClientDisconnected, ClosingStream
 from kvpipe.server.validation import finalize_input, with_default_max_tokens
 
 
-def _finish(out: RequestOutput) -> str | None:
-    return None if out.finish_reason is None else out.finish_reason.value
+def _finish_fields(out: RequestOutput) -> dict[str, Any]:
+    """OpenAI's `finish_reason` ("stop" / "length" / "abort", null while running), plus SGLang's
+    `matched_stop` (the stop string or token id) when it stopped."""
+    fields: dict[str, Any] = {"finish_reason": None if out.finish_reason is None else out.finish_reason.value}
+    if out.finish_reason is FinishReason.STOP:
+        fields["matched_stop"] = out.finish_detail
+    return fields
 
 
 def _usage(outs: list[RequestOutput]) -> dict[str, Any]:
@@ -55,10 +61,6 @@ class _Responder:
                                 for s, lp in zip(toks, lps)]}
         return {"tokens": toks, "token_logprobs": lps, "top_logprobs": None, "text_offset": None}
 
-    def _choice_extra(self, out: RequestOutput) -> dict[str, Any]:
-        return {"matched_stop": out.finish_detail} if out.finish_reason is not None and \
-            out.finish_reason.value == "stop" else {}
-
     def body(self, outs: list[RequestOutput]) -> dict[str, Any]:
         choices = []
         for out in outs:
@@ -67,7 +69,7 @@ class _Responder:
                 c["message"] = {"role": "assistant", "content": out.text}
             else:
                 c["text"] = out.text
-            c.update(logprobs=self.logprobs(out), finish_reason=_finish(out), **self._choice_extra(out))
+            c.update(logprobs=self.logprobs(out), **_finish_fields(out))
             choices.append(c)
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.state.cfg.model_name,
                 "choices": choices, "usage": _usage(outs)}
@@ -89,7 +91,7 @@ class _Responder:
             c["delta"] = {"content": out.delta_text} if out.delta_text else {}
         else:
             c["text"] = out.delta_text
-        c.update(logprobs=self.logprobs(out, start), finish_reason=_finish(out), **self._choice_extra(out))
+        c.update(logprobs=self.logprobs(out, start), **_finish_fields(out))
         return c
 
 

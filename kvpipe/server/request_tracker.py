@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
-from kvpipe.engine.request import FinishReason, TokenOutput
+from kvpipe.engine.request import FinishReason, TokenOutput, finish_reason_json
 from kvpipe.engine.stop_strings import StopStringSearch
 from kvpipe.server.protocol import GenerateInput
 
@@ -47,14 +47,7 @@ class RequestOutput:
         return len(self.output_ids)
 
     def finish_reason_json(self) -> dict[str, Any] | None:
-        """SGLang's shape: {"type": "stop", "matched": ...} / {"type": "length", "length": n} / abort."""
-        if self.finish_reason is None:
-            return None
-        if self.finish_reason is FinishReason.STOP:
-            return {"type": "stop", "matched": self.finish_detail}
-        if self.finish_reason is FinishReason.LENGTH:
-            return {"type": "length", "length": self.completion_tokens}
-        return {"type": "abort", "message": self.finish_detail or "aborted"}
+        return finish_reason_json(self.finish_reason, self.finish_detail, self.completion_tokens)
 
 
 class RequestTracker:
