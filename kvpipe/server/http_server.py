@@ -25,8 +25,8 @@ from kvpipe.server.openai_api import register_openai_routes
 from kvpipe.server.protocol import GenerateInput, GenerateRequest, new_rid, split_generate_request
 from kvpipe.server.request_tracker import RequestOutput
 from kvpipe.server.state import ServerState
-from kvpipe.server.streaming import (SSE_DONE, ClientDisconnected, ClosingStreamingResponse, close_all, collect,
-                                     merge_streams, read_json, sse, sse_error, until_disconnect)
+from kvpipe.server.streaming import (SSE_DONE, ClosingStreamingResponse, close_all, merge_streams, read_json, sse,
+                                     sse_error)
 from kvpipe.server.validation import prepare_prompts
 
 logger = logging.getLogger(__name__)
@@ -131,15 +131,11 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
                     yield sse_error(e)
                 yield SSE_DONE
             return ClosingStreamingResponse(events(), on_close=close_all(streams))
-        try:
-            outs = await until_disconnect(request, collect(streams))
-        except ClientDisconnected:
-            return Response(status_code=499)  # nobody reads it; the requests were aborted
-        finally:
-            close_all(streams)()
-        state.check_prefill_outputs(outs)
-        bodies = [generate_response(o, inp, False) for o, inp in zip(outs, inputs)]
-        return JSONResponse(bodies if batched else bodies[0])
+
+        def body(outs: list[RequestOutput]) -> Any:
+            bodies = [generate_response(o, inp, False) for o, inp in zip(outs, inputs)]
+            return bodies if batched else bodies[0]
+        return await state.respond_when_done(request, streams, body)
 
 
 def create_app(cfg: ServerConfig, engine_factory: Callable[[], EngineLike] | None = None,

@@ -7,7 +7,7 @@ from typing import Any, AsyncIterator
 
 import jinja2
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from kvpipe.config import ConfigError
 from kvpipe.engine.request import FinishReason
@@ -17,8 +17,8 @@ from kvpipe.server.openai_protocol import (DEFAULT_COMPLETION_MAX_TOKENS, ChatCo
 from kvpipe.server.protocol import GenerateInput, new_rid, text_options, to_sampling_params
 from kvpipe.server.request_tracker import RequestOutput
 from kvpipe.server.state import ServerState
-from kvpipe.server.streaming import (SSE_DONE, ClientDisconnected, ClosingStreamingResponse, close_all, collect,
-                                     merge_streams, read_json, sse, sse_error, until_disconnect)
+from kvpipe.server.streaming import (SSE_DONE, ClosingStreamingResponse, close_all, merge_streams, read_json, sse,
+                                     sse_error)
 from kvpipe.server.validation import finalize_input, with_default_max_tokens
 
 
@@ -119,14 +119,7 @@ async def _respond(request: Request, state: ServerState, req: _OpenAIBase, input
                    responder: _Responder) -> Response:
     streams = state.submit_all(inputs)
     if not req.stream or state.is_prefill:
-        try:
-            outs = await until_disconnect(request, collect(streams))
-        except ClientDisconnected:
-            return Response(status_code=499)
-        finally:
-            close_all(streams)()
-        state.check_prefill_outputs(outs)
-        return JSONResponse(responder.body(outs))
+        return await state.respond_when_done(request, streams, responder.body)
 
     include_usage = req.include_usage()
 

@@ -10,6 +10,10 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
+from typing import Any, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
 
 from kvpipe.config import ModelConfig, ServerConfig
 from kvpipe.engine.request import FinishReason
@@ -19,7 +23,7 @@ from kvpipe.server.errors import APIError
 from kvpipe.server.metrics import ServerMetrics
 from kvpipe.server.protocol import GenerateInput
 from kvpipe.server.request_tracker import RequestOutput
-from kvpipe.server.streaming import close_all
+from kvpipe.server.streaming import ClientDisconnected, close_all, collect, until_disconnect
 from kvpipe.server.validation import ModelLimits
 
 
@@ -100,3 +104,19 @@ class ServerState:
             close_all(streams)()
             raise
         return streams
+
+    async def respond_when_done(self, request: Request, streams: list[RequestStream],
+                                body: Callable[[list[RequestOutput]], Any]) -> Response:
+        """The non-streamed answer: `body(final outputs)` as JSON once every request finished.
+
+        If the client leaves first the requests are aborted (closing their streams) and the
+        answer is 499, which nobody reads; it only marks the request in the access log.
+        """
+        try:
+            outs = await until_disconnect(request, collect(streams))
+        except ClientDisconnected:
+            return Response(status_code=499)
+        finally:
+            close_all(streams)()
+        self.check_prefill_outputs(outs)
+        return JSONResponse(body(outs))
