@@ -137,19 +137,14 @@ def _positive(name: str, value: int | None, allow_none: bool = False) -> None:
         raise SystemExit(f"kvpipe: {name} must be a positive integer, got {value}")
 
 
-def resolve_model_path(path: str | None) -> str:
-    if path:
-        return path
-    from kvpipe.model.presets import default_model_dir  # writes the tiny preset once, then reuses it
-    return str(default_model_dir("tiny"))
-
-
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     """Flags from `add_server_args` (plus --host/--port when present) -> a ServerConfig."""
     for name in ("tp_size", "page_size", "max_total_tokens", "max_running_requests", "max_prefill_tokens"):
         _positive("--" + name.replace("_", "-"), getattr(args, name))
     _positive("--context-length", args.context_length, allow_none=True)
     disagg = disaggregation_config_from_args(args)
+    from kvpipe.model.presets import resolve_model_path  # lazy: presets import torch
+
     cfg = ServerConfig(
         model_path=resolve_model_path(args.model_path),
         host=getattr(args, "host", "127.0.0.1"),

@@ -143,7 +143,7 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
     from kvpipe.bench.sweep import (INPROC, SliceResult, kv_bytes_per_token, parse_modes, parse_prompt_lens,
                                     run_sweep, run_sweep_interleaved, sweep_rows)
     from kvpipe.bench.testbed import LinkTestbed, LinkTestbedError, parse_rate
-    from kvpipe.cli import resolve_model_path
+    from kvpipe.model.presets import resolve_model_path
 
     try:
         lens, modes = parse_prompt_lens(args.sweep_prompt_lens), parse_modes(args.modes)

@@ -158,3 +158,8 @@ def default_model_dir(preset: str, seed: int = 0) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def resolve_model_path(path: str | None) -> str:
+    """A --model-path, or the built-in tiny preset (written once, then reused) when none is given."""
+    return path if path else str(default_model_dir("tiny"))
