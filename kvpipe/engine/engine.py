@@ -376,16 +376,13 @@ class Engine:
         return [self._result(r, latency) for r in reqs]
 
     def _result(self, req: Req, latency: float) -> dict:
+        from kvpipe.engine.request import finish_reason_json
+
         text = self.tokenizer.decode(req.output_ids)
         if req.finish_reason is FinishReason.STOP and isinstance(req.finish_detail, str):
             cut = text.find(req.finish_detail)
             text = text[:cut] if cut >= 0 else text
-        if req.finish_reason is FinishReason.STOP:
-            reason = {"type": "stop", "matched": req.finish_detail}
-        elif req.finish_reason is FinishReason.LENGTH:
-            reason = {"type": "length", "length": len(req.output_ids)}
-        else:
-            reason = {"type": "abort", "message": req.finish_detail}
+        reason = finish_reason_json(req.finish_reason, req.finish_detail, len(req.output_ids))
         return {"text": text, "output_ids": list(req.output_ids),
                 "meta_info": {"id": req.rid, "finish_reason": reason, "prompt_tokens": len(req.input_ids),
                               "completion_tokens": len(req.output_ids), "cached_tokens": 0,

@@ -10,6 +10,7 @@ finish_detail (the engine does not stream text).
 from __future__ import annotations
 
 from kvpipe.engine.request import FinishReason, Req
+from kvpipe.engine.stop_strings import StopStringSearch
 from kvpipe.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -17,22 +18,17 @@ class StopStringMatcher:
     """Finds stop strings in a request's growing output text, decoding only new tokens."""
 
     def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...]) -> None:
-        self.stops = tuple(s for s in stops if s)
+        self._search = StopStringSearch(stops)
         self._detok = IncrementalDetokenizer(tokenizer)
         self._text = ""
-        self._searched = 0  # _text[:_searched] holds no complete stop string
-        self._longest = max((len(s) for s in self.stops), default=0)
 
     def add(self, new_ids: list[int]) -> str | None:
         """Feed new output tokens; return the first stop string that now appears, if any."""
-        if not self.stops:
+        if not self._search.stops:
             return None
         self._text += self._detok.add(new_ids)
-        # a match may straddle the old end: look back longest-1 characters
-        start = max(0, self._searched - self._longest + 1)
-        hits = [(pos, s) for s in self.stops if (pos := self._text.find(s, start)) >= 0]
-        self._searched = len(self._text)
-        return min(hits)[1] if hits else None
+        hit = self._search.find(self._text)
+        return None if hit is None else hit[1]
 
 
 class FinishChecker:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -35,6 +36,19 @@ class FinishReason(enum.Enum):
     LENGTH = "length"
     STOP = "stop"  # EOS, stop token id or stop string
     ABORT = "abort"
+
+
+def finish_reason_json(reason: FinishReason | None, detail: str | int | None,
+                       completion_tokens: int) -> dict[str, Any] | None:
+    """SGLang's `meta_info.finish_reason`: {"type": "stop", "matched": stop string or token id},
+    {"type": "length", "length": n} or {"type": "abort", "message": ...}; None while running."""
+    if reason is None:
+        return None
+    if reason is FinishReason.STOP:
+        return {"type": "stop", "matched": detail}
+    if reason is FinishReason.LENGTH:
+        return {"type": "length", "length": completion_tokens}
+    return {"type": "abort", "message": detail or "aborted"}
 
 
 @dataclass

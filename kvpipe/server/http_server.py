@@ -10,81 +10,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import kvpipe
-from kvpipe.config import ModelConfig, ServerConfig
-from kvpipe.engine.request import FinishReason, SamplingParams
-from kvpipe.server.async_engine import AsyncEngine, EngineLike, RequestStream
+from kvpipe.config import ServerConfig
+from kvpipe.engine.request import SamplingParams
+from kvpipe.server.async_engine import AsyncEngine, EngineLike
 from kvpipe.server.errors import APIError, install_error_handlers
 from kvpipe.server.metrics import CONTENT_TYPE, ServerMetrics
+from kvpipe.server.openai_api import register_openai_routes
 from kvpipe.server.protocol import GenerateInput, GenerateRequest, new_rid, split_generate_request
 from kvpipe.server.request_tracker import RequestOutput
-from kvpipe.server.streaming import (SSE_DONE, ClientDisconnected, ClosingStreamingResponse, close_all, collect,
-                                     merge_streams, read_json, sse, sse_error, until_disconnect)
-from kvpipe.server.validation import ModelLimits, prepare_prompts
+from kvpipe.server.state import ServerState
+from kvpipe.server.streaming import (SSE_DONE, ClosingStreamingResponse, close_all, merge_streams, read_json, sse,
+                                     sse_error)
+from kvpipe.server.validation import prepare_prompts
 
 logger = logging.getLogger(__name__)
 
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 GRACEFUL_SHUTDOWN_S = 5.0
-
-
-def _local_dir(path: str | None) -> str | None:
-    """sglang-router downloads a tokenizer for any path that is not a local directory: hide those."""
-    return os.path.abspath(path) if path and os.path.isdir(path) else None
-
-
-@dataclass
-class ServerState:
-    cfg: ServerConfig
-    engine: AsyncEngine
-    metrics: ServerMetrics
-    disaggregation_mode: str = "null"
-
-    @property
-    def limits(self) -> ModelLimits:
-        e = self.engine.engine
-        return ModelLimits(vocab_size=e.model_config.vocab_size, context_length=e.context_length)
-
-    def context_length(self) -> int | None:
-        if self.engine.ready:
-            return self.engine.engine.context_length
-        if self.cfg.scheduler.context_length is not None:
-            return self.cfg.scheduler.context_length
-        with contextlib.suppress(Exception):
-            return ModelConfig.from_dir(self.cfg.model_path).max_position_embeddings
-        return None
-
-    @property
-    def is_prefill(self) -> bool:
-        """A PD prefill server answers with one plain JSON body, never a stream (the router
-        waits for it before it streams the decode's answer)."""
-        return self.disaggregation_mode == "prefill"
-
-    def check_prefill_outputs(self, outs: list[RequestOutput]) -> None:
-        """On a prefill server a request that did not hand its KV over is an error response."""
-        if not self.is_prefill:
-            return
-        for out in outs:
-            if out.finish_reason is FinishReason.ABORT:
-                raise APIError(f"prefill of request {out.rid} failed: {out.finish_detail or 'aborted'}", 500)
-
-    def submit_all(self, inputs: list[GenerateInput]) -> list[RequestStream]:
-        """Submit a batch all-or-nothing: if one prompt is refused, the others are aborted."""
-        streams: list[RequestStream] = []
-        try:
-            for inp in inputs:
-                streams.append(self.engine.submit(inp))
-        except BaseException:
-            close_all(streams)()
-            raise
-        return streams
 
 
 def generate_response(out: RequestOutput, inp: GenerateInput, batched: bool) -> dict[str, Any]:
@@ -117,8 +65,7 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
         """Health with a real one-token generation through the engine."""
         if state.disaggregation_mode != "null":  # a PD server cannot generate alone
             return await health()
-        tok = state.engine.engine.tokenizer
-        inp = GenerateInput(rid=f"health-{new_rid()}", input_ids=tuple(tok.encode("hi")),
+        inp = GenerateInput(rid=f"health-{new_rid()}", input_ids=tuple(state.tokenizer.encode("hi")),
                             params=SamplingParams(max_new_tokens=1, temperature=0.0))
         stream = state.engine.submit(inp)
         try:
@@ -132,9 +79,8 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
     async def server_info() -> dict[str, Any]:
         c = state.cfg
         return {
-            "model_path": _local_dir(c.model_path), "tokenizer_path": _local_dir(c.tokenizer_path or c.model_path),
-            "served_model_name": c.model_name, "tp_size": c.tp_size, "dp_size": 1,
-            "page_size": c.cache.page_size, "context_length": state.context_length(),
+            **state.model_paths(), "served_model_name": c.model_name, "tp_size": c.tp_size, "dp_size": 1,
+            "page_size": c.cache.page_size, "context_length": state.advertised_context_length(),
             "max_total_num_tokens": c.cache.pages() * c.cache.page_size,
             "chunked_prefill_size": c.scheduler.chunked_prefill_size,
             "max_running_requests": c.scheduler.max_running_requests, "device": c.device,
@@ -144,9 +90,7 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
         }
 
     async def model_info() -> dict[str, Any]:
-        c = state.cfg
-        return {"model_path": _local_dir(c.model_path), "tokenizer_path": _local_dir(c.tokenizer_path or c.model_path),
-                "is_generation": True, "served_model_name": c.model_name}
+        return {**state.model_paths(), "is_generation": True, "served_model_name": state.cfg.model_name}
 
     for path in ("/server_info", "/get_server_info"):
         app.add_api_route(path, server_info, methods=["GET"])
@@ -175,7 +119,7 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
     async def generate(request: Request) -> Response:
         req = GenerateRequest.model_validate(await read_json(request))
         specs, batched = split_generate_request(req)
-        inputs = prepare_prompts(specs, state.engine.engine.tokenizer, state.limits)
+        inputs = prepare_prompts(specs, state.tokenizer, state.limits)
         by_rid = {inp.rid: inp for inp in inputs}
         streams = state.submit_all(inputs)
         if req.stream and not state.is_prefill:
@@ -187,15 +131,11 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
                     yield sse_error(e)
                 yield SSE_DONE
             return ClosingStreamingResponse(events(), on_close=close_all(streams))
-        try:
-            outs = await until_disconnect(request, collect(streams))
-        except ClientDisconnected:
-            return Response(status_code=499)  # nobody reads it; the requests were aborted
-        finally:
-            close_all(streams)()
-        state.check_prefill_outputs(outs)
-        bodies = [generate_response(o, inp, False) for o, inp in zip(outs, inputs)]
-        return JSONResponse(bodies if batched else bodies[0])
+
+        def body(outs: list[RequestOutput]) -> Any:
+            bodies = [generate_response(o, inp, False) for o, inp in zip(outs, inputs)]
+            return bodies if batched else bodies[0]
+        return await state.respond_when_done(request, streams, body)
 
 
 def create_app(cfg: ServerConfig, engine_factory: Callable[[], EngineLike] | None = None,
@@ -228,7 +168,6 @@ def create_app(cfg: ServerConfig, engine_factory: Callable[[], EngineLike] | Non
     app.state.kvpipe = state
     install_error_handlers(app)
     register_native_routes(app, state)
-    from kvpipe.server.openai_api import register_openai_routes
     register_openai_routes(app, state)
     return app
 

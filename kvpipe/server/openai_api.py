@@ -3,28 +3,32 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import Any, AsyncIterator
 
 import jinja2
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from kvpipe.config import ConfigError
+from kvpipe.engine.request import FinishReason
 from kvpipe.server.errors import APIError
 from kvpipe.server.openai_protocol import (DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest,
                                            _OpenAIBase)
 from kvpipe.server.protocol import GenerateInput, new_rid, text_options, to_sampling_params
 from kvpipe.server.request_tracker import RequestOutput
-from kvpipe.server.streaming import (SSE_DONE, ClientDisconnected, ClosingStreamingResponse, close_all, collect,
-                                     merge_streams, read_json, sse, sse_error, until_disconnect)
+from kvpipe.server.state import ServerState
+from kvpipe.server.streaming import (SSE_DONE, ClosingStreamingResponse, close_all, merge_streams, read_json, sse,
+                                     sse_error)
 from kvpipe.server.validation import finalize_input, with_default_max_tokens
 
-if TYPE_CHECKING:
-    from kvpipe.server.http_server import ServerState
 
-
-def _finish(out: RequestOutput) -> str | None:
-    return None if out.finish_reason is None else out.finish_reason.value
+def _finish_fields(out: RequestOutput) -> dict[str, Any]:
+    """OpenAI's `finish_reason` ("stop" / "length" / "abort", null while running), plus SGLang's
+    `matched_stop` (the stop string or token id) when it stopped."""
+    fields: dict[str, Any] = {"finish_reason": None if out.finish_reason is None else out.finish_reason.value}
+    if out.finish_reason is FinishReason.STOP:
+        fields["matched_stop"] = out.finish_detail
+    return fields
 
 
 def _usage(outs: list[RequestOutput]) -> dict[str, Any]:
@@ -37,7 +41,7 @@ def _usage(outs: list[RequestOutput]) -> dict[str, Any]:
 class _Responder:
     """Builds response objects and SSE chunks for one OpenAI request."""
 
-    def __init__(self, state: "ServerState", kind: str, rid: str, want_logprobs: bool) -> None:
+    def __init__(self, state: ServerState, kind: str, rid: str, want_logprobs: bool) -> None:
         self.state, self.kind, self.want_logprobs = state, kind, want_logprobs
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{rid}"
         self.created = int(time.time())
@@ -45,7 +49,7 @@ class _Responder:
         self.chunk_object = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
     def _token_text(self, t: int) -> str:
-        return self.state.engine.engine.tokenizer.decode([t], skip_special_tokens=False)
+        return self.state.tokenizer.decode([t], skip_special_tokens=False)
 
     def logprobs(self, out: RequestOutput, start: int = 0) -> dict[str, Any] | None:
         if not self.want_logprobs:
@@ -57,10 +61,6 @@ class _Responder:
                                 for s, lp in zip(toks, lps)]}
         return {"tokens": toks, "token_logprobs": lps, "top_logprobs": None, "text_offset": None}
 
-    def _choice_extra(self, out: RequestOutput) -> dict[str, Any]:
-        return {"matched_stop": out.finish_detail} if out.finish_reason is not None and \
-            out.finish_reason.value == "stop" else {}
-
     def body(self, outs: list[RequestOutput]) -> dict[str, Any]:
         choices = []
         for out in outs:
@@ -69,7 +69,7 @@ class _Responder:
                 c["message"] = {"role": "assistant", "content": out.text}
             else:
                 c["text"] = out.text
-            c.update(logprobs=self.logprobs(out), finish_reason=_finish(out), **self._choice_extra(out))
+            c.update(logprobs=self.logprobs(out), **_finish_fields(out))
             choices.append(c)
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.state.cfg.model_name,
                 "choices": choices, "usage": _usage(outs)}
@@ -91,17 +91,17 @@ class _Responder:
             c["delta"] = {"content": out.delta_text} if out.delta_text else {}
         else:
             c["text"] = out.delta_text
-        c.update(logprobs=self.logprobs(out, start), finish_reason=_finish(out), **self._choice_extra(out))
+        c.update(logprobs=self.logprobs(out, start), **_finish_fields(out))
         return c
 
 
-def _check_model(state: "ServerState", req: _OpenAIBase) -> None:
+def _check_model(state: ServerState, req: _OpenAIBase) -> None:
     if req.model is not None and req.model not in (state.cfg.model_name, state.cfg.model_path):
         raise APIError(f"The model `{req.model}` does not exist; this server serves `{state.cfg.model_name}`",
                        404, param="model")
 
 
-def _build_inputs(state: "ServerState", req: _OpenAIBase, rid: str, prompts: list[list[int]],
+def _build_inputs(state: ServerState, req: _OpenAIBase, rid: str, prompts: list[list[int]],
                   max_tokens: int | None, default_max: int | None, want_logprobs: bool) -> list[GenerateInput]:
     limits = state.limits
     sp = req.sampling(max_tokens)
@@ -115,18 +115,11 @@ def _build_inputs(state: "ServerState", req: _OpenAIBase, rid: str, prompts: lis
     return inputs
 
 
-async def _respond(request: Request, state: "ServerState", req: _OpenAIBase, inputs: list[GenerateInput],
+async def _respond(request: Request, state: ServerState, req: _OpenAIBase, inputs: list[GenerateInput],
                    responder: _Responder) -> Response:
     streams = state.submit_all(inputs)
     if not req.stream or state.is_prefill:
-        try:
-            outs = await until_disconnect(request, collect(streams))
-        except ClientDisconnected:
-            return Response(status_code=499)
-        finally:
-            close_all(streams)()
-        state.check_prefill_outputs(outs)
-        return JSONResponse(responder.body(outs))
+        return await state.respond_when_done(request, streams, responder.body)
 
     include_usage = req.include_usage()
 
@@ -152,19 +145,19 @@ async def _respond(request: Request, state: "ServerState", req: _OpenAIBase, inp
     return ClosingStreamingResponse(events(), on_close=close_all(streams))
 
 
-def register_openai_routes(app: FastAPI, state: "ServerState") -> None:
+def register_openai_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{
             "id": state.cfg.model_name, "object": "model", "created": 0, "owned_by": "kvpipe",
-            "root": state.cfg.model_name, "max_model_len": state.context_length()}]}
+            "root": state.cfg.model_name, "max_model_len": state.advertised_context_length()}]}
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req = CompletionRequest.model_validate(await read_json(request))
         req.check_supported()
         _check_model(state, req)
-        tok = state.engine.engine.tokenizer
+        tok = state.tokenizer
         prompts = []
         for p in req.prompts():
             if p == "":
@@ -183,7 +176,7 @@ def register_openai_routes(app: FastAPI, state: "ServerState") -> None:
         req.check_supported()
         _check_model(state, req)
         try:
-            ids = state.engine.engine.tokenizer.encode_chat(req.message_dicts())
+            ids = state.tokenizer.encode_chat(req.message_dicts())
         except (ValueError, ConfigError, jinja2.TemplateError) as e:
             raise APIError(f"cannot apply the chat template: {e}", param="messages") from e
         max_new = req.max_new_tokens()

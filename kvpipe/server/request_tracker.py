@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
-from kvpipe.engine.request import FinishReason, TokenOutput
+from kvpipe.engine.request import FinishReason, TokenOutput, finish_reason_json
+from kvpipe.engine.stop_strings import StopStringSearch
 from kvpipe.server.protocol import GenerateInput
 
 
@@ -46,25 +47,7 @@ class RequestOutput:
         return len(self.output_ids)
 
     def finish_reason_json(self) -> dict[str, Any] | None:
-        """SGLang's shape: {"type": "stop", "matched": ...} / {"type": "length", "length": n} / abort."""
-        if self.finish_reason is None:
-            return None
-        if self.finish_reason is FinishReason.STOP:
-            return {"type": "stop", "matched": self.finish_detail}
-        if self.finish_reason is FinishReason.LENGTH:
-            return {"type": "length", "length": self.completion_tokens}
-        return {"type": "abort", "message": self.finish_detail or "aborted"}
-
-
-def _stop_holdback(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
+        return finish_reason_json(self.finish_reason, self.finish_detail, self.completion_tokens)
 
 
 class RequestTracker:
@@ -78,7 +61,7 @@ class RequestTracker:
         self.prompt_tokens = len(inp.input_ids)
         self.cached_tokens = 0
         self._text = ""  # all decoded text, untrimmed
-        self._searched = 0  # stop strings were looked for in _text[:_searched]
+        self._stops = StopStringSearch(inp.params.stop)
         self._emitted = 0  # characters of text already handed out
         self.finish_reason: FinishReason | None = None
         self.finish_detail: str | int | None = None
@@ -88,15 +71,6 @@ class RequestTracker:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-    def _find_stop(self) -> tuple[int, str] | None:
-        stops = self.inp.params.stop
-        if not stops:
-            return None
-        start = max(0, self._searched - max(len(s) for s in stops) + 1)
-        hits = [(p, s) for s in stops if (p := self._text.find(s, start)) >= 0]
-        self._searched = len(self._text)
-        return min(hits) if hits else None
 
     def update(self, outs: list[TokenOutput], now: float) -> RequestOutput | None:
         """Fold engine outputs in; None when nothing visible changed."""
@@ -124,7 +98,7 @@ class RequestTracker:
         if engine_finish is not None:
             self._text += self.detok.flush()
         visible_end = len(self._text)
-        hit = self._find_stop()
+        hit = self._stops.find(self._text)
         if hit is not None:
             pos, s = hit
             visible_end = pos + (len(s) if self.inp.text_options.no_stop_trim else 0)
@@ -133,7 +107,7 @@ class RequestTracker:
         elif engine_finish is not None:
             self.finish_reason, self.finish_detail = engine_finish.finish_reason, engine_finish.finish_detail
         else:
-            visible_end -= _stop_holdback(self._text, self.inp.params.stop)
+            visible_end -= self._stops.holdback(self._text)
         visible_end = max(visible_end, self._emitted)
         delta = self._text[self._emitted:visible_end]
         self._emitted = visible_end

@@ -226,13 +226,17 @@ def test_stream_disconnect_frees_pages(server: ServerProc) -> None:
     assert server.metric("kvpipe_requests_total", 'finish_reason="length"') == lengths0
 
 
-def test_non_stream_disconnect_aborts(server: ServerProc) -> None:
+@pytest.mark.parametrize("path,request_body", [
+    ("/generate", {"text": "bye " * 10, "sampling_params": {"max_new_tokens": 6000, "ignore_eos": True}}),
+    ("/v1/completions", {"prompt": "bye " * 10, "max_tokens": 6000, "ignore_eos": True}),
+])
+def test_non_stream_disconnect_aborts(server: ServerProc, path: str, request_body: dict) -> None:
     idle = server.wait_idle()
     aborts0 = server.metric("kvpipe_requests_total", 'finish_reason="abort"')
-    body = json.dumps({"text": "bye " * 10, "sampling_params": {"max_new_tokens": 6000, "ignore_eos": True}}).encode()
+    body = json.dumps(request_body).encode()
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as s:
-        s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" % path.encode() +
                   b"Content-Length: %d\r\n\r\n" % len(body) + body)
         deadline = time.monotonic() + 30
         while server.engine_stats()["num_running"] == 0:  # wait until it is admitted

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Iterator
 
@@ -106,6 +107,23 @@ def test_completions_batch_and_token_prompt(client: openai.OpenAI) -> None:
                                     logprobs=0)
     lp = ids.choices[0].logprobs
     assert len(lp.token_logprobs) == ids.usage.completion_tokens and all(x <= 0 for x in lp.token_logprobs)
+
+
+def test_completions_finish_reason_and_matched_stop(server: ServerProc) -> None:
+    prompt = [5, 6, 7, 8]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    base = server.post("/v1/completions", json=body).json()["choices"][0]
+    assert base["finish_reason"] == "length" and "matched_stop" not in base
+    ids = server.post("/generate", json={"input_ids": prompt, "sampling_params": {
+        "max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}).json()["output_ids"]
+    # stop on the 3rd generated token id: OpenAI's "stop", and SGLang's matched_stop names the token
+    r = server.post("/v1/completions", json={**body, "stop_token_ids": [ids[2]]}).json()["choices"][0]
+    assert (r["finish_reason"], r["matched_stop"]) == ("stop", ids[2])
+    streamed = [json.loads(line[6:]) for line in server.post("/v1/completions", json={
+        **body, "stop_token_ids": [ids[2]], "stream": True}).text.splitlines()
+        if line.startswith("data: {")]
+    last = [c["choices"][0] for c in streamed if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert [(c["finish_reason"], c["matched_stop"]) for c in last] == [("stop", ids[2])]
 
 
 def test_chat_logprobs(client: openai.OpenAI) -> None:

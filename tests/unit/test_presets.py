@@ -10,7 +10,7 @@ import pytest
 
 from kvpipe.config import ConfigError, ModelConfig
 from kvpipe.model.loader import load_generation_eos, load_model
-from kvpipe.model.presets import PRESETS, default_model_dir, write_preset
+from kvpipe.model.presets import PRESETS, default_model_dir, resolve_model_path, write_preset
 from kvpipe.model.tokenizer import Tokenizer
 from model_utils import greedy_generate
 
@@ -73,3 +73,11 @@ def test_default_model_dir_writes_once(tmp_path, monkeypatch):
     marker.write_text(json.dumps({**json.loads(marker.read_text()), "version": -1}))
     assert default_model_dir("tiny") == first
     assert json.loads(marker.read_text())["version"] != -1
+
+
+def test_resolve_model_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVPIPE_CACHE_DIR", str(tmp_path))
+    assert resolve_model_path("/some/checkpoint") == "/some/checkpoint"  # a given path is taken as is
+    assert not (tmp_path / "tiny").exists()
+    assert resolve_model_path(None) == str(tmp_path / "tiny")  # none: the tiny preset, written once
+    assert (tmp_path / "tiny" / "config.json").is_file()

@@ -10,7 +10,7 @@ import pytest
 from kvpipe.engine.request import FinishReason, SamplingParams, TokenOutput
 from kvpipe.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvpipe.server.protocol import GenerateInput, TextOptions
-from kvpipe.server.request_tracker import RequestTracker, _stop_holdback
+from kvpipe.server.request_tracker import RequestTracker
 
 
 @pytest.fixture(scope="module")
@@ -34,13 +34,6 @@ def _feed(tr: RequestTracker, ids: list[int], finish_last: tuple | None = None) 
         fin = finish_last if (finish_last and i == len(ids) - 1) else (None, None)
         outs.append(tr.update([_out([t], *fin)], now=float(i + 1)))
     return outs
-
-
-def test_holdback_helper() -> None:
-    assert _stop_holdback("hello wor", ("world",)) == 3
-    assert _stop_holdback("hello", ("world",)) == 0
-    assert _stop_holdback("abcab", ("abd", "bc")) == 2  # "ab" may still become "abd"
-    assert _stop_holdback("x", ()) == 0
 
 
 def test_cumulative_text_matches_full_decode(tok: Tokenizer) -> None:
