@@ -25,7 +25,7 @@ from kvpipe.engine.connector import (Admission, ConnectorContext, ForwardPlan, K
                                      KVConnectorWorker, TransferFinished)
 from kvpipe.engine.finish import FinishChecker
 from kvpipe.engine.model_runner import ModelRunner, split_layers
-from kvpipe.engine.request import FinishReason, Req, SamplingParams, TokenOutput
+from kvpipe.engine.request import FinishReason, Req, SamplingParams, TokenOutput, finish_reason_json
 from kvpipe.engine.sampler import Sampler, make_generator
 from kvpipe.engine.scheduler import Scheduler
 from kvpipe.engine.tp_worker import TPGroup, build_runner
@@ -376,8 +376,6 @@ class Engine:
         return [self._result(r, latency) for r in reqs]
 
     def _result(self, req: Req, latency: float) -> dict:
-        from kvpipe.engine.request import finish_reason_json
-
         text = self.tokenizer.decode(req.output_ids)
         if req.finish_reason is FinishReason.STOP and isinstance(req.finish_detail, str):
             cut = text.find(req.finish_detail)

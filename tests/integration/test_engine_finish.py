@@ -191,6 +191,16 @@ def test_threaded_add_and_abort(eng):
     assert eng.allocator.num_free == n0
 
 
+def step_until(eng: Engine, req: Req, max_steps: int = 100) -> list:
+    """Step until `req` finished (bounded); the outputs of those steps."""
+    outs: list = []
+    for _ in range(max_steps):
+        outs += eng.step()
+        if req.finished:
+            return outs
+    raise AssertionError(f"{req.rid} did not finish in {max_steps} steps")
+
+
 def test_connector_seam_holds_pages_and_defers_the_answer(tiny_model_dir):
     """A connector sees every committed chunk and the first token; a finished request whose
     transfer owns its pages keeps them (and its rid), and its answer waits for the transfer."""
@@ -203,11 +213,7 @@ def test_connector_seam_holds_pages_and_defers_the_answer(tiny_model_dir):
         r = Req("p", PROMPT, params(max_new_tokens=1))
         e.add_request(r)
         assert e.poll_interval() == 0.0
-        outs = []
-        for _ in range(100):
-            outs += e.step()
-            if r.finished:
-                break
+        outs = step_until(e, r)
         assert conn.chunks == [("p", 0, 7), ("p", 7, 14), ("p", 14, 17)] and conn.firsts == r.output_ids
         assert conn.finished == [("p", FinishReason.LENGTH)] and outs == []  # held: no answer yet
         assert e.stats()["num_held"] == 1 and e.allocator.num_used == 2 and e.poll_interval() == 0.01
@@ -220,10 +226,7 @@ def test_connector_seam_holds_pages_and_defers_the_answer(tiny_model_dir):
         # an abort while held answers at once; a failed transfer of a held request answers nothing more
         q = Req("q", PROMPT, params(max_new_tokens=1))
         e.add_request(q)
-        for _ in range(100):
-            e.step()
-            if q.finished:
-                break
+        step_until(e, q)
         e.abort("q")
         assert [(o.rid, o.finish_reason) for o in e.step()] == [("q", FinishReason.ABORT)]
         assert e.allocator.num_used == 2  # its transfer still owns the pages
@@ -243,10 +246,7 @@ def test_remote_request_enters_decode(tiny_model_dir, ref):
     try:
         r = Req("pd", PROMPT, params(max_new_tokens=1))
         src.add_request(r)
-        for _ in range(100):
-            src.step()
-            if r.finished:
-                break
+        step_until(src, r)
         d = Req("pd", PROMPT, params())
         dst.add_request(d)
         dst.step()
@@ -255,10 +255,7 @@ def test_remote_request_enters_decode(tiny_model_dir, ref):
         dst_conn.deliver(d, src_conn.worker.pool, r.pages, r.output_ids[0])
         src_conn.end_transfer("pd")
         src.step()
-        for _ in range(100):
-            dst.step()
-            if d.finished:
-                break
+        step_until(dst, d)
         assert d.output_ids == ref["output_ids"]
         assert dst.allocator.num_free == dst.allocator.num_pages and src.allocator.num_used == 0
     finally:
