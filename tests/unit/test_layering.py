@@ -27,3 +27,41 @@ def test_only_entry_points_import_the_cli() -> None:
     offenders = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
                        if str(p.relative_to(PACKAGE)) not in ENTRY_POINTS and "kvpipe.cli" in _imported_modules(p))
     assert offenders == []
+
+
+# package -> packages it must not import (the layers of docs/architecture.md point downward)
+FORBIDDEN = {
+    "engine": ("kvpipe.disagg", "kvpipe.transfer", "kvpipe.server", "kvpipe.bench"),
+    "transfer": ("kvpipe.disagg", "kvpipe.engine", "kvpipe.server", "kvpipe.bench"),
+    "cache": ("kvpipe.engine", "kvpipe.disagg", "kvpipe.transfer", "kvpipe.server"),
+    "model": ("kvpipe.engine", "kvpipe.disagg", "kvpipe.transfer", "kvpipe.server"),
+    "disagg": ("kvpipe.server", "kvpipe.bench"),
+}
+# what a module outside the engine must not read of an Engine (its scheduler, finish checks, runner)
+ENGINE_INTERNALS = (".scheduler.", ".finisher.", ".runner.")
+
+
+def test_layers_point_downward() -> None:
+    offenders = []
+    for pkg, banned in FORBIDDEN.items():
+        for p in (PACKAGE / pkg).rglob("*.py"):
+            bad = sorted(m for m in _imported_modules(p) if m.startswith(banned))
+            if bad:
+                offenders.append((str(p.relative_to(PACKAGE)), bad))
+    assert offenders == []
+
+
+def test_only_the_engine_touches_its_scheduler_finisher_and_runner() -> None:
+    offenders = []
+    for p in PACKAGE.rglob("*.py"):
+        rel = p.relative_to(PACKAGE)
+        if rel.parts[0] == "engine":
+            continue
+        text = p.read_text()
+        for attr in ENGINE_INTERNALS:
+            # config objects have a `.scheduler` too (cfg.scheduler.chunked_prefill_size): those are fine
+            hits = [line for line in text.splitlines() if attr in line and "cfg.scheduler." not in line
+                    and "c.scheduler." not in line]
+            if hits:
+                offenders.append((str(rel), attr, hits[:2]))
+    assert offenders == []
