@@ -59,6 +59,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp-size", "--tp", type=int, default=1, help="tensor parallel ranks")
     p.add_argument("--page-size", type=int, default=d_cache.page_size, help="tokens per KV page")
     p.add_argument("--max-total-tokens", type=int, default=d_cache.max_total_tokens, help="KV cache capacity in tokens")
+    p.add_argument("--disable-radix-cache", action="store_true",
+                   help="do not keep finished requests' KV pages for prefix reuse")
     p.add_argument("--chunked-prefill-size", type=int, default=d_sched.chunked_prefill_size,
                    help="max prompt tokens per prefill step (<= 0 disables chunking)")
     p.add_argument("--max-prefill-tokens", type=int, default=d_sched.max_prefill_tokens,
@@ -151,7 +153,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             device=args.device,
             seed=args.seed,
             log_level=args.log_level,
-            cache=CacheConfig(page_size=args.page_size, max_total_tokens=args.max_total_tokens),
+            cache=CacheConfig(page_size=args.page_size, max_total_tokens=args.max_total_tokens,
+                              radix_cache=not args.disable_radix_cache),
             scheduler=SchedulerConfig(max_running_requests=args.max_running_requests,
                                       chunked_prefill_size=args.chunked_prefill_size,
                                       max_prefill_tokens=args.max_prefill_tokens,

@@ -124,6 +124,9 @@ class CacheConfig:
     num_pages: int | None = None  # None: derived from max_total_tokens
     max_total_tokens: int = 65536  # KV capacity in tokens when num_pages is None
     debug_checks: bool = True  # catch double free / use-after-free in the allocator
+    # keep finished requests' full KV pages in a radix (prefix) cache and skip computing a cached
+    # prefix (colocated servers; PD servers do not use it yet)
+    radix_cache: bool = True
 
     def pages(self) -> int:
         return self.num_pages if self.num_pages is not None else -(-self.max_total_tokens // self.page_size)

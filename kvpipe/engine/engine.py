@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpipe.cache.page_allocator import PageAllocator
+from kvpipe.cache.radix_cache import RadixCache
 from kvpipe.config import ModelConfig, ParallelConfig, ServerConfig
 from kvpipe.engine.batch import ForwardMode, ForwardSpec, ScheduledBatch
 from kvpipe.engine.connector import (Admission, ConnectorContext, ForwardPlan, KVArrived, KVConnector,
@@ -72,8 +73,13 @@ class Engine:
             device = cfg.device
             self.runner = build_runner(cfg, ParallelConfig(), device)
         self.allocator = PageAllocator(cfg.cache.pages(), cfg.cache.debug_checks)
+        # the prefix cache serves colocated engines; a PD connector's transfers do not know it yet
+        self.prefix_cache = RadixCache(self.page_size) if cfg.cache.radix_cache and connector is None else None
+        if cfg.cache.radix_cache and connector is not None:
+            logger.info("radix (prefix) cache off: PD servers do not use it yet")
         self.scheduler = Scheduler(cfg.scheduler, self.allocator, self.page_size, self.context_length,
-                                   whole_prompt_pages=connector is not None and connector.whole_prompt_pages)
+                                   whole_prompt_pages=connector is not None and connector.whole_prompt_pages,
+                                   prefix_cache=self.prefix_cache)
         self.sampler = Sampler(cfg.seed, device)
         self.finisher = FinishChecker(self.tokenizer, self.eos_token_ids, self.context_length)
         self._device = device
@@ -178,7 +184,7 @@ class Engine:
             fin = self.finisher.check(req, num_new)
             held = self._finish(req, *fin) if fin is not None else False
             out = TokenOutput(req.rid, (tokens[i],) if num_new else (), (logprobs[i],) if num_new else (),
-                              req.finish_reason, req.finish_detail, len(req.input_ids), 0)
+                              req.finish_reason, req.finish_detail, len(req.input_ids), req.cached_tokens)
             if held and req.finish_reason is not FinishReason.ABORT:
                 self._held[req.rid].deferred = out  # the client hears once the KV has landed
             else:
@@ -325,7 +331,8 @@ class Engine:
             self._active.discard(rid)
 
     def _finish_output(self, req: Req) -> TokenOutput:
-        return TokenOutput(req.rid, (), (), req.finish_reason, req.finish_detail, len(req.input_ids), 0)
+        return TokenOutput(req.rid, (), (), req.finish_reason, req.finish_detail, len(req.input_ids),
+                           req.cached_tokens)
 
     def _generator(self, req: Req) -> torch.Generator | None:
         if req.params.seed is None:
@@ -383,5 +390,5 @@ class Engine:
         reason = finish_reason_json(req.finish_reason, req.finish_detail, len(req.output_ids))
         return {"text": text, "output_ids": list(req.output_ids),
                 "meta_info": {"id": req.rid, "finish_reason": reason, "prompt_tokens": len(req.input_ids),
-                              "completion_tokens": len(req.output_ids), "cached_tokens": 0,
+                              "completion_tokens": len(req.output_ids), "cached_tokens": req.cached_tokens,
                               "output_token_logprobs": list(req.output_logprobs), "e2e_latency": latency}}

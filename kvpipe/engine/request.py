@@ -67,6 +67,10 @@ class Req:
     finish_detail: str | int | None = None  # matched stop string / token id, or abort message
     pages: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     num_cached: int = 0  # tokens whose KV is in `pages`
+    # prefix cache: pages[:num_shared_pages] are the cache's (read-only, pinned by `cache_node`)
+    num_shared_pages: int = 0
+    cache_node: Any = None  # the RadixNode this request locked (None: nothing matched)
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
     # PD disaggregation (injected by sglang-router): where the KV comes from / goes to
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None  # None: the default bootstrap port

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvpipe.cache.page_allocator import PageAllocator
+from kvpipe.cache.radix_cache import RadixCache
 from kvpipe.config import SchedulerConfig
 from kvpipe.engine.batch import ForwardMode, ScheduledBatch
 from kvpipe.engine.request import FinishReason, Req, ReqStatus
@@ -40,8 +41,10 @@ def _cdiv(a: int, b: int) -> int:
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, allocator: PageAllocator, page_size: int,
-                 context_length: int, whole_prompt_pages: bool = False) -> None:
+                 context_length: int, whole_prompt_pages: bool = False,
+                 prefix_cache: RadixCache | None = None) -> None:
         self.cfg = cfg
+        self.cache = prefix_cache
         self.allocator = allocator
         self.page_size = page_size
         self.context_length = context_length
@@ -74,10 +77,42 @@ class Scheduler:
 
     def _outstanding(self) -> int:
         """Pages promised to admitted requests but not allocated yet."""
-        return sum(self._promised[rid] - len(r.pages) for rid, r in self._live.items() if rid in self._promised)
+        return sum(self._promised[rid] - self._own_pages(r) for rid, r in self._live.items() if rid in self._promised)
+
+    @staticmethod
+    def _own_pages(req: Req) -> int:
+        return len(req.pages) - req.num_shared_pages
+
+    def _available(self) -> int:
+        """Pages a new allocation can get: free ones and cached ones nobody reads."""
+        return self.allocator.num_free + (self.cache.evictable_pages if self.cache is not None else 0)
 
     def _can_admit(self, req: Req, outstanding: int) -> bool:
-        return self.max_pages(req) <= self.allocator.num_free - outstanding
+        return self.max_pages(req) - req.num_shared_pages <= self._available() - outstanding
+
+    def _match_prefix(self, req: Req) -> None:
+        """Start `req` at its longest cached prefix (at least its last prompt token is computed:
+        its logits give the first output token); the matched pages are pinned."""
+        if self.cache is None or req.cache_node is not None:
+            return
+        pages, node = self.cache.match(req.input_ids[:-1])
+        self.cache.lock(node)
+        req.cache_node = node
+        req.pages = pages.copy()
+        req.num_shared_pages = len(pages)
+        req.num_cached = req.cached_tokens = len(pages) * self.page_size
+
+    def _unmatch(self, req: Req) -> None:
+        """Give back a prefix match (the request stays queued)."""
+        self._unpin(req)
+        req.pages = np.zeros(0, dtype=np.int64)
+        req.num_cached = req.cached_tokens = 0
+
+    def _unpin(self, req: Req) -> None:
+        if self.cache is not None and req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+        req.cache_node = None
+        req.num_shared_pages = 0
 
     def add(self, req: Req) -> bool:
         """Queue a request. Returns False if it can never run (then it is finished with ABORT)."""
@@ -166,17 +201,18 @@ class Scheduler:
         outstanding = self._outstanding()
         while self.waiting and budget > 0 and len(self.running) + len(self.reserved) < self.cfg.max_running_requests:
             req = self.waiting[0]
-            if not chunking and batch.reqs and len(req.input_ids) - req.num_cached > budget:
-                break
-            if not self._can_admit(req, outstanding):
+            self._match_prefix(req)
+            if (not chunking and batch.reqs and len(req.input_ids) - req.num_cached > budget) or \
+                    not self._can_admit(req, outstanding):
+                self._unmatch(req)
                 break  # FIFO: later requests do not overtake the head
             self.waiting.popleft()
-            self._promised[req.rid] = self.max_pages(req)
+            self._promised[req.rid] = self.max_pages(req) - req.num_shared_pages
             outstanding += self._promised[req.rid]
             req.status = ReqStatus.RUNNING
             self.running.append(req)
             take(req)
-            outstanding -= len(req.pages)
+            outstanding -= self._own_pages(req)
         return batch if batch.reqs else None
 
     def _schedule_decode(self) -> ScheduledBatch:
@@ -189,9 +225,12 @@ class Scheduler:
         need = _cdiv(tokens, self.page_size) - len(req.pages)
         if need <= 0:
             return
-        if len(req.pages) + need > self._promised[req.rid]:
+        if self._own_pages(req) + need > self._promised[req.rid]:
             raise RuntimeError(f"request {req.rid!r} needs more than its {self._promised[req.rid]} "
                                f"promised pages ({tokens} tokens); it should have finished")
+        short = need - self.allocator.num_free
+        if short > 0 and self.cache is not None:  # admission counted on these: take them back
+            self.allocator.free(self.cache.evict(short))
         req.pages = np.concatenate([req.pages, self.allocator.alloc(need)])
 
     # ---- results and lifecycle -------------------------------------------------------------
@@ -226,8 +265,11 @@ class Scheduler:
         req.finish_reason = reason
         req.finish_detail = detail
         if req.pages.size == 0:
+            self._unpin(req)
             return
         if hold:
+            if req.cache_node is not None:
+                raise RuntimeError("a request holding cached prefix pages cannot keep its pages for a transfer")
             self.held[req.rid] = req
         else:
             self._free(req)
@@ -248,7 +290,19 @@ class Scheduler:
         return True
 
     def _free(self, req: Req) -> None:
-        self.allocator.free(req.pages)
+        """Return a finished request's pages: with a prefix cache its full pages of computed KV
+        go to the cache (its own duplicates of what the cache has, and the rest, to the allocator)."""
+        pages = req.pages
+        if self.cache is not None:
+            full = min(req.num_cached // self.page_size, len(pages))
+            dup = self.cache.insert(req.all_ids[:full * self.page_size], pages[:full])
+            # pages[:num_shared_pages] were the cache's all along; [shared, dup) duplicate pages the
+            # cache got from another request meanwhile; [dup, full) are the cache's now
+            own = np.concatenate([pages[req.num_shared_pages:dup], pages[full:]])
+            self._unpin(req)
+        else:
+            own = pages
+        self.allocator.free(own)
         req.pages = np.zeros(0, dtype=np.int64)
 
     def get(self, rid: str) -> Req | None:
@@ -266,8 +320,10 @@ class Scheduler:
             "num_waiting": len(self.waiting),
             "num_reserved": len(self.reserved),
             "num_held": len(self.held),
-            "free_pages": self.allocator.num_free,
-            "used_pages": self.allocator.num_used,
+            # pages a new request can get: free ones and cached ones no running request reads
+            "free_pages": self._available(),
+            "used_pages": self.allocator.num_pages - self._available(),
+            "cached_pages": self.cache.num_pages if self.cache is not None else 0,
             "total_pages": self.allocator.num_pages,
             "page_size": self.page_size,
         }
