@@ -256,3 +256,17 @@ def test_http2_prior_knowledge_probe_survived(server: ServerProc) -> None:
     assert server.alive()
     assert server.get("/health").status_code == 200
     assert server.post("/generate", json={"text": "still here", "sampling_params": GREEDY}).status_code == 200
+
+
+def test_prefix_cache_reports_cached_tokens(server: ServerProc) -> None:
+    """A repeated prompt is served from the prefix cache (whole pages of 16, the last token always
+    computed) with the same tokens, natively and in OpenAI's usage."""
+    ids = list(range(5, 5 + 40))  # 2 whole pages + 8 tokens
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
+    first = server.post("/generate", json=body).json()
+    second = server.post("/generate", json=body).json()
+    assert second["output_ids"] == first["output_ids"]
+    assert second["meta_info"]["cached_tokens"] == 32
+    usage = server.post("/v1/completions", json={"model": "tiny-test", "prompt": ids, "max_tokens": 2,
+                                                 "temperature": 0}).json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 32
