@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvpipe.config import ServerConfig
@@ -124,10 +124,8 @@ class PrefillConnector(PDConnector):
             if r is None or r.transfer_done:
                 continue
             if not r.started:
-                r.started = True
                 starts.append(RoomStart(r.room, req.pages.copy()))
-                if self._tally.add(r.room):  # a rank is gone: the room fails at once
-                    self._abort_everywhere([r.room])
+                self._start(r)
             rows.append(ChunkSend(r.room, pre, pre + n))
         choice = self.pipeline.begin(batch.num_tokens, sum(c.token_end - c.token_start for c in rows))
         self._piped = tuple(rows) if choice.groups > 1 else ()
@@ -182,12 +180,16 @@ class PrefillConnector(PDConnector):
         until every rank reported the room drained."""
         if r.transfer_done:
             return
-        assert self._tally is not None
         if not r.started:
-            r.started = True
-            if self._tally.add(r.room):
-                self._abort_everywhere([r.room])
+            self._start(r)
         self._post(FailRooms(((r.room, reason),)))
+
+    def _start(self, r: _Room) -> None:
+        """The room goes to every rank (its page table, or its failure): tally their reports."""
+        assert self._tally is not None
+        r.started = True
+        if self._tally.add(r.room):  # a rank is gone: the room fails at once
+            self._abort_everywhere([r.room])
 
     # ---- transfer news -------------------------------------------------------------------------
     def poll(self) -> list[ConnectorEvent]:
@@ -260,10 +262,7 @@ class PrefillConnector(PDConnector):
         worker = self.local_worker
         if worker is not None and worker.sender is not None:  # rank 0's own counters are live, not reported
             ranks[0] = replace(worker.sender.stats)
-        out = SenderStats()
-        local = ranks.get(0)
-        if local is not None:
-            out = SenderStats(**{f.name: getattr(local, f.name) for f in fields(SenderStats)})
+        out = replace(ranks[0]) if 0 in ranks else SenderStats()
         for name in SUMMED_STATS:
             setattr(out, name, sum(getattr(st, name) for st in ranks.values()))
         out.rooms_succeeded, out.rooms_failed = self._succeeded, self._failed

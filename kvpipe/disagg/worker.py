@@ -149,9 +149,8 @@ class TransferWorker(KVConnectorWorker):
             return None
         done = self._failed + self.sender.poll()
         self._failed = []
-        timings = tuple(self.sender.take_timings()) if self.rank == 0 else ()  # rank 0 models the link
-        if self.rank != 0:
-            self.sender.take_timings()
+        taken = tuple(self.sender.take_timings())  # drained on every rank; rank 0's model the link
+        timings = taken if self.rank == 0 else ()
         now = time.monotonic()
         stats = replace(self.sender.stats)
         if not (done or timings or (now >= self._next_stats and stats != self._sent_stats)):

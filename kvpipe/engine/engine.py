@@ -237,7 +237,7 @@ class Engine:
         h = self._held.get(rid)
         if h is not None and not h.replied:  # done here, its transfer still runs: stop it, answer now
             h.replied = True
-            outs.append(TokenOutput(rid, (), (), FinishReason.ABORT, "aborted", len(h.req.input_ids), 0))
+            outs.append(self._abort_output(h.req, "aborted"))
             assert self.connector is not None
             self.connector.abort_transfer(h.req, "client disconnected or request aborted")
 
@@ -281,9 +281,8 @@ class Engine:
                 self.scheduler.release(ev.rid)
                 self._forget(ev.rid)
                 if not h.replied:
-                    outs.append(h.deferred if ev.ok and h.deferred is not None else TokenOutput(
-                        ev.rid, (), (), FinishReason.ABORT, f"KV transfer failed: {ev.reason}",
-                        len(h.req.input_ids), 0))
+                    outs.append(h.deferred if ev.ok and h.deferred is not None
+                                else self._abort_output(h.req, f"KV transfer failed: {ev.reason}"))
                 continue
             req = self.scheduler.get(ev.rid)
             if req is not None and not ev.ok:  # still computing or waiting for its KV: stop it
@@ -316,19 +315,21 @@ class Engine:
         return self._settle(req, hold)
 
     def _settle(self, req: Req, hold: bool) -> bool:
-        if hold:
+        if hold:  # its rid stays taken until the transfer lets go of its pages
             self._held[req.rid] = _Held(req, replied=req.finish_reason is FinishReason.ABORT)
-            self._generators.pop(req.rid, None)
-            self.finisher.forget(req.rid)
-            return True
-        self._forget(req.rid)
-        return False
+        self._forget(req.rid, release_rid=not hold)
+        return hold
 
-    def _forget(self, rid: str) -> None:
+    def _forget(self, rid: str, release_rid: bool = True) -> None:
         self._generators.pop(rid, None)
         self.finisher.forget(rid)
-        with self._lock:
-            self._active.discard(rid)
+        if release_rid:
+            with self._lock:
+                self._active.discard(rid)
+
+    def _abort_output(self, req: Req, message: str) -> TokenOutput:
+        """An ABORT answer for a request finished otherwise earlier (its answer was held back)."""
+        return TokenOutput(req.rid, (), (), FinishReason.ABORT, message, len(req.input_ids), req.cached_tokens)
 
     def _finish_output(self, req: Req) -> TokenOutput:
         return TokenOutput(req.rid, (), (), req.finish_reason, req.finish_detail, len(req.input_ids),

@@ -43,25 +43,27 @@ class Pair:
     decode: Engine
 
     @property
+    def prefill_connector(self) -> PrefillConnector:
+        c = self.prefill.connector
+        assert isinstance(c, PrefillConnector) and c.local_worker is not None
+        return c
+
+    @property
     def bootstrap_port(self) -> int:
-        assert isinstance(self.prefill.connector, PrefillConnector)
-        return self.prefill.connector.bootstrap_port
+        return self.prefill_connector.bootstrap_port
 
     @property
     def sender(self):
         """Rank 0's KVSender (in its TransferWorker)."""
-        assert isinstance(self.prefill.connector, PrefillConnector) and self.prefill.connector.local_worker
-        return self.prefill.connector.local_worker.sender
+        return self.prefill_connector.local_worker.sender
 
     @property
     def pipeline(self):
-        assert isinstance(self.prefill.connector, PrefillConnector)
-        return self.prefill.connector.pipeline
+        return self.prefill_connector.pipeline
 
     @property
     def layout(self):
-        assert isinstance(self.prefill.connector, PrefillConnector) and self.prefill.connector.local_worker
-        return self.prefill.connector.local_worker.layout
+        return self.prefill_connector.local_worker.layout
 
     @property
     def receiver(self):
