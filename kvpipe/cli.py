@@ -91,6 +91,9 @@ def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
                    help="prefill: 'auto' (per batch from measured compute and link speed; short prompts "
                         "take the plain path) or N layer groups whose KV ships while the next computes "
                         "(1: plain transfer after the forward)")
+    g.add_argument("--disaggregation-enable-decode-radix-cache", action="store_true",
+                   help="decode: keep finished requests' KV in a radix cache and have the prefill send only "
+                        "the pages of a prompt past its longest cached prefix")
     g.add_argument("--disaggregation-bootstrap-timeout", type=float, default=d.bootstrap_timeout_s,
                    help="seconds to reach the peer and exchange the request's pages")
     g.add_argument("--disaggregation-waiting-timeout", type=float, default=d.waiting_timeout_s,
@@ -117,6 +120,7 @@ def disaggregation_config_from_args(args: argparse.Namespace) -> DisaggregationC
             mode=args.disaggregation_mode, bootstrap_port=args.disaggregation_bootstrap_port,
             transfer_backend=args.disaggregation_transfer_backend, ib_device=args.disaggregation_ib_device,
             host=args.disaggregation_host, layer_groups=args.disaggregation_layer_groups,
+            decode_radix_cache=args.disaggregation_enable_decode_radix_cache,
             bootstrap_timeout_s=args.disaggregation_bootstrap_timeout,
             waiting_timeout_s=args.disaggregation_waiting_timeout,
             heartbeat_interval_s=args.disaggregation_heartbeat_interval,

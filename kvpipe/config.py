@@ -124,8 +124,9 @@ class CacheConfig:
     num_pages: int | None = None  # None: derived from max_total_tokens
     max_total_tokens: int = 65536  # KV capacity in tokens when num_pages is None
     debug_checks: bool = True  # catch double free / use-after-free in the allocator
-    # keep finished requests' full KV pages in a radix (prefix) cache and skip computing a cached
-    # prefix (colocated servers; PD servers do not use it yet)
+    # keep finished requests' full KV pages in a radix (prefix) cache: colocated and prefill
+    # servers skip computing a cached prefix; a decode server uses it only with
+    # DisaggregationConfig.decode_radix_cache (then only the missing KV crosses the wire)
     radix_cache: bool = True
 
     def pages(self) -> int:
@@ -170,6 +171,9 @@ class DisaggregationConfig:
     # prefill: "auto" (a cost model picks the layer groups per batch; short prompts take the plain
     # path) or a fixed group count N (1: plain path, no layer pipelining)
     layer_groups: int | str = "auto"
+    # decode: match each prompt against a radix cache of KV this server already holds and ask the
+    # prefill only for the pages past it (SGLang's --disaggregation-enable-decode-radix-cache)
+    decode_radix_cache: bool = False
     # Prefill: add_room -> the decode's TransferRequest. Decode: add_room -> TransferRequest sent
     # (bootstrap fetch, compatibility check, peer registration).
     bootstrap_timeout_s: float = 30.0
@@ -211,6 +215,9 @@ class DisaggregationConfig:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.heartbeat_misses < 1 or self.max_inflight_ops < 1 or self.control_send_hwm < 1:
             raise ConfigError("heartbeat_misses, max_inflight_ops and control_send_hwm must be >= 1")
+        if self.decode_radix_cache and self.mode != "decode":
+            raise ConfigError("the decode radix cache (--disaggregation-enable-decode-radix-cache) is for "
+                              f"--disaggregation-mode decode, not {self.mode}")
         if not 0.0 <= self.failure_prob <= 1.0:
             raise ConfigError(f"failure probability must be in [0, 1], got {self.failure_prob}")
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvpipe.transfer.layout import KVLayout
+from kvpipe.transfer.messages import AuxTuple
 from kvpipe.transfer.sender_book import SenderStats, TransferTiming
 from kvpipe.transfer.state import TransferState
 
@@ -56,7 +57,7 @@ class ChunkSend:
     token_start: int
     token_end: int
     last: bool = False  # the prompt is complete: flush partial pages, then aux
-    aux: tuple[int, float] | None = None  # (first token id, its logprob), with `last`
+    aux: AuxTuple | None = None  # with `last`: (first token id, its logprob, prefill cached tokens)
 
 
 @dataclass(frozen=True)

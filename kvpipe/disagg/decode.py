@@ -3,8 +3,10 @@
 Per request, keyed by its bootstrap_room (the request flow is in docs/architecture.md):
 - claim: bootstrap host and room must be given, the room unused; admit -> REMOTE: the engine
   reserves the prompt's pages (retried while the pool is full, FIFO, until the waiting timeout);
-- on_reserved: `KVReceiver.add_room(room, host, port, pages)`: the receiver fetches the
-  prefill's bootstrap info, registers every decode rank once per prefill, and asks for the KV;
+- on_reserved: `KVReceiver.add_room(room, host, port, pages, prefix_len)`: the receiver fetches
+  the prefill's bootstrap info, registers every decode rank once per prefill, and asks for the
+  KV; with the decode radix cache (--disaggregation-enable-decode-radix-cache) the engine gave
+  the request its longest cached prefix, and the prefill sends only the pages past prefix_len;
 - poll: Success with aux data (room echo and vocabulary checked) -> KVArrived (the engine runs
   the finish check on the first token and the request decodes); Failed -> TransferFinished.
   The receiver reports a room only when no write from the prefill can still land in its pages.
@@ -37,6 +39,7 @@ class DecodeConnector(PDConnector):
 
     def __init__(self, cfg: ServerConfig, backend: TransferBackend | None = None) -> None:
         super().__init__(cfg, backend)
+        self.prefix_cache = cfg.disaggregation.decode_radix_cache
         self._transfers: dict[int, Req] = {}  # engine thread: room -> request whose KV is on its way
         self._vocab_size = 0
         self.receiver: KVReceiver | None = None
@@ -64,10 +67,13 @@ class DecodeConnector(PDConnector):
 
     def on_reserved(self, req: Req) -> None:
         assert self.receiver is not None and req.bootstrap_room is not None and req.bootstrap_host is not None
-        # every TP rank holds the same page ids (one scheduler): the same list per rank
-        pages = req.pages.copy()
+        # every TP rank holds the same page ids (one scheduler): the same list per rank, each rank
+        # holding its own heads of the cached prefix; the prefill sends the pages past it only
+        shared = req.num_shared_pages
+        pages = req.pages[shared:].copy()
         self.receiver.add_room(req.bootstrap_room, req.bootstrap_host, req.bootstrap_port,
-                               [pages] * self.receiver.tp_size, 0)  # ValueError: nothing was asked for
+                               [pages] * self.receiver.tp_size,
+                               shared * self.cfg.cache.page_size)  # ValueError: nothing was asked for
         self._transfers[req.bootstrap_room] = req
 
     # ---- finish and transfer news --------------------------------------------------------------
@@ -95,7 +101,7 @@ class DecodeConnector(PDConnector):
                 why = self._check_aux(room, aux)
                 if why is None:
                     assert aux is not None
-                    events.append(KVArrived(req.rid, aux.first_token_id, aux.first_token_logprob))
+                    events.append(KVArrived(req.rid, aux.first_token_id, aux.first_token_logprob, aux.cached_tokens))
                     continue
                 reason = why
             events.append(TransferFinished(req.rid, False, reason))

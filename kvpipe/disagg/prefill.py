@@ -65,6 +65,9 @@ class _Room:
 class PrefillConnector(PDConnector):
     side = "prefill"
     whole_prompt_pages = True
+    # a cached prefix is not computed again; the transfer reads its pages like any other (the
+    # request pins them while it is held) and sends from the decode's prefix_len on
+    prefix_cache = True
 
     def __init__(self, cfg: ServerConfig, backend: TransferBackend | None = None) -> None:
         super().__init__(cfg, backend)
@@ -151,7 +154,7 @@ class PrefillConnector(PDConnector):
                 continue
             start, end = batch.prefix_lens[i], batch.prefix_lens[i] + batch.extend_lens[i]
             if batch.completes_prefill(i):
-                sends.append(ChunkSend(r.room, start, end, last=True, aux=(req.output_ids[0], req.output_logprobs[0])))
+                sends.append(ChunkSend(r.room, start, end, last=True, aux=(req.output_ids[0], req.output_logprobs[0], req.cached_tokens)))
             elif r.room not in piped:
                 sends.append(ChunkSend(r.room, start, end))
         self._piped = ()

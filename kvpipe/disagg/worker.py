@@ -32,7 +32,7 @@ from kvpipe.engine.connector import KVConnectorWorker
 from kvpipe.transfer.backends.base import TransferBackend
 from kvpipe.transfer.sender import KVSender
 from kvpipe.transfer.sender_book import SenderStats
-from kvpipe.transfer.state import TransferState
+from kvpipe.transfer.state import DuplicateRoomError, TransferState
 
 logger = logging.getLogger(__name__)
 
@@ -91,15 +91,17 @@ class TransferWorker(KVConnectorWorker):
         return self.sender
 
     def _fail(self, room: int, reason: str) -> None:
-        """Fail a room the prefill gave up on; a room this sender never saw is added without
-        pages first, so the decode's TransferRequest is answered with Failed."""
+        """Fail a room the prefill gave up on. A room the engine never gave pages (unknown here,
+        or known only from the decode's TransferRequest) is added without pages first: the
+        sender reports only rooms the engine added, and the decode hears Failed."""
         s = self._prefill_sender()
-        if s.room_state(room) is None:
-            try:
-                s.add_room(room, np.zeros(0, dtype=np.int64))
-            except ValueError as e:
-                self._failed.append((room, TransferState.FAILED, f"cannot report the failure: {e}"))
-                return
+        try:
+            s.add_room(room, np.zeros(0, dtype=np.int64))
+        except DuplicateRoomError:
+            pass  # its forward started it already
+        except ValueError as e:
+            self._failed.append((room, TransferState.FAILED, f"cannot report the failure: {e}"))
+            return
         s.abort(room, reason)
 
     def _send(self, c: ChunkSend, layer_start: int = 0, layer_end: int | None = None,

@@ -57,6 +57,7 @@ class KVArrived:
     rid: str
     first_token_id: int
     first_token_logprob: float
+    prefill_cached_tokens: int = 0  # prompt tokens the KV's writer took from its prefix cache
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,10 @@ class KVConnector(ABC):
     # allocate a prompt's pages when it is first scheduled, not chunk by chunk (a prefill hands
     # the whole page table to its transfer at once)
     whole_prompt_pages: bool = False
+    # the engine may keep a prefix (radix) cache: LOCAL requests start at their cached prefix,
+    # REMOTE ones get req.pages[:req.num_shared_pages] from the cache and need KV for the rest only
+    # (a finished request's pages go to the cache once no transfer owns them)
+    prefix_cache: bool = False
 
     @abstractmethod
     def make_worker(self, pool: "KVPool", total_kv_heads: int) -> KVConnectorWorker:
@@ -149,8 +154,9 @@ class KVConnector(ABC):
         return float("inf")
 
     def on_reserved(self, req: Req) -> None:
-        """A REMOTE request got the pages of its prompt (req.pages): ask for its KV. ValueError:
-        it cannot be served (the engine aborts it with the message)."""
+        """A REMOTE request got the pages of its prompt (req.pages; with a prefix cache the first
+        req.num_shared_pages hold a cached prefix already): ask for its KV. ValueError: it cannot
+        be served (the engine aborts it with the message)."""
 
     def plan_forward(self, batch: ScheduledBatch) -> ForwardPlan:
         """Right before a prefill forward of `batch`."""

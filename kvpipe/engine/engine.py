@@ -73,10 +73,8 @@ class Engine:
             device = cfg.device
             self.runner = build_runner(cfg, ParallelConfig(), device)
         self.allocator = PageAllocator(cfg.cache.pages(), cfg.cache.debug_checks)
-        # the prefix cache serves colocated engines; a PD connector's transfers do not know it yet
-        self.prefix_cache = RadixCache(self.page_size) if cfg.cache.radix_cache and connector is None else None
-        if cfg.cache.radix_cache and connector is not None:
-            logger.info("radix (prefix) cache off: PD servers do not use it yet")
+        use_cache = cfg.cache.radix_cache and (connector is None or connector.prefix_cache)
+        self.prefix_cache = RadixCache(self.page_size) if use_cache else None
         self.scheduler = Scheduler(cfg.scheduler, self.allocator, self.page_size, self.context_length,
                                    whole_prompt_pages=connector is not None and connector.whole_prompt_pages,
                                    prefix_cache=self.prefix_cache)
@@ -296,13 +294,15 @@ class Engine:
             return
         req.output_ids.append(ev.first_token_id)
         req.output_logprobs.append(ev.first_token_logprob)
+        # cached_tokens means what it means colocated: prompt tokens not computed (by the prefill);
+        # the decode's own prefix (req.num_shared_pages) shows in the KV bytes not transferred
+        req.cached_tokens = ev.prefill_cached_tokens
+        self.scheduler.add_prefilled(req)  # its prompt's KV is verified: it may go to the prefix cache
         fin = self.finisher.check(req, 1)
         if fin is not None:
             self._finish(req, *fin)
-        else:
-            self.scheduler.add_prefilled(req)
         outs.append(TokenOutput(req.rid, (ev.first_token_id,), (ev.first_token_logprob,), req.finish_reason,
-                                req.finish_detail, len(req.input_ids), 0))
+                                req.finish_detail, len(req.input_ids), req.cached_tokens))
 
     def _connector_holds(self, req: Req, reason: FinishReason, detail: str | int | None) -> bool:
         return self.connector is not None and self.connector.on_finish(req, reason, detail)

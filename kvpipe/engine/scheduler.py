@@ -18,7 +18,13 @@ Seams for disaggregation (driven by the engine for its KV connector, never by th
 `reserve` + `add_prefilled` (a request whose KV another server wrote goes straight to decode),
 `whole_prompt_pages` (a prompt's pages are allocated at its first chunk, so a PD prefill can
 hand the whole page table to its transfer), and held pages (`finish(..., hold=True)` keeps a
-finished request's pages until `release(rid)`).
+finished request's pages, and the cached prefix it pinned, until `release(rid)`).
+
+Prefix cache (optional RadixCache): admission, and `reserve`, match the prompt minus its last
+token (whose logits give the first output token) against the cache; the matched pages become
+req.pages[:num_shared_pages], pinned and read-only, and only the other pages count against the
+pool. A request's full pages of KV it computed (or, reserved, that a verified transfer wrote:
+num_cached grows only at `add_prefilled`) go to the cache when its pages are freed.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ class Scheduler:
         self._live: dict[str, Req] = {}  # every unfinished request: waiting, running, reserved
         self._promised: dict[str, int] = {}  # rid -> pages it may hold at most (admitted ones)
         self._last_was_prefill = False
+        self.prefix_hit_tokens = 0  # prompt tokens admitted requests took from the prefix cache
 
     # ---- admission -------------------------------------------------------------------------
     def max_pages(self, req: Req) -> int:
@@ -139,16 +146,20 @@ class Scheduler:
     def reserve(self, req: Req) -> bool:
         """Allocate pages for a prompt whose KV someone else will write (decode side of PD).
 
-        True: req.pages covers the prompt and the rest of its pages are promised. False: no
-        room now (retry later), or never (then req is finished with ABORT; check req.finished).
+        True: req.pages covers the prompt (a cached prefix first: req.num_shared_pages pages
+        the writer must skip) and the rest of its pages are promised. False: no room now (retry
+        later), or never (then req is finished with ABORT; check req.finished).
         """
         if not self._track(req):
             return False
         if len(self.running) + len(self.reserved) >= self.cfg.max_running_requests:
             return False
+        self._match_prefix(req)
         if not self._can_admit(req, self._outstanding()):
+            self._unmatch(req)
             return False
-        self._promised[req.rid] = self.max_pages(req)
+        self._promised[req.rid] = self.max_pages(req) - req.num_shared_pages
+        self.prefix_hit_tokens += req.num_shared_pages * self.page_size
         self._ensure_pages(req, len(req.input_ids))
         self.reserved[req.rid] = req
         return True
@@ -208,6 +219,7 @@ class Scheduler:
                 break  # FIFO: later requests do not overtake the head
             self.waiting.popleft()
             self._promised[req.rid] = self.max_pages(req) - req.num_shared_pages
+            self.prefix_hit_tokens += req.num_shared_pages * self.page_size
             outstanding += self._promised[req.rid]
             req.status = ReqStatus.RUNNING
             self.running.append(req)
@@ -267,9 +279,7 @@ class Scheduler:
         if req.pages.size == 0:
             self._unpin(req)
             return
-        if hold:
-            if req.cache_node is not None:
-                raise RuntimeError("a request holding cached prefix pages cannot keep its pages for a transfer")
+        if hold:  # a cached prefix stays pinned too: the transfer reads (prefill) or skips (decode) it
             self.held[req.rid] = req
         else:
             self._free(req)
@@ -324,6 +334,7 @@ class Scheduler:
             "free_pages": self._available(),
             "used_pages": self.allocator.num_pages - self._available(),
             "cached_pages": self.cache.num_pages if self.cache is not None else 0,
+            "prefix_hit_tokens": self.prefix_hit_tokens,
             "total_pages": self.allocator.num_pages,
             "page_size": self.page_size,
         }

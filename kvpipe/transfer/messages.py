@@ -19,7 +19,7 @@ import msgpack
 from kvpipe.transfer.codec import ProtocolError, from_wire, to_wire
 from kvpipe.transfer.layout import KVLayout
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: AuxData.cached_tokens
 MAX_MESSAGE_BYTES = 64 << 20  # a page list of 8M pages; anything bigger is garbage
 
 
@@ -67,6 +67,12 @@ class AuxData:
     room: int  # echo of the room whose KV was written; decode rejects a status for another room
     first_token_id: int
     first_token_logprob: float
+    cached_tokens: int = 0  # prompt tokens the prefill took from its prefix cache (not computed)
+
+
+# what the engine hands the sender with a room's last chunk: (first token id, its logprob) and
+# optionally the prompt tokens the prefill took from its prefix cache
+AuxTuple = tuple[int, float] | tuple[int, float, int]
 
 
 @dataclass(frozen=True)

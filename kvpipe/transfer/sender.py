@@ -43,6 +43,7 @@ from kvpipe.transfer.bootstrap import BootstrapError, PrefillRankInfo, register_
 from kvpipe.config import DisaggregationConfig
 from kvpipe.transfer.control import ControlEndpoint
 from kvpipe.transfer.layout import KVLayout
+from kvpipe.transfer.messages import AuxTuple
 from kvpipe.transfer.sender_book import SenderBook, SenderStats, TransferTiming
 from kvpipe.transfer.sender_room import OpBatch, SendCall
 from kvpipe.transfer.state import Clock, TransferState
@@ -126,10 +127,10 @@ class KVSender:
         return pages
 
     def send(self, room: int, token_start: int, token_end: int, layer_start: int = 0,
-             layer_end: int | None = None, last: bool = False, aux: tuple[int, float] | None = None,
+             layer_end: int | None = None, last: bool = False, aux: AuxTuple | None = None,
              src_pages: np.ndarray | list[int] | None = None, ready: Callable[[], bool] | None = None) -> bool:
         """KV of tokens [token_start, token_end), and of every token before, is ready in layers
-        [layer_start, layer_end). `last=True` (once, with aux = (first token id, logprob)) means
+        [layer_start, layer_end). `last=True` (once, with aux: AuxTuple) means
         the prompt is complete in every layer. `src_pages`: the room's page table when it grew
         since add_room (it must extend the old one). `ready`: the KV is still being computed
         on a device; nothing of this call (or later ones of the room) is written before

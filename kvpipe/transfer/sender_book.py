@@ -27,7 +27,7 @@ import numpy as np
 from kvpipe.transfer.backends.base import BatchHandle, BatchState
 from kvpipe.config import DisaggregationConfig
 from kvpipe.transfer.layout import KVLayout
-from kvpipe.transfer.messages import (Abort, AuxData, Heartbeat, RegisterPeer, Side, TransferRequest,
+from kvpipe.transfer.messages import (Abort, AuxData, AuxTuple, Heartbeat, RegisterPeer, Side, TransferRequest,
                                       TransferStatus, WireState)
 from kvpipe.transfer.sender_peers import SenderPeers, expected_destinations
 from kvpipe.transfer.sender_room import Destination, Inflight, OpBatch, PlanError, SendCall, SenderRoom
@@ -115,7 +115,7 @@ class SenderBook:
         if r.ready:
             r.rec.move(TransferState.WAITING_FOR_INPUT, now)
 
-    def add_call(self, room: int, call: SendCall, aux: tuple[int, float] | None,
+    def add_call(self, room: int, call: SendCall, aux: AuxTuple | None,
                  pages: np.ndarray | None = None) -> bool:
         self._dirty = True
         r = self.rooms.get(room)
@@ -130,7 +130,7 @@ class SenderBook:
             r.src_pages = pages
         r.add_call(call)
         if call.last:
-            r.aux = AuxData(room, int(aux[0]), float(aux[1]))
+            r.aux = AuxData(room, int(aux[0]), float(aux[1]), int(aux[2]) if len(aux) > 2 else 0)
         return True
 
     def abort(self, room: int, reason: str, now: float) -> None:

@@ -14,7 +14,7 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 
 from kvpipe.transfer.layout import DecodeRank, KVLayout
-from kvpipe.transfer.messages import AuxData
+from kvpipe.transfer.messages import AuxData, AuxTuple
 from kvpipe.transfer.receiver_book import ReceiverStats
 from kvpipe.transfer.sender_book import SenderStats, TransferTiming
 from kvpipe.transfer.state import DuplicateRoomError, TransferState
@@ -38,7 +38,7 @@ class KVSenderAPI(Protocol):
     def add_room(self, room: int, src_pages: np.ndarray | list[int]) -> None: ...
 
     def send(self, room: int, token_start: int, token_end: int, layer_start: int = 0,
-             layer_end: int | None = None, last: bool = False, aux: tuple[int, float] | None = None,
+             layer_end: int | None = None, last: bool = False, aux: AuxTuple | None = None,
              src_pages: np.ndarray | list[int] | None = None, ready: Callable[[], bool] | None = None) -> bool: ...
 
     def abort(self, room: int, reason: str = ...) -> None: ...

@@ -28,11 +28,13 @@ GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
 _rooms = itertools.count(1000)
 
 
-def cfg(model_dir: Path, mode: str, chunk: int = 0, pages: int = 128, **disagg) -> ServerConfig:
+def cfg(model_dir: Path, mode: str, chunk: int = 0, pages: int = 128, radix_cache: bool = True,
+        **disagg) -> ServerConfig:
     # generous deadlines: a loaded 2-core host can stall an engine step for a second
     d = dict(mode=mode, bootstrap_port=0, transfer_backend="local", bootstrap_timeout_s=20.0,
              waiting_timeout_s=30.0, heartbeat_interval_s=0.5, transfer_timeout_s=10.0)
-    return ServerConfig(model_path=str(model_dir), cache=CacheConfig(page_size=PS, num_pages=pages),
+    return ServerConfig(model_path=str(model_dir), cache=CacheConfig(page_size=PS, num_pages=pages,
+                                                                     radix_cache=radix_cache),
                         scheduler=SchedulerConfig(chunked_prefill_size=chunk, max_prefill_tokens=4096),
                         disaggregation=DisaggregationConfig(**{**d, **disagg}))
 
@@ -123,16 +125,19 @@ def tokens(outs: list[TokenOutput]) -> list[int]:
 
 
 @contextlib.contextmanager
-def make_pair(model_dir: Path, chunk: int = 0, p_pages: int = 128, d_pages: int = 128, inject=None, **disagg):
+def make_pair(model_dir: Path, chunk: int = 0, p_pages: int = 128, d_pages: int = 128, inject=None,
+              prefill_radix_cache: bool = True, decode_radix_cache: bool = False, **disagg):
+    """Prefill + decode engines; the prefill keeps its prefix cache unless told otherwise, the
+    decode has one with `decode_radix_cache`."""
     fabric = LocalFabric()
     with contextlib.ExitStack() as es:
         pb, db = LocalBackend(fabric, inject=inject), LocalBackend(fabric)
         es.callback(pb.close)
         es.callback(db.close)
-        p_cfg = cfg(model_dir, "prefill", chunk, p_pages, **disagg)
+        p_cfg = cfg(model_dir, "prefill", chunk, p_pages, prefill_radix_cache, **disagg)
         prefill = Engine(p_cfg, PrefillConnector(p_cfg, pb))
         es.callback(prefill.shutdown)
-        d_cfg = cfg(model_dir, "decode", 0, d_pages, **disagg)
+        d_cfg = cfg(model_dir, "decode", 0, d_pages, decode_radix_cache=decode_radix_cache, **disagg)
         decode = Engine(d_cfg, DecodeConnector(d_cfg, db))
         es.callback(decode.shutdown)
         yield Pair(prefill, decode)
@@ -282,3 +287,22 @@ def test_prefill_forward_error_reaches_decode(tiny_model_dir):
         ok = pair.reqs(prompts(6, [30])[0])  # both keep serving
         pair.run([ok])
         assert ok[1].finish_reason is FinishReason.LENGTH
+
+
+def test_prefill_abort_before_its_forward_after_the_decode_asked(tiny_model_dir):
+    """The decode's TransferRequest reached the prefill first; the prefill request is aborted
+    while queued: the room fails on both sides and no room stays active (a regression: the sender
+    buried a room it knew only from the decode, and the prefill waited for it forever)."""
+    with make_pair(tiny_model_dir) as pair:
+        p, d = pair.reqs(prompts(4, [30])[0])
+        pair.decode.add_request(d)
+        end = time.monotonic() + 30
+        while pair.sender.room_state(p.bootstrap_room) is None:
+            assert time.monotonic() < end, "the decode's request never reached the prefill"
+            pair.decode.step()
+        pair.prefill.add_request(p)
+        pair.prefill.abort(p.rid)
+        pair.run([], until=lambda: p.finished and d.finished)
+        assert p.finish_reason is FinishReason.ABORT and d.finish_reason is FinishReason.ABORT
+        pair.settle()
+        assert pair.prefill.stats()["disaggregation"]["active_rooms"] == 0

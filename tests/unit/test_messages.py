@@ -33,24 +33,35 @@ def test_round_trip(msg):
     assert out == msg and type(out) is type(msg)
 
 
-# TransferStatus as peers running earlier code send it: renaming Python names must not change it.
+# TransferStatus as peers running this protocol version send it: renaming Python names must not
+# change it (version 2 added AuxData.cached_tokens).
 STATUS_BYTES = {
     "success": bytes.fromhex(
-        "87a46b696e64af7472616e736665725f737461747573a776657273696f6e01a4726f6f6d07aa73657373696f6e5f6964"
-        "a3642f30a57374617465a773756363657373a6726561736f6ea0a361757883a4726f6f6d07ae66697273745f746f6b65"
-        "6e5f69642ab366697273745f746f6b656e5f6c6f6770726f62cbbfd0000000000000"),
+        "87a46b696e64af7472616e736665725f737461747573a776657273696f6e02a4726f6f6d07aa73657373696f6e5f6964"
+        "a3642f30a57374617465a773756363657373a6726561736f6ea0a361757884a4726f6f6d07ae66697273745f746f6b65"
+        "6e5f69642ab366697273745f746f6b656e5f6c6f6770726f62cbbfd0000000000000ad6361636865645f746f6b656e73"
+        "cc80"),
     "failed": bytes.fromhex(
-        "87a46b696e64af7472616e736665725f737461747573a776657273696f6e01a4726f6f6d07aa73657373696f6e5f6964"
+        "87a46b696e64af7472616e736665725f737461747573a776657273696f6e02a4726f6f6d07aa73657373696f6e5f6964"
         "a3642f30a57374617465a66661696c6564a6726561736f6eaa71756575652d66756c6ca3617578c0"),
 }
 
 
 def test_transfer_status_bytes_are_unchanged():
-    ok = TransferStatus(7, "d/0", WireState.SUCCESS, "", AuxData(7, 42, -0.25))
+    ok = TransferStatus(7, "d/0", WireState.SUCCESS, "", AuxData(7, 42, -0.25, 128))
     failed = TransferStatus(7, "d/0", WireState.FAILED, "queue-full")
     assert encode(ok) == STATUS_BYTES["success"] and decode(STATUS_BYTES["success"]) == ok
     assert encode(failed) == STATUS_BYTES["failed"] and decode(STATUS_BYTES["failed"]) == failed
     assert msgpack.unpackb(STATUS_BYTES["failed"])["state"] == "failed"
+
+
+def test_a_peer_on_the_previous_protocol_version_is_refused():
+    """Version 1 peers send aux data without cached_tokens: refused by version, not misread."""
+    v1 = msgpack.unpackb(STATUS_BYTES["success"])
+    v1["version"] = 1
+    del v1["aux"]["cached_tokens"]
+    with pytest.raises(ProtocolError, match="protocol version 1, expected 2"):
+        decode(msgpack.packb(v1))
 
 
 def test_stale_room_detection():
