@@ -98,6 +98,34 @@ def plot_sweep(rows: Sequence[Mapping[str, Any]], path: str | Path, title: str =
     return _save(plt, fig, path)
 
 
+def plot_modes(rows: Sequence[Mapping[str, Any]], path: str | Path, title: str = "kvpipe modes") -> Path:
+    """Side by side per mode (one workload, e.g. shared prefixes or multi-turn): TTFT p50 and p99
+    bars, and the KV bytes the prefill sent per request."""
+    plt = _pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    labels = [f"{r['mode']}\n{r['prompt_len']} tok" if len({x['prompt_len'] for x in rows}) > 1 else r["mode"]
+              for r in rows]
+    xs = range(len(rows))
+    w = 0.4
+    ax1.bar([x - w / 2 for x in xs], [r.get("ttft_p50_ms") or 0 for r in rows], w, label="p50")
+    ax1.bar([x + w / 2 for x in xs], [r.get("ttft_p99_ms") or 0 for r in rows], w, label="p99", alpha=0.6)
+    for x, r in zip(xs, rows):
+        if r.get("ttft_speedup_vs_baseline"):
+            ax1.annotate(f"{r['ttft_speedup_vs_baseline']:.1f}x", (x - w / 2, r.get("ttft_p50_ms") or 0),
+                         textcoords="offset points", xytext=(0, 3), ha="center", fontsize=8)
+    ax1.set(ylabel="TTFT (ms)", title="time to first token")
+    kv = [(x, r["kv_bytes_per_request"] / 2**20) for x, r in zip(xs, rows) if r.get("kv_bytes_per_request")]
+    if kv:
+        ax2.bar([x for x, _ in kv], [v for _, v in kv], 0.6)
+    ax2.set(ylabel="MiB per request", title="KV bytes the prefill sent")
+    for ax in (ax1, ax2):
+        ax.set_xticks(list(xs), labels, fontsize=8)
+        ax.grid(alpha=0.3, axis="y")
+    ax1.legend(fontsize=8)
+    fig.suptitle(title)
+    return _save(plt, fig, path)
+
+
 def _save(plt: Any, fig: Any, path: str | Path) -> Path:
     """Write the figure as PNG (parent folders made) and free it."""
     fig.tight_layout()

@@ -1,4 +1,4 @@
-"""What the benchmark asks a running server: its layer-group count, its model's config.
+"""What the benchmark asks a running server: its layer-group count, transfer counters, its model's config.
 
 The parsers are pure; the fetchers are plain sync httpx (run them through `Endpoint.call` so they
 work from inside a testbed namespace).
@@ -14,6 +14,8 @@ from typing import Any, Mapping
 
 import httpx
 
+from kvpipe.bench.sweep import TransferCount
+
 # Names under which a prefill server may report the layer-group count of its last batch:
 # keys of /server_info (top level or any `internal_states` entry) and Prometheus gauge names
 # (any prefix, e.g. `kvpipe:num_layer_groups`).
@@ -28,9 +30,7 @@ def _as_groups(v: Any) -> int | None:
 
 
 def num_groups_from_server_info(info: Mapping[str, Any]) -> int | None:
-    states = info.get("internal_states")
-    scopes = [info, *(s for s in states if isinstance(s, Mapping))] if isinstance(states, list) else [info]
-    for scope in scopes:
+    for scope in _scopes(info):
         for key in NUM_GROUPS_KEYS:
             g = _as_groups(scope.get(key))
             if g is not None:
@@ -74,12 +74,42 @@ def read_num_groups(info_url: str, timeout_s: float = 5.0) -> int | None:
 def transfer_tail_from_server_info(info: Mapping[str, Any]) -> tuple[float, int] | None:
     """(sum of ms, rooms) of a prefill's transfer tails: how long each room's KV kept landing
     after its prefill forward ended (kvpipe/disagg/layer_pipeline.py); None if not reported."""
-    states = info.get("internal_states")
-    for scope in [info, *(s for s in states if isinstance(s, Mapping))] if isinstance(states, list) else [info]:
+    for scope in _scopes(info):
         total, count = scope.get("transfer_tail_ms_sum"), scope.get("transfer_tail_count")
         if isinstance(total, (int, float)) and isinstance(count, int) and not isinstance(count, bool):
             return float(total), count
     return None
+
+
+def _scopes(info: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The server info and each of its internal_states (SGLang puts engine stats there)."""
+    states = info.get("internal_states")
+    return [info, *(s for s in states if isinstance(s, Mapping))] if isinstance(states, list) else [info]
+
+
+def transfer_count_from_server_info(info: Mapping[str, Any]) -> TransferCount | None:
+    """A prefill's KV bytes written and rooms that succeeded so far; None if not reported."""
+    for scope in _scopes(info):
+        d = scope.get("disaggregation")
+        if isinstance(d, Mapping) and d.get("mode") == "prefill":
+            n, rooms = d.get("bytes_written"), d.get("rooms_succeeded")
+            if isinstance(n, int) and isinstance(rooms, int):
+                return TransferCount(n, rooms)
+    return None
+
+
+def read_transfer_count(info_url: str, timeout_s: float = 5.0) -> TransferCount | None:
+    try:
+        r = httpx.get(info_url.rstrip("/") + "/server_info", timeout=timeout_s)
+        return transfer_count_from_server_info(r.json()) if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def count_delta(before: TransferCount | None, after: TransferCount | None) -> TransferCount | None:
+    if before is None or after is None:
+        return None
+    return TransferCount(after.bytes_written - before.bytes_written, after.rooms - before.rooms)
 
 
 def read_transfer_tail(info_url: str, timeout_s: float = 5.0) -> tuple[float, int] | None:

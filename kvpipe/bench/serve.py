@@ -137,8 +137,9 @@ def run_single(args: argparse.Namespace) -> int:
 
 
 def run_sweep_cmd(args: argparse.Namespace) -> int:
-    from kvpipe.bench.plot import plot_sweep
-    from kvpipe.bench.probe import model_config, read_num_groups, read_transfer_tail, tail_delta
+    from kvpipe.bench.plot import plot_modes, plot_sweep
+    from kvpipe.bench.probe import (count_delta, model_config, read_num_groups, read_transfer_count, read_transfer_tail,
+                                    tail_delta)
     from kvpipe.bench.stacks import Endpoint, StackOptions, default_stack_factory
     from kvpipe.bench.sweep import (INPROC, SliceResult, kv_bytes_per_token, parse_modes, parse_prompt_lens,
                                     run_sweep, run_sweep_interleaved, sweep_rows)
@@ -156,14 +157,20 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="kvpipe-bench-serve-")  # server logs, always kept
     opts = StackOptions(model_path, tuple(shlex.split(args.server_args)), log_dir, args.startup_timeout)
 
-    def measure(ep: Endpoint, mode: str, n: int) -> tuple[dict, int | None, float | None]:
+    def readings(ep: Endpoint) -> tuple[Any, Any]:
+        return ep.call(read_transfer_tail, ep.info_url), ep.call(read_transfer_count, ep.info_url)
+
+    def measure(ep: Endpoint, mode: str, n: int) -> tuple[dict, int | None, float | None, float | None]:
         pd = ep.info_url is not None and mode != INPROC
         before: list = []
         summary, _ = _measure(ep.call, ep.url, configs[n], args, f"{mode} len={n}",
-                              lambda: before.append(ep.call(read_transfer_tail, ep.info_url)) if pd else None)
-        groups = ep.call(read_num_groups, ep.info_url) if pd else None
-        tail = tail_delta(before[0], ep.call(read_transfer_tail, ep.info_url)) if pd else None
-        return summary, groups, tail
+                              lambda: before.append(readings(ep)) if pd else None)
+        if not pd:
+            return summary, None, None, None
+        (tail0, count0), (tail1, count1) = before[0], readings(ep)
+        count = count_delta(count0, count1)
+        return (summary, ep.call(read_num_groups, ep.info_url), tail_delta(tail0, tail1),
+                count.per_room if count else None)
 
     rounds = -(-args.num_requests // args.concurrency)
     workloads = {n: build_workload(configs[n]) for n in lens} if args.interleave else {}
@@ -179,11 +186,13 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
             ep.call(run_workload, ep.url, build_workload(warm), args.concurrency, args.timeout, False, desc)
         part = workloads[n].requests[r * args.concurrency:(r + 1) * args.concurrency]
         sub = Workload(cfg, tuple(replace(q, arrival_s=0.0) for q in part))
-        before = ep.call(read_transfer_tail, ep.info_url) if pd else None
+        before = readings(ep) if pd else None
         res = ep.call(run_workload, ep.url, sub, args.concurrency, args.timeout, not args.no_progress, desc)
-        groups = ep.call(read_num_groups, ep.info_url) if pd else None
-        tail = tail_delta(before, ep.call(read_transfer_tail, ep.info_url)) if pd else None
-        return SliceResult(res.records, res.duration_s, groups, tail)
+        if before is None:
+            return SliceResult(res.records, res.duration_s)
+        after = readings(ep)
+        return SliceResult(res.records, res.duration_s, ep.call(read_num_groups, ep.info_url),
+                           tail_delta(before[0], after[0]), count_delta(before[1], after[1]))
 
     def summarize_records(records: Any, duration_s: float) -> dict:
         from kvpipe.bench.metrics import first_errors, summarize
@@ -209,7 +218,11 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
               "workload": _config_dict(configs[lens[0]], args) | {"prompt_lens": lens}, "rows": rows,
               "summaries": [{"prompt_len": p.prompt_len, "mode": p.mode, **p.summary} for p in points]}
     title = f"kvpipe sweep, link {result['link_rate']}, {args.num_requests} req/point, c={args.concurrency}"
-    _emit(result, args, lambda path: plot_sweep(rows, path, title))
+    if args.num_prefix_groups:  # one workload's modes side by side: bars, not curves over prompt length
+        title += f", {args.num_prefix_groups} prefix groups of {args.prefix_len} tokens"
+        _emit(result, args, lambda path: plot_modes(rows, path, title))
+    else:
+        _emit(result, args, lambda path: plot_sweep(rows, path, title))
     return 0 if all(p.summary["completed"] for p in points) else 1
 
 

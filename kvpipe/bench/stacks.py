@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, TypeVar
 
-from kvpipe.bench.sweep import mode_server_flags
+from kvpipe.bench.sweep import ModeFlags, mode_server_flags
 from kvpipe.bench.testbed import LinkTestbed, run_in_netns
 from kvpipe.server.launcher import free_port, router_command, start_pd_stack, stop_process, wait_healthy
 
@@ -72,15 +72,15 @@ def colocated_server(opts: StackOptions, name: str = "inproc") -> Iterator[Endpo
 
 
 @contextlib.contextmanager
-def loopback_pd_stack(opts: StackOptions, flags: list[str], name: str) -> Iterator[Endpoint]:
+def loopback_pd_stack(opts: StackOptions, flags: ModeFlags, name: str) -> Iterator[Endpoint]:
     log_dir = os.path.join(opts.log_dir, name) if opts.log_dir else None
-    with start_pd_stack(opts.model_path, opts.host, server_args=[*opts.server_args, *flags],
-                        log_dir=log_dir, timeout_s=opts.timeout_s) as stack:
+    with start_pd_stack(opts.model_path, opts.host, server_args=[*opts.server_args, *flags.both],
+                        decode_args=list(flags.decode), log_dir=log_dir, timeout_s=opts.timeout_s) as stack:
         yield Endpoint(stack.router_url, stack.prefill_url)
 
 
 @contextlib.contextmanager
-def testbed_pd_stack(tb: LinkTestbed, opts: StackOptions, flags: list[str], name: str) -> Iterator[Endpoint]:
+def testbed_pd_stack(tb: LinkTestbed, opts: StackOptions, flags: ModeFlags, name: str) -> Iterator[Endpoint]:
     """Prefill on side a, decode and router on side b; every server binds its namespace's address."""
     a, b = tb.addr_a, tb.addr_b
     p_port, b_port = tb.call_in("a", free_port, a), tb.call_in("a", free_port, a)
@@ -96,9 +96,10 @@ def testbed_pd_stack(tb: LinkTestbed, opts: StackOptions, flags: list[str], name
             log.close()
 
     try:
-        start("a", "prefill", _serve_cmd(opts, a, p_port, *flags, "--disaggregation-mode", "prefill",
+        start("a", "prefill", _serve_cmd(opts, a, p_port, *flags.both, "--disaggregation-mode", "prefill",
                                          "--disaggregation-bootstrap-port", str(b_port)))
-        start("b", "decode", _serve_cmd(opts, b, d_port, *flags, "--disaggregation-mode", "decode"))
+        start("b", "decode", _serve_cmd(opts, b, d_port, *flags.both, *flags.decode,
+                                        "--disaggregation-mode", "decode"))
         for url in (p_url, d_url):
             tb.call_in("b", wait_healthy, url + "/health", opts.timeout_s, procs)
         start("b", "router", router_command(p_url, b_port, d_url, b, r_port, tb.call_in("b", free_port, b)))

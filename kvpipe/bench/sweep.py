@@ -6,6 +6,9 @@ tests without servers. Modes:
   baseline      PD with the plain transfer (one layer group)
   pipelined     PD with layer-pipelined transfer, group count chosen by the server
   pipelined-N   PD with layer-pipelined transfer forced to N groups
+  decode-cache  PD with the plain transfer and the decode radix cache: the prefill sends only the
+                KV past the prefix the decode holds (compare with baseline on shared-prefix and
+                multi-turn workloads; the prefill's own prefix cache is on in every mode)
 Exposed transfer time of a PD mode = TTFT(mode) - TTFT(inproc), medians of the same run;
 exposed_transfer_ratio of a pipelined mode = its exposed time / the baseline's. The transfer tail
 (the prefill's own measure of the KV still landing after the forward) and its ratio say the same
@@ -21,7 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
 E = TypeVar("E")
-BASELINE, PIPELINED, INPROC = "baseline", "pipelined", "inproc"
+BASELINE, PIPELINED, INPROC, DECODE_CACHE = "baseline", "pipelined", "inproc", "decode-cache"
+PLAIN_MODES = (BASELINE, PIPELINED, INPROC, DECODE_CACHE)
 _PIPELINED_N = re.compile(r"^pipelined-(\d+)$")
 
 
@@ -32,24 +36,34 @@ def is_pipelined(mode: str) -> bool:
 def parse_modes(spec: str) -> list[str]:
     modes = [m.strip() for m in spec.split(",") if m.strip()]
     for m in modes:
-        if m not in (BASELINE, PIPELINED, INPROC) and not (_PIPELINED_N.match(m) and int(m[10:]) >= 1):
-            raise ValueError(f"unknown mode {m!r}: choose from baseline, pipelined, pipelined-N, inproc")
+        if m not in PLAIN_MODES and not (_PIPELINED_N.match(m) and int(m[10:]) >= 1):
+            raise ValueError(f"unknown mode {m!r}: choose from baseline, pipelined, pipelined-N, decode-cache, inproc")
     if not modes or len(set(modes)) != len(modes):
         raise ValueError(f"modes must be a non-empty list without repeats, got {spec!r}")
     return modes
 
 
-def mode_server_flags(mode: str) -> list[str] | None:
-    """Server flags of a PD mode (given to both servers); None for the colocated inproc mode."""
+@dataclass(frozen=True)
+class ModeFlags:
+    """Server flags of a PD mode."""
+
+    both: tuple[str, ...]  # for the prefill and the decode
+    decode: tuple[str, ...] = ()  # for the decode only
+
+
+def mode_server_flags(mode: str) -> ModeFlags | None:
+    """Server flags of a PD mode; None for the colocated inproc mode."""
     if mode == INPROC:
         return None
     if mode == BASELINE:
-        return ["--disaggregation-layer-groups", "1"]
+        return ModeFlags(("--disaggregation-layer-groups", "1"))
+    if mode == DECODE_CACHE:
+        return ModeFlags(("--disaggregation-layer-groups", "1"), ("--disaggregation-enable-decode-radix-cache",))
     if mode == PIPELINED:
-        return ["--disaggregation-layer-groups", "auto"]
+        return ModeFlags(("--disaggregation-layer-groups", "auto"))
     m = _PIPELINED_N.match(mode)
     if m:
-        return ["--disaggregation-layer-groups", m.group(1)]
+        return ModeFlags(("--disaggregation-layer-groups", m.group(1)))
     raise ValueError(f"unknown mode {mode!r}")
 
 
@@ -72,19 +86,36 @@ class SweepPoint:
     # median over requests (rounds) of the KV transfer time left after the prefill forward, from
     # the prefill's own clock: exposed transfer without the compute noise between processes
     transfer_tail_ms: float | None = None
+    # KV bytes the prefill wrote per request that succeeded (PD modes)
+    kv_bytes_per_request: float | None = None
 
 
 def run_sweep(prompt_lens: Sequence[int], modes: Sequence[str],
               open_stack: Callable[[str], AbstractContextManager[E]],
               measure: Callable[[E, str, int], tuple[Any, ...]]) -> list[SweepPoint]:
     """One stack per mode (started once, stopped before the next), every prompt length on it.
-    `measure` returns (summary, num_groups[, transfer_tail_ms])."""
+    `measure` returns (summary, num_groups[, transfer_tail_ms[, kv_bytes_per_request]])."""
     points = []
     for mode in modes:
         with open_stack(mode) as endpoint:
             for n in prompt_lens:
                 points.append(SweepPoint(n, mode, *measure(endpoint, mode, n)))
     return points
+
+
+@dataclass(frozen=True)
+class TransferCount:
+    """KV bytes a prefill wrote and rooms that succeeded (a delta between two readings)."""
+
+    bytes_written: int
+    rooms: int
+
+    def __add__(self, other: "TransferCount") -> "TransferCount":
+        return TransferCount(self.bytes_written + other.bytes_written, self.rooms + other.rooms)
+
+    @property
+    def per_room(self) -> float | None:
+        return self.bytes_written / self.rooms if self.rooms > 0 else None
 
 
 @dataclass(frozen=True)
@@ -95,6 +126,7 @@ class SliceResult:
     duration_s: float
     num_groups: int | None = None
     transfer_tail_ms: float | None = None  # mean over the slice's rooms (PD modes)
+    transfer: TransferCount | None = None  # what the prefill wrote during the slice (PD modes)
 
 
 def round_order(modes: Sequence[str], r: int) -> list[str]:
@@ -125,8 +157,10 @@ def run_sweep_interleaved(prompt_lens: Sequence[int], modes: Sequence[str],
                 records = [rec for p in parts[m] for rec in p.records]
                 groups = next((p.num_groups for p in reversed(parts[m]) if p.num_groups is not None), None)
                 tails = [p.transfer_tail_ms for p in parts[m] if p.transfer_tail_ms is not None]
+                counts = [p.transfer for p in parts[m] if p.transfer is not None]
+                kv = sum(counts[1:], counts[0]).per_room if counts else None
                 points.append(SweepPoint(n, m, summarize(records, sum(p.duration_s for p in parts[m])), groups,
-                                         statistics.median(tails) if tails else None))
+                                         statistics.median(tails) if tails else None, kv))
     return points
 
 
@@ -197,6 +231,10 @@ def sweep_rows(points: Iterable[SweepPoint], link_rate_bps: float | None = None,
                 "transfer_tail_ratio": (p.transfer_tail_ms / tail_base if is_pipelined(mode) and tail_base
                                         and p.transfer_tail_ms is not None else None),
                 "ttft_vs_baseline": ttft / ttft_base - 1 if mode != BASELINE and ttft and ttft_base else None,
+                "ttft_speedup_vs_baseline": ttft_base / ttft if mode != BASELINE and ttft and ttft_base else None,
+                "kv_bytes_per_request": p.kv_bytes_per_request,
+                "cached_tokens_mean": s.get("cached_tokens_mean"),
+                "prompt_tokens_mean": s.get("prompt_tokens_mean"),
                 "kv_bytes": kv_bytes,
                 "ideal_transfer_ms": t_ms,
                 "t_over_c": t_ms / ttft_inproc if t_ms and ttft_inproc else None,

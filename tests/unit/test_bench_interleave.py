@@ -9,8 +9,9 @@ from typing import Iterator
 import pytest
 
 from kvpipe.bench.plot import plot_sweep
-from kvpipe.bench.probe import tail_delta, transfer_tail_from_server_info
-from kvpipe.bench.sweep import SliceResult, SweepPoint, round_order, run_sweep_interleaved, sweep_rows
+from kvpipe.bench.probe import count_delta, tail_delta, transfer_count_from_server_info, transfer_tail_from_server_info
+from kvpipe.bench.sweep import (SliceResult, SweepPoint, TransferCount, round_order, run_sweep_interleaved,
+                               sweep_rows)
 
 
 def test_round_order_rotates():
@@ -86,3 +87,31 @@ def test_transfer_tail_probe_rows_and_plot(tmp_path):
     assert rows["baseline"]["transfer_tail_ratio"] is None and rows["inproc"]["transfer_tail_ms"] is None
     out = plot_sweep(list(rows.values()), tmp_path / "sweep.png")
     assert out.stat().st_size > 1000
+
+
+def test_transferred_kv_per_request_from_probe_to_rows():
+    """The prefill's bytes_written / rooms_succeeded, read before and after each round, give the
+    KV bytes per request of a mode; rows carry it with the TTFT speedup against baseline."""
+    info = {"internal_states": [{"disaggregation": {"mode": "prefill", "bytes_written": 4096,
+                                                    "rooms_succeeded": 3}}]}
+    assert transfer_count_from_server_info(info) == TransferCount(4096, 3)
+    assert transfer_count_from_server_info({"internal_states": [{"disaggregation": {"mode": "decode"}}]}) is None
+    assert count_delta(TransferCount(100, 1), TransferCount(700, 4)) == TransferCount(600, 3)
+    assert count_delta(None, TransferCount(1, 1)) is None and TransferCount(5, 0).per_room is None
+
+    @contextlib.contextmanager
+    def open_stack(mode: str) -> Iterator[str]:
+        yield mode
+
+    def measure(ep: str, mode: str, n: int, r: int) -> SliceResult:
+        per = {"baseline": 1000, "decode-cache": 100}[mode]
+        return SliceResult([], 1.0, transfer=TransferCount(per * (r + 1), r + 1))
+
+    points = run_sweep_interleaved([64], ["baseline", "decode-cache"], open_stack, measure, 2,
+                                   lambda recs, d: {"ttft_p50_ms": 400.0 if len(recs) == 0 else None})
+    assert [p.kv_bytes_per_request for p in points] == [1000.0, 100.0]
+    points = [SweepPoint(64, "baseline", {"ttft_p50_ms": 400.0, "cached_tokens_mean": 32.0}, kv_bytes_per_request=1e3),
+              SweepPoint(64, "decode-cache", {"ttft_p50_ms": 100.0}, kv_bytes_per_request=1e2)]
+    rows = sweep_rows(points)
+    assert rows[1]["ttft_speedup_vs_baseline"] == 4.0 and rows[0]["ttft_speedup_vs_baseline"] is None
+    assert rows[1]["kv_bytes_per_request"] == 100.0 and rows[0]["cached_tokens_mean"] == 32.0

@@ -8,7 +8,7 @@ from typing import Iterator
 import pytest
 
 from kvpipe.bench.probe import num_groups_from_metrics, num_groups_from_server_info
-from kvpipe.bench.sweep import SweepPoint, exposed_ratio, kv_bytes_per_token, mode_server_flags, parse_modes, \
+from kvpipe.bench.sweep import ModeFlags, SweepPoint, exposed_ratio, kv_bytes_per_token, mode_server_flags, parse_modes, \
     parse_prompt_lens, run_sweep, sweep_rows
 
 
@@ -23,9 +23,13 @@ def test_parse_modes_and_flags() -> None:
     for bad in ("", "baseline,baseline", "fast", "pipelined-0", "pipelined-x"):
         with pytest.raises(ValueError):
             parse_modes(bad)
-    assert mode_server_flags("baseline") == ["--disaggregation-layer-groups", "1"]
-    assert mode_server_flags("pipelined") == ["--disaggregation-layer-groups", "auto"]
-    assert mode_server_flags("pipelined-3") == ["--disaggregation-layer-groups", "3"]
+    assert parse_modes("decode-cache,baseline") == ["decode-cache", "baseline"]
+    assert mode_server_flags("baseline") == ModeFlags(("--disaggregation-layer-groups", "1"))
+    assert mode_server_flags("pipelined") == ModeFlags(("--disaggregation-layer-groups", "auto"))
+    assert mode_server_flags("pipelined-3") == ModeFlags(("--disaggregation-layer-groups", "3"))
+    # the decode cache flag goes to the decode only (a prefill refuses it)
+    assert mode_server_flags("decode-cache") == ModeFlags(("--disaggregation-layer-groups", "1"),
+                                                          ("--disaggregation-enable-decode-radix-cache",))
     assert mode_server_flags("inproc") is None
     assert parse_prompt_lens("256,1024") == [256, 1024]
     for bad in ("", "0", "a,b"):
@@ -164,3 +168,9 @@ def test_plots_write_pngs(tmp_path) -> None:
     recs.append(RequestRecord(9, 8, 0.0, error="timeout"))
     run_png = plot_run(recs, summarize(recs, 1.0), tmp_path / "run.png")
     assert run_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from kvpipe.bench.plot import plot_modes
+
+    modes = [SweepPoint(2176, m, s(t), kv_bytes_per_request=kv) for m, t, kv in
+             (("baseline", 4000.0, 5e7), ("decode-cache", 800.0, 4e6), ("inproc", 300.0, None))]
+    bars = plot_modes(sweep_rows(modes), tmp_path / "modes.png")
+    assert bars.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

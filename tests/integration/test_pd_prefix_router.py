@@ -1,0 +1,87 @@
+"""Prefix caching on both PD servers through sglang-router, with TP on either side (Mooncake over
+loopback): 32 prompts sharing 4 prefixes (page-aligned and not), chunked prefill that does not
+divide the page size, layer pipelining on and off. Greedy tokens equal the colocated engine with
+no cache; the decode reports the prefill's cached tokens natively and in OpenAI usage; the
+prefill sends less KV than the prompts hold; every page comes back on both sides."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvpipe.config import CacheConfig, ServerConfig
+from kvpipe.engine.engine import Engine
+from kvpipe.engine.request import SamplingParams
+from pd_harness import disagg_stats, generate, greedy
+from test_pd_prefix_cache import shared_prefix_prompts
+from test_pd_tp import HEAD_DIM, KV_HEADS, LAYERS, PS, close_and_check_no_orphans, start
+
+pytest.importorskip("mooncake.engine")
+pytestmark = pytest.mark.integration
+
+NEW = 4
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path) -> list[list[int]]:
+    eng = Engine(ServerConfig(model_path=str(tiny_model_dir),
+                              cache=CacheConfig(page_size=PS, num_pages=256, radix_cache=False)))
+    try:
+        outs = eng.generate(shared_prefix_prompts(2), SamplingParams(max_new_tokens=NEW, temperature=0.0,
+                                                                     ignore_eos=True))
+    finally:
+        eng.shutdown()
+    return [o["output_ids"] for o in outs]
+
+
+@pytest.mark.parametrize("p_tp,d_tp,groups", [(1, 2, 2), (2, 1, 1)])
+def test_cached_prefixes_through_router(tiny_model_dir: Path, tmp_path: Path, reference, p_tp: int, d_tp: int,
+                                        groups: int) -> None:
+    ps = shared_prefix_prompts(2)
+    stack = start(tiny_model_dir, tmp_path, p_tp, d_tp,
+                  ("--chunked-prefill-size", "24", "--disaggregation-layer-groups", str(groups)))
+    # the decode cache is a decode-only flag: restart the decode with it
+    stack.decode.proc.terminate()
+    stack.decode.proc.wait(30)
+    stack.restart("decode", "--disaggregation-enable-decode-radix-cache")
+    try:
+        def one(i: int) -> dict:
+            return generate(stack.router, {"input_ids": ps[i], "sampling_params": greedy(NEW)})
+
+        first = list(range(0, len(ps), 8))  # one prompt per prefix fills both caches
+        rest = [i for i in range(len(ps)) if i % 8]
+        outs = {i: one(i) for i in first}
+        with ThreadPoolExecutor(8) as pool:
+            outs.update(zip(rest, pool.map(one, rest)))
+        for i, out in outs.items():
+            assert out["output_ids"] == reference[i], (i, len(ps[i]), out["meta_info"])
+        cached = [outs[i]["meta_info"]["cached_tokens"] for i in rest]
+        kv_prompts = disagg_stats(stack.prefill)["bytes_written"]  # every write of the 32 prompts is done
+        assert all(c % PS == 0 for c in cached) and sum(c > 0 for c in cached) >= len(rest) // 2, cached
+        # OpenAI usage reports the same through the router: the second of two equal prompts hits
+        usage = []
+        for _ in range(2):
+            r = httpx.post(stack.router + "/v1/completions", json={
+                "model": tiny_model_dir.name, "prompt": "the quick brown fox jumps over the lazy dog " * 12, "max_tokens": 2,
+                "temperature": 0}, timeout=60)
+            assert r.status_code == 200, r.text
+            usage.append(r.json()["usage"])
+        assert usage[0]["prompt_tokens_details"]["cached_tokens"] == 0, usage
+        assert usage[1]["prompt_tokens_details"]["cached_tokens"] >= PS, usage
+        stack.prefill.wait_idle(30)
+        d = stack.decode.wait_idle(30)
+        assert d["prefix_hit_tokens"] > 0 and d["cached_pages"] > 0
+        st = disagg_stats(stack.prefill)
+        assert st["rooms_failed"] == 0 and st["rooms_succeeded"] == len(ps) + 2
+        full_pages = sum(-(-len(p) // PS) for p in ps)
+        heads = max(KV_HEADS // d_tp, 1) * d_tp  # every decode rank's heads once (no replication here)
+        full = full_pages * heads * PS * HEAD_DIM * 4 * 2 * LAYERS
+        assert kv_prompts < 0.6 * full, (kv_prompts, full)  # the decode held the prefixes
+    except BaseException:
+        print(stack.logs())
+        raise
+    finally:
+        close_and_check_no_orphans(stack)
