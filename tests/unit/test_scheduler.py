@@ -279,3 +279,53 @@ def test_max_running_requests_caps_admission():
     assert [r.rid for r in b.reqs] == ["r0", "r1"] and len(s.waiting) == 2
     drain(s)
     assert s.allocator.num_free == 100
+
+
+def cached(num_pages=16, page_size=4):
+    from kvpipe.cache.radix_cache import RadixCache
+
+    s = Scheduler(SchedulerConfig(), PageAllocator(num_pages), page_size, 4096, prefix_cache=RadixCache(page_size))
+    s.hold_on_finish = False
+    return s
+
+
+def test_reserve_with_a_prefix_cache_asks_only_for_the_missing_pages():
+    """Decode side: reserve pins the cached prefix and allocates the rest; a reserved request's
+    pages enter the cache only after add_prefilled (its KV verified), never after an abort."""
+    s = cached()
+    first = req("a", 10, max_new=2)  # tokens 1..10
+    assert s.reserve(first) and first.num_shared_pages == 0
+    first.output_ids.append(99)
+    s.add_prefilled(first)
+    drain(s)
+    assert s.stats()["cached_pages"] == 2  # tokens 1..8 (tokens 9..11 fill a partial page)
+    r = req("b", 13, max_new=2)  # shares tokens 1..8
+    assert s.reserve(r)
+    assert r.num_shared_pages == 2 and r.pages[:2].tolist() == s.cache.all_pages().tolist()[:2]
+    assert r.pages.size == 4 and s.stats()["prefix_hit_tokens"] == 8
+    assert s.cache.evictable_pages == 0  # pinned while its transfer runs
+    s.finish(r, FinishReason.ABORT, "transfer failed", hold=True)  # its KV never arrived
+    assert s.cache.evictable_pages == 0  # still pinned: the held request's writes may land
+    s.release("b")
+    assert s.stats()["cached_pages"] == 2 and s.allocator.num_free + s.cache.evictable_pages == 16
+    again = req("c", 13, max_new=2)
+    assert s.reserve(again) and again.num_shared_pages == 2
+    again.output_ids.append(5)
+    s.add_prefilled(again)
+    s.finish(again, FinishReason.LENGTH)
+    assert s.stats()["cached_pages"] == 3  # its verified third page joined (tokens 9..12)
+
+
+def test_reserve_with_a_prefix_cache_waits_then_evicts():
+    """A full pool of cached pages nobody reads is room for a reservation (LRU eviction)."""
+    s = cached(num_pages=6)
+    for i, n in enumerate((8, 8, 8)):
+        r = Req(f"x{i}", [100 * (i + 1) + t for t in range(n)], SamplingParams(max_new_tokens=1))
+        assert s.reserve(r)
+        r.output_ids.append(1)
+        s.add_prefilled(r)
+        s.finish(r, FinishReason.LENGTH)
+    assert s.allocator.num_free == 0 and s.cache.evictable_pages == 6
+    big = req("big", 20, max_new=1)  # 5 pages: evicts 5 cached ones
+    assert s.reserve(big) and big.num_shared_pages == 0 and big.pages.size == 5
+    assert s.allocator.num_free + s.cache.evictable_pages == 1  # eviction goes by whole leaves
