@@ -145,7 +145,9 @@ def make_pair(model_dir: Path, chunk: int = 0, p_pages: int = 128, d_pages: int 
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir):
-    eng = Engine(ServerConfig(model_path=str(tiny_model_dir), cache=CacheConfig(page_size=PS, num_pages=256)))
+    """Greedy outputs of the colocated engine with no prefix cache (memoized)."""
+    eng = Engine(ServerConfig(model_path=str(tiny_model_dir),
+                              cache=CacheConfig(page_size=PS, num_pages=256, radix_cache=False)))
     cache: dict[tuple, list[int]] = {}
 
     def ref(ids: list[int], params: SamplingParams = GREEDY) -> list[int]:

@@ -11,29 +11,11 @@ from dataclasses import replace
 
 import pytest
 
-from kvpipe.config import CacheConfig, ServerConfig
-from kvpipe.engine.engine import Engine
-from kvpipe.engine.request import FinishReason, Req, SamplingParams
+from kvpipe.engine.request import FinishReason, Req
 from kvpipe.transfer.backends import FailureInjection
-from test_pd_inprocess import GREEDY, PS, Pair, make_pair
+from test_pd_inprocess import GREEDY, PS, Pair, make_pair, reference  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir):
-    """Greedy outputs of the colocated engine with no prefix cache."""
-    eng = Engine(ServerConfig(model_path=str(tiny_model_dir),
-                              cache=CacheConfig(page_size=PS, num_pages=256, radix_cache=False)))
-    memo: dict[tuple, list[int]] = {}
-
-    def ref(ids: list[int], params: SamplingParams = GREEDY) -> list[int]:
-        key = (tuple(ids), params)
-        if key not in memo:
-            memo[key] = eng.generate([ids], params)[0]["output_ids"]
-        return memo[key]
-    yield ref
-    eng.shutdown()
 
 
 def shared_prefix_prompts(seed: int) -> list[list[int]]:
