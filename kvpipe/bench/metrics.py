@@ -31,6 +31,7 @@ class RequestRecord:
     token_counts: list[int] = field(default_factory=list)  # cumulative output tokens at each
     end_s: float | None = None
     error: str | None = None
+    cached_tokens: int | None = None  # meta_info.cached_tokens of the last event (None: not reported)
 
     def add_event(self, t: float, cumulative_tokens: int) -> None:
         """Record a stream event; events that bring no new token are ignored."""
@@ -111,6 +112,9 @@ def summarize(records: Sequence[RequestRecord], duration_s: float) -> dict[str, 
     summary |= _stat_block("tpot", [m.tpot_s for m in done if m.tpot_s is not None])
     summary |= _stat_block("itl", [x for m in done for x in m.itl_s])
     summary |= _stat_block("e2e", [m.e2e_s for m in done])
+    cached = [r.cached_tokens for r in records if r.ok and r.cached_tokens is not None]
+    summary["prompt_tokens_mean"] = in_tokens / len(done) if done else None
+    summary["cached_tokens_mean"] = float(np.mean(cached)) if cached else None
     return summary
 
 

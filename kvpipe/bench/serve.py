@@ -23,7 +23,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from kvpipe.bench.workload import WorkloadConfig, build_workload, parse_lengths
+from kvpipe.bench.workload import WorkloadConfig, build_workload, parse_lengths, split_rounds
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -36,6 +36,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--seed", type=int, default=0, help="workload seed (prompts, lengths, arrivals)")
     w.add_argument("--num-prefix-groups", type=int, default=0, help="shared-prefix mode: number of groups")
     w.add_argument("--prefix-len", type=int, default=0, help="shared-prefix mode: tokens shared per group")
+    w.add_argument("--num-turns", type=int, default=1, help="multi-turn mode: turns per conversation; each "
+                   "follow-up resends the conversation (prompt + answer) plus --turn-len new tokens")
+    w.add_argument("--turn-len", type=int, default=0, help="multi-turn mode: new user tokens per follow-up turn")
     w.add_argument("--vocab-size", type=int, default=None, help="token ids are drawn below this "
                    "(default: the model's config.json)")
     w.add_argument("--token-id-low", type=int, default=0, help="token ids are drawn at or above this")
@@ -77,9 +80,15 @@ def _workload_config(args: argparse.Namespace, vocab: int, prompt_lens: str | in
     try:
         return WorkloadConfig(parse_lengths(prompt_lens, "--prompt-lens"), parse_lengths(args.output_lens, "--output-lens"),
                               args.num_requests, vocab, args.request_rate, args.seed, args.num_prefix_groups,
-                              args.prefix_len, args.token_id_low)
+                              args.prefix_len, args.token_id_low, args.num_turns, args.turn_len)
     except ValueError as e:
         raise SystemExit(f"kvpipe bench serve: {e}") from None
+
+
+def _warmup_config(cfg: WorkloadConfig, args: argparse.Namespace) -> WorkloadConfig:
+    """Unmeasured single-turn requests with other prompts (other prefixes too)."""
+    return replace(cfg, num_requests=args.warmup_requests, seed=cfg.seed + 1_000_003, request_rate=math.inf,
+                   num_turns=1)
 
 
 def _measure(call: Any, url: str, cfg: WorkloadConfig, args: argparse.Namespace, desc: str,
@@ -90,7 +99,7 @@ def _measure(call: Any, url: str, cfg: WorkloadConfig, args: argparse.Namespace,
 
     progress = not args.no_progress
     if args.warmup_requests > 0:
-        warm = replace(cfg, num_requests=args.warmup_requests, seed=cfg.seed + 1_000_003, request_rate=math.inf)
+        warm = _warmup_config(cfg, args)
         call(run_workload, url, build_workload(warm), args.concurrency, args.timeout, progress, f"{desc} warmup")
     if after_warmup is not None:
         after_warmup()
@@ -172,20 +181,19 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
         return (summary, ep.call(read_num_groups, ep.info_url), tail_delta(tail0, tail1),
                 count.per_room if count else None)
 
-    rounds = -(-args.num_requests // args.concurrency)
-    workloads = {n: build_workload(configs[n]) for n in lens} if args.interleave else {}
+    # a round is `concurrency` conversations (single turn: requests), never a split conversation
+    slices = {n: split_rounds(build_workload(configs[n]), args.concurrency) for n in lens} if args.interleave else {}
+    rounds = len(next(iter(slices.values()))) if slices else 0
 
     def measure_slice(ep: Endpoint, mode: str, n: int, r: int) -> SliceResult:
         from kvpipe.bench.client import run_workload
-        from kvpipe.bench.workload import Workload
 
         cfg, desc = configs[n], f"{mode} len={n} round {r + 1}/{rounds}"
         pd = ep.info_url is not None and mode != INPROC
         if r == 0 and args.warmup_requests > 0:
-            warm = replace(cfg, num_requests=args.warmup_requests, seed=cfg.seed + 1_000_003, request_rate=math.inf)
+            warm = _warmup_config(cfg, args)
             ep.call(run_workload, ep.url, build_workload(warm), args.concurrency, args.timeout, False, desc)
-        part = workloads[n].requests[r * args.concurrency:(r + 1) * args.concurrency]
-        sub = Workload(cfg, tuple(replace(q, arrival_s=0.0) for q in part))
+        sub = slices[n][r]
         before = readings(ep) if pd else None
         res = ep.call(run_workload, ep.url, sub, args.concurrency, args.timeout, not args.no_progress, desc)
         if before is None:
@@ -218,8 +226,11 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
               "workload": _config_dict(configs[lens[0]], args) | {"prompt_lens": lens}, "rows": rows,
               "summaries": [{"prompt_len": p.prompt_len, "mode": p.mode, **p.summary} for p in points]}
     title = f"kvpipe sweep, link {result['link_rate']}, {args.num_requests} req/point, c={args.concurrency}"
-    if args.num_prefix_groups:  # one workload's modes side by side: bars, not curves over prompt length
-        title += f", {args.num_prefix_groups} prefix groups of {args.prefix_len} tokens"
+    if args.num_prefix_groups or args.num_turns > 1:  # one workload's modes side by side: bars
+        if args.num_prefix_groups:
+            title += f", {args.num_prefix_groups} prefix groups of {args.prefix_len} tokens"
+        if args.num_turns > 1:
+            title += f", {args.num_turns} turns (+{args.turn_len} tokens each)"
         _emit(result, args, lambda path: plot_modes(rows, path, title))
     else:
         _emit(result, args, lambda path: plot_sweep(rows, path, title))

@@ -15,7 +15,7 @@ Length specs (`parse_lengths`):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -87,6 +87,11 @@ class WorkloadConfig:
     prefix_len: int = 0
     # Token ids are drawn from [token_id_low, vocab_size): keeps the lowest (often special) ids out.
     token_id_low: int = 0
+    # Multi-turn mode (num_turns > 1): the requests form conversations of num_turns consecutive
+    # turns; a follow-up turn resends the whole conversation (previous prompt + previous answer,
+    # known only when it finished) plus `turn_len` new user tokens.
+    num_turns: int = 1
+    turn_len: int = 0
 
     def __post_init__(self) -> None:
         if self.num_requests < 1:
@@ -97,6 +102,11 @@ class WorkloadConfig:
             raise ValueError(f"request_rate must be > 0 (inf = no pacing), got {self.request_rate}")
         if self.num_prefix_groups < 0 or self.prefix_len < 0:
             raise ValueError("num_prefix_groups and prefix_len must be >= 0")
+        if self.num_turns < 1 or (self.num_turns > 1 and self.turn_len < 1):
+            raise ValueError(f"num_turns must be >= 1 and turn_len >= 1 with several turns, got "
+                             f"{self.num_turns}, {self.turn_len}")
+        if self.num_requests % self.num_turns:
+            raise ValueError(f"num_requests ({self.num_requests}) must be a multiple of num_turns ({self.num_turns})")
         if self.num_prefix_groups and self.prefix_len >= self.prompt_lens.min():
             raise ValueError(f"prefix_len ({self.prefix_len}) must be shorter than every prompt "
                              f"(shortest {self.prompt_lens.min()})")
@@ -109,14 +119,18 @@ class BenchRequest:
     output_len: int
     arrival_s: float  # offset from the start of the run at which the request is sent
     prefix_group: int | None = None
+    # multi-turn: the index of the previous turn; then `input_ids` holds only this turn's new user
+    # tokens, and the prompt sent is the previous prompt + its output + these (see client.py)
+    follows: int | None = None
 
     @property
     def prompt_len(self) -> int:
+        """Tokens sent (a follow-up turn: its new tokens only; the full prompt is known at send time)."""
         return len(self.input_ids)
 
-    def body(self, stream: bool = True, temperature: float = 0.0) -> dict:
+    def body(self, stream: bool = True, temperature: float = 0.0, input_ids: list[int] | None = None) -> dict:
         """The SGLang native `/generate` body; ignore_eos makes the output length exact."""
-        return {"input_ids": list(self.input_ids), "stream": stream,
+        return {"input_ids": list(self.input_ids) if input_ids is None else input_ids, "stream": stream,
                 "sampling_params": {"max_new_tokens": self.output_len, "temperature": temperature,
                                     "ignore_eos": True}}
 
@@ -155,9 +169,23 @@ def build_workload(cfg: WorkloadConfig) -> Workload:
                 for _ in range(cfg.num_prefix_groups)]
     reqs = []
     for i in range(n):
-        group = i % cfg.num_prefix_groups if cfg.num_prefix_groups else None
+        conv, turn = divmod(i, cfg.num_turns)  # single turn: conv = i, turn = 0
+        group = conv % cfg.num_prefix_groups if cfg.num_prefix_groups else None
+        if turn:  # a follow-up: new user tokens, sent when the previous turn finished
+            ids = tuple(int(t) for t in rng.integers(cfg.token_id_low, cfg.vocab_size, size=cfg.turn_len))
+            reqs.append(BenchRequest(i, ids, output_lens[i], arrivals[i - turn], group, follows=i - 1))
+            continue
         head = prefixes[group] if group is not None else np.empty(0, dtype=np.int64)
         tail = rng.integers(cfg.token_id_low, cfg.vocab_size, size=prompt_lens[i] - len(head))
         ids = tuple(int(t) for t in np.concatenate([head, tail]))
         reqs.append(BenchRequest(i, ids, output_lens[i], arrivals[i], group))
     return Workload(cfg, tuple(reqs))
+
+
+def split_rounds(workload: Workload, size: int) -> list[Workload]:
+    """Consecutive slices of `size` conversations each (single turn: `size` requests), arrivals
+    reset to 0: the rounds of an interleaved sweep, which never split a conversation."""
+    per = size * workload.config.num_turns
+    reqs = workload.requests
+    return [Workload(workload.config, tuple(replace(q, arrival_s=0.0) for q in reqs[i:i + per]))
+            for i in range(0, len(reqs), per)]

@@ -11,7 +11,8 @@ import httpx
 import pytest
 
 from kvpipe.bench.client import DONE, drive, event_error, event_tokens, parse_sse_line
-from kvpipe.bench.workload import WorkloadConfig, build_workload, parse_lengths
+from kvpipe.bench.metrics import summarize
+from kvpipe.bench.workload import WorkloadConfig, build_workload, parse_lengths, split_rounds
 
 
 def sse(*events: object) -> bytes:
@@ -91,3 +92,57 @@ def test_drive_captures_errors_per_request() -> None:
             assert rec.error == "bad prompt"
         else:
             assert rec.error == "expected 3 output tokens, got 2"
+
+
+def _multi_turn(n: int = 6, turns: int = 3, groups: int = 0):
+    cfg = WorkloadConfig(parse_lengths("8"), parse_lengths("2"), n, vocab_size=50, seed=3, num_turns=turns,
+                         turn_len=4, num_prefix_groups=groups, prefix_len=5 if groups else 0)
+    return build_workload(cfg)
+
+
+def test_multi_turn_workload_and_rounds() -> None:
+    wl = _multi_turn()
+    assert [r.follows for r in wl.requests] == [None, 0, 1, None, 3, 4]
+    assert [r.prompt_len for r in wl.requests] == [8, 4, 4, 8, 4, 4]  # follow-ups: new tokens only
+    assert wl.requests[1].arrival_s == wl.requests[0].arrival_s
+    assert [[q.index for q in w.requests] for w in split_rounds(wl, 1)] == [[0, 1, 2], [3, 4, 5]]
+    single = build_workload(WorkloadConfig(parse_lengths("8"), parse_lengths("2"), 5, vocab_size=50, seed=3))
+    assert [[q.index for q in w.requests] for w in split_rounds(single, 2)] == [[0, 1], [2, 3], [4]]
+    grouped = _multi_turn(n=6, turns=2, groups=2)  # prefix groups go by conversation
+    assert [r.prefix_group for r in grouped.requests] == [0, 0, 1, 1, 0, 0]
+    assert grouped.requests[0].input_ids[:5] == grouped.requests[4].input_ids[:5]
+    for bad in (dict(num_turns=0), dict(num_turns=2, turn_len=0), dict(num_turns=4, turn_len=1)):
+        with pytest.raises(ValueError):
+            WorkloadConfig(parse_lengths("8"), parse_lengths("2"), 6, vocab_size=50, **bad)
+
+
+def test_multi_turn_resends_the_conversation_closed_loop() -> None:
+    """A follow-up is sent after its previous turn finished, with that turn's prompt + its output
+    ids + its own new tokens; a failed turn fails its follow-ups unsent; cached_tokens recorded."""
+    wl = _multi_turn(n=6, turns=3)
+    sent: list[list[int]] = []
+    fail_first = wl.requests[3].input_ids  # the second conversation's first turn fails
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        ids = json.loads(request.content)["input_ids"]
+        sent.append(ids)
+        if ids == list(fail_first):
+            return httpx.Response(500, json={"error": {"message": "boom"}})
+        out = [len(ids), len(ids) + 1]  # the "model" answers with the prompt length
+        evs = [{"output_ids": out[:i], "meta_info": {"completion_tokens": i, "cached_tokens": 16 * (i - 1)}}
+               for i in (1, 2)]
+        return httpx.Response(200, content=sse(*evs, b"[DONE]"), headers={"content-type": "text/event-stream"})
+
+    res = asyncio.run(drive("http://bench.test/generate", wl, concurrency=2, timeout_s=30, progress=False,
+                            transport=httpx.MockTransport(handler)))
+    t0, t1, t2 = (list(wl.requests[i].input_ids) for i in range(3))
+    turn1 = t0 + [8, 9] + t1
+    assert sent.count(t0) == 1 and turn1 in sent and turn1 + [14, 15] + t2 in sent
+    assert sent.index(turn1) > sent.index(t0)
+    recs = res.records
+    assert [r.ok for r in recs] == [True, True, True, False, False, False]
+    assert [r.prompt_len for r in recs[:3]] == [8, 14, 20] and recs[2].cached_tokens == 16
+    assert "request 3" in recs[4].error and "request 4" in recs[5].error  # never sent
+    assert len(sent) == 4
+    s = summarize(recs, 1.0)
+    assert s["cached_tokens_mean"] == 16.0 and s["prompt_tokens_mean"] == 14.0
