@@ -24,6 +24,7 @@ _GAUGES = {
     "num_waiting": ("kvpipe_num_waiting_reqs", "Requests queued for admission"),
     "free_pages": ("kvpipe_free_pages", "KV cache pages free for new requests"),
     "total_pages": ("kvpipe_total_pages", "KV cache pages in the pool"),
+    "cached_pages": ("kvpipe_cached_pages", "KV pages held by the radix prefix cache (in use or evictable)"),
     # PD prefill (layer-pipelined KV transfer)
     "num_groups": ("kvpipe_num_layer_groups", "Layer groups of the last prefill batch (1: plain transfer)"),
 }
@@ -38,6 +39,14 @@ class _EngineStatsCollector(Collector):
         for key, (name, doc) in _GAUGES.items():
             if key in stats:
                 yield GaugeMetricFamily(name, doc, value=float(stats[key]))
+        if "prefix_hit_tokens" in stats:
+            yield CounterMetricFamily("kvpipe_prefix_hit_tokens", "Prompt tokens admitted requests took from this "
+                                      "server's prefix cache (a PD decode: KV not transferred)",
+                                      value=float(stats["prefix_hit_tokens"]))
+        pd = stats.get("disaggregation")
+        if isinstance(pd, dict) and isinstance(pd.get("bytes_written"), int):
+            yield CounterMetricFamily("kvpipe_kv_transfer_bytes", "KV bytes this prefill wrote to decode servers",
+                                      value=float(pd["bytes_written"]))
         by_groups = stats.get("layer_group_batches")
         if isinstance(by_groups, dict):
             c = CounterMetricFamily("kvpipe_prefill_batches_by_layer_groups",

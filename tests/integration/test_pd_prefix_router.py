@@ -74,12 +74,15 @@ def test_cached_prefixes_through_router(tiny_model_dir: Path, tmp_path: Path, re
         stack.prefill.wait_idle(30)
         d = stack.decode.wait_idle(30)
         assert d["prefix_hit_tokens"] > 0 and d["cached_pages"] > 0
+        assert stack.decode.metric("kvpipe_prefix_hit_tokens_total") == d["prefix_hit_tokens"]
+        assert stack.decode.metric("kvpipe_cached_pages") == d["cached_pages"]
         st = disagg_stats(stack.prefill)
         assert st["rooms_failed"] == 0 and st["rooms_succeeded"] == len(ps) + 2
         full_pages = sum(-(-len(p) // PS) for p in ps)
         heads = max(KV_HEADS // d_tp, 1) * d_tp  # every decode rank's heads once (no replication here)
         full = full_pages * heads * PS * HEAD_DIM * 4 * 2 * LAYERS
-        assert kv_prompts < 0.6 * full, (kv_prompts, full)  # the decode held the prefixes
+        assert kv_prompts < 0.6 * full, (kv_prompts, full)
+        assert stack.prefill.metric("kvpipe_kv_transfer_bytes_total") == st["bytes_written"]  # the decode held the prefixes
     except BaseException:
         print(stack.logs())
         raise
