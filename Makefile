@@ -5,7 +5,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvpipe-installed
 
-.PHONY: setup run test test-unit clean
+.PHONY: setup system-deps run test test-unit clean
+
+# Mooncake's shared libraries (apt-get when root and missing; else a one-line instruction)
+system-deps:
+	@sh scripts/system-deps.sh
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -15,7 +19,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[mooncake,router,bench,test]'
 	touch $(STAMP)
 
-setup: $(STAMP)
+setup: system-deps $(STAMP)
 
 run: setup
 	$(BIN)/kvpipe launch

@@ -13,6 +13,7 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -173,6 +174,10 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 def _setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Mooncake's transfer engine reads its log level from the environment when it starts (later,
+    # and in TP children, which inherit it): its INFO lines only with --log-level debug; a
+    # user's MC_LOG_LEVEL wins
+    os.environ.setdefault("MC_LOG_LEVEL", "INFO" if level == "debug" else "WARNING")
 
 
 # ---- serve ---------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ prefill sends less KV than the prompts hold; every page comes back on both sides
 
 from __future__ import annotations
 
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -82,7 +83,9 @@ def test_cached_prefixes_through_router(tiny_model_dir: Path, tmp_path: Path, re
         heads = max(KV_HEADS // d_tp, 1) * d_tp  # every decode rank's heads once (no replication here)
         full = full_pages * heads * PS * HEAD_DIM * 4 * 2 * LAYERS
         assert kv_prompts < 0.6 * full, (kv_prompts, full)
-        assert stack.prefill.metric("kvpipe_kv_transfer_bytes_total") == st["bytes_written"]  # the decode held the prefixes
+        assert stack.prefill.metric("kvpipe_kv_transfer_bytes_total") == st["bytes_written"]
+        # Mooncake's glog INFO lines stay out of the servers' output unless --log-level debug
+        assert not re.search(r"^I\d{4} ", (tmp_path / "prefill.log").read_text(errors="replace"), re.M)  # the decode held the prefixes
     except BaseException:
         print(stack.logs())
         raise

@@ -1,0 +1,22 @@
+#!/usr/bin/env sh
+# The shared libraries the Mooncake CPU build links against (even over TCP), and iproute2 for the
+# emulated-link testbed. Installed with apt-get when missing and we are root; otherwise one clear
+# line says what to run. Called by `make setup` (and so by `make run` and `make test`).
+set -eu
+LIBS="libibverbs.so.1 librdmacm.so.1 libnuma.so.1"
+PKGS="libibverbs1 librdmacm1 libnuma1 iproute2"
+missing=""
+for lib in $LIBS; do
+  ldconfig -p 2>/dev/null | grep -q "$lib" || missing="$missing $lib"
+done
+command -v ip >/dev/null 2>&1 || missing="$missing ip"
+[ -z "$missing" ] && exit 0
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "kvpipe setup: installing$missing (apt-get install $PKGS)"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -qq --no-install-recommends $PKGS >/dev/null 2>&1 || {
+    apt-get update -qq && apt-get install -y -qq --no-install-recommends $PKGS >/dev/null; }
+  exit 0
+fi
+echo "kvpipe setup: missing$missing; run: sudo apt-get install $PKGS" >&2
+exit 1

@@ -1,0 +1,36 @@
+"""scripts/system-deps.sh (run by `make setup`): nothing to do when the libraries are there; as a
+non-root user with one missing, a single line naming the apt-get command and a failing exit."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "system-deps.sh"
+
+
+def run(tmp_path: Path, ldconfig_out: str, uid: int) -> subprocess.CompletedProcess:
+    """The script with fake `ldconfig`, `id` and `ip` first on PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    fakes = {"ldconfig": f"printf '{ldconfig_out}'", "id": f"echo {uid}", "ip": "true"}
+    for name, body in fakes.items():
+        f = bin_dir / name
+        f.write_text(f"#!/bin/sh\n{body}\n")
+        f.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin"}
+    return subprocess.run(["sh", str(SCRIPT)], capture_output=True, text=True, env=env, timeout=30)
+
+
+def test_all_present_does_nothing(tmp_path: Path) -> None:
+    libs = "\\tlibibverbs.so.1 => /x\\n\\tlibrdmacm.so.1 => /x\\n\\tlibnuma.so.1 => /x\\n"
+    r = run(tmp_path, libs, uid=1000)
+    assert r.returncode == 0 and r.stdout == "" and r.stderr == ""
+
+
+def test_missing_library_without_root_says_what_to_run(tmp_path: Path) -> None:
+    r = run(tmp_path, "\\tlibnuma.so.1 => /x\\n", uid=1000)
+    assert r.returncode == 1
+    assert r.stderr.strip() == ("kvpipe setup: missing libibverbs.so.1 librdmacm.so.1; run: "
+                                "sudo apt-get install libibverbs1 librdmacm1 libnuma1 iproute2")
