@@ -98,26 +98,21 @@ def transfer_count_from_server_info(info: Mapping[str, Any]) -> TransferCount | 
     return None
 
 
-def read_transfer_count(info_url: str, timeout_s: float = 5.0) -> TransferCount | None:
-    try:
-        r = httpx.get(info_url.rstrip("/") + "/server_info", timeout=timeout_s)
-        return transfer_count_from_server_info(r.json()) if r.status_code == 200 else None
-    except (httpx.HTTPError, ValueError):
-        return None
-
-
 def count_delta(before: TransferCount | None, after: TransferCount | None) -> TransferCount | None:
     if before is None or after is None:
         return None
     return TransferCount(after.bytes_written - before.bytes_written, after.rooms - before.rooms)
 
 
-def read_transfer_tail(info_url: str, timeout_s: float = 5.0) -> tuple[float, int] | None:
+def read_server_info(info_url: str, timeout_s: float = 5.0) -> Mapping[str, Any] | None:
+    """A server's /server_info (None when unreachable or not JSON): parse it with the
+    *_from_server_info functions, one fetch for every figure of a reading."""
     try:
         r = httpx.get(info_url.rstrip("/") + "/server_info", timeout=timeout_s)
-        return transfer_tail_from_server_info(r.json()) if r.status_code == 200 else None
+        info = r.json() if r.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
         return None
+    return info if isinstance(info, Mapping) else None
 
 
 def tail_delta(before: tuple[float, int] | None, after: tuple[float, int] | None) -> float | None:

@@ -147,8 +147,8 @@ def run_single(args: argparse.Namespace) -> int:
 
 def run_sweep_cmd(args: argparse.Namespace) -> int:
     from kvpipe.bench.plot import plot_modes, plot_sweep
-    from kvpipe.bench.probe import (count_delta, model_config, read_num_groups, read_transfer_count, read_transfer_tail,
-                                    tail_delta)
+    from kvpipe.bench.probe import (count_delta, model_config, read_num_groups, read_server_info, tail_delta,
+                                    transfer_count_from_server_info, transfer_tail_from_server_info)
     from kvpipe.bench.stacks import Endpoint, StackOptions, default_stack_factory
     from kvpipe.bench.sweep import (INPROC, SliceResult, kv_bytes_per_token, parse_modes, parse_prompt_lens,
                                     run_sweep, run_sweep_interleaved, sweep_rows)
@@ -167,7 +167,11 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
     opts = StackOptions(model_path, tuple(shlex.split(args.server_args)), log_dir, args.startup_timeout)
 
     def readings(ep: Endpoint) -> tuple[Any, Any]:
-        return ep.call(read_transfer_tail, ep.info_url), ep.call(read_transfer_count, ep.info_url)
+        """(transfer tail, transfer count) of the prefill now, from one /server_info fetch."""
+        info = ep.call(read_server_info, ep.info_url)
+        if info is None:
+            return None, None
+        return transfer_tail_from_server_info(info), transfer_count_from_server_info(info)
 
     def measure(ep: Endpoint, mode: str, n: int) -> tuple[dict, int | None, float | None, float | None]:
         pd = ep.info_url is not None and mode != INPROC

@@ -109,6 +109,12 @@ class Scheduler:
         req.num_shared_pages = len(pages)
         req.num_cached = req.cached_tokens = len(pages) * self.page_size
 
+    def _promise(self, req: Req) -> int:
+        """Admit `req`: promise the pages it may still allocate (its cached prefix aside); returns them."""
+        self._promised[req.rid] = self.max_pages(req) - req.num_shared_pages
+        self.prefix_hit_tokens += req.num_shared_pages * self.page_size
+        return self._promised[req.rid]
+
     def _unmatch(self, req: Req) -> None:
         """Give back a prefix match (the request stays queued)."""
         self._unpin(req)
@@ -158,8 +164,7 @@ class Scheduler:
         if not self._can_admit(req, self._outstanding()):
             self._unmatch(req)
             return False
-        self._promised[req.rid] = self.max_pages(req) - req.num_shared_pages
-        self.prefix_hit_tokens += req.num_shared_pages * self.page_size
+        self._promise(req)
         self._ensure_pages(req, len(req.input_ids))
         self.reserved[req.rid] = req
         return True
@@ -218,9 +223,7 @@ class Scheduler:
                 self._unmatch(req)
                 break  # FIFO: later requests do not overtake the head
             self.waiting.popleft()
-            self._promised[req.rid] = self.max_pages(req) - req.num_shared_pages
-            self.prefix_hit_tokens += req.num_shared_pages * self.page_size
-            outstanding += self._promised[req.rid]
+            outstanding += self._promise(req)
             req.status = ReqStatus.RUNNING
             self.running.append(req)
             take(req)
