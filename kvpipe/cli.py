@@ -18,7 +18,8 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
-from kvpipe.config import CacheConfig, ConfigError, DisaggregationConfig, SchedulerConfig, ServerConfig, parse_layer_groups
+from kvpipe.config import (STAGING_MODES, CacheConfig, ConfigError, DisaggregationConfig, SchedulerConfig, ServerConfig,
+                           parse_layer_groups)
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,13 @@ def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disaggregation-enable-decode-radix-cache", action="store_true",
                    help="decode: keep finished requests' KV in a radix cache and have the prefill send only "
                         "the pages of a prompt past its longest cached prefix")
+    g.add_argument("--disaggregation-staging-buffer", choices=list(STAGING_MODES), default=d.staging,
+                   help="heterogeneous TP (prefill and decode TP sizes differ): 'on' gathers each send's "
+                        "head slices into one staged chunk written with one op into the decode's staging "
+                        "ring, 'auto' stages when the chunk's page ops would cost more, 'off' writes "
+                        "each (layer, K/V, page) slice as its own op")
+    g.add_argument("--disaggregation-staging-pool-size-mb", type=int, default=d.staging_pool_mb,
+                   help="decode: staging ring per TP rank; prefill: its local staging buffer (MB)")
     g.add_argument("--disaggregation-bootstrap-timeout", type=float, default=d.bootstrap_timeout_s,
                    help="seconds to reach the peer and exchange the request's pages")
     g.add_argument("--disaggregation-waiting-timeout", type=float, default=d.waiting_timeout_s,
@@ -122,6 +130,7 @@ def disaggregation_config_from_args(args: argparse.Namespace) -> DisaggregationC
             transfer_backend=args.disaggregation_transfer_backend, ib_device=args.disaggregation_ib_device,
             host=args.disaggregation_host, layer_groups=args.disaggregation_layer_groups,
             decode_radix_cache=args.disaggregation_enable_decode_radix_cache,
+            staging=args.disaggregation_staging_buffer, staging_pool_mb=args.disaggregation_staging_pool_size_mb,
             bootstrap_timeout_s=args.disaggregation_bootstrap_timeout,
             waiting_timeout_s=args.disaggregation_waiting_timeout,
             heartbeat_interval_s=args.disaggregation_heartbeat_interval,

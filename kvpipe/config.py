@@ -144,6 +144,9 @@ class SchedulerConfig:
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 
 
+STAGING_MODES = ("off", "on", "auto")
+
+
 def parse_layer_groups(value: str | int) -> int | str:
     """The text of --disaggregation-layer-groups -> 'auto' or a group count N >= 1 (1: plain path)."""
     v = value.strip().lower() if isinstance(value, str) else value
@@ -174,6 +177,14 @@ class DisaggregationConfig:
     # decode: match each prompt against a radix cache of KV this server already holds and ask the
     # prefill only for the pages past it (SGLang's --disaggregation-enable-decode-radix-cache)
     decode_radix_cache: bool = False
+    # Heterogeneous-TP transfer through a staging ring (transfer/staging.py): "off" (one write per
+    # layer, K/V and page of a head slice), "on" (every head-sliced send is gathered into one
+    # staged chunk per destination and written with one op) or "auto" (staged when the planner's
+    # cost model says the chunk's ops cost more than staging it). A decode with "off" offers no
+    # ring; a prefill stages only into decodes that offer one.
+    staging: str = "off"
+    # decode: bytes of its staging ring per TP rank; prefill: bytes of its local staging buffer
+    staging_pool_mb: int = 64
     # Prefill: add_room -> the decode's TransferRequest. Decode: add_room -> TransferRequest sent
     # (bootstrap fetch, compatibility check, peer registration).
     bootstrap_timeout_s: float = 30.0
@@ -220,6 +231,10 @@ class DisaggregationConfig:
                               f"--disaggregation-mode decode, not {self.mode}")
         if not 0.0 <= self.failure_prob <= 1.0:
             raise ConfigError(f"failure probability must be in [0, 1], got {self.failure_prob}")
+        if self.staging not in STAGING_MODES:
+            raise ConfigError(f"staging buffer must be one of {STAGING_MODES}, got {self.staging!r}")
+        if not (type(self.staging_pool_mb) is int and self.staging_pool_mb >= 1):
+            raise ConfigError(f"staging pool size must be a whole number of MB >= 1, got {self.staging_pool_mb!r}")
 
     @property
     def enabled(self) -> bool:
@@ -228,6 +243,10 @@ class DisaggregationConfig:
     @property
     def heartbeat_timeout_s(self) -> float:
         return self.heartbeat_interval_s * self.heartbeat_misses
+
+    @property
+    def staging_pool_nbytes(self) -> int:
+        return self.staging_pool_mb << 20
 
 
 @dataclass(frozen=True)

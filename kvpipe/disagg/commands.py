@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvpipe.transfer.layout import KVLayout
-from kvpipe.transfer.messages import AuxTuple
+from kvpipe.transfer.messages import AuxTuple, StagingInfo
 from kvpipe.transfer.sender_book import SenderStats, TransferTiming
 from kvpipe.transfer.state import TransferState
 
@@ -41,6 +41,7 @@ class RankStarted:
     layout: KVLayout  # this rank's pool (its head range)
     data_address: str  # its backend: where peers write
     control_address: str | None  # prefill: its KVSender's control endpoint
+    staging: StagingInfo | None = None  # decode with a staging ring: its agent and pool
 
 
 @dataclass(frozen=True)

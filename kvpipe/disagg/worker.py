@@ -31,6 +31,7 @@ from kvpipe.disagg.setup import data_host, make_backend, rank_layout, register_p
 from kvpipe.engine.connector import KVConnectorWorker
 from kvpipe.transfer.backends.base import TransferBackend
 from kvpipe.transfer.sender import KVSender
+from kvpipe.transfer.staging import KVBytes, StagingAgent, StagingBuffer
 from kvpipe.transfer.sender_book import SenderStats
 from kvpipe.transfer.state import DuplicateRoomError, TransferState
 
@@ -48,6 +49,8 @@ class TransferWorker(KVConnectorWorker):
         self.backend = backend  # None: made at start (tests pass an in-process one)
         self._own_backend = backend is None
         self.sender: KVSender | None = None
+        self.staging_agent: StagingAgent | None = None  # decode with --disaggregation-staging-buffer
+        self._pool = pool
         self.poll_interval_s = POLL_S if cfg.disaggregation.mode == "prefill" else None
         self._cuda = pool.k[0].device.type == "cuda"
         self._failed: list[tuple[int, TransferState, str]] = []  # rooms refused here, reported next poll
@@ -76,14 +79,23 @@ class TransferWorker(KVConnectorWorker):
         if self.backend is None:
             self.backend = make_backend(self.cfg)
         register_pool(self.backend, self.layout)
+        d = self.cfg.disaggregation
         control = None
+        staging = d.staging != "off"
         if isinstance(cmd, StartPrefill):
-            self.sender = KVSender(self.cfg.disaggregation, layout=self.layout, backend=self.backend,
+            buf = StagingBuffer(KVBytes.from_pool(self._pool), self.backend, d.staging_pool_nbytes) if staging else None
+            self.sender = KVSender(d, layout=self.layout, backend=self.backend,
                                    tp_rank=self.rank, tp_size=self.cfg.tp_size, model_name=self.cfg.model_name,
-                                   instance_id=cmd.instance_id, host=data_host(self.cfg))
+                                   instance_id=cmd.instance_id, host=data_host(self.cfg), staging=buf)
             self.sender.start(bootstrap=cmd.bootstrap)
             control = self.sender.control_address
-        return RankStarted(self.rank, self.layout, self.backend.address, control)
+        elif staging:  # decode: a staging ring on this rank, scattered by this process
+            self.staging_agent = StagingAgent(
+                self.layout, KVBytes.from_pool(self._pool), self.backend, d.staging_pool_nbytes,
+                host=data_host(self.cfg), session_id=f"{self.backend.address}/{self.rank}",
+                lease_s=2 * d.transfer_timeout_s, send_hwm=d.control_send_hwm).start()
+        return RankStarted(self.rank, self.layout, self.backend.address, control,
+                           None if self.staging_agent is None else self.staging_agent.info)
 
     def _prefill_sender(self) -> KVSender:
         if self.sender is None:
@@ -166,6 +178,8 @@ class TransferWorker(KVConnectorWorker):
         self._closed = True
         if self.sender is not None:
             self.sender.close()
+        if self.staging_agent is not None:
+            self.staging_agent.close()
         if self._own_backend and self.backend is not None:
             self.backend.close()
 

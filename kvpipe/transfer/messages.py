@@ -6,6 +6,11 @@ for the field rules. `decode` raises ProtocolError for anything malformed and no
 Flow: decode rank -> prefill: RegisterPeer once per (decode rank, prefill rank), then a
 TransferRequest per request; prefill -> decode: TransferStatus when the KV has landed (or
 failed); either side: Abort; both: Heartbeat.
+
+Staged chunks (heterogeneous TP through a staging ring, staging.py): prefill rank -> the decode
+rank's staging agent: StagingSlotRequest; agent -> prefill: StagingSlotGrant (a ring offset, or
+refused); prefill writes the chunk there with one op, then StagingChunkWritten (scatter it into
+these pages, or only release the slot); agent -> prefill: StagingChunkDone once scattered.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import msgpack
 from kvpipe.transfer.codec import ProtocolError, from_wire, to_wire
 from kvpipe.transfer.layout import KVLayout
 
-PROTOCOL_VERSION = 2  # 2: AuxData.cached_tokens
+PROTOCOL_VERSION = 3  # 2: AuxData.cached_tokens; 3: staging ring messages, RegisterPeer.staging
 MAX_MESSAGE_BYTES = 64 << 20  # a page list of 8M pages; anything bigger is garbage
 
 
@@ -36,6 +41,15 @@ class Side(enum.Enum):
 
 
 @dataclass(frozen=True)
+class StagingInfo:
+    """A decode rank's staging ring: where its agent listens and the registered pool it grants from."""
+
+    control_address: str  # the rank's staging agent (its own control endpoint)
+    pool_addr: int  # base address of the ring, registered with the rank's backend
+    pool_nbytes: int
+
+
+@dataclass(frozen=True)
 class RegisterPeer:
     """A decode rank introduces itself to a prefill rank (once per pair, again after a restart)."""
 
@@ -46,6 +60,7 @@ class RegisterPeer:
     data_address: str  # the decode backend's address that prefill writes into
     control_address: str  # where prefill sends TransferStatus / Abort / Heartbeat
     layout: KVLayout  # decode's registered KV buffers and head range
+    staging: StagingInfo | None = None  # None: this decode rank takes plain page writes only
 
 
 @dataclass(frozen=True)
@@ -111,8 +126,70 @@ class Heartbeat:
     seq: int  # increases by one per beat; a gap or reset means the peer restarted
 
 
-Message = Union[RegisterPeer, TransferRequest, TransferStatus, Abort, Heartbeat]
-MESSAGE_TYPES: dict[str, type] = {c.KIND: c for c in (RegisterPeer, TransferRequest, TransferStatus, Abort, Heartbeat)}
+@dataclass(frozen=True)
+class StagingSlotRequest:
+    """A prefill rank asks a decode rank's staging agent for `nbytes` of its ring."""
+
+    KIND = "staging_slot_request"
+    room: int
+    session_id: str  # the prefill rank's session
+    chunk: int  # unique per prefill session: names the slot in every later message
+    nbytes: int
+    reply_address: str  # the prefill rank's control endpoint
+
+
+@dataclass(frozen=True)
+class StagingSlotGrant:
+    """The agent's answer: a slot at `offset` of its ring, or refused (`reason`: oversized, closing)."""
+
+    KIND = "staging_slot_grant"
+    room: int
+    chunk: int
+    session_id: str  # the decode rank's session (the prefill finds the agent's address by it)
+    ok: bool
+    offset: int = 0
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class StagingChunkWritten:
+    """The chunk is in the slot: layers [layer_start, layer_end) x (K, V) x pages, each entry
+    `slice_nbytes` bytes that go to byte `page_offset` of its decode page. scatter=False: the
+    room failed, only free the slot (nothing is scattered, no StagingChunkDone follows)."""
+
+    KIND = "staging_chunk_written"
+    room: int
+    chunk: int
+    session_id: str  # the prefill rank's session
+    reply_address: str
+    scatter: bool
+    dst_pages: tuple[int, ...] = ()
+    page_offset: int = 0  # bytes into each decode page: the first moved head
+    slice_nbytes: int = 0  # bytes per (layer, K/V, page)
+    layer_start: int = 0
+    layer_end: int = 0
+
+
+@dataclass(frozen=True)
+class StagingChunkDone:
+    """The agent scattered the chunk into the pages (ok) or could not (reason); the slot is free.
+    watermark_*: the ring's oldest live position after the free (for metrics and tests)."""
+
+    KIND = "staging_chunk_done"
+    room: int
+    chunk: int
+    session_id: str  # the decode rank's session
+    ok: bool
+    reason: str = ""
+    watermark_round: int = 0
+    watermark_offset: int = 0
+
+
+Message = Union[RegisterPeer, TransferRequest, TransferStatus, Abort, Heartbeat, StagingSlotRequest,
+                StagingSlotGrant, StagingChunkWritten, StagingChunkDone]
+MESSAGE_TYPES: dict[str, type] = {c.KIND: c for c in (RegisterPeer, TransferRequest, TransferStatus, Abort, Heartbeat,
+                                                      StagingSlotRequest, StagingSlotGrant, StagingChunkWritten,
+                                                      StagingChunkDone)}
 
 
 def encode(msg: Message) -> bytes:

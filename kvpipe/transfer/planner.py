@@ -155,3 +155,19 @@ def sendable_pages(sent_tokens: int, ready_tokens: int, page_size: int, final: b
         return PageSpan(first, -(-ready_tokens // page_size), ready_tokens)
     end = ready_tokens // page_size
     return PageSpan(first, end, end * page_size)
+
+
+# Cost model of a staged chunk against its page ops (staging.py). A Mooncake TCP op costs about
+# OP_COST_S of fixed work (docs/benchmarks.md, fragmentation sweep); a staged chunk costs a slot
+# round trip and an announce/done round trip on the control plane (STAGING_FIXED_S) plus a
+# gather and a scatter of its bytes at memory speed (MEMCPY_BYTES_PER_S), and one op.
+OP_COST_S = 11e-6
+STAGING_FIXED_S = 400e-6
+MEMCPY_BYTES_PER_S = 4e9
+
+
+def staging_pays(num_ops: int, op_nbytes: int) -> bool:
+    """True when writing `num_ops` ops of `op_nbytes` each costs more than staging them as one chunk."""
+    plain = num_ops * OP_COST_S
+    staged = OP_COST_S + STAGING_FIXED_S + 2 * num_ops * op_nbytes / MEMCPY_BYTES_PER_S
+    return plain > staged

@@ -190,7 +190,8 @@ class ReceiverBook:
                 r.rec.fail(f"prefill at {addr[0]}:{addr[1]} restarted", now)
         peer = KnownPrefill(addr, info, {f"{info.instance_id}/{p}": p for p in range(info.tp_size)})
         self._to_pairs(info, lambda r: RegisterPeer(self.sessions[r], r, self.tp_size, self.ranks[r].data_address,
-                                                    self.control_address, self.ranks[r].layout))
+                                                    self.control_address, self.ranks[r].layout,
+                                                    self.ranks[r].staging))
         self.stats.registrations += len(rank_pairs(info.tp_size, self.tp_size))
         for s, p in peer.sessions.items():
             self._by_session[s] = (addr, p)

@@ -45,7 +45,8 @@ from kvpipe.transfer.control import ControlEndpoint
 from kvpipe.transfer.layout import KVLayout
 from kvpipe.transfer.messages import AuxTuple
 from kvpipe.transfer.sender_book import SenderBook, SenderStats, TransferTiming
-from kvpipe.transfer.sender_room import OpBatch, SendCall
+from kvpipe.transfer.sender_room import OpBatch, SendCall, StagedChunk, StagingPolicy
+from kvpipe.transfer.staging import StagingBuffer
 from kvpipe.transfer.state import Clock, TransferState
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,9 @@ log = logging.getLogger(__name__)
 class KVSender:
     def __init__(self, cfg: DisaggregationConfig, *, layout: KVLayout, backend: TransferBackend, tp_rank: int = 0,
                  tp_size: int = 1, model_name: str, instance_id: str | None = None, host: str = "127.0.0.1",
-                 clock: Clock = time.monotonic) -> None:
+                 clock: Clock = time.monotonic, staging: StagingBuffer | None = None) -> None:
+        """`staging`: a registered local staging buffer over this rank's KV (staging.py); with
+        cfg.staging "on" or "auto" sends to decode ranks that offer a staging ring are staged."""
         if instance_id is None:
             if tp_size != 1:
                 raise ValueError("with tp_size > 1 every rank needs the same instance_id")
@@ -69,7 +72,12 @@ class KVSender:
         self._stop = threading.Event()
         self._endpoint = ControlEndpoint(host, self._on_message, name=f"kvsender-{tp_rank}",
                                          send_hwm=cfg.control_send_hwm)
-        self._book = SenderBook(cfg, layout, tp_rank, tp_size, self.session_id, self._endpoint.send)
+        self._stager = staging if cfg.staging != "off" else None
+        policy = None if self._stager is None else StagingPolicy(cfg.staging, self._stager.nbytes // 4,
+                                                                 self._stager.nbytes)
+        self._book = SenderBook(cfg, layout, tp_rank, tp_size, self.session_id, self._endpoint.send,
+                                control_address=self._endpoint.address, staging=policy,
+                                staging_addr=0 if self._stager is None else self._stager.addr)
         self._worker = threading.Thread(target=self._run, name=f"kvsender-{tp_rank}-worker", daemon=True)
 
     @property
@@ -191,6 +199,12 @@ class KVSender:
                     for addr in self._book.housekeeping(now):
                         self._endpoint.disconnect(addr)
                     take, cancels, watch = self._book.take_work(now)
+                    gathers = self._book.take_gathers()
+                if gathers:
+                    done = [(r, ch, self._gather(ch)) for r, ch in gathers]
+                    with self._lock:
+                        self._book.gathered(done, self._clock())
+                    self._wake.set()  # the slot requests are out: look again soon
                 fresh = [(r, b, *self._submit(b)) for r, b in take]
                 for inf, why in cancels:
                     self.backend.cancel(inf.handle, why)
@@ -207,6 +221,15 @@ class KVSender:
             else:
                 delay = self.cfg.tick_s
                 self._wake.wait(self.cfg.idle_tick_s)
+
+    def _gather(self, ch: StagedChunk) -> str | None:
+        assert self._stager is not None and ch.local is not None
+        try:
+            self._stager.gather(ch.local.offset, ch.src_pages, ch.src_col, ch.ncols, ch.l0, ch.l1)
+            return None
+        except Exception as e:  # fails the room, never the worker
+            log.exception("prefill rank %d: staging gather of chunk %d failed", self.tp_rank, ch.chunk)
+            return f"{type(e).__name__}: {e}"
 
     def _submit(self, b: OpBatch) -> tuple[BatchHandle | None, str | None]:
         try:

@@ -12,12 +12,17 @@ hear of every failure):
   of our writes for that room can still land (a failed room first drains its in-flight batches);
 - a room the engine never admitted (the decode's request came first) that fails is answered and
   forgotten; a tombstone makes a late add_room of it fail at once;
-- the engine sees a room in `poll` only when it is drained and its destinations were told.
+- the engine sees a room in `poll` only when it is drained and its destinations were told;
+- a staged chunk (staging.py) holds local staging bytes from gather to the end of its write and
+  a decode ring slot from grant to scatter; whatever happens to its room the slot is released
+  (StagingChunkWritten with scatter=False) or scattered, and the room's final status waits for
+  every scatter the decode acknowledges (or transfer_timeout_s).
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -27,10 +32,13 @@ import numpy as np
 from kvpipe.transfer.backends.base import BatchHandle, BatchState
 from kvpipe.config import DisaggregationConfig
 from kvpipe.transfer.layout import KVLayout
-from kvpipe.transfer.messages import (Abort, AuxData, AuxTuple, Heartbeat, RegisterPeer, Side, TransferRequest,
+from kvpipe.transfer.messages import (Abort, AuxData, AuxTuple, Heartbeat, RegisterPeer, Side, StagingChunkDone,
+                                      StagingChunkWritten, StagingSlotGrant, StagingSlotRequest, TransferRequest,
                                       TransferStatus, WireState)
 from kvpipe.transfer.sender_peers import SenderPeers, expected_destinations
-from kvpipe.transfer.sender_room import Destination, Inflight, OpBatch, PlanError, SendCall, SenderRoom
+from kvpipe.transfer.sender_room import (ChunkState, Destination, Inflight, OpBatch, PlanError, SendCall, SenderRoom,
+                                         StagedChunk, StagingPolicy)
+from kvpipe.transfer.staging_ring import RingAllocator
 from kvpipe.transfer.state import DuplicateRoomError, RoomRecord, TransferState, sender_timeouts
 
 log = logging.getLogger(__name__)
@@ -50,6 +58,8 @@ class SenderStats:
     # those batches landed, counted over finished busy periods only (the two always agree).
     busy_s: float = 0.0
     busy_bytes: int = 0
+    staged_chunks: int = 0  # staged chunks the decode scattered
+    staged_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -72,10 +82,18 @@ class Tombstone:
 
 class SenderBook:
     def __init__(self, cfg: DisaggregationConfig, layout: KVLayout, tp_rank: int, tp_size: int, session_id: str,
-                 send: Callable[[str, Any], bool]) -> None:
+                 send: Callable[[str, Any], bool], *, control_address: str = "",
+                 staging: StagingPolicy | None = None, staging_addr: int = 0) -> None:
         self.cfg, self.layout, self.tp_rank, self.tp_size = cfg, layout, tp_rank, tp_size
         self.session_id = session_id
         self.send = send
+        self.control_address = control_address  # where staging agents answer
+        # staged sends: the policy, the local staging buffer's base and its allocator
+        self.staging, self.staging_addr = staging, staging_addr
+        self.local_ring = RingAllocator(staging.local_nbytes) if staging is not None else None
+        self._chunk_ids = itertools.count()
+        self._chunks: dict[int, SenderRoom] = {}  # staged chunk id -> its room
+        self._gathers: list[tuple[SenderRoom, StagedChunk]] = []  # for the worker: gather, then gathered()
         self.stats = SenderStats()
         self.peers = SenderPeers(cfg, layout, tp_rank, tp_size)
         self.rooms: dict[int, SenderRoom] = {}  # insertion order = FIFO for the write window
@@ -170,6 +188,8 @@ class SenderBook:
         elif isinstance(msg, Abort):
             self.peers.seen(msg.session_id, now)
             self._on_abort(msg, now)
+        elif isinstance(msg, (StagingSlotGrant, StagingChunkDone)):
+            self._on_staging(msg, now)
         else:
             self._reject(f"unexpected {type(msg).__name__} on a prefill rank")
 
@@ -219,7 +239,7 @@ class SenderBook:
         r.dests[session] = Destination(session, peer.tp_rank, peer.control_address, peer.data_address,
                                        peer.layout, np.asarray(msg.dst_pages, dtype=np.int64), msg.prefix_len,
                                        self.peers.heads.get(session),
-                                       np.full(self.layout.num_layers, msg.prefix_len, dtype=np.int64))
+                                       np.full(self.layout.num_layers, msg.prefix_len, dtype=np.int64), peer.staging)
         if r.ready:
             r.rec.move(TransferState.WAITING_FOR_INPUT, now)
         return None
@@ -290,10 +310,12 @@ class SenderBook:
                 r.rec.expire(now, self._awaited(r))
             if r.rec.state is not F and r.calls and r.ready:
                 try:
-                    if r.plan(chunk):
+                    if r.plan(chunk, self.staging, self._chunk_ids):
                         r.rec.move(TransferState.TRANSFERRING, now)
                 except PlanError as e:
                     r.rec.fail(str(e), now)
+            if r.staged:
+                self._step_chunks(r, now)
             for inf in r.inflight:
                 # Stalled: nothing to this peer completed since the batch was submitted.
                 age = now - max(inf.submitted_at, self._peer_progress.get(inf.handle.peer, inf.submitted_at))
@@ -304,6 +326,9 @@ class SenderBook:
                     cancels.append((inf, r.rec.reason))
                 watch.append((r, inf))
             if r.rec.state is F:
+                for b in r.queued:
+                    if b.chunk is not None:  # granted, never written: give the slot back
+                        self._release(r, b.chunk)
                 r.queued.clear()
                 r.calls.clear()
             while r.queued and (self.inflight_ops == 0
@@ -317,6 +342,122 @@ class SenderBook:
                 take.append((r, b))
         self.finalize(now, rooms)
         return take, cancels, watch
+
+    # ---- staged chunks: gather -> slot -> one write -> scatter ---------------------------------
+
+    def take_gathers(self) -> list[tuple[SenderRoom, StagedChunk]]:
+        """Chunks whose slices the worker must gather into local staging now (then `gathered`)."""
+        out, self._gathers = self._gathers, []
+        return out
+
+    def gathered(self, done: list[tuple[SenderRoom, StagedChunk, str | None]], now: float) -> None:
+        """The worker gathered these chunks (or failed: why): ask their agents for slots."""
+        for r, ch, err in done:
+            if err is not None:
+                r.rec.fail(f"staging gather failed: {err}", now)
+            dest = r.dests[ch.dest]
+            if r.rec.state is F:
+                self._finish_chunk(r, ch)
+                continue
+            assert dest.staging is not None
+            ch.state, ch.since = ChunkState.WAIT_SLOT, now
+            self.send(dest.staging.control_address, StagingSlotRequest(r.room, self.session_id, ch.chunk, ch.nbytes,
+                                                                       self.control_address))
+        self._dirty = True
+
+    def _step_chunks(self, r: SenderRoom, now: float) -> None:
+        """Move a room's staged chunks on: local space for new ones, writes for granted ones;
+        a failed room releases what it can and waits for what it cannot."""
+        failed = r.rec.state is F
+        for ch in list(r.staged.values()):
+            self._chunks[ch.chunk] = r
+            st, age = ch.state, now - ch.since
+            if failed:
+                if st is ChunkState.NEW:
+                    self._finish_chunk(r, ch)
+                elif st in (ChunkState.WAIT_SLOT, ChunkState.GRANTED):
+                    self._release(r, ch)
+                elif st is ChunkState.WAIT_DONE and age > self.cfg.transfer_timeout_s:
+                    log.warning("prefill rank %d: decode never confirmed the scatter of chunk %d (room %d)",
+                                self.tp_rank, ch.chunk, r.room)
+                    self._finish_chunk(r, ch)
+                continue  # GATHERING / WRITING: their outcome comes back through gathered / record
+            if st in (ChunkState.WAIT_SLOT, ChunkState.WAIT_DONE) and age > self.cfg.transfer_timeout_s:
+                what = "no staging slot granted" if st is ChunkState.WAIT_SLOT else "the chunk was not scattered"
+                r.rec.fail(f"decode rank {r.dests[ch.dest].decode_rank}: {what} within "
+                           f"{self.cfg.transfer_timeout_s:.0f}s", now)
+                return self._step_chunks(r, now)
+            if st is ChunkState.NEW:
+                assert self.local_ring is not None
+                slot = self.local_ring.alloc(ch.nbytes)  # chunks are sized to fit (sender_room._stage)
+                if slot is None:
+                    continue  # local staging is full: wait for writes to finish
+                ch.local, ch.state, ch.since = slot, ChunkState.GATHERING, now
+                self._gathers.append((r, ch))
+            elif st is ChunkState.GRANTED:  # one op, queued behind the room's page ops
+                assert ch.local is not None and ch.offset is not None
+                dest = r.dests[ch.dest]
+                assert dest.staging is not None
+                ch.state, ch.since = ChunkState.WRITING, now
+                one = lambda v: np.asarray([v], dtype=np.int64)  # noqa: E731
+                r.queued.append(OpBatch(dest.data_address, one(self.staging_addr + ch.local.offset),
+                                        one(dest.staging.pool_addr + ch.offset), one(ch.nbytes), ch))
+
+    def _on_staging(self, msg: StagingSlotGrant | StagingChunkDone, now: float) -> None:
+        r = self._chunks.get(msg.chunk)
+        ch = r.staged.get(msg.chunk) if r is not None else None
+        if r is None or ch is None:
+            return  # a chunk released meanwhile (its agent frees the slot on our release)
+        if isinstance(msg, StagingSlotGrant):
+            if ch.state is not ChunkState.WAIT_SLOT:
+                return self._reject(f"staging grant for chunk {msg.chunk} in state {ch.state.value}")
+            if not msg.ok:
+                r.rec.fail(f"decode rank {r.dests[ch.dest].decode_rank} refused a staging slot: {msg.reason}", now)
+                return self._finish_chunk(r, ch)
+            staging = r.dests[ch.dest].staging
+            assert staging is not None
+            ch.state, ch.since, ch.offset = ChunkState.GRANTED, now, msg.offset
+            if msg.offset + ch.nbytes > staging.pool_nbytes:
+                r.rec.fail(f"staging slot at {msg.offset} for {ch.nbytes} bytes overruns the decode's "
+                           f"{staging.pool_nbytes}-byte ring", now)
+                self._release(r, ch)
+            return
+        if ch.state is not ChunkState.WAIT_DONE:
+            return self._reject(f"staging done for chunk {msg.chunk} in state {ch.state.value}")
+        if msg.ok:
+            self.stats.staged_chunks += 1
+            self.stats.staged_bytes += ch.nbytes
+        else:
+            r.rec.fail(f"decode rank {r.dests[ch.dest].decode_rank} could not scatter a staged chunk: {msg.reason}",
+                       now)
+        self._finish_chunk(r, ch)
+
+    def _written(self, r: SenderRoom, ch: StagedChunk, ok: bool, now: float) -> None:
+        """The chunk's write ended: announce it for scattering, or (room failed) release the slot."""
+        if not ok or r.rec.state is F:
+            return self._release(r, ch)
+        dest = r.dests[ch.dest]
+        assert dest.staging is not None and self.local_ring is not None and ch.local is not None
+        self.local_ring.free(ch.local.slot_id)  # the bytes are on the decode now
+        ch.local, ch.state, ch.since = None, ChunkState.WAIT_DONE, now
+        self.send(dest.staging.control_address, StagingChunkWritten(
+            r.room, ch.chunk, self.session_id, self.control_address, True, tuple(ch.dst_pages.tolist()),
+            ch.dst_col, ch.ncols, ch.l0, ch.l1))
+
+    def _release(self, r: SenderRoom, ch: StagedChunk) -> None:
+        staging = r.dests[ch.dest].staging
+        assert staging is not None
+        self.send(staging.control_address, StagingChunkWritten(r.room, ch.chunk, self.session_id,
+                                                               self.control_address, False))
+        self._finish_chunk(r, ch)
+
+    def _finish_chunk(self, r: SenderRoom, ch: StagedChunk) -> None:
+        if ch.local is not None and self.local_ring is not None:
+            self.local_ring.free(ch.local.slot_id)
+            ch.local = None
+        r.staged.pop(ch.chunk, None)
+        self._chunks.pop(ch.chunk, None)
+        self._dirty = True
 
     @staticmethod
     def _awaited(r: SenderRoom) -> str:
@@ -335,10 +476,12 @@ class SenderBook:
                 self.inflight_ops -= b.num_ops
                 self.stats.batches_failed += 1
                 r.rec.fail(f"submitting writes to {b.peer} failed: {err}", now)
+                if b.chunk is not None:
+                    self._written(r, b.chunk, False, now)
                 continue
             self.stats.batches_submitted += 1
             self.stats.ops_submitted += b.num_ops
-            r.inflight.append(Inflight(handle, now))
+            r.inflight.append(Inflight(handle, now, chunk=b.chunk))
         for r, inf, state in polled:
             abandon = inf.cancelled and now - inf.submitted_at > 2 * self.cfg.transfer_timeout_s
             if state is BatchState.PENDING and not abandon:
@@ -356,6 +499,8 @@ class SenderBook:
             elif state is BatchState.FAILED:
                 self.stats.batches_failed += 1
                 r.rec.fail(f"write to decode failed: {inf.handle.error}", now)
+            if inf.chunk is not None:
+                self._written(r, inf.chunk, state is BatchState.DONE, now)
         touched = {id(r): r for r, *_ in fresh + polled}.values()
         for r in touched:
             r.mark_idle_if_drained(now)
@@ -373,7 +518,8 @@ class SenderBook:
         for r in list(self.rooms.values() if rooms is None else rooms):
             if self.rooms.get(r.room) is not r:  # buried meanwhile
                 continue
-            if r.queued or r.inflight or r.submitting or (r.calls and r.ready and r.rec.state is not F):
+            if r.queued or r.inflight or r.submitting or (r.calls and r.ready and r.rec.state is not F) \
+                    or any(ch.state in (ChunkState.NEW, ChunkState.GRANTED) for ch in r.staged.values()):
                 self._busy[r.room] = r
             else:
                 self._busy.pop(r.room, None)

@@ -10,20 +10,27 @@ pages of that layer are already planned. A send call (token_end, layers [a, b)) 
 layers with equal cursors, the pages `planner.sendable_pages` allows: full pages only, a trailing
 partial page waits for the next chunk, and `last=True` flushes every layer up to token_end
 (layer-pipelined prefill: the earlier layer groups of the final chunk get their partial page too).
+
+Staged sends (heterogeneous TP through the decode's staging ring, staging.py): when the policy
+says so, a planned span becomes `StagedChunk`s instead of page ops, each at most the policy's
+chunk size; sender_book.py walks them through gather, slot, write, scatter.
 """
 
 from __future__ import annotations
 
 import collections
+import enum
+import itertools
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
 from kvpipe.transfer.backends.base import BatchHandle
 from kvpipe.transfer.layout import KVLayout
-from kvpipe.transfer.messages import AuxData
-from kvpipe.transfer.planner import plan_pages, sendable_pages
+from kvpipe.transfer.messages import AuxData, StagingInfo
+from kvpipe.transfer.planner import plan_pages, sendable_pages, staging_pays
+from kvpipe.transfer.staging_ring import Slot
 from kvpipe.transfer.state import RoomRecord, TransferState
 
 
@@ -57,6 +64,48 @@ class Destination:
     prefix_len: int
     heads: tuple[int, int] | None  # global KV heads to write; None: another prefill rank sends them
     cursor: np.ndarray  # [num_layers] int64 tokens planned per layer, starts at prefix_len
+    staging: StagingInfo | None = None  # the decode rank's staging ring, if it offers one
+
+
+@dataclass(frozen=True)
+class StagingPolicy:
+    """When and how big a prefill rank stages its sends (DisaggregationConfig.staging)."""
+
+    mode: str  # "on": every head-sliced send; "auto": when planner.staging_pays says so
+    chunk_nbytes: int  # largest chunk: a fraction of the smaller of both staging buffers
+    local_nbytes: int  # the prefill's own staging buffer
+
+
+class ChunkState(enum.Enum):
+    NEW = "new"  # planned: waits for local staging space
+    GATHERING = "gathering"  # local slot held, the worker gathers the slices into it
+    WAIT_SLOT = "wait_slot"  # gathered, a slot asked from the decode rank's agent
+    GRANTED = "granted"  # slot known: the write may be submitted
+    WRITING = "writing"  # the one write is in flight
+    WAIT_DONE = "wait_done"  # written and announced: the agent scatters it into the pages
+
+
+@dataclass
+class StagedChunk:
+    """Layers [l0, l1) x (K, V) x pages of one destination, bytes [col, col + ncols) of each page."""
+
+    chunk: int  # id on the wire, unique per prefill session
+    dest: str  # decode session
+    src_pages: np.ndarray
+    dst_pages: np.ndarray
+    src_col: int
+    dst_col: int
+    ncols: int
+    l0: int
+    l1: int
+    state: ChunkState = ChunkState.NEW
+    since: float = 0.0  # when it entered its current state
+    local: Slot | None = None  # prefill staging bytes
+    offset: int | None = None  # decode ring offset once granted
+
+    @property
+    def nbytes(self) -> int:
+        return (self.l1 - self.l0) * 2 * int(self.src_pages.size) * self.ncols
 
 
 @dataclass
@@ -64,6 +113,7 @@ class Inflight:
     handle: BatchHandle
     submitted_at: float  # manager clock
     cancelled: bool = False
+    chunk: StagedChunk | None = None  # the staged chunk this one write carries
 
 
 @dataclass
@@ -72,6 +122,7 @@ class OpBatch:
     src: np.ndarray  # [ops] int64 addresses
     dst: np.ndarray
     length: np.ndarray
+    chunk: StagedChunk | None = None
 
     @property
     def num_ops(self) -> int:
@@ -101,6 +152,7 @@ class SenderRoom:
     last_called: bool = False
     aux: AuxData | None = None
     queued: collections.deque[OpBatch] = field(default_factory=collections.deque)  # planned, not submitted
+    staged: dict[int, StagedChunk] = field(default_factory=dict)  # staged chunks not yet finished, by id
     inflight: list[Inflight] = field(default_factory=list)
     submitting: int = 0  # batches taken off `queued` by the worker, not yet recorded as inflight
     notified: set[str] = field(default_factory=set)  # sessions that got our final TransferStatus
@@ -121,8 +173,9 @@ class SenderRoom:
 
     @property
     def drained(self) -> bool:
-        """No write of this room is queued or in flight: its source pages may be reused."""
-        return not self.queued and not self.inflight and not self.submitting
+        """No write of this room is queued or in flight and no staged chunk is still being
+        gathered or scattered: its source pages may be reused, its decode pages are settled."""
+        return not self.queued and not self.inflight and not self.submitting and not self.staged
 
     @property
     def complete(self) -> bool:
@@ -161,8 +214,10 @@ class SenderRoom:
         self.last_called = call.last
         self.calls.append(call)
 
-    def plan(self, chunk_ops: int) -> int:
-        """Turn queued calls into write batches of at most `chunk_ops` ops; returns ops planned."""
+    def plan(self, chunk_ops: int, staging: StagingPolicy | None = None,
+             chunk_ids: Iterator[int] = itertools.count()) -> int:
+        """Turn queued calls into write batches of at most `chunk_ops` ops (and staged chunks,
+        ids from `chunk_ids`); returns ops planned (a staged chunk is one op)."""
         if not self.ready or self.rec.state is TransferState.FAILED:
             return 0
         planned = 0
@@ -171,7 +226,11 @@ class SenderRoom:
                 break  # its layers are still being computed; later calls come after it
             call = self.calls.popleft()
             for dest in self.dests.values():
-                for batch in self._plan_dest(call, dest):
+                for batch in self._plan_dest(call, dest, staging, chunk_ids):
+                    if isinstance(batch, StagedChunk):
+                        self.staged[batch.chunk] = batch
+                        planned += 1
+                        continue
                     for i in range(0, batch.num_ops, chunk_ops):
                         sl = slice(i, i + chunk_ops)
                         self.queued.append(OpBatch(batch.peer, batch.src[sl], batch.dst[sl], batch.length[sl]))
@@ -179,7 +238,8 @@ class SenderRoom:
         self.ops_planned += planned
         return planned
 
-    def _plan_dest(self, call: SendCall, dest: Destination) -> list[OpBatch]:
+    def _plan_dest(self, call: SendCall, dest: Destination, staging: StagingPolicy | None,
+                   chunk_ids: Iterator[int]) -> list[OpBatch | StagedChunk]:
         if dest.heads is None:
             return []
         assert self.src_pages is not None
@@ -206,5 +266,43 @@ class SenderRoom:
                                dest.layout, heads=dest.heads, layers=(l0, l1))
             except ValueError as e:
                 raise PlanError(f"room {self.room}: {e}") from e
-            out.append(OpBatch(dest.data_address, p.src_addr, p.dst_addr, p.length))
+            sliced = not (p.head_end - p.head_start == self.layout.kv_heads == dest.layout.kv_heads)
+            if self._stages(p.num_ops, p.nbytes // max(1, p.num_ops), sliced, dest, staging):
+                out.extend(self._stage(dest, self.src_pages[span.first:span.end], dest.dst_pages[j0:j1],
+                                       p.head_start, p.head_end, l0, l1, staging, chunk_ids))
+            else:
+                out.append(OpBatch(dest.data_address, p.src_addr, p.dst_addr, p.length))
+        return out
+
+    @staticmethod
+    def _stages(num_ops: int, op_nbytes: int, sliced: bool, dest: Destination, staging: StagingPolicy | None) -> bool:
+        """on: every head-sliced span; auto: whenever the ops cost more than staging them (head
+        slices, or whole pages scattered over a fragmented decode pool)."""
+        if staging is None or dest.staging is None or num_ops == 0:
+            return False
+        if staging.mode == "on":
+            return sliced
+        return staging_pays(num_ops, op_nbytes)
+
+    def _stage(self, dest: Destination, src: np.ndarray, dst: np.ndarray, h0: int, h1: int, l0: int, l1: int,
+               staging: StagingPolicy, chunk_ids: Iterator[int]) -> list[StagedChunk]:
+        """Split layers [l0, l1) x pages into chunks of at most staging.chunk_nbytes each."""
+        assert dest.staging is not None
+        head = self.layout.head_nbytes
+        ncols = (h1 - h0) * head
+        limit = min(staging.chunk_nbytes, dest.staging.pool_nbytes // 4)  # a few chunks in flight per ring
+        per_page = (l1 - l0) * 2 * ncols  # one page over every layer of the span
+        if per_page <= limit:
+            layer_steps, pages_per = [(l0, l1)], limit // per_page
+        else:  # one page over all the layers is too big: a chunk per layer (or fewer)
+            layer_steps, pages_per = [(a, a + 1) for a in range(l0, l1)], limit // (2 * ncols)
+        if pages_per == 0:
+            raise PlanError(f"room {self.room}: one page's {2 * ncols}-byte head slice of one layer is larger "
+                            f"than the staging chunk limit ({limit} bytes: the staging buffers are too small)")
+        out = []
+        for a, b in layer_steps:
+            for i in range(0, src.size, pages_per):
+                out.append(StagedChunk(next(chunk_ids), dest.session_id, src[i:i + pages_per], dst[i:i + pages_per],
+                                       (h0 - self.layout.head_start) * head, (h0 - dest.layout.head_start) * head,
+                                       ncols, a, b))
         return out

@@ -21,6 +21,7 @@ from kvpipe.config import DisaggregationConfig
 from kvpipe.transfer.layout import KVLayout
 from kvpipe.transfer.receiver import DecodeRank, KVReceiver
 from kvpipe.transfer.sender import KVSender
+from kvpipe.transfer.staging import KVBytes, StagingAgent, StagingBuffer
 from kvpipe.transfer.state import DuplicateRoomError, TransferState
 from kvpipe.transfer.tp_mapping import kv_head_range
 
@@ -109,6 +110,7 @@ class Prefill:
 
 
 def start_prefill(stack, kind="local", fabric=None, tp=1, cfg=CFG, server=None, instance="p0", seed=0, inject=None):
+    """cfg.staging other than "off": each rank gets a local staging buffer of cfg.staging_pool_nbytes."""
     fabric = fabric or LocalFabric()
     if server is None:
         server = stack.enter_context(BootstrapServer("127.0.0.1", 0))
@@ -117,25 +119,35 @@ def start_prefill(stack, kind="local", fabric=None, tp=1, cfg=CFG, server=None, 
         pool, layout = rank_pool(tp, rank, data)
         backend = make_backend(kind, fabric, stack, inject)
         register(backend, layout)
+        buf = None if cfg.staging == "off" else StagingBuffer(KVBytes.from_pool(pool), backend, cfg.staging_pool_nbytes)
         s = KVSender(cfg, layout=layout, backend=backend, tp_rank=rank, tp_size=tp, model_name="m",
-                     instance_id=instance)
+                     instance_id=instance, staging=buf)
         s.pool = pool  # keep the memory alive as long as the sender
         stack.callback(s.close)
         senders.append(s.start(("127.0.0.1", server.port)))
     return Prefill(server, senders, data)
 
 
-def start_decode(stack, kind="local", fabric=None, tp=1, cfg=CFG, clock=time.monotonic, model="m"):
+def start_decode(stack, kind="local", fabric=None, tp=1, cfg=CFG, clock=time.monotonic, model="m",
+                 staging_nbytes: int | None = None):
+    """staging_nbytes: every rank offers a staging ring of that size (recv.agents)."""
     fabric = fabric or LocalFabric()
-    pools, ranks = [], []
+    pools, ranks, agents = [], [], []
     for rank in range(tp):
         pool, layout = rank_pool(tp, rank, None)
         backend = make_backend(kind, fabric, stack)
         register(backend, layout)
         pools.append(pool)
-        ranks.append(DecodeRank(layout, backend.address))
+        info = None
+        if staging_nbytes is not None:
+            agent = StagingAgent(layout, KVBytes.from_pool(pool), backend, staging_nbytes, host="127.0.0.1",
+                                 session_id=f"d/{rank}", lease_s=2 * cfg.transfer_timeout_s).start()
+            stack.callback(agent.close)
+            agents.append(agent)
+            info = agent.info
+        ranks.append(DecodeRank(layout, backend.address, info))
     recv = KVReceiver(cfg, ranks=ranks, model_name=model, clock=clock)
-    recv.pools = pools
+    recv.pools, recv.agents = pools, agents
     stack.callback(recv.close)
     return recv.start()
 

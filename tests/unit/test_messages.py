@@ -9,7 +9,8 @@ import pytest
 
 from kvpipe.transfer.layout import KVLayout
 from kvpipe.transfer.messages import (PROTOCOL_VERSION, Abort, AuxData, Heartbeat, ProtocolError, RegisterPeer,
-                                      Side, TransferRequest, TransferStatus, WireState, decode, encode)
+                                      Side, StagingChunkDone, StagingChunkWritten, StagingInfo, StagingSlotGrant,
+                                      StagingSlotRequest, TransferRequest, TransferStatus, WireState, decode, encode)
 
 LAYOUT = KVLayout(num_layers=2, page_size=16, kv_heads=2, head_start=2, total_kv_heads=4, head_dim=64,
                   dtype="bfloat16", itemsize=2, buffer_addrs=(0x7F0000001000, 0x7F0000101000, 0x7F0000201000,
@@ -24,6 +25,14 @@ MESSAGES = [
     TransferStatus(7, "s", WireState.FAILED, reason="queue-full"),
     Abort(ROOM, "s", Side.PREFILL, "client disconnected"),
     Heartbeat("s", 12345),
+    RegisterPeer("d/1", 1, 2, "10.0.0.2:15000", "tcp://10.0.0.2:5555", LAYOUT,
+                 StagingInfo("tcp://10.0.0.2:5556", 0x7F0000401000, 64 << 20)),
+    StagingSlotRequest(ROOM, "p/0", 9, 1 << 20, "tcp://10.0.0.1:5555"),
+    StagingSlotGrant(ROOM, 9, "d/1", True, 4096),
+    StagingSlotGrant(ROOM, 9, "d/1", False, reason="larger than the ring"),
+    StagingChunkWritten(ROOM, 9, "p/0", "tcp://10.0.0.1:5555", True, (5, 9, 2), 1024, 2048, 0, 2),
+    StagingChunkWritten(ROOM, 9, "p/0", "tcp://10.0.0.1:5555", False),
+    StagingChunkDone(ROOM, 9, "d/1", True, watermark_round=2, watermark_offset=512),
 ]
 
 
@@ -34,15 +43,15 @@ def test_round_trip(msg):
 
 
 # TransferStatus as peers running this protocol version send it: renaming Python names must not
-# change it (version 2 added AuxData.cached_tokens).
+# change it (version 2 added AuxData.cached_tokens, version 3 the staging messages).
 STATUS_BYTES = {
     "success": bytes.fromhex(
-        "87a46b696e64af7472616e736665725f737461747573a776657273696f6e02a4726f6f6d07aa73657373696f6e5f6964"
+        "87a46b696e64af7472616e736665725f737461747573a776657273696f6e03a4726f6f6d07aa73657373696f6e5f6964"
         "a3642f30a57374617465a773756363657373a6726561736f6ea0a361757884a4726f6f6d07ae66697273745f746f6b65"
         "6e5f69642ab366697273745f746f6b656e5f6c6f6770726f62cbbfd0000000000000ad6361636865645f746f6b656e73"
         "cc80"),
     "failed": bytes.fromhex(
-        "87a46b696e64af7472616e736665725f737461747573a776657273696f6e02a4726f6f6d07aa73657373696f6e5f6964"
+        "87a46b696e64af7472616e736665725f737461747573a776657273696f6e03a4726f6f6d07aa73657373696f6e5f6964"
         "a3642f30a57374617465a66661696c6564a6726561736f6eaa71756575652d66756c6ca3617578c0"),
 }
 
@@ -55,12 +64,16 @@ def test_transfer_status_bytes_are_unchanged():
     assert msgpack.unpackb(STATUS_BYTES["failed"])["state"] == "failed"
 
 
-def test_a_peer_on_the_previous_protocol_version_is_refused():
-    """Version 1 peers send aux data without cached_tokens: refused by version, not misread."""
+def test_a_peer_on_an_older_protocol_version_is_refused():
+    """Version 1 peers send aux data without cached_tokens, version 2 ones know no staging ring:
+    both are refused by version, not misread."""
     v1 = msgpack.unpackb(STATUS_BYTES["success"])
     v1["version"] = 1
     del v1["aux"]["cached_tokens"]
-    with pytest.raises(ProtocolError, match="protocol version 1, expected 2"):
+    with pytest.raises(ProtocolError, match="protocol version 1, expected 3"):
+        decode(msgpack.packb(v1))
+    v1["version"] = 2
+    with pytest.raises(ProtocolError, match="protocol version 2, expected 3"):
         decode(msgpack.packb(v1))
 
 

@@ -1,0 +1,185 @@
+"""Staging buffers for heterogeneous-TP KV transfer: the tensor side and the decode's agent.
+
+With different TP sizes a decode rank needs a head slice of every prefill page, which is strided:
+one write per (layer, K/V, page). Staging turns a send's slices into one contiguous chunk:
+
+    prefill rank                                   decode rank r
+    gather KV[l, k/v][pages, heads] -> buffer      StagingAgent: ring over a registered pool
+    StagingSlotRequest(nbytes)   ----------------> grant a slot (FIFO wait while the ring is full)
+                                 <---------------- StagingSlotGrant(offset)
+    one write: buffer -> ring[offset]  ==========>
+    StagingChunkWritten(pages, heads, layers) ---> scatter ring[offset] into its KV pages, free
+                                 <---------------- StagingChunkDone (the prefill's final
+                                                   TransferStatus waits for every Done)
+
+Chunk layout in both buffers: [layer_end - layer_start, 2 (K, V), pages, slice_nbytes] bytes, the
+slice being bytes [col, col + slice_nbytes) of each page (a contiguous head range, layout.py).
+`KVBytes` does the tensor work (one index op per (layer, K/V)); the bookkeeping is in
+staging_ring.py (allocation) and staging_book.py (the agent's protocol) and sender_book.py.
+CUDA: gathers and scatters run on a side stream that is synchronised before the bytes are
+written or announced as scattered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from kvpipe.transfer.backends.base import TransferBackend
+from kvpipe.transfer.control import ControlEndpoint
+from kvpipe.transfer.layout import KVLayout
+from kvpipe.transfer.messages import StagingChunkWritten, StagingInfo, StagingSlotRequest
+from kvpipe.transfer.staging_book import Outbox, ScatterJob, StagingBook, StagingStats
+
+log = logging.getLogger(__name__)
+
+
+class KVBytes:
+    """A rank's KV buffers (layer-major, K then V: KVPool order) as byte matrices [pages, page_nbytes]."""
+
+    def __init__(self, buffers: Sequence[torch.Tensor]) -> None:
+        self.views = [b.view(torch.uint8).view(b.shape[0], -1) for b in buffers]
+        self.device = buffers[0].device
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    @classmethod
+    def from_pool(cls, pool) -> "KVBytes":
+        return cls([b for layer in range(pool.num_layers) for b in (pool.k[layer], pool.v[layer])])
+
+    def _chunk(self, buf: torch.Tensor, offset: int, n: int, ncols: int, l0: int, l1: int) -> torch.Tensor:
+        nbytes = (l1 - l0) * 2 * n * ncols
+        return buf[offset:offset + nbytes].view(2 * (l1 - l0), n, ncols)
+
+    def _on_side_stream(self):
+        return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+
+    def _sync(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    def gather(self, out: torch.Tensor, offset: int, pages: np.ndarray, col: int, ncols: int,
+               l0: int, l1: int) -> None:
+        """out[offset:] <- bytes [col, col+ncols) of `pages` in layers [l0, l1), K and V."""
+        idx = torch.as_tensor(pages, dtype=torch.int64).to(self.device)
+        chunk = self._chunk(out, offset, idx.numel(), ncols, l0, l1)
+        with self._on_side_stream():
+            for i, b in enumerate(range(2 * l0, 2 * l1)):
+                torch.index_select(self.views[b][:, col:col + ncols], 0, idx, out=chunk[i])
+        self._sync()
+
+    def scatter(self, src: torch.Tensor, offset: int, pages: np.ndarray, col: int, ncols: int,
+                l0: int, l1: int) -> None:
+        """bytes [col, col+ncols) of `pages` in layers [l0, l1), K and V <- src[offset:]."""
+        idx = torch.as_tensor(pages, dtype=torch.int64).to(self.device)
+        chunk = self._chunk(src, offset, idx.numel(), ncols, l0, l1)
+        with self._on_side_stream():
+            for i, b in enumerate(range(2 * l0, 2 * l1)):
+                self.views[b][idx, col:col + ncols] = chunk[i]
+        self._sync()
+
+
+def registered_buffer(backend: TransferBackend, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A zeroed byte buffer registered with the backend (touched now: see KVPool on lazy faults)."""
+    buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    backend.register(buf.data_ptr(), nbytes)
+    return buf
+
+
+class StagingBuffer:
+    """A prefill rank's local staging memory: the source of staged writes (the book allocates it)."""
+
+    def __init__(self, kv: KVBytes, backend: TransferBackend, nbytes: int) -> None:
+        self.kv, self.nbytes = kv, nbytes
+        self.buffer = registered_buffer(backend, nbytes, kv.device)
+        self.addr = self.buffer.data_ptr()
+
+    def gather(self, offset: int, pages: np.ndarray, col: int, ncols: int, l0: int, l1: int) -> None:
+        self.kv.gather(self.buffer, offset, pages, col, ncols, l0, l1)
+
+
+class StagingAgent:
+    """A decode rank's staging ring: its own control endpoint, a registered pool, the scatters.
+
+    Runs in the process that owns the rank's KV pool (the scatter writes its pages): rank 0's
+    with the KVReceiver, the others in their TP worker. Scatters run on the endpoint's receive
+    thread, in arrival order; a second thread expires leases."""
+
+    def __init__(self, layout: KVLayout, kv: KVBytes, backend: TransferBackend, nbytes: int, *, host: str,
+                 session_id: str, lease_s: float, send_hwm: int = 10000) -> None:
+        self.kv = kv
+        self.ring = registered_buffer(backend, nbytes, kv.device)
+        self._book = StagingBook(layout, nbytes, session_id, lease_s)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._endpoint = ControlEndpoint(host, self._on_message, name=f"staging-{session_id}", send_hwm=send_hwm)
+        self._thread = threading.Thread(target=self._run, name=f"staging-{session_id}", daemon=True)
+        self._tick_s = min(1.0, lease_s / 4)
+
+    @property
+    def info(self) -> StagingInfo:
+        return StagingInfo(self._endpoint.address, self.ring.data_ptr(), self._book.ring.capacity)
+
+    @property
+    def stats(self) -> StagingStats:
+        return self._book.stats
+
+    def usage(self) -> tuple[int, int, int]:
+        """(live slots, bytes held back by the watermark, requests waiting) right now."""
+        with self._lock:
+            return self._book.ring.num_live, self._book.ring.used_bytes, len(self._book.waiting)
+
+    def start(self) -> "StagingAgent":
+        self._endpoint.start()
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5.0)
+        self._endpoint.close()
+
+    def _send(self, out: Outbox) -> None:
+        for addr, msg in out:
+            self._endpoint.send(addr, msg)
+
+    def _on_message(self, msg: object) -> None:
+        now = time.monotonic()
+        if isinstance(msg, StagingSlotRequest):
+            with self._lock:
+                out = self._book.on_request(msg, now)
+            return self._send(out)
+        if not isinstance(msg, StagingChunkWritten):
+            log.warning("staging agent got an unexpected %s", type(msg).__name__)
+            return
+        with self._lock:
+            job, out = self._book.on_written(msg, now)
+        self._send(out)
+        if job is not None:
+            self._send(self._scatter(job))
+
+    def _scatter(self, job: ScatterJob) -> Outbox:
+        err = None
+        try:
+            self.kv.scatter(self.ring, job.offset, job.dst_pages, job.page_offset, job.slice_nbytes,
+                            job.layer_start, job.layer_end)
+        except Exception as e:  # a failed scatter fails its room, never the agent
+            log.exception("staging scatter of chunk %d failed", job.key[1])
+            err = f"scatter failed: {type(e).__name__}: {e}"
+        with self._lock:
+            return self._book.scattered(job, err, time.monotonic())
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._tick_s):
+            try:
+                with self._lock:
+                    out = self._book.expire(time.monotonic())
+                self._send(out)
+            except Exception:
+                log.exception("staging agent housekeeping error")
