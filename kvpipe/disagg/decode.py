@@ -126,8 +126,17 @@ class DecodeConnector(PDConnector):
             "data_address": self.ranks[0].data_address if self.ranks else None,
             "active_rooms": len(self._transfers), "rooms_succeeded": st.rooms_succeeded,
             "rooms_failed": st.rooms_failed, "rejected_messages": st.rejected_messages,
-            "bootstrap_fetches": st.bootstrap_fetches,
+            "bootstrap_fetches": st.bootstrap_fetches, **self._staging_stats(),
         }}
+
+    def _staging_stats(self) -> dict[str, Any]:
+        """Rank 0's staging ring (every rank runs its own; rank 0's is the one in this process)."""
+        agent = self.local_worker.staging_agent if self.local_worker is not None else None
+        if agent is None:
+            return {"staging": "off"}
+        live, used, waiting = agent.usage()
+        return {"staging": self.cfg.disaggregation.staging, "staging_ring": {
+            **vars(agent.stats), "live_slots": live, "used_bytes": used, "waiting": waiting}}
 
     def shutdown(self) -> None:
         if self.receiver is not None:

@@ -43,7 +43,8 @@ from kvpipe.transfer.state import TransferState
 
 logger = logging.getLogger(__name__)
 
-SUMMED_STATS = ("rejected_messages", "batches_submitted", "batches_failed", "ops_submitted", "bytes_written")
+SUMMED_STATS = ("rejected_messages", "batches_submitted", "batches_failed", "ops_submitted", "bytes_written",
+                "staged_chunks", "staged_bytes")
 
 
 @dataclass
@@ -283,7 +284,8 @@ class PrefillConnector(PDConnector):
                 "active_rooms": len(self._rooms), "rooms_succeeded": st.rooms_succeeded,
                 "rooms_failed": st.rooms_failed, "bytes_written": st.bytes_written,
                 "ops_submitted": st.ops_submitted, "rejected_messages": st.rejected_messages,
-                "link_busy_s": st.busy_s, "link_busy_bytes": st.busy_bytes, "layer_groups": pipe.stats(),
+                "staging": self.cfg.disaggregation.staging, "staged_chunks": st.staged_chunks,
+                "staged_bytes": st.staged_bytes, "link_busy_s": st.busy_s, "link_busy_bytes": st.busy_bytes, "layer_groups": pipe.stats(),
             },
             # the observer's counters: the last batch's choice (bench probes read `num_groups`), the
             # transfer left after the forward summed over rooms (bench probes take deltas)

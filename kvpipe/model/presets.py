@@ -46,6 +46,9 @@ class PresetSpec:
 PRESETS: dict[str, PresetSpec] = {
     "tiny": PresetSpec(num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
                        intermediate_size=256),
+    # tiny with one KV head per query head: every TP pairing up to 4 slices heads (staging tests)
+    "tiny-kv4": PresetSpec(num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=4, head_dim=32,
+                           intermediate_size=256),
     # GPT-2-small-sized stack with mild GQA (3 query heads per KV head), fp32.
     "bench": PresetSpec(num_layers=12, hidden_size=768, num_heads=12, num_kv_heads=4, head_dim=64,
                         intermediate_size=2048),
