@@ -6,10 +6,16 @@ same run moves the same number of bytes as one contiguous op (the raw engine goo
 goodput (bytes / wall time, planning included), raw goodput, their ratio, ops per request and
 planning time, with medians over --repeat and a digest check that the pages really landed.
 
+--prefill-tp P --decode-tp D (heterogeneous TP, real head slicing; transfer_tp.py) compares, in
+the same run and for the same request, one-rank same-TP transfer of equal bytes, plain head-slice
+ops and staged chunks through the decode's staging rings (--staging on|auto), over the real
+control plane.
+
 --link-rate RATE runs the two processes in two network namespaces joined by a rate-limited veth
 (root). Without it both ends use loopback.
 
 Example: kvpipe bench transfer --preset bench --prompt-lens 1024,4096 --repeat 5 --json
+         kvpipe bench transfer --prefill-tp 1 --decode-tp 2 --staging on --fragmentation 1
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import time
 from contextlib import ExitStack
 from typing import Any
 
+from kvpipe.bench import transfer_tp
 from kvpipe.bench.transfer_worker import WorkerConfig, decode_main, prefill_main
 
 # Shapes (num_layers, kv_heads, head_dim, dtype) besides the model presets in kvpipe.model.presets.
@@ -46,6 +53,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fragmentation", type=float, default=0.0,
                    help="probability that a decode page starts a new run: 0 = one contiguous run, 1 = every page apart")
     p.add_argument("--window", type=int, default=256, help="Mooncake ops in flight per peer")
+    p.add_argument("--prefill-tp", type=int, default=1, help="prefill TP ranks (heterogeneous-TP mode when != decode)")
+    p.add_argument("--decode-tp", type=int, default=1, help="decode TP ranks")
+    p.add_argument("--staging", choices=["on", "auto"], default=None,
+                   help="heterogeneous-TP mode: how the staged variant stages (default on)")
+    p.add_argument("--staging-pool-mb", type=int, default=64, help="staging ring / buffer per rank (MB)")
     p.add_argument("--link-rate", default=None, help="emulate a link of this rate (tc syntax, e.g. 2gbit); needs root")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
@@ -78,6 +90,21 @@ def config_from_args(args: argparse.Namespace, log_path: str, hostname: str = "1
                         args.window, args.seed, log_path, hostname, netns)
 
 
+def tp_mode(args: argparse.Namespace) -> bool:
+    return args.prefill_tp != args.decode_tp or args.staging is not None
+
+
+def tp_config_from_args(args: argparse.Namespace, log_path: str, prefill_host: str, hostname: str = "127.0.0.1",
+                        netns: str | None = None) -> transfer_tp.TPConfig:
+    w = config_from_args(args, log_path, hostname, netns)
+    if min(args.prefill_tp, args.decode_tp) < 1 or max(args.prefill_tp, args.decode_tp) % min(args.prefill_tp,
+                                                                                             args.decode_tp):
+        raise SystemExit("kvpipe bench transfer: one of --prefill-tp / --decode-tp must divide the other")
+    return transfer_tp.TPConfig(w.num_layers, w.kv_heads, w.head_dim, w.dtype, w.page_size, w.prompt_lens, w.repeat,
+                                w.fragmentation, w.window, w.seed, log_path, args.prefill_tp, args.decode_tp,
+                                args.staging or "on", args.staging_pool_mb, prefill_host, hostname, netns)
+
+
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Start both processes (inside an emulated link when asked), collect the prefill's report."""
     from kvpipe.bench.testbed import LinkTestbed
@@ -88,14 +115,22 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         if args.link_rate:
             link = stack.enter_context(LinkTestbed(args.link_rate))
             ends = [(link.addr_a, link.ns_a), (link.addr_b, link.ns_b)]
-        pcfg = config_from_args(args, os.path.join(logdir, "prefill.log"), *ends[0])
-        dcfg = config_from_args(args, os.path.join(logdir, "decode.log"), *ends[1])
+        tp = tp_mode(args)
+        if tp:
+            mod: Any = transfer_tp
+            pcfg = tp_config_from_args(args, os.path.join(logdir, "prefill.log"), ends[0][0], *ends[0])
+            dcfg = tp_config_from_args(args, os.path.join(logdir, "decode.log"), ends[0][0], *ends[1])
+        else:
+            mod = None
+            pcfg = config_from_args(args, os.path.join(logdir, "prefill.log"), *ends[0])
+            dcfg = config_from_args(args, os.path.join(logdir, "decode.log"), *ends[1])
         ctx = mp.get_context("spawn")  # fresh single-threaded children: safe to enter a netns
         p_peer, d_peer = ctx.Pipe()
         from_prefill, to_parent = ctx.Pipe(duplex=False)
-        procs = [ctx.Process(target=decode_main, args=(dcfg, d_peer), name="bench-decode", daemon=True),
-                 ctx.Process(target=prefill_main, args=(pcfg, p_peer, to_parent), name="bench-prefill",
-                             daemon=True)]
+        procs = [ctx.Process(target=mod.decode_main if tp else decode_main, args=(dcfg, d_peer), name="bench-decode",
+                             daemon=True),
+                 ctx.Process(target=mod.prefill_main if tp else prefill_main, args=(pcfg, p_peer, to_parent),
+                             name="bench-prefill", daemon=True)]
         for proc in procs:
             proc.start()
         try:
@@ -115,7 +150,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             tails = {n: _tail(os.path.join(logdir, n)) for n in ("prefill.log", "decode.log")}
             raise RuntimeError(f"transfer benchmark failed: {msg[1]}\n" +
                                "\n".join(f"--- {n} ---\n{t}" for n, t in tails.items()))
-        return summarize(msg[1], pcfg, args.link_rate)
+        return (transfer_tp.summarize if tp else summarize)(msg[1], pcfg, args.link_rate)
 
 
 def _tail(path: str, lines: int = 20) -> str:
@@ -163,7 +198,8 @@ def format_table(report: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     report = run_bench(args)
-    print(json.dumps(report) if args.json else format_table(report))
+    table = transfer_tp.format_table if report.get("mode") == "tp" else format_table
+    print(json.dumps(report) if args.json else table(report))
     return 0 if report["verified"] else 1
 
 

@@ -40,21 +40,36 @@ from kvpipe.transfer.staging_book import Outbox, ScatterJob, StagingBook, Stagin
 log = logging.getLogger(__name__)
 
 
+# Widest element a byte range can be moved as: on CPU index_copy_ runs ~9x faster on int64 rows
+# than on bytes (5.7 vs 0.64 GB/s, one core; index_select 19 GB/s either way).
+_WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+
+
 class KVBytes:
-    """A rank's KV buffers (layer-major, K then V: KVPool order) as byte matrices [pages, page_nbytes]."""
+    """A rank's KV buffers (layer-major, K then V: KVPool order) as matrices [pages, page_nbytes / w]
+    of w-byte words, w the widest that divides every offset and length of a move."""
 
     def __init__(self, buffers: Sequence[torch.Tensor]) -> None:
-        self.views = [b.view(torch.uint8).view(b.shape[0], -1) for b in buffers]
+        self.bytes = [b.view(torch.uint8).view(b.shape[0], -1) for b in buffers]
         self.device = buffers[0].device
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._views: dict[int, list[torch.Tensor]] = {}
+
+    def _words(self, *nbytes: int) -> tuple[int, list[torch.Tensor], torch.dtype]:
+        w, dtype = next((w, d) for w, d in _WORDS if all(n % w == 0 for n in (*nbytes, self.bytes[0].shape[1])))
+        if w not in self._views:
+            self._views[w] = [b.view(dtype) for b in self.bytes]
+        return w, self._views[w], dtype
 
     @classmethod
     def from_pool(cls, pool) -> "KVBytes":
         return cls([b for layer in range(pool.num_layers) for b in (pool.k[layer], pool.v[layer])])
 
-    def _chunk(self, buf: torch.Tensor, offset: int, n: int, ncols: int, l0: int, l1: int) -> torch.Tensor:
+    def _chunk(self, buf: torch.Tensor, offset: int, n: int, ncols: int, l0: int, l1: int,
+               dtype: torch.dtype) -> torch.Tensor:
+        """[2 * layers, n, ncols / w] words of the chunk at byte `offset` of a byte buffer."""
         nbytes = (l1 - l0) * 2 * n * ncols
-        return buf[offset:offset + nbytes].view(2 * (l1 - l0), n, ncols)
+        return buf[offset:offset + nbytes].view(dtype).view(2 * (l1 - l0), n, -1)
 
     def _on_side_stream(self):
         return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
@@ -66,21 +81,25 @@ class KVBytes:
     def gather(self, out: torch.Tensor, offset: int, pages: np.ndarray, col: int, ncols: int,
                l0: int, l1: int) -> None:
         """out[offset:] <- bytes [col, col+ncols) of `pages` in layers [l0, l1), K and V."""
+        w, views, dtype = self._words(offset, col, ncols)
         idx = torch.as_tensor(pages, dtype=torch.int64).to(self.device)
-        chunk = self._chunk(out, offset, idx.numel(), ncols, l0, l1)
+        chunk = self._chunk(out, offset, idx.numel(), ncols, l0, l1, dtype)
+        c0, c1 = col // w, (col + ncols) // w
         with self._on_side_stream():
             for i, b in enumerate(range(2 * l0, 2 * l1)):
-                torch.index_select(self.views[b][:, col:col + ncols], 0, idx, out=chunk[i])
+                torch.index_select(views[b][:, c0:c1], 0, idx, out=chunk[i])
         self._sync()
 
     def scatter(self, src: torch.Tensor, offset: int, pages: np.ndarray, col: int, ncols: int,
                 l0: int, l1: int) -> None:
         """bytes [col, col+ncols) of `pages` in layers [l0, l1), K and V <- src[offset:]."""
+        w, views, dtype = self._words(offset, col, ncols)
         idx = torch.as_tensor(pages, dtype=torch.int64).to(self.device)
-        chunk = self._chunk(src, offset, idx.numel(), ncols, l0, l1)
+        chunk = self._chunk(src, offset, idx.numel(), ncols, l0, l1, dtype)
+        c0, c1 = col // w, (col + ncols) // w
         with self._on_side_stream():
             for i, b in enumerate(range(2 * l0, 2 * l1)):
-                self.views[b][idx, col:col + ncols] = chunk[i]
+                views[b][:, c0:c1].index_copy_(0, idx, chunk[i])
         self._sync()
 
 
