@@ -81,25 +81,25 @@ class KVBytes:
     def gather(self, out: torch.Tensor, offset: int, pages: np.ndarray, col: int, ncols: int,
                l0: int, l1: int) -> None:
         """out[offset:] <- bytes [col, col+ncols) of `pages` in layers [l0, l1), K and V."""
-        w, views, dtype = self._words(offset, col, ncols)
-        idx = torch.as_tensor(pages, dtype=torch.int64).to(self.device)
-        chunk = self._chunk(out, offset, idx.numel(), ncols, l0, l1, dtype)
-        c0, c1 = col // w, (col + ncols) // w
-        with self._on_side_stream():
-            for i, b in enumerate(range(2 * l0, 2 * l1)):
-                torch.index_select(views[b][:, c0:c1], 0, idx, out=chunk[i])
-        self._sync()
+        self._move(out, offset, pages, col, ncols, l0, l1, to_pool=False)
 
     def scatter(self, src: torch.Tensor, offset: int, pages: np.ndarray, col: int, ncols: int,
                 l0: int, l1: int) -> None:
         """bytes [col, col+ncols) of `pages` in layers [l0, l1), K and V <- src[offset:]."""
+        self._move(src, offset, pages, col, ncols, l0, l1, to_pool=True)
+
+    def _move(self, staging: torch.Tensor, offset: int, pages: np.ndarray, col: int, ncols: int,
+              l0: int, l1: int, to_pool: bool) -> None:
         w, views, dtype = self._words(offset, col, ncols)
         idx = torch.as_tensor(pages, dtype=torch.int64).to(self.device)
-        chunk = self._chunk(src, offset, idx.numel(), ncols, l0, l1, dtype)
+        chunk = self._chunk(staging, offset, idx.numel(), ncols, l0, l1, dtype)
         c0, c1 = col // w, (col + ncols) // w
         with self._on_side_stream():
             for i, b in enumerate(range(2 * l0, 2 * l1)):
-                views[b][:, c0:c1].index_copy_(0, idx, chunk[i])
+                if to_pool:
+                    views[b][:, c0:c1].index_copy_(0, idx, chunk[i])
+                else:
+                    torch.index_select(views[b][:, c0:c1], 0, idx, out=chunk[i])
         self._sync()
 
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from kvpipe.transfer.layout import KVLayout
 from kvpipe.transfer.messages import StagingChunkDone, StagingChunkWritten, StagingSlotGrant, StagingSlotRequest
-from kvpipe.transfer.staging_ring import OversizedError, RingAllocator, Slot
+from kvpipe.transfer.staging_ring import RingAllocator, Slot
 
 log = logging.getLogger(__name__)
 
@@ -80,14 +80,15 @@ class StagingBook:
         if key in self.grants or key in self.waiting or key in self.scattering:
             self.stats.refused += 1
             return [(msg.reply_address, self._grant_msg(msg, None, f"chunk {msg.chunk} already has a slot"))]
+        if not 0 < msg.nbytes <= self.ring.capacity:  # refused before it can wait: it would never fit
+            self.stats.refused += 1
+            why = (f"a staging chunk of {msg.nbytes} bytes is larger than the {self.ring.capacity}-byte staging ring"
+                   if msg.nbytes > 0 else "an empty staging chunk")
+            return [(msg.reply_address, self._grant_msg(msg, None, why))]
         if self.waiting:  # FIFO: nobody jumps the queue of a full ring
             self._wait(key, msg, now)
             return []
-        try:
-            slot = self.ring.alloc(msg.nbytes)
-        except OversizedError as e:
-            self.stats.refused += 1
-            return [(msg.reply_address, self._grant_msg(msg, None, str(e)))]
+        slot = self.ring.alloc(msg.nbytes)
         if slot is None:
             self._wait(key, msg, now)
             return []
@@ -99,7 +100,7 @@ class StagingBook:
         if not msg.scatter:  # the prefill gave the chunk up: free its slot or its place in the queue
             if self.waiting.pop(key, None) is not None:
                 self.stats.released += 1
-                return None, []
+                return None, self._pump(now)  # the requests behind it may fit now
             g = self.grants.pop(key, None)
             if g is None:
                 return None, []  # never granted, or freed already (lease): nothing to do
@@ -187,13 +188,13 @@ class StagingBook:
             return f"chunk {msg.chunk} was granted for room {g.room}, announced for room {msg.room}"
         if not 0 <= msg.layer_start < msg.layer_end <= lay.num_layers:
             return f"layers [{msg.layer_start}, {msg.layer_end}) outside [0, {lay.num_layers})"
-        if msg.slice_nbytes <= 0 or msg.page_offset + msg.slice_nbytes > lay.page_nbytes:
+        if msg.slice_nbytes <= 0 or msg.page_offset < 0 or msg.page_offset + msg.slice_nbytes > lay.page_nbytes:
             return (f"bytes [{msg.page_offset}, {msg.page_offset + msg.slice_nbytes}) outside a "
                     f"{lay.page_nbytes}-byte page")
         if n == 0:
             return "no destination pages"
         pages = np.asarray(msg.dst_pages, dtype=np.int64)
-        if pages.max() >= lay.num_pages or np.unique(pages).size != n:
+        if pages.min() < 0 or pages.max() >= lay.num_pages or np.unique(pages).size != n:
             return f"destination pages must be distinct ids in [0, {lay.num_pages})"
         nbytes = (msg.layer_end - msg.layer_start) * 2 * n * msg.slice_nbytes
         if nbytes != g.slot.nbytes:

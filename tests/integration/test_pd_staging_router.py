@@ -13,18 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from kvpipe.config import CacheConfig, ServerConfig
-from kvpipe.engine.engine import Engine
-from kvpipe.engine.request import SamplingParams
 from kvpipe.model.presets import write_preset
 from kvpipe.transfer.tp_mapping import transfer_slices
 from pd_harness import disagg_stats, generate, greedy
-from test_pd_tp import FLAGS, LOGPROB_TOL, close_and_check_no_orphans, start
+from test_pd_tp import LOGPROB_TOL, close_and_check_no_orphans, colocated_reference, start
 
 pytest.importorskip("mooncake.engine")
 pytestmark = pytest.mark.integration
 
-PS, NEW, LAYERS, HEAD_DIM, KV_HEADS = 16, 5, 4, 32, 4  # tiny-kv4, fp32
+PS, NEW, LAYERS, HEAD_DIM, KV_HEADS = 16, 5, 4, 32, 4  # tiny-kv4, fp32 (PS and NEW as in test_pd_tp)
 LENGTHS = [300, 137, 64, 211]
 
 
@@ -40,12 +37,7 @@ def kv4_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(kv4_model_dir: Path) -> list[tuple[list[int], list[float]]]:
-    eng = Engine(ServerConfig(model_path=str(kv4_model_dir), cache=CacheConfig(page_size=PS, num_pages=128)))
-    try:
-        outs = eng.generate(prompts(), SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True))
-    finally:
-        eng.shutdown()
-    return [(o["output_ids"], o["meta_info"]["output_token_logprobs"]) for o in outs]
+    return colocated_reference(kv4_model_dir, prompts())
 
 
 @pytest.mark.parametrize("p_tp,d_tp,chunk,groups", [

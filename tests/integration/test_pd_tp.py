@@ -41,15 +41,19 @@ def prompts() -> list[list[int]]:
     return [[rng.randrange(3, 290) for _ in range(n)] for n in LENGTHS]
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir: Path) -> list[tuple[list[int], list[float]]]:
-    """Colocated TP 1 engine: (tokens, logprobs) per prompt."""
-    eng = Engine(ServerConfig(model_path=str(tiny_model_dir), cache=CacheConfig(page_size=PS, num_pages=128)))
+def colocated_reference(model_dir: Path, ids: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+    """Colocated TP 1 engine: (greedy tokens, logprobs) per prompt."""
+    eng = Engine(ServerConfig(model_path=str(model_dir), cache=CacheConfig(page_size=PS, num_pages=128)))
     try:
-        outs = eng.generate(prompts(), SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True))
+        outs = eng.generate(ids, SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True))
     finally:
         eng.shutdown()
     return [(o["output_ids"], o["meta_info"]["output_token_logprobs"]) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path) -> list[tuple[list[int], list[float]]]:
+    return colocated_reference(tiny_model_dir, prompts())
 
 
 def tp_children(pid: int) -> list[int]:

@@ -72,10 +72,7 @@ def test_an_oversized_request_is_refused_at_once():
     assert b.stats.refused == 1 and not b.waiting and b.ring.num_live == 0
 
 
-# When it reaches the queue head every _pump (scattered, release, reject) raises OversizedError
-# after freeing: the StagingChunkDone and grants it was building are lost until the lease drops it.
-@pytest.mark.xfail(strict=True, reason="on_request queues behind a non-empty queue before alloc's size "
-                                       "check: an oversized request is queued, then _pump raises")
+# Regression: queued behind others, it reached the queue head and every grant after a free raised.
 def test_an_oversized_request_is_refused_even_while_others_wait():
     b = agent()
     ask(b, 0, nbytes=2048)
@@ -95,6 +92,8 @@ def test_a_full_ring_grants_fifo_and_small_requests_do_not_jump_the_queue():
     out = scatter(b, 1)  # ring empty: chunk 2 gets it all, chunk 3 still waits
     assert [msg for _, msg in out][1:] == [grant(2, 0)[1]] and list(b.waiting) == [("p/0", 3)]
     assert announce(b, 2, scatter=False) == (None, [grant(3, 0)])  # released: chunk 3 at last
+    assert ask(b, 4, nbytes=2048) == [] and ask(b, 5, nbytes=256) == []  # 4 waits (3 holds 256 B), 5 behind it
+    assert announce(b, 4, scatter=False) == (None, [grant(5, 256)])  # a queued release grants the next
 
 
 def _check_rejects(kw: dict, why: str) -> None:
@@ -119,14 +118,12 @@ def test_announcements_are_validated_before_any_scatter(kw, why):
     _check_rejects(kw, why)
 
 
-# Negative indices pass the checks: torch indexes pages[-1] as the pool's last page and
-# bytes [-2*HEAD:-HEAD] as head 0, so these would scatter into someone else's KV silently.
-@pytest.mark.xfail(strict=True, reason="_check tests pages.max() only: a negative page id is accepted")
+# Negative indices (the wire codec refuses them, the book must not rely on it): torch would index
+# pages[-1] as the pool's last page and bytes [-2*HEAD:-HEAD] as head 0, someone else's KV.
 def test_a_negative_page_id_is_rejected():
     _check_rejects(dict(pages=(-1, 0)), "distinct ids")
 
 
-@pytest.mark.xfail(strict=True, reason="_check never tests page_offset >= 0")
 def test_a_negative_page_offset_is_rejected():
     _check_rejects(dict(off=-2 * HEAD), "outside a 256-byte page")
 
