@@ -76,7 +76,8 @@ def _enter(cfg: TPConfig):
 
 def _ranks(cfg: TPConfig, tp: int, num_pages: int, truth, backends: list):
     """A pool per rank holding its head slice (filled from `truth` when given), registered with a
-    new Mooncake engine; returns (pools, layouts)."""
+    new Mooncake engine (appended to `backends`, which the caller closes); returns
+    [(pool, layout, backend)] per rank."""
     import torch
 
     from kvpipe.cache.kv_pool import KVPool
@@ -85,7 +86,7 @@ def _ranks(cfg: TPConfig, tp: int, num_pages: int, truth, backends: list):
     from kvpipe.transfer.layout import KVLayout
     from kvpipe.transfer.tp_mapping import kv_head_range
 
-    pools, layouts = [], []
+    out = []
     for rank in range(tp):
         h0, h1 = kv_head_range(tp, rank, cfg.kv_heads)
         pool = KVPool(cfg.num_layers, num_pages, cfg.page_size, h1 - h0, cfg.head_dim, getattr(torch, cfg.dtype))
@@ -97,9 +98,8 @@ def _ranks(cfg: TPConfig, tp: int, num_pages: int, truth, backends: list):
         backend = MooncakeBackend(hostname=cfg.hostname, protocol="tcp", window=cfg.window)
         register_pool(backend, layout)
         backends.append(backend)
-        pools.append(pool)
-        layouts.append(layout)
-    return pools, layouts
+        out.append((pool, layout, backend))
+    return out
 
 
 def _disagg(cfg: TPConfig, staging: str):
@@ -116,6 +116,7 @@ def decode_main(cfg: TPConfig, conn: Connection) -> None:
     from kvpipe.transfer.receiver import DecodeRank, KVReceiver
     from kvpipe.transfer.staging import KVBytes, StagingAgent
     from kvpipe.transfer.state import TransferState
+    from kvpipe.transfer.tp_mapping import kv_head_range
 
     backends: list = []
     closers: list = []
@@ -125,19 +126,19 @@ def decode_main(cfg: TPConfig, conn: Connection) -> None:
         d = _disagg(cfg, cfg.staging)
         recvs, pools = {}, {}
         for name, tp in (("same", 1), ("tp", cfg.decode_tp)):
-            ps, lays = _ranks(cfg, tp, pool_pages, None, backends)
+            made = _ranks(cfg, tp, pool_pages, None, backends)
             ranks = []
-            for rank, (pool, lay) in enumerate(zip(ps, lays)):
+            for rank, (pool, lay, be) in enumerate(made):
                 info = None
                 if name == "tp":
-                    agent = StagingAgent(lay, KVBytes.from_pool(pool), backends[-tp + rank], d.staging_pool_nbytes,
+                    agent = StagingAgent(lay, KVBytes.from_pool(pool), be, d.staging_pool_nbytes,
                                          host=cfg.hostname, session_id=f"bench/{rank}", lease_s=120.0).start()
                     closers.append(agent.close)
                     info = agent.info
-                ranks.append(DecodeRank(lay, backends[-tp + rank].address, info))
+                ranks.append(DecodeRank(lay, be.address, info))
             recvs[name] = KVReceiver(d, ranks=ranks, model_name="bench", host=cfg.hostname).start()
             closers.append(recvs[name].close)
-            pools[name] = ps
+            pools[name] = [pool for pool, _, _ in made]
         conn.send("ready")
         rooms: dict[int, tuple[str, np.ndarray]] = {}
         while True:
@@ -158,8 +159,6 @@ def decode_main(cfg: TPConfig, conn: Connection) -> None:
                     time.sleep(0.001)
                 ok = got is not None and got[1] is TransferState.SUCCESS
                 if ok:  # every decode rank holds its heads of the source pages
-                    from kvpipe.transfer.tp_mapping import kv_head_range
-
                     tp = len(pools[which])
                     idx, sidx = torch.as_tensor(pages), torch.as_tensor(src)
                     for rank, pool in enumerate(pools[which]):
@@ -207,10 +206,8 @@ def _prefill(cfg: TPConfig, conn: Connection) -> dict[str, Any]:
             server = BootstrapServer(cfg.hostname, 0).start()
             closers.append(server.close)
             ports[variant] = server.port
-            pools, lays = _ranks(cfg, tp, cfg.max_pages, truth, backends)
             senders[variant] = []
-            for rank, (pool, lay) in enumerate(zip(pools, lays)):
-                be = backends[-tp + rank]
+            for rank, (pool, lay, be) in enumerate(_ranks(cfg, tp, cfg.max_pages, truth, backends)):
                 buf = StagingBuffer(KVBytes.from_pool(pool), be, d.staging_pool_nbytes) if variant == "staged" else None
                 s = KVSender(d, layout=lay, backend=be, tp_rank=rank, tp_size=tp, model_name="bench",
                              instance_id=f"bench-{variant}", host=cfg.hostname, staging=buf)

@@ -92,7 +92,6 @@ class SenderBook:
         self.staging, self.staging_addr = staging, staging_addr
         self.local_ring = RingAllocator(staging.local_nbytes) if staging is not None else None
         self._chunk_ids = itertools.count()
-        self._chunks: dict[int, SenderRoom] = {}  # staged chunk id -> its room
         self._gathers: list[tuple[SenderRoom, StagedChunk]] = []  # for the worker: gather, then gathered()
         self.stats = SenderStats()
         self.peers = SenderPeers(cfg, layout, tp_rank, tp_size)
@@ -370,7 +369,6 @@ class SenderBook:
         a failed room releases what it can and waits for what it cannot."""
         failed = r.rec.state is F
         for ch in list(r.staged.values()):
-            self._chunks[ch.chunk] = r
             st, age = ch.state, now - ch.since
             if failed:
                 if st is ChunkState.NEW:
@@ -404,7 +402,7 @@ class SenderBook:
                                         one(dest.staging.pool_addr + ch.offset), one(ch.nbytes), ch))
 
     def _on_staging(self, msg: StagingSlotGrant | StagingChunkDone, now: float) -> None:
-        r = self._chunks.get(msg.chunk)
+        r = self.rooms.get(msg.room)
         ch = r.staged.get(msg.chunk) if r is not None else None
         if r is None or ch is None:
             return  # a chunk released meanwhile (its agent frees the slot on our release)
@@ -456,7 +454,6 @@ class SenderBook:
             self.local_ring.free(ch.local.slot_id)
             ch.local = None
         r.staged.pop(ch.chunk, None)
-        self._chunks.pop(ch.chunk, None)
         self._dirty = True
 
     @staticmethod

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import enum
-import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -215,9 +214,11 @@ class SenderRoom:
         self.calls.append(call)
 
     def plan(self, chunk_ops: int, staging: StagingPolicy | None = None,
-             chunk_ids: Iterator[int] = itertools.count()) -> int:
-        """Turn queued calls into write batches of at most `chunk_ops` ops (and staged chunks,
-        ids from `chunk_ids`); returns ops planned (a staged chunk is one op)."""
+             chunk_ids: Iterator[int] | None = None) -> int:
+        """Turn queued calls into write batches of at most `chunk_ops` ops (and, with a staging
+        policy, staged chunks with ids from `chunk_ids`); returns ops planned (a chunk is one op)."""
+        if staging is not None and chunk_ids is None:
+            raise ValueError("staged planning needs the sender's chunk id counter")
         if not self.ready or self.rec.state is TransferState.FAILED:
             return 0
         planned = 0
@@ -239,7 +240,7 @@ class SenderRoom:
         return planned
 
     def _plan_dest(self, call: SendCall, dest: Destination, staging: StagingPolicy | None,
-                   chunk_ids: Iterator[int]) -> list[OpBatch | StagedChunk]:
+                   chunk_ids: Iterator[int] | None) -> list[OpBatch | StagedChunk]:
         if dest.heads is None:
             return []
         assert self.src_pages is not None
@@ -268,6 +269,7 @@ class SenderRoom:
                 raise PlanError(f"room {self.room}: {e}") from e
             sliced = not (p.head_end - p.head_start == self.layout.kv_heads == dest.layout.kv_heads)
             if self._stages(p.num_ops, p.nbytes // max(1, p.num_ops), sliced, dest, staging):
+                assert staging is not None and chunk_ids is not None
                 out.extend(self._stage(dest, self.src_pages[span.first:span.end], dest.dst_pages[j0:j1],
                                        p.head_start, p.head_end, l0, l1, staging, chunk_ids))
             else:
