@@ -1,4 +1,18 @@
-"""Paged attention in plain torch (SDPA). The seam for a GPU kernel is this one function."""
+"""Paged attention in plain torch. The seam for a GPU kernel is `paged_attention`.
+
+Three shapes of work, picked per forward from the ForwardBatch (the scheduler never mixes
+prefill and decode rows in one step):
+- decode (every row adds one token): one pass for the whole batch over its pages, gathered once
+  per layer with one `index_select` per K/V (DecodeIndex), no per-row Python work;
+- prefill of a row with nothing cached: causal SDPA straight on the new K/V (no gather, no
+  materialised mask; torch's CPU flash kernel skips the masked half);
+- prefill of a row behind a cached prefix (a later chunk, a prefix-cache hit): SDPA over the
+  row's gathered pages with a lower-right causal mask [E, L].
+Prefill rows are looped in Python: each is one large SDPA call, so the loop costs nothing next
+to it. 4-D views are passed on purpose: SDPA takes its flash kernel for them (3-D inputs fall
+back to the math path, 5x slower at 2K tokens), and GQA goes through `enable_gqa` rather than
+copies of the KV heads.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpipe.cache.kv_pool import KVPool
-from kvpipe.model.forward_batch import ForwardBatch
+from kvpipe.model.forward_batch import DecodeIndex, ForwardBatch, SeqSpan
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
@@ -16,19 +30,53 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     Each sequence attends to its prefix in the pool plus its new tokens, causally.
     """
     pool.write(layer, batch.slot_pages, batch.slot_offsets, k, v)
+    if batch.decode is not None:
+        return decode_attention(q, layer, batch.decode, pool, scale)
+    if len(batch.seqs) == 1 and batch.seqs[0].prefix_len == 0:  # the common whole-prompt prefill
+        return _causal(q, k, v, scale)
     out = torch.empty_like(q)
-    hq, hkv = q.shape[1], pool.kv_heads
     for s in batch.seqs:
-        ks, vs = pool.gather(layer, s.page_table, s.total_len)  # [Hkv, L, D]
-        qs = q[s.start:s.start + s.extend_len].transpose(0, 1)  # [Hq, E, D]
-        if hq != hkv:
-            ks = ks.repeat_interleave(hq // hkv, dim=0)
-            vs = vs.repeat_interleave(hq // hkv, dim=0)
-        # query i (absolute position prefix_len + i) sees keys 0..prefix_len + i
-        mask = None
-        if s.extend_len > 1:
-            qpos = torch.arange(s.prefix_len, s.total_len, device=q.device)[:, None]
-            mask = torch.arange(s.total_len, device=q.device)[None, :] <= qpos
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
-        out[s.start:s.start + s.extend_len] = o.transpose(0, 1)
+        rows = slice(s.start, s.start + s.extend_len)
+        if s.prefix_len == 0:
+            out[rows] = _causal(q[rows], k[rows], v[rows], scale)
+        else:
+            out[rows] = _extend(q[rows], layer, s, pool, scale)
     return out
+
+
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One row, no cache: [E, H, D] each (k, v with Hkv heads) -> [E, Hq, D]."""
+    o = F.scaled_dot_product_attention(q[None].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2),
+                                       is_causal=True, scale=scale, enable_gqa=True)  # [1, Hq, E, D]
+    return o[0].transpose(0, 1)
+
+
+def _extend(q: torch.Tensor, layer: int, s: SeqSpan, pool: KVPool, scale: float) -> torch.Tensor:
+    """One row behind a cached prefix: q [E, Hq, D] -> [E, Hq, D] over the row's L = total_len keys."""
+    ks, vs = pool.gather(layer, s.page_table, s.total_len)  # [Hkv, L, D], new tokens included
+    # query i sits at absolute position prefix_len + i and sees keys 0 .. prefix_len + i
+    qpos = torch.arange(s.prefix_len, s.total_len, device=q.device)[:, None]
+    mask = torch.arange(s.total_len, device=q.device)[None, :] <= qpos  # [E, L]
+    o = F.scaled_dot_product_attention(q[None].transpose(1, 2), ks[None], vs[None], attn_mask=mask[None, None],
+                                       scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)
+
+
+def decode_attention(q: torch.Tensor, layer: int, index: DecodeIndex, pool: KVPool, scale: float) -> torch.Tensor:
+    """Every row adds one token: q [B, Hq, D] -> [B, Hq, D], one pass over the batch's pages.
+
+    The gathered pages keep the pool's layout, [B, n, Hkv, P, D], and the scores stay per page,
+    [B, n, Hkv, G, P] (G query heads per KV head): a batched matmul reads each page in place, so
+    nothing is transposed into a [B, Hkv, L, D] copy. The softmax runs over (n, P) together.
+    """
+    b, n, page = index.batch_size, index.num_pages, pool.page_size
+    hkv, d = pool.kv_heads, pool.head_dim
+    g = q.shape[1] // hkv
+    kp = pool.k[layer].index_select(0, index.pages).view(b, n, hkv, page, d)
+    vp = pool.v[layer].index_select(0, index.pages).view(b, n, hkv, page, d)
+    scores = torch.matmul(q.view(b, 1, hkv, g, d), kp.transpose(-1, -2)).float()  # [B, n, Hkv, G, P]
+    scores.mul_(scale).masked_fill_(~index.valid, float("-inf"))
+    probs = (scores - scores.amax(dim=(1, 4), keepdim=True)).exp_()
+    denom = probs.sum(dim=(1, 4))  # [B, Hkv, G]
+    o = torch.matmul(probs.to(vp.dtype), vp).sum(1)  # [B, Hkv, G, D]
+    return (o / denom[..., None].to(o.dtype)).view(b, hkv * g, d)

@@ -25,6 +25,40 @@ class SeqSpan:
 
 
 @dataclass(frozen=True)
+class DecodeIndex:
+    """Where a decode batch's KV lives, built once per forward and shared by every layer.
+
+    Every row has extend_len 1, so the whole batch attends in one pass over its pages, padded to
+    the longest row's page count (the padding points at page 0 and is masked out).
+    """
+
+    pages: torch.Tensor  # [B * n_pages] int64, row-major: row b's pages, then padding
+    valid: torch.Tensor  # [B, n_pages, 1, 1, page_size] bool, True where a key is in the row's context
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.valid.shape[0])
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.valid.shape[1])
+
+    @classmethod
+    def build(cls, seqs: "tuple[SeqSpan, ...]", page_size: int) -> "DecodeIndex":
+        lens = torch.tensor([s.total_len for s in seqs], dtype=torch.int64)
+        n = int(-(-lens.max() // page_size))
+        pages = torch.zeros(len(seqs), n, dtype=torch.int64)
+        for b, s in enumerate(seqs):
+            used = -(-s.total_len // page_size)
+            pages[b, :used] = s.page_table[:used]
+        valid = torch.arange(n * page_size)[None, :] < lens[:, None]  # [B, n * page_size]
+        return cls(pages.view(-1), valid.view(len(seqs), n, 1, 1, page_size))
+
+    def to(self, device: torch.device | str) -> "DecodeIndex":
+        return DecodeIndex(self.pages.to(device), self.valid.to(device))
+
+
+@dataclass(frozen=True)
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64, position of each token in its sequence
@@ -32,6 +66,7 @@ class ForwardBatch:
     slot_offsets: torch.Tensor  # [T] int64, offset inside that page
     seqs: tuple[SeqSpan, ...]
     logit_indices: torch.Tensor  # [B_out] int64, packed rows whose logits are wanted
+    decode: DecodeIndex | None = None  # set when every row adds exactly one token
 
     @classmethod
     def build(cls, token_ids: list[list[int]], prefix_lens: list[int], page_tables: list[torch.Tensor],
@@ -54,6 +89,8 @@ class ForwardBatch:
             slot_offsets=positions % page_size,
             seqs=tuple(seqs),
             logit_indices=torch.tensor(last, dtype=torch.int64),
+            decode=DecodeIndex.build(tuple(seqs), page_size) if seqs and all(
+                s.extend_len == 1 for s in seqs) else None,
         )
 
     @property
@@ -66,4 +103,5 @@ class ForwardBatch:
             self.slot_offsets.to(device),
             tuple(SeqSpan(s.start, s.extend_len, s.prefix_len, s.page_table.to(device)) for s in self.seqs),
             self.logit_indices.to(device),
+            None if self.decode is None else self.decode.to(device),
         )
