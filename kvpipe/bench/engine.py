@@ -12,7 +12,12 @@ show how much of its cores the benchmark really had on a shared machine; TP chil
   decodes against the same context.
 Each prefill point runs --warmup unmeasured times first; figures are medians over --repeat.
 
+--compare-hf runs HF transformers on the same checkpoint in the same process (bench/hf_reference.py),
+repeat by repeat alternating with the engine so load drift on a shared machine hits both alike,
+and reports kvpipe/HF prefill time and kvpipe/HF decode throughput per point.
+
 Example: kvpipe bench engine --preset bench --prompt-lens 256,1024,2048 --batch-sizes 1,8,32 --json
+         kvpipe bench engine --preset bench --prompt-lens 256,1024,2048,4096 --batch-sizes 1,8,32 --compare-hf
 """
 
 from __future__ import annotations
@@ -29,9 +34,9 @@ from typing import Any
 
 import numpy as np
 
-from kvpipe.bench.engine_stats import (DecodePoint, PrefillPoint, cpu_per_wall, decode_max_new_tokens,
-                                       decode_points, format_table, kv_tokens_needed, parse_int_list,
-                                       prefill_points, summarize_decode, summarize_prefill)
+from kvpipe.bench.engine_stats import (DecodePoint, PrefillPoint, compare_decode, compare_prefill, cpu_per_wall,
+                                       decode_max_new_tokens, decode_points, format_table, kv_tokens_needed,
+                                       parse_int_list, prefill_points, summarize_decode, summarize_prefill)
 
 STEP_LIMIT = 100_000  # no run of a point takes more engine steps than this
 
@@ -58,6 +63,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="prompt token seed")
     p.add_argument("--skip-prefill", action="store_true")
     p.add_argument("--skip-decode", action="store_true")
+    p.add_argument("--compare-hf", action="store_true",
+                   help="also run HF transformers on the same checkpoint, alternating with the engine repeat by "
+                        "repeat, and report kvpipe/HF ratios (needs the transformers package)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--out", default=None, help="also write the JSON result to this file")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -198,6 +206,10 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                                              max_prefill_tokens=args.max_prefill_tokens))
     load_start = list(os.getloadavg())
     engine = Engine(cfg)
+    hf = None
+    if args.compare_hf:
+        from kvpipe.bench.hf_reference import HFReference
+        hf = HFReference(model_path, args.seed, threads * args.tp_size)  # the cores all engine ranks share
     runs = args.warmup + args.repeat
     bar = tqdm(total=len(ppoints) * runs + len(dpoints) * args.repeat, desc="bench engine", file=sys.stderr,
                disable=args.no_progress, leave=False)
@@ -206,21 +218,34 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         bench = EngineBench(engine, args.seed)
         for p in ppoints:
             bar.set_postfix_str(f"prefill {p.prompt_len}x{p.batch}")
-            samples = []
+            samples, hf_samples = [], []
             for i in range(runs):
                 res = bench.prefill_once(p)
+                hf_res = hf.prefill_once(p) if hf else None
                 if i >= args.warmup:
                     samples.append(res)
+                    if hf_res:
+                        hf_samples.append(hf_res)
                 bar.update()
-            prefill.append(summarize_prefill(p, [x[0] for x in samples], [x[1] for x in samples],
-                                             [x[2] for x in samples]))
+            row = summarize_prefill(p, [x[0] for x in samples], [x[1] for x in samples], [x[2] for x in samples])
+            if hf:
+                hf_row = summarize_prefill(p, [x[0] for x in hf_samples], [1] * len(hf_samples),
+                                           [cpu_per_wall(c, t) for t, c in hf_samples])
+                row = compare_prefill(row, hf_row)
+            prefill.append(row)
         for d in dpoints:
             bar.set_postfix_str(f"decode batch {d.batch}")
-            reps = []
+            reps, hf_reps = [], []
             for _ in range(args.repeat):
                 reps.append(bench.decode_once(d, budget))
+                if hf:
+                    hf_reps.append(hf.decode_once(d))
                 bar.update()
-            decode.append(summarize_decode(d, [r[0] for r in reps], [r[1] for r in reps]))
+            row = summarize_decode(d, [r[0] for r in reps], [r[1] for r in reps])
+            if hf:
+                hf_row = summarize_decode(d, [r[0] for r in hf_reps], [cpu_per_wall(c, sum(t)) for t, c in hf_reps])
+                row = compare_decode(row, hf_row)
+            decode.append(row)
         kv_bytes = engine.stats()["kv_cache_bytes"]
     finally:
         bar.close()
@@ -233,7 +258,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                    "max_prefill_tokens": args.max_prefill_tokens, "decode_context": args.decode_context,
                    "output_len": args.output_len,
                    "decode_warmup_steps": args.decode_warmup_steps, "repeat": args.repeat, "warmup": args.warmup,
-                   "kv_cache_tokens": kv_tokens, "kv_cache_bytes": kv_bytes, "seed": args.seed},
+                   "kv_cache_tokens": kv_tokens, "kv_cache_bytes": kv_bytes, "seed": args.seed,
+                   "compare_hf": None if hf is None else {"attn_implementation": hf.attn, "threads": hf.threads}},
         "machine": {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
                     "torch": torch.__version__, "python": platform.python_version(),
                     # the 1/5/15-minute load averages before and after: a shared machine is noisy

@@ -111,23 +111,39 @@ def summarize_decode(point: DecodePoint, step_times_s: Sequence[Sequence[float]]
             "ms_per_step_by_repeat": [1000.0 * x for x in per_repeat]}
 
 
+def compare_prefill(row: dict[str, Any], hf: dict[str, Any]) -> dict[str, Any]:
+    """A prefill row with the HF row of the same point and kvpipe/HF time (< 1: kvpipe faster)."""
+    return {**row, "hf": hf, "time_ratio_vs_hf": row["ms_per_prefill"] / hf["ms_per_prefill"]}
+
+
+def compare_decode(row: dict[str, Any], hf: dict[str, Any]) -> dict[str, Any]:
+    """A decode row with the HF row of the same point and kvpipe/HF throughput (> 1: kvpipe faster)."""
+    return {**row, "hf": hf, "throughput_ratio_vs_hf": row["tokens_per_s"] / hf["tokens_per_s"]}
+
+
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
 def format_table(report: dict[str, Any]) -> str:
     m, c = report["machine"], report["config"]
+    hf = c.get("compare_hf")
     rows = [f"{c['model']} | tp {c['tp_size']} | page {c['page_size']} | chunk {c['chunked_prefill_size']} | "
             f"median of {c['repeat']} | torch {m['torch']} | {m['threads']} threads | "
-            f"{m['cpu']}",
-            "", f"prefill ({c['warmup']} warm-up run per point)", f"{'tokens':>7} {'batch':>5} {'ms':>10} {'tok/s':>10} {'steps':>5} {'cpu/wall':>8}"]
+            f"{m['cpu']}" + (f" | HF transformers {hf['attn_implementation']}, {hf['threads']} threads" if hf else ""),
+            "", f"prefill ({c['warmup']} warm-up run per point)",
+            f"{'tokens':>7} {'batch':>5} {'ms':>10} {'tok/s':>10} {'steps':>5} {'cpu/wall':>8}"
+            + (f" {'HF ms':>10} {'kvpipe/HF time':>15}" if hf else "")]
     for x in report["prefill"]:
         rows.append(f"{x['prompt_len']:>7} {x['batch']:>5} {x['ms_per_prefill']:>10.1f} "
-                    f"{x['tokens_per_s']:>10.0f} {x['steps']:>5} {_fmt(x['cpu_per_wall']):>8}")
+                    f"{x['tokens_per_s']:>10.0f} {x['steps']:>5} {_fmt(x['cpu_per_wall']):>8}"
+                    + (f" {x['hf']['ms_per_prefill']:>10.1f} {x['time_ratio_vs_hf']:>15.2f}" if "hf" in x else ""))
     rows += ["", f"decode (context {c['decode_context']}, {c['output_len']} timed steps after "
                  f"{c['decode_warmup_steps']} warm-up steps, fresh prefill per repeat)",
-             f"{'batch':>5} {'ms/step':>9} {'tok/s':>9} {'p50 ms':>8} {'max ms':>8} {'cpu/wall':>8}"]
+             f"{'batch':>5} {'ms/step':>9} {'tok/s':>9} {'p50 ms':>8} {'max ms':>8} {'cpu/wall':>8}"
+             + (f" {'HF ms':>9} {'kvpipe/HF tok/s':>16}" if hf else "")]
     for x in report["decode"]:
         rows.append(f"{x['batch']:>5} {x['ms_per_step']:>9.2f} {x['tokens_per_s']:>9.1f} "
-                    f"{x['ms_per_step_p50']:>8.2f} {x['ms_per_step_max']:>8.2f} {_fmt(x['cpu_per_wall']):>8}")
+                    f"{x['ms_per_step_p50']:>8.2f} {x['ms_per_step_max']:>8.2f} {_fmt(x['cpu_per_wall']):>8}"
+                    + (f" {x['hf']['ms_per_step']:>9.2f} {x['throughput_ratio_vs_hf']:>16.2f}" if "hf" in x else ""))
     return "\n".join(rows)

@@ -43,6 +43,7 @@ from kvpipe.engine.batch import ForwardSpec
 from kvpipe.engine.tp_messages import (CommandMsg, ErrorMsg, HelloMsg, ReadyMsg, ReplyMsg, ReportMsg, StartMsg,
                                        StepMsg, StopMsg)
 from kvpipe.engine.connector import KVConnectorWorker, WorkerFactory
+from kvpipe.engine.host_memory import tune_malloc
 from kvpipe.engine.model_runner import GroupCallback, ModelRunner
 from kvpipe.model.loader import load_model
 
@@ -60,6 +61,7 @@ def rank_device(device: str, rank: int) -> str:
 
 
 def build_runner(cfg: ServerConfig, parallel: ParallelConfig, device: str) -> ModelRunner:
+    tune_malloc()  # every rank's process: step activations reuse heap pages instead of faulting new ones
     group = dist.group.WORLD if parallel.tp_size > 1 else None
     model = load_model(cfg.model_path, parallel, device, None, group)
     return ModelRunner(model, cfg.cache, device)
