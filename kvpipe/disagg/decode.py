@@ -49,7 +49,7 @@ class DecodeConnector(PDConnector):
         self._vocab_size = ctx.model_config.vocab_size
         self._start_ranks(ctx.workers, StartDecode())
         self.receiver = KVReceiver(d, ranks=[DecodeRank(r.layout, r.data_address, r.staging) for r in self.ranks],
-                                   model_name=self.cfg.model_name, host=data_host(self.cfg)).start()
+                                   model_name=self.cfg.model_name, host=data_host(self.cfg), on_news=ctx.wake).start()
         logger.info("decode ready: control %s, data %s", self.receiver.control_address, self.ranks[0].data_address)
 
     # ---- admission -----------------------------------------------------------------------------

@@ -90,6 +90,9 @@ class ConnectorContext:
     cfg: "ServerConfig"
     model_config: "ModelConfig"
     workers: WorkerGroup
+    # any thread: news for poll() arrived, run the engine's next step now instead of after its
+    # poll interval (a first token from the prefill should not wait for a timer)
+    wake: Callable[[], None] = lambda: None
 
 
 class KVConnectorWorker(ABC):

@@ -13,7 +13,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +63,7 @@ class Engine:
         self.page_size = cfg.cache.page_size
         self.connector = connector
         self._layer_groups = layer_groups
+        self._wakeup: Callable[[], None] | None = None
         self._tp: TPGroup | None = None
         self._worker: KVConnectorWorker | None = None
         if cfg.tp_size > 1:
@@ -92,7 +93,8 @@ class Engine:
         if connector is not None:
             try:
                 self._worker = connector.make_worker(self.runner.pool, self.model_config.num_kv_heads)
-                connector.start(ConnectorContext(cfg, self.model_config, RankWorkers(self._worker, self._tp)))
+                connector.start(ConnectorContext(cfg, self.model_config, RankWorkers(self._worker, self._tp),
+                                                 self._wake))
             except BaseException:
                 self.shutdown()
                 raise
@@ -115,6 +117,16 @@ class Engine:
         """Finish a request with ABORT at the next step (any thread); unknown rids are ignored."""
         with self._lock:
             self._aborts.append(rid)
+
+    def set_wakeup(self, fn: Callable[[], None] | None) -> None:
+        """`fn` (any thread) makes the loop that drives step() call it now; the connector calls it
+        when transfer news arrived (the loop otherwise sleeps up to poll_interval())."""
+        self._wakeup = fn
+
+    def _wake(self) -> None:
+        fn = self._wakeup
+        if fn is not None:
+            fn()
 
     def poll_interval(self) -> float | None:
         """When step() has something to do: 0.0 now; s > 0 after s seconds (only transfers are
@@ -152,6 +164,8 @@ class Engine:
         if self.connector is not None:
             self._reserve_remote(outs)
             self._poll_connector(outs)
+            if outs:  # a first token that arrived with its KV goes out now, not after the next forward
+                return outs
         batch = self.scheduler.schedule()
         if batch is None:
             return outs

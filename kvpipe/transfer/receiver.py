@@ -26,7 +26,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -46,7 +46,10 @@ log = logging.getLogger(__name__)
 
 class KVReceiver:
     def __init__(self, cfg: DisaggregationConfig, *, ranks: Sequence[DecodeRank], model_name: str,
-                 instance_id: str | None = None, host: str = "127.0.0.1", clock: Clock = time.monotonic) -> None:
+                 instance_id: str | None = None, host: str = "127.0.0.1", clock: Clock = time.monotonic,
+                 on_news: Callable[[], None] | None = None) -> None:
+        """`on_news` (called on the control thread after every message from a prefill): poll()
+        may have something new, e.g. wake the engine loop instead of waiting for its timer."""
         if not ranks:
             raise ValueError("KVReceiver needs at least one decode rank")
         self.cfg, self.ranks, self.model_name = cfg, tuple(ranks), model_name
@@ -54,6 +57,7 @@ class KVReceiver:
         self.instance_id = instance_id or uuid.uuid4().hex[:12]
         self.decode_info = DecodeInfo(model_name, self.tp_size, tuple(d.layout for d in self.ranks))
         self._clock = clock
+        self._on_news = on_news
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._endpoint = ControlEndpoint(host, self._on_message, name="kvreceiver", send_hwm=cfg.control_send_hwm)
@@ -147,6 +151,8 @@ class KVReceiver:
     def _on_message(self, msg: object) -> None:
         with self._lock:
             self._book.on_message(msg, self._clock())
+        if self._on_news is not None:
+            self._on_news()
 
     def _run(self) -> None:
         while not self._stop.is_set():
