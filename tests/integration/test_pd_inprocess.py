@@ -308,3 +308,32 @@ def test_prefill_abort_before_its_forward_after_the_decode_asked(tiny_model_dir)
         assert p.finish_reason is FinishReason.ABORT and d.finish_reason is FinishReason.ABORT
         pair.settle()
         assert pair.prefill.stats()["disaggregation"]["active_rooms"] == 0
+
+
+def test_first_token_leaves_before_the_next_decode_forward(tiny_model_dir, reference):
+    """The decode step that learns of the KV returns the prefill's first token at once (no decode
+    forward in between), and the receiver wakes the engine's loop when the transfer news arrives."""
+    import threading
+
+    ids = prompts(11, [70])[0]
+    with make_pair(tiny_model_dir) as pair:
+        woke = threading.Event()
+        pair.decode.set_wakeup(woke.set)
+        p, d = pair.reqs(ids)
+        pair.prefill.add_request(p)
+        pair.decode.add_request(d)
+        end = time.monotonic() + 60
+        first: list[TokenOutput] = []
+        while not first:
+            assert time.monotonic() < end, "no first token within 60 s"
+            pair.prefill.step()
+            first = [o for o in pair.decode.step() if o.rid == d.rid]
+        assert woke.is_set()
+        assert first[0].token_ids == (reference(ids)[0],)
+        assert d.output_ids == [reference(ids)[0]]  # the decode has not run a forward for it yet
+        while not d.finished:
+            assert time.monotonic() < end, "decode did not finish within 60 s"
+            pair.prefill.step()
+            pair.decode.step()
+        assert d.output_ids == reference(ids)
+        pair.settle()
