@@ -222,6 +222,7 @@ def summarize(result: dict[str, Any], cfg: WorkerConfig, link_rate: str | None) 
         "best_raw_goodput_gbps": total / best_s / 1e9,  # each length's fastest raw pattern
         "goodput_ratio": raw_s / kv_s,
         "best_raw_ratio": best_s / kv_s,  # kvpipe / best raw
+        "best_raw_ratio_paired": statistics.median(x["best_raw_ratio_paired"] for x in lengths),
         "ops_per_request": statistics.mean(x["ops_per_request"] for x in lengths),
         "pieces_per_request": statistics.mean(x["pieces_per_request"] for x in lengths),
         "planning_ms": statistics.median(x["planning_ms"] for x in lengths),
@@ -241,14 +242,15 @@ def format_table(report: dict[str, Any], sweep: bool = False) -> str:
     split = fmt_bytes(c["max_op_bytes"]) if c["max_op_bytes"] else "off"
     rows = [f"KV {c['layers']}L x {c['kv_heads']}H x {c['head_dim']}D {c['dtype']}, page {c['page_size']}, "
             f"fragmentation {c['fragmentation']}, link {c['link_rate']}, window {c['window']}, split {split}, "
-            f"median of {c['repeat']}; GB/s",
+            f"median of {c['repeat']}; GB/s; paired: median of per-round kvpipe/best-raw",
             f"{'tokens':>7} {'MiB':>8} {'ops':>5} {'pieces':>6} {'plan ms':>8} {'xfer ms':>8} {'kvpipe':>7} "
-            f"{'unsplit':>7} {'raw 1op':>7} {'best raw':>8} {'pattern':>10} {'kv/best':>7} {'kv/1op':>6} ok"]
+            f"{'unsplit':>7} {'raw 1op':>7} {'best raw':>8} {'pattern':>10} {'kv/best':>7} {'paired':>6} {'kv/1op':>6} ok"]
     for x in report["lengths"]:
         rows.append(f"{x['prompt_len']:>7} {x['bytes'] / 2**20:>8.1f} {x['ops_per_request']:>5} "
                     f"{x['pieces_per_request']:>6} {x['planning_ms']:>8.3f} {x['transfer_ms']:>8.2f} "
                     f"{x['goodput_gbps']:>7.2f} {_gbps(x['unsplit_goodput_gbps']):>7} {x['raw_goodput_gbps']:>7.2f} "
                     f"{x['best_raw_goodput_gbps']:>8.2f} {x['best_raw']['label']:>10} {x['best_raw_ratio']:>7.2f} "
+                    f"{x['best_raw_ratio_paired']:>6.2f} "
                     f"{x['goodput_ratio']:>6.2f} {'yes' if x['verified'] else 'NO'}")
     rows.append(f"overall goodput {report['goodput_gbps']:.2f} GB/s vs best raw {report['best_raw_goodput_gbps']:.2f} "
                 f"(ratio {report['best_raw_ratio']:.2f}), vs one raw op {report['raw_goodput_gbps']:.2f} "

@@ -242,6 +242,9 @@ def _prefill(cfg: WorkerConfig, peer: Connection) -> dict[str, Any]:
                                    "goodput_gbps": nbytes / med[f"kv_split_{m}"] / 1e9}
                                   for m in cfg.compare_max_op_bytes],
                 "goodput_ratio": med["raw"] / kv, "best_raw_ratio": med["best_raw"] / kv,
+                # median over repeats of best-raw time / kvpipe time in the same round: drift on a
+                # shared machine moves both, so this is steadier than the ratio of medians
+                "best_raw_ratio_paired": statistics.median(b / k for b, k in zip(times["best_raw"], times["kv"])),
                 "best_raw": {"piece_bytes": best.piece_bytes, "window": best.window, "label": best.label},
                 "sweep": [{"piece_bytes": p.piece_bytes, "window": p.window, "ms": s * 1e3,
                            "goodput_gbps": nbytes / s / 1e9} for p, s in sweep.items()],

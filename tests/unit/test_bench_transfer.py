@@ -83,7 +83,7 @@ def test_table_shows_ops_pieces_best_raw_and_the_sweep():
     length = {"prompt_len": 1024, "pages": 64, "bytes": 24 << 20, "ops_per_request": 24, "pieces_per_request": 24,
               "runs": 1, "planning_ms": 0.3, "transfer_ms": 11.0, "raw_ms": 12.0, "best_raw_ms": 10.0,
               "goodput_gbps": 2.2, "unsplit_goodput_gbps": 2.1, "raw_goodput_gbps": 2.0,
-              "best_raw_goodput_gbps": 2.4, "goodput_ratio": 12 / 11, "best_raw_ratio": 10 / 11,
+              "best_raw_goodput_gbps": 2.4, "goodput_ratio": 12 / 11, "best_raw_ratio": 10 / 11, "best_raw_ratio_paired": 0.93,
               "best_raw": {"piece_bytes": 1 << 20, "window": 16, "label": "1M x w16"}, "sweep": sweep,
               "split_compare": [{"max_op_bytes": 0, "ms": 12.0, "goodput_gbps": 2.1},
                                 {"max_op_bytes": 1 << 20, "ms": 11.0, "goodput_gbps": 2.2}],
@@ -91,5 +91,5 @@ def test_table_shows_ops_pieces_best_raw_and_the_sweep():
     report = summarize({"lengths": [length], "engine_generation": 0}, cfg, None)
     assert report["best_raw_ratio"] == pytest.approx(10 / 11) and report["pieces_per_request"] == 24
     table = format_table(report, sweep=True)
-    assert "1M x w16" in table and "0.91" in table and "split at (GB/s), 1024 tokens: off 2.10, 1M 2.20" in table
+    assert "1M x w16" in table and "0.91" in table and "0.93" in table and "split at (GB/s), 1024 tokens: off 2.10, 1M 2.20" in table
     assert "one op: 2.00; best: 1M x w16" in table and "2.40" in table.splitlines()[-1]
