@@ -1,10 +1,14 @@
 """`kvpipe bench transfer`: KV transfer goodput between a prefill and a decode process.
 
 Each process owns a real KVPool and a real Mooncake engine (TCP). Per prompt length the prefill
-side plans the request's pages (vectorised planner), writes them into the decode pool, and in the
-same run moves the same number of bytes as one contiguous op (the raw engine goodput). Reported:
-goodput (bytes / wall time, planning included), raw goodput, their ratio, ops per request and
-planning time, with medians over --repeat and a digest check that the pages really landed.
+side plans the request's pages (vectorised planner), writes them into the decode pool (the
+backend splits ops longer than --max-op-bytes into pieces), and in the same run moves the same
+number of bytes raw, driving the engine directly: as one contiguous op, and as pieces x window
+patterns (--raw-pieces x --raw-windows, or the full grid with --raw-sweep), the fastest of which
+is timed again interleaved with kvpipe. Reported: goodput (bytes / wall time, planning included),
+kvpipe with unsplit ops (or split at each of --compare-split), one-op raw and best-raw goodput, kvpipe / best-raw, planned ops and wire
+pieces per request, planning time, with medians over --repeat and a digest check that the pages
+really landed.
 
 --prefill-tp P --decode-tp D (heterogeneous TP, real head slicing; transfer_tp.py) compares, in
 the same run and for the same request, one-rank same-TP transfer of equal bytes, plain head-slice
@@ -15,6 +19,7 @@ control plane.
 (root). Without it both ends use loopback.
 
 Example: kvpipe bench transfer --preset bench --prompt-lens 1024,4096 --repeat 5 --json
+         kvpipe bench transfer --preset bench --prompt-lens 1024,16384 --raw-sweep
          kvpipe bench transfer --prefill-tp 1 --decode-tp 2 --staging on --fragmentation 1
 """
 
@@ -31,13 +36,22 @@ from contextlib import ExitStack
 from typing import Any
 
 from kvpipe.bench import transfer_tp
+from kvpipe.bench.raw_mooncake import WHOLE, RawPattern, fmt_bytes, parse_bytes
 from kvpipe.bench.transfer_worker import WorkerConfig, decode_main, prefill_main
+from kvpipe.transfer.backends.mooncake import DEFAULT_MAX_OP_BYTES
 
 # Shapes (num_layers, kv_heads, head_dim, dtype) besides the model presets in kvpipe.model.presets.
 EXTRA_SHAPES: dict[str, tuple[int, int, int, str]] = {
     "llama3-8b": (32, 8, 128, "bfloat16"),  # 128 KiB of KV per token
     "qwen2-0.5b": (24, 2, 64, "bfloat16"),  # 12 KiB per token
 }
+
+
+# Raw patterns timed by default, around the best of the full sweep (docs/benchmarks.md), and the sweep grid.
+RAW_PIECES = (1 << 20, 4 << 20, 8 << 20)
+RAW_WINDOWS = (16, 256)
+SWEEP_PIECES = tuple(1 << k for k in range(16, 25))  # 64 KiB .. 16 MiB
+SWEEP_WINDOWS = (8, 16, 32, 64, 128, 256)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -52,7 +66,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=5, help="transfers per length (medians are reported)")
     p.add_argument("--fragmentation", type=float, default=0.0,
                    help="probability that a decode page starts a new run: 0 = one contiguous run, 1 = every page apart")
-    p.add_argument("--window", type=int, default=256, help="Mooncake ops in flight per peer")
+    p.add_argument("--window", type=int, default=256, help="Mooncake ops (pieces) in flight per peer")
+    p.add_argument("--max-op-bytes", default=fmt_bytes(DEFAULT_MAX_OP_BYTES),
+                   help="kvpipe's backend splits longer ops into pieces of this size (e.g. 1M; 0: never split)")
+    p.add_argument("--compare-split", default="0",
+                   help="also time kvpipe split at these sizes, interleaved (comma-separated; 0: unsplit)")
+    p.add_argument("--raw-pieces", default=",".join(map(fmt_bytes, RAW_PIECES)),
+                   help="raw patterns: piece sizes (comma-separated, K/M suffixes)")
+    p.add_argument("--raw-windows", default=",".join(map(str, RAW_WINDOWS)), help="raw patterns: windows")
+    p.add_argument("--raw-sweep", action="store_true",
+                   help="raw patterns: the full grid (pieces 64K..16M x windows 8..256) and its table")
     p.add_argument("--prefill-tp", type=int, default=1, help="prefill TP ranks (heterogeneous-TP mode when != decode)")
     p.add_argument("--decode-tp", type=int, default=1, help="decode TP ranks")
     p.add_argument("--staging", choices=["on", "auto"], default=None,
@@ -86,8 +109,34 @@ def config_from_args(args: argparse.Namespace, log_path: str, hostname: str = "1
     if not 0.0 <= args.fragmentation <= 1.0:
         raise SystemExit("kvpipe bench transfer: --fragmentation must be in [0, 1]")
     layers, heads, hd, dtype = _shape(args)
+    max_op = _sizes(args.max_op_bytes, "--max-op-bytes", 0)
+    if len(max_op) != 1:
+        raise SystemExit("kvpipe bench transfer: --max-op-bytes takes one size (--compare-split takes several)")
     return WorkerConfig(layers, heads, hd, dtype, args.page_size, lens, args.repeat, args.fragmentation,
-                        args.window, args.seed, log_path, hostname, netns)
+                        args.window, args.seed, log_path, hostname, netns, max_op_bytes=max_op[0] or None,
+                        raw_patterns=raw_patterns(args),
+                        compare_max_op_bytes=_sizes(args.compare_split, "--compare-split", 0))
+
+
+def _sizes(text: str, flag: str, least: int) -> tuple[int, ...]:
+    """'0,64K,1M' -> byte counts, each >= least."""
+    try:
+        sizes = tuple(parse_bytes(x) for x in str(text).split(",") if x.strip())
+    except ValueError:
+        raise SystemExit(f"kvpipe bench transfer: {flag} takes sizes like 64K,1M,4096, got {text!r}") from None
+    if not sizes or min(sizes) < least:
+        raise SystemExit(f"kvpipe bench transfer: {flag} sizes must be >= {least}, got {text!r}")
+    return sizes
+
+
+def raw_patterns(args: argparse.Namespace) -> tuple[RawPattern, ...]:
+    if args.raw_sweep:
+        pieces, windows = SWEEP_PIECES, SWEEP_WINDOWS
+    else:
+        pieces, windows = _sizes(args.raw_pieces, "--raw-pieces", 1), _sizes(args.raw_windows, "--raw-windows", 1)
+    if max(windows) > 1024:
+        raise SystemExit("kvpipe bench transfer: --raw-windows must be in (0, 1024]")
+    return tuple(RawPattern(p, w) for p in pieces for w in windows)
 
 
 def tp_mode(args: argparse.Namespace) -> bool:
@@ -166,40 +215,83 @@ def summarize(result: dict[str, Any], cfg: WorkerConfig, link_rate: str | None) 
     total = sum(x["bytes"] for x in lengths)
     kv_s = sum(x["transfer_ms"] for x in lengths) / 1e3
     raw_s = sum(x["raw_ms"] for x in lengths) / 1e3
+    best_s = sum(x["best_raw_ms"] for x in lengths) / 1e3
     return {
         "goodput_gbps": total / kv_s / 1e9,  # over all lengths: sum of bytes / sum of median times
-        "raw_goodput_gbps": total / raw_s / 1e9,
+        "raw_goodput_gbps": total / raw_s / 1e9,  # one raw op of all the bytes
+        "best_raw_goodput_gbps": total / best_s / 1e9,  # each length's fastest raw pattern
         "goodput_ratio": raw_s / kv_s,
+        "best_raw_ratio": best_s / kv_s,  # kvpipe / best raw
+        "best_raw_ratio_paired": statistics.median(x["best_raw_ratio_paired"] for x in lengths),
         "ops_per_request": statistics.mean(x["ops_per_request"] for x in lengths),
+        "pieces_per_request": statistics.mean(x["pieces_per_request"] for x in lengths),
         "planning_ms": statistics.median(x["planning_ms"] for x in lengths),
         "verified": all(x["verified"] for x in lengths),
         "lengths": lengths,
         "config": {"layers": cfg.num_layers, "kv_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
                    "dtype": cfg.dtype, "page_size": cfg.page_size, "repeat": cfg.repeat,
-                   "fragmentation": cfg.fragmentation, "window": cfg.window, "protocol": "tcp",
+                   "fragmentation": cfg.fragmentation, "window": cfg.window, "max_op_bytes": cfg.max_op_bytes,
+                   "raw_patterns": [p.label for p in cfg.raw_patterns],
+                   "compare_max_op_bytes": list(cfg.compare_max_op_bytes), "protocol": "tcp",
                    "link_rate": link_rate or "loopback", "engine_generation": result["engine_generation"]},
     }
 
 
-def format_table(report: dict[str, Any]) -> str:
+def format_table(report: dict[str, Any], sweep: bool = False) -> str:
     c = report["config"]
+    split = fmt_bytes(c["max_op_bytes"]) if c["max_op_bytes"] else "off"
     rows = [f"KV {c['layers']}L x {c['kv_heads']}H x {c['head_dim']}D {c['dtype']}, page {c['page_size']}, "
-            f"fragmentation {c['fragmentation']}, link {c['link_rate']}, median of {c['repeat']}",
-            f"{'tokens':>7} {'MiB':>8} {'ops':>6} {'plan ms':>8} {'xfer ms':>9} {'GB/s':>7} {'raw GB/s':>9} "
-            f"{'ratio':>6} ok"]
+            f"fragmentation {c['fragmentation']}, link {c['link_rate']}, window {c['window']}, split {split}, "
+            f"median of {c['repeat']}; GB/s; paired: median of per-round kvpipe/best-raw",
+            f"{'tokens':>7} {'MiB':>8} {'ops':>5} {'pieces':>6} {'plan ms':>8} {'xfer ms':>8} {'kvpipe':>7} "
+            f"{'unsplit':>7} {'raw 1op':>7} {'best raw':>8} {'pattern':>10} {'kv/best':>7} {'paired':>6} {'kv/1op':>6} ok"]
     for x in report["lengths"]:
-        rows.append(f"{x['prompt_len']:>7} {x['bytes'] / 2**20:>8.1f} {x['ops_per_request']:>6} "
-                    f"{x['planning_ms']:>8.3f} {x['transfer_ms']:>9.2f} {x['goodput_gbps']:>7.2f} "
-                    f"{x['raw_goodput_gbps']:>9.2f} {x['goodput_ratio']:>6.2f} {'yes' if x['verified'] else 'NO'}")
-    rows.append(f"overall goodput {report['goodput_gbps']:.2f} GB/s vs raw {report['raw_goodput_gbps']:.2f} GB/s "
+        rows.append(f"{x['prompt_len']:>7} {x['bytes'] / 2**20:>8.1f} {x['ops_per_request']:>5} "
+                    f"{x['pieces_per_request']:>6} {x['planning_ms']:>8.3f} {x['transfer_ms']:>8.2f} "
+                    f"{x['goodput_gbps']:>7.2f} {_gbps(x['unsplit_goodput_gbps']):>7} {x['raw_goodput_gbps']:>7.2f} "
+                    f"{x['best_raw_goodput_gbps']:>8.2f} {x['best_raw']['label']:>10} {x['best_raw_ratio']:>7.2f} "
+                    f"{x['best_raw_ratio_paired']:>6.2f} "
+                    f"{x['goodput_ratio']:>6.2f} {'yes' if x['verified'] else 'NO'}")
+    rows.append(f"overall goodput {report['goodput_gbps']:.2f} GB/s vs best raw {report['best_raw_goodput_gbps']:.2f} "
+                f"(ratio {report['best_raw_ratio']:.2f}), vs one raw op {report['raw_goodput_gbps']:.2f} "
                 f"(ratio {report['goodput_ratio']:.2f})")
+    if len(c["compare_max_op_bytes"]) > 1:
+        rows += [f"kvpipe split at (GB/s), {x['prompt_len']} tokens: " +
+                 ", ".join(f"{fmt_bytes(s['max_op_bytes']) if s['max_op_bytes'] else 'off'} {s['goodput_gbps']:.2f}"
+                           for s in x["split_compare"]) for x in report["lengths"]]
+    if sweep:
+        rows += [""] + [format_sweep(x) for x in report["lengths"]]
+    return "\n".join(rows)
+
+
+def _gbps(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def format_sweep(length: dict[str, Any]) -> str:
+    """One length's raw sweep as a grid: piece size (rows) x window (columns) -> median GB/s."""
+    cells = {(s["piece_bytes"], s["window"]): s["goodput_gbps"] for s in length["sweep"]
+             if s["piece_bytes"] != WHOLE}
+    one_op = next((s["goodput_gbps"] for s in length["sweep"] if s["piece_bytes"] == WHOLE), float("nan"))
+    pieces = sorted({p for p, _ in cells})
+    windows = sorted({w for _, w in cells})
+    rows = [f"raw sweep, {length['prompt_len']} tokens ({length['bytes'] / 2**20:.1f} MiB), GB/s: piece \\ window "
+            f"(one op: {one_op:.2f}; best: {length['best_raw']['label']})",
+            f"{'piece':>6} " + " ".join(f"{w:>6}" for w in windows)]
+    for p in pieces:
+        rows.append(f"{fmt_bytes(p):>6} " + " ".join(f"{cells[p, w]:>6.2f}" if (p, w) in cells else f"{'':>6}"
+                                                     for w in windows))
     return "\n".join(rows)
 
 
 def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     report = run_bench(args)
-    table = transfer_tp.format_table if report.get("mode") == "tp" else format_table
-    print(json.dumps(report) if args.json else table(report))
+    if args.json:
+        print(json.dumps(report))
+    elif report.get("mode") == "tp":
+        print(transfer_tp.format_table(report))
+    else:
+        print(format_table(report, sweep=args.raw_sweep))
     return 0 if report["verified"] else 1
 
 

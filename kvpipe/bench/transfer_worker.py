@@ -1,6 +1,14 @@
 """The two processes of `kvpipe bench transfer`: a decode side that owns the destination KVPool
 and a prefill side that plans and writes pages into it, both over a real Mooncake engine.
 
+Per prompt length the prefill side (1) writes the request once and checks the digest, (2) sweeps
+the raw patterns (raw_mooncake.py: pieces x window over one contiguous range of the same bytes),
+repeat by repeat in rotating order, and picks the fastest by median, then (3) times in rotating
+order, repeat by repeat: kvpipe (planner + backend, split at `max_op_bytes`), kvpipe split at
+each of `compare_max_op_bytes` (0: unsplit), one raw op of all the bytes, and the best raw pattern
+again, so the kvpipe / best-raw ratio comes from interleaved runs and not from the sweep's
+luckiest median.
+
 Heavy imports happen inside the process bodies, after the process has entered its network
 namespace, so every thread Mooncake starts lives in the right one.
 """
@@ -14,9 +22,11 @@ import time
 import uuid
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
+
+from kvpipe.bench.raw_mooncake import WHOLE, RawPattern, pattern_ops, raw_write
 
 
 @dataclass(frozen=True)
@@ -34,6 +44,9 @@ class WorkerConfig:
     log_path: str  # this process's stderr (Mooncake logs a lot) goes here
     hostname: str = "127.0.0.1"
     netns: str | None = None
+    max_op_bytes: int | None = None  # the backend splits longer ops into pieces; None: never
+    raw_patterns: tuple[RawPattern, ...] = ()  # swept per length; the one-op pattern is always timed
+    compare_max_op_bytes: tuple[int, ...] = (0,)  # kvpipe also timed split at these (0: unsplit)
 
     @property
     def max_pages(self) -> int:
@@ -76,7 +89,7 @@ def _setup(cfg: WorkerConfig, num_pages: int):
     from kvpipe.cache.kv_pool import KVPool
     from kvpipe.transfer.backends.mooncake import MooncakeBackend
 
-    backend = MooncakeBackend(hostname=cfg.hostname, protocol="tcp", window=cfg.window)
+    backend = MooncakeBackend(hostname=cfg.hostname, protocol="tcp", window=cfg.window, max_op_bytes=cfg.max_op_bytes)
     pool = KVPool(cfg.num_layers, num_pages, cfg.page_size, cfg.kv_heads, cfg.head_dim,
                   dtype=getattr(torch, cfg.dtype))
     # Raw-transfer buffer as big as the largest request; np.ones touches every page of it.
@@ -135,6 +148,12 @@ def prefill_main(cfg: WorkerConfig, peer: Connection, parent: Connection) -> Non
         peer.send(("quit", None))
 
 
+def _rotated(items: list, r: int) -> list:
+    """Repeat r runs the variants in this order: each goes first as often as the others."""
+    k = r % len(items)
+    return items[k:] + items[:k]
+
+
 def _prefill(cfg: WorkerConfig, peer: Connection) -> dict[str, Any]:
     import torch
 
@@ -155,13 +174,25 @@ def _prefill(cfg: WorkerConfig, peer: Connection) -> dict[str, Any]:
         if (why := src_layout.compatible_with(reg.layout)) is not None:
             raise RuntimeError(f"decode pool incompatible: {why}")
         rng = np.random.default_rng(cfg.seed)
+        one_op = RawPattern(WHOLE, 1)
 
-        def timed(make_ops) -> float:
-            """Wall time of planning (inside make_ops) plus the transfer until every op landed."""
+        def kv_write(src_pages: np.ndarray, dst_pages: np.ndarray, max_op_bytes: int | None,
+                     plans: list, handles: list) -> float:
+            """Wall time of planning plus the transfer until every piece landed."""
+            backend.max_op_bytes = max_op_bytes
             t0 = time.perf_counter()
-            h = backend.submit(reg.data_address, *make_ops())
+            plans.append(plan_pages(src_pages, dst_pages, src_layout, reg.layout))
+            h = backend.submit(reg.data_address, plans[-1].src_addr, plans[-1].dst_addr, plans[-1].length)
             if backend.wait(h, time.monotonic() + 300) is not BatchState.DONE:
                 raise RuntimeError(f"transfer failed: {h.error or 'timed out'}")
+            handles.append(h)
+            return time.perf_counter() - t0
+
+        def raw_time(pattern: RawPattern, nbytes: int) -> float:
+            """Wall time of the raw pattern; its pieces are cut before the clock starts."""
+            ops = pattern_ops(raw.ctypes.data, raw_dst, nbytes, pattern)
+            t0 = time.perf_counter()
+            raw_write(backend.engine, reg.data_address, *ops, pattern.window)
             return time.perf_counter() - t0
 
         per_len = []
@@ -170,36 +201,56 @@ def _prefill(cfg: WorkerConfig, peer: Connection) -> dict[str, Any]:
             nbytes = n * src_layout.page_nbytes * src_layout.num_buffers
             src_pages = np.arange(n, dtype=np.int64)
             dst_pages = fragmented_pages(n, cfg.fragmentation, rng)
+            plans: list[Any] = []
+            handles: list[Any] = []
             peer.send(("reset", None))
             peer.recv()
-            plans: list[Any] = []
-
-            def kv_ops():
-                plans.append(plan_pages(src_pages, dst_pages, src_layout, reg.layout))
-                return plans[-1].src_addr, plans[-1].dst_addr, plans[-1].length
-
-            def raw_ops():
-                return [raw.ctypes.data], [raw_dst], [nbytes]
-
-            kv_s, raw_s = [], []
-            for r in range(cfg.repeat):  # alternate the order so both share the machine's noise
-                for kind in (("kv", "raw") if r % 2 == 0 else ("raw", "kv")):
-                    if kind == "kv":
-                        kv_s.append(timed(kv_ops))
-                    else:
-                        raw_s.append(timed(raw_ops))
+            kv_write(src_pages, dst_pages, cfg.max_op_bytes, plans, handles)  # also warms the connection
             peer.send(("digest", dst_pages))
             verified = peer.recv() == _digest(pool, src_pages)
-            plan = plans[-1]
-            kv, rw = statistics.median(kv_s), statistics.median(raw_s)
+
+            sweep_s: dict[RawPattern, list[float]] = {p: [] for p in (one_op, *cfg.raw_patterns)}
+            for r in range(cfg.repeat):
+                for p in _rotated(list(sweep_s), r):
+                    sweep_s[p].append(raw_time(p, nbytes))
+            sweep = {p: statistics.median(xs) for p, xs in sweep_s.items()}
+            best = min(sweep, key=sweep.__getitem__)
+
+            variants: dict[str, Callable[[], float]] = {
+                "kv": lambda: kv_write(src_pages, dst_pages, cfg.max_op_bytes, plans, handles),
+                "raw": lambda: raw_time(one_op, nbytes),
+                "best_raw": lambda: raw_time(best, nbytes),
+            }
+            for m in cfg.compare_max_op_bytes:
+                variants[f"kv_split_{m}"] = lambda m=m: kv_write(src_pages, dst_pages, m or None, [], [])
+            times: dict[str, list[float]] = {v: [] for v in variants}
+            for r in range(cfg.repeat):
+                for v in _rotated(list(variants), r):
+                    times[v].append(variants[v]())
+            backend.max_op_bytes = cfg.max_op_bytes
+            med = {v: statistics.median(xs) for v, xs in times.items()}
+            plan, kv = plans[-1], med["kv"]
             per_len.append({
                 "prompt_len": n_tokens, "pages": n, "bytes": nbytes, "ops_per_request": plan.num_ops,
-                "runs": plan.num_runs, "planning_ms": statistics.median(p.planning_ms for p in plans),
-                "transfer_ms": kv * 1e3, "raw_ms": rw * 1e3, "goodput_gbps": nbytes / kv / 1e9,
-                "raw_goodput_gbps": nbytes / rw / 1e9, "goodput_ratio": rw / kv, "verified": verified,
-                "transfer_ms_all": [x * 1e3 for x in kv_s], "raw_ms_all": [x * 1e3 for x in raw_s],
+                "pieces_per_request": handles[-1].num_pieces, "runs": plan.num_runs,
+                "planning_ms": statistics.median(p.planning_ms for p in plans),
+                "transfer_ms": kv * 1e3, "raw_ms": med["raw"] * 1e3, "best_raw_ms": med["best_raw"] * 1e3,
+                "goodput_gbps": nbytes / kv / 1e9, "raw_goodput_gbps": nbytes / med["raw"] / 1e9,
+                "best_raw_goodput_gbps": nbytes / med["best_raw"] / 1e9,
+                "unsplit_goodput_gbps": nbytes / med["kv_split_0"] / 1e9 if "kv_split_0" in med else None,
+                "split_compare": [{"max_op_bytes": m, "ms": med[f"kv_split_{m}"] * 1e3,
+                                   "goodput_gbps": nbytes / med[f"kv_split_{m}"] / 1e9}
+                                  for m in cfg.compare_max_op_bytes],
+                "goodput_ratio": med["raw"] / kv, "best_raw_ratio": med["best_raw"] / kv,
+                # median over repeats of best-raw time / kvpipe time in the same round: drift on a
+                # shared machine moves both, so this is steadier than the ratio of medians
+                "best_raw_ratio_paired": statistics.median(b / k for b, k in zip(times["best_raw"], times["kv"])),
+                "best_raw": {"piece_bytes": best.piece_bytes, "window": best.window, "label": best.label},
+                "sweep": [{"piece_bytes": p.piece_bytes, "window": p.window, "ms": s * 1e3,
+                           "goodput_gbps": nbytes / s / 1e9} for p, s in sweep.items()],
+                "verified": verified,
+                **{f"{v}_ms_all": [x * 1e3 for x in xs] for v, xs in times.items()},
             })
         return {"lengths": per_len, "engine_generation": backend.generation}
     finally:
         backend.close()
-

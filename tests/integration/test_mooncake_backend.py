@@ -163,3 +163,59 @@ def test_queue_full_fails_batch_and_engine_recovers():
     out = json.loads(lines[-1].removeprefix("RESULT "))
     assert out["first"] == "failed"
     assert out["second"] == "done" and out["landed"]
+
+
+def test_long_ops_go_as_pieces_and_land():
+    # 1,500-byte pieces (a page of one buffer is 1,024 bytes): pieces straddle heads and pages
+    tx, rx = MooncakeBackend(window=8, max_op_bytes=1500), MooncakeBackend()
+    try:
+        src, dst = registered_pool(tx, seed=6), registered_pool(rx, seed=None)
+        pages = np.arange(PAGES)
+        plan = plan_pages(pages, pages[::-1].copy(), KVLayout.from_pool(src), KVLayout.from_pool(dst))
+        plan_runs = plan_pages(pages[:20], pages[4:24], KVLayout.from_pool(src), KVLayout.from_pool(dst))
+        h = tx.submit(rx.address, plan_runs.src_addr, plan_runs.dst_addr, plan_runs.length)
+        assert tx.wait(h, deadline()) is BatchState.DONE, h.error
+        op_bytes = 20 * PAGE * HEADS * HD * 4
+        assert (h.num_ops, h.nbytes) == (plan_runs.num_ops, plan_runs.nbytes)  # planned ops
+        assert h.num_pieces == plan_runs.num_ops * -(-op_bytes // 1500)  # what went on the wire
+        assert_pages_equal(src, dst, pages[:20], pages[4:24])
+        h = tx.submit(rx.address, plan.src_addr, plan.dst_addr, plan.length)  # page-sized ops: not split
+        assert tx.wait(h, deadline()) is BatchState.DONE, h.error
+        assert h.num_pieces == h.num_ops == plan.num_ops
+        assert_pages_equal(src, dst, pages, pages[::-1].copy())
+        assert tx.generation == 0
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_one_failed_piece_fails_the_batch_and_cancel_stops_pieces():
+    tx, rx = MooncakeBackend(window=4, max_op_bytes=1024), MooncakeBackend()
+    try:
+        src, dst = registered_pool(tx, seed=7), registered_pool(rx, seed=None)
+        stray = np.zeros(8192, dtype=np.uint8)  # never registered on the receiver
+        base, target = src.buffer_infos()[0].addr, dst.buffer_infos()[0].addr
+        h = tx.submit(rx.address, [base, base], [target, stray.ctypes.data], [16384, 8192])  # 16 + 8 pieces
+        assert tx.wait(h, deadline()) is BatchState.FAILED and "failed" in h.error
+        assert h.num_ops == 2 and h.num_pieces == 24
+        assert not stray.any() and tx.generation == 0
+        h = tx.submit(rx.address, [base], [target], [src.buffer_infos()[0].nbytes])
+        tx.cancel(h, "client went away")
+        assert tx.wait(h, deadline()) is BatchState.FAILED and h.error == "client went away"
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_injected_failure_counts_pieces():
+    tx, rx = MooncakeBackend(window=8, max_op_bytes=512, inject=FailureInjection(prob=1.0, seed=1)), MooncakeBackend()
+    try:
+        src, dst = registered_pool(tx, seed=8), registered_pool(rx, seed=None)
+        plan = plan_pages([0, 1], [0, 1], KVLayout.from_pool(src), KVLayout.from_pool(dst))
+        h = tx.submit(rx.address, plan.src_addr, plan.dst_addr, plan.length)
+        assert tx.wait(h, deadline()) is BatchState.FAILED
+        assert h.error.startswith("injected failure after") and f"of {h.num_pieces} pieces" in h.error
+        assert h.num_pieces == plan.nbytes // 512 > h.num_ops
+    finally:
+        tx.close()
+        rx.close()

@@ -1,4 +1,5 @@
-"""Bookkeeping of the transfer benchmark (no processes, no timing): fragmented page layouts, flags."""
+"""Bookkeeping of the transfer benchmark (no processes, no timing): fragmented page layouts, flags,
+raw patterns, the report table."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ import argparse
 import numpy as np
 import pytest
 
-from kvpipe.bench.transfer import add_args, config_from_args
+from kvpipe.bench.raw_mooncake import WHOLE, RawPattern, fmt_bytes, parse_bytes, pattern_ops
+from kvpipe.bench.transfer import (RAW_PIECES, RAW_WINDOWS, add_args, config_from_args, format_table,
+                                   summarize)
 from kvpipe.bench.transfer_worker import fragmented_pages
+from kvpipe.transfer.backends.mooncake import DEFAULT_MAX_OP_BYTES
 from kvpipe.transfer.planner import page_runs
 
 
@@ -40,3 +44,52 @@ def test_flags_to_worker_config():
     for bad in (["--prompt-lens", "0"], ["--fragmentation", "2"], ["--preset", "nope"]):
         with pytest.raises(SystemExit):
             config_from_args(p.parse_args(bad), "/tmp/x.log")
+
+
+def test_piece_flags_and_raw_patterns():
+    p = argparse.ArgumentParser()
+    add_args(p)
+    cfg = config_from_args(p.parse_args([]), "/tmp/x.log")
+    assert cfg.max_op_bytes == DEFAULT_MAX_OP_BYTES and cfg.compare_max_op_bytes == (0,)
+    assert set(cfg.raw_patterns) == {RawPattern(a, w) for a in RAW_PIECES for w in RAW_WINDOWS}
+    cfg = config_from_args(p.parse_args(["--max-op-bytes", "0", "--raw-pieces", "64K,3M", "--raw-windows", "8",
+                                         "--compare-split", "0,1MiB"]), "/tmp/x.log")
+    assert cfg.max_op_bytes is None and cfg.compare_max_op_bytes == (0, 1 << 20)
+    assert cfg.raw_patterns == (RawPattern(64 << 10, 8), RawPattern(3 << 20, 8))
+    cfg = config_from_args(p.parse_args(["--raw-sweep"]), "/tmp/x.log")
+    assert len(cfg.raw_patterns) == 9 * 6 and min(x.piece_bytes for x in cfg.raw_patterns) == 64 << 10
+    for bad in (["--raw-windows", "0"], ["--raw-windows", "2048"], ["--raw-pieces", "0"], ["--raw-pieces", "x"],
+                ["--max-op-bytes", "-1"], ["--max-op-bytes", "1,2"], ["--compare-split", ""]):
+        with pytest.raises(SystemExit):
+            config_from_args(p.parse_args(bad), "/tmp/x.log")
+
+
+def test_bytes_and_pattern_ops():
+    assert [parse_bytes(x) for x in ("64K", "1M", "1MiB", "2g", "4096", " 8M ")] == [
+        65536, 1 << 20, 1 << 20, 2 << 30, 4096, 8 << 20]
+    assert [fmt_bytes(x) for x in (65536, 1 << 20, 3 << 20, 1000)] == ["64K", "1M", "3M", "1000"]
+    s, d, n = pattern_ops(1000, 5000, 10 << 20, RawPattern(4 << 20, 16))
+    assert n.tolist() == [4 << 20, 4 << 20, 2 << 20] and (d - s == 4000).all()
+    s, d, n = pattern_ops(1000, 5000, 10 << 20, RawPattern(WHOLE, 1))
+    assert (s.tolist(), d.tolist(), n.tolist()) == ([1000], [5000], [10 << 20]) and RawPattern(WHOLE, 1).label == "1 op"
+
+
+def test_table_shows_ops_pieces_best_raw_and_the_sweep():
+    p = argparse.ArgumentParser()
+    add_args(p)
+    cfg = config_from_args(p.parse_args(["--prompt-lens", "1024", "--compare-split", "0,1M"]), "/tmp/x.log")
+    sweep = [{"piece_bytes": WHOLE, "window": 1, "ms": 12.0, "goodput_gbps": 2.0},
+             {"piece_bytes": 1 << 20, "window": 16, "ms": 10.0, "goodput_gbps": 2.4}]
+    length = {"prompt_len": 1024, "pages": 64, "bytes": 24 << 20, "ops_per_request": 24, "pieces_per_request": 24,
+              "runs": 1, "planning_ms": 0.3, "transfer_ms": 11.0, "raw_ms": 12.0, "best_raw_ms": 10.0,
+              "goodput_gbps": 2.2, "unsplit_goodput_gbps": 2.1, "raw_goodput_gbps": 2.0,
+              "best_raw_goodput_gbps": 2.4, "goodput_ratio": 12 / 11, "best_raw_ratio": 10 / 11, "best_raw_ratio_paired": 0.93,
+              "best_raw": {"piece_bytes": 1 << 20, "window": 16, "label": "1M x w16"}, "sweep": sweep,
+              "split_compare": [{"max_op_bytes": 0, "ms": 12.0, "goodput_gbps": 2.1},
+                                {"max_op_bytes": 1 << 20, "ms": 11.0, "goodput_gbps": 2.2}],
+              "verified": True}
+    report = summarize({"lengths": [length], "engine_generation": 0}, cfg, None)
+    assert report["best_raw_ratio"] == pytest.approx(10 / 11) and report["pieces_per_request"] == 24
+    table = format_table(report, sweep=True)
+    assert "1M x w16" in table and "0.91" in table and "0.93" in table and "split at (GB/s), 1024 tokens: off 2.10, 1M 2.20" in table
+    assert "one op: 2.00; best: 1M x w16" in table and "2.40" in table.splitlines()[-1]

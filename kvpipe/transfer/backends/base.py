@@ -31,12 +31,18 @@ class BatchState(enum.Enum):
 
 
 class BatchHandle:
-    """One submitted batch. The backend updates it; callers read `state` / `error`."""
+    """One submitted batch. The backend updates it; callers read `state` / `error`.
 
-    def __init__(self, batch_id: int, peer: str, num_ops: int, nbytes: int) -> None:
+    `num_ops` counts the ops as submitted (the planner's ops: what senders budget and report);
+    `num_pieces` counts what the backend put on the wire, more when it splits long ops into
+    pieces sized for its transport (Mooncake), else equal to `num_ops`.
+    """
+
+    def __init__(self, batch_id: int, peer: str, num_ops: int, nbytes: int, num_pieces: int | None = None) -> None:
         self.batch_id = batch_id
         self.peer = peer
         self.num_ops = num_ops
+        self.num_pieces = num_ops if num_pieces is None else num_pieces
         self.nbytes = nbytes
         self.submitted_at = time.monotonic()
         self.finished_at: float | None = None
@@ -56,7 +62,8 @@ class BatchHandle:
             self._state, self._error, self.finished_at = state, error, time.monotonic()
 
     def __repr__(self) -> str:
-        return f"BatchHandle(id={self.batch_id}, peer={self.peer!r}, ops={self.num_ops}, {self._state.value})"
+        return (f"BatchHandle(id={self.batch_id}, peer={self.peer!r}, ops={self.num_ops}, pieces={self.num_pieces}, "
+                f"{self._state.value})")
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,12 @@ mooncake-transfer-engine 0.3.13):
   in flight, re-registers local memory and gives the backend a new `address` (port): only a
   sender ever needs it, and peers of a receiver never see its address change otherwise.
 - A write outside the peer's registered memory fails with -1 and the engine stays usable.
+- One op rides one lane (connection) of the TCP transport, 4 lanes per peer by default
+  (MC_TCP_LANES_PER_PEER): a batch of fewer long ops than lanes leaves lanes idle, and the last
+  long op of a batch finishes alone. `submit` splits ops longer than `max_op_bytes` into pieces
+  (op_pieces.py) and the window counts pieces; a batch is DONE when all its pieces landed and
+  FAILED when any failed, and injected failures cut it after a random prefix of pieces. Handles
+  count planned ops in `num_ops` (what senders budget) and wire ops in `num_pieces`.
 """
 
 from __future__ import annotations
@@ -26,17 +32,24 @@ import numpy as np
 
 from kvpipe.transfer.backends.base import (BatchHandle, BatchState, FailureInjection, TransferBackend,
                                            TransferError, _Injector, as_op_arrays)
+from kvpipe.transfer.op_pieces import split_ops
 
 _BAD_BATCH_IDS = (0, -1, (1 << 64) - 1)  # how a failed submit comes back through pybind
 FULL_SCAN_S = 0.01
+# Longest op put on the wire. Loopback, 2 cores (docs/benchmarks.md): raw pieces of 2-8 MiB are the
+# plateau of `kvpipe bench transfer --raw-sweep`, <= 256 KiB pay the per-op cost; kvpipe split at
+# 4 MiB is level with or slightly ahead of unsplit 16 MiB ops, at 1 MiB it is 1-5% behind.
+DEFAULT_MAX_OP_BYTES = 4 << 20
 
 
 class _Batch:
+    """A batch's pieces (wire ops) and how far they got."""
+
     def __init__(self, handle: BatchHandle, s: np.ndarray, d: np.ndarray, n: np.ndarray, fail_at: int | None):
         self.handle = handle
         self.src, self.dst, self.len = s.tolist(), d.tolist(), n.tolist()
-        self.cursor = 0  # next op to issue
-        self.limit = len(self.len) if fail_at is None else fail_at  # ops that may be issued
+        self.cursor = 0  # next piece to issue
+        self.limit = len(self.len) if fail_at is None else fail_at  # pieces that may be issued
         self.injected = fail_at is not None
         self.inflight: list[int] = []  # engine batch ids
         self.failure: str | None = None  # set once: stop issuing, drain, then FAILED
@@ -53,12 +66,15 @@ class MooncakeBackend(TransferBackend):
     name = "mooncake"
 
     def __init__(self, hostname: str = "127.0.0.1", protocol: str = "tcp", device: str = "", *,
-                 window: int = 256, drain_timeout_s: float = 2.0, stall_timeout_s: float = 30.0,
-                 inject: FailureInjection | None = None) -> None:
+                 window: int = 256, max_op_bytes: int | None = DEFAULT_MAX_OP_BYTES, drain_timeout_s: float = 2.0,
+                 stall_timeout_s: float = 30.0, inject: FailureInjection | None = None) -> None:
         if not 0 < window <= 1024:
             raise ValueError(f"window must be in (0, 1024] ops per peer, got {window}")
+        if max_op_bytes is not None and max_op_bytes <= 0:
+            raise ValueError(f"max_op_bytes must be positive (or None: never split), got {max_op_bytes}")
         self.hostname, self.protocol, self.device = hostname, protocol, device
-        self.window = window
+        self.window = window  # pieces in flight per peer
+        self.max_op_bytes = max_op_bytes  # longer ops go out as pieces of this size; None: as submitted
         self.drain_timeout_s = drain_timeout_s
         self.stall_timeout_s = stall_timeout_s
         self.generation = 0  # bumped on every engine recreation
@@ -89,6 +105,11 @@ class MooncakeBackend(TransferBackend):
     def address(self) -> str:
         return self._address
 
+    @property
+    def engine(self):
+        """The live TransferEngine (None once closed), for benchmarks that drive it raw."""
+        return self._engine
+
     def register(self, addr: int, nbytes: int) -> None:
         self.register_many([addr], [nbytes])
 
@@ -112,8 +133,9 @@ class MooncakeBackend(TransferBackend):
         with self._lock:
             if self._engine is None:
                 raise TransferError("backend is closed")
-            handle = BatchHandle(next(self._ids), peer, int(n.size), int(n.sum()))
-            batch = _Batch(handle, s, d, n, self._injector.ops_before_failure(int(n.size)))
+            ps, pd, pn = (s, d, n) if self.max_op_bytes is None else split_ops(s, d, n, self.max_op_bytes)
+            handle = BatchHandle(next(self._ids), peer, int(n.size), int(n.sum()), int(pn.size))
+            batch = _Batch(handle, ps, pd, pn, self._injector.ops_before_failure(int(pn.size)))
             self._queues.setdefault(peer, collections.deque()).append(batch)
             self._progress()
         return handle
@@ -164,16 +186,16 @@ class MooncakeBackend(TransferBackend):
                         b.last_progress = now
                     bid = engine.transfer_submit_write(peer, b.src[i], b.dst[i], b.len[i])
                     if bid in _BAD_BATCH_IDS:
-                        b.fail(f"submitting op {i} to {peer} failed (peer unreachable?)")
+                        b.fail(f"submitting piece {i} to {peer} failed (peer unreachable?)")
                         break
                     b.cursor += 1
                     b.inflight.append(bid)
                     inflight += 1
                 if b.injected and b.failure is None and b.cursor == b.limit:
-                    b.fail(f"injected failure after {b.limit} of {b.handle.num_ops} ops")
+                    b.fail(f"injected failure after {b.limit} of {b.handle.num_pieces} pieces")
                 timeout = self.drain_timeout_s if b.failure else self.stall_timeout_s
                 if b.inflight and now - b.last_progress > timeout:
-                    broken = f"{len(b.inflight)} ops to {peer} stuck for {now - b.last_progress:.1f}s"
+                    broken = f"{len(b.inflight)} pieces to {peer} stuck for {now - b.last_progress:.1f}s"
             for b in [b for b in queue if not b.inflight and (b.failure or b.cursor == len(b.len))]:
                 queue.remove(b)
                 b.handle._finish(BatchState.FAILED if b.failure else BatchState.DONE, b.failure)
