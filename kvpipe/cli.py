@@ -59,6 +59,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer-path", default=None, help="tokenizer directory (default: --model-path)")
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: the directory name)")
     p.add_argument("--tp-size", "--tp", type=int, default=1, help="tensor parallel ranks")
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="torch intra-op threads of this server, split among its TP ranks (default: the "
+                        "cores of its CPU affinity; `kvpipe launch` gives prefill and decode disjoint shares)")
     p.add_argument("--page-size", type=int, default=d_cache.page_size, help="tokens per KV page")
     p.add_argument("--max-total-tokens", type=int, default=d_cache.max_total_tokens, help="KV cache capacity in tokens")
     p.add_argument("--disable-radix-cache", action="store_true",
@@ -152,6 +155,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     for name in ("tp_size", "page_size", "max_total_tokens", "max_running_requests", "max_prefill_tokens"):
         _positive("--" + name.replace("_", "-"), getattr(args, name))
     _positive("--context-length", args.context_length, allow_none=True)
+    _positive("--cpu-threads", args.cpu_threads, allow_none=True)
     disagg = disaggregation_config_from_args(args)
     from kvpipe.model.presets import resolve_model_path  # lazy: presets import torch
 
@@ -164,6 +168,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             served_model_name=args.served_model_name,
             tokenizer_path=args.tokenizer_path,
             tp_size=args.tp_size,
+            cpu_threads=args.cpu_threads,
             device=args.device,
             seed=args.seed,
             log_level=args.log_level,
@@ -236,6 +241,8 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
         raise SystemExit("kvpipe: --temperature must be >= 0 and --top-p in (0, 1]")
     cfg = server_config_from_args(args)
     _setup_logging("warning" if args.log_level == "info" else args.log_level)
+    from kvpipe.engine.cpu_threads import apply_cpu_threads, server_cpu_threads
+    apply_cpu_threads(server_cpu_threads(cfg))  # as a server would, before the model loads
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k)
     engine = Engine(cfg)

@@ -257,12 +257,19 @@ class ServerConfig:
     served_model_name: str | None = None
     tokenizer_path: str | None = None
     tp_size: int = 1
+    # torch intra-op threads of the whole server, split among its TP ranks (at least 1 each);
+    # None: the cores of the process's CPU affinity (kvpipe/engine/cpu_threads.py)
+    cpu_threads: int | None = None
     device: str = "cpu"
     seed: int = 0
     log_level: str = "info"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
+
+    def __post_init__(self) -> None:
+        if self.cpu_threads is not None and not (type(self.cpu_threads) is int and self.cpu_threads >= 1):
+            raise ConfigError(f"cpu threads must be a whole number >= 1, got {self.cpu_threads!r}")
 
     def check_servable(self) -> None:
         """Refuse PD set-ups no server can run (a TP group cannot share the in-process local

@@ -43,6 +43,7 @@ from kvpipe.engine.batch import ForwardSpec
 from kvpipe.engine.tp_messages import (CommandMsg, ErrorMsg, HelloMsg, ReadyMsg, ReplyMsg, ReportMsg, StartMsg,
                                        StepMsg, StopMsg)
 from kvpipe.engine.connector import KVConnectorWorker, WorkerFactory
+from kvpipe.engine.cpu_threads import apply_cpu_threads, server_cpu_threads
 from kvpipe.engine.host_memory import tune_malloc
 from kvpipe.engine.model_runner import GroupCallback, ModelRunner
 from kvpipe.model.loader import load_model
@@ -71,9 +72,8 @@ def _init_rank(cfg: ServerConfig, rank: int, init_method: str) -> str:
     device = rank_device(cfg.device, rank)
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    else:
-        # the ranks share the machine's cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.tp_size))
+    # before the model loads: the ranks share the server's threads (--cpu-threads or its cores)
+    apply_cpu_threads(server_cpu_threads(cfg))
     backend = "nccl" if device.startswith("cuda") else "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=cfg.tp_size,
                             timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))

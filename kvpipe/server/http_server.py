@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 
 import kvpipe
 from kvpipe.config import ServerConfig
+from kvpipe.engine.cpu_threads import CpuThreads, apply_cpu_threads, server_cpu_threads, torch_threads
 from kvpipe.engine.request import SamplingParams
 from kvpipe.server.async_engine import AsyncEngine, EngineLike
 from kvpipe.server.errors import APIError, install_error_handlers
@@ -85,6 +86,10 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
             "chunked_prefill_size": c.scheduler.chunked_prefill_size,
             "max_running_requests": c.scheduler.max_running_requests, "device": c.device,
             "disaggregation_mode": state.disaggregation_mode, "version": kvpipe.__version__,
+            # the plan, and what torch reports in this process (rank 0): they differ only if
+            # something changed torch's count after startup
+            "cpu_threads": None if state.cpu_threads is None else {**state.cpu_threads.as_dict(),
+                                                                  "torch": torch_threads()},
             "status": "ready" if state.engine.ready else "loading",
             "internal_states": [state.engine.stats() or {}],
         }
@@ -140,11 +145,12 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
 
 def create_app(cfg: ServerConfig, engine_factory: Callable[[], EngineLike] | None = None,
                on_fatal: Callable[[BaseException], None] | None = None,
-               disaggregation_mode: str = "null") -> FastAPI:
+               disaggregation_mode: str = "null", cpu_threads: CpuThreads | None = None) -> FastAPI:
     """The ASGI app of one server; the engine starts loading when the app starts.
 
     `engine_factory` runs in the engine thread (default: the colocated Engine); PD workers pass
-    their own engine and mode here.
+    their own engine and mode here. `cpu_threads`: what `run_server` applied to this process
+    (default: the config's plan, reported only).
     """
     if engine_factory is None:
         def engine_factory() -> EngineLike:
@@ -154,7 +160,7 @@ def create_app(cfg: ServerConfig, engine_factory: Callable[[], EngineLike] | Non
     async_engine = AsyncEngine(engine_factory, on_fatal=on_fatal)
     metrics = ServerMetrics(cfg.model_name, async_engine.stats)
     async_engine.metrics = metrics
-    state = ServerState(cfg, async_engine, metrics, disaggregation_mode)
+    state = ServerState(cfg, async_engine, metrics, disaggregation_mode, cpu_threads or server_cpu_threads(cfg))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -186,7 +192,11 @@ def run_server(cfg: ServerConfig, engine_factory: Callable[[], EngineLike] | Non
         if server is not None:
             server.should_exit = True  # read by uvicorn's main loop; safe from another thread
 
-    app = create_app(cfg, engine_factory, on_fatal, disaggregation_mode)
+    # torch's thread counts are per process: set them before the engine thread loads the model
+    threads = server_cpu_threads(cfg)
+    apply_cpu_threads(threads)
+    logger.info(threads.describe())
+    app = create_app(cfg, engine_factory, on_fatal, disaggregation_mode, threads)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
                             timeout_keep_alive=30, access_log=cfg.log_level == "debug",
                             # on SIGTERM, streams still running after this long are cut (and aborted)

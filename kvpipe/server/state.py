@@ -16,6 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from kvpipe.config import ModelConfig, ServerConfig
+from kvpipe.engine.cpu_threads import CpuThreads
 from kvpipe.engine.request import FinishReason
 from kvpipe.model.tokenizer import Tokenizer
 from kvpipe.server.async_engine import AsyncEngine, EngineLike, RequestStream
@@ -38,6 +39,7 @@ class ServerState:
     engine: AsyncEngine
     metrics: ServerMetrics
     disaggregation_mode: str = "null"
+    cpu_threads: CpuThreads | None = None  # the torch thread plan of this server (/server_info)
 
     # ---- the loaded engine (APIError 503 while loading or after a failure) ------------------------
     @property
