@@ -6,6 +6,9 @@ Single run against a running server or router:
 Sweep, one stack per mode started here (optionally across an emulated link, needs root):
     kvpipe bench serve --model-path DIR --sweep-prompt-lens 256,1024,2048 \
         --modes baseline,pipelined,inproc --link-rate 1gbit --json --out sweep.json  # + sweep.png
+The local PD stack (as `kvpipe launch` starts it, cores split) against a colocated server:
+    kvpipe bench serve --compare-colocated --prompt-lens 362 --output-lens 32 --concurrency 4 \
+        --num-requests 32                      # table of e2e/TTFT p50/p90 and PD/colocated ratios
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import shlex
 import signal
 import sys
@@ -21,7 +25,7 @@ import tempfile
 import threading
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from kvpipe.bench.workload import WorkloadConfig, build_workload, parse_lengths, split_rounds
 
@@ -54,6 +58,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--interleave", action="store_true", help="sweep: run every mode's stack at once and "
                    "alternate the modes request by request (round by round of --concurrency requests), so "
                    "a shared machine's load drift hits all modes alike")
+    t.add_argument("--compare-colocated", action="store_true",
+                   help="start the PD stack as `kvpipe launch` does (the cores split between prefill and "
+                        "decode) and a colocated server on every core, run the workload on both (each "
+                        "--prompt-lens value a point) and report e2e/TTFT p50/p90 and PD/colocated ratios")
     t.add_argument("--link-rate", default=None, help="sweep: run PD stacks across an emulated link of "
                    "this tc rate (e.g. 1gbit); needs root")
     t.add_argument("--log-dir", default=None, help="sweep: write server logs here (default: a new temp dir)")
@@ -119,7 +127,9 @@ def _config_dict(cfg: WorkloadConfig, args: argparse.Namespace) -> dict[str, Any
     return {**d, "concurrency": args.concurrency, "warmup_requests": args.warmup_requests}
 
 
-def _emit(result: Mapping[str, Any], args: argparse.Namespace, plot: Any) -> None:
+def _emit(result: Mapping[str, Any], args: argparse.Namespace, plot: Any, table: str | None = None) -> None:
+    """The result as JSON (--json: one line on stdout; --out: a file) and a plot; without --json
+    `table` (else the indented JSON) is printed."""
     text = json.dumps(result, indent=None if args.json else 2)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -129,8 +139,13 @@ def _emit(result: Mapping[str, Any], args: argparse.Namespace, plot: Any) -> Non
         plot(plot_path)
     if args.json:
         print(text)
-    else:
-        print(text if not args.out else f"wrote {args.out}" + (f" and {plot_path}" if plot_path else ""))
+        return
+    if table is not None:
+        print(table)
+    if table is None and not args.out:
+        print(text)
+    elif args.out:
+        print(f"wrote {args.out}" + (f" and {plot_path}" if plot_path else ""))
 
 
 def run_single(args: argparse.Namespace) -> int:
@@ -145,7 +160,9 @@ def run_single(args: argparse.Namespace) -> int:
     return 0 if summary["completed"] else 1
 
 
-def run_sweep_cmd(args: argparse.Namespace) -> int:
+def run_sweep_cmd(args: argparse.Namespace, compare: bool = False) -> int:
+    """A sweep of --sweep-prompt-lens over --modes; `compare`: --prompt-lens over PD and colocated."""
+    from kvpipe.bench.compare import COMPARE_MODES, compare_rows, compare_table
     from kvpipe.bench.plot import plot_modes, plot_sweep
     from kvpipe.bench.probe import (count_delta, model_config, read_num_groups, read_server_info, tail_delta,
                                     transfer_count_from_server_info, transfer_tail_from_server_info)
@@ -156,7 +173,8 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
     from kvpipe.model.presets import resolve_model_path
 
     try:
-        lens, modes = parse_prompt_lens(args.sweep_prompt_lens), parse_modes(args.modes)
+        lens = parse_prompt_lens(args.prompt_lens if compare else args.sweep_prompt_lens)
+        modes = list(COMPARE_MODES) if compare else parse_modes(args.modes)
         rate_bps = parse_rate(args.link_rate)[1] if args.link_rate else None
     except ValueError as e:
         raise SystemExit(f"kvpipe bench serve: {e}") from None
@@ -164,6 +182,8 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
     vocab = _vocab_size(args, model_path)
     configs = {n: _workload_config(args, vocab, n) for n in lens}  # same prompts for every mode
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="kvpipe-bench-serve-")  # server logs, always kept
+    threads: dict[str, Any] = {}  # mode -> server name -> the cpu_threads its /server_info reported
+    load_before = _load_average()
     opts = StackOptions(model_path, tuple(shlex.split(args.server_args)), log_dir, args.startup_timeout)
 
     def readings(ep: Endpoint) -> tuple[Any, Any]:
@@ -217,7 +237,7 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
     try:
         with contextlib.ExitStack() as stack:
             tb = stack.enter_context(LinkTestbed(args.link_rate)) if args.link_rate else None
-            factory = default_stack_factory(opts, tb)
+            factory = _reporting_threads(default_stack_factory(opts, tb), threads)
             if args.interleave:
                 points = run_sweep_interleaved(lens, modes, factory, measure_slice, rounds, summarize_records)
             else:
@@ -228,7 +248,14 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
     result = {"model_path": model_path, "log_dir": log_dir, "link_rate": args.link_rate or "loopback", "link_rate_bps": rate_bps,
               "modes": modes, "interleaved": args.interleave, "server_args": list(opts.server_args),
               "workload": _config_dict(configs[lens[0]], args) | {"prompt_lens": lens}, "rows": rows,
-              "summaries": [{"prompt_len": p.prompt_len, "mode": p.mode, **p.summary} for p in points]}
+              "summaries": [{"prompt_len": p.prompt_len, "mode": p.mode, **p.summary} for p in points],
+              "cpu_threads": threads, "machine": _machine(load_before)}
+    if compare:
+        result["compare"] = compare_rows(points)
+        title = f"kvpipe PD vs colocated, {args.num_requests} req, c={args.concurrency}"
+        servers = {**threads.get(COMPARE_MODES[0], {}), **threads.get(COMPARE_MODES[1], {})}
+        _emit(result, args, lambda path: plot_modes(rows, path, title), compare_table(result["compare"], servers))
+        return 0 if all(p.summary["completed"] for p in points) else 1
     title = f"kvpipe sweep, link {result['link_rate']}, {args.num_requests} req/point, c={args.concurrency}"
     if args.num_prefix_groups or args.num_turns > 1:  # one workload's modes side by side: bars
         if args.num_prefix_groups:
@@ -258,7 +285,46 @@ def _sigterm_as_exit() -> Iterator[None]:
         signal.signal(signal.SIGTERM, old)
 
 
+def _load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def _machine(load_before: float | None) -> dict[str, Any]:
+    """The CPU, the cores we may use, and the 1-minute load average before our servers started
+    (other work on a shared machine shows there)."""
+    from kvpipe.bench.engine import cpu_name
+    from kvpipe.engine.cpu_threads import affinity_cores
+
+    return {"cpu": cpu_name(), "cores": len(affinity_cores()), "load_avg_1m_before": load_before}
+
+
+def _reporting_threads(open_stack: Callable[[str], contextlib.AbstractContextManager[Any]], into: dict[str, Any]
+                       ) -> Callable[[str], contextlib.AbstractContextManager[Any]]:
+    """`open_stack` that also records, per mode, each started server's /server_info cpu_threads."""
+    from kvpipe.bench.probe import read_server_info
+
+    @contextlib.contextmanager
+    def opened(mode: str) -> Iterator[Any]:
+        with open_stack(mode) as ep:
+            into[mode] = {name: (ep.call(read_server_info, url) or {}).get("cpu_threads") for name, url in ep.servers}
+            yield ep
+
+    return opened
+
+
 def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
+    if args.compare_colocated:
+        if args.url or args.sweep_prompt_lens or args.link_rate:
+            raise SystemExit("kvpipe bench serve: --compare-colocated starts its own stacks on this machine "
+                             "(no --url, --sweep-prompt-lens or --link-rate); the workload's --prompt-lens "
+                             "are its points")
+        if args.interleave and not math.isinf(args.request_rate):
+            raise SystemExit("kvpipe bench serve: --interleave applies without --request-rate")
+        with _sigterm_as_exit():
+            return run_sweep_cmd(args, compare=True)
     if (args.url is None) == (args.sweep_prompt_lens is None):
         raise SystemExit("kvpipe bench serve: give either --url (one run against a running server) or "
                          "--sweep-prompt-lens (start a stack per mode)")

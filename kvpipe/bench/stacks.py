@@ -27,6 +27,7 @@ class Endpoint:
     url: str  # where requests go: the router, or the colocated server
     info_url: str | None = None  # the server that reports its layer-group count (the prefill)
     netns: str | None = None  # the namespace `url` is reachable from (None: ours)
+    servers: tuple[tuple[str, str], ...] = ()  # (name, url) of every kvpipe server behind `url`
 
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """fn with its sockets where `url` is reachable (a thread inside the namespace if needed)."""
@@ -66,7 +67,7 @@ def colocated_server(opts: StackOptions, name: str = "inproc") -> Iterator[Endpo
     try:
         url = f"http://{opts.host}:{port}"
         wait_healthy(url + "/health", opts.timeout_s, [proc])
-        yield Endpoint(url, url)
+        yield Endpoint(url, url, servers=(("colocated", url),))
     finally:
         stop_process(proc)
 
@@ -76,7 +77,8 @@ def loopback_pd_stack(opts: StackOptions, flags: ModeFlags, name: str) -> Iterat
     log_dir = os.path.join(opts.log_dir, name) if opts.log_dir else None
     with start_pd_stack(opts.model_path, opts.host, server_args=[*opts.server_args, *flags.both],
                         decode_args=list(flags.decode), log_dir=log_dir, timeout_s=opts.timeout_s) as stack:
-        yield Endpoint(stack.router_url, stack.prefill_url)
+        yield Endpoint(stack.router_url, stack.prefill_url,
+                       servers=(("prefill", stack.prefill_url), ("decode", stack.decode_url)))
 
 
 @contextlib.contextmanager
@@ -104,7 +106,7 @@ def testbed_pd_stack(tb: LinkTestbed, opts: StackOptions, flags: ModeFlags, name
             tb.call_in("b", wait_healthy, url + "/health", opts.timeout_s, procs)
         start("b", "router", router_command(p_url, b_port, d_url, b, r_port, tb.call_in("b", free_port, b)))
         tb.call_in("b", wait_healthy, r_url + "/health", opts.timeout_s, procs)
-        yield Endpoint(r_url, p_url, tb.ns_b)
+        yield Endpoint(r_url, p_url, tb.ns_b, (("prefill", p_url), ("decode", d_url)))
     finally:
         for p in reversed(procs):
             stop_process(p)

@@ -3,6 +3,7 @@
 Plain Python: the loop takes the stack factory and the measurement as callables, so it runs in
 tests without servers. Modes:
   inproc        colocated server: the transfer costs nothing (the reference)
+  pd            PD as `kvpipe launch` starts it: server defaults, no mode flags
   baseline      PD with the plain transfer (one layer group)
   pipelined     PD with layer-pipelined transfer, group count chosen by the server
   pipelined-N   PD with layer-pipelined transfer forced to N groups
@@ -24,8 +25,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
 E = TypeVar("E")
-BASELINE, PIPELINED, INPROC, DECODE_CACHE = "baseline", "pipelined", "inproc", "decode-cache"
-PLAIN_MODES = (BASELINE, PIPELINED, INPROC, DECODE_CACHE)
+BASELINE, PIPELINED, INPROC, DECODE_CACHE, PD = "baseline", "pipelined", "inproc", "decode-cache", "pd"
+PLAIN_MODES = (BASELINE, PIPELINED, INPROC, DECODE_CACHE, PD)
 _PIPELINED_N = re.compile(r"^pipelined-(\d+)$")
 
 
@@ -37,7 +38,7 @@ def parse_modes(spec: str) -> list[str]:
     modes = [m.strip() for m in spec.split(",") if m.strip()]
     for m in modes:
         if m not in PLAIN_MODES and not (_PIPELINED_N.match(m) and int(m[10:]) >= 1):
-            raise ValueError(f"unknown mode {m!r}: choose from baseline, pipelined, pipelined-N, decode-cache, inproc")
+            raise ValueError(f"unknown mode {m!r}: choose from baseline, pipelined, pipelined-N, decode-cache, pd, inproc")
     if not modes or len(set(modes)) != len(modes):
         raise ValueError(f"modes must be a non-empty list without repeats, got {spec!r}")
     return modes
@@ -55,6 +56,8 @@ def mode_server_flags(mode: str) -> ModeFlags | None:
     """Server flags of a PD mode; None for the colocated inproc mode."""
     if mode == INPROC:
         return None
+    if mode == PD:
+        return ModeFlags(())
     if mode == BASELINE:
         return ModeFlags(("--disaggregation-layer-groups", "1"))
     if mode == DECODE_CACHE:

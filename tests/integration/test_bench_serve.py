@@ -68,3 +68,26 @@ def test_client_across_testbed(tiny_model_dir: Path) -> None:
     assert proc.poll() is not None  # the testbed stopped it
     assert [r.error for r in res.records] == [None] * 4
     assert summarize(res.records, res.duration_s)["total_output_tokens"] == 8
+
+
+def test_compare_colocated_smoke(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """PD stack (launch's core split) and a colocated server in one run, the same requests on both."""
+    pytest.importorskip("mooncake.engine")
+    out = tmp_path / "cmp.json"
+    rc = serve.main(["--compare-colocated", "--prompt-lens", "24", "--output-lens", "3", "--num-requests", "4",
+                     "--concurrency", "2", "--log-dir", str(tmp_path / "logs"), "--out", str(out), "--no-progress",
+                     "--startup-timeout", "90"])
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "PD / colocated" in table and "colocated (" in table
+    res = json.loads(out.read_text())
+    assert res["modes"] == ["pd", "inproc"]
+    [row] = res["compare"]
+    assert row["prompt_len"] == 24
+    for side in ("pd", "colocated"):
+        assert (row[side]["completed"], row[side]["failed"]) == (4, 0)
+    assert all(v is not None and v > 0 for v in row["ratio"].values())
+    threads = res["cpu_threads"]
+    prefill, decode, colocated = threads["pd"]["prefill"], threads["pd"]["decode"], threads["inproc"]["colocated"]
+    assert colocated["source"] == "affinity" and colocated["total"] == res["machine"]["cores"]
+    assert prefill["total"] + decode["total"] <= max(2, res["machine"]["cores"])
