@@ -57,7 +57,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunked-prefill-size", type=int, default=8192, help="max prompt tokens per prefill step")
     p.add_argument("--max-prefill-tokens", type=int, default=16384, help="token budget of one prefill batch")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch threads (default: as the engine's TP ranks, cpu_count // tp_size)")
+                   help="torch threads per TP rank (default: as a server's, the cores of the CPU affinity "
+                        "split among the ranks)")
     p.add_argument("--repeat", type=int, default=3, help="measured runs per point (medians are reported)")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured runs per prefill point first")
     p.add_argument("--seed", type=int, default=0, help="prompt token seed")
@@ -181,9 +182,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     from kvpipe.config import CacheConfig, SchedulerConfig, ServerConfig
     from kvpipe.engine.engine import Engine
 
-    # as the engine's TP ranks do: the ranks share the machine's cores
-    threads = args.threads or max(1, (os.cpu_count() or 1) // args.tp_size)
-    torch.set_num_threads(threads)
+    from kvpipe.engine.cpu_threads import apply_cpu_threads, server_cpu_threads
     if args.model_path:
         model_path, model = args.model_path, args.model_path
     else:
@@ -200,16 +199,19 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     max_batch = max([p.batch for p in ppoints] + [d.batch for d in dpoints] + [1])
     kv_tokens = kv_tokens_needed(ppoints, dpoints, budget) + max_batch * args.page_size
     cfg = ServerConfig(model_path=model_path, tp_size=args.tp_size, seed=args.seed, log_level="warning",
+                       cpu_threads=args.threads * args.tp_size if args.threads else None,
                        cache=CacheConfig(page_size=args.page_size, max_total_tokens=kv_tokens),
                        scheduler=SchedulerConfig(max_running_requests=max(64, max_batch),
                                              chunked_prefill_size=args.chunked_prefill_size,
                                              max_prefill_tokens=args.max_prefill_tokens))
+    threads = server_cpu_threads(cfg)  # as a server plans them: every TP rank gets per_rank
+    apply_cpu_threads(threads)  # rank 0 runs here; the other ranks apply the same plan themselves
     load_start = list(os.getloadavg())
     engine = Engine(cfg)
     hf = None
     if args.compare_hf:
         from kvpipe.bench.hf_reference import HFReference
-        hf = HFReference(model_path, args.seed, threads * args.tp_size)  # the cores all engine ranks share
+        hf = HFReference(model_path, args.seed, threads.total)  # the threads all engine ranks share
     runs = args.warmup + args.repeat
     bar = tqdm(total=len(ppoints) * runs + len(dpoints) * args.repeat, desc="bench engine", file=sys.stderr,
                disable=args.no_progress, leave=False)

@@ -79,16 +79,13 @@ def affinity_cores() -> tuple[int, ...]:
 
 def format_cores(cores: Sequence[int]) -> str:
     """(0, 1, 2, 5) -> '0-2,5' (taskset's list form)."""
-    out: list[str] = []
-    run: list[int] = []
+    runs: list[list[int]] = []  # [first, last] of each run of consecutive cores
     for c in sorted(cores):
-        if run and c != run[-1] + 1:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-            run = []
-        run.append(c)
-    if run:
-        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ",".join(out)
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def apply_cpu_threads(plan: CpuThreads) -> None:

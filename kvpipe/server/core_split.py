@@ -50,7 +50,6 @@ def has_flag(args: Sequence[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
-
 @dataclass(frozen=True)
 class ServerCores:
     """What one server of the stack gets from the split."""
