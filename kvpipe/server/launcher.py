@@ -4,6 +4,12 @@ Every process gets free loopback ports unless told otherwise, so two stacks can 
 Prefill and decode get disjoint shares of the cores (core_split.py) instead of one torch thread
 per core each, which oversubscribed the machine.
 Ctrl-C (or SIGTERM) stops the router first, then decode, then prefill, each with a deadline.
+
+Supervision: a part that exits (crash, OOM kill, kill -9) is started again with the same command
+on the same ports, after a backoff, while the other parts keep serving; it counts as up once it
+answers /health. The decode notices a restarted prefill (new instance id at bootstrap) and the
+router trusts a worker again after its health checks. A part that keeps exiting past the policy's
+bound (supervisor.py) stops the whole stack with exit code 1.
 """
 
 from __future__ import annotations
@@ -16,13 +22,18 @@ import socket
 import subprocess
 import sys
 import time
+import threading
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import httpx
 
 from kvpipe.engine.cpu_threads import affinity_cores
 from kvpipe.server.core_split import CPU_THREADS_FLAG, CoreSplit, ServerCores, has_flag, server_cores, split_cores
+from kvpipe.server.supervisor import PartState, RestartPolicy, Supervisor
+
+PARTS = ("prefill", "decode", "router")  # the order of PDStack.procs; stopped in reverse
+SUPERVISE_TICK_S = 0.25
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -65,9 +76,22 @@ def stop_process(p: subprocess.Popen, timeout_s: float = 10.0) -> None:
         p.wait(5)
 
 
+@dataclass(frozen=True)
+class PartSpec:
+    """How to (re)start one part: the same command, log and cores every time."""
+
+    name: str
+    cmd: tuple[str, ...]
+    health_url: str
+    log_path: str | None = None
+    pin: tuple[int, ...] | None = None
+
+
 @dataclass
 class PDStack:
-    """Handles of a running local stack; `close()` stops everything in reverse order."""
+    """Handles of a running local stack; `close()` stops everything in reverse order.
+
+    `procs[i]` runs `specs[i]` (prefill, decode, router); `supervise()` replaces a dead one."""
 
     prefill_url: str
     decode_url: str
@@ -75,6 +99,47 @@ class PDStack:
     bootstrap_port: int
     cores: CoreSplit | None = None  # how the servers share the cores (None: not split)
     procs: list[subprocess.Popen] = field(default_factory=list)
+    specs: list[PartSpec] = field(default_factory=list)
+    supervisor: Supervisor | None = None  # set by supervise(): restart counts and events
+
+    @property
+    def restarts(self) -> dict[str, int]:
+        """Restarts per part so far (all 0 when not supervised)."""
+        return self.supervisor.restarts() if self.supervisor else {s.name: 0 for s in self.specs}
+
+    def proc(self, name: str) -> subprocess.Popen:
+        return self.procs[PARTS.index(name)]
+
+    def supervise(self, policy: RestartPolicy, stop: threading.Event,
+                  log: Callable[[str], None] = lambda line: print(f"kvpipe launch: {line}", flush=True)) -> bool:
+        """Watch the parts until `stop` is set (True) or one exits too often (False), restarting
+        the ones that die. Runs in the calling thread; set `stop` and join before close()."""
+        sup = self.supervisor = Supervisor([s.name for s in self.specs], policy)
+        while not stop.wait(SUPERVISE_TICK_S):
+            if not self._tick(sup, time.monotonic(), log):
+                return False
+        return True
+
+    def _tick(self, sup: Supervisor, now: float, log: Callable[[str], None]) -> bool:
+        for i, spec in enumerate(self.specs):
+            part, proc = sup[spec.name], self.procs[i]
+            if part.state in (PartState.UP, PartState.STARTING) and proc.poll() is not None:
+                log(part.exited(now, proc.returncode))
+                if part.state is PartState.FAILED:
+                    return False
+            elif part.restart_due(now):
+                if spec.log_path:
+                    with open(spec.log_path, "ab") as f:
+                        f.write(f"--- kvpipe launch: restart {part.restarts} of {spec.name} ---\n".encode())
+                self.procs[i] = _spawn(list(spec.cmd), spec.log_path, spec.pin)
+                part.spawned(now, self.procs[i].pid)
+            elif part.state is PartState.STARTING:
+                if _answers(spec.health_url):
+                    log(part.healthy(time.monotonic()))
+                elif part.start_timed_out(now):
+                    log(f"{spec.name} not healthy {sup.policy.start_timeout_s:g} s after its restart: killing it")
+                    stop_process(proc)  # the next tick counts this exit
+        return True
 
     def close(self) -> None:
         for p in reversed(self.procs):
@@ -113,6 +178,13 @@ def _affinity(cores: tuple[int, ...] | None) -> Iterator[None]:
         os.sched_setaffinity(0, old)
 
 
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1.0).status_code < 300
+    except httpx.HTTPError:
+        return False
+
+
 def _spawn(cmd: list[str], log_path: str | None, pin: tuple[int, ...] | None = None) -> subprocess.Popen:
     out = open(log_path, "ab") if log_path else None  # noqa: SIM115 - owned by the child
     # A new session per child: Ctrl-C reaches only us, and we stop children in order.
@@ -141,18 +213,24 @@ def start_pd_stack(model_path: str | None, host: str = "127.0.0.1", router_port:
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
     stack = PDStack(f"http://{host}:{p_port}", f"http://{host}:{d_port}", f"http://{host}:{r_port}", b_port, split)
+    stack.specs = [
+        PartSpec("prefill", (py, "-m", "kvpipe.cli", "serve", *common, *p_cores.flags, "--port", str(p_port),
+                             "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(b_port),
+                             *prefill_args), stack.prefill_url + "/health", log("prefill"), p_cores.pin),
+        PartSpec("decode", (py, "-m", "kvpipe.cli", "serve", *common, *d_cores.flags, "--port", str(d_port),
+                            "--disaggregation-mode", "decode", *decode_args),
+                 stack.decode_url + "/health", log("decode"), d_cores.pin),
+        PartSpec("router", tuple(router_command(stack.prefill_url, b_port, stack.decode_url, host, r_port,
+                                                free_port(host))), stack.router_url + "/health", log("router")),
+    ]
     try:
-        stack.procs.append(_spawn([py, "-m", "kvpipe.cli", "serve", *common, *p_cores.flags, "--port", str(p_port),
-                                   "--disaggregation-mode", "prefill",
-                                   "--disaggregation-bootstrap-port", str(b_port), *prefill_args],
-                                  log("prefill"), p_cores.pin))
-        stack.procs.append(_spawn([py, "-m", "kvpipe.cli", "serve", *common, *d_cores.flags, "--port", str(d_port),
-                                   "--disaggregation-mode", "decode", *decode_args], log("decode"), d_cores.pin))
-        for url in (stack.prefill_url, stack.decode_url):
-            wait_healthy(url + "/health", timeout_s, stack.procs)
-        stack.procs.append(_spawn(router_command(stack.prefill_url, b_port, stack.decode_url, host, r_port,
-                                                 free_port(host)), log("router")))
-        wait_healthy(stack.router_url + "/health", timeout_s, stack.procs)
+        for spec in stack.specs[:2]:
+            stack.procs.append(_spawn(list(spec.cmd), spec.log_path, spec.pin))
+        for spec in stack.specs[:2]:
+            wait_healthy(spec.health_url, timeout_s, stack.procs)
+        router = stack.specs[2]  # once the servers answer: it checks its workers at startup
+        stack.procs.append(_spawn(list(router.cmd), router.log_path, router.pin))
+        wait_healthy(router.health_url, timeout_s, stack.procs)
     except BaseException:
         stack.close()
         raise
@@ -160,21 +238,34 @@ def start_pd_stack(model_path: str | None, host: str = "127.0.0.1", router_port:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
+    d = RestartPolicy()
     p.add_argument("--model-path", default=None, help="HF checkpoint directory (default: built-in tiny model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="router port (the endpoint clients use)")
     p.add_argument("--log-dir", default=None, help="write each server's log here instead of the terminal")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each part to be healthy")
+    p.add_argument("--max-restarts", type=int, default=d.max_restarts,
+                   help="restarts of one part within --restart-window before the stack stops (0: no restarts)")
+    p.add_argument("--restart-window", type=float, default=d.window_s, help="seconds (see --max-restarts)")
+    p.add_argument("--restart-backoff", type=float, default=d.backoff_s,
+                   help="seconds before a restart; doubles with each restart within the window")
+    p.add_argument("--restart-backoff-max", type=float, default=d.backoff_max_s, help="cap of the backoff (seconds; at least --restart-backoff)")
+
+
+def policy_from_args(args: argparse.Namespace) -> RestartPolicy:
+    return RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window, backoff_s=args.restart_backoff,
+                         backoff_max_s=max(args.restart_backoff_max, args.restart_backoff), start_timeout_s=args.timeout)
 
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
     """Entry point of `kvpipe launch`; `extra` flags go to both servers (e.g. --page-size 16)."""
+    policy = policy_from_args(args)  # bad values fail before anything starts
     stack = start_pd_stack(args.model_path, args.host, args.port, server_args=extra,
                            log_dir=args.log_dir, timeout_s=args.timeout)
-    stop = {"flag": False}
+    stop = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
-        stop["flag"] = True
+        stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -187,15 +278,13 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
           f"decode {stack.decode_url}, bootstrap port {stack.bootstrap_port})\n"
           f"try: curl -s {stack.router_url}/generate -H 'Content-Type: application/json' "
           f"-d '{{\"text\": \"Hello\", \"sampling_params\": {{\"max_new_tokens\": 16, \"temperature\": 0}}}}'\n"
+          f"A part that exits is restarted (at most {policy.max_restarts} times in {policy.window_s:g} s). "
           "Ctrl-C stops everything.", flush=True)
+    ok = False
     try:
-        while not stop["flag"]:
-            dead = [p for p in stack.procs if p.poll() is not None]
-            if dead:
-                print(f"a part of the stack exited ({dead[0].args[:4]}...): shutting down", file=sys.stderr)
-                return 1
-            time.sleep(0.5)
-        return 0
+        ok = stack.supervise(policy, stop)
+        return 0 if ok else 1
     finally:
         stack.close()
-        print("kvpipe PD stack stopped.", flush=True)
+        summary = stack.supervisor.summary() if stack.supervisor else "not supervised"
+        print(f"kvpipe PD stack stopped ({summary}).", file=sys.stdout if ok else sys.stderr, flush=True)
