@@ -45,6 +45,8 @@ COMMANDS: list[Command] = [
             "kvpipe.bench.serve"),
     Command("bench engine", "offline engine prefill/decode throughput on this machine", "kvpipe.bench.engine"),
     Command("bench transfer", "KV transfer goodput between a prefill and a decode process", "kvpipe.bench.transfer"),
+    Command("bench chaos", "kill -9 campaign: kill parts of a supervised PD stack under load, check recovery",
+            "kvpipe.bench.chaos"),
     Command("testbed", "emulated link between two network namespaces (up/down/status)",
             "kvpipe.bench.testbed_cli"),
 ]
