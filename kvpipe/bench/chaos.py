@@ -338,9 +338,12 @@ class Campaign:
         return None if ev.up_after_s is None else ev.exited_at + ev.up_after_s
 
     # ---- the campaign -----------------------------------------------------------------------------
+    def wait_serving(self, timeout_s: float = 60.0) -> None:
+        if wait_until(self._check_ok, timeout_s, 0.5) is None:
+            raise RuntimeError(f"the stack does not serve a request within {timeout_s:g} s")
+
     def run(self, plan: list[tuple[str, Phase]]) -> list[RoundResult]:
-        if wait_until(self._check_ok, 60.0, 0.5) is None:
-            raise RuntimeError("the stack does not serve before the first round")
+        self.wait_serving()
         results = []
         for i, (target, phase) in enumerate(plan, start=1):
             results.append(self.run_round(i, target, phase))
