@@ -44,6 +44,7 @@ from kvpipe.engine.tp_messages import (CommandMsg, ErrorMsg, HelloMsg, ReadyMsg,
                                        StepMsg, StopMsg)
 from kvpipe.engine.connector import KVConnectorWorker, WorkerFactory
 from kvpipe.engine.cpu_threads import apply_cpu_threads, server_cpu_threads
+from kvpipe.engine.errors import EngineLost
 from kvpipe.engine.host_memory import tune_malloc
 from kvpipe.engine.model_runner import GroupCallback, ModelRunner
 from kvpipe.model.loader import load_model
@@ -224,15 +225,18 @@ class TPGroup:
         layer ends in an all-reduce, so every rank has written that group's KV by then)."""
         for rank, conn in enumerate(self._conns, start=1):
             if self._procs[rank - 1].poll() is not None:
-                raise RuntimeError(f"TP rank {rank} is gone (exit code {self._procs[rank - 1].returncode})")
+                raise EngineLost(f"TP rank {rank} is gone (exit code {self._procs[rank - 1].returncode})")
             try:
                 conn.send(StepMsg(spec))
             except OSError as e:
-                raise RuntimeError(f"TP rank {rank} is unreachable: {e}") from e
+                raise EngineLost(f"TP rank {rank} is unreachable: {e}") from e
         try:
             return self.runner.run(spec, on_group_done)
         except Exception as e:
-            raise RuntimeError(f"TP forward failed: {e}{self._child_errors()}") from e
+            why = f"TP forward failed: {e}{self._child_errors()}"
+            if self.gone():  # a rank died under the collective: no later forward can succeed
+                raise EngineLost(why) from e
+            raise RuntimeError(why) from e
 
     def _child_errors(self) -> str:
         """Error reports children sent before exiting (a failed child breaks rank 0's collective)."""

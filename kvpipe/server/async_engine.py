@@ -18,6 +18,7 @@ import time
 from typing import AsyncIterator, Callable, Protocol
 
 from kvpipe.config import ModelConfig
+from kvpipe.engine.errors import EngineLost
 from kvpipe.engine.request import FinishReason, Req, TokenOutput
 from kvpipe.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvpipe.server.errors import APIError
@@ -139,6 +140,10 @@ class AsyncEngine:
                 try:
                     outs = engine.step()
                     failures = 0
+                except EngineLost as e:  # a dead TP rank: exit now, a supervisor restarts us
+                    logger.error("engine lost: %s", e)
+                    self._fatal(e)
+                    return
                 except Exception as e:  # noqa: BLE001 - fail the requests, keep serving if we can
                     failures += 1
                     logger.exception("engine step failed (%d in a row)", failures)

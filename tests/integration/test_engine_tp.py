@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+from kvpipe.engine.errors import EngineLost
+
 from engine_utils import make_engine, one_at_a_time, output_ids, prompts
 
 PROMPTS = prompts(4)
@@ -68,7 +70,7 @@ def test_dead_rank_fails_the_step_not_hangs(tiny_model_dir):
         child.wait(5)
         from kvpipe.engine.request import Req, SamplingParams
         eng.add_request(Req("x", [5, 6, 7], SamplingParams(max_new_tokens=3)))
-        with pytest.raises(RuntimeError, match="TP rank 1"):
+        with pytest.raises(EngineLost, match="TP rank 1"):  # fatal: the server exits, a supervisor restarts it
             eng.step()
         assert eng.allocator.num_free == eng.allocator.num_pages  # the failed batch freed its pages
     finally:
