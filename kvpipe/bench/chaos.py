@@ -346,7 +346,11 @@ class Campaign:
         self.wait_serving()
         results = []
         for i, (target, phase) in enumerate(plan, start=1):
-            results.append(self.run_round(i, target, phase))
+            try:
+                results.append(self.run_round(i, target, phase))
+            except (RuntimeError, OSError, httpx.HTTPError) as e:  # recorded; the next round may still run
+                self.log(f"round {i}: FAILED - {type(e).__name__}: {e}")
+                results.append(RoundResult(i, target, phase, error=f"{type(e).__name__}: {e}"))
             if self.gave_up:
                 break
         return results

@@ -192,10 +192,14 @@ def _answers(url: str) -> bool:
 
 
 def _spawn(cmd: list[str], log_path: str | None, pin: tuple[int, ...] | None = None) -> subprocess.Popen:
-    out = open(log_path, "ab") if log_path else None  # noqa: SIM115 - owned by the child
-    # A new session per child: Ctrl-C reaches only us, and we stop children in order.
-    with _affinity(pin):
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True)
+    out = open(log_path, "ab") if log_path else None  # noqa: SIM115 - the child gets its own copy
+    try:
+        # A new session per child: Ctrl-C reaches only us, and we stop children in order.
+        with _affinity(pin):
+            return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True)
+    finally:
+        if out is not None:
+            out.close()  # else every restart would leak a descriptor in the launcher
 
 
 def start_pd_stack(model_path: str | None, host: str = "127.0.0.1", router_port: int | None = None,
