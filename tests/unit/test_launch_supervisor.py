@@ -106,3 +106,30 @@ def test_tick_restarts_only_the_dead_part(monkeypatch: pytest.MonkeyPatch) -> No
     stack.procs[1].returncode = 1  # past the bound (1 restart): the stack gives up
     assert not stack._tick(sup, 20.0, lines.append)
     assert sup.failed == ["decode"] and "giving up" in lines[-1]
+
+
+def test_launch_gives_up_with_exit_code_1_and_stops_in_order(monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture) -> None:
+    import argparse
+    import signal
+
+    stopped: list[str] = []
+    procs = [FakeProc([n]) for n in launcher.PARTS]
+    procs[0].returncode = 1  # the prefill dies at once; --max-restarts 0: no restart
+    stack = PDStack("p", "d", "r", 1, specs=[PartSpec(n, (n,), f"http://{n}/health") for n in launcher.PARTS],
+                    procs=procs)
+    monkeypatch.setattr(launcher, "start_pd_stack", lambda *a, **kw: stack)
+    monkeypatch.setattr(launcher, "stop_process", lambda p, timeout_s=10.0: stopped.append(p.args[0]))
+    monkeypatch.setattr(launcher, "_spawn", lambda *a, **kw: pytest.fail("nothing may be restarted"))
+    parser = argparse.ArgumentParser()
+    launcher.add_args(parser)
+    old = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    try:
+        assert launcher.run(parser.parse_args(["--max-restarts", "0"]), []) == 1
+    finally:
+        signal.signal(signal.SIGTERM, old[0])
+        signal.signal(signal.SIGINT, old[1])
+    assert stopped == ["router", "decode", "prefill"]
+    out = capsys.readouterr()
+    assert "prefill exited (exit code 1); restarts are off: stopping the stack" in out.out
+    assert "stopped (restarts: prefill 0, decode 0, router 0)" in out.err
