@@ -12,9 +12,10 @@ streaming requests through the router. Each round SIGKILLs the process group of 
   transfer   a long prompt is being prefilled and its KV pages are on their way
   decode     a long generation is streaming back
 
-or, with --tp-side, one TP worker (a child of that server) alone. A server whose TP rank died
-fails the steps that need it and exits after a few in a row (async_engine.py), so supervision
-restarts the whole server: that is the expected recovery, and what these rounds check.
+or, with --tp-side, one TP worker (a child of that server) alone. A TP group cannot re-form
+inside a process, so a server whose TP rank died exits at its next forward (EngineLost, fatal in
+async_engine.py) and supervision restarts the whole server: that is the expected recovery, and
+what these rounds check. (An idle server notices at its next request, which fails.)
 
 Per round: the survivors were not restarted (same pids), every request in flight at the kill
 ended with a final status within the deadline, new requests succeed once the part is back, and
