@@ -20,6 +20,7 @@ from typing import Callable
 
 from kvpipe.config import (STAGING_MODES, CacheConfig, ConfigError, DisaggregationConfig, SchedulerConfig, ServerConfig,
                            parse_layer_groups)
+from kvpipe.transfer.auth import TOKEN_ENV, token_from_env
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,11 @@ def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
                    help="seconds between heartbeats; a peer silent for 5 intervals is dead")
     g.add_argument("--disaggregation-transfer-timeout", type=float, default=d.transfer_timeout_s,
                    help="seconds a KV write may make no progress before its request fails")
+    g.add_argument("--disaggregation-auth-token", default=None,
+                   help=f"shared secret of the PD deployment (same on every prefill and decode server): "
+                        f"authenticates bootstrap calls and every control-plane message (HMAC, timestamp, "
+                        f"replay check); prefer ${TOKEN_ENV}, which stays out of process lists. Without "
+                        f"one, bootstrap and control plane listen on the data-plane address only")
     # test-only: fail each transfer batch with this probability (seeded by the next flag)
     g.add_argument("--disaggregation-failure-prob", type=float, default=0.0, help=argparse.SUPPRESS)
     g.add_argument("--disaggregation-failure-seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -138,7 +144,8 @@ def disaggregation_config_from_args(args: argparse.Namespace) -> DisaggregationC
             waiting_timeout_s=args.disaggregation_waiting_timeout,
             heartbeat_interval_s=args.disaggregation_heartbeat_interval,
             transfer_timeout_s=args.disaggregation_transfer_timeout,
-            failure_prob=args.disaggregation_failure_prob, failure_seed=args.disaggregation_failure_seed)
+            failure_prob=args.disaggregation_failure_prob, failure_seed=args.disaggregation_failure_seed,
+            auth_token=args.disaggregation_auth_token or token_from_env())
     except ConfigError as e:
         raise SystemExit(f"kvpipe: {e}") from e
 

@@ -24,7 +24,7 @@ from typing import Any
 from kvpipe.config import ServerConfig
 from kvpipe.disagg.base import PDConnector
 from kvpipe.disagg.commands import StartDecode
-from kvpipe.disagg.setup import TRANSFER_POLL_S, data_host
+from kvpipe.disagg.setup import TRANSFER_POLL_S, data_host, warn_if_unauthenticated
 from kvpipe.engine.connector import Admission, ConnectorContext, ConnectorEvent, KVArrived, TransferFinished
 from kvpipe.engine.request import FinishReason, Req
 from kvpipe.transfer.backends.base import TransferBackend
@@ -47,6 +47,7 @@ class DecodeConnector(PDConnector):
     def start(self, ctx: ConnectorContext) -> None:
         d = self.cfg.disaggregation
         self._vocab_size = ctx.model_config.vocab_size
+        warn_if_unauthenticated(self.cfg)
         self._start_ranks(ctx.workers, StartDecode())
         self.receiver = KVReceiver(d, ranks=[DecodeRank(r.layout, r.data_address, r.staging) for r in self.ranks],
                                    model_name=self.cfg.model_name, host=data_host(self.cfg), on_news=ctx.wake).start()
@@ -126,8 +127,14 @@ class DecodeConnector(PDConnector):
             "data_address": self.ranks[0].data_address if self.ranks else None,
             "active_rooms": len(self._transfers), "rooms_succeeded": st.rooms_succeeded,
             "rooms_failed": st.rooms_failed, "rejected_messages": st.rejected_messages,
+            "authenticated": self.cfg.disaggregation.auth_token is not None,
+            "auth_rejected": {"control": st.auth_rejected + self._staging_auth_rejected()},
             "bootstrap_fetches": st.bootstrap_fetches, **self._staging_stats(),
         }}
+
+    def _staging_auth_rejected(self) -> int:
+        agent = self.local_worker.staging_agent if self.local_worker is not None else None
+        return 0 if agent is None else agent.stats.auth_rejected
 
     def _staging_stats(self) -> dict[str, Any]:
         """Rank 0's staging ring (every rank runs its own; rank 0's is the one in this process)."""

@@ -16,10 +16,16 @@ instance id that changes when the prefill restarts); a decode GETs all ranks (or
 HTTP API: `PUT /v1/prefill/ranks/{rank}` (JSON PrefillRankInfo), `GET /v1/prefill/ranks`
 (503 until all tp_size ranks of the current instance registered), `GET /v1/prefill/ranks/{rank}`,
 `GET /health`. A registration with a new instance id replaces the previous instance's ranks.
+
+With an `Authenticator` (auth.py, the deployment's shared token) every call but /health must
+carry a valid `X-Kvpipe-Auth` tag over its method, path and body: registrations (which would let
+anyone point decodes at their own control endpoint) and look-ups (which hand out KV buffer
+addresses) alike. A call without one gets 401 and is counted (`auth_rejected`).
 """
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -28,7 +34,9 @@ from typing import Any
 
 import httpx
 import uvicorn
-from fastapi import FastAPI, HTTPException
+from fastapi import Depends, FastAPI, HTTPException, Request
+
+from kvpipe.transfer.auth import HTTP_HEADER, Authenticator, AuthError
 
 from kvpipe.transfer.layout import KVLayout
 from kvpipe.transfer.tp_mapping import kv_head_range, transfer_slices
@@ -142,8 +150,13 @@ class _Registry:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self.auth_rejected = 0  # calls without a valid tag (with an Authenticator)
         self._instance: str | None = None
         self._ranks: dict[int, PrefillRankInfo] = {}
+
+    def reject(self) -> None:
+        with self._lock:
+            self.auth_rejected += 1
 
     def put(self, rank: int, info: PrefillRankInfo) -> None:
         if info.rank != rank or not 0 <= rank < info.tp_size:
@@ -179,8 +192,19 @@ class _Registry:
         return info.to_dict()
 
 
-def _app(registry: _Registry) -> FastAPI:
-    app = FastAPI(title="kvpipe bootstrap", docs_url=None, redoc_url=None, openapi_url=None)
+def _app(registry: _Registry, auth: Authenticator | None = None) -> FastAPI:
+    async def authenticated(request: Request) -> None:
+        if auth is None or request.url.path == "/health":
+            return
+        body = await request.body()  # cached on the request: the route's body parsing reads it again
+        try:
+            auth.verify_http(request.method, request.url.path, body, request.headers.get(HTTP_HEADER))
+        except AuthError as e:
+            registry.reject()
+            raise HTTPException(401, f"bootstrap call rejected: {e}") from None
+
+    app = FastAPI(title="kvpipe bootstrap", docs_url=None, redoc_url=None, openapi_url=None,
+                  dependencies=[Depends(authenticated)])
 
     @app.put("/v1/prefill/ranks/{rank}")
     def put_rank(rank: int, body: dict[str, Any]) -> dict[str, str]:
@@ -209,14 +233,15 @@ def _app(registry: _Registry) -> FastAPI:
 class BootstrapServer:
     """uvicorn serving the registry from a daemon thread; port 0 picks a free port."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, auth: Authenticator | None = None) -> None:
         self.host = host
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))  # bound now, so `port` is known before start()
         self.port: int = self._sock.getsockname()[1]
-        cfg = uvicorn.Config(_app(_Registry()), log_level="warning", lifespan="off", access_log=False)
+        self._registry = _Registry()
+        cfg = uvicorn.Config(_app(self._registry, auth), log_level="warning", lifespan="off", access_log=False)
         self._server = uvicorn.Server(cfg)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                         name=f"bootstrap-{self.port}", daemon=True)
@@ -224,6 +249,10 @@ class BootstrapServer:
     @property
     def url(self) -> str:
         return _base_url(self.host, self.port)
+
+    @property
+    def auth_rejected(self) -> int:
+        return self._registry.auth_rejected
 
     def start(self, timeout_s: float = 10.0) -> "BootstrapServer":
         self._thread.start()
@@ -252,10 +281,16 @@ def _base_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def _request(method: str, url: str, timeout_s: float, body: dict[str, Any] | None = None) -> Any:
+def _request(method: str, base: str, path: str, timeout_s: float, body: dict[str, Any] | None = None,
+             auth: Authenticator | None = None) -> Any:
+    url = base + path
+    content = b"" if body is None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"} if body is not None else {}
+    if auth is not None:
+        headers[HTTP_HEADER] = auth.sign_http(method, path, content)
     try:
         with httpx.Client(timeout=timeout_s, trust_env=False) as client:
-            resp = client.request(method, url, json=body)
+            resp = client.request(method, url, content=content, headers=headers)
     except httpx.TimeoutException as e:
         raise BootstrapUnreachable(f"bootstrap server {url}: no answer within {timeout_s}s") from e
     except httpx.HTTPError as e:
@@ -277,26 +312,32 @@ def _detail(resp: httpx.Response) -> str:
         return resp.text[:200]
 
 
-def register_prefill_rank(host: str, port: int, info: PrefillRankInfo, timeout_s: float = 2.0) -> None:
-    _request("PUT", f"{_base_url(host, port)}/v1/prefill/ranks/{info.rank}", timeout_s, info.to_dict())
+def register_prefill_rank(host: str, port: int, info: PrefillRankInfo, timeout_s: float = 2.0,
+                          auth: Authenticator | None = None) -> None:
+    _request("PUT", _base_url(host, port), f"/v1/prefill/ranks/{info.rank}", timeout_s, info.to_dict(), auth)
 
 
-def fetch_prefill_info(host: str, port: int, timeout_s: float = 2.0) -> PrefillInstanceInfo:
-    return PrefillInstanceInfo.from_dict(_request("GET", f"{_base_url(host, port)}/v1/prefill/ranks", timeout_s))
+def fetch_prefill_info(host: str, port: int, timeout_s: float = 2.0,
+                       auth: Authenticator | None = None) -> PrefillInstanceInfo:
+    return PrefillInstanceInfo.from_dict(_request("GET", _base_url(host, port), "/v1/prefill/ranks", timeout_s,
+                                                  auth=auth))
 
 
-def fetch_prefill_rank(host: str, port: int, rank: int, timeout_s: float = 2.0) -> PrefillRankInfo:
-    return PrefillRankInfo.from_dict(_request("GET", f"{_base_url(host, port)}/v1/prefill/ranks/{rank}", timeout_s))
+def fetch_prefill_rank(host: str, port: int, rank: int, timeout_s: float = 2.0,
+                       auth: Authenticator | None = None) -> PrefillRankInfo:
+    return PrefillRankInfo.from_dict(_request("GET", _base_url(host, port), f"/v1/prefill/ranks/{rank}", timeout_s,
+                                              auth=auth))
 
 
 def wait_prefill_info(host: str, port: int, timeout_s: float, http_timeout_s: float = 2.0,
-                      retry_s: float = 0.05, stop: threading.Event | None = None) -> PrefillInstanceInfo:
+                      retry_s: float = 0.05, stop: threading.Event | None = None,
+                      auth: Authenticator | None = None) -> PrefillInstanceInfo:
     """fetch_prefill_info, retrying unreachable / not-ready servers until `timeout_s` passed
     (or `stop` is set: then the last error is raised)."""
     end = time.monotonic() + timeout_s
     while True:
         try:
-            return fetch_prefill_info(host, port, min(http_timeout_s, max(0.05, end - time.monotonic())))
+            return fetch_prefill_info(host, port, min(http_timeout_s, max(0.05, end - time.monotonic())), auth)
         except (BootstrapUnreachable, BootstrapNotReady):
             # Unreachable and not-ready servers may heal (prefill starting); other errors will not.
             if time.monotonic() + retry_s >= end or (stop is not None and stop.is_set()):

@@ -22,6 +22,7 @@ heartbeats every idle_tick_s. Control messages leave through the endpoint, never
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 import threading
 import time
 import uuid
@@ -33,6 +34,7 @@ import numpy as np
 from kvpipe.config import DisaggregationConfig
 from kvpipe.transfer.bootstrap import (DEFAULT_BOOTSTRAP_PORT, BootstrapNotReady, BootstrapUnreachable, DecodeInfo,
                                        PrefillInstanceInfo, check_compatible, fetch_prefill_info)
+from kvpipe.transfer.auth import authenticator
 from kvpipe.transfer.control import ControlEndpoint
 from kvpipe.transfer.layout import DecodeRank
 from kvpipe.transfer.messages import AuxData
@@ -60,7 +62,9 @@ class KVReceiver:
         self._on_news = on_news
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._endpoint = ControlEndpoint(host, self._on_message, name="kvreceiver", send_hwm=cfg.control_send_hwm)
+        self._auth = authenticator(cfg.auth_token)  # control frames and bootstrap look-ups
+        self._endpoint = ControlEndpoint(host, self._on_message, name="kvreceiver", send_hwm=cfg.control_send_hwm,
+                                         auth=self._auth)
         self._book = ReceiverBook(cfg, self.ranks, self.instance_id, self._endpoint.address, self._endpoint.send)
         self.sessions = self._book.sessions  # per decode rank: its session id on the wire
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvreceiver-bootstrap")
@@ -68,7 +72,7 @@ class KVReceiver:
 
     @property
     def stats(self) -> ReceiverStats:
-        return self._book.stats
+        return replace(self._book.stats, auth_rejected=self._endpoint.stats.auth_rejected)
 
     @property
     def control_address(self) -> str:
@@ -132,7 +136,7 @@ class KVReceiver:
         end = time.monotonic() + self.cfg.bootstrap_timeout_s
         while not self._stop.is_set():
             try:
-                info = fetch_prefill_info(*addr, self.cfg.http_timeout_s)
+                info = fetch_prefill_info(*addr, self.cfg.http_timeout_s, self._auth)
                 check_compatible(info, self.decode_info)
                 break
             except (BootstrapUnreachable, BootstrapNotReady) as e:

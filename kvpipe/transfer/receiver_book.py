@@ -54,6 +54,7 @@ class ReceiverStats:
     registrations: int = 0  # RegisterPeer messages sent
     rooms_succeeded: int = 0
     rooms_failed: int = 0
+    auth_rejected: int = 0  # control frames the endpoint dropped (no valid tag, stale, replayed)
 
 
 @dataclass

@@ -60,6 +60,7 @@ class SenderStats:
     busy_bytes: int = 0
     staged_chunks: int = 0  # staged chunks the decode scattered
     staged_bytes: int = 0
+    auth_rejected: int = 0  # control frames the rank's endpoint dropped (no valid tag, stale, replayed)
 
 
 @dataclass(frozen=True)
