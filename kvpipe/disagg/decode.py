@@ -41,6 +41,9 @@ class DecodeConnector(PDConnector):
         super().__init__(cfg, backend)
         self.prefix_cache = cfg.disaggregation.decode_radix_cache
         self._transfers: dict[int, Req] = {}  # engine thread: room -> request whose KV is on its way
+        # engine thread: rooms whose KV was asked for (add_room) and whose request has not finished;
+        # an aborted request outside it never asked, and the prefill is told (abort_unrequested)
+        self._asked: set[int] = set()
         self._vocab_size = 0
         self.receiver: KVReceiver | None = None
 
@@ -76,6 +79,7 @@ class DecodeConnector(PDConnector):
                                [pages] * self.receiver.tp_size,
                                shared * self.cfg.cache.page_size)  # ValueError: nothing was asked for
         self._transfers[req.bootstrap_room] = req
+        self._asked.add(req.bootstrap_room)
 
     # ---- finish and transfer news --------------------------------------------------------------
     def on_finish(self, req: Req, reason: FinishReason, detail: str | int | None) -> bool:
@@ -84,6 +88,13 @@ class DecodeConnector(PDConnector):
             assert self.receiver is not None
             self.receiver.abort(room, "aborted on the decode (client disconnected or request aborted)")
             return True
+        asked = room in self._asked
+        self._asked.discard(room)  # type: ignore[arg-type]
+        if room is not None and not asked and reason is FinishReason.ABORT and req.bootstrap_host \
+                and self.receiver is not None:
+            # it never got pages here: the prefill may hold its KV, waiting for a request
+            self.receiver.abort_unrequested(room, req.bootstrap_host, req.bootstrap_port,
+                                            f"aborted on the decode before its KV was requested: {detail}")
         self._release_room(room)
         return False
 
@@ -96,6 +107,7 @@ class DecodeConnector(PDConnector):
                 continue
             self._release_room(room)
             if req.finished:  # aborted while the KV was on its way: its pages are safe now
+                self._asked.discard(room)
                 events.append(TransferFinished(req.rid, state is TransferState.SUCCESS, reason))
                 continue
             if state is TransferState.SUCCESS:

@@ -46,6 +46,10 @@ __all__ = ["DecodeRank", "KVReceiver", "ReceiverStats"]  # DecodeRank, ReceiverS
 log = logging.getLogger(__name__)
 
 
+def _address(bootstrap_host: str, bootstrap_port: int | None) -> tuple[str, int]:
+    return bootstrap_host, DEFAULT_BOOTSTRAP_PORT if bootstrap_port is None else int(bootstrap_port)
+
+
 class KVReceiver:
     def __init__(self, cfg: DisaggregationConfig, *, ranks: Sequence[DecodeRank], model_name: str,
                  instance_id: str | None = None, host: str = "127.0.0.1", clock: Clock = time.monotonic,
@@ -102,7 +106,7 @@ class KVReceiver:
         prefix_len: leading tokens this decode already holds (page aligned). Non-blocking.
         Raises DuplicateRoomError if the room is active already (reject that request only)."""
         pages = self._book.check_pages(room, dst_pages, prefix_len)
-        addr = (bootstrap_host, DEFAULT_BOOTSTRAP_PORT if bootstrap_port is None else int(bootstrap_port))
+        addr = _address(bootstrap_host, bootstrap_port)
         with self._lock:
             fetch = self._book.add_room(room, addr, pages, prefix_len, aux_slot, self._clock())
             if fetch is not None:
@@ -112,6 +116,14 @@ class KVReceiver:
         """Fail the room; poll() reports it once no write from the prefill can still land."""
         with self._lock:
             self._book.abort(room, reason, self._clock())
+
+    def abort_unrequested(self, room: int, bootstrap_host: str, bootstrap_port: int | None,
+                          reason: str = "aborted by decode") -> bool:
+        """A request this decode never opened a room for (it waited for pages) is gone: tell the
+        prefill, if this decode knows it, so the prefill frees the request's KV now instead of
+        holding it until its bootstrap timeout. True when the prefill ranks were told."""
+        with self._lock:
+            return self._book.abort_unrequested(room, _address(bootstrap_host, bootstrap_port), reason)
 
     def poll(self) -> list[tuple[int, TransferState, str, AuxData | None]]:
         """Rooms that finished and whose pages are safe to reuse (each reported once)."""

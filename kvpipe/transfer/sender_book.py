@@ -253,8 +253,15 @@ class SenderBook:
             r.rec.fail(f"aborted by decode: {msg.reason}", now)
             return
         addr = self.peers.reply_address(session)
-        if r is not None or addr is None:
+        if addr is None or (r is not None and r.dests):  # a stranger, or a room bound to other sessions
             return self._reject(f"Abort for room {room} from {session}, which is not bound to it")
+        if r is not None:
+            # The decode gave up before it asked for the room (it waited for pages): fail it now
+            # rather than hold its KV until the bootstrap timeout; nothing was written.
+            r.rec.fail(f"aborted by decode before its request: {msg.reason}", now)
+            self._status(addr, room, session, False, f"prefill rank {self.tp_rank} never wrote room {room}")
+            r.notified.add(session)
+            return
         # Never saw this room from this session: nothing was written; say so, and remember it so
         # that a late add_room fails at once instead of waiting for a request that never comes.
         self._status(addr, room, session, False, f"prefill rank {self.tp_rank} never wrote room {room}")
