@@ -199,6 +199,9 @@ def _setup_logging(level: str) -> None:
     # and in TP children, which inherit it): its INFO lines only with --log-level debug; a
     # user's MC_LOG_LEVEL wins
     os.environ.setdefault("MC_LOG_LEVEL", "INFO" if level == "debug" else "WARNING")
+    if level != "debug":  # httpx logs a line per bootstrap call at INFO
+        for name in ("httpx", "httpcore"):
+            logging.getLogger(name).setLevel(logging.WARNING)
 
 
 # ---- serve ---------------------------------------------------------------------------------------

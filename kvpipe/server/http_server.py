@@ -178,6 +178,12 @@ def create_app(cfg: ServerConfig, engine_factory: Callable[[], EngineLike] | Non
     return app
 
 
+def _drop_router_probe_noise(record: logging.LogRecord) -> bool:
+    """sglang-router probes each worker with an HTTP/2 preface, which h11 refuses and uvicorn logs
+    as a warning every time: noise, not a fault of ours or of a client (shown with debug logs)."""
+    return record.getMessage() != "Invalid HTTP request received."
+
+
 def run_server(cfg: ServerConfig, engine_factory: Callable[[], EngineLike] | None = None,
                disaggregation_mode: str = "null") -> int:
     """Serve until SIGINT/SIGTERM; returns 1 if the engine failed to load or died."""
@@ -201,6 +207,8 @@ def run_server(cfg: ServerConfig, engine_factory: Callable[[], EngineLike] | Non
                             timeout_keep_alive=30, access_log=cfg.log_level == "debug",
                             # on SIGTERM, streams still running after this long are cut (and aborted)
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    if cfg.log_level != "debug":  # after uvicorn.Config: it (re)configures its loggers
+        logging.getLogger("uvicorn.error").addFilter(_drop_router_probe_noise)
     server = uvicorn.Server(config)
     holder["server"] = server
     server.run()
