@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import kvpipe
+from kvpipe.body_limit import BodyLimitMiddleware
 from kvpipe.config import ServerConfig
 from kvpipe.engine.cpu_threads import CpuThreads, apply_cpu_threads, server_cpu_threads, torch_threads
 from kvpipe.engine.request import SamplingParams
@@ -172,6 +173,7 @@ def create_app(cfg: ServerConfig, engine_factory: Callable[[], EngineLike] | Non
 
     app = FastAPI(title="kvpipe", version=kvpipe.__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.kvpipe = state
+    app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_request_body_bytes, knob="--max-request-body-bytes")
     install_error_handlers(app)
     register_native_routes(app, state)
     register_openai_routes(app, state)
