@@ -28,7 +28,9 @@ from typing import Any
 
 import httpx
 import uvicorn
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 
 from kvpipe.body_limit import BodyLimitMiddleware
 from kvpipe.transfer.layout import KVLayout
@@ -187,6 +189,14 @@ class _Registry:
 def _app(registry: _Registry, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="kvpipe bootstrap", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's default echoes the input, and a body of `Infinity` cannot be written back as
+        # JSON (the answer became a 500): say where and what, never the input
+        where = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()))}: {e.get('msg', 'invalid')}"
+                          for e in exc.errors())
+        return JSONResponse({"detail": where or "invalid request"}, status_code=422)
 
     @app.put("/v1/prefill/ranks/{rank}")
     def put_rank(rank: int, body: dict[str, Any]) -> dict[str, str]:
