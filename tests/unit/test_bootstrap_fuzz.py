@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from kvpipe.transfer.bootstrap import PrefillRankInfo, _app, _Registry
 from kvpipe.transfer.layout import KVLayout
 
-FUZZ = settings(max_examples=120, deadline=None,
+FUZZ = settings(max_examples=120, deadline=None, database=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 # JSON as Python's json module reads it: inf and nan included (1e400 parses as inf)

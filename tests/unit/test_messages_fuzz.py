@@ -19,7 +19,8 @@ from kvpipe.transfer.layout import KVLayout
 from kvpipe.transfer.messages import MESSAGE_TYPES, PROTOCOL_VERSION, decode, encode
 
 # bounded: the whole file runs in seconds on a shared 2-core machine
-FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=100, deadline=None, database=None, derandomize=True,
+                suppress_health_check=[HealthCheck.too_slow])
 KINDS = sorted(MESSAGE_TYPES)
 
 WIRE_INTS = st.integers(0, (1 << 63) - 1)
