@@ -18,8 +18,8 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
-from kvpipe.config import (STAGING_MODES, CacheConfig, ConfigError, DisaggregationConfig, SchedulerConfig, ServerConfig,
-                           parse_layer_groups)
+from kvpipe.config import (DEFAULT_MAX_REQUEST_BODY_BYTES, STAGING_MODES, CacheConfig, ConfigError,
+                           DisaggregationConfig, SchedulerConfig, ServerConfig, parse_layer_groups)
 from kvpipe.transfer.auth import TOKEN_ENV, token_from_env
 
 
@@ -163,6 +163,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         _positive("--" + name.replace("_", "-"), getattr(args, name))
     _positive("--context-length", args.context_length, allow_none=True)
     _positive("--cpu-threads", args.cpu_threads, allow_none=True)
+    body_limit = getattr(args, "max_request_body_bytes", DEFAULT_MAX_REQUEST_BODY_BYTES)
+    _positive("--max-request-body-bytes", body_limit)
     disagg = disaggregation_config_from_args(args)
     from kvpipe.model.presets import resolve_model_path  # lazy: presets import torch
 
@@ -172,6 +174,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             model_path=model_path,
             host=getattr(args, "host", "127.0.0.1"),
             port=getattr(args, "port", 30000),
+            max_request_body_bytes=body_limit,
             served_model_name=args.served_model_name,
             tokenizer_path=args.tokenizer_path,
             tp_size=args.tp_size,
@@ -209,6 +212,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     add_server_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                   help="refuse request bodies larger than this with 413 (default: 32 MiB)")
 
 
 def _serve(args: argparse.Namespace, extra: list[str]) -> int:

@@ -257,6 +257,9 @@ class DisaggregationConfig:
         return self.staging_pool_mb << 20
 
 
+DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20  # an HTTP server's --max-request-body-bytes
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     model_path: str
@@ -271,6 +274,8 @@ class ServerConfig:
     device: str = "cpu"
     seed: int = 0
     log_level: str = "info"
+    # bodies over this many bytes are refused with 413 before they are read (kvpipe/body_limit.py)
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
@@ -278,6 +283,9 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.cpu_threads is not None and not (type(self.cpu_threads) is int and self.cpu_threads >= 1):
             raise ConfigError(f"cpu threads must be a whole number >= 1, got {self.cpu_threads!r}")
+        if not (type(self.max_request_body_bytes) is int and self.max_request_body_bytes >= 1):
+            raise ConfigError(f"the request body limit must be a whole number of bytes >= 1, "
+                              f"got {self.max_request_body_bytes!r}")
 
     def check_servable(self) -> None:
         """Refuse PD set-ups no server can run (a TP group cannot share the in-process local

@@ -35,14 +35,20 @@ from typing import Any
 import httpx
 import uvicorn
 from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 
+from kvpipe.body_limit import BodyLimitMiddleware
 from kvpipe.transfer.auth import HTTP_HEADER, Authenticator, AuthError
-
 from kvpipe.transfer.layout import KVLayout
 from kvpipe.transfer.tp_mapping import kv_head_range, transfer_slices
 
 
 DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's convention; the router sends null for "default"
+# A registration is a few KB (two addresses per layer); anything near this is garbage or an attack.
+MAX_BODY_BYTES = 1 << 20
+# What a field of hostile JSON can make int()/KVLayout raise: 1e400 parses as inf, int(inf) overflows.
+_MALFORMED = (KeyError, TypeError, ValueError, OverflowError)
 
 
 class BootstrapError(RuntimeError):
@@ -87,7 +93,7 @@ class PrefillRankInfo:
             return cls(rank=int(d["rank"]), tp_size=int(d["tp_size"]), layout=layout_from_dict(d["layout"]),
                        data_address=str(d["data_address"]), control_address=str(d["control_address"]),
                        model_name=str(d["model_name"]), instance_id=str(d["instance_id"]))
-        except (KeyError, TypeError, ValueError) as e:
+        except _MALFORMED as e:
             raise BootstrapError(f"malformed prefill rank info: {e!r}") from e
 
 
@@ -103,7 +109,7 @@ class PrefillInstanceInfo:
         try:
             ranks = tuple(sorted((PrefillRankInfo.from_dict(r) for r in d["ranks"]), key=lambda r: r.rank))
             inst = cls(str(d["instance_id"]), int(d["tp_size"]), str(d["model_name"]), ranks)
-        except (KeyError, TypeError, ValueError) as e:
+        except _MALFORMED as e:
             raise BootstrapError(f"malformed prefill instance info: {e!r}") from e
         if [r.rank for r in ranks] != list(range(inst.tp_size)):
             raise BootstrapError(f"prefill instance {inst.instance_id}: ranks {[r.rank for r in ranks]} "
@@ -192,7 +198,7 @@ class _Registry:
         return info.to_dict()
 
 
-def _app(registry: _Registry, auth: Authenticator | None = None) -> FastAPI:
+def _app(registry: _Registry, auth: Authenticator | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     async def authenticated(request: Request) -> None:
         if auth is None or request.url.path == "/health":
             return
@@ -205,6 +211,15 @@ def _app(registry: _Registry, auth: Authenticator | None = None) -> FastAPI:
 
     app = FastAPI(title="kvpipe bootstrap", docs_url=None, redoc_url=None, openapi_url=None,
                   dependencies=[Depends(authenticated)])
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's default echoes the input, and a body of `Infinity` cannot be written back as
+        # JSON (the answer became a 500): say where and what, never the input
+        where = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()))}: {e.get('msg', 'invalid')}"
+                          for e in exc.errors())
+        return JSONResponse({"detail": where or "invalid request"}, status_code=422)
 
     @app.put("/v1/prefill/ranks/{rank}")
     def put_rank(rank: int, body: dict[str, Any]) -> dict[str, str]:
@@ -307,9 +322,10 @@ def _request(method: str, base: str, path: str, timeout_s: float, body: dict[str
 
 def _detail(resp: httpx.Response) -> str:
     try:
-        return str(resp.json().get("detail", resp.text))
+        body = resp.json()
     except ValueError:
         return resp.text[:200]
+    return str(body.get("detail", resp.text)) if isinstance(body, dict) else resp.text[:200]
 
 
 def register_prefill_rank(host: str, port: int, info: PrefillRankInfo, timeout_s: float = 2.0,
