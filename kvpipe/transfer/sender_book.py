@@ -424,6 +424,7 @@ class SenderBook:
             assert staging is not None
             ch.state, ch.since, ch.offset = ChunkState.GRANTED, now, msg.offset
             if msg.offset + ch.nbytes > staging.pool_nbytes:
+                self._reject(f"staging grant for chunk {msg.chunk} at {msg.offset} overruns the decode's ring")
                 r.rec.fail(f"staging slot at {msg.offset} for {ch.nbytes} bytes overruns the decode's "
                            f"{staging.pool_nbytes}-byte ring", now)
                 self._release(r, ch)
