@@ -18,8 +18,9 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
-from kvpipe.config import (STAGING_MODES, CacheConfig, ConfigError, DisaggregationConfig, SchedulerConfig, ServerConfig,
-                           parse_layer_groups)
+from kvpipe.config import (DEFAULT_MAX_REQUEST_BODY_BYTES, STAGING_MODES, CacheConfig, ConfigError,
+                           DisaggregationConfig, SchedulerConfig, ServerConfig, parse_layer_groups)
+from kvpipe.transfer.auth import TOKEN_ENV, token_from_env
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,11 @@ def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
                    help="seconds between heartbeats; a peer silent for 5 intervals is dead")
     g.add_argument("--disaggregation-transfer-timeout", type=float, default=d.transfer_timeout_s,
                    help="seconds a KV write may make no progress before its request fails")
+    g.add_argument("--disaggregation-auth-token", default=None,
+                   help=f"shared secret of the PD deployment (same on every prefill and decode server): "
+                        f"authenticates bootstrap calls and every control-plane message (HMAC, timestamp, "
+                        f"replay check); prefer ${TOKEN_ENV}, which stays out of process lists. Without "
+                        f"one, bootstrap and control plane listen on the data-plane address only")
     # test-only: fail each transfer batch with this probability (seeded by the next flag)
     g.add_argument("--disaggregation-failure-prob", type=float, default=0.0, help=argparse.SUPPRESS)
     g.add_argument("--disaggregation-failure-seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -140,7 +146,8 @@ def disaggregation_config_from_args(args: argparse.Namespace) -> DisaggregationC
             waiting_timeout_s=args.disaggregation_waiting_timeout,
             heartbeat_interval_s=args.disaggregation_heartbeat_interval,
             transfer_timeout_s=args.disaggregation_transfer_timeout,
-            failure_prob=args.disaggregation_failure_prob, failure_seed=args.disaggregation_failure_seed)
+            failure_prob=args.disaggregation_failure_prob, failure_seed=args.disaggregation_failure_seed,
+            auth_token=args.disaggregation_auth_token or token_from_env())
     except ConfigError as e:
         raise SystemExit(f"kvpipe: {e}") from e
 
@@ -158,6 +165,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         _positive("--" + name.replace("_", "-"), getattr(args, name))
     _positive("--context-length", args.context_length, allow_none=True)
     _positive("--cpu-threads", args.cpu_threads, allow_none=True)
+    body_limit = getattr(args, "max_request_body_bytes", DEFAULT_MAX_REQUEST_BODY_BYTES)
+    _positive("--max-request-body-bytes", body_limit)
     disagg = disaggregation_config_from_args(args)
     from kvpipe.model.presets import resolve_model_path  # lazy: presets import torch
 
@@ -167,6 +176,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             model_path=model_path,
             host=getattr(args, "host", "127.0.0.1"),
             port=getattr(args, "port", 30000),
+            max_request_body_bytes=body_limit,
             served_model_name=args.served_model_name,
             tokenizer_path=args.tokenizer_path,
             tp_size=args.tp_size,
@@ -194,6 +204,9 @@ def _setup_logging(level: str) -> None:
     # and in TP children, which inherit it): its INFO lines only with --log-level debug; a
     # user's MC_LOG_LEVEL wins
     os.environ.setdefault("MC_LOG_LEVEL", "INFO" if level == "debug" else "WARNING")
+    if level != "debug":  # httpx logs a line per bootstrap call at INFO
+        for name in ("httpx", "httpcore"):
+            logging.getLogger(name).setLevel(logging.WARNING)
 
 
 # ---- serve ---------------------------------------------------------------------------------------
@@ -201,6 +214,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     add_server_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                   help="refuse request bodies larger than this with 413 (default: 32 MiB)")
 
 
 def _serve(args: argparse.Namespace, extra: list[str]) -> int:

@@ -145,6 +145,7 @@ DISAGGREGATION_MODES = ("null", "prefill", "decode")
 
 
 STAGING_MODES = ("off", "on", "auto")
+MIN_AUTH_TOKEN_CHARS = 16  # shorter shared secrets are guessable offline from one captured frame
 
 
 def parse_layer_groups(value: str | int) -> int | str:
@@ -210,6 +211,10 @@ class DisaggregationConfig:
     # forward that layer-pipelined transfer overlaps with
     max_tick_s: float = 0.004
     idle_tick_s: float = 0.01  # worker sleep when nothing is in flight
+    # Shared secret of a PD deployment (transfer/auth.py): authenticates bootstrap registrations
+    # and look-ups and every control-plane frame. None: unauthenticated, and both bound to the
+    # data-plane address only. Not in repr: configs get logged.
+    auth_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.mode not in DISAGGREGATION_MODES:
@@ -235,6 +240,9 @@ class DisaggregationConfig:
             raise ConfigError(f"staging buffer must be one of {STAGING_MODES}, got {self.staging!r}")
         if not (type(self.staging_pool_mb) is int and self.staging_pool_mb >= 1):
             raise ConfigError(f"staging pool size must be a whole number of MB >= 1, got {self.staging_pool_mb!r}")
+        if self.auth_token is not None and len(self.auth_token) < MIN_AUTH_TOKEN_CHARS:
+            raise ConfigError(f"the disaggregation auth token needs at least {MIN_AUTH_TOKEN_CHARS} characters "
+                              "(a short secret is guessable offline from one captured message)")
 
     @property
     def enabled(self) -> bool:
@@ -247,6 +255,9 @@ class DisaggregationConfig:
     @property
     def staging_pool_nbytes(self) -> int:
         return self.staging_pool_mb << 20
+
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20  # an HTTP server's --max-request-body-bytes
 
 
 @dataclass(frozen=True)
@@ -263,6 +274,8 @@ class ServerConfig:
     device: str = "cpu"
     seed: int = 0
     log_level: str = "info"
+    # bodies over this many bytes are refused with 413 before they are read (kvpipe/body_limit.py)
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
@@ -270,6 +283,9 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.cpu_threads is not None and not (type(self.cpu_threads) is int and self.cpu_threads >= 1):
             raise ConfigError(f"cpu threads must be a whole number >= 1, got {self.cpu_threads!r}")
+        if not (type(self.max_request_body_bytes) is int and self.max_request_body_bytes >= 1):
+            raise ConfigError(f"the request body limit must be a whole number of bytes >= 1, "
+                              f"got {self.max_request_body_bytes!r}")
 
     def check_servable(self) -> None:
         """Refuse PD set-ups no server can run (a TP group cannot share the in-process local

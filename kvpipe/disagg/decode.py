@@ -24,7 +24,7 @@ from typing import Any
 from kvpipe.config import ServerConfig
 from kvpipe.disagg.base import PDConnector
 from kvpipe.disagg.commands import StartDecode
-from kvpipe.disagg.setup import TRANSFER_POLL_S, data_host
+from kvpipe.disagg.setup import TRANSFER_POLL_S, data_host, warn_if_unauthenticated
 from kvpipe.engine.connector import Admission, ConnectorContext, ConnectorEvent, KVArrived, TransferFinished
 from kvpipe.engine.request import FinishReason, Req
 from kvpipe.transfer.backends.base import TransferBackend
@@ -41,12 +41,16 @@ class DecodeConnector(PDConnector):
         super().__init__(cfg, backend)
         self.prefix_cache = cfg.disaggregation.decode_radix_cache
         self._transfers: dict[int, Req] = {}  # engine thread: room -> request whose KV is on its way
+        # engine thread: rooms whose KV was asked for (add_room) and whose request has not finished;
+        # an aborted request outside it never asked, and the prefill is told (abort_unrequested)
+        self._asked: set[int] = set()
         self._vocab_size = 0
         self.receiver: KVReceiver | None = None
 
     def start(self, ctx: ConnectorContext) -> None:
         d = self.cfg.disaggregation
         self._vocab_size = ctx.model_config.vocab_size
+        warn_if_unauthenticated(self.cfg)
         self._start_ranks(ctx.workers, StartDecode())
         self.receiver = KVReceiver(d, ranks=[DecodeRank(r.layout, r.data_address, r.staging) for r in self.ranks],
                                    model_name=self.cfg.model_name, host=data_host(self.cfg), on_news=ctx.wake).start()
@@ -75,6 +79,7 @@ class DecodeConnector(PDConnector):
                                [pages] * self.receiver.tp_size,
                                shared * self.cfg.cache.page_size)  # ValueError: nothing was asked for
         self._transfers[req.bootstrap_room] = req
+        self._asked.add(req.bootstrap_room)
 
     # ---- finish and transfer news --------------------------------------------------------------
     def on_finish(self, req: Req, reason: FinishReason, detail: str | int | None) -> bool:
@@ -83,6 +88,13 @@ class DecodeConnector(PDConnector):
             assert self.receiver is not None
             self.receiver.abort(room, "aborted on the decode (client disconnected or request aborted)")
             return True
+        asked = room in self._asked
+        self._asked.discard(room)  # type: ignore[arg-type]
+        if room is not None and not asked and reason is FinishReason.ABORT and req.bootstrap_host \
+                and self.receiver is not None:
+            # it never got pages here: the prefill may hold its KV, waiting for a request
+            self.receiver.abort_unrequested(room, req.bootstrap_host, req.bootstrap_port,
+                                            f"aborted on the decode before its KV was requested: {detail}")
         self._release_room(room)
         return False
 
@@ -95,6 +107,7 @@ class DecodeConnector(PDConnector):
                 continue
             self._release_room(room)
             if req.finished:  # aborted while the KV was on its way: its pages are safe now
+                self._asked.discard(room)
                 events.append(TransferFinished(req.rid, state is TransferState.SUCCESS, reason))
                 continue
             if state is TransferState.SUCCESS:
@@ -126,8 +139,14 @@ class DecodeConnector(PDConnector):
             "data_address": self.ranks[0].data_address if self.ranks else None,
             "active_rooms": len(self._transfers), "rooms_succeeded": st.rooms_succeeded,
             "rooms_failed": st.rooms_failed, "rejected_messages": st.rejected_messages,
+            "authenticated": self.cfg.disaggregation.auth_token is not None,
+            "auth_rejected": {"control": st.auth_rejected + self._staging_auth_rejected()},
             "bootstrap_fetches": st.bootstrap_fetches, **self._staging_stats(),
         }}
+
+    def _staging_auth_rejected(self) -> int:
+        agent = self.local_worker.staging_agent if self.local_worker is not None else None
+        return 0 if agent is None else agent.stats.auth_rejected
 
     def _staging_stats(self) -> dict[str, Any]:
         """Rank 0's staging ring (every rank runs its own; rank 0's is the one in this process)."""

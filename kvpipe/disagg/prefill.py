@@ -30,12 +30,13 @@ from kvpipe.disagg.commands import (AbortRooms, ChunkSend, FailRooms, PrefillSte
                                     StartPrefill)
 from kvpipe.disagg.layer_groups import LayerGroupPolicy
 from kvpipe.disagg.layer_pipeline import LayerPipeline
-from kvpipe.disagg.setup import TRANSFER_POLL_S
+from kvpipe.disagg.setup import TRANSFER_POLL_S, bootstrap_host, warn_if_unauthenticated
 from kvpipe.disagg.tally import RoomTally
 from kvpipe.engine.batch import ScheduledBatch
 from kvpipe.engine.connector import (Admission, ConnectorContext, ConnectorEvent, ForwardPlan, TransferFinished,
                                      WorkerGroup)
 from kvpipe.engine.request import FinishReason, Req
+from kvpipe.transfer.auth import authenticator
 from kvpipe.transfer.backends.base import TransferBackend
 from kvpipe.transfer.bootstrap import BootstrapServer
 from kvpipe.transfer.sender_book import SenderStats
@@ -44,7 +45,7 @@ from kvpipe.transfer.state import TransferState
 logger = logging.getLogger(__name__)
 
 SUMMED_STATS = ("rejected_messages", "batches_submitted", "batches_failed", "ops_submitted", "bytes_written",
-                "staged_chunks", "staged_bytes")
+                "staged_chunks", "staged_bytes", "auth_rejected")
 
 
 @dataclass
@@ -87,8 +88,9 @@ class PrefillConnector(PDConnector):
         d = self.cfg.disaggregation
         self._workers = ctx.workers
         self._tally = RoomTally(ctx.workers.tp_size)
-        self.bootstrap = BootstrapServer(self.cfg.host, d.bootstrap_port).start()
-        host = self.cfg.host
+        warn_if_unauthenticated(self.cfg)
+        host = bootstrap_host(self.cfg)
+        self.bootstrap = BootstrapServer(host, d.bootstrap_port, authenticator(d.auth_token)).start()
         reg_host = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
         start = StartPrefill(uuid.uuid4().hex[:12], (reg_host, self.bootstrap.port))
         self._start_ranks(ctx.workers, start)
@@ -284,6 +286,9 @@ class PrefillConnector(PDConnector):
                 "active_rooms": len(self._rooms), "rooms_succeeded": st.rooms_succeeded,
                 "rooms_failed": st.rooms_failed, "bytes_written": st.bytes_written,
                 "ops_submitted": st.ops_submitted, "rejected_messages": st.rejected_messages,
+                "authenticated": self.cfg.disaggregation.auth_token is not None,
+                "auth_rejected": {"control": st.auth_rejected,
+                                  "bootstrap": self.bootstrap.auth_rejected if self.bootstrap else 0},
                 "staging": self.cfg.disaggregation.staging, "staged_chunks": st.staged_chunks,
                 "staged_bytes": st.staged_bytes, "link_busy_s": st.busy_s, "link_busy_bytes": st.busy_bytes, "layer_groups": pipe.stats(),
             },

@@ -9,6 +9,7 @@ import socket
 
 from kvpipe.cache.kv_pool import KVPool
 from kvpipe.config import ParallelConfig, ServerConfig
+from kvpipe.transfer.auth import TOKEN_ENV
 from kvpipe.transfer.backends import FailureInjection, TransferBackend, create_backend
 from kvpipe.transfer.layout import KVLayout
 
@@ -34,6 +35,20 @@ def data_host(cfg: ServerConfig) -> str:
         logger.warning("--host is a wildcard: using %s for the KV data plane (set --disaggregation-host "
                        "to choose the interface)", host)
     return host
+
+
+def bootstrap_host(cfg: ServerConfig) -> str:
+    """Where a prefill's bootstrap server listens: --host when the deployment has an auth token;
+    without one only the data-plane address, so an unauthenticated registry (which hands out KV
+    buffer addresses and accepts registrations) is not on every interface."""
+    return cfg.host if cfg.disaggregation.auth_token is not None else data_host(cfg)
+
+
+def warn_if_unauthenticated(cfg: ServerConfig) -> None:
+    if cfg.disaggregation.auth_token is None:
+        logger.warning("PD without --disaggregation-auth-token (or $%s): bootstrap and control plane are "
+                       "unauthenticated and listen on the data-plane address %s only; set the same token on "
+                       "every prefill and decode server of the deployment", TOKEN_ENV, data_host(cfg))
 
 
 def make_backend(cfg: ServerConfig) -> TransferBackend:

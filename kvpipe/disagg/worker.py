@@ -29,6 +29,7 @@ from kvpipe.disagg.commands import (AbortRooms, ChunkSend, FailRooms, PrefillSte
                                     SendChunks, StartDecode, StartPrefill)
 from kvpipe.disagg.setup import data_host, make_backend, rank_layout, register_pool
 from kvpipe.engine.connector import KVConnectorWorker
+from kvpipe.transfer.auth import authenticator
 from kvpipe.transfer.backends.base import TransferBackend
 from kvpipe.transfer.sender import KVSender
 from kvpipe.transfer.staging import KVBytes, StagingAgent, StagingBuffer
@@ -93,7 +94,8 @@ class TransferWorker(KVConnectorWorker):
             self.staging_agent = StagingAgent(
                 self.layout, KVBytes.from_pool(self._pool), self.backend, d.staging_pool_nbytes,
                 host=data_host(self.cfg), session_id=f"{self.backend.address}/{self.rank}",
-                lease_s=2 * d.transfer_timeout_s, send_hwm=d.control_send_hwm).start()
+                lease_s=2 * d.transfer_timeout_s, send_hwm=d.control_send_hwm,
+                auth=authenticator(d.auth_token)).start()
         return RankStarted(self.rank, self.layout, self.backend.address, control,
                            None if self.staging_agent is None else self.staging_agent.info)
 

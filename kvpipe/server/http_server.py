@@ -13,9 +13,10 @@ import logging
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 import kvpipe
+from kvpipe.body_limit import BodyLimitMiddleware
 from kvpipe.config import ServerConfig
 from kvpipe.engine.cpu_threads import CpuThreads, apply_cpu_threads, server_cpu_threads, torch_threads
 from kvpipe.engine.request import SamplingParams
@@ -23,6 +24,8 @@ from kvpipe.server.async_engine import AsyncEngine, EngineLike
 from kvpipe.server.errors import APIError, install_error_handlers
 from kvpipe.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvpipe.server.openai_api import register_openai_routes
+from kvpipe.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from kvpipe.server.openapi_schema import BODY_ROUTE_RESPONSES, AbortRequest, install_body_schemas, json_body
 from kvpipe.server.protocol import GenerateInput, GenerateRequest, new_rid, split_generate_request
 from kvpipe.server.request_tracker import RequestOutput
 from kvpipe.server.state import ServerState
@@ -54,14 +57,20 @@ def generate_response(out: RequestOutput, inp: GenerateInput, batched: bool) -> 
 
 
 def register_native_routes(app: FastAPI, state: ServerState) -> None:
-    @app.get("/health")
+    # no body when healthy; `{"status": "loading" | "failed" | "timeout"}` with 503 otherwise
+    health_responses: dict[int | str, dict[str, Any]] = {
+        200: {"description": "ready", "content": None},
+        503: {"description": "loading or failed", "content": {"application/json": {"schema": {
+            "type": "object", "properties": {"status": {"type": "string"}}}}}}}
+
+    @app.get("/health", response_class=Response, responses=health_responses)
     async def health() -> Response:
         if not state.engine.ready:
             reason = "failed" if state.engine.fatal_error is not None else "loading"
             return JSONResponse({"status": reason}, status_code=503)
         return Response(status_code=200)
 
-    @app.get("/health_generate")
+    @app.get("/health_generate", response_class=Response, responses=health_responses)
     async def health_generate() -> Response:
         """Health with a real one-token generation through the engine."""
         if state.disaggregation_mode != "null":  # a PD server cannot generate alone
@@ -102,11 +111,11 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
     for path in ("/model_info", "/get_model_info"):
         app.add_api_route(path, model_info, methods=["GET"])
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.post("/abort_request")
+    @app.post("/abort_request", openapi_extra=json_body(AbortRequest), responses=BODY_ROUTE_RESPONSES)
     async def abort_request(request: Request) -> dict[str, Any]:
         body = await read_json(request)
         if not isinstance(body, dict):
@@ -120,7 +129,7 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
             raise APIError("rid is required (or abort_all: true)", param="rid")
         return {"aborted": int(state.engine.abort(rid))}
 
-    @app.post("/generate")
+    @app.post("/generate", openapi_extra=json_body(GenerateRequest), responses=BODY_ROUTE_RESPONSES)
     async def generate(request: Request) -> Response:
         req = GenerateRequest.model_validate(await read_json(request))
         specs, batched = split_generate_request(req)
@@ -172,10 +181,18 @@ def create_app(cfg: ServerConfig, engine_factory: Callable[[], EngineLike] | Non
 
     app = FastAPI(title="kvpipe", version=kvpipe.__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.kvpipe = state
+    app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_request_body_bytes, knob="--max-request-body-bytes")
     install_error_handlers(app)
     register_native_routes(app, state)
     register_openai_routes(app, state)
+    install_body_schemas(app, [GenerateRequest, AbortRequest, CompletionRequest, ChatCompletionRequest])
     return app
+
+
+def _drop_router_probe_noise(record: logging.LogRecord) -> bool:
+    """sglang-router probes each worker with an HTTP/2 preface, which h11 refuses and uvicorn logs
+    as a warning every time: noise, not a fault of ours or of a client (shown with debug logs)."""
+    return record.getMessage() != "Invalid HTTP request received."
 
 
 def run_server(cfg: ServerConfig, engine_factory: Callable[[], EngineLike] | None = None,
@@ -201,6 +218,8 @@ def run_server(cfg: ServerConfig, engine_factory: Callable[[], EngineLike] | Non
                             timeout_keep_alive=30, access_log=cfg.log_level == "debug",
                             # on SIGTERM, streams still running after this long are cut (and aborted)
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    if cfg.log_level != "debug":  # after uvicorn.Config: it (re)configures its loggers
+        logging.getLogger("uvicorn.error").addFilter(_drop_router_probe_noise)
     server = uvicorn.Server(config)
     holder["server"] = server
     server.run()

@@ -47,6 +47,13 @@ class _EngineStatsCollector(Collector):
         if isinstance(pd, dict) and isinstance(pd.get("bytes_written"), int):
             yield CounterMetricFamily("kvpipe_kv_transfer_bytes", "KV bytes this prefill wrote to decode servers",
                                       value=float(pd["bytes_written"]))
+        if isinstance(pd, dict) and isinstance(pd.get("auth_rejected"), dict):
+            c = CounterMetricFamily("kvpipe_pd_auth_rejected", "Bootstrap calls and control-plane frames rejected "
+                                    "for a missing or wrong auth tag, a stale timestamp or a replay",
+                                    labels=["plane"])
+            for plane, n in sorted(pd["auth_rejected"].items()):
+                c.add_metric([plane], float(n))
+            yield c
         by_groups = stats.get("layer_group_batches")
         if isinstance(by_groups, dict):
             c = CounterMetricFamily("kvpipe_prefill_batches_by_layer_groups",

@@ -14,6 +14,7 @@ from kvpipe.engine.request import FinishReason
 from kvpipe.server.errors import APIError
 from kvpipe.server.openai_protocol import (DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest,
                                            _OpenAIBase)
+from kvpipe.server.openapi_schema import BODY_ROUTE_RESPONSES, json_body
 from kvpipe.server.protocol import GenerateInput, new_rid, text_options, to_sampling_params
 from kvpipe.server.request_tracker import RequestOutput
 from kvpipe.server.state import ServerState
@@ -152,7 +153,7 @@ def register_openai_routes(app: FastAPI, state: ServerState) -> None:
             "id": state.cfg.model_name, "object": "model", "created": 0, "owned_by": "kvpipe",
             "root": state.cfg.model_name, "max_model_len": state.advertised_context_length()}]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=json_body(CompletionRequest), responses=BODY_ROUTE_RESPONSES)
     async def completions(request: Request) -> Response:
         req = CompletionRequest.model_validate(await read_json(request))
         req.check_supported()
@@ -170,7 +171,7 @@ def register_openai_routes(app: FastAPI, state: ServerState) -> None:
         return await _respond(request, state, req, inputs,
                               _Responder(state, "completion", rid, req.logprobs is not None))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest), responses=BODY_ROUTE_RESPONSES)
     async def chat_completions(request: Request) -> Response:
         req = ChatCompletionRequest.model_validate(await read_json(request))
         req.check_supported()

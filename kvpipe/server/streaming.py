@@ -38,6 +38,8 @@ async def read_json(request: Request) -> Any:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(f"malformed JSON body: {e}") from e
+    except RecursionError:  # "[[[[..." a few thousand deep: json recurses per level
+        raise APIError("malformed JSON body: nested too deeply") from None
 
 
 class ClientDisconnected(Exception):

@@ -16,10 +16,16 @@ instance id that changes when the prefill restarts); a decode GETs all ranks (or
 HTTP API: `PUT /v1/prefill/ranks/{rank}` (JSON PrefillRankInfo), `GET /v1/prefill/ranks`
 (503 until all tp_size ranks of the current instance registered), `GET /v1/prefill/ranks/{rank}`,
 `GET /health`. A registration with a new instance id replaces the previous instance's ranks.
+
+With an `Authenticator` (auth.py, the deployment's shared token) every call but /health must
+carry a valid `X-Kvpipe-Auth` tag over its method, path and body: registrations (which would let
+anyone point decodes at their own control endpoint) and look-ups (which hand out KV buffer
+addresses) alike. A call without one gets 401 and is counted (`auth_rejected`).
 """
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -28,13 +34,21 @@ from typing import Any
 
 import httpx
 import uvicorn
-from fastapi import FastAPI, HTTPException
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 
+from kvpipe.body_limit import BodyLimitMiddleware
+from kvpipe.transfer.auth import HTTP_HEADER, Authenticator, AuthError
 from kvpipe.transfer.layout import KVLayout
 from kvpipe.transfer.tp_mapping import kv_head_range, transfer_slices
 
 
 DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's convention; the router sends null for "default"
+# A registration is a few KB (two addresses per layer); anything near this is garbage or an attack.
+MAX_BODY_BYTES = 1 << 20
+# What a field of hostile JSON can make int()/KVLayout raise: 1e400 parses as inf, int(inf) overflows.
+_MALFORMED = (KeyError, TypeError, ValueError, OverflowError)
 
 
 class BootstrapError(RuntimeError):
@@ -79,7 +93,7 @@ class PrefillRankInfo:
             return cls(rank=int(d["rank"]), tp_size=int(d["tp_size"]), layout=layout_from_dict(d["layout"]),
                        data_address=str(d["data_address"]), control_address=str(d["control_address"]),
                        model_name=str(d["model_name"]), instance_id=str(d["instance_id"]))
-        except (KeyError, TypeError, ValueError) as e:
+        except _MALFORMED as e:
             raise BootstrapError(f"malformed prefill rank info: {e!r}") from e
 
 
@@ -95,7 +109,7 @@ class PrefillInstanceInfo:
         try:
             ranks = tuple(sorted((PrefillRankInfo.from_dict(r) for r in d["ranks"]), key=lambda r: r.rank))
             inst = cls(str(d["instance_id"]), int(d["tp_size"]), str(d["model_name"]), ranks)
-        except (KeyError, TypeError, ValueError) as e:
+        except _MALFORMED as e:
             raise BootstrapError(f"malformed prefill instance info: {e!r}") from e
         if [r.rank for r in ranks] != list(range(inst.tp_size)):
             raise BootstrapError(f"prefill instance {inst.instance_id}: ranks {[r.rank for r in ranks]} "
@@ -142,8 +156,13 @@ class _Registry:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self.auth_rejected = 0  # calls without a valid tag (with an Authenticator)
         self._instance: str | None = None
         self._ranks: dict[int, PrefillRankInfo] = {}
+
+    def reject(self) -> None:
+        with self._lock:
+            self.auth_rejected += 1
 
     def put(self, rank: int, info: PrefillRankInfo) -> None:
         if info.rank != rank or not 0 <= rank < info.tp_size:
@@ -179,8 +198,28 @@ class _Registry:
         return info.to_dict()
 
 
-def _app(registry: _Registry) -> FastAPI:
-    app = FastAPI(title="kvpipe bootstrap", docs_url=None, redoc_url=None, openapi_url=None)
+def _app(registry: _Registry, auth: Authenticator | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    async def authenticated(request: Request) -> None:
+        if auth is None or request.url.path == "/health":
+            return
+        body = await request.body()  # cached on the request: the route's body parsing reads it again
+        try:
+            auth.verify_http(request.method, request.url.path, body, request.headers.get(HTTP_HEADER))
+        except AuthError as e:
+            registry.reject()
+            raise HTTPException(401, f"bootstrap call rejected: {e}") from None
+
+    app = FastAPI(title="kvpipe bootstrap", docs_url=None, redoc_url=None, openapi_url=None,
+                  dependencies=[Depends(authenticated)])
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's default echoes the input, and a body of `Infinity` cannot be written back as
+        # JSON (the answer became a 500): say where and what, never the input
+        where = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()))}: {e.get('msg', 'invalid')}"
+                          for e in exc.errors())
+        return JSONResponse({"detail": where or "invalid request"}, status_code=422)
 
     @app.put("/v1/prefill/ranks/{rank}")
     def put_rank(rank: int, body: dict[str, Any]) -> dict[str, str]:
@@ -209,14 +248,15 @@ def _app(registry: _Registry) -> FastAPI:
 class BootstrapServer:
     """uvicorn serving the registry from a daemon thread; port 0 picks a free port."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, auth: Authenticator | None = None) -> None:
         self.host = host
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))  # bound now, so `port` is known before start()
         self.port: int = self._sock.getsockname()[1]
-        cfg = uvicorn.Config(_app(_Registry()), log_level="warning", lifespan="off", access_log=False)
+        self._registry = _Registry()
+        cfg = uvicorn.Config(_app(self._registry, auth), log_level="warning", lifespan="off", access_log=False)
         self._server = uvicorn.Server(cfg)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                         name=f"bootstrap-{self.port}", daemon=True)
@@ -224,6 +264,10 @@ class BootstrapServer:
     @property
     def url(self) -> str:
         return _base_url(self.host, self.port)
+
+    @property
+    def auth_rejected(self) -> int:
+        return self._registry.auth_rejected
 
     def start(self, timeout_s: float = 10.0) -> "BootstrapServer":
         self._thread.start()
@@ -252,10 +296,16 @@ def _base_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def _request(method: str, url: str, timeout_s: float, body: dict[str, Any] | None = None) -> Any:
+def _request(method: str, base: str, path: str, timeout_s: float, body: dict[str, Any] | None = None,
+             auth: Authenticator | None = None) -> Any:
+    url = base + path
+    content = b"" if body is None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"} if body is not None else {}
+    if auth is not None:
+        headers[HTTP_HEADER] = auth.sign_http(method, path, content)
     try:
         with httpx.Client(timeout=timeout_s, trust_env=False) as client:
-            resp = client.request(method, url, json=body)
+            resp = client.request(method, url, content=content, headers=headers)
     except httpx.TimeoutException as e:
         raise BootstrapUnreachable(f"bootstrap server {url}: no answer within {timeout_s}s") from e
     except httpx.HTTPError as e:
@@ -272,31 +322,38 @@ def _request(method: str, url: str, timeout_s: float, body: dict[str, Any] | Non
 
 def _detail(resp: httpx.Response) -> str:
     try:
-        return str(resp.json().get("detail", resp.text))
+        body = resp.json()
     except ValueError:
         return resp.text[:200]
+    return str(body.get("detail", resp.text)) if isinstance(body, dict) else resp.text[:200]
 
 
-def register_prefill_rank(host: str, port: int, info: PrefillRankInfo, timeout_s: float = 2.0) -> None:
-    _request("PUT", f"{_base_url(host, port)}/v1/prefill/ranks/{info.rank}", timeout_s, info.to_dict())
+def register_prefill_rank(host: str, port: int, info: PrefillRankInfo, timeout_s: float = 2.0,
+                          auth: Authenticator | None = None) -> None:
+    _request("PUT", _base_url(host, port), f"/v1/prefill/ranks/{info.rank}", timeout_s, info.to_dict(), auth)
 
 
-def fetch_prefill_info(host: str, port: int, timeout_s: float = 2.0) -> PrefillInstanceInfo:
-    return PrefillInstanceInfo.from_dict(_request("GET", f"{_base_url(host, port)}/v1/prefill/ranks", timeout_s))
+def fetch_prefill_info(host: str, port: int, timeout_s: float = 2.0,
+                       auth: Authenticator | None = None) -> PrefillInstanceInfo:
+    return PrefillInstanceInfo.from_dict(_request("GET", _base_url(host, port), "/v1/prefill/ranks", timeout_s,
+                                                  auth=auth))
 
 
-def fetch_prefill_rank(host: str, port: int, rank: int, timeout_s: float = 2.0) -> PrefillRankInfo:
-    return PrefillRankInfo.from_dict(_request("GET", f"{_base_url(host, port)}/v1/prefill/ranks/{rank}", timeout_s))
+def fetch_prefill_rank(host: str, port: int, rank: int, timeout_s: float = 2.0,
+                       auth: Authenticator | None = None) -> PrefillRankInfo:
+    return PrefillRankInfo.from_dict(_request("GET", _base_url(host, port), f"/v1/prefill/ranks/{rank}", timeout_s,
+                                              auth=auth))
 
 
 def wait_prefill_info(host: str, port: int, timeout_s: float, http_timeout_s: float = 2.0,
-                      retry_s: float = 0.05, stop: threading.Event | None = None) -> PrefillInstanceInfo:
+                      retry_s: float = 0.05, stop: threading.Event | None = None,
+                      auth: Authenticator | None = None) -> PrefillInstanceInfo:
     """fetch_prefill_info, retrying unreachable / not-ready servers until `timeout_s` passed
     (or `stop` is set: then the last error is raised)."""
     end = time.monotonic() + timeout_s
     while True:
         try:
-            return fetch_prefill_info(host, port, min(http_timeout_s, max(0.05, end - time.monotonic())))
+            return fetch_prefill_info(host, port, min(http_timeout_s, max(0.05, end - time.monotonic())), auth)
         except (BootstrapUnreachable, BootstrapNotReady):
             # Unreachable and not-ready servers may heal (prefill starting); other errors will not.
             if time.monotonic() + retry_s >= end or (stop is not None and stop.is_set()):

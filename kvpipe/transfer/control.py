@@ -11,6 +11,10 @@ thread. A frame that does not decode is logged and dropped (`stats.malformed`); 
 the handler is logged (`stats.handler_errors`); neither stops the endpoint. PUSH sockets use
 linger 0 and NOBLOCK sends, so a dead or slow peer fills at most `send_hwm` messages and then
 sends to it fail fast instead of blocking a server loop. `send` is thread-safe.
+
+With an `Authenticator` (auth.py) every frame is sealed for the destination address and every
+received frame must carry a valid tag for this endpoint's address, a fresh timestamp and an unseen
+nonce; a frame that fails is dropped before it is decoded (`stats.auth_rejected`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any, Callable
 import zmq
 
 from kvpipe.transfer import messages
+from kvpipe.transfer.auth import Authenticator, AuthError
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +39,7 @@ class EndpointStats:
     handler_errors: int = 0  # decoded messages whose handler raised
     sent: int = 0
     send_dropped: int = 0  # peer queue full, peer unreachable or endpoint closed
+    auth_rejected: int = 0  # frames without a valid tag, stale or replayed (with an Authenticator)
 
 
 def _tcp(host: str) -> str:
@@ -42,8 +48,9 @@ def _tcp(host: str) -> str:
 
 class ControlEndpoint:
     def __init__(self, host: str, handler: Callable[[Any], None], *, name: str = "control",
-                 send_hwm: int = 10000, poll_ms: int = 20) -> None:
+                 send_hwm: int = 10000, poll_ms: int = 20, auth: Authenticator | None = None) -> None:
         self.name = name
+        self._auth = auth
         self.stats = EndpointStats()
         self._handler = handler
         self._send_hwm = send_hwm
@@ -69,6 +76,8 @@ class ControlEndpoint:
     def send(self, addr: str, msg: Any) -> bool:
         """Queue `msg` to the peer at `addr` without blocking. Returns False if it was dropped."""
         data = messages.encode(msg)
+        if self._auth is not None:
+            data = self._auth.seal(data, addr.encode())
         with self._lock:
             if self._closed:
                 self.stats.send_dropped += 1
@@ -118,6 +127,16 @@ class ControlEndpoint:
                 log.error("%s: receive failed: %s", self.name, e)
                 continue
             self.stats.received += 1
+            if self._auth is not None:
+                try:
+                    frame = self._auth.open(frame, self.address.encode())
+                except AuthError as e:
+                    self.stats.auth_rejected += 1
+                    # the first few in full, then every 1000th: a flood must not flood the log
+                    if self.stats.auth_rejected <= 10 or self.stats.auth_rejected % 1000 == 0:
+                        log.warning("%s: rejected control frame (%d bytes, %d rejected so far): %s",
+                                    self.name, len(frame), self.stats.auth_rejected, e)
+                    continue
             try:
                 msg = messages.decode(frame)
             except Exception as e:  # ProtocolError, or anything a hostile frame provokes

@@ -22,6 +22,7 @@ heartbeats every idle_tick_s. Control messages leave through the endpoint, never
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 import threading
 import time
 import uuid
@@ -33,6 +34,7 @@ import numpy as np
 from kvpipe.config import DisaggregationConfig
 from kvpipe.transfer.bootstrap import (DEFAULT_BOOTSTRAP_PORT, BootstrapNotReady, BootstrapUnreachable, DecodeInfo,
                                        PrefillInstanceInfo, check_compatible, fetch_prefill_info)
+from kvpipe.transfer.auth import authenticator
 from kvpipe.transfer.control import ControlEndpoint
 from kvpipe.transfer.layout import DecodeRank
 from kvpipe.transfer.messages import AuxData
@@ -42,6 +44,10 @@ from kvpipe.transfer.state import Clock, TransferState
 __all__ = ["DecodeRank", "KVReceiver", "ReceiverStats"]  # DecodeRank, ReceiverStats: imported from here too
 
 log = logging.getLogger(__name__)
+
+
+def _address(bootstrap_host: str, bootstrap_port: int | None) -> tuple[str, int]:
+    return bootstrap_host, DEFAULT_BOOTSTRAP_PORT if bootstrap_port is None else int(bootstrap_port)
 
 
 class KVReceiver:
@@ -60,7 +66,9 @@ class KVReceiver:
         self._on_news = on_news
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._endpoint = ControlEndpoint(host, self._on_message, name="kvreceiver", send_hwm=cfg.control_send_hwm)
+        self._auth = authenticator(cfg.auth_token)  # control frames and bootstrap look-ups
+        self._endpoint = ControlEndpoint(host, self._on_message, name="kvreceiver", send_hwm=cfg.control_send_hwm,
+                                         auth=self._auth)
         self._book = ReceiverBook(cfg, self.ranks, self.instance_id, self._endpoint.address, self._endpoint.send)
         self.sessions = self._book.sessions  # per decode rank: its session id on the wire
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvreceiver-bootstrap")
@@ -68,7 +76,7 @@ class KVReceiver:
 
     @property
     def stats(self) -> ReceiverStats:
-        return self._book.stats
+        return replace(self._book.stats, auth_rejected=self._endpoint.stats.auth_rejected)
 
     @property
     def control_address(self) -> str:
@@ -98,7 +106,7 @@ class KVReceiver:
         prefix_len: leading tokens this decode already holds (page aligned). Non-blocking.
         Raises DuplicateRoomError if the room is active already (reject that request only)."""
         pages = self._book.check_pages(room, dst_pages, prefix_len)
-        addr = (bootstrap_host, DEFAULT_BOOTSTRAP_PORT if bootstrap_port is None else int(bootstrap_port))
+        addr = _address(bootstrap_host, bootstrap_port)
         with self._lock:
             fetch = self._book.add_room(room, addr, pages, prefix_len, aux_slot, self._clock())
             if fetch is not None:
@@ -108,6 +116,14 @@ class KVReceiver:
         """Fail the room; poll() reports it once no write from the prefill can still land."""
         with self._lock:
             self._book.abort(room, reason, self._clock())
+
+    def abort_unrequested(self, room: int, bootstrap_host: str, bootstrap_port: int | None,
+                          reason: str = "aborted by decode") -> bool:
+        """A request this decode never opened a room for (it waited for pages) is gone: tell the
+        prefill, if this decode knows it, so the prefill frees the request's KV now instead of
+        holding it until its bootstrap timeout. True when the prefill ranks were told."""
+        with self._lock:
+            return self._book.abort_unrequested(room, _address(bootstrap_host, bootstrap_port), reason)
 
     def poll(self) -> list[tuple[int, TransferState, str, AuxData | None]]:
         """Rooms that finished and whose pages are safe to reuse (each reported once)."""
@@ -132,7 +148,7 @@ class KVReceiver:
         end = time.monotonic() + self.cfg.bootstrap_timeout_s
         while not self._stop.is_set():
             try:
-                info = fetch_prefill_info(*addr, self.cfg.http_timeout_s)
+                info = fetch_prefill_info(*addr, self.cfg.http_timeout_s, self._auth)
                 check_compatible(info, self.decode_info)
                 break
             except (BootstrapUnreachable, BootstrapNotReady) as e:

@@ -54,6 +54,7 @@ class ReceiverStats:
     registrations: int = 0  # RegisterPeer messages sent
     rooms_succeeded: int = 0
     rooms_failed: int = 0
+    auth_rejected: int = 0  # control frames the endpoint dropped (no valid tag, stale, replayed)
 
 
 @dataclass
@@ -129,6 +130,15 @@ class ReceiverBook:
         if r is not None:
             r.rec.fail(reason, now)
             self._settle(r, now)
+
+    def abort_unrequested(self, room: int, prefill: Address, reason: str) -> bool:
+        """A request that never got a room here is gone: Abort to the prefill's paired ranks if
+        that prefill is known (it frees the room's KV at once), else nothing to tell (its bootstrap
+        timeout frees it)."""
+        peer = self.prefills.get(prefill)
+        if room in self.rooms or peer is None:
+            return False
+        return self._to_pairs(peer.info, lambda rank: Abort(room, self.sessions[rank], Side.DECODE, reason))
 
     def poll(self, now: float) -> list[tuple[int, TransferState, str, AuxData | None]]:
         """Rooms that finished and whose pages are safe to reuse (each reported once)."""

@@ -31,6 +31,7 @@ bootstrap info to match heartbeats).
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 import threading
 import time
 import uuid
@@ -39,6 +40,7 @@ from typing import Callable
 import numpy as np
 
 from kvpipe.transfer.backends.base import BatchHandle, BatchState, TransferBackend, TransferError
+from kvpipe.transfer.auth import authenticator
 from kvpipe.transfer.bootstrap import BootstrapError, PrefillRankInfo, register_prefill_rank
 from kvpipe.config import DisaggregationConfig
 from kvpipe.transfer.control import ControlEndpoint
@@ -70,8 +72,9 @@ class KVSender:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._auth = authenticator(cfg.auth_token)  # control frames and the bootstrap registration
         self._endpoint = ControlEndpoint(host, self._on_message, name=f"kvsender-{tp_rank}",
-                                         send_hwm=cfg.control_send_hwm)
+                                         send_hwm=cfg.control_send_hwm, auth=self._auth)
         self._stager = staging if cfg.staging != "off" else None
         policy = None if self._stager is None else StagingPolicy(cfg.staging, self._stager.nbytes // 4,
                                                                  self._stager.nbytes)
@@ -82,7 +85,7 @@ class KVSender:
 
     @property
     def stats(self) -> SenderStats:
-        return self._book.stats
+        return replace(self._book.stats, auth_rejected=self._endpoint.stats.auth_rejected)
 
     @property
     def control_address(self) -> str:
@@ -101,7 +104,7 @@ class KVSender:
             end = time.monotonic() + self.cfg.bootstrap_timeout_s
             while True:  # the bootstrap server may still be starting
                 try:
-                    register_prefill_rank(*bootstrap, self.info, self.cfg.http_timeout_s)
+                    register_prefill_rank(*bootstrap, self.info, self.cfg.http_timeout_s, self._auth)
                     break
                 except BootstrapError:
                     if time.monotonic() >= end:

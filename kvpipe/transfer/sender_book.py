@@ -60,6 +60,7 @@ class SenderStats:
     busy_bytes: int = 0
     staged_chunks: int = 0  # staged chunks the decode scattered
     staged_bytes: int = 0
+    auth_rejected: int = 0  # control frames the rank's endpoint dropped (no valid tag, stale, replayed)
 
 
 @dataclass(frozen=True)
@@ -252,8 +253,15 @@ class SenderBook:
             r.rec.fail(f"aborted by decode: {msg.reason}", now)
             return
         addr = self.peers.reply_address(session)
-        if r is not None or addr is None:
+        if addr is None or (r is not None and r.dests):  # a stranger, or a room bound to other sessions
             return self._reject(f"Abort for room {room} from {session}, which is not bound to it")
+        if r is not None:
+            # The decode gave up before it asked for the room (it waited for pages): fail it now
+            # rather than hold its KV until the bootstrap timeout; nothing was written.
+            r.rec.fail(f"aborted by decode before its request: {msg.reason}", now)
+            self._status(addr, room, session, False, f"prefill rank {self.tp_rank} never wrote room {room}")
+            r.notified.add(session)
+            return
         # Never saw this room from this session: nothing was written; say so, and remember it so
         # that a late add_room fails at once instead of waiting for a request that never comes.
         self._status(addr, room, session, False, f"prefill rank {self.tp_rank} never wrote room {room}")
@@ -416,6 +424,7 @@ class SenderBook:
             assert staging is not None
             ch.state, ch.since, ch.offset = ChunkState.GRANTED, now, msg.offset
             if msg.offset + ch.nbytes > staging.pool_nbytes:
+                self._reject(f"staging grant for chunk {msg.chunk} at {msg.offset} overruns the decode's ring")
                 r.rec.fail(f"staging slot at {msg.offset} for {ch.nbytes} bytes overruns the decode's "
                            f"{staging.pool_nbytes}-byte ring", now)
                 self._release(r, ch)

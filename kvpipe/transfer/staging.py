@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import replace
 import threading
 import time
 from typing import Sequence
@@ -32,6 +33,7 @@ import numpy as np
 import torch
 
 from kvpipe.transfer.backends.base import TransferBackend
+from kvpipe.transfer.auth import Authenticator
 from kvpipe.transfer.control import ControlEndpoint
 from kvpipe.transfer.layout import KVLayout
 from kvpipe.transfer.messages import StagingChunkWritten, StagingInfo, StagingSlotRequest
@@ -130,13 +132,14 @@ class StagingAgent:
     thread, in arrival order; a second thread expires leases."""
 
     def __init__(self, layout: KVLayout, kv: KVBytes, backend: TransferBackend, nbytes: int, *, host: str,
-                 session_id: str, lease_s: float, send_hwm: int = 10000) -> None:
+                 session_id: str, lease_s: float, send_hwm: int = 10000, auth: Authenticator | None = None) -> None:
         self.kv = kv
         self.ring = registered_buffer(backend, nbytes, kv.device)
         self._book = StagingBook(layout, nbytes, session_id, lease_s)
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._endpoint = ControlEndpoint(host, self._on_message, name=f"staging-{session_id}", send_hwm=send_hwm)
+        self._endpoint = ControlEndpoint(host, self._on_message, name=f"staging-{session_id}", send_hwm=send_hwm,
+                                         auth=auth)
         self._thread = threading.Thread(target=self._run, name=f"staging-{session_id}", daemon=True)
         self._tick_s = min(1.0, lease_s / 4)
 
@@ -146,7 +149,7 @@ class StagingAgent:
 
     @property
     def stats(self) -> StagingStats:
-        return self._book.stats
+        return replace(self._book.stats, auth_rejected=self._endpoint.stats.auth_rejected)
 
     def usage(self) -> tuple[int, int, int]:
         """(live slots, bytes held back by the watermark, requests waiting) right now."""

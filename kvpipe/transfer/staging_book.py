@@ -63,6 +63,7 @@ class StagingStats:
     refused: int = 0  # oversized or duplicate requests
     rejected: int = 0  # announcements that failed validation or named no live slot
     waited: int = 0  # requests that found the ring full and queued
+    auth_rejected: int = 0  # control frames the agent's endpoint dropped (no valid tag, stale, replayed)
 
 
 class StagingBook:

@@ -337,3 +337,28 @@ def test_first_token_leaves_before_the_next_decode_forward(tiny_model_dir, refer
             pair.decode.step()
         assert d.output_ids == reference(ids)
         pair.settle()
+
+
+def test_a_decode_abort_before_the_request_frees_the_prefill_at_once(tiny_model_dir):
+    """A request still waiting for decode pages when it is aborted never asked for its KV: the
+    decode tells the prefill, which frees the computed KV now instead of at its bootstrap timeout."""
+    with make_pair(tiny_model_dir, d_pages=12) as pair:
+        a = pair.reqs(prompts(3, [100])[0], replace(GREEDY, max_new_tokens=60))  # 10 of the 12 decode pages
+        b = pair.reqs(prompts(4, [40])[0])  # 3 pages: waits for a
+        pair.run([a], until=lambda: len(a[1].output_ids) > 1)
+        pair.run([b], until=lambda: b[0].prefill_done and len(a[1].output_ids) > 4)
+        assert not b[1].finished and pair.receiver.room_state(b[1].bootstrap_room) is None  # never asked
+        assert pair.decode.stats()["num_waiting"] == 1, pair.decode.stats()
+        pair.decode.abort(b[1].rid)
+        outs: list[TokenOutput] = []
+        end = time.monotonic() + 30  # (without the decode's word it times out at 20 s, with another reason)
+        while not any(o.rid == b[0].rid for o in outs):
+            assert time.monotonic() < end, "the prefill kept the request the decode gave up on"
+            outs += pair.prefill.step()
+            pair.decode.step()
+        [final] = [o for o in outs if o.rid == b[0].rid]
+        assert b[1].finish_reason is FinishReason.ABORT and final.finish_reason is FinishReason.ABORT
+        assert "aborted by decode before its request" in str(final.finish_detail), final
+        assert pair.prefill.stats()["disaggregation"]["active_rooms"] == 0
+        pair.decode.abort(a[1].rid)
+        pair.settle()

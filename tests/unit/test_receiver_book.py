@@ -339,3 +339,14 @@ def test_a_fetch_requests_only_the_rooms_that_still_wait_for_it():
     d.book.on_fetched(ADDR, prefill(), None, 0.5)
     assert [msg.room for _, msg in d.take(m.TransferRequest)] == [6]  # once; room 5 waits for "other"
     assert d.book.room_state(5) is T.BOOTSTRAPPING
+
+
+def test_a_request_that_never_asked_is_aborted_on_every_paired_prefill_rank():
+    d = Decode()
+    assert not d.book.abort_unrequested(9, ADDR, "gone")  # prefill unknown: nothing to tell
+    d.connected(1, prefill(tp=2))
+    d.take()
+    assert d.book.abort_unrequested(9, ADDR, "waited too long for pages")
+    assert sorted(d.take()) == [(f"tcp://p0-{p}", m.Abort(9, "d/0", m.Side.DECODE, "waited too long for pages"))
+                                for p in (0, 1)]
+    assert not d.book.abort_unrequested(1, ADDR, "has a room: abort() is for it") and d.take() == []

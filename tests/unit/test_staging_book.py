@@ -302,3 +302,16 @@ def test_a_refused_grant_fails_the_room_with_the_agents_reason():
     [(room, state, reason)] = s.book.poll(1.6)
     assert (room, state) == (ROOM, T.FAILED) and "refused a staging slot" in reason and why in reason
     assert s.book.local_ring.num_live == 0
+
+
+def test_a_grant_past_the_decodes_ring_is_rejected_and_fails_the_room():
+    s = Staged()
+    c0, _ = s.gather(1.0)
+    s.take(m.StagingSlotRequest)
+    s.book.on_message(m.StagingSlotGrant(ROOM, c0.chunk, "d/0", True, 4096 - 512, ""), 1.5)  # 1024 bytes at 3584
+    assert s.book.stats.rejected_messages == 1
+    s.book.take_work(1.6)
+    assert s.take(m.TransferStatus)[0][1].state is m.WireState.FAILED
+    [(room, state, reason)] = s.book.poll(1.6)
+    assert (room, state) == (ROOM, T.FAILED) and "overruns the decode's 4096-byte ring" in reason
+    assert s.book.local_ring.num_live == 0

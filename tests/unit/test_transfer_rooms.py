@@ -272,3 +272,23 @@ def test_book_stalled_writes_fail_the_room_and_are_abandoned_later():
     assert b.book.poll(20.0) == []  # still pending: pages stay reserved
     b.book.record([], [(r, inf, BatchState.PENDING) for r, inf in watch], 20.01)  # 2 * timeout: abandoned
     assert b.book.poll(20.01)[0][1] is T.FAILED and b.book.inflight_ops == 0
+
+
+def test_book_abort_before_the_request_fails_the_room_at_once():
+    """The decode gave up on a request before asking for its KV (it waited for pages): the
+    prefill frees the room now instead of at its bootstrap timeout, and tells it nothing was written."""
+    b = Book()
+    b.book.add_room(3, np.arange(6), 0.0)
+    b.book.add_call(3, SendCall(0, 22, 0, L, True), (5, -0.5))  # computed, waiting for the request
+    b.book.on_message(m.Abort(3, "d/0", m.Side.DECODE, "client gone"), 1.0)
+    b.tick(1.0)
+    assert b.book.poll(1.0) == [(3, T.FAILED, "aborted by decode before its request: client gone")]
+    [st] = b.statuses()
+    assert st.state is m.WireState.FAILED and "never wrote room 3" in st.reason
+    assert b.book.stats.rejected_messages == 0
+    # a room another session asked for is not theirs to abort
+    b.book.on_message(m.RegisterPeer("e/0", 0, 1, "data-e", "tcp://e", DST), 2.0)
+    b.book.add_room(4, np.arange(6), 2.0)
+    b.book.on_message(m.TransferRequest(4, "d/0", tuple(range(6)), 0, 0), 2.0)
+    b.book.on_message(m.Abort(4, "e/0", m.Side.DECODE, "not yours"), 2.1)
+    assert b.book.rooms[4].rec.state is T.WAITING_FOR_INPUT and b.book.stats.rejected_messages == 1
