@@ -33,6 +33,7 @@ import random
 import signal
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -421,15 +422,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inflight-deadline", type=float, default=d.inflight_deadline_s,
                    help="seconds within which a request in flight at a kill must end")
     p.add_argument("--model-path", default=None, help="HF checkpoint directory (default: the built-in tiny model)")
-    p.add_argument("--log-dir", default=None, help="server logs (default: discarded)")
+    p.add_argument("--log-dir", default=None, help="server logs (default: a new temporary directory, printed)")
     p.add_argument("--out", default=None, help="write the JSON summary here")
     p.add_argument("--json", action="store_true", help="print the JSON summary instead of the table")
 
 
 def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix="kvpipe-chaos-")  # not the terminal: the table goes there
+    print(f"server logs: {log_dir}", file=sys.stderr, flush=True)
     cfg = ChaosConfig(rounds=args.rounds, seed=args.seed, clients=args.clients, tp_side=args.tp_side,
                       tp_rounds=args.tp_rounds, inflight_deadline_s=args.inflight_deadline,
-                      model_path=args.model_path, log_dir=args.log_dir)
+                      model_path=args.model_path, log_dir=log_dir)
     plan = plan_rounds(cfg)
     campaign = Campaign(cfg)
     try:
