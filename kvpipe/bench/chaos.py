@@ -235,10 +235,11 @@ class Campaign:
         self.close()
 
     def _check_ok(self) -> dict[str, Any] | None:
-        """One short request through the router; its final event when it succeeded."""
+        """One short request through the router; its outcome (as a dict) when it succeeded, else None."""
+        assert self.stack is not None
         out = Outcome("check", time.monotonic())
         stream_request(self.stack.router_url, body([5 + i % 200 for i in range(40)], 8), out, 30.0)
-        return out.status is Status.OK and out.as_dict()
+        return out.as_dict() if out.status is Status.OK else None
 
     # ---- one round --------------------------------------------------------------------------------
     def run_round(self, number: int, target: str, phase: Phase) -> RoundResult:
