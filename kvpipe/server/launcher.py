@@ -31,6 +31,9 @@ import httpx
 from kvpipe.engine.cpu_threads import affinity_cores
 from kvpipe.server.core_split import CPU_THREADS_FLAG, CoreSplit, ServerCores, has_flag, server_cores, split_cores
 from kvpipe.server.supervisor import PartState, RestartPolicy, Supervisor
+from kvpipe.transfer.auth import TOKEN_ENV, new_token
+
+AUTH_TOKEN_FLAG = "--disaggregation-auth-token"
 
 PARTS = ("prefill", "decode", "router")  # the order of PDStack.procs; stopped in reverse
 SUPERVISE_TICK_S = 0.25
@@ -85,6 +88,11 @@ class PartSpec:
     health_url: str
     log_path: str | None = None
     pin: tuple[int, ...] | None = None
+    # environment on top of ours (the stack's auth token: in the environment, not the process list)
+    env: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+
+    def spawn(self) -> subprocess.Popen:
+        return _spawn(list(self.cmd), self.log_path, self.pin, dict(self.env))
 
 
 @dataclass
@@ -101,6 +109,7 @@ class PDStack:
     procs: list[subprocess.Popen] = field(default_factory=list)
     specs: list[PartSpec] = field(default_factory=list)
     supervisor: Supervisor | None = None  # set by supervise(): restart counts and events
+    auth_token: str | None = field(default=None, repr=False)  # the servers' shared PD token
 
     @property
     def restarts(self) -> dict[str, int]:
@@ -131,7 +140,7 @@ class PDStack:
                 if spec.log_path:
                     with open(spec.log_path, "ab") as f:
                         f.write(f"--- kvpipe launch: restart {part.restarts} of {spec.name} ---\n".encode())
-                self.procs[i] = _spawn(list(spec.cmd), spec.log_path, spec.pin)
+                self.procs[i] = spec.spawn()
                 part.spawned(now, self.procs[i].pid)
             elif part.state is PartState.STARTING:
                 if _answers(spec.health_url):
@@ -191,12 +200,14 @@ def _answers(url: str) -> bool:
         return False
 
 
-def _spawn(cmd: list[str], log_path: str | None, pin: tuple[int, ...] | None = None) -> subprocess.Popen:
+def _spawn(cmd: list[str], log_path: str | None, pin: tuple[int, ...] | None = None,
+           env: dict[str, str] | None = None) -> subprocess.Popen:
     out = open(log_path, "ab") if log_path else None  # noqa: SIM115 - the child gets its own copy
     try:
         # A new session per child: Ctrl-C reaches only us, and we stop children in order.
         with _affinity(pin):
-            return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True)
+            return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True,
+                                    env={**os.environ, **env} if env else None)
     finally:
         if out is not None:
             out.close()  # else every restart would leak a descriptor in the launcher
@@ -223,23 +234,28 @@ def start_pd_stack(model_path: str | None, host: str = "127.0.0.1", router_port:
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
     stack = PDStack(f"http://{host}:{p_port}", f"http://{host}:{d_port}", f"http://{host}:{r_port}", b_port, split)
+    # One random token per stack authenticates its PD control plane, unless the caller chose one
+    # (in our environment, or as a flag to both servers); restarts reuse it, so survivors trust them.
+    if not has_flag(server_args, AUTH_TOKEN_FLAG):
+        stack.auth_token = os.environ.get(TOKEN_ENV) or new_token()
+    env = ((TOKEN_ENV, stack.auth_token),) if stack.auth_token else ()
     stack.specs = [
         PartSpec("prefill", (py, "-m", "kvpipe.cli", "serve", *common, *p_cores.flags, "--port", str(p_port),
                              "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(b_port),
-                             *prefill_args), stack.prefill_url + "/health", log("prefill"), p_cores.pin),
+                             *prefill_args), stack.prefill_url + "/health", log("prefill"), p_cores.pin, env),
         PartSpec("decode", (py, "-m", "kvpipe.cli", "serve", *common, *d_cores.flags, "--port", str(d_port),
                             "--disaggregation-mode", "decode", *decode_args),
-                 stack.decode_url + "/health", log("decode"), d_cores.pin),
+                 stack.decode_url + "/health", log("decode"), d_cores.pin, env),
         PartSpec("router", tuple(router_command(stack.prefill_url, b_port, stack.decode_url, host, r_port,
                                                 free_port(host))), stack.router_url + "/health", log("router")),
     ]
     try:
         for spec in stack.specs[:2]:
-            stack.procs.append(_spawn(list(spec.cmd), spec.log_path, spec.pin))
+            stack.procs.append(spec.spawn())
         for spec in stack.specs[:2]:
             wait_healthy(spec.health_url, timeout_s, stack.procs)
         router = stack.specs[2]  # once the servers answer: it checks its workers at startup
-        stack.procs.append(_spawn(list(router.cmd), router.log_path, router.pin))
+        stack.procs.append(router.spawn())
         wait_healthy(router.health_url, timeout_s, stack.procs)
     except BaseException:
         stack.close()
@@ -284,6 +300,9 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     elif stack.cores is not None:
         how = "each server pinned to its share" if stack.cores.disjoint else "one thread each"
         print(f"kvpipe launch: {stack.cores.describe()}; --cpu-threads its size, {how}", flush=True)
+    if stack.auth_token:
+        chosen = "$" + TOKEN_ENV if os.environ.get(TOKEN_ENV) else "a fresh random token"
+        print(f"kvpipe launch: PD bootstrap and control plane authenticated with {chosen}", flush=True)
     print(f"kvpipe PD stack ready: router {stack.router_url} (prefill {stack.prefill_url}, "
           f"decode {stack.decode_url}, bootstrap port {stack.bootstrap_port})\n"
           f"try: curl -s {stack.router_url}/generate -H 'Content-Type: application/json' "

@@ -3,6 +3,7 @@ integration tests: handles on each server, restarts on the same ports, direct re
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import random
@@ -44,11 +45,9 @@ class Stack:
     def restart(self, name: str, *extra: str, timeout_s: float = 120.0) -> None:
         """Start the killed server again with the same command line (same ports) plus `extra` flags."""
         i = {"prefill": 0, "decode": 1}[name]
-        old = self.pd.procs[i]
-        assert old.poll() is not None, f"{name} is still running"
-        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
-        self.pd.procs[i] = subprocess.Popen([*old.args, *extra], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
+        assert self.pd.procs[i].poll() is not None, f"{name} is still running"
+        spec = self.pd.specs[i]  # its environment too: the stack's auth token
+        self.pd.procs[i] = dataclasses.replace(spec, cmd=(*spec.cmd, *extra)).spawn()
         srv = self.server(name)
         wait_healthy(srv.url + "/health", timeout_s, [srv.proc])
 

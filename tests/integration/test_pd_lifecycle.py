@@ -5,6 +5,7 @@ stack serves again without restarting the survivor. One stack for the module; te
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -19,6 +20,8 @@ import pytest
 import zmq
 
 from kvpipe.transfer import messages as m
+from kvpipe.transfer.auth import Authenticator
+from kvpipe.transfer.bootstrap import BootstrapError, fetch_prefill_info, register_prefill_rank
 from pd_harness import Stack, disagg_stats, generate, greedy, pd_body, start_stack, wait_for
 from server_harness import ServerProc
 
@@ -69,8 +72,12 @@ def serves_again(stack: Stack, timeout_s: float = 60.0) -> dict:
     return wait_for(attempt, timeout_s, "a successful request through the router", interval_s=0.5)
 
 
-def test_malformed_control_messages_are_rejected(stack: Stack) -> None:
+def test_forged_and_malformed_control_messages_are_rejected(stack: Stack) -> None:
+    """The stack runs with launch's auth token: frames without its tag (garbage, unsigned or
+    wrongly signed messages, a replay) are dropped before decoding; messages signed with it reach
+    validation, which refuses the bogus ones. Both servers keep serving, unchanged."""
     ref = short(stack)["output_ids"]
+    assert stack.pd.auth_token and all(disagg_stats(s)["authenticated"] for s in (stack.prefill, stack.decode))
     junk = [b"", b"\x00garbage\xff", os.urandom(257), msgpack.packb([1, 2, 3]),
             msgpack.packb({"kind": "transfer_request", "version": 1}),  # fields missing
             msgpack.packb({"kind": "transfer_request", "version": 99, "room": 1}),
@@ -79,23 +86,47 @@ def test_malformed_control_messages_are_rejected(stack: Stack) -> None:
              m.TransferStatus(room=7, session_id="intruder/0", state=m.WireState.SUCCESS,
                               aux=m.AuxData(7, 1, 0.0)),
              m.Abort(room=7, session_id="intruder/0", side=m.Side.PREFILL, reason="x")]
+    insider, outsider = Authenticator.from_token(stack.pd.auth_token), Authenticator.from_token("not-the-stack-token")
     ctx = zmq.Context()
     try:
         for srv in (stack.prefill, stack.decode):
-            before = disagg_stats(srv)["rejected_messages"]
+            st = disagg_stats(srv)
+            addr = st["control_address"]
+            signed = [insider.seal(m.encode(x), addr.encode()) for x in typed]
+            forged = junk + [m.encode(x) for x in typed] + [outsider.seal(m.encode(x), addr.encode()) for x in typed]
             sock = ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 2000)
-            sock.connect(disagg_stats(srv)["control_address"])
-            for frame in junk + [m.encode(x) for x in typed]:
+            sock.connect(addr)
+            for frame in forged + signed + signed[:1]:  # the last one a replay
                 sock.send(frame)
             sock.close()
-            wait_for(lambda: disagg_stats(srv)["rejected_messages"] >= before + len(typed), 10,
-                     "the typed bogus messages to be rejected")
+            wait_for(lambda: disagg_stats(srv)["auth_rejected"]["control"] >= st["auth_rejected"]["control"]
+                     + len(forged) + 1, 10, "the forged frames to be dropped")
+            wait_for(lambda: disagg_stats(srv)["rejected_messages"] >= st["rejected_messages"] + len(typed), 10,
+                     "the signed bogus messages to be rejected")
+            assert srv.metric("kvpipe_pd_auth_rejected_total", 'plane="control"') >= len(forged) + 1
             assert srv.alive()
     finally:
         ctx.term()
-    assert short(stack)["output_ids"] == ref  # both keep serving, unchanged
-    idle(stack.prefill, stack.decode)
+    assert short(stack)["output_ids"] == ref
+
+
+def test_forged_bootstrap_calls_are_rejected(stack: Stack) -> None:
+    """Nobody without the token can re-point decodes at their own control endpoint (a forged
+    registration) or read the prefill's KV buffer addresses (a look-up)."""
+    host, port = "127.0.0.1", stack.pd.bootstrap_port
+    insider = Authenticator.from_token(stack.pd.auth_token)
+    real = fetch_prefill_info(host, port, auth=insider)
+    forged = dataclasses.replace(real.ranks[0], instance_id="attacker", control_address="tcp://127.0.0.1:1")
+    before = disagg_stats(stack.prefill)["auth_rejected"]["bootstrap"]
+    for auth in (None, Authenticator.from_token("not-the-stack-token")):
+        with pytest.raises(BootstrapError, match="401"):
+            register_prefill_rank(host, port, forged, auth=auth)
+        with pytest.raises(BootstrapError, match="401"):
+            fetch_prefill_info(host, port, auth=auth)
+    assert disagg_stats(stack.prefill)["auth_rejected"]["bootstrap"] == before + 4
+    assert fetch_prefill_info(host, port, auth=insider).instance_id == real.instance_id
+    assert short(stack)["meta_info"]["finish_reason"]["type"] == "length"
 
 
 def test_client_disconnects_leave_no_pages(stack: Stack) -> None:
