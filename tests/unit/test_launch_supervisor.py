@@ -83,9 +83,10 @@ class FakeProc:
 
 def test_tick_restarts_only_the_dead_part(monkeypatch: pytest.MonkeyPatch) -> None:
     healthy: set[str] = set()
-    monkeypatch.setattr(launcher, "_spawn", lambda cmd, log, pin=None: FakeProc(cmd))
+    envs: list[dict | None] = []
+    monkeypatch.setattr(launcher, "_spawn", lambda cmd, log, pin=None, env=None: envs.append(env) or FakeProc(cmd))
     monkeypatch.setattr(launcher, "_answers", lambda url: url in healthy)
-    specs = [PartSpec(n, (n,), f"http://{n}/health") for n in launcher.PARTS]
+    specs = [PartSpec(n, (n,), f"http://{n}/health", env=(("TOKEN", "t"),)) for n in launcher.PARTS]
     stack = PDStack("p", "d", "r", 1, specs=specs, procs=[FakeProc([n]) for n in launcher.PARTS])
     sup = stack.supervisor = Supervisor(list(launcher.PARTS), RestartPolicy(max_restarts=1, backoff_s=2.0))
     lines: list[str] = []
@@ -95,7 +96,8 @@ def test_tick_restarts_only_the_dead_part(monkeypatch: pytest.MonkeyPatch) -> No
     assert sup["decode"].state is PartState.BACKOFF and "killed by signal 9" in lines[-1]
     assert stack._tick(sup, 11.0, lines.append) and stack.procs[1].pid == pids[1]  # still backing off
     assert stack._tick(sup, 12.0, lines.append)
-    assert stack.procs[1].pid != pids[1] and stack.procs[1].args == ["decode"]  # same command
+    assert stack.procs[1].pid != pids[1] and stack.procs[1].args == ["decode"]  # same command,
+    assert envs == [{"TOKEN": "t"}]  # same environment (the stack's auth token)
     assert sup["decode"].state is PartState.STARTING
     assert stack._tick(sup, 13.0, lines.append) and sup["decode"].state is PartState.STARTING  # not healthy yet
     healthy.add("http://decode/health")
