@@ -2,7 +2,7 @@
 
 Every request is one of three API kinds (native `/generate`, `/v1/completions`,
 `/v1/chat/completions`), streaming or not, with a prompt of a drawn length given as token ids or
-as text (chat: text only). A drawn share of the streaming requests is disconnected by the client
+as text (chat and completions: text only, as sglang-router's PD mode wants it). A drawn share of the streaming requests is disconnected by the client
 after a few events. Output lengths are exact (`ignore_eos`), greedy sampling. The same
 `SoakConfig` gives the same plan (numpy's seeded Generator).
 
@@ -56,7 +56,7 @@ class SoakConfig:
     failure_prob: float = 0.05  # the prefill's --disaggregation-failure-prob (per transfer batch)
     disconnect_prob: float = 0.10  # share of requests disconnected by us mid-stream
     stream_prob: float = 0.5  # share of the other requests that stream
-    text_prob: float = 0.5  # share of generate/completion prompts sent as text
+    text_prob: float = 0.5  # share of /generate prompts sent as text
     seed: int = 0
     deadline_s: float = 120.0  # per request: neither finished nor failed by then is a hang
     idle_timeout_s: float = 120.0  # after the run: wait this long for both servers to be idle
@@ -125,7 +125,8 @@ def plan_requests(cfg: SoakConfig, n: int | None = None, seed_offset: int = 0) -
         length = int(rng.integers(cfg.prompt_min, cfg.prompt_max + 1))
         disconnect = bool(rng.random() < cfg.disconnect_prob)
         stream = disconnect or bool(rng.random() < cfg.stream_prob)
-        as_text = kind is Kind.CHAT or bool(rng.random() < cfg.text_prob)
+        # sglang-router (PD) takes only string prompts on /v1/completions (422 for token ids)
+        as_text = kind is not Kind.GENERATE or bool(rng.random() < cfg.text_prob)
         ids = None if as_text else tuple(int(x) for x in rng.integers(TOKEN_ID_LOW, TOKEN_ID_HIGH + 1, size=length))
         text = _text(rng, length) if as_text else None
         out_len = cfg.disconnect_output if disconnect else int(rng.integers(1, cfg.output_max + 1))
