@@ -2,8 +2,9 @@
 
 Every request is one of three API kinds (native `/generate`, `/v1/completions`,
 `/v1/chat/completions`), streaming or not, with a prompt of a drawn length given as token ids or
-as text (chat and completions: text only, as sglang-router's PD mode wants it). A drawn share of the streaming requests is disconnected by the client
-after a few events. Output lengths are exact (`ignore_eos`), greedy sampling. The same
+as text (chat and completions: text only; sglang-router's PD mode answers token-id prompts on
+/v1/completions with 422). A drawn share of the requests streams and is disconnected by the
+client after a few events. Output lengths are exact (`ignore_eos`), greedy sampling. The same
 `SoakConfig` gives the same plan (numpy's seeded Generator).
 
 Text prompts are random lowercase letters: the presets' byte-level BPE merges few of them, so a
