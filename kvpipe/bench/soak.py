@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from kvpipe.bench.soak_book import (Check, ResourceSeries, Tally, checks_dict, pool_checks, resource_checks,
-                                    verdict)
+                                    room_deltas, verdict)
 from kvpipe.bench.soak_plan import Bounds, SoakConfig, plan_requests
 
 SERVERS = ("prefill", "decode")
@@ -203,6 +203,7 @@ def run_soak(cfg: SoakConfig, model_path: str | None, server_args: list[str], lo
         "duration_s": round(duration, 1), "idle_wait_s": round(idle_s, 1),
         "counts": {"planned": len(planned), "by_outcome": tally.by_outcome(), "by_kind": tally.by_kind()},
         "latency_ms": tally.latency_ms(), "messages": tally.messages(),
+        "transfer_rooms": {name: room_deltas(baselines[name], final_stats.get(name) or {}) for name in SERVERS},
         "checks": checks_dict(checks), "ok": verdict(checks),
         "pools": {"baseline": baselines, "final": final_stats},
         "resources": {name: series[name].to_dict() for name in SERVERS},
@@ -218,6 +219,9 @@ def table(result: Mapping[str, Any]) -> str:
     lines.append(f"{'total':<20}" + "".join(f"{result['counts']['by_outcome'][o]:>13}" for o in outcomes))
     lat = result["latency_ms"]
     lines.append("latency ms  " + "  ".join(f"{o} p50 {v['p50']:,.0f} p90 {v['p90']:,.0f}" for o, v in lat.items()))
+    rooms = result["transfer_rooms"]
+    lines.append("KV transfer rooms during the run: " + ", ".join(
+        f"{name} {r['rooms_succeeded']} succeeded / {r['rooms_failed']} failed" for name, r in rooms.items()))
     for name, res in result["resources"].items():
         d = res["deltas"]
         if d:

@@ -159,6 +159,16 @@ def pool_checks(server: str, baseline: Mapping[str, Any], now: Mapping[str, Any]
     return out
 
 
+def room_deltas(baseline: Mapping[str, Any], final: Mapping[str, Any]) -> dict[str, int | None]:
+    """Transfer rooms that succeeded / failed during the run (the injected failures show here even
+    when the router retried them away from the client)."""
+    out: dict[str, int | None] = {}
+    for key in ("rooms_succeeded", "rooms_failed"):
+        b, f = lookup(baseline, f"disaggregation.{key}"), lookup(final, f"disaggregation.{key}")
+        out[key] = f - b if isinstance(b, int) and isinstance(f, int) else None
+    return out
+
+
 # ---- processes ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ProcSample:

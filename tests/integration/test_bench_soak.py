@@ -41,6 +41,9 @@ def test_soak_small(tiny_model_dir: Path, tmp_path: Path, capsys: pytest.Capture
     # a planned disconnect may meet an injected failure first (a clear error then)
     assert 1 <= counts["disconnected"] <= planned_cuts
     assert counts["success"] >= N // 2  # most requests succeed despite the faults (the router retries)
+    rooms = res["transfer_rooms"]
+    assert all(rooms[name]["rooms_succeeded"] >= counts["success"] for name in ("prefill", "decode"))
+    assert "KV transfer rooms during the run" in table
     for name in ("prefill", "decode"):
         final = res["pools"]["final"][name]
         assert final["free_pages"] == final["total_pages"] and final["disaggregation"]["active_rooms"] == 0

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvpipe.bench.soak_book import (Outcome, ProcSample, RequestResult, ResourceSeries, Tally, pool_checks,
-                                    resource_checks, verdict)
+                                    resource_checks, room_deltas, verdict)
 from kvpipe.bench.soak_plan import Bounds, Kind, SoakConfig, plan_requests
 from kvpipe.bench.soak_procs import group_pids, sample_group
 
@@ -106,6 +106,12 @@ def test_pool_checks_find_leaks() -> None:
     # what a server does not report is not checked; a key it stopped reporting is a failure
     assert [c.name for c in pool_checks("x", {"num_running": 0}, {"num_running": 0})] == ["x num_running"]
     assert not verdict(pool_checks("x", {"num_running": 0}, {}))
+
+
+def test_room_deltas() -> None:
+    base, final = _stats(rooms_succeeded=32, rooms_failed=1), _stats(rooms_succeeded=1032, rooms_failed=247)
+    assert room_deltas(base, final) == {"rooms_succeeded": 1000, "rooms_failed": 246}
+    assert room_deltas({}, final) == {"rooms_succeeded": None, "rooms_failed": None}
 
 
 def _sample(t: float, rss_mb: float, fds: int = 50, threads: int = 20, procs: int = 1) -> ProcSample:
