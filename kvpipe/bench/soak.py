@@ -29,10 +29,9 @@ from typing import Any, Callable, Mapping
 
 from kvpipe.bench.soak_book import (Check, ResourceSeries, Tally, checks_dict, pool_checks, resource_checks,
                                     room_deltas, verdict)
-from kvpipe.bench.soak_plan import Bounds, SoakConfig, plan_requests
+from kvpipe.bench.soak_plan import Bounds, SoakConfig, plan_requests, plan_warmup
 
 SERVERS = ("prefill", "decode")
-WARMUP_SEED_OFFSET = 1_000_003  # warm-up prompts differ from the measured ones
 MAX_SAMPLES = 100_000  # bound on the sampler's loop, whatever the interval
 
 
@@ -50,7 +49,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="share of requests whose stream we close after a few events")
     w.add_argument("--seed", type=int, default=d.seed, help="workload and failure-injection seed")
     w.add_argument("--deadline", type=float, default=d.deadline_s, help="seconds per request before it is a hang")
-    w.add_argument("--warmup-requests", type=int, default=d.warmup_requests)
+    w.add_argument("--warmup-requests", type=int, default=d.warmup_requests,
+                   help="unmeasured drawn requests before the baseline, after --concurrency of the longest "
+                        "prompts (0: no warm-up)")
     c = p.add_argument_group("checks")
     c.add_argument("--idle-timeout", type=float, default=d.idle_timeout_s,
                    help="seconds to wait after the run for both servers to be idle")
@@ -174,8 +175,7 @@ def run_soak(cfg: SoakConfig, model_path: str | None, server_args: list[str], lo
         t0 = time.monotonic()
         if cfg.warmup_requests:
             warm = Tally()
-            _drive(stack.router_url, plan_requests(cfg, cfg.warmup_requests, WARMUP_SEED_OFFSET), model, cfg,
-                   warm, progress, "soak warm-up")
+            _drive(stack.router_url, plan_warmup(cfg), model, cfg, warm, progress, "soak warm-up")
             log(f"warm-up: {warm.by_outcome()}")
         # the baseline: idle pools (the zero/full rules need only the keys a server reports) and
         # process readings

@@ -15,7 +15,7 @@ length we record for text is that character count.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -62,7 +62,7 @@ class SoakConfig:
     deadline_s: float = 120.0  # per request: neither finished nor failed by then is a hang
     idle_timeout_s: float = 120.0  # after the run: wait this long for both servers to be idle
     sample_interval_s: float = 2.0  # resource samples during the run
-    warmup_requests: int = 32  # unmeasured requests first, so the baseline is after allocator warm-up
+    warmup_requests: int = 32  # unmeasured requests first (plan_warmup), so the baseline is after allocator warm-up
     bounds: Bounds = Bounds()
 
     def __post_init__(self) -> None:
@@ -134,3 +134,18 @@ def plan_requests(cfg: SoakConfig, n: int | None = None, seed_offset: int = 0) -
         after = int(rng.integers(1, cfg.disconnect_after_max + 1)) if disconnect else None
         out.append(PlannedRequest(i, kind, stream, length, ids, text, out_len, after))
     return out
+
+
+WARMUP_SEED_OFFSET = 1_000_003  # warm-up prompts differ from the measured ones
+
+
+def plan_warmup(cfg: SoakConfig) -> list[PlannedRequest]:
+    """The unmeasured requests before the baseline: `concurrency` of the longest prompts at once
+    first (the largest batches and KV use the run can reach, so the allocators' high-water marks
+    come before the baseline, not during the run), then `warmup_requests` drawn like the run's.
+    None when warmup_requests is 0."""
+    if cfg.warmup_requests == 0:
+        return []
+    longest = plan_requests(replace(cfg, prompt_min=cfg.prompt_max), cfg.concurrency, WARMUP_SEED_OFFSET)
+    drawn = plan_requests(cfg, cfg.warmup_requests, WARMUP_SEED_OFFSET + 1)
+    return [replace(r, index=i) for i, r in enumerate(longest + drawn)]

@@ -9,7 +9,7 @@ import pytest
 
 from kvpipe.bench.soak_book import (Outcome, ProcSample, RequestResult, ResourceSeries, Tally, pool_checks,
                                     resource_checks, room_deltas, verdict)
-from kvpipe.bench.soak_plan import Bounds, Kind, SoakConfig, plan_requests
+from kvpipe.bench.soak_plan import Bounds, Kind, SoakConfig, plan_requests, plan_warmup
 from kvpipe.bench.soak_procs import group_pids, sample_group
 
 
@@ -28,6 +28,15 @@ def test_plan_is_seeded_mixed_and_within_bounds() -> None:
     assert 40 <= len(cut) <= 120  # 20% of 400, loosely
     assert all(r.stream and r.output_len > r.disconnect_after for r in cut)
     assert all(1 <= r.output_len <= cfg.output_max for r in plan if r.disconnect_after is None)
+
+
+def test_warmup_starts_with_the_longest_prompts_at_full_concurrency() -> None:
+    cfg = SoakConfig(num_requests=50, concurrency=6, prompt_min=10, prompt_max=900, warmup_requests=8)
+    warm = plan_warmup(cfg)
+    assert [r.index for r in warm] == list(range(14))
+    assert all(r.prompt_len == 900 for r in warm[:6]) and all(10 <= r.prompt_len <= 900 for r in warm[6:])
+    assert [r.text or r.input_ids for r in warm] != [r.text or r.input_ids for r in plan_requests(cfg)[:14]]
+    assert plan_warmup(SoakConfig(warmup_requests=0)) == []
 
 
 def test_bodies_per_kind() -> None:
