@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping
 
 from kvpipe.bench.soak_book import (Check, ResourceSeries, Tally, checks_dict, pool_checks, resource_checks,
                                     room_deltas, verdict)
-from kvpipe.bench.soak_plan import Bounds, SoakConfig, plan_requests, plan_warmup
+from kvpipe.bench.soak_plan import Bounds, PlannedRequest, SoakConfig, plan_requests, plan_warmup
 
 SERVERS = ("prefill", "decode")
 MAX_SAMPLES = 100_000  # bound on the sampler's loop, whatever the interval
@@ -150,7 +150,7 @@ class Sampler:
         self._thread.join(timeout=10.0)
 
 
-def _drive(url: str, reqs: list, model: str, cfg: SoakConfig, tally: Tally, progress: bool, desc: str) -> float:
+def _drive(url: str, reqs: list[PlannedRequest], model: str, cfg: SoakConfig, tally: Tally, progress: bool, desc: str) -> float:
     from kvpipe.bench.soak_client import drive
 
     t0 = time.monotonic()
