@@ -55,7 +55,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     c = p.add_argument_group("checks")
     c.add_argument("--idle-timeout", type=float, default=d.idle_timeout_s,
                    help="seconds to wait after the run for both servers to be idle")
-    c.add_argument("--sample-interval", type=float, default=d.sample_interval_s, help="seconds between resource samples")
+    c.add_argument("--sample-interval", type=float, default=d.sample_interval_s,
+                   help="seconds between resource samples")
     c.add_argument("--max-rss-growth-mb", type=float, default=b.rss_growth_mb, help="per server, final - baseline")
     c.add_argument("--max-fd-delta", type=int, default=b.fd_delta)
     c.add_argument("--max-thread-delta", type=int, default=b.thread_delta)
@@ -150,7 +151,8 @@ class Sampler:
         self._thread.join(timeout=10.0)
 
 
-def _drive(url: str, reqs: list[PlannedRequest], model: str, cfg: SoakConfig, tally: Tally, progress: bool, desc: str) -> float:
+def _drive(url: str, reqs: list[PlannedRequest], model: str, cfg: SoakConfig, tally: Tally, progress: bool,
+           desc: str) -> float:
     from kvpipe.bench.soak_client import drive
 
     t0 = time.monotonic()

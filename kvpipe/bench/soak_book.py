@@ -89,8 +89,9 @@ class Tally:
 
     def messages(self, limit: int = 10) -> list[dict[str, Any]]:
         """The most common (outcome, status, message) of the non-successes, with counts."""
+        quiet = (Outcome.SUCCESS, Outcome.DISCONNECTED)
         c = collections.Counter((r.outcome.value, r.status, _shorten(r.message))
-                                for r in self._by_index.values() if r.outcome not in (Outcome.SUCCESS, Outcome.DISCONNECTED))
+                                for r in self._by_index.values() if r.outcome not in quiet)
         return [{"outcome": o, "status": s, "message": m, "count": n} for (o, s, m), n in c.most_common(limit)]
 
     def checks(self, planned: int, faults_injected: bool) -> list[Check]:
@@ -200,7 +201,8 @@ class ResourceSeries:
             return None
         b, f = self.baseline, self.final
         peak = max([s.rss_kb for s in self.during] + [b.rss_kb, f.rss_kb])
-        return {"rss_mb": round((f.rss_kb - b.rss_kb) / 1024, 1), "peak_rss_growth_mb": round((peak - b.rss_kb) / 1024, 1),
+        return {"rss_mb": round((f.rss_kb - b.rss_kb) / 1024, 1),
+                "peak_rss_growth_mb": round((peak - b.rss_kb) / 1024, 1),
                 "fds": f.fds - b.fds, "threads": f.threads - b.threads, "procs": f.procs - b.procs}
 
     def to_dict(self) -> dict[str, Any]:

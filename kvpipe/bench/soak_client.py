@@ -132,8 +132,8 @@ async def _streamed(client: httpx.AsyncClient, url: str, req: PlannedRequest, mo
             if ev is DONE:
                 if finished is None:
                     return 200, Verdict(Outcome.UNCLEAR, "[DONE] before a finish_reason")
-                return 200, _with_tokens(Verdict(Outcome.SUCCESS, "", tokens if tokens is not None else finished.tokens),
-                                         req.output_len)
+                n = tokens if tokens is not None else finished.tokens
+                return 200, _with_tokens(Verdict(Outcome.SUCCESS, "", n), req.output_len)
             events += 1
             v = judge_object(req.kind, ev, req.output_len, final=False)
             if v.outcome is not None:

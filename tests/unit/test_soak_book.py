@@ -111,7 +111,8 @@ def test_pool_checks_find_leaks() -> None:
                                                     "decode disaggregation.transfer_rooms", "decode num_reserved"}
     ring = _stats()
     ring["disaggregation"]["staging_ring"]["live_slots"] = 2
-    assert [c.name for c in pool_checks("decode", base, ring) if not c.ok] == ["decode disaggregation.staging_ring.live_slots"]
+    failed = [c.name for c in pool_checks("decode", base, ring) if not c.ok]
+    assert failed == ["decode disaggregation.staging_ring.live_slots"]
     # what a server does not report is not checked; a key it stopped reporting is a failure
     assert [c.name for c in pool_checks("x", {"num_running": 0}, {"num_running": 0})] == ["x num_running"]
     assert not verdict(pool_checks("x", {"num_running": 0}, {}))
