@@ -34,8 +34,6 @@ def test_judge_bodies_and_events() -> None:
     assert judge_object(Kind.GENERATE, gen(None), 4, final=True).outcome is Outcome.UNCLEAR
     chat = {"choices": [{"finish_reason": "length", "message": {}}], "usage": {"completion_tokens": 4}}
     assert judge_object(Kind.CHAT, chat, 4, final=True).outcome is Outcome.SUCCESS
-    aborted = {"choices": [{"finish_reason": "abort", "abort_message": "prefill gone"}]}
-    assert judge_object(Kind.CHAT, aborted, 4, final=True).outcome is Outcome.ERROR
     assert judge_object(Kind.COMPLETION, {"choices": [{"finish_reason": "abort"}]}, 4, True).outcome is Outcome.UNCLEAR
     assert judge_object(Kind.CHAT, {"error": {"message": "boom"}}, 4, False).outcome is Outcome.ERROR
 
