@@ -227,7 +227,8 @@ def table(result: Mapping[str, Any]) -> str:
     for name, res in result["resources"].items():
         d = res["deltas"]
         if d:
-            lines.append(f"{name:<8} RSS {d['rss_mb']:+.1f} MB (peak {d['peak_rss_growth_mb']:+.1f})  "
+            lines.append(f"{name:<8} RSS {d['rss_mb']:+.1f} MB (peak {d['peak_rss_growth_mb']:+.1f}, second half "
+                         f"{d['rss_second_half_mb']:+.1f})  "
                          f"fds {d['fds']:+d}  threads {d['threads']:+d}  procs {d['procs']:+d}")
     failed = [c for c in result["checks"] if not c["ok"]]
     lines.append(f"checks: {len(result['checks']) - len(failed)}/{len(result['checks'])} passed"

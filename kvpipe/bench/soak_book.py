@@ -201,8 +201,12 @@ class ResourceSeries:
             return None
         b, f = self.baseline, self.final
         peak = max([s.rss_kb for s in self.during] + [b.rss_kb, f.rss_kb])
+        # growth over the run's second half: a per-request leak keeps growing there, while the
+        # allocators' high-water steps mostly come early
+        mid = self.during[len(self.during) // 2].rss_kb if self.during else b.rss_kb
         return {"rss_mb": round((f.rss_kb - b.rss_kb) / 1024, 1),
                 "peak_rss_growth_mb": round((peak - b.rss_kb) / 1024, 1),
+                "rss_second_half_mb": round((f.rss_kb - mid) / 1024, 1),
                 "fds": f.fds - b.fds, "threads": f.threads - b.threads, "procs": f.procs - b.procs}
 
     def to_dict(self) -> dict[str, Any]:
@@ -218,9 +222,11 @@ def resource_checks(server: str, series: ResourceSeries, bounds: Bounds) -> list
     return [
         Check(f"{server} RSS growth", d["rss_mb"] < bounds.rss_growth_mb,
               f"{d['rss_mb']:+.1f} MB (bound < {bounds.rss_growth_mb:g} MB)"),
-        Check(f"{server} open fds", abs(d["fds"]) <= bounds.fd_delta, f"{d['fds']:+d} (bound ±{bounds.fd_delta})"),
-        Check(f"{server} threads", abs(d["threads"]) <= bounds.thread_delta,
-              f"{d['threads']:+d} (bound ±{bounds.thread_delta})"),
+        # one-sided: fewer fds than the baseline is the router's idle keep-alive connections closing
+        # (a 2,000-request run ended 9 below), not a leak
+        Check(f"{server} open fds", d["fds"] <= bounds.fd_delta, f"{d['fds']:+d} (bound +{bounds.fd_delta})"),
+        Check(f"{server} threads", d["threads"] <= bounds.thread_delta,
+              f"{d['threads']:+d} (bound +{bounds.thread_delta})"),
         Check(f"{server} processes", d["procs"] == 0, f"{d['procs']:+d}"),
     ]
 

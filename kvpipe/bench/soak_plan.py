@@ -41,8 +41,8 @@ class Bounds:
     """Leak bounds: what may stay after the soak compared with the warmed-up baseline."""
 
     rss_growth_mb: float = 200.0  # per server (process group), after - baseline
-    fd_delta: int = 8  # open fds per server (sockets of peers that come and go)
-    thread_delta: int = 4  # threads per server
+    fd_delta: int = 8  # open fds per server, growth (sockets of peers that come and go)
+    thread_delta: int = 4  # threads per server, growth
 
 
 @dataclass(frozen=True)

@@ -130,12 +130,15 @@ def _sample(t: float, rss_mb: float, fds: int = 50, threads: int = 20, procs: in
 
 def test_resource_deltas_and_bounds() -> None:
     s = ResourceSeries(_sample(0, 500), [_sample(1, 700), _sample(2, 520)], _sample(3, 530, fds=53, threads=21))
-    assert s.deltas() == {"rss_mb": 30.0, "peak_rss_growth_mb": 200.0, "fds": 3, "threads": 1, "procs": 0}
+    assert s.deltas() == {"rss_mb": 30.0, "peak_rss_growth_mb": 200.0, "rss_second_half_mb": 10.0, "fds": 3,
+                          "threads": 1, "procs": 0}
     assert s.to_dict()["during"][0] == [1, 700.0, 50, 20, 1]
     assert verdict(resource_checks("prefill", s, Bounds(rss_growth_mb=64, fd_delta=4, thread_delta=2)))
     failed = {c.name for c in resource_checks("prefill", s, Bounds(rss_growth_mb=20, fd_delta=2, thread_delta=0))
               if not c.ok}
     assert failed == {"prefill RSS growth", "prefill open fds", "prefill threads"}
+    fewer = ResourceSeries(_sample(0, 500, fds=47, threads=13), [], _sample(1, 500, fds=38, threads=12))
+    assert verdict(resource_checks("decode", fewer, Bounds()))  # closed keep-alive sockets are no leak
     gone = ResourceSeries(_sample(0, 500), [], None)
     assert not verdict(resource_checks("decode", gone, Bounds()))
     lost_rank = ResourceSeries(_sample(0, 500, procs=2), [], _sample(1, 500, procs=1))
