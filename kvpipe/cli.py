@@ -45,6 +45,8 @@ COMMANDS: list[Command] = [
     Command("bench serve", "serving benchmark: TTFT/TPOT/ITL/throughput against a server or stacks",
             "kvpipe.bench.serve"),
     Command("bench engine", "offline engine prefill/decode throughput on this machine", "kvpipe.bench.engine"),
+    Command("bench soak", "soak the local PD stack: mixed requests, injected faults, leak checks",
+            "kvpipe.bench.soak"),
     Command("bench transfer", "KV transfer goodput between a prefill and a decode process", "kvpipe.bench.transfer"),
     Command("bench chaos", "kill -9 campaign: kill parts of a supervised PD stack under load, check recovery",
             "kvpipe.bench.chaos"),

@@ -137,7 +137,8 @@ class DecodeConnector(PDConnector):
         return {"disaggregation": {
             "mode": "decode", "control_address": self.receiver.control_address,
             "data_address": self.ranks[0].data_address if self.ranks else None,
-            "active_rooms": len(self._transfers), "rooms_succeeded": st.rooms_succeeded,
+            "active_rooms": len(self._transfers), "transfer_rooms": self.receiver.num_rooms(),
+            "rooms_succeeded": st.rooms_succeeded,
             "rooms_failed": st.rooms_failed, "rejected_messages": st.rejected_messages,
             "authenticated": self.cfg.disaggregation.auth_token is not None,
             "auth_rejected": {"control": st.auth_rejected + self._staging_auth_rejected()},

@@ -274,6 +274,11 @@ class PrefillConnector(PDConnector):
         out.rooms_succeeded, out.rooms_failed = self._succeeded, self._failed
         return out
 
+    def _transfer_rooms(self) -> int | None:
+        """Rank 0's sender book rooms (other ranks' books live in their processes); None without one."""
+        worker = self.local_worker
+        return worker.sender.num_rooms() if worker is not None and worker.sender is not None else None
+
     def stats(self) -> dict[str, Any]:
         if self.pipeline is None or not self.ranks:
             return {}
@@ -283,7 +288,8 @@ class PrefillConnector(PDConnector):
             "disaggregation": {
                 "mode": "prefill", "bootstrap_port": self.bootstrap_port,
                 "control_address": self.ranks[0].control_address, "data_address": self.ranks[0].data_address,
-                "active_rooms": len(self._rooms), "rooms_succeeded": st.rooms_succeeded,
+                "active_rooms": len(self._rooms), "transfer_rooms": self._transfer_rooms(),
+                "rooms_succeeded": st.rooms_succeeded,
                 "rooms_failed": st.rooms_failed, "bytes_written": st.bytes_written,
                 "ops_submitted": st.ops_submitted, "rejected_messages": st.rejected_messages,
                 "authenticated": self.cfg.disaggregation.auth_token is not None,

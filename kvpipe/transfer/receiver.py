@@ -82,6 +82,11 @@ class KVReceiver:
     def control_address(self) -> str:
         return self._endpoint.address
 
+    def num_rooms(self) -> int:
+        """Rooms the book still holds (finished ones leave it): 0 once idle, else a leak."""
+        with self._lock:
+            return len(self._book.rooms)
+
     def start(self) -> "KVReceiver":
         self._endpoint.start()
         self._worker.start()

@@ -91,6 +91,11 @@ class KVSender:
     def control_address(self) -> str:
         return self._endpoint.address
 
+    def num_rooms(self) -> int:
+        """Rooms the book still holds (finished ones leave it): 0 once idle, else a leak."""
+        with self._lock:
+            return len(self._book.rooms)
+
     @property
     def info(self) -> PrefillRankInfo:
         return PrefillRankInfo(self.tp_rank, self.tp_size, self.layout, self.backend.address,
