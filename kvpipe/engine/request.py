@@ -9,10 +9,15 @@ from typing import Any
 import numpy as np
 
 
+# Temperatures below this sample greedily (SGLang's _SAMPLING_EPS): logits / 1e-300 overflow to
+# inf and the softmax to NaN, and the limit of tempered sampling is the argmax anyway.
+SAMPLING_EPS = 1e-6
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 128
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # below SAMPLING_EPS (0 included) means greedy
     top_p: float = 1.0
     top_k: int = -1  # -1: no limit
     min_p: float = 0.0
@@ -23,7 +28,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0 or self.top_k == 1
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
 
 class ReqStatus(enum.Enum):

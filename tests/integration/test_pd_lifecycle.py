@@ -189,9 +189,16 @@ def test_prefill_killed_then_restarted(stack: Stack) -> None:
     p, d = stack.prefill, stack.decode
     body = pd_body(stack, {"input_ids": LONG, "sampling_params": greedy(8)})  # what the router sends
     t, box = _in_background(lambda: generate(d.url, body))
-    bt, _ = _in_background(lambda: httpx.post(p.url + "/generate", json=body, timeout=120))
-    wait_for(lambda: disagg_stats(d)["active_rooms"] >= 1 and p.engine_stats()["num_running"] >= 1, 60,
-             "the decode to wait for a prefill that is computing", interval_s=0.02)
+    bt, box_p = _in_background(lambda: httpx.post(p.url + "/generate", json=body, timeout=120))
+    seen: dict = {}
+
+    def both_busy() -> bool:
+        seen.update(decode=disagg_stats(d), prefill=p.engine_stats(), prefill_answer=box_p.get("out"))
+        return seen["decode"]["active_rooms"] >= 1 and seen["prefill"]["num_running"] >= 1
+    try:
+        wait_for(both_busy, 60, "the decode to wait for a prefill that is computing", interval_s=0.02)
+    except AssertionError as e:  # say what each side was doing
+        raise AssertionError(f"{e}: {seen}") from None
     kill(p)
     t0 = time.monotonic()
     t.join(DEADLINE_S + 5)

@@ -85,3 +85,13 @@ def test_unfiltered_sampling_follows_distribution():
 def test_empty_batch():
     out = Sampler().sample(torch.zeros(0, 10), [])
     assert out.token_ids == [] and out.logprobs == []
+
+
+def test_a_vanishing_temperature_is_greedy_not_nan():
+    """Found by schemathesis: temperature 9e-305 made logits / T overflow and the engine step fail."""
+    x = logits(b=3)
+    for t in (9.019420071777575e-305, 1e-30, 5e-7):
+        out = Sampler(seed=1).sample(x, [SamplingParams(temperature=t, min_p=0.03)] * 3)
+        assert out.token_ids == x.argmax(-1).tolist()
+    out = Sampler(seed=1).sample(x, [SamplingParams(temperature=1e-5)] * 3)  # small but sampled: finite
+    assert all(0 <= t < x.shape[1] for t in out.token_ids)
