@@ -9,7 +9,7 @@ STAMP := $(VENV)/.kvpipe-installed
 
 # Mooncake's shared libraries (apt-get when root and missing; else a one-line instruction)
 system-deps:
-	@sh scripts/system-deps.sh
+	@PY=$(PY) sh scripts/system-deps.sh
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)

@@ -1,11 +1,18 @@
 #!/usr/bin/env sh
 # The shared libraries the Mooncake CPU build links against (even over TCP), and iproute2 for the
 # emulated-link testbed. Installed with apt-get when missing and we are root; otherwise one clear
-# line says what to run. Called by `make setup` (and so by `make run` and `make test`).
+# line says what to run. Also Debian's python3-venv when $PY (the interpreter `make` builds the
+# venv with) has no ensurepip: a fresh Debian python3 cannot make a venv without it.
+# Called by `make setup` (and so by `make run` and `make test`).
 set -eu
+PY="${PY:-python3}"
 LIBS="libibverbs.so.1 librdmacm.so.1 libnuma.so.1"
 PKGS="libibverbs1 librdmacm1 libnuma1 iproute2"
 missing=""
+if ! "$PY" -c "import ensurepip" >/dev/null 2>&1; then
+  missing="$missing ensurepip"
+  PKGS="$PKGS python3-venv"
+fi
 for lib in $LIBS; do
   ldconfig -p 2>/dev/null | grep -q "$lib" || missing="$missing $lib"
 done
