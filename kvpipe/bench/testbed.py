@@ -122,17 +122,36 @@ def teardown_commands(s: LinkSpec) -> list[list[str]]:
     return [["ip", "netns", "del", s.ns_a], ["ip", "netns", "del", s.ns_b]]
 
 
+def _tools_path() -> str:
+    """PATH with the sbin directories: Debian puts `tc` in /usr/sbin, which a non-login shell's
+    PATH may lack (and `ip netns exec` looks `tc` up in the PATH it is given)."""
+    return os.pathsep.join([os.environ.get("PATH", ""), "/usr/local/sbin", "/usr/sbin", "/sbin"])
+
+
+def tool(name: str) -> str:
+    """The path of an iproute2 tool (its bare name if not found: running it then says so)."""
+    return shutil.which(name, path=_tools_path()) or name
+
+
+def missing_tools() -> list[str]:
+    return [name for name in ("ip", "tc") if tool(name) == name]
+
+
+def can_run() -> bool:
+    """Root with iproute2: what the testbed needs (tests skip without it)."""
+    return os.geteuid() == 0 and not missing_tools()
+
+
 def check_privileges() -> None:
     if os.geteuid() != 0:
         raise LinkTestbedError("the link testbed needs root (network namespaces, veth, tc): run as root "
                            "or with sudo -E")
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            raise LinkTestbedError(f"`{tool}` not found: install iproute2")
+    for tool in missing_tools():
+        raise LinkTestbedError(f"`{tool}` not found: install iproute2")
 
 
 def _run(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess:
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=30, env={**os.environ, "PATH": _tools_path()})
     if check and r.returncode != 0:
         raise LinkTestbedError(f"`{' '.join(cmd)}` failed ({r.returncode}): {r.stderr.strip()}")
     return r

@@ -6,8 +6,6 @@ PNG outputs are written."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +16,7 @@ from kvpipe.bench import serve
 from kvpipe.bench.client import run_workload
 from kvpipe.bench.metrics import summarize
 from kvpipe.bench.stacks import Endpoint
+from kvpipe.bench.testbed import can_run
 from kvpipe.bench.workload import WorkloadConfig, build_workload, parse_lengths
 from kvpipe.server.launcher import free_port, stop_process, wait_healthy
 
@@ -52,7 +51,7 @@ def test_bench_serve_smoke(tiny_model_dir: Path, tmp_path: Path, capsys: pytest.
     assert (tmp_path / "run.png").stat().st_size > 1000
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2")
+@pytest.mark.skipif(not can_run(), reason="needs root and iproute2")
 def test_client_across_testbed(tiny_model_dir: Path) -> None:
     from kvpipe.bench.testbed import LinkTestbed
 

@@ -7,7 +7,6 @@ each namespace (via setns in a thread, and via `ip netns exec` for a subprocess)
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -16,13 +15,12 @@ from dataclasses import replace
 
 import pytest
 
-from kvpipe.bench.testbed import LinkTestbed, LinkTestbedError, make_spec, namespace_exists, parse_rate, \
-    setup_commands
+from kvpipe.bench.testbed import (LinkTestbed, LinkTestbedError, can_run, make_spec, namespace_exists, parse_rate,
+                                  setup_commands, tool)
 from kvpipe.bench.testbed_cli import recorded, removable
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
-needs_root = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
-                                reason="needs root and iproute2")
+needs_root = pytest.mark.skipif(not can_run(), reason="needs root and iproute2")
 
 
 def test_parse_rate_and_commands() -> None:
@@ -53,7 +51,7 @@ def test_tcp_across_and_cleanup(tmp_path) -> None:
         assert namespace_exists(tb.ns_a) and namespace_exists(tb.ns_b)
         assert [st["spec"]["name"] for _, st in recorded(tmp_path)] == [tb.spec.name]
         assert not removable(recorded(tmp_path)[0][1], None)  # live, run-scoped: `down` leaves it
-        qdisc = subprocess.run(["tc", "-n", tb.ns_a, "qdisc", "show", "dev", tb.spec.veth_a],
+        qdisc = subprocess.run([tool("tc"), "-n", tb.ns_a, "qdisc", "show", "dev", tb.spec.veth_a],
                                capture_output=True, text=True, check=True).stdout
         assert "tbf" in qdisc and "500Mbit" in qdisc
         srv = tb.call_in("a", socket.create_server, (tb.addr_a, 0))
