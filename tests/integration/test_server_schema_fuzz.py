@@ -69,13 +69,16 @@ def _servable_bodies(vocab: int, model: str) -> dict[str, dict]:
                   "return_logprob": {"type": "boolean"}, **flags}
     openai_common = {**sampling, **flags, "max_tokens": max_tokens, "model": {"enum": [model, None]},
                      "stream_options": obj({"include_usage": {"type": "boolean"}}, [])}
-    message = obj({"role": {"enum": ["system", "user", "assistant"]}, "content": text}, ["role", "content"])
+    # the chat template adds ~6 tokens a message, and a random character may take 4 byte-level
+    # tokens: 2 messages of at most 6 characters stay inside the 64-token context
+    content = {**text, "maxLength": 6}
+    message = obj({"role": {"enum": ["system", "user", "assistant"]}, "content": content}, ["role", "content"])
     return {
         "/generate": {"anyOf": [obj({"text": text, **gen_common}, ["text"]),
                                 obj({"input_ids": ids, **gen_common}, ["input_ids"])]},
         "/v1/completions": obj({"prompt": {"anyOf": [text, ids]}, "logprobs": {"enum": [0, None]},
                                 "echo": {"enum": [False]}, **openai_common}, ["prompt"]),
-        "/v1/chat/completions": obj({"messages": {"type": "array", "items": message, "minItems": 1, "maxItems": 3},
+        "/v1/chat/completions": obj({"messages": {"type": "array", "items": message, "minItems": 1, "maxItems": 2},
                                      "logprobs": {"type": "boolean"}, **openai_common}, ["messages"]),
         "/abort_request": obj({"rid": {"type": "string"}, "abort_all": {"type": "boolean"}}, []),
     }
