@@ -20,6 +20,7 @@ from typing import Iterator
 import httpx
 import pytest
 
+from kvpipe.bench.chaos import child_pids
 from kvpipe.config import CacheConfig, ServerConfig
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import SamplingParams
@@ -56,24 +57,6 @@ def reference(tiny_model_dir: Path) -> list[tuple[list[int], list[float]]]:
     return colocated_reference(tiny_model_dir, prompts())
 
 
-def tp_children(pid: int) -> list[int]:
-    """PIDs of the TP worker processes a server started."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read()
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == pid and b"kvpipe.engine.tp_worker" in cmd:
-            out.append(int(entry))
-    return sorted(out)
-
-
 def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -83,7 +66,7 @@ def alive(pid: int) -> bool:
 
 
 def close_and_check_no_orphans(stack: Stack) -> None:
-    pids = [p for proc in stack.pd.procs[:2] for p in tp_children(proc.pid)]
+    pids = [p for proc in stack.pd.procs[:2] for p in child_pids(proc.pid)]
     stack.close()
     wait_for(lambda: not any(alive(p) for p in pids), 20, f"TP workers {pids} to exit")
 
@@ -92,8 +75,8 @@ def start(model: Path, tmp: Path, p_tp: int, d_tp: int, extra: tuple[str, ...]) 
     s = start_stack(model, tmp, *FLAGS, *extra, prefill_args=("--tp-size", str(p_tp)),
                     decode_args=("--tp-size", str(d_tp)))
     try:
-        assert len(tp_children(s.pd.procs[0].pid)) == p_tp - 1
-        assert len(tp_children(s.pd.procs[1].pid)) == d_tp - 1
+        assert len(child_pids(s.pd.procs[0].pid)) == p_tp - 1
+        assert len(child_pids(s.pd.procs[1].pid)) == d_tp - 1
     except BaseException:
         s.close()
         raise
@@ -173,7 +156,7 @@ def test_prefill_tp_child_killed_fails_room_on_both_sides(tp2_stack: Stack) -> N
     try:
         # the prompt is computed and its room is in every rank's sender, waiting for the decode
         wait_for(lambda: stack.prefill.engine_stats()["num_held"] == 1, 30, "the prefill to hold the room's pages")
-        (child,) = tp_children(stack.prefill.proc.pid)
+        (child,) = child_pids(stack.prefill.proc.pid)
         os.kill(child, signal.SIGKILL)
     finally:
         t.join(60)

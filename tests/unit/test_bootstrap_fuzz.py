@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from kvpipe.transfer.bootstrap import PrefillRankInfo, _app, _Registry
 from kvpipe.transfer.layout import KVLayout
+from test_messages_fuzz import _paths
 
 FUZZ = settings(max_examples=120, deadline=None, database=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -32,15 +33,6 @@ LAYOUT = KVLayout(num_layers=1, page_size=4, kv_heads=1, head_start=0, total_kv_
 
 def registration(instance: str = "inst-real") -> dict[str, Any]:
     return PrefillRankInfo(0, 1, LAYOUT, "127.0.0.1:17000", "tcp://127.0.0.1:18000", "m", instance).to_dict()
-
-
-def _paths(obj: Any, prefix: tuple = ()) -> list[tuple]:
-    out = []
-    for k, v in obj.items():
-        out.append(prefix + (k,))
-        if isinstance(v, dict):
-            out.extend(_paths(v, prefix + (k,)))
-    return out
 
 
 def _check_still_serves(client: TestClient) -> None:
