@@ -5,6 +5,8 @@
 # venv with) has no ensurepip: a fresh Debian python3 cannot make a venv without it.
 # Called by `make setup` (and so by `make run` and `make test`).
 set -eu
+# ldconfig and ip live in the sbin directories, which a user's (or make's) PATH may lack
+PATH="$PATH:/usr/sbin:/sbin"
 PY="${PY:-python3}"
 LIBS="libibverbs.so.1 librdmacm.so.1 libnuma.so.1"
 PKGS="libibverbs1 librdmacm1 libnuma1 iproute2"
