@@ -26,7 +26,7 @@ from kvpipe.engine.connector import (Admission, ConnectorContext, ForwardPlan, K
                                      KVConnectorWorker, TransferFinished)
 from kvpipe.engine.finish import FinishChecker
 from kvpipe.engine.model_runner import ModelRunner, split_layers
-from kvpipe.engine.request import FinishReason, Req, SamplingParams, TokenOutput, finish_reason_json
+from kvpipe.engine.request import ABORTED_ON_REQUEST, FinishReason, Req, SamplingParams, TokenOutput, finish_reason_json
 from kvpipe.engine.sampler import Sampler, make_generator
 from kvpipe.engine.scheduler import Scheduler
 from kvpipe.engine.tp_worker import TPGroup, build_runner
@@ -243,13 +243,13 @@ class Engine:
     def _abort(self, rid: str, outs: list[TokenOutput]) -> None:
         req = self.scheduler.get(rid) or next((r for r, _ in self._remote if r.rid == rid), None)
         if req is not None and not req.finished:
-            self._finish(req, FinishReason.ABORT, "aborted")
+            self._finish(req, FinishReason.ABORT, ABORTED_ON_REQUEST)
             outs.append(self._finish_output(req))
             return
         h = self._held.get(rid)
         if h is not None and not h.replied:  # done here, its transfer still runs: stop it, answer now
             h.replied = True
-            outs.append(self._abort_output(h.req, "aborted"))
+            outs.append(self._abort_output(h.req, ABORTED_ON_REQUEST))
             assert self.connector is not None
             self.connector.abort_transfer(h.req, "client disconnected or request aborted")
 

@@ -53,7 +53,12 @@ def finish_reason_json(reason: FinishReason | None, detail: str | int | None,
         return {"type": "stop", "matched": detail}
     if reason is FinishReason.LENGTH:
         return {"type": "length", "length": completion_tokens}
-    return {"type": "abort", "message": detail or "aborted"}
+    return {"type": "abort", "message": detail or ABORTED_ON_REQUEST}
+
+
+# finish_detail of a request aborted because someone asked (/abort_request, a client that left);
+# any other abort detail is the server's reason for giving up on it
+ABORTED_ON_REQUEST = "aborted"
 
 
 @dataclass

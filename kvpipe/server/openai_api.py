@@ -10,7 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from kvpipe.config import ConfigError
-from kvpipe.engine.request import FinishReason
+from kvpipe.engine.request import ABORTED_ON_REQUEST, FinishReason
 from kvpipe.server.errors import APIError
 from kvpipe.server.openai_protocol import (DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest,
                                            _OpenAIBase)
@@ -30,6 +30,15 @@ def _finish_fields(out: RequestOutput) -> dict[str, Any]:
     if out.finish_reason is FinishReason.STOP:
         fields["matched_stop"] = out.finish_detail
     return fields
+
+
+def _failure(out: RequestOutput) -> APIError | None:
+    """An OpenAI answer has no place for why a request was aborted: one the server gave up on (a
+    failed KV transfer, no KV pages in time, a prompt the KV cache cannot hold) is an error with
+    that reason, as on a PD prefill; one aborted on request keeps finish_reason "abort"."""
+    if out.finish_reason is FinishReason.ABORT and out.finish_detail not in (None, ABORTED_ON_REQUEST):
+        return APIError(f"request {out.rid} failed: {out.finish_detail}", 500)
+    return None
 
 
 def _usage(outs: list[RequestOutput]) -> dict[str, Any]:
@@ -63,6 +72,10 @@ class _Responder:
         return {"tokens": toks, "token_logprobs": lps, "top_logprobs": None, "text_offset": None}
 
     def body(self, outs: list[RequestOutput]) -> dict[str, Any]:
+        for out in outs:
+            error = _failure(out)
+            if error is not None:
+                raise error
         choices = []
         for out in outs:
             c: dict[str, Any] = {"index": out.index}
@@ -137,6 +150,9 @@ async def _respond(request: Request, state: ServerState, req: _OpenAIBase, input
                     yield responder.chunk([choice], None, include_usage)
                 if out.finished:
                     finals[out.index] = out
+                    error = _failure(out)
+                    if error is not None:
+                        yield sse_error(error)
         except APIError as e:
             yield sse_error(e)
         if include_usage:

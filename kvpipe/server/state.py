@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 
 from kvpipe.config import ModelConfig, ServerConfig
 from kvpipe.engine.cpu_threads import CpuThreads
-from kvpipe.engine.request import FinishReason
+from kvpipe.engine.request import ABORTED_ON_REQUEST, FinishReason
 from kvpipe.model.tokenizer import Tokenizer
 from kvpipe.server.async_engine import AsyncEngine, EngineLike, RequestStream
 from kvpipe.server.errors import APIError
@@ -94,7 +94,7 @@ class ServerState:
             return
         for out in outs:
             if out.finish_reason is FinishReason.ABORT:
-                raise APIError(f"prefill of request {out.rid} failed: {out.finish_detail or 'aborted'}", 500)
+                raise APIError(f"prefill of request {out.rid} failed: {out.finish_detail or ABORTED_ON_REQUEST}", 500)
 
     def submit_all(self, inputs: list[GenerateInput]) -> list[RequestStream]:
         """Submit a batch all-or-nothing: if one prompt is refused, the others are aborted."""
