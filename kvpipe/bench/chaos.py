@@ -39,11 +39,12 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import httpx
 
 from kvpipe.bench.chaos_load import FINAL, Load, Outcome, Status, body, stream_request
+from kvpipe.bench.probe import engine_stats
 from kvpipe.server.launcher import PARTS, PDStack, start_pd_stack
 from kvpipe.server.supervisor import PartState, RestartPolicy
 
@@ -117,8 +118,11 @@ def child_pids(pid: int, marker: bytes = b"kvpipe.engine.tp_worker") -> list[int
     return sorted(out)
 
 
-def server_state(url: str) -> dict[str, Any]:
-    st = httpx.get(url + "/server_info", timeout=10.0).json()["internal_states"][0]
+def server_state(url: str) -> Mapping[str, Any]:
+    """engine_stats, raising when the server does not answer (wait_until counts that as not yet)."""
+    st = engine_stats(url)
+    if st is None:
+        raise httpx.HTTPError(f"{url}/server_info did not answer")
     return st
 
 

@@ -9,7 +9,6 @@ would hang forever shows up as TIMEOUT, the one status the campaign counts as a 
 
 from __future__ import annotations
 
-import json
 import random
 import threading
 import time
@@ -18,6 +17,8 @@ from enum import Enum
 from typing import Any, Callable
 
 import httpx
+
+from kvpipe.bench.client import DONE, event_error, event_tokens, parse_sse_line
 
 
 class Status(Enum):
@@ -75,24 +76,20 @@ def stream_request(url: str, payload: dict[str, Any], out: Outcome, deadline_s: 
                 if time.monotonic() > end_by:
                     out.finish(Status.TIMEOUT, f"still streaming after {deadline_s:g} s")
                     return out
-                if not line.startswith("data:"):
+                ev = parse_sse_line(line)
+                if ev is None:
                     continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    got = _tokens(last)
+                if ev is DONE:
+                    got = event_tokens(last)
                     if got == want:
                         out.finish(Status.OK)
                     else:
                         out.finish(Status.ABORT, f"ended after {got} of {want} tokens")
                     return out
-                ev = json.loads(data)
                 out.events += 1
-                if "error" in ev:
-                    out.finish(Status.ABORT, str(ev["error"]))
-                    return out
-                fin = (ev.get("meta_info") or {}).get("finish_reason") or {}
-                if isinstance(fin, dict) and fin.get("type") == "abort":
-                    out.finish(Status.ABORT, str(fin.get("message", "")))
+                error = event_error(ev)
+                if error is not None:
+                    out.finish(Status.ABORT, error)
                     return out
                 last = ev
                 if on_event is not None:
@@ -105,11 +102,6 @@ def stream_request(url: str, payload: dict[str, Any], out: Outcome, deadline_s: 
     except ValueError as e:  # a malformed event
         out.finish(Status.CUT, f"malformed event: {e}")
     return out
-
-
-def _tokens(ev: dict[str, Any]) -> int:
-    n = (ev.get("meta_info") or {}).get("completion_tokens")
-    return n if isinstance(n, int) else len(ev.get("output_ids") or [])
 
 
 class Load:

@@ -115,6 +115,12 @@ def read_server_info(info_url: str, timeout_s: float = 5.0) -> Mapping[str, Any]
     return info if isinstance(info, Mapping) else None
 
 
+def engine_stats(url: str) -> Mapping[str, Any] | None:
+    """The engine's stats in a server's /server_info (`internal_states[0]`); None when unreachable."""
+    states = (read_server_info(url) or {}).get("internal_states")
+    return states[0] if isinstance(states, list) and states and isinstance(states[0], Mapping) else None
+
+
 def tail_delta(before: tuple[float, int] | None, after: tuple[float, int] | None) -> float | None:
     """Mean transfer tail (ms) of the rooms that finished between two readings."""
     if before is None or after is None or after[1] <= before[1]:

@@ -27,6 +27,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from kvpipe.bench.probe import engine_stats
 from kvpipe.bench.soak_book import (Check, ResourceSeries, Tally, checks_dict, pool_checks, resource_checks,
                                     room_deltas, verdict)
 from kvpipe.bench.soak_plan import Bounds, PlannedRequest, SoakConfig, plan_requests, plan_warmup
@@ -85,14 +86,6 @@ def config_from_args(args: argparse.Namespace) -> SoakConfig:
 
 
 # ---- I/O around the bookkeeping ---------------------------------------------------------------------
-def _engine_stats(url: str) -> Mapping[str, Any] | None:
-    from kvpipe.bench.probe import read_server_info
-
-    info = read_server_info(url)
-    states = (info or {}).get("internal_states")
-    return states[0] if isinstance(states, list) and states and isinstance(states[0], Mapping) else None
-
-
 def _model_name(url: str) -> str:
     import httpx
 
@@ -110,7 +103,7 @@ def wait_pools(urls: Mapping[str, str], baselines: Mapping[str, Mapping[str, Any
     while True:
         checks = []
         for name, url in urls.items():
-            now = _engine_stats(url)
+            now = engine_stats(url)
             last[name] = now
             checks += pool_checks(name, baselines[name], now) if now is not None else \
                 [Check(f"{name} /server_info", False, "unreachable")]
@@ -181,9 +174,9 @@ def run_soak(cfg: SoakConfig, model_path: str | None, server_args: list[str], lo
             log(f"warm-up: {warm.by_outcome()}")
         # the baseline: idle pools (the zero/full rules need only the keys a server reports) and
         # process readings
-        reported = {name: _engine_stats(u) or {} for name, u in urls.items()}
+        reported = {name: engine_stats(u) or {} for name, u in urls.items()}
         warm_checks, _, _ = wait_pools(urls, reported, cfg.idle_timeout_s)
-        baselines = {name: _engine_stats(u) or {} for name, u in urls.items()}
+        baselines = {name: engine_stats(u) or {} for name, u in urls.items()}
         series = {name: ResourceSeries() for name in SERVERS}
         sampler = Sampler(pgids, series, t0, cfg.sample_interval_s)
         for name, s in sampler.sample().items():

@@ -67,8 +67,8 @@ def _finish(kind: Kind, obj: dict) -> tuple[str | None, str]:
             return fin.get("type"), str(fin.get("message") or "")
         return fin, ""
     choices = obj.get("choices") or []
-    # an OpenAI "abort" carries no reason (SGLang turns an abort with a status into an error
-    # event / error response instead); judged unclear, so the soak fails if a client ever sees one
+    # an OpenAI "abort" carries no reason (the server answers a failure with an error response or
+    # event instead, as SGLang does): judged unclear, so the soak fails if a client ever sees one
     return (choices[0].get("finish_reason") if choices else None), ""
 
 

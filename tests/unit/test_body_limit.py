@@ -67,6 +67,7 @@ def test_the_limit_counts_body_messages_as_they_arrive() -> None:
     async def receive() -> dict:
         nonlocal pulled
         pulled += 1
+        assert pulled <= 10, "the middleware kept reading past its limit"  # bounds the loop below
         return {"type": "http.request", "body": b"x" * 300, "more_body": True}
 
     async def inner(scope: dict, receive, send) -> None:
