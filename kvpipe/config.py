@@ -15,6 +15,9 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MiniMaxM2ForCausalLM": "minimax_m2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 
 
@@ -23,8 +26,91 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """Sparse MLP: each token goes to top_k of num_experts routed experts (plus shared ones).
+
+    Routing variants by family: Qwen3-MoE softmax over all experts, then top-k (renormalised
+    when norm_topk_prob); MiniMax-M2 sigmoid scores, top-k chosen on score + correction bias,
+    weights renormalised; DeepSeek-V3 the same plus group-limited choice (the top `topk_groups`
+    of `num_groups` groups, a group scored by its two best experts), the shared experts and
+    `routed_scaling_factor` on the routed weights.
+    """
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int  # per routed expert
+    scoring: str  # "softmax" | "sigmoid"
+    norm_topk_prob: bool
+    correction_bias: bool = False  # e_score_correction_bias steers the choice, not the weights
+    num_groups: int = 1  # group-limited routing (DeepSeek-V3 n_group); 1: off
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_intermediate_size: int = 0  # one fused shared expert of this size; 0: none
+    dense_layers: tuple[int, ...] = ()  # layers that keep a dense MLP of ModelConfig.intermediate_size
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer not in self.dense_layers
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any], arch: str) -> "MoEConfig | None":
+        n_layers = int(cfg["num_hidden_layers"])
+        if arch == "qwen3_moe":
+            step = int(cfg.get("decoder_sparse_step", 1) or 1)
+            only = {int(i) for i in cfg.get("mlp_only_layers") or ()}
+            dense = tuple(i for i in range(n_layers) if i in only or (i + 1) % step)
+            return cls(num_experts=int(cfg.get("num_experts") or cfg["num_local_experts"]),
+                       top_k=int(cfg["num_experts_per_tok"]),
+                       expert_intermediate_size=int(cfg["moe_intermediate_size"]), scoring="softmax",
+                       norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), dense_layers=dense)
+        if arch == "minimax_m2":
+            return cls(num_experts=int(cfg["num_local_experts"]), top_k=int(cfg["num_experts_per_tok"]),
+                       expert_intermediate_size=int(cfg["intermediate_size"]), scoring="sigmoid",
+                       norm_topk_prob=True, correction_bias=True)
+        if arch == "deepseek_v3":
+            first_dense = int(cfg.get("first_k_dense_replace", 0))
+            shared = int(cfg.get("n_shared_experts") or 0)
+            return cls(num_experts=int(cfg["n_routed_experts"]), top_k=int(cfg["num_experts_per_tok"]),
+                       expert_intermediate_size=int(cfg["moe_intermediate_size"]), scoring="sigmoid",
+                       norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), correction_bias=True,
+                       num_groups=int(cfg.get("n_group") or 1), topk_groups=int(cfg.get("topk_group") or 1),
+                       routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+                       shared_intermediate_size=shared * int(cfg["moe_intermediate_size"]),
+                       dense_layers=tuple(range(min(first_dense, n_layers))))
+        return None
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): the KV cache holds one latent per token,
+    [kv_lora_rank] compressed KV then [qk_rope_head_dim] shared rotary key, with no head axis."""
+
+    q_lora_rank: int | None  # None: q is one full projection (no low-rank q)
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # rotary dims stored as interleaved pairs (x0, x1), (x2, x3), ...
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Width of one cached token of one layer."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> "MLAConfig":
+        q = cfg.get("q_lora_rank")
+        return cls(q_lora_rank=None if q is None else int(q), kv_lora_rank=int(cfg["kv_lora_rank"]),
+                   qk_nope_head_dim=int(cfg["qk_nope_head_dim"]), qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+                   v_head_dim=int(cfg["v_head_dim"]), rope_interleave=bool(cfg.get("rope_interleave", True)))
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama" | "qwen2" | "qwen3"
+    architecture: str  # a value of SUPPORTED_ARCHITECTURES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -42,6 +128,22 @@ class ModelConfig:
     dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoEConfig | None = None  # sparse MLP (Qwen3-MoE, MiniMax-M2, DeepSeek-V3)
+    mla: MLAConfig | None = None  # latent attention and a latent KV cache (DeepSeek-V3)
+
+    @property
+    def kv_cache_heads(self) -> int:
+        """Heads of the KV cache before TP: one latent "head" for MLA, replicated on every rank."""
+        return 1 if self.mla is not None else self.num_kv_heads
+
+    @property
+    def kv_cache_head_dim(self) -> int:
+        return self.mla.latent_dim if self.mla is not None else self.head_dim
+
+    @property
+    def kv_buffers_per_layer(self) -> int:
+        """Cache tensors per layer: K and V, or the one MLA latent."""
+        return 1 if self.mla is not None else 2
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -76,11 +178,13 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
             rope_scaling=rope_scaling,
             dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            moe=MoEConfig.from_hf_dict(cfg, arch),
+            mla=MLAConfig.from_hf_dict(cfg) if arch == "deepseek_v3" else None,
         )
 
     @classmethod

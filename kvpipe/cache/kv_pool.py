@@ -3,6 +3,10 @@
 Layout per layer and per K/V: [num_pages, kv_heads, page_size, head_dim] (see
 docs/architecture.md). One page is contiguous, and so is one head range of one page, which
 keeps a heterogeneous-TP page transfer to one op per (layer, K/V, page).
+
+An MLA model caches one latent per token instead ([num_pages, 1, page_size, latent_dim], one
+"head", the same on every TP rank): the pool then holds one buffer per layer (`latent=True`),
+kept in `k`, and `v` is empty.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ class KVBufferInfo:
     """Raw view of one buffer for the transfer layer: base address and sizes in bytes."""
 
     layer: int
-    kind: str  # "k" | "v"
+    kind: str  # "k" | "v" | "latent"
     addr: int
     nbytes: int
     page_nbytes: int  # bytes of one page = kv_heads * page_size * head_dim * itemsize
@@ -34,6 +38,7 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        latent: bool = False,
     ) -> None:
         self.num_layers = num_layers
         self.num_pages = num_pages
@@ -41,21 +46,37 @@ class KVPool:
         self.kv_heads = kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
+        self.latent = latent
         shape = (num_pages, kv_heads, page_size, head_dim)
         # torch.zeros touches every page now; lazily faulted memory makes the first remote write
         # into it three times slower (measured with Mooncake on a CPU host).
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [] if latent else [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @property
+    def buffers_per_layer(self) -> int:
+        return 1 if self.latent else 2
+
+    def layer_buffers(self, layer: int) -> tuple[tuple[str, torch.Tensor], ...]:
+        """(kind, tensor) of one layer in transfer order: K then V, or the latent."""
+        if self.latent:
+            return (("latent", self.k[layer]),)
+        return (("k", self.k[layer]), ("v", self.v[layer]))
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every cache tensor, layer-major (the order of buffer_infos and of KVLayout.buffer_addrs)."""
+        return [b for layer in range(self.num_layers) for _, b in self.layer_buffers(layer)]
 
     def write(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor,
-              k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store new tokens. pages, offsets: [T] int64; k, v: [T, kv_heads, head_dim]."""
+              k: torch.Tensor, v: torch.Tensor | None = None) -> None:
+        """Store new tokens. pages, offsets: [T] int64; k, v: [T, kv_heads, head_dim] (k alone: the latent)."""
         # Advanced indices around a slice put the index dim first: the target view is [T, H, D].
         self.k[layer][pages, :, offsets] = k
-        self.v[layer][pages, :, offsets] = v
+        if v is not None:
+            self.v[layer][pages, :, offsets] = v
 
-    def gather(self, layer: int, page_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one sequence's first `length` tokens, each [kv_heads, length, head_dim]."""
+    def gather(self, layer: int, page_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """K and V of one sequence's first `length` tokens, each [kv_heads, length, head_dim] (V None: latent)."""
         n = -(-length // self.page_size)
         idx = page_table[:n]
 
@@ -63,15 +84,15 @@ class KVPool:
             # [n, H, P, D] -> [H, n*P, D] -> first `length` tokens
             return buf[idx].transpose(0, 1).reshape(self.kv_heads, n * self.page_size, self.head_dim)[:, :length]
 
-        return one(self.k[layer]), one(self.v[layer])
+        return one(self.k[layer]), None if self.latent else one(self.v[layer])
 
     def buffer_infos(self) -> list[KVBufferInfo]:
-        """Per-(layer, K/V) buffers in a fixed order: layer-major, K before V."""
+        """Per-(layer, K/V) buffers in a fixed order: layer-major, K before V (or the latent)."""
         item = self.k[0].element_size()
         page_nbytes = self.kv_heads * self.page_size * self.head_dim * item
         out = []
         for layer in range(self.num_layers):
-            for kind, buf in (("k", self.k[layer]), ("v", self.v[layer])):
+            for kind, buf in self.layer_buffers(layer):
                 out.append(KVBufferInfo(layer, kind, buf.data_ptr(), buf.numel() * item,
                                         page_nbytes, self.page_size * self.head_dim * item))
         return out

@@ -92,7 +92,7 @@ class Engine:
         self._closed = False
         if connector is not None:
             try:
-                self._worker = connector.make_worker(self.runner.pool, self.model_config.num_kv_heads)
+                self._worker = connector.make_worker(self.runner.pool, self.model_config.kv_cache_heads)
                 connector.start(ConnectorContext(cfg, self.model_config, RankWorkers(self._worker, self._tp),
                                                  self._wake))
             except BaseException:

@@ -19,6 +19,16 @@ from kvpipe.model.llama import CausalLM
 GroupCallback = Callable[[int, int, ForwardBatch], None]
 
 
+def make_kv_pool(model: CausalLM, num_pages: int, page_size: int,
+                 device: str | torch.device = "cpu") -> KVPool:
+    """The KV pool one rank of `model` needs: its KV heads only (one replicated head when tp_size >
+    KV heads), or the MLA latent (one buffer per layer, whole on every rank)."""
+    cfg = model.cfg
+    dtype = next(model.parameters()).dtype
+    return KVPool(cfg.num_layers, num_pages, page_size, model.local_kv_heads, cfg.kv_cache_head_dim, dtype,
+                  device, latent=cfg.mla is not None)
+
+
 def split_layers(num_layers: int, num_groups: int) -> tuple[tuple[int, int], ...]:
     """[start, end) ranges of `num_groups` near-equal contiguous layer groups."""
     n = max(1, min(num_groups, num_layers))
@@ -31,11 +41,7 @@ class ModelRunner:
         self.model = model
         self.device = torch.device(device)
         self.page_size = cache.page_size
-        cfg = model.cfg
-        dtype = next(model.parameters()).dtype
-        # KV heads of this rank only (one replicated head when tp_size > num_kv_heads)
-        self.pool = KVPool(cfg.num_layers, cache.pages(), cache.page_size, model.local_kv_heads,
-                           cfg.head_dim, dtype, self.device)
+        self.pool = make_kv_pool(model, cache.pages(), cache.page_size, self.device)
 
     @property
     def num_layers(self) -> int:

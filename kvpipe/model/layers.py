@@ -1,11 +1,14 @@
 """Building blocks of a Llama/Qwen decoder layer, tensor-parallel aware.
 
 Column-parallel projections (q/k/v, gate/up) hold a slice of output rows; row-parallel ones
-(o_proj, down_proj) hold a slice of input columns and all-reduce their partial sums. Parameters
-are allocated uninitialised: the loader fills every one of them.
+(o_proj, down_proj) hold a slice of input columns and all-reduce their partial sums. Each
+sharded Linear carries its `Shard`, so the loader slices checkpoint tensors without knowing the
+model family. Parameters are allocated uninitialised: the loader fills every one of them.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -13,22 +16,43 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpipe.cache.kv_pool import KVPool
-from kvpipe.config import ModelConfig, ParallelConfig
+from kvpipe.config import ConfigError, ModelConfig, ParallelConfig
 from kvpipe.model.attention import paged_attention
 from kvpipe.model.forward_batch import ForwardBatch
 from kvpipe.model.rope import apply_rope
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The part of a checkpoint weight [out, in] one TP rank holds: [start, start + length) along
+    dim 0 (column-parallel: output rows; a bias is sliced alike) or dim 1 (row-parallel: input
+    columns; a bias stays whole)."""
+
+    dim: int
+    start: int
+    length: int
+
+    @classmethod
+    def rows(cls, parallel: ParallelConfig, start: int, length: int) -> "Shard | None":
+        return cls(0, start, length) if parallel.tp_size > 1 else None
+
+    @classmethod
+    def cols(cls, parallel: ParallelConfig, start: int, length: int) -> "Shard | None":
+        return cls(1, start, length) if parallel.tp_size > 1 else None
 
 
 class Linear(nn.Module):
     """y = x W^T (+ b), weights [out, in] as in HF checkpoints; allocated empty."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 all_reduce: bool = False, group: dist.ProcessGroup | None = None) -> None:
+                 all_reduce: bool = False, group: dist.ProcessGroup | None = None,
+                 shard: Shard | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.all_reduce = all_reduce  # row-parallel: sum partial products across the TP group
         self.group = group
+        self.shard = shard  # None: the whole checkpoint tensor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.all_reduce:
@@ -64,10 +88,13 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         tp = parallel.tp_size > 1
         d, bias = cfg.head_dim, cfg.attention_bias
-        self.q_proj = Linear(cfg.hidden_size, self.num_heads * d, bias)
-        self.k_proj = Linear(cfg.hidden_size, self.num_kv_heads * d, bias)
-        self.v_proj = Linear(cfg.hidden_size, self.num_kv_heads * d, bias)
-        self.o_proj = Linear(self.num_heads * d, cfg.hidden_size, False, all_reduce=tp, group=group)
+        q0, kv0 = parallel.tp_rank * self.num_heads * d, parallel.kv_head_start(cfg.num_kv_heads) * d
+        q_rows, kv_rows = Shard.rows(parallel, q0, self.num_heads * d), Shard.rows(parallel, kv0, self.num_kv_heads * d)
+        self.q_proj = Linear(cfg.hidden_size, self.num_heads * d, bias, shard=q_rows)
+        self.k_proj = Linear(cfg.hidden_size, self.num_kv_heads * d, bias, shard=kv_rows)
+        self.v_proj = Linear(cfg.hidden_size, self.num_kv_heads * d, bias, shard=kv_rows)
+        self.o_proj = Linear(self.num_heads * d, cfg.hidden_size, False, all_reduce=tp, group=group,
+                             shard=Shard.cols(parallel, q0, self.num_heads * d))
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -85,14 +112,24 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), split over TP ranks by the intermediate dim.
 
-    def __init__(self, cfg: ModelConfig, parallel: ParallelConfig, group: dist.ProcessGroup | None) -> None:
+    all_reduce=False leaves down_proj's partial sums unreduced, for a caller (an MoE block)
+    that adds several MLPs' outputs and reduces once.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, parallel: ParallelConfig,
+                 group: dist.ProcessGroup | None, all_reduce: bool = True) -> None:
         super().__init__()
-        inter = cfg.intermediate_size // parallel.tp_size
-        self.gate_proj = Linear(cfg.hidden_size, inter)
-        self.up_proj = Linear(cfg.hidden_size, inter)
-        self.down_proj = Linear(inter, cfg.hidden_size, all_reduce=parallel.tp_size > 1, group=group)
+        if intermediate_size % parallel.tp_size:
+            raise ConfigError(f"intermediate size {intermediate_size} does not split over tp_size={parallel.tp_size}")
+        inter = intermediate_size // parallel.tp_size
+        i0 = parallel.tp_rank * inter
+        rows = Shard.rows(parallel, i0, inter)
+        self.gate_proj = Linear(hidden_size, inter, shard=rows)
+        self.up_proj = Linear(hidden_size, inter, shard=rows)
+        self.down_proj = Linear(inter, hidden_size, all_reduce=all_reduce and parallel.tp_size > 1, group=group,
+                                shard=Shard.cols(parallel, i0, inter))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -105,7 +142,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer, parallel, group)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, parallel, group)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, parallel, group)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ForwardBatch, pool: KVPool) -> torch.Tensor:

@@ -43,7 +43,7 @@ class CausalLM(nn.Module):
     @property
     def local_kv_heads(self) -> int:
         """KV heads this rank stores: the KVPool of this rank must be built with this many."""
-        return self.parallel.local_kv_heads(self.cfg.num_kv_heads)
+        return self.parallel.local_kv_heads(self.cfg.kv_cache_heads)
 
     def embed(self, batch: ForwardBatch) -> torch.Tensor:
         """[T] token ids -> [T, hidden]."""

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from kvpipe.config import ConfigError, ModelConfig, ParallelConfig
+from kvpipe.model.layers import Linear, Shard
 from kvpipe.model.llama import CausalLM, check_parallel
 from kvpipe.model.rope import rope_inv_freq
 
@@ -89,35 +90,25 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
     raise ConfigError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
 
 
+def hf_name(name: str) -> str:
+    """Our parameter name -> the checkpoint's: the module tree mirrors HF's under `model.`."""
+    if name == "embed_tokens":
+        return "model.embed_tokens.weight"
+    return name if name.startswith("lm_head.") else "model." + name
+
+
 def shard_plan(model: CausalLM) -> dict[str, tuple[str, int | None, int, int]]:
     """our param name -> (HF name, sliced dim or None, start, length) for this rank."""
-    cfg, par = model.cfg, model.parallel
-    d = cfg.head_dim
-    lq = par.local_heads(cfg.num_heads)
-    q0 = par.tp_rank * lq
-    lkv = par.local_kv_heads(cfg.num_kv_heads)
-    kv0 = par.kv_head_start(cfg.num_kv_heads)
-    inter = cfg.intermediate_size // par.tp_size
-    i0 = par.tp_rank * inter
-    rows = {"q_proj": (q0 * d, lq * d), "k_proj": (kv0 * d, lkv * d), "v_proj": (kv0 * d, lkv * d),
-            "gate_proj": (i0, inter), "up_proj": (i0, inter)}
-    cols = {"o_proj": (q0 * d, lq * d), "down_proj": (i0, inter)}
+    shards: dict[str, Shard] = {}
+    for mod_name, mod in model.named_modules():
+        if isinstance(mod, Linear) and mod.shard is not None:
+            shards[f"{mod_name}.weight"] = mod.shard
+            if mod.bias is not None and mod.shard.dim == 0:  # a row-parallel bias is added once, whole
+                shards[f"{mod_name}.bias"] = Shard(0, mod.shard.start, mod.shard.length)
     plan: dict[str, tuple[str, int | None, int, int]] = {}
     for name, p in model.named_parameters():
-        if name == "embed_tokens":
-            hf = "model.embed_tokens.weight"
-        elif name.startswith("lm_head."):
-            hf = name
-        else:
-            hf = "model." + name
-        parts = name.split(".")
-        proj = parts[-2] if len(parts) >= 2 else ""
-        if par.tp_size > 1 and proj in rows:
-            plan[name] = (hf, 0, *rows[proj])
-        elif par.tp_size > 1 and proj in cols and parts[-1] == "weight":
-            plan[name] = (hf, 1, *cols[proj])
-        else:
-            plan[name] = (hf, None, 0, p.shape[0])
+        s = shards.get(name)
+        plan[name] = (hf_name(name), s.dim, s.start, s.length) if s else (hf_name(name), None, 0, p.shape[0])
     return plan
 
 

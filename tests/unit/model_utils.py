@@ -7,13 +7,13 @@ import dataclasses
 import torch
 
 from kvpipe.cache.kv_pool import KVPool
+from kvpipe.engine.model_runner import make_kv_pool
 from kvpipe.model.forward_batch import ForwardBatch
 from kvpipe.model.llama import CausalLM
 
 
 def make_pool(model: CausalLM, num_pages: int, page_size: int) -> KVPool:
-    return KVPool(model.num_layers, num_pages, page_size, model.local_kv_heads, model.cfg.head_dim,
-                  dtype=model.embed_tokens.dtype)
+    return make_kv_pool(model, num_pages, page_size)
 
 
 def all_logits(batch: ForwardBatch) -> ForwardBatch:
