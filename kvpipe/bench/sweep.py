@@ -177,18 +177,23 @@ def exposed_ratio(ttft_mode: float | None, ttft_baseline: float | None, ttft_inp
 
 
 def kv_bytes_per_token(model_config: Mapping[str, Any], dtype_bytes: int | None = None) -> int | None:
-    """K and V of every layer for one token, from an HF config.json (GQA/MHA layout); None if unknown."""
+    """KV bytes of every layer for one token, from an HF config.json: K and V (GQA/MHA), or the
+    latent of an MLA model (DeepSeek-V3); None if unknown."""
     try:
         layers = int(model_config["num_hidden_layers"])
-        heads = int(model_config["num_attention_heads"])
-        kv_heads = int(model_config.get("num_key_value_heads") or heads)
-        head_dim = int(model_config.get("head_dim") or int(model_config["hidden_size"]) // heads)
+        if model_config.get("kv_lora_rank"):  # MLA: [kv_lora_rank + rope] per token and layer, no heads
+            per_layer = int(model_config["kv_lora_rank"]) + int(model_config["qk_rope_head_dim"])
+        else:
+            heads = int(model_config["num_attention_heads"])
+            kv_heads = int(model_config.get("num_key_value_heads") or heads)
+            head_dim = int(model_config.get("head_dim") or int(model_config["hidden_size"]) // heads)
+            per_layer = 2 * kv_heads * head_dim
     except (KeyError, TypeError, ValueError):
         return None
     if dtype_bytes is None:
         dt = str(model_config.get("torch_dtype") or model_config.get("dtype") or "float32")
         dtype_bytes = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}.get(dt, 4)
-    return 2 * layers * kv_heads * head_dim * dtype_bytes
+    return layers * per_layer * dtype_bytes
 
 
 def _get(summary: Mapping[str, Any] | None, key: str) -> Any:

@@ -33,6 +33,7 @@ import statistics
 import tempfile
 import time
 from contextlib import ExitStack
+from dataclasses import dataclass
 from typing import Any
 
 from kvpipe.bench import transfer_tp
@@ -40,10 +41,20 @@ from kvpipe.bench.raw_mooncake import WHOLE, RawPattern, fmt_bytes, parse_bytes
 from kvpipe.bench.transfer_worker import WorkerConfig, decode_main, prefill_main
 from kvpipe.transfer.backends.mooncake import DEFAULT_MAX_OP_BYTES
 
-# Shapes (num_layers, kv_heads, head_dim, dtype) besides the model presets in kvpipe.model.presets.
-EXTRA_SHAPES: dict[str, tuple[int, int, int, str]] = {
-    "llama3-8b": (32, 8, 128, "bfloat16"),  # 128 KiB of KV per token
-    "qwen2-0.5b": (24, 2, 64, "bfloat16"),  # 12 KiB per token
+@dataclass(frozen=True)
+class KVShape:
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    latent: bool = False  # MLA: one latent buffer per layer (kv_heads 1, head_dim = kv_lora_rank + rope dims)
+
+
+# Shapes besides the model presets in kvpipe.model.presets.
+EXTRA_SHAPES: dict[str, KVShape] = {
+    "llama3-8b": KVShape(32, 8, 128, "bfloat16"),  # 128 KiB of KV per token
+    "qwen2-0.5b": KVShape(24, 2, 64, "bfloat16"),  # 12 KiB per token
+    "deepseek-v3": KVShape(61, 1, 512 + 64, "bfloat16", latent=True),  # MLA latent: 70 KiB per token
 }
 
 
@@ -87,18 +98,21 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
-def _shape(args: argparse.Namespace) -> tuple[int, int, int, str]:
+def _shape(args: argparse.Namespace) -> KVShape:
     if args.preset in EXTRA_SHAPES:
-        layers, heads, hd, dtype = EXTRA_SHAPES[args.preset]
+        s = EXTRA_SHAPES[args.preset]
     else:
-        from kvpipe.model.presets import PRESETS
+        from kvpipe.model.presets import PRESETS, preset_config
 
         if args.preset not in PRESETS:
             raise SystemExit(f"kvpipe bench transfer: unknown preset {args.preset!r}; "
                              f"choose from {sorted(PRESETS) + sorted(EXTRA_SHAPES)}")
-        spec = PRESETS[args.preset]
-        layers, heads, hd, dtype = spec.num_layers, spec.num_kv_heads, spec.head_dim, "float32"
-    return (args.layers or layers, args.kv_heads or heads, args.head_dim or hd, args.dtype or dtype)
+        mc = preset_config(args.preset)
+        s = KVShape(mc.num_layers, mc.kv_cache_heads, mc.kv_cache_head_dim, "float32", latent=mc.mla is not None)
+    if s.latent and args.kv_heads not in (None, 1):
+        raise SystemExit("kvpipe bench transfer: an MLA latent shape has one KV head (--kv-heads 1)")
+    return KVShape(args.layers or s.num_layers, args.kv_heads or s.kv_heads, args.head_dim or s.head_dim,
+                   args.dtype or s.dtype, s.latent)
 
 
 def config_from_args(args: argparse.Namespace, log_path: str, hostname: str = "127.0.0.1",
@@ -108,14 +122,14 @@ def config_from_args(args: argparse.Namespace, log_path: str, hostname: str = "1
         raise SystemExit("kvpipe bench transfer: prompt lengths, --page-size and --repeat must be positive")
     if not 0.0 <= args.fragmentation <= 1.0:
         raise SystemExit("kvpipe bench transfer: --fragmentation must be in [0, 1]")
-    layers, heads, hd, dtype = _shape(args)
+    s = _shape(args)
     max_op = _sizes(args.max_op_bytes, "--max-op-bytes", 0)
     if len(max_op) != 1:
         raise SystemExit("kvpipe bench transfer: --max-op-bytes takes one size (--compare-split takes several)")
-    return WorkerConfig(layers, heads, hd, dtype, args.page_size, lens, args.repeat, args.fragmentation,
-                        args.window, args.seed, log_path, hostname, netns, max_op_bytes=max_op[0] or None,
-                        raw_patterns=raw_patterns(args),
-                        compare_max_op_bytes=_sizes(args.compare_split, "--compare-split", 0))
+    return WorkerConfig(s.num_layers, s.kv_heads, s.head_dim, s.dtype, args.page_size, lens, args.repeat,
+                        args.fragmentation, args.window, args.seed, log_path, hostname, netns,
+                        max_op_bytes=max_op[0] or None, raw_patterns=raw_patterns(args),
+                        compare_max_op_bytes=_sizes(args.compare_split, "--compare-split", 0), latent=s.latent)
 
 
 def _sizes(text: str, flag: str, least: int) -> tuple[int, ...]:
@@ -146,6 +160,10 @@ def tp_mode(args: argparse.Namespace) -> bool:
 def tp_config_from_args(args: argparse.Namespace, log_path: str, prefill_host: str, hostname: str = "127.0.0.1",
                         netns: str | None = None) -> transfer_tp.TPConfig:
     w = config_from_args(args, log_path, hostname, netns)
+    if w.latent:
+        raise SystemExit("kvpipe bench transfer: heterogeneous-TP mode compares head slicing and staging; an MLA "
+                         "latent is replicated on every rank and never sliced (each decode rank reads one "
+                         "prefill rank's latent, as in same-TP mode)")
     if min(args.prefill_tp, args.decode_tp) < 1 or max(args.prefill_tp, args.decode_tp) % min(args.prefill_tp,
                                                                                              args.decode_tp):
         raise SystemExit("kvpipe bench transfer: one of --prefill-tp / --decode-tp must divide the other")
@@ -229,7 +247,7 @@ def summarize(result: dict[str, Any], cfg: WorkerConfig, link_rate: str | None) 
         "verified": all(x["verified"] for x in lengths),
         "lengths": lengths,
         "config": {"layers": cfg.num_layers, "kv_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
-                   "dtype": cfg.dtype, "page_size": cfg.page_size, "repeat": cfg.repeat,
+                   "latent": cfg.latent, "dtype": cfg.dtype, "page_size": cfg.page_size, "repeat": cfg.repeat,
                    "fragmentation": cfg.fragmentation, "window": cfg.window, "max_op_bytes": cfg.max_op_bytes,
                    "raw_patterns": [p.label for p in cfg.raw_patterns],
                    "compare_max_op_bytes": list(cfg.compare_max_op_bytes), "protocol": "tcp",
@@ -240,7 +258,8 @@ def summarize(result: dict[str, Any], cfg: WorkerConfig, link_rate: str | None) 
 def format_table(report: dict[str, Any], sweep: bool = False) -> str:
     c = report["config"]
     split = fmt_bytes(c["max_op_bytes"]) if c["max_op_bytes"] else "off"
-    rows = [f"KV {c['layers']}L x {c['kv_heads']}H x {c['head_dim']}D {c['dtype']}, page {c['page_size']}, "
+    kind = "MLA latent" if c.get("latent") else "KV"
+    rows = [f"{kind} {c['layers']}L x {c['kv_heads']}H x {c['head_dim']}D {c['dtype']}, page {c['page_size']}, "
             f"fragmentation {c['fragmentation']}, link {c['link_rate']}, window {c['window']}, split {split}, "
             f"median of {c['repeat']}; GB/s; paired: median of per-round kvpipe/best-raw",
             f"{'tokens':>7} {'MiB':>8} {'ops':>5} {'pieces':>6} {'plan ms':>8} {'xfer ms':>8} {'kvpipe':>7} "

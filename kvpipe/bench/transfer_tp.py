@@ -91,8 +91,7 @@ def _ranks(cfg: TPConfig, tp: int, num_pages: int, truth, backends: list):
         h0, h1 = kv_head_range(tp, rank, cfg.kv_heads)
         pool = KVPool(cfg.num_layers, num_pages, cfg.page_size, h1 - h0, cfg.head_dim, getattr(torch, cfg.dtype))
         if truth is not None:
-            bufs = [b for layer in range(cfg.num_layers) for b in (pool.k[layer], pool.v[layer])]
-            for buf, full in zip(bufs, truth):
+            for buf, full in zip(pool.buffers(), truth):
                 buf.copy_(full[:, h0:h1])
         layout = KVLayout.from_pool(pool, h0, cfg.kv_heads)
         backend = MooncakeBackend(hostname=cfg.hostname, protocol="tcp", window=cfg.window)
@@ -163,7 +162,7 @@ def decode_main(cfg: TPConfig, conn: Connection) -> None:
                     idx, sidx = torch.as_tensor(pages), torch.as_tensor(src)
                     for rank, pool in enumerate(pools[which]):
                         h0, h1 = kv_head_range(tp, rank, cfg.kv_heads)
-                        bufs = [b for layer in range(cfg.num_layers) for b in (pool.k[layer], pool.v[layer])]
+                        bufs = pool.buffers()
                         ok = ok and all(torch.equal(b[idx], full[sidx][:, h0:h1]) for b, full in zip(bufs, truth))
                         for b in bufs:
                             b[idx] = 0  # the next room must land again to verify

@@ -47,6 +47,7 @@ class WorkerConfig:
     max_op_bytes: int | None = None  # the backend splits longer ops into pieces; None: never
     raw_patterns: tuple[RawPattern, ...] = ()  # swept per length; the one-op pattern is always timed
     compare_max_op_bytes: tuple[int, ...] = (0,)  # kvpipe also timed split at these (0: unsplit)
+    latent: bool = False  # an MLA latent pool: one buffer per layer (kv_heads 1, head_dim = latent width)
 
     @property
     def max_pages(self) -> int:
@@ -91,7 +92,7 @@ def _setup(cfg: WorkerConfig, num_pages: int):
 
     backend = MooncakeBackend(hostname=cfg.hostname, protocol="tcp", window=cfg.window, max_op_bytes=cfg.max_op_bytes)
     pool = KVPool(cfg.num_layers, num_pages, cfg.page_size, cfg.kv_heads, cfg.head_dim,
-                  dtype=getattr(torch, cfg.dtype))
+                  dtype=getattr(torch, cfg.dtype), latent=cfg.latent)
     # Raw-transfer buffer as big as the largest request; np.ones touches every page of it.
     raw = np.ones(cfg.max_pages * cfg.page_size * _token_nbytes(pool), dtype=np.uint8)
     infos = pool.buffer_infos()
@@ -108,7 +109,7 @@ def _digest(pool, pages: np.ndarray) -> str:
 
     h = hashlib.blake2b(digest_size=16)
     idx = torch.from_numpy(pages)
-    for buf in (b for layer in range(pool.num_layers) for b in (pool.k[layer], pool.v[layer])):
+    for buf in pool.buffers():
         h.update(buf[idx].contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
@@ -126,7 +127,7 @@ def decode_main(cfg: WorkerConfig, peer: Connection) -> None:
         while True:
             cmd, arg = peer.recv()
             if cmd == "reset":
-                for buf in pool.k + pool.v:
+                for buf in pool.buffers():
                     buf.zero_()
                 peer.send("ok")
             elif cmd == "digest":
@@ -165,7 +166,7 @@ def _prefill(cfg: WorkerConfig, peer: Connection) -> dict[str, Any]:
     backend, pool, raw = _setup(cfg, cfg.max_pages)
     try:
         g = torch.Generator().manual_seed(cfg.seed)
-        for buf in pool.k + pool.v:
+        for buf in pool.buffers():
             buf.copy_(torch.randn(buf.shape, generator=g).to(buf.dtype))
         _, blob, raw_dst = peer.recv()
         reg = decode(blob)

@@ -83,6 +83,10 @@ class TransferWorker(KVConnectorWorker):
         d = self.cfg.disaggregation
         control = None
         staging = d.staging != "off"
+        if staging and self.layout.latent:
+            logger.info("TP rank %d: --disaggregation-staging-buffer %s ignored: the MLA latent is replicated on "
+                     "every rank and never head-sliced, so whole-page writes already coalesce", self.rank, d.staging)
+            staging = False
         if isinstance(cmd, StartPrefill):
             buf = StagingBuffer(KVBytes.from_pool(self._pool), self.backend, d.staging_pool_nbytes) if staging else None
             self.sender = KVSender(d, layout=self.layout, backend=self.backend,

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from kvpipe.config import ConfigError
+from kvpipe.config import ConfigError, ModelConfig
 from kvpipe.model.preset_tokenizer import SPECIAL_TOKENS, build_tokenizer
 
 PRESET_FORMAT_VERSION = 1  # bump when a preset's files change, so cached copies are rewritten
@@ -166,3 +166,11 @@ def default_model_dir(preset: str, seed: int = 0) -> Path:
 def resolve_model_path(path: str | None) -> str:
     """A --model-path, or the built-in tiny preset (written once, then reused) when none is given."""
     return path if path else str(default_model_dir("tiny"))
+
+
+def preset_config(name: str) -> ModelConfig:
+    """The ModelConfig preset `name` would be written with (its KV shape, without writing weights)."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    tok = build_tokenizer()
+    return ModelConfig.from_hf_dict(_hf_config(PRESETS[name], tok.get_vocab_size(with_added_tokens=True), 0, 1))

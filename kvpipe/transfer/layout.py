@@ -4,6 +4,10 @@ Each buffer is one (layer, K/V) tensor of shape [num_pages, kv_heads, page_size,
 (kvpipe/cache/kv_pool.py). Byte offsets inside a buffer:
   page p, local head h  ->  p * page_nbytes + h * head_nbytes
 so one page is contiguous and so is any head range [h0, h1) of one page.
+
+An MLA model's layout is "latent, replicated": one buffer per layer (buffers_per_layer 1),
+one head (total_kv_heads 1) that every TP rank holds whole, so heterogeneous TP never slices it
+and tp_mapping gives each decode rank exactly one source rank.
 """
 
 from __future__ import annotations
@@ -26,12 +30,17 @@ class KVLayout:
     head_dim: int
     dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
     itemsize: int  # bytes per element
-    buffer_addrs: tuple[int, ...]  # 2 * num_layers base addresses: layer-major, K then V
+    buffer_addrs: tuple[int, ...]  # num_buffers base addresses: layer-major, K then V (or the latent)
     buffer_nbytes: int  # bytes of each buffer (all buffers have the same shape)
+    buffers_per_layer: int = 2  # K and V; 1: the MLA latent
 
     def __post_init__(self) -> None:
-        if len(self.buffer_addrs) != 2 * self.num_layers:
-            raise ValueError(f"expected {2 * self.num_layers} buffer addresses, got {len(self.buffer_addrs)}")
+        if self.buffers_per_layer not in (1, 2):
+            raise ValueError(f"buffers_per_layer must be 1 (latent) or 2 (K and V), got {self.buffers_per_layer}")
+        if self.latent and self.total_kv_heads != 1:
+            raise ValueError(f"a latent layout has one replicated head, not {self.total_kv_heads}")
+        if len(self.buffer_addrs) != self.num_buffers:
+            raise ValueError(f"expected {self.num_buffers} buffer addresses, got {len(self.buffer_addrs)}")
         for name in ("num_layers", "page_size", "kv_heads", "total_kv_heads", "head_dim", "itemsize"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -59,13 +68,18 @@ class KVLayout:
         return self.buffer_nbytes // self.page_nbytes
 
     @property
+    def latent(self) -> bool:
+        """One MLA latent buffer per layer instead of K and V."""
+        return self.buffers_per_layer == 1
+
+    @property
     def num_buffers(self) -> int:
-        return 2 * self.num_layers
+        return self.buffers_per_layer * self.num_layers
 
     @property
     def token_nbytes(self) -> int:
-        """KV bytes of one token over all layers, K and V, local heads."""
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * self.itemsize
+        """KV bytes of one token over all layers, K and V (or latent), local heads."""
+        return self.buffers_per_layer * self.num_layers * self.kv_heads * self.head_dim * self.itemsize
 
     @classmethod
     def from_pool(cls, pool: "KVPool", head_start: int = 0, total_kv_heads: int | None = None) -> "KVLayout":
@@ -84,11 +98,13 @@ class KVLayout:
             itemsize=infos[0].nbytes // (pool.num_pages * pool.kv_heads * pool.page_size * pool.head_dim),
             buffer_addrs=tuple(b.addr for b in infos),
             buffer_nbytes=nbytes.pop(),
+            buffers_per_layer=pool.buffers_per_layer,
         )
 
     def compatible_with(self, other: "KVLayout") -> str | None:
         """None when KV can move between the two pools, else why not (for a clear error)."""
         checks = (
+            ("KV kind (1: MLA latent, 2: K and V)", self.buffers_per_layer, other.buffers_per_layer),
             ("page size", self.page_size, other.page_size),
             ("KV dtype", self.dtype, other.dtype),
             ("number of layers", self.num_layers, other.num_layers),

@@ -1,7 +1,8 @@
 """Pages -> coalesced (src_addr, dst_addr, length) write ops, vectorised with numpy.
 
 Same heads on both sides: the (src page, dst page) pairs split wherever either side is not
-consecutive; each contiguous run is one op per (layer, K/V) buffer: ops = layers * 2 * runs.
+consecutive; each contiguous run is one op per (layer, K/V) buffer: ops = layers * 2 * runs
+(layers * runs for an MLA latent: one buffer per layer, never head-sliced).
 Different head ranges (heterogeneous TP): the moved head range of one page is contiguous on each
 side but pages are not, so one op per (layer, K/V, page); when the range covers whole pages on
 both sides it is the same-heads case again and runs coalesce.
@@ -34,10 +35,11 @@ class TransferPlan:
     head_start: int  # global KV heads moved: [head_start, head_end)
     head_end: int
     planning_ms: float
+    buffers_per_layer: int = 2  # K and V, or 1: the MLA latent
 
     @property
     def ops_per_layer(self) -> int:
-        return 2 * self.num_runs
+        return self.buffers_per_layer * self.num_runs
 
     @property
     def num_ops(self) -> int:
@@ -54,7 +56,8 @@ class TransferPlan:
         a = (start - self.layer_start) * self.ops_per_layer
         b = (end - self.layer_start) * self.ops_per_layer
         return TransferPlan(self.src_addr[a:b], self.dst_addr[a:b], self.length[a:b], start, end,
-                            self.num_runs, self.num_pages, self.head_start, self.head_end, 0.0)
+                            self.num_runs, self.num_pages, self.head_start, self.head_end, 0.0,
+                            self.buffers_per_layer)
 
 
 def page_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -117,13 +120,14 @@ def plan_pages(src_pages: np.ndarray | list[int], dst_pages: np.ndarray | list[i
     # Offsets inside one buffer, [R]; bases of the planned buffers, [B]; ops = [B, R] flattened.
     src_rel = run_src * src.page_nbytes + (h0 - src.head_start) * src.head_nbytes
     dst_rel = run_dst * dst.page_nbytes + (h0 - dst.head_start) * dst.head_nbytes
-    src_base = np.asarray(src.buffer_addrs[2 * l0:2 * l1], dtype=np.int64)
-    dst_base = np.asarray(dst.buffer_addrs[2 * l0:2 * l1], dtype=np.int64)
+    per = src.buffers_per_layer  # equal on both sides (compatible)
+    src_base = np.asarray(src.buffer_addrs[per * l0:per * l1], dtype=np.int64)
+    dst_base = np.asarray(dst.buffer_addrs[per * l0:per * l1], dtype=np.int64)
     src_addr = (src_base[:, None] + src_rel[None, :]).ravel()
     dst_addr = (dst_base[:, None] + dst_rel[None, :]).ravel()
     length = np.tile(run_len * slice_nbytes, src_base.size)
     ms = (time.perf_counter() - t0) * 1e3
-    return TransferPlan(src_addr, dst_addr, length, l0, l1, int(run_len.size), int(s.size), h0, h1, ms)
+    return TransferPlan(src_addr, dst_addr, length, l0, l1, int(run_len.size), int(s.size), h0, h1, ms, per)
 
 
 @dataclass(frozen=True)

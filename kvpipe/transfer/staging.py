@@ -65,7 +65,9 @@ class KVBytes:
 
     @classmethod
     def from_pool(cls, pool) -> "KVBytes":
-        return cls([b for layer in range(pool.num_layers) for b in (pool.k[layer], pool.v[layer])])
+        if pool.latent:  # chunks are [layers, K/V, pages, slice]; a latent is never head-sliced anyway
+            raise ValueError("staging moves head slices of K and V; an MLA latent pool has neither")
+        return cls(pool.buffers())
 
     def _chunk(self, buf: torch.Tensor, offset: int, n: int, ncols: int, l0: int, l1: int,
                dtype: torch.dtype) -> torch.Tensor:

@@ -79,19 +79,26 @@ def make_backend(kind: str, fabric: LocalFabric, stack, inject=None):
     return backend
 
 
-def truth(seed: int = 0) -> list[torch.Tensor]:
-    """Full-head KV per (layer, K/V): [PAGES, H, PS, HD] each, layer-major, K then V."""
+LATENT_DIM = 12  # an MLA latent row (kv_lora_rank + rope dims) of the latent-pool tests
+
+
+def truth(seed: int = 0, latent: bool = False) -> list[torch.Tensor]:
+    """Full-head KV per (layer, K/V): [PAGES, H, PS, HD] each, layer-major, K then V; or one MLA
+    latent per layer, [PAGES, 1, PS, LATENT_DIM]."""
     g = torch.Generator().manual_seed(seed)
+    if latent:
+        return [torch.randn(PAGES, 1, PS, LATENT_DIM, generator=g) for _ in range(L)]
     return [torch.randn(PAGES, H, PS, HD, generator=g) for _ in range(2 * L)]
 
 
-def rank_pool(tp: int, rank: int, data: list[torch.Tensor] | None):
-    h0, h1 = kv_head_range(tp, rank, H)
-    pool = KVPool(L, PAGES, PS, h1 - h0, HD)
+def rank_pool(tp: int, rank: int, data: list[torch.Tensor] | None, latent: bool = False):
+    heads = 1 if latent else H  # the latent is one head that every rank holds whole
+    h0, h1 = kv_head_range(tp, rank, heads)
+    pool = KVPool(L, PAGES, PS, h1 - h0, LATENT_DIM if latent else HD, latent=latent)
     if data is not None:
-        for i, buf in enumerate(b for layer in range(L) for b in (pool.k[layer], pool.v[layer])):
-            buf.copy_(data[i][:, h0:h1])
-    return pool, KVLayout.from_pool(pool, head_start=h0, total_kv_heads=H)
+        for buf, full in zip(pool.buffers(), data):
+            buf.copy_(full[:, h0:h1])
+    return pool, KVLayout.from_pool(pool, head_start=h0, total_kv_heads=heads)
 
 
 def register(backend, layout: KVLayout) -> None:
@@ -109,14 +116,15 @@ class Prefill:
         return self.server.port
 
 
-def start_prefill(stack, kind="local", fabric=None, tp=1, cfg=CFG, server=None, instance="p0", seed=0, inject=None):
+def start_prefill(stack, kind="local", fabric=None, tp=1, cfg=CFG, server=None, instance="p0", seed=0, inject=None,
+                  latent=False):
     """cfg.staging other than "off": each rank gets a local staging buffer of cfg.staging_pool_nbytes."""
     fabric = fabric or LocalFabric()
     if server is None:
         server = stack.enter_context(BootstrapServer("127.0.0.1", 0))
-    data, senders = truth(seed), []
+    data, senders = truth(seed, latent), []
     for rank in range(tp):
-        pool, layout = rank_pool(tp, rank, data)
+        pool, layout = rank_pool(tp, rank, data, latent)
         backend = make_backend(kind, fabric, stack, inject)
         register(backend, layout)
         buf = None if cfg.staging == "off" else StagingBuffer(KVBytes.from_pool(pool), backend, cfg.staging_pool_nbytes)
@@ -129,12 +137,12 @@ def start_prefill(stack, kind="local", fabric=None, tp=1, cfg=CFG, server=None, 
 
 
 def start_decode(stack, kind="local", fabric=None, tp=1, cfg=CFG, clock=time.monotonic, model="m",
-                 staging_nbytes: int | None = None):
+                 staging_nbytes: int | None = None, latent=False):
     """staging_nbytes: every rank offers a staging ring of that size (recv.agents)."""
     fabric = fabric or LocalFabric()
     pools, ranks, agents = [], [], []
     for rank in range(tp):
-        pool, layout = rank_pool(tp, rank, None)
+        pool, layout = rank_pool(tp, rank, None, latent)
         backend = make_backend(kind, fabric, stack)
         register(backend, layout)
         pools.append(pool)
@@ -155,9 +163,8 @@ def start_decode(stack, kind="local", fabric=None, tp=1, cfg=CFG, clock=time.mon
 def assert_moved(prefill: Prefill, recv: KVReceiver, src: np.ndarray, dst: np.ndarray, untouched: np.ndarray):
     """Decode pages `dst` hold prefill pages `src` for every decode rank's heads; `untouched` stay zero."""
     for rank, pool in enumerate(recv.pools):
-        h0, h1 = kv_head_range(len(recv.pools), rank, H)
-        bufs = [b for layer in range(L) for b in (pool.k[layer], pool.v[layer])]
-        for full, buf in zip(prefill.data, bufs):
+        h0, h1 = kv_head_range(len(recv.pools), rank, 1 if pool.latent else H)
+        for full, buf in zip(prefill.data, pool.buffers(), strict=True):
             assert torch.equal(buf[dst], full[src][:, h0:h1])
             assert not buf[untouched].any()
 
@@ -221,6 +228,48 @@ def test_heterogeneous_tp(stack, p_tp, d_tp):
     assert_moved(prefill, recv, SRC[1:], dst, np.setdiff1d(np.arange(PAGES), dst))
     if p_tp > H:  # replicated heads: only one prefill rank per head writes
         assert sum(s.stats.ops_submitted > 0 for s in prefill.senders) == H
+
+
+@pytest.mark.parametrize("kind", ["local", "mooncake"])
+@pytest.mark.parametrize("p_tp, d_tp", [(1, 2), (2, 1), (2, 4), (4, 2), (2, 2)])
+def test_mla_latent_heterogeneous_tp_writes_each_decode_rank_once(stack, kind, p_tp, d_tp):
+    """An MLA latent is replicated on every rank: each decode rank reads it whole from exactly one
+    prefill rank (no slicing, no duplicate writes), one op per layer and page run, and the bytes
+    on the wire are exactly the prediction."""
+    fabric = LocalFabric()
+    prefill = start_prefill(stack, kind, fabric, tp=p_tp, latent=True)
+    recv = start_decode(stack, kind, fabric, tp=d_tp, latent=True)
+    dst = np.array([1, 2, 3, 12, 13])  # two runs; SRC[1:] is two runs at the same breaks
+    recv.add_room(9, "127.0.0.1", prefill.port, [dst] * d_tp, prefix_len=4)
+    for s in prefill.senders:
+        s.add_room(9, SRC)
+        s.send(9, 0, 10)
+        s.send(9, 10, 21, last=True, aux=(3, -0.5))
+    for s in prefill.senders:
+        assert Results(s).get(9)[1:] == (S, "")
+    assert Results(recv).get(9)[1] is S
+    assert_moved(prefill, recv, SRC[1:], dst, np.setdiff1d(np.arange(PAGES), dst))
+    per_rank_bytes = L * dst.size * PS * LATENT_DIM * 4  # every layer's latent of the pages past the prefix
+    stats = [s.stats for s in prefill.senders]
+    assert sum(st.bytes_written for st in stats) == d_tp * per_rank_bytes  # each decode rank written once
+    # first send: page 4 -> 1 (page 5 still filling); last: 5 -> 2, 9 -> 3, [10, 11] -> [12, 13]
+    runs = 4
+    assert sum(st.ops_submitted for st in stats) == d_tp * L * runs  # one op per (layer, run): no K/V pair
+    # the sources: decode rank r reads prefill rank r // (d/p) (d >= p) or the first of its group
+    writers = [rank for rank, st in enumerate(stats) if st.bytes_written]
+    expect = sorted({r // (d_tp // p_tp) if d_tp >= p_tp else r * (p_tp // d_tp) for r in range(d_tp)})
+    assert writers == expect
+
+
+def test_latent_and_kv_layouts_refuse_each_other():
+    kv_pool, kv = rank_pool(1, 0, None)
+    lat_pool, lat = rank_pool(1, 0, None, latent=True)
+    assert lat.latent and lat.num_buffers == L and not kv.latent
+    assert "KV kind" in kv.compatible_with(lat)
+    with pytest.raises(ValueError, match="one replicated head"):
+        dataclasses.replace(lat, total_kv_heads=2)
+    with pytest.raises(ValueError, match="latent"):
+        KVBytes.from_pool(lat_pool)  # staging never handles a latent pool
 
 
 def test_decode_abort_keeps_pages_until_prefill_acknowledges(stack):

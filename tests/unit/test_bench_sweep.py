@@ -137,6 +137,8 @@ def test_kv_bytes_per_token() -> None:
     no_hd = {k: v for k, v in bench.items() if k != "head_dim"}
     assert kv_bytes_per_token(no_hd | {"num_key_value_heads": None}) == 2 * 12 * 12 * 64 * 4  # MHA
     assert kv_bytes_per_token({}) is None
+    mla = {"num_hidden_layers": 61, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "torch_dtype": "bfloat16"}
+    assert kv_bytes_per_token(mla) == 61 * 576 * 2  # one latent per layer, no K/V pair
 
 
 def test_num_groups_probes() -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from kvpipe.bench.raw_mooncake import WHOLE, RawPattern, fmt_bytes, parse_bytes, pattern_ops
 from kvpipe.bench.transfer import (RAW_PIECES, RAW_WINDOWS, add_args, config_from_args, format_table,
-                                   summarize)
+                                   summarize, tp_config_from_args)
 from kvpipe.bench.transfer_worker import fragmented_pages
 from kvpipe.transfer.backends.mooncake import DEFAULT_MAX_OP_BYTES
 from kvpipe.transfer.planner import page_runs
@@ -44,6 +44,18 @@ def test_flags_to_worker_config():
     for bad in (["--prompt-lens", "0"], ["--fragmentation", "2"], ["--preset", "nope"]):
         with pytest.raises(SystemExit):
             config_from_args(p.parse_args(bad), "/tmp/x.log")
+
+
+def test_mla_shape_is_a_latent_pool_and_not_a_tp_bench():
+    p = argparse.ArgumentParser()
+    add_args(p)
+    cfg = config_from_args(p.parse_args(["--preset", "deepseek-v3"]), "/tmp/x.log")
+    assert cfg.latent and (cfg.num_layers, cfg.kv_heads, cfg.head_dim, cfg.dtype) == (61, 1, 576, "bfloat16")
+    with pytest.raises(SystemExit, match="one KV head"):
+        config_from_args(p.parse_args(["--preset", "deepseek-v3", "--kv-heads", "2"]), "/tmp/x.log")
+    with pytest.raises(SystemExit, match="never sliced"):
+        tp_config_from_args(p.parse_args(["--preset", "deepseek-v3", "--decode-tp", "2"]), "/tmp/x.log", "127.0.0.1")
+    assert not config_from_args(p.parse_args(["--preset", "tiny"]), "/tmp/x.log").latent
 
 
 def test_piece_flags_and_raw_patterns():

@@ -180,3 +180,23 @@ def test_head_slices_match_design_formulas(H):
                     src = kv_head_range(P, s.prefill_rank, H)
                     got = (s.head_start - src[0], s.head_start - dst[0], s.num_heads)
                     assert got == _sglang_offsets(s.prefill_rank, d, P, D, H), (P, D, H, d, s)
+
+
+def test_latent_pool_plans_one_op_per_layer_and_run_and_layer_slices():
+    """MLA: one latent buffer per layer, so a run is `layers` ops (not 2x), and layer-group
+    sub-plans index the op arrays by that stride."""
+    width = 12  # kv_lora_rank + rope dims
+    src, dst = (KVPool(LAYERS, PAGES, PAGE, 1, width, latent=True) for _ in range(2))
+    g = torch.Generator().manual_seed(3)
+    for buf in src.buffers():
+        buf.copy_(torch.randn(buf.shape, generator=g))
+    ls, ld = KVLayout.from_pool(src), KVLayout.from_pool(dst)
+    src_pages, dst_pages = [2, 3, 4, 9], [7, 8, 9, 1]
+    plan = plan_pages(src_pages, dst_pages, ls, ld)
+    assert (plan.num_runs, plan.ops_per_layer, plan.num_ops) == (2, 2, LAYERS * 2)
+    assert plan.nbytes == len(src_pages) * PAGE * width * 4 * LAYERS
+    mid = plan.layers(1, 2)
+    assert mid.num_ops == 2 and set(mid.dst_addr - ld.buffer_addrs[1]) < set(range(ld.buffer_nbytes))
+    Pair(src, dst).run(plan)
+    for s, d in zip(src.buffers(), dst.buffers(), strict=True):
+        assert torch.equal(d[dst_pages], s[src_pages])
