@@ -10,10 +10,8 @@ with an error naming the rank, and no page leaks. No process survives its stack.
 from __future__ import annotations
 
 import os
-import random
 import signal
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
@@ -21,40 +19,27 @@ import httpx
 import pytest
 
 from kvpipe.bench.chaos import child_pids
-from kvpipe.config import CacheConfig, ServerConfig
-from kvpipe.engine.engine import Engine
-from kvpipe.engine.request import SamplingParams
-from kvpipe.transfer.tp_mapping import transfer_slices
 from pd_harness import Stack, disagg_stats, generate, greedy, pd_body, start_stack, wait_for
+from pd_parity import check_parity as shared_check_parity
+from pd_parity import colocated_reference
+from pd_parity import prompts as parity_prompts
 
 pytest.importorskip("mooncake.engine")
 pytestmark = pytest.mark.integration
 
-PS, NEW, LAYERS, HEAD_DIM, KV_HEADS = 16, 5, 4, 32, 2  # the tiny preset, fp32
+PS, NEW = 16, 5  # the tiny preset, fp32
 LENGTHS = [300, 137, 64, 211]
-LOGPROB_TOL = 1e-4  # TP all-reduces reorder fp32 sums (~1e-6); a wrong KV head moves them ~1e-3
 FLAGS = ["--page-size", str(PS), "--max-total-tokens", "8192", "--disaggregation-heartbeat-interval", "0.5",
          "--disaggregation-bootstrap-timeout", "30", "--disaggregation-transfer-timeout", "3"]
 
 
 def prompts() -> list[list[int]]:
-    rng = random.Random(7)
-    return [[rng.randrange(3, 290) for _ in range(n)] for n in LENGTHS]
-
-
-def colocated_reference(model_dir: Path, ids: list[list[int]]) -> list[tuple[list[int], list[float]]]:
-    """Colocated TP 1 engine: (greedy tokens, logprobs) per prompt."""
-    eng = Engine(ServerConfig(model_path=str(model_dir), cache=CacheConfig(page_size=PS, num_pages=128)))
-    try:
-        outs = eng.generate(ids, SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True))
-    finally:
-        eng.shutdown()
-    return [(o["output_ids"], o["meta_info"]["output_token_logprobs"]) for o in outs]
+    return parity_prompts(LENGTHS)
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir: Path) -> list[tuple[list[int], list[float]]]:
-    return colocated_reference(tiny_model_dir, prompts())
+    return colocated_reference(tiny_model_dir, prompts(), NEW, PS)
 
 
 def alive(pid: int) -> bool:
@@ -83,32 +68,8 @@ def start(model: Path, tmp: Path, p_tp: int, d_tp: int, extra: tuple[str, ...]) 
     return s
 
 
-def expected_bytes(p_tp: int, d_tp: int) -> int:
-    """Bytes every prefill rank together writes for the prompts: whole pages, each decode rank's
-    heads once (decode ranks sharing a replicated head each get it)."""
-    heads = sum(s.num_heads for s in transfer_slices(p_tp, d_tp, KV_HEADS))
-    pages = sum(-(-n // PS) for n in LENGTHS)
-    return pages * heads * PS * HEAD_DIM * 4 * 2 * LAYERS
-
-
-def check_parity(stack: Stack, reference, p_tp: int, d_tp: int, groups: int) -> None:
-    def one(ids: list[int]) -> dict:
-        return generate(stack.router, {"input_ids": ids, "sampling_params": greedy(NEW), "return_logprob": True})
-
-    with ThreadPoolExecutor(len(LENGTHS)) as pool:  # concurrent: prefill batches several rooms
-        outs = list(pool.map(one, prompts()))
-    for n, out, (ref_ids, ref_lp) in zip(LENGTHS, outs, reference):
-        assert out["output_ids"] == ref_ids, (n, out["meta_info"])
-        got = [t[0] for t in out["meta_info"]["output_token_logprobs"]]
-        assert max(abs(a - b) for a, b in zip(got, ref_lp)) < LOGPROB_TOL, (n, got, ref_lp)
-    p = stack.prefill.wait_idle(30)  # every page back on both sides
-    stack.decode.wait_idle(30)
-    st = disagg_stats(stack.prefill)
-    assert (st["rooms_succeeded"], st["rooms_failed"]) == (len(LENGTHS), 0), st
-    assert st["bytes_written"] == expected_bytes(p_tp, d_tp), st  # every rank's writes, counted
-    assert p["tp_size"] == p_tp and stack.decode.engine_stats()["tp_size"] == d_tp
-    if groups > 1:
-        assert p["layer_group_batches"].get(str(groups), 0) > 0, p["layer_group_batches"]
+def check_parity(stack: Stack, model_dir: Path, reference, p_tp: int, d_tp: int, groups: int) -> None:
+    shared_check_parity(stack, model_dir, prompts(), reference, NEW, PS, p_tp, d_tp, groups)
 
 
 @pytest.mark.parametrize("p_tp,d_tp,chunk,groups", [
@@ -122,7 +83,7 @@ def test_pd_tp_matches_colocated(tiny_model_dir: Path, tmp_path: Path, reference
     stack = start(tiny_model_dir, tmp_path, p_tp, d_tp,
                   ("--chunked-prefill-size", str(chunk), "--disaggregation-layer-groups", str(groups)))
     try:
-        check_parity(stack, reference, p_tp, d_tp, groups)
+        check_parity(stack, tiny_model_dir, reference, p_tp, d_tp, groups)
     except BaseException:
         print(stack.logs())
         raise
@@ -141,8 +102,8 @@ def tp2_stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
         close_and_check_no_orphans(s)
 
 
-def test_pd_tp2_to_tp1_matches_colocated(tp2_stack: Stack, reference) -> None:
-    check_parity(tp2_stack, reference, 2, 1, 2)
+def test_pd_tp2_to_tp1_matches_colocated(tp2_stack: Stack, tiny_model_dir: Path, reference) -> None:
+    check_parity(tp2_stack, tiny_model_dir, reference, 2, 1, 2)
 
 
 def test_prefill_tp_child_killed_fails_room_on_both_sides(tp2_stack: Stack) -> None:

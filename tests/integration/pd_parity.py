@@ -1,0 +1,66 @@
+"""PD through the router vs a colocated engine, for any model: greedy tokens and logprobs of
+concurrent prompts, every page back afterwards, and every prefill rank's written bytes equal to
+what the TP mapping predicts for the model's KV layout (K/V head slices, or an MLA latent)."""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from kvpipe.config import CacheConfig, ModelConfig, ServerConfig
+from kvpipe.engine.engine import Engine
+from kvpipe.engine.request import SamplingParams
+from kvpipe.transfer.tp_mapping import transfer_slices
+from pd_harness import Stack, disagg_stats, generate, greedy
+
+LOGPROB_TOL = 1e-4  # TP all-reduces reorder fp32 sums (~1e-6); a wrong KV head moves them ~1e-3
+
+
+def prompts(lengths: list[int], vocab: int = 290, seed: int = 7) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def colocated_reference(model_dir: Path, ids: list[list[int]], new_tokens: int,
+                        page_size: int) -> list[tuple[list[int], list[float]]]:
+    """Colocated TP 1 engine: (greedy tokens, logprobs) per prompt."""
+    eng = Engine(ServerConfig(model_path=str(model_dir), cache=CacheConfig(page_size=page_size, num_pages=128)))
+    try:
+        outs = eng.generate(ids, SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+    finally:
+        eng.shutdown()
+    return [(o["output_ids"], o["meta_info"]["output_token_logprobs"]) for o in outs]
+
+
+def expected_bytes(model_dir: Path, lengths: list[int], page_size: int, p_tp: int, d_tp: int,
+                   itemsize: int = 4) -> int:
+    """Bytes every prefill rank together writes for the prompts: whole pages, each decode rank's
+    heads once (decode ranks sharing a replicated head, or the MLA latent, each get it)."""
+    mc = ModelConfig.from_dir(model_dir)
+    heads = sum(s.num_heads for s in transfer_slices(p_tp, d_tp, mc.kv_cache_heads))
+    pages = sum(-(-n // page_size) for n in lengths)
+    return pages * heads * page_size * mc.kv_cache_head_dim * itemsize * mc.kv_buffers_per_layer * mc.num_layers
+
+
+def check_parity(stack: Stack, model_dir: Path, ids: list[list[int]], reference, new_tokens: int, page_size: int,
+                 p_tp: int, d_tp: int, groups: int, logprob_tol: float = LOGPROB_TOL) -> None:
+    def one(prompt: list[int]) -> dict:
+        return generate(stack.router, {"input_ids": prompt, "sampling_params": greedy(new_tokens),
+                                       "return_logprob": True})
+
+    with ThreadPoolExecutor(len(ids)) as pool:  # concurrent: prefill batches several rooms
+        outs = list(pool.map(one, ids))
+    for prompt, out, (ref_ids, ref_lp) in zip(ids, outs, reference):
+        assert out["output_ids"] == ref_ids, (len(prompt), out["meta_info"])
+        got = [t[0] for t in out["meta_info"]["output_token_logprobs"]]
+        assert max(abs(a - b) for a, b in zip(got, ref_lp)) < logprob_tol, (len(prompt), got, ref_lp)
+    p = stack.prefill.wait_idle(30)  # every page back on both sides
+    stack.decode.wait_idle(30)
+    st = disagg_stats(stack.prefill)
+    assert (st["rooms_succeeded"], st["rooms_failed"]) == (len(ids), 0), st
+    lengths = [len(x) for x in ids]
+    assert st["bytes_written"] == expected_bytes(model_dir, lengths, page_size, p_tp, d_tp), st
+    assert p["tp_size"] == p_tp and stack.decode.engine_stats()["tp_size"] == d_tp
+    if groups > 1:
+        assert p["layer_group_batches"].get(str(groups), 0) > 0, p["layer_group_batches"]
