@@ -2,7 +2,8 @@
 
 `tiny` makes tests run in seconds; `bench` has a realistic KV-bytes-to-compute ratio for the
 transfer benchmarks; `tiny-qwen3-moe` and `tiny-minimax-m2` are tiny sparse-MoE models, written
-with the tensor names of those families' hub checkpoints. Every file is a pure function of (preset, seed): byte-identical across runs.
+with the tensor names of those families' hub checkpoints. Every file is a pure function of
+(preset, seed): byte-identical across runs.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 transformers = pytest.importorskip("transformers")
 
 from kvpipe.config import ConfigError, ModelConfig, MoEConfig, ParallelConfig  # noqa: E402
-from kvpipe.model.llama import check_parallel  # noqa: E402
+from kvpipe.model.llama import CausalLM, check_parallel  # noqa: E402
 from kvpipe.model.loader import load_model  # noqa: E402
 from kvpipe.model.moe import Dispatch, SparseMoE, check_routing, route  # noqa: E402
 from kvpipe.model.presets import write_preset  # noqa: E402
@@ -225,6 +225,17 @@ def test_sparse_moe_refuses_a_dense_layer():
     cfg, _ = hf_block("deepseek_v3")
     with pytest.raises(ValueError, match="dense"):
         SparseMoE(our_config(cfg, "deepseek_v3"), 0, ParallelConfig(), None)
+
+
+def test_sparse_layers_follow_hf_decoder_sparse_step_and_mlp_only_layers():
+    hf_cfg = transformers.Qwen3MoeConfig(**(COMMON | HF_CONFIGS["qwen3_moe"] | dict(num_hidden_layers=6)),
+                                         decoder_sparse_step=2, mlp_only_layers=[3])
+    with torch.device("meta"):
+        hf = transformers.Qwen3MoeForCausalLM(hf_cfg)
+        ours = CausalLM(our_config(hf_cfg, "qwen3_moe"))
+    want = [type(layer.mlp).__name__ == "Qwen3MoeSparseMoeBlock" for layer in hf.model.layers]
+    assert want == [False, True, False, False, False, True]
+    assert [isinstance(layer.mlp, SparseMoE) for layer in ours.layers] == want
 
 
 def _tp_worker(rank: int, world: int, init_file: str, case: str, out: str) -> None:
