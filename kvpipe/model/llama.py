@@ -1,8 +1,11 @@
-"""Llama / Qwen2 / Qwen3 causal LM over a paged KV pool, with model-level tensor parallelism.
+"""Llama / Qwen2 / Qwen3 / Qwen3-MoE / MiniMax-M2 causal LM over a paged KV pool, with model-level
+tensor parallelism.
 
-The three families differ only in q/k/v bias (Qwen2) and per-head q/k RMSNorm (Qwen3); both are
-flags in ModelConfig. The forward is split (embed, layer range, logits) so the engine can run a
-prefill in layer groups and ship each group's KV while the next group computes.
+The families differ in q/k/v bias (Qwen2), q/k RMSNorm per head (Qwen3) or over all heads with
+partial rotary (MiniMax-M2), and sparse MoE MLPs (Qwen3-MoE, MiniMax-M2); all are ModelConfig
+fields, and DecoderLayer picks each layer's MLP (layers.make_mlp). The forward is split (embed,
+layer range, logits) so the engine can run a prefill in layer groups and ship each group's KV
+while the next group computes.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ class CausalLM(nn.Module):
         # Tied: logits reuse embed_tokens (no second parameter that a device move could untie).
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         # A plain attribute, not a buffer: it stays fp32 when the weights move to bf16.
-        self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.inv_freq = rope_inv_freq(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)
 
     @property
     def num_layers(self) -> int:
@@ -80,5 +83,11 @@ def check_parallel(cfg: ModelConfig, parallel: ParallelConfig) -> None:
     parallel.local_kv_heads(cfg.num_kv_heads)
     if cfg.num_heads % cfg.num_kv_heads:
         raise ConfigError(f"{cfg.num_heads} heads are not a multiple of {cfg.num_kv_heads} KV heads")
-    if cfg.intermediate_size % parallel.tp_size:
-        raise ConfigError(f"intermediate_size={cfg.intermediate_size} does not split over tp_size={parallel.tp_size}")
+    moe = cfg.moe
+    sizes = {"intermediate_size": cfg.intermediate_size} if moe is None or moe.dense_layers else {}
+    if moe is not None:
+        sizes.update(expert_intermediate_size=moe.expert_intermediate_size,
+                     shared_intermediate_size=moe.shared_intermediate_size)
+    for name, size in sizes.items():
+        if size % parallel.tp_size:
+            raise ConfigError(f"{name}={size} does not split over tp_size={parallel.tp_size}")
