@@ -141,6 +141,11 @@ class ModelConfig:
         return self.mla.latent_dim if self.mla is not None else self.head_dim
 
     @property
+    def rope_head_dim(self) -> int:
+        """Dims of a head that RoPE rotates: MLA's decoupled qk_rope_head_dim, else the whole head."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
+
+    @property
     def kv_buffers_per_layer(self) -> int:
         """Cache tensors per layer: K and V, or the one MLA latent."""
         return 1 if self.mla is not None else 2

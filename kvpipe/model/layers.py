@@ -135,12 +135,22 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def make_attention(cfg: ModelConfig, layer: int, parallel: ParallelConfig,
+                   group: dist.ProcessGroup | None) -> nn.Module:
+    """One layer's attention: MLA over a latent cache (DeepSeek-V3), else GQA/MHA."""
+    if cfg.mla is not None:
+        from kvpipe.model.mla import MLAttention  # imported here: mla.py builds on this module's Linear
+
+        return MLAttention(cfg, layer, parallel, group)
+    return Attention(cfg, layer, parallel, group)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, parallel: ParallelConfig,
                  group: dist.ProcessGroup | None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer, parallel, group)
+        self.self_attn = make_attention(cfg, layer, parallel, group)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, parallel, group)
 

@@ -18,7 +18,6 @@ from safetensors import safe_open
 from kvpipe.config import ConfigError, ModelConfig, ParallelConfig
 from kvpipe.model.layers import Linear, Shard
 from kvpipe.model.llama import CausalLM, check_parallel
-from kvpipe.model.rope import rope_inv_freq
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -127,8 +126,7 @@ def load_model(model_dir: str | Path, parallel: ParallelConfig = ParallelConfig(
     with torch.device("meta"):
         model = CausalLM(cfg, parallel, group)
     model = model.to(dtype=torch_dtype).to_empty(device=device)
-    # inv_freq was computed on meta above; compute it for real, in fp32
-    model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+    model.init_rope(device)  # inv_freq was computed on meta above; compute it for real, in fp32
     plan = shard_plan(model)
     missing = sorted(hf for hf, *_ in plan.values() if hf not in files)
     if missing:
