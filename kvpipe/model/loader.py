@@ -45,6 +45,23 @@ def check_supported(raw: dict[str, Any]) -> None:
         raise ConfigError("use_sliding_window=true is not supported by the Llama/Qwen model")
     if float(raw.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ConfigError("partial_rotary_factor != 1 is not supported")
+    if raw.get("quantization_config"):  # e.g. DeepSeek-V3's fp8 blocks: their scales would be ignored
+        method = (raw["quantization_config"] or {}).get("quant_method")
+        raise ConfigError(f"quantized checkpoints are not supported (quant_method={method!r})")
+    if "DeepseekV3ForCausalLM" in (raw.get("architectures") or ()):
+        _check_deepseek_v3(raw)
+
+
+def _check_deepseek_v3(raw: dict[str, Any]) -> None:
+    """DeepSeek-V3 as HF runs it: sigmoid expert scores with bias-corrected group-limited top-k
+    (V2-style softmax / greedy routing keys would be silently ignored). Multi-token-prediction
+    layers (num_nextn_predict_layers) are fine: they are not built and their weights not read."""
+    if raw.get("scoring_func", "sigmoid") != "sigmoid":
+        raise ConfigError(f"scoring_func={raw['scoring_func']!r} is not supported for DeepSeek-V3 (only sigmoid)")
+    if raw.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise ConfigError(f"topk_method={raw['topk_method']!r} is not supported for DeepSeek-V3 (only noaux_tc)")
+    if int(raw.get("qk_rope_head_dim", 0)) % 2:
+        raise ConfigError(f"qk_rope_head_dim={raw['qk_rope_head_dim']} must be even (RoPE rotates pairs)")
 
 
 def check_group(parallel: ParallelConfig, group: dist.ProcessGroup | None) -> None:
