@@ -123,13 +123,24 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
-    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    qk_norm: bool  # RMSNorm on q and k before RoPE: per head (Qwen3) unless qk_norm_per_head is False
     rope_scaling: dict[str, Any] | None = None
     dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     moe: MoEConfig | None = None  # sparse MLP (Qwen3-MoE, MiniMax-M2, DeepSeek-V3)
     mla: MLAConfig | None = None  # latent attention and a latent KV cache (DeepSeek-V3)
+    # False: one RMSNorm over the whole q (and k) projection, all heads together (MiniMax-M2)
+    qk_norm_per_head: bool = True
+    rotary_dim: int | None = None  # RoPE rotates only each head's first rotary_dim dims (MiniMax-M2); None: all
+
+    @property
+    def rope_dim(self) -> int:
+        """Leading dims of each q/k head that RoPE rotates (the rest pass through); MLA: its
+        decoupled rope dims (qk_rope_head_dim)."""
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     @property
     def kv_cache_heads(self) -> int:
@@ -139,11 +150,6 @@ class ModelConfig:
     @property
     def kv_cache_head_dim(self) -> int:
         return self.mla.latent_dim if self.mla is not None else self.head_dim
-
-    @property
-    def rope_head_dim(self) -> int:
-        """Dims of a head that RoPE rotates: MLA's decoupled qk_rope_head_dim, else the whole head."""
-        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
 
     @property
     def kv_buffers_per_layer(self) -> int:
@@ -169,6 +175,7 @@ class ModelConfig:
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        head_dim = int(cfg.get("head_dim") or hidden // num_heads)
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -177,19 +184,21 @@ class ModelConfig:
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
-            qk_norm=arch in ("qwen3", "qwen3_moe"),
+            qk_norm=arch in ("qwen3", "qwen3_moe", "minimax_m2"),
             rope_scaling=rope_scaling,
             dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             moe=MoEConfig.from_hf_dict(cfg, arch),
             mla=MLAConfig.from_hf_dict(cfg) if arch == "deepseek_v3" else None,
+            qk_norm_per_head=arch != "minimax_m2",
+            rotary_dim=_partial_rotary_dim(cfg, head_dim) if arch == "minimax_m2" else None,
         )
 
     @classmethod
@@ -198,6 +207,18 @@ class ModelConfig:
         if not path.is_file():
             raise ConfigError(f"{model_dir}: no config.json (expected a local HF checkpoint directory)")
         return cls.from_hf_dict(json.loads(path.read_text()))
+
+
+def _partial_rotary_dim(cfg: dict[str, Any], head_dim: int) -> int | None:
+    """MiniMax-M2 gives `rotary_dim`; transformers >= 5 also writes `partial_rotary_factor` (in
+    rope_parameters), which wins as in HF: int(head_dim * factor) dims rotate."""
+    factor = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    dim = int(head_dim * float(factor)) if factor is not None else cfg.get("rotary_dim")
+    if dim is None or int(dim) == head_dim:
+        return None
+    if not 0 < int(dim) < head_dim or int(dim) % 2:
+        raise ConfigError(f"rotary dim {dim} must be even and in (0, head_dim={head_dim}]")
+    return int(dim)
 
 
 @dataclass(frozen=True)

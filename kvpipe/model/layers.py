@@ -19,6 +19,7 @@ from kvpipe.cache.kv_pool import KVPool
 from kvpipe.config import ConfigError, ModelConfig, ParallelConfig
 from kvpipe.model.attention import paged_attention
 from kvpipe.model.forward_batch import ForwardBatch
+from kvpipe.model.qk_norm import ShardedRMSNorm, whole_qk_norm
 from kvpipe.model.rope import apply_rope
 
 
@@ -95,16 +96,26 @@ class Attention(nn.Module):
         self.v_proj = Linear(cfg.hidden_size, self.num_kv_heads * d, bias, shard=kv_rows)
         self.o_proj = Linear(self.num_heads * d, cfg.hidden_size, False, all_reduce=tp, group=group,
                              shard=Shard.cols(parallel, q0, self.num_heads * d))
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.group = group
+        self.q_norm: RMSNorm | ShardedRMSNorm | None = None
+        self.k_norm: RMSNorm | ShardedRMSNorm | None = None
+        if cfg.qk_norm and cfg.qk_norm_per_head:
+            self.q_norm, self.k_norm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)
+        elif cfg.qk_norm:  # over all heads: sliced like q/k; KV heads replicated when tp > KV heads
+            self.q_norm = ShardedRMSNorm(cfg.num_heads * d, q_rows, self.num_heads * d, cfg.rms_norm_eps)
+            self.k_norm = ShardedRMSNorm(cfg.num_kv_heads * d, kv_rows, self.num_kv_heads * d, cfg.rms_norm_eps,
+                                         replicas=max(1, parallel.tp_size // cfg.num_kv_heads))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if isinstance(self.q_norm, ShardedRMSNorm):  # MiniMax-M2: RMSNorm over all heads of q (of k)
+            q, k = whole_qk_norm(q, k, self.q_norm, self.k_norm, self.group)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if isinstance(self.q_norm, RMSNorm):  # Qwen3: per-head RMSNorm before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = paged_attention(q, k, v, self.layer, batch, pool, self.scale)  # [T, Hq, D]
@@ -145,6 +156,15 @@ def make_attention(cfg: ModelConfig, layer: int, parallel: ParallelConfig,
     return Attention(cfg, layer, parallel, group)
 
 
+def make_mlp(cfg: ModelConfig, layer: int, parallel: ParallelConfig, group: dist.ProcessGroup | None) -> nn.Module:
+    """The MLP of `layer`: a sparse MoE block where the model has one there, else a dense MLP."""
+    if cfg.moe is not None and cfg.moe.is_sparse(layer):
+        from kvpipe.model.moe import SparseMoE  # moe.py builds its experts from MLP above
+
+        return SparseMoE(cfg, layer, parallel, group)
+    return MLP(cfg.hidden_size, cfg.intermediate_size, parallel, group)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, parallel: ParallelConfig,
                  group: dist.ProcessGroup | None) -> None:
@@ -152,7 +172,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = make_attention(cfg, layer, parallel, group)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, parallel, group)
+        self.mlp = make_mlp(cfg, layer, parallel, group)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ForwardBatch, pool: KVPool) -> torch.Tensor:

@@ -1,9 +1,12 @@
-"""Llama / Qwen2 / Qwen3 / DeepSeek-V3 causal LM over a paged KV pool, with model-level tensor parallelism.
+"""Llama / Qwen2 / Qwen3 / Qwen3-MoE / MiniMax-M2 / DeepSeek-V3 causal LM over a paged KV pool,
+with model-level tensor parallelism.
 
-The Llama-style families differ only in q/k/v bias (Qwen2) and per-head q/k RMSNorm (Qwen3); both
-are flags in ModelConfig. DeepSeek-V3 swaps the attention for MLA over a latent cache (mla.py;
-its multi-token-prediction layers, if a checkpoint has them, are not built and their weights are
-not read). The forward is split (embed, layer range, logits) so the engine can run a
+The families differ in q/k/v bias (Qwen2), q/k RMSNorm per head (Qwen3) or over all heads with
+partial rotary (MiniMax-M2), sparse MoE MLPs (Qwen3-MoE, MiniMax-M2, DeepSeek-V3) and multi-head
+latent attention over a latent KV cache (DeepSeek-V3, mla.py); all are ModelConfig fields, and
+DecoderLayer picks each layer's attention and MLP (layers.make_attention, layers.make_mlp).
+DeepSeek-V3's multi-token-prediction layers, if a checkpoint has them, are not built and their
+weights not read. The forward is split (embed, layer range, logits) so the engine can run a
 prefill in layer groups and ship each group's KV while the next group computes.
 """
 
@@ -42,7 +45,7 @@ class CausalLM(nn.Module):
         inv_freq stays fp32 when the weights move to bf16 (the loader calls this again after
         building on the meta device)."""
         cfg = self.cfg
-        self.inv_freq = rope_inv_freq(cfg.rope_head_dim, cfg.rope_theta, cfg.rope_scaling,
+        self.inv_freq = rope_inv_freq(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling,
                                       cfg.max_position_embeddings)
         if device is not None:
             self.inv_freq = self.inv_freq.to(device)
@@ -68,7 +71,7 @@ class CausalLM(nn.Module):
             raise ValueError(f"layer range [{start}, {end}) outside [0, {self.cfg.num_layers})")
         if self.inv_freq.device != hidden.device:
             self.inv_freq = self.inv_freq.to(hidden.device)
-        # [T, rope_head_dim] each
+        # [T, rope_dim] each
         cos, sin = rope_cos_sin(self.inv_freq, batch.positions, hidden.dtype, self.rope_attention_factor)
         for i in range(start, end):
             hidden = self.layers[i](hidden, cos, sin, batch, pool)
@@ -94,5 +97,11 @@ def check_parallel(cfg: ModelConfig, parallel: ParallelConfig) -> None:
         parallel.local_kv_heads(cfg.num_kv_heads)
         if cfg.num_heads % cfg.num_kv_heads:
             raise ConfigError(f"{cfg.num_heads} heads are not a multiple of {cfg.num_kv_heads} KV heads")
-    if cfg.intermediate_size % parallel.tp_size:
-        raise ConfigError(f"intermediate_size={cfg.intermediate_size} does not split over tp_size={parallel.tp_size}")
+    moe = cfg.moe
+    sizes = {"intermediate_size": cfg.intermediate_size} if moe is None or moe.dense_layers else {}
+    if moe is not None:
+        sizes.update(expert_intermediate_size=moe.expert_intermediate_size,
+                     shared_intermediate_size=moe.shared_intermediate_size)
+    for name, size in sizes.items():
+        if size % parallel.tp_size:
+            raise ConfigError(f"{name}={size} does not split over tp_size={parallel.tp_size}")

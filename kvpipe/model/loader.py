@@ -7,6 +7,7 @@ never materialises the full q/k/v/o or MLP matrices.
 from __future__ import annotations
 
 import json
+import re
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
+from torch import nn
 
 from kvpipe.config import ConfigError, ModelConfig, ParallelConfig
 from kvpipe.model.layers import Linear, Shard
@@ -34,8 +36,15 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: invalid JSON: {e}") from None
 
 
-def check_supported(raw: dict[str, Any]) -> None:
+# Families the model code implements (config.SUPPORTED_ARCHITECTURES also names ones in progress).
+IMPLEMENTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "minimax_m2", "deepseek_v3")
+
+
+def check_supported(raw: dict[str, Any], cfg: ModelConfig) -> None:
     """Reject config options the model code does not implement, rather than compute wrong logits."""
+    if cfg.architecture not in IMPLEMENTED_FAMILIES:
+        raise ConfigError(f"the {cfg.architecture} model family is not implemented yet; "
+                          f"kvpipe serves {IMPLEMENTED_FAMILIES}")
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"hidden_act={act!r} is not supported (only silu)")
@@ -43,13 +52,39 @@ def check_supported(raw: dict[str, Any]) -> None:
         raise ConfigError("mlp_bias=true is not supported")
     if raw.get("use_sliding_window"):
         raise ConfigError("use_sliding_window=true is not supported by the Llama/Qwen model")
-    if float(raw.get("partial_rotary_factor", 1.0)) != 1.0:
+    # MiniMax-M2 rotates part of each head (ModelConfig.rotary_dim); the others rotate all of it
+    if cfg.architecture != "minimax_m2" and float(raw.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ConfigError("partial_rotary_factor != 1 is not supported")
+    if cfg.architecture == "qwen3_moe" and cfg.moe is not None and cfg.moe.num_experts == 0:
+        raise ConfigError("qwen3_moe with num_experts=0 (no sparse layer) is not supported")
     if raw.get("quantization_config"):  # e.g. DeepSeek-V3's fp8 blocks: their scales would be ignored
         method = (raw["quantization_config"] or {}).get("quant_method")
         raise ConfigError(f"quantized checkpoints are not supported (quant_method={method!r})")
-    if "DeepseekV3ForCausalLM" in (raw.get("architectures") or ()):
+    if cfg.architecture == "minimax_m2":
+        _check_minimax_m2(raw)
+    if cfg.architecture == "deepseek_v3":
         _check_deepseek_v3(raw)
+    if cfg.moe is not None:
+        from kvpipe.model.moe import check_routing
+
+        check_routing(cfg.moe)
+
+
+def _check_minimax_m2(raw: dict[str, Any]) -> None:
+    """Options of MiniMax checkpoints' own config.json that HF's MiniMaxM2 model (and kvpipe's)
+    does not implement: anything but sigmoid scoring with a routing bias, full-projection q/k
+    norms, full attention in every layer, no shared expert."""
+    unsupported = {
+        "scoring_func": raw.get("scoring_func", "sigmoid") != "sigmoid",
+        "use_routing_bias": raw.get("use_routing_bias", True) is not True,
+        "use_qk_norm": raw.get("use_qk_norm", True) is not True,
+        "qk_norm_type": raw.get("qk_norm_type", "per_layer") != "per_layer",
+        "attn_type_list": any(int(t) != 1 for t in raw.get("attn_type_list") or ()),  # 0: lightning attention
+        "shared_intermediate_size": int(raw.get("shared_intermediate_size") or 0) != 0,
+    }
+    bad = [f"{k}={raw[k]!r}" for k, v in unsupported.items() if v]
+    if bad:
+        raise ConfigError(f"MiniMax-M2 options not supported: {', '.join(bad)}")
 
 
 def _check_deepseek_v3(raw: dict[str, Any]) -> None:
@@ -106,26 +141,58 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
     raise ConfigError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
 
 
-def hf_name(name: str) -> str:
-    """Our parameter name -> the checkpoint's: the module tree mirrors HF's under `model.`."""
+# Checkpoint names that differ from our module tree, per family: (pattern, replacement) applied in
+# order to the name `hf_name` derives. MiniMax-M2 checkpoints keep Mixtral's names for the MoE
+# block (w1 gate, w3 up, w2 down) and hold the correction bias on the block, not the router.
+CHECKPOINT_RENAMES: dict[str, tuple[tuple[str, str], ...]] = {
+    "minimax_m2": (
+        (r"\.mlp\.gate\.e_score_correction_bias$", ".mlp.e_score_correction_bias"),
+        (r"\.mlp\.experts\.(\d+)\.gate_proj\.", r".mlp.experts.\1.w1."),
+        (r"\.mlp\.experts\.(\d+)\.up_proj\.", r".mlp.experts.\1.w3."),
+        (r"\.mlp\.experts\.(\d+)\.down_proj\.", r".mlp.experts.\1.w2."),
+        (r"\.mlp\.", ".block_sparse_moe."),
+    ),
+}
+
+
+def hf_name(name: str, family: str = "llama") -> str:
+    """Our parameter name -> the checkpoint's: the module tree mirrors HF's under `model.`, with
+    the family's CHECKPOINT_RENAMES on top."""
     if name == "embed_tokens":
         return "model.embed_tokens.weight"
-    return name if name.startswith("lm_head.") else "model." + name
+    hf = name if name.startswith("lm_head.") else "model." + name
+    for pattern, repl in CHECKPOINT_RENAMES.get(family, ()):
+        hf = re.sub(pattern, repl, hf)
+    return hf
 
 
 def shard_plan(model: CausalLM) -> dict[str, tuple[str, int | None, int, int]]:
     """our param name -> (HF name, sliced dim or None, start, length) for this rank."""
     shards: dict[str, Shard] = {}
     for mod_name, mod in model.named_modules():
-        if isinstance(mod, Linear) and mod.shard is not None:
-            shards[f"{mod_name}.weight"] = mod.shard
-            if mod.bias is not None and mod.shard.dim == 0:  # a row-parallel bias is added once, whole
-                shards[f"{mod_name}.bias"] = Shard(0, mod.shard.start, mod.shard.length)
+        shard = getattr(mod, "shard", None)  # sharded Linears, and norms over a sharded projection
+        if shard is not None:
+            shards[f"{mod_name}.weight"] = shard
+            bias = getattr(mod, "bias", None)
+            if bias is not None and shard.dim == 0:  # a row-parallel bias is added once, whole
+                shards[f"{mod_name}.bias"] = Shard(0, shard.start, shard.length)
     plan: dict[str, tuple[str, int | None, int, int]] = {}
+    family = model.cfg.architecture
     for name, p in model.named_parameters():
         s = shards.get(name)
-        plan[name] = (hf_name(name), s.dim, s.start, s.length) if s else (hf_name(name), None, 0, p.shape[0])
+        hf = hf_name(name, family)
+        plan[name] = (hf, s.dim, s.start, s.length) if s else (hf, None, 0, p.shape[0])
     return plan
+
+
+def keep_fp32(model: nn.Module) -> None:
+    """Parameters a module lists in `keep_fp32` (e.g. a router's correction bias) go back to fp32
+    after the model was cast to a half dtype, as HF keeps them."""
+    for mod in model.modules():
+        for pname in getattr(mod, "keep_fp32", ()):
+            p = getattr(mod, pname, None)
+            if p is not None and p.dtype != torch.float32:
+                setattr(mod, pname, nn.Parameter(p.detach().float(), requires_grad=False))
 
 
 def load_model(model_dir: str | Path, parallel: ParallelConfig = ParallelConfig(),
@@ -134,7 +201,7 @@ def load_model(model_dir: str | Path, parallel: ParallelConfig = ParallelConfig(
     model_dir = Path(model_dir)
     raw = read_hf_config(model_dir)
     cfg = ModelConfig.from_hf_dict(raw)
-    check_supported(raw)
+    check_supported(raw, cfg)
     files = weight_files(model_dir)
     check_parallel(cfg, parallel)
     check_group(parallel, group)
@@ -143,6 +210,7 @@ def load_model(model_dir: str | Path, parallel: ParallelConfig = ParallelConfig(
     with torch.device("meta"):
         model = CausalLM(cfg, parallel, group)
     model = model.to(dtype=torch_dtype).to_empty(device=device)
+    keep_fp32(model)
     model.init_rope(device)  # inv_freq was computed on meta above; compute it for real, in fp32
     plan = shard_plan(model)
     missing = sorted(hf for hf, *_ in plan.values() if hf not in files)

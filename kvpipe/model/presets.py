@@ -1,7 +1,8 @@
 """Built-in models: deterministic random weights written as real HF checkpoint directories.
 
 `tiny` makes tests run in seconds; `bench` has a realistic KV-bytes-to-compute ratio for the
-transfer benchmarks. Every file is a pure function of (preset, seed): byte-identical across runs.
+transfer benchmarks; `tiny-qwen3-moe` and `tiny-minimax-m2` are tiny sparse-MoE models, written
+with the tensor names of those families' hub checkpoints. Every file is a pure function of (preset, seed): byte-identical across runs.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import save_file
@@ -29,6 +31,19 @@ CHAT_TEMPLATE = (
 
 
 @dataclass(frozen=True)
+class MoEPresetSpec:
+    """The sparse part of an MoE preset; its family decides the HF config and tensor names."""
+
+    family: str  # "qwen3_moe" | "minimax_m2"
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    dense_layers: tuple[int, ...] = ()  # Qwen3-MoE mlp_only_layers: a dense MLP of intermediate_size
+    rotary_dim: int | None = None  # MiniMax-M2 partial rotary: the rotated dims of each head
+    bias_std: float = 0.05  # MiniMax-M2 e_score_correction_bias: nonzero, so it steers the routing
+
+
+@dataclass(frozen=True)
 class PresetSpec:
     num_layers: int
     hidden_size: int
@@ -41,6 +56,11 @@ class PresetSpec:
     tie_word_embeddings: bool = False  # untied: a tied random model mostly echoes its input token
     weight_std: float = 0.02
     embed_std: float = 1.0
+    moe: MoEPresetSpec | None = None  # None: a dense Llama
+
+    @property
+    def family(self) -> str:
+        return "llama" if self.moe is None else self.moe.family
 
 
 PRESETS: dict[str, PresetSpec] = {
@@ -52,11 +72,20 @@ PRESETS: dict[str, PresetSpec] = {
     # GPT-2-small-sized stack with mild GQA (3 query heads per KV head), fp32.
     "bench": PresetSpec(num_layers=12, hidden_size=768, num_heads=12, num_kv_heads=4, head_dim=64,
                         intermediate_size=2048),
+    # MoE presets: 8 experts, top-2; every size splits over TP 4
+    "tiny-qwen3-moe": PresetSpec(num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
+                                 intermediate_size=256, moe=MoEPresetSpec("qwen3_moe", num_experts=8, top_k=2,
+                                                                          expert_intermediate_size=64,
+                                                                          dense_layers=(0,))),
+    "tiny-minimax-m2": PresetSpec(num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
+                                  intermediate_size=64, moe=MoEPresetSpec("minimax_m2", num_experts=8, top_k=2,
+                                                                          expert_intermediate_size=64,
+                                                                          rotary_dim=16)),
 }
 
 
 def _hf_config(spec: PresetSpec, vocab_size: int, bos: int, eos: int) -> dict:
-    return {
+    cfg = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": vocab_size, "hidden_size": spec.hidden_size,
         "intermediate_size": spec.intermediate_size, "num_hidden_layers": spec.num_layers,
@@ -67,6 +96,25 @@ def _hf_config(spec: PresetSpec, vocab_size: int, bos: int, eos: int) -> dict:
         "tie_word_embeddings": spec.tie_word_embeddings, "attention_bias": False, "mlp_bias": False,
         "bos_token_id": bos, "eos_token_id": eos, "torch_dtype": "float32", "use_cache": True,
     }
+    moe = spec.moe
+    if moe is None:
+        return cfg
+    for key in ("rope_scaling", "mlp_bias"):  # not options of the MoE families' HF configs
+        del cfg[key]
+    if moe.family == "qwen3_moe":
+        return cfg | {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                      "num_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
+                      "moe_intermediate_size": moe.expert_intermediate_size, "norm_topk_prob": True,
+                      "decoder_sparse_step": 1, "mlp_only_layers": list(moe.dense_layers),
+                      "use_sliding_window": False}
+    if moe.family == "minimax_m2":
+        if spec.intermediate_size != moe.expert_intermediate_size or moe.dense_layers:
+            raise ConfigError("MiniMax-M2 has no dense layers: intermediate_size is the expert size")
+        return cfg | {"architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2",
+                      "num_local_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
+                      "rotary_dim": moe.rotary_dim or spec.head_dim, "scoring_func": "sigmoid",
+                      "use_routing_bias": True, "use_qk_norm": True, "qk_norm_type": "per_layer"}
+    raise ConfigError(f"unknown MoE preset family {moe.family!r}")
 
 
 def _weights(spec: PresetSpec, vocab_size: int, seed: int) -> dict[str, torch.Tensor]:
@@ -85,13 +133,51 @@ def _weights(spec: PresetSpec, vocab_size: int, seed: int) -> dict[str, torch.Te
         w[p + "self_attn.k_proj.weight"] = rnd(spec.num_kv_heads * d, h)
         w[p + "self_attn.v_proj.weight"] = rnd(spec.num_kv_heads * d, h)
         w[p + "self_attn.o_proj.weight"] = rnd(h, spec.num_heads * d)
-        w[p + "mlp.gate_proj.weight"] = rnd(inter, h)
-        w[p + "mlp.up_proj.weight"] = rnd(inter, h)
-        w[p + "mlp.down_proj.weight"] = rnd(h, inter)
+        if spec.moe is None:
+            w[p + "mlp.gate_proj.weight"] = rnd(inter, h)
+            w[p + "mlp.up_proj.weight"] = rnd(inter, h)
+            w[p + "mlp.down_proj.weight"] = rnd(h, inter)
+        else:
+            w.update(_moe_layer_weights(spec, spec.moe, i, rnd))
     w["model.norm.weight"] = torch.ones(h)
     if not spec.tie_word_embeddings:
         w["lm_head.weight"] = rnd(vocab_size, h)
     return w
+
+
+def _moe_layer_weights(spec: PresetSpec, moe: MoEPresetSpec, layer: int,
+                       rnd: Callable[..., torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Layer `layer`'s q/k norms and MLP (dense or sparse) under the family's hub tensor names."""
+    h, d, p = spec.hidden_size, spec.head_dim, f"model.layers.{layer}."
+    per_head = moe.family == "qwen3_moe"  # MiniMax-M2 norms the whole q / k projection
+    w = {p + "self_attn.q_norm.weight": torch.ones(d if per_head else spec.num_heads * d),
+         p + "self_attn.k_norm.weight": torch.ones(d if per_head else spec.num_kv_heads * d)}
+    if layer in moe.dense_layers:
+        inter = spec.intermediate_size
+        return w | {p + "mlp.gate_proj.weight": rnd(inter, h), p + "mlp.up_proj.weight": rnd(inter, h),
+                    p + "mlp.down_proj.weight": rnd(h, inter)}
+    inter = moe.expert_intermediate_size
+    # (gate, up, down) names per family: Qwen3-MoE's mirror the dense MLP, MiniMax-M2's are Mixtral's
+    block, names = ("mlp", ("gate_proj", "up_proj", "down_proj")) if per_head else \
+        ("block_sparse_moe", ("w1", "w3", "w2"))
+    w[p + f"{block}.gate.weight"] = rnd(moe.num_experts, h)
+    if moe.family == "minimax_m2":
+        w[p + f"{block}.e_score_correction_bias"] = rnd(moe.num_experts, std=moe.bias_std)
+    for e in range(moe.num_experts):
+        q = p + f"{block}.experts.{e}."
+        w[q + f"{names[0]}.weight"] = rnd(inter, h)
+        w[q + f"{names[1]}.weight"] = rnd(inter, h)
+        w[q + f"{names[2]}.weight"] = rnd(h, inter)
+    return w
+
+
+def _spec_json(spec: PresetSpec) -> dict:
+    """The spec as written into kvpipe_preset.json; a dense preset's has no `moe` key, so the
+    files of the presets older than the MoE ones stay byte-identical."""
+    out = asdict(spec)
+    if spec.moe is None:
+        del out["moe"]
+    return out
 
 
 def _dump(path: Path, obj: dict) -> None:
@@ -120,7 +206,7 @@ def write_preset(name: str, out_dir: str | Path, seed: int = 0) -> Path:
                                            "do_sample": False})
     save_file(_weights(spec, vocab, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
     _dump(out / "kvpipe_preset.json", {"preset": name, "seed": seed, "version": PRESET_FORMAT_VERSION,
-                                       "spec": asdict(spec)})
+                                       "spec": _spec_json(spec)})
     return out
 
 

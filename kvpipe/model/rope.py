@@ -131,8 +131,8 @@ def _llama3(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype,
                  attention_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [T] -> cos, sin [T, head_dim], computed in fp32 (scaled by yarn's
-    attention_factor) then cast, as HF does."""
+    """positions [T] -> cos, sin [T, 2 * len(inv_freq)] (the rotary dim), in fp32 (scaled by
+    yarn's attention_factor) then cast, as HF does."""
     freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos(), emb.sin()
@@ -147,9 +147,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos, sin: [T, D]."""
+    """x: [T, H, D]; cos, sin: [T, R] with R <= D: partial rotary (MiniMax-M2) rotates the first R
+    dims of each head and passes the other D - R through."""
     cos, sin = cos[:, None, :], sin[:, None, :]
-    return x * cos + _rotate_half(x) * sin
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    rot = x[..., :r]
+    return torch.cat((rot * cos + _rotate_half(rot) * sin, x[..., r:]), dim=-1)
 
 
 def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
