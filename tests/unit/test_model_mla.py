@@ -33,32 +33,37 @@ ATOL = 1e-4
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 1.0,
         "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1, "rope_theta": 10000.0}
 CASES = {
-    # q LoRA (q_a_proj -> q_a_layernorm -> q_b_proj), interleaved rope pairs
-    "qlora_interleave": dict(q_lora_rank=24, rope_interleave=True),
+    # q LoRA (q_a_proj -> q_a_layernorm -> q_b_proj), interleaved rope pairs; layer 0 dense, then MoE
+    "qlora_interleave_moe": dict(q_lora_rank=24, rope_interleave=True, first_k_dense_replace=1),
     # one full q_proj; yarn (inv_freq ramp, cos/sin attention_factor, mscale_all_dim softmax scale);
-    # random q_a/kv_a/o biases (o_proj's added once after the TP all-reduce)
-    "noqlora_yarn_bias": dict(q_lora_rank=None, rope_interleave=True, rope_parameters=YARN, attention_bias=True),
-    # rotate_half rope layout
-    "qlora_rotate_half": dict(q_lora_rank=24, rope_interleave=False),
+    # random q_a/kv_a/o biases (o_proj's added once after the TP all-reduce); MoE from layer 1
+    "noqlora_yarn_bias_moe": dict(q_lora_rank=None, rope_interleave=True, rope_parameters=YARN,
+                                  attention_bias=True, first_k_dense_replace=1),
+    # rotate_half rope layout, every layer dense
+    "qlora_rotate_half_dense": dict(q_lora_rank=24, rope_interleave=False, first_k_dense_replace=3),
 }
 
 
 def hf_mla_model(seed: int = 0, **overrides):
-    """A random tiny DeepSeek-V3, all layers dense unless first_k_dense_replace says otherwise."""
+    """A random tiny DeepSeek-V3: layers before first_k_dense_replace dense, the others sparse
+    (8 experts in 4 groups, top-2 from the best 2 groups, one shared expert)."""
     kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
               num_hidden_layers=3, num_attention_heads=4, kv_lora_rank=16, q_lora_rank=24,
-              qk_nope_head_dim=10, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=4,
-              num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=3,
+              qk_nope_head_dim=10, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, n_shared_experts=1,
+              num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=3,
               max_position_embeddings=256, initializer_range=0.1,
               bos_token_id=None, eos_token_id=None, pad_token_id=None)
     kw.update(overrides)
     torch.manual_seed(seed)
     model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**kw)).eval()
-    if kw.get("attention_bias"):  # HF zero-inits biases; random ones make the bias path observable
-        with torch.no_grad():
+    with torch.no_grad():
+        if kw.get("attention_bias"):  # HF zero-inits biases; random ones make the bias path observable
             for name, p in model.named_parameters():
                 if name.endswith("bias"):
                     p.normal_(0, 0.5)
+        for name, b in model.named_buffers():  # a nonzero routing bias, so it steers the choice
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.05)
     return model
 
 
@@ -161,6 +166,8 @@ def test_absorbed_decode_equals_expanded(case):
 def test_full_prompt_logits_match_hf(case):
     hf, ours = case
     assert ours.cfg.mla is not None and ours.local_kv_heads == 1
+    want_mlps = ["MLP" if i in ours.cfg.moe.dense_layers else "SparseMoE" for i in range(ours.num_layers)]
+    assert [type(layer.mlp).__name__ for layer in ours.layers] == want_mlps
     ids = prompt_ids(37)
     got = ours(all_logits(ForwardBatch.build([ids], [0], [torch.arange(10)], 4)), make_pool(ours, 10, 4))
     torch.testing.assert_close(got, hf_logits(hf, ids), atol=ATOL, rtol=0)
@@ -266,7 +273,7 @@ def _tp_worker(rank: int, world: int, init_file: str, dirs: dict[str, str], out:
 def tp_model_dirs(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("mla_tp")
     return {name: str(save(hf_mla_model(**CASES[name]), root / name))
-            for name in ("qlora_interleave", "noqlora_yarn_bias")}
+            for name in ("qlora_interleave_moe", "noqlora_yarn_bias_moe")}
 
 
 @pytest.mark.timeout(300)
