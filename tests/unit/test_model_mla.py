@@ -1,6 +1,7 @@
 """DeepSeek-V3 multi-head latent attention against HF transformers, fp32: the attention module,
 the absorbed decode against the expanded form, yarn RoPE, whole models over the latent paged cache
-(full prompt, chunked prefill, paged decode, greedy generation) and tensor parallelism."""
+(full prompt, chunked prefill, paged decode, greedy generation), tensor parallelism and the
+tiny-deepseek-v3 preset."""
 
 from __future__ import annotations
 
@@ -20,11 +21,13 @@ transformers = pytest.importorskip("transformers")
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale  # noqa: E402
 
-from kvpipe.config import ConfigError, ParallelConfig  # noqa: E402
+from kvpipe.config import ConfigError, ModelConfig, ParallelConfig  # noqa: E402
 from kvpipe.model.forward_batch import ForwardBatch  # noqa: E402
 from kvpipe.model.loader import load_model  # noqa: E402
 from kvpipe.model.mla import MLAttention, mla_softmax_scale  # noqa: E402
-from kvpipe.model.rope import rope_attention_factor, rope_cos_sin, rope_inv_freq  # noqa: E402
+from kvpipe.model.presets import write_preset  # noqa: E402
+from kvpipe.model.rope import rope_attention_factor, rope_cos_sin, rope_inv_freq, rope_type  # noqa: E402
+from kvpipe.model.tokenizer import Tokenizer  # noqa: E402
 from model_utils import all_logits, greedy_generate, incremental_logits, make_pool  # noqa: E402
 from test_model_hf_parity import VOCAB, hf_logits, hf_model, prompt_ids, save  # noqa: E402
 
@@ -292,3 +295,36 @@ def test_tp_matches_tp1(world, tp_model_dirs, tmp_path):
             for layer, (g, w) in enumerate(zip(got["latent"], want["latent"])):
                 assert g.shape == w.shape
                 torch.testing.assert_close(g, w, atol=1e-5, rtol=0, msg=f"{name} L{layer} r{rank}")
+
+
+# ---- the tiny-deepseek-v3 preset -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def deepseek_preset_dir(tmp_path_factory) -> Path:
+    return write_preset("tiny-deepseek-v3", tmp_path_factory.mktemp("tiny_deepseek_v3"))
+
+
+def test_deepseek_preset_shape(deepseek_preset_dir):
+    cfg = ModelConfig.from_dir(deepseek_preset_dir)
+    mla, moe = cfg.mla, cfg.moe
+    assert (cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.num_heads) == ("deepseek_v3", 4, 128, 8)
+    assert (mla.q_lora_rank, mla.kv_lora_rank, mla.qk_rope_head_dim, mla.rope_interleave) == (64, 32, 16, True)
+    assert (cfg.kv_cache_heads, cfg.kv_cache_head_dim, cfg.kv_buffers_per_layer) == (1, 48, 1)
+    assert (moe.num_experts, moe.top_k, moe.num_groups, moe.topk_groups, moe.dense_layers) == (8, 2, 2, 1, (0,))
+    assert moe.shared_intermediate_size == moe.expert_intermediate_size == 64
+    assert rope_type(cfg.rope_scaling) == "yarn"
+    assert cfg.vocab_size == Tokenizer.from_dir(deepseek_preset_dir).vocab_size
+    again = write_preset("tiny-deepseek-v3", deepseek_preset_dir.parent / "again")
+    for f in ("config.json", "model.safetensors", "kvpipe_preset.json"):
+        assert (again / f).read_bytes() == (deepseek_preset_dir / f).read_bytes()
+
+
+def test_deepseek_preset_matches_hf(deepseek_preset_dir):
+    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(deepseek_preset_dir, dtype=torch.float32).eval()
+    ours = load_model(deepseek_preset_dir)
+    ids = [ours.cfg.bos_token_id or 0, *prompt_ids(24, seed=8)]
+    got = incremental_logits(ours, ids, prompt_len=11, page_size=4, chunk=6)
+    torch.testing.assert_close(got, hf_logits(hf, ids), atol=ATOL, rtol=0)
+    tok = Tokenizer.from_dir(deepseek_preset_dir)
+    out = greedy_generate(ours, tok.encode("the cat and the dog"), 32, page_size=8)
+    assert len(set(out)) >= 4, out  # a random model that does not echo one token
