@@ -68,7 +68,8 @@ class MLAttention(nn.Module):
         self.qk_dim = mla.qk_head_dim
         self.rotate = apply_rope_interleaved if mla.rope_interleave else apply_rope
         self.scale = mla_softmax_scale(mla.qk_head_dim, cfg.rope_scaling)
-        hidden, bias, qk, kvb = cfg.hidden_size, cfg.attention_bias, mla.qk_head_dim, mla.qk_nope_head_dim + mla.v_head_dim
+        hidden, bias, qk = cfg.hidden_size, cfg.attention_bias, mla.qk_head_dim
+        kvb = mla.qk_nope_head_dim + mla.v_head_dim  # kv_b_proj rows per head: [k_nope | v]
         h0 = parallel.tp_rank * h  # first global head of this rank
         q_rows = Shard.rows(parallel, h0 * qk, h * qk)
         if mla.q_lora_rank is None:
@@ -81,7 +82,6 @@ class MLAttention(nn.Module):
             self.q_b_proj = Linear(mla.q_lora_rank, h * qk, shard=q_rows)
         self.kv_a_proj_with_mqa = Linear(hidden, mla.latent_dim, bias)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS)
-        # rows per head: [k_nope (nope) | v (v_head_dim)]
         self.kv_b_proj = Linear(mla.kv_lora_rank, h * kvb, shard=Shard.rows(parallel, h0 * kvb, h * kvb))
         self.o_proj = Linear(h * mla.v_head_dim, hidden, bias, all_reduce=parallel.tp_size > 1, group=group,
                              shard=Shard.cols(parallel, h0 * mla.v_head_dim, h * mla.v_head_dim))
