@@ -26,6 +26,14 @@ CASES = {
                                             rope_scaling={"rope_type": "linear", "factor": 2.0})),
     "qwen2_gqa_tied_bias": ("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=True)),
     "qwen3_gqa_qknorm": ("qwen3", dict(num_key_value_heads=1, head_dim=24, tie_word_embeddings=False)),
+    # 8 experts top-2, softmax routing without renormalisation; layer 1 keeps a dense MLP
+    "qwen3_moe_dense_layer": ("qwen3_moe", dict(num_key_value_heads=2, mlp_only_layers=[1])),
+    # sigmoid routing steered by a random correction bias, q/k norms over all heads, partial rotary
+    "minimax_m2_partial_rotary": ("minimax_m2", dict(num_key_value_heads=2, head_dim=24, rotary_dim=8)),
+}
+MOE_DEFAULTS = {
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False),
+    "minimax_m2": dict(num_local_experts=8, num_experts_per_tok=2),  # intermediate_size: per expert
 }
 
 
@@ -34,18 +42,24 @@ def hf_model(family: str, seed: int = 0, **overrides):
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "minimax_m2": (transformers.MiniMaxM2Config, transformers.MiniMaxM2ForCausalLM),
     }[family]
     kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
               num_attention_heads=4, max_position_embeddings=256, initializer_range=0.1,
               bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    kw.update(MOE_DEFAULTS.get(family, {}))
     kw.update(overrides)
     torch.manual_seed(seed)
     model = cls_model(cls_cfg(**kw)).eval()
-    if family == "qwen2":  # HF zero-inits biases; random ones make the bias path observable
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("bias"):
-                    p.normal_(0, 0.5)
+    with torch.no_grad():
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
+            # HF zero-inits biases (Qwen2 q/k/v, the MoE correction bias) and sets norms to one;
+            # random values make those paths, and their TP slicing, observable
+            if (family == "qwen2" and name.endswith("bias")) or name.endswith("e_score_correction_bias"):
+                p.normal_(0, 0.5 if family == "qwen2" else 0.1)
+            elif family == "minimax_m2" and name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.normal_(1.0, 0.2)
     return model
 
 
@@ -79,7 +93,7 @@ def test_full_prompt_logits_match_hf(case):
     torch.testing.assert_close(got, hf_logits(hf, ids), atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("chunk", [None, 5])
+@pytest.mark.parametrize("chunk", [None, 3, 5])
 def test_paged_decode_matches_hf(case, chunk):
     hf, ours = case
     ids = prompt_ids(30, seed=2)

@@ -55,6 +55,27 @@ def test_greedy_generation_is_not_constant(tiny_model_dir):
         assert len(set(out)) >= 4, out
 
 
+@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-minimax-m2", "tiny-deepseek-v3"])
+def test_moe_presets(name, tmp_path):
+    """Reproducible, the family's config, sizes that split over TP 4, routing that is not degenerate."""
+    path = write_preset(name, tmp_path / "a")
+    assert digests(write_preset(name, tmp_path / "b")) == digests(path)
+    cfg, spec = ModelConfig.from_dir(path), PRESETS[name]
+    assert cfg.architecture == spec.family == spec.moe.family and cfg.moe is not None
+    assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.hidden_size, cfg.num_layers) == (8, 2, 128, 4)
+    assert all(n % 4 == 0 for n in (cfg.num_heads, cfg.moe.expert_intermediate_size, cfg.intermediate_size))
+    assert json.loads((path / "kvpipe_preset.json").read_text())["spec"]["moe"]["family"] == spec.family
+    model, tok = load_model(path), Tokenizer.from_dir(path)
+    assert sum(cfg.moe.is_sparse(i) for i in range(cfg.num_layers)) >= 3
+    out = greedy_generate(model, tok.encode("the cat and the dog"), 32, page_size=8)
+    assert len(set(out)) >= 4, out
+
+
+def test_dense_preset_marker_has_no_moe_key(tiny_model_dir):
+    spec = json.loads((tiny_model_dir / "kvpipe_preset.json").read_text())["spec"]
+    assert "moe" not in spec and "mla" not in spec
+
+
 def test_unknown_preset(tmp_path):
     with pytest.raises(ConfigError, match="unknown preset"):
         write_preset("huge", tmp_path)
