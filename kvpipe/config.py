@@ -136,7 +136,10 @@ class ModelConfig:
 
     @property
     def rope_dim(self) -> int:
-        """Leading dims of each q/k head that RoPE rotates (the rest pass through)."""
+        """Leading dims of each q/k head that RoPE rotates (the rest pass through); MLA: its
+        decoupled rope dims (qk_rope_head_dim)."""
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
         return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     @property

@@ -11,7 +11,7 @@ prefill and decode rows in one step):
 Prefill rows are looped in Python: each is one large SDPA call, so the loop costs nothing next
 to it. 4-D views are passed on purpose: SDPA takes its flash kernel for them (3-D inputs fall
 back to the math path, 5x slower at 2K tokens), and GQA goes through `enable_gqa` rather than
-copies of the KV heads.
+copies of the KV heads. MLA (mla.py) reuses the three kernels on its own keys and values.
 """
 
 from __future__ import annotations
@@ -33,19 +33,19 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     if batch.decode is not None:
         return decode_attention(q, layer, batch.decode, pool, scale)
     if len(batch.seqs) == 1 and batch.seqs[0].prefix_len == 0:  # the common whole-prompt prefill
-        return _causal(q, k, v, scale)
+        return causal_attention(q, k, v, scale)
     out = torch.empty_like(q)
     for s in batch.seqs:
         rows = slice(s.start, s.start + s.extend_len)
         if s.prefix_len == 0:
-            out[rows] = _causal(q[rows], k[rows], v[rows], scale)
+            out[rows] = causal_attention(q[rows], k[rows], v[rows], scale)
         else:
             out[rows] = _extend(q[rows], layer, s, pool, scale)
     return out
 
 
-def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """One row, no cache: [E, H, D] each (k, v with Hkv heads) -> [E, Hq, D]."""
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One row, no cache: q [E, Hq, D], k [E, Hkv, D], v [E, Hkv, Dv] -> [E, Hq, Dv]."""
     o = F.scaled_dot_product_attention(q[None].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2),
                                        is_causal=True, scale=scale, enable_gqa=True)  # [1, Hq, E, D]
     return o[0].transpose(0, 1)
@@ -54,29 +54,45 @@ def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
 def _extend(q: torch.Tensor, layer: int, s: SeqSpan, pool: KVPool, scale: float) -> torch.Tensor:
     """One row behind a cached prefix: q [E, Hq, D] -> [E, Hq, D] over the row's L = total_len keys."""
     ks, vs = pool.gather(layer, s.page_table, s.total_len)  # [Hkv, L, D], new tokens included
+    return prefix_attention(q, ks, vs, s.prefix_len, scale)
+
+
+def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int,
+                     scale: float) -> torch.Tensor:
+    """q [E, Hq, D] of the tokens after prefix_len; k [Hkv, L, D], v [Hkv, L, Dv] of the whole
+    context (L = prefix_len + E) -> [E, Hq, Dv]."""
+    total = k.shape[1]
     # query i sits at absolute position prefix_len + i and sees keys 0 .. prefix_len + i
-    qpos = torch.arange(s.prefix_len, s.total_len, device=q.device)[:, None]
-    mask = torch.arange(s.total_len, device=q.device)[None, :] <= qpos  # [E, L]
-    o = F.scaled_dot_product_attention(q[None].transpose(1, 2), ks[None], vs[None], attn_mask=mask[None, None],
+    qpos = torch.arange(prefix_len, total, device=q.device)[:, None]
+    mask = torch.arange(total, device=q.device)[None, :] <= qpos  # [E, L]
+    o = F.scaled_dot_product_attention(q[None].transpose(1, 2), k[None], v[None], attn_mask=mask[None, None],
                                        scale=scale, enable_gqa=True)
     return o[0].transpose(0, 1)
 
 
 def decode_attention(q: torch.Tensor, layer: int, index: DecodeIndex, pool: KVPool, scale: float) -> torch.Tensor:
-    """Every row adds one token: q [B, Hq, D] -> [B, Hq, D], one pass over the batch's pages.
-
-    The gathered pages keep the pool's layout, [B, n, Hkv, P, D], and the scores stay per page,
-    [B, n, Hkv, G, P] (G query heads per KV head): a batched matmul reads each page in place, so
-    nothing is transposed into a [B, Hkv, L, D] copy. The softmax runs over (n, P) together.
-    """
+    """Every row adds one token: q [B, Hq, D] -> [B, Hq, D], one pass over the batch's pages."""
     b, n, page = index.batch_size, index.num_pages, pool.page_size
     hkv, d = pool.kv_heads, pool.head_dim
-    g = q.shape[1] // hkv
     kp = pool.k[layer].index_select(0, index.pages).view(b, n, hkv, page, d)
     vp = pool.v[layer].index_select(0, index.pages).view(b, n, hkv, page, d)
+    return attend_pages(q, kp, vp, index.valid, scale)
+
+
+def attend_pages(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, valid: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """One query per row over gathered pages: q [B, Hq, D], kp [B, n, Hkv, P, D], vp [B, n, Hkv, P, Dv],
+    valid [B, n, 1, 1, P] -> [B, Hq, Dv].
+
+    The pages keep the pool's layout and the scores stay per page, [B, n, Hkv, G, P] (G query
+    heads per KV head): a batched matmul reads each page in place, so nothing is transposed into a
+    [B, Hkv, L, D] copy. The softmax runs over (n, P) together.
+    """
+    b, _, hkv, _, d = kp.shape
+    g = q.shape[1] // hkv
     scores = torch.matmul(q.view(b, 1, hkv, g, d), kp.transpose(-1, -2)).float()  # [B, n, Hkv, G, P]
-    scores.mul_(scale).masked_fill_(~index.valid, float("-inf"))
+    scores.mul_(scale).masked_fill_(~valid, float("-inf"))
     probs = (scores - scores.amax(dim=(1, 4), keepdim=True)).exp_()
     denom = probs.sum(dim=(1, 4))  # [B, Hkv, G]
-    o = torch.matmul(probs.to(vp.dtype), vp).sum(1)  # [B, Hkv, G, D]
-    return (o / denom[..., None].to(o.dtype)).view(b, hkv * g, d)
+    o = torch.matmul(probs.to(vp.dtype), vp).sum(1)  # [B, Hkv, G, Dv]
+    return (o / denom[..., None].to(o.dtype)).view(b, hkv * g, vp.shape[-1])

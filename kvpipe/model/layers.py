@@ -146,6 +146,16 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def make_attention(cfg: ModelConfig, layer: int, parallel: ParallelConfig,
+                   group: dist.ProcessGroup | None) -> nn.Module:
+    """One layer's attention: MLA over a latent cache (DeepSeek-V3), else GQA/MHA."""
+    if cfg.mla is not None:
+        from kvpipe.model.mla import MLAttention  # imported here: mla.py builds on this module's Linear
+
+        return MLAttention(cfg, layer, parallel, group)
+    return Attention(cfg, layer, parallel, group)
+
+
 def make_mlp(cfg: ModelConfig, layer: int, parallel: ParallelConfig, group: dist.ProcessGroup | None) -> nn.Module:
     """The MLP of `layer`: a sparse MoE block where the model has one there, else a dense MLP."""
     if cfg.moe is not None and cfg.moe.is_sparse(layer):
@@ -160,7 +170,7 @@ class DecoderLayer(nn.Module):
                  group: dist.ProcessGroup | None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer, parallel, group)
+        self.self_attn = make_attention(cfg, layer, parallel, group)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = make_mlp(cfg, layer, parallel, group)
 

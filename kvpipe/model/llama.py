@@ -1,11 +1,13 @@
-"""Llama / Qwen2 / Qwen3 / Qwen3-MoE / MiniMax-M2 causal LM over a paged KV pool, with model-level
-tensor parallelism.
+"""Llama / Qwen2 / Qwen3 / Qwen3-MoE / MiniMax-M2 / DeepSeek-V3 causal LM over a paged KV pool,
+with model-level tensor parallelism.
 
 The families differ in q/k/v bias (Qwen2), q/k RMSNorm per head (Qwen3) or over all heads with
-partial rotary (MiniMax-M2), and sparse MoE MLPs (Qwen3-MoE, MiniMax-M2); all are ModelConfig
-fields, and DecoderLayer picks each layer's MLP (layers.make_mlp). The forward is split (embed,
-layer range, logits) so the engine can run a prefill in layer groups and ship each group's KV
-while the next group computes.
+partial rotary (MiniMax-M2), sparse MoE MLPs (Qwen3-MoE, MiniMax-M2, DeepSeek-V3) and multi-head
+latent attention over a latent KV cache (DeepSeek-V3, mla.py); all are ModelConfig fields, and
+DecoderLayer picks each layer's attention and MLP (layers.make_attention, layers.make_mlp).
+DeepSeek-V3's multi-token-prediction layers, if a checkpoint has them, are not built and their
+weights not read. The forward is split (embed, layer range, logits) so the engine can run a
+prefill in layer groups and ship each group's KV while the next group computes.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from kvpipe.cache.kv_pool import KVPool
 from kvpipe.config import ConfigError, ModelConfig, ParallelConfig
 from kvpipe.model.forward_batch import ForwardBatch
 from kvpipe.model.layers import DecoderLayer, Linear, RMSNorm
-from kvpipe.model.rope import rope_cos_sin, rope_inv_freq
+from kvpipe.model.rope import rope_attention_factor, rope_cos_sin, rope_inv_freq
 
 
 class CausalLM(nn.Module):
@@ -36,8 +38,18 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # Tied: logits reuse embed_tokens (no second parameter that a device move could untie).
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
-        # A plain attribute, not a buffer: it stays fp32 when the weights move to bf16.
-        self.inv_freq = rope_inv_freq(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.init_rope()
+
+    def init_rope(self, device: str | torch.device | None = None) -> None:
+        """RoPE inverse frequencies and yarn's cos/sin multiplier. A plain attribute, not a buffer:
+        inv_freq stays fp32 when the weights move to bf16 (the loader calls this again after
+        building on the meta device)."""
+        cfg = self.cfg
+        self.inv_freq = rope_inv_freq(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling,
+                                      cfg.max_position_embeddings)
+        if device is not None:
+            self.inv_freq = self.inv_freq.to(device)
+        self.rope_attention_factor = rope_attention_factor(cfg.rope_scaling, cfg.max_position_embeddings)
 
     @property
     def num_layers(self) -> int:
@@ -59,7 +71,8 @@ class CausalLM(nn.Module):
             raise ValueError(f"layer range [{start}, {end}) outside [0, {self.cfg.num_layers})")
         if self.inv_freq.device != hidden.device:
             self.inv_freq = self.inv_freq.to(hidden.device)
-        cos, sin = rope_cos_sin(self.inv_freq, batch.positions, hidden.dtype)  # [T, D] each
+        # [T, rope_dim] each
+        cos, sin = rope_cos_sin(self.inv_freq, batch.positions, hidden.dtype, self.rope_attention_factor)
         for i in range(start, end):
             hidden = self.layers[i](hidden, cos, sin, batch, pool)
         return hidden
@@ -80,9 +93,10 @@ def check_parallel(cfg: ModelConfig, parallel: ParallelConfig) -> None:
     if not 0 <= parallel.tp_rank < parallel.tp_size:
         raise ConfigError(f"tp_rank={parallel.tp_rank} outside tp_size={parallel.tp_size}")
     parallel.local_heads(cfg.num_heads)
-    parallel.local_kv_heads(cfg.num_kv_heads)
-    if cfg.num_heads % cfg.num_kv_heads:
-        raise ConfigError(f"{cfg.num_heads} heads are not a multiple of {cfg.num_kv_heads} KV heads")
+    if cfg.mla is None:  # MLA has no KV heads to split: its one latent is replicated on every rank
+        parallel.local_kv_heads(cfg.num_kv_heads)
+        if cfg.num_heads % cfg.num_kv_heads:
+            raise ConfigError(f"{cfg.num_heads} heads are not a multiple of {cfg.num_kv_heads} KV heads")
     moe = cfg.moe
     sizes = {"intermediate_size": cfg.intermediate_size} if moe is None or moe.dense_layers else {}
     if moe is not None:

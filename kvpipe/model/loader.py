@@ -20,7 +20,6 @@ from torch import nn
 from kvpipe.config import ConfigError, ModelConfig, ParallelConfig
 from kvpipe.model.layers import Linear, Shard
 from kvpipe.model.llama import CausalLM, check_parallel
-from kvpipe.model.rope import rope_inv_freq
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -38,7 +37,7 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
 
 
 # Families the model code implements (config.SUPPORTED_ARCHITECTURES also names ones in progress).
-IMPLEMENTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "minimax_m2")
+IMPLEMENTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "minimax_m2", "deepseek_v3")
 
 
 def check_supported(raw: dict[str, Any], cfg: ModelConfig) -> None:
@@ -58,8 +57,13 @@ def check_supported(raw: dict[str, Any], cfg: ModelConfig) -> None:
         raise ConfigError("partial_rotary_factor != 1 is not supported")
     if cfg.architecture == "qwen3_moe" and cfg.moe is not None and cfg.moe.num_experts == 0:
         raise ConfigError("qwen3_moe with num_experts=0 (no sparse layer) is not supported")
+    if raw.get("quantization_config"):  # e.g. DeepSeek-V3's fp8 blocks: their scales would be ignored
+        method = (raw["quantization_config"] or {}).get("quant_method")
+        raise ConfigError(f"quantized checkpoints are not supported (quant_method={method!r})")
     if cfg.architecture == "minimax_m2":
         _check_minimax_m2(raw)
+    if cfg.architecture == "deepseek_v3":
+        _check_deepseek_v3(raw)
     if cfg.moe is not None:
         from kvpipe.model.moe import check_routing
 
@@ -81,6 +85,18 @@ def _check_minimax_m2(raw: dict[str, Any]) -> None:
     bad = [f"{k}={raw[k]!r}" for k, v in unsupported.items() if v]
     if bad:
         raise ConfigError(f"MiniMax-M2 options not supported: {', '.join(bad)}")
+
+
+def _check_deepseek_v3(raw: dict[str, Any]) -> None:
+    """DeepSeek-V3 as HF runs it: sigmoid expert scores with bias-corrected group-limited top-k
+    (V2-style softmax / greedy routing keys would be silently ignored). Multi-token-prediction
+    layers (num_nextn_predict_layers) are fine: they are not built and their weights not read."""
+    if raw.get("scoring_func", "sigmoid") != "sigmoid":
+        raise ConfigError(f"scoring_func={raw['scoring_func']!r} is not supported for DeepSeek-V3 (only sigmoid)")
+    if raw.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise ConfigError(f"topk_method={raw['topk_method']!r} is not supported for DeepSeek-V3 (only noaux_tc)")
+    if int(raw.get("qk_rope_head_dim", 0)) % 2:
+        raise ConfigError(f"qk_rope_head_dim={raw['qk_rope_head_dim']} must be even (RoPE rotates pairs)")
 
 
 def check_group(parallel: ParallelConfig, group: dist.ProcessGroup | None) -> None:
@@ -195,8 +211,7 @@ def load_model(model_dir: str | Path, parallel: ParallelConfig = ParallelConfig(
         model = CausalLM(cfg, parallel, group)
     model = model.to(dtype=torch_dtype).to_empty(device=device)
     keep_fp32(model)
-    # inv_freq was computed on meta above; compute it for real, in fp32
-    model.inv_freq = rope_inv_freq(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+    model.init_rope(device)  # inv_freq was computed on meta above; compute it for real, in fp32
     plan = shard_plan(model)
     missing = sorted(hf for hf, *_ in plan.values() if hf not in files)
     if missing:

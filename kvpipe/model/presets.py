@@ -1,9 +1,9 @@
 """Built-in models: deterministic random weights written as real HF checkpoint directories.
 
 `tiny` makes tests run in seconds; `bench` has a realistic KV-bytes-to-compute ratio for the
-transfer benchmarks; `tiny-qwen3-moe` and `tiny-minimax-m2` are tiny sparse-MoE models, written
-with the tensor names of those families' hub checkpoints. Every file is a pure function of
-(preset, seed): byte-identical across runs.
+transfer benchmarks; `tiny-qwen3-moe` and `tiny-minimax-m2` are tiny sparse-MoE models and
+`tiny-deepseek-v3` a tiny MLA + MoE model, written with the tensor names of those families' hub
+checkpoints. Every file is a pure function of (preset, seed): byte-identical across runs.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from kvpipe.config import ConfigError, ModelConfig
+from kvpipe.model.preset_deepseek import MLAPresetSpec, deepseek_v3_config, mla_attention_weights
 from kvpipe.model.preset_tokenizer import SPECIAL_TOKENS, build_tokenizer
 
 PRESET_FORMAT_VERSION = 1  # bump when a preset's files change, so cached copies are rewritten
@@ -35,13 +36,19 @@ CHAT_TEMPLATE = (
 class MoEPresetSpec:
     """The sparse part of an MoE preset; its family decides the HF config and tensor names."""
 
-    family: str  # "qwen3_moe" | "minimax_m2"
+    family: str  # "qwen3_moe" | "minimax_m2" | "deepseek_v3"
     num_experts: int
     top_k: int
     expert_intermediate_size: int
-    dense_layers: tuple[int, ...] = ()  # Qwen3-MoE mlp_only_layers: a dense MLP of intermediate_size
+    # a dense MLP of intermediate_size: Qwen3-MoE mlp_only_layers, DeepSeek-V3 the first_k_dense_replace first
+    dense_layers: tuple[int, ...] = ()
     rotary_dim: int | None = None  # MiniMax-M2 partial rotary: the rotated dims of each head
-    bias_std: float = 0.05  # MiniMax-M2 e_score_correction_bias: nonzero, so it steers the routing
+    bias_std: float = 0.05  # MiniMax-M2 / DeepSeek-V3 e_score_correction_bias: nonzero, so it steers the routing
+    # DeepSeek-V3: group-limited routing, shared experts (of expert_intermediate_size each), weight scale
+    num_groups: int = 1
+    topk_groups: int = 1
+    shared_experts: int = 0
+    routed_scaling_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,7 @@ class PresetSpec:
     weight_std: float = 0.02
     embed_std: float = 1.0
     moe: MoEPresetSpec | None = None  # None: a dense Llama
+    mla: MLAPresetSpec | None = None  # latent attention (DeepSeek-V3); num_kv_heads is then unused
 
     @property
     def family(self) -> str:
@@ -82,6 +90,15 @@ PRESETS: dict[str, PresetSpec] = {
                                   intermediate_size=64, moe=MoEPresetSpec("minimax_m2", num_experts=8, top_k=2,
                                                                           expert_intermediate_size=64,
                                                                           rotary_dim=16)),
+    # MLA (latent 32 + rope 16 per token and layer, q LoRA 64, yarn x4) + MoE (layer 0 dense, then
+    # 8 experts in 2 groups, top-2 from the best group, 1 shared expert); every size splits over TP 4
+    "tiny-deepseek-v3": PresetSpec(num_layers=4, hidden_size=128, num_heads=8, num_kv_heads=8, head_dim=16,
+                                   intermediate_size=256,
+                                   moe=MoEPresetSpec("deepseek_v3", num_experts=8, top_k=2, expert_intermediate_size=64,
+                                                     dense_layers=(0,), num_groups=2, topk_groups=1, shared_experts=1,
+                                                     routed_scaling_factor=2.5),
+                                   mla=MLAPresetSpec(q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32,
+                                                     qk_rope_head_dim=16, v_head_dim=32, yarn_factor=4.0)),
 }
 
 
@@ -115,6 +132,8 @@ def _hf_config(spec: PresetSpec, vocab_size: int, bos: int, eos: int) -> dict:
                       "num_local_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
                       "rotary_dim": moe.rotary_dim or spec.head_dim, "scoring_func": "sigmoid",
                       "use_routing_bias": True, "use_qk_norm": True, "qk_norm_type": "per_layer"}
+    if moe.family == "deepseek_v3" and spec.mla is not None:
+        return cfg | deepseek_v3_config(spec.num_layers, spec.num_heads, spec.head_dim, spec.mla, moe)
     raise ConfigError(f"unknown MoE preset family {moe.family!r}")
 
 
@@ -130,10 +149,13 @@ def _weights(spec: PresetSpec, vocab_size: int, seed: int) -> dict[str, torch.Te
         p = f"model.layers.{i}."
         w[p + "input_layernorm.weight"] = torch.ones(h)
         w[p + "post_attention_layernorm.weight"] = torch.ones(h)
-        w[p + "self_attn.q_proj.weight"] = rnd(spec.num_heads * d, h)
-        w[p + "self_attn.k_proj.weight"] = rnd(spec.num_kv_heads * d, h)
-        w[p + "self_attn.v_proj.weight"] = rnd(spec.num_kv_heads * d, h)
-        w[p + "self_attn.o_proj.weight"] = rnd(h, spec.num_heads * d)
+        if spec.mla is not None:
+            w.update(mla_attention_weights(h, spec.num_heads, spec.mla, i, rnd))
+        else:
+            w[p + "self_attn.q_proj.weight"] = rnd(spec.num_heads * d, h)
+            w[p + "self_attn.k_proj.weight"] = rnd(spec.num_kv_heads * d, h)
+            w[p + "self_attn.v_proj.weight"] = rnd(spec.num_kv_heads * d, h)
+            w[p + "self_attn.o_proj.weight"] = rnd(h, spec.num_heads * d)
         if spec.moe is None:
             w[p + "mlp.gate_proj.weight"] = rnd(inter, h)
             w[p + "mlp.up_proj.weight"] = rnd(inter, h)
@@ -148,36 +170,48 @@ def _weights(spec: PresetSpec, vocab_size: int, seed: int) -> dict[str, torch.Te
 
 def _moe_layer_weights(spec: PresetSpec, moe: MoEPresetSpec, layer: int,
                        rnd: Callable[..., torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Layer `layer`'s q/k norms and MLP (dense or sparse) under the family's hub tensor names."""
+    """Layer `layer`'s q/k norms (none for DeepSeek-V3's MLA) and MLP (dense or sparse) under the
+    family's hub tensor names."""
     h, d, p = spec.hidden_size, spec.head_dim, f"model.layers.{layer}."
     per_head = moe.family == "qwen3_moe"  # MiniMax-M2 norms the whole q / k projection
-    w = {p + "self_attn.q_norm.weight": torch.ones(d if per_head else spec.num_heads * d),
-         p + "self_attn.k_norm.weight": torch.ones(d if per_head else spec.num_kv_heads * d)}
+    mixtral_names = moe.family == "minimax_m2"
+    w = {} if moe.family == "deepseek_v3" else {
+        p + "self_attn.q_norm.weight": torch.ones(d if per_head else spec.num_heads * d),
+        p + "self_attn.k_norm.weight": torch.ones(d if per_head else spec.num_kv_heads * d)}
     if layer in moe.dense_layers:
         inter = spec.intermediate_size
         return w | {p + "mlp.gate_proj.weight": rnd(inter, h), p + "mlp.up_proj.weight": rnd(inter, h),
                     p + "mlp.down_proj.weight": rnd(h, inter)}
     inter = moe.expert_intermediate_size
-    # (gate, up, down) names per family: Qwen3-MoE's mirror the dense MLP, MiniMax-M2's are Mixtral's
-    block, names = ("mlp", ("gate_proj", "up_proj", "down_proj")) if per_head else \
-        ("block_sparse_moe", ("w1", "w3", "w2"))
+    # (gate, up, down) names per family: Qwen3-MoE's and DeepSeek-V3's mirror the dense MLP,
+    # MiniMax-M2's are Mixtral's
+    block, names = ("block_sparse_moe", ("w1", "w3", "w2")) if mixtral_names else \
+        ("mlp", ("gate_proj", "up_proj", "down_proj"))
     w[p + f"{block}.gate.weight"] = rnd(moe.num_experts, h)
     if moe.family == "minimax_m2":
         w[p + f"{block}.e_score_correction_bias"] = rnd(moe.num_experts, std=moe.bias_std)
+    if moe.family == "deepseek_v3":
+        w[p + "mlp.gate.e_score_correction_bias"] = rnd(moe.num_experts, std=moe.bias_std)
     for e in range(moe.num_experts):
         q = p + f"{block}.experts.{e}."
         w[q + f"{names[0]}.weight"] = rnd(inter, h)
         w[q + f"{names[1]}.weight"] = rnd(inter, h)
         w[q + f"{names[2]}.weight"] = rnd(h, inter)
+    if moe.shared_experts:  # DeepSeek-V3: one fused shared MLP of shared_experts * expert size
+        shared = moe.shared_experts * inter
+        q = p + "mlp.shared_experts."
+        w[q + "gate_proj.weight"], w[q + "up_proj.weight"] = rnd(shared, h), rnd(shared, h)
+        w[q + "down_proj.weight"] = rnd(h, shared)
     return w
 
 
 def _spec_json(spec: PresetSpec) -> dict:
-    """The spec as written into kvpipe_preset.json; a dense preset's has no `moe` key, so the
-    files of the presets older than the MoE ones stay byte-identical."""
+    """The spec as written into kvpipe_preset.json; a dense preset's has no `moe` key and a non-MLA
+    one no `mla` key, so the files of the presets older than the MoE/MLA ones stay byte-identical."""
     out = asdict(spec)
-    if spec.moe is None:
-        del out["moe"]
+    for key in ("moe", "mla"):
+        if getattr(spec, key) is None:
+            del out[key]
     return out
 
 

@@ -88,7 +88,7 @@ def test_shape_mismatch(model_copy):
 
 
 @pytest.mark.parametrize("changes, match", [
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn'"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "rope_scaling type 'dynamic'"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"mlp_bias": True}, "mlp_bias"),
 ])

@@ -55,7 +55,7 @@ def test_greedy_generation_is_not_constant(tiny_model_dir):
         assert len(set(out)) >= 4, out
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-minimax-m2"])
+@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-minimax-m2", "tiny-deepseek-v3"])
 def test_moe_presets(name, tmp_path):
     """Reproducible, the family's config, sizes that split over TP 4, routing that is not degenerate."""
     path = write_preset(name, tmp_path / "a")
@@ -72,7 +72,8 @@ def test_moe_presets(name, tmp_path):
 
 
 def test_dense_preset_marker_has_no_moe_key(tiny_model_dir):
-    assert "moe" not in json.loads((tiny_model_dir / "kvpipe_preset.json").read_text())["spec"]
+    spec = json.loads((tiny_model_dir / "kvpipe_preset.json").read_text())["spec"]
+    assert "moe" not in spec and "mla" not in spec
 
 
 def test_unknown_preset(tmp_path):
