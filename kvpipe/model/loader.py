@@ -6,6 +6,7 @@ never materialises the full q/k/v/o or MLP matrices.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from contextlib import ExitStack
 from pathlib import Path
@@ -14,9 +15,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
+from torch import nn
 
 from kvpipe.config import ConfigError, ModelConfig, ParallelConfig
 from kvpipe.model.layers import Linear, Shard
+from kvpipe.model.factory import build_causal_lm
 from kvpipe.model.llama import CausalLM, check_parallel
 from kvpipe.model.rope import rope_inv_freq
 
@@ -44,7 +47,8 @@ def check_supported(raw: dict[str, Any]) -> None:
         raise ConfigError("mlp_bias=true is not supported")
     if raw.get("use_sliding_window"):
         raise ConfigError("use_sliding_window=true is not supported by the Llama/Qwen model")
-    if float(raw.get("partial_rotary_factor", 1.0)) != 1.0:
+    cfg = ModelConfig.from_hf_dict(raw)
+    if cfg.partial_rotary_factor != 1.0 and cfg.hybrid is None:  # only the Qwen3.5 model implements it
         raise ConfigError("partial_rotary_factor != 1 is not supported")
 
 
@@ -97,19 +101,28 @@ def hf_name(name: str) -> str:
     return name if name.startswith("lm_head.") else "model." + name
 
 
-def shard_plan(model: CausalLM) -> dict[str, tuple[str, int | None, int, int]]:
-    """our param name -> (HF name, sliced dim or None, start, length) for this rank."""
+def shard_plan(model: nn.Module) -> dict[str, tuple[str, Shard | None]]:
+    """our param name -> (HF name, this rank's Shard of it or None for the whole tensor).
+
+    Linears carry their Shard; any other module may declare `param_shards` ({param: Shard}).
+    """
     shards: dict[str, Shard] = {}
     for mod_name, mod in model.named_modules():
         if isinstance(mod, Linear) and mod.shard is not None:
             shards[f"{mod_name}.weight"] = mod.shard
             if mod.bias is not None and mod.shard.dim == 0:  # a row-parallel bias is added once, whole
-                shards[f"{mod_name}.bias"] = Shard(0, mod.shard.start, mod.shard.length)
-    plan: dict[str, tuple[str, int | None, int, int]] = {}
-    for name, p in model.named_parameters():
-        s = shards.get(name)
-        plan[name] = (hf_name(name), s.dim, s.start, s.length) if s else (hf_name(name), None, 0, p.shape[0])
-    return plan
+                shards[f"{mod_name}.bias"] = dataclasses.replace(mod.shard, dim=0)
+        for pname, s in getattr(mod, "param_shards", {}).items():
+            shards[f"{mod_name}.{pname}"] = s
+    return {name: (hf_name(name), shards.get(name)) for name, _ in model.named_parameters()}
+
+
+def read_shard(sl: Any, shard: Shard | None) -> torch.Tensor:
+    """This rank's part of a safetensors slice: whole, or its ranges along dim 0 or 1, concatenated."""
+    if shard is None:
+        return sl[:]
+    parts = [sl[a:a + n] if shard.dim == 0 else sl[:, a:a + n] for a, n in shard.ranges]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=shard.dim)
 
 
 def load_model(model_dir: str | Path, parallel: ParallelConfig = ParallelConfig(),
@@ -125,23 +138,22 @@ def load_model(model_dir: str | Path, parallel: ParallelConfig = ParallelConfig(
     torch_dtype = resolve_dtype(dtype, cfg, device)
     # Build on the meta device (no allocation, no random init), then allocate uninitialised.
     with torch.device("meta"):
-        model = CausalLM(cfg, parallel, group)
+        model = build_causal_lm(cfg, parallel, group)
     model = model.to(dtype=torch_dtype).to_empty(device=device)
     # inv_freq was computed on meta above; compute it for real, in fp32
-    model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+    model.inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
     plan = shard_plan(model)
-    missing = sorted(hf for hf, *_ in plan.values() if hf not in files)
+    missing = sorted(hf for hf, _ in plan.values() if hf not in files)
     if missing:
         raise ConfigError(f"{model_dir}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
     params = dict(model.named_parameters())
     with ExitStack() as stack, torch.no_grad():
         handles: dict[Path, Any] = {}
-        for name, (hf, dim, start, length) in plan.items():
+        for name, (hf, shard) in plan.items():
             path = files[hf]
             if path not in handles:
                 handles[path] = stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
-            sl = handles[path].get_slice(hf)
-            t = sl[:] if dim is None else (sl[start:start + length] if dim == 0 else sl[:, start:start + length])
+            t = read_shard(handles[path].get_slice(hf), shard)
             p = params[name]
             if tuple(t.shape) != tuple(p.shape):
                 raise ConfigError(f"{model_dir}: tensor {hf} has shape {tuple(t.shape)}, "
