@@ -151,3 +151,24 @@ def test_tp_rejects_indivisible_linear_heads(tmp_path):
                            linear_num_value_heads=2), tmp_path / "m")
     with pytest.raises(ConfigError, match="linear-attention key heads"):
         Qwen3_5CausalLM(ModelConfig.from_dir(path), ParallelConfig(2, 0))
+
+
+@pytest.fixture(scope="module")
+def preset_dir(tmp_path_factory):
+    from kvpipe.model.presets import write_preset
+
+    return write_preset("tiny-qwen3.5", tmp_path_factory.mktemp("tiny_qwen35"))
+
+
+def test_tiny_qwen3_5_preset_matches_hf(preset_dir, tmp_path):
+    from kvpipe.model.presets import write_preset
+    from test_presets import digests
+
+    assert digests(write_preset("tiny-qwen3.5", tmp_path / "again")) == digests(preset_dir)
+    hf = transformers.Qwen3_5ForCausalLM.from_pretrained(preset_dir, dtype=torch.float32).eval()
+    ours = load_model(preset_dir)
+    assert ours.cfg.hybrid.full_layers == (3,) and ours.cfg.rotary_dim == 8
+    ids = [ours.cfg.bos_token_id, *prompt_ids(30, seed=11)]
+    torch.testing.assert_close(incremental_logits(ours, ids, 20, 8, chunk=7), hf_logits(hf, ids), atol=ATOL, rtol=0)
+    out = greedy_generate(ours, ids[:12], 24, page_size=8)
+    assert len(set(out)) >= 4, out  # not a degenerate model
