@@ -141,7 +141,8 @@ class HybridConfig:
     @property
     def conv_dim(self) -> int:
         """Channels of the causal conv: q and k (key heads) then v (value heads), before TP."""
-        return 2 * self.linear_key_heads * self.linear_key_head_dim + self.linear_value_heads * self.linear_value_head_dim
+        k, v = self.linear_key_heads * self.linear_key_head_dim, self.linear_value_heads * self.linear_value_head_dim
+        return 2 * k + v
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "HybridConfig":

@@ -14,6 +14,7 @@ from kvpipe.cache.state_pool import StatePool
 from kvpipe.config import CacheConfig, SchedulerConfig
 from kvpipe.engine.batch import ForwardSpec
 from kvpipe.model.forward_batch import ForwardBatch
+from kvpipe.model.gated_delta_net import local_state_shape
 from kvpipe.model.llama import CausalLM
 
 # (start, end, batch): layers [start, end) of this forward have written their KV into the pool
@@ -37,8 +38,6 @@ def make_state_pool(model: CausalLM, num_slots: int, device: str | torch.device 
     h = model.cfg.hybrid
     if h is None or not h.linear_layers:
         return None
-    from kvpipe.model.gated_delta_net import local_state_shape
-
     dtype = next(model.parameters()).dtype
     return StatePool(h.linear_layers, num_slots, local_state_shape(h, model.parallel), dtype, device)
 

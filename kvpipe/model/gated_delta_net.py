@@ -112,10 +112,10 @@ class GatedDeltaNet(nn.Module):
             o = self._decode(mixed, g, beta, batch, state)
         else:
             o = torch.empty(t, self.num_v_heads, self.v_dim, dtype=x.dtype, device=x.device)
-            for i, s in enumerate(batch.seqs):
+            slots = batch.state_slots.tolist()  # one device sync per layer, not per row
+            for s, slot in zip(batch.seqs, slots):
                 rows = slice(s.start, s.start + s.extend_len)
-                o[rows] = self._prefill_row(mixed[rows], g[rows], beta[rows], s.prefix_len == 0,
-                                            int(batch.state_slots[i]), state)
+                o[rows] = self._prefill_row(mixed[rows], g[rows], beta[rows], s.prefix_len == 0, slot, state)
         o = self.norm(o.reshape(-1, self.v_dim), z.reshape(-1, self.v_dim))
         return self.out_proj(o.view(t, self.num_v_heads * self.v_dim))
 

@@ -6,7 +6,6 @@ never materialises the full q/k/v/o or MLP matrices.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from contextlib import ExitStack
 from pathlib import Path
@@ -111,7 +110,7 @@ def shard_plan(model: nn.Module) -> dict[str, tuple[str, Shard | None]]:
         if isinstance(mod, Linear) and mod.shard is not None:
             shards[f"{mod_name}.weight"] = mod.shard
             if mod.bias is not None and mod.shard.dim == 0:  # a row-parallel bias is added once, whole
-                shards[f"{mod_name}.bias"] = dataclasses.replace(mod.shard, dim=0)
+                shards[f"{mod_name}.bias"] = mod.shard
         for pname, s in getattr(mod, "param_shards", {}).items():
             shards[f"{mod_name}.{pname}"] = s
     return {name: (hf_name(name), shards.get(name)) for name, _ in model.named_parameters()}

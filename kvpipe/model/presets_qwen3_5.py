@@ -63,7 +63,8 @@ def hf_config(spec: Qwen3_5PresetSpec, vocab_size: int, bos: int, eos: int) -> d
 def weights(spec: Qwen3_5PresetSpec, vocab_size: int, seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     h, d, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
-    nk, nv, dk, dv = spec.linear_key_heads, spec.linear_value_heads, spec.linear_key_head_dim, spec.linear_value_head_dim
+    nk, nv = spec.linear_key_heads, spec.linear_value_heads
+    dk, dv = spec.linear_key_head_dim, spec.linear_value_head_dim
     conv_dim = 2 * nk * dk + nv * dv
 
     def rnd(*shape: int, std: float = spec.weight_std) -> torch.Tensor:

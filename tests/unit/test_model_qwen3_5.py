@@ -14,8 +14,8 @@ from kvpipe.config import ConfigError, LayerType, ModelConfig, ParallelConfig  #
 from kvpipe.model.forward_batch import ForwardBatch  # noqa: E402
 from kvpipe.model.loader import load_model  # noqa: E402
 from kvpipe.model.qwen3_5 import Qwen3_5CausalLM  # noqa: E402
-from qwen3_5_utils import (F, L, VOCAB, all_logits, greedy_generate, hf_logits, hf_qwen3_5, incremental_logits,  # noqa: E402
-                           pools, prompt_ids, save)
+from qwen3_5_utils import (F, L, VOCAB, all_logits, greedy_generate, hf_logits, hf_qwen3_5,  # noqa: E402
+                           incremental_logits, pools, prompt_ids, save)
 
 ATOL = 1e-4
 CASES = {
