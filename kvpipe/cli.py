@@ -76,6 +76,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prefill-tokens", type=int, default=d_sched.max_prefill_tokens,
                    help="token budget of one prefill batch")
     p.add_argument("--max-running-requests", type=int, default=d_sched.max_running_requests)
+    p.add_argument("--max-state-slots", type=int, default=None,
+                   help="hybrid (linear-attention) models: per-request recurrent-state slots; a request waits "
+                        "for a free one like for pages (default: --max-running-requests)")
     p.add_argument("--context-length", type=int, default=None, help="default: the model's max_position_embeddings")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--random-seed", "--seed", dest="seed", type=int, default=0, help="sampling seed")
@@ -166,6 +169,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     for name in ("tp_size", "page_size", "max_total_tokens", "max_running_requests", "max_prefill_tokens"):
         _positive("--" + name.replace("_", "-"), getattr(args, name))
     _positive("--context-length", args.context_length, allow_none=True)
+    _positive("--max-state-slots", args.max_state_slots, allow_none=True)
     _positive("--cpu-threads", args.cpu_threads, allow_none=True)
     body_limit = getattr(args, "max_request_body_bytes", DEFAULT_MAX_REQUEST_BODY_BYTES)
     _positive("--max-request-body-bytes", body_limit)
@@ -187,7 +191,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             seed=args.seed,
             log_level=args.log_level,
             cache=CacheConfig(page_size=args.page_size, max_total_tokens=args.max_total_tokens,
-                              radix_cache=not args.disable_radix_cache),
+                              radix_cache=not args.disable_radix_cache, max_state_slots=args.max_state_slots),
             scheduler=SchedulerConfig(max_running_requests=args.max_running_requests,
                                       chunked_prefill_size=args.chunked_prefill_size,
                                       max_prefill_tokens=args.max_prefill_tokens,
@@ -280,7 +284,7 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
 # ---- init-model ----------------------------------------------------------------------------------
 def _init_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="tiny", choices=["tiny", "bench", "tiny-qwen3-moe", "tiny-minimax-m2",
-                                                       "tiny-deepseek-v3"])
+                                                       "tiny-deepseek-v3", "tiny-qwen3.5"])
     p.add_argument("--out", required=True, help="directory to write the checkpoint into")
     p.add_argument("--seed", type=int, default=0, help="weight seed")
 

@@ -5,6 +5,7 @@ ModelConfig is parsed from an HF `config.json`; the others come from CLI flags.
 
 from __future__ import annotations
 
+import enum
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MiniMaxM2ForCausalLM": "minimax_m2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Qwen3_5ForCausalLM": "qwen3_5",
 }
 
 
@@ -108,6 +110,60 @@ class MLAConfig:
                    v_head_dim=int(cfg["v_head_dim"]), rope_interleave=bool(cfg.get("rope_interleave", True)))
 
 
+class LayerType(enum.Enum):
+    """The token mixer of one layer of a hybrid model (HF `layer_types`)."""
+
+    FULL_ATTENTION = "full_attention"  # gated softmax attention over the paged KV cache
+    LINEAR_ATTENTION = "linear_attention"  # gated delta-net: a per-request recurrent state, no KV
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    """Qwen3.5-style hybrid stack: gated delta-net (linear attention) layers between gated
+    full-attention layers. A linear layer keeps, per request, a causal-conv state
+    [conv_dim, conv_kernel - 1] and a recurrent state [linear_value_heads, key_dim, value_dim]."""
+
+    layer_types: tuple[LayerType, ...]
+    linear_key_heads: int
+    linear_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t is LayerType.FULL_ATTENTION)
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t is LayerType.LINEAR_ATTENTION)
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal conv: q and k (key heads) then v (value heads), before TP."""
+        k, v = self.linear_key_heads * self.linear_key_head_dim, self.linear_value_heads * self.linear_value_head_dim
+        return 2 * k + v
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> "HybridConfig":
+        n = int(cfg["num_hidden_layers"])
+        types = cfg.get("layer_types")
+        if types is None:  # HF's default pattern: every `full_attention_interval`-th layer is full
+            every = int(cfg.get("full_attention_interval", 4))
+            types = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+        if len(types) != n:
+            raise ConfigError(f"layer_types has {len(types)} entries for {n} layers")
+        try:
+            layer_types = tuple(LayerType(t) for t in types)
+        except ValueError as e:
+            raise ConfigError(f"unsupported layer type in layer_types: {e}") from None
+        return cls(layer_types=layer_types, linear_key_heads=int(cfg["linear_num_key_heads"]),
+                   linear_value_heads=int(cfg["linear_num_value_heads"]),
+                   linear_key_head_dim=int(cfg["linear_key_head_dim"]),
+                   linear_value_head_dim=int(cfg["linear_value_head_dim"]),
+                   conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)))
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str  # a value of SUPPORTED_ARCHITECTURES
@@ -130,9 +186,11 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     moe: MoEConfig | None = None  # sparse MLP (Qwen3-MoE, MiniMax-M2, DeepSeek-V3)
     mla: MLAConfig | None = None  # latent attention and a latent KV cache (DeepSeek-V3)
+    hybrid: HybridConfig | None = None  # linear-attention layers with recurrent state (Qwen3.5)
     # False: one RMSNorm over the whole q (and k) projection, all heads together (MiniMax-M2)
     qk_norm_per_head: bool = True
-    rotary_dim: int | None = None  # RoPE rotates only each head's first rotary_dim dims (MiniMax-M2); None: all
+    # RoPE rotates only each head's first rotary_dim dims (MiniMax-M2, Qwen3.5); None: all
+    rotary_dim: int | None = None
 
     @property
     def rope_dim(self) -> int:
@@ -141,6 +199,11 @@ class ModelConfig:
         if self.mla is not None:
             return self.mla.qk_rope_head_dim
         return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """Layers that keep KV pages, in KV-pool order (a hybrid model's full-attention layers)."""
+        return self.hybrid.full_layers if self.hybrid is not None else tuple(range(self.num_layers))
 
     @property
     def kv_cache_heads(self) -> int:
@@ -190,7 +253,7 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
-            qk_norm=arch in ("qwen3", "qwen3_moe", "minimax_m2"),
+            qk_norm=arch in ("qwen3", "qwen3_moe", "minimax_m2", "qwen3_5"),
             rope_scaling=rope_scaling,
             dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             bos_token_id=cfg.get("bos_token_id"),
@@ -198,7 +261,8 @@ class ModelConfig:
             moe=MoEConfig.from_hf_dict(cfg, arch),
             mla=MLAConfig.from_hf_dict(cfg) if arch == "deepseek_v3" else None,
             qk_norm_per_head=arch != "minimax_m2",
-            rotary_dim=_partial_rotary_dim(cfg, head_dim) if arch == "minimax_m2" else None,
+            rotary_dim=_partial_rotary_dim(cfg, head_dim) if arch in ("minimax_m2", "qwen3_5") else None,
+            hybrid=HybridConfig.from_hf_dict(cfg) if arch == "qwen3_5" else None,
         )
 
     @classmethod
@@ -210,7 +274,7 @@ class ModelConfig:
 
 
 def _partial_rotary_dim(cfg: dict[str, Any], head_dim: int) -> int | None:
-    """MiniMax-M2 gives `rotary_dim`; transformers >= 5 also writes `partial_rotary_factor` (in
+    """MiniMax-M2 gives `rotary_dim`, Qwen3.5 `partial_rotary_factor`; transformers >= 5 also writes `partial_rotary_factor` (in
     rope_parameters), which wins as in HF: int(head_dim * factor) dims rotate."""
     factor = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
     dim = int(head_dim * float(factor)) if factor is not None else cfg.get("rotary_dim")
@@ -258,6 +322,9 @@ class CacheConfig:
     # servers skip computing a cached prefix; a decode server uses it only with
     # DisaggregationConfig.decode_radix_cache (then only the missing KV crosses the wire)
     radix_cache: bool = True
+    # per-request recurrent-state slots of a hybrid model (kvpipe/cache/state_pool.py); None:
+    # SchedulerConfig.max_running_requests (then slots never limit admission)
+    max_state_slots: int | None = None
 
     def pages(self) -> int:
         return self.num_pages if self.num_pages is not None else -(-self.max_total_tokens // self.page_size)

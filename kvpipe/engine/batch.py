@@ -31,6 +31,7 @@ class ForwardSpec:
     want_logits: tuple[bool, ...]  # rows whose last token is sampled
     layer_groups: tuple[tuple[int, int], ...] | None = None  # [start, end) layer ranges; None: one pass
     connector_meta: Any = None  # the KV connector's plan for this forward, for every rank's worker
+    state_slots: tuple[int, ...] | None = None  # each row's StatePool slot (hybrid models); None: no state
 
     @property
     def num_tokens(self) -> int:
@@ -59,6 +60,7 @@ class ScheduledBatch:
             ids = req.input_ids[pre:pre + n] if pre + n <= len(req.input_ids) else req.all_ids[pre:pre + n]
             toks.append(list(ids))
             tables.append(np.ascontiguousarray(req.pages[:-(-(pre + n) // page_size)], dtype=np.int64))
+        slots = [r.state_slot for r in self.reqs]
         return ForwardSpec(tuple(toks), tuple(self.prefix_lens), tuple(tables),
                            tuple(self.completes_prefill(i) for i in range(len(self.reqs))), layer_groups,
-                           connector_meta)
+                           connector_meta, None if None in slots else tuple(int(s) for s in slots))

@@ -20,12 +20,13 @@ import torch
 
 from kvpipe.cache.page_allocator import PageAllocator
 from kvpipe.cache.radix_cache import RadixCache
-from kvpipe.config import ModelConfig, ParallelConfig, ServerConfig
+from kvpipe.cache.state_slots import StateSlotAllocator
+from kvpipe.config import ConfigError, ModelConfig, ParallelConfig, ServerConfig
 from kvpipe.engine.batch import ForwardMode, ForwardSpec, ScheduledBatch
 from kvpipe.engine.connector import (Admission, ConnectorContext, ForwardPlan, KVArrived, KVConnector,
                                      KVConnectorWorker, TransferFinished)
 from kvpipe.engine.finish import FinishChecker
-from kvpipe.engine.model_runner import ModelRunner, split_layers
+from kvpipe.engine.model_runner import ModelRunner, split_layers, state_slots
 from kvpipe.engine.request import ABORTED_ON_REQUEST, FinishReason, Req, SamplingParams, TokenOutput, finish_reason_json
 from kvpipe.engine.sampler import Sampler, make_generator
 from kvpipe.engine.scheduler import Scheduler
@@ -55,6 +56,9 @@ class Engine:
         plans them (a colocated engine computes the same either way)."""
         self.cfg = cfg
         self.model_config = ModelConfig.from_dir(cfg.model_path)
+        if self.model_config.hybrid is not None and connector is not None:
+            raise ConfigError("PD disaggregation of a hybrid (linear-attention) model is not implemented yet: "
+                              "its per-request recurrent state does not travel with the KV; serve it colocated")
         self.tokenizer = Tokenizer.from_dir(cfg.tokenizer_path or cfg.model_path,
                                             extra_eos_ids=load_generation_eos(cfg.model_path))
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(
@@ -75,10 +79,17 @@ class Engine:
             self.runner = build_runner(cfg, ParallelConfig(), device)
         self.allocator = PageAllocator(cfg.cache.pages(), cfg.cache.debug_checks)
         use_cache = cfg.cache.radix_cache and (connector is None or connector.prefix_cache)
+        hybrid = self.model_config.hybrid is not None
+        if use_cache and hybrid:
+            logger.info("prefix caching (radix cache) is disabled for the hybrid model %s: it would need "
+                        "snapshots of the recurrent state at page boundaries, which are not implemented",
+                        cfg.model_path)
+            use_cache = False
         self.prefix_cache = RadixCache(self.page_size) if use_cache else None
+        self.state_slots = StateSlotAllocator(state_slots(cfg.cache, cfg.scheduler)) if hybrid else None
         self.scheduler = Scheduler(cfg.scheduler, self.allocator, self.page_size, self.context_length,
                                    whole_prompt_pages=connector is not None and connector.whole_prompt_pages,
-                                   prefix_cache=self.prefix_cache)
+                                   prefix_cache=self.prefix_cache, state_slots=self.state_slots)
         self.sampler = Sampler(cfg.seed, device)
         self.finisher = FinishChecker(self.tokenizer, self.eos_token_ids, self.context_length)
         self._device = device

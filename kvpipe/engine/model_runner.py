@@ -10,9 +10,11 @@ from collections.abc import Callable
 import torch
 
 from kvpipe.cache.kv_pool import KVPool
-from kvpipe.config import CacheConfig
+from kvpipe.cache.state_pool import StatePool
+from kvpipe.config import CacheConfig, SchedulerConfig
 from kvpipe.engine.batch import ForwardSpec
 from kvpipe.model.forward_batch import ForwardBatch
+from kvpipe.model.gated_delta_net import local_state_shape
 from kvpipe.model.llama import CausalLM
 
 # (start, end, batch): layers [start, end) of this forward have written their KV into the pool
@@ -25,8 +27,24 @@ def make_kv_pool(model: CausalLM, num_pages: int, page_size: int,
     KV heads), or the MLA latent (one buffer per layer, whole on every rank)."""
     cfg = model.cfg
     dtype = next(model.parameters()).dtype
-    return KVPool(cfg.num_layers, num_pages, page_size, model.local_kv_heads, cfg.kv_cache_head_dim, dtype,
+    # one buffer per layer that keeps KV: every layer, or a hybrid model's full-attention layers
+    return KVPool(len(cfg.kv_layers), num_pages, page_size, model.local_kv_heads, cfg.kv_cache_head_dim, dtype,
                   device, latent=cfg.mla is not None)
+
+
+def make_state_pool(model: CausalLM, num_slots: int, device: str | torch.device = "cpu") -> StatePool | None:
+    """The recurrent-state pool of a hybrid model's linear-attention layers (this rank's heads);
+    None for a model without them."""
+    h = model.cfg.hybrid
+    if h is None or not h.linear_layers:
+        return None
+    dtype = next(model.parameters()).dtype
+    return StatePool(h.linear_layers, num_slots, local_state_shape(h, model.parallel), dtype, device)
+
+
+def state_slots(cache: CacheConfig, scheduler: SchedulerConfig) -> int:
+    """Recurrent-state slots of a hybrid model: --max-state-slots, else one per running request."""
+    return cache.max_state_slots or scheduler.max_running_requests
 
 
 def split_layers(num_layers: int, num_groups: int) -> tuple[tuple[int, int], ...]:
@@ -37,11 +55,13 @@ def split_layers(num_layers: int, num_groups: int) -> tuple[tuple[int, int], ...
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, cache: CacheConfig, device: str | torch.device = "cpu") -> None:
+    def __init__(self, model: CausalLM, cache: CacheConfig, device: str | torch.device = "cpu",
+                 scheduler: SchedulerConfig = SchedulerConfig()) -> None:
         self.model = model
         self.device = torch.device(device)
         self.page_size = cache.page_size
         self.pool = make_kv_pool(model, cache.pages(), cache.page_size, self.device)
+        self.state_pool = make_state_pool(model, state_slots(cache, scheduler), self.device)
 
     @property
     def num_layers(self) -> int:
@@ -50,7 +70,8 @@ class ModelRunner:
     def build_batch(self, spec: ForwardSpec) -> ForwardBatch:
         tables = [torch.from_numpy(t) for t in spec.page_tables]
         fb = ForwardBatch.build([list(t) for t in spec.token_ids], list(spec.prefix_lens), tables,
-                                self.page_size, list(spec.want_logits))
+                                self.page_size, list(spec.want_logits),
+                                None if spec.state_slots is None else list(spec.state_slots))
         return fb if self.device.type == "cpu" else fb.to(self.device)
 
     def _groups(self, spec: ForwardSpec) -> tuple[tuple[int, int], ...]:
@@ -70,7 +91,10 @@ class ModelRunner:
         callback = on_group_done
         hidden = self.model.embed(fb)  # [T, hidden]
         for start, end in self._groups(spec):
-            hidden = self.model.forward_layers(hidden, fb, self.pool, start, end)
+            if self.state_pool is None:
+                hidden = self.model.forward_layers(hidden, fb, self.pool, start, end)
+            else:
+                hidden = self.model.forward_layers(hidden, fb, self.pool, start, end, self.state_pool)
             if callback is not None:
                 callback(start, end, fb)
         if not any(spec.want_logits):

@@ -81,6 +81,7 @@ class Req:
     num_shared_pages: int = 0
     cache_node: Any = None  # the RadixNode this request locked (None: nothing matched)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    state_slot: int | None = None  # hybrid models: its recurrent-state slot while admitted
     # PD disaggregation (injected by sglang-router): where the KV comes from / goes to
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None  # None: the default bootstrap port

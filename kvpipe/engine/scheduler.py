@@ -36,6 +36,7 @@ import numpy as np
 
 from kvpipe.cache.page_allocator import PageAllocator
 from kvpipe.cache.radix_cache import RadixCache
+from kvpipe.cache.state_slots import StateSlotAllocator
 from kvpipe.config import SchedulerConfig
 from kvpipe.engine.batch import ForwardMode, ScheduledBatch
 from kvpipe.engine.request import FinishReason, Req, ReqStatus
@@ -48,9 +49,12 @@ def _cdiv(a: int, b: int) -> int:
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, allocator: PageAllocator, page_size: int,
                  context_length: int, whole_prompt_pages: bool = False,
-                 prefix_cache: RadixCache | None = None) -> None:
+                 prefix_cache: RadixCache | None = None, state_slots: StateSlotAllocator | None = None) -> None:
         self.cfg = cfg
         self.cache = prefix_cache
+        # hybrid models: each admitted request holds one recurrent-state slot, from admission
+        # (like its promised pages) until its pages are freed
+        self.state_slots = state_slots
         self.allocator = allocator
         self.page_size = page_size
         self.context_length = context_length
@@ -95,6 +99,8 @@ class Scheduler:
         return self.allocator.num_free + (self.cache.evictable_pages if self.cache is not None else 0)
 
     def _can_admit(self, req: Req, outstanding: int) -> bool:
+        if self.state_slots is not None and self.state_slots.num_free == 0:
+            return False  # it waits for a finishing request's state slot, as for pages
         return self.max_pages(req) - req.num_shared_pages <= self._available() - outstanding
 
     def _match_prefix(self, req: Req) -> None:
@@ -110,7 +116,11 @@ class Scheduler:
         req.num_cached = req.cached_tokens = len(pages) * self.page_size
 
     def _promise(self, req: Req) -> int:
-        """Admit `req`: promise the pages it may still allocate (its cached prefix aside); returns them."""
+        """Admit `req`: promise the pages it may still allocate (its cached prefix aside), give it a
+        state slot (hybrid models); returns the pages promised."""
+        if self.state_slots is not None:
+            req.state_slot = self.state_slots.alloc(req.rid)
+            assert req.state_slot is not None, "_can_admit checked for a free slot"
         self._promised[req.rid] = self.max_pages(req) - req.num_shared_pages
         self.prefix_hit_tokens += req.num_shared_pages * self.page_size
         return self._promised[req.rid]
@@ -281,6 +291,7 @@ class Scheduler:
         req.finish_detail = detail
         if req.pages.size == 0:
             self._unpin(req)
+            self._free_state_slot(req)
             return
         if hold:  # a cached prefix stays pinned too: the transfer reads (prefill) or skips (decode) it
             self.held[req.rid] = req
@@ -317,6 +328,13 @@ class Scheduler:
             own = pages
         self.allocator.free(own)
         req.pages = np.zeros(0, dtype=np.int64)
+        self._free_state_slot(req)
+
+    def _free_state_slot(self, req: Req) -> None:
+        if req.state_slot is not None:
+            assert self.state_slots is not None
+            self.state_slots.free(req.state_slot)
+            req.state_slot = None
 
     def get(self, rid: str) -> Req | None:
         return self._live.get(rid)
@@ -340,4 +358,6 @@ class Scheduler:
             "prefix_hit_tokens": self.prefix_hit_tokens,
             "total_pages": self.allocator.num_pages,
             "page_size": self.page_size,
+            **({"free_state_slots": self.state_slots.num_free, "total_state_slots": self.state_slots.num_slots}
+               if self.state_slots is not None else {}),
         }

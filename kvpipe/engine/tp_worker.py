@@ -66,7 +66,7 @@ def build_runner(cfg: ServerConfig, parallel: ParallelConfig, device: str) -> Mo
     tune_malloc()  # every rank's process: step activations reuse heap pages instead of faulting new ones
     group = dist.group.WORLD if parallel.tp_size > 1 else None
     model = load_model(cfg.model_path, parallel, device, None, group)
-    return ModelRunner(model, cfg.cache, device)
+    return ModelRunner(model, cfg.cache, device, cfg.scheduler)
 
 
 def _init_rank(cfg: ServerConfig, rank: int, init_method: str) -> str:

@@ -67,10 +67,14 @@ class ForwardBatch:
     seqs: tuple[SeqSpan, ...]
     logit_indices: torch.Tensor  # [B_out] int64, packed rows whose logits are wanted
     decode: DecodeIndex | None = None  # set when every row adds exactly one token
+    # [B] int64, each row's slot in the StatePool (hybrid models only): a row with prefix_len 0
+    # starts from a zero state, any other from its slot's; the forward writes the slot back
+    state_slots: torch.Tensor | None = None
 
     @classmethod
     def build(cls, token_ids: list[list[int]], prefix_lens: list[int], page_tables: list[torch.Tensor],
-              page_size: int, want_logits: list[bool] | None = None) -> "ForwardBatch":
+              page_size: int, want_logits: list[bool] | None = None,
+              state_slots: list[int] | None = None) -> "ForwardBatch":
         """Pack sequences. token_ids[i] are the new tokens of sequence i (extend_len of them)."""
         seqs, ids, pos, start = [], [], [], 0
         for toks, pre, table in zip(token_ids, prefix_lens, page_tables):
@@ -91,6 +95,7 @@ class ForwardBatch:
             logit_indices=torch.tensor(last, dtype=torch.int64),
             decode=DecodeIndex.build(tuple(seqs), page_size) if seqs and all(
                 s.extend_len == 1 for s in seqs) else None,
+            state_slots=None if state_slots is None else torch.tensor(state_slots, dtype=torch.int64),
         )
 
     @property
@@ -104,4 +109,5 @@ class ForwardBatch:
             tuple(SeqSpan(s.start, s.extend_len, s.prefix_len, s.page_table.to(device)) for s in self.seqs),
             self.logit_indices.to(device),
             None if self.decode is None else self.decode.to(device),
+            None if self.state_slots is None else self.state_slots.to(device),
         )

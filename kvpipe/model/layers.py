@@ -32,6 +32,13 @@ class Shard:
     dim: int
     start: int
     length: int
+    # further (start, length) ranges along `dim`, concatenated after the first: a fused projection
+    # whose parts (q, k, v of a gated delta-net) each split by heads
+    more: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def ranges(self) -> tuple[tuple[int, int], ...]:
+        return ((self.start, self.length), *self.more)
 
     @classmethod
     def rows(cls, parallel: ParallelConfig, start: int, length: int) -> "Shard | None":

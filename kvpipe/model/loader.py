@@ -19,6 +19,7 @@ from torch import nn
 
 from kvpipe.config import ConfigError, ModelConfig, ParallelConfig
 from kvpipe.model.layers import Linear, Shard
+from kvpipe.model.factory import build_causal_lm
 from kvpipe.model.llama import CausalLM, check_parallel
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -37,7 +38,7 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
 
 
 # Families the model code implements (config.SUPPORTED_ARCHITECTURES also names ones in progress).
-IMPLEMENTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "minimax_m2", "deepseek_v3")
+IMPLEMENTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "minimax_m2", "deepseek_v3", "qwen3_5")
 
 
 def check_supported(raw: dict[str, Any], cfg: ModelConfig) -> None:
@@ -52,8 +53,8 @@ def check_supported(raw: dict[str, Any], cfg: ModelConfig) -> None:
         raise ConfigError("mlp_bias=true is not supported")
     if raw.get("use_sliding_window"):
         raise ConfigError("use_sliding_window=true is not supported by the Llama/Qwen model")
-    # MiniMax-M2 rotates part of each head (ModelConfig.rotary_dim); the others rotate all of it
-    if cfg.architecture != "minimax_m2" and float(raw.get("partial_rotary_factor", 1.0)) != 1.0:
+    # MiniMax-M2 and Qwen3.5 rotate part of each head (ModelConfig.rotary_dim); the others all of it
+    if cfg.architecture not in ("minimax_m2", "qwen3_5") and float(raw.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ConfigError("partial_rotary_factor != 1 is not supported")
     if cfg.architecture == "qwen3_moe" and cfg.moe is not None and cfg.moe.num_experts == 0:
         raise ConfigError("qwen3_moe with num_experts=0 (no sparse layer) is not supported")
@@ -166,23 +167,30 @@ def hf_name(name: str, family: str = "llama") -> str:
     return hf
 
 
-def shard_plan(model: CausalLM) -> dict[str, tuple[str, int | None, int, int]]:
-    """our param name -> (HF name, sliced dim or None, start, length) for this rank."""
+def shard_plan(model: nn.Module) -> dict[str, tuple[str, Shard | None]]:
+    """our param name -> (HF name, this rank's Shard of it or None for the whole tensor).
+
+    Linears carry their Shard; any other module may declare `param_shards` ({param: Shard}).
+    """
     shards: dict[str, Shard] = {}
     for mod_name, mod in model.named_modules():
         shard = getattr(mod, "shard", None)  # sharded Linears, and norms over a sharded projection
         if shard is not None:
             shards[f"{mod_name}.weight"] = shard
-            bias = getattr(mod, "bias", None)
-            if bias is not None and shard.dim == 0:  # a row-parallel bias is added once, whole
-                shards[f"{mod_name}.bias"] = Shard(0, shard.start, shard.length)
-    plan: dict[str, tuple[str, int | None, int, int]] = {}
+            if getattr(mod, "bias", None) is not None and shard.dim == 0:  # a row-parallel bias is added once, whole
+                shards[f"{mod_name}.bias"] = shard
+        for pname, s in getattr(mod, "param_shards", {}).items():
+            shards[f"{mod_name}.{pname}"] = s
     family = model.cfg.architecture
-    for name, p in model.named_parameters():
-        s = shards.get(name)
-        hf = hf_name(name, family)
-        plan[name] = (hf, s.dim, s.start, s.length) if s else (hf, None, 0, p.shape[0])
-    return plan
+    return {name: (hf_name(name, family), shards.get(name)) for name, _ in model.named_parameters()}
+
+
+def read_shard(sl: Any, shard: Shard | None) -> torch.Tensor:
+    """This rank's part of a safetensors slice: whole, or its ranges along dim 0 or 1, concatenated."""
+    if shard is None:
+        return sl[:]
+    parts = [sl[a:a + n] if shard.dim == 0 else sl[:, a:a + n] for a, n in shard.ranges]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=shard.dim)
 
 
 def keep_fp32(model: nn.Module) -> None:
@@ -208,23 +216,22 @@ def load_model(model_dir: str | Path, parallel: ParallelConfig = ParallelConfig(
     torch_dtype = resolve_dtype(dtype, cfg, device)
     # Build on the meta device (no allocation, no random init), then allocate uninitialised.
     with torch.device("meta"):
-        model = CausalLM(cfg, parallel, group)
+        model = build_causal_lm(cfg, parallel, group)
     model = model.to(dtype=torch_dtype).to_empty(device=device)
     keep_fp32(model)
     model.init_rope(device)  # inv_freq was computed on meta above; compute it for real, in fp32
     plan = shard_plan(model)
-    missing = sorted(hf for hf, *_ in plan.values() if hf not in files)
+    missing = sorted(hf for hf, _ in plan.values() if hf not in files)
     if missing:
         raise ConfigError(f"{model_dir}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
     params = dict(model.named_parameters())
     with ExitStack() as stack, torch.no_grad():
         handles: dict[Path, Any] = {}
-        for name, (hf, dim, start, length) in plan.items():
+        for name, (hf, shard) in plan.items():
             path = files[hf]
             if path not in handles:
                 handles[path] = stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
-            sl = handles[path].get_slice(hf)
-            t = sl[:] if dim is None else (sl[start:start + length] if dim == 0 else sl[:, start:start + length])
+            t = read_shard(handles[path].get_slice(hf), shard)
             p = params[name]
             if tuple(t.shape) != tuple(p.shape):
                 raise ConfigError(f"{model_dir}: tensor {hf} has shape {tuple(t.shape)}, "

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from kvpipe.config import ConfigError, ModelConfig
+from kvpipe.model import presets_qwen3_5
 from kvpipe.model.preset_deepseek import MLAPresetSpec, deepseek_v3_config, mla_attention_weights
 from kvpipe.model.preset_tokenizer import SPECIAL_TOKENS, build_tokenizer
 
@@ -210,7 +211,7 @@ def _spec_json(spec: PresetSpec) -> dict:
     one no `mla` key, so the files of the presets older than the MoE/MLA ones stay byte-identical."""
     out = asdict(spec)
     for key in ("moe", "mla"):
-        if getattr(spec, key) is None:
+        if key in out and out[key] is None:
             del out[key]
     return out
 
@@ -221,9 +222,12 @@ def _dump(path: Path, obj: dict) -> None:
 
 def write_preset(name: str, out_dir: str | Path, seed: int = 0) -> Path:
     """Write preset `name` as an HF checkpoint directory into out_dir (created); returns it."""
-    if name not in PRESETS:
-        raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-    spec = PRESETS[name]
+    hybrid = presets_qwen3_5.QWEN3_5_PRESETS
+    if name not in PRESETS and name not in hybrid:
+        raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS) + sorted(hybrid)}")
+    spec = PRESETS[name] if name in PRESETS else hybrid[name]
+    config_fn, weights_fn = (_hf_config, _weights) if name in PRESETS else (presets_qwen3_5.hf_config,
+                                                                            presets_qwen3_5.weights)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer()
@@ -236,10 +240,10 @@ def write_preset(name: str, out_dir: str | Path, seed: int = 0) -> Path:
         "chat_template": CHAT_TEMPLATE, "model_max_length": spec.max_position_embeddings,
         "tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
     })
-    _dump(out / "config.json", _hf_config(spec, vocab, bos, eos))
+    _dump(out / "config.json", config_fn(spec, vocab, bos, eos))
     _dump(out / "generation_config.json", {"bos_token_id": bos, "eos_token_id": [eos, im_end],
                                            "do_sample": False})
-    save_file(_weights(spec, vocab, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(weights_fn(spec, vocab, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
     _dump(out / "kvpipe_preset.json", {"preset": name, "seed": seed, "version": PRESET_FORMAT_VERSION,
                                        "spec": _spec_json(spec)})
     return out

@@ -1,0 +1,18 @@
+"""The model class of a ModelConfig's family, built without loading weights."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import nn
+
+from kvpipe.config import ModelConfig, ParallelConfig
+from kvpipe.model.llama import CausalLM
+
+
+def build_causal_lm(cfg: ModelConfig, parallel: ParallelConfig, group: dist.ProcessGroup | None) -> nn.Module:
+    """A hybrid (linear + full attention) model for Qwen3.5, the Llama/Qwen CausalLM otherwise."""
+    if cfg.hybrid is not None:
+        from kvpipe.model.qwen3_5 import Qwen3_5CausalLM
+
+        return Qwen3_5CausalLM(cfg, parallel, group)
+    return CausalLM(cfg, parallel, group)

@@ -1,0 +1,103 @@
+"""Built-in Qwen3.5 (hybrid) presets: deterministic random weights as a real HF Qwen3_5ForCausalLM
+checkpoint, loadable by transformers. Kept apart from presets.PresetSpec so the Llama presets'
+files (their kvpipe_preset.json embeds the spec) stay byte-identical."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Qwen3_5PresetSpec:
+    num_layers: int
+    full_attention_interval: int  # every n-th layer is full attention, the others gated delta-net
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    linear_key_heads: int
+    linear_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    conv_kernel: int = 4
+    partial_rotary_factor: float = 0.25
+    max_position_embeddings: int = 8192
+    rope_theta: float = 10000.0
+    weight_std: float = 0.02
+    embed_std: float = 1.0
+    conv_std: float = 0.3
+
+    @property
+    def layer_types(self) -> list[str]:
+        return ["linear_attention" if (i + 1) % self.full_attention_interval else "full_attention"
+                for i in range(self.num_layers)]
+
+
+QWEN3_5_PRESETS: dict[str, Qwen3_5PresetSpec] = {
+    # 3 delta-net layers then 1 full-attention layer; heads split over TP 1, 2 and 4
+    "tiny-qwen3.5": Qwen3_5PresetSpec(num_layers=4, full_attention_interval=4, hidden_size=128, num_heads=4,
+                                      num_kv_heads=2, head_dim=32, intermediate_size=256, linear_key_heads=4,
+                                      linear_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=32),
+}
+
+
+def hf_config(spec: Qwen3_5PresetSpec, vocab_size: int, bos: int, eos: int) -> dict:
+    return {
+        "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
+        "vocab_size": vocab_size, "hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers, "layer_types": spec.layer_types,
+        "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
+        "linear_num_key_heads": spec.linear_key_heads, "linear_num_value_heads": spec.linear_value_heads,
+        "linear_key_head_dim": spec.linear_key_head_dim, "linear_value_head_dim": spec.linear_value_head_dim,
+        "linear_conv_kernel_dim": spec.conv_kernel, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta,
+                            "partial_rotary_factor": spec.partial_rotary_factor},
+        "max_position_embeddings": spec.max_position_embeddings, "tie_word_embeddings": False,
+        "attention_bias": False, "bos_token_id": bos, "eos_token_id": eos, "dtype": "float32", "use_cache": True,
+    }
+
+
+def weights(spec: Qwen3_5PresetSpec, vocab_size: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    h, d, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
+    nk, nv = spec.linear_key_heads, spec.linear_value_heads
+    dk, dv = spec.linear_key_head_dim, spec.linear_value_head_dim
+    conv_dim = 2 * nk * dk + nv * dv
+
+    def rnd(*shape: int, std: float = spec.weight_std) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float32) * std
+
+    w = {"model.embed_tokens.weight": rnd(vocab_size, h, std=spec.embed_std)}
+    for i, kind in enumerate(spec.layer_types):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = torch.zeros(h)  # Qwen3.5 norms scale by (1 + weight)
+        w[p + "post_attention_layernorm.weight"] = torch.zeros(h)
+        if kind == "linear_attention":
+            a = p + "linear_attn."
+            w[a + "in_proj_qkv.weight"] = rnd(conv_dim, h)
+            w[a + "in_proj_z.weight"] = rnd(nv * dv, h)
+            w[a + "in_proj_b.weight"] = rnd(nv, h)
+            w[a + "in_proj_a.weight"] = rnd(nv, h)
+            w[a + "conv1d.weight"] = rnd(conv_dim, 1, spec.conv_kernel, std=spec.conv_std)
+            w[a + "dt_bias"] = torch.ones(nv)
+            # HF's init: A uniform in [0.01, 16), stored as log
+            w[a + "A_log"] = (torch.rand(nv, generator=g, dtype=torch.float32) * 15.99 + 0.01).log()
+            w[a + "norm.weight"] = torch.ones(dv)
+            w[a + "out_proj.weight"] = rnd(h, nv * dv)
+        else:
+            a = p + "self_attn."
+            w[a + "q_proj.weight"] = rnd(spec.num_heads * 2 * d, h)  # query and output gate per head
+            w[a + "k_proj.weight"] = rnd(spec.num_kv_heads * d, h)
+            w[a + "v_proj.weight"] = rnd(spec.num_kv_heads * d, h)
+            w[a + "o_proj.weight"] = rnd(h, spec.num_heads * d)
+            w[a + "q_norm.weight"] = torch.zeros(d)
+            w[a + "k_norm.weight"] = torch.zeros(d)
+        w[p + "mlp.gate_proj.weight"] = rnd(inter, h)
+        w[p + "mlp.up_proj.weight"] = rnd(inter, h)
+        w[p + "mlp.down_proj.weight"] = rnd(h, inter)
+    w["model.norm.weight"] = torch.zeros(h)
+    w["lm_head.weight"] = rnd(vocab_size, h)
+    return w

@@ -1,0 +1,174 @@
+"""Qwen3.5 dense text model (HF Qwen3_5ForCausalLM): a hybrid stack of gated delta-net layers
+(linear attention, per-request recurrent state in a StatePool) and gated full-attention layers
+(paged KV pool), same API as llama.CausalLM (embed / forward_layers / compute_logits) plus the
+StatePool argument.
+
+Differences from Llama/Qwen3 besides the token mixer: every RMSNorm (layer norms, final norm,
+q/k norms) scales by (1 + weight), in fp32; full attention's q_proj also yields a per-head output
+gate (o * sigmoid(gate) before o_proj); RoPE turns only the first head_dim * partial_rotary_factor
+dims of q and k. Text-only positions make HF's multimodal RoPE sections (mrope) all equal, so
+plain 1-D RoPE is exact here.
+
+KV pool: only full-attention layers keep KV pages. The pool holds one buffer per full-attention
+layer (cfg.kv_layers), and layer i's attention writes pool layer `kv_layers.index(i)`; with one
+full layer in four (Qwen3.5's pattern) a pool of every layer would waste 3/4 of the KV memory.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from kvpipe.cache.kv_pool import KVPool
+from kvpipe.cache.state_pool import StatePool
+from kvpipe.config import LayerType, ModelConfig, ParallelConfig
+from kvpipe.model.attention import paged_attention
+from kvpipe.model.forward_batch import ForwardBatch
+from kvpipe.model.gated_delta_net import GatedDeltaNet, local_linear_heads
+from kvpipe.model.layers import MLP, Linear, Shard
+from kvpipe.model.llama import check_parallel
+from kvpipe.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """RMSNorm scaled by (1 + weight), all in fp32, cast back last (HF Qwen3_5RMSNorm)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D]; cos, sin [T, R] with R <= D: rotate the first R dims, pass the rest."""
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return apply_rope(x, cos, sin)
+    return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+
+
+class GatedAttention(nn.Module):
+    """Full attention with an output gate: q_proj rows are [q | gate] per head (2 * head_dim each)."""
+
+    def __init__(self, cfg: ModelConfig, kv_layer: int, parallel: ParallelConfig,
+                 group: dist.ProcessGroup | None) -> None:
+        super().__init__()
+        self.kv_layer = kv_layer  # this layer's buffer in the KV pool
+        d = self.head_dim = cfg.head_dim
+        self.num_heads = parallel.local_heads(cfg.num_heads)
+        self.num_kv_heads = parallel.local_kv_heads(cfg.num_kv_heads)
+        self.scale = d ** -0.5
+        h0, kv0 = parallel.tp_rank * self.num_heads, parallel.kv_head_start(cfg.num_kv_heads)
+        bias, kv_rows = cfg.attention_bias, Shard.rows(parallel, kv0 * d, self.num_kv_heads * d)
+        self.q_proj = Linear(cfg.hidden_size, self.num_heads * 2 * d, bias,
+                             shard=Shard.rows(parallel, h0 * 2 * d, self.num_heads * 2 * d))
+        self.k_proj = Linear(cfg.hidden_size, self.num_kv_heads * d, bias, shard=kv_rows)
+        self.v_proj = Linear(cfg.hidden_size, self.num_kv_heads * d, bias, shard=kv_rows)
+        self.o_proj = Linear(self.num_heads * d, cfg.hidden_size, bias, all_reduce=parallel.tp_size > 1, group=group,
+                             shard=Shard.cols(parallel, h0 * d, self.num_heads * d))
+        self.q_norm = ZeroCenteredRMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(d, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
+                pool: KVPool) -> torch.Tensor:
+        t, d = x.shape[0], self.head_dim
+        qg = self.q_proj(x).view(t, self.num_heads, 2 * d)
+        q, gate = self.q_norm(qg[..., :d]), qg[..., d:].reshape(t, self.num_heads * d)
+        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, d))
+        v = self.v_proj(x).view(t, self.num_kv_heads, d)
+        q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
+        o = paged_attention(q, k, v, self.kv_layer, batch, pool, self.scale)  # [T, Hq, D]
+        return self.o_proj(o.reshape(t, self.num_heads * d) * torch.sigmoid(gate))
+
+
+class HybridDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, parallel: ParallelConfig,
+                 group: dist.ProcessGroup | None) -> None:
+        super().__init__()
+        h = cfg.hybrid
+        assert h is not None
+        self.layer_type = h.layer_types[layer]
+        self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if self.layer_type is LayerType.LINEAR_ATTENTION:
+            self.linear_attn = GatedDeltaNet(cfg, h.linear_layers.index(layer), parallel, group)
+        else:
+            self.self_attn = GatedAttention(cfg, cfg.kv_layers.index(layer), parallel, group)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, parallel, group)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
+                pool: KVPool, state: StatePool) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.layer_type is LayerType.LINEAR_ATTENTION:
+            h = self.linear_attn(h, batch, state)
+        else:
+            h = self.self_attn(h, cos, sin, batch, pool)
+        h = x + h
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen3_5CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, parallel: ParallelConfig = ParallelConfig(),
+                 group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        if cfg.hybrid is None:
+            raise ValueError("Qwen3_5CausalLM needs a ModelConfig with a HybridConfig")
+        check_parallel(cfg, parallel)
+        local_linear_heads(cfg.hybrid, parallel)
+        self.cfg = cfg
+        self.parallel = parallel
+        self.group = group
+        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
+        self.layers = nn.ModuleList(HybridDecoderLayer(cfg, i, parallel, group) for i in range(cfg.num_layers))
+        self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        self.inv_freq = rope_inv_freq(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)  # fp32, [rotary_dim / 2]
+
+    def init_rope(self, device: str | torch.device | None = None) -> None:
+        """RoPE inverse frequencies, fp32 (the loader calls this after building on the meta device)."""
+        cfg = self.cfg
+        self.inv_freq = rope_inv_freq(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+        if device is not None:
+            self.inv_freq = self.inv_freq.to(device)
+
+    @property
+    def num_layers(self) -> int:
+        return self.cfg.num_layers
+
+    @property
+    def local_kv_heads(self) -> int:
+        return self.parallel.local_kv_heads(self.cfg.kv_cache_heads)
+
+    def embed(self, batch: ForwardBatch) -> torch.Tensor:
+        return F.embedding(batch.input_ids, self.embed_tokens)
+
+    def forward_layers(self, hidden: torch.Tensor, batch: ForwardBatch, pool: KVPool, start: int, end: int,
+                       state: StatePool | None = None) -> torch.Tensor:
+        """Run layers [start, end): full-attention layers write their K/V into `pool`, linear ones
+        read and write the rows' slots of `state`."""
+        if not 0 <= start <= end <= self.cfg.num_layers:
+            raise ValueError(f"layer range [{start}, {end}) outside [0, {self.cfg.num_layers})")
+        if state is None and any(self.layers[i].layer_type is LayerType.LINEAR_ATTENTION for i in range(start, end)):
+            raise ValueError("linear-attention layers need a StatePool")
+        if self.inv_freq.device != hidden.device:
+            self.inv_freq = self.inv_freq.to(hidden.device)
+        cos, sin = rope_cos_sin(self.inv_freq, batch.positions, hidden.dtype)  # [T, rotary_dim] each
+        for i in range(start, end):
+            hidden = self.layers[i](hidden, cos, sin, batch, pool, state)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        h = self.norm(hidden[batch.logit_indices])
+        weight = self.embed_tokens if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, weight).float()
+
+    def forward(self, batch: ForwardBatch, pool: KVPool, state: StatePool | None = None) -> torch.Tensor:
+        hidden = self.forward_layers(self.embed(batch), batch, pool, 0, self.cfg.num_layers, state)
+        return self.compute_logits(hidden, batch)

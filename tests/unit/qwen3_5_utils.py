@@ -1,0 +1,98 @@
+"""Helpers for the Qwen3.5 (hybrid) model tests: random tiny HF checkpoints and a driver that
+runs a hybrid model through the paged KV pool and a StatePool like the engine does."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+import transformers
+
+from kvpipe.cache.kv_pool import KVPool
+from kvpipe.cache.state_pool import StatePool
+from kvpipe.engine.model_runner import make_kv_pool, make_state_pool
+from kvpipe.model.forward_batch import ForwardBatch
+
+VOCAB = 160
+L, F = "linear_attention", "full_attention"
+
+
+def hf_qwen3_5(seed: int = 0, **overrides) -> "transformers.Qwen3_5ForCausalLM":
+    """A random tiny Qwen3.5 text model: GQA in both attention kinds (2 value heads per key head in
+    the delta-net), partial RoPE, random norm weights and dt_bias (HF inits them to constants,
+    which would hide a wrong (1 + w) or a missing bias)."""
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+              linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=4,
+              layer_types=[L, F, L, L], max_position_embeddings=256, initializer_range=0.1,
+              bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**kw)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("dt_bias"):
+                p.add_(torch.randn_like(p) * 0.3)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.3)
+    return model
+
+
+def save(model, path: Path, **kw) -> Path:
+    model.save_pretrained(path, safe_serialization=True, **kw)
+    return path
+
+
+def prompt_ids(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@torch.no_grad()
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    return hf(torch.tensor([ids])).logits[0].float()
+
+
+def all_logits(batch: ForwardBatch) -> ForwardBatch:
+    return dataclasses.replace(batch, logit_indices=torch.arange(batch.num_tokens))
+
+
+def pools(model, num_pages: int, page_size: int, slots: int = 4) -> tuple[KVPool, StatePool]:
+    state = make_state_pool(model, slots)
+    assert state is not None
+    return make_kv_pool(model, num_pages, page_size), state
+
+
+@torch.no_grad()
+def incremental_logits(model, ids: list[int], prompt_len: int, page_size: int, chunk: int | None = None,
+                       page_table: torch.Tensor | None = None, kv: KVPool | None = None,
+                       state: StatePool | None = None, slot: int = 2) -> torch.Tensor:
+    """Logits of every position of `ids`: the prompt in chunks of `chunk` tokens (whole when
+    None), then one decode step per remaining token, the recurrent state in StatePool slot `slot`."""
+    n_pages = -(-len(ids) // page_size)
+    if page_table is None:  # scattered, non-contiguous pages
+        page_table = torch.randperm(n_pages + 3, generator=torch.Generator().manual_seed(1))[:n_pages]
+    if kv is None or state is None:
+        kv, state = pools(model, int(page_table.max()) + 1, page_size)
+    out, pos = [], 0
+    step = chunk or prompt_len
+    while pos < len(ids):
+        n = min(step, prompt_len - pos) if pos < prompt_len else 1
+        batch = ForwardBatch.build([ids[pos:pos + n]], [pos], [page_table], page_size, state_slots=[slot])
+        out.append(model(all_logits(batch), kv, state))
+        pos += n
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def greedy_generate(model, prompt: list[int], n: int, page_size: int, slot: int = 0) -> list[int]:
+    n_pages = -(-(len(prompt) + n) // page_size)
+    table = torch.arange(n_pages)
+    kv, state = pools(model, n_pages, page_size)
+    tok = int(model(ForwardBatch.build([prompt], [0], [table], page_size, state_slots=[slot]), kv, state)[0].argmax())
+    out = [tok]
+    for i in range(n - 1):
+        batch = ForwardBatch.build([[tok]], [len(prompt) + i], [table], page_size, state_slots=[slot])
+        tok = int(model(batch, kv, state)[0].argmax())
+        out.append(tok)
+    return out

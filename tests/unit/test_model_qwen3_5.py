@@ -1,0 +1,174 @@
+"""Qwen3.5 dense text model (gated delta-net + gated full attention) against HF transformers, fp32:
+logits of whole prompts, chunked prefill (the recurrent state carried across chunks), paged
+decode, packed batches, greedy generation, TP."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers.models.qwen3_5")
+
+from kvpipe.config import ConfigError, LayerType, ModelConfig, ParallelConfig  # noqa: E402
+from kvpipe.model.forward_batch import ForwardBatch  # noqa: E402
+from kvpipe.model.loader import load_model  # noqa: E402
+from kvpipe.model.qwen3_5 import Qwen3_5CausalLM  # noqa: E402
+from qwen3_5_utils import (F, L, VOCAB, all_logits, greedy_generate, hf_logits, hf_qwen3_5,  # noqa: E402
+                           incremental_logits, pools, prompt_ids, save)
+
+ATOL = 1e-4
+CASES = {
+    # one full layer among three linear ones, untied, GQA everywhere
+    "mixed": dict(),
+    # linear first and last, two full layers, tied embeddings, grouped value heads x1, conv kernel 3,
+    # MHA full attention with biases on q/k/v/o, full rotary
+    "tied_bias_k3": dict(num_hidden_layers=5, layer_types=[L, F, L, F, L], tie_word_embeddings=True,
+                         linear_num_value_heads=2, linear_conv_kernel_dim=3, num_key_value_heads=4,
+                         attention_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 1000.0,
+                                                               "partial_rotary_factor": 1.0}),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request, tmp_path_factory):
+    hf = hf_qwen3_5(**CASES[request.param])
+    return hf, load_model(save(hf, tmp_path_factory.mktemp(request.param)))
+
+
+def test_config_parsed(case):
+    hf, ours = case
+    cfg = ours.cfg
+    assert isinstance(ours, Qwen3_5CausalLM) and cfg.architecture == "qwen3_5" and cfg.hybrid is not None
+    assert [t.value for t in cfg.hybrid.layer_types] == hf.config.layer_types
+    assert cfg.kv_layers == tuple(i for i, t in enumerate(hf.config.layer_types) if t == F)
+    assert cfg.rope_dim == int(cfg.head_dim * hf.config.rope_parameters.get("partial_rotary_factor", 1.0))
+    assert cfg.hybrid.conv_dim == hf.model.layers[0].linear_attn.conv_dim
+
+
+def test_default_layer_types_follow_hf():
+    raw = hf_qwen3_5().config.to_dict()
+    raw.pop("layer_types")
+    raw.update(num_hidden_layers=8, full_attention_interval=4, architectures=["Qwen3_5ForCausalLM"])
+    h = ModelConfig.from_hf_dict(raw).hybrid
+    assert h.full_layers == (3, 7) and h.layer_types[0] is LayerType.LINEAR_ATTENTION
+
+
+def test_kv_pool_holds_full_attention_layers_only(case):
+    _, ours = case
+    kv, state = pools(ours, 4, 4, slots=3)
+    assert kv.num_layers == len(ours.cfg.kv_layers)
+    assert state.layers == ours.cfg.hybrid.linear_layers and state.num_slots == 3
+
+
+def test_full_prompt_logits_match_hf(case):
+    hf, ours = case
+    ids = prompt_ids(77)  # more than one 64-token delta-rule chunk
+    kv, state = pools(ours, 20, 4)
+    got = ours(all_logits(ForwardBatch.build([ids], [0], [torch.arange(20)], 4, state_slots=[1])), kv, state)
+    assert got.dtype == torch.float32 and got.shape == (77, VOCAB)
+    torch.testing.assert_close(got, hf_logits(hf, ids), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 3, 5, 70])
+def test_chunked_prefill_and_paged_decode_match_hf(case, chunk):
+    """Prompt of 75 tokens over pages of 4, in chunks that do not divide the page size (nor 64),
+    then single-token decode steps: the conv and recurrent states cross every chunk boundary."""
+    hf, ours = case
+    ids = prompt_ids(90, seed=2)
+    got = incremental_logits(ours, ids, prompt_len=75, page_size=4, chunk=chunk)
+    torch.testing.assert_close(got, hf_logits(hf, ids), atol=ATOL, rtol=0)
+
+
+def test_slot_is_reset_for_a_new_sequence(case):
+    """A row with prefix_len 0 starts from zeros whatever its slot held before."""
+    hf, ours = case
+    kv, state = pools(ours, 10, 4)
+    incremental_logits(ours, prompt_ids(20, seed=3), 15, 4, chunk=6, page_table=torch.arange(5), kv=kv,
+                       state=state, slot=1)
+    ids = prompt_ids(19, seed=4)
+    got = incremental_logits(ours, ids, 12, 4, chunk=5, page_table=torch.arange(5, 10), kv=kv, state=state, slot=1)
+    torch.testing.assert_close(got, hf_logits(hf, ids), atol=ATOL, rtol=0)
+
+
+def test_packed_batches_match_hf(case):
+    """Packed prefill rows (a later chunk next to a fresh prompt), then batched decode of three
+    rows in slots out of order, one of them a 1-token prompt (a fresh row in a decode-shaped batch)."""
+    hf, ours = case
+    a, b, c = prompt_ids(14, seed=5), prompt_ids(9, seed=6), prompt_ids(4, seed=7)
+    kv, state = pools(ours, 16, 3, slots=5)
+    ta, tb, tc = torch.tensor([5, 2, 9, 0, 12]), torch.tensor([7, 1, 11, 13]), torch.tensor([3, 4])
+    ours(ForwardBatch.build([a[:7]], [0], [ta], 3, state_slots=[4]), kv, state)
+    got = ours(all_logits(ForwardBatch.build([a[7:12], b[:7]], [7, 0], [ta, tb], 3, state_slots=[4, 0])), kv, state)
+    torch.testing.assert_close(got[:5], hf_logits(hf, a[:12])[7:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(got[5:], hf_logits(hf, b[:7]), atol=ATOL, rtol=0)
+    for i in range(2):  # decode: a and b one token each, c's first token (a 1-token prompt) then its second
+        batch = ForwardBatch.build([[a[12 + i]], [b[7 + i]], [c[i]]], [12 + i, 7 + i, i], [ta, tb, tc], 3,
+                                   state_slots=[4, 0, 2])
+        assert batch.decode is not None
+        got = ours(batch, kv, state)
+        torch.testing.assert_close(got[0], hf_logits(hf, a[:13 + i])[-1], atol=ATOL, rtol=0)
+        torch.testing.assert_close(got[1], hf_logits(hf, b[:8 + i])[-1], atol=ATOL, rtol=0)
+        torch.testing.assert_close(got[2], hf_logits(hf, c[:1 + i])[-1], atol=ATOL, rtol=0)
+
+
+def test_layer_groups_equal_full_forward(case):
+    _, ours = case
+    ids = prompt_ids(9, seed=8)
+    batch = ForwardBatch.build([ids], [0], [torch.arange(3)], 4, state_slots=[0])
+    (kv_a, st_a), (kv_b, st_b) = pools(ours, 3, 4), pools(ours, 3, 4)
+    full = ours(batch, kv_a, st_a)
+    h = ours.embed(batch)
+    n = ours.num_layers
+    for start, end in [(0, 1), (1, 1), (1, 3), (3, n)]:
+        h = ours.forward_layers(h, batch, kv_b, start, end, st_b)
+    assert torch.equal(ours.compute_logits(h, batch), full)
+    for i in range(st_a.num_layers):
+        assert torch.equal(st_a.recurrent[i], st_b.recurrent[i]) and torch.equal(st_a.conv[i], st_b.conv[i])
+    with pytest.raises(ValueError, match="StatePool"):
+        ours.forward_layers(h, batch, kv_b, 0, 1)
+
+
+def test_greedy_generation_matches_hf_generate(case):
+    hf, ours = case
+    prompt = prompt_ids(10, seed=9)
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)[0, len(prompt):].tolist()
+    assert len(want) == 32
+    assert greedy_generate(ours, prompt, 32, page_size=4) == want
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    hf = hf_qwen3_5(seed=1)
+    path = save(hf, tmp_path / "sharded", max_shard_size="40KB")
+    assert (path / "model.safetensors.index.json").is_file()
+    ours = load_model(path)
+    ids = prompt_ids(12, seed=10)
+    torch.testing.assert_close(incremental_logits(ours, ids, 12, 4), hf_logits(hf, ids), atol=ATOL, rtol=0)
+
+
+def test_tp_rejects_indivisible_linear_heads(tmp_path):
+    path = save(hf_qwen3_5(num_attention_heads=4, num_key_value_heads=4, linear_num_key_heads=1,
+                           linear_num_value_heads=2), tmp_path / "m")
+    with pytest.raises(ConfigError, match="linear-attention key heads"):
+        Qwen3_5CausalLM(ModelConfig.from_dir(path), ParallelConfig(2, 0))
+
+
+@pytest.fixture(scope="module")
+def preset_dir(tmp_path_factory):
+    from kvpipe.model.presets import write_preset
+
+    return write_preset("tiny-qwen3.5", tmp_path_factory.mktemp("tiny_qwen35"))
+
+
+def test_tiny_qwen3_5_preset_matches_hf(preset_dir, tmp_path):
+    from kvpipe.model.presets import write_preset
+    from test_presets import digests
+
+    assert digests(write_preset("tiny-qwen3.5", tmp_path / "again")) == digests(preset_dir)
+    hf = transformers.Qwen3_5ForCausalLM.from_pretrained(preset_dir, dtype=torch.float32).eval()
+    ours = load_model(preset_dir)
+    assert ours.cfg.hybrid.full_layers == (3,) and ours.cfg.rope_dim == 8
+    ids = [ours.cfg.bos_token_id, *prompt_ids(30, seed=11)]
+    torch.testing.assert_close(incremental_logits(ours, ids, 20, 8, chunk=7), hf_logits(hf, ids), atol=ATOL, rtol=0)
+    out = greedy_generate(ours, ids[:12], 24, page_size=8)
+    assert len(set(out)) >= 4, out  # not a degenerate model
