@@ -146,7 +146,12 @@ def make_pair(model_dir: Path, chunk: int = 0, p_pages: int = 128, d_pages: int 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir):
     """Greedy outputs of the colocated engine with no prefix cache (memoized)."""
-    eng = Engine(ServerConfig(model_path=str(tiny_model_dir),
+    yield from colocated_greedy(tiny_model_dir)
+
+
+def colocated_greedy(model_dir: Path):
+    """Generator of a memoized greedy reference (the colocated engine, no prefix cache) for a fixture."""
+    eng = Engine(ServerConfig(model_path=str(model_dir),
                               cache=CacheConfig(page_size=PS, num_pages=256, radix_cache=False)))
     cache: dict[tuple, list[int]] = {}
 

@@ -13,7 +13,8 @@ import pytest
 
 from kvpipe.engine.request import FinishReason, Req
 from kvpipe.transfer.backends import FailureInjection
-from test_pd_inprocess import GREEDY, PS, Pair, make_pair, reference  # noqa: F401 - the fixture
+from kvpipe.model.presets import write_preset
+from test_pd_inprocess import GREEDY, PS, Pair, colocated_greedy, make_pair, reference  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.integration
 
@@ -96,6 +97,39 @@ def test_transferred_bytes_at_most_suffix_plus_one_page(tiny_model_dir, referenc
             assert n <= (suffix + PS) * token_nbytes, (keep, extra, n, suffix)
             assert n < full or suffix >= len(base)
             assert hit == held
+        pair.settle()
+
+
+@pytest.fixture(scope="module")
+def mla_model(tmp_path_factory):
+    """tiny-deepseek-v3 (MLA latent KV cache, sparse MoE) and its colocated greedy reference."""
+    model_dir = write_preset("tiny-deepseek-v3", tmp_path_factory.mktemp("tiny-deepseek-v3"))
+    gen = colocated_greedy(model_dir)
+    yield model_dir, next(gen)
+    gen.close()
+
+
+def test_mla_decode_prefix_reuse_moves_only_the_suffix_in_layer_groups(mla_model):
+    """Prefix reuse and layer-pipelined sends work unchanged on a latent KV pool: greedy equals
+    colocated, and the prefill writes only the latent pages past the decode's cached prefix."""
+    model_dir, ref = mla_model
+    rnd = random.Random(6)
+    base = [rnd.randrange(3, 290) for _ in range(90)]
+    with make_pair(model_dir, 24, decode_radix_cache=True, layer_groups=2) as pair:
+        assert pair.layout.latent and pair.layout.buffers_per_layer == 1
+        token_nbytes = pair.layout.token_nbytes  # layers * (kv_lora_rank + rope) * 4
+        before = pair.sender.stats.bytes_written
+        run_waves(pair, [[base]], ref)
+        assert pair.sender.stats.bytes_written - before == -(-len(base) // PS) * PS * token_nbytes
+        for keep, extra in ((80, 30), (64, 1), (37, 50)):
+            ids = base[:keep] + [rnd.randrange(3, 290) for _ in range(extra)]
+            before, hits = pair.sender.stats.bytes_written, pair.decode.stats()["prefix_hit_tokens"]
+            run_waves(pair, [[ids]], ref)
+            held = (min(keep, len(ids) - 1) // PS) * PS
+            assert pair.decode.stats()["prefix_hit_tokens"] - hits == held
+            sent = pair.sender.stats.bytes_written - before
+            assert sent == -(-(len(ids) - held) // PS) * PS * token_nbytes, (keep, extra, sent)
+        assert pair.prefill.stats()["layer_group_batches"], pair.prefill.stats()
         pair.settle()
 
 
