@@ -18,7 +18,8 @@ from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import SamplingParams
 from pd_harness import disagg_stats, generate, greedy
 from test_pd_prefix_cache import shared_prefix_prompts
-from test_pd_tp import HEAD_DIM, KV_HEADS, LAYERS, PS, close_and_check_no_orphans, start
+from pd_parity import expected_bytes
+from test_pd_tp import PS, close_and_check_no_orphans, start
 
 pytest.importorskip("mooncake.engine")
 pytestmark = pytest.mark.integration
@@ -79,9 +80,7 @@ def test_cached_prefixes_through_router(tiny_model_dir: Path, tmp_path: Path, re
         assert stack.decode.metric("kvpipe_cached_pages") == d["cached_pages"]
         st = disagg_stats(stack.prefill)
         assert st["rooms_failed"] == 0 and st["rooms_succeeded"] == len(ps) + 2
-        full_pages = sum(-(-len(p) // PS) for p in ps)
-        heads = max(KV_HEADS // d_tp, 1) * d_tp  # every decode rank's heads once (no replication here)
-        full = full_pages * heads * PS * HEAD_DIM * 4 * 2 * LAYERS
+        full = expected_bytes(tiny_model_dir, [len(p) for p in ps], PS, p_tp, d_tp)  # with nothing cached
         assert kv_prompts < 0.6 * full, (kv_prompts, full)
         assert stack.prefill.metric("kvpipe_kv_transfer_bytes_total") == st["bytes_written"]
         # Mooncake's glog INFO lines stay out of the servers' output unless --log-level debug

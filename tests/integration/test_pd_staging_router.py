@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 
 from kvpipe.model.presets import write_preset
-from kvpipe.transfer.tp_mapping import transfer_slices
 from pd_harness import disagg_stats, generate, greedy
-from test_pd_tp import LOGPROB_TOL, close_and_check_no_orphans, colocated_reference, start
+from pd_parity import LOGPROB_TOL, colocated_reference, expected_bytes
+from test_pd_tp import close_and_check_no_orphans, start
 
 pytest.importorskip("mooncake.engine")
 pytestmark = pytest.mark.integration
 
-PS, NEW, LAYERS, HEAD_DIM, KV_HEADS = 16, 5, 4, 32, 4  # tiny-kv4, fp32 (PS and NEW as in test_pd_tp)
+PS, NEW = 16, 5  # tiny-kv4 (4 KV heads), fp32
 LENGTHS = [300, 137, 64, 211]
 
 
@@ -37,7 +37,7 @@ def kv4_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(kv4_model_dir: Path) -> list[tuple[list[int], list[float]]]:
-    return colocated_reference(kv4_model_dir, prompts())
+    return colocated_reference(kv4_model_dir, prompts(), NEW, PS)
 
 
 @pytest.mark.parametrize("p_tp,d_tp,chunk,groups", [
@@ -61,9 +61,7 @@ def test_staged_pd_matches_colocated(kv4_model_dir: Path, tmp_path: Path, refere
         stack.decode.wait_idle(30)
         st = disagg_stats(stack.prefill)
         assert (st["rooms_succeeded"], st["rooms_failed"]) == (len(LENGTHS), 0), st
-        heads = sum(s.num_heads for s in transfer_slices(p_tp, d_tp, KV_HEADS))
-        pages = sum(-(-n // PS) for n in LENGTHS)
-        assert st["bytes_written"] == st["staged_bytes"] == pages * heads * PS * HEAD_DIM * 4 * 2 * LAYERS, st
+        assert st["bytes_written"] == st["staged_bytes"] == expected_bytes(kv4_model_dir, LENGTHS, PS, p_tp, d_tp), st
         assert st["ops_submitted"] == st["staged_chunks"] > 0, st  # every write one staged chunk
         ring = disagg_stats(stack.decode)["staging_ring"]  # decode rank 0's
         assert ring["live_slots"] == ring["waiting"] == 0 and ring["scattered"] == ring["granted"] > 0, ring
