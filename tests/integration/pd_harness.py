@@ -74,9 +74,18 @@ def greedy(max_new_tokens: int = 8, **kw: Any) -> dict[str, Any]:
 
 
 def generate(url: str, body: dict[str, Any], timeout_s: float = 120.0) -> dict[str, Any]:
-    """POST /generate; a streamed answer is folded into the final event (plus the event count)."""
+    """POST /generate; a streamed answer is folded into the final event (plus the event count).
+
+    A router that has no healthy worker yet (a server restarted a moment ago: the router's next
+    health check re-admits it within ROUTER_RECOVERY_FLAGS' 5 s) answers 503 before choosing any
+    worker, so nothing ran: that answer is retried for up to 30 s."""
     if not body.get("stream"):
-        r = httpx.post(url + "/generate", json=body, timeout=timeout_s)
+        deadline = time.monotonic() + 30.0
+        while True:
+            r = httpx.post(url + "/generate", json=body, timeout=timeout_s)
+            if r.status_code != 503 or "server_selection_failed" not in r.text or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
         assert r.status_code == 200, r.text
         return r.json()
     events = []
