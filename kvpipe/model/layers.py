@@ -73,16 +73,21 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, fp32_weight: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
+        # GPT-OSS: an fp32 weight (HF keeps these norms in fp32), applied before casting back
+        self.fp32_weight = fp32_weight
+        self.keep_fp32 = ("weight",) if fp32_weight else ()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # fp32 statistics, weight applied after casting back (HF LlamaRMSNorm order)
         dtype = x.dtype
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.fp32_weight:
+            return (self.weight * h).to(dtype)
         return self.weight * h.to(dtype)
 
 
@@ -186,9 +191,10 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, parallel: ParallelConfig,
                  group: dist.ProcessGroup | None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        fp32_norm = cfg.architecture == "gpt_oss"
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fp32_norm)
         self.self_attn = make_attention(cfg, layer, parallel, group)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fp32_norm)
         self.mlp = make_mlp(cfg, layer, parallel, group)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
