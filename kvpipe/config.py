@@ -20,6 +20,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MiniMaxM2ForCausalLM": "minimax_m2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Qwen3_5ForCausalLM": "qwen3_5",
+    "GptOssForCausalLM": "gpt_oss",
 }
 
 
@@ -35,13 +36,15 @@ class MoEConfig:
     when norm_topk_prob); MiniMax-M2 sigmoid scores, top-k chosen on score + correction bias,
     weights renormalised; DeepSeek-V3 the same plus group-limited choice (the top `topk_groups`
     of `num_groups` groups, a group scored by its two best experts), the shared experts and
-    `routed_scaling_factor` on the routed weights.
+    `routed_scaling_factor` on the routed weights; GPT-OSS ("topk_softmax") top-k of the biased
+    router logits, then a softmax over the chosen k only, into experts with biases and a clamped
+    SwiGLU (gpt_oss_moe.py).
     """
 
     num_experts: int
     top_k: int
     expert_intermediate_size: int  # per routed expert
-    scoring: str  # "softmax" | "sigmoid"
+    scoring: str  # "softmax" | "sigmoid" | "topk_softmax"
     norm_topk_prob: bool
     correction_bias: bool = False  # e_score_correction_bias steers the choice, not the weights
     num_groups: int = 1  # group-limited routing (DeepSeek-V3 n_group); 1: off
@@ -49,6 +52,11 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0
     shared_intermediate_size: int = 0  # one fused shared expert of this size; 0: none
     dense_layers: tuple[int, ...] = ()  # layers that keep a dense MLP of ModelConfig.intermediate_size
+    # GPT-OSS: the router and every expert projection carry a bias; the experts' SwiGLU clamps its
+    # gate (above) and up (both sides) at swiglu_limit and uses sigmoid(swiglu_alpha * gate)
+    biases: bool = False
+    swiglu_alpha: float = 1.0
+    swiglu_limit: float | None = None  # None: the plain SwiGLU
 
     def is_sparse(self, layer: int) -> bool:
         return layer not in self.dense_layers
@@ -78,6 +86,11 @@ class MoEConfig:
                        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
                        shared_intermediate_size=shared * int(cfg["moe_intermediate_size"]),
                        dense_layers=tuple(range(min(first_dense, n_layers))))
+        if arch == "gpt_oss":
+            return cls(num_experts=int(cfg["num_local_experts"]), top_k=int(cfg["num_experts_per_tok"]),
+                       expert_intermediate_size=int(cfg["intermediate_size"]), scoring="topk_softmax",
+                       norm_topk_prob=False, biases=True, swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+                       swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
         return None
 
 
@@ -191,6 +204,16 @@ class ModelConfig:
     qk_norm_per_head: bool = True
     # RoPE rotates only each head's first rotary_dim dims (MiniMax-M2, Qwen3.5); None: all
     rotary_dim: int | None = None
+    # GPT-OSS: layers that attend to a sliding window of their last `sliding_window` keys (the
+    # query's own included: key j is visible to query i iff i - sliding_window < j <= i)
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    attention_sinks: bool = False  # a learned logit per head added to the softmax denominator (GPT-OSS)
+    o_proj_bias: bool = False  # o_proj carries a bias (GPT-OSS's attention_bias covers q/k/v/o)
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of `layer`, None where it attends to the whole context."""
+        return self.sliding_window if layer in self.sliding_layers else None
 
     @property
     def rope_dim(self) -> int:
@@ -252,7 +275,7 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+            attention_bias=bool(cfg.get("attention_bias", arch in ("qwen2", "gpt_oss"))),
             qk_norm=arch in ("qwen3", "qwen3_moe", "minimax_m2", "qwen3_5"),
             rope_scaling=rope_scaling,
             dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
@@ -263,6 +286,7 @@ class ModelConfig:
             qk_norm_per_head=arch != "minimax_m2",
             rotary_dim=_partial_rotary_dim(cfg, head_dim) if arch in ("minimax_m2", "qwen3_5") else None,
             hybrid=HybridConfig.from_hf_dict(cfg) if arch == "qwen3_5" else None,
+            **(_gpt_oss_attention(cfg) if arch == "gpt_oss" else {}),
         )
 
     @classmethod
@@ -271,6 +295,24 @@ class ModelConfig:
         if not path.is_file():
             raise ConfigError(f"{model_dir}: no config.json (expected a local HF checkpoint directory)")
         return cls.from_hf_dict(json.loads(path.read_text()))
+
+
+def _gpt_oss_attention(cfg: dict[str, Any]) -> dict[str, Any]:
+    """GPT-OSS's attention fields of ModelConfig: sliding and full layers (HF's default pattern
+    alternates, sliding first), sinks in every layer, o_proj biased like q/k/v."""
+    n = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+    if len(types) != n:
+        raise ConfigError(f"layer_types has {len(types)} entries for {n} layers")
+    bad = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if bad:
+        raise ConfigError(f"unsupported layer types {bad} for GPT-OSS (only sliding_attention, full_attention)")
+    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    window = cfg.get("sliding_window")
+    if sliding and (window is None or int(window) < 1):
+        raise ConfigError(f"sliding_attention layers need a sliding_window >= 1, got {window!r}")
+    return dict(sliding_window=None if window is None else int(window), sliding_layers=sliding,
+                attention_sinks=True, o_proj_bias=bool(cfg.get("attention_bias", True)))
 
 
 def _partial_rotary_dim(cfg: dict[str, Any], head_dim: int) -> int | None:

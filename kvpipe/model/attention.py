@@ -12,6 +12,11 @@ Prefill rows are looped in Python: each is one large SDPA call, so the loop cost
 to it. 4-D views are passed on purpose: SDPA takes its flash kernel for them (3-D inputs fall
 back to the math path, 5x slower at 2K tokens), and GQA goes through `enable_gqa` rather than
 copies of the KV heads. MLA (mla.py) reuses the three kernels on its own keys and values.
+
+GPT-OSS layers pass attention sinks and (sliding layers) a window: prefill rows then go through
+sink_attention.window_attention (explicit fp32 softmax; SDPA cannot add a sink), decode through
+`attend_pages` with the sink in the denominator and the keys outside the window masked. The pool
+still holds every token of a sliding layer; only the keys of the window are attended to.
 """
 
 from __future__ import annotations
@@ -21,17 +26,22 @@ import torch.nn.functional as F
 
 from kvpipe.cache.kv_pool import KVPool
 from kvpipe.model.forward_batch import DecodeIndex, ForwardBatch, SeqSpan
+from kvpipe.model.sink_attention import window_attention
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                    batch: ForwardBatch, pool: KVPool, scale: float) -> torch.Tensor:
+                    batch: ForwardBatch, pool: KVPool, scale: float,
+                    sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] (new tokens). Stores k/v in the pool, returns [T, Hq, D].
 
-    Each sequence attends to its prefix in the pool plus its new tokens, causally.
+    Each sequence attends to its prefix in the pool plus its new tokens, causally; with a
+    window, query i sees keys j with i - window < j <= i; sinks [Hq] join each softmax.
     """
     pool.write(layer, batch.slot_pages, batch.slot_offsets, k, v)
     if batch.decode is not None:
-        return decode_attention(q, layer, batch.decode, pool, scale)
+        return decode_attention(q, layer, batch.decode, pool, scale, sinks, window)
+    if sinks is not None or window is not None:
+        return _window_prefill(q, k, v, layer, batch, pool, scale, sinks, window)
     if len(batch.seqs) == 1 and batch.seqs[0].prefix_len == 0:  # the common whole-prompt prefill
         return causal_attention(q, k, v, scale)
     out = torch.empty_like(q)
@@ -41,6 +51,21 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
             out[rows] = causal_attention(q[rows], k[rows], v[rows], scale)
         else:
             out[rows] = _extend(q[rows], layer, s, pool, scale)
+    return out
+
+
+def _window_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch,
+                    pool: KVPool, scale: float, sinks: torch.Tensor | None, window: int | None) -> torch.Tensor:
+    """The prefill rows of a layer with sinks and/or a window: a row with nothing cached attends
+    to its new k/v directly, any other to its gathered pages."""
+    out = torch.empty_like(q)
+    for s in batch.seqs:
+        rows = slice(s.start, s.start + s.extend_len)
+        if s.prefix_len == 0:
+            ks, vs = k[rows].transpose(0, 1), v[rows].transpose(0, 1)  # [Hkv, E, D]
+        else:
+            ks, vs = pool.gather(layer, s.page_table, s.total_len)  # [Hkv, L, D], new tokens included
+        out[rows] = window_attention(q[rows], ks, vs, s.prefix_len, scale, sinks, window)
     return out
 
 
@@ -70,19 +95,24 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_l
     return o[0].transpose(0, 1)
 
 
-def decode_attention(q: torch.Tensor, layer: int, index: DecodeIndex, pool: KVPool, scale: float) -> torch.Tensor:
-    """Every row adds one token: q [B, Hq, D] -> [B, Hq, D], one pass over the batch's pages."""
+def decode_attention(q: torch.Tensor, layer: int, index: DecodeIndex, pool: KVPool, scale: float,
+                     sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+    """Every row adds one token: q [B, Hq, D] -> [B, Hq, D], one pass over the batch's pages.
+
+    A sliding layer still gathers all of a row's pages and masks the keys before its window.
+    TODO(sliding-window pages): gather (and later keep) only the pages the window reaches.
+    """
     b, n, page = index.batch_size, index.num_pages, pool.page_size
     hkv, d = pool.kv_heads, pool.head_dim
     kp = pool.k[layer].index_select(0, index.pages).view(b, n, hkv, page, d)
     vp = pool.v[layer].index_select(0, index.pages).view(b, n, hkv, page, d)
-    return attend_pages(q, kp, vp, index.valid, scale)
+    return attend_pages(q, kp, vp, index.valid if window is None else index.window_valid(window), scale, sinks)
 
 
 def attend_pages(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, valid: torch.Tensor,
-                 scale: float) -> torch.Tensor:
+                 scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query per row over gathered pages: q [B, Hq, D], kp [B, n, Hkv, P, D], vp [B, n, Hkv, P, Dv],
-    valid [B, n, 1, 1, P] -> [B, Hq, Dv].
+    valid [B, n, 1, 1, P], sinks [Hq] or None -> [B, Hq, Dv].
 
     The pages keep the pool's layout and the scores stay per page, [B, n, Hkv, G, P] (G query
     heads per KV head): a batched matmul reads each page in place, so nothing is transposed into a
@@ -92,7 +122,13 @@ def attend_pages(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, valid: tor
     g = q.shape[1] // hkv
     scores = torch.matmul(q.view(b, 1, hkv, g, d), kp.transpose(-1, -2)).float()  # [B, n, Hkv, G, P]
     scores.mul_(scale).masked_fill_(~valid, float("-inf"))
-    probs = (scores - scores.amax(dim=(1, 4), keepdim=True)).exp_()
+    mx = scores.amax(dim=(1, 4), keepdim=True)  # [B, 1, Hkv, G, 1]
+    if sinks is not None:  # the sink joins the max and the denominator, and adds no value
+        sink = sinks.float().view(1, 1, hkv, g, 1)
+        mx = torch.maximum(mx, sink)
+    probs = (scores - mx).exp_()
     denom = probs.sum(dim=(1, 4))  # [B, Hkv, G]
+    if sinks is not None:
+        denom = denom + (sink - mx).exp_().view(b, hkv, g)
     o = torch.matmul(probs.to(vp.dtype), vp).sum(1)  # [B, Hkv, G, Dv]
     return (o / denom[..., None].to(o.dtype)).view(b, hkv * g, vp.shape[-1])

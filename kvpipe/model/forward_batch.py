@@ -34,6 +34,7 @@ class DecodeIndex:
 
     pages: torch.Tensor  # [B * n_pages] int64, row-major: row b's pages, then padding
     valid: torch.Tensor  # [B, n_pages, 1, 1, page_size] bool, True where a key is in the row's context
+    lens: torch.Tensor  # [B] int64: each row's context length, its new token included
 
     @property
     def batch_size(self) -> int:
@@ -52,10 +53,17 @@ class DecodeIndex:
             used = -(-s.total_len // page_size)
             pages[b, :used] = s.page_table[:used]
         valid = torch.arange(n * page_size)[None, :] < lens[:, None]  # [B, n * page_size]
-        return cls(pages.view(-1), valid.view(len(seqs), n, 1, 1, page_size))
+        return cls(pages.view(-1), valid.view(len(seqs), n, 1, 1, page_size), lens)
+
+    def window_valid(self, window: int) -> torch.Tensor:
+        """`valid` of a sliding-window layer: only each row's last `window` keys (its new one
+        included) -> [B, n_pages, 1, 1, page_size] bool."""
+        b, n, _, _, page = self.valid.shape
+        key_pos = torch.arange(n * page, device=self.valid.device).view(1, n, 1, 1, page)
+        return self.valid & (key_pos >= (self.lens - window).view(b, 1, 1, 1, 1))
 
     def to(self, device: torch.device | str) -> "DecodeIndex":
-        return DecodeIndex(self.pages.to(device), self.valid.to(device))
+        return DecodeIndex(self.pages.to(device), self.valid.to(device), self.lens.to(device))
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,8 @@ from kvpipe.model.rope import apply_rope
 class Shard:
     """The part of a checkpoint weight [out, in] one TP rank holds: [start, start + length) along
     dim 0 (column-parallel: output rows; a bias is sliced alike) or dim 1 (row-parallel: input
-    columns; a bias stays whole)."""
+    columns; a bias stays whole). Other modules' parameters (`param_shards`, e.g. GPT-OSS's fused
+    experts [E, hidden, 2 I]) may name any dim."""
 
     dim: int
     start: int
@@ -72,16 +73,21 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, fp32_weight: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
+        # GPT-OSS: an fp32 weight (HF keeps these norms in fp32), applied before casting back
+        self.fp32_weight = fp32_weight
+        self.keep_fp32 = ("weight",) if fp32_weight else ()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # fp32 statistics, weight applied after casting back (HF LlamaRMSNorm order)
         dtype = x.dtype
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.fp32_weight:
+            return (self.weight * h).to(dtype)
         return self.weight * h.to(dtype)
 
 
@@ -101,9 +107,14 @@ class Attention(nn.Module):
         self.q_proj = Linear(cfg.hidden_size, self.num_heads * d, bias, shard=q_rows)
         self.k_proj = Linear(cfg.hidden_size, self.num_kv_heads * d, bias, shard=kv_rows)
         self.v_proj = Linear(cfg.hidden_size, self.num_kv_heads * d, bias, shard=kv_rows)
-        self.o_proj = Linear(self.num_heads * d, cfg.hidden_size, False, all_reduce=tp, group=group,
+        self.o_proj = Linear(self.num_heads * d, cfg.hidden_size, cfg.o_proj_bias, all_reduce=tp, group=group,
                              shard=Shard.cols(parallel, q0, self.num_heads * d))
         self.group = group
+        # GPT-OSS: a sink logit per query head (this rank's heads) and, in sliding layers, a window
+        self.window = cfg.window(layer)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False) if cfg.attention_sinks else None
+        self.param_shards = ({"sinks": Shard(0, parallel.tp_rank * self.num_heads, self.num_heads)}
+                             if cfg.attention_sinks and tp else {})
         self.q_norm: RMSNorm | ShardedRMSNorm | None = None
         self.k_norm: RMSNorm | ShardedRMSNorm | None = None
         if cfg.qk_norm and cfg.qk_norm_per_head:
@@ -125,7 +136,7 @@ class Attention(nn.Module):
         if isinstance(self.q_norm, RMSNorm):  # Qwen3: per-head RMSNorm before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = paged_attention(q, k, v, self.layer, batch, pool, self.scale)  # [T, Hq, D]
+        o = paged_attention(q, k, v, self.layer, batch, pool, self.scale, self.sinks, self.window)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -165,6 +176,10 @@ def make_attention(cfg: ModelConfig, layer: int, parallel: ParallelConfig,
 
 def make_mlp(cfg: ModelConfig, layer: int, parallel: ParallelConfig, group: dist.ProcessGroup | None) -> nn.Module:
     """The MLP of `layer`: a sparse MoE block where the model has one there, else a dense MLP."""
+    if cfg.architecture == "gpt_oss":
+        from kvpipe.model.gpt_oss_moe import GptOssMoE  # fused biased experts, clamped SwiGLU
+
+        return GptOssMoE(cfg, layer, parallel, group)
     if cfg.moe is not None and cfg.moe.is_sparse(layer):
         from kvpipe.model.moe import SparseMoE  # moe.py builds its experts from MLP above
 
@@ -176,9 +191,10 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, parallel: ParallelConfig,
                  group: dist.ProcessGroup | None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        fp32_norm = cfg.architecture == "gpt_oss"
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fp32_norm)
         self.self_attn = make_attention(cfg, layer, parallel, group)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fp32_norm)
         self.mlp = make_mlp(cfg, layer, parallel, group)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

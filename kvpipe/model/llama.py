@@ -1,9 +1,10 @@
-"""Llama / Qwen2 / Qwen3 / Qwen3-MoE / MiniMax-M2 / DeepSeek-V3 causal LM over a paged KV pool,
+"""Llama / Qwen2 / Qwen3 / Qwen3-MoE / MiniMax-M2 / DeepSeek-V3 / GPT-OSS causal LM over a paged KV pool,
 with model-level tensor parallelism.
 
 The families differ in q/k/v bias (Qwen2), q/k RMSNorm per head (Qwen3) or over all heads with
 partial rotary (MiniMax-M2), sparse MoE MLPs (Qwen3-MoE, MiniMax-M2, DeepSeek-V3) and multi-head
-latent attention over a latent KV cache (DeepSeek-V3, mla.py); all are ModelConfig fields, and
+latent attention over a latent KV cache (DeepSeek-V3, mla.py), sliding-window layers, attention
+sinks and a biased-expert MoE (GPT-OSS, sink_attention.py, gpt_oss_moe.py); all are ModelConfig fields, and
 DecoderLayer picks each layer's attention and MLP (layers.make_attention, layers.make_mlp).
 DeepSeek-V3's multi-token-prediction layers, if a checkpoint has them, are not built and their
 weights not read. The forward is split (embed, layer range, logits) so the engine can run a
@@ -35,7 +36,7 @@ class CausalLM(nn.Module):
         # Embedding and lm_head are replicated on every rank: simple and bit-exact across TP sizes.
         self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, parallel, group) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fp32_weight=cfg.architecture == "gpt_oss")
         # Tied: logits reuse embed_tokens (no second parameter that a device move could untie).
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.init_rope()

@@ -38,7 +38,7 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
 
 
 # Families the model code implements (config.SUPPORTED_ARCHITECTURES also names ones in progress).
-IMPLEMENTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "minimax_m2", "deepseek_v3", "qwen3_5")
+IMPLEMENTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "minimax_m2", "deepseek_v3", "qwen3_5", "gpt_oss")
 
 
 def check_supported(raw: dict[str, Any], cfg: ModelConfig) -> None:
@@ -186,10 +186,11 @@ def shard_plan(model: nn.Module) -> dict[str, tuple[str, Shard | None]]:
 
 
 def read_shard(sl: Any, shard: Shard | None) -> torch.Tensor:
-    """This rank's part of a safetensors slice: whole, or its ranges along dim 0 or 1, concatenated."""
+    """This rank's part of a safetensors slice: whole, or its ranges along shard.dim, concatenated."""
     if shard is None:
         return sl[:]
-    parts = [sl[a:a + n] if shard.dim == 0 else sl[:, a:a + n] for a, n in shard.ranges]
+    lead = (slice(None),) * shard.dim  # GPT-OSS's fused experts [E, hidden, 2 I] split along dim 2
+    parts = [sl[(*lead, slice(a, a + n))] for a, n in shard.ranges]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=shard.dim)
 
 

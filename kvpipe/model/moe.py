@@ -27,6 +27,7 @@ from kvpipe.model.layers import MLP
 # DeepSeek-V3 adds this to the top-k weight sum before renormalising. In fp32 it cannot change a
 # sum of sigmoid or softmax probabilities (far below their ulp), so every family shares it.
 RENORM_EPS = 1e-20
+SCORINGS = ("softmax", "sigmoid", "topk_softmax")
 
 
 def route(logits: torch.Tensor, moe: MoEConfig,
@@ -36,14 +37,18 @@ def route(logits: torch.Tensor, moe: MoEConfig,
     Scores are softmax (Qwen3-MoE) or sigmoid (MiniMax-M2, DeepSeek-V3) of the logits. The experts
     are chosen on score + correction_bias (when given), inside the best `topk_groups` groups when
     routing is group-limited, but weighted by the plain score; then optionally renormalised and
-    scaled by routed_scaling_factor.
+    scaled by routed_scaling_factor. GPT-OSS ("topk_softmax"): the top-k logits, then a softmax
+    over those k only.
     """
+    if moe.scoring == "topk_softmax":
+        top = torch.topk(logits.float(), moe.top_k, dim=-1)
+        return torch.softmax(top.values, dim=-1), top.indices
     if moe.scoring == "softmax":
         scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
     elif moe.scoring == "sigmoid":
         scores = logits.float().sigmoid()
     else:
-        raise ConfigError(f"unsupported MoE scoring function {moe.scoring!r}; kvpipe supports softmax and sigmoid")
+        raise ConfigError(f"unsupported MoE scoring function {moe.scoring!r}; kvpipe supports {SCORINGS}")
     choice = scores if correction_bias is None else scores + correction_bias.float()
     if moe.num_groups > 1:
         choice = group_limited(choice, moe.num_groups, moe.topk_groups)
@@ -86,21 +91,23 @@ class Dispatch:
 
 
 class Router(nn.Module):
-    """The routing linear [E, hidden], replicated on every rank, and DeepSeek-V3/MiniMax-M2's
-    e_score_correction_bias [E] (steers the choice of experts, not their weights)."""
+    """The routing linear [E, hidden] (with a bias [E] for GPT-OSS), replicated on every rank,
+    and DeepSeek-V3/MiniMax-M2's e_score_correction_bias [E] (steers the choice of experts, not
+    their weights)."""
 
     keep_fp32 = ("e_score_correction_bias",)  # the loader keeps it fp32 in a bf16 model, as HF does
 
-    def __init__(self, hidden_size: int, num_experts: int, correction_bias: bool) -> None:
+    def __init__(self, hidden_size: int, num_experts: int, correction_bias: bool, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(num_experts), requires_grad=False) if bias else None
         self.e_score_correction_bias = (nn.Parameter(torch.empty(num_experts), requires_grad=False)
                                         if correction_bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, hidden] -> router logits [T, E], computed in fp32 (DeepSeek-V3 does; for the
         others it is at least as precise as their half-precision linear)."""
-        return F.linear(x.float(), self.weight.float())
+        return F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
 
 
 class SparseMoE(nn.Module):
@@ -148,8 +155,8 @@ class SparseMoE(nn.Module):
 
 def check_routing(moe: MoEConfig) -> None:
     """Raise ConfigError for a routing `route` cannot do."""
-    if moe.scoring not in ("softmax", "sigmoid"):
-        raise ConfigError(f"unsupported MoE scoring function {moe.scoring!r}; kvpipe supports softmax and sigmoid")
+    if moe.scoring not in SCORINGS:
+        raise ConfigError(f"unsupported MoE scoring function {moe.scoring!r}; kvpipe supports {SCORINGS}")
     if not 0 < moe.top_k <= moe.num_experts:
         raise ConfigError(f"top_k={moe.top_k} experts out of {moe.num_experts}")
     if moe.num_groups > 1:

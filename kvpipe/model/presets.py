@@ -14,13 +14,13 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from safetensors.torch import save_file
 
 from kvpipe.config import ConfigError, ModelConfig
-from kvpipe.model import presets_qwen3_5
+from kvpipe.model import presets_gpt_oss, presets_qwen3_5
 from kvpipe.model.preset_deepseek import MLAPresetSpec, deepseek_v3_config, mla_attention_weights
 from kvpipe.model.preset_tokenizer import SPECIAL_TOKENS, build_tokenizer
 
@@ -222,12 +222,17 @@ def _dump(path: Path, obj: dict) -> None:
 
 def write_preset(name: str, out_dir: str | Path, seed: int = 0) -> Path:
     """Write preset `name` as an HF checkpoint directory into out_dir (created); returns it."""
-    hybrid = presets_qwen3_5.QWEN3_5_PRESETS
-    if name not in PRESETS and name not in hybrid:
-        raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS) + sorted(hybrid)}")
-    spec = PRESETS[name] if name in PRESETS else hybrid[name]
-    config_fn, weights_fn = (_hf_config, _weights) if name in PRESETS else (presets_qwen3_5.hf_config,
-                                                                            presets_qwen3_5.weights)
+    # name -> (spec, its HF config.json, its tensors); family presets with their own spec types
+    writers: dict[str, tuple[Any, Callable[..., dict], Callable[..., dict[str, torch.Tensor]]]] = {
+        **{n: (s, _hf_config, _weights) for n, s in PRESETS.items()},
+        **{n: (s, presets_qwen3_5.hf_config, presets_qwen3_5.weights)
+           for n, s in presets_qwen3_5.QWEN3_5_PRESETS.items()},
+        **{n: (s, presets_gpt_oss.hf_config, presets_gpt_oss.weights)
+           for n, s in presets_gpt_oss.GPT_OSS_PRESETS.items()},
+    }
+    if name not in writers:
+        raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(writers)}")
+    spec, config_fn, weights_fn = writers[name]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer()
