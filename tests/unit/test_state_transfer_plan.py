@@ -191,3 +191,28 @@ def test_state_batches_split_by_chunk_ops():
     assert max(b.num_ops for b in r.queued) <= 4
     counts = collections.Counter(b.peer for b in r.queued)
     assert counts["peer"] == len(r.queued)
+
+
+# ---- registration: the prefill refuses pairings it cannot serve ---------------------------------
+
+def test_prefill_refuses_hybrid_pairings_it_cannot_serve():
+    from kvpipe.config import DisaggregationConfig
+    from kvpipe.transfer.messages import RegisterPeer, TransferRequest
+    from kvpipe.transfer.sender_peers import SenderPeers
+
+    sl = layout(make_pool(None))
+    kv = kv_layout(1 << 30)
+    peers = SenderPeers(DisaggregationConfig(), kv, 0, 1, sl)
+
+    def reg(session: str, tp_size: int = 1, state: StateLayout | None = sl) -> str | None:
+        return peers.register(RegisterPeer(session, 0, tp_size, "data", "ctl", kv, None, state), 0.0)
+
+    assert reg("ok") is None
+    assert "only the prefill" in reg("no-state", state=None)
+    assert "equal TP sizes" in reg("hetero", tp_size=2)
+    assert "heterogeneous TP" in reg("other-heads", state=layout(make_pool(None, StateShape(24, 3, 1, 8, 4))))
+    _, why = peers.check_request(TransferRequest(1, "ok", (1, 2), 0, 0))
+    assert "needs a decode state slot" in why
+    _, why = peers.check_request(TransferRequest(1, "ok", (1, 2), 0, 0, state_slot=SLOTS))
+    assert "outside the decode pool" in why
+    assert peers.check_request(TransferRequest(1, "ok", (1, 2), 0, 0, state_slot=SLOTS - 1))[1] is None
