@@ -73,10 +73,11 @@ def register_pool(backend: TransferBackend, layout: KVLayout, state: StateLayout
         backend.register_many(list(addrs), list(sizes))
 
 
-def rank_state_layout(cfg: ServerConfig, pool: StatePool) -> StateLayout:
-    """A hybrid model rank's state pool with the model's layer map (full layers keep the KV)."""
+def rank_state_layout(cfg: ServerConfig, rank: int, pool: StatePool) -> StateLayout:
+    """A hybrid model rank's state pool with the model's layer map (full layers keep the KV) and
+    its linear heads (rank r of N holds the r-th N-th)."""
     mc = ModelConfig.from_dir(cfg.model_path)
-    return StateLayout.from_pool(pool, mc.kv_layers, mc.num_layers)
+    return StateLayout.from_pool(pool, mc.kv_layers, mc.num_layers, rank, cfg.tp_size)
 
 
 def rank_layout(cfg: ServerConfig, rank: int, pool: KVPool, total_kv_heads: int) -> KVLayout:

@@ -46,10 +46,10 @@ STATS_EVERY_S = 0.5  # ... and pushes changed counters at most this often withou
 class TransferWorker(KVConnectorWorker):
     def __init__(self, cfg: ServerConfig, rank: int, pool: KVPool, total_kv_heads: int,
                  backend: TransferBackend | None = None, state_pool: StatePool | None = None) -> None:
-        """`state_pool`: a hybrid model's recurrent state, which moves with the KV (same TP only)."""
+        """`state_pool`: a hybrid model's recurrent state, which moves with the KV."""
         self.cfg, self.rank = cfg, rank
         self.layout = rank_layout(cfg, rank, pool, total_kv_heads)
-        self.state_layout = None if state_pool is None else rank_state_layout(cfg, state_pool)
+        self.state_layout = None if state_pool is None else rank_state_layout(cfg, rank, state_pool)
         self.backend = backend  # None: made at start (tests pass an in-process one)
         self._own_backend = backend is None
         self.sender: KVSender | None = None

@@ -122,7 +122,6 @@ class DecodeInfo:
     model_name: str
     tp_size: int
     layouts: tuple[KVLayout, ...]  # one per decode rank
-    hybrid: bool = False  # the decode's ranks hold recurrent state (it moves between equal TP sizes only)
 
 
 def check_compatible(prefill: PrefillInstanceInfo, decode: DecodeInfo) -> None:
@@ -133,10 +132,6 @@ def check_compatible(prefill: PrefillInstanceInfo, decode: DecodeInfo) -> None:
                                     f"{decode.model_name!r}")
     if len(decode.layouts) != decode.tp_size:
         raise IncompatiblePeerError(f"decode has tp_size {decode.tp_size} but {len(decode.layouts)} layouts")
-    if decode.hybrid and prefill.tp_size != decode.tp_size:
-        raise IncompatiblePeerError(f"{where}: PD of a hybrid (linear-attention) model needs equal TP sizes: "
-                                    f"prefill TP {prefill.tp_size}, decode TP {decode.tp_size} (heterogeneous TP "
-                                    f"of the recurrent state is not implemented)")
     for p in prefill.ranks:
         for d_rank, d in enumerate(decode.layouts):
             why = p.layout.compatible_with(d)

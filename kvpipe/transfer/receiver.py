@@ -61,8 +61,7 @@ class KVReceiver:
         self.cfg, self.ranks, self.model_name = cfg, tuple(ranks), model_name
         self.tp_size = len(self.ranks)
         self.instance_id = instance_id or uuid.uuid4().hex[:12]
-        self.decode_info = DecodeInfo(model_name, self.tp_size, tuple(d.layout for d in self.ranks),
-                                      hybrid=any(d.state is not None for d in self.ranks))
+        self.decode_info = DecodeInfo(model_name, self.tp_size, tuple(d.layout for d in self.ranks))
         self._clock = clock
         self._on_news = on_news
         self._lock = threading.Lock()

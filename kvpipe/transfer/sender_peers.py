@@ -18,6 +18,7 @@ from kvpipe.transfer.layout import KVLayout
 from kvpipe.transfer.messages import RegisterPeer, TransferRequest
 from kvpipe.transfer.state import PeerLiveness
 from kvpipe.transfer.state_layout import StateLayout
+from kvpipe.transfer.state_plan import common_heads
 from kvpipe.transfer.tp_mapping import kv_head_range, slices_for_decode_rank, source_ranks
 
 log = logging.getLogger(__name__)
@@ -86,10 +87,9 @@ class SenderPeers:
         if mine is None or theirs is None:
             has = "prefill" if mine is not None else "decode"
             return f"only the {has} has a recurrent-state pool (a hybrid model on one side only)"
-        if msg.tp_size != self.tp_size:
-            return (f"PD of a hybrid (linear-attention) model needs equal TP sizes: prefill TP {self.tp_size}, "
-                    f"decode TP {msg.tp_size} (heterogeneous TP of the recurrent state is not implemented)")
         why = mine.compatible_with(theirs)
+        if why is None and common_heads(mine, theirs) is None:
+            why = "no common linear-attention heads (the TP mapping pairs ranks that share heads)"
         return None if why is None else f"decode rank {msg.tp_rank}: {why}"
 
     def _pair_heads(self, msg: RegisterPeer) -> tuple[int, int] | None:

@@ -18,8 +18,9 @@ chunk size; sender_book.py walks them through gather, slot, write, scatter.
 Recurrent state (hybrid models, state_layout.py): a call may also carry the final state of some
 linear layers (`state_layers`, the prompt's last forward has passed them); the last call writes
 every linear layer not written yet. Each destination remembers which layers it got, so the state
-of a layer moves once, as 2 ops (conv, recurrent) from the room's slot into the decode's slot,
-queued with the room's KV batches, so the room's final status still follows it.
+of a layer moves once (state_plan.py: 2 ops, or 4 for a head slice under heterogeneous TP) from
+the room's slot into the decode's slot, queued with the room's KV batches, so the room's final
+status still follows it.
 """
 
 from __future__ import annotations
@@ -261,8 +262,16 @@ class SenderRoom:
 
     def _plan_dest(self, call: SendCall, dest: Destination, staging: StagingPolicy | None,
                    chunk_ids: Iterator[int] | None) -> list[OpBatch | StagedChunk]:
-        if dest.heads is None:
-            return []
+        # dest.heads None: another prefill rank writes the replicated KV head; the linear heads
+        # are never replicated, so this rank may still owe the state of its own heads
+        out = [] if dest.heads is None else self._plan_kv(call, dest, staging, chunk_ids)
+        state = self._plan_state(call, dest)
+        if state is not None:
+            out.append(state)
+        return out
+
+    def _plan_kv(self, call: SendCall, dest: Destination, staging: StagingPolicy | None,
+                 chunk_ids: Iterator[int] | None) -> list[OpBatch | StagedChunk]:
         assert self.src_pages is not None
         ps = self.layout.page_size
         layers = (0, self.layout.num_layers) if call.last else (call.layer_start, call.layer_end)
@@ -294,9 +303,6 @@ class SenderRoom:
                                        p.head_start, p.head_end, l0, l1, staging, chunk_ids))
             else:
                 out.append(OpBatch(dest.data_address, p.src_addr, p.dst_addr, p.length))
-        state = self._plan_state(call, dest)
-        if state is not None:
-            out.append(state)
         return out
 
     def _plan_state(self, call: SendCall, dest: Destination) -> OpBatch | None:

@@ -1,7 +1,7 @@
 """PD through the router vs a colocated engine, for any model: greedy tokens and logprobs of
 concurrent prompts, every page back afterwards, and every prefill rank's written bytes equal to
 what the TP mapping predicts for the model's KV layout (K/V head slices, or an MLA latent), plus a
-hybrid model's recurrent state (one whole slot per request, same TP on both sides)."""
+hybrid model's recurrent state (one whole slot per request, any TP pairing)."""
 
 from __future__ import annotations
 
@@ -38,8 +38,9 @@ def expected_bytes(model_dir: Path, lengths: list[int], page_size: int, p_tp: in
                    itemsize: int = 4) -> int:
     """Bytes every prefill rank together writes for the prompts: whole pages, each decode rank's
     heads once (decode ranks sharing a replicated head, or the MLA latent, each get it); a hybrid
-    model's KV is that of its full-attention layers, and each request's state moves once (its
-    decode ranks hold its heads between them: same TP)."""
+    model's KV is that of its full-attention layers, and each request's state moves once: every
+    linear head of its slot from the one prefill rank that holds it (linear heads are never
+    replicated)."""
     mc = ModelConfig.from_dir(model_dir)
     heads = sum(s.num_heads for s in transfer_slices(p_tp, d_tp, mc.kv_cache_heads))
     pages = sum(-(-n // page_size) for n in lengths)

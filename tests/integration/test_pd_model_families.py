@@ -4,8 +4,8 @@
 The bytes every prefill rank writes equal the prediction for the layout: K/V head slices for the
 GQA families, and for MLA one whole latent per decode rank, read from exactly one prefill rank.
 The hybrid Qwen3.5 (issue 12: KV of its full-attention layers plus each request's recurrent
-state) runs on equal TP sizes only, (1,1) and (2,2), with one and two layer groups: heterogeneous
-TP of the state is not implemented (refused at registration)."""
+state, sliced by linear heads under heterogeneous TP) runs on (1,1) and (2,2) with one and two
+layer groups, and on (1,2) and (2,1)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ FLAGS = ["--page-size", str(PS), "--max-total-tokens", "4096", "--chunked-prefil
          "--disaggregation-transfer-timeout", "3"]
 FAMILIES = ["tiny-qwen3-moe", "tiny-minimax-m2", "tiny-deepseek-v3"]
 PAIRINGS = [(1, 2, 2), (2, 1, 1), (2, 4, 2)]  # (prefill TP, decode TP, layer groups; 1: no pipelining)
-HYBRID_PAIRINGS = [(1, 1, 1), (1, 1, 2), (2, 2, 1), (2, 2, 2)]  # same TP only
+HYBRID_PAIRINGS = [(1, 1, 1), (1, 1, 2), (2, 2, 1), (2, 2, 2), (1, 2, 2), (2, 1, 1)]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -1,8 +1,8 @@
 """KVSender <-> KVReceiver for a hybrid (Qwen3.5-style) model in one process: KV pools with a
 buffer per full-attention layer only, recurrent-state pools per linear layer, real bootstrap
 server and ZMQ, local and Mooncake backends. The request's state slot lands exactly in the
-decode's slot before Success, with layer groups too; bytes are counted; aborts and
-heterogeneous TP are refused or failed cleanly."""
+decode's slot before Success, with layer groups and heterogeneous TP too (each decode rank's
+linear heads from the prefill ranks that hold them); bytes are counted; aborts fail cleanly."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from kvpipe.transfer.receiver import DecodeRank, KVReceiver
 from kvpipe.transfer.sender import KVSender
 from kvpipe.transfer.state import TransferState
 from kvpipe.transfer.state_layout import StateLayout
+from kvpipe.transfer.tp_mapping import transfer_slices
 from test_sender_receiver import CFG, Results, make_backend, wait_for
 
 pytestmark = pytest.mark.integration
@@ -56,7 +57,7 @@ class Rank:
             for buf in self.kv.buffers() + self.state.conv + self.state.recurrent:
                 buf.copy_(torch.randn(buf.shape, generator=g).to(buf.dtype))
         self.layout = KVLayout.from_pool(self.kv, head_start=h0, total_kv_heads=H)
-        self.state_layout = StateLayout.from_pool(self.state, FULL, len(TYPES))
+        self.state_layout = StateLayout.from_pool(self.state, FULL, len(TYPES), rank, tp)
         backend.register_many(list(self.layout.buffer_addrs), [self.layout.buffer_nbytes] * self.layout.num_buffers)
         addrs, sizes = zip(*self.state_layout.buffers())
         backend.register_many(list(addrs), list(sizes))
@@ -141,11 +142,36 @@ def test_same_tp_two_ranks_each_move_their_heads(stack):
         assert s.stats.bytes_written == kv_bytes(p, SRC.size) + p.state_layout.slot_nbytes
 
 
-def test_heterogeneous_tp_is_refused_with_a_clear_reason(stack):
-    port, senders, _, recv, _ = start_pair(stack, p_tp=1, d_tp=2)
-    recv.add_room(4, "127.0.0.1", port, [np.arange(6)] * 2, prefix_len=0, state_slot=0)
-    room, state, reason, _ = Results(recv).get(4)
-    assert state is F and "equal TP sizes" in reason and "not implemented" in reason
+def global_state(ranks: list[Rank], slot: int) -> list[torch.Tensor]:
+    """One slot's state as TP 1 holds it, per (linear layer, conv|recurrent), from TP ranks' pools."""
+    out = []
+    for i in range(len(LINEAR)):
+        convs = [rk.state.conv[i][slot] for rk in ranks]  # [q | k | v of the rank's heads, len]
+        qk = convs[0].shape[0] - ranks[0].state.shape.heads * ranks[0].state.shape.value_dim
+        out.append(torch.cat([c[:qk // 2] for c in convs] + [c[qk // 2:qk] for c in convs] + [c[qk:] for c in convs]))
+        out.append(torch.cat([rk.state.recurrent[i][slot] for rk in ranks]))
+    return out
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(1, 2), (2, 1), (4, 2), (2, 4)])
+def test_heterogeneous_tp_moves_every_linear_head_once(stack, p_tp, d_tp):
+    port, senders, p_ranks, recv, d_ranks = start_pair(stack, p_tp=p_tp, d_tp=d_tp)
+    dst = np.arange(6) + 1
+    recv.add_room(4, "127.0.0.1", port, [dst] * d_tp, prefix_len=0, state_slot=3)
+    for s in senders:
+        s.add_room(4, SRC, state_slot=0)
+        s.send(4, 0, 22, 0, 4, state=True)  # layer groups: the state of linear layers 0..2 first
+        s.send(4, 0, 22, last=True, aux=(3, -0.5))
+    assert Results(recv).get(4)[1:3] == (S, "")
+    for s in senders:
+        assert Results(s).get(4)[1] is S
+    for a, b in zip(global_state(p_ranks, 0), global_state(d_ranks, 3), strict=True):
+        assert torch.equal(b, a)
+    for d in d_ranks:
+        assert all(not buf[[0, 1, 2]].any() for buf in d.state.conv + d.state.recurrent)
+    # KV: each decode rank's heads once (transfer_slices); state: every linear head of the slot once
+    kv = SRC.size * sum(sl.num_heads for sl in transfer_slices(p_tp, d_tp, H)) * PS * HD * 4 * 2 * len(FULL)
+    assert sum(s.stats.bytes_written for s in senders) == kv + p_ranks[0].state_layout.slot_nbytes * p_tp
 
 
 def test_requests_without_a_state_slot_are_refused(stack):

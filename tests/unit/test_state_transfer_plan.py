@@ -23,7 +23,8 @@ from kvpipe.transfer.state_plan import plan_state
 TYPES = "LLLFLLLF"  # Qwen3.5's default pattern: every 4th layer full attention
 LINEAR = tuple(i for i, t in enumerate(TYPES) if t == "L")
 FULL = tuple(i for i, t in enumerate(TYPES) if t == "F")
-SHAPE = StateShape(conv_dim=48, conv_len=3, heads=2, key_dim=8, value_dim=4)
+SHAPE = StateShape(conv_dim=40, conv_len=3, heads=2, key_dim=8, value_dim=4)  # 2 key heads: q, k 16 channels, v 8
+HALF = StateShape(conv_dim=20, conv_len=3, heads=1, key_dim=8, value_dim=4)  # one rank's of TP 2
 SLOTS = 5
 
 
@@ -47,7 +48,7 @@ def test_layout_from_pool_matches_buffer_infos():
     assert [b.addr for b in infos] == [a for pair in zip(lay.conv_addrs, lay.recurrent_addrs) for a in pair]
     assert [b.slot_nbytes for b in infos] == [lay.conv_slot_nbytes, lay.recurrent_slot_nbytes] * len(LINEAR)
     assert lay.buffers() == [(b.addr, b.nbytes) for b in infos]
-    assert lay.slot_nbytes == pool.slot_nbytes == len(LINEAR) * (48 * 3 * 2 + 2 * 8 * 4 * 4)
+    assert lay.slot_nbytes == pool.slot_nbytes == len(LINEAR) * (40 * 3 * 2 + 2 * 8 * 4 * 4)
 
 
 @pytest.mark.parametrize("a,b,kv,lin", [(0, 8, (0, 2), (0, 6)), (0, 3, (0, 0), (0, 3)), (0, 4, (0, 1), (0, 3)),
@@ -66,8 +67,10 @@ def test_layout_invariants_and_compatibility():
         StateLayout.from_pool(make_pool(None), (3,), len(TYPES))
     other = layout(make_pool(None))
     assert lay.compatible_with(other) is None
-    half = layout(make_pool(None, StateShape(24, 3, 1, 8, 4)))  # another TP size: half the heads
-    assert "heterogeneous TP" in lay.compatible_with(half)
+    half = StateLayout.from_pool(make_pool(None, HALF), FULL, len(TYPES), 1, 2)  # TP 2 rank 1: the same model
+    assert lay.compatible_with(half) is None and (half.key_head_start, half.value_head_start) == (1, 1)
+    other_model = layout(make_pool(None, HALF))  # TP 1 with half the heads
+    assert "linear key heads" in lay.compatible_with(other_model)
     f32 = layout(make_pool(None, dtype=torch.float32))
     assert "dtype" in lay.compatible_with(f32)
 
@@ -104,7 +107,49 @@ def test_plan_state_refuses_bad_slots_and_layouts():
     with pytest.raises(ValueError, match="destination state slot"):
         plan_state(0, SLOTS, sl, sl)
     with pytest.raises(ValueError, match="incompatible"):
-        plan_state(0, 0, sl, layout(make_pool(None, StateShape(24, 3, 1, 8, 4))))
+        plan_state(0, 0, sl, layout(make_pool(None, HALF)))
+
+
+def global_state(pools: list[StatePool]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per linear layer the TP-1 view of TP ranks' pools: conv [slots, q | k | v of all heads, len]
+    and recurrent [slots, all heads, Dk, Dv]."""
+    out = []
+    for i in range(len(LINEAR)):
+        convs = [p.conv[i] for p in pools]
+        qk = convs[0].shape[1] - pools[0].shape.heads * pools[0].shape.value_dim
+        h = qk // 2
+        conv = torch.cat([c[:, :h] for c in convs] + [c[:, h:qk] for c in convs] + [c[:, qk:] for c in convs], 1)
+        out.append((conv, torch.cat([p.recurrent[i] for p in pools], 1)))
+    return out
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(1, 2), (2, 1), (2, 2)])
+def test_heterogeneous_tp_moves_each_decode_ranks_heads_once(p_tp, d_tp):
+    shape = {1: SHAPE, 2: HALF}
+    src = [make_pool(7 + r, shape[p_tp]) for r in range(p_tp)]
+    dst = [make_pool(None, shape[d_tp]) for _ in range(d_tp)]
+    sls = [StateLayout.from_pool(p, FULL, len(TYPES), r, p_tp) for r, p in enumerate(src)]
+    dls = [StateLayout.from_pool(p, FULL, len(TYPES), r, d_tp) for r, p in enumerate(dst)]
+    fabric = LocalFabric()
+    tx, rx = LocalBackend(fabric), LocalBackend(fabric)
+    for be, lays in ((tx, sls), (rx, dls)):
+        for lay in lays:
+            addrs, sizes = zip(*lay.buffers())
+            be.register_many(list(addrs), list(sizes))
+    total = 0
+    for r in range(d_tp):  # the TP mapping's pairs: every prefill rank sharing heads with decode rank r
+        for p in range(p_tp):
+            if p_tp >= d_tp and p // (p_tp // d_tp) != r or p_tp < d_tp and r // (d_tp // p_tp) != p:
+                continue
+            plan = plan_state(2, 4, sls[p], dls[r])
+            whole = p_tp == d_tp
+            assert plan.num_ops == len(LINEAR) * (2 if whole else 4)  # conv: 1 op, or q, k, v ranges
+            assert tx.wait(tx.submit(rx.address, plan.src_addr, plan.dst_addr, plan.length)) is BatchState.DONE
+            total += plan.nbytes
+    assert total == layout(make_pool(None)).slot_nbytes  # every head of the slot once
+    for (sc, sr), (dc, dr) in zip(global_state(src), global_state(dst), strict=True):
+        assert torch.equal(dc[4], sc[2]) and torch.equal(dr[4], sr[2])
+        assert not dc[[0, 1, 2, 3]].any() and not dr[[0, 1, 2, 3]].any()
 
 
 # ---- the sender room: KV of full layers and state of linear layers, per layer group ----------
@@ -209,8 +254,7 @@ def test_prefill_refuses_hybrid_pairings_it_cannot_serve():
 
     assert reg("ok") is None
     assert "only the prefill" in reg("no-state", state=None)
-    assert "equal TP sizes" in reg("hetero", tp_size=2)
-    assert "heterogeneous TP" in reg("other-heads", state=layout(make_pool(None, StateShape(24, 3, 1, 8, 4))))
+    assert "linear key heads" in reg("other-model", state=layout(make_pool(None, HALF)))
     _, why = peers.check_request(TransferRequest(1, "ok", (1, 2), 0, 0))
     assert "needs a decode state slot" in why
     _, why = peers.check_request(TransferRequest(1, "ok", (1, 2), 0, 0, state_slot=SLOTS))
