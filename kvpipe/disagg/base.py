@@ -29,8 +29,8 @@ class PDConnector(KVConnector):
         self._claim_lock = threading.Lock()
         self._claimed: set[int] = set()  # rooms of requests claimed and not yet done with (any thread)
 
-    def make_worker(self, pool: Any, total_kv_heads: int) -> TransferWorker:
-        self.local_worker = TransferWorker(self.cfg, 0, pool, total_kv_heads, self._backend)
+    def make_worker(self, pool: Any, total_kv_heads: int, state_pool: Any = None) -> TransferWorker:
+        self.local_worker = TransferWorker(self.cfg, 0, pool, total_kv_heads, self._backend, state_pool)
         return self.local_worker
 
     def _start_ranks(self, workers: WorkerGroup, cmd: object) -> None:

@@ -21,6 +21,7 @@ import numpy as np
 from kvpipe.transfer.layout import KVLayout
 from kvpipe.transfer.messages import AuxTuple, StagingInfo
 from kvpipe.transfer.sender_book import SenderStats, TransferTiming
+from kvpipe.transfer.state_layout import StateLayout
 from kvpipe.transfer.state import TransferState
 
 
@@ -42,12 +43,14 @@ class RankStarted:
     data_address: str  # its backend: where peers write
     control_address: str | None  # prefill: its KVSender's control endpoint
     staging: StagingInfo | None = None  # decode with a staging ring: its agent and pool
+    state: StateLayout | None = None  # a hybrid model's recurrent-state pool on this rank
 
 
 @dataclass(frozen=True)
 class RoomStart:
     room: int
     pages: np.ndarray  # int64 page table of the whole prompt (the same page ids on every rank)
+    state_slot: int | None = None  # hybrid models: the request's state slot (the same on every rank)
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,8 @@ class ChunkSend:
     token_end: int
     last: bool = False  # the prompt is complete: flush partial pages, then aux
     aux: AuxTuple | None = None  # with `last`: (first token id, its logprob, prefill cached tokens)
+    # a grouped row of the prompt's last forward: each group's recurrent state is final after it
+    state: bool = False
 
 
 @dataclass(frozen=True)

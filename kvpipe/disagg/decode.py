@@ -52,7 +52,8 @@ class DecodeConnector(PDConnector):
         self._vocab_size = ctx.model_config.vocab_size
         warn_if_unauthenticated(self.cfg)
         self._start_ranks(ctx.workers, StartDecode())
-        self.receiver = KVReceiver(d, ranks=[DecodeRank(r.layout, r.data_address, r.staging) for r in self.ranks],
+        self.receiver = KVReceiver(d, ranks=[DecodeRank(r.layout, r.data_address, r.staging, r.state)
+                                             for r in self.ranks],
                                    model_name=self.cfg.model_name, host=data_host(self.cfg), on_news=ctx.wake).start()
         logger.info("decode ready: control %s, data %s", self.receiver.control_address, self.ranks[0].data_address)
 
@@ -77,7 +78,8 @@ class DecodeConnector(PDConnector):
         pages = req.pages[shared:].copy()
         self.receiver.add_room(req.bootstrap_room, req.bootstrap_host, req.bootstrap_port,
                                [pages] * self.receiver.tp_size,
-                               shared * self.cfg.cache.page_size)  # ValueError: nothing was asked for
+                               shared * self.cfg.cache.page_size,  # ValueError: nothing was asked for
+                               state_slot=req.state_slot)  # hybrid models: the prefill fills it too
         self._transfers[req.bootstrap_room] = req
         self._asked.add(req.bootstrap_room)
 

@@ -130,9 +130,11 @@ class PrefillConnector(PDConnector):
             if r is None or r.transfer_done:
                 continue
             if not r.started:
-                starts.append(RoomStart(r.room, req.pages.copy()))
+                starts.append(RoomStart(r.room, req.pages.copy(), req.state_slot))
                 self._start(r)
-            rows.append(ChunkSend(r.room, pre, pre + n))
+            # the prompt's last forward: a hybrid model's state of each layer group is final
+            # after the group, so it can go with the group's KV
+            rows.append(ChunkSend(r.room, pre, pre + n, state=pre + n >= len(req.input_ids)))
         choice = self.pipeline.begin(batch.num_tokens, sum(c.token_end - c.token_start for c in rows))
         self._piped = tuple(rows) if choice.groups > 1 else ()
         return ForwardPlan(choice.groups, PrefillStep(tuple(starts), self._piped))

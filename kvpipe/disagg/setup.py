@@ -8,10 +8,12 @@ import logging
 import socket
 
 from kvpipe.cache.kv_pool import KVPool
-from kvpipe.config import ParallelConfig, ServerConfig
+from kvpipe.cache.state_pool import StatePool
+from kvpipe.config import ModelConfig, ParallelConfig, ServerConfig
 from kvpipe.transfer.auth import TOKEN_ENV
 from kvpipe.transfer.backends import FailureInjection, TransferBackend, create_backend
 from kvpipe.transfer.layout import KVLayout
+from kvpipe.transfer.state_layout import StateLayout
 
 logger = logging.getLogger(__name__)
 
@@ -62,9 +64,20 @@ def make_backend(cfg: ServerConfig) -> TransferBackend:
     return create_backend("local", inject=inject)
 
 
-def register_pool(backend: TransferBackend, layout: KVLayout) -> None:
-    """Expose every KV buffer of the rank's pool to the backend (once, at start)."""
+def register_pool(backend: TransferBackend, layout: KVLayout, state: StateLayout | None = None) -> None:
+    """Expose every KV buffer of the rank's pool, and its state buffers (hybrid models), to the
+    backend (once, at start)."""
     backend.register_many(list(layout.buffer_addrs), [layout.buffer_nbytes] * layout.num_buffers)
+    if state is not None and state.num_linear:
+        addrs, sizes = zip(*state.buffers())
+        backend.register_many(list(addrs), list(sizes))
+
+
+def rank_state_layout(cfg: ServerConfig, rank: int, pool: StatePool) -> StateLayout:
+    """A hybrid model rank's state pool with the model's layer map (full layers keep the KV) and
+    its linear heads (rank r of N holds the r-th N-th)."""
+    mc = ModelConfig.from_dir(cfg.model_path)
+    return StateLayout.from_pool(pool, mc.kv_layers, mc.num_layers, rank, cfg.tp_size)
 
 
 def rank_layout(cfg: ServerConfig, rank: int, pool: KVPool, total_kv_heads: int) -> KVLayout:

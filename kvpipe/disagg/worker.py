@@ -24,10 +24,11 @@ import numpy as np
 import torch
 
 from kvpipe.cache.kv_pool import KVPool
+from kvpipe.cache.state_pool import StatePool
 from kvpipe.config import ServerConfig
 from kvpipe.disagg.commands import (AbortRooms, ChunkSend, FailRooms, PrefillStep, RankReport, RankStarted,
                                     SendChunks, StartDecode, StartPrefill)
-from kvpipe.disagg.setup import data_host, make_backend, rank_layout, register_pool
+from kvpipe.disagg.setup import data_host, make_backend, rank_layout, rank_state_layout, register_pool
 from kvpipe.engine.connector import KVConnectorWorker
 from kvpipe.transfer.auth import authenticator
 from kvpipe.transfer.backends.base import TransferBackend
@@ -44,9 +45,11 @@ STATS_EVERY_S = 0.5  # ... and pushes changed counters at most this often withou
 
 class TransferWorker(KVConnectorWorker):
     def __init__(self, cfg: ServerConfig, rank: int, pool: KVPool, total_kv_heads: int,
-                 backend: TransferBackend | None = None) -> None:
+                 backend: TransferBackend | None = None, state_pool: StatePool | None = None) -> None:
+        """`state_pool`: a hybrid model's recurrent state, which moves with the KV."""
         self.cfg, self.rank = cfg, rank
         self.layout = rank_layout(cfg, rank, pool, total_kv_heads)
+        self.state_layout = None if state_pool is None else rank_state_layout(cfg, rank, state_pool)
         self.backend = backend  # None: made at start (tests pass an in-process one)
         self._own_backend = backend is None
         self.sender: KVSender | None = None
@@ -79,7 +82,7 @@ class TransferWorker(KVConnectorWorker):
     def _start(self, cmd: StartPrefill | StartDecode) -> RankStarted:
         if self.backend is None:
             self.backend = make_backend(self.cfg)
-        register_pool(self.backend, self.layout)
+        register_pool(self.backend, self.layout, self.state_layout)
         d = self.cfg.disaggregation
         control = None
         staging = d.staging != "off"
@@ -91,7 +94,8 @@ class TransferWorker(KVConnectorWorker):
             buf = StagingBuffer(KVBytes.from_pool(self._pool), self.backend, d.staging_pool_nbytes) if staging else None
             self.sender = KVSender(d, layout=self.layout, backend=self.backend,
                                    tp_rank=self.rank, tp_size=self.cfg.tp_size, model_name=self.cfg.model_name,
-                                   instance_id=cmd.instance_id, host=data_host(self.cfg), staging=buf)
+                                   instance_id=cmd.instance_id, host=data_host(self.cfg), staging=buf,
+                                   state_layout=self.state_layout)
             self.sender.start(bootstrap=cmd.bootstrap)
             control = self.sender.control_address
         elif staging:  # decode: a staging ring on this rank, scattered by this process
@@ -101,7 +105,7 @@ class TransferWorker(KVConnectorWorker):
                 lease_s=2 * d.transfer_timeout_s, send_hwm=d.control_send_hwm,
                 auth=authenticator(d.auth_token)).start()
         return RankStarted(self.rank, self.layout, self.backend.address, control,
-                           None if self.staging_agent is None else self.staging_agent.info)
+                           None if self.staging_agent is None else self.staging_agent.info, self.state_layout)
 
     def _prefill_sender(self) -> KVSender:
         if self.sender is None:
@@ -126,7 +130,8 @@ class TransferWorker(KVConnectorWorker):
               ready: Callable[[], bool] | None = None) -> None:
         s = self._prefill_sender()
         try:
-            s.send(c.room, c.token_start, c.token_end, layer_start, layer_end, last=c.last, aux=c.aux, ready=ready)
+            s.send(c.room, c.token_start, c.token_end, layer_start, layer_end, last=c.last, aux=c.aux, ready=ready,
+                   state=c.state)
         except KeyError:
             pass  # the room never entered this sender: its refusal is reported already
         except ValueError as e:  # a planning error fails this room, not the batch
@@ -140,7 +145,7 @@ class TransferWorker(KVConnectorWorker):
         s = self._prefill_sender()
         for start in meta.start:
             try:
-                s.add_room(start.room, start.pages)
+                s.add_room(start.room, start.pages, start.state_slot)
             except ValueError as e:  # nothing of this room is in our sender: report it failed
                 self._failed.append((start.room, TransferState.FAILED, f"add_room refused on TP rank "
                                                                        f"{self.rank}: {e}"))
@@ -190,9 +195,10 @@ class TransferWorker(KVConnectorWorker):
             self.backend.close()
 
 
-def make_worker(cfg: ServerConfig, rank: int, pool: KVPool, total_kv_heads: int) -> TransferWorker:
+def make_worker(cfg: ServerConfig, rank: int, pool: KVPool, total_kv_heads: int,
+                state_pool: StatePool | None = None) -> TransferWorker:
     """The WorkerFactory TP children import (kvpipe.engine.connector)."""
-    return TransferWorker(cfg, rank, pool, total_kv_heads)
+    return TransferWorker(cfg, rank, pool, total_kv_heads, state_pool=state_pool)
 
 
 WORKER_FACTORY = f"{__name__}:make_worker"

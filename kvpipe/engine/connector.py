@@ -36,6 +36,7 @@ from kvpipe.engine.request import FinishReason, Req
 
 if TYPE_CHECKING:
     from kvpipe.cache.kv_pool import KVPool
+    from kvpipe.cache.state_pool import StatePool
     from kvpipe.config import ModelConfig, ServerConfig
 
 
@@ -119,8 +120,9 @@ class KVConnectorWorker(ABC):
         """Stop threads and release transfer resources (idempotent)."""
 
 
-# (cfg, rank, the rank's KV pool, the model's KV heads) -> the rank's worker
-WorkerFactory = Callable[["ServerConfig", int, "KVPool", int], KVConnectorWorker]
+# (cfg, rank, the rank's KV pool, the model's KV heads, the rank's state pool: hybrid models, else
+# None) -> the rank's worker
+WorkerFactory = Callable[["ServerConfig", int, "KVPool", int, "StatePool | None"], KVConnectorWorker]
 
 
 class KVConnector(ABC):
@@ -137,8 +139,10 @@ class KVConnector(ABC):
     prefix_cache: bool = False
 
     @abstractmethod
-    def make_worker(self, pool: "KVPool", total_kv_heads: int) -> KVConnectorWorker:
-        """Rank 0's worker (the engine calls this once, before `start`)."""
+    def make_worker(self, pool: "KVPool", total_kv_heads: int,
+                    state_pool: "StatePool | None" = None) -> KVConnectorWorker:
+        """Rank 0's worker (the engine calls this once, before `start`); `state_pool`: the
+        recurrent state of a hybrid model's requests, which moves with their KV."""
 
     @abstractmethod
     def start(self, ctx: ConnectorContext) -> None:

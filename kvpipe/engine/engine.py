@@ -21,7 +21,7 @@ import torch
 from kvpipe.cache.page_allocator import PageAllocator
 from kvpipe.cache.radix_cache import RadixCache
 from kvpipe.cache.state_slots import StateSlotAllocator
-from kvpipe.config import ConfigError, ModelConfig, ParallelConfig, ServerConfig
+from kvpipe.config import ModelConfig, ParallelConfig, ServerConfig
 from kvpipe.engine.batch import ForwardMode, ForwardSpec, ScheduledBatch
 from kvpipe.engine.connector import (Admission, ConnectorContext, ForwardPlan, KVArrived, KVConnector,
                                      KVConnectorWorker, TransferFinished)
@@ -56,9 +56,6 @@ class Engine:
         plans them (a colocated engine computes the same either way)."""
         self.cfg = cfg
         self.model_config = ModelConfig.from_dir(cfg.model_path)
-        if self.model_config.hybrid is not None and connector is not None:
-            raise ConfigError("PD disaggregation of a hybrid (linear-attention) model is not implemented yet: "
-                              "its per-request recurrent state does not travel with the KV; serve it colocated")
         self.tokenizer = Tokenizer.from_dir(cfg.tokenizer_path or cfg.model_path,
                                             extra_eos_ids=load_generation_eos(cfg.model_path))
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(
@@ -103,7 +100,8 @@ class Engine:
         self._closed = False
         if connector is not None:
             try:
-                self._worker = connector.make_worker(self.runner.pool, self.model_config.kv_cache_heads)
+                self._worker = connector.make_worker(self.runner.pool, self.model_config.kv_cache_heads,
+                                                     self.runner.state_pool)
                 connector.start(ConnectorContext(cfg, self.model_config, RankWorkers(self._worker, self._tp),
                                                  self._wake))
             except BaseException:

@@ -109,7 +109,8 @@ def worker_main(fd: int, parent_pid: int) -> None:
         device = _init_rank(start.cfg, rank, start.init_method)
         runner = build_runner(start.cfg, ParallelConfig(start.cfg.tp_size, rank), device)
         if start.worker_factory is not None:
-            worker = load_factory(start.worker_factory)(start.cfg, rank, runner.pool, runner.model.cfg.kv_cache_heads)
+            worker = load_factory(start.worker_factory)(start.cfg, rank, runner.pool, runner.model.cfg.kv_cache_heads,
+                                                        runner.state_pool)
         conn.send(ReadyMsg(rank))
         _serve(conn, rank, runner, worker)
     except EOFError:

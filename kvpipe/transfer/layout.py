@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # the pool pulls in torch; the layout itself is plain data
     from kvpipe.cache.kv_pool import KVPool
     from kvpipe.transfer.messages import StagingInfo
+    from kvpipe.transfer.state_layout import StateLayout
 
 
 @dataclass(frozen=True)
@@ -128,3 +129,4 @@ class DecodeRank:
     layout: KVLayout  # this rank's pool (head range set for its TP rank)
     data_address: str  # its backend's address: where prefill writes
     staging: "StagingInfo | None" = None  # its staging ring, when it offers one
+    state: "StateLayout | None" = None  # its recurrent-state pool (hybrid models)

@@ -23,8 +23,10 @@ import msgpack
 
 from kvpipe.transfer.codec import ProtocolError, from_wire, to_wire
 from kvpipe.transfer.layout import KVLayout
+from kvpipe.transfer.state_layout import StateLayout
 
-PROTOCOL_VERSION = 3  # 2: AuxData.cached_tokens; 3: staging ring messages, RegisterPeer.staging
+PROTOCOL_VERSION = 4  # 2: AuxData.cached_tokens; 3: staging ring messages, RegisterPeer.staging;
+# 4: recurrent state (RegisterPeer.state, TransferRequest.state_slot)
 MAX_MESSAGE_BYTES = 64 << 20  # a page list of 8M pages; anything bigger is garbage
 
 
@@ -61,6 +63,7 @@ class RegisterPeer:
     control_address: str  # where prefill sends TransferStatus / Abort / Heartbeat
     layout: KVLayout  # decode's registered KV buffers and head range
     staging: StagingInfo | None = None  # None: this decode rank takes plain page writes only
+    state: StateLayout | None = None  # a hybrid model's recurrent-state pool (None: KV only)
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,7 @@ class TransferRequest:
     dst_pages: tuple[int, ...]  # decode page of request page prefix_len // page_size + i
     prefix_len: int  # leading tokens decode already holds (page aligned); prefill sends the rest
     aux_slot: int  # decode's slot for the request's aux data
+    state_slot: int | None = None  # hybrid models: decode's state slot the prefill writes the final state into
 
 
 @dataclass(frozen=True)

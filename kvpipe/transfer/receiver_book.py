@@ -105,15 +105,24 @@ class ReceiverBook:
                 raise ValueError(f"room {room}: decode rank {r} pages must be distinct ids in [0, {n})")
         return pages
 
+    def check_state_slot(self, room: int, state_slot: int | None) -> None:
+        """ValueError unless a hybrid decode (its ranks have state pools) names a slot inside them."""
+        state = self.ranks[0].state
+        if state is None:
+            if state_slot is not None:
+                raise ValueError(f"room {room}: a state slot for a model without recurrent state")
+        elif state_slot is None or not 0 <= state_slot < state.num_slots:
+            raise ValueError(f"room {room}: state slot {state_slot} outside [0, {state.num_slots})")
+
     def add_room(self, room: int, prefill: Address, pages: tuple[np.ndarray, ...], prefix_len: int,
-                 aux_slot: int, now: float) -> Address | None:
+                 aux_slot: int, now: float, state_slot: int | None = None) -> Address | None:
         """Open a room (pages from check_pages). Returns `prefill` when the caller must start a
         bootstrap fetch of it (then report with on_fetched), None when the room was requested at
         once or a fetch of that prefill is under way. Raises DuplicateRoomError."""
         if room in self.rooms:
             raise DuplicateRoomError(f"bootstrap_room {room} is already active on this decode")
         r = self.rooms[room] = ReceiverRoom(room, RoomRecord.new(room, self._timeouts, now), prefill, pages,
-                                            prefix_len, aux_slot)
+                                            prefix_len, aux_slot, state_slot)
         peer = self.prefills.get(prefill)
         if peer is not None:
             self._request(r, peer, now)
@@ -201,7 +210,7 @@ class ReceiverBook:
         peer = KnownPrefill(addr, info, {f"{info.instance_id}/{p}": p for p in range(info.tp_size)})
         self._to_pairs(info, lambda r: RegisterPeer(self.sessions[r], r, self.tp_size, self.ranks[r].data_address,
                                                     self.control_address, self.ranks[r].layout,
-                                                    self.ranks[r].staging))
+                                                    self.ranks[r].staging, self.ranks[r].state))
         self.stats.registrations += len(rank_pairs(info.tp_size, self.tp_size))
         for s, p in peer.sessions.items():
             self._by_session[s] = (addr, p)
@@ -212,7 +221,8 @@ class ReceiverBook:
     def _request(self, r: ReceiverRoom, peer: KnownPrefill, now: float) -> None:
         info = peer.info
         queued = self._to_pairs(info, lambda rank: TransferRequest(
-            r.room, self.sessions[rank], tuple(r.dst_pages[rank].tolist()), r.prefix_len, r.aux_slot))
+            r.room, self.sessions[rank], tuple(r.dst_pages[rank].tolist()), r.prefix_len, r.aux_slot,
+            r.state_slot))
         r.requested_from(info.instance_id, info.tp_size, self.tp_size)
         r.rec.move(TransferState.WAITING_FOR_INPUT, now)
         if not queued:

@@ -34,6 +34,7 @@ class ReceiverRoom:
     dst_pages: tuple[np.ndarray, ...]  # per decode rank: pages for tokens from prefix_len on
     prefix_len: int
     aux_slot: int = 0
+    state_slot: int | None = None  # hybrid models: the request's state slot on every decode rank
     instance_id: str | None = None  # prefill instance the request went to
     expected: dict[int, int] = field(default_factory=dict)  # decode rank -> final statuses due
     finals: dict[int, int] = field(default_factory=dict)

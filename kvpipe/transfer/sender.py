@@ -50,6 +50,7 @@ from kvpipe.transfer.sender_book import SenderBook, SenderStats, TransferTiming
 from kvpipe.transfer.sender_room import OpBatch, SendCall, StagedChunk, StagingPolicy
 from kvpipe.transfer.staging import StagingBuffer
 from kvpipe.transfer.state import Clock, TransferState
+from kvpipe.transfer.state_layout import StateLayout
 
 log = logging.getLogger(__name__)
 
@@ -57,14 +58,21 @@ log = logging.getLogger(__name__)
 class KVSender:
     def __init__(self, cfg: DisaggregationConfig, *, layout: KVLayout, backend: TransferBackend, tp_rank: int = 0,
                  tp_size: int = 1, model_name: str, instance_id: str | None = None, host: str = "127.0.0.1",
-                 clock: Clock = time.monotonic, staging: StagingBuffer | None = None) -> None:
+                 clock: Clock = time.monotonic, staging: StagingBuffer | None = None,
+                 state_layout: StateLayout | None = None) -> None:
         """`staging`: a registered local staging buffer over this rank's KV (staging.py); with
-        cfg.staging "on" or "auto" sends to decode ranks that offer a staging ring are staged."""
+        cfg.staging "on" or "auto" sends to decode ranks that offer a staging ring are staged.
+        `state_layout`: this rank's registered recurrent-state pool (hybrid models): layer ranges
+        of send() are then model layers, and every room names its state slot in add_room."""
         if instance_id is None:
             if tp_size != 1:
                 raise ValueError("with tp_size > 1 every rank needs the same instance_id")
             instance_id = uuid.uuid4().hex[:12]
         self.cfg, self.layout, self.backend = cfg, layout, backend
+        self.state_layout = state_layout
+        if state_layout is not None and len(state_layout.kv_layers) != layout.num_layers:
+            raise ValueError(f"state layout names {len(state_layout.kv_layers)} full-attention layers, "
+                             f"the KV layout has {layout.num_layers}")
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.model_name, self.instance_id = model_name, instance_id
         self.session_id = f"{instance_id}/{tp_rank}"
@@ -80,7 +88,8 @@ class KVSender:
                                                                  self._stager.nbytes)
         self._book = SenderBook(cfg, layout, tp_rank, tp_size, self.session_id, self._endpoint.send,
                                 control_address=self._endpoint.address, staging=policy,
-                                staging_addr=0 if self._stager is None else self._stager.addr)
+                                staging_addr=0 if self._stager is None else self._stager.addr,
+                                state_layout=state_layout)
         self._worker = threading.Thread(target=self._run, name=f"kvsender-{tp_rank}-worker", daemon=True)
 
     @property
@@ -128,12 +137,17 @@ class KVSender:
 
     # ---- engine API ------------------------------------------------------------------------
 
-    def add_room(self, room: int, src_pages: np.ndarray | list[int]) -> None:
-        """The engine admitted request `room`; `src_pages` is its page table (tokens from 0).
-        Raises DuplicateRoomError if the room is active already (reject that request only)."""
+    def add_room(self, room: int, src_pages: np.ndarray | list[int], state_slot: int | None = None) -> None:
+        """The engine admitted request `room`; `src_pages` is its page table (tokens from 0);
+        `state_slot`: its recurrent-state slot (hybrid models: required; it must stay the room's
+        until poll() reported the room). Raises DuplicateRoomError if the room is active already
+        (reject that request only), ValueError for pages or a slot outside the pools."""
         pages = self._check_pages(room, src_pages)
+        sl = self.state_layout
+        if sl is not None and pages.size and (state_slot is None or not 0 <= state_slot < sl.num_slots):
+            raise ValueError(f"room {room}: state slot {state_slot} outside [0, {sl.num_slots})")
         with self._lock:
-            self._book.add_room(room, pages, self._clock())
+            self._book.add_room(room, pages, self._clock(), None if sl is None else state_slot)
         self._wake.set()
 
     def _check_pages(self, room: int, src_pages: np.ndarray | list[int]) -> np.ndarray:
@@ -144,22 +158,41 @@ class KVSender:
 
     def send(self, room: int, token_start: int, token_end: int, layer_start: int = 0,
              layer_end: int | None = None, last: bool = False, aux: AuxTuple | None = None,
-             src_pages: np.ndarray | list[int] | None = None, ready: Callable[[], bool] | None = None) -> bool:
+             src_pages: np.ndarray | list[int] | None = None, ready: Callable[[], bool] | None = None,
+             state: bool = False) -> bool:
         """KV of tokens [token_start, token_end), and of every token before, is ready in layers
-        [layer_start, layer_end). `last=True` (once, with aux: AuxTuple) means
-        the prompt is complete in every layer. `src_pages`: the room's page table when it grew
+        [layer_start, layer_end) (model layers). `last=True` (once, with aux: AuxTuple) means
+        the prompt is complete in every layer, and so is the recurrent state of a hybrid model:
+        it is written before the final status. `state=True`: this call comes from the prompt's
+        last forward, so the state of the linear layers in [layer_start, layer_end) is final
+        and goes now (layer-pipelined prefill). `src_pages`: the room's page table when it grew
         since add_room (it must extend the old one). `ready`: the KV is still being computed
         on a device; nothing of this call (or later ones of the room) is written before
         `ready()` returns True (e.g. a CUDA event's `query`). Returns False if the room already failed."""
         if last and aux is None:
             raise ValueError(f"room {room}: the last send() carries aux = (first token id, logprob)")
-        call = SendCall(token_start, token_end, layer_start, self.layout.num_layers if layer_end is None
-                        else layer_end, last, ready)
+        call = self._call(token_start, token_end, layer_start, layer_end, last, ready, state)
         pages = None if src_pages is None else self._check_pages(room, src_pages)
         with self._lock:
             ok = self._book.add_call(room, call, aux, pages)
         self._wake.set()
         return ok
+
+    def _call(self, token_start: int, token_end: int, layer_start: int, layer_end: int | None, last: bool,
+              ready: Callable[[], bool] | None, state: bool) -> SendCall:
+        """Model layers -> KV buffers (a hybrid pool has them for full-attention layers only) and
+        the linear layers whose state goes with the call."""
+        sl = self.state_layout
+        if sl is None:
+            end = self.layout.num_layers if layer_end is None else layer_end
+            return SendCall(token_start, token_end, layer_start, end, last, ready)
+        end = sl.num_model_layers if layer_end is None else layer_end
+        try:
+            k0, k1 = sl.kv_range(layer_start, end)
+            j0, j1 = sl.linear_range(layer_start, end) if state else (0, 0)
+        except ValueError as e:
+            raise ValueError(f"room send: {e}") from e
+        return SendCall(token_start, token_end, k0, k1, last, ready, (j0, j1))
 
     def abort(self, room: int, reason: str = "aborted by prefill") -> None:
         """Fail the room and tell its decode; poll() reports it once in-flight writes finished."""

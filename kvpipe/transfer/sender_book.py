@@ -39,6 +39,7 @@ from kvpipe.transfer.sender_peers import SenderPeers, expected_destinations
 from kvpipe.transfer.sender_room import (ChunkState, Destination, Inflight, OpBatch, PlanError, SendCall, SenderRoom,
                                          StagedChunk, StagingPolicy)
 from kvpipe.transfer.staging_ring import RingAllocator
+from kvpipe.transfer.state_layout import StateLayout
 from kvpipe.transfer.state import DuplicateRoomError, RoomRecord, TransferState, sender_timeouts
 
 log = logging.getLogger(__name__)
@@ -84,8 +85,12 @@ class Tombstone:
 class SenderBook:
     def __init__(self, cfg: DisaggregationConfig, layout: KVLayout, tp_rank: int, tp_size: int, session_id: str,
                  send: Callable[[str, Any], bool], *, control_address: str = "",
-                 staging: StagingPolicy | None = None, staging_addr: int = 0) -> None:
+                 staging: StagingPolicy | None = None, staging_addr: int = 0,
+                 state_layout: StateLayout | None = None) -> None:
+        """`state_layout`: this rank's recurrent-state pool (hybrid models): every room has a
+        state slot (add_room) that its decodes get with the KV."""
         self.cfg, self.layout, self.tp_rank, self.tp_size = cfg, layout, tp_rank, tp_size
+        self.state_layout = state_layout
         self.session_id = session_id
         self.send = send
         self.control_address = control_address  # where staging agents answer
@@ -95,7 +100,7 @@ class SenderBook:
         self._chunk_ids = itertools.count()
         self._gathers: list[tuple[SenderRoom, StagedChunk]] = []  # for the worker: gather, then gathered()
         self.stats = SenderStats()
-        self.peers = SenderPeers(cfg, layout, tp_rank, tp_size)
+        self.peers = SenderPeers(cfg, layout, tp_rank, tp_size, state_layout)
         self.rooms: dict[int, SenderRoom] = {}  # insertion order = FIFO for the write window
         self.tombstones: dict[int, Tombstone] = {}
         self.inflight_ops = 0
@@ -116,16 +121,18 @@ class SenderBook:
 
     # ---- engine side -----------------------------------------------------------------------
 
-    def add_room(self, room: int, pages: np.ndarray, now: float) -> None:
+    def add_room(self, room: int, pages: np.ndarray, now: float, state_slot: int | None = None) -> None:
         self._dirty = True
         r = self.rooms.get(room)
         if r is not None and r.src_pages is not None:
             raise DuplicateRoomError(f"bootstrap_room {room} is already active on this prefill")
         if r is None:
-            r = self.rooms[room] = SenderRoom(room, RoomRecord.new(room, self._timeouts, now), self.layout)
+            r = self.rooms[room] = SenderRoom(room, RoomRecord.new(room, self._timeouts, now), self.layout,
+                                              self.state_layout)
         elif r.rec.state is not F:  # the decode's request came first: restart the clock now
             r.rec = RoomRecord.new(room, self._timeouts, now)
         r.src_pages = pages
+        r.src_state_slot = state_slot
         tomb = self.tombstones.pop(room, None)
         if tomb is not None:
             r.notified |= tomb.notified
@@ -229,7 +236,8 @@ class SenderBook:
         room, session = msg.room, msg.session_id
         r = self.rooms.get(room)
         if r is None:  # the decode is ahead of our engine: keep it until add_room (or time out)
-            r = self.rooms[room] = SenderRoom(room, RoomRecord.new(room, self._orphan_timeouts, now), self.layout)
+            r = self.rooms[room] = SenderRoom(room, RoomRecord.new(room, self._orphan_timeouts, now), self.layout,
+                                              self.state_layout)
         expected = expected_destinations(self.tp_rank, self.tp_size, peer.tp_size)
         if ((r.expected is not None and r.expected != expected) or len(r.dests) >= expected
                 or any(d.decode_rank == peer.tp_rank or d.control_address != peer.control_address
@@ -239,7 +247,9 @@ class SenderBook:
         r.dests[session] = Destination(session, peer.tp_rank, peer.control_address, peer.data_address,
                                        peer.layout, np.asarray(msg.dst_pages, dtype=np.int64), msg.prefix_len,
                                        self.peers.heads.get(session),
-                                       np.full(self.layout.num_layers, msg.prefix_len, dtype=np.int64), peer.staging)
+                                       np.full(self.layout.num_layers, msg.prefix_len, dtype=np.int64), peer.staging,
+                                       peer.state, msg.state_slot,
+                                       None if peer.state is None else np.zeros(peer.state.num_linear, dtype=bool))
         if r.ready:
             r.rec.move(TransferState.WAITING_FOR_INPUT, now)
         return None

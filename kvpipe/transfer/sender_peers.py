@@ -17,6 +17,8 @@ from kvpipe.config import DisaggregationConfig
 from kvpipe.transfer.layout import KVLayout
 from kvpipe.transfer.messages import RegisterPeer, TransferRequest
 from kvpipe.transfer.state import PeerLiveness
+from kvpipe.transfer.state_layout import StateLayout
+from kvpipe.transfer.state_plan import common_heads
 from kvpipe.transfer.tp_mapping import kv_head_range, slices_for_decode_rank, source_ranks
 
 log = logging.getLogger(__name__)
@@ -28,8 +30,10 @@ def expected_destinations(prefill_rank: int, prefill_tp: int, decode_tp: int) ->
 
 
 class SenderPeers:
-    def __init__(self, cfg: DisaggregationConfig, layout: KVLayout, tp_rank: int, tp_size: int) -> None:
+    def __init__(self, cfg: DisaggregationConfig, layout: KVLayout, tp_rank: int, tp_size: int,
+                 state_layout: StateLayout | None = None) -> None:
         self.layout, self.tp_rank, self.tp_size = layout, tp_rank, tp_size
+        self.state_layout = state_layout
         self.peers: dict[str, RegisterPeer] = {}
         self.heads: dict[str, tuple[int, int] | None] = {}  # per session: heads we write, None = dummy pair
         self.rejected: dict[str, tuple[str, str]] = {}  # session -> (reason, control address)
@@ -60,6 +64,9 @@ class SenderPeers:
             return f"decode rank {msg.tp_rank} layout incompatible with prefill rank {self.tp_rank}: {why}"
         if not 0 <= msg.tp_rank < msg.tp_size:
             return f"decode tp_rank {msg.tp_rank} outside tp_size {msg.tp_size}"
+        why = self._check_state(msg)
+        if why:
+            return why
         try:
             heads = kv_head_range(msg.tp_size, msg.tp_rank, self.layout.total_kv_heads)
             if (msg.layout.head_start, msg.layout.head_end) != heads:
@@ -72,6 +79,18 @@ class SenderPeers:
         except ValueError as e:
             return f"TP {self.tp_size} -> {msg.tp_size}: {e}"
         return None
+
+    def _check_state(self, msg: RegisterPeer) -> str | None:
+        mine, theirs = self.state_layout, msg.state
+        if mine is None and theirs is None:
+            return None
+        if mine is None or theirs is None:
+            has = "prefill" if mine is not None else "decode"
+            return f"only the {has} has a recurrent-state pool (a hybrid model on one side only)"
+        why = mine.compatible_with(theirs)
+        if why is None and common_heads(mine, theirs) is None:
+            why = "no common linear-attention heads (the TP mapping pairs ranks that share heads)"
+        return None if why is None else f"decode rank {msg.tp_rank}: {why}"
 
     def _pair_heads(self, msg: RegisterPeer) -> tuple[int, int] | None:
         for s in slices_for_decode_rank(msg.tp_rank, self.tp_size, msg.tp_size, self.layout.total_kv_heads):
@@ -93,6 +112,11 @@ class SenderPeers:
             return peer, f"destination page {int(pages.max())} outside the decode pool of {peer.layout.num_pages}"
         if np.unique(pages).size != pages.size:
             return peer, "duplicate destination pages"
+        if (peer.state is None) != (msg.state_slot is None):
+            return peer, ("a hybrid model's request needs a decode state slot" if msg.state_slot is None
+                          else "a state slot for a model without recurrent state")
+        if peer.state is not None and msg.state_slot is not None and msg.state_slot >= peer.state.num_slots:
+            return peer, f"state slot {msg.state_slot} outside the decode pool of {peer.state.num_slots}"
         return peer, None
 
     def reply_address(self, session_id: str) -> str | None:

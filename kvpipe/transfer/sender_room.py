@@ -14,6 +14,13 @@ partial page waits for the next chunk, and `last=True` flushes every layer up to
 Staged sends (heterogeneous TP through the decode's staging ring, staging.py): when the policy
 says so, a planned span becomes `StagedChunk`s instead of page ops, each at most the policy's
 chunk size; sender_book.py walks them through gather, slot, write, scatter.
+
+Recurrent state (hybrid models, state_layout.py): a call may also carry the final state of some
+linear layers (`state_layers`, the prompt's last forward has passed them); the last call writes
+every linear layer not written yet. Each destination remembers which layers it got, so the state
+of a layer moves once (state_plan.py: 2 ops, or 4 for a head slice under heterogeneous TP) from
+the room's slot into the decode's slot, queued with the room's KV batches, so the room's final
+status still follows it.
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ from kvpipe.transfer.layout import KVLayout
 from kvpipe.transfer.messages import AuxData, StagingInfo
 from kvpipe.transfer.planner import plan_pages, sendable_pages, staging_pays
 from kvpipe.transfer.staging_ring import Slot
+from kvpipe.transfer.state_layout import StateLayout
+from kvpipe.transfer.state_plan import plan_state
 from kvpipe.transfer.state import RoomRecord, TransferState
 
 
@@ -41,13 +50,15 @@ class PlanError(ValueError):
 class SendCall:
     token_start: int
     token_end: int
-    layer_start: int
+    layer_start: int  # KV buffers [layer_start, layer_end) (a hybrid model's full layers only: may be empty)
     layer_end: int
     last: bool
     # None: the KV is in memory already (CPU). Else polled before planning and this call and every
     # later one of the room wait until it returns True (e.g. `torch.cuda.Event.query` of an event
     # recorded after the layer group: the write waits for the group, never for the whole device).
     ready: Callable[[], bool] | None = field(default=None, compare=False)
+    # linear layers [j0, j1) (state-pool indices) whose state is final: written with this call
+    state_layers: tuple[int, int] = (0, 0)
 
 
 @dataclass
@@ -64,6 +75,9 @@ class Destination:
     heads: tuple[int, int] | None  # global KV heads to write; None: another prefill rank sends them
     cursor: np.ndarray  # [num_layers] int64 tokens planned per layer, starts at prefix_len
     staging: StagingInfo | None = None  # the decode rank's staging ring, if it offers one
+    state_layout: StateLayout | None = None  # the decode rank's state pool (hybrid models)
+    state_slot: int | None = None  # the decode's state slot for this room
+    state_sent: np.ndarray | None = None  # [num_linear] bool: the layer's state is planned
 
 
 @dataclass(frozen=True)
@@ -143,7 +157,9 @@ class SenderRoom:
     room: int
     rec: RoomRecord
     layout: KVLayout  # this prefill rank's pool
+    state_layout: StateLayout | None = None  # this prefill rank's state pool (hybrid models)
     src_pages: np.ndarray | None = None  # None until the engine called add_room
+    src_state_slot: int | None = None  # the room's state slot here (hybrid models), from add_room
     expected: int | None = None  # destinations to wait for; known from the first request
     dests: dict[str, Destination] = field(default_factory=dict)  # by decode session id
     calls: collections.deque[SendCall] = field(default_factory=collections.deque)
@@ -203,9 +219,14 @@ class SenderRoom:
         if self.last_called:
             raise PlanError(f"room {self.room}: send() after the last chunk")
         n_layers = self.layout.num_layers
-        if not (0 <= call.token_start <= call.token_end and 0 <= call.layer_start < call.layer_end <= n_layers):
+        # a hybrid model's layer group may hold no full-attention layer: no KV, maybe state
+        empty_ok = self.state_layout is not None
+        j0, j1 = call.state_layers
+        if not (0 <= call.token_start <= call.token_end and 0 <= call.layer_start <= call.layer_end <= n_layers
+                and (call.layer_start < call.layer_end or empty_ok)
+                and 0 <= j0 <= j1 <= (self.state_layout.num_linear if self.state_layout else 0)):
             raise PlanError(f"room {self.room}: bad send range tokens [{call.token_start}, {call.token_end}) "
-                            f"layers [{call.layer_start}, {call.layer_end}) of {n_layers}")
+                            f"layers [{call.layer_start}, {call.layer_end}) of {n_layers}, state layers [{j0}, {j1})")
         if self.src_pages is not None and -(-call.token_end // self.layout.page_size) > self.src_pages.size:
             raise PlanError(f"room {self.room}: {call.token_end} tokens need more than the "
                             f"{self.src_pages.size} source pages given to add_room")
@@ -241,8 +262,16 @@ class SenderRoom:
 
     def _plan_dest(self, call: SendCall, dest: Destination, staging: StagingPolicy | None,
                    chunk_ids: Iterator[int] | None) -> list[OpBatch | StagedChunk]:
-        if dest.heads is None:
-            return []
+        # dest.heads None: another prefill rank writes the replicated KV head; the linear heads
+        # are never replicated, so this rank may still owe the state of its own heads
+        out = [] if dest.heads is None else self._plan_kv(call, dest, staging, chunk_ids)
+        state = self._plan_state(call, dest)
+        if state is not None:
+            out.append(state)
+        return out
+
+    def _plan_kv(self, call: SendCall, dest: Destination, staging: StagingPolicy | None,
+                 chunk_ids: Iterator[int] | None) -> list[OpBatch | StagedChunk]:
         assert self.src_pages is not None
         ps = self.layout.page_size
         layers = (0, self.layout.num_layers) if call.last else (call.layer_start, call.layer_end)
@@ -275,6 +304,23 @@ class SenderRoom:
             else:
                 out.append(OpBatch(dest.data_address, p.src_addr, p.dst_addr, p.length))
         return out
+
+    def _plan_state(self, call: SendCall, dest: Destination) -> OpBatch | None:
+        """The state of the call's linear layers (the last call: all) that `dest` lacks."""
+        if self.state_layout is None or dest.state_layout is None or dest.state_sent is None:
+            return None
+        if self.src_state_slot is None or dest.state_slot is None:
+            raise PlanError(f"room {self.room}: a hybrid model's room needs a state slot on both sides")
+        j0, j1 = (0, self.state_layout.num_linear) if call.last else call.state_layers
+        todo = np.flatnonzero(~dest.state_sent[j0:j1]) + j0
+        if todo.size == 0:
+            return None
+        dest.state_sent[todo] = True
+        try:
+            p = plan_state(self.src_state_slot, dest.state_slot, self.state_layout, dest.state_layout, todo)
+        except ValueError as e:
+            raise PlanError(f"room {self.room}: {e}") from e
+        return OpBatch(dest.data_address, p.src_addr, p.dst_addr, p.length)
 
     @staticmethod
     def _stages(num_ops: int, op_nbytes: int, sliced: bool, dest: Destination, staging: StagingPolicy | None) -> bool:

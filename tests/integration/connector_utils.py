@@ -45,7 +45,8 @@ class RecordingConnector(KVConnector):
         self.worker: RecordingWorker | None = None
         self.ctx: ConnectorContext | None = None
 
-    def make_worker(self, pool: Any, total_kv_heads: int) -> RecordingWorker:
+    def make_worker(self, pool: Any, total_kv_heads: int, state_pool: Any = None) -> RecordingWorker:
+        self.state_pool = state_pool  # a hybrid model's: its state moves with the KV
         self.worker = RecordingWorker(pool)
         return self.worker
 

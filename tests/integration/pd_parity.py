@@ -1,6 +1,7 @@
 """PD through the router vs a colocated engine, for any model: greedy tokens and logprobs of
 concurrent prompts, every page back afterwards, and every prefill rank's written bytes equal to
-what the TP mapping predicts for the model's KV layout (K/V head slices, or an MLA latent)."""
+what the TP mapping predicts for the model's KV layout (K/V head slices, or an MLA latent), plus a
+hybrid model's recurrent state (one whole slot per request, any TP pairing)."""
 
 from __future__ import annotations
 
@@ -36,11 +37,26 @@ def colocated_reference(model_dir: Path, ids: list[list[int]], new_tokens: int,
 def expected_bytes(model_dir: Path, lengths: list[int], page_size: int, p_tp: int, d_tp: int,
                    itemsize: int = 4) -> int:
     """Bytes every prefill rank together writes for the prompts: whole pages, each decode rank's
-    heads once (decode ranks sharing a replicated head, or the MLA latent, each get it)."""
+    heads once (decode ranks sharing a replicated head, or the MLA latent, each get it); a hybrid
+    model's KV is that of its full-attention layers, and each request's state moves once: every
+    linear head of its slot from the one prefill rank that holds it (linear heads are never
+    replicated)."""
     mc = ModelConfig.from_dir(model_dir)
     heads = sum(s.num_heads for s in transfer_slices(p_tp, d_tp, mc.kv_cache_heads))
     pages = sum(-(-n // page_size) for n in lengths)
-    return pages * heads * page_size * mc.kv_cache_head_dim * itemsize * mc.kv_buffers_per_layer * mc.num_layers
+    kv = pages * heads * page_size * mc.kv_cache_head_dim * itemsize * mc.kv_buffers_per_layer * len(mc.kv_layers)
+    return kv + len(lengths) * state_slot_nbytes(mc, itemsize)
+
+
+def state_slot_nbytes(mc: ModelConfig, itemsize: int = 4) -> int:
+    """One request's recurrent state over every linear layer and every TP rank: the conv state
+    [conv_dim, kernel - 1] in the model dtype and the delta-rule state [heads, Dk, Dv] in fp32."""
+    h = mc.hybrid
+    if h is None:
+        return 0
+    conv = h.conv_dim * (h.conv_kernel - 1) * itemsize
+    recurrent = h.linear_value_heads * h.linear_key_head_dim * h.linear_value_head_dim * 4
+    return len(h.linear_layers) * (conv + recurrent)
 
 
 def check_parity(stack: Stack, model_dir: Path, ids: list[list[int]], reference, new_tokens: int, page_size: int,

@@ -13,7 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.qwen3_5")
 
-from kvpipe.config import CacheConfig, ConfigError, SchedulerConfig, ServerConfig  # noqa: E402
+from kvpipe.config import CacheConfig, SchedulerConfig, ServerConfig  # noqa: E402
 from kvpipe.engine.engine import Engine  # noqa: E402
 from kvpipe.engine.request import FinishReason, Req  # noqa: E402
 from kvpipe.model.presets import write_preset  # noqa: E402
@@ -135,6 +135,11 @@ def test_radix_cache_disabled_with_a_log_line(model_dir, caplog):
         eng.shutdown()
 
 
-def test_pd_disaggregation_refused(model_dir):
-    with pytest.raises(ConfigError, match="not implemented"):
-        make_engine(model_dir, connector=RecordingConnector())
+def test_a_connector_gets_the_state_pool(model_dir):
+    """PD of a hybrid model: the connector's worker moves the state pool with the KV pool."""
+    conn = RecordingConnector()
+    eng = make_engine(model_dir, connector=conn)
+    try:
+        assert conn.state_pool is eng.runner.state_pool and conn.state_pool is not None
+    finally:
+        eng.shutdown()

@@ -3,7 +3,10 @@
 layers with sinks, window 32 < the prompts; every page still moves), each on TP pairings
 (1,2), (2,1), (2,4) with layer pipelining on and off, token-exact against the colocated engine.
 The bytes every prefill rank writes equal the prediction for the layout: K/V head slices for the
-GQA families, and for MLA one whole latent per decode rank, read from exactly one prefill rank."""
+GQA families, and for MLA one whole latent per decode rank, read from exactly one prefill rank.
+The hybrid Qwen3.5 (issue 12: KV of its full-attention layers plus each request's recurrent
+state, sliced by linear heads under heterogeneous TP) runs on (1,1) and (2,2) with one and two
+layer groups, and on (1,2) and (2,1)."""
 
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ FLAGS = ["--page-size", str(PS), "--max-total-tokens", "4096", "--chunked-prefil
          "--disaggregation-transfer-timeout", "3"]
 FAMILIES = ["tiny-qwen3-moe", "tiny-minimax-m2", "tiny-deepseek-v3", "tiny-gpt-oss"]
 PAIRINGS = [(1, 2, 2), (2, 1, 1), (2, 4, 2)]  # (prefill TP, decode TP, layer groups; 1: no pipelining)
+HYBRID_PAIRINGS = [(1, 1, 1), (1, 1, 2), (2, 2, 1), (2, 2, 2), (1, 2, 2), (2, 1, 1)]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -33,10 +37,26 @@ def family(request, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, lis
     return model_dir, colocated_reference(model_dir, prompts(LENGTHS), NEW, PS)
 
 
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list]:
+    model_dir = write_preset("tiny-qwen3.5", tmp_path_factory.mktemp("tiny-qwen3.5"))
+    return model_dir, colocated_reference(model_dir, prompts(LENGTHS), NEW, PS)
+
+
 @pytest.mark.parametrize("p_tp,d_tp,groups", PAIRINGS)
 def test_pd_family_matches_colocated(family: tuple[Path, list], tmp_path: Path, p_tp: int, d_tp: int,
                                      groups: int) -> None:
-    model_dir, reference = family
+    run_pd(family, tmp_path, p_tp, d_tp, groups)
+
+
+@pytest.mark.parametrize("p_tp,d_tp,groups", HYBRID_PAIRINGS)
+def test_pd_hybrid_matches_colocated(hybrid: tuple[Path, list], tmp_path: Path, p_tp: int, d_tp: int,
+                                     groups: int) -> None:
+    run_pd(hybrid, tmp_path, p_tp, d_tp, groups)
+
+
+def run_pd(model: tuple[Path, list], tmp_path: Path, p_tp: int, d_tp: int, groups: int) -> None:
+    model_dir, reference = model
     stack = start_stack(model_dir, tmp_path, *FLAGS, "--disaggregation-layer-groups", str(groups),
                         prefill_args=("--tp-size", str(p_tp)), decode_args=("--tp-size", str(d_tp)))
     try:

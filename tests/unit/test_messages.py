@@ -8,6 +8,7 @@ import msgpack
 import pytest
 
 from kvpipe.transfer.layout import KVLayout
+from kvpipe.transfer.state_layout import StateLayout
 from kvpipe.transfer.messages import (PROTOCOL_VERSION, Abort, AuxData, Heartbeat, ProtocolError, RegisterPeer,
                                       Side, StagingChunkDone, StagingChunkWritten, StagingInfo, StagingSlotGrant,
                                       StagingSlotRequest, TransferRequest, TransferStatus, WireState, decode, encode)
@@ -16,6 +17,10 @@ LAYOUT = KVLayout(num_layers=2, page_size=16, kv_heads=2, head_start=2, total_kv
                   dtype="bfloat16", itemsize=2, buffer_addrs=(0x7F0000001000, 0x7F0000101000, 0x7F0000201000,
                                                              0x7F0000301000), buffer_nbytes=16 * 2 * 16 * 64 * 2)
 ROOM = (1 << 63) - 5
+STATE = StateLayout(num_model_layers=4, kv_layers=(3,), linear_layers=(0, 1, 2), num_slots=8, conv_dim=96,
+                    conv_len=3, heads=2, key_dim=16, value_dim=16, conv_dtype="bfloat16", conv_itemsize=2,
+                    conv_addrs=(0x7E0000000000, 0x7E0000100000, 0x7E0000200000),
+                    recurrent_addrs=(0x7E0000300000, 0x7E0000400000, 0x7E0000500000))
 
 MESSAGES = [
     RegisterPeer("decode-0-abc", 1, 2, "10.0.0.2:15000", "tcp://10.0.0.2:5555", LAYOUT),
@@ -33,6 +38,8 @@ MESSAGES = [
     StagingChunkWritten(ROOM, 9, "p/0", "tcp://10.0.0.1:5555", True, (5, 9, 2), 1024, 2048, 0, 2),
     StagingChunkWritten(ROOM, 9, "p/0", "tcp://10.0.0.1:5555", False),
     StagingChunkDone(ROOM, 9, "d/1", True, watermark_round=2, watermark_offset=512),
+    RegisterPeer("d/0", 0, 1, "10.0.0.2:15000", "tcp://10.0.0.2:5555", LAYOUT, state=STATE),
+    TransferRequest(ROOM, "d/0", (4, 5), 0, 0, state_slot=7),
 ]
 
 
@@ -43,15 +50,16 @@ def test_round_trip(msg):
 
 
 # TransferStatus as peers running this protocol version send it: renaming Python names must not
-# change it (version 2 added AuxData.cached_tokens, version 3 the staging messages).
+# change it (version 2 added AuxData.cached_tokens, version 3 the staging messages, version 4 the
+# recurrent state: RegisterPeer.state, TransferRequest.state_slot).
 STATUS_BYTES = {
     "success": bytes.fromhex(
-        "87a46b696e64af7472616e736665725f737461747573a776657273696f6e03a4726f6f6d07aa73657373696f6e5f6964"
+        "87a46b696e64af7472616e736665725f737461747573a776657273696f6e04a4726f6f6d07aa73657373696f6e5f6964"
         "a3642f30a57374617465a773756363657373a6726561736f6ea0a361757884a4726f6f6d07ae66697273745f746f6b65"
         "6e5f69642ab366697273745f746f6b656e5f6c6f6770726f62cbbfd0000000000000ad6361636865645f746f6b656e73"
         "cc80"),
     "failed": bytes.fromhex(
-        "87a46b696e64af7472616e736665725f737461747573a776657273696f6e03a4726f6f6d07aa73657373696f6e5f6964"
+        "87a46b696e64af7472616e736665725f737461747573a776657273696f6e04a4726f6f6d07aa73657373696f6e5f6964"
         "a3642f30a57374617465a66661696c6564a6726561736f6eaa71756575652d66756c6ca3617578c0"),
 }
 
@@ -65,16 +73,17 @@ def test_transfer_status_bytes_are_unchanged():
 
 
 def test_a_peer_on_an_older_protocol_version_is_refused():
-    """Version 1 peers send aux data without cached_tokens, version 2 ones know no staging ring:
-    both are refused by version, not misread."""
+    """Version 1 peers send aux data without cached_tokens, version 2 ones know no staging ring,
+    version 3 ones no recurrent state: all are refused by version, not misread."""
     v1 = msgpack.unpackb(STATUS_BYTES["success"])
     v1["version"] = 1
     del v1["aux"]["cached_tokens"]
-    with pytest.raises(ProtocolError, match="protocol version 1, expected 3"):
+    with pytest.raises(ProtocolError, match="protocol version 1, expected 4"):
         decode(msgpack.packb(v1))
-    v1["version"] = 2
-    with pytest.raises(ProtocolError, match="protocol version 2, expected 3"):
-        decode(msgpack.packb(v1))
+    for old in (2, 3):
+        v1["version"] = old
+        with pytest.raises(ProtocolError, match=f"protocol version {old}, expected 4"):
+            decode(msgpack.packb(v1))
 
 
 def test_stale_room_detection():

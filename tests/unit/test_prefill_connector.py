@@ -103,7 +103,7 @@ def test_start_claims_and_what_each_step_ships(conn) -> None:
     assert m1.grouped == (ChunkSend(7, 0, 6),)  # pipelined: sent from each rank's layer-group hook
     assert w.posted == []  # nothing more after a grouped chunk that is not the last
     m2 = prefill(c, req, 6, 10, first=42)
-    assert m2.start == () and m2.grouped == (ChunkSend(7, 6, 10),)
+    assert m2.start == () and m2.grouped == (ChunkSend(7, 6, 10, state=True),)  # the last forward: final state
     assert w.posted == [SendChunks((ChunkSend(7, 6, 10, last=True, aux=(42, -0.5, 0)),))]
     assert c.on_finish(req, FinishReason.LENGTH, 1) is True  # the transfer owns the pages
     w.report(0, (7, S, ""))

@@ -1,0 +1,98 @@
+"""PD of the hybrid tiny-qwen3.5 preset with a prefill Engine and a decode Engine in one process
+(local backend, real bootstrap and ZMQ): greedy tokens equal the colocated engine's with and
+without chunked prefill and layer groups, the bytes written are the full layers' KV pages plus
+one state slot per request, and every page and state slot is free afterwards on both sides, also
+after injected transfer failures and aborts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvpipe.config import CacheConfig, ModelConfig, ServerConfig
+from kvpipe.engine.engine import Engine
+from kvpipe.engine.request import FinishReason
+from kvpipe.model.presets import write_preset
+from kvpipe.transfer.backends import FailureInjection
+from test_pd_inprocess import GREEDY, PS, make_pair, prompts
+
+pytestmark = pytest.mark.integration
+LENS = [1, 15, 16, 17, 40, 100]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return write_preset("tiny-qwen3.5", tmp_path_factory.mktemp("tiny_qwen35_pd"))
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    eng = Engine(ServerConfig(model_path=str(model_dir), cache=CacheConfig(page_size=PS, num_pages=256,
+                                                                             radix_cache=False)))
+    cache: dict[tuple, list[int]] = {}
+
+    def ref(ids: list[int]) -> list[int]:
+        if tuple(ids) not in cache:
+            cache[tuple(ids)] = eng.generate([ids], GREEDY)[0]["output_ids"]
+        return cache[tuple(ids)]
+    yield ref
+    eng.shutdown()
+
+
+def expected_bytes(model_dir: Path, lengths: list[int]) -> int:
+    """KV pages of the full-attention layers (fp32, K and V) plus one whole state slot per request."""
+    mc = ModelConfig.from_dir(model_dir)
+    h = mc.hybrid
+    assert h is not None
+    kv = sum(-(-n // PS) for n in lengths) * PS * mc.num_kv_heads * mc.head_dim * 4 * 2 * len(mc.kv_layers)
+    slot = len(h.linear_layers) * (h.conv_dim * (h.conv_kernel - 1) * 4
+                                   + h.linear_value_heads * h.linear_key_head_dim * h.linear_value_head_dim * 4)
+    return kv + len(lengths) * slot
+
+
+def assert_slots_free(*engines: Engine) -> None:
+    for eng in engines:
+        assert eng.state_slots is not None and eng.state_slots.in_use() == {}
+
+
+@pytest.mark.parametrize("chunk,groups", [(0, 1), (24, 1), (0, 2), (24, 2)])
+def test_greedy_matches_colocated_and_bytes_as_predicted(model_dir, reference, chunk, groups):
+    ps = prompts(chunk + groups, LENS)
+    with make_pair(model_dir, chunk, layer_groups=groups) as pair:
+        reqs = [pair.reqs(ids) for ids in ps]
+        pair.run(reqs)
+        for (p, d), ids in zip(reqs, ps):
+            assert d.output_ids == reference(ids), f"prompt of {len(ids)} tokens: {d.finish_detail}"
+        st = pair.prefill.stats()["disaggregation"]
+        assert (st["rooms_succeeded"], st["rooms_failed"]) == (len(ps), 0)
+        assert st["bytes_written"] == expected_bytes(model_dir, LENS)
+        if groups > 1:
+            assert pair.pipeline.counters.batches_by_groups.get(groups, 0) > 0
+        pair.settle()
+        assert_slots_free(pair.prefill, pair.decode)
+
+
+def test_failures_and_aborts_free_state_slots(model_dir, reference):
+    with make_pair(model_dir, chunk=32, inject=FailureInjection(prob=0.3, seed=3)) as pair:
+        ps = prompts(11, [20, 64, 90, 130, 47])
+        reqs = [pair.reqs(ids) for ids in ps]
+        pair.run(reqs)
+        failed = [d for _, d in reqs if d.finish_reason is FinishReason.ABORT]
+        ok = [(d, ids) for (_, d), ids in zip(reqs, ps) if d.finish_reason is not FinishReason.ABORT]
+        assert failed and ok, "the seed should give both outcomes"
+        for d, ids in ok:
+            assert d.output_ids == reference(ids)
+        pair.settle()
+        assert_slots_free(pair.prefill, pair.decode)
+        # a decode abort while the prefill computes
+        a = pair.reqs(prompts(1, [200])[0])
+        pair.prefill.add_request(a[0])
+        pair.decode.add_request(a[1])
+        pair.prefill.step()
+        pair.decode.step()
+        pair.decode.abort(a[1].rid)
+        pair.run([], until=lambda: a[0].finished and a[1].finished)
+        assert a[1].finish_reason is FinishReason.ABORT
+        pair.settle()
+        assert_slots_free(pair.prefill, pair.decode)
