@@ -15,13 +15,13 @@ from kvpipe.config import CacheConfig, SchedulerConfig
 from kvpipe.engine.batch import ForwardSpec
 from kvpipe.model.forward_batch import ForwardBatch
 from kvpipe.model.gated_delta_net import local_state_shape
-from kvpipe.model.llama import CausalLM
+from kvpipe.model.llama import LMBase
 
 # (start, end, batch): layers [start, end) of this forward have written their KV into the pool
 GroupCallback = Callable[[int, int, ForwardBatch], None]
 
 
-def make_kv_pool(model: CausalLM, num_pages: int, page_size: int,
+def make_kv_pool(model: LMBase, num_pages: int, page_size: int,
                  device: str | torch.device = "cpu") -> KVPool:
     """The KV pool one rank of `model` needs: its KV heads only (one replicated head when tp_size >
     KV heads), or the MLA latent (one buffer per layer, whole on every rank)."""
@@ -32,7 +32,7 @@ def make_kv_pool(model: CausalLM, num_pages: int, page_size: int,
                   device, latent=cfg.mla is not None)
 
 
-def make_state_pool(model: CausalLM, num_slots: int, device: str | torch.device = "cpu") -> StatePool | None:
+def make_state_pool(model: LMBase, num_slots: int, device: str | torch.device = "cpu") -> StatePool | None:
     """The recurrent-state pool of a hybrid model's linear-attention layers (this rank's heads);
     None for a model without them."""
     h = model.cfg.hybrid
@@ -55,7 +55,7 @@ def split_layers(num_layers: int, num_groups: int) -> tuple[tuple[int, int], ...
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, cache: CacheConfig, device: str | torch.device = "cpu",
+    def __init__(self, model: LMBase, cache: CacheConfig, device: str | torch.device = "cpu",
                  scheduler: SchedulerConfig = SchedulerConfig()) -> None:
         self.model = model
         self.device = torch.device(device)

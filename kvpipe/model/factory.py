@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import torch.distributed as dist
-from torch import nn
 
 from kvpipe.config import ModelConfig, ParallelConfig
-from kvpipe.model.llama import CausalLM
+from kvpipe.model.llama import CausalLM, LMBase
 
 
-def build_causal_lm(cfg: ModelConfig, parallel: ParallelConfig, group: dist.ProcessGroup | None) -> nn.Module:
+def build_causal_lm(cfg: ModelConfig, parallel: ParallelConfig, group: dist.ProcessGroup | None) -> LMBase:
     """A hybrid (linear + full attention) model for Qwen3.5, the Llama/Qwen CausalLM otherwise."""
     if cfg.hybrid is not None:
         from kvpipe.model.qwen3_5 import Qwen3_5CausalLM

@@ -25,18 +25,18 @@ from kvpipe.model.layers import DecoderLayer, Linear, RMSNorm
 from kvpipe.model.rope import rope_attention_factor, rope_cos_sin, rope_inv_freq
 
 
-class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, parallel: ParallelConfig = ParallelConfig(),
-                 group: dist.ProcessGroup | None = None) -> None:
+class LMBase(nn.Module):
+    """What every family's causal LM shares: the token embedding, the RoPE tables, the final norm
+    and the logits. A subclass builds `layers`, `norm` and `lm_head` and runs `forward_layers`.
+    Embedding and lm_head are replicated on every rank: simple and bit-exact across TP sizes."""
+
+    def __init__(self, cfg: ModelConfig, parallel: ParallelConfig, group: dist.ProcessGroup | None) -> None:
         super().__init__()
         check_parallel(cfg, parallel)
         self.cfg = cfg
         self.parallel = parallel
         self.group = group
-        # Embedding and lm_head are replicated on every rank: simple and bit-exact across TP sizes.
         self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, parallel, group) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fp32_weight=cfg.architecture == "gpt_oss")
         # Tied: logits reuse embed_tokens (no second parameter that a device move could untie).
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.init_rope()
@@ -52,6 +52,12 @@ class CausalLM(nn.Module):
             self.inv_freq = self.inv_freq.to(device)
         self.rope_attention_factor = rope_attention_factor(cfg.rope_scaling, cfg.max_position_embeddings)
 
+    def rope(self, batch: ForwardBatch, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, rope_dim] of the batch's positions, in `like`'s dtype, on its device."""
+        if self.inv_freq.device != like.device:
+            self.inv_freq = self.inv_freq.to(like.device)
+        return rope_cos_sin(self.inv_freq, batch.positions, like.dtype, self.rope_attention_factor)
+
     @property
     def num_layers(self) -> int:
         return self.cfg.num_layers
@@ -65,24 +71,32 @@ class CausalLM(nn.Module):
         """[T] token ids -> [T, hidden]."""
         return F.embedding(batch.input_ids, self.embed_tokens)
 
-    def forward_layers(self, hidden: torch.Tensor, batch: ForwardBatch, pool: KVPool,
-                       start: int, end: int) -> torch.Tensor:
-        """Run layers [start, end); writes their K/V into `pool` (global layer index)."""
+    def check_layers(self, start: int, end: int) -> None:
         if not 0 <= start <= end <= self.cfg.num_layers:
             raise ValueError(f"layer range [{start}, {end}) outside [0, {self.cfg.num_layers})")
-        if self.inv_freq.device != hidden.device:
-            self.inv_freq = self.inv_freq.to(hidden.device)
-        # [T, rope_dim] each
-        cos, sin = rope_cos_sin(self.inv_freq, batch.positions, hidden.dtype, self.rope_attention_factor)
-        for i in range(start, end):
-            hidden = self.layers[i](hidden, cos, sin, batch, pool)
-        return hidden
 
     def compute_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Final norm + lm_head on the rows in batch.logit_indices -> [B_out, vocab] fp32."""
         h = self.norm(hidden[batch.logit_indices])
         weight = self.embed_tokens if self.lm_head is None else self.lm_head.weight
         return F.linear(h, weight).float()
+
+
+class CausalLM(LMBase):
+    def __init__(self, cfg: ModelConfig, parallel: ParallelConfig = ParallelConfig(),
+                 group: dist.ProcessGroup | None = None) -> None:
+        super().__init__(cfg, parallel, group)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, parallel, group) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fp32_weight=cfg.architecture == "gpt_oss")
+
+    def forward_layers(self, hidden: torch.Tensor, batch: ForwardBatch, pool: KVPool,
+                       start: int, end: int) -> torch.Tensor:
+        """Run layers [start, end); writes their K/V into `pool` (global layer index)."""
+        self.check_layers(start, end)
+        cos, sin = self.rope(batch, hidden)
+        for i in range(start, end):
+            hidden = self.layers[i](hidden, cos, sin, batch, pool)
+        return hidden
 
     def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
         hidden = self.forward_layers(self.embed(batch), batch, pool, 0, self.cfg.num_layers)

@@ -20,7 +20,7 @@ from torch import nn
 from kvpipe.config import ConfigError, ModelConfig, ParallelConfig
 from kvpipe.model.layers import Linear, Shard
 from kvpipe.model.factory import build_causal_lm
-from kvpipe.model.llama import CausalLM, check_parallel
+from kvpipe.model.llama import LMBase, check_parallel
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -206,7 +206,7 @@ def keep_fp32(model: nn.Module) -> None:
 
 def load_model(model_dir: str | Path, parallel: ParallelConfig = ParallelConfig(),
                device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None,
-               group: dist.ProcessGroup | None = None) -> CausalLM:
+               group: dist.ProcessGroup | None = None) -> LMBase:
     model_dir = Path(model_dir)
     raw = read_hf_config(model_dir)
     cfg = ModelConfig.from_hf_dict(raw)

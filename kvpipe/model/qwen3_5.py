@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from kvpipe.cache.kv_pool import KVPool
@@ -28,8 +27,8 @@ from kvpipe.model.attention import paged_attention
 from kvpipe.model.forward_batch import ForwardBatch
 from kvpipe.model.gated_delta_net import GatedDeltaNet, local_linear_heads
 from kvpipe.model.layers import MLP, Linear, Shard
-from kvpipe.model.llama import check_parallel
-from kvpipe.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from kvpipe.model.llama import LMBase
+from kvpipe.model.rope import apply_rope
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -114,60 +113,27 @@ class HybridDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Qwen3_5CausalLM(nn.Module):
+class Qwen3_5CausalLM(LMBase):
     def __init__(self, cfg: ModelConfig, parallel: ParallelConfig = ParallelConfig(),
                  group: dist.ProcessGroup | None = None) -> None:
-        super().__init__()
         if cfg.hybrid is None:
             raise ValueError("Qwen3_5CausalLM needs a ModelConfig with a HybridConfig")
-        check_parallel(cfg, parallel)
+        super().__init__(cfg, parallel, group)
         local_linear_heads(cfg.hybrid, parallel)
-        self.cfg = cfg
-        self.parallel = parallel
-        self.group = group
-        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
         self.layers = nn.ModuleList(HybridDecoderLayer(cfg, i, parallel, group) for i in range(cfg.num_layers))
         self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
-        self.inv_freq = rope_inv_freq(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)  # fp32, [rotary_dim / 2]
-
-    def init_rope(self, device: str | torch.device | None = None) -> None:
-        """RoPE inverse frequencies, fp32 (the loader calls this after building on the meta device)."""
-        cfg = self.cfg
-        self.inv_freq = rope_inv_freq(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
-        if device is not None:
-            self.inv_freq = self.inv_freq.to(device)
-
-    @property
-    def num_layers(self) -> int:
-        return self.cfg.num_layers
-
-    @property
-    def local_kv_heads(self) -> int:
-        return self.parallel.local_kv_heads(self.cfg.kv_cache_heads)
-
-    def embed(self, batch: ForwardBatch) -> torch.Tensor:
-        return F.embedding(batch.input_ids, self.embed_tokens)
 
     def forward_layers(self, hidden: torch.Tensor, batch: ForwardBatch, pool: KVPool, start: int, end: int,
                        state: StatePool | None = None) -> torch.Tensor:
         """Run layers [start, end): full-attention layers write their K/V into `pool`, linear ones
         read and write the rows' slots of `state`."""
-        if not 0 <= start <= end <= self.cfg.num_layers:
-            raise ValueError(f"layer range [{start}, {end}) outside [0, {self.cfg.num_layers})")
+        self.check_layers(start, end)
         if state is None and any(self.layers[i].layer_type is LayerType.LINEAR_ATTENTION for i in range(start, end)):
             raise ValueError("linear-attention layers need a StatePool")
-        if self.inv_freq.device != hidden.device:
-            self.inv_freq = self.inv_freq.to(hidden.device)
-        cos, sin = rope_cos_sin(self.inv_freq, batch.positions, hidden.dtype)  # [T, rotary_dim] each
+        cos, sin = self.rope(batch, hidden)  # [T, rotary_dim] each
         for i in range(start, end):
             hidden = self.layers[i](hidden, cos, sin, batch, pool, state)
         return hidden
-
-    def compute_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        h = self.norm(hidden[batch.logit_indices])
-        weight = self.embed_tokens if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, weight).float()
 
     def forward(self, batch: ForwardBatch, pool: KVPool, state: StatePool | None = None) -> torch.Tensor:
         hidden = self.forward_layers(self.embed(batch), batch, pool, 0, self.cfg.num_layers, state)

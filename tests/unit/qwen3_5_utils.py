@@ -3,9 +3,6 @@ runs a hybrid model through the paged KV pool and a StatePool like the engine do
 
 from __future__ import annotations
 
-import dataclasses
-from pathlib import Path
-
 import torch
 import transformers
 
@@ -13,8 +10,8 @@ from kvpipe.cache.kv_pool import KVPool
 from kvpipe.cache.state_pool import StatePool
 from kvpipe.engine.model_runner import make_kv_pool, make_state_pool
 from kvpipe.model.forward_batch import ForwardBatch
+from model_utils import VOCAB, all_logits, hf_logits, prompt_ids, save  # noqa: F401 - re-exported to the Qwen3.5 tests
 
-VOCAB = 160
 L, F = "linear_attention", "full_attention"
 
 
@@ -39,22 +36,8 @@ def hf_qwen3_5(seed: int = 0, **overrides) -> "transformers.Qwen3_5ForCausalLM":
     return model
 
 
-def save(model, path: Path, **kw) -> Path:
-    model.save_pretrained(path, safe_serialization=True, **kw)
-    return path
 
 
-def prompt_ids(n: int, seed: int = 0) -> list[int]:
-    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-@torch.no_grad()
-def hf_logits(hf, ids: list[int]) -> torch.Tensor:
-    return hf(torch.tensor([ids])).logits[0].float()
-
-
-def all_logits(batch: ForwardBatch) -> ForwardBatch:
-    return dataclasses.replace(batch, logit_indices=torch.arange(batch.num_tokens))
 
 
 def pools(model, num_pages: int, page_size: int, slots: int = 4) -> tuple[KVPool, StatePool]:

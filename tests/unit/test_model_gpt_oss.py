@@ -19,12 +19,11 @@ from kvpipe.model.forward_batch import ForwardBatch  # noqa: E402
 from kvpipe.model.loader import load_model  # noqa: E402
 from kvpipe.model.presets import write_preset  # noqa: E402
 from kvpipe.model.tokenizer import Tokenizer  # noqa: E402
-from model_utils import all_logits, greedy_generate, incremental_logits, make_pool  # noqa: E402
-from test_model_hf_parity import hf_logits, save  # noqa: E402
+from model_utils import all_logits, greedy_generate, hf_logits, incremental_logits, make_pool, prompt_ids, save  # noqa: E402
 from test_model_tp import _run, _worker  # noqa: E402
 
 ATOL = 1e-4
-VOCAB = 160
+VOCAB = 160  # = model_utils.VOCAB, which prompt_ids draws from
 YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
         "truncate": False, "original_max_position_embeddings": 64}
 CASES = {
@@ -59,9 +58,6 @@ def case(request, tmp_path_factory):
     hf = hf_gpt_oss(**CASES[request.param])
     return hf, load_model(save(hf, tmp_path_factory.mktemp(request.param)))
 
-
-def prompt_ids(n: int, seed: int = 0) -> list[int]:
-    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def test_config_fields(case):

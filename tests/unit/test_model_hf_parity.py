@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,10 +10,9 @@ transformers = pytest.importorskip("transformers")
 
 from kvpipe.model.forward_batch import ForwardBatch  # noqa: E402
 from kvpipe.model.loader import load_model  # noqa: E402
-from model_utils import all_logits, greedy_generate, incremental_logits, make_pool  # noqa: E402
+from model_utils import VOCAB, all_logits, greedy_generate, hf_logits, incremental_logits, make_pool, prompt_ids, save  # noqa: E402,F401
 
 ATOL = 1e-4
-VOCAB = 160
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 32}
@@ -63,10 +61,6 @@ def hf_model(family: str, seed: int = 0, **overrides):
     return model
 
 
-def save(model, path: Path, **kw) -> Path:
-    model.save_pretrained(path, safe_serialization=True, **kw)
-    return path
-
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def case(request, tmp_path_factory):
@@ -75,13 +69,6 @@ def case(request, tmp_path_factory):
     return hf, load_model(save(hf, tmp_path_factory.mktemp(request.param)))
 
 
-def prompt_ids(n: int, seed: int = 0) -> list[int]:
-    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-@torch.no_grad()
-def hf_logits(hf, ids: list[int]) -> torch.Tensor:
-    return hf(torch.tensor([ids])).logits[0].float()
 
 
 def test_full_prompt_logits_match_hf(case):
