@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from kvpipe.config import CacheConfig, ModelConfig, ServerConfig
+from kvpipe.config import ModelConfig
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import FinishReason
 from kvpipe.model.presets import write_preset
 from kvpipe.transfer.backends import FailureInjection
-from test_pd_inprocess import GREEDY, PS, make_pair, prompts
+from test_pd_inprocess import PS, colocated_greedy, make_pair, prompts
 
 pytestmark = pytest.mark.integration
 LENS = [1, 15, 16, 17, 40, 100]
@@ -28,16 +28,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(model_dir):
-    eng = Engine(ServerConfig(model_path=str(model_dir), cache=CacheConfig(page_size=PS, num_pages=256,
-                                                                             radix_cache=False)))
-    cache: dict[tuple, list[int]] = {}
-
-    def ref(ids: list[int]) -> list[int]:
-        if tuple(ids) not in cache:
-            cache[tuple(ids)] = eng.generate([ids], GREEDY)[0]["output_ids"]
-        return cache[tuple(ids)]
-    yield ref
-    eng.shutdown()
+    yield from colocated_greedy(model_dir)
 
 
 def expected_bytes(model_dir: Path, lengths: list[int]) -> int:
