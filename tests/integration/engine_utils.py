@@ -35,3 +35,12 @@ def output_ids(engine: Engine, ps: list[list[int]], params: SamplingParams = GRE
 
 def one_at_a_time(engine: Engine, ps: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
     return [output_ids(engine, [p], params)[0] for p in ps]
+
+
+def reference_outputs(model_dir: Path, ps: list[list[int]]) -> list[list[int]]:
+    """Greedy outputs of each prompt alone on a fresh TP 1 engine (whole prefill, page size 16)."""
+    eng = make_engine(model_dir)
+    try:
+        return one_at_a_time(eng, ps)
+    finally:
+        eng.shutdown()

@@ -6,7 +6,7 @@ import pytest
 
 from kvpipe.model.presets import write_preset
 
-from engine_utils import make_engine, one_at_a_time, output_ids, prompts
+from engine_utils import make_engine, output_ids, prompts, reference_outputs
 
 PROMPTS = prompts(6, vocab=290)
 
@@ -14,11 +14,7 @@ PROMPTS = prompts(6, vocab=290)
 @pytest.fixture(scope="module")
 def gpt_oss_model(tmp_path_factory):
     path = write_preset("tiny-gpt-oss", tmp_path_factory.mktemp("tiny-gpt-oss"))
-    eng = make_engine(path)
-    try:
-        return path, one_at_a_time(eng, PROMPTS)
-    finally:
-        eng.shutdown()
+    return path, reference_outputs(path, PROMPTS)
 
 
 def test_outputs_are_not_trivial(gpt_oss_model):

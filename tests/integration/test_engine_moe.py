@@ -4,7 +4,7 @@ import pytest
 
 from kvpipe.model.presets import write_preset
 
-from engine_utils import make_engine, one_at_a_time, output_ids, prompts
+from engine_utils import make_engine, output_ids, prompts, reference_outputs
 
 PROMPTS = prompts(4, vocab=290)
 
@@ -12,11 +12,7 @@ PROMPTS = prompts(4, vocab=290)
 @pytest.fixture(scope="module", params=["tiny-qwen3-moe", "tiny-minimax-m2"])
 def moe_model(request, tmp_path_factory):
     path = write_preset(request.param, tmp_path_factory.mktemp(request.param))
-    eng = make_engine(path)
-    try:
-        return path, one_at_a_time(eng, PROMPTS)
-    finally:
-        eng.shutdown()
+    return path, reference_outputs(path, PROMPTS)
 
 
 def test_outputs_are_not_trivial(moe_model):

@@ -211,11 +211,10 @@ def test_layer_groups_and_sends_before_the_request(stack):
     assert_moved(prefill, recv, SRC, dst, np.setdiff1d(np.arange(PAGES), dst))
 
 
-@pytest.mark.parametrize("p_tp, d_tp", [(1, 2), (2, 1), (1, 4), (4, 1), (2, 4)])
-def test_heterogeneous_tp(stack, p_tp, d_tp):
-    fabric = LocalFabric()
-    prefill = start_prefill(stack, fabric=fabric, tp=p_tp)
-    recv = start_decode(stack, fabric=fabric, tp=d_tp)
+def move_behind_one_page_prefix(prefill: Prefill, recv: KVReceiver, d_tp: int) -> np.ndarray:
+    """Room 9: SRC's pages past a one-page decode prefix, sent in two chunks by every prefill
+    rank into decode pages [1, 2, 3, 12, 13]; both sides succeed and every rank's share landed.
+    Returns the decode pages."""
     dst = np.array([1, 2, 3, 12, 13])
     recv.add_room(9, "127.0.0.1", prefill.port, [dst] * d_tp, prefix_len=4)
     for s in prefill.senders:
@@ -226,6 +225,15 @@ def test_heterogeneous_tp(stack, p_tp, d_tp):
         assert Results(s).get(9)[1:] == (S, "")
     assert Results(recv).get(9)[1] is S
     assert_moved(prefill, recv, SRC[1:], dst, np.setdiff1d(np.arange(PAGES), dst))
+    return dst
+
+
+@pytest.mark.parametrize("p_tp, d_tp", [(1, 2), (2, 1), (1, 4), (4, 1), (2, 4)])
+def test_heterogeneous_tp(stack, p_tp, d_tp):
+    fabric = LocalFabric()
+    prefill = start_prefill(stack, fabric=fabric, tp=p_tp)
+    recv = start_decode(stack, fabric=fabric, tp=d_tp)
+    move_behind_one_page_prefix(prefill, recv, d_tp)
     if p_tp > H:  # replicated heads: only one prefill rank per head writes
         assert sum(s.stats.ops_submitted > 0 for s in prefill.senders) == H
 
@@ -239,16 +247,7 @@ def test_mla_latent_heterogeneous_tp_writes_each_decode_rank_once(stack, kind, p
     fabric = LocalFabric()
     prefill = start_prefill(stack, kind, fabric, tp=p_tp, latent=True)
     recv = start_decode(stack, kind, fabric, tp=d_tp, latent=True)
-    dst = np.array([1, 2, 3, 12, 13])  # two runs; SRC[1:] is two runs at the same breaks
-    recv.add_room(9, "127.0.0.1", prefill.port, [dst] * d_tp, prefix_len=4)
-    for s in prefill.senders:
-        s.add_room(9, SRC)
-        s.send(9, 0, 10)
-        s.send(9, 10, 21, last=True, aux=(3, -0.5))
-    for s in prefill.senders:
-        assert Results(s).get(9)[1:] == (S, "")
-    assert Results(recv).get(9)[1] is S
-    assert_moved(prefill, recv, SRC[1:], dst, np.setdiff1d(np.arange(PAGES), dst))
+    dst = move_behind_one_page_prefix(prefill, recv, d_tp)
     per_rank_bytes = L * dst.size * PS * LATENT_DIM * 4  # every layer's latent of the pages past the prefix
     stats = [s.stats for s in prefill.senders]
     assert sum(st.bytes_written for st in stats) == d_tp * per_rank_bytes  # each decode rank written once
