@@ -17,7 +17,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
-from kvpipe.config import ConfigError, ModelConfig, ParallelConfig
+from kvpipe.config import SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig, ParallelConfig
 from kvpipe.model.layers import Linear, Shard
 from kvpipe.model.factory import build_causal_lm
 from kvpipe.model.llama import LMBase, check_parallel
@@ -37,8 +37,9 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: invalid JSON: {e}") from None
 
 
-# Families the model code implements (config.SUPPORTED_ARCHITECTURES also names ones in progress).
-IMPLEMENTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "minimax_m2", "deepseek_v3", "qwen3_5", "gpt_oss")
+# Families the model code implements: every architecture config.py recognises (derived, so a new
+# family is named in one place).
+IMPLEMENTED_FAMILIES = tuple(dict.fromkeys(SUPPORTED_ARCHITECTURES.values()))
 
 
 def check_supported(raw: dict[str, Any], cfg: ModelConfig) -> None:
