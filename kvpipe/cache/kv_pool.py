@@ -7,6 +7,12 @@ keeps a heterogeneous-TP page transfer to one op per (layer, K/V, page).
 An MLA model caches one latent per token instead ([num_pages, 1, page_size, latent_dim], one
 "head", the same on every TP rank): the pool then holds one buffer per layer (`latent=True`),
 kept in `k`, and `v` is empty.
+
+Sliding-window models (`swa_layers`): the n-th sliding layer and the n-th full layer share one
+K and one V tensor (`k[i] is k[j]`). A request's sliding layers use their own page table, whose
+pages come from the same allocator as the full layers' (scheduler.py), so the two never write
+the same page; sliding layers only hold their window's pages, so sharing halves the memory of
+a model that alternates them (GPT-OSS), as vLLM's hybrid allocator does.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ class KVPool:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         latent: bool = False,
+        swa_layers: tuple[int, ...] = (),
     ) -> None:
         self.num_layers = num_layers
         self.num_pages = num_pages
@@ -47,11 +54,32 @@ class KVPool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.latent = latent
+        self.swa_layers = tuple(swa_layers)  # layers that read the sliding-window page tables
+        if any(not 0 <= i < num_layers for i in self.swa_layers) or list(self.swa_layers) != sorted(set(self.swa_layers)):
+            raise ValueError(f"sliding layers {self.swa_layers} are not increasing layers of {num_layers}")
         shape = (num_pages, kv_heads, page_size, head_dim)
         # torch.zeros touches every page now; lazily faulted memory makes the first remote write
         # into it three times slower (measured with Mooncake on a CPU host).
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [] if latent else [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_tensors)]
+        v = [] if latent else [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_tensors)]
+        slot = self.tensor_of_layer()
+        self.k = [k[slot[i]] for i in range(num_layers)]
+        self.v = [v[slot[i]] for i in range(num_layers)] if v else []
+
+    def tensor_of_layer(self) -> list[int]:
+        """Layer -> index of its K (and V) tensor: the n-th sliding and the n-th full layer share."""
+        swa, seen = set(self.swa_layers), {True: 0, False: 0}
+        out = []
+        for i in range(self.num_layers):
+            out.append(seen[i in swa])
+            seen[i in swa] += 1
+        return out
+
+    @property
+    def num_tensors(self) -> int:
+        """K (and V) tensors actually allocated: one per layer, or per sliding/full pair."""
+        n_swa = len(self.swa_layers)
+        return max(n_swa, self.num_layers - n_swa)
 
     @property
     def buffers_per_layer(self) -> int:
@@ -75,14 +103,17 @@ class KVPool:
         if v is not None:
             self.v[layer][pages, :, offsets] = v
 
-    def gather(self, layer: int, page_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """K and V of one sequence's first `length` tokens, each [kv_heads, length, head_dim] (V None: latent)."""
+    def gather(self, layer: int, page_table: torch.Tensor, length: int,
+               first_page: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """K and V of one sequence's tokens [first_page * page_size, length), each [kv_heads,
+        length - first_page * page_size, head_dim] (V None: latent)."""
         n = -(-length // self.page_size)
-        idx = page_table[:n]
+        idx = page_table[first_page:n]
+        keep = length - first_page * self.page_size
 
         def one(buf: torch.Tensor) -> torch.Tensor:
-            # [n, H, P, D] -> [H, n*P, D] -> first `length` tokens
-            return buf[idx].transpose(0, 1).reshape(self.kv_heads, n * self.page_size, self.head_dim)[:, :length]
+            # [n', H, P, D] -> [H, n'*P, D] -> the tokens up to `length`
+            return buf[idx].transpose(0, 1).reshape(self.kv_heads, -1, self.head_dim)[:, :keep]
 
         return one(self.k[layer]), None if self.latent else one(self.v[layer])
 
@@ -99,4 +130,5 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.buffer_infos())
+        """Bytes allocated (a tensor shared by two layers counts once)."""
+        return sum({b.addr: b.nbytes for b in self.buffer_infos()}.values())

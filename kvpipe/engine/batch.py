@@ -32,6 +32,9 @@ class ForwardSpec:
     layer_groups: tuple[tuple[int, int], ...] | None = None  # [start, end) layer ranges; None: one pass
     connector_meta: Any = None  # the KV connector's plan for this forward, for every rank's worker
     state_slots: tuple[int, ...] | None = None  # each row's StatePool slot (hybrid models); None: no state
+    # sliding-window models: each row's sliding-layer pages, like page_tables (-1: slid out, never
+    # read); None: no sliding layers
+    swa_page_tables: tuple[np.ndarray, ...] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -55,12 +58,15 @@ class ScheduledBatch:
 
     def spec(self, page_size: int, layer_groups: tuple[tuple[int, int], ...] | None = None,
              connector_meta: Any = None) -> ForwardSpec:
-        toks, tables = [], []
+        toks, tables, swa = [], [], []
         for req, pre, n in zip(self.reqs, self.prefix_lens, self.extend_lens):
             ids = req.input_ids[pre:pre + n] if pre + n <= len(req.input_ids) else req.all_ids[pre:pre + n]
             toks.append(list(ids))
-            tables.append(np.ascontiguousarray(req.pages[:-(-(pre + n) // page_size)], dtype=np.int64))
+            used = -(-(pre + n) // page_size)
+            tables.append(np.ascontiguousarray(req.pages[:used], dtype=np.int64))
+            swa.append(np.ascontiguousarray(req.swa_pages[:used], dtype=np.int64))
         slots = [r.state_slot for r in self.reqs]
         return ForwardSpec(tuple(toks), tuple(self.prefix_lens), tuple(tables),
                            tuple(self.completes_prefill(i) for i in range(len(self.reqs))), layer_groups,
-                           connector_meta, None if None in slots else tuple(int(s) for s in slots))
+                           connector_meta, None if None in slots else tuple(int(s) for s in slots),
+                           tuple(swa) if any(t.size for t in swa) else None)

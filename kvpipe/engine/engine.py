@@ -82,11 +82,17 @@ class Engine:
                         "snapshots of the recurrent state at page boundaries, which are not implemented",
                         cfg.model_path)
             use_cache = False
+        # sliding layers keep only their window's pages (scheduler.py): a cached prefix would lack them
+        window = self.model_config.sliding_window if self.model_config.sliding_layers else None
+        if use_cache and window is not None:
+            logger.info("prefix caching (radix cache) is disabled for %s: its sliding-window layers free the "
+                        "pages their window slid past, so a cached prefix would lack them", cfg.model_path)
+            use_cache = False
         self.prefix_cache = RadixCache(self.page_size) if use_cache else None
         self.state_slots = StateSlotAllocator(state_slots(cfg.cache, cfg.scheduler)) if hybrid else None
         self.scheduler = Scheduler(cfg.scheduler, self.allocator, self.page_size, self.context_length,
                                    whole_prompt_pages=connector is not None and connector.whole_prompt_pages,
-                                   prefix_cache=self.prefix_cache, state_slots=self.state_slots)
+                                   prefix_cache=self.prefix_cache, state_slots=self.state_slots, window=window)
         self.sampler = Sampler(cfg.seed, device)
         self.finisher = FinishChecker(self.tokenizer, self.eos_token_ids, self.context_length)
         self._device = device

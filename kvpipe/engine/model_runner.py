@@ -22,14 +22,17 @@ GroupCallback = Callable[[int, int, ForwardBatch], None]
 
 
 def make_kv_pool(model: LMBase, num_pages: int, page_size: int,
-                 device: str | torch.device = "cpu") -> KVPool:
+                 device: str | torch.device = "cpu", window_tables: bool = True) -> KVPool:
     """The KV pool one rank of `model` needs: its KV heads only (one replicated head when tp_size >
-    KV heads), or the MLA latent (one buffer per layer, whole on every rank)."""
+    KV heads), or the MLA latent (one buffer per layer, whole on every rank); sliding-window
+    layers share their tensors with full ones (kv_pool.py), and every forward must then carry
+    their own page tables (ForwardBatch.swa); window_tables=False: one table for all layers."""
     cfg = model.cfg
     dtype = next(model.parameters()).dtype
     # one buffer per layer that keeps KV: every layer, or a hybrid model's full-attention layers
+    swa = tuple(i for i, layer in enumerate(cfg.kv_layers) if window_tables and cfg.window(layer) is not None)
     return KVPool(len(cfg.kv_layers), num_pages, page_size, model.local_kv_heads, cfg.kv_cache_head_dim, dtype,
-                  device, latent=cfg.mla is not None)
+                  device, latent=cfg.mla is not None, swa_layers=swa)
 
 
 def make_state_pool(model: LMBase, num_slots: int, device: str | torch.device = "cpu") -> StatePool | None:
@@ -69,9 +72,13 @@ class ModelRunner:
 
     def build_batch(self, spec: ForwardSpec) -> ForwardBatch:
         tables = [torch.from_numpy(t) for t in spec.page_tables]
+        if self.pool.swa_layers and spec.swa_page_tables is None:
+            raise ValueError("a pool whose sliding layers share tensors needs their page tables in every forward")
+        swa = None if spec.swa_page_tables is None else [torch.from_numpy(t) for t in spec.swa_page_tables]
         fb = ForwardBatch.build([list(t) for t in spec.token_ids], list(spec.prefix_lens), tables,
                                 self.page_size, list(spec.want_logits),
-                                None if spec.state_slots is None else list(spec.state_slots))
+                                None if spec.state_slots is None else list(spec.state_slots), swa,
+                                self.model.cfg.sliding_window)
         return fb if self.device.type == "cpu" else fb.to(self.device)
 
     def _groups(self, spec: ForwardSpec) -> tuple[tuple[int, int], ...]:

@@ -82,6 +82,10 @@ class Req:
     cache_node: Any = None  # the RadixNode this request locked (None: nothing matched)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     state_slot: int | None = None  # hybrid models: its recurrent-state slot while admitted
+    # sliding-window models: the pages of the sliding layers, by logical page like `pages` (at
+    # most as long; shorter: not allocated yet), -1 where the window has slid past (freed) or
+    # never reached (a PD decode holds only the prompt's last window)
+    swa_pages: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     # PD disaggregation (injected by sglang-router): where the KV comes from / goes to
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None  # None: the default bootstrap port

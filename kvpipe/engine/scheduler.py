@@ -25,6 +25,14 @@ token (whose logits give the first output token) against the cache; the matched 
 req.pages[:num_shared_pages], pinned and read-only, and only the other pages count against the
 pool. A request's full pages of KV it computed (or, reserved, that a verified transfer wrote:
 num_cached grows only at `add_prefilled`) go to the cache when its pages are freed.
+
+Sliding-window models (`window`): the sliding layers keep a second page table per request,
+req.swa_pages, from the same allocator (the pool aliases a sliding and a full layer's buffers,
+kv_pool.py). It is allocated per step for the pages the step's queries can see, and after each
+step the pages the window slid past are freed, so a request holds at most
+`window_page_bound` of them however long it generates; admission promises that many. A reserved
+(PD decode) request gets window pages for the prompt's last window only: that is all the
+prefill sends.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import numpy as np
 from kvpipe.cache.page_allocator import PageAllocator
 from kvpipe.cache.radix_cache import RadixCache
 from kvpipe.cache.state_slots import StateSlotAllocator
+from kvpipe.cache.window_pages import window_first_page, window_page_bound
 from kvpipe.config import SchedulerConfig
 from kvpipe.engine.batch import ForwardMode, ScheduledBatch
 from kvpipe.engine.request import FinishReason, Req, ReqStatus
@@ -49,8 +58,12 @@ def _cdiv(a: int, b: int) -> int:
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, allocator: PageAllocator, page_size: int,
                  context_length: int, whole_prompt_pages: bool = False,
-                 prefix_cache: RadixCache | None = None, state_slots: StateSlotAllocator | None = None) -> None:
+                 prefix_cache: RadixCache | None = None, state_slots: StateSlotAllocator | None = None,
+                 window: int | None = None) -> None:
         self.cfg = cfg
+        if window is not None and prefix_cache is not None:
+            raise ValueError("a prefix cache cannot serve sliding-window pages that slid out")
+        self.window = window  # sliding-window layers' window (tokens): they get window pages
         self.cache = prefix_cache
         # hybrid models: each admitted request holds one recurrent-state slot, from admission
         # (like its promised pages) until its pages are freed
@@ -74,6 +87,16 @@ class Scheduler:
         tokens = len(req.input_ids) + max(req.params.max_new_tokens - 1, 0)
         return _cdiv(max(tokens, 1), self.page_size)
 
+    def window_pages(self, req: Req) -> int:
+        """Most sliding-layer pages `req` holds at once (0 without sliding layers): the window
+        plus its longest step (a whole prompt, or a chunk)."""
+        if self.window is None:
+            return 0
+        n = len(req.input_ids)
+        if self.cfg.chunked_prefill_size > 0:
+            n = min(n, max(1, min(self.cfg.max_prefill_tokens, self.cfg.chunked_prefill_size)))
+        return min(self.max_pages(req), window_page_bound(self.window, n, self.page_size))
+
     def _reject_reason(self, req: Req) -> str | None:
         n, m = len(req.input_ids), req.params.max_new_tokens
         if n == 0:
@@ -81,9 +104,11 @@ class Scheduler:
         if n + m > self.context_length:
             return (f"the prompt ({n} tokens) plus max_new_tokens ({m}) exceeds the context length "
                     f"({self.context_length} tokens)")
-        if self.max_pages(req) > self.allocator.num_pages:
-            return (f"the prompt ({n} tokens) plus max_new_tokens ({m}) needs {self.max_pages(req)} KV "
-                    f"pages of {self.page_size} tokens; the KV cache holds only {self.allocator.num_pages}")
+        need = self.max_pages(req) + self.window_pages(req)
+        if need > self.allocator.num_pages:
+            window = f" (with {self.window_pages(req)} for the sliding window)" if self.window else ""
+            return (f"the prompt ({n} tokens) plus max_new_tokens ({m}) needs {need} KV "
+                    f"pages of {self.page_size} tokens{window}; the KV cache holds only {self.allocator.num_pages}")
         return None
 
     def _outstanding(self) -> int:
@@ -92,7 +117,7 @@ class Scheduler:
 
     @staticmethod
     def _own_pages(req: Req) -> int:
-        return len(req.pages) - req.num_shared_pages
+        return len(req.pages) - req.num_shared_pages + int((req.swa_pages >= 0).sum())
 
     def _available(self) -> int:
         """Pages a new allocation can get: free ones and cached ones nobody reads."""
@@ -101,7 +126,7 @@ class Scheduler:
     def _can_admit(self, req: Req, outstanding: int) -> bool:
         if self.state_slots is not None and self.state_slots.num_free == 0:
             return False  # it waits for a finishing request's state slot, as for pages
-        return self.max_pages(req) - req.num_shared_pages <= self._available() - outstanding
+        return self.max_pages(req) - req.num_shared_pages + self.window_pages(req) <= self._available() - outstanding
 
     def _match_prefix(self, req: Req) -> None:
         """Start `req` at its longest cached prefix (at least its last prompt token is computed:
@@ -121,7 +146,7 @@ class Scheduler:
         if self.state_slots is not None:
             req.state_slot = self.state_slots.alloc(req.rid)
             assert req.state_slot is not None, "_can_admit checked for a free slot"
-        self._promised[req.rid] = self.max_pages(req) - req.num_shared_pages
+        self._promised[req.rid] = self.max_pages(req) - req.num_shared_pages + self.window_pages(req)
         self.prefix_hit_tokens += req.num_shared_pages * self.page_size
         return self._promised[req.rid]
 
@@ -176,6 +201,8 @@ class Scheduler:
             return False
         self._promise(req)
         self._ensure_pages(req, len(req.input_ids))
+        # the first decode step (position len(prompt)) sees the prompt's last window only
+        self._ensure_window(req, len(req.input_ids), len(req.input_ids))
         self.reserved[req.rid] = req
         return True
 
@@ -214,6 +241,7 @@ class Scheduler:
             remaining = len(req.input_ids) - req.num_cached
             n = min(remaining, budget) if chunking else remaining
             self._ensure_pages(req, len(req.input_ids) if self.whole_prompt_pages else req.num_cached + n)
+            self._ensure_window(req, req.num_cached, req.num_cached + n)
             batch.reqs.append(req)
             batch.extend_lens.append(n)
             batch.prefix_lens.append(req.num_cached)
@@ -244,6 +272,7 @@ class Scheduler:
         reqs = [r for r in self.running if r.prefill_done]
         for r in reqs:
             self._ensure_pages(r, r.num_cached + 1)
+            self._ensure_window(r, r.num_cached, r.num_cached + 1)
         return ScheduledBatch(ForwardMode.DECODE, reqs, [1] * len(reqs), [r.num_cached for r in reqs])
 
     def _ensure_pages(self, req: Req, tokens: int) -> None:
@@ -253,10 +282,41 @@ class Scheduler:
         if self._own_pages(req) + need > self._promised[req.rid]:
             raise RuntimeError(f"request {req.rid!r} needs more than its {self._promised[req.rid]} "
                                f"promised pages ({tokens} tokens); it should have finished")
-        short = need - self.allocator.num_free
+        req.pages = np.concatenate([req.pages, self._alloc(need)])
+
+    def _alloc(self, n: int) -> np.ndarray:
+        short = n - self.allocator.num_free
         if short > 0 and self.cache is not None:  # admission counted on these: take them back
             self.allocator.free(self.cache.evict(short))
-        req.pages = np.concatenate([req.pages, self.allocator.alloc(need)])
+        return self.allocator.alloc(n)
+
+    def _ensure_window(self, req: Req, first_pos: int, tokens: int) -> None:
+        """Sliding-window pages for a step whose first query sits at `first_pos` and after which
+        `tokens` tokens have KV: the logical pages from the one its first query's window starts in
+        to the last one written."""
+        if self.window is None:
+            return
+        end = _cdiv(tokens, self.page_size)
+        if req.swa_pages.size < end:
+            req.swa_pages = np.concatenate([req.swa_pages, np.full(end - req.swa_pages.size, -1, dtype=np.int64)])
+        first = window_first_page(first_pos, self.window, self.page_size)
+        missing = np.flatnonzero(req.swa_pages[first:end] < 0) + first
+        if missing.size == 0:
+            return
+        if self._own_pages(req) + missing.size > self._promised[req.rid]:
+            raise RuntimeError(f"request {req.rid!r} needs more than its {self._promised[req.rid]} promised "
+                               f"pages (sliding window up to {tokens} tokens)")
+        req.swa_pages[missing] = self._alloc(int(missing.size))
+
+    def _slide(self, req: Req) -> None:
+        """Free the sliding-window pages no later query of `req` can see."""
+        if self.window is None or req.swa_pages.size == 0:
+            return
+        first = window_first_page(req.num_cached, self.window, self.page_size)
+        gone = req.swa_pages[:first]
+        if (gone >= 0).any():
+            self.allocator.free(gone[gone >= 0])
+            gone[:] = -1
 
     # ---- results and lifecycle -------------------------------------------------------------
     def commit(self, batch: ScheduledBatch, tokens: Sequence[int | None],
@@ -267,6 +327,7 @@ class Scheduler:
                 continue
             start, n = batch.prefix_lens[i], batch.extend_lens[i]
             req.num_cached = start + n
+            self._slide(req)
             if tokens[i] is None:
                 continue
             if req.params.max_new_tokens > 0:
@@ -327,7 +388,9 @@ class Scheduler:
         else:
             own = pages
         self.allocator.free(own)
+        self.allocator.free(req.swa_pages[req.swa_pages >= 0])
         req.pages = np.zeros(0, dtype=np.int64)
+        req.swa_pages = np.zeros(0, dtype=np.int64)
         self._free_state_slot(req)
 
     def _free_state_slot(self, req: Req) -> None:

@@ -15,8 +15,9 @@ copies of the KV heads. MLA (mla.py) reuses the three kernels on its own keys an
 
 GPT-OSS layers pass attention sinks and (sliding layers) a window: prefill rows then go through
 sink_attention.window_attention (explicit fp32 softmax; SDPA cannot add a sink), decode through
-`attend_pages` with the sink in the denominator and the keys outside the window masked. The pool
-still holds every token of a sliding layer; only the keys of the window are attended to.
+`attend_pages` with the sink in the denominator and the keys outside the window masked. A
+sliding layer reads its own page tables (`ForwardBatch.swa`, when the engine keeps window pages
+only) and touches only the pages from the one its window starts in: the pages before may be freed.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpipe.cache.kv_pool import KVPool
+from kvpipe.cache.window_pages import window_first_page
 from kvpipe.model.forward_batch import DecodeIndex, ForwardBatch, SeqSpan
 from kvpipe.model.sink_attention import window_attention
 
@@ -37,6 +39,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     Each sequence attends to its prefix in the pool plus its new tokens, causally; with a
     window, query i sees keys j with i - window < j <= i; sinks [Hq] join each softmax.
     """
+    if window is not None and batch.swa is not None:  # a sliding layer's own pages
+        batch = batch.swa
     pool.write(layer, batch.slot_pages, batch.slot_offsets, k, v)
     if batch.decode is not None:
         return decode_attention(q, layer, batch.decode, pool, scale, sinks, window)
@@ -61,11 +65,13 @@ def _window_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     out = torch.empty_like(q)
     for s in batch.seqs:
         rows = slice(s.start, s.start + s.extend_len)
+        first = 0
         if s.prefix_len == 0:
             ks, vs = k[rows].transpose(0, 1), v[rows].transpose(0, 1)  # [Hkv, E, D]
-        else:
-            ks, vs = pool.gather(layer, s.page_table, s.total_len)  # [Hkv, L, D], new tokens included
-        out[rows] = window_attention(q[rows], ks, vs, s.prefix_len, scale, sinks, window)
+        else:  # from the first page the row's first query still sees, new tokens included
+            first = 0 if window is None else window_first_page(s.prefix_len, window, pool.page_size)
+            ks, vs = pool.gather(layer, s.page_table, s.total_len, first)  # [Hkv, L - first * P, D]
+        out[rows] = window_attention(q[rows], ks, vs, s.prefix_len, scale, sinks, window, first * pool.page_size)
     return out
 
 
@@ -99,8 +105,8 @@ def decode_attention(q: torch.Tensor, layer: int, index: DecodeIndex, pool: KVPo
                      sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """Every row adds one token: q [B, Hq, D] -> [B, Hq, D], one pass over the batch's pages.
 
-    A sliding layer still gathers all of a row's pages and masks the keys before its window.
-    TODO(sliding-window pages): gather (and later keep) only the pages the window reaches.
+    A sliding layer masks the keys before its window (its index, ForwardBatch.swa's, starts at
+    the page the window starts in).
     """
     b, n, page = index.batch_size, index.num_pages, pool.page_size
     hkv, d = pool.kv_heads, pool.head_dim

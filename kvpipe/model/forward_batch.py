@@ -3,6 +3,10 @@
 Tokens of all sequences in the batch are packed along one dim T (varlen, no padding). Each
 sequence contributes `extend_len` new tokens that follow `prefix_len` tokens already in the
 KV pool (0 for a fresh prefill, the context so far for a decode step or a later chunk).
+
+Sliding-window models carry a second view, `swa`: the same tokens over the sliding layers' own
+page tables (entries before the window are -1 and never read), whose decode index starts each
+row at the first page its window reaches.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from kvpipe.cache.window_pages import window_first_page
 
 
 @dataclass(frozen=True)
@@ -29,12 +35,14 @@ class DecodeIndex:
     """Where a decode batch's KV lives, built once per forward and shared by every layer.
 
     Every row has extend_len 1, so the whole batch attends in one pass over its pages, padded to
-    the longest row's page count (the padding points at page 0 and is masked out).
+    the longest row's page count (the padding points at page 0 and is masked out). A sliding
+    layer's index starts each row at the first page its window reaches (`key_start`).
     """
 
     pages: torch.Tensor  # [B * n_pages] int64, row-major: row b's pages, then padding
     valid: torch.Tensor  # [B, n_pages, 1, 1, page_size] bool, True where a key is in the row's context
     lens: torch.Tensor  # [B] int64: each row's context length, its new token included
+    key_start: torch.Tensor  # [B] int64: position of the first key of each row's first page
 
     @property
     def batch_size(self) -> int:
@@ -45,25 +53,32 @@ class DecodeIndex:
         return int(self.valid.shape[1])
 
     @classmethod
-    def build(cls, seqs: "tuple[SeqSpan, ...]", page_size: int) -> "DecodeIndex":
-        lens = torch.tensor([s.total_len for s in seqs], dtype=torch.int64)
-        n = int(-(-lens.max() // page_size))
+    def build(cls, seqs: "tuple[SeqSpan, ...]", page_size: int, window: int | None = None) -> "DecodeIndex":
+        """window: index only the pages each row's window reaches (its new token at total_len - 1)."""
+        lens = [s.total_len for s in seqs]
+        first = [0 if window is None else window_first_page(n - 1, window, page_size) for n in lens]
+        used = [-(-n // page_size) for n in lens]
+        n = max(u - f for u, f in zip(used, first))
         pages = torch.zeros(len(seqs), n, dtype=torch.int64)
         for b, s in enumerate(seqs):
-            used = -(-s.total_len // page_size)
-            pages[b, :used] = s.page_table[:used]
-        valid = torch.arange(n * page_size)[None, :] < lens[:, None]  # [B, n * page_size]
-        return cls(pages.view(-1), valid.view(len(seqs), n, 1, 1, page_size), lens)
+            pages[b, :used[b] - first[b]] = s.page_table[first[b]:used[b]]
+        key_start = torch.tensor(first, dtype=torch.int64) * page_size
+        lens_t = torch.tensor(lens, dtype=torch.int64)
+        key_pos = key_start[:, None] + torch.arange(n * page_size)[None, :]  # [B, n * page_size]
+        valid = key_pos < lens_t[:, None]
+        return cls(pages.view(-1), valid.view(len(seqs), n, 1, 1, page_size), lens_t, key_start)
 
     def window_valid(self, window: int) -> torch.Tensor:
         """`valid` of a sliding-window layer: only each row's last `window` keys (its new one
         included) -> [B, n_pages, 1, 1, page_size] bool."""
         b, n, _, _, page = self.valid.shape
-        key_pos = torch.arange(n * page, device=self.valid.device).view(1, n, 1, 1, page)
+        key_pos = self.key_start.view(b, 1, 1, 1, 1) + torch.arange(n * page, device=self.valid.device).view(
+            1, n, 1, 1, page)
         return self.valid & (key_pos >= (self.lens - window).view(b, 1, 1, 1, 1))
 
     def to(self, device: torch.device | str) -> "DecodeIndex":
-        return DecodeIndex(self.pages.to(device), self.valid.to(device), self.lens.to(device))
+        return DecodeIndex(self.pages.to(device), self.valid.to(device), self.lens.to(device),
+                           self.key_start.to(device))
 
 
 @dataclass(frozen=True)
@@ -78,12 +93,17 @@ class ForwardBatch:
     # [B] int64, each row's slot in the StatePool (hybrid models only): a row with prefix_len 0
     # starts from a zero state, any other from its slot's; the forward writes the slot back
     state_slots: torch.Tensor | None = None
+    # sliding-window models: this batch over the sliding layers' page tables (swa=None there)
+    swa: "ForwardBatch | None" = None
 
     @classmethod
     def build(cls, token_ids: list[list[int]], prefix_lens: list[int], page_tables: list[torch.Tensor],
               page_size: int, want_logits: list[bool] | None = None,
-              state_slots: list[int] | None = None) -> "ForwardBatch":
-        """Pack sequences. token_ids[i] are the new tokens of sequence i (extend_len of them)."""
+              state_slots: list[int] | None = None, swa_page_tables: list[torch.Tensor] | None = None,
+              window: int | None = None) -> "ForwardBatch":
+        """Pack sequences. token_ids[i] are the new tokens of sequence i (extend_len of them).
+        swa_page_tables (with the sliding layers' `window`): build the `swa` view too. A batch
+        built with a window and no swa tables is itself such a view."""
         seqs, ids, pos, start = [], [], [], 0
         for toks, pre, table in zip(token_ids, prefix_lens, page_tables):
             seqs.append(SeqSpan(start, len(toks), pre, table))
@@ -94,6 +114,13 @@ class ForwardBatch:
         pages = torch.cat([s.page_table[p // page_size] for s, p in zip(seqs, pos)]) if seqs else positions
         want = want_logits if want_logits is not None else [True] * len(seqs)
         last = [s.start + s.extend_len - 1 for s, w in zip(seqs, want) if w]
+        swa = None
+        if swa_page_tables is not None:
+            if window is None:
+                raise ValueError("sliding-window page tables need the window")
+            swa = cls.build(token_ids, prefix_lens, swa_page_tables, page_size, want_logits, state_slots,
+                            window=window)
+            window = None  # this batch's own decode index covers whole contexts
         return cls(
             input_ids=torch.tensor(ids, dtype=torch.int64),
             positions=positions,
@@ -101,9 +128,10 @@ class ForwardBatch:
             slot_offsets=positions % page_size,
             seqs=tuple(seqs),
             logit_indices=torch.tensor(last, dtype=torch.int64),
-            decode=DecodeIndex.build(tuple(seqs), page_size) if seqs and all(
+            decode=DecodeIndex.build(tuple(seqs), page_size, window) if seqs and all(
                 s.extend_len == 1 for s in seqs) else None,
             state_slots=None if state_slots is None else torch.tensor(state_slots, dtype=torch.int64),
+            swa=swa,
         )
 
     @property
@@ -118,4 +146,5 @@ class ForwardBatch:
             self.logit_indices.to(device),
             None if self.decode is None else self.decode.to(device),
             None if self.state_slots is None else self.state_slots.to(device),
+            None if self.swa is None else self.swa.to(device),
         )

@@ -17,10 +17,11 @@ QUERY_BLOCK = 512
 
 
 def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int, scale: float,
-                     sinks: torch.Tensor | None, window: int | None) -> torch.Tensor:
+                     sinks: torch.Tensor | None, window: int | None, key_start: int = 0) -> torch.Tensor:
     """q [E, Hq, D] of the tokens at positions prefix_len .. prefix_len + E - 1; k [Hkv, L, D],
-    v [Hkv, L, Dv] of the whole context (L = prefix_len + E); sinks [Hq] or None; window: key j
-    is visible to query i iff i - window < j <= i (None: causal only) -> [E, Hq, Dv]."""
+    v [Hkv, L, Dv] of the context from position key_start on (L = prefix_len + E - key_start; the
+    window must not reach before key_start); sinks [Hq] or None; window: key j is visible to
+    query i iff i - window < j <= i (None: causal only) -> [E, Hq, Dv]."""
     e, hq, d = q.shape
     hkv = k.shape[0]
     g = hq // hkv
@@ -29,9 +30,10 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_l
     for a in range(0, e, QUERY_BLOCK):
         b = min(a + QUERY_BLOCK, e)
         hi = prefix_len + b  # keys after the block's last query are never visible
-        lo = 0 if window is None else max(0, prefix_len + a - window + 1)
+        lo = key_start if window is None else max(key_start, prefix_len + a - window + 1)
         qh = q[a:b].view(b - a, hkv, g, d).permute(1, 2, 0, 3)  # [Hkv, G, e, D]
-        scores = torch.matmul(qh, k[:, None, lo:hi].transpose(-1, -2)).float().mul_(scale)  # [Hkv, G, e, l]
+        ks, vs = k[:, None, lo - key_start:hi - key_start], v[:, None, lo - key_start:hi - key_start]
+        scores = torch.matmul(qh, ks.transpose(-1, -2)).float().mul_(scale)  # [Hkv, G, e, l]
         qpos = torch.arange(prefix_len + a, prefix_len + b, device=q.device)[:, None]
         kpos = torch.arange(lo, hi, device=q.device)[None, :]
         visible = kpos <= qpos
@@ -45,6 +47,6 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_l
         denom = probs.sum(dim=-1, keepdim=True)
         if sink is not None:
             denom = denom + (sink - mx).exp()
-        o = torch.matmul((probs / denom).to(v.dtype), v[:, None, lo:hi])  # [Hkv, G, e, Dv]
+        o = torch.matmul((probs / denom).to(v.dtype), vs)  # [Hkv, G, e, Dv]
         out[a:b] = o.permute(2, 0, 1, 3).reshape(b - a, hq, -1)
     return out

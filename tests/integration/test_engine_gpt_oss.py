@@ -4,9 +4,11 @@ The prompts run to 150 tokens, so the sliding layers' windows move."""
 
 import pytest
 
+from kvpipe.cache.window_pages import window_page_bound
+from kvpipe.engine.request import Req, SamplingParams
 from kvpipe.model.presets import write_preset
 
-from engine_utils import make_engine, output_ids, prompts, reference_outputs
+from engine_utils import GREEDY, make_engine, output_ids, prompts, reference_outputs
 
 PROMPTS = prompts(6, vocab=290)
 
@@ -34,13 +36,62 @@ def test_batched_chunked_and_tp_equal_one_at_a_time(gpt_oss_model, tp, chunk):
         eng.shutdown()
 
 
-def test_prefix_cache_hits_keep_outputs(gpt_oss_model):
-    """Requests behind a cached prefix (every page is kept, sliding layers included) attend from
-    the cache through the window."""
+def test_prefix_cache_is_off_for_sliding_window_pages(gpt_oss_model):
+    """The sliding layers free the pages their window slid past, so a cached prefix would lack
+    them: the engine turns the radix cache off (with a log line) and outputs stay exact."""
     path, reference = gpt_oss_model
     eng = make_engine(path, radix_cache=True)
     try:
+        assert eng.prefix_cache is None
         assert output_ids(eng, PROMPTS) == reference
-        assert output_ids(eng, PROMPTS) == reference  # now from the cache
     finally:
         eng.shutdown()
+
+
+def test_engine_equals_hf_generate_past_the_window(gpt_oss_model):
+    """The engine (window pages on, chunks of 7 over pages of 4) against HF's generate: the
+    sliding layers' pages are freed as they slide out and the tokens do not change."""
+    path, _ = gpt_oss_model
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    prompt, n = PROMPTS[-1], 48
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                           min_new_tokens=n)[0, len(prompt):].tolist()
+    eng = make_engine(path, page_size=4, chunk=7, pages=128)
+    try:
+        got = output_ids(eng, [prompt], SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))[0]
+        assert eng.allocator.num_free == eng.allocator.num_pages
+    finally:
+        eng.shutdown()
+    assert got == want
+
+
+def test_sliding_pages_stay_bounded_over_a_long_generation(gpt_oss_model):
+    """Full layers keep a page per 4 tokens; the sliding layers hold at most the window's pages
+    (window 32 over pages of 4: <= 10 with a chunk of 7), step after step, while 240 tokens are
+    generated; every page comes back at the end."""
+    path, _ = gpt_oss_model
+    eng = make_engine(path, page_size=4, chunk=7, pages=128)
+    bound = eng.scheduler.window_pages(Req("x", PROMPTS[3], GREEDY))
+    assert bound == window_page_bound(32, 7, 4) == 11
+    eng.add_request(Req("long", PROMPTS[3], SamplingParams(max_new_tokens=240, temperature=0.0, ignore_eos=True)))
+    held, steps = [], 0
+    try:
+        while eng.has_work() and steps < 2000:
+            eng.step()
+            steps += 1
+            for r in eng.scheduler.running:
+                swa = int((r.swa_pages >= 0).sum())
+                held.append(swa)
+                assert swa <= bound
+                # pages in use: the full layers' table plus the live window pages, nothing else
+                assert eng.allocator.num_used == len(r.pages) + swa
+                first = max(0, r.num_cached - 32 + 1) // 4
+                assert (r.swa_pages[:first] < 0).all() and (r.swa_pages[first:] >= 0).all()
+        assert not eng.has_work()
+        assert eng.allocator.num_free == eng.allocator.num_pages
+    finally:
+        eng.shutdown()
+    assert len(held) > 240 and max(held) <= 10 and min(held[-100:]) >= 8

@@ -14,7 +14,8 @@ from kvpipe.model.llama import CausalLM
 
 
 def make_pool(model: CausalLM, num_pages: int, page_size: int) -> KVPool:
-    return make_kv_pool(model, num_pages, page_size)
+    """One page table for every layer (sliding ones too): the tests index pages by hand."""
+    return make_kv_pool(model, num_pages, page_size, window_tables=False)
 
 
 VOCAB = 160  # the random tiny HF models' vocabulary in the parity tests

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from kvpipe.cache.kv_pool import KVPool
@@ -38,3 +39,18 @@ def test_buffer_infos_describe_raw_memory():
     assert pool.nbytes == 6 * 4 * page
     # one page is contiguous: byte offset of page p = p * page_nbytes
     assert pool.k[2][3].data_ptr() - pool.k[2].data_ptr() == 3 * page
+
+
+def test_sliding_layers_share_tensors_with_full_layers():
+    """GPT-OSS's pattern (sliding, full, ...): the n-th sliding and n-th full layer share one K and
+    one V tensor, so the pool allocates half the bytes; an odd count leaves one unshared."""
+    pool = KVPool(5, 4, page_size=2, kv_heads=1, head_dim=3, swa_layers=(0, 2, 4))
+    assert pool.tensor_of_layer() == [0, 0, 1, 1, 2] and pool.num_tensors == 3
+    assert pool.k[0] is pool.k[1] and pool.v[2] is pool.v[3] and pool.k[4] is not pool.k[3]
+    one = pool.k[0].numel() * pool.k[0].element_size()
+    assert pool.nbytes == 3 * 2 * one
+    # the layers keep their own pages: a write to page 1 of layer 0 shows in layer 1's page 1 only
+    pool.write(0, torch.tensor([1]), torch.tensor([0]), torch.ones(1, 1, 3), torch.ones(1, 1, 3))
+    assert pool.k[1][1].sum() == 3 and pool.k[1][0].sum() == 0
+    with pytest.raises(ValueError, match="sliding layers"):
+        KVPool(2, 4, page_size=2, kv_heads=1, head_dim=3, swa_layers=(1, 0))

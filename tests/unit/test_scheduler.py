@@ -39,7 +39,9 @@ def check_pages(s: Scheduler, b):
     for r, pre, n in zip(b.reqs, b.prefix_lens, b.extend_lens):
         tokens = max(pre + n, len(r.input_ids)) if s.whole_prompt_pages else pre + n
         assert len(r.pages) == -(-tokens // s.page_size)
-    live = [r.pages for r in s.running] + [r.pages for r in s.reserved.values()] + [r.pages for r in s.held.values()]
+    owners = s.running + list(s.reserved.values()) + list(s.held.values())
+    # sliding-window models: the window pages come from the same allocator
+    live = [r.pages for r in owners] + [r.swa_pages[r.swa_pages >= 0] for r in owners]
     allp = np.concatenate(live) if live else np.zeros(0)
     assert np.unique(allp).size == allp.size
     assert allp.size == s.allocator.num_used
