@@ -51,6 +51,8 @@ class RoomStart:
     room: int
     pages: np.ndarray  # int64 page table of the whole prompt (the same page ids on every rank)
     state_slot: int | None = None  # hybrid models: the request's state slot (the same on every rank)
+    # sliding-window models: the sliding layers' page table so far (-1: slid out), like `pages`
+    swa_pages: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,9 @@ class ChunkSend:
     aux: AuxTuple | None = None  # with `last`: (first token id, its logprob, prefill cached tokens)
     # a grouped row of the prompt's last forward: each group's recurrent state is final after it
     state: bool = False
+    # sliding-window models: the sliding layers' page table now (it grows by chunk, and entries
+    # turn -1 as the window slides past; the pages the decode asks for never do before the end)
+    swa_pages: np.ndarray | None = None
 
 
 @dataclass(frozen=True)

@@ -76,10 +76,13 @@ class DecodeConnector(PDConnector):
         # holding its own heads of the cached prefix; the prefill sends the pages past it only
         shared = req.num_shared_pages
         pages = req.pages[shared:].copy()
+        # sliding-window models: the prompt's last window only (-1 elsewhere), aligned with pages
+        swa = None if req.swa_pages.size == 0 else [req.swa_pages[shared:].copy()] * self.receiver.tp_size
         self.receiver.add_room(req.bootstrap_room, req.bootstrap_host, req.bootstrap_port,
                                [pages] * self.receiver.tp_size,
                                shared * self.cfg.cache.page_size,  # ValueError: nothing was asked for
-                               state_slot=req.state_slot)  # hybrid models: the prefill fills it too
+                               state_slot=req.state_slot,  # hybrid models: the prefill fills it too
+                               swa_pages=swa)
         self._transfers[req.bootstrap_room] = req
         self._asked.add(req.bootstrap_room)
 

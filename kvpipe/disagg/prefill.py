@@ -24,6 +24,8 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
+
 from kvpipe.config import ServerConfig
 from kvpipe.disagg.base import PDConnector
 from kvpipe.disagg.commands import (AbortRooms, ChunkSend, FailRooms, PrefillStep, RankReport, RoomStart, SendChunks,
@@ -46,6 +48,11 @@ logger = logging.getLogger(__name__)
 
 SUMMED_STATS = ("rejected_messages", "batches_submitted", "batches_failed", "ops_submitted", "bytes_written",
                 "staged_chunks", "staged_bytes", "auth_rejected")
+
+
+def _swa(req: Req) -> np.ndarray | None:
+    """A snapshot of the sliding layers' page table (sliding-window models), else None."""
+    return req.swa_pages.copy() if req.swa_pages.size else None
 
 
 @dataclass
@@ -130,11 +137,11 @@ class PrefillConnector(PDConnector):
             if r is None or r.transfer_done:
                 continue
             if not r.started:
-                starts.append(RoomStart(r.room, req.pages.copy(), req.state_slot))
+                starts.append(RoomStart(r.room, req.pages.copy(), req.state_slot, _swa(req)))
                 self._start(r)
             # the prompt's last forward: a hybrid model's state of each layer group is final
             # after the group, so it can go with the group's KV
-            rows.append(ChunkSend(r.room, pre, pre + n, state=pre + n >= len(req.input_ids)))
+            rows.append(ChunkSend(r.room, pre, pre + n, state=pre + n >= len(req.input_ids), swa_pages=_swa(req)))
         choice = self.pipeline.begin(batch.num_tokens, sum(c.token_end - c.token_start for c in rows))
         self._piped = tuple(rows) if choice.groups > 1 else ()
         return ForwardPlan(choice.groups, PrefillStep(tuple(starts), self._piped))
@@ -159,9 +166,10 @@ class PrefillConnector(PDConnector):
                 continue
             start, end = batch.prefix_lens[i], batch.prefix_lens[i] + batch.extend_lens[i]
             if batch.completes_prefill(i):
-                sends.append(ChunkSend(r.room, start, end, last=True, aux=(req.output_ids[0], req.output_logprobs[0], req.cached_tokens)))
+                sends.append(ChunkSend(r.room, start, end, last=True, swa_pages=_swa(req),
+                                       aux=(req.output_ids[0], req.output_logprobs[0], req.cached_tokens)))
             elif r.room not in piped:
-                sends.append(ChunkSend(r.room, start, end))
+                sends.append(ChunkSend(r.room, start, end, swa_pages=_swa(req)))
         self._piped = ()
         if sends:
             self._post(SendChunks(tuple(sends)))

@@ -131,7 +131,7 @@ class TransferWorker(KVConnectorWorker):
         s = self._prefill_sender()
         try:
             s.send(c.room, c.token_start, c.token_end, layer_start, layer_end, last=c.last, aux=c.aux, ready=ready,
-                   state=c.state)
+                   state=c.state, src_swa_pages=c.swa_pages)
         except KeyError:
             pass  # the room never entered this sender: its refusal is reported already
         except ValueError as e:  # a planning error fails this room, not the batch
@@ -145,7 +145,7 @@ class TransferWorker(KVConnectorWorker):
         s = self._prefill_sender()
         for start in meta.start:
             try:
-                s.add_room(start.room, start.pages, start.state_slot)
+                s.add_room(start.room, start.pages, start.state_slot, start.swa_pages)
             except ValueError as e:  # nothing of this room is in our sender: report it failed
                 self._failed.append((start.room, TransferState.FAILED, f"add_room refused on TP rank "
                                                                        f"{self.rank}: {e}"))

@@ -9,6 +9,7 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from kvpipe.cache.window_pages import window_first_page
 from kvpipe.config import CacheConfig, ModelConfig, ServerConfig
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import SamplingParams
@@ -40,11 +41,16 @@ def expected_bytes(model_dir: Path, lengths: list[int], page_size: int, p_tp: in
     heads once (decode ranks sharing a replicated head, or the MLA latent, each get it); a hybrid
     model's KV is that of its full-attention layers, and each request's state moves once: every
     linear head of its slot from the one prefill rank that holds it (linear heads are never
-    replicated)."""
+    replicated). A sliding-window layer moves only the pages the decode's first query can see:
+    from the one holding token n - window + 1 of an n-token prompt on."""
     mc = ModelConfig.from_dir(model_dir)
     heads = sum(s.num_heads for s in transfer_slices(p_tp, d_tp, mc.kv_cache_heads))
-    pages = sum(-(-n // page_size) for n in lengths)
-    kv = pages * heads * page_size * mc.kv_cache_head_dim * itemsize * mc.kv_buffers_per_layer * len(mc.kv_layers)
+    sliding = [layer for layer in mc.kv_layers if mc.window(layer) is not None]
+    full_pages = sum(-(-n // page_size) for n in lengths)
+    window_pages = sum(-(-n // page_size) - window_first_page(n, mc.sliding_window, page_size)
+                       for n in lengths) if sliding else 0
+    layer_pages = full_pages * (len(mc.kv_layers) - len(sliding)) + window_pages * len(sliding)
+    kv = layer_pages * heads * page_size * mc.kv_cache_head_dim * itemsize * mc.kv_buffers_per_layer
     return kv + len(lengths) * state_slot_nbytes(mc, itemsize)
 
 

@@ -1,12 +1,12 @@
 """PD through sglang-router for the MoE and MLA families (issue 13): Qwen3-MoE and MiniMax-M2
-(GQA KV, sparse MLP), DeepSeek-V3 (MLA latent KV, group-limited MoE) and GPT-OSS (sliding-window
-layers with sinks, window 32 < the prompts; every page still moves), each on TP pairings
+(GQA KV, sparse MLP) and DeepSeek-V3 (MLA latent KV, group-limited MoE), each on TP pairings
 (1,2), (2,1), (2,4) with layer pipelining on and off, token-exact against the colocated engine.
 The bytes every prefill rank writes equal the prediction for the layout: K/V head slices for the
 GQA families, and for MLA one whole latent per decode rank, read from exactly one prefill rank.
 The hybrid Qwen3.5 (issue 12: KV of its full-attention layers plus each request's recurrent
 state, sliced by linear heads under heterogeneous TP) runs on (1,1) and (2,2) with one and two
-layer groups, and on (1,2) and (2,1)."""
+layer groups, and on (1,2) and (2,1). GPT-OSS (sliding-window pages) has its own file,
+test_pd_sliding_window.py."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ LENGTHS = [150, 37, 90]
 FLAGS = ["--page-size", str(PS), "--max-total-tokens", "4096", "--chunked-prefill-size", "64",
          "--disaggregation-heartbeat-interval", "0.5", "--disaggregation-bootstrap-timeout", "30",
          "--disaggregation-transfer-timeout", "3"]
-FAMILIES = ["tiny-qwen3-moe", "tiny-minimax-m2", "tiny-deepseek-v3", "tiny-gpt-oss"]
+FAMILIES = ["tiny-qwen3-moe", "tiny-minimax-m2", "tiny-deepseek-v3"]
 PAIRINGS = [(1, 2, 2), (2, 1, 1), (2, 4, 2)]  # (prefill TP, decode TP, layer groups; 1: no pipelining)
 # Qwen3.5: same TP with and without pipelining, and both heterogeneous directions (state sliced by heads)
 HYBRID_PAIRINGS = [(1, 1, 1), (2, 2, 2), (1, 2, 2), (2, 1, 1)]

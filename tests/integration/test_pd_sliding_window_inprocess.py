@@ -1,0 +1,75 @@
+"""PD of tiny-gpt-oss (sliding window 32) with a prefill Engine and a decode Engine in one
+process (local backend, real bootstrap and ZMQ): greedy tokens equal the colocated engine's with
+and without chunked prefill (chunks that cut the window and the pages) and layer groups; the
+bytes written are every page of the full layers plus the prompt's last-window pages of the
+sliding layers; every page (both tables) is free afterwards on both sides, also after injected
+transfer failures and aborts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvpipe.config import ModelConfig
+from kvpipe.engine.request import FinishReason
+from kvpipe.model.presets import write_preset
+from kvpipe.transfer.backends import FailureInjection
+from pd_parity import expected_bytes
+from test_pd_inprocess import PS, colocated_greedy, make_pair, prompts
+
+pytestmark = pytest.mark.integration
+LENS = [1, 16, 31, 33, 40, 64, 100, 150]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return write_preset("tiny-gpt-oss", tmp_path_factory.mktemp("tiny_gpt_oss_pd"))
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    yield from colocated_greedy(model_dir)
+
+
+@pytest.mark.parametrize("chunk,groups", [(0, 1), (24, 1), (24, 2)])
+def test_greedy_matches_colocated_and_only_window_pages_move(model_dir, reference, chunk, groups):
+    ps = prompts(chunk + groups, LENS)
+    with make_pair(model_dir, chunk, layer_groups=groups) as pair:
+        reqs = [pair.reqs(ids) for ids in ps]
+        pair.run(reqs)
+        for (p, d), ids in zip(reqs, ps):
+            assert d.output_ids == reference(ids), f"prompt of {len(ids)} tokens: {d.finish_detail}"
+        st = pair.prefill.stats()["disaggregation"]
+        assert (st["rooms_succeeded"], st["rooms_failed"]) == (len(ps), 0)
+        assert st["bytes_written"] == expected_bytes(model_dir, LENS, PS, 1, 1)
+        mc = ModelConfig.from_dir(model_dir)
+        every_page = sum(-(-n // PS) for n in LENS) * PS * mc.num_kv_heads * mc.head_dim * 4 * 2 * mc.num_layers
+        assert st["bytes_written"] < 0.8 * every_page  # the sliding half sends its window only
+        if groups > 1:
+            assert pair.pipeline.counters.batches_by_groups.get(groups, 0) > 0
+        assert pair.prefill.prefix_cache is None  # window pages slide out: no prefix cache
+        pair.settle()
+
+
+def test_failures_and_aborts_free_every_page(model_dir, reference):
+    with make_pair(model_dir, chunk=32, inject=FailureInjection(prob=0.3, seed=3)) as pair:
+        ps = prompts(11, [20, 64, 90, 130, 47])
+        reqs = [pair.reqs(ids) for ids in ps]
+        pair.run(reqs)
+        failed = [d for _, d in reqs if d.finish_reason is FinishReason.ABORT]
+        ok = [(d, ids) for (_, d), ids in zip(reqs, ps) if d.finish_reason is not FinishReason.ABORT]
+        assert failed and ok, "the seed should give both outcomes"
+        for d, ids in ok:
+            assert d.output_ids == reference(ids)
+        pair.settle()
+        # a decode abort while the prefill computes
+        a = pair.reqs(prompts(1, [200])[0])
+        pair.prefill.add_request(a[0])
+        pair.decode.add_request(a[1])
+        pair.prefill.step()
+        pair.decode.step()
+        pair.decode.abort(a[1].rid)
+        pair.run([], until=lambda: a[0].finished and a[1].finished)
+        assert a[1].finish_reason is FinishReason.ABORT
+        pair.settle()
