@@ -157,6 +157,14 @@ class HybridConfig:
         k, v = self.linear_key_heads * self.linear_key_head_dim, self.linear_value_heads * self.linear_value_head_dim
         return 2 * k + v
 
+    def state_nbytes(self, conv_itemsize: int) -> int:
+        """One request's state over every linear layer before TP (StateLayout.slot_nbytes at TP 1):
+        the conv state in the model dtype, the recurrent state in fp32. It does not grow with the
+        prompt, so a transfer cost counts it once per request."""
+        conv = self.conv_dim * (self.conv_kernel - 1) * conv_itemsize
+        recurrent = self.linear_value_heads * self.linear_key_head_dim * self.linear_value_head_dim * 4
+        return len(self.linear_layers) * (conv + recurrent)
+
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "HybridConfig":
         n = int(cfg["num_hidden_layers"])

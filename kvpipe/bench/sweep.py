@@ -24,6 +24,8 @@ from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
+from kvpipe.config import ConfigError, HybridConfig
+
 E = TypeVar("E")
 BASELINE, PIPELINED, INPROC, DECODE_CACHE, PD = "baseline", "pipelined", "inproc", "decode-cache", "pd"
 PLAIN_MODES = (BASELINE, PIPELINED, INPROC, DECODE_CACHE, PD)
@@ -176,11 +178,33 @@ def exposed_ratio(ttft_mode: float | None, ttft_baseline: float | None, ttft_inp
     return (ttft_mode - ttft_inproc) / denom if denom > 0 else None
 
 
+def _text_config(model_config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The language model's config: a multimodal checkpoint (Qwen3.5) nests it under text_config."""
+    text = model_config.get("text_config")
+    return text if "num_hidden_layers" not in model_config and isinstance(text, Mapping) else model_config
+
+
+def _dtype_bytes(model_config: Mapping[str, Any]) -> int:
+    dt = str(model_config.get("torch_dtype") or model_config.get("dtype") or "float32")
+    return {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}.get(dt, 4)
+
+
+def _hybrid(model_config: Mapping[str, Any]) -> HybridConfig | None:
+    """A hybrid model's layer map and linear-attention shape (Qwen3.5), None for others."""
+    if "linear_num_key_heads" not in model_config:
+        return None
+    return HybridConfig.from_hf_dict(dict(model_config))
+
+
 def kv_bytes_per_token(model_config: Mapping[str, Any], dtype_bytes: int | None = None) -> int | None:
-    """KV bytes of every layer for one token, from an HF config.json: K and V (GQA/MHA), or the
-    latent of an MLA model (DeepSeek-V3); None if unknown."""
+    """KV bytes of one token over the layers that keep KV, from an HF config.json: K and V
+    (GQA/MHA), or the latent of an MLA model (DeepSeek-V3); a hybrid model's (Qwen3.5)
+    full-attention layers only, its linear layers keep a per-request state instead
+    (state_bytes_per_request). None if unknown."""
+    model_config = _text_config(model_config)
     try:
-        layers = int(model_config["num_hidden_layers"])
+        hybrid = _hybrid(model_config)
+        layers = len(hybrid.full_layers) if hybrid else int(model_config["num_hidden_layers"])
         if model_config.get("kv_lora_rank"):  # MLA: [kv_lora_rank + rope] per token and layer, no heads
             per_layer = int(model_config["kv_lora_rank"]) + int(model_config["qk_rope_head_dim"])
         else:
@@ -188,12 +212,21 @@ def kv_bytes_per_token(model_config: Mapping[str, Any], dtype_bytes: int | None 
             kv_heads = int(model_config.get("num_key_value_heads") or heads)
             head_dim = int(model_config.get("head_dim") or int(model_config["hidden_size"]) // heads)
             per_layer = 2 * kv_heads * head_dim
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, ConfigError):
         return None
-    if dtype_bytes is None:
-        dt = str(model_config.get("torch_dtype") or model_config.get("dtype") or "float32")
-        dtype_bytes = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}.get(dt, 4)
-    return layers * per_layer * dtype_bytes
+    return layers * per_layer * (dtype_bytes or _dtype_bytes(model_config))
+
+
+def state_bytes_per_request(model_config: Mapping[str, Any], dtype_bytes: int | None = None) -> int | None:
+    """Recurrent-state bytes one request moves whatever its length (a hybrid model's conv state in
+    the model dtype plus its fp32 recurrent state, per linear layer); 0 for a model without
+    linear layers, None if unknown."""
+    model_config = _text_config(model_config)
+    try:
+        hybrid = _hybrid(model_config)
+    except (KeyError, TypeError, ValueError, ConfigError):
+        return None
+    return 0 if hybrid is None else hybrid.state_nbytes(dtype_bytes or _dtype_bytes(model_config))
 
 
 def _get(summary: Mapping[str, Any] | None, key: str) -> Any:
@@ -201,11 +234,12 @@ def _get(summary: Mapping[str, Any] | None, key: str) -> Any:
 
 
 def sweep_rows(points: Iterable[SweepPoint], link_rate_bps: float | None = None,
-               kv_bytes_token: int | None = None) -> list[dict[str, Any]]:
+               kv_bytes_token: int | None = None, state_bytes_request: int = 0) -> list[dict[str, Any]]:
     """One row per (prompt_len, mode), ordered by prompt length then by the order modes ran.
 
     With the link rate and the KV size known, a row also states the ideal transfer time of the
-    prompt's KV at line rate and its ratio to compute (T/C, C = the inproc TTFT)."""
+    prompt's KV (plus a hybrid model's per-request state) at line rate and its ratio to compute
+    (T/C, C = the inproc TTFT)."""
     points = list(points)
     mode_order = list(dict.fromkeys(p.mode for p in points))
     by_key = {(p.prompt_len, p.mode): p for p in points}
@@ -217,7 +251,8 @@ def sweep_rows(points: Iterable[SweepPoint], link_rate_bps: float | None = None,
         ttft_base = _get(base.summary if base else None, "ttft_p50_ms")
         tail_base = base.transfer_tail_ms if base else None
         kv_bytes = kv_bytes_token * n if kv_bytes_token else None
-        t_ms = kv_bytes * 8 / link_rate_bps * 1e3 if kv_bytes and link_rate_bps else None
+        wire = kv_bytes + state_bytes_request if kv_bytes else None  # the state goes once per request
+        t_ms = wire * 8 / link_rate_bps * 1e3 if wire and link_rate_bps else None
         for mode in mode_order:
             p = by_key.get((n, mode))
             if p is None:
@@ -244,6 +279,7 @@ def sweep_rows(points: Iterable[SweepPoint], link_rate_bps: float | None = None,
                 "cached_tokens_mean": s.get("cached_tokens_mean"),
                 "prompt_tokens_mean": s.get("prompt_tokens_mean"),
                 "kv_bytes": kv_bytes,
+                "state_bytes": state_bytes_request,
                 "ideal_transfer_ms": t_ms,
                 "t_over_c": t_ms / ttft_inproc if t_ms and ttft_inproc else None,
             })

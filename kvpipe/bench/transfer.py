@@ -33,30 +33,13 @@ import statistics
 import tempfile
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
 from typing import Any
 
 from kvpipe.bench import transfer_tp
 from kvpipe.bench.raw_mooncake import WHOLE, RawPattern, fmt_bytes, parse_bytes
+from kvpipe.bench.transfer_shapes import EXTRA_SHAPES, KVShape, lookup_shape, shape_names
 from kvpipe.bench.transfer_worker import WorkerConfig, decode_main, prefill_main
 from kvpipe.transfer.backends.mooncake import DEFAULT_MAX_OP_BYTES
-
-@dataclass(frozen=True)
-class KVShape:
-    num_layers: int
-    kv_heads: int
-    head_dim: int
-    dtype: str
-    latent: bool = False  # MLA: one latent buffer per layer (kv_heads 1, head_dim = kv_lora_rank + rope dims)
-
-
-# Shapes besides the model presets in kvpipe.model.presets.
-EXTRA_SHAPES: dict[str, KVShape] = {
-    "llama3-8b": KVShape(32, 8, 128, "bfloat16"),  # 128 KiB of KV per token
-    "qwen2-0.5b": KVShape(24, 2, 64, "bfloat16"),  # 12 KiB per token
-    "deepseek-v3": KVShape(61, 1, 512 + 64, "bfloat16", latent=True),  # MLA latent: 70 KiB per token
-}
-
 
 # Raw patterns timed by default, around the best of the full sweep (docs/benchmarks.md), and the sweep grid.
 RAW_PIECES = (1 << 20, 4 << 20, 8 << 20)
@@ -69,7 +52,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-lens", default="1024,4096", help="comma-separated prompt lengths in tokens")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--preset", default="bench",
-                   help="KV shape: a model preset (tiny, bench) or one of " + ", ".join(EXTRA_SHAPES))
+                   help="KV shape: a model preset (tiny, bench, tiny-qwen3.5, ...) or one of "
+                        + ", ".join(EXTRA_SHAPES))
     p.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
     p.add_argument("--kv-heads", type=int, default=None, help="override the preset's KV heads")
     p.add_argument("--head-dim", type=int, default=None, help="override the preset's head_dim")
@@ -99,20 +83,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def _shape(args: argparse.Namespace) -> KVShape:
-    if args.preset in EXTRA_SHAPES:
-        s = EXTRA_SHAPES[args.preset]
-    else:
-        from kvpipe.model.presets import PRESETS, preset_config
-
-        if args.preset not in PRESETS:
-            raise SystemExit(f"kvpipe bench transfer: unknown preset {args.preset!r}; "
-                             f"choose from {sorted(PRESETS) + sorted(EXTRA_SHAPES)}")
-        mc = preset_config(args.preset)
-        s = KVShape(mc.num_layers, mc.kv_cache_heads, mc.kv_cache_head_dim, "float32", latent=mc.mla is not None)
+    s = lookup_shape(args.preset)
+    if s is None:
+        raise SystemExit(f"kvpipe bench transfer: unknown preset {args.preset!r}; choose from {shape_names()}")
     if s.latent and args.kv_heads not in (None, 1):
         raise SystemExit("kvpipe bench transfer: an MLA latent shape has one KV head (--kv-heads 1)")
+    if s.hybrid is not None and args.layers is not None:
+        # the layer map (which layers keep KV, which a state) comes with the shape
+        raise SystemExit("kvpipe bench transfer: a hybrid shape's layers are fixed by its layer map (no --layers)")
     return KVShape(args.layers or s.num_layers, args.kv_heads or s.kv_heads, args.head_dim or s.head_dim,
-                   args.dtype or s.dtype, s.latent)
+                   args.dtype or s.dtype, s.latent, s.hybrid)
 
 
 def config_from_args(args: argparse.Namespace, log_path: str, hostname: str = "127.0.0.1",
@@ -129,7 +109,8 @@ def config_from_args(args: argparse.Namespace, log_path: str, hostname: str = "1
     return WorkerConfig(s.num_layers, s.kv_heads, s.head_dim, s.dtype, args.page_size, lens, args.repeat,
                         args.fragmentation, args.window, args.seed, log_path, hostname, netns,
                         max_op_bytes=max_op[0] or None, raw_patterns=raw_patterns(args),
-                        compare_max_op_bytes=_sizes(args.compare_split, "--compare-split", 0), latent=s.latent)
+                        compare_max_op_bytes=_sizes(args.compare_split, "--compare-split", 0), latent=s.latent,
+                        hybrid=s.hybrid)
 
 
 def _sizes(text: str, flag: str, least: int) -> tuple[int, ...]:
@@ -164,6 +145,9 @@ def tp_config_from_args(args: argparse.Namespace, log_path: str, prefill_host: s
         raise SystemExit("kvpipe bench transfer: heterogeneous-TP mode compares head slicing and staging; an MLA "
                          "latent is replicated on every rank and never sliced (each decode rank reads one "
                          "prefill rank's latent, as in same-TP mode)")
+    if w.hybrid is not None:
+        raise SystemExit("kvpipe bench transfer: heterogeneous-TP mode moves KV only; a hybrid shape's state "
+                         "under TP is covered by tests/integration/test_state_transfer.py, not benchmarked")
     if min(args.prefill_tp, args.decode_tp) < 1 or max(args.prefill_tp, args.decode_tp) % min(args.prefill_tp,
                                                                                              args.decode_tp):
         raise SystemExit("kvpipe bench transfer: one of --prefill-tp / --decode-tp must divide the other")
@@ -251,19 +235,40 @@ def summarize(result: dict[str, Any], cfg: WorkerConfig, link_rate: str | None) 
                    "fragmentation": cfg.fragmentation, "window": cfg.window, "max_op_bytes": cfg.max_op_bytes,
                    "raw_patterns": [p.label for p in cfg.raw_patterns],
                    "compare_max_op_bytes": list(cfg.compare_max_op_bytes), "protocol": "tcp",
-                   "link_rate": link_rate or "loopback", "engine_generation": result["engine_generation"]},
+                   "link_rate": link_rate or "loopback", "engine_generation": result["engine_generation"],
+                   **_hybrid_config(cfg)},
     }
+
+
+def _hybrid_config(cfg: WorkerConfig) -> dict[str, Any]:
+    """A hybrid shape's layer map and state size, for the report (nothing for a KV-only shape)."""
+    h = cfg.hybrid
+    if h is None:
+        return {}
+    return {"model_layers": len(h.layer_types), "kv_layers": list(h.full_layers), "linear_layers": len(h.linear_layers),
+            "linear_key_heads": h.linear_key_heads, "linear_value_heads": h.linear_value_heads,
+            "linear_key_head_dim": h.linear_key_head_dim, "linear_value_head_dim": h.linear_value_head_dim,
+            "conv_kernel": h.conv_kernel}
 
 
 def format_table(report: dict[str, Any], sweep: bool = False) -> str:
     c = report["config"]
     split = fmt_bytes(c["max_op_bytes"]) if c["max_op_bytes"] else "off"
     kind = "MLA latent" if c.get("latent") else "KV"
+    hybrid = "model_layers" in c
+    if hybrid:
+        kind = (f"hybrid {c['model_layers']}L: state of {c['linear_layers']} linear layers ({c['linear_value_heads']} "
+                f"value heads, {c['linear_key_head_dim']}x{c['linear_value_head_dim']}) + KV of")
     rows = [f"{kind} {c['layers']}L x {c['kv_heads']}H x {c['head_dim']}D {c['dtype']}, page {c['page_size']}, "
             f"fragmentation {c['fragmentation']}, link {c['link_rate']}, window {c['window']}, split {split}, "
-            f"median of {c['repeat']}; GB/s; paired: median of per-round kvpipe/best-raw",
-            f"{'tokens':>7} {'MiB':>8} {'ops':>5} {'pieces':>6} {'plan ms':>8} {'xfer ms':>8} {'kvpipe':>7} "
-            f"{'unsplit':>7} {'raw 1op':>7} {'best raw':>8} {'pattern':>10} {'kv/best':>7} {'paired':>6} {'kv/1op':>6} ok"]
+            f"median of {c['repeat']}; GB/s; paired: median of per-round kvpipe/best-raw"]
+    if hybrid:  # a request's bytes and ops split into KV and state; the goodput table counts both
+        rows.append(f"{'tokens':>7} {'KV MiB':>8} {'state MiB':>9} {'KV ops':>6} {'state ops':>9}")
+        rows += [f"{x['prompt_len']:>7} {x['kv_bytes'] / 2**20:>8.1f} {x['state_bytes'] / 2**20:>9.1f} "
+                 f"{x['kv_ops']:>6} {x['state_ops']:>9}" for x in report["lengths"]]
+    rows.append(f"{'tokens':>7} {'MiB':>8} {'ops':>5} {'pieces':>6} {'plan ms':>8} {'xfer ms':>8} {'kvpipe':>7} "
+                f"{'unsplit':>7} {'raw 1op':>7} {'best raw':>8} {'pattern':>10} {'kv/best':>7} {'paired':>6} "
+                f"{'kv/1op':>6} ok")
     for x in report["lengths"]:
         rows.append(f"{x['prompt_len']:>7} {x['bytes'] / 2**20:>8.1f} {x['ops_per_request']:>5} "
                     f"{x['pieces_per_request']:>6} {x['planning_ms']:>8.3f} {x['transfer_ms']:>8.2f} "

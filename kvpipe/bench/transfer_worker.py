@@ -1,6 +1,11 @@
 """The two processes of `kvpipe bench transfer`: a decode side that owns the destination KVPool
 and a prefill side that plans and writes pages into it, both over a real Mooncake engine.
 
+A hybrid shape (Qwen3.5) adds a StatePool on both sides: a request then moves the KV pages of
+the full-attention layers plus its recurrent-state slot (plan_state: one op per linear layer and
+conv|recurrent), submitted as one batch, digested like the pages; the raw patterns move the same
+total bytes.
+
 Per prompt length the prefill side (1) writes the request once and checks the digest, (2) sweeps
 the raw patterns (raw_mooncake.py: pieces x window over one contiguous range of the same bytes),
 repeat by repeat in rotating order, and picks the fastest by median, then (3) times in rotating
@@ -27,6 +32,11 @@ from typing import Any, Callable
 import numpy as np
 
 from kvpipe.bench.raw_mooncake import WHOLE, RawPattern, pattern_ops, raw_write
+from kvpipe.config import HybridConfig
+
+# A request's state goes from prefill slot SRC_SLOT to decode slot DST_SLOT of pools of STATE_SLOTS:
+# a nonzero destination slot checks that the plan addresses slots, not just buffer bases.
+STATE_SLOTS, SRC_STATE_SLOT, DST_STATE_SLOT = 2, 0, 1
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,8 @@ class WorkerConfig:
     raw_patterns: tuple[RawPattern, ...] = ()  # swept per length; the one-op pattern is always timed
     compare_max_op_bytes: tuple[int, ...] = (0,)  # kvpipe also timed split at these (0: unsplit)
     latent: bool = False  # an MLA latent pool: one buffer per layer (kv_heads 1, head_dim = latent width)
+    # a hybrid model: num_layers are its full-attention layers; its linear layers keep a state slot
+    hybrid: HybridConfig | None = None
 
     @property
     def max_pages(self) -> int:
@@ -88,30 +100,63 @@ def _setup(cfg: WorkerConfig, num_pages: int):
     import torch
 
     from kvpipe.cache.kv_pool import KVPool
+    from kvpipe.disagg.setup import register_pool
     from kvpipe.transfer.backends.mooncake import MooncakeBackend
+    from kvpipe.transfer.layout import KVLayout
 
     backend = MooncakeBackend(hostname=cfg.hostname, protocol="tcp", window=cfg.window, max_op_bytes=cfg.max_op_bytes)
     pool = KVPool(cfg.num_layers, num_pages, cfg.page_size, cfg.kv_heads, cfg.head_dim,
                   dtype=getattr(torch, cfg.dtype), latent=cfg.latent)
+    state = _state_pool(cfg, getattr(torch, cfg.dtype))
+    state_layout = None if state is None else _state_layout(cfg, state)
+    register_pool(backend, KVLayout.from_pool(pool), state_layout)
     # Raw-transfer buffer as big as the largest request; np.ones touches every page of it.
-    raw = np.ones(cfg.max_pages * cfg.page_size * _token_nbytes(pool), dtype=np.uint8)
-    infos = pool.buffer_infos()
-    backend.register_many([b.addr for b in infos] + [raw.ctypes.data], [b.nbytes for b in infos] + [raw.nbytes])
-    return backend, pool, raw
+    raw = np.ones(cfg.max_pages * cfg.page_size * _token_nbytes(pool) + (0 if state is None else state.slot_nbytes),
+                  dtype=np.uint8)
+    backend.register_many([raw.ctypes.data], [raw.nbytes])
+    return backend, pool, state, state_layout, raw
+
+
+def _state_pool(cfg: WorkerConfig, conv_dtype):
+    """A hybrid shape's state pool (TP 1: every linear head), None for a KV-only shape."""
+    if cfg.hybrid is None:
+        return None
+    from kvpipe.cache.state_pool import StatePool
+    from kvpipe.config import ParallelConfig
+    from kvpipe.model.gated_delta_net import local_state_shape
+
+    if len(cfg.hybrid.full_layers) != cfg.num_layers:
+        raise ValueError(f"{cfg.num_layers} KV layers but the layer map has {len(cfg.hybrid.full_layers)}")
+    return StatePool(cfg.hybrid.linear_layers, STATE_SLOTS, local_state_shape(cfg.hybrid, ParallelConfig()),
+                     conv_dtype)
+
+
+def _state_layout(cfg: WorkerConfig, state):
+    from kvpipe.transfer.state_layout import StateLayout
+
+    assert cfg.hybrid is not None
+    return StateLayout.from_pool(state, cfg.hybrid.full_layers, len(cfg.hybrid.layer_types))
 
 
 def _token_nbytes(pool) -> int:
     return pool.nbytes // (pool.num_pages * pool.page_size)
 
 
-def _digest(pool, pages: np.ndarray) -> str:
+def _digest(pool, pages: np.ndarray, state=None, slot: int = 0) -> str:
+    """Of the pages' KV and, for a hybrid shape, of state slot `slot` (conv and recurrent)."""
     import torch
 
     h = hashlib.blake2b(digest_size=16)
     idx = torch.from_numpy(pages)
     for buf in pool.buffers():
         h.update(buf[idx].contiguous().view(torch.uint8).numpy().tobytes())
+    for buf in _state_buffers(state):
+        h.update(buf[slot].contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def _state_buffers(state) -> list:
+    return [] if state is None else state.conv + state.recurrent
 
 
 def decode_main(cfg: WorkerConfig, peer: Connection) -> None:
@@ -119,19 +164,19 @@ def decode_main(cfg: WorkerConfig, peer: Connection) -> None:
     from kvpipe.transfer.layout import KVLayout
     from kvpipe.transfer.messages import RegisterPeer, encode
 
-    backend, pool, raw = _setup(cfg, cfg.pool_pages)
+    backend, pool, state, state_layout, raw = _setup(cfg, cfg.pool_pages)
     try:
         reg = RegisterPeer(f"bench-decode-{uuid.uuid4().hex[:8]}", 0, 1, backend.address, "pipe",
-                           KVLayout.from_pool(pool))
+                           KVLayout.from_pool(pool), state=state_layout)
         peer.send(("register", encode(reg), raw.ctypes.data))
         while True:
             cmd, arg = peer.recv()
             if cmd == "reset":
-                for buf in pool.buffers():
+                for buf in pool.buffers() + _state_buffers(state):
                     buf.zero_()
                 peer.send("ok")
             elif cmd == "digest":
-                peer.send(_digest(pool, arg))
+                peer.send(_digest(pool, arg, state, DST_STATE_SLOT))
             else:
                 break
     finally:
@@ -162,11 +207,12 @@ def _prefill(cfg: WorkerConfig, peer: Connection) -> dict[str, Any]:
     from kvpipe.transfer.layout import KVLayout
     from kvpipe.transfer.messages import RegisterPeer, decode
     from kvpipe.transfer.planner import plan_pages
+    from kvpipe.transfer.state_plan import plan_state
 
-    backend, pool, raw = _setup(cfg, cfg.max_pages)
+    backend, pool, state, src_state, raw = _setup(cfg, cfg.max_pages)
     try:
         g = torch.Generator().manual_seed(cfg.seed)
-        for buf in pool.buffers():
+        for buf in pool.buffers() + _state_buffers(state):
             buf.copy_(torch.randn(buf.shape, generator=g).to(buf.dtype))
         _, blob, raw_dst = peer.recv()
         reg = decode(blob)
@@ -174,16 +220,25 @@ def _prefill(cfg: WorkerConfig, peer: Connection) -> dict[str, Any]:
         src_layout = KVLayout.from_pool(pool)
         if (why := src_layout.compatible_with(reg.layout)) is not None:
             raise RuntimeError(f"decode pool incompatible: {why}")
+        if (src_state is None) != (reg.state is None):
+            raise RuntimeError("one side has a state pool, the other not")
         rng = np.random.default_rng(cfg.seed)
         one_op = RawPattern(WHOLE, 1)
 
         def kv_write(src_pages: np.ndarray, dst_pages: np.ndarray, max_op_bytes: int | None,
                      plans: list, handles: list) -> float:
-            """Wall time of planning plus the transfer until every piece landed."""
+            """Wall time of planning plus the transfer until every piece landed; a hybrid
+            request's state ops go in the same batch as its KV ops."""
             backend.max_op_bytes = max_op_bytes
             t0 = time.perf_counter()
-            plans.append(plan_pages(src_pages, dst_pages, src_layout, reg.layout))
-            h = backend.submit(reg.data_address, plans[-1].src_addr, plans[-1].dst_addr, plans[-1].length)
+            kv = plan_pages(src_pages, dst_pages, src_layout, reg.layout)
+            t1 = time.perf_counter()
+            st = None if src_state is None else plan_state(SRC_STATE_SLOT, DST_STATE_SLOT, src_state, reg.state)
+            plans.append((kv, st, kv.planning_ms + (time.perf_counter() - t1) * 1e3))
+            src, dst, n = ((kv.src_addr, kv.dst_addr, kv.length) if st is None else
+                           (np.concatenate([kv.src_addr, st.src_addr]), np.concatenate([kv.dst_addr, st.dst_addr]),
+                            np.concatenate([kv.length, st.length])))
+            h = backend.submit(reg.data_address, src, dst, n)
             if backend.wait(h, time.monotonic() + 300) is not BatchState.DONE:
                 raise RuntimeError(f"transfer failed: {h.error or 'timed out'}")
             handles.append(h)
@@ -199,7 +254,9 @@ def _prefill(cfg: WorkerConfig, peer: Connection) -> dict[str, Any]:
         per_len = []
         for n_tokens in cfg.prompt_lens:
             n = -(-n_tokens // cfg.page_size)
-            nbytes = n * src_layout.page_nbytes * src_layout.num_buffers
+            kv_bytes = n * src_layout.page_nbytes * src_layout.num_buffers
+            state_bytes = 0 if src_state is None else src_state.slot_nbytes
+            nbytes = kv_bytes + state_bytes  # the raw patterns move the same total
             src_pages = np.arange(n, dtype=np.int64)
             dst_pages = fragmented_pages(n, cfg.fragmentation, rng)
             plans: list[Any] = []
@@ -208,7 +265,7 @@ def _prefill(cfg: WorkerConfig, peer: Connection) -> dict[str, Any]:
             peer.recv()
             kv_write(src_pages, dst_pages, cfg.max_op_bytes, plans, handles)  # also warms the connection
             peer.send(("digest", dst_pages))
-            verified = peer.recv() == _digest(pool, src_pages)
+            verified = peer.recv() == _digest(pool, src_pages, state, SRC_STATE_SLOT)
 
             sweep_s: dict[RawPattern, list[float]] = {p: [] for p in (one_op, *cfg.raw_patterns)}
             for r in range(cfg.repeat):
@@ -230,11 +287,13 @@ def _prefill(cfg: WorkerConfig, peer: Connection) -> dict[str, Any]:
                     times[v].append(variants[v]())
             backend.max_op_bytes = cfg.max_op_bytes
             med = {v: statistics.median(xs) for v, xs in times.items()}
-            plan, kv = plans[-1], med["kv"]
+            (plan, st_plan, _), kv = plans[-1], med["kv"]
+            state_ops = 0 if st_plan is None else st_plan.num_ops
             per_len.append({
-                "prompt_len": n_tokens, "pages": n, "bytes": nbytes, "ops_per_request": plan.num_ops,
+                "prompt_len": n_tokens, "pages": n, "bytes": nbytes, "kv_bytes": kv_bytes, "state_bytes": state_bytes,
+                "ops_per_request": plan.num_ops + state_ops, "kv_ops": plan.num_ops, "state_ops": state_ops,
                 "pieces_per_request": handles[-1].num_pieces, "runs": plan.num_runs,
-                "planning_ms": statistics.median(p.planning_ms for p in plans),
+                "planning_ms": statistics.median(ms for _, _, ms in plans),
                 "transfer_ms": kv * 1e3, "raw_ms": med["raw"] * 1e3, "best_raw_ms": med["best_raw"] * 1e3,
                 "goodput_gbps": nbytes / kv / 1e9, "raw_goodput_gbps": nbytes / med["raw"] / 1e9,
                 "best_raw_goodput_gbps": nbytes / med["best_raw"] / 1e9,

@@ -3,7 +3,7 @@ feed the planner's estimators, and keep the choices for logs, /server_info and /
 
 The PrefillConnector calls, per prefill batch (engine thread, rank 0):
 
-    choice = pipe.begin(batch_tokens, tokens_to_send)   # right before the forward
+    choice = pipe.begin(batch_tokens, tokens_to_send, states_to_send)   # right before the forward
     pipe.end()                                          # after the forward
 and, as rooms finish, `pipe.observe_link(busy_bytes, busy_s)` with the sender's cumulative
 link counters (kvpipe.transfer.sender_book.SenderStats) and `pipe.room_done(timing, forward_done_at)`
@@ -34,12 +34,15 @@ MIN_LINK_SAMPLE_BYTES = 256 * 1024
 class LayerPipeline:
     def __init__(self, policy: LayerGroupPolicy, num_layers: int, token_nbytes: int,
                  device: torch.device | str = "cpu", clock: Callable[[], float] = time.perf_counter,
-                 observers: Sequence[TransferObserver] = ()) -> None:
-        """`observers` hear every batch's choice and every landed room, besides `counters`."""
+                 observers: Sequence[TransferObserver] = (), state_nbytes: int = 0) -> None:
+        """`observers` hear every batch's choice and every landed room, besides `counters`.
+        `state_nbytes`: a hybrid model's recurrent state of one request (this rank), 0 otherwise."""
         self.policy = policy
         self.planner = LayerGroupPlanner(policy, num_layers)
         self.num_layers = num_layers
-        self.token_nbytes = token_nbytes  # KV bytes of one token over all layers (this rank)
+        self.token_nbytes = token_nbytes  # KV bytes of one token over all KV layers (this rank)
+        # sent once per request with its last forward, whatever the prompt's length
+        self.state_nbytes = state_nbytes
         self.device = torch.device(device)
         self._clock = clock
         self.counters = TransferCounters()
@@ -55,10 +58,11 @@ class LayerPipeline:
     def last(self) -> GroupChoice:
         return self.planner.last
 
-    def begin(self, tokens: int, send_tokens: int) -> GroupChoice:
+    def begin(self, tokens: int, send_tokens: int, send_states: int = 0) -> GroupChoice:
         """Choose the groups of a prefill batch of `tokens` new tokens, `send_tokens` of which
-        go to a decode; starts its compute timer."""
-        choice = self.planner.choose(tokens, send_tokens * self.token_nbytes)
+        go to a decode, with the final state of `send_states` requests (hybrid models: their
+        last forward); starts its compute timer."""
+        choice = self.planner.choose(tokens, send_tokens * self.token_nbytes + send_states * self.state_nbytes)
         for obs in self.observers:
             obs.on_layer_groups(tokens, choice)
         self._tokens = tokens

@@ -102,8 +102,9 @@ class PrefillConnector(PDConnector):
         start = StartPrefill(uuid.uuid4().hex[:12], (reg_host, self.bootstrap.port))
         self._start_ranks(ctx.workers, start)
         layout = self.ranks[0].layout
+        state = self.ranks[0].state
         self.pipeline = LayerPipeline(LayerGroupPolicy.parse(d.layer_groups), ctx.model_config.num_layers,
-                                      layout.token_nbytes)
+                                      layout.token_nbytes, state_nbytes=0 if state is None else state.slot_nbytes)
         logger.info("prefill ready: bootstrap port %d, control %s, data %s", self.bootstrap.port,
                     self.ranks[0].control_address, self.ranks[0].data_address)
 
@@ -142,7 +143,8 @@ class PrefillConnector(PDConnector):
             # the prompt's last forward: a hybrid model's state of each layer group is final
             # after the group, so it can go with the group's KV
             rows.append(ChunkSend(r.room, pre, pre + n, state=pre + n >= len(req.input_ids), swa_pages=_swa(req)))
-        choice = self.pipeline.begin(batch.num_tokens, sum(c.token_end - c.token_start for c in rows))
+        choice = self.pipeline.begin(batch.num_tokens, sum(c.token_end - c.token_start for c in rows),
+                                     sum(c.state for c in rows))
         self._piped = tuple(rows) if choice.groups > 1 else ()
         return ForwardPlan(choice.groups, PrefillStep(tuple(starts), self._piped))
 

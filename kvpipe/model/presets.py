@@ -216,23 +216,39 @@ def _spec_json(spec: PresetSpec) -> dict:
     return out
 
 
-def _dump(path: Path, obj: dict) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+# a preset's spec, its HF config.json (spec, vocab, bos, eos) and its tensors (spec, vocab, seed)
+_Writer = tuple[Any, Callable[..., dict], Callable[..., dict[str, torch.Tensor]]]
 
 
-def write_preset(name: str, out_dir: str | Path, seed: int = 0) -> Path:
-    """Write preset `name` as an HF checkpoint directory into out_dir (created); returns it."""
-    # name -> (spec, its HF config.json, its tensors); family presets with their own spec types
-    writers: dict[str, tuple[Any, Callable[..., dict], Callable[..., dict[str, torch.Tensor]]]] = {
+def _writers() -> dict[str, _Writer]:
+    """Every preset by name; the family presets keep their own spec types."""
+    return {
         **{n: (s, _hf_config, _weights) for n, s in PRESETS.items()},
         **{n: (s, presets_qwen3_5.hf_config, presets_qwen3_5.weights)
            for n, s in presets_qwen3_5.QWEN3_5_PRESETS.items()},
         **{n: (s, presets_gpt_oss.hf_config, presets_gpt_oss.weights)
            for n, s in presets_gpt_oss.GPT_OSS_PRESETS.items()},
     }
+
+
+def preset_names() -> list[str]:
+    return sorted(_writers())
+
+
+def _writer(name: str) -> _Writer:
+    writers = _writers()
     if name not in writers:
         raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(writers)}")
-    spec, config_fn, weights_fn = writers[name]
+    return writers[name]
+
+
+def _dump(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def write_preset(name: str, out_dir: str | Path, seed: int = 0) -> Path:
+    """Write preset `name` as an HF checkpoint directory into out_dir (created); returns it."""
+    spec, config_fn, weights_fn = _writer(name)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer()
@@ -299,8 +315,8 @@ def resolve_model_path(path: str | None) -> str:
 
 
 def preset_config(name: str) -> ModelConfig:
-    """The ModelConfig preset `name` would be written with (its KV shape, without writing weights)."""
-    if name not in PRESETS:
-        raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    """The ModelConfig preset `name` would be written with (its KV and state shapes, without
+    writing weights); any family's preset."""
+    spec, config_fn, _ = _writer(name)
     tok = build_tokenizer()
-    return ModelConfig.from_hf_dict(_hf_config(PRESETS[name], tok.get_vocab_size(with_added_tokens=True), 0, 1))
+    return ModelConfig.from_hf_dict(config_fn(spec, tok.get_vocab_size(with_added_tokens=True), 0, 1))

@@ -9,7 +9,7 @@ import pytest
 
 from kvpipe.bench.probe import num_groups_from_metrics, num_groups_from_server_info
 from kvpipe.bench.sweep import ModeFlags, SweepPoint, exposed_ratio, kv_bytes_per_token, mode_server_flags, parse_modes, \
-    parse_prompt_lens, run_sweep, sweep_rows
+    parse_prompt_lens, run_sweep, state_bytes_per_request, sweep_rows
 
 
 def s(ttft50: float | None, ttft99: float | None = None, tpot50: float | None = 5.0) -> dict:
@@ -139,6 +139,44 @@ def test_kv_bytes_per_token() -> None:
     assert kv_bytes_per_token({}) is None
     mla = {"num_hidden_layers": 61, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "torch_dtype": "bfloat16"}
     assert kv_bytes_per_token(mla) == 61 * 576 * 2  # one latent per layer, no K/V pair
+    assert state_bytes_per_request(bench) == 0 and state_bytes_per_request(mla) == 0
+
+
+def _preset_hf_config(name: str) -> dict:
+    from kvpipe.model import presets_gpt_oss, presets_qwen3_5
+
+    spec = {**presets_qwen3_5.QWEN3_5_PRESETS, **presets_gpt_oss.GPT_OSS_PRESETS}[name]
+    family = presets_qwen3_5 if name in presets_qwen3_5.QWEN3_5_PRESETS else presets_gpt_oss
+    return family.hf_config(spec, 300, 0, 1)
+
+
+def test_hybrid_and_sliding_bytes_per_token_by_hand() -> None:
+    qwen = _preset_hf_config("tiny-qwen3.5")  # layers L L L F, fp32
+    # KV: the one full-attention layer, K and V of 2 heads x 32
+    assert kv_bytes_per_token(qwen) == 1 * 2 * 2 * 32 * 4 == 512
+    # per linear layer: conv [2*4*32 + 8*32 = 512 channels, kernel 4 - 1] fp32 + recurrent [8, 32, 32] fp32
+    assert state_bytes_per_request(qwen) == 3 * (512 * 3 * 4 + 8 * 32 * 32 * 4) == 116736
+    # GPT-OSS keeps every token of its sliding layers too: 4 layers x K/V x 4 heads x 16, fp32
+    oss = _preset_hf_config("tiny-gpt-oss")
+    assert kv_bytes_per_token(oss) == 4 * 2 * 4 * 16 * 4 == 2048 and state_bytes_per_request(oss) == 0
+    # transformers' Qwen3_5TextConfig defaults, nested as a multimodal checkpoint ships them, bf16:
+    # 8 of 32 layers keep KV (4 heads x 256); 24 keep conv [8192, 3] bf16 + recurrent [32, 128, 128] fp32
+    real = {"architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": {
+        "num_hidden_layers": 32, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256,
+        "hidden_size": 4096, "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
+        "dtype": "bfloat16"}}
+    assert kv_bytes_per_token(real) == 8 * 2 * 4 * 256 * 2 == 32768
+    assert state_bytes_per_request(real) == 24 * (8192 * 3 * 2 + 32 * 128 * 128 * 4) == 51511296
+
+
+def test_sweep_rows_send_the_state_once_per_request() -> None:
+    points = [SweepPoint(n, "inproc", s(100.0)) for n in (1000, 2000)]
+    rows = sweep_rows(points, link_rate_bps=8e6, kv_bytes_token=512, state_bytes_request=116736)
+    # 8 Mbit/s = 1,000 bytes per ms
+    assert [r["ideal_transfer_ms"] for r in rows] == pytest.approx([(1000 * 512 + 116736) / 1000,
+                                                                    (2000 * 512 + 116736) / 1000])
+    assert [r["kv_bytes"] for r in rows] == [512000, 1024000] and rows[0]["state_bytes"] == 116736
 
 
 def test_num_groups_probes() -> None:

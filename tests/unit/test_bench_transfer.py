@@ -105,3 +105,49 @@ def test_table_shows_ops_pieces_best_raw_and_the_sweep():
     table = format_table(report, sweep=True)
     assert "1M x w16" in table and "0.91" in table and "0.93" in table and "split at (GB/s), 1024 tokens: off 2.10, 1M 2.20" in table
     assert "one op: 2.00; best: 1M x w16" in table and "2.40" in table.splitlines()[-1]
+
+
+def test_hybrid_shapes_move_full_attention_kv_and_a_state_slot():
+    import torch
+
+    from kvpipe.bench.transfer_shapes import EXTRA_SHAPES
+    from kvpipe.cache.state_pool import StatePool
+    from kvpipe.config import ParallelConfig
+    from kvpipe.model.gated_delta_net import local_state_shape
+
+    p = argparse.ArgumentParser()
+    add_args(p)
+    cfg = config_from_args(p.parse_args(["--preset", "tiny-qwen3.5"]), "/tmp/x.log")
+    assert cfg.hybrid is not None and cfg.hybrid.full_layers == (3,) and cfg.hybrid.linear_layers == (0, 1, 2)
+    assert (cfg.num_layers, cfg.kv_heads, cfg.head_dim, cfg.dtype) == (1, 2, 32, "float32")  # KV: layer 3 only
+    real = EXTRA_SHAPES["qwen3.5"]
+    assert (real.num_layers, real.kv_heads, real.head_dim, real.dtype) == (8, 4, 256, "bfloat16")
+    assert real.hybrid is not None and real.hybrid.full_layers == (3, 7, 11, 15, 19, 23, 27, 31)
+    assert real.kv_token_nbytes == 8 * 2 * 4 * 256 * 2
+    # the shape's state bytes are what the workers' StatePool holds per slot
+    pool = StatePool(real.hybrid.linear_layers, 1, local_state_shape(real.hybrid, ParallelConfig()), torch.bfloat16)
+    assert real.state_nbytes == pool.slot_nbytes == 24 * (8192 * 3 * 2 + 32 * 128 * 128 * 4)
+    with pytest.raises(SystemExit, match="layer map"):
+        config_from_args(p.parse_args(["--preset", "qwen3.5", "--layers", "4"]), "/tmp/x.log")
+    with pytest.raises(SystemExit, match="hybrid"):
+        tp_config_from_args(p.parse_args(["--preset", "tiny-qwen3.5", "--decode-tp", "2"]), "/tmp/x.log", "127.0.0.1")
+    oss = config_from_args(p.parse_args(["--preset", "tiny-gpt-oss"]), "/tmp/x.log")  # every layer keeps KV
+    assert oss.hybrid is None and (oss.num_layers, oss.kv_heads, oss.head_dim) == (4, 4, 16)
+
+
+def test_hybrid_table_splits_kv_and_state():
+    p = argparse.ArgumentParser()
+    add_args(p)
+    cfg = config_from_args(p.parse_args(["--preset", "tiny-qwen3.5", "--prompt-lens", "64"]), "/tmp/x.log")
+    length = {"prompt_len": 64, "pages": 4, "bytes": 32768 + 116736, "kv_bytes": 32768, "state_bytes": 116736,
+              "ops_per_request": 8, "kv_ops": 2, "state_ops": 6, "pieces_per_request": 8, "runs": 1,
+              "planning_ms": 0.3, "transfer_ms": 1.0, "raw_ms": 1.0, "best_raw_ms": 1.0, "goodput_gbps": 0.15,
+              "unsplit_goodput_gbps": None, "raw_goodput_gbps": 0.15, "best_raw_goodput_gbps": 0.15,
+              "goodput_ratio": 1.0, "best_raw_ratio": 1.0, "best_raw_ratio_paired": 1.0,
+              "best_raw": {"piece_bytes": 0, "window": 1, "label": "1 op"}, "sweep": [], "split_compare": [],
+              "verified": True}
+    report = summarize({"lengths": [length], "engine_generation": 0}, cfg, None)
+    assert report["config"]["model_layers"] == 4 and report["config"]["kv_layers"] == [3]
+    table = format_table(report)
+    assert "hybrid 4L: state of 3 linear layers" in table and "KV MiB state MiB" in table
+    assert "     64      0.0       0.1      2         6" in table

@@ -146,3 +146,14 @@ def test_observers_hear_every_choice_and_landed_room():
     assert (c.rooms_landed, c.bytes_landed, c.tail_count, c.tail_ms_sum) == (2, 1500, 1, 500.0)
     assert c.snapshot() == {"num_groups": 2, "layer_groups_reason": "fixed", "layer_group_batches": {2: 1},
                             "transfer_tail_ms_sum": 500.0, "transfer_tail_count": 1}
+
+
+def test_a_hybrid_batch_counts_each_final_state_once_whatever_its_length():
+    """T of the cost model: KV per token of the full-attention layers plus, for every request
+    whose last forward this is, one state slot (it does not grow with the prompt)."""
+    pipe = LayerPipeline(LayerGroupPolicy(min_tokens=1), num_layers=4, token_nbytes=512, state_nbytes=116736)
+    pipe.planner.compute.observe(1024, 4, 10.0)
+    pipe.planner.link.observe(1000, 1.0)  # 1000 bytes per ms
+    assert pipe.begin(1024, 1024).transfer_ms == pytest.approx(1024 * 512 / 1000)  # a chunk: no state yet
+    pipe.end()
+    assert pipe.begin(1024, 1024, send_states=2).transfer_ms == pytest.approx((1024 * 512 + 2 * 116736) / 1000)
