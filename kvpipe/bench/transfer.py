@@ -83,7 +83,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def _shape(args: argparse.Namespace) -> KVShape:
-    s = lookup_shape(args.preset)
+    try:
+        s = lookup_shape(args.preset)
+    except ValueError as e:
+        raise SystemExit(f"kvpipe bench transfer: {e}") from None
     if s is None:
         raise SystemExit(f"kvpipe bench transfer: unknown preset {args.preset!r}; choose from {shape_names()}")
     if s.latent and args.kv_heads not in (None, 1):

@@ -73,5 +73,10 @@ def lookup_shape(name: str) -> KVShape | None:
     if name not in preset_names():
         return None
     mc = preset_config(name)
+    if mc.sliding_layers:
+        # PD moves only the prompt's last window for these layers (scheduler.py window pages); this
+        # bench moves every page of every layer, which would misstate what such a model sends
+        raise ValueError(f"{name}: sliding-window layers are not a transfer-bench shape yet (PD sends them "
+                         f"their window's pages only; tests/integration/test_pd_sliding_window.py counts them)")
     return KVShape(len(mc.kv_layers), mc.kv_cache_heads, mc.kv_cache_head_dim, mc.dtype, latent=mc.mla is not None,
                    hybrid=mc.hybrid)
