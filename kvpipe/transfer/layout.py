@@ -149,7 +149,9 @@ class KVLayout:
         return None
 
     def to_dict(self) -> dict[str, Any]:
-        return {f: getattr(self, f) for f in self.__dataclass_fields__}
+        """JSON-ready (bootstrap): tuples as lists, so a round trip through JSON compares equal."""
+        return {f: list(v) if isinstance(v, tuple) else v
+                for f, v in ((f, getattr(self, f)) for f in self.__dataclass_fields__)}
 
 
 @dataclass(frozen=True)

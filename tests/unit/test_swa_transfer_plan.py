@@ -339,3 +339,11 @@ def test_protocol_round_trip_with_window_pages():
     wire["dst_swa_pages"], wire["dst_pages"] = None, np.asarray([-1, 3], dtype="<i8").tobytes()
     with pytest.raises(ProtocolError, match="below 0"):  # dst_pages stay non-negative
         m.decode(msgpack.packb(wire))
+
+
+def test_bootstrap_info_keeps_swa_layers_through_json():
+    import json
+    from kvpipe.transfer.bootstrap import PrefillRankInfo
+    info = PrefillRankInfo(0, 1, SRC, "127.0.0.1:1", "tcp://127.0.0.1:2", "m", "i")
+    back = PrefillRankInfo.from_dict(json.loads(json.dumps(info.to_dict())))
+    assert back == info and back.layout.swa_layers == SWA
