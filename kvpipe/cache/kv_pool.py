@@ -99,4 +99,5 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.buffer_infos())
+        """Bytes of the distinct tensors: a sliding layer may alias a full layer's buffers."""
+        return sum({b.addr: b.nbytes for b in self.buffer_infos()}.values())

@@ -347,3 +347,11 @@ def test_bootstrap_info_keeps_swa_layers_through_json():
     info = PrefillRankInfo(0, 1, SRC, "127.0.0.1:1", "tcp://127.0.0.1:2", "m", "i")
     back = PrefillRankInfo.from_dict(json.loads(json.dumps(info.to_dict())))
     assert back == info and back.layout.swa_layers == SWA
+
+
+def test_pool_bytes_count_aliased_tensors_once():
+    from kvpipe.cache.kv_pool import KVPool
+    pool = KVPool(L, 8, PS, 2, HD)
+    whole = pool.nbytes
+    pool.k[1], pool.v[1] = pool.k[0], pool.v[0]
+    assert pool.nbytes == whole * 3 // 4
