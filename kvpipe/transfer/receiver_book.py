@@ -143,9 +143,10 @@ class ReceiverBook:
     def add_room(self, room: int, prefill: Address, pages: tuple[np.ndarray, ...], prefix_len: int,
                  aux_slot: int, now: float, state_slot: int | None = None,
                  swa_pages: tuple[np.ndarray, ...] | None = None) -> Address | None:
-        """Open a room (pages from check_pages, swa_pages from check_swa_pages). Returns `prefill` when the caller must start a
-        bootstrap fetch of it (then report with on_fetched), None when the room was requested at
-        once or a fetch of that prefill is under way. Raises DuplicateRoomError."""
+        """Open a room (pages from check_pages, swa_pages from check_swa_pages). Returns `prefill`
+        when the caller must start a bootstrap fetch of it (then report with on_fetched), None when
+        the room was requested at once or a fetch of that prefill is under way. Raises
+        DuplicateRoomError."""
         if room in self.rooms:
             raise DuplicateRoomError(f"bootstrap_room {room} is already active on this decode")
         r = self.rooms[room] = ReceiverRoom(room, RoomRecord.new(room, self._timeouts, now), prefill, pages,

@@ -274,7 +274,9 @@ class Book:
 
 def test_requests_are_checked_against_the_window_rules():
     b = Book()
-    req = lambda room, swa, pages=(1, 2, 3): m.TransferRequest(room, "d/0", pages, 0, 0, dst_swa_pages=swa)  # noqa: E731
+    def req(room, swa, pages=(1, 2, 3)):
+        return m.TransferRequest(room, "d/0", pages, 0, 0, dst_swa_pages=swa)
+
     b.book.on_message(m.TransferRequest(1, "d/0", (1, 2), 0, 0), 0.0)
     b.book.on_message(req(2, (-1, 7, PAGES)), 0.0)
     b.book.on_message(req(3, (-1, 7, 7)), 0.0)
