@@ -66,8 +66,9 @@ def make_backend(cfg: ServerConfig) -> TransferBackend:
 
 def register_pool(backend: TransferBackend, layout: KVLayout, state: StateLayout | None = None) -> None:
     """Expose every KV buffer of the rank's pool, and its state buffers (hybrid models), to the
-    backend (once, at start)."""
-    backend.register_many(list(layout.buffer_addrs), [layout.buffer_nbytes] * layout.num_buffers)
+    backend (once, at start). Aliased buffers (sliding and full layers over one tensor) are
+    registered once: Mooncake refuses or double counts a region registered twice."""
+    backend.register_many(*layout.unique_buffers())
     if state is not None and state.num_linear:
         addrs, sizes = zip(*state.buffers())
         backend.register_many(list(addrs), list(sizes))

@@ -90,6 +90,11 @@ class TransferWorker(KVConnectorWorker):
             logger.info("TP rank %d: --disaggregation-staging-buffer %s ignored: the MLA latent is replicated on "
                      "every rank and never head-sliced, so whole-page writes already coalesce", self.rank, d.staging)
             staging = False
+        if staging and self.layout.swa_layers:
+            logger.info("TP rank %d: --disaggregation-staging-buffer %s ignored: sliding-window layers move only "
+                        "the window's pages (their own page table), which a staged chunk cannot carry",
+                        self.rank, d.staging)
+            staging = False
         if isinstance(cmd, StartPrefill):
             buf = StagingBuffer(KVBytes.from_pool(self._pool), self.backend, d.staging_pool_nbytes) if staging else None
             self.sender = KVSender(d, layout=self.layout, backend=self.backend,

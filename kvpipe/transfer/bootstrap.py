@@ -68,7 +68,8 @@ class IncompatiblePeerError(BootstrapError):
 
 
 def layout_from_dict(d: dict[str, Any]) -> KVLayout:
-    return KVLayout(**{**d, "buffer_addrs": tuple(int(a) for a in d["buffer_addrs"])})
+    return KVLayout(**{**d, "buffer_addrs": tuple(int(a) for a in d["buffer_addrs"]),
+                       "swa_layers": tuple(int(i) for i in d.get("swa_layers", ()))})
 
 
 @dataclass(frozen=True)

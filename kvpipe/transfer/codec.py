@@ -4,7 +4,8 @@ Rules (they keep validation generic and vectorised):
 - int fields are non-negative and below 2**63 (ids, counts, ranks, rooms); bool is not an int;
 - float fields accept ints; str, bool and Enum (by value) fields are exact;
 - tuple[int, ...] fields travel as raw little-endian int64 bytes (page lists: no per-page
-  Python work on either side);
+  Python work on either side); their entries are non-negative unless the field's metadata is
+  NO_PAGE_OK (-1 entries allowed: "no page here");
 - nested dataclasses travel as maps; `X | None` accepts None;
 - a map must hold exactly the dataclass's fields (no missing, no unknown ones).
 Anything else raises ProtocolError, including a dataclass's own __post_init__ ValueError.
@@ -22,6 +23,7 @@ from typing import Any
 import numpy as np
 
 _INT_MAX = 1 << 63
+NO_PAGE_OK = {"min_id": -1}  # field metadata: an int tuple whose entries may be -1 (no page)
 
 
 class ProtocolError(Exception):
@@ -75,17 +77,18 @@ def from_wire(cls: type, data: Any, path: str) -> Any:
     unknown = [k for k in data if k not in names]
     if missing or unknown:
         raise ProtocolError(f"{path}: missing fields {missing}, unknown fields {unknown}")
-    kwargs = {n: _value_from_wire(data[n], hints[n], f"{path}.{n}") for n in names}
+    kwargs = {f.name: _value_from_wire(data[f.name], hints[f.name], f"{path}.{f.name}", f.metadata.get("min_id", 0))
+              for f in dataclasses.fields(cls)}
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as e:  # the dataclass's own invariants
         raise ProtocolError(f"{path}: {e}") from None
 
 
-def _value_from_wire(value: Any, tp: Any, path: str) -> Any:
+def _value_from_wire(value: Any, tp: Any, path: str, min_id: int = 0) -> Any:
     inner = _optional_inner(tp)
     if inner is not None:
-        return None if value is None else _value_from_wire(value, inner, path)
+        return None if value is None else _value_from_wire(value, inner, path, min_id)
     if tp is int:
         if type(value) is not int or not 0 <= value < _INT_MAX:
             raise ProtocolError(f"{path}: expected an int in [0, 2**63), got {value!r:.80}")
@@ -107,8 +110,8 @@ def _value_from_wire(value: Any, tp: Any, path: str) -> Any:
         if type(value) is not bytes or len(value) % 8:
             raise ProtocolError(f"{path}: expected int64 bytes, got {type(value).__name__}")
         arr = np.frombuffer(value, dtype="<i8")
-        if arr.size and arr.min() < 0:
-            raise ProtocolError(f"{path}: negative id {int(arr.min())}")
+        if arr.size and arr.min() < min_id:
+            raise ProtocolError(f"{path}: id {int(arr.min())} below {min_id}")
         return tuple(arr.tolist())
     if dataclasses.is_dataclass(tp):
         return from_wire(tp, value, path)

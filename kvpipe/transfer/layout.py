@@ -8,6 +8,12 @@ so one page is contiguous and so is any head range [h0, h1) of one page.
 An MLA model's layout is "latent, replicated": one buffer per layer (buffers_per_layer 1),
 one head (total_kv_heads 1) that every TP rank holds whole, so heterogeneous TP never slices it
 and tp_mapping gives each decode rank exactly one source rank.
+
+Sliding-window layers (GPT-OSS): `swa_layers` are the layout's layer indices whose pages come
+from a request's window page table (only the pages covering the window are held), not from its
+full page table. Both tables take ids from one page allocator and the pool may alias buffers:
+a sliding layer's K (V) can be the very tensor of a full layer's, kept apart by disjoint page
+ids. So `buffer_addrs` may repeat an address; `unique_buffers` lists each region once.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ class KVLayout:
     buffer_addrs: tuple[int, ...]  # num_buffers base addresses: layer-major, K then V (or the latent)
     buffer_nbytes: int  # bytes of each buffer (all buffers have the same shape)
     buffers_per_layer: int = 2  # K and V; 1: the MLA latent
+    swa_layers: tuple[int, ...] = ()  # increasing layer indices paged by the window page table
 
     def __post_init__(self) -> None:
         if self.buffers_per_layer not in (1, 2):
@@ -50,6 +57,9 @@ class KVLayout:
         if self.buffer_nbytes % self.page_nbytes:
             raise ValueError(f"buffer of {self.buffer_nbytes} bytes is not a whole number of "
                              f"{self.page_nbytes}-byte pages")
+        swa = self.swa_layers
+        if any(not 0 <= i < self.num_layers for i in swa) or any(a >= b for a, b in zip(swa, swa[1:])):
+            raise ValueError(f"sliding-window layers {swa} must increase inside [0, {self.num_layers})")
 
     @property
     def head_end(self) -> int:
@@ -82,6 +92,24 @@ class KVLayout:
         """KV bytes of one token over all layers, K and V (or latent), local heads."""
         return self.buffers_per_layer * self.num_layers * self.kv_heads * self.head_dim * self.itemsize
 
+    @property
+    def swa_mask(self) -> tuple[bool, ...]:
+        """[num_layers]: the layer's pages come from the window page table."""
+        swa = set(self.swa_layers)
+        return tuple(i in swa for i in range(self.num_layers))
+
+    @property
+    def aliased(self) -> bool:
+        """Some buffers share one address (sliding and full layers over one tensor)."""
+        return len(set(self.buffer_addrs)) < len(self.buffer_addrs)
+
+    def unique_buffers(self) -> tuple[list[int], list[int]]:
+        """(addresses, sizes) of the distinct buffers, first occurrence order: what to register
+        with a backend (Mooncake refuses or double counts a region registered twice) and what
+        to sum for the pool's bytes."""
+        addrs = list(dict.fromkeys(self.buffer_addrs))
+        return addrs, [self.buffer_nbytes] * len(addrs)
+
     @classmethod
     def from_pool(cls, pool: "KVPool", head_start: int = 0, total_kv_heads: int | None = None) -> "KVLayout":
         infos = pool.buffer_infos()
@@ -100,6 +128,7 @@ class KVLayout:
             buffer_addrs=tuple(b.addr for b in infos),
             buffer_nbytes=nbytes.pop(),
             buffers_per_layer=pool.buffers_per_layer,
+            swa_layers=tuple(int(i) for i in getattr(pool, "swa_layers", ())),
         )
 
     def compatible_with(self, other: "KVLayout") -> str | None:
@@ -112,6 +141,7 @@ class KVLayout:
             ("head_dim", self.head_dim, other.head_dim),
             ("total KV heads", self.total_kv_heads, other.total_kv_heads),
             ("itemsize", self.itemsize, other.itemsize),
+            ("sliding-window layers", self.swa_layers, other.swa_layers),
         )
         for what, mine, theirs in checks:
             if mine != theirs:
@@ -119,7 +149,9 @@ class KVLayout:
         return None
 
     def to_dict(self) -> dict[str, Any]:
-        return {f: getattr(self, f) for f in self.__dataclass_fields__}
+        """JSON-ready (bootstrap): tuples as lists, so a round trip through JSON compares equal."""
+        return {f: list(v) if isinstance(v, tuple) else v
+                for f, v in ((f, getattr(self, f)) for f in self.__dataclass_fields__)}
 
 
 @dataclass(frozen=True)

@@ -16,17 +16,18 @@ these pages, or only release the slot); agent -> prefill: StagingChunkDone once 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Union
 
 import msgpack
 
-from kvpipe.transfer.codec import ProtocolError, from_wire, to_wire
+from kvpipe.transfer.codec import NO_PAGE_OK, ProtocolError, from_wire, to_wire
 from kvpipe.transfer.layout import KVLayout
 from kvpipe.transfer.state_layout import StateLayout
 
-PROTOCOL_VERSION = 4  # 2: AuxData.cached_tokens; 3: staging ring messages, RegisterPeer.staging;
-# 4: recurrent state (RegisterPeer.state, TransferRequest.state_slot)
+PROTOCOL_VERSION = 5  # 2: AuxData.cached_tokens; 3: staging ring messages, RegisterPeer.staging;
+# 4: recurrent state (RegisterPeer.state, TransferRequest.state_slot); 5: sliding-window layers
+# (KVLayout.swa_layers, TransferRequest.dst_swa_pages: the window pages the decode wants)
 MAX_MESSAGE_BYTES = 64 << 20  # a page list of 8M pages; anything bigger is garbage
 
 
@@ -77,6 +78,16 @@ class TransferRequest:
     prefix_len: int  # leading tokens decode already holds (page aligned); prefill sends the rest
     aux_slot: int  # decode's slot for the request's aux data
     state_slot: int | None = None  # hybrid models: decode's state slot the prefill writes the final state into
+    # sliding-window models (KVLayout.swa_layers): aligned with dst_pages, the decode page of the
+    # sliding layers for the same logical page, -1 where the decode wants none (outside its window)
+    dst_swa_pages: tuple[int, ...] | None = field(default=None, metadata=NO_PAGE_OK)
+
+    def __post_init__(self) -> None:
+        if self.dst_swa_pages is not None:
+            if len(self.dst_swa_pages) != len(self.dst_pages):
+                raise ValueError(f"{len(self.dst_swa_pages)} sliding-window pages for {len(self.dst_pages)} pages")
+            if self.dst_swa_pages and min(self.dst_swa_pages) < -1:
+                raise ValueError(f"sliding-window page {min(self.dst_swa_pages)}: -1 (none) or a page id")
 
 
 @dataclass(frozen=True)

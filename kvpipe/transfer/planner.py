@@ -10,6 +10,9 @@ both sides it is the same-heads case again and runs coalesce.
 Op order is buffer-major (layer l K, layer l V, layer l+1 K, ...) then run, so the ops of a
 layer range are one contiguous slice of the arrays: layer-pipelined transfer ships
 `plan.layers(a, b)` per layer group without replanning.
+
+An explicit, increasing set of layers (`layer_ids`: the full or the sliding-window layers of a
+model whose layers alternate) plans the same way over those layers' buffers only, in one call.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class TransferPlan:
     head_end: int
     planning_ms: float
     buffers_per_layer: int = 2  # K and V, or 1: the MLA latent
+    layer_ids: np.ndarray | None = None  # [n] increasing layers planned; None: all of [layer_start, layer_end)
 
     @property
     def ops_per_layer(self) -> int:
@@ -53,11 +57,16 @@ class TransferPlan:
         """The sub-plan of layers [start, end): array views, no replanning."""
         if not self.layer_start <= start <= end <= self.layer_end:
             raise ValueError(f"layers [{start}, {end}) outside the plan's [{self.layer_start}, {self.layer_end})")
-        a = (start - self.layer_start) * self.ops_per_layer
-        b = (end - self.layer_start) * self.ops_per_layer
+        ids = None
+        if self.layer_ids is None:
+            i, j = start - self.layer_start, end - self.layer_start
+        else:  # the planned layers inside [start, end): one contiguous slice of the ids
+            i, j = np.searchsorted(self.layer_ids, (start, end))
+            ids = self.layer_ids[i:j]
+        a, b = i * self.ops_per_layer, j * self.ops_per_layer
         return TransferPlan(self.src_addr[a:b], self.dst_addr[a:b], self.length[a:b], start, end,
                             self.num_runs, self.num_pages, self.head_start, self.head_end, 0.0,
-                            self.buffers_per_layer)
+                            self.buffers_per_layer, ids)
 
 
 def page_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -79,11 +88,13 @@ def _check_pages(pages: np.ndarray, layout: KVLayout, side: str) -> None:
 
 def plan_pages(src_pages: np.ndarray | list[int], dst_pages: np.ndarray | list[int],
                src: KVLayout, dst: KVLayout, *, heads: tuple[int, int] | None = None,
-               layers: tuple[int, int] | None = None) -> TransferPlan:
+               layers: tuple[int, int] | None = None,
+               layer_ids: np.ndarray | list[int] | None = None) -> TransferPlan:
     """Plan writing source pages `src_pages[i]` into destination pages `dst_pages[i]`.
 
     heads: global KV heads to move (default: the intersection of both ranks' ranges).
     layers: [start, end) to plan (default: all).
+    layer_ids: instead of `layers`, an increasing array of the layers to plan (ops in its order).
     """
     t0 = time.perf_counter()
     reason = src.compatible_with(dst)
@@ -106,9 +117,18 @@ def plan_pages(src_pages: np.ndarray | list[int], dst_pages: np.ndarray | list[i
         heads = common
     elif common is None or not (common[0] <= heads[0] < heads[1] <= common[1]):
         raise ValueError(f"heads {heads} not held by both sides (common: {common})")
-    l0, l1 = layers if layers is not None else (0, src.num_layers)
-    if not 0 <= l0 <= l1 <= src.num_layers:
-        raise ValueError(f"layers [{l0}, {l1}) outside [0, {src.num_layers})")
+    ids = None
+    if layer_ids is not None:
+        if layers is not None:
+            raise ValueError("give layers or layer_ids, not both")
+        ids = np.asarray(layer_ids, dtype=np.int64).ravel()
+        if ids.size and (ids[0] < 0 or ids[-1] >= src.num_layers or (np.diff(ids) <= 0).any()):
+            raise ValueError(f"layer ids must increase inside [0, {src.num_layers}): {ids.tolist()}")
+        l0, l1 = (int(ids[0]), int(ids[-1]) + 1) if ids.size else (0, 0)
+    else:
+        l0, l1 = layers if layers is not None else (0, src.num_layers)
+        if not 0 <= l0 <= l1 <= src.num_layers:
+            raise ValueError(f"layers [{l0}, {l1}) outside [0, {src.num_layers})")
 
     h0, h1 = heads
     slice_nbytes = (h1 - h0) * src.head_nbytes  # head_nbytes is equal on both sides (compatible)
@@ -121,13 +141,15 @@ def plan_pages(src_pages: np.ndarray | list[int], dst_pages: np.ndarray | list[i
     src_rel = run_src * src.page_nbytes + (h0 - src.head_start) * src.head_nbytes
     dst_rel = run_dst * dst.page_nbytes + (h0 - dst.head_start) * dst.head_nbytes
     per = src.buffers_per_layer  # equal on both sides (compatible)
-    src_base = np.asarray(src.buffer_addrs[per * l0:per * l1], dtype=np.int64)
-    dst_base = np.asarray(dst.buffer_addrs[per * l0:per * l1], dtype=np.int64)
+    # buffer indices planned, [B] layer-major: K then V (or the latent) of each layer
+    bufs = np.arange(per * l0, per * l1) if ids is None else (per * ids[:, None] + np.arange(per)).ravel()
+    src_base = np.asarray(src.buffer_addrs, dtype=np.int64)[bufs]
+    dst_base = np.asarray(dst.buffer_addrs, dtype=np.int64)[bufs]
     src_addr = (src_base[:, None] + src_rel[None, :]).ravel()
     dst_addr = (dst_base[:, None] + dst_rel[None, :]).ravel()
     length = np.tile(run_len * slice_nbytes, src_base.size)
     ms = (time.perf_counter() - t0) * 1e3
-    return TransferPlan(src_addr, dst_addr, length, l0, l1, int(run_len.size), int(s.size), h0, h1, ms, per)
+    return TransferPlan(src_addr, dst_addr, length, l0, l1, int(run_len.size), int(s.size), h0, h1, ms, per, ids)
 
 
 @dataclass(frozen=True)

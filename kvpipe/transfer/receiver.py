@@ -103,20 +103,25 @@ class KVReceiver:
 
     def add_room(self, room: int, bootstrap_host: str, bootstrap_port: int | None,
                  dst_pages: Sequence[np.ndarray] | np.ndarray | list[int], prefix_len: int = 0,
-                 aux_slot: int = 0, state_slot: int | None = None) -> None:
+                 aux_slot: int = 0, state_slot: int | None = None,
+                 swa_pages: Sequence[np.ndarray] | np.ndarray | list[int] | None = None) -> None:
         """Ask the prefill at bootstrap_host:bootstrap_port (None: 8998) for request `room`'s KV.
 
         dst_pages: per decode rank (a single array when tp_size is 1), distinct pages for prompt
         tokens [prefix_len, ...), page i holding tokens prefix_len + i*page_size onwards;
         prefix_len: leading tokens this decode already holds (page aligned); state_slot: the
         request's recurrent-state slot (hybrid models; the same slot id on every decode rank),
-        which the prefill fills before it reports Success. Non-blocking.
+        which the prefill fills before it reports Success; swa_pages: sliding-window models (and
+        only they): per decode rank like dst_pages and aligned with them, the page of the sliding
+        layers for the same logical page, -1 where none is wanted (outside the window); the
+        prefill writes the sliding layers into those pages only. Non-blocking.
         Raises DuplicateRoomError if the room is active already (reject that request only)."""
         pages = self._book.check_pages(room, dst_pages, prefix_len)
         self._book.check_state_slot(room, state_slot)
+        swa = self._book.check_swa_pages(room, swa_pages, pages)
         addr = _address(bootstrap_host, bootstrap_port)
         with self._lock:
-            fetch = self._book.add_room(room, addr, pages, prefix_len, aux_slot, self._clock(), state_slot)
+            fetch = self._book.add_room(room, addr, pages, prefix_len, aux_slot, self._clock(), state_slot, swa)
             if fetch is not None:
                 self._pool.submit(self._fetch, fetch)
 

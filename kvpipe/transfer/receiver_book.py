@@ -38,6 +38,7 @@ from kvpipe.config import DisaggregationConfig
 from kvpipe.transfer.layout import DecodeRank
 from kvpipe.transfer.messages import Abort, AuxData, Heartbeat, RegisterPeer, Side, TransferRequest, TransferStatus
 from kvpipe.transfer.receiver_room import ReceiverRoom, rank_pairs
+from kvpipe.transfer.window_pages import window_pages_problem
 from kvpipe.transfer.state import DuplicateRoomError, PeerLiveness, RoomRecord, TransferState, receiver_timeouts
 
 if TYPE_CHECKING:  # bootstrap pulls in the HTTP stack; the book only reads the fetched info
@@ -105,6 +106,31 @@ class ReceiverBook:
                 raise ValueError(f"room {room}: decode rank {r} pages must be distinct ids in [0, {n})")
         return pages
 
+    def check_swa_pages(self, room: int, swa_pages: Sequence[np.ndarray] | np.ndarray | list[int] | None,
+                        pages: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...] | None:
+        """add_room's window page tables (per decode rank, aligned with `pages` from check_pages,
+        -1 where no sliding-window page is wanted) as int64 arrays, or ValueError. Required iff the
+        layout has sliding-window layers."""
+        lay = self.ranks[0].layout
+        if swa_pages is None:
+            if lay.swa_layers:
+                raise ValueError(f"room {room}: a sliding-window model's room needs its window pages (swa_pages)")
+            return None
+        if not lay.swa_layers:
+            raise ValueError(f"room {room}: window pages (swa_pages) for a model without sliding-window layers")
+        if isinstance(swa_pages, np.ndarray) and swa_pages.ndim == 1 or (
+                isinstance(swa_pages, list) and all(isinstance(p, (int, np.integer)) for p in swa_pages)):
+            swa_pages = [swa_pages]
+        swa = tuple(np.asarray(p, dtype=np.int64).ravel() for p in swa_pages)
+        if len(swa) != self.tp_size:
+            raise ValueError(f"room {room}: {len(swa)} window page lists for {self.tp_size} decode ranks")
+        for r, (w, p) in enumerate(zip(swa, pages)):
+            lay = self.ranks[r].layout
+            why = window_pages_problem(w, lay.num_pages, p, exact=True, aliased=lay.aliased)
+            if why is not None:
+                raise ValueError(f"room {room}: decode rank {r}: {why}")
+        return swa
+
     def check_state_slot(self, room: int, state_slot: int | None) -> None:
         """ValueError unless a hybrid decode (its ranks have state pools) names a slot inside them."""
         state = self.ranks[0].state
@@ -115,14 +141,16 @@ class ReceiverBook:
             raise ValueError(f"room {room}: state slot {state_slot} outside [0, {state.num_slots})")
 
     def add_room(self, room: int, prefill: Address, pages: tuple[np.ndarray, ...], prefix_len: int,
-                 aux_slot: int, now: float, state_slot: int | None = None) -> Address | None:
-        """Open a room (pages from check_pages). Returns `prefill` when the caller must start a
-        bootstrap fetch of it (then report with on_fetched), None when the room was requested at
-        once or a fetch of that prefill is under way. Raises DuplicateRoomError."""
+                 aux_slot: int, now: float, state_slot: int | None = None,
+                 swa_pages: tuple[np.ndarray, ...] | None = None) -> Address | None:
+        """Open a room (pages from check_pages, swa_pages from check_swa_pages). Returns `prefill`
+        when the caller must start a bootstrap fetch of it (then report with on_fetched), None when
+        the room was requested at once or a fetch of that prefill is under way. Raises
+        DuplicateRoomError."""
         if room in self.rooms:
             raise DuplicateRoomError(f"bootstrap_room {room} is already active on this decode")
         r = self.rooms[room] = ReceiverRoom(room, RoomRecord.new(room, self._timeouts, now), prefill, pages,
-                                            prefix_len, aux_slot, state_slot)
+                                            prefix_len, aux_slot, state_slot, swa_pages=swa_pages)
         peer = self.prefills.get(prefill)
         if peer is not None:
             self._request(r, peer, now)
@@ -222,7 +250,7 @@ class ReceiverBook:
         info = peer.info
         queued = self._to_pairs(info, lambda rank: TransferRequest(
             r.room, self.sessions[rank], tuple(r.dst_pages[rank].tolist()), r.prefix_len, r.aux_slot,
-            r.state_slot))
+            r.state_slot, None if r.swa_pages is None else tuple(r.swa_pages[rank].tolist())))
         r.requested_from(info.instance_id, info.tp_size, self.tp_size)
         r.rec.move(TransferState.WAITING_FOR_INPUT, now)
         if not queued:

@@ -36,6 +36,8 @@ class ReceiverRoom:
     aux_slot: int = 0
     state_slot: int | None = None  # hybrid models: the request's state slot on every decode rank
     instance_id: str | None = None  # prefill instance the request went to
+    # sliding-window models: per decode rank, aligned with dst_pages, -1 where no window page is wanted
+    swa_pages: tuple[np.ndarray, ...] | None = None
     expected: dict[int, int] = field(default_factory=dict)  # decode rank -> final statuses due
     finals: dict[int, int] = field(default_factory=dict)
     successes: dict[int, int] = field(default_factory=dict)

@@ -4,6 +4,7 @@
                       backend=backend, tp_rank=r, tp_size=tp, model_name=name, instance_id=iid)
     sender.start(bootstrap=("127.0.0.1", 8998))   # control endpoint + worker, registers the rank
     sender.add_room(room, src_pages)              # request admitted; src_pages: its page table
+                                                  # (+ src_swa_pages: window table, swa layouts)
     sender.send(room, t0, t1, layer_start, layer_end)          # KV of tokens < t1 ready (chunk,
     sender.send(room, t0, n, last=True, aux=(token_id, logprob))  # layer group); final call
     for room, state, reason in sender.poll(): ...  # Success or Failed: free the room's pages now
@@ -51,6 +52,7 @@ from kvpipe.transfer.sender_room import OpBatch, SendCall, StagedChunk, StagingP
 from kvpipe.transfer.staging import StagingBuffer
 from kvpipe.transfer.state import Clock, TransferState
 from kvpipe.transfer.state_layout import StateLayout
+from kvpipe.transfer.window_pages import window_pages_problem
 
 log = logging.getLogger(__name__)
 
@@ -137,18 +139,35 @@ class KVSender:
 
     # ---- engine API ------------------------------------------------------------------------
 
-    def add_room(self, room: int, src_pages: np.ndarray | list[int], state_slot: int | None = None) -> None:
+    def add_room(self, room: int, src_pages: np.ndarray | list[int], state_slot: int | None = None,
+                 src_swa_pages: np.ndarray | list[int] | None = None) -> None:
         """The engine admitted request `room`; `src_pages` is its page table (tokens from 0);
         `state_slot`: its recurrent-state slot (hybrid models: required; it must stay the room's
-        until poll() reported the room). Raises DuplicateRoomError if the room is active already
+        until poll() reported the room); `src_swa_pages`: its window page table (a layout with
+        swa_layers: aligned with src_pages, -1 where no sliding-window page is held, shorter
+        while not allocated; None: none yet). The pages the decode asks for must stay the room's
+        until poll() reported it. Raises DuplicateRoomError if the room is active already
         (reject that request only), ValueError for pages or a slot outside the pools."""
         pages = self._check_pages(room, src_pages)
         sl = self.state_layout
         if sl is not None and pages.size and (state_slot is None or not 0 <= state_slot < sl.num_slots):
             raise ValueError(f"room {room}: state slot {state_slot} outside [0, {sl.num_slots})")
+        swa = self._check_swa_pages(room, src_swa_pages, pages)
         with self._lock:
-            self._book.add_room(room, pages, self._clock(), None if sl is None else state_slot)
+            self._book.add_room(room, pages, self._clock(), None if sl is None else state_slot, swa)
         self._wake.set()
+
+    def _check_swa_pages(self, room: int, swa_pages: np.ndarray | list[int] | None,
+                         pages: np.ndarray) -> np.ndarray | None:
+        if swa_pages is None:
+            return None
+        if not self.layout.swa_layers:
+            raise ValueError(f"room {room}: sliding-window pages for a layout without sliding-window layers")
+        swa = np.asarray(swa_pages, dtype=np.int64).ravel()
+        why = window_pages_problem(swa, self.layout.num_pages, pages, exact=False, aliased=self.layout.aliased)
+        if why is not None:
+            raise ValueError(f"room {room}: {why}")
+        return swa
 
     def _check_pages(self, room: int, src_pages: np.ndarray | list[int]) -> np.ndarray:
         pages = np.asarray(src_pages, dtype=np.int64).ravel()
@@ -159,22 +178,29 @@ class KVSender:
     def send(self, room: int, token_start: int, token_end: int, layer_start: int = 0,
              layer_end: int | None = None, last: bool = False, aux: AuxTuple | None = None,
              src_pages: np.ndarray | list[int] | None = None, ready: Callable[[], bool] | None = None,
-             state: bool = False) -> bool:
+             state: bool = False, src_swa_pages: np.ndarray | list[int] | None = None) -> bool:
         """KV of tokens [token_start, token_end), and of every token before, is ready in layers
         [layer_start, layer_end) (model layers). `last=True` (once, with aux: AuxTuple) means
         the prompt is complete in every layer, and so is the recurrent state of a hybrid model:
         it is written before the final status. `state=True`: this call comes from the prompt's
         last forward, so the state of the linear layers in [layer_start, layer_end) is final
         and goes now (layer-pipelined prefill). `src_pages`: the room's page table when it grew
-        since add_room (it must extend the old one). `ready`: the KV is still being computed
+        since add_room (it must extend the old one). `src_swa_pages`: a newer snapshot of the
+        room's window page table (it need not extend the old one: pages may have slid out, -1).
+        `ready`: the KV is still being computed
         on a device; nothing of this call (or later ones of the room) is written before
         `ready()` returns True (e.g. a CUDA event's `query`). Returns False if the room already failed."""
         if last and aux is None:
             raise ValueError(f"room {room}: the last send() carries aux = (first token id, logprob)")
         call = self._call(token_start, token_end, layer_start, layer_end, last, ready, state)
         pages = None if src_pages is None else self._check_pages(room, src_pages)
+        swa = None
+        if src_swa_pages is not None:
+            if not self.layout.swa_layers:
+                raise ValueError(f"room {room}: sliding-window pages for a layout without sliding-window layers")
+            swa = np.asarray(src_swa_pages, dtype=np.int64).ravel()  # checked by the book against src_pages
         with self._lock:
-            ok = self._book.add_call(room, call, aux, pages)
+            ok = self._book.add_call(room, call, aux, pages, swa)
         self._wake.set()
         return ok
 

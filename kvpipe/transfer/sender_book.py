@@ -40,6 +40,7 @@ from kvpipe.transfer.sender_room import (ChunkState, Destination, Inflight, OpBa
                                          StagedChunk, StagingPolicy)
 from kvpipe.transfer.staging_ring import RingAllocator
 from kvpipe.transfer.state_layout import StateLayout
+from kvpipe.transfer.window_pages import window_pages_problem
 from kvpipe.transfer.state import DuplicateRoomError, RoomRecord, TransferState, sender_timeouts
 
 log = logging.getLogger(__name__)
@@ -121,7 +122,8 @@ class SenderBook:
 
     # ---- engine side -----------------------------------------------------------------------
 
-    def add_room(self, room: int, pages: np.ndarray, now: float, state_slot: int | None = None) -> None:
+    def add_room(self, room: int, pages: np.ndarray, now: float, state_slot: int | None = None,
+                 swa_pages: np.ndarray | None = None) -> None:
         self._dirty = True
         r = self.rooms.get(room)
         if r is not None and r.src_pages is not None:
@@ -133,6 +135,7 @@ class SenderBook:
             r.rec = RoomRecord.new(room, self._timeouts, now)
         r.src_pages = pages
         r.src_state_slot = state_slot
+        r.src_swa_pages = swa_pages
         tomb = self.tombstones.pop(room, None)
         if tomb is not None:
             r.notified |= tomb.notified
@@ -141,7 +144,7 @@ class SenderBook:
             r.rec.move(TransferState.WAITING_FOR_INPUT, now)
 
     def add_call(self, room: int, call: SendCall, aux: AuxTuple | None,
-                 pages: np.ndarray | None = None) -> bool:
+                 pages: np.ndarray | None = None, swa_pages: np.ndarray | None = None) -> bool:
         self._dirty = True
         r = self.rooms.get(room)
         if r is None or r.src_pages is None:
@@ -152,6 +155,13 @@ class SenderBook:
             old = r.src_pages
             if pages.size < old.size or not np.array_equal(pages[:old.size], old):
                 raise ValueError(f"room {room}: a new page table must extend the old one")
+        if swa_pages is not None:  # a newer window table: unlike pages, entries may have turned -1 since
+            why = window_pages_problem(swa_pages, self.layout.num_pages, r.src_pages if pages is None else pages,
+                                       exact=False, aliased=self.layout.aliased)
+            if why is not None:
+                raise ValueError(f"room {room}: {why}")
+            r.src_swa_pages = swa_pages
+        if pages is not None:
             r.src_pages = pages
         r.add_call(call)
         if call.last:
@@ -249,7 +259,9 @@ class SenderBook:
                                        self.peers.heads.get(session),
                                        np.full(self.layout.num_layers, msg.prefix_len, dtype=np.int64), peer.staging,
                                        peer.state, msg.state_slot,
-                                       None if peer.state is None else np.zeros(peer.state.num_linear, dtype=bool))
+                                       None if peer.state is None else np.zeros(peer.state.num_linear, dtype=bool),
+                                       None if msg.dst_swa_pages is None
+                                       else np.asarray(msg.dst_swa_pages, dtype=np.int64))
         if r.ready:
             r.rec.move(TransferState.WAITING_FOR_INPUT, now)
         return None

@@ -20,6 +20,7 @@ from kvpipe.transfer.state import PeerLiveness
 from kvpipe.transfer.state_layout import StateLayout
 from kvpipe.transfer.state_plan import common_heads
 from kvpipe.transfer.tp_mapping import kv_head_range, slices_for_decode_rank, source_ranks
+from kvpipe.transfer.window_pages import window_pages_problem
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,14 @@ class SenderPeers:
                           else "a state slot for a model without recurrent state")
         if peer.state is not None and msg.state_slot is not None and msg.state_slot >= peer.state.num_slots:
             return peer, f"state slot {msg.state_slot} outside the decode pool of {peer.state.num_slots}"
+        if bool(peer.layout.swa_layers) != (msg.dst_swa_pages is not None):
+            return peer, ("a sliding-window model's request needs dst_swa_pages" if msg.dst_swa_pages is None
+                          else "dst_swa_pages for a model without sliding-window layers")
+        if msg.dst_swa_pages is not None:
+            why = window_pages_problem(np.asarray(msg.dst_swa_pages, dtype=np.int64), peer.layout.num_pages, pages,
+                                       exact=True, aliased=peer.layout.aliased)
+            if why is not None:
+                return peer, why
         return peer, None
 
     def reply_address(self, session_id: str) -> str | None:

@@ -15,6 +15,14 @@ Staged sends (heterogeneous TP through the decode's staging ring, staging.py): w
 says so, a planned span becomes `StagedChunk`s instead of page ops, each at most the policy's
 chunk size; sender_book.py walks them through gather, slot, write, scatter.
 
+Sliding-window layers (KVLayout.swa_layers): their pages come from the room's window page table
+`src_swa_pages` (aligned with src_pages by logical page, -1 where the prefill holds none, shorter:
+not allocated yet) into the destination's `dst_swa_pages` (aligned with dst_pages, -1 where the
+decode wants none). A run of layers with equal cursors plans its full layers over every span page
+and its sliding layers over the span pages the decode asked for only, each in one vectorised
+call; the cursor moves past the skipped pages too, so every page moves at most once. Such rooms
+are never staged (a chunk is a contiguous layer range over one page list).
+
 Recurrent state (hybrid models, state_layout.py): a call may also carry the final state of some
 linear layers (`state_layers`, the prompt's last forward has passed them); the last call writes
 every linear layer not written yet. Each destination remembers which layers it got, so the state
@@ -78,6 +86,7 @@ class Destination:
     state_layout: StateLayout | None = None  # the decode rank's state pool (hybrid models)
     state_slot: int | None = None  # the decode's state slot for this room
     state_sent: np.ndarray | None = None  # [num_linear] bool: the layer's state is planned
+    dst_swa_pages: np.ndarray | None = None  # [n] int64 aligned with dst_pages, -1: no sliding page wanted
 
 
 @dataclass(frozen=True)
@@ -160,6 +169,7 @@ class SenderRoom:
     state_layout: StateLayout | None = None  # this prefill rank's state pool (hybrid models)
     src_pages: np.ndarray | None = None  # None until the engine called add_room
     src_state_slot: int | None = None  # the room's state slot here (hybrid models), from add_room
+    src_swa_pages: np.ndarray | None = None  # [<= len(src_pages)] int64 window page table, -1: none held
     expected: int | None = None  # destinations to wait for; known from the first request
     dests: dict[str, Destination] = field(default_factory=dict)  # by decode session id
     calls: collections.deque[SendCall] = field(default_factory=collections.deque)
@@ -279,7 +289,8 @@ class SenderRoom:
         if -(-end_tok // ps) > self.src_pages.size:
             raise PlanError(f"room {self.room}: {end_tok} tokens need more than {self.src_pages.size} source pages")
         first_dst_page = dest.prefix_len // ps
-        out = []
+        swa = np.asarray(self.layout.swa_mask, dtype=bool)
+        out: list[OpBatch | StagedChunk] = []
         for l0, l1, cur in equal_runs(dest.cursor, *layers):
             if cur >= end_tok:  # decode holds these tokens already, or they went with an earlier call
                 continue
@@ -291,19 +302,50 @@ class SenderRoom:
             if j1 > dest.dst_pages.size:
                 raise PlanError(f"room {self.room}: decode rank {dest.decode_rank} gave {dest.dst_pages.size} "
                                 f"pages after its {dest.prefix_len}-token prefix, {end_tok} tokens need {j1}")
-            try:
-                p = plan_pages(self.src_pages[span.first:span.end], dest.dst_pages[j0:j1], self.layout,
-                               dest.layout, heads=dest.heads, layers=(l0, l1))
-            except ValueError as e:
-                raise PlanError(f"room {self.room}: {e}") from e
-            sliced = not (p.head_end - p.head_start == self.layout.kv_heads == dest.layout.kv_heads)
-            if self._stages(p.num_ops, p.nbytes // max(1, p.num_ops), sliced, dest, staging):
-                assert staging is not None and chunk_ids is not None
-                out.extend(self._stage(dest, self.src_pages[span.first:span.end], dest.dst_pages[j0:j1],
-                                       p.head_start, p.head_end, l0, l1, staging, chunk_ids))
-            else:
-                out.append(OpBatch(dest.data_address, p.src_addr, p.dst_addr, p.length))
+            src, dst = self.src_pages[span.first:span.end], dest.dst_pages[j0:j1]
+            if not swa[l0:l1].any():
+                out.extend(self._plan_span(dest, src, dst, staging, chunk_ids, layers=(l0, l1)))
+                continue
+            ids = np.arange(l0, l1)
+            full = ids[~swa[l0:l1]]
+            if full.size:
+                out.extend(self._plan_span(dest, src, dst, None, None, layer_ids=full))
+            src_w, dst_w = self._window_pages(dest, span.first, j0, j1)
+            if dst_w.size:
+                out.extend(self._plan_span(dest, src_w, dst_w, None, None, layer_ids=ids[swa[l0:l1]]))
         return out
+
+    def _window_pages(self, dest: Destination, first: int, j0: int, j1: int) -> tuple[np.ndarray, np.ndarray]:
+        """(src, dst) sliding-window pages of destination positions [j0, j1) (logical pages from
+        `first`): the positions the decode asked for; the prefill must hold each of them."""
+        if dest.dst_swa_pages is None:  # SenderPeers.check_request refuses such a request
+            raise PlanError(f"room {self.room}: decode rank {dest.decode_rank} named no sliding-window pages")
+        dst = dest.dst_swa_pages[j0:j1]
+        pos = np.flatnonzero(dst >= 0)  # [k] positions wanted, relative to j0
+        held = self.src_swa_pages if self.src_swa_pages is not None else np.zeros(0, dtype=np.int64)
+        logical = first + pos
+        src = np.full(pos.size, -1, dtype=np.int64)
+        inside = logical < held.size
+        src[inside] = held[logical[inside]]
+        if (src < 0).any():
+            k = int(logical[np.flatnonzero(src < 0)[0]])
+            raise PlanError(f"room {self.room}: prefill holds no sliding-window page for logical page {k} "
+                            f"the decode rank {dest.decode_rank} asked for")
+        return src, dst[pos]
+
+    def _plan_span(self, dest: Destination, src: np.ndarray, dst: np.ndarray, staging: StagingPolicy | None,
+                   chunk_ids: Iterator[int] | None, layers: tuple[int, int] | None = None,
+                   layer_ids: np.ndarray | None = None) -> list[OpBatch | StagedChunk]:
+        """Page ops of src -> dst over `layers` (or `layer_ids`), or staged chunks when the policy says so."""
+        try:
+            p = plan_pages(src, dst, self.layout, dest.layout, heads=dest.heads, layers=layers, layer_ids=layer_ids)
+        except ValueError as e:
+            raise PlanError(f"room {self.room}: {e}") from e
+        sliced = not (p.head_end - p.head_start == self.layout.kv_heads == dest.layout.kv_heads)
+        if layers is not None and self._stages(p.num_ops, p.nbytes // max(1, p.num_ops), sliced, dest, staging):
+            assert staging is not None and chunk_ids is not None
+            return self._stage(dest, src, dst, p.head_start, p.head_end, *layers, staging, chunk_ids)
+        return [OpBatch(dest.data_address, p.src_addr, p.dst_addr, p.length)]
 
     def _plan_state(self, call: SendCall, dest: Destination) -> OpBatch | None:
         """The state of the call's linear layers (the last call: all) that `dest` lacks."""
@@ -322,11 +364,12 @@ class SenderRoom:
             raise PlanError(f"room {self.room}: {e}") from e
         return OpBatch(dest.data_address, p.src_addr, p.dst_addr, p.length)
 
-    @staticmethod
-    def _stages(num_ops: int, op_nbytes: int, sliced: bool, dest: Destination, staging: StagingPolicy | None) -> bool:
+    def _stages(self, num_ops: int, op_nbytes: int, sliced: bool, dest: Destination,
+                staging: StagingPolicy | None) -> bool:
         """on: every head-sliced span; auto: whenever the ops cost more than staging them (head
-        slices, or whole pages scattered over a fragmented decode pool)."""
-        if staging is None or dest.staging is None or num_ops == 0:
+        slices, or whole pages scattered over a fragmented decode pool). Never for a layout
+        with sliding-window layers (a chunk is one layer range over one page list)."""
+        if staging is None or dest.staging is None or num_ops == 0 or self.layout.swa_layers:
             return False
         if staging.mode == "on":
             return sliced

@@ -52,7 +52,8 @@ class StateLayout:
             raise ValueError(f"{n} linear layers but {len(self.conv_addrs)} conv and "
                              f"{len(self.recurrent_addrs)} recurrent buffer addresses")
         layers = sorted(self.kv_layers + self.linear_layers)
-        if layers != list(range(self.num_model_layers)):
+        # lengths first: a peer's num_model_layers of 2**62 must be refused, not materialised
+        if len(layers) != self.num_model_layers or layers != list(range(self.num_model_layers)):
             raise ValueError(f"KV layers {self.kv_layers} and linear layers {self.linear_layers} do not "
                              f"partition the model's {self.num_model_layers} layers")
         if list(self.kv_layers) != sorted(self.kv_layers) or list(self.linear_layers) != sorted(self.linear_layers):
