@@ -40,9 +40,17 @@ SUPERVISE_TICK_S = 0.25
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(1, host)[0]
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` distinct free ports: all bound at once (ports picked one by one and released can repeat;
+    a router once got the prefill's port for its metrics)."""
+    with contextlib.ExitStack() as es:
+        socks = [es.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(n)]
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def wait_healthy(url: str, timeout_s: float, procs: list[subprocess.Popen] | None = None) -> None:
@@ -227,8 +235,8 @@ def start_pd_stack(model_path: str | None, host: str = "127.0.0.1", router_port:
     split = split_cores(affinity_cores()) if split_cpus else None
     mine = ServerCores((), None)
     p_cores, d_cores = server_cores(split, server_args, prefill_args, decode_args) if split else (mine, mine)
-    p_port, d_port, b_port = free_port(host), free_port(host), free_port(host)
-    r_port = router_port or free_port(host)
+    p_port, d_port, b_port, r_free, metrics_port = free_ports(5, host)
+    r_port = router_port or r_free
     common = ["--host", host, *(["--model-path", model_path] if model_path else []), *server_args]
     log = (lambda name: os.path.join(log_dir, f"{name}.log")) if log_dir else (lambda name: None)
     if log_dir:
@@ -247,7 +255,7 @@ def start_pd_stack(model_path: str | None, host: str = "127.0.0.1", router_port:
                             "--disaggregation-mode", "decode", *decode_args),
                  stack.decode_url + "/health", log("decode"), d_cores.pin, env),
         PartSpec("router", tuple(router_command(stack.prefill_url, b_port, stack.decode_url, host, r_port,
-                                                free_port(host))), stack.router_url + "/health", log("router")),
+                                                metrics_port)), stack.router_url + "/health", log("router")),
     ]
     try:
         for spec in stack.specs[:2]:
