@@ -16,6 +16,9 @@ from kvpipe.engine.request import SamplingParams
 from kvpipe.transfer.tp_mapping import transfer_slices
 from pd_harness import Stack, disagg_stats, generate, greedy
 
+# 24 prompt lengths from 1 to 150 tokens: around pages of 16, a window of 32 and chunks of 64
+MANY_LENGTHS = [150, 37, 90, 1, 5, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65, 80, 96, 97, 111, 120, 128, 129, 140]
+
 LOGPROB_TOL = 1e-4  # TP all-reduces reorder fp32 sums (~1e-6); a wrong KV head moves them ~1e-3
 
 

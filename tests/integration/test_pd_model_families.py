@@ -5,8 +5,8 @@ on (2,4) only), token-exact against the colocated engine.
 The bytes every prefill rank writes equal the prediction for the layout: K/V head slices for the
 GQA families, and for MLA one whole latent per decode rank, read from exactly one prefill rank.
 The hybrid Qwen3.5 (issue 12: KV of its full-attention layers plus each request's recurrent
-state, sliced by linear heads under heterogeneous TP) runs on (1,1) and (2,2) with one and two
-layer groups, and on (1,2) and (2,1). GPT-OSS (sliding-window pages) has its own file,
+state, sliced by linear heads under heterogeneous TP) runs 24 prompts on (1,1) and (2,2) with one
+and two layer groups, and on (1,2) and (2,1). GPT-OSS (sliding-window pages) has its own file,
 test_pd_sliding_window.py."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 
 from kvpipe.model.presets import write_preset
 from pd_harness import start_stack
-from pd_parity import check_parity, colocated_reference, prompts
+from pd_parity import MANY_LENGTHS, check_parity, colocated_reference, prompts
 
 pytest.importorskip("mooncake.engine")
 pytestmark = pytest.mark.integration
@@ -32,6 +32,8 @@ FAMILIES = ["tiny-qwen3-moe", "tiny-minimax-m2", "tiny-deepseek-v3"]
 PAIRINGS = [(1, 2, 2), (2, 1, 1), (2, 4, 2)]  # (prefill TP, decode TP, layer groups; 1: no pipelining)
 # Qwen3.5: same TP with and without pipelining, and both heterogeneous directions (state sliced by heads)
 HYBRID_PAIRINGS = [(1, 1, 1), (2, 2, 2), (1, 2, 2), (2, 1, 1)]
+# 24 prompts, 1 to 150 tokens: chunks of 64 carry the state across 1 to 3 forwards
+HYBRID_LENGTHS = MANY_LENGTHS
 
 
 # MiniMax-M2 moves the same GQA K/V layout as Qwen3-MoE (what differs, its routing and whole-q/k
@@ -55,7 +57,7 @@ def family(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Pa
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list]:
     model_dir = write_preset("tiny-qwen3.5", tmp_path_factory.mktemp("tiny-qwen3.5"))
-    return model_dir, colocated_reference(model_dir, prompts(LENGTHS), NEW, PS)
+    return model_dir, colocated_reference(model_dir, prompts(HYBRID_LENGTHS), NEW, PS)
 
 
 @pytest.mark.parametrize("name,pairing", CASES, ids=[f"{f}-{p}-{d}-{g}" for f, (p, d, g) in CASES])
@@ -67,15 +69,16 @@ def test_pd_family_matches_colocated(family: Callable[[str], tuple[Path, list]],
 @pytest.mark.parametrize("p_tp,d_tp,groups", HYBRID_PAIRINGS)
 def test_pd_hybrid_matches_colocated(hybrid: tuple[Path, list], tmp_path: Path, p_tp: int, d_tp: int,
                                      groups: int) -> None:
-    run_pd(hybrid, tmp_path, p_tp, d_tp, groups)
+    run_pd(hybrid, tmp_path, p_tp, d_tp, groups, HYBRID_LENGTHS)
 
 
-def run_pd(model: tuple[Path, list], tmp_path: Path, p_tp: int, d_tp: int, groups: int) -> None:
+def run_pd(model: tuple[Path, list], tmp_path: Path, p_tp: int, d_tp: int, groups: int,
+           lengths: list[int] = LENGTHS) -> None:
     model_dir, reference = model
     stack = start_stack(model_dir, tmp_path, *FLAGS, "--disaggregation-layer-groups", str(groups),
                         prefill_args=("--tp-size", str(p_tp)), decode_args=("--tp-size", str(d_tp)))
     try:
-        check_parity(stack, model_dir, prompts(LENGTHS), reference, NEW, PS, p_tp, d_tp, groups)
+        check_parity(stack, model_dir, prompts(lengths), reference, NEW, PS, p_tp, d_tp, groups)
     except BaseException:
         print(stack.logs())
         raise

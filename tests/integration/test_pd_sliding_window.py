@@ -14,13 +14,13 @@ import pytest
 from kvpipe.cache.window_pages import window_first_page
 from kvpipe.model.presets import write_preset
 from pd_harness import start_stack
-from pd_parity import check_parity, colocated_reference, prompts
+from pd_parity import MANY_LENGTHS, check_parity, colocated_reference, prompts
 
 pytest.importorskip("mooncake.engine")
 pytestmark = pytest.mark.integration
 
 PS, NEW, WINDOW = 16, 6, 32
-LENGTHS = [150, 37, 90, 1, 5, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65, 80, 96, 97, 111, 120, 128, 129, 140]
+LENGTHS = MANY_LENGTHS
 FLAGS = ["--page-size", str(PS), "--max-total-tokens", "8192", "--chunked-prefill-size", "64",
          "--disaggregation-heartbeat-interval", "0.5", "--disaggregation-bootstrap-timeout", "30",
          "--disaggregation-transfer-timeout", "3"]
