@@ -41,9 +41,9 @@ class MoEConfig:
     weights renormalised; DeepSeek-V3 the same plus group-limited choice (the top `topk_groups`
     of `num_groups` groups, a group scored by its two best experts), the shared experts and
     `routed_scaling_factor` on the routed weights; Qwen3.5-MoE softmax top-k, always renormalised,
-    plus one shared expert scaled per token by sigmoid(shared_expert_gate(x)); GPT-OSS ("topk_softmax") top-k of the biased
-    router logits, then a softmax over the chosen k only, into experts with biases and a clamped
-    SwiGLU (gpt_oss_moe.py).
+    plus one shared expert scaled per token by sigmoid(shared_expert_gate(x)); GPT-OSS
+    ("topk_softmax") top-k of the biased router logits, then a softmax over the chosen k only,
+    into experts with biases and a clamped SwiGLU (gpt_oss_moe.py).
     """
 
     num_experts: int

@@ -1,6 +1,7 @@
 """Built-in Qwen3.5 (hybrid) presets: deterministic random weights as a real HF Qwen3_5ForCausalLM
-(or, with a `moe` spec, Qwen3_5MoeForCausalLM) checkpoint, loadable by transformers. Kept apart from presets.PresetSpec so the Llama presets'
-files (their kvpipe_preset.json embeds the spec) stay byte-identical."""
+(or, with a `moe` spec, Qwen3_5MoeForCausalLM) checkpoint, loadable by transformers. Kept apart
+from presets.PresetSpec so the Llama presets' files (their kvpipe_preset.json embeds the spec)
+stay byte-identical; a dense spec's file has no `moe` key (presets._spec_json drops it)."""
 
 from __future__ import annotations
 
