@@ -284,7 +284,8 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
 # ---- init-model ----------------------------------------------------------------------------------
 def _init_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="tiny", choices=["tiny", "bench", "tiny-qwen3-moe", "tiny-minimax-m2",
-                                                       "tiny-deepseek-v3", "tiny-qwen3.5", "tiny-gpt-oss"])
+                                                       "tiny-deepseek-v3", "tiny-qwen3.5", "tiny-qwen3.5-moe",
+                                                       "tiny-gpt-oss"])
     p.add_argument("--out", required=True, help="directory to write the checkpoint into")
     p.add_argument("--seed", type=int, default=0, help="weight seed")
 

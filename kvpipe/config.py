@@ -20,8 +20,12 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MiniMaxM2ForCausalLM": "minimax_m2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
     "GptOssForCausalLM": "gpt_oss",
 }
+
+# Families built on the Qwen3.5 hybrid stack (HybridConfig): the dense one and its MoE variant.
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe")
 
 
 class ConfigError(ValueError):
@@ -36,9 +40,10 @@ class MoEConfig:
     when norm_topk_prob); MiniMax-M2 sigmoid scores, top-k chosen on score + correction bias,
     weights renormalised; DeepSeek-V3 the same plus group-limited choice (the top `topk_groups`
     of `num_groups` groups, a group scored by its two best experts), the shared experts and
-    `routed_scaling_factor` on the routed weights; GPT-OSS ("topk_softmax") top-k of the biased
-    router logits, then a softmax over the chosen k only, into experts with biases and a clamped
-    SwiGLU (gpt_oss_moe.py).
+    `routed_scaling_factor` on the routed weights; Qwen3.5-MoE softmax top-k, always renormalised,
+    plus one shared expert scaled per token by sigmoid(shared_expert_gate(x)); GPT-OSS
+    ("topk_softmax") top-k of the biased router logits, then a softmax over the chosen k only,
+    into experts with biases and a clamped SwiGLU (gpt_oss_moe.py).
     """
 
     num_experts: int
@@ -51,6 +56,7 @@ class MoEConfig:
     topk_groups: int = 1
     routed_scaling_factor: float = 1.0
     shared_intermediate_size: int = 0  # one fused shared expert of this size; 0: none
+    shared_expert_gate: bool = False  # Qwen3.5-MoE: the shared expert's output times sigmoid(Linear(hidden, 1))
     dense_layers: tuple[int, ...] = ()  # layers that keep a dense MLP of ModelConfig.intermediate_size
     # GPT-OSS: the router and every expert projection carry a bias; the experts' SwiGLU clamps its
     # gate (above) and up (both sides) at swiglu_limit and uses sigmoid(swiglu_alpha * gate)
@@ -72,6 +78,11 @@ class MoEConfig:
                        top_k=int(cfg["num_experts_per_tok"]),
                        expert_intermediate_size=int(cfg["moe_intermediate_size"]), scoring="softmax",
                        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), dense_layers=dense)
+        if arch == "qwen3_5_moe":  # every layer sparse: HF has no decoder_sparse_step / mlp_only_layers here
+            return cls(num_experts=int(cfg["num_experts"]), top_k=int(cfg["num_experts_per_tok"]),
+                       expert_intermediate_size=int(cfg["moe_intermediate_size"]), scoring="softmax",
+                       norm_topk_prob=True, shared_intermediate_size=int(cfg["shared_expert_intermediate_size"]),
+                       shared_expert_gate=True)
         if arch == "minimax_m2":
             return cls(num_experts=int(cfg["num_local_experts"]), top_k=int(cfg["num_experts_per_tok"]),
                        expert_intermediate_size=int(cfg["intermediate_size"]), scoring="sigmoid",
@@ -274,7 +285,9 @@ class ModelConfig:
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
+            # Qwen3.5-MoE has no dense MLP, hence no intermediate_size
+            intermediate_size=int(cfg.get("intermediate_size", 0) if arch == "qwen3_5_moe"
+                                  else cfg["intermediate_size"]),
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
@@ -284,7 +297,7 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch in ("qwen2", "gpt_oss"))),
-            qk_norm=arch in ("qwen3", "qwen3_moe", "minimax_m2", "qwen3_5"),
+            qk_norm=arch in ("qwen3", "qwen3_moe", "minimax_m2", *HYBRID_FAMILIES),
             rope_scaling=rope_scaling,
             dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             bos_token_id=cfg.get("bos_token_id"),
@@ -292,8 +305,8 @@ class ModelConfig:
             moe=MoEConfig.from_hf_dict(cfg, arch),
             mla=MLAConfig.from_hf_dict(cfg) if arch == "deepseek_v3" else None,
             qk_norm_per_head=arch != "minimax_m2",
-            rotary_dim=_partial_rotary_dim(cfg, head_dim) if arch in ("minimax_m2", "qwen3_5") else None,
-            hybrid=HybridConfig.from_hf_dict(cfg) if arch == "qwen3_5" else None,
+            rotary_dim=_partial_rotary_dim(cfg, head_dim) if arch in ("minimax_m2", *HYBRID_FAMILIES) else None,
+            hybrid=HybridConfig.from_hf_dict(cfg) if arch in HYBRID_FAMILIES else None,
             **(_gpt_oss_attention(cfg) if arch == "gpt_oss" else {}),
         )
 

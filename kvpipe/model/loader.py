@@ -17,7 +17,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
-from kvpipe.config import SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig, ParallelConfig
+from kvpipe.config import HYBRID_FAMILIES, SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig, ParallelConfig
 from kvpipe.model.layers import Linear, Shard
 from kvpipe.model.factory import build_causal_lm
 from kvpipe.model.llama import LMBase, check_parallel
@@ -55,7 +55,7 @@ def check_supported(raw: dict[str, Any], cfg: ModelConfig) -> None:
     if raw.get("use_sliding_window"):
         raise ConfigError("use_sliding_window=true is not supported by the Llama/Qwen model")
     # MiniMax-M2 and Qwen3.5 rotate part of each head (ModelConfig.rotary_dim); the others all of it
-    if cfg.architecture not in ("minimax_m2", "qwen3_5") and float(raw.get("partial_rotary_factor", 1.0)) != 1.0:
+    if cfg.architecture not in ("minimax_m2", *HYBRID_FAMILIES) and float(raw.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ConfigError("partial_rotary_factor != 1 is not supported")
     if cfg.architecture == "qwen3_moe" and cfg.moe is not None and cfg.moe.num_experts == 0:
         raise ConfigError("qwen3_moe with num_experts=0 (no sparse layer) is not supported")
@@ -66,6 +66,8 @@ def check_supported(raw: dict[str, Any], cfg: ModelConfig) -> None:
         _check_minimax_m2(raw)
     if cfg.architecture == "deepseek_v3":
         _check_deepseek_v3(raw)
+    if cfg.architecture == "qwen3_5_moe":
+        _check_qwen3_5_moe(raw)
     if cfg.moe is not None:
         from kvpipe.model.moe import check_routing
 
@@ -99,6 +101,22 @@ def _check_deepseek_v3(raw: dict[str, Any]) -> None:
         raise ConfigError(f"topk_method={raw['topk_method']!r} is not supported for DeepSeek-V3 (only noaux_tc)")
     if int(raw.get("qk_rope_head_dim", 0)) % 2:
         raise ConfigError(f"qk_rope_head_dim={raw['qk_rope_head_dim']} must be even (RoPE rotates pairs)")
+
+
+def _check_qwen3_5_moe(raw: dict[str, Any]) -> None:
+    """HF's Qwen3.5-MoE makes every layer sparse, with one gated shared expert, and ignores the
+    dense-layer keys of Qwen3-MoE; a config that carries them (or no shared expert) is asking for
+    a model neither HF nor kvpipe builds."""
+    unsupported = {
+        "num_experts": int(raw.get("num_experts") or 0) < 1,
+        "shared_expert_intermediate_size": int(raw.get("shared_expert_intermediate_size") or 0) < 1,
+        "decoder_sparse_step": int(raw.get("decoder_sparse_step") or 1) != 1,
+        "mlp_only_layers": bool(raw.get("mlp_only_layers")),
+        "norm_topk_prob": raw.get("norm_topk_prob", True) is not True,  # HF always renormalises
+    }
+    bad = [f"{k}={raw.get(k)!r}" for k, v in unsupported.items() if v]
+    if bad:
+        raise ConfigError(f"Qwen3.5-MoE options not supported: {', '.join(bad)}")
 
 
 def check_group(parallel: ParallelConfig, group: dist.ProcessGroup | None) -> None:
@@ -154,6 +172,8 @@ CHECKPOINT_RENAMES: dict[str, tuple[tuple[str, str], ...]] = {
         (r"\.mlp\.experts\.(\d+)\.down_proj\.", r".mlp.experts.\1.w2."),
         (r"\.mlp\.", ".block_sparse_moe."),
     ),
+    # Qwen3.5-MoE's one shared expert is `shared_expert` (DeepSeek-V3's, like ours, `shared_experts`)
+    "qwen3_5_moe": ((r"\.mlp\.shared_experts\.", ".mlp.shared_expert."),),
 }
 
 

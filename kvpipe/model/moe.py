@@ -1,4 +1,4 @@
-"""Sparse mixture-of-experts MLP (Qwen3-MoE, MiniMax-M2, DeepSeek-V3), tensor-parallel.
+"""Sparse mixture-of-experts MLP (Qwen3-MoE, Qwen3.5-MoE, MiniMax-M2, DeepSeek-V3), tensor-parallel.
 
 A router picks top_k of num_experts routed experts per token (`route`, a pure function of the
 router logits, following each family's HF implementation in fp32); the token-expert pairs are
@@ -8,7 +8,9 @@ expert that received tokens.
 
 Tensor parallelism slices every expert (and the shared expert) by its intermediate dim, exactly
 like a dense MLP: each rank holds all experts, computes partial sums for every routed token and
-adds the routed and shared partials before the block's single all-reduce. Expert parallelism
+adds the routed and shared partials before the block's single all-reduce. Qwen3.5-MoE's
+shared-expert gate sigmoid(Linear(hidden, 1)) is replicated: a per-token scalar, it scales the
+shared expert's partial sums on each rank before the reduce. Expert parallelism
 (experts spread over ranks, tokens exchanged all-to-all) is out of scope.
 """
 
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpipe.config import ConfigError, ModelConfig, MoEConfig, ParallelConfig
-from kvpipe.model.layers import MLP
+from kvpipe.model.layers import MLP, Linear
 
 # DeepSeek-V3 adds this to the top-k weight sum before renormalising. In fp32 it cannot change a
 # sum of sigmoid or softmax probabilities (far below their ulp), so every family shares it.
@@ -130,6 +132,7 @@ class SparseMoE(nn.Module):
             for _ in range(moe.num_experts))
         self.shared_experts = (MLP(cfg.hidden_size, moe.shared_intermediate_size, parallel, group, all_reduce=False)
                                if moe.shared_intermediate_size else None)
+        self.shared_expert_gate = Linear(cfg.hidden_size, 1) if moe.shared_expert_gate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden], reduced over the TP group."""
@@ -147,7 +150,10 @@ class SparseMoE(nn.Module):
         ys = (ys * weights.reshape(-1).index_select(0, plan.order)[:, None]).to(x.dtype)
         out = torch.zeros_like(x).index_add_(0, plan.tokens, ys)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            shared = self.shared_experts(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared  # [T, 1] * [T, hidden]
+            out = out + shared
         if self.tp:  # routed and shared partial sums together: one all-reduce per block
             dist.all_reduce(out, group=self.group)
         return out

@@ -1,12 +1,25 @@
 """Built-in Qwen3.5 (hybrid) presets: deterministic random weights as a real HF Qwen3_5ForCausalLM
-checkpoint, loadable by transformers. Kept apart from presets.PresetSpec so the Llama presets'
-files (their kvpipe_preset.json embeds the spec) stay byte-identical."""
+(or, with a `moe` spec, Qwen3_5MoeForCausalLM) checkpoint, loadable by transformers. Kept apart
+from presets.PresetSpec so the Llama presets' files (their kvpipe_preset.json embeds the spec)
+stay byte-identical; a dense spec's file has no `moe` key (presets._spec_json drops it)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True)
+class Qwen3_5MoeSpec:
+    """Qwen3.5-MoE's MLP, in every layer: routed experts (softmax top-k, renormalised) and one
+    shared expert behind a sigmoid gate."""
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    shared_intermediate_size: int
+    router_std: float = 0.5  # router logits spread enough that the choice of experts is clear
 
 
 @dataclass(frozen=True)
@@ -29,6 +42,7 @@ class Qwen3_5PresetSpec:
     weight_std: float = 0.02
     embed_std: float = 1.0
     conv_std: float = 0.3
+    moe: Qwen3_5MoeSpec | None = None  # None: the dense MLP of intermediate_size (Qwen3.5)
 
     @property
     def layer_types(self) -> list[str]:
@@ -41,10 +55,27 @@ QWEN3_5_PRESETS: dict[str, Qwen3_5PresetSpec] = {
     "tiny-qwen3.5": Qwen3_5PresetSpec(num_layers=4, full_attention_interval=4, hidden_size=128, num_heads=4,
                                       num_kv_heads=2, head_dim=32, intermediate_size=256, linear_key_heads=4,
                                       linear_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=32),
+    # the same stack with 8 experts of 64 (top 2) and a shared expert of 128 in every layer
+    "tiny-qwen3.5-moe": Qwen3_5PresetSpec(num_layers=4, full_attention_interval=4, hidden_size=128, num_heads=4,
+                                          num_kv_heads=2, head_dim=32, intermediate_size=0, linear_key_heads=4,
+                                          linear_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=32,
+                                          moe=Qwen3_5MoeSpec(num_experts=8, top_k=2, expert_intermediate_size=64,
+                                                             shared_intermediate_size=128)),
 }
 
 
 def hf_config(spec: Qwen3_5PresetSpec, vocab_size: int, bos: int, eos: int) -> dict:
+    if spec.moe is not None:
+        m = spec.moe
+        dense = {k: v for k, v in _dense_config(spec, vocab_size, bos, eos).items() if k != "intermediate_size"}
+        return dense | {"architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text",
+                        "num_experts": m.num_experts, "num_experts_per_tok": m.top_k,
+                        "moe_intermediate_size": m.expert_intermediate_size,
+                        "shared_expert_intermediate_size": m.shared_intermediate_size}
+    return _dense_config(spec, vocab_size, bos, eos)
+
+
+def _dense_config(spec: Qwen3_5PresetSpec, vocab_size: int, bos: int, eos: int) -> dict:
     return {
         "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
         "vocab_size": vocab_size, "hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size,
@@ -95,9 +126,25 @@ def weights(spec: Qwen3_5PresetSpec, vocab_size: int, seed: int) -> dict[str, to
             w[a + "o_proj.weight"] = rnd(h, spec.num_heads * d)
             w[a + "q_norm.weight"] = torch.zeros(d)
             w[a + "k_norm.weight"] = torch.zeros(d)
-        w[p + "mlp.gate_proj.weight"] = rnd(inter, h)
-        w[p + "mlp.up_proj.weight"] = rnd(inter, h)
-        w[p + "mlp.down_proj.weight"] = rnd(h, inter)
+        if spec.moe is None:
+            w[p + "mlp.gate_proj.weight"] = rnd(inter, h)
+            w[p + "mlp.up_proj.weight"] = rnd(inter, h)
+            w[p + "mlp.down_proj.weight"] = rnd(h, inter)
+        else:
+            w |= _moe_weights(spec.moe, h, p + "mlp.", rnd)
     w["model.norm.weight"] = torch.zeros(h)
     w["lm_head.weight"] = rnd(vocab_size, h)
+    return w
+
+
+def _moe_weights(moe: Qwen3_5MoeSpec, h: int, p: str, rnd) -> dict[str, torch.Tensor]:
+    """One layer's MoE block under prefix p ("model.layers.i.mlp."), in the per-expert names HF's
+    save_pretrained writes (and loads back into its fused experts)."""
+    w = {p + "gate.weight": rnd(moe.num_experts, h, std=moe.router_std),
+         p + "shared_expert_gate.weight": rnd(1, h, std=moe.router_std)}
+    for name, inter in [(f"experts.{e}.", moe.expert_intermediate_size) for e in range(moe.num_experts)] + [
+            ("shared_expert.", moe.shared_intermediate_size)]:
+        w[p + name + "gate_proj.weight"] = rnd(inter, h)
+        w[p + name + "up_proj.weight"] = rnd(inter, h)
+        w[p + name + "down_proj.weight"] = rnd(h, inter)
     return w

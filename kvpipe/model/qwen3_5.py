@@ -1,7 +1,8 @@
-"""Qwen3.5 dense text model (HF Qwen3_5ForCausalLM): a hybrid stack of gated delta-net layers
-(linear attention, per-request recurrent state in a StatePool) and gated full-attention layers
-(paged KV pool), same API as llama.CausalLM (embed / forward_layers / compute_logits) plus the
-StatePool argument.
+"""Qwen3.5 text models (HF Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM): a hybrid stack of gated
+delta-net layers (linear attention, per-request recurrent state in a StatePool) and gated
+full-attention layers (paged KV pool), same API as llama.CausalLM (embed / forward_layers /
+compute_logits) plus the StatePool argument. The MoE variant differs only in its MLP: a
+moe.SparseMoE block (softmax top-k, renormalised, plus a sigmoid-gated shared expert) in every layer.
 
 Differences from Llama/Qwen3 besides the token mixer: every RMSNorm (layer norms, final norm,
 q/k norms) scales by (1 + weight), in fp32; full attention's q_proj also yields a per-head output
@@ -26,7 +27,7 @@ from kvpipe.config import LayerType, ModelConfig, ParallelConfig
 from kvpipe.model.attention import paged_attention
 from kvpipe.model.forward_batch import ForwardBatch
 from kvpipe.model.gated_delta_net import GatedDeltaNet, local_linear_heads
-from kvpipe.model.layers import MLP, Linear, Shard
+from kvpipe.model.layers import Linear, Shard, make_mlp
 from kvpipe.model.llama import LMBase
 from kvpipe.model.rope import apply_rope
 
@@ -100,7 +101,7 @@ class HybridDecoderLayer(nn.Module):
         else:
             self.self_attn = GatedAttention(cfg, cfg.kv_layers.index(layer), parallel, group)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, parallel, group)
+        self.mlp = make_mlp(cfg, layer, parallel, group)  # dense, or Qwen3.5-MoE's sparse block
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
                 pool: KVPool, state: StatePool) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""PD of the hybrid tiny-qwen3.5 preset with a prefill Engine and a decode Engine in one process
+"""PD of the hybrid tiny-qwen3.5 preset (and, in one case, tiny-qwen3.5-moe) with a prefill Engine and a decode Engine in one process
 (local backend, real bootstrap and ZMQ): greedy tokens equal the colocated engine's with and
 without chunked prefill and layer groups, the bytes written are the full layers' KV pages plus
 one state slot per request, and every page and state slot is free afterwards on both sides, also
@@ -49,6 +49,25 @@ def assert_slots_free(*engines: Engine) -> None:
 
 @pytest.mark.parametrize("chunk,groups", [(0, 1), (24, 1), (0, 2), (24, 2)])
 def test_greedy_matches_colocated_and_bytes_as_predicted(model_dir, reference, chunk, groups):
+    check_greedy_and_bytes(model_dir, reference, chunk, groups)
+
+
+@pytest.fixture(scope="module")
+def moe_model_dir(tmp_path_factory) -> Path:
+    return write_preset("tiny-qwen3.5-moe", tmp_path_factory.mktemp("tiny_qwen35_moe_pd"))
+
+
+def test_moe_greedy_matches_colocated_and_bytes_as_predicted(moe_model_dir):
+    """Qwen3.5-MoE: the same KV pages and state slots (its MLP holds no per-request state); one
+    chunked, layer-grouped case keeps it cheap."""
+    ref = colocated_greedy(moe_model_dir)
+    try:
+        check_greedy_and_bytes(moe_model_dir, next(ref), chunk=24, groups=2)
+    finally:
+        ref.close()
+
+
+def check_greedy_and_bytes(model_dir: Path, reference, chunk: int, groups: int) -> None:
     ps = prompts(chunk + groups, LENS)
     with make_pair(model_dir, chunk, layer_groups=groups) as pair:
         reqs = [pair.reqs(ids) for ids in ps]

@@ -19,14 +19,34 @@ def hf_qwen3_5(seed: int = 0, **overrides) -> "transformers.Qwen3_5ForCausalLM":
     """A random tiny Qwen3.5 text model: GQA in both attention kinds (2 value heads per key head in
     the delta-net), partial RoPE, random norm weights and dt_bias (HF inits them to constants,
     which would hide a wrong (1 + w) or a missing bias)."""
-    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
-              linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=4,
-              layer_types=[L, F, L, L], max_position_embeddings=256, initializer_range=0.1,
-              bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    kw = dict(_TINY, intermediate_size=96)
     kw.update(overrides)
     torch.manual_seed(seed)
-    model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**kw)).eval()
+    return _randomize(transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**kw)).eval())
+
+
+def hf_qwen3_5_moe(seed: int = 0, **overrides) -> "transformers.Qwen3_5MoeForCausalLM":
+    """hf_qwen3_5's model with Qwen3.5-MoE's MLP in every layer: 8 experts of 24, top 3, and a
+    shared expert of 40 behind its sigmoid gate."""
+    kw = dict(_TINY, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=24,
+              shared_expert_intermediate_size=40)
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    model = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**kw)).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:  # a decisive router (HF inits it to zeros: all ties)
+            layer.mlp.gate.weight.normal_(0, 0.3)
+    return _randomize(model)
+
+
+_TINY = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+             linear_value_head_dim=12, linear_conv_kernel_dim=4, layer_types=[L, F, L, L],
+             max_position_embeddings=256, initializer_range=0.1, bos_token_id=None, eos_token_id=None,
+             pad_token_id=None)
+
+
+def _randomize(model):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith("dt_bias"):
@@ -34,10 +54,6 @@ def hf_qwen3_5(seed: int = 0, **overrides) -> "transformers.Qwen3_5ForCausalLM":
             elif name.endswith("bias"):
                 p.normal_(0, 0.3)
     return model
-
-
-
-
 
 
 def pools(model, num_pages: int, page_size: int, slots: int = 4) -> tuple[KVPool, StatePool]:
