@@ -131,9 +131,100 @@ def test_hybrid_shapes_move_full_attention_kv_and_a_state_slot():
         config_from_args(p.parse_args(["--preset", "qwen3.5", "--layers", "4"]), "/tmp/x.log")
     with pytest.raises(SystemExit, match="hybrid"):
         tp_config_from_args(p.parse_args(["--preset", "tiny-qwen3.5", "--decode-tp", "2"]), "/tmp/x.log", "127.0.0.1")
-    # PD sends a sliding layer its window's pages only; a bench of every page would misstate it
+
+
+def _tiny_gpt_oss(args: list[str]):
+    p = argparse.ArgumentParser()
+    add_args(p)
+    return p, config_from_args(p.parse_args(["--preset", "tiny-gpt-oss", *args]), "/tmp/x.log")
+
+
+def test_sliding_shapes_move_the_prompts_last_window_only():
+    from kvpipe.bench.transfer_shapes import EXTRA_SHAPES, lookup_shape
+
+    p, cfg = _tiny_gpt_oss(["--prompt-lens", "100,20", "--page-size", "16"])
+    # 4 layers, sliding first (0, 2), window 32; KV 4 heads x 16 fp32
+    assert (cfg.num_layers, cfg.kv_heads, cfg.head_dim, cfg.dtype) == (4, 4, 16, "float32")
+    assert cfg.sliding_layers == (0, 2) and cfg.sliding_window == 32
+    # 100 tokens: 7 pages; the first decode query (position 100) sees keys 69.., page 69 // 16 = 4 on
+    assert cfg.window_pages(100) == (4, 7) and cfg.window_pages(20) == (0, 2)
+    assert cfg.max_window_pages == 3 and cfg.prefill_pages == 7 + 3 and cfg.pool_pages == 7 + 3
+    # one page of one layer, K and V: 2 x 4 heads x 16 tokens x 16 dims x 4 bytes = 8192
+    shape = lookup_shape("tiny-gpt-oss")
+    assert shape is not None and shape.request_kv_nbytes(100, 16) == 2 * 7 * 8192 + 2 * 3 * 8192 == 163840
+    assert shape.request_kv_nbytes(20, 16) == 4 * 2 * 8192  # shorter than the window: every page
+    real = EXTRA_SHAPES["gpt-oss-20b"]
+    assert (real.num_layers, real.kv_heads, real.head_dim, real.dtype, real.sliding_window) == (24, 8, 64, "bfloat16",
+                                                                                               128)
+    assert real.sliding_layers == (0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22) and real.kv_token_nbytes == 49152
+    # 1024 tokens, page 16: 64 pages; window from page (1024 - 127) // 16 = 56: 8 pages per sliding layer;
+    # one page of one layer: 2 x 8 x 16 x 64 x 2 = 32768
+    assert real.request_kv_nbytes(1024, 16) == (12 * 64 + 12 * 8) * 32768 == 28311552
+    with pytest.raises(SystemExit, match="layer map"):
+        config_from_args(p.parse_args(["--preset", "tiny-gpt-oss", "--layers", "2"]), "/tmp/x.log")
     with pytest.raises(SystemExit, match="sliding-window"):
-        config_from_args(p.parse_args(["--preset", "tiny-gpt-oss"]), "/tmp/x.log")
+        tp_config_from_args(p.parse_args(["--preset", "tiny-gpt-oss", "--decode-tp", "2"]), "/tmp/x.log", "127.0.0.1")
+
+
+@pytest.mark.parametrize("fragmentation", [0.0, 0.5])
+def test_sliding_plan_moves_full_pages_and_window_pages_exactly(fragmentation):
+    """The bench's plan on aliased pools (no engine): bytes against a hand computation, and a
+    local copy along its ops lands exactly the digested pages, nothing else."""
+    import ctypes
+
+    import torch
+
+    from kvpipe.bench.transfer_worker import _digest, decode_window_table, plan_request, source_window_table
+    from kvpipe.cache.kv_pool import KVPool
+    from kvpipe.transfer.layout import KVLayout
+
+    _, cfg = _tiny_gpt_oss(["--prompt-lens", "100", "--page-size", "16", "--fragmentation", str(fragmentation)])
+
+    def pool(pages: int) -> KVPool:
+        return KVPool(cfg.num_layers, pages, cfg.page_size, cfg.kv_heads, cfg.head_dim, swa_layers=cfg.sliding_layers)
+
+    src, dst = pool(cfg.prefill_pages), pool(cfg.pool_pages)
+    assert src.num_tensors == 2  # layer 0 shares layer 1's tensors, layer 2 layer 3's
+    g = torch.Generator().manual_seed(0)
+    for t in {id(b): b for b in src.buffers()}.values():
+        t.copy_(torch.randn(t.shape, generator=g))
+    rng = np.random.default_rng(3)
+    src_pages, dst_pages = np.arange(7), fragmented_pages(7, cfg.fragmentation, rng)
+    src_swa, dst_swa = source_window_table(100, cfg), decode_window_table(100, cfg, dst_pages, rng)
+    assert src_swa is not None and dst_swa is not None
+    assert src_swa.tolist() == [-1] * 4 + [7, 8, 9] and (dst_swa[:4] == -1).all()
+    assert not set(dst_swa[4:].tolist()) & set(dst_pages.tolist())
+    plan = plan_request(src_pages, dst_pages, KVLayout.from_pool(src), KVLayout.from_pool(dst), src_swa, dst_swa)
+    # full layers 1, 3: 7 pages; sliding layers 0, 2: 3 pages; 8192 bytes per page, K and V
+    assert plan.nbytes == (2 * 7 + 2 * 3) * 8192 == 163840
+    assert plan.parts[0].layer_ids.tolist() == [1, 3] and plan.parts[1].layer_ids.tolist() == [0, 2]
+    # carry the ops out in memory: the destination's digest of the moved pages matches the source's
+    for s_, d_, n_ in zip(plan.src_addr.tolist(), plan.dst_addr.tolist(), plan.length.tolist()):
+        ctypes.memmove(d_, s_, n_)
+    assert _digest(dst, dst_pages, swa_pages=dst_swa) == _digest(src, src_pages, swa_pages=src_swa)
+    # exactly those: every other byte of the destination is still zero (fp32: 4 bytes an element)
+    written = sum(int(t.count_nonzero()) for t in {id(b): b for b in dst.buffers()}.values())
+    assert written == plan.nbytes // 4
+    # and the digest sees a sliding layer's window page
+    dst.k[0][int(dst_swa[-1])].zero_()
+    assert _digest(dst, dst_pages, swa_pages=dst_swa) != _digest(src, src_pages, swa_pages=src_swa)
+
+
+def test_sliding_table_shows_window_bytes_against_every_page():
+    _, cfg = _tiny_gpt_oss(["--prompt-lens", "100"])
+    length = {"prompt_len": 100, "pages": 7, "bytes": 163840, "kv_bytes": 163840, "state_bytes": 0,
+              "window_pages": 3, "all_pages_bytes": 229376, "window_ratio": 163840 / 229376,
+              "ops_per_request": 8, "kv_ops": 8, "state_ops": 0, "pieces_per_request": 8, "runs": 1,
+              "planning_ms": 0.3, "transfer_ms": 1.0, "raw_ms": 1.0, "best_raw_ms": 1.0, "goodput_gbps": 0.15,
+              "unsplit_goodput_gbps": None, "raw_goodput_gbps": 0.15, "best_raw_goodput_gbps": 0.15,
+              "goodput_ratio": 1.0, "best_raw_ratio": 1.0, "best_raw_ratio_paired": 1.0,
+              "best_raw": {"piece_bytes": 0, "window": 1, "label": "1 op"}, "sweep": [], "split_compare": [],
+              "verified": True}
+    report = summarize({"lengths": [length], "engine_generation": 0}, cfg, None)
+    assert report["config"]["sliding_layers"] == [0, 2] and report["config"]["sliding_window"] == 32
+    table = format_table(report)
+    assert table.startswith("2 of 4 layers sliding (window 32)")
+    assert "    100      0.2           0.2  0.714            3" in table
 
 
 def test_hybrid_table_splits_kv_and_state():
