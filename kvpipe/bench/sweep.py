@@ -219,7 +219,8 @@ def kv_bytes_per_token(model_config: Mapping[str, Any], dtype_bytes: int | None 
     return layers * per_layer * (dtype_bytes or _dtype_bytes(model_config))
 
 
-def kv_wire_bytes(model_config: Mapping[str, Any], page_size: int, dtype_bytes: int | None = None) -> KVWireBytes | None:
+def kv_wire_bytes(model_config: Mapping[str, Any], page_size: int,
+                  dtype_bytes: int | None = None) -> KVWireBytes | None:
     """What a request's KV weighs on the wire, from an HF config.json: every token of the layers
     that keep KV, except that a GPT-OSS model's sliding-window layers send only the prompt's last
     window (kv_wire_bytes.py); for other models request_nbytes(n) is n x kv_bytes_per_token.
