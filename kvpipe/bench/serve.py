@@ -167,8 +167,9 @@ def run_sweep_cmd(args: argparse.Namespace, compare: bool = False) -> int:
     from kvpipe.bench.probe import (count_delta, model_config, read_num_groups, read_server_info, tail_delta,
                                     transfer_count_from_server_info, transfer_tail_from_server_info)
     from kvpipe.bench.stacks import Endpoint, StackOptions, default_stack_factory
-    from kvpipe.bench.sweep import (INPROC, SliceResult, kv_bytes_per_token, parse_modes, parse_prompt_lens,
-                                    run_sweep, run_sweep_interleaved, state_bytes_per_request, sweep_rows)
+    from kvpipe.bench.sweep import (INPROC, SliceResult, kv_bytes_per_token, kv_wire_bytes, parse_modes,
+                                    parse_prompt_lens, run_sweep, run_sweep_interleaved, server_page_size,
+                                    state_bytes_per_request, sweep_rows)
     from kvpipe.bench.testbed import LinkTestbed, LinkTestbedError, parse_rate
     from kvpipe.model.presets import resolve_model_path
 
@@ -245,7 +246,8 @@ def run_sweep_cmd(args: argparse.Namespace, compare: bool = False) -> int:
     except (LinkTestbedError, RuntimeError, TimeoutError) as e:  # a stack that did not start
         raise SystemExit(f"kvpipe bench serve: {e} (server logs in {log_dir})") from None
     hf = model_config(model_path) or {}
-    rows = sweep_rows(points, rate_bps, kv_bytes_per_token(hf), state_bytes_per_request(hf) or 0)
+    rows = sweep_rows(points, rate_bps, kv_bytes_per_token(hf), state_bytes_per_request(hf) or 0,
+                      kv_wire_bytes(hf, server_page_size(opts.server_args)))
     result = {"model_path": model_path, "log_dir": log_dir, "link_rate": args.link_rate or "loopback", "link_rate_bps": rate_bps,
               "modes": modes, "interleaved": args.interleave, "server_args": list(opts.server_args),
               "workload": _config_dict(configs[lens[0]], args) | {"prompt_lens": lens}, "rows": rows,

@@ -24,7 +24,8 @@ from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
-from kvpipe.config import ConfigError, HybridConfig
+from kvpipe.config import ConfigError, HybridConfig, _gpt_oss_attention
+from kvpipe.transfer.kv_wire_bytes import KVWireBytes
 
 E = TypeVar("E")
 BASELINE, PIPELINED, INPROC, DECODE_CACHE, PD = "baseline", "pipelined", "inproc", "decode-cache", "pd"
@@ -200,7 +201,8 @@ def kv_bytes_per_token(model_config: Mapping[str, Any], dtype_bytes: int | None 
     """KV bytes of one token over the layers that keep KV, from an HF config.json: K and V
     (GQA/MHA), or the latent of an MLA model (DeepSeek-V3); a hybrid model's (Qwen3.5)
     full-attention layers only, its linear layers keep a per-request state instead
-    (state_bytes_per_request). None if unknown."""
+    (state_bytes_per_request). None if unknown. Every layer counts, a GPT-OSS model's sliding
+    ones included, though a PD request sends those only their window: kv_wire_bytes."""
     model_config = _text_config(model_config)
     try:
         hybrid = _hybrid(model_config)
@@ -215,6 +217,40 @@ def kv_bytes_per_token(model_config: Mapping[str, Any], dtype_bytes: int | None 
     except (KeyError, TypeError, ValueError, ConfigError):
         return None
     return layers * per_layer * (dtype_bytes or _dtype_bytes(model_config))
+
+
+def kv_wire_bytes(model_config: Mapping[str, Any], page_size: int,
+                  dtype_bytes: int | None = None) -> KVWireBytes | None:
+    """What a request's KV weighs on the wire, from an HF config.json: every token of the layers
+    that keep KV, except that a GPT-OSS model's sliding-window layers send only the prompt's last
+    window (kv_wire_bytes.py); for other models request_nbytes(n) is n x kv_bytes_per_token.
+    None if unknown."""
+    per_token = kv_bytes_per_token(model_config, dtype_bytes)
+    if per_token is None:
+        return None
+    model_config = _text_config(model_config)
+    if model_config.get("model_type") != "gpt_oss":
+        return KVWireBytes(per_token, page_size=page_size)
+    try:
+        attn = _gpt_oss_attention(dict(model_config))
+    except (KeyError, TypeError, ValueError, ConfigError):
+        return None
+    n, n_swa = int(model_config["num_hidden_layers"]), len(attn["sliding_layers"])
+    per_layer = per_token // n
+    return KVWireBytes((n - n_swa) * per_layer, n_swa * per_layer, attn["sliding_window"] if n_swa else None, page_size)
+
+
+def server_page_size(server_args: Sequence[str]) -> int:
+    """The servers' --page-size (tokens per KV page) among their flags, else the default."""
+    from kvpipe.config import CacheConfig
+
+    size = CacheConfig().page_size
+    for i, a in enumerate(server_args):
+        if a == "--page-size" and i + 1 < len(server_args):
+            size = int(server_args[i + 1])
+        elif a.startswith("--page-size="):
+            size = int(a.split("=", 1)[1])
+    return size
 
 
 def state_bytes_per_request(model_config: Mapping[str, Any], dtype_bytes: int | None = None) -> int | None:
@@ -234,12 +270,14 @@ def _get(summary: Mapping[str, Any] | None, key: str) -> Any:
 
 
 def sweep_rows(points: Iterable[SweepPoint], link_rate_bps: float | None = None,
-               kv_bytes_token: int | None = None, state_bytes_request: int = 0) -> list[dict[str, Any]]:
+               kv_bytes_token: int | None = None, state_bytes_request: int = 0,
+               kv_wire: KVWireBytes | None = None) -> list[dict[str, Any]]:
     """One row per (prompt_len, mode), ordered by prompt length then by the order modes ran.
 
     With the link rate and the KV size known, a row also states the ideal transfer time of the
     prompt's KV (plus a hybrid model's per-request state) at line rate and its ratio to compute
-    (T/C, C = the inproc TTFT)."""
+    (T/C, C = the inproc TTFT). The KV size: `kv_wire.request_nbytes(n)` when given (a
+    sliding-window model sends those layers' window only), else n x `kv_bytes_token`."""
     points = list(points)
     mode_order = list(dict.fromkeys(p.mode for p in points))
     by_key = {(p.prompt_len, p.mode): p for p in points}
@@ -250,7 +288,8 @@ def sweep_rows(points: Iterable[SweepPoint], link_rate_bps: float | None = None,
         ttft_inproc = _get(ref.summary if ref else None, "ttft_p50_ms")
         ttft_base = _get(base.summary if base else None, "ttft_p50_ms")
         tail_base = base.transfer_tail_ms if base else None
-        kv_bytes = kv_bytes_token * n if kv_bytes_token else None
+        kv_bytes = (kv_wire.request_nbytes(n) if kv_wire is not None
+                    else kv_bytes_token * n if kv_bytes_token else None)
         wire = kv_bytes + state_bytes_request if kv_bytes else None  # the state goes once per request
         t_ms = wire * 8 / link_rate_bps * 1e3 if wire and link_rate_bps else None
         for mode in mode_order:

@@ -91,11 +91,12 @@ def _shape(args: argparse.Namespace) -> KVShape:
         raise SystemExit(f"kvpipe bench transfer: unknown preset {args.preset!r}; choose from {shape_names()}")
     if s.latent and args.kv_heads not in (None, 1):
         raise SystemExit("kvpipe bench transfer: an MLA latent shape has one KV head (--kv-heads 1)")
-    if s.hybrid is not None and args.layers is not None:
-        # the layer map (which layers keep KV, which a state) comes with the shape
-        raise SystemExit("kvpipe bench transfer: a hybrid shape's layers are fixed by its layer map (no --layers)")
+    if (s.hybrid is not None or s.sliding_layers) and args.layers is not None:
+        # the layer map (which layers keep KV, which a state, which a window) comes with the shape
+        raise SystemExit("kvpipe bench transfer: a hybrid or sliding-window shape's layers are fixed by its layer "
+                         "map (no --layers)")
     return KVShape(args.layers or s.num_layers, args.kv_heads or s.kv_heads, args.head_dim or s.head_dim,
-                   args.dtype or s.dtype, s.latent, s.hybrid)
+                   args.dtype or s.dtype, s.latent, s.hybrid, s.sliding_layers, s.sliding_window)
 
 
 def config_from_args(args: argparse.Namespace, log_path: str, hostname: str = "127.0.0.1",
@@ -113,7 +114,7 @@ def config_from_args(args: argparse.Namespace, log_path: str, hostname: str = "1
                         args.fragmentation, args.window, args.seed, log_path, hostname, netns,
                         max_op_bytes=max_op[0] or None, raw_patterns=raw_patterns(args),
                         compare_max_op_bytes=_sizes(args.compare_split, "--compare-split", 0), latent=s.latent,
-                        hybrid=s.hybrid)
+                        hybrid=s.hybrid, sliding_layers=s.sliding_layers, sliding_window=s.sliding_window)
 
 
 def _sizes(text: str, flag: str, least: int) -> tuple[int, ...]:
@@ -151,6 +152,10 @@ def tp_config_from_args(args: argparse.Namespace, log_path: str, prefill_host: s
     if w.hybrid is not None:
         raise SystemExit("kvpipe bench transfer: heterogeneous-TP mode moves KV only; a hybrid shape's state "
                          "under TP is covered by tests/integration/test_state_transfer.py, not benchmarked")
+    if w.sliding_layers:
+        raise SystemExit("kvpipe bench transfer: heterogeneous-TP mode plans every page of every layer; a "
+                         "sliding-window shape's window pages under TP are covered by "
+                         "tests/integration/test_swa_transfer.py, not benchmarked")
     if min(args.prefill_tp, args.decode_tp) < 1 or max(args.prefill_tp, args.decode_tp) % min(args.prefill_tp,
                                                                                              args.decode_tp):
         raise SystemExit("kvpipe bench transfer: one of --prefill-tp / --decode-tp must divide the other")
@@ -239,8 +244,15 @@ def summarize(result: dict[str, Any], cfg: WorkerConfig, link_rate: str | None) 
                    "raw_patterns": [p.label for p in cfg.raw_patterns],
                    "compare_max_op_bytes": list(cfg.compare_max_op_bytes), "protocol": "tcp",
                    "link_rate": link_rate or "loopback", "engine_generation": result["engine_generation"],
-                   **_hybrid_config(cfg)},
+                   **_hybrid_config(cfg), **_sliding_config(cfg)},
     }
+
+
+def _sliding_config(cfg: WorkerConfig) -> dict[str, Any]:
+    """A sliding-window shape's layer map and window, for the report (nothing otherwise)."""
+    if not cfg.sliding_layers:
+        return {}
+    return {"sliding_layers": list(cfg.sliding_layers), "sliding_window": cfg.sliding_window}
 
 
 def _hybrid_config(cfg: WorkerConfig) -> dict[str, Any]:
@@ -269,6 +281,12 @@ def format_table(report: dict[str, Any], sweep: bool = False) -> str:
         rows.append(f"{'tokens':>7} {'KV MiB':>8} {'state MiB':>9} {'KV ops':>6} {'state ops':>9}")
         rows += [f"{x['prompt_len']:>7} {x['kv_bytes'] / 2**20:>8.1f} {x['state_bytes'] / 2**20:>9.1f} "
                  f"{x['kv_ops']:>6} {x['state_ops']:>9}" for x in report["lengths"]]
+    if "sliding_window" in c:  # the window pages against a bench of every page of every layer
+        rows[0] = (f"{len(c['sliding_layers'])} of {c['layers']} layers sliding (window {c['sliding_window']}), "
+                   + rows[0])
+        rows.append(f"{'tokens':>7} {'KV MiB':>8} {'all pages MiB':>13} {'ratio':>6} {'window pages':>12}")
+        rows += [f"{x['prompt_len']:>7} {x['kv_bytes'] / 2**20:>8.1f} {x['all_pages_bytes'] / 2**20:>13.1f} "
+                 f"{x['window_ratio']:>6.3f} {x['window_pages']:>12}" for x in report["lengths"]]
     rows.append(f"{'tokens':>7} {'MiB':>8} {'ops':>5} {'pieces':>6} {'plan ms':>8} {'xfer ms':>8} {'kvpipe':>7} "
                 f"{'unsplit':>7} {'raw 1op':>7} {'best raw':>8} {'pattern':>10} {'kv/best':>7} {'paired':>6} "
                 f"{'kv/1op':>6} ok")

@@ -4,12 +4,15 @@ A shape is a model preset (kvpipe.model.presets, any family) or one of EXTRA_SHA
 models' KV (and state) without their weights. A hybrid shape (Qwen3.5) keeps KV pages in its
 full-attention layers only, and per request one recurrent-state slot over its linear layers
 (kvpipe/cache/state_pool.py): `num_layers` is then the KV layers and `hybrid` the layer map.
+A sliding-window shape (GPT-OSS) names its sliding layers and window: PD sends those layers
+only the pages of the prompt's last window.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvpipe.cache.window_pages import prompt_window_pages
 from kvpipe.config import HybridConfig
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -23,11 +26,28 @@ class KVShape:
     dtype: str  # of the KV and of a hybrid model's conv state (the model dtype)
     latent: bool = False  # MLA: one latent buffer per layer (kv_heads 1, head_dim = kv_lora_rank + rope dims)
     hybrid: HybridConfig | None = None  # linear-attention layers with a per-request state (Qwen3.5)
+    # GPT-OSS: KV layers that attend to a sliding window of `sliding_window` tokens; a PD request
+    # sends them only the prompt's last window's pages (cache/window_pages.py prompt_window_pages)
+    sliding_layers: tuple[int, ...] = ()
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.sliding_layers and (self.sliding_window is None or self.sliding_window < 1):
+            raise ValueError(f"sliding layers {self.sliding_layers} need a window >= 1, got {self.sliding_window!r}")
 
     @property
     def kv_token_nbytes(self) -> int:
         """KV bytes of one token over the KV layers: K and V, or the one MLA latent."""
         return (1 if self.latent else 2) * self.num_layers * self.kv_heads * self.head_dim * _ITEMSIZE[self.dtype]
+
+    def request_kv_nbytes(self, prompt_len: int, page_size: int) -> int:
+        """KV bytes a PD request of prompt_len tokens moves, in whole pages: the full layers every
+        page, the sliding layers the pages of the prompt's last window."""
+        first, end = (0, -(-prompt_len // page_size)) if not self.sliding_layers else \
+            prompt_window_pages(prompt_len, self.sliding_window or 0, page_size)
+        per_layer_page = self.kv_token_nbytes // self.num_layers * page_size
+        n_swa = len(self.sliding_layers)
+        return (self.num_layers - n_swa) * end * per_layer_page + n_swa * (end - first) * per_layer_page
 
     @property
     def state_nbytes(self) -> int:
@@ -55,6 +75,11 @@ EXTRA_SHAPES: dict[str, KVShape] = {
     # 8 full-attention layers: 32 KiB of KV per token; 24 linear layers: 48 KiB of conv state
     # (bf16) + 2 MiB of recurrent state (fp32) each, 49.1 MiB per request
     "qwen3.5": KVShape(len(_QWEN3_5.full_layers), 4, 256, "bfloat16", hybrid=_QWEN3_5),
+    # GPT-OSS-20B: transformers' GptOssConfig defaults for attention (8 KV heads of head_dim 64,
+    # sliding_window 128, layer_types alternating sliding / full, sliding first) with the 20B's
+    # 24 layers (the defaults' 36 are the 120B's); bf16. 48 KiB of KV per token over all layers,
+    # of which the 12 sliding layers send only the last window's pages.
+    "gpt-oss-20b": KVShape(24, 8, 64, "bfloat16", sliding_layers=tuple(range(0, 24, 2)), sliding_window=128),
 }
 
 
@@ -73,10 +98,6 @@ def lookup_shape(name: str) -> KVShape | None:
     if name not in preset_names():
         return None
     mc = preset_config(name)
-    if mc.sliding_layers:
-        # PD moves only the prompt's last window for these layers (scheduler.py window pages); this
-        # bench moves every page of every layer, which would misstate what such a model sends
-        raise ValueError(f"{name}: sliding-window layers are not a transfer-bench shape yet (PD sends them "
-                         f"their window's pages only; tests/integration/test_pd_sliding_window.py counts them)")
     return KVShape(len(mc.kv_layers), mc.kv_cache_heads, mc.kv_cache_head_dim, mc.dtype, latent=mc.mla is not None,
-                   hybrid=mc.hybrid)
+                   hybrid=mc.hybrid, sliding_layers=mc.sliding_layers,
+                   sliding_window=mc.sliding_window if mc.sliding_layers else None)

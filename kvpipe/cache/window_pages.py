@@ -19,6 +19,13 @@ def window_first_page(next_pos: int, window: int, page_size: int) -> int:
     return max(0, next_pos - window + 1) // page_size
 
 
+def prompt_window_pages(prompt_len: int, window: int, page_size: int) -> tuple[int, int]:
+    """Logical pages [first, end) of a prompt's sliding-layer pages that a PD decode reserves
+    (scheduler.py: the first decode query, at position prompt_len, sees only these) and so the
+    prefill sends; its full layers take all of [0, end)."""
+    return window_first_page(prompt_len, window, page_size), _cdiv(prompt_len, page_size)
+
+
 def window_page_bound(window: int, max_extend: int, page_size: int) -> int:
     """Most sliding-layer pages one request holds at once when a step adds at most `max_extend`
     tokens: keys [p - window + 1, p + n) span at most window - 1 + n tokens, which touch at most

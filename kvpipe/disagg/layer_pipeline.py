@@ -58,11 +58,15 @@ class LayerPipeline:
     def last(self) -> GroupChoice:
         return self.planner.last
 
-    def begin(self, tokens: int, send_tokens: int, send_states: int = 0) -> GroupChoice:
+    def begin(self, tokens: int, send_tokens: int, send_states: int = 0,
+              send_kv_bytes: int | None = None) -> GroupChoice:
         """Choose the groups of a prefill batch of `tokens` new tokens, `send_tokens` of which
         go to a decode, with the final state of `send_states` requests (hybrid models: their
-        last forward); starts its compute timer."""
-        choice = self.planner.choose(tokens, send_tokens * self.token_nbytes + send_states * self.state_nbytes)
+        last forward); starts its compute timer. `send_kv_bytes`: the KV bytes of those tokens
+        when not send_tokens x token_nbytes (sliding-window layers send their window only:
+        kvpipe.transfer.kv_wire_bytes)."""
+        kv = send_tokens * self.token_nbytes if send_kv_bytes is None else send_kv_bytes
+        choice = self.planner.choose(tokens, kv + send_states * self.state_nbytes)
         for obs in self.observers:
             obs.on_layer_groups(tokens, choice)
         self._tokens = tokens

@@ -41,6 +41,7 @@ from kvpipe.engine.request import FinishReason, Req
 from kvpipe.transfer.auth import authenticator
 from kvpipe.transfer.backends.base import TransferBackend
 from kvpipe.transfer.bootstrap import BootstrapServer
+from kvpipe.transfer.kv_wire_bytes import KVWireBytes
 from kvpipe.transfer.sender_book import SenderStats
 from kvpipe.transfer.state import TransferState
 
@@ -89,6 +90,7 @@ class PrefillConnector(PDConnector):
         self._workers: WorkerGroup | None = None
         self._tally: RoomTally | None = None
         self.pipeline: LayerPipeline | None = None
+        self.kv_wire: KVWireBytes | None = None  # KV bytes a chunk puts on the wire (set in start)
 
     # ---- set-up --------------------------------------------------------------------------------
     def start(self, ctx: ConnectorContext) -> None:
@@ -105,6 +107,8 @@ class PrefillConnector(PDConnector):
         state = self.ranks[0].state
         self.pipeline = LayerPipeline(LayerGroupPolicy.parse(d.layer_groups), ctx.model_config.num_layers,
                                       layout.token_nbytes, state_nbytes=0 if state is None else state.slot_nbytes)
+        # sliding-window layers send only the prompt's last window: the planner's T counts that
+        self.kv_wire = KVWireBytes.from_layout(layout, ctx.model_config.sliding_window)
         logger.info("prefill ready: bootstrap port %d, control %s, data %s", self.bootstrap.port,
                     self.ranks[0].control_address, self.ranks[0].data_address)
 
@@ -131,8 +135,8 @@ class PrefillConnector(PDConnector):
     # ---- the forward ---------------------------------------------------------------------------
     def plan_forward(self, batch: ScheduledBatch) -> ForwardPlan:
         """Start the rooms of first-time rows; choose the batch's layer groups."""
-        assert self.pipeline is not None and self._tally is not None
-        starts, rows = [], []
+        assert self.pipeline is not None and self._tally is not None and self.kv_wire is not None
+        starts, rows, kv_bytes = [], [], 0
         for req, pre, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
             r = self._by_rid.get(req.rid)
             if r is None or r.transfer_done:
@@ -143,8 +147,9 @@ class PrefillConnector(PDConnector):
             # the prompt's last forward: a hybrid model's state of each layer group is final
             # after the group, so it can go with the group's KV
             rows.append(ChunkSend(r.room, pre, pre + n, state=pre + n >= len(req.input_ids), swa_pages=_swa(req)))
+            kv_bytes += self.kv_wire.span_nbytes(pre, pre + n, len(req.input_ids))
         choice = self.pipeline.begin(batch.num_tokens, sum(c.token_end - c.token_start for c in rows),
-                                     sum(c.state for c in rows))
+                                     sum(c.state for c in rows), kv_bytes)
         self._piped = tuple(rows) if choice.groups > 1 else ()
         return ForwardPlan(choice.groups, PrefillStep(tuple(starts), self._piped))
 

@@ -8,8 +8,8 @@ from typing import Iterator
 import pytest
 
 from kvpipe.bench.probe import num_groups_from_metrics, num_groups_from_server_info
-from kvpipe.bench.sweep import ModeFlags, SweepPoint, exposed_ratio, kv_bytes_per_token, mode_server_flags, parse_modes, \
-    parse_prompt_lens, run_sweep, state_bytes_per_request, sweep_rows
+from kvpipe.bench.sweep import ModeFlags, SweepPoint, exposed_ratio, kv_bytes_per_token, kv_wire_bytes, \
+    mode_server_flags, parse_modes, parse_prompt_lens, run_sweep, server_page_size, state_bytes_per_request, sweep_rows
 
 
 def s(ttft50: float | None, ttft99: float | None = None, tpot50: float | None = 5.0) -> dict:
@@ -214,3 +214,33 @@ def test_plots_write_pngs(tmp_path) -> None:
              (("baseline", 4000.0, 5e7), ("decode-cache", 800.0, 4e6), ("inproc", 300.0, None))]
     bars = plot_modes(sweep_rows(modes), tmp_path / "modes.png")
     assert bars.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sliding_window_request_bytes_by_hand() -> None:
+    oss = _preset_hf_config("tiny-gpt-oss")  # layers 0, 2 sliding (window 32), fp32, 4 KV heads x 16
+    w = kv_wire_bytes(oss, page_size=16)
+    assert w is not None and (w.full_token_nbytes, w.swa_token_nbytes, w.window) == (1024, 1024, 32)
+    # 100 tokens: sliding layers send pages 4..6 of 16 tokens, tokens 64..99
+    assert w.request_nbytes(100) == 100 * 1024 + 36 * 1024 == 139264
+    # openai/gpt-oss-20b's attention (transformers' GptOssConfig defaults, 24 layers), bf16
+    real = {"model_type": "gpt_oss", "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8,
+            "head_dim": 64, "hidden_size": 2880, "sliding_window": 128, "torch_dtype": "bfloat16"}
+    w = kv_wire_bytes(real, page_size=64)
+    assert w is not None and w.request_nbytes(4096) == (4096 + 128) * 12 * 2048 == 103809024
+    # other models: n x kv_bytes_per_token, the sweep's rows unchanged
+    bench = {"num_hidden_layers": 12, "num_attention_heads": 12, "num_key_value_heads": 4, "head_dim": 64,
+             "hidden_size": 768, "torch_dtype": "float32"}
+    w = kv_wire_bytes(bench, page_size=64)
+    assert w is not None and w.request_nbytes(1000) == 1000 * kv_bytes_per_token(bench)
+    assert kv_wire_bytes({}, page_size=64) is None
+    points = [SweepPoint(n, "inproc", s(100.0)) for n in (100, 4096)]
+    rows = sweep_rows(points, link_rate_bps=8e6, kv_bytes_token=2048, kv_wire=kv_wire_bytes(oss, 16))
+    assert [r["kv_bytes"] for r in rows] == [139264, 4096 * 1024 + 32 * 1024]
+    assert rows[0]["ideal_transfer_ms"] == pytest.approx(139264 * 8 / 8e6 * 1e3)
+    assert [r["kv_bytes"] for r in sweep_rows(points, 8e6, 2048)] == [100 * 2048, 4096 * 2048]
+
+
+def test_server_page_size() -> None:
+    assert server_page_size(()) == 64
+    assert server_page_size(("--tp", "2", "--page-size", "16")) == 16
+    assert server_page_size(("--page-size=32",)) == 32

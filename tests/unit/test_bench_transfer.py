@@ -170,6 +170,8 @@ def test_sliding_shapes_move_the_prompts_last_window_only():
 def test_sliding_plan_moves_full_pages_and_window_pages_exactly(fragmentation):
     """The bench's plan on aliased pools (no engine): bytes against a hand computation, and a
     local copy along its ops lands exactly the digested pages, nothing else."""
+    import ctypes
+
     import torch
 
     from kvpipe.bench.transfer_worker import _digest, decode_window_table, plan_request, source_window_table
@@ -197,12 +199,10 @@ def test_sliding_plan_moves_full_pages_and_window_pages_exactly(fragmentation):
     assert plan.nbytes == (2 * 7 + 2 * 3) * 8192 == 163840
     assert plan.parts[0].layer_ids.tolist() == [1, 3] and plan.parts[1].layer_ids.tolist() == [0, 2]
     # carry the ops out in memory: the destination's digest of the moved pages matches the source's
-    import ctypes
-
     for s_, d_, n_ in zip(plan.src_addr.tolist(), plan.dst_addr.tolist(), plan.length.tolist()):
         ctypes.memmove(d_, s_, n_)
     assert _digest(dst, dst_pages, swa_pages=dst_swa) == _digest(src, src_pages, swa_pages=src_swa)
-    # exactly those: every other byte of the destination is still zero
+    # exactly those: every other byte of the destination is still zero (fp32: 4 bytes an element)
     written = sum(int(t.count_nonzero()) for t in {id(b): b for b in dst.buffers()}.values())
     assert written == plan.nbytes // 4
     # and the digest sees a sliding layer's window page

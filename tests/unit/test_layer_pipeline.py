@@ -157,3 +157,18 @@ def test_a_hybrid_batch_counts_each_final_state_once_whatever_its_length():
     assert pipe.begin(1024, 1024).transfer_ms == pytest.approx(1024 * 512 / 1000)  # a chunk: no state yet
     pipe.end()
     assert pipe.begin(1024, 1024, send_states=2).transfer_ms == pytest.approx((1024 * 512 + 2 * 116736) / 1000)
+
+
+def test_sliding_window_bytes_replace_tokens_x_token_nbytes():
+    # the prefill passes what a chunk weighs on the wire (kv_wire_bytes): a sliding-window model's
+    # sliding layers send the window only, fewer than send_tokens x token_nbytes
+    from kvpipe.transfer.kv_wire_bytes import KVWireBytes
+
+    wire = KVWireBytes(1024, 1024, 32, 16)  # tiny-gpt-oss
+    pipe = LayerPipeline(LayerGroupPolicy(min_tokens=1), num_layers=4, token_nbytes=2048)
+    pipe.planner.compute.observe(1024, 4, 10.0)
+    pipe.planner.link.observe(1000, 1.0)  # 1000 bytes / ms
+    assert pipe.begin(1000, 1000).transfer_ms == pytest.approx(1000 * 2048 / 1000)
+    sent = wire.request_nbytes(1000)
+    assert sent == 1000 * 1024 + 40 * 1024  # window pages from (1000 - 31) // 16 = 60: tokens 960..999
+    assert pipe.begin(1000, 1000, send_kv_bytes=sent).transfer_ms == pytest.approx(sent / 1000)

@@ -148,3 +148,23 @@ def test_a_failure_before_the_first_forward_reaches_the_decode(conn) -> None:
     w.report(0, (10, F, "x"))
     w.report(1, (10, F, "x"))
     assert [e.ok for e in c.poll()] == [False]
+
+
+def test_layer_groups_see_what_a_chunk_weighs_on_the_wire(conn, monkeypatch) -> None:
+    from kvpipe.transfer.kv_wire_bytes import KVWireBytes
+
+    c, _ = conn
+    assert c.pipeline is not None
+    # rank 0's layout: 4 layers, K and V of 1 head x 8, fp32: 256 bytes a token, no sliding layers
+    assert c.kv_wire == KVWireBytes(256, page_size=PS)
+    seen, begin = [], c.pipeline.begin
+    monkeypatch.setattr(c.pipeline, "begin", lambda *a: seen.append(a) or begin(*a))
+    req = admitted(c, "a", 9, 10)
+    prefill(c, req, 0, 6)
+    assert seen[-1][1:] == (6, 0, 6 * 256)  # send_tokens, send_states, send_kv_bytes
+    # as for a sliding-window model (2 of the 4 layers, window 4): the 10-token prompt's window
+    # pages start at page (10 - 3) // 4 = 1, so the sliding layers send all 4 tokens of chunk 6..10
+    c.kv_wire = KVWireBytes(128, 128, 4, PS)
+    prefill(c, req, 6, 10, first=1)
+    assert seen[-1][1:] == (4, 1, 4 * 128 + 4 * 128)
+    assert c.kv_wire.span_nbytes(0, 6, 10) == 6 * 128 + 2 * 128  # tokens 4, 5 of the first chunk
