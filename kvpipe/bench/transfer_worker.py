@@ -142,7 +142,7 @@ def decode_window_table(prompt_len: int, cfg: WorkerConfig, full: np.ndarray,
     full pages; None without sliding layers."""
     if not cfg.sliding_layers:
         return None
-    from kvpipe.transfer.window_pages import window_pages_problem
+    from kvpipe.transfer.window_table import window_pages_problem
 
     first, end = cfg.window_pages(prompt_len)
     table = np.full(end, -1, dtype=np.int64)

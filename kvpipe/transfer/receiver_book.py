@@ -38,7 +38,7 @@ from kvpipe.config import DisaggregationConfig
 from kvpipe.transfer.layout import DecodeRank
 from kvpipe.transfer.messages import Abort, AuxData, Heartbeat, RegisterPeer, Side, TransferRequest, TransferStatus
 from kvpipe.transfer.receiver_room import ReceiverRoom, rank_pairs
-from kvpipe.transfer.window_pages import window_pages_problem
+from kvpipe.transfer.window_table import window_pages_problem
 from kvpipe.transfer.state import DuplicateRoomError, PeerLiveness, RoomRecord, TransferState, receiver_timeouts
 
 if TYPE_CHECKING:  # bootstrap pulls in the HTTP stack; the book only reads the fetched info

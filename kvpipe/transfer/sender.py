@@ -52,7 +52,7 @@ from kvpipe.transfer.sender_room import OpBatch, SendCall, StagedChunk, StagingP
 from kvpipe.transfer.staging import StagingBuffer
 from kvpipe.transfer.state import Clock, TransferState
 from kvpipe.transfer.state_layout import StateLayout
-from kvpipe.transfer.window_pages import window_pages_problem
+from kvpipe.transfer.window_table import window_pages_problem
 
 log = logging.getLogger(__name__)
 

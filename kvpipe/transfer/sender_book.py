@@ -40,7 +40,7 @@ from kvpipe.transfer.sender_room import (ChunkState, Destination, Inflight, OpBa
                                          StagedChunk, StagingPolicy)
 from kvpipe.transfer.staging_ring import RingAllocator
 from kvpipe.transfer.state_layout import StateLayout
-from kvpipe.transfer.window_pages import window_pages_problem
+from kvpipe.transfer.window_table import window_pages_problem
 from kvpipe.transfer.state import DuplicateRoomError, RoomRecord, TransferState, sender_timeouts
 
 log = logging.getLogger(__name__)

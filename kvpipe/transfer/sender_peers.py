@@ -20,7 +20,7 @@ from kvpipe.transfer.state import PeerLiveness
 from kvpipe.transfer.state_layout import StateLayout
 from kvpipe.transfer.state_plan import common_heads
 from kvpipe.transfer.tp_mapping import kv_head_range, slices_for_decode_rank, source_ranks
-from kvpipe.transfer.window_pages import window_pages_problem
+from kvpipe.transfer.window_table import window_pages_problem
 
 log = logging.getLogger(__name__)
 

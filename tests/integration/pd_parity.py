@@ -9,7 +9,7 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from kvpipe.cache.window_pages import window_first_page
+from kvpipe.cache.window_pages import prompt_window_pages
 from kvpipe.config import CacheConfig, ModelConfig, ServerConfig
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import SamplingParams
@@ -50,8 +50,8 @@ def expected_bytes(model_dir: Path, lengths: list[int], page_size: int, p_tp: in
     heads = sum(s.num_heads for s in transfer_slices(p_tp, d_tp, mc.kv_cache_heads))
     sliding = [layer for layer in mc.kv_layers if mc.window(layer) is not None]
     full_pages = sum(-(-n // page_size) for n in lengths)
-    window_pages = sum(-(-n // page_size) - window_first_page(n, mc.sliding_window, page_size)
-                       for n in lengths) if sliding else 0
+    window_pages = sum(end - first for first, end in (prompt_window_pages(n, mc.sliding_window, page_size)
+                                                      for n in lengths)) if sliding else 0
     layer_pages = full_pages * (len(mc.kv_layers) - len(sliding)) + window_pages * len(sliding)
     kv = layer_pages * heads * page_size * mc.kv_cache_head_dim * itemsize * mc.kv_buffers_per_layer
     return kv + len(lengths) * state_slot_nbytes(mc, itemsize)
