@@ -14,7 +14,7 @@ from kvpipe.config import CacheConfig, ModelConfig, ServerConfig
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import SamplingParams
 from kvpipe.transfer.tp_mapping import transfer_slices
-from pd_harness import Stack, disagg_stats, generate, greedy
+from pd_harness import Stack, disagg_stats, generate, greedy, start_stack
 
 # 24 prompt lengths from 1 to 150 tokens: around pages of 16, a window of 32 and chunks of 64
 MANY_LENGTHS = [150, 37, 90, 1, 5, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65, 80, 96, 97, 111, 120, 128, 129, 140]
@@ -89,3 +89,19 @@ def check_parity(stack: Stack, model_dir: Path, ids: list[list[int]], reference,
     assert p["tp_size"] == p_tp and stack.decode.engine_stats()["tp_size"] == d_tp
     if groups > 1:
         assert p["layer_group_batches"].get(str(groups), 0) > 0, p["layer_group_batches"]
+
+
+def run_router_pd(model: tuple[Path, list], tmp_path: Path, flags: list[str], p_tp: int, d_tp: int, groups: int,
+                  lengths: list[int], new_tokens: int, page_size: int) -> None:
+    """A router PD stack of (model dir, colocated reference) on TP (p_tp, d_tp) with `groups`
+    layer groups: check_parity on prompts of `lengths`; the stack's logs are printed on failure."""
+    model_dir, reference = model
+    stack = start_stack(model_dir, tmp_path, *flags, "--disaggregation-layer-groups", str(groups),
+                        prefill_args=("--tp-size", str(p_tp)), decode_args=("--tp-size", str(d_tp)))
+    try:
+        check_parity(stack, model_dir, prompts(lengths), reference, new_tokens, page_size, p_tp, d_tp, groups)
+    except BaseException:
+        print(stack.logs())
+        raise
+    finally:
+        stack.close()

@@ -12,10 +12,8 @@ import pytest
 
 from kvpipe.config import ModelConfig
 from kvpipe.engine.engine import Engine
-from kvpipe.engine.request import FinishReason
 from kvpipe.model.presets import write_preset
-from kvpipe.transfer.backends import FailureInjection
-from test_pd_inprocess import PS, colocated_greedy, make_pair, prompts
+from test_pd_inprocess import PS, colocated_greedy, failures_then_decode_abort, make_pair, prompts
 
 pytestmark = pytest.mark.integration
 LENS = [1, 15, 16, 17, 40, 100]
@@ -84,25 +82,4 @@ def check_greedy_and_bytes(model_dir: Path, reference, chunk: int, groups: int) 
 
 
 def test_failures_and_aborts_free_state_slots(model_dir, reference):
-    with make_pair(model_dir, chunk=32, inject=FailureInjection(prob=0.3, seed=3)) as pair:
-        ps = prompts(11, [20, 64, 90, 130, 47])
-        reqs = [pair.reqs(ids) for ids in ps]
-        pair.run(reqs)
-        failed = [d for _, d in reqs if d.finish_reason is FinishReason.ABORT]
-        ok = [(d, ids) for (_, d), ids in zip(reqs, ps) if d.finish_reason is not FinishReason.ABORT]
-        assert failed and ok, "the seed should give both outcomes"
-        for d, ids in ok:
-            assert d.output_ids == reference(ids)
-        pair.settle()
-        assert_slots_free(pair.prefill, pair.decode)
-        # a decode abort while the prefill computes
-        a = pair.reqs(prompts(1, [200])[0])
-        pair.prefill.add_request(a[0])
-        pair.decode.add_request(a[1])
-        pair.prefill.step()
-        pair.decode.step()
-        pair.decode.abort(a[1].rid)
-        pair.run([], until=lambda: a[0].finished and a[1].finished)
-        assert a[1].finish_reason is FinishReason.ABORT
-        pair.settle()
-        assert_slots_free(pair.prefill, pair.decode)
+    failures_then_decode_abort(model_dir, reference, lambda pair: assert_slots_free(pair.prefill, pair.decode))

@@ -169,6 +169,33 @@ def prompts(seed: int, lens: list[int]) -> list[list[int]]:
     return [[rnd.randrange(3, 290) for _ in range(n)] for n in lens]
 
 
+def failures_then_decode_abort(model_dir: Path, reference, check_free=lambda pair: None) -> None:
+    """Injected write failures (seeded: some rooms fail, some succeed with the colocated tokens),
+    then a decode abort while the prefill computes; after each, both sides settle with every page
+    free, and `check_free(pair)` checks whatever else must be free (state slots)."""
+    with make_pair(model_dir, chunk=32, inject=FailureInjection(prob=0.3, seed=3)) as pair:
+        ps = prompts(11, [20, 64, 90, 130, 47])
+        reqs = [pair.reqs(ids) for ids in ps]
+        pair.run(reqs)
+        failed = [d for _, d in reqs if d.finish_reason is FinishReason.ABORT]
+        ok = [(d, ids) for (_, d), ids in zip(reqs, ps) if d.finish_reason is not FinishReason.ABORT]
+        assert failed and ok, "the seed should give both outcomes"
+        for d, ids in ok:
+            assert d.output_ids == reference(ids)
+        pair.settle()
+        check_free(pair)
+        a = pair.reqs(prompts(1, [200])[0])
+        pair.prefill.add_request(a[0])
+        pair.decode.add_request(a[1])
+        pair.prefill.step()
+        pair.decode.step()
+        pair.decode.abort(a[1].rid)
+        pair.run([], until=lambda: a[0].finished and a[1].finished)
+        assert a[1].finish_reason is FinishReason.ABORT
+        pair.settle()
+        check_free(pair)
+
+
 LENS = [1, 2, 15, 16, 17, 40, 100, 333]
 
 

@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 
 from kvpipe.model.presets import write_preset
-from pd_harness import start_stack
-from pd_parity import MANY_LENGTHS, check_parity, colocated_reference, prompts
+from pd_parity import MANY_LENGTHS, colocated_reference, prompts, run_router_pd
 
 pytest.importorskip("mooncake.engine")
 pytestmark = pytest.mark.integration
@@ -74,13 +73,4 @@ def test_pd_hybrid_matches_colocated(hybrid: tuple[Path, list], tmp_path: Path, 
 
 def run_pd(model: tuple[Path, list], tmp_path: Path, p_tp: int, d_tp: int, groups: int,
            lengths: list[int] = LENGTHS) -> None:
-    model_dir, reference = model
-    stack = start_stack(model_dir, tmp_path, *FLAGS, "--disaggregation-layer-groups", str(groups),
-                        prefill_args=("--tp-size", str(p_tp)), decode_args=("--tp-size", str(d_tp)))
-    try:
-        check_parity(stack, model_dir, prompts(lengths), reference, NEW, PS, p_tp, d_tp, groups)
-    except BaseException:
-        print(stack.logs())
-        raise
-    finally:
-        stack.close()
+    run_router_pd(model, tmp_path, FLAGS, p_tp, d_tp, groups, lengths, NEW, PS)

@@ -13,8 +13,7 @@ import pytest
 
 from kvpipe.cache.window_pages import window_first_page
 from kvpipe.model.presets import write_preset
-from pd_harness import start_stack
-from pd_parity import MANY_LENGTHS, check_parity, colocated_reference, prompts
+from pd_parity import MANY_LENGTHS, colocated_reference, prompts, run_router_pd
 
 pytest.importorskip("mooncake.engine")
 pytestmark = pytest.mark.integration
@@ -42,13 +41,4 @@ def test_prompts_reach_past_the_window() -> None:
 @pytest.mark.parametrize("p_tp,d_tp,groups", PAIRINGS)
 def test_pd_sliding_window_matches_colocated(gpt_oss: tuple[Path, list], tmp_path: Path, p_tp: int, d_tp: int,
                                              groups: int) -> None:
-    model_dir, reference = gpt_oss
-    stack = start_stack(model_dir, tmp_path, *FLAGS, "--disaggregation-layer-groups", str(groups),
-                        prefill_args=("--tp-size", str(p_tp)), decode_args=("--tp-size", str(d_tp)))
-    try:
-        check_parity(stack, model_dir, prompts(LENGTHS), reference, NEW, PS, p_tp, d_tp, groups)
-    except BaseException:
-        print(stack.logs())
-        raise
-    finally:
-        stack.close()
+    run_router_pd(gpt_oss, tmp_path, FLAGS, p_tp, d_tp, groups, LENGTHS, NEW, PS)

@@ -12,11 +12,9 @@ from pathlib import Path
 import pytest
 
 from kvpipe.config import ModelConfig
-from kvpipe.engine.request import FinishReason
 from kvpipe.model.presets import write_preset
-from kvpipe.transfer.backends import FailureInjection
 from pd_parity import expected_bytes
-from test_pd_inprocess import PS, colocated_greedy, make_pair, prompts
+from test_pd_inprocess import PS, colocated_greedy, failures_then_decode_abort, make_pair, prompts
 
 pytestmark = pytest.mark.integration
 LENS = [1, 16, 31, 33, 40, 64, 100, 150]
@@ -53,23 +51,4 @@ def test_greedy_matches_colocated_and_only_window_pages_move(model_dir, referenc
 
 
 def test_failures_and_aborts_free_every_page(model_dir, reference):
-    with make_pair(model_dir, chunk=32, inject=FailureInjection(prob=0.3, seed=3)) as pair:
-        ps = prompts(11, [20, 64, 90, 130, 47])
-        reqs = [pair.reqs(ids) for ids in ps]
-        pair.run(reqs)
-        failed = [d for _, d in reqs if d.finish_reason is FinishReason.ABORT]
-        ok = [(d, ids) for (_, d), ids in zip(reqs, ps) if d.finish_reason is not FinishReason.ABORT]
-        assert failed and ok, "the seed should give both outcomes"
-        for d, ids in ok:
-            assert d.output_ids == reference(ids)
-        pair.settle()
-        # a decode abort while the prefill computes
-        a = pair.reqs(prompts(1, [200])[0])
-        pair.prefill.add_request(a[0])
-        pair.decode.add_request(a[1])
-        pair.prefill.step()
-        pair.decode.step()
-        pair.decode.abort(a[1].rid)
-        pair.run([], until=lambda: a[0].finished and a[1].finished)
-        assert a[1].finish_reason is FinishReason.ABORT
-        pair.settle()
+    failures_then_decode_abort(model_dir, reference)  # settle() checks both page tables' pages

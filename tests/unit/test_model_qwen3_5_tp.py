@@ -1,5 +1,7 @@
 """Qwen3.5 under tensor parallelism (gloo, CPU): tp=2 and tp=4 give the logits and greedy tokens
-of tp=1, and each rank's StatePool holds exactly its heads' slice of the recurrent state."""
+of tp=1, and each rank's StatePool holds exactly its heads' slice of the recurrent state. The MoE
+variant (experts and shared expert split by their intermediate dim, the shared-expert gate
+replicated, one all-reduce per MoE block) at tp=2."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ pytest.importorskip("transformers.models.qwen3_5")
 
 from kvpipe.config import ParallelConfig  # noqa: E402
 from kvpipe.model.loader import load_model  # noqa: E402
-from qwen3_5_utils import F, L, greedy_generate, hf_qwen3_5, incremental_logits, pools, save  # noqa: E402
+from qwen3_5_utils import F, L, greedy_generate, hf_qwen3_5, hf_qwen3_5_moe, incremental_logits, pools, save  # noqa: E402
 
 PAGE = 4
 IDS = list(range(3, 30))  # 27 tokens: 19 prompt (prefilled in chunks of 5) + 8 decode steps
@@ -44,17 +46,17 @@ def _worker(rank: int, world: int, init_file: str, model_dir: str, out: str) -> 
     os._exit(0)  # skip gloo's teardown (see test_model_tp.py)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    # 4 linear key heads / 8 value heads / 4 query heads split over 4 ranks; 2 KV heads replicate at tp=4
-    hf = hf_qwen3_5(seed=3, num_hidden_layers=4, layer_types=[L, F, L, F], linear_num_key_heads=4,
-                    linear_num_value_heads=8, attention_bias=True)
-    return str(save(hf, tmp_path_factory.mktemp("q35_tp")))
+# 4 linear key heads / 8 value heads / 4 query heads split over 4 ranks; 2 KV heads replicate at tp=4
+MODELS = {"dense": lambda: hf_qwen3_5(seed=3, num_hidden_layers=4, layer_types=[L, F, L, F], linear_num_key_heads=4,
+                                      linear_num_value_heads=8, attention_bias=True),
+          "moe": lambda: hf_qwen3_5_moe(seed=3, layer_types=[L, F, L, F], linear_num_key_heads=4,
+                                        linear_num_value_heads=8)}
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [2, 4])
-def test_tp_matches_tp1(world, model_dir, tmp_path):
+@pytest.mark.parametrize("family,world", [("dense", 2), ("dense", 4), ("moe", 2)])
+def test_tp_matches_tp1(family, world, tmp_path):
+    model_dir = str(save(MODELS[family](), tmp_path / "model"))
     mp.spawn(_worker, args=(world, str(tmp_path / "rendezvous"), model_dir, str(tmp_path)), nprocs=world, join=True)
     want = _run(Path(model_dir), ParallelConfig())
     heads = 8 // world
