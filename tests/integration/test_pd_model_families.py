@@ -1,7 +1,7 @@
 """PD through sglang-router for the MoE and MLA families (issue 13): Qwen3-MoE and MiniMax-M2
 (GQA KV, sparse MLP) and DeepSeek-V3 (MLA latent KV, group-limited MoE), on TP pairings
-(1,2), (2,1), (2,4) with layer pipelining on and off (MiniMax-M2, whose KV layout is Qwen3-MoE's,
-on (2,4) only), token-exact against the colocated engine.
+(1,2), (2,1), (2,4) with layer pipelining on and off (Qwen3-MoE and MiniMax-M2, whose KV layouts
+are the same, share them), token-exact against the colocated engine.
 The bytes every prefill rank writes equal the prediction for the layout: K/V head slices for the
 GQA families, and for MLA one whole latent per decode rank, read from exactly one prefill rank.
 The hybrid Qwen3.5 (issue 12: KV of its full-attention layers plus each request's recurrent
@@ -36,8 +36,9 @@ HYBRID_LENGTHS = MANY_LENGTHS
 
 
 # MiniMax-M2 moves the same GQA K/V layout as Qwen3-MoE (what differs, its routing and whole-q/k
-# norm, is TP-tested in test_model_moe.py): only the widest pairing, to keep make test short
-CASES = [(f, pairing) for f in FAMILIES for pairing in PAIRINGS if f != "tiny-minimax-m2" or pairing[1] == 4]
+# norm, is TP-tested in test_model_moe.py): the two share the pairings, to keep make test short
+GQA_MOE = {"tiny-qwen3-moe": [(1, 2, 2), (2, 4, 2)], "tiny-minimax-m2": [(2, 1, 1)]}
+CASES = [(f, pairing) for f in FAMILIES for pairing in GQA_MOE.get(f, PAIRINGS)]
 
 
 @pytest.fixture(scope="module")
