@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from kvpipe.config import ModelConfig
 from kvpipe.engine.engine import Engine
 from kvpipe.model.presets import write_preset
+from pd_parity import expected_bytes
 from test_pd_inprocess import PS, colocated_greedy, failures_then_decode_abort, make_pair, prompts
 
 pytestmark = pytest.mark.integration
@@ -27,17 +27,6 @@ def model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def reference(model_dir):
     yield from colocated_greedy(model_dir)
-
-
-def expected_bytes(model_dir: Path, lengths: list[int]) -> int:
-    """KV pages of the full-attention layers (fp32, K and V) plus one whole state slot per request."""
-    mc = ModelConfig.from_dir(model_dir)
-    h = mc.hybrid
-    assert h is not None
-    kv = sum(-(-n // PS) for n in lengths) * PS * mc.num_kv_heads * mc.head_dim * 4 * 2 * len(mc.kv_layers)
-    slot = len(h.linear_layers) * (h.conv_dim * (h.conv_kernel - 1) * 4
-                                   + h.linear_value_heads * h.linear_key_head_dim * h.linear_value_head_dim * 4)
-    return kv + len(lengths) * slot
 
 
 def assert_slots_free(*engines: Engine) -> None:
@@ -74,7 +63,7 @@ def check_greedy_and_bytes(model_dir: Path, reference, chunk: int, groups: int) 
             assert d.output_ids == reference(ids), f"prompt of {len(ids)} tokens: {d.finish_detail}"
         st = pair.prefill.stats()["disaggregation"]
         assert (st["rooms_succeeded"], st["rooms_failed"]) == (len(ps), 0)
-        assert st["bytes_written"] == expected_bytes(model_dir, LENS)
+        assert st["bytes_written"] == expected_bytes(model_dir, LENS, PS, 1, 1)
         if groups > 1:
             assert pair.pipeline.counters.batches_by_groups.get(groups, 0) > 0
         pair.settle()

@@ -210,16 +210,20 @@ def test_sliding_plan_moves_full_pages_and_window_pages_exactly(fragmentation):
     assert _digest(dst, dst_pages, swa_pages=dst_swa) != _digest(src, src_pages, swa_pages=src_swa)
 
 
+def _timed_row(**shape) -> dict:
+    """One length's result as the workers report it: `shape` (sizes and ops) plus fixed timings."""
+    return {**shape, "planning_ms": 0.3, "transfer_ms": 1.0, "raw_ms": 1.0, "best_raw_ms": 1.0, "goodput_gbps": 0.15,
+            "unsplit_goodput_gbps": None, "raw_goodput_gbps": 0.15, "best_raw_goodput_gbps": 0.15,
+            "goodput_ratio": 1.0, "best_raw_ratio": 1.0, "best_raw_ratio_paired": 1.0,
+            "best_raw": {"piece_bytes": 0, "window": 1, "label": "1 op"}, "sweep": [], "split_compare": [],
+            "verified": True}
+
+
 def test_sliding_table_shows_window_bytes_against_every_page():
     _, cfg = _tiny_gpt_oss(["--prompt-lens", "100"])
-    length = {"prompt_len": 100, "pages": 7, "bytes": 163840, "kv_bytes": 163840, "state_bytes": 0,
-              "window_pages": 3, "all_pages_bytes": 229376, "window_ratio": 163840 / 229376,
-              "ops_per_request": 8, "kv_ops": 8, "state_ops": 0, "pieces_per_request": 8, "runs": 1,
-              "planning_ms": 0.3, "transfer_ms": 1.0, "raw_ms": 1.0, "best_raw_ms": 1.0, "goodput_gbps": 0.15,
-              "unsplit_goodput_gbps": None, "raw_goodput_gbps": 0.15, "best_raw_goodput_gbps": 0.15,
-              "goodput_ratio": 1.0, "best_raw_ratio": 1.0, "best_raw_ratio_paired": 1.0,
-              "best_raw": {"piece_bytes": 0, "window": 1, "label": "1 op"}, "sweep": [], "split_compare": [],
-              "verified": True}
+    length = _timed_row(prompt_len=100, pages=7, bytes=163840, kv_bytes=163840, state_bytes=0, window_pages=3,
+                        all_pages_bytes=229376, window_ratio=163840 / 229376, ops_per_request=8, kv_ops=8,
+                        state_ops=0, pieces_per_request=8, runs=1)
     report = summarize({"lengths": [length], "engine_generation": 0}, cfg, None)
     assert report["config"]["sliding_layers"] == [0, 2] and report["config"]["sliding_window"] == 32
     table = format_table(report)
@@ -231,13 +235,8 @@ def test_hybrid_table_splits_kv_and_state():
     p = argparse.ArgumentParser()
     add_args(p)
     cfg = config_from_args(p.parse_args(["--preset", "tiny-qwen3.5", "--prompt-lens", "64"]), "/tmp/x.log")
-    length = {"prompt_len": 64, "pages": 4, "bytes": 32768 + 116736, "kv_bytes": 32768, "state_bytes": 116736,
-              "ops_per_request": 8, "kv_ops": 2, "state_ops": 6, "pieces_per_request": 8, "runs": 1,
-              "planning_ms": 0.3, "transfer_ms": 1.0, "raw_ms": 1.0, "best_raw_ms": 1.0, "goodput_gbps": 0.15,
-              "unsplit_goodput_gbps": None, "raw_goodput_gbps": 0.15, "best_raw_goodput_gbps": 0.15,
-              "goodput_ratio": 1.0, "best_raw_ratio": 1.0, "best_raw_ratio_paired": 1.0,
-              "best_raw": {"piece_bytes": 0, "window": 1, "label": "1 op"}, "sweep": [], "split_compare": [],
-              "verified": True}
+    length = _timed_row(prompt_len=64, pages=4, bytes=32768 + 116736, kv_bytes=32768, state_bytes=116736,
+                        ops_per_request=8, kv_ops=2, state_ops=6, pieces_per_request=8, runs=1)
     report = summarize({"lengths": [length], "engine_generation": 0}, cfg, None)
     assert report["config"]["model_layers"] == 4 and report["config"]["kv_layers"] == [3]
     table = format_table(report)
