@@ -19,6 +19,7 @@ from kvpipe.cache.kv_pool import KVPool
 from kvpipe.config import ConfigError, ModelConfig, ParallelConfig
 from kvpipe.model.attention import paged_attention
 from kvpipe.model.forward_batch import ForwardBatch
+from kvpipe.model.packed_linear import can_pack, pack_weight, packed_linear
 from kvpipe.model.qk_norm import ShardedRMSNorm, whole_qk_norm
 from kvpipe.model.rope import apply_rope
 
@@ -55,18 +56,32 @@ class Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  all_reduce: bool = False, group: dist.ProcessGroup | None = None,
-                 shard: Shard | None = None) -> None:
+                 shard: Shard | None = None, packable: bool = True) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.packable = packable  # False: other code reads the dense weight (MLA's absorbed kv_b_proj)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.all_reduce = all_reduce  # row-parallel: sum partial products across the TP group
         self.group = group
         self.shard = shard  # None: the whole checkpoint tensor
 
+    def pack(self) -> bool:
+        """Swap the dense weight for its oneDNN-packed form (packed_linear.py), once loaded;
+        False where it cannot be packed (not CPU fp32)."""
+        if not (self.packable and can_pack(self.weight)):
+            return False
+        self.weight = nn.Parameter(pack_weight(self.weight), requires_grad=False)
+        return True
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.weight.is_mkldnn:
+            return packed_linear(x, self.weight, bias)
+        return F.linear(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.all_reduce:
-            return F.linear(x, self.weight, self.bias)
-        y = F.linear(x, self.weight)
+            return self._matmul(x, self.bias)
+        y = self._matmul(x, None)
         dist.all_reduce(y, group=self.group)
         # the bias is replicated: add it once, after the reduction
         return y if self.bias is None else y + self.bias

@@ -78,8 +78,9 @@ class LMBase(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Final norm + lm_head on the rows in batch.logit_indices -> [B_out, vocab] fp32."""
         h = self.norm(hidden[batch.logit_indices])
-        weight = self.embed_tokens if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, weight).float()
+        if self.lm_head is None:  # tied: the embedding table (dense, the lookup needs it)
+            return F.linear(h, self.embed_tokens).float()
+        return self.lm_head(h).float()
 
 
 class CausalLM(LMBase):

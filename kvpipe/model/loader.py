@@ -21,6 +21,7 @@ from kvpipe.config import HYBRID_FAMILIES, SUPPORTED_ARCHITECTURES, ConfigError,
 from kvpipe.model.layers import Linear, Shard
 from kvpipe.model.factory import build_causal_lm
 from kvpipe.model.llama import LMBase, check_parallel
+from kvpipe.model.packed_linear import packing_enabled
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -259,7 +260,15 @@ def load_model(model_dir: str | Path, parallel: ParallelConfig = ParallelConfig(
                 raise ConfigError(f"{model_dir}: tensor {hf} has shape {tuple(t.shape)}, "
                                   f"expected {tuple(p.shape)} for this config and tp rank")
             p.copy_(t)
+    if packing_enabled():
+        pack_linears(model)
     return model.eval()
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Pack every Linear's weight for oneDNN where it can be (CPU fp32, packed_linear.py);
+    returns how many were packed."""
+    return sum(m.pack() for m in model.modules() if isinstance(m, Linear))
 
 
 def load_generation_eos(model_dir: str | Path) -> tuple[int, ...]:

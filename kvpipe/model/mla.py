@@ -82,7 +82,8 @@ class MLAttention(nn.Module):
             self.q_b_proj = Linear(mla.q_lora_rank, h * qk, shard=q_rows)
         self.kv_a_proj_with_mqa = Linear(hidden, mla.latent_dim, bias)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = Linear(mla.kv_lora_rank, h * kvb, shard=Shard.rows(parallel, h0 * kvb, h * kvb))
+        self.kv_b_proj = Linear(mla.kv_lora_rank, h * kvb, shard=Shard.rows(parallel, h0 * kvb, h * kvb),
+                                packable=False)  # decode reads its heads' blocks (absorbed form)
         self.o_proj = Linear(h * mla.v_head_dim, hidden, bias, all_reduce=parallel.tp_size > 1, group=group,
                              shard=Shard.cols(parallel, h0 * mla.v_head_dim, h * mla.v_head_dim))
 
