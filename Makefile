@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml
 	# CPU torch first, pinned, so nothing later pulls a CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[mooncake,router,bench,test]'
+	# build the C++ CPU kernels now, so servers start without a compile (never fails setup)
+	$(BIN)/python -m kvpipe.model.cpu_kernels
 	touch $(STAMP)
 
 setup: system-deps $(STAMP)

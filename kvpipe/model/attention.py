@@ -2,8 +2,10 @@
 
 Three shapes of work, picked per forward from the ForwardBatch (the scheduler never mixes
 prefill and decode rows in one step):
-- decode (every row adds one token): one pass for the whole batch over its pages, gathered once
-  per layer with one `index_select` per K/V (DecodeIndex), no per-row Python work;
+- decode (every row adds one token): one pass for the whole batch over its pages (DecodeIndex), no
+  per-row Python work. On CPU the C++ kernel (cpu_kernels/paged_decode.cpp) reads the pages in
+  place; elsewhere, or without the kernel, they are gathered once per layer with one
+  `index_select` per K/V and `attend_pages` (the reference semantics) runs on the copy;
 - prefill of a row with nothing cached: causal SDPA straight on the new K/V (no gather, no
   materialised mask; torch's CPU flash kernel skips the masked half);
 - prefill of a row behind a cached prefix (a later chunk, a prefix-cache hit): SDPA over the
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 
 from kvpipe.cache.kv_pool import KVPool
 from kvpipe.cache.window_pages import window_first_page
+from kvpipe.model.cpu_kernels import paged_decode_kernel
 from kvpipe.model.forward_batch import DecodeIndex, ForwardBatch, SeqSpan
 from kvpipe.model.sink_attention import window_attention
 
@@ -108,6 +111,10 @@ def decode_attention(q: torch.Tensor, layer: int, index: DecodeIndex, pool: KVPo
     A sliding layer masks the keys before its window (its index, ForwardBatch.swa's, starts at
     the page the window starts in).
     """
+    kernel = paged_decode_kernel() if q.device.type == "cpu" else None
+    if kernel is not None:  # reads the pages in place: no gather, no per-tile matmuls
+        return kernel(q, pool.k[layer], pool.v[layer], index.page_table, index.lens, index.key_start, scale,
+                      window, sinks)
     b, n, page = index.batch_size, index.num_pages, pool.page_size
     hkv, d = pool.kv_heads, pool.head_dim
     kp = pool.k[layer].index_select(0, index.pages).view(b, n, hkv, page, d)

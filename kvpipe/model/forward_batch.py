@@ -52,6 +52,11 @@ class DecodeIndex:
     def num_pages(self) -> int:
         return int(self.valid.shape[1])
 
+    @property
+    def page_table(self) -> torch.Tensor:
+        """`pages` as [B, n_pages] (a view), the layout the CPU decode kernel walks."""
+        return self.pages.view(self.batch_size, self.num_pages)
+
     @classmethod
     def build(cls, seqs: "tuple[SeqSpan, ...]", page_size: int, window: int | None = None) -> "DecodeIndex":
         """window: index only the pages each row's window reaches (its new token at total_len - 1)."""

@@ -35,6 +35,7 @@ from torch import nn
 from kvpipe.cache.kv_pool import KVPool
 from kvpipe.config import ModelConfig, ParallelConfig
 from kvpipe.model.attention import attend_pages, causal_attention, prefix_attention
+from kvpipe.model.cpu_kernels import paged_decode_kernel
 from kvpipe.model.forward_batch import DecodeIndex, ForwardBatch
 from kvpipe.model.layers import Linear, RMSNorm, Shard
 from kvpipe.model.rope import apply_rope, apply_rope_interleaved, rope_type, yarn_get_mscale
@@ -137,6 +138,11 @@ class MLAttention(nn.Module):
         w_uk, w_uv = w[:, :self.nope_dim], w[:, self.nope_dim:]  # [H, nope, C], [H, v, C]
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, C]
         q = torch.cat([q_lat, q_rope], dim=-1)  # [B, H, C + rope], against latent rows [c | k_rope]
-        pages = pool.k[self.layer].index_select(0, index.pages).view(b, n, 1, pool.page_size, pool.head_dim)
-        o_lat = attend_pages(q, pages, pages[..., :c], index.valid, self.scale)  # [B, H, C]: values are c itself
+        kernel = paged_decode_kernel() if q.device.type == "cpu" else None
+        latent = pool.k[self.layer]  # [N, 1, P, C + rope]
+        if kernel is not None:  # the latent pages in place; values are their prefix view [..., :C]
+            o_lat = kernel(q, latent, latent[..., :c], index.page_table, index.lens, index.key_start, self.scale)
+        else:
+            pages = latent.index_select(0, index.pages).view(b, n, 1, pool.page_size, pool.head_dim)
+            o_lat = attend_pages(q, pages, pages[..., :c], index.valid, self.scale)  # [B, H, C]: values are c itself
         return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, H, v]

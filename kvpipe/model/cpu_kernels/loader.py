@@ -1,0 +1,70 @@
+"""JIT build and load of the C++ CPU kernels (paged_decode.cpp), once per process.
+
+The extension compiles on the machine that runs it (`-march=native`) into a per-user cache keyed
+by torch version, ~/.cache/kvpipe/kernels/torch-<version> or $KVPIPE_KERNEL_DIR; torch's
+cpp_extension rebuilds it when the source or flags change and locks the directory, so servers
+starting together build it once. `make setup` builds it ahead of time (`python -m
+kvpipe.model.cpu_kernels`). KVPIPE_CPU_KERNELS=0 turns the kernels off; a failed build (no
+compiler, no ninja) logs one warning and every caller falls back to the torch path.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_decode.cpp")
+EXTENSION_NAME = "kvpipe_paged_decode"
+DISABLE_ENV = "KVPIPE_CPU_KERNELS"
+DIR_ENV = "KVPIPE_KERNEL_DIR"
+# -fopenmp: at::parallel_for is inline OpenMP in ATen's headers (the .so then shares torch's libgomp)
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
+
+
+def kernels_enabled() -> bool:
+    return os.environ.get(DISABLE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def build_dir() -> Path:
+    env = os.environ.get(DIR_ENV)
+    return Path(env) if env else Path.home() / ".cache" / "kvpipe" / "kernels" / f"torch-{torch.__version__}"
+
+
+def _ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; a venv used without activation has it next to its python only."""
+    if shutil.which("ninja") is None:
+        import ninja  # the PyPI package ships the binary
+
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+
+
+def build(source: Path | None = None, directory: Path | None = None, verbose: bool = False) -> ModuleType:
+    """Compile (or reuse) and import the extension; raises when it cannot be built."""
+    from torch.utils.cpp_extension import load
+
+    _ninja_on_path()
+    source = source or SOURCE
+    directory = directory or build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    return load(name=EXTENSION_NAME, sources=[str(source)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                build_directory=str(directory), verbose=verbose)
+
+
+@functools.cache
+def load_extension() -> ModuleType | None:
+    """The built extension, or None (one warning) when the build fails. Memoised per process."""
+    try:
+        return build()
+    except Exception as e:  # no compiler, no ninja, a compile error: the torch path still works
+        reason = str(e).strip().splitlines()
+        log.warning("CPU attention kernels unavailable, using the torch path: %s: %s",
+                    type(e).__name__, reason[-1] if reason else "")
+        return None

@@ -1,0 +1,34 @@
+"""Python face of paged_decode.cpp: decode attention over KV pages read in place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from kvpipe.model.cpu_kernels.loader import kernels_enabled, load_extension
+
+
+@dataclass(frozen=True)
+class PagedDecode:
+    """The loaded kernel. Same semantics as attention.attend_pages, computed without a gather."""
+
+    ext: ModuleType
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pages: torch.Tensor,
+                 lens: torch.Tensor, key_start: torch.Tensor, scale: float, window: int | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q [B, Hq, D]; k [N, Hkv, P, D], v [N, Hkv, P, Dv] (one layer's pool, any strides but a
+        contiguous last dim: v may be a prefix view of k); pages [B, n] int64 (row b's key i*P+j
+        is position key_start[b] + i*P + j); lens, key_start [B] int64; window: each row sees its
+        last `window` keys only; sinks [Hq] or None -> [B, Hq, Dv] in q's dtype."""
+        return self.ext.paged_decode(q, k, v, pages, lens, key_start, window or 0, sinks, scale)
+
+
+def paged_decode_kernel() -> PagedDecode | None:
+    """The kernel, built on first use; None when KVPIPE_CPU_KERNELS=0 or the build failed."""
+    if not kernels_enabled():
+        return None
+    ext = load_extension()
+    return None if ext is None else PagedDecode(ext)

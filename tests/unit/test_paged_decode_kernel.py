@@ -1,0 +1,165 @@
+"""The C++ CPU paged decode kernel (kvpipe/model/cpu_kernels) against attend_pages, the torch
+reference, on random pools: dtypes, GQA groups, head dims, page sizes, ragged rows (length 1,
+page boundaries), padding pages, sinks, sliding windows (key_start > 0), MLA-shaped latent pages
+(v a prefix view of k); and the fallbacks (disabled by env, failed build)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpipe.cache.kv_pool import KVPool
+from kvpipe.model.attention import attend_pages, decode_attention
+from kvpipe.model.cpu_kernels import loader, paged_decode_kernel
+from kvpipe.model.forward_batch import DecodeIndex, SeqSpan
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2),
+       torch.float16: dict(atol=2e-3, rtol=2e-3)}
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = paged_decode_kernel()
+    assert k is not None, "the kernel did not build on this machine (g++ and ninja are needed)"
+    return k
+
+
+def make_index(gen: torch.Generator, lens: list[int], page: int, num_pages: int,
+               window: int | None) -> DecodeIndex:
+    """Rows of context `lens` on scattered pages of a pool of num_pages (page 0 left for padding)."""
+    perm = torch.randperm(num_pages - 1, generator=gen) + 1
+    seqs, used = [], 0
+    for b, n in enumerate(lens):
+        pages = -(-n // page)
+        seqs.append(SeqSpan(b, 1, n - 1, perm[used:used + pages].clone()))
+        used += pages
+    return DecodeIndex.build(tuple(seqs), page, window)
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: DecodeIndex, scale: float,
+              window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """attend_pages on the gathered pages, in fp32 (the kernel accumulates in fp32 too)."""
+    b, n = index.batch_size, index.num_pages
+    kp = k.float().index_select(0, index.pages).view(b, n, *k.shape[1:])
+    vp = v.float().index_select(0, index.pages).view(b, n, *v.shape[1:])
+    valid = index.valid if window is None else index.window_valid(window)
+    return attend_pages(q.float(), kp, vp, valid, scale, None if sinks is None else sinks.float())
+
+
+def check(kernel, dtype: torch.dtype, lens: list[int], kv_heads: int, group: int, head_dim: int,
+          page: int, window: int | None = None, sinks: bool = False, mla_v: int | None = None,
+          seed: int = 0) -> None:
+    """mla_v: v is k[..., :mla_v] (one latent head), as MLA decode passes it."""
+    gen = torch.Generator().manual_seed(seed)
+    num_pages = sum(-(-n // page) for n in lens) + 3
+    k = torch.randn(num_pages, kv_heads, page, head_dim, generator=gen).to(dtype)
+    v = k[..., :mla_v] if mla_v is not None else torch.randn(k.shape, generator=gen).to(dtype)
+    q = torch.randn(len(lens), kv_heads * group, head_dim, generator=gen).to(dtype)
+    s = torch.randn(kv_heads * group, generator=gen) * 2 if sinks else None
+    index = make_index(gen, lens, page, num_pages, window)
+    scale = head_dim ** -0.5
+    out = kernel(q, k, v, index.page_table, index.lens, index.key_start, scale, window, s)
+    assert out.dtype == dtype and out.shape == (len(lens), kv_heads * group, v.shape[-1])
+    torch.testing.assert_close(out.float(), reference(q, k, v, index, scale, window, s), **TOL[dtype])
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> dict:
+    page = draw(st.sampled_from([1, 4, 16, 64]))
+    rows = draw(st.integers(1, 6))
+    # lengths near page boundaries are the interesting ones
+    lens = [max(1, draw(st.integers(0, 4)) * page + draw(st.integers(-1, 1))) for _ in range(rows)]
+    lens = [draw(st.sampled_from([n, draw(st.integers(1, 150))])) for n in lens]
+    return dict(dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])), lens=lens,
+                kv_heads=draw(st.sampled_from([1, 2, 4])), group=draw(st.sampled_from([1, 2, 4, 8])),
+                head_dim=draw(st.sampled_from([40, 64, 128])), page=page,
+                window=draw(st.one_of(st.none(), st.integers(1, 100))), sinks=draw(st.booleans()),
+                seed=draw(st.integers(0, 2**16)))
+
+
+@settings(max_examples=80, deadline=None)
+@given(cases())
+def test_kernel_matches_attend_pages(kernel, case: dict) -> None:
+    check(kernel, **case)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_batch_33_page_boundaries(kernel, dtype: torch.dtype, group: int) -> None:
+    # 33 rows: one task per (row, KV head) split over threads unevenly; lengths 1, P-1, P, P+1, ...
+    lens = [1 + (i * 7) % 64 if i % 3 else 16 * (i % 5) + (i % 2) or 1 for i in range(33)]
+    check(kernel, dtype, lens, kv_heads=2, group=group, head_dim=64, page=16)
+
+
+@pytest.mark.parametrize("window", [None, 1, 5, 16, 40])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_windows_and_sinks(kernel, window: int | None, sinks: bool) -> None:
+    # rows longer than the window index from the page the window starts in (key_start > 0)
+    check(kernel, torch.float32, [1, 15, 16, 17, 63, 100], kv_heads=2, group=4, head_dim=64, page=16,
+          window=window, sinks=sinks)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page", [1, 16, 64])
+def test_mla_latent_pages(kernel, dtype: torch.dtype, page: int) -> None:
+    # one latent head [C + rope] = 72 + 8, values its first C numbers, 16 query heads
+    check(kernel, dtype, [1, 30, 64, 65, 129], kv_heads=1, group=16, head_dim=80, page=page, mla_v=72)
+
+
+def test_single_row_single_token(kernel) -> None:
+    check(kernel, torch.float32, [1], kv_heads=4, group=3, head_dim=64, page=64)
+
+
+def test_decode_attention_uses_kernel_and_env_disables_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """decode_attention gives the same answer through the kernel and through the torch path."""
+    gen = torch.Generator().manual_seed(3)
+    pool = KVPool(1, 20, 4, 2, 32)
+    pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=gen))
+    pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=gen))
+    index = make_index(gen, [3, 9, 17], 4, 20, None)
+    q = torch.randn(3, 4, 32, generator=gen)
+    monkeypatch.setenv(loader.DISABLE_ENV, "1")
+    assert paged_decode_kernel() is not None
+    fast = decode_attention(q, 0, index, pool, 0.2)
+    monkeypatch.setenv(loader.DISABLE_ENV, "0")
+    assert paged_decode_kernel() is None
+    torch.testing.assert_close(fast, decode_attention(q, 0, index, pool, 0.2), atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture
+def fresh_loader() -> Iterator[None]:
+    loader.load_extension.cache_clear()
+    yield
+    loader.load_extension.cache_clear()  # the next caller loads the real kernel again
+
+
+def test_failed_build_warns_once_and_falls_back(fresh_loader: None, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    broken = tmp_path / "paged_decode.cpp"
+    broken.write_text('#error "this kernel does not compile"\n')
+    monkeypatch.setattr(loader, "SOURCE", broken)
+    monkeypatch.setenv(loader.DIR_ENV, str(tmp_path / "build"))
+    with caplog.at_level(logging.WARNING, logger=loader.__name__):
+        assert paged_decode_kernel() is None
+        assert paged_decode_kernel() is None  # memoised: no second build, no second warning
+    warnings = [r for r in caplog.records if "torch path" in r.getMessage()]
+    assert len(warnings) == 1
+    assert (tmp_path / "build").is_dir()
+
+
+def test_missing_compiler_falls_back(fresh_loader: None, monkeypatch: pytest.MonkeyPatch,
+                                     caplog: pytest.LogCaptureFixture) -> None:
+    def no_compiler(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("g++: command not found")
+
+    monkeypatch.setattr(loader, "build", no_compiler)
+    with caplog.at_level(logging.WARNING, logger=loader.__name__):
+        assert paged_decode_kernel() is None
+    assert "g++: command not found" in caplog.text
