@@ -1,7 +1,8 @@
 """JIT build and load of the C++ CPU kernels (paged_decode.cpp), once per process.
 
 The extension compiles on the machine that runs it (`-march=native`) into a per-user cache keyed
-by torch version, ~/.cache/kvpipe/kernels/torch-<version> or $KVPIPE_KERNEL_DIR; torch's
+by torch version and CPU (`-march=native` code must not load on another CPU sharing the home
+directory), ~/.cache/kvpipe/kernels/torch-<version>-<cpu key> or $KVPIPE_KERNEL_DIR; torch's
 cpp_extension rebuilds it when the source or flags change and locks the directory, so servers
 starting together build it once. `make setup` builds it ahead of time (`python -m
 kvpipe.model.cpu_kernels`). KVPIPE_CPU_KERNELS=0 turns the kernels off; a failed build (no
@@ -11,8 +12,10 @@ compiler, no ninja) logs one warning and every caller falls back to the torch pa
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
+import platform
 import shutil
 from pathlib import Path
 from types import ModuleType
@@ -33,9 +36,22 @@ def kernels_enabled() -> bool:
     return os.environ.get(DISABLE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def cpu_key() -> str:
+    """Short digest of this CPU's model name and instruction-set flags (Linux /proc/cpuinfo;
+    elsewhere the machine name)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        ident = "|".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))}))
+    except OSError:
+        ident = ""
+    return hashlib.sha256((ident or platform.machine()).encode()).hexdigest()[:12]
+
+
 def build_dir() -> Path:
     env = os.environ.get(DIR_ENV)
-    return Path(env) if env else Path.home() / ".cache" / "kvpipe" / "kernels" / f"torch-{torch.__version__}"
+    if env:
+        return Path(env)
+    return Path.home() / ".cache" / "kvpipe" / "kernels" / f"torch-{torch.__version__}-{cpu_key()}"
 
 
 def _ninja_on_path() -> None:
