@@ -69,6 +69,8 @@ class TransferWorker(KVConnectorWorker):
         if isinstance(cmd, SendChunks):
             for s in cmd.sends:
                 self._send(s)
+            # submit them here, between forwards, instead of after the sender thread's wake-up
+            self._prefill_sender().pump()
         elif isinstance(cmd, FailRooms):
             for room, reason in cmd.rooms:
                 self._fail(room, reason)

@@ -7,6 +7,7 @@
                                                   # (+ src_swa_pages: window table, swa layouts)
     sender.send(room, t0, t1, layer_start, layer_end)          # KV of tokens < t1 ready (chunk,
     sender.send(room, t0, n, last=True, aux=(token_id, logprob))  # layer group); final call
+    sender.pump()                                 # optional: submit what is queued now, here
     for room, state, reason in sender.poll(): ...  # Success or Failed: free the room's pages now
     sender.take_timings()                         # bytes and busy seconds of rooms that succeeded
     sender.abort(room, "client went away")        # the room turns Failed; poll reports it later
@@ -19,7 +20,7 @@ What happens inside: a receive thread (control.py) hands RegisterPeer (a decode 
 addresses, validated once per session), TransferRequest (room -> dst pages, prefix_len; validated;
 kept until add_room if it comes first), Abort and Heartbeat to the `SenderBook` (sender_book.py,
 all decisions, no I/O). A worker thread plans queued send() calls, submits write batches within
-`max_inflight_ops`, polls them, enforces deadlines, sends heartbeats and declares silent decodes
+`max_inflight_ops` (or `pump()` does one such pass on the caller's thread), polls them, enforces deadlines, sends heartbeats and declares silent decodes
 dead. After the last batch landed every destination gets TransferStatus(SUCCESS, aux); a failed
 room first drains its in-flight writes, then gets TransferStatus(FAILED): prefill's final word,
 after which nothing it sent can still land. poll() reports a room only once it is drained, so
@@ -82,6 +83,9 @@ class KVSender:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        # one worker pass at a time: the worker thread's, or pump()'s on the engine's thread
+        self._pass_lock = threading.Lock()
+        self._progress_at = clock()  # (under _pass_lock) when a pass last submitted or finished a batch
         self._auth = authenticator(cfg.auth_token)  # control frames and the bootstrap registration
         self._endpoint = ControlEndpoint(host, self._on_message, name=f"kvsender-{tp_rank}",
                                          send_hwm=cfg.control_send_hwm, auth=self._auth)
@@ -256,38 +260,60 @@ class KVSender:
         self._wake.set()
 
     def _run(self) -> None:
-        delay = self.cfg.tick_s
         while not self._stop.is_set():
             self._wake.clear()
-            busy = progressed = False
-            try:
-                with self._lock:
-                    now = self._clock()
-                    for addr in self._book.housekeeping(now):
-                        self._endpoint.disconnect(addr)
-                    take, cancels, watch = self._book.take_work(now)
-                    gathers = self._book.take_gathers()
-                if gathers:
-                    done = [(r, ch, self._gather(ch)) for r, ch in gathers]
-                    with self._lock:
-                        self._book.gathered(done, self._clock())
-                    self._wake.set()  # the slot requests are out: look again soon
-                fresh = [(r, b, *self._submit(b)) for r, b in take]
-                for inf, why in cancels:
-                    self.backend.cancel(inf.handle, why)
-                polled = [(r, inf, self.backend.poll(inf.handle)) for r, inf in watch]
-                progressed = bool(fresh) or any(st is not BatchState.PENDING for _, _, st in polled)
-                with self._lock:
-                    busy = self._book.record(fresh, polled, self._clock())
-            except Exception:  # never let the worker die: rooms would hang until their deadlines
-                log.exception("prefill rank %d transfer worker error", self.tp_rank)
+            with self._pass_lock:
+                busy, _ = self._pass()
+                stalled_s = self._clock() - self._progress_at
             if busy:
-                # back off while nothing finishes (slow link); a new send() wakes us at once
-                delay = self.cfg.tick_s if progressed else min(2 * delay, self.cfg.max_tick_s)
-                self._wake.wait(delay)
+                # back off while nothing finishes (slow link), by a quarter of the time since the
+                # last progress: a write of a few ms is seen done within ~1/4 of its time (doubling
+                # the sleep saw it up to its whole time late), a slow one is polled at most every
+                # max_tick_s; a new send() wakes us at once
+                self._wake.wait(min(max(self.cfg.tick_s, stalled_s / 4), self.cfg.max_tick_s))
             else:
-                delay = self.cfg.tick_s
                 self._wake.wait(self.cfg.idle_tick_s)
+
+    def pump(self) -> None:
+        """Run one pass of the worker on the calling thread now: what send() queued is planned
+        and submitted before this returns. The engine calls it after the sends between two
+        forwards, so a prompt's KV leaves without waiting for the worker thread to be scheduled
+        (on a loaded core that wake-up cost ms of TTFT); the worker thread still polls it."""
+        if self._stop.is_set():
+            return
+        with self._pass_lock:
+            self._pass()
+        self._wake.set()  # the worker takes over polling what was submitted here
+
+    def _pass(self) -> tuple[bool, bool]:
+        """One round of the worker (caller holds _pass_lock): housekeeping, plan and submit queued
+        sends, cancel, poll in-flight batches. Returns (writes in flight, something progressed)."""
+        try:
+            with self._lock:
+                now = self._clock()
+                for addr in self._book.housekeeping(now):
+                    self._endpoint.disconnect(addr)
+                take, cancels, watch = self._book.take_work(now)
+                gathers = self._book.take_gathers()
+            if gathers:
+                done = [(r, ch, self._gather(ch)) for r, ch in gathers]
+                with self._lock:
+                    self._book.gathered(done, self._clock())
+                self._wake.set()  # the slot requests are out: look again soon
+            fresh = [(r, b, *self._submit(b)) for r, b in take]
+            for inf, why in cancels:
+                self.backend.cancel(inf.handle, why)
+            polled = [(r, inf, self.backend.poll(inf.handle)) for r, inf in watch]
+            progressed = bool(fresh) or any(st is not BatchState.PENDING for _, _, st in polled)
+            with self._lock:
+                now = self._clock()
+                busy = self._book.record(fresh, polled, now)
+            if progressed or not busy:
+                self._progress_at = now
+            return busy, progressed
+        except Exception:  # never let the worker die: rooms would hang until their deadlines
+            log.exception("prefill rank %d transfer worker error", self.tp_rank)
+            return False, False
 
     def _gather(self, ch: StagedChunk) -> str | None:
         assert self._stager is not None and ch.local is not None
