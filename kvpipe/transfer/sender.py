@@ -278,12 +278,17 @@ class KVSender:
         """Run one pass of the worker on the calling thread now: what send() queued is planned
         and submitted before this returns. The engine calls it after the sends between two
         forwards, so a prompt's KV leaves without waiting for the worker thread to be scheduled
-        (on a loaded core that wake-up cost ms of TTFT); the worker thread still polls it."""
+        (on a loaded core that wake-up cost ms of TTFT); the worker thread still polls it. If
+        the worker is in a pass already, that pass or the next (woken now) takes the sends: waiting
+        for it would queue the engine behind a thread that may not even be scheduled."""
         if self._stop.is_set():
             return
-        with self._pass_lock:
-            self._pass()
-        self._wake.set()  # the worker takes over polling what was submitted here
+        if self._pass_lock.acquire(blocking=False):
+            try:
+                self._pass()
+            finally:
+                self._pass_lock.release()
+        self._wake.set()  # the worker polls what was submitted here, or takes the sends
 
     def _pass(self) -> tuple[bool, bool]:
         """One round of the worker (caller holds _pass_lock): housekeeping, plan and submit queued
