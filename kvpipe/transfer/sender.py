@@ -62,11 +62,13 @@ class KVSender:
     def __init__(self, cfg: DisaggregationConfig, *, layout: KVLayout, backend: TransferBackend, tp_rank: int = 0,
                  tp_size: int = 1, model_name: str, instance_id: str | None = None, host: str = "127.0.0.1",
                  clock: Clock = time.monotonic, staging: StagingBuffer | None = None,
-                 state_layout: StateLayout | None = None) -> None:
+                 state_layout: StateLayout | None = None, on_news: Callable[[], None] | None = None) -> None:
         """`staging`: a registered local staging buffer over this rank's KV (staging.py); with
         cfg.staging "on" or "auto" sends to decode ranks that offer a staging ring are staged.
         `state_layout`: this rank's registered recurrent-state pool (hybrid models): layer ranges
-        of send() are then model layers, and every room names its state slot in add_room."""
+        of send() are then model layers, and every room names its state slot in add_room.
+        `on_news` (called on the worker's or pump()'s thread once a room is ready for poll()): e.g.
+        wake the engine loop, whose answer for the room waits for it, instead of its poll timer."""
         if instance_id is None:
             if tp_size != 1:
                 raise ValueError("with tp_size > 1 every rank needs the same instance_id")
@@ -79,6 +81,7 @@ class KVSender:
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.model_name, self.instance_id = model_name, instance_id
         self.session_id = f"{instance_id}/{tp_rank}"
+        self._on_news = on_news
         self._clock = clock
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -313,8 +316,11 @@ class KVSender:
             with self._lock:
                 now = self._clock()
                 busy = self._book.record(fresh, polled, now)
+                news = self._book.has_news()
             if progressed or not busy:
                 self._progress_at = now
+            if news and self._on_news is not None:
+                self._on_news()
             return busy, progressed
         except Exception:  # never let the worker die: rooms would hang until their deadlines
             log.exception("prefill rank %d transfer worker error", self.tp_rank)
