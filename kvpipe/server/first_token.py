@@ -17,7 +17,7 @@ from kvpipe.engine.request import TokenOutput
 
 # How long the engine thread waits for the loop to take a first token; it waits only on steps that
 # carry one, and a loop busier than this leaves it to the loop's own pace (the old behaviour).
-FIRST_TOKEN_HANDOFF_S = 0.005
+FIRST_TOKEN_HANDOFF_S = 0.002
 
 
 class FirstTokens:
