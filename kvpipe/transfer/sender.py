@@ -20,11 +20,12 @@ What happens inside: a receive thread (control.py) hands RegisterPeer (a decode 
 addresses, validated once per session), TransferRequest (room -> dst pages, prefix_len; validated;
 kept until add_room if it comes first), Abort and Heartbeat to the `SenderBook` (sender_book.py,
 all decisions, no I/O). A worker thread plans queued send() calls, submits write batches within
-`max_inflight_ops` (or `pump()` does one such pass on the caller's thread), polls them, enforces deadlines, sends heartbeats and declares silent decodes
-dead. After the last batch landed every destination gets TransferStatus(SUCCESS, aux); a failed
-room first drains its in-flight writes, then gets TransferStatus(FAILED): prefill's final word,
-after which nothing it sent can still land. poll() reports a room only once it is drained, so
-freeing its pages is safe. Backend calls run outside the lock (a local submit copies inline).
+`max_inflight_ops` (`pump()` runs one such pass on the caller's thread), polls them, enforces
+deadlines, sends heartbeats and declares silent decodes dead. After the last batch landed every
+destination gets TransferStatus(SUCCESS, aux); a failed room first drains its in-flight writes,
+then gets TransferStatus(FAILED): prefill's final word, after which nothing it sent can still land.
+poll() reports a room only once it is drained, so freeing its pages is safe. Backend calls run
+outside the lock (a local submit copies inline).
 
 Session id of this rank on the wire: f"{instance_id}/{tp_rank}" (the decode derives it from the
 bootstrap info to match heartbeats).
@@ -266,7 +267,7 @@ class KVSender:
         while not self._stop.is_set():
             self._wake.clear()
             with self._pass_lock:
-                busy, _ = self._pass()
+                busy = self._pass()
                 stalled_s = self._clock() - self._progress_at
             if busy:
                 # back off while nothing finishes (slow link), by a quarter of the time since the
@@ -293,9 +294,9 @@ class KVSender:
                 self._pass_lock.release()
         self._wake.set()  # the worker polls what was submitted here, or takes the sends
 
-    def _pass(self) -> tuple[bool, bool]:
+    def _pass(self) -> bool:
         """One round of the worker (caller holds _pass_lock): housekeeping, plan and submit queued
-        sends, cancel, poll in-flight batches. Returns (writes in flight, something progressed)."""
+        sends, cancel, poll in-flight batches. Returns True while writes are queued or in flight."""
         try:
             with self._lock:
                 now = self._clock()
@@ -321,10 +322,10 @@ class KVSender:
                 self._progress_at = now
             if news and self._on_news is not None:
                 self._on_news()
-            return busy, progressed
+            return busy
         except Exception:  # never let the worker die: rooms would hang until their deadlines
             log.exception("prefill rank %d transfer worker error", self.tp_rank)
-            return False, False
+            return False
 
     def _gather(self, ch: StagedChunk) -> str | None:
         assert self._stager is not None and ch.local is not None
