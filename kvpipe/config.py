@@ -466,9 +466,9 @@ class DisaggregationConfig:
     http_timeout_s: float = 2.0  # one bootstrap HTTP call
     control_send_hwm: int = 10000  # queued control messages per peer before sends are dropped
     tick_s: float = 0.0005  # sender worker sleep between backend polls while writes are in flight
-    # ... doubled after each poll that finished nothing, up to this: on a slow link a write takes
-    # far longer than a tick, and polling at 2 kHz would take CPU (and the GIL) from the prefill
-    # forward that layer-pipelined transfer overlaps with
+    # ... growing to a quarter of the time since a batch last finished (or was submitted), up to
+    # this: on a slow link a write takes far longer than a tick, and polling at 2 kHz would take
+    # CPU (and the GIL) from the prefill forward that layer-pipelined transfer overlaps with
     max_tick_s: float = 0.004
     idle_tick_s: float = 0.01  # worker sleep when nothing is in flight
     # Shared secret of a PD deployment (transfer/auth.py): authenticates bootstrap registrations

@@ -102,6 +102,10 @@ class PrefillConnector(PDConnector):
         self.bootstrap = BootstrapServer(host, d.bootstrap_port, authenticator(d.auth_token)).start()
         reg_host = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
         start = StartPrefill(uuid.uuid4().hex[:12], (reg_host, self.bootstrap.port))
+        if self.local_worker is not None:
+            # a finished room ends the loop's poll-interval sleep at once: its held answer is what
+            # sglang-router waits for before it streams the decode's first token (traced)
+            self.local_worker.on_news = ctx.wake
         self._start_ranks(ctx.workers, start)
         layout = self.ranks[0].layout
         state = self.ranks[0].state

@@ -61,6 +61,9 @@ class TransferWorker(KVConnectorWorker):
         self._sent_stats: SenderStats | None = None
         self._next_stats = 0.0
         self._closed = False
+        # set by rank 0's connector before the start: the sender wakes the engine loop with it when
+        # a room is ready to report (a TP child's reports reach rank 0 on its poll timer)
+        self.on_news: Callable[[], None] | None = None
 
     # ---- between forwards ------------------------------------------------------------------
     def handle(self, cmd: object) -> object | None:
@@ -69,6 +72,8 @@ class TransferWorker(KVConnectorWorker):
         if isinstance(cmd, SendChunks):
             for s in cmd.sends:
                 self._send(s)
+            # submit them here, between forwards, instead of after the sender thread's wake-up
+            self._prefill_sender().pump()
         elif isinstance(cmd, FailRooms):
             for room, reason in cmd.rooms:
                 self._fail(room, reason)
@@ -100,7 +105,7 @@ class TransferWorker(KVConnectorWorker):
             self.sender = KVSender(d, layout=self.layout, backend=self.backend,
                                    tp_rank=self.rank, tp_size=self.cfg.tp_size, model_name=self.cfg.model_name,
                                    instance_id=cmd.instance_id, host=data_host(self.cfg), staging=buf,
-                                   state_layout=self.state_layout)
+                                   state_layout=self.state_layout, on_news=self.on_news)
             self.sender.start(bootstrap=cmd.bootstrap)
             control = self.sender.control_address
         elif staging:  # decode: a staging ring on this rank, scattered by this process

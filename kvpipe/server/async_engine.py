@@ -4,7 +4,8 @@ One dedicated thread owns the engine: it loads it, then loops `step()` while the
 there is none it sleeps on a `threading.Event`, for as long as `poll_interval()` allows (only
 transfers in flight: a few ms) or until add_request / abort / stop set the event (cleared
 *before* `poll_interval()` is asked, so a wake-up is never lost). Step outputs go
-to per-request asyncio queues through `loop.call_soon_threadsafe`. `generate()` is an async
+to per-request asyncio queues through `loop.call_soon_threadsafe` (a step with a request's first
+token waits until the loop took it: first_token.py). `generate()` is an async
 iterator of cumulative `RequestOutput`s; leaving it early for any reason (client disconnect,
 cancellation, error) aborts the request in the engine, which frees its pages.
 """
@@ -22,6 +23,7 @@ from kvpipe.engine.errors import EngineLost
 from kvpipe.engine.request import FinishReason, Req, TokenOutput
 from kvpipe.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvpipe.server.errors import APIError
+from kvpipe.server.first_token import FIRST_TOKEN_HANDOFF_S, FirstTokens
 from kvpipe.server.metrics import ServerMetrics
 from kvpipe.server.protocol import GenerateInput
 from kvpipe.server.request_tracker import RequestOutput, RequestTracker
@@ -69,6 +71,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stopping = False
         self._queues: dict[str, asyncio.Queue] = {}
+        self._first_tokens = FirstTokens()  # engine thread only
         self.metrics: ServerMetrics | None = None
         self.fatal_error: BaseException | None = None
 
@@ -150,22 +153,38 @@ class AsyncEngine:
                     if failures >= MAX_CONSECUTIVE_STEP_FAILURES:
                         self._fatal(e)
                         return
+                    self._first_tokens.reset()
                     self._post(self._fail_all, f"engine step failed: {type(e).__name__}: {e}")
                     continue
                 if outs:
-                    self._post(self._dispatch, outs)
+                    self._hand_over(outs)
         finally:
             try:
                 engine.shutdown()
             except Exception:  # noqa: BLE001
                 logger.exception("engine shutdown failed")
 
+    def _hand_over(self, outs: list[TokenOutput]) -> None:
+        """Post a step's outputs to the event loop; a step with a request's first token waits
+        (briefly) until the loop has taken it, so the next forward does not hold the core the loop
+        thread needs to send it (first_token.py)."""
+        if not self._first_tokens.any_first(outs):
+            self._post(self._dispatch, outs)
+            return
+        taken = threading.Event()
+        self._post(self._dispatch, outs, taken)
+        taken.wait(FIRST_TOKEN_HANDOFF_S)
+
     # ---- event loop side -------------------------------------------------------------------------
-    def _dispatch(self, outs: list[TokenOutput]) -> None:
+    def _dispatch(self, outs: list[TokenOutput], taken: threading.Event | None = None) -> None:
         for out in outs:
             q = self._queues.get(out.rid)
             if q is not None:  # else: the request already ended here (stop string, disconnect)
                 q.put_nowait(out)
+        if taken is not None:
+            # set after the callbacks these puts scheduled: the streams that write the tokens out
+            assert self._loop is not None
+            self._loop.call_soon(taken.set)
 
     def _fail_all(self, message: str) -> None:
         for rid, q in list(self._queues.items()):

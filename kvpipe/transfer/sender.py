@@ -7,6 +7,7 @@
                                                   # (+ src_swa_pages: window table, swa layouts)
     sender.send(room, t0, t1, layer_start, layer_end)          # KV of tokens < t1 ready (chunk,
     sender.send(room, t0, n, last=True, aux=(token_id, logprob))  # layer group); final call
+    sender.pump()                                 # optional: submit what is queued now, here
     for room, state, reason in sender.poll(): ...  # Success or Failed: free the room's pages now
     sender.take_timings()                         # bytes and busy seconds of rooms that succeeded
     sender.abort(room, "client went away")        # the room turns Failed; poll reports it later
@@ -19,11 +20,12 @@ What happens inside: a receive thread (control.py) hands RegisterPeer (a decode 
 addresses, validated once per session), TransferRequest (room -> dst pages, prefix_len; validated;
 kept until add_room if it comes first), Abort and Heartbeat to the `SenderBook` (sender_book.py,
 all decisions, no I/O). A worker thread plans queued send() calls, submits write batches within
-`max_inflight_ops`, polls them, enforces deadlines, sends heartbeats and declares silent decodes
-dead. After the last batch landed every destination gets TransferStatus(SUCCESS, aux); a failed
-room first drains its in-flight writes, then gets TransferStatus(FAILED): prefill's final word,
-after which nothing it sent can still land. poll() reports a room only once it is drained, so
-freeing its pages is safe. Backend calls run outside the lock (a local submit copies inline).
+`max_inflight_ops` (`pump()` runs one such pass on the caller's thread), polls them, enforces
+deadlines, sends heartbeats and declares silent decodes dead. After the last batch landed every
+destination gets TransferStatus(SUCCESS, aux); a failed room first drains its in-flight writes,
+then gets TransferStatus(FAILED): prefill's final word, after which nothing it sent can still land.
+poll() reports a room only once it is drained, so freeing its pages is safe. Backend calls run
+outside the lock (a local submit copies inline).
 
 Session id of this rank on the wire: f"{instance_id}/{tp_rank}" (the decode derives it from the
 bootstrap info to match heartbeats).
@@ -61,11 +63,13 @@ class KVSender:
     def __init__(self, cfg: DisaggregationConfig, *, layout: KVLayout, backend: TransferBackend, tp_rank: int = 0,
                  tp_size: int = 1, model_name: str, instance_id: str | None = None, host: str = "127.0.0.1",
                  clock: Clock = time.monotonic, staging: StagingBuffer | None = None,
-                 state_layout: StateLayout | None = None) -> None:
+                 state_layout: StateLayout | None = None, on_news: Callable[[], None] | None = None) -> None:
         """`staging`: a registered local staging buffer over this rank's KV (staging.py); with
         cfg.staging "on" or "auto" sends to decode ranks that offer a staging ring are staged.
         `state_layout`: this rank's registered recurrent-state pool (hybrid models): layer ranges
-        of send() are then model layers, and every room names its state slot in add_room."""
+        of send() are then model layers, and every room names its state slot in add_room.
+        `on_news` (called on the worker's or pump()'s thread once a room is ready for poll()): e.g.
+        wake the engine loop, whose answer for the room waits for it, instead of its poll timer."""
         if instance_id is None:
             if tp_size != 1:
                 raise ValueError("with tp_size > 1 every rank needs the same instance_id")
@@ -78,10 +82,14 @@ class KVSender:
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.model_name, self.instance_id = model_name, instance_id
         self.session_id = f"{instance_id}/{tp_rank}"
+        self._on_news = on_news
         self._clock = clock
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        # one worker pass at a time: the worker thread's, or pump()'s on the engine's thread
+        self._pass_lock = threading.Lock()
+        self._progress_at = clock()  # (under _pass_lock) when a pass last submitted or finished a batch
         self._auth = authenticator(cfg.auth_token)  # control frames and the bootstrap registration
         self._endpoint = ControlEndpoint(host, self._on_message, name=f"kvsender-{tp_rank}",
                                          send_hwm=cfg.control_send_hwm, auth=self._auth)
@@ -256,38 +264,68 @@ class KVSender:
         self._wake.set()
 
     def _run(self) -> None:
-        delay = self.cfg.tick_s
         while not self._stop.is_set():
             self._wake.clear()
-            busy = progressed = False
-            try:
-                with self._lock:
-                    now = self._clock()
-                    for addr in self._book.housekeeping(now):
-                        self._endpoint.disconnect(addr)
-                    take, cancels, watch = self._book.take_work(now)
-                    gathers = self._book.take_gathers()
-                if gathers:
-                    done = [(r, ch, self._gather(ch)) for r, ch in gathers]
-                    with self._lock:
-                        self._book.gathered(done, self._clock())
-                    self._wake.set()  # the slot requests are out: look again soon
-                fresh = [(r, b, *self._submit(b)) for r, b in take]
-                for inf, why in cancels:
-                    self.backend.cancel(inf.handle, why)
-                polled = [(r, inf, self.backend.poll(inf.handle)) for r, inf in watch]
-                progressed = bool(fresh) or any(st is not BatchState.PENDING for _, _, st in polled)
-                with self._lock:
-                    busy = self._book.record(fresh, polled, self._clock())
-            except Exception:  # never let the worker die: rooms would hang until their deadlines
-                log.exception("prefill rank %d transfer worker error", self.tp_rank)
+            with self._pass_lock:
+                busy = self._pass()
+                stalled_s = self._clock() - self._progress_at
             if busy:
-                # back off while nothing finishes (slow link); a new send() wakes us at once
-                delay = self.cfg.tick_s if progressed else min(2 * delay, self.cfg.max_tick_s)
-                self._wake.wait(delay)
+                # back off while nothing finishes (slow link), by a quarter of the time since the
+                # last progress: a write of a few ms is seen done within ~1/4 of its time (doubling
+                # the sleep saw it up to its whole time late), a slow one is polled at most every
+                # max_tick_s; a new send() wakes us at once
+                self._wake.wait(min(max(self.cfg.tick_s, stalled_s / 4), self.cfg.max_tick_s))
             else:
-                delay = self.cfg.tick_s
                 self._wake.wait(self.cfg.idle_tick_s)
+
+    def pump(self) -> None:
+        """Run one pass of the worker on the calling thread now: what send() queued is planned
+        and submitted before this returns. The engine calls it after the sends between two
+        forwards, so a prompt's KV leaves without waiting for the worker thread to be scheduled
+        (on a loaded core that wake-up cost ms of TTFT); the worker thread still polls it. If
+        the worker is in a pass already, that pass or the next (woken now) takes the sends: waiting
+        for it would queue the engine behind a thread that may not even be scheduled."""
+        if self._stop.is_set():
+            return
+        if self._pass_lock.acquire(blocking=False):
+            try:
+                self._pass()
+            finally:
+                self._pass_lock.release()
+        self._wake.set()  # the worker polls what was submitted here, or takes the sends
+
+    def _pass(self) -> bool:
+        """One round of the worker (caller holds _pass_lock): housekeeping, plan and submit queued
+        sends, cancel, poll in-flight batches. Returns True while writes are queued or in flight."""
+        try:
+            with self._lock:
+                now = self._clock()
+                for addr in self._book.housekeeping(now):
+                    self._endpoint.disconnect(addr)
+                take, cancels, watch = self._book.take_work(now)
+                gathers = self._book.take_gathers()
+            if gathers:
+                done = [(r, ch, self._gather(ch)) for r, ch in gathers]
+                with self._lock:
+                    self._book.gathered(done, self._clock())
+                self._wake.set()  # the slot requests are out: look again soon
+            fresh = [(r, b, *self._submit(b)) for r, b in take]
+            for inf, why in cancels:
+                self.backend.cancel(inf.handle, why)
+            polled = [(r, inf, self.backend.poll(inf.handle)) for r, inf in watch]
+            progressed = bool(fresh) or any(st is not BatchState.PENDING for _, _, st in polled)
+            with self._lock:
+                now = self._clock()
+                busy = self._book.record(fresh, polled, now)
+                news = self._book.has_news()
+            if progressed or not busy:
+                self._progress_at = now
+            if news and self._on_news is not None:
+                self._on_news()
+            return busy
+        except Exception:  # never let the worker die: rooms would hang until their deadlines
+            log.exception("prefill rank %d transfer worker error", self.tp_rank)
+            return False
 
     def _gather(self, ch: StagedChunk) -> str | None:
         assert self._stager is not None and ch.local is not None

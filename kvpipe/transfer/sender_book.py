@@ -185,6 +185,10 @@ class SenderBook:
                 self._bury(r, now)
         return out
 
+    def has_news(self) -> bool:
+        """poll() may report a room now."""
+        return bool(self._done)
+
     @staticmethod
     def _reportable(r: SenderRoom) -> bool:
         return r.src_pages is not None and r.rec.state.terminal and r.drained and set(r.dests) <= r.notified

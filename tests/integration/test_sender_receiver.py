@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 import time
 
 import numpy as np
@@ -117,7 +118,7 @@ class Prefill:
 
 
 def start_prefill(stack, kind="local", fabric=None, tp=1, cfg=CFG, server=None, instance="p0", seed=0, inject=None,
-                  latent=False):
+                  latent=False, on_news=None):
     """cfg.staging other than "off": each rank gets a local staging buffer of cfg.staging_pool_nbytes."""
     fabric = fabric or LocalFabric()
     if server is None:
@@ -129,7 +130,7 @@ def start_prefill(stack, kind="local", fabric=None, tp=1, cfg=CFG, server=None, 
         register(backend, layout)
         buf = None if cfg.staging == "off" else StagingBuffer(KVBytes.from_pool(pool), backend, cfg.staging_pool_nbytes)
         s = KVSender(cfg, layout=layout, backend=backend, tp_rank=rank, tp_size=tp, model_name="m",
-                     instance_id=instance, staging=buf)
+                     instance_id=instance, staging=buf, on_news=on_news)
         s.pool = pool  # keep the memory alive as long as the sender
         stack.callback(s.close)
         senders.append(s.start(("127.0.0.1", server.port)))
@@ -192,6 +193,28 @@ def test_chunked_transfer_with_decode_prefix(stack, kind):
     assert_moved(prefill, recv, SRC[2:], dst, np.setdiff1d(np.arange(PAGES), dst))
     assert sender.stats.rooms_succeeded == 1 and recv.stats.rooms_succeeded == 1
     assert sender.num_active_rooms() == 0 and recv.num_active_rooms() == 0
+
+
+@pytest.mark.parametrize("kind", ["local", "mooncake"])
+def test_pump_and_on_news(stack, kind):
+    """pump() submits on the caller's thread (or leaves it to a worker pass under way); on_news
+    fires once the room is ready for poll(), so an engine need not wait for its poll timer."""
+    fabric = LocalFabric()
+    news = threading.Event()
+    prefill = start_prefill(stack, kind, fabric, on_news=news.set)
+    recv = start_decode(stack, kind, fabric)
+    sender = prefill.senders[0]
+    dst = np.array([1, 2, 3, 4, 5, 6])
+    recv.add_room(13, "127.0.0.1", prefill.port, dst)
+    sender.add_room(13, SRC)
+    sender.pump()  # nothing to send yet
+    assert not news.is_set()
+    assert sender.send(13, 0, 22, last=True, aux=(7, -1.0))
+    sender.pump()
+    assert news.wait(10.0), "on_news was not called"
+    assert Results(sender).get(13) == (13, S, "")
+    assert Results(recv).get(13)[1] is S
+    assert_moved(prefill, recv, SRC, dst, np.setdiff1d(np.arange(PAGES), dst))
 
 
 def test_layer_groups_and_sends_before_the_request(stack):
