@@ -44,21 +44,29 @@ inline float exp_nonpositive(float x) {
   return p * __builtin_bit_cast(float, bits);
 }
 
+template <int N>
 inline float dot(const float* a, const float* b, int64_t n) {
+  if constexpr (N > 0) n = N;
   float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
   for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
   return acc;
 }
 
-// A row of n values as fp32: the pool row itself when it already is, else converted into buf.
+// Rows [j0, j1) of a page (row stride `stride` elements) as fp32: the pool itself when it already
+// is (then rows keep `stride`), else converted into buf with stride n.
 template <typename scalar_t>
-inline const float* as_float(const scalar_t* row, float* buf, int64_t n) {
+inline const float* page_as_float(const scalar_t* page, int64_t stride, int64_t j0, int64_t j1, int64_t n,
+                                  float* buf) {
   if constexpr (std::is_same_v<scalar_t, float>) {
-    return row;
+    return page;
   } else {
+    for (int64_t j = j0; j < j1; ++j) {
+      const scalar_t* row = page + j * stride;
+      float* out = buf + j * n;
 #pragma omp simd
-    for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(row[i]);
+      for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(row[i]);
+    }
     return buf;
   }
 }
@@ -73,19 +81,21 @@ struct Shapes {
 
 // Per-thread scratch, sized once per parallel chunk.
 struct Scratch {
-  std::vector<float> q, acc, m, l, s, row;
+  std::vector<float> q, acc, m, l, s, page;
   explicit Scratch(const Shapes& sh)
       : q(sh.group * sh.head_dim), acc(sh.group * sh.v_dim), m(sh.group), l(sh.group),
-        s(sh.group * sh.page_size), row(std::max(sh.head_dim, sh.v_dim)) {}
+        s(sh.group * sh.page_size), page(sh.page_size * std::max(sh.head_dim, sh.v_dim)) {}
 };
 
 // One (row b, KV head h) task: its G query heads over the keys [lo, len) of row b.
 // q [B, Hq, D] contiguous; pages [B, n]; out [B, Hq, Dv] contiguous; sinks [Hq] fp32 or null.
-template <typename scalar_t>
+template <typename scalar_t, int DK, int DV>
 void decode_task(const Shapes& sh, int64_t b, int64_t h, const scalar_t* q, const scalar_t* k,
                  const scalar_t* v, const int64_t* pages, int64_t len, int64_t key_start,
                  const float* sinks, scalar_t* out, Scratch& w) {
-  const int64_t G = sh.group, D = sh.head_dim, Dv = sh.v_dim, P = sh.page_size;
+  const int64_t G = sh.group, P = sh.page_size;
+  // DK, DV > 0: head dims fixed at compile time, so the inner loops unroll into registers
+  const int64_t D = DK > 0 ? DK : sh.head_dim, Dv = DV > 0 ? DV : sh.v_dim;
   for (int64_t g = 0; g < G; ++g) {
     const scalar_t* qrow = q + (b * sh.q_heads + h * G + g) * D;
     float* qf = w.q.data() + g * D;
@@ -106,9 +116,12 @@ void decode_task(const Shapes& sh, int64_t b, int64_t h, const scalar_t* q, cons
       const scalar_t* kp = k + page * sh.k_page + h * sh.k_head;
       const scalar_t* vp = v + page * sh.v_page + h * sh.v_head;
       // scores s[g, j] for the page's keys in range; each key row is read once for G heads
-      for (int64_t j = j0; j < j1; ++j) {
-        const float* kr = as_float(kp + j * sh.k_tok, w.row.data(), D);
-        for (int64_t g = 0; g < G; ++g) w.s[g * P + j] = dot(w.q.data() + g * D, kr, D);
+      const float* kf = page_as_float(kp, sh.k_tok, j0, j1, D, w.page.data());  // rows j0..j1, kst apart
+      const int64_t kst = std::is_same_v<scalar_t, float> ? sh.k_tok : D;
+      for (int64_t g = 0; g < G; ++g) {  // one query head at a time: it stays in registers, the page in L1
+        const float* qg = w.q.data() + g * D;
+        float* sg = w.s.data() + g * P;
+        for (int64_t j = j0; j < j1; ++j) sg[j] = dot<DK>(qg, kf + j * kst, D);
       }
       // online softmax: rescale what was accumulated to the new running max
       for (int64_t g = 0; g < G; ++g) {
@@ -131,13 +144,30 @@ void decode_task(const Shapes& sh, int64_t b, int64_t h, const scalar_t* q, cons
         }
       }
       // acc[g] += p[g, j] * v[j]
-      for (int64_t j = j0; j < j1; ++j) {
-        const float* vr = as_float(vp + j * sh.v_tok, w.row.data(), Dv);
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = w.s[g * P + j];
-          float* ag = w.acc.data() + g * Dv;
+      const float* vf = page_as_float(vp, sh.v_tok, j0, j1, Dv, w.page.data());
+      const int64_t vst = std::is_same_v<scalar_t, float> ? sh.v_tok : Dv;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* pg = w.s.data() + g * P;
+        float* ag = w.acc.data() + g * Dv;
+        float a[DV > 0 ? DV : 1];  // the accumulator in registers when Dv is fixed
+        if constexpr (DV > 0) {
 #pragma omp simd
-          for (int64_t d = 0; d < Dv; ++d) ag[d] += p * vr[d];
+          for (int64_t d = 0; d < DV; ++d) a[d] = ag[d];
+          for (int64_t j = j0; j < j1; ++j) {
+            const float p = pg[j];
+            const float* vr = vf + j * vst;
+#pragma omp simd
+            for (int64_t d = 0; d < DV; ++d) a[d] += p * vr[d];
+          }
+#pragma omp simd
+          for (int64_t d = 0; d < DV; ++d) ag[d] = a[d];
+        } else {
+          for (int64_t j = j0; j < j1; ++j) {
+            const float p = pg[j];
+            const float* vr = vf + j * vst;
+#pragma omp simd
+            for (int64_t d = 0; d < Dv; ++d) ag[d] += p * vr[d];
+          }
         }
       }
     }
@@ -219,7 +249,12 @@ at::Tensor paged_decode(const at::Tensor& q_in, const at::Tensor& k, const at::T
       Scratch w(sh);
       for (int64_t t = begin; t < end; ++t) {
         const int64_t b = t / sh.kv_heads, h = t % sh.kv_heads;
-        decode_task<scalar_t>(sh, b, h, q_p, k_p, v_p, pages_p, lens_p[b], start_p[b], sinks_p, out_p, w);
+        if (sh.head_dim == 64 && sh.v_dim == 64)
+          decode_task<scalar_t, 64, 64>(sh, b, h, q_p, k_p, v_p, pages_p, lens_p[b], start_p[b], sinks_p, out_p, w);
+        else if (sh.head_dim == 128 && sh.v_dim == 128)
+          decode_task<scalar_t, 128, 128>(sh, b, h, q_p, k_p, v_p, pages_p, lens_p[b], start_p[b], sinks_p, out_p, w);
+        else
+          decode_task<scalar_t, 0, 0>(sh, b, h, q_p, k_p, v_p, pages_p, lens_p[b], start_p[b], sinks_p, out_p, w);
       }
     });
   });
