@@ -40,6 +40,7 @@ import numpy as np
 from kvpipe.bench.raw_mooncake import WHOLE, RawPattern, pattern_ops, raw_write
 from kvpipe.cache.window_pages import prompt_window_pages
 from kvpipe.config import HybridConfig
+from kvpipe.transfer.op_arrays import OpArrays
 
 if TYPE_CHECKING:
     from kvpipe.transfer.layout import KVLayout
@@ -153,23 +154,12 @@ def decode_window_table(prompt_len: int, cfg: WorkerConfig, full: np.ndarray,
 
 
 @dataclass(frozen=True, eq=False)
-class RequestPlan:
+class RequestPlan(OpArrays):
     """A request's KV ops: one plan of every layer, or (sliding shapes) the full layers' plan
     over every page then the sliding layers' plan over the window pages, arrays concatenated."""
 
     parts: tuple["TransferPlan", ...]
-    src_addr: np.ndarray
-    dst_addr: np.ndarray
-    length: np.ndarray
     planning_ms: float
-
-    @property
-    def num_ops(self) -> int:
-        return int(self.length.size)
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.length.sum())
 
     @property
     def num_runs(self) -> int:  # the full layers' runs (ops per buffer)
@@ -184,7 +174,7 @@ def plan_request(src_pages: np.ndarray, dst_pages: np.ndarray, src: "KVLayout", 
 
     if not src.swa_layers:
         p = plan_pages(src_pages, dst_pages, src, dst)
-        return RequestPlan((p,), p.src_addr, p.dst_addr, p.length, p.planning_ms)
+        return RequestPlan(p.src_addr, p.dst_addr, p.length, parts=(p,), planning_ms=p.planning_ms)
     if src_swa is None or dst_swa is None:
         raise ValueError("a sliding-window layout needs both window tables")
     t0 = time.perf_counter()
@@ -195,8 +185,9 @@ def plan_request(src_pages: np.ndarray, dst_pages: np.ndarray, src: "KVLayout", 
         raise ValueError("the prefill holds no window page for a logical page the decode asked for")
     parts = (plan_pages(src_pages, dst_pages, src, dst, layer_ids=ids[~swa]),
              plan_pages(src_swa[pos], dst_swa[pos], src, dst, layer_ids=ids[swa]))
-    return RequestPlan(parts, *(np.concatenate([getattr(p, f) for p in parts])
-                                for f in ("src_addr", "dst_addr", "length")), (time.perf_counter() - t0) * 1e3)
+    src_addr, dst_addr, length = (np.concatenate([getattr(p, f) for p in parts])
+                                  for f in ("src_addr", "dst_addr", "length"))
+    return RequestPlan(src_addr, dst_addr, length, parts=parts, planning_ms=(time.perf_counter() - t0) * 1e3)
 
 
 def _setup(cfg: WorkerConfig, num_pages: int):

@@ -23,14 +23,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvpipe.transfer.layout import KVLayout
+from kvpipe.transfer.op_arrays import OpArrays
 from kvpipe.transfer.tp_mapping import head_intersection
 
 
 @dataclass(frozen=True, eq=False)
-class TransferPlan:
-    src_addr: np.ndarray  # [num_ops] int64 absolute addresses in the source process
-    dst_addr: np.ndarray  # [num_ops] int64 absolute addresses in the destination process
-    length: np.ndarray  # [num_ops] int64 bytes
+class TransferPlan(OpArrays):
     layer_start: int  # the plan covers layers [layer_start, layer_end)
     layer_end: int
     num_runs: int  # ops per buffer: contiguous page runs (or pages, when heads are sliced)
@@ -44,14 +42,6 @@ class TransferPlan:
     @property
     def ops_per_layer(self) -> int:
         return self.buffers_per_layer * self.num_runs
-
-    @property
-    def num_ops(self) -> int:
-        return int(self.length.size)
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.length.sum())
 
     def layers(self, start: int, end: int) -> "TransferPlan":
         """The sub-plan of layers [start, end): array views, no replanning."""

@@ -15,23 +15,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvpipe.transfer.op_arrays import OpArrays
 from kvpipe.transfer.state_layout import StateLayout
 from kvpipe.transfer.tp_mapping import head_intersection
 
 
 @dataclass(frozen=True, eq=False)
-class StatePlan:
-    src_addr: np.ndarray  # [num_ops] int64
-    dst_addr: np.ndarray  # [num_ops] int64
-    length: np.ndarray  # [num_ops] int64 bytes
-
-    @property
-    def num_ops(self) -> int:
-        return int(self.length.size)
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.length.sum())
+class StatePlan(OpArrays):
+    """A request's recurrent-state ops (one slot's conv and recurrent tensors per layer)."""
 
 
 def common_heads(src: StateLayout, dst: StateLayout) -> tuple[tuple[int, int], tuple[int, int]] | None:
