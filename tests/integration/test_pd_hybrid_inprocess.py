@@ -12,8 +12,7 @@ import pytest
 
 from kvpipe.engine.engine import Engine
 from kvpipe.model.presets import write_preset
-from pd_parity import expected_bytes
-from test_pd_inprocess import PS, colocated_greedy, failures_then_decode_abort, make_pair, prompts
+from test_pd_inprocess import colocated_greedy, failures_then_decode_abort, greedy_and_bytes_as_predicted
 
 pytestmark = pytest.mark.integration
 LENS = [1, 15, 16, 17, 40, 100]
@@ -55,19 +54,8 @@ def test_moe_greedy_matches_colocated_and_bytes_as_predicted(moe_model_dir):
 
 
 def check_greedy_and_bytes(model_dir: Path, reference, chunk: int, groups: int) -> None:
-    ps = prompts(chunk + groups, LENS)
-    with make_pair(model_dir, chunk, layer_groups=groups) as pair:
-        reqs = [pair.reqs(ids) for ids in ps]
-        pair.run(reqs)
-        for (p, d), ids in zip(reqs, ps):
-            assert d.output_ids == reference(ids), f"prompt of {len(ids)} tokens: {d.finish_detail}"
-        st = pair.prefill.stats()["disaggregation"]
-        assert (st["rooms_succeeded"], st["rooms_failed"]) == (len(ps), 0)
-        assert st["bytes_written"] == expected_bytes(model_dir, LENS, PS, 1, 1)
-        if groups > 1:
-            assert pair.pipeline.counters.batches_by_groups.get(groups, 0) > 0
-        pair.settle()
-        assert_slots_free(pair.prefill, pair.decode)
+    greedy_and_bytes_as_predicted(model_dir, reference, chunk, groups, LENS,
+                                  check_free=lambda pair: assert_slots_free(pair.prefill, pair.decode))
 
 
 def test_failures_and_aborts_free_state_slots(model_dir, reference):

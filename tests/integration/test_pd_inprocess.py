@@ -21,6 +21,7 @@ from kvpipe.engine.request import FinishReason, Req, SamplingParams, TokenOutput
 from kvpipe.transfer.backends import FailureInjection
 from kvpipe.transfer.backends.local import LocalBackend, LocalFabric
 from kvpipe.transfer.state import TransferState
+from pd_parity import expected_bytes
 
 pytestmark = pytest.mark.integration
 PS = 16
@@ -192,6 +193,28 @@ def failures_then_decode_abort(model_dir: Path, reference, check_free=lambda pai
         pair.decode.abort(a[1].rid)
         pair.run([], until=lambda: a[0].finished and a[1].finished)
         assert a[1].finish_reason is FinishReason.ABORT
+        pair.settle()
+        check_free(pair)
+
+
+def greedy_and_bytes_as_predicted(model_dir: Path, reference, chunk: int, groups: int, lens: list[int],
+                                  check=lambda pair, stats: None, check_free=lambda pair: None) -> None:
+    """Prompts of `lens` through a pair with chunked prefill of `chunk` and `groups` layer groups:
+    greedy tokens equal `reference`, every room succeeds, the bytes written are
+    pd_parity.expected_bytes, `check(pair, stats)` asserts what else the model family implies;
+    then both sides settle with every page free and `check_free(pair)` checks the rest."""
+    ps = prompts(chunk + groups, lens)
+    with make_pair(model_dir, chunk, layer_groups=groups) as pair:
+        reqs = [pair.reqs(ids) for ids in ps]
+        pair.run(reqs)
+        for (p, d), ids in zip(reqs, ps):
+            assert d.output_ids == reference(ids), f"prompt of {len(ids)} tokens: {d.finish_detail}"
+        st = pair.prefill.stats()["disaggregation"]
+        assert (st["rooms_succeeded"], st["rooms_failed"]) == (len(ps), 0)
+        assert st["bytes_written"] == expected_bytes(model_dir, lens, PS, 1, 1)
+        if groups > 1:
+            assert pair.pipeline.counters.batches_by_groups.get(groups, 0) > 0
+        check(pair, st)
         pair.settle()
         check_free(pair)
 
