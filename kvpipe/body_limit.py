@@ -16,6 +16,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+
 class BodyTooLarge(HTTPException):
     def __init__(self, limit: int, declared: int | None, knob: str | None) -> None:
         size = f" of {declared} bytes" if declared is not None else ""  # chunked: only "more than the limit"

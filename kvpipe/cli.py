@@ -15,11 +15,19 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
-from kvpipe.config import (DEFAULT_MAX_REQUEST_BODY_BYTES, STAGING_MODES, CacheConfig, ConfigError,
-                           DisaggregationConfig, SchedulerConfig, ServerConfig, parse_layer_groups)
+from kvpipe.config import (
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    STAGING_MODES,
+    CacheConfig,
+    ConfigError,
+    DisaggregationConfig,
+    SchedulerConfig,
+    ServerConfig,
+    parse_layer_groups,
+)
 from kvpipe.transfer.auth import TOKEN_ENV, token_from_env
 
 
@@ -40,18 +48,19 @@ COMMANDS: list[Command] = [
     Command("serve", "run an HTTP server (SGLang native + OpenAI API)", None),
     Command("generate", "one-shot generation without a server", None),
     Command("init-model", "write a built-in preset checkpoint directory", None),
-    Command("launch", "local PD stack: prefill + decode + sglang-router", "kvpipe.server.launcher",
-            pass_unknown=True),
-    Command("bench serve", "serving benchmark: TTFT/TPOT/ITL/throughput against a server or stacks",
-            "kvpipe.bench.serve"),
+    Command("launch", "local PD stack: prefill + decode + sglang-router", "kvpipe.server.launcher", pass_unknown=True),
+    Command(
+        "bench serve", "serving benchmark: TTFT/TPOT/ITL/throughput against a server or stacks", "kvpipe.bench.serve"
+    ),
     Command("bench engine", "offline engine prefill/decode throughput on this machine", "kvpipe.bench.engine"),
-    Command("bench soak", "soak the local PD stack: mixed requests, injected faults, leak checks",
-            "kvpipe.bench.soak"),
+    Command("bench soak", "soak the local PD stack: mixed requests, injected faults, leak checks", "kvpipe.bench.soak"),
     Command("bench transfer", "KV transfer goodput between a prefill and a decode process", "kvpipe.bench.transfer"),
-    Command("bench chaos", "kill -9 campaign: kill parts of a supervised PD stack under load, check recovery",
-            "kvpipe.bench.chaos"),
-    Command("testbed", "emulated link between two network namespaces (up/down/status)",
-            "kvpipe.bench.testbed_cli"),
+    Command(
+        "bench chaos",
+        "kill -9 campaign: kill parts of a supervised PD stack under load, check recovery",
+        "kvpipe.bench.chaos",
+    ),
+    Command("testbed", "emulated link between two network namespaces (up/down/status)", "kvpipe.bench.testbed_cli"),
 ]
 GROUP_HELP = {"bench": "benchmarks (results as JSON and PNG)"}
 
@@ -59,26 +68,41 @@ GROUP_HELP = {"bench": "benchmarks (results as JSON and PNG)"}
 # ---- flags shared by every command that builds a ServerConfig --------------------------------------
 def add_server_args(p: argparse.ArgumentParser) -> None:
     d_cache, d_sched = CacheConfig(), SchedulerConfig()
-    p.add_argument("--model-path", default=None,
-                   help="local HF checkpoint directory (default: the built-in tiny preset)")
+    p.add_argument(
+        "--model-path", default=None, help="local HF checkpoint directory (default: the built-in tiny preset)"
+    )
     p.add_argument("--tokenizer-path", default=None, help="tokenizer directory (default: --model-path)")
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: the directory name)")
     p.add_argument("--tp-size", "--tp", type=int, default=1, help="tensor parallel ranks")
-    p.add_argument("--cpu-threads", type=int, default=None,
-                   help="torch intra-op threads of this server, split among its TP ranks (default: the "
-                        "cores of its CPU affinity; `kvpipe launch` gives prefill and decode disjoint shares)")
+    p.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads of this server, split among its TP ranks (default: the "
+        "cores of its CPU affinity; `kvpipe launch` gives prefill and decode disjoint shares)",
+    )
     p.add_argument("--page-size", type=int, default=d_cache.page_size, help="tokens per KV page")
     p.add_argument("--max-total-tokens", type=int, default=d_cache.max_total_tokens, help="KV cache capacity in tokens")
-    p.add_argument("--disable-radix-cache", action="store_true",
-                   help="do not keep finished requests' KV pages for prefix reuse")
-    p.add_argument("--chunked-prefill-size", type=int, default=d_sched.chunked_prefill_size,
-                   help="max prompt tokens per prefill step (<= 0 disables chunking)")
-    p.add_argument("--max-prefill-tokens", type=int, default=d_sched.max_prefill_tokens,
-                   help="token budget of one prefill batch")
+    p.add_argument(
+        "--disable-radix-cache", action="store_true", help="do not keep finished requests' KV pages for prefix reuse"
+    )
+    p.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        default=d_sched.chunked_prefill_size,
+        help="max prompt tokens per prefill step (<= 0 disables chunking)",
+    )
+    p.add_argument(
+        "--max-prefill-tokens", type=int, default=d_sched.max_prefill_tokens, help="token budget of one prefill batch"
+    )
     p.add_argument("--max-running-requests", type=int, default=d_sched.max_running_requests)
-    p.add_argument("--max-state-slots", type=int, default=None,
-                   help="hybrid (linear-attention) models: per-request recurrent-state slots; a request waits "
-                        "for a free one like for pages (default: --max-running-requests)")
+    p.add_argument(
+        "--max-state-slots",
+        type=int,
+        default=None,
+        help="hybrid (linear-attention) models: per-request recurrent-state slots; a request waits "
+        "for a free one like for pages (default: --max-running-requests)",
+    )
     p.add_argument("--context-length", type=int, default=None, help="default: the model's max_position_embeddings")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--random-seed", "--seed", dest="seed", type=int, default=0, help="sampling seed")
@@ -90,43 +114,93 @@ def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
     """SGLang's --disaggregation-* flags (PD serving; see kvpipe/disagg/)."""
     d = DisaggregationConfig()
     g = p.add_argument_group("PD disaggregation")
-    g.add_argument("--disaggregation-mode", choices=["null", "prefill", "decode"], default=d.mode,
-                   help="null: colocated server; prefill / decode: one half of a PD pair behind sglang-router")
-    g.add_argument("--disaggregation-bootstrap-port", type=int, default=d.bootstrap_port,
-                   help="prefill: port of its bootstrap server (decode servers fetch its KV layout there)")
-    g.add_argument("--disaggregation-transfer-backend", choices=["mooncake", "local"], default=d.transfer_backend,
-                   help="KV transfer engine (local: in-process copies, tests only)")
-    g.add_argument("--disaggregation-ib-device", default=None,
-                   help="RDMA device for Mooncake (e.g. mlx5_0); default: TCP")
-    g.add_argument("--disaggregation-host", default=None,
-                   help="address peers reach this server's KV data plane at (default: --host)")
-    g.add_argument("--disaggregation-layer-groups", type=_layer_groups, default=d.layer_groups,
-                   help="prefill: 'auto' (per batch from measured compute and link speed; short prompts "
-                        "take the plain path) or N layer groups whose KV ships while the next computes "
-                        "(1: plain transfer after the forward)")
-    g.add_argument("--disaggregation-enable-decode-radix-cache", action="store_true",
-                   help="decode: keep finished requests' KV in a radix cache and have the prefill send only "
-                        "the pages of a prompt past its longest cached prefix")
-    g.add_argument("--disaggregation-staging-buffer", choices=list(STAGING_MODES), default=d.staging,
-                   help="heterogeneous TP (prefill and decode TP sizes differ): 'on' gathers each send's "
-                        "head slices into one staged chunk written with one op into the decode's staging "
-                        "ring, 'auto' stages when the chunk's page ops would cost more, 'off' writes "
-                        "each (layer, K/V, page) slice as its own op")
-    g.add_argument("--disaggregation-staging-pool-size-mb", type=int, default=d.staging_pool_mb,
-                   help="decode: staging ring per TP rank; prefill: its local staging buffer (MB)")
-    g.add_argument("--disaggregation-bootstrap-timeout", type=float, default=d.bootstrap_timeout_s,
-                   help="seconds to reach the peer and exchange the request's pages")
-    g.add_argument("--disaggregation-waiting-timeout", type=float, default=d.waiting_timeout_s,
-                   help="decode: seconds a request may wait for free pages, then for its KV")
-    g.add_argument("--disaggregation-heartbeat-interval", type=float, default=d.heartbeat_interval_s,
-                   help="seconds between heartbeats; a peer silent for 5 intervals is dead")
-    g.add_argument("--disaggregation-transfer-timeout", type=float, default=d.transfer_timeout_s,
-                   help="seconds a KV write may make no progress before its request fails")
-    g.add_argument("--disaggregation-auth-token", default=None,
-                   help=f"shared secret of the PD deployment (same on every prefill and decode server): "
-                        f"authenticates bootstrap calls and every control-plane message (HMAC, timestamp, "
-                        f"replay check); prefer ${TOKEN_ENV}, which stays out of process lists. Without "
-                        f"one, bootstrap and control plane listen on the data-plane address only")
+    g.add_argument(
+        "--disaggregation-mode",
+        choices=["null", "prefill", "decode"],
+        default=d.mode,
+        help="null: colocated server; prefill / decode: one half of a PD pair behind sglang-router",
+    )
+    g.add_argument(
+        "--disaggregation-bootstrap-port",
+        type=int,
+        default=d.bootstrap_port,
+        help="prefill: port of its bootstrap server (decode servers fetch its KV layout there)",
+    )
+    g.add_argument(
+        "--disaggregation-transfer-backend",
+        choices=["mooncake", "local"],
+        default=d.transfer_backend,
+        help="KV transfer engine (local: in-process copies, tests only)",
+    )
+    g.add_argument(
+        "--disaggregation-ib-device", default=None, help="RDMA device for Mooncake (e.g. mlx5_0); default: TCP"
+    )
+    g.add_argument(
+        "--disaggregation-host",
+        default=None,
+        help="address peers reach this server's KV data plane at (default: --host)",
+    )
+    g.add_argument(
+        "--disaggregation-layer-groups",
+        type=_layer_groups,
+        default=d.layer_groups,
+        help="prefill: 'auto' (per batch from measured compute and link speed; short prompts "
+        "take the plain path) or N layer groups whose KV ships while the next computes "
+        "(1: plain transfer after the forward)",
+    )
+    g.add_argument(
+        "--disaggregation-enable-decode-radix-cache",
+        action="store_true",
+        help="decode: keep finished requests' KV in a radix cache and have the prefill send only "
+        "the pages of a prompt past its longest cached prefix",
+    )
+    g.add_argument(
+        "--disaggregation-staging-buffer",
+        choices=list(STAGING_MODES),
+        default=d.staging,
+        help="heterogeneous TP (prefill and decode TP sizes differ): 'on' gathers each send's "
+        "head slices into one staged chunk written with one op into the decode's staging "
+        "ring, 'auto' stages when the chunk's page ops would cost more, 'off' writes "
+        "each (layer, K/V, page) slice as its own op",
+    )
+    g.add_argument(
+        "--disaggregation-staging-pool-size-mb",
+        type=int,
+        default=d.staging_pool_mb,
+        help="decode: staging ring per TP rank; prefill: its local staging buffer (MB)",
+    )
+    g.add_argument(
+        "--disaggregation-bootstrap-timeout",
+        type=float,
+        default=d.bootstrap_timeout_s,
+        help="seconds to reach the peer and exchange the request's pages",
+    )
+    g.add_argument(
+        "--disaggregation-waiting-timeout",
+        type=float,
+        default=d.waiting_timeout_s,
+        help="decode: seconds a request may wait for free pages, then for its KV",
+    )
+    g.add_argument(
+        "--disaggregation-heartbeat-interval",
+        type=float,
+        default=d.heartbeat_interval_s,
+        help="seconds between heartbeats; a peer silent for 5 intervals is dead",
+    )
+    g.add_argument(
+        "--disaggregation-transfer-timeout",
+        type=float,
+        default=d.transfer_timeout_s,
+        help="seconds a KV write may make no progress before its request fails",
+    )
+    g.add_argument(
+        "--disaggregation-auth-token",
+        default=None,
+        help=f"shared secret of the PD deployment (same on every prefill and decode server): "
+        f"authenticates bootstrap calls and every control-plane message (HMAC, timestamp, "
+        f"replay check); prefer ${TOKEN_ENV}, which stays out of process lists. Without "
+        f"one, bootstrap and control plane listen on the data-plane address only",
+    )
     # test-only: fail each transfer batch with this probability (seeded by the next flag)
     g.add_argument("--disaggregation-failure-prob", type=float, default=0.0, help=argparse.SUPPRESS)
     g.add_argument("--disaggregation-failure-seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -142,17 +216,23 @@ def _layer_groups(value: str) -> int | str:
 def disaggregation_config_from_args(args: argparse.Namespace) -> DisaggregationConfig:
     try:
         return DisaggregationConfig(
-            mode=args.disaggregation_mode, bootstrap_port=args.disaggregation_bootstrap_port,
-            transfer_backend=args.disaggregation_transfer_backend, ib_device=args.disaggregation_ib_device,
-            host=args.disaggregation_host, layer_groups=args.disaggregation_layer_groups,
+            mode=args.disaggregation_mode,
+            bootstrap_port=args.disaggregation_bootstrap_port,
+            transfer_backend=args.disaggregation_transfer_backend,
+            ib_device=args.disaggregation_ib_device,
+            host=args.disaggregation_host,
+            layer_groups=args.disaggregation_layer_groups,
             decode_radix_cache=args.disaggregation_enable_decode_radix_cache,
-            staging=args.disaggregation_staging_buffer, staging_pool_mb=args.disaggregation_staging_pool_size_mb,
+            staging=args.disaggregation_staging_buffer,
+            staging_pool_mb=args.disaggregation_staging_pool_size_mb,
             bootstrap_timeout_s=args.disaggregation_bootstrap_timeout,
             waiting_timeout_s=args.disaggregation_waiting_timeout,
             heartbeat_interval_s=args.disaggregation_heartbeat_interval,
             transfer_timeout_s=args.disaggregation_transfer_timeout,
-            failure_prob=args.disaggregation_failure_prob, failure_seed=args.disaggregation_failure_seed,
-            auth_token=args.disaggregation_auth_token or token_from_env())
+            failure_prob=args.disaggregation_failure_prob,
+            failure_seed=args.disaggregation_failure_seed,
+            auth_token=args.disaggregation_auth_token or token_from_env(),
+        )
     except ConfigError as e:
         raise SystemExit(f"kvpipe: {e}") from e
 
@@ -190,12 +270,18 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             device=args.device,
             seed=args.seed,
             log_level=args.log_level,
-            cache=CacheConfig(page_size=args.page_size, max_total_tokens=args.max_total_tokens,
-                              radix_cache=not args.disable_radix_cache, max_state_slots=args.max_state_slots),
-            scheduler=SchedulerConfig(max_running_requests=args.max_running_requests,
-                                      chunked_prefill_size=args.chunked_prefill_size,
-                                      max_prefill_tokens=args.max_prefill_tokens,
-                                      context_length=args.context_length),
+            cache=CacheConfig(
+                page_size=args.page_size,
+                max_total_tokens=args.max_total_tokens,
+                radix_cache=not args.disable_radix_cache,
+                max_state_slots=args.max_state_slots,
+            ),
+            scheduler=SchedulerConfig(
+                max_running_requests=args.max_running_requests,
+                chunked_prefill_size=args.chunked_prefill_size,
+                max_prefill_tokens=args.max_prefill_tokens,
+                context_length=args.context_length,
+            ),
             disaggregation=disagg,
         )
         cfg.check_servable()
@@ -220,27 +306,37 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     add_server_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
-                   help="refuse request bodies larger than this with 413 (default: 32 MiB)")
+    p.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="refuse request bodies larger than this with 413 (default: 32 MiB)",
+    )
 
 
 def _serve(args: argparse.Namespace, extra: list[str]) -> int:
     cfg = server_config_from_args(args)
     mode = cfg.disaggregation.mode
     if mode != "null" and cfg.disaggregation.transfer_backend == "local":
-        raise SystemExit("kvpipe: --disaggregation-transfer-backend local only connects engines inside one "
-                         "process; PD servers need mooncake")
+        raise SystemExit(
+            "kvpipe: --disaggregation-transfer-backend local only connects engines inside one "
+            "process; PD servers need mooncake"
+        )
     _setup_logging(cfg.log_level)
     from kvpipe.server.http_server import run_server
+
     return run_server(cfg, engine_factory(cfg), mode)
 
 
 def engine_factory(cfg: ServerConfig) -> Callable[[], object]:
     """What the server's engine thread builds: an Engine, with the PD connector of its mode."""
+
     def build() -> object:
         from kvpipe.disagg import make_connector
         from kvpipe.engine.engine import Engine
+
         return Engine(cfg, make_connector(cfg))
+
     return build
 
 
@@ -265,9 +361,11 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
     cfg = server_config_from_args(args)
     _setup_logging("warning" if args.log_level == "info" else args.log_level)
     from kvpipe.engine.cpu_threads import apply_cpu_threads, server_cpu_threads
+
     apply_cpu_threads(server_cpu_threads(cfg))  # as a server would, before the model loads
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k)
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k
+    )
     engine = Engine(cfg)
     try:
         results = engine.generate(args.prompt, params)
@@ -283,15 +381,27 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
 
 # ---- init-model ----------------------------------------------------------------------------------
 def _init_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="tiny", choices=["tiny", "bench", "tiny-qwen3-moe", "tiny-minimax-m2",
-                                                       "tiny-deepseek-v3", "tiny-qwen3.5", "tiny-qwen3.5-moe",
-                                                       "tiny-gpt-oss"])
+    p.add_argument(
+        "--preset",
+        default="tiny",
+        choices=[
+            "tiny",
+            "bench",
+            "tiny-qwen3-moe",
+            "tiny-minimax-m2",
+            "tiny-deepseek-v3",
+            "tiny-qwen3.5",
+            "tiny-qwen3.5-moe",
+            "tiny-gpt-oss",
+        ],
+    )
     p.add_argument("--out", required=True, help="directory to write the checkpoint into")
     p.add_argument("--seed", type=int, default=0, help="weight seed")
 
 
 def _init_model(args: argparse.Namespace, extra: list[str]) -> int:
     from kvpipe.model.presets import write_preset
+
     out = write_preset(args.preset, args.out, seed=args.seed)
     print(out)
     return 0
@@ -332,7 +442,7 @@ def build_parser(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser
                 gp = sub.add_parser(path[0], help=GROUP_HELP.get(path[0]))
                 groups[path[0]] = gp.add_subparsers(dest="cmd1", metavar="SUBCOMMAND", required=True)
             p = groups[path[0]].add_parser(path[1], help=cmd.help, description=cmd.help)
-        if wanted is None or list(path) == wanted[:len(path)]:
+        if wanted is None or list(path) == wanted[: len(path)]:
             add_args, run = _handlers(cmd)
             add_args(p)
             runners[path] = (cmd, run)

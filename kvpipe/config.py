@@ -68,40 +68,66 @@ class MoEConfig:
         return layer not in self.dense_layers
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any], arch: str) -> "MoEConfig | None":
+    def from_hf_dict(cls, cfg: dict[str, Any], arch: str) -> MoEConfig | None:
         n_layers = int(cfg["num_hidden_layers"])
         if arch == "qwen3_moe":
             step = int(cfg.get("decoder_sparse_step", 1) or 1)
             only = {int(i) for i in cfg.get("mlp_only_layers") or ()}
             dense = tuple(i for i in range(n_layers) if i in only or (i + 1) % step)
-            return cls(num_experts=int(cfg.get("num_experts") or cfg["num_local_experts"]),
-                       top_k=int(cfg["num_experts_per_tok"]),
-                       expert_intermediate_size=int(cfg["moe_intermediate_size"]), scoring="softmax",
-                       norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), dense_layers=dense)
+            return cls(
+                num_experts=int(cfg.get("num_experts") or cfg["num_local_experts"]),
+                top_k=int(cfg["num_experts_per_tok"]),
+                expert_intermediate_size=int(cfg["moe_intermediate_size"]),
+                scoring="softmax",
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                dense_layers=dense,
+            )
         if arch == "qwen3_5_moe":  # every layer sparse: HF has no decoder_sparse_step / mlp_only_layers here
-            return cls(num_experts=int(cfg["num_experts"]), top_k=int(cfg["num_experts_per_tok"]),
-                       expert_intermediate_size=int(cfg["moe_intermediate_size"]), scoring="softmax",
-                       norm_topk_prob=True, shared_intermediate_size=int(cfg["shared_expert_intermediate_size"]),
-                       shared_expert_gate=True)
+            return cls(
+                num_experts=int(cfg["num_experts"]),
+                top_k=int(cfg["num_experts_per_tok"]),
+                expert_intermediate_size=int(cfg["moe_intermediate_size"]),
+                scoring="softmax",
+                norm_topk_prob=True,
+                shared_intermediate_size=int(cfg["shared_expert_intermediate_size"]),
+                shared_expert_gate=True,
+            )
         if arch == "minimax_m2":
-            return cls(num_experts=int(cfg["num_local_experts"]), top_k=int(cfg["num_experts_per_tok"]),
-                       expert_intermediate_size=int(cfg["intermediate_size"]), scoring="sigmoid",
-                       norm_topk_prob=True, correction_bias=True)
+            return cls(
+                num_experts=int(cfg["num_local_experts"]),
+                top_k=int(cfg["num_experts_per_tok"]),
+                expert_intermediate_size=int(cfg["intermediate_size"]),
+                scoring="sigmoid",
+                norm_topk_prob=True,
+                correction_bias=True,
+            )
         if arch == "deepseek_v3":
             first_dense = int(cfg.get("first_k_dense_replace", 0))
             shared = int(cfg.get("n_shared_experts") or 0)
-            return cls(num_experts=int(cfg["n_routed_experts"]), top_k=int(cfg["num_experts_per_tok"]),
-                       expert_intermediate_size=int(cfg["moe_intermediate_size"]), scoring="sigmoid",
-                       norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), correction_bias=True,
-                       num_groups=int(cfg.get("n_group") or 1), topk_groups=int(cfg.get("topk_group") or 1),
-                       routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
-                       shared_intermediate_size=shared * int(cfg["moe_intermediate_size"]),
-                       dense_layers=tuple(range(min(first_dense, n_layers))))
+            return cls(
+                num_experts=int(cfg["n_routed_experts"]),
+                top_k=int(cfg["num_experts_per_tok"]),
+                expert_intermediate_size=int(cfg["moe_intermediate_size"]),
+                scoring="sigmoid",
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                correction_bias=True,
+                num_groups=int(cfg.get("n_group") or 1),
+                topk_groups=int(cfg.get("topk_group") or 1),
+                routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+                shared_intermediate_size=shared * int(cfg["moe_intermediate_size"]),
+                dense_layers=tuple(range(min(first_dense, n_layers))),
+            )
         if arch == "gpt_oss":
-            return cls(num_experts=int(cfg["num_local_experts"]), top_k=int(cfg["num_experts_per_tok"]),
-                       expert_intermediate_size=int(cfg["intermediate_size"]), scoring="topk_softmax",
-                       norm_topk_prob=False, biases=True, swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
-                       swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
+            return cls(
+                num_experts=int(cfg["num_local_experts"]),
+                top_k=int(cfg["num_experts_per_tok"]),
+                expert_intermediate_size=int(cfg["intermediate_size"]),
+                scoring="topk_softmax",
+                norm_topk_prob=False,
+                biases=True,
+                swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+                swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+            )
         return None
 
 
@@ -127,11 +153,16 @@ class MLAConfig:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any]) -> "MLAConfig":
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> MLAConfig:
         q = cfg.get("q_lora_rank")
-        return cls(q_lora_rank=None if q is None else int(q), kv_lora_rank=int(cfg["kv_lora_rank"]),
-                   qk_nope_head_dim=int(cfg["qk_nope_head_dim"]), qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
-                   v_head_dim=int(cfg["v_head_dim"]), rope_interleave=bool(cfg.get("rope_interleave", True)))
+        return cls(
+            q_lora_rank=None if q is None else int(q),
+            kv_lora_rank=int(cfg["kv_lora_rank"]),
+            qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
+            qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+            v_head_dim=int(cfg["v_head_dim"]),
+            rope_interleave=bool(cfg.get("rope_interleave", True)),
+        )
 
 
 class LayerType(enum.Enum):
@@ -177,7 +208,7 @@ class HybridConfig:
         return len(self.linear_layers) * (conv + recurrent)
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any]) -> "HybridConfig":
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> HybridConfig:
         n = int(cfg["num_hidden_layers"])
         types = cfg.get("layer_types")
         if types is None:  # HF's default pattern: every `full_attention_interval`-th layer is full
@@ -189,11 +220,14 @@ class HybridConfig:
             layer_types = tuple(LayerType(t) for t in types)
         except ValueError as e:
             raise ConfigError(f"unsupported layer type in layer_types: {e}") from None
-        return cls(layer_types=layer_types, linear_key_heads=int(cfg["linear_num_key_heads"]),
-                   linear_value_heads=int(cfg["linear_num_value_heads"]),
-                   linear_key_head_dim=int(cfg["linear_key_head_dim"]),
-                   linear_value_head_dim=int(cfg["linear_value_head_dim"]),
-                   conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)))
+        return cls(
+            layer_types=layer_types,
+            linear_key_heads=int(cfg["linear_num_key_heads"]),
+            linear_value_heads=int(cfg["linear_num_value_heads"]),
+            linear_key_head_dim=int(cfg["linear_key_head_dim"]),
+            linear_value_head_dim=int(cfg["linear_value_head_dim"]),
+            conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
+        )
 
 
 @dataclass(frozen=True)
@@ -262,13 +296,11 @@ class ModelConfig:
         return 1 if self.mla is not None else 2
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         archs = cfg.get("architectures") or []
         arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
-            raise ConfigError(
-                f"unsupported architecture {archs!r}; kvpipe supports {sorted(SUPPORTED_ARCHITECTURES)}"
-            )
+            raise ConfigError(f"unsupported architecture {archs!r}; kvpipe supports {sorted(SUPPORTED_ARCHITECTURES)}")
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         eos = cfg.get("eos_token_id")
@@ -286,8 +318,9 @@ class ModelConfig:
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             # Qwen3.5-MoE has no dense MLP, hence no intermediate_size
-            intermediate_size=int(cfg.get("intermediate_size", 0) if arch == "qwen3_5_moe"
-                                  else cfg["intermediate_size"]),
+            intermediate_size=int(
+                cfg.get("intermediate_size", 0) if arch == "qwen3_5_moe" else cfg["intermediate_size"]
+            ),
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
@@ -311,7 +344,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ConfigError(f"{model_dir}: no config.json (expected a local HF checkpoint directory)")
@@ -332,8 +365,12 @@ def _gpt_oss_attention(cfg: dict[str, Any]) -> dict[str, Any]:
     window = cfg.get("sliding_window")
     if sliding and (window is None or int(window) < 1):
         raise ConfigError(f"sliding_attention layers need a sliding_window >= 1, got {window!r}")
-    return dict(sliding_window=None if window is None else int(window), sliding_layers=sliding,
-                attention_sinks=True, o_proj_bias=bool(cfg.get("attention_bias", True)))
+    return dict(
+        sliding_window=None if window is None else int(window),
+        sliding_layers=sliding,
+        attention_sinks=True,
+        o_proj_bias=bool(cfg.get("attention_bias", True)),
+    )
 
 
 def _partial_rotary_dim(cfg: dict[str, Any], head_dim: int) -> int | None:
@@ -485,15 +522,25 @@ class DisaggregationConfig:
             raise ConfigError(f"bootstrap port {self.bootstrap_port} is not a TCP port")
         if self.layer_groups != "auto" and not (type(self.layer_groups) is int and self.layer_groups >= 1):
             raise ConfigError(f"layer groups must be 'auto' or an integer >= 1, got {self.layer_groups!r}")
-        for name in ("bootstrap_timeout_s", "waiting_timeout_s", "heartbeat_interval_s", "transfer_timeout_s",
-                     "http_timeout_s", "tick_s", "max_tick_s", "idle_tick_s"):
+        for name in (
+            "bootstrap_timeout_s",
+            "waiting_timeout_s",
+            "heartbeat_interval_s",
+            "transfer_timeout_s",
+            "http_timeout_s",
+            "tick_s",
+            "max_tick_s",
+            "idle_tick_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.heartbeat_misses < 1 or self.max_inflight_ops < 1 or self.control_send_hwm < 1:
             raise ConfigError("heartbeat_misses, max_inflight_ops and control_send_hwm must be >= 1")
         if self.decode_radix_cache and self.mode != "decode":
-            raise ConfigError("the decode radix cache (--disaggregation-enable-decode-radix-cache) is for "
-                              f"--disaggregation-mode decode, not {self.mode}")
+            raise ConfigError(
+                "the decode radix cache (--disaggregation-enable-decode-radix-cache) is for "
+                f"--disaggregation-mode decode, not {self.mode}"
+            )
         if not 0.0 <= self.failure_prob <= 1.0:
             raise ConfigError(f"failure probability must be in [0, 1], got {self.failure_prob}")
         if self.staging not in STAGING_MODES:
@@ -501,8 +548,10 @@ class DisaggregationConfig:
         if not (type(self.staging_pool_mb) is int and self.staging_pool_mb >= 1):
             raise ConfigError(f"staging pool size must be a whole number of MB >= 1, got {self.staging_pool_mb!r}")
         if self.auth_token is not None and len(self.auth_token) < MIN_AUTH_TOKEN_CHARS:
-            raise ConfigError(f"the disaggregation auth token needs at least {MIN_AUTH_TOKEN_CHARS} characters "
-                              "(a short secret is guessable offline from one captured message)")
+            raise ConfigError(
+                f"the disaggregation auth token needs at least {MIN_AUTH_TOKEN_CHARS} characters "
+                "(a short secret is guessable offline from one captured message)"
+            )
 
     @property
     def enabled(self) -> bool:
@@ -544,8 +593,9 @@ class ServerConfig:
         if self.cpu_threads is not None and not (type(self.cpu_threads) is int and self.cpu_threads >= 1):
             raise ConfigError(f"cpu threads must be a whole number >= 1, got {self.cpu_threads!r}")
         if not (type(self.max_request_body_bytes) is int and self.max_request_body_bytes >= 1):
-            raise ConfigError(f"the request body limit must be a whole number of bytes >= 1, "
-                              f"got {self.max_request_body_bytes!r}")
+            raise ConfigError(
+                f"the request body limit must be a whole number of bytes >= 1, got {self.max_request_body_bytes!r}"
+            )
 
     def check_servable(self) -> None:
         """Refuse PD set-ups no server can run (a TP group cannot share the in-process local
@@ -555,9 +605,11 @@ class ServerConfig:
         if not d.enabled:
             return
         if self.tp_size > 1 and d.transfer_backend == "local":
-            raise ConfigError(f"--disaggregation-mode {d.mode} with --tp-size {self.tp_size} needs "
-                              "--disaggregation-transfer-backend mooncake: TP ranks are separate processes and "
-                              "the local backend only copies inside one process")
+            raise ConfigError(
+                f"--disaggregation-mode {d.mode} with --tp-size {self.tp_size} needs "
+                "--disaggregation-transfer-backend mooncake: TP ranks are separate processes and "
+                "the local backend only copies inside one process"
+            )
         if d.ib_device and d.transfer_backend != "mooncake":
             raise ConfigError("--disaggregation-ib-device needs --disaggregation-transfer-backend mooncake")
 

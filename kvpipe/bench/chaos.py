@@ -37,9 +37,10 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import httpx
 
@@ -51,9 +52,22 @@ from kvpipe.server.supervisor import PartState, RestartPolicy
 TP_CHILD = "tp-child"
 # The lifecycle tests' timeouts: a peer silent for 5 heartbeats (2.5 s) is dead, a bootstrap or
 # transfer that does not progress fails in seconds, so in-flight requests end quickly.
-FAST_FLAGS = ("--page-size", "16", "--max-total-tokens", "32768", "--chunked-prefill-size", "128",
-              "--disaggregation-heartbeat-interval", "0.5", "--disaggregation-bootstrap-timeout", "5",
-              "--disaggregation-waiting-timeout", "20", "--disaggregation-transfer-timeout", "3")
+FAST_FLAGS = (
+    "--page-size",
+    "16",
+    "--max-total-tokens",
+    "32768",
+    "--chunked-prefill-size",
+    "128",
+    "--disaggregation-heartbeat-interval",
+    "0.5",
+    "--disaggregation-bootstrap-timeout",
+    "5",
+    "--disaggregation-waiting-timeout",
+    "20",
+    "--disaggregation-transfer-timeout",
+    "3",
+)
 LONG_PROMPT = 4000  # tokens: ~30 chunks of 128, seconds of prefill to kill into
 
 
@@ -94,7 +108,7 @@ def plan_rounds(cfg: ChaosConfig) -> list[tuple[str, Phase]]:
         batch = combos[:]
         rng.shuffle(batch)
         plan += batch
-    plan = plan[:cfg.rounds - n_tp]
+    plan = plan[: cfg.rounds - n_tp]
     for _ in range(n_tp):
         plan.insert(rng.randrange(len(plan) + 1), (TP_CHILD, rng.choice(list(Phase))))
     return plan
@@ -144,11 +158,16 @@ def wait_until(fn: Callable[[], Any], timeout_s: float, interval_s: float = 0.1)
 def idle_leaks(stack: PDStack, timeout_s: float) -> list[str]:
     """Wait for both servers to be idle: no request running or waiting, every page free, no active
     room. Returns what is still held after `timeout_s` (empty: no leak)."""
+
     def held(url: str) -> list[str]:
         st = server_state(url)
         rooms = (st.get("disaggregation") or {}).get("active_rooms", 0)
-        bad = {"running": st["num_running"], "waiting": st["num_waiting"],
-               "pages held": st["total_pages"] - st["free_pages"], "active rooms": rooms}
+        bad = {
+            "running": st["num_running"],
+            "waiting": st["num_waiting"],
+            "pages held": st["total_pages"] - st["free_pages"],
+            "active rooms": rooms,
+        }
         return [f"{k} {v}" for k, v in bad.items() if v]
 
     found: dict[str, list[str]] = {}
@@ -180,15 +199,33 @@ class RoundResult:
 
     @property
     def ok(self) -> bool:
-        return (not self.error and self.serves_again and not self.survivors_restarted and not self.hung
-                and not self.leaks and self.restart_s is not None)
+        return (
+            not self.error
+            and self.serves_again
+            and not self.survivors_restarted
+            and not self.hung
+            and not self.leaks
+            and self.restart_s is not None
+        )
 
     def as_dict(self) -> dict[str, Any]:
-        return {"round": self.round, "target": self.target, "phase": self.phase.value, "ok": self.ok,
-                "killed_pid": self.killed_pid, "phase_reached": self.phase_reached, "restarted": self.restarted,
-                "restart_s": _r(self.restart_s), "first_success_s": _r(self.first_success_s),
-                "serves_again": self.serves_again, "survivors_restarted": self.survivors_restarted,
-                "inflight": dict(self.inflight), "hung": self.hung, "leaks": self.leaks, "error": self.error}
+        return {
+            "round": self.round,
+            "target": self.target,
+            "phase": self.phase.value,
+            "ok": self.ok,
+            "killed_pid": self.killed_pid,
+            "phase_reached": self.phase_reached,
+            "restarted": self.restarted,
+            "restart_s": _r(self.restart_s),
+            "first_success_s": _r(self.first_success_s),
+            "serves_again": self.serves_again,
+            "survivors_restarted": self.survivors_restarted,
+            "inflight": dict(self.inflight),
+            "hung": self.hung,
+            "leaks": self.leaks,
+            "error": self.error,
+        }
 
 
 def _r(x: float | None) -> float | None:
@@ -212,12 +249,15 @@ class Campaign:
         tp = {"prefill_args": [], "decode_args": []}
         if cfg.tp_side:
             tp[f"{cfg.tp_side}_args"] = ["--tp-size", "2"]
-        self.stack = start_pd_stack(cfg.model_path, server_args=list(cfg.server_args), log_dir=cfg.log_dir,
-                                    timeout_s=180.0, **tp)
+        self.stack = start_pd_stack(
+            cfg.model_path, server_args=list(cfg.server_args), log_dir=cfg.log_dir, timeout_s=180.0, **tp
+        )
 
         def supervise() -> None:
             assert self.stack is not None
-            self.gave_up = not self.stack.supervise(cfg.policy, self._stop, lambda line: self.log(f"  supervisor: {line}"))
+            self.gave_up = not self.stack.supervise(
+                cfg.policy, self._stop, lambda line: self.log(f"  supervisor: {line}")
+            )
 
         self._thread = threading.Thread(target=supervise, daemon=True, name="chaos-supervisor")
         self._thread.start()
@@ -231,7 +271,7 @@ class Campaign:
         if self.stack is not None:
             self.stack.close()
 
-    def __enter__(self) -> "Campaign":
+    def __enter__(self) -> Campaign:
         self.start()
         return self
 
@@ -260,8 +300,10 @@ class Campaign:
             t_kill = time.monotonic()
             res.killed_pid = self._kill(target, victim)
             res.restarted = victim
-            self.log(f"round {number}: killed {target} (pid {res.killed_pid}) at {phase.value}"
-                     f"{'' if res.phase_reached else ' (phase not reached: killed anyway)'}")
+            self.log(
+                f"round {number}: killed {target} (pid {res.killed_pid}) at {phase.value}"
+                f"{'' if res.phase_reached else ' (phase not reached: killed anyway)'}"
+            )
             up = wait_until(lambda: self._back_up(victim, restarts[victim]), cfg.recover_timeout_s, 0.1)
             if up is None:
                 res.error = f"{victim} not back up within {cfg.recover_timeout_s:g} s"
@@ -287,9 +329,12 @@ class Campaign:
         res.leaks = idle_leaks(stack, cfg.idle_timeout_s)
         if self.gave_up:
             res.error = res.error or "the supervisor gave up (restart bound reached)"
-        self.log(f"round {number}: {'ok' if res.ok else 'FAILED'} - {victim} back in {_fmt(res.restart_s)} s, "
-                 f"serving again {_fmt(res.first_success_s)} s after the kill; in flight {dict(res.inflight)}"
-                 + (f"; leaks {res.leaks}" if res.leaks else "") + (f"; {res.error}" if res.error else ""))
+        self.log(
+            f"round {number}: {'ok' if res.ok else 'FAILED'} - {victim} back in {_fmt(res.restart_s)} s, "
+            f"serving again {_fmt(res.first_success_s)} s after the kill; in flight {dict(res.inflight)}"
+            + (f"; leaks {res.leaks}" if res.leaks else "")
+            + (f"; {res.error}" if res.error else "")
+        )
         return res
 
     def _probe(self, phase: Phase) -> tuple[threading.Thread, Outcome, Callable[[], bool]]:
@@ -312,8 +357,12 @@ class Campaign:
         else:
             payload, events = body(ids[:60], 1500), self.rng.randint(2, 20)
             reached = lambda: out.events >= events
-        t = threading.Thread(target=stream_request, args=(stack.router_url, payload, out, self.cfg.inflight_deadline_s),
-                             daemon=True, name="chaos-probe")
+        t = threading.Thread(
+            target=stream_request,
+            args=(stack.router_url, payload, out, self.cfg.inflight_deadline_s),
+            daemon=True,
+            name="chaos-probe",
+        )
         t.start()
         return t, out, reached
 
@@ -376,20 +425,38 @@ def summarize(cfg: ChaosConfig, results: list[RoundResult], stack: PDStack | Non
         if r.restart_s is not None:
             times.setdefault(r.target, []).append(r.restart_s)
     return {
-        "config": {"rounds": cfg.rounds, "seed": cfg.seed, "clients": cfg.clients, "tp_side": cfg.tp_side,
-                   "inflight_deadline_s": cfg.inflight_deadline_s, "recover_timeout_s": cfg.recover_timeout_s,
-                   "server_args": list(cfg.server_args), "model_path": cfg.model_path,
-                   "policy": {"max_restarts": cfg.policy.max_restarts, "window_s": cfg.policy.window_s,
-                              "backoff_s": cfg.policy.backoff_s, "backoff_max_s": cfg.policy.backoff_max_s}},
-        "machine": {"cpu": _cpu_name(), "cpu_count": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
-                    "python": platform.python_version(), "load_avg_end": list(os.getloadavg())},
+        "config": {
+            "rounds": cfg.rounds,
+            "seed": cfg.seed,
+            "clients": cfg.clients,
+            "tp_side": cfg.tp_side,
+            "inflight_deadline_s": cfg.inflight_deadline_s,
+            "recover_timeout_s": cfg.recover_timeout_s,
+            "server_args": list(cfg.server_args),
+            "model_path": cfg.model_path,
+            "policy": {
+                "max_restarts": cfg.policy.max_restarts,
+                "window_s": cfg.policy.window_s,
+                "backoff_s": cfg.policy.backoff_s,
+                "backoff_max_s": cfg.policy.backoff_max_s,
+            },
+        },
+        "machine": {
+            "cpu": _cpu_name(),
+            "cpu_count": os.cpu_count(),
+            "affinity": len(os.sched_getaffinity(0)),
+            "python": platform.python_version(),
+            "load_avg_end": list(os.getloadavg()),
+        },
         "rounds_run": len(results),
         "rounds_ok": sum(r.ok for r in results),
         "kills": {f"{t}/{p}": n for (t, p), n in sorted(Counter((r.target, r.phase.value) for r in results).items())},
         "inflight": dict(inflight),
         "hung": sum(len(r.hung) for r in results),
-        "restart_s": {t: {"n": len(v), "min": _r(min(v)), "median": _r(statistics.median(v)), "max": _r(max(v))}
-                      for t, v in sorted(times.items())},
+        "restart_s": {
+            t: {"n": len(v), "min": _r(min(v)), "median": _r(statistics.median(v)), "max": _r(max(v))}
+            for t, v in sorted(times.items())
+        },
         "leaks_found": sum(len(r.leaks) for r in results),
         "survivors_restarted": sum(len(r.survivors_restarted) for r in results),
         "supervisor_restarts": stack.restarts if stack is not None else {},
@@ -399,6 +466,7 @@ def summarize(cfg: ChaosConfig, results: list[RoundResult], stack: PDStack | Non
 
 def _cpu_name() -> str:
     from kvpipe.bench.engine import cpu_name  # here: that module imports torch
+
     return cpu_name()
 
 
@@ -406,13 +474,17 @@ def table(summary: dict[str, Any]) -> str:
     head = f"{'round':>5}  {'target':<8} {'phase':<9} {'ok':<4} {'restart s':>9} {'serving s':>9}  in flight"
     lines = [head]
     for r in summary["rounds"]:
-        lines.append(f"{r['round']:>5}  {r['target']:<8} {r['phase']:<9} {'yes' if r['ok'] else 'NO':<4} "
-                     f"{_fmt(r['restart_s']):>9} {_fmt(r['first_success_s']):>9}  "
-                     + ", ".join(f"{k} {v}" for k, v in sorted(r["inflight"].items())))
-    lines.append(f"{summary['rounds_ok']}/{summary['rounds_run']} rounds ok; in flight at the kills: "
-                 + ", ".join(f"{k} {v}" for k, v in sorted(summary["inflight"].items()))
-                 + f"; hung {summary['hung']}; leaks {summary['leaks_found']}; "
-                 f"survivors restarted {summary['survivors_restarted']}")
+        lines.append(
+            f"{r['round']:>5}  {r['target']:<8} {r['phase']:<9} {'yes' if r['ok'] else 'NO':<4} "
+            f"{_fmt(r['restart_s']):>9} {_fmt(r['first_success_s']):>9}  "
+            + ", ".join(f"{k} {v}" for k, v in sorted(r["inflight"].items()))
+        )
+    lines.append(
+        f"{summary['rounds_ok']}/{summary['rounds_run']} rounds ok; in flight at the kills: "
+        + ", ".join(f"{k} {v}" for k, v in sorted(summary["inflight"].items()))
+        + f"; hung {summary['hung']}; leaks {summary['leaks_found']}; "
+        f"survivors restarted {summary['survivors_restarted']}"
+    )
     return "\n".join(lines)
 
 
@@ -421,11 +493,19 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=d.rounds)
     p.add_argument("--seed", type=int, default=d.seed, help="the order of the kills and where they land")
     p.add_argument("--clients", type=int, default=d.clients, help="client threads streaming through the router")
-    p.add_argument("--tp-side", choices=["prefill", "decode"], default=None,
-                   help="serve this side with --tp-size 2 and add rounds that kill one of its TP workers")
+    p.add_argument(
+        "--tp-side",
+        choices=["prefill", "decode"],
+        default=None,
+        help="serve this side with --tp-size 2 and add rounds that kill one of its TP workers",
+    )
     p.add_argument("--tp-rounds", type=int, default=d.tp_rounds, help="rounds killing a TP worker (with --tp-side)")
-    p.add_argument("--inflight-deadline", type=float, default=d.inflight_deadline_s,
-                   help="seconds within which a request in flight at a kill must end")
+    p.add_argument(
+        "--inflight-deadline",
+        type=float,
+        default=d.inflight_deadline_s,
+        help="seconds within which a request in flight at a kill must end",
+    )
     p.add_argument("--model-path", default=None, help="HF checkpoint directory (default: the built-in tiny model)")
     p.add_argument("--log-dir", default=None, help="server logs (default: a new temporary directory, printed)")
     p.add_argument("--out", default=None, help="write the JSON summary here")
@@ -435,9 +515,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="kvpipe-chaos-")  # not the terminal: the table goes there
     print(f"server logs: {log_dir}", file=sys.stderr, flush=True)
-    cfg = ChaosConfig(rounds=args.rounds, seed=args.seed, clients=args.clients, tp_side=args.tp_side,
-                      tp_rounds=args.tp_rounds, inflight_deadline_s=args.inflight_deadline,
-                      model_path=args.model_path, log_dir=log_dir)
+    cfg = ChaosConfig(
+        rounds=args.rounds,
+        seed=args.seed,
+        clients=args.clients,
+        tp_side=args.tp_side,
+        tp_rounds=args.tp_rounds,
+        inflight_deadline_s=args.inflight_deadline,
+        model_path=args.model_path,
+        log_dir=log_dir,
+    )
     plan = plan_rounds(cfg)
     campaign = Campaign(cfg)
     try:

@@ -12,9 +12,10 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 
@@ -51,18 +52,30 @@ class Outcome:
         return self.start <= t and (self.end is None or self.end > t)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "status": None if self.status is None else self.status.value,
-                "detail": self.detail, "events": self.events,
-                "duration_s": None if self.end is None else round(self.end - self.start, 3)}
+        return {
+            "kind": self.kind,
+            "status": None if self.status is None else self.status.value,
+            "detail": self.detail,
+            "events": self.events,
+            "duration_s": None if self.end is None else round(self.end - self.start, 3),
+        }
 
 
 def body(input_ids: list[int], max_new_tokens: int) -> dict[str, Any]:
-    return {"input_ids": input_ids, "stream": True,
-            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}}
+    return {
+        "input_ids": input_ids,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True},
+    }
 
 
-def stream_request(url: str, payload: dict[str, Any], out: Outcome, deadline_s: float,
-                   on_event: Callable[[Outcome], None] | None = None) -> Outcome:
+def stream_request(
+    url: str,
+    payload: dict[str, Any],
+    out: Outcome,
+    deadline_s: float,
+    on_event: Callable[[Outcome], None] | None = None,
+) -> Outcome:
     """POST a streamed /generate to `url` (a server root) and record how it ended in `out`."""
     want = payload["sampling_params"]["max_new_tokens"]
     end_by = out.start + deadline_s
@@ -108,16 +121,21 @@ class Load:
     """`clients` threads sending short streamed requests back to back until stop(); every request
     they sent is in `outcomes`. Bounded: at most `max_requests` per client."""
 
-    def __init__(self, url: str, clients: int, seed: int, deadline_s: float, vocab: int = 256,
-                 max_requests: int = 10_000) -> None:
+    def __init__(
+        self, url: str, clients: int, seed: int, deadline_s: float, vocab: int = 256, max_requests: int = 10_000
+    ) -> None:
         self.url, self.deadline_s, self.vocab, self.max_requests = url, deadline_s, vocab, max_requests
         self.outcomes: list[Outcome] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._client, args=(random.Random(seed * 1000 + i),), daemon=True,
-                                          name=f"chaos-load-{i}") for i in range(clients)]
+        self._threads = [
+            threading.Thread(
+                target=self._client, args=(random.Random(seed * 1000 + i),), daemon=True, name=f"chaos-load-{i}"
+            )
+            for i in range(clients)
+        ]
 
-    def __enter__(self) -> "Load":
+    def __enter__(self) -> Load:
         for t in self._threads:
             t.start()
         return self

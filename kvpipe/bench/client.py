@@ -15,8 +15,9 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 
@@ -62,8 +63,15 @@ class RunResult:
     duration_s: float  # first send -> last request finished
 
 
-async def _stream_one(client: httpx.AsyncClient, url: str, req: BenchRequest, rec: RequestRecord,
-                      clock: Callable[[], float], input_ids: list[int], output_ids: list[int]) -> None:
+async def _stream_one(
+    client: httpx.AsyncClient,
+    url: str,
+    req: BenchRequest,
+    rec: RequestRecord,
+    clock: Callable[[], float],
+    input_ids: list[int],
+    output_ids: list[int],
+) -> None:
     """Stream one request; `output_ids` receives the final cumulative output ids."""
     async with client.stream("POST", url, json=req.body(stream=True, input_ids=input_ids)) as resp:
         if resp.status_code != 200:
@@ -90,9 +98,16 @@ async def _stream_one(client: httpx.AsyncClient, url: str, req: BenchRequest, re
         rec.error = f"expected {req.output_len} output tokens, got {rec.output_tokens}"
 
 
-async def drive(url: str, workload: Workload, concurrency: int, timeout_s: float, progress: bool = True,
-                desc: str = "requests", transport: httpx.AsyncBaseTransport | None = None,
-                clock: Callable[[], float] = time.perf_counter) -> RunResult:
+async def drive(
+    url: str,
+    workload: Workload,
+    concurrency: int,
+    timeout_s: float,
+    progress: bool = True,
+    desc: str = "requests",
+    transport: httpx.AsyncBaseTransport | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> RunResult:
     """Run every request of `workload` against `url` (the full `/generate` URL)."""
     from tqdm import tqdm
 
@@ -144,7 +159,13 @@ async def drive(url: str, workload: Workload, concurrency: int, timeout_s: float
     return RunResult(records, max(duration, 1e-9))
 
 
-def run_workload(url: str, workload: Workload, concurrency: int = 1, timeout_s: float = 300.0,
-                 progress: bool = True, desc: str = "requests") -> RunResult:
+def run_workload(
+    url: str,
+    workload: Workload,
+    concurrency: int = 1,
+    timeout_s: float = 300.0,
+    progress: bool = True,
+    desc: str = "requests",
+) -> RunResult:
     """Synchronous wrapper; `url` is the server root (…:port), `/generate` is appended."""
     return asyncio.run(drive(url.rstrip("/") + "/generate", workload, concurrency, timeout_s, progress, desc))

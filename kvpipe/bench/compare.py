@@ -8,7 +8,8 @@ and PD/colocated ratios. Plain Python over sweep points (kvpipe/bench/sweep.py).
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from kvpipe.bench.sweep import INPROC, PD, SweepPoint
 
@@ -28,12 +29,14 @@ def compare_rows(points: Iterable[SweepPoint]) -> list[dict[str, Any]]:
         pd, colo = by_key.get((n, PD)), by_key.get((n, INPROC))
         if pd is None or colo is None:
             continue
-        rows.append({
-            "prompt_len": n,
-            "pd": {k: pd.get(k) for k in (*COMPARE_KEYS, "completed", "failed")},
-            "colocated": {k: colo.get(k) for k in (*COMPARE_KEYS, "completed", "failed")},
-            "ratio": {k: _ratio(pd.get(k), colo.get(k)) for k in COMPARE_KEYS},
-        })
+        rows.append(
+            {
+                "prompt_len": n,
+                "pd": {k: pd.get(k) for k in (*COMPARE_KEYS, "completed", "failed")},
+                "colocated": {k: colo.get(k) for k in (*COMPARE_KEYS, "completed", "failed")},
+                "ratio": {k: _ratio(pd.get(k), colo.get(k)) for k in COMPARE_KEYS},
+            }
+        )
     return rows
 
 

@@ -34,9 +34,21 @@ from typing import Any
 
 import numpy as np
 
-from kvpipe.bench.engine_stats import (DecodePoint, PrefillPoint, compare_decode, compare_prefill, cpu_per_wall,
-                                       decode_max_new_tokens, decode_points, format_table, kv_tokens_needed,
-                                       parse_int_list, prefill_points, summarize_decode, summarize_prefill)
+from kvpipe.bench.engine_stats import (
+    DecodePoint,
+    PrefillPoint,
+    compare_decode,
+    compare_prefill,
+    cpu_per_wall,
+    decode_max_new_tokens,
+    decode_points,
+    format_table,
+    kv_tokens_needed,
+    parse_int_list,
+    prefill_points,
+    summarize_decode,
+    summarize_prefill,
+)
 
 STEP_LIMIT = 100_000  # no run of a point takes more engine steps than this
 
@@ -50,31 +62,48 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", default="1,8,32", help="decode batch sizes")
     p.add_argument("--decode-context", type=int, default=256, help="prompt tokens of each decoding request")
     p.add_argument("--output-len", type=int, default=64, help="timed decode steps per repeat")
-    p.add_argument("--decode-warmup-steps", type=int, default=4,
-                   help="untimed full-batch decode steps before the timed ones, every repeat")
+    p.add_argument(
+        "--decode-warmup-steps",
+        type=int,
+        default=4,
+        help="untimed full-batch decode steps before the timed ones, every repeat",
+    )
     p.add_argument("--tp-size", "--tp", type=int, default=1, help="tensor parallel ranks")
     p.add_argument("--page-size", type=int, default=64, help="tokens per KV page")
     p.add_argument("--chunked-prefill-size", type=int, default=8192, help="max prompt tokens per prefill step")
     p.add_argument("--max-prefill-tokens", type=int, default=16384, help="token budget of one prefill batch")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads per TP rank (default: as a server's, the cores of the CPU affinity "
-                        "split among the ranks)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per TP rank (default: as a server's, the cores of the CPU affinity split among the ranks)",
+    )
     p.add_argument("--repeat", type=int, default=3, help="measured runs per point (medians are reported)")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured runs per prefill point first")
     p.add_argument("--seed", type=int, default=0, help="prompt token seed")
     p.add_argument("--skip-prefill", action="store_true")
     p.add_argument("--skip-decode", action="store_true")
-    p.add_argument("--compare-hf", action="store_true",
-                   help="also run HF transformers on the same checkpoint, alternating with the engine repeat by "
-                        "repeat, and report kvpipe/HF ratios (needs the transformers package)")
+    p.add_argument(
+        "--compare-hf",
+        action="store_true",
+        help="also run HF transformers on the same checkpoint, alternating with the engine repeat by "
+        "repeat, and report kvpipe/HF ratios (needs the transformers package)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--out", default=None, help="also write the JSON result to this file")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _check(args: argparse.Namespace) -> None:
-    for name in ("prefill_batch", "decode_context", "output_len", "tp_size", "page_size", "max_prefill_tokens",
-                 "repeat"):
+    for name in (
+        "prefill_batch",
+        "decode_context",
+        "output_len",
+        "tp_size",
+        "page_size",
+        "max_prefill_tokens",
+        "repeat",
+    ):
         if getattr(args, name) < 1:
             raise SystemExit(f"kvpipe bench engine: --{name.replace('_', '-')} must be positive")
     if args.warmup < 0 or args.decode_warmup_steps < 0 or (args.threads is not None and args.threads < 1):
@@ -170,8 +199,8 @@ class EngineBench:
             self.engine.step()  # drains the aborts: pages go back before the next point
         if self.engine.has_work():
             raise RuntimeError("benchmark requests left in the engine after a decode run")
-        timed = times[point.warmup_steps:]
-        return timed, cpu_per_wall(sum(cpu[point.warmup_steps:]), sum(timed))
+        timed = times[point.warmup_steps :]
+        return timed, cpu_per_wall(sum(cpu[point.warmup_steps :]), sum(timed))
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -180,30 +209,48 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     from tqdm import tqdm
 
     from kvpipe.config import CacheConfig, SchedulerConfig, ServerConfig
+    from kvpipe.engine.cpu_threads import apply_cpu_threads, server_cpu_threads
     from kvpipe.engine.engine import Engine
 
-    from kvpipe.engine.cpu_threads import apply_cpu_threads, server_cpu_threads
     if args.model_path:
         model_path, model = args.model_path, args.model_path
     else:
         from kvpipe.model.presets import default_model_dir
+
         model = f"preset:{args.preset or 'bench'}"
         model_path = str(default_model_dir(args.preset or "bench"))
     budget = prefill_budget(args)
-    ppoints = [] if args.skip_prefill else prefill_points(parse_int_list(args.prompt_lens, "--prompt-lens"),
-                                                          [args.prefill_batch])
-    dpoints = [] if args.skip_decode else decode_points(parse_int_list(args.batch_sizes, "--batch-sizes"),
-                                                        args.decode_context, args.output_len,
-                                                        args.decode_warmup_steps)
+    ppoints = (
+        []
+        if args.skip_prefill
+        else prefill_points(parse_int_list(args.prompt_lens, "--prompt-lens"), [args.prefill_batch])
+    )
+    dpoints = (
+        []
+        if args.skip_decode
+        else decode_points(
+            parse_int_list(args.batch_sizes, "--batch-sizes"),
+            args.decode_context,
+            args.output_len,
+            args.decode_warmup_steps,
+        )
+    )
     # KV pool sized to the largest point (a page of slack per request), not the 64K-token default
     max_batch = max([p.batch for p in ppoints] + [d.batch for d in dpoints] + [1])
     kv_tokens = kv_tokens_needed(ppoints, dpoints, budget) + max_batch * args.page_size
-    cfg = ServerConfig(model_path=model_path, tp_size=args.tp_size, seed=args.seed, log_level="warning",
-                       cpu_threads=args.threads * args.tp_size if args.threads else None,
-                       cache=CacheConfig(page_size=args.page_size, max_total_tokens=kv_tokens),
-                       scheduler=SchedulerConfig(max_running_requests=max(64, max_batch),
-                                             chunked_prefill_size=args.chunked_prefill_size,
-                                             max_prefill_tokens=args.max_prefill_tokens))
+    cfg = ServerConfig(
+        model_path=model_path,
+        tp_size=args.tp_size,
+        seed=args.seed,
+        log_level="warning",
+        cpu_threads=args.threads * args.tp_size if args.threads else None,
+        cache=CacheConfig(page_size=args.page_size, max_total_tokens=kv_tokens),
+        scheduler=SchedulerConfig(
+            max_running_requests=max(64, max_batch),
+            chunked_prefill_size=args.chunked_prefill_size,
+            max_prefill_tokens=args.max_prefill_tokens,
+        ),
+    )
     threads = server_cpu_threads(cfg)  # as a server plans them: every TP rank gets per_rank
     apply_cpu_threads(threads)  # rank 0 runs here; the other ranks apply the same plan themselves
     load_start = list(os.getloadavg())
@@ -211,10 +258,16 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     hf = None
     if args.compare_hf:
         from kvpipe.bench.hf_reference import HFReference
+
         hf = HFReference(model_path, args.seed, threads.total)  # the threads all engine ranks share
     runs = args.warmup + args.repeat
-    bar = tqdm(total=len(ppoints) * runs + len(dpoints) * args.repeat, desc="bench engine", file=sys.stderr,
-               disable=args.no_progress, leave=False)
+    bar = tqdm(
+        total=len(ppoints) * runs + len(dpoints) * args.repeat,
+        desc="bench engine",
+        file=sys.stderr,
+        disable=args.no_progress,
+        leave=False,
+    )
     prefill, decode = [], []
     try:
         bench = EngineBench(engine, args.seed)
@@ -231,8 +284,9 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                 bar.update()
             row = summarize_prefill(p, [x[0] for x in samples], [x[1] for x in samples], [x[2] for x in samples])
             if hf:
-                hf_row = summarize_prefill(p, [x[0] for x in hf_samples], [1] * len(hf_samples),
-                                           [cpu_per_wall(c, t) for t, c in hf_samples])
+                hf_row = summarize_prefill(
+                    p, [x[0] for x in hf_samples], [1] * len(hf_samples), [cpu_per_wall(c, t) for t, c in hf_samples]
+                )
                 row = compare_prefill(row, hf_row)
             prefill.append(row)
         for d in dpoints:
@@ -254,18 +308,38 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         engine.shutdown()
     mc = engine.model_config
     return {
-        "config": {"model": model, "model_path": model_path, "layers": mc.num_layers, "hidden": mc.hidden_size,
-                   "heads": mc.num_heads, "kv_heads": mc.num_kv_heads, "dtype": mc.dtype, "tp_size": args.tp_size,
-                   "page_size": args.page_size, "chunked_prefill_size": args.chunked_prefill_size,
-                   "max_prefill_tokens": args.max_prefill_tokens, "decode_context": args.decode_context,
-                   "output_len": args.output_len,
-                   "decode_warmup_steps": args.decode_warmup_steps, "repeat": args.repeat, "warmup": args.warmup,
-                   "kv_cache_tokens": kv_tokens, "kv_cache_bytes": kv_bytes, "seed": args.seed,
-                   "compare_hf": None if hf is None else {"attn_implementation": hf.attn, "threads": hf.threads}},
-        "machine": {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
-                    "torch": torch.__version__, "python": platform.python_version(),
-                    # the 1/5/15-minute load averages before and after: a shared machine is noisy
-                    "load_avg_start": load_start, "load_avg_end": list(os.getloadavg())},
+        "config": {
+            "model": model,
+            "model_path": model_path,
+            "layers": mc.num_layers,
+            "hidden": mc.hidden_size,
+            "heads": mc.num_heads,
+            "kv_heads": mc.num_kv_heads,
+            "dtype": mc.dtype,
+            "tp_size": args.tp_size,
+            "page_size": args.page_size,
+            "chunked_prefill_size": args.chunked_prefill_size,
+            "max_prefill_tokens": args.max_prefill_tokens,
+            "decode_context": args.decode_context,
+            "output_len": args.output_len,
+            "decode_warmup_steps": args.decode_warmup_steps,
+            "repeat": args.repeat,
+            "warmup": args.warmup,
+            "kv_cache_tokens": kv_tokens,
+            "kv_cache_bytes": kv_bytes,
+            "seed": args.seed,
+            "compare_hf": None if hf is None else {"attn_implementation": hf.attn, "threads": hf.threads},
+        },
+        "machine": {
+            "cpu": cpu_name(),
+            "cpu_count": os.cpu_count(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            # the 1/5/15-minute load averages before and after: a shared machine is noisy
+            "load_avg_start": load_start,
+            "load_avg_end": list(os.getloadavg()),
+        },
         "prefill": prefill,
         "decode": decode,
     }

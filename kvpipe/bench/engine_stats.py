@@ -79,21 +79,30 @@ def _median_or_none(xs: Sequence[float]) -> float | None:
     return median(xs) if xs else None
 
 
-def summarize_prefill(point: PrefillPoint, times_s: Sequence[float], steps: Sequence[int],
-                      cpu_ratios: Sequence[float] = ()) -> dict[str, Any]:
+def summarize_prefill(
+    point: PrefillPoint, times_s: Sequence[float], steps: Sequence[int], cpu_ratios: Sequence[float] = ()
+) -> dict[str, Any]:
     """One prefill point from per-repeat wall times (seconds to prefill the whole batch) and,
     optionally, each repeat's cpu_per_wall."""
     t = median(times_s)
     tokens = point.prompt_len * point.batch
-    return {"prompt_len": point.prompt_len, "batch": point.batch, "repeats": len(times_s),
-            "ms_per_prefill": 1000.0 * t, "ms_min": 1000.0 * min(times_s), "ms_max": 1000.0 * max(times_s),
-            "tokens_per_s": tokens / t if t > 0 else math.inf,
-            "steps": int(median(steps)), "cpu_per_wall": _median_or_none(cpu_ratios),
-            "times_s": [float(x) for x in times_s]}
+    return {
+        "prompt_len": point.prompt_len,
+        "batch": point.batch,
+        "repeats": len(times_s),
+        "ms_per_prefill": 1000.0 * t,
+        "ms_min": 1000.0 * min(times_s),
+        "ms_max": 1000.0 * max(times_s),
+        "tokens_per_s": tokens / t if t > 0 else math.inf,
+        "steps": int(median(steps)),
+        "cpu_per_wall": _median_or_none(cpu_ratios),
+        "times_s": [float(x) for x in times_s],
+    }
 
 
-def summarize_decode(point: DecodePoint, step_times_s: Sequence[Sequence[float]],
-                     cpu_ratios: Sequence[float] = ()) -> dict[str, Any]:
+def summarize_decode(
+    point: DecodePoint, step_times_s: Sequence[Sequence[float]], cpu_ratios: Sequence[float] = ()
+) -> dict[str, Any]:
     """One decode point from each repeat's list of step times (seconds, all at full batch).
 
     Per repeat the mean step time; the median of those over repeats is the headline figure.
@@ -103,12 +112,19 @@ def summarize_decode(point: DecodePoint, step_times_s: Sequence[Sequence[float]]
     per_repeat = [sum(r) / len(r) for r in step_times_s]
     t = median(per_repeat)
     flat = [x for r in step_times_s for x in r]
-    return {"batch": point.batch, "context": point.context, "steps": point.steps,
-            "warmup_steps": point.warmup_steps, "repeats": len(step_times_s),
-            "ms_per_step": 1000.0 * t, "ms_per_step_p50": 1000.0 * median(flat),
-            "ms_per_step_max": 1000.0 * max(flat),
-            "tokens_per_s": point.batch / t if t > 0 else math.inf, "cpu_per_wall": _median_or_none(cpu_ratios),
-            "ms_per_step_by_repeat": [1000.0 * x for x in per_repeat]}
+    return {
+        "batch": point.batch,
+        "context": point.context,
+        "steps": point.steps,
+        "warmup_steps": point.warmup_steps,
+        "repeats": len(step_times_s),
+        "ms_per_step": 1000.0 * t,
+        "ms_per_step_p50": 1000.0 * median(flat),
+        "ms_per_step_max": 1000.0 * max(flat),
+        "tokens_per_s": point.batch / t if t > 0 else math.inf,
+        "cpu_per_wall": _median_or_none(cpu_ratios),
+        "ms_per_step_by_repeat": [1000.0 * x for x in per_repeat],
+    }
 
 
 def compare_prefill(row: dict[str, Any], hf: dict[str, Any]) -> dict[str, Any]:
@@ -128,22 +144,32 @@ def _fmt(x: float | None) -> str:
 def format_table(report: dict[str, Any]) -> str:
     m, c = report["machine"], report["config"]
     hf = c.get("compare_hf")
-    rows = [f"{c['model']} | tp {c['tp_size']} | page {c['page_size']} | chunk {c['chunked_prefill_size']} | "
-            f"median of {c['repeat']} | torch {m['torch']} | {m['threads']} threads | "
-            f"{m['cpu']}" + (f" | HF transformers {hf['attn_implementation']}, {hf['threads']} threads" if hf else ""),
-            "", f"prefill ({c['warmup']} warm-up run per point)",
-            f"{'tokens':>7} {'batch':>5} {'ms':>10} {'tok/s':>10} {'steps':>5} {'cpu/wall':>8}"
-            + (f" {'HF ms':>10} {'kvpipe/HF time':>15}" if hf else "")]
+    rows = [
+        f"{c['model']} | tp {c['tp_size']} | page {c['page_size']} | chunk {c['chunked_prefill_size']} | "
+        f"median of {c['repeat']} | torch {m['torch']} | {m['threads']} threads | "
+        f"{m['cpu']}" + (f" | HF transformers {hf['attn_implementation']}, {hf['threads']} threads" if hf else ""),
+        "",
+        f"prefill ({c['warmup']} warm-up run per point)",
+        f"{'tokens':>7} {'batch':>5} {'ms':>10} {'tok/s':>10} {'steps':>5} {'cpu/wall':>8}"
+        + (f" {'HF ms':>10} {'kvpipe/HF time':>15}" if hf else ""),
+    ]
     for x in report["prefill"]:
-        rows.append(f"{x['prompt_len']:>7} {x['batch']:>5} {x['ms_per_prefill']:>10.1f} "
-                    f"{x['tokens_per_s']:>10.0f} {x['steps']:>5} {_fmt(x['cpu_per_wall']):>8}"
-                    + (f" {x['hf']['ms_per_prefill']:>10.1f} {x['time_ratio_vs_hf']:>15.2f}" if "hf" in x else ""))
-    rows += ["", f"decode (context {c['decode_context']}, {c['output_len']} timed steps after "
-                 f"{c['decode_warmup_steps']} warm-up steps, fresh prefill per repeat)",
-             f"{'batch':>5} {'ms/step':>9} {'tok/s':>9} {'p50 ms':>8} {'max ms':>8} {'cpu/wall':>8}"
-             + (f" {'HF ms':>9} {'kvpipe/HF tok/s':>16}" if hf else "")]
+        rows.append(
+            f"{x['prompt_len']:>7} {x['batch']:>5} {x['ms_per_prefill']:>10.1f} "
+            f"{x['tokens_per_s']:>10.0f} {x['steps']:>5} {_fmt(x['cpu_per_wall']):>8}"
+            + (f" {x['hf']['ms_per_prefill']:>10.1f} {x['time_ratio_vs_hf']:>15.2f}" if "hf" in x else "")
+        )
+    rows += [
+        "",
+        f"decode (context {c['decode_context']}, {c['output_len']} timed steps after "
+        f"{c['decode_warmup_steps']} warm-up steps, fresh prefill per repeat)",
+        f"{'batch':>5} {'ms/step':>9} {'tok/s':>9} {'p50 ms':>8} {'max ms':>8} {'cpu/wall':>8}"
+        + (f" {'HF ms':>9} {'kvpipe/HF tok/s':>16}" if hf else ""),
+    ]
     for x in report["decode"]:
-        rows.append(f"{x['batch']:>5} {x['ms_per_step']:>9.2f} {x['tokens_per_s']:>9.1f} "
-                    f"{x['ms_per_step_p50']:>8.2f} {x['ms_per_step_max']:>8.2f} {_fmt(x['cpu_per_wall']):>8}"
-                    + (f" {x['hf']['ms_per_step']:>9.2f} {x['throughput_ratio_vs_hf']:>16.2f}" if "hf" in x else ""))
+        rows.append(
+            f"{x['batch']:>5} {x['ms_per_step']:>9.2f} {x['tokens_per_s']:>9.1f} "
+            f"{x['ms_per_step_p50']:>8.2f} {x['ms_per_step_max']:>8.2f} {_fmt(x['cpu_per_wall']):>8}"
+            + (f" {x['hf']['ms_per_step']:>9.2f} {x['throughput_ratio_vs_hf']:>16.2f}" if "hf" in x else "")
+        )
     return "\n".join(rows)

@@ -14,8 +14,8 @@ Times are seconds in records and milliseconds in the summary.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -101,9 +101,12 @@ def summarize(records: Sequence[RequestRecord], duration_s: float) -> dict[str, 
     out_tokens = sum(m.output_tokens for m in done)
     in_tokens = sum(m.prompt_len for m in done)
     summary: dict[str, float | int | None] = {
-        "num_requests": len(records), "completed": len(done), "failed": len(records) - len(done),
+        "num_requests": len(records),
+        "completed": len(done),
+        "failed": len(records) - len(done),
         "duration_s": duration_s,
-        "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
         "request_throughput": len(done) / duration_s,
         "input_throughput": in_tokens / duration_s,
         "output_throughput": out_tokens / duration_s,

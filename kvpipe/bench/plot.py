@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from kvpipe.bench.metrics import RequestRecord, request_metrics
 
@@ -23,8 +24,9 @@ def _cdf(ax: Any, values_ms: Sequence[float], label: str) -> None:
         ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=label)
 
 
-def plot_run(records: Sequence[RequestRecord], summary: Mapping[str, Any], path: str | Path,
-             title: str = "kvpipe bench serve") -> Path:
+def plot_run(
+    records: Sequence[RequestRecord], summary: Mapping[str, Any], path: str | Path, title: str = "kvpipe bench serve"
+) -> Path:
     """Two panels: CDFs of TTFT and e2e latency, and the ITL histogram (all in ms)."""
     plt = _pyplot()
     done = [request_metrics(r) for r in records if r.ok]
@@ -47,9 +49,11 @@ def plot_run(records: Sequence[RequestRecord], summary: Mapping[str, Any], path:
         v = summary.get(key)
         return "n/a" if v is None else f"{v:.1f}"
 
-    fig.suptitle(f"{title} — {summary.get('completed')}/{summary.get('num_requests')} ok, "
-                 f"TTFT p50 {fmt('ttft_p50_ms')} ms, TPOT p50 {fmt('tpot_p50_ms')} ms, "
-                 f"{fmt('output_throughput')} tok/s")
+    fig.suptitle(
+        f"{title} — {summary.get('completed')}/{summary.get('num_requests')} ok, "
+        f"TTFT p50 {fmt('ttft_p50_ms')} ms, TPOT p50 {fmt('tpot_p50_ms')} ms, "
+        f"{fmt('output_throughput')} tok/s"
+    )
     return _save(plt, fig, path)
 
 
@@ -61,8 +65,9 @@ def plot_sweep(rows: Sequence[Mapping[str, Any]], path: str | Path, title: str =
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for i, mode in enumerate(modes):
-        pts = sorted((r for r in rows if r["mode"] == mode and r["ttft_p50_ms"] is not None),
-                     key=lambda r: r["prompt_len"])
+        pts = sorted(
+            (r for r in rows if r["mode"] == mode and r["ttft_p50_ms"] is not None), key=lambda r: r["prompt_len"]
+        )
         color = f"C{i}"
         xs = [r["prompt_len"] for r in pts]
         ax1.plot(xs, [r["ttft_p50_ms"] for r in pts], "o-", color=color, label=f"{mode} p50")
@@ -74,15 +79,25 @@ def plot_sweep(rows: Sequence[Mapping[str, Any]], path: str | Path, title: str =
             ax2.plot(*zip(*exp), "o-", color=color, label=mode)
             for r in pts:  # the group count each PD point used, when the prefill reported it
                 if r.get("num_groups") and r.get("exposed_transfer_ms") is not None:
-                    ax2.annotate(f"N={r['num_groups']}", (r["prompt_len"], r["exposed_transfer_ms"]),
-                                 textcoords="offset points", xytext=(4, 4), fontsize=7, color=color)
+                    ax2.annotate(
+                        f"N={r['num_groups']}",
+                        (r["prompt_len"], r["exposed_transfer_ms"]),
+                        textcoords="offset points",
+                        xytext=(4, 4),
+                        fontsize=7,
+                        color=color,
+                    )
         tail = [(r["prompt_len"], r["transfer_tail_ms"]) for r in pts if r.get("transfer_tail_ms") is not None]
         if tail:  # the prefill's own measure: KV still landing after the forward
             ax2.plot(*zip(*tail), "s--", color=color, alpha=0.6, label=f"{mode}: KV tail after forward")
-    base_tail = {r["prompt_len"]: r["transfer_tail_ms"] for r in rows
-                 if r["mode"] == "baseline" and r.get("transfer_tail_ms")}
-    target = sorted((r["prompt_len"], 1.5 / r["num_groups"] * base_tail[r["prompt_len"]]) for r in rows
-                    if r.get("transfer_tail_ratio") is not None and r.get("num_groups") and r["prompt_len"] in base_tail)
+    base_tail = {
+        r["prompt_len"]: r["transfer_tail_ms"] for r in rows if r["mode"] == "baseline" and r.get("transfer_tail_ms")
+    }
+    target = sorted(
+        (r["prompt_len"], 1.5 / r["num_groups"] * base_tail[r["prompt_len"]])
+        for r in rows
+        if r.get("transfer_tail_ratio") is not None and r.get("num_groups") and r["prompt_len"] in base_tail
+    )
     if target:
         ax2.plot(*zip(*target), "x", color="black", label="1.5/N × baseline tail")
     ideal = sorted({(r["prompt_len"], r["ideal_transfer_ms"]) for r in rows if r.get("ideal_transfer_ms")})
@@ -103,16 +118,23 @@ def plot_modes(rows: Sequence[Mapping[str, Any]], path: str | Path, title: str =
     bars, and the KV bytes the prefill sent per request."""
     plt = _pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    labels = [f"{r['mode']}\n{r['prompt_len']} tok" if len({x['prompt_len'] for x in rows}) > 1 else r["mode"]
-              for r in rows]
+    labels = [
+        f"{r['mode']}\n{r['prompt_len']} tok" if len({x["prompt_len"] for x in rows}) > 1 else r["mode"] for r in rows
+    ]
     xs = range(len(rows))
     w = 0.4
     ax1.bar([x - w / 2 for x in xs], [r.get("ttft_p50_ms") or 0 for r in rows], w, label="p50")
     ax1.bar([x + w / 2 for x in xs], [r.get("ttft_p99_ms") or 0 for r in rows], w, label="p99", alpha=0.6)
     for x, r in zip(xs, rows):
         if r.get("ttft_speedup_vs_baseline"):
-            ax1.annotate(f"{r['ttft_speedup_vs_baseline']:.1f}x", (x - w / 2, r.get("ttft_p50_ms") or 0),
-                         textcoords="offset points", xytext=(0, 3), ha="center", fontsize=8)
+            ax1.annotate(
+                f"{r['ttft_speedup_vs_baseline']:.1f}x",
+                (x - w / 2, r.get("ttft_p50_ms") or 0),
+                textcoords="offset points",
+                xytext=(0, 3),
+                ha="center",
+                fontsize=8,
+            )
     ax1.set(ylabel="TTFT (ms)", title="time to first token")
     kv = [(x, r["kv_bytes_per_request"] / 2**20) for x, r in zip(xs, rows) if r.get("kv_bytes_per_request")]
     if kv:

@@ -50,8 +50,16 @@ def pattern_ops(src: int, dst: int, nbytes: int, pattern: RawPattern) -> tuple[n
     return one if pattern.piece_bytes == WHOLE else split_ops(*one, pattern.piece_bytes)
 
 
-def raw_write(engine, peer: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray, window: int,
-              poll_interval_s: float = 100e-6, timeout_s: float = 300.0) -> None:
+def raw_write(
+    engine,
+    peer: str,
+    src: np.ndarray,
+    dst: np.ndarray,
+    length: np.ndarray,
+    window: int,
+    poll_interval_s: float = 100e-6,
+    timeout_s: float = 300.0,
+) -> None:
     """Write every piece with at most `window` in flight; raise if one fails or time runs out."""
     s, d, n = src.tolist(), dst.tolist(), length.tolist()
     inflight: collections.deque[int] = collections.deque()

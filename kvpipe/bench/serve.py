@@ -23,9 +23,10 @@ import signal
 import sys
 import tempfile
 import threading
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 from kvpipe.bench.workload import WorkloadConfig, build_workload, parse_lengths, split_rounds
 
@@ -36,34 +37,55 @@ def add_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--output-lens", default="16", help="output tokens, same forms as --prompt-lens")
     w.add_argument("--num-requests", type=int, default=8, help="requests per run (per point in a sweep)")
     w.add_argument("--concurrency", type=int, default=1, help="max requests in flight")
-    w.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at once)")
+    w.add_argument(
+        "--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at once)"
+    )
     w.add_argument("--seed", type=int, default=0, help="workload seed (prompts, lengths, arrivals)")
     w.add_argument("--num-prefix-groups", type=int, default=0, help="shared-prefix mode: number of groups")
     w.add_argument("--prefix-len", type=int, default=0, help="shared-prefix mode: tokens shared per group")
-    w.add_argument("--num-turns", type=int, default=1, help="multi-turn mode: turns per conversation; each "
-                   "follow-up resends the conversation (prompt + answer) plus --turn-len new tokens")
+    w.add_argument(
+        "--num-turns",
+        type=int,
+        default=1,
+        help="multi-turn mode: turns per conversation; each "
+        "follow-up resends the conversation (prompt + answer) plus --turn-len new tokens",
+    )
     w.add_argument("--turn-len", type=int, default=0, help="multi-turn mode: new user tokens per follow-up turn")
-    w.add_argument("--vocab-size", type=int, default=None, help="token ids are drawn below this "
-                   "(default: the model's config.json)")
+    w.add_argument(
+        "--vocab-size", type=int, default=None, help="token ids are drawn below this (default: the model's config.json)"
+    )
     w.add_argument("--token-id-low", type=int, default=0, help="token ids are drawn at or above this")
     w.add_argument("--warmup-requests", type=int, default=1, help="unmeasured requests first (per sweep point)")
     w.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     t = p.add_argument_group("target")
     t.add_argument("--url", default=None, help="a running server or router (single run)")
     t.add_argument("--sweep-prompt-lens", default=None, help="sweep: prompt lengths, e.g. 256,1024,2048")
-    t.add_argument("--modes", default="baseline,pipelined,inproc",
-                   help="sweep: baseline, pipelined, pipelined-N (forced N groups), inproc (colocated)")
+    t.add_argument(
+        "--modes",
+        default="baseline,pipelined,inproc",
+        help="sweep: baseline, pipelined, pipelined-N (forced N groups), inproc (colocated)",
+    )
     t.add_argument("--model-path", default=None, help="sweep: checkpoint directory (default: tiny preset)")
     t.add_argument("--server-args", default="", help="sweep: extra flags for every server, one string")
-    t.add_argument("--interleave", action="store_true", help="sweep: run every mode's stack at once and "
-                   "alternate the modes request by request (round by round of --concurrency requests), so "
-                   "a shared machine's load drift hits all modes alike")
-    t.add_argument("--compare-colocated", action="store_true",
-                   help="start the PD stack as `kvpipe launch` does (the cores split between prefill and "
-                        "decode) and a colocated server on every core, run the workload on both (each "
-                        "--prompt-lens value a point) and report e2e/TTFT p50/p90 and PD/colocated ratios")
-    t.add_argument("--link-rate", default=None, help="sweep: run PD stacks across an emulated link of "
-                   "this tc rate (e.g. 1gbit); needs root")
+    t.add_argument(
+        "--interleave",
+        action="store_true",
+        help="sweep: run every mode's stack at once and "
+        "alternate the modes request by request (round by round of --concurrency requests), so "
+        "a shared machine's load drift hits all modes alike",
+    )
+    t.add_argument(
+        "--compare-colocated",
+        action="store_true",
+        help="start the PD stack as `kvpipe launch` does (the cores split between prefill and "
+        "decode) and a colocated server on every core, run the workload on both (each "
+        "--prompt-lens value a point) and report e2e/TTFT p50/p90 and PD/colocated ratios",
+    )
+    t.add_argument(
+        "--link-rate",
+        default=None,
+        help="sweep: run PD stacks across an emulated link of this tc rate (e.g. 1gbit); needs root",
+    )
     t.add_argument("--log-dir", default=None, help="sweep: write server logs here (default: a new temp dir)")
     t.add_argument("--startup-timeout", type=float, default=300.0, help="sweep: seconds for a stack to start")
     o = p.add_argument_group("output")
@@ -86,21 +108,33 @@ def _vocab_size(args: argparse.Namespace, model_path: str | None) -> int:
 
 def _workload_config(args: argparse.Namespace, vocab: int, prompt_lens: str | int) -> WorkloadConfig:
     try:
-        return WorkloadConfig(parse_lengths(prompt_lens, "--prompt-lens"), parse_lengths(args.output_lens, "--output-lens"),
-                              args.num_requests, vocab, args.request_rate, args.seed, args.num_prefix_groups,
-                              args.prefix_len, args.token_id_low, args.num_turns, args.turn_len)
+        return WorkloadConfig(
+            parse_lengths(prompt_lens, "--prompt-lens"),
+            parse_lengths(args.output_lens, "--output-lens"),
+            args.num_requests,
+            vocab,
+            args.request_rate,
+            args.seed,
+            args.num_prefix_groups,
+            args.prefix_len,
+            args.token_id_low,
+            args.num_turns,
+            args.turn_len,
+        )
     except ValueError as e:
         raise SystemExit(f"kvpipe bench serve: {e}") from None
 
 
 def _warmup_config(cfg: WorkloadConfig, args: argparse.Namespace) -> WorkloadConfig:
     """Unmeasured single-turn requests with other prompts (other prefixes too)."""
-    return replace(cfg, num_requests=args.warmup_requests, seed=cfg.seed + 1_000_003, request_rate=math.inf,
-                   num_turns=1)
+    return replace(
+        cfg, num_requests=args.warmup_requests, seed=cfg.seed + 1_000_003, request_rate=math.inf, num_turns=1
+    )
 
 
-def _measure(call: Any, url: str, cfg: WorkloadConfig, args: argparse.Namespace, desc: str,
-             after_warmup: Any = None) -> tuple[dict, list]:
+def _measure(
+    call: Any, url: str, cfg: WorkloadConfig, args: argparse.Namespace, desc: str, after_warmup: Any = None
+) -> tuple[dict, list]:
     """Warm-up requests (other prompts), `after_warmup()`, then the measured run; returns (summary, records)."""
     from kvpipe.bench.client import run_workload
     from kvpipe.bench.metrics import first_errors, summarize
@@ -164,12 +198,29 @@ def run_sweep_cmd(args: argparse.Namespace, compare: bool = False) -> int:
     """A sweep of --sweep-prompt-lens over --modes; `compare`: --prompt-lens over PD and colocated."""
     from kvpipe.bench.compare import COMPARE_MODES, compare_rows, compare_table
     from kvpipe.bench.plot import plot_modes, plot_sweep
-    from kvpipe.bench.probe import (count_delta, model_config, read_num_groups, read_server_info, tail_delta,
-                                    transfer_count_from_server_info, transfer_tail_from_server_info)
+    from kvpipe.bench.probe import (
+        count_delta,
+        model_config,
+        read_num_groups,
+        read_server_info,
+        tail_delta,
+        transfer_count_from_server_info,
+        transfer_tail_from_server_info,
+    )
     from kvpipe.bench.stacks import Endpoint, StackOptions, default_stack_factory
-    from kvpipe.bench.sweep import (INPROC, SliceResult, kv_bytes_per_token, kv_wire_bytes, parse_modes,
-                                    parse_prompt_lens, run_sweep, run_sweep_interleaved, server_page_size,
-                                    state_bytes_per_request, sweep_rows)
+    from kvpipe.bench.sweep import (
+        INPROC,
+        SliceResult,
+        kv_bytes_per_token,
+        kv_wire_bytes,
+        parse_modes,
+        parse_prompt_lens,
+        run_sweep,
+        run_sweep_interleaved,
+        server_page_size,
+        state_bytes_per_request,
+        sweep_rows,
+    )
     from kvpipe.bench.testbed import LinkTestbed, LinkTestbedError, parse_rate
     from kvpipe.model.presets import resolve_model_path
 
@@ -197,14 +248,19 @@ def run_sweep_cmd(args: argparse.Namespace, compare: bool = False) -> int:
     def measure(ep: Endpoint, mode: str, n: int) -> tuple[dict, int | None, float | None, float | None]:
         pd = ep.info_url is not None and mode != INPROC
         before: list = []
-        summary, _ = _measure(ep.call, ep.url, configs[n], args, f"{mode} len={n}",
-                              lambda: before.append(readings(ep)) if pd else None)
+        summary, _ = _measure(
+            ep.call, ep.url, configs[n], args, f"{mode} len={n}", lambda: before.append(readings(ep)) if pd else None
+        )
         if not pd:
             return summary, None, None, None
         (tail0, count0), (tail1, count1) = before[0], readings(ep)
         count = count_delta(count0, count1)
-        return (summary, ep.call(read_num_groups, ep.info_url), tail_delta(tail0, tail1),
-                count.per_room if count else None)
+        return (
+            summary,
+            ep.call(read_num_groups, ep.info_url),
+            tail_delta(tail0, tail1),
+            count.per_room if count else None,
+        )
 
     # a round is `concurrency` conversations (single turn: requests), never a split conversation
     slices = {n: split_rounds(build_workload(configs[n]), args.concurrency) for n in lens} if args.interleave else {}
@@ -224,8 +280,13 @@ def run_sweep_cmd(args: argparse.Namespace, compare: bool = False) -> int:
         if before is None:
             return SliceResult(res.records, res.duration_s)
         after = readings(ep)
-        return SliceResult(res.records, res.duration_s, ep.call(read_num_groups, ep.info_url),
-                           tail_delta(before[0], after[0]), count_delta(before[1], after[1]))
+        return SliceResult(
+            res.records,
+            res.duration_s,
+            ep.call(read_num_groups, ep.info_url),
+            tail_delta(before[0], after[0]),
+            count_delta(before[1], after[1]),
+        )
 
     def summarize_records(records: Any, duration_s: float) -> dict:
         from kvpipe.bench.metrics import first_errors, summarize
@@ -246,13 +307,27 @@ def run_sweep_cmd(args: argparse.Namespace, compare: bool = False) -> int:
     except (LinkTestbedError, RuntimeError, TimeoutError) as e:  # a stack that did not start
         raise SystemExit(f"kvpipe bench serve: {e} (server logs in {log_dir})") from None
     hf = model_config(model_path) or {}
-    rows = sweep_rows(points, rate_bps, kv_bytes_per_token(hf), state_bytes_per_request(hf) or 0,
-                      kv_wire_bytes(hf, server_page_size(opts.server_args)))
-    result = {"model_path": model_path, "log_dir": log_dir, "link_rate": args.link_rate or "loopback", "link_rate_bps": rate_bps,
-              "modes": modes, "interleaved": args.interleave, "server_args": list(opts.server_args),
-              "workload": _config_dict(configs[lens[0]], args) | {"prompt_lens": lens}, "rows": rows,
-              "summaries": [{"prompt_len": p.prompt_len, "mode": p.mode, **p.summary} for p in points],
-              "cpu_threads": threads, "machine": _machine(load_before)}
+    rows = sweep_rows(
+        points,
+        rate_bps,
+        kv_bytes_per_token(hf),
+        state_bytes_per_request(hf) or 0,
+        kv_wire_bytes(hf, server_page_size(opts.server_args)),
+    )
+    result = {
+        "model_path": model_path,
+        "log_dir": log_dir,
+        "link_rate": args.link_rate or "loopback",
+        "link_rate_bps": rate_bps,
+        "modes": modes,
+        "interleaved": args.interleave,
+        "server_args": list(opts.server_args),
+        "workload": _config_dict(configs[lens[0]], args) | {"prompt_lens": lens},
+        "rows": rows,
+        "summaries": [{"prompt_len": p.prompt_len, "mode": p.mode, **p.summary} for p in points],
+        "cpu_threads": threads,
+        "machine": _machine(load_before),
+    }
     if compare:
         result["compare"] = compare_rows(points)
         title = f"kvpipe PD vs colocated, {args.num_requests} req, c={args.concurrency}"
@@ -304,8 +379,9 @@ def _machine(load_before: float | None) -> dict[str, Any]:
     return {"cpu": cpu_name(), "cores": len(affinity_cores()), "load_avg_1m_before": load_before}
 
 
-def _reporting_threads(open_stack: Callable[[str], contextlib.AbstractContextManager[Any]], into: dict[str, Any]
-                       ) -> Callable[[str], contextlib.AbstractContextManager[Any]]:
+def _reporting_threads(
+    open_stack: Callable[[str], contextlib.AbstractContextManager[Any]], into: dict[str, Any]
+) -> Callable[[str], contextlib.AbstractContextManager[Any]]:
     """`open_stack` that also records, per mode, each started server's /server_info cpu_threads."""
     from kvpipe.bench.probe import read_server_info
 
@@ -321,19 +397,25 @@ def _reporting_threads(open_stack: Callable[[str], contextlib.AbstractContextMan
 def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     if args.compare_colocated:
         if args.url or args.sweep_prompt_lens or args.link_rate:
-            raise SystemExit("kvpipe bench serve: --compare-colocated starts its own stacks on this machine "
-                             "(no --url, --sweep-prompt-lens or --link-rate); the workload's --prompt-lens "
-                             "are its points")
+            raise SystemExit(
+                "kvpipe bench serve: --compare-colocated starts its own stacks on this machine "
+                "(no --url, --sweep-prompt-lens or --link-rate); the workload's --prompt-lens "
+                "are its points"
+            )
         if args.interleave and not math.isinf(args.request_rate):
             raise SystemExit("kvpipe bench serve: --interleave applies without --request-rate")
         with _sigterm_as_exit():
             return run_sweep_cmd(args, compare=True)
     if (args.url is None) == (args.sweep_prompt_lens is None):
-        raise SystemExit("kvpipe bench serve: give either --url (one run against a running server) or "
-                         "--sweep-prompt-lens (start a stack per mode)")
+        raise SystemExit(
+            "kvpipe bench serve: give either --url (one run against a running server) or "
+            "--sweep-prompt-lens (start a stack per mode)"
+        )
     if args.interleave and (not args.sweep_prompt_lens or not math.isinf(args.request_rate)):
-        raise SystemExit("kvpipe bench serve: --interleave applies to sweeps without --request-rate "
-                         "(each round sends its requests at once)")
+        raise SystemExit(
+            "kvpipe bench serve: --interleave applies to sweeps without --request-rate "
+            "(each round sends its requests at once)"
+        )
     if args.link_rate and not args.sweep_prompt_lens:
         raise SystemExit("kvpipe bench serve: --link-rate applies to sweeps (the stacks started here)")
     with _sigterm_as_exit():

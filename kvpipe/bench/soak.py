@@ -23,13 +23,22 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from kvpipe.bench.probe import engine_stats
-from kvpipe.bench.soak_book import (Check, ResourceSeries, Tally, checks_dict, pool_checks, resource_checks,
-                                    room_deltas, verdict)
+from kvpipe.bench.soak_book import (
+    Check,
+    ResourceSeries,
+    Tally,
+    checks_dict,
+    pool_checks,
+    resource_checks,
+    room_deltas,
+    verdict,
+)
 from kvpipe.bench.soak_plan import Bounds, PlannedRequest, SoakConfig, plan_requests, plan_warmup
 
 SERVERS = ("prefill", "decode")
@@ -44,20 +53,37 @@ def add_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--prompt-min", type=int, default=d.prompt_min, help="shortest prompt (tokens or characters)")
     w.add_argument("--prompt-max", type=int, default=d.prompt_max, help="longest prompt (tokens or characters)")
     w.add_argument("--output-max", type=int, default=d.output_max, help="outputs are drawn in 1..this tokens")
-    w.add_argument("--failure-prob", type=float, default=d.failure_prob,
-                   help="the prefill fails each KV transfer batch with this probability")
-    w.add_argument("--disconnect-prob", type=float, default=d.disconnect_prob,
-                   help="share of requests whose stream we close after a few events")
+    w.add_argument(
+        "--failure-prob",
+        type=float,
+        default=d.failure_prob,
+        help="the prefill fails each KV transfer batch with this probability",
+    )
+    w.add_argument(
+        "--disconnect-prob",
+        type=float,
+        default=d.disconnect_prob,
+        help="share of requests whose stream we close after a few events",
+    )
     w.add_argument("--seed", type=int, default=d.seed, help="workload and failure-injection seed")
     w.add_argument("--deadline", type=float, default=d.deadline_s, help="seconds per request before it is a hang")
-    w.add_argument("--warmup-requests", type=int, default=d.warmup_requests,
-                   help="unmeasured drawn requests before the baseline, after --concurrency of the longest "
-                        "prompts (0: no warm-up)")
+    w.add_argument(
+        "--warmup-requests",
+        type=int,
+        default=d.warmup_requests,
+        help="unmeasured drawn requests before the baseline, after --concurrency of the longest "
+        "prompts (0: no warm-up)",
+    )
     c = p.add_argument_group("checks")
-    c.add_argument("--idle-timeout", type=float, default=d.idle_timeout_s,
-                   help="seconds to wait after the run for both servers to be idle")
-    c.add_argument("--sample-interval", type=float, default=d.sample_interval_s,
-                   help="seconds between resource samples")
+    c.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=d.idle_timeout_s,
+        help="seconds to wait after the run for both servers to be idle",
+    )
+    c.add_argument(
+        "--sample-interval", type=float, default=d.sample_interval_s, help="seconds between resource samples"
+    )
     c.add_argument("--max-rss-growth-mb", type=float, default=b.rss_growth_mb, help="per server, final - baseline")
     c.add_argument("--max-fd-delta", type=int, default=b.fd_delta)
     c.add_argument("--max-thread-delta", type=int, default=b.thread_delta)
@@ -75,12 +101,20 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> SoakConfig:
     try:
         return SoakConfig(
-            num_requests=args.num_requests, concurrency=args.concurrency, prompt_min=args.prompt_min,
-            prompt_max=args.prompt_max, output_max=args.output_max, failure_prob=args.failure_prob,
-            disconnect_prob=args.disconnect_prob, seed=args.seed, deadline_s=args.deadline,
-            idle_timeout_s=args.idle_timeout, sample_interval_s=args.sample_interval,
+            num_requests=args.num_requests,
+            concurrency=args.concurrency,
+            prompt_min=args.prompt_min,
+            prompt_max=args.prompt_max,
+            output_max=args.output_max,
+            failure_prob=args.failure_prob,
+            disconnect_prob=args.disconnect_prob,
+            seed=args.seed,
+            deadline_s=args.deadline,
+            idle_timeout_s=args.idle_timeout,
+            sample_interval_s=args.sample_interval,
             warmup_requests=args.warmup_requests,
-            bounds=Bounds(args.max_rss_growth_mb, args.max_fd_delta, args.max_thread_delta))
+            bounds=Bounds(args.max_rss_growth_mb, args.max_fd_delta, args.max_thread_delta),
+        )
     except ValueError as e:
         raise SystemExit(f"kvpipe bench soak: {e}") from None
 
@@ -93,8 +127,9 @@ def _model_name(url: str) -> str:
     return str(r.json()["data"][0]["id"])
 
 
-def wait_pools(urls: Mapping[str, str], baselines: Mapping[str, Mapping[str, Any]], timeout_s: float,
-               interval_s: float = 0.5) -> tuple[list[Check], dict[str, Any], float]:
+def wait_pools(
+    urls: Mapping[str, str], baselines: Mapping[str, Mapping[str, Any]], timeout_s: float, interval_s: float = 0.5
+) -> tuple[list[Check], dict[str, Any], float]:
     """Poll both servers until their pools are back at the baseline, at most `timeout_s`.
     Returns the last checks, the last stats per server, and the seconds it took."""
     t0 = time.monotonic()
@@ -105,8 +140,11 @@ def wait_pools(urls: Mapping[str, str], baselines: Mapping[str, Mapping[str, Any
         for name, url in urls.items():
             now = engine_stats(url)
             last[name] = now
-            checks += pool_checks(name, baselines[name], now) if now is not None else \
-                [Check(f"{name} /server_info", False, "unreachable")]
+            checks += (
+                pool_checks(name, baselines[name], now)
+                if now is not None
+                else [Check(f"{name} /server_info", False, "unreachable")]
+            )
         if verdict(checks) or time.monotonic() - t0 >= timeout_s:
             return checks, last, time.monotonic() - t0
         time.sleep(interval_s)
@@ -115,8 +153,9 @@ def wait_pools(urls: Mapping[str, str], baselines: Mapping[str, Mapping[str, Any
 class Sampler:
     """A thread sampling each server's process group every `interval_s` until stopped."""
 
-    def __init__(self, pgids: Mapping[str, int], series: Mapping[str, ResourceSeries], t0: float,
-                 interval_s: float) -> None:
+    def __init__(
+        self, pgids: Mapping[str, int], series: Mapping[str, ResourceSeries], t0: float, interval_s: float
+    ) -> None:
         self.pgids, self.series, self.t0, self.interval_s = pgids, series, t0, interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="soak-sampler", daemon=True)
@@ -135,7 +174,7 @@ class Sampler:
                 if s is not None:
                     self.series[name].during.append(s)
 
-    def __enter__(self) -> "Sampler":
+    def __enter__(self) -> Sampler:
         self._thread.start()
         return self
 
@@ -144,8 +183,9 @@ class Sampler:
         self._thread.join(timeout=10.0)
 
 
-def _drive(url: str, reqs: list[PlannedRequest], model: str, cfg: SoakConfig, tally: Tally, progress: bool,
-           desc: str) -> float:
+def _drive(
+    url: str, reqs: list[PlannedRequest], model: str, cfg: SoakConfig, tally: Tally, progress: bool, desc: str
+) -> float:
     from kvpipe.bench.soak_client import drive
 
     t0 = time.monotonic()
@@ -153,17 +193,28 @@ def _drive(url: str, reqs: list[PlannedRequest], model: str, cfg: SoakConfig, ta
     return time.monotonic() - t0
 
 
-def run_soak(cfg: SoakConfig, model_path: str | None, server_args: list[str], log_dir: str,
-             startup_timeout_s: float, progress: bool = True,
-             log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> dict[str, Any]:
+def run_soak(
+    cfg: SoakConfig,
+    model_path: str | None,
+    server_args: list[str],
+    log_dir: str,
+    startup_timeout_s: float,
+    progress: bool = True,
+    log: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
+) -> dict[str, Any]:
     """Start the stack, warm up, run, check; returns the result (see the module doc)."""
     from kvpipe.server.launcher import start_pd_stack
 
-    prefill_args = ["--disaggregation-failure-prob", str(cfg.failure_prob),
-                    "--disaggregation-failure-seed", str(cfg.seed)]
+    prefill_args = [
+        "--disaggregation-failure-prob",
+        str(cfg.failure_prob),
+        "--disaggregation-failure-seed",
+        str(cfg.seed),
+    ]
     planned = plan_requests(cfg)
-    with start_pd_stack(model_path, server_args=server_args, prefill_args=prefill_args, log_dir=log_dir,
-                        timeout_s=startup_timeout_s) as stack:
+    with start_pd_stack(
+        model_path, server_args=server_args, prefill_args=prefill_args, log_dir=log_dir, timeout_s=startup_timeout_s
+    ) as stack:
         urls = {"prefill": stack.prefill_url, "decode": stack.decode_url}
         pgids = {"prefill": stack.procs[0].pid, "decode": stack.procs[1].pid}  # each leads its session
         model = _model_name(stack.prefill_url)
@@ -187,19 +238,30 @@ def run_soak(cfg: SoakConfig, model_path: str | None, server_args: list[str], lo
         pool, final_stats, idle_s = wait_pools(urls, baselines, cfg.idle_timeout_s)
         for name, s in sampler.sample().items():
             series[name].final = s
-        alive = [Check(f"{name} alive", p.poll() is None, f"exit code {p.poll()}")
-                 for name, p in zip(("prefill", "decode", "router"), stack.procs)]
-    checks = [*tally.checks(len(planned), cfg.failure_prob > 0), *pool, *alive,
-              *(c for name in SERVERS for c in resource_checks(name, series[name], cfg.bounds))]
+        alive = [
+            Check(f"{name} alive", p.poll() is None, f"exit code {p.poll()}")
+            for name, p in zip(("prefill", "decode", "router"), stack.procs)
+        ]
+    checks = [
+        *tally.checks(len(planned), cfg.failure_prob > 0),
+        *pool,
+        *alive,
+        *(c for name in SERVERS for c in resource_checks(name, series[name], cfg.bounds)),
+    ]
     if not verdict(warm_checks):
         checks.append(Check("idle after warm-up", False, "; ".join(c.detail for c in warm_checks if not c.ok)))
     return {
-        "config": asdict(cfg), "server_args": server_args, "log_dir": log_dir,
-        "duration_s": round(duration, 1), "idle_wait_s": round(idle_s, 1),
+        "config": asdict(cfg),
+        "server_args": server_args,
+        "log_dir": log_dir,
+        "duration_s": round(duration, 1),
+        "idle_wait_s": round(idle_s, 1),
         "counts": {"planned": len(planned), "by_outcome": tally.by_outcome(), "by_kind": tally.by_kind()},
-        "latency_ms": tally.latency_ms(), "messages": tally.messages(),
+        "latency_ms": tally.latency_ms(),
+        "messages": tally.messages(),
         "transfer_rooms": {name: room_deltas(baselines[name], final_stats.get(name) or {}) for name in SERVERS},
-        "checks": checks_dict(checks), "ok": verdict(checks),
+        "checks": checks_dict(checks),
+        "ok": verdict(checks),
         "pools": {"baseline": baselines, "final": final_stats},
         "resources": {name: series[name].to_dict() for name in SERVERS},
     }
@@ -215,17 +277,25 @@ def table(result: Mapping[str, Any]) -> str:
     lat = result["latency_ms"]
     lines.append("latency ms  " + "  ".join(f"{o} p50 {v['p50']:,.0f} p90 {v['p90']:,.0f}" for o, v in lat.items()))
     rooms = result["transfer_rooms"]
-    lines.append("KV transfer rooms during the run: " + ", ".join(
-        f"{name} {r['rooms_succeeded']} succeeded / {r['rooms_failed']} failed" for name, r in rooms.items()))
+    lines.append(
+        "KV transfer rooms during the run: "
+        + ", ".join(
+            f"{name} {r['rooms_succeeded']} succeeded / {r['rooms_failed']} failed" for name, r in rooms.items()
+        )
+    )
     for name, res in result["resources"].items():
         d = res["deltas"]
         if d:
-            lines.append(f"{name:<8} RSS {d['rss_mb']:+.1f} MB (peak {d['peak_rss_growth_mb']:+.1f}, second half "
-                         f"{d['rss_second_half_mb']:+.1f})  "
-                         f"fds {d['fds']:+d}  threads {d['threads']:+d}  procs {d['procs']:+d}")
+            lines.append(
+                f"{name:<8} RSS {d['rss_mb']:+.1f} MB (peak {d['peak_rss_growth_mb']:+.1f}, second half "
+                f"{d['rss_second_half_mb']:+.1f})  "
+                f"fds {d['fds']:+d}  threads {d['threads']:+d}  procs {d['procs']:+d}"
+            )
     failed = [c for c in result["checks"] if not c["ok"]]
-    lines.append(f"checks: {len(result['checks']) - len(failed)}/{len(result['checks'])} passed"
-                 + "".join(f"\n  FAILED {c['name']}: {c['detail']}" for c in failed))
+    lines.append(
+        f"checks: {len(result['checks']) - len(failed)}/{len(result['checks'])} passed"
+        + "".join(f"\n  FAILED {c['name']}: {c['detail']}" for c in failed)
+    )
     return "\n".join(lines)
 
 
@@ -238,8 +308,14 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     load_before = _load_average()
     with _sigterm_as_exit():
         try:
-            result = run_soak(cfg, resolve_model_path(args.model_path), shlex.split(args.server_args), log_dir,
-                              args.startup_timeout, not args.no_progress)
+            result = run_soak(
+                cfg,
+                resolve_model_path(args.model_path),
+                shlex.split(args.server_args),
+                log_dir,
+                args.startup_timeout,
+                not args.no_progress,
+            )
         except (RuntimeError, TimeoutError) as e:  # a stack that did not start
             raise SystemExit(f"kvpipe bench soak: {e} (server logs in {log_dir})") from None
     result["machine"] = _machine(load_before)

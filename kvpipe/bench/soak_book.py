@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import collections
 import enum
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 from kvpipe.bench.metrics import percentiles
 from kvpipe.bench.soak_plan import Bounds, Kind
@@ -90,8 +91,9 @@ class Tally:
     def messages(self, limit: int = 10) -> list[dict[str, Any]]:
         """The most common (outcome, status, message) of the non-successes, with counts."""
         quiet = (Outcome.SUCCESS, Outcome.DISCONNECTED)
-        c = collections.Counter((r.outcome.value, r.status, _shorten(r.message))
-                                for r in self._by_index.values() if r.outcome not in quiet)
+        c = collections.Counter(
+            (r.outcome.value, r.status, _shorten(r.message)) for r in self._by_index.values() if r.outcome not in quiet
+        )
         return [{"outcome": o, "status": s, "message": m, "count": n} for (o, s, m), n in c.most_common(limit)]
 
     def checks(self, planned: int, faults_injected: bool) -> list[Check]:
@@ -99,15 +101,24 @@ class Tally:
         missing = planned - len(self._by_index)
         server_errors = sum(1 for r in self._by_index.values() if r.status is not None and r.status >= 500)
         return [
-            Check("every request accounted", missing == 0 and not self.duplicates,
-                  f"{len(self._by_index)}/{planned} with a final status, {len(self.duplicates)} duplicates"),
+            Check(
+                "every request accounted",
+                missing == 0 and not self.duplicates,
+                f"{len(self._by_index)}/{planned} with a final status, {len(self.duplicates)} duplicates",
+            ),
             Check("no hangs", counts[Outcome.HANG.value] == 0, f"{counts[Outcome.HANG.value]} hung"),
-            Check("every failure is clear", counts[Outcome.UNCLEAR.value] == 0,
-                  f"{counts[Outcome.UNCLEAR.value]} ended without a status or message"),
+            Check(
+                "every failure is clear",
+                counts[Outcome.UNCLEAR.value] == 0,
+                f"{counts[Outcome.UNCLEAR.value]} ended without a status or message",
+            ),
             # with no injected faults a 5xx is a server bug; with them, the injected transfer
             # failures may surface as 500s (the prefill's answer, passed on by the router)
-            Check("no 5xx without injected faults", faults_injected or server_errors == 0,
-                  f"{server_errors} 5xx responses" + (" (faults injected)" if faults_injected else "")),
+            Check(
+                "no 5xx without injected faults",
+                faults_injected or server_errors == 0,
+                f"{server_errors} 5xx responses" + (" (faults injected)" if faults_injected else ""),
+            ),
         ]
 
 
@@ -204,15 +215,23 @@ class ResourceSeries:
         # growth over the run's second half: a per-request leak keeps growing there, while the
         # allocators' high-water steps mostly come early
         mid = self.during[len(self.during) // 2].rss_kb if self.during else b.rss_kb
-        return {"rss_mb": round((f.rss_kb - b.rss_kb) / 1024, 1),
-                "peak_rss_growth_mb": round((peak - b.rss_kb) / 1024, 1),
-                "rss_second_half_mb": round((f.rss_kb - mid) / 1024, 1),
-                "fds": f.fds - b.fds, "threads": f.threads - b.threads, "procs": f.procs - b.procs}
+        return {
+            "rss_mb": round((f.rss_kb - b.rss_kb) / 1024, 1),
+            "peak_rss_growth_mb": round((peak - b.rss_kb) / 1024, 1),
+            "rss_second_half_mb": round((f.rss_kb - mid) / 1024, 1),
+            "fds": f.fds - b.fds,
+            "threads": f.threads - b.threads,
+            "procs": f.procs - b.procs,
+        }
 
     def to_dict(self) -> dict[str, Any]:
-        return {"columns": SERIES_COLUMNS, "baseline": self.baseline.as_row() if self.baseline else None,
-                "during": [s.as_row() for s in self.during], "final": self.final.as_row() if self.final else None,
-                "deltas": self.deltas()}
+        return {
+            "columns": SERIES_COLUMNS,
+            "baseline": self.baseline.as_row() if self.baseline else None,
+            "during": [s.as_row() for s in self.during],
+            "final": self.final.as_row() if self.final else None,
+            "deltas": self.deltas(),
+        }
 
 
 def resource_checks(server: str, series: ResourceSeries, bounds: Bounds) -> list[Check]:
@@ -220,13 +239,19 @@ def resource_checks(server: str, series: ResourceSeries, bounds: Bounds) -> list
     if d is None:
         return [Check(f"{server} resources sampled", False, "no baseline or final sample (process gone?)")]
     return [
-        Check(f"{server} RSS growth", d["rss_mb"] < bounds.rss_growth_mb,
-              f"{d['rss_mb']:+.1f} MB (bound < {bounds.rss_growth_mb:g} MB)"),
+        Check(
+            f"{server} RSS growth",
+            d["rss_mb"] < bounds.rss_growth_mb,
+            f"{d['rss_mb']:+.1f} MB (bound < {bounds.rss_growth_mb:g} MB)",
+        ),
         # one-sided: fewer fds than the baseline is the router's idle keep-alive connections closing
         # (a 2,000-request run ended 9 below), not a leak
         Check(f"{server} open fds", d["fds"] <= bounds.fd_delta, f"{d['fds']:+d} (bound +{bounds.fd_delta})"),
-        Check(f"{server} threads", d["threads"] <= bounds.thread_delta,
-              f"{d['threads']:+d} (bound +{bounds.thread_delta})"),
+        Check(
+            f"{server} threads",
+            d["threads"] <= bounds.thread_delta,
+            f"{d['threads']:+d} (bound +{bounds.thread_delta})",
+        ),
         Check(f"{server} processes", d["procs"] == 0, f"{d['procs']:+d}"),
     ]
 

@@ -15,8 +15,9 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 
@@ -91,11 +92,15 @@ def judge_object(kind: Kind, obj: Any, want_tokens: int, final: bool) -> Verdict
     fin, msg = _finish(kind, obj)
     tokens = _tokens(kind, obj)
     if fin == "abort":
-        return Verdict(Outcome.ERROR if msg else Outcome.UNCLEAR, f"aborted: {msg}" if msg else
-                       "finish_reason abort without a message", tokens)
+        return Verdict(
+            Outcome.ERROR if msg else Outcome.UNCLEAR,
+            f"aborted: {msg}" if msg else "finish_reason abort without a message",
+            tokens,
+        )
     if fin is None:
-        return Verdict(Outcome.UNCLEAR, "no finish_reason in the response", tokens) if final else \
-            Verdict(None, "", tokens)
+        return (
+            Verdict(Outcome.UNCLEAR, "no finish_reason in the response", tokens) if final else Verdict(None, "", tokens)
+        )
     return _with_tokens(Verdict(Outcome.SUCCESS, "", tokens), want_tokens) if final else Verdict(None, "", tokens)
 
 
@@ -147,8 +152,14 @@ async def _streamed(client: httpx.AsyncClient, url: str, req: PlannedRequest, mo
         return 200, Verdict(Outcome.UNCLEAR, "the stream ended without [DONE]")
 
 
-async def run_one(client: httpx.AsyncClient, base_url: str, req: PlannedRequest, model: str, deadline_s: float,
-                  clock: Callable[[], float] = time.monotonic) -> RequestResult:
+async def run_one(
+    client: httpx.AsyncClient,
+    base_url: str,
+    req: PlannedRequest,
+    model: str,
+    deadline_s: float,
+    clock: Callable[[], float] = time.monotonic,
+) -> RequestResult:
     url = base_url.rstrip("/") + req.kind.path
     send = _streamed if req.stream else _plain
     t0 = clock()
@@ -159,12 +170,21 @@ async def run_one(client: httpx.AsyncClient, base_url: str, req: PlannedRequest,
         v = Verdict(Outcome.HANG, f"no final status after {deadline_s:g} s")
     except httpx.HTTPError as e:  # a dropped connection or a protocol error: no status, no message
         v = Verdict(Outcome.UNCLEAR, f"{type(e).__name__}: {e}")
-    return RequestResult(req.index, req.kind, req.stream, req.prompt_len, v.outcome or Outcome.UNCLEAR,
-                         clock() - t0, status, v.message)
+    return RequestResult(
+        req.index, req.kind, req.stream, req.prompt_len, v.outcome or Outcome.UNCLEAR, clock() - t0, status, v.message
+    )
 
 
-async def drive(base_url: str, requests: list[PlannedRequest], model: str, concurrency: int, deadline_s: float,
-                on_result: Callable[[RequestResult], None], progress: bool = True, desc: str = "soak") -> None:
+async def drive(
+    base_url: str,
+    requests: list[PlannedRequest],
+    model: str,
+    concurrency: int,
+    deadline_s: float,
+    on_result: Callable[[RequestResult], None],
+    progress: bool = True,
+    desc: str = "soak",
+) -> None:
     """Every request, at most `concurrency` in flight; `on_result` gets each final result."""
     from tqdm import tqdm
 
@@ -174,6 +194,7 @@ async def drive(base_url: str, requests: list[PlannedRequest], model: str, concu
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     bar = tqdm(total=len(requests), desc=desc, disable=not progress, file=sys.stderr, leave=False)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+
         async def one(req: PlannedRequest) -> None:
             async with sem:
                 res = await run_one(client, base_url, req, model, deadline_s)

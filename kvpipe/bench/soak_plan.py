@@ -32,8 +32,7 @@ class Kind(enum.Enum):
 
     @property
     def path(self) -> str:
-        return {Kind.GENERATE: "/generate", Kind.COMPLETION: "/v1/completions",
-                Kind.CHAT: "/v1/chat/completions"}[self]
+        return {Kind.GENERATE: "/generate", Kind.COMPLETION: "/v1/completions", Kind.CHAT: "/v1/chat/completions"}[self]
 
 
 @dataclass(frozen=True)
@@ -97,10 +96,18 @@ class PlannedRequest:
         prompt = list(self.input_ids) if self.input_ids is not None else self.text
         if self.kind is Kind.GENERATE:
             key = "input_ids" if self.input_ids is not None else "text"
-            return {key: prompt, "stream": self.stream, "sampling_params": {
-                "max_new_tokens": self.output_len, "temperature": 0.0, "ignore_eos": True}}
-        body: dict = {"model": model, "max_tokens": self.output_len, "temperature": 0.0, "ignore_eos": True,
-                      "stream": self.stream}
+            return {
+                key: prompt,
+                "stream": self.stream,
+                "sampling_params": {"max_new_tokens": self.output_len, "temperature": 0.0, "ignore_eos": True},
+            }
+        body: dict = {
+            "model": model,
+            "max_tokens": self.output_len,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": self.stream,
+        }
         if self.stream:  # the last chunk then reports the token count
             body["stream_options"] = {"include_usage": True}
         if self.kind is Kind.CHAT:

@@ -21,7 +21,7 @@ def _pgid(pid_dir: Path) -> int | None:
     except OSError:
         return None
     # the command name (field 2) may hold spaces and parentheses: split after its last ')'
-    fields = stat[stat.rfind(")") + 2:].split()
+    fields = stat[stat.rfind(")") + 2 :].split()
     return int(fields[2]) if len(fields) > 2 else None  # state, ppid, pgrp
 
 

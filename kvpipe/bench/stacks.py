@@ -1,9 +1,9 @@
 """Server stacks the serving sweep starts, one per mode: mode -> context manager -> Endpoint.
 
-  inproc               one colocated `kvpipe serve` (zero-cost transfer reference), on loopback
-  baseline, pipelined  prefill + decode + sglang-router via `start_pd_stack`, with the mode's
-                       server flags; on a LinkTestbed the prefill runs in namespace a and the
-                       decode and router in namespace b, so the KV crosses the shaped link
+inproc               one colocated `kvpipe serve` (zero-cost transfer reference), on loopback
+baseline, pipelined  prefill + decode + sglang-router via `start_pd_stack`, with the mode's
+                     server flags; on a LinkTestbed the prefill runs in namespace a and the
+                     decode and router in namespace b, so the KV crosses the shaped link
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, TypeVar
 
 from kvpipe.bench.sweep import ModeFlags, mode_server_flags
 from kvpipe.bench.testbed import LinkTestbed, run_in_netns
@@ -52,16 +53,28 @@ def _log(opts: StackOptions, name: str) -> Any:
 
 def _serve_cmd(opts: StackOptions, host: str, port: int, *flags: str) -> list[str]:
     model = ["--model-path", opts.model_path] if opts.model_path else []
-    return [sys.executable, "-m", "kvpipe.cli", "serve", "--host", host, "--port", str(port), *model,
-            *opts.server_args, *flags]
+    return [
+        sys.executable,
+        "-m",
+        "kvpipe.cli",
+        "serve",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        *model,
+        *opts.server_args,
+        *flags,
+    ]
 
 
 @contextlib.contextmanager
 def colocated_server(opts: StackOptions, name: str = "inproc") -> Iterator[Endpoint]:
     port = free_port(opts.host)
     log = _log(opts, name)
-    proc = subprocess.Popen(_serve_cmd(opts, opts.host, port), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        _serve_cmd(opts, opts.host, port), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     if log is not subprocess.DEVNULL:
         log.close()  # the child holds its own copy
     try:
@@ -75,10 +88,17 @@ def colocated_server(opts: StackOptions, name: str = "inproc") -> Iterator[Endpo
 @contextlib.contextmanager
 def loopback_pd_stack(opts: StackOptions, flags: ModeFlags, name: str) -> Iterator[Endpoint]:
     log_dir = os.path.join(opts.log_dir, name) if opts.log_dir else None
-    with start_pd_stack(opts.model_path, opts.host, server_args=[*opts.server_args, *flags.both],
-                        decode_args=list(flags.decode), log_dir=log_dir, timeout_s=opts.timeout_s) as stack:
-        yield Endpoint(stack.router_url, stack.prefill_url,
-                       servers=(("prefill", stack.prefill_url), ("decode", stack.decode_url)))
+    with start_pd_stack(
+        opts.model_path,
+        opts.host,
+        server_args=[*opts.server_args, *flags.both],
+        decode_args=list(flags.decode),
+        log_dir=log_dir,
+        timeout_s=opts.timeout_s,
+    ) as stack:
+        yield Endpoint(
+            stack.router_url, stack.prefill_url, servers=(("prefill", stack.prefill_url), ("decode", stack.decode_url))
+        )
 
 
 @contextlib.contextmanager
@@ -98,10 +118,21 @@ def testbed_pd_stack(tb: LinkTestbed, opts: StackOptions, flags: ModeFlags, name
             log.close()
 
     try:
-        start("a", "prefill", _serve_cmd(opts, a, p_port, *flags.both, "--disaggregation-mode", "prefill",
-                                         "--disaggregation-bootstrap-port", str(b_port)))
-        start("b", "decode", _serve_cmd(opts, b, d_port, *flags.both, *flags.decode,
-                                        "--disaggregation-mode", "decode"))
+        start(
+            "a",
+            "prefill",
+            _serve_cmd(
+                opts,
+                a,
+                p_port,
+                *flags.both,
+                "--disaggregation-mode",
+                "prefill",
+                "--disaggregation-bootstrap-port",
+                str(b_port),
+            ),
+        )
+        start("b", "decode", _serve_cmd(opts, b, d_port, *flags.both, *flags.decode, "--disaggregation-mode", "decode"))
         for url in (p_url, d_url):
             tb.call_in("b", wait_healthy, url + "/health", opts.timeout_s, procs)
         start("b", "router", router_command(p_url, b_port, d_url, b, r_port, tb.call_in("b", free_port, b)))
@@ -112,9 +143,11 @@ def testbed_pd_stack(tb: LinkTestbed, opts: StackOptions, flags: ModeFlags, name
             stop_process(p)
 
 
-def default_stack_factory(opts: StackOptions, testbed: LinkTestbed | None = None
-                          ) -> Callable[[str], contextlib.AbstractContextManager[Endpoint]]:
+def default_stack_factory(
+    opts: StackOptions, testbed: LinkTestbed | None = None
+) -> Callable[[str], contextlib.AbstractContextManager[Endpoint]]:
     """mode -> a context manager that starts that mode's stack and yields its Endpoint."""
+
     def open_stack(mode: str) -> contextlib.AbstractContextManager[Endpoint]:
         flags = mode_server_flags(mode)
         if flags is None:

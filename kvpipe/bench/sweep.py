@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import re
 import statistics
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
+from typing import Any, TypeVar
 
 from kvpipe.config import ConfigError, HybridConfig, _gpt_oss_attention
 from kvpipe.transfer.kv_wire_bytes import KVWireBytes
@@ -41,7 +42,9 @@ def parse_modes(spec: str) -> list[str]:
     modes = [m.strip() for m in spec.split(",") if m.strip()]
     for m in modes:
         if m not in PLAIN_MODES and not (_PIPELINED_N.match(m) and int(m[10:]) >= 1):
-            raise ValueError(f"unknown mode {m!r}: choose from baseline, pipelined, pipelined-N, decode-cache, pd, inproc")
+            raise ValueError(
+                f"unknown mode {m!r}: choose from baseline, pipelined, pipelined-N, decode-cache, pd, inproc"
+            )
     if not modes or len(set(modes)) != len(modes):
         raise ValueError(f"modes must be a non-empty list without repeats, got {spec!r}")
     return modes
@@ -96,9 +99,12 @@ class SweepPoint:
     kv_bytes_per_request: float | None = None
 
 
-def run_sweep(prompt_lens: Sequence[int], modes: Sequence[str],
-              open_stack: Callable[[str], AbstractContextManager[E]],
-              measure: Callable[[E, str, int], tuple[Any, ...]]) -> list[SweepPoint]:
+def run_sweep(
+    prompt_lens: Sequence[int],
+    modes: Sequence[str],
+    open_stack: Callable[[str], AbstractContextManager[E]],
+    measure: Callable[[E, str, int], tuple[Any, ...]],
+) -> list[SweepPoint]:
     """One stack per mode (started once, stopped before the next), every prompt length on it.
     `measure` returns (summary, num_groups[, transfer_tail_ms[, kv_bytes_per_request]])."""
     points = []
@@ -116,7 +122,7 @@ class TransferCount:
     bytes_written: int
     rooms: int
 
-    def __add__(self, other: "TransferCount") -> "TransferCount":
+    def __add__(self, other: TransferCount) -> TransferCount:
         return TransferCount(self.bytes_written + other.bytes_written, self.rooms + other.rooms)
 
     @property
@@ -141,10 +147,14 @@ def round_order(modes: Sequence[str], r: int) -> list[str]:
     return [*modes[k:], *modes[:k]]
 
 
-def run_sweep_interleaved(prompt_lens: Sequence[int], modes: Sequence[str],
-                          open_stack: Callable[[str], AbstractContextManager[E]],
-                          measure_slice: Callable[[E, str, int, int], SliceResult], rounds: int,
-                          summarize: Callable[[Sequence[Any], float], Mapping[str, Any]]) -> list[SweepPoint]:
+def run_sweep_interleaved(
+    prompt_lens: Sequence[int],
+    modes: Sequence[str],
+    open_stack: Callable[[str], AbstractContextManager[E]],
+    measure_slice: Callable[[E, str, int, int], SliceResult],
+    rounds: int,
+    summarize: Callable[[Sequence[Any], float], Mapping[str, Any]],
+) -> list[SweepPoint]:
     """Every mode's stack runs at once; per prompt length, `rounds` rounds each run one slice of
     the workload (`measure_slice(endpoint, mode, prompt_len, round)`) on every mode in turn.
     On a shared, noisy machine a load change then hits all modes alike instead of the one mode
@@ -165,8 +175,16 @@ def run_sweep_interleaved(prompt_lens: Sequence[int], modes: Sequence[str],
                 tails = [p.transfer_tail_ms for p in parts[m] if p.transfer_tail_ms is not None]
                 counts = [p.transfer for p in parts[m] if p.transfer is not None]
                 kv = sum(counts[1:], counts[0]).per_room if counts else None
-                points.append(SweepPoint(n, m, summarize(records, sum(p.duration_s for p in parts[m])), groups,
-                                         statistics.median(tails) if tails else None, kv))
+                points.append(
+                    SweepPoint(
+                        n,
+                        m,
+                        summarize(records, sum(p.duration_s for p in parts[m])),
+                        groups,
+                        statistics.median(tails) if tails else None,
+                        kv,
+                    )
+                )
     return points
 
 
@@ -219,8 +237,9 @@ def kv_bytes_per_token(model_config: Mapping[str, Any], dtype_bytes: int | None 
     return layers * per_layer * (dtype_bytes or _dtype_bytes(model_config))
 
 
-def kv_wire_bytes(model_config: Mapping[str, Any], page_size: int,
-                  dtype_bytes: int | None = None) -> KVWireBytes | None:
+def kv_wire_bytes(
+    model_config: Mapping[str, Any], page_size: int, dtype_bytes: int | None = None
+) -> KVWireBytes | None:
     """What a request's KV weighs on the wire, from an HF config.json: every token of the layers
     that keep KV, except that a GPT-OSS model's sliding-window layers send only the prompt's last
     window (kv_wire_bytes.py); for other models request_nbytes(n) is n x kv_bytes_per_token.
@@ -269,9 +288,13 @@ def _get(summary: Mapping[str, Any] | None, key: str) -> Any:
     return None if summary is None else summary.get(key)
 
 
-def sweep_rows(points: Iterable[SweepPoint], link_rate_bps: float | None = None,
-               kv_bytes_token: int | None = None, state_bytes_request: int = 0,
-               kv_wire: KVWireBytes | None = None) -> list[dict[str, Any]]:
+def sweep_rows(
+    points: Iterable[SweepPoint],
+    link_rate_bps: float | None = None,
+    kv_bytes_token: int | None = None,
+    state_bytes_request: int = 0,
+    kv_wire: KVWireBytes | None = None,
+) -> list[dict[str, Any]]:
     """One row per (prompt_len, mode), ordered by prompt length then by the order modes ran.
 
     With the link rate and the KV size known, a row also states the ideal transfer time of the
@@ -288,8 +311,7 @@ def sweep_rows(points: Iterable[SweepPoint], link_rate_bps: float | None = None,
         ttft_inproc = _get(ref.summary if ref else None, "ttft_p50_ms")
         ttft_base = _get(base.summary if base else None, "ttft_p50_ms")
         tail_base = base.transfer_tail_ms if base else None
-        kv_bytes = (kv_wire.request_nbytes(n) if kv_wire is not None
-                    else kv_bytes_token * n if kv_bytes_token else None)
+        kv_bytes = kv_wire.request_nbytes(n) if kv_wire is not None else kv_bytes_token * n if kv_bytes_token else None
         wire = kv_bytes + state_bytes_request if kv_bytes else None  # the state goes once per request
         t_ms = wire * 8 / link_rate_bps * 1e3 if wire and link_rate_bps else None
         for mode in mode_order:
@@ -299,27 +321,38 @@ def sweep_rows(points: Iterable[SweepPoint], link_rate_bps: float | None = None,
             s = p.summary
             ttft = s.get("ttft_p50_ms")
             exposed = ttft - ttft_inproc if mode != INPROC and None not in (ttft, ttft_inproc) else None
-            rows.append({
-                "prompt_len": n, "mode": mode,
-                "ttft_p50_ms": ttft, "ttft_p99_ms": s.get("ttft_p99_ms"),
-                "tpot_p50_ms": s.get("tpot_p50_ms"), "itl_p50_ms": s.get("itl_p50_ms"),
-                "e2e_p50_ms": s.get("e2e_p50_ms"),
-                "output_throughput": s.get("output_throughput"),
-                "completed": s.get("completed"), "failed": s.get("failed"),
-                "num_groups": p.num_groups,
-                "exposed_transfer_ms": exposed,
-                "exposed_transfer_ratio": exposed_ratio(ttft, ttft_base, ttft_inproc) if is_pipelined(mode) else None,
-                "transfer_tail_ms": p.transfer_tail_ms,
-                "transfer_tail_ratio": (p.transfer_tail_ms / tail_base if is_pipelined(mode) and tail_base
-                                        and p.transfer_tail_ms is not None else None),
-                "ttft_vs_baseline": ttft / ttft_base - 1 if mode != BASELINE and ttft and ttft_base else None,
-                "ttft_speedup_vs_baseline": ttft_base / ttft if mode != BASELINE and ttft and ttft_base else None,
-                "kv_bytes_per_request": p.kv_bytes_per_request,
-                "cached_tokens_mean": s.get("cached_tokens_mean"),
-                "prompt_tokens_mean": s.get("prompt_tokens_mean"),
-                "kv_bytes": kv_bytes,
-                "state_bytes": state_bytes_request,
-                "ideal_transfer_ms": t_ms,
-                "t_over_c": t_ms / ttft_inproc if t_ms and ttft_inproc else None,
-            })
+            rows.append(
+                {
+                    "prompt_len": n,
+                    "mode": mode,
+                    "ttft_p50_ms": ttft,
+                    "ttft_p99_ms": s.get("ttft_p99_ms"),
+                    "tpot_p50_ms": s.get("tpot_p50_ms"),
+                    "itl_p50_ms": s.get("itl_p50_ms"),
+                    "e2e_p50_ms": s.get("e2e_p50_ms"),
+                    "output_throughput": s.get("output_throughput"),
+                    "completed": s.get("completed"),
+                    "failed": s.get("failed"),
+                    "num_groups": p.num_groups,
+                    "exposed_transfer_ms": exposed,
+                    "exposed_transfer_ratio": exposed_ratio(ttft, ttft_base, ttft_inproc)
+                    if is_pipelined(mode)
+                    else None,
+                    "transfer_tail_ms": p.transfer_tail_ms,
+                    "transfer_tail_ratio": (
+                        p.transfer_tail_ms / tail_base
+                        if is_pipelined(mode) and tail_base and p.transfer_tail_ms is not None
+                        else None
+                    ),
+                    "ttft_vs_baseline": ttft / ttft_base - 1 if mode != BASELINE and ttft and ttft_base else None,
+                    "ttft_speedup_vs_baseline": ttft_base / ttft if mode != BASELINE and ttft and ttft_base else None,
+                    "kv_bytes_per_request": p.kv_bytes_per_request,
+                    "cached_tokens_mean": s.get("cached_tokens_mean"),
+                    "prompt_tokens_mean": s.get("prompt_tokens_mean"),
+                    "kv_bytes": kv_bytes,
+                    "state_bytes": state_bytes_request,
+                    "ideal_transfer_ms": t_ms,
+                    "t_over_c": t_ms / ttft_inproc if t_ms and ttft_inproc else None,
+                }
+            )
     return rows

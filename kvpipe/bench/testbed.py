@@ -26,17 +26,28 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 T = TypeVar("T")
 Side = Literal["a", "b"]
 
 NETNS_RUN_DIR = Path("/var/run/netns")
 CLONE_NEWNET = 0x40000000
-_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
-          "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12}
+_UNITS = {
+    "bit": 1,
+    "kbit": 1e3,
+    "mbit": 1e6,
+    "gbit": 1e9,
+    "tbit": 1e12,
+    "bps": 8,
+    "kbps": 8e3,
+    "mbps": 8e6,
+    "gbps": 8e9,
+    "tbps": 8e12,
+}
 _RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)([a-z]+)$")
 
 
@@ -54,8 +65,10 @@ def parse_rate(rate: str) -> tuple[str, float]:
     s = rate.strip().lower()
     m = _RATE_RE.match(s)
     if not m or m.group(2) not in _UNITS or float(m.group(1)) <= 0:
-        raise ValueError(f"bad link rate {rate!r}: expected a positive number with a tc unit "
-                         f"({', '.join(_UNITS)}), e.g. 500mbit or 2gbit")
+        raise ValueError(
+            f"bad link rate {rate!r}: expected a positive number with a tc unit "
+            f"({', '.join(_UNITS)}), e.g. 500mbit or 2gbit"
+        )
     return s, float(m.group(1)) * _UNITS[m.group(2)]
 
 
@@ -106,15 +119,36 @@ def make_spec(rate: str, burst_bytes: int | None = None, latency_ms: int = 50) -
 def setup_commands(s: LinkSpec) -> list[list[str]]:
     """Two namespaces joined by a veth pair with a tbf qdisc on both ends (docs/architecture.md,
     transfer engine facts), the veth ends created directly inside the namespaces (never in ours)."""
-    cmds = [["ip", "netns", "add", s.ns_a], ["ip", "netns", "add", s.ns_b],
-            ["ip", "link", "add", s.veth_a, "netns", s.ns_a, "type", "veth", "peer", "name", s.veth_b,
-             "netns", s.ns_b]]
+    cmds = [
+        ["ip", "netns", "add", s.ns_a],
+        ["ip", "netns", "add", s.ns_b],
+        ["ip", "link", "add", s.veth_a, "netns", s.ns_a, "type", "veth", "peer", "name", s.veth_b, "netns", s.ns_b],
+    ]
     for ns, dev, addr in ((s.ns_a, s.veth_a, s.addr_a), (s.ns_b, s.veth_b, s.addr_b)):
-        cmds += [["ip", "-n", ns, "addr", "add", f"{addr}/{s.prefix}", "dev", dev],
-                 ["ip", "-n", ns, "link", "set", dev, "up"],
-                 ["ip", "-n", ns, "link", "set", "lo", "up"],
-                 ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-                  "rate", s.rate, "burst", str(s.burst_bytes), "latency", f"{s.latency_ms}ms"]]
+        cmds += [
+            ["ip", "-n", ns, "addr", "add", f"{addr}/{s.prefix}", "dev", dev],
+            ["ip", "-n", ns, "link", "set", dev, "up"],
+            ["ip", "-n", ns, "link", "set", "lo", "up"],
+            [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "root",
+                "tbf",
+                "rate",
+                s.rate,
+                "burst",
+                str(s.burst_bytes),
+                "latency",
+                f"{s.latency_ms}ms",
+            ],
+        ]
     return cmds
 
 
@@ -144,8 +178,9 @@ def can_run() -> bool:
 
 def check_privileges() -> None:
     if os.geteuid() != 0:
-        raise LinkTestbedError("the link testbed needs root (network namespaces, veth, tc): run as root "
-                           "or with sudo -E")
+        raise LinkTestbedError(
+            "the link testbed needs root (network namespaces, veth, tc): run as root or with sudo -E"
+        )
     for tool in missing_tools():
         raise LinkTestbedError(f"`{tool}` not found: install iproute2")
 
@@ -163,6 +198,7 @@ def namespace_exists(ns: str) -> bool:
 
 def kill_namespace_pids(ns: str, timeout_s: float = 5.0) -> None:
     """SIGTERM, then SIGKILL, the processes still inside `ns` (a namespace this module created)."""
+
     def pids() -> list[int]:
         r = _run(["ip", "netns", "pids", ns], check=False)
         return [int(x) for x in r.stdout.split()] if r.returncode == 0 else []
@@ -234,8 +270,15 @@ class LinkTestbed:
     """Context manager owning one testbed; `persistent=True` (used by `kvpipe testbed up`) keeps it
     after this process exits, removed later by `kvpipe testbed down`."""
 
-    def __init__(self, rate: str, *, burst_bytes: int | None = None, latency_ms: int = 50,
-                 persistent: bool = False, state_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        rate: str,
+        *,
+        burst_bytes: int | None = None,
+        latency_ms: int = 50,
+        persistent: bool = False,
+        state_dir: Path | None = None,
+    ) -> None:
         self.spec = make_spec(rate, burst_bytes, latency_ms)
         self.persistent = persistent
         self.state_path = Path(state_dir or default_state_dir()) / f"{self.spec.name}.json"
@@ -264,11 +307,15 @@ class LinkTestbed:
         return ["ip", "netns", "exec", self.spec.ns(side)]
 
     # ---- lifecycle -------------------------------------------------------------------------------
-    def up(self) -> "LinkTestbed":
+    def up(self) -> LinkTestbed:
         check_privileges()
         self.state_path.parent.mkdir(parents=True, exist_ok=True)
-        state = {"spec": asdict(self.spec), "owner_pid": os.getpid(), "persistent": self.persistent,
-                 "created": time.time()}
+        state = {
+            "spec": asdict(self.spec),
+            "owner_pid": os.getpid(),
+            "persistent": self.persistent,
+            "created": time.time(),
+        }
         self.state_path.write_text(json.dumps(state, indent=2) + "\n")  # first: a crash stays findable
         self._active = True
         if not self.persistent:
@@ -300,7 +347,7 @@ class LinkTestbed:
             signal.signal(signal.SIGTERM, self._old_sigterm)
             self._old_sigterm = None
 
-    def __enter__(self) -> "LinkTestbed":
+    def __enter__(self) -> LinkTestbed:
         return self.up()
 
     def __exit__(self, *exc: object) -> None:

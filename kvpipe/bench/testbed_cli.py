@@ -14,8 +14,15 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from kvpipe.bench.testbed import LinkTestbed, LinkTestbedError, LinkSpec, check_privileges, namespace_exists, \
-    default_state_dir, remove_testbed
+from kvpipe.bench.testbed import (
+    LinkSpec,
+    LinkTestbed,
+    LinkTestbedError,
+    check_privileges,
+    default_state_dir,
+    namespace_exists,
+    remove_testbed,
+)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -60,29 +67,35 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def _describe(spec: LinkSpec) -> str:
-    return (f"testbed {spec.name}: {spec.rate} ({spec.rate_bps / 1e9:.3g} Gbit/s) tbf burst "
-            f"{spec.burst_bytes} B latency {spec.latency_ms} ms\n"
-            f"  side a: netns {spec.ns_a}  {spec.addr_a}  (e.g. the prefill)\n"
-            f"  side b: netns {spec.ns_b}  {spec.addr_b}  (e.g. decode and router)\n"
-            f"  run:    ip netns exec {spec.ns_a} kvpipe serve --host {spec.addr_a} ...\n"
-            f"  remove: kvpipe testbed down --name {spec.name}")
+    return (
+        f"testbed {spec.name}: {spec.rate} ({spec.rate_bps / 1e9:.3g} Gbit/s) tbf burst "
+        f"{spec.burst_bytes} B latency {spec.latency_ms} ms\n"
+        f"  side a: netns {spec.ns_a}  {spec.addr_a}  (e.g. the prefill)\n"
+        f"  side b: netns {spec.ns_b}  {spec.addr_b}  (e.g. decode and router)\n"
+        f"  run:    ip netns exec {spec.ns_a} kvpipe serve --host {spec.addr_a} ...\n"
+        f"  remove: kvpipe testbed down --name {spec.name}"
+    )
 
 
 def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     try:
         if args.testbed_cmd == "up":
-            tb = LinkTestbed(args.rate, burst_bytes=args.burst_bytes, latency_ms=args.latency_ms,
-                             persistent=True).up()
-            print(json.dumps({"state_file": str(tb.state_path), **asdict(tb.spec),
-                              "ns_a": tb.ns_a, "ns_b": tb.ns_b}) if args.json else _describe(tb.spec))
+            tb = LinkTestbed(args.rate, burst_bytes=args.burst_bytes, latency_ms=args.latency_ms, persistent=True).up()
+            print(
+                json.dumps({"state_file": str(tb.state_path), **asdict(tb.spec), "ns_a": tb.ns_a, "ns_b": tb.ns_b})
+                if args.json
+                else _describe(tb.spec)
+            )
             return 0
         if args.testbed_cmd == "status":
             for path, st in recorded():
                 spec = LinkSpec(**st["spec"])
                 alive = namespace_exists(spec.ns_a) or namespace_exists(spec.ns_b)
-                print(f"{spec.name}  rate {spec.rate}  owner {st.get('owner_pid')}  "
-                      f"{'persistent' if st.get('persistent') else 'run-scoped'}  "
-                      f"{'up' if alive else 'gone'}  ({path})")
+                print(
+                    f"{spec.name}  rate {spec.rate}  owner {st.get('owner_pid')}  "
+                    f"{'persistent' if st.get('persistent') else 'run-scoped'}  "
+                    f"{'up' if alive else 'gone'}  ({path})"
+                )
             return 0
         check_privileges()
         todo = [(p, st) for p, st in recorded() if removable(st, args.name)]

@@ -51,30 +51,52 @@ SWEEP_WINDOWS = (8, 16, 32, 64, 128, 256)
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-lens", default="1024,4096", help="comma-separated prompt lengths in tokens")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    p.add_argument("--preset", default="bench",
-                   help="KV shape: a model preset (tiny, bench, tiny-qwen3.5, ...) or one of "
-                        + ", ".join(EXTRA_SHAPES))
+    p.add_argument(
+        "--preset",
+        default="bench",
+        help="KV shape: a model preset (tiny, bench, tiny-qwen3.5, ...) or one of " + ", ".join(EXTRA_SHAPES),
+    )
     p.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
     p.add_argument("--kv-heads", type=int, default=None, help="override the preset's KV heads")
     p.add_argument("--head-dim", type=int, default=None, help="override the preset's head_dim")
     p.add_argument("--dtype", default=None, help="override the KV dtype (float32, bfloat16, float16)")
     p.add_argument("--repeat", type=int, default=5, help="transfers per length (medians are reported)")
-    p.add_argument("--fragmentation", type=float, default=0.0,
-                   help="probability that a decode page starts a new run: 0 = one contiguous run, 1 = every page apart")
+    p.add_argument(
+        "--fragmentation",
+        type=float,
+        default=0.0,
+        help="probability that a decode page starts a new run: 0 = one contiguous run, 1 = every page apart",
+    )
     p.add_argument("--window", type=int, default=256, help="Mooncake ops (pieces) in flight per peer")
-    p.add_argument("--max-op-bytes", default=fmt_bytes(DEFAULT_MAX_OP_BYTES),
-                   help="kvpipe's backend splits longer ops into pieces of this size (e.g. 1M; 0: never split)")
-    p.add_argument("--compare-split", default="0",
-                   help="also time kvpipe split at these sizes, interleaved (comma-separated; 0: unsplit)")
-    p.add_argument("--raw-pieces", default=",".join(map(fmt_bytes, RAW_PIECES)),
-                   help="raw patterns: piece sizes (comma-separated, K/M suffixes)")
+    p.add_argument(
+        "--max-op-bytes",
+        default=fmt_bytes(DEFAULT_MAX_OP_BYTES),
+        help="kvpipe's backend splits longer ops into pieces of this size (e.g. 1M; 0: never split)",
+    )
+    p.add_argument(
+        "--compare-split",
+        default="0",
+        help="also time kvpipe split at these sizes, interleaved (comma-separated; 0: unsplit)",
+    )
+    p.add_argument(
+        "--raw-pieces",
+        default=",".join(map(fmt_bytes, RAW_PIECES)),
+        help="raw patterns: piece sizes (comma-separated, K/M suffixes)",
+    )
     p.add_argument("--raw-windows", default=",".join(map(str, RAW_WINDOWS)), help="raw patterns: windows")
-    p.add_argument("--raw-sweep", action="store_true",
-                   help="raw patterns: the full grid (pieces 64K..16M x windows 8..256) and its table")
+    p.add_argument(
+        "--raw-sweep",
+        action="store_true",
+        help="raw patterns: the full grid (pieces 64K..16M x windows 8..256) and its table",
+    )
     p.add_argument("--prefill-tp", type=int, default=1, help="prefill TP ranks (heterogeneous-TP mode when != decode)")
     p.add_argument("--decode-tp", type=int, default=1, help="decode TP ranks")
-    p.add_argument("--staging", choices=["on", "auto"], default=None,
-                   help="heterogeneous-TP mode: how the staged variant stages (default on)")
+    p.add_argument(
+        "--staging",
+        choices=["on", "auto"],
+        default=None,
+        help="heterogeneous-TP mode: how the staged variant stages (default on)",
+    )
     p.add_argument("--staging-pool-mb", type=int, default=64, help="staging ring / buffer per rank (MB)")
     p.add_argument("--link-rate", default=None, help="emulate a link of this rate (tc syntax, e.g. 2gbit); needs root")
     p.add_argument("--seed", type=int, default=0)
@@ -93,14 +115,24 @@ def _shape(args: argparse.Namespace) -> KVShape:
         raise SystemExit("kvpipe bench transfer: an MLA latent shape has one KV head (--kv-heads 1)")
     if (s.hybrid is not None or s.sliding_layers) and args.layers is not None:
         # the layer map (which layers keep KV, which a state, which a window) comes with the shape
-        raise SystemExit("kvpipe bench transfer: a hybrid or sliding-window shape's layers are fixed by its layer "
-                         "map (no --layers)")
-    return KVShape(args.layers or s.num_layers, args.kv_heads or s.kv_heads, args.head_dim or s.head_dim,
-                   args.dtype or s.dtype, s.latent, s.hybrid, s.sliding_layers, s.sliding_window)
+        raise SystemExit(
+            "kvpipe bench transfer: a hybrid or sliding-window shape's layers are fixed by its layer map (no --layers)"
+        )
+    return KVShape(
+        args.layers or s.num_layers,
+        args.kv_heads or s.kv_heads,
+        args.head_dim or s.head_dim,
+        args.dtype or s.dtype,
+        s.latent,
+        s.hybrid,
+        s.sliding_layers,
+        s.sliding_window,
+    )
 
 
-def config_from_args(args: argparse.Namespace, log_path: str, hostname: str = "127.0.0.1",
-                     netns: str | None = None) -> WorkerConfig:
+def config_from_args(
+    args: argparse.Namespace, log_path: str, hostname: str = "127.0.0.1", netns: str | None = None
+) -> WorkerConfig:
     lens = tuple(int(x) for x in str(args.prompt_lens).split(",") if x.strip())
     if not lens or min(lens) <= 0 or args.page_size <= 0 or args.repeat <= 0:
         raise SystemExit("kvpipe bench transfer: prompt lengths, --page-size and --repeat must be positive")
@@ -110,11 +142,28 @@ def config_from_args(args: argparse.Namespace, log_path: str, hostname: str = "1
     max_op = _sizes(args.max_op_bytes, "--max-op-bytes", 0)
     if len(max_op) != 1:
         raise SystemExit("kvpipe bench transfer: --max-op-bytes takes one size (--compare-split takes several)")
-    return WorkerConfig(s.num_layers, s.kv_heads, s.head_dim, s.dtype, args.page_size, lens, args.repeat,
-                        args.fragmentation, args.window, args.seed, log_path, hostname, netns,
-                        max_op_bytes=max_op[0] or None, raw_patterns=raw_patterns(args),
-                        compare_max_op_bytes=_sizes(args.compare_split, "--compare-split", 0), latent=s.latent,
-                        hybrid=s.hybrid, sliding_layers=s.sliding_layers, sliding_window=s.sliding_window)
+    return WorkerConfig(
+        s.num_layers,
+        s.kv_heads,
+        s.head_dim,
+        s.dtype,
+        args.page_size,
+        lens,
+        args.repeat,
+        args.fragmentation,
+        args.window,
+        args.seed,
+        log_path,
+        hostname,
+        netns,
+        max_op_bytes=max_op[0] or None,
+        raw_patterns=raw_patterns(args),
+        compare_max_op_bytes=_sizes(args.compare_split, "--compare-split", 0),
+        latent=s.latent,
+        hybrid=s.hybrid,
+        sliding_layers=s.sliding_layers,
+        sliding_window=s.sliding_window,
+    )
 
 
 def _sizes(text: str, flag: str, least: int) -> tuple[int, ...]:
@@ -142,26 +191,51 @@ def tp_mode(args: argparse.Namespace) -> bool:
     return args.prefill_tp != args.decode_tp or args.staging is not None
 
 
-def tp_config_from_args(args: argparse.Namespace, log_path: str, prefill_host: str, hostname: str = "127.0.0.1",
-                        netns: str | None = None) -> transfer_tp.TPConfig:
+def tp_config_from_args(
+    args: argparse.Namespace, log_path: str, prefill_host: str, hostname: str = "127.0.0.1", netns: str | None = None
+) -> transfer_tp.TPConfig:
     w = config_from_args(args, log_path, hostname, netns)
     if w.latent:
-        raise SystemExit("kvpipe bench transfer: heterogeneous-TP mode compares head slicing and staging; an MLA "
-                         "latent is replicated on every rank and never sliced (each decode rank reads one "
-                         "prefill rank's latent, as in same-TP mode)")
+        raise SystemExit(
+            "kvpipe bench transfer: heterogeneous-TP mode compares head slicing and staging; an MLA "
+            "latent is replicated on every rank and never sliced (each decode rank reads one "
+            "prefill rank's latent, as in same-TP mode)"
+        )
     if w.hybrid is not None:
-        raise SystemExit("kvpipe bench transfer: heterogeneous-TP mode moves KV only; a hybrid shape's state "
-                         "under TP is covered by tests/integration/test_state_transfer.py, not benchmarked")
+        raise SystemExit(
+            "kvpipe bench transfer: heterogeneous-TP mode moves KV only; a hybrid shape's state "
+            "under TP is covered by tests/integration/test_state_transfer.py, not benchmarked"
+        )
     if w.sliding_layers:
-        raise SystemExit("kvpipe bench transfer: heterogeneous-TP mode plans every page of every layer; a "
-                         "sliding-window shape's window pages under TP are covered by "
-                         "tests/integration/test_swa_transfer.py, not benchmarked")
-    if min(args.prefill_tp, args.decode_tp) < 1 or max(args.prefill_tp, args.decode_tp) % min(args.prefill_tp,
-                                                                                             args.decode_tp):
+        raise SystemExit(
+            "kvpipe bench transfer: heterogeneous-TP mode plans every page of every layer; a "
+            "sliding-window shape's window pages under TP are covered by "
+            "tests/integration/test_swa_transfer.py, not benchmarked"
+        )
+    if min(args.prefill_tp, args.decode_tp) < 1 or max(args.prefill_tp, args.decode_tp) % min(
+        args.prefill_tp, args.decode_tp
+    ):
         raise SystemExit("kvpipe bench transfer: one of --prefill-tp / --decode-tp must divide the other")
-    return transfer_tp.TPConfig(w.num_layers, w.kv_heads, w.head_dim, w.dtype, w.page_size, w.prompt_lens, w.repeat,
-                                w.fragmentation, w.window, w.seed, log_path, args.prefill_tp, args.decode_tp,
-                                args.staging or "on", args.staging_pool_mb, prefill_host, hostname, netns)
+    return transfer_tp.TPConfig(
+        w.num_layers,
+        w.kv_heads,
+        w.head_dim,
+        w.dtype,
+        w.page_size,
+        w.prompt_lens,
+        w.repeat,
+        w.fragmentation,
+        w.window,
+        w.seed,
+        log_path,
+        args.prefill_tp,
+        args.decode_tp,
+        args.staging or "on",
+        args.staging_pool_mb,
+        prefill_host,
+        hostname,
+        netns,
+    )
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -186,10 +260,17 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         ctx = mp.get_context("spawn")  # fresh single-threaded children: safe to enter a netns
         p_peer, d_peer = ctx.Pipe()
         from_prefill, to_parent = ctx.Pipe(duplex=False)
-        procs = [ctx.Process(target=mod.decode_main if tp else decode_main, args=(dcfg, d_peer), name="bench-decode",
-                             daemon=True),
-                 ctx.Process(target=mod.prefill_main if tp else prefill_main, args=(pcfg, p_peer, to_parent),
-                             name="bench-prefill", daemon=True)]
+        procs = [
+            ctx.Process(
+                target=mod.decode_main if tp else decode_main, args=(dcfg, d_peer), name="bench-decode", daemon=True
+            ),
+            ctx.Process(
+                target=mod.prefill_main if tp else prefill_main,
+                args=(pcfg, p_peer, to_parent),
+                name="bench-prefill",
+                daemon=True,
+            ),
+        ]
         for proc in procs:
             proc.start()
         try:
@@ -207,8 +288,9 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                     proc.join(timeout=10)
         if msg[0] != "result":
             tails = {n: _tail(os.path.join(logdir, n)) for n in ("prefill.log", "decode.log")}
-            raise RuntimeError(f"transfer benchmark failed: {msg[1]}\n" +
-                               "\n".join(f"--- {n} ---\n{t}" for n, t in tails.items()))
+            raise RuntimeError(
+                f"transfer benchmark failed: {msg[1]}\n" + "\n".join(f"--- {n} ---\n{t}" for n, t in tails.items())
+            )
         return (transfer_tp.summarize if tp else summarize)(msg[1], pcfg, args.link_rate)
 
 
@@ -238,13 +320,25 @@ def summarize(result: dict[str, Any], cfg: WorkerConfig, link_rate: str | None) 
         "planning_ms": statistics.median(x["planning_ms"] for x in lengths),
         "verified": all(x["verified"] for x in lengths),
         "lengths": lengths,
-        "config": {"layers": cfg.num_layers, "kv_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
-                   "latent": cfg.latent, "dtype": cfg.dtype, "page_size": cfg.page_size, "repeat": cfg.repeat,
-                   "fragmentation": cfg.fragmentation, "window": cfg.window, "max_op_bytes": cfg.max_op_bytes,
-                   "raw_patterns": [p.label for p in cfg.raw_patterns],
-                   "compare_max_op_bytes": list(cfg.compare_max_op_bytes), "protocol": "tcp",
-                   "link_rate": link_rate or "loopback", "engine_generation": result["engine_generation"],
-                   **_hybrid_config(cfg), **_sliding_config(cfg)},
+        "config": {
+            "layers": cfg.num_layers,
+            "kv_heads": cfg.kv_heads,
+            "head_dim": cfg.head_dim,
+            "latent": cfg.latent,
+            "dtype": cfg.dtype,
+            "page_size": cfg.page_size,
+            "repeat": cfg.repeat,
+            "fragmentation": cfg.fragmentation,
+            "window": cfg.window,
+            "max_op_bytes": cfg.max_op_bytes,
+            "raw_patterns": [p.label for p in cfg.raw_patterns],
+            "compare_max_op_bytes": list(cfg.compare_max_op_bytes),
+            "protocol": "tcp",
+            "link_rate": link_rate or "loopback",
+            "engine_generation": result["engine_generation"],
+            **_hybrid_config(cfg),
+            **_sliding_config(cfg),
+        },
     }
 
 
@@ -260,10 +354,16 @@ def _hybrid_config(cfg: WorkerConfig) -> dict[str, Any]:
     h = cfg.hybrid
     if h is None:
         return {}
-    return {"model_layers": len(h.layer_types), "kv_layers": list(h.full_layers), "linear_layers": len(h.linear_layers),
-            "linear_key_heads": h.linear_key_heads, "linear_value_heads": h.linear_value_heads,
-            "linear_key_head_dim": h.linear_key_head_dim, "linear_value_head_dim": h.linear_value_head_dim,
-            "conv_kernel": h.conv_kernel}
+    return {
+        "model_layers": len(h.layer_types),
+        "kv_layers": list(h.full_layers),
+        "linear_layers": len(h.linear_layers),
+        "linear_key_heads": h.linear_key_heads,
+        "linear_value_heads": h.linear_value_heads,
+        "linear_key_head_dim": h.linear_key_head_dim,
+        "linear_value_head_dim": h.linear_value_head_dim,
+        "conv_kernel": h.conv_kernel,
+    }
 
 
 def format_table(report: dict[str, Any], sweep: bool = False) -> str:
@@ -272,38 +372,60 @@ def format_table(report: dict[str, Any], sweep: bool = False) -> str:
     kind = "MLA latent" if c.get("latent") else "KV"
     hybrid = "model_layers" in c
     if hybrid:
-        kind = (f"hybrid {c['model_layers']}L: state of {c['linear_layers']} linear layers ({c['linear_value_heads']} "
-                f"value heads, {c['linear_key_head_dim']}x{c['linear_value_head_dim']}) + KV of")
-    rows = [f"{kind} {c['layers']}L x {c['kv_heads']}H x {c['head_dim']}D {c['dtype']}, page {c['page_size']}, "
-            f"fragmentation {c['fragmentation']}, link {c['link_rate']}, window {c['window']}, split {split}, "
-            f"median of {c['repeat']}; GB/s; paired: median of per-round kvpipe/best-raw"]
+        kind = (
+            f"hybrid {c['model_layers']}L: state of {c['linear_layers']} linear layers ({c['linear_value_heads']} "
+            f"value heads, {c['linear_key_head_dim']}x{c['linear_value_head_dim']}) + KV of"
+        )
+    rows = [
+        f"{kind} {c['layers']}L x {c['kv_heads']}H x {c['head_dim']}D {c['dtype']}, page {c['page_size']}, "
+        f"fragmentation {c['fragmentation']}, link {c['link_rate']}, window {c['window']}, split {split}, "
+        f"median of {c['repeat']}; GB/s; paired: median of per-round kvpipe/best-raw"
+    ]
     if hybrid:  # a request's bytes and ops split into KV and state; the goodput table counts both
         rows.append(f"{'tokens':>7} {'KV MiB':>8} {'state MiB':>9} {'KV ops':>6} {'state ops':>9}")
-        rows += [f"{x['prompt_len']:>7} {x['kv_bytes'] / 2**20:>8.1f} {x['state_bytes'] / 2**20:>9.1f} "
-                 f"{x['kv_ops']:>6} {x['state_ops']:>9}" for x in report["lengths"]]
+        rows += [
+            f"{x['prompt_len']:>7} {x['kv_bytes'] / 2**20:>8.1f} {x['state_bytes'] / 2**20:>9.1f} "
+            f"{x['kv_ops']:>6} {x['state_ops']:>9}"
+            for x in report["lengths"]
+        ]
     if "sliding_window" in c:  # the window pages against a bench of every page of every layer
-        rows[0] = (f"{len(c['sliding_layers'])} of {c['layers']} layers sliding (window {c['sliding_window']}), "
-                   + rows[0])
+        rows[0] = (
+            f"{len(c['sliding_layers'])} of {c['layers']} layers sliding (window {c['sliding_window']}), " + rows[0]
+        )
         rows.append(f"{'tokens':>7} {'KV MiB':>8} {'all pages MiB':>13} {'ratio':>6} {'window pages':>12}")
-        rows += [f"{x['prompt_len']:>7} {x['kv_bytes'] / 2**20:>8.1f} {x['all_pages_bytes'] / 2**20:>13.1f} "
-                 f"{x['window_ratio']:>6.3f} {x['window_pages']:>12}" for x in report["lengths"]]
-    rows.append(f"{'tokens':>7} {'MiB':>8} {'ops':>5} {'pieces':>6} {'plan ms':>8} {'xfer ms':>8} {'kvpipe':>7} "
-                f"{'unsplit':>7} {'raw 1op':>7} {'best raw':>8} {'pattern':>10} {'kv/best':>7} {'paired':>6} "
-                f"{'kv/1op':>6} ok")
+        rows += [
+            f"{x['prompt_len']:>7} {x['kv_bytes'] / 2**20:>8.1f} {x['all_pages_bytes'] / 2**20:>13.1f} "
+            f"{x['window_ratio']:>6.3f} {x['window_pages']:>12}"
+            for x in report["lengths"]
+        ]
+    rows.append(
+        f"{'tokens':>7} {'MiB':>8} {'ops':>5} {'pieces':>6} {'plan ms':>8} {'xfer ms':>8} {'kvpipe':>7} "
+        f"{'unsplit':>7} {'raw 1op':>7} {'best raw':>8} {'pattern':>10} {'kv/best':>7} {'paired':>6} "
+        f"{'kv/1op':>6} ok"
+    )
     for x in report["lengths"]:
-        rows.append(f"{x['prompt_len']:>7} {x['bytes'] / 2**20:>8.1f} {x['ops_per_request']:>5} "
-                    f"{x['pieces_per_request']:>6} {x['planning_ms']:>8.3f} {x['transfer_ms']:>8.2f} "
-                    f"{x['goodput_gbps']:>7.2f} {_gbps(x['unsplit_goodput_gbps']):>7} {x['raw_goodput_gbps']:>7.2f} "
-                    f"{x['best_raw_goodput_gbps']:>8.2f} {x['best_raw']['label']:>10} {x['best_raw_ratio']:>7.2f} "
-                    f"{x['best_raw_ratio_paired']:>6.2f} "
-                    f"{x['goodput_ratio']:>6.2f} {'yes' if x['verified'] else 'NO'}")
-    rows.append(f"overall goodput {report['goodput_gbps']:.2f} GB/s vs best raw {report['best_raw_goodput_gbps']:.2f} "
-                f"(ratio {report['best_raw_ratio']:.2f}), vs one raw op {report['raw_goodput_gbps']:.2f} "
-                f"(ratio {report['goodput_ratio']:.2f})")
+        rows.append(
+            f"{x['prompt_len']:>7} {x['bytes'] / 2**20:>8.1f} {x['ops_per_request']:>5} "
+            f"{x['pieces_per_request']:>6} {x['planning_ms']:>8.3f} {x['transfer_ms']:>8.2f} "
+            f"{x['goodput_gbps']:>7.2f} {_gbps(x['unsplit_goodput_gbps']):>7} {x['raw_goodput_gbps']:>7.2f} "
+            f"{x['best_raw_goodput_gbps']:>8.2f} {x['best_raw']['label']:>10} {x['best_raw_ratio']:>7.2f} "
+            f"{x['best_raw_ratio_paired']:>6.2f} "
+            f"{x['goodput_ratio']:>6.2f} {'yes' if x['verified'] else 'NO'}"
+        )
+    rows.append(
+        f"overall goodput {report['goodput_gbps']:.2f} GB/s vs best raw {report['best_raw_goodput_gbps']:.2f} "
+        f"(ratio {report['best_raw_ratio']:.2f}), vs one raw op {report['raw_goodput_gbps']:.2f} "
+        f"(ratio {report['goodput_ratio']:.2f})"
+    )
     if len(c["compare_max_op_bytes"]) > 1:
-        rows += [f"kvpipe split at (GB/s), {x['prompt_len']} tokens: " +
-                 ", ".join(f"{fmt_bytes(s['max_op_bytes']) if s['max_op_bytes'] else 'off'} {s['goodput_gbps']:.2f}"
-                           for s in x["split_compare"]) for x in report["lengths"]]
+        rows += [
+            f"kvpipe split at (GB/s), {x['prompt_len']} tokens: "
+            + ", ".join(
+                f"{fmt_bytes(s['max_op_bytes']) if s['max_op_bytes'] else 'off'} {s['goodput_gbps']:.2f}"
+                for s in x["split_compare"]
+            )
+            for x in report["lengths"]
+        ]
     if sweep:
         rows += [""] + [format_sweep(x) for x in report["lengths"]]
     return "\n".join(rows)
@@ -315,17 +437,19 @@ def _gbps(x: float | None) -> str:
 
 def format_sweep(length: dict[str, Any]) -> str:
     """One length's raw sweep as a grid: piece size (rows) x window (columns) -> median GB/s."""
-    cells = {(s["piece_bytes"], s["window"]): s["goodput_gbps"] for s in length["sweep"]
-             if s["piece_bytes"] != WHOLE}
+    cells = {(s["piece_bytes"], s["window"]): s["goodput_gbps"] for s in length["sweep"] if s["piece_bytes"] != WHOLE}
     one_op = next((s["goodput_gbps"] for s in length["sweep"] if s["piece_bytes"] == WHOLE), float("nan"))
     pieces = sorted({p for p, _ in cells})
     windows = sorted({w for _, w in cells})
-    rows = [f"raw sweep, {length['prompt_len']} tokens ({length['bytes'] / 2**20:.1f} MiB), GB/s: piece \\ window "
-            f"(one op: {one_op:.2f}; best: {length['best_raw']['label']})",
-            f"{'piece':>6} " + " ".join(f"{w:>6}" for w in windows)]
+    rows = [
+        f"raw sweep, {length['prompt_len']} tokens ({length['bytes'] / 2**20:.1f} MiB), GB/s: piece \\ window "
+        f"(one op: {one_op:.2f}; best: {length['best_raw']['label']})",
+        f"{'piece':>6} " + " ".join(f"{w:>6}" for w in windows),
+    ]
     for p in pieces:
-        rows.append(f"{fmt_bytes(p):>6} " + " ".join(f"{cells[p, w]:>6.2f}" if (p, w) in cells else f"{'':>6}"
-                                                     for w in windows))
+        rows.append(
+            f"{fmt_bytes(p):>6} " + " ".join(f"{cells[p, w]:>6.2f}" if (p, w) in cells else f"{'':>6}" for w in windows)
+        )
     return "\n".join(rows)
 
 

@@ -43,8 +43,11 @@ class KVShape:
     def request_kv_nbytes(self, prompt_len: int, page_size: int) -> int:
         """KV bytes a PD request of prompt_len tokens moves, in whole pages: the full layers every
         page, the sliding layers the pages of the prompt's last window."""
-        first, end = (0, -(-prompt_len // page_size)) if not self.sliding_layers else \
-            prompt_window_pages(prompt_len, self.sliding_window or 0, page_size)
+        first, end = (
+            (0, -(-prompt_len // page_size))
+            if not self.sliding_layers
+            else prompt_window_pages(prompt_len, self.sliding_window or 0, page_size)
+        )
         per_layer_page = self.kv_token_nbytes // self.num_layers * page_size
         n_swa = len(self.sliding_layers)
         return (self.num_layers - n_swa) * end * per_layer_page + n_swa * (end - first) * per_layer_page
@@ -59,10 +62,17 @@ def _qwen3_5_text_defaults() -> HybridConfig:
     """transformers' Qwen3_5TextConfig defaults (configuration_qwen3_5.py, transformers 5; its
     docstring names Qwen/Qwen3.5-27B): 32 layers, every 4th full attention (16 heads, 4 KV heads
     of 256), gated delta-net layers with 16 key and 32 value heads of 128, conv kernel 4."""
-    return HybridConfig.from_hf_dict({"num_hidden_layers": 32, "full_attention_interval": 4,
-                                      "linear_num_key_heads": 16, "linear_num_value_heads": 32,
-                                      "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-                                      "linear_conv_kernel_dim": 4})
+    return HybridConfig.from_hf_dict(
+        {
+            "num_hidden_layers": 32,
+            "full_attention_interval": 4,
+            "linear_num_key_heads": 16,
+            "linear_num_value_heads": 32,
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
+            "linear_conv_kernel_dim": 4,
+        }
+    )
 
 
 _QWEN3_5 = _qwen3_5_text_defaults()
@@ -98,6 +108,13 @@ def lookup_shape(name: str) -> KVShape | None:
     if name not in preset_names():
         return None
     mc = preset_config(name)
-    return KVShape(len(mc.kv_layers), mc.kv_cache_heads, mc.kv_cache_head_dim, mc.dtype, latent=mc.mla is not None,
-                   hybrid=mc.hybrid, sliding_layers=mc.sliding_layers,
-                   sliding_window=mc.sliding_window if mc.sliding_layers else None)
+    return KVShape(
+        len(mc.kv_layers),
+        mc.kv_cache_heads,
+        mc.kv_cache_head_dim,
+        mc.dtype,
+        latent=mc.mla is not None,
+        hybrid=mc.hybrid,
+        sliding_layers=mc.sliding_layers,
+        sliding_window=mc.sliding_window if mc.sliding_layers else None,
+    )

@@ -56,8 +56,10 @@ def _truth(cfg: TPConfig, torch):
     """Full-head KV per (layer, K/V), [pages, heads, page_size, head_dim]: equal in both processes."""
     g = torch.Generator().manual_seed(cfg.seed)
     dtype = getattr(torch, cfg.dtype)
-    return [torch.randn(cfg.max_pages, cfg.kv_heads, cfg.page_size, cfg.head_dim, generator=g).to(dtype)
-            for _ in range(2 * cfg.num_layers)]
+    return [
+        torch.randn(cfg.max_pages, cfg.kv_heads, cfg.page_size, cfg.head_dim, generator=g).to(dtype)
+        for _ in range(2 * cfg.num_layers)
+    ]
 
 
 def _enter(cfg: TPConfig):
@@ -104,8 +106,13 @@ def _ranks(cfg: TPConfig, tp: int, num_pages: int, truth, backends: list):
 def _disagg(cfg: TPConfig, staging: str):
     from kvpipe.config import DisaggregationConfig
 
-    return DisaggregationConfig(staging=staging, staging_pool_mb=cfg.staging_pool_mb, bootstrap_timeout_s=60.0,
-                                transfer_timeout_s=60.0, heartbeat_interval_s=2.0)
+    return DisaggregationConfig(
+        staging=staging,
+        staging_pool_mb=cfg.staging_pool_mb,
+        bootstrap_timeout_s=60.0,
+        transfer_timeout_s=60.0,
+        heartbeat_interval_s=2.0,
+    )
 
 
 def decode_main(cfg: TPConfig, conn: Connection) -> None:
@@ -130,8 +137,15 @@ def decode_main(cfg: TPConfig, conn: Connection) -> None:
             for rank, (pool, lay, be) in enumerate(made):
                 info = None
                 if name == "tp":
-                    agent = StagingAgent(lay, KVBytes.from_pool(pool), be, d.staging_pool_nbytes,
-                                         host=cfg.hostname, session_id=f"bench/{rank}", lease_s=120.0).start()
+                    agent = StagingAgent(
+                        lay,
+                        KVBytes.from_pool(pool),
+                        be,
+                        d.staging_pool_nbytes,
+                        host=cfg.hostname,
+                        session_id=f"bench/{rank}",
+                        lease_s=120.0,
+                    ).start()
                     closers.append(agent.close)
                     info = agent.info
                 ranks.append(DecodeRank(lay, be.address, info))
@@ -208,8 +222,17 @@ def _prefill(cfg: TPConfig, conn: Connection) -> dict[str, Any]:
             senders[variant] = []
             for rank, (pool, lay, be) in enumerate(_ranks(cfg, tp, cfg.max_pages, truth, backends)):
                 buf = StagingBuffer(KVBytes.from_pool(pool), be, d.staging_pool_nbytes) if variant == "staged" else None
-                s = KVSender(d, layout=lay, backend=be, tp_rank=rank, tp_size=tp, model_name="bench",
-                             instance_id=f"bench-{variant}", host=cfg.hostname, staging=buf)
+                s = KVSender(
+                    d,
+                    layout=lay,
+                    backend=be,
+                    tp_rank=rank,
+                    tp_size=tp,
+                    model_name="bench",
+                    instance_id=f"bench-{variant}",
+                    host=cfg.hostname,
+                    staging=buf,
+                )
                 s.pool = pool  # keep the memory alive with the sender
                 closers.append(s.close)
                 senders[variant].append(s.start((cfg.hostname, server.port)))
@@ -226,7 +249,7 @@ def _prefill(cfg: TPConfig, conn: Connection) -> dict[str, Any]:
             nbytes: dict[str, int] = {}
             verified = True
             for r in range(cfg.repeat + 1):  # the first round registers peers: not timed
-                order = VARIANTS[r % 3:] + VARIANTS[:r % 3]
+                order = VARIANTS[r % 3 :] + VARIANTS[: r % 3]
                 for variant in order:
                     group = senders[variant]
                     conn.send(("add", variant, room, ports[variant], dst))
@@ -263,15 +286,21 @@ def _prefill(cfg: TPConfig, conn: Connection) -> dict[str, Any]:
                         nbytes[variant] = sum(s.stats.bytes_written - b[1] for s, b in zip(group, before))
                     room += 1
             med = {v: statistics.median(times[v]) for v in VARIANTS}
-            per_len.append({
-                "prompt_len": n_tokens, "pages": n, "bytes": nbytes["same"],
-                **{f"{v}_ms": med[v] * 1e3 for v in VARIANTS},
-                **{f"{v}_ops": int(statistics.median(ops[v])) for v in VARIANTS},
-                **{f"{v}_gbps": nbytes[v] / med[v] / 1e9 for v in VARIANTS},
-                "staged_vs_same": med["staged"] / med["same"], "plain_vs_same": med["plain"] / med["same"],
-                "op_reduction": statistics.median(ops["plain"]) / max(1, statistics.median(ops["staged"])),
-                "equal_bytes": len(set(nbytes.values())) == 1, "verified": verified,
-            })
+            per_len.append(
+                {
+                    "prompt_len": n_tokens,
+                    "pages": n,
+                    "bytes": nbytes["same"],
+                    **{f"{v}_ms": med[v] * 1e3 for v in VARIANTS},
+                    **{f"{v}_ops": int(statistics.median(ops[v])) for v in VARIANTS},
+                    **{f"{v}_gbps": nbytes[v] / med[v] / 1e9 for v in VARIANTS},
+                    "staged_vs_same": med["staged"] / med["same"],
+                    "plain_vs_same": med["plain"] / med["same"],
+                    "op_reduction": statistics.median(ops["plain"]) / max(1, statistics.median(ops["staged"])),
+                    "equal_bytes": len(set(nbytes.values())) == 1,
+                    "verified": verified,
+                }
+            )
         return {"lengths": per_len}
     finally:
         for close in reversed(closers):
@@ -283,26 +312,41 @@ def _prefill(cfg: TPConfig, conn: Connection) -> dict[str, Any]:
 def summarize(result: dict[str, Any], cfg: TPConfig, link_rate: str | None) -> dict[str, Any]:
     lengths = result["lengths"]
     return {
-        "mode": "tp", "lengths": lengths,
+        "mode": "tp",
+        "lengths": lengths,
         "verified": all(x["verified"] and x["equal_bytes"] for x in lengths),
-        "config": {"layers": cfg.num_layers, "kv_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
-                   "dtype": cfg.dtype, "page_size": cfg.page_size, "repeat": cfg.repeat,
-                   "fragmentation": cfg.fragmentation, "window": cfg.window, "prefill_tp": cfg.prefill_tp,
-                   "decode_tp": cfg.decode_tp, "staging": cfg.staging, "staging_pool_mb": cfg.staging_pool_mb,
-                   "link_rate": link_rate or "loopback"},
+        "config": {
+            "layers": cfg.num_layers,
+            "kv_heads": cfg.kv_heads,
+            "head_dim": cfg.head_dim,
+            "dtype": cfg.dtype,
+            "page_size": cfg.page_size,
+            "repeat": cfg.repeat,
+            "fragmentation": cfg.fragmentation,
+            "window": cfg.window,
+            "prefill_tp": cfg.prefill_tp,
+            "decode_tp": cfg.decode_tp,
+            "staging": cfg.staging,
+            "staging_pool_mb": cfg.staging_pool_mb,
+            "link_rate": link_rate or "loopback",
+        },
     }
 
 
 def format_table(report: dict[str, Any]) -> str:
     c = report["config"]
-    rows = [f"TP {c['prefill_tp']} -> {c['decode_tp']}, KV {c['layers']}L x {c['kv_heads']}H x {c['head_dim']}D "
-            f"{c['dtype']}, page {c['page_size']}, fragmentation {c['fragmentation']}, staging {c['staging']} "
-            f"({c['staging_pool_mb']} MB), link {c['link_rate']}, median of {c['repeat']}",
-            f"{'tokens':>7} {'MiB':>7} {'same ms':>8} {'plain ms':>9} {'staged ms':>10} {'same ops':>9} "
-            f"{'plain ops':>10} {'staged ops':>11} {'staged/same':>12} {'ops /':>6} ok"]
+    rows = [
+        f"TP {c['prefill_tp']} -> {c['decode_tp']}, KV {c['layers']}L x {c['kv_heads']}H x {c['head_dim']}D "
+        f"{c['dtype']}, page {c['page_size']}, fragmentation {c['fragmentation']}, staging {c['staging']} "
+        f"({c['staging_pool_mb']} MB), link {c['link_rate']}, median of {c['repeat']}",
+        f"{'tokens':>7} {'MiB':>7} {'same ms':>8} {'plain ms':>9} {'staged ms':>10} {'same ops':>9} "
+        f"{'plain ops':>10} {'staged ops':>11} {'staged/same':>12} {'ops /':>6} ok",
+    ]
     for x in report["lengths"]:
-        rows.append(f"{x['prompt_len']:>7} {x['bytes'] / 2**20:>7.1f} {x['same_ms']:>8.2f} {x['plain_ms']:>9.2f} "
-                    f"{x['staged_ms']:>10.2f} {x['same_ops']:>9} {x['plain_ops']:>10} {x['staged_ops']:>11} "
-                    f"{x['staged_vs_same']:>12.2f} {x['op_reduction']:>6.1f} "
-                    f"{'yes' if x['verified'] and x['equal_bytes'] else 'NO'}")
+        rows.append(
+            f"{x['prompt_len']:>7} {x['bytes'] / 2**20:>7.1f} {x['same_ms']:>8.2f} {x['plain_ms']:>9.2f} "
+            f"{x['staged_ms']:>10.2f} {x['same_ops']:>9} {x['plain_ops']:>10} {x['staged_ops']:>11} "
+            f"{x['staged_vs_same']:>12.2f} {x['op_reduction']:>6.1f} "
+            f"{'yes' if x['verified'] and x['equal_bytes'] else 'NO'}"
+        )
     return "\n".join(rows)

@@ -31,9 +31,10 @@ import os
 import statistics
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -135,8 +136,9 @@ def source_window_table(prompt_len: int, cfg: WorkerConfig) -> np.ndarray | None
     return table
 
 
-def decode_window_table(prompt_len: int, cfg: WorkerConfig, full: np.ndarray,
-                        rng: np.random.Generator) -> np.ndarray | None:
+def decode_window_table(
+    prompt_len: int, cfg: WorkerConfig, full: np.ndarray, rng: np.random.Generator
+) -> np.ndarray | None:
     """The decode's window table, as its scheduler reserves one (window_first_page): aligned
     with its full table `full`, pages for the prompt's last window only (-1 before), taken past
     the full pages' region (so never one of them: the pools alias) in runs as fragmented as the
@@ -158,7 +160,7 @@ class RequestPlan(OpArrays):
     """A request's KV ops: one plan of every layer, or (sliding shapes) the full layers' plan
     over every page then the sliding layers' plan over the window pages, arrays concatenated."""
 
-    parts: tuple["TransferPlan", ...]
+    parts: tuple[TransferPlan, ...]
     planning_ms: float
 
     @property
@@ -166,8 +168,14 @@ class RequestPlan(OpArrays):
         return self.parts[0].num_runs
 
 
-def plan_request(src_pages: np.ndarray, dst_pages: np.ndarray, src: "KVLayout", dst: "KVLayout",
-                 src_swa: np.ndarray | None = None, dst_swa: np.ndarray | None = None) -> RequestPlan:
+def plan_request(
+    src_pages: np.ndarray,
+    dst_pages: np.ndarray,
+    src: KVLayout,
+    dst: KVLayout,
+    src_swa: np.ndarray | None = None,
+    dst_swa: np.ndarray | None = None,
+) -> RequestPlan:
     """Plan a request as sender_room._plan_kv does on its last call: every page of the full
     layers, and the sliding layers (layout.swa_layers) at the positions dst_swa asks for (>= 0)."""
     from kvpipe.transfer.planner import plan_pages
@@ -183,10 +191,13 @@ def plan_request(src_pages: np.ndarray, dst_pages: np.ndarray, src: "KVLayout", 
     pos = np.flatnonzero(dst_swa >= 0)  # logical pages the decode wants for its sliding layers
     if pos.size and (pos[-1] >= src_swa.size or (src_swa[pos] < 0).any()):
         raise ValueError("the prefill holds no window page for a logical page the decode asked for")
-    parts = (plan_pages(src_pages, dst_pages, src, dst, layer_ids=ids[~swa]),
-             plan_pages(src_swa[pos], dst_swa[pos], src, dst, layer_ids=ids[swa]))
-    src_addr, dst_addr, length = (np.concatenate([getattr(p, f) for p in parts])
-                                  for f in ("src_addr", "dst_addr", "length"))
+    parts = (
+        plan_pages(src_pages, dst_pages, src, dst, layer_ids=ids[~swa]),
+        plan_pages(src_swa[pos], dst_swa[pos], src, dst, layer_ids=ids[swa]),
+    )
+    src_addr, dst_addr, length = (
+        np.concatenate([getattr(p, f) for p in parts]) for f in ("src_addr", "dst_addr", "length")
+    )
     return RequestPlan(src_addr, dst_addr, length, parts=parts, planning_ms=(time.perf_counter() - t0) * 1e3)
 
 
@@ -206,16 +217,26 @@ def _setup(cfg: WorkerConfig, num_pages: int):
     from kvpipe.transfer.layout import KVLayout
 
     backend = MooncakeBackend(hostname=cfg.hostname, protocol="tcp", window=cfg.window, max_op_bytes=cfg.max_op_bytes)
-    pool = KVPool(cfg.num_layers, num_pages, cfg.page_size, cfg.kv_heads, cfg.head_dim,
-                  dtype=getattr(torch, cfg.dtype), latent=cfg.latent, swa_layers=cfg.sliding_layers)
+    pool = KVPool(
+        cfg.num_layers,
+        num_pages,
+        cfg.page_size,
+        cfg.kv_heads,
+        cfg.head_dim,
+        dtype=getattr(torch, cfg.dtype),
+        latent=cfg.latent,
+        swa_layers=cfg.sliding_layers,
+    )
     state = _state_pool(cfg, getattr(torch, cfg.dtype))
     state_layout = None if state is None else _state_layout(cfg, state)
     layout = KVLayout.from_pool(pool)
     register_pool(backend, layout, state_layout)
     # Raw-transfer buffer as big as the largest request (every page of every layer bounds a
     # sliding shape's window); np.ones touches every page of it.
-    raw = np.ones(cfg.max_pages * layout.page_nbytes * layout.num_buffers + (0 if state is None else state.slot_nbytes),
-                  dtype=np.uint8)
+    raw = np.ones(
+        cfg.max_pages * layout.page_nbytes * layout.num_buffers + (0 if state is None else state.slot_nbytes),
+        dtype=np.uint8,
+    )
     backend.register_many([raw.ctypes.data], [raw.nbytes])
     return backend, pool, state, state_layout, raw
 
@@ -230,8 +251,7 @@ def _state_pool(cfg: WorkerConfig, conv_dtype):
 
     if len(cfg.hybrid.full_layers) != cfg.num_layers:
         raise ValueError(f"{cfg.num_layers} KV layers but the layer map has {len(cfg.hybrid.full_layers)}")
-    return StatePool(cfg.hybrid.linear_layers, STATE_SLOTS, local_state_shape(cfg.hybrid, ParallelConfig()),
-                     conv_dtype)
+    return StatePool(cfg.hybrid.linear_layers, STATE_SLOTS, local_state_shape(cfg.hybrid, ParallelConfig()), conv_dtype)
 
 
 def _state_layout(cfg: WorkerConfig, state):
@@ -272,8 +292,15 @@ def decode_main(cfg: WorkerConfig, peer: Connection) -> None:
 
     backend, pool, state, state_layout, raw = _setup(cfg, cfg.pool_pages)
     try:
-        reg = RegisterPeer(f"bench-decode-{uuid.uuid4().hex[:8]}", 0, 1, backend.address, "pipe",
-                           KVLayout.from_pool(pool), state=state_layout)
+        reg = RegisterPeer(
+            f"bench-decode-{uuid.uuid4().hex[:8]}",
+            0,
+            1,
+            backend.address,
+            "pipe",
+            KVLayout.from_pool(pool),
+            state=state_layout,
+        )
         peer.send(("register", encode(reg), raw.ctypes.data))
         while True:
             cmd, arg = peer.recv()
@@ -330,9 +357,15 @@ def _prefill(cfg: WorkerConfig, peer: Connection) -> dict[str, Any]:
         rng = np.random.default_rng(cfg.seed)
         one_op = RawPattern(WHOLE, 1)
 
-        def kv_write(src_pages: np.ndarray, dst_pages: np.ndarray, max_op_bytes: int | None,
-                     plans: list, handles: list, src_swa: np.ndarray | None = None,
-                     dst_swa: np.ndarray | None = None) -> float:
+        def kv_write(
+            src_pages: np.ndarray,
+            dst_pages: np.ndarray,
+            max_op_bytes: int | None,
+            plans: list,
+            handles: list,
+            src_swa: np.ndarray | None = None,
+            dst_swa: np.ndarray | None = None,
+        ) -> float:
             """Wall time of planning plus the transfer until every piece landed; a hybrid
             request's state ops go in the same batch as its KV ops."""
             backend.max_op_bytes = max_op_bytes
@@ -341,9 +374,15 @@ def _prefill(cfg: WorkerConfig, peer: Connection) -> dict[str, Any]:
             t1 = time.perf_counter()
             st = None if src_state is None else plan_state(SRC_STATE_SLOT, DST_STATE_SLOT, src_state, reg.state)
             plans.append((kv, st, kv.planning_ms + (time.perf_counter() - t1) * 1e3))
-            src, dst, n = ((kv.src_addr, kv.dst_addr, kv.length) if st is None else
-                           (np.concatenate([kv.src_addr, st.src_addr]), np.concatenate([kv.dst_addr, st.dst_addr]),
-                            np.concatenate([kv.length, st.length])))
+            src, dst, n = (
+                (kv.src_addr, kv.dst_addr, kv.length)
+                if st is None
+                else (
+                    np.concatenate([kv.src_addr, st.src_addr]),
+                    np.concatenate([kv.dst_addr, st.dst_addr]),
+                    np.concatenate([kv.length, st.length]),
+                )
+            )
             h = backend.submit(reg.data_address, src, dst, n)
             if backend.wait(h, time.monotonic() + 300) is not BatchState.DONE:
                 raise RuntimeError(f"transfer failed: {h.error or 'timed out'}")
@@ -364,8 +403,11 @@ def _prefill(cfg: WorkerConfig, peer: Connection) -> dict[str, Any]:
             first_w, _ = cfg.window_pages(n_tokens)
             # full layers every page, sliding layers (if any) the window's n - first_w pages
             n_swa = len(cfg.sliding_layers)
-            kv_bytes = ((cfg.num_layers - n_swa) * n + n_swa * (n - first_w)) * src_layout.page_nbytes * \
-                src_layout.buffers_per_layer
+            kv_bytes = (
+                ((cfg.num_layers - n_swa) * n + n_swa * (n - first_w))
+                * src_layout.page_nbytes
+                * src_layout.buffers_per_layer
+            )
             state_bytes = 0 if src_state is None else src_state.slot_nbytes
             nbytes = kv_bytes + state_bytes  # the raw patterns move the same total
             src_pages = np.arange(n, dtype=np.int64)
@@ -395,8 +437,9 @@ def _prefill(cfg: WorkerConfig, peer: Connection) -> dict[str, Any]:
                 "best_raw": lambda: raw_time(best, nbytes),
             }
             for m in cfg.compare_max_op_bytes:
-                variants[f"kv_split_{m}"] = lambda m=m: kv_write(src_pages, dst_pages, m or None, [], [], src_swa,
-                                                                 dst_swa)
+                variants[f"kv_split_{m}"] = lambda m=m: kv_write(
+                    src_pages, dst_pages, m or None, [], [], src_swa, dst_swa
+                )
             times: dict[str, list[float]] = {v: [] for v in variants}
             for r in range(cfg.repeat):
                 for v in _rotated(list(variants), r):
@@ -405,31 +448,57 @@ def _prefill(cfg: WorkerConfig, peer: Connection) -> dict[str, Any]:
             med = {v: statistics.median(xs) for v, xs in times.items()}
             (plan, st_plan, _), kv = plans[-1], med["kv"]
             state_ops = 0 if st_plan is None else st_plan.num_ops
-            per_len.append({
-                "prompt_len": n_tokens, "pages": n, "bytes": nbytes, "kv_bytes": kv_bytes, "state_bytes": state_bytes,
-                # a sliding shape's window pages, and its KV against a bench of every page
-                "window_pages": n - first_w, "all_pages_bytes": all_pages_bytes,
-                "window_ratio": kv_bytes / all_pages_bytes,
-                "ops_per_request": plan.num_ops + state_ops, "kv_ops": plan.num_ops, "state_ops": state_ops,
-                "pieces_per_request": handles[-1].num_pieces, "runs": plan.num_runs,
-                "planning_ms": statistics.median(ms for _, _, ms in plans),
-                "transfer_ms": kv * 1e3, "raw_ms": med["raw"] * 1e3, "best_raw_ms": med["best_raw"] * 1e3,
-                "goodput_gbps": nbytes / kv / 1e9, "raw_goodput_gbps": nbytes / med["raw"] / 1e9,
-                "best_raw_goodput_gbps": nbytes / med["best_raw"] / 1e9,
-                "unsplit_goodput_gbps": nbytes / med["kv_split_0"] / 1e9 if "kv_split_0" in med else None,
-                "split_compare": [{"max_op_bytes": m, "ms": med[f"kv_split_{m}"] * 1e3,
-                                   "goodput_gbps": nbytes / med[f"kv_split_{m}"] / 1e9}
-                                  for m in cfg.compare_max_op_bytes],
-                "goodput_ratio": med["raw"] / kv, "best_raw_ratio": med["best_raw"] / kv,
-                # median over repeats of best-raw time / kvpipe time in the same round: drift on a
-                # shared machine moves both, so this is steadier than the ratio of medians
-                "best_raw_ratio_paired": statistics.median(b / k for b, k in zip(times["best_raw"], times["kv"])),
-                "best_raw": {"piece_bytes": best.piece_bytes, "window": best.window, "label": best.label},
-                "sweep": [{"piece_bytes": p.piece_bytes, "window": p.window, "ms": s * 1e3,
-                           "goodput_gbps": nbytes / s / 1e9} for p, s in sweep.items()],
-                "verified": verified,
-                **{f"{v}_ms_all": [x * 1e3 for x in xs] for v, xs in times.items()},
-            })
+            per_len.append(
+                {
+                    "prompt_len": n_tokens,
+                    "pages": n,
+                    "bytes": nbytes,
+                    "kv_bytes": kv_bytes,
+                    "state_bytes": state_bytes,
+                    # a sliding shape's window pages, and its KV against a bench of every page
+                    "window_pages": n - first_w,
+                    "all_pages_bytes": all_pages_bytes,
+                    "window_ratio": kv_bytes / all_pages_bytes,
+                    "ops_per_request": plan.num_ops + state_ops,
+                    "kv_ops": plan.num_ops,
+                    "state_ops": state_ops,
+                    "pieces_per_request": handles[-1].num_pieces,
+                    "runs": plan.num_runs,
+                    "planning_ms": statistics.median(ms for _, _, ms in plans),
+                    "transfer_ms": kv * 1e3,
+                    "raw_ms": med["raw"] * 1e3,
+                    "best_raw_ms": med["best_raw"] * 1e3,
+                    "goodput_gbps": nbytes / kv / 1e9,
+                    "raw_goodput_gbps": nbytes / med["raw"] / 1e9,
+                    "best_raw_goodput_gbps": nbytes / med["best_raw"] / 1e9,
+                    "unsplit_goodput_gbps": nbytes / med["kv_split_0"] / 1e9 if "kv_split_0" in med else None,
+                    "split_compare": [
+                        {
+                            "max_op_bytes": m,
+                            "ms": med[f"kv_split_{m}"] * 1e3,
+                            "goodput_gbps": nbytes / med[f"kv_split_{m}"] / 1e9,
+                        }
+                        for m in cfg.compare_max_op_bytes
+                    ],
+                    "goodput_ratio": med["raw"] / kv,
+                    "best_raw_ratio": med["best_raw"] / kv,
+                    # median over repeats of best-raw time / kvpipe time in the same round: drift on a
+                    # shared machine moves both, so this is steadier than the ratio of medians
+                    "best_raw_ratio_paired": statistics.median(b / k for b, k in zip(times["best_raw"], times["kv"])),
+                    "best_raw": {"piece_bytes": best.piece_bytes, "window": best.window, "label": best.label},
+                    "sweep": [
+                        {
+                            "piece_bytes": p.piece_bytes,
+                            "window": p.window,
+                            "ms": s * 1e3,
+                            "goodput_gbps": nbytes / s / 1e9,
+                        }
+                        for p, s in sweep.items()
+                    ],
+                    "verified": verified,
+                    **{f"{v}_ms_all": [x * 1e3 for x in xs] for v, xs in times.items()},
+                }
+            )
         return {"lengths": per_len, "engine_generation": backend.generation}
     finally:
         backend.close()

@@ -49,7 +49,7 @@ class LengthSpec:
 
 
 def parse_lengths(spec: str | int | list[int] | tuple[int, ...], what: str = "length") -> LengthSpec:
-    """"1024" | "256,1024" | "uniform:LO:HI" | an int | a list of ints -> LengthSpec (all ≥ 1)."""
+    """ "1024" | "256,1024" | "uniform:LO:HI" | an int | a list of ints -> LengthSpec (all ≥ 1)."""
     if isinstance(spec, int):
         spec = [spec]
     if isinstance(spec, str):
@@ -103,13 +103,15 @@ class WorkloadConfig:
         if self.num_prefix_groups < 0 or self.prefix_len < 0:
             raise ValueError("num_prefix_groups and prefix_len must be >= 0")
         if self.num_turns < 1 or (self.num_turns > 1 and self.turn_len < 1):
-            raise ValueError(f"num_turns must be >= 1 and turn_len >= 1 with several turns, got "
-                             f"{self.num_turns}, {self.turn_len}")
+            raise ValueError(
+                f"num_turns must be >= 1 and turn_len >= 1 with several turns, got {self.num_turns}, {self.turn_len}"
+            )
         if self.num_requests % self.num_turns:
             raise ValueError(f"num_requests ({self.num_requests}) must be a multiple of num_turns ({self.num_turns})")
         if self.num_prefix_groups and self.prefix_len >= self.prompt_lens.min():
-            raise ValueError(f"prefix_len ({self.prefix_len}) must be shorter than every prompt "
-                             f"(shortest {self.prompt_lens.min()})")
+            raise ValueError(
+                f"prefix_len ({self.prefix_len}) must be shorter than every prompt (shortest {self.prompt_lens.min()})"
+            )
 
 
 @dataclass(frozen=True)
@@ -130,9 +132,11 @@ class BenchRequest:
 
     def body(self, stream: bool = True, temperature: float = 0.0, input_ids: list[int] | None = None) -> dict:
         """The SGLang native `/generate` body; ignore_eos makes the output length exact."""
-        return {"input_ids": list(self.input_ids) if input_ids is None else input_ids, "stream": stream,
-                "sampling_params": {"max_new_tokens": self.output_len, "temperature": temperature,
-                                    "ignore_eos": True}}
+        return {
+            "input_ids": list(self.input_ids) if input_ids is None else input_ids,
+            "stream": stream,
+            "sampling_params": {"max_new_tokens": self.output_len, "temperature": temperature, "ignore_eos": True},
+        }
 
 
 def arrival_times(n: int, rate: float, rng: np.random.Generator) -> list[float]:
@@ -165,8 +169,9 @@ def build_workload(cfg: WorkloadConfig) -> Workload:
     prompt_lens = cfg.prompt_lens.sample(n, rng)
     output_lens = cfg.output_lens.sample(n, rng)
     arrivals = arrival_times(n, cfg.request_rate, rng)
-    prefixes = [rng.integers(cfg.token_id_low, cfg.vocab_size, size=cfg.prefix_len)
-                for _ in range(cfg.num_prefix_groups)]
+    prefixes = [
+        rng.integers(cfg.token_id_low, cfg.vocab_size, size=cfg.prefix_len) for _ in range(cfg.num_prefix_groups)
+    ]
     reqs = []
     for i in range(n):
         conv, turn = divmod(i, cfg.num_turns)  # single turn: conv = i, turn = 0
@@ -187,5 +192,7 @@ def split_rounds(workload: Workload, size: int) -> list[Workload]:
     reset to 0: the rounds of an interleaved sweep, which never split a conversation."""
     per = size * workload.config.num_turns
     reqs = workload.requests
-    return [Workload(workload.config, tuple(replace(q, arrival_s=0.0) for q in reqs[i:i + per]))
-            for i in range(0, len(reqs), per)]
+    return [
+        Workload(workload.config, tuple(replace(q, arrival_s=0.0) for q in reqs[i : i + per]))
+        for i in range(0, len(reqs), per)
+    ]

@@ -55,7 +55,9 @@ class KVPool:
         self.dtype = dtype
         self.latent = latent
         self.swa_layers = tuple(swa_layers)  # layers that read the sliding-window page tables
-        if any(not 0 <= i < num_layers for i in self.swa_layers) or list(self.swa_layers) != sorted(set(self.swa_layers)):
+        if any(not 0 <= i < num_layers for i in self.swa_layers) or list(self.swa_layers) != sorted(
+            set(self.swa_layers)
+        ):
             raise ValueError(f"sliding layers {self.swa_layers} are not increasing layers of {num_layers}")
         shape = (num_pages, kv_heads, page_size, head_dim)
         # torch.zeros touches every page now; lazily faulted memory makes the first remote write
@@ -95,16 +97,18 @@ class KVPool:
         """Every cache tensor, layer-major (the order of buffer_infos and of KVLayout.buffer_addrs)."""
         return [b for layer in range(self.num_layers) for _, b in self.layer_buffers(layer)]
 
-    def write(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor,
-              k: torch.Tensor, v: torch.Tensor | None = None) -> None:
+    def write(
+        self, layer: int, pages: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None
+    ) -> None:
         """Store new tokens. pages, offsets: [T] int64; k, v: [T, kv_heads, head_dim] (k alone: the latent)."""
         # Advanced indices around a slice put the index dim first: the target view is [T, H, D].
         self.k[layer][pages, :, offsets] = k
         if v is not None:
             self.v[layer][pages, :, offsets] = v
 
-    def gather(self, layer: int, page_table: torch.Tensor, length: int,
-               first_page: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def gather(
+        self, layer: int, page_table: torch.Tensor, length: int, first_page: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """K and V of one sequence's tokens [first_page * page_size, length), each [kv_heads,
         length - first_page * page_size, head_dim] (V None: latent)."""
         n = -(-length // self.page_size)
@@ -124,8 +128,16 @@ class KVPool:
         out = []
         for layer in range(self.num_layers):
             for kind, buf in self.layer_buffers(layer):
-                out.append(KVBufferInfo(layer, kind, buf.data_ptr(), buf.numel() * item,
-                                        page_nbytes, self.page_size * self.head_dim * item))
+                out.append(
+                    KVBufferInfo(
+                        layer,
+                        kind,
+                        buf.data_ptr(),
+                        buf.numel() * item,
+                        page_nbytes,
+                        self.page_size * self.head_dim * item,
+                    )
+                )
         return out
 
     @property

@@ -21,8 +21,8 @@ still reads is never evicted. Eviction takes least recently used leaves first.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -33,8 +33,8 @@ Key = tuple[int, ...]  # one page of token ids
 class RadixNode:
     tokens: tuple[int, ...] = ()  # the edge from the parent: whole pages of token ids
     pages: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # one id per page
-    parent: "RadixNode | None" = None
-    children: dict[Key, "RadixNode"] = field(default_factory=dict)
+    parent: RadixNode | None = None
+    children: dict[Key, RadixNode] = field(default_factory=dict)
     refs: int = 0  # requests holding a lock on this node or a descendant
     last_access: int = 0  # logical clock of the last match or insert through it
 
@@ -55,7 +55,7 @@ class RadixCache:
 
     # ---- lookups -------------------------------------------------------------------------------
     def _key(self, tokens: Sequence[int], at: int) -> Key:
-        return tuple(tokens[at:at + self.page_size])
+        return tuple(tokens[at : at + self.page_size])
 
     def match(self, token_ids: Sequence[int]) -> tuple[np.ndarray, RadixNode]:
         """Pages of the longest cached page-aligned prefix of `token_ids`, and the node where it
@@ -81,8 +81,11 @@ class RadixCache:
         """Whole pages of `edge` equal to token_ids[at:] (at least the first, which matched the key)."""
         ps = self.page_size
         n = 1
-        while n * ps < len(edge) and at + (n + 1) * ps <= len(token_ids) and \
-                edge[n * ps:(n + 1) * ps] == tuple(token_ids[at + n * ps:at + (n + 1) * ps]):
+        while (
+            n * ps < len(edge)
+            and at + (n + 1) * ps <= len(token_ids)
+            and edge[n * ps : (n + 1) * ps] == tuple(token_ids[at + n * ps : at + (n + 1) * ps])
+        ):
             n += 1
         return n
 
@@ -92,9 +95,9 @@ class RadixCache:
         ps = self.page_size
         parent = child.parent
         assert parent is not None and 0 < n < child.num_pages
-        upper = RadixNode(child.tokens[:n * ps], child.pages[:n], parent, {}, child.refs, child.last_access)
+        upper = RadixNode(child.tokens[: n * ps], child.pages[:n], parent, {}, child.refs, child.last_access)
         parent.children[self._key(child.tokens, 0)] = upper
-        child.tokens, child.pages, child.parent = child.tokens[n * ps:], child.pages[n:], upper
+        child.tokens, child.pages, child.parent = child.tokens[n * ps :], child.pages[n:], upper
         upper.children[self._key(child.tokens, 0)] = child
         return upper
 
@@ -106,11 +109,11 @@ class RadixCache:
         ps = self.page_size
         n_pages = min(len(token_ids) // ps, len(pages))
         pages = np.asarray(pages, dtype=np.int64)[:n_pages]
-        have, node = self.match(token_ids[:n_pages * ps])
+        have, node = self.match(token_ids[: n_pages * ps])
         dup = len(have)
         if dup < n_pages:
             now = next(self._clock)
-            tokens = tuple(token_ids[dup * ps:n_pages * ps])
+            tokens = tuple(token_ids[dup * ps : n_pages * ps])
             leaf = RadixNode(tokens, pages[dup:].copy(), node, {}, 0, now)
             node.children[self._key(tokens, 0)] = leaf
             self.num_pages += n_pages - dup

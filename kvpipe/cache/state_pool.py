@@ -41,18 +41,24 @@ class StateShape:
 
 
 class StatePool:
-    def __init__(self, layers: tuple[int, ...], num_slots: int, shape: StateShape,
-                 conv_dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        layers: tuple[int, ...],
+        num_slots: int,
+        shape: StateShape,
+        conv_dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
         """`layers`: the model's linear-attention layer indices; buffer i belongs to layers[i]."""
         self.layers = layers
         self.num_slots = num_slots
         self.shape = shape
         self.conv_dtype = conv_dtype
         s = shape
-        self.conv = [torch.zeros(num_slots, s.conv_dim, s.conv_len, dtype=conv_dtype, device=device)
-                     for _ in layers]
-        self.recurrent = [torch.zeros(num_slots, s.heads, s.key_dim, s.value_dim, dtype=torch.float32,
-                                      device=device) for _ in layers]
+        self.conv = [torch.zeros(num_slots, s.conv_dim, s.conv_len, dtype=conv_dtype, device=device) for _ in layers]
+        self.recurrent = [
+            torch.zeros(num_slots, s.heads, s.key_dim, s.value_dim, dtype=torch.float32, device=device) for _ in layers
+        ]
 
     @property
     def num_layers(self) -> int:

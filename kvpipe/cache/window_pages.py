@@ -31,4 +31,3 @@ def window_page_bound(window: int, max_extend: int, page_size: int) -> int:
     tokens: keys [p - window + 1, p + n) span at most window - 1 + n tokens, which touch at most
     cdiv(window - 1 + n, page_size) + 1 pages (one more when they start mid-page)."""
     return _cdiv(window - 1 + max(max_extend, 1), page_size) + 1
-

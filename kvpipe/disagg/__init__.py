@@ -1,13 +1,13 @@
 """PD disaggregation as KV connectors of the engine (kvpipe/engine/connector.py).
 
-    prefill.py        PrefillConnector: rooms, layer-group plans, chunk sends, room outcomes
-    decode.py         DecodeConnector: REMOTE admission, KVReceiver, first token from aux
-    worker.py         TransferWorker: one per TP rank, its own KVSender / backend (SPMD sends)
-    commands.py       typed messages between the connector and the ranks' workers
-    tally.py          a room is over when every prefill rank reported it
-    layer_groups.py   cost model choosing the layer groups of a prefill batch
-    layer_pipeline.py timing of the forward, link estimates, transfer tails
-    setup.py          backend, KV layout and data-plane address of a rank
+prefill.py        PrefillConnector: rooms, layer-group plans, chunk sends, room outcomes
+decode.py         DecodeConnector: REMOTE admission, KVReceiver, first token from aux
+worker.py         TransferWorker: one per TP rank, its own KVSender / backend (SPMD sends)
+commands.py       typed messages between the connector and the ranks' workers
+tally.py          a room is over when every prefill rank reported it
+layer_groups.py   cost model choosing the layer groups of a prefill batch
+layer_pipeline.py timing of the forward, link estimates, transfer tails
+setup.py          backend, KV layout and data-plane address of a rank
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from kvpipe.transfer.backends.base import TransferBackend
 
 
-def make_connector(cfg: "ServerConfig", backend: "TransferBackend | None" = None) -> "KVConnector | None":
+def make_connector(cfg: ServerConfig, backend: TransferBackend | None = None) -> KVConnector | None:
     """The connector of `cfg`'s disaggregation mode (None: a colocated server)."""
     mode = cfg.disaggregation.mode
     if mode == "prefill":

@@ -1,15 +1,15 @@
 """Typed messages between a PD connector (rank 0) and the transfer worker of every TP rank.
 
-    rank 0 -> every rank, as ForwardSpec.connector_meta (run inside the rank's own forward):
-        PrefillStep     rooms to start and the rows whose KV ships group by group
-    rank 0 -> every rank, between forwards (WorkerGroup.call / post):
-        StartPrefill -> RankStarted   a KVSender per rank, registered with the bootstrap server
-        StartDecode  -> RankStarted   the rank's pool registered with its own backend
-        SendChunks                    KV of finished chunks (the last one with the first token)
-        FailRooms                     rooms that failed on the prefill: tell their decodes
-        AbortRooms                    rooms another rank failed: stop writing them
-    every rank -> rank 0 (WorkerGroup.reports):
-        RankReport                    rooms its sender is done with, and its counters
+rank 0 -> every rank, as ForwardSpec.connector_meta (run inside the rank's own forward):
+    PrefillStep     rooms to start and the rows whose KV ships group by group
+rank 0 -> every rank, between forwards (WorkerGroup.call / post):
+    StartPrefill -> RankStarted   a KVSender per rank, registered with the bootstrap server
+    StartDecode  -> RankStarted   the rank's pool registered with its own backend
+    SendChunks                    KV of finished chunks (the last one with the first token)
+    FailRooms                     rooms that failed on the prefill: tell their decodes
+    AbortRooms                    rooms another rank failed: stop writing them
+every rank -> rank 0 (WorkerGroup.reports):
+    RankReport                    rooms its sender is done with, and its counters
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import numpy as np
 from kvpipe.transfer.layout import KVLayout
 from kvpipe.transfer.messages import AuxTuple, StagingInfo
 from kvpipe.transfer.sender_book import SenderStats, TransferTiming
-from kvpipe.transfer.state_layout import StateLayout
 from kvpipe.transfer.state import TransferState
+from kvpipe.transfer.state_layout import StateLayout
 
 
 @dataclass(frozen=True)

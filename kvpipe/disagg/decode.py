@@ -34,6 +34,7 @@ from kvpipe.transfer.state import TransferState
 
 logger = logging.getLogger(__name__)
 
+
 class DecodeConnector(PDConnector):
     side = "decode"
 
@@ -52,16 +53,22 @@ class DecodeConnector(PDConnector):
         self._vocab_size = ctx.model_config.vocab_size
         warn_if_unauthenticated(self.cfg)
         self._start_ranks(ctx.workers, StartDecode())
-        self.receiver = KVReceiver(d, ranks=[DecodeRank(r.layout, r.data_address, r.staging, r.state)
-                                             for r in self.ranks],
-                                   model_name=self.cfg.model_name, host=data_host(self.cfg), on_news=ctx.wake).start()
+        self.receiver = KVReceiver(
+            d,
+            ranks=[DecodeRank(r.layout, r.data_address, r.staging, r.state) for r in self.ranks],
+            model_name=self.cfg.model_name,
+            host=data_host(self.cfg),
+            on_news=ctx.wake,
+        ).start()
         logger.info("decode ready: control %s, data %s", self.receiver.control_address, self.ranks[0].data_address)
 
     # ---- admission -----------------------------------------------------------------------------
     def claim(self, req: Req) -> None:
         if req.bootstrap_room is None or not req.bootstrap_host:
-            raise ValueError("a decode server needs bootstrap_host and bootstrap_room (and bootstrap_port) "
-                             "with every request; send requests through sglang-router --pd-disaggregation")
+            raise ValueError(
+                "a decode server needs bootstrap_host and bootstrap_room (and bootstrap_port) "
+                "with every request; send requests through sglang-router --pd-disaggregation"
+            )
         self._claim_room(req.bootstrap_room)
 
     def admit(self, req: Req) -> Admission:
@@ -78,11 +85,15 @@ class DecodeConnector(PDConnector):
         pages = req.pages[shared:].copy()
         # sliding-window models: the prompt's last window only (-1 elsewhere), aligned with pages
         swa = None if req.swa_pages.size == 0 else [req.swa_pages[shared:].copy()] * self.receiver.tp_size
-        self.receiver.add_room(req.bootstrap_room, req.bootstrap_host, req.bootstrap_port,
-                               [pages] * self.receiver.tp_size,
-                               shared * self.cfg.cache.page_size,  # ValueError: nothing was asked for
-                               state_slot=req.state_slot,  # hybrid models: the prefill fills it too
-                               swa_pages=swa)
+        self.receiver.add_room(
+            req.bootstrap_room,
+            req.bootstrap_host,
+            req.bootstrap_port,
+            [pages] * self.receiver.tp_size,
+            shared * self.cfg.cache.page_size,  # ValueError: nothing was asked for
+            state_slot=req.state_slot,  # hybrid models: the prefill fills it too
+            swa_pages=swa,
+        )
         self._transfers[req.bootstrap_room] = req
         self._asked.add(req.bootstrap_room)
 
@@ -95,11 +106,20 @@ class DecodeConnector(PDConnector):
             return True
         asked = room in self._asked
         self._asked.discard(room)  # type: ignore[arg-type]
-        if room is not None and not asked and reason is FinishReason.ABORT and req.bootstrap_host \
-                and self.receiver is not None:
+        if (
+            room is not None
+            and not asked
+            and reason is FinishReason.ABORT
+            and req.bootstrap_host
+            and self.receiver is not None
+        ):
             # it never got pages here: the prefill may hold its KV, waiting for a request
-            self.receiver.abort_unrequested(room, req.bootstrap_host, req.bootstrap_port,
-                                            f"aborted on the decode before its KV was requested: {detail}")
+            self.receiver.abort_unrequested(
+                room,
+                req.bootstrap_host,
+                req.bootstrap_port,
+                f"aborted on the decode before its KV was requested: {detail}",
+            )
         self._release_room(room)
         return False
 
@@ -139,16 +159,22 @@ class DecodeConnector(PDConnector):
         if self.receiver is None:
             return {}
         st = self.receiver.stats
-        return {"disaggregation": {
-            "mode": "decode", "control_address": self.receiver.control_address,
-            "data_address": self.ranks[0].data_address if self.ranks else None,
-            "active_rooms": len(self._transfers), "transfer_rooms": self.receiver.num_rooms(),
-            "rooms_succeeded": st.rooms_succeeded,
-            "rooms_failed": st.rooms_failed, "rejected_messages": st.rejected_messages,
-            "authenticated": self.cfg.disaggregation.auth_token is not None,
-            "auth_rejected": {"control": st.auth_rejected + self._staging_auth_rejected()},
-            "bootstrap_fetches": st.bootstrap_fetches, **self._staging_stats(),
-        }}
+        return {
+            "disaggregation": {
+                "mode": "decode",
+                "control_address": self.receiver.control_address,
+                "data_address": self.ranks[0].data_address if self.ranks else None,
+                "active_rooms": len(self._transfers),
+                "transfer_rooms": self.receiver.num_rooms(),
+                "rooms_succeeded": st.rooms_succeeded,
+                "rooms_failed": st.rooms_failed,
+                "rejected_messages": st.rejected_messages,
+                "authenticated": self.cfg.disaggregation.auth_token is not None,
+                "auth_rejected": {"control": st.auth_rejected + self._staging_auth_rejected()},
+                "bootstrap_fetches": st.bootstrap_fetches,
+                **self._staging_stats(),
+            }
+        }
 
     def _staging_auth_rejected(self) -> int:
         agent = self.local_worker.staging_agent if self.local_worker is not None else None
@@ -160,8 +186,10 @@ class DecodeConnector(PDConnector):
         if agent is None:
             return {"staging": "off"}
         live, used, waiting = agent.usage()
-        return {"staging": self.cfg.disaggregation.staging, "staging_ring": {
-            **vars(agent.stats), "live_slots": live, "used_bytes": used, "waiting": waiting}}
+        return {
+            "staging": self.cfg.disaggregation.staging,
+            "staging_ring": {**vars(agent.stats), "live_slots": live, "used_bytes": used, "waiting": waiting},
+        }
 
     def shutdown(self) -> None:
         if self.receiver is not None:

@@ -37,14 +37,15 @@ class LayerGroupPolicy:
     ema: float = 0.3  # weight of a new measurement in the running estimates
 
     @classmethod
-    def parse(cls, value: str | int) -> "LayerGroupPolicy":
+    def parse(cls, value: str | int) -> LayerGroupPolicy:
         """`auto` or a positive group count (the --disaggregation-layer-groups flag)."""
         n = parse_layer_groups(value)
         return cls() if n == "auto" else cls(fixed_groups=int(n))
 
 
-def predicted_ttft_ms(compute_ms: float, transfer_ms: float, groups: int, overhead_ms: float,
-                      num_layers: int | None = None) -> float:
+def predicted_ttft_ms(
+    compute_ms: float, transfer_ms: float, groups: int, overhead_ms: float, num_layers: int | None = None
+) -> float:
     """Prefill compute plus the transfer left after it, for `groups` layer groups.
 
     Without `num_layers` the groups are equal (the closed form above). With it, the groups are

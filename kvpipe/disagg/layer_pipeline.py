@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -32,9 +33,16 @@ MIN_LINK_SAMPLE_BYTES = 256 * 1024
 
 
 class LayerPipeline:
-    def __init__(self, policy: LayerGroupPolicy, num_layers: int, token_nbytes: int,
-                 device: torch.device | str = "cpu", clock: Callable[[], float] = time.perf_counter,
-                 observers: Sequence[TransferObserver] = (), state_nbytes: int = 0) -> None:
+    def __init__(
+        self,
+        policy: LayerGroupPolicy,
+        num_layers: int,
+        token_nbytes: int,
+        device: torch.device | str = "cpu",
+        clock: Callable[[], float] = time.perf_counter,
+        observers: Sequence[TransferObserver] = (),
+        state_nbytes: int = 0,
+    ) -> None:
         """`observers` hear every batch's choice and every landed room, besides `counters`.
         `state_nbytes`: a hybrid model's recurrent state of one request (this rank), 0 otherwise."""
         self.policy = policy
@@ -58,8 +66,9 @@ class LayerPipeline:
     def last(self) -> GroupChoice:
         return self.planner.last
 
-    def begin(self, tokens: int, send_tokens: int, send_states: int = 0,
-              send_kv_bytes: int | None = None) -> GroupChoice:
+    def begin(
+        self, tokens: int, send_tokens: int, send_states: int = 0, send_kv_bytes: int | None = None
+    ) -> GroupChoice:
         """Choose the groups of a prefill batch of `tokens` new tokens, `send_tokens` of which
         go to a decode, with the final state of `send_states` requests (hybrid models: their
         last forward); starts its compute timer. `send_kv_bytes`: the KV bytes of those tokens
@@ -99,10 +108,19 @@ class LayerPipeline:
         c = self.planner.last
         # per batch: DEBUG (--log-level debug); the choices are counted in stats() and /metrics
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("prefill batch of %d tokens (%d to send): %d layer group%s (%s; estimated C %s ms, "
-                       "T %s ms, TTFT %s ms); forward took %s ms", self._tokens, self._send_tokens, c.groups,
-                       "s" if c.groups > 1 else "", c.reason, _ms(c.compute_ms), _ms(c.transfer_ms),
-                       _ms(c.predicted_ms), _ms(forward_ms))
+            logger.debug(
+                "prefill batch of %d tokens (%d to send): %d layer group%s (%s; estimated C %s ms, "
+                "T %s ms, TTFT %s ms); forward took %s ms",
+                self._tokens,
+                self._send_tokens,
+                c.groups,
+                "s" if c.groups > 1 else "",
+                c.reason,
+                _ms(c.compute_ms),
+                _ms(c.transfer_ms),
+                _ms(c.predicted_ms),
+                _ms(forward_ms),
+            )
 
     def _poll_cuda(self) -> None:
         while self._cuda_pending and self._cuda_pending[0][2].query():
@@ -124,23 +142,38 @@ class LayerPipeline:
         the request saw exposed on the prefill side (`transfer_tail_ms`)."""
         if timing is None:
             return
-        span = (timing.last_done_at - timing.first_submit_at
-                if timing.first_submit_at is not None and timing.last_done_at is not None else 0.0)
-        tail = (timing.last_done_at - forward_done_at
-                if forward_done_at is not None and timing.last_done_at is not None else None)
+        span = (
+            timing.last_done_at - timing.first_submit_at
+            if timing.first_submit_at is not None and timing.last_done_at is not None
+            else 0.0
+        )
+        tail = (
+            timing.last_done_at - forward_done_at
+            if forward_done_at is not None and timing.last_done_at is not None
+            else None
+        )
         for obs in self.observers:
             obs.on_room_landed(timing, None if tail is None else tail * 1e3)
-        logger.debug("room %d: %d bytes written, link busy %.0f ms, first write to last done %.0f ms, "
-                   "last done %s ms after the forward", timing.room, timing.nbytes, timing.busy_s * 1e3,
-                   span * 1e3, _ms(None if tail is None else tail * 1e3))
+        logger.debug(
+            "room %d: %d bytes written, link busy %.0f ms, first write to last done %.0f ms, "
+            "last done %s ms after the forward",
+            timing.room,
+            timing.nbytes,
+            timing.busy_s * 1e3,
+            span * 1e3,
+            _ms(None if tail is None else tail * 1e3),
+        )
 
     def stats(self) -> dict[str, Any]:
         last = self.planner.last
         rate = self.planner.link.bytes_per_ms
         return {
             "policy": "auto" if self.policy.fixed_groups is None else self.policy.fixed_groups,
-            "num_groups": last.groups, "reason": last.reason,
-            "predicted_ms": last.predicted_ms, "compute_ms": last.compute_ms, "transfer_ms": last.transfer_ms,
+            "num_groups": last.groups,
+            "reason": last.reason,
+            "predicted_ms": last.predicted_ms,
+            "compute_ms": last.compute_ms,
+            "transfer_ms": last.transfer_ms,
             "batches_by_groups": {str(k): v for k, v in sorted(self.counters.batches_by_groups.items())},
             "reasons": dict(self.counters.reasons),
             "link_goodput_gbps": None if rate is None else rate * 8e3 / 1e9,

@@ -46,6 +46,10 @@ class TransferCounters:
 
     def snapshot(self) -> dict[str, Any]:
         """The keys /server_info carries (bench/probe.py reads num_groups and the tail sums)."""
-        return {"num_groups": self.last.groups, "layer_groups_reason": self.last.reason,
-                "layer_group_batches": dict(self.batches_by_groups),
-                "transfer_tail_ms_sum": self.tail_ms_sum, "transfer_tail_count": self.tail_count}
+        return {
+            "num_groups": self.last.groups,
+            "layer_groups_reason": self.last.reason,
+            "layer_group_batches": dict(self.batches_by_groups),
+            "transfer_tail_ms_sum": self.tail_ms_sum,
+            "transfer_tail_count": self.tail_count,
+        }

@@ -28,15 +28,29 @@ import numpy as np
 
 from kvpipe.config import ServerConfig
 from kvpipe.disagg.base import PDConnector
-from kvpipe.disagg.commands import (AbortRooms, ChunkSend, FailRooms, PrefillStep, RankReport, RoomStart, SendChunks,
-                                    StartPrefill)
+from kvpipe.disagg.commands import (
+    AbortRooms,
+    ChunkSend,
+    FailRooms,
+    PrefillStep,
+    RankReport,
+    RoomStart,
+    SendChunks,
+    StartPrefill,
+)
 from kvpipe.disagg.layer_groups import LayerGroupPolicy
 from kvpipe.disagg.layer_pipeline import LayerPipeline
 from kvpipe.disagg.setup import TRANSFER_POLL_S, bootstrap_host, warn_if_unauthenticated
 from kvpipe.disagg.tally import RoomTally
 from kvpipe.engine.batch import ScheduledBatch
-from kvpipe.engine.connector import (Admission, ConnectorContext, ConnectorEvent, ForwardPlan, TransferFinished,
-                                     WorkerGroup)
+from kvpipe.engine.connector import (
+    Admission,
+    ConnectorContext,
+    ConnectorEvent,
+    ForwardPlan,
+    TransferFinished,
+    WorkerGroup,
+)
 from kvpipe.engine.request import FinishReason, Req
 from kvpipe.transfer.auth import authenticator
 from kvpipe.transfer.backends.base import TransferBackend
@@ -47,8 +61,16 @@ from kvpipe.transfer.state import TransferState
 
 logger = logging.getLogger(__name__)
 
-SUMMED_STATS = ("rejected_messages", "batches_submitted", "batches_failed", "ops_submitted", "bytes_written",
-                "staged_chunks", "staged_bytes", "auth_rejected")
+SUMMED_STATS = (
+    "rejected_messages",
+    "batches_submitted",
+    "batches_failed",
+    "ops_submitted",
+    "bytes_written",
+    "staged_chunks",
+    "staged_bytes",
+    "auth_rejected",
+)
 
 
 def _swa(req: Req) -> np.ndarray | None:
@@ -109,12 +131,20 @@ class PrefillConnector(PDConnector):
         self._start_ranks(ctx.workers, start)
         layout = self.ranks[0].layout
         state = self.ranks[0].state
-        self.pipeline = LayerPipeline(LayerGroupPolicy.parse(d.layer_groups), ctx.model_config.num_layers,
-                                      layout.token_nbytes, state_nbytes=0 if state is None else state.slot_nbytes)
+        self.pipeline = LayerPipeline(
+            LayerGroupPolicy.parse(d.layer_groups),
+            ctx.model_config.num_layers,
+            layout.token_nbytes,
+            state_nbytes=0 if state is None else state.slot_nbytes,
+        )
         # sliding-window layers send only the prompt's last window: the planner's T counts that
         self.kv_wire = KVWireBytes.from_layout(layout, ctx.model_config.sliding_window)
-        logger.info("prefill ready: bootstrap port %d, control %s, data %s", self.bootstrap.port,
-                    self.ranks[0].control_address, self.ranks[0].data_address)
+        logger.info(
+            "prefill ready: bootstrap port %d, control %s, data %s",
+            self.bootstrap.port,
+            self.ranks[0].control_address,
+            self.ranks[0].data_address,
+        )
 
     @property
     def bootstrap_port(self) -> int:
@@ -125,8 +155,10 @@ class PrefillConnector(PDConnector):
     def claim(self, req: Req) -> None:
         room = req.bootstrap_room
         if room is None:
-            raise ValueError("a prefill server needs bootstrap_room (and bootstrap_host/port) with every "
-                             "request; send requests through sglang-router --pd-disaggregation")
+            raise ValueError(
+                "a prefill server needs bootstrap_room (and bootstrap_host/port) with every "
+                "request; send requests through sglang-router --pd-disaggregation"
+            )
         self._claim_room(room)
         req.params = replace(req.params, max_new_tokens=1)  # the decode server generates the rest
 
@@ -152,8 +184,9 @@ class PrefillConnector(PDConnector):
             # after the group, so it can go with the group's KV
             rows.append(ChunkSend(r.room, pre, pre + n, state=pre + n >= len(req.input_ids), swa_pages=_swa(req)))
             kv_bytes += self.kv_wire.span_nbytes(pre, pre + n, len(req.input_ids))
-        choice = self.pipeline.begin(batch.num_tokens, sum(c.token_end - c.token_start for c in rows),
-                                     sum(c.state for c in rows), kv_bytes)
+        choice = self.pipeline.begin(
+            batch.num_tokens, sum(c.token_end - c.token_start for c in rows), sum(c.state for c in rows), kv_bytes
+        )
         self._piped = tuple(rows) if choice.groups > 1 else ()
         return ForwardPlan(choice.groups, PrefillStep(tuple(starts), self._piped))
 
@@ -177,8 +210,16 @@ class PrefillConnector(PDConnector):
                 continue
             start, end = batch.prefix_lens[i], batch.prefix_lens[i] + batch.extend_lens[i]
             if batch.completes_prefill(i):
-                sends.append(ChunkSend(r.room, start, end, last=True, swa_pages=_swa(req),
-                                       aux=(req.output_ids[0], req.output_logprobs[0], req.cached_tokens)))
+                sends.append(
+                    ChunkSend(
+                        r.room,
+                        start,
+                        end,
+                        last=True,
+                        swa_pages=_swa(req),
+                        aux=(req.output_ids[0], req.output_logprobs[0], req.cached_tokens),
+                    )
+                )
             elif r.room not in piped:
                 sends.append(ChunkSend(r.room, start, end, swa_pages=_swa(req)))
         self._piped = ()
@@ -307,17 +348,28 @@ class PrefillConnector(PDConnector):
         pipe = self.pipeline
         return {
             "disaggregation": {
-                "mode": "prefill", "bootstrap_port": self.bootstrap_port,
-                "control_address": self.ranks[0].control_address, "data_address": self.ranks[0].data_address,
-                "active_rooms": len(self._rooms), "transfer_rooms": self._transfer_rooms(),
+                "mode": "prefill",
+                "bootstrap_port": self.bootstrap_port,
+                "control_address": self.ranks[0].control_address,
+                "data_address": self.ranks[0].data_address,
+                "active_rooms": len(self._rooms),
+                "transfer_rooms": self._transfer_rooms(),
                 "rooms_succeeded": st.rooms_succeeded,
-                "rooms_failed": st.rooms_failed, "bytes_written": st.bytes_written,
-                "ops_submitted": st.ops_submitted, "rejected_messages": st.rejected_messages,
+                "rooms_failed": st.rooms_failed,
+                "bytes_written": st.bytes_written,
+                "ops_submitted": st.ops_submitted,
+                "rejected_messages": st.rejected_messages,
                 "authenticated": self.cfg.disaggregation.auth_token is not None,
-                "auth_rejected": {"control": st.auth_rejected,
-                                  "bootstrap": self.bootstrap.auth_rejected if self.bootstrap else 0},
-                "staging": self.cfg.disaggregation.staging, "staged_chunks": st.staged_chunks,
-                "staged_bytes": st.staged_bytes, "link_busy_s": st.busy_s, "link_busy_bytes": st.busy_bytes, "layer_groups": pipe.stats(),
+                "auth_rejected": {
+                    "control": st.auth_rejected,
+                    "bootstrap": self.bootstrap.auth_rejected if self.bootstrap else 0,
+                },
+                "staging": self.cfg.disaggregation.staging,
+                "staged_chunks": st.staged_chunks,
+                "staged_bytes": st.staged_bytes,
+                "link_busy_s": st.busy_s,
+                "link_busy_bytes": st.busy_bytes,
+                "layer_groups": pipe.stats(),
             },
             # the observer's counters: the last batch's choice (bench probes read `num_groups`), the
             # transfer left after the forward summed over rooms (bench probes take deltas)

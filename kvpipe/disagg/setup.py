@@ -34,8 +34,10 @@ def data_host(cfg: ServerConfig) -> str:
             host = socket.gethostbyname(socket.gethostname())
         except OSError:
             host = "127.0.0.1"
-        logger.warning("--host is a wildcard: using %s for the KV data plane (set --disaggregation-host "
-                       "to choose the interface)", host)
+        logger.warning(
+            "--host is a wildcard: using %s for the KV data plane (set --disaggregation-host to choose the interface)",
+            host,
+        )
     return host
 
 
@@ -48,9 +50,13 @@ def bootstrap_host(cfg: ServerConfig) -> str:
 
 def warn_if_unauthenticated(cfg: ServerConfig) -> None:
     if cfg.disaggregation.auth_token is None:
-        logger.warning("PD without --disaggregation-auth-token (or $%s): bootstrap and control plane are "
-                       "unauthenticated and listen on the data-plane address %s only; set the same token on "
-                       "every prefill and decode server of the deployment", TOKEN_ENV, data_host(cfg))
+        logger.warning(
+            "PD without --disaggregation-auth-token (or $%s): bootstrap and control plane are "
+            "unauthenticated and listen on the data-plane address %s only; set the same token on "
+            "every prefill and decode server of the deployment",
+            TOKEN_ENV,
+            data_host(cfg),
+        )
 
 
 def make_backend(cfg: ServerConfig) -> TransferBackend:
@@ -59,8 +65,9 @@ def make_backend(cfg: ServerConfig) -> TransferBackend:
     inject = FailureInjection(d.failure_prob, d.failure_seed) if d.failure_prob > 0 else None
     if d.transfer_backend == "mooncake":
         device = d.ib_device or ""
-        return create_backend("mooncake", hostname=data_host(cfg), protocol="rdma" if device else "tcp",
-                              device=device, inject=inject)
+        return create_backend(
+            "mooncake", hostname=data_host(cfg), protocol="rdma" if device else "tcp", device=device, inject=inject
+        )
     return create_backend("local", inject=inject)
 
 

@@ -96,7 +96,8 @@ class RoomTally:
         out = []
         for room in self._finished:
             v = self._rooms.pop(room)
-            out.append((room, TransferState.FAILED, v.failure) if v.failure is not None
-                       else (room, TransferState.SUCCESS, ""))
+            out.append(
+                (room, TransferState.FAILED, v.failure) if v.failure is not None else (room, TransferState.SUCCESS, "")
+            )
         self._finished.clear()
         return out

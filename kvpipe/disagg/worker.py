@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,15 +27,24 @@ import torch
 from kvpipe.cache.kv_pool import KVPool
 from kvpipe.cache.state_pool import StatePool
 from kvpipe.config import ServerConfig
-from kvpipe.disagg.commands import (AbortRooms, ChunkSend, FailRooms, PrefillStep, RankReport, RankStarted,
-                                    SendChunks, StartDecode, StartPrefill)
+from kvpipe.disagg.commands import (
+    AbortRooms,
+    ChunkSend,
+    FailRooms,
+    PrefillStep,
+    RankReport,
+    RankStarted,
+    SendChunks,
+    StartDecode,
+    StartPrefill,
+)
 from kvpipe.disagg.setup import data_host, make_backend, rank_layout, rank_state_layout, register_pool
 from kvpipe.engine.connector import KVConnectorWorker
 from kvpipe.transfer.auth import authenticator
 from kvpipe.transfer.backends.base import TransferBackend
 from kvpipe.transfer.sender import KVSender
-from kvpipe.transfer.staging import KVBytes, StagingAgent, StagingBuffer
 from kvpipe.transfer.sender_book import SenderStats
+from kvpipe.transfer.staging import KVBytes, StagingAgent, StagingBuffer
 from kvpipe.transfer.state import DuplicateRoomError, TransferState
 
 logger = logging.getLogger(__name__)
@@ -44,8 +54,15 @@ STATS_EVERY_S = 0.5  # ... and pushes changed counters at most this often withou
 
 
 class TransferWorker(KVConnectorWorker):
-    def __init__(self, cfg: ServerConfig, rank: int, pool: KVPool, total_kv_heads: int,
-                 backend: TransferBackend | None = None, state_pool: StatePool | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ServerConfig,
+        rank: int,
+        pool: KVPool,
+        total_kv_heads: int,
+        backend: TransferBackend | None = None,
+        state_pool: StatePool | None = None,
+    ) -> None:
         """`state_pool`: a hybrid model's recurrent state, which moves with the KV."""
         self.cfg, self.rank = cfg, rank
         self.layout = rank_layout(cfg, rank, pool, total_kv_heads)
@@ -92,30 +109,58 @@ class TransferWorker(KVConnectorWorker):
         control = None
         staging = d.staging != "off"
         if staging and self.layout.latent:
-            logger.info("TP rank %d: --disaggregation-staging-buffer %s ignored: the MLA latent is replicated on "
-                     "every rank and never head-sliced, so whole-page writes already coalesce", self.rank, d.staging)
+            logger.info(
+                "TP rank %d: --disaggregation-staging-buffer %s ignored: the MLA latent is replicated on "
+                "every rank and never head-sliced, so whole-page writes already coalesce",
+                self.rank,
+                d.staging,
+            )
             staging = False
         if staging and self.layout.swa_layers:
-            logger.info("TP rank %d: --disaggregation-staging-buffer %s ignored: sliding-window layers move only "
-                        "the window's pages (their own page table), which a staged chunk cannot carry",
-                        self.rank, d.staging)
+            logger.info(
+                "TP rank %d: --disaggregation-staging-buffer %s ignored: sliding-window layers move only "
+                "the window's pages (their own page table), which a staged chunk cannot carry",
+                self.rank,
+                d.staging,
+            )
             staging = False
         if isinstance(cmd, StartPrefill):
             buf = StagingBuffer(KVBytes.from_pool(self._pool), self.backend, d.staging_pool_nbytes) if staging else None
-            self.sender = KVSender(d, layout=self.layout, backend=self.backend,
-                                   tp_rank=self.rank, tp_size=self.cfg.tp_size, model_name=self.cfg.model_name,
-                                   instance_id=cmd.instance_id, host=data_host(self.cfg), staging=buf,
-                                   state_layout=self.state_layout, on_news=self.on_news)
+            self.sender = KVSender(
+                d,
+                layout=self.layout,
+                backend=self.backend,
+                tp_rank=self.rank,
+                tp_size=self.cfg.tp_size,
+                model_name=self.cfg.model_name,
+                instance_id=cmd.instance_id,
+                host=data_host(self.cfg),
+                staging=buf,
+                state_layout=self.state_layout,
+                on_news=self.on_news,
+            )
             self.sender.start(bootstrap=cmd.bootstrap)
             control = self.sender.control_address
         elif staging:  # decode: a staging ring on this rank, scattered by this process
             self.staging_agent = StagingAgent(
-                self.layout, KVBytes.from_pool(self._pool), self.backend, d.staging_pool_nbytes,
-                host=data_host(self.cfg), session_id=f"{self.backend.address}/{self.rank}",
-                lease_s=2 * d.transfer_timeout_s, send_hwm=d.control_send_hwm,
-                auth=authenticator(d.auth_token)).start()
-        return RankStarted(self.rank, self.layout, self.backend.address, control,
-                           None if self.staging_agent is None else self.staging_agent.info, self.state_layout)
+                self.layout,
+                KVBytes.from_pool(self._pool),
+                self.backend,
+                d.staging_pool_nbytes,
+                host=data_host(self.cfg),
+                session_id=f"{self.backend.address}/{self.rank}",
+                lease_s=2 * d.transfer_timeout_s,
+                send_hwm=d.control_send_hwm,
+                auth=authenticator(d.auth_token),
+            ).start()
+        return RankStarted(
+            self.rank,
+            self.layout,
+            self.backend.address,
+            control,
+            None if self.staging_agent is None else self.staging_agent.info,
+            self.state_layout,
+        )
 
     def _prefill_sender(self) -> KVSender:
         if self.sender is None:
@@ -136,12 +181,23 @@ class TransferWorker(KVConnectorWorker):
             return
         s.abort(room, reason)
 
-    def _send(self, c: ChunkSend, layer_start: int = 0, layer_end: int | None = None,
-              ready: Callable[[], bool] | None = None) -> None:
+    def _send(
+        self, c: ChunkSend, layer_start: int = 0, layer_end: int | None = None, ready: Callable[[], bool] | None = None
+    ) -> None:
         s = self._prefill_sender()
         try:
-            s.send(c.room, c.token_start, c.token_end, layer_start, layer_end, last=c.last, aux=c.aux, ready=ready,
-                   state=c.state, src_swa_pages=c.swa_pages)
+            s.send(
+                c.room,
+                c.token_start,
+                c.token_end,
+                layer_start,
+                layer_end,
+                last=c.last,
+                aux=c.aux,
+                ready=ready,
+                state=c.state,
+                src_swa_pages=c.swa_pages,
+            )
         except KeyError:
             pass  # the room never entered this sender: its refusal is reported already
         except ValueError as e:  # a planning error fails this room, not the batch
@@ -157,8 +213,7 @@ class TransferWorker(KVConnectorWorker):
             try:
                 s.add_room(start.room, start.pages, start.state_slot, start.swa_pages)
             except ValueError as e:  # nothing of this room is in our sender: report it failed
-                self._failed.append((start.room, TransferState.FAILED, f"add_room refused on TP rank "
-                                                                       f"{self.rank}: {e}"))
+                self._failed.append((start.room, TransferState.FAILED, f"add_room refused on TP rank {self.rank}: {e}"))
 
     def after_layers(self, meta: Any, start: int, end: int) -> None:
         """Layers [start, end) hold their KV: ship them while the next group computes (full
@@ -205,8 +260,9 @@ class TransferWorker(KVConnectorWorker):
             self.backend.close()
 
 
-def make_worker(cfg: ServerConfig, rank: int, pool: KVPool, total_kv_heads: int,
-                state_pool: StatePool | None = None) -> TransferWorker:
+def make_worker(
+    cfg: ServerConfig, rank: int, pool: KVPool, total_kv_heads: int, state_pool: StatePool | None = None
+) -> TransferWorker:
     """The WorkerFactory TP children import (kvpipe.engine.connector)."""
     return TransferWorker(cfg, rank, pool, total_kv_heads, state_pool=state_pool)
 

@@ -56,17 +56,24 @@ class ScheduledBatch:
         """Row i reaches the end of its prompt (or is a decode row): its last token is sampled."""
         return self.prefix_lens[i] + self.extend_lens[i] >= len(self.reqs[i].input_ids)
 
-    def spec(self, page_size: int, layer_groups: tuple[tuple[int, int], ...] | None = None,
-             connector_meta: Any = None) -> ForwardSpec:
+    def spec(
+        self, page_size: int, layer_groups: tuple[tuple[int, int], ...] | None = None, connector_meta: Any = None
+    ) -> ForwardSpec:
         toks, tables, swa = [], [], []
         for req, pre, n in zip(self.reqs, self.prefix_lens, self.extend_lens):
-            ids = req.input_ids[pre:pre + n] if pre + n <= len(req.input_ids) else req.all_ids[pre:pre + n]
+            ids = req.input_ids[pre : pre + n] if pre + n <= len(req.input_ids) else req.all_ids[pre : pre + n]
             toks.append(list(ids))
             used = -(-(pre + n) // page_size)
             tables.append(np.ascontiguousarray(req.pages[:used], dtype=np.int64))
             swa.append(np.ascontiguousarray(req.swa_pages[:used], dtype=np.int64))
         slots = [r.state_slot for r in self.reqs]
-        return ForwardSpec(tuple(toks), tuple(self.prefix_lens), tuple(tables),
-                           tuple(self.completes_prefill(i) for i in range(len(self.reqs))), layer_groups,
-                           connector_meta, None if None in slots else tuple(int(s) for s in slots),
-                           tuple(swa) if any(t.size for t in swa) else None)
+        return ForwardSpec(
+            tuple(toks),
+            tuple(self.prefix_lens),
+            tuple(tables),
+            tuple(self.completes_prefill(i) for i in range(len(self.reqs))),
+            layer_groups,
+            connector_meta,
+            None if None in slots else tuple(int(s) for s in slots),
+            tuple(swa) if any(t.size for t in swa) else None,
+        )

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvpipe.engine.batch import ScheduledBatch
 from kvpipe.engine.request import FinishReason, Req
@@ -88,8 +89,8 @@ class WorkerGroup(Protocol):
 class ConnectorContext:
     """What the engine hands its connector at start."""
 
-    cfg: "ServerConfig"
-    model_config: "ModelConfig"
+    cfg: ServerConfig
+    model_config: ModelConfig
     workers: WorkerGroup
     # any thread: news for poll() arrived, run the engine's next step now instead of after its
     # poll interval (a first token from the prefill should not wait for a timer)
@@ -139,8 +140,9 @@ class KVConnector(ABC):
     prefix_cache: bool = False
 
     @abstractmethod
-    def make_worker(self, pool: "KVPool", total_kv_heads: int,
-                    state_pool: "StatePool | None" = None) -> KVConnectorWorker:
+    def make_worker(
+        self, pool: KVPool, total_kv_heads: int, state_pool: StatePool | None = None
+    ) -> KVConnectorWorker:
         """Rank 0's worker (the engine calls this once, before `start`); `state_pool`: the
         recurrent state of a hybrid model's requests, which moves with their KV."""
 

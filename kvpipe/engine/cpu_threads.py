@@ -12,9 +12,10 @@ without it the cores it may run on (its CPU affinity) split among its TP ranks.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Sequence
+from typing import Any
 
 from kvpipe.config import ServerConfig
 
@@ -45,12 +46,20 @@ class CpuThreads:
 
     def describe(self) -> str:
         why = "--cpu-threads" if self.source is ThreadSource.FLAG else f"{len(self.cores)} cores of the CPU affinity"
-        return (f"cpu threads: {self.per_rank} intra-op per TP rank x {self.tp_size} rank(s) from {why}, "
-                f"{self.interop} inter-op; affinity {format_cores(self.cores)}")
+        return (
+            f"cpu threads: {self.per_rank} intra-op per TP rank x {self.tp_size} rank(s) from {why}, "
+            f"{self.interop} inter-op; affinity {format_cores(self.cores)}"
+        )
 
     def as_dict(self) -> dict[str, Any]:
-        return {"per_rank": self.per_rank, "tp_size": self.tp_size, "total": self.total,
-                "interop": self.interop, "source": self.source.value, "affinity": list(self.cores)}
+        return {
+            "per_rank": self.per_rank,
+            "tp_size": self.tp_size,
+            "total": self.total,
+            "interop": self.interop,
+            "source": self.source.value,
+            "affinity": list(self.cores),
+        }
 
 
 def plan_cpu_threads(cpu_threads: int | None, tp_size: int, cores: Sequence[int]) -> CpuThreads:

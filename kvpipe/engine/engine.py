@@ -23,8 +23,15 @@ from kvpipe.cache.radix_cache import RadixCache
 from kvpipe.cache.state_slots import StateSlotAllocator
 from kvpipe.config import ModelConfig, ParallelConfig, ServerConfig
 from kvpipe.engine.batch import ForwardMode, ForwardSpec, ScheduledBatch
-from kvpipe.engine.connector import (Admission, ConnectorContext, ForwardPlan, KVArrived, KVConnector,
-                                     KVConnectorWorker, TransferFinished)
+from kvpipe.engine.connector import (
+    Admission,
+    ConnectorContext,
+    ForwardPlan,
+    KVArrived,
+    KVConnector,
+    KVConnectorWorker,
+    TransferFinished,
+)
 from kvpipe.engine.finish import FinishChecker
 from kvpipe.engine.model_runner import ModelRunner, split_layers, state_slots
 from kvpipe.engine.request import ABORTED_ON_REQUEST, FinishReason, Req, SamplingParams, TokenOutput, finish_reason_json
@@ -56,10 +63,12 @@ class Engine:
         plans them (a colocated engine computes the same either way)."""
         self.cfg = cfg
         self.model_config = ModelConfig.from_dir(cfg.model_path)
-        self.tokenizer = Tokenizer.from_dir(cfg.tokenizer_path or cfg.model_path,
-                                            extra_eos_ids=load_generation_eos(cfg.model_path))
-        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(
-            self.tokenizer.eos_token_ids + self.model_config.eos_token_ids))
+        self.tokenizer = Tokenizer.from_dir(
+            cfg.tokenizer_path or cfg.model_path, extra_eos_ids=load_generation_eos(cfg.model_path)
+        )
+        self.eos_token_ids: tuple[int, ...] = tuple(
+            dict.fromkeys(self.tokenizer.eos_token_ids + self.model_config.eos_token_ids)
+        )
         self.context_length: int = cfg.scheduler.context_length or self.model_config.max_position_embeddings
         self.page_size = cfg.cache.page_size
         self.connector = connector
@@ -78,21 +87,33 @@ class Engine:
         use_cache = cfg.cache.radix_cache and (connector is None or connector.prefix_cache)
         hybrid = self.model_config.hybrid is not None
         if use_cache and hybrid:
-            logger.info("prefix caching (radix cache) is disabled for the hybrid model %s: it would need "
-                        "snapshots of the recurrent state at page boundaries, which are not implemented",
-                        cfg.model_path)
+            logger.info(
+                "prefix caching (radix cache) is disabled for the hybrid model %s: it would need "
+                "snapshots of the recurrent state at page boundaries, which are not implemented",
+                cfg.model_path,
+            )
             use_cache = False
         # sliding layers keep only their window's pages (scheduler.py): a cached prefix would lack them
         window = self.model_config.sliding_window if self.model_config.sliding_layers else None
         if use_cache and window is not None:
-            logger.info("prefix caching (radix cache) is disabled for %s: its sliding-window layers free the "
-                        "pages their window slid past, so a cached prefix would lack them", cfg.model_path)
+            logger.info(
+                "prefix caching (radix cache) is disabled for %s: its sliding-window layers free the "
+                "pages their window slid past, so a cached prefix would lack them",
+                cfg.model_path,
+            )
             use_cache = False
         self.prefix_cache = RadixCache(self.page_size) if use_cache else None
         self.state_slots = StateSlotAllocator(state_slots(cfg.cache, cfg.scheduler)) if hybrid else None
-        self.scheduler = Scheduler(cfg.scheduler, self.allocator, self.page_size, self.context_length,
-                                   whole_prompt_pages=connector is not None and connector.whole_prompt_pages,
-                                   prefix_cache=self.prefix_cache, state_slots=self.state_slots, window=window)
+        self.scheduler = Scheduler(
+            cfg.scheduler,
+            self.allocator,
+            self.page_size,
+            self.context_length,
+            whole_prompt_pages=connector is not None and connector.whole_prompt_pages,
+            prefix_cache=self.prefix_cache,
+            state_slots=self.state_slots,
+            window=window,
+        )
         self.sampler = Sampler(cfg.seed, device)
         self.finisher = FinishChecker(self.tokenizer, self.eos_token_ids, self.context_length)
         self._device = device
@@ -106,10 +127,12 @@ class Engine:
         self._closed = False
         if connector is not None:
             try:
-                self._worker = connector.make_worker(self.runner.pool, self.model_config.kv_cache_heads,
-                                                     self.runner.state_pool)
-                connector.start(ConnectorContext(cfg, self.model_config, RankWorkers(self._worker, self._tp),
-                                                 self._wake))
+                self._worker = connector.make_worker(
+                    self.runner.pool, self.model_config.kv_cache_heads, self.runner.state_pool
+                )
+                connector.start(
+                    ConnectorContext(cfg, self.model_config, RankWorkers(self._worker, self._tp), self._wake)
+                )
             except BaseException:
                 self.shutdown()
                 raise
@@ -165,8 +188,7 @@ class Engine:
         with self._lock:
             s["num_waiting"] += len(self._inbox)
         s["num_waiting"] += len(self._remote)
-        s.update(context_length=self.context_length, tp_size=self.cfg.tp_size,
-                 kv_cache_bytes=self.runner.pool.nbytes)
+        s.update(context_length=self.context_length, tp_size=self.cfg.tp_size, kv_cache_bytes=self.runner.pool.nbytes)
         if self.connector is not None:
             s.update(self.connector.stats())
         return s
@@ -210,8 +232,15 @@ class Engine:
             num_new = 1 if req.params.max_new_tokens > 0 else 0
             fin = self.finisher.check(req, num_new)
             held = self._finish(req, *fin) if fin is not None else False
-            out = TokenOutput(req.rid, (tokens[i],) if num_new else (), (logprobs[i],) if num_new else (),
-                              req.finish_reason, req.finish_detail, len(req.input_ids), req.cached_tokens)
+            out = TokenOutput(
+                req.rid,
+                (tokens[i],) if num_new else (),
+                (logprobs[i],) if num_new else (),
+                req.finish_reason,
+                req.finish_detail,
+                len(req.input_ids),
+                req.cached_tokens,
+            )
             if held and req.finish_reason is not FinishReason.ABORT:
                 self._held[req.rid].deferred = out  # the client hears once the KV has landed
             else:
@@ -285,8 +314,11 @@ class Engine:
                 if req.finished:  # it can never fit: the scheduler finished it with a message
                     self._settle(req, self._connector_holds(req, FinishReason.ABORT, req.finish_detail))
                 else:
-                    self._finish(req, FinishReason.ABORT, f"no free KV pages within the waiting timeout "
-                                                          f"({self.cfg.disaggregation.waiting_timeout_s}s)")
+                    self._finish(
+                        req,
+                        FinishReason.ABORT,
+                        f"no free KV pages within the waiting timeout ({self.cfg.disaggregation.waiting_timeout_s}s)",
+                    )
                 outs.append(self._finish_output(req))
                 continue
             self._remote.popleft()
@@ -308,8 +340,11 @@ class Engine:
                 self.scheduler.release(ev.rid)
                 self._forget(ev.rid)
                 if not h.replied:
-                    outs.append(h.deferred if ev.ok and h.deferred is not None
-                                else self._abort_output(h.req, f"KV transfer failed: {ev.reason}"))
+                    outs.append(
+                        h.deferred
+                        if ev.ok and h.deferred is not None
+                        else self._abort_output(h.req, f"KV transfer failed: {ev.reason}")
+                    )
                 continue
             req = self.scheduler.get(ev.rid)
             if req is not None and not ev.ok:  # still computing or waiting for its KV: stop it
@@ -330,8 +365,17 @@ class Engine:
         fin = self.finisher.check(req, 1)
         if fin is not None:
             self._finish(req, *fin)
-        outs.append(TokenOutput(req.rid, (ev.first_token_id,), (ev.first_token_logprob,), req.finish_reason,
-                                req.finish_detail, len(req.input_ids), req.cached_tokens))
+        outs.append(
+            TokenOutput(
+                req.rid,
+                (ev.first_token_id,),
+                (ev.first_token_logprob,),
+                req.finish_reason,
+                req.finish_detail,
+                len(req.input_ids),
+                req.cached_tokens,
+            )
+        )
 
     def _connector_holds(self, req: Req, reason: FinishReason, detail: str | int | None) -> bool:
         return self.connector is not None and self.connector.on_finish(req, reason, detail)
@@ -361,8 +405,7 @@ class Engine:
         return TokenOutput(req.rid, (), (), FinishReason.ABORT, message, len(req.input_ids), req.cached_tokens)
 
     def _finish_output(self, req: Req) -> TokenOutput:
-        return TokenOutput(req.rid, (), (), req.finish_reason, req.finish_detail, len(req.input_ids),
-                           req.cached_tokens)
+        return TokenOutput(req.rid, (), (), req.finish_reason, req.finish_detail, len(req.input_ids), req.cached_tokens)
 
     def _generator(self, req: Req) -> torch.Generator | None:
         if req.params.seed is None:
@@ -385,9 +428,12 @@ class Engine:
             self._tp.shutdown()
 
     # ---- synchronous convenience -----------------------------------------------------------
-    def generate(self, prompts_or_ids: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 timeout_s: float = 600.0) -> list[dict]:
+    def generate(
+        self,
+        prompts_or_ids: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        timeout_s: float = 600.0,
+    ) -> list[dict]:
         """Run prompts (text or token ids, one or a list) to completion; SGLang-shaped results."""
         if isinstance(prompts_or_ids, str) or (prompts_or_ids and isinstance(prompts_or_ids[0], int)):
             prompts_or_ids = [prompts_or_ids]  # type: ignore[list-item]
@@ -418,7 +464,16 @@ class Engine:
             cut = text.find(req.finish_detail)
             text = text[:cut] if cut >= 0 else text
         reason = finish_reason_json(req.finish_reason, req.finish_detail, len(req.output_ids))
-        return {"text": text, "output_ids": list(req.output_ids),
-                "meta_info": {"id": req.rid, "finish_reason": reason, "prompt_tokens": len(req.input_ids),
-                              "completion_tokens": len(req.output_ids), "cached_tokens": req.cached_tokens,
-                              "output_token_logprobs": list(req.output_logprobs), "e2e_latency": latency}}
+        return {
+            "text": text,
+            "output_ids": list(req.output_ids),
+            "meta_info": {
+                "id": req.rid,
+                "finish_reason": reason,
+                "prompt_tokens": len(req.input_ids),
+                "completion_tokens": len(req.output_ids),
+                "cached_tokens": req.cached_tokens,
+                "output_token_logprobs": list(req.output_logprobs),
+                "e2e_latency": latency,
+            },
+        }

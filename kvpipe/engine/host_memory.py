@@ -45,8 +45,10 @@ def tune_malloc() -> MallocTuning:
     except (OSError, AttributeError):  # musl, macOS: no mallopt
         return MallocTuning(False, 0, 0, 0)
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    ok = all(mallopt(p, v) == 1 for p, v in ((M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX),
-                                             (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_TOP_PAD, TOP_PAD)))
+    ok = all(
+        mallopt(p, v) == 1
+        for p, v in ((M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_TOP_PAD, TOP_PAD))
+    )
     if not ok:
         log.warning("mallopt refused the malloc settings; model steps may page-fault more")
     return MallocTuning(ok, MMAP_THRESHOLD_MAX, TRIM_THRESHOLD, TOP_PAD)

@@ -21,8 +21,9 @@ from kvpipe.model.llama import LMBase
 GroupCallback = Callable[[int, int, ForwardBatch], None]
 
 
-def make_kv_pool(model: LMBase, num_pages: int, page_size: int,
-                 device: str | torch.device = "cpu", window_tables: bool = True) -> KVPool:
+def make_kv_pool(
+    model: LMBase, num_pages: int, page_size: int, device: str | torch.device = "cpu", window_tables: bool = True
+) -> KVPool:
     """The KV pool one rank of `model` needs: its KV heads only (one replicated head when tp_size >
     KV heads), or the MLA latent (one buffer per layer, whole on every rank); sliding-window
     layers share their tensors with full ones (kv_pool.py), and every forward must then carry
@@ -31,8 +32,17 @@ def make_kv_pool(model: LMBase, num_pages: int, page_size: int,
     dtype = next(model.parameters()).dtype
     # one buffer per layer that keeps KV: every layer, or a hybrid model's full-attention layers
     swa = tuple(i for i, layer in enumerate(cfg.kv_layers) if window_tables and cfg.window(layer) is not None)
-    return KVPool(len(cfg.kv_layers), num_pages, page_size, model.local_kv_heads, cfg.kv_cache_head_dim, dtype,
-                  device, latent=cfg.mla is not None, swa_layers=swa)
+    return KVPool(
+        len(cfg.kv_layers),
+        num_pages,
+        page_size,
+        model.local_kv_heads,
+        cfg.kv_cache_head_dim,
+        dtype,
+        device,
+        latent=cfg.mla is not None,
+        swa_layers=swa,
+    )
 
 
 def make_state_pool(model: LMBase, num_slots: int, device: str | torch.device = "cpu") -> StatePool | None:
@@ -58,8 +68,13 @@ def split_layers(num_layers: int, num_groups: int) -> tuple[tuple[int, int], ...
 
 
 class ModelRunner:
-    def __init__(self, model: LMBase, cache: CacheConfig, device: str | torch.device = "cpu",
-                 scheduler: SchedulerConfig = SchedulerConfig()) -> None:
+    def __init__(
+        self,
+        model: LMBase,
+        cache: CacheConfig,
+        device: str | torch.device = "cpu",
+        scheduler: SchedulerConfig = SchedulerConfig(),
+    ) -> None:
         self.model = model
         self.device = torch.device(device)
         self.page_size = cache.page_size
@@ -75,17 +90,27 @@ class ModelRunner:
         if self.pool.swa_layers and spec.swa_page_tables is None:
             raise ValueError("a pool whose sliding layers share tensors needs their page tables in every forward")
         swa = None if spec.swa_page_tables is None else [torch.from_numpy(t) for t in spec.swa_page_tables]
-        fb = ForwardBatch.build([list(t) for t in spec.token_ids], list(spec.prefix_lens), tables,
-                                self.page_size, list(spec.want_logits),
-                                None if spec.state_slots is None else list(spec.state_slots), swa,
-                                self.model.cfg.sliding_window)
+        fb = ForwardBatch.build(
+            [list(t) for t in spec.token_ids],
+            list(spec.prefix_lens),
+            tables,
+            self.page_size,
+            list(spec.want_logits),
+            None if spec.state_slots is None else list(spec.state_slots),
+            swa,
+            self.model.cfg.sliding_window,
+        )
         return fb if self.device.type == "cpu" else fb.to(self.device)
 
     def _groups(self, spec: ForwardSpec) -> tuple[tuple[int, int], ...]:
         groups = spec.layer_groups or ((0, self.num_layers),)
         flat = [b for g in groups for b in g]
-        ok = flat[0] == 0 and flat[-1] == self.num_layers and all(
-            groups[i][1] == groups[i + 1][0] for i in range(len(groups) - 1)) and all(s < e for s, e in groups)
+        ok = (
+            flat[0] == 0
+            and flat[-1] == self.num_layers
+            and all(groups[i][1] == groups[i + 1][0] for i in range(len(groups) - 1))
+            and all(s < e for s, e in groups)
+        )
         if not ok:
             raise ValueError(f"layer groups {groups} do not tile [0, {self.num_layers})")
         return groups

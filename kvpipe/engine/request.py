@@ -8,7 +8,6 @@ from typing import Any
 
 import numpy as np
 
-
 # Temperatures below this sample greedily (SGLang's _SAMPLING_EPS): logits / 1e-300 overflow to
 # inf and the softmax to NaN, and the limit of tempered sampling is the argmax anyway.
 SAMPLING_EPS = 1e-6
@@ -43,8 +42,9 @@ class FinishReason(enum.Enum):
     ABORT = "abort"
 
 
-def finish_reason_json(reason: FinishReason | None, detail: str | int | None,
-                       completion_tokens: int) -> dict[str, Any] | None:
+def finish_reason_json(
+    reason: FinishReason | None, detail: str | int | None, completion_tokens: int
+) -> dict[str, Any] | None:
     """SGLang's `meta_info.finish_reason`: {"type": "stop", "matched": stop string or token id},
     {"type": "length", "length": n} or {"type": "abort", "message": ...}; None while running."""
     if reason is None:

@@ -32,8 +32,12 @@ class Sampler:
         # draws of unseeded requests come from this one stream (reproducible per engine run)
         self.default_generator = make_generator(seed, self.device)
 
-    def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-               generators: Sequence[torch.Generator | None] | None = None) -> SampleOutput:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None] | None = None,
+    ) -> SampleOutput:
         """logits: [B, V] float32. generators[i] (None: the sampler's default) drives row i."""
         if logits.dim() != 2 or logits.shape[0] != len(params):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(params)} requests")
@@ -52,8 +56,9 @@ class Sampler:
         lp = logp_all.gather(1, tokens[:, None])[:, 0]
         return SampleOutput(tokens.tolist(), lp.tolist())
 
-    def _sample_rows(self, logits: torch.Tensor, params: list[SamplingParams],
-                     gens: list[torch.Generator | None]) -> torch.Tensor:
+    def _sample_rows(
+        self, logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None]
+    ) -> torch.Tensor:
         """logits: [R, V] of non-greedy rows -> [R] sampled token ids."""
         r, vocab = logits.shape
         dev = logits.device

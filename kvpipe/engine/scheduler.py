@@ -56,10 +56,17 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, allocator: PageAllocator, page_size: int,
-                 context_length: int, whole_prompt_pages: bool = False,
-                 prefix_cache: RadixCache | None = None, state_slots: StateSlotAllocator | None = None,
-                 window: int | None = None) -> None:
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        allocator: PageAllocator,
+        page_size: int,
+        context_length: int,
+        whole_prompt_pages: bool = False,
+        prefix_cache: RadixCache | None = None,
+        state_slots: StateSlotAllocator | None = None,
+        window: int | None = None,
+    ) -> None:
         self.cfg = cfg
         if window is not None and prefix_cache is not None:
             raise ValueError("a prefix cache cannot serve sliding-window pages that slid out")
@@ -102,13 +109,17 @@ class Scheduler:
         if n == 0:
             return "the prompt is empty"
         if n + m > self.context_length:
-            return (f"the prompt ({n} tokens) plus max_new_tokens ({m}) exceeds the context length "
-                    f"({self.context_length} tokens)")
+            return (
+                f"the prompt ({n} tokens) plus max_new_tokens ({m}) exceeds the context length "
+                f"({self.context_length} tokens)"
+            )
         need = self.max_pages(req) + self.window_pages(req)
         if need > self.allocator.num_pages:
             window = f" (with {self.window_pages(req)} for the sliding window)" if self.window else ""
-            return (f"the prompt ({n} tokens) plus max_new_tokens ({m}) needs {need} KV "
-                    f"pages of {self.page_size} tokens{window}; the KV cache holds only {self.allocator.num_pages}")
+            return (
+                f"the prompt ({n} tokens) plus max_new_tokens ({m}) needs {need} KV "
+                f"pages of {self.page_size} tokens{window}; the KV cache holds only {self.allocator.num_pages}"
+            )
         return None
 
     def _outstanding(self) -> int:
@@ -256,8 +267,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) + len(self.reserved) < self.cfg.max_running_requests:
             req = self.waiting[0]
             self._match_prefix(req)
-            if (not chunking and batch.reqs and len(req.input_ids) - req.num_cached > budget) or \
-                    not self._can_admit(req, outstanding):
+            if (not chunking and batch.reqs and len(req.input_ids) - req.num_cached > budget) or not self._can_admit(
+                req, outstanding
+            ):
                 self._unmatch(req)
                 break  # FIFO: later requests do not overtake the head
             self.waiting.popleft()
@@ -280,8 +292,10 @@ class Scheduler:
         if need <= 0:
             return
         if self._own_pages(req) + need > self._promised[req.rid]:
-            raise RuntimeError(f"request {req.rid!r} needs more than its {self._promised[req.rid]} "
-                               f"promised pages ({tokens} tokens); it should have finished")
+            raise RuntimeError(
+                f"request {req.rid!r} needs more than its {self._promised[req.rid]} "
+                f"promised pages ({tokens} tokens); it should have finished"
+            )
         req.pages = np.concatenate([req.pages, self._alloc(need)])
 
     def _alloc(self, n: int) -> np.ndarray:
@@ -304,8 +318,10 @@ class Scheduler:
         if missing.size == 0:
             return
         if self._own_pages(req) + missing.size > self._promised[req.rid]:
-            raise RuntimeError(f"request {req.rid!r} needs more than its {self._promised[req.rid]} promised "
-                               f"pages (sliding window up to {tokens} tokens)")
+            raise RuntimeError(
+                f"request {req.rid!r} needs more than its {self._promised[req.rid]} promised "
+                f"pages (sliding window up to {tokens} tokens)"
+            )
         req.swa_pages[missing] = self._alloc(int(missing.size))
 
     def _slide(self, req: Req) -> None:
@@ -319,8 +335,7 @@ class Scheduler:
             gone[:] = -1
 
     # ---- results and lifecycle -------------------------------------------------------------
-    def commit(self, batch: ScheduledBatch, tokens: Sequence[int | None],
-               logprobs: Sequence[float | None]) -> None:
+    def commit(self, batch: ScheduledBatch, tokens: Sequence[int | None], logprobs: Sequence[float | None]) -> None:
         """Record a finished forward: KV of every row is cached; rows with a token grow by it."""
         for i, req in enumerate(batch.reqs):
             if req.finished:
@@ -334,8 +349,7 @@ class Scheduler:
                 req.output_ids.append(int(tokens[i]))
                 req.output_logprobs.append(float(logprobs[i]) if logprobs[i] is not None else 0.0)
 
-    def finish(self, req: Req, reason: FinishReason, detail: str | int | None = None,
-               hold: bool = False) -> None:
+    def finish(self, req: Req, reason: FinishReason, detail: str | int | None = None, hold: bool = False) -> None:
         """End a request (idempotent). Its pages are freed exactly once: now, or with hold=True
         at release(rid)."""
         if req.finished:
@@ -380,10 +394,10 @@ class Scheduler:
         pages = req.pages
         if self.cache is not None:
             full = min(req.num_cached // self.page_size, len(pages))
-            dup = self.cache.insert(req.all_ids[:full * self.page_size], pages[:full])
+            dup = self.cache.insert(req.all_ids[: full * self.page_size], pages[:full])
             # pages[:num_shared_pages] were the cache's all along; [shared, dup) duplicate pages the
             # cache got from another request meanwhile; [dup, full) are the cache's now
-            own = np.concatenate([pages[req.num_shared_pages:dup], pages[full:]])
+            own = np.concatenate([pages[req.num_shared_pages : dup], pages[full:]])
             self._unpin(req)
         else:
             own = pages
@@ -421,6 +435,9 @@ class Scheduler:
             "prefix_hit_tokens": self.prefix_hit_tokens,
             "total_pages": self.allocator.num_pages,
             "page_size": self.page_size,
-            **({"free_state_slots": self.state_slots.num_free, "total_state_slots": self.state_slots.num_slots}
-               if self.state_slots is not None else {}),
+            **(
+                {"free_state_slots": self.state_slots.num_free, "total_state_slots": self.state_slots.num_slots}
+                if self.state_slots is not None
+                else {}
+            ),
         }

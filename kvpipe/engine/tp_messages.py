@@ -1,8 +1,8 @@
 """Typed messages on a TP child's step pipe (kvpipe/engine/tp_worker.py).
 
-    rank 0 -> child: StartMsg, then StepMsg (a forward) | CommandMsg (for its connector worker) ..., StopMsg
-    child -> rank 0: HelloMsg, ReadyMsg, then ReplyMsg (to a CommandMsg that wants one) |
-                     ReportMsg (its worker's news) ..., ErrorMsg before it exits on a failure
+rank 0 -> child: StartMsg, then StepMsg (a forward) | CommandMsg (for its connector worker) ..., StopMsg
+child -> rank 0: HelloMsg, ReadyMsg, then ReplyMsg (to a CommandMsg that wants one) |
+                 ReportMsg (its worker's news) ..., ErrorMsg before it exits on a failure
 """
 
 from __future__ import annotations

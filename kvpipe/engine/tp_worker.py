@@ -40,13 +40,22 @@ import torch.distributed as dist
 from kvpipe.cache.kv_pool import KVPool
 from kvpipe.config import ParallelConfig, ServerConfig
 from kvpipe.engine.batch import ForwardSpec
-from kvpipe.engine.tp_messages import (CommandMsg, ErrorMsg, HelloMsg, ReadyMsg, ReplyMsg, ReportMsg, StartMsg,
-                                       StepMsg, StopMsg)
 from kvpipe.engine.connector import KVConnectorWorker, WorkerFactory
 from kvpipe.engine.cpu_threads import apply_cpu_threads, server_cpu_threads
 from kvpipe.engine.errors import EngineLost
 from kvpipe.engine.host_memory import tune_malloc
 from kvpipe.engine.model_runner import GroupCallback, ModelRunner
+from kvpipe.engine.tp_messages import (
+    CommandMsg,
+    ErrorMsg,
+    HelloMsg,
+    ReadyMsg,
+    ReplyMsg,
+    ReportMsg,
+    StartMsg,
+    StepMsg,
+    StopMsg,
+)
 from kvpipe.model.loader import load_model
 
 logger = logging.getLogger(__name__)
@@ -76,8 +85,13 @@ def _init_rank(cfg: ServerConfig, rank: int, init_method: str) -> str:
     # before the model loads: the ranks share the server's threads (--cpu-threads or its cores)
     apply_cpu_threads(server_cpu_threads(cfg))
     backend = "nccl" if device.startswith("cuda") else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=cfg.tp_size,
-                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=cfg.tp_size,
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
     return device
 
 
@@ -109,8 +123,9 @@ def worker_main(fd: int, parent_pid: int) -> None:
         device = _init_rank(start.cfg, rank, start.init_method)
         runner = build_runner(start.cfg, ParallelConfig(start.cfg.tp_size, rank), device)
         if start.worker_factory is not None:
-            worker = load_factory(start.worker_factory)(start.cfg, rank, runner.pool, runner.model.cfg.kv_cache_heads,
-                                                        runner.state_pool)
+            worker = load_factory(start.worker_factory)(
+                start.cfg, rank, runner.pool, runner.model.cfg.kv_cache_heads, runner.state_pool
+            )
         conn.send(ReadyMsg(rank))
         _serve(conn, rank, runner, worker)
     except EOFError:
@@ -171,8 +186,7 @@ class TPGroup:
 
     def __init__(self, cfg: ServerConfig, worker_factory: str | None = None) -> None:
         if dist.is_initialized():
-            raise RuntimeError("torch.distributed is already initialised in this process; "
-                               "one TP engine per process")
+            raise RuntimeError("torch.distributed is already initialised in this process; one TP engine per process")
         self.cfg = cfg
         self._tmp = tempfile.mkdtemp(prefix="kvpipe-tp-")
         init_method = f"file://{os.path.join(self._tmp, 'rendezvous')}"
@@ -185,8 +199,18 @@ class TPGroup:
             for rank in range(1, cfg.tp_size):
                 mine, theirs = socket.socketpair()
                 fd = theirs.fileno()
-                p = subprocess.Popen([sys.executable, "-m", "kvpipe.engine.tp_worker", "--fd", str(fd),
-                                      "--parent-pid", str(os.getpid())], pass_fds=(fd,))
+                p = subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "kvpipe.engine.tp_worker",
+                        "--fd",
+                        str(fd),
+                        "--parent-pid",
+                        str(os.getpid()),
+                    ],
+                    pass_fds=(fd,),
+                )
                 theirs.close()
                 self._procs.append(p)
                 self._conns.append(Connection(mine.detach()))
@@ -212,8 +236,9 @@ class TPGroup:
                     if isinstance(msg, kind):
                         pending.pop(rank)
                 elif self._procs[rank - 1].poll() is not None:
-                    raise RuntimeError(f"TP rank {rank} exited with code {self._procs[rank - 1].returncode} "
-                                       f"before it could {what}")
+                    raise RuntimeError(
+                        f"TP rank {rank} exited with code {self._procs[rank - 1].returncode} before it could {what}"
+                    )
             if time.monotonic() > deadline:
                 raise TimeoutError(f"TP ranks {sorted(pending)} did not {what} within {START_TIMEOUT_S:.0f}s")
 
@@ -265,7 +290,9 @@ class TPGroup:
                 if rank in self._gone:
                     raise RuntimeError(self._gone[rank])
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"TP rank {rank} did not answer its KV connector command within {timeout_s:.0f}s")
+                    raise TimeoutError(
+                        f"TP rank {rank} did not answer its KV connector command within {timeout_s:.0f}s"
+                    )
                 msg = self._read(rank, conn, 0.05)
                 if isinstance(msg, ReplyMsg):
                     if msg.error is not None:

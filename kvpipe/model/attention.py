@@ -34,9 +34,17 @@ from kvpipe.model.forward_batch import DecodeIndex, ForwardBatch, SeqSpan
 from kvpipe.model.sink_attention import window_attention
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                    batch: ForwardBatch, pool: KVPool, scale: float,
-                    sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int,
+    batch: ForwardBatch,
+    pool: KVPool,
+    scale: float,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] (new tokens). Stores k/v in the pool, returns [T, Hq, D].
 
     Each sequence attends to its prefix in the pool plus its new tokens, causally; with a
@@ -61,8 +69,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     return out
 
 
-def _window_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch,
-                    pool: KVPool, scale: float, sinks: torch.Tensor | None, window: int | None) -> torch.Tensor:
+def _window_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int,
+    batch: ForwardBatch,
+    pool: KVPool,
+    scale: float,
+    sinks: torch.Tensor | None,
+    window: int | None,
+) -> torch.Tensor:
     """The prefill rows of a layer with sinks and/or a window: a row with nothing cached attends
     to its new k/v directly, any other to its gathered pages."""
     out = torch.empty_like(q)
@@ -80,8 +97,14 @@ def _window_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """One row, no cache: q [E, Hq, D], k [E, Hkv, D], v [E, Hkv, Dv] -> [E, Hq, Dv]."""
-    o = F.scaled_dot_product_attention(q[None].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2),
-                                       is_causal=True, scale=scale, enable_gqa=True)  # [1, Hq, E, D]
+    o = F.scaled_dot_product_attention(
+        q[None].transpose(1, 2),
+        k[None].transpose(1, 2),
+        v[None].transpose(1, 2),
+        is_causal=True,
+        scale=scale,
+        enable_gqa=True,
+    )  # [1, Hq, E, D]
     return o[0].transpose(0, 1)
 
 
@@ -91,21 +114,28 @@ def _extend(q: torch.Tensor, layer: int, s: SeqSpan, pool: KVPool, scale: float)
     return prefix_attention(q, ks, vs, s.prefix_len, scale)
 
 
-def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int,
-                     scale: float) -> torch.Tensor:
+def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int, scale: float) -> torch.Tensor:
     """q [E, Hq, D] of the tokens after prefix_len; k [Hkv, L, D], v [Hkv, L, Dv] of the whole
     context (L = prefix_len + E) -> [E, Hq, Dv]."""
     total = k.shape[1]
     # query i sits at absolute position prefix_len + i and sees keys 0 .. prefix_len + i
     qpos = torch.arange(prefix_len, total, device=q.device)[:, None]
     mask = torch.arange(total, device=q.device)[None, :] <= qpos  # [E, L]
-    o = F.scaled_dot_product_attention(q[None].transpose(1, 2), k[None], v[None], attn_mask=mask[None, None],
-                                       scale=scale, enable_gqa=True)
+    o = F.scaled_dot_product_attention(
+        q[None].transpose(1, 2), k[None], v[None], attn_mask=mask[None, None], scale=scale, enable_gqa=True
+    )
     return o[0].transpose(0, 1)
 
 
-def decode_attention(q: torch.Tensor, layer: int, index: DecodeIndex, pool: KVPool, scale: float,
-                     sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    layer: int,
+    index: DecodeIndex,
+    pool: KVPool,
+    scale: float,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
     """Every row adds one token: q [B, Hq, D] -> [B, Hq, D], one pass over the batch's pages.
 
     A sliding layer masks the keys before its window (its index, ForwardBatch.swa's, starts at
@@ -113,8 +143,9 @@ def decode_attention(q: torch.Tensor, layer: int, index: DecodeIndex, pool: KVPo
     """
     kernel = paged_decode_kernel() if q.device.type == "cpu" else None
     if kernel is not None:  # reads the pages in place: no gather, no per-tile matmuls
-        return kernel(q, pool.k[layer], pool.v[layer], index.page_table, index.lens, index.key_start, scale,
-                      window, sinks)
+        return kernel(
+            q, pool.k[layer], pool.v[layer], index.page_table, index.lens, index.key_start, scale, window, sinks
+        )
     b, n, page = index.batch_size, index.num_pages, pool.page_size
     hkv, d = pool.kv_heads, pool.head_dim
     kp = pool.k[layer].index_select(0, index.pages).view(b, n, hkv, page, d)
@@ -122,8 +153,14 @@ def decode_attention(q: torch.Tensor, layer: int, index: DecodeIndex, pool: KVPo
     return attend_pages(q, kp, vp, index.valid if window is None else index.window_valid(window), scale, sinks)
 
 
-def attend_pages(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, valid: torch.Tensor,
-                 scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+def attend_pages(
+    q: torch.Tensor,
+    kp: torch.Tensor,
+    vp: torch.Tensor,
+    valid: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One query per row over gathered pages: q [B, Hq, D], kp [B, n, Hkv, P, D], vp [B, n, Hkv, P, Dv],
     valid [B, n, 1, 1, P], sinks [Hq] or None -> [B, Hq, Dv].
 

@@ -34,8 +34,13 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -45,8 +50,9 @@ def _strftime_now(fmt: str) -> str:
 
 @lru_cache(maxsize=16)
 def compile_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -72,7 +78,7 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def render_chat(source: str, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                **special_tokens: Any) -> str:
-    return compile_template(source).render(messages=normalize_messages(messages),
-                                           add_generation_prompt=add_generation_prompt, **special_tokens)
+def render_chat(source: str, messages: list[dict[str, Any]], add_generation_prompt: bool, **special_tokens: Any) -> str:
+    return compile_template(source).render(
+        messages=normalize_messages(messages), add_generation_prompt=add_generation_prompt, **special_tokens
+    )

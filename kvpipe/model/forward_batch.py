@@ -58,7 +58,7 @@ class DecodeIndex:
         return self.pages.view(self.batch_size, self.num_pages)
 
     @classmethod
-    def build(cls, seqs: "tuple[SeqSpan, ...]", page_size: int, window: int | None = None) -> "DecodeIndex":
+    def build(cls, seqs: tuple[SeqSpan, ...], page_size: int, window: int | None = None) -> DecodeIndex:
         """window: index only the pages each row's window reaches (its new token at total_len - 1)."""
         lens = [s.total_len for s in seqs]
         first = [0 if window is None else window_first_page(n - 1, window, page_size) for n in lens]
@@ -66,7 +66,7 @@ class DecodeIndex:
         n = max(u - f for u, f in zip(used, first))
         pages = torch.zeros(len(seqs), n, dtype=torch.int64)
         for b, s in enumerate(seqs):
-            pages[b, :used[b] - first[b]] = s.page_table[first[b]:used[b]]
+            pages[b, : used[b] - first[b]] = s.page_table[first[b] : used[b]]
         key_start = torch.tensor(first, dtype=torch.int64) * page_size
         lens_t = torch.tensor(lens, dtype=torch.int64)
         key_pos = key_start[:, None] + torch.arange(n * page_size)[None, :]  # [B, n * page_size]
@@ -78,12 +78,14 @@ class DecodeIndex:
         included) -> [B, n_pages, 1, 1, page_size] bool."""
         b, n, _, _, page = self.valid.shape
         key_pos = self.key_start.view(b, 1, 1, 1, 1) + torch.arange(n * page, device=self.valid.device).view(
-            1, n, 1, 1, page)
+            1, n, 1, 1, page
+        )
         return self.valid & (key_pos >= (self.lens - window).view(b, 1, 1, 1, 1))
 
-    def to(self, device: torch.device | str) -> "DecodeIndex":
-        return DecodeIndex(self.pages.to(device), self.valid.to(device), self.lens.to(device),
-                           self.key_start.to(device))
+    def to(self, device: torch.device | str) -> DecodeIndex:
+        return DecodeIndex(
+            self.pages.to(device), self.valid.to(device), self.lens.to(device), self.key_start.to(device)
+        )
 
 
 @dataclass(frozen=True)
@@ -99,13 +101,20 @@ class ForwardBatch:
     # starts from a zero state, any other from its slot's; the forward writes the slot back
     state_slots: torch.Tensor | None = None
     # sliding-window models: this batch over the sliding layers' page tables (swa=None there)
-    swa: "ForwardBatch | None" = None
+    swa: ForwardBatch | None = None
 
     @classmethod
-    def build(cls, token_ids: list[list[int]], prefix_lens: list[int], page_tables: list[torch.Tensor],
-              page_size: int, want_logits: list[bool] | None = None,
-              state_slots: list[int] | None = None, swa_page_tables: list[torch.Tensor] | None = None,
-              window: int | None = None) -> "ForwardBatch":
+    def build(
+        cls,
+        token_ids: list[list[int]],
+        prefix_lens: list[int],
+        page_tables: list[torch.Tensor],
+        page_size: int,
+        want_logits: list[bool] | None = None,
+        state_slots: list[int] | None = None,
+        swa_page_tables: list[torch.Tensor] | None = None,
+        window: int | None = None,
+    ) -> ForwardBatch:
         """Pack sequences. token_ids[i] are the new tokens of sequence i (extend_len of them).
         swa_page_tables (with the sliding layers' `window`): build the `swa` view too. A batch
         built with a window and no swa tables is itself such a view."""
@@ -123,8 +132,7 @@ class ForwardBatch:
         if swa_page_tables is not None:
             if window is None:
                 raise ValueError("sliding-window page tables need the window")
-            swa = cls.build(token_ids, prefix_lens, swa_page_tables, page_size, want_logits, state_slots,
-                            window=window)
+            swa = cls.build(token_ids, prefix_lens, swa_page_tables, page_size, want_logits, state_slots, window=window)
             window = None  # this batch's own decode index covers whole contexts
         return cls(
             input_ids=torch.tensor(ids, dtype=torch.int64),
@@ -133,8 +141,9 @@ class ForwardBatch:
             slot_offsets=positions % page_size,
             seqs=tuple(seqs),
             logit_indices=torch.tensor(last, dtype=torch.int64),
-            decode=DecodeIndex.build(tuple(seqs), page_size, window) if seqs and all(
-                s.extend_len == 1 for s in seqs) else None,
+            decode=DecodeIndex.build(tuple(seqs), page_size, window)
+            if seqs and all(s.extend_len == 1 for s in seqs)
+            else None,
             state_slots=None if state_slots is None else torch.tensor(state_slots, dtype=torch.int64),
             swa=swa,
         )
@@ -143,9 +152,11 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
 
-    def to(self, device: torch.device | str) -> "ForwardBatch":
+    def to(self, device: torch.device | str) -> ForwardBatch:
         return ForwardBatch(
-            self.input_ids.to(device), self.positions.to(device), self.slot_pages.to(device),
+            self.input_ids.to(device),
+            self.positions.to(device),
+            self.slot_pages.to(device),
             self.slot_offsets.to(device),
             tuple(SeqSpan(s.start, s.extend_len, s.prefix_len, s.page_table.to(device)) for s in self.seqs),
             self.logit_indices.to(device),

@@ -29,19 +29,26 @@ def local_linear_heads(h: HybridConfig, parallel: ParallelConfig) -> tuple[int, 
     """(key heads, value heads) of the linear-attention layers one rank holds."""
     tp = parallel.tp_size
     if h.linear_key_heads % tp or h.linear_value_heads % tp:
-        raise ConfigError(f"{h.linear_key_heads} linear-attention key heads / {h.linear_value_heads} value heads "
-                          f"do not split over tp_size={tp}")
+        raise ConfigError(
+            f"{h.linear_key_heads} linear-attention key heads / {h.linear_value_heads} value heads "
+            f"do not split over tp_size={tp}"
+        )
     if h.linear_value_heads % h.linear_key_heads:
-        raise ConfigError(f"{h.linear_value_heads} linear value heads are not a multiple of "
-                          f"{h.linear_key_heads} key heads")
+        raise ConfigError(
+            f"{h.linear_value_heads} linear value heads are not a multiple of {h.linear_key_heads} key heads"
+        )
     return h.linear_key_heads // tp, h.linear_value_heads // tp
 
 
 def local_state_shape(h: HybridConfig, parallel: ParallelConfig) -> StateShape:
     nk, nv = local_linear_heads(h, parallel)
-    return StateShape(conv_dim=2 * nk * h.linear_key_head_dim + nv * h.linear_value_head_dim,
-                      conv_len=h.conv_kernel - 1, heads=nv, key_dim=h.linear_key_head_dim,
-                      value_dim=h.linear_value_head_dim)
+    return StateShape(
+        conv_dim=2 * nk * h.linear_key_head_dim + nv * h.linear_value_head_dim,
+        conv_len=h.conv_kernel - 1,
+        heads=nv,
+        key_dim=h.linear_key_head_dim,
+        value_dim=h.linear_value_head_dim,
+    )
 
 
 class GatedRMSNorm(nn.Module):
@@ -70,8 +77,9 @@ class CausalConv1d(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, cfg: ModelConfig, state_layer: int, parallel: ParallelConfig,
-                 group: dist.ProcessGroup | None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, state_layer: int, parallel: ParallelConfig, group: dist.ProcessGroup | None
+    ) -> None:
         """`state_layer`: this layer's buffer index in the StatePool (its rank among linear layers)."""
         super().__init__()
         h = cfg.hybrid
@@ -85,8 +93,11 @@ class GatedDeltaNet(nn.Module):
         tp = parallel.tp_size > 1
         k0, v0, key_dim = parallel.tp_rank * nk, parallel.tp_rank * nv, h.linear_key_heads * dk
         # in_proj_qkv rows (and conv channels) are [q | k | v] of all heads: a rank takes its heads of each
-        qkv = Shard(0, k0 * dk, nk * dk, more=((key_dim + k0 * dk, nk * dk), (2 * key_dim + v0 * dv, nv * dv))) \
-            if tp else None
+        qkv = (
+            Shard(0, k0 * dk, nk * dk, more=((key_dim + k0 * dk, nk * dk), (2 * key_dim + v0 * dv, nv * dv)))
+            if tp
+            else None
+        )
         self.in_proj_qkv = Linear(cfg.hidden_size, self.conv_dim, shard=qkv)
         self.in_proj_z = Linear(cfg.hidden_size, nv * dv, shard=Shard.rows(parallel, v0 * dv, nv * dv))
         self.in_proj_b = Linear(cfg.hidden_size, nv, shard=Shard.rows(parallel, v0, nv))
@@ -96,8 +107,9 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(nv), requires_grad=False)
         self.param_shards = {"dt_bias": Shard(0, v0, nv), "A_log": Shard(0, v0, nv)} if tp else {}
         self.norm = GatedRMSNorm(dv, cfg.rms_norm_eps)
-        self.out_proj = Linear(nv * dv, cfg.hidden_size, all_reduce=tp, group=group,
-                               shard=Shard.cols(parallel, v0 * dv, nv * dv))
+        self.out_proj = Linear(
+            nv * dv, cfg.hidden_size, all_reduce=tp, group=group, shard=Shard.cols(parallel, v0 * dv, nv * dv)
+        )
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, state: StatePool) -> torch.Tensor:
         if batch.state_slots is None:
@@ -124,29 +136,34 @@ class GatedDeltaNet(nn.Module):
         kd = self.num_k_heads * self.k_dim
         q, k, v = torch.split(conv_out, [kd, kd, self.num_v_heads * self.v_dim], dim=-1)
         n = conv_out.shape[0]
-        return (q.reshape(n, self.num_k_heads, self.k_dim), k.reshape(n, self.num_k_heads, self.k_dim),
-                v.reshape(n, self.num_v_heads, self.v_dim))
+        return (
+            q.reshape(n, self.num_k_heads, self.k_dim),
+            k.reshape(n, self.num_k_heads, self.k_dim),
+            v.reshape(n, self.num_v_heads, self.v_dim),
+        )
 
     def _conv(self, window: torch.Tensor) -> torch.Tensor:
         """window [B, C, K - 1 + E] (state then new inputs) -> silu(conv) [B, C, E]."""
         w = self.conv1d.weight
         return F.silu(F.conv1d(window.to(w.dtype), w, groups=self.conv_dim))
 
-    def _prefill_row(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, fresh: bool, slot: int,
-                     state: StatePool) -> torch.Tensor:
+    def _prefill_row(
+        self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, fresh: bool, slot: int, state: StatePool
+    ) -> torch.Tensor:
         """One sequence's E new tokens: mixed [E, C], g, beta [E, Hv] -> o [E, Hv, Dv]; its slot updated."""
         conv_buf, rec_buf = state.conv[self.state_layer], state.recurrent[self.state_layer]
         prev = torch.zeros_like(conv_buf[slot]) if fresh else conv_buf[slot]  # [C, K-1]
         window = torch.cat([prev, mixed.t().to(prev.dtype)], dim=1)  # [C, K-1+E]
-        conv_buf[slot] = window[:, -(self.kernel - 1):]
+        conv_buf[slot] = window[:, -(self.kernel - 1) :]
         out = self._conv(window[None])[0].t().to(mixed.dtype)  # [E, C]
         q, k, v = self._split(out)
         o, final = chunk_gated_delta_rule(q, k, v, g, beta, None if fresh else rec_buf[slot])
         rec_buf[slot] = final
         return o
 
-    def _decode(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, batch: ForwardBatch,
-                state: StatePool) -> torch.Tensor:
+    def _decode(
+        self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, batch: ForwardBatch, state: StatePool
+    ) -> torch.Tensor:
         """One token per row, the whole batch at once: mixed [B, C] -> o [B, Hv, Dv]; slots updated."""
         slots = batch.state_slots
         assert slots is not None

@@ -28,9 +28,15 @@ def _expand_heads(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[t
     return q.repeat_interleave(rep, dim=-2), k.repeat_interleave(rep, dim=-2)
 
 
-def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                           initial_state: torch.Tensor | None,
-                           chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence of T tokens. q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g (log decay, <= 0), beta: [T, Hv];
     initial_state: [Hv, Dk, Dv] fp32, None for zeros. Returns o [T, Hv, Dv] (v's dtype) and the
     final state [Hv, Dk, Dv] fp32."""
@@ -39,10 +45,11 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     dk = k.shape[-1]
     q, k = _expand_heads(q, k, hv)
     # [1, H, T, D] fp32, as HF lays them out
-    q, k, v, beta, g = [x.transpose(0, 1)[None].to(torch.float32, memory_format=torch.contiguous_format)
-                        for x in (q, k, v, beta, g)]
+    q, k, v, beta, g = [
+        x.transpose(0, 1)[None].to(torch.float32, memory_format=torch.contiguous_format) for x in (q, k, v, beta, g)
+    ]
     q, k = l2norm(q), l2norm(k)
-    q = q * dk ** -0.5
+    q = q * dk**-0.5
     pad = (chunk_size - t % chunk_size) % chunk_size
     q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
     beta, g = (F.pad(x, (0, pad)) for x in (beta, g))
@@ -58,8 +65,11 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     decayed_k_beta = k_beta * cum.exp()[..., None]
     new_v = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
     k_cumdecay = torch.linalg.solve_triangular(ut, decayed_k_beta, upper=False, unitriangular=True)
-    state = (torch.zeros(1, hv, dk, dv, dtype=torch.float32, device=q.device) if initial_state is None
-             else initial_state[None].to(torch.float32))
+    state = (
+        torch.zeros(1, hv, dk, dv, dtype=torch.float32, device=q.device)
+        if initial_state is None
+        else initial_state[None].to(torch.float32)
+    )
     o = torch.zeros_like(new_v)
     q = q * cum.exp()[..., None]
     k = k * (cum[..., -1:] - cum).exp()[..., None]
@@ -72,8 +82,9 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     return o[0].transpose(0, 1).to(out_dtype, memory_format=torch.contiguous_format), state[0]
 
 
-def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                               beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def recurrent_gated_delta_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of each of B sequences. q, k: [B, Hk, Dk]; v: [B, Hv, Dv]; g, beta: [B, Hv];
     state: [B, Hv, Dk, Dv] fp32. Returns o [B, Hv, Dv] (v's dtype) and the new state (fp32)."""
     out_dtype = v.dtype

@@ -38,8 +38,9 @@ class GptOssExperts(nn.Module):
         super().__init__()
         e, tp = moe.num_experts, parallel.tp_size
         if moe.expert_intermediate_size % tp:
-            raise ConfigError(f"expert intermediate size {moe.expert_intermediate_size} does not split over "
-                              f"tp_size={tp}")
+            raise ConfigError(
+                f"expert intermediate size {moe.expert_intermediate_size} does not split over tp_size={tp}"
+            )
         inter = moe.expert_intermediate_size // tp
         i0 = parallel.tp_rank * inter
 
@@ -50,11 +51,15 @@ class GptOssExperts(nn.Module):
         self.gate_up_proj_bias = param(e, 2 * inter)
         self.down_proj = param(e, inter, hidden_size)
         self.down_proj_bias = param(e, hidden_size)  # whole on every rank, added after the reduction
-        self.param_shards = {
-            "gate_up_proj": Shard(2, 2 * i0, 2 * inter),
-            "gate_up_proj_bias": Shard(1, 2 * i0, 2 * inter),
-            "down_proj": Shard(1, i0, inter),
-        } if tp > 1 else {}
+        self.param_shards = (
+            {
+                "gate_up_proj": Shard(2, 2 * i0, 2 * inter),
+                "gate_up_proj_bias": Shard(1, 2 * i0, 2 * inter),
+                "down_proj": Shard(1, i0, inter),
+            }
+            if tp > 1
+            else {}
+        )
 
     def partial(self, e: int, x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
         """Expert e on its rows x [N, hidden] -> [N, hidden], without down_proj's bias (a partial
@@ -66,8 +71,7 @@ class GptOssExperts(nn.Module):
 class GptOssMoE(nn.Module):
     """GPT-OSS's MLP: router + routed experts, one all-reduce per block."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, parallel: ParallelConfig,
-                 group: dist.ProcessGroup | None) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, parallel: ParallelConfig, group: dist.ProcessGroup | None) -> None:
         super().__init__()
         moe = cfg.moe
         if moe is None or moe.scoring != "topk_softmax" or moe.swiglu_limit is None:
@@ -89,7 +93,7 @@ class GptOssMoE(nn.Module):
         start = 0
         for e, n in enumerate(plan.counts):
             if n:  # experts nobody chose cost nothing
-                ys[start:start + n] = ex.partial(e, xs[start:start + n], moe.swiglu_alpha, moe.swiglu_limit)
+                ys[start : start + n] = ex.partial(e, xs[start : start + n], moe.swiglu_alpha, moe.swiglu_limit)
                 start += n
         ys = (ys * weights.reshape(-1).index_select(0, plan.order)[:, None]).to(x.dtype)
         out = torch.zeros_like(x).index_add_(0, plan.tokens, ys)

@@ -43,20 +43,27 @@ class Shard:
         return ((self.start, self.length), *self.more)
 
     @classmethod
-    def rows(cls, parallel: ParallelConfig, start: int, length: int) -> "Shard | None":
+    def rows(cls, parallel: ParallelConfig, start: int, length: int) -> Shard | None:
         return cls(0, start, length) if parallel.tp_size > 1 else None
 
     @classmethod
-    def cols(cls, parallel: ParallelConfig, start: int, length: int) -> "Shard | None":
+    def cols(cls, parallel: ParallelConfig, start: int, length: int) -> Shard | None:
         return cls(1, start, length) if parallel.tp_size > 1 else None
 
 
 class Linear(nn.Module):
     """y = x W^T (+ b), weights [out, in] as in HF checkpoints; allocated empty."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 all_reduce: bool = False, group: dist.ProcessGroup | None = None,
-                 shard: Shard | None = None, packable: bool = True) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        all_reduce: bool = False,
+        group: dist.ProcessGroup | None = None,
+        shard: Shard | None = None,
+        packable: bool = True,
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.packable = packable  # False: other code reads the dense weight (MLA's absorbed kv_b_proj)
@@ -107,14 +114,13 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, parallel: ParallelConfig,
-                 group: dist.ProcessGroup | None) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, parallel: ParallelConfig, group: dist.ProcessGroup | None) -> None:
         super().__init__()
         self.layer = layer
         self.head_dim = cfg.head_dim
         self.num_heads = parallel.local_heads(cfg.num_heads)
         self.num_kv_heads = parallel.local_kv_heads(cfg.num_kv_heads)
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.head_dim**-0.5
         tp = parallel.tp_size > 1
         d, bias = cfg.head_dim, cfg.attention_bias
         q0, kv0 = parallel.tp_rank * self.num_heads * d, parallel.kv_head_start(cfg.num_kv_heads) * d
@@ -122,25 +128,38 @@ class Attention(nn.Module):
         self.q_proj = Linear(cfg.hidden_size, self.num_heads * d, bias, shard=q_rows)
         self.k_proj = Linear(cfg.hidden_size, self.num_kv_heads * d, bias, shard=kv_rows)
         self.v_proj = Linear(cfg.hidden_size, self.num_kv_heads * d, bias, shard=kv_rows)
-        self.o_proj = Linear(self.num_heads * d, cfg.hidden_size, cfg.o_proj_bias, all_reduce=tp, group=group,
-                             shard=Shard.cols(parallel, q0, self.num_heads * d))
+        self.o_proj = Linear(
+            self.num_heads * d,
+            cfg.hidden_size,
+            cfg.o_proj_bias,
+            all_reduce=tp,
+            group=group,
+            shard=Shard.cols(parallel, q0, self.num_heads * d),
+        )
         self.group = group
         # GPT-OSS: a sink logit per query head (this rank's heads) and, in sliding layers, a window
         self.window = cfg.window(layer)
         self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False) if cfg.attention_sinks else None
-        self.param_shards = ({"sinks": Shard(0, parallel.tp_rank * self.num_heads, self.num_heads)}
-                             if cfg.attention_sinks and tp else {})
+        self.param_shards = (
+            {"sinks": Shard(0, parallel.tp_rank * self.num_heads, self.num_heads)} if cfg.attention_sinks and tp else {}
+        )
         self.q_norm: RMSNorm | ShardedRMSNorm | None = None
         self.k_norm: RMSNorm | ShardedRMSNorm | None = None
         if cfg.qk_norm and cfg.qk_norm_per_head:
             self.q_norm, self.k_norm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)
         elif cfg.qk_norm:  # over all heads: sliced like q/k; KV heads replicated when tp > KV heads
             self.q_norm = ShardedRMSNorm(cfg.num_heads * d, q_rows, self.num_heads * d, cfg.rms_norm_eps)
-            self.k_norm = ShardedRMSNorm(cfg.num_kv_heads * d, kv_rows, self.num_kv_heads * d, cfg.rms_norm_eps,
-                                         replicas=max(1, parallel.tp_size // cfg.num_kv_heads))
+            self.k_norm = ShardedRMSNorm(
+                cfg.num_kv_heads * d,
+                kv_rows,
+                self.num_kv_heads * d,
+                cfg.rms_norm_eps,
+                replicas=max(1, parallel.tp_size // cfg.num_kv_heads),
+            )
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, pool: KVPool
+    ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if isinstance(self.q_norm, ShardedRMSNorm):  # MiniMax-M2: RMSNorm over all heads of q (of k)
@@ -162,8 +181,14 @@ class MLP(nn.Module):
     that adds several MLPs' outputs and reduces once.
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, parallel: ParallelConfig,
-                 group: dist.ProcessGroup | None, all_reduce: bool = True) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        parallel: ParallelConfig,
+        group: dist.ProcessGroup | None,
+        all_reduce: bool = True,
+    ) -> None:
         super().__init__()
         if intermediate_size % parallel.tp_size:
             raise ConfigError(f"intermediate size {intermediate_size} does not split over tp_size={parallel.tp_size}")
@@ -172,15 +197,21 @@ class MLP(nn.Module):
         rows = Shard.rows(parallel, i0, inter)
         self.gate_proj = Linear(hidden_size, inter, shard=rows)
         self.up_proj = Linear(hidden_size, inter, shard=rows)
-        self.down_proj = Linear(inter, hidden_size, all_reduce=all_reduce and parallel.tp_size > 1, group=group,
-                                shard=Shard.cols(parallel, i0, inter))
+        self.down_proj = Linear(
+            inter,
+            hidden_size,
+            all_reduce=all_reduce and parallel.tp_size > 1,
+            group=group,
+            shard=Shard.cols(parallel, i0, inter),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def make_attention(cfg: ModelConfig, layer: int, parallel: ParallelConfig,
-                   group: dist.ProcessGroup | None) -> nn.Module:
+def make_attention(
+    cfg: ModelConfig, layer: int, parallel: ParallelConfig, group: dist.ProcessGroup | None
+) -> nn.Module:
     """One layer's attention: MLA over a latent cache (DeepSeek-V3), else GQA/MHA."""
     if cfg.mla is not None:
         from kvpipe.model.mla import MLAttention  # imported here: mla.py builds on this module's Linear
@@ -203,8 +234,7 @@ def make_mlp(cfg: ModelConfig, layer: int, parallel: ParallelConfig, group: dist
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, parallel: ParallelConfig,
-                 group: dist.ProcessGroup | None) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, parallel: ParallelConfig, group: dist.ProcessGroup | None) -> None:
         super().__init__()
         fp32_norm = cfg.architecture == "gpt_oss"
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fp32_norm)
@@ -212,7 +242,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fp32_norm)
         self.mlp = make_mlp(cfg, layer, parallel, group)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, pool: KVPool
+    ) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, pool)
         return h + self.mlp(self.post_attention_layernorm(h))

@@ -46,8 +46,7 @@ class LMBase(nn.Module):
         inv_freq stays fp32 when the weights move to bf16 (the loader calls this again after
         building on the meta device)."""
         cfg = self.cfg
-        self.inv_freq = rope_inv_freq(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling,
-                                      cfg.max_position_embeddings)
+        self.inv_freq = rope_inv_freq(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
         if device is not None:
             self.inv_freq = self.inv_freq.to(device)
         self.rope_attention_factor = rope_attention_factor(cfg.rope_scaling, cfg.max_position_embeddings)
@@ -84,14 +83,16 @@ class LMBase(nn.Module):
 
 
 class CausalLM(LMBase):
-    def __init__(self, cfg: ModelConfig, parallel: ParallelConfig = ParallelConfig(),
-                 group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, parallel: ParallelConfig = ParallelConfig(), group: dist.ProcessGroup | None = None
+    ) -> None:
         super().__init__(cfg, parallel, group)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, parallel, group) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fp32_weight=cfg.architecture == "gpt_oss")
 
-    def forward_layers(self, hidden: torch.Tensor, batch: ForwardBatch, pool: KVPool,
-                       start: int, end: int) -> torch.Tensor:
+    def forward_layers(
+        self, hidden: torch.Tensor, batch: ForwardBatch, pool: KVPool, start: int, end: int
+    ) -> torch.Tensor:
         """Run layers [start, end); writes their K/V into `pool` (global layer index)."""
         self.check_layers(start, end)
         cos, sin = self.rope(batch, hidden)
@@ -116,8 +117,9 @@ def check_parallel(cfg: ModelConfig, parallel: ParallelConfig) -> None:
     moe = cfg.moe
     sizes = {"intermediate_size": cfg.intermediate_size} if moe is None or moe.dense_layers else {}
     if moe is not None:
-        sizes.update(expert_intermediate_size=moe.expert_intermediate_size,
-                     shared_intermediate_size=moe.shared_intermediate_size)
+        sizes.update(
+            expert_intermediate_size=moe.expert_intermediate_size, shared_intermediate_size=moe.shared_intermediate_size
+        )
     for name, size in sizes.items():
         if size % parallel.tp_size:
             raise ConfigError(f"{name}={size} does not split over tp_size={parallel.tp_size}")

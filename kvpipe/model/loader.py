@@ -18,8 +18,8 @@ from safetensors import safe_open
 from torch import nn
 
 from kvpipe.config import HYBRID_FAMILIES, SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig, ParallelConfig
-from kvpipe.model.layers import Linear, Shard
 from kvpipe.model.factory import build_causal_lm
+from kvpipe.model.layers import Linear, Shard
 from kvpipe.model.llama import LMBase, check_parallel
 from kvpipe.model.packed_linear import packing_enabled
 
@@ -46,8 +46,9 @@ IMPLEMENTED_FAMILIES = tuple(dict.fromkeys(SUPPORTED_ARCHITECTURES.values()))
 def check_supported(raw: dict[str, Any], cfg: ModelConfig) -> None:
     """Reject config options the model code does not implement, rather than compute wrong logits."""
     if cfg.architecture not in IMPLEMENTED_FAMILIES:
-        raise ConfigError(f"the {cfg.architecture} model family is not implemented yet; "
-                          f"kvpipe serves {IMPLEMENTED_FAMILIES}")
+        raise ConfigError(
+            f"the {cfg.architecture} model family is not implemented yet; kvpipe serves {IMPLEMENTED_FAMILIES}"
+        )
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"hidden_act={act!r} is not supported (only silu)")
@@ -128,8 +129,10 @@ def check_group(parallel: ParallelConfig, group: dist.ProcessGroup | None) -> No
         raise ConfigError(f"tp_size={parallel.tp_size} needs torch.distributed initialised on every rank")
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     if size != parallel.tp_size or rank != parallel.tp_rank:
-        raise ConfigError(f"process group has rank {rank} of {size}, but ParallelConfig says "
-                          f"rank {parallel.tp_rank} of {parallel.tp_size}")
+        raise ConfigError(
+            f"process group has rank {rank} of {size}, but ParallelConfig says "
+            f"rank {parallel.tp_rank} of {parallel.tp_size}"
+        )
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, cfg: ModelConfig, device: str | torch.device) -> torch.dtype:
@@ -226,9 +229,13 @@ def keep_fp32(model: nn.Module) -> None:
                 setattr(mod, pname, nn.Parameter(p.detach().float(), requires_grad=False))
 
 
-def load_model(model_dir: str | Path, parallel: ParallelConfig = ParallelConfig(),
-               device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None,
-               group: dist.ProcessGroup | None = None) -> LMBase:
+def load_model(
+    model_dir: str | Path,
+    parallel: ParallelConfig = ParallelConfig(),
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | str | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> LMBase:
     model_dir = Path(model_dir)
     raw = read_hf_config(model_dir)
     cfg = ModelConfig.from_hf_dict(raw)
@@ -257,8 +264,10 @@ def load_model(model_dir: str | Path, parallel: ParallelConfig = ParallelConfig(
             t = read_shard(handles[path].get_slice(hf), shard)
             p = params[name]
             if tuple(t.shape) != tuple(p.shape):
-                raise ConfigError(f"{model_dir}: tensor {hf} has shape {tuple(t.shape)}, "
-                                  f"expected {tuple(p.shape)} for this config and tp rank")
+                raise ConfigError(
+                    f"{model_dir}: tensor {hf} has shape {tuple(t.shape)}, "
+                    f"expected {tuple(p.shape)} for this config and tp rank"
+                )
             p.copy_(t)
     if packing_enabled():
         pack_linears(model)

@@ -57,8 +57,7 @@ def mla_softmax_scale(qk_head_dim: int, scaling: dict[str, Any] | None) -> float
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, parallel: ParallelConfig,
-                 group: dist.ProcessGroup | None) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, parallel: ParallelConfig, group: dist.ProcessGroup | None) -> None:
         super().__init__()
         mla = cfg.mla
         assert mla is not None, "MLAttention needs ModelConfig.mla"
@@ -83,13 +82,21 @@ class MLAttention(nn.Module):
             self.q_b_proj = Linear(mla.q_lora_rank, h * qk, shard=q_rows)
         self.kv_a_proj_with_mqa = Linear(hidden, mla.latent_dim, bias)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = Linear(mla.kv_lora_rank, h * kvb, shard=Shard.rows(parallel, h0 * kvb, h * kvb),
-                                packable=False)  # decode reads its heads' blocks (absorbed form)
-        self.o_proj = Linear(h * mla.v_head_dim, hidden, bias, all_reduce=parallel.tp_size > 1, group=group,
-                             shard=Shard.cols(parallel, h0 * mla.v_head_dim, h * mla.v_head_dim))
+        self.kv_b_proj = Linear(
+            mla.kv_lora_rank, h * kvb, shard=Shard.rows(parallel, h0 * kvb, h * kvb), packable=False
+        )  # decode reads its heads' blocks (absorbed form)
+        self.o_proj = Linear(
+            h * mla.v_head_dim,
+            hidden,
+            bias,
+            all_reduce=parallel.tp_size > 1,
+            group=group,
+            shard=Shard.cols(parallel, h0 * mla.v_head_dim, h * mla.v_head_dim),
+        )
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, pool: KVPool
+    ) -> torch.Tensor:
         """x [T, hidden]; cos, sin [T, rope_dim]. Writes the T latent rows, returns [T, hidden]."""
         t = x.shape[0]
         if self.q_proj is not None:
@@ -135,7 +142,7 @@ class MLAttention(nn.Module):
         """Absorbed form over the latent pages. q_nope [B, H, nope], q_rope [B, H, rope] -> [B, H, v_dim]."""
         b, n, c = index.batch_size, index.num_pages, self.kv_lora_rank
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, c)
-        w_uk, w_uv = w[:, :self.nope_dim], w[:, self.nope_dim:]  # [H, nope, C], [H, v, C]
+        w_uk, w_uv = w[:, : self.nope_dim], w[:, self.nope_dim :]  # [H, nope, C], [H, v, C]
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, C]
         q = torch.cat([q_lat, q_rope], dim=-1)  # [B, H, C + rope], against latent rows [c | k_rope]
         kernel = paged_decode_kernel() if q.device.type == "cpu" else None

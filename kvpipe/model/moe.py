@@ -32,8 +32,9 @@ RENORM_EPS = 1e-20
 SCORINGS = ("softmax", "sigmoid", "topk_softmax")
 
 
-def route(logits: torch.Tensor, moe: MoEConfig,
-          correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    logits: torch.Tensor, moe: MoEConfig, correction_bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] fp32 -> (weights [T, k] fp32, experts [T, k] int64).
 
     Scores are softmax (Qwen3-MoE) or sigmoid (MiniMax-M2, DeepSeek-V3) of the logits. The experts
@@ -84,7 +85,7 @@ class Dispatch:
     counts: tuple[int, ...]  # [E]: pairs per expert, so expert e owns rows sum(counts[:e]) ...
 
     @classmethod
-    def build(cls, experts: torch.Tensor, num_experts: int) -> "Dispatch":
+    def build(cls, experts: torch.Tensor, num_experts: int) -> Dispatch:
         """experts: [T, k] int64 from `route`."""
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -103,8 +104,9 @@ class Router(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(num_experts), requires_grad=False) if bias else None
-        self.e_score_correction_bias = (nn.Parameter(torch.empty(num_experts), requires_grad=False)
-                                        if correction_bias else None)
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.empty(num_experts), requires_grad=False) if correction_bias else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, hidden] -> router logits [T, E], computed in fp32 (DeepSeek-V3 does; for the
@@ -115,8 +117,7 @@ class Router(nn.Module):
 class SparseMoE(nn.Module):
     """The MLP of a sparse layer: routed experts (+ one fused shared expert), all-reduced once."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, parallel: ParallelConfig,
-                 group: dist.ProcessGroup | None) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, parallel: ParallelConfig, group: dist.ProcessGroup | None) -> None:
         super().__init__()
         moe = cfg.moe
         if moe is None or not moe.is_sparse(layer):
@@ -129,9 +130,13 @@ class SparseMoE(nn.Module):
         self.gate = Router(cfg.hidden_size, moe.num_experts, moe.correction_bias)
         self.experts = nn.ModuleList(
             MLP(cfg.hidden_size, moe.expert_intermediate_size, parallel, group, all_reduce=False)
-            for _ in range(moe.num_experts))
-        self.shared_experts = (MLP(cfg.hidden_size, moe.shared_intermediate_size, parallel, group, all_reduce=False)
-                               if moe.shared_intermediate_size else None)
+            for _ in range(moe.num_experts)
+        )
+        self.shared_experts = (
+            MLP(cfg.hidden_size, moe.shared_intermediate_size, parallel, group, all_reduce=False)
+            if moe.shared_intermediate_size
+            else None
+        )
         self.shared_expert_gate = Linear(cfg.hidden_size, 1) if moe.shared_expert_gate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -145,7 +150,7 @@ class SparseMoE(nn.Module):
         start = 0
         for e, n in enumerate(plan.counts):
             if n:  # experts nobody chose cost nothing
-                ys[start:start + n] = self.experts[e](xs[start:start + n])
+                ys[start : start + n] = self.experts[e](xs[start : start + n])
                 start += n
         ys = (ys * weights.reshape(-1).index_select(0, plan.order)[:, None]).to(x.dtype)
         out = torch.zeros_like(x).index_add_(0, plan.tokens, ys)
@@ -170,5 +175,7 @@ def check_routing(moe: MoEConfig) -> None:
         if rem or per_group < 2:  # a group is scored by its two best experts
             raise ConfigError(f"{moe.num_experts} experts do not split into {moe.num_groups} groups of >= 2")
         if not 0 < moe.topk_groups <= moe.num_groups or moe.top_k > moe.topk_groups * per_group:
-            raise ConfigError(f"top_k={moe.top_k} experts from the best {moe.topk_groups} of "
-                              f"{moe.num_groups} groups of {per_group} is impossible")
+            raise ConfigError(
+                f"top_k={moe.top_k} experts from the best {moe.topk_groups} of "
+                f"{moe.num_groups} groups of {per_group} is impossible"
+            )

@@ -33,8 +33,13 @@ def packing_enabled() -> bool:
 def can_pack(weight: torch.Tensor) -> bool:
     """A dense fp32 [out, in] weight on the CPU (oneDNN's fp32 path is the one measured; bf16 on
     CPUs without AVX-512 BF16 would be emulated)."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
-            and not weight.is_mkldnn and weight.numel() > 0)
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and weight.dim() == 2
+        and not weight.is_mkldnn
+        and weight.numel() > 0
+    )
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -26,8 +26,7 @@ class MLAPresetSpec:
     yarn_original_max_position_embeddings: int = 2048
 
 
-def deepseek_v3_config(num_layers: int, num_heads: int, head_dim: int, mla: MLAPresetSpec,
-                       moe: Any) -> dict[str, Any]:
+def deepseek_v3_config(num_layers: int, num_heads: int, head_dim: int, mla: MLAPresetSpec, moe: Any) -> dict[str, Any]:
     """Config keys of DeepseekV3ForCausalLM over a Llama-style base config. `moe` is the preset's
     MoEPresetSpec: its dense layers must be the first ones (first_k_dense_replace)."""
     k = len(moe.dense_layers)
@@ -35,27 +34,50 @@ def deepseek_v3_config(num_layers: int, num_heads: int, head_dim: int, mla: MLAP
         raise ConfigError("DeepSeek-V3's dense layers are the first first_k_dense_replace ones")
     if head_dim != mla.qk_rope_head_dim:  # HF's DeepseekV3Config sets head_dim = qk_rope_head_dim
         raise ConfigError("a DeepSeek-V3 preset's head_dim is its qk_rope_head_dim")
-    rope_scaling = None if mla.yarn_factor is None else {
-        # DeepSeek-V3's own shape (mscale == mscale_all_dim: cos/sin unscaled, softmax scale mscale^2)
-        "type": "yarn", "factor": mla.yarn_factor, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
-        "mscale_all_dim": 1.0, "original_max_position_embeddings": mla.yarn_original_max_position_embeddings}
+    rope_scaling = (
+        None
+        if mla.yarn_factor is None
+        else {
+            # DeepSeek-V3's own shape (mscale == mscale_all_dim: cos/sin unscaled, softmax scale mscale^2)
+            "type": "yarn",
+            "factor": mla.yarn_factor,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": mla.yarn_original_max_position_embeddings,
+        }
+    )
     return {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-        "num_key_value_heads": num_heads, "head_dim": head_dim, "rope_scaling": rope_scaling,
-        "q_lora_rank": mla.q_lora_rank, "kv_lora_rank": mla.kv_lora_rank,
-        "qk_nope_head_dim": mla.qk_nope_head_dim, "qk_rope_head_dim": mla.qk_rope_head_dim,
-        "v_head_dim": mla.v_head_dim, "rope_interleave": mla.rope_interleave,
-        "n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
-        "moe_intermediate_size": moe.expert_intermediate_size, "n_shared_experts": moe.shared_experts,
-        "n_group": moe.num_groups, "topk_group": moe.topk_groups, "norm_topk_prob": True,
-        "routed_scaling_factor": moe.routed_scaling_factor, "first_k_dense_replace": k,
-        "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "num_key_value_heads": num_heads,
+        "head_dim": head_dim,
+        "rope_scaling": rope_scaling,
+        "q_lora_rank": mla.q_lora_rank,
+        "kv_lora_rank": mla.kv_lora_rank,
+        "qk_nope_head_dim": mla.qk_nope_head_dim,
+        "qk_rope_head_dim": mla.qk_rope_head_dim,
+        "v_head_dim": mla.v_head_dim,
+        "rope_interleave": mla.rope_interleave,
+        "n_routed_experts": moe.num_experts,
+        "num_experts_per_tok": moe.top_k,
+        "moe_intermediate_size": moe.expert_intermediate_size,
+        "n_shared_experts": moe.shared_experts,
+        "n_group": moe.num_groups,
+        "topk_group": moe.topk_groups,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": moe.routed_scaling_factor,
+        "first_k_dense_replace": k,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
         "num_nextn_predict_layers": 0,  # no multi-token-prediction layer is written
     }
 
 
-def mla_attention_weights(hidden: int, num_heads: int, mla: MLAPresetSpec, layer: int,
-                          rnd: Callable[..., torch.Tensor]) -> dict[str, torch.Tensor]:
+def mla_attention_weights(
+    hidden: int, num_heads: int, mla: MLAPresetSpec, layer: int, rnd: Callable[..., torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """Layer `layer`'s self_attn tensors: q LoRA (or q_proj), kv_a_proj_with_mqa -> [latent | rope],
     kv_b_proj -> per head [k_nope | v], o_proj; norms at one."""
     p = f"model.layers.{layer}.self_attn."

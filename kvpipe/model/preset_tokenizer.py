@@ -13,11 +13,41 @@ SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>")
 # Merges in priority order, in plain text (" " is the byte-level "Ġ"). Each right side must
 # already be a token when its merge is listed.
 _MERGES = (
-    (" ", "t"), (" ", "a"), ("h", "e"), ("i", "n"), ("e", "r"), ("a", "n"), ("o", "n"), ("r", "e"),
-    (" ", "s"), (" ", "w"), ("a", "t"), ("e", "n"), ("o", "r"), ("i", "t"),
-    ("i", "s"), ("e", "s"), ("o", "u"), (" t", "he"), ("in", "g"), (" ", "o"), (" ", "c"),
-    (" a", "n"), (" an", "d"), (" ", "i"), (" ", "b"), (" ", "f"), (" ", "m"), (" ", "p"),
-    ("l", "l"), (" ", "h"), ("e", "d"), (" o", "f"), (" t", "o"), (" i", "s"), ("a", "r"),
+    (" ", "t"),
+    (" ", "a"),
+    ("h", "e"),
+    ("i", "n"),
+    ("e", "r"),
+    ("a", "n"),
+    ("o", "n"),
+    ("r", "e"),
+    (" ", "s"),
+    (" ", "w"),
+    ("a", "t"),
+    ("e", "n"),
+    ("o", "r"),
+    ("i", "t"),
+    ("i", "s"),
+    ("e", "s"),
+    ("o", "u"),
+    (" t", "he"),
+    ("in", "g"),
+    (" ", "o"),
+    (" ", "c"),
+    (" a", "n"),
+    (" an", "d"),
+    (" ", "i"),
+    (" ", "b"),
+    (" ", "f"),
+    (" ", "m"),
+    (" ", "p"),
+    ("l", "l"),
+    (" ", "h"),
+    ("e", "d"),
+    (" o", "f"),
+    (" t", "o"),
+    (" i", "s"),
+    ("a", "r"),
 )
 
 
@@ -55,5 +85,6 @@ def build_tokenizer() -> Tokenizer:
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     bos = tok.token_to_id("<|bos|>")
     tok.post_processor = processors.TemplateProcessing(
-        single="<|bos|> $A", pair="<|bos|> $A <|bos|> $B", special_tokens=[("<|bos|>", bos)])
+        single="<|bos|> $A", pair="<|bos|> $A <|bos|> $B", special_tokens=[("<|bos|>", bos)]
+    )
     return tok

@@ -12,9 +12,10 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -74,46 +75,84 @@ class PresetSpec:
 
 
 PRESETS: dict[str, PresetSpec] = {
-    "tiny": PresetSpec(num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
-                       intermediate_size=256),
+    "tiny": PresetSpec(num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=256),
     # tiny with one KV head per query head: every TP pairing up to 4 slices heads (staging tests)
-    "tiny-kv4": PresetSpec(num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=4, head_dim=32,
-                           intermediate_size=256),
+    "tiny-kv4": PresetSpec(
+        num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=4, head_dim=32, intermediate_size=256
+    ),
     # GPT-2-small-sized stack with mild GQA (3 query heads per KV head), fp32.
-    "bench": PresetSpec(num_layers=12, hidden_size=768, num_heads=12, num_kv_heads=4, head_dim=64,
-                        intermediate_size=2048),
+    "bench": PresetSpec(
+        num_layers=12, hidden_size=768, num_heads=12, num_kv_heads=4, head_dim=64, intermediate_size=2048
+    ),
     # MoE presets: 8 experts, top-2; every size splits over TP 4
-    "tiny-qwen3-moe": PresetSpec(num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
-                                 intermediate_size=256, moe=MoEPresetSpec("qwen3_moe", num_experts=8, top_k=2,
-                                                                          expert_intermediate_size=64,
-                                                                          dense_layers=(0,))),
-    "tiny-minimax-m2": PresetSpec(num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
-                                  intermediate_size=64, moe=MoEPresetSpec("minimax_m2", num_experts=8, top_k=2,
-                                                                          expert_intermediate_size=64,
-                                                                          rotary_dim=16)),
+    "tiny-qwen3-moe": PresetSpec(
+        num_layers=4,
+        hidden_size=128,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        intermediate_size=256,
+        moe=MoEPresetSpec("qwen3_moe", num_experts=8, top_k=2, expert_intermediate_size=64, dense_layers=(0,)),
+    ),
+    "tiny-minimax-m2": PresetSpec(
+        num_layers=4,
+        hidden_size=128,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        intermediate_size=64,
+        moe=MoEPresetSpec("minimax_m2", num_experts=8, top_k=2, expert_intermediate_size=64, rotary_dim=16),
+    ),
     # MLA (latent 32 + rope 16 per token and layer, q LoRA 64, yarn x4) + MoE (layer 0 dense, then
     # 8 experts in 2 groups, top-2 from the best group, 1 shared expert); every size splits over TP 4
-    "tiny-deepseek-v3": PresetSpec(num_layers=4, hidden_size=128, num_heads=8, num_kv_heads=8, head_dim=16,
-                                   intermediate_size=256,
-                                   moe=MoEPresetSpec("deepseek_v3", num_experts=8, top_k=2, expert_intermediate_size=64,
-                                                     dense_layers=(0,), num_groups=2, topk_groups=1, shared_experts=1,
-                                                     routed_scaling_factor=2.5),
-                                   mla=MLAPresetSpec(q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32,
-                                                     qk_rope_head_dim=16, v_head_dim=32, yarn_factor=4.0)),
+    "tiny-deepseek-v3": PresetSpec(
+        num_layers=4,
+        hidden_size=128,
+        num_heads=8,
+        num_kv_heads=8,
+        head_dim=16,
+        intermediate_size=256,
+        moe=MoEPresetSpec(
+            "deepseek_v3",
+            num_experts=8,
+            top_k=2,
+            expert_intermediate_size=64,
+            dense_layers=(0,),
+            num_groups=2,
+            topk_groups=1,
+            shared_experts=1,
+            routed_scaling_factor=2.5,
+        ),
+        mla=MLAPresetSpec(
+            q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, yarn_factor=4.0
+        ),
+    ),
 }
 
 
 def _hf_config(spec: PresetSpec, vocab_size: int, bos: int, eos: int) -> dict:
     cfg = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": vocab_size, "hidden_size": spec.hidden_size,
-        "intermediate_size": spec.intermediate_size, "num_hidden_layers": spec.num_layers,
-        "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads,
-        "head_dim": spec.head_dim, "hidden_act": "silu", "rms_norm_eps": 1e-5,
-        "rope_theta": spec.rope_theta, "rope_scaling": None,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "rope_theta": spec.rope_theta,
+        "rope_scaling": None,
         "max_position_embeddings": spec.max_position_embeddings,
-        "tie_word_embeddings": spec.tie_word_embeddings, "attention_bias": False, "mlp_bias": False,
-        "bos_token_id": bos, "eos_token_id": eos, "torch_dtype": "float32", "use_cache": True,
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "torch_dtype": "float32",
+        "use_cache": True,
     }
     moe = spec.moe
     if moe is None:
@@ -121,18 +160,31 @@ def _hf_config(spec: PresetSpec, vocab_size: int, bos: int, eos: int) -> dict:
     for key in ("rope_scaling", "mlp_bias"):  # not options of the MoE families' HF configs
         del cfg[key]
     if moe.family == "qwen3_moe":
-        return cfg | {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
-                      "num_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
-                      "moe_intermediate_size": moe.expert_intermediate_size, "norm_topk_prob": True,
-                      "decoder_sparse_step": 1, "mlp_only_layers": list(moe.dense_layers),
-                      "use_sliding_window": False}
+        return cfg | {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "num_experts": moe.num_experts,
+            "num_experts_per_tok": moe.top_k,
+            "moe_intermediate_size": moe.expert_intermediate_size,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": list(moe.dense_layers),
+            "use_sliding_window": False,
+        }
     if moe.family == "minimax_m2":
         if spec.intermediate_size != moe.expert_intermediate_size or moe.dense_layers:
             raise ConfigError("MiniMax-M2 has no dense layers: intermediate_size is the expert size")
-        return cfg | {"architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2",
-                      "num_local_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
-                      "rotary_dim": moe.rotary_dim or spec.head_dim, "scoring_func": "sigmoid",
-                      "use_routing_bias": True, "use_qk_norm": True, "qk_norm_type": "per_layer"}
+        return cfg | {
+            "architectures": ["MiniMaxM2ForCausalLM"],
+            "model_type": "minimax_m2",
+            "num_local_experts": moe.num_experts,
+            "num_experts_per_tok": moe.top_k,
+            "rotary_dim": moe.rotary_dim or spec.head_dim,
+            "scoring_func": "sigmoid",
+            "use_routing_bias": True,
+            "use_qk_norm": True,
+            "qk_norm_type": "per_layer",
+        }
     if moe.family == "deepseek_v3" and spec.mla is not None:
         return cfg | deepseek_v3_config(spec.num_layers, spec.num_heads, spec.head_dim, spec.mla, moe)
     raise ConfigError(f"unknown MoE preset family {moe.family!r}")
@@ -169,25 +221,35 @@ def _weights(spec: PresetSpec, vocab_size: int, seed: int) -> dict[str, torch.Te
     return w
 
 
-def _moe_layer_weights(spec: PresetSpec, moe: MoEPresetSpec, layer: int,
-                       rnd: Callable[..., torch.Tensor]) -> dict[str, torch.Tensor]:
+def _moe_layer_weights(
+    spec: PresetSpec, moe: MoEPresetSpec, layer: int, rnd: Callable[..., torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """Layer `layer`'s q/k norms (none for DeepSeek-V3's MLA) and MLP (dense or sparse) under the
     family's hub tensor names."""
     h, d, p = spec.hidden_size, spec.head_dim, f"model.layers.{layer}."
     per_head = moe.family == "qwen3_moe"  # MiniMax-M2 norms the whole q / k projection
     mixtral_names = moe.family == "minimax_m2"
-    w = {} if moe.family == "deepseek_v3" else {
-        p + "self_attn.q_norm.weight": torch.ones(d if per_head else spec.num_heads * d),
-        p + "self_attn.k_norm.weight": torch.ones(d if per_head else spec.num_kv_heads * d)}
+    w = (
+        {}
+        if moe.family == "deepseek_v3"
+        else {
+            p + "self_attn.q_norm.weight": torch.ones(d if per_head else spec.num_heads * d),
+            p + "self_attn.k_norm.weight": torch.ones(d if per_head else spec.num_kv_heads * d),
+        }
+    )
     if layer in moe.dense_layers:
         inter = spec.intermediate_size
-        return w | {p + "mlp.gate_proj.weight": rnd(inter, h), p + "mlp.up_proj.weight": rnd(inter, h),
-                    p + "mlp.down_proj.weight": rnd(h, inter)}
+        return w | {
+            p + "mlp.gate_proj.weight": rnd(inter, h),
+            p + "mlp.up_proj.weight": rnd(inter, h),
+            p + "mlp.down_proj.weight": rnd(h, inter),
+        }
     inter = moe.expert_intermediate_size
     # (gate, up, down) names per family: Qwen3-MoE's and DeepSeek-V3's mirror the dense MLP,
     # MiniMax-M2's are Mixtral's
-    block, names = ("block_sparse_moe", ("w1", "w3", "w2")) if mixtral_names else \
-        ("mlp", ("gate_proj", "up_proj", "down_proj"))
+    block, names = (
+        ("block_sparse_moe", ("w1", "w3", "w2")) if mixtral_names else ("mlp", ("gate_proj", "up_proj", "down_proj"))
+    )
     w[p + f"{block}.gate.weight"] = rnd(moe.num_experts, h)
     if moe.family == "minimax_m2":
         w[p + f"{block}.e_score_correction_bias"] = rnd(moe.num_experts, std=moe.bias_std)
@@ -224,10 +286,14 @@ def _writers() -> dict[str, _Writer]:
     """Every preset by name; the family presets keep their own spec types."""
     return {
         **{n: (s, _hf_config, _weights) for n, s in PRESETS.items()},
-        **{n: (s, presets_qwen3_5.hf_config, presets_qwen3_5.weights)
-           for n, s in presets_qwen3_5.QWEN3_5_PRESETS.items()},
-        **{n: (s, presets_gpt_oss.hf_config, presets_gpt_oss.weights)
-           for n, s in presets_gpt_oss.GPT_OSS_PRESETS.items()},
+        **{
+            n: (s, presets_qwen3_5.hf_config, presets_qwen3_5.weights)
+            for n, s in presets_qwen3_5.QWEN3_5_PRESETS.items()
+        },
+        **{
+            n: (s, presets_gpt_oss.hf_config, presets_gpt_oss.weights)
+            for n, s in presets_gpt_oss.GPT_OSS_PRESETS.items()
+        },
     }
 
 
@@ -256,17 +322,25 @@ def write_preset(name: str, out_dir: str | Path, seed: int = 0) -> Path:
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     bos, eos, im_end = ids["<|bos|>"], ids["<|eos|>"], ids["<|im_end|>"]
     (out / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n")
-    _dump(out / "tokenizer_config.json", {
-        "bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>",
-        "chat_template": CHAT_TEMPLATE, "model_max_length": spec.max_position_embeddings,
-        "tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
-    })
+    _dump(
+        out / "tokenizer_config.json",
+        {
+            "bos_token": "<|bos|>",
+            "eos_token": "<|eos|>",
+            "pad_token": "<|pad|>",
+            "chat_template": CHAT_TEMPLATE,
+            "model_max_length": spec.max_position_embeddings,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "clean_up_tokenization_spaces": False,
+        },
+    )
     _dump(out / "config.json", config_fn(spec, vocab, bos, eos))
-    _dump(out / "generation_config.json", {"bos_token_id": bos, "eos_token_id": [eos, im_end],
-                                           "do_sample": False})
+    _dump(out / "generation_config.json", {"bos_token_id": bos, "eos_token_id": [eos, im_end], "do_sample": False})
     save_file(weights_fn(spec, vocab, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
-    _dump(out / "kvpipe_preset.json", {"preset": name, "seed": seed, "version": PRESET_FORMAT_VERSION,
-                                       "spec": _spec_json(spec)})
+    _dump(
+        out / "kvpipe_preset.json",
+        {"preset": name, "seed": seed, "version": PRESET_FORMAT_VERSION, "spec": _spec_json(spec)},
+    )
     return out
 
 

@@ -36,24 +36,55 @@ class GptOssPresetSpec:
 
 GPT_OSS_PRESETS: dict[str, GptOssPresetSpec] = {
     # window 32: prompts of 100+ tokens slide it; heads, KV heads and expert sizes split over TP 4
-    "tiny-gpt-oss": GptOssPresetSpec(num_layers=4, sliding_window=32, hidden_size=128, num_heads=8, num_kv_heads=4,
-                                     head_dim=16, num_experts=8, top_k=2, expert_intermediate_size=64),
+    "tiny-gpt-oss": GptOssPresetSpec(
+        num_layers=4,
+        sliding_window=32,
+        hidden_size=128,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=16,
+        num_experts=8,
+        top_k=2,
+        expert_intermediate_size=64,
+    ),
 }
 
 
 def hf_config(spec: GptOssPresetSpec, vocab_size: int, bos: int, eos: int) -> dict:
     return {
-        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
-        "vocab_size": vocab_size, "hidden_size": spec.hidden_size, "intermediate_size": spec.expert_intermediate_size,
-        "num_hidden_layers": spec.num_layers, "layer_types": spec.layer_types, "sliding_window": spec.sliding_window,
-        "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
-        "num_local_experts": spec.num_experts, "num_experts_per_tok": spec.top_k,
-        "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "hidden_act": "silu", "rms_norm_eps": 1e-5,
-        "rope_parameters": {"rope_type": "yarn", "rope_theta": spec.rope_theta, "factor": spec.yarn_factor,
-                            "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                            "original_max_position_embeddings": spec.yarn_original_max_position_embeddings},
-        "max_position_embeddings": spec.max_position_embeddings, "tie_word_embeddings": False,
-        "attention_bias": True, "bos_token_id": bos, "eos_token_id": eos, "dtype": "float32", "use_cache": True,
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "vocab_size": vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.expert_intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "layer_types": spec.layer_types,
+        "sliding_window": spec.sliding_window,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "num_local_experts": spec.num_experts,
+        "num_experts_per_tok": spec.top_k,
+        "swiglu_alpha": 1.702,
+        "swiglu_limit": 7.0,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": spec.rope_theta,
+            "factor": spec.yarn_factor,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": spec.yarn_original_max_position_embeddings,
+        },
+        "max_position_embeddings": spec.max_position_embeddings,
+        "tie_word_embeddings": False,
+        "attention_bias": True,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "dtype": "float32",
+        "use_cache": True,
     }
 
 

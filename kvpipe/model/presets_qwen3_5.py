@@ -46,21 +46,42 @@ class Qwen3_5PresetSpec:
 
     @property
     def layer_types(self) -> list[str]:
-        return ["linear_attention" if (i + 1) % self.full_attention_interval else "full_attention"
-                for i in range(self.num_layers)]
+        return [
+            "linear_attention" if (i + 1) % self.full_attention_interval else "full_attention"
+            for i in range(self.num_layers)
+        ]
 
 
 QWEN3_5_PRESETS: dict[str, Qwen3_5PresetSpec] = {
     # 3 delta-net layers then 1 full-attention layer; heads split over TP 1, 2 and 4
-    "tiny-qwen3.5": Qwen3_5PresetSpec(num_layers=4, full_attention_interval=4, hidden_size=128, num_heads=4,
-                                      num_kv_heads=2, head_dim=32, intermediate_size=256, linear_key_heads=4,
-                                      linear_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=32),
+    "tiny-qwen3.5": Qwen3_5PresetSpec(
+        num_layers=4,
+        full_attention_interval=4,
+        hidden_size=128,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        intermediate_size=256,
+        linear_key_heads=4,
+        linear_value_heads=8,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+    ),
     # the same stack with 8 experts of 64 (top 2) and a shared expert of 128 in every layer
-    "tiny-qwen3.5-moe": Qwen3_5PresetSpec(num_layers=4, full_attention_interval=4, hidden_size=128, num_heads=4,
-                                          num_kv_heads=2, head_dim=32, intermediate_size=0, linear_key_heads=4,
-                                          linear_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=32,
-                                          moe=Qwen3_5MoeSpec(num_experts=8, top_k=2, expert_intermediate_size=64,
-                                                             shared_intermediate_size=128)),
+    "tiny-qwen3.5-moe": Qwen3_5PresetSpec(
+        num_layers=4,
+        full_attention_interval=4,
+        hidden_size=128,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        intermediate_size=0,
+        linear_key_heads=4,
+        linear_value_heads=8,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        moe=Qwen3_5MoeSpec(num_experts=8, top_k=2, expert_intermediate_size=64, shared_intermediate_size=128),
+    ),
 }
 
 
@@ -68,26 +89,48 @@ def hf_config(spec: Qwen3_5PresetSpec, vocab_size: int, bos: int, eos: int) -> d
     if spec.moe is not None:
         m = spec.moe
         dense = {k: v for k, v in _dense_config(spec, vocab_size, bos, eos).items() if k != "intermediate_size"}
-        return dense | {"architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text",
-                        "num_experts": m.num_experts, "num_experts_per_tok": m.top_k,
-                        "moe_intermediate_size": m.expert_intermediate_size,
-                        "shared_expert_intermediate_size": m.shared_intermediate_size}
+        return dense | {
+            "architectures": ["Qwen3_5MoeForCausalLM"],
+            "model_type": "qwen3_5_moe_text",
+            "num_experts": m.num_experts,
+            "num_experts_per_tok": m.top_k,
+            "moe_intermediate_size": m.expert_intermediate_size,
+            "shared_expert_intermediate_size": m.shared_intermediate_size,
+        }
     return _dense_config(spec, vocab_size, bos, eos)
 
 
 def _dense_config(spec: Qwen3_5PresetSpec, vocab_size: int, bos: int, eos: int) -> dict:
     return {
-        "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
-        "vocab_size": vocab_size, "hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size,
-        "num_hidden_layers": spec.num_layers, "layer_types": spec.layer_types,
-        "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
-        "linear_num_key_heads": spec.linear_key_heads, "linear_num_value_heads": spec.linear_value_heads,
-        "linear_key_head_dim": spec.linear_key_head_dim, "linear_value_head_dim": spec.linear_value_head_dim,
-        "linear_conv_kernel_dim": spec.conv_kernel, "hidden_act": "silu", "rms_norm_eps": 1e-6,
-        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta,
-                            "partial_rotary_factor": spec.partial_rotary_factor},
-        "max_position_embeddings": spec.max_position_embeddings, "tie_word_embeddings": False,
-        "attention_bias": False, "bos_token_id": bos, "eos_token_id": eos, "dtype": "float32", "use_cache": True,
+        "architectures": ["Qwen3_5ForCausalLM"],
+        "model_type": "qwen3_5_text",
+        "vocab_size": vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "layer_types": spec.layer_types,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "linear_num_key_heads": spec.linear_key_heads,
+        "linear_num_value_heads": spec.linear_value_heads,
+        "linear_key_head_dim": spec.linear_key_head_dim,
+        "linear_value_head_dim": spec.linear_value_head_dim,
+        "linear_conv_kernel_dim": spec.conv_kernel,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": spec.rope_theta,
+            "partial_rotary_factor": spec.partial_rotary_factor,
+        },
+        "max_position_embeddings": spec.max_position_embeddings,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "dtype": "float32",
+        "use_cache": True,
     }
 
 
@@ -140,10 +183,13 @@ def weights(spec: Qwen3_5PresetSpec, vocab_size: int, seed: int) -> dict[str, to
 def _moe_weights(moe: Qwen3_5MoeSpec, h: int, p: str, rnd) -> dict[str, torch.Tensor]:
     """One layer's MoE block under prefix p ("model.layers.i.mlp."), in the per-expert names HF's
     save_pretrained writes (and loads back into its fused experts)."""
-    w = {p + "gate.weight": rnd(moe.num_experts, h, std=moe.router_std),
-         p + "shared_expert_gate.weight": rnd(1, h, std=moe.router_std)}
+    w = {
+        p + "gate.weight": rnd(moe.num_experts, h, std=moe.router_std),
+        p + "shared_expert_gate.weight": rnd(1, h, std=moe.router_std),
+    }
     for name, inter in [(f"experts.{e}.", moe.expert_intermediate_size) for e in range(moe.num_experts)] + [
-            ("shared_expert.", moe.shared_intermediate_size)]:
+        ("shared_expert.", moe.shared_intermediate_size)
+    ]:
         w[p + name + "gate_proj.weight"] = rnd(inter, h)
         w[p + name + "up_proj.weight"] = rnd(inter, h)
         w[p + name + "down_proj.weight"] = rnd(h, inter)

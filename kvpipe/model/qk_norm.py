@@ -37,11 +37,13 @@ class ShardedRMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
-def whole_qk_norm(q: torch.Tensor, k: torch.Tensor, q_norm: ShardedRMSNorm, k_norm: ShardedRMSNorm,
-                  group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
+def whole_qk_norm(
+    q: torch.Tensor, k: torch.Tensor, q_norm: ShardedRMSNorm, k_norm: ShardedRMSNorm, group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [T, Hq_local * D], k: [T, Hkv_local * D] -> both normalised; one all-reduce for both."""
-    sum_sq = torch.cat([q.to(torch.float32).pow(2).sum(-1, keepdim=True),
-                        k.to(torch.float32).pow(2).sum(-1, keepdim=True)], dim=-1)  # [T, 2]
+    sum_sq = torch.cat(
+        [q.to(torch.float32).pow(2).sum(-1, keepdim=True), k.to(torch.float32).pow(2).sum(-1, keepdim=True)], dim=-1
+    )  # [T, 2]
     if q_norm.shard is not None:  # q is sliced over TP ranks (tp > 1)
         dist.all_reduce(sum_sq, group=group)
     return q_norm.normalize(q, sum_sq[:, :1]), k_norm.normalize(k, sum_sq[:, 1:])

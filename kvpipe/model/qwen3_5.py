@@ -57,27 +57,39 @@ def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
 class GatedAttention(nn.Module):
     """Full attention with an output gate: q_proj rows are [q | gate] per head (2 * head_dim each)."""
 
-    def __init__(self, cfg: ModelConfig, kv_layer: int, parallel: ParallelConfig,
-                 group: dist.ProcessGroup | None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, kv_layer: int, parallel: ParallelConfig, group: dist.ProcessGroup | None
+    ) -> None:
         super().__init__()
         self.kv_layer = kv_layer  # this layer's buffer in the KV pool
         d = self.head_dim = cfg.head_dim
         self.num_heads = parallel.local_heads(cfg.num_heads)
         self.num_kv_heads = parallel.local_kv_heads(cfg.num_kv_heads)
-        self.scale = d ** -0.5
+        self.scale = d**-0.5
         h0, kv0 = parallel.tp_rank * self.num_heads, parallel.kv_head_start(cfg.num_kv_heads)
         bias, kv_rows = cfg.attention_bias, Shard.rows(parallel, kv0 * d, self.num_kv_heads * d)
-        self.q_proj = Linear(cfg.hidden_size, self.num_heads * 2 * d, bias,
-                             shard=Shard.rows(parallel, h0 * 2 * d, self.num_heads * 2 * d))
+        self.q_proj = Linear(
+            cfg.hidden_size,
+            self.num_heads * 2 * d,
+            bias,
+            shard=Shard.rows(parallel, h0 * 2 * d, self.num_heads * 2 * d),
+        )
         self.k_proj = Linear(cfg.hidden_size, self.num_kv_heads * d, bias, shard=kv_rows)
         self.v_proj = Linear(cfg.hidden_size, self.num_kv_heads * d, bias, shard=kv_rows)
-        self.o_proj = Linear(self.num_heads * d, cfg.hidden_size, bias, all_reduce=parallel.tp_size > 1, group=group,
-                             shard=Shard.cols(parallel, h0 * d, self.num_heads * d))
+        self.o_proj = Linear(
+            self.num_heads * d,
+            cfg.hidden_size,
+            bias,
+            all_reduce=parallel.tp_size > 1,
+            group=group,
+            shard=Shard.cols(parallel, h0 * d, self.num_heads * d),
+        )
         self.q_norm = ZeroCenteredRMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(d, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
-                pool: KVPool) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, pool: KVPool
+    ) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
         qg = self.q_proj(x).view(t, self.num_heads, 2 * d)
         q, gate = self.q_norm(qg[..., :d]), qg[..., d:].reshape(t, self.num_heads * d)
@@ -89,8 +101,7 @@ class GatedAttention(nn.Module):
 
 
 class HybridDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, parallel: ParallelConfig,
-                 group: dist.ProcessGroup | None) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, parallel: ParallelConfig, group: dist.ProcessGroup | None) -> None:
         super().__init__()
         h = cfg.hybrid
         assert h is not None
@@ -103,8 +114,9 @@ class HybridDecoderLayer(nn.Module):
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = make_mlp(cfg, layer, parallel, group)  # dense, or Qwen3.5-MoE's sparse block
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
-                pool: KVPool, state: StatePool) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, pool: KVPool, state: StatePool
+    ) -> torch.Tensor:
         h = self.input_layernorm(x)
         if self.layer_type is LayerType.LINEAR_ATTENTION:
             h = self.linear_attn(h, batch, state)
@@ -115,8 +127,9 @@ class HybridDecoderLayer(nn.Module):
 
 
 class Qwen3_5CausalLM(LMBase):
-    def __init__(self, cfg: ModelConfig, parallel: ParallelConfig = ParallelConfig(),
-                 group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, parallel: ParallelConfig = ParallelConfig(), group: dist.ProcessGroup | None = None
+    ) -> None:
         if cfg.hybrid is None:
             raise ValueError("Qwen3_5CausalLM needs a ModelConfig with a HybridConfig")
         super().__init__(cfg, parallel, group)
@@ -124,8 +137,15 @@ class Qwen3_5CausalLM(LMBase):
         self.layers = nn.ModuleList(HybridDecoderLayer(cfg, i, parallel, group) for i in range(cfg.num_layers))
         self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward_layers(self, hidden: torch.Tensor, batch: ForwardBatch, pool: KVPool, start: int, end: int,
-                       state: StatePool | None = None) -> torch.Tensor:
+    def forward_layers(
+        self,
+        hidden: torch.Tensor,
+        batch: ForwardBatch,
+        pool: KVPool,
+        start: int,
+        end: int,
+        state: StatePool | None = None,
+    ) -> torch.Tensor:
         """Run layers [start, end): full-attention layers write their K/V into `pool`, linear ones
         read and write the rows' slots of `state`."""
         self.check_layers(start, end)

@@ -29,8 +29,9 @@ def _check_type(kind: str) -> None:
         raise ConfigError(f"unsupported rope_scaling type {kind!r}; kvpipe supports {SUPPORTED_ROPE_TYPES}")
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = None,
-                  max_position_embeddings: int | None = None) -> torch.Tensor:
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None = None, max_position_embeddings: int | None = None
+) -> torch.Tensor:
     """[head_dim // 2] fp32 inverse frequencies. max_position_embeddings: yarn's fallback for a
     missing `original_max_position_embeddings` or `factor` (as transformers fills them in)."""
     kind = rope_type(scaling)
@@ -129,8 +130,9 @@ def _llama3(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
     return torch.where(is_medium, smoothed, inv_freq_llama)
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype,
-                 attention_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, attention_factor: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """positions [T] -> cos, sin [T, 2 * len(inv_freq)] (the rotary dim), in fp32 (scaled by
     yarn's attention_factor) then cast, as HF does."""
     freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, D/2]

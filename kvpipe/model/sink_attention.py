@@ -16,8 +16,16 @@ import torch
 QUERY_BLOCK = 512
 
 
-def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int, scale: float,
-                     sinks: torch.Tensor | None, window: int | None, key_start: int = 0) -> torch.Tensor:
+def window_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prefix_len: int,
+    scale: float,
+    sinks: torch.Tensor | None,
+    window: int | None,
+    key_start: int = 0,
+) -> torch.Tensor:
     """q [E, Hq, D] of the tokens at positions prefix_len .. prefix_len + E - 1; k [Hkv, L, D],
     v [Hkv, L, Dv] of the context from position key_start on (L = prefix_len + E - key_start; the
     window must not reach before key_start); sinks [Hq] or None; window: key j is visible to
@@ -32,7 +40,7 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_l
         hi = prefix_len + b  # keys after the block's last query are never visible
         lo = key_start if window is None else max(key_start, prefix_len + a - window + 1)
         qh = q[a:b].view(b - a, hkv, g, d).permute(1, 2, 0, 3)  # [Hkv, G, e, D]
-        ks, vs = k[:, None, lo - key_start:hi - key_start], v[:, None, lo - key_start:hi - key_start]
+        ks, vs = k[:, None, lo - key_start : hi - key_start], v[:, None, lo - key_start : hi - key_start]
         scores = torch.matmul(qh, ks.transpose(-1, -2)).float().mul_(scale)  # [Hkv, G, e, l]
         qpos = torch.arange(prefix_len + a, prefix_len + b, device=q.device)[:, None]
         kpos = torch.arange(lo, hi, device=q.device)[None, :]

@@ -22,8 +22,13 @@ def _token_text(tok: Any) -> str | None:
 
 
 class Tokenizer:
-    def __init__(self, tok: _HFTokenizer, config: dict[str, Any] | None = None,
-                 chat_template: str | None = None, extra_eos_ids: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        tok: _HFTokenizer,
+        config: dict[str, Any] | None = None,
+        chat_template: str | None = None,
+        extra_eos_ids: tuple[int, ...] = (),
+    ) -> None:
         self._tok = tok
         config = config or {}
         self.bos_token = _token_text(config.get("bos_token"))
@@ -38,7 +43,7 @@ class Tokenizer:
         self._force_bos = bool(config.get("add_bos_token")) and self.bos_token_id is not None
 
     @classmethod
-    def from_dir(cls, path: str | Path, extra_eos_ids: tuple[int, ...] = ()) -> "Tokenizer":
+    def from_dir(cls, path: str | Path, extra_eos_ids: tuple[int, ...] = ()) -> Tokenizer:
         path = Path(path)
         tj = path / "tokenizer.json"
         if not tj.is_file():
@@ -78,9 +83,14 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise ConfigError("this tokenizer has no chat_template (tokenizer_config.json / chat_template.jinja)")
-        return render_chat(self.chat_template, messages, add_generation_prompt,
-                           bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                           pad_token=self.pad_token or "")
+        return render_chat(
+            self.chat_template,
+            messages,
+            add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            pad_token=self.pad_token or "",
+        )
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         """Prompt ids of a chat; the template writes its own special tokens (as HF tokenize=True)."""
@@ -108,16 +118,16 @@ class IncrementalDetokenizer:
     def add(self, new_ids: list[int] | tuple[int, ...]) -> str:
         """Append tokens; return the newly completed text (possibly "")."""
         self.ids.extend(new_ids)
-        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        text = self._decode(self.ids[self.prefix_offset:])
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        text = self._decode(self.ids[self.prefix_offset :])
         if len(text) > len(prefix_text) and not text.endswith("\ufffd"):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            return text[len(prefix_text):]
+            return text[len(prefix_text) :]
         return ""
 
     def flush(self) -> str:
         """At the end of a stream: whatever is still held back (incomplete bytes as U+FFFD)."""
-        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        text = self._decode(self.ids[self.prefix_offset:])
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        text = self._decode(self.ids[self.prefix_offset :])
         self.prefix_offset = self.read_offset = len(self.ids)
-        return text[len(prefix_text):]
+        return text[len(prefix_text) :]

@@ -16,7 +16,8 @@ import asyncio
 import logging
 import threading
 import time
-from typing import AsyncIterator, Callable, Protocol
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol
 
 from kvpipe.config import ModelConfig
 from kvpipe.engine.errors import EngineLost
@@ -61,8 +62,9 @@ class _EngineFailure:
 
 
 class AsyncEngine:
-    def __init__(self, engine_factory: Callable[[], EngineLike],
-                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
+    def __init__(
+        self, engine_factory: Callable[[], EngineLike], on_fatal: Callable[[BaseException], None] | None = None
+    ) -> None:
         self._factory = engine_factory
         self._on_fatal = on_fatal
         self._engine: EngineLike | None = None
@@ -214,12 +216,18 @@ class AsyncEngine:
 
     def make_req(self, inp: GenerateInput) -> Req:
         boot = inp.bootstrap
-        return Req(rid=inp.rid, input_ids=list(inp.input_ids), params=inp.params,
-                   eos_token_ids=self.engine.eos_token_ids, return_logprob=inp.return_logprob,
-                   bootstrap_host=boot.host if boot else None, bootstrap_port=boot.port if boot else None,
-                   bootstrap_room=boot.room if boot else None)
+        return Req(
+            rid=inp.rid,
+            input_ids=list(inp.input_ids),
+            params=inp.params,
+            eos_token_ids=self.engine.eos_token_ids,
+            return_logprob=inp.return_logprob,
+            bootstrap_host=boot.host if boot else None,
+            bootstrap_port=boot.port if boot else None,
+            bootstrap_room=boot.room if boot else None,
+        )
 
-    def submit(self, inp: GenerateInput) -> "RequestStream":
+    def submit(self, inp: GenerateInput) -> RequestStream:
         """Add one prompt to the engine now (errors are raised here, before any response is sent)."""
         engine = self.engine
         if inp.rid in self._queues:
@@ -248,8 +256,14 @@ class AsyncEngine:
             return
         ttft = None if tracker.first_token_time is None else tracker.first_token_time - tracker.start_time
         reason = tracker.finish_reason or FinishReason.ABORT
-        self.metrics.on_finish(reason.value, tracker.prompt_tokens, tracker.cached_tokens,
-                               len(tracker.output_ids), time.monotonic() - tracker.start_time, ttft)
+        self.metrics.on_finish(
+            reason.value,
+            tracker.prompt_tokens,
+            tracker.cached_tokens,
+            len(tracker.output_ids),
+            time.monotonic() - tracker.start_time,
+            ttft,
+        )
 
 
 class RequestStream:

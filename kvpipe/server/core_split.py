@@ -7,8 +7,8 @@ larger half: it runs the long forwards (a prompt at a time), decode runs small b
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from kvpipe.engine.cpu_threads import format_cores
 
@@ -26,9 +26,10 @@ class CoreSplit:
         return not set(self.prefill) & set(self.decode)
 
     def describe(self) -> str:
-        return (f"cores: prefill {len(self.prefill)} ({format_cores(self.prefill)}), "
-                f"decode {len(self.decode)} ({format_cores(self.decode)})"
-                + ("" if self.disjoint else ", shared: one core"))
+        return (
+            f"cores: prefill {len(self.prefill)} ({format_cores(self.prefill)}), "
+            f"decode {len(self.decode)} ({format_cores(self.decode)})" + ("" if self.disjoint else ", shared: one core")
+        )
 
     def as_dict(self) -> dict[str, list[int]]:
         return {"prefill": list(self.prefill), "decode": list(self.decode)}
@@ -58,12 +59,14 @@ class ServerCores:
     pin: tuple[int, ...] | None  # cores to pin it to (None: not pinned)
 
 
-def server_cores(split: CoreSplit, both: Sequence[str], prefill: Sequence[str], decode: Sequence[str]
-                 ) -> tuple[ServerCores, ServerCores]:
+def server_cores(
+    split: CoreSplit, both: Sequence[str], prefill: Sequence[str], decode: Sequence[str]
+) -> tuple[ServerCores, ServerCores]:
     """(prefill, decode): each gets --cpu-threads of its share and is pinned to it, unless the
     user's args for that server (`both` + its own) choose its threads: then it gets neither.
     Pinned (measured, docs/benchmarks.md): e2e p50 at concurrency 4 fell from 351-487 ms to
     311-363 ms against threads limited alone; nothing is pinned on one core (both share it)."""
+
     def share(cores: tuple[int, ...], own: Sequence[str]) -> ServerCores:
         if has_flag([*both, *own], CPU_THREADS_FLAG):
             return ServerCores((), None)

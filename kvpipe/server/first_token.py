@@ -11,7 +11,7 @@ wait per step would cost throughput at high concurrency.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from kvpipe.engine.request import TokenOutput
 

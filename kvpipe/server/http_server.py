@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -29,8 +30,15 @@ from kvpipe.server.openapi_schema import BODY_ROUTE_RESPONSES, AbortRequest, ins
 from kvpipe.server.protocol import GenerateInput, GenerateRequest, new_rid, split_generate_request
 from kvpipe.server.request_tracker import RequestOutput
 from kvpipe.server.state import ServerState
-from kvpipe.server.streaming import (SSE_DONE, ClosingStreamingResponse, close_all, merge_streams, read_json, sse,
-                                     sse_error)
+from kvpipe.server.streaming import (
+    SSE_DONE,
+    ClosingStreamingResponse,
+    close_all,
+    merge_streams,
+    read_json,
+    sse,
+    sse_error,
+)
 from kvpipe.server.validation import prepare_prompts
 
 logger = logging.getLogger(__name__)
@@ -42,8 +50,11 @@ GRACEFUL_SHUTDOWN_S = 5.0
 def generate_response(out: RequestOutput, inp: GenerateInput, batched: bool) -> dict[str, Any]:
     """SGLang's `/generate` object (also each streamed event: cumulative text and output_ids)."""
     meta: dict[str, Any] = {
-        "id": out.rid, "finish_reason": out.finish_reason_json(), "prompt_tokens": out.prompt_tokens,
-        "completion_tokens": out.completion_tokens, "cached_tokens": out.cached_tokens,
+        "id": out.rid,
+        "finish_reason": out.finish_reason_json(),
+        "prompt_tokens": out.prompt_tokens,
+        "completion_tokens": out.completion_tokens,
+        "cached_tokens": out.cached_tokens,
         "e2e_latency": round(out.e2e_latency, 6),
     }
     if inp.return_logprob:
@@ -60,8 +71,13 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
     # no body when healthy; `{"status": "loading" | "failed" | "timeout"}` with 503 otherwise
     health_responses: dict[int | str, dict[str, Any]] = {
         200: {"description": "ready", "content": None},
-        503: {"description": "loading or failed", "content": {"application/json": {"schema": {
-            "type": "object", "properties": {"status": {"type": "string"}}}}}}}
+        503: {
+            "description": "loading or failed",
+            "content": {
+                "application/json": {"schema": {"type": "object", "properties": {"status": {"type": "string"}}}}
+            },
+        },
+    }
 
     @app.get("/health", response_class=Response, responses=health_responses)
     async def health() -> Response:
@@ -75,8 +91,11 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
         """Health with a real one-token generation through the engine."""
         if state.disaggregation_mode != "null":  # a PD server cannot generate alone
             return await health()
-        inp = GenerateInput(rid=f"health-{new_rid()}", input_ids=tuple(state.tokenizer.encode("hi")),
-                            params=SamplingParams(max_new_tokens=1, temperature=0.0))
+        inp = GenerateInput(
+            rid=f"health-{new_rid()}",
+            input_ids=tuple(state.tokenizer.encode("hi")),
+            params=SamplingParams(max_new_tokens=1, temperature=0.0),
+        )
         stream = state.engine.submit(inp)
         try:
             out = await asyncio.wait_for(stream.result(), HEALTH_GENERATE_TIMEOUT_S)
@@ -89,16 +108,23 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
     async def server_info() -> dict[str, Any]:
         c = state.cfg
         return {
-            **state.model_paths(), "served_model_name": c.model_name, "tp_size": c.tp_size, "dp_size": 1,
-            "page_size": c.cache.page_size, "context_length": state.advertised_context_length(),
+            **state.model_paths(),
+            "served_model_name": c.model_name,
+            "tp_size": c.tp_size,
+            "dp_size": 1,
+            "page_size": c.cache.page_size,
+            "context_length": state.advertised_context_length(),
             "max_total_num_tokens": c.cache.pages() * c.cache.page_size,
             "chunked_prefill_size": c.scheduler.chunked_prefill_size,
-            "max_running_requests": c.scheduler.max_running_requests, "device": c.device,
-            "disaggregation_mode": state.disaggregation_mode, "version": kvpipe.__version__,
+            "max_running_requests": c.scheduler.max_running_requests,
+            "device": c.device,
+            "disaggregation_mode": state.disaggregation_mode,
+            "version": kvpipe.__version__,
             # the plan, and what torch reports in this process (rank 0): they differ only if
             # something changed torch's count after startup
-            "cpu_threads": None if state.cpu_threads is None else {**state.cpu_threads.as_dict(),
-                                                                  "torch": torch_threads()},
+            "cpu_threads": None
+            if state.cpu_threads is None
+            else {**state.cpu_threads.as_dict(), "torch": torch_threads()},
             "status": "ready" if state.engine.ready else "loading",
             "internal_states": [state.engine.stats() or {}],
         }
@@ -119,7 +145,7 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
     async def abort_request(request: Request) -> dict[str, Any]:
         body = await read_json(request)
         if not isinstance(body, dict):
-            raise APIError("expected a JSON object {\"rid\": ...}")
+            raise APIError('expected a JSON object {"rid": ...}')
         rid, abort_all = body.get("rid"), body.get("abort_all", False)
         if not isinstance(abort_all, bool) or not (rid is None or isinstance(rid, str)):
             raise APIError("rid must be a string and abort_all a boolean", param="rid")
@@ -137,6 +163,7 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
         by_rid = {inp.rid: inp for inp in inputs}
         streams = state.submit_all(inputs)
         if req.stream and not state.is_prefill:
+
             async def events() -> AsyncIterator[bytes]:
                 try:
                     async for out in merge_streams(streams):
@@ -144,17 +171,23 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
                 except APIError as e:
                     yield sse_error(e)
                 yield SSE_DONE
+
             return ClosingStreamingResponse(events(), on_close=close_all(streams))
 
         def body(outs: list[RequestOutput]) -> Any:
             bodies = [generate_response(o, inp, False) for o, inp in zip(outs, inputs)]
             return bodies if batched else bodies[0]
+
         return await state.respond_when_done(request, streams, body)
 
 
-def create_app(cfg: ServerConfig, engine_factory: Callable[[], EngineLike] | None = None,
-               on_fatal: Callable[[BaseException], None] | None = None,
-               disaggregation_mode: str = "null", cpu_threads: CpuThreads | None = None) -> FastAPI:
+def create_app(
+    cfg: ServerConfig,
+    engine_factory: Callable[[], EngineLike] | None = None,
+    on_fatal: Callable[[BaseException], None] | None = None,
+    disaggregation_mode: str = "null",
+    cpu_threads: CpuThreads | None = None,
+) -> FastAPI:
     """The ASGI app of one server; the engine starts loading when the app starts.
 
     `engine_factory` runs in the engine thread (default: the colocated Engine); PD workers pass
@@ -162,8 +195,10 @@ def create_app(cfg: ServerConfig, engine_factory: Callable[[], EngineLike] | Non
     (default: the config's plan, reported only).
     """
     if engine_factory is None:
+
         def engine_factory() -> EngineLike:
             from kvpipe.engine.engine import Engine  # heavy: torch, model weights
+
             return Engine(cfg)
 
     async_engine = AsyncEngine(engine_factory, on_fatal=on_fatal)
@@ -195,8 +230,9 @@ def _drop_router_probe_noise(record: logging.LogRecord) -> bool:
     return record.getMessage() != "Invalid HTTP request received."
 
 
-def run_server(cfg: ServerConfig, engine_factory: Callable[[], EngineLike] | None = None,
-               disaggregation_mode: str = "null") -> int:
+def run_server(
+    cfg: ServerConfig, engine_factory: Callable[[], EngineLike] | None = None, disaggregation_mode: str = "null"
+) -> int:
     """Serve until SIGINT/SIGTERM; returns 1 if the engine failed to load or died."""
     import uvicorn
 
@@ -214,10 +250,16 @@ def run_server(cfg: ServerConfig, engine_factory: Callable[[], EngineLike] | Non
     apply_cpu_threads(threads)
     logger.info(threads.describe())
     app = create_app(cfg, engine_factory, on_fatal, disaggregation_mode, threads)
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                            timeout_keep_alive=30, access_log=cfg.log_level == "debug",
-                            # on SIGTERM, streams still running after this long are cut (and aborted)
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    config = uvicorn.Config(
+        app,
+        host=cfg.host,
+        port=cfg.port,
+        log_level=cfg.log_level,
+        timeout_keep_alive=30,
+        access_log=cfg.log_level == "debug",
+        # on SIGTERM, streams still running after this long are cut (and aborted)
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
     if cfg.log_level != "debug":  # after uvicorn.Config: it (re)configures its loggers
         logging.getLogger("uvicorn.error").addFilter(_drop_router_probe_noise)
     server = uvicorn.Server(config)

@@ -21,10 +21,10 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import httpx
 
@@ -127,8 +127,12 @@ class PDStack:
     def proc(self, name: str) -> subprocess.Popen:
         return self.procs[PARTS.index(name)]
 
-    def supervise(self, policy: RestartPolicy, stop: threading.Event,
-                  log: Callable[[str], None] = lambda line: print(f"kvpipe launch: {line}", flush=True)) -> bool:
+    def supervise(
+        self,
+        policy: RestartPolicy,
+        stop: threading.Event,
+        log: Callable[[str], None] = lambda line: print(f"kvpipe launch: {line}", flush=True),
+    ) -> bool:
         """Watch the parts until `stop` is set (True) or one exits too often (False), restarting
         the ones that die. Runs in the calling thread; set `stop` and join before close()."""
         sup = self.supervisor = Supervisor([s.name for s in self.specs], policy)
@@ -163,7 +167,7 @@ class PDStack:
             stop_process(p)
         self.procs.clear()
 
-    def __enter__(self) -> "PDStack":
+    def __enter__(self) -> PDStack:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -176,14 +180,33 @@ class PDStack:
 ROUTER_RECOVERY_FLAGS = ("--cb-timeout-duration-secs", "5", "--health-check-interval-secs", "5")
 
 
-def router_command(prefill_url: str, bootstrap_port: int, decode_url: str, host: str, port: int,
-                   prometheus_port: int) -> list[str]:
+def router_command(
+    prefill_url: str, bootstrap_port: int, decode_url: str, host: str, port: int, prometheus_port: int
+) -> list[str]:
     """sglang-router in PD mode. Its Prometheus exporter gets a port of its own (it defaults to a
     fixed one, so a second router on the machine would die at startup)."""
-    return [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-            "--prefill", prefill_url, str(bootstrap_port), "--decode", decode_url,
-            "--host", host, "--port", str(port), "--prometheus-host", host,
-            "--prometheus-port", str(prometheus_port), "--log-level", "warn", *ROUTER_RECOVERY_FLAGS]
+    return [
+        sys.executable,
+        "-m",
+        "sglang_router.launch_router",
+        "--pd-disaggregation",
+        "--prefill",
+        prefill_url,
+        str(bootstrap_port),
+        "--decode",
+        decode_url,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--prometheus-host",
+        host,
+        "--prometheus-port",
+        str(prometheus_port),
+        "--log-level",
+        "warn",
+        *ROUTER_RECOVERY_FLAGS,
+    ]
 
 
 @contextlib.contextmanager
@@ -208,23 +231,36 @@ def _answers(url: str) -> bool:
         return False
 
 
-def _spawn(cmd: list[str], log_path: str | None, pin: tuple[int, ...] | None = None,
-           env: dict[str, str] | None = None) -> subprocess.Popen:
+def _spawn(
+    cmd: list[str], log_path: str | None, pin: tuple[int, ...] | None = None, env: dict[str, str] | None = None
+) -> subprocess.Popen:
     out = open(log_path, "ab") if log_path else None  # noqa: SIM115 - the child gets its own copy
     try:
         # A new session per child: Ctrl-C reaches only us, and we stop children in order.
         with _affinity(pin):
-            return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True,
-                                    env={**os.environ, **env} if env else None)
+            return subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT if out else None,
+                start_new_session=True,
+                env={**os.environ, **env} if env else None,
+            )
     finally:
         if out is not None:
             out.close()  # else every restart would leak a descriptor in the launcher
 
 
-def start_pd_stack(model_path: str | None, host: str = "127.0.0.1", router_port: int | None = None,
-                   server_args: list[str] | None = None, prefill_args: list[str] | None = None,
-                   decode_args: list[str] | None = None, log_dir: str | None = None,
-                   timeout_s: float = 300.0, split_cpus: bool = True) -> PDStack:
+def start_pd_stack(
+    model_path: str | None,
+    host: str = "127.0.0.1",
+    router_port: int | None = None,
+    server_args: list[str] | None = None,
+    prefill_args: list[str] | None = None,
+    decode_args: list[str] | None = None,
+    log_dir: str | None = None,
+    timeout_s: float = 300.0,
+    split_cpus: bool = True,
+) -> PDStack:
     """Start prefill, decode and sglang-router (PD mode) and wait until all are healthy.
 
     `split_cpus`: prefill and decode get disjoint shares of this process's cores, as their
@@ -248,14 +284,54 @@ def start_pd_stack(model_path: str | None, host: str = "127.0.0.1", router_port:
         stack.auth_token = os.environ.get(TOKEN_ENV) or new_token()
     env = ((TOKEN_ENV, stack.auth_token),) if stack.auth_token else ()
     stack.specs = [
-        PartSpec("prefill", (py, "-m", "kvpipe.cli", "serve", *common, *p_cores.flags, "--port", str(p_port),
-                             "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(b_port),
-                             *prefill_args), stack.prefill_url + "/health", log("prefill"), p_cores.pin, env),
-        PartSpec("decode", (py, "-m", "kvpipe.cli", "serve", *common, *d_cores.flags, "--port", str(d_port),
-                            "--disaggregation-mode", "decode", *decode_args),
-                 stack.decode_url + "/health", log("decode"), d_cores.pin, env),
-        PartSpec("router", tuple(router_command(stack.prefill_url, b_port, stack.decode_url, host, r_port,
-                                                metrics_port)), stack.router_url + "/health", log("router")),
+        PartSpec(
+            "prefill",
+            (
+                py,
+                "-m",
+                "kvpipe.cli",
+                "serve",
+                *common,
+                *p_cores.flags,
+                "--port",
+                str(p_port),
+                "--disaggregation-mode",
+                "prefill",
+                "--disaggregation-bootstrap-port",
+                str(b_port),
+                *prefill_args,
+            ),
+            stack.prefill_url + "/health",
+            log("prefill"),
+            p_cores.pin,
+            env,
+        ),
+        PartSpec(
+            "decode",
+            (
+                py,
+                "-m",
+                "kvpipe.cli",
+                "serve",
+                *common,
+                *d_cores.flags,
+                "--port",
+                str(d_port),
+                "--disaggregation-mode",
+                "decode",
+                *decode_args,
+            ),
+            stack.decode_url + "/health",
+            log("decode"),
+            d_cores.pin,
+            env,
+        ),
+        PartSpec(
+            "router",
+            tuple(router_command(stack.prefill_url, b_port, stack.decode_url, host, r_port, metrics_port)),
+            stack.router_url + "/health",
+            log("router"),
+        ),
     ]
     try:
         for spec in stack.specs[:2]:
@@ -278,24 +354,43 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="router port (the endpoint clients use)")
     p.add_argument("--log-dir", default=None, help="write each server's log here instead of the terminal")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each part to be healthy")
-    p.add_argument("--max-restarts", type=int, default=d.max_restarts,
-                   help="restarts of one part within --restart-window before the stack stops (0: no restarts)")
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=d.max_restarts,
+        help="restarts of one part within --restart-window before the stack stops (0: no restarts)",
+    )
     p.add_argument("--restart-window", type=float, default=d.window_s, help="seconds (see --max-restarts)")
-    p.add_argument("--restart-backoff", type=float, default=d.backoff_s,
-                   help="seconds before a restart; doubles with each restart within the window")
-    p.add_argument("--restart-backoff-max", type=float, default=d.backoff_max_s, help="cap of the backoff (seconds; at least --restart-backoff)")
+    p.add_argument(
+        "--restart-backoff",
+        type=float,
+        default=d.backoff_s,
+        help="seconds before a restart; doubles with each restart within the window",
+    )
+    p.add_argument(
+        "--restart-backoff-max",
+        type=float,
+        default=d.backoff_max_s,
+        help="cap of the backoff (seconds; at least --restart-backoff)",
+    )
 
 
 def policy_from_args(args: argparse.Namespace) -> RestartPolicy:
-    return RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window, backoff_s=args.restart_backoff,
-                         backoff_max_s=max(args.restart_backoff_max, args.restart_backoff), start_timeout_s=args.timeout)
+    return RestartPolicy(
+        max_restarts=args.max_restarts,
+        window_s=args.restart_window,
+        backoff_s=args.restart_backoff,
+        backoff_max_s=max(args.restart_backoff_max, args.restart_backoff),
+        start_timeout_s=args.timeout,
+    )
 
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
     """Entry point of `kvpipe launch`; `extra` flags go to both servers (e.g. --page-size 16)."""
     policy = policy_from_args(args)  # bad values fail before anything starts
-    stack = start_pd_stack(args.model_path, args.host, args.port, server_args=extra,
-                           log_dir=args.log_dir, timeout_s=args.timeout)
+    stack = start_pd_stack(
+        args.model_path, args.host, args.port, server_args=extra, log_dir=args.log_dir, timeout_s=args.timeout
+    )
     stop = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
@@ -311,12 +406,15 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     if stack.auth_token:
         chosen = "$" + TOKEN_ENV if os.environ.get(TOKEN_ENV) else "a fresh random token"
         print(f"kvpipe launch: PD bootstrap and control plane authenticated with {chosen}", flush=True)
-    print(f"kvpipe PD stack ready: router {stack.router_url} (prefill {stack.prefill_url}, "
-          f"decode {stack.decode_url}, bootstrap port {stack.bootstrap_port})\n"
-          f"try: curl -s {stack.router_url}/generate -H 'Content-Type: application/json' "
-          f"-d '{{\"text\": \"Hello\", \"sampling_params\": {{\"max_new_tokens\": 16, \"temperature\": 0}}}}'\n"
-          f"A part that exits is restarted (at most {policy.max_restarts} times in {policy.window_s:g} s). "
-          "Ctrl-C stops everything.", flush=True)
+    print(
+        f"kvpipe PD stack ready: router {stack.router_url} (prefill {stack.prefill_url}, "
+        f"decode {stack.decode_url}, bootstrap port {stack.bootstrap_port})\n"
+        f"try: curl -s {stack.router_url}/generate -H 'Content-Type: application/json' "
+        f'-d \'{{"text": "Hello", "sampling_params": {{"max_new_tokens": 16, "temperature": 0}}}}\'\n'
+        f"A part that exits is restarted (at most {policy.max_restarts} times in {policy.window_s:g} s). "
+        "Ctrl-C stops everything.",
+        flush=True,
+    )
     ok = False
     try:
         ok = stack.supervise(policy, stop)

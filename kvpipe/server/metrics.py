@@ -7,7 +7,7 @@ are never stale and cost nothing between scrapes.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -40,24 +40,36 @@ class _EngineStatsCollector(Collector):
             if key in stats:
                 yield GaugeMetricFamily(name, doc, value=float(stats[key]))
         if "prefix_hit_tokens" in stats:
-            yield CounterMetricFamily("kvpipe_prefix_hit_tokens", "Prompt tokens admitted requests took from this "
-                                      "server's prefix cache (a PD decode: KV not transferred)",
-                                      value=float(stats["prefix_hit_tokens"]))
+            yield CounterMetricFamily(
+                "kvpipe_prefix_hit_tokens",
+                "Prompt tokens admitted requests took from this "
+                "server's prefix cache (a PD decode: KV not transferred)",
+                value=float(stats["prefix_hit_tokens"]),
+            )
         pd = stats.get("disaggregation")
         if isinstance(pd, dict) and isinstance(pd.get("bytes_written"), int):
-            yield CounterMetricFamily("kvpipe_kv_transfer_bytes", "KV bytes this prefill wrote to decode servers",
-                                      value=float(pd["bytes_written"]))
+            yield CounterMetricFamily(
+                "kvpipe_kv_transfer_bytes",
+                "KV bytes this prefill wrote to decode servers",
+                value=float(pd["bytes_written"]),
+            )
         if isinstance(pd, dict) and isinstance(pd.get("auth_rejected"), dict):
-            c = CounterMetricFamily("kvpipe_pd_auth_rejected", "Bootstrap calls and control-plane frames rejected "
-                                    "for a missing or wrong auth tag, a stale timestamp or a replay",
-                                    labels=["plane"])
+            c = CounterMetricFamily(
+                "kvpipe_pd_auth_rejected",
+                "Bootstrap calls and control-plane frames rejected "
+                "for a missing or wrong auth tag, a stale timestamp or a replay",
+                labels=["plane"],
+            )
             for plane, n in sorted(pd["auth_rejected"].items()):
                 c.add_metric([plane], float(n))
             yield c
         by_groups = stats.get("layer_group_batches")
         if isinstance(by_groups, dict):
-            c = CounterMetricFamily("kvpipe_prefill_batches_by_layer_groups",
-                                    "Prefill batches by the number of layer groups they ran as", labels=["groups"])
+            c = CounterMetricFamily(
+                "kvpipe_prefill_batches_by_layer_groups",
+                "Prefill batches by the number of layer groups they ran as",
+                labels=["groups"],
+            )
             for groups, n in sorted(by_groups.items()):
                 c.add_metric([str(groups)], float(n))
             yield c
@@ -68,27 +80,51 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name"]
         self._model = model_name
-        self.requests = Counter("kvpipe_requests", "Finished requests by finish reason",
-                                [*labels, "finish_reason"], registry=self.registry)
-        self.prompt_tokens = Counter("kvpipe_prompt_tokens", "Prompt tokens of finished requests",
-                                     labels, registry=self.registry)
-        self.cached_tokens = Counter("kvpipe_cached_tokens", "Prompt tokens served from the prefix cache",
-                                     labels, registry=self.registry)
-        self.generation_tokens = Counter("kvpipe_generation_tokens", "Generated tokens",
-                                         labels, registry=self.registry)
-        self.ttft = Histogram("kvpipe_time_to_first_token_seconds", "Time to first token",
-                              labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.tpot = Histogram("kvpipe_time_per_output_token_seconds", "Mean time per output token after the first",
-                              labels, buckets=_TPOT_BUCKETS, registry=self.registry)
-        self.e2e = Histogram("kvpipe_e2e_request_latency_seconds", "End-to-end request latency",
-                             labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.requests = Counter(
+            "kvpipe_requests", "Finished requests by finish reason", [*labels, "finish_reason"], registry=self.registry
+        )
+        self.prompt_tokens = Counter(
+            "kvpipe_prompt_tokens", "Prompt tokens of finished requests", labels, registry=self.registry
+        )
+        self.cached_tokens = Counter(
+            "kvpipe_cached_tokens", "Prompt tokens served from the prefix cache", labels, registry=self.registry
+        )
+        self.generation_tokens = Counter("kvpipe_generation_tokens", "Generated tokens", labels, registry=self.registry)
+        self.ttft = Histogram(
+            "kvpipe_time_to_first_token_seconds",
+            "Time to first token",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.tpot = Histogram(
+            "kvpipe_time_per_output_token_seconds",
+            "Mean time per output token after the first",
+            labels,
+            buckets=_TPOT_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "kvpipe_e2e_request_latency_seconds",
+            "End-to-end request latency",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.registry.register(_EngineStatsCollector(stats))
 
     def on_first_token(self, ttft_s: float) -> None:
         self.ttft.labels(self._model).observe(ttft_s)
 
-    def on_finish(self, finish_reason: str, prompt_tokens: int, cached_tokens: int, completion_tokens: int,
-                  e2e_s: float, ttft_s: float | None) -> None:
+    def on_finish(
+        self,
+        finish_reason: str,
+        prompt_tokens: int,
+        cached_tokens: int,
+        completion_tokens: int,
+        e2e_s: float,
+        ttft_s: float | None,
+    ) -> None:
         self.requests.labels(self._model, finish_reason).inc()
         self.prompt_tokens.labels(self._model).inc(prompt_tokens)
         self.cached_tokens.labels(self._model).inc(cached_tokens)

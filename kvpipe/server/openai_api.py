@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import jinja2
 from fastapi import FastAPI, Request
@@ -12,14 +13,25 @@ from fastapi.responses import Response
 from kvpipe.config import ConfigError
 from kvpipe.engine.request import ABORTED_ON_REQUEST, FinishReason
 from kvpipe.server.errors import APIError
-from kvpipe.server.openai_protocol import (DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest,
-                                           _OpenAIBase)
+from kvpipe.server.openai_protocol import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    _OpenAIBase,
+)
 from kvpipe.server.openapi_schema import BODY_ROUTE_RESPONSES, json_body
 from kvpipe.server.protocol import GenerateInput, new_rid, text_options, to_sampling_params
 from kvpipe.server.request_tracker import RequestOutput
 from kvpipe.server.state import ServerState
-from kvpipe.server.streaming import (SSE_DONE, ClosingStreamingResponse, close_all, merge_streams, read_json, sse,
-                                     sse_error)
+from kvpipe.server.streaming import (
+    SSE_DONE,
+    ClosingStreamingResponse,
+    close_all,
+    merge_streams,
+    read_json,
+    sse,
+    sse_error,
+)
 from kvpipe.server.validation import finalize_input, with_default_max_tokens
 
 
@@ -44,8 +56,12 @@ def _failure(out: RequestOutput) -> APIError | None:
 def _usage(outs: list[RequestOutput]) -> dict[str, Any]:
     prompt = sum(o.prompt_tokens for o in outs)
     completion = sum(o.completion_tokens for o in outs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in outs)}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in outs)},
+    }
 
 
 class _Responder:
@@ -67,8 +83,12 @@ class _Responder:
         ids, lps = out.output_ids[start:], out.output_logprobs[start:]
         toks = [self._token_text(t) for t in ids]
         if self.kind == "chat":
-            return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
-                                for s, lp in zip(toks, lps)]}
+            return {
+                "content": [
+                    {"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
+                    for s, lp in zip(toks, lps)
+                ]
+            }
         return {"tokens": toks, "token_logprobs": lps, "top_logprobs": None, "text_offset": None}
 
     def body(self, outs: list[RequestOutput]) -> dict[str, Any]:
@@ -85,12 +105,23 @@ class _Responder:
                 c["text"] = out.text
             c.update(logprobs=self.logprobs(out), **_finish_fields(out))
             choices.append(c)
-        return {"id": self.id, "object": self.object, "created": self.created, "model": self.state.cfg.model_name,
-                "choices": choices, "usage": _usage(outs)}
+        return {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.state.cfg.model_name,
+            "choices": choices,
+            "usage": _usage(outs),
+        }
 
     def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None, include_usage: bool) -> bytes:
-        obj: dict[str, Any] = {"id": self.id, "object": self.chunk_object,
-                               "created": self.created, "model": self.state.cfg.model_name, "choices": choices}
+        obj: dict[str, Any] = {
+            "id": self.id,
+            "object": self.chunk_object,
+            "created": self.created,
+            "model": self.state.cfg.model_name,
+            "choices": choices,
+        }
         if include_usage:
             obj["usage"] = usage
         return sse(obj)
@@ -111,26 +142,44 @@ class _Responder:
 
 def _check_model(state: ServerState, req: _OpenAIBase) -> None:
     if req.model is not None and req.model not in (state.cfg.model_name, state.cfg.model_path):
-        raise APIError(f"The model `{req.model}` does not exist; this server serves `{state.cfg.model_name}`",
-                       404, param="model")
+        raise APIError(
+            f"The model `{req.model}` does not exist; this server serves `{state.cfg.model_name}`", 404, param="model"
+        )
 
 
-def _build_inputs(state: ServerState, req: _OpenAIBase, rid: str, prompts: list[list[int]],
-                  max_tokens: int | None, default_max: int | None, want_logprobs: bool) -> list[GenerateInput]:
+def _build_inputs(
+    state: ServerState,
+    req: _OpenAIBase,
+    rid: str,
+    prompts: list[list[int]],
+    max_tokens: int | None,
+    default_max: int | None,
+    want_logprobs: bool,
+) -> list[GenerateInput]:
     limits = state.limits
     sp = req.sampling(max_tokens)
     params = to_sampling_params(sp, default_max or 1)
     inputs = []
     for i, ids in enumerate(prompts):
         p = params if default_max is not None else with_default_max_tokens(params, len(ids), limits)
-        inputs.append(finalize_input(rid if len(prompts) == 1 else f"{rid}-{i}", ids, p, limits,
-                                     return_logprob=want_logprobs, text_options=text_options(sp),
-                                     bootstrap=req.bootstrap(i, len(prompts)), index=i))
+        inputs.append(
+            finalize_input(
+                rid if len(prompts) == 1 else f"{rid}-{i}",
+                ids,
+                p,
+                limits,
+                return_logprob=want_logprobs,
+                text_options=text_options(sp),
+                bootstrap=req.bootstrap(i, len(prompts)),
+                index=i,
+            )
+        )
     return inputs
 
 
-async def _respond(request: Request, state: ServerState, req: _OpenAIBase, inputs: list[GenerateInput],
-                   responder: _Responder) -> Response:
+async def _respond(
+    request: Request, state: ServerState, req: _OpenAIBase, inputs: list[GenerateInput], responder: _Responder
+) -> Response:
     streams = state.submit_all(inputs)
     if not req.stream or state.is_prefill:
         return await state.respond_when_done(request, streams, responder.body)
@@ -140,8 +189,18 @@ async def _respond(request: Request, state: ServerState, req: _OpenAIBase, input
     async def events() -> AsyncIterator[bytes]:
         if responder.kind == "chat":  # OpenAI opens a chat stream with the role
             for inp in inputs:
-                yield responder.chunk([{"index": inp.index, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}], None, include_usage)
+                yield responder.chunk(
+                    [
+                        {
+                            "index": inp.index,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                    None,
+                    include_usage,
+                )
         finals: dict[int, RequestOutput] = {}
         try:
             async for out in merge_streams(streams):
@@ -165,9 +224,19 @@ async def _respond(request: Request, state: ServerState, req: _OpenAIBase, input
 def register_openai_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": state.cfg.model_name, "object": "model", "created": 0, "owned_by": "kvpipe",
-            "root": state.cfg.model_name, "max_model_len": state.advertised_context_length()}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": state.cfg.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "kvpipe",
+                    "root": state.cfg.model_name,
+                    "max_model_len": state.advertised_context_length(),
+                }
+            ],
+        }
 
     @app.post("/v1/completions", openapi_extra=json_body(CompletionRequest), responses=BODY_ROUTE_RESPONSES)
     async def completions(request: Request) -> Response:
@@ -182,10 +251,12 @@ def register_openai_routes(app: FastAPI, state: ServerState) -> None:
             prompts.append(tok.encode(p) if isinstance(p, str) else p)
         max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
         rid = req.rid or new_rid()
-        inputs = _build_inputs(state, req, rid, prompts, max_tokens, DEFAULT_COMPLETION_MAX_TOKENS,
-                               req.logprobs is not None)
-        return await _respond(request, state, req, inputs,
-                              _Responder(state, "completion", rid, req.logprobs is not None))
+        inputs = _build_inputs(
+            state, req, rid, prompts, max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, req.logprobs is not None
+        )
+        return await _respond(
+            request, state, req, inputs, _Responder(state, "completion", rid, req.logprobs is not None)
+        )
 
     @app.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest), responses=BODY_ROUTE_RESPONSES)
     async def chat_completions(request: Request) -> Response:
@@ -201,4 +272,3 @@ def register_openai_routes(app: FastAPI, state: ServerState) -> None:
         rid = req.rid or new_rid()
         inputs = _build_inputs(state, req, rid, [ids], max_new, max_new, bool(req.logprobs))
         return await _respond(request, state, req, inputs, _Responder(state, "chat", rid, bool(req.logprobs)))
-

@@ -8,7 +8,7 @@ ignore_eos, rid, bootstrap_*) are accepted as SGLang does.
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 from kvpipe.server.errors import APIError
 from kvpipe.server.protocol import BootstrapInfo, SamplingParamsIn, WireModel, pick
@@ -52,24 +52,37 @@ class _OpenAIBase(WireModel):
 
     def bootstrap(self, i: int = 0, n: int = 1) -> BootstrapInfo | None:
         """The PD bootstrap fields of prompt i of n."""
-        info = BootstrapInfo(pick(self.bootstrap_host, i, n, "bootstrap_host"),
-                             pick(self.bootstrap_port, i, n, "bootstrap_port"),
-                             pick(self.bootstrap_room, i, n, "bootstrap_room"))
+        info = BootstrapInfo(
+            pick(self.bootstrap_host, i, n, "bootstrap_host"),
+            pick(self.bootstrap_port, i, n, "bootstrap_port"),
+            pick(self.bootstrap_room, i, n, "bootstrap_room"),
+        )
         return None if info == BootstrapInfo() else info
 
     def sampling(self, max_tokens: int | None) -> SamplingParamsIn:
         if self.logit_bias:
             raise APIError("logit_bias is not supported", param="logit_bias")
         return SamplingParamsIn(
-            max_new_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            min_p=self.min_p, stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-            seed=self.seed, n=self.n, frequency_penalty=self.frequency_penalty,
-            presence_penalty=self.presence_penalty, repetition_penalty=self.repetition_penalty,
-            skip_special_tokens=self.skip_special_tokens, no_stop_trim=self.no_stop_trim)
+            max_new_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            seed=self.seed,
+            n=self.n,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            repetition_penalty=self.repetition_penalty,
+            skip_special_tokens=self.skip_special_tokens,
+            no_stop_trim=self.no_stop_trim,
+        )
 
 
 class CompletionRequest(_OpenAIBase):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = None
     logprobs: int | None = None
     echo: bool | None = False
@@ -123,7 +136,7 @@ class ChatCompletionRequest(_OpenAIBase):
         if self.tools:
             raise APIError("tool calling is not supported", param="tools")
         if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError("only response_format {\"type\": \"text\"} is supported", param="response_format")
+            raise APIError('only response_format {"type": "text"} is supported', param="response_format")
         if self.top_logprobs not in (None, 0):
             raise APIError("top_logprobs is not supported (only the sampled tokens' logprobs)", param="top_logprobs")
 

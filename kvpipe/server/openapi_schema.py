@@ -47,19 +47,32 @@ class AbortRequest(WireModel):
 # failed (PD), the engine still loading
 BODY_ROUTE_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"content": {"application/json": {}, "text/event-stream": {}}},
-    **{status: {"model": ErrorBody, "description": what} for status, what in (
-        (400, "invalid request"), (404, "unknown model"), (413, "request body too large"),
-        (500, "the prefill of a PD request failed"), (503, "the engine is loading or failed"))}}
+    **{
+        status: {"model": ErrorBody, "description": what}
+        for status, what in (
+            (400, "invalid request"),
+            (404, "unknown model"),
+            (413, "request body too large"),
+            (500, "the prefill of a PD request failed"),
+            (503, "the engine is loading or failed"),
+        )
+    },
+}
 
 
 def json_body(model: type[BaseModel]) -> dict[str, Any]:
     """`openapi_extra` of a route whose handler validates its JSON body with `model`."""
-    return {"requestBody": {"required": True, "content": {
-        "application/json": {"schema": {"$ref": REF.format(model=model.__name__)}}}}}
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": REF.format(model=model.__name__)}}},
+        }
+    }
 
 
 def install_body_schemas(app: FastAPI, models: list[type[BaseModel]]) -> None:
     """Add `models` (and the models they nest) to the schema's components, for `json_body` refs."""
+
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
@@ -67,4 +80,5 @@ def install_body_schemas(app: FastAPI, models: list[type[BaseModel]]) -> None:
             schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
             app.openapi_schema = schema
         return app.openapi_schema
+
     app.openapi = openapi  # type: ignore[method-assign]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
@@ -48,7 +48,7 @@ class GenerateRequest(WireModel):
     """Body of `POST /generate`: one prompt, or a batch when `text`/`input_ids` is a list of prompts."""
 
     text: str | list[str] | None = None
-    input_ids: Union[list[int], list[list[int]], None] = None
+    input_ids: list[int] | list[list[int]] | None = None
     sampling_params: SamplingParamsIn | list[SamplingParamsIn] | None = None
     stream: bool | None = False  # null (a rebuilt body's unset field) means the default
     return_logprob: bool | list[bool] | None = False
@@ -140,17 +140,22 @@ def split_generate_request(req: GenerateRequest) -> tuple[list[PromptSpec], bool
         raise APIError("rid must be a string for a single prompt", param="rid")
     specs = []
     for i, (text, ids) in enumerate(prompts):
-        boot = BootstrapInfo(pick(req.bootstrap_host, i, n, "bootstrap_host"),
-                             pick(req.bootstrap_port, i, n, "bootstrap_port"),
-                             pick(req.bootstrap_room, i, n, "bootstrap_room"))
+        boot = BootstrapInfo(
+            pick(req.bootstrap_host, i, n, "bootstrap_host"),
+            pick(req.bootstrap_port, i, n, "bootstrap_port"),
+            pick(req.bootstrap_room, i, n, "bootstrap_room"),
+        )
         has_boot = boot.host is not None or boot.port is not None or boot.room is not None
-        specs.append(PromptSpec(
-            text=text, input_ids=ids,
-            sampling=pick(req.sampling_params, i, n, "sampling_params") or SamplingParamsIn(),
-            rid=pick(req.rid, i, n, "rid") or new_rid(),
-            return_logprob=bool(pick(req.return_logprob, i, n, "return_logprob")),
-            bootstrap=boot if has_boot else None,
-        ))
+        specs.append(
+            PromptSpec(
+                text=text,
+                input_ids=ids,
+                sampling=pick(req.sampling_params, i, n, "sampling_params") or SamplingParamsIn(),
+                rid=pick(req.rid, i, n, "rid") or new_rid(),
+                return_logprob=bool(pick(req.return_logprob, i, n, "return_logprob")),
+                bootstrap=boot if has_boot else None,
+            )
+        )
     rids = [s.rid for s in specs]
     if len(set(rids)) != len(rids):
         raise APIError("duplicate rid inside one batch", param="rid")
@@ -189,11 +194,18 @@ def to_sampling_params(sp: SamplingParamsIn, default_max_new_tokens: int) -> Sam
             raise APIError(f"{name} is not supported (must be 0)", param=name)
     if sp.repetition_penalty not in (None, 1.0):
         raise APIError("repetition_penalty is not supported (must be 1)", param="repetition_penalty")
-    return SamplingParams(max_new_tokens=max_new, temperature=float(temperature), top_p=float(top_p),
-                          top_k=top_k, min_p=float(min_p), stop=stop, stop_token_ids=stop_ids,
-                          ignore_eos=bool(sp.ignore_eos), seed=sp.seed)
+    return SamplingParams(
+        max_new_tokens=max_new,
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=top_k,
+        min_p=float(min_p),
+        stop=stop,
+        stop_token_ids=stop_ids,
+        ignore_eos=bool(sp.ignore_eos),
+        seed=sp.seed,
+    )
 
 
 def text_options(sp: SamplingParamsIn) -> TextOptions:
-    return TextOptions(skip_special_tokens=sp.skip_special_tokens is not False,
-                       no_stop_trim=bool(sp.no_stop_trim))
+    return TextOptions(skip_special_tokens=sp.skip_special_tokens is not False, no_stop_trim=bool(sp.no_stop_trim))

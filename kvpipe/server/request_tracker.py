@@ -8,8 +8,9 @@ out of the text, logprobs, latency.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 from kvpipe.engine.request import FinishReason, TokenOutput, finish_reason_json
 from kvpipe.engine.stop_strings import StopStringSearch
@@ -87,8 +88,13 @@ class RequestTracker:
             if out.finish_reason is not None:
                 engine_finish = out
                 # A matched stop token / EOS stays in output_ids but not in the text (as SGLang).
-                if (out.finish_reason is FinishReason.STOP and isinstance(out.finish_detail, int) and ids
-                        and ids[-1] == out.finish_detail and not self.inp.text_options.no_stop_trim):
+                if (
+                    out.finish_reason is FinishReason.STOP
+                    and isinstance(out.finish_detail, int)
+                    and ids
+                    and ids[-1] == out.finish_detail
+                    and not self.inp.text_options.no_stop_trim
+                ):
                     ids = ids[:-1]
             self._text += self.detok.add(ids)
             if engine_finish is not None:
@@ -109,7 +115,7 @@ class RequestTracker:
         else:
             visible_end -= self._stops.holdback(self._text)
         visible_end = max(visible_end, self._emitted)
-        delta = self._text[self._emitted:visible_end]
+        delta = self._text[self._emitted : visible_end]
         self._emitted = visible_end
         if not delta and len(self.output_ids) == n_before and not self.finished:
             return None
@@ -123,7 +129,16 @@ class RequestTracker:
 
     def _snapshot(self, delta: str, num_new: int, now: float) -> RequestOutput:
         return RequestOutput(
-            rid=self.inp.rid, index=self.inp.index, text=self._text[:self._emitted], delta_text=delta,
-            output_ids=list(self.output_ids), num_new_ids=num_new, output_logprobs=list(self.logprobs),
-            prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens,
-            e2e_latency=now - self.start_time, finish_reason=self.finish_reason, finish_detail=self.finish_detail)
+            rid=self.inp.rid,
+            index=self.inp.index,
+            text=self._text[: self._emitted],
+            delta_text=delta,
+            output_ids=list(self.output_ids),
+            num_new_ids=num_new,
+            output_logprobs=list(self.logprobs),
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached_tokens,
+            e2e_latency=now - self.start_time,
+            finish_reason=self.finish_reason,
+            finish_detail=self.finish_detail,
+        )

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -107,8 +108,9 @@ class ServerState:
             raise
         return streams
 
-    async def respond_when_done(self, request: Request, streams: list[RequestStream],
-                                body: Callable[[list[RequestOutput]], Any]) -> Response:
+    async def respond_when_done(
+        self, request: Request, streams: list[RequestStream], body: Callable[[list[RequestOutput]], Any]
+    ) -> Response:
         """The non-streamed answer: `body(final outputs)` as JSON once every request finished.
 
         If the client leaves first the requests are aborted (closing their streams) and the

@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any, TypeVar
 
 from fastapi import Request
 from starlette.responses import StreamingResponse
@@ -80,8 +81,9 @@ class ClosingStreamingResponse(StreamingResponse):
     """
 
     def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -97,6 +99,7 @@ def close_all(streams: Iterable[RequestStream]) -> Callable[[], None]:
     def _close() -> None:
         for s in streams:
             s.close()
+
     return _close
 
 

@@ -56,8 +56,14 @@ class RestartEvent:
     up_after_s: float | None = None  # exit -> healthy again (backoff + start)
 
     def as_dict(self) -> dict:
-        return {"part": self.part, "number": self.number, "exit_code": self.exit_code, "delay_s": self.delay_s,
-                "pid": self.pid, "up_after_s": None if self.up_after_s is None else round(self.up_after_s, 3)}
+        return {
+            "part": self.part,
+            "number": self.number,
+            "exit_code": self.exit_code,
+            "delay_s": self.delay_s,
+            "pid": self.pid,
+            "up_after_s": None if self.up_after_s is None else round(self.up_after_s, 3),
+        }
 
 
 @dataclass
@@ -85,15 +91,19 @@ class PartTracker:
             self.state = PartState.FAILED
             if self.policy.max_restarts == 0:
                 return f"{how}; restarts are off: stopping the stack"
-            return (f"{how}: {len(self.recent) + 1} exits within {self.policy.window_s:g} s, more than the "
-                    f"{self.policy.max_restarts} restarts allowed: giving up, stopping the stack")
+            return (
+                f"{how}: {len(self.recent) + 1} exits within {self.policy.window_s:g} s, more than the "
+                f"{self.policy.max_restarts} restarts allowed: giving up, stopping the stack"
+            )
         delay = self.policy.delay_s(len(self.recent))
         self.recent.append(now)
         self.restarts += 1
         self.state, self.due_at = PartState.BACKOFF, now + delay
         self.events.append(RestartEvent(self.name, self.restarts, exit_code, now, delay))
-        return (f"{how}; restart {len(self.recent)}/{self.policy.max_restarts} in this "
-                f"{self.policy.window_s:g} s window in {delay:g} s (same command, same ports)")
+        return (
+            f"{how}; restart {len(self.recent)}/{self.policy.max_restarts} in this "
+            f"{self.policy.window_s:g} s window in {delay:g} s (same command, same ports)"
+        )
 
     def restart_due(self, now: float) -> bool:
         return self.state is PartState.BACKOFF and now >= self.due_at

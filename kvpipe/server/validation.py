@@ -6,8 +6,9 @@ that come later) turn prompts into `GenerateInput`s the same way.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol, Sequence
+from typing import Protocol
 
 from kvpipe.engine.request import SamplingParams
 from kvpipe.server.errors import APIError
@@ -34,17 +35,21 @@ def check_fits_context(prompt_len: int, max_new_tokens: int, context_length: int
     if prompt_len == 0:
         raise APIError("the prompt is empty", param="prompt")
     if prompt_len >= context_length:
-        raise APIError(f"the prompt has {prompt_len} tokens; the model's context length is {context_length}",
-                       param="prompt")
+        raise APIError(
+            f"the prompt has {prompt_len} tokens; the model's context length is {context_length}", param="prompt"
+        )
     if prompt_len + max_new_tokens > context_length:
         raise APIError(
             f"Requested token count exceeds the model's maximum context length of {context_length} tokens. "
             f"You requested a total of {prompt_len + max_new_tokens} tokens: {prompt_len} tokens from the "
-            f"input and {max_new_tokens} tokens for the completion.", param="max_new_tokens")
+            f"input and {max_new_tokens} tokens for the completion.",
+            param="max_new_tokens",
+        )
 
 
-def finalize_input(rid: str, ids: list[int], params: SamplingParams, limits: ModelLimits, **kw: object
-                   ) -> GenerateInput:
+def finalize_input(
+    rid: str, ids: list[int], params: SamplingParams, limits: ModelLimits, **kw: object
+) -> GenerateInput:
     """Range-check the ids and the length, then freeze one engine-ready prompt."""
     check_token_ids(ids, limits.vocab_size)
     check_token_ids(params.stop_token_ids, limits.vocab_size, "stop_token_ids")
@@ -52,8 +57,9 @@ def finalize_input(rid: str, ids: list[int], params: SamplingParams, limits: Mod
     return GenerateInput(rid=rid, input_ids=tuple(ids), params=params, **kw)  # type: ignore[arg-type]
 
 
-def prepare_prompts(specs: list[PromptSpec], tokenizer: TextEncoder, limits: ModelLimits,
-                    default_max_new_tokens: int = 128) -> list[GenerateInput]:
+def prepare_prompts(
+    specs: list[PromptSpec], tokenizer: TextEncoder, limits: ModelLimits, default_max_new_tokens: int = 128
+) -> list[GenerateInput]:
     """`/generate` prompt specs -> validated inputs (text is tokenised with special tokens, as SGLang)."""
     out = []
     for i, spec in enumerate(specs):
@@ -65,10 +71,21 @@ def prepare_prompts(specs: list[PromptSpec], tokenizer: TextEncoder, limits: Mod
             ids = list(spec.input_ids or [])
         params = to_sampling_params(spec.sampling, default_max_new_tokens)
         if spec.sampling.max_new_tokens is None:  # a default, not a request: clamp it to the context
-            params = replace(params, max_new_tokens=max(1, min(params.max_new_tokens,
-                                                               limits.context_length - len(ids))))
-        out.append(finalize_input(spec.rid, ids, params, limits, return_logprob=spec.return_logprob,
-                                  text_options=text_options(spec.sampling), bootstrap=spec.bootstrap, index=i))
+            params = replace(
+                params, max_new_tokens=max(1, min(params.max_new_tokens, limits.context_length - len(ids)))
+            )
+        out.append(
+            finalize_input(
+                spec.rid,
+                ids,
+                params,
+                limits,
+                return_logprob=spec.return_logprob,
+                text_options=text_options(spec.sampling),
+                bootstrap=spec.bootstrap,
+                index=i,
+            )
+        )
     return out
 
 

@@ -4,8 +4,28 @@ The package itself is light (no zmq, Mooncake or HTTP stack): it re-exports type
 engine-facing Protocols and plain types. KVSender and KVReceiver come from their own modules.
 """
 
-from kvpipe.transfer.types import (AuxData, DecodeRank, DuplicateRoomError, KVLayout, KVReceiverAPI, KVSenderAPI,
-                                   ReceiverStats, SenderStats, TransferState, TransferTiming)
+from kvpipe.transfer.types import (
+    AuxData,
+    DecodeRank,
+    DuplicateRoomError,
+    KVLayout,
+    KVReceiverAPI,
+    KVSenderAPI,
+    ReceiverStats,
+    SenderStats,
+    TransferState,
+    TransferTiming,
+)
 
-__all__ = ["AuxData", "DecodeRank", "DuplicateRoomError", "KVLayout", "KVReceiverAPI", "KVSenderAPI",
-           "ReceiverStats", "SenderStats", "TransferState", "TransferTiming"]
+__all__ = [
+    "AuxData",
+    "DecodeRank",
+    "DuplicateRoomError",
+    "KVLayout",
+    "KVReceiverAPI",
+    "KVSenderAPI",
+    "ReceiverStats",
+    "SenderStats",
+    "TransferState",
+    "TransferTiming",
+]

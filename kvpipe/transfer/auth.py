@@ -32,7 +32,7 @@ import struct
 import threading
 import time
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 from kvpipe.config import MIN_AUTH_TOKEN_CHARS
 
@@ -53,7 +53,7 @@ def token_from_env() -> str | None:
     return os.environ.get(TOKEN_ENV) or None
 
 
-def authenticator(token: str | None) -> "Authenticator | None":
+def authenticator(token: str | None) -> Authenticator | None:
     """The endpoint's authenticator for a configured token; None without one."""
     return None if token is None else Authenticator.from_token(token)
 
@@ -75,8 +75,7 @@ class _ReplayWindow:
     def first_time(self, ts_ns: int, nonce: int, now_ns: int) -> bool:
         key = (ts_ns, nonce)
         with self._lock:
-            while self._order and (self._order[0][0] < now_ns - self._horizon_ns
-                                   or len(self._order) >= self._capacity):
+            while self._order and (self._order[0][0] < now_ns - self._horizon_ns or len(self._order) >= self._capacity):
                 self._seen.discard(self._order.popleft())
             if key in self._seen:
                 return False
@@ -86,8 +85,9 @@ class _ReplayWindow:
 
 
 class Authenticator:
-    def __init__(self, key: bytes, *, max_skew_s: float = DEFAULT_MAX_SKEW_S,
-                 clock_ns: Callable[[], int] = time.time_ns) -> None:
+    def __init__(
+        self, key: bytes, *, max_skew_s: float = DEFAULT_MAX_SKEW_S, clock_ns: Callable[[], int] = time.time_ns
+    ) -> None:
         if max_skew_s <= 0:
             raise ValueError("max_skew_s must be positive")
         self._key = key
@@ -98,7 +98,7 @@ class Authenticator:
         self._window = _ReplayWindow(2 * self._skew_ns)
 
     @classmethod
-    def from_token(cls, token: str, **kw: object) -> "Authenticator":
+    def from_token(cls, token: str, **kw: object) -> Authenticator:
         # a derived key: the token is never used as-is, so a tag says nothing about other uses of it
         if len(token) < MIN_AUTH_TOKEN_CHARS:
             raise ValueError(f"the disaggregation auth token needs at least {MIN_AUTH_TOKEN_CHARS} characters")
@@ -118,8 +118,10 @@ class Authenticator:
             raise AuthError("bad authentication tag (wrong token, or the message was altered)")
         now = self._clock_ns()
         if abs(now - ts_ns) > self._skew_ns:
-            raise AuthError(f"timestamp {abs(now - ts_ns) / 1e9:.1f}s away from this host's clock "
-                            f"(allowed {self._skew_ns / 1e9:.0f}s)")
+            raise AuthError(
+                f"timestamp {abs(now - ts_ns) / 1e9:.1f}s away from this host's clock "
+                f"(allowed {self._skew_ns / 1e9:.0f}s)"
+            )
         if not self._window.first_time(ts_ns, nonce, now):
             raise AuthError("replayed message")
 
@@ -135,7 +137,7 @@ class Authenticator:
             raise AuthError("frame carries no authentication tag")
         _, ts, nonce = _HEAD.unpack_from(frame)
         view = memoryview(frame)
-        self._check(context, ts, nonce, bytes(view[_HEAD.size:start]), view[start:])
+        self._check(context, ts, nonce, bytes(view[_HEAD.size : start]), view[start:])
         return view[start:]
 
     # ---- bootstrap HTTP ------------------------------------------------------------------------

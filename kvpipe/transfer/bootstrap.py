@@ -43,7 +43,6 @@ from kvpipe.transfer.auth import HTTP_HEADER, Authenticator, AuthError
 from kvpipe.transfer.layout import KVLayout
 from kvpipe.transfer.tp_mapping import kv_head_range, transfer_slices
 
-
 DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's convention; the router sends null for "default"
 # A registration is a few KB (two addresses per layer); anything near this is garbage or an attack.
 MAX_BODY_BYTES = 1 << 20
@@ -68,8 +67,13 @@ class IncompatiblePeerError(BootstrapError):
 
 
 def layout_from_dict(d: dict[str, Any]) -> KVLayout:
-    return KVLayout(**{**d, "buffer_addrs": tuple(int(a) for a in d["buffer_addrs"]),
-                       "swa_layers": tuple(int(i) for i in d.get("swa_layers", ()))})
+    return KVLayout(
+        **{
+            **d,
+            "buffer_addrs": tuple(int(a) for a in d["buffer_addrs"]),
+            "swa_layers": tuple(int(i) for i in d.get("swa_layers", ())),
+        }
+    )
 
 
 @dataclass(frozen=True)
@@ -89,11 +93,17 @@ class PrefillRankInfo:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "PrefillRankInfo":
+    def from_dict(cls, d: dict[str, Any]) -> PrefillRankInfo:
         try:
-            return cls(rank=int(d["rank"]), tp_size=int(d["tp_size"]), layout=layout_from_dict(d["layout"]),
-                       data_address=str(d["data_address"]), control_address=str(d["control_address"]),
-                       model_name=str(d["model_name"]), instance_id=str(d["instance_id"]))
+            return cls(
+                rank=int(d["rank"]),
+                tp_size=int(d["tp_size"]),
+                layout=layout_from_dict(d["layout"]),
+                data_address=str(d["data_address"]),
+                control_address=str(d["control_address"]),
+                model_name=str(d["model_name"]),
+                instance_id=str(d["instance_id"]),
+            )
         except _MALFORMED as e:
             raise BootstrapError(f"malformed prefill rank info: {e!r}") from e
 
@@ -106,15 +116,17 @@ class PrefillInstanceInfo:
     ranks: tuple[PrefillRankInfo, ...]  # ranks[i].rank == i
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "PrefillInstanceInfo":
+    def from_dict(cls, d: dict[str, Any]) -> PrefillInstanceInfo:
         try:
             ranks = tuple(sorted((PrefillRankInfo.from_dict(r) for r in d["ranks"]), key=lambda r: r.rank))
             inst = cls(str(d["instance_id"]), int(d["tp_size"]), str(d["model_name"]), ranks)
         except _MALFORMED as e:
             raise BootstrapError(f"malformed prefill instance info: {e!r}") from e
         if [r.rank for r in ranks] != list(range(inst.tp_size)):
-            raise BootstrapError(f"prefill instance {inst.instance_id}: ranks {[r.rank for r in ranks]} "
-                                 f"do not cover tp_size {inst.tp_size}")
+            raise BootstrapError(
+                f"prefill instance {inst.instance_id}: ranks {[r.rank for r in ranks]} "
+                f"do not cover tp_size {inst.tp_size}"
+            )
         return inst
 
 
@@ -129,8 +141,9 @@ def check_compatible(prefill: PrefillInstanceInfo, decode: DecodeInfo) -> None:
     """Raise IncompatiblePeerError with a clear message if KV cannot move from `prefill` to `decode`."""
     where = f"prefill instance {prefill.instance_id}"
     if prefill.model_name != decode.model_name:
-        raise IncompatiblePeerError(f"{where} serves model {prefill.model_name!r}, this decode serves "
-                                    f"{decode.model_name!r}")
+        raise IncompatiblePeerError(
+            f"{where} serves model {prefill.model_name!r}, this decode serves {decode.model_name!r}"
+        )
     if len(decode.layouts) != decode.tp_size:
         raise IncompatiblePeerError(f"decode has tp_size {decode.tp_size} but {len(decode.layouts)} layouts")
     for p in prefill.ranks:
@@ -141,13 +154,17 @@ def check_compatible(prefill: PrefillInstanceInfo, decode: DecodeInfo) -> None:
     total = decode.layouts[0].total_kv_heads
     try:
         transfer_slices(prefill.tp_size, decode.tp_size, total)
-        for side, tp, layouts in (("prefill", prefill.tp_size, [p.layout for p in prefill.ranks]),
-                                  ("decode", decode.tp_size, decode.layouts)):
+        for side, tp, layouts in (
+            ("prefill", prefill.tp_size, [p.layout for p in prefill.ranks]),
+            ("decode", decode.tp_size, decode.layouts),
+        ):
             for rank, lay in enumerate(layouts):
                 want = kv_head_range(tp, rank, total)
                 if (lay.head_start, lay.head_end) != want:
-                    raise ValueError(f"{side} rank {rank} holds KV heads [{lay.head_start}, {lay.head_end}), "
-                                     f"TP {tp} needs [{want[0]}, {want[1]})")
+                    raise ValueError(
+                        f"{side} rank {rank} holds KV heads [{lay.head_start}, {lay.head_end}), "
+                        f"TP {tp} needs [{want[0]}, {want[1]})"
+                    )
     except ValueError as e:
         raise IncompatiblePeerError(f"{where}: TP {prefill.tp_size} -> decode TP {decode.tp_size}: {e}") from e
 
@@ -173,9 +190,12 @@ class _Registry:
                 self._instance, self._ranks = info.instance_id, {}
             for other in self._ranks.values():
                 if (other.tp_size, other.model_name) != (info.tp_size, info.model_name) and other.rank != rank:
-                    raise HTTPException(409, f"rank {rank} registers tp_size {info.tp_size} model "
-                                             f"{info.model_name!r}; rank {other.rank} of the same instance "
-                                             f"has tp_size {other.tp_size} model {other.model_name!r}")
+                    raise HTTPException(
+                        409,
+                        f"rank {rank} registers tp_size {info.tp_size} model "
+                        f"{info.model_name!r}; rank {other.rank} of the same instance "
+                        f"has tp_size {other.tp_size} model {other.model_name!r}",
+                    )
             self._ranks[rank] = info
 
     def get_all(self) -> dict[str, Any]:
@@ -188,8 +208,12 @@ class _Registry:
         if len(ranks) < tp:
             raise HTTPException(503, f"prefill instance {instance}: {len(ranks)}/{tp} ranks registered")
         first = ranks[0]
-        return {"instance_id": instance, "tp_size": tp, "model_name": first.model_name,
-                "ranks": [ranks[r].to_dict() for r in range(tp)]}
+        return {
+            "instance_id": instance,
+            "tp_size": tp,
+            "model_name": first.model_name,
+            "ranks": [ranks[r].to_dict() for r in range(tp)],
+        }
 
     def get_one(self, rank: int) -> dict[str, Any]:
         with self._lock:
@@ -210,16 +234,18 @@ def _app(registry: _Registry, auth: Authenticator | None = None, max_body_bytes:
             registry.reject()
             raise HTTPException(401, f"bootstrap call rejected: {e}") from None
 
-    app = FastAPI(title="kvpipe bootstrap", docs_url=None, redoc_url=None, openapi_url=None,
-                  dependencies=[Depends(authenticated)])
+    app = FastAPI(
+        title="kvpipe bootstrap", docs_url=None, redoc_url=None, openapi_url=None, dependencies=[Depends(authenticated)]
+    )
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         # FastAPI's default echoes the input, and a body of `Infinity` cannot be written back as
         # JSON (the answer became a 500): say where and what, never the input
-        where = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()))}: {e.get('msg', 'invalid')}"
-                          for e in exc.errors())
+        where = "; ".join(
+            f"{'.'.join(str(x) for x in e.get('loc', ()))}: {e.get('msg', 'invalid')}" for e in exc.errors()
+        )
         return JSONResponse({"detail": where or "invalid request"}, status_code=422)
 
     @app.put("/v1/prefill/ranks/{rank}")
@@ -259,8 +285,9 @@ class BootstrapServer:
         self._registry = _Registry()
         cfg = uvicorn.Config(_app(self._registry, auth), log_level="warning", lifespan="off", access_log=False)
         self._server = uvicorn.Server(cfg)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
-                                        name=f"bootstrap-{self.port}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._sock]}, name=f"bootstrap-{self.port}", daemon=True
+        )
 
     @property
     def url(self) -> str:
@@ -270,7 +297,7 @@ class BootstrapServer:
     def auth_rejected(self) -> int:
         return self._registry.auth_rejected
 
-    def start(self, timeout_s: float = 10.0) -> "BootstrapServer":
+    def start(self, timeout_s: float = 10.0) -> BootstrapServer:
         self._thread.start()
         end = time.monotonic() + timeout_s
         while not self._server.started:
@@ -286,7 +313,7 @@ class BootstrapServer:
             self._thread.join(timeout_s)
         self._sock.close()
 
-    def __enter__(self) -> "BootstrapServer":
+    def __enter__(self) -> BootstrapServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -297,8 +324,14 @@ def _base_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def _request(method: str, base: str, path: str, timeout_s: float, body: dict[str, Any] | None = None,
-             auth: Authenticator | None = None) -> Any:
+def _request(
+    method: str,
+    base: str,
+    path: str,
+    timeout_s: float,
+    body: dict[str, Any] | None = None,
+    auth: Authenticator | None = None,
+) -> Any:
     url = base + path
     content = b"" if body is None else json.dumps(body).encode()
     headers = {"Content-Type": "application/json"} if body is not None else {}
@@ -329,26 +362,37 @@ def _detail(resp: httpx.Response) -> str:
     return str(body.get("detail", resp.text)) if isinstance(body, dict) else resp.text[:200]
 
 
-def register_prefill_rank(host: str, port: int, info: PrefillRankInfo, timeout_s: float = 2.0,
-                          auth: Authenticator | None = None) -> None:
+def register_prefill_rank(
+    host: str, port: int, info: PrefillRankInfo, timeout_s: float = 2.0, auth: Authenticator | None = None
+) -> None:
     _request("PUT", _base_url(host, port), f"/v1/prefill/ranks/{info.rank}", timeout_s, info.to_dict(), auth)
 
 
-def fetch_prefill_info(host: str, port: int, timeout_s: float = 2.0,
-                       auth: Authenticator | None = None) -> PrefillInstanceInfo:
-    return PrefillInstanceInfo.from_dict(_request("GET", _base_url(host, port), "/v1/prefill/ranks", timeout_s,
-                                                  auth=auth))
+def fetch_prefill_info(
+    host: str, port: int, timeout_s: float = 2.0, auth: Authenticator | None = None
+) -> PrefillInstanceInfo:
+    return PrefillInstanceInfo.from_dict(
+        _request("GET", _base_url(host, port), "/v1/prefill/ranks", timeout_s, auth=auth)
+    )
 
 
-def fetch_prefill_rank(host: str, port: int, rank: int, timeout_s: float = 2.0,
-                       auth: Authenticator | None = None) -> PrefillRankInfo:
-    return PrefillRankInfo.from_dict(_request("GET", _base_url(host, port), f"/v1/prefill/ranks/{rank}", timeout_s,
-                                              auth=auth))
+def fetch_prefill_rank(
+    host: str, port: int, rank: int, timeout_s: float = 2.0, auth: Authenticator | None = None
+) -> PrefillRankInfo:
+    return PrefillRankInfo.from_dict(
+        _request("GET", _base_url(host, port), f"/v1/prefill/ranks/{rank}", timeout_s, auth=auth)
+    )
 
 
-def wait_prefill_info(host: str, port: int, timeout_s: float, http_timeout_s: float = 2.0,
-                      retry_s: float = 0.05, stop: threading.Event | None = None,
-                      auth: Authenticator | None = None) -> PrefillInstanceInfo:
+def wait_prefill_info(
+    host: str,
+    port: int,
+    timeout_s: float,
+    http_timeout_s: float = 2.0,
+    retry_s: float = 0.05,
+    stop: threading.Event | None = None,
+    auth: Authenticator | None = None,
+) -> PrefillInstanceInfo:
     """fetch_prefill_info, retrying unreachable / not-ready servers until `timeout_s` passed
     (or `stop` is set: then the last error is raised)."""
     end = time.monotonic() + timeout_s

@@ -77,8 +77,10 @@ def from_wire(cls: type, data: Any, path: str) -> Any:
     unknown = [k for k in data if k not in names]
     if missing or unknown:
         raise ProtocolError(f"{path}: missing fields {missing}, unknown fields {unknown}")
-    kwargs = {f.name: _value_from_wire(data[f.name], hints[f.name], f"{path}.{f.name}", f.metadata.get("min_id", 0))
-              for f in dataclasses.fields(cls)}
+    kwargs = {
+        f.name: _value_from_wire(data[f.name], hints[f.name], f"{path}.{f.name}", f.metadata.get("min_id", 0))
+        for f in dataclasses.fields(cls)
+    }
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as e:  # the dataclass's own invariants

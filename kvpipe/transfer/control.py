@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import zmq
 
@@ -47,8 +48,16 @@ def _tcp(host: str) -> str:
 
 
 class ControlEndpoint:
-    def __init__(self, host: str, handler: Callable[[Any], None], *, name: str = "control",
-                 send_hwm: int = 10000, poll_ms: int = 20, auth: Authenticator | None = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        handler: Callable[[Any], None],
+        *,
+        name: str = "control",
+        send_hwm: int = 10000,
+        poll_ms: int = 20,
+        auth: Authenticator | None = None,
+    ) -> None:
         self.name = name
         self._auth = auth
         self.stats = EndpointStats()
@@ -69,7 +78,7 @@ class ControlEndpoint:
         self._thread = threading.Thread(target=self._recv_loop, name=f"{name}-recv", daemon=True)
         self._closed = False
 
-    def start(self) -> "ControlEndpoint":
+    def start(self) -> ControlEndpoint:
         self._thread.start()
         return self
 
@@ -134,15 +143,19 @@ class ControlEndpoint:
                     self.stats.auth_rejected += 1
                     # the first few in full, then every 1000th: a flood must not flood the log
                     if self.stats.auth_rejected <= 10 or self.stats.auth_rejected % 1000 == 0:
-                        log.warning("%s: rejected control frame (%d bytes, %d rejected so far): %s",
-                                    self.name, len(frame), self.stats.auth_rejected, e)
+                        log.warning(
+                            "%s: rejected control frame (%d bytes, %d rejected so far): %s",
+                            self.name,
+                            len(frame),
+                            self.stats.auth_rejected,
+                            e,
+                        )
                     continue
             try:
                 msg = messages.decode(frame)
             except Exception as e:  # ProtocolError, or anything a hostile frame provokes
                 self.stats.malformed += 1
-                log.warning("%s: dropped malformed control message (%d bytes): %s",
-                            self.name, len(frame), e)
+                log.warning("%s: dropped malformed control message (%d bytes): %s", self.name, len(frame), e)
                 continue
             try:
                 self._handler(msg)
@@ -164,7 +177,7 @@ class ControlEndpoint:
         self._pull.close(linger=0)
         self._ctx.term()
 
-    def __enter__(self) -> "ControlEndpoint":
+    def __enter__(self) -> ControlEndpoint:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -30,12 +30,13 @@ class KVWireBytes:
             raise ValueError(f"sliding-window layers need a window >= 1, got {self.window!r}")
 
     @classmethod
-    def from_layout(cls, layout: "KVLayout", window: int | None) -> "KVWireBytes":
+    def from_layout(cls, layout: KVLayout, window: int | None) -> KVWireBytes:
         """Of one rank's pool: its local heads, its sliding layers (layout.swa_layers)."""
         per_layer = layout.token_nbytes // layout.num_layers
         n_swa = len(layout.swa_layers)
-        return cls((layout.num_layers - n_swa) * per_layer, n_swa * per_layer,
-                   window if n_swa else None, layout.page_size)
+        return cls(
+            (layout.num_layers - n_swa) * per_layer, n_swa * per_layer, window if n_swa else None, layout.page_size
+        )
 
     def swa_tokens(self, start: int, end: int, prompt_len: int) -> int:
         """Tokens of [start, end) that the sliding layers send for a prompt of prompt_len tokens:

@@ -55,8 +55,9 @@ class KVLayout:
         if self.head_start < 0 or self.head_end > self.total_kv_heads:
             raise ValueError(f"heads [{self.head_start}, {self.head_end}) outside [0, {self.total_kv_heads})")
         if self.buffer_nbytes % self.page_nbytes:
-            raise ValueError(f"buffer of {self.buffer_nbytes} bytes is not a whole number of "
-                             f"{self.page_nbytes}-byte pages")
+            raise ValueError(
+                f"buffer of {self.buffer_nbytes} bytes is not a whole number of {self.page_nbytes}-byte pages"
+            )
         swa = self.swa_layers
         if any(not 0 <= i < self.num_layers for i in swa) or any(a >= b for a, b in zip(swa, swa[1:])):
             raise ValueError(f"sliding-window layers {swa} must increase inside [0, {self.num_layers})")
@@ -111,7 +112,7 @@ class KVLayout:
         return addrs, [self.buffer_nbytes] * len(addrs)
 
     @classmethod
-    def from_pool(cls, pool: "KVPool", head_start: int = 0, total_kv_heads: int | None = None) -> "KVLayout":
+    def from_pool(cls, pool: KVPool, head_start: int = 0, total_kv_heads: int | None = None) -> KVLayout:
         infos = pool.buffer_infos()
         nbytes = {b.nbytes for b in infos}
         if len(nbytes) != 1:
@@ -131,7 +132,7 @@ class KVLayout:
             swa_layers=tuple(int(i) for i in getattr(pool, "swa_layers", ())),
         )
 
-    def compatible_with(self, other: "KVLayout") -> str | None:
+    def compatible_with(self, other: KVLayout) -> str | None:
         """None when KV can move between the two pools, else why not (for a clear error)."""
         checks = (
             ("KV kind (1: MLA latent, 2: K and V)", self.buffers_per_layer, other.buffers_per_layer),
@@ -150,8 +151,10 @@ class KVLayout:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready (bootstrap): tuples as lists, so a round trip through JSON compares equal."""
-        return {f: list(v) if isinstance(v, tuple) else v
-                for f, v in ((f, getattr(self, f)) for f in self.__dataclass_fields__)}
+        return {
+            f: list(v) if isinstance(v, tuple) else v
+            for f, v in ((f, getattr(self, f)) for f in self.__dataclass_fields__)
+        }
 
 
 @dataclass(frozen=True)
@@ -160,5 +163,5 @@ class DecodeRank:
 
     layout: KVLayout  # this rank's pool (head range set for its TP rank)
     data_address: str  # its backend's address: where prefill writes
-    staging: "StagingInfo | None" = None  # its staging ring, when it offers one
-    state: "StateLayout | None" = None  # its recurrent-state pool (hybrid models)
+    staging: StagingInfo | None = None  # its staging ring, when it offers one
+    state: StateLayout | None = None  # its recurrent-state pool (hybrid models)

@@ -200,11 +200,31 @@ class StagingChunkDone:
     watermark_offset: int = 0
 
 
-Message = Union[RegisterPeer, TransferRequest, TransferStatus, Abort, Heartbeat, StagingSlotRequest,
-                StagingSlotGrant, StagingChunkWritten, StagingChunkDone]
-MESSAGE_TYPES: dict[str, type] = {c.KIND: c for c in (RegisterPeer, TransferRequest, TransferStatus, Abort, Heartbeat,
-                                                      StagingSlotRequest, StagingSlotGrant, StagingChunkWritten,
-                                                      StagingChunkDone)}
+Message = Union[
+    RegisterPeer,
+    TransferRequest,
+    TransferStatus,
+    Abort,
+    Heartbeat,
+    StagingSlotRequest,
+    StagingSlotGrant,
+    StagingChunkWritten,
+    StagingChunkDone,
+]
+MESSAGE_TYPES: dict[str, type] = {
+    c.KIND: c
+    for c in (
+        RegisterPeer,
+        TransferRequest,
+        TransferStatus,
+        Abort,
+        Heartbeat,
+        StagingSlotRequest,
+        StagingSlotGrant,
+        StagingChunkWritten,
+        StagingChunkDone,
+    )
+}
 
 
 def encode(msg: Message) -> bytes:

@@ -19,8 +19,9 @@ def piece_counts(length: np.ndarray, max_bytes: int) -> np.ndarray:
     return -(-np.asarray(length, dtype=np.int64) // max_bytes)
 
 
-def split_ops(src: np.ndarray, dst: np.ndarray, length: np.ndarray,
-              max_bytes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def split_ops(
+    src: np.ndarray, dst: np.ndarray, length: np.ndarray, max_bytes: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Ops [N] -> pieces [P], P = sum(ceil(length / max_bytes)), all int64.
 
     Op i becomes pieces of `max_bytes` at offsets 0, max_bytes, ... of both its source and its
@@ -39,5 +40,8 @@ def split_ops(src: np.ndarray, dst: np.ndarray, length: np.ndarray,
     first = np.cumsum(counts) - counts  # [N] index of each op's first piece
     # [P] byte offset of each piece inside its op: (piece index - its op's first piece) * max_bytes
     offset = (np.arange(total, dtype=np.int64) - np.repeat(first, counts)) * max_bytes
-    return (np.repeat(s, counts) + offset, np.repeat(d, counts) + offset,
-            np.minimum(np.repeat(n, counts) - offset, max_bytes))
+    return (
+        np.repeat(s, counts) + offset,
+        np.repeat(d, counts) + offset,
+        np.minimum(np.repeat(n, counts) - offset, max_bytes),
+    )

@@ -43,7 +43,7 @@ class TransferPlan(OpArrays):
     def ops_per_layer(self) -> int:
         return self.buffers_per_layer * self.num_runs
 
-    def layers(self, start: int, end: int) -> "TransferPlan":
+    def layers(self, start: int, end: int) -> TransferPlan:
         """The sub-plan of layers [start, end): array views, no replanning."""
         if not self.layer_start <= start <= end <= self.layer_end:
             raise ValueError(f"layers [{start}, {end}) outside the plan's [{self.layer_start}, {self.layer_end})")
@@ -54,9 +54,20 @@ class TransferPlan(OpArrays):
             i, j = np.searchsorted(self.layer_ids, (start, end))
             ids = self.layer_ids[i:j]
         a, b = i * self.ops_per_layer, j * self.ops_per_layer
-        return TransferPlan(self.src_addr[a:b], self.dst_addr[a:b], self.length[a:b], start, end,
-                            self.num_runs, self.num_pages, self.head_start, self.head_end, 0.0,
-                            self.buffers_per_layer, ids)
+        return TransferPlan(
+            self.src_addr[a:b],
+            self.dst_addr[a:b],
+            self.length[a:b],
+            start,
+            end,
+            self.num_runs,
+            self.num_pages,
+            self.head_start,
+            self.head_end,
+            0.0,
+            self.buffers_per_layer,
+            ids,
+        )
 
 
 def page_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -76,10 +87,16 @@ def _check_pages(pages: np.ndarray, layout: KVLayout, side: str) -> None:
         raise ValueError(f"{side} page ids outside [0, {layout.num_pages}): min {pages.min()}, max {pages.max()}")
 
 
-def plan_pages(src_pages: np.ndarray | list[int], dst_pages: np.ndarray | list[int],
-               src: KVLayout, dst: KVLayout, *, heads: tuple[int, int] | None = None,
-               layers: tuple[int, int] | None = None,
-               layer_ids: np.ndarray | list[int] | None = None) -> TransferPlan:
+def plan_pages(
+    src_pages: np.ndarray | list[int],
+    dst_pages: np.ndarray | list[int],
+    src: KVLayout,
+    dst: KVLayout,
+    *,
+    heads: tuple[int, int] | None = None,
+    layers: tuple[int, int] | None = None,
+    layer_ids: np.ndarray | list[int] | None = None,
+) -> TransferPlan:
     """Plan writing source pages `src_pages[i]` into destination pages `dst_pages[i]`.
 
     heads: global KV heads to move (default: the intersection of both ranks' ranges).
@@ -102,8 +119,10 @@ def plan_pages(src_pages: np.ndarray | list[int], dst_pages: np.ndarray | list[i
     common = head_intersection((src.head_start, src.head_end), (dst.head_start, dst.head_end))
     if heads is None:
         if common is None:
-            raise ValueError(f"no common KV heads: source [{src.head_start}, {src.head_end}), "
-                             f"destination [{dst.head_start}, {dst.head_end})")
+            raise ValueError(
+                f"no common KV heads: source [{src.head_start}, {src.head_end}), "
+                f"destination [{dst.head_start}, {dst.head_end})"
+            )
         heads = common
     elif common is None or not (common[0] <= heads[0] < heads[1] <= common[1]):
         raise ValueError(f"heads {heads} not held by both sides (common: {common})")

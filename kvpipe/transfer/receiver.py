@@ -22,19 +22,26 @@ heartbeats every idle_tick_s. Control messages leave through the endpoint, never
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 import threading
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Sequence
+from dataclasses import replace
 
 import numpy as np
 
 from kvpipe.config import DisaggregationConfig
-from kvpipe.transfer.bootstrap import (DEFAULT_BOOTSTRAP_PORT, BootstrapNotReady, BootstrapUnreachable, DecodeInfo,
-                                       PrefillInstanceInfo, check_compatible, fetch_prefill_info)
 from kvpipe.transfer.auth import authenticator
+from kvpipe.transfer.bootstrap import (
+    DEFAULT_BOOTSTRAP_PORT,
+    BootstrapNotReady,
+    BootstrapUnreachable,
+    DecodeInfo,
+    PrefillInstanceInfo,
+    check_compatible,
+    fetch_prefill_info,
+)
 from kvpipe.transfer.control import ControlEndpoint
 from kvpipe.transfer.layout import DecodeRank
 from kvpipe.transfer.messages import AuxData
@@ -51,9 +58,17 @@ def _address(bootstrap_host: str, bootstrap_port: int | None) -> tuple[str, int]
 
 
 class KVReceiver:
-    def __init__(self, cfg: DisaggregationConfig, *, ranks: Sequence[DecodeRank], model_name: str,
-                 instance_id: str | None = None, host: str = "127.0.0.1", clock: Clock = time.monotonic,
-                 on_news: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: DisaggregationConfig,
+        *,
+        ranks: Sequence[DecodeRank],
+        model_name: str,
+        instance_id: str | None = None,
+        host: str = "127.0.0.1",
+        clock: Clock = time.monotonic,
+        on_news: Callable[[], None] | None = None,
+    ) -> None:
         """`on_news` (called on the control thread after every message from a prefill): poll()
         may have something new, e.g. wake the engine loop instead of waiting for its timer."""
         if not ranks:
@@ -67,8 +82,9 @@ class KVReceiver:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._auth = authenticator(cfg.auth_token)  # control frames and bootstrap look-ups
-        self._endpoint = ControlEndpoint(host, self._on_message, name="kvreceiver", send_hwm=cfg.control_send_hwm,
-                                         auth=self._auth)
+        self._endpoint = ControlEndpoint(
+            host, self._on_message, name="kvreceiver", send_hwm=cfg.control_send_hwm, auth=self._auth
+        )
         self._book = ReceiverBook(cfg, self.ranks, self.instance_id, self._endpoint.address, self._endpoint.send)
         self.sessions = self._book.sessions  # per decode rank: its session id on the wire
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvreceiver-bootstrap")
@@ -87,7 +103,7 @@ class KVReceiver:
         with self._lock:
             return len(self._book.rooms)
 
-    def start(self) -> "KVReceiver":
+    def start(self) -> KVReceiver:
         self._endpoint.start()
         self._worker.start()
         return self
@@ -101,10 +117,17 @@ class KVReceiver:
 
     # ---- engine API ------------------------------------------------------------------------
 
-    def add_room(self, room: int, bootstrap_host: str, bootstrap_port: int | None,
-                 dst_pages: Sequence[np.ndarray] | np.ndarray | list[int], prefix_len: int = 0,
-                 aux_slot: int = 0, state_slot: int | None = None,
-                 swa_pages: Sequence[np.ndarray] | np.ndarray | list[int] | None = None) -> None:
+    def add_room(
+        self,
+        room: int,
+        bootstrap_host: str,
+        bootstrap_port: int | None,
+        dst_pages: Sequence[np.ndarray] | np.ndarray | list[int],
+        prefix_len: int = 0,
+        aux_slot: int = 0,
+        state_slot: int | None = None,
+        swa_pages: Sequence[np.ndarray] | np.ndarray | list[int] | None = None,
+    ) -> None:
         """Ask the prefill at bootstrap_host:bootstrap_port (None: 8998) for request `room`'s KV.
 
         dst_pages: per decode rank (a single array when tp_size is 1), distinct pages for prompt
@@ -130,8 +153,9 @@ class KVReceiver:
         with self._lock:
             self._book.abort(room, reason, self._clock())
 
-    def abort_unrequested(self, room: int, bootstrap_host: str, bootstrap_port: int | None,
-                          reason: str = "aborted by decode") -> bool:
+    def abort_unrequested(
+        self, room: int, bootstrap_host: str, bootstrap_port: int | None, reason: str = "aborted by decode"
+    ) -> bool:
         """A request this decode never opened a room for (it waited for pages) is gone: tell the
         prefill, if this decode knows it, so the prefill frees the request's KV now instead of
         holding it until its bootstrap timeout. True when the prefill ranks were told."""

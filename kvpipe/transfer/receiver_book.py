@@ -29,8 +29,9 @@ Session ids: decode rank r is f"{instance_id}/{r}", prefill rank p is f"{prefill
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -38,8 +39,8 @@ from kvpipe.config import DisaggregationConfig
 from kvpipe.transfer.layout import DecodeRank
 from kvpipe.transfer.messages import Abort, AuxData, Heartbeat, RegisterPeer, Side, TransferRequest, TransferStatus
 from kvpipe.transfer.receiver_room import ReceiverRoom, rank_pairs
-from kvpipe.transfer.window_table import window_pages_problem
 from kvpipe.transfer.state import DuplicateRoomError, PeerLiveness, RoomRecord, TransferState, receiver_timeouts
+from kvpipe.transfer.window_table import window_pages_problem
 
 if TYPE_CHECKING:  # bootstrap pulls in the HTTP stack; the book only reads the fetched info
     from kvpipe.transfer.bootstrap import PrefillInstanceInfo
@@ -68,8 +69,14 @@ class KnownPrefill:
 
 
 class ReceiverBook:
-    def __init__(self, cfg: DisaggregationConfig, ranks: Sequence[DecodeRank], instance_id: str,
-                 control_address: str, send: Callable[[str, Any], bool]) -> None:
+    def __init__(
+        self,
+        cfg: DisaggregationConfig,
+        ranks: Sequence[DecodeRank],
+        instance_id: str,
+        control_address: str,
+        send: Callable[[str, Any], bool],
+    ) -> None:
         self.cfg, self.ranks = cfg, tuple(ranks)
         self.tp_size = len(self.ranks)
         self.control_address = control_address  # where prefill ranks answer (in RegisterPeer)
@@ -88,11 +95,15 @@ class ReceiverBook:
 
     # ---- engine side -----------------------------------------------------------------------
 
-    def check_pages(self, room: int, dst_pages: Sequence[np.ndarray] | np.ndarray | list[int],
-                    prefix_len: int) -> tuple[np.ndarray, ...]:
+    def check_pages(
+        self, room: int, dst_pages: Sequence[np.ndarray] | np.ndarray | list[int], prefix_len: int
+    ) -> tuple[np.ndarray, ...]:
         """add_room's page lists as one int64 array per decode rank, or ValueError (reads only the layouts)."""
-        if isinstance(dst_pages, np.ndarray) and dst_pages.ndim == 1 or (
-                isinstance(dst_pages, list) and all(isinstance(p, (int, np.integer)) for p in dst_pages)):
+        if (
+            isinstance(dst_pages, np.ndarray)
+            and dst_pages.ndim == 1
+            or (isinstance(dst_pages, list) and all(isinstance(p, (int, np.integer)) for p in dst_pages))
+        ):
             dst_pages = [dst_pages]
         pages = tuple(np.asarray(p, dtype=np.int64).ravel() for p in dst_pages)
         if len(pages) != self.tp_size:
@@ -106,8 +117,9 @@ class ReceiverBook:
                 raise ValueError(f"room {room}: decode rank {r} pages must be distinct ids in [0, {n})")
         return pages
 
-    def check_swa_pages(self, room: int, swa_pages: Sequence[np.ndarray] | np.ndarray | list[int] | None,
-                        pages: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...] | None:
+    def check_swa_pages(
+        self, room: int, swa_pages: Sequence[np.ndarray] | np.ndarray | list[int] | None, pages: tuple[np.ndarray, ...]
+    ) -> tuple[np.ndarray, ...] | None:
         """add_room's window page tables (per decode rank, aligned with `pages` from check_pages,
         -1 where no sliding-window page is wanted) as int64 arrays, or ValueError. Required iff the
         layout has sliding-window layers."""
@@ -118,8 +130,11 @@ class ReceiverBook:
             return None
         if not lay.swa_layers:
             raise ValueError(f"room {room}: window pages (swa_pages) for a model without sliding-window layers")
-        if isinstance(swa_pages, np.ndarray) and swa_pages.ndim == 1 or (
-                isinstance(swa_pages, list) and all(isinstance(p, (int, np.integer)) for p in swa_pages)):
+        if (
+            isinstance(swa_pages, np.ndarray)
+            and swa_pages.ndim == 1
+            or (isinstance(swa_pages, list) and all(isinstance(p, (int, np.integer)) for p in swa_pages))
+        ):
             swa_pages = [swa_pages]
         swa = tuple(np.asarray(p, dtype=np.int64).ravel() for p in swa_pages)
         if len(swa) != self.tp_size:
@@ -140,17 +155,33 @@ class ReceiverBook:
         elif state_slot is None or not 0 <= state_slot < state.num_slots:
             raise ValueError(f"room {room}: state slot {state_slot} outside [0, {state.num_slots})")
 
-    def add_room(self, room: int, prefill: Address, pages: tuple[np.ndarray, ...], prefix_len: int,
-                 aux_slot: int, now: float, state_slot: int | None = None,
-                 swa_pages: tuple[np.ndarray, ...] | None = None) -> Address | None:
+    def add_room(
+        self,
+        room: int,
+        prefill: Address,
+        pages: tuple[np.ndarray, ...],
+        prefix_len: int,
+        aux_slot: int,
+        now: float,
+        state_slot: int | None = None,
+        swa_pages: tuple[np.ndarray, ...] | None = None,
+    ) -> Address | None:
         """Open a room (pages from check_pages, swa_pages from check_swa_pages). Returns `prefill`
         when the caller must start a bootstrap fetch of it (then report with on_fetched), None when
         the room was requested at once or a fetch of that prefill is under way. Raises
         DuplicateRoomError."""
         if room in self.rooms:
             raise DuplicateRoomError(f"bootstrap_room {room} is already active on this decode")
-        r = self.rooms[room] = ReceiverRoom(room, RoomRecord.new(room, self._timeouts, now), prefill, pages,
-                                            prefix_len, aux_slot, state_slot, swa_pages=swa_pages)
+        r = self.rooms[room] = ReceiverRoom(
+            room,
+            RoomRecord.new(room, self._timeouts, now),
+            prefill,
+            pages,
+            prefix_len,
+            aux_slot,
+            state_slot,
+            swa_pages=swa_pages,
+        )
         peer = self.prefills.get(prefill)
         if peer is not None:
             self._request(r, peer, now)
@@ -211,8 +242,11 @@ class ReceiverBook:
         Requests every room waiting for it, or fails them."""
         # A room that was reported and whose id came back (maybe for another prefill) is a new
         # room: only the very objects that waited, still active, are requested.
-        rooms = [r for r in self._waiting.pop(prefill, [])
-                 if self.rooms.get(r.room) is r and not r.requested and not r.rec.state.terminal]
+        rooms = [
+            r
+            for r in self._waiting.pop(prefill, [])
+            if self.rooms.get(r.room) is r and not r.requested and not r.rec.state.terminal
+        ]
         self._fetch_errors.pop(prefill, None)
         if info is None:
             why = f"bootstrap with prefill {prefill[0]}:{prefill[1]} failed: {error or 'no answer'}"
@@ -229,16 +263,30 @@ class ReceiverBook:
         if old is not None and old.info.instance_id == info.instance_id:
             return old
         if old is not None:
-            self._drop_prefill(old, f"prefill at {addr[0]}:{addr[1]} restarted (instance "
-                                    f"{old.info.instance_id} -> {info.instance_id})", now, gone=True)
+            self._drop_prefill(
+                old,
+                f"prefill at {addr[0]}:{addr[1]} restarted (instance {old.info.instance_id} -> {info.instance_id})",
+                now,
+                gone=True,
+            )
         for r in self.rooms.values():  # rooms of an instance dropped earlier: now known to be gone
             if r.prefill == addr and r.instance_id not in (None, info.instance_id):
                 r.prefill_gone = True
                 r.rec.fail(f"prefill at {addr[0]}:{addr[1]} restarted", now)
         peer = KnownPrefill(addr, info, {f"{info.instance_id}/{p}": p for p in range(info.tp_size)})
-        self._to_pairs(info, lambda r: RegisterPeer(self.sessions[r], r, self.tp_size, self.ranks[r].data_address,
-                                                    self.control_address, self.ranks[r].layout,
-                                                    self.ranks[r].staging, self.ranks[r].state))
+        self._to_pairs(
+            info,
+            lambda r: RegisterPeer(
+                self.sessions[r],
+                r,
+                self.tp_size,
+                self.ranks[r].data_address,
+                self.control_address,
+                self.ranks[r].layout,
+                self.ranks[r].staging,
+                self.ranks[r].state,
+            ),
+        )
         self.stats.registrations += len(rank_pairs(info.tp_size, self.tp_size))
         for s, p in peer.sessions.items():
             self._by_session[s] = (addr, p)
@@ -248,9 +296,18 @@ class ReceiverBook:
 
     def _request(self, r: ReceiverRoom, peer: KnownPrefill, now: float) -> None:
         info = peer.info
-        queued = self._to_pairs(info, lambda rank: TransferRequest(
-            r.room, self.sessions[rank], tuple(r.dst_pages[rank].tolist()), r.prefix_len, r.aux_slot,
-            r.state_slot, None if r.swa_pages is None else tuple(r.swa_pages[rank].tolist())))
+        queued = self._to_pairs(
+            info,
+            lambda rank: TransferRequest(
+                r.room,
+                self.sessions[rank],
+                tuple(r.dst_pages[rank].tolist()),
+                r.prefix_len,
+                r.aux_slot,
+                r.state_slot,
+                None if r.swa_pages is None else tuple(r.swa_pages[rank].tolist()),
+            ),
+        )
         r.requested_from(info.instance_id, info.tp_size, self.tp_size)
         r.rec.move(TransferState.WAITING_FOR_INPUT, now)
         if not queued:
@@ -281,8 +338,7 @@ class ReceiverBook:
             return
         r.quiet_deadline = now + self.cfg.transfer_timeout_s
         peer = self.prefills.get(r.prefill)
-        if (not r.requested or r.all_final or r.prefill_gone or peer is None
-                or peer.info.instance_id != r.instance_id):
+        if not r.requested or r.all_final or r.prefill_gone or peer is None or peer.info.instance_id != r.instance_id:
             return
         self._to_pairs(peer.info, lambda rank: Abort(r.room, self.sessions[rank], Side.DECODE, r.rec.reason))
         r.aborts_sent = True
@@ -310,8 +366,10 @@ class ReceiverBook:
         rank = self._session_rank.get(msg.session_id)
         r = self.rooms.get(msg.room)
         if rank is None or r is None or not r.requested:
-            return self._reject(f"{type(msg).__name__} for room {msg.room}, session {msg.session_id}: "
-                                f"{'unknown session' if rank is None else 'room not awaiting a transfer'}")
+            return self._reject(
+                f"{type(msg).__name__} for room {msg.room}, session {msg.session_id}: "
+                f"{'unknown session' if rank is None else 'room not awaiting a transfer'}"
+            )
         if isinstance(msg, Abort):
             if msg.side is not Side.PREFILL:
                 return self._reject(f"Abort for room {msg.room} claiming to come from {msg.side.value}")
@@ -326,19 +384,26 @@ class ReceiverBook:
 
     def housekeeping(self, now: float) -> None:
         for r in self.rooms.values():
-            if r.rec.state is TransferState.BOOTSTRAPPING and r.rec.deadline is not None \
-                    and now >= r.rec.deadline:
+            if r.rec.state is TransferState.BOOTSTRAPPING and r.rec.deadline is not None and now >= r.rec.deadline:
                 err = self._fetch_errors.get(r.prefill)
-                r.rec.fail(f"bootstrap with prefill {r.prefill[0]}:{r.prefill[1]} failed: not done "
-                           f"within {self.cfg.bootstrap_timeout_s}s" + (f" ({err})" if err else ""), now)
+                r.rec.fail(
+                    f"bootstrap with prefill {r.prefill[0]}:{r.prefill[1]} failed: not done "
+                    f"within {self.cfg.bootstrap_timeout_s}s" + (f" ({err})" if err else ""),
+                    now,
+                )
             r.rec.expire(now, "not every prefill rank reported the transfer finished")
             self._settle(r, now)
         for s in self.liveness.reap(now):
             addr, p = self._by_session.get(s, (None, 0))
             peer = self.prefills.get(addr) if addr is not None else None
             if peer is not None and s in peer.sessions:
-                self._drop_prefill(peer, f"prefill rank {p} at {addr[0]}:{addr[1]} sent no "
-                                   f"heartbeat for {self.cfg.heartbeat_timeout_s:.1f}s", now, gone=False)
+                self._drop_prefill(
+                    peer,
+                    f"prefill rank {p} at {addr[0]}:{addr[1]} sent no "
+                    f"heartbeat for {self.cfg.heartbeat_timeout_s:.1f}s",
+                    now,
+                    gone=False,
+                )
         if now < self._next_hb:
             return
         self._next_hb = now + self.cfg.heartbeat_interval_s

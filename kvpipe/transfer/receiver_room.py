@@ -67,8 +67,9 @@ class ReceiverRoom:
             self.rec.fail(f"prefill failed the transfer: {st.reason}", now)
             return None
         if st.is_stale_for(self.room):
-            self.rec.fail(f"stale transfer: aux data of room {st.aux.room if st.aux else None} "
-                          f"arrived for room {self.room}", now)
+            self.rec.fail(
+                f"stale transfer: aux data of room {st.aux.room if st.aux else None} arrived for room {self.room}", now
+            )
             return None
         self.successes[decode_rank] += 1
         if self.aux is None:
@@ -88,5 +89,9 @@ class ReceiverRoom:
 
     def quiet(self, now: float) -> bool:
         """No write for this room can still land in its pages."""
-        return (not self.requested or self.prefill_gone or self.all_final
-                or (self.quiet_deadline is not None and now >= self.quiet_deadline))
+        return (
+            not self.requested
+            or self.prefill_gone
+            or self.all_final
+            or (self.quiet_deadline is not None and now >= self.quiet_deadline)
+        )

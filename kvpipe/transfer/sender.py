@@ -34,18 +34,18 @@ bootstrap info to match heartbeats).
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 import threading
 import time
 import uuid
-from typing import Callable
+from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 
-from kvpipe.transfer.backends.base import BatchHandle, BatchState, TransferBackend, TransferError
-from kvpipe.transfer.auth import authenticator
-from kvpipe.transfer.bootstrap import BootstrapError, PrefillRankInfo, register_prefill_rank
 from kvpipe.config import DisaggregationConfig
+from kvpipe.transfer.auth import authenticator
+from kvpipe.transfer.backends.base import BatchHandle, BatchState, TransferBackend, TransferError
+from kvpipe.transfer.bootstrap import BootstrapError, PrefillRankInfo, register_prefill_rank
 from kvpipe.transfer.control import ControlEndpoint
 from kvpipe.transfer.layout import KVLayout
 from kvpipe.transfer.messages import AuxTuple
@@ -60,10 +60,22 @@ log = logging.getLogger(__name__)
 
 
 class KVSender:
-    def __init__(self, cfg: DisaggregationConfig, *, layout: KVLayout, backend: TransferBackend, tp_rank: int = 0,
-                 tp_size: int = 1, model_name: str, instance_id: str | None = None, host: str = "127.0.0.1",
-                 clock: Clock = time.monotonic, staging: StagingBuffer | None = None,
-                 state_layout: StateLayout | None = None, on_news: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: DisaggregationConfig,
+        *,
+        layout: KVLayout,
+        backend: TransferBackend,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        model_name: str,
+        instance_id: str | None = None,
+        host: str = "127.0.0.1",
+        clock: Clock = time.monotonic,
+        staging: StagingBuffer | None = None,
+        state_layout: StateLayout | None = None,
+        on_news: Callable[[], None] | None = None,
+    ) -> None:
         """`staging`: a registered local staging buffer over this rank's KV (staging.py); with
         cfg.staging "on" or "auto" sends to decode ranks that offer a staging ring are staged.
         `state_layout`: this rank's registered recurrent-state pool (hybrid models): layer ranges
@@ -77,8 +89,10 @@ class KVSender:
         self.cfg, self.layout, self.backend = cfg, layout, backend
         self.state_layout = state_layout
         if state_layout is not None and len(state_layout.kv_layers) != layout.num_layers:
-            raise ValueError(f"state layout names {len(state_layout.kv_layers)} full-attention layers, "
-                             f"the KV layout has {layout.num_layers}")
+            raise ValueError(
+                f"state layout names {len(state_layout.kv_layers)} full-attention layers, "
+                f"the KV layout has {layout.num_layers}"
+            )
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.model_name, self.instance_id = model_name, instance_id
         self.session_id = f"{instance_id}/{tp_rank}"
@@ -91,15 +105,25 @@ class KVSender:
         self._pass_lock = threading.Lock()
         self._progress_at = clock()  # (under _pass_lock) when a pass last submitted or finished a batch
         self._auth = authenticator(cfg.auth_token)  # control frames and the bootstrap registration
-        self._endpoint = ControlEndpoint(host, self._on_message, name=f"kvsender-{tp_rank}",
-                                         send_hwm=cfg.control_send_hwm, auth=self._auth)
+        self._endpoint = ControlEndpoint(
+            host, self._on_message, name=f"kvsender-{tp_rank}", send_hwm=cfg.control_send_hwm, auth=self._auth
+        )
         self._stager = staging if cfg.staging != "off" else None
-        policy = None if self._stager is None else StagingPolicy(cfg.staging, self._stager.nbytes // 4,
-                                                                 self._stager.nbytes)
-        self._book = SenderBook(cfg, layout, tp_rank, tp_size, self.session_id, self._endpoint.send,
-                                control_address=self._endpoint.address, staging=policy,
-                                staging_addr=0 if self._stager is None else self._stager.addr,
-                                state_layout=state_layout)
+        policy = (
+            None if self._stager is None else StagingPolicy(cfg.staging, self._stager.nbytes // 4, self._stager.nbytes)
+        )
+        self._book = SenderBook(
+            cfg,
+            layout,
+            tp_rank,
+            tp_size,
+            self.session_id,
+            self._endpoint.send,
+            control_address=self._endpoint.address,
+            staging=policy,
+            staging_addr=0 if self._stager is None else self._stager.addr,
+            state_layout=state_layout,
+        )
         self._worker = threading.Thread(target=self._run, name=f"kvsender-{tp_rank}-worker", daemon=True)
 
     @property
@@ -117,10 +141,17 @@ class KVSender:
 
     @property
     def info(self) -> PrefillRankInfo:
-        return PrefillRankInfo(self.tp_rank, self.tp_size, self.layout, self.backend.address,
-                               self.control_address, self.model_name, self.instance_id)
+        return PrefillRankInfo(
+            self.tp_rank,
+            self.tp_size,
+            self.layout,
+            self.backend.address,
+            self.control_address,
+            self.model_name,
+            self.instance_id,
+        )
 
-    def start(self, bootstrap: tuple[str, int] | None = None) -> "KVSender":
+    def start(self, bootstrap: tuple[str, int] | None = None) -> KVSender:
         """Start the threads; with `bootstrap` (host, port), register this rank there."""
         self._endpoint.start()
         self._worker.start()
@@ -147,8 +178,13 @@ class KVSender:
 
     # ---- engine API ------------------------------------------------------------------------
 
-    def add_room(self, room: int, src_pages: np.ndarray | list[int], state_slot: int | None = None,
-                 src_swa_pages: np.ndarray | list[int] | None = None) -> None:
+    def add_room(
+        self,
+        room: int,
+        src_pages: np.ndarray | list[int],
+        state_slot: int | None = None,
+        src_swa_pages: np.ndarray | list[int] | None = None,
+    ) -> None:
         """The engine admitted request `room`; `src_pages` is its page table (tokens from 0);
         `state_slot`: its recurrent-state slot (hybrid models: required; it must stay the room's
         until poll() reported the room); `src_swa_pages`: its window page table (a layout with
@@ -165,8 +201,9 @@ class KVSender:
             self._book.add_room(room, pages, self._clock(), None if sl is None else state_slot, swa)
         self._wake.set()
 
-    def _check_swa_pages(self, room: int, swa_pages: np.ndarray | list[int] | None,
-                         pages: np.ndarray) -> np.ndarray | None:
+    def _check_swa_pages(
+        self, room: int, swa_pages: np.ndarray | list[int] | None, pages: np.ndarray
+    ) -> np.ndarray | None:
         if swa_pages is None:
             return None
         if not self.layout.swa_layers:
@@ -183,10 +220,20 @@ class KVSender:
             raise ValueError(f"room {room}: source pages outside [0, {self.layout.num_pages})")
         return pages
 
-    def send(self, room: int, token_start: int, token_end: int, layer_start: int = 0,
-             layer_end: int | None = None, last: bool = False, aux: AuxTuple | None = None,
-             src_pages: np.ndarray | list[int] | None = None, ready: Callable[[], bool] | None = None,
-             state: bool = False, src_swa_pages: np.ndarray | list[int] | None = None) -> bool:
+    def send(
+        self,
+        room: int,
+        token_start: int,
+        token_end: int,
+        layer_start: int = 0,
+        layer_end: int | None = None,
+        last: bool = False,
+        aux: AuxTuple | None = None,
+        src_pages: np.ndarray | list[int] | None = None,
+        ready: Callable[[], bool] | None = None,
+        state: bool = False,
+        src_swa_pages: np.ndarray | list[int] | None = None,
+    ) -> bool:
         """KV of tokens [token_start, token_end), and of every token before, is ready in layers
         [layer_start, layer_end) (model layers). `last=True` (once, with aux: AuxTuple) means
         the prompt is complete in every layer, and so is the recurrent state of a hybrid model:
@@ -212,8 +259,16 @@ class KVSender:
         self._wake.set()
         return ok
 
-    def _call(self, token_start: int, token_end: int, layer_start: int, layer_end: int | None, last: bool,
-              ready: Callable[[], bool] | None, state: bool) -> SendCall:
+    def _call(
+        self,
+        token_start: int,
+        token_end: int,
+        layer_start: int,
+        layer_end: int | None,
+        last: bool,
+        ready: Callable[[], bool] | None,
+        state: bool,
+    ) -> SendCall:
         """Model layers -> KV buffers (a hybrid pool has them for full-attention layers only) and
         the linear layers whose state goes with the call."""
         sl = self.state_layout

@@ -24,24 +24,46 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import numpy as np
 
-from kvpipe.transfer.backends.base import BatchHandle, BatchState
 from kvpipe.config import DisaggregationConfig
+from kvpipe.transfer.backends.base import BatchHandle, BatchState
 from kvpipe.transfer.layout import KVLayout
-from kvpipe.transfer.messages import (Abort, AuxData, AuxTuple, Heartbeat, RegisterPeer, Side, StagingChunkDone,
-                                      StagingChunkWritten, StagingSlotGrant, StagingSlotRequest, TransferRequest,
-                                      TransferStatus, WireState)
+from kvpipe.transfer.messages import (
+    Abort,
+    AuxData,
+    AuxTuple,
+    Heartbeat,
+    RegisterPeer,
+    Side,
+    StagingChunkDone,
+    StagingChunkWritten,
+    StagingSlotGrant,
+    StagingSlotRequest,
+    TransferRequest,
+    TransferStatus,
+    WireState,
+)
 from kvpipe.transfer.sender_peers import SenderPeers, expected_destinations
-from kvpipe.transfer.sender_room import (ChunkState, Destination, Inflight, OpBatch, PlanError, SendCall, SenderRoom,
-                                         StagedChunk, StagingPolicy)
+from kvpipe.transfer.sender_room import (
+    ChunkState,
+    Destination,
+    Inflight,
+    OpBatch,
+    PlanError,
+    SendCall,
+    SenderRoom,
+    StagedChunk,
+    StagingPolicy,
+)
 from kvpipe.transfer.staging_ring import RingAllocator
+from kvpipe.transfer.state import DuplicateRoomError, RoomRecord, TransferState, sender_timeouts
 from kvpipe.transfer.state_layout import StateLayout
 from kvpipe.transfer.window_table import window_pages_problem
-from kvpipe.transfer.state import DuplicateRoomError, RoomRecord, TransferState, sender_timeouts
 
 log = logging.getLogger(__name__)
 S, F = TransferState.SUCCESS, TransferState.FAILED
@@ -84,10 +106,20 @@ class Tombstone:
 
 
 class SenderBook:
-    def __init__(self, cfg: DisaggregationConfig, layout: KVLayout, tp_rank: int, tp_size: int, session_id: str,
-                 send: Callable[[str, Any], bool], *, control_address: str = "",
-                 staging: StagingPolicy | None = None, staging_addr: int = 0,
-                 state_layout: StateLayout | None = None) -> None:
+    def __init__(
+        self,
+        cfg: DisaggregationConfig,
+        layout: KVLayout,
+        tp_rank: int,
+        tp_size: int,
+        session_id: str,
+        send: Callable[[str, Any], bool],
+        *,
+        control_address: str = "",
+        staging: StagingPolicy | None = None,
+        staging_addr: int = 0,
+        state_layout: StateLayout | None = None,
+    ) -> None:
         """`state_layout`: this rank's recurrent-state pool (hybrid models): every room has a
         state slot (add_room) that its decodes get with the KV."""
         self.cfg, self.layout, self.tp_rank, self.tp_size = cfg, layout, tp_rank, tp_size
@@ -122,15 +154,22 @@ class SenderBook:
 
     # ---- engine side -----------------------------------------------------------------------
 
-    def add_room(self, room: int, pages: np.ndarray, now: float, state_slot: int | None = None,
-                 swa_pages: np.ndarray | None = None) -> None:
+    def add_room(
+        self,
+        room: int,
+        pages: np.ndarray,
+        now: float,
+        state_slot: int | None = None,
+        swa_pages: np.ndarray | None = None,
+    ) -> None:
         self._dirty = True
         r = self.rooms.get(room)
         if r is not None and r.src_pages is not None:
             raise DuplicateRoomError(f"bootstrap_room {room} is already active on this prefill")
         if r is None:
-            r = self.rooms[room] = SenderRoom(room, RoomRecord.new(room, self._timeouts, now), self.layout,
-                                              self.state_layout)
+            r = self.rooms[room] = SenderRoom(
+                room, RoomRecord.new(room, self._timeouts, now), self.layout, self.state_layout
+            )
         elif r.rec.state is not F:  # the decode's request came first: restart the clock now
             r.rec = RoomRecord.new(room, self._timeouts, now)
         r.src_pages = pages
@@ -143,8 +182,14 @@ class SenderBook:
         if r.ready:
             r.rec.move(TransferState.WAITING_FOR_INPUT, now)
 
-    def add_call(self, room: int, call: SendCall, aux: AuxTuple | None,
-                 pages: np.ndarray | None = None, swa_pages: np.ndarray | None = None) -> bool:
+    def add_call(
+        self,
+        room: int,
+        call: SendCall,
+        aux: AuxTuple | None,
+        pages: np.ndarray | None = None,
+        swa_pages: np.ndarray | None = None,
+    ) -> bool:
         self._dirty = True
         r = self.rooms.get(room)
         if r is None or r.src_pages is None:
@@ -153,11 +198,16 @@ class SenderBook:
             return False
         if pages is not None:  # the page table grew (pages allocated chunk by chunk)
             old = r.src_pages
-            if pages.size < old.size or not np.array_equal(pages[:old.size], old):
+            if pages.size < old.size or not np.array_equal(pages[: old.size], old):
                 raise ValueError(f"room {room}: a new page table must extend the old one")
         if swa_pages is not None:  # a newer window table: unlike pages, entries may have turned -1 since
-            why = window_pages_problem(swa_pages, self.layout.num_pages, r.src_pages if pages is None else pages,
-                                       exact=False, aliased=self.layout.aliased)
+            why = window_pages_problem(
+                swa_pages,
+                self.layout.num_pages,
+                r.src_pages if pages is None else pages,
+                exact=False,
+                aliased=self.layout.aliased,
+            )
             if why is not None:
                 raise ValueError(f"room {room}: {why}")
             r.src_swa_pages = swa_pages
@@ -218,8 +268,9 @@ class SenderBook:
         self.stats.rejected_messages += 1
         log.warning("prefill rank %d rejected %s", self.tp_rank, what)
 
-    def _status(self, addr: str, room: int, session: str, ok: bool, reason: str = "",
-                aux: AuxData | None = None) -> None:
+    def _status(
+        self, addr: str, room: int, session: str, ok: bool, reason: str = "", aux: AuxData | None = None
+    ) -> None:
         self.send(addr, TransferStatus(room, session, WireState.SUCCESS if ok else WireState.FAILED, reason, aux))
 
     def _on_request(self, msg: TransferRequest, now: float) -> None:
@@ -250,22 +301,33 @@ class SenderBook:
         room, session = msg.room, msg.session_id
         r = self.rooms.get(room)
         if r is None:  # the decode is ahead of our engine: keep it until add_room (or time out)
-            r = self.rooms[room] = SenderRoom(room, RoomRecord.new(room, self._orphan_timeouts, now), self.layout,
-                                              self.state_layout)
+            r = self.rooms[room] = SenderRoom(
+                room, RoomRecord.new(room, self._orphan_timeouts, now), self.layout, self.state_layout
+            )
         expected = expected_destinations(self.tp_rank, self.tp_size, peer.tp_size)
-        if ((r.expected is not None and r.expected != expected) or len(r.dests) >= expected
-                or any(d.decode_rank == peer.tp_rank or d.control_address != peer.control_address
-                       for d in r.dests.values())):
+        if (
+            (r.expected is not None and r.expected != expected)
+            or len(r.dests) >= expected
+            or any(d.decode_rank == peer.tp_rank or d.control_address != peer.control_address for d in r.dests.values())
+        ):
             return f"room {room} is already bound to another decode (duplicate bootstrap_room?)"
         r.expected = expected
-        r.dests[session] = Destination(session, peer.tp_rank, peer.control_address, peer.data_address,
-                                       peer.layout, np.asarray(msg.dst_pages, dtype=np.int64), msg.prefix_len,
-                                       self.peers.heads.get(session),
-                                       np.full(self.layout.num_layers, msg.prefix_len, dtype=np.int64), peer.staging,
-                                       peer.state, msg.state_slot,
-                                       None if peer.state is None else np.zeros(peer.state.num_linear, dtype=bool),
-                                       None if msg.dst_swa_pages is None
-                                       else np.asarray(msg.dst_swa_pages, dtype=np.int64))
+        r.dests[session] = Destination(
+            session,
+            peer.tp_rank,
+            peer.control_address,
+            peer.data_address,
+            peer.layout,
+            np.asarray(msg.dst_pages, dtype=np.int64),
+            msg.prefix_len,
+            self.peers.heads.get(session),
+            np.full(self.layout.num_layers, msg.prefix_len, dtype=np.int64),
+            peer.staging,
+            peer.state,
+            msg.state_slot,
+            None if peer.state is None else np.zeros(peer.state.num_linear, dtype=bool),
+            None if msg.dst_swa_pages is None else np.asarray(msg.dst_swa_pages, dtype=np.int64),
+        )
         if r.ready:
             r.rec.move(TransferState.WAITING_FOR_INPUT, now)
         return None
@@ -329,8 +391,9 @@ class SenderBook:
             del self.tombstones[room]
         return self.peers.prune(now, {d.control_address for r in self.rooms.values() for d in r.dests.values()})
 
-    def take_work(self, now: float) -> tuple[list[tuple[SenderRoom, OpBatch]], list[tuple[Inflight, str]],
-                                              list[tuple[SenderRoom, Inflight]]]:
+    def take_work(
+        self, now: float
+    ) -> tuple[list[tuple[SenderRoom, OpBatch]], list[tuple[Inflight, str]], list[tuple[SenderRoom, Inflight]]]:
         """Plan queued sends; returns (batches to submit, batches to cancel, batches to poll)."""
         chunk = max(1, self.cfg.max_inflight_ops // 4)  # a few batches in flight keep the link busy
         take, cancels, watch = [], [], []
@@ -364,8 +427,9 @@ class SenderBook:
                         self._release(r, b.chunk)
                 r.queued.clear()
                 r.calls.clear()
-            while r.queued and (self.inflight_ops == 0
-                                or self.inflight_ops + r.queued[0].num_ops <= self.cfg.max_inflight_ops):
+            while r.queued and (
+                self.inflight_ops == 0 or self.inflight_ops + r.queued[0].num_ops <= self.cfg.max_inflight_ops
+            ):
                 b = r.queued.popleft()
                 if self.inflight_ops == 0 and self._link_busy_since is None:
                     self._link_busy_since = now
@@ -394,8 +458,10 @@ class SenderBook:
                 continue
             assert dest.staging is not None
             ch.state, ch.since = ChunkState.WAIT_SLOT, now
-            self.send(dest.staging.control_address, StagingSlotRequest(r.room, self.session_id, ch.chunk, ch.nbytes,
-                                                                       self.control_address))
+            self.send(
+                dest.staging.control_address,
+                StagingSlotRequest(r.room, self.session_id, ch.chunk, ch.nbytes, self.control_address),
+            )
         self._dirty = True
 
     def _step_chunks(self, r: SenderRoom, now: float) -> None:
@@ -410,14 +476,19 @@ class SenderBook:
                 elif st in (ChunkState.WAIT_SLOT, ChunkState.GRANTED):
                     self._release(r, ch)
                 elif st is ChunkState.WAIT_DONE and age > self.cfg.transfer_timeout_s:
-                    log.warning("prefill rank %d: decode never confirmed the scatter of chunk %d (room %d)",
-                                self.tp_rank, ch.chunk, r.room)
+                    log.warning(
+                        "prefill rank %d: decode never confirmed the scatter of chunk %d (room %d)",
+                        self.tp_rank,
+                        ch.chunk,
+                        r.room,
+                    )
                     self._finish_chunk(r, ch)
                 continue  # GATHERING / WRITING: their outcome comes back through gathered / record
             if st in (ChunkState.WAIT_SLOT, ChunkState.WAIT_DONE) and age > self.cfg.transfer_timeout_s:
                 what = "no staging slot granted" if st is ChunkState.WAIT_SLOT else "the chunk was not scattered"
-                r.rec.fail(f"decode rank {r.dests[ch.dest].decode_rank}: {what} within "
-                           f"{self.cfg.transfer_timeout_s:.0f}s", now)
+                r.rec.fail(
+                    f"decode rank {r.dests[ch.dest].decode_rank}: {what} within {self.cfg.transfer_timeout_s:.0f}s", now
+                )
                 return self._step_chunks(r, now)
             if st is ChunkState.NEW:
                 assert self.local_ring is not None
@@ -432,8 +503,15 @@ class SenderBook:
                 assert dest.staging is not None
                 ch.state, ch.since = ChunkState.WRITING, now
                 one = lambda v: np.asarray([v], dtype=np.int64)  # noqa: E731
-                r.queued.append(OpBatch(dest.data_address, one(self.staging_addr + ch.local.offset),
-                                        one(dest.staging.pool_addr + ch.offset), one(ch.nbytes), ch))
+                r.queued.append(
+                    OpBatch(
+                        dest.data_address,
+                        one(self.staging_addr + ch.local.offset),
+                        one(dest.staging.pool_addr + ch.offset),
+                        one(ch.nbytes),
+                        ch,
+                    )
+                )
 
     def _on_staging(self, msg: StagingSlotGrant | StagingChunkDone, now: float) -> None:
         r = self.rooms.get(msg.room)
@@ -451,8 +529,11 @@ class SenderBook:
             ch.state, ch.since, ch.offset = ChunkState.GRANTED, now, msg.offset
             if msg.offset + ch.nbytes > staging.pool_nbytes:
                 self._reject(f"staging grant for chunk {msg.chunk} at {msg.offset} overruns the decode's ring")
-                r.rec.fail(f"staging slot at {msg.offset} for {ch.nbytes} bytes overruns the decode's "
-                           f"{staging.pool_nbytes}-byte ring", now)
+                r.rec.fail(
+                    f"staging slot at {msg.offset} for {ch.nbytes} bytes overruns the decode's "
+                    f"{staging.pool_nbytes}-byte ring",
+                    now,
+                )
                 self._release(r, ch)
             return
         if ch.state is not ChunkState.WAIT_DONE:
@@ -461,8 +542,9 @@ class SenderBook:
             self.stats.staged_chunks += 1
             self.stats.staged_bytes += ch.nbytes
         else:
-            r.rec.fail(f"decode rank {r.dests[ch.dest].decode_rank} could not scatter a staged chunk: {msg.reason}",
-                       now)
+            r.rec.fail(
+                f"decode rank {r.dests[ch.dest].decode_rank} could not scatter a staged chunk: {msg.reason}", now
+            )
         self._finish_chunk(r, ch)
 
     def _written(self, r: SenderRoom, ch: StagedChunk, ok: bool, now: float) -> None:
@@ -473,15 +555,28 @@ class SenderBook:
         assert dest.staging is not None and self.local_ring is not None and ch.local is not None
         self.local_ring.free(ch.local.slot_id)  # the bytes are on the decode now
         ch.local, ch.state, ch.since = None, ChunkState.WAIT_DONE, now
-        self.send(dest.staging.control_address, StagingChunkWritten(
-            r.room, ch.chunk, self.session_id, self.control_address, True, tuple(ch.dst_pages.tolist()),
-            ch.dst_col, ch.ncols, ch.l0, ch.l1))
+        self.send(
+            dest.staging.control_address,
+            StagingChunkWritten(
+                r.room,
+                ch.chunk,
+                self.session_id,
+                self.control_address,
+                True,
+                tuple(ch.dst_pages.tolist()),
+                ch.dst_col,
+                ch.ncols,
+                ch.l0,
+                ch.l1,
+            ),
+        )
 
     def _release(self, r: SenderRoom, ch: StagedChunk) -> None:
         staging = r.dests[ch.dest].staging
         assert staging is not None
-        self.send(staging.control_address, StagingChunkWritten(r.room, ch.chunk, self.session_id,
-                                                               self.control_address, False))
+        self.send(
+            staging.control_address, StagingChunkWritten(r.room, ch.chunk, self.session_id, self.control_address, False)
+        )
         self._finish_chunk(r, ch)
 
     def _finish_chunk(self, r: SenderRoom, ch: StagedChunk) -> None:
@@ -499,8 +594,12 @@ class SenderBook:
             return "no TransferRequest from the decode"
         return f"only {len(r.dests)} of {r.expected} decode ranks sent a TransferRequest"
 
-    def record(self, fresh: list[tuple[SenderRoom, OpBatch, BatchHandle | None, str | None]],
-               polled: list[tuple[SenderRoom, Inflight, BatchState]], now: float) -> bool:
+    def record(
+        self,
+        fresh: list[tuple[SenderRoom, OpBatch, BatchHandle | None, str | None]],
+        polled: list[tuple[SenderRoom, Inflight, BatchState]],
+        now: float,
+    ) -> bool:
         """Outcomes of submits and polls; returns True while writes are queued or in flight."""
         for r, b, handle, err in fresh:
             r.submitting -= 1
@@ -550,8 +649,13 @@ class SenderBook:
         for r in list(self.rooms.values() if rooms is None else rooms):
             if self.rooms.get(r.room) is not r:  # buried meanwhile
                 continue
-            if r.queued or r.inflight or r.submitting or (r.calls and r.ready and r.rec.state is not F) \
-                    or any(ch.state in (ChunkState.NEW, ChunkState.GRANTED) for ch in r.staged.values()):
+            if (
+                r.queued
+                or r.inflight
+                or r.submitting
+                or (r.calls and r.ready and r.rec.state is not F)
+                or any(ch.state in (ChunkState.NEW, ChunkState.GRANTED) for ch in r.staged.values())
+            ):
                 self._busy[r.room] = r
             else:
                 self._busy.pop(r.room, None)
@@ -564,8 +668,9 @@ class SenderBook:
             ok = r.rec.state is S
             for d in r.dests.values():
                 if d.session_id not in r.notified:
-                    self._status(d.control_address, r.room, d.session_id, ok, "" if ok else r.rec.reason,
-                                 r.aux if ok else None)
+                    self._status(
+                        d.control_address, r.room, d.session_id, ok, "" if ok else r.rec.reason, r.aux if ok else None
+                    )
                     r.notified.add(d.session_id)
             if r.src_pages is None:  # a request without add_room that timed out or was aborted
                 self._bury(r, now)

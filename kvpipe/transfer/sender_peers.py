@@ -31,8 +31,14 @@ def expected_destinations(prefill_rank: int, prefill_tp: int, decode_tp: int) ->
 
 
 class SenderPeers:
-    def __init__(self, cfg: DisaggregationConfig, layout: KVLayout, tp_rank: int, tp_size: int,
-                 state_layout: StateLayout | None = None) -> None:
+    def __init__(
+        self,
+        cfg: DisaggregationConfig,
+        layout: KVLayout,
+        tp_rank: int,
+        tp_size: int,
+        state_layout: StateLayout | None = None,
+    ) -> None:
         self.layout, self.tp_rank, self.tp_size = layout, tp_rank, tp_size
         self.state_layout = state_layout
         self.peers: dict[str, RegisterPeer] = {}
@@ -71,11 +77,15 @@ class SenderPeers:
         try:
             heads = kv_head_range(msg.tp_size, msg.tp_rank, self.layout.total_kv_heads)
             if (msg.layout.head_start, msg.layout.head_end) != heads:
-                return (f"decode layout holds KV heads [{msg.layout.head_start}, {msg.layout.head_end}), "
-                        f"TP {msg.tp_size} rank {msg.tp_rank} needs [{heads[0]}, {heads[1]})")
+                return (
+                    f"decode layout holds KV heads [{msg.layout.head_start}, {msg.layout.head_end}), "
+                    f"TP {msg.tp_size} rank {msg.tp_rank} needs [{heads[0]}, {heads[1]})"
+                )
             if self.tp_rank not in source_ranks(msg.tp_rank, self.tp_size, msg.tp_size):
-                return (f"prefill rank {self.tp_rank} (TP {self.tp_size}) never sends to decode rank "
-                        f"{msg.tp_rank} (TP {msg.tp_size})")
+                return (
+                    f"prefill rank {self.tp_rank} (TP {self.tp_size}) never sends to decode rank "
+                    f"{msg.tp_rank} (TP {msg.tp_size})"
+                )
             self._pair_heads(msg)
         except ValueError as e:
             return f"TP {self.tp_size} -> {msg.tp_size}: {e}"
@@ -114,16 +124,27 @@ class SenderPeers:
         if np.unique(pages).size != pages.size:
             return peer, "duplicate destination pages"
         if (peer.state is None) != (msg.state_slot is None):
-            return peer, ("a hybrid model's request needs a decode state slot" if msg.state_slot is None
-                          else "a state slot for a model without recurrent state")
+            return peer, (
+                "a hybrid model's request needs a decode state slot"
+                if msg.state_slot is None
+                else "a state slot for a model without recurrent state"
+            )
         if peer.state is not None and msg.state_slot is not None and msg.state_slot >= peer.state.num_slots:
             return peer, f"state slot {msg.state_slot} outside the decode pool of {peer.state.num_slots}"
         if bool(peer.layout.swa_layers) != (msg.dst_swa_pages is not None):
-            return peer, ("a sliding-window model's request needs dst_swa_pages" if msg.dst_swa_pages is None
-                          else "dst_swa_pages for a model without sliding-window layers")
+            return peer, (
+                "a sliding-window model's request needs dst_swa_pages"
+                if msg.dst_swa_pages is None
+                else "dst_swa_pages for a model without sliding-window layers"
+            )
         if msg.dst_swa_pages is not None:
-            why = window_pages_problem(np.asarray(msg.dst_swa_pages, dtype=np.int64), peer.layout.num_pages, pages,
-                                       exact=True, aliased=peer.layout.aliased)
+            why = window_pages_problem(
+                np.asarray(msg.dst_swa_pages, dtype=np.int64),
+                peer.layout.num_pages,
+                pages,
+                exact=True,
+                aliased=peer.layout.aliased,
+            )
             if why is not None:
                 return peer, why
         return peer, None
@@ -145,8 +166,11 @@ class SenderPeers:
 
     def prune(self, now: float, in_use: set[str]) -> list[str]:
         """Forget decodes dead for long with no room using them; returns their addresses."""
-        gone = [a for a in list(self.liveness.dead) if a not in in_use
-                and now - self.liveness.last_seen.get(a, now) > self._forget_after_s]
+        gone = [
+            a
+            for a in list(self.liveness.dead)
+            if a not in in_use and now - self.liveness.last_seen.get(a, now) > self._forget_after_s
+        ]
         for a in gone:
             self.liveness.forget(a)
             for s in [s for s, p in self.peers.items() if p.control_address == a]:

@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import collections
 import enum
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import numpy as np
 
@@ -45,9 +45,9 @@ from kvpipe.transfer.layout import KVLayout
 from kvpipe.transfer.messages import AuxData, StagingInfo
 from kvpipe.transfer.planner import plan_pages, sendable_pages, staging_pays
 from kvpipe.transfer.staging_ring import Slot
+from kvpipe.transfer.state import RoomRecord, TransferState
 from kvpipe.transfer.state_layout import StateLayout
 from kvpipe.transfer.state_plan import plan_state
-from kvpipe.transfer.state import RoomRecord, TransferState
 
 
 class PlanError(ValueError):
@@ -232,20 +232,26 @@ class SenderRoom:
         # a hybrid model's layer group may hold no full-attention layer: no KV, maybe state
         empty_ok = self.state_layout is not None
         j0, j1 = call.state_layers
-        if not (0 <= call.token_start <= call.token_end and 0 <= call.layer_start <= call.layer_end <= n_layers
-                and (call.layer_start < call.layer_end or empty_ok)
-                and 0 <= j0 <= j1 <= (self.state_layout.num_linear if self.state_layout else 0)):
-            raise PlanError(f"room {self.room}: bad send range tokens [{call.token_start}, {call.token_end}) "
-                            f"layers [{call.layer_start}, {call.layer_end}) of {n_layers}, state layers [{j0}, {j1})")
+        if not (
+            0 <= call.token_start <= call.token_end
+            and 0 <= call.layer_start <= call.layer_end <= n_layers
+            and (call.layer_start < call.layer_end or empty_ok)
+            and 0 <= j0 <= j1 <= (self.state_layout.num_linear if self.state_layout else 0)
+        ):
+            raise PlanError(
+                f"room {self.room}: bad send range tokens [{call.token_start}, {call.token_end}) "
+                f"layers [{call.layer_start}, {call.layer_end}) of {n_layers}, state layers [{j0}, {j1})"
+            )
         if self.src_pages is not None and -(-call.token_end // self.layout.page_size) > self.src_pages.size:
-            raise PlanError(f"room {self.room}: {call.token_end} tokens need more than the "
-                            f"{self.src_pages.size} source pages given to add_room")
+            raise PlanError(
+                f"room {self.room}: {call.token_end} tokens need more than the "
+                f"{self.src_pages.size} source pages given to add_room"
+            )
         self.token_end = max(self.token_end, call.token_end)
         self.last_called = call.last
         self.calls.append(call)
 
-    def plan(self, chunk_ops: int, staging: StagingPolicy | None = None,
-             chunk_ids: Iterator[int] | None = None) -> int:
+    def plan(self, chunk_ops: int, staging: StagingPolicy | None = None, chunk_ids: Iterator[int] | None = None) -> int:
         """Turn queued calls into write batches of at most `chunk_ops` ops (and, with a staging
         policy, staged chunks with ids from `chunk_ids`); returns ops planned (a chunk is one op)."""
         if staging is not None and chunk_ids is None:
@@ -270,8 +276,9 @@ class SenderRoom:
         self.ops_planned += planned
         return planned
 
-    def _plan_dest(self, call: SendCall, dest: Destination, staging: StagingPolicy | None,
-                   chunk_ids: Iterator[int] | None) -> list[OpBatch | StagedChunk]:
+    def _plan_dest(
+        self, call: SendCall, dest: Destination, staging: StagingPolicy | None, chunk_ids: Iterator[int] | None
+    ) -> list[OpBatch | StagedChunk]:
         # dest.heads None: another prefill rank writes the replicated KV head; the linear heads
         # are never replicated, so this rank may still owe the state of its own heads
         out = [] if dest.heads is None else self._plan_kv(call, dest, staging, chunk_ids)
@@ -280,8 +287,9 @@ class SenderRoom:
             out.append(state)
         return out
 
-    def _plan_kv(self, call: SendCall, dest: Destination, staging: StagingPolicy | None,
-                 chunk_ids: Iterator[int] | None) -> list[OpBatch | StagedChunk]:
+    def _plan_kv(
+        self, call: SendCall, dest: Destination, staging: StagingPolicy | None, chunk_ids: Iterator[int] | None
+    ) -> list[OpBatch | StagedChunk]:
         assert self.src_pages is not None
         ps = self.layout.page_size
         layers = (0, self.layout.num_layers) if call.last else (call.layer_start, call.layer_end)
@@ -300,9 +308,11 @@ class SenderRoom:
                 continue
             j0, j1 = span.first - first_dst_page, span.end - first_dst_page
             if j1 > dest.dst_pages.size:
-                raise PlanError(f"room {self.room}: decode rank {dest.decode_rank} gave {dest.dst_pages.size} "
-                                f"pages after its {dest.prefix_len}-token prefix, {end_tok} tokens need {j1}")
-            src, dst = self.src_pages[span.first:span.end], dest.dst_pages[j0:j1]
+                raise PlanError(
+                    f"room {self.room}: decode rank {dest.decode_rank} gave {dest.dst_pages.size} "
+                    f"pages after its {dest.prefix_len}-token prefix, {end_tok} tokens need {j1}"
+                )
+            src, dst = self.src_pages[span.first : span.end], dest.dst_pages[j0:j1]
             if not swa[l0:l1].any():
                 out.extend(self._plan_span(dest, src, dst, staging, chunk_ids, layers=(l0, l1)))
                 continue
@@ -329,13 +339,22 @@ class SenderRoom:
         src[inside] = held[logical[inside]]
         if (src < 0).any():
             k = int(logical[np.flatnonzero(src < 0)[0]])
-            raise PlanError(f"room {self.room}: prefill holds no sliding-window page for logical page {k} "
-                            f"the decode rank {dest.decode_rank} asked for")
+            raise PlanError(
+                f"room {self.room}: prefill holds no sliding-window page for logical page {k} "
+                f"the decode rank {dest.decode_rank} asked for"
+            )
         return src, dst[pos]
 
-    def _plan_span(self, dest: Destination, src: np.ndarray, dst: np.ndarray, staging: StagingPolicy | None,
-                   chunk_ids: Iterator[int] | None, layers: tuple[int, int] | None = None,
-                   layer_ids: np.ndarray | None = None) -> list[OpBatch | StagedChunk]:
+    def _plan_span(
+        self,
+        dest: Destination,
+        src: np.ndarray,
+        dst: np.ndarray,
+        staging: StagingPolicy | None,
+        chunk_ids: Iterator[int] | None,
+        layers: tuple[int, int] | None = None,
+        layer_ids: np.ndarray | None = None,
+    ) -> list[OpBatch | StagedChunk]:
         """Page ops of src -> dst over `layers` (or `layer_ids`), or staged chunks when the policy says so."""
         try:
             p = plan_pages(src, dst, self.layout, dest.layout, heads=dest.heads, layers=layers, layer_ids=layer_ids)
@@ -364,8 +383,9 @@ class SenderRoom:
             raise PlanError(f"room {self.room}: {e}") from e
         return OpBatch(dest.data_address, p.src_addr, p.dst_addr, p.length)
 
-    def _stages(self, num_ops: int, op_nbytes: int, sliced: bool, dest: Destination,
-                staging: StagingPolicy | None) -> bool:
+    def _stages(
+        self, num_ops: int, op_nbytes: int, sliced: bool, dest: Destination, staging: StagingPolicy | None
+    ) -> bool:
         """on: every head-sliced span; auto: whenever the ops cost more than staging them (head
         slices, or whole pages scattered over a fragmented decode pool). Never for a layout
         with sliding-window layers (a chunk is one layer range over one page list)."""
@@ -375,8 +395,18 @@ class SenderRoom:
             return sliced
         return staging_pays(num_ops, op_nbytes)
 
-    def _stage(self, dest: Destination, src: np.ndarray, dst: np.ndarray, h0: int, h1: int, l0: int, l1: int,
-               staging: StagingPolicy, chunk_ids: Iterator[int]) -> list[StagedChunk]:
+    def _stage(
+        self,
+        dest: Destination,
+        src: np.ndarray,
+        dst: np.ndarray,
+        h0: int,
+        h1: int,
+        l0: int,
+        l1: int,
+        staging: StagingPolicy,
+        chunk_ids: Iterator[int],
+    ) -> list[StagedChunk]:
         """Split layers [l0, l1) x pages into chunks of at most staging.chunk_nbytes each."""
         assert dest.staging is not None
         head = self.layout.head_nbytes
@@ -388,12 +418,24 @@ class SenderRoom:
         else:  # one page over all the layers is too big: a chunk per layer (or fewer)
             layer_steps, pages_per = [(a, a + 1) for a in range(l0, l1)], limit // (2 * ncols)
         if pages_per == 0:
-            raise PlanError(f"room {self.room}: one page's {2 * ncols}-byte head slice of one layer is larger "
-                            f"than the staging chunk limit ({limit} bytes: the staging buffers are too small)")
+            raise PlanError(
+                f"room {self.room}: one page's {2 * ncols}-byte head slice of one layer is larger "
+                f"than the staging chunk limit ({limit} bytes: the staging buffers are too small)"
+            )
         out = []
         for a, b in layer_steps:
             for i in range(0, src.size, pages_per):
-                out.append(StagedChunk(next(chunk_ids), dest.session_id, src[i:i + pages_per], dst[i:i + pages_per],
-                                       (h0 - self.layout.head_start) * head, (h0 - dest.layout.head_start) * head,
-                                       ncols, a, b))
+                out.append(
+                    StagedChunk(
+                        next(chunk_ids),
+                        dest.session_id,
+                        src[i : i + pages_per],
+                        dst[i : i + pages_per],
+                        (h0 - self.layout.head_start) * head,
+                        (h0 - dest.layout.head_start) * head,
+                        ncols,
+                        a,
+                        b,
+                    )
+                )
         return out

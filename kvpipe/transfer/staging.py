@@ -24,16 +24,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import replace
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 import torch
 
-from kvpipe.transfer.backends.base import TransferBackend
 from kvpipe.transfer.auth import Authenticator
+from kvpipe.transfer.backends.base import TransferBackend
 from kvpipe.transfer.control import ControlEndpoint
 from kvpipe.transfer.layout import KVLayout
 from kvpipe.transfer.messages import StagingChunkWritten, StagingInfo, StagingSlotRequest
@@ -64,16 +64,17 @@ class KVBytes:
         return w, self._views[w], dtype
 
     @classmethod
-    def from_pool(cls, pool) -> "KVBytes":
+    def from_pool(cls, pool) -> KVBytes:
         if pool.latent:  # chunks are [layers, K/V, pages, slice]; a latent is never head-sliced anyway
             raise ValueError("staging moves head slices of K and V; an MLA latent pool has neither")
         return cls(pool.buffers())
 
-    def _chunk(self, buf: torch.Tensor, offset: int, n: int, ncols: int, l0: int, l1: int,
-               dtype: torch.dtype) -> torch.Tensor:
+    def _chunk(
+        self, buf: torch.Tensor, offset: int, n: int, ncols: int, l0: int, l1: int, dtype: torch.dtype
+    ) -> torch.Tensor:
         """[2 * layers, n, ncols / w] words of the chunk at byte `offset` of a byte buffer."""
         nbytes = (l1 - l0) * 2 * n * ncols
-        return buf[offset:offset + nbytes].view(dtype).view(2 * (l1 - l0), n, -1)
+        return buf[offset : offset + nbytes].view(dtype).view(2 * (l1 - l0), n, -1)
 
     def _on_side_stream(self):
         return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
@@ -82,18 +83,27 @@ class KVBytes:
         if self._stream is not None:
             self._stream.synchronize()
 
-    def gather(self, out: torch.Tensor, offset: int, pages: np.ndarray, col: int, ncols: int,
-               l0: int, l1: int) -> None:
+    def gather(self, out: torch.Tensor, offset: int, pages: np.ndarray, col: int, ncols: int, l0: int, l1: int) -> None:
         """out[offset:] <- bytes [col, col+ncols) of `pages` in layers [l0, l1), K and V."""
         self._move(out, offset, pages, col, ncols, l0, l1, to_pool=False)
 
-    def scatter(self, src: torch.Tensor, offset: int, pages: np.ndarray, col: int, ncols: int,
-                l0: int, l1: int) -> None:
+    def scatter(
+        self, src: torch.Tensor, offset: int, pages: np.ndarray, col: int, ncols: int, l0: int, l1: int
+    ) -> None:
         """bytes [col, col+ncols) of `pages` in layers [l0, l1), K and V <- src[offset:]."""
         self._move(src, offset, pages, col, ncols, l0, l1, to_pool=True)
 
-    def _move(self, staging: torch.Tensor, offset: int, pages: np.ndarray, col: int, ncols: int,
-              l0: int, l1: int, to_pool: bool) -> None:
+    def _move(
+        self,
+        staging: torch.Tensor,
+        offset: int,
+        pages: np.ndarray,
+        col: int,
+        ncols: int,
+        l0: int,
+        l1: int,
+        to_pool: bool,
+    ) -> None:
         w, views, dtype = self._words(offset, col, ncols)
         idx = torch.as_tensor(pages, dtype=torch.int64).to(self.device)
         chunk = self._chunk(staging, offset, idx.numel(), ncols, l0, l1, dtype)
@@ -133,15 +143,27 @@ class StagingAgent:
     with the KVReceiver, the others in their TP worker. Scatters run on the endpoint's receive
     thread, in arrival order; a second thread expires leases."""
 
-    def __init__(self, layout: KVLayout, kv: KVBytes, backend: TransferBackend, nbytes: int, *, host: str,
-                 session_id: str, lease_s: float, send_hwm: int = 10000, auth: Authenticator | None = None) -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        kv: KVBytes,
+        backend: TransferBackend,
+        nbytes: int,
+        *,
+        host: str,
+        session_id: str,
+        lease_s: float,
+        send_hwm: int = 10000,
+        auth: Authenticator | None = None,
+    ) -> None:
         self.kv = kv
         self.ring = registered_buffer(backend, nbytes, kv.device)
         self._book = StagingBook(layout, nbytes, session_id, lease_s)
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._endpoint = ControlEndpoint(host, self._on_message, name=f"staging-{session_id}", send_hwm=send_hwm,
-                                         auth=auth)
+        self._endpoint = ControlEndpoint(
+            host, self._on_message, name=f"staging-{session_id}", send_hwm=send_hwm, auth=auth
+        )
         self._thread = threading.Thread(target=self._run, name=f"staging-{session_id}", daemon=True)
         self._tick_s = min(1.0, lease_s / 4)
 
@@ -158,7 +180,7 @@ class StagingAgent:
         with self._lock:
             return self._book.ring.num_live, self._book.ring.used_bytes, len(self._book.waiting)
 
-    def start(self) -> "StagingAgent":
+    def start(self) -> StagingAgent:
         self._endpoint.start()
         self._thread.start()
         return self
@@ -191,8 +213,9 @@ class StagingAgent:
     def _scatter(self, job: ScatterJob) -> Outbox:
         err = None
         try:
-            self.kv.scatter(self.ring, job.offset, job.dst_pages, job.page_offset, job.slice_nbytes,
-                            job.layer_start, job.layer_end)
+            self.kv.scatter(
+                self.ring, job.offset, job.dst_pages, job.page_offset, job.slice_nbytes, job.layer_start, job.layer_end
+            )
         except Exception as e:  # a failed scatter fails its room, never the agent
             log.exception("staging scatter of chunk %d failed", job.key[1])
             err = f"scatter failed: {type(e).__name__}: {e}"

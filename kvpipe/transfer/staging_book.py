@@ -83,8 +83,11 @@ class StagingBook:
             return [(msg.reply_address, self._grant_msg(msg, None, f"chunk {msg.chunk} already has a slot"))]
         if not 0 < msg.nbytes <= self.ring.capacity:  # refused before it can wait: it would never fit
             self.stats.refused += 1
-            why = (f"a staging chunk of {msg.nbytes} bytes is larger than the {self.ring.capacity}-byte staging ring"
-                   if msg.nbytes > 0 else "an empty staging chunk")
+            why = (
+                f"a staging chunk of {msg.nbytes} bytes is larger than the {self.ring.capacity}-byte staging ring"
+                if msg.nbytes > 0
+                else "an empty staging chunk"
+            )
             return [(msg.reply_address, self._grant_msg(msg, None, why))]
         if self.waiting:  # FIFO: nobody jumps the queue of a full ring
             self._wait(key, msg, now)
@@ -111,8 +114,18 @@ class StagingBook:
         g = self.grants.get(key)
         if g is None:
             self.stats.rejected += 1
-            return None, [(msg.reply_address, StagingChunkDone(msg.room, msg.chunk, self.session_id, False,
-                                                               f"chunk {msg.chunk} holds no slot here (lease expired?)"))]
+            return None, [
+                (
+                    msg.reply_address,
+                    StagingChunkDone(
+                        msg.room,
+                        msg.chunk,
+                        self.session_id,
+                        False,
+                        f"chunk {msg.chunk} holds no slot here (lease expired?)",
+                    ),
+                )
+            ]
         why = self._check(msg, g)
         if why is not None:
             self.stats.rejected += 1
@@ -122,8 +135,15 @@ class StagingBook:
             return None, [(msg.reply_address, self._done_msg(msg.room, msg.chunk, False, why)), *self._pump(now)]
         del self.grants[key]
         self.scattering[key] = g
-        return ScatterJob(key, g.slot.offset, np.asarray(msg.dst_pages, dtype=np.int64), msg.page_offset,
-                          msg.slice_nbytes, msg.layer_start, msg.layer_end), []
+        return ScatterJob(
+            key,
+            g.slot.offset,
+            np.asarray(msg.dst_pages, dtype=np.int64),
+            msg.page_offset,
+            msg.slice_nbytes,
+            msg.layer_start,
+            msg.layer_end,
+        ), []
 
     def scattered(self, job: ScatterJob, error: str | None, now: float) -> Outbox:
         """The shell ran (or failed to run) a scatter: free the slot and answer the prefill."""
@@ -141,8 +161,13 @@ class StagingBook:
             g = self.grants.pop(key)
             self.ring.free(g.slot.slot_id)
             self.stats.expired += 1
-            log.warning("staging agent %s: slot of chunk %d (room %d) never announced within %.0fs, freed",
-                        self.session_id, key[1], g.room, self.lease_s)
+            log.warning(
+                "staging agent %s: slot of chunk %d (room %d) never announced within %.0fs, freed",
+                self.session_id,
+                key[1],
+                g.room,
+                self.lease_s,
+            )
         out: Outbox = []
         for key in [k for k, (_, t) in self.waiting.items() if now - t > self.lease_s]:
             req, _ = self.waiting.pop(key)
@@ -190,8 +215,9 @@ class StagingBook:
         if not 0 <= msg.layer_start < msg.layer_end <= lay.num_layers:
             return f"layers [{msg.layer_start}, {msg.layer_end}) outside [0, {lay.num_layers})"
         if msg.slice_nbytes <= 0 or msg.page_offset < 0 or msg.page_offset + msg.slice_nbytes > lay.page_nbytes:
-            return (f"bytes [{msg.page_offset}, {msg.page_offset + msg.slice_nbytes}) outside a "
-                    f"{lay.page_nbytes}-byte page")
+            return (
+                f"bytes [{msg.page_offset}, {msg.page_offset + msg.slice_nbytes}) outside a {lay.page_nbytes}-byte page"
+            )
         if n == 0:
             return "no destination pages"
         pages = np.asarray(msg.dst_pages, dtype=np.int64)

@@ -77,8 +77,9 @@ class RingAllocator:
             raise ValueError(f"a staging slot needs a positive size, got {nbytes}")
         size = -(-nbytes // ALIGN) * ALIGN
         if size > self.capacity:
-            raise OversizedError(f"a staging chunk of {nbytes} bytes is larger than the "
-                                 f"{self.capacity}-byte staging ring")
+            raise OversizedError(
+                f"a staging chunk of {nbytes} bytes is larger than the {self.capacity}-byte staging ring"
+            )
         wrap = False
         if not self._live:  # empty: restart at the base, the whole ring is free
             if self._head:

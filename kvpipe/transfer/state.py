@@ -22,8 +22,8 @@ On decode, `ReceiverRoom.quiet_deadline` bounds how long it waits for that to se
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Mapping
 
 from kvpipe.config import DisaggregationConfig
 
@@ -60,14 +60,19 @@ Timeouts = Mapping[TransferState, float | None]
 def sender_timeouts(cfg: DisaggregationConfig) -> dict[TransferState, float | None]:
     # WaitingForInput / Transferring on prefill wait for the engine's own compute; a stuck write
     # batch is bounded separately (transfer_timeout_s without progress).
-    return {TransferState.BOOTSTRAPPING: cfg.bootstrap_timeout_s,
-            TransferState.WAITING_FOR_INPUT: None, TransferState.TRANSFERRING: None}
+    return {
+        TransferState.BOOTSTRAPPING: cfg.bootstrap_timeout_s,
+        TransferState.WAITING_FOR_INPUT: None,
+        TransferState.TRANSFERRING: None,
+    }
 
 
 def receiver_timeouts(cfg: DisaggregationConfig) -> dict[TransferState, float | None]:
-    return {TransferState.BOOTSTRAPPING: cfg.bootstrap_timeout_s,
-            TransferState.WAITING_FOR_INPUT: cfg.waiting_timeout_s,
-            TransferState.TRANSFERRING: cfg.waiting_timeout_s}
+    return {
+        TransferState.BOOTSTRAPPING: cfg.bootstrap_timeout_s,
+        TransferState.WAITING_FOR_INPUT: cfg.waiting_timeout_s,
+        TransferState.TRANSFERRING: cfg.waiting_timeout_s,
+    }
 
 
 @dataclass
@@ -86,7 +91,7 @@ class RoomRecord:
         self._arm(self.created_at)
 
     @classmethod
-    def new(cls, room: int, timeouts: Timeouts, now: float) -> "RoomRecord":
+    def new(cls, room: int, timeouts: Timeouts, now: float) -> RoomRecord:
         return cls(room=room, timeouts=timeouts, created_at=now)
 
     def _arm(self, now: float) -> None:
@@ -118,8 +123,11 @@ class RoomRecord:
         it failed now."""
         if self.deadline is None or now < self.deadline:
             return False
-        return self.fail(f"{self.state.name.lower()} timed out after {self.timeouts.get(self.state)}s"
-                         + (f": {detail}" if detail else ""), now)
+        return self.fail(
+            f"{self.state.name.lower()} timed out after {self.timeouts.get(self.state)}s"
+            + (f": {detail}" if detail else ""),
+            now,
+        )
 
 
 @dataclass
@@ -156,7 +164,6 @@ class PeerLiveness:
 
     def reap(self, now: float) -> list[Hashable]:
         """Peers that became dead since the last call (each reported once)."""
-        newly = [p for p, t in self.last_seen.items()
-                 if p not in self.dead and now - t > self.timeout_s]
+        newly = [p for p, t in self.last_seen.items() if p not in self.dead and now - t > self.timeout_s]
         self.dead.update(newly)
         return newly

@@ -49,13 +49,17 @@ class StateLayout:
     def __post_init__(self) -> None:
         n = len(self.linear_layers)
         if len(self.conv_addrs) != n or len(self.recurrent_addrs) != n:
-            raise ValueError(f"{n} linear layers but {len(self.conv_addrs)} conv and "
-                             f"{len(self.recurrent_addrs)} recurrent buffer addresses")
+            raise ValueError(
+                f"{n} linear layers but {len(self.conv_addrs)} conv and "
+                f"{len(self.recurrent_addrs)} recurrent buffer addresses"
+            )
         layers = sorted(self.kv_layers + self.linear_layers)
         # lengths first: a peer's num_model_layers of 2**62 must be refused, not materialised
         if len(layers) != self.num_model_layers or layers != list(range(self.num_model_layers)):
-            raise ValueError(f"KV layers {self.kv_layers} and linear layers {self.linear_layers} do not "
-                             f"partition the model's {self.num_model_layers} layers")
+            raise ValueError(
+                f"KV layers {self.kv_layers} and linear layers {self.linear_layers} do not "
+                f"partition the model's {self.num_model_layers} layers"
+            )
         if list(self.kv_layers) != sorted(self.kv_layers) or list(self.linear_layers) != sorted(self.linear_layers):
             raise ValueError("layer indices must increase")
         for name in ("num_slots", "conv_dim", "conv_len", "heads", "key_dim", "value_dim", "conv_itemsize"):
@@ -63,12 +67,16 @@ class StateLayout:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         qk = self.conv_dim - self.heads * self.value_dim
         if qk <= 0 or qk % (2 * self.key_dim):
-            raise ValueError(f"conv_dim {self.conv_dim} is not [q | k | v] of whole heads "
-                             f"(value heads {self.heads} x {self.value_dim}, key dim {self.key_dim})")
+            raise ValueError(
+                f"conv_dim {self.conv_dim} is not [q | k | v] of whole heads "
+                f"(value heads {self.heads} x {self.value_dim}, key dim {self.key_dim})"
+            )
         if not (self.key_head_end <= self.all_key_heads and self.value_head_end <= self.all_value_heads):
-            raise ValueError(f"key heads [{self.key_head_start}, {self.key_head_end}) / value heads "
-                             f"[{self.value_head_start}, {self.value_head_end}) outside the model's "
-                             f"{self.all_key_heads} / {self.all_value_heads}")
+            raise ValueError(
+                f"key heads [{self.key_head_start}, {self.key_head_end}) / value heads "
+                f"[{self.value_head_start}, {self.value_head_end}) outside the model's "
+                f"{self.all_key_heads} / {self.all_value_heads}"
+            )
 
     @property
     def key_heads(self) -> int:
@@ -130,21 +138,33 @@ class StateLayout:
             raise ValueError(f"layers [{start}, {end}) outside the model's [0, {self.num_model_layers})")
 
     @classmethod
-    def from_pool(cls, pool: "StatePool", kv_layers: tuple[int, ...], num_model_layers: int, tp_rank: int = 0,
-                  tp_size: int = 1) -> "StateLayout":
+    def from_pool(
+        cls, pool: StatePool, kv_layers: tuple[int, ...], num_model_layers: int, tp_rank: int = 0, tp_size: int = 1
+    ) -> StateLayout:
         """Rank `tp_rank` of `tp_size` holds the tp_rank-th equal share of the linear heads."""
         s = pool.shape
         nk = (s.conv_dim - s.heads * s.value_dim) // (2 * s.key_dim)
-        return cls(key_head_start=tp_rank * nk, value_head_start=tp_rank * s.heads, total_key_heads=tp_size * nk,
-                   total_value_heads=tp_size * s.heads, num_model_layers=num_model_layers, kv_layers=tuple(kv_layers), linear_layers=tuple(pool.layers),
-                   num_slots=pool.num_slots, conv_dim=s.conv_dim, conv_len=s.conv_len, heads=s.heads,
-                   key_dim=s.key_dim, value_dim=s.value_dim,
-                   conv_dtype=str(pool.conv_dtype).removeprefix("torch."),
-                   conv_itemsize=pool.conv[0].element_size() if pool.conv else 4,
-                   conv_addrs=tuple(t.data_ptr() for t in pool.conv),
-                   recurrent_addrs=tuple(t.data_ptr() for t in pool.recurrent))
+        return cls(
+            key_head_start=tp_rank * nk,
+            value_head_start=tp_rank * s.heads,
+            total_key_heads=tp_size * nk,
+            total_value_heads=tp_size * s.heads,
+            num_model_layers=num_model_layers,
+            kv_layers=tuple(kv_layers),
+            linear_layers=tuple(pool.layers),
+            num_slots=pool.num_slots,
+            conv_dim=s.conv_dim,
+            conv_len=s.conv_len,
+            heads=s.heads,
+            key_dim=s.key_dim,
+            value_dim=s.value_dim,
+            conv_dtype=str(pool.conv_dtype).removeprefix("torch."),
+            conv_itemsize=pool.conv[0].element_size() if pool.conv else 4,
+            conv_addrs=tuple(t.data_ptr() for t in pool.conv),
+            recurrent_addrs=tuple(t.data_ptr() for t in pool.recurrent),
+        )
 
-    def compatible_with(self, other: "StateLayout") -> str | None:
+    def compatible_with(self, other: StateLayout) -> str | None:
         """None when a request's state can move between the two pools, else why not (the ranks may
         hold different heads: heterogeneous TP moves the heads both hold)."""
         checks = (

@@ -42,15 +42,19 @@ def _slot_offsets(lay: StateLayout, k: tuple[int, int], v: tuple[int, int], whol
         nk = lay.key_heads
         q0 = (k[0] - lay.key_head_start) * dk
         kv_len = (k[1] - k[0]) * dk
-        conv = [(q0 * ch, kv_len * ch), ((nk * dk + q0) * ch, kv_len * ch),
-                ((2 * nk * dk + (v[0] - lay.value_head_start) * dv) * ch, (v[1] - v[0]) * dv * ch)]
+        conv = [
+            (q0 * ch, kv_len * ch),
+            ((nk * dk + q0) * ch, kv_len * ch),
+            ((2 * nk * dk + (v[0] - lay.value_head_start) * dv) * ch, (v[1] - v[0]) * dv * ch),
+        ]
     head = dk * dv * 4  # one value head of the fp32 recurrent state
     rec = ((v[0] - lay.value_head_start) * head, (v[1] - v[0]) * head)
     return [o for o, _ in conv] + [rec[0]], [n for _, n in conv] + [rec[1]]
 
 
-def plan_state(src_slot: int, dst_slot: int, src: StateLayout, dst: StateLayout,
-               linear: np.ndarray | list[int] | None = None) -> StatePlan:
+def plan_state(
+    src_slot: int, dst_slot: int, src: StateLayout, dst: StateLayout, linear: np.ndarray | list[int] | None = None
+) -> StatePlan:
     """Write the heads both ranks hold of source slot `src_slot` into destination slot
     `dst_slot` for the linear layers `linear` (state-pool indices; default all)."""
     reason = src.compatible_with(dst)
@@ -62,14 +66,18 @@ def plan_state(src_slot: int, dst_slot: int, src: StateLayout, dst: StateLayout,
         raise ValueError(f"destination state slot {dst_slot} outside [0, {dst.num_slots})")
     heads = common_heads(src, dst)
     if heads is None:
-        raise ValueError(f"no common linear heads: source key heads [{src.key_head_start}, {src.key_head_end}), "
-                         f"destination [{dst.key_head_start}, {dst.key_head_end})")
+        raise ValueError(
+            f"no common linear heads: source key heads [{src.key_head_start}, {src.key_head_end}), "
+            f"destination [{dst.key_head_start}, {dst.key_head_end})"
+        )
     idx = np.arange(src.num_linear, dtype=np.int64) if linear is None else np.asarray(linear, dtype=np.int64).ravel()
     if idx.size and (idx.min() < 0 or idx.max() >= src.num_linear):
         raise ValueError(f"linear layer indices outside [0, {src.num_linear})")
     k, v = heads
-    whole = (k == (src.key_head_start, src.key_head_end) == (dst.key_head_start, dst.key_head_end)
-             and v == (src.value_head_start, src.value_head_end) == (dst.value_head_start, dst.value_head_end))
+    whole = k == (src.key_head_start, src.key_head_end) == (dst.key_head_start, dst.key_head_end) and v == (
+        src.value_head_start,
+        src.value_head_end,
+    ) == (dst.value_head_start, dst.value_head_end)
     s_off, lengths = _slot_offsets(src, k, v, whole)
     d_off, d_len = _slot_offsets(dst, k, v, whole)
     assert lengths == d_len  # the same heads on both sides

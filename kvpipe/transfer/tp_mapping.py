@@ -61,8 +61,7 @@ def source_ranks(decode_rank: int, prefill_tp: int, decode_tp: int) -> range:
     return range(decode_rank * k, (decode_rank + 1) * k)
 
 
-def slices_for_decode_rank(decode_rank: int, prefill_tp: int, decode_tp: int,
-                           total_kv_heads: int) -> list[HeadSlice]:
+def slices_for_decode_rank(decode_rank: int, prefill_tp: int, decode_tp: int, total_kv_heads: int) -> list[HeadSlice]:
     """The slices decode rank `decode_rank` receives; together they cover its heads exactly once."""
     dst = kv_head_range(decode_tp, decode_rank, total_kv_heads)
     out: list[HeadSlice] = []
@@ -76,13 +75,13 @@ def slices_for_decode_rank(decode_rank: int, prefill_tp: int, decode_tp: int,
         out.append(HeadSlice(p, decode_rank, *inter))
     covered = sum(s.num_heads for s in out)
     if covered != dst[1] - dst[0]:
-        raise ValueError(f"decode rank {decode_rank} heads {dst} covered {covered} times by "
-                         f"prefill TP {prefill_tp} (total KV heads {total_kv_heads})")
+        raise ValueError(
+            f"decode rank {decode_rank} heads {dst} covered {covered} times by "
+            f"prefill TP {prefill_tp} (total KV heads {total_kv_heads})"
+        )
     return out
 
 
 def transfer_slices(prefill_tp: int, decode_tp: int, total_kv_heads: int) -> list[HeadSlice]:
     """Every (prefill rank, decode rank, heads) triple of one request, decode-rank-major."""
-    return [s for r in range(decode_tp)
-            for s in slices_for_decode_rank(r, prefill_tp, decode_tp, total_kv_heads)]
-
+    return [s for r in range(decode_tp) for s in slices_for_decode_rank(r, prefill_tp, decode_tp, total_kv_heads)]

@@ -9,7 +9,8 @@ they match these Protocols member by member.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -19,8 +20,18 @@ from kvpipe.transfer.receiver_book import ReceiverStats
 from kvpipe.transfer.sender_book import SenderStats, TransferTiming
 from kvpipe.transfer.state import DuplicateRoomError, TransferState
 
-__all__ = ["AuxData", "DecodeRank", "DuplicateRoomError", "KVLayout", "KVReceiverAPI", "KVSenderAPI",
-           "ReceiverStats", "SenderStats", "TransferState", "TransferTiming"]
+__all__ = [
+    "AuxData",
+    "DecodeRank",
+    "DuplicateRoomError",
+    "KVLayout",
+    "KVReceiverAPI",
+    "KVSenderAPI",
+    "ReceiverStats",
+    "SenderStats",
+    "TransferState",
+    "TransferTiming",
+]
 
 
 class KVSenderAPI(Protocol):
@@ -37,10 +48,19 @@ class KVSenderAPI(Protocol):
 
     def add_room(self, room: int, src_pages: np.ndarray | list[int], state_slot: int | None = None) -> None: ...
 
-    def send(self, room: int, token_start: int, token_end: int, layer_start: int = 0,
-             layer_end: int | None = None, last: bool = False, aux: AuxTuple | None = None,
-             src_pages: np.ndarray | list[int] | None = None, ready: Callable[[], bool] | None = None,
-             state: bool = False) -> bool: ...
+    def send(
+        self,
+        room: int,
+        token_start: int,
+        token_end: int,
+        layer_start: int = 0,
+        layer_end: int | None = None,
+        last: bool = False,
+        aux: AuxTuple | None = None,
+        src_pages: np.ndarray | list[int] | None = None,
+        ready: Callable[[], bool] | None = None,
+        state: bool = False,
+    ) -> bool: ...
 
     def abort(self, room: int, reason: str = ...) -> None: ...
 
@@ -67,9 +87,16 @@ class KVReceiverAPI(Protocol):
     @property
     def stats(self) -> ReceiverStats: ...
 
-    def add_room(self, room: int, bootstrap_host: str, bootstrap_port: int | None,
-                 dst_pages: Sequence[np.ndarray] | np.ndarray | list[int],
-                 prefix_len: int = 0, aux_slot: int = 0, state_slot: int | None = None) -> None: ...
+    def add_room(
+        self,
+        room: int,
+        bootstrap_host: str,
+        bootstrap_port: int | None,
+        dst_pages: Sequence[np.ndarray] | np.ndarray | list[int],
+        prefix_len: int = 0,
+        aux_slot: int = 0,
+        state_slot: int | None = None,
+    ) -> None: ...
 
     def abort(self, room: int, reason: str = ...) -> None: ...
 

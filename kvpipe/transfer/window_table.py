@@ -11,8 +11,9 @@ from __future__ import annotations
 import numpy as np
 
 
-def window_pages_problem(swa: np.ndarray, num_pages: int, full: np.ndarray, *, exact: bool,
-                         aliased: bool) -> str | None:
+def window_pages_problem(
+    swa: np.ndarray, num_pages: int, full: np.ndarray, *, exact: bool, aliased: bool
+) -> str | None:
     """Why `swa` ([n] int64) is not a valid window table next to the full table `full`, or None.
 
     exact: the two tables must have the same length (a TransferRequest, a decode's add_room);

@@ -19,8 +19,12 @@ PROMPTS = [[5 + (i * 7) % 200 for i in range(n)] for n in (1, 13, 64, 150)]
 
 
 def _outputs(model_dir, device: str, **kw) -> list[list[int]]:
-    cfg = ServerConfig(model_path=str(model_dir), device=device, cache=CacheConfig(page_size=16, num_pages=128),
-                       scheduler=SchedulerConfig(chunked_prefill_size=kw.pop("chunk", 0)))
+    cfg = ServerConfig(
+        model_path=str(model_dir),
+        device=device,
+        cache=CacheConfig(page_size=16, num_pages=128),
+        scheduler=SchedulerConfig(chunked_prefill_size=kw.pop("chunk", 0)),
+    )
     eng = Engine(cfg, **kw)
     try:
         assert eng.runner.pool.k[0].device.type == device
@@ -36,8 +40,9 @@ def test_cuda_greedy_matches_cpu(tiny_model_dir):
 
 
 def test_cuda_pool_exposes_device_addresses(tiny_model_dir):
-    cfg = dataclasses.replace(ServerConfig(model_path=str(tiny_model_dir), device="cuda"),
-                              cache=CacheConfig(page_size=16, num_pages=8))
+    cfg = dataclasses.replace(
+        ServerConfig(model_path=str(tiny_model_dir), device="cuda"), cache=CacheConfig(page_size=16, num_pages=8)
+    )
     eng = Engine(cfg)
     try:
         infos = eng.runner.pool.buffer_infos()

@@ -10,8 +10,16 @@ from typing import Any
 import numpy as np
 
 from kvpipe.engine.batch import ScheduledBatch
-from kvpipe.engine.connector import (Admission, ConnectorContext, ConnectorEvent, ForwardPlan, KVArrived,
-                                     KVConnector, KVConnectorWorker, TransferFinished)
+from kvpipe.engine.connector import (
+    Admission,
+    ConnectorContext,
+    ConnectorEvent,
+    ForwardPlan,
+    KVArrived,
+    KVConnector,
+    KVConnectorWorker,
+    TransferFinished,
+)
 from kvpipe.engine.request import FinishReason, Req
 
 

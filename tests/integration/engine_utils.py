@@ -19,13 +19,24 @@ def prompts(n: int = 6, seed: int = 0, vocab: int = 250) -> list[list[int]]:
     return [[rnd.randrange(3, vocab) for _ in range(k)] for k in lens]
 
 
-def make_engine(model_dir: Path, page_size: int = 16, chunk: int = 0, tp: int = 1, pages: int = 256,
-                max_prefill_tokens: int = 16384, radix_cache: bool = False, **kw) -> Engine:
+def make_engine(
+    model_dir: Path,
+    page_size: int = 16,
+    chunk: int = 0,
+    tp: int = 1,
+    pages: int = 256,
+    max_prefill_tokens: int = 16384,
+    radix_cache: bool = False,
+    **kw,
+) -> Engine:
     """An engine on the tiny model; the prefix cache is off unless asked for, so page counts
     are exact (tests/integration/test_prefix_cache.py covers the cache)."""
-    cfg = ServerConfig(model_path=str(model_dir), tp_size=tp,
-                       cache=CacheConfig(page_size=page_size, num_pages=pages, radix_cache=radix_cache),
-                       scheduler=SchedulerConfig(chunked_prefill_size=chunk, max_prefill_tokens=max_prefill_tokens))
+    cfg = ServerConfig(
+        model_path=str(model_dir),
+        tp_size=tp,
+        cache=CacheConfig(page_size=page_size, num_pages=pages, radix_cache=radix_cache),
+        scheduler=SchedulerConfig(chunked_prefill_size=chunk, max_prefill_tokens=max_prefill_tokens),
+    )
     return Engine(cfg, **kw)
 
 

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from server_harness import ServerProc, sse_events
 
 from kvpipe.server.launcher import PDStack, start_pd_stack, stop_process, wait_healthy
-from server_harness import ServerProc, sse_events
 
 _rooms = itertools.count(random.Random().randrange(1 << 40))
 
@@ -52,16 +52,29 @@ class Stack:
         wait_healthy(srv.url + "/health", timeout_s, [srv.proc])
 
     def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(self.log_dir.glob("*.log")))
+        return "\n".join(
+            f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(self.log_dir.glob("*.log"))
+        )
 
     def close(self) -> None:
         self.pd.close()
 
 
-def start_stack(model_dir: Path, log_dir: Path, *server_args: str, prefill_args: tuple[str, ...] = (),
-                decode_args: tuple[str, ...] = ()) -> Stack:
-    pd = start_pd_stack(str(model_dir), server_args=list(server_args), prefill_args=list(prefill_args),
-                        decode_args=list(decode_args), log_dir=str(log_dir), timeout_s=180.0)
+def start_stack(
+    model_dir: Path,
+    log_dir: Path,
+    *server_args: str,
+    prefill_args: tuple[str, ...] = (),
+    decode_args: tuple[str, ...] = (),
+) -> Stack:
+    pd = start_pd_stack(
+        str(model_dir),
+        server_args=list(server_args),
+        prefill_args=list(prefill_args),
+        decode_args=list(decode_args),
+        log_dir=str(log_dir),
+        timeout_s=180.0,
+    )
     return Stack(pd, log_dir)
 
 
@@ -101,8 +114,12 @@ def generate(url: str, body: dict[str, Any], timeout_s: float = 120.0) -> dict[s
 
 def pd_body(stack: Stack, body: dict[str, Any], room: int | None = None) -> dict[str, Any]:
     """A request body as sglang-router would send it to one of the servers directly."""
-    return {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": stack.pd.bootstrap_port,
-            "bootstrap_room": next(_rooms) if room is None else room}
+    return {
+        **body,
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": stack.pd.bootstrap_port,
+        "bootstrap_room": next(_rooms) if room is None else room,
+    }
 
 
 def wait_for(fn, timeout_s: float, what: str, interval_s: float = 0.1):

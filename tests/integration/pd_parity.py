@@ -9,12 +9,13 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from pd_harness import Stack, disagg_stats, generate, greedy, start_stack
+
 from kvpipe.cache.window_pages import prompt_window_pages
 from kvpipe.config import CacheConfig, ModelConfig, ServerConfig
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import SamplingParams
 from kvpipe.transfer.tp_mapping import transfer_slices
-from pd_harness import Stack, disagg_stats, generate, greedy, start_stack
 
 # 24 prompt lengths from 1 to 150 tokens: around pages of 16, a window of 32 and chunks of 64
 MANY_LENGTHS = [150, 37, 90, 1, 5, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65, 80, 96, 97, 111, 120, 128, 129, 140]
@@ -27,8 +28,9 @@ def prompts(lengths: list[int], vocab: int = 290, seed: int = 7) -> list[list[in
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
-def colocated_reference(model_dir: Path, ids: list[list[int]], new_tokens: int,
-                        page_size: int) -> list[tuple[list[int], list[float]]]:
+def colocated_reference(
+    model_dir: Path, ids: list[list[int]], new_tokens: int, page_size: int
+) -> list[tuple[list[int], list[float]]]:
     """Colocated TP 1 engine: (greedy tokens, logprobs) per prompt."""
     eng = Engine(ServerConfig(model_path=str(model_dir), cache=CacheConfig(page_size=page_size, num_pages=128)))
     try:
@@ -38,8 +40,7 @@ def colocated_reference(model_dir: Path, ids: list[list[int]], new_tokens: int,
     return [(o["output_ids"], o["meta_info"]["output_token_logprobs"]) for o in outs]
 
 
-def expected_bytes(model_dir: Path, lengths: list[int], page_size: int, p_tp: int, d_tp: int,
-                   itemsize: int = 4) -> int:
+def expected_bytes(model_dir: Path, lengths: list[int], page_size: int, p_tp: int, d_tp: int, itemsize: int = 4) -> int:
     """Bytes every prefill rank together writes for the prompts: whole pages, each decode rank's
     heads once (decode ranks sharing a replicated head, or the MLA latent, each get it); a hybrid
     model's KV is that of its full-attention layers, and each request's state moves once: every
@@ -50,8 +51,11 @@ def expected_bytes(model_dir: Path, lengths: list[int], page_size: int, p_tp: in
     heads = sum(s.num_heads for s in transfer_slices(p_tp, d_tp, mc.kv_cache_heads))
     sliding = [layer for layer in mc.kv_layers if mc.window(layer) is not None]
     full_pages = sum(-(-n // page_size) for n in lengths)
-    window_pages = sum(end - first for first, end in (prompt_window_pages(n, mc.sliding_window, page_size)
-                                                      for n in lengths)) if sliding else 0
+    window_pages = (
+        sum(end - first for first, end in (prompt_window_pages(n, mc.sliding_window, page_size) for n in lengths))
+        if sliding
+        else 0
+    )
     layer_pages = full_pages * (len(mc.kv_layers) - len(sliding)) + window_pages * len(sliding)
     kv = layer_pages * heads * page_size * mc.kv_cache_head_dim * itemsize * mc.kv_buffers_per_layer
     return kv + len(lengths) * state_slot_nbytes(mc, itemsize)
@@ -68,11 +72,22 @@ def state_slot_nbytes(mc: ModelConfig, itemsize: int = 4) -> int:
     return len(h.linear_layers) * (conv + recurrent)
 
 
-def check_parity(stack: Stack, model_dir: Path, ids: list[list[int]], reference, new_tokens: int, page_size: int,
-                 p_tp: int, d_tp: int, groups: int, logprob_tol: float = LOGPROB_TOL) -> None:
+def check_parity(
+    stack: Stack,
+    model_dir: Path,
+    ids: list[list[int]],
+    reference,
+    new_tokens: int,
+    page_size: int,
+    p_tp: int,
+    d_tp: int,
+    groups: int,
+    logprob_tol: float = LOGPROB_TOL,
+) -> None:
     def one(prompt: list[int]) -> dict:
-        return generate(stack.router, {"input_ids": prompt, "sampling_params": greedy(new_tokens),
-                                       "return_logprob": True})
+        return generate(
+            stack.router, {"input_ids": prompt, "sampling_params": greedy(new_tokens), "return_logprob": True}
+        )
 
     with ThreadPoolExecutor(len(ids)) as pool:  # concurrent: prefill batches several rooms
         outs = list(pool.map(one, ids))
@@ -91,13 +106,29 @@ def check_parity(stack: Stack, model_dir: Path, ids: list[list[int]], reference,
         assert p["layer_group_batches"].get(str(groups), 0) > 0, p["layer_group_batches"]
 
 
-def run_router_pd(model: tuple[Path, list], tmp_path: Path, flags: list[str], p_tp: int, d_tp: int, groups: int,
-                  lengths: list[int], new_tokens: int, page_size: int) -> None:
+def run_router_pd(
+    model: tuple[Path, list],
+    tmp_path: Path,
+    flags: list[str],
+    p_tp: int,
+    d_tp: int,
+    groups: int,
+    lengths: list[int],
+    new_tokens: int,
+    page_size: int,
+) -> None:
     """A router PD stack of (model dir, colocated reference) on TP (p_tp, d_tp) with `groups`
     layer groups: check_parity on prompts of `lengths`; the stack's logs are printed on failure."""
     model_dir, reference = model
-    stack = start_stack(model_dir, tmp_path, *flags, "--disaggregation-layer-groups", str(groups),
-                        prefill_args=("--tp-size", str(p_tp)), decode_args=("--tp-size", str(d_tp)))
+    stack = start_stack(
+        model_dir,
+        tmp_path,
+        *flags,
+        "--disaggregation-layer-groups",
+        str(groups),
+        prefill_args=("--tp-size", str(p_tp)),
+        decode_args=("--tp-size", str(d_tp)),
+    )
     try:
         check_parity(stack, model_dir, prompts(lengths), reference, new_tokens, page_size, p_tp, d_tp, groups)
     except BaseException:

@@ -6,9 +6,9 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 
@@ -61,9 +61,24 @@ class ServerProc:
 def start_server(model_dir: Path, log_path: Path, *extra: str, timeout_s: float = 120.0) -> ServerProc:
     port = free_port()
     out = open(log_path, "wb")  # noqa: SIM115 - owned by the child
-    proc = subprocess.Popen([sys.executable, "-m", "kvpipe.cli", "serve", "--model-path", str(model_dir),
-                             "--host", "127.0.0.1", "--port", str(port), *extra],
-                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvpipe.cli",
+            "serve",
+            "--model-path",
+            str(model_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *extra,
+        ],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     srv = ServerProc(f"http://127.0.0.1:{port}", proc, log_path)
     try:
         wait_healthy(srv.url + "/health", timeout_s, [proc])
@@ -85,8 +100,9 @@ def server_fixture(model_dir: Path, tmp_dir: Path, *extra: str) -> Iterator[Serv
 def sse_events(lines: Iterator[str]) -> Iterator[dict | str]:
     """Parse `data: ...` SSE lines; yields dicts, and the string "[DONE]" at the end."""
     import json
+
     for line in lines:
         if not line.startswith("data: "):
             continue
-        payload = line[len("data: "):]
+        payload = line[len("data: ") :]
         yield payload if payload == "[DONE]" else json.loads(payload)

@@ -24,20 +24,54 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 
 def _serve_cmd(model: Path, host: str, port: int) -> list[str]:
-    return [sys.executable, "-m", "kvpipe.cli", "serve", "--model-path", str(model), "--host", host,
-            "--port", str(port), "--max-total-tokens", "4096", "--log-level", "warning"]
+    return [
+        sys.executable,
+        "-m",
+        "kvpipe.cli",
+        "serve",
+        "--model-path",
+        str(model),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--max-total-tokens",
+        "4096",
+        "--log-level",
+        "warning",
+    ]
 
 
 def test_bench_serve_smoke(tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     port = free_port()
-    proc = subprocess.Popen(_serve_cmd(tiny_model_dir, "127.0.0.1", port), start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        _serve_cmd(tiny_model_dir, "127.0.0.1", port),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url + "/health", 120, [proc])
         out = tmp_path / "run.json"
-        rc = serve.main(["--url", url, "--prompt-lens", "8,24", "--output-lens", "3", "--num-requests", "4",
-                         "--concurrency", "2", "--json", "--out", str(out), "--no-progress"])
+        rc = serve.main(
+            [
+                "--url",
+                url,
+                "--prompt-lens",
+                "8,24",
+                "--output-lens",
+                "3",
+                "--num-requests",
+                "4",
+                "--concurrency",
+                "2",
+                "--json",
+                "--out",
+                str(out),
+                "--no-progress",
+            ]
+        )
     finally:
         stop_process(proc)
     assert rc == 0
@@ -59,8 +93,9 @@ def test_client_across_testbed(tiny_model_dir: Path) -> None:
     wl = build_workload(WorkloadConfig(parse_lengths("16"), parse_lengths("2"), 4, vocab))
     with LinkTestbed("1gbit") as tb:
         port = tb.call_in("a", free_port, tb.addr_a)
-        proc = tb.popen("a", _serve_cmd(tiny_model_dir, tb.addr_a, port),
-                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = tb.popen(
+            "a", _serve_cmd(tiny_model_dir, tb.addr_a, port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         ep = Endpoint(f"http://{tb.addr_a}:{port}", netns=tb.ns_b)  # the client sits on side b
         ep.call(wait_healthy, ep.url + "/health", 120, [proc])
         res = ep.call(run_workload, ep.url, wl, 2, 60.0, False)
@@ -73,9 +108,26 @@ def test_compare_colocated_smoke(tmp_path: Path, capsys: pytest.CaptureFixture) 
     """PD stack (launch's core split) and a colocated server in one run, the same requests on both."""
     pytest.importorskip("mooncake.engine")
     out = tmp_path / "cmp.json"
-    rc = serve.main(["--compare-colocated", "--prompt-lens", "24", "--output-lens", "3", "--num-requests", "4",
-                     "--concurrency", "2", "--log-dir", str(tmp_path / "logs"), "--out", str(out), "--no-progress",
-                     "--startup-timeout", "90"])
+    rc = serve.main(
+        [
+            "--compare-colocated",
+            "--prompt-lens",
+            "24",
+            "--output-lens",
+            "3",
+            "--num-requests",
+            "4",
+            "--concurrency",
+            "2",
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--out",
+            str(out),
+            "--no-progress",
+            "--startup-timeout",
+            "90",
+        ]
+    )
     assert rc == 0
     table = capsys.readouterr().out
     assert "PD / colocated" in table and "colocated (" in table

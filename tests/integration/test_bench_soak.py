@@ -22,11 +22,37 @@ N, C, PROMPT_MAX, SEED = 60, 5, 1024, 0
 
 def test_soak_small(tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "soak.json"
-    rc = soak.main(["--model-path", str(tiny_model_dir), "--num-requests", str(N), "--concurrency", str(C),
-                    "--prompt-max", str(PROMPT_MAX), "--failure-prob", "0.05", "--disconnect-prob", "0.1",
-                    "--seed", str(SEED), "--warmup-requests", "10", "--deadline", "60", "--idle-timeout", "60",
-                    "--sample-interval", "1", "--log-dir", str(tmp_path / "logs"), "--out", str(out),
-                    "--no-progress"])
+    rc = soak.main(
+        [
+            "--model-path",
+            str(tiny_model_dir),
+            "--num-requests",
+            str(N),
+            "--concurrency",
+            str(C),
+            "--prompt-max",
+            str(PROMPT_MAX),
+            "--failure-prob",
+            "0.05",
+            "--disconnect-prob",
+            "0.1",
+            "--seed",
+            str(SEED),
+            "--warmup-requests",
+            "10",
+            "--deadline",
+            "60",
+            "--idle-timeout",
+            "60",
+            "--sample-interval",
+            "1",
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
     res = json.loads(out.read_text())
     failed = [c for c in res["checks"] if not c["ok"]]
     assert rc == 0 and res["ok"] and not failed, (failed, res["messages"])
@@ -36,8 +62,10 @@ def test_soak_small(tiny_model_dir: Path, tmp_path: Path, capsys: pytest.Capture
     assert sum(counts.values()) == N and counts["hang"] == 0 and counts["unclear"] == 0
     assert sum(sum(row.values()) for row in res["counts"]["by_kind"].values()) == N
     assert len(res["counts"]["by_kind"]) == 6  # three APIs, each streaming and not
-    planned_cuts = sum(r.disconnect_after is not None for r in plan_requests(SoakConfig(num_requests=N, seed=SEED,
-                                                                                        prompt_max=PROMPT_MAX)))
+    planned_cuts = sum(
+        r.disconnect_after is not None
+        for r in plan_requests(SoakConfig(num_requests=N, seed=SEED, prompt_max=PROMPT_MAX))
+    )
     # a planned disconnect may meet an injected failure first (a clear error then)
     assert 1 <= counts["disconnected"] <= planned_cuts
     assert counts["success"] >= N // 2  # most requests succeed despite the faults (the router retries)

@@ -18,8 +18,24 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 def test_tiny_qwen3_5_moves_kv_and_state_and_verifies():
     p = argparse.ArgumentParser()
     add_args(p)
-    report = run_bench(p.parse_args(["--preset", "tiny-qwen3.5", "--prompt-lens", "64", "--repeat", "1",
-                                     "--raw-pieces", "64K", "--raw-windows", "8", "--timeout", "90"]))
+    report = run_bench(
+        p.parse_args(
+            [
+                "--preset",
+                "tiny-qwen3.5",
+                "--prompt-lens",
+                "64",
+                "--repeat",
+                "1",
+                "--raw-pieces",
+                "64K",
+                "--raw-windows",
+                "8",
+                "--timeout",
+                "90",
+            ]
+        )
+    )
     (x,) = report["lengths"]
     assert report["verified"] and x["verified"]
     # KV: 4 pages of 16 tokens, full-attention layer 3 only: K and V of 2 heads x 32, fp32

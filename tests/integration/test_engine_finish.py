@@ -6,9 +6,9 @@ import threading
 import time
 
 import pytest
-
 from connector_utils import RecordingConnector
-from engine_utils import GREEDY, make_engine, prompts
+from engine_utils import make_engine, prompts
+
 from kvpipe.config import CacheConfig, SchedulerConfig, ServerConfig
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import FinishReason, Req, SamplingParams
@@ -65,7 +65,7 @@ def test_eos_and_ignore_eos(eng, ref):
     r1 = Req("e1", PROMPT, params(ignore_eos=False), eos_token_ids=(tok,))
     r2 = Req("e2", PROMPT, params(ignore_eos=True), eos_token_ids=(tok,))
     outs = run(eng, [r1, r2])
-    assert r1.output_ids == ref["output_ids"][:k + 1]
+    assert r1.output_ids == ref["output_ids"][: k + 1]
     assert (r1.finish_reason, r1.finish_detail) == (FinishReason.STOP, tok)
     assert outs["e1"][-1].finish_reason is FinishReason.STOP and outs["e1"][-1].finish_detail == tok
     assert r2.output_ids == ref["output_ids"] and r2.finish_reason is FinishReason.LENGTH
@@ -76,7 +76,7 @@ def test_stop_token_ids(eng, ref):
     k = ref["output_ids"].index(tok)
     r = Req("s", PROMPT, params(stop_token_ids=(tok,)))
     run(eng, [r])
-    assert r.output_ids == ref["output_ids"][:k + 1] and r.finish_detail == tok
+    assert r.output_ids == ref["output_ids"][: k + 1] and r.finish_detail == tok
 
 
 def test_stop_string_trims_text(eng, ref):
@@ -89,7 +89,7 @@ def test_stop_string_trims_text(eng, ref):
     assert res["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     assert res["text"] == text[:cut]
     ids = res["output_ids"]
-    assert ids == ref["output_ids"][:len(ids)]
+    assert ids == ref["output_ids"][: len(ids)]
     # it stopped at the first token that completed the stop string, not later
     assert stop in eng.tokenizer.decode(ids) and stop not in eng.tokenizer.decode(ids[:-1])
 
@@ -102,8 +102,11 @@ def test_max_new_tokens_zero_finishes_after_prefill(eng):
 
 
 def test_never_fits_is_aborted(tiny_model_dir):
-    cfg = ServerConfig(model_path=str(tiny_model_dir), cache=CacheConfig(page_size=16, num_pages=4),
-                       scheduler=SchedulerConfig(context_length=100))
+    cfg = ServerConfig(
+        model_path=str(tiny_model_dir),
+        cache=CacheConfig(page_size=16, num_pages=4),
+        scheduler=SchedulerConfig(context_length=100),
+    )
     e = Engine(cfg)
     try:
         too_long = Req("ctx", list(range(3, 93)), params(max_new_tokens=20))
@@ -147,9 +150,12 @@ def test_duplicate_rid_rejected(eng):
 def test_seeded_sampling_independent_of_batch(eng):
     sp = SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
     alone = eng.generate([PROMPT], sp)[0]["output_ids"]
-    others = [SamplingParams(max_new_tokens=8, temperature=1.0, ignore_eos=True),
-              SamplingParams(max_new_tokens=15, temperature=0.0, ignore_eos=True), sp,
-              SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9, seed=99, ignore_eos=True)]
+    others = [
+        SamplingParams(max_new_tokens=8, temperature=1.0, ignore_eos=True),
+        SamplingParams(max_new_tokens=15, temperature=0.0, ignore_eos=True),
+        sp,
+        SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9, seed=99, ignore_eos=True),
+    ]
     ps = prompts(2) + [PROMPT, PROMPT]
     mixed = eng.generate(ps, others)
     assert mixed[2]["output_ids"] == alone
@@ -221,7 +227,9 @@ def test_connector_seam_holds_pages_and_defers_the_answer(tiny_model_dir):
             e.add_request(Req("p", PROMPT, params(max_new_tokens=1)))
         conn.end_transfer("p")
         outs = e.step()
-        assert [(o.rid, o.token_ids, o.finish_reason) for o in outs] == [("p", tuple(r.output_ids), FinishReason.LENGTH)]
+        assert [(o.rid, o.token_ids, o.finish_reason) for o in outs] == [
+            ("p", tuple(r.output_ids), FinishReason.LENGTH)
+        ]
         assert e.allocator.num_used == 0 and e.stats()["num_held"] == 0
         # an abort while held answers at once; a failed transfer of a held request answers nothing more
         q = Req("q", PROMPT, params(max_new_tokens=1))

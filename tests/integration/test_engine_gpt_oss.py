@@ -3,12 +3,11 @@ window of 32 and the pages of 16) and TP 2 keep the greedy tokens of one request
 The prompts run to 150 tokens, so the sliding layers' windows move."""
 
 import pytest
+from engine_utils import GREEDY, make_engine, output_ids, prompts, reference_outputs
 
 from kvpipe.cache.window_pages import window_page_bound
 from kvpipe.engine.request import Req, SamplingParams
 from kvpipe.model.presets import write_preset
-
-from engine_utils import GREEDY, make_engine, output_ids, prompts, reference_outputs
 
 PROMPTS = prompts(6, vocab=290)
 
@@ -57,8 +56,9 @@ def test_engine_equals_hf_generate_past_the_window(gpt_oss_model):
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
     prompt, n = PROMPTS[-1], 48
     with torch.no_grad():
-        want = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                           min_new_tokens=n)[0, len(prompt):].tolist()
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n)[
+            0, len(prompt) :
+        ].tolist()
     eng = make_engine(path, page_size=4, chunk=7, pages=128)
     try:
         got = output_ids(eng, [prompt], SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))[0]

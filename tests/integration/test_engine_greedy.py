@@ -1,7 +1,6 @@
 """Greedy outputs do not depend on batching, chunking, page size or layer groups."""
 
 import pytest
-
 from connector_utils import RecordingConnector
 from engine_utils import make_engine, one_at_a_time, output_ids, prompts
 

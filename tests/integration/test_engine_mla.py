@@ -4,8 +4,8 @@ do not depend on batching, chunking, page size, layer groups, prefix-cache hits 
 from __future__ import annotations
 
 import pytest
-
 from engine_utils import GREEDY, make_engine, one_at_a_time, output_ids, prompts
+
 from kvpipe.model.presets import write_preset
 
 PROMPTS = prompts()
@@ -31,9 +31,11 @@ def test_outputs_are_not_trivial(reference):
     assert len({tuple(o) for o in reference}) == len(reference)
 
 
-@pytest.mark.parametrize("kw", [dict(chunk=7), dict(chunk=33, page_size=1, pages=4096),
-                                dict(chunk=64, layer_groups=3), dict(chunk=33, tp=2)],
-                         ids=["batched_chunk7", "page1", "layer_groups", "tp2"])
+@pytest.mark.parametrize(
+    "kw",
+    [dict(chunk=7), dict(chunk=33, page_size=1, pages=4096), dict(chunk=64, layer_groups=3), dict(chunk=33, tp=2)],
+    ids=["batched_chunk7", "page1", "layer_groups", "tp2"],
+)
 def test_batched_chunked_paged_tp_equal_reference(deepseek_dir, reference, kw):
     eng = make_engine(deepseek_dir, **kw)
     try:

@@ -13,13 +13,13 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.qwen3_5")
 
+from connector_utils import RecordingConnector  # noqa: E402
+from engine_utils import GREEDY, output_ids, prompts  # noqa: E402
+
 from kvpipe.config import CacheConfig, SchedulerConfig, ServerConfig  # noqa: E402
 from kvpipe.engine.engine import Engine  # noqa: E402
 from kvpipe.engine.request import FinishReason, Req  # noqa: E402
 from kvpipe.model.presets import write_preset  # noqa: E402
-
-from connector_utils import RecordingConnector  # noqa: E402
-from engine_utils import GREEDY, output_ids, prompts  # noqa: E402
 
 PROMPTS = prompts(8)  # 1 to 150 tokens
 
@@ -35,25 +35,39 @@ def reference(model_dir):
     hf = transformers.Qwen3_5ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     out = []
     for p in PROMPTS:
-        ids = hf.generate(torch.tensor([p]), max_new_tokens=GREEDY.max_new_tokens, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+        ids = hf.generate(
+            torch.tensor([p]), max_new_tokens=GREEDY.max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, len(p) :].tolist()
         assert len(ids) == GREEDY.max_new_tokens
         out.append(ids)
     assert len({tuple(o) for o in out}) == len(out)  # not a degenerate model
     return out
 
 
-def make_engine(model_dir, chunk: int = 0, tp: int = 1, slots: int | None = None, radix_cache: bool = False,
-                max_running: int = 64, **kw) -> Engine:
-    cfg = ServerConfig(model_path=str(model_dir), tp_size=tp,
-                       cache=CacheConfig(page_size=16, num_pages=256, radix_cache=radix_cache, max_state_slots=slots),
-                       scheduler=SchedulerConfig(chunked_prefill_size=chunk, max_running_requests=max_running))
+def make_engine(
+    model_dir,
+    chunk: int = 0,
+    tp: int = 1,
+    slots: int | None = None,
+    radix_cache: bool = False,
+    max_running: int = 64,
+    **kw,
+) -> Engine:
+    cfg = ServerConfig(
+        model_path=str(model_dir),
+        tp_size=tp,
+        cache=CacheConfig(page_size=16, num_pages=256, radix_cache=radix_cache, max_state_slots=slots),
+        scheduler=SchedulerConfig(chunked_prefill_size=chunk, max_running_requests=max_running),
+    )
     return Engine(cfg, **kw)
 
 
 def all_free(eng: Engine) -> bool:
-    return (eng.state_slots.in_use() == {} and eng.state_slots.num_free == eng.state_slots.num_slots
-            and eng.allocator.num_free == eng.allocator.num_pages)
+    return (
+        eng.state_slots.in_use() == {}
+        and eng.state_slots.num_free == eng.state_slots.num_slots
+        and eng.allocator.num_free == eng.allocator.num_pages
+    )
 
 
 @pytest.mark.parametrize("chunk", [0, 7, 33])

@@ -8,10 +8,9 @@ import textwrap
 import time
 
 import pytest
+from engine_utils import make_engine, one_at_a_time, output_ids, prompts
 
 from kvpipe.engine.errors import EngineLost
-
-from engine_utils import make_engine, one_at_a_time, output_ids, prompts
 
 PROMPTS = prompts(4)
 
@@ -69,6 +68,7 @@ def test_dead_rank_fails_the_step_not_hangs(tiny_model_dir):
         child.kill()
         child.wait(5)
         from kvpipe.engine.request import Req, SamplingParams
+
         eng.add_request(Req("x", [5, 6, 7], SamplingParams(max_new_tokens=3)))
         with pytest.raises(EngineLost, match="TP rank 1"):  # fatal: the server exits, a supervisor restarts it
             eng.step()
@@ -87,8 +87,7 @@ def test_children_exit_when_rank0_is_killed(tiny_model_dir, tmp_path):
         print(" ".join(str(p.pid) for p in eng._tp._procs), flush=True)
         time.sleep(120)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                            cwd=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=str(tmp_path))
     try:
         line = proc.stdout.readline()
         pids = [int(x) for x in line.split()]

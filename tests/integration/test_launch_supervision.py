@@ -5,8 +5,8 @@ ends with a final status, new requests succeed, and both servers end idle with n
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -24,9 +24,13 @@ ROUNDS = [("decode", Phase.DECODE), ("prefill", Phase.TRANSFER), ("router", Phas
 
 @pytest.fixture(scope="module")
 def campaign(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Campaign]:
-    cfg = ChaosConfig(rounds=len(ROUNDS), clients=2, model_path=str(tiny_model_dir),
-                      log_dir=str(tmp_path_factory.mktemp("launch-supervision")),
-                      policy=RestartPolicy(max_restarts=2, window_s=60.0, backoff_s=0.5, backoff_max_s=2.0))
+    cfg = ChaosConfig(
+        rounds=len(ROUNDS),
+        clients=2,
+        model_path=str(tiny_model_dir),
+        log_dir=str(tmp_path_factory.mktemp("launch-supervision")),
+        policy=RestartPolicy(max_restarts=2, window_s=60.0, backoff_s=0.5, backoff_max_s=2.0),
+    )
     with Campaign(cfg, log=print) as c:
         yield c
 
@@ -38,8 +42,9 @@ def test_each_part_killed_once_comes_back_alone(campaign: Campaign) -> None:
     for i, (target, phase) in enumerate(ROUNDS, start=1):
         before = {n: stack.proc(n).pid for n in PARTS}
         r = campaign.run_round(i, target, phase)
-        logs = "\n".join(f"--- {s.name}\n{open(s.log_path, errors='replace').read()[-2000:]}"
-                         for s in stack.specs if s.log_path)
+        logs = "\n".join(
+            f"--- {s.name}\n{open(s.log_path, errors='replace').read()[-2000:]}" for s in stack.specs if s.log_path
+        )
         assert r.ok, (r.as_dict(), logs)
         assert r.killed_pid == before[target] and stack.proc(target).pid != before[target]
         assert all(stack.proc(n).pid == before[n] for n in PARTS if n != target)  # survivors untouched

@@ -71,10 +71,15 @@ def test_window_bounds_many_small_ops(engines):
     src, dst = registered_pool(tx, seed=2), registered_pool(rx, seed=None)
     sl, dl = KVLayout.from_pool(src), KVLayout.from_pool(dst)
     pages = np.arange(PAGES)
-    handles = [tx.submit(rx.address, p.src_addr, p.dst_addr, p.length)
-               for h0 in range(HEADS) for p in [plan_pages(pages, pages[::-1], sl, dl, heads=(h0, h0 + 1))]]
-    handles += [tx.submit(rx.address, p.src_addr, p.dst_addr, p.length) for p in
-                [plan_pages(pages, pages[::-1], sl, dl, heads=(0, 1))] * 10]
+    handles = [
+        tx.submit(rx.address, p.src_addr, p.dst_addr, p.length)
+        for h0 in range(HEADS)
+        for p in [plan_pages(pages, pages[::-1], sl, dl, heads=(h0, h0 + 1))]
+    ]
+    handles += [
+        tx.submit(rx.address, p.src_addr, p.dst_addr, p.length)
+        for p in [plan_pages(pages, pages[::-1], sl, dl, heads=(0, 1))] * 10
+    ]
     for h in handles:
         assert tx.wait(h, deadline()) is BatchState.DONE, h.error
     assert_pages_equal(src, dst, pages, pages[::-1].copy())
@@ -154,10 +159,15 @@ print("RESULT " + json.dumps(out))
 
 def test_queue_full_fails_batch_and_engine_recovers():
     """A window above the engine's per-peer queue limit provokes real queue-full rejections."""
-    env = {**os.environ, "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "16",
-           "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "16", "GLOG_minloglevel": "2"}
-    proc = subprocess.run([sys.executable, "-c", QUEUE_FULL_SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=120)
+    env = {
+        **os.environ,
+        "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "16",
+        "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "16",
+        "GLOG_minloglevel": "2",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", QUEUE_FULL_SCRIPT], env=env, capture_output=True, text=True, timeout=120
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-2000:]
     out = json.loads(lines[-1].removeprefix("RESULT "))

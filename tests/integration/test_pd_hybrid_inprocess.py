@@ -9,10 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from test_pd_inprocess import colocated_greedy, failures_then_decode_abort, greedy_and_bytes_as_predicted
 
 from kvpipe.engine.engine import Engine
 from kvpipe.model.presets import write_preset
-from test_pd_inprocess import colocated_greedy, failures_then_decode_abort, greedy_and_bytes_as_predicted
 
 pytestmark = pytest.mark.integration
 LENS = [1, 15, 16, 17, 40, 100]
@@ -54,8 +54,9 @@ def test_moe_greedy_matches_colocated_and_bytes_as_predicted(moe_model_dir):
 
 
 def check_greedy_and_bytes(model_dir: Path, reference, chunk: int, groups: int) -> None:
-    greedy_and_bytes_as_predicted(model_dir, reference, chunk, groups, LENS,
-                                  check_free=lambda pair: assert_slots_free(pair.prefill, pair.decode))
+    greedy_and_bytes_as_predicted(
+        model_dir, reference, chunk, groups, LENS, check_free=lambda pair: assert_slots_free(pair.prefill, pair.decode)
+    )
 
 
 def test_failures_and_aborts_free_state_slots(model_dir, reference):

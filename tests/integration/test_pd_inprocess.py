@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
+from pd_parity import expected_bytes
 
 from kvpipe.config import CacheConfig, DisaggregationConfig, SchedulerConfig, ServerConfig
 from kvpipe.disagg.decode import DecodeConnector
@@ -21,7 +22,6 @@ from kvpipe.engine.request import FinishReason, Req, SamplingParams, TokenOutput
 from kvpipe.transfer.backends import FailureInjection
 from kvpipe.transfer.backends.local import LocalBackend, LocalFabric
 from kvpipe.transfer.state import TransferState
-from pd_parity import expected_bytes
 
 pytestmark = pytest.mark.integration
 PS = 16
@@ -29,15 +29,25 @@ GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
 _rooms = itertools.count(1000)
 
 
-def cfg(model_dir: Path, mode: str, chunk: int = 0, pages: int = 128, radix_cache: bool = True,
-        **disagg) -> ServerConfig:
+def cfg(
+    model_dir: Path, mode: str, chunk: int = 0, pages: int = 128, radix_cache: bool = True, **disagg
+) -> ServerConfig:
     # generous deadlines: a loaded 2-core host can stall an engine step for a second
-    d = dict(mode=mode, bootstrap_port=0, transfer_backend="local", bootstrap_timeout_s=20.0,
-             waiting_timeout_s=30.0, heartbeat_interval_s=0.5, transfer_timeout_s=10.0)
-    return ServerConfig(model_path=str(model_dir), cache=CacheConfig(page_size=PS, num_pages=pages,
-                                                                     radix_cache=radix_cache),
-                        scheduler=SchedulerConfig(chunked_prefill_size=chunk, max_prefill_tokens=4096),
-                        disaggregation=DisaggregationConfig(**{**d, **disagg}))
+    d = dict(
+        mode=mode,
+        bootstrap_port=0,
+        transfer_backend="local",
+        bootstrap_timeout_s=20.0,
+        waiting_timeout_s=30.0,
+        heartbeat_interval_s=0.5,
+        transfer_timeout_s=10.0,
+    )
+    return ServerConfig(
+        model_path=str(model_dir),
+        cache=CacheConfig(page_size=PS, num_pages=pages, radix_cache=radix_cache),
+        scheduler=SchedulerConfig(chunked_prefill_size=chunk, max_prefill_tokens=4096),
+        disaggregation=DisaggregationConfig(**{**d, **disagg}),
+    )
 
 
 @dataclass
@@ -73,17 +83,20 @@ class Pair:
         assert isinstance(self.decode.connector, DecodeConnector)
         return self.decode.connector.receiver
 
-    def reqs(self, ids: list[int], params: SamplingParams = GREEDY, room: int | None = None,
-             rid: str | None = None) -> tuple[Req, Req]:
+    def reqs(
+        self, ids: list[int], params: SamplingParams = GREEDY, room: int | None = None, rid: str | None = None
+    ) -> tuple[Req, Req]:
         room = next(_rooms) if room is None else room
         rid = rid or f"r{room}"
         p = Req(rid, list(ids), params, bootstrap_room=room)
-        d = Req(rid, list(ids), params, bootstrap_host="127.0.0.1", bootstrap_port=self.bootstrap_port,
-                bootstrap_room=room)
+        d = Req(
+            rid, list(ids), params, bootstrap_host="127.0.0.1", bootstrap_port=self.bootstrap_port, bootstrap_room=room
+        )
         return p, d
 
-    def run(self, pairs: list[tuple[Req | None, Req | None]], timeout_s: float = 60.0,
-            until=None) -> tuple[dict[str, list[TokenOutput]], dict[str, list[TokenOutput]]]:
+    def run(
+        self, pairs: list[tuple[Req | None, Req | None]], timeout_s: float = 60.0, until=None
+    ) -> tuple[dict[str, list[TokenOutput]], dict[str, list[TokenOutput]]]:
         """Add the requests, step both engines until every one finished on both sides (or
         `until()` holds); returns the outputs per rid of prefill and decode."""
         p_out: dict[str, list[TokenOutput]] = {}
@@ -93,8 +106,12 @@ class Pair:
                 self.prefill.add_request(p)
             if d is not None:
                 self.decode.add_request(d)
-        done = until or (lambda: all(_finished(p_out, p) for p, _ in pairs if p is not None)
-                         and all(_finished(d_out, d) for _, d in pairs if d is not None))
+        done = until or (
+            lambda: (
+                all(_finished(p_out, p) for p, _ in pairs if p is not None)
+                and all(_finished(d_out, d) for _, d in pairs if d is not None)
+            )
+        )
         end = time.monotonic() + timeout_s
         while not done():
             assert time.monotonic() < end, f"not done after {timeout_s}s: {self.prefill.stats()} {self.decode.stats()}"
@@ -111,8 +128,12 @@ class Pair:
             self.prefill.step()
             self.decode.step()
             ps, ds = self.prefill.stats(), self.decode.stats()
-            if (not self.prefill.has_work() and not self.decode.has_work()
-                    and ps["free_pages"] == ps["total_pages"] and ds["free_pages"] == ds["total_pages"]):
+            if (
+                not self.prefill.has_work()
+                and not self.decode.has_work()
+                and ps["free_pages"] == ps["total_pages"]
+                and ds["free_pages"] == ds["total_pages"]
+            ):
                 return
             assert time.monotonic() < end, f"pages leaked: prefill {ps}, decode {ds}"
 
@@ -126,8 +147,16 @@ def tokens(outs: list[TokenOutput]) -> list[int]:
 
 
 @contextlib.contextmanager
-def make_pair(model_dir: Path, chunk: int = 0, p_pages: int = 128, d_pages: int = 128, inject=None,
-              prefill_radix_cache: bool = True, decode_radix_cache: bool = False, **disagg):
+def make_pair(
+    model_dir: Path,
+    chunk: int = 0,
+    p_pages: int = 128,
+    d_pages: int = 128,
+    inject=None,
+    prefill_radix_cache: bool = True,
+    decode_radix_cache: bool = False,
+    **disagg,
+):
     """Prefill + decode engines; the prefill keeps its prefix cache unless told otherwise, the
     decode has one with `decode_radix_cache`."""
     fabric = LocalFabric()
@@ -152,8 +181,9 @@ def reference(tiny_model_dir):
 
 def colocated_greedy(model_dir: Path):
     """Generator of a memoized greedy reference (the colocated engine, no prefix cache) for a fixture."""
-    eng = Engine(ServerConfig(model_path=str(model_dir),
-                              cache=CacheConfig(page_size=PS, num_pages=256, radix_cache=False)))
+    eng = Engine(
+        ServerConfig(model_path=str(model_dir), cache=CacheConfig(page_size=PS, num_pages=256, radix_cache=False))
+    )
     cache: dict[tuple, list[int]] = {}
 
     def ref(ids: list[int], params: SamplingParams = GREEDY) -> list[int]:
@@ -161,6 +191,7 @@ def colocated_greedy(model_dir: Path):
         if key not in cache:
             cache[key] = eng.generate([ids], params)[0]["output_ids"]
         return cache[key]
+
     yield ref
     eng.shutdown()
 
@@ -197,8 +228,15 @@ def failures_then_decode_abort(model_dir: Path, reference, check_free=lambda pai
         check_free(pair)
 
 
-def greedy_and_bytes_as_predicted(model_dir: Path, reference, chunk: int, groups: int, lens: list[int],
-                                  check=lambda pair, stats: None, check_free=lambda pair: None) -> None:
+def greedy_and_bytes_as_predicted(
+    model_dir: Path,
+    reference,
+    chunk: int,
+    groups: int,
+    lens: list[int],
+    check=lambda pair, stats: None,
+    check_free=lambda pair: None,
+) -> None:
     """Prompts of `lens` through a pair with chunked prefill of `chunk` and `groups` layer groups:
     greedy tokens equal `reference`, every room succeeds, the bytes written are
     pd_parity.expected_bytes, `check(pair, stats)` asserts what else the model family implies;
@@ -334,6 +372,7 @@ def test_prefill_forward_error_reaches_decode(tiny_model_dir):
         def broken(*a, **kw):
             pair.prefill.runner.run = real_run  # fail once
             raise RuntimeError("device lost")
+
         pair.prefill.runner.run = broken
         with pytest.raises(RuntimeError, match="device lost"):
             for _ in range(1000):  # bounded: the first prefill forward raises

@@ -10,30 +10,42 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import msgpack
 import pytest
 import zmq
+from pd_harness import Stack, disagg_stats, generate, greedy, pd_body, start_stack, wait_for
+from server_harness import ServerProc
 
 from kvpipe.transfer import messages as m
 from kvpipe.transfer.auth import Authenticator
 from kvpipe.transfer.bootstrap import BootstrapError, fetch_prefill_info, register_prefill_rank
-from pd_harness import Stack, disagg_stats, generate, greedy, pd_body, start_stack, wait_for
-from server_harness import ServerProc
 
 pytest.importorskip("mooncake.engine")
 pytestmark = pytest.mark.integration
 
 HEARTBEAT_S = 0.5  # a peer silent for 5 beats (2.5 s) is dead
 BOOTSTRAP_S, TRANSFER_S = 5.0, 3.0
-FLAGS = ["--page-size", "16", "--max-total-tokens", "32768", "--chunked-prefill-size", "128",
-         "--disaggregation-heartbeat-interval", str(HEARTBEAT_S),
-         "--disaggregation-bootstrap-timeout", str(BOOTSTRAP_S), "--disaggregation-waiting-timeout", "20",
-         "--disaggregation-transfer-timeout", str(TRANSFER_S)]
+FLAGS = [
+    "--page-size",
+    "16",
+    "--max-total-tokens",
+    "32768",
+    "--chunked-prefill-size",
+    "128",
+    "--disaggregation-heartbeat-interval",
+    str(HEARTBEAT_S),
+    "--disaggregation-bootstrap-timeout",
+    str(BOOTSTRAP_S),
+    "--disaggregation-waiting-timeout",
+    "20",
+    "--disaggregation-transfer-timeout",
+    str(TRANSFER_S),
+]
 DEADLINE_S = 5 * HEARTBEAT_S + TRANSFER_S + 10.0  # detection + drain + slack for a loaded host
 LONG = [(i * 7919) % 280 + 3 for i in range(7000)]  # 55 chunks of 128: a long prefill to interrupt
 
@@ -63,12 +75,14 @@ def kill(srv: ServerProc) -> None:
 
 def serves_again(stack: Stack, timeout_s: float = 60.0) -> dict:
     """The router may need a few health checks to trust a restarted worker again."""
+
     def attempt() -> dict | None:
         try:
             out = short(stack)
         except (AssertionError, httpx.HTTPError):
             return None
         return out if out["meta_info"]["finish_reason"]["type"] == "length" else None
+
     return wait_for(attempt, timeout_s, "a successful request through the router", interval_s=0.5)
 
 
@@ -78,14 +92,20 @@ def test_forged_and_malformed_control_messages_are_rejected(stack: Stack) -> Non
     validation, which refuses the bogus ones. Both servers keep serving, unchanged."""
     ref = short(stack)["output_ids"]
     assert stack.pd.auth_token and all(disagg_stats(s)["authenticated"] for s in (stack.prefill, stack.decode))
-    junk = [b"", b"\x00garbage\xff", os.urandom(257), msgpack.packb([1, 2, 3]),
-            msgpack.packb({"kind": "transfer_request", "version": 1}),  # fields missing
-            msgpack.packb({"kind": "transfer_request", "version": 99, "room": 1}),
-            msgpack.packb({"kind": "no_such_message", "version": 1})]
-    typed = [m.TransferRequest(room=7, session_id="intruder/0", dst_pages=(10**9,), prefix_len=0, aux_slot=0),
-             m.TransferStatus(room=7, session_id="intruder/0", state=m.WireState.SUCCESS,
-                              aux=m.AuxData(7, 1, 0.0)),
-             m.Abort(room=7, session_id="intruder/0", side=m.Side.PREFILL, reason="x")]
+    junk = [
+        b"",
+        b"\x00garbage\xff",
+        os.urandom(257),
+        msgpack.packb([1, 2, 3]),
+        msgpack.packb({"kind": "transfer_request", "version": 1}),  # fields missing
+        msgpack.packb({"kind": "transfer_request", "version": 99, "room": 1}),
+        msgpack.packb({"kind": "no_such_message", "version": 1}),
+    ]
+    typed = [
+        m.TransferRequest(room=7, session_id="intruder/0", dst_pages=(10**9,), prefix_len=0, aux_slot=0),
+        m.TransferStatus(room=7, session_id="intruder/0", state=m.WireState.SUCCESS, aux=m.AuxData(7, 1, 0.0)),
+        m.Abort(room=7, session_id="intruder/0", side=m.Side.PREFILL, reason="x"),
+    ]
     insider, outsider = Authenticator.from_token(stack.pd.auth_token), Authenticator.from_token("not-the-stack-token")
     ctx = zmq.Context()
     try:
@@ -100,10 +120,18 @@ def test_forged_and_malformed_control_messages_are_rejected(stack: Stack) -> Non
             for frame in forged + signed + signed[:1]:  # the last one a replay
                 sock.send(frame)
             sock.close()
-            wait_for(lambda: disagg_stats(srv)["auth_rejected"]["control"] >= st["auth_rejected"]["control"]
-                     + len(forged) + 1, 10, "the forged frames to be dropped")
-            wait_for(lambda: disagg_stats(srv)["rejected_messages"] >= st["rejected_messages"] + len(typed), 10,
-                     "the signed bogus messages to be rejected")
+            wait_for(
+                lambda: (
+                    disagg_stats(srv)["auth_rejected"]["control"] >= st["auth_rejected"]["control"] + len(forged) + 1
+                ),
+                10,
+                "the forged frames to be dropped",
+            )
+            wait_for(
+                lambda: disagg_stats(srv)["rejected_messages"] >= st["rejected_messages"] + len(typed),
+                10,
+                "the signed bogus messages to be rejected",
+            )
             assert srv.metric("kvpipe_pd_auth_rejected_total", 'plane="control"') >= len(forged) + 1
             assert srv.alive()
     finally:
@@ -141,8 +169,11 @@ def test_client_disconnects_leave_no_pages(stack: Stack) -> None:
     for srv in (stack.decode, stack.prefill):
         t0 = time.monotonic()
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(srv.url + "/generate", json=pd_body(stack, {"input_ids": LONG[:300],
-                                                                   "sampling_params": greedy(8)}), timeout=0.5)
+            httpx.post(
+                srv.url + "/generate",
+                json=pd_body(stack, {"input_ids": LONG[:300], "sampling_params": greedy(8)}),
+                timeout=0.5,
+            )
         srv.wait_idle(DEADLINE_S)
         assert time.monotonic() - t0 < DEADLINE_S
     idle(stack.prefill, stack.decode)
@@ -157,6 +188,7 @@ def _in_background(fn) -> tuple[threading.Thread, dict]:
             box["out"] = fn()
         except BaseException as e:  # noqa: BLE001 - inspected by the test
             box["err"] = e
+
     t = threading.Thread(target=run, daemon=True)
     t.start()
     return t, box
@@ -170,8 +202,12 @@ def test_decode_killed_mid_transfer(stack: Stack) -> None:
     t, box = _in_background(lambda: httpx.post(p.url + "/generate", json=body, timeout=120))
     _in_background(lambda: httpx.post(d.url + "/generate", json=body, timeout=120))
     # KV of the first chunks landed on the decode and the prefill is still computing the rest.
-    at_kill = wait_for(lambda: (s := p.engine_stats())["disaggregation"]["bytes_written"] > sent
-                       and s["num_running"] >= 1 and s, 60, "the transfer to start", interval_s=0.02)
+    at_kill = wait_for(
+        lambda: (s := p.engine_stats())["disaggregation"]["bytes_written"] > sent and s["num_running"] >= 1 and s,
+        60,
+        "the transfer to start",
+        interval_s=0.02,
+    )
     kill(d)
     t0 = time.monotonic()
     assert at_kill["used_pages"] > 0
@@ -195,6 +231,7 @@ def test_prefill_killed_then_restarted(stack: Stack) -> None:
     def both_busy() -> bool:
         seen.update(decode=disagg_stats(d), prefill=p.engine_stats(), prefill_answer=box_p.get("out"))
         return seen["decode"]["active_rooms"] >= 1 and seen["prefill"]["num_running"] >= 1
+
     try:
         wait_for(both_busy, 60, "the decode to wait for a prefill that is computing", interval_s=0.02)
     except AssertionError as e:  # say what each side was doing
@@ -220,8 +257,9 @@ def test_prefill_killed_then_restarted(stack: Stack) -> None:
     serves_again(stack)
 
     def one(n: int) -> tuple[str, str]:
-        r = httpx.post(stack.router + "/generate", json={"input_ids": LONG[:n], "sampling_params": greedy(6)},
-                       timeout=120)
+        r = httpx.post(
+            stack.router + "/generate", json={"input_ids": LONG[:n], "sampling_params": greedy(6)}, timeout=120
+        )
         if r.status_code == 200:  # the decode's answer (it may carry an abort of its own)
             fin = r.json()["meta_info"]["finish_reason"]
             return fin["type"], str(fin.get("message"))

@@ -15,18 +15,29 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from pd_parity import MANY_LENGTHS, colocated_reference, prompts, run_router_pd
 
 from kvpipe.model.presets import write_preset
-from pd_parity import MANY_LENGTHS, colocated_reference, prompts, run_router_pd
 
 pytest.importorskip("mooncake.engine")
 pytestmark = pytest.mark.integration
 
 PS, NEW = 16, 6
 LENGTHS = [150, 37, 90]
-FLAGS = ["--page-size", str(PS), "--max-total-tokens", "4096", "--chunked-prefill-size", "64",
-         "--disaggregation-heartbeat-interval", "0.5", "--disaggregation-bootstrap-timeout", "30",
-         "--disaggregation-transfer-timeout", "3"]
+FLAGS = [
+    "--page-size",
+    str(PS),
+    "--max-total-tokens",
+    "4096",
+    "--chunked-prefill-size",
+    "64",
+    "--disaggregation-heartbeat-interval",
+    "0.5",
+    "--disaggregation-bootstrap-timeout",
+    "30",
+    "--disaggregation-transfer-timeout",
+    "3",
+]
 FAMILIES = ["tiny-qwen3-moe", "tiny-minimax-m2", "tiny-deepseek-v3"]
 PAIRINGS = [(1, 2, 2), (2, 1, 1), (2, 4, 2)]  # (prefill TP, decode TP, layer groups; 1: no pipelining)
 # Qwen3.5: same TP with and without pipelining, and both heterogeneous directions (state sliced by heads)
@@ -51,6 +62,7 @@ def family(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Pa
             model_dir = write_preset(name, tmp_path_factory.mktemp(name))
             made[name] = (model_dir, colocated_reference(model_dir, prompts(LENGTHS), NEW, PS))
         return made[name]
+
     return get
 
 
@@ -61,17 +73,20 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list]:
 
 
 @pytest.mark.parametrize("name,pairing", CASES, ids=[f"{f}-{p}-{d}-{g}" for f, (p, d, g) in CASES])
-def test_pd_family_matches_colocated(family: Callable[[str], tuple[Path, list]], tmp_path: Path, name: str,
-                                     pairing: tuple[int, int, int]) -> None:
+def test_pd_family_matches_colocated(
+    family: Callable[[str], tuple[Path, list]], tmp_path: Path, name: str, pairing: tuple[int, int, int]
+) -> None:
     run_pd(family(name), tmp_path, *pairing)
 
 
 @pytest.mark.parametrize("p_tp,d_tp,groups", HYBRID_PAIRINGS)
-def test_pd_hybrid_matches_colocated(hybrid: tuple[Path, list], tmp_path: Path, p_tp: int, d_tp: int,
-                                     groups: int) -> None:
+def test_pd_hybrid_matches_colocated(
+    hybrid: tuple[Path, list], tmp_path: Path, p_tp: int, d_tp: int, groups: int
+) -> None:
     run_pd(hybrid, tmp_path, p_tp, d_tp, groups, HYBRID_LENGTHS)
 
 
-def run_pd(model: tuple[Path, list], tmp_path: Path, p_tp: int, d_tp: int, groups: int,
-           lengths: list[int] = LENGTHS) -> None:
+def run_pd(
+    model: tuple[Path, list], tmp_path: Path, p_tp: int, d_tp: int, groups: int, lengths: list[int] = LENGTHS
+) -> None:
     run_router_pd(model, tmp_path, FLAGS, p_tp, d_tp, groups, lengths, NEW, PS)

@@ -11,11 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_pd_inprocess import GREEDY, PS, Pair, make_pair, prompts, reference  # noqa: F401 - fixture
 
 from kvpipe.disagg.layer_groups import ComputeEstimator, LinkEstimator
 from kvpipe.engine.model_runner import split_layers
 from kvpipe.engine.request import FinishReason
-from test_pd_inprocess import GREEDY, PS, Pair, make_pair, prompts, reference  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.integration
 LAYERS = 4  # the tiny preset
@@ -28,8 +28,14 @@ def spy_sends(pair: Pair) -> list[dict[str, Any]]:
     real = pair.sender.send
 
     def send(room, t0, t1, layer_start=0, layer_end=None, **kw):
-        calls.append({"room": room, "tokens": (t0, t1), "layers": (layer_start, layer_end or LAYERS),
-                      "last": kw.get("last", False)})
+        calls.append(
+            {
+                "room": room,
+                "tokens": (t0, t1),
+                "layers": (layer_start, layer_end or LAYERS),
+                "last": kw.get("last", False),
+            }
+        )
         return real(room, t0, t1, layer_start, layer_end, **kw)
 
     pair.sender.send = send  # type: ignore[method-assign]
@@ -151,8 +157,18 @@ def test_router_with_forced_groups(tiny_model_dir: Path, tmp_path: Path, referen
     from pd_harness import generate, greedy, start_stack
 
     ps = prompts(4, [3, 129, 700, 1500])
-    s = start_stack(tiny_model_dir, tmp_path, "--page-size", str(PS), "--max-total-tokens", "8192",
-                    "--chunked-prefill-size", "512", "--disaggregation-layer-groups", "3")
+    s = start_stack(
+        tiny_model_dir,
+        tmp_path,
+        "--page-size",
+        str(PS),
+        "--max-total-tokens",
+        "8192",
+        "--chunked-prefill-size",
+        "512",
+        "--disaggregation-layer-groups",
+        "3",
+    )
     try:
         for ids in ps:
             out = generate(s.router, {"input_ids": ids, "sampling_params": greedy(GREEDY.max_new_tokens)})

@@ -10,11 +10,11 @@ import random
 from dataclasses import replace
 
 import pytest
+from test_pd_inprocess import GREEDY, PS, Pair, colocated_greedy, make_pair, reference  # noqa: F401 - the fixture
 
 from kvpipe.engine.request import FinishReason, Req
-from kvpipe.transfer.backends import FailureInjection
 from kvpipe.model.presets import write_preset
-from test_pd_inprocess import GREEDY, PS, Pair, colocated_greedy, make_pair, reference  # noqa: F401 - the fixture
+from kvpipe.transfer.backends import FailureInjection
 
 pytestmark = pytest.mark.integration
 
@@ -46,18 +46,22 @@ def run_waves(pair: Pair, waves: list[list[list[int]]], reference) -> list[Req]:
     return done
 
 
-@pytest.mark.parametrize("prefill_cache,decode_cache,chunk,groups", [
-    (True, True, 24, 1),  # 24 does not divide pages of 16
-    (True, True, 0, 3),  # layer-pipelined sends
-    (False, True, 24, 3),
-    (True, False, 0, 1),
-])
+@pytest.mark.parametrize(
+    "prefill_cache,decode_cache,chunk,groups",
+    [
+        (True, True, 24, 1),  # 24 does not divide pages of 16
+        (True, True, 0, 3),  # layer-pipelined sends
+        (False, True, 24, 3),
+        (True, False, 0, 1),
+    ],
+)
 def test_greedy_equals_no_cache(tiny_model_dir, reference, prefill_cache, decode_cache, chunk, groups):
     ps = shared_prefix_prompts(1)
     first = ps[::8]  # one prompt per prefix fills the caches
     rest = [p for i, p in enumerate(ps) if i % 8]
-    with make_pair(tiny_model_dir, chunk, layer_groups=groups, decode_radix_cache=decode_cache,
-                   prefill_radix_cache=prefill_cache) as pair:
+    with make_pair(
+        tiny_model_dir, chunk, layer_groups=groups, decode_radix_cache=decode_cache, prefill_radix_cache=prefill_cache
+    ) as pair:
         assert pair_caches(pair) == (prefill_cache, decode_cache)
         done = run_waves(pair, [first, rest[:14], rest[14:]], reference)
         # a multi-turn conversation: each turn resends the previous prompt and answer
@@ -182,12 +186,18 @@ def test_soak_under_memory_pressure(tiny_model_dir, reference):
     params = replace(GREEDY, max_new_tokens=4)
     # a decode-side abort of a request still waiting for decode pages never reaches the prefill,
     # which then holds its pages until the bootstrap timeout: keep that short here
-    with make_pair(tiny_model_dir, 32, p_pages=24, d_pages=24, inject=FailureInjection(prob=0.05, seed=8),
-                   decode_radix_cache=True, bootstrap_timeout_s=2.0) as pair:
+    with make_pair(
+        tiny_model_dir,
+        32,
+        p_pages=24,
+        d_pages=24,
+        inject=FailureInjection(prob=0.05, seed=8),
+        decode_radix_cache=True,
+        bootstrap_timeout_s=2.0,
+    ) as pair:
         counts = {"ok": 0, "aborted": 0}
         for wave in range(-(-num_requests // 10)):
-            ids = [rnd.choice(prefixes) + [rnd.randrange(3, 290) for _ in range(rnd.randint(1, 60))]
-                   for _ in range(10)]
+            ids = [rnd.choice(prefixes) + [rnd.randrange(3, 290) for _ in range(rnd.randint(1, 60))] for _ in range(10)]
             reqs = [pair.reqs(x, params) for x in ids]
             for p, d in reqs:
                 pair.prefill.add_request(p)

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+from pd_harness import disagg_stats, generate, greedy
+from pd_parity import expected_bytes
+from test_pd_prefix_cache import shared_prefix_prompts
+from test_pd_tp import PS, close_and_check_no_orphans, start
 
 from kvpipe.config import CacheConfig, ServerConfig
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import SamplingParams
-from pd_harness import disagg_stats, generate, greedy
-from test_pd_prefix_cache import shared_prefix_prompts
-from pd_parity import expected_bytes
-from test_pd_tp import PS, close_and_check_no_orphans, start
 
 pytest.importorskip("mooncake.engine")
 pytestmark = pytest.mark.integration
@@ -29,27 +29,36 @@ NEW = 4
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir: Path) -> list[list[int]]:
-    eng = Engine(ServerConfig(model_path=str(tiny_model_dir),
-                              cache=CacheConfig(page_size=PS, num_pages=256, radix_cache=False)))
+    eng = Engine(
+        ServerConfig(model_path=str(tiny_model_dir), cache=CacheConfig(page_size=PS, num_pages=256, radix_cache=False))
+    )
     try:
-        outs = eng.generate(shared_prefix_prompts(2), SamplingParams(max_new_tokens=NEW, temperature=0.0,
-                                                                     ignore_eos=True))
+        outs = eng.generate(
+            shared_prefix_prompts(2), SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
+        )
     finally:
         eng.shutdown()
     return [o["output_ids"] for o in outs]
 
 
 @pytest.mark.parametrize("p_tp,d_tp,groups", [(1, 2, 2), (2, 1, 1)])
-def test_cached_prefixes_through_router(tiny_model_dir: Path, tmp_path: Path, reference, p_tp: int, d_tp: int,
-                                        groups: int) -> None:
+def test_cached_prefixes_through_router(
+    tiny_model_dir: Path, tmp_path: Path, reference, p_tp: int, d_tp: int, groups: int
+) -> None:
     ps = shared_prefix_prompts(2)
-    stack = start(tiny_model_dir, tmp_path, p_tp, d_tp,
-                  ("--chunked-prefill-size", "24", "--disaggregation-layer-groups", str(groups)))
+    stack = start(
+        tiny_model_dir,
+        tmp_path,
+        p_tp,
+        d_tp,
+        ("--chunked-prefill-size", "24", "--disaggregation-layer-groups", str(groups)),
+    )
     # the decode cache is a decode-only flag: restart the decode with it
     stack.decode.proc.terminate()
     stack.decode.proc.wait(30)
     stack.restart("decode", "--disaggregation-enable-decode-radix-cache")
     try:
+
         def one(i: int) -> dict:
             return generate(stack.router, {"input_ids": ps[i], "sampling_params": greedy(NEW)})
 
@@ -66,9 +75,16 @@ def test_cached_prefixes_through_router(tiny_model_dir: Path, tmp_path: Path, re
         # OpenAI usage reports the same through the router: the second of two equal prompts hits
         usage = []
         for _ in range(2):
-            r = httpx.post(stack.router + "/v1/completions", json={
-                "model": tiny_model_dir.name, "prompt": "the quick brown fox jumps over the lazy dog " * 12, "max_tokens": 2,
-                "temperature": 0}, timeout=60)
+            r = httpx.post(
+                stack.router + "/v1/completions",
+                json={
+                    "model": tiny_model_dir.name,
+                    "prompt": "the quick brown fox jumps over the lazy dog " * 12,
+                    "max_tokens": 2,
+                    "temperature": 0,
+                },
+                timeout=60,
+            )
             assert r.status_code == 200, r.text
             usage.append(r.json()["usage"])
         assert usage[0]["prompt_tokens_details"]["cached_tokens"] == 0, usage
@@ -84,7 +100,9 @@ def test_cached_prefixes_through_router(tiny_model_dir: Path, tmp_path: Path, re
         assert kv_prompts < 0.6 * full, (kv_prompts, full)
         assert stack.prefill.metric("kvpipe_kv_transfer_bytes_total") == st["bytes_written"]
         # Mooncake's glog INFO lines stay out of the servers' output unless --log-level debug
-        assert not re.search(r"^I\d{4} ", (tmp_path / "prefill.log").read_text(errors="replace"), re.M)  # the decode held the prefixes
+        assert not re.search(
+            r"^I\d{4} ", (tmp_path / "prefill.log").read_text(errors="replace"), re.M
+        )  # the decode held the prefixes
     except BaseException:
         print(stack.logs())
         raise

@@ -5,14 +5,13 @@ that does not divide into pages) and off, streaming and not; the official `opena
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import openai
 import pytest
-
 from pd_harness import Stack, generate, greedy, start_stack
 from server_harness import ServerProc, server_fixture
 
@@ -20,30 +19,63 @@ pytest.importorskip("mooncake.engine")
 pytestmark = pytest.mark.integration
 
 PAGE = ["--page-size", "16", "--max-total-tokens", "32768"]
-LENS = [1, 2, 3, 5, 8, 15, 16, 17, 31, 32, 33, 47, 64, 100, 127, 128, 129, 200, 255, 256, 257, 400, 511, 512,
-        700, 1000, 1500, 2048, 3000, 4500]
+LENS = [
+    1,
+    2,
+    3,
+    5,
+    8,
+    15,
+    16,
+    17,
+    31,
+    32,
+    33,
+    47,
+    64,
+    100,
+    127,
+    128,
+    129,
+    200,
+    255,
+    256,
+    257,
+    400,
+    511,
+    512,
+    700,
+    1000,
+    1500,
+    2048,
+    3000,
+    4500,
+]
 PROMPTS = [[random.Random(n).randrange(3, 290) for _ in range(n)] for n in LENS]
 MAX_NEW = 8
 
 
 @pytest.fixture(scope="module")
 def colocated(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
-    yield from server_fixture(tiny_model_dir, tmp_path_factory.mktemp("colocated"), *PAGE,
-                              "--chunked-prefill-size", "-1")
+    yield from server_fixture(
+        tiny_model_dir, tmp_path_factory.mktemp("colocated"), *PAGE, "--chunked-prefill-size", "-1"
+    )
 
 
 @pytest.fixture(scope="module")
 def reference(colocated: ServerProc) -> list[list[int]]:
     def one(ids: list[int]) -> list[int]:
         return generate(colocated.url, {"input_ids": ids, "sampling_params": greedy(MAX_NEW)})["output_ids"]
+
     with ThreadPoolExecutor(4) as pool:
         return list(pool.map(one, PROMPTS))
 
 
 # 200 tokens per prefill step: chunks end mid-page (pages of 16), so partial pages wait for the next chunk.
 @pytest.fixture(scope="module", params=["200", "-1"], ids=["chunked", "unchunked"])
-def stack(request: pytest.FixtureRequest, tiny_model_dir: Path,
-          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack(
+    request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
     log_dir = tmp_path_factory.mktemp(f"pd-{request.param}")
     s = start_stack(tiny_model_dir, log_dir, *PAGE, "--chunked-prefill-size", request.param)
     try:
@@ -54,8 +86,12 @@ def stack(request: pytest.FixtureRequest, tiny_model_dir: Path,
 
 def test_greedy_through_router_matches_colocated(stack: Stack, reference: list[list[int]]) -> None:
     def one(i: int) -> dict:
-        body = {"input_ids": PROMPTS[i], "sampling_params": greedy(MAX_NEW), "stream": i % 2 == 1,
-                "return_logprob": i % 3 == 0}
+        body = {
+            "input_ids": PROMPTS[i],
+            "sampling_params": greedy(MAX_NEW),
+            "stream": i % 2 == 1,
+            "return_logprob": i % 3 == 0,
+        }
         return generate(stack.router, body)
 
     with ThreadPoolExecutor(4) as pool:
@@ -92,15 +128,15 @@ def test_openai_client_streams_through_router(stack: Stack, colocated: ServerPro
     pd = openai.OpenAI(base_url=stack.router + "/v1", api_key="none", max_retries=0, timeout=120)
     messages = [{"role": "user", "content": "Tell me about disaggregated serving."}]
     want = ref.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0)
-    chunks = list(pd.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
-                                             stream=True))
+    chunks = list(pd.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0, stream=True))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == want.choices[0].message.content and len(chunks) > 2
     assert chunks[-1].choices[0].finish_reason == want.choices[0].finish_reason
 
     want_c = ref.completions.create(model=model, prompt="The quick brown fox", max_tokens=10, temperature=0)
-    got = list(pd.completions.create(model=model, prompt="The quick brown fox", max_tokens=10, temperature=0,
-                                     stream=True))
+    got = list(
+        pd.completions.create(model=model, prompt="The quick brown fox", max_tokens=10, temperature=0, stream=True)
+    )
     assert "".join(c.choices[0].text for c in got if c.choices) == want_c.choices[0].text
     non_stream = pd.completions.create(model=model, prompt="The quick brown fox", max_tokens=10, temperature=0)
     assert non_stream.choices[0].text == want_c.choices[0].text
@@ -111,8 +147,10 @@ def test_openai_client_streams_through_router(stack: Stack, colocated: ServerPro
 def test_prefill_answers_plain_json(stack: Stack) -> None:
     """What the router reads from the prefill: one JSON body even for a streaming request."""
     from pd_harness import pd_body
-    body = pd_body(stack, {"input_ids": PROMPTS[20], "sampling_params": greedy(4), "stream": True,
-                           "return_logprob": True})
+
+    body = pd_body(
+        stack, {"input_ids": PROMPTS[20], "sampling_params": greedy(4), "stream": True, "return_logprob": True}
+    )
     with ThreadPoolExecutor(2) as pool:
         p = pool.submit(httpx.post, stack.prefill.url + "/generate", json=body, timeout=60)
         d = pool.submit(generate, stack.decode.url, body)

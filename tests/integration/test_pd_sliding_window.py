@@ -10,19 +10,30 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pd_parity import MANY_LENGTHS, colocated_reference, prompts, run_router_pd
 
 from kvpipe.cache.window_pages import window_first_page
 from kvpipe.model.presets import write_preset
-from pd_parity import MANY_LENGTHS, colocated_reference, prompts, run_router_pd
 
 pytest.importorskip("mooncake.engine")
 pytestmark = pytest.mark.integration
 
 PS, NEW, WINDOW = 16, 6, 32
 LENGTHS = MANY_LENGTHS
-FLAGS = ["--page-size", str(PS), "--max-total-tokens", "8192", "--chunked-prefill-size", "64",
-         "--disaggregation-heartbeat-interval", "0.5", "--disaggregation-bootstrap-timeout", "30",
-         "--disaggregation-transfer-timeout", "3"]
+FLAGS = [
+    "--page-size",
+    str(PS),
+    "--max-total-tokens",
+    "8192",
+    "--chunked-prefill-size",
+    "64",
+    "--disaggregation-heartbeat-interval",
+    "0.5",
+    "--disaggregation-bootstrap-timeout",
+    "30",
+    "--disaggregation-transfer-timeout",
+    "3",
+]
 PAIRINGS = [(1, 1, 1), (1, 1, 2), (1, 2, 2), (2, 1, 1)]  # (prefill TP, decode TP, layer groups)
 
 
@@ -39,6 +50,7 @@ def test_prompts_reach_past_the_window() -> None:
 
 
 @pytest.mark.parametrize("p_tp,d_tp,groups", PAIRINGS)
-def test_pd_sliding_window_matches_colocated(gpt_oss: tuple[Path, list], tmp_path: Path, p_tp: int, d_tp: int,
-                                             groups: int) -> None:
+def test_pd_sliding_window_matches_colocated(
+    gpt_oss: tuple[Path, list], tmp_path: Path, p_tp: int, d_tp: int, groups: int
+) -> None:
     run_router_pd(gpt_oss, tmp_path, FLAGS, p_tp, d_tp, groups, LENGTHS, NEW, PS)

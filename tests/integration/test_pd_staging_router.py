@@ -12,11 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-
-from kvpipe.model.presets import write_preset
 from pd_harness import disagg_stats, generate, greedy
 from pd_parity import LOGPROB_TOL, colocated_reference, expected_bytes
 from test_pd_tp import close_and_check_no_orphans, start
+
+from kvpipe.model.presets import write_preset
 
 pytest.importorskip("mooncake.engine")
 pytestmark = pytest.mark.integration
@@ -43,12 +43,27 @@ def reference(kv4_model_dir: Path) -> list[tuple[list[int], list[float]]]:
 # both directions, TP 4 on either side, chunked and not, layer-pipelined and not (the other
 # pairings' slicing is covered by tests/integration/test_staging_transfer.py without a router)
 @pytest.mark.parametrize("p_tp,d_tp,chunk,groups", [(1, 2, 64, 2), (1, 4, 0, 2), (4, 1, 48, 1)])
-def test_staged_pd_matches_colocated(kv4_model_dir: Path, tmp_path: Path, reference, p_tp: int, d_tp: int,
-                                     chunk: int, groups: int) -> None:
-    stack = start(kv4_model_dir, tmp_path, p_tp, d_tp, (
-        "--chunked-prefill-size", str(chunk), "--disaggregation-layer-groups", str(groups),
-        "--disaggregation-staging-buffer", "on", "--disaggregation-staging-pool-size-mb", "1"))
+def test_staged_pd_matches_colocated(
+    kv4_model_dir: Path, tmp_path: Path, reference, p_tp: int, d_tp: int, chunk: int, groups: int
+) -> None:
+    stack = start(
+        kv4_model_dir,
+        tmp_path,
+        p_tp,
+        d_tp,
+        (
+            "--chunked-prefill-size",
+            str(chunk),
+            "--disaggregation-layer-groups",
+            str(groups),
+            "--disaggregation-staging-buffer",
+            "on",
+            "--disaggregation-staging-pool-size-mb",
+            "1",
+        ),
+    )
     try:
+
         def one(ids: list[int]) -> dict:
             return generate(stack.router, {"input_ids": ids, "sampling_params": greedy(NEW), "return_logprob": True})
 

@@ -12,25 +12,35 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import pytest
-
-from kvpipe.bench.chaos import child_pids
 from pd_harness import Stack, disagg_stats, generate, greedy, pd_body, start_stack, wait_for
 from pd_parity import check_parity as shared_check_parity
 from pd_parity import colocated_reference
 from pd_parity import prompts as parity_prompts
+
+from kvpipe.bench.chaos import child_pids
 
 pytest.importorskip("mooncake.engine")
 pytestmark = pytest.mark.integration
 
 PS, NEW = 16, 5  # the tiny preset, fp32
 LENGTHS = [300, 137, 64, 211]
-FLAGS = ["--page-size", str(PS), "--max-total-tokens", "8192", "--disaggregation-heartbeat-interval", "0.5",
-         "--disaggregation-bootstrap-timeout", "30", "--disaggregation-transfer-timeout", "3"]
+FLAGS = [
+    "--page-size",
+    str(PS),
+    "--max-total-tokens",
+    "8192",
+    "--disaggregation-heartbeat-interval",
+    "0.5",
+    "--disaggregation-bootstrap-timeout",
+    "30",
+    "--disaggregation-transfer-timeout",
+    "3",
+]
 
 
 def prompts() -> list[list[int]]:
@@ -57,8 +67,9 @@ def close_and_check_no_orphans(stack: Stack) -> None:
 
 
 def start(model: Path, tmp: Path, p_tp: int, d_tp: int, extra: tuple[str, ...]) -> Stack:
-    s = start_stack(model, tmp, *FLAGS, *extra, prefill_args=("--tp-size", str(p_tp)),
-                    decode_args=("--tp-size", str(d_tp)))
+    s = start_stack(
+        model, tmp, *FLAGS, *extra, prefill_args=("--tp-size", str(p_tp)), decode_args=("--tp-size", str(d_tp))
+    )
     try:
         assert len(child_pids(s.pd.procs[0].pid)) == p_tp - 1
         assert len(child_pids(s.pd.procs[1].pid)) == d_tp - 1
@@ -72,16 +83,25 @@ def check_parity(stack: Stack, model_dir: Path, reference, p_tp: int, d_tp: int,
     shared_check_parity(stack, model_dir, prompts(), reference, NEW, PS, p_tp, d_tp, groups)
 
 
-@pytest.mark.parametrize("p_tp,d_tp,chunk,groups", [
-    (1, 2, 64, 2),
-    (2, 2, 0, 1),  # plain path, unchunked
-    (1, 4, 48, 2),  # replicated heads on decode: prefill writes each head twice
-    (4, 1, 64, 2),  # replicated heads on prefill: only one of each pair sends
-])
-def test_pd_tp_matches_colocated(tiny_model_dir: Path, tmp_path: Path, reference, p_tp: int, d_tp: int,
-                                 chunk: int, groups: int) -> None:
-    stack = start(tiny_model_dir, tmp_path, p_tp, d_tp,
-                  ("--chunked-prefill-size", str(chunk), "--disaggregation-layer-groups", str(groups)))
+@pytest.mark.parametrize(
+    "p_tp,d_tp,chunk,groups",
+    [
+        (1, 2, 64, 2),
+        (2, 2, 0, 1),  # plain path, unchunked
+        (1, 4, 48, 2),  # replicated heads on decode: prefill writes each head twice
+        (4, 1, 64, 2),  # replicated heads on prefill: only one of each pair sends
+    ],
+)
+def test_pd_tp_matches_colocated(
+    tiny_model_dir: Path, tmp_path: Path, reference, p_tp: int, d_tp: int, chunk: int, groups: int
+) -> None:
+    stack = start(
+        tiny_model_dir,
+        tmp_path,
+        p_tp,
+        d_tp,
+        ("--chunked-prefill-size", str(chunk), "--disaggregation-layer-groups", str(groups)),
+    )
     try:
         check_parity(stack, tiny_model_dir, reference, p_tp, d_tp, groups)
     except BaseException:
@@ -94,8 +114,13 @@ def test_pd_tp_matches_colocated(tiny_model_dir: Path, tmp_path: Path, reference
 @pytest.fixture(scope="module")
 def tp2_stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """Prefill TP 2 -> decode TP 1, chunked, 2 layer groups; its TP child gets killed last."""
-    s = start(tiny_model_dir, tmp_path_factory.mktemp("pd-tp2"), 2, 1,
-              ("--chunked-prefill-size", "64", "--disaggregation-layer-groups", "2"))
+    s = start(
+        tiny_model_dir,
+        tmp_path_factory.mktemp("pd-tp2"),
+        2,
+        1,
+        ("--chunked-prefill-size", "64", "--disaggregation-layer-groups", "2"),
+    )
     try:
         yield s
     finally:
@@ -111,8 +136,9 @@ def test_prefill_tp_child_killed_fails_room_on_both_sides(tp2_stack: Stack) -> N
     before = disagg_stats(stack.prefill)
     body = pd_body(stack, {"input_ids": prompts()[0], "sampling_params": greedy(4)})
     box: dict[str, httpx.Response] = {}
-    t = threading.Thread(target=lambda: box.setdefault("p", httpx.post(stack.prefill.url + "/generate", json=body,
-                                                                       timeout=60)))
+    t = threading.Thread(
+        target=lambda: box.setdefault("p", httpx.post(stack.prefill.url + "/generate", json=body, timeout=60))
+    )
     t.start()
     try:
         # the prompt is computed and its room is in every rank's sender, waiting for the decode

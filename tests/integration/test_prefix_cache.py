@@ -9,8 +9,8 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from engine_utils import make_engine
+
 from kvpipe.engine.request import Req, SamplingParams
 
 PS = 16

@@ -14,11 +14,11 @@ import torch
 import zmq
 
 from kvpipe.cache.kv_pool import KVPool
+from kvpipe.config import DisaggregationConfig
 from kvpipe.transfer import messages as m
 from kvpipe.transfer.backends import FailureInjection
 from kvpipe.transfer.backends.local import LocalBackend, LocalFabric
 from kvpipe.transfer.bootstrap import BootstrapServer, PrefillRankInfo, register_prefill_rank
-from kvpipe.config import DisaggregationConfig
 from kvpipe.transfer.layout import KVLayout
 from kvpipe.transfer.receiver import DecodeRank, KVReceiver
 from kvpipe.transfer.sender import KVSender
@@ -29,8 +29,14 @@ from kvpipe.transfer.tp_mapping import kv_head_range
 pytestmark = pytest.mark.integration
 L, PAGES, PS, HD, H = 2, 32, 4, 8, 2  # layers, pages per pool, page size, head dim, total KV heads
 # Heartbeat timeout 1 s: short for the tests, long enough for a loaded shared machine.
-CFG = DisaggregationConfig(bootstrap_timeout_s=3.0, waiting_timeout_s=5.0, heartbeat_interval_s=0.1, heartbeat_misses=10,
-                   transfer_timeout_s=1.0, http_timeout_s=1.0)
+CFG = DisaggregationConfig(
+    bootstrap_timeout_s=3.0,
+    waiting_timeout_s=5.0,
+    heartbeat_interval_s=0.1,
+    heartbeat_misses=10,
+    transfer_timeout_s=1.0,
+    http_timeout_s=1.0,
+)
 S, F = TransferState.SUCCESS, TransferState.FAILED
 
 
@@ -73,6 +79,7 @@ def make_backend(kind: str, fabric: LocalFabric, stack, inject=None):
     if kind == "mooncake":
         pytest.importorskip("mooncake.engine")
         from kvpipe.transfer.backends.mooncake import MooncakeBackend
+
         backend = MooncakeBackend("127.0.0.1", inject=inject)
     else:
         backend = LocalBackend(fabric, inject=inject)
@@ -117,8 +124,19 @@ class Prefill:
         return self.server.port
 
 
-def start_prefill(stack, kind="local", fabric=None, tp=1, cfg=CFG, server=None, instance="p0", seed=0, inject=None,
-                  latent=False, on_news=None):
+def start_prefill(
+    stack,
+    kind="local",
+    fabric=None,
+    tp=1,
+    cfg=CFG,
+    server=None,
+    instance="p0",
+    seed=0,
+    inject=None,
+    latent=False,
+    on_news=None,
+):
     """cfg.staging other than "off": each rank gets a local staging buffer of cfg.staging_pool_nbytes."""
     fabric = fabric or LocalFabric()
     if server is None:
@@ -129,16 +147,34 @@ def start_prefill(stack, kind="local", fabric=None, tp=1, cfg=CFG, server=None, 
         backend = make_backend(kind, fabric, stack, inject)
         register(backend, layout)
         buf = None if cfg.staging == "off" else StagingBuffer(KVBytes.from_pool(pool), backend, cfg.staging_pool_nbytes)
-        s = KVSender(cfg, layout=layout, backend=backend, tp_rank=rank, tp_size=tp, model_name="m",
-                     instance_id=instance, staging=buf, on_news=on_news)
+        s = KVSender(
+            cfg,
+            layout=layout,
+            backend=backend,
+            tp_rank=rank,
+            tp_size=tp,
+            model_name="m",
+            instance_id=instance,
+            staging=buf,
+            on_news=on_news,
+        )
         s.pool = pool  # keep the memory alive as long as the sender
         stack.callback(s.close)
         senders.append(s.start(("127.0.0.1", server.port)))
     return Prefill(server, senders, data)
 
 
-def start_decode(stack, kind="local", fabric=None, tp=1, cfg=CFG, clock=time.monotonic, model="m",
-                 staging_nbytes: int | None = None, latent=False):
+def start_decode(
+    stack,
+    kind="local",
+    fabric=None,
+    tp=1,
+    cfg=CFG,
+    clock=time.monotonic,
+    model="m",
+    staging_nbytes: int | None = None,
+    latent=False,
+):
     """staging_nbytes: every rank offers a staging ring of that size (recv.agents)."""
     fabric = fabric or LocalFabric()
     pools, ranks, agents = [], [], []
@@ -149,8 +185,15 @@ def start_decode(stack, kind="local", fabric=None, tp=1, cfg=CFG, clock=time.mon
         pools.append(pool)
         info = None
         if staging_nbytes is not None:
-            agent = StagingAgent(layout, KVBytes.from_pool(pool), backend, staging_nbytes, host="127.0.0.1",
-                                 session_id=f"d/{rank}", lease_s=2 * cfg.transfer_timeout_s).start()
+            agent = StagingAgent(
+                layout,
+                KVBytes.from_pool(pool),
+                backend,
+                staging_nbytes,
+                host="127.0.0.1",
+                session_id=f"d/{rank}",
+                lease_s=2 * cfg.transfer_timeout_s,
+            ).start()
             stack.callback(agent.close)
             agents.append(agent)
             info = agent.info
@@ -305,8 +348,9 @@ def test_decode_abort_keeps_pages_until_prefill_acknowledges(stack):
     stack.callback(pull.close, 0)
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     _, layout = rank_pool(1, 0, None)
-    register_prefill_rank("127.0.0.1", server.port, PrefillRankInfo(
-        0, 1, layout, "local:nowhere", f"tcp://127.0.0.1:{port}", "m", "fake"))
+    register_prefill_rank(
+        "127.0.0.1", server.port, PrefillRankInfo(0, 1, layout, "local:nowhere", f"tcp://127.0.0.1:{port}", "m", "fake")
+    )
     recv = start_decode(stack, cfg=cfg, clock=lambda: now[0])
     got = []
 
@@ -314,6 +358,7 @@ def test_decode_abort_keeps_pages_until_prefill_acknowledges(stack):
         while len(got) < n and pull.poll(5000):
             got.append(m.decode(pull.recv()))
         return got
+
     recv.add_room(1, "127.0.0.1", server.port, [4, 5], prefix_len=0)
     recv.add_room(2, "127.0.0.1", server.port, [6, 7], prefix_len=0)
     kinds = [type(x).__name__ for x in receive(3)]
@@ -387,9 +432,13 @@ def test_malformed_and_invalid_messages_are_dropped(stack):
     stack.callback(push.close, 0)
     push.connect(sender.control_address)
     push.connect(recv.control_address)  # PUSH round-robins: frames alternate between the two
-    bad = [b"\x00garbage", m.encode(m.Heartbeat("x", 1))[:-1], b"\x81\xa4kind\xa5abort",
-           m.encode(m.TransferRequest(99, "unregistered", (1, 2), 0, 0)),
-           m.encode(m.TransferStatus(99, "nobody", m.WireState.FAILED, "x"))]
+    bad = [
+        b"\x00garbage",
+        m.encode(m.Heartbeat("x", 1))[:-1],
+        b"\x81\xa4kind\xa5abort",
+        m.encode(m.TransferRequest(99, "unregistered", (1, 2), 0, 0)),
+        m.encode(m.TransferStatus(99, "nobody", m.WireState.FAILED, "x")),
+    ]
     for frame in bad * 2:
         push.send(frame)
     wait_for(lambda: sender._endpoint.stats.received + recv._endpoint.stats.received >= 10, 5, "frames")
@@ -483,6 +532,7 @@ def test_deadlines_and_bootstrap_errors(stack):
 @contextlib.contextmanager
 def socket_port():
     import socket
+
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]

@@ -21,8 +21,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
 def _inp(rid: str, n: int, ids: tuple[int, ...] = (5, 6, 7, 8)) -> GenerateInput:
-    return GenerateInput(rid=rid, input_ids=ids,
-                         params=SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
+    return GenerateInput(
+        rid=rid, input_ids=ids, params=SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+    )
 
 
 async def _started(model_dir: Path) -> AsyncEngine:
@@ -67,6 +68,7 @@ def test_bridge(tiny_model_dir: Path) -> None:
             async def consume() -> None:
                 async for _ in stream:
                     pass
+
             task = asyncio.ensure_future(consume())
             while stream.tracker.first_token_time is None:
                 await asyncio.sleep(0.01)
@@ -110,5 +112,5 @@ def test_two_servers_have_separate_metrics() -> None:
     a.on_finish("stop", prompt_tokens=5, cached_tokens=0, completion_tokens=3, e2e_s=0.3, ttft_s=0.1)
     ta, tb = a.render().decode(), b.render().decode()
     assert 'kvpipe_generation_tokens_total{model_name="a"} 3.0' in ta and "kvpipe_free_pages 3.0" in ta
-    assert "kvpipe_time_per_output_token_seconds_count{model_name=\"a\"} 1.0" in ta
+    assert 'kvpipe_time_per_output_token_seconds_count{model_name="a"} 1.0' in ta
     assert "generation_tokens_total{" not in tb and "kvpipe_free_pages" not in tb  # nothing from `a` leaks

@@ -29,8 +29,20 @@ def test_init_model_then_generate_json(tmp_path: Path, tiny_model_dir: Path) -> 
         assert (out / name).is_file(), name
 
     def gen(model: Path) -> list[dict]:
-        g = _run("generate", "--model-path", str(model), "--prompt", "Hello there", "--prompt", "Bye",
-                 "--max-new-tokens", "6", "--temperature", "0", "--json")
+        g = _run(
+            "generate",
+            "--model-path",
+            str(model),
+            "--prompt",
+            "Hello there",
+            "--prompt",
+            "Bye",
+            "--max-new-tokens",
+            "6",
+            "--temperature",
+            "0",
+            "--json",
+        )
         assert g.returncode == 0, g.stderr
         return [json.loads(line) for line in g.stdout.splitlines() if line.strip()]
 
@@ -51,8 +63,9 @@ def test_bad_flags_fail_cleanly(tmp_path: Path) -> None:
     r = _run("generate", "--model-path", str(tmp_path), "--prompt", "x", "--max-new-tokens", "0")
     assert r.returncode != 0 and "max-new-tokens" in r.stderr
     r = _run("--help")
-    assert r.returncode == 0 and all(c in r.stdout for c in ("serve", "generate", "init-model", "launch", "bench",
-                                                             "testbed"))
+    assert r.returncode == 0 and all(
+        c in r.stdout for c in ("serve", "generate", "init-model", "launch", "bench", "testbed")
+    )
     r = _run("bench", "--help")
     assert r.returncode == 0 and "serve" in r.stdout and "transfer" in r.stdout
 
@@ -60,16 +73,45 @@ def test_bad_flags_fail_cleanly(tmp_path: Path) -> None:
 def test_server_config_from_args(tmp_path: Path) -> None:
     parser, runners = build_parser(["serve"])
     assert list(runners) == [("serve",)]  # only the named command's module is loaded
-    args = parser.parse_args(["serve", "--model-path", str(tmp_path), "--port", "1234", "--tp-size", "2",
-                              "--page-size", "16", "--chunked-prefill-size", "256", "--max-running-requests", "8",
-                              "--max-total-tokens", "4096", "--context-length", "1024",
-                              "--served-model-name", "m", "--log-level", "warning"])
+    args = parser.parse_args(
+        [
+            "serve",
+            "--model-path",
+            str(tmp_path),
+            "--port",
+            "1234",
+            "--tp-size",
+            "2",
+            "--page-size",
+            "16",
+            "--chunked-prefill-size",
+            "256",
+            "--max-running-requests",
+            "8",
+            "--max-total-tokens",
+            "4096",
+            "--context-length",
+            "1024",
+            "--served-model-name",
+            "m",
+            "--log-level",
+            "warning",
+        ]
+    )
     cfg = server_config_from_args(args)
-    assert (cfg.model_path, cfg.port, cfg.tp_size, cfg.model_name, cfg.log_level) == (str(tmp_path), 1234, 2, "m",
-                                                                                       "warning")
+    assert (cfg.model_path, cfg.port, cfg.tp_size, cfg.model_name, cfg.log_level) == (
+        str(tmp_path),
+        1234,
+        2,
+        "m",
+        "warning",
+    )
     assert (cfg.cache.page_size, cfg.cache.max_total_tokens, cfg.cache.pages()) == (16, 4096, 256)
-    assert (cfg.scheduler.chunked_prefill_size, cfg.scheduler.max_running_requests,
-            cfg.scheduler.context_length) == (256, 8, 1024)
+    assert (cfg.scheduler.chunked_prefill_size, cfg.scheduler.max_running_requests, cfg.scheduler.context_length) == (
+        256,
+        8,
+        1024,
+    )
     with pytest.raises(SystemExit):
         server_config_from_args(parser.parse_args(["serve", "--model-path", "x", "--page-size", "0"]))
 

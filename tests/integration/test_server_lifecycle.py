@@ -28,8 +28,9 @@ def _wait(pred, timeout_s: float = 60.0, what: str = "condition") -> None:
 
 
 def test_health_is_503_until_the_engine_is_loaded(tiny_model_dir: Path) -> None:
-    cfg = ServerConfig(model_path=str(tiny_model_dir), port=free_port(), cache=CacheConfig(page_size=16,
-                                                                                           max_total_tokens=4096))
+    cfg = ServerConfig(
+        model_path=str(tiny_model_dir), port=free_port(), cache=CacheConfig(page_size=16, max_total_tokens=4096)
+    )
     gate = threading.Event()
     loaded = threading.Event()
 
@@ -39,8 +40,7 @@ def test_health_is_503_until_the_engine_is_loaded(tiny_model_dir: Path) -> None:
         loaded.set()
         return engine
 
-    server = uvicorn.Server(uvicorn.Config(create_app(cfg, factory), host=cfg.host, port=cfg.port,
-                                           log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(create_app(cfg, factory), host=cfg.host, port=cfg.port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
     thread.start()
     url = f"http://{cfg.host}:{cfg.port}"
@@ -55,8 +55,11 @@ def test_health_is_503_until_the_engine_is_loaded(tiny_model_dir: Path) -> None:
         gate.set()
         _wait(lambda: httpx.get(url + "/health").status_code == 200, what="health 200")
         assert loaded.is_set()
-        out = httpx.post(url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 3,
-                                                                                   "temperature": 0}}, timeout=60)
+        out = httpx.post(
+            url + "/generate",
+            json={"text": "hi", "sampling_params": {"max_new_tokens": 3, "temperature": 0}},
+            timeout=60,
+        )
         assert out.status_code == 200 and out.json()["meta_info"]["completion_tokens"] >= 1
     finally:
         gate.set()
@@ -67,7 +70,11 @@ def test_health_is_503_until_the_engine_is_loaded(tiny_model_dir: Path) -> None:
 
 def test_unloadable_model_exits_nonzero(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text('{"architectures": ["NoSuchForCausalLM"]}')
-    proc = subprocess.run([sys.executable, "-m", "kvpipe.cli", "serve", "--model-path", str(tmp_path),
-                           "--port", str(free_port())], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvpipe.cli", "serve", "--model-path", str(tmp_path), "--port", str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1
     assert "unsupported architecture" in proc.stderr

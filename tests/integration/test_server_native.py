@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import pytest
-
 from server_harness import ServerProc, server_fixture, sse_events
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -22,8 +21,16 @@ GREEDY = {"max_new_tokens": 12, "temperature": 0.0}
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
     # small pages so a request holds several; served under an explicit name
-    yield from server_fixture(tiny_model_dir, tmp_path_factory.mktemp("srv"), "--page-size", "16",
-                              "--max-total-tokens", "16384", "--served-model-name", "tiny-test")
+    yield from server_fixture(
+        tiny_model_dir,
+        tmp_path_factory.mktemp("srv"),
+        "--page-size",
+        "16",
+        "--max-total-tokens",
+        "16384",
+        "--served-model-name",
+        "tiny-test",
+    )
 
 
 def _stream(server: ServerProc, body: dict) -> list[dict | str]:
@@ -60,6 +67,7 @@ def test_generate_text_and_ids_agree(server: ServerProc) -> None:
     assert isinstance(out["text"], str) and meta["id"]
     # the same prompt as token ids gives the same greedy tokens
     from kvpipe.model.tokenizer import Tokenizer
+
     tok = Tokenizer.from_dir(Path(server.get("/model_info").json()["model_path"]))
     ids = tok.encode("Hello world")
     r2 = server.post("/generate", json={"input_ids": ids, "sampling_params": GREEDY, "rid": "fixed-rid-1"})
@@ -78,7 +86,7 @@ def test_stream_final_equals_non_stream(server: ServerProc) -> None:
     # cumulative: each event extends the previous one
     for a, b in zip(chunks, chunks[1:]):
         assert b["text"].startswith(a["text"])
-        assert b["output_ids"][:len(a["output_ids"])] == a["output_ids"]
+        assert b["output_ids"][: len(a["output_ids"])] == a["output_ids"]
         assert a["meta_info"]["finish_reason"] is None
     last = chunks[-1]
     assert last["text"] == full["text"] and last["output_ids"] == full["output_ids"]
@@ -94,15 +102,29 @@ def test_batched_generate(server: ServerProc) -> None:
     assert [o["output_ids"] for o in outs] == [s["output_ids"] for s in singles]
     assert len({o["meta_info"]["id"] for o in outs}) == 3
     # per-prompt sampling params and batched streaming with an index per event
-    events = _stream(server, {"text": prompts[:2], "sampling_params": [{"max_new_tokens": 3, "temperature": 0,
-                              "ignore_eos": True}, {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}]})
+    events = _stream(
+        server,
+        {
+            "text": prompts[:2],
+            "sampling_params": [
+                {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True},
+                {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
+            ],
+        },
+    )
     finals = {e["index"]: e for e in events if isinstance(e, dict) and e["meta_info"]["finish_reason"]}
     assert {i: len(e["output_ids"]) for i, e in finals.items()} == {0: 3, 1: 5}
 
 
 def test_logprobs_and_bootstrap_fields(server: ServerProc) -> None:
-    body = {"text": "Hi", "sampling_params": GREEDY, "return_logprob": True,
-            "bootstrap_host": "127.0.0.1", "bootstrap_port": None, "bootstrap_room": 12345}
+    body = {
+        "text": "Hi",
+        "sampling_params": GREEDY,
+        "return_logprob": True,
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": None,
+        "bootstrap_room": 12345,
+    }
     out = server.post("/generate", json=body).json()
     meta = out["meta_info"]
     assert "input_token_logprobs" in meta
@@ -112,27 +134,46 @@ def test_logprobs_and_bootstrap_fields(server: ServerProc) -> None:
 
 
 def test_stop_string_and_stop_token(server: ServerProc) -> None:
-    base = server.post("/generate", json={"text": "Tell me", "sampling_params": {**GREEDY, "max_new_tokens": 16,
-                                                                                 "ignore_eos": True}}).json()
+    base = server.post(
+        "/generate", json={"text": "Tell me", "sampling_params": {**GREEDY, "max_new_tokens": 16, "ignore_eos": True}}
+    ).json()
     ids = base["output_ids"]
     # stop at the 4th generated token id: it stays in output_ids, finish says which
-    r = server.post("/generate", json={"text": "Tell me", "sampling_params": {
-        **GREEDY, "max_new_tokens": 16, "ignore_eos": True, "stop_token_ids": [ids[3]]}}).json()
+    r = server.post(
+        "/generate",
+        json={
+            "text": "Tell me",
+            "sampling_params": {**GREEDY, "max_new_tokens": 16, "ignore_eos": True, "stop_token_ids": [ids[3]]},
+        },
+    ).json()
     first = ids.index(ids[3])
-    assert r["output_ids"] == ids[:first + 1]
+    assert r["output_ids"] == ids[: first + 1]
     assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": ids[3]}
     # a stop string taken from the middle of the text is trimmed away
     text = base["text"]
-    stop = next((text[i:i + 2] for i in range(2, len(text) - 2) if text[i:i + 2].strip() and "\ufffd" not in
-                 text[i:i + 2]), None)
+    stop = next(
+        (
+            text[i : i + 2]
+            for i in range(2, len(text) - 2)
+            if text[i : i + 2].strip() and "\ufffd" not in text[i : i + 2]
+        ),
+        None,
+    )
     if stop is None:
         pytest.skip("greedy text has no usable stop string")
-    r = server.post("/generate", json={"text": "Tell me", "sampling_params": {
-        **GREEDY, "max_new_tokens": 16, "ignore_eos": True, "stop": [stop]}}).json()
+    r = server.post(
+        "/generate",
+        json={
+            "text": "Tell me",
+            "sampling_params": {**GREEDY, "max_new_tokens": 16, "ignore_eos": True, "stop": [stop]},
+        },
+    ).json()
     assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
-    assert r["text"] == text[:text.index(stop)]
-    streamed = _stream(server, {"text": "Tell me", "sampling_params": {
-        **GREEDY, "max_new_tokens": 16, "ignore_eos": True, "stop": stop}})
+    assert r["text"] == text[: text.index(stop)]
+    streamed = _stream(
+        server,
+        {"text": "Tell me", "sampling_params": {**GREEDY, "max_new_tokens": 16, "ignore_eos": True, "stop": stop}},
+    )
     texts = [e["text"] for e in streamed if isinstance(e, dict)]
     assert texts[-1] == r["text"] and all(stop not in t for t in texts)
 
@@ -193,16 +234,24 @@ def test_duplicate_rid_fails_only_that_request(server: ServerProc) -> None:
 
 def test_metrics_change_after_requests(server: ServerProc) -> None:
     text = server.get("/metrics").text
-    for name in ("kvpipe_requests_total", "kvpipe_time_to_first_token_seconds_bucket",
-                 "kvpipe_time_per_output_token_seconds_bucket", "kvpipe_e2e_request_latency_seconds_count",
-                 "kvpipe_num_running_reqs", "kvpipe_num_waiting_reqs", "kvpipe_free_pages"):
+    for name in (
+        "kvpipe_requests_total",
+        "kvpipe_time_to_first_token_seconds_bucket",
+        "kvpipe_time_per_output_token_seconds_bucket",
+        "kvpipe_e2e_request_latency_seconds_count",
+        "kvpipe_num_running_reqs",
+        "kvpipe_num_waiting_reqs",
+        "kvpipe_free_pages",
+    ):
         assert name in text, name
     gen0 = server.metric("kvpipe_generation_tokens_total")
     prompt0 = server.metric("kvpipe_prompt_tokens_total")
     length0 = server.metric("kvpipe_requests_total", 'finish_reason="length"')
     ttft0 = server.metric("kvpipe_time_to_first_token_seconds_count")
-    out = server.post("/generate", json={"text": "count me", "sampling_params": {
-        "max_new_tokens": 7, "temperature": 0, "ignore_eos": True}}).json()
+    out = server.post(
+        "/generate",
+        json={"text": "count me", "sampling_params": {"max_new_tokens": 7, "temperature": 0, "ignore_eos": True}},
+    ).json()
     assert server.metric("kvpipe_generation_tokens_total") == gen0 + 7
     assert server.metric("kvpipe_prompt_tokens_total") == prompt0 + out["meta_info"]["prompt_tokens"]
     assert server.metric("kvpipe_requests_total", 'finish_reason="length"') == length0 + 1
@@ -226,18 +275,24 @@ def test_stream_disconnect_frees_pages(server: ServerProc) -> None:
     assert server.metric("kvpipe_requests_total", 'finish_reason="length"') == lengths0
 
 
-@pytest.mark.parametrize("path,request_body", [
-    ("/generate", {"text": "bye " * 10, "sampling_params": {"max_new_tokens": 6000, "ignore_eos": True}}),
-    ("/v1/completions", {"prompt": "bye " * 10, "max_tokens": 6000, "ignore_eos": True}),
-])
+@pytest.mark.parametrize(
+    "path,request_body",
+    [
+        ("/generate", {"text": "bye " * 10, "sampling_params": {"max_new_tokens": 6000, "ignore_eos": True}}),
+        ("/v1/completions", {"prompt": "bye " * 10, "max_tokens": 6000, "ignore_eos": True}),
+    ],
+)
 def test_non_stream_disconnect_aborts(server: ServerProc, path: str, request_body: dict) -> None:
     idle = server.wait_idle()
     aborts0 = server.metric("kvpipe_requests_total", 'finish_reason="abort"')
     body = json.dumps(request_body).encode()
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as s:
-        s.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" % path.encode() +
-                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        s.sendall(
+            b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" % path.encode()
+            + b"Content-Length: %d\r\n\r\n" % len(body)
+            + body
+        )
         deadline = time.monotonic() + 30
         while server.engine_stats()["num_running"] == 0:  # wait until it is admitted
             assert time.monotonic() < deadline
@@ -267,6 +322,7 @@ def test_prefix_cache_reports_cached_tokens(server: ServerProc) -> None:
     second = server.post("/generate", json=body).json()
     assert second["output_ids"] == first["output_ids"]
     assert second["meta_info"]["cached_tokens"] == 32
-    usage = server.post("/v1/completions", json={"model": "tiny-test", "prompt": ids, "max_tokens": 2,
-                                                 "temperature": 0}).json()["usage"]
+    usage = server.post(
+        "/v1/completions", json={"model": "tiny-test", "prompt": ids, "max_tokens": 2, "temperature": 0}
+    ).json()["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] == 32

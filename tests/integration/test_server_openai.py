@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import openai
 import pytest
-
 from server_harness import ServerProc, server_fixture
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -20,8 +19,9 @@ MODEL = "tiny-chat"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[ServerProc]:
     # a context of 128 tokens keeps chat without max_tokens short
-    yield from server_fixture(tiny_model_dir, tmp_path_factory.mktemp("srv"), "--context-length", "128",
-                              "--served-model-name", MODEL)
+    yield from server_fixture(
+        tiny_model_dir, tmp_path_factory.mktemp("srv"), "--context-length", "128", "--served-model-name", MODEL
+    )
 
 
 @pytest.fixture(scope="module")
@@ -46,26 +46,38 @@ def test_chat_non_stream_matches_native(client: openai.OpenAI, server: ServerPro
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     # the chat template is the tokenizer's: the same prompt through /generate gives the same text
     from kvpipe.model.tokenizer import Tokenizer
+
     ids = Tokenizer.from_dir(Path(server.get("/model_info").json()["model_path"])).encode_chat(MESSAGES)
     assert len(ids) == r.usage.prompt_tokens
-    native = server.post("/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 10,
-                                                                                  "temperature": 0}}).json()
+    native = server.post(
+        "/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 10, "temperature": 0}}
+    ).json()
     assert native["text"] == choice.message.content
 
 
 def test_chat_content_parts_and_max_completion_tokens(client: openai.OpenAI) -> None:
     parts = [{"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hi"}]}]
     r = client.chat.completions.create(model=MODEL, messages=parts, max_completion_tokens=4, temperature=0)
-    r2 = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi"}],
-                                        max_tokens=4, temperature=0)
+    r2 = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hi"}], max_tokens=4, temperature=0
+    )
     assert r.choices[0].message.content == r2.choices[0].message.content
     assert r.usage.completion_tokens <= 4
 
 
 def test_chat_stream_with_usage(client: openai.OpenAI) -> None:
     full = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, seed=7)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0,
-                                                 seed=7, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=12,
+            temperature=0,
+            seed=7,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
@@ -77,20 +89,28 @@ def test_chat_stream_with_usage(client: openai.OpenAI) -> None:
 
 
 def test_chat_without_max_tokens_stops_at_context(client: openai.OpenAI) -> None:
-    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0,
-                                       extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, extra_body={"ignore_eos": True})
     assert r.choices[0].finish_reason == "length"
     assert r.usage.total_tokens == 128
 
 
 def test_completions(client: openai.OpenAI) -> None:
-    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0,
-                                  extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.object == "text_completion" and r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == 8
-    chunks = list(client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0,
-                                            stream=True, stream_options={"include_usage": True},
-                                            extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="Once upon a time",
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
     assert chunks[-1].usage.completion_tokens == 8
     # default max_tokens is OpenAI's 16
@@ -103,8 +123,7 @@ def test_completions_batch_and_token_prompt(client: openai.OpenAI) -> None:
     assert sorted(c.index for c in r.choices) == [0, 1]
     single = client.completions.create(model=MODEL, prompt="two", max_tokens=4, temperature=0)
     assert next(c.text for c in r.choices if c.index == 1) == single.choices[0].text
-    ids = client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=3, temperature=0,
-                                    logprobs=0)
+    ids = client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=3, temperature=0, logprobs=0)
     lp = ids.choices[0].logprobs
     assert len(lp.token_logprobs) == ids.usage.completion_tokens and all(x <= 0 for x in lp.token_logprobs)
 
@@ -114,14 +133,20 @@ def test_completions_finish_reason_and_matched_stop(server: ServerProc) -> None:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
     base = server.post("/v1/completions", json=body).json()["choices"][0]
     assert base["finish_reason"] == "length" and "matched_stop" not in base
-    ids = server.post("/generate", json={"input_ids": prompt, "sampling_params": {
-        "max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}).json()["output_ids"]
+    ids = server.post(
+        "/generate",
+        json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}},
+    ).json()["output_ids"]
     # stop on the 3rd generated token id: OpenAI's "stop", and SGLang's matched_stop names the token
     r = server.post("/v1/completions", json={**body, "stop_token_ids": [ids[2]]}).json()["choices"][0]
     assert (r["finish_reason"], r["matched_stop"]) == ("stop", ids[2])
-    streamed = [json.loads(line[6:]) for line in server.post("/v1/completions", json={
-        **body, "stop_token_ids": [ids[2]], "stream": True}).text.splitlines()
-        if line.startswith("data: {")]
+    streamed = [
+        json.loads(line[6:])
+        for line in server.post(
+            "/v1/completions", json={**body, "stop_token_ids": [ids[2]], "stream": True}
+        ).text.splitlines()
+        if line.startswith("data: {")
+    ]
     last = [c["choices"][0] for c in streamed if c["choices"] and c["choices"][0]["finish_reason"]]
     assert [(c["finish_reason"], c["matched_stop"]) for c in last] == [("stop", ids[2])]
 
@@ -132,19 +157,24 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
     assert len(content) == r.usage.completion_tokens and all(c.logprob <= 0 for c in content)
 
 
-@pytest.mark.parametrize("kwargs,error", [
-    ({"model": "no-such-model"}, openai.NotFoundError),
-    ({"n": 2}, openai.BadRequestError),
-    ({"max_tokens": 0}, openai.BadRequestError),
-    ({"max_tokens": -1}, openai.BadRequestError),
-    ({"max_tokens": 100_000}, openai.BadRequestError),
-    ({"temperature": -1.0}, openai.BadRequestError),
-    ({"top_p": 2.0}, openai.BadRequestError),
-    ({"messages": []}, openai.BadRequestError),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     openai.BadRequestError),
-    ({"presence_penalty": 0.5}, openai.BadRequestError),
-])
+@pytest.mark.parametrize(
+    "kwargs,error",
+    [
+        ({"model": "no-such-model"}, openai.NotFoundError),
+        ({"n": 2}, openai.BadRequestError),
+        ({"max_tokens": 0}, openai.BadRequestError),
+        ({"max_tokens": -1}, openai.BadRequestError),
+        ({"max_tokens": 100_000}, openai.BadRequestError),
+        ({"temperature": -1.0}, openai.BadRequestError),
+        ({"top_p": 2.0}, openai.BadRequestError),
+        ({"messages": []}, openai.BadRequestError),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            openai.BadRequestError,
+        ),
+        ({"presence_penalty": 0.5}, openai.BadRequestError),
+    ],
+)
 def test_chat_bad_requests(client: openai.OpenAI, server: ServerProc, kwargs: dict, error: type) -> None:
     args = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, **kwargs}
     with pytest.raises(error) as info:
@@ -154,9 +184,14 @@ def test_chat_bad_requests(client: openai.OpenAI, server: ServerProc, kwargs: di
 
 
 def test_completions_bad_requests(server: ServerProc) -> None:
-    for body in ({"model": MODEL, "prompt": ""}, {"model": MODEL, "prompt": []}, {"model": MODEL, "prompt": 3},
-                 {"model": MODEL, "prompt": "x", "echo": True}, {"model": MODEL, "prompt": [10**7]},
-                 {"model": MODEL, "prompt": "x", "max_tokens": "3"}):
+    for body in (
+        {"model": MODEL, "prompt": ""},
+        {"model": MODEL, "prompt": []},
+        {"model": MODEL, "prompt": 3},
+        {"model": MODEL, "prompt": "x", "echo": True},
+        {"model": MODEL, "prompt": [10**7]},
+        {"model": MODEL, "prompt": "x", "max_tokens": "3"},
+    ):
         r = server.post("/v1/completions", json=body)
         assert r.status_code == 400, (body, r.text)
         assert set(r.json()["error"]) >= {"message", "type", "code"}

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 from fastapi.testclient import TestClient
@@ -23,8 +23,12 @@ PROMPT = list(range(5, 55))  # 50 tokens: with 30 new ones 5 pages of 16; the KV
 
 @pytest.fixture(scope="module")
 def client(tiny_model_dir: Path) -> Iterator[TestClient]:
-    cfg = ServerConfig(model_path=str(tiny_model_dir), cache=CacheConfig(page_size=16, max_total_tokens=64),
-                       scheduler=SchedulerConfig(context_length=128), log_level="warning")
+    cfg = ServerConfig(
+        model_path=str(tiny_model_dir),
+        cache=CacheConfig(page_size=16, max_total_tokens=64),
+        scheduler=SchedulerConfig(context_length=128),
+        log_level="warning",
+    )
     with TestClient(create_app(cfg)) as c:
         end = time.monotonic() + 120
         while c.get("/health").status_code != 200:

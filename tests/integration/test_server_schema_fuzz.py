@@ -12,8 +12,9 @@ from __future__ import annotations
 import copy
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -22,8 +23,12 @@ from fastapi.testclient import TestClient  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
-from schemathesis.checks import (content_type_conformance, not_a_server_error,  # noqa: E402
-                                 response_schema_conformance, status_code_conformance)
+from schemathesis.checks import (
+    content_type_conformance,
+    not_a_server_error,  # noqa: E402
+    response_schema_conformance,
+    status_code_conformance,
+)
 
 from kvpipe.config import CacheConfig, SchedulerConfig, ServerConfig  # noqa: E402
 from kvpipe.server.http_server import create_app  # noqa: E402
@@ -44,20 +49,32 @@ def _servable_bodies(vocab: int, model: str) -> dict[str, dict]:
     tokenisation, the scheduler, streaming and the KV pages too. Test-only: the served schema
     stays the plain wire model (the checks of protocol.py give the 400s their messages).
     """
-    ids = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": vocab - 1},
-           "minItems": 1, "maxItems": 20}
+    ids = {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 0, "maximum": vocab - 1},
+        "minItems": 1,
+        "maxItems": 20,
+    }
     text = {"type": "string", "minLength": 1, "maxLength": 40}
     sampling = {
         "temperature": {"type": "number", "minimum": 0, "maximum": 2},
         "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
         "top_k": {"type": "integer", "minimum": -1, "maximum": 40},
         "min_p": {"type": "number", "minimum": 0, "maximum": 1},
-        "stop": {"anyOf": [{"type": "string", "minLength": 1},
-                           {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 3}]},
+        "stop": {
+            "anyOf": [
+                {"type": "string", "minLength": 1},
+                {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 3},
+            ]
+        },
         "stop_token_ids": {**ids, "minItems": 0, "maxItems": 4},
-        "ignore_eos": {"type": "boolean"}, "seed": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1},
-        "skip_special_tokens": {"type": "boolean"}, "no_stop_trim": {"type": "boolean"},
-        "n": {"enum": [1, None]}, "frequency_penalty": {"enum": [0, None]}, "repetition_penalty": {"enum": [1, None]},
+        "ignore_eos": {"type": "boolean"},
+        "seed": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1},
+        "skip_special_tokens": {"type": "boolean"},
+        "no_stop_trim": {"type": "boolean"},
+        "n": {"enum": [1, None]},
+        "frequency_penalty": {"enum": [0, None]},
+        "repetition_penalty": {"enum": [1, None]},
     }
     max_tokens = {"type": "integer", "minimum": 1, "maximum": 8}
     flags = {"stream": {"type": "boolean"}, "rid": {"type": "string", "minLength": 1, "maxLength": 12}}
@@ -65,21 +82,43 @@ def _servable_bodies(vocab: int, model: str) -> dict[str, dict]:
     def obj(props: dict, required: list[str]) -> dict:
         return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
 
-    gen_common = {"sampling_params": obj({**sampling, "max_new_tokens": max_tokens}, []),
-                  "return_logprob": {"type": "boolean"}, **flags}
-    openai_common = {**sampling, **flags, "max_tokens": max_tokens, "model": {"enum": [model, None]},
-                     "stream_options": obj({"include_usage": {"type": "boolean"}}, [])}
+    gen_common = {
+        "sampling_params": obj({**sampling, "max_new_tokens": max_tokens}, []),
+        "return_logprob": {"type": "boolean"},
+        **flags,
+    }
+    openai_common = {
+        **sampling,
+        **flags,
+        "max_tokens": max_tokens,
+        "model": {"enum": [model, None]},
+        "stream_options": obj({"include_usage": {"type": "boolean"}}, []),
+    }
     # the chat template adds ~6 tokens a message, and a random character may take 4 byte-level
     # tokens: 2 messages of at most 6 characters stay inside the 64-token context
     content = {**text, "maxLength": 6}
     message = obj({"role": {"enum": ["system", "user", "assistant"]}, "content": content}, ["role", "content"])
     return {
-        "/generate": {"anyOf": [obj({"text": text, **gen_common}, ["text"]),
-                                obj({"input_ids": ids, **gen_common}, ["input_ids"])]},
-        "/v1/completions": obj({"prompt": {"anyOf": [text, ids]}, "logprobs": {"enum": [0, None]},
-                                "echo": {"enum": [False]}, **openai_common}, ["prompt"]),
-        "/v1/chat/completions": obj({"messages": {"type": "array", "items": message, "minItems": 1, "maxItems": 2},
-                                     "logprobs": {"type": "boolean"}, **openai_common}, ["messages"]),
+        "/generate": {
+            "anyOf": [obj({"text": text, **gen_common}, ["text"]), obj({"input_ids": ids, **gen_common}, ["input_ids"])]
+        },
+        "/v1/completions": obj(
+            {
+                "prompt": {"anyOf": [text, ids]},
+                "logprobs": {"enum": [0, None]},
+                "echo": {"enum": [False]},
+                **openai_common,
+            },
+            ["prompt"],
+        ),
+        "/v1/chat/completions": obj(
+            {
+                "messages": {"type": "array", "items": message, "minItems": 1, "maxItems": 2},
+                "logprobs": {"type": "boolean"},
+                **openai_common,
+            },
+            ["messages"],
+        ),
         "/abort_request": obj({"rid": {"type": "string"}, "abort_all": {"type": "boolean"}}, []),
     }
 
@@ -93,8 +132,12 @@ def _narrowed(doc: dict, bodies: dict[str, dict]) -> dict:
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir: Path) -> Iterator[tuple[TestClient, Any, Any]]:
-    cfg = ServerConfig(model_path=str(tiny_model_dir), cache=CacheConfig(page_size=16, max_total_tokens=2048),
-                       scheduler=SchedulerConfig(context_length=64, max_running_requests=8), log_level="warning")
+    cfg = ServerConfig(
+        model_path=str(tiny_model_dir),
+        cache=CacheConfig(page_size=16, max_total_tokens=2048),
+        scheduler=SchedulerConfig(context_length=64, max_running_requests=8),
+        log_level="warning",
+    )
     app = create_app(cfg)
     # raise_server_exceptions=False: a crash is a 500 the checks report with the request, not a
     # traceback out of the test client
@@ -139,8 +182,13 @@ def _fuzz(client: TestClient, operation: Any, max_examples: int, negative: bool 
         strategy = st.one_of(strategy, operation.as_strategy(GenerationMode.NEGATIVE))
 
     # database=None: nothing written into the checkout; derandomize: CI sees the same cases
-    @settings(max_examples=max_examples, deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=max_examples,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(case=strategy)
     def run(case: Any) -> None:
         response = _send(client, case, servable=not negative)

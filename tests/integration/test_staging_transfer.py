@@ -10,12 +10,21 @@ import dataclasses
 
 import numpy as np
 import pytest
+from test_sender_receiver import (
+    CFG,
+    PAGES,
+    SRC,
+    H,
+    Results,
+    assert_moved,
+    start_decode,
+    start_prefill,  # noqa: F401
+    wait_for,
+)
 
 from kvpipe.transfer.backends import FailureInjection
 from kvpipe.transfer.backends.local import LocalFabric
 from kvpipe.transfer.state import TransferState
-from test_sender_receiver import (CFG, H, PAGES, SRC, Results, assert_moved, start_decode, start_prefill,  # noqa: F401
-                                  stack, wait_for)
 
 pytestmark = pytest.mark.integration
 S, F = TransferState.SUCCESS, TransferState.FAILED
@@ -24,7 +33,8 @@ STAGED = dataclasses.replace(CFG, staging="on", staging_pool_mb=1)
 
 def rings_empty(recv, prefill) -> bool:
     return all(a.usage() == (0, 0, 0) for a in recv.agents) and all(
-        s._book.local_ring.num_live == 0 for s in prefill.senders)
+        s._book.local_ring.num_live == 0 for s in prefill.senders
+    )
 
 
 def s_heads(tp: int) -> int:
@@ -44,8 +54,9 @@ def run_room(prefill, recv, room: int, dst: np.ndarray, d_tp: int, groups: bool 
             s.send(room, 10, 21, last=True, aux=(3, -0.5))
 
 
-@pytest.mark.parametrize("p_tp, d_tp, groups", [(1, 2, False), (2, 1, True), (1, 4, False), (4, 1, False),
-                                                (2, 4, True), (4, 2, False)])
+@pytest.mark.parametrize(
+    "p_tp, d_tp, groups", [(1, 2, False), (2, 1, True), (1, 4, False), (4, 1, False), (2, 4, True), (4, 2, False)]
+)
 def test_staged_heterogeneous_tp_moves_the_same_bytes(stack, p_tp, d_tp, groups):
     fabric = LocalFabric()
     prefill = start_prefill(stack, fabric=fabric, tp=p_tp, cfg=STAGED)

@@ -11,6 +11,7 @@ import contextlib
 import numpy as np
 import pytest
 import torch
+from test_sender_receiver import CFG, Results, make_backend, wait_for
 
 from kvpipe.cache.kv_pool import KVPool
 from kvpipe.cache.state_pool import StatePool, StateShape
@@ -23,7 +24,6 @@ from kvpipe.transfer.sender import KVSender
 from kvpipe.transfer.state import TransferState
 from kvpipe.transfer.state_layout import StateLayout
 from kvpipe.transfer.tp_mapping import transfer_slices
-from test_sender_receiver import CFG, Results, make_backend, wait_for
 
 pytestmark = pytest.mark.integration
 TYPES = "LLLFLLLF"  # model layers: L linear attention, F full attention
@@ -70,14 +70,23 @@ def start_pair(stack, kind="local", p_tp=1, d_tp=1, cfg=CFG):
     senders, p_ranks = [], []
     for r in range(p_tp):
         rk = Rank(p_tp, r, make_backend(kind, fabric, stack), seed=10)
-        s = KVSender(cfg, layout=rk.layout, backend=rk.backend, tp_rank=r, tp_size=p_tp, model_name="m",
-                     instance_id="p0", state_layout=rk.state_layout)
+        s = KVSender(
+            cfg,
+            layout=rk.layout,
+            backend=rk.backend,
+            tp_rank=r,
+            tp_size=p_tp,
+            model_name="m",
+            instance_id="p0",
+            state_layout=rk.state_layout,
+        )
         stack.callback(s.close)
         senders.append(s.start(("127.0.0.1", server.port)))
         p_ranks.append(rk)
     d_ranks = [Rank(d_tp, r, make_backend(kind, fabric, stack), seed=None) for r in range(d_tp)]
-    recv = KVReceiver(cfg, ranks=[DecodeRank(d.layout, d.backend.address, None, d.state_layout) for d in d_ranks],
-                      model_name="m")
+    recv = KVReceiver(
+        cfg, ranks=[DecodeRank(d.layout, d.backend.address, None, d.state_layout) for d in d_ranks], model_name="m"
+    )
     stack.callback(recv.close)
     return server.port, senders, p_ranks, recv.start(), d_ranks
 
@@ -148,7 +157,9 @@ def global_state(ranks: list[Rank], slot: int) -> list[torch.Tensor]:
     for i in range(len(LINEAR)):
         convs = [rk.state.conv[i][slot] for rk in ranks]  # [q | k | v of the rank's heads, len]
         qk = convs[0].shape[0] - ranks[0].state.shape.heads * ranks[0].state.shape.value_dim
-        out.append(torch.cat([c[:qk // 2] for c in convs] + [c[qk // 2:qk] for c in convs] + [c[qk:] for c in convs]))
+        out.append(
+            torch.cat([c[: qk // 2] for c in convs] + [c[qk // 2 : qk] for c in convs] + [c[qk:] for c in convs])
+        )
         out.append(torch.cat([rk.state.recurrent[i][slot] for rk in ranks]))
     return out
 

@@ -11,6 +11,7 @@ import contextlib
 import numpy as np
 import pytest
 import torch
+from test_sender_receiver import CFG, Results, make_backend
 
 from kvpipe.cache.kv_pool import KVPool
 from kvpipe.disagg.setup import register_pool
@@ -22,7 +23,6 @@ from kvpipe.transfer.receiver import DecodeRank, KVReceiver
 from kvpipe.transfer.sender import KVSender
 from kvpipe.transfer.state import TransferState
 from kvpipe.transfer.tp_mapping import kv_head_range
-from test_sender_receiver import CFG, Results, make_backend
 
 pytestmark = pytest.mark.integration
 L, PAGES, PS, HD, H = 4, 32, 4, 8, 2  # KV layers, pages per pool, page size, head dim, total KV heads
@@ -78,8 +78,9 @@ class Pair:
             assert layout.swa_layers == SWA and layout.aliased
             backend = make_backend(kind, fabric, stack)
             register_pool(backend, layout)  # each distinct tensor once
-            s = KVSender(CFG, layout=layout, backend=backend, tp_rank=rank, tp_size=p_tp, model_name="m",
-                         instance_id="p0")
+            s = KVSender(
+                CFG, layout=layout, backend=backend, tp_rank=rank, tp_size=p_tp, model_name="m", instance_id="p0"
+            )
             s.pool = pool
             stack.callback(s.close)
             self.senders.append(s.start(("127.0.0.1", server.port)))
@@ -101,8 +102,9 @@ class Pair:
     def add_decode_room(self, room: int, prefix_len: int, dst_swa: np.ndarray = DST_SWA) -> None:
         first = prefix_len // PS
         d_tp = len(self.pools)
-        self.recv.add_room(room, "127.0.0.1", self.port, [DST[first:]] * d_tp, prefix_len,
-                           swa_pages=[dst_swa[first:]] * d_tp)
+        self.recv.add_room(
+            room, "127.0.0.1", self.port, [DST[first:]] * d_tp, prefix_len, swa_pages=[dst_swa[first:]] * d_tp
+        )
 
     def send_chunked(self, room: int) -> None:
         """Chunk 1 (16 tokens) in two layer groups, then the last chunk with newer page tables."""

@@ -15,8 +15,16 @@ from dataclasses import replace
 
 import pytest
 
-from kvpipe.bench.testbed import (LinkTestbed, LinkTestbedError, can_run, make_spec, namespace_exists, parse_rate,
-                                  setup_commands, tool)
+from kvpipe.bench.testbed import (
+    LinkTestbed,
+    LinkTestbedError,
+    can_run,
+    make_spec,
+    namespace_exists,
+    parse_rate,
+    setup_commands,
+    tool,
+)
 from kvpipe.bench.testbed_cli import recorded, removable
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
@@ -51,8 +59,12 @@ def test_tcp_across_and_cleanup(tmp_path) -> None:
         assert namespace_exists(tb.ns_a) and namespace_exists(tb.ns_b)
         assert [st["spec"]["name"] for _, st in recorded(tmp_path)] == [tb.spec.name]
         assert not removable(recorded(tmp_path)[0][1], None)  # live, run-scoped: `down` leaves it
-        qdisc = subprocess.run([tool("tc"), "-n", tb.ns_a, "qdisc", "show", "dev", tb.spec.veth_a],
-                               capture_output=True, text=True, check=True).stdout
+        qdisc = subprocess.run(
+            [tool("tc"), "-n", tb.ns_a, "qdisc", "show", "dev", tb.spec.veth_a],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         assert "tbf" in qdisc and "500Mbit" in qdisc
         srv = tb.call_in("a", socket.create_server, (tb.addr_a, 0))
         port = srv.getsockname()[1]
@@ -109,7 +121,7 @@ def test_cli_up_then_down(tmp_path, monkeypatch) -> None:
 
     monkeypatch.setenv("KVPIPE_TESTBED_DIR", str(tmp_path))
     assert cli.main(["up", "--rate", "50mbit"]) == 0
-    (path, st), = recorded(tmp_path)
+    ((path, st),) = recorded(tmp_path)
     ns = (st["spec"]["name"] + "-a", st["spec"]["name"] + "-b")
     assert st["persistent"] and all(namespace_exists(n) for n in ns)
     assert cli.main(["down", "--name", "nope"]) == 1 and all(namespace_exists(n) for n in ns)

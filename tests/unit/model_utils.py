@@ -43,9 +43,15 @@ def all_logits(batch: ForwardBatch) -> ForwardBatch:
 
 
 @torch.no_grad()
-def incremental_logits(model: CausalLM, ids: list[int], prompt_len: int, page_size: int,
-                       chunk: int | None = None, page_table: torch.Tensor | None = None,
-                       pool: KVPool | None = None) -> torch.Tensor:
+def incremental_logits(
+    model: CausalLM,
+    ids: list[int],
+    prompt_len: int,
+    page_size: int,
+    chunk: int | None = None,
+    page_table: torch.Tensor | None = None,
+    pool: KVPool | None = None,
+) -> torch.Tensor:
     """Logits of every position of `ids` [len(ids), vocab]: the prompt prefilled in chunks of
     `chunk` tokens (all at once when None), then one decode step per remaining token."""
     n_pages = -(-len(ids) // page_size)
@@ -56,7 +62,7 @@ def incremental_logits(model: CausalLM, ids: list[int], prompt_len: int, page_si
     step = chunk or prompt_len
     while pos < len(ids):
         n = min(step, prompt_len - pos) if pos < prompt_len else 1
-        batch = all_logits(ForwardBatch.build([ids[pos:pos + n]], [pos], [page_table], page_size))
+        batch = all_logits(ForwardBatch.build([ids[pos : pos + n]], [pos], [page_table], page_size))
         out.append(model(batch, pool))
         pos += n
     return torch.cat(out)

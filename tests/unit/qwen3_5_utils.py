@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import torch
 import transformers
+from model_utils import VOCAB, all_logits, hf_logits, prompt_ids, save  # noqa: F401 - re-exported to the Qwen3.5 tests
 
 from kvpipe.cache.kv_pool import KVPool
 from kvpipe.cache.state_pool import StatePool
 from kvpipe.engine.model_runner import make_kv_pool, make_state_pool
 from kvpipe.model.forward_batch import ForwardBatch
-from model_utils import VOCAB, all_logits, hf_logits, prompt_ids, save  # noqa: F401 - re-exported to the Qwen3.5 tests
 
 L, F = "linear_attention", "full_attention"
 
 
-def hf_qwen3_5(seed: int = 0, **overrides) -> "transformers.Qwen3_5ForCausalLM":
+def hf_qwen3_5(seed: int = 0, **overrides) -> transformers.Qwen3_5ForCausalLM:
     """A random tiny Qwen3.5 text model: GQA in both attention kinds (2 value heads per key head in
     the delta-net), partial RoPE, random norm weights and dt_bias (HF inits them to constants,
     which would hide a wrong (1 + w) or a missing bias)."""
@@ -25,11 +25,10 @@ def hf_qwen3_5(seed: int = 0, **overrides) -> "transformers.Qwen3_5ForCausalLM":
     return _randomize(transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**kw)).eval())
 
 
-def hf_qwen3_5_moe(seed: int = 0, **overrides) -> "transformers.Qwen3_5MoeForCausalLM":
+def hf_qwen3_5_moe(seed: int = 0, **overrides) -> transformers.Qwen3_5MoeForCausalLM:
     """hf_qwen3_5's model with Qwen3.5-MoE's MLP in every layer: 8 experts of 24, top 3, and a
     shared expert of 40 behind its sigmoid gate."""
-    kw = dict(_TINY, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=24,
-              shared_expert_intermediate_size=40)
+    kw = dict(_TINY, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=24, shared_expert_intermediate_size=40)
     kw.update(overrides)
     torch.manual_seed(seed)
     model = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**kw)).eval()
@@ -39,11 +38,25 @@ def hf_qwen3_5_moe(seed: int = 0, **overrides) -> "transformers.Qwen3_5MoeForCau
     return _randomize(model)
 
 
-_TINY = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-             head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-             linear_value_head_dim=12, linear_conv_kernel_dim=4, layer_types=[L, F, L, L],
-             max_position_embeddings=256, initializer_range=0.1, bos_token_id=None, eos_token_id=None,
-             pad_token_id=None)
+_TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=12,
+    linear_conv_kernel_dim=4,
+    layer_types=[L, F, L, L],
+    max_position_embeddings=256,
+    initializer_range=0.1,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
 
 
 def _randomize(model):
@@ -63,9 +76,17 @@ def pools(model, num_pages: int, page_size: int, slots: int = 4) -> tuple[KVPool
 
 
 @torch.no_grad()
-def incremental_logits(model, ids: list[int], prompt_len: int, page_size: int, chunk: int | None = None,
-                       page_table: torch.Tensor | None = None, kv: KVPool | None = None,
-                       state: StatePool | None = None, slot: int = 2) -> torch.Tensor:
+def incremental_logits(
+    model,
+    ids: list[int],
+    prompt_len: int,
+    page_size: int,
+    chunk: int | None = None,
+    page_table: torch.Tensor | None = None,
+    kv: KVPool | None = None,
+    state: StatePool | None = None,
+    slot: int = 2,
+) -> torch.Tensor:
     """Logits of every position of `ids`: the prompt in chunks of `chunk` tokens (whole when
     None), then one decode step per remaining token, the recurrent state in StatePool slot `slot`."""
     n_pages = -(-len(ids) // page_size)
@@ -77,7 +98,7 @@ def incremental_logits(model, ids: list[int], prompt_len: int, page_size: int, c
     step = chunk or prompt_len
     while pos < len(ids):
         n = min(step, prompt_len - pos) if pos < prompt_len else 1
-        batch = ForwardBatch.build([ids[pos:pos + n]], [pos], [page_table], page_size, state_slots=[slot])
+        batch = ForwardBatch.build([ids[pos : pos + n]], [pos], [page_table], page_size, state_slots=[slot])
         out.append(model(all_logits(batch), kv, state))
         pos += n
     return torch.cat(out)

@@ -14,18 +14,19 @@ from kvpipe.model.forward_batch import ForwardBatch
 D = 8
 
 
-def reference(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-              batch: ForwardBatch, scale: float) -> torch.Tensor:
+def reference(
+    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], batch: ForwardBatch, scale: float
+) -> torch.Tensor:
     """Row by row with an explicit softmax over the row's whole context (fp64)."""
     out = torch.empty_like(q, dtype=torch.float64)
     g = q.shape[1] // keys[0].shape[1]
     for s, k, v in zip(batch.seqs, keys, values):
-        qs = q[s.start:s.start + s.extend_len].double()  # [E, Hq, D]
+        qs = q[s.start : s.start + s.extend_len].double()  # [E, Hq, D]
         k, v = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)  # [L, Hq, D]
         scores = torch.einsum("ehd,lhd->hel", qs, k) * scale
         pos = torch.arange(s.prefix_len, s.total_len)[:, None]
         scores = scores.masked_fill(torch.arange(s.total_len)[None, :] > pos, float("-inf"))
-        out[s.start:s.start + s.extend_len] = torch.einsum("hel,lhd->ehd", scores.softmax(-1), v)
+        out[s.start : s.start + s.extend_len] = torch.einsum("hel,lhd->ehd", scores.softmax(-1), v)
     return out
 
 
@@ -39,7 +40,9 @@ def cases(draw: st.DrawFn) -> dict:
         "page_size": draw(st.sampled_from([1, 4, 16])),
         "kv_heads": draw(st.sampled_from([1, 2])),
         "group": draw(st.sampled_from([1, 3])),
-        "prefixes": prefixes, "extends": extends, "seed": draw(st.integers(0, 2**16)),
+        "prefixes": prefixes,
+        "extends": extends,
+        "seed": draw(st.integers(0, 2**16)),
     }
 
 
@@ -56,7 +59,7 @@ def test_paged_attention_matches_reference(case: dict) -> None:
     tables, keys, values, used = [], [], [], 0
     for t, pre in zip(totals, case["prefixes"]):
         n = -(-t // ps)
-        tables.append(perm[used:used + n].clone())
+        tables.append(perm[used : used + n].clone())
         used += n
         keys.append(torch.randn(t, hkv, D, generator=gen))
         values.append(torch.randn(t, hkv, D, generator=gen))
@@ -67,6 +70,6 @@ def test_paged_attention_matches_reference(case: dict) -> None:
     new_k = torch.cat([k[p:] for k, p in zip(keys, case["prefixes"])])
     new_v = torch.cat([v[p:] for v, p in zip(values, case["prefixes"])])
     q = torch.randn(batch.num_tokens, hq, D, generator=gen)
-    out = paged_attention(q, new_k, new_v, 0, batch, pool, D ** -0.5)
+    out = paged_attention(q, new_k, new_v, 0, batch, pool, D**-0.5)
     assert out.shape == q.shape
-    torch.testing.assert_close(out.double(), reference(q, keys, values, batch, D ** -0.5), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.double(), reference(q, keys, values, batch, D**-0.5), atol=1e-5, rtol=1e-5)

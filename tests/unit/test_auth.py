@@ -9,13 +9,13 @@ import httpx
 import msgpack
 import pytest
 import zmq
+from test_bootstrap import rank_info
 
 from kvpipe.config import ConfigError, DisaggregationConfig
 from kvpipe.transfer import messages as m
 from kvpipe.transfer.auth import HTTP_HEADER, Authenticator, AuthError
-from kvpipe.transfer.bootstrap import (BootstrapError, BootstrapServer, fetch_prefill_info, register_prefill_rank)
+from kvpipe.transfer.bootstrap import BootstrapError, BootstrapServer, fetch_prefill_info, register_prefill_rank
 from kvpipe.transfer.control import ControlEndpoint
-from test_bootstrap import rank_info
 
 TOKEN = "correct-horse-battery-staple"
 CTX = b"tcp://127.0.0.1:5555"
@@ -82,8 +82,11 @@ def test_http_tags_bind_method_path_and_body() -> None:
     b.verify_http("PUT", "/v1/prefill/ranks/0", b'{"rank": 0}', header)
     with pytest.raises(AuthError, match="replayed"):
         b.verify_http("PUT", "/v1/prefill/ranks/0", b'{"rank": 0}', header)
-    for method, path, body in (("PUT", "/v1/prefill/ranks/1", b'{"rank": 0}'), ("GET", "/v1/prefill/ranks/0", b""),
-                               ("PUT", "/v1/prefill/ranks/0", b'{"rank": 1}')):
+    for method, path, body in (
+        ("PUT", "/v1/prefill/ranks/1", b'{"rank": 0}'),
+        ("GET", "/v1/prefill/ranks/0", b""),
+        ("PUT", "/v1/prefill/ranks/0", b'{"rank": 1}'),
+    ):
         with pytest.raises(AuthError, match="tag"):
             b.verify_http(method, path, body, a.sign_http("PUT", "/v1/prefill/ranks/0", b'{"rank": 0}'))
     for bad in (None, "", "1.2", "x.y.z", "1.2.zz", f"1.2.{'00' * 31}", f"-1.2.{'00' * 32}"):
@@ -110,8 +113,9 @@ def test_endpoints_with_a_token_accept_each_other_and_drop_forgeries() -> None:
     got: list[object] = []
     receiver = ControlEndpoint("127.0.0.1", got.append, name="rx", auth=Authenticator.from_token(TOKEN)).start()
     sender = ControlEndpoint("127.0.0.1", lambda msg: None, name="tx", auth=Authenticator.from_token(TOKEN)).start()
-    intruder = ControlEndpoint("127.0.0.1", lambda msg: None, name="evil",
-                               auth=Authenticator.from_token("not-the-deployment-token")).start()
+    intruder = ControlEndpoint(
+        "127.0.0.1", lambda msg: None, name="evil", auth=Authenticator.from_token("not-the-deployment-token")
+    ).start()
     ctx = zmq.Context()
     raw = ctx.socket(zmq.PUSH)
     raw.setsockopt(zmq.LINGER, 1000)
@@ -152,9 +156,14 @@ def test_bootstrap_with_a_token_rejects_forged_registrations_and_lookups() -> No
         body = httpx.Request("PUT", srv.url, json=rank_info(0).to_dict()).content
         header = auth.sign_http("PUT", "/v1/prefill/ranks/0", body)
         forged_body = httpx.Request("PUT", srv.url, json=forged.to_dict()).content
-        statuses = [httpx.put(srv.url + "/v1/prefill/ranks/0", content=content,
-                              headers={HTTP_HEADER: header, "Content-Type": "application/json"}).status_code
-                    for content in (forged_body, body, body)]
+        statuses = [
+            httpx.put(
+                srv.url + "/v1/prefill/ranks/0",
+                content=content,
+                headers={HTTP_HEADER: header, "Content-Type": "application/json"},
+            ).status_code
+            for content in (forged_body, body, body)
+        ]
         assert statuses == [401, 200, 401]
         assert srv.auth_rejected == 5
         assert httpx.get(srv.url + "/health").status_code == 200  # open: a liveness probe

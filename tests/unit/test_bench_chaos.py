@@ -42,15 +42,27 @@ def test_in_flight_means_started_before_and_not_ended_by_the_kill() -> None:
 
 
 def test_a_round_with_a_hang_or_a_leak_is_not_ok() -> None:
-    good = RoundResult(1, "decode", Phase.DECODE, restart_s=3.0, first_success_s=4.0, serves_again=True,
-                       inflight=Counter({"connection_error": 2}))
+    good = RoundResult(
+        1,
+        "decode",
+        Phase.DECODE,
+        restart_s=3.0,
+        first_success_s=4.0,
+        serves_again=True,
+        inflight=Counter({"connection_error": 2}),
+    )
     assert good.ok
     assert not RoundResult(2, "router", Phase.BOOTSTRAP, restart_s=1.0, serves_again=True, hung=["probe: running"]).ok
-    assert not RoundResult(3, "prefill", Phase.TRANSFER, restart_s=1.0, serves_again=True,
-                           leaks=["decode: pages held 4"]).ok
+    assert not RoundResult(
+        3, "prefill", Phase.TRANSFER, restart_s=1.0, serves_again=True, leaks=["decode: pages held 4"]
+    ).ok
     s = summarize(ChaosConfig(rounds=1), [good], None)
-    assert (s["rounds_ok"], s["leaks_found"], s["inflight"], s["kills"]) == (1, 0, {"connection_error": 2},
-                                                                             {"decode/decode": 1})
+    assert (s["rounds_ok"], s["leaks_found"], s["inflight"], s["kills"]) == (
+        1,
+        0,
+        {"connection_error": 2},
+        {"decode/decode": 1},
+    )
     assert "1/1 rounds ok" in table(s)
 
 

@@ -41,9 +41,14 @@ def _workload(n: int = 3, out: int = 3):
 
 
 def _events(k: int) -> list[dict]:
-    return [{"text": "x" * i, "output_ids": list(range(i)),
-             "meta_info": {"completion_tokens": i, "finish_reason": {"type": "length"} if i == k else None}}
-            for i in range(1, k + 1)]
+    return [
+        {
+            "text": "x" * i,
+            "output_ids": list(range(i)),
+            "meta_info": {"completion_tokens": i, "finish_reason": {"type": "length"} if i == k else None},
+        }
+        for i in range(1, k + 1)
+    ]
 
 
 def test_drive_records_every_token_event() -> None:
@@ -57,10 +62,20 @@ def test_drive_records_every_token_event() -> None:
 
     ticks = itertools.count()  # a fake clock: each reading one unit later
     wl = _workload()
-    res = asyncio.run(drive("http://bench.test/generate", wl, concurrency=2, timeout_s=30, progress=False,
-                            transport=httpx.MockTransport(handler), clock=lambda: float(next(ticks))))
-    assert [b["input_ids"] for b in sorted(seen_bodies, key=lambda b: b["input_ids"])] == \
-        sorted(list(r.input_ids) for r in wl.requests)
+    res = asyncio.run(
+        drive(
+            "http://bench.test/generate",
+            wl,
+            concurrency=2,
+            timeout_s=30,
+            progress=False,
+            transport=httpx.MockTransport(handler),
+            clock=lambda: float(next(ticks)),
+        )
+    )
+    assert [b["input_ids"] for b in sorted(seen_bodies, key=lambda b: b["input_ids"])] == sorted(
+        list(r.input_ids) for r in wl.requests
+    )
     assert all(b["stream"] and b["sampling_params"]["ignore_eos"] for b in seen_bodies)
     for rec in res.records:
         assert rec.ok, rec.error
@@ -81,8 +96,16 @@ def test_drive_captures_errors_per_request() -> None:
 
     wl = _workload(n=12)
     assert {r.input_ids[0] % 3 for r in wl.requests} == {0, 1, 2}
-    res = asyncio.run(drive("http://bench.test/generate", wl, concurrency=3, timeout_s=30, progress=False,
-                            transport=httpx.MockTransport(handler)))
+    res = asyncio.run(
+        drive(
+            "http://bench.test/generate",
+            wl,
+            concurrency=3,
+            timeout_s=30,
+            progress=False,
+            transport=httpx.MockTransport(handler),
+        )
+    )
     for req, rec in zip(wl.requests, res.records):
         kind = req.input_ids[0] % 3
         assert not rec.ok
@@ -95,8 +118,17 @@ def test_drive_captures_errors_per_request() -> None:
 
 
 def _multi_turn(n: int = 6, turns: int = 3, groups: int = 0):
-    cfg = WorkloadConfig(parse_lengths("8"), parse_lengths("2"), n, vocab_size=50, seed=3, num_turns=turns,
-                         turn_len=4, num_prefix_groups=groups, prefix_len=5 if groups else 0)
+    cfg = WorkloadConfig(
+        parse_lengths("8"),
+        parse_lengths("2"),
+        n,
+        vocab_size=50,
+        seed=3,
+        num_turns=turns,
+        turn_len=4,
+        num_prefix_groups=groups,
+        prefix_len=5 if groups else 0,
+    )
     return build_workload(cfg)
 
 
@@ -129,12 +161,22 @@ def test_multi_turn_resends_the_conversation_closed_loop() -> None:
         if ids == list(fail_first):
             return httpx.Response(500, json={"error": {"message": "boom"}})
         out = [len(ids), len(ids) + 1]  # the "model" answers with the prompt length
-        evs = [{"output_ids": out[:i], "meta_info": {"completion_tokens": i, "cached_tokens": 16 * (i - 1)}}
-               for i in (1, 2)]
+        evs = [
+            {"output_ids": out[:i], "meta_info": {"completion_tokens": i, "cached_tokens": 16 * (i - 1)}}
+            for i in (1, 2)
+        ]
         return httpx.Response(200, content=sse(*evs, b"[DONE]"), headers={"content-type": "text/event-stream"})
 
-    res = asyncio.run(drive("http://bench.test/generate", wl, concurrency=2, timeout_s=30, progress=False,
-                            transport=httpx.MockTransport(handler)))
+    res = asyncio.run(
+        drive(
+            "http://bench.test/generate",
+            wl,
+            concurrency=2,
+            timeout_s=30,
+            progress=False,
+            transport=httpx.MockTransport(handler),
+        )
+    )
     t0, t1, t2 = (list(wl.requests[i].input_ids) for i in range(3))
     turn1 = t0 + [8, 9] + t1
     assert sent.count(t0) == 1 and turn1 in sent and turn1 + [14, 15] + t2 in sent

@@ -5,9 +5,22 @@ import math
 
 import pytest
 
-from kvpipe.bench.engine_stats import (DecodePoint, PrefillPoint, compare_decode, compare_prefill, cpu_per_wall,
-                                       decode_max_new_tokens, decode_points, format_table, kv_tokens_needed, median,
-                                       parse_int_list, prefill_points, summarize_decode, summarize_prefill)
+from kvpipe.bench.engine_stats import (
+    DecodePoint,
+    PrefillPoint,
+    compare_decode,
+    compare_prefill,
+    cpu_per_wall,
+    decode_max_new_tokens,
+    decode_points,
+    format_table,
+    kv_tokens_needed,
+    median,
+    parse_int_list,
+    prefill_points,
+    summarize_decode,
+    summarize_prefill,
+)
 
 
 def test_parse_int_list_keeps_order_and_drops_duplicates():
@@ -68,11 +81,21 @@ def test_decode_throughput_is_batch_over_median_step_time():
 def test_format_table_lists_every_point():
     report = {
         "machine": {"cpu": "cpu", "threads": 2, "torch": "2.x"},
-        "config": {"model": "preset:bench", "tp_size": 1, "page_size": 64, "chunked_prefill_size": 8192,
-                   "repeat": 3, "warmup": 1, "decode_context": 256, "output_len": 64,
-                   "decode_warmup_steps": 4},
-        "prefill": [summarize_prefill(PrefillPoint(256, 1), [0.5], [1]),
-                    summarize_prefill(PrefillPoint(2048, 4), [8.0], [1])],
+        "config": {
+            "model": "preset:bench",
+            "tp_size": 1,
+            "page_size": 64,
+            "chunked_prefill_size": 8192,
+            "repeat": 3,
+            "warmup": 1,
+            "decode_context": 256,
+            "output_len": 64,
+            "decode_warmup_steps": 4,
+        },
+        "prefill": [
+            summarize_prefill(PrefillPoint(256, 1), [0.5], [1]),
+            summarize_prefill(PrefillPoint(2048, 4), [8.0], [1]),
+        ],
         "decode": [summarize_decode(DecodePoint(32, 256, 1), [[0.25]], [1.87])],
     }
     text = format_table(report)
@@ -94,17 +117,31 @@ def test_cli_registers_bench_engine():
 
 
 def test_hf_ratios_and_their_columns():
-    kv = compare_prefill(summarize_prefill(PrefillPoint(1024, 1), [0.8], [1]),
-                         summarize_prefill(PrefillPoint(1024, 1), [1.0], [1]))
+    kv = compare_prefill(
+        summarize_prefill(PrefillPoint(1024, 1), [0.8], [1]), summarize_prefill(PrefillPoint(1024, 1), [1.0], [1])
+    )
     assert kv["time_ratio_vs_hf"] == pytest.approx(0.8) and kv["hf"]["ms_per_prefill"] == pytest.approx(1000.0)
-    dec = compare_decode(summarize_decode(DecodePoint(32, 256, 1), [[0.05]]),
-                         summarize_decode(DecodePoint(32, 256, 1), [[0.1]]))
+    dec = compare_decode(
+        summarize_decode(DecodePoint(32, 256, 1), [[0.05]]), summarize_decode(DecodePoint(32, 256, 1), [[0.1]])
+    )
     assert dec["throughput_ratio_vs_hf"] == pytest.approx(2.0)  # half the step time: twice the tokens/s
-    report = {"machine": {"cpu": "cpu", "threads": 2, "torch": "2.x"},
-              "config": {"model": "m", "tp_size": 1, "page_size": 64, "chunked_prefill_size": 8192, "repeat": 1,
-                         "warmup": 0, "decode_context": 256, "output_len": 1, "decode_warmup_steps": 0,
-                         "compare_hf": {"attn_implementation": "sdpa", "threads": 2}},
-              "prefill": [kv], "decode": [dec]}
+    report = {
+        "machine": {"cpu": "cpu", "threads": 2, "torch": "2.x"},
+        "config": {
+            "model": "m",
+            "tp_size": 1,
+            "page_size": 64,
+            "chunked_prefill_size": 8192,
+            "repeat": 1,
+            "warmup": 0,
+            "decode_context": 256,
+            "output_len": 1,
+            "decode_warmup_steps": 0,
+            "compare_hf": {"attn_implementation": "sdpa", "threads": 2},
+        },
+        "prefill": [kv],
+        "decode": [dec],
+    }
     text = format_table(report)
     assert "kvpipe/HF time" in text and "0.80" in text and "2.00" in text and "HF transformers sdpa" in text
 
@@ -115,9 +152,32 @@ def test_compare_hf_runs_both_on_the_same_checkpoint(tmp_path):
 
     parser = argparse.ArgumentParser()
     add_args(parser)
-    args = parser.parse_args(["--preset", "tiny", "--prompt-lens", "32", "--prefill-batch", "2", "--batch-sizes",
-                              "2", "--decode-context", "16", "--output-len", "2", "--decode-warmup-steps", "1",
-                              "--repeat", "1", "--warmup", "0", "--threads", "1", "--compare-hf", "--no-progress"])
+    args = parser.parse_args(
+        [
+            "--preset",
+            "tiny",
+            "--prompt-lens",
+            "32",
+            "--prefill-batch",
+            "2",
+            "--batch-sizes",
+            "2",
+            "--decode-context",
+            "16",
+            "--output-len",
+            "2",
+            "--decode-warmup-steps",
+            "1",
+            "--repeat",
+            "1",
+            "--warmup",
+            "0",
+            "--threads",
+            "1",
+            "--compare-hf",
+            "--no-progress",
+        ]
+    )
     report = run_bench(args)
     assert report["config"]["compare_hf"]["threads"] == 1
     assert [(r["prompt_len"], r["batch"]) for r in report["prefill"]] == [(32, 1), (32, 2)]

@@ -4,14 +4,13 @@ transfer tail (KV still landing after the forward) from probe to rows and plot."
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 
 from kvpipe.bench.plot import plot_sweep
 from kvpipe.bench.probe import count_delta, tail_delta, transfer_count_from_server_info, transfer_tail_from_server_info
-from kvpipe.bench.sweep import (SliceResult, SweepPoint, TransferCount, round_order, run_sweep_interleaved,
-                               sweep_rows)
+from kvpipe.bench.sweep import SliceResult, SweepPoint, TransferCount, round_order, run_sweep_interleaved, sweep_rows
 
 
 def test_round_order_rotates():
@@ -41,10 +40,26 @@ def test_interleaved_sweep_alternates_modes_and_merges_rounds():
 
     points = run_sweep_interleaved([10, 20], ["a", "b"], open_stack, measure, 3, summarize)
     assert events[:2] == [("start", "a"), ("start", "b")] and events[-2:] == [("stop", "b"), ("stop", "a")]
-    assert events[2:-2] == [("a", 10, 0), ("b", 10, 0), ("b", 10, 1), ("a", 10, 1), ("a", 10, 2), ("b", 10, 2),
-                            ("a", 20, 0), ("b", 20, 0), ("b", 20, 1), ("a", 20, 1), ("a", 20, 2), ("b", 20, 2)]
-    assert [(p.prompt_len, p.mode, p.num_groups) for p in points] == [(10, "a", None), (10, "b", 3),
-                                                                     (20, "a", None), (20, "b", 3)]
+    assert events[2:-2] == [
+        ("a", 10, 0),
+        ("b", 10, 0),
+        ("b", 10, 1),
+        ("a", 10, 1),
+        ("a", 10, 2),
+        ("b", 10, 2),
+        ("a", 20, 0),
+        ("b", 20, 0),
+        ("b", 20, 1),
+        ("a", 20, 1),
+        ("a", 20, 2),
+        ("b", 20, 2),
+    ]
+    assert [(p.prompt_len, p.mode, p.num_groups) for p in points] == [
+        (10, "a", None),
+        (10, "b", 3),
+        (20, "a", None),
+        (20, "b", 3),
+    ]
     assert points[1].summary == {"records": [("b", 10, 0), ("b", 10, 1), ("b", 10, 2)], "duration_s": 1.5}
     assert points[1].transfer_tail_ms == 30.0 and points[0].transfer_tail_ms is None  # median of rounds
 
@@ -79,8 +94,11 @@ def test_transfer_tail_probe_rows_and_plot(tmp_path):
     def s(ttft):
         return {"ttft_p50_ms": ttft, "ttft_p99_ms": ttft, "completed": 3, "failed": 0}
 
-    points = [SweepPoint(2048, "inproc", s(1000.0)), SweepPoint(2048, "baseline", s(2000.0), 1, 960.0),
-              SweepPoint(2048, "pipelined", s(1200.0), 6, 180.0)]
+    points = [
+        SweepPoint(2048, "inproc", s(1000.0)),
+        SweepPoint(2048, "baseline", s(2000.0), 1, 960.0),
+        SweepPoint(2048, "pipelined", s(1200.0), 6, 180.0),
+    ]
     rows = {r["mode"]: r for r in sweep_rows(points, 1e8, 1000)}
     assert rows["pipelined"]["transfer_tail_ms"] == 180.0
     assert rows["pipelined"]["transfer_tail_ratio"] == pytest.approx(0.1875)  # 180 / 960 <= 1.5 / 6
@@ -92,8 +110,7 @@ def test_transfer_tail_probe_rows_and_plot(tmp_path):
 def test_transferred_kv_per_request_from_probe_to_rows():
     """The prefill's bytes_written / rooms_succeeded, read before and after each round, give the
     KV bytes per request of a mode; rows carry it with the TTFT speedup against baseline."""
-    info = {"internal_states": [{"disaggregation": {"mode": "prefill", "bytes_written": 4096,
-                                                    "rooms_succeeded": 3}}]}
+    info = {"internal_states": [{"disaggregation": {"mode": "prefill", "bytes_written": 4096, "rooms_succeeded": 3}}]}
     assert transfer_count_from_server_info(info) == TransferCount(4096, 3)
     assert transfer_count_from_server_info({"internal_states": [{"disaggregation": {"mode": "decode"}}]}) is None
     assert count_delta(TransferCount(100, 1), TransferCount(700, 4)) == TransferCount(600, 3)
@@ -107,11 +124,19 @@ def test_transferred_kv_per_request_from_probe_to_rows():
         per = {"baseline": 1000, "decode-cache": 100}[mode]
         return SliceResult([], 1.0, transfer=TransferCount(per * (r + 1), r + 1))
 
-    points = run_sweep_interleaved([64], ["baseline", "decode-cache"], open_stack, measure, 2,
-                                   lambda recs, d: {"ttft_p50_ms": 400.0 if len(recs) == 0 else None})
+    points = run_sweep_interleaved(
+        [64],
+        ["baseline", "decode-cache"],
+        open_stack,
+        measure,
+        2,
+        lambda recs, d: {"ttft_p50_ms": 400.0 if len(recs) == 0 else None},
+    )
     assert [p.kv_bytes_per_request for p in points] == [1000.0, 100.0]
-    points = [SweepPoint(64, "baseline", {"ttft_p50_ms": 400.0, "cached_tokens_mean": 32.0}, kv_bytes_per_request=1e3),
-              SweepPoint(64, "decode-cache", {"ttft_p50_ms": 100.0}, kv_bytes_per_request=1e2)]
+    points = [
+        SweepPoint(64, "baseline", {"ttft_p50_ms": 400.0, "cached_tokens_mean": 32.0}, kv_bytes_per_request=1e3),
+        SweepPoint(64, "decode-cache", {"ttft_p50_ms": 100.0}, kv_bytes_per_request=1e2),
+    ]
     rows = sweep_rows(points)
     assert rows[1]["ttft_speedup_vs_baseline"] == 4.0 and rows[0]["ttft_speedup_vs_baseline"] is None
     assert rows[1]["kv_bytes_per_request"] == 100.0 and rows[0]["cached_tokens_mean"] == 32.0

@@ -7,8 +7,14 @@ import pytest
 from kvpipe.bench.metrics import RequestRecord, first_errors, percentiles, request_metrics, summarize
 
 
-def rec(index: int, start: float, events: list[tuple[float, int]], end: float | None = None,
-        prompt_len: int = 10, error: str | None = None) -> RequestRecord:
+def rec(
+    index: int,
+    start: float,
+    events: list[tuple[float, int]],
+    end: float | None = None,
+    prompt_len: int = 10,
+    error: str | None = None,
+) -> RequestRecord:
     r = RequestRecord(index, prompt_len, start, end_s=end, error=error)
     for t, n in events:
         r.add_event(t, n)

@@ -3,18 +3,35 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 
 from kvpipe.bench.probe import num_groups_from_metrics, num_groups_from_server_info
-from kvpipe.bench.sweep import ModeFlags, SweepPoint, exposed_ratio, kv_bytes_per_token, kv_wire_bytes, \
-    mode_server_flags, parse_modes, parse_prompt_lens, run_sweep, server_page_size, state_bytes_per_request, sweep_rows
+from kvpipe.bench.sweep import (
+    ModeFlags,
+    SweepPoint,
+    exposed_ratio,
+    kv_bytes_per_token,
+    kv_wire_bytes,
+    mode_server_flags,
+    parse_modes,
+    parse_prompt_lens,
+    run_sweep,
+    server_page_size,
+    state_bytes_per_request,
+    sweep_rows,
+)
 
 
 def s(ttft50: float | None, ttft99: float | None = None, tpot50: float | None = 5.0) -> dict:
-    return {"ttft_p50_ms": ttft50, "ttft_p99_ms": ttft99 if ttft99 is not None else ttft50,
-            "tpot_p50_ms": tpot50, "completed": 4, "failed": 0}
+    return {
+        "ttft_p50_ms": ttft50,
+        "ttft_p99_ms": ttft99 if ttft99 is not None else ttft50,
+        "tpot_p50_ms": tpot50,
+        "completed": 4,
+        "failed": 0,
+    }
 
 
 def test_parse_modes_and_flags() -> None:
@@ -28,8 +45,9 @@ def test_parse_modes_and_flags() -> None:
     assert mode_server_flags("pipelined") == ModeFlags(("--disaggregation-layer-groups", "auto"))
     assert mode_server_flags("pipelined-3") == ModeFlags(("--disaggregation-layer-groups", "3"))
     # the decode cache flag goes to the decode only (a prefill refuses it)
-    assert mode_server_flags("decode-cache") == ModeFlags(("--disaggregation-layer-groups", "1"),
-                                                          ("--disaggregation-enable-decode-radix-cache",))
+    assert mode_server_flags("decode-cache") == ModeFlags(
+        ("--disaggregation-layer-groups", "1"), ("--disaggregation-enable-decode-radix-cache",)
+    )
     assert mode_server_flags("inproc") is None
     assert parse_prompt_lens("256,1024") == [256, 1024]
     for bad in ("", "0", "a,b"):
@@ -57,8 +75,13 @@ def test_rows_order_ratio_and_fields() -> None:
     ]
     rows = sweep_rows(points, link_rate_bps=1e9, kv_bytes_token=1000)
     assert [(r["prompt_len"], r["mode"]) for r in rows] == [
-        (256, "baseline"), (256, "pipelined"), (256, "inproc"),
-        (1024, "baseline"), (1024, "pipelined"), (1024, "inproc")]
+        (256, "baseline"),
+        (256, "pipelined"),
+        (256, "inproc"),
+        (1024, "baseline"),
+        (1024, "pipelined"),
+        (1024, "inproc"),
+    ]
     by = {(r["prompt_len"], r["mode"]): r for r in rows}
     p = by[(1024, "pipelined")]
     assert (p["ttft_p50_ms"], p["ttft_p99_ms"], p["tpot_p50_ms"], p["num_groups"]) == (150.0, 170.0, 6.0, 4)
@@ -73,8 +96,15 @@ def test_rows_order_ratio_and_fields() -> None:
     assert p["kv_bytes"] == 1_024_000 and p["ideal_transfer_ms"] == pytest.approx(8.192)
     assert p["t_over_c"] == pytest.approx(0.08192)
     for r in rows:
-        assert {"prompt_len", "mode", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "num_groups",
-                "exposed_transfer_ratio"} <= r.keys()
+        assert {
+            "prompt_len",
+            "mode",
+            "ttft_p50_ms",
+            "ttft_p99_ms",
+            "tpot_p50_ms",
+            "num_groups",
+            "exposed_transfer_ratio",
+        } <= r.keys()
 
 
 def test_rows_without_reference_or_link() -> None:
@@ -83,8 +113,13 @@ def test_rows_without_reference_or_link() -> None:
     assert all(r["exposed_transfer_ratio"] is None and r["exposed_transfer_ms"] is None for r in rows)
     assert rows[0]["ttft_vs_baseline"] == pytest.approx(-0.2)
     assert rows[0]["ideal_transfer_ms"] is None and rows[0]["t_over_c"] is None
-    failed = sweep_rows([SweepPoint(512, "pipelined", s(None), None), SweepPoint(512, "baseline", s(100.0)),
-                         SweepPoint(512, "inproc", s(50.0))])
+    failed = sweep_rows(
+        [
+            SweepPoint(512, "pipelined", s(None), None),
+            SweepPoint(512, "baseline", s(100.0)),
+            SweepPoint(512, "inproc", s(50.0)),
+        ]
+    )
     assert failed[0]["exposed_transfer_ratio"] is None and failed[0]["ttft_vs_baseline"] is None
 
 
@@ -104,11 +139,22 @@ def test_run_sweep_one_stack_per_mode_every_length() -> None:
         return s(float(n)), (4 if mode == "pipelined" else None)
 
     points = run_sweep([256, 1024], ["baseline", "pipelined"], open_stack, measure)
-    assert events == [("start", "baseline"), ("measure", "url-baseline", 256), ("measure", "url-baseline", 1024),
-                      ("stop", "baseline"), ("start", "pipelined"), ("measure", "url-pipelined", 256),
-                      ("measure", "url-pipelined", 1024), ("stop", "pipelined")]
+    assert events == [
+        ("start", "baseline"),
+        ("measure", "url-baseline", 256),
+        ("measure", "url-baseline", 1024),
+        ("stop", "baseline"),
+        ("start", "pipelined"),
+        ("measure", "url-pipelined", 256),
+        ("measure", "url-pipelined", 1024),
+        ("stop", "pipelined"),
+    ]
     assert [(p.prompt_len, p.mode, p.num_groups) for p in points] == [
-        (256, "baseline", None), (1024, "baseline", None), (256, "pipelined", 4), (1024, "pipelined", 4)]
+        (256, "baseline", None),
+        (1024, "baseline", None),
+        (256, "pipelined", 4),
+        (1024, "pipelined", 4),
+    ]
 
 
 def test_run_sweep_stops_the_stack_when_measuring_fails() -> None:
@@ -130,8 +176,14 @@ def test_run_sweep_stops_the_stack_when_measuring_fails() -> None:
 
 
 def test_kv_bytes_per_token() -> None:
-    bench = {"num_hidden_layers": 12, "num_attention_heads": 12, "num_key_value_heads": 4, "head_dim": 64,
-             "hidden_size": 768, "torch_dtype": "float32"}
+    bench = {
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "hidden_size": 768,
+        "torch_dtype": "float32",
+    }
     assert kv_bytes_per_token(bench) == 2 * 12 * 4 * 64 * 4
     assert kv_bytes_per_token(bench | {"torch_dtype": "bfloat16"}) == 2 * 12 * 4 * 64 * 2
     no_hd = {k: v for k, v in bench.items() if k != "head_dim"}
@@ -161,11 +213,23 @@ def test_hybrid_and_sliding_bytes_per_token_by_hand() -> None:
     assert kv_bytes_per_token(oss) == 4 * 2 * 4 * 16 * 4 == 2048 and state_bytes_per_request(oss) == 0
     # transformers' Qwen3_5TextConfig defaults, nested as a multimodal checkpoint ships them, bf16:
     # 8 of 32 layers keep KV (4 heads x 256); 24 keep conv [8192, 3] bf16 + recurrent [32, 128, 128] fp32
-    real = {"architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": {
-        "num_hidden_layers": 32, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256,
-        "hidden_size": 4096, "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
-        "dtype": "bfloat16"}}
+    real = {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "text_config": {
+            "num_hidden_layers": 32,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 4,
+            "head_dim": 256,
+            "hidden_size": 4096,
+            "linear_num_key_heads": 16,
+            "linear_num_value_heads": 32,
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
+            "linear_conv_kernel_dim": 4,
+            "full_attention_interval": 4,
+            "dtype": "bfloat16",
+        },
+    }
     assert kv_bytes_per_token(real) == 8 * 2 * 4 * 256 * 2 == 32768
     assert state_bytes_per_request(real) == 24 * (8192 * 3 * 2 + 32 * 128 * 128 * 4) == 51511296
 
@@ -174,8 +238,9 @@ def test_sweep_rows_send_the_state_once_per_request() -> None:
     points = [SweepPoint(n, "inproc", s(100.0)) for n in (1000, 2000)]
     rows = sweep_rows(points, link_rate_bps=8e6, kv_bytes_token=512, state_bytes_request=116736)
     # 8 Mbit/s = 1,000 bytes per ms
-    assert [r["ideal_transfer_ms"] for r in rows] == pytest.approx([(1000 * 512 + 116736) / 1000,
-                                                                    (2000 * 512 + 116736) / 1000])
+    assert [r["ideal_transfer_ms"] for r in rows] == pytest.approx(
+        [(1000 * 512 + 116736) / 1000, (2000 * 512 + 116736) / 1000]
+    )
     assert [r["kv_bytes"] for r in rows] == [512000, 1024000] and rows[0]["state_bytes"] == 116736
 
 
@@ -185,11 +250,13 @@ def test_num_groups_probes() -> None:
     assert num_groups_from_server_info({"internal_states": [{"num_layer_groups": 0}]}) is None
     assert num_groups_from_server_info({"num_groups": True}) is None
     assert num_groups_from_server_info({"tp_size": 1}) is None
-    text = ("# HELP kvpipe:num_layer_groups groups of the last prefill batch\n"
-            "# TYPE kvpipe:num_layer_groups gauge\n"
-            'kvpipe:num_layer_groups{model_name="m"} 6.0\n'
-            'kvpipe:layer_groups_bucket{le="4"} 9\n'
-            "kvpipe:prompt_tokens_total 100\n")
+    text = (
+        "# HELP kvpipe:num_layer_groups groups of the last prefill batch\n"
+        "# TYPE kvpipe:num_layer_groups gauge\n"
+        'kvpipe:num_layer_groups{model_name="m"} 6.0\n'
+        'kvpipe:layer_groups_bucket{le="4"} 9\n'
+        "kvpipe:prompt_tokens_total 100\n"
+    )
     assert num_groups_from_metrics(text) == 6
     assert num_groups_from_metrics("kvpipe:num_layer_groups_count 9\nfoo 1\n") is None
     assert num_groups_from_metrics("") is None
@@ -199,8 +266,11 @@ def test_plots_write_pngs(tmp_path) -> None:
     from kvpipe.bench.metrics import RequestRecord, summarize
     from kvpipe.bench.plot import plot_run, plot_sweep
 
-    points = [SweepPoint(n, m, s(t * n / 256, t * n / 200), g) for n in (256, 1024, 2048)
-              for m, t, g in (("baseline", 60.0, 1), ("pipelined", 40.0, 4), ("inproc", 30.0, None))]
+    points = [
+        SweepPoint(n, m, s(t * n / 256, t * n / 200), g)
+        for n in (256, 1024, 2048)
+        for m, t, g in (("baseline", 60.0, 1), ("pipelined", 40.0, 4), ("inproc", 30.0, None))
+    ]
     rows = sweep_rows(points, link_rate_bps=1e9, kv_bytes_token=24576)
     out = plot_sweep(rows, tmp_path / "sub" / "sweep.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -210,8 +280,10 @@ def test_plots_write_pngs(tmp_path) -> None:
     assert run_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     from kvpipe.bench.plot import plot_modes
 
-    modes = [SweepPoint(2176, m, s(t), kv_bytes_per_request=kv) for m, t, kv in
-             (("baseline", 4000.0, 5e7), ("decode-cache", 800.0, 4e6), ("inproc", 300.0, None))]
+    modes = [
+        SweepPoint(2176, m, s(t), kv_bytes_per_request=kv)
+        for m, t, kv in (("baseline", 4000.0, 5e7), ("decode-cache", 800.0, 4e6), ("inproc", 300.0, None))
+    ]
     bars = plot_modes(sweep_rows(modes), tmp_path / "modes.png")
     assert bars.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -223,13 +295,27 @@ def test_sliding_window_request_bytes_by_hand() -> None:
     # 100 tokens: sliding layers send pages 4..6 of 16 tokens, tokens 64..99
     assert w.request_nbytes(100) == 100 * 1024 + 36 * 1024 == 139264
     # openai/gpt-oss-20b's attention (transformers' GptOssConfig defaults, 24 layers), bf16
-    real = {"model_type": "gpt_oss", "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8,
-            "head_dim": 64, "hidden_size": 2880, "sliding_window": 128, "torch_dtype": "bfloat16"}
+    real = {
+        "model_type": "gpt_oss",
+        "num_hidden_layers": 24,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "hidden_size": 2880,
+        "sliding_window": 128,
+        "torch_dtype": "bfloat16",
+    }
     w = kv_wire_bytes(real, page_size=64)
     assert w is not None and w.request_nbytes(4096) == (4096 + 128) * 12 * 2048 == 103809024
     # other models: n x kv_bytes_per_token, the sweep's rows unchanged
-    bench = {"num_hidden_layers": 12, "num_attention_heads": 12, "num_key_value_heads": 4, "head_dim": 64,
-             "hidden_size": 768, "torch_dtype": "float32"}
+    bench = {
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "hidden_size": 768,
+        "torch_dtype": "float32",
+    }
     w = kv_wire_bytes(bench, page_size=64)
     assert w is not None and w.request_nbytes(1000) == 1000 * kv_bytes_per_token(bench)
     assert kv_wire_bytes({}, page_size=64) is None

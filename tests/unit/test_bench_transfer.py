@@ -9,8 +9,15 @@ import numpy as np
 import pytest
 
 from kvpipe.bench.raw_mooncake import WHOLE, RawPattern, fmt_bytes, parse_bytes, pattern_ops
-from kvpipe.bench.transfer import (RAW_PIECES, RAW_WINDOWS, add_args, config_from_args, format_table,
-                                   summarize, tp_config_from_args)
+from kvpipe.bench.transfer import (
+    RAW_PIECES,
+    RAW_WINDOWS,
+    add_args,
+    config_from_args,
+    format_table,
+    summarize,
+    tp_config_from_args,
+)
 from kvpipe.bench.transfer_worker import fragmented_pages
 from kvpipe.transfer.backends.mooncake import DEFAULT_MAX_OP_BYTES
 from kvpipe.transfer.planner import page_runs
@@ -35,8 +42,10 @@ def test_fragmented_pages_have_the_requested_runs(fraction):
 def test_flags_to_worker_config():
     p = argparse.ArgumentParser()
     add_args(p)
-    cfg = config_from_args(p.parse_args(["--preset", "bench", "--prompt-lens", "100,33", "--page-size", "16",
-                                         "--layers", "3"]), "/tmp/x.log")
+    cfg = config_from_args(
+        p.parse_args(["--preset", "bench", "--prompt-lens", "100,33", "--page-size", "16", "--layers", "3"]),
+        "/tmp/x.log",
+    )
     assert (cfg.num_layers, cfg.kv_heads, cfg.head_dim, cfg.dtype) == (3, 4, 64, "float32")
     assert cfg.prompt_lens == (100, 33) and cfg.max_pages == 7 and cfg.pool_pages == 7
     cfg = config_from_args(p.parse_args(["--preset", "llama3-8b", "--fragmentation", "0.5"]), "/tmp/x.log")
@@ -64,21 +73,38 @@ def test_piece_flags_and_raw_patterns():
     cfg = config_from_args(p.parse_args([]), "/tmp/x.log")
     assert cfg.max_op_bytes == DEFAULT_MAX_OP_BYTES and cfg.compare_max_op_bytes == (0,)
     assert set(cfg.raw_patterns) == {RawPattern(a, w) for a in RAW_PIECES for w in RAW_WINDOWS}
-    cfg = config_from_args(p.parse_args(["--max-op-bytes", "0", "--raw-pieces", "64K,3M", "--raw-windows", "8",
-                                         "--compare-split", "0,1MiB"]), "/tmp/x.log")
+    cfg = config_from_args(
+        p.parse_args(
+            ["--max-op-bytes", "0", "--raw-pieces", "64K,3M", "--raw-windows", "8", "--compare-split", "0,1MiB"]
+        ),
+        "/tmp/x.log",
+    )
     assert cfg.max_op_bytes is None and cfg.compare_max_op_bytes == (0, 1 << 20)
     assert cfg.raw_patterns == (RawPattern(64 << 10, 8), RawPattern(3 << 20, 8))
     cfg = config_from_args(p.parse_args(["--raw-sweep"]), "/tmp/x.log")
     assert len(cfg.raw_patterns) == 9 * 6 and min(x.piece_bytes for x in cfg.raw_patterns) == 64 << 10
-    for bad in (["--raw-windows", "0"], ["--raw-windows", "2048"], ["--raw-pieces", "0"], ["--raw-pieces", "x"],
-                ["--max-op-bytes", "-1"], ["--max-op-bytes", "1,2"], ["--compare-split", ""]):
+    for bad in (
+        ["--raw-windows", "0"],
+        ["--raw-windows", "2048"],
+        ["--raw-pieces", "0"],
+        ["--raw-pieces", "x"],
+        ["--max-op-bytes", "-1"],
+        ["--max-op-bytes", "1,2"],
+        ["--compare-split", ""],
+    ):
         with pytest.raises(SystemExit):
             config_from_args(p.parse_args(bad), "/tmp/x.log")
 
 
 def test_bytes_and_pattern_ops():
     assert [parse_bytes(x) for x in ("64K", "1M", "1MiB", "2g", "4096", " 8M ")] == [
-        65536, 1 << 20, 1 << 20, 2 << 30, 4096, 8 << 20]
+        65536,
+        1 << 20,
+        1 << 20,
+        2 << 30,
+        4096,
+        8 << 20,
+    ]
     assert [fmt_bytes(x) for x in (65536, 1 << 20, 3 << 20, 1000)] == ["64K", "1M", "3M", "1000"]
     s, d, n = pattern_ops(1000, 5000, 10 << 20, RawPattern(4 << 20, 16))
     assert n.tolist() == [4 << 20, 4 << 20, 2 << 20] and (d - s == 4000).all()
@@ -90,20 +116,45 @@ def test_table_shows_ops_pieces_best_raw_and_the_sweep():
     p = argparse.ArgumentParser()
     add_args(p)
     cfg = config_from_args(p.parse_args(["--prompt-lens", "1024", "--compare-split", "0,1M"]), "/tmp/x.log")
-    sweep = [{"piece_bytes": WHOLE, "window": 1, "ms": 12.0, "goodput_gbps": 2.0},
-             {"piece_bytes": 1 << 20, "window": 16, "ms": 10.0, "goodput_gbps": 2.4}]
-    length = {"prompt_len": 1024, "pages": 64, "bytes": 24 << 20, "ops_per_request": 24, "pieces_per_request": 24,
-              "runs": 1, "planning_ms": 0.3, "transfer_ms": 11.0, "raw_ms": 12.0, "best_raw_ms": 10.0,
-              "goodput_gbps": 2.2, "unsplit_goodput_gbps": 2.1, "raw_goodput_gbps": 2.0,
-              "best_raw_goodput_gbps": 2.4, "goodput_ratio": 12 / 11, "best_raw_ratio": 10 / 11, "best_raw_ratio_paired": 0.93,
-              "best_raw": {"piece_bytes": 1 << 20, "window": 16, "label": "1M x w16"}, "sweep": sweep,
-              "split_compare": [{"max_op_bytes": 0, "ms": 12.0, "goodput_gbps": 2.1},
-                                {"max_op_bytes": 1 << 20, "ms": 11.0, "goodput_gbps": 2.2}],
-              "verified": True}
+    sweep = [
+        {"piece_bytes": WHOLE, "window": 1, "ms": 12.0, "goodput_gbps": 2.0},
+        {"piece_bytes": 1 << 20, "window": 16, "ms": 10.0, "goodput_gbps": 2.4},
+    ]
+    length = {
+        "prompt_len": 1024,
+        "pages": 64,
+        "bytes": 24 << 20,
+        "ops_per_request": 24,
+        "pieces_per_request": 24,
+        "runs": 1,
+        "planning_ms": 0.3,
+        "transfer_ms": 11.0,
+        "raw_ms": 12.0,
+        "best_raw_ms": 10.0,
+        "goodput_gbps": 2.2,
+        "unsplit_goodput_gbps": 2.1,
+        "raw_goodput_gbps": 2.0,
+        "best_raw_goodput_gbps": 2.4,
+        "goodput_ratio": 12 / 11,
+        "best_raw_ratio": 10 / 11,
+        "best_raw_ratio_paired": 0.93,
+        "best_raw": {"piece_bytes": 1 << 20, "window": 16, "label": "1M x w16"},
+        "sweep": sweep,
+        "split_compare": [
+            {"max_op_bytes": 0, "ms": 12.0, "goodput_gbps": 2.1},
+            {"max_op_bytes": 1 << 20, "ms": 11.0, "goodput_gbps": 2.2},
+        ],
+        "verified": True,
+    }
     report = summarize({"lengths": [length], "engine_generation": 0}, cfg, None)
     assert report["best_raw_ratio"] == pytest.approx(10 / 11) and report["pieces_per_request"] == 24
     table = format_table(report, sweep=True)
-    assert "1M x w16" in table and "0.91" in table and "0.93" in table and "split at (GB/s), 1024 tokens: off 2.10, 1M 2.20" in table
+    assert (
+        "1M x w16" in table
+        and "0.91" in table
+        and "0.93" in table
+        and "split at (GB/s), 1024 tokens: off 2.10, 1M 2.20" in table
+    )
     assert "one op: 2.00; best: 1M x w16" in table and "2.40" in table.splitlines()[-1]
 
 
@@ -154,8 +205,13 @@ def test_sliding_shapes_move_the_prompts_last_window_only():
     assert shape is not None and shape.request_kv_nbytes(100, 16) == 2 * 7 * 8192 + 2 * 3 * 8192 == 163840
     assert shape.request_kv_nbytes(20, 16) == 4 * 2 * 8192  # shorter than the window: every page
     real = EXTRA_SHAPES["gpt-oss-20b"]
-    assert (real.num_layers, real.kv_heads, real.head_dim, real.dtype, real.sliding_window) == (24, 8, 64, "bfloat16",
-                                                                                               128)
+    assert (real.num_layers, real.kv_heads, real.head_dim, real.dtype, real.sliding_window) == (
+        24,
+        8,
+        64,
+        "bfloat16",
+        128,
+    )
     assert real.sliding_layers == (0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22) and real.kv_token_nbytes == 49152
     # 1024 tokens, page 16: 64 pages; window from page (1024 - 127) // 16 = 56: 8 pages per sliding layer;
     # one page of one layer: 2 x 8 x 16 x 64 x 2 = 32768
@@ -212,18 +268,43 @@ def test_sliding_plan_moves_full_pages_and_window_pages_exactly(fragmentation):
 
 def _timed_row(**shape) -> dict:
     """One length's result as the workers report it: `shape` (sizes and ops) plus fixed timings."""
-    return {**shape, "planning_ms": 0.3, "transfer_ms": 1.0, "raw_ms": 1.0, "best_raw_ms": 1.0, "goodput_gbps": 0.15,
-            "unsplit_goodput_gbps": None, "raw_goodput_gbps": 0.15, "best_raw_goodput_gbps": 0.15,
-            "goodput_ratio": 1.0, "best_raw_ratio": 1.0, "best_raw_ratio_paired": 1.0,
-            "best_raw": {"piece_bytes": 0, "window": 1, "label": "1 op"}, "sweep": [], "split_compare": [],
-            "verified": True}
+    return {
+        **shape,
+        "planning_ms": 0.3,
+        "transfer_ms": 1.0,
+        "raw_ms": 1.0,
+        "best_raw_ms": 1.0,
+        "goodput_gbps": 0.15,
+        "unsplit_goodput_gbps": None,
+        "raw_goodput_gbps": 0.15,
+        "best_raw_goodput_gbps": 0.15,
+        "goodput_ratio": 1.0,
+        "best_raw_ratio": 1.0,
+        "best_raw_ratio_paired": 1.0,
+        "best_raw": {"piece_bytes": 0, "window": 1, "label": "1 op"},
+        "sweep": [],
+        "split_compare": [],
+        "verified": True,
+    }
 
 
 def test_sliding_table_shows_window_bytes_against_every_page():
     _, cfg = _tiny_gpt_oss(["--prompt-lens", "100"])
-    length = _timed_row(prompt_len=100, pages=7, bytes=163840, kv_bytes=163840, state_bytes=0, window_pages=3,
-                        all_pages_bytes=229376, window_ratio=163840 / 229376, ops_per_request=8, kv_ops=8,
-                        state_ops=0, pieces_per_request=8, runs=1)
+    length = _timed_row(
+        prompt_len=100,
+        pages=7,
+        bytes=163840,
+        kv_bytes=163840,
+        state_bytes=0,
+        window_pages=3,
+        all_pages_bytes=229376,
+        window_ratio=163840 / 229376,
+        ops_per_request=8,
+        kv_ops=8,
+        state_ops=0,
+        pieces_per_request=8,
+        runs=1,
+    )
     report = summarize({"lengths": [length], "engine_generation": 0}, cfg, None)
     assert report["config"]["sliding_layers"] == [0, 2] and report["config"]["sliding_window"] == 32
     table = format_table(report)
@@ -235,8 +316,18 @@ def test_hybrid_table_splits_kv_and_state():
     p = argparse.ArgumentParser()
     add_args(p)
     cfg = config_from_args(p.parse_args(["--preset", "tiny-qwen3.5", "--prompt-lens", "64"]), "/tmp/x.log")
-    length = _timed_row(prompt_len=64, pages=4, bytes=32768 + 116736, kv_bytes=32768, state_bytes=116736,
-                        ops_per_request=8, kv_ops=2, state_ops=6, pieces_per_request=8, runs=1)
+    length = _timed_row(
+        prompt_len=64,
+        pages=4,
+        bytes=32768 + 116736,
+        kv_bytes=32768,
+        state_bytes=116736,
+        ops_per_request=8,
+        kv_ops=2,
+        state_ops=6,
+        pieces_per_request=8,
+        runs=1,
+    )
     report = summarize({"lengths": [length], "engine_generation": 0}, cfg, None)
     assert report["config"]["model_layers"] == 4 and report["config"]["kv_layers"] == [3]
     table = format_table(report)

@@ -11,8 +11,7 @@ from kvpipe.bench.workload import LengthSpec, WorkloadConfig, arrival_times, bui
 
 
 def cfg(**kw) -> WorkloadConfig:
-    base = dict(prompt_lens=parse_lengths("16,64"), output_lens=parse_lengths("4"), num_requests=6,
-                vocab_size=100)
+    base = dict(prompt_lens=parse_lengths("16,64"), output_lens=parse_lengths("4"), num_requests=6, vocab_size=100)
     return WorkloadConfig(**(base | kw))
 
 
@@ -71,8 +70,9 @@ def test_arrivals_infinite_rate_and_poisson() -> None:
 
 
 def test_shared_prefix_groups() -> None:
-    w = build_workload(cfg(prompt_lens=parse_lengths("40"), num_requests=7, num_prefix_groups=3,
-                           prefix_len=32, vocab_size=50_000))
+    w = build_workload(
+        cfg(prompt_lens=parse_lengths("40"), num_requests=7, num_prefix_groups=3, prefix_len=32, vocab_size=50_000)
+    )
     groups = [r.prefix_group for r in w.requests]
     assert groups == [0, 1, 2, 0, 1, 2, 0]
     by_group: dict[int, set] = {}

@@ -4,7 +4,7 @@ a chunked body, before the route holds the whole body."""
 from __future__ import annotations
 
 import asyncio
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 from fastapi import FastAPI, Request
@@ -13,8 +13,8 @@ from starlette.exceptions import HTTPException
 
 from kvpipe.body_limit import BodyLimitMiddleware
 from kvpipe.config import ConfigError, ServerConfig
-from kvpipe.server.http_server import create_app
 from kvpipe.server.async_engine import EngineLike
+from kvpipe.server.http_server import create_app
 from kvpipe.transfer.bootstrap import MAX_BODY_BYTES, _app, _Registry
 
 LIMIT = 1000
@@ -37,6 +37,7 @@ def _echo_app(seen: list[int]) -> FastAPI:
             n += len(chunk)
             seen.append(n)  # how much of the body the route ever got
         return {"n": n}
+
     return app
 
 
@@ -45,8 +46,9 @@ def test_declared_length_over_the_limit_is_refused_before_any_byte_reaches_the_r
     client = TestClient(_echo_app(seen))
     r = client.post("/echo", content=b"x" * (LIMIT + 1))
     assert r.status_code == 413
-    assert r.json()["detail"] == (f"the request body of {LIMIT + 1} bytes exceeds the limit of {LIMIT} bytes "
-                                  "(raise it with --the-flag)")
+    assert r.json()["detail"] == (
+        f"the request body of {LIMIT + 1} bytes exceeds the limit of {LIMIT} bytes (raise it with --the-flag)"
+    )
     assert seen == []
 
 
@@ -115,8 +117,11 @@ def test_server_config_refuses_a_nonsense_limit(tmp_path) -> None:
 def test_bootstrap_server_caps_registrations_at_one_mib() -> None:
     assert MAX_BODY_BYTES == 1 << 20
     client = TestClient(_app(_Registry(), max_body_bytes=LIMIT))
-    r = client.put("/v1/prefill/ranks/0", content=b'{"rank": "' + b"0" * LIMIT + b'"}',
-                   headers={"content-type": "application/json"})
+    r = client.put(
+        "/v1/prefill/ranks/0",
+        content=b'{"rank": "' + b"0" * LIMIT + b'"}',
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 413 and f"limit of {LIMIT} bytes" in r.json()["detail"]
     r = client.put("/v1/prefill/ranks/0", content=_chunks(2 * LIMIT), headers={"content-type": "application/json"})
     assert r.status_code == 413
@@ -125,9 +130,11 @@ def test_bootstrap_server_caps_registrations_at_one_mib() -> None:
 
 def test_serve_flag_sets_the_limit(tmp_path) -> None:
     from kvpipe.cli import build_parser, server_config_from_args
+
     parser, _ = build_parser(["serve"])
     args = parser.parse_args(["serve", "--model-path", str(tmp_path), "--max-request-body-bytes", "4096"])
     assert server_config_from_args(args).max_request_body_bytes == 4096
     with pytest.raises(SystemExit, match="--max-request-body-bytes must be a positive integer"):
-        server_config_from_args(parser.parse_args(["serve", "--model-path", str(tmp_path),
-                                                   "--max-request-body-bytes", "0"]))
+        server_config_from_args(
+            parser.parse_args(["serve", "--model-path", str(tmp_path), "--max-request-body-bytes", "0"])
+        )

@@ -7,27 +7,51 @@ import socket
 
 import pytest
 
-from kvpipe.transfer.bootstrap import (BootstrapError, BootstrapNotReady, BootstrapServer,
-                                       BootstrapUnreachable, DecodeInfo, IncompatiblePeerError,
-                                       PrefillInstanceInfo, PrefillRankInfo, check_compatible,
-                                       fetch_prefill_info, fetch_prefill_rank, register_prefill_rank,
-                                       wait_prefill_info)
+from kvpipe.transfer.bootstrap import (
+    BootstrapError,
+    BootstrapNotReady,
+    BootstrapServer,
+    BootstrapUnreachable,
+    DecodeInfo,
+    IncompatiblePeerError,
+    PrefillInstanceInfo,
+    PrefillRankInfo,
+    check_compatible,
+    fetch_prefill_info,
+    fetch_prefill_rank,
+    register_prefill_rank,
+    wait_prefill_info,
+)
 from kvpipe.transfer.layout import KVLayout
 
 
 def layout(kv_heads=2, head_start=0, total=2, layers=2, page_size=4, dtype="float32", base=1 << 20) -> KVLayout:
     page = kv_heads * page_size * 8 * 4
-    return KVLayout(num_layers=layers, page_size=page_size, kv_heads=kv_heads, head_start=head_start,
-                    total_kv_heads=total, head_dim=8, dtype=dtype, itemsize=4,
-                    buffer_addrs=tuple(base + i * (1 << 16) for i in range(2 * layers)),
-                    buffer_nbytes=16 * page)
+    return KVLayout(
+        num_layers=layers,
+        page_size=page_size,
+        kv_heads=kv_heads,
+        head_start=head_start,
+        total_kv_heads=total,
+        head_dim=8,
+        dtype=dtype,
+        itemsize=4,
+        buffer_addrs=tuple(base + i * (1 << 16) for i in range(2 * layers)),
+        buffer_nbytes=16 * page,
+    )
 
 
 def rank_info(rank=0, tp=1, instance="inst-a", model="m", **kw) -> PrefillRankInfo:
     heads = 2 // tp
-    return PrefillRankInfo(rank=rank, tp_size=tp, layout=layout(kv_heads=heads, head_start=rank * heads, **kw),
-                           data_address=f"127.0.0.1:{17000 + rank}", control_address=f"tcp://127.0.0.1:{18000 + rank}",
-                           model_name=model, instance_id=instance)
+    return PrefillRankInfo(
+        rank=rank,
+        tp_size=tp,
+        layout=layout(kv_heads=heads, head_start=rank * heads, **kw),
+        data_address=f"127.0.0.1:{17000 + rank}",
+        control_address=f"tcp://127.0.0.1:{18000 + rank}",
+        model_name=model,
+        instance_id=instance,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +89,7 @@ def test_bad_registrations_are_refused(server):
     with pytest.raises(BootstrapError, match="HTTP 400"):
         register_prefill_rank("127.0.0.1", port, bad)
     import httpx
+
     r = httpx.put(f"{server.url}/v1/prefill/ranks/0", json={"rank": 0}, trust_env=False)
     assert r.status_code == 400 and "malformed" in r.json()["detail"]
     assert httpx.get(f"{server.url}/health", trust_env=False).status_code == 200
@@ -106,13 +131,16 @@ def test_check_compatible_accepts_heterogeneous_tp():
     check_compatible(instance(tp=1), DecodeInfo("m", 2, (layout(1, 0), layout(1, 1))))
 
 
-@pytest.mark.parametrize("decode, match", [
-    (DecodeInfo("other", 1, (layout(),)), "model 'm'.*'other'"),
-    (DecodeInfo("m", 1, (layout(page_size=8),)), "page size mismatch: 4 here vs 8"),
-    (DecodeInfo("m", 1, (layout(dtype="bfloat16"),)), "KV dtype mismatch"),
-    (DecodeInfo("m", 1, (layout(layers=3),)), "number of layers mismatch"),
-    (DecodeInfo("m", 2, (layout(),)), "tp_size 2 but 1 layouts"),
-])
+@pytest.mark.parametrize(
+    "decode, match",
+    [
+        (DecodeInfo("other", 1, (layout(),)), "model 'm'.*'other'"),
+        (DecodeInfo("m", 1, (layout(page_size=8),)), "page size mismatch: 4 here vs 8"),
+        (DecodeInfo("m", 1, (layout(dtype="bfloat16"),)), "KV dtype mismatch"),
+        (DecodeInfo("m", 1, (layout(layers=3),)), "number of layers mismatch"),
+        (DecodeInfo("m", 2, (layout(),)), "tp_size 2 but 1 layouts"),
+    ],
+)
 def test_check_compatible_refuses_mismatches(decode, match):
     with pytest.raises(IncompatiblePeerError, match=match):
         check_compatible(instance(tp=1), decode)
@@ -120,8 +148,15 @@ def test_check_compatible_refuses_mismatches(decode, match):
 
 def test_check_compatible_refuses_indivisible_tp():
     three = tuple(layout(kv_heads=2, total=6, head_start=2 * r) for r in range(3))
-    prefill = PrefillInstanceInfo("inst", 2, "m", tuple(
-        dataclasses.replace(rank_info(r, tp=2), layout=layout(kv_heads=3, total=6, head_start=3 * r)) for r in range(2)))
+    prefill = PrefillInstanceInfo(
+        "inst",
+        2,
+        "m",
+        tuple(
+            dataclasses.replace(rank_info(r, tp=2), layout=layout(kv_heads=3, total=6, head_start=3 * r))
+            for r in range(2)
+        ),
+    )
     with pytest.raises(IncompatiblePeerError, match="one must divide the other"):
         check_compatible(prefill, DecodeInfo("m", 3, three))
 

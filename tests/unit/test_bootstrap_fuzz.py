@@ -13,22 +13,38 @@ from urllib.parse import quote
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_messages_fuzz import _paths
 
 from kvpipe.transfer.bootstrap import PrefillRankInfo, _app, _Registry
 from kvpipe.transfer.layout import KVLayout
-from test_messages_fuzz import _paths
 
-FUZZ = settings(max_examples=120, deadline=None, database=None, derandomize=True,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+FUZZ = settings(
+    max_examples=120,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 
 # JSON as Python's json module reads it: inf and nan included (1e400 parses as inf)
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70) | st.floats() | st.text(max_size=20),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
-    max_leaves=15)
+    max_leaves=15,
+)
 
-LAYOUT = KVLayout(num_layers=1, page_size=4, kv_heads=1, head_start=0, total_kv_heads=1, head_dim=8,
-                  dtype="float32", itemsize=4, buffer_addrs=(1 << 20, 2 << 20), buffer_nbytes=16 * 4 * 8 * 4)
+LAYOUT = KVLayout(
+    num_layers=1,
+    page_size=4,
+    kv_heads=1,
+    head_start=0,
+    total_kv_heads=1,
+    head_dim=8,
+    dtype="float32",
+    itemsize=4,
+    buffer_addrs=(1 << 20, 2 << 20),
+    buffer_nbytes=16 * 4 * 8 * 4,
+)
 
 
 def registration(instance: str = "inst-real") -> dict[str, Any]:
@@ -45,8 +61,9 @@ def _check_still_serves(client: TestClient) -> None:
 def _put(client: TestClient, rank: Any, body: Any) -> int:
     # inf/nan go as Python's json writes them (Infinity, NaN), which the server's parser accepts
     raw = json.dumps(body, allow_nan=True)
-    return client.put(f"/v1/prefill/ranks/{quote(str(rank), safe='')}", content=raw, headers={"content-type": "application/json"}
-                      ).status_code
+    return client.put(
+        f"/v1/prefill/ranks/{quote(str(rank), safe='')}", content=raw, headers={"content-type": "application/json"}
+    ).status_code
 
 
 def test_any_json_body_is_a_client_error() -> None:
@@ -88,9 +105,11 @@ def test_any_path_and_method_is_a_client_error() -> None:
     client = TestClient(_app(_Registry()))
 
     @FUZZ
-    @given(st.sampled_from(["GET", "PUT", "POST", "DELETE", "PATCH"]),
-           st.lists(st.text(min_size=1, max_size=12).map(lambda p: quote(p, safe="")), max_size=5),
-           st.binary(max_size=64))
+    @given(
+        st.sampled_from(["GET", "PUT", "POST", "DELETE", "PATCH"]),
+        st.lists(st.text(min_size=1, max_size=12).map(lambda p: quote(p, safe="")), max_size=5),
+        st.binary(max_size=64),
+    )
     def request_anything(method: str, parts: list[str], body: bytes) -> None:
         r = client.request(method, "/" + "/".join(parts), content=body)
         assert r.status_code < 500
@@ -139,16 +158,23 @@ def test_with_a_token_nothing_unsigned_gets_through() -> None:
 
     def signed_put(body: dict[str, Any]) -> int:
         raw = json.dumps(body).encode()
-        return client.put("/v1/prefill/ranks/0", content=raw, headers={
-            "content-type": "application/json", HTTP_HEADER: signer.sign_http("PUT", "/v1/prefill/ranks/0", raw)}
+        return client.put(
+            "/v1/prefill/ranks/0",
+            content=raw,
+            headers={
+                "content-type": "application/json",
+                HTTP_HEADER: signer.sign_http("PUT", "/v1/prefill/ranks/0", raw),
+            },
         ).status_code
 
     assert signed_put(registration()) == 200
 
     @FUZZ
-    @given(st.sampled_from([("GET", "/v1/prefill/ranks"), ("GET", "/v1/prefill/ranks/0"),
-                            ("PUT", "/v1/prefill/ranks/0")]),
-           JSON, st.none() | st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=80))
+    @given(
+        st.sampled_from([("GET", "/v1/prefill/ranks"), ("GET", "/v1/prefill/ranks/0"), ("PUT", "/v1/prefill/ranks/0")]),
+        JSON,
+        st.none() | st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=80),
+    )
     def forge(route: tuple[str, str], body: Any, header: str | None) -> None:
         method, path = route
         headers = {"content-type": "application/json", **({HTTP_HEADER: header} if header is not None else {})}

@@ -7,14 +7,18 @@ import pytest
 from kvpipe.server.core_split import CoreSplit, ServerCores, has_flag, server_cores, split_cores
 
 
-@pytest.mark.parametrize("cores, prefill, decode", [
-    ((0, 1), (0,), (1,)),
-    ((0, 1, 2), (0, 1), (2,)),
-    ((0, 1, 2, 3), (0, 1), (2, 3)),
-    ((7, 3, 5, 1, 9), (1, 3, 5), (7, 9)),  # sorted, prefill gets the larger half
-])
-def test_split_is_disjoint_and_covers_every_core(cores: tuple[int, ...], prefill: tuple[int, ...],
-                                                 decode: tuple[int, ...]) -> None:
+@pytest.mark.parametrize(
+    "cores, prefill, decode",
+    [
+        ((0, 1), (0,), (1,)),
+        ((0, 1, 2), (0, 1), (2,)),
+        ((0, 1, 2, 3), (0, 1), (2, 3)),
+        ((7, 3, 5, 1, 9), (1, 3, 5), (7, 9)),  # sorted, prefill gets the larger half
+    ],
+)
+def test_split_is_disjoint_and_covers_every_core(
+    cores: tuple[int, ...], prefill: tuple[int, ...], decode: tuple[int, ...]
+) -> None:
     s = split_cores(cores)
     assert (s.prefill, s.decode) == (prefill, decode)
     assert s.disjoint and set(s.prefill) | set(s.decode) == set(cores)

@@ -36,8 +36,14 @@ def test_bad_values_are_refused(threads: int, tp: int) -> None:
 
 def test_report_and_log_line() -> None:
     p = plan_cpu_threads(None, 2, (0, 1, 2, 3))
-    assert p.as_dict() == {"per_rank": 2, "tp_size": 2, "total": 4, "interop": 1, "source": "affinity",
-                           "affinity": [0, 1, 2, 3]}
+    assert p.as_dict() == {
+        "per_rank": 2,
+        "tp_size": 2,
+        "total": 4,
+        "interop": 1,
+        "source": "affinity",
+        "affinity": [0, 1, 2, 3],
+    }
     line = p.describe()
     assert "\n" not in line and "2 intra-op per TP rank x 2" in line and "0-3" in line
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import pytest
-
 from kvpipe.engine.errors import EngineLost
 from kvpipe.server.async_engine import MAX_CONSECUTIVE_STEP_FAILURES, AsyncEngine
 

@@ -20,6 +20,8 @@ def test_length_counts_the_completion_tokens() -> None:
 
 
 def test_abort_always_has_a_message() -> None:
-    assert finish_reason_json(FinishReason.ABORT, "KV transfer failed", 0) == {"type": "abort",
-                                                                                "message": "KV transfer failed"}
+    assert finish_reason_json(FinishReason.ABORT, "KV transfer failed", 0) == {
+        "type": "abort",
+        "message": "KV transfer failed",
+    }
     assert finish_reason_json(FinishReason.ABORT, None, 0) == {"type": "abort", "message": "aborted"}

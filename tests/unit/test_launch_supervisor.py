@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvpipe.server import launcher
-from kvpipe.server.launcher import PDStack, PartSpec
+from kvpipe.server.launcher import PartSpec, PDStack
 from kvpipe.server.supervisor import PartState, PartTracker, RestartPolicy, Supervisor
 
 
@@ -16,8 +16,16 @@ def test_backoff_doubles_up_to_the_cap() -> None:
     assert p.delay_s(10_000) == 10.0  # no overflow
 
 
-@pytest.mark.parametrize("kw", [{"max_restarts": -1}, {"window_s": 0}, {"backoff_s": -1.0},
-                                {"backoff_s": 5.0, "backoff_max_s": 1.0}, {"start_timeout_s": 0}])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"max_restarts": -1},
+        {"window_s": 0},
+        {"backoff_s": -1.0},
+        {"backoff_s": 5.0, "backoff_max_s": 1.0},
+        {"start_timeout_s": 0},
+    ],
+)
 def test_bad_policies_are_rejected(kw: dict) -> None:
     with pytest.raises(ValueError):
         RestartPolicy(**kw)
@@ -110,16 +118,18 @@ def test_tick_restarts_only_the_dead_part(monkeypatch: pytest.MonkeyPatch) -> No
     assert sup.failed == ["decode"] and "giving up" in lines[-1]
 
 
-def test_launch_gives_up_with_exit_code_1_and_stops_in_order(monkeypatch: pytest.MonkeyPatch,
-                                                              capsys: pytest.CaptureFixture) -> None:
+def test_launch_gives_up_with_exit_code_1_and_stops_in_order(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     import argparse
     import signal
 
     stopped: list[str] = []
     procs = [FakeProc([n]) for n in launcher.PARTS]
     procs[0].returncode = 1  # the prefill dies at once; --max-restarts 0: no restart
-    stack = PDStack("p", "d", "r", 1, specs=[PartSpec(n, (n,), f"http://{n}/health") for n in launcher.PARTS],
-                    procs=procs)
+    stack = PDStack(
+        "p", "d", "r", 1, specs=[PartSpec(n, (n,), f"http://{n}/health") for n in launcher.PARTS], procs=procs
+    )
     monkeypatch.setattr(launcher, "start_pd_stack", lambda *a, **kw: stack)
     monkeypatch.setattr(launcher, "stop_process", lambda p, timeout_s=10.0: stopped.append(p.args[0]))
     monkeypatch.setattr(launcher, "_spawn", lambda *a, **kw: pytest.fail("nothing may be restarted"))

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from kvpipe.disagg.layer_groups import (ComputeEstimator, LayerGroupPlanner, LayerGroupPolicy, LinkEstimator,
-                                        predicted_ttft_ms, split_layers)
+from kvpipe.disagg.layer_groups import (
+    ComputeEstimator,
+    LayerGroupPlanner,
+    LayerGroupPolicy,
+    LinkEstimator,
+    predicted_ttft_ms,
+    split_layers,
+)
 
 
 def test_predicted_ttft_matches_the_two_regimes():

@@ -20,8 +20,9 @@ L, PS, HD, PAGES = 4, 4, 8, 64
 
 
 def layout(base: int) -> KVLayout:
-    return KVLayout(L, PS, 2, 0, 2, HD, "float32", 4, tuple(base + i * (1 << 20) for i in range(2 * L)),
-                    PAGES * 2 * PS * HD * 4)
+    return KVLayout(
+        L, PS, 2, 0, 2, HD, "float32", 4, tuple(base + i * (1 << 20) for i in range(2 * L)), PAGES * 2 * PS * HD * 4
+    )
 
 
 def book() -> SenderBook:
@@ -35,8 +36,11 @@ def book() -> SenderBook:
 
 def submit(b: SenderBook, now: float) -> list:
     take, _, _ = b.take_work(now)
-    b.record([(r, bt, BatchHandle(i, bt.peer, bt.num_ops, 1000 * bt.num_ops), None)
-              for i, (r, bt) in enumerate(take)], [], now)
+    b.record(
+        [(r, bt, BatchHandle(i, bt.peer, bt.num_ops, 1000 * bt.num_ops), None) for i, (r, bt) in enumerate(take)],
+        [],
+        now,
+    )
     return take
 
 
@@ -134,8 +138,9 @@ def test_observers_hear_every_choice_and_landed_room():
             heard.append(("room", timing.room, tail_ms))
 
     clock = FakeClock()
-    pipe = LayerPipeline(LayerGroupPolicy(fixed_groups=2), num_layers=4, token_nbytes=10, clock=clock,
-                         observers=[Spy()])
+    pipe = LayerPipeline(
+        LayerGroupPolicy(fixed_groups=2), num_layers=4, token_nbytes=10, clock=clock, observers=[Spy()]
+    )
     pipe.begin(tokens=100, send_tokens=100)
     pipe.end()
     timing = TransferTiming(room=3, nbytes=1000, busy_s=0.01, first_submit_at=1.0, last_done_at=2.5)
@@ -144,8 +149,13 @@ def test_observers_hear_every_choice_and_landed_room():
     assert heard == [("groups", 100, 2), ("room", 3, 500.0), ("room", 4, None)]
     c = pipe.counters
     assert (c.rooms_landed, c.bytes_landed, c.tail_count, c.tail_ms_sum) == (2, 1500, 1, 500.0)
-    assert c.snapshot() == {"num_groups": 2, "layer_groups_reason": "fixed", "layer_group_batches": {2: 1},
-                            "transfer_tail_ms_sum": 500.0, "transfer_tail_count": 1}
+    assert c.snapshot() == {
+        "num_groups": 2,
+        "layer_groups_reason": "fixed",
+        "layer_group_batches": {2: 1},
+        "transfer_tail_ms_sum": 500.0,
+        "transfer_tail_count": 1,
+    }
 
 
 def test_a_hybrid_batch_counts_each_final_state_once_whatever_its_length():

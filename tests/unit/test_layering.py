@@ -24,8 +24,11 @@ def _imported_modules(path: Path) -> set[str]:
 
 
 def test_only_entry_points_import_the_cli() -> None:
-    offenders = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
-                       if str(p.relative_to(PACKAGE)) not in ENTRY_POINTS and "kvpipe.cli" in _imported_modules(p))
+    offenders = sorted(
+        str(p.relative_to(PACKAGE))
+        for p in PACKAGE.rglob("*.py")
+        if str(p.relative_to(PACKAGE)) not in ENTRY_POINTS and "kvpipe.cli" in _imported_modules(p)
+    )
     assert offenders == []
 
 
@@ -60,8 +63,11 @@ def test_only_the_engine_touches_its_scheduler_finisher_and_runner() -> None:
         text = p.read_text()
         for attr in ENGINE_INTERNALS:
             # config objects have a `.scheduler` too (cfg.scheduler.chunked_prefill_size): those are fine
-            hits = [line for line in text.splitlines() if attr in line and "cfg.scheduler." not in line
-                    and "c.scheduler." not in line]
+            hits = [
+                line
+                for line in text.splitlines()
+                if attr in line and "cfg.scheduler." not in line and "c.scheduler." not in line
+            ]
             if hits:
                 offenders.append((str(rel), attr, hits[:2]))
     assert offenders == []

@@ -64,7 +64,7 @@ def test_failure_injection_is_seeded_and_writes_a_prefix():
             states.append(h.state)
             landed = int(np.count_nonzero(dst[:1024] == src[:1024]) // 64) if h.state is BatchState.FAILED else 16
             # the landed ops are a prefix: everything after it is untouched
-            assert (dst[:landed * 64] == src[:landed * 64]).all() and not dst[landed * 64 + 64:1024].any()
+            assert (dst[: landed * 64] == src[: landed * 64]).all() and not dst[landed * 64 + 64 : 1024].any()
         outcomes.append(states)
     assert outcomes[0] == outcomes[1]  # same seed, same failures
     assert 5 < outcomes[0].count(BatchState.FAILED) < 35

@@ -8,19 +8,55 @@ import msgpack
 import pytest
 
 from kvpipe.transfer.layout import KVLayout
+from kvpipe.transfer.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    AuxData,
+    Heartbeat,
+    ProtocolError,
+    RegisterPeer,
+    Side,
+    StagingChunkDone,
+    StagingChunkWritten,
+    StagingInfo,
+    StagingSlotGrant,
+    StagingSlotRequest,
+    TransferRequest,
+    TransferStatus,
+    WireState,
+    decode,
+    encode,
+)
 from kvpipe.transfer.state_layout import StateLayout
-from kvpipe.transfer.messages import (PROTOCOL_VERSION, Abort, AuxData, Heartbeat, ProtocolError, RegisterPeer,
-                                      Side, StagingChunkDone, StagingChunkWritten, StagingInfo, StagingSlotGrant,
-                                      StagingSlotRequest, TransferRequest, TransferStatus, WireState, decode, encode)
 
-LAYOUT = KVLayout(num_layers=2, page_size=16, kv_heads=2, head_start=2, total_kv_heads=4, head_dim=64,
-                  dtype="bfloat16", itemsize=2, buffer_addrs=(0x7F0000001000, 0x7F0000101000, 0x7F0000201000,
-                                                             0x7F0000301000), buffer_nbytes=16 * 2 * 16 * 64 * 2)
+LAYOUT = KVLayout(
+    num_layers=2,
+    page_size=16,
+    kv_heads=2,
+    head_start=2,
+    total_kv_heads=4,
+    head_dim=64,
+    dtype="bfloat16",
+    itemsize=2,
+    buffer_addrs=(0x7F0000001000, 0x7F0000101000, 0x7F0000201000, 0x7F0000301000),
+    buffer_nbytes=16 * 2 * 16 * 64 * 2,
+)
 ROOM = (1 << 63) - 5
-STATE = StateLayout(num_model_layers=4, kv_layers=(3,), linear_layers=(0, 1, 2), num_slots=8, conv_dim=96,
-                    conv_len=3, heads=2, key_dim=16, value_dim=16, conv_dtype="bfloat16", conv_itemsize=2,
-                    conv_addrs=(0x7E0000000000, 0x7E0000100000, 0x7E0000200000),
-                    recurrent_addrs=(0x7E0000300000, 0x7E0000400000, 0x7E0000500000))
+STATE = StateLayout(
+    num_model_layers=4,
+    kv_layers=(3,),
+    linear_layers=(0, 1, 2),
+    num_slots=8,
+    conv_dim=96,
+    conv_len=3,
+    heads=2,
+    key_dim=16,
+    value_dim=16,
+    conv_dtype="bfloat16",
+    conv_itemsize=2,
+    conv_addrs=(0x7E0000000000, 0x7E0000100000, 0x7E0000200000),
+    recurrent_addrs=(0x7E0000300000, 0x7E0000400000, 0x7E0000500000),
+)
 
 MESSAGES = [
     RegisterPeer("decode-0-abc", 1, 2, "10.0.0.2:15000", "tcp://10.0.0.2:5555", LAYOUT),
@@ -30,8 +66,15 @@ MESSAGES = [
     TransferStatus(7, "s", WireState.FAILED, reason="queue-full"),
     Abort(ROOM, "s", Side.PREFILL, "client disconnected"),
     Heartbeat("s", 12345),
-    RegisterPeer("d/1", 1, 2, "10.0.0.2:15000", "tcp://10.0.0.2:5555", LAYOUT,
-                 StagingInfo("tcp://10.0.0.2:5556", 0x7F0000401000, 64 << 20)),
+    RegisterPeer(
+        "d/1",
+        1,
+        2,
+        "10.0.0.2:15000",
+        "tcp://10.0.0.2:5555",
+        LAYOUT,
+        StagingInfo("tcp://10.0.0.2:5556", 0x7F0000401000, 64 << 20),
+    ),
     StagingSlotRequest(ROOM, "p/0", 9, 1 << 20, "tcp://10.0.0.1:5555"),
     StagingSlotGrant(ROOM, 9, "d/1", True, 4096),
     StagingSlotGrant(ROOM, 9, "d/1", False, reason="larger than the ring"),
@@ -57,10 +100,12 @@ STATUS_BYTES = {
         "87a46b696e64af7472616e736665725f737461747573a776657273696f6e05a4726f6f6d07aa73657373696f6e5f6964"
         "a3642f30a57374617465a773756363657373a6726561736f6ea0a361757884a4726f6f6d07ae66697273745f746f6b65"
         "6e5f69642ab366697273745f746f6b656e5f6c6f6770726f62cbbfd0000000000000ad6361636865645f746f6b656e73"
-        "cc80"),
+        "cc80"
+    ),
     "failed": bytes.fromhex(
         "87a46b696e64af7472616e736665725f737461747573a776657273696f6e05a4726f6f6d07aa73657373696f6e5f6964"
-        "a3642f30a57374617465a66661696c6564a6726561736f6eaa71756575652d66756c6ca3617578c0"),
+        "a3642f30a57374617465a66661696c6564a6726561736f6eaa71756575652d66756c6ca3617578c0"
+    ),
 }
 
 
@@ -137,14 +182,17 @@ def mutated(msg, **changes) -> bytes:
     return msgpack.packb(fields, use_bin_type=True)
 
 
-@pytest.mark.parametrize("changes", [
-    {"dst_pages": [1, 2, 3]},  # a list, not int64 bytes
-    {"dst_pages": b"\x00" * 7},  # not a whole number of int64
-    {"dst_pages": (-1).to_bytes(8, "little", signed=True)},  # negative page id
-    {"prefix_len": -16},
-    {"room": "5"},
-    {"aux_slot": None},
-])
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"dst_pages": [1, 2, 3]},  # a list, not int64 bytes
+        {"dst_pages": b"\x00" * 7},  # not a whole number of int64
+        {"dst_pages": (-1).to_bytes(8, "little", signed=True)},  # negative page id
+        {"prefix_len": -16},
+        {"room": "5"},
+        {"aux_slot": None},
+    ],
+)
 def test_bad_transfer_request_fields(changes):
     with pytest.raises(ProtocolError):
         decode(mutated(MESSAGES[1], **changes))
@@ -152,8 +200,13 @@ def test_bad_transfer_request_fields(changes):
 
 def test_bad_nested_layout_and_status():
     layout = good_fields(MESSAGES[0])["layout"]
-    for bad in ({**layout, "kv_heads": 0}, {**layout, "buffer_addrs": b"\x01" * 8}, {**layout, "extra": 1},
-                {**layout, "head_start": 3}, "layout"):
+    for bad in (
+        {**layout, "kv_heads": 0},
+        {**layout, "buffer_addrs": b"\x01" * 8},
+        {**layout, "extra": 1},
+        {**layout, "head_start": 3},
+        "layout",
+    ):
         with pytest.raises(ProtocolError):
             decode(mutated(MESSAGES[0], layout=bad))
     with pytest.raises(ProtocolError, match="aux"):
@@ -172,7 +225,7 @@ def test_random_bytes_and_truncations_only_raise_protocol_error():
         blobs += [data[:i] for i in range(len(data))]
         for _ in range(50):  # single-byte corruptions
             i = rng.randrange(len(data))
-            blobs.append(data[:i] + bytes([rng.randrange(256)]) + data[i + 1:])
+            blobs.append(data[:i] + bytes([rng.randrange(256)]) + data[i + 1 :])
     for blob in blobs:
         try:
             decode(blob)

@@ -19,18 +19,24 @@ from kvpipe.transfer.layout import KVLayout
 from kvpipe.transfer.messages import MESSAGE_TYPES, PROTOCOL_VERSION, decode, encode
 
 # bounded: the whole file runs in seconds on a shared 2-core machine
-FUZZ = settings(max_examples=100, deadline=None, database=None, derandomize=True,
-                suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=100, deadline=None, database=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
 KINDS = sorted(MESSAGE_TYPES)
 
 WIRE_INTS = st.integers(0, (1 << 63) - 1)
 # anything msgpack can carry, including the types the codec refuses for a field (bytes for a
 # str, bool for an int, negative and 64-bit-unsigned ints, nested containers)
 MSGPACK_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers(-(1 << 63), (1 << 64) - 1) | st.floats() | st.text(max_size=20)
+    st.none()
+    | st.booleans()
+    | st.integers(-(1 << 63), (1 << 64) - 1)
+    | st.floats()
+    | st.text(max_size=20)
     | st.binary(max_size=40),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-    max_leaves=12)
+    max_leaves=12,
+)
 
 
 @st.composite
@@ -43,8 +49,18 @@ def layouts(draw: st.DrawFn) -> KVLayout:
     head_dim, itemsize = draw(st.integers(1, 128)), draw(st.sampled_from([1, 2, 4]))
     pages = draw(st.integers(0, 1000))
     addrs = draw(st.lists(WIRE_INTS, min_size=2 * num_layers, max_size=2 * num_layers))
-    return KVLayout(num_layers, page_size, kv_heads, head_start, total, head_dim, draw(st.text(max_size=10)),
-                    itemsize, tuple(addrs), pages * kv_heads * page_size * head_dim * itemsize)
+    return KVLayout(
+        num_layers,
+        page_size,
+        kv_heads,
+        head_start,
+        total,
+        head_dim,
+        draw(st.text(max_size=10)),
+        itemsize,
+        tuple(addrs),
+        pages * kv_heads * page_size * head_dim * itemsize,
+    )
 
 
 def strategy_for(tp: Any) -> st.SearchStrategy:
@@ -93,7 +109,6 @@ def _decode_or_protocol_error(data: bytes) -> Any:
     assert type(msg) in MESSAGE_TYPES.values()
     assert decode(encode(msg)) == msg  # whatever it accepted, it can say again
     return msg
-
 
 
 @settings(FUZZ, max_examples=40)  # each example draws all nine kinds
@@ -158,7 +173,7 @@ def test_a_valid_message_truncated_or_corrupted(msg: Any, at: int, junk: bytes) 
     raw = encode(msg)
     at %= len(raw)
     _decode_or_protocol_error(raw[:at])
-    _decode_or_protocol_error(raw[:at] + junk + raw[at + len(junk):])
+    _decode_or_protocol_error(raw[:at] + junk + raw[at + len(junk) :])
 
 
 def test_strategies_cover_every_field_type() -> None:

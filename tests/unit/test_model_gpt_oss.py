@@ -14,32 +14,57 @@ import torch.multiprocessing as mp
 
 transformers = pytest.importorskip("transformers")
 
+from model_utils import all_logits, greedy_generate, hf_logits, incremental_logits, make_pool, prompt_ids, save  # noqa: E402
+from test_model_tp import _run, _worker  # noqa: E402
+
 from kvpipe.config import ConfigError, ModelConfig, ParallelConfig  # noqa: E402
 from kvpipe.model.forward_batch import ForwardBatch  # noqa: E402
 from kvpipe.model.loader import load_model  # noqa: E402
 from kvpipe.model.presets import write_preset  # noqa: E402
 from kvpipe.model.tokenizer import Tokenizer  # noqa: E402
-from model_utils import all_logits, greedy_generate, hf_logits, incremental_logits, make_pool, prompt_ids, save  # noqa: E402
-from test_model_tp import _run, _worker  # noqa: E402
 
 ATOL = 1e-4
 VOCAB = 160  # = model_utils.VOCAB, which prompt_ids draws from
-YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
-        "truncate": False, "original_max_position_embeddings": 64}
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 150000.0,
+    "factor": 4.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 64,
+}
 CASES = {
     # HF's default pattern (sliding, full, ...), window 8, GQA, biases on q/k/v/o
     "alternating_gqa": dict(num_hidden_layers=4, num_key_value_heads=2, sliding_window=8),
     # full first, then two sliding layers of window 5; MHA, no attention biases, top-3 routing
-    "custom_layers_mha": dict(num_hidden_layers=3, num_key_value_heads=4, sliding_window=5,
-                              layer_types=["full_attention", "sliding_attention", "sliding_attention"],
-                              attention_bias=False, num_experts_per_tok=3),
+    "custom_layers_mha": dict(
+        num_hidden_layers=3,
+        num_key_value_heads=4,
+        sliding_window=5,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+        attention_bias=False,
+        num_experts_per_tok=3,
+    ),
 }
 
 
 def hf_gpt_oss(seed: int = 0, **overrides):
-    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, head_dim=16, num_attention_heads=4,
-              num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=256, rope_parameters=YARN,
-              initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=32,
+        head_dim=16,
+        num_attention_heads=4,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+        rope_parameters=YARN,
+        initializer_range=0.1,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     kw.update(overrides)
     torch.manual_seed(seed)
     model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**kw)).eval()
@@ -57,7 +82,6 @@ def hf_gpt_oss(seed: int = 0, **overrides):
 def case(request, tmp_path_factory):
     hf = hf_gpt_oss(**CASES[request.param])
     return hf, load_model(save(hf, tmp_path_factory.mktemp(request.param)))
-
 
 
 def test_config_fields(case):
@@ -107,7 +131,7 @@ def test_batched_decode_rows_of_different_lengths_match_hf(case):
 def test_greedy_generation_matches_hf_generate(case):
     hf, ours = case
     prompt = prompt_ids(10, seed=6)
-    want = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)[0, len(prompt):].tolist()
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)[0, len(prompt) :].tolist()
     assert len(want) == 32
     assert greedy_generate(ours, prompt, 32, page_size=4) == want
 
@@ -119,8 +143,9 @@ def test_tp_matches_tp1(world, tmp_path):
     tokens and logits of tp=1 (test_model_tp's harness: 13-token prompt in chunks of 5, decode
     past the window of 8, 32 greedy tokens)."""
     d = str(save(hf_gpt_oss(**CASES["alternating_gqa"]), tmp_path / "model"))
-    mp.spawn(_worker, args=(world, str(tmp_path / "rendezvous"), {"gpt_oss": d}, str(tmp_path)),
-             nprocs=world, join=True)
+    mp.spawn(
+        _worker, args=(world, str(tmp_path / "rendezvous"), {"gpt_oss": d}, str(tmp_path)), nprocs=world, join=True
+    )
     want_logits, _, want_greedy = _run(Path(d), ParallelConfig())
     for rank in range(world):
         got = torch.load(tmp_path / f"gpt_oss-{rank}.pt")
@@ -142,11 +167,14 @@ def test_mxfp4_checkpoint_is_refused(tmp_path):
         load_model(path)
 
 
-@pytest.mark.parametrize("changes, match", [
-    (dict(layer_types=["sliding_attention", "chunked_attention"]), "unsupported layer types"),
-    (dict(layer_types=["full_attention"]), "layer_types has 1 entries"),
-    (dict(sliding_window=None), "sliding_window"),
-])
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (dict(layer_types=["sliding_attention", "chunked_attention"]), "unsupported layer types"),
+        (dict(layer_types=["full_attention"]), "layer_types has 1 entries"),
+        (dict(sliding_window=None), "sliding_window"),
+    ],
+)
 def test_bad_attention_configs_are_refused(tmp_path, changes, match):
     with pytest.raises(ConfigError, match=match):
         ModelConfig.from_dir(_config(tmp_path, **changes))
@@ -167,7 +195,7 @@ def test_tiny_gpt_oss_preset(tmp_path):
     prompt = tok.encode("the cat and the dog " * 8)
     assert len(prompt) > 2 * cfg.sliding_window
     out = greedy_generate(model, prompt, 32, page_size=8)
-    assert out == hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)[0, len(prompt):].tolist()
+    assert out == hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)[0, len(prompt) :].tolist()
     assert len(set(out)) >= 4, out
 
 

@@ -2,26 +2,33 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
+from model_utils import VOCAB, all_logits, greedy_generate, hf_logits, incremental_logits, make_pool, prompt_ids, save  # noqa: E402,F401
+
 from kvpipe.model.forward_batch import ForwardBatch  # noqa: E402
 from kvpipe.model.loader import load_model  # noqa: E402
-from model_utils import VOCAB, all_logits, greedy_generate, hf_logits, incremental_logits, make_pool, prompt_ids, save  # noqa: E402,F401
 
 ATOL = 1e-4
 
-LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": 32}
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
 CASES = {
     # GQA, untied, llama3 frequency scaling (wavelengths on both sides of the smoothing band)
     "llama_gqa_llama3": ("llama", dict(num_key_value_heads=2, rope_scaling=LLAMA3_SCALING, rope_theta=500.0)),
     # MHA, tied embeddings, linear position interpolation
-    "llama_mha_tied_linear": ("llama", dict(num_key_value_heads=4, tie_word_embeddings=True,
-                                            rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "llama_mha_tied_linear": (
+        "llama",
+        dict(num_key_value_heads=4, tie_word_embeddings=True, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    ),
     "qwen2_gqa_tied_bias": ("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=True)),
     "qwen3_gqa_qknorm": ("qwen3", dict(num_key_value_heads=1, head_dim=24, tie_word_embeddings=False)),
     # 8 experts top-2, softmax routing without renormalisation; layer 1 keeps a dense MLP
@@ -43,9 +50,18 @@ def hf_model(family: str, seed: int = 0, **overrides):
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "minimax_m2": (transformers.MiniMaxM2Config, transformers.MiniMaxM2ForCausalLM),
     }[family]
-    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-              num_attention_heads=4, max_position_embeddings=256, initializer_range=0.1,
-              bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        initializer_range=0.1,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     kw.update(MOE_DEFAULTS.get(family, {}))
     kw.update(overrides)
     torch.manual_seed(seed)
@@ -61,14 +77,11 @@ def hf_model(family: str, seed: int = 0, **overrides):
     return model
 
 
-
 @pytest.fixture(scope="module", params=sorted(CASES))
 def case(request, tmp_path_factory):
     family, overrides = CASES[request.param]
     hf = hf_model(family, **overrides)
     return hf, load_model(save(hf, tmp_path_factory.mktemp(request.param)))
-
-
 
 
 def test_full_prompt_logits_match_hf(case):
@@ -121,7 +134,7 @@ def test_layer_groups_equal_full_forward(case):
 def test_greedy_generation_matches_hf_generate(case):
     hf, ours = case
     prompt = prompt_ids(10, seed=6)
-    want = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)[0, len(prompt):].tolist()
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)[0, len(prompt) :].tolist()
     assert len(want) == 32
     assert greedy_generate(ours, prompt, 32, page_size=4) == want
 

@@ -74,8 +74,12 @@ def test_missing_lm_head_when_untied(model_copy):
 
 def test_missing_shard_file(model_copy):
     (model_copy / "model.safetensors").rename(model_copy / "model-00001-of-00002.safetensors")
-    index = {"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors",
-                            "model.embed_tokens.weight": "model-00002-of-00002.safetensors"}}
+    index = {
+        "weight_map": {
+            "model.norm.weight": "model-00001-of-00002.safetensors",
+            "model.embed_tokens.weight": "model-00002-of-00002.safetensors",
+        }
+    }
     (model_copy / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ConfigError, match="model-00002-of-00002.safetensors"):
         load_model(model_copy)
@@ -87,11 +91,14 @@ def test_shape_mismatch(model_copy):
         load_model(model_copy)
 
 
-@pytest.mark.parametrize("changes, match", [
-    ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "rope_scaling type 'dynamic'"),
-    ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"mlp_bias": True}, "mlp_bias"),
-])
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "rope_scaling type 'dynamic'"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"mlp_bias": True}, "mlp_bias"),
+    ],
+)
 def test_unsupported_options(model_copy, changes, match):
     edit_config(model_copy, **changes)
     with pytest.raises(ConfigError, match=match):

@@ -18,6 +18,8 @@ import torch.multiprocessing as mp
 
 transformers = pytest.importorskip("transformers")
 
+from model_utils import all_logits, greedy_generate, incremental_logits, make_pool  # noqa: E402
+from test_model_hf_parity import VOCAB, hf_logits, hf_model, prompt_ids, save  # noqa: E402
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale  # noqa: E402
 
@@ -28,20 +30,27 @@ from kvpipe.model.mla import MLAttention, mla_softmax_scale  # noqa: E402
 from kvpipe.model.presets import write_preset  # noqa: E402
 from kvpipe.model.rope import rope_attention_factor, rope_cos_sin, rope_inv_freq, rope_type  # noqa: E402
 from kvpipe.model.tokenizer import Tokenizer  # noqa: E402
-from model_utils import all_logits, greedy_generate, incremental_logits, make_pool  # noqa: E402
-from test_model_hf_parity import VOCAB, hf_logits, hf_model, prompt_ids, save  # noqa: E402
 
 ATOL = 1e-4
 
-YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 1.0,
-        "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1, "rope_theta": 10000.0}
+YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.707,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "rope_theta": 10000.0,
+}
 CASES = {
     # q LoRA (q_a_proj -> q_a_layernorm -> q_b_proj), interleaved rope pairs; layer 0 dense, then MoE
     "qlora_interleave_moe": dict(q_lora_rank=24, rope_interleave=True, first_k_dense_replace=1),
     # one full q_proj; yarn (inv_freq ramp, cos/sin attention_factor, mscale_all_dim softmax scale);
     # random q_a/kv_a/o biases (o_proj's added once after the TP all-reduce); MoE from layer 1
-    "noqlora_yarn_bias_moe": dict(q_lora_rank=None, rope_interleave=True, rope_parameters=YARN,
-                                  attention_bias=True, first_k_dense_replace=1),
+    "noqlora_yarn_bias_moe": dict(
+        q_lora_rank=None, rope_interleave=True, rope_parameters=YARN, attention_bias=True, first_k_dense_replace=1
+    ),
     # rotate_half rope layout, every layer dense
     "qlora_rotate_half_dense": dict(q_lora_rank=24, rope_interleave=False, first_k_dense_replace=3),
 }
@@ -50,12 +59,30 @@ CASES = {
 def hf_mla_model(seed: int = 0, **overrides):
     """A random tiny DeepSeek-V3: layers before first_k_dense_replace dense, the others sparse
     (8 experts in 4 groups, top-2 from the best 2 groups, one shared expert)."""
-    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-              num_hidden_layers=3, num_attention_heads=4, kv_lora_rank=16, q_lora_rank=24,
-              qk_nope_head_dim=10, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, n_shared_experts=1,
-              num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=3,
-              max_position_embeddings=256, initializer_range=0.1,
-              bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_nope_head_dim=10,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=3,
+        max_position_embeddings=256,
+        initializer_range=0.1,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     kw.update(overrides)
     torch.manual_seed(seed)
     model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**kw)).eval()
@@ -78,19 +105,36 @@ def case(request, tmp_path_factory):
 
 # ---- RoPE ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("params", [
-    YARN,
-    {**YARN, "mscale": 1.0, "mscale_all_dim": 1.0, "factor": 40.0},  # DeepSeek-V3's own: attention_factor 1
-    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "rope_theta": 500.0},
-    {"rope_type": "yarn", "factor": 3.0, "original_max_position_embeddings": 128, "truncate": False,
-     "beta_fast": 16, "beta_slow": 2, "rope_theta": 10000.0},
-    {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64, "attention_factor": 0.9,
-     "rope_theta": 10000.0},
-])
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        YARN,
+        {**YARN, "mscale": 1.0, "mscale_all_dim": 1.0, "factor": 40.0},  # DeepSeek-V3's own: attention_factor 1
+        {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "rope_theta": 500.0},
+        {
+            "rope_type": "yarn",
+            "factor": 3.0,
+            "original_max_position_embeddings": 128,
+            "truncate": False,
+            "beta_fast": 16,
+            "beta_slow": 2,
+            "rope_theta": 10000.0,
+        },
+        {
+            "rope_type": "yarn",
+            "factor": 2.0,
+            "original_max_position_embeddings": 64,
+            "attention_factor": 0.9,
+            "rope_theta": 10000.0,
+        },
+    ],
+)
 @pytest.mark.parametrize("rope_dim", [8, 64])
 def test_yarn_matches_transformers(params, rope_dim):
-    cfg = transformers.DeepseekV3Config(qk_rope_head_dim=rope_dim, max_position_embeddings=256,
-                                        rope_parameters=dict(params))
+    cfg = transformers.DeepseekV3Config(
+        qk_rope_head_dim=rope_dim, max_position_embeddings=256, rope_parameters=dict(params)
+    )
     want_inv_freq, want_factor = ROPE_INIT_FUNCTIONS["yarn"](cfg)
     scaling = {k: v for k, v in params.items() if k != "rope_theta"}
     got = rope_inv_freq(rope_dim, params["rope_theta"], scaling, 256)
@@ -107,9 +151,16 @@ def test_existing_rope_types_keep_factor_one():
 
 def test_llama_with_yarn_matches_hf(tmp_path):
     """yarn's cos/sin attention_factor applies to every family, not only MLA."""
-    hf = hf_model("llama", num_key_value_heads=2,
-                  rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
-                                   "rope_theta": 10000.0})
+    hf = hf_model(
+        "llama",
+        num_key_value_heads=2,
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+            "rope_theta": 10000.0,
+        },
+    )
     ours = load_model(save(hf, tmp_path / "llama_yarn"))
     assert ours.rope_attention_factor > 1.0
     ids = prompt_ids(40, seed=11)
@@ -118,6 +169,7 @@ def test_llama_with_yarn_matches_hf(tmp_path):
 
 
 # ---- the attention module ----------------------------------------------------------------------
+
 
 def _module_inputs(ours, n: int, seed: int) -> torch.Tensor:
     return torch.randn(n, ours.cfg.hidden_size, generator=torch.Generator().manual_seed(seed))
@@ -166,6 +218,7 @@ def test_absorbed_decode_equals_expanded(case):
 
 # ---- whole models over the latent paged cache ----------------------------------------------------
 
+
 def test_full_prompt_logits_match_hf(case):
     hf, ours = case
     assert ours.cfg.mla is not None and ours.local_kv_heads == 1
@@ -205,7 +258,7 @@ def test_packed_batches_match_hf(case):
 def test_greedy_generation_matches_hf_generate(case):
     hf, ours = case
     prompt = prompt_ids(10, seed=6)
-    want = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)[0, len(prompt):].tolist()
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)[0, len(prompt) :].tolist()
     assert len(want) == 32
     assert greedy_generate(ours, prompt, 32, page_size=4) == want
 
@@ -226,12 +279,15 @@ def test_mtp_layers_are_ignored(tmp_path):
     torch.testing.assert_close(got, hf_logits(hf, ids), atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("changes, match", [
-    ({"quantization_config": {"quant_method": "fp8"}}, "quant_method='fp8'"),
-    ({"scoring_func": "softmax"}, "scoring_func"),
-    ({"topk_method": "greedy"}, "topk_method"),
-    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}, "'dynamic'"),
-])
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"quantization_config": {"quant_method": "fp8"}}, "quant_method='fp8'"),
+        ({"scoring_func": "softmax"}, "scoring_func"),
+        ({"topk_method": "greedy"}, "topk_method"),
+        ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}, "'dynamic'"),
+    ],
+)
 def test_unsupported_deepseek_options(tmp_path, changes, match):
     path = save(hf_mla_model(num_hidden_layers=1, first_k_dense_replace=1), tmp_path / "m")
     cfg = json.loads((path / "config.json").read_text())
@@ -257,8 +313,11 @@ def _tp_run(model_dir: Path, parallel: ParallelConfig) -> dict:
     model = load_model(model_dir, parallel)
     pool = make_pool(model, 6, PAGE)
     logits = incremental_logits(model, TP_IDS, prompt_len=13, page_size=PAGE, chunk=5, page_table=TP_TABLE, pool=pool)
-    return {"logits": logits, "latent": [pool.k[i] for i in range(model.num_layers)],
-            "greedy": greedy_generate(model, TP_IDS[:7], 24, page_size=PAGE)}
+    return {
+        "logits": logits,
+        "latent": [pool.k[i] for i in range(model.num_layers)],
+        "greedy": greedy_generate(model, TP_IDS[:7], 24, page_size=PAGE),
+    }
 
 
 def _tp_worker(rank: int, world: int, init_file: str, dirs: dict[str, str], out: str) -> None:
@@ -275,8 +334,10 @@ def _tp_worker(rank: int, world: int, init_file: str, dirs: dict[str, str], out:
 @pytest.fixture(scope="module")
 def tp_model_dirs(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("mla_tp")
-    return {name: str(save(hf_mla_model(**CASES[name]), root / name))
-            for name in ("qlora_interleave_moe", "noqlora_yarn_bias_moe")}
+    return {
+        name: str(save(hf_mla_model(**CASES[name]), root / name))
+        for name in ("qlora_interleave_moe", "noqlora_yarn_bias_moe")
+    }
 
 
 @pytest.mark.timeout(300)
@@ -284,8 +345,9 @@ def tp_model_dirs(tmp_path_factory) -> dict[str, str]:
 def test_tp_matches_tp1(world, tp_model_dirs, tmp_path):
     """Heads split over 2 and 4 ranks: the logits and greedy tokens of tp=1, and every rank caches
     the whole latent (the one replicated "head")."""
-    mp.spawn(_tp_worker, args=(world, str(tmp_path / "rendezvous"), tp_model_dirs, str(tmp_path)),
-             nprocs=world, join=True)
+    mp.spawn(
+        _tp_worker, args=(world, str(tmp_path / "rendezvous"), tp_model_dirs, str(tmp_path)), nprocs=world, join=True
+    )
     for name, d in tp_model_dirs.items():
         want = _tp_run(Path(d), ParallelConfig())
         for rank in range(world):
@@ -298,6 +360,7 @@ def test_tp_matches_tp1(world, tp_model_dirs, tmp_path):
 
 
 # ---- the tiny-deepseek-v3 preset -------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def deepseek_preset_dir(tmp_path_factory) -> Path:

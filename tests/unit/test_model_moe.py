@@ -17,34 +17,71 @@ import torch.multiprocessing as mp
 
 transformers = pytest.importorskip("transformers")
 
+from model_utils import incremental_logits  # noqa: E402
+
 from kvpipe.config import ConfigError, ModelConfig, MoEConfig, ParallelConfig  # noqa: E402
-from kvpipe.model.llama import CausalLM, check_parallel  # noqa: E402
 from kvpipe.model import loader  # noqa: E402
+from kvpipe.model.llama import CausalLM, check_parallel  # noqa: E402
 from kvpipe.model.loader import load_model  # noqa: E402
 from kvpipe.model.moe import Dispatch, SparseMoE, check_routing, route  # noqa: E402
 from kvpipe.model.presets import write_preset  # noqa: E402
-from model_utils import incremental_logits  # noqa: E402
 
 HIDDEN = 64
-ARCHS = {"qwen3_moe": "Qwen3MoeForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM",
-         "deepseek_v3": "DeepseekV3ForCausalLM"}
-COMMON = dict(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              vocab_size=64, initializer_range=0.1)
+ARCHS = {
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "minimax_m2": "MiniMaxM2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+}
+COMMON = dict(
+    hidden_size=HIDDEN,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=64,
+    initializer_range=0.1,
+)
 # family -> HF config keyword arguments; sizes split over TP 4
 HF_CONFIGS = {
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96),
-    "qwen3_moe_renorm": dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
-                             intermediate_size=96, norm_topk_prob=True),
+    "qwen3_moe_renorm": dict(
+        num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, intermediate_size=96, norm_topk_prob=True
+    ),
     "minimax_m2": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
     # 16 experts in 4 groups of 4, the best 2 groups per token, 4 experts from them, 2 shared experts
-    "deepseek_v3": dict(n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=16, n_group=4,
-                        topk_group=2, n_shared_experts=2, routed_scaling_factor=2.5, norm_topk_prob=True,
-                        intermediate_size=96, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16,
-                        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8),
-    "deepseek_v3_no_renorm": dict(n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=16, n_group=4,
-                                  topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=False,
-                                  intermediate_size=96, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16,
-                                  qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8),
+    "deepseek_v3": dict(
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        moe_intermediate_size=16,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=2,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        intermediate_size=96,
+        first_k_dense_replace=1,
+        q_lora_rank=None,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=8,
+    ),
+    "deepseek_v3_no_renorm": dict(
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        moe_intermediate_size=16,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=False,
+        intermediate_size=96,
+        first_k_dense_replace=1,
+        q_lora_rank=None,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=8,
+    ),
 }
 
 
@@ -53,8 +90,11 @@ def family_of(case: str) -> str:
 
 
 def hf_config(case: str):
-    cls = {"qwen3_moe": transformers.Qwen3MoeConfig, "minimax_m2": transformers.MiniMaxM2Config,
-           "deepseek_v3": transformers.DeepseekV3Config}[family_of(case)]
+    cls = {
+        "qwen3_moe": transformers.Qwen3MoeConfig,
+        "minimax_m2": transformers.MiniMaxM2Config,
+        "deepseek_v3": transformers.DeepseekV3Config,
+    }[family_of(case)]
     return cls(**COMMON, **HF_CONFIGS[case])
 
 
@@ -67,9 +107,11 @@ def our_config(hf_cfg, case: str) -> ModelConfig:
 def hf_block(case: str, seed: int = 0):
     """HF's sparse MoE block of `case` with random weights and a random correction bias."""
     cfg = hf_config(case)
-    cls = {"qwen3_moe": transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock,
-           "minimax_m2": transformers.models.minimax_m2.modeling_minimax_m2.MiniMaxM2SparseMoeBlock,
-           "deepseek_v3": transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3MoE}[family_of(case)]
+    cls = {
+        "qwen3_moe": transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock,
+        "minimax_m2": transformers.models.minimax_m2.modeling_minimax_m2.MiniMaxM2SparseMoeBlock,
+        "deepseek_v3": transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3MoE,
+    }[family_of(case)]
     torch.manual_seed(seed)
     block = cls(cfg).eval()
     for _, t in [*block.named_parameters(), *block.named_buffers()]:
@@ -122,6 +164,7 @@ def sort_slots(weights: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tens
 
 
 # ---- routing, a pure function of the router logits --------------------------------------------
+
 
 def moe_config(**kw) -> MoEConfig:
     base = dict(num_experts=4, top_k=2, expert_intermediate_size=8, scoring="softmax", norm_topk_prob=False)
@@ -201,6 +244,7 @@ def test_check_routing_rejects_impossible_groups():
 
 # ---- SparseMoE, module level -------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("tokens", [1, 57])
 @pytest.mark.parametrize("case", sorted(HF_CONFIGS))
 @torch.no_grad()
@@ -229,8 +273,9 @@ def test_sparse_moe_refuses_a_dense_layer():
 
 
 def test_sparse_layers_follow_hf_decoder_sparse_step_and_mlp_only_layers():
-    hf_cfg = transformers.Qwen3MoeConfig(**(COMMON | HF_CONFIGS["qwen3_moe"] | dict(num_hidden_layers=6)),
-                                         decoder_sparse_step=2, mlp_only_layers=[3])
+    hf_cfg = transformers.Qwen3MoeConfig(
+        **(COMMON | HF_CONFIGS["qwen3_moe"] | dict(num_hidden_layers=6)), decoder_sparse_step=2, mlp_only_layers=[3]
+    )
     with torch.device("meta"):
         hf = transformers.Qwen3MoeForCausalLM(hf_cfg)
         ours = CausalLM(our_config(hf_cfg, "qwen3_moe"))
@@ -257,8 +302,9 @@ def _tp_worker(rank: int, world: int, init_file: str, case: str, out: str) -> No
 @pytest.mark.parametrize("world", [2, 4])
 def test_deepseek_sparse_moe_tp_matches_tp1(world, tmp_path):
     """DeepSeek-V3's block under TP: routed and shared experts sliced, one all-reduce."""
-    mp.spawn(_tp_worker, args=(world, str(tmp_path / "rendezvous"), "deepseek_v3", str(tmp_path)),
-             nprocs=world, join=True)
+    mp.spawn(
+        _tp_worker, args=(world, str(tmp_path / "rendezvous"), "deepseek_v3", str(tmp_path)), nprocs=world, join=True
+    )
     cfg, block = hf_block("deepseek_v3")
     with torch.no_grad():
         want = ours_for("deepseek_v3", cfg, block)(torch.randn(33, HIDDEN, generator=torch.Generator().manual_seed(3)))
@@ -267,6 +313,7 @@ def test_deepseek_sparse_moe_tp_matches_tp1(world, tmp_path):
 
 
 # ---- the MoE families in the loader ------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def minimax_dir(tmp_path_factory) -> Path:
@@ -282,13 +329,16 @@ def edited_copy(src: Path, dst: Path, **changes) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("change, match", [
-    (dict(scoring_func="softmax"), "scoring_func"),
-    (dict(qk_norm_type="per_head"), "qk_norm_type"),
-    (dict(attn_type_list=[0, 1, 1, 1]), "attn_type_list"),  # lightning attention (MiniMax-Text-01)
-    (dict(shared_intermediate_size=64), "shared_intermediate_size"),
-    (dict(hidden_act="gelu"), "hidden_act"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(scoring_func="softmax"), "scoring_func"),
+        (dict(qk_norm_type="per_head"), "qk_norm_type"),
+        (dict(attn_type_list=[0, 1, 1, 1]), "attn_type_list"),  # lightning attention (MiniMax-Text-01)
+        (dict(shared_intermediate_size=64), "shared_intermediate_size"),
+        (dict(hidden_act="gelu"), "hidden_act"),
+    ],
+)
 def test_unsupported_minimax_options_are_refused(minimax_dir, tmp_path, change, match):
     with pytest.raises(ConfigError, match=match):
         load_model(edited_copy(minimax_dir, tmp_path / "m", **change))
@@ -296,18 +346,25 @@ def test_unsupported_minimax_options_are_refused(minimax_dir, tmp_path, change, 
 
 def test_unimplemented_family_is_refused(tmp_path, monkeypatch):
     # every recognised family is implemented now (deepseek_v3 by the mla branch): take one out
-    monkeypatch.setattr(loader, "IMPLEMENTED_FAMILIES",
-                        tuple(f for f in loader.IMPLEMENTED_FAMILIES if f != "deepseek_v3"))
-    (tmp_path / "config.json").write_text(json.dumps(hf_config("deepseek_v3").to_dict()
-                                                     | {"architectures": [ARCHS["deepseek_v3"]]}))
+    monkeypatch.setattr(
+        loader, "IMPLEMENTED_FAMILIES", tuple(f for f in loader.IMPLEMENTED_FAMILIES if f != "deepseek_v3")
+    )
+    (tmp_path / "config.json").write_text(
+        json.dumps(hf_config("deepseek_v3").to_dict() | {"architectures": [ARCHS["deepseek_v3"]]})
+    )
     with pytest.raises(ConfigError, match="deepseek_v3 model family is not implemented"):
         load_model(tmp_path)
 
 
 def test_tp_split_of_expert_sizes_is_checked():
     cfg = our_config(hf_config("qwen3_moe"), "qwen3_moe")
-    cfg = dataclasses.replace(cfg, num_heads=6, num_kv_heads=3, intermediate_size=96,
-                              moe=dataclasses.replace(cfg.moe, dense_layers=(), expert_intermediate_size=32))
+    cfg = dataclasses.replace(
+        cfg,
+        num_heads=6,
+        num_kv_heads=3,
+        intermediate_size=96,
+        moe=dataclasses.replace(cfg.moe, dense_layers=(), expert_intermediate_size=32),
+    )
     with pytest.raises(ConfigError, match="expert_intermediate_size=32"):
         check_parallel(cfg, ParallelConfig(3, 0))
     # no dense layer: intermediate_size is unused and need not split
@@ -319,8 +376,9 @@ def test_checkpoint_names_and_bf16_keep_routing_bias_fp32(minimax_dir):
     gate = model.layers[0].mlp.gate
     assert gate.weight.dtype == torch.bfloat16 and gate.e_score_correction_bias.dtype == torch.float32
     ref = load_model(minimax_dir)
-    torch.testing.assert_close(gate.e_score_correction_bias, ref.layers[0].mlp.gate.e_score_correction_bias,
-                               atol=0, rtol=0)
+    torch.testing.assert_close(
+        gate.e_score_correction_bias, ref.layers[0].mlp.gate.e_score_correction_bias, atol=0, rtol=0
+    )
     assert model.layers[0].self_attn.q_norm.weight.shape == (4 * 32,)  # over all heads
 
 

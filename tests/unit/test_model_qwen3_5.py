@@ -10,12 +10,24 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.qwen3_5")
 
+from qwen3_5_utils import (
+    VOCAB,
+    F,
+    L,
+    all_logits,
+    greedy_generate,
+    hf_logits,
+    hf_qwen3_5,  # noqa: E402
+    incremental_logits,
+    pools,
+    prompt_ids,
+    save,
+)
+
 from kvpipe.config import ConfigError, LayerType, ModelConfig, ParallelConfig  # noqa: E402
 from kvpipe.model.forward_batch import ForwardBatch  # noqa: E402
 from kvpipe.model.loader import load_model  # noqa: E402
 from kvpipe.model.qwen3_5 import Qwen3_5CausalLM  # noqa: E402
-from qwen3_5_utils import (F, L, VOCAB, all_logits, greedy_generate, hf_logits, hf_qwen3_5,  # noqa: E402
-                           incremental_logits, pools, prompt_ids, save)
 
 ATOL = 1e-4
 CASES = {
@@ -23,10 +35,16 @@ CASES = {
     "mixed": dict(),
     # linear first and last, two full layers, tied embeddings, grouped value heads x1, conv kernel 3,
     # MHA full attention with biases on q/k/v/o, full rotary
-    "tied_bias_k3": dict(num_hidden_layers=5, layer_types=[L, F, L, F, L], tie_word_embeddings=True,
-                         linear_num_value_heads=2, linear_conv_kernel_dim=3, num_key_value_heads=4,
-                         attention_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 1000.0,
-                                                               "partial_rotary_factor": 1.0}),
+    "tied_bias_k3": dict(
+        num_hidden_layers=5,
+        layer_types=[L, F, L, F, L],
+        tie_word_embeddings=True,
+        linear_num_value_heads=2,
+        linear_conv_kernel_dim=3,
+        num_key_value_heads=4,
+        attention_bias=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 1.0},
+    ),
 }
 
 
@@ -84,8 +102,9 @@ def test_slot_is_reset_for_a_new_sequence(case):
     """A row with prefix_len 0 starts from zeros whatever its slot held before."""
     hf, ours = case
     kv, state = pools(ours, 10, 4)
-    incremental_logits(ours, prompt_ids(20, seed=3), 15, 4, chunk=6, page_table=torch.arange(5), kv=kv,
-                       state=state, slot=1)
+    incremental_logits(
+        ours, prompt_ids(20, seed=3), 15, 4, chunk=6, page_table=torch.arange(5), kv=kv, state=state, slot=1
+    )
     ids = prompt_ids(19, seed=4)
     got = incremental_logits(ours, ids, 12, 4, chunk=5, page_table=torch.arange(5, 10), kv=kv, state=state, slot=1)
     torch.testing.assert_close(got, hf_logits(hf, ids), atol=ATOL, rtol=0)
@@ -103,13 +122,14 @@ def test_packed_batches_match_hf(case):
     torch.testing.assert_close(got[:5], hf_logits(hf, a[:12])[7:], atol=ATOL, rtol=0)
     torch.testing.assert_close(got[5:], hf_logits(hf, b[:7]), atol=ATOL, rtol=0)
     for i in range(2):  # decode: a and b one token each, c's first token (a 1-token prompt) then its second
-        batch = ForwardBatch.build([[a[12 + i]], [b[7 + i]], [c[i]]], [12 + i, 7 + i, i], [ta, tb, tc], 3,
-                                   state_slots=[4, 0, 2])
+        batch = ForwardBatch.build(
+            [[a[12 + i]], [b[7 + i]], [c[i]]], [12 + i, 7 + i, i], [ta, tb, tc], 3, state_slots=[4, 0, 2]
+        )
         assert batch.decode is not None
         got = ours(batch, kv, state)
-        torch.testing.assert_close(got[0], hf_logits(hf, a[:13 + i])[-1], atol=ATOL, rtol=0)
-        torch.testing.assert_close(got[1], hf_logits(hf, b[:8 + i])[-1], atol=ATOL, rtol=0)
-        torch.testing.assert_close(got[2], hf_logits(hf, c[:1 + i])[-1], atol=ATOL, rtol=0)
+        torch.testing.assert_close(got[0], hf_logits(hf, a[: 13 + i])[-1], atol=ATOL, rtol=0)
+        torch.testing.assert_close(got[1], hf_logits(hf, b[: 8 + i])[-1], atol=ATOL, rtol=0)
+        torch.testing.assert_close(got[2], hf_logits(hf, c[: 1 + i])[-1], atol=ATOL, rtol=0)
 
 
 def test_layer_groups_equal_full_forward(case):
@@ -132,7 +152,7 @@ def test_layer_groups_equal_full_forward(case):
 def test_greedy_generation_matches_hf_generate(case):
     hf, ours = case
     prompt = prompt_ids(10, seed=9)
-    want = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)[0, len(prompt):].tolist()
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)[0, len(prompt) :].tolist()
     assert len(want) == 32
     assert greedy_generate(ours, prompt, 32, page_size=4) == want
 
@@ -147,8 +167,10 @@ def test_sharded_checkpoint_loads(tmp_path):
 
 
 def test_tp_rejects_indivisible_linear_heads(tmp_path):
-    path = save(hf_qwen3_5(num_attention_heads=4, num_key_value_heads=4, linear_num_key_heads=1,
-                           linear_num_value_heads=2), tmp_path / "m")
+    path = save(
+        hf_qwen3_5(num_attention_heads=4, num_key_value_heads=4, linear_num_key_heads=1, linear_num_value_heads=2),
+        tmp_path / "m",
+    )
     with pytest.raises(ConfigError, match="linear-attention key heads"):
         Qwen3_5CausalLM(ModelConfig.from_dir(path), ParallelConfig(2, 0))
 
@@ -161,8 +183,9 @@ def preset_dir(tmp_path_factory):
 
 
 def test_tiny_qwen3_5_preset_matches_hf(preset_dir, tmp_path):
-    from kvpipe.model.presets import write_preset
     from test_presets import digests
+
+    from kvpipe.model.presets import write_preset
 
     assert digests(write_preset("tiny-qwen3.5", tmp_path / "again")) == digests(preset_dir)
     hf = transformers.Qwen3_5ForCausalLM.from_pretrained(preset_dir, dtype=torch.float32).eval()

@@ -12,13 +12,25 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.qwen3_5_moe")
 
+from qwen3_5_utils import (
+    VOCAB,
+    F,
+    L,
+    all_logits,
+    greedy_generate,
+    hf_logits,
+    hf_qwen3_5_moe,  # noqa: E402
+    incremental_logits,
+    pools,
+    prompt_ids,
+    save,
+)
+
 from kvpipe.config import ConfigError, ModelConfig  # noqa: E402
 from kvpipe.model.forward_batch import ForwardBatch  # noqa: E402
 from kvpipe.model.loader import load_model  # noqa: E402
 from kvpipe.model.moe import SparseMoE  # noqa: E402
 from kvpipe.model.qwen3_5 import Qwen3_5CausalLM  # noqa: E402
-from qwen3_5_utils import (F, L, VOCAB, all_logits, greedy_generate, hf_logits, hf_qwen3_5_moe,  # noqa: E402
-                           incremental_logits, pools, prompt_ids, save)
 
 ATOL = 1e-4
 CASES = {
@@ -40,7 +52,11 @@ def test_config_parsed(case):
     assert isinstance(ours, Qwen3_5CausalLM) and cfg.architecture == "qwen3_5_moe" and cfg.hybrid is not None
     assert [t.value for t in cfg.hybrid.layer_types] == hf.config.layer_types
     assert (moe.num_experts, moe.top_k, moe.expert_intermediate_size, moe.shared_intermediate_size) == (
-        8, hf.config.num_experts_per_tok, 24, 40)
+        8,
+        hf.config.num_experts_per_tok,
+        24,
+        40,
+    )
     assert moe.scoring == "softmax" and moe.norm_topk_prob and moe.shared_expert_gate and not moe.dense_layers
     assert all(isinstance(layer.mlp, SparseMoE) for layer in ours.layers)
 
@@ -66,7 +82,7 @@ def test_chunked_prefill_and_paged_decode_match_hf(case, chunk):
 def test_greedy_generation_matches_hf_generate(case):
     hf, ours = case
     prompt = prompt_ids(10, seed=9)
-    want = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)[0, len(prompt):].tolist()
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)[0, len(prompt) :].tolist()
     assert len(want) == 32
     assert greedy_generate(ours, prompt, 32, page_size=4) == want
 
@@ -83,9 +99,16 @@ def test_shared_expert_gate_matters(tmp_path):
     assert not torch.allclose(incremental_logits(ours, ids, 9, 4), hf_logits(hf, ids), atol=1e-3)
 
 
-@pytest.mark.parametrize("key, value", [("decoder_sparse_step", 2), ("mlp_only_layers", [0]),
-                                        ("norm_topk_prob", False), ("shared_expert_intermediate_size", 0),
-                                        ("hidden_act", "gelu")])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("decoder_sparse_step", 2),
+        ("mlp_only_layers", [0]),
+        ("norm_topk_prob", False),
+        ("shared_expert_intermediate_size", 0),
+        ("hidden_act", "gelu"),
+    ],
+)
 def test_unsupported_options_are_refused(tmp_path, key, value):
     path = save(hf_qwen3_5_moe(num_hidden_layers=2, layer_types=[L, F]), tmp_path / "m")
     raw = json.loads((path / "config.json").read_text())
@@ -104,8 +127,9 @@ def preset_dir(tmp_path_factory):
 
 
 def test_tiny_qwen3_5_moe_preset_matches_hf(preset_dir, tmp_path):
-    from kvpipe.model.presets import preset_names, write_preset
     from test_presets import digests
+
+    from kvpipe.model.presets import preset_names, write_preset
 
     assert "tiny-qwen3.5-moe" in preset_names()
     assert digests(write_preset("tiny-qwen3.5-moe", tmp_path / "again")) == digests(preset_dir)

@@ -17,9 +17,10 @@ import torch.multiprocessing as mp
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.qwen3_5")
 
+from qwen3_5_utils import F, L, greedy_generate, hf_qwen3_5, hf_qwen3_5_moe, incremental_logits, pools, save  # noqa: E402
+
 from kvpipe.config import ParallelConfig  # noqa: E402
 from kvpipe.model.loader import load_model  # noqa: E402
-from qwen3_5_utils import F, L, greedy_generate, hf_qwen3_5, hf_qwen3_5_moe, incremental_logits, pools, save  # noqa: E402
 
 PAGE = 4
 IDS = list(range(3, 30))  # 27 tokens: 19 prompt (prefilled in chunks of 5) + 8 decode steps
@@ -30,10 +31,14 @@ SLOT = 1
 def _run(model_dir: Path, parallel: ParallelConfig) -> dict[str, object]:
     model = load_model(model_dir, parallel)
     kv, state = pools(model, 8, PAGE)
-    logits = incremental_logits(model, IDS, prompt_len=19, page_size=PAGE, chunk=5, page_table=TABLE, kv=kv,
-                                state=state, slot=SLOT)
-    return {"logits": logits, "recurrent": [r[SLOT] for r in state.recurrent],
-            "greedy": greedy_generate(model, IDS[:9], 16, PAGE)}
+    logits = incremental_logits(
+        model, IDS, prompt_len=19, page_size=PAGE, chunk=5, page_table=TABLE, kv=kv, state=state, slot=SLOT
+    )
+    return {
+        "logits": logits,
+        "recurrent": [r[SLOT] for r in state.recurrent],
+        "greedy": greedy_generate(model, IDS[:9], 16, PAGE),
+    }
 
 
 def _worker(rank: int, world: int, init_file: str, model_dir: str, out: str) -> None:
@@ -47,10 +52,17 @@ def _worker(rank: int, world: int, init_file: str, model_dir: str, out: str) -> 
 
 
 # 4 linear key heads / 8 value heads / 4 query heads split over 4 ranks; 2 KV heads replicate at tp=4
-MODELS = {"dense": lambda: hf_qwen3_5(seed=3, num_hidden_layers=4, layer_types=[L, F, L, F], linear_num_key_heads=4,
-                                      linear_num_value_heads=8, attention_bias=True),
-          "moe": lambda: hf_qwen3_5_moe(seed=3, layer_types=[L, F, L, F], linear_num_key_heads=4,
-                                        linear_num_value_heads=8)}
+MODELS = {
+    "dense": lambda: hf_qwen3_5(
+        seed=3,
+        num_hidden_layers=4,
+        layer_types=[L, F, L, F],
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        attention_bias=True,
+    ),
+    "moe": lambda: hf_qwen3_5_moe(seed=3, layer_types=[L, F, L, F], linear_num_key_heads=4, linear_num_value_heads=8),
+}
 
 
 @pytest.mark.timeout(300)
@@ -66,4 +78,4 @@ def test_tp_matches_tp1(family, world, tmp_path):
         assert got["greedy"] == want["greedy"]
         for g, w in zip(got["recurrent"], want["recurrent"]):
             assert g.shape[0] == heads  # this rank's value heads only
-            torch.testing.assert_close(g, w[rank * heads:(rank + 1) * heads], atol=1e-5, rtol=0)
+            torch.testing.assert_close(g, w[rank * heads : (rank + 1) * heads], atol=1e-5, rtol=0)

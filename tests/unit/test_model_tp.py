@@ -14,10 +14,11 @@ import torch.multiprocessing as mp
 
 transformers = pytest.importorskip("transformers")
 
-from kvpipe.config import ConfigError, ParallelConfig  # noqa: E402
-from kvpipe.model.loader import load_model  # noqa: E402
 from model_utils import greedy_generate, incremental_logits, make_pool  # noqa: E402
 from test_model_hf_parity import hf_model, save  # noqa: E402
+
+from kvpipe.config import ConfigError, ParallelConfig  # noqa: E402
+from kvpipe.model.loader import load_model  # noqa: E402
 
 PAGE = 4
 IDS = list(range(3, 23))  # 20 tokens: 13 prompt (prefilled in chunks of 5) + 7 decode steps
@@ -56,19 +57,23 @@ def model_dirs(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
         "qwen2_bias": str(save(hf_model("qwen2", num_key_value_heads=2), root / "qwen2")),
         "qwen3_1kv": str(save(hf_model("qwen3", num_key_value_heads=1, head_dim=24), root / "qwen3")),
         # experts sliced by their intermediate dim; renormalised top-k; a dense layer in between
-        "qwen3_moe": str(save(hf_model("qwen3_moe", num_key_value_heads=2, norm_topk_prob=True,
-                                       mlp_only_layers=[1]), root / "qwen3_moe")),
+        "qwen3_moe": str(
+            save(
+                hf_model("qwen3_moe", num_key_value_heads=2, norm_topk_prob=True, mlp_only_layers=[1]),
+                root / "qwen3_moe",
+            )
+        ),
         # q/k norms over all heads: at tp=4 each of the 2 KV heads sits on two ranks
-        "minimax_m2": str(save(hf_model("minimax_m2", num_key_value_heads=2, head_dim=24, rotary_dim=8),
-                               root / "minimax_m2")),
+        "minimax_m2": str(
+            save(hf_model("minimax_m2", num_key_value_heads=2, head_dim=24, rotary_dim=8), root / "minimax_m2")
+        ),
     }
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 4])
 def test_tp_matches_tp1(world, model_dirs, tmp_path):
-    mp.spawn(_worker, args=(world, str(tmp_path / "rendezvous"), model_dirs, str(tmp_path)),
-             nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, str(tmp_path / "rendezvous"), model_dirs, str(tmp_path)), nprocs=world, join=True)
     for name, d in model_dirs.items():
         want_logits, want_kv, want_greedy = _run(Path(d), ParallelConfig())
         num_kv = load_model(d).cfg.num_kv_heads
@@ -81,7 +86,7 @@ def test_tp_matches_tp1(world, model_dirs, tmp_path):
             for layer, (g, w) in enumerate(zip(got["kv"], want_kv)):
                 # [2, pages, heads, page, dim]: this rank's heads only
                 assert g.shape[2] == n
-                torch.testing.assert_close(g, w[:, :, h0:h0 + n], atol=1e-5, rtol=0, msg=f"{name} L{layer} r{rank}")
+                torch.testing.assert_close(g, w[:, :, h0 : h0 + n], atol=1e-5, rtol=0, msg=f"{name} L{layer} r{rank}")
 
 
 def test_tp_rejects_indivisible_split(tiny_model_dir):

@@ -20,8 +20,7 @@ def reference(src, dst, length, max_bytes):
 
 
 @settings(max_examples=200, deadline=None)
-@given(lengths=st.lists(st.integers(0, 5000), max_size=30), max_bytes=st.integers(1, 1200),
-       seed=st.integers(0, 2**16))
+@given(lengths=st.lists(st.integers(0, 5000), max_size=30), max_bytes=st.integers(1, 1200), seed=st.integers(0, 2**16))
 def test_pieces_cover_each_op_contiguously(lengths, max_bytes, seed):
     rng = np.random.default_rng(seed)
     n = np.asarray(lengths, dtype=np.int64)
@@ -29,8 +28,7 @@ def test_pieces_cover_each_op_contiguously(lengths, max_bytes, seed):
     dst = rng.integers(1, 1 << 40, n.size)
     ps, pd, pn = split_ops(src, dst, n, max_bytes)
     assert ps.dtype == pd.dtype == pn.dtype == np.int64
-    assert list(zip(ps.tolist(), pd.tolist(), pn.tolist())) == reference(src.tolist(), dst.tolist(), lengths,
-                                                                           max_bytes)
+    assert list(zip(ps.tolist(), pd.tolist(), pn.tolist())) == reference(src.tolist(), dst.tolist(), lengths, max_bytes)
     assert pn.sum() == n.sum() and (pn <= max_bytes).all() and (pn > 0).all()
     assert pn.size == piece_counts(n, max_bytes).sum()
     # within an op, each piece starts where the previous one ended, on both sides

@@ -21,15 +21,20 @@ def _linear(rows_out: int, cols_in: int, bias: bool, seed: int) -> tuple[Linear,
     g = torch.Generator().manual_seed(seed)
     lin = Linear(cols_in, rows_out, bias=bias)
     with torch.no_grad():
-        lin.weight.copy_(torch.randn(rows_out, cols_in, generator=g) / cols_in ** 0.5)
+        lin.weight.copy_(torch.randn(rows_out, cols_in, generator=g) / cols_in**0.5)
         if bias:
             lin.bias.copy_(torch.randn(rows_out, generator=g))
     return lin, lin.weight.detach().clone(), None if lin.bias is None else lin.bias.detach().clone()
 
 
 @settings(max_examples=25, deadline=None)
-@given(rows=st.integers(0, 300), cols_in=st.integers(1, 200), rows_out=st.integers(1, 200), bias=st.booleans(),
-       seed=st.integers(0, 2 ** 16))
+@given(
+    rows=st.integers(0, 300),
+    cols_in=st.integers(1, 200),
+    rows_out=st.integers(1, 200),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_packed_equals_dense(rows: int, cols_in: int, rows_out: int, bias: bool, seed: int) -> None:
     lin, w, b = _linear(rows_out, cols_in, bias, seed)
     assert lin.pack() and lin.weight.is_mkldnn
@@ -46,7 +51,7 @@ def test_row_gives_same_bits_alone_and_in_a_batch() -> None:
     x = torch.randn(37, 256)
     batched = lin(x)
     for i in (0, 17, 36):
-        assert torch.equal(lin(x[i:i + 1])[0], batched[i])
+        assert torch.equal(lin(x[i : i + 1])[0], batched[i])
 
 
 def test_leading_dims_and_strided_input() -> None:

@@ -19,8 +19,11 @@ from kvpipe.model.attention import attend_pages, decode_attention
 from kvpipe.model.cpu_kernels import loader, paged_decode_kernel
 from kvpipe.model.forward_batch import DecodeIndex, SeqSpan
 
-TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2),
-       torch.float16: dict(atol=2e-3, rtol=2e-3)}
+TOL = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.bfloat16: dict(atol=1e-2, rtol=1e-2),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+}
 
 
 @pytest.fixture(scope="module")
@@ -30,20 +33,26 @@ def kernel():
     return k
 
 
-def make_index(gen: torch.Generator, lens: list[int], page: int, num_pages: int,
-               window: int | None) -> DecodeIndex:
+def make_index(gen: torch.Generator, lens: list[int], page: int, num_pages: int, window: int | None) -> DecodeIndex:
     """Rows of context `lens` on scattered pages of a pool of num_pages (page 0 left for padding)."""
     perm = torch.randperm(num_pages - 1, generator=gen) + 1
     seqs, used = [], 0
     for b, n in enumerate(lens):
         pages = -(-n // page)
-        seqs.append(SeqSpan(b, 1, n - 1, perm[used:used + pages].clone()))
+        seqs.append(SeqSpan(b, 1, n - 1, perm[used : used + pages].clone()))
         used += pages
     return DecodeIndex.build(tuple(seqs), page, window)
 
 
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: DecodeIndex, scale: float,
-              window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
+def reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    index: DecodeIndex,
+    scale: float,
+    window: int | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
     """attend_pages on the gathered pages, in fp32 (the kernel accumulates in fp32 too)."""
     b, n = index.batch_size, index.num_pages
     kp = k.float().index_select(0, index.pages).view(b, n, *k.shape[1:])
@@ -52,9 +61,19 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: DecodeIn
     return attend_pages(q.float(), kp, vp, valid, scale, None if sinks is None else sinks.float())
 
 
-def check(kernel, dtype: torch.dtype, lens: list[int], kv_heads: int, group: int, head_dim: int,
-          page: int, window: int | None = None, sinks: bool = False, mla_v: int | None = None,
-          seed: int = 0) -> None:
+def check(
+    kernel,
+    dtype: torch.dtype,
+    lens: list[int],
+    kv_heads: int,
+    group: int,
+    head_dim: int,
+    page: int,
+    window: int | None = None,
+    sinks: bool = False,
+    mla_v: int | None = None,
+    seed: int = 0,
+) -> None:
     """mla_v: v is k[..., :mla_v] (one latent head), as MLA decode passes it."""
     gen = torch.Generator().manual_seed(seed)
     num_pages = sum(-(-n // page) for n in lens) + 3
@@ -63,7 +82,7 @@ def check(kernel, dtype: torch.dtype, lens: list[int], kv_heads: int, group: int
     q = torch.randn(len(lens), kv_heads * group, head_dim, generator=gen).to(dtype)
     s = torch.randn(kv_heads * group, generator=gen) * 2 if sinks else None
     index = make_index(gen, lens, page, num_pages, window)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     out = kernel(q, k, v, index.page_table, index.lens, index.key_start, scale, window, s)
     assert out.dtype == dtype and out.shape == (len(lens), kv_heads * group, v.shape[-1])
     torch.testing.assert_close(out.float(), reference(q, k, v, index, scale, window, s), **TOL[dtype])
@@ -76,11 +95,17 @@ def cases(draw: st.DrawFn) -> dict:
     # lengths near page boundaries are the interesting ones
     lens = [max(1, draw(st.integers(0, 4)) * page + draw(st.integers(-1, 1))) for _ in range(rows)]
     lens = [draw(st.sampled_from([n, draw(st.integers(1, 150))])) for n in lens]
-    return dict(dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])), lens=lens,
-                kv_heads=draw(st.sampled_from([1, 2, 4])), group=draw(st.sampled_from([1, 2, 4, 8])),
-                head_dim=draw(st.sampled_from([40, 64, 128])), page=page,
-                window=draw(st.one_of(st.none(), st.integers(1, 100))), sinks=draw(st.booleans()),
-                seed=draw(st.integers(0, 2**16)))
+    return dict(
+        dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
+        lens=lens,
+        kv_heads=draw(st.sampled_from([1, 2, 4])),
+        group=draw(st.sampled_from([1, 2, 4, 8])),
+        head_dim=draw(st.sampled_from([40, 64, 128])),
+        page=page,
+        window=draw(st.one_of(st.none(), st.integers(1, 100))),
+        sinks=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**16)),
+    )
 
 
 @settings(max_examples=80, deadline=None)
@@ -101,8 +126,17 @@ def test_batch_33_page_boundaries(kernel, dtype: torch.dtype, group: int) -> Non
 @pytest.mark.parametrize("sinks", [False, True])
 def test_windows_and_sinks(kernel, window: int | None, sinks: bool) -> None:
     # rows longer than the window index from the page the window starts in (key_start > 0)
-    check(kernel, torch.float32, [1, 15, 16, 17, 63, 100], kv_heads=2, group=4, head_dim=64, page=16,
-          window=window, sinks=sinks)
+    check(
+        kernel,
+        torch.float32,
+        [1, 15, 16, 17, 63, 100],
+        kv_heads=2,
+        group=4,
+        head_dim=64,
+        page=16,
+        window=window,
+        sinks=sinks,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -139,9 +173,9 @@ def fresh_loader() -> Iterator[None]:
     loader.load_extension.cache_clear()  # the next caller loads the real kernel again
 
 
-def test_failed_build_warns_once_and_falls_back(fresh_loader: None, tmp_path: Path,
-                                                monkeypatch: pytest.MonkeyPatch,
-                                                caplog: pytest.LogCaptureFixture) -> None:
+def test_failed_build_warns_once_and_falls_back(
+    fresh_loader: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     broken = tmp_path / "paged_decode.cpp"
     broken.write_text('#error "this kernel does not compile"\n')
     monkeypatch.setattr(loader, "SOURCE", broken)
@@ -154,8 +188,9 @@ def test_failed_build_warns_once_and_falls_back(fresh_loader: None, tmp_path: Pa
     assert (tmp_path / "build").is_dir()
 
 
-def test_missing_compiler_falls_back(fresh_loader: None, monkeypatch: pytest.MonkeyPatch,
-                                     caplog: pytest.LogCaptureFixture) -> None:
+def test_missing_compiler_falls_back(
+    fresh_loader: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     def no_compiler(*args: object, **kwargs: object) -> None:
         raise RuntimeError("g++: command not found")
 

@@ -16,14 +16,39 @@ def parse(*flags: str) -> ServerConfig:
 
 
 def test_flags_map_onto_the_configs() -> None:
-    cfg = parse("--disaggregation-mode", "decode", "--disaggregation-bootstrap-port", "9000",
-                "--disaggregation-ib-device", "mlx5_0", "--disaggregation-host", "10.99.0.2",
-                "--disaggregation-bootstrap-timeout", "3", "--disaggregation-waiting-timeout", "7",
-                "--disaggregation-heartbeat-interval", "0.25", "--disaggregation-transfer-timeout", "4",
-                "--disaggregation-failure-prob", "0.5", "--disaggregation-failure-seed", "9", "--host", "0.0.0.0")
+    cfg = parse(
+        "--disaggregation-mode",
+        "decode",
+        "--disaggregation-bootstrap-port",
+        "9000",
+        "--disaggregation-ib-device",
+        "mlx5_0",
+        "--disaggregation-host",
+        "10.99.0.2",
+        "--disaggregation-bootstrap-timeout",
+        "3",
+        "--disaggregation-waiting-timeout",
+        "7",
+        "--disaggregation-heartbeat-interval",
+        "0.25",
+        "--disaggregation-transfer-timeout",
+        "4",
+        "--disaggregation-failure-prob",
+        "0.5",
+        "--disaggregation-failure-seed",
+        "9",
+        "--host",
+        "0.0.0.0",
+    )
     d = cfg.disaggregation
     assert (d.mode, d.bootstrap_port, d.ib_device, d.host, d.failure_prob, d.failure_seed) == (
-        "decode", 9000, "mlx5_0", "10.99.0.2", 0.5, 9)
+        "decode",
+        9000,
+        "mlx5_0",
+        "10.99.0.2",
+        0.5,
+        9,
+    )
     t = cfg.disaggregation
     assert (t.bootstrap_timeout_s, t.waiting_timeout_s, t.heartbeat_interval_s, t.transfer_timeout_s) == (3, 7, 0.25, 4)
     assert data_host(cfg) == "10.99.0.2"  # the data plane uses the given address, not the wildcard --host
@@ -45,10 +70,12 @@ def test_refusals() -> None:
     with pytest.raises(ConfigError, match="layer groups"):
         DisaggregationConfig(layer_groups=1.5)
     with pytest.raises(ConfigError, match="TP ranks are separate processes"):
-        ServerConfig("m", tp_size=2, disaggregation=DisaggregationConfig(mode="decode",
-                                                                          transfer_backend="local")).check_servable()
+        ServerConfig(
+            "m", tp_size=2, disaggregation=DisaggregationConfig(mode="decode", transfer_backend="local")
+        ).check_servable()
     ServerConfig("m", tp_size=4, disaggregation=DisaggregationConfig(mode="decode")).check_servable()
     with pytest.raises(ConfigError, match="ib-device"):
-        ServerConfig("m", disaggregation=DisaggregationConfig(mode="decode", transfer_backend="local",
-                                                              ib_device="mlx5_0")).check_servable()
+        ServerConfig(
+            "m", disaggregation=DisaggregationConfig(mode="decode", transfer_backend="local", ib_device="mlx5_0")
+        ).check_servable()
     ServerConfig("m", tp_size=2).check_servable()  # colocated TP is fine

@@ -122,6 +122,7 @@ def test_sendable_pages():
 
 # ---- heterogeneous TP -------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("P,D,H", [(1, 2, 4), (2, 1, 4), (1, 4, 2), (4, 2, 2), (4, 2, 8), (2, 4, 2), (8, 2, 2)])
 def test_heterogeneous_tp_gives_each_decode_rank_its_heads(P, D, H):
     g = torch.Generator().manual_seed(P * 100 + D * 10 + H)
@@ -150,7 +151,7 @@ def test_heterogeneous_tp_gives_each_decode_rank_its_heads(P, D, H):
         assert plan.num_runs == (2 if whole else len(src_pages))  # coalesce only whole pages
         h = tx[s.prefill_rank].submit(rx[s.decode_rank].address, plan.src_addr, plan.dst_addr, plan.length)
         assert h.state is BatchState.DONE, h.error
-        writes[s.decode_rank, s.head_start:s.head_end] += 1
+        writes[s.decode_rank, s.head_start : s.head_end] += 1
     for r, (pool, layout) in enumerate(decode):
         a, b = layout.head_start, layout.head_end
         assert (writes[r, a:b] == 1).all() and writes[r].sum() == b - a  # each head exactly once

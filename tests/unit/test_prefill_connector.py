@@ -9,8 +9,16 @@ import numpy as np
 import pytest
 
 from kvpipe.config import CacheConfig, DisaggregationConfig, ModelConfig, ServerConfig
-from kvpipe.disagg.commands import (AbortRooms, ChunkSend, FailRooms, PrefillStep, RankReport, RankStarted,
-                                    SendChunks, StartPrefill)
+from kvpipe.disagg.commands import (
+    AbortRooms,
+    ChunkSend,
+    FailRooms,
+    PrefillStep,
+    RankReport,
+    RankStarted,
+    SendChunks,
+    StartPrefill,
+)
 from kvpipe.disagg.prefill import PrefillConnector
 from kvpipe.engine.batch import ForwardMode, ScheduledBatch
 from kvpipe.engine.connector import Admission, ConnectorContext, TransferFinished
@@ -21,9 +29,17 @@ from kvpipe.transfer.state import TransferState
 
 S, F = TransferState.SUCCESS, TransferState.FAILED
 LAYERS, PS = 4, 4
-MODEL = ModelConfig.from_hf_dict({"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 16,
-                                  "intermediate_size": 32, "num_hidden_layers": LAYERS, "num_attention_heads": 2,
-                                  "num_key_value_heads": 2})
+MODEL = ModelConfig.from_hf_dict(
+    {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 100,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+    }
+)
 
 
 def layout(rank: int) -> KVLayout:
@@ -59,8 +75,11 @@ class FakeWorkers:
 
 @pytest.fixture
 def conn():
-    cfg = ServerConfig("unused", cache=CacheConfig(page_size=PS), disaggregation=DisaggregationConfig(
-        mode="prefill", bootstrap_port=0, transfer_backend="local", layer_groups=2))
+    cfg = ServerConfig(
+        "unused",
+        cache=CacheConfig(page_size=PS),
+        disaggregation=DisaggregationConfig(mode="prefill", bootstrap_port=0, transfer_backend="local", layer_groups=2),
+    )
     c = PrefillConnector(cfg)
     workers = FakeWorkers()
     c.start(ConnectorContext(cfg, MODEL, workers))

@@ -7,12 +7,12 @@ import json
 from pathlib import Path
 
 import pytest
+from model_utils import greedy_generate
 
 from kvpipe.config import ConfigError, ModelConfig
 from kvpipe.model.loader import load_generation_eos, load_model
 from kvpipe.model.presets import PRESETS, default_model_dir, resolve_model_path, write_preset
 from kvpipe.model.tokenizer import Tokenizer
-from model_utils import greedy_generate
 
 FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
@@ -27,15 +27,22 @@ def test_tiny_is_byte_identical_across_writes(tiny_model_dir, tmp_path):
     other = write_preset("tiny", tmp_path / "seed1", seed=1)
     d0, d1 = digests(tiny_model_dir), digests(other)
     assert d0["model.safetensors"] != d1["model.safetensors"]
-    assert {k: v for k, v in d0.items() if k != "model.safetensors"} == \
-        {k: v for k, v in d1.items() if k != "model.safetensors"}
+    assert {k: v for k, v in d0.items() if k != "model.safetensors"} == {
+        k: v for k, v in d1.items() if k != "model.safetensors"
+    }
 
 
 def test_tiny_config_shape(tiny_model_dir):
     cfg = ModelConfig.from_dir(tiny_model_dir)
     spec = PRESETS["tiny"]
-    assert (cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == \
-        ("llama", spec.num_layers, 128, 4, 2, 32)
+    assert (cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (
+        "llama",
+        spec.num_layers,
+        128,
+        4,
+        2,
+        32,
+    )
     assert cfg.max_position_embeddings == 8192
     tok = Tokenizer.from_dir(tiny_model_dir)
     assert cfg.vocab_size == tok.vocab_size and cfg.bos_token_id == tok.bos_token_id

@@ -52,9 +52,14 @@ def test_lru_order_and_locks_through_splits() -> None:
     assert c.evict(1).tolist() == [1] and c.evict(1).tolist() == [0]
 
 
-OPS = st.lists(st.tuples(st.sampled_from(["insert", "match_lock", "unlock", "evict"]),
-                         st.lists(st.integers(0, 2), min_size=0, max_size=9), st.integers(0, 4)),
-               max_size=60)
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["insert", "match_lock", "unlock", "evict"]),
+        st.lists(st.integers(0, 2), min_size=0, max_size=9),
+        st.integers(0, 4),
+    ),
+    max_size=60,
+)
 
 
 @settings(max_examples=200, deadline=None)
@@ -70,13 +75,13 @@ def test_properties(ops) -> None:
         if op == "insert":
             pages = np.array([next(ids) for _ in range(len(seq) // PS)], dtype=np.int64)
             for i, p in enumerate(pages):
-                prefix_of[int(p)] = tuple(seq[:(i + 1) * PS])
+                prefix_of[int(p)] = tuple(seq[: (i + 1) * PS])
             dup = c.insert(seq, pages)
             owned_by_caller.update(int(p) for p in pages[:dup])  # freed by the caller
         elif op == "match_lock":
             pages, node = c.match(seq)
             for i, p in enumerate(pages.tolist()):  # a matched page holds exactly that prefix
-                assert prefix_of[p] == tuple(seq[:(i + 1) * PS])
+                assert prefix_of[p] == tuple(seq[: (i + 1) * PS])
             c.lock(node)
             locks.append(node)
             locked_pages.append(set(pages.tolist()))

@@ -11,8 +11,13 @@ import pytest
 
 from kvpipe.config import DisaggregationConfig
 from kvpipe.transfer import messages as m
-from kvpipe.transfer.bootstrap import (DecodeInfo, IncompatiblePeerError, PrefillInstanceInfo, PrefillRankInfo,
-                                       check_compatible)
+from kvpipe.transfer.bootstrap import (
+    DecodeInfo,
+    IncompatiblePeerError,
+    PrefillInstanceInfo,
+    PrefillRankInfo,
+    check_compatible,
+)
 from kvpipe.transfer.layout import DecodeRank, KVLayout
 from kvpipe.transfer.receiver_book import ReceiverBook
 from kvpipe.transfer.state import DuplicateRoomError, TransferState
@@ -20,21 +25,25 @@ from kvpipe.transfer.tp_mapping import kv_head_range
 
 L, PS, HD, PAGES, H = 2, 4, 8, 64, 2  # layers, page size, head dim, pages per pool, total KV heads
 T = TransferState
-CFG = DisaggregationConfig(bootstrap_timeout_s=5, waiting_timeout_s=50, heartbeat_interval_s=1, heartbeat_misses=3,
-                           transfer_timeout_s=10)
+CFG = DisaggregationConfig(
+    bootstrap_timeout_s=5, waiting_timeout_s=50, heartbeat_interval_s=1, heartbeat_misses=3, transfer_timeout_s=10
+)
 ADDR = ("prefill-host", 8998)
 
 
 def layout(tp: int, rank: int) -> KVLayout:
     h0, h1 = kv_head_range(tp, rank, H)
     page = (h1 - h0) * PS * HD * 4
-    return KVLayout(L, PS, h1 - h0, h0, H, HD, "float32", 4, tuple((rank + 1) << 32 | i << 20 for i in range(2 * L)),
-                    PAGES * page)
+    return KVLayout(
+        L, PS, h1 - h0, h0, H, HD, "float32", 4, tuple((rank + 1) << 32 | i << 20 for i in range(2 * L)), PAGES * page
+    )
 
 
 def prefill(instance: str = "p0", tp: int = 1, model: str = "m") -> PrefillInstanceInfo:
-    ranks = tuple(PrefillRankInfo(p, tp, layout(tp, p), f"data-{instance}-{p}", f"tcp://{instance}-{p}", model,
-                                  instance) for p in range(tp))
+    ranks = tuple(
+        PrefillRankInfo(p, tp, layout(tp, p), f"data-{instance}-{p}", f"tcp://{instance}-{p}", model, instance)
+        for p in range(tp)
+    )
     return PrefillInstanceInfo(instance, tp, model, ranks)
 
 
@@ -59,19 +68,26 @@ class Decode:
 
     def add(self, room: int, now: float, pages=None, prefix_len: int = 0, addr=ADDR):
         pages = [np.arange(4) + 4 * room] * self.book.tp_size if pages is None else pages
-        return self.book.add_room(room, addr, self.book.check_pages(room, pages, prefix_len), prefix_len, room % 7,
-                                  now)
+        return self.book.add_room(room, addr, self.book.check_pages(room, pages, prefix_len), prefix_len, room % 7, now)
 
     def connected(self, room: int, info: PrefillInstanceInfo, now: float = 0.0) -> None:
         """add_room, then the fetch it asked for succeeds."""
         assert self.add(room, now) == ADDR
         self.book.on_fetched(ADDR, info, None, now)
 
-    def status(self, room: int, session: str = "d/0", ok: bool = True, aux_room: int | None = None,
-               now: float = 1.0, reason: str = "") -> None:
+    def status(
+        self,
+        room: int,
+        session: str = "d/0",
+        ok: bool = True,
+        aux_room: int | None = None,
+        now: float = 1.0,
+        reason: str = "",
+    ) -> None:
         aux = m.AuxData(room if aux_room is None else aux_room, 42, -0.5) if ok else None
-        self.book.on_message(m.TransferStatus(room, session, m.WireState.SUCCESS if ok else m.WireState.FAILED,
-                                              reason, aux), now)
+        self.book.on_message(
+            m.TransferStatus(room, session, m.WireState.SUCCESS if ok else m.WireState.FAILED, reason, aux), now
+        )
 
 
 def test_bootstrap_deadline_names_the_last_fetch_error():
@@ -149,8 +165,9 @@ def test_a_prefill_ranks_failure_frees_pages_only_after_every_final_or_the_trans
     assert d.book.room_state(1) is T.FAILED and d.book.poll(1.0) == []  # prefill rank 1 may still write
     aborts = d.take(m.Abort)
     assert {a for a, _ in aborts} == {"tcp://p0-0", "tcp://p0-1"}
-    assert all(msg == m.Abort(1, "d/0", m.Side.DECODE, "prefill failed the transfer: write failed")
-               for _, msg in aborts)
+    assert all(
+        msg == m.Abort(1, "d/0", m.Side.DECODE, "prefill failed the transfer: write failed") for _, msg in aborts
+    )
     d.status(1, ok=False, now=2.0)  # the other rank's final word
     assert [(room, state) for room, state, *_ in d.book.poll(2.0)] == [(1, T.FAILED)]
     d.book.on_message(m.TransferStatus(2, "d/0", m.WireState.FAILED, "x"), 3.0)
@@ -163,8 +180,9 @@ def test_decode_abort_asks_every_paired_prefill_rank_to_stop():
     d.connected(1, prefill(tp=2))
     d.take()
     d.book.abort(1, "client disconnected", 1.0)
-    assert sorted(d.take()) == [(f"tcp://p0-{p}", m.Abort(1, "d/0", m.Side.DECODE, "client disconnected"))
-                                for p in (0, 1)]
+    assert sorted(d.take()) == [
+        (f"tcp://p0-{p}", m.Abort(1, "d/0", m.Side.DECODE, "client disconnected")) for p in (0, 1)
+    ]
     d.book.abort(1, "again", 1.5)  # once is enough
     assert d.take() == [] and d.book.poll(2.0) == []
     d.status(1, ok=False, now=2.0, reason="aborted")
@@ -229,8 +247,10 @@ def test_heartbeat_death_keeps_pages_until_quiet_and_forgets_the_prefill():
     d.book.housekeeping(5.0)
     assert d.book.room_state(1) is T.WAITING_FOR_INPUT  # silent for exactly 3 misses * 1 s: alive
     d.book.housekeeping(5.01)
-    assert d.book.room_state(1) is T.FAILED and "prefill rank 0 at prefill-host:8998 sent no heartbeat for 3.0s" \
-        in d.book.rooms[1].rec.reason
+    assert (
+        d.book.room_state(1) is T.FAILED
+        and "prefill rank 0 at prefill-host:8998 sent no heartbeat for 3.0s" in d.book.rooms[1].rec.reason
+    )
     assert [msg.room for _, msg in d.take(m.Abort)] == [1]
     assert d.book.poll(15.0) == []  # a silent prefill may be stalled with writes in flight
     assert d.book.poll(15.01)[0][:2] == (1, T.FAILED)
@@ -275,8 +295,11 @@ def test_two_prefill_ranks_into_one_decode_rank():
     d.connected(1, prefill(tp=2))
     sent = d.take()
     assert [(a, type(msg).__name__) for a, msg in sent] == [
-        ("tcp://p0-0", "RegisterPeer"), ("tcp://p0-1", "RegisterPeer"),
-        ("tcp://p0-0", "TransferRequest"), ("tcp://p0-1", "TransferRequest")]
+        ("tcp://p0-0", "RegisterPeer"),
+        ("tcp://p0-1", "RegisterPeer"),
+        ("tcp://p0-0", "TransferRequest"),
+        ("tcp://p0-1", "TransferRequest"),
+    ]
     d.status(1)
     assert d.book.room_state(1) is T.TRANSFERRING and d.book.poll(1.0) == []
     d.status(1)
@@ -289,7 +312,9 @@ def test_one_prefill_rank_into_two_decode_ranks():
     d.book.on_fetched(ADDR, prefill(), None, 0.0)
     regs, reqs = d.take(m.RegisterPeer), None
     assert [(a, msg.session_id, msg.tp_rank, msg.data_address) for a, msg in regs] == [
-        ("tcp://p0-0", "d/0", 0, "data-d0"), ("tcp://p0-0", "d/1", 1, "data-d1")]
+        ("tcp://p0-0", "d/0", 0, "data-d0"),
+        ("tcp://p0-0", "d/1", 1, "data-d1"),
+    ]
     d.book.abort(9, "unknown room", 0.0)  # nothing happens
     d.add(2, 0.5, pages=[np.array([5]), np.array([6])])
     reqs = d.take(m.TransferRequest)
@@ -347,6 +372,7 @@ def test_a_request_that_never_asked_is_aborted_on_every_paired_prefill_rank():
     d.connected(1, prefill(tp=2))
     d.take()
     assert d.book.abort_unrequested(9, ADDR, "waited too long for pages")
-    assert sorted(d.take()) == [(f"tcp://p0-{p}", m.Abort(9, "d/0", m.Side.DECODE, "waited too long for pages"))
-                                for p in (0, 1)]
+    assert sorted(d.take()) == [
+        (f"tcp://p0-{p}", m.Abort(9, "d/0", m.Side.DECODE, "waited too long for pages")) for p in (0, 1)
+    ]
     assert not d.book.abort_unrequested(1, ADDR, "has a room: abort() is for it") and d.take() == []

@@ -19,8 +19,12 @@ def tok(tiny_model_dir: Path) -> Tokenizer:
 
 
 def _tracker(tok: Tokenizer, stop: tuple[str, ...] = (), no_stop_trim: bool = False) -> RequestTracker:
-    inp = GenerateInput(rid="r", input_ids=(1, 2, 3), params=SamplingParams(max_new_tokens=100, stop=stop),
-                        text_options=TextOptions(no_stop_trim=no_stop_trim))
+    inp = GenerateInput(
+        rid="r",
+        input_ids=(1, 2, 3),
+        params=SamplingParams(max_new_tokens=100, stop=stop),
+        text_options=TextOptions(no_stop_trim=no_stop_trim),
+    )
     return RequestTracker(inp, IncrementalDetokenizer(tok), start_time=0.0)
 
 
@@ -53,8 +57,9 @@ def test_stop_string_trimmed_and_never_streamed(tok: Tokenizer) -> None:
     outs = [o for o in _feed(tr, ids) if o is not None]
     assert all("S" not in o.text for o in outs)  # nothing that might become the stop string leaks
     final = outs[-1]
-    assert final.finished and final.text == "alpha " and final.finish_reason_json() == {"type": "stop",
-                                                                                      "matched": "STOP"}
+    assert (
+        final.finished and final.text == "alpha " and final.finish_reason_json() == {"type": "stop", "matched": "STOP"}
+    )
     assert tr.needs_engine_abort  # the engine had not stopped by itself
     assert tr.update([_out([5])], now=99.0) is None  # nothing after a finish
 

@@ -36,9 +36,14 @@ def test_seeded_sampling_reproducible_regardless_of_batch():
     alone = [Sampler().sample(x[2:3], [p], [make_generator(42)]).token_ids[0] for _ in range(2)]
     assert alone[0] == alone[1]
     # same row in a bigger batch, with other rows (seeded differently, greedy, unseeded) around it
-    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.0), p,
-              SamplingParams(temperature=1.0, seed=7), SamplingParams(temperature=0.9, top_p=0.5),
-              SamplingParams(temperature=1.0)]
+    params = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.0),
+        p,
+        SamplingParams(temperature=1.0, seed=7),
+        SamplingParams(temperature=0.9, top_p=0.5),
+        SamplingParams(temperature=1.0),
+    ]
     gens = [None, None, make_generator(42), make_generator(7), None, None]
     mixed = Sampler(seed=99).sample(x, params, gens)
     assert mixed.token_ids[2] == alone[0]

@@ -236,8 +236,13 @@ def test_spec_tokens_and_page_tables():
 
 def test_200_mixed_requests_with_aborts_return_all_pages():
     rnd = random.Random(0)
-    s = make(num_pages=40, page_size=4, chunked_prefill_size=rnd.choice([5, 16]), max_prefill_tokens=24,
-             max_running_requests=8)
+    s = make(
+        num_pages=40,
+        page_size=4,
+        chunked_prefill_size=rnd.choice([5, 16]),
+        max_prefill_tokens=24,
+        max_running_requests=8,
+    )
     reqs, nxt = [], 0
     for it in range(5000):
         if nxt < 200 and rnd.random() < 0.5:
@@ -249,7 +254,8 @@ def test_200_mixed_requests_with_aborts_return_all_pages():
             s.abort(rnd.choice(reqs).rid)
         step(s)
         assert s.allocator.num_used == sum(len(r.pages) for r in s.running) + sum(
-            len(r.pages) for r in s.reserved.values())
+            len(r.pages) for r in s.reserved.values()
+        )
         if nxt == 200 and not s.has_work():
             break
     assert nxt == 200 and not s.has_work()

@@ -4,12 +4,13 @@ slot waits in FIFO order like one that finds no pages."""
 
 from __future__ import annotations
 
+from test_scheduler import drain, req, step
+
 from kvpipe.cache.page_allocator import PageAllocator
 from kvpipe.cache.state_slots import StateSlotAllocator
 from kvpipe.config import SchedulerConfig
 from kvpipe.engine.request import FinishReason
 from kvpipe.engine.scheduler import Scheduler
-from test_scheduler import drain, req, step
 
 
 def make(slots: int, num_pages: int = 64, **cfg) -> Scheduler:
@@ -19,8 +20,11 @@ def make(slots: int, num_pages: int = 64, **cfg) -> Scheduler:
 
 
 def live_slots(s: Scheduler) -> dict[int, str]:
-    return {r.state_slot: r.rid for r in s.running + list(s.reserved.values()) + list(s.held.values())
-            if r.state_slot is not None}
+    return {
+        r.state_slot: r.rid
+        for r in s.running + list(s.reserved.values()) + list(s.held.values())
+        if r.state_slot is not None
+    }
 
 
 def test_slots_follow_requests_and_come_back():

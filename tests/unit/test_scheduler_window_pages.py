@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_scheduler import drain, req, step
 
 from kvpipe.cache.page_allocator import PageAllocator
 from kvpipe.cache.radix_cache import RadixCache
@@ -13,7 +14,6 @@ from kvpipe.cache.window_pages import window_first_page, window_page_bound
 from kvpipe.config import SchedulerConfig
 from kvpipe.engine.request import FinishReason
 from kvpipe.engine.scheduler import Scheduler
-from test_scheduler import drain, req, step
 
 PS, W = 4, 10
 

@@ -39,8 +39,9 @@ def test_engine_properties_are_503_while_loading(tmp_path: Path) -> None:
 
 
 def test_engine_properties_once_loaded(tmp_path: Path) -> None:
-    loaded = SimpleNamespace(tokenizer="tok", model_config=SimpleNamespace(vocab_size=300), context_length=512,
-                             eos_token_ids=(2, 7))
+    loaded = SimpleNamespace(
+        tokenizer="tok", model_config=SimpleNamespace(vocab_size=300), context_length=512, eos_token_ids=(2, 7)
+    )
     cfg = ServerConfig(model_path=str(tmp_path), scheduler=SchedulerConfig(context_length=77))
     state = _state(SimpleNamespace(engine=loaded, ready=True), cfg)
     assert (state.tokenizer, state.context_length, state.eos_token_ids) == ("tok", 512, (2, 7))
@@ -50,15 +51,28 @@ def test_engine_properties_once_loaded(tmp_path: Path) -> None:
 
 
 def test_openai_routes_do_not_import_the_native_server() -> None:
-    code = ("import sys, kvpipe.server.openai_api; "
-            "assert 'kvpipe.server.http_server' not in sys.modules, 'openai_api imports http_server'")
+    code = (
+        "import sys, kvpipe.server.openai_api; "
+        "assert 'kvpipe.server.http_server' not in sys.modules, 'openai_api imports http_server'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
 
 
 def _output(rid: str, reason: FinishReason, detail: str | None = None) -> RequestOutput:
-    return RequestOutput(rid=rid, index=0, text="t", delta_text="", output_ids=[1], num_new_ids=0,
-                         output_logprobs=[], prompt_tokens=2, cached_tokens=0, e2e_latency=0.0,
-                         finish_reason=reason, finish_detail=detail)
+    return RequestOutput(
+        rid=rid,
+        index=0,
+        text="t",
+        delta_text="",
+        output_ids=[1],
+        num_new_ids=0,
+        output_logprobs=[],
+        prompt_tokens=2,
+        cached_tokens=0,
+        e2e_latency=0.0,
+        finish_reason=reason,
+        finish_detail=detail,
+    )
 
 
 class _Stream:

@@ -7,8 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from kvpipe.bench.soak_book import (Outcome, ProcSample, RequestResult, ResourceSeries, Tally, pool_checks,
-                                    resource_checks, room_deltas, verdict)
+from kvpipe.bench.soak_book import (
+    Outcome,
+    ProcSample,
+    RequestResult,
+    ResourceSeries,
+    Tally,
+    pool_checks,
+    resource_checks,
+    room_deltas,
+    verdict,
+)
 from kvpipe.bench.soak_plan import Bounds, Kind, SoakConfig, plan_requests, plan_warmup
 from kvpipe.bench.soak_procs import group_pids, sample_group
 
@@ -22,8 +31,9 @@ def test_plan_is_seeded_mixed_and_within_bounds() -> None:
     assert all(5 <= r.prompt_len <= 300 for r in plan)
     ids = [r for r in plan if r.input_ids is not None]
     assert ids and all(r.kind is Kind.GENERATE and len(r.input_ids) == r.prompt_len for r in ids)
-    assert all(r.text is not None and len(r.text) == r.prompt_len and r.text.strip()
-               for r in plan if r.input_ids is None)
+    assert all(
+        r.text is not None and len(r.text) == r.prompt_len and r.text.strip() for r in plan if r.input_ids is None
+    )
     cut = [r for r in plan if r.disconnect_after is not None]
     assert 40 <= len(cut) <= 120  # 20% of 400, loosely
     assert all(r.stream and r.output_len > r.disconnect_after for r in cut)
@@ -52,23 +62,41 @@ def test_bodies_per_kind() -> None:
             assert ("stream_options" in b) == r.stream
 
 
-@pytest.mark.parametrize("bad", [dict(num_requests=0), dict(prompt_min=0), dict(prompt_min=9, prompt_max=8),
-                                 dict(failure_prob=1.5), dict(deadline_s=0), dict(disconnect_output=2)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(num_requests=0),
+        dict(prompt_min=0),
+        dict(prompt_min=9, prompt_max=8),
+        dict(failure_prob=1.5),
+        dict(deadline_s=0),
+        dict(disconnect_output=2),
+    ],
+)
 def test_config_rejects_nonsense(bad: dict) -> None:
     with pytest.raises(ValueError):
         SoakConfig(**bad)
 
 
-def _res(i: int, outcome: Outcome, kind: Kind = Kind.GENERATE, status: int | None = 200, msg: str = "",
-         latency: float = 0.1) -> RequestResult:
+def _res(
+    i: int, outcome: Outcome, kind: Kind = Kind.GENERATE, status: int | None = 200, msg: str = "", latency: float = 0.1
+) -> RequestResult:
     return RequestResult(i, kind, i % 2 == 0, 10, outcome, latency, status, msg)
 
 
 def test_tally_counts_and_latency() -> None:
     t = Tally()
     for i, o in enumerate([Outcome.SUCCESS] * 3 + [Outcome.ERROR, Outcome.DISCONNECTED]):
-        t.add(_res(i, o, Kind.CHAT if i == 4 else Kind.GENERATE, 500 if o is Outcome.ERROR else 200,
-                   "HTTP 500: KV transfer failed" if o is Outcome.ERROR else "", latency=0.1 * (i + 1)))
+        t.add(
+            _res(
+                i,
+                o,
+                Kind.CHAT if i == 4 else Kind.GENERATE,
+                500 if o is Outcome.ERROR else 200,
+                "HTTP 500: KV transfer failed" if o is Outcome.ERROR else "",
+                latency=0.1 * (i + 1),
+            )
+        )
     assert t.by_outcome() == {"success": 3, "error": 1, "disconnected": 1, "unclear": 0, "hang": 0}
     assert t.by_kind()["chat/stream"]["disconnected"] == 1
     assert t.by_kind()["generate/plain"]["success"] == 1 and t.by_kind()["generate/stream"]["success"] == 2
@@ -92,9 +120,19 @@ def test_tally_checks_fail_on_hang_unclear_missing_and_duplicates() -> None:
 
 
 def _stats(**kw: object) -> dict:
-    s = {"num_running": 0, "num_waiting": 0, "num_reserved": 0, "num_held": 0, "free_pages": 100, "total_pages": 100,
-         "disaggregation": {"active_rooms": 0, "transfer_rooms": 0,
-                            "staging_ring": {"live_slots": 0, "used_bytes": 0, "waiting": 0}}}
+    s = {
+        "num_running": 0,
+        "num_waiting": 0,
+        "num_reserved": 0,
+        "num_held": 0,
+        "free_pages": 100,
+        "total_pages": 100,
+        "disaggregation": {
+            "active_rooms": 0,
+            "transfer_rooms": 0,
+            "staging_ring": {"live_slots": 0, "used_bytes": 0, "waiting": 0},
+        },
+    }
     for k, v in kw.items():
         if k in s:
             s[k] = v
@@ -107,8 +145,12 @@ def test_pool_checks_find_leaks() -> None:
     base = _stats()
     assert verdict(pool_checks("decode", base, _stats()))
     leaked = pool_checks("decode", base, _stats(free_pages=96, active_rooms=1, transfer_rooms=2, num_reserved=1))
-    assert {c.name for c in leaked if not c.ok} == {"decode free_pages", "decode disaggregation.active_rooms",
-                                                    "decode disaggregation.transfer_rooms", "decode num_reserved"}
+    assert {c.name for c in leaked if not c.ok} == {
+        "decode free_pages",
+        "decode disaggregation.active_rooms",
+        "decode disaggregation.transfer_rooms",
+        "decode num_reserved",
+    }
     ring = _stats()
     ring["disaggregation"]["staging_ring"]["live_slots"] = 2
     failed = [c.name for c in pool_checks("decode", base, ring) if not c.ok]
@@ -130,12 +172,19 @@ def _sample(t: float, rss_mb: float, fds: int = 50, threads: int = 20, procs: in
 
 def test_resource_deltas_and_bounds() -> None:
     s = ResourceSeries(_sample(0, 500), [_sample(1, 700), _sample(2, 520)], _sample(3, 530, fds=53, threads=21))
-    assert s.deltas() == {"rss_mb": 30.0, "peak_rss_growth_mb": 200.0, "rss_second_half_mb": 10.0, "fds": 3,
-                          "threads": 1, "procs": 0}
+    assert s.deltas() == {
+        "rss_mb": 30.0,
+        "peak_rss_growth_mb": 200.0,
+        "rss_second_half_mb": 10.0,
+        "fds": 3,
+        "threads": 1,
+        "procs": 0,
+    }
     assert s.to_dict()["during"][0] == [1, 700.0, 50, 20, 1]
     assert verdict(resource_checks("prefill", s, Bounds(rss_growth_mb=64, fd_delta=4, thread_delta=2)))
-    failed = {c.name for c in resource_checks("prefill", s, Bounds(rss_growth_mb=20, fd_delta=2, thread_delta=0))
-              if not c.ok}
+    failed = {
+        c.name for c in resource_checks("prefill", s, Bounds(rss_growth_mb=20, fd_delta=2, thread_delta=0)) if not c.ok
+    }
     assert failed == {"prefill RSS growth", "prefill open fds", "prefill threads"}
     fewer = ResourceSeries(_sample(0, 500, fds=47, threads=13), [], _sample(1, 500, fds=38, threads=12))
     assert verdict(resource_checks("decode", fewer, Bounds()))  # closed keep-alive sockets are no leak

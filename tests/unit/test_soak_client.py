@@ -39,8 +39,16 @@ def test_judge_bodies_and_events() -> None:
 
 
 def _req(stream: bool, disconnect_after: int | None = None, kind: Kind = Kind.GENERATE) -> PlannedRequest:
-    return PlannedRequest(0, kind, stream, 3, (5, 6, 7) if kind is Kind.GENERATE else None,
-                          None if kind is Kind.GENERATE else "abc", 4, disconnect_after)
+    return PlannedRequest(
+        0,
+        kind,
+        stream,
+        3,
+        (5, 6, 7) if kind is Kind.GENERATE else None,
+        None if kind is Kind.GENERATE else "abc",
+        4,
+        disconnect_after,
+    )
 
 
 def _sse(*objs: object) -> bytes:
@@ -48,8 +56,10 @@ def _sse(*objs: object) -> bytes:
 
 
 def _events(n: int, total: int = 4) -> list[dict]:
-    return [{"meta_info": {"completion_tokens": i + 1, "finish_reason": {"type": "length"} if i + 1 == total else None}}
-            for i in range(n)]
+    return [
+        {"meta_info": {"completion_tokens": i + 1, "finish_reason": {"type": "length"} if i + 1 == total else None}}
+        for i in range(n)
+    ]
 
 
 class _Body(httpx.AsyncByteStream):
@@ -73,6 +83,7 @@ def _run(req: PlannedRequest, response: httpx.Response, deadline_s: float = 5.0)
         transport = httpx.MockTransport(lambda request: response)
         async with httpx.AsyncClient(transport=transport) as client:
             return await run_one(client, "http://x", req, "m", deadline_s)
+
     return asyncio.run(go())
 
 
@@ -103,8 +114,11 @@ def test_run_one_stalled_stream_is_a_hang() -> None:
 @pytest.mark.parametrize("kind", [Kind.CHAT, Kind.COMPLETION])
 def test_run_one_openai_stream_with_usage(kind: Kind) -> None:
     key = "delta" if kind is Kind.CHAT else "text"
-    chunks = [{"choices": [{key: "x", "finish_reason": None}]}, {"choices": [{key: "y", "finish_reason": "length"}]},
-              {"choices": [], "usage": {"completion_tokens": 4}}]
+    chunks = [
+        {"choices": [{key: "x", "finish_reason": None}]},
+        {"choices": [{key: "y", "finish_reason": "length"}]},
+        {"choices": [], "usage": {"completion_tokens": 4}},
+    ]
     r = _run(_req(True, kind=kind), httpx.Response(200, stream=_Body([_sse(*chunks, b"[DONE]")])))
     assert r.outcome is Outcome.SUCCESS, r.message
     short = [*chunks[:2], {"choices": [], "usage": {"completion_tokens": 2}}]

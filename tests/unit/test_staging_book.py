@@ -19,13 +19,20 @@ from kvpipe.transfer.state import TransferState as T
 L, PS, HD = 2, 4, 8
 HEAD = PS * HD * 4  # bytes of one head of one float32 page
 ROOM, P, AGENT = 1, "tcp://p", "tcp://agent"
-CFG = DisaggregationConfig(bootstrap_timeout_s=5, waiting_timeout_s=50, heartbeat_interval_s=1, heartbeat_misses=3,
-                           transfer_timeout_s=10, max_inflight_ops=8)
+CFG = DisaggregationConfig(
+    bootstrap_timeout_s=5,
+    waiting_timeout_s=50,
+    heartbeat_interval_s=1,
+    heartbeat_misses=3,
+    transfer_timeout_s=10,
+    max_inflight_ops=8,
+)
 
 
 def layout(base: int, heads: int = 2, start: int = 0, pages: int = 8) -> KVLayout:
-    return KVLayout(L, PS, heads, start, 2, HD, "float32", 4, tuple(base + (i << 20) for i in range(2 * L)),
-                    pages * heads * HEAD)
+    return KVLayout(
+        L, PS, heads, start, 2, HD, "float32", 4, tuple(base + (i << 20) for i in range(2 * L)), pages * heads * HEAD
+    )
 
 
 # ---- decode side: StagingBook -------------------------------------------------------------------
@@ -40,8 +47,17 @@ def ask(book: StagingBook, chunk: int, nbytes: int = 1024, now: float = 0.0, ses
     return book.on_request(m.StagingSlotRequest(ROOM, session, chunk, nbytes, P), now)
 
 
-def announce(book: StagingBook, chunk: int, pages=(0, 1), off: int = HEAD, sl: int = HEAD, layers=(0, L),
-             room: int = ROOM, scatter: bool = True, now: float = 0.0):
+def announce(
+    book: StagingBook,
+    chunk: int,
+    pages=(0, 1),
+    off: int = HEAD,
+    sl: int = HEAD,
+    layers=(0, L),
+    room: int = ROOM,
+    scatter: bool = True,
+    now: float = 0.0,
+):
     """Defaults: 2 layers x K/V x 2 pages x one head = the 1024 bytes `ask` reserves."""
     return book.on_written(m.StagingChunkWritten(room, chunk, "p/0", P, scatter, tuple(pages), off, sl, *layers), now)
 
@@ -105,15 +121,18 @@ def _check_rejects(kw: dict, why: str) -> None:
     assert b.ring.num_live == 0 and not b.grants and b.stats.rejected == 1  # the slot is free again
 
 
-@pytest.mark.parametrize("kw, why", [
-    (dict(pages=(0, 8)), "distinct ids in [0, 8)"),
-    (dict(pages=(3, 3)), "distinct ids"),
-    (dict(layers=(0, L + 1)), "layers [0, 3) outside"),
-    (dict(layers=(1, 1)), "layers [1, 1) outside"),
-    (dict(off=200), "bytes [200, 328) outside a 256-byte page"),
-    (dict(pages=(0, 1, 2)), "1536 bytes announced for a 1024-byte slot"),
-    (dict(room=ROOM + 1), "granted for room 1, announced for room 2"),
-])
+@pytest.mark.parametrize(
+    "kw, why",
+    [
+        (dict(pages=(0, 8)), "distinct ids in [0, 8)"),
+        (dict(pages=(3, 3)), "distinct ids"),
+        (dict(layers=(0, L + 1)), "layers [0, 3) outside"),
+        (dict(layers=(1, 1)), "layers [1, 1) outside"),
+        (dict(off=200), "bytes [200, 328) outside a 256-byte page"),
+        (dict(pages=(0, 1, 2)), "1536 bytes announced for a 1024-byte slot"),
+        (dict(room=ROOM + 1), "granted for room 1, announced for room 2"),
+    ],
+)
 def test_announcements_are_validated_before_any_scatter(kw, why):
     _check_rejects(kw, why)
 
@@ -186,11 +205,21 @@ class Staged:
 
     def __init__(self):
         self.sent: list[tuple[str, object]] = []
-        self.book = SenderBook(CFG, PRE, 1, 2, "p/0", lambda a, msg: self.sent.append((a, msg)) or True,
-                               control_address=P, staging=StagingPolicy("on", 1024, 4096), staging_addr=LOCAL)
+        self.book = SenderBook(
+            CFG,
+            PRE,
+            1,
+            2,
+            "p/0",
+            lambda a, msg: self.sent.append((a, msg)) or True,
+            control_address=P,
+            staging=StagingPolicy("on", 1024, 4096),
+            staging_addr=LOCAL,
+        )
         self.agent = StagingBook(DPOOL, 4096, "d/0", lease_s=30.0)
-        self.book.on_message(m.RegisterPeer("d/0", 0, 1, "data-d", "tcp://d", DPOOL,
-                                            m.StagingInfo(AGENT, POOL, 4096)), 0.0)
+        self.book.on_message(
+            m.RegisterPeer("d/0", 0, 1, "data-d", "tcp://d", DPOOL, m.StagingInfo(AGENT, POOL, 4096)), 0.0
+        )
         self.book.add_room(ROOM, np.arange(10, 14), 0.0)
         self.book.on_message(m.TransferRequest(ROOM, "d/0", (40, 41, 42, 43), 0, 0), 0.0)
         self.book.add_call(ROOM, SendCall(0, 16, 0, L, True), (5, -0.5))
@@ -238,8 +267,9 @@ def test_staged_chunks_gather_slot_write_scatter_then_the_status():
     chunks = s.gather(1.0)
     assert not r.queued and sorted(r.staged) == sorted(ch.chunk for ch in chunks) and len(chunks) == 2
     assert [tuple(ch.dst_pages) for ch in chunks] == [(40, 41), (42, 43)]
-    assert all((ch.src_col, ch.dst_col, ch.ncols, ch.l0, ch.l1, ch.nbytes) == (0, HEAD, HEAD, 0, L, 1024)
-               for ch in chunks)
+    assert all(
+        (ch.src_col, ch.dst_col, ch.ncols, ch.l0, ch.l1, ch.nbytes) == (0, HEAD, HEAD, 0, L, 1024) for ch in chunks
+    )
     reqs = [msg for _, msg in s.sent]
     assert reqs == [m.StagingSlotRequest(ROOM, "p/0", ch.chunk, 1024, P) for ch in chunks]
     for _, g in s.to_agent(m.StagingSlotRequest, 1.1):
@@ -248,12 +278,16 @@ def test_staged_chunks_gather_slot_write_scatter_then_the_status():
     local = [LOCAL + ch.local.offset for ch in chunks]  # where each chunk was gathered
     take = s.write(2.0)
     assert [b.chunk for _, b in take] == chunks and all(b.num_ops == 1 and b.peer == "data-d" for _, b in take)
-    assert [(int(b.src[0]), int(b.dst[0]), int(b.length[0])) for _, b in take] \
-        == [(local[0], POOL, 1024), (local[1], POOL + 1024, 1024)]
+    assert [(int(b.src[0]), int(b.dst[0]), int(b.length[0])) for _, b in take] == [
+        (local[0], POOL, 1024),
+        (local[1], POOL + 1024, 1024),
+    ]
     assert s.book.local_ring.num_live == 0  # the bytes are on the decode: local staging is free
     written = [msg for _, msg in s.sent if isinstance(msg, m.StagingChunkWritten)]
-    assert [(w.scatter, w.dst_pages, w.page_offset, w.slice_nbytes, w.layer_start, w.layer_end) for w in written] \
-        == [(True, (40, 41), HEAD, HEAD, 0, L), (True, (42, 43), HEAD, HEAD, 0, L)]
+    assert [(w.scatter, w.dst_pages, w.page_offset, w.slice_nbytes, w.layer_start, w.layer_end) for w in written] == [
+        (True, (40, 41), HEAD, HEAD, 0, L),
+        (True, (42, 43), HEAD, HEAD, 0, L),
+    ]
     assert all(ch.state is ChunkState.WAIT_DONE for ch in chunks)
     s.book.take_work(3.0)
     assert s.take(m.TransferStatus) == [] and s.book.poll(3.0) == []  # no scatter confirmed yet

@@ -49,8 +49,14 @@ def test_pool_buffers_and_infos():
     assert pool.conv[1].shape == (6, 10, 3) and pool.conv[1].dtype == torch.bfloat16
     assert pool.recurrent[2].shape == (6, 2, 4, 5) and pool.recurrent[2].dtype == torch.float32
     infos = pool.buffer_infos()
-    assert [(i.layer, i.kind) for i in infos] == [(0, "conv"), (0, "recurrent"), (2, "conv"), (2, "recurrent"),
-                                                  (3, "conv"), (3, "recurrent")]
+    assert [(i.layer, i.kind) for i in infos] == [
+        (0, "conv"),
+        (0, "recurrent"),
+        (2, "conv"),
+        (2, "recurrent"),
+        (3, "conv"),
+        (3, "recurrent"),
+    ]
     assert infos[0].slot_nbytes == 10 * 3 * 2 and infos[1].slot_nbytes == 2 * 4 * 5 * 4
     assert infos[3].addr == pool.recurrent[1].data_ptr() and infos[3].nbytes == 6 * infos[3].slot_nbytes
     assert pool.slot_nbytes == 3 * (60 + 160) and pool.nbytes == 6 * pool.slot_nbytes

@@ -51,9 +51,18 @@ def test_layout_from_pool_matches_buffer_infos():
     assert lay.slot_nbytes == pool.slot_nbytes == len(LINEAR) * (40 * 3 * 2 + 2 * 8 * 4 * 4)
 
 
-@pytest.mark.parametrize("a,b,kv,lin", [(0, 8, (0, 2), (0, 6)), (0, 3, (0, 0), (0, 3)), (0, 4, (0, 1), (0, 3)),
-                                        (3, 4, (0, 1), (3, 3)), (4, 8, (1, 2), (3, 6)), (2, 6, (0, 1), (2, 5)),
-                                        (5, 5, (1, 1), (4, 4))])
+@pytest.mark.parametrize(
+    "a,b,kv,lin",
+    [
+        (0, 8, (0, 2), (0, 6)),
+        (0, 3, (0, 0), (0, 3)),
+        (0, 4, (0, 1), (0, 3)),
+        (3, 4, (0, 1), (3, 3)),
+        (4, 8, (1, 2), (3, 6)),
+        (2, 6, (0, 1), (2, 5)),
+        (5, 5, (1, 1), (4, 4)),
+    ],
+)
 def test_layer_groups_map_to_kv_buffers_and_linear_layers(a, b, kv, lin):
     lay = layout(make_pool(None))
     assert lay.kv_range(a, b) == kv and lay.linear_range(a, b) == lin
@@ -159,18 +168,48 @@ PS, PAGES = 4, 16
 
 def kv_layout(base: int) -> KVLayout:
     nbytes = PAGES * 2 * PS * 8 * 4
-    return KVLayout(num_layers=len(FULL), page_size=PS, kv_heads=2, head_start=0, total_kv_heads=2, head_dim=8,
-                    dtype="float32", itemsize=4, buffer_addrs=tuple(base + i * nbytes for i in range(2 * len(FULL))),
-                    buffer_nbytes=nbytes)
+    return KVLayout(
+        num_layers=len(FULL),
+        page_size=PS,
+        kv_heads=2,
+        head_start=0,
+        total_kv_heads=2,
+        head_dim=8,
+        dtype="float32",
+        itemsize=4,
+        buffer_addrs=tuple(base + i * nbytes for i in range(2 * len(FULL))),
+        buffer_nbytes=nbytes,
+    )
 
 
-def room_with_dest(src_state: StateLayout, dst_state: StateLayout, dst_slot: int | None = 2) -> tuple[SenderRoom, Destination]:
+def room_with_dest(
+    src_state: StateLayout, dst_state: StateLayout, dst_slot: int | None = 2
+) -> tuple[SenderRoom, Destination]:
     src_kv, dst_kv = kv_layout(1 << 30), kv_layout(1 << 32)
-    r = SenderRoom(7, RoomRecord.new(7, {}, 0.0), src_kv, src_state, src_pages=np.arange(3, dtype=np.int64),
-                   src_state_slot=4, expected=1)
-    d = Destination("d/0", 0, "ctl", "peer", dst_kv, np.arange(5, 8, dtype=np.int64), 0, (0, 2),
-                    np.zeros(len(FULL), dtype=np.int64), None, dst_state, dst_slot,
-                    np.zeros(dst_state.num_linear, dtype=bool))
+    r = SenderRoom(
+        7,
+        RoomRecord.new(7, {}, 0.0),
+        src_kv,
+        src_state,
+        src_pages=np.arange(3, dtype=np.int64),
+        src_state_slot=4,
+        expected=1,
+    )
+    d = Destination(
+        "d/0",
+        0,
+        "ctl",
+        "peer",
+        dst_kv,
+        np.arange(5, 8, dtype=np.int64),
+        0,
+        (0, 2),
+        np.zeros(len(FULL), dtype=np.int64),
+        None,
+        dst_state,
+        dst_slot,
+        np.zeros(dst_state.num_linear, dtype=bool),
+    )
     r.dests[d.session_id] = d
     return r, d
 
@@ -213,10 +252,14 @@ def test_room_without_groups_sends_all_state_with_the_last_call_to_the_decode_sl
     state = [b for b in r.queued if b.num_ops == 2 * len(LINEAR)]
     assert len(state) == 1
     b = state[0]
-    assert b.src.tolist()[:2] == [sl.conv_addrs[0] + 4 * sl.conv_slot_nbytes,
-                                   sl.recurrent_addrs[0] + 4 * sl.recurrent_slot_nbytes]
-    assert b.dst.tolist()[:2] == [dl.conv_addrs[0] + 2 * dl.conv_slot_nbytes,
-                                   dl.recurrent_addrs[0] + 2 * dl.recurrent_slot_nbytes]
+    assert b.src.tolist()[:2] == [
+        sl.conv_addrs[0] + 4 * sl.conv_slot_nbytes,
+        sl.recurrent_addrs[0] + 4 * sl.recurrent_slot_nbytes,
+    ]
+    assert b.dst.tolist()[:2] == [
+        dl.conv_addrs[0] + 2 * dl.conv_slot_nbytes,
+        dl.recurrent_addrs[0] + 2 * dl.recurrent_slot_nbytes,
+    ]
     assert planned(r)[0] == 2 * 2 + 2 * len(LINEAR)  # KV: one run of 3 pages x (2 layers, K/V)
 
 
@@ -239,6 +282,7 @@ def test_state_batches_split_by_chunk_ops():
 
 
 # ---- registration: the prefill refuses pairings it cannot serve ---------------------------------
+
 
 def test_prefill_refuses_hybrid_pairings_it_cannot_serve():
     from kvpipe.config import DisaggregationConfig

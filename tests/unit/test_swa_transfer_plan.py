@@ -21,8 +21,14 @@ from kvpipe.transfer.state import RoomRecord, TransferState, sender_timeouts
 L, PS, HD, PAGES = 4, 4, 8, 64
 SWA = (1, 3)  # GPT-OSS style: sliding and full layers alternate
 FULL = (0, 2)
-CFG = DisaggregationConfig(bootstrap_timeout_s=5, waiting_timeout_s=50, heartbeat_interval_s=1, heartbeat_misses=3,
-                           transfer_timeout_s=10, max_inflight_ops=1 << 20)
+CFG = DisaggregationConfig(
+    bootstrap_timeout_s=5,
+    waiting_timeout_s=50,
+    heartbeat_interval_s=1,
+    heartbeat_misses=3,
+    transfer_timeout_s=10,
+    max_inflight_ops=1 << 20,
+)
 
 
 def layout(base: int, heads: int = 2, start: int = 0, swa: tuple[int, ...] = SWA, alias: bool = True) -> KVLayout:
@@ -41,8 +47,12 @@ SRC, DST = layout(1 << 30), layout(1 << 40)
 def expected_writes(src_l: KVLayout, dst_l: KVLayout, layers, src_pages, dst_pages) -> list[tuple[int, int]]:
     """(src address, dst address) of every page written: per layer, K and V, per page pair."""
     sp, dp = src_l.page_nbytes, dst_l.page_nbytes
-    return [(src_l.buffer_addrs[2 * layer + kv] + int(s) * sp, dst_l.buffer_addrs[2 * layer + kv] + int(d) * dp)
-            for layer in layers for kv in (0, 1) for s, d in zip(src_pages, dst_pages)]
+    return [
+        (src_l.buffer_addrs[2 * layer + kv] + int(s) * sp, dst_l.buffer_addrs[2 * layer + kv] + int(d) * dp)
+        for layer in layers
+        for kv in (0, 1)
+        for s, d in zip(src_pages, dst_pages)
+    ]
 
 
 def writes_of(src, dst, length, pn: int = SRC.page_nbytes) -> list[tuple[int, int]]:
@@ -64,6 +74,7 @@ def planned(r: SenderRoom) -> list[tuple[int, int]]:
 
 # ---- plan_pages(layer_ids=) -----------------------------------------------------------------------
 
+
 def test_plan_pages_layer_ids_matches_per_layer_plans():
     src, dst = layout(1 << 30, alias=False), layout(1 << 40, alias=False)
     s, d = np.array([3, 4, 5, 9]), np.array([7, 8, 20, 21])
@@ -79,8 +90,11 @@ def test_plan_pages_layer_ids_matches_per_layer_plans():
     assert p.layers(2, 3).num_ops == 0  # a full layer: not in this plan
     # all layers as ids == the default plan, op for op
     every, default = plan_pages(s, d, src, dst, layer_ids=np.arange(L)), plan_pages(s, d, src, dst)
-    for a, b in ((every.src_addr, default.src_addr), (every.dst_addr, default.dst_addr),
-                 (every.length, default.length)):
+    for a, b in (
+        (every.src_addr, default.src_addr),
+        (every.dst_addr, default.dst_addr),
+        (every.length, default.length),
+    ):
         assert np.array_equal(a, b)
     assert plan_pages(s, d, src, dst, layer_ids=[]).num_ops == 0
 
@@ -107,13 +121,15 @@ def test_plan_pages_layer_ids_head_sliced():
 
 # ---- layout ----------------------------------------------------------------------------------
 
+
 def test_layout_swa_layers_validated_compared_and_aliases_registered_once():
     with pytest.raises(ValueError, match="must increase"):
         layout(0, swa=(3, 1))
     with pytest.raises(ValueError, match="must increase"):
         layout(0, swa=(1, L))
     assert "sliding-window layers mismatch: (1, 3) here vs (1,) on the peer" in SRC.compatible_with(
-        layout(1 << 40, swa=(1,)))
+        layout(1 << 40, swa=(1,))
+    )
     assert SRC.compatible_with(DST) is None and SRC.swa_mask == (False, True, False, True)
     assert SRC.aliased and not layout(0, alias=False).aliased
     addrs, sizes = SRC.unique_buffers()
@@ -133,6 +149,7 @@ def test_layout_swa_layers_validated_compared_and_aliases_registered_once():
 
 def test_layout_from_pool_takes_swa_layers_and_aliases():
     from kvpipe.cache.kv_pool import KVPool
+
     pool = KVPool(L, 8, PS, 2, HD)
     for i in SWA:
         pool.k[i], pool.v[i] = pool.k[i - 1], pool.v[i - 1]
@@ -150,15 +167,23 @@ SRC_PAGES = np.arange(10, 16)
 SRC_SWA = np.array([-1, -1, -1, 30, 31, 32])
 
 
-def room(src_swa=SRC_SWA, prefix: int = 0, dst_swa=None, dst_pages=None, heads=(0, 2),
-         dst_layout: KVLayout = DST) -> tuple[SenderRoom, Destination]:
+def room(
+    src_swa=SRC_SWA, prefix: int = 0, dst_swa=None, dst_pages=None, heads=(0, 2), dst_layout: KVLayout = DST
+) -> tuple[SenderRoom, Destination]:
     first = prefix // PS
     dst_pages = np.arange(20, 26)[first:] if dst_pages is None else np.asarray(dst_pages)
     dst_swa = np.array([-1, -1, -1, 40, 41, 42])[first:] if dst_swa is None else np.asarray(dst_swa)
-    r = SenderRoom(1, RoomRecord.new(1, sender_timeouts(CFG), 0.0), SRC, src_pages=SRC_PAGES, expected=1,
-                   src_swa_pages=None if src_swa is None else np.asarray(src_swa))
-    d = Destination("d/0", 0, "tcp://d", "data-d", dst_layout, dst_pages, prefix, heads, np.full(L, prefix),
-                    dst_swa_pages=dst_swa)
+    r = SenderRoom(
+        1,
+        RoomRecord.new(1, sender_timeouts(CFG), 0.0),
+        SRC,
+        src_pages=SRC_PAGES,
+        expected=1,
+        src_swa_pages=None if src_swa is None else np.asarray(src_swa),
+    )
+    d = Destination(
+        "d/0", 0, "tcp://d", "data-d", dst_layout, dst_pages, prefix, heads, np.full(L, prefix), dst_swa_pages=dst_swa
+    )
     r.dests[d.session_id] = d
     return r, d
 
@@ -168,8 +193,9 @@ def test_room_moves_full_layers_whole_and_sliding_layers_in_the_window():
     r.add_call(SendCall(0, 22, 0, L, True))
     r.plan(1 << 20)
     got = planned(r)
-    want = (expected_writes(SRC, DST, FULL, SRC_PAGES, np.arange(20, 26))
-            + expected_writes(SRC, DST, SWA, [30, 31, 32], [40, 41, 42]))
+    want = expected_writes(SRC, DST, FULL, SRC_PAGES, np.arange(20, 26)) + expected_writes(
+        SRC, DST, SWA, [30, 31, 32], [40, 41, 42]
+    )
     assert sorted(got) == sorted(want) and len(set(got)) == len(got)
     # bytes: full layers x all pages + sliding layers x requested pages, K and V each
     assert len(got) * SRC.page_nbytes == (len(FULL) * 6 + len(SWA) * 3) * 2 * SRC.page_nbytes
@@ -182,8 +208,9 @@ def test_room_with_decode_prefix_and_scattered_window_pages():
     r, _ = room(prefix=8, dst_swa=[-1, 41, -1, 43])
     r.add_call(SendCall(0, 22, 0, L, True))
     r.plan(1 << 20)
-    want = (expected_writes(SRC, DST, FULL, SRC_PAGES[2:], np.arange(22, 26))
-            + expected_writes(SRC, DST, SWA, [30, 32], [41, 43]))
+    want = expected_writes(SRC, DST, FULL, SRC_PAGES[2:], np.arange(22, 26)) + expected_writes(
+        SRC, DST, SWA, [30, 32], [41, 43]
+    )
     assert sorted(planned(r)) == sorted(want)
 
 
@@ -213,8 +240,9 @@ def test_chunked_sends_with_layer_groups_move_each_window_page_once():
     r.plan(1 << 20)
     first = planned(r)
     # full layer 0: pages 0..3; sliding layer 1: page 3 only (0..2 are -1 on the decode)
-    assert sorted(first) == sorted(expected_writes(SRC, DST, (0,), SRC_PAGES[:4], np.arange(20, 24))
-                                   + expected_writes(SRC, DST, (1,), [51], [40]))
+    assert sorted(first) == sorted(
+        expected_writes(SRC, DST, (0,), SRC_PAGES[:4], np.arange(20, 24)) + expected_writes(SRC, DST, (1,), [51], [40])
+    )
     assert d.cursor.tolist() == [16, 16, 0, 0]
     got += first
     r.add_call(SendCall(0, 16, 2, 4, False))  # layer group [2, 4)
@@ -226,8 +254,9 @@ def test_chunked_sends_with_layer_groups_move_each_window_page_once():
     r.add_call(SendCall(16, 22, 0, L, True))
     r.plan(1 << 20)
     got += planned(r)
-    want = (expected_writes(SRC, DST, FULL, SRC_PAGES, np.arange(20, 26))
-            + expected_writes(SRC, DST, SWA, [51, 52, 53], [40, 41, 42]))
+    want = expected_writes(SRC, DST, FULL, SRC_PAGES, np.arange(20, 26)) + expected_writes(
+        SRC, DST, SWA, [51, 52, 53], [40, 41, 42]
+    )
     assert sorted(got) == sorted(want) and len(set(got)) == len(got)
 
 
@@ -239,8 +268,10 @@ def test_partial_page_of_a_window_waits_for_the_next_chunk():
     assert d.cursor.tolist() == [12] * L
     r.add_call(SendCall(14, 22, 0, L, True))
     r.plan(1 << 20)
-    assert sorted(planned(r)) == sorted(expected_writes(SRC, DST, FULL, SRC_PAGES[3:], np.arange(23, 26))
-                                        + expected_writes(SRC, DST, SWA, [30, 31, 32], [40, 41, 42]))
+    assert sorted(planned(r)) == sorted(
+        expected_writes(SRC, DST, FULL, SRC_PAGES[3:], np.arange(23, 26))
+        + expected_writes(SRC, DST, SWA, [30, 31, 32], [40, 41, 42])
+    )
 
 
 def test_swa_rooms_are_never_staged():
@@ -262,6 +293,7 @@ def test_swa_rooms_are_never_staged():
 
 # ---- requests and protocol -----------------------------------------------------------------
 
+
 class Book:
     def __init__(self, peer_layout: KVLayout = DST, own: KVLayout = SRC):
         self.sent = []
@@ -274,6 +306,7 @@ class Book:
 
 def test_requests_are_checked_against_the_window_rules():
     b = Book()
+
     def req(room, swa, pages=(1, 2, 3)):
         return m.TransferRequest(room, "d/0", pages, 0, 0, dst_swa_pages=swa)
 
@@ -305,8 +338,9 @@ def test_requests_are_checked_against_the_window_rules():
 def test_book_takes_newer_window_tables_with_send_calls():
     b = Book()
     b.book.add_room(1, SRC_PAGES[:4], 0.0, swa_pages=np.array([-1, -1, 50, 51]))
-    b.book.on_message(m.TransferRequest(1, "d/0", tuple(range(20, 26)), 0, 0,
-                                        dst_swa_pages=(-1, -1, -1, 40, 41, 42)), 0.0)
+    b.book.on_message(
+        m.TransferRequest(1, "d/0", tuple(range(20, 26)), 0, 0, dst_swa_pages=(-1, -1, -1, 40, 41, 42)), 0.0
+    )
     with pytest.raises(ValueError, match="7 sliding-window pages for 6 pages"):
         b.book.add_call(1, SendCall(0, 22, 0, L, True), (1, 0.0), SRC_PAGES, np.arange(30, 37))
     with pytest.raises(ValueError, match="also a full-attention page"):
@@ -319,18 +353,23 @@ def test_book_takes_newer_window_tables_with_send_calls():
     got = []
     for _, batch in take:
         got += writes_of(batch.src, batch.dst, batch.length)
-    assert sorted(got) == sorted(expected_writes(SRC, DST, FULL, SRC_PAGES, np.arange(20, 26))
-                                 + expected_writes(SRC, DST, SWA, [30, 31, 32], [40, 41, 42]))
+    assert sorted(got) == sorted(
+        expected_writes(SRC, DST, FULL, SRC_PAGES, np.arange(20, 26))
+        + expected_writes(SRC, DST, SWA, [30, 31, 32], [40, 41, 42])
+    )
     assert b.book.rooms[1].rec.state is TransferState.TRANSFERRING
 
 
 def test_protocol_round_trip_with_window_pages():
-    for msg in (m.TransferRequest(5, "d/0", (4, 5, 6), 0, 1, dst_swa_pages=(-1, 9, 10)),
-                m.TransferRequest(5, "d/0", (), 0, 1, dst_swa_pages=()),
-                m.RegisterPeer("d/0", 0, 1, "x", "tcp://x", DST)):
+    for msg in (
+        m.TransferRequest(5, "d/0", (4, 5, 6), 0, 1, dst_swa_pages=(-1, 9, 10)),
+        m.TransferRequest(5, "d/0", (), 0, 1, dst_swa_pages=()),
+        m.RegisterPeer("d/0", 0, 1, "x", "tcp://x", DST),
+    ):
         assert m.decode(m.encode(msg)) == msg
     assert m.decode(m.encode(m.RegisterPeer("d/0", 0, 1, "x", "tcp://x", DST))).layout.swa_layers == SWA
     import msgpack
+
     wire = msgpack.unpackb(m.encode(m.TransferRequest(5, "d/0", (4, 5), 0, 1, dst_swa_pages=(-1, 9))))
     wire["dst_swa_pages"] = np.asarray([-2, 9], dtype="<i8").tobytes()
     with pytest.raises(ProtocolError, match="below -1"):
@@ -345,7 +384,9 @@ def test_protocol_round_trip_with_window_pages():
 
 def test_bootstrap_info_keeps_swa_layers_through_json():
     import json
+
     from kvpipe.transfer.bootstrap import PrefillRankInfo
+
     info = PrefillRankInfo(0, 1, SRC, "127.0.0.1:1", "tcp://127.0.0.1:2", "m", "i")
     back = PrefillRankInfo.from_dict(json.loads(json.dumps(info.to_dict())))
     assert back == info and back.layout.swa_layers == SWA
@@ -353,6 +394,7 @@ def test_bootstrap_info_keeps_swa_layers_through_json():
 
 def test_pool_bytes_count_aliased_tensors_once():
     from kvpipe.cache.kv_pool import KVPool
+
     pool = KVPool(L, 8, PS, 2, HD)
     whole = pool.nbytes
     pool.k[1], pool.v[1] = pool.k[0], pool.v[0]

@@ -11,13 +11,18 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "system-deps.sh"
 
 
-def run(tmp_path: Path, ldconfig_out: str, uid: int, venv_ok: bool = True,
-        cxx: str = "true") -> subprocess.CompletedProcess:
+def run(
+    tmp_path: Path, ldconfig_out: str, uid: int, venv_ok: bool = True, cxx: str = "true"
+) -> subprocess.CompletedProcess:
     """The script with fake `ldconfig`, `id`, `ip` and python (with or without ensurepip) first on PATH."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    fakes = {"ldconfig": f"printf '{ldconfig_out}'", "id": f"echo {uid}", "ip": "true",
-             "fakepython": "true" if venv_ok else "exit 1"}
+    fakes = {
+        "ldconfig": f"printf '{ldconfig_out}'",
+        "id": f"echo {uid}",
+        "ip": "true",
+        "fakepython": "true" if venv_ok else "exit 1",
+    }
     for name, body in fakes.items():
         f = bin_dir / name
         f.write_text(f"#!/bin/sh\n{body}\n")
@@ -35,16 +40,20 @@ def test_all_present_does_nothing(tmp_path: Path) -> None:
 def test_missing_library_without_root_says_what_to_run(tmp_path: Path) -> None:
     r = run(tmp_path, "\\tlibnuma.so.1 => /x\\n", uid=1000)
     assert r.returncode == 1
-    assert r.stderr.strip() == ("kvpipe setup: missing libibverbs.so.1 librdmacm.so.1; run: "
-                                "sudo apt-get install libibverbs1 librdmacm1 libnuma1 iproute2")
+    assert r.stderr.strip() == (
+        "kvpipe setup: missing libibverbs.so.1 librdmacm.so.1; run: "
+        "sudo apt-get install libibverbs1 librdmacm1 libnuma1 iproute2"
+    )
 
 
 def test_a_python_without_ensurepip_gets_python3_venv(tmp_path: Path) -> None:
     libs = "\\tlibibverbs.so.1 => /x\\n\\tlibrdmacm.so.1 => /x\\n\\tlibnuma.so.1 => /x\\n"
     r = run(tmp_path, libs, uid=1000, venv_ok=False)
     assert r.returncode == 1
-    assert r.stderr.strip() == ("kvpipe setup: missing ensurepip; run: "
-                                "sudo apt-get install libibverbs1 librdmacm1 libnuma1 iproute2 python3-venv")
+    assert r.stderr.strip() == (
+        "kvpipe setup: missing ensurepip; run: "
+        "sudo apt-get install libibverbs1 librdmacm1 libnuma1 iproute2 python3-venv"
+    )
 
 
 def test_no_compiler_alone_is_a_note_not_a_failure(tmp_path: Path) -> None:
@@ -56,5 +65,7 @@ def test_no_compiler_alone_is_a_note_not_a_failure(tmp_path: Path) -> None:
 def test_no_compiler_joins_a_missing_library(tmp_path: Path) -> None:
     r = run(tmp_path, "\\tlibnuma.so.1 => /x\\n", uid=1000, cxx="no-such-compiler")
     assert r.returncode == 1
-    assert r.stderr.strip() == ("kvpipe setup: missing libibverbs.so.1 librdmacm.so.1 g++; run: "
-                                "sudo apt-get install libibverbs1 librdmacm1 libnuma1 iproute2 g++")
+    assert r.stderr.strip() == (
+        "kvpipe setup: missing libibverbs.so.1 librdmacm.so.1 g++; run: "
+        "sudo apt-get install libibverbs1 librdmacm1 libnuma1 iproute2 g++"
+    )

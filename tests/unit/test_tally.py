@@ -49,5 +49,8 @@ def test_tally_gone_rank_fails_open_and_later_rooms() -> None:
     assert t.add(3)  # added after the death: failed at once
     for room in (1, 2, 3):
         t.report(0, room, S)
-    assert sorted(t.take_finished()) == [(1, F, "prefill TP rank 1: exited"), (2, S, ""),
-                                         (3, F, "prefill TP rank 1: exited")]
+    assert sorted(t.take_finished()) == [
+        (1, F, "prefill TP rank 1: exited"),
+        (2, S, ""),
+        (3, F, "prefill TP rank 1: exited"),
+    ]

@@ -45,11 +45,14 @@ def test_special_tokens(tok):
 def test_chat_template(tok):
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     text = tok.apply_chat_template(msgs)
-    assert text == ("<|bos|><|im_start|>system\nbe brief<|im_end|>\n"
-                    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
-    assert tok.apply_chat_template(msgs, add_generation_prompt=False) == text[:-len("<|im_start|>assistant\n")]
-    parts = [{"role": "system", "content": "be brief"},
-             {"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}]
+    assert text == (
+        "<|bos|><|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert tok.apply_chat_template(msgs, add_generation_prompt=False) == text[: -len("<|im_start|>assistant\n")]
+    parts = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]},
+    ]
     assert tok.apply_chat_template(parts) == text
     ids = tok.encode_chat(msgs)
     assert ids.count(tok.bos_token_id) == 1 and tok.decode(ids, skip_special_tokens=False) == text
@@ -60,8 +63,11 @@ def test_chat_template(tok):
 def test_chat_template_matches_transformers(tiny_model_dir, tok):
     transformers = pytest.importorskip("transformers")
     hf = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
-    msgs = [{"role": "user", "content": "héllo 🎉"}, {"role": "assistant", "content": "yes"},
-            {"role": "user", "content": "and?"}]
+    msgs = [
+        {"role": "user", "content": "héllo 🎉"},
+        {"role": "assistant", "content": "yes"},
+        {"role": "user", "content": "and?"},
+    ]
     for gen in (True, False):
         want = hf.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=False)
         assert tok.apply_chat_template(msgs, add_generation_prompt=gen) == want
@@ -83,10 +89,13 @@ def test_template_is_sandboxed(tiny_model_dir, tmp_path):
 
 
 def test_template_helpers_and_named_templates(tiny_model_dir, tmp_path):
-    tmpl = ("{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}{% endif %}"
-            "{{ m | tojson }}{% endfor %}")
-    d = _dir_with_template(tiny_model_dir, tmp_path, [{"name": "tool_use", "template": "x"},
-                                                      {"name": "default", "template": tmpl}])
+    tmpl = (
+        "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}{% endif %}"
+        "{{ m | tojson }}{% endfor %}"
+    )
+    d = _dir_with_template(
+        tiny_model_dir, tmp_path, [{"name": "tool_use", "template": "x"}, {"name": "default", "template": tmpl}]
+    )
     t = Tokenizer.from_dir(d)
     assert t.apply_chat_template([{"role": "user", "content": "é<"}]) == '{"role": "user", "content": "é<"}'
     with pytest.raises(jinja2.exceptions.TemplateError, match="no tools"):

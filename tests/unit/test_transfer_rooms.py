@@ -8,9 +8,9 @@ import collections
 import numpy as np
 import pytest
 
+from kvpipe.config import DisaggregationConfig
 from kvpipe.transfer import messages as m
 from kvpipe.transfer.backends.base import BatchHandle, BatchState
-from kvpipe.config import DisaggregationConfig
 from kvpipe.transfer.layout import KVLayout
 from kvpipe.transfer.receiver_room import ReceiverRoom, rank_pairs
 from kvpipe.transfer.sender_book import SenderBook
@@ -20,14 +20,21 @@ from kvpipe.transfer.state import DuplicateRoomError, RoomRecord, TransferState,
 
 L, PS, HD, PAGES = 2, 4, 8, 64
 T = TransferState
-CFG = DisaggregationConfig(bootstrap_timeout_s=5, waiting_timeout_s=50, heartbeat_interval_s=1, heartbeat_misses=3,
-                   transfer_timeout_s=10, max_inflight_ops=8)
+CFG = DisaggregationConfig(
+    bootstrap_timeout_s=5,
+    waiting_timeout_s=50,
+    heartbeat_interval_s=1,
+    heartbeat_misses=3,
+    transfer_timeout_s=10,
+    max_inflight_ops=8,
+)
 
 
 def layout(base: int, heads: int = 2, start: int = 0) -> KVLayout:
     page = heads * PS * HD * 4
-    return KVLayout(L, PS, heads, start, 2, HD, "float32", 4,
-                    tuple(base + i * (1 << 20) for i in range(2 * L)), PAGES * page)
+    return KVLayout(
+        L, PS, heads, start, 2, HD, "float32", 4, tuple(base + i * (1 << 20) for i in range(2 * L)), PAGES * page
+    )
 
 
 SRC, DST = layout(1 << 30), layout(1 << 40)
@@ -35,8 +42,7 @@ SRC, DST = layout(1 << 30), layout(1 << 40)
 
 def room_with_dest(prefix: int, dst_pages) -> tuple[SenderRoom, Destination]:
     r = SenderRoom(1, RoomRecord.new(1, sender_timeouts(CFG), 0.0), SRC, src_pages=np.arange(10, 20), expected=1)
-    d = Destination("d/0", 0, "tcp://d", "data-d", DST, np.asarray(dst_pages), prefix, (0, 2),
-                    np.full(L, prefix))
+    d = Destination("d/0", 0, "tcp://d", "data-d", DST, np.asarray(dst_pages), prefix, (0, 2), np.full(L, prefix))
     r.dests[d.session_id] = d
     return r, d
 

@@ -52,10 +52,13 @@ def signature_mismatches(want: typing.Callable, have: typing.Callable) -> list[s
     wp = list(inspect.signature(want).parameters.values())
     hp = list(inspect.signature(have).parameters.values())
     out = []
-    if [(p.name, p.kind) for p in wp] != [(p.name, p.kind) for p in hp[:len(wp)]]:
+    if [(p.name, p.kind) for p in wp] != [(p.name, p.kind) for p in hp[: len(wp)]]:
         out.append(f"parameters {[p.name for p in hp]}, expected {[p.name for p in wp]}")
-    out += [f"extra required parameter {p.name}" for p in hp[len(wp):] if p.default is p.empty
-            and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    out += [
+        f"extra required parameter {p.name}"
+        for p in hp[len(wp) :]
+        if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
     out += [f"{w.name} needs a default" for w, h in zip(wp, hp) if w.default is not w.empty and h.default is h.empty]
     want_hints, have_hints = typing.get_type_hints(want), typing.get_type_hints(have)
     out += [f"{k}: {have_hints.get(k)} instead of {v}" for k, v in want_hints.items() if have_hints.get(k) != v]
@@ -64,8 +67,9 @@ def signature_mismatches(want: typing.Callable, have: typing.Callable) -> list[s
 
 @pytest.fixture
 def kv_sender():
-    s = KVSender(DisaggregationConfig(), layout=LAYOUT, backend=LocalBackend(LocalFabric()), model_name="m",
-                 instance_id="p")
+    s = KVSender(
+        DisaggregationConfig(), layout=LAYOUT, backend=LocalBackend(LocalFabric()), model_name="m", instance_id="p"
+    )
     yield s
     s.close()
 
@@ -79,16 +83,34 @@ def kv_receiver():
 
 def test_kv_sender_satisfies_kv_sender_api(kv_sender):
     assert mismatches(types.KVSenderAPI, KVSender, kv_sender) == []
-    assert set(protocol_members(types.KVSenderAPI)) >= {"add_room", "send", "abort", "poll", "take_timings",
-                                                       "room_state", "num_active_rooms", "stats",
-                                                       "control_address", "instance_id", "close"}
+    assert set(protocol_members(types.KVSenderAPI)) >= {
+        "add_room",
+        "send",
+        "abort",
+        "poll",
+        "take_timings",
+        "room_state",
+        "num_active_rooms",
+        "stats",
+        "control_address",
+        "instance_id",
+        "close",
+    }
 
 
 def test_kv_receiver_satisfies_kv_receiver_api(kv_receiver):
     assert mismatches(types.KVReceiverAPI, KVReceiver, kv_receiver) == []
-    assert set(protocol_members(types.KVReceiverAPI)) >= {"add_room", "abort", "poll", "room_state",
-                                                         "num_active_rooms", "stats", "control_address",
-                                                         "tp_size", "close"}
+    assert set(protocol_members(types.KVReceiverAPI)) >= {
+        "add_room",
+        "abort",
+        "poll",
+        "room_state",
+        "num_active_rooms",
+        "stats",
+        "control_address",
+        "tp_size",
+        "close",
+    }
 
 
 def test_the_check_sees_a_drifted_implementation(kv_receiver):
@@ -121,10 +143,13 @@ def test_package_reexports_the_plain_types():
 
 
 def test_importing_the_package_stays_light():
-    code = ("import sys, kvpipe.transfer, kvpipe.transfer.types\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in "
-            "('zmq', 'mooncake', 'httpx', 'fastapi', 'uvicorn', 'torch')))")
+    code = (
+        "import sys, kvpipe.transfer, kvpipe.transfer.types\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('zmq', 'mooncake', 'httpx', 'fastapi', 'uvicorn', 'torch')))"
+    )
     root = str(Path(kvpipe.__file__).parents[1])  # this checkout's kvpipe, not an installed one
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONPATH": root})
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": root}
+    )
     assert out.stdout.strip() == "[]"

@@ -6,15 +6,25 @@ lost; a decode rank only registers its pool."""
 from __future__ import annotations
 
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 from kvpipe.cache.kv_pool import KVPool
 from kvpipe.config import CacheConfig, DisaggregationConfig, ServerConfig
-from kvpipe.disagg.commands import (AbortRooms, ChunkSend, FailRooms, PrefillStep, RankReport, RankStarted,
-                                    RoomStart, SendChunks, StartDecode, StartPrefill)
+from kvpipe.disagg.commands import (
+    AbortRooms,
+    ChunkSend,
+    FailRooms,
+    PrefillStep,
+    RankReport,
+    RankStarted,
+    RoomStart,
+    SendChunks,
+    StartDecode,
+    StartPrefill,
+)
 from kvpipe.disagg.worker import TransferWorker
 from kvpipe.transfer.backends.local import LocalBackend, LocalFabric
 from kvpipe.transfer.bootstrap import BootstrapServer, fetch_prefill_rank
@@ -24,8 +34,12 @@ PAGES, PS = 16, 4
 
 
 def make(mode: str) -> TransferWorker:
-    cfg = ServerConfig("m", tp_size=2, cache=CacheConfig(page_size=PS, num_pages=PAGES),
-                       disaggregation=DisaggregationConfig(mode=mode, transfer_backend="local", bootstrap_port=0))
+    cfg = ServerConfig(
+        "m",
+        tp_size=2,
+        cache=CacheConfig(page_size=PS, num_pages=PAGES),
+        disaggregation=DisaggregationConfig(mode=mode, transfer_backend="local", bootstrap_port=0),
+    )
     pool = KVPool(2, PAGES, PS, 1, 8)  # rank 1 of TP 2 over 2 KV heads: one head
     return TransferWorker(cfg, 1, pool, 2, LocalBackend(LocalFabric()))
 
@@ -59,8 +73,9 @@ def test_prefill_worker_starts_rooms_in_the_forward_and_reports_them(bootstrap: 
         assert (info.instance_id, info.tp_size, info.control_address) == ("inst-1", 2, started.control_address)
         assert w.sender is not None and w.sender.session_id == "inst-1/1"
 
-        step = PrefillStep(start=(RoomStart(5, np.arange(3)), RoomStart(6, np.array([PAGES + 1]))),
-                           grouped=(ChunkSend(5, 0, 8),))
+        step = PrefillStep(
+            start=(RoomStart(5, np.arange(3)), RoomStart(6, np.array([PAGES + 1]))), grouped=(ChunkSend(5, 0, 8),)
+        )
         w.before_forward(step)  # room 6's pages are outside the pool: refused, reported failed
         w.after_layers(step, 0, 1)  # a grouped send of a room whose decode is not known yet: queued
         assert w.sender.room_state(5) is TransferState.BOOTSTRAPPING and w.sender.room_state(6) is None

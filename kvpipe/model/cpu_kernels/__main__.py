@@ -11,8 +11,7 @@ def main() -> int:
     try:
         build(verbose=False)
     except Exception as e:  # setup goes on: servers fall back to the torch path
-        print(f"kvpipe: CPU kernels not built ({type(e).__name__}: {e}); the torch path will be used",
-              file=sys.stderr)
+        print(f"kvpipe: CPU kernels not built ({type(e).__name__}: {e}); the torch path will be used", file=sys.stderr)
         return 0
     print(f"kvpipe: CPU kernels built in {build_dir()}")
     return 0

@@ -70,8 +70,14 @@ def build(source: Path | None = None, directory: Path | None = None, verbose: bo
     source = source or SOURCE
     directory = directory or build_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    return load(name=EXTENSION_NAME, sources=[str(source)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-                build_directory=str(directory), verbose=verbose)
+    return load(
+        name=EXTENSION_NAME,
+        sources=[str(source)],
+        extra_cflags=CFLAGS,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(directory),
+        verbose=verbose,
+    )
 
 
 @functools.cache
@@ -81,6 +87,9 @@ def load_extension() -> ModuleType | None:
         return build()
     except Exception as e:  # no compiler, no ninja, a compile error: the torch path still works
         reason = str(e).strip().splitlines()
-        log.warning("CPU attention kernels unavailable, using the torch path: %s: %s",
-                    type(e).__name__, reason[-1] if reason else "")
+        log.warning(
+            "CPU attention kernels unavailable, using the torch path: %s: %s",
+            type(e).__name__,
+            reason[-1] if reason else "",
+        )
         return None

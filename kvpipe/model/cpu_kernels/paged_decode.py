@@ -16,9 +16,18 @@ class PagedDecode:
 
     ext: ModuleType
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pages: torch.Tensor,
-                 lens: torch.Tensor, key_start: torch.Tensor, scale: float, window: int | None = None,
-                 sinks: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        pages: torch.Tensor,
+        lens: torch.Tensor,
+        key_start: torch.Tensor,
+        scale: float,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """q [B, Hq, D]; k [N, Hkv, P, D], v [N, Hkv, P, Dv] (one layer's pool, any strides but a
         contiguous last dim: v may be a prefix view of k); pages [B, n] int64 (row b's key i*P+j
         is position key_start[b] + i*P + j); lens, key_start [B] int64; window: each row sees its

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvpipe.transfer.backends.base import (BatchHandle, BatchState, FailureInjection, TransferBackend,
-                                           TransferError)
+from kvpipe.transfer.backends.base import BatchHandle, BatchState, FailureInjection, TransferBackend, TransferError
 
 BACKENDS = ("mooncake", "local")
 
@@ -24,5 +23,12 @@ def create_backend(name: str, **kwargs: Any) -> TransferBackend:
     raise ValueError(f"unknown transfer backend {name!r}; choose from {BACKENDS}")
 
 
-__all__ = ["BACKENDS", "BatchHandle", "BatchState", "FailureInjection", "TransferBackend", "TransferError",
-           "create_backend"]
+__all__ = [
+    "BACKENDS",
+    "BatchHandle",
+    "BatchState",
+    "FailureInjection",
+    "TransferBackend",
+    "TransferError",
+    "create_backend",
+]

@@ -62,8 +62,10 @@ class BatchHandle:
             self._state, self._error, self.finished_at = state, error, time.monotonic()
 
     def __repr__(self) -> str:
-        return (f"BatchHandle(id={self.batch_id}, peer={self.peer!r}, ops={self.num_ops}, pieces={self.num_pieces}, "
-                f"{self._state.value})")
+        return (
+            f"BatchHandle(id={self.batch_id}, peer={self.peer!r}, ops={self.num_ops}, pieces={self.num_pieces}, "
+            f"{self._state.value})"
+        )
 
 
 @dataclass(frozen=True)
@@ -133,8 +135,7 @@ class TransferBackend(abc.ABC):
     def cancel(self, handle: BatchHandle, reason: str = "cancelled") -> None:
         """Stop issuing the batch's remaining ops; it turns FAILED once nothing is in flight."""
 
-    def wait(self, handle: BatchHandle, deadline: float | None = None,
-             poll_interval_s: float = 100e-6) -> BatchState:
+    def wait(self, handle: BatchHandle, deadline: float | None = None, poll_interval_s: float = 100e-6) -> BatchState:
         """Poll until terminal or `deadline` (time.monotonic()); PENDING means the deadline passed.
 
         Sleeps between polls: Mooncake's own blocking waits busy-spin a core (half the throughput on 2 cores).
@@ -148,7 +149,7 @@ class TransferBackend(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None: ...
 
-    def __enter__(self) -> "TransferBackend":
+    def __enter__(self) -> TransferBackend:
         return self
 
     def __exit__(self, *exc: object) -> None:

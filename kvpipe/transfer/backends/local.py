@@ -13,8 +13,15 @@ import threading
 
 import numpy as np
 
-from kvpipe.transfer.backends.base import (BatchHandle, BatchState, FailureInjection, TransferBackend,
-                                           TransferError, _Injector, as_op_arrays)
+from kvpipe.transfer.backends.base import (
+    BatchHandle,
+    BatchState,
+    FailureInjection,
+    TransferBackend,
+    TransferError,
+    _Injector,
+    as_op_arrays,
+)
 
 
 class LocalFabric:
@@ -25,7 +32,7 @@ class LocalFabric:
         self._ids = itertools.count()
         self._lock = threading.Lock()
 
-    def attach(self, backend: "LocalBackend") -> str:
+    def attach(self, backend: LocalBackend) -> str:
         with self._lock:
             address = f"local:{next(self._ids)}"
             self._backends[address] = backend
@@ -35,7 +42,7 @@ class LocalFabric:
         with self._lock:
             self._backends.pop(address, None)
 
-    def lookup(self, address: str) -> "LocalBackend | None":
+    def lookup(self, address: str) -> LocalBackend | None:
         with self._lock:
             return self._backends.get(address)
 
@@ -123,8 +130,11 @@ class LocalBackend(TransferBackend):
             ctypes.memmove(dst, src, size)
         if first_bad < n.size and first_bad == stop:
             side = "source" if not src_ok[first_bad] else f"peer {peer!r}"
-            handle._finish(BatchState.FAILED, f"op {first_bad}: {int(n[first_bad])} bytes at "
-                           f"{int((s if side == 'source' else d)[first_bad]):#x} outside {side}'s registered memory")
+            handle._finish(
+                BatchState.FAILED,
+                f"op {first_bad}: {int(n[first_bad])} bytes at "
+                f"{int((s if side == 'source' else d)[first_bad]):#x} outside {side}'s registered memory",
+            )
         elif limit is not None:
             handle._finish(BatchState.FAILED, f"injected failure after {limit} of {n.size} ops")
         else:

@@ -30,8 +30,15 @@ import time
 
 import numpy as np
 
-from kvpipe.transfer.backends.base import (BatchHandle, BatchState, FailureInjection, TransferBackend,
-                                           TransferError, _Injector, as_op_arrays)
+from kvpipe.transfer.backends.base import (
+    BatchHandle,
+    BatchState,
+    FailureInjection,
+    TransferBackend,
+    TransferError,
+    _Injector,
+    as_op_arrays,
+)
 from kvpipe.transfer.op_pieces import split_ops
 
 _BAD_BATCH_IDS = (0, -1, (1 << 64) - 1)  # how a failed submit comes back through pybind
@@ -65,9 +72,18 @@ class _Batch:
 class MooncakeBackend(TransferBackend):
     name = "mooncake"
 
-    def __init__(self, hostname: str = "127.0.0.1", protocol: str = "tcp", device: str = "", *,
-                 window: int = 256, max_op_bytes: int | None = DEFAULT_MAX_OP_BYTES, drain_timeout_s: float = 2.0,
-                 stall_timeout_s: float = 30.0, inject: FailureInjection | None = None) -> None:
+    def __init__(
+        self,
+        hostname: str = "127.0.0.1",
+        protocol: str = "tcp",
+        device: str = "",
+        *,
+        window: int = 256,
+        max_op_bytes: int | None = DEFAULT_MAX_OP_BYTES,
+        drain_timeout_s: float = 2.0,
+        stall_timeout_s: float = 30.0,
+        inject: FailureInjection | None = None,
+    ) -> None:
         if not 0 < window <= 1024:
             raise ValueError(f"window must be in (0, 1024] ops per peer, got {window}")
         if max_op_bytes is not None and max_op_bytes <= 0:
@@ -91,8 +107,10 @@ class MooncakeBackend(TransferBackend):
         engine = TransferEngine()
         rc = engine.initialize(self.hostname, "P2PHANDSHAKE", self.protocol, self.device)
         if rc != 0:
-            raise TransferError(f"Mooncake initialize({self.hostname!r}, P2PHANDSHAKE, {self.protocol!r}, "
-                                f"{self.device!r}) returned {rc}")
+            raise TransferError(
+                f"Mooncake initialize({self.hostname!r}, P2PHANDSHAKE, {self.protocol!r}, "
+                f"{self.device!r}) returned {rc}"
+            )
         if self._regions:
             addrs = list(self._regions)
             rc = engine.batch_register_memory(addrs, [self._regions[a] for a in addrs])
@@ -171,7 +189,7 @@ class MooncakeBackend(TransferBackend):
                     if rc == 0:
                         still.append(bid)
                         if not full:
-                            still.extend(b.inflight[j + 1:])
+                            still.extend(b.inflight[j + 1 :])
                             break
                         continue
                     b.last_progress = now
