@@ -28,7 +28,7 @@ from kvpipe.config import (
     ServerConfig,
     parse_layer_groups,
 )
-from kvpipe.transfer.auth import TOKEN_ENV, token_from_env
+from kvpipe.transfer.control.auth import TOKEN_ENV, token_from_env
 
 
 @dataclass(frozen=True)
@@ -53,14 +53,14 @@ COMMANDS: list[Command] = [
         "bench serve", "serving benchmark: TTFT/TPOT/ITL/throughput against a server or stacks", "kvpipe.bench.serve"
     ),
     Command("bench engine", "offline engine prefill/decode throughput on this machine", "kvpipe.bench.engine"),
-    Command("bench soak", "soak the local PD stack: mixed requests, injected faults, leak checks", "kvpipe.bench.soak"),
+    Command("bench soak", "soak the local PD stack: mixed requests, injected faults, leak checks", "kvpipe.qa.soak"),
     Command("bench transfer", "KV transfer goodput between a prefill and a decode process", "kvpipe.bench.transfer"),
     Command(
         "bench chaos",
         "kill -9 campaign: kill parts of a supervised PD stack under load, check recovery",
-        "kvpipe.bench.chaos",
+        "kvpipe.qa.chaos",
     ),
-    Command("testbed", "emulated link between two network namespaces (up/down/status)", "kvpipe.bench.testbed_cli"),
+    Command("testbed", "emulated link between two network namespaces (up/down/status)", "kvpipe.qa.testbed_cli"),
 ]
 GROUP_HELP = {"bench": "benchmarks (results as JSON and PNG)"}
 

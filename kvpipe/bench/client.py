@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from kvpipe.bench.metrics import RequestRecord
+from kvpipe.bench.latency import RequestRecord
 from kvpipe.bench.workload import BenchRequest, Workload
 
 DONE = object()  # the `data: [DONE]` sentinel

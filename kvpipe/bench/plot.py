@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvpipe.bench.metrics import RequestRecord, request_metrics
+from kvpipe.bench.latency import RequestRecord, request_metrics
 
 
 def _pyplot() -> Any:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpipe.transfer.op_pieces import split_ops
+from kvpipe.transfer.planning.op_pieces import split_ops
 
 _BAD_BATCH_IDS = (0, -1, (1 << 64) - 1)  # a failed submit, as pybind returns it
 WHOLE = 0  # piece_bytes of the one-op pattern: the whole range in one op

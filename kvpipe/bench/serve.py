@@ -137,7 +137,7 @@ def _measure(
 ) -> tuple[dict, list]:
     """Warm-up requests (other prompts), `after_warmup()`, then the measured run; returns (summary, records)."""
     from kvpipe.bench.client import run_workload
-    from kvpipe.bench.metrics import first_errors, summarize
+    from kvpipe.bench.latency import first_errors, summarize
 
     progress = not args.no_progress
     if args.warmup_requests > 0:
@@ -221,8 +221,8 @@ def run_sweep_cmd(args: argparse.Namespace, compare: bool = False) -> int:
         state_bytes_per_request,
         sweep_rows,
     )
-    from kvpipe.bench.testbed import LinkTestbed, LinkTestbedError, parse_rate
     from kvpipe.model.presets import resolve_model_path
+    from kvpipe.qa.testbed import LinkTestbed, LinkTestbedError, parse_rate
 
     try:
         lens = parse_prompt_lens(args.prompt_lens if compare else args.sweep_prompt_lens)
@@ -289,7 +289,7 @@ def run_sweep_cmd(args: argparse.Namespace, compare: bool = False) -> int:
         )
 
     def summarize_records(records: Any, duration_s: float) -> dict:
-        from kvpipe.bench.metrics import first_errors, summarize
+        from kvpipe.bench.latency import first_errors, summarize
 
         summary = summarize(records, duration_s)
         if first_errors(records):

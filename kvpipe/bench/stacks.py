@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvpipe.bench.sweep import ModeFlags, mode_server_flags
-from kvpipe.bench.testbed import LinkTestbed, run_in_netns
+from kvpipe.qa.testbed import LinkTestbed, run_in_netns
 from kvpipe.server.launcher import free_port, router_command, start_pd_stack, stop_process, wait_healthy
 
 T = TypeVar("T")

@@ -25,8 +25,9 @@ from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvpipe.config import ConfigError, HybridConfig, _gpt_oss_attention
-from kvpipe.transfer.kv_wire_bytes import KVWireBytes
+from kvpipe.config import ConfigError
+from kvpipe.model.config import HybridConfig, _gpt_oss_attention
+from kvpipe.transfer.planning.wire_bytes import KVWireBytes
 
 E = TypeVar("E")
 BASELINE, PIPELINED, INPROC, DECODE_CACHE, PD = "baseline", "pipelined", "inproc", "decode-cache", "pd"
@@ -90,7 +91,7 @@ def parse_prompt_lens(spec: str) -> list[int]:
 class SweepPoint:
     prompt_len: int
     mode: str
-    summary: Mapping[str, Any]  # kvpipe.bench.metrics.summarize() of this point
+    summary: Mapping[str, Any]  # kvpipe.bench.latency.summarize() of this point
     num_groups: int | None = None
     # median over requests (rounds) of the KV transfer time left after the prefill forward, from
     # the prefill's own clock: exposed transfer without the compute noise between processes
@@ -134,7 +135,7 @@ class TransferCount:
 class SliceResult:
     """One round of an interleaved sweep on one mode: its request records and wall time."""
 
-    records: Sequence[Any]  # kvpipe.bench.metrics.RequestRecord
+    records: Sequence[Any]  # kvpipe.bench.latency.RequestRecord
     duration_s: float
     num_groups: int | None = None
     transfer_tail_ms: float | None = None  # mean over the slice's rooms (PD modes)

@@ -37,8 +37,8 @@ from typing import Any
 
 from kvpipe.bench import transfer_tp
 from kvpipe.bench.raw_mooncake import WHOLE, RawPattern, fmt_bytes, parse_bytes
+from kvpipe.bench.transfer_procs import WorkerConfig, decode_main, prefill_main
 from kvpipe.bench.transfer_shapes import EXTRA_SHAPES, KVShape, lookup_shape, shape_names
-from kvpipe.bench.transfer_worker import WorkerConfig, decode_main, prefill_main
 from kvpipe.transfer.backends.mooncake import DEFAULT_MAX_OP_BYTES
 
 # Raw patterns timed by default, around the best of the full sweep (docs/benchmarks.md), and the sweep grid.
@@ -240,7 +240,7 @@ def tp_config_from_args(
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Start both processes (inside an emulated link when asked), collect the prefill's report."""
-    from kvpipe.bench.testbed import LinkTestbed
+    from kvpipe.qa.testbed import LinkTestbed
 
     with ExitStack() as stack:
         logdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvpipe-bench-transfer-"))

@@ -3,7 +3,7 @@
 A shape is a model preset (kvpipe.model.presets, any family) or one of EXTRA_SHAPES, real-size
 models' KV (and state) without their weights. A hybrid shape (Qwen3.5) keeps KV pages in its
 full-attention layers only, and per request one recurrent-state slot over its linear layers
-(kvpipe/cache/state_pool.py): `num_layers` is then the KV layers and `hybrid` the layer map.
+(kvpipe/cache/recurrent_pool.py): `num_layers` is then the KV layers and `hybrid` the layer map.
 A sliding-window shape (GPT-OSS) names its sliding layers and window: PD sends those layers
 only the pages of the prompt's last window.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpipe.cache.window_pages import prompt_window_pages
-from kvpipe.config import HybridConfig
+from kvpipe.model.config import HybridConfig
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 

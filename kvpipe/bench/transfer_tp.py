@@ -67,7 +67,7 @@ def _enter(cfg: TPConfig):
     os.dup2(fd, 2)
     os.close(fd)
     if cfg.netns:
-        from kvpipe.bench.testbed import enter_netns
+        from kvpipe.qa.testbed import enter_netns
 
         enter_netns(cfg.netns)
     import torch
@@ -85,8 +85,8 @@ def _ranks(cfg: TPConfig, tp: int, num_pages: int, truth, backends: list):
     from kvpipe.cache.kv_pool import KVPool
     from kvpipe.disagg.setup import register_pool
     from kvpipe.transfer.backends.mooncake import MooncakeBackend
-    from kvpipe.transfer.layout import KVLayout
-    from kvpipe.transfer.tp_mapping import kv_head_range
+    from kvpipe.transfer.planning.layout import KVLayout
+    from kvpipe.transfer.planning.tp_mapping import kv_head_range
 
     out = []
     for rank in range(tp):
@@ -119,10 +119,10 @@ def decode_main(cfg: TPConfig, conn: Connection) -> None:
     """Receivers for the 'same' (TP 1, all heads) and the heterogeneous (decode_tp ranks, with
     staging agents) pools; answers ("add", variant, room, port, pages) and ("check", room, src)."""
     torch = _enter(cfg)
-    from kvpipe.transfer.receiver import DecodeRank, KVReceiver
-    from kvpipe.transfer.staging import KVBytes, StagingAgent
-    from kvpipe.transfer.state import TransferState
-    from kvpipe.transfer.tp_mapping import kv_head_range
+    from kvpipe.transfer.lifecycle import TransferState
+    from kvpipe.transfer.planning.tp_mapping import kv_head_range
+    from kvpipe.transfer.receiver.kv_receiver import DecodeRank, KVReceiver
+    from kvpipe.transfer.staging.buffers import KVBytes, StagingAgent
 
     backends: list = []
     closers: list = []
@@ -202,11 +202,11 @@ def prefill_main(cfg: TPConfig, conn: Connection, parent: Connection) -> None:
 
 def _prefill(cfg: TPConfig, conn: Connection) -> dict[str, Any]:
     torch = _enter(cfg)
-    from kvpipe.bench.transfer_worker import fragmented_pages
-    from kvpipe.transfer.bootstrap import BootstrapServer
-    from kvpipe.transfer.sender import KVSender
-    from kvpipe.transfer.staging import KVBytes, StagingBuffer
-    from kvpipe.transfer.state import TransferState
+    from kvpipe.bench.transfer_procs import fragmented_pages
+    from kvpipe.transfer.control.bootstrap import BootstrapServer
+    from kvpipe.transfer.lifecycle import TransferState
+    from kvpipe.transfer.sender.kv_sender import KVSender
+    from kvpipe.transfer.staging.buffers import KVBytes, StagingBuffer
 
     backends: list = []
     closers: list = []

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpipe.transfer.layout import KVLayout
-from kvpipe.transfer.messages import AuxTuple, StagingInfo
-from kvpipe.transfer.sender_book import SenderStats, TransferTiming
-from kvpipe.transfer.state import TransferState
-from kvpipe.transfer.state_layout import StateLayout
+from kvpipe.transfer.control.messages import AuxTuple, StagingInfo
+from kvpipe.transfer.lifecycle import TransferState
+from kvpipe.transfer.planning.layout import KVLayout
+from kvpipe.transfer.recurrent.layout import StateLayout
+from kvpipe.transfer.sender.book import SenderStats, TransferTiming
 
 
 @dataclass(frozen=True)

@@ -22,15 +22,15 @@ import logging
 from typing import Any
 
 from kvpipe.config import ServerConfig
-from kvpipe.disagg.base import PDConnector
 from kvpipe.disagg.commands import StartDecode
+from kvpipe.disagg.pd_connector import PDConnector
 from kvpipe.disagg.setup import TRANSFER_POLL_S, data_host, warn_if_unauthenticated
 from kvpipe.engine.connector import Admission, ConnectorContext, ConnectorEvent, KVArrived, TransferFinished
 from kvpipe.engine.request import FinishReason, Req
 from kvpipe.transfer.backends.base import TransferBackend
-from kvpipe.transfer.messages import AuxData
-from kvpipe.transfer.receiver import DecodeRank, KVReceiver
-from kvpipe.transfer.state import TransferState
+from kvpipe.transfer.control.messages import AuxData
+from kvpipe.transfer.lifecycle import TransferState
+from kvpipe.transfer.receiver.kv_receiver import DecodeRank, KVReceiver
 
 logger = logging.getLogger(__name__)
 

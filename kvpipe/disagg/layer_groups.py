@@ -11,7 +11,7 @@ for its compute, so
 (`overhead`: the fixed cost of one more group — planning, submitting, polling). T is the batch's
 bytes on the wire: KV per token of the layers that keep KV (a hybrid model's full-attention
 layers only; a sliding-window model's sliding layers only for the prompt's window pages,
-transfer/kv_wire_bytes.py) plus, once per request in its last forward, a hybrid model's recurrent state
+transfer/planning/wire_bytes.py) plus, once per request in its last forward, a hybrid model's recurrent state
 (LayerPipeline.begin). N = 1 is the plain
 path. We pick the N with the smallest predicted TTFT and keep the plain path unless pipelining
 saves at least `min_gain` of the plain TTFT: a short prompt never pays for groups it cannot use.

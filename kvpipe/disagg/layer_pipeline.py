@@ -6,7 +6,7 @@ The PrefillConnector calls, per prefill batch (engine thread, rank 0):
     choice = pipe.begin(batch_tokens, tokens_to_send, states_to_send)   # right before the forward
     pipe.end()                                          # after the forward
 and, as rooms finish, `pipe.observe_link(busy_bytes, busy_s)` with the sender's cumulative
-link counters (kvpipe.transfer.sender_book.SenderStats) and `pipe.room_done(timing, forward_done_at)`
+link counters (kvpipe.transfer.sender.book.SenderStats) and `pipe.room_done(timing, forward_done_at)`
 per room that succeeded (its log line and the transfer tail that stayed exposed).
 
 Compute time on CPU is host wall time (the forward is synchronous); on CUDA it is the elapsed time
@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from kvpipe.disagg.layer_groups import GroupChoice, LayerGroupPlanner, LayerGroupPolicy
-from kvpipe.disagg.metrics import TransferCounters, TransferObserver
-from kvpipe.transfer.sender_book import TransferTiming
+from kvpipe.disagg.observer import TransferCounters, TransferObserver
+from kvpipe.transfer.sender.book import TransferTiming
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class LayerPipeline:
         go to a decode, with the final state of `send_states` requests (hybrid models: their
         last forward); starts its compute timer. `send_kv_bytes`: the KV bytes of those tokens
         when not send_tokens x token_nbytes (sliding-window layers send their window only:
-        kvpipe.transfer.kv_wire_bytes)."""
+        kvpipe.transfer.planning.wire_bytes)."""
         kv = send_tokens * self.token_nbytes if send_kv_bytes is None else send_kv_bytes
         choice = self.planner.choose(tokens, kv + send_states * self.state_nbytes)
         for obs in self.observers:

@@ -27,7 +27,6 @@ from typing import Any
 import numpy as np
 
 from kvpipe.config import ServerConfig
-from kvpipe.disagg.base import PDConnector
 from kvpipe.disagg.commands import (
     AbortRooms,
     ChunkSend,
@@ -40,6 +39,7 @@ from kvpipe.disagg.commands import (
 )
 from kvpipe.disagg.layer_groups import LayerGroupPolicy
 from kvpipe.disagg.layer_pipeline import LayerPipeline
+from kvpipe.disagg.pd_connector import PDConnector
 from kvpipe.disagg.setup import TRANSFER_POLL_S, bootstrap_host, warn_if_unauthenticated
 from kvpipe.disagg.tally import RoomTally
 from kvpipe.engine.batch import ScheduledBatch
@@ -52,12 +52,12 @@ from kvpipe.engine.connector import (
     WorkerGroup,
 )
 from kvpipe.engine.request import FinishReason, Req
-from kvpipe.transfer.auth import authenticator
 from kvpipe.transfer.backends.base import TransferBackend
-from kvpipe.transfer.bootstrap import BootstrapServer
-from kvpipe.transfer.kv_wire_bytes import KVWireBytes
-from kvpipe.transfer.sender_book import SenderStats
-from kvpipe.transfer.state import TransferState
+from kvpipe.transfer.control.auth import authenticator
+from kvpipe.transfer.control.bootstrap import BootstrapServer
+from kvpipe.transfer.lifecycle import TransferState
+from kvpipe.transfer.planning.wire_bytes import KVWireBytes
+from kvpipe.transfer.sender.book import SenderStats
 
 logger = logging.getLogger(__name__)
 

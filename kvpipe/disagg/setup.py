@@ -8,12 +8,13 @@ import logging
 import socket
 
 from kvpipe.cache.kv_pool import KVPool
-from kvpipe.cache.state_pool import StatePool
-from kvpipe.config import ModelConfig, ParallelConfig, ServerConfig
-from kvpipe.transfer.auth import TOKEN_ENV
+from kvpipe.cache.recurrent_pool import StatePool
+from kvpipe.config import ParallelConfig, ServerConfig
+from kvpipe.model.config import ModelConfig
 from kvpipe.transfer.backends import FailureInjection, TransferBackend, create_backend
-from kvpipe.transfer.layout import KVLayout
-from kvpipe.transfer.state_layout import StateLayout
+from kvpipe.transfer.control.auth import TOKEN_ENV
+from kvpipe.transfer.planning.layout import KVLayout
+from kvpipe.transfer.recurrent.layout import StateLayout
 
 logger = logging.getLogger(__name__)
 

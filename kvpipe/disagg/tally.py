@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvpipe.transfer.state import TransferState
+from kvpipe.transfer.lifecycle import TransferState
 
 
 @dataclass

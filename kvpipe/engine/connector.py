@@ -15,7 +15,7 @@ disaggregation `base/conn.py`, written for this engine. A connector has two halv
 
 The engine owns the scheduler, the finish checks and the pages; a connector sees requests and
 batches and never touches those. Rank 0 reaches every worker through a `WorkerGroup`
-(engine/worker_group.py); children build theirs from `worker_factory`, a "module:function" path
+(engine/connector_workers.py); children build theirs from `worker_factory`, a "module:function" path
 imported lazily so the engine never imports a connector package.
 
 Page ownership rule: a request whose transfer may still write into (decode) or read from
@@ -37,8 +37,9 @@ from kvpipe.engine.request import FinishReason, Req
 
 if TYPE_CHECKING:
     from kvpipe.cache.kv_pool import KVPool
-    from kvpipe.cache.state_pool import StatePool
-    from kvpipe.config import ModelConfig, ServerConfig
+    from kvpipe.cache.recurrent_pool import StatePool
+    from kvpipe.config import ServerConfig
+    from kvpipe.model.config import ModelConfig
 
 
 class Admission(enum.Enum):
@@ -75,7 +76,7 @@ ConnectorEvent = KVArrived | TransferFinished
 
 
 class WorkerGroup(Protocol):
-    """Rank 0's handle on the connector workers of every TP rank (engine/worker_group.py)."""
+    """Rank 0's handle on the connector workers of every TP rank (engine/connector_workers.py)."""
 
     tp_size: int
 
@@ -140,9 +141,7 @@ class KVConnector(ABC):
     prefix_cache: bool = False
 
     @abstractmethod
-    def make_worker(
-        self, pool: KVPool, total_kv_heads: int, state_pool: StatePool | None = None
-    ) -> KVConnectorWorker:
+    def make_worker(self, pool: KVPool, total_kv_heads: int, state_pool: StatePool | None = None) -> KVConnectorWorker:
         """Rank 0's worker (the engine calls this once, before `start`); `state_pool`: the
         recurrent state of a hybrid model's requests, which moves with their KV."""
 

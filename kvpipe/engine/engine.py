@@ -20,8 +20,8 @@ import torch
 
 from kvpipe.cache.page_allocator import PageAllocator
 from kvpipe.cache.radix_cache import RadixCache
-from kvpipe.cache.state_slots import StateSlotAllocator
-from kvpipe.config import ModelConfig, ParallelConfig, ServerConfig
+from kvpipe.cache.recurrent_slots import StateSlotAllocator
+from kvpipe.config import ParallelConfig, ServerConfig
 from kvpipe.engine.batch import ForwardMode, ForwardSpec, ScheduledBatch
 from kvpipe.engine.connector import (
     Admission,
@@ -32,13 +32,14 @@ from kvpipe.engine.connector import (
     KVConnectorWorker,
     TransferFinished,
 )
+from kvpipe.engine.connector_workers import RankWorkers
 from kvpipe.engine.finish import FinishChecker
 from kvpipe.engine.model_runner import ModelRunner, split_layers, state_slots
 from kvpipe.engine.request import ABORTED_ON_REQUEST, FinishReason, Req, SamplingParams, TokenOutput, finish_reason_json
 from kvpipe.engine.sampler import Sampler, make_generator
 from kvpipe.engine.scheduler import Scheduler
-from kvpipe.engine.tp_worker import TPGroup, build_runner
-from kvpipe.engine.worker_group import RankWorkers
+from kvpipe.engine.tp_group import TPGroup, build_runner
+from kvpipe.model.config import ModelConfig
 from kvpipe.model.loader import load_generation_eos
 from kvpipe.model.tokenizer import Tokenizer
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 
 from kvpipe.cache.kv_pool import KVPool
-from kvpipe.cache.state_pool import StatePool
+from kvpipe.cache.recurrent_pool import StatePool
 from kvpipe.config import CacheConfig, SchedulerConfig
 from kvpipe.engine.batch import ForwardSpec
 from kvpipe.model.forward_batch import ForwardBatch

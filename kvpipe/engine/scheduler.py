@@ -44,7 +44,7 @@ import numpy as np
 
 from kvpipe.cache.page_allocator import PageAllocator
 from kvpipe.cache.radix_cache import RadixCache
-from kvpipe.cache.state_slots import StateSlotAllocator
+from kvpipe.cache.recurrent_slots import StateSlotAllocator
 from kvpipe.cache.window_pages import window_first_page, window_page_bound
 from kvpipe.config import SchedulerConfig
 from kvpipe.engine.batch import ForwardMode, ScheduledBatch

@@ -1,4 +1,4 @@
-"""Typed messages on a TP child's step pipe (kvpipe/engine/tp_worker.py).
+"""Typed messages on a TP child's step pipe (kvpipe/engine/tp_group.py).
 
 rank 0 -> child: StartMsg, then StepMsg (a forward) | CommandMsg (for its connector worker) ..., StopMsg
 child -> rank 0: HelloMsg, ReadyMsg, then ReplyMsg (to a CommandMsg that wants one) |

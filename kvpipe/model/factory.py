@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from kvpipe.config import ModelConfig, ParallelConfig
+from kvpipe.config import ParallelConfig
+from kvpipe.model.config import ModelConfig
 from kvpipe.model.llama import CausalLM, LMBase
 
 

@@ -18,8 +18,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from kvpipe.cache.state_pool import StatePool, StateShape
-from kvpipe.config import ConfigError, HybridConfig, ModelConfig, ParallelConfig
+from kvpipe.cache.recurrent_pool import StatePool, StateShape
+from kvpipe.config import ConfigError, ParallelConfig
+from kvpipe.model.config import HybridConfig, ModelConfig
 from kvpipe.model.forward_batch import ForwardBatch
 from kvpipe.model.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_step
 from kvpipe.model.layers import Linear, Shard

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kvpipe.config import ConfigError, ModelConfig, MoEConfig, ParallelConfig
+from kvpipe.config import ConfigError, ParallelConfig
+from kvpipe.model.config import ModelConfig, MoEConfig
 from kvpipe.model.layers import Shard
 from kvpipe.model.moe import Dispatch, Router, route
 

@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpipe.cache.kv_pool import KVPool
-from kvpipe.config import ConfigError, ModelConfig, ParallelConfig
+from kvpipe.config import ConfigError, ParallelConfig
 from kvpipe.model.attention import paged_attention
+from kvpipe.model.config import ModelConfig
 from kvpipe.model.forward_batch import ForwardBatch
 from kvpipe.model.packed_linear import can_pack, pack_weight, packed_linear
 from kvpipe.model.qk_norm import ShardedRMSNorm, whole_qk_norm

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpipe.cache.kv_pool import KVPool
-from kvpipe.config import ConfigError, ModelConfig, ParallelConfig
+from kvpipe.config import ConfigError, ParallelConfig
+from kvpipe.model.config import ModelConfig
 from kvpipe.model.forward_batch import ForwardBatch
 from kvpipe.model.layers import DecoderLayer, Linear, RMSNorm
 from kvpipe.model.rope import rope_attention_factor, rope_cos_sin, rope_inv_freq

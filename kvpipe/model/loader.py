@@ -17,7 +17,8 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
-from kvpipe.config import HYBRID_FAMILIES, SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig, ParallelConfig
+from kvpipe.config import ConfigError, ParallelConfig
+from kvpipe.model.config import HYBRID_FAMILIES, SUPPORTED_ARCHITECTURES, ModelConfig
 from kvpipe.model.factory import build_causal_lm
 from kvpipe.model.layers import Linear, Shard
 from kvpipe.model.llama import LMBase, check_parallel

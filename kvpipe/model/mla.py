@@ -33,8 +33,9 @@ import torch.distributed as dist
 from torch import nn
 
 from kvpipe.cache.kv_pool import KVPool
-from kvpipe.config import ModelConfig, ParallelConfig
+from kvpipe.config import ParallelConfig
 from kvpipe.model.attention import attend_pages, causal_attention, prefix_attention
+from kvpipe.model.config import ModelConfig
 from kvpipe.model.cpu_kernels import paged_decode_kernel
 from kvpipe.model.forward_batch import DecodeIndex, ForwardBatch
 from kvpipe.model.layers import Linear, RMSNorm, Shard

@@ -23,7 +23,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from kvpipe.config import ConfigError, ModelConfig, MoEConfig, ParallelConfig
+from kvpipe.config import ConfigError, ParallelConfig
+from kvpipe.model.config import ModelConfig, MoEConfig
 from kvpipe.model.layers import MLP, Linear
 
 # DeepSeek-V3 adds this to the top-k weight sum before renormalising. In fp32 it cannot change a

@@ -22,9 +22,10 @@ import torch.distributed as dist
 from torch import nn
 
 from kvpipe.cache.kv_pool import KVPool
-from kvpipe.cache.state_pool import StatePool
-from kvpipe.config import LayerType, ModelConfig, ParallelConfig
+from kvpipe.cache.recurrent_pool import StatePool
+from kvpipe.config import ParallelConfig
 from kvpipe.model.attention import paged_attention
+from kvpipe.model.config import LayerType, ModelConfig
 from kvpipe.model.forward_batch import ForwardBatch
 from kvpipe.model.gated_delta_net import GatedDeltaNet, local_linear_heads
 from kvpipe.model.layers import Linear, Shard, make_mlp

@@ -19,9 +19,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
-from kvpipe.config import ModelConfig
 from kvpipe.engine.errors import EngineLost
 from kvpipe.engine.request import FinishReason, Req, TokenOutput
+from kvpipe.model.config import ModelConfig
 from kvpipe.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvpipe.server.errors import APIError
 from kvpipe.server.first_token import FIRST_TOKEN_HANDOFF_S, FirstTokens

@@ -21,6 +21,7 @@ from kvpipe.body_limit import BodyLimitMiddleware
 from kvpipe.config import ServerConfig
 from kvpipe.engine.cpu_threads import CpuThreads, apply_cpu_threads, server_cpu_threads, torch_threads
 from kvpipe.engine.request import SamplingParams
+from kvpipe.server.app_state import ServerState
 from kvpipe.server.async_engine import AsyncEngine, EngineLike
 from kvpipe.server.errors import APIError, install_error_handlers
 from kvpipe.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -29,7 +30,6 @@ from kvpipe.server.openai_protocol import ChatCompletionRequest, CompletionReque
 from kvpipe.server.openapi_schema import BODY_ROUTE_RESPONSES, AbortRequest, install_body_schemas, json_body
 from kvpipe.server.protocol import GenerateInput, GenerateRequest, new_rid, split_generate_request
 from kvpipe.server.request_tracker import RequestOutput
-from kvpipe.server.state import ServerState
 from kvpipe.server.streaming import (
     SSE_DONE,
     ClosingStreamingResponse,

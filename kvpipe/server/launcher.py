@@ -31,7 +31,7 @@ import httpx
 from kvpipe.engine.cpu_threads import affinity_cores
 from kvpipe.server.core_split import CPU_THREADS_FLAG, CoreSplit, ServerCores, has_flag, server_cores, split_cores
 from kvpipe.server.supervisor import PartState, RestartPolicy, Supervisor
-from kvpipe.transfer.auth import TOKEN_ENV, new_token
+from kvpipe.transfer.control.auth import TOKEN_ENV, new_token
 
 AUTH_TOKEN_FLAG = "--disaggregation-auth-token"
 

@@ -12,6 +12,7 @@ from fastapi.responses import Response
 
 from kvpipe.config import ConfigError
 from kvpipe.engine.request import ABORTED_ON_REQUEST, FinishReason
+from kvpipe.server.app_state import ServerState
 from kvpipe.server.errors import APIError
 from kvpipe.server.openai_protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -22,7 +23,6 @@ from kvpipe.server.openai_protocol import (
 from kvpipe.server.openapi_schema import BODY_ROUTE_RESPONSES, json_body
 from kvpipe.server.protocol import GenerateInput, new_rid, text_options, to_sampling_params
 from kvpipe.server.request_tracker import RequestOutput
-from kvpipe.server.state import ServerState
 from kvpipe.server.streaming import (
     SSE_DONE,
     ClosingStreamingResponse,

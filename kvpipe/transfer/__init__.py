@@ -1,10 +1,10 @@
 """KV cache transfer from prefill to decode: layouts, planner, control plane, backends, sender, receiver.
 
-The package itself is light (no zmq, Mooncake or HTTP stack): it re-exports types.py, the
+The package itself is light (no zmq, Mooncake or HTTP stack): it re-exports api.py, the
 engine-facing Protocols and plain types. KVSender and KVReceiver come from their own modules.
 """
 
-from kvpipe.transfer.types import (
+from kvpipe.transfer.api import (
     AuxData,
     DecodeRank,
     DuplicateRoomError,

@@ -14,10 +14,10 @@ import pytest
 
 from kvpipe.bench import serve
 from kvpipe.bench.client import run_workload
-from kvpipe.bench.metrics import summarize
+from kvpipe.bench.latency import summarize
 from kvpipe.bench.stacks import Endpoint
-from kvpipe.bench.testbed import can_run
 from kvpipe.bench.workload import WorkloadConfig, build_workload, parse_lengths
+from kvpipe.qa.testbed import can_run
 from kvpipe.server.launcher import free_port, stop_process, wait_healthy
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -87,7 +87,7 @@ def test_bench_serve_smoke(tiny_model_dir: Path, tmp_path: Path, capsys: pytest.
 
 @pytest.mark.skipif(not can_run(), reason="needs root and iproute2")
 def test_client_across_testbed(tiny_model_dir: Path) -> None:
-    from kvpipe.bench.testbed import LinkTestbed
+    from kvpipe.qa.testbed import LinkTestbed
 
     vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
     wl = build_workload(WorkloadConfig(parse_lengths("16"), parse_lengths("2"), 4, vocab))

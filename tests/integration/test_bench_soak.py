@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpipe.bench import soak
-from kvpipe.bench.soak_plan import SoakConfig, plan_requests
+from kvpipe.qa import soak
+from kvpipe.qa.soak_plan import SoakConfig, plan_requests
 
 pytest.importorskip("mooncake.engine")
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpipe.bench.chaos import Campaign, ChaosConfig, Phase
-from kvpipe.bench.chaos_load import FINAL
+from kvpipe.qa.chaos import Campaign, ChaosConfig, Phase
+from kvpipe.qa.chaos_load import FINAL
 from kvpipe.server.launcher import PARTS
 from kvpipe.server.supervisor import PartState, RestartPolicy
 

@@ -17,8 +17,8 @@ pytest.importorskip("mooncake.engine")
 from kvpipe.cache.kv_pool import KVPool  # noqa: E402
 from kvpipe.transfer.backends import BatchState, FailureInjection  # noqa: E402
 from kvpipe.transfer.backends.mooncake import MooncakeBackend  # noqa: E402
-from kvpipe.transfer.layout import KVLayout  # noqa: E402
-from kvpipe.transfer.planner import plan_pages  # noqa: E402
+from kvpipe.transfer.planning.layout import KVLayout  # noqa: E402
+from kvpipe.transfer.planning.planner import plan_pages  # noqa: E402
 
 pytestmark = pytest.mark.integration
 LAYERS, PAGES, PAGE, HEADS, HD = 2, 32, 8, 2, 16

@@ -21,7 +21,7 @@ from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import FinishReason, Req, SamplingParams, TokenOutput
 from kvpipe.transfer.backends import FailureInjection
 from kvpipe.transfer.backends.local import LocalBackend, LocalFabric
-from kvpipe.transfer.state import TransferState
+from kvpipe.transfer.lifecycle import TransferState
 
 pytestmark = pytest.mark.integration
 PS = 16

@@ -21,9 +21,9 @@ import zmq
 from pd_harness import Stack, disagg_stats, generate, greedy, pd_body, start_stack, wait_for
 from server_harness import ServerProc
 
-from kvpipe.transfer import messages as m
-from kvpipe.transfer.auth import Authenticator
-from kvpipe.transfer.bootstrap import BootstrapError, fetch_prefill_info, register_prefill_rank
+from kvpipe.transfer.control import messages as m
+from kvpipe.transfer.control.auth import Authenticator
+from kvpipe.transfer.control.bootstrap import BootstrapError, fetch_prefill_info, register_prefill_rank
 
 pytest.importorskip("mooncake.engine")
 pytestmark = pytest.mark.integration

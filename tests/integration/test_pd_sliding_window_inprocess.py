@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from test_pd_inprocess import PS, colocated_greedy, failures_then_decode_abort, greedy_and_bytes_as_predicted
 
-from kvpipe.config import ModelConfig
+from kvpipe.model.config import ModelConfig
 from kvpipe.model.presets import write_preset
 
 pytestmark = pytest.mark.integration

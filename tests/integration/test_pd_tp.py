@@ -22,7 +22,7 @@ from pd_parity import check_parity as shared_check_parity
 from pd_parity import colocated_reference
 from pd_parity import prompts as parity_prompts
 
-from kvpipe.bench.chaos import child_pids
+from kvpipe.qa.chaos import child_pids
 
 pytest.importorskip("mooncake.engine")
 pytestmark = pytest.mark.integration

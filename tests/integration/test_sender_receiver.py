@@ -15,16 +15,16 @@ import zmq
 
 from kvpipe.cache.kv_pool import KVPool
 from kvpipe.config import DisaggregationConfig
-from kvpipe.transfer import messages as m
 from kvpipe.transfer.backends import FailureInjection
 from kvpipe.transfer.backends.local import LocalBackend, LocalFabric
-from kvpipe.transfer.bootstrap import BootstrapServer, PrefillRankInfo, register_prefill_rank
-from kvpipe.transfer.layout import KVLayout
-from kvpipe.transfer.receiver import DecodeRank, KVReceiver
-from kvpipe.transfer.sender import KVSender
-from kvpipe.transfer.staging import KVBytes, StagingAgent, StagingBuffer
-from kvpipe.transfer.state import DuplicateRoomError, TransferState
-from kvpipe.transfer.tp_mapping import kv_head_range
+from kvpipe.transfer.control import messages as m
+from kvpipe.transfer.control.bootstrap import BootstrapServer, PrefillRankInfo, register_prefill_rank
+from kvpipe.transfer.lifecycle import DuplicateRoomError, TransferState
+from kvpipe.transfer.planning.layout import KVLayout
+from kvpipe.transfer.planning.tp_mapping import kv_head_range
+from kvpipe.transfer.receiver.kv_receiver import DecodeRank, KVReceiver
+from kvpipe.transfer.sender.kv_sender import KVSender
+from kvpipe.transfer.staging.buffers import KVBytes, StagingAgent, StagingBuffer
 
 pytestmark = pytest.mark.integration
 L, PAGES, PS, HD, H = 2, 32, 4, 8, 2  # layers, pages per pool, page size, head dim, total KV heads

@@ -1,4 +1,4 @@
-"""Heterogeneous-TP transfer through the decode's staging ring (transfer/staging.py), KVSender <->
+"""Heterogeneous-TP transfer through the decode's staging ring (transfer/staging/buffers.py), KVSender <->
 KVReceiver in one process over the local backend and Mooncake: the bytes land exactly where plain
 page writes put them, with one op per staged chunk; chunked and layer-grouped sends, a decode
 prefix, a ring smaller than a request (writers wait and resume), aborts and write failures free
@@ -24,7 +24,7 @@ from test_sender_receiver import (
 
 from kvpipe.transfer.backends import FailureInjection
 from kvpipe.transfer.backends.local import LocalFabric
-from kvpipe.transfer.state import TransferState
+from kvpipe.transfer.lifecycle import TransferState
 
 pytestmark = pytest.mark.integration
 S, F = TransferState.SUCCESS, TransferState.FAILED

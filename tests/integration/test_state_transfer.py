@@ -14,16 +14,16 @@ import torch
 from test_sender_receiver import CFG, Results, make_backend, wait_for
 
 from kvpipe.cache.kv_pool import KVPool
-from kvpipe.cache.state_pool import StatePool, StateShape
-from kvpipe.transfer import messages as m
+from kvpipe.cache.recurrent_pool import StatePool, StateShape
 from kvpipe.transfer.backends.local import LocalFabric
-from kvpipe.transfer.bootstrap import BootstrapServer
-from kvpipe.transfer.layout import KVLayout
-from kvpipe.transfer.receiver import DecodeRank, KVReceiver
-from kvpipe.transfer.sender import KVSender
-from kvpipe.transfer.state import TransferState
-from kvpipe.transfer.state_layout import StateLayout
-from kvpipe.transfer.tp_mapping import transfer_slices
+from kvpipe.transfer.control import messages as m
+from kvpipe.transfer.control.bootstrap import BootstrapServer
+from kvpipe.transfer.lifecycle import TransferState
+from kvpipe.transfer.planning.layout import KVLayout
+from kvpipe.transfer.planning.tp_mapping import transfer_slices
+from kvpipe.transfer.receiver.kv_receiver import DecodeRank, KVReceiver
+from kvpipe.transfer.recurrent.layout import StateLayout
+from kvpipe.transfer.sender.kv_sender import KVSender
 
 pytestmark = pytest.mark.integration
 TYPES = "LLLFLLLF"  # model layers: L linear attention, F full attention

@@ -15,14 +15,14 @@ from test_sender_receiver import CFG, Results, make_backend
 
 from kvpipe.cache.kv_pool import KVPool
 from kvpipe.disagg.setup import register_pool
-from kvpipe.transfer import messages as m
 from kvpipe.transfer.backends.local import LocalFabric
-from kvpipe.transfer.bootstrap import BootstrapServer
-from kvpipe.transfer.layout import KVLayout
-from kvpipe.transfer.receiver import DecodeRank, KVReceiver
-from kvpipe.transfer.sender import KVSender
-from kvpipe.transfer.state import TransferState
-from kvpipe.transfer.tp_mapping import kv_head_range
+from kvpipe.transfer.control import messages as m
+from kvpipe.transfer.control.bootstrap import BootstrapServer
+from kvpipe.transfer.lifecycle import TransferState
+from kvpipe.transfer.planning.layout import KVLayout
+from kvpipe.transfer.planning.tp_mapping import kv_head_range
+from kvpipe.transfer.receiver.kv_receiver import DecodeRank, KVReceiver
+from kvpipe.transfer.sender.kv_sender import KVSender
 
 pytestmark = pytest.mark.integration
 L, PAGES, PS, HD, H = 4, 32, 4, 8, 2  # KV layers, pages per pool, page size, head dim, total KV heads

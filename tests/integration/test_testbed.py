@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import pytest
 
-from kvpipe.bench.testbed import (
+from kvpipe.qa.testbed import (
     LinkTestbed,
     LinkTestbedError,
     can_run,
@@ -25,7 +25,7 @@ from kvpipe.bench.testbed import (
     setup_commands,
     tool,
 )
-from kvpipe.bench.testbed_cli import recorded, removable
+from kvpipe.qa.testbed_cli import recorded, removable
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 needs_root = pytest.mark.skipif(not can_run(), reason="needs root and iproute2")
@@ -117,7 +117,7 @@ def test_failed_setup_rolls_back(tmp_path) -> None:
 
 @needs_root
 def test_cli_up_then_down(tmp_path, monkeypatch) -> None:
-    from kvpipe.bench import testbed_cli as cli
+    from kvpipe.qa import testbed_cli as cli
 
     monkeypatch.setenv("KVPIPE_TESTBED_DIR", str(tmp_path))
     assert cli.main(["up", "--rate", "50mbit"]) == 0

@@ -8,7 +8,7 @@ import transformers
 from model_utils import VOCAB, all_logits, hf_logits, prompt_ids, save  # noqa: F401 - re-exported to the Qwen3.5 tests
 
 from kvpipe.cache.kv_pool import KVPool
-from kvpipe.cache.state_pool import StatePool
+from kvpipe.cache.recurrent_pool import StatePool
 from kvpipe.engine.model_runner import make_kv_pool, make_state_pool
 from kvpipe.model.forward_batch import ForwardBatch
 

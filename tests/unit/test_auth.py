@@ -1,4 +1,4 @@
-"""Shared-secret authentication (transfer/auth.py) of control frames, bootstrap calls, and the
+"""Shared-secret authentication (transfer/control/auth.py) of control frames, bootstrap calls, and the
 control endpoint and bootstrap server that use it."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import zmq
 from test_bootstrap import rank_info
 
 from kvpipe.config import ConfigError, DisaggregationConfig
-from kvpipe.transfer import messages as m
-from kvpipe.transfer.auth import HTTP_HEADER, Authenticator, AuthError
-from kvpipe.transfer.bootstrap import BootstrapError, BootstrapServer, fetch_prefill_info, register_prefill_rank
-from kvpipe.transfer.control import ControlEndpoint
+from kvpipe.transfer.control import messages as m
+from kvpipe.transfer.control.auth import HTTP_HEADER, Authenticator, AuthError
+from kvpipe.transfer.control.bootstrap import BootstrapError, BootstrapServer, fetch_prefill_info, register_prefill_rank
+from kvpipe.transfer.control.endpoint import ControlEndpoint
 
 TOKEN = "correct-horse-battery-staple"
 CTX = b"tcp://127.0.0.1:5555"

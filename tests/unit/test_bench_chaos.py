@@ -6,8 +6,8 @@ from collections import Counter
 
 import pytest
 
-from kvpipe.bench.chaos import TP_CHILD, ChaosConfig, Phase, RoundResult, plan_rounds, summarize, table
-from kvpipe.bench.chaos_load import Outcome, Status
+from kvpipe.qa.chaos import TP_CHILD, ChaosConfig, Phase, RoundResult, plan_rounds, summarize, table
+from kvpipe.qa.chaos_load import Outcome, Status
 from kvpipe.server.launcher import PARTS
 
 

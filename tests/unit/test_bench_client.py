@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from kvpipe.bench.client import DONE, drive, event_error, event_tokens, parse_sse_line
-from kvpipe.bench.metrics import summarize
+from kvpipe.bench.latency import summarize
 from kvpipe.bench.workload import WorkloadConfig, build_workload, parse_lengths, split_rounds
 
 

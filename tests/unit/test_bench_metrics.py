@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpipe.bench.metrics import RequestRecord, first_errors, percentiles, request_metrics, summarize
+from kvpipe.bench.latency import RequestRecord, first_errors, percentiles, request_metrics, summarize
 
 
 def rec(

@@ -195,7 +195,8 @@ def test_kv_bytes_per_token() -> None:
 
 
 def _preset_hf_config(name: str) -> dict:
-    from kvpipe.model import presets_gpt_oss, presets_qwen3_5
+    from kvpipe.model.presets import gpt_oss as presets_gpt_oss
+    from kvpipe.model.presets import qwen3_5 as presets_qwen3_5
 
     spec = {**presets_qwen3_5.QWEN3_5_PRESETS, **presets_gpt_oss.GPT_OSS_PRESETS}[name]
     family = presets_qwen3_5 if name in presets_qwen3_5.QWEN3_5_PRESETS else presets_gpt_oss
@@ -263,7 +264,7 @@ def test_num_groups_probes() -> None:
 
 
 def test_plots_write_pngs(tmp_path) -> None:
-    from kvpipe.bench.metrics import RequestRecord, summarize
+    from kvpipe.bench.latency import RequestRecord, summarize
     from kvpipe.bench.plot import plot_run, plot_sweep
 
     points = [

@@ -18,9 +18,9 @@ from kvpipe.bench.transfer import (
     summarize,
     tp_config_from_args,
 )
-from kvpipe.bench.transfer_worker import fragmented_pages
+from kvpipe.bench.transfer_procs import fragmented_pages
 from kvpipe.transfer.backends.mooncake import DEFAULT_MAX_OP_BYTES
-from kvpipe.transfer.planner import page_runs
+from kvpipe.transfer.planning.planner import page_runs
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.1, 0.5, 1.0])
@@ -162,7 +162,7 @@ def test_hybrid_shapes_move_full_attention_kv_and_a_state_slot():
     import torch
 
     from kvpipe.bench.transfer_shapes import EXTRA_SHAPES
-    from kvpipe.cache.state_pool import StatePool
+    from kvpipe.cache.recurrent_pool import StatePool
     from kvpipe.config import ParallelConfig
     from kvpipe.model.gated_delta_net import local_state_shape
 
@@ -230,9 +230,9 @@ def test_sliding_plan_moves_full_pages_and_window_pages_exactly(fragmentation):
 
     import torch
 
-    from kvpipe.bench.transfer_worker import _digest, decode_window_table, plan_request, source_window_table
+    from kvpipe.bench.transfer_procs import _digest, decode_window_table, plan_request, source_window_table
     from kvpipe.cache.kv_pool import KVPool
-    from kvpipe.transfer.layout import KVLayout
+    from kvpipe.transfer.planning.layout import KVLayout
 
     _, cfg = _tiny_gpt_oss(["--prompt-lens", "100", "--page-size", "16", "--fragmentation", str(fragmentation)])
 

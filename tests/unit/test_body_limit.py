@@ -15,7 +15,7 @@ from kvpipe.body_limit import BodyLimitMiddleware
 from kvpipe.config import ConfigError, ServerConfig
 from kvpipe.server.async_engine import EngineLike
 from kvpipe.server.http_server import create_app
-from kvpipe.transfer.bootstrap import MAX_BODY_BYTES, _app, _Registry
+from kvpipe.transfer.control.bootstrap import MAX_BODY_BYTES, _app, _Registry
 
 LIMIT = 1000
 

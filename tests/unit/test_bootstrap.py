@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from kvpipe.transfer.bootstrap import (
+from kvpipe.transfer.control.bootstrap import (
     BootstrapError,
     BootstrapNotReady,
     BootstrapServer,
@@ -22,7 +22,7 @@ from kvpipe.transfer.bootstrap import (
     register_prefill_rank,
     wait_prefill_info,
 )
-from kvpipe.transfer.layout import KVLayout
+from kvpipe.transfer.planning.layout import KVLayout
 
 
 def layout(kv_heads=2, head_start=0, total=2, layers=2, page_size=4, dtype="float32", base=1 << 20) -> KVLayout:

@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_messages_fuzz import _paths
 
-from kvpipe.transfer.bootstrap import PrefillRankInfo, _app, _Registry
-from kvpipe.transfer.layout import KVLayout
+from kvpipe.transfer.control.bootstrap import PrefillRankInfo, _app, _Registry
+from kvpipe.transfer.planning.layout import KVLayout
 
 FUZZ = settings(
     max_examples=120,
@@ -149,7 +149,7 @@ def test_a_body_that_is_not_an_object_is_422_even_when_it_is_inf() -> None:
 def test_with_a_token_nothing_unsigned_gets_through() -> None:
     """An authenticated registry: any unsigned or badly signed call is a 4xx (401 for the routes),
     the registry is unchanged, and a signed registration still works."""
-    from kvpipe.transfer.auth import HTTP_HEADER, Authenticator
+    from kvpipe.transfer.control.auth import HTTP_HEADER, Authenticator
 
     token = "fuzzing-the-bootstrap-token"
     registry = _Registry()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvpipe.cache.window_pages import prompt_window_pages
-from kvpipe.transfer.kv_wire_bytes import KVWireBytes
+from kvpipe.transfer.planning.wire_bytes import KVWireBytes
 
 # tiny-gpt-oss: layers 0, 2 sliding (window 32), 1, 3 full; K and V of 4 heads x 16, fp32:
 # 2 x 4 x 16 x 4 = 512 bytes per token and layer, 1024 over each pair of layers
@@ -53,7 +53,7 @@ def test_without_sliding_layers_every_token_counts():
 
 def test_from_layout_splits_full_and_sliding_layers():
     from kvpipe.cache.kv_pool import KVPool
-    from kvpipe.transfer.layout import KVLayout
+    from kvpipe.transfer.planning.layout import KVLayout
 
     swa = KVLayout.from_pool(KVPool(4, 8, 16, 4, 16, swa_layers=(0, 2)))
     assert KVWireBytes.from_layout(swa, 32) == TINY

@@ -7,8 +7,7 @@ import random
 import msgpack
 import pytest
 
-from kvpipe.transfer.layout import KVLayout
-from kvpipe.transfer.messages import (
+from kvpipe.transfer.control.messages import (
     PROTOCOL_VERSION,
     Abort,
     AuxData,
@@ -27,7 +26,8 @@ from kvpipe.transfer.messages import (
     decode,
     encode,
 )
-from kvpipe.transfer.state_layout import StateLayout
+from kvpipe.transfer.planning.layout import KVLayout
+from kvpipe.transfer.recurrent.layout import StateLayout
 
 LAYOUT = KVLayout(
     num_layers=2,

@@ -14,9 +14,9 @@ import msgpack
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from kvpipe.transfer.codec import ProtocolError, _hints, _is_int_tuple, _optional_inner
-from kvpipe.transfer.layout import KVLayout
-from kvpipe.transfer.messages import MESSAGE_TYPES, PROTOCOL_VERSION, decode, encode
+from kvpipe.transfer.control.codec import ProtocolError, _hints, _is_int_tuple, _optional_inner
+from kvpipe.transfer.control.messages import MESSAGE_TYPES, PROTOCOL_VERSION, decode, encode
+from kvpipe.transfer.planning.layout import KVLayout
 
 # bounded: the whole file runs in seconds on a shared 2-core machine
 FUZZ = settings(

@@ -17,7 +17,8 @@ transformers = pytest.importorskip("transformers")
 from model_utils import all_logits, greedy_generate, hf_logits, incremental_logits, make_pool, prompt_ids, save  # noqa: E402
 from test_model_tp import _run, _worker  # noqa: E402
 
-from kvpipe.config import ConfigError, ModelConfig, ParallelConfig  # noqa: E402
+from kvpipe.config import ConfigError, ParallelConfig  # noqa: E402
+from kvpipe.model.config import ModelConfig
 from kvpipe.model.forward_batch import ForwardBatch  # noqa: E402
 from kvpipe.model.loader import load_model  # noqa: E402
 from kvpipe.model.presets import write_preset  # noqa: E402

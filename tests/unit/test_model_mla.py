@@ -23,7 +23,8 @@ from test_model_hf_parity import VOCAB, hf_logits, hf_model, prompt_ids, save  #
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale  # noqa: E402
 
-from kvpipe.config import ConfigError, ModelConfig, ParallelConfig  # noqa: E402
+from kvpipe.config import ConfigError, ParallelConfig  # noqa: E402
+from kvpipe.model.config import ModelConfig
 from kvpipe.model.forward_batch import ForwardBatch  # noqa: E402
 from kvpipe.model.loader import load_model  # noqa: E402
 from kvpipe.model.mla import MLAttention, mla_softmax_scale  # noqa: E402

@@ -19,8 +19,9 @@ transformers = pytest.importorskip("transformers")
 
 from model_utils import incremental_logits  # noqa: E402
 
-from kvpipe.config import ConfigError, ModelConfig, MoEConfig, ParallelConfig  # noqa: E402
+from kvpipe.config import ConfigError, ParallelConfig  # noqa: E402
 from kvpipe.model import loader  # noqa: E402
+from kvpipe.model.config import ModelConfig, MoEConfig
 from kvpipe.model.llama import CausalLM, check_parallel  # noqa: E402
 from kvpipe.model.loader import load_model  # noqa: E402
 from kvpipe.model.moe import Dispatch, SparseMoE, check_routing, route  # noqa: E402

@@ -24,7 +24,8 @@ from qwen3_5_utils import (
     save,
 )
 
-from kvpipe.config import ConfigError, LayerType, ModelConfig, ParallelConfig  # noqa: E402
+from kvpipe.config import ConfigError, ParallelConfig  # noqa: E402
+from kvpipe.model.config import LayerType, ModelConfig
 from kvpipe.model.forward_batch import ForwardBatch  # noqa: E402
 from kvpipe.model.loader import load_model  # noqa: E402
 from kvpipe.model.qwen3_5 import Qwen3_5CausalLM  # noqa: E402

@@ -26,7 +26,8 @@ from qwen3_5_utils import (
     save,
 )
 
-from kvpipe.config import ConfigError, ModelConfig  # noqa: E402
+from kvpipe.config import ConfigError  # noqa: E402
+from kvpipe.model.config import ModelConfig  # noqa: E402
 from kvpipe.model.forward_batch import ForwardBatch  # noqa: E402
 from kvpipe.model.loader import load_model  # noqa: E402
 from kvpipe.model.moe import SparseMoE  # noqa: E402

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpipe.transfer.op_pieces import piece_counts, split_ops
+from kvpipe.transfer.planning.op_pieces import piece_counts, split_ops
 
 
 def reference(src, dst, length, max_bytes):

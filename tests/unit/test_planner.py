@@ -9,9 +9,9 @@ import torch
 from kvpipe.cache.kv_pool import KVPool
 from kvpipe.transfer.backends.base import BatchState
 from kvpipe.transfer.backends.local import LocalBackend, LocalFabric
-from kvpipe.transfer.layout import KVLayout
-from kvpipe.transfer.planner import page_runs, plan_pages, sendable_pages
-from kvpipe.transfer.tp_mapping import kv_head_range, slices_for_decode_rank, transfer_slices
+from kvpipe.transfer.planning.layout import KVLayout
+from kvpipe.transfer.planning.planner import page_runs, plan_pages, sendable_pages
+from kvpipe.transfer.planning.tp_mapping import kv_head_range, slices_for_decode_rank, transfer_slices
 
 LAYERS, PAGES, PAGE, HD = 3, 24, 4, 8
 

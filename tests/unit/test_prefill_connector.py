@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvpipe.config import CacheConfig, DisaggregationConfig, ModelConfig, ServerConfig
+from kvpipe.config import CacheConfig, DisaggregationConfig, ServerConfig
 from kvpipe.disagg.commands import (
     AbortRooms,
     ChunkSend,
@@ -23,9 +23,10 @@ from kvpipe.disagg.prefill import PrefillConnector
 from kvpipe.engine.batch import ForwardMode, ScheduledBatch
 from kvpipe.engine.connector import Admission, ConnectorContext, TransferFinished
 from kvpipe.engine.request import FinishReason, Req, SamplingParams
-from kvpipe.transfer.layout import KVLayout
-from kvpipe.transfer.sender_book import SenderStats
-from kvpipe.transfer.state import TransferState
+from kvpipe.model.config import ModelConfig
+from kvpipe.transfer.lifecycle import TransferState
+from kvpipe.transfer.planning.layout import KVLayout
+from kvpipe.transfer.sender.book import SenderStats
 
 S, F = TransferState.SUCCESS, TransferState.FAILED
 LAYERS, PS = 4, 4
@@ -170,7 +171,7 @@ def test_a_failure_before_the_first_forward_reaches_the_decode(conn) -> None:
 
 
 def test_layer_groups_see_what_a_chunk_weighs_on_the_wire(conn, monkeypatch) -> None:
-    from kvpipe.transfer.kv_wire_bytes import KVWireBytes
+    from kvpipe.transfer.planning.wire_bytes import KVWireBytes
 
     c, _ = conn
     assert c.pipeline is not None

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from model_utils import greedy_generate
 
-from kvpipe.config import ConfigError, ModelConfig
+from kvpipe.config import ConfigError
+from kvpipe.model.config import ModelConfig
 from kvpipe.model.loader import load_generation_eos, load_model
 from kvpipe.model.presets import PRESETS, default_model_dir, resolve_model_path, write_preset
 from kvpipe.model.tokenizer import Tokenizer

@@ -10,18 +10,18 @@ import numpy as np
 import pytest
 
 from kvpipe.config import DisaggregationConfig
-from kvpipe.transfer import messages as m
-from kvpipe.transfer.bootstrap import (
+from kvpipe.transfer.control import messages as m
+from kvpipe.transfer.control.bootstrap import (
     DecodeInfo,
     IncompatiblePeerError,
     PrefillInstanceInfo,
     PrefillRankInfo,
     check_compatible,
 )
-from kvpipe.transfer.layout import DecodeRank, KVLayout
-from kvpipe.transfer.receiver_book import ReceiverBook
-from kvpipe.transfer.state import DuplicateRoomError, TransferState
-from kvpipe.transfer.tp_mapping import kv_head_range
+from kvpipe.transfer.lifecycle import DuplicateRoomError, TransferState
+from kvpipe.transfer.planning.layout import DecodeRank, KVLayout
+from kvpipe.transfer.planning.tp_mapping import kv_head_range
+from kvpipe.transfer.receiver.book import ReceiverBook
 
 L, PS, HD, PAGES, H = 2, 4, 8, 64, 2  # layers, page size, head dim, pages per pool, total KV heads
 T = TransferState

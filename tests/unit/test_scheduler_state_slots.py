@@ -7,7 +7,7 @@ from __future__ import annotations
 from test_scheduler import drain, req, step
 
 from kvpipe.cache.page_allocator import PageAllocator
-from kvpipe.cache.state_slots import StateSlotAllocator
+from kvpipe.cache.recurrent_slots import StateSlotAllocator
 from kvpipe.config import SchedulerConfig
 from kvpipe.engine.request import FinishReason
 from kvpipe.engine.scheduler import Scheduler

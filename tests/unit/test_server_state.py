@@ -16,11 +16,11 @@ from fastapi.responses import Response
 
 from kvpipe.config import SchedulerConfig, ServerConfig
 from kvpipe.engine.request import FinishReason
+from kvpipe.server.app_state import ServerState
 from kvpipe.server.async_engine import AsyncEngine
 from kvpipe.server.errors import APIError
 from kvpipe.server.metrics import ServerMetrics
 from kvpipe.server.request_tracker import RequestOutput
-from kvpipe.server.state import ServerState
 
 
 def _state(engine: object, cfg: ServerConfig, mode: str = "null") -> ServerState:

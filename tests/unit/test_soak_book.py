@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpipe.bench.soak_book import (
+from kvpipe.qa.soak_book import (
     Outcome,
     ProcSample,
     RequestResult,
@@ -18,8 +18,8 @@ from kvpipe.bench.soak_book import (
     room_deltas,
     verdict,
 )
-from kvpipe.bench.soak_plan import Bounds, Kind, SoakConfig, plan_requests, plan_warmup
-from kvpipe.bench.soak_procs import group_pids, sample_group
+from kvpipe.qa.soak_plan import Bounds, Kind, SoakConfig, plan_requests, plan_warmup
+from kvpipe.qa.soak_procs import group_pids, sample_group
 
 
 def test_plan_is_seeded_mixed_and_within_bounds() -> None:

@@ -10,9 +10,9 @@ import json
 import httpx
 import pytest
 
-from kvpipe.bench.soak_book import Outcome
-from kvpipe.bench.soak_client import judge_http_error, judge_object, run_one
-from kvpipe.bench.soak_plan import Kind, PlannedRequest
+from kvpipe.qa.soak_book import Outcome
+from kvpipe.qa.soak_client import judge_http_error, judge_object, run_one
+from kvpipe.qa.soak_plan import Kind, PlannedRequest
 
 
 def test_judge_http_errors() -> None:

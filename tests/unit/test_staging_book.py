@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from kvpipe.config import DisaggregationConfig
-from kvpipe.transfer import messages as m
 from kvpipe.transfer.backends.base import BatchHandle, BatchState
-from kvpipe.transfer.layout import KVLayout
-from kvpipe.transfer.sender_book import SenderBook
-from kvpipe.transfer.sender_room import ChunkState, SendCall, StagingPolicy
-from kvpipe.transfer.staging_book import StagingBook
-from kvpipe.transfer.state import TransferState as T
+from kvpipe.transfer.control import messages as m
+from kvpipe.transfer.lifecycle import TransferState as T
+from kvpipe.transfer.planning.layout import KVLayout
+from kvpipe.transfer.sender.book import SenderBook
+from kvpipe.transfer.sender.room import ChunkState, SendCall, StagingPolicy
+from kvpipe.transfer.staging.book import StagingBook
 
 L, PS, HD = 2, 4, 8
 HEAD = PS * HD * 4  # bytes of one head of one float32 page

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpipe.transfer.staging_ring import ALIGN, OversizedError, RingAllocator
+from kvpipe.transfer.staging.ring import ALIGN, OversizedError, RingAllocator
 
 
 def test_slots_are_carved_in_order_and_wrap_to_the_base():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpipe.cache.state_pool import StatePool, StateShape
-from kvpipe.cache.state_slots import StateSlotAllocator
+from kvpipe.cache.recurrent_pool import StatePool, StateShape
+from kvpipe.cache.recurrent_slots import StateSlotAllocator
 
 
 def test_alloc_lowest_first_until_exhausted():

@@ -9,14 +9,14 @@ import pytest
 
 from kvpipe.config import DisaggregationConfig
 from kvpipe.disagg.setup import register_pool
-from kvpipe.transfer import messages as m
-from kvpipe.transfer.codec import ProtocolError
-from kvpipe.transfer.layout import KVLayout
-from kvpipe.transfer.messages import StagingInfo
-from kvpipe.transfer.planner import plan_pages
-from kvpipe.transfer.sender_book import SenderBook
-from kvpipe.transfer.sender_room import Destination, PlanError, SendCall, SenderRoom, StagingPolicy
-from kvpipe.transfer.state import RoomRecord, TransferState, sender_timeouts
+from kvpipe.transfer.control import messages as m
+from kvpipe.transfer.control.codec import ProtocolError
+from kvpipe.transfer.control.messages import StagingInfo
+from kvpipe.transfer.lifecycle import RoomRecord, TransferState, sender_timeouts
+from kvpipe.transfer.planning.layout import KVLayout
+from kvpipe.transfer.planning.planner import plan_pages
+from kvpipe.transfer.sender.book import SenderBook
+from kvpipe.transfer.sender.room import Destination, PlanError, SendCall, SenderRoom, StagingPolicy
 
 L, PS, HD, PAGES = 4, 4, 8, 64
 SWA = (1, 3)  # GPT-OSS style: sliding and full layers alternate
@@ -385,7 +385,7 @@ def test_protocol_round_trip_with_window_pages():
 def test_bootstrap_info_keeps_swa_layers_through_json():
     import json
 
-    from kvpipe.transfer.bootstrap import PrefillRankInfo
+    from kvpipe.transfer.control.bootstrap import PrefillRankInfo
 
     info = PrefillRankInfo(0, 1, SRC, "127.0.0.1:1", "tcp://127.0.0.1:2", "m", "i")
     back = PrefillRankInfo.from_dict(json.loads(json.dumps(info.to_dict())))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvpipe.disagg.tally import RoomTally
-from kvpipe.transfer.state import TransferState
+from kvpipe.transfer.lifecycle import TransferState
 
 S, F = TransferState.SUCCESS, TransferState.FAILED
 

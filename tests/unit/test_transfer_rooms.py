@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 
 from kvpipe.config import DisaggregationConfig
-from kvpipe.transfer import messages as m
 from kvpipe.transfer.backends.base import BatchHandle, BatchState
-from kvpipe.transfer.layout import KVLayout
-from kvpipe.transfer.receiver_room import ReceiverRoom, rank_pairs
-from kvpipe.transfer.sender_book import SenderBook
-from kvpipe.transfer.sender_peers import expected_destinations
-from kvpipe.transfer.sender_room import Destination, PlanError, SendCall, SenderRoom, equal_runs
-from kvpipe.transfer.state import DuplicateRoomError, RoomRecord, TransferState, receiver_timeouts, sender_timeouts
+from kvpipe.transfer.control import messages as m
+from kvpipe.transfer.lifecycle import DuplicateRoomError, RoomRecord, TransferState, receiver_timeouts, sender_timeouts
+from kvpipe.transfer.planning.layout import KVLayout
+from kvpipe.transfer.receiver.room import ReceiverRoom, rank_pairs
+from kvpipe.transfer.sender.book import SenderBook
+from kvpipe.transfer.sender.peers import expected_destinations
+from kvpipe.transfer.sender.room import Destination, PlanError, SendCall, SenderRoom, equal_runs
 
 L, PS, HD, PAGES = 2, 4, 8, 64
 T = TransferState

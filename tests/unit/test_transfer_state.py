@@ -7,7 +7,14 @@ import itertools
 import pytest
 
 from kvpipe.config import DisaggregationConfig
-from kvpipe.transfer.state import PeerLiveness, RoomRecord, TransferState, advance, receiver_timeouts, sender_timeouts
+from kvpipe.transfer.lifecycle import (
+    PeerLiveness,
+    RoomRecord,
+    TransferState,
+    advance,
+    receiver_timeouts,
+    sender_timeouts,
+)
 
 S = TransferState
 

@@ -1,4 +1,4 @@
-"""kvpipe.transfer.types: KVSender and KVReceiver match the engine-facing Protocols member by member
+"""kvpipe.transfer.api: KVSender and KVReceiver match the engine-facing Protocols member by member
 (names, parameter names, kinds, defaults and annotations), and importing the package stays light."""
 
 from __future__ import annotations
@@ -14,11 +14,14 @@ import pytest
 
 import kvpipe.transfer
 from kvpipe.config import DisaggregationConfig
-from kvpipe.transfer import receiver, sender, state, types
+from kvpipe.transfer import api as types
+from kvpipe.transfer import lifecycle as state
 from kvpipe.transfer.backends.local import LocalBackend, LocalFabric
-from kvpipe.transfer.layout import DecodeRank, KVLayout
-from kvpipe.transfer.receiver import KVReceiver
-from kvpipe.transfer.sender import KVSender
+from kvpipe.transfer.planning.layout import DecodeRank, KVLayout
+from kvpipe.transfer.receiver import kv_receiver as receiver
+from kvpipe.transfer.receiver.kv_receiver import KVReceiver
+from kvpipe.transfer.sender import kv_sender as sender
+from kvpipe.transfer.sender.kv_sender import KVSender
 
 LAYOUT = KVLayout(1, 4, 1, 0, 1, 8, "float32", 4, (1 << 30, 1 << 31), 4 * 4 * 8 * 4)
 
@@ -144,7 +147,7 @@ def test_package_reexports_the_plain_types():
 
 def test_importing_the_package_stays_light():
     code = (
-        "import sys, kvpipe.transfer, kvpipe.transfer.types\n"
+        "import sys, kvpipe.transfer, kvpipe.transfer.api\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in "
         "('zmq', 'mooncake', 'httpx', 'fastapi', 'uvicorn', 'torch')))"
     )

@@ -25,10 +25,10 @@ from kvpipe.disagg.commands import (
     StartDecode,
     StartPrefill,
 )
-from kvpipe.disagg.worker import TransferWorker
+from kvpipe.disagg.transfer_worker import TransferWorker
 from kvpipe.transfer.backends.local import LocalBackend, LocalFabric
-from kvpipe.transfer.bootstrap import BootstrapServer, fetch_prefill_rank
-from kvpipe.transfer.state import TransferState
+from kvpipe.transfer.control.bootstrap import BootstrapServer, fetch_prefill_rank
+from kvpipe.transfer.lifecycle import TransferState
 
 PAGES, PS = 16, 4
 

@@ -39,7 +39,7 @@ from kvpipe.transfer.backends.base import (
     _Injector,
     as_op_arrays,
 )
-from kvpipe.transfer.op_pieces import split_ops
+from kvpipe.transfer.planning.op_pieces import split_ops
 
 _BAD_BATCH_IDS = (0, -1, (1 << 64) - 1)  # how a failed submit comes back through pybind
 FULL_SCAN_S = 0.01

@@ -1,0 +1,336 @@
+"""`kvpipe bench soak`: many mixed requests with injected faults through the local PD stack, then
+leak checks.
+
+    kvpipe bench soak                       # 1,000 requests, c=16, prompts 1..4096, 5% / 10% faults
+    kvpipe bench soak --num-requests 60 --concurrency 4 --prompt-max 1024 --out soak.json
+
+Starts prefill + decode + sglang-router (`start_pd_stack`, the prefill with
+--disaggregation-failure-prob F), warms up, takes a baseline (both servers' pools from
+/server_info and their process groups' RSS / fds / threads from /proc), sends the planned
+requests (soak_plan.py) with a deadline each, samples the processes meanwhile, waits (bounded)
+for both servers to be idle and checks everything is back. A request that neither finished nor
+failed by its deadline is a hang. Exit status 1 when any check failed; the JSON holds the counts,
+latencies, checks and resource series.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from kvpipe.bench.probe import engine_stats
+from kvpipe.qa.soak_book import (
+    Check,
+    ResourceSeries,
+    Tally,
+    checks_dict,
+    pool_checks,
+    resource_checks,
+    room_deltas,
+    verdict,
+)
+from kvpipe.qa.soak_plan import Bounds, PlannedRequest, SoakConfig, plan_requests, plan_warmup
+
+SERVERS = ("prefill", "decode")
+MAX_SAMPLES = 100_000  # bound on the sampler's loop, whatever the interval
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    d, b = SoakConfig(), Bounds()
+    w = p.add_argument_group("workload")
+    w.add_argument("--num-requests", type=int, default=d.num_requests)
+    w.add_argument("--concurrency", type=int, default=d.concurrency, help="max requests in flight")
+    w.add_argument("--prompt-min", type=int, default=d.prompt_min, help="shortest prompt (tokens or characters)")
+    w.add_argument("--prompt-max", type=int, default=d.prompt_max, help="longest prompt (tokens or characters)")
+    w.add_argument("--output-max", type=int, default=d.output_max, help="outputs are drawn in 1..this tokens")
+    w.add_argument(
+        "--failure-prob",
+        type=float,
+        default=d.failure_prob,
+        help="the prefill fails each KV transfer batch with this probability",
+    )
+    w.add_argument(
+        "--disconnect-prob",
+        type=float,
+        default=d.disconnect_prob,
+        help="share of requests whose stream we close after a few events",
+    )
+    w.add_argument("--seed", type=int, default=d.seed, help="workload and failure-injection seed")
+    w.add_argument("--deadline", type=float, default=d.deadline_s, help="seconds per request before it is a hang")
+    w.add_argument(
+        "--warmup-requests",
+        type=int,
+        default=d.warmup_requests,
+        help="unmeasured drawn requests before the baseline, after --concurrency of the longest "
+        "prompts (0: no warm-up)",
+    )
+    c = p.add_argument_group("checks")
+    c.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=d.idle_timeout_s,
+        help="seconds to wait after the run for both servers to be idle",
+    )
+    c.add_argument(
+        "--sample-interval", type=float, default=d.sample_interval_s, help="seconds between resource samples"
+    )
+    c.add_argument("--max-rss-growth-mb", type=float, default=b.rss_growth_mb, help="per server, final - baseline")
+    c.add_argument("--max-fd-delta", type=int, default=b.fd_delta)
+    c.add_argument("--max-thread-delta", type=int, default=b.thread_delta)
+    s = p.add_argument_group("stack")
+    s.add_argument("--model-path", default=None, help="checkpoint directory (default: tiny preset)")
+    s.add_argument("--server-args", default="", help="extra flags for both servers, one string")
+    s.add_argument("--log-dir", default=None, help="server logs (default: a new temp dir)")
+    s.add_argument("--startup-timeout", type=float, default=300.0)
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    o.add_argument("--out", default=None, help="write the JSON result to this file")
+    o.add_argument("--no-progress", action="store_true")
+
+
+def config_from_args(args: argparse.Namespace) -> SoakConfig:
+    try:
+        return SoakConfig(
+            num_requests=args.num_requests,
+            concurrency=args.concurrency,
+            prompt_min=args.prompt_min,
+            prompt_max=args.prompt_max,
+            output_max=args.output_max,
+            failure_prob=args.failure_prob,
+            disconnect_prob=args.disconnect_prob,
+            seed=args.seed,
+            deadline_s=args.deadline,
+            idle_timeout_s=args.idle_timeout,
+            sample_interval_s=args.sample_interval,
+            warmup_requests=args.warmup_requests,
+            bounds=Bounds(args.max_rss_growth_mb, args.max_fd_delta, args.max_thread_delta),
+        )
+    except ValueError as e:
+        raise SystemExit(f"kvpipe bench soak: {e}") from None
+
+
+# ---- I/O around the bookkeeping ---------------------------------------------------------------------
+def _model_name(url: str) -> str:
+    import httpx
+
+    r = httpx.get(url.rstrip("/") + "/v1/models", timeout=10.0)
+    return str(r.json()["data"][0]["id"])
+
+
+def wait_pools(
+    urls: Mapping[str, str], baselines: Mapping[str, Mapping[str, Any]], timeout_s: float, interval_s: float = 0.5
+) -> tuple[list[Check], dict[str, Any], float]:
+    """Poll both servers until their pools are back at the baseline, at most `timeout_s`.
+    Returns the last checks, the last stats per server, and the seconds it took."""
+    t0 = time.monotonic()
+    checks: list[Check] = []
+    last: dict[str, Any] = {}
+    while True:
+        checks = []
+        for name, url in urls.items():
+            now = engine_stats(url)
+            last[name] = now
+            checks += (
+                pool_checks(name, baselines[name], now)
+                if now is not None
+                else [Check(f"{name} /server_info", False, "unreachable")]
+            )
+        if verdict(checks) or time.monotonic() - t0 >= timeout_s:
+            return checks, last, time.monotonic() - t0
+        time.sleep(interval_s)
+
+
+class Sampler:
+    """A thread sampling each server's process group every `interval_s` until stopped."""
+
+    def __init__(
+        self, pgids: Mapping[str, int], series: Mapping[str, ResourceSeries], t0: float, interval_s: float
+    ) -> None:
+        self.pgids, self.series, self.t0, self.interval_s = pgids, series, t0, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="soak-sampler", daemon=True)
+
+    def sample(self) -> dict[str, Any]:
+        from kvpipe.qa.soak_procs import sample_group
+
+        t = time.monotonic() - self.t0
+        return {name: sample_group(pgid, t) for name, pgid in self.pgids.items()}
+
+    def _run(self) -> None:
+        for _ in range(MAX_SAMPLES):
+            if self._stop.wait(self.interval_s):
+                return
+            for name, s in self.sample().items():
+                if s is not None:
+                    self.series[name].during.append(s)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10.0)
+
+
+def _drive(
+    url: str, reqs: list[PlannedRequest], model: str, cfg: SoakConfig, tally: Tally, progress: bool, desc: str
+) -> float:
+    from kvpipe.qa.soak_client import drive
+
+    t0 = time.monotonic()
+    asyncio.run(drive(url, reqs, model, cfg.concurrency, cfg.deadline_s, tally.add, progress, desc))
+    return time.monotonic() - t0
+
+
+def run_soak(
+    cfg: SoakConfig,
+    model_path: str | None,
+    server_args: list[str],
+    log_dir: str,
+    startup_timeout_s: float,
+    progress: bool = True,
+    log: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
+) -> dict[str, Any]:
+    """Start the stack, warm up, run, check; returns the result (see the module doc)."""
+    from kvpipe.server.launcher import start_pd_stack
+
+    prefill_args = [
+        "--disaggregation-failure-prob",
+        str(cfg.failure_prob),
+        "--disaggregation-failure-seed",
+        str(cfg.seed),
+    ]
+    planned = plan_requests(cfg)
+    with start_pd_stack(
+        model_path, server_args=server_args, prefill_args=prefill_args, log_dir=log_dir, timeout_s=startup_timeout_s
+    ) as stack:
+        urls = {"prefill": stack.prefill_url, "decode": stack.decode_url}
+        pgids = {"prefill": stack.procs[0].pid, "decode": stack.procs[1].pid}  # each leads its session
+        model = _model_name(stack.prefill_url)
+        t0 = time.monotonic()
+        if cfg.warmup_requests:
+            warm = Tally()
+            _drive(stack.router_url, plan_warmup(cfg), model, cfg, warm, progress, "soak warm-up")
+            log(f"warm-up: {warm.by_outcome()}")
+        # the baseline: idle pools (the zero/full rules need only the keys a server reports) and
+        # process readings
+        reported = {name: engine_stats(u) or {} for name, u in urls.items()}
+        warm_checks, _, _ = wait_pools(urls, reported, cfg.idle_timeout_s)
+        baselines = {name: engine_stats(u) or {} for name, u in urls.items()}
+        series = {name: ResourceSeries() for name in SERVERS}
+        sampler = Sampler(pgids, series, t0, cfg.sample_interval_s)
+        for name, s in sampler.sample().items():
+            series[name].baseline = s
+        tally = Tally()
+        with sampler:
+            duration = _drive(stack.router_url, planned, model, cfg, tally, progress, "soak")
+        pool, final_stats, idle_s = wait_pools(urls, baselines, cfg.idle_timeout_s)
+        for name, s in sampler.sample().items():
+            series[name].final = s
+        alive = [
+            Check(f"{name} alive", p.poll() is None, f"exit code {p.poll()}")
+            for name, p in zip(("prefill", "decode", "router"), stack.procs)
+        ]
+    checks = [
+        *tally.checks(len(planned), cfg.failure_prob > 0),
+        *pool,
+        *alive,
+        *(c for name in SERVERS for c in resource_checks(name, series[name], cfg.bounds)),
+    ]
+    if not verdict(warm_checks):
+        checks.append(Check("idle after warm-up", False, "; ".join(c.detail for c in warm_checks if not c.ok)))
+    return {
+        "config": asdict(cfg),
+        "server_args": server_args,
+        "log_dir": log_dir,
+        "duration_s": round(duration, 1),
+        "idle_wait_s": round(idle_s, 1),
+        "counts": {"planned": len(planned), "by_outcome": tally.by_outcome(), "by_kind": tally.by_kind()},
+        "latency_ms": tally.latency_ms(),
+        "messages": tally.messages(),
+        "transfer_rooms": {name: room_deltas(baselines[name], final_stats.get(name) or {}) for name in SERVERS},
+        "checks": checks_dict(checks),
+        "ok": verdict(checks),
+        "pools": {"baseline": baselines, "final": final_stats},
+        "resources": {name: series[name].to_dict() for name in SERVERS},
+    }
+
+
+def table(result: Mapping[str, Any]) -> str:
+    """A short plain-text summary: outcomes by kind, latency, resource deltas, failed checks."""
+    outcomes = list(result["counts"]["by_outcome"])
+    lines = [f"{'requests':<20}" + "".join(f"{o:>13}" for o in outcomes)]
+    for kind, row in result["counts"]["by_kind"].items():
+        lines.append(f"{kind:<20}" + "".join(f"{row[o]:>13}" for o in outcomes))
+    lines.append(f"{'total':<20}" + "".join(f"{result['counts']['by_outcome'][o]:>13}" for o in outcomes))
+    lat = result["latency_ms"]
+    lines.append("latency ms  " + "  ".join(f"{o} p50 {v['p50']:,.0f} p90 {v['p90']:,.0f}" for o, v in lat.items()))
+    rooms = result["transfer_rooms"]
+    lines.append(
+        "KV transfer rooms during the run: "
+        + ", ".join(
+            f"{name} {r['rooms_succeeded']} succeeded / {r['rooms_failed']} failed" for name, r in rooms.items()
+        )
+    )
+    for name, res in result["resources"].items():
+        d = res["deltas"]
+        if d:
+            lines.append(
+                f"{name:<8} RSS {d['rss_mb']:+.1f} MB (peak {d['peak_rss_growth_mb']:+.1f}, second half "
+                f"{d['rss_second_half_mb']:+.1f})  "
+                f"fds {d['fds']:+d}  threads {d['threads']:+d}  procs {d['procs']:+d}"
+            )
+    failed = [c for c in result["checks"] if not c["ok"]]
+    lines.append(
+        f"checks: {len(result['checks']) - len(failed)}/{len(result['checks'])} passed"
+        + "".join(f"\n  FAILED {c['name']}: {c['detail']}" for c in failed)
+    )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
+    from kvpipe.bench.serve import _load_average, _machine, _sigterm_as_exit
+    from kvpipe.model.presets import resolve_model_path
+
+    cfg = config_from_args(args)
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix="kvpipe-bench-soak-")
+    load_before = _load_average()
+    with _sigterm_as_exit():
+        try:
+            result = run_soak(
+                cfg,
+                resolve_model_path(args.model_path),
+                shlex.split(args.server_args),
+                log_dir,
+                args.startup_timeout,
+                not args.no_progress,
+            )
+        except (RuntimeError, TimeoutError) as e:  # a stack that did not start
+            raise SystemExit(f"kvpipe bench soak: {e} (server logs in {log_dir})") from None
+    result["machine"] = _machine(load_before)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result) if args.json else table(result))
+    return 0 if result["ok"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvpipe bench soak", description=__doc__.splitlines()[0])
+    add_args(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

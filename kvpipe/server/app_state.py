@@ -1,0 +1,127 @@
+"""What the routes of one server share: its config, the async engine bridge, metrics, PD mode.
+
+Both route modules (`http_server.py`, `openai_api.py`) import this one and neither imports the
+other's internals. Routes reach the loaded engine only through the properties here, which
+answer 503 while the engine is still loading or after it failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from kvpipe.config import ServerConfig
+from kvpipe.engine.cpu_threads import CpuThreads
+from kvpipe.engine.request import ABORTED_ON_REQUEST, FinishReason
+from kvpipe.model.config import ModelConfig
+from kvpipe.model.tokenizer import Tokenizer
+from kvpipe.server.async_engine import AsyncEngine, EngineLike, RequestStream
+from kvpipe.server.errors import APIError
+from kvpipe.server.metrics import ServerMetrics
+from kvpipe.server.protocol import GenerateInput
+from kvpipe.server.request_tracker import RequestOutput
+from kvpipe.server.streaming import ClientDisconnected, close_all, collect, until_disconnect
+from kvpipe.server.validation import ModelLimits
+
+
+def _local_dir(path: str | None) -> str | None:
+    """sglang-router downloads a tokenizer for any path that is not a local directory: hide those."""
+    return os.path.abspath(path) if path and os.path.isdir(path) else None
+
+
+@dataclass
+class ServerState:
+    cfg: ServerConfig
+    engine: AsyncEngine
+    metrics: ServerMetrics
+    disaggregation_mode: str = "null"
+    cpu_threads: CpuThreads | None = None  # the torch thread plan of this server (/server_info)
+
+    # ---- the loaded engine (APIError 503 while loading or after a failure) ------------------------
+    @property
+    def _loaded(self) -> EngineLike:
+        return self.engine.engine
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._loaded.tokenizer
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self._loaded.model_config
+
+    @property
+    def context_length(self) -> int:
+        return self._loaded.context_length
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._loaded.eos_token_ids
+
+    @property
+    def limits(self) -> ModelLimits:
+        return ModelLimits(vocab_size=self.model_config.vocab_size, context_length=self.context_length)
+
+    # ---- what the info routes report, also while the engine loads ---------------------------------
+    def advertised_context_length(self) -> int | None:
+        """The engine's context length once loaded; before that, the flag or the model's config."""
+        if self.engine.ready:
+            return self.context_length
+        if self.cfg.scheduler.context_length is not None:
+            return self.cfg.scheduler.context_length
+        with contextlib.suppress(Exception):
+            return ModelConfig.from_dir(self.cfg.model_path).max_position_embeddings
+        return None
+
+    def model_paths(self) -> dict[str, str | None]:
+        c = self.cfg
+        return {"model_path": _local_dir(c.model_path), "tokenizer_path": _local_dir(c.tokenizer_path or c.model_path)}
+
+    # ---- requests ---------------------------------------------------------------------------------
+    @property
+    def is_prefill(self) -> bool:
+        """A PD prefill server answers with one plain JSON body, never a stream (the router
+        waits for it before it streams the decode's answer)."""
+        return self.disaggregation_mode == "prefill"
+
+    def check_prefill_outputs(self, outs: list[RequestOutput]) -> None:
+        """On a prefill server a request that did not hand its KV over is an error response."""
+        if not self.is_prefill:
+            return
+        for out in outs:
+            if out.finish_reason is FinishReason.ABORT:
+                raise APIError(f"prefill of request {out.rid} failed: {out.finish_detail or ABORTED_ON_REQUEST}", 500)
+
+    def submit_all(self, inputs: list[GenerateInput]) -> list[RequestStream]:
+        """Submit a batch all-or-nothing: if one prompt is refused, the others are aborted."""
+        streams: list[RequestStream] = []
+        try:
+            for inp in inputs:
+                streams.append(self.engine.submit(inp))
+        except BaseException:
+            close_all(streams)()
+            raise
+        return streams
+
+    async def respond_when_done(
+        self, request: Request, streams: list[RequestStream], body: Callable[[list[RequestOutput]], Any]
+    ) -> Response:
+        """The non-streamed answer: `body(final outputs)` as JSON once every request finished.
+
+        If the client leaves first the requests are aborted (closing their streams) and the
+        answer is 499, which nobody reads; it only marks the request in the access log.
+        """
+        try:
+            outs = await until_disconnect(request, collect(streams))
+        except ClientDisconnected:
+            return Response(status_code=499)
+        finally:
+            close_all(streams)()
+        self.check_prefill_outputs(outs)
+        return JSONResponse(body(outs))

@@ -1,0 +1,9 @@
+"""Control plane between prefill and decode ranks: who talks to whom, and in what words.
+
+`messages.py` holds the typed, versioned messages (RegisterPeer, TransferRequest,
+TransferStatus, ...) and `codec.py` their strict msgpack form; `endpoint.py` is the ZeroMQ
+endpoint every rank owns (one PULL socket in, one PUSH socket per peer out); `bootstrap.py` is
+the prefill's HTTP bootstrap server, where prefill ranks register their layouts and a decode
+looks them up, and its client; `auth.py` signs and checks bootstrap calls and control frames
+with the deployment's shared secret. Nothing here moves KV bytes.
+"""

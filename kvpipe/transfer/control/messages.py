@@ -1,0 +1,254 @@
+"""Typed, versioned control-plane messages between prefill and decode ranks (msgpack on the wire).
+
+Wire form: a msgpack map {"kind": <tag>, "version": PROTOCOL_VERSION, <fields>}; see codec.py
+for the field rules. `decode` raises ProtocolError for anything malformed and nothing else.
+
+Flow: decode rank -> prefill: RegisterPeer once per (decode rank, prefill rank), then a
+TransferRequest per request; prefill -> decode: TransferStatus when the KV has landed (or
+failed); either side: Abort; both: Heartbeat.
+
+Staged chunks (heterogeneous TP through a staging ring, staging.py): prefill rank -> the decode
+rank's staging agent: StagingSlotRequest; agent -> prefill: StagingSlotGrant (a ring offset, or
+refused); prefill writes the chunk there with one op, then StagingChunkWritten (scatter it into
+these pages, or only release the slot); agent -> prefill: StagingChunkDone once scattered.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Union
+
+import msgpack
+
+from kvpipe.transfer.control.codec import NO_PAGE_OK, ProtocolError, from_wire, to_wire
+from kvpipe.transfer.planning.layout import KVLayout
+from kvpipe.transfer.recurrent.layout import StateLayout
+
+PROTOCOL_VERSION = 5  # 2: AuxData.cached_tokens; 3: staging ring messages, RegisterPeer.staging;
+# 4: recurrent state (RegisterPeer.state, TransferRequest.state_slot); 5: sliding-window layers
+# (KVLayout.swa_layers, TransferRequest.dst_swa_pages: the window pages the decode wants)
+MAX_MESSAGE_BYTES = 64 << 20  # a page list of 8M pages; anything bigger is garbage
+
+
+class WireState(enum.Enum):
+    """Outcome carried by TransferStatus; not the room state machine (state.TransferState)."""
+
+    SUCCESS = "success"
+    FAILED = "failed"
+
+
+class Side(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True)
+class StagingInfo:
+    """A decode rank's staging ring: where its agent listens and the registered pool it grants from."""
+
+    control_address: str  # the rank's staging agent (its own control endpoint)
+    pool_addr: int  # base address of the ring, registered with the rank's backend
+    pool_nbytes: int
+
+
+@dataclass(frozen=True)
+class RegisterPeer:
+    """A decode rank introduces itself to a prefill rank (once per pair, again after a restart)."""
+
+    KIND = "register_peer"
+    session_id: str  # unique per decode process incarnation: a restart gets a new one
+    tp_rank: int
+    tp_size: int
+    data_address: str  # the decode backend's address that prefill writes into
+    control_address: str  # where prefill sends TransferStatus / Abort / Heartbeat
+    layout: KVLayout  # decode's registered KV buffers and head range
+    staging: StagingInfo | None = None  # None: this decode rank takes plain page writes only
+    state: StateLayout | None = None  # a hybrid model's recurrent-state pool (None: KV only)
+
+
+@dataclass(frozen=True)
+class TransferRequest:
+    """Decode preallocated pages for `room` and asks prefill to fill them."""
+
+    KIND = "transfer_request"
+    room: int  # bootstrap_room: the request's 63-bit id shared by prefill and decode
+    session_id: str
+    dst_pages: tuple[int, ...]  # decode page of request page prefix_len // page_size + i
+    prefix_len: int  # leading tokens decode already holds (page aligned); prefill sends the rest
+    aux_slot: int  # decode's slot for the request's aux data
+    state_slot: int | None = None  # hybrid models: decode's state slot the prefill writes the final state into
+    # sliding-window models (KVLayout.swa_layers): aligned with dst_pages, the decode page of the
+    # sliding layers for the same logical page, -1 where the decode wants none (outside its window)
+    dst_swa_pages: tuple[int, ...] | None = field(default=None, metadata=NO_PAGE_OK)
+
+    def __post_init__(self) -> None:
+        if self.dst_swa_pages is not None:
+            if len(self.dst_swa_pages) != len(self.dst_pages):
+                raise ValueError(f"{len(self.dst_swa_pages)} sliding-window pages for {len(self.dst_pages)} pages")
+            if self.dst_swa_pages and min(self.dst_swa_pages) < -1:
+                raise ValueError(f"sliding-window page {min(self.dst_swa_pages)}: -1 (none) or a page id")
+
+
+@dataclass(frozen=True)
+class AuxData:
+    """What travels with the KV besides pages (F8)."""
+
+    room: int  # echo of the room whose KV was written; decode rejects a status for another room
+    first_token_id: int
+    first_token_logprob: float
+    cached_tokens: int = 0  # prompt tokens the prefill took from its prefix cache (not computed)
+
+
+# what the engine hands the sender with a room's last chunk: (first token id, its logprob) and
+# optionally the prompt tokens the prefill took from its prefix cache
+AuxTuple = tuple[int, float] | tuple[int, float, int]
+
+
+@dataclass(frozen=True)
+class TransferStatus:
+    """Prefill's final word on a room: after SUCCESS or FAILED none of its writes can still land."""
+
+    KIND = "transfer_status"
+    room: int
+    session_id: str  # the decode session the writes went to
+    state: WireState
+    reason: str = ""
+    aux: AuxData | None = None  # required with SUCCESS
+
+    def __post_init__(self) -> None:
+        if self.state is WireState.SUCCESS and self.aux is None:
+            raise ValueError("a successful transfer status carries aux data")
+
+    def is_stale_for(self, room: int) -> bool:
+        """True when this status, or the aux data written with the KV, belongs to another room."""
+        return self.room != room or (self.aux is not None and self.aux.room != room)
+
+
+@dataclass(frozen=True)
+class Abort:
+    KIND = "abort"
+    room: int
+    session_id: str
+    side: Side  # who gave up
+    reason: str
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    KIND = "heartbeat"
+    session_id: str
+    seq: int  # increases by one per beat; a gap or reset means the peer restarted
+
+
+@dataclass(frozen=True)
+class StagingSlotRequest:
+    """A prefill rank asks a decode rank's staging agent for `nbytes` of its ring."""
+
+    KIND = "staging_slot_request"
+    room: int
+    session_id: str  # the prefill rank's session
+    chunk: int  # unique per prefill session: names the slot in every later message
+    nbytes: int
+    reply_address: str  # the prefill rank's control endpoint
+
+
+@dataclass(frozen=True)
+class StagingSlotGrant:
+    """The agent's answer: a slot at `offset` of its ring, or refused (`reason`: oversized, closing)."""
+
+    KIND = "staging_slot_grant"
+    room: int
+    chunk: int
+    session_id: str  # the decode rank's session (the prefill finds the agent's address by it)
+    ok: bool
+    offset: int = 0
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class StagingChunkWritten:
+    """The chunk is in the slot: layers [layer_start, layer_end) x (K, V) x pages, each entry
+    `slice_nbytes` bytes that go to byte `page_offset` of its decode page. scatter=False: the
+    room failed, only free the slot (nothing is scattered, no StagingChunkDone follows)."""
+
+    KIND = "staging_chunk_written"
+    room: int
+    chunk: int
+    session_id: str  # the prefill rank's session
+    reply_address: str
+    scatter: bool
+    dst_pages: tuple[int, ...] = ()
+    page_offset: int = 0  # bytes into each decode page: the first moved head
+    slice_nbytes: int = 0  # bytes per (layer, K/V, page)
+    layer_start: int = 0
+    layer_end: int = 0
+
+
+@dataclass(frozen=True)
+class StagingChunkDone:
+    """The agent scattered the chunk into the pages (ok) or could not (reason); the slot is free.
+    watermark_*: the ring's oldest live position after the free (for metrics and tests)."""
+
+    KIND = "staging_chunk_done"
+    room: int
+    chunk: int
+    session_id: str  # the decode rank's session
+    ok: bool
+    reason: str = ""
+    watermark_round: int = 0
+    watermark_offset: int = 0
+
+
+Message = Union[
+    RegisterPeer,
+    TransferRequest,
+    TransferStatus,
+    Abort,
+    Heartbeat,
+    StagingSlotRequest,
+    StagingSlotGrant,
+    StagingChunkWritten,
+    StagingChunkDone,
+]
+MESSAGE_TYPES: dict[str, type] = {
+    c.KIND: c
+    for c in (
+        RegisterPeer,
+        TransferRequest,
+        TransferStatus,
+        Abort,
+        Heartbeat,
+        StagingSlotRequest,
+        StagingSlotGrant,
+        StagingChunkWritten,
+        StagingChunkDone,
+    )
+}
+
+
+def encode(msg: Message) -> bytes:
+    kind = getattr(type(msg), "KIND", None)
+    if MESSAGE_TYPES.get(kind) is not type(msg):
+        raise TypeError(f"not a control-plane message: {type(msg).__name__}")
+    return msgpack.packb({"kind": kind, "version": PROTOCOL_VERSION, **to_wire(msg)}, use_bin_type=True)
+
+
+def decode(data: bytes) -> Message:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ProtocolError(f"expected bytes, got {type(data).__name__}")
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+    except Exception as e:  # msgpack raises many types (ExtraData, FormatError, ValueError, ...)
+        raise ProtocolError(f"not a msgpack message: {type(e).__name__}: {e}"[:200]) from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"expected a map, got {type(obj).__name__}")
+    body = dict(obj)
+    kind, version = body.pop("kind", None), body.pop("version", None)
+    if type(version) is not int or version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version!r:.40}, expected {PROTOCOL_VERSION}")
+    if not isinstance(kind, str) or kind not in MESSAGE_TYPES:
+        raise ProtocolError(f"unknown message kind {kind!r:.40}")
+    return from_wire(MESSAGE_TYPES[kind], body, kind)

@@ -1,0 +1,422 @@
+"""Everything the decode's KVReceiver decides, without threads, sockets or HTTP.
+
+`ReceiverBook` holds the rooms (receiver_room.py), the prefill instances known from their
+bootstrap servers, the rooms waiting for a bootstrap fetch, prefill liveness and the heartbeat
+sequence, and reacts to the engine, to control messages, to fetch outcomes and to the clock. It
+never performs I/O: control messages go out through the injected `send(address, message)`;
+`add_room` returns the bootstrap address whose fetch the caller must start (one fetch per
+prefill at a time), and the caller hands the outcome back with `on_fetched`. KVReceiver calls
+every method under its lock with `now` from its clock.
+
+Flow: the first room for a prefill waits for its bootstrap info; once it is known (and
+compatible) every (prefill rank, decode rank) pair of the TP rank mapping gets RegisterPeer once
+per prefill instance, then every room a TransferRequest per pair. Prefill ranks answer with one
+final TransferStatus per pair (receiver_room.py). Rules it keeps:
+- poll() reports a room only when it is safe to reuse its pages: after Success, or after a
+  failure once every paired prefill rank gave its final word, the prefill restarted, or
+  transfer_timeout_s passed since the failure;
+- a failure (deadline, abort, a prefill rank's Failed) sends Abort to the paired prefill ranks,
+  unless they all answered already or the instance is gone;
+- a prefill rank that misses heartbeats is dead: its instance's rooms fail but keep their pages
+  (a silent prefill may be stalled with writes in flight) and the instance is forgotten, so the
+  next add_room fetches the bootstrap info again; a new instance id there proves the old one
+  gone and frees the old rooms' pages at once.
+
+Session ids: decode rank r is f"{instance_id}/{r}", prefill rank p is f"{prefill_instance_id}/{p}"
+(KVSender); heartbeats carry them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvpipe.config import DisaggregationConfig
+from kvpipe.transfer.control.messages import (
+    Abort,
+    AuxData,
+    Heartbeat,
+    RegisterPeer,
+    Side,
+    TransferRequest,
+    TransferStatus,
+)
+from kvpipe.transfer.lifecycle import DuplicateRoomError, PeerLiveness, RoomRecord, TransferState, receiver_timeouts
+from kvpipe.transfer.planning.layout import DecodeRank
+from kvpipe.transfer.planning.window_table import window_pages_problem
+from kvpipe.transfer.receiver.room import ReceiverRoom, rank_pairs
+
+if TYPE_CHECKING:  # bootstrap pulls in the HTTP stack; the book only reads the fetched info
+    from kvpipe.transfer.control.bootstrap import PrefillInstanceInfo
+
+log = logging.getLogger(__name__)
+Address = tuple[str, int]  # a prefill's bootstrap server: host, port
+
+
+@dataclass
+class ReceiverStats:
+    rejected_messages: int = 0
+    bootstrap_fetches: int = 0
+    registrations: int = 0  # RegisterPeer messages sent
+    rooms_succeeded: int = 0
+    rooms_failed: int = 0
+    auth_rejected: int = 0  # control frames the endpoint dropped (no valid tag, stale, replayed)
+
+
+@dataclass
+class KnownPrefill:
+    """A prefill instance whose bootstrap info was fetched and whose ranks we registered with."""
+
+    addr: Address
+    info: PrefillInstanceInfo
+    sessions: dict[str, int]  # prefill session id -> prefill rank
+
+
+class ReceiverBook:
+    def __init__(
+        self,
+        cfg: DisaggregationConfig,
+        ranks: Sequence[DecodeRank],
+        instance_id: str,
+        control_address: str,
+        send: Callable[[str, Any], bool],
+    ) -> None:
+        self.cfg, self.ranks = cfg, tuple(ranks)
+        self.tp_size = len(self.ranks)
+        self.control_address = control_address  # where prefill ranks answer (in RegisterPeer)
+        self.send = send
+        self.sessions = [f"{instance_id}/{r}" for r in range(self.tp_size)]
+        self.stats = ReceiverStats()
+        self.rooms: dict[int, ReceiverRoom] = {}
+        self.prefills: dict[Address, KnownPrefill] = {}
+        self.liveness = PeerLiveness(cfg.heartbeat_timeout_s)  # per prefill session
+        self._session_rank = {s: r for r, s in enumerate(self.sessions)}
+        self._timeouts = receiver_timeouts(cfg)
+        self._by_session: dict[str, tuple[Address, int]] = {}  # prefill session -> (addr, prefill rank)
+        self._waiting: dict[Address, list[ReceiverRoom]] = {}  # rooms waiting for a bootstrap fetch
+        self._fetch_errors: dict[Address, str] = {}  # last error of a fetch still retrying
+        self._hb_seq, self._next_hb = 0, float("-inf")
+
+    # ---- engine side -----------------------------------------------------------------------
+
+    def check_pages(
+        self, room: int, dst_pages: Sequence[np.ndarray] | np.ndarray | list[int], prefix_len: int
+    ) -> tuple[np.ndarray, ...]:
+        """add_room's page lists as one int64 array per decode rank, or ValueError (reads only the layouts)."""
+        if (
+            isinstance(dst_pages, np.ndarray)
+            and dst_pages.ndim == 1
+            or (isinstance(dst_pages, list) and all(isinstance(p, (int, np.integer)) for p in dst_pages))
+        ):
+            dst_pages = [dst_pages]
+        pages = tuple(np.asarray(p, dtype=np.int64).ravel() for p in dst_pages)
+        if len(pages) != self.tp_size:
+            raise ValueError(f"room {room}: {len(pages)} page lists for {self.tp_size} decode ranks")
+        ps = self.ranks[0].layout.page_size
+        if prefix_len < 0 or prefix_len % ps:
+            raise ValueError(f"room {room}: prefix_len {prefix_len} is not a multiple of the page size {ps}")
+        for r, p in enumerate(pages):
+            n = self.ranks[r].layout.num_pages
+            if p.size and (p.min() < 0 or p.max() >= n or np.unique(p).size != p.size):
+                raise ValueError(f"room {room}: decode rank {r} pages must be distinct ids in [0, {n})")
+        return pages
+
+    def check_swa_pages(
+        self, room: int, swa_pages: Sequence[np.ndarray] | np.ndarray | list[int] | None, pages: tuple[np.ndarray, ...]
+    ) -> tuple[np.ndarray, ...] | None:
+        """add_room's window page tables (per decode rank, aligned with `pages` from check_pages,
+        -1 where no sliding-window page is wanted) as int64 arrays, or ValueError. Required iff the
+        layout has sliding-window layers."""
+        lay = self.ranks[0].layout
+        if swa_pages is None:
+            if lay.swa_layers:
+                raise ValueError(f"room {room}: a sliding-window model's room needs its window pages (swa_pages)")
+            return None
+        if not lay.swa_layers:
+            raise ValueError(f"room {room}: window pages (swa_pages) for a model without sliding-window layers")
+        if (
+            isinstance(swa_pages, np.ndarray)
+            and swa_pages.ndim == 1
+            or (isinstance(swa_pages, list) and all(isinstance(p, (int, np.integer)) for p in swa_pages))
+        ):
+            swa_pages = [swa_pages]
+        swa = tuple(np.asarray(p, dtype=np.int64).ravel() for p in swa_pages)
+        if len(swa) != self.tp_size:
+            raise ValueError(f"room {room}: {len(swa)} window page lists for {self.tp_size} decode ranks")
+        for r, (w, p) in enumerate(zip(swa, pages)):
+            lay = self.ranks[r].layout
+            why = window_pages_problem(w, lay.num_pages, p, exact=True, aliased=lay.aliased)
+            if why is not None:
+                raise ValueError(f"room {room}: decode rank {r}: {why}")
+        return swa
+
+    def check_state_slot(self, room: int, state_slot: int | None) -> None:
+        """ValueError unless a hybrid decode (its ranks have state pools) names a slot inside them."""
+        state = self.ranks[0].state
+        if state is None:
+            if state_slot is not None:
+                raise ValueError(f"room {room}: a state slot for a model without recurrent state")
+        elif state_slot is None or not 0 <= state_slot < state.num_slots:
+            raise ValueError(f"room {room}: state slot {state_slot} outside [0, {state.num_slots})")
+
+    def add_room(
+        self,
+        room: int,
+        prefill: Address,
+        pages: tuple[np.ndarray, ...],
+        prefix_len: int,
+        aux_slot: int,
+        now: float,
+        state_slot: int | None = None,
+        swa_pages: tuple[np.ndarray, ...] | None = None,
+    ) -> Address | None:
+        """Open a room (pages from check_pages, swa_pages from check_swa_pages). Returns `prefill`
+        when the caller must start a bootstrap fetch of it (then report with on_fetched), None when
+        the room was requested at once or a fetch of that prefill is under way. Raises
+        DuplicateRoomError."""
+        if room in self.rooms:
+            raise DuplicateRoomError(f"bootstrap_room {room} is already active on this decode")
+        r = self.rooms[room] = ReceiverRoom(
+            room,
+            RoomRecord.new(room, self._timeouts, now),
+            prefill,
+            pages,
+            prefix_len,
+            aux_slot,
+            state_slot,
+            swa_pages=swa_pages,
+        )
+        peer = self.prefills.get(prefill)
+        if peer is not None:
+            self._request(r, peer, now)
+            return None
+        waiting = self._waiting.setdefault(prefill, [])
+        waiting.append(r)
+        if len(waiting) > 1:
+            return None  # a fetch of this prefill is in flight already
+        self.stats.bootstrap_fetches += 1
+        return prefill
+
+    def abort(self, room: int, reason: str, now: float) -> None:
+        r = self.rooms.get(room)
+        if r is not None:
+            r.rec.fail(reason, now)
+            self._settle(r, now)
+
+    def abort_unrequested(self, room: int, prefill: Address, reason: str) -> bool:
+        """A request that never got a room here is gone: Abort to the prefill's paired ranks if
+        that prefill is known (it frees the room's KV at once), else nothing to tell (its bootstrap
+        timeout frees it)."""
+        peer = self.prefills.get(prefill)
+        if room in self.rooms or peer is None:
+            return False
+        return self._to_pairs(peer.info, lambda rank: Abort(room, self.sessions[rank], Side.DECODE, reason))
+
+    def poll(self, now: float) -> list[tuple[int, TransferState, str, AuxData | None]]:
+        """Rooms that finished and whose pages are safe to reuse (each reported once)."""
+        out = []
+        for room, r in list(self.rooms.items()):
+            if not r.rec.state.terminal or not r.quiet(now):
+                continue
+            ok = r.rec.state is TransferState.SUCCESS
+            out.append((room, r.rec.state, r.rec.reason, r.aux if ok else None))
+            del self.rooms[room]
+            if ok:
+                self.stats.rooms_succeeded += 1
+            else:
+                self.stats.rooms_failed += 1
+        return out
+
+    def room_state(self, room: int) -> TransferState | None:
+        r = self.rooms.get(room)
+        return None if r is None else r.rec.state
+
+    def num_active_rooms(self) -> int:
+        return len(self.rooms)
+
+    # ---- bootstrap, registration, requests ---------------------------------------------------
+
+    def fetch_retrying(self, prefill: Address, error: str) -> None:
+        """A fetch failed in a way worth retrying (server starting); a room that times out
+        waiting for it names this error."""
+        self._fetch_errors[prefill] = error
+
+    def on_fetched(self, prefill: Address, info: PrefillInstanceInfo | None, error: str | None, now: float) -> None:
+        """The fetch add_room asked for ended: `info` fetched and compatible, or None and why not.
+        Requests every room waiting for it, or fails them."""
+        # A room that was reported and whose id came back (maybe for another prefill) is a new
+        # room: only the very objects that waited, still active, are requested.
+        rooms = [
+            r
+            for r in self._waiting.pop(prefill, [])
+            if self.rooms.get(r.room) is r and not r.requested and not r.rec.state.terminal
+        ]
+        self._fetch_errors.pop(prefill, None)
+        if info is None:
+            why = f"bootstrap with prefill {prefill[0]}:{prefill[1]} failed: {error or 'no answer'}"
+            log.warning("%s (%d rooms)", why, len(rooms))
+            for r in rooms:
+                r.rec.fail(why, now)
+            return
+        peer = self._install(prefill, info, now)
+        for r in rooms:
+            self._request(r, peer, now)
+
+    def _install(self, addr: Address, info: PrefillInstanceInfo, now: float) -> KnownPrefill:
+        old = self.prefills.get(addr)
+        if old is not None and old.info.instance_id == info.instance_id:
+            return old
+        if old is not None:
+            self._drop_prefill(
+                old,
+                f"prefill at {addr[0]}:{addr[1]} restarted (instance {old.info.instance_id} -> {info.instance_id})",
+                now,
+                gone=True,
+            )
+        for r in self.rooms.values():  # rooms of an instance dropped earlier: now known to be gone
+            if r.prefill == addr and r.instance_id not in (None, info.instance_id):
+                r.prefill_gone = True
+                r.rec.fail(f"prefill at {addr[0]}:{addr[1]} restarted", now)
+        peer = KnownPrefill(addr, info, {f"{info.instance_id}/{p}": p for p in range(info.tp_size)})
+        self._to_pairs(
+            info,
+            lambda r: RegisterPeer(
+                self.sessions[r],
+                r,
+                self.tp_size,
+                self.ranks[r].data_address,
+                self.control_address,
+                self.ranks[r].layout,
+                self.ranks[r].staging,
+                self.ranks[r].state,
+            ),
+        )
+        self.stats.registrations += len(rank_pairs(info.tp_size, self.tp_size))
+        for s, p in peer.sessions.items():
+            self._by_session[s] = (addr, p)
+            self.liveness.track(s, now)  # the grace period for its first heartbeat starts now
+        self.prefills[addr] = peer
+        return peer
+
+    def _request(self, r: ReceiverRoom, peer: KnownPrefill, now: float) -> None:
+        info = peer.info
+        queued = self._to_pairs(
+            info,
+            lambda rank: TransferRequest(
+                r.room,
+                self.sessions[rank],
+                tuple(r.dst_pages[rank].tolist()),
+                r.prefix_len,
+                r.aux_slot,
+                r.state_slot,
+                None if r.swa_pages is None else tuple(r.swa_pages[rank].tolist()),
+            ),
+        )
+        r.requested_from(info.instance_id, info.tp_size, self.tp_size)
+        r.rec.move(TransferState.WAITING_FOR_INPUT, now)
+        if not queued:
+            r.rec.fail(f"control queue to prefill {peer.addr[0]}:{peer.addr[1]} is full", now)
+            self._settle(r, now)
+
+    def _drop_prefill(self, peer: KnownPrefill, why: str, now: float, gone: bool) -> None:
+        """Fail the rooms of a prefill instance and forget it (the next add_room fetches again).
+
+        gone=True (it restarted): nothing of the old process can land any more, pages are free at
+        once. gone=False (silent): it may only be stalled with writes in flight, so its rooms keep
+        their pages until it answers our Abort or transfer_timeout_s passed."""
+        log.warning("%s", why)
+        for r in self.rooms.values():
+            if r.prefill == peer.addr and r.instance_id == peer.info.instance_id:
+                r.prefill_gone = r.prefill_gone or gone
+                r.rec.fail(why, now)
+                self._settle(r, now)
+        for s in peer.sessions:
+            self._by_session.pop(s, None)
+            self.liveness.forget(s)
+        if self.prefills.get(peer.addr) is peer:
+            del self.prefills[peer.addr]  # the next add_room fetches the bootstrap info again
+
+    def _settle(self, r: ReceiverRoom, now: float) -> None:
+        """After a failure: start the quiet deadline and ask the prefill ranks to stop writing."""
+        if r.rec.state is not TransferState.FAILED or r.quiet_deadline is not None:
+            return
+        r.quiet_deadline = now + self.cfg.transfer_timeout_s
+        peer = self.prefills.get(r.prefill)
+        if not r.requested or r.all_final or r.prefill_gone or peer is None or peer.info.instance_id != r.instance_id:
+            return
+        self._to_pairs(peer.info, lambda rank: Abort(r.room, self.sessions[rank], Side.DECODE, r.rec.reason))
+        r.aborts_sent = True
+
+    def _to_pairs(self, info: PrefillInstanceInfo, make: Callable[[int], Any]) -> bool:
+        """Send `make(decode rank)` to the prefill rank of every (prefill rank, decode rank) pair
+        of the TP mapping; True when every message was queued."""
+        queued = [self.send(info.ranks[p].control_address, make(r)) for p, r in rank_pairs(info.tp_size, self.tp_size)]
+        return all(queued)  # a list first: every pair gets its message, also after a refused one
+
+    # ---- control messages --------------------------------------------------------------------
+
+    def _reject(self, what: str) -> None:
+        self.stats.rejected_messages += 1
+        log.warning("decode rejected %s", what)
+
+    def on_message(self, msg: object, now: float) -> None:
+        if isinstance(msg, Heartbeat):
+            if msg.session_id in self._by_session:
+                if self.liveness.seen(msg.session_id, now):
+                    log.info("prefill session %s is alive again", msg.session_id)
+            return
+        if not isinstance(msg, (TransferStatus, Abort)):
+            return self._reject(f"unexpected {type(msg).__name__} on a decode")
+        rank = self._session_rank.get(msg.session_id)
+        r = self.rooms.get(msg.room)
+        if rank is None or r is None or not r.requested:
+            return self._reject(
+                f"{type(msg).__name__} for room {msg.room}, session {msg.session_id}: "
+                f"{'unknown session' if rank is None else 'room not awaiting a transfer'}"
+            )
+        if isinstance(msg, Abort):
+            if msg.side is not Side.PREFILL:
+                return self._reject(f"Abort for room {msg.room} claiming to come from {msg.side.value}")
+            r.rec.fail(f"aborted by prefill: {msg.reason}", now)
+        else:
+            why = r.on_status(rank, msg, now)
+            if why is not None:
+                return self._reject(f"TransferStatus for room {msg.room}: {why}")
+        self._settle(r, now)
+
+    # ---- clock: deadlines, liveness, heartbeats ------------------------------------------------
+
+    def housekeeping(self, now: float) -> None:
+        for r in self.rooms.values():
+            if r.rec.state is TransferState.BOOTSTRAPPING and r.rec.deadline is not None and now >= r.rec.deadline:
+                err = self._fetch_errors.get(r.prefill)
+                r.rec.fail(
+                    f"bootstrap with prefill {r.prefill[0]}:{r.prefill[1]} failed: not done "
+                    f"within {self.cfg.bootstrap_timeout_s}s" + (f" ({err})" if err else ""),
+                    now,
+                )
+            r.rec.expire(now, "not every prefill rank reported the transfer finished")
+            self._settle(r, now)
+        for s in self.liveness.reap(now):
+            addr, p = self._by_session.get(s, (None, 0))
+            peer = self.prefills.get(addr) if addr is not None else None
+            if peer is not None and s in peer.sessions:
+                self._drop_prefill(
+                    peer,
+                    f"prefill rank {p} at {addr[0]}:{addr[1]} sent no "
+                    f"heartbeat for {self.cfg.heartbeat_timeout_s:.1f}s",
+                    now,
+                    gone=False,
+                )
+        if now < self._next_hb:
+            return
+        self._next_hb = now + self.cfg.heartbeat_interval_s
+        for peer in self.prefills.values():
+            # one beat per prefill rank, in the name of a decode rank paired with it
+            for p, rank in dict(rank_pairs(peer.info.tp_size, self.tp_size)).items():
+                self.send(peer.info.ranks[p].control_address, Heartbeat(self.sessions[rank], self._hb_seq))
+        self._hb_seq += 1

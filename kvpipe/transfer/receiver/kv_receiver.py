@@ -1,0 +1,217 @@
+"""Decode side of KV transfer: one `KVReceiver` per decode instance (it lives with decode rank 0
+and speaks for every decode rank). Thread-safe, engine-agnostic.
+
+    ranks = [DecodeRank(KVLayout.from_pool(pool_r, head_start_r, total_kv_heads), backend_r.address)
+             for each decode rank r]                  # each rank registered its pool with its backend
+    recv = KVReceiver(cfg, ranks=ranks, model_name=name).start()
+    recv.add_room(room, bootstrap_host, bootstrap_port, dst_pages, prefix_len)
+        # dst_pages: per decode rank, pages for prompt tokens from prefix_len (page aligned) on
+    for room, state, reason, aux in recv.poll(): ...  # Success: KV and aux (first token) are in;
+                                                      # Failed: free the pages, fail the request
+    recv.abort(room, "client disconnected")           # pages stay reserved until poll reports it
+    recv.close()
+
+What happens inside: every decision is the `ReceiverBook`'s (receiver_book.py: rooms, known
+prefills, deadlines, liveness, when pages are safe; no I/O). This shell owns the I/O: a receive
+thread (control.py) hands TransferStatus, Abort and Heartbeat to the book; a pool thread fetches
+a prefill's bootstrap info when the book asks (retrying while the prefill starts, then checking
+compatibility) and hands the outcome back; a worker thread drives the book's deadlines and
+heartbeats every idle_tick_s. Control messages leave through the endpoint, never blocking.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import numpy as np
+
+from kvpipe.config import DisaggregationConfig
+from kvpipe.transfer.control.auth import authenticator
+from kvpipe.transfer.control.bootstrap import (
+    DEFAULT_BOOTSTRAP_PORT,
+    BootstrapNotReady,
+    BootstrapUnreachable,
+    DecodeInfo,
+    PrefillInstanceInfo,
+    check_compatible,
+    fetch_prefill_info,
+)
+from kvpipe.transfer.control.endpoint import ControlEndpoint
+from kvpipe.transfer.control.messages import AuxData
+from kvpipe.transfer.lifecycle import Clock, TransferState
+from kvpipe.transfer.planning.layout import DecodeRank
+from kvpipe.transfer.receiver.book import Address, ReceiverBook, ReceiverStats
+
+__all__ = ["DecodeRank", "KVReceiver", "ReceiverStats"]  # DecodeRank, ReceiverStats: imported from here too
+
+log = logging.getLogger(__name__)
+
+
+def _address(bootstrap_host: str, bootstrap_port: int | None) -> tuple[str, int]:
+    return bootstrap_host, DEFAULT_BOOTSTRAP_PORT if bootstrap_port is None else int(bootstrap_port)
+
+
+class KVReceiver:
+    def __init__(
+        self,
+        cfg: DisaggregationConfig,
+        *,
+        ranks: Sequence[DecodeRank],
+        model_name: str,
+        instance_id: str | None = None,
+        host: str = "127.0.0.1",
+        clock: Clock = time.monotonic,
+        on_news: Callable[[], None] | None = None,
+    ) -> None:
+        """`on_news` (called on the control thread after every message from a prefill): poll()
+        may have something new, e.g. wake the engine loop instead of waiting for its timer."""
+        if not ranks:
+            raise ValueError("KVReceiver needs at least one decode rank")
+        self.cfg, self.ranks, self.model_name = cfg, tuple(ranks), model_name
+        self.tp_size = len(self.ranks)
+        self.instance_id = instance_id or uuid.uuid4().hex[:12]
+        self.decode_info = DecodeInfo(model_name, self.tp_size, tuple(d.layout for d in self.ranks))
+        self._clock = clock
+        self._on_news = on_news
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._auth = authenticator(cfg.auth_token)  # control frames and bootstrap look-ups
+        self._endpoint = ControlEndpoint(
+            host, self._on_message, name="kvreceiver", send_hwm=cfg.control_send_hwm, auth=self._auth
+        )
+        self._book = ReceiverBook(cfg, self.ranks, self.instance_id, self._endpoint.address, self._endpoint.send)
+        self.sessions = self._book.sessions  # per decode rank: its session id on the wire
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvreceiver-bootstrap")
+        self._worker = threading.Thread(target=self._run, name="kvreceiver-worker", daemon=True)
+
+    @property
+    def stats(self) -> ReceiverStats:
+        return replace(self._book.stats, auth_rejected=self._endpoint.stats.auth_rejected)
+
+    @property
+    def control_address(self) -> str:
+        return self._endpoint.address
+
+    def num_rooms(self) -> int:
+        """Rooms the book still holds (finished ones leave it): 0 once idle, else a leak."""
+        with self._lock:
+            return len(self._book.rooms)
+
+    def start(self) -> KVReceiver:
+        self._endpoint.start()
+        self._worker.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._worker.is_alive():
+            self._worker.join(timeout=5.0)
+        self._endpoint.close()
+
+    # ---- engine API ------------------------------------------------------------------------
+
+    def add_room(
+        self,
+        room: int,
+        bootstrap_host: str,
+        bootstrap_port: int | None,
+        dst_pages: Sequence[np.ndarray] | np.ndarray | list[int],
+        prefix_len: int = 0,
+        aux_slot: int = 0,
+        state_slot: int | None = None,
+        swa_pages: Sequence[np.ndarray] | np.ndarray | list[int] | None = None,
+    ) -> None:
+        """Ask the prefill at bootstrap_host:bootstrap_port (None: 8998) for request `room`'s KV.
+
+        dst_pages: per decode rank (a single array when tp_size is 1), distinct pages for prompt
+        tokens [prefix_len, ...), page i holding tokens prefix_len + i*page_size onwards;
+        prefix_len: leading tokens this decode already holds (page aligned); state_slot: the
+        request's recurrent-state slot (hybrid models; the same slot id on every decode rank),
+        which the prefill fills before it reports Success; swa_pages: sliding-window models (and
+        only they): per decode rank like dst_pages and aligned with them, the page of the sliding
+        layers for the same logical page, -1 where none is wanted (outside the window); the
+        prefill writes the sliding layers into those pages only. Non-blocking.
+        Raises DuplicateRoomError if the room is active already (reject that request only)."""
+        pages = self._book.check_pages(room, dst_pages, prefix_len)
+        self._book.check_state_slot(room, state_slot)
+        swa = self._book.check_swa_pages(room, swa_pages, pages)
+        addr = _address(bootstrap_host, bootstrap_port)
+        with self._lock:
+            fetch = self._book.add_room(room, addr, pages, prefix_len, aux_slot, self._clock(), state_slot, swa)
+            if fetch is not None:
+                self._pool.submit(self._fetch, fetch)
+
+    def abort(self, room: int, reason: str = "aborted by decode") -> None:
+        """Fail the room; poll() reports it once no write from the prefill can still land."""
+        with self._lock:
+            self._book.abort(room, reason, self._clock())
+
+    def abort_unrequested(
+        self, room: int, bootstrap_host: str, bootstrap_port: int | None, reason: str = "aborted by decode"
+    ) -> bool:
+        """A request this decode never opened a room for (it waited for pages) is gone: tell the
+        prefill, if this decode knows it, so the prefill frees the request's KV now instead of
+        holding it until its bootstrap timeout. True when the prefill ranks were told."""
+        with self._lock:
+            return self._book.abort_unrequested(room, _address(bootstrap_host, bootstrap_port), reason)
+
+    def poll(self) -> list[tuple[int, TransferState, str, AuxData | None]]:
+        """Rooms that finished and whose pages are safe to reuse (each reported once)."""
+        with self._lock:
+            return self._book.poll(self._clock())
+
+    def room_state(self, room: int) -> TransferState | None:
+        """Current state of an active room (None once reported by poll, or unknown)."""
+        with self._lock:
+            return self._book.room_state(room)
+
+    def num_active_rooms(self) -> int:
+        with self._lock:
+            return self._book.num_active_rooms()
+
+    # ---- threads ---------------------------------------------------------------------------
+
+    def _fetch(self, addr: Address) -> None:
+        """Pool thread: fetch a prefill's ranks (retrying while it starts), check them, tell the book."""
+        info: PrefillInstanceInfo | None = None
+        err: Exception | None = None
+        end = time.monotonic() + self.cfg.bootstrap_timeout_s
+        while not self._stop.is_set():
+            try:
+                info = fetch_prefill_info(*addr, self.cfg.http_timeout_s, self._auth)
+                check_compatible(info, self.decode_info)
+                break
+            except (BootstrapUnreachable, BootstrapNotReady) as e:
+                info, err = None, e
+                with self._lock:
+                    self._book.fetch_retrying(addr, str(e))
+                if time.monotonic() >= end:
+                    break
+                self._stop.wait(0.05)
+            except Exception as e:  # incompatible, malformed, or a bug: fail the rooms with it
+                info, err = None, e
+                break
+        with self._lock:
+            self._book.on_fetched(addr, info, None if err is None else str(err), self._clock())
+
+    def _on_message(self, msg: object) -> None:
+        with self._lock:
+            self._book.on_message(msg, self._clock())
+        if self._on_news is not None:
+            self._on_news()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                with self._lock:
+                    self._book.housekeeping(self._clock())
+            except Exception:
+                log.exception("decode transfer worker error")
+            self._stop.wait(self.cfg.idle_tick_s)

@@ -1,0 +1,97 @@
+"""Decode-side bookkeeping of one room: which final statuses are due, aux data, when pages are safe.
+
+Plain Python for `ReceiverBook`. Per decode rank r the room expects one final TransferStatus
+from each prefill rank of `source_ranks(r, P, D)` (r // (D/P) when D >= P, else ranks r*P/D to
+(r+1)*P/D - 1; prefill ranks whose heads another rank already sends still answer, without
+writing). A prefill rank sends exactly one final status per (room, decode session), and only
+once none of its writes for the room can still land. So the room is
+- Success when every expected status is SUCCESS and the aux data echoes this room;
+- quiet (its pages may be reused) when nothing was requested yet, every expected final status
+  arrived, the prefill restarted, or `quiet_deadline` (failure time + transfer_timeout_s) passed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvpipe.transfer.control.messages import AuxData, TransferStatus, WireState
+from kvpipe.transfer.lifecycle import RoomRecord, TransferState
+from kvpipe.transfer.planning.tp_mapping import source_ranks
+
+
+def rank_pairs(prefill_tp: int, decode_tp: int) -> list[tuple[int, int]]:
+    """(prefill rank, decode rank) pairs that exchange a TransferRequest and a final status."""
+    return [(p, r) for r in range(decode_tp) for p in source_ranks(r, prefill_tp, decode_tp)]
+
+
+@dataclass
+class ReceiverRoom:
+    room: int
+    rec: RoomRecord
+    prefill: tuple[str, int]  # bootstrap host, port
+    dst_pages: tuple[np.ndarray, ...]  # per decode rank: pages for tokens from prefix_len on
+    prefix_len: int
+    aux_slot: int = 0
+    state_slot: int | None = None  # hybrid models: the request's state slot on every decode rank
+    instance_id: str | None = None  # prefill instance the request went to
+    # sliding-window models: per decode rank, aligned with dst_pages, -1 where no window page is wanted
+    swa_pages: tuple[np.ndarray, ...] | None = None
+    expected: dict[int, int] = field(default_factory=dict)  # decode rank -> final statuses due
+    finals: dict[int, int] = field(default_factory=dict)
+    successes: dict[int, int] = field(default_factory=dict)
+    aux: AuxData | None = None
+    requested: bool = False  # TransferRequests went out: prefill may be writing
+    prefill_gone: bool = False  # the prefill instance restarted: nothing more of the old one can land
+    aborts_sent: bool = False
+    quiet_deadline: float | None = None
+
+    def requested_from(self, instance_id: str, prefill_tp: int, decode_tp: int) -> None:
+        self.instance_id = instance_id
+        self.requested = True
+        self.expected = {r: 0 for r in range(decode_tp)}
+        for _, r in rank_pairs(prefill_tp, decode_tp):
+            self.expected[r] += 1
+        self.finals = dict.fromkeys(self.expected, 0)
+        self.successes = dict.fromkeys(self.expected, 0)
+
+    def on_status(self, decode_rank: int, st: TransferStatus, now: float) -> str | None:
+        """Apply a final status; returns why it was rejected (then it changes nothing), or None."""
+        if decode_rank not in self.expected:
+            return f"status for decode rank {decode_rank}, which room {self.room} did not request"
+        if self.finals[decode_rank] >= self.expected[decode_rank]:
+            return f"more final statuses than the {self.expected[decode_rank]} expected for decode rank {decode_rank}"
+        self.finals[decode_rank] += 1
+        if st.state is WireState.FAILED:
+            self.rec.fail(f"prefill failed the transfer: {st.reason}", now)
+            return None
+        if st.is_stale_for(self.room):
+            self.rec.fail(
+                f"stale transfer: aux data of room {st.aux.room if st.aux else None} arrived for room {self.room}", now
+            )
+            return None
+        self.successes[decode_rank] += 1
+        if self.aux is None:
+            self.aux = st.aux
+        elif st.aux is not None and st.aux != self.aux:
+            self.rec.fail(f"prefill ranks disagree on the first token: {self.aux} vs {st.aux}", now)
+            return None
+        if self.successes == self.expected:
+            self.rec.move(TransferState.SUCCESS, now)
+        else:
+            self.rec.move(TransferState.TRANSFERRING, now)
+        return None
+
+    @property
+    def all_final(self) -> bool:
+        return bool(self.expected) and self.finals == self.expected
+
+    def quiet(self, now: float) -> bool:
+        """No write for this room can still land in its pages."""
+        return (
+            not self.requested
+            or self.prefill_gone
+            or self.all_final
+            or (self.quiet_deadline is not None and now >= self.quiet_deadline)
+        )

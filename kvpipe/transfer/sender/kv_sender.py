@@ -1,0 +1,398 @@
+"""Prefill side of KV transfer: one `KVSender` per prefill TP rank. Thread-safe, engine-agnostic.
+
+    sender = KVSender(cfg, layout=KVLayout.from_pool(pool, head_start, total_kv_heads),
+                      backend=backend, tp_rank=r, tp_size=tp, model_name=name, instance_id=iid)
+    sender.start(bootstrap=("127.0.0.1", 8998))   # control endpoint + worker, registers the rank
+    sender.add_room(room, src_pages)              # request admitted; src_pages: its page table
+                                                  # (+ src_swa_pages: window table, swa layouts)
+    sender.send(room, t0, t1, layer_start, layer_end)          # KV of tokens < t1 ready (chunk,
+    sender.send(room, t0, n, last=True, aux=(token_id, logprob))  # layer group); final call
+    sender.pump()                                 # optional: submit what is queued now, here
+    for room, state, reason in sender.poll(): ...  # Success or Failed: free the room's pages now
+    sender.take_timings()                         # bytes and busy seconds of rooms that succeeded
+    sender.abort(room, "client went away")        # the room turns Failed; poll reports it later
+    sender.close()
+
+The caller registers the pool's buffers with `backend` beforehand. `instance_id` must be shared
+by all ranks of one prefill instance and change on every restart.
+
+What happens inside: a receive thread (control.py) hands RegisterPeer (a decode rank's layout and
+addresses, validated once per session), TransferRequest (room -> dst pages, prefix_len; validated;
+kept until add_room if it comes first), Abort and Heartbeat to the `SenderBook` (sender_book.py,
+all decisions, no I/O). A worker thread plans queued send() calls, submits write batches within
+`max_inflight_ops` (`pump()` runs one such pass on the caller's thread), polls them, enforces
+deadlines, sends heartbeats and declares silent decodes dead. After the last batch landed every
+destination gets TransferStatus(SUCCESS, aux); a failed room first drains its in-flight writes,
+then gets TransferStatus(FAILED): prefill's final word, after which nothing it sent can still land.
+poll() reports a room only once it is drained, so freeing its pages is safe. Backend calls run
+outside the lock (a local submit copies inline).
+
+Session id of this rank on the wire: f"{instance_id}/{tp_rank}" (the decode derives it from the
+bootstrap info to match heartbeats).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import replace
+
+import numpy as np
+
+from kvpipe.config import DisaggregationConfig
+from kvpipe.transfer.backends.base import BatchHandle, BatchState, TransferBackend, TransferError
+from kvpipe.transfer.control.auth import authenticator
+from kvpipe.transfer.control.bootstrap import BootstrapError, PrefillRankInfo, register_prefill_rank
+from kvpipe.transfer.control.endpoint import ControlEndpoint
+from kvpipe.transfer.control.messages import AuxTuple
+from kvpipe.transfer.lifecycle import Clock, TransferState
+from kvpipe.transfer.planning.layout import KVLayout
+from kvpipe.transfer.planning.window_table import window_pages_problem
+from kvpipe.transfer.recurrent.layout import StateLayout
+from kvpipe.transfer.sender.book import SenderBook, SenderStats, TransferTiming
+from kvpipe.transfer.sender.room import OpBatch, SendCall, StagedChunk, StagingPolicy
+from kvpipe.transfer.staging.buffers import StagingBuffer
+
+log = logging.getLogger(__name__)
+
+
+class KVSender:
+    def __init__(
+        self,
+        cfg: DisaggregationConfig,
+        *,
+        layout: KVLayout,
+        backend: TransferBackend,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        model_name: str,
+        instance_id: str | None = None,
+        host: str = "127.0.0.1",
+        clock: Clock = time.monotonic,
+        staging: StagingBuffer | None = None,
+        state_layout: StateLayout | None = None,
+        on_news: Callable[[], None] | None = None,
+    ) -> None:
+        """`staging`: a registered local staging buffer over this rank's KV (staging.py); with
+        cfg.staging "on" or "auto" sends to decode ranks that offer a staging ring are staged.
+        `state_layout`: this rank's registered recurrent-state pool (hybrid models): layer ranges
+        of send() are then model layers, and every room names its state slot in add_room.
+        `on_news` (called on the worker's or pump()'s thread once a room is ready for poll()): e.g.
+        wake the engine loop, whose answer for the room waits for it, instead of its poll timer."""
+        if instance_id is None:
+            if tp_size != 1:
+                raise ValueError("with tp_size > 1 every rank needs the same instance_id")
+            instance_id = uuid.uuid4().hex[:12]
+        self.cfg, self.layout, self.backend = cfg, layout, backend
+        self.state_layout = state_layout
+        if state_layout is not None and len(state_layout.kv_layers) != layout.num_layers:
+            raise ValueError(
+                f"state layout names {len(state_layout.kv_layers)} full-attention layers, "
+                f"the KV layout has {layout.num_layers}"
+            )
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.model_name, self.instance_id = model_name, instance_id
+        self.session_id = f"{instance_id}/{tp_rank}"
+        self._on_news = on_news
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        # one worker pass at a time: the worker thread's, or pump()'s on the engine's thread
+        self._pass_lock = threading.Lock()
+        self._progress_at = clock()  # (under _pass_lock) when a pass last submitted or finished a batch
+        self._auth = authenticator(cfg.auth_token)  # control frames and the bootstrap registration
+        self._endpoint = ControlEndpoint(
+            host, self._on_message, name=f"kvsender-{tp_rank}", send_hwm=cfg.control_send_hwm, auth=self._auth
+        )
+        self._stager = staging if cfg.staging != "off" else None
+        policy = (
+            None if self._stager is None else StagingPolicy(cfg.staging, self._stager.nbytes // 4, self._stager.nbytes)
+        )
+        self._book = SenderBook(
+            cfg,
+            layout,
+            tp_rank,
+            tp_size,
+            self.session_id,
+            self._endpoint.send,
+            control_address=self._endpoint.address,
+            staging=policy,
+            staging_addr=0 if self._stager is None else self._stager.addr,
+            state_layout=state_layout,
+        )
+        self._worker = threading.Thread(target=self._run, name=f"kvsender-{tp_rank}-worker", daemon=True)
+
+    @property
+    def stats(self) -> SenderStats:
+        return replace(self._book.stats, auth_rejected=self._endpoint.stats.auth_rejected)
+
+    @property
+    def control_address(self) -> str:
+        return self._endpoint.address
+
+    def num_rooms(self) -> int:
+        """Rooms the book still holds (finished ones leave it): 0 once idle, else a leak."""
+        with self._lock:
+            return len(self._book.rooms)
+
+    @property
+    def info(self) -> PrefillRankInfo:
+        return PrefillRankInfo(
+            self.tp_rank,
+            self.tp_size,
+            self.layout,
+            self.backend.address,
+            self.control_address,
+            self.model_name,
+            self.instance_id,
+        )
+
+    def start(self, bootstrap: tuple[str, int] | None = None) -> KVSender:
+        """Start the threads; with `bootstrap` (host, port), register this rank there."""
+        self._endpoint.start()
+        self._worker.start()
+        if bootstrap is not None:
+            end = time.monotonic() + self.cfg.bootstrap_timeout_s
+            while True:  # the bootstrap server may still be starting
+                try:
+                    register_prefill_rank(*bootstrap, self.info, self.cfg.http_timeout_s, self._auth)
+                    break
+                except BootstrapError:
+                    if time.monotonic() >= end:
+                        self.close()
+                        raise
+                    time.sleep(0.05)
+        return self
+
+    def close(self) -> None:
+        """Stop the threads. In-flight writes are not waited for; the backend stays open."""
+        self._stop.set()
+        self._wake.set()
+        if self._worker.is_alive():
+            self._worker.join(timeout=5.0)
+        self._endpoint.close()
+
+    # ---- engine API ------------------------------------------------------------------------
+
+    def add_room(
+        self,
+        room: int,
+        src_pages: np.ndarray | list[int],
+        state_slot: int | None = None,
+        src_swa_pages: np.ndarray | list[int] | None = None,
+    ) -> None:
+        """The engine admitted request `room`; `src_pages` is its page table (tokens from 0);
+        `state_slot`: its recurrent-state slot (hybrid models: required; it must stay the room's
+        until poll() reported the room); `src_swa_pages`: its window page table (a layout with
+        swa_layers: aligned with src_pages, -1 where no sliding-window page is held, shorter
+        while not allocated; None: none yet). The pages the decode asks for must stay the room's
+        until poll() reported it. Raises DuplicateRoomError if the room is active already
+        (reject that request only), ValueError for pages or a slot outside the pools."""
+        pages = self._check_pages(room, src_pages)
+        sl = self.state_layout
+        if sl is not None and pages.size and (state_slot is None or not 0 <= state_slot < sl.num_slots):
+            raise ValueError(f"room {room}: state slot {state_slot} outside [0, {sl.num_slots})")
+        swa = self._check_swa_pages(room, src_swa_pages, pages)
+        with self._lock:
+            self._book.add_room(room, pages, self._clock(), None if sl is None else state_slot, swa)
+        self._wake.set()
+
+    def _check_swa_pages(
+        self, room: int, swa_pages: np.ndarray | list[int] | None, pages: np.ndarray
+    ) -> np.ndarray | None:
+        if swa_pages is None:
+            return None
+        if not self.layout.swa_layers:
+            raise ValueError(f"room {room}: sliding-window pages for a layout without sliding-window layers")
+        swa = np.asarray(swa_pages, dtype=np.int64).ravel()
+        why = window_pages_problem(swa, self.layout.num_pages, pages, exact=False, aliased=self.layout.aliased)
+        if why is not None:
+            raise ValueError(f"room {room}: {why}")
+        return swa
+
+    def _check_pages(self, room: int, src_pages: np.ndarray | list[int]) -> np.ndarray:
+        pages = np.asarray(src_pages, dtype=np.int64).ravel()
+        if pages.size and (pages.min() < 0 or pages.max() >= self.layout.num_pages):
+            raise ValueError(f"room {room}: source pages outside [0, {self.layout.num_pages})")
+        return pages
+
+    def send(
+        self,
+        room: int,
+        token_start: int,
+        token_end: int,
+        layer_start: int = 0,
+        layer_end: int | None = None,
+        last: bool = False,
+        aux: AuxTuple | None = None,
+        src_pages: np.ndarray | list[int] | None = None,
+        ready: Callable[[], bool] | None = None,
+        state: bool = False,
+        src_swa_pages: np.ndarray | list[int] | None = None,
+    ) -> bool:
+        """KV of tokens [token_start, token_end), and of every token before, is ready in layers
+        [layer_start, layer_end) (model layers). `last=True` (once, with aux: AuxTuple) means
+        the prompt is complete in every layer, and so is the recurrent state of a hybrid model:
+        it is written before the final status. `state=True`: this call comes from the prompt's
+        last forward, so the state of the linear layers in [layer_start, layer_end) is final
+        and goes now (layer-pipelined prefill). `src_pages`: the room's page table when it grew
+        since add_room (it must extend the old one). `src_swa_pages`: a newer snapshot of the
+        room's window page table (it need not extend the old one: pages may have slid out, -1).
+        `ready`: the KV is still being computed
+        on a device; nothing of this call (or later ones of the room) is written before
+        `ready()` returns True (e.g. a CUDA event's `query`). Returns False if the room already failed."""
+        if last and aux is None:
+            raise ValueError(f"room {room}: the last send() carries aux = (first token id, logprob)")
+        call = self._call(token_start, token_end, layer_start, layer_end, last, ready, state)
+        pages = None if src_pages is None else self._check_pages(room, src_pages)
+        swa = None
+        if src_swa_pages is not None:
+            if not self.layout.swa_layers:
+                raise ValueError(f"room {room}: sliding-window pages for a layout without sliding-window layers")
+            swa = np.asarray(src_swa_pages, dtype=np.int64).ravel()  # checked by the book against src_pages
+        with self._lock:
+            ok = self._book.add_call(room, call, aux, pages, swa)
+        self._wake.set()
+        return ok
+
+    def _call(
+        self,
+        token_start: int,
+        token_end: int,
+        layer_start: int,
+        layer_end: int | None,
+        last: bool,
+        ready: Callable[[], bool] | None,
+        state: bool,
+    ) -> SendCall:
+        """Model layers -> KV buffers (a hybrid pool has them for full-attention layers only) and
+        the linear layers whose state goes with the call."""
+        sl = self.state_layout
+        if sl is None:
+            end = self.layout.num_layers if layer_end is None else layer_end
+            return SendCall(token_start, token_end, layer_start, end, last, ready)
+        end = sl.num_model_layers if layer_end is None else layer_end
+        try:
+            k0, k1 = sl.kv_range(layer_start, end)
+            j0, j1 = sl.linear_range(layer_start, end) if state else (0, 0)
+        except ValueError as e:
+            raise ValueError(f"room send: {e}") from e
+        return SendCall(token_start, token_end, k0, k1, last, ready, (j0, j1))
+
+    def abort(self, room: int, reason: str = "aborted by prefill") -> None:
+        """Fail the room and tell its decode; poll() reports it once in-flight writes finished."""
+        with self._lock:
+            self._book.abort(room, reason, self._clock())
+        self._wake.set()
+
+    def poll(self) -> list[tuple[int, TransferState, str]]:
+        """(room, Success | Failed, reason) of rooms whose pages the engine may free now; once each."""
+        with self._lock:
+            return self._book.poll(self._clock())
+
+    def take_timings(self) -> list[TransferTiming]:
+        """How rooms that succeeded since the last call used the link (oldest first)."""
+        with self._lock:
+            out = list(self._book.timings)
+            self._book.timings.clear()
+        return out
+
+    def room_state(self, room: int) -> TransferState | None:
+        """Current state of an active room (None once reported by poll, or unknown)."""
+        with self._lock:
+            r = self._book.rooms.get(room)
+            return None if r is None else r.rec.state
+
+    def num_active_rooms(self) -> int:
+        with self._lock:
+            return sum(1 for r in self._book.rooms.values() if r.src_pages is not None)
+
+    # ---- threads ---------------------------------------------------------------------------
+
+    def _on_message(self, msg: object) -> None:
+        with self._lock:
+            self._book.on_message(msg, self._clock())
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.clear()
+            with self._pass_lock:
+                busy = self._pass()
+                stalled_s = self._clock() - self._progress_at
+            if busy:
+                # back off while nothing finishes (slow link), by a quarter of the time since the
+                # last progress: a write of a few ms is seen done within ~1/4 of its time (doubling
+                # the sleep saw it up to its whole time late), a slow one is polled at most every
+                # max_tick_s; a new send() wakes us at once
+                self._wake.wait(min(max(self.cfg.tick_s, stalled_s / 4), self.cfg.max_tick_s))
+            else:
+                self._wake.wait(self.cfg.idle_tick_s)
+
+    def pump(self) -> None:
+        """Run one pass of the worker on the calling thread now: what send() queued is planned
+        and submitted before this returns. The engine calls it after the sends between two
+        forwards, so a prompt's KV leaves without waiting for the worker thread to be scheduled
+        (on a loaded core that wake-up cost ms of TTFT); the worker thread still polls it. If
+        the worker is in a pass already, that pass or the next (woken now) takes the sends: waiting
+        for it would queue the engine behind a thread that may not even be scheduled."""
+        if self._stop.is_set():
+            return
+        if self._pass_lock.acquire(blocking=False):
+            try:
+                self._pass()
+            finally:
+                self._pass_lock.release()
+        self._wake.set()  # the worker polls what was submitted here, or takes the sends
+
+    def _pass(self) -> bool:
+        """One round of the worker (caller holds _pass_lock): housekeeping, plan and submit queued
+        sends, cancel, poll in-flight batches. Returns True while writes are queued or in flight."""
+        try:
+            with self._lock:
+                now = self._clock()
+                for addr in self._book.housekeeping(now):
+                    self._endpoint.disconnect(addr)
+                take, cancels, watch = self._book.take_work(now)
+                gathers = self._book.take_gathers()
+            if gathers:
+                done = [(r, ch, self._gather(ch)) for r, ch in gathers]
+                with self._lock:
+                    self._book.gathered(done, self._clock())
+                self._wake.set()  # the slot requests are out: look again soon
+            fresh = [(r, b, *self._submit(b)) for r, b in take]
+            for inf, why in cancels:
+                self.backend.cancel(inf.handle, why)
+            polled = [(r, inf, self.backend.poll(inf.handle)) for r, inf in watch]
+            progressed = bool(fresh) or any(st is not BatchState.PENDING for _, _, st in polled)
+            with self._lock:
+                now = self._clock()
+                busy = self._book.record(fresh, polled, now)
+                news = self._book.has_news()
+            if progressed or not busy:
+                self._progress_at = now
+            if news and self._on_news is not None:
+                self._on_news()
+            return busy
+        except Exception:  # never let the worker die: rooms would hang until their deadlines
+            log.exception("prefill rank %d transfer worker error", self.tp_rank)
+            return False
+
+    def _gather(self, ch: StagedChunk) -> str | None:
+        assert self._stager is not None and ch.local is not None
+        try:
+            self._stager.gather(ch.local.offset, ch.src_pages, ch.src_col, ch.ncols, ch.l0, ch.l1)
+            return None
+        except Exception as e:  # fails the room, never the worker
+            log.exception("prefill rank %d: staging gather of chunk %d failed", self.tp_rank, ch.chunk)
+            return f"{type(e).__name__}: {e}"
+
+    def _submit(self, b: OpBatch) -> tuple[BatchHandle | None, str | None]:
+        try:
+            return self.backend.submit(b.peer, b.src, b.dst, b.length), None
+        except (TransferError, ValueError) as e:
+            return None, str(e)

@@ -1,0 +1,7 @@
+"""Staging for heterogeneous TP: head slices gathered into one contiguous chunk per write.
+
+`buffers.py` holds the tensor side (the prefill's gather buffer, the decode's staging agent
+that scatters landed chunks into its KV pages); `book.py` is what the decode's agent decides
+(slot grants, landed chunks, flow control) and `ring.py` the ring allocator both sides carve
+slots from. Plain bookkeeping in book.py and ring.py; tensors only in buffers.py.
+"""
