@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvpipe-installed
 
-.PHONY: setup system-deps run test test-unit clean
+.PHONY: setup system-deps run test test-unit lint clean
 
 # Mooncake's shared libraries (apt-get when root and missing; else a one-line instruction)
 system-deps:
@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# CPU torch first, pinned, so nothing later pulls a CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[mooncake,router,bench,test]'
+	$(BIN)/pip install -q -e '.[mooncake,router,bench,test,lint]'
 	# build the C++ CPU kernels now, so servers start without a compile (never fails setup)
 	$(BIN)/python -m kvpipe.model.cpu_kernels
 	touch $(STAMP)
@@ -28,6 +28,12 @@ run: setup
 
 test: setup
 	$(BIN)/python -m pytest -q -ra tests
+
+# ruff (lint + format check) and mypy, configured in pyproject.toml; CI runs this before the tests
+lint: setup
+	$(BIN)/ruff check kvpipe tests
+	$(BIN)/ruff format --check kvpipe tests
+	$(BIN)/mypy
 
 test-unit: setup
 	$(BIN)/python -m pytest -q -ra tests/unit
