@@ -24,6 +24,7 @@ from kvpipe.config import (
     CacheConfig,
     ConfigError,
     DisaggregationConfig,
+    FaultInjection,
     SchedulerConfig,
     ServerConfig,
     parse_layer_groups,
@@ -202,8 +203,8 @@ def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
         f"one, bootstrap and control plane listen on the data-plane address only",
     )
     # test-only: fail each transfer batch with this probability (seeded by the next flag)
-    g.add_argument("--disaggregation-failure-prob", type=float, default=0.0, help=argparse.SUPPRESS)
-    g.add_argument("--disaggregation-failure-seed", type=int, default=0, help=argparse.SUPPRESS)
+    g.add_argument("--disaggregation-failure-prob", type=float, default=d.faults.prob, help=argparse.SUPPRESS)
+    g.add_argument("--disaggregation-failure-seed", type=int, default=d.faults.seed, help=argparse.SUPPRESS)
 
 
 def _layer_groups(value: str) -> int | str:
@@ -229,9 +230,8 @@ def disaggregation_config_from_args(args: argparse.Namespace) -> DisaggregationC
             waiting_timeout_s=args.disaggregation_waiting_timeout,
             heartbeat_interval_s=args.disaggregation_heartbeat_interval,
             transfer_timeout_s=args.disaggregation_transfer_timeout,
-            failure_prob=args.disaggregation_failure_prob,
-            failure_seed=args.disaggregation_failure_seed,
             auth_token=args.disaggregation_auth_token or token_from_env(),
+            faults=FaultInjection(args.disaggregation_failure_prob, args.disaggregation_failure_seed),
         )
     except ConfigError as e:
         raise SystemExit(f"kvpipe: {e}") from e
