@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvpipe.cli import build_parser, server_config_from_args
+from kvpipe.cli import build_parser
+from kvpipe.commands.flags import server_config_from_args
 from kvpipe.config import ConfigError, DisaggregationConfig, TransferTuning
 from kvpipe.disagg.layer_groups import LayerGroupPolicy
 from kvpipe.disagg.layer_pipeline import MIN_LINK_SAMPLE_BYTES, LayerPipeline

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvpipe.cli import build_parser, server_config_from_args
+from kvpipe.cli import build_parser
+from kvpipe.commands.flags import server_config_from_args
 from kvpipe.config import ConfigError, DisaggregationConfig, FaultInjection, ServerConfig, TransferTuning
 from kvpipe.disagg.setup import data_host
 
