@@ -15,6 +15,8 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvpipe.config import ConfigError
+
 
 @dataclass(frozen=True)
 class Command:
@@ -89,7 +91,10 @@ def build_parser(
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser, runners = build_parser(argv)
+    try:  # a command's flags may take defaults from the environment (kvpipe/sglang_env.py)
+        parser, runners = build_parser(argv)
+    except ConfigError as e:
+        raise SystemExit(f"kvpipe: {e}") from e
     args, extra = parser.parse_known_args(argv)
     path: tuple[str, ...] = (args.cmd0,) if (args.cmd0,) in runners else (args.cmd0, getattr(args, "cmd1", ""))
     cmd, run = runners[path]

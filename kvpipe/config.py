@@ -141,6 +141,8 @@ class DisaggregationConfig:
     # prefill: "auto" (a cost model picks the layer groups per batch; short prompts take the plain
     # path) or a fixed group count N (1: plain path, no layer pipelining)
     layer_groups: int | str = "auto"
+    # prefill, "auto": a batch with fewer new prompt tokens than this takes the plain path
+    layer_groups_min_tokens: int = 512
     # decode: match each prompt against a radix cache of KV this server already holds and ask the
     # prefill only for the pages past it (SGLang's --disaggregation-enable-decode-radix-cache)
     decode_radix_cache: bool = False
@@ -182,6 +184,10 @@ class DisaggregationConfig:
             raise ConfigError(f"bootstrap port {self.bootstrap_port} is not a TCP port")
         if self.layer_groups != "auto" and not (type(self.layer_groups) is int and self.layer_groups >= 1):
             raise ConfigError(f"layer groups must be 'auto' or an integer >= 1, got {self.layer_groups!r}")
+        if not (type(self.layer_groups_min_tokens) is int and self.layer_groups_min_tokens >= 0):
+            raise ConfigError(
+                f"layer groups min tokens must be a whole number >= 0, got {self.layer_groups_min_tokens!r}"
+            )
         for name in ("bootstrap_timeout_s", "waiting_timeout_s", "heartbeat_interval_s", "transfer_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")

@@ -1,5 +1,6 @@
 """The flags of every command that builds a ServerConfig (`serve`, `generate`), named after
-SGLang's `launch_server`."""
+SGLang's `launch_server`; SGLang's environment variables set the defaults of the flags they match
+(kvpipe/sglang_env.py), and a given flag wins."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ from kvpipe.config import (
     ServerConfig,
     parse_layer_groups,
 )
+from kvpipe.model.config import ModelConfig
 from kvpipe.model.presets import resolve_model_path
+from kvpipe.sglang_env import LayersPerGroup, flag_defaults
 from kvpipe.transfer.control.auth import TOKEN_ENV, token_from_env
 
 
@@ -67,7 +70,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
-    """SGLang's --disaggregation-* flags (PD serving; see kvpipe/disagg/)."""
+    """SGLang's --disaggregation-* flags (PD serving; see kvpipe/disagg/), with the defaults the
+    SGLANG_* variables in our environment give them (ConfigError naming a malformed one)."""
     d = DisaggregationConfig()
     g = p.add_argument_group("PD disaggregation")
     g.add_argument(
@@ -103,6 +107,12 @@ def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
         help="prefill: 'auto' (per batch from measured compute and link speed; short prompts "
         "take the plain path) or N layer groups whose KV ships while the next computes "
         "(1: plain transfer after the forward)",
+    )
+    g.add_argument(
+        "--disaggregation-layer-groups-min-tokens",
+        type=int,
+        default=d.layer_groups_min_tokens,
+        help="prefill, layer groups 'auto': a batch with fewer new prompt tokens takes the plain path",
     )
     g.add_argument(
         "--disaggregation-enable-decode-radix-cache",
@@ -141,7 +151,13 @@ def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
         "--disaggregation-heartbeat-interval",
         type=float,
         default=d.heartbeat_interval_s,
-        help="seconds between heartbeats; a peer silent for 5 intervals is dead",
+        help="seconds between heartbeats",
+    )
+    g.add_argument(
+        "--disaggregation-heartbeat-max-failure",
+        type=int,
+        default=d.heartbeat_misses,
+        help="a peer that misses this many heartbeats in a row is dead",
     )
     g.add_argument(
         "--disaggregation-transfer-timeout",
@@ -160,6 +176,7 @@ def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
     # test-only: fail each transfer batch with this probability (seeded by the next flag)
     g.add_argument("--disaggregation-failure-prob", type=float, default=d.faults.prob, help=argparse.SUPPRESS)
     g.add_argument("--disaggregation-failure-seed", type=int, default=d.faults.seed, help=argparse.SUPPRESS)
+    p.set_defaults(**flag_defaults(os.environ))
 
 
 def _layer_groups_arg(value: str) -> int | str:
@@ -169,21 +186,31 @@ def _layer_groups_arg(value: str) -> int | str:
         raise argparse.ArgumentTypeError(str(e)) from e
 
 
-def disaggregation_config_from_args(args: argparse.Namespace) -> DisaggregationConfig:
+def disaggregation_config_from_args(args: argparse.Namespace, model_path: str) -> DisaggregationConfig:
+    """The --disaggregation-* flags -> a DisaggregationConfig (`model_path`: the served checkpoint,
+    whose depth turns SGLANG_PIPELINE_GROUP_SIZE's layers per group into a group count)."""
     try:
+        layer_groups = args.disaggregation_layer_groups
+        if isinstance(layer_groups, LayersPerGroup):
+            try:
+                layer_groups = layer_groups.groups(ModelConfig.from_dir(model_path).num_layers)
+            except ConfigError as e:
+                raise ConfigError(f"SGLANG_PIPELINE_GROUP_SIZE counts layers, so it needs the model's: {e}") from e
         return DisaggregationConfig(
             mode=args.disaggregation_mode,
             bootstrap_port=args.disaggregation_bootstrap_port,
             transfer_backend=args.disaggregation_transfer_backend,
             ib_device=args.disaggregation_ib_device,
             host=args.disaggregation_host,
-            layer_groups=args.disaggregation_layer_groups,
+            layer_groups=layer_groups,
+            layer_groups_min_tokens=args.disaggregation_layer_groups_min_tokens,
             decode_radix_cache=args.disaggregation_enable_decode_radix_cache,
             staging=args.disaggregation_staging_buffer,
             staging_pool_mb=args.disaggregation_staging_pool_size_mb,
             bootstrap_timeout_s=args.disaggregation_bootstrap_timeout,
             waiting_timeout_s=args.disaggregation_waiting_timeout,
             heartbeat_interval_s=args.disaggregation_heartbeat_interval,
+            heartbeat_misses=args.disaggregation_heartbeat_max_failure,
             transfer_timeout_s=args.disaggregation_transfer_timeout,
             auth_token=args.disaggregation_auth_token or token_from_env(),
             faults=FaultInjection(args.disaggregation_failure_prob, args.disaggregation_failure_seed),
@@ -208,8 +235,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     require_positive("--cpu-threads", args.cpu_threads, allow_none=True)
     body_limit = getattr(args, "max_request_body_bytes", DEFAULT_MAX_REQUEST_BODY_BYTES)
     require_positive("--max-request-body-bytes", body_limit)
-    disagg = disaggregation_config_from_args(args)
     model_path = resolve_model_path(args.model_path)
+    disagg = disaggregation_config_from_args(args, model_path)
     try:
         cfg = ServerConfig(
             model_path=model_path,

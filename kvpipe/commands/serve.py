@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 from collections.abc import Callable
 
 from kvpipe.commands.flags import add_server_args, server_config_from_args, setup_logging
@@ -10,6 +12,9 @@ from kvpipe.config import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerConfig
 from kvpipe.disagg import make_connector
 from kvpipe.engine.engine import Engine
 from kvpipe.server.http_server import run_server
+from kvpipe.sglang_env import log_sglang_env
+
+logger = logging.getLogger(__name__)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -33,6 +38,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
             "process; PD servers need mooncake"
         )
     setup_logging(cfg.log_level)
+    log_sglang_env(os.environ, logger)
     return run_server(cfg, engine_factory(cfg), mode)
 
 

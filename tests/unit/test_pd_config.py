@@ -33,12 +33,16 @@ def test_flags_map_onto_the_configs() -> None:
         "7",
         "--disaggregation-heartbeat-interval",
         "0.25",
+        "--disaggregation-heartbeat-max-failure",
+        "3",
         "--disaggregation-transfer-timeout",
         "4",
         "--disaggregation-failure-prob",
         "0.5",
         "--disaggregation-failure-seed",
         "9",
+        "--disaggregation-layer-groups-min-tokens",
+        "100",
         "--host",
         "0.0.0.0",
     )
@@ -52,6 +56,7 @@ def test_flags_map_onto_the_configs() -> None:
     )
     t = cfg.disaggregation
     assert (t.bootstrap_timeout_s, t.waiting_timeout_s, t.heartbeat_interval_s, t.transfer_timeout_s) == (3, 7, 0.25, 4)
+    assert (t.heartbeat_misses, t.heartbeat_timeout_s, t.layer_groups_min_tokens) == (3, 0.75, 100)
     assert t.tuning == TransferTuning()  # no flags: the transfer layer's own defaults
     assert data_host(cfg) == "10.99.0.2"  # the data plane uses the given address, not the wildcard --host
     assert parse().disaggregation == DisaggregationConfig() and not parse().disaggregation.enabled
@@ -94,15 +99,18 @@ def test_parts_validate_themselves() -> None:
         dict(idle_tick_s=0.0),
     ):
         with pytest.raises(ConfigError):
-            TransferTuning(**bad)  # type: ignore[arg-type]
+            TransferTuning(**bad)
     for prob in (-0.1, 1.5):
         with pytest.raises(ConfigError, match="failure probability"):
             FaultInjection(prob=prob)
     assert FaultInjection(prob=1.0).enabled and not FaultInjection().enabled
     for bad in (
         dict(heartbeat_misses=0),
+        dict(layer_groups_min_tokens=-1),
         dict(staging_pool_mb=0),
         dict(waiting_timeout_s=0.0),
     ):
         with pytest.raises(ConfigError):
-            DisaggregationConfig(**bad)  # type: ignore[arg-type]
+            DisaggregationConfig(**bad)
+    with pytest.raises(SystemExit, match="heartbeat_misses"):
+        parse("--disaggregation-heartbeat-max-failure", "0")
