@@ -88,9 +88,50 @@ def parse_layer_groups(value: str | int) -> int | str:
 
 
 @dataclass(frozen=True)
+class TransferTuning:
+    """How the transfer layer paces and bounds itself. No flags: the defaults hold on the links
+    measured (docs/benchmarks.md); tests tighten them."""
+
+    max_inflight_ops: int = 1024  # per sender; Mooncake rejects past ~2,048 per peer (architecture.md)
+    http_timeout_s: float = 2.0  # one bootstrap HTTP call
+    control_send_hwm: int = 10000  # queued control messages per peer before sends are dropped
+    tick_s: float = 0.0005  # sender worker sleep between backend polls while writes are in flight
+    # ... growing to a quarter of the time since a batch last finished (or was submitted), up to
+    # this: on a slow link a write takes far longer than a tick, and polling at 2 kHz would take
+    # CPU (and the GIL) from the prefill forward that layer-pipelined transfer overlaps with
+    max_tick_s: float = 0.004
+    idle_tick_s: float = 0.01  # worker sleep when nothing is in flight
+
+    def __post_init__(self) -> None:
+        for name in ("http_timeout_s", "tick_s", "max_tick_s", "idle_tick_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_inflight_ops < 1 or self.control_send_hwm < 1:
+            raise ConfigError("max_inflight_ops and control_send_hwm must be >= 1")
+
+
+@dataclass(frozen=True)
+class FaultInjection:
+    """Test knob (--disaggregation-failure-prob/-seed): each KV transfer batch fails with
+    probability `prob`, drawn from a generator seeded with `seed` (reproducible)."""
+
+    prob: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.prob <= 1.0:
+            raise ConfigError(f"failure probability must be in [0, 1], got {self.prob}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.prob > 0.0
+
+
+@dataclass(frozen=True)
 class DisaggregationConfig:
-    """Prefill/decode disaggregation of one server: SGLang's --disaggregation-* flags plus the
-    limits of the transfer layer (validated once, here; every layer takes this object)."""
+    """Prefill/decode disaggregation of one server: SGLang's --disaggregation-* flags (validated
+    once, here; every layer takes this object), with the transfer layer's tuning and the test
+    fault injection as their own parts."""
 
     mode: str = "null"  # "null" (colocated) | "prefill" | "decode"
     bootstrap_port: int = 8998  # prefill: where its bootstrap HTTP server listens (0: a free port)
@@ -100,6 +141,8 @@ class DisaggregationConfig:
     # prefill: "auto" (a cost model picks the layer groups per batch; short prompts take the plain
     # path) or a fixed group count N (1: plain path, no layer pipelining)
     layer_groups: int | str = "auto"
+    # prefill, "auto": a batch with fewer new prompt tokens than this takes the plain path
+    layer_groups_min_tokens: int = 512
     # decode: match each prompt against a radix cache of KV this server already holds and ask the
     # prefill only for the pages past it (SGLang's --disaggregation-enable-decode-radix-cache)
     decode_radix_cache: bool = False
@@ -125,21 +168,12 @@ class DisaggregationConfig:
     # (the backend's own stall detection usually fires first). Decode: a failed room whose
     # prefill never acknowledges keeps its pages reserved at most this long.
     transfer_timeout_s: float = 60.0
-    failure_prob: float = 0.0  # test knob: each transfer batch fails with this probability
-    failure_seed: int = 0
-    max_inflight_ops: int = 1024  # per sender; Mooncake rejects past ~2,048 per peer (architecture.md)
-    http_timeout_s: float = 2.0  # one bootstrap HTTP call
-    control_send_hwm: int = 10000  # queued control messages per peer before sends are dropped
-    tick_s: float = 0.0005  # sender worker sleep between backend polls while writes are in flight
-    # ... growing to a quarter of the time since a batch last finished (or was submitted), up to
-    # this: on a slow link a write takes far longer than a tick, and polling at 2 kHz would take
-    # CPU (and the GIL) from the prefill forward that layer-pipelined transfer overlaps with
-    max_tick_s: float = 0.004
-    idle_tick_s: float = 0.01  # worker sleep when nothing is in flight
     # Shared secret of a PD deployment (transfer/control/auth.py): authenticates bootstrap registrations
     # and look-ups and every control-plane frame. None: unauthenticated, and both bound to the
     # data-plane address only. Not in repr: configs get logged.
     auth_token: str | None = field(default=None, repr=False)
+    tuning: TransferTuning = field(default_factory=TransferTuning)
+    faults: FaultInjection = field(default_factory=FaultInjection)
 
     def __post_init__(self) -> None:
         if self.mode not in DISAGGREGATION_MODES:
@@ -150,27 +184,20 @@ class DisaggregationConfig:
             raise ConfigError(f"bootstrap port {self.bootstrap_port} is not a TCP port")
         if self.layer_groups != "auto" and not (type(self.layer_groups) is int and self.layer_groups >= 1):
             raise ConfigError(f"layer groups must be 'auto' or an integer >= 1, got {self.layer_groups!r}")
-        for name in (
-            "bootstrap_timeout_s",
-            "waiting_timeout_s",
-            "heartbeat_interval_s",
-            "transfer_timeout_s",
-            "http_timeout_s",
-            "tick_s",
-            "max_tick_s",
-            "idle_tick_s",
-        ):
+        if not (type(self.layer_groups_min_tokens) is int and self.layer_groups_min_tokens >= 0):
+            raise ConfigError(
+                f"layer groups min tokens must be a whole number >= 0, got {self.layer_groups_min_tokens!r}"
+            )
+        for name in ("bootstrap_timeout_s", "waiting_timeout_s", "heartbeat_interval_s", "transfer_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.heartbeat_misses < 1 or self.max_inflight_ops < 1 or self.control_send_hwm < 1:
-            raise ConfigError("heartbeat_misses, max_inflight_ops and control_send_hwm must be >= 1")
+        if self.heartbeat_misses < 1:
+            raise ConfigError(f"heartbeat_misses must be >= 1, got {self.heartbeat_misses}")
         if self.decode_radix_cache and self.mode != "decode":
             raise ConfigError(
                 "the decode radix cache (--disaggregation-enable-decode-radix-cache) is for "
                 f"--disaggregation-mode decode, not {self.mode}"
             )
-        if not 0.0 <= self.failure_prob <= 1.0:
-            raise ConfigError(f"failure probability must be in [0, 1], got {self.failure_prob}")
         if self.staging not in STAGING_MODES:
             raise ConfigError(f"staging buffer must be one of {STAGING_MODES}, got {self.staging!r}")
         if not (type(self.staging_pool_mb) is int and self.staging_pool_mb >= 1):

@@ -132,7 +132,7 @@ class PrefillConnector(PDConnector):
         layout = self.ranks[0].layout
         state = self.ranks[0].state
         self.pipeline = LayerPipeline(
-            LayerGroupPolicy.parse(d.layer_groups),
+            replace(LayerGroupPolicy.parse(d.layer_groups), min_tokens=d.layer_groups_min_tokens),
             ctx.model_config.num_layers,
             layout.token_nbytes,
             state_nbytes=0 if state is None else state.slot_nbytes,

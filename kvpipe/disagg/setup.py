@@ -63,7 +63,7 @@ def warn_if_unauthenticated(cfg: ServerConfig) -> None:
 def make_backend(cfg: ServerConfig) -> TransferBackend:
     """The configured transfer backend (Mooncake over TCP, or RDMA with --disaggregation-ib-device)."""
     d = cfg.disaggregation
-    inject = FailureInjection(d.failure_prob, d.failure_seed) if d.failure_prob > 0 else None
+    inject = FailureInjection(d.faults.prob, d.faults.seed) if d.faults.enabled else None
     if d.transfer_backend == "mooncake":
         device = d.ib_device or ""
         return create_backend(

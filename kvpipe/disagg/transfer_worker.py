@@ -150,7 +150,7 @@ class TransferWorker(KVConnectorWorker):
                 host=data_host(self.cfg),
                 session_id=f"{self.backend.address}/{self.rank}",
                 lease_s=2 * d.transfer_timeout_s,
-                send_hwm=d.control_send_hwm,
+                send_hwm=d.tuning.control_send_hwm,
                 auth=authenticator(d.auth_token),
             ).start()
         return RankStarted(

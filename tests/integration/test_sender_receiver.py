@@ -14,7 +14,7 @@ import torch
 import zmq
 
 from kvpipe.cache.kv_pool import KVPool
-from kvpipe.config import DisaggregationConfig
+from kvpipe.config import DisaggregationConfig, TransferTuning
 from kvpipe.transfer.backends import FailureInjection
 from kvpipe.transfer.backends.local import LocalBackend, LocalFabric
 from kvpipe.transfer.control import messages as m
@@ -35,7 +35,7 @@ CFG = DisaggregationConfig(
     heartbeat_interval_s=0.1,
     heartbeat_misses=10,
     transfer_timeout_s=1.0,
-    http_timeout_s=1.0,
+    tuning=TransferTuning(http_timeout_s=1.0),
 )
 S, F = TransferState.SUCCESS, TransferState.FAILED
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpipe.cli import build_parser, server_config_from_args
+from kvpipe.cli import build_parser
+from kvpipe.commands.flags import server_config_from_args
 
 pytestmark = pytest.mark.timeout(300)
 

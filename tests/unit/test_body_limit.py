@@ -129,7 +129,8 @@ def test_bootstrap_server_caps_registrations_at_one_mib() -> None:
 
 
 def test_serve_flag_sets_the_limit(tmp_path) -> None:
-    from kvpipe.cli import build_parser, server_config_from_args
+    from kvpipe.cli import build_parser
+    from kvpipe.commands.flags import server_config_from_args
 
     parser, _ = build_parser(["serve"])
     args = parser.parse_args(["serve", "--model-path", str(tmp_path), "--max-request-body-bytes", "4096"])

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvpipe.cli import build_parser, server_config_from_args
+from kvpipe.cli import build_parser
+from kvpipe.commands.flags import server_config_from_args
 from kvpipe.config import ConfigError, ServerConfig
 from kvpipe.engine.cpu_threads import ThreadSource, format_cores, plan_cpu_threads
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvpipe.cli import build_parser, server_config_from_args
-from kvpipe.config import ConfigError, DisaggregationConfig
+from kvpipe.cli import build_parser
+from kvpipe.commands.flags import server_config_from_args
+from kvpipe.config import ConfigError, DisaggregationConfig, TransferTuning
 from kvpipe.disagg.layer_groups import LayerGroupPolicy
 from kvpipe.disagg.layer_pipeline import MIN_LINK_SAMPLE_BYTES, LayerPipeline
 from kvpipe.transfer.backends.base import BatchHandle, BatchState
@@ -26,7 +27,7 @@ def layout(base: int) -> KVLayout:
 
 
 def book() -> SenderBook:
-    cfg = DisaggregationConfig(max_inflight_ops=1024)
+    cfg = DisaggregationConfig(tuning=TransferTuning(max_inflight_ops=1024))
     b = SenderBook(cfg, layout(1 << 30), 0, 1, "p/0", lambda a, msg: True)
     b.on_message(m.RegisterPeer("d/0", 0, 1, "data-d", "tcp://d", layout(1 << 40)), 0.0)
     b.add_room(1, np.arange(8), 0.0)

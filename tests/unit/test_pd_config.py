@@ -1,11 +1,13 @@
-"""--disaggregation-* flags -> DisaggregationConfig (one config for the servers and the transfer layer); refusals."""
+"""--disaggregation-* flags -> DisaggregationConfig (one config for the servers and the transfer layer, with its
+transfer tuning and fault injection as parts of their own); refusals."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvpipe.cli import build_parser, server_config_from_args
-from kvpipe.config import ConfigError, DisaggregationConfig, ServerConfig
+from kvpipe.cli import build_parser
+from kvpipe.commands.flags import server_config_from_args
+from kvpipe.config import ConfigError, DisaggregationConfig, FaultInjection, ServerConfig, TransferTuning
 from kvpipe.disagg.setup import data_host
 
 
@@ -31,26 +33,31 @@ def test_flags_map_onto_the_configs() -> None:
         "7",
         "--disaggregation-heartbeat-interval",
         "0.25",
+        "--disaggregation-heartbeat-max-failure",
+        "3",
         "--disaggregation-transfer-timeout",
         "4",
         "--disaggregation-failure-prob",
         "0.5",
         "--disaggregation-failure-seed",
         "9",
+        "--disaggregation-layer-groups-min-tokens",
+        "100",
         "--host",
         "0.0.0.0",
     )
     d = cfg.disaggregation
-    assert (d.mode, d.bootstrap_port, d.ib_device, d.host, d.failure_prob, d.failure_seed) == (
+    assert (d.mode, d.bootstrap_port, d.ib_device, d.host, d.faults) == (
         "decode",
         9000,
         "mlx5_0",
         "10.99.0.2",
-        0.5,
-        9,
+        FaultInjection(prob=0.5, seed=9),
     )
     t = cfg.disaggregation
     assert (t.bootstrap_timeout_s, t.waiting_timeout_s, t.heartbeat_interval_s, t.transfer_timeout_s) == (3, 7, 0.25, 4)
+    assert (t.heartbeat_misses, t.heartbeat_timeout_s, t.layer_groups_min_tokens) == (3, 0.75, 100)
+    assert t.tuning == TransferTuning()  # no flags: the transfer layer's own defaults
     assert data_host(cfg) == "10.99.0.2"  # the data plane uses the given address, not the wildcard --host
     assert parse().disaggregation == DisaggregationConfig() and not parse().disaggregation.enabled
 
@@ -79,3 +86,31 @@ def test_refusals() -> None:
             "m", disaggregation=DisaggregationConfig(mode="decode", transfer_backend="local", ib_device="mlx5_0")
         ).check_servable()
     ServerConfig("m", tp_size=2).check_servable()  # colocated TP is fine
+
+
+def test_parts_validate_themselves() -> None:
+    """Transfer tuning and fault injection refuse what DisaggregationConfig refused before the split."""
+    for bad in (
+        dict(max_inflight_ops=0),
+        dict(control_send_hwm=0),
+        dict(http_timeout_s=0.0),
+        dict(tick_s=0.0),
+        dict(max_tick_s=-1.0),
+        dict(idle_tick_s=0.0),
+    ):
+        with pytest.raises(ConfigError):
+            TransferTuning(**bad)
+    for prob in (-0.1, 1.5):
+        with pytest.raises(ConfigError, match="failure probability"):
+            FaultInjection(prob=prob)
+    assert FaultInjection(prob=1.0).enabled and not FaultInjection().enabled
+    for bad in (
+        dict(heartbeat_misses=0),
+        dict(layer_groups_min_tokens=-1),
+        dict(staging_pool_mb=0),
+        dict(waiting_timeout_s=0.0),
+    ):
+        with pytest.raises(ConfigError):
+            DisaggregationConfig(**bad)
+    with pytest.raises(SystemExit, match="heartbeat_misses"):
+        parse("--disaggregation-heartbeat-max-failure", "0")

@@ -188,3 +188,15 @@ def test_layer_groups_see_what_a_chunk_weighs_on_the_wire(conn, monkeypatch) -> 
     prefill(c, req, 6, 10, first=1)
     assert seen[-1][1:] == (4, 1, 4 * 128 + 4 * 128)
     assert c.kv_wire.span_nbytes(0, 6, 10) == 6 * 128 + 2 * 128  # tokens 4, 5 of the first chunk
+
+
+def test_auto_layer_groups_take_the_configured_min_tokens() -> None:
+    d = DisaggregationConfig(mode="prefill", bootstrap_port=0, transfer_backend="local", layer_groups_min_tokens=100)
+    cfg = ServerConfig("unused", cache=CacheConfig(page_size=PS), disaggregation=d)
+    c = PrefillConnector(cfg)
+    c.start(ConnectorContext(cfg, MODEL, FakeWorkers()))
+    try:
+        assert c.pipeline is not None
+        assert (c.pipeline.policy.fixed_groups, c.pipeline.policy.min_tokens) == (None, 100)
+    finally:
+        c.shutdown()

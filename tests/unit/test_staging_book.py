@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvpipe.config import DisaggregationConfig
+from kvpipe.config import DisaggregationConfig, TransferTuning
 from kvpipe.transfer.backends.base import BatchHandle, BatchState
 from kvpipe.transfer.control import messages as m
 from kvpipe.transfer.lifecycle import TransferState as T
@@ -25,7 +25,7 @@ CFG = DisaggregationConfig(
     heartbeat_interval_s=1,
     heartbeat_misses=3,
     transfer_timeout_s=10,
-    max_inflight_ops=8,
+    tuning=TransferTuning(max_inflight_ops=8),
 )
 
 

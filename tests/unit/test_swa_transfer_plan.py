@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvpipe.config import DisaggregationConfig
+from kvpipe.config import DisaggregationConfig, TransferTuning
 from kvpipe.disagg.setup import register_pool
 from kvpipe.transfer.control import messages as m
 from kvpipe.transfer.control.codec import ProtocolError
@@ -27,7 +27,7 @@ CFG = DisaggregationConfig(
     heartbeat_interval_s=1,
     heartbeat_misses=3,
     transfer_timeout_s=10,
-    max_inflight_ops=1 << 20,
+    tuning=TransferTuning(max_inflight_ops=1 << 20),
 )
 
 

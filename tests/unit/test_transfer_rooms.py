@@ -8,7 +8,7 @@ import collections
 import numpy as np
 import pytest
 
-from kvpipe.config import DisaggregationConfig
+from kvpipe.config import DisaggregationConfig, TransferTuning
 from kvpipe.transfer.backends.base import BatchHandle, BatchState
 from kvpipe.transfer.control import messages as m
 from kvpipe.transfer.lifecycle import DuplicateRoomError, RoomRecord, TransferState, receiver_timeouts, sender_timeouts
@@ -26,7 +26,7 @@ CFG = DisaggregationConfig(
     heartbeat_interval_s=1,
     heartbeat_misses=3,
     transfer_timeout_s=10,
-    max_inflight_ops=8,
+    tuning=TransferTuning(max_inflight_ops=8),
 )
 
 

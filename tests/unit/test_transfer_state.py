@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from kvpipe.config import DisaggregationConfig
+from kvpipe.config import DisaggregationConfig, TransferTuning
 from kvpipe.transfer.lifecycle import (
     PeerLiveness,
     RoomRecord,
@@ -99,5 +99,5 @@ def test_config_validation():
     with pytest.raises(ValueError):
         DisaggregationConfig(bootstrap_timeout_s=0)
     with pytest.raises(ValueError):
-        DisaggregationConfig(max_inflight_ops=0)
+        TransferTuning(max_inflight_ops=0)
     assert DisaggregationConfig(heartbeat_interval_s=0.5, heartbeat_misses=4).heartbeat_timeout_s == 2.0

@@ -83,7 +83,7 @@ class KVReceiver:
         self._stop = threading.Event()
         self._auth = authenticator(cfg.auth_token)  # control frames and bootstrap look-ups
         self._endpoint = ControlEndpoint(
-            host, self._on_message, name="kvreceiver", send_hwm=cfg.control_send_hwm, auth=self._auth
+            host, self._on_message, name="kvreceiver", send_hwm=cfg.tuning.control_send_hwm, auth=self._auth
         )
         self._book = ReceiverBook(cfg, self.ranks, self.instance_id, self._endpoint.address, self._endpoint.send)
         self.sessions = self._book.sessions  # per decode rank: its session id on the wire
@@ -185,7 +185,7 @@ class KVReceiver:
         end = time.monotonic() + self.cfg.bootstrap_timeout_s
         while not self._stop.is_set():
             try:
-                info = fetch_prefill_info(*addr, self.cfg.http_timeout_s, self._auth)
+                info = fetch_prefill_info(*addr, self.cfg.tuning.http_timeout_s, self._auth)
                 check_compatible(info, self.decode_info)
                 break
             except (BootstrapUnreachable, BootstrapNotReady) as e:
@@ -214,4 +214,4 @@ class KVReceiver:
                     self._book.housekeeping(self._clock())
             except Exception:
                 log.exception("decode transfer worker error")
-            self._stop.wait(self.cfg.idle_tick_s)
+            self._stop.wait(self.cfg.tuning.idle_tick_s)

@@ -395,11 +395,11 @@ class SenderBook:
         self, now: float
     ) -> tuple[list[tuple[SenderRoom, OpBatch]], list[tuple[Inflight, str]], list[tuple[SenderRoom, Inflight]]]:
         """Plan queued sends; returns (batches to submit, batches to cancel, batches to poll)."""
-        chunk = max(1, self.cfg.max_inflight_ops // 4)  # a few batches in flight keep the link busy
+        chunk = max(1, self.cfg.tuning.max_inflight_ops // 4)  # a few batches in flight keep the link busy
         take, cancels, watch = [], [], []
         full = self._dirty or now >= self._next_scan
         if full:
-            self._dirty, self._next_scan = False, now + self.cfg.idle_tick_s
+            self._dirty, self._next_scan = False, now + self.cfg.tuning.idle_tick_s
         rooms = list(self.rooms.values() if full else self._busy.values())
         for r in rooms:
             if r.rec.deadline is not None and now >= r.rec.deadline:
@@ -428,7 +428,7 @@ class SenderBook:
                 r.queued.clear()
                 r.calls.clear()
             while r.queued and (
-                self.inflight_ops == 0 or self.inflight_ops + r.queued[0].num_ops <= self.cfg.max_inflight_ops
+                self.inflight_ops == 0 or self.inflight_ops + r.queued[0].num_ops <= self.cfg.tuning.max_inflight_ops
             ):
                 b = r.queued.popleft()
                 if self.inflight_ops == 0 and self._link_busy_since is None:

@@ -106,7 +106,7 @@ class KVSender:
         self._progress_at = clock()  # (under _pass_lock) when a pass last submitted or finished a batch
         self._auth = authenticator(cfg.auth_token)  # control frames and the bootstrap registration
         self._endpoint = ControlEndpoint(
-            host, self._on_message, name=f"kvsender-{tp_rank}", send_hwm=cfg.control_send_hwm, auth=self._auth
+            host, self._on_message, name=f"kvsender-{tp_rank}", send_hwm=cfg.tuning.control_send_hwm, auth=self._auth
         )
         self._stager = staging if cfg.staging != "off" else None
         policy = (
@@ -159,7 +159,7 @@ class KVSender:
             end = time.monotonic() + self.cfg.bootstrap_timeout_s
             while True:  # the bootstrap server may still be starting
                 try:
-                    register_prefill_rank(*bootstrap, self.info, self.cfg.http_timeout_s, self._auth)
+                    register_prefill_rank(*bootstrap, self.info, self.cfg.tuning.http_timeout_s, self._auth)
                     break
                 except BootstrapError:
                     if time.monotonic() >= end:
@@ -329,9 +329,9 @@ class KVSender:
                 # last progress: a write of a few ms is seen done within ~1/4 of its time (doubling
                 # the sleep saw it up to its whole time late), a slow one is polled at most every
                 # max_tick_s; a new send() wakes us at once
-                self._wake.wait(min(max(self.cfg.tick_s, stalled_s / 4), self.cfg.max_tick_s))
+                self._wake.wait(min(max(self.cfg.tuning.tick_s, stalled_s / 4), self.cfg.tuning.max_tick_s))
             else:
-                self._wake.wait(self.cfg.idle_tick_s)
+                self._wake.wait(self.cfg.tuning.idle_tick_s)
 
     def pump(self) -> None:
         """Run one pass of the worker on the calling thread now: what send() queued is planned

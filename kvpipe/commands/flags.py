@@ -1,0 +1,281 @@
+"""The flags of every command that builds a ServerConfig (`serve`, `generate`), named after
+SGLang's `launch_server`; SGLang's environment variables set the defaults of the flags they match
+(kvpipe/sglang_env.py), and a given flag wins."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from kvpipe.config import (
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    STAGING_MODES,
+    CacheConfig,
+    ConfigError,
+    DisaggregationConfig,
+    FaultInjection,
+    SchedulerConfig,
+    ServerConfig,
+    parse_layer_groups,
+)
+from kvpipe.model.config import ModelConfig
+from kvpipe.model.presets import resolve_model_path
+from kvpipe.sglang_env import LayersPerGroup, flag_defaults
+from kvpipe.transfer.control.auth import TOKEN_ENV, token_from_env
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    d_cache, d_sched = CacheConfig(), SchedulerConfig()
+    p.add_argument(
+        "--model-path", default=None, help="local HF checkpoint directory (default: the built-in tiny preset)"
+    )
+    p.add_argument("--tokenizer-path", default=None, help="tokenizer directory (default: --model-path)")
+    p.add_argument("--served-model-name", default=None, help="model name in the API (default: the directory name)")
+    p.add_argument("--tp-size", "--tp", type=int, default=1, help="tensor parallel ranks")
+    p.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads of this server, split among its TP ranks (default: the "
+        "cores of its CPU affinity; `kvpipe launch` gives prefill and decode disjoint shares)",
+    )
+    p.add_argument("--page-size", type=int, default=d_cache.page_size, help="tokens per KV page")
+    p.add_argument("--max-total-tokens", type=int, default=d_cache.max_total_tokens, help="KV cache capacity in tokens")
+    p.add_argument(
+        "--disable-radix-cache", action="store_true", help="do not keep finished requests' KV pages for prefix reuse"
+    )
+    p.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        default=d_sched.chunked_prefill_size,
+        help="max prompt tokens per prefill step (<= 0 disables chunking)",
+    )
+    p.add_argument(
+        "--max-prefill-tokens", type=int, default=d_sched.max_prefill_tokens, help="token budget of one prefill batch"
+    )
+    p.add_argument("--max-running-requests", type=int, default=d_sched.max_running_requests)
+    p.add_argument(
+        "--max-state-slots",
+        type=int,
+        default=None,
+        help="hybrid (linear-attention) models: per-request recurrent-state slots; a request waits "
+        "for a free one like for pages (default: --max-running-requests)",
+    )
+    p.add_argument("--context-length", type=int, default=None, help="default: the model's max_position_embeddings")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--random-seed", "--seed", dest="seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
+    add_disaggregation_args(p)
+
+
+def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
+    """SGLang's --disaggregation-* flags (PD serving; see kvpipe/disagg/), with the defaults the
+    SGLANG_* variables in our environment give them (ConfigError naming a malformed one)."""
+    d = DisaggregationConfig()
+    g = p.add_argument_group("PD disaggregation")
+    g.add_argument(
+        "--disaggregation-mode",
+        choices=["null", "prefill", "decode"],
+        default=d.mode,
+        help="null: colocated server; prefill / decode: one half of a PD pair behind sglang-router",
+    )
+    g.add_argument(
+        "--disaggregation-bootstrap-port",
+        type=int,
+        default=d.bootstrap_port,
+        help="prefill: port of its bootstrap server (decode servers fetch its KV layout there)",
+    )
+    g.add_argument(
+        "--disaggregation-transfer-backend",
+        choices=["mooncake", "local"],
+        default=d.transfer_backend,
+        help="KV transfer engine (local: in-process copies, tests only)",
+    )
+    g.add_argument(
+        "--disaggregation-ib-device", default=None, help="RDMA device for Mooncake (e.g. mlx5_0); default: TCP"
+    )
+    g.add_argument(
+        "--disaggregation-host",
+        default=None,
+        help="address peers reach this server's KV data plane at (default: --host)",
+    )
+    g.add_argument(
+        "--disaggregation-layer-groups",
+        type=_layer_groups_arg,
+        default=d.layer_groups,
+        help="prefill: 'auto' (per batch from measured compute and link speed; short prompts "
+        "take the plain path) or N layer groups whose KV ships while the next computes "
+        "(1: plain transfer after the forward)",
+    )
+    g.add_argument(
+        "--disaggregation-layer-groups-min-tokens",
+        type=int,
+        default=d.layer_groups_min_tokens,
+        help="prefill, layer groups 'auto': a batch with fewer new prompt tokens takes the plain path",
+    )
+    g.add_argument(
+        "--disaggregation-enable-decode-radix-cache",
+        action="store_true",
+        help="decode: keep finished requests' KV in a radix cache and have the prefill send only "
+        "the pages of a prompt past its longest cached prefix",
+    )
+    g.add_argument(
+        "--disaggregation-staging-buffer",
+        choices=list(STAGING_MODES),
+        default=d.staging,
+        help="heterogeneous TP (prefill and decode TP sizes differ): 'on' gathers each send's "
+        "head slices into one staged chunk written with one op into the decode's staging "
+        "ring, 'auto' stages when the chunk's page ops would cost more, 'off' writes "
+        "each (layer, K/V, page) slice as its own op",
+    )
+    g.add_argument(
+        "--disaggregation-staging-pool-size-mb",
+        type=int,
+        default=d.staging_pool_mb,
+        help="decode: staging ring per TP rank; prefill: its local staging buffer (MB)",
+    )
+    g.add_argument(
+        "--disaggregation-bootstrap-timeout",
+        type=float,
+        default=d.bootstrap_timeout_s,
+        help="seconds to reach the peer and exchange the request's pages",
+    )
+    g.add_argument(
+        "--disaggregation-waiting-timeout",
+        type=float,
+        default=d.waiting_timeout_s,
+        help="decode: seconds a request may wait for free pages, then for its KV",
+    )
+    g.add_argument(
+        "--disaggregation-heartbeat-interval",
+        type=float,
+        default=d.heartbeat_interval_s,
+        help="seconds between heartbeats",
+    )
+    g.add_argument(
+        "--disaggregation-heartbeat-max-failure",
+        type=int,
+        default=d.heartbeat_misses,
+        help="a peer that misses this many heartbeats in a row is dead",
+    )
+    g.add_argument(
+        "--disaggregation-transfer-timeout",
+        type=float,
+        default=d.transfer_timeout_s,
+        help="seconds a KV write may make no progress before its request fails",
+    )
+    g.add_argument(
+        "--disaggregation-auth-token",
+        default=None,
+        help=f"shared secret of the PD deployment (same on every prefill and decode server): "
+        f"authenticates bootstrap calls and every control-plane message (HMAC, timestamp, "
+        f"replay check); prefer ${TOKEN_ENV}, which stays out of process lists. Without "
+        f"one, bootstrap and control plane listen on the data-plane address only",
+    )
+    # test-only: fail each transfer batch with this probability (seeded by the next flag)
+    g.add_argument("--disaggregation-failure-prob", type=float, default=d.faults.prob, help=argparse.SUPPRESS)
+    g.add_argument("--disaggregation-failure-seed", type=int, default=d.faults.seed, help=argparse.SUPPRESS)
+    p.set_defaults(**flag_defaults(os.environ))
+
+
+def _layer_groups_arg(value: str) -> int | str:
+    try:
+        return parse_layer_groups(value)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def disaggregation_config_from_args(args: argparse.Namespace, model_path: str) -> DisaggregationConfig:
+    """The --disaggregation-* flags -> a DisaggregationConfig (`model_path`: the served checkpoint,
+    whose depth turns SGLANG_PIPELINE_GROUP_SIZE's layers per group into a group count)."""
+    try:
+        layer_groups = args.disaggregation_layer_groups
+        if isinstance(layer_groups, LayersPerGroup):
+            try:
+                layer_groups = layer_groups.groups(ModelConfig.from_dir(model_path).num_layers)
+            except ConfigError as e:
+                raise ConfigError(f"SGLANG_PIPELINE_GROUP_SIZE counts layers, so it needs the model's: {e}") from e
+        return DisaggregationConfig(
+            mode=args.disaggregation_mode,
+            bootstrap_port=args.disaggregation_bootstrap_port,
+            transfer_backend=args.disaggregation_transfer_backend,
+            ib_device=args.disaggregation_ib_device,
+            host=args.disaggregation_host,
+            layer_groups=layer_groups,
+            layer_groups_min_tokens=args.disaggregation_layer_groups_min_tokens,
+            decode_radix_cache=args.disaggregation_enable_decode_radix_cache,
+            staging=args.disaggregation_staging_buffer,
+            staging_pool_mb=args.disaggregation_staging_pool_size_mb,
+            bootstrap_timeout_s=args.disaggregation_bootstrap_timeout,
+            waiting_timeout_s=args.disaggregation_waiting_timeout,
+            heartbeat_interval_s=args.disaggregation_heartbeat_interval,
+            heartbeat_misses=args.disaggregation_heartbeat_max_failure,
+            transfer_timeout_s=args.disaggregation_transfer_timeout,
+            auth_token=args.disaggregation_auth_token or token_from_env(),
+            faults=FaultInjection(args.disaggregation_failure_prob, args.disaggregation_failure_seed),
+        )
+    except ConfigError as e:
+        raise SystemExit(f"kvpipe: {e}") from e
+
+
+def require_positive(name: str, value: int | None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value < 1:
+        raise SystemExit(f"kvpipe: {name} must be a positive integer, got {value}")
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """Flags from `add_server_args` (plus --host/--port when present) -> a ServerConfig."""
+    for name in ("tp_size", "page_size", "max_total_tokens", "max_running_requests", "max_prefill_tokens"):
+        require_positive("--" + name.replace("_", "-"), getattr(args, name))
+    require_positive("--context-length", args.context_length, allow_none=True)
+    require_positive("--max-state-slots", args.max_state_slots, allow_none=True)
+    require_positive("--cpu-threads", args.cpu_threads, allow_none=True)
+    body_limit = getattr(args, "max_request_body_bytes", DEFAULT_MAX_REQUEST_BODY_BYTES)
+    require_positive("--max-request-body-bytes", body_limit)
+    model_path = resolve_model_path(args.model_path)
+    disagg = disaggregation_config_from_args(args, model_path)
+    try:
+        cfg = ServerConfig(
+            model_path=model_path,
+            host=getattr(args, "host", "127.0.0.1"),
+            port=getattr(args, "port", 30000),
+            max_request_body_bytes=body_limit,
+            served_model_name=args.served_model_name,
+            tokenizer_path=args.tokenizer_path,
+            tp_size=args.tp_size,
+            cpu_threads=args.cpu_threads,
+            device=args.device,
+            seed=args.seed,
+            log_level=args.log_level,
+            cache=CacheConfig(
+                page_size=args.page_size,
+                max_total_tokens=args.max_total_tokens,
+                radix_cache=not args.disable_radix_cache,
+                max_state_slots=args.max_state_slots,
+            ),
+            scheduler=SchedulerConfig(
+                max_running_requests=args.max_running_requests,
+                chunked_prefill_size=args.chunked_prefill_size,
+                max_prefill_tokens=args.max_prefill_tokens,
+                context_length=args.context_length,
+            ),
+            disaggregation=disagg,
+        )
+        cfg.check_servable()
+        return cfg
+    except ConfigError as e:
+        raise SystemExit(f"kvpipe: {e}") from e
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Mooncake's transfer engine reads its log level from the environment when it starts (later,
+    # and in TP children, which inherit it): its INFO lines only with --log-level debug; a
+    # user's MC_LOG_LEVEL wins
+    os.environ.setdefault("MC_LOG_LEVEL", "INFO" if level == "debug" else "WARNING")
+    if level != "debug":  # httpx logs a line per bootstrap call at INFO
+        for name in ("httpx", "httpcore"):
+            logging.getLogger(name).setLevel(logging.WARNING)

@@ -1,0 +1,51 @@
+"""`kvpipe serve`: an HTTP server (SGLang native + OpenAI API), colocated or one half of a PD pair."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from collections.abc import Callable
+
+from kvpipe.commands.flags import add_server_args, server_config_from_args, setup_logging
+from kvpipe.config import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerConfig
+from kvpipe.disagg import make_connector
+from kvpipe.engine.engine import Engine
+from kvpipe.server.http_server import run_server
+from kvpipe.sglang_env import log_sglang_env
+
+logger = logging.getLogger(__name__)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    add_server_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="refuse request bodies larger than this with 413 (default: 32 MiB)",
+    )
+
+
+def run(args: argparse.Namespace, extra: list[str]) -> int:
+    cfg = server_config_from_args(args)
+    mode = cfg.disaggregation.mode
+    if mode != "null" and cfg.disaggregation.transfer_backend == "local":
+        raise SystemExit(
+            "kvpipe: --disaggregation-transfer-backend local only connects engines inside one "
+            "process; PD servers need mooncake"
+        )
+    setup_logging(cfg.log_level)
+    log_sglang_env(os.environ, logger)
+    return run_server(cfg, engine_factory(cfg), mode)
+
+
+def engine_factory(cfg: ServerConfig) -> Callable[[], Engine]:
+    """What the server's engine thread builds: an Engine, with the PD connector of its mode."""
+
+    def build() -> Engine:
+        return Engine(cfg, make_connector(cfg))
+
+    return build
