@@ -20,7 +20,6 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import httpx
 from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no type information
@@ -86,7 +85,7 @@ class _Recording:
         if fin is not None:
             self.finish = fin
 
-    def ended(self, end: End, reason: str = "", **kw: Any) -> Outcome:
+    def ended(self, end: End, reason: str = "", *, body: str = "", message: str = "") -> Outcome:
         return Outcome(
             self.req,
             end,
@@ -94,13 +93,14 @@ class _Recording:
             self.clock(),
             self.prompt_len,
             http_status=self.status,
+            body=body,
+            message=message,
             reason=reason[:300],
             token_times=tuple(self.times),
             token_counts=tuple(self.counts),
             output_ids=self.ids,
             cached_tokens=self.cached,
             events=self.events,
-            **kw,
         )
 
     def judged(self, obj: dict) -> Outcome | None:

@@ -90,15 +90,22 @@ class Load:
         self.stop()
         for t in self._tasks:
             t.cancel()  # a request that outlived stop()'s wait: its record stays without an outcome
-        if self._client is not None:
-            try:
-                self._submit(self._client.aclose()).result(5.0)
-            except concurrent.futures.TimeoutError:
-                pass
+        try:
+            self._submit(self._shutdown()).result(10.0)
+        except concurrent.futures.TimeoutError:
+            pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5.0)
         if not self._thread.is_alive():
             self._loop.close()
+
+    async def _shutdown(self) -> None:
+        """What asyncio.run does at its end: close the client, then the async generators a
+        request left unfinished (a stream read up to [DONE] but not closed)."""
+        if self._client is not None:
+            await self._client.aclose()
+        await asyncio.sleep(0)  # the generators' pending aclose() tasks run
+        await self._loop.shutdown_asyncgens()
 
     async def _new_client(self) -> httpx.AsyncClient:
         return new_client(self.clients + 1, self.deadline_s)  # the clients and a probe
