@@ -57,6 +57,3 @@ class Outcome:
     def latency_s(self) -> float | None:
         """Send to final status; None for a request never sent."""
         return None if self.end is End.NOT_SENT else self.end_s - self.start_s
-
-    def in_flight_at(self, t: float) -> bool:
-        return self.end is not End.NOT_SENT and self.start_s <= t < self.end_s
