@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no type information
 
 from kvpipe.bench.engine_stats import (
     DecodePoint,
@@ -49,6 +51,13 @@ from kvpipe.bench.engine_stats import (
     summarize_decode,
     summarize_prefill,
 )
+from kvpipe.bench.hf_reference import HFReference
+from kvpipe.bench.machine import cpu_name
+from kvpipe.config import CacheConfig, SchedulerConfig, ServerConfig
+from kvpipe.engine.cpu_threads import apply_cpu_threads, server_cpu_threads
+from kvpipe.engine.engine import Engine
+from kvpipe.engine.request import FinishReason, Req, SamplingParams
+from kvpipe.model.presets import default_model_dir
 
 STEP_LIMIT = 100_000  # no run of a point takes more engine steps than this
 
@@ -117,16 +126,6 @@ def prefill_budget(args: argparse.Namespace) -> int:
     return args.max_prefill_tokens
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 class EngineBench:
     """Drives one Engine through the benchmark points; holds the prompt RNG and rid counter."""
 
@@ -137,8 +136,6 @@ class EngineBench:
         self._rids = itertools.count()
 
     def _add(self, n: int, prompt_len: int, max_new_tokens: int) -> list[Any]:
-        from kvpipe.engine.request import Req, SamplingParams
-
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
         reqs = []
         for _ in range(n):
@@ -149,8 +146,6 @@ class EngineBench:
         return reqs
 
     def _fail_if_aborted(self, reqs: list[Any]) -> None:
-        from kvpipe.engine.request import FinishReason
-
         bad = [r for r in reqs if r.finish_reason is FinishReason.ABORT]
         if bad:
             raise RuntimeError(f"benchmark request {bad[0].rid} was aborted: {bad[0].finish_detail}")
@@ -205,18 +200,9 @@ class EngineBench:
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     _check(args)
-    import torch
-    from tqdm import tqdm
-
-    from kvpipe.config import CacheConfig, SchedulerConfig, ServerConfig
-    from kvpipe.engine.cpu_threads import apply_cpu_threads, server_cpu_threads
-    from kvpipe.engine.engine import Engine
-
     if args.model_path:
         model_path, model = args.model_path, args.model_path
     else:
-        from kvpipe.model.presets import default_model_dir
-
         model = f"preset:{args.preset or 'bench'}"
         model_path = str(default_model_dir(args.preset or "bench"))
     budget = prefill_budget(args)
@@ -257,8 +243,6 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     engine = Engine(cfg)
     hf = None
     if args.compare_hf:
-        from kvpipe.bench.hf_reference import HFReference
-
         hf = HFReference(model_path, args.seed, threads.total)  # the threads all engine ranks share
     runs = args.warmup + args.repeat
     bar = tqdm(

@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 import numpy as np
+import torch
 
 from kvpipe.bench.engine_stats import DecodePoint, PrefillPoint
 
@@ -22,10 +23,8 @@ class HFReference:
     """One HF model and a prompt RNG; `threads`: torch threads while it runs (restored after)."""
 
     def __init__(self, model_path: str, seed: int, threads: int) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM  # optional: only --compare-hf needs it
 
-        self.torch = torch
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
         self.vocab = int(self.model.config.vocab_size)
         self.attn = str(self.model.config._attn_implementation)
@@ -33,16 +32,16 @@ class HFReference:
         self.rng = np.random.default_rng(seed)
 
     def _prompts(self, batch: int, length: int) -> Any:
-        return self.torch.from_numpy(self.rng.integers(0, self.vocab, size=(batch, length)))
+        return torch.from_numpy(self.rng.integers(0, self.vocab, size=(batch, length)))
 
     def _with_threads(self, fn: Any) -> Any:
-        before = self.torch.get_num_threads()
-        self.torch.set_num_threads(self.threads)
+        before = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
         try:
-            with self.torch.inference_mode():
+            with torch.inference_mode():
                 return fn()
         finally:
-            self.torch.set_num_threads(before)
+            torch.set_num_threads(before)
 
     def prefill_once(self, point: PrefillPoint) -> tuple[float, float]:
         """Seconds to prefill `point.batch` prompts of `point.prompt_len` tokens in one forward,

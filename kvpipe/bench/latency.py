@@ -1,7 +1,8 @@
 """Latency statistics of a serving run from streaming event timestamps (pure functions).
 
-A `RequestRecord` is what the client saw for one request: when it was sent, and for every
-stream event that brought new output tokens the arrival time and the cumulative token count.
+An `Outcome` (kvpipe/bench/outcome.py) is what the driver saw of one request: when it was sent,
+and for every stream event that brought new output tokens the arrival time and the cumulative
+token count.
 
   TTFT = first token event - send time
   e2e  = end of the stream - send time
@@ -15,37 +16,13 @@ Times are seconds in records and milliseconds in the summary.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
+from kvpipe.bench.outcome import Outcome
+
 PERCENTILES: tuple[int, ...] = (50, 90, 99)
-
-
-@dataclass
-class RequestRecord:
-    index: int
-    prompt_len: int
-    start_s: float
-    token_times: list[float] = field(default_factory=list)  # events that brought new tokens
-    token_counts: list[int] = field(default_factory=list)  # cumulative output tokens at each
-    end_s: float | None = None
-    error: str | None = None
-    cached_tokens: int | None = None  # meta_info.cached_tokens of the last event (None: not reported)
-
-    def add_event(self, t: float, cumulative_tokens: int) -> None:
-        """Record a stream event; events that bring no new token are ignored."""
-        if cumulative_tokens > (self.token_counts[-1] if self.token_counts else 0):
-            self.token_times.append(t)
-            self.token_counts.append(cumulative_tokens)
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and bool(self.token_counts)
-
-    @property
-    def output_tokens(self) -> int:
-        return self.token_counts[-1] if self.token_counts else 0
 
 
 @dataclass(frozen=True)
@@ -58,15 +35,15 @@ class RequestMetrics:
     output_tokens: int
 
 
-def request_metrics(rec: RequestRecord) -> RequestMetrics:
-    """Per-request figures of a successful record (raises ValueError for a failed one)."""
-    if not rec.ok:
-        raise ValueError(f"request {rec.index} has no tokens: {rec.error or 'empty stream'}")
+def request_metrics(rec: Outcome) -> RequestMetrics:
+    """Per-request figures of a successful request (raises ValueError for a failed one)."""
+    if not rec.ok or not rec.token_counts:
+        raise ValueError(f"request {rec.index} has no tokens: {rec.reason or 'empty stream'}")
     times, counts = rec.token_times, rec.token_counts
     if any(b < a for a, b in zip(times, times[1:])):
         raise ValueError(f"request {rec.index}: event times go backwards")
     ttft = times[0] - rec.start_s
-    end = rec.end_s if rec.end_s is not None else times[-1]
+    end = rec.end_s
     n = counts[-1]
     tpot = (times[-1] - times[0]) / (n - 1) if n > 1 else None
     itl: list[float] = []
@@ -74,6 +51,11 @@ def request_metrics(rec: RequestRecord) -> RequestMetrics:
         k = c1 - c0
         itl.extend([(t1 - t0) / k] * k)
     return RequestMetrics(ttft, end - rec.start_s, tpot, tuple(itl), rec.prompt_len, n)
+
+
+def completed_metrics(records: Sequence[Outcome]) -> list[RequestMetrics]:
+    """The figures of the requests that completed with tokens (the rest count as failed)."""
+    return [request_metrics(r) for r in records if r.ok and r.token_counts]
 
 
 def percentiles(values: Sequence[float], ps: Iterable[int] = PERCENTILES) -> dict[int, float | None]:
@@ -93,11 +75,11 @@ def _stat_block(name: str, values_s: Sequence[float]) -> dict[str, float | None]
     return out
 
 
-def summarize(records: Sequence[RequestRecord], duration_s: float) -> dict[str, float | int | None]:
+def summarize(records: Sequence[Outcome], duration_s: float) -> dict[str, float | int | None]:
     """Run-level statistics: counts, throughput over `duration_s`, and latency percentiles (ms)."""
     if duration_s <= 0:
         raise ValueError(f"duration_s must be > 0, got {duration_s}")
-    done = [request_metrics(r) for r in records if r.ok]
+    done = completed_metrics(records)
     out_tokens = sum(m.output_tokens for m in done)
     in_tokens = sum(m.prompt_len for m in done)
     summary: dict[str, float | int | None] = {
@@ -121,11 +103,11 @@ def summarize(records: Sequence[RequestRecord], duration_s: float) -> dict[str, 
     return summary
 
 
-def first_errors(records: Sequence[RequestRecord], limit: int = 3) -> list[str]:
-    """A few distinct error messages of failed requests, for the report."""
+def first_errors(records: Sequence[Outcome], limit: int = 3) -> list[str]:
+    """A few distinct reasons of failed requests, for the report."""
     seen: list[str] = []
     for r in records:
-        msg = r.error or (None if r.token_counts else "stream ended without tokens")
+        msg = (r.reason or r.end.value) if not r.ok else None if r.token_counts else "stream ended without tokens"
         if msg and msg not in seen:
             seen.append(msg)
             if len(seen) == limit:

@@ -6,7 +6,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvpipe.bench.latency import RequestRecord, request_metrics
+from kvpipe.bench.latency import completed_metrics
+from kvpipe.bench.outcome import Outcome
 
 
 def _pyplot() -> Any:
@@ -25,11 +26,11 @@ def _cdf(ax: Any, values_ms: Sequence[float], label: str) -> None:
 
 
 def plot_run(
-    records: Sequence[RequestRecord], summary: Mapping[str, Any], path: str | Path, title: str = "kvpipe bench serve"
+    records: Sequence[Outcome], summary: Mapping[str, Any], path: str | Path, title: str = "kvpipe bench serve"
 ) -> Path:
     """Two panels: CDFs of TTFT and e2e latency, and the ITL histogram (all in ms)."""
     plt = _pyplot()
-    done = [request_metrics(r) for r in records if r.ok]
+    done = completed_metrics(records)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     _cdf(ax1, [m.ttft_s * 1e3 for m in done], "TTFT")
     _cdf(ax1, [m.e2e_s * 1e3 for m in done], "end to end")

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvpipe.bench.kv_bytes import ITEMSIZE
 from kvpipe.cache.window_pages import prompt_window_pages
 from kvpipe.model.config import HybridConfig
-
-_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+from kvpipe.model.presets import preset_config, preset_names
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class KVShape:
     @property
     def kv_token_nbytes(self) -> int:
         """KV bytes of one token over the KV layers: K and V, or the one MLA latent."""
-        return (1 if self.latent else 2) * self.num_layers * self.kv_heads * self.head_dim * _ITEMSIZE[self.dtype]
+        return (1 if self.latent else 2) * self.num_layers * self.kv_heads * self.head_dim * ITEMSIZE[self.dtype]
 
     def request_kv_nbytes(self, prompt_len: int, page_size: int) -> int:
         """KV bytes a PD request of prompt_len tokens moves, in whole pages: the full layers every
@@ -55,7 +55,7 @@ class KVShape:
     @property
     def state_nbytes(self) -> int:
         """Recurrent-state bytes of one request (0 without linear layers): not per token."""
-        return 0 if self.hybrid is None else self.hybrid.state_nbytes(_ITEMSIZE[self.dtype])
+        return 0 if self.hybrid is None else self.hybrid.state_nbytes(ITEMSIZE[self.dtype])
 
 
 def _qwen3_5_text_defaults() -> HybridConfig:
@@ -94,8 +94,6 @@ EXTRA_SHAPES: dict[str, KVShape] = {
 
 
 def shape_names() -> list[str]:
-    from kvpipe.model.presets import preset_names
-
     return preset_names() + sorted(EXTRA_SHAPES)
 
 
@@ -103,8 +101,6 @@ def lookup_shape(name: str) -> KVShape | None:
     """The shape of a preset or an extra shape; None when unknown."""
     if name in EXTRA_SHAPES:
         return EXTRA_SHAPES[name]
-    from kvpipe.model.presets import preset_config, preset_names
-
     if name not in preset_names():
         return None
     mc = preset_config(name)

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from kvpipe.bench.request import Request
+
 
 @dataclass(frozen=True)
 class LengthSpec:
@@ -114,31 +116,6 @@ class WorkloadConfig:
             )
 
 
-@dataclass(frozen=True)
-class BenchRequest:
-    index: int
-    input_ids: tuple[int, ...]
-    output_len: int
-    arrival_s: float  # offset from the start of the run at which the request is sent
-    prefix_group: int | None = None
-    # multi-turn: the index of the previous turn; then `input_ids` holds only this turn's new user
-    # tokens, and the prompt sent is the previous prompt + its output + these (see client.py)
-    follows: int | None = None
-
-    @property
-    def prompt_len(self) -> int:
-        """Tokens sent (a follow-up turn: its new tokens only; the full prompt is known at send time)."""
-        return len(self.input_ids)
-
-    def body(self, stream: bool = True, temperature: float = 0.0, input_ids: list[int] | None = None) -> dict:
-        """The SGLang native `/generate` body; ignore_eos makes the output length exact."""
-        return {
-            "input_ids": list(self.input_ids) if input_ids is None else input_ids,
-            "stream": stream,
-            "sampling_params": {"max_new_tokens": self.output_len, "temperature": temperature, "ignore_eos": True},
-        }
-
-
 def arrival_times(n: int, rate: float, rng: np.random.Generator) -> list[float]:
     """Offsets (s) of n Poisson arrivals at `rate` req/s, the first at 0; all 0 when rate is inf."""
     if math.isinf(rate):
@@ -150,8 +127,11 @@ def arrival_times(n: int, rate: float, rng: np.random.Generator) -> list[float]:
 
 @dataclass(frozen=True)
 class Workload:
+    """Streamed native /generate requests with token-id prompts; a follow-up turn's `prompt` is
+    its new user tokens only (the driver sends the whole conversation)."""
+
     config: WorkloadConfig
-    requests: tuple[BenchRequest, ...] = field(default_factory=tuple)
+    requests: tuple[Request, ...] = field(default_factory=tuple)
 
     @property
     def total_prompt_tokens(self) -> int:
@@ -159,7 +139,12 @@ class Workload:
 
     @property
     def total_output_tokens(self) -> int:
-        return sum(r.output_len for r in self.requests)
+        return sum(r.max_tokens for r in self.requests)
+
+    def prefix_group(self, index: int) -> int | None:
+        """The shared-prefix group of request `index` (by conversation); None without groups."""
+        groups = self.config.num_prefix_groups
+        return (index // self.config.num_turns) % groups if groups else None
 
 
 def build_workload(cfg: WorkloadConfig) -> Workload:
@@ -178,12 +163,12 @@ def build_workload(cfg: WorkloadConfig) -> Workload:
         group = conv % cfg.num_prefix_groups if cfg.num_prefix_groups else None
         if turn:  # a follow-up: new user tokens, sent when the previous turn finished
             ids = tuple(int(t) for t in rng.integers(cfg.token_id_low, cfg.vocab_size, size=cfg.turn_len))
-            reqs.append(BenchRequest(i, ids, output_lens[i], arrivals[i - turn], group, follows=i - 1))
+            reqs.append(Request(i, ids, output_lens[i], arrival_s=arrivals[i - turn], follows=i - 1))
             continue
         head = prefixes[group] if group is not None else np.empty(0, dtype=np.int64)
         tail = rng.integers(cfg.token_id_low, cfg.vocab_size, size=prompt_lens[i] - len(head))
         ids = tuple(int(t) for t in np.concatenate([head, tail]))
-        reqs.append(BenchRequest(i, ids, output_lens[i], arrivals[i], group))
+        reqs.append(Request(i, ids, output_lens[i], arrival_s=arrivals[i]))
     return Workload(cfg, tuple(reqs))
 
 

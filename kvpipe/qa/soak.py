@@ -21,28 +21,29 @@ import json
 import shlex
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import httpx
+
+from kvpipe.bench.driver import drive
+from kvpipe.bench.machine import load_average, machine_info
 from kvpipe.bench.probe import engine_stats
-from kvpipe.qa.soak_book import (
-    Check,
-    ResourceSeries,
-    Tally,
-    checks_dict,
-    pool_checks,
-    resource_checks,
-    room_deltas,
-    verdict,
-)
-from kvpipe.qa.soak_plan import Bounds, PlannedRequest, SoakConfig, plan_requests, plan_warmup
+from kvpipe.bench.request import Request
+from kvpipe.bench.sigterm import sigterm_as_exit
+from kvpipe.model.presets import resolve_model_path
+from kvpipe.qa.checks import Check, checks_dict, failed, verdict
+from kvpipe.qa.leaks import wait_idle
+from kvpipe.qa.soak_plan import Bounds, SoakConfig, plan_requests, plan_warmup
+from kvpipe.qa.soak_report import room_deltas, table
+from kvpipe.qa.soak_resources import ResourceSeries, Sampler, resource_checks
+from kvpipe.qa.soak_tally import Tally
+from kvpipe.server.launcher import start_pd_stack
 
 SERVERS = ("prefill", "decode")
-MAX_SAMPLES = 100_000  # bound on the sampler's loop, whatever the interval
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -119,77 +120,27 @@ def config_from_args(args: argparse.Namespace) -> SoakConfig:
         raise SystemExit(f"kvpipe bench soak: {e}") from None
 
 
-# ---- I/O around the bookkeeping ---------------------------------------------------------------------
 def _model_name(url: str) -> str:
-    import httpx
-
     r = httpx.get(url.rstrip("/") + "/v1/models", timeout=10.0)
     return str(r.json()["data"][0]["id"])
 
 
-def wait_pools(
-    urls: Mapping[str, str], baselines: Mapping[str, Mapping[str, Any]], timeout_s: float, interval_s: float = 0.5
-) -> tuple[list[Check], dict[str, Any], float]:
-    """Poll both servers until their pools are back at the baseline, at most `timeout_s`.
-    Returns the last checks, the last stats per server, and the seconds it took."""
-    t0 = time.monotonic()
-    checks: list[Check] = []
-    last: dict[str, Any] = {}
-    while True:
-        checks = []
-        for name, url in urls.items():
-            now = engine_stats(url)
-            last[name] = now
-            checks += (
-                pool_checks(name, baselines[name], now)
-                if now is not None
-                else [Check(f"{name} /server_info", False, "unreachable")]
-            )
-        if verdict(checks) or time.monotonic() - t0 >= timeout_s:
-            return checks, last, time.monotonic() - t0
-        time.sleep(interval_s)
-
-
-class Sampler:
-    """A thread sampling each server's process group every `interval_s` until stopped."""
-
-    def __init__(
-        self, pgids: Mapping[str, int], series: Mapping[str, ResourceSeries], t0: float, interval_s: float
-    ) -> None:
-        self.pgids, self.series, self.t0, self.interval_s = pgids, series, t0, interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="soak-sampler", daemon=True)
-
-    def sample(self) -> dict[str, Any]:
-        from kvpipe.qa.soak_procs import sample_group
-
-        t = time.monotonic() - self.t0
-        return {name: sample_group(pgid, t) for name, pgid in self.pgids.items()}
-
-    def _run(self) -> None:
-        for _ in range(MAX_SAMPLES):
-            if self._stop.wait(self.interval_s):
-                return
-            for name, s in self.sample().items():
-                if s is not None:
-                    self.series[name].during.append(s)
-
-    def __enter__(self) -> Sampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10.0)
-
-
 def _drive(
-    url: str, reqs: list[PlannedRequest], model: str, cfg: SoakConfig, tally: Tally, progress: bool, desc: str
+    url: str, reqs: list[Request], model: str, cfg: SoakConfig, tally: Tally, progress: bool, desc: str
 ) -> float:
-    from kvpipe.qa.soak_client import drive
-
     t0 = time.monotonic()
-    asyncio.run(drive(url, reqs, model, cfg.concurrency, cfg.deadline_s, tally.add, progress, desc))
+    asyncio.run(
+        drive(
+            url,
+            reqs,
+            cfg.concurrency,
+            cfg.deadline_s,
+            model=model,
+            progress=progress,
+            desc=desc,
+            on_outcome=tally.add,
+        )
+    )
     return time.monotonic() - t0
 
 
@@ -203,8 +154,6 @@ def run_soak(
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
 ) -> dict[str, Any]:
     """Start the stack, warm up, run, check; returns the result (see the module doc)."""
-    from kvpipe.server.launcher import start_pd_stack
-
     prefill_args = [
         "--disaggregation-failure-prob",
         str(cfg.failure_prob),
@@ -223,10 +172,8 @@ def run_soak(
             warm = Tally()
             _drive(stack.router_url, plan_warmup(cfg), model, cfg, warm, progress, "soak warm-up")
             log(f"warm-up: {warm.by_outcome()}")
-        # the baseline: idle pools (the zero/full rules need only the keys a server reports) and
-        # process readings
-        reported = {name: engine_stats(u) or {} for name, u in urls.items()}
-        warm_checks, _, _ = wait_pools(urls, reported, cfg.idle_timeout_s)
+        # the baseline: idle pools (no baseline yet: the zero/full rules) and process readings
+        warm_idle = wait_idle(urls, cfg.idle_timeout_s)
         baselines = {name: engine_stats(u) or {} for name, u in urls.items()}
         series = {name: ResourceSeries() for name in SERVERS}
         sampler = Sampler(pgids, series, t0, cfg.sample_interval_s)
@@ -235,7 +182,8 @@ def run_soak(
         tally = Tally()
         with sampler:
             duration = _drive(stack.router_url, planned, model, cfg, tally, progress, "soak")
-        pool, final_stats, idle_s = wait_pools(urls, baselines, cfg.idle_timeout_s)
+        idle = wait_idle(urls, cfg.idle_timeout_s, baselines)
+        final_stats = idle.stats
         for name, s in sampler.sample().items():
             series[name].final = s
         alive = [
@@ -244,18 +192,18 @@ def run_soak(
         ]
     checks = [
         *tally.checks(len(planned), cfg.failure_prob > 0),
-        *pool,
+        *idle.checks,
         *alive,
         *(c for name in SERVERS for c in resource_checks(name, series[name], cfg.bounds)),
     ]
-    if not verdict(warm_checks):
-        checks.append(Check("idle after warm-up", False, "; ".join(c.detail for c in warm_checks if not c.ok)))
+    if not warm_idle.ok:
+        checks.append(Check("idle after warm-up", False, "; ".join(failed(warm_idle.checks))))
     return {
         "config": asdict(cfg),
         "server_args": server_args,
         "log_dir": log_dir,
         "duration_s": round(duration, 1),
-        "idle_wait_s": round(idle_s, 1),
+        "idle_wait_s": round(idle.waited_s, 1),
         "counts": {"planned": len(planned), "by_outcome": tally.by_outcome(), "by_kind": tally.by_kind()},
         "latency_ms": tally.latency_ms(),
         "messages": tally.messages(),
@@ -267,46 +215,11 @@ def run_soak(
     }
 
 
-def table(result: Mapping[str, Any]) -> str:
-    """A short plain-text summary: outcomes by kind, latency, resource deltas, failed checks."""
-    outcomes = list(result["counts"]["by_outcome"])
-    lines = [f"{'requests':<20}" + "".join(f"{o:>13}" for o in outcomes)]
-    for kind, row in result["counts"]["by_kind"].items():
-        lines.append(f"{kind:<20}" + "".join(f"{row[o]:>13}" for o in outcomes))
-    lines.append(f"{'total':<20}" + "".join(f"{result['counts']['by_outcome'][o]:>13}" for o in outcomes))
-    lat = result["latency_ms"]
-    lines.append("latency ms  " + "  ".join(f"{o} p50 {v['p50']:,.0f} p90 {v['p90']:,.0f}" for o, v in lat.items()))
-    rooms = result["transfer_rooms"]
-    lines.append(
-        "KV transfer rooms during the run: "
-        + ", ".join(
-            f"{name} {r['rooms_succeeded']} succeeded / {r['rooms_failed']} failed" for name, r in rooms.items()
-        )
-    )
-    for name, res in result["resources"].items():
-        d = res["deltas"]
-        if d:
-            lines.append(
-                f"{name:<8} RSS {d['rss_mb']:+.1f} MB (peak {d['peak_rss_growth_mb']:+.1f}, second half "
-                f"{d['rss_second_half_mb']:+.1f})  "
-                f"fds {d['fds']:+d}  threads {d['threads']:+d}  procs {d['procs']:+d}"
-            )
-    failed = [c for c in result["checks"] if not c["ok"]]
-    lines.append(
-        f"checks: {len(result['checks']) - len(failed)}/{len(result['checks'])} passed"
-        + "".join(f"\n  FAILED {c['name']}: {c['detail']}" for c in failed)
-    )
-    return "\n".join(lines)
-
-
 def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
-    from kvpipe.bench.serve import _load_average, _machine, _sigterm_as_exit
-    from kvpipe.model.presets import resolve_model_path
-
     cfg = config_from_args(args)
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="kvpipe-bench-soak-")
-    load_before = _load_average()
-    with _sigterm_as_exit():
+    load_before = load_average()
+    with sigterm_as_exit():
         try:
             result = run_soak(
                 cfg,
@@ -318,7 +231,7 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
             )
         except (RuntimeError, TimeoutError) as e:  # a stack that did not start
             raise SystemExit(f"kvpipe bench soak: {e} (server logs in {log_dir})") from None
-    result["machine"] = _machine(load_before)
+    result["machine"] = machine_info(load_before)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

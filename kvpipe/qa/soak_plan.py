@@ -14,25 +14,16 @@ length we record for text is that character count.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, replace
 
 import numpy as np
+
+from kvpipe.bench.request import Api, Request
 
 # Token ids of prompts given as ids: byte tokens, clear of the preset's special tokens above 255
 # and of the low ids a real vocabulary keeps for control tokens.
 TOKEN_ID_LOW, TOKEN_ID_HIGH = 3, 255
 _LETTERS = np.array(list("abcdefghijklmnopqrstuvwxyz    "))  # spaces make words
-
-
-class Kind(enum.Enum):
-    GENERATE = "generate"  # SGLang native /generate
-    COMPLETION = "completion"  # /v1/completions
-    CHAT = "chat"  # /v1/chat/completions
-
-    @property
-    def path(self) -> str:
-        return {Kind.GENERATE: "/generate", Kind.COMPLETION: "/v1/completions", Kind.CHAT: "/v1/chat/completions"}[self]
 
 
 @dataclass(frozen=True)
@@ -80,53 +71,16 @@ class SoakConfig:
             raise ValueError("deadline, idle timeout and sample interval must be > 0, warmup >= 0")
 
 
-@dataclass(frozen=True)
-class PlannedRequest:
-    index: int
-    kind: Kind
-    stream: bool
-    prompt_len: int  # tokens of input_ids, or characters of a text prompt
-    input_ids: tuple[int, ...] | None  # None: `text` is the prompt
-    text: str | None
-    output_len: int
-    disconnect_after: int | None  # close the stream after this many events (None: read to the end)
-
-    def body(self, model: str) -> dict:
-        """The JSON body for `kind.path`."""
-        prompt = list(self.input_ids) if self.input_ids is not None else self.text
-        if self.kind is Kind.GENERATE:
-            key = "input_ids" if self.input_ids is not None else "text"
-            return {
-                key: prompt,
-                "stream": self.stream,
-                "sampling_params": {"max_new_tokens": self.output_len, "temperature": 0.0, "ignore_eos": True},
-            }
-        body: dict = {
-            "model": model,
-            "max_tokens": self.output_len,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "stream": self.stream,
-        }
-        if self.stream:  # the last chunk then reports the token count
-            body["stream_options"] = {"include_usage": True}
-        if self.kind is Kind.CHAT:
-            body["messages"] = [{"role": "user", "content": self.text}]
-        else:
-            body["prompt"] = prompt
-        return body
-
-
 def _text(rng: np.random.Generator, n: int) -> str:
     s = "".join(rng.choice(_LETTERS, size=n))
     return s if s.strip() else "a" + s[1:]  # never an all-blank prompt
 
 
-def plan_requests(cfg: SoakConfig, n: int | None = None, seed_offset: int = 0) -> list[PlannedRequest]:
+def plan_requests(cfg: SoakConfig, n: int | None = None, seed_offset: int = 0) -> list[Request]:
     """`n` (default cfg.num_requests) requests drawn from cfg.seed + seed_offset."""
     n = cfg.num_requests if n is None else n
     rng = np.random.default_rng(cfg.seed + seed_offset)
-    kinds = list(Kind)
+    kinds = list(Api)
     out = []
     for i in range(n):
         kind = kinds[int(rng.integers(len(kinds)))]
@@ -134,23 +88,26 @@ def plan_requests(cfg: SoakConfig, n: int | None = None, seed_offset: int = 0) -
         disconnect = bool(rng.random() < cfg.disconnect_prob)
         stream = disconnect or bool(rng.random() < cfg.stream_prob)
         # sglang-router (PD) takes only string prompts on /v1/completions (422 for token ids)
-        as_text = kind is not Kind.GENERATE or bool(rng.random() < cfg.text_prob)
-        ids = None if as_text else tuple(int(x) for x in rng.integers(TOKEN_ID_LOW, TOKEN_ID_HIGH + 1, size=length))
-        text = _text(rng, length) if as_text else None
+        as_text = kind is not Api.GENERATE or bool(rng.random() < cfg.text_prob)
+        prompt = (
+            _text(rng, length)
+            if as_text
+            else tuple(int(x) for x in rng.integers(TOKEN_ID_LOW, TOKEN_ID_HIGH + 1, size=length))
+        )
         out_len = cfg.disconnect_output if disconnect else int(rng.integers(1, cfg.output_max + 1))
         after = int(rng.integers(1, cfg.disconnect_after_max + 1)) if disconnect else None
-        out.append(PlannedRequest(i, kind, stream, length, ids, text, out_len, after))
+        out.append(Request(i, prompt, out_len, api=kind, stream=stream, disconnect_after=after))
     return out
 
 
 WARMUP_SEED_OFFSET = 1_000_003  # warm-up prompts differ from the measured ones
 
 
-def plan_warmup(cfg: SoakConfig) -> list[PlannedRequest]:
+def plan_warmup(cfg: SoakConfig) -> list[Request]:
     """The unmeasured requests before the baseline: `concurrency` of the longest prompts at once
     first (the largest batches and KV use the run can reach, so the allocators' high-water marks
     come before the baseline, not during the run), then `warmup_requests` drawn like the run's.
-    None when warmup_requests is 0."""
+    Empty when warmup_requests is 0."""
     if cfg.warmup_requests == 0:
         return []
     longest = plan_requests(replace(cfg, prompt_min=cfg.prompt_max), cfg.concurrency, WARMUP_SEED_OFFSET)

@@ -8,11 +8,24 @@ are skipped (a reading is a snapshot, not a transaction).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
-from kvpipe.qa.soak_book import ProcSample
-
 PROC = Path("/proc")
+
+
+@dataclass(frozen=True)
+class ProcSample:
+    """One server's process group at one time: summed over its processes (TP ranks included)."""
+
+    t_s: float  # seconds since the soak started
+    rss_kb: int
+    fds: int
+    threads: int
+    procs: int
+
+    def as_row(self) -> list[float]:
+        return [round(self.t_s, 2), round(self.rss_kb / 1024, 1), self.fds, self.threads, self.procs]
 
 
 def _pgid(pid_dir: Path) -> int | None:

@@ -16,6 +16,7 @@ Deleting a namespace destroys its veth end (and with it the pair). Needs root an
 from __future__ import annotations
 
 import atexit
+import ctypes
 import json
 import os
 import re
@@ -30,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
+
+from kvpipe.server.launcher import stop_process
 
 T = TypeVar("T")
 Side = Literal["a", "b"]
@@ -229,9 +232,9 @@ def remove_testbed(s: LinkSpec) -> None:
 
 def enter_netns(ns: str) -> None:
     """Move the calling thread into namespace `ns` (setns is per thread on Linux). Called first
-    thing in a freshly spawned child, it moves the whole process, since no other thread exists."""
-    import ctypes
-
+    thing in a freshly spawned child, it moves the process's networking: every thread started
+    later (Mooncake's) inherits the namespace; only a pool a library started at import (BLAS)
+    stays behind, and it opens no sockets."""
     libc = ctypes.CDLL(None, use_errno=True)
     fd = os.open(NETNS_RUN_DIR / ns, os.O_RDONLY)
     try:
@@ -334,8 +337,6 @@ class LinkTestbed:
         """Stop our processes and delete both namespaces; safe to call again (atexit does)."""
         if not self._active:
             return
-        from kvpipe.server.launcher import stop_process
-
         for p in reversed(self._procs):
             stop_process(p)
         self._procs.clear()

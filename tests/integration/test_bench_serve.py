@@ -12,12 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from kvpipe.bench import serve
-from kvpipe.bench.client import run_workload
+from kvpipe.bench import driver, serve
 from kvpipe.bench.latency import summarize
 from kvpipe.bench.stacks import Endpoint
 from kvpipe.bench.workload import WorkloadConfig, build_workload, parse_lengths
-from kvpipe.qa.testbed import can_run
+from kvpipe.qa.testbed import LinkTestbed, can_run
 from kvpipe.server.launcher import free_port, stop_process, wait_healthy
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -87,8 +86,6 @@ def test_bench_serve_smoke(tiny_model_dir: Path, tmp_path: Path, capsys: pytest.
 
 @pytest.mark.skipif(not can_run(), reason="needs root and iproute2")
 def test_client_across_testbed(tiny_model_dir: Path) -> None:
-    from kvpipe.qa.testbed import LinkTestbed
-
     vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
     wl = build_workload(WorkloadConfig(parse_lengths("16"), parse_lengths("2"), 4, vocab))
     with LinkTestbed("1gbit") as tb:
@@ -98,10 +95,10 @@ def test_client_across_testbed(tiny_model_dir: Path) -> None:
         )
         ep = Endpoint(f"http://{tb.addr_a}:{port}", netns=tb.ns_b)  # the client sits on side b
         ep.call(wait_healthy, ep.url + "/health", 120, [proc])
-        res = ep.call(run_workload, ep.url, wl, 2, 60.0, False)
+        res = ep.call(driver.run, ep.url, wl.requests, 2, 60.0, False)
     assert proc.poll() is not None  # the testbed stopped it
-    assert [r.error for r in res.records] == [None] * 4
-    assert summarize(res.records, res.duration_s)["total_output_tokens"] == 8
+    assert [r.reason for r in res.outcomes] == [""] * 4
+    assert summarize(res.outcomes, res.duration_s)["total_output_tokens"] == 8
 
 
 def test_compare_colocated_smoke(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from kvpipe.qa.chaos import Campaign, ChaosConfig, Phase
+from kvpipe.qa.chaos import Campaign
 from kvpipe.qa.chaos_load import FINAL
+from kvpipe.qa.chaos_plan import ChaosConfig, Phase
 from kvpipe.server.launcher import PARTS
 from kvpipe.server.supervisor import PartState, RestartPolicy
 

@@ -6,8 +6,11 @@ from collections import Counter
 
 import pytest
 
-from kvpipe.qa.chaos import TP_CHILD, ChaosConfig, Phase, RoundResult, plan_rounds, summarize, table
-from kvpipe.qa.chaos_load import Outcome, Status
+from kvpipe.bench.outcome import End, Outcome
+from kvpipe.qa.chaos_load import Sent, generate
+from kvpipe.qa.chaos_plan import TP_CHILD, ChaosConfig, Phase, plan_rounds
+from kvpipe.qa.chaos_report import summarize, table
+from kvpipe.qa.chaos_round import RoundResult
 from kvpipe.server.launcher import PARTS
 
 
@@ -33,12 +36,11 @@ def test_bad_config_is_rejected() -> None:
 
 
 def test_in_flight_means_started_before_and_not_ended_by_the_kill() -> None:
-    done = Outcome("load", start=1.0)
-    done.finish(Status.OK)
-    done.end = 2.0
-    running = Outcome("probe", start=3.0)
+    done = Sent("load", start=1.0, outcome=Outcome(generate([5, 6], 8), End.OK, 1.0, 2.0, 2))
+    running = Sent("probe", start=3.0)
     assert not done.in_flight_at(2.5) and done.in_flight_at(1.5)
     assert running.in_flight_at(4.0) and not running.in_flight_at(2.0)
+    assert running.describe() == "probe: running" and done.describe() == "load: ok"
 
 
 def test_a_round_with_a_hang_or_a_leak_is_not_ok() -> None:

@@ -10,13 +10,17 @@ import pytest
 
 from kvpipe.bench.plot import plot_sweep
 from kvpipe.bench.probe import count_delta, tail_delta, transfer_count_from_server_info, transfer_tail_from_server_info
-from kvpipe.bench.sweep import SliceResult, SweepPoint, TransferCount, round_order, run_sweep_interleaved, sweep_rows
+from kvpipe.bench.rotation import rotated
+from kvpipe.bench.sweep import SliceResult, SweepPoint, TransferCount, run_sweep_interleaved
+from kvpipe.bench.sweep_rows import sweep_rows
+from kvpipe.transfer.planning.wire_bytes import KVWireBytes
 
 
-def test_round_order_rotates():
+def test_rotation():
     modes = ["inproc", "baseline", "pipelined"]
-    assert [round_order(modes, r)[0] for r in range(4)] == ["inproc", "baseline", "pipelined", "inproc"]
-    assert sorted(round_order(modes, 5)) == sorted(modes)
+    assert [rotated(modes, r)[0] for r in range(4)] == ["inproc", "baseline", "pipelined", "inproc"]
+    assert sorted(rotated(modes, 5)) == sorted(modes) and rotated(("a", "b"), 1) == ["b", "a"]
+    assert rotated([], 3) == []
 
 
 def test_interleaved_sweep_alternates_modes_and_merges_rounds():
@@ -99,7 +103,7 @@ def test_transfer_tail_probe_rows_and_plot(tmp_path):
         SweepPoint(2048, "baseline", s(2000.0), 1, 960.0),
         SweepPoint(2048, "pipelined", s(1200.0), 6, 180.0),
     ]
-    rows = {r["mode"]: r for r in sweep_rows(points, 1e8, 1000)}
+    rows = {r["mode"]: r for r in sweep_rows(points, 1e8, KVWireBytes(1000))}
     assert rows["pipelined"]["transfer_tail_ms"] == 180.0
     assert rows["pipelined"]["transfer_tail_ratio"] == pytest.approx(0.1875)  # 180 / 960 <= 1.5 / 6
     assert rows["baseline"]["transfer_tail_ratio"] is None and rows["inproc"]["transfer_tail_ms"] is None

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvpipe.bench.latency import RequestRecord, first_errors, percentiles, request_metrics, summarize
+from kvpipe.bench.latency import first_errors, percentiles, request_metrics, summarize
+from kvpipe.bench.outcome import End, Outcome
+from kvpipe.bench.request import Request
 
 
 def rec(
@@ -14,11 +16,21 @@ def rec(
     end: float | None = None,
     prompt_len: int = 10,
     error: str | None = None,
-) -> RequestRecord:
-    r = RequestRecord(index, prompt_len, start, end_s=end, error=error)
-    for t, n in events:
-        r.add_event(t, n)
-    return r
+) -> Outcome:
+    """An outcome with these token events (times, cumulative counts); it ends at `end`, else at
+    its last event; `error` makes it a failure."""
+    times = tuple(t for t, _ in events)
+    last = end if end is not None else (times[-1] if times else start)
+    return Outcome(
+        Request(index, (1,) * prompt_len, events[-1][1] if events else 1),
+        End.OK if error is None else End.CUT,
+        start,
+        last,
+        prompt_len,
+        reason=error or "",
+        token_times=times,
+        token_counts=tuple(n for _, n in events),
+    )
 
 
 def test_single_token_per_event() -> None:
@@ -30,9 +42,8 @@ def test_single_token_per_event() -> None:
     assert m.output_tokens == 3
 
 
-def test_multi_token_events_spread_itl_and_ignore_empty_events() -> None:
-    r = rec(0, 0.0, [(0.2, 1), (0.25, 1), (0.5, 4), (0.6, 5)])  # (0.25, 1) brings nothing new
-    assert r.token_times == [0.2, 0.5, 0.6]
+def test_multi_token_events_spread_itl() -> None:
+    r = rec(0, 0.0, [(0.2, 1), (0.5, 4), (0.6, 5)])
     m = request_metrics(r)
     assert m.itl_s == pytest.approx((0.1, 0.1, 0.1, 0.1))  # 0.3 over 3 tokens, then 0.1
     assert len(m.itl_s) == m.output_tokens - 1
@@ -84,3 +95,4 @@ def test_summarize_all_failed_gives_nulls() -> None:
     s = summarize([rec(0, 0.0, [], error="x"), rec(1, 0.0, [])], duration_s=1.0)
     assert s["completed"] == 0 and s["ttft_p50_ms"] is None and s["tpot_mean_ms"] is None
     assert first_errors([rec(0, 0.0, [], error="x"), rec(1, 0.0, [])]) == ["x", "stream ended without tokens"]
+    assert first_errors([rec(0, 0.0, [], error="")]) == ["cut"]  # no reason: how it ended

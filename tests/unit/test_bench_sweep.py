@@ -7,21 +7,25 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvpipe.bench.kv_bytes import kv_wire_bytes, state_bytes_per_request
+from kvpipe.bench.latency import summarize
+from kvpipe.bench.outcome import End, Outcome
+from kvpipe.bench.plot import plot_modes, plot_run, plot_sweep
 from kvpipe.bench.probe import num_groups_from_metrics, num_groups_from_server_info
+from kvpipe.bench.request import Request
 from kvpipe.bench.sweep import (
     ModeFlags,
     SweepPoint,
-    exposed_ratio,
-    kv_bytes_per_token,
-    kv_wire_bytes,
     mode_server_flags,
     parse_modes,
     parse_prompt_lens,
     run_sweep,
     server_page_size,
-    state_bytes_per_request,
-    sweep_rows,
 )
+from kvpipe.bench.sweep_rows import exposed_ratio, sweep_rows
+from kvpipe.model.config import ModelConfig
+from kvpipe.model.presets import preset_config
+from kvpipe.transfer.planning.wire_bytes import KVWireBytes
 
 
 def s(ttft50: float | None, ttft99: float | None = None, tpot50: float | None = 5.0) -> dict:
@@ -73,7 +77,7 @@ def test_rows_order_ratio_and_fields() -> None:
         SweepPoint(1024, "inproc", s(100.0), None),
         SweepPoint(256, "inproc", s(50.0), None),
     ]
-    rows = sweep_rows(points, link_rate_bps=1e9, kv_bytes_token=1000)
+    rows = sweep_rows(points, link_rate_bps=1e9, kv_wire=KVWireBytes(1000))
     assert [(r["prompt_len"], r["mode"]) for r in rows] == [
         (256, "baseline"),
         (256, "pipelined"),
@@ -175,69 +179,73 @@ def test_run_sweep_stops_the_stack_when_measuring_fails() -> None:
     assert stopped == ["baseline"]
 
 
+def _model(arch: str, **cfg: object) -> ModelConfig:
+    """A checkpoint schema from an HF config.json's fields (plus what every family needs)."""
+    base = {"architectures": [arch], "vocab_size": 1000, "intermediate_size": 1024, "hidden_size": 768}
+    return ModelConfig.from_hf_dict({**base, **cfg})
+
+
+BENCH = {
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "torch_dtype": "float32",
+}
+
+
 def test_kv_bytes_per_token() -> None:
-    bench = {
-        "num_hidden_layers": 12,
-        "num_attention_heads": 12,
-        "num_key_value_heads": 4,
-        "head_dim": 64,
-        "hidden_size": 768,
-        "torch_dtype": "float32",
-    }
-    assert kv_bytes_per_token(bench) == 2 * 12 * 4 * 64 * 4
-    assert kv_bytes_per_token(bench | {"torch_dtype": "bfloat16"}) == 2 * 12 * 4 * 64 * 2
-    no_hd = {k: v for k, v in bench.items() if k != "head_dim"}
-    assert kv_bytes_per_token(no_hd | {"num_key_value_heads": None}) == 2 * 12 * 12 * 64 * 4  # MHA
-    assert kv_bytes_per_token({}) is None
-    mla = {"num_hidden_layers": 61, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "torch_dtype": "bfloat16"}
-    assert kv_bytes_per_token(mla) == 61 * 576 * 2  # one latent per layer, no K/V pair
+    bench = _model("LlamaForCausalLM", **BENCH)
+    assert kv_wire_bytes(bench, 64) == KVWireBytes(2 * 12 * 4 * 64 * 4, page_size=64)
+    bf16 = _model("LlamaForCausalLM", **(BENCH | {"torch_dtype": "bfloat16"}))
+    assert kv_wire_bytes(bf16, 64) == KVWireBytes(2 * 12 * 4 * 64 * 2, page_size=64)
+    mha = _model("LlamaForCausalLM", **(BENCH | {"num_key_value_heads": None, "head_dim": None}))
+    assert kv_wire_bytes(mha, 64) == KVWireBytes(2 * 12 * 12 * 64 * 4, page_size=64)
+    assert kv_wire_bytes(_model("LlamaForCausalLM", **(BENCH | {"torch_dtype": "int4"})), 64) is None  # unknown size
+    mla = preset_config("tiny-deepseek-v3")  # one latent of kv_lora_rank + rope dims per layer, no K/V pair
+    assert mla.mla is not None
+    assert kv_wire_bytes(mla, 16) == KVWireBytes(
+        4 * (mla.mla.kv_lora_rank + mla.mla.qk_rope_head_dim) * 4, page_size=16
+    )
     assert state_bytes_per_request(bench) == 0 and state_bytes_per_request(mla) == 0
 
 
-def _preset_hf_config(name: str) -> dict:
-    from kvpipe.model.presets import gpt_oss as presets_gpt_oss
-    from kvpipe.model.presets import qwen3_5 as presets_qwen3_5
-
-    spec = {**presets_qwen3_5.QWEN3_5_PRESETS, **presets_gpt_oss.GPT_OSS_PRESETS}[name]
-    family = presets_qwen3_5 if name in presets_qwen3_5.QWEN3_5_PRESETS else presets_gpt_oss
-    return family.hf_config(spec, 300, 0, 1)
-
-
 def test_hybrid_and_sliding_bytes_per_token_by_hand() -> None:
-    qwen = _preset_hf_config("tiny-qwen3.5")  # layers L L L F, fp32
+    qwen = preset_config("tiny-qwen3.5")  # layers L L L F, fp32
     # KV: the one full-attention layer, K and V of 2 heads x 32
-    assert kv_bytes_per_token(qwen) == 1 * 2 * 2 * 32 * 4 == 512
+    w = kv_wire_bytes(qwen, 16)
+    assert w is not None and w.request_nbytes(1) == 1 * 2 * 2 * 32 * 4 == 512
     # per linear layer: conv [2*4*32 + 8*32 = 512 channels, kernel 4 - 1] fp32 + recurrent [8, 32, 32] fp32
     assert state_bytes_per_request(qwen) == 3 * (512 * 3 * 4 + 8 * 32 * 32 * 4) == 116736
-    # GPT-OSS keeps every token of its sliding layers too: 4 layers x K/V x 4 heads x 16, fp32
-    oss = _preset_hf_config("tiny-gpt-oss")
-    assert kv_bytes_per_token(oss) == 4 * 2 * 4 * 16 * 4 == 2048 and state_bytes_per_request(oss) == 0
-    # transformers' Qwen3_5TextConfig defaults, nested as a multimodal checkpoint ships them, bf16:
-    # 8 of 32 layers keep KV (4 heads x 256); 24 keep conv [8192, 3] bf16 + recurrent [32, 128, 128] fp32
-    real = {
-        "architectures": ["Qwen3_5ForConditionalGeneration"],
-        "text_config": {
-            "num_hidden_layers": 32,
-            "num_attention_heads": 16,
-            "num_key_value_heads": 4,
-            "head_dim": 256,
-            "hidden_size": 4096,
-            "linear_num_key_heads": 16,
-            "linear_num_value_heads": 32,
-            "linear_key_head_dim": 128,
-            "linear_value_head_dim": 128,
-            "linear_conv_kernel_dim": 4,
-            "full_attention_interval": 4,
-            "dtype": "bfloat16",
-        },
-    }
-    assert kv_bytes_per_token(real) == 8 * 2 * 4 * 256 * 2 == 32768
+    # GPT-OSS keeps every token of its sliding layers too, but sends them only the last window
+    oss = preset_config("tiny-gpt-oss")
+    w = kv_wire_bytes(oss, 16)
+    assert w is not None and w.all_layers_nbytes(1) == 4 * 2 * 4 * 16 * 4 == 2048 and state_bytes_per_request(oss) == 0
+    # transformers' Qwen3_5TextConfig defaults, bf16: 8 of 32 layers keep KV (4 heads x 256);
+    # 24 keep conv [8192, 3] bf16 + recurrent [32, 128, 128] fp32
+    real = _model(
+        "Qwen3_5ForCausalLM",
+        num_hidden_layers=32,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=256,
+        hidden_size=4096,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        full_attention_interval=4,
+        dtype="bfloat16",
+    )
+    w = kv_wire_bytes(real, 64)
+    assert w is not None and w.request_nbytes(1) == 8 * 2 * 4 * 256 * 2 == 32768
     assert state_bytes_per_request(real) == 24 * (8192 * 3 * 2 + 32 * 128 * 128 * 4) == 51511296
 
 
 def test_sweep_rows_send_the_state_once_per_request() -> None:
     points = [SweepPoint(n, "inproc", s(100.0)) for n in (1000, 2000)]
-    rows = sweep_rows(points, link_rate_bps=8e6, kv_bytes_token=512, state_bytes_request=116736)
+    rows = sweep_rows(points, link_rate_bps=8e6, kv_wire=KVWireBytes(512), state_bytes_request=116736)
     # 8 Mbit/s = 1,000 bytes per ms
     assert [r["ideal_transfer_ms"] for r in rows] == pytest.approx(
         [(1000 * 512 + 116736) / 1000, (2000 * 512 + 116736) / 1000]
@@ -264,22 +272,29 @@ def test_num_groups_probes() -> None:
 
 
 def test_plots_write_pngs(tmp_path) -> None:
-    from kvpipe.bench.latency import RequestRecord, summarize
-    from kvpipe.bench.plot import plot_run, plot_sweep
-
     points = [
         SweepPoint(n, m, s(t * n / 256, t * n / 200), g)
         for n in (256, 1024, 2048)
         for m, t, g in (("baseline", 60.0, 1), ("pipelined", 40.0, 4), ("inproc", 30.0, None))
     ]
-    rows = sweep_rows(points, link_rate_bps=1e9, kv_bytes_token=24576)
+    rows = sweep_rows(points, link_rate_bps=1e9, kv_wire=KVWireBytes(24576))
     out = plot_sweep(rows, tmp_path / "sub" / "sweep.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    recs = [RequestRecord(i, 8, 0.0, [0.1 * (i + 1), 0.1 * (i + 1) + 0.05], [1, 2], end_s=1.0) for i in range(4)]
-    recs.append(RequestRecord(9, 8, 0.0, error="timeout"))
+    recs = [
+        Outcome(
+            Request(i, (1,) * 8, 2),
+            End.OK,
+            0.0,
+            1.0,
+            8,
+            token_times=(0.1 * (i + 1), 0.1 * (i + 1) + 0.05),
+            token_counts=(1, 2),
+        )
+        for i in range(4)
+    ]
+    recs.append(Outcome(Request(9, (1,) * 8, 2), End.TIMEOUT, 0.0, 1.0, 8, reason="timeout"))
     run_png = plot_run(recs, summarize(recs, 1.0), tmp_path / "run.png")
     assert run_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    from kvpipe.bench.plot import plot_modes
 
     modes = [
         SweepPoint(2176, m, s(t), kv_bytes_per_request=kv)
@@ -290,41 +305,35 @@ def test_plots_write_pngs(tmp_path) -> None:
 
 
 def test_sliding_window_request_bytes_by_hand() -> None:
-    oss = _preset_hf_config("tiny-gpt-oss")  # layers 0, 2 sliding (window 32), fp32, 4 KV heads x 16
+    oss = preset_config("tiny-gpt-oss")  # layers 0, 2 sliding (window 32), fp32, 4 KV heads x 16
     w = kv_wire_bytes(oss, page_size=16)
     assert w is not None and (w.full_token_nbytes, w.swa_token_nbytes, w.window) == (1024, 1024, 32)
     # 100 tokens: sliding layers send pages 4..6 of 16 tokens, tokens 64..99
     assert w.request_nbytes(100) == 100 * 1024 + 36 * 1024 == 139264
     # openai/gpt-oss-20b's attention (transformers' GptOssConfig defaults, 24 layers), bf16
-    real = {
-        "model_type": "gpt_oss",
-        "num_hidden_layers": 24,
-        "num_attention_heads": 64,
-        "num_key_value_heads": 8,
-        "head_dim": 64,
-        "hidden_size": 2880,
-        "sliding_window": 128,
-        "torch_dtype": "bfloat16",
-    }
+    real = _model(
+        "GptOssForCausalLM",
+        num_hidden_layers=24,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        hidden_size=2880,
+        sliding_window=128,
+        num_local_experts=32,
+        num_experts_per_tok=4,
+        torch_dtype="bfloat16",
+    )
     w = kv_wire_bytes(real, page_size=64)
     assert w is not None and w.request_nbytes(4096) == (4096 + 128) * 12 * 2048 == 103809024
-    # other models: n x kv_bytes_per_token, the sweep's rows unchanged
-    bench = {
-        "num_hidden_layers": 12,
-        "num_attention_heads": 12,
-        "num_key_value_heads": 4,
-        "head_dim": 64,
-        "hidden_size": 768,
-        "torch_dtype": "float32",
-    }
-    w = kv_wire_bytes(bench, page_size=64)
-    assert w is not None and w.request_nbytes(1000) == 1000 * kv_bytes_per_token(bench)
-    assert kv_wire_bytes({}, page_size=64) is None
+    # other models: every token of every layer, the sweep's rows unchanged
+    w = kv_wire_bytes(_model("LlamaForCausalLM", **BENCH), page_size=64)
+    assert w is not None and w.request_nbytes(1000) == 1000 * 2 * 12 * 4 * 64 * 4
     points = [SweepPoint(n, "inproc", s(100.0)) for n in (100, 4096)]
-    rows = sweep_rows(points, link_rate_bps=8e6, kv_bytes_token=2048, kv_wire=kv_wire_bytes(oss, 16))
+    rows = sweep_rows(points, link_rate_bps=8e6, kv_wire=kv_wire_bytes(oss, 16))
     assert [r["kv_bytes"] for r in rows] == [139264, 4096 * 1024 + 32 * 1024]
     assert rows[0]["ideal_transfer_ms"] == pytest.approx(139264 * 8 / 8e6 * 1e3)
-    assert [r["kv_bytes"] for r in sweep_rows(points, 8e6, 2048)] == [100 * 2048, 4096 * 2048]
+    assert [r["kv_bytes"] for r in sweep_rows(points, 8e6, KVWireBytes(2048))] == [100 * 2048, 4096 * 2048]
+    assert [r["kv_bytes"] for r in sweep_rows(points, 8e6)] == [None, None]  # the model's size unknown
 
 
 def test_server_page_size() -> None:

@@ -4,22 +4,33 @@ raw patterns, the report table."""
 from __future__ import annotations
 
 import argparse
+import ctypes
+import multiprocessing
 
 import numpy as np
 import pytest
+import torch
 
 from kvpipe.bench.raw_mooncake import WHOLE, RawPattern, fmt_bytes, parse_bytes, pattern_ops
-from kvpipe.bench.transfer import (
-    RAW_PIECES,
-    RAW_WINDOWS,
-    add_args,
-    config_from_args,
-    format_table,
-    summarize,
-    tp_config_from_args,
+from kvpipe.bench.transfer import RAW_PIECES, RAW_WINDOWS, add_args, config_from_args, tp_config_from_args
+from kvpipe.bench.transfer_harness import Peer
+from kvpipe.bench.transfer_messages import DigestPages, PagesDigest, PoolZeroed, ProtocolError
+from kvpipe.bench.transfer_pages import (
+    RequestPages,
+    decode_window_table,
+    fragmented_pages,
+    plan_request,
+    source_window_table,
 )
-from kvpipe.bench.transfer_procs import fragmented_pages
+from kvpipe.bench.transfer_procs import digest
+from kvpipe.bench.transfer_report import format_table, summarize
+from kvpipe.bench.transfer_shapes import EXTRA_SHAPES, lookup_shape
+from kvpipe.cache.kv_pool import KVPool
+from kvpipe.cache.recurrent_pool import StatePool
+from kvpipe.config import ParallelConfig
+from kvpipe.model.gated_delta_net import local_state_shape
 from kvpipe.transfer.backends.mooncake import DEFAULT_MAX_OP_BYTES
+from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.planning.planner import page_runs
 
 
@@ -159,13 +170,6 @@ def test_table_shows_ops_pieces_best_raw_and_the_sweep():
 
 
 def test_hybrid_shapes_move_full_attention_kv_and_a_state_slot():
-    import torch
-
-    from kvpipe.bench.transfer_shapes import EXTRA_SHAPES
-    from kvpipe.cache.recurrent_pool import StatePool
-    from kvpipe.config import ParallelConfig
-    from kvpipe.model.gated_delta_net import local_state_shape
-
     p = argparse.ArgumentParser()
     add_args(p)
     cfg = config_from_args(p.parse_args(["--preset", "tiny-qwen3.5"]), "/tmp/x.log")
@@ -191,8 +195,6 @@ def _tiny_gpt_oss(args: list[str]):
 
 
 def test_sliding_shapes_move_the_prompts_last_window_only():
-    from kvpipe.bench.transfer_shapes import EXTRA_SHAPES, lookup_shape
-
     p, cfg = _tiny_gpt_oss(["--prompt-lens", "100,20", "--page-size", "16"])
     # 4 layers, sliding first (0, 2), window 32; KV 4 heads x 16 fp32
     assert (cfg.num_layers, cfg.kv_heads, cfg.head_dim, cfg.dtype) == (4, 4, 16, "float32")
@@ -226,14 +228,6 @@ def test_sliding_shapes_move_the_prompts_last_window_only():
 def test_sliding_plan_moves_full_pages_and_window_pages_exactly(fragmentation):
     """The bench's plan on aliased pools (no engine): bytes against a hand computation, and a
     local copy along its ops lands exactly the digested pages, nothing else."""
-    import ctypes
-
-    import torch
-
-    from kvpipe.bench.transfer_procs import _digest, decode_window_table, plan_request, source_window_table
-    from kvpipe.cache.kv_pool import KVPool
-    from kvpipe.transfer.planning.layout import KVLayout
-
     _, cfg = _tiny_gpt_oss(["--prompt-lens", "100", "--page-size", "16", "--fragmentation", str(fragmentation)])
 
     def pool(pages: int) -> KVPool:
@@ -250,20 +244,21 @@ def test_sliding_plan_moves_full_pages_and_window_pages_exactly(fragmentation):
     assert src_swa is not None and dst_swa is not None
     assert src_swa.tolist() == [-1] * 4 + [7, 8, 9] and (dst_swa[:4] == -1).all()
     assert not set(dst_swa[4:].tolist()) & set(dst_pages.tolist())
-    plan = plan_request(src_pages, dst_pages, KVLayout.from_pool(src), KVLayout.from_pool(dst), src_swa, dst_swa)
+    pages = RequestPages(src_pages, dst_pages, src_swa, dst_swa)
+    plan = plan_request(pages, KVLayout.from_pool(src), KVLayout.from_pool(dst))
     # full layers 1, 3: 7 pages; sliding layers 0, 2: 3 pages; 8192 bytes per page, K and V
     assert plan.nbytes == (2 * 7 + 2 * 3) * 8192 == 163840
     assert plan.parts[0].layer_ids.tolist() == [1, 3] and plan.parts[1].layer_ids.tolist() == [0, 2]
     # carry the ops out in memory: the destination's digest of the moved pages matches the source's
     for s_, d_, n_ in zip(plan.src_addr.tolist(), plan.dst_addr.tolist(), plan.length.tolist()):
         ctypes.memmove(d_, s_, n_)
-    assert _digest(dst, dst_pages, swa_pages=dst_swa) == _digest(src, src_pages, swa_pages=src_swa)
+    assert digest(dst, dst_pages, swa_pages=dst_swa) == digest(src, src_pages, swa_pages=src_swa)
     # exactly those: every other byte of the destination is still zero (fp32: 4 bytes an element)
     written = sum(int(t.count_nonzero()) for t in {id(b): b for b in dst.buffers()}.values())
     assert written == plan.nbytes // 4
     # and the digest sees a sliding layer's window page
     dst.k[0][int(dst_swa[-1])].zero_()
-    assert _digest(dst, dst_pages, swa_pages=dst_swa) != _digest(src, src_pages, swa_pages=src_swa)
+    assert digest(dst, dst_pages, swa_pages=dst_swa) != digest(src, src_pages, swa_pages=src_swa)
 
 
 def _timed_row(**shape) -> dict:
@@ -333,3 +328,16 @@ def test_hybrid_table_splits_kv_and_state():
     table = format_table(report)
     assert "hybrid 4L: state of 3 linear layers" in table and "KV MiB state MiB" in table
     assert "     64      0.0       0.1      2         6" in table
+
+
+def test_the_processes_exchange_typed_messages():
+    a, b = multiprocessing.Pipe()
+    prefill, decode = Peer(a), Peer(b)
+    prefill.send(DigestPages(np.arange(3), None))
+    msg = decode.recv()
+    assert isinstance(msg, DigestPages) and msg.pages.tolist() == [0, 1, 2] and msg.window_table is None
+    decode.send(PagesDigest("ab"))
+    assert prefill.expect(PagesDigest).hexdigest == "ab"
+    decode.send(PoolZeroed())
+    with pytest.raises(ProtocolError, match="expected PagesDigest, got PoolZeroed"):
+        prefill.expect(PagesDigest)

@@ -31,11 +31,11 @@ def test_parse_lengths_forms() -> None:
 def test_lengths_are_exact_and_cycled() -> None:
     w = build_workload(cfg(output_lens=parse_lengths("3,5,7")))
     assert [r.prompt_len for r in w.requests] == [16, 64, 16, 64, 16, 64]
-    assert [r.output_len for r in w.requests] == [3, 5, 7, 3, 5, 7]
-    assert all(0 <= t < 100 for r in w.requests for t in r.input_ids)
+    assert [r.max_tokens for r in w.requests] == [3, 5, 7, 3, 5, 7]
+    assert all(0 <= t < 100 for r in w.requests for t in r.prompt)
     assert w.total_prompt_tokens == 3 * 80 and w.total_output_tokens == 30
     body = w.requests[1].body()
-    assert body["input_ids"] == list(w.requests[1].input_ids) and body["stream"] is True
+    assert body["input_ids"] == list(w.requests[1].prompt) and body["stream"] is True
     assert body["sampling_params"] == {"max_new_tokens": 5, "temperature": 0.0, "ignore_eos": True}
 
 
@@ -49,12 +49,12 @@ def test_deterministic_for_a_seed_and_different_across_seeds() -> None:
     a, b = build_workload(cfg(seed=3, request_rate=2.0)), build_workload(cfg(seed=3, request_rate=2.0))
     assert a.requests == b.requests
     c = build_workload(cfg(seed=4, request_rate=2.0))
-    assert [r.input_ids for r in a.requests] != [r.input_ids for r in c.requests]
+    assert [r.prompt for r in a.requests] != [r.prompt for r in c.requests]
 
 
 def test_token_id_low_excludes_low_ids() -> None:
     w = build_workload(cfg(vocab_size=20, token_id_low=15, num_requests=4))
-    assert all(15 <= t < 20 for r in w.requests for t in r.input_ids)
+    assert all(15 <= t < 20 for r in w.requests for t in r.prompt)
 
 
 def test_arrivals_infinite_rate_and_poisson() -> None:
@@ -73,15 +73,15 @@ def test_shared_prefix_groups() -> None:
     w = build_workload(
         cfg(prompt_lens=parse_lengths("40"), num_requests=7, num_prefix_groups=3, prefix_len=32, vocab_size=50_000)
     )
-    groups = [r.prefix_group for r in w.requests]
+    groups = [w.prefix_group(r.index) for r in w.requests]
     assert groups == [0, 1, 2, 0, 1, 2, 0]
-    by_group: dict[int, set] = {}
-    for r in w.requests:
+    by_group: dict[int | None, set] = {}
+    for r, g in zip(w.requests, groups):
         assert r.prompt_len == 40
-        by_group.setdefault(r.prefix_group, set()).add(r.input_ids[:32])
+        by_group.setdefault(g, set()).add(r.prompt[:32])
     assert all(len(s) == 1 for s in by_group.values())  # one prefix per group
     assert len({next(iter(s)) for s in by_group.values()}) == 3  # distinct across groups
-    tails = [r.input_ids[32:] for r in w.requests]
+    tails = [r.prompt[32:] for r in w.requests]
     assert len(set(tails)) == len(tails)  # the rest is per request
 
 

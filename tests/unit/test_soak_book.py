@@ -7,19 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from kvpipe.qa.soak_book import (
-    Outcome,
-    ProcSample,
-    RequestResult,
-    ResourceSeries,
-    Tally,
-    pool_checks,
-    resource_checks,
-    room_deltas,
-    verdict,
-)
-from kvpipe.qa.soak_plan import Bounds, Kind, SoakConfig, plan_requests, plan_warmup
-from kvpipe.qa.soak_procs import group_pids, sample_group
+from kvpipe.bench.outcome import End, Outcome
+from kvpipe.bench.request import Api, Request
+from kvpipe.qa.checks import verdict
+from kvpipe.qa.leaks import pool_checks
+from kvpipe.qa.soak_plan import Bounds, SoakConfig, plan_requests, plan_warmup
+from kvpipe.qa.soak_procs import ProcSample, group_pids, sample_group
+from kvpipe.qa.soak_report import room_deltas
+from kvpipe.qa.soak_resources import ResourceSeries, resource_checks
+from kvpipe.qa.soak_tally import Tally
 
 
 def test_plan_is_seeded_mixed_and_within_bounds() -> None:
@@ -27,17 +23,15 @@ def test_plan_is_seeded_mixed_and_within_bounds() -> None:
     plan = plan_requests(cfg)
     assert plan == plan_requests(cfg) and plan != plan_requests(SoakConfig(num_requests=400, seed=4))
     assert [r.index for r in plan] == list(range(400))
-    assert {r.kind for r in plan} == set(Kind) and {r.stream for r in plan} == {True, False}
+    assert {r.api for r in plan} == set(Api) and {r.stream for r in plan} == {True, False}
     assert all(5 <= r.prompt_len <= 300 for r in plan)
-    ids = [r for r in plan if r.input_ids is not None]
-    assert ids and all(r.kind is Kind.GENERATE and len(r.input_ids) == r.prompt_len for r in ids)
-    assert all(
-        r.text is not None and len(r.text) == r.prompt_len and r.text.strip() for r in plan if r.input_ids is None
-    )
+    ids = [r for r in plan if not isinstance(r.prompt, str)]
+    assert ids and all(r.api is Api.GENERATE for r in ids)
+    assert all(r.prompt.strip() for r in plan if isinstance(r.prompt, str))
     cut = [r for r in plan if r.disconnect_after is not None]
     assert 40 <= len(cut) <= 120  # 20% of 400, loosely
-    assert all(r.stream and r.output_len > r.disconnect_after for r in cut)
-    assert all(1 <= r.output_len <= cfg.output_max for r in plan if r.disconnect_after is None)
+    assert all(r.stream and r.max_tokens > r.disconnect_after for r in cut)
+    assert all(1 <= r.max_tokens <= cfg.output_max for r in plan if r.disconnect_after is None)
 
 
 def test_warmup_starts_with_the_longest_prompts_at_full_concurrency() -> None:
@@ -45,7 +39,7 @@ def test_warmup_starts_with_the_longest_prompts_at_full_concurrency() -> None:
     warm = plan_warmup(cfg)
     assert [r.index for r in warm] == list(range(14))
     assert all(r.prompt_len == 900 for r in warm[:6]) and all(10 <= r.prompt_len <= 900 for r in warm[6:])
-    assert [r.text or r.input_ids for r in warm] != [r.text or r.input_ids for r in plan_requests(cfg)[:14]]
+    assert [r.prompt for r in warm] != [r.prompt for r in plan_requests(cfg)[:14]]
     assert plan_warmup(SoakConfig(warmup_requests=0)) == []
 
 
@@ -53,12 +47,12 @@ def test_bodies_per_kind() -> None:
     plan = plan_requests(SoakConfig(num_requests=60, prompt_max=20))
     for r in plan:
         b = r.body("m")
-        if r.kind is Kind.GENERATE:
-            assert b["sampling_params"]["max_new_tokens"] == r.output_len and b["sampling_params"]["ignore_eos"]
-            assert ("input_ids" in b) == (r.input_ids is not None)
+        if r.api is Api.GENERATE:
+            assert b["sampling_params"]["max_new_tokens"] == r.max_tokens and b["sampling_params"]["ignore_eos"]
+            assert ("input_ids" in b) == (not isinstance(r.prompt, str))
         else:
-            assert b["model"] == "m" and b["max_tokens"] == r.output_len
-            assert ("messages" in b) == (r.kind is Kind.CHAT) and ("prompt" in b) == (r.kind is Kind.COMPLETION)
+            assert b["model"] == "m" and b["max_tokens"] == r.max_tokens
+            assert ("messages" in b) == (r.api is Api.CHAT) and ("prompt" in b) == (r.api is Api.COMPLETION)
             assert ("stream_options" in b) == r.stream
 
 
@@ -79,21 +73,22 @@ def test_config_rejects_nonsense(bad: dict) -> None:
 
 
 def _res(
-    i: int, outcome: Outcome, kind: Kind = Kind.GENERATE, status: int | None = 200, msg: str = "", latency: float = 0.1
-) -> RequestResult:
-    return RequestResult(i, kind, i % 2 == 0, 10, outcome, latency, status, msg)
+    i: int, end: End, api: Api = Api.GENERATE, status: int | None = 200, msg: str = "", latency: float = 0.1
+) -> Outcome:
+    req = Request(i, "abc", 4, api, stream=i % 2 == 0)
+    return Outcome(req, end, 1.0, 1.0 + latency, 3, http_status=status, message=msg, reason=msg)
 
 
 def test_tally_counts_and_latency() -> None:
     t = Tally()
-    for i, o in enumerate([Outcome.SUCCESS] * 3 + [Outcome.ERROR, Outcome.DISCONNECTED]):
+    for i, e in enumerate([End.OK] * 3 + [End.HTTP_ERROR, End.DISCONNECTED]):
         t.add(
             _res(
                 i,
-                o,
-                Kind.CHAT if i == 4 else Kind.GENERATE,
-                500 if o is Outcome.ERROR else 200,
-                "HTTP 500: KV transfer failed" if o is Outcome.ERROR else "",
+                e,
+                Api.CHAT if i == 4 else Api.GENERATE,
+                500 if e is End.HTTP_ERROR else 200,
+                "HTTP 500: KV transfer failed" if e is End.HTTP_ERROR else "",
                 latency=0.1 * (i + 1),
             )
         )
@@ -109,13 +104,13 @@ def test_tally_counts_and_latency() -> None:
 
 def test_tally_checks_fail_on_hang_unclear_missing_and_duplicates() -> None:
     t = Tally()
-    t.add(_res(0, Outcome.HANG, status=None))
-    t.add(_res(1, Outcome.UNCLEAR, status=None, msg="RemoteProtocolError"))
-    t.add(_res(1, Outcome.SUCCESS))
+    t.add(_res(0, End.TIMEOUT, status=None))
+    t.add(_res(1, End.CONNECTION, status=None, msg="RemoteProtocolError"))
+    t.add(_res(1, End.OK))
     failed = {c.name for c in t.checks(3, faults_injected=True) if not c.ok}
     assert failed == {"no hangs", "every request accounted"}  # the duplicate replaced the unclear one
     t2 = Tally()
-    t2.add(_res(0, Outcome.UNCLEAR, status=None))
+    t2.add(_res(0, End.CUT, status=None))
     assert {c.name for c in t2.checks(1, True) if not c.ok} == {"every failure is clear"}
 
 
@@ -143,8 +138,8 @@ def _stats(**kw: object) -> dict:
 
 def test_pool_checks_find_leaks() -> None:
     base = _stats()
-    assert verdict(pool_checks("decode", base, _stats()))
-    leaked = pool_checks("decode", base, _stats(free_pages=96, active_rooms=1, transfer_rooms=2, num_reserved=1))
+    assert verdict(pool_checks("decode", _stats(), base))
+    leaked = pool_checks("decode", _stats(free_pages=96, active_rooms=1, transfer_rooms=2, num_reserved=1), base)
     assert {c.name for c in leaked if not c.ok} == {
         "decode free_pages",
         "decode disaggregation.active_rooms",
@@ -153,11 +148,17 @@ def test_pool_checks_find_leaks() -> None:
     }
     ring = _stats()
     ring["disaggregation"]["staging_ring"]["live_slots"] = 2
-    failed = [c.name for c in pool_checks("decode", base, ring) if not c.ok]
+    failed = [c.name for c in pool_checks("decode", ring, base) if not c.ok]
     assert failed == ["decode disaggregation.staging_ring.live_slots"]
+    # without a baseline: the zero and full rules on what the server reports now
+    assert verdict(pool_checks("decode", ring))
+    assert {c.name for c in pool_checks("decode", _stats(num_running=1, free_pages=99)) if not c.ok} == {
+        "decode num_running",
+        "decode free_pages",
+    }
     # what a server does not report is not checked; a key it stopped reporting is a failure
     assert [c.name for c in pool_checks("x", {"num_running": 0}, {"num_running": 0})] == ["x num_running"]
-    assert not verdict(pool_checks("x", {"num_running": 0}, {}))
+    assert not verdict(pool_checks("x", {}, {"num_running": 0}))
 
 
 def test_room_deltas() -> None:
