@@ -81,7 +81,9 @@ def open_gguf(path: Path) -> GGUFReader:
         raise ConfigError(f"{path}: {e}") from None
     except _CORRUPT as e:
         size = path.stat().st_size
-        raise ConfigError(f"{path}: not a readable GGUF file ({size} bytes; truncated or corrupt?): {e}") from None
+        raise ConfigError(
+            f"{path}: not a readable GGUF file, truncated or corrupt ({size} bytes; gguf reader: {e})"
+        ) from None
     check_tensor_types(path, reader)
     split = field_value(reader.fields.get("split.count"))
     if split is not None and int(split) > 1:
