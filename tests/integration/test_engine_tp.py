@@ -8,9 +8,9 @@ import textwrap
 import time
 
 import pytest
-from engine_utils import make_engine, one_at_a_time, output_ids, prompts
 
 from kvpipe.engine.errors import EngineLost
+from tests.helpers.engine import make_engine, one_at_a_time, output_ids, prompts
 
 PROMPTS = prompts(4)
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_pd_inprocess import colocated_greedy, failures_then_decode_abort, greedy_and_bytes_as_predicted
 
 from kvpipe.engine.engine import Engine
 from kvpipe.model.presets import write_preset
+from tests.helpers.pd_pair import colocated_greedy, failures_then_decode_abort, greedy_and_bytes_as_predicted
 
 pytestmark = pytest.mark.integration
 LENS = [1, 15, 16, 17, 40, 100]

@@ -18,12 +18,12 @@ import httpx
 import msgpack
 import pytest
 import zmq
-from pd_harness import Stack, disagg_stats, generate, greedy, pd_body, start_stack, wait_for
-from server_harness import ServerProc
 
 from kvpipe.transfer.control import messages as m
 from kvpipe.transfer.control.auth import Authenticator
 from kvpipe.transfer.control.bootstrap import BootstrapError, fetch_prefill_info, register_prefill_rank
+from tests.helpers.pd_stack import Stack, disagg_stats, generate, greedy, pd_body, start_stack, wait_for
+from tests.helpers.server import ServerProc
 
 pytest.importorskip("mooncake.engine")
 pytestmark = pytest.mark.integration

@@ -10,23 +10,14 @@ import random
 from dataclasses import replace
 
 import pytest
-from test_pd_inprocess import GREEDY, PS, Pair, colocated_greedy, make_pair, reference  # noqa: F401 - the fixture
 
 from kvpipe.engine.request import FinishReason, Req
 from kvpipe.model.presets import write_preset
 from kvpipe.transfer.backends import FailureInjection
+from tests.helpers.pd_pair import GREEDY, PS, Pair, colocated_greedy, make_pair
+from tests.helpers.prefix_prompts import shared_prefix_prompts
 
 pytestmark = pytest.mark.integration
-
-
-def shared_prefix_prompts(seed: int) -> list[list[int]]:
-    """32 prompts: 4 system prefixes (page-aligned and not) x 8 questions of 1-40 tokens."""
-    rnd = random.Random(seed)
-    out = []
-    for plen in (16, 37, 64, 90):
-        prefix = [rnd.randrange(3, 290) for _ in range(plen)]
-        out += [prefix + [rnd.randrange(3, 290) for _ in range(rnd.randint(1, 40))] for _ in range(8)]
-    return out
 
 
 def pair_caches(pair: Pair) -> tuple[bool, bool]:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_harness import ServerProc, server_fixture, sse_events
+
+from tests.helpers.server import ServerProc, server_fixture, sse_events
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from server_harness import ServerProc, server_fixture
+
+from tests.helpers.server import ServerProc, server_fixture
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

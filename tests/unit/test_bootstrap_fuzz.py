@@ -13,10 +13,10 @@ from urllib.parse import quote
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_messages_fuzz import _paths
 
 from kvpipe.transfer.control.bootstrap import PrefillRankInfo, _app, _Registry
 from kvpipe.transfer.planning.layout import KVLayout
+from tests.helpers.wire_maps import key_paths
 
 FUZZ = settings(
     max_examples=120,
@@ -85,7 +85,7 @@ def test_a_registration_with_one_field_broken_is_refused_cleanly() -> None:
     @given(st.data())
     def break_one(data: st.DataObject) -> None:
         body = copy.deepcopy(registration(f"inst-{data.draw(st.integers(0, 3))}"))
-        path = data.draw(st.sampled_from(_paths(body)))
+        path = data.draw(st.sampled_from(key_paths(body)))
         parent = body
         for k in path[:-1]:
             parent = parent[k]

@@ -1,34 +1,29 @@
 """Qwen3.5 dense text model (gated delta-net + gated full attention) against HF transformers, fp32:
 logits of whole prompts, chunked prefill (the recurrent state carried across chunks), paged
-decode, packed batches, greedy generation, TP."""
+decode, packed batches, greedy generation, the TP config checks (TP itself:
+tests/integration/test_model_qwen3_5_tp.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kvpipe.config import ConfigError, ParallelConfig
+from kvpipe.model.config import LayerType, ModelConfig
+from kvpipe.model.forward_batch import ForwardBatch
+from kvpipe.model.loader import load_model
+from kvpipe.model.presets import write_preset
+from kvpipe.model.qwen3_5 import Qwen3_5CausalLM
+from tests.helpers.paged_model import all_logits
+from tests.helpers.preset_digests import digests
+
+# transformers (the `test` extra) with Qwen3.5: without them this module is skipped, not failed,
+# so the helpers that build HF models are imported after the check
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.qwen3_5")
 
-from qwen3_5_utils import (
-    VOCAB,
-    F,
-    L,
-    all_logits,
-    greedy_generate,
-    hf_logits,
-    hf_qwen3_5,  # noqa: E402
-    incremental_logits,
-    pools,
-    prompt_ids,
-    save,
-)
-
-from kvpipe.config import ConfigError, ParallelConfig  # noqa: E402
-from kvpipe.model.config import LayerType, ModelConfig
-from kvpipe.model.forward_batch import ForwardBatch  # noqa: E402
-from kvpipe.model.loader import load_model  # noqa: E402
-from kvpipe.model.qwen3_5 import Qwen3_5CausalLM  # noqa: E402
+from tests.helpers.hf_models import VOCAB, hf_logits, prompt_ids, save  # noqa: E402
+from tests.helpers.hybrid_model import F, L, greedy_generate, hf_qwen3_5, incremental_logits, pools  # noqa: E402
 
 ATOL = 1e-4
 CASES = {
@@ -178,16 +173,10 @@ def test_tp_rejects_indivisible_linear_heads(tmp_path):
 
 @pytest.fixture(scope="module")
 def preset_dir(tmp_path_factory):
-    from kvpipe.model.presets import write_preset
-
     return write_preset("tiny-qwen3.5", tmp_path_factory.mktemp("tiny_qwen35"))
 
 
 def test_tiny_qwen3_5_preset_matches_hf(preset_dir, tmp_path):
-    from test_presets import digests
-
-    from kvpipe.model.presets import write_preset
-
     assert digests(write_preset("tiny-qwen3.5", tmp_path / "again")) == digests(preset_dir)
     hf = transformers.Qwen3_5ForCausalLM.from_pretrained(preset_dir, dtype=torch.float32).eval()
     ours = load_model(preset_dir)

@@ -9,29 +9,23 @@ import json
 import pytest
 import torch
 
+from kvpipe.config import ConfigError
+from kvpipe.model.config import ModelConfig
+from kvpipe.model.forward_batch import ForwardBatch
+from kvpipe.model.loader import load_model
+from kvpipe.model.moe import SparseMoE
+from kvpipe.model.presets import preset_names, write_preset
+from kvpipe.model.qwen3_5 import Qwen3_5CausalLM
+from tests.helpers.paged_model import all_logits
+from tests.helpers.preset_digests import digests
+
+# transformers (the `test` extra) with Qwen3.5-MoE: without them this module is skipped, not
+# failed, so the helpers that build HF models are imported after the check
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.qwen3_5_moe")
 
-from qwen3_5_utils import (
-    VOCAB,
-    F,
-    L,
-    all_logits,
-    greedy_generate,
-    hf_logits,
-    hf_qwen3_5_moe,  # noqa: E402
-    incremental_logits,
-    pools,
-    prompt_ids,
-    save,
-)
-
-from kvpipe.config import ConfigError  # noqa: E402
-from kvpipe.model.config import ModelConfig  # noqa: E402
-from kvpipe.model.forward_batch import ForwardBatch  # noqa: E402
-from kvpipe.model.loader import load_model  # noqa: E402
-from kvpipe.model.moe import SparseMoE  # noqa: E402
-from kvpipe.model.qwen3_5 import Qwen3_5CausalLM  # noqa: E402
+from tests.helpers.hf_models import VOCAB, hf_logits, prompt_ids, save  # noqa: E402
+from tests.helpers.hybrid_model import F, L, greedy_generate, hf_qwen3_5_moe, incremental_logits, pools  # noqa: E402
 
 ATOL = 1e-4
 CASES = {
@@ -122,16 +116,10 @@ def test_unsupported_options_are_refused(tmp_path, key, value):
 
 @pytest.fixture(scope="module")
 def preset_dir(tmp_path_factory):
-    from kvpipe.model.presets import write_preset
-
     return write_preset("tiny-qwen3.5-moe", tmp_path_factory.mktemp("tiny_qwen35_moe"))
 
 
 def test_tiny_qwen3_5_moe_preset_matches_hf(preset_dir, tmp_path):
-    from test_presets import digests
-
-    from kvpipe.model.presets import preset_names, write_preset
-
     assert "tiny-qwen3.5-moe" in preset_names()
     assert digests(write_preset("tiny-qwen3.5-moe", tmp_path / "again")) == digests(preset_dir)
     hf = transformers.Qwen3_5MoeForCausalLM.from_pretrained(preset_dir, dtype=torch.float32).eval()

@@ -9,14 +9,13 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from pd_harness import Stack, disagg_stats, generate, greedy, start_stack
-
 from kvpipe.cache.window_pages import prompt_window_pages
 from kvpipe.config import CacheConfig, ServerConfig
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import SamplingParams
 from kvpipe.model.config import ModelConfig
 from kvpipe.transfer.planning.tp_mapping import transfer_slices
+from tests.helpers.pd_stack import Stack, disagg_stats, generate, greedy, start_stack
 
 # 24 prompt lengths from 1 to 150 tokens: around pages of 16, a window of 32 and chunks of 64
 MANY_LENGTHS = [150, 37, 90, 1, 5, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65, 80, 96, 97, 111, 120, 128, 129, 140]
