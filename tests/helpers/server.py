@@ -82,9 +82,9 @@ def start_server(model_dir: Path, log_path: Path, *extra: str, timeout_s: float 
     srv = ServerProc(f"http://127.0.0.1:{port}", proc, log_path)
     try:
         wait_healthy(srv.url + "/health", timeout_s, [proc])
-    except BaseException:
+    except BaseException as e:
         stop_process(proc)
-        raise RuntimeError(f"server did not start; log:\n{srv.log()[-4000:]}")
+        raise RuntimeError(f"server did not start; log:\n{srv.log()[-4000:]}") from e
     return srv
 
 

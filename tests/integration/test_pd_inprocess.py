@@ -15,7 +15,6 @@ from kvpipe.transfer.backends import FailureInjection
 from kvpipe.transfer.lifecycle import TransferState
 from tests.helpers.pd_pair import GREEDY, make_pair, prompts, tokens
 
-pytestmark = pytest.mark.integration
 LENS = [1, 2, 15, 16, 17, 40, 100, 333]
 
 

@@ -18,7 +18,6 @@ from kvpipe.engine.request import FinishReason
 from tests.helpers.pd_pair import GREEDY, PS, Pair, make_pair, prompts
 from tests.helpers.pd_stack import generate, greedy, start_stack
 
-pytestmark = pytest.mark.integration
 LAYERS = 4  # the tiny preset
 MIXED = [1, 17, 40, 100, 333, 250]  # one batch (or a few chunks) of long and short prompts
 
@@ -44,7 +43,7 @@ def spy_sends(pair: Pair) -> list[dict[str, Any]]:
 
 
 def check_outputs(pair: Pair, reqs, ps, reference) -> None:
-    for (p, d), ids in zip(reqs, ps):
+    for (_, d), ids in zip(reqs, ps):
         assert d.output_ids == reference(ids), f"prompt of {len(ids)} tokens: {d.finish_detail}"
         assert d.finish_reason is FinishReason.LENGTH
     st = pair.prefill.stats()["disaggregation"]

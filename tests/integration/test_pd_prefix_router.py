@@ -21,7 +21,6 @@ from tests.helpers.pd_stack import TP_PS, close_and_check_no_orphans, disagg_sta
 from tests.helpers.prefix_prompts import shared_prefix_prompts
 
 pytest.importorskip("mooncake.engine")
-pytestmark = pytest.mark.integration
 
 PS, NEW = TP_PS, 4  # the tiny preset, fp32
 

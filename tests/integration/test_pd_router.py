@@ -17,7 +17,6 @@ from tests.helpers.pd_stack import Stack, generate, greedy, pd_body, start_stack
 from tests.helpers.server import ServerProc, server_fixture
 
 pytest.importorskip("mooncake.engine")
-pytestmark = pytest.mark.integration
 
 PAGE = ["--page-size", "16", "--max-total-tokens", "32768"]
 LENS = [

@@ -18,7 +18,6 @@ from tests.helpers.pd_parity import LOGPROB_TOL, colocated_reference, expected_b
 from tests.helpers.pd_stack import close_and_check_no_orphans, disagg_stats, generate, greedy, start_tp_stack
 
 pytest.importorskip("mooncake.engine")
-pytestmark = pytest.mark.integration
 
 PS, NEW = 16, 5  # tiny-kv4 (4 KV heads), fp32
 LENGTHS = [300, 137, 64, 211]

@@ -35,7 +35,6 @@ from tests.helpers.pd_stack import (
 )
 
 pytest.importorskip("mooncake.engine")
-pytestmark = pytest.mark.integration
 
 PS, NEW = TP_PS, 5  # the tiny preset, fp32
 LENGTHS = [300, 137, 64, 211]

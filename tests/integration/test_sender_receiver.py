@@ -37,7 +37,6 @@ from tests.helpers.kv_transfer import (
     wait_for,
 )
 
-pytestmark = pytest.mark.integration
 S, F = TransferState.SUCCESS, TransferState.FAILED
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from tests.helpers.server import ServerProc, server_fixture, sse_events
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 
 GREEDY = {"max_new_tokens": 12, "temperature": 0.0}
 

@@ -12,7 +12,7 @@ import pytest
 
 from tests.helpers.server import ServerProc, server_fixture
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 
 MODEL = "tiny-chat"
 

@@ -23,7 +23,6 @@ from kvpipe.transfer.recurrent.layout import StateLayout
 from kvpipe.transfer.sender.kv_sender import KVSender
 from tests.helpers.kv_transfer import CFG, Results, make_backend, wait_for
 
-pytestmark = pytest.mark.integration
 TYPES = "LLLFLLLF"  # model layers: L linear attention, F full attention
 LINEAR = tuple(i for i, t in enumerate(TYPES) if t == "L")
 FULL = tuple(i for i, t in enumerate(TYPES) if t == "F")

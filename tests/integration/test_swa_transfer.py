@@ -22,7 +22,6 @@ from kvpipe.transfer.receiver.kv_receiver import DecodeRank, KVReceiver
 from kvpipe.transfer.sender.kv_sender import KVSender
 from tests.helpers.kv_transfer import CFG, Results, make_backend
 
-pytestmark = pytest.mark.integration
 L, PAGES, PS, HD, H = 4, 32, 4, 8, 2  # KV layers, pages per pool, page size, head dim, total KV heads
 SWA = (1, 3)  # sliding layer 2i+1 shares full layer 2i's K and V tensors
 FULL = (0, 2)

@@ -203,7 +203,7 @@ def test_200_mixed_requests_with_aborts_return_all_pages():
         max_running_requests=8,
     )
     reqs, nxt = [], 0
-    for it in range(5000):
+    for _ in range(5000):
         if nxt < 200 and rnd.random() < 0.5:
             r = req(f"r{nxt}", rnd.randint(1, 40), max_new=rnd.randint(1, 20))
             nxt += 1
