@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from kvpipe.config import ParallelConfig
+from kvpipe.model.config import ModelConfig
 from kvpipe.model.loader import load_model
 from tests.helpers.paged_model import greedy_generate, incremental_logits, make_pool
+from tests.helpers.tolerance import assert_close_logits
 from tests.helpers.tp_ranks import run_ranks
 
 # transformers comes with the `test` extra: without it this module is skipped, not failed, so the
@@ -75,17 +77,18 @@ def test_tp_matches_tp1(world, model_dirs, tmp_path):
     ranks = run_ranks(_run_all, world, tmp_path, model_dirs)
     for name, d in model_dirs.items():
         want_logits, want_kv, want_greedy = _run(Path(d), ParallelConfig())
-        num_kv = load_model(d).cfg.num_kv_heads
+        cfg = ModelConfig.from_dir(d)
+        num_kv = cfg.num_kv_heads
         for rank in range(world):
             got = ranks[rank][name]
             assert got["greedy"] == want_greedy, f"{name} rank {rank}"
-            torch.testing.assert_close(got["logits"], want_logits, atol=1e-5, rtol=0, msg=f"{name} rank {rank}")
+            assert_close_logits(got["logits"], want_logits, cfg, len(IDS), msg=f"{name} rank {rank}")
             par = ParallelConfig(world, rank)
             h0, n = par.kv_head_start(num_kv), par.local_kv_heads(num_kv)
             for layer, (g, w) in enumerate(zip(got["kv"], want_kv)):
                 # [2, pages, heads, page, dim]: this rank's heads only
                 assert g.shape[2] == n
-                torch.testing.assert_close(g, w[:, :, h0 : h0 + n], atol=1e-5, rtol=0, msg=f"{name} L{layer} r{rank}")
+                assert_close_logits(g, w[:, :, h0 : h0 + n], cfg, len(IDS), msg=f"{name} L{layer} r{rank}")
 
 
 # ---- GPT-OSS -------------------------------------------------------------------------------------
@@ -103,7 +106,7 @@ def test_gpt_oss_tp_matches_tp1(world, tmp_path):
     for rank in range(world):
         got = ranks[rank]["gpt_oss"]
         assert got["greedy"] == want_greedy, f"rank {rank}"
-        torch.testing.assert_close(got["logits"], want_logits, atol=1e-5, rtol=0, msg=f"rank {rank}")
+        assert_close_logits(got["logits"], want_logits, ModelConfig.from_dir(d), len(IDS), msg=f"rank {rank}")
 
 
 # ---- DeepSeek-V3: multi-head latent attention ------------------------------------------------------
@@ -141,13 +144,14 @@ def test_mla_tp_matches_tp1(world, mla_model_dirs, tmp_path):
     ranks = run_ranks(_mla_run_all, world, tmp_path, mla_model_dirs)
     for name, d in mla_model_dirs.items():
         want = _mla_run(Path(d), ParallelConfig())
+        cfg = ModelConfig.from_dir(d)
         for rank in range(world):
             got = ranks[rank][name]
             assert got["greedy"] == want["greedy"], f"{name} rank {rank}"
-            torch.testing.assert_close(got["logits"], want["logits"], atol=1e-5, rtol=0, msg=f"{name} rank {rank}")
+            assert_close_logits(got["logits"], want["logits"], cfg, len(IDS), msg=f"{name} rank {rank}")
             for layer, (g, w) in enumerate(zip(got["latent"], want["latent"])):
                 assert g.shape == w.shape
-                torch.testing.assert_close(g, w, atol=1e-5, rtol=0, msg=f"{name} L{layer} r{rank}")
+                assert_close_logits(g, w, cfg, len(IDS), msg=f"{name} L{layer} r{rank}")
 
 
 # ---- DeepSeek-V3's sparse MoE block ----------------------------------------------------------------

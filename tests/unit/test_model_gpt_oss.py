@@ -18,6 +18,7 @@ from kvpipe.model.loader import load_model
 from kvpipe.model.presets import write_preset
 from kvpipe.model.tokenizer import Tokenizer
 from tests.helpers.paged_model import all_logits, greedy_generate, incremental_logits, make_pool
+from tests.helpers.tolerance import assert_close_logits
 
 # transformers comes with the `test` extra: without it this module is skipped, not failed, so the
 # helpers that build HF models are imported after the check
@@ -25,8 +26,6 @@ transformers = pytest.importorskip("transformers")
 
 from tests.helpers.hf_gpt_oss import CASES, hf_gpt_oss  # noqa: E402
 from tests.helpers.hf_models import hf_logits, prompt_ids, save  # noqa: E402
-
-ATOL = 1e-4
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -48,7 +47,7 @@ def test_full_prompt_logits_match_hf(case):
     hf, ours = case
     ids = prompt_ids(37)  # several windows long
     batch = all_logits(ForwardBatch.build([ids], [0], [torch.arange(10)], 4))
-    torch.testing.assert_close(ours(batch, make_pool(ours, 10, 4)), hf_logits(hf, ids), atol=ATOL, rtol=0)
+    assert_close_logits(ours(batch, make_pool(ours, 10, 4)), hf_logits(hf, ids), ours.cfg, len(ids))
 
 
 @pytest.mark.parametrize("chunk", [None, 3, 5, 7])
@@ -58,7 +57,7 @@ def test_chunked_prefill_and_decode_past_window_match_hf(case, chunk):
     hf, ours = case
     ids = prompt_ids(40, seed=2)
     got = incremental_logits(ours, ids, prompt_len=13, page_size=4, chunk=chunk)
-    torch.testing.assert_close(got, hf_logits(hf, ids), atol=ATOL, rtol=0)
+    assert_close_logits(got, hf_logits(hf, ids), ours.cfg, len(ids))
 
 
 def test_batched_decode_rows_of_different_lengths_match_hf(case):
@@ -76,7 +75,7 @@ def test_batched_decode_rows_of_different_lengths_match_hf(case):
     assert batch.decode is not None
     got = ours(batch, pool)
     for row, s in zip(got, seqs):
-        torch.testing.assert_close(row, hf_logits(hf, s)[-1], atol=ATOL, rtol=0)
+        assert_close_logits(row, hf_logits(hf, s)[-1], ours.cfg, len(s))
 
 
 def test_greedy_generation_matches_hf_generate(case):

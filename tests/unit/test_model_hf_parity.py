@@ -8,14 +8,13 @@ import torch
 from kvpipe.model.forward_batch import ForwardBatch
 from kvpipe.model.loader import load_model
 from tests.helpers.paged_model import all_logits, greedy_generate, incremental_logits, make_pool
+from tests.helpers.tolerance import assert_close_logits
 
 # transformers comes with the `test` extra: without it this module is skipped, not failed, so the
 # helpers that build HF models are imported after the check
 transformers = pytest.importorskip("transformers")
 
 from tests.helpers.hf_models import VOCAB, hf_logits, hf_model, prompt_ids, save  # noqa: E402
-
-ATOL = 1e-4
 
 LLAMA3_SCALING = {
     "rope_type": "llama3",
@@ -54,7 +53,7 @@ def test_full_prompt_logits_match_hf(case):
     batch = all_logits(ForwardBatch.build([ids], [0], [torch.arange(10)], 4))
     got = ours(batch, make_pool(ours, 10, 4))
     assert got.dtype == torch.float32 and got.shape == (37, VOCAB)
-    torch.testing.assert_close(got, hf_logits(hf, ids), atol=ATOL, rtol=0)
+    assert_close_logits(got, hf_logits(hf, ids), ours.cfg, len(ids))
 
 
 @pytest.mark.parametrize("chunk", [None, 3, 5])
@@ -63,7 +62,7 @@ def test_paged_decode_matches_hf(case, chunk):
     ids = prompt_ids(30, seed=2)
     # prompt of 13 tokens over pages of 4 (13 % 4 != 0), then 17 single-token decode steps
     got = incremental_logits(ours, ids, prompt_len=13, page_size=4, chunk=chunk)
-    torch.testing.assert_close(got, hf_logits(hf, ids), atol=ATOL, rtol=0)
+    assert_close_logits(got, hf_logits(hf, ids), ours.cfg, len(ids))
 
 
 def test_packed_batch_of_sequences_matches_hf(case):
@@ -75,8 +74,8 @@ def test_packed_batch_of_sequences_matches_hf(case):
     ours(ForwardBatch.build([a[:10]], [0], [ta], 3), pool)
     batch = ForwardBatch.build([a[10:], b], [10, 0], [ta, tb], 3)
     got = ours(all_logits(batch), pool)
-    torch.testing.assert_close(got[:1], hf_logits(hf, a)[10:], atol=ATOL, rtol=0)
-    torch.testing.assert_close(got[1:], hf_logits(hf, b), atol=ATOL, rtol=0)
+    assert_close_logits(got[:1], hf_logits(hf, a)[10:], ours.cfg, len(a))
+    assert_close_logits(got[1:], hf_logits(hf, b), ours.cfg, len(b))
 
 
 def test_layer_groups_equal_full_forward(case):
@@ -111,7 +110,7 @@ def test_sharded_checkpoint_loads(tmp_path):
     ours = load_model(path)
     ids = prompt_ids(12, seed=7)
     got = ours(all_logits(ForwardBatch.build([ids], [0], [torch.arange(3)], 4)), make_pool(ours, 3, 4))
-    torch.testing.assert_close(got, hf_logits(hf, ids), atol=ATOL, rtol=0)
+    assert_close_logits(got, hf_logits(hf, ids), ours.cfg, len(ids))
 
 
 def test_tiny_preset_matches_hf(tiny_model_dir):
@@ -119,7 +118,7 @@ def test_tiny_preset_matches_hf(tiny_model_dir):
     ours = load_model(tiny_model_dir)
     ids = [ours.cfg.bos_token_id or 0, *prompt_ids(20, seed=8)]
     got = incremental_logits(ours, ids, prompt_len=9, page_size=4)
-    torch.testing.assert_close(got, hf_logits(hf, ids), atol=ATOL, rtol=0)
+    assert_close_logits(got, hf_logits(hf, ids), ours.cfg, len(ids))
 
 
 def test_bf16_load_keeps_rope_in_fp32(tiny_model_dir):

@@ -22,6 +22,7 @@ from kvpipe.model.presets import write_preset
 from kvpipe.model.rope import rope_attention_factor, rope_cos_sin, rope_inv_freq, rope_type
 from kvpipe.model.tokenizer import Tokenizer
 from tests.helpers.paged_model import all_logits, greedy_generate, incremental_logits, make_pool
+from tests.helpers.tolerance import assert_close_logits
 
 # transformers comes with the `test` extra: without it this module is skipped, not failed, so the
 # helpers that build HF models are imported after the check
@@ -32,8 +33,6 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_msca
 
 from tests.helpers.hf_deepseek_v3 import CASES, YARN, hf_mla_model  # noqa: E402
 from tests.helpers.hf_models import hf_logits, hf_model, prompt_ids, save  # noqa: E402
-
-ATOL = 1e-4
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -104,7 +103,7 @@ def test_llama_with_yarn_matches_hf(tmp_path):
     assert ours.rope_attention_factor > 1.0
     ids = prompt_ids(40, seed=11)
     got = incremental_logits(ours, ids, prompt_len=17, page_size=4, chunk=6)
-    torch.testing.assert_close(got, hf_logits(hf, ids), atol=ATOL, rtol=0)
+    assert_close_logits(got, hf_logits(hf, ids), ours.cfg, len(ids))
 
 
 # ---- the attention module ----------------------------------------------------------------------
@@ -165,7 +164,7 @@ def test_full_prompt_logits_match_hf(case):
     assert [type(layer.mlp).__name__ for layer in ours.layers] == want_mlps
     ids = prompt_ids(37)
     got = ours(all_logits(ForwardBatch.build([ids], [0], [torch.arange(10)], 4)), make_pool(ours, 10, 4))
-    torch.testing.assert_close(got, hf_logits(hf, ids), atol=ATOL, rtol=0)
+    assert_close_logits(got, hf_logits(hf, ids), ours.cfg, len(ids))
 
 
 @pytest.mark.parametrize("chunk", [None, 3, 5])
@@ -174,7 +173,7 @@ def test_chunked_prefill_and_paged_decode_match_hf(case, chunk):
     ids = prompt_ids(30, seed=2)
     # prompt of 13 tokens over pages of 4, in chunks that do not divide the page; 17 decode steps
     got = incremental_logits(ours, ids, prompt_len=13, page_size=4, chunk=chunk)
-    torch.testing.assert_close(got, hf_logits(hf, ids), atol=ATOL, rtol=0)
+    assert_close_logits(got, hf_logits(hf, ids), ours.cfg, len(ids))
 
 
 def test_packed_batches_match_hf(case):
@@ -185,13 +184,13 @@ def test_packed_batches_match_hf(case):
     ta, tb = torch.tensor([5, 2, 9, 0]), torch.tensor([7, 1, 11])
     ours(ForwardBatch.build([a[:10]], [0], [ta], 3), pool)
     mixed = ours(all_logits(ForwardBatch.build([a[10:11], b[:7]], [10, 0], [ta, tb], 3)), pool)
-    torch.testing.assert_close(mixed[:1], hf_logits(hf, a[:11])[10:], atol=ATOL, rtol=0)
-    torch.testing.assert_close(mixed[1:], hf_logits(hf, b[:7]), atol=ATOL, rtol=0)
+    assert_close_logits(mixed[:1], hf_logits(hf, a[:11])[10:], ours.cfg, 11)
+    assert_close_logits(mixed[1:], hf_logits(hf, b[:7]), ours.cfg, 7)
     step = ForwardBatch.build([a[11:], b[7:]], [11, 7], [ta, tb], 3)
     assert step.decode is not None
     got = ours(step, pool)
-    torch.testing.assert_close(got[0], hf_logits(hf, a)[-1], atol=ATOL, rtol=0)
-    torch.testing.assert_close(got[1], hf_logits(hf, b)[-1], atol=ATOL, rtol=0)
+    assert_close_logits(got[0], hf_logits(hf, a)[-1], ours.cfg, len(a))
+    assert_close_logits(got[1], hf_logits(hf, b)[-1], ours.cfg, len(b))
 
 
 def test_greedy_generation_matches_hf_generate(case):
@@ -213,7 +212,7 @@ def test_mtp_layers_are_ignored(tmp_path):
     assert ours.num_layers == 2
     ids = prompt_ids(9, seed=7)
     got = ours(all_logits(ForwardBatch.build([ids], [0], [torch.arange(3)], 4)), make_pool(ours, 3, 4))
-    torch.testing.assert_close(got, hf_logits(hf, ids), atol=ATOL, rtol=0)
+    assert_close_logits(got, hf_logits(hf, ids), ours.cfg, len(ids))
 
 
 @pytest.mark.parametrize(
@@ -267,7 +266,7 @@ def test_deepseek_preset_matches_hf(deepseek_preset_dir):
     ours = load_model(deepseek_preset_dir)
     ids = [ours.cfg.bos_token_id or 0, *prompt_ids(24, seed=8)]
     got = incremental_logits(ours, ids, prompt_len=11, page_size=4, chunk=6)
-    torch.testing.assert_close(got, hf_logits(hf, ids), atol=ATOL, rtol=0)
+    assert_close_logits(got, hf_logits(hf, ids), ours.cfg, len(ids))
     tok = Tokenizer.from_dir(deepseek_preset_dir)
     out = greedy_generate(ours, tok.encode("the cat and the dog"), 32, page_size=8)
     assert len(set(out)) >= 4, out  # a random model that does not echo one token
