@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -99,8 +100,6 @@ def server_fixture(model_dir: Path, tmp_dir: Path, *extra: str) -> Iterator[Serv
 
 def sse_events(lines: Iterator[str]) -> Iterator[dict | str]:
     """Parse `data: ...` SSE lines; yields dicts, and the string "[DONE]" at the end."""
-    import json
-
     for line in lines:
         if not line.startswith("data: "):
             continue

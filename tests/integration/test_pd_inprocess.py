@@ -5,6 +5,7 @@ test thread. Every wait is bounded."""
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import replace
 
@@ -165,8 +166,6 @@ def test_prefill_abort_before_its_forward_after_the_decode_asked(tiny_model_dir)
 def test_first_token_leaves_before_the_next_decode_forward(tiny_model_dir, reference):
     """The decode step that learns of the KV returns the prefill's first token at once (no decode
     forward in between), and the receiver wakes the engine's loop when the transfer news arrives."""
-    import threading
-
     ids = prompts(11, [70])[0]
     with make_pair(tiny_model_dir) as pair:
         woke = threading.Event()

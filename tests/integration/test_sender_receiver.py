@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import socket
 import threading
 import time
 
@@ -355,8 +356,6 @@ def test_deadlines_and_bootstrap_errors(stack):
 
 @contextlib.contextmanager
 def socket_port():
-    import socket
-
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]

@@ -14,6 +14,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvpipe.transfer.control.auth import HTTP_HEADER, Authenticator
 from kvpipe.transfer.control.bootstrap import PrefillRankInfo, _app, _Registry
 from kvpipe.transfer.planning.layout import KVLayout
 from tests.helpers.wire_maps import key_paths
@@ -149,8 +150,6 @@ def test_a_body_that_is_not_an_object_is_422_even_when_it_is_inf() -> None:
 def test_with_a_token_nothing_unsigned_gets_through() -> None:
     """An authenticated registry: any unsigned or badly signed call is a 4xx (401 for the routes),
     the registry is unchanged, and a signed registration still works."""
-    from kvpipe.transfer.control.auth import HTTP_HEADER, Authenticator
-
     token = "fuzzing-the-bootstrap-token"
     registry = _Registry()
     client = TestClient(_app(registry, Authenticator.from_token(token)))

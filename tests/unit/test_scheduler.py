@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from kvpipe.cache.page_allocator import PageAllocator
+from kvpipe.cache.radix_cache import RadixCache
 from kvpipe.config import SchedulerConfig
 from kvpipe.engine.batch import ForwardMode
 from kvpipe.engine.request import FinishReason, Req, ReqStatus, SamplingParams
@@ -249,8 +250,6 @@ def test_max_running_requests_caps_admission():
 
 
 def cached(num_pages=16, page_size=4):
-    from kvpipe.cache.radix_cache import RadixCache
-
     s = Scheduler(SchedulerConfig(), PageAllocator(num_pages), page_size, 4096, prefix_cache=RadixCache(page_size))
     s.hold_on_finish = False
     return s
