@@ -1,4 +1,4 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures, and the markers every test gets from its directory."""
 
 from __future__ import annotations
 
@@ -7,6 +7,21 @@ from pathlib import Path
 import pytest
 
 from kvpipe.model.presets import write_preset
+
+# Failed asserts inside the helpers explain themselves like those in the test modules.
+pytest.register_assert_rewrite("tests.helpers")
+
+TESTS = Path(__file__).parent
+# directory -> the marker each of its tests carries (`-m "not integration"`: no servers, no
+# subprocess fleets, no process groups; `-m "not gpu"`: no CUDA)
+DIRECTORY_MARKERS = {TESTS / "integration": "integration", TESTS / "gpu": "gpu"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        for directory, marker in DIRECTORY_MARKERS.items():
+            if item.path.is_relative_to(directory):
+                item.add_marker(marker)
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ from kvpipe.config import CacheConfig, SchedulerConfig, ServerConfig
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import SamplingParams
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5 + (i * 7) % 200 for i in range(n)] for n in (1, 13, 64, 150)]

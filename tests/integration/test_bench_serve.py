@@ -19,7 +19,7 @@ from kvpipe.bench.workload import WorkloadConfig, build_workload, parse_lengths
 from kvpipe.qa.testbed import LinkTestbed, can_run
 from kvpipe.server.launcher import free_port, stop_process, wait_healthy
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+pytestmark = pytest.mark.timeout(180)
 
 
 def _serve_cmd(model: Path, host: str, port: int) -> list[str]:

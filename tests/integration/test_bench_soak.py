@@ -15,7 +15,7 @@ from kvpipe.qa import soak
 from kvpipe.qa.soak_plan import SoakConfig, plan_requests
 
 pytest.importorskip("mooncake.engine")
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+pytestmark = pytest.mark.timeout(240)
 
 N, C, PROMPT_MAX, SEED = 60, 5, 1024, 0
 

@@ -8,11 +8,11 @@ import argparse
 
 import pytest
 
+from kvpipe.bench.transfer import add_args, run_bench
+
 pytest.importorskip("mooncake.engine")
 
-from kvpipe.bench.transfer import add_args, run_bench  # noqa: E402
-
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 
 def test_tiny_qwen3_5_moves_kv_and_state_and_verifies():

@@ -6,12 +6,12 @@ import threading
 import time
 
 import pytest
-from connector_utils import RecordingConnector
-from engine_utils import make_engine, prompts
 
 from kvpipe.config import CacheConfig, SchedulerConfig, ServerConfig
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import FinishReason, Req, SamplingParams
+from tests.helpers.engine import make_engine, prompts
+from tests.helpers.recording_connector import RecordingConnector
 
 PROMPT = prompts(3)[2]  # 17 tokens
 

@@ -3,11 +3,11 @@ window of 32 and the pages of 16) and TP 2 keep the greedy tokens of one request
 The prompts run to 150 tokens, so the sliding layers' windows move."""
 
 import pytest
-from engine_utils import GREEDY, make_engine, output_ids, prompts, reference_outputs
 
 from kvpipe.cache.window_pages import window_page_bound
 from kvpipe.engine.request import Req, SamplingParams
 from kvpipe.model.presets import write_preset
+from tests.helpers.engine import GREEDY, make_engine, output_ids, prompts, reference_outputs
 
 PROMPTS = prompts(6, vocab=290)
 

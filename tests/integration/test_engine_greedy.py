@@ -1,8 +1,9 @@
 """Greedy outputs do not depend on batching, chunking, page size or layer groups."""
 
 import pytest
-from connector_utils import RecordingConnector
-from engine_utils import make_engine, one_at_a_time, output_ids, prompts
+
+from tests.helpers.engine import make_engine, one_at_a_time, output_ids, prompts
+from tests.helpers.recording_connector import RecordingConnector
 
 PROMPTS = prompts()
 

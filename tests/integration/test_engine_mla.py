@@ -4,9 +4,9 @@ do not depend on batching, chunking, page size, layer groups, prefix-cache hits 
 from __future__ import annotations
 
 import pytest
-from engine_utils import GREEDY, make_engine, one_at_a_time, output_ids, prompts
 
 from kvpipe.model.presets import write_preset
+from tests.helpers.engine import GREEDY, make_engine, one_at_a_time, output_ids, prompts
 
 PROMPTS = prompts()
 

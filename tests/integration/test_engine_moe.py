@@ -1,9 +1,9 @@
 """The MoE presets through the engine: batching, chunked prefill and TP 2 keep greedy outputs."""
 
 import pytest
-from engine_utils import make_engine, output_ids, prompts, reference_outputs
 
 from kvpipe.model.presets import write_preset
+from tests.helpers.engine import make_engine, output_ids, prompts, reference_outputs
 
 PROMPTS = prompts(4, vocab=290)
 

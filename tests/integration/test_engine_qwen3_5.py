@@ -10,16 +10,15 @@ import time
 import pytest
 import torch
 
+from kvpipe.config import CacheConfig, SchedulerConfig, ServerConfig
+from kvpipe.engine.engine import Engine
+from kvpipe.engine.request import FinishReason, Req
+from kvpipe.model.presets import write_preset
+from tests.helpers.engine import GREEDY, output_ids, prompts
+from tests.helpers.recording_connector import RecordingConnector
+
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.qwen3_5")
-
-from connector_utils import RecordingConnector  # noqa: E402
-from engine_utils import GREEDY, output_ids, prompts  # noqa: E402
-
-from kvpipe.config import CacheConfig, SchedulerConfig, ServerConfig  # noqa: E402
-from kvpipe.engine.engine import Engine  # noqa: E402
-from kvpipe.engine.request import FinishReason, Req  # noqa: E402
-from kvpipe.model.presets import write_preset  # noqa: E402
 
 PROMPTS = prompts(8)  # 1 to 150 tokens
 

@@ -8,9 +8,10 @@ import textwrap
 import time
 
 import pytest
-from engine_utils import make_engine, one_at_a_time, output_ids, prompts
 
 from kvpipe.engine.errors import EngineLost
+from kvpipe.engine.request import Req, SamplingParams
+from tests.helpers.engine import make_engine, one_at_a_time, output_ids, prompts
 
 PROMPTS = prompts(4)
 
@@ -67,8 +68,6 @@ def test_dead_rank_fails_the_step_not_hangs(tiny_model_dir):
         child = eng._tp._procs[0]
         child.kill()
         child.wait(5)
-        from kvpipe.engine.request import Req, SamplingParams
-
         eng.add_request(Req("x", [5, 6, 7], SamplingParams(max_new_tokens=3)))
         with pytest.raises(EngineLost, match="TP rank 1"):  # fatal: the server exits, a supervisor restarts it
             eng.step()

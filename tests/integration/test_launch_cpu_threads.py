@@ -7,13 +7,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_harness import server_fixture
 
 from kvpipe.engine.cpu_threads import affinity_cores
 from kvpipe.server.core_split import split_cores
 from kvpipe.server.launcher import start_pd_stack
+from tests.helpers.server import server_fixture
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 
 def _threads(url: str) -> dict:

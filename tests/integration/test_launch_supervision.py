@@ -18,7 +18,7 @@ from kvpipe.server.supervisor import PartState, RestartPolicy
 
 pytest.importorskip("mooncake.engine")
 pytest.importorskip("sglang_router")
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+pytestmark = pytest.mark.timeout(240)
 
 ROUNDS = [("decode", Phase.DECODE), ("prefill", Phase.TRANSFER), ("router", Phase.BOOTSTRAP)]
 

@@ -12,15 +12,14 @@ import numpy as np
 import pytest
 import torch
 
+from kvpipe.cache.kv_pool import KVPool
+from kvpipe.transfer.backends import BatchState, FailureInjection
+from kvpipe.transfer.backends.mooncake import MooncakeBackend
+from kvpipe.transfer.planning.layout import KVLayout
+from kvpipe.transfer.planning.planner import plan_pages
+
 pytest.importorskip("mooncake.engine")
 
-from kvpipe.cache.kv_pool import KVPool  # noqa: E402
-from kvpipe.transfer.backends import BatchState, FailureInjection  # noqa: E402
-from kvpipe.transfer.backends.mooncake import MooncakeBackend  # noqa: E402
-from kvpipe.transfer.planning.layout import KVLayout  # noqa: E402
-from kvpipe.transfer.planning.planner import plan_pages  # noqa: E402
-
-pytestmark = pytest.mark.integration
 LAYERS, PAGES, PAGE, HEADS, HD = 2, 32, 8, 2, 16
 
 

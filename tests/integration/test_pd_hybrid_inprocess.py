@@ -1,20 +1,19 @@
-"""PD of the hybrid tiny-qwen3.5 preset (and, in one case, tiny-qwen3.5-moe) with a prefill Engine and a decode Engine in one process
-(local backend, real bootstrap and ZMQ): greedy tokens equal the colocated engine's with and
-without chunked prefill and layer groups, the bytes written are the full layers' KV pages plus
-one state slot per request, and every page and state slot is free afterwards on both sides, also
-after injected transfer failures and aborts."""
+"""PD of the hybrid tiny-qwen3.5 preset (and, in one case, tiny-qwen3.5-moe) with a prefill
+Engine and a decode Engine in one process (local backend, real bootstrap and ZMQ): greedy tokens
+equal the colocated engine's with and without chunked prefill and layer groups, the bytes
+written are the full layers' KV pages plus one state slot per request, and every page and state
+slot is free afterwards on both sides, also after injected transfer failures and aborts."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from test_pd_inprocess import colocated_greedy, failures_then_decode_abort, greedy_and_bytes_as_predicted
 
 from kvpipe.engine.engine import Engine
 from kvpipe.model.presets import write_preset
+from tests.helpers.pd_pair import colocated_greedy, failures_then_decode_abort, greedy_and_bytes_as_predicted
 
-pytestmark = pytest.mark.integration
 LENS = [1, 15, 16, 17, 40, 100]
 
 

@@ -18,15 +18,14 @@ import httpx
 import msgpack
 import pytest
 import zmq
-from pd_harness import Stack, disagg_stats, generate, greedy, pd_body, start_stack, wait_for
-from server_harness import ServerProc
 
 from kvpipe.transfer.control import messages as m
 from kvpipe.transfer.control.auth import Authenticator
 from kvpipe.transfer.control.bootstrap import BootstrapError, fetch_prefill_info, register_prefill_rank
+from tests.helpers.pd_stack import Stack, disagg_stats, generate, greedy, pd_body, start_stack, wait_for
+from tests.helpers.server import ServerProc
 
 pytest.importorskip("mooncake.engine")
-pytestmark = pytest.mark.integration
 
 HEARTBEAT_S = 0.5  # a peer silent for 5 beats (2.5 s) is dead
 BOOTSTRAP_S, TRANSFER_S = 5.0, 3.0
@@ -120,15 +119,15 @@ def test_forged_and_malformed_control_messages_are_rejected(stack: Stack) -> Non
             for frame in forged + signed + signed[:1]:  # the last one a replay
                 sock.send(frame)
             sock.close()
+            dropped = st["auth_rejected"]["control"] + len(forged) + 1
             wait_for(
-                lambda: (
-                    disagg_stats(srv)["auth_rejected"]["control"] >= st["auth_rejected"]["control"] + len(forged) + 1
-                ),
+                lambda srv=srv, dropped=dropped: disagg_stats(srv)["auth_rejected"]["control"] >= dropped,
                 10,
                 "the forged frames to be dropped",
             )
+            rejected = st["rejected_messages"] + len(typed)
             wait_for(
-                lambda: disagg_stats(srv)["rejected_messages"] >= st["rejected_messages"] + len(typed),
+                lambda srv=srv, rejected=rejected: disagg_stats(srv)["rejected_messages"] >= rejected,
                 10,
                 "the signed bogus messages to be rejected",
             )

@@ -15,12 +15,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from pd_parity import MANY_LENGTHS, colocated_reference, prompts, run_router_pd
 
 from kvpipe.model.presets import write_preset
+from tests.helpers.pd_parity import MANY_LENGTHS, colocated_reference, prompts, run_router_pd
 
 pytest.importorskip("mooncake.engine")
-pytestmark = pytest.mark.integration
 
 PS, NEW = 16, 6
 LENGTHS = [150, 37, 90]

@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_pd_inprocess import GREEDY, PS, Pair, make_pair, prompts, reference  # noqa: F401 - fixture
 
 from kvpipe.disagg.layer_groups import ComputeEstimator, LinkEstimator
 from kvpipe.engine.model_runner import split_layers
 from kvpipe.engine.request import FinishReason
+from tests.helpers.pd_pair import GREEDY, PS, Pair, make_pair, prompts
+from tests.helpers.pd_stack import generate, greedy, start_stack
 
-pytestmark = pytest.mark.integration
 LAYERS = 4  # the tiny preset
 MIXED = [1, 17, 40, 100, 333, 250]  # one batch (or a few chunks) of long and short prompts
 
@@ -43,7 +43,7 @@ def spy_sends(pair: Pair) -> list[dict[str, Any]]:
 
 
 def check_outputs(pair: Pair, reqs, ps, reference) -> None:
-    for (p, d), ids in zip(reqs, ps):
+    for (_, d), ids in zip(reqs, ps):
         assert d.output_ids == reference(ids), f"prompt of {len(ids)} tokens: {d.finish_detail}"
         assert d.finish_reason is FinishReason.LENGTH
     st = pair.prefill.stats()["disaggregation"]
@@ -154,8 +154,6 @@ def test_auto_pipelines_long_prompts_on_a_slow_link(tiny_model_dir, reference, c
 
 def test_router_with_forced_groups(tiny_model_dir: Path, tmp_path: Path, reference) -> None:
     pytest.importorskip("mooncake.engine")
-    from pd_harness import generate, greedy, start_stack
-
     ps = prompts(4, [3, 129, 700, 1500])
     s = start_stack(
         tiny_model_dir,

@@ -10,23 +10,12 @@ import random
 from dataclasses import replace
 
 import pytest
-from test_pd_inprocess import GREEDY, PS, Pair, colocated_greedy, make_pair, reference  # noqa: F401 - the fixture
 
 from kvpipe.engine.request import FinishReason, Req
 from kvpipe.model.presets import write_preset
 from kvpipe.transfer.backends import FailureInjection
-
-pytestmark = pytest.mark.integration
-
-
-def shared_prefix_prompts(seed: int) -> list[list[int]]:
-    """32 prompts: 4 system prefixes (page-aligned and not) x 8 questions of 1-40 tokens."""
-    rnd = random.Random(seed)
-    out = []
-    for plen in (16, 37, 64, 90):
-        prefix = [rnd.randrange(3, 290) for _ in range(plen)]
-        out += [prefix + [rnd.randrange(3, 290) for _ in range(rnd.randint(1, 40))] for _ in range(8)]
-    return out
+from tests.helpers.pd_pair import GREEDY, PS, Pair, colocated_greedy, make_pair
+from tests.helpers.prefix_prompts import shared_prefix_prompts
 
 
 def pair_caches(pair: Pair) -> tuple[bool, bool]:
@@ -196,16 +185,16 @@ def test_soak_under_memory_pressure(tiny_model_dir, reference):
         bootstrap_timeout_s=2.0,
     ) as pair:
         counts = {"ok": 0, "aborted": 0}
-        for wave in range(-(-num_requests // 10)):
+        for _ in range(-(-num_requests // 10)):
             ids = [rnd.choice(prefixes) + [rnd.randrange(3, 290) for _ in range(rnd.randint(1, 60))] for _ in range(10)]
             reqs = [pair.reqs(x, params) for x in ids]
             for p, d in reqs:
                 pair.prefill.add_request(p)
                 pair.decode.add_request(d)
-            for p, d in reqs:
+            for _, d in reqs:
                 if rnd.random() < 0.1:
                     (pair.decode if rnd.random() < 0.5 else pair.prefill).abort(d.rid)
-            pair.run([], until=lambda: all(p.finished and d.finished for p, d in reqs), timeout_s=120)
+            pair.run([], until=lambda reqs=reqs: all(p.finished and d.finished for p, d in reqs), timeout_s=120)
             for (_, d), x in zip(reqs, ids):
                 if d.finish_reason is not FinishReason.ABORT:
                     assert d.output_ids == reference(x, params)

@@ -12,19 +12,17 @@ from pathlib import Path
 
 import httpx
 import pytest
-from pd_harness import disagg_stats, generate, greedy
-from pd_parity import expected_bytes
-from test_pd_prefix_cache import shared_prefix_prompts
-from test_pd_tp import PS, close_and_check_no_orphans, start
 
 from kvpipe.config import CacheConfig, ServerConfig
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import SamplingParams
+from tests.helpers.pd_parity import expected_bytes
+from tests.helpers.pd_stack import TP_PS, close_and_check_no_orphans, disagg_stats, generate, greedy, start_tp_stack
+from tests.helpers.prefix_prompts import shared_prefix_prompts
 
 pytest.importorskip("mooncake.engine")
-pytestmark = pytest.mark.integration
 
-NEW = 4
+PS, NEW = TP_PS, 4  # the tiny preset, fp32
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +44,7 @@ def test_cached_prefixes_through_router(
     tiny_model_dir: Path, tmp_path: Path, reference, p_tp: int, d_tp: int, groups: int
 ) -> None:
     ps = shared_prefix_prompts(2)
-    stack = start(
+    stack = start_tp_stack(
         tiny_model_dir,
         tmp_path,
         p_tp,

@@ -12,11 +12,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from pd_harness import Stack, generate, greedy, start_stack
-from server_harness import ServerProc, server_fixture
+
+from tests.helpers.pd_stack import Stack, generate, greedy, pd_body, start_stack
+from tests.helpers.server import ServerProc, server_fixture
 
 pytest.importorskip("mooncake.engine")
-pytestmark = pytest.mark.integration
 
 PAGE = ["--page-size", "16", "--max-total-tokens", "32768"]
 LENS = [
@@ -146,8 +146,6 @@ def test_openai_client_streams_through_router(stack: Stack, colocated: ServerPro
 
 def test_prefill_answers_plain_json(stack: Stack) -> None:
     """What the router reads from the prefill: one JSON body even for a streaming request."""
-    from pd_harness import pd_body
-
     body = pd_body(
         stack, {"input_ids": PROMPTS[20], "sampling_params": greedy(4), "stream": True, "return_logprob": True}
     )

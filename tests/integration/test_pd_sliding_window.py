@@ -10,13 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from pd_parity import MANY_LENGTHS, colocated_reference, prompts, run_router_pd
 
 from kvpipe.cache.window_pages import window_first_page
 from kvpipe.model.presets import write_preset
+from tests.helpers.pd_parity import MANY_LENGTHS, colocated_reference, prompts, run_router_pd
 
 pytest.importorskip("mooncake.engine")
-pytestmark = pytest.mark.integration
 
 PS, NEW, WINDOW = 16, 6, 32
 LENGTHS = MANY_LENGTHS

@@ -10,12 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_pd_inprocess import PS, colocated_greedy, failures_then_decode_abort, greedy_and_bytes_as_predicted
 
 from kvpipe.model.config import ModelConfig
 from kvpipe.model.presets import write_preset
+from tests.helpers.pd_pair import PS, colocated_greedy, failures_then_decode_abort, greedy_and_bytes_as_predicted
 
-pytestmark = pytest.mark.integration
 LENS = [1, 16, 31, 33, 40, 64, 100, 150]
 
 

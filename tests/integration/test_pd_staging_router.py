@@ -12,14 +12,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from pd_harness import disagg_stats, generate, greedy
-from pd_parity import LOGPROB_TOL, colocated_reference, expected_bytes
-from test_pd_tp import close_and_check_no_orphans, start
 
 from kvpipe.model.presets import write_preset
+from tests.helpers.pd_parity import LOGPROB_TOL, colocated_reference, expected_bytes
+from tests.helpers.pd_stack import close_and_check_no_orphans, disagg_stats, generate, greedy, start_tp_stack
 
 pytest.importorskip("mooncake.engine")
-pytestmark = pytest.mark.integration
 
 PS, NEW = 16, 5  # tiny-kv4 (4 KV heads), fp32
 LENGTHS = [300, 137, 64, 211]
@@ -46,7 +44,7 @@ def reference(kv4_model_dir: Path) -> list[tuple[list[int], list[float]]]:
 def test_staged_pd_matches_colocated(
     kv4_model_dir: Path, tmp_path: Path, reference, p_tp: int, d_tp: int, chunk: int, groups: int
 ) -> None:
-    stack = start(
+    stack = start_tp_stack(
         kv4_model_dir,
         tmp_path,
         p_tp,

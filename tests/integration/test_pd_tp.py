@@ -17,30 +17,27 @@ from pathlib import Path
 
 import httpx
 import pytest
-from pd_harness import Stack, disagg_stats, generate, greedy, pd_body, start_stack, wait_for
-from pd_parity import check_parity as shared_check_parity
-from pd_parity import colocated_reference
-from pd_parity import prompts as parity_prompts
 
 from kvpipe.qa.chaos import child_pids
+from tests.helpers.pd_parity import check_parity as shared_check_parity
+from tests.helpers.pd_parity import colocated_reference
+from tests.helpers.pd_parity import prompts as parity_prompts
+from tests.helpers.pd_stack import (
+    TP_PS,
+    Stack,
+    close_and_check_no_orphans,
+    disagg_stats,
+    generate,
+    greedy,
+    pd_body,
+    start_tp_stack,
+    wait_for,
+)
 
 pytest.importorskip("mooncake.engine")
-pytestmark = pytest.mark.integration
 
-PS, NEW = 16, 5  # the tiny preset, fp32
+PS, NEW = TP_PS, 5  # the tiny preset, fp32
 LENGTHS = [300, 137, 64, 211]
-FLAGS = [
-    "--page-size",
-    str(PS),
-    "--max-total-tokens",
-    "8192",
-    "--disaggregation-heartbeat-interval",
-    "0.5",
-    "--disaggregation-bootstrap-timeout",
-    "30",
-    "--disaggregation-transfer-timeout",
-    "3",
-]
 
 
 def prompts() -> list[list[int]]:
@@ -50,33 +47,6 @@ def prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir: Path) -> list[tuple[list[int], list[float]]]:
     return colocated_reference(tiny_model_dir, prompts(), NEW, PS)
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def close_and_check_no_orphans(stack: Stack) -> None:
-    pids = [p for proc in stack.pd.procs[:2] for p in child_pids(proc.pid)]
-    stack.close()
-    wait_for(lambda: not any(alive(p) for p in pids), 20, f"TP workers {pids} to exit")
-
-
-def start(model: Path, tmp: Path, p_tp: int, d_tp: int, extra: tuple[str, ...]) -> Stack:
-    s = start_stack(
-        model, tmp, *FLAGS, *extra, prefill_args=("--tp-size", str(p_tp)), decode_args=("--tp-size", str(d_tp))
-    )
-    try:
-        assert len(child_pids(s.pd.procs[0].pid)) == p_tp - 1
-        assert len(child_pids(s.pd.procs[1].pid)) == d_tp - 1
-    except BaseException:
-        s.close()
-        raise
-    return s
 
 
 def check_parity(stack: Stack, model_dir: Path, reference, p_tp: int, d_tp: int, groups: int) -> None:
@@ -95,7 +65,7 @@ def check_parity(stack: Stack, model_dir: Path, reference, p_tp: int, d_tp: int,
 def test_pd_tp_matches_colocated(
     tiny_model_dir: Path, tmp_path: Path, reference, p_tp: int, d_tp: int, chunk: int, groups: int
 ) -> None:
-    stack = start(
+    stack = start_tp_stack(
         tiny_model_dir,
         tmp_path,
         p_tp,
@@ -114,7 +84,7 @@ def test_pd_tp_matches_colocated(
 @pytest.fixture(scope="module")
 def tp2_stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """Prefill TP 2 -> decode TP 1, chunked, 2 layer groups; its TP child gets killed last."""
-    s = start(
+    s = start_tp_stack(
         tiny_model_dir,
         tmp_path_factory.mktemp("pd-tp2"),
         2,

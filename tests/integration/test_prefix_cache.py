@@ -9,9 +9,9 @@ from __future__ import annotations
 import random
 
 import pytest
-from engine_utils import make_engine
 
 from kvpipe.engine.request import Req, SamplingParams
+from tests.helpers.engine import make_engine
 
 PS = 16
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)

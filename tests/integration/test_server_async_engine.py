@@ -17,7 +17,7 @@ from kvpipe.server.errors import APIError
 from kvpipe.server.metrics import ServerMetrics
 from kvpipe.server.protocol import GenerateInput
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 
 def _inp(rid: str, n: int, ids: tuple[int, ...] = (5, 6, 7, 8)) -> GenerateInput:

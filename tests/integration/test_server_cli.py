@@ -118,9 +118,6 @@ def test_server_config_from_args(tmp_path: Path) -> None:
 
 
 def test_python_dash_m_kvpipe_runs_the_cli() -> None:
-    import subprocess
-    import sys
-
     out = subprocess.run([sys.executable, "-m", "kvpipe", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert all(cmd in out.stdout for cmd in ("serve", "launch", "generate", "init-model", "bench"))

@@ -17,7 +17,7 @@ from kvpipe.engine.engine import Engine
 from kvpipe.server.http_server import create_app
 from kvpipe.server.launcher import free_port
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 
 
 def _wait(pred, timeout_s: float = 60.0, what: str = "condition") -> None:

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_harness import ServerProc, server_fixture, sse_events
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+from kvpipe.model.tokenizer import Tokenizer
+from tests.helpers.server import ServerProc, server_fixture, sse_events
+
+pytestmark = pytest.mark.timeout(300)
 
 GREEDY = {"max_new_tokens": 12, "temperature": 0.0}
 
@@ -66,8 +68,6 @@ def test_generate_text_and_ids_agree(server: ServerProc) -> None:
     assert meta["prompt_tokens"] > 0 and meta["e2e_latency"] > 0 and meta["cached_tokens"] == 0
     assert isinstance(out["text"], str) and meta["id"]
     # the same prompt as token ids gives the same greedy tokens
-    from kvpipe.model.tokenizer import Tokenizer
-
     tok = Tokenizer.from_dir(Path(server.get("/model_info").json()["model_path"]))
     ids = tok.encode("Hello world")
     r2 = server.post("/generate", json={"input_ids": ids, "sampling_params": GREEDY, "rid": "fixed-rid-1"})

@@ -9,9 +9,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from server_harness import ServerProc, server_fixture
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+from kvpipe.model.tokenizer import Tokenizer
+from tests.helpers.server import ServerProc, server_fixture
+
+pytestmark = pytest.mark.timeout(300)
 
 MODEL = "tiny-chat"
 
@@ -45,8 +47,6 @@ def test_chat_non_stream_matches_native(client: openai.OpenAI, server: ServerPro
     assert r.usage.prompt_tokens > 0 and r.usage.completion_tokens <= 10
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     # the chat template is the tokenizer's: the same prompt through /generate gives the same text
-    from kvpipe.model.tokenizer import Tokenizer
-
     ids = Tokenizer.from_dir(Path(server.get("/model_info").json()["model_path"])).encode_chat(MESSAGES)
     assert len(ids) == r.usage.prompt_tokens
     native = server.post(

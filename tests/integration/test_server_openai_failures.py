@@ -16,8 +16,6 @@ from fastapi.testclient import TestClient
 from kvpipe.config import CacheConfig, SchedulerConfig, ServerConfig
 from kvpipe.server.http_server import create_app
 
-pytestmark = pytest.mark.integration
-
 PROMPT = list(range(5, 55))  # 50 tokens: with 30 new ones 5 pages of 16; the KV cache holds 4
 
 

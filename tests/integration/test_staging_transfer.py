@@ -10,23 +10,12 @@ import dataclasses
 
 import numpy as np
 import pytest
-from test_sender_receiver import (
-    CFG,
-    PAGES,
-    SRC,
-    H,
-    Results,
-    assert_moved,
-    start_decode,
-    start_prefill,  # noqa: F401
-    wait_for,
-)
 
 from kvpipe.transfer.backends import FailureInjection
 from kvpipe.transfer.backends.local import LocalFabric
 from kvpipe.transfer.lifecycle import TransferState
+from tests.helpers.kv_transfer import CFG, PAGES, SRC, H, Results, assert_moved, start_decode, start_prefill, wait_for
 
-pytestmark = pytest.mark.integration
 S, F = TransferState.SUCCESS, TransferState.FAILED
 STAGED = dataclasses.replace(CFG, staging="on", staging_pool_mb=1)
 

@@ -6,12 +6,9 @@ linear heads from the prefill ranks that hold them); bytes are counted; aborts f
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import pytest
 import torch
-from test_sender_receiver import CFG, Results, make_backend, wait_for
 
 from kvpipe.cache.kv_pool import KVPool
 from kvpipe.cache.recurrent_pool import StatePool, StateShape
@@ -24,20 +21,14 @@ from kvpipe.transfer.planning.tp_mapping import transfer_slices
 from kvpipe.transfer.receiver.kv_receiver import DecodeRank, KVReceiver
 from kvpipe.transfer.recurrent.layout import StateLayout
 from kvpipe.transfer.sender.kv_sender import KVSender
+from tests.helpers.kv_transfer import CFG, Results, make_backend, wait_for
 
-pytestmark = pytest.mark.integration
 TYPES = "LLLFLLLF"  # model layers: L linear attention, F full attention
 LINEAR = tuple(i for i, t in enumerate(TYPES) if t == "L")
 FULL = tuple(i for i, t in enumerate(TYPES) if t == "F")
 PAGES, PS, HD, H, SLOTS = 16, 4, 8, 2, 4
 S, F = TransferState.SUCCESS, TransferState.FAILED
 SRC = np.array([3, 4, 5, 9, 10, 11])  # 22-token prompt
-
-
-@pytest.fixture
-def stack():
-    with contextlib.ExitStack() as es:
-        yield es
 
 
 def state_shape(tp: int) -> StateShape:  # 4 key and value heads before TP

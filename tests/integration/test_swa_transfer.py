@@ -6,12 +6,9 @@ pages the decode asked for; every other decode page keeps its sentinel; bytes ar
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import pytest
 import torch
-from test_sender_receiver import CFG, Results, make_backend
 
 from kvpipe.cache.kv_pool import KVPool
 from kvpipe.disagg.setup import register_pool
@@ -23,8 +20,8 @@ from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.planning.tp_mapping import kv_head_range
 from kvpipe.transfer.receiver.kv_receiver import DecodeRank, KVReceiver
 from kvpipe.transfer.sender.kv_sender import KVSender
+from tests.helpers.kv_transfer import CFG, Results, make_backend
 
-pytestmark = pytest.mark.integration
 L, PAGES, PS, HD, H = 4, 32, 4, 8, 2  # KV layers, pages per pool, page size, head dim, total KV heads
 SWA = (1, 3)  # sliding layer 2i+1 shares full layer 2i's K and V tensors
 FULL = (0, 2)
@@ -38,12 +35,6 @@ SRC_SWA_CHUNK1 = np.array([-1, -1, 18, 20])  # after 16 tokens: pages 0, 1 slid 
 SRC_SWA = np.array([-1, -1, -1, 20, 21, 22])  # at the end: page 2 slid out too
 DST = np.array([12, 13, 7, 8, 25, 26])
 DST_SWA = np.array([-1, -1, -1, 14, 15, 30])
-
-
-@pytest.fixture
-def stack():
-    with contextlib.ExitStack() as es:
-        yield es
 
 
 def swa_pool(heads: int) -> KVPool:

@@ -27,7 +27,7 @@ from kvpipe.qa.testbed import (
 )
 from kvpipe.qa.testbed_cli import recorded, removable
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 needs_root = pytest.mark.skipif(not can_run(), reason="needs root and iproute2")
 
 

@@ -12,6 +12,8 @@ from fastapi.testclient import TestClient
 from starlette.exceptions import HTTPException
 
 from kvpipe.body_limit import BodyLimitMiddleware
+from kvpipe.cli import build_parser
+from kvpipe.commands.flags import server_config_from_args
 from kvpipe.config import ConfigError, ServerConfig
 from kvpipe.server.async_engine import EngineLike
 from kvpipe.server.http_server import create_app
@@ -129,9 +131,6 @@ def test_bootstrap_server_caps_registrations_at_one_mib() -> None:
 
 
 def test_serve_flag_sets_the_limit(tmp_path) -> None:
-    from kvpipe.cli import build_parser
-    from kvpipe.commands.flags import server_config_from_args
-
     parser, _ = build_parser(["serve"])
     args = parser.parse_args(["serve", "--model-path", str(tmp_path), "--max-request-body-bytes", "4096"])
     assert server_config_from_args(args).max_request_body_bytes == 4096

@@ -1,4 +1,5 @@
-"""Bootstrap server: register / fetch / restart, client errors, compatibility checks."""
+"""Bootstrap client errors (no server reachable) and compatibility checks; the server itself on
+loopback: tests/integration/test_bootstrap_server.py."""
 
 from __future__ import annotations
 
@@ -8,91 +9,15 @@ import socket
 import pytest
 
 from kvpipe.transfer.control.bootstrap import (
-    BootstrapError,
-    BootstrapNotReady,
-    BootstrapServer,
     BootstrapUnreachable,
     DecodeInfo,
     IncompatiblePeerError,
     PrefillInstanceInfo,
-    PrefillRankInfo,
     check_compatible,
     fetch_prefill_info,
-    fetch_prefill_rank,
-    register_prefill_rank,
     wait_prefill_info,
 )
-from kvpipe.transfer.planning.layout import KVLayout
-
-
-def layout(kv_heads=2, head_start=0, total=2, layers=2, page_size=4, dtype="float32", base=1 << 20) -> KVLayout:
-    page = kv_heads * page_size * 8 * 4
-    return KVLayout(
-        num_layers=layers,
-        page_size=page_size,
-        kv_heads=kv_heads,
-        head_start=head_start,
-        total_kv_heads=total,
-        head_dim=8,
-        dtype=dtype,
-        itemsize=4,
-        buffer_addrs=tuple(base + i * (1 << 16) for i in range(2 * layers)),
-        buffer_nbytes=16 * page,
-    )
-
-
-def rank_info(rank=0, tp=1, instance="inst-a", model="m", **kw) -> PrefillRankInfo:
-    heads = 2 // tp
-    return PrefillRankInfo(
-        rank=rank,
-        tp_size=tp,
-        layout=layout(kv_heads=heads, head_start=rank * heads, **kw),
-        data_address=f"127.0.0.1:{17000 + rank}",
-        control_address=f"tcp://127.0.0.1:{18000 + rank}",
-        model_name=model,
-        instance_id=instance,
-    )
-
-
-@pytest.fixture(scope="module")
-def server():
-    with BootstrapServer("127.0.0.1", 0) as srv:
-        yield srv
-
-
-def test_register_and_fetch_all_ranks(server):
-    port = server.port
-    register_prefill_rank("127.0.0.1", port, rank_info(1, tp=2))
-    with pytest.raises(BootstrapNotReady, match="1/2 ranks"):
-        fetch_prefill_info("127.0.0.1", port)
-    register_prefill_rank("127.0.0.1", port, rank_info(0, tp=2))
-    inst = fetch_prefill_info("127.0.0.1", port)
-    assert inst.instance_id == "inst-a" and inst.tp_size == 2 and inst.model_name == "m"
-    assert [r.rank for r in inst.ranks] == [0, 1]
-    assert inst.ranks[1] == rank_info(1, tp=2)  # layout and addresses survive the round trip
-    assert fetch_prefill_rank("127.0.0.1", port, 1) == rank_info(1, tp=2)
-    with pytest.raises(BootstrapError, match="HTTP 404"):
-        fetch_prefill_rank("127.0.0.1", port, 5)
-
-    # A restarted prefill (new instance id) replaces the old registrations.
-    register_prefill_rank("127.0.0.1", port, rank_info(0, tp=1, instance="inst-b"))
-    inst = fetch_prefill_info("127.0.0.1", port)
-    assert inst.instance_id == "inst-b" and inst.tp_size == 1 and len(inst.ranks) == 1
-
-
-def test_bad_registrations_are_refused(server):
-    port = server.port
-    register_prefill_rank("127.0.0.1", port, rank_info(0, tp=2, instance="inst-c"))
-    with pytest.raises(BootstrapError, match="HTTP 409"):  # same instance, other model
-        register_prefill_rank("127.0.0.1", port, rank_info(1, tp=2, instance="inst-c", model="other"))
-    bad = dataclasses.replace(rank_info(0, tp=1, instance="inst-c"), rank=3)
-    with pytest.raises(BootstrapError, match="HTTP 400"):
-        register_prefill_rank("127.0.0.1", port, bad)
-    import httpx
-
-    r = httpx.put(f"{server.url}/v1/prefill/ranks/0", json={"rank": 0}, trust_env=False)
-    assert r.status_code == 400 and "malformed" in r.json()["detail"]
-    assert httpx.get(f"{server.url}/health", trust_env=False).status_code == 200
+from tests.helpers.bootstrap_info import layout, rank_info
 
 
 def _dead_port() -> int:
@@ -109,16 +34,6 @@ def test_unreachable_server_gives_clear_error_within_deadline():
         fetch_prefill_info("127.0.0.1", port, timeout_s=0.5)
     with pytest.raises(BootstrapUnreachable):
         wait_prefill_info("127.0.0.1", port, timeout_s=0.3, retry_s=0.05)
-
-
-def test_wait_retries_until_the_prefill_registers():
-    with BootstrapServer("127.0.0.1", 0) as srv:
-        with pytest.raises(BootstrapNotReady, match="no prefill rank"):
-            wait_prefill_info("127.0.0.1", srv.port, timeout_s=0.2)
-        register_prefill_rank("127.0.0.1", srv.port, rank_info(0))
-        assert wait_prefill_info("127.0.0.1", srv.port, timeout_s=2.0).ranks[0].rank == 0
-    with pytest.raises(BootstrapUnreachable):  # closed server frees its port
-        fetch_prefill_info("127.0.0.1", srv.port, timeout_s=0.5)
 
 
 def instance(tp=1, **kw) -> PrefillInstanceInfo:

@@ -13,10 +13,11 @@ from urllib.parse import quote
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_messages_fuzz import _paths
 
+from kvpipe.transfer.control.auth import HTTP_HEADER, Authenticator
 from kvpipe.transfer.control.bootstrap import PrefillRankInfo, _app, _Registry
 from kvpipe.transfer.planning.layout import KVLayout
+from tests.helpers.wire_maps import key_paths
 
 FUZZ = settings(
     max_examples=120,
@@ -85,7 +86,7 @@ def test_a_registration_with_one_field_broken_is_refused_cleanly() -> None:
     @given(st.data())
     def break_one(data: st.DataObject) -> None:
         body = copy.deepcopy(registration(f"inst-{data.draw(st.integers(0, 3))}"))
-        path = data.draw(st.sampled_from(_paths(body)))
+        path = data.draw(st.sampled_from(key_paths(body)))
         parent = body
         for k in path[:-1]:
             parent = parent[k]
@@ -149,8 +150,6 @@ def test_a_body_that_is_not_an_object_is_422_even_when_it_is_inf() -> None:
 def test_with_a_token_nothing_unsigned_gets_through() -> None:
     """An authenticated registry: any unsigned or badly signed call is a 4xx (401 for the routes),
     the registry is unchanged, and a signed registration still works."""
-    from kvpipe.transfer.control.auth import HTTP_HEADER, Authenticator
-
     token = "fuzzing-the-bootstrap-token"
     registry = _Registry()
     client = TestClient(_app(registry, Authenticator.from_token(token)))

@@ -10,7 +10,7 @@ import pytest
 from kvpipe.config import ConfigError
 from kvpipe.model.gguf.checkpoint import GGUFCheckpoint
 from kvpipe.model.gguf.reader import find_gguf
-from tests.unit.gguf_utils import Q, patch_tensor_type, write_gguf
+from tests.helpers.gguf_files import Q, patch_tensor_type, write_gguf
 
 
 def refused(path, *words: str) -> str:

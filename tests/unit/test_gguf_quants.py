@@ -10,7 +10,7 @@ import torch
 from kvpipe.model.config import ModelConfig
 from kvpipe.model.gguf.checkpoint import GGUFCheckpoint
 from kvpipe.model.gguf.reader import SUPPORTED_TYPES
-from tests.unit.gguf_utils import Q, Shape, write_gguf
+from tests.helpers.gguf_files import Q, Shape, write_gguf
 
 TYPES = sorted(SUPPORTED_TYPES, key=int)
 

@@ -9,7 +9,7 @@ import pytest
 from kvpipe.config import ConfigError
 from kvpipe.model.gguf.checkpoint import GGUFCheckpoint
 from kvpipe.model.tokenizer import Tokenizer
-from tests.unit.gguf_utils import USER_TOKEN, vocab, write_gguf
+from tests.helpers.gguf_files import USER_TOKEN, vocab, write_gguf
 
 TOKENS = vocab()[0]
 

@@ -32,7 +32,7 @@ def test_layout_is_page_then_head_major():
 def test_buffer_infos_describe_raw_memory():
     pool = KVPool(3, 4, page_size=8, kv_heads=2, head_dim=16, dtype=torch.float16)
     infos = pool.buffer_infos()
-    assert [(i.layer, i.kind) for i in infos] == [(l, kv) for l in range(3) for kv in ("k", "v")]
+    assert [(i.layer, i.kind) for i in infos] == [(layer, kv) for layer in range(3) for kv in ("k", "v")]
     page = 2 * 8 * 16 * 2
     assert all(i.page_nbytes == page and i.head_nbytes == 8 * 16 * 2 and i.nbytes == 4 * page for i in infos)
     assert infos[0].addr == pool.k[0].data_ptr() and infos[1].addr == pool.v[0].data_ptr()

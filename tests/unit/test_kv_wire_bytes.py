@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from kvpipe.cache.kv_pool import KVPool
 from kvpipe.cache.window_pages import prompt_window_pages
+from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.planning.wire_bytes import KVWireBytes
 
 # tiny-gpt-oss: layers 0, 2 sliding (window 32), 1, 3 full; K and V of 4 heads x 16, fp32:
@@ -52,9 +54,6 @@ def test_without_sliding_layers_every_token_counts():
 
 
 def test_from_layout_splits_full_and_sliding_layers():
-    from kvpipe.cache.kv_pool import KVPool
-    from kvpipe.transfer.planning.layout import KVLayout
-
     swa = KVLayout.from_pool(KVPool(4, 8, 16, 4, 16, swa_layers=(0, 2)))
     assert KVWireBytes.from_layout(swa, 32) == TINY
     plain = KVLayout.from_pool(KVPool(4, 8, 16, 4, 16))

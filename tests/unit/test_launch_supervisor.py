@@ -3,6 +3,9 @@ fake clock and fake processes: backoff doubling to a cap, the bound per window, 
 
 from __future__ import annotations
 
+import argparse
+import signal
+
 import pytest
 
 from kvpipe.server import launcher
@@ -121,9 +124,6 @@ def test_tick_restarts_only_the_dead_part(monkeypatch: pytest.MonkeyPatch) -> No
 def test_launch_gives_up_with_exit_code_1_and_stops_in_order(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    import argparse
-    import signal
-
     stopped: list[str] = []
     procs = [FakeProc([n]) for n in launcher.PARTS]
     procs[0].returncode = 1  # the prefill dies at once; --max-restarts 0: no restart

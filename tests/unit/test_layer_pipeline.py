@@ -9,12 +9,13 @@ import pytest
 from kvpipe.cli import build_parser
 from kvpipe.commands.flags import server_config_from_args
 from kvpipe.config import ConfigError, DisaggregationConfig, TransferTuning
-from kvpipe.disagg.layer_groups import LayerGroupPolicy
+from kvpipe.disagg.layer_groups import GroupChoice, LayerGroupPolicy
 from kvpipe.disagg.layer_pipeline import MIN_LINK_SAMPLE_BYTES, LayerPipeline
 from kvpipe.transfer.backends.base import BatchHandle, BatchState
 from kvpipe.transfer.control import messages as m
 from kvpipe.transfer.planning.layout import KVLayout
-from kvpipe.transfer.sender.book import SenderBook
+from kvpipe.transfer.planning.wire_bytes import KVWireBytes
+from kvpipe.transfer.sender.book import SenderBook, TransferTiming
 from kvpipe.transfer.sender.room import SendCall
 
 L, PS, HD, PAGES = 4, 4, 8, 64
@@ -126,9 +127,6 @@ def test_fixed_policy_and_flag():
 
 
 def test_observers_hear_every_choice_and_landed_room():
-    from kvpipe.disagg.layer_groups import GroupChoice
-    from kvpipe.transfer.sender.book import TransferTiming
-
     heard: list = []
 
     class Spy:
@@ -173,8 +171,6 @@ def test_a_hybrid_batch_counts_each_final_state_once_whatever_its_length():
 def test_sliding_window_bytes_replace_tokens_x_token_nbytes():
     # the prefill passes what a chunk weighs on the wire (kv_wire_bytes): a sliding-window model's
     # sliding layers send the window only, fewer than send_tokens x token_nbytes
-    from kvpipe.transfer.planning.wire_bytes import KVWireBytes
-
     wire = KVWireBytes(1024, 1024, 32, 16)  # tiny-gpt-oss
     pipe = LayerPipeline(LayerGroupPolicy(min_tokens=1), num_layers=4, token_nbytes=2048)
     pipe.planner.compute.observe(1024, 4, 10.0)

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from kvpipe.transfer.control.codec import ProtocolError, _hints, _is_int_tuple, _optional_inner
 from kvpipe.transfer.control.messages import MESSAGE_TYPES, PROTOCOL_VERSION, decode, encode
 from kvpipe.transfer.planning.layout import KVLayout
+from tests.helpers.wire_maps import key_paths
 
 # bounded: the whole file runs in seconds on a shared 2-core machine
 FUZZ = settings(
@@ -138,22 +139,12 @@ def test_any_map_of_a_known_kind(kind: str, fields: dict[str, Any]) -> None:
     _decode_or_protocol_error(msgpack.packb({**fields, "kind": kind, "version": PROTOCOL_VERSION}, use_bin_type=True))
 
 
-def _paths(obj: Any, prefix: tuple = ()) -> list[tuple]:
-    """Key paths into a wire map, nested maps included (a layout's fields, aux data)."""
-    out = []
-    for k, v in obj.items():
-        out.append(prefix + (k,))
-        if isinstance(v, dict):
-            out.extend(_paths(v, prefix + (k,)))
-    return out
-
-
 @FUZZ
 @given(any_message, st.data())
 def test_a_valid_message_with_one_field_broken(msg: Any, data: st.DataObject) -> None:
     """The nastiest garbage: right kind and version, every field fine but one."""
     wire = msgpack.unpackb(encode(msg), raw=False)
-    path = data.draw(st.sampled_from([p for p in _paths(wire) if p[0] not in ("kind", "version")] or [("kind",)]))
+    path = data.draw(st.sampled_from([p for p in key_paths(wire) if p[0] not in ("kind", "version")] or [("kind",)]))
     parent = wire
     for k in path[:-1]:
         parent = parent[k]

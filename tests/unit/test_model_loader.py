@@ -1,4 +1,5 @@
-"""Loader: clear ConfigErrors for what kvpipe cannot load; generation EOS ids."""
+"""Loader: clear ConfigErrors for what kvpipe cannot load (a TP split that does not divide
+included); generation EOS ids."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvpipe.config import ConfigError
+from kvpipe.config import ConfigError, ParallelConfig
 from kvpipe.model.loader import load_generation_eos, load_model
 
 
@@ -120,3 +121,12 @@ def test_generation_eos_merges_both_files(model_copy):
     assert load_generation_eos(model_copy) == (7, cfg["eos_token_id"])
     (model_copy / "generation_config.json").unlink()
     assert load_generation_eos(model_copy) == (cfg["eos_token_id"],)
+
+
+def test_tp_rejects_indivisible_split(tiny_model_dir):
+    with pytest.raises(ConfigError, match="tp_size=3"):
+        load_model(tiny_model_dir, ParallelConfig(3, 0))
+    with pytest.raises(ConfigError, match="tp_rank"):
+        load_model(tiny_model_dir, ParallelConfig(2, 2))
+    with pytest.raises(ConfigError, match="torch.distributed"):
+        load_model(tiny_model_dir, ParallelConfig(2, 0))  # no process group in this process

@@ -1,101 +1,38 @@
 """DeepSeek-V3 multi-head latent attention against HF transformers, fp32: the attention module,
 the absorbed decode against the expanded form, yarn RoPE, whole models over the latent paged cache
-(full prompt, chunked prefill, paged decode, greedy generation), tensor parallelism and the
+(full prompt, chunked prefill, paged decode, greedy generation), the TP config checks and the
 tiny-deepseek-v3 preset."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
 
+from kvpipe.config import ConfigError, ParallelConfig
+from kvpipe.model.config import ModelConfig
+from kvpipe.model.forward_batch import ForwardBatch
+from kvpipe.model.loader import load_model
+from kvpipe.model.mla import MLAttention, mla_softmax_scale
+from kvpipe.model.presets import write_preset
+from kvpipe.model.rope import rope_attention_factor, rope_cos_sin, rope_inv_freq, rope_type
+from kvpipe.model.tokenizer import Tokenizer
+from tests.helpers.paged_model import all_logits, greedy_generate, incremental_logits, make_pool
+from tests.helpers.tolerance import assert_close_logits
+
+# transformers comes with the `test` extra: without it this module is skipped, not failed, so the
+# helpers that build HF models are imported after the check
 transformers = pytest.importorskip("transformers")
 
-from model_utils import all_logits, greedy_generate, incremental_logits, make_pool  # noqa: E402
-from test_model_hf_parity import VOCAB, hf_logits, hf_model, prompt_ids, save  # noqa: E402
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale  # noqa: E402
 
-from kvpipe.config import ConfigError, ParallelConfig  # noqa: E402
-from kvpipe.model.config import ModelConfig
-from kvpipe.model.forward_batch import ForwardBatch  # noqa: E402
-from kvpipe.model.loader import load_model  # noqa: E402
-from kvpipe.model.mla import MLAttention, mla_softmax_scale  # noqa: E402
-from kvpipe.model.presets import write_preset  # noqa: E402
-from kvpipe.model.rope import rope_attention_factor, rope_cos_sin, rope_inv_freq, rope_type  # noqa: E402
-from kvpipe.model.tokenizer import Tokenizer  # noqa: E402
-
-ATOL = 1e-4
-
-YARN = {
-    "rope_type": "yarn",
-    "factor": 4.0,
-    "original_max_position_embeddings": 64,
-    "mscale": 1.0,
-    "mscale_all_dim": 0.707,
-    "beta_fast": 32,
-    "beta_slow": 1,
-    "rope_theta": 10000.0,
-}
-CASES = {
-    # q LoRA (q_a_proj -> q_a_layernorm -> q_b_proj), interleaved rope pairs; layer 0 dense, then MoE
-    "qlora_interleave_moe": dict(q_lora_rank=24, rope_interleave=True, first_k_dense_replace=1),
-    # one full q_proj; yarn (inv_freq ramp, cos/sin attention_factor, mscale_all_dim softmax scale);
-    # random q_a/kv_a/o biases (o_proj's added once after the TP all-reduce); MoE from layer 1
-    "noqlora_yarn_bias_moe": dict(
-        q_lora_rank=None, rope_interleave=True, rope_parameters=YARN, attention_bias=True, first_k_dense_replace=1
-    ),
-    # rotate_half rope layout, every layer dense
-    "qlora_rotate_half_dense": dict(q_lora_rank=24, rope_interleave=False, first_k_dense_replace=3),
-}
-
-
-def hf_mla_model(seed: int = 0, **overrides):
-    """A random tiny DeepSeek-V3: layers before first_k_dense_replace dense, the others sparse
-    (8 experts in 4 groups, top-2 from the best 2 groups, one shared expert)."""
-    kw = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        kv_lora_rank=16,
-        q_lora_rank=24,
-        qk_nope_head_dim=10,
-        qk_rope_head_dim=8,
-        v_head_dim=12,
-        n_routed_experts=8,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
-        n_group=4,
-        topk_group=2,
-        first_k_dense_replace=3,
-        max_position_embeddings=256,
-        initializer_range=0.1,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
-    kw.update(overrides)
-    torch.manual_seed(seed)
-    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**kw)).eval()
-    with torch.no_grad():
-        if kw.get("attention_bias"):  # HF zero-inits biases; random ones make the bias path observable
-            for name, p in model.named_parameters():
-                if name.endswith("bias"):
-                    p.normal_(0, 0.5)
-        for name, b in model.named_buffers():  # a nonzero routing bias, so it steers the choice
-            if name.endswith("e_score_correction_bias"):
-                b.normal_(0, 0.05)
-    return model
+from tests.helpers.hf_deepseek_v3 import CASES, YARN, hf_mla_model  # noqa: E402
+from tests.helpers.hf_models import hf_logits, hf_model, prompt_ids, save  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -166,7 +103,7 @@ def test_llama_with_yarn_matches_hf(tmp_path):
     assert ours.rope_attention_factor > 1.0
     ids = prompt_ids(40, seed=11)
     got = incremental_logits(ours, ids, prompt_len=17, page_size=4, chunk=6)
-    torch.testing.assert_close(got, hf_logits(hf, ids), atol=ATOL, rtol=0)
+    assert_close_logits(got, hf_logits(hf, ids), ours.cfg, len(ids))
 
 
 # ---- the attention module ----------------------------------------------------------------------
@@ -227,7 +164,7 @@ def test_full_prompt_logits_match_hf(case):
     assert [type(layer.mlp).__name__ for layer in ours.layers] == want_mlps
     ids = prompt_ids(37)
     got = ours(all_logits(ForwardBatch.build([ids], [0], [torch.arange(10)], 4)), make_pool(ours, 10, 4))
-    torch.testing.assert_close(got, hf_logits(hf, ids), atol=ATOL, rtol=0)
+    assert_close_logits(got, hf_logits(hf, ids), ours.cfg, len(ids))
 
 
 @pytest.mark.parametrize("chunk", [None, 3, 5])
@@ -236,7 +173,7 @@ def test_chunked_prefill_and_paged_decode_match_hf(case, chunk):
     ids = prompt_ids(30, seed=2)
     # prompt of 13 tokens over pages of 4, in chunks that do not divide the page; 17 decode steps
     got = incremental_logits(ours, ids, prompt_len=13, page_size=4, chunk=chunk)
-    torch.testing.assert_close(got, hf_logits(hf, ids), atol=ATOL, rtol=0)
+    assert_close_logits(got, hf_logits(hf, ids), ours.cfg, len(ids))
 
 
 def test_packed_batches_match_hf(case):
@@ -247,13 +184,13 @@ def test_packed_batches_match_hf(case):
     ta, tb = torch.tensor([5, 2, 9, 0]), torch.tensor([7, 1, 11])
     ours(ForwardBatch.build([a[:10]], [0], [ta], 3), pool)
     mixed = ours(all_logits(ForwardBatch.build([a[10:11], b[:7]], [10, 0], [ta, tb], 3)), pool)
-    torch.testing.assert_close(mixed[:1], hf_logits(hf, a[:11])[10:], atol=ATOL, rtol=0)
-    torch.testing.assert_close(mixed[1:], hf_logits(hf, b[:7]), atol=ATOL, rtol=0)
+    assert_close_logits(mixed[:1], hf_logits(hf, a[:11])[10:], ours.cfg, 11)
+    assert_close_logits(mixed[1:], hf_logits(hf, b[:7]), ours.cfg, 7)
     step = ForwardBatch.build([a[11:], b[7:]], [11, 7], [ta, tb], 3)
     assert step.decode is not None
     got = ours(step, pool)
-    torch.testing.assert_close(got[0], hf_logits(hf, a)[-1], atol=ATOL, rtol=0)
-    torch.testing.assert_close(got[1], hf_logits(hf, b)[-1], atol=ATOL, rtol=0)
+    assert_close_logits(got[0], hf_logits(hf, a)[-1], ours.cfg, len(a))
+    assert_close_logits(got[1], hf_logits(hf, b)[-1], ours.cfg, len(b))
 
 
 def test_greedy_generation_matches_hf_generate(case):
@@ -266,8 +203,6 @@ def test_greedy_generation_matches_hf_generate(case):
 
 def test_mtp_layers_are_ignored(tmp_path):
     """A checkpoint with a multi-token-prediction layer (model.layers.<num_hidden_layers>.*) loads."""
-    from safetensors.torch import load_file, save_file
-
     hf = hf_mla_model(num_hidden_layers=2, first_k_dense_replace=2)
     path = save(hf, tmp_path / "mtp")
     tensors = load_file(str(path / "model.safetensors"))
@@ -277,7 +212,7 @@ def test_mtp_layers_are_ignored(tmp_path):
     assert ours.num_layers == 2
     ids = prompt_ids(9, seed=7)
     got = ours(all_logits(ForwardBatch.build([ids], [0], [torch.arange(3)], 4)), make_pool(ours, 3, 4))
-    torch.testing.assert_close(got, hf_logits(hf, ids), atol=ATOL, rtol=0)
+    assert_close_logits(got, hf_logits(hf, ids), ours.cfg, len(ids))
 
 
 @pytest.mark.parametrize(
@@ -301,63 +236,6 @@ def test_tp_rejects_indivisible_heads(tmp_path):
     path = save(hf_mla_model(num_hidden_layers=1, first_k_dense_replace=1), tmp_path / "m")
     with pytest.raises(ConfigError, match="tp_size=3"):
         load_model(path, ParallelConfig(3, 0))
-
-
-# ---- tensor parallelism --------------------------------------------------------------------------
-
-PAGE = 4
-TP_IDS = list(range(3, 23))  # 20 tokens: 13 prompt (prefilled in chunks of 5) + 7 decode steps
-TP_TABLE = torch.tensor([4, 0, 5, 2, 1])
-
-
-def _tp_run(model_dir: Path, parallel: ParallelConfig) -> dict:
-    model = load_model(model_dir, parallel)
-    pool = make_pool(model, 6, PAGE)
-    logits = incremental_logits(model, TP_IDS, prompt_len=13, page_size=PAGE, chunk=5, page_table=TP_TABLE, pool=pool)
-    return {
-        "logits": logits,
-        "latent": [pool.k[i] for i in range(model.num_layers)],
-        "greedy": greedy_generate(model, TP_IDS[:7], 24, page_size=PAGE),
-    }
-
-
-def _tp_worker(rank: int, world: int, init_file: str, dirs: dict[str, str], out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", world_size=world, rank=rank)
-    for name, d in dirs.items():
-        torch.save(_tp_run(Path(d), ParallelConfig(world, rank)), Path(out) / f"{name}-{rank}.pt")
-    dist.barrier()  # every rank's results are on disk
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # skip gloo's teardown (see test_model_tp.py)
-
-
-@pytest.fixture(scope="module")
-def tp_model_dirs(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("mla_tp")
-    return {
-        name: str(save(hf_mla_model(**CASES[name]), root / name))
-        for name in ("qlora_interleave_moe", "noqlora_yarn_bias_moe")
-    }
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [2, 4])
-def test_tp_matches_tp1(world, tp_model_dirs, tmp_path):
-    """Heads split over 2 and 4 ranks: the logits and greedy tokens of tp=1, and every rank caches
-    the whole latent (the one replicated "head")."""
-    mp.spawn(
-        _tp_worker, args=(world, str(tmp_path / "rendezvous"), tp_model_dirs, str(tmp_path)), nprocs=world, join=True
-    )
-    for name, d in tp_model_dirs.items():
-        want = _tp_run(Path(d), ParallelConfig())
-        for rank in range(world):
-            got = torch.load(tmp_path / f"{name}-{rank}.pt")
-            assert got["greedy"] == want["greedy"], f"{name} rank {rank}"
-            torch.testing.assert_close(got["logits"], want["logits"], atol=1e-5, rtol=0, msg=f"{name} rank {rank}")
-            for layer, (g, w) in enumerate(zip(got["latent"], want["latent"])):
-                assert g.shape == w.shape
-                torch.testing.assert_close(g, w, atol=1e-5, rtol=0, msg=f"{name} L{layer} r{rank}")
 
 
 # ---- the tiny-deepseek-v3 preset -------------------------------------------------------------------
@@ -388,7 +266,7 @@ def test_deepseek_preset_matches_hf(deepseek_preset_dir):
     ours = load_model(deepseek_preset_dir)
     ids = [ours.cfg.bos_token_id or 0, *prompt_ids(24, seed=8)]
     got = incremental_logits(ours, ids, prompt_len=11, page_size=4, chunk=6)
-    torch.testing.assert_close(got, hf_logits(hf, ids), atol=ATOL, rtol=0)
+    assert_close_logits(got, hf_logits(hf, ids), ours.cfg, len(ids))
     tok = Tokenizer.from_dir(deepseek_preset_dir)
     out = greedy_generate(ours, tok.encode("the cat and the dog"), 32, page_size=8)
     assert len(set(out)) >= 4, out  # a random model that does not echo one token

@@ -1,36 +1,31 @@
 """Qwen3.5 dense text model (gated delta-net + gated full attention) against HF transformers, fp32:
 logits of whole prompts, chunked prefill (the recurrent state carried across chunks), paged
-decode, packed batches, greedy generation, TP."""
+decode, packed batches, greedy generation, the TP config checks (TP itself:
+tests/integration/test_model_qwen3_5_tp.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kvpipe.config import ConfigError, ParallelConfig
+from kvpipe.model.config import LayerType, ModelConfig
+from kvpipe.model.forward_batch import ForwardBatch
+from kvpipe.model.loader import load_model
+from kvpipe.model.presets import write_preset
+from kvpipe.model.qwen3_5 import Qwen3_5CausalLM
+from tests.helpers.paged_model import all_logits
+from tests.helpers.preset_digests import digests
+from tests.helpers.tolerance import assert_close_logits
+
+# transformers (the `test` extra) with Qwen3.5: without them this module is skipped, not failed,
+# so the helpers that build HF models are imported after the check
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.qwen3_5")
 
-from qwen3_5_utils import (
-    VOCAB,
-    F,
-    L,
-    all_logits,
-    greedy_generate,
-    hf_logits,
-    hf_qwen3_5,  # noqa: E402
-    incremental_logits,
-    pools,
-    prompt_ids,
-    save,
-)
+from tests.helpers.hf_models import VOCAB, hf_logits, prompt_ids, save  # noqa: E402
+from tests.helpers.hybrid_model import F, L, greedy_generate, hf_qwen3_5, incremental_logits, pools  # noqa: E402
 
-from kvpipe.config import ConfigError, ParallelConfig  # noqa: E402
-from kvpipe.model.config import LayerType, ModelConfig
-from kvpipe.model.forward_batch import ForwardBatch  # noqa: E402
-from kvpipe.model.loader import load_model  # noqa: E402
-from kvpipe.model.qwen3_5 import Qwen3_5CausalLM  # noqa: E402
-
-ATOL = 1e-4
 CASES = {
     # one full layer among three linear ones, untied, GQA everywhere
     "mixed": dict(),
@@ -86,7 +81,7 @@ def test_full_prompt_logits_match_hf(case):
     kv, state = pools(ours, 20, 4)
     got = ours(all_logits(ForwardBatch.build([ids], [0], [torch.arange(20)], 4, state_slots=[1])), kv, state)
     assert got.dtype == torch.float32 and got.shape == (77, VOCAB)
-    torch.testing.assert_close(got, hf_logits(hf, ids), atol=ATOL, rtol=0)
+    assert_close_logits(got, hf_logits(hf, ids), ours.cfg, len(ids))
 
 
 @pytest.mark.parametrize("chunk", [None, 1, 3, 5, 70])
@@ -96,7 +91,7 @@ def test_chunked_prefill_and_paged_decode_match_hf(case, chunk):
     hf, ours = case
     ids = prompt_ids(90, seed=2)
     got = incremental_logits(ours, ids, prompt_len=75, page_size=4, chunk=chunk)
-    torch.testing.assert_close(got, hf_logits(hf, ids), atol=ATOL, rtol=0)
+    assert_close_logits(got, hf_logits(hf, ids), ours.cfg, len(ids))
 
 
 def test_slot_is_reset_for_a_new_sequence(case):
@@ -108,7 +103,7 @@ def test_slot_is_reset_for_a_new_sequence(case):
     )
     ids = prompt_ids(19, seed=4)
     got = incremental_logits(ours, ids, 12, 4, chunk=5, page_table=torch.arange(5, 10), kv=kv, state=state, slot=1)
-    torch.testing.assert_close(got, hf_logits(hf, ids), atol=ATOL, rtol=0)
+    assert_close_logits(got, hf_logits(hf, ids), ours.cfg, len(ids))
 
 
 def test_packed_batches_match_hf(case):
@@ -120,17 +115,17 @@ def test_packed_batches_match_hf(case):
     ta, tb, tc = torch.tensor([5, 2, 9, 0, 12]), torch.tensor([7, 1, 11, 13]), torch.tensor([3, 4])
     ours(ForwardBatch.build([a[:7]], [0], [ta], 3, state_slots=[4]), kv, state)
     got = ours(all_logits(ForwardBatch.build([a[7:12], b[:7]], [7, 0], [ta, tb], 3, state_slots=[4, 0])), kv, state)
-    torch.testing.assert_close(got[:5], hf_logits(hf, a[:12])[7:], atol=ATOL, rtol=0)
-    torch.testing.assert_close(got[5:], hf_logits(hf, b[:7]), atol=ATOL, rtol=0)
+    assert_close_logits(got[:5], hf_logits(hf, a[:12])[7:], ours.cfg, 12)
+    assert_close_logits(got[5:], hf_logits(hf, b[:7]), ours.cfg, 7)
     for i in range(2):  # decode: a and b one token each, c's first token (a 1-token prompt) then its second
         batch = ForwardBatch.build(
             [[a[12 + i]], [b[7 + i]], [c[i]]], [12 + i, 7 + i, i], [ta, tb, tc], 3, state_slots=[4, 0, 2]
         )
         assert batch.decode is not None
         got = ours(batch, kv, state)
-        torch.testing.assert_close(got[0], hf_logits(hf, a[: 13 + i])[-1], atol=ATOL, rtol=0)
-        torch.testing.assert_close(got[1], hf_logits(hf, b[: 8 + i])[-1], atol=ATOL, rtol=0)
-        torch.testing.assert_close(got[2], hf_logits(hf, c[: 1 + i])[-1], atol=ATOL, rtol=0)
+        assert_close_logits(got[0], hf_logits(hf, a[: 13 + i])[-1], ours.cfg, 13 + i)
+        assert_close_logits(got[1], hf_logits(hf, b[: 8 + i])[-1], ours.cfg, 8 + i)
+        assert_close_logits(got[2], hf_logits(hf, c[: 1 + i])[-1], ours.cfg, 1 + i)
 
 
 def test_layer_groups_equal_full_forward(case):
@@ -164,7 +159,7 @@ def test_sharded_checkpoint_loads(tmp_path):
     assert (path / "model.safetensors.index.json").is_file()
     ours = load_model(path)
     ids = prompt_ids(12, seed=10)
-    torch.testing.assert_close(incremental_logits(ours, ids, 12, 4), hf_logits(hf, ids), atol=ATOL, rtol=0)
+    assert_close_logits(incremental_logits(ours, ids, 12, 4), hf_logits(hf, ids), ours.cfg, len(ids))
 
 
 def test_tp_rejects_indivisible_linear_heads(tmp_path):
@@ -178,21 +173,15 @@ def test_tp_rejects_indivisible_linear_heads(tmp_path):
 
 @pytest.fixture(scope="module")
 def preset_dir(tmp_path_factory):
-    from kvpipe.model.presets import write_preset
-
     return write_preset("tiny-qwen3.5", tmp_path_factory.mktemp("tiny_qwen35"))
 
 
 def test_tiny_qwen3_5_preset_matches_hf(preset_dir, tmp_path):
-    from test_presets import digests
-
-    from kvpipe.model.presets import write_preset
-
     assert digests(write_preset("tiny-qwen3.5", tmp_path / "again")) == digests(preset_dir)
     hf = transformers.Qwen3_5ForCausalLM.from_pretrained(preset_dir, dtype=torch.float32).eval()
     ours = load_model(preset_dir)
     assert ours.cfg.hybrid.full_layers == (3,) and ours.cfg.rope_dim == 8
     ids = [ours.cfg.bos_token_id, *prompt_ids(30, seed=11)]
-    torch.testing.assert_close(incremental_logits(ours, ids, 20, 8, chunk=7), hf_logits(hf, ids), atol=ATOL, rtol=0)
+    assert_close_logits(incremental_logits(ours, ids, 20, 8, chunk=7), hf_logits(hf, ids), ours.cfg, len(ids))
     out = greedy_generate(ours, ids[:12], 24, page_size=8)
     assert len(set(out)) >= 4, out  # not a degenerate model

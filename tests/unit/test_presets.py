@@ -2,24 +2,17 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
-from pathlib import Path
 
 import pytest
-from model_utils import greedy_generate
 
 from kvpipe.config import ConfigError
 from kvpipe.model.config import ModelConfig
 from kvpipe.model.loader import load_generation_eos, load_model
 from kvpipe.model.presets import PRESETS, default_model_dir, resolve_model_path, write_preset
 from kvpipe.model.tokenizer import Tokenizer
-
-FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
-
-
-def digests(path: Path) -> dict[str, str]:
-    return {f: hashlib.sha256((path / f).read_bytes()).hexdigest() for f in FILES}
+from tests.helpers.paged_model import greedy_generate
+from tests.helpers.preset_digests import digests
 
 
 def test_tiny_is_byte_identical_across_writes(tiny_model_dir, tmp_path):

@@ -4,58 +4,18 @@ import numpy as np
 import pytest
 
 from kvpipe.cache.page_allocator import PageAllocator
+from kvpipe.cache.radix_cache import RadixCache
 from kvpipe.config import SchedulerConfig
 from kvpipe.engine.batch import ForwardMode
 from kvpipe.engine.request import FinishReason, Req, ReqStatus, SamplingParams
 from kvpipe.engine.scheduler import Scheduler
+from tests.helpers.scheduler_steps import drain, req, step
 
 
 def make(num_pages=64, page_size=4, ctx=4096, whole=False, **cfg):
     s = Scheduler(SchedulerConfig(**cfg), PageAllocator(num_pages), page_size, ctx, whole_prompt_pages=whole)
     s.hold_on_finish = False  # test knob of step(): keep a finished request's pages until release()
     return s
-
-
-def req(rid, n, max_new=4):
-    return Req(rid, list(range(1, n + 1)), SamplingParams(max_new_tokens=max_new))
-
-
-def step(s: Scheduler):
-    """One engine step with a fake model: token = seq_len; finish at max_new_tokens."""
-    b = s.schedule()
-    if b is None:
-        return None
-    check_pages(s, b)
-    toks = [r.seq_len if b.completes_prefill(i) else None for i, r in enumerate(b.reqs)]
-    s.commit(b, toks, [0.0 if t is not None else None for t in toks])
-    for r, t in zip(b.reqs, toks):
-        if t is not None and len(r.output_ids) >= r.params.max_new_tokens:
-            s.finish(r, FinishReason.LENGTH, hold=s.hold_on_finish)
-    return b
-
-
-def check_pages(s: Scheduler, b):
-    """Every row has pages for exactly the tokens it holds after this step; no page shared."""
-    for r, pre, n in zip(b.reqs, b.prefix_lens, b.extend_lens):
-        tokens = max(pre + n, len(r.input_ids)) if s.whole_prompt_pages else pre + n
-        assert len(r.pages) == -(-tokens // s.page_size)
-    owners = s.running + list(s.reserved.values()) + list(s.held.values())
-    # sliding-window models: the window pages come from the same allocator
-    live = [r.pages for r in owners] + [r.swa_pages[r.swa_pages >= 0] for r in owners]
-    allp = np.concatenate(live) if live else np.zeros(0)
-    assert np.unique(allp).size == allp.size
-    assert allp.size == s.allocator.num_used
-    s.allocator.check_owned(allp.astype(np.int64))
-
-
-def drain(s: Scheduler, limit=10_000):
-    batches = []
-    for _ in range(limit):
-        b = step(s)
-        if b is None:
-            return batches
-        batches.append(b)
-    raise AssertionError("scheduler did not drain")
 
 
 def test_single_request_prefill_then_decode():
@@ -244,7 +204,7 @@ def test_200_mixed_requests_with_aborts_return_all_pages():
         max_running_requests=8,
     )
     reqs, nxt = [], 0
-    for it in range(5000):
+    for _ in range(5000):
         if nxt < 200 and rnd.random() < 0.5:
             r = req(f"r{nxt}", rnd.randint(1, 40), max_new=rnd.randint(1, 20))
             nxt += 1
@@ -290,8 +250,6 @@ def test_max_running_requests_caps_admission():
 
 
 def cached(num_pages=16, page_size=4):
-    from kvpipe.cache.radix_cache import RadixCache
-
     s = Scheduler(SchedulerConfig(), PageAllocator(num_pages), page_size, 4096, prefix_cache=RadixCache(page_size))
     s.hold_on_finish = False
     return s

@@ -4,13 +4,12 @@ slot waits in FIFO order like one that finds no pages."""
 
 from __future__ import annotations
 
-from test_scheduler import drain, req, step
-
 from kvpipe.cache.page_allocator import PageAllocator
 from kvpipe.cache.recurrent_slots import StateSlotAllocator
 from kvpipe.config import SchedulerConfig
 from kvpipe.engine.request import FinishReason
 from kvpipe.engine.scheduler import Scheduler
+from tests.helpers.scheduler_steps import drain, req, step
 
 
 def make(slots: int, num_pages: int = 64, **cfg) -> Scheduler:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_scheduler import drain, req, step
 
 from kvpipe.cache.page_allocator import PageAllocator
 from kvpipe.cache.radix_cache import RadixCache
@@ -14,6 +13,7 @@ from kvpipe.cache.window_pages import window_first_page, window_page_bound
 from kvpipe.config import SchedulerConfig
 from kvpipe.engine.request import FinishReason
 from kvpipe.engine.scheduler import Scheduler
+from tests.helpers.scheduler_steps import drain, req, step
 
 PS, W = 4, 10
 

@@ -12,12 +12,15 @@ import pytest
 import torch
 
 from kvpipe.cache.recurrent_pool import StatePool, StateShape
+from kvpipe.config import DisaggregationConfig
 from kvpipe.transfer.backends.base import BatchState
 from kvpipe.transfer.backends.local import LocalBackend, LocalFabric
+from kvpipe.transfer.control.messages import RegisterPeer, TransferRequest
 from kvpipe.transfer.lifecycle import RoomRecord
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.recurrent.layout import StateLayout
 from kvpipe.transfer.recurrent.plan import plan_state
+from kvpipe.transfer.sender.peers import SenderPeers
 from kvpipe.transfer.sender.room import Destination, PlanError, SendCall, SenderRoom
 
 TYPES = "LLLFLLLF"  # Qwen3.5's default pattern: every 4th layer full attention
@@ -285,10 +288,6 @@ def test_state_batches_split_by_chunk_ops():
 
 
 def test_prefill_refuses_hybrid_pairings_it_cannot_serve():
-    from kvpipe.config import DisaggregationConfig
-    from kvpipe.transfer.control.messages import RegisterPeer, TransferRequest
-    from kvpipe.transfer.sender.peers import SenderPeers
-
     sl = layout(make_pool(None))
     kv = kv_layout(1 << 30)
     peers = SenderPeers(DisaggregationConfig(), kv, 0, 1, sl)

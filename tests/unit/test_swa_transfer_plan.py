@@ -4,12 +4,17 @@ for (aliased buffers, chunked sends, layer groups), request validation, protocol
 
 from __future__ import annotations
 
+import json
+
+import msgpack
 import numpy as np
 import pytest
 
+from kvpipe.cache.kv_pool import KVPool
 from kvpipe.config import DisaggregationConfig, TransferTuning
 from kvpipe.disagg.setup import register_pool
 from kvpipe.transfer.control import messages as m
+from kvpipe.transfer.control.bootstrap import PrefillRankInfo
 from kvpipe.transfer.control.codec import ProtocolError
 from kvpipe.transfer.control.messages import StagingInfo
 from kvpipe.transfer.lifecycle import RoomRecord, TransferState, sender_timeouts
@@ -148,8 +153,6 @@ def test_layout_swa_layers_validated_compared_and_aliases_registered_once():
 
 
 def test_layout_from_pool_takes_swa_layers_and_aliases():
-    from kvpipe.cache.kv_pool import KVPool
-
     pool = KVPool(L, 8, PS, 2, HD)
     for i in SWA:
         pool.k[i], pool.v[i] = pool.k[i - 1], pool.v[i - 1]
@@ -368,8 +371,6 @@ def test_protocol_round_trip_with_window_pages():
     ):
         assert m.decode(m.encode(msg)) == msg
     assert m.decode(m.encode(m.RegisterPeer("d/0", 0, 1, "x", "tcp://x", DST))).layout.swa_layers == SWA
-    import msgpack
-
     wire = msgpack.unpackb(m.encode(m.TransferRequest(5, "d/0", (4, 5), 0, 1, dst_swa_pages=(-1, 9))))
     wire["dst_swa_pages"] = np.asarray([-2, 9], dtype="<i8").tobytes()
     with pytest.raises(ProtocolError, match="below -1"):
@@ -383,18 +384,12 @@ def test_protocol_round_trip_with_window_pages():
 
 
 def test_bootstrap_info_keeps_swa_layers_through_json():
-    import json
-
-    from kvpipe.transfer.control.bootstrap import PrefillRankInfo
-
     info = PrefillRankInfo(0, 1, SRC, "127.0.0.1:1", "tcp://127.0.0.1:2", "m", "i")
     back = PrefillRankInfo.from_dict(json.loads(json.dumps(info.to_dict())))
     assert back == info and back.layout.swa_layers == SWA
 
 
 def test_pool_bytes_count_aliased_tensors_once():
-    from kvpipe.cache.kv_pool import KVPool
-
     pool = KVPool(L, 8, PS, 2, HD)
     whole = pool.nbytes
     pool.k[1], pool.v[1] = pool.k[0], pool.v[0]

@@ -26,6 +26,7 @@ from kvpipe.engine.request import FinishReason, Req, SamplingParams
 from kvpipe.model.config import ModelConfig
 from kvpipe.transfer.lifecycle import TransferState
 from kvpipe.transfer.planning.layout import KVLayout
+from kvpipe.transfer.planning.wire_bytes import KVWireBytes
 from kvpipe.transfer.sender.book import SenderStats
 
 S, F = TransferState.SUCCESS, TransferState.FAILED
@@ -171,8 +172,6 @@ def test_a_failure_before_the_first_forward_reaches_the_decode(conn) -> None:
 
 
 def test_layer_groups_see_what_a_chunk_weighs_on_the_wire(conn, monkeypatch) -> None:
-    from kvpipe.transfer.planning.wire_bytes import KVWireBytes
-
     c, _ = conn
     assert c.pipeline is not None
     # rank 0's layout: 4 layers, K and V of 1 head x 8, fp32: 256 bytes a token, no sliding layers

@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from server_harness import ServerProc, sse_events
 
+from kvpipe.qa.chaos import child_pids
 from kvpipe.server.launcher import PDStack, start_pd_stack, stop_process, wait_healthy
+from tests.helpers.server import ServerProc, sse_events
 
 _rooms = itertools.count(random.Random().randrange(1 << 40))
 
@@ -139,3 +140,49 @@ def disagg_stats(srv: ServerProc) -> dict[str, Any]:
 
 def dumps(x: Any) -> str:
     return json.dumps(x)[:400]
+
+
+# ---- PD stacks with tensor parallelism ---------------------------------------------------------
+
+TP_PS = 16  # the page size of start_tp_stack's servers
+TP_FLAGS = [
+    "--page-size",
+    str(TP_PS),
+    "--max-total-tokens",
+    "8192",
+    "--disaggregation-heartbeat-interval",
+    "0.5",
+    "--disaggregation-bootstrap-timeout",
+    "30",
+    "--disaggregation-transfer-timeout",
+    "3",
+]
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def close_and_check_no_orphans(stack: Stack) -> None:
+    pids = [p for proc in stack.pd.procs[:2] for p in child_pids(proc.pid)]
+    stack.close()
+    wait_for(lambda: not any(alive(p) for p in pids), 20, f"TP workers {pids} to exit")
+
+
+def start_tp_stack(model: Path, tmp: Path, p_tp: int, d_tp: int, extra: tuple[str, ...]) -> Stack:
+    """A PD stack on TP_FLAGS (page size TP_PS) plus `extra`, prefill TP `p_tp` and decode TP
+    `d_tp`: each server has its TP children."""
+    s = start_stack(
+        model, tmp, *TP_FLAGS, *extra, prefill_args=("--tp-size", str(p_tp)), decode_args=("--tp-size", str(d_tp))
+    )
+    try:
+        assert len(child_pids(s.pd.procs[0].pid)) == p_tp - 1
+        assert len(child_pids(s.pd.procs[1].pid)) == d_tp - 1
+    except BaseException:
+        s.close()
+        raise
+    return s

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -82,9 +83,9 @@ def start_server(model_dir: Path, log_path: Path, *extra: str, timeout_s: float 
     srv = ServerProc(f"http://127.0.0.1:{port}", proc, log_path)
     try:
         wait_healthy(srv.url + "/health", timeout_s, [proc])
-    except BaseException:
+    except BaseException as e:
         stop_process(proc)
-        raise RuntimeError(f"server did not start; log:\n{srv.log()[-4000:]}")
+        raise RuntimeError(f"server did not start; log:\n{srv.log()[-4000:]}") from e
     return srv
 
 
@@ -99,8 +100,6 @@ def server_fixture(model_dir: Path, tmp_dir: Path, *extra: str) -> Iterator[Serv
 
 def sse_events(lines: Iterator[str]) -> Iterator[dict | str]:
     """Parse `data: ...` SSE lines; yields dicts, and the string "[DONE]" at the end."""
-    import json
-
     for line in lines:
         if not line.startswith("data: "):
             continue

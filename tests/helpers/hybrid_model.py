@@ -1,16 +1,17 @@
-"""Helpers for the Qwen3.5 (hybrid) model tests: random tiny HF checkpoints and a driver that
-runs a hybrid model through the paged KV pool and a StatePool like the engine does."""
+"""The Qwen3.5 (hybrid) model tests' random tiny HF checkpoints, and a driver that runs a hybrid
+model through the paged KV pool and a StatePool like the engine does."""
 
 from __future__ import annotations
 
 import torch
 import transformers
-from model_utils import VOCAB, all_logits, hf_logits, prompt_ids, save  # noqa: F401 - re-exported to the Qwen3.5 tests
 
 from kvpipe.cache.kv_pool import KVPool
 from kvpipe.cache.recurrent_pool import StatePool
 from kvpipe.engine.model_runner import make_kv_pool, make_state_pool
 from kvpipe.model.forward_batch import ForwardBatch
+from tests.helpers.hf_models import VOCAB
+from tests.helpers.paged_model import all_logits
 
 L, F = "linear_attention", "full_attention"
 

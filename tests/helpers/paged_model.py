@@ -1,9 +1,9 @@
-"""Helpers for the model tests: drive a CausalLM through the paged KV pool like the engine does."""
+"""Drive a CausalLM through the paged KV pool like the engine does: every position's logits of a
+prompt prefilled in chunks and then decoded token by token, and greedy generation."""
 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import torch
 
@@ -16,25 +16,6 @@ from kvpipe.model.llama import CausalLM
 def make_pool(model: CausalLM, num_pages: int, page_size: int) -> KVPool:
     """One page table for every layer (sliding ones too): the tests index pages by hand."""
     return make_kv_pool(model, num_pages, page_size, window_tables=False)
-
-
-VOCAB = 160  # the random tiny HF models' vocabulary in the parity tests
-
-
-def save(model, path: Path, **kw) -> Path:
-    """An HF model written as a checkpoint directory (safetensors) at `path`."""
-    model.save_pretrained(path, safe_serialization=True, **kw)
-    return path
-
-
-def prompt_ids(n: int, seed: int = 0, vocab: int = VOCAB) -> list[int]:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-@torch.no_grad()
-def hf_logits(hf, ids: list[int]) -> torch.Tensor:
-    """An HF causal LM's fp32 logits of every position of one sequence, [len(ids), vocab]."""
-    return hf(torch.tensor([ids])).logits[0].float()
 
 
 def all_logits(batch: ForwardBatch) -> ForwardBatch:
