@@ -13,9 +13,9 @@ from kvpipe.cache.kv_pool import KVPool
 from kvpipe.cache.recurrent_pool import StatePool
 from kvpipe.config import CacheConfig, SchedulerConfig
 from kvpipe.engine.batch import ForwardSpec
+from kvpipe.model.causal_lm import LMBase
 from kvpipe.model.forward_batch import ForwardBatch
 from kvpipe.model.gated_delta_net import local_state_shape
-from kvpipe.model.llama import LMBase
 
 # (start, end, batch): layers [start, end) of this forward have written their KV into the pool
 GroupCallback = Callable[[int, int, ForwardBatch], None]

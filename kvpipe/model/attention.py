@@ -90,7 +90,7 @@ def _window_prefill(
             ks, vs = k[rows].transpose(0, 1), v[rows].transpose(0, 1)  # [Hkv, E, D]
         else:  # from the first page the row's first query still sees, new tokens included
             first = 0 if window is None else window_first_page(s.prefix_len, window, pool.page_size)
-            ks, vs = pool.gather(layer, s.page_table, s.total_len, first)  # [Hkv, L - first * P, D]
+            ks, vs = _gather_kv(pool, layer, s, first)  # [Hkv, L - first * P, D]
         out[rows] = window_attention(q[rows], ks, vs, s.prefix_len, scale, sinks, window, first * pool.page_size)
     return out
 
@@ -110,8 +110,16 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 def _extend(q: torch.Tensor, layer: int, s: SeqSpan, pool: KVPool, scale: float) -> torch.Tensor:
     """One row behind a cached prefix: q [E, Hq, D] -> [E, Hq, D] over the row's L = total_len keys."""
-    ks, vs = pool.gather(layer, s.page_table, s.total_len)  # [Hkv, L, D], new tokens included
+    ks, vs = _gather_kv(pool, layer, s)  # [Hkv, L, D], new tokens included
     return prefix_attention(q, ks, vs, s.prefix_len, scale)
+
+
+def _gather_kv(pool: KVPool, layer: int, s: SeqSpan, first_page: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one row's tokens from `first_page` on; a K/V pool (not MLA's latent one) has both."""
+    ks, vs = pool.gather(layer, s.page_table, s.total_len, first_page)
+    if vs is None:
+        raise ValueError("paged_attention needs a K/V pool, not a latent one")
+    return ks, vs
 
 
 def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int, scale: float) -> torch.Tensor:

@@ -39,7 +39,7 @@ class MoEConfig:
     `routed_scaling_factor` on the routed weights; Qwen3.5-MoE softmax top-k, always renormalised,
     plus one shared expert scaled per token by sigmoid(shared_expert_gate(x)); GPT-OSS
     ("topk_softmax") top-k of the biased router logits, then a softmax over the chosen k only,
-    into experts with biases and a clamped SwiGLU (gpt_oss_moe.py).
+    into experts with biases and a clamped SwiGLU (gpt_oss.py).
     """
 
     num_experts: int
@@ -370,8 +370,9 @@ def _gpt_oss_attention(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _partial_rotary_dim(cfg: dict[str, Any], head_dim: int) -> int | None:
-    """MiniMax-M2 gives `rotary_dim`, Qwen3.5 `partial_rotary_factor`; transformers >= 5 also writes `partial_rotary_factor` (in
-    rope_parameters), which wins as in HF: int(head_dim * factor) dims rotate."""
+    """MiniMax-M2 gives `rotary_dim`, Qwen3.5 `partial_rotary_factor`; transformers >= 5 also writes
+    `partial_rotary_factor` (in rope_parameters), which wins as in HF: int(head_dim * factor) dims
+    rotate."""
     factor = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
     dim = int(head_dim * float(factor)) if factor is not None else cfg.get("rotary_dim")
     if dim is None or int(dim) == head_dim:

@@ -23,7 +23,7 @@ from kvpipe.config import ConfigError, ParallelConfig
 from kvpipe.model.config import HybridConfig, ModelConfig
 from kvpipe.model.forward_batch import ForwardBatch
 from kvpipe.model.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_step
-from kvpipe.model.layers import Linear, Shard
+from kvpipe.model.linear import Linear, Shard
 
 
 def local_linear_heads(h: HybridConfig, parallel: ParallelConfig) -> tuple[int, int]:

@@ -1,4 +1,4 @@
-"""Load an HF checkpoint directory (config.json + safetensors) into a CausalLM.
+"""Load an HF checkpoint directory (config.json + safetensors) into its family's model (registry.py).
 
 Each TP rank reads only its slice of every sharded tensor (safe_open(...).get_slice), so a rank
 never materialises the full q/k/v/o or MLP matrices.
@@ -18,11 +18,12 @@ from safetensors import safe_open
 from torch import nn
 
 from kvpipe.config import ConfigError, ParallelConfig
-from kvpipe.model.config import HYBRID_FAMILIES, SUPPORTED_ARCHITECTURES, ModelConfig
-from kvpipe.model.factory import build_causal_lm
-from kvpipe.model.layers import Linear, Shard
-from kvpipe.model.llama import LMBase, check_parallel
+from kvpipe.model.causal_lm import LMBase, check_parallel
+from kvpipe.model.config import ModelConfig
+from kvpipe.model.linear import Linear, Shard
+from kvpipe.model.moe import check_routing
 from kvpipe.model.packed_linear import packing_enabled
+from kvpipe.model.registry import build_causal_lm, family
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -39,17 +40,9 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: invalid JSON: {e}") from None
 
 
-# Families the model code implements: every architecture config.py recognises (derived, so a new
-# family is named in one place).
-IMPLEMENTED_FAMILIES = tuple(dict.fromkeys(SUPPORTED_ARCHITECTURES.values()))
-
-
 def check_supported(raw: dict[str, Any], cfg: ModelConfig) -> None:
     """Reject config options the model code does not implement, rather than compute wrong logits."""
-    if cfg.architecture not in IMPLEMENTED_FAMILIES:
-        raise ConfigError(
-            f"the {cfg.architecture} model family is not implemented yet; kvpipe serves {IMPLEMENTED_FAMILIES}"
-        )
+    fam = family(cfg.architecture)
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"hidden_act={act!r} is not supported (only silu)")
@@ -57,69 +50,14 @@ def check_supported(raw: dict[str, Any], cfg: ModelConfig) -> None:
         raise ConfigError("mlp_bias=true is not supported")
     if raw.get("use_sliding_window"):
         raise ConfigError("use_sliding_window=true is not supported by the Llama/Qwen model")
-    # MiniMax-M2 and Qwen3.5 rotate part of each head (ModelConfig.rotary_dim); the others all of it
-    if cfg.architecture not in ("minimax_m2", *HYBRID_FAMILIES) and float(raw.get("partial_rotary_factor", 1.0)) != 1.0:
+    if not fam.partial_rotary and float(raw.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ConfigError("partial_rotary_factor != 1 is not supported")
-    if cfg.architecture == "qwen3_moe" and cfg.moe is not None and cfg.moe.num_experts == 0:
-        raise ConfigError("qwen3_moe with num_experts=0 (no sparse layer) is not supported")
     if raw.get("quantization_config"):  # e.g. DeepSeek-V3's fp8 blocks: their scales would be ignored
         method = (raw["quantization_config"] or {}).get("quant_method")
         raise ConfigError(f"quantized checkpoints are not supported (quant_method={method!r})")
-    if cfg.architecture == "minimax_m2":
-        _check_minimax_m2(raw)
-    if cfg.architecture == "deepseek_v3":
-        _check_deepseek_v3(raw)
-    if cfg.architecture == "qwen3_5_moe":
-        _check_qwen3_5_moe(raw)
+    fam.check(raw, cfg)
     if cfg.moe is not None:
-        from kvpipe.model.moe import check_routing
-
         check_routing(cfg.moe)
-
-
-def _check_minimax_m2(raw: dict[str, Any]) -> None:
-    """Options of MiniMax checkpoints' own config.json that HF's MiniMaxM2 model (and kvpipe's)
-    does not implement: anything but sigmoid scoring with a routing bias, full-projection q/k
-    norms, full attention in every layer, no shared expert."""
-    unsupported = {
-        "scoring_func": raw.get("scoring_func", "sigmoid") != "sigmoid",
-        "use_routing_bias": raw.get("use_routing_bias", True) is not True,
-        "use_qk_norm": raw.get("use_qk_norm", True) is not True,
-        "qk_norm_type": raw.get("qk_norm_type", "per_layer") != "per_layer",
-        "attn_type_list": any(int(t) != 1 for t in raw.get("attn_type_list") or ()),  # 0: lightning attention
-        "shared_intermediate_size": int(raw.get("shared_intermediate_size") or 0) != 0,
-    }
-    bad = [f"{k}={raw[k]!r}" for k, v in unsupported.items() if v]
-    if bad:
-        raise ConfigError(f"MiniMax-M2 options not supported: {', '.join(bad)}")
-
-
-def _check_deepseek_v3(raw: dict[str, Any]) -> None:
-    """DeepSeek-V3 as HF runs it: sigmoid expert scores with bias-corrected group-limited top-k
-    (V2-style softmax / greedy routing keys would be silently ignored). Multi-token-prediction
-    layers (num_nextn_predict_layers) are fine: they are not built and their weights not read."""
-    if raw.get("scoring_func", "sigmoid") != "sigmoid":
-        raise ConfigError(f"scoring_func={raw['scoring_func']!r} is not supported for DeepSeek-V3 (only sigmoid)")
-    if raw.get("topk_method", "noaux_tc") != "noaux_tc":
-        raise ConfigError(f"topk_method={raw['topk_method']!r} is not supported for DeepSeek-V3 (only noaux_tc)")
-    if int(raw.get("qk_rope_head_dim", 0)) % 2:
-        raise ConfigError(f"qk_rope_head_dim={raw['qk_rope_head_dim']} must be even (RoPE rotates pairs)")
-
-
-def _check_qwen3_5_moe(raw: dict[str, Any]) -> None:
-    """HF's Qwen3.5-MoE makes every layer sparse, with one gated shared expert, and ignores the
-    dense-layer keys of Qwen3-MoE; a config that carries them (or no shared expert) is asking for
-    a model neither HF nor kvpipe builds."""
-    unsupported = {
-        "num_experts": int(raw.get("num_experts") or 0) < 1,
-        "shared_expert_intermediate_size": int(raw.get("shared_expert_intermediate_size") or 0) < 1,
-        "decoder_sparse_step": int(raw.get("decoder_sparse_step") or 1) != 1,
-        "mlp_only_layers": bool(raw.get("mlp_only_layers")),
-        "norm_topk_prob": raw.get("norm_topk_prob", True) is not True,  # HF always renormalises
-    }
-    bad = [f"{k}={raw.get(k)!r}" for k, v in unsupported.items() if v]
-    if bad:
-        raise ConfigError(f"Qwen3.5-MoE options not supported: {', '.join(bad)}")
 
 
 def check_group(parallel: ParallelConfig, group: dist.ProcessGroup | None) -> None:
@@ -166,34 +104,18 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
     raise ConfigError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
 
 
-# Checkpoint names that differ from our module tree, per family: (pattern, replacement) applied in
-# order to the name `hf_name` derives. MiniMax-M2 checkpoints keep Mixtral's names for the MoE
-# block (w1 gate, w3 up, w2 down) and hold the correction bias on the block, not the router.
-CHECKPOINT_RENAMES: dict[str, tuple[tuple[str, str], ...]] = {
-    "minimax_m2": (
-        (r"\.mlp\.gate\.e_score_correction_bias$", ".mlp.e_score_correction_bias"),
-        (r"\.mlp\.experts\.(\d+)\.gate_proj\.", r".mlp.experts.\1.w1."),
-        (r"\.mlp\.experts\.(\d+)\.up_proj\.", r".mlp.experts.\1.w3."),
-        (r"\.mlp\.experts\.(\d+)\.down_proj\.", r".mlp.experts.\1.w2."),
-        (r"\.mlp\.", ".block_sparse_moe."),
-    ),
-    # Qwen3.5-MoE's one shared expert is `shared_expert` (DeepSeek-V3's, like ours, `shared_experts`)
-    "qwen3_5_moe": ((r"\.mlp\.shared_experts\.", ".mlp.shared_expert."),),
-}
-
-
-def hf_name(name: str, family: str = "llama") -> str:
+def hf_name(name: str, renames: tuple[tuple[str, str], ...] = ()) -> str:
     """Our parameter name -> the checkpoint's: the module tree mirrors HF's under `model.`, with
-    the family's CHECKPOINT_RENAMES on top."""
+    the family's checkpoint renames (registry.Family.checkpoint_renames) on top."""
     if name == "embed_tokens":
         return "model.embed_tokens.weight"
     hf = name if name.startswith("lm_head.") else "model." + name
-    for pattern, repl in CHECKPOINT_RENAMES.get(family, ()):
+    for pattern, repl in renames:
         hf = re.sub(pattern, repl, hf)
     return hf
 
 
-def shard_plan(model: nn.Module) -> dict[str, tuple[str, Shard | None]]:
+def shard_plan(model: LMBase) -> dict[str, tuple[str, Shard | None]]:
     """our param name -> (HF name, this rank's Shard of it or None for the whole tensor).
 
     Linears carry their Shard; any other module may declare `param_shards` ({param: Shard}).
@@ -207,8 +129,8 @@ def shard_plan(model: nn.Module) -> dict[str, tuple[str, Shard | None]]:
                 shards[f"{mod_name}.bias"] = shard
         for pname, s in getattr(mod, "param_shards", {}).items():
             shards[f"{mod_name}.{pname}"] = s
-    family = model.cfg.architecture
-    return {name: (hf_name(name, family), shards.get(name)) for name, _ in model.named_parameters()}
+    renames = family(model.cfg.architecture).checkpoint_renames
+    return {name: (hf_name(name, renames), shards.get(name)) for name, _ in model.named_parameters()}
 
 
 def read_shard(sl: Any, shard: Shard | None) -> torch.Tensor:
@@ -216,7 +138,7 @@ def read_shard(sl: Any, shard: Shard | None) -> torch.Tensor:
     if shard is None:
         return sl[:]
     lead = (slice(None),) * shard.dim  # GPT-OSS's fused experts [E, hidden, 2 I] split along dim 2
-    parts = [sl[(*lead, slice(a, a + n))] for a, n in shard.ranges]
+    parts = [sl[lead + (slice(a, a + n),)] for a, n in shard.ranges]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=shard.dim)
 
 

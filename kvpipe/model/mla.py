@@ -38,7 +38,8 @@ from kvpipe.model.attention import attend_pages, causal_attention, prefix_attent
 from kvpipe.model.config import ModelConfig
 from kvpipe.model.cpu_kernels import paged_decode_kernel
 from kvpipe.model.forward_batch import DecodeIndex, ForwardBatch
-from kvpipe.model.layers import Linear, RMSNorm, Shard
+from kvpipe.model.linear import Linear, Shard
+from kvpipe.model.norms import RMSNorm
 from kvpipe.model.rope import apply_rope, apply_rope_interleaved, rope_type, yarn_get_mscale
 
 # HF builds q_a_layernorm and kv_a_layernorm with DeepseekV3RMSNorm's default eps, not rms_norm_eps.
@@ -102,7 +103,8 @@ class MLAttention(nn.Module):
         t = x.shape[0]
         if self.q_proj is not None:
             q = self.q_proj(x)
-        else:
+        else:  # low-rank q: the three are set together
+            assert self.q_a_proj is not None and self.q_a_layernorm is not None and self.q_b_proj is not None
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q_nope, q_rope = q.view(t, self.num_heads, self.qk_dim).split([self.nope_dim, self.rope_dim], dim=-1)
         c, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)

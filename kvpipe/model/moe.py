@@ -25,7 +25,8 @@ from torch import nn
 
 from kvpipe.config import ConfigError, ParallelConfig
 from kvpipe.model.config import ModelConfig, MoEConfig
-from kvpipe.model.layers import MLP, Linear
+from kvpipe.model.linear import Linear
+from kvpipe.model.mlp import MLP
 
 # DeepSeek-V3 adds this to the top-k weight sum before renormalising. In fp32 it cannot change a
 # sum of sigmoid or softmax probabilities (far below their ulp), so every family shares it.
@@ -163,6 +164,16 @@ class SparseMoE(nn.Module):
         if self.tp:  # routed and shared partial sums together: one all-reduce per block
             dist.all_reduce(out, group=self.group)
         return out
+
+
+def sparse_or_dense_mlp(
+    cfg: ModelConfig, layer: int, parallel: ParallelConfig, group: dist.ProcessGroup | None
+) -> nn.Module:
+    """The MLP of `layer`: a SparseMoE block where cfg.moe makes the layer sparse, else a dense MLP
+    of cfg.intermediate_size."""
+    if cfg.moe is not None and cfg.moe.is_sparse(layer):
+        return SparseMoE(cfg, layer, parallel, group)
+    return MLP(cfg.hidden_size, cfg.intermediate_size, parallel, group)
 
 
 def check_routing(moe: MoEConfig) -> None:

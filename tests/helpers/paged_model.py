@@ -9,8 +9,8 @@ import torch
 
 from kvpipe.cache.kv_pool import KVPool
 from kvpipe.engine.model_runner import make_kv_pool
+from kvpipe.model.causal_lm import CausalLM
 from kvpipe.model.forward_batch import ForwardBatch
-from kvpipe.model.llama import CausalLM
 
 
 def make_pool(model: CausalLM, num_pages: int, page_size: int) -> KVPool:

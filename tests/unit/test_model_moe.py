@@ -12,12 +12,13 @@ import pytest
 import torch
 
 from kvpipe.config import ConfigError, ParallelConfig
-from kvpipe.model import loader
+from kvpipe.model import registry
+from kvpipe.model.causal_lm import check_parallel
 from kvpipe.model.config import ModelConfig, MoEConfig
-from kvpipe.model.llama import CausalLM, check_parallel
 from kvpipe.model.loader import load_model
 from kvpipe.model.moe import Dispatch, SparseMoE, check_routing, route
 from kvpipe.model.presets import write_preset
+from kvpipe.model.qwen3_moe import Qwen3MoeCausalLM
 from tests.helpers.paged_model import incremental_logits
 from tests.helpers.tolerance import assert_close_logits
 
@@ -159,7 +160,7 @@ def test_sparse_layers_follow_hf_decoder_sparse_step_and_mlp_only_layers():
     )
     with torch.device("meta"):
         hf = transformers.Qwen3MoeForCausalLM(hf_cfg)
-        ours = CausalLM(our_config(hf_cfg, "qwen3_moe"))
+        ours = Qwen3MoeCausalLM(our_config(hf_cfg, "qwen3_moe"))
     want = [type(layer.mlp).__name__ == "Qwen3MoeSparseMoeBlock" for layer in hf.model.layers]
     assert want == [False, True, False, False, False, True]
     assert [isinstance(layer.mlp, SparseMoE) for layer in ours.layers] == want
@@ -199,9 +200,7 @@ def test_unsupported_minimax_options_are_refused(minimax_dir, tmp_path, change, 
 
 def test_unimplemented_family_is_refused(tmp_path, monkeypatch):
     # every recognised family is implemented now (deepseek_v3 by the mla branch): take one out
-    monkeypatch.setattr(
-        loader, "IMPLEMENTED_FAMILIES", tuple(f for f in loader.IMPLEMENTED_FAMILIES if f != "deepseek_v3")
-    )
+    monkeypatch.delitem(registry.FAMILIES, "deepseek_v3")
     (tmp_path / "config.json").write_text(
         json.dumps(hf_config("deepseek_v3").to_dict() | {"architectures": [ARCHS["deepseek_v3"]]})
     )

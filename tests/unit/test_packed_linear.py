@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpipe.model.layers import Linear
+from kvpipe.model.linear import Linear
 from kvpipe.model.loader import load_model
 from kvpipe.model.packed_linear import can_pack, packing_enabled
 from kvpipe.model.presets import write_preset

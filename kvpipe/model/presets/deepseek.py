@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from kvpipe.config import ConfigError
+from kvpipe.model.registry import hf_header
 
 
 @dataclass(frozen=True)
@@ -49,8 +50,7 @@ def deepseek_v3_config(num_layers: int, num_heads: int, head_dim: int, mla: MLAP
         }
     )
     return {
-        "architectures": ["DeepseekV3ForCausalLM"],
-        "model_type": "deepseek_v3",
+        **hf_header("deepseek_v3"),
         "num_key_value_heads": num_heads,
         "head_dim": head_dim,
         "rope_scaling": rope_scaling,

@@ -1,12 +1,14 @@
 """Built-in GPT-OSS presets: deterministic random weights as a real HF GptOssForCausalLM
 checkpoint (the tensor names and fused expert layout save_pretrained writes), loadable by
-transformers. Kept apart from presets.PresetSpec so the other presets' files stay byte-identical."""
+transformers. Kept apart from llama.PresetSpec so the other presets' files stay byte-identical."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from kvpipe.model.registry import hf_header
 
 
 @dataclass(frozen=True)
@@ -52,8 +54,7 @@ GPT_OSS_PRESETS: dict[str, GptOssPresetSpec] = {
 
 def hf_config(spec: GptOssPresetSpec, vocab_size: int, bos: int, eos: int) -> dict:
     return {
-        "architectures": ["GptOssForCausalLM"],
-        "model_type": "gpt_oss",
+        **hf_header("gpt_oss"),
         "vocab_size": vocab_size,
         "hidden_size": spec.hidden_size,
         "intermediate_size": spec.expert_intermediate_size,

@@ -1,13 +1,15 @@
 """Built-in Qwen3.5 (hybrid) presets: deterministic random weights as a real HF Qwen3_5ForCausalLM
 (or, with a `moe` spec, Qwen3_5MoeForCausalLM) checkpoint, loadable by transformers. Kept apart
-from presets.PresetSpec so the Llama presets' files (their kvpipe_preset.json embeds the spec)
-stay byte-identical; a dense spec's file has no `moe` key (presets._spec_json drops it)."""
+from llama.PresetSpec so the Llama presets' files (their kvpipe_preset.json embeds the spec)
+stay byte-identical; a dense spec's file has no `moe` key (writer._spec_json drops it)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from kvpipe.model.registry import hf_header
 
 
 @dataclass(frozen=True)
@@ -89,21 +91,22 @@ def hf_config(spec: Qwen3_5PresetSpec, vocab_size: int, bos: int, eos: int) -> d
     if spec.moe is not None:
         m = spec.moe
         dense = {k: v for k, v in _dense_config(spec, vocab_size, bos, eos).items() if k != "intermediate_size"}
-        return dense | {
-            "architectures": ["Qwen3_5MoeForCausalLM"],
-            "model_type": "qwen3_5_moe_text",
-            "num_experts": m.num_experts,
-            "num_experts_per_tok": m.top_k,
-            "moe_intermediate_size": m.expert_intermediate_size,
-            "shared_expert_intermediate_size": m.shared_intermediate_size,
-        }
+        return (
+            dense
+            | hf_header("qwen3_5_moe")
+            | {
+                "num_experts": m.num_experts,
+                "num_experts_per_tok": m.top_k,
+                "moe_intermediate_size": m.expert_intermediate_size,
+                "shared_expert_intermediate_size": m.shared_intermediate_size,
+            }
+        )
     return _dense_config(spec, vocab_size, bos, eos)
 
 
 def _dense_config(spec: Qwen3_5PresetSpec, vocab_size: int, bos: int, eos: int) -> dict:
     return {
-        "architectures": ["Qwen3_5ForCausalLM"],
-        "model_type": "qwen3_5_text",
+        **hf_header("qwen3_5"),
         "vocab_size": vocab_size,
         "hidden_size": spec.hidden_size,
         "intermediate_size": spec.intermediate_size,

@@ -1,11 +1,13 @@
-"""GPT-OSS's sparse MoE block, tensor-parallel.
+"""GPT-OSS: grouped-query attention with a learned sink logit per head, o_proj biased like q/k/v,
+and alternating sliding-window and full layers (GQAttention reads all three from ModelConfig;
+sink_attention.py runs them); RMSNorms with fp32 weights; and its own sparse MoE block.
 
-The router is a biased linear; each token takes the top-k router logits and weighs its experts
-by a softmax over those k only (moe.route, scoring "topk_softmax"). The experts are stored fused
-as HF writes them: gate_up_proj [E, hidden, 2 * I] with gate and up interleaved along the last
-dim (gate at even columns, up at odd), down_proj [E, I, hidden], each with a bias, applied as
-x @ W (not x @ W^T). The activation is a clamped SwiGLU: (clamp(up, -l, l) + 1) * g * sigmoid(a g)
-with g = clamp(gate, max=l).
+The MoE block: the router is a biased linear; each token takes the top-k router logits and
+weighs its experts by a softmax over those k only (moe.route, scoring "topk_softmax"). The
+experts are stored fused as HF writes them: gate_up_proj [E, hidden, 2 * I] with gate and up
+interleaved along the last dim (gate at even columns, up at odd), down_proj [E, I, hidden], each
+with a bias, applied as x @ W (not x @ W^T). The activation is a clamped SwiGLU:
+(clamp(up, -l, l) + 1) * g * sigmoid(a g) with g = clamp(gate, max=l).
 
 Tensor parallelism slices every expert by its intermediate dim: a rank's I / tp gate/up pairs
 are one contiguous, still interleaved range [2 i0, 2 (i0 + I/tp)) of gate_up_proj's last dim,
@@ -20,9 +22,12 @@ import torch.distributed as dist
 from torch import nn
 
 from kvpipe.config import ConfigError, ParallelConfig
+from kvpipe.model.causal_lm import CausalLM
 from kvpipe.model.config import ModelConfig, MoEConfig
-from kvpipe.model.layers import Shard
+from kvpipe.model.gqa_attention import GQAttention
+from kvpipe.model.linear import Shard
 from kvpipe.model.moe import Dispatch, Router, route
+from kvpipe.model.norms import RMSNorm
 
 
 def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -78,6 +83,7 @@ class GptOssMoE(nn.Module):
         if moe is None or moe.scoring != "topk_softmax" or moe.swiglu_limit is None:
             raise ValueError("GptOssMoE needs GPT-OSS's MoEConfig (topk_softmax routing, clamped SwiGLU)")
         self.moe = moe
+        self.swiglu_limit: float = moe.swiglu_limit
         self.layer = layer
         self.tp = parallel.tp_size > 1
         self.group = group
@@ -94,7 +100,7 @@ class GptOssMoE(nn.Module):
         start = 0
         for e, n in enumerate(plan.counts):
             if n:  # experts nobody chose cost nothing
-                ys[start : start + n] = ex.partial(e, xs[start : start + n], moe.swiglu_alpha, moe.swiglu_limit)
+                ys[start : start + n] = ex.partial(e, xs[start : start + n], moe.swiglu_alpha, self.swiglu_limit)
                 start += n
         ys = (ys * weights.reshape(-1).index_select(0, plan.order)[:, None]).to(x.dtype)
         out = torch.zeros_like(x).index_add_(0, plan.tokens, ys)
@@ -103,3 +109,14 @@ class GptOssMoE(nn.Module):
         # sum_k w_k * down_bias[expert_k], once: [T, k, hidden] -> [T, hidden]
         bias = (weights[..., None] * ex.down_proj_bias[experts].float()).sum(dim=1)
         return out + bias.to(x.dtype)
+
+
+class GptOssCausalLM(CausalLM):
+    def make_attention(self, layer: int) -> nn.Module:
+        return GQAttention(self.cfg, layer, self.parallel, self.group)
+
+    def make_mlp(self, layer: int) -> nn.Module:
+        return GptOssMoE(self.cfg, layer, self.parallel, self.group)
+
+    def make_norm(self, dim: int) -> nn.Module:
+        return RMSNorm(dim, self.cfg.rms_norm_eps, fp32_weight=True)  # HF keeps these weights in fp32

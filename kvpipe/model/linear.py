@@ -1,0 +1,89 @@
+"""Linear projections and how tensor parallelism shards them.
+
+Column-parallel projections (q/k/v, gate/up) hold a slice of output rows; row-parallel ones
+(o_proj, down_proj) hold a slice of input columns and all-reduce their partial sums. Each
+sharded Linear carries its `Shard`, so the loader slices checkpoint tensors without knowing the
+model family. Parameters are allocated uninitialised: the loader fills every one of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from kvpipe.config import ParallelConfig
+from kvpipe.model.packed_linear import can_pack, pack_weight, packed_linear
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The part of a checkpoint weight [out, in] one TP rank holds: [start, start + length) along
+    dim 0 (column-parallel: output rows; a bias is sliced alike) or dim 1 (row-parallel: input
+    columns; a bias stays whole). Other modules' parameters (`param_shards`, e.g. GPT-OSS's fused
+    experts [E, hidden, 2 I]) may name any dim."""
+
+    dim: int
+    start: int
+    length: int
+    # further (start, length) ranges along `dim`, concatenated after the first: a fused projection
+    # whose parts (q, k, v of a gated delta-net) each split by heads
+    more: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def ranges(self) -> tuple[tuple[int, int], ...]:
+        return ((self.start, self.length), *self.more)
+
+    @classmethod
+    def rows(cls, parallel: ParallelConfig, start: int, length: int) -> Shard | None:
+        return cls(0, start, length) if parallel.tp_size > 1 else None
+
+    @classmethod
+    def cols(cls, parallel: ParallelConfig, start: int, length: int) -> Shard | None:
+        return cls(1, start, length) if parallel.tp_size > 1 else None
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b), weights [out, in] as in HF checkpoints; allocated empty."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        all_reduce: bool = False,
+        group: dist.ProcessGroup | None = None,
+        shard: Shard | None = None,
+        packable: bool = True,
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.packable = packable  # False: other code reads the dense weight (MLA's absorbed kv_b_proj)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.all_reduce = all_reduce  # row-parallel: sum partial products across the TP group
+        self.group = group
+        self.shard = shard  # None: the whole checkpoint tensor
+
+    def pack(self) -> bool:
+        """Swap the dense weight for its oneDNN-packed form (packed_linear.py), once loaded;
+        False where it cannot be packed (not CPU fp32)."""
+        if not (self.packable and can_pack(self.weight)):
+            return False
+        self.weight = nn.Parameter(pack_weight(self.weight), requires_grad=False)
+        return True
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.weight.is_mkldnn:
+            return packed_linear(x, self.weight, bias)
+        return F.linear(x, self.weight, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.all_reduce:
+            return self._matmul(x, self.bias)
+        y = self._matmul(x, None)
+        dist.all_reduce(y, group=self.group)
+        # the bias is replicated: add it once, after the reduction
+        return y if self.bias is None else y + self.bias

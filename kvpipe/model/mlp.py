@@ -1,0 +1,46 @@
+"""The dense SwiGLU MLP, tensor-parallel by its intermediate dim."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from kvpipe.config import ConfigError, ParallelConfig
+from kvpipe.model.linear import Linear, Shard
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), split over TP ranks by the intermediate dim.
+
+    all_reduce=False leaves down_proj's partial sums unreduced, for a caller (an MoE block)
+    that adds several MLPs' outputs and reduces once.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        parallel: ParallelConfig,
+        group: dist.ProcessGroup | None,
+        all_reduce: bool = True,
+    ) -> None:
+        super().__init__()
+        if intermediate_size % parallel.tp_size:
+            raise ConfigError(f"intermediate size {intermediate_size} does not split over tp_size={parallel.tp_size}")
+        inter = intermediate_size // parallel.tp_size
+        i0 = parallel.tp_rank * inter
+        rows = Shard.rows(parallel, i0, inter)
+        self.gate_proj = Linear(hidden_size, inter, shard=rows)
+        self.up_proj = Linear(hidden_size, inter, shard=rows)
+        self.down_proj = Linear(
+            inter,
+            hidden_size,
+            all_reduce=all_reduce and parallel.tp_size > 1,
+            group=group,
+            shard=Shard.cols(parallel, i0, inter),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
