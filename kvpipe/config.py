@@ -113,7 +113,9 @@ class TransferTuning:
 @dataclass(frozen=True)
 class FaultInjection:
     """Test knob (--disaggregation-failure-prob/-seed): each KV transfer batch fails with
-    probability `prob`, drawn from a generator seeded with `seed` (reproducible)."""
+    probability `prob`, drawn from a generator seeded with `seed` (reproducible). A failed batch
+    really writes a random prefix of its ops first, like a link that dies midway (the backends'
+    injector, kvpipe/transfer/backends/base.py)."""
 
     prob: float = 0.0
     seed: int = 0

@@ -41,8 +41,9 @@ from kvpipe.config import DisaggregationConfig
 from kvpipe.disagg.setup import register_pool
 from kvpipe.transfer.backends.mooncake import MooncakeBackend
 from kvpipe.transfer.control.bootstrap import BootstrapServer
+from kvpipe.transfer.control.messages import DecodeRank
 from kvpipe.transfer.lifecycle import TransferState
-from kvpipe.transfer.planning.layout import DecodeRank, KVLayout
+from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.planning.tp_mapping import kv_head_range
 from kvpipe.transfer.receiver.kv_receiver import KVReceiver
 from kvpipe.transfer.sender.kv_sender import KVSender

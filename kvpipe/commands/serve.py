@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from kvpipe.commands.flags import add_server_args, server_config_from_args, setup_logging
 from kvpipe.config import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerConfig
-from kvpipe.disagg import make_connector
+from kvpipe.disagg.connectors import make_connector
 from kvpipe.engine.engine import Engine
 from kvpipe.server.http_server import run_server
 from kvpipe.sglang_env import log_sglang_env

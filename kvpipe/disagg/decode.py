@@ -28,9 +28,9 @@ from kvpipe.disagg.setup import TRANSFER_POLL_S, data_host, warn_if_unauthentica
 from kvpipe.engine.connector import Admission, ConnectorContext, ConnectorEvent, KVArrived, TransferFinished
 from kvpipe.engine.request import FinishReason, Req
 from kvpipe.transfer.backends.base import TransferBackend
-from kvpipe.transfer.control.messages import AuxData
+from kvpipe.transfer.control.messages import AuxData, DecodeRank
 from kvpipe.transfer.lifecycle import TransferState
-from kvpipe.transfer.receiver.kv_receiver import DecodeRank, KVReceiver
+from kvpipe.transfer.receiver.kv_receiver import KVReceiver
 
 logger = logging.getLogger(__name__)
 

@@ -2,9 +2,9 @@
 
 Plain Python, no tensors: the prefill engine feeds measurements in and asks for a choice.
 
-Cost model (docs/architecture.md, layer-pipelined transfer; SGLang's open layer-wise PRs). With compute C for the whole forward, transfer T for the batch's KV
-and N equal groups, the last group's KV leaves after all compute, and each group's transfer waits
-for its compute, so
+Cost model (docs/architecture.md, layer-pipelined transfer; SGLang's open layer-wise PRs). With
+compute C for the whole forward, transfer T for the batch's KV and N equal groups, the last group's
+KV leaves after all compute, and each group's transfer waits for its compute, so
 
     TTFT(N) ≈ max(C + T/N, C/N + T) + (N - 1) · overhead
 

@@ -11,7 +11,7 @@ from kvpipe.cache.kv_pool import KVPool
 from kvpipe.cache.recurrent_pool import StatePool
 from kvpipe.config import ParallelConfig, ServerConfig
 from kvpipe.model.config import ModelConfig
-from kvpipe.transfer.backends import FailureInjection, TransferBackend, create_backend
+from kvpipe.transfer.backends import TransferBackend, create_backend
 from kvpipe.transfer.control.auth import TOKEN_ENV
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.recurrent.layout import StateLayout
@@ -63,7 +63,7 @@ def warn_if_unauthenticated(cfg: ServerConfig) -> None:
 def make_backend(cfg: ServerConfig) -> TransferBackend:
     """The configured transfer backend (Mooncake over TCP, or RDMA with --disaggregation-ib-device)."""
     d = cfg.disaggregation
-    inject = FailureInjection(d.faults.prob, d.faults.seed) if d.faults.enabled else None
+    inject = d.faults if d.faults.enabled else None
     if d.transfer_backend == "mooncake":
         device = d.ib_device or ""
         return create_backend(

@@ -159,7 +159,7 @@ def _serve(conn: Connection, rank: int, runner: ModelRunner, worker: KVConnector
                 callback = None
                 if worker is not None:
                     worker.before_forward(meta)
-                    callback = lambda start, end, fb, w=worker: w.after_layers(meta, start, end)  # noqa: E731
+                    callback = lambda start, end, fb, w=worker, m=meta: w.after_layers(m, start, end)  # noqa: E731
                 runner.run(msg.spec, callback)
             elif isinstance(msg, CommandMsg):
                 if worker is None:

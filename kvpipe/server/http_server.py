@@ -20,6 +20,7 @@ import kvpipe
 from kvpipe.body_limit import BodyLimitMiddleware
 from kvpipe.config import ServerConfig
 from kvpipe.engine.cpu_threads import CpuThreads, apply_cpu_threads, server_cpu_threads, torch_threads
+from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import SamplingParams
 from kvpipe.server.app_state import ServerState
 from kvpipe.server.async_engine import AsyncEngine, EngineLike
@@ -197,8 +198,6 @@ def create_app(
     if engine_factory is None:
 
         def engine_factory() -> EngineLike:
-            from kvpipe.engine.engine import Engine  # heavy: torch, model weights
-
             return Engine(cfg)
 
     async_engine = AsyncEngine(engine_factory, on_fatal=on_fatal)

@@ -14,9 +14,9 @@ from typing import Protocol
 
 import numpy as np
 
-from kvpipe.transfer.control.messages import AuxData, AuxTuple
+from kvpipe.transfer.control.messages import AuxData, AuxTuple, DecodeRank
 from kvpipe.transfer.lifecycle import DuplicateRoomError, TransferState
-from kvpipe.transfer.planning.layout import DecodeRank, KVLayout
+from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.receiver.book import ReceiverStats
 from kvpipe.transfer.sender.book import SenderStats, TransferTiming
 

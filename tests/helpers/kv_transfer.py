@@ -16,9 +16,10 @@ from kvpipe.cache.kv_pool import KVPool
 from kvpipe.config import DisaggregationConfig, TransferTuning
 from kvpipe.transfer.backends.local import LocalBackend, LocalFabric
 from kvpipe.transfer.control.bootstrap import BootstrapServer
+from kvpipe.transfer.control.messages import DecodeRank
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.planning.tp_mapping import kv_head_range
-from kvpipe.transfer.receiver.kv_receiver import DecodeRank, KVReceiver
+from kvpipe.transfer.receiver.kv_receiver import KVReceiver
 from kvpipe.transfer.sender.kv_sender import KVSender
 from kvpipe.transfer.staging.buffers import KVBytes, StagingAgent, StagingBuffer
 

@@ -12,12 +12,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvpipe.config import CacheConfig, DisaggregationConfig, SchedulerConfig, ServerConfig
+from kvpipe.config import CacheConfig, DisaggregationConfig, FaultInjection, SchedulerConfig, ServerConfig
 from kvpipe.disagg.decode import DecodeConnector
 from kvpipe.disagg.prefill import PrefillConnector
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import FinishReason, Req, SamplingParams, TokenOutput
-from kvpipe.transfer.backends import FailureInjection
 from kvpipe.transfer.backends.local import LocalBackend, LocalFabric
 from tests.helpers.pd_parity import expected_bytes
 
@@ -196,7 +195,7 @@ def failures_then_decode_abort(model_dir: Path, reference, check_free=lambda pai
     """Injected write failures (seeded: some rooms fail, some succeed with the colocated tokens),
     then a decode abort while the prefill computes; after each, both sides settle with every page
     free, and `check_free(pair)` checks whatever else must be free (state slots)."""
-    with make_pair(model_dir, chunk=32, inject=FailureInjection(prob=0.3, seed=3)) as pair:
+    with make_pair(model_dir, chunk=32, inject=FaultInjection(prob=0.3, seed=3)) as pair:
         ps = prompts(11, [20, 64, 90, 130, 47])
         reqs = [pair.reqs(ids) for ids in ps]
         pair.run(reqs)

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from kvpipe.cache.kv_pool import KVPool
-from kvpipe.transfer.backends import BatchState, FailureInjection
+from kvpipe.config import FaultInjection
+from kvpipe.transfer.backends import BatchState
 from kvpipe.transfer.backends.mooncake import MooncakeBackend
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.planning.planner import plan_pages
@@ -107,7 +108,7 @@ def test_unreachable_peer_fails(engines):
 
 
 def test_failure_injection_and_cancel():
-    tx, rx = MooncakeBackend(window=8, inject=FailureInjection(prob=0.5, seed=3)), MooncakeBackend()
+    tx, rx = MooncakeBackend(window=8, inject=FaultInjection(prob=0.5, seed=3)), MooncakeBackend()
     try:
         src, dst = registered_pool(tx, seed=5), registered_pool(rx, seed=None)
         sl, dl = KVLayout.from_pool(src), KVLayout.from_pool(dst)
@@ -217,7 +218,7 @@ def test_one_failed_piece_fails_the_batch_and_cancel_stops_pieces():
 
 
 def test_injected_failure_counts_pieces():
-    tx, rx = MooncakeBackend(window=8, max_op_bytes=512, inject=FailureInjection(prob=1.0, seed=1)), MooncakeBackend()
+    tx, rx = MooncakeBackend(window=8, max_op_bytes=512, inject=FaultInjection(prob=1.0, seed=1)), MooncakeBackend()
     try:
         src, dst = registered_pool(tx, seed=8), registered_pool(rx, seed=None)
         plan = plan_pages([0, 1], [0, 1], KVLayout.from_pool(src), KVLayout.from_pool(dst))

@@ -11,8 +11,8 @@ from dataclasses import replace
 
 import pytest
 
+from kvpipe.config import FaultInjection
 from kvpipe.engine.request import FinishReason, Req, TokenOutput
-from kvpipe.transfer.backends import FailureInjection
 from kvpipe.transfer.lifecycle import TransferState
 from tests.helpers.pd_pair import GREEDY, make_pair, prompts, tokens
 
@@ -81,7 +81,7 @@ def test_rejections(tiny_model_dir):
 
 
 def test_injected_failures_and_aborts_free_pages(tiny_model_dir, reference):
-    with make_pair(tiny_model_dir, chunk=32, inject=FailureInjection(prob=0.3, seed=3)) as pair:
+    with make_pair(tiny_model_dir, chunk=32, inject=FaultInjection(prob=0.3, seed=3)) as pair:
         ps = prompts(11, [20, 64, 90, 130, 200, 47])
         reqs = [pair.reqs(ids) for ids in ps]
         _, d_out = pair.run(reqs)

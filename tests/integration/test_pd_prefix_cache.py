@@ -11,9 +11,9 @@ from dataclasses import replace
 
 import pytest
 
+from kvpipe.config import FaultInjection
 from kvpipe.engine.request import FinishReason, Req
 from kvpipe.model.presets import write_preset
-from kvpipe.transfer.backends import FailureInjection
 from tests.helpers.pd_pair import GREEDY, PS, Pair, colocated_greedy, make_pair
 from tests.helpers.prefix_prompts import shared_prefix_prompts
 
@@ -135,7 +135,7 @@ def test_failures_and_aborts_spare_shared_pages(tiny_model_dir, reference):
     def prompt() -> list[int]:
         return prefix + [rnd.randrange(3, 290) for _ in range(rnd.randint(1, 30))]
 
-    with make_pair(tiny_model_dir, 24, inject=FailureInjection(prob=0.3, seed=4), decode_radix_cache=True) as pair:
+    with make_pair(tiny_model_dir, 24, inject=FaultInjection(prob=0.3, seed=4), decode_radix_cache=True) as pair:
         run_waves_allowing_failures(pair, [prompt() for _ in range(3)], reference)
         ids = [prompt() for _ in range(12)]
         reqs = [pair.reqs(x) for x in ids]
@@ -180,7 +180,7 @@ def test_soak_under_memory_pressure(tiny_model_dir, reference):
         32,
         p_pages=24,
         d_pages=24,
-        inject=FailureInjection(prob=0.05, seed=8),
+        inject=FaultInjection(prob=0.05, seed=8),
         decode_radix_cache=True,
         bootstrap_timeout_s=2.0,
     ) as pair:

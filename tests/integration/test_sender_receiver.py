@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import zmq
 
-from kvpipe.transfer.backends import FailureInjection
+from kvpipe.config import FaultInjection
 from kvpipe.transfer.backends.local import LocalFabric
 from kvpipe.transfer.control import messages as m
 from kvpipe.transfer.control.bootstrap import BootstrapServer, PrefillRankInfo, register_prefill_rank
@@ -374,7 +374,7 @@ def test_incompatible_decode_is_refused_clearly(stack):
 
 def test_write_failure_fails_both_sides(stack):
     fabric = LocalFabric()
-    prefill = start_prefill(stack, fabric=fabric, inject=FailureInjection(prob=1.0, seed=3))
+    prefill = start_prefill(stack, fabric=fabric, inject=FaultInjection(prob=1.0, seed=3))
     recv = start_decode(stack, fabric=fabric)
     sender = prefill.senders[0]
     sender.add_room(1, SRC)

@@ -11,7 +11,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from kvpipe.transfer.backends import FailureInjection
+from kvpipe.config import FaultInjection
 from kvpipe.transfer.backends.local import LocalFabric
 from kvpipe.transfer.lifecycle import TransferState
 from tests.helpers.kv_transfer import CFG, PAGES, SRC, H, Results, assert_moved, start_decode, start_prefill, wait_for
@@ -97,7 +97,7 @@ def test_write_failures_and_aborts_free_every_slot(stack, kind):
     """30% of writes fail, and every third room is aborted by the decode mid-way: each room ends
     Success with the right bytes or Failed, and both sides' staging memory comes back whole."""
     fabric = LocalFabric()
-    prefill = start_prefill(stack, kind, fabric=fabric, tp=2, cfg=STAGED, inject=FailureInjection(0.3, seed=5))
+    prefill = start_prefill(stack, kind, fabric=fabric, tp=2, cfg=STAGED, inject=FaultInjection(0.3, seed=5))
     recv = start_decode(stack, kind, fabric=fabric, tp=1, staging_nbytes=4096)
     states, got, sent = {}, Results(recv), [Results(s) for s in prefill.senders]
     for room in range(40, 52):

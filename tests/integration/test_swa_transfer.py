@@ -15,10 +15,11 @@ from kvpipe.disagg.setup import register_pool
 from kvpipe.transfer.backends.local import LocalFabric
 from kvpipe.transfer.control import messages as m
 from kvpipe.transfer.control.bootstrap import BootstrapServer
+from kvpipe.transfer.control.messages import DecodeRank
 from kvpipe.transfer.lifecycle import TransferState
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.planning.tp_mapping import kv_head_range
-from kvpipe.transfer.receiver.kv_receiver import DecodeRank, KVReceiver
+from kvpipe.transfer.receiver.kv_receiver import KVReceiver
 from kvpipe.transfer.sender.kv_sender import KVSender
 from tests.helpers.kv_transfer import CFG, Results, make_backend
 

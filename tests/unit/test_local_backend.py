@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvpipe.transfer.backends import BatchState, FailureInjection, create_backend
+from kvpipe.config import FaultInjection
+from kvpipe.transfer.backends import BatchState, create_backend
 from kvpipe.transfer.backends.local import LocalBackend, LocalFabric
 
 
@@ -13,7 +14,7 @@ def buffers(n: int = 4096) -> tuple[np.ndarray, np.ndarray]:
     return np.arange(n, dtype=np.uint8), np.zeros(n, dtype=np.uint8)
 
 
-def pair(inject: FailureInjection | None = None):
+def pair(inject: FaultInjection | None = None):
     fabric = LocalFabric()
     tx = create_backend("local", fabric=fabric, inject=inject)
     rx = LocalBackend(fabric)
@@ -52,7 +53,7 @@ def test_unknown_peer_and_unregistered_source_fail():
 def test_failure_injection_is_seeded_and_writes_a_prefix():
     outcomes = []
     for _ in range(2):
-        tx, rx = pair(FailureInjection(prob=0.5, seed=7))
+        tx, rx = pair(FaultInjection(prob=0.5, seed=7))
         src, dst = buffers()
         tx.register(src.ctypes.data, src.nbytes)
         rx.register(dst.ctypes.data, dst.nbytes)
@@ -77,4 +78,4 @@ def test_bad_op_arrays_rejected():
     with pytest.raises(ValueError):
         tx.submit(rx.address, [1], [3], [0])
     with pytest.raises(ValueError):
-        FailureInjection(prob=1.5)
+        FaultInjection(prob=1.5)

@@ -18,8 +18,9 @@ from kvpipe.transfer.control.bootstrap import (
     PrefillRankInfo,
     check_compatible,
 )
+from kvpipe.transfer.control.messages import DecodeRank
 from kvpipe.transfer.lifecycle import DuplicateRoomError, TransferState
-from kvpipe.transfer.planning.layout import DecodeRank, KVLayout
+from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.planning.tp_mapping import kv_head_range
 from kvpipe.transfer.receiver.book import ReceiverBook
 

@@ -17,7 +17,8 @@ from kvpipe.config import DisaggregationConfig
 from kvpipe.transfer import api as types
 from kvpipe.transfer import lifecycle as state
 from kvpipe.transfer.backends.local import LocalBackend, LocalFabric
-from kvpipe.transfer.planning.layout import DecodeRank, KVLayout
+from kvpipe.transfer.control.messages import DecodeRank
+from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.receiver import kv_receiver as receiver
 from kvpipe.transfer.receiver.kv_receiver import KVReceiver
 from kvpipe.transfer.sender import kv_sender as sender

@@ -1,10 +1,12 @@
-"""Transfer backends by name, imported lazily (Mooncake is an optional dependency)."""
+"""Transfer backends by name: the in-process local one, and Mooncake, whose module is imported
+only when asked for (it imports the optional `mooncake` wheel at its top)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvpipe.transfer.backends.base import BatchHandle, BatchState, FailureInjection, TransferBackend, TransferError
+from kvpipe.transfer.backends.base import BatchHandle, BatchState, TransferBackend, TransferError
+from kvpipe.transfer.backends.local import LocalBackend
 
 BACKENDS = ("mooncake", "local")
 
@@ -17,8 +19,6 @@ def create_backend(name: str, **kwargs: Any) -> TransferBackend:
 
         return MooncakeBackend(**kwargs)
     if name == "local":
-        from kvpipe.transfer.backends.local import LocalBackend
-
         return LocalBackend(**kwargs)
     raise ValueError(f"unknown transfer backend {name!r}; choose from {BACKENDS}")
 
@@ -27,7 +27,6 @@ __all__ = [
     "BACKENDS",
     "BatchHandle",
     "BatchState",
-    "FailureInjection",
     "TransferBackend",
     "TransferError",
     "create_backend",

@@ -15,9 +15,10 @@ import abc
 import enum
 import random
 import time
-from dataclasses import dataclass
 
 import numpy as np
+
+from kvpipe.config import FaultInjection
 
 
 class TransferError(RuntimeError):
@@ -68,23 +69,8 @@ class BatchHandle:
         )
 
 
-@dataclass(frozen=True)
-class FailureInjection:
-    """Test knob: fail each batch with probability `prob` (seeded, reproducible).
-
-    A failed batch really writes a random prefix of its ops first, like a link that dies midway.
-    """
-
-    prob: float = 0.0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.prob <= 1.0:
-            raise ValueError(f"failure probability must be in [0, 1], got {self.prob}")
-
-
 class _Injector:
-    def __init__(self, cfg: FailureInjection | None) -> None:
+    def __init__(self, cfg: FaultInjection | None) -> None:
         self.prob = cfg.prob if cfg else 0.0
         self._rng = random.Random(cfg.seed if cfg else 0)
 

@@ -13,10 +13,10 @@ import threading
 
 import numpy as np
 
+from kvpipe.config import FaultInjection
 from kvpipe.transfer.backends.base import (
     BatchHandle,
     BatchState,
-    FailureInjection,
     TransferBackend,
     TransferError,
     _Injector,
@@ -81,7 +81,7 @@ class _Regions:
 class LocalBackend(TransferBackend):
     name = "local"
 
-    def __init__(self, fabric: LocalFabric | None = None, inject: FailureInjection | None = None) -> None:
+    def __init__(self, fabric: LocalFabric | None = None, inject: FaultInjection | None = None) -> None:
         self._fabric = fabric if fabric is not None else LocalFabric()
         self._address = self._fabric.attach(self)
         self._regions = _Regions()

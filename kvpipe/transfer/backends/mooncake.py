@@ -30,10 +30,10 @@ import time
 
 import numpy as np
 
+from kvpipe.config import FaultInjection
 from kvpipe.transfer.backends.base import (
     BatchHandle,
     BatchState,
-    FailureInjection,
     TransferBackend,
     TransferError,
     _Injector,
@@ -82,7 +82,7 @@ class MooncakeBackend(TransferBackend):
         max_op_bytes: int | None = DEFAULT_MAX_OP_BYTES,
         drain_timeout_s: float = 2.0,
         stall_timeout_s: float = 30.0,
-        inject: FailureInjection | None = None,
+        inject: FaultInjection | None = None,
     ) -> None:
         if not 0 < window <= 1024:
             raise ValueError(f"window must be in (0, 1024] ops per peer, got {window}")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Union
 
 import msgpack
 
@@ -50,6 +49,16 @@ class StagingInfo:
     control_address: str  # the rank's staging agent (its own control endpoint)
     pool_addr: int  # base address of the ring, registered with the rank's backend
     pool_nbytes: int
+
+
+@dataclass(frozen=True)
+class DecodeRank:
+    """One decode rank as its KVReceiver announces it to prefill ranks (RegisterPeer)."""
+
+    layout: KVLayout  # this rank's pool (head range set for its TP rank)
+    data_address: str  # its backend's address: where prefill writes
+    staging: StagingInfo | None = None  # its staging ring, when it offers one
+    state: StateLayout | None = None  # its recurrent-state pool (hybrid models)
 
 
 @dataclass(frozen=True)
@@ -200,17 +209,17 @@ class StagingChunkDone:
     watermark_offset: int = 0
 
 
-Message = Union[
-    RegisterPeer,
-    TransferRequest,
-    TransferStatus,
-    Abort,
-    Heartbeat,
-    StagingSlotRequest,
-    StagingSlotGrant,
-    StagingChunkWritten,
-    StagingChunkDone,
-]
+Message = (
+    RegisterPeer
+    | TransferRequest
+    | TransferStatus
+    | Abort
+    | Heartbeat
+    | StagingSlotRequest
+    | StagingSlotGrant
+    | StagingChunkWritten
+    | StagingChunkDone
+)
 MESSAGE_TYPES: dict[str, type] = {
     c.KIND: c
     for c in (

@@ -23,8 +23,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the pool pulls in torch; the layout itself is plain data
     from kvpipe.cache.kv_pool import KVPool
-    from kvpipe.transfer.control.messages import StagingInfo
-    from kvpipe.transfer.recurrent.layout import StateLayout
 
 
 @dataclass(frozen=True)
@@ -155,13 +153,3 @@ class KVLayout:
             f: list(v) if isinstance(v, tuple) else v
             for f, v in ((f, getattr(self, f)) for f in self.__dataclass_fields__)
         }
-
-
-@dataclass(frozen=True)
-class DecodeRank:
-    """One decode rank as its KVReceiver announces it to prefill ranks (RegisterPeer)."""
-
-    layout: KVLayout  # this rank's pool (head range set for its TP rank)
-    data_address: str  # its backend's address: where prefill writes
-    staging: StagingInfo | None = None  # its staging ring, when it offers one
-    state: StateLayout | None = None  # its recurrent-state pool (hybrid models)

@@ -39,6 +39,7 @@ from kvpipe.config import DisaggregationConfig
 from kvpipe.transfer.control.messages import (
     Abort,
     AuxData,
+    DecodeRank,
     Heartbeat,
     RegisterPeer,
     Side,
@@ -46,7 +47,6 @@ from kvpipe.transfer.control.messages import (
     TransferStatus,
 )
 from kvpipe.transfer.lifecycle import DuplicateRoomError, PeerLiveness, RoomRecord, TransferState, receiver_timeouts
-from kvpipe.transfer.planning.layout import DecodeRank
 from kvpipe.transfer.planning.window_table import window_pages_problem
 from kvpipe.transfer.receiver.room import ReceiverRoom, rank_pairs
 

@@ -43,12 +43,9 @@ from kvpipe.transfer.control.bootstrap import (
     fetch_prefill_info,
 )
 from kvpipe.transfer.control.endpoint import ControlEndpoint
-from kvpipe.transfer.control.messages import AuxData
+from kvpipe.transfer.control.messages import AuxData, DecodeRank
 from kvpipe.transfer.lifecycle import Clock, TransferState
-from kvpipe.transfer.planning.layout import DecodeRank
 from kvpipe.transfer.receiver.book import Address, ReceiverBook, ReceiverStats
-
-__all__ = ["DecodeRank", "KVReceiver", "ReceiverStats"]  # DecodeRank, ReceiverStats: imported from here too
 
 log = logging.getLogger(__name__)
 
