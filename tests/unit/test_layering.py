@@ -74,3 +74,39 @@ def test_only_the_engine_touches_its_scheduler_finisher_and_runner() -> None:
             if hits:
                 offenders.append((str(rel), attr, hits[:2]))
     assert offenders == []
+
+
+# transfer/'s parts bottom to top: a module of one imports only kvpipe.transfer modules of the
+# same part or of parts before it (docs/architecture.md, Packages)
+TRANSFER_ORDER = ("lifecycle", "planning", "recurrent", "control", "backends", "staging", ("sender", "receiver"), "api")
+
+
+def _transfer_part(module: str) -> int | None:
+    """Index in TRANSFER_ORDER of the part `module` (kvpipe.transfer.<part>...) belongs to."""
+    parts = module.split(".")
+    if parts[:2] != ["kvpipe", "transfer"] or len(parts) < 3:
+        return None
+    for i, names in enumerate(TRANSFER_ORDER):
+        if parts[2] in (names if isinstance(names, tuple) else (names,)):
+            return i
+    return None
+
+
+def test_transfer_parts_import_downward() -> None:
+    offenders = []
+    for p in (PACKAGE / "transfer").rglob("*.py"):
+        rel = p.relative_to(PACKAGE.parent).with_suffix("")
+        own = _transfer_part(".".join(rel.parts))
+        if own is None:  # the package __init__: re-exports api.py
+            continue
+        for m in _imported_modules(p):
+            other = _transfer_part(m)
+            if other is not None and other > own:
+                offenders.append((str(rel), m))
+    assert offenders == []
+
+
+def test_transfer_part_order_is_checked() -> None:
+    """The rule above can fail: the planner importing a sender module is above it."""
+    assert _transfer_part("kvpipe.transfer.sender.book") > _transfer_part("kvpipe.transfer.planning.planner")
+    assert _transfer_part("kvpipe.transfer.backends") is not None
