@@ -343,11 +343,12 @@ class Scheduler:
             start, n = batch.prefix_lens[i], batch.extend_lens[i]
             req.num_cached = start + n
             self._slide(req)
-            if tokens[i] is None:
+            token, logprob = tokens[i], logprobs[i]
+            if token is None:
                 continue
             if req.params.max_new_tokens > 0:
-                req.output_ids.append(int(tokens[i]))
-                req.output_logprobs.append(float(logprobs[i]) if logprobs[i] is not None else 0.0)
+                req.output_ids.append(int(token))
+                req.output_logprobs.append(float(logprob) if logprob is not None else 0.0)
 
     def finish(self, req: Req, reason: FinishReason, detail: str | int | None = None, hold: bool = False) -> None:
         """End a request (idempotent). Its pages are freed exactly once: now, or with hold=True

@@ -238,12 +238,12 @@ MESSAGE_TYPES: dict[str, type] = {
 
 def encode(msg: Message) -> bytes:
     kind = getattr(type(msg), "KIND", None)
-    if MESSAGE_TYPES.get(kind) is not type(msg):
+    if kind is None or MESSAGE_TYPES.get(kind) is not type(msg):
         raise TypeError(f"not a control-plane message: {type(msg).__name__}")
     return msgpack.packb({"kind": kind, "version": PROTOCOL_VERSION, **to_wire(msg)}, use_bin_type=True)
 
 
-def decode(data: bytes) -> Message:
+def decode(data: bytes | bytearray | memoryview) -> Message:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"expected bytes, got {type(data).__name__}")
     if len(data) > MAX_MESSAGE_BYTES:

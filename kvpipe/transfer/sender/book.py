@@ -215,6 +215,7 @@ class SenderBook:
             r.src_pages = pages
         r.add_call(call)
         if call.last:
+            assert aux is not None  # KVSender.send refuses a last call without aux
             r.aux = AuxData(room, int(aux[0]), float(aux[1]), int(aux[2]) if len(aux) > 2 else 0)
         return True
 
@@ -280,8 +281,11 @@ class SenderBook:
             # This session has (or will get) its final status for the room; a second one would lie.
             return self._reject(f"repeated TransferRequest for room {room} from {session}")
         peer, why = self.peers.check_request(msg)
-        if why is None:
-            why = f"room {room} already finished here ({tomb.what})" if tomb else self._bind(msg, peer, now)
+        if why is None and tomb is not None:
+            why = f"room {room} already finished here ({tomb.what})"
+        elif why is None:
+            assert peer is not None  # check_request passes only the request of a registered session
+            why = self._bind(msg, peer, now)
         if why is None:
             return
         self._reject(f"TransferRequest for room {room} from {session}: {why}")

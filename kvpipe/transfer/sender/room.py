@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import collections
 import enum
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -354,7 +354,7 @@ class SenderRoom:
         chunk_ids: Iterator[int] | None,
         layers: tuple[int, int] | None = None,
         layer_ids: np.ndarray | None = None,
-    ) -> list[OpBatch | StagedChunk]:
+    ) -> Sequence[OpBatch | StagedChunk]:
         """Page ops of src -> dst over `layers` (or `layer_ids`), or staged chunks when the policy says so."""
         try:
             p = plan_pages(src, dst, self.layout, dest.layout, heads=dest.heads, layers=layers, layer_ids=layer_ids)
