@@ -28,7 +28,7 @@ num_cached grows only at `add_prefilled`) go to the cache when its pages are fre
 
 Sliding-window models (`window`): the sliding layers keep a second page table per request,
 req.swa_pages, from the same allocator (the pool aliases a sliding and a full layer's buffers,
-kv_pool.py). It is allocated per step for the pages the step's queries can see, and after each
+cache/kv_pool.py). It is allocated per step for the pages the step's queries can see, and after each
 step the pages the window slid past are freed, so a request holds at most
 `window_page_bound` of them however long it generates; admission promises that many. A reserved
 (PD decode) request gets window pages for the prompt's last window only: that is all the

@@ -6,7 +6,7 @@
     ep.send("tcp://h:p", message)   # never blocks: False (and counted) if it could not be queued
     ep.close()
 
-Messages are the typed dataclasses of `transfer.messages`; `handler(msg)` runs on the receive
+Messages are the typed dataclasses of messages.py; `handler(msg)` runs on the receive
 thread. A frame that does not decode is logged and dropped (`stats.malformed`); an exception in
 the handler is logged (`stats.handler_errors`); neither stops the endpoint. PUSH sockets use
 linger 0 and NOBLOCK sends, so a dead or slow peer fills at most `send_hwm` messages and then

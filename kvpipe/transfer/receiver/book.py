@@ -1,6 +1,6 @@
 """Everything the decode's KVReceiver decides, without threads, sockets or HTTP.
 
-`ReceiverBook` holds the rooms (receiver_room.py), the prefill instances known from their
+`ReceiverBook` holds the rooms (room.py), the prefill instances known from their
 bootstrap servers, the rooms waiting for a bootstrap fetch, prefill liveness and the heartbeat
 sequence, and reacts to the engine, to control messages, to fetch outcomes and to the clock. It
 never performs I/O: control messages go out through the injected `send(address, message)`;
@@ -11,7 +11,7 @@ every method under its lock with `now` from its clock.
 Flow: the first room for a prefill waits for its bootstrap info; once it is known (and
 compatible) every (prefill rank, decode rank) pair of the TP rank mapping gets RegisterPeer once
 per prefill instance, then every room a TransferRequest per pair. Prefill ranks answer with one
-final TransferStatus per pair (receiver_room.py). Rules it keeps:
+final TransferStatus per pair (room.py). Rules it keeps:
 - poll() reports a room only when it is safe to reuse its pages: after Success, or after a
   failure once every paired prefill rank gave its final word, the prefill restarted, or
   transfer_timeout_s passed since the failure;
