@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import httpx
-from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no type information
+from tqdm import tqdm
 
 from kvpipe.bench.answers import (
     DONE,

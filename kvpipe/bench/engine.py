@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no type information
+from tqdm import tqdm
 
 from kvpipe.bench.engine_stats import (
     DecodePoint,

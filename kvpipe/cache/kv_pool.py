@@ -10,7 +10,7 @@ kept in `k`, and `v` is empty.
 
 Sliding-window models (`swa_layers`): the n-th sliding layer and the n-th full layer share one
 K and one V tensor (`k[i] is k[j]`). A request's sliding layers use their own page table, whose
-pages come from the same allocator as the full layers' (scheduler.py), so the two never write
+pages come from the same allocator as the full layers' (engine/scheduler.py), so the two never write
 the same page; sliding layers only hold their window's pages, so sharing halves the memory of
 a model that alternates them (GPT-OSS), as vLLM's hybrid allocator does.
 """

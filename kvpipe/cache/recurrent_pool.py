@@ -1,6 +1,6 @@
 """Per-request recurrent state of a hybrid model's linear-attention layers (gated delta-net).
 
-Per linear-attention layer and slot (one slot per running request, see state_slots.py):
+Per linear-attention layer and slot (one slot per running request, see recurrent_slots.py):
 - conv: [slots, conv_dim, conv_kernel - 1], the last inputs of the causal depthwise conv, in the
   model dtype (HF keeps it so);
 - recurrent: [slots, heads, key_dim, value_dim], the delta-rule state, fp32 (HF computes it in fp32).

@@ -2,7 +2,7 @@
 
 A sliding layer with window W lets the query at position i see keys j with i - W < j <= i. A
 request's sliding-layer pages therefore only matter from the page holding key i - W + 1 of its
-next query on; the pages before slide out and are freed (scheduler.py), while its full-attention
+next query on; the pages before slide out and are freed (engine/scheduler.py), while its full-attention
 layers keep every page. Pure integer arithmetic, no tensors.
 """
 
@@ -21,7 +21,7 @@ def window_first_page(next_pos: int, window: int, page_size: int) -> int:
 
 def prompt_window_pages(prompt_len: int, window: int, page_size: int) -> tuple[int, int]:
     """Logical pages [first, end) of a prompt's sliding-layer pages that a PD decode reserves
-    (scheduler.py: the first decode query, at position prompt_len, sees only these) and so the
+    (engine/scheduler.py: the first decode query, at position prompt_len, sees only these) and so the
     prefill sends; its full layers take all of [0, end)."""
     return window_first_page(prompt_len, window, page_size), _cdiv(prompt_len, page_size)
 

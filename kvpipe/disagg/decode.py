@@ -105,7 +105,7 @@ class DecodeConnector(PDConnector):
             self.receiver.abort(room, "aborted on the decode (client disconnected or request aborted)")
             return True
         asked = room in self._asked
-        self._asked.discard(room)  # type: ignore[arg-type]
+        self._asked.discard(room)
         if (
             room is not None
             and not asked

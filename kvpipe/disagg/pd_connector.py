@@ -45,4 +45,4 @@ class PDConnector(KVConnector):
 
     def _release_room(self, room: int | None) -> None:
         with self._claim_lock:
-            self._claimed.discard(room)  # type: ignore[arg-type]
+            self._claimed.discard(room)

@@ -67,6 +67,7 @@ class ScheduledBatch:
             tables.append(np.ascontiguousarray(req.pages[:used], dtype=np.int64))
             swa.append(np.ascontiguousarray(req.swa_pages[:used], dtype=np.int64))
         slots = [r.state_slot for r in self.reqs]
+        state_slots = tuple(int(s) for s in slots if s is not None)
         return ForwardSpec(
             tuple(toks),
             tuple(self.prefix_lens),
@@ -74,6 +75,6 @@ class ScheduledBatch:
             tuple(self.completes_prefill(i) for i in range(len(self.reqs))),
             layer_groups,
             connector_meta,
-            None if None in slots else tuple(int(s) for s in slots),
+            state_slots if len(state_slots) == len(slots) else None,
             tuple(swa) if any(t.size for t in swa) else None,
         )

@@ -15,6 +15,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeGuard, cast
 
 import torch
 
@@ -47,6 +48,13 @@ logger = logging.getLogger(__name__)
 
 # A REMOTE request waiting for free pages is retried this often when nothing else wakes the loop.
 RESERVE_RETRY_S = 0.01
+
+
+def _one_prompt(
+    prompts_or_ids: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]],
+) -> TypeGuard[str | Sequence[int]]:
+    """generate()'s argument is one prompt (text, or token ids), not a list of them."""
+    return isinstance(prompts_or_ids, str) or bool(prompts_or_ids and isinstance(prompts_or_ids[0], int))
 
 
 @dataclass
@@ -220,9 +228,9 @@ class Engine:
         if rows:
             assert logits is not None and logits.shape[0] == len(rows)
             reqs = [batch.reqs[i] for i in rows]
-            out = self.sampler.sample(logits, [r.params for r in reqs], [self._generator(r) for r in reqs])
+            sampled = self.sampler.sample(logits, [r.params for r in reqs], [self._generator(r) for r in reqs])
             for j, i in enumerate(rows):
-                tokens[i], logprobs[i] = out.token_ids[j], out.logprobs[j]
+                tokens[i], logprobs[i] = sampled.token_ids[j], sampled.logprobs[j]
         self.scheduler.commit(batch, tokens, logprobs)
         if self.connector is not None and batch.mode is ForwardMode.PREFILL:
             self.connector.after_commit(batch)
@@ -230,13 +238,15 @@ class Engine:
             req = batch.reqs[i]
             if req.finished:  # aborted while its forward ran (e.g. its transfer failed)
                 continue
+            token, logprob = tokens[i], logprobs[i]
+            assert token is not None and logprob is not None  # each row in `rows` was sampled above
             num_new = 1 if req.params.max_new_tokens > 0 else 0
             fin = self.finisher.check(req, num_new)
             held = self._finish(req, *fin) if fin is not None else False
             out = TokenOutput(
                 req.rid,
-                (tokens[i],) if num_new else (),
-                (logprobs[i],) if num_new else (),
+                (token,) if num_new else (),
+                (logprob,) if num_new else (),
                 req.finish_reason,
                 req.finish_detail,
                 len(req.input_ids),
@@ -436,9 +446,11 @@ class Engine:
         timeout_s: float = 600.0,
     ) -> list[dict]:
         """Run prompts (text or token ids, one or a list) to completion; SGLang-shaped results."""
-        if isinstance(prompts_or_ids, str) or (prompts_or_ids and isinstance(prompts_or_ids[0], int)):
-            prompts_or_ids = [prompts_or_ids]  # type: ignore[list-item]
-        prompts = list(prompts_or_ids)
+        prompts: list[str | Sequence[int]]
+        if _one_prompt(prompts_or_ids):
+            prompts = [prompts_or_ids]
+        else:  # a list of prompts, each text or token ids
+            prompts = list(cast("Sequence[str | Sequence[int]]", prompts_or_ids))
         plist = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")

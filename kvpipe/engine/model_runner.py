@@ -26,7 +26,7 @@ def make_kv_pool(
 ) -> KVPool:
     """The KV pool one rank of `model` needs: its KV heads only (one replicated head when tp_size >
     KV heads), or the MLA latent (one buffer per layer, whole on every rank); sliding-window
-    layers share their tensors with full ones (kv_pool.py), and every forward must then carry
+    layers share their tensors with full ones (cache/kv_pool.py), and every forward must then carry
     their own page tables (ForwardBatch.swa); window_tables=False: one table for all layers."""
     cfg = model.cfg
     dtype = next(model.parameters()).dtype

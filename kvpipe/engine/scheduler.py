@@ -28,7 +28,7 @@ num_cached grows only at `add_prefilled`) go to the cache when its pages are fre
 
 Sliding-window models (`window`): the sliding layers keep a second page table per request,
 req.swa_pages, from the same allocator (the pool aliases a sliding and a full layer's buffers,
-kv_pool.py). It is allocated per step for the pages the step's queries can see, and after each
+cache/kv_pool.py). It is allocated per step for the pages the step's queries can see, and after each
 step the pages the window slid past are freed, so a request holds at most
 `window_page_bound` of them however long it generates; admission promises that many. A reserved
 (PD decode) request gets window pages for the prompt's last window only: that is all the
@@ -343,11 +343,12 @@ class Scheduler:
             start, n = batch.prefix_lens[i], batch.extend_lens[i]
             req.num_cached = start + n
             self._slide(req)
-            if tokens[i] is None:
+            token, logprob = tokens[i], logprobs[i]
+            if token is None:
                 continue
             if req.params.max_new_tokens > 0:
-                req.output_ids.append(int(tokens[i]))
-                req.output_logprobs.append(float(logprobs[i]) if logprobs[i] is not None else 0.0)
+                req.output_ids.append(int(token))
+                req.output_logprobs.append(float(logprob) if logprob is not None else 0.0)
 
     def finish(self, req: Req, reason: FinishReason, detail: str | int | None = None, hold: bool = False) -> None:
         """End a request (idempotent). Its pages are freed exactly once: now, or with hold=True

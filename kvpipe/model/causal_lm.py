@@ -8,6 +8,7 @@ group's KV while the next group computes.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,9 @@ class LMBase(nn.Module):
 
     layers: nn.ModuleList
     norm: nn.Module
+    # (hidden, batch, pool, start, end) -> hidden, a hybrid family also takes its StatePool:
+    # declared so callers holding an LMBase see a callable, not nn.Module.__getattr__'s Tensor
+    forward_layers: Callable[..., torch.Tensor]
 
     def __init__(self, cfg: ModelConfig, parallel: ParallelConfig, group: dist.ProcessGroup | None) -> None:
         super().__init__()

@@ -45,7 +45,7 @@ from kvpipe.server.validation import prepare_prompts
 logger = logging.getLogger(__name__)
 
 HEALTH_GENERATE_TIMEOUT_S = 30.0
-GRACEFUL_SHUTDOWN_S = 5.0
+GRACEFUL_SHUTDOWN_S = 5  # whole seconds: uvicorn.Config takes an int
 
 
 def generate_response(out: RequestOutput, inp: GenerateInput, batched: bool) -> dict[str, Any]:

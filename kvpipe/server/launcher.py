@@ -23,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -53,6 +53,13 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
         return [s.getsockname()[1] for s in socks]
 
 
+def _command_line(args: str | bytes | os.PathLike | Sequence[str | bytes | os.PathLike]) -> str:
+    """Popen.args as one line: a list is joined, a single program or shell string is kept whole."""
+    if isinstance(args, (str, bytes, os.PathLike)):
+        return str(args)
+    return " ".join(map(str, args))
+
+
 def wait_healthy(url: str, timeout_s: float, procs: list[subprocess.Popen] | None = None) -> None:
     """Poll `url` until it answers 2xx; fail early if one of `procs` exited."""
     deadline = time.monotonic() + timeout_s
@@ -60,7 +67,7 @@ def wait_healthy(url: str, timeout_s: float, procs: list[subprocess.Popen] | Non
     while time.monotonic() < deadline:
         for p in procs or []:
             if p.poll() is not None:
-                raise RuntimeError(f"{' '.join(map(str, p.args))!r} exited with {p.returncode} while waiting for {url}")
+                raise RuntimeError(f"{_command_line(p.args)!r} exited with {p.returncode} while waiting for {url}")
         try:
             r = httpx.get(url, timeout=2.0)
             if r.status_code < 300:

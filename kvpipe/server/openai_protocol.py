@@ -96,8 +96,8 @@ class CompletionRequest(_OpenAIBase):
         if not p:
             raise APIError("the prompt is empty", param="prompt")
         if isinstance(p[0], int):
-            return [list(p)]  # type: ignore[arg-type]
-        return list(p)  # type: ignore[arg-type]
+            return [list(p)]
+        return list(p)
 
     def check_supported(self) -> None:
         if self.echo:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard, cast
 
 from pydantic import BaseModel, ConfigDict
 
@@ -115,20 +115,29 @@ def pick(value: Any, i: int, n: int, name: str) -> Any:
     return value
 
 
+def _is_token_batch(ids: list[int] | list[list[int]]) -> TypeGuard[list[list[int]]]:
+    """A batch of token prompts: strict validation took the list as wholly one shape, so the
+    first item tells which."""
+    return bool(ids) and isinstance(ids[0], list)
+
+
 def split_generate_request(req: GenerateRequest) -> tuple[list[PromptSpec], bool]:
     """Normalise a `/generate` body into per-prompt specs; the flag says the reply is a list."""
-    if req.text is not None and req.input_ids is not None:
+    body_text, body_ids = req.text, req.input_ids
+    if body_text is not None and body_ids is not None:
         raise APIError("give either text or input_ids, not both", param="text")
-    if req.text is None and req.input_ids is None:
-        raise APIError("one of text or input_ids is required", param="text")
     prompts: list[tuple[str | None, list[int] | None]]
-    if req.text is not None:
-        batched = isinstance(req.text, list)
-        prompts = [(t, None) for t in req.text] if batched else [(req.text, None)]
+    if isinstance(body_text, list):
+        batched, prompts = True, [(t, None) for t in body_text]
+    elif body_text is not None:
+        batched, prompts = False, [(body_text, None)]
+    elif body_ids is not None and _is_token_batch(body_ids):
+        batched, prompts = True, [(None, list(x)) for x in body_ids]
+    elif body_ids is not None:
+        # strict validation took the whole list as one shape: not a batch means list[int]
+        batched, prompts = False, [(None, list(cast("list[int]", body_ids)))]
     else:
-        ids = req.input_ids
-        batched = bool(ids) and isinstance(ids[0], list)
-        prompts = [(None, list(x)) for x in ids] if batched else [(None, list(ids))]
+        raise APIError("one of text or input_ids is required", param="text")
     if batched and not prompts:
         raise APIError("empty batch", param="text" if req.text is not None else "input_ids")
     n = len(prompts)

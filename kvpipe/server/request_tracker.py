@@ -8,7 +8,6 @@ out of the text, logprobs, latency.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -18,7 +17,7 @@ from kvpipe.server.protocol import GenerateInput
 
 
 class Detokenizer(Protocol):
-    def add(self, new_ids: Sequence[int]) -> str: ...
+    def add(self, new_ids: list[int]) -> str: ...
     def flush(self) -> str: ...
 
 

@@ -1,7 +1,17 @@
-"""KV cache transfer from prefill to decode: layouts, planner, control plane, backends, sender, receiver.
+"""KV cache transfer from prefill to decode, one subpackage per role (its __init__ says more):
 
-The package itself is light (no zmq, Mooncake or HTTP stack): it re-exports api.py, the
-engine-facing Protocols and plain types. KVSender and KVReceiver come from their own modules.
+control/      the control plane: typed messages and their codec, the ZeroMQ endpoint, bootstrap, auth
+planning/     which bytes go where: KV layouts, TP head mapping, coalesced write ops, wire-byte estimates
+sender/       the prefill side: a KVSender per TP rank, its SenderBook, decode peers and rooms
+receiver/     the decode side: a KVReceiver per instance, its ReceiverBook and rooms
+staging/      heterogeneous TP: head slices gathered into chunks, the decode's staging ring and agent
+recurrent/    hybrid models' recurrent state: the state pool's layout and its write ops
+backends/     one-sided batched writes into a peer's registered memory: local and Mooncake
+api.py        what an engine sees: the KVSenderAPI / KVReceiverAPI Protocols and their plain types
+lifecycle.py  the room state machine (TransferState, RoomRecord), deadlines, peer liveness
+
+The package itself is light (no zmq, Mooncake or HTTP stack): it re-exports api.py. KVSender and
+KVReceiver come from their own modules (sender/kv_sender.py, receiver/kv_receiver.py).
 """
 
 from kvpipe.transfer.api import (

@@ -2,9 +2,9 @@
 
 Light on purpose: nothing here imports zmq, Mooncake or the bootstrap HTTP stack, so an engine
 can type against `KVSenderAPI` / `KVReceiverAPI` and import this module without a transfer
-backend. The implementations are `sender.KVSender` (one per prefill TP rank) and
-`receiver.KVReceiver` (one per decode instance); tests/unit/test_transfer_types.py checks that
-they match these Protocols member by member.
+backend. The implementations are `KVSender` (sender/kv_sender.py, one per prefill TP rank) and
+`KVReceiver` (receiver/kv_receiver.py, one per decode instance); tests/unit/test_transfer_types.py
+checks that they match these Protocols member by member.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ __all__ = [
 
 
 class KVSenderAPI(Protocol):
-    """A prefill rank's side (sender.py has the contract of every call)."""
+    """A prefill rank's side (sender/kv_sender.py has the contract of every call)."""
 
     @property
     def control_address(self) -> str: ...
@@ -76,7 +76,7 @@ class KVSenderAPI(Protocol):
 
 
 class KVReceiverAPI(Protocol):
-    """A decode instance's side (receiver.py has the contract of every call)."""
+    """A decode instance's side (receiver/kv_receiver.py has the contract of every call)."""
 
     @property
     def control_address(self) -> str: ...

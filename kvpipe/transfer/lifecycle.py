@@ -24,6 +24,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from kvpipe.config import DisaggregationConfig
 
@@ -130,8 +131,12 @@ class RoomRecord:
         )
 
 
+# how a side names a peer (a decode's control address, a prefill rank's session id)
+PeerKey = TypeVar("PeerKey", bound=Hashable)
+
+
 @dataclass
-class PeerLiveness:
+class PeerLiveness(Generic[PeerKey]):
     """Last time each peer was heard from; a peer silent past `timeout_s` is dead.
 
     Any message counts as a sign of life, not only heartbeats. A dead peer is reported once by
@@ -139,10 +144,10 @@ class PeerLiveness:
     """
 
     timeout_s: float
-    last_seen: dict[Hashable, float] = field(default_factory=dict)
-    dead: set[Hashable] = field(default_factory=set)
+    last_seen: dict[PeerKey, float] = field(default_factory=dict)
+    dead: set[PeerKey] = field(default_factory=set)
 
-    def seen(self, peer: Hashable, now: float) -> bool:
+    def seen(self, peer: PeerKey, now: float) -> bool:
         """Record a sign of life. Returns True when a peer reported dead came back."""
         self.last_seen[peer] = now
         if peer in self.dead:
@@ -150,19 +155,19 @@ class PeerLiveness:
             return True
         return False
 
-    def track(self, peer: Hashable, now: float) -> None:
+    def track(self, peer: PeerKey, now: float) -> None:
         """Start watching a peer we expect to hear from (grace period starts now)."""
         if peer not in self.last_seen:
             self.last_seen[peer] = now
 
-    def forget(self, peer: Hashable) -> None:
+    def forget(self, peer: PeerKey) -> None:
         self.last_seen.pop(peer, None)
         self.dead.discard(peer)
 
-    def alive(self, peer: Hashable) -> bool:
+    def alive(self, peer: PeerKey) -> bool:
         return peer in self.last_seen and peer not in self.dead
 
-    def reap(self, now: float) -> list[Hashable]:
+    def reap(self, now: float) -> list[PeerKey]:
         """Peers that became dead since the last call (each reported once)."""
         newly = [p for p, t in self.last_seen.items() if p not in self.dead and now - t > self.timeout_s]
         self.dead.update(newly)

@@ -1,5 +1,6 @@
-"""Transfer backends by name: the in-process local one, and Mooncake, whose module is imported
-only when asked for (it imports the optional `mooncake` wheel at its top)."""
+"""Transfer backends by name (`create_backend`): `base.py` is the interface (TransferBackend, batch
+handles and states), `local.py` the in-process backend, `mooncake.py` Mooncake's, whose module is
+imported only when asked for (it imports the optional `mooncake` wheel at its top)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ mooncake-transfer-engine 0.3.13):
 - One op rides one lane (connection) of the TCP transport, 4 lanes per peer by default
   (MC_TCP_LANES_PER_PEER): a batch of fewer long ops than lanes leaves lanes idle, and the last
   long op of a batch finishes alone. `submit` splits ops longer than `max_op_bytes` into pieces
-  (op_pieces.py) and the window counts pieces; a batch is DONE when all its pieces landed and
+  (planning/op_pieces.py) and the window counts pieces; a batch is DONE when all its pieces landed and
   FAILED when any failed, and injected failures cut it after a random prefix of pieces. Handles
   count planned ops in `num_ops` (what senders budget) and wire ops in `num_pieces`.
 """

@@ -41,7 +41,8 @@ def _is_int_tuple(tp: Any) -> bool:
 
 def to_wire(obj: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    hints = _hints(type(obj))
+    cls: type = type(obj)
+    hints = _hints(cls)
     for f in dataclasses.fields(obj):
         out[f.name] = _value_to_wire(getattr(obj, f.name), hints[f.name])
     return out
@@ -115,6 +116,6 @@ def _value_from_wire(value: Any, tp: Any, path: str, min_id: int = 0) -> Any:
         if arr.size and arr.min() < min_id:
             raise ProtocolError(f"{path}: id {int(arr.min())} below {min_id}")
         return tuple(arr.tolist())
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return from_wire(tp, value, path)
     raise TypeError(f"{path}: codec does not support field type {tp!r}")  # a bug in a message class

@@ -6,7 +6,7 @@
     ep.send("tcp://h:p", message)   # never blocks: False (and counted) if it could not be queued
     ep.close()
 
-Messages are the typed dataclasses of `transfer.messages`; `handler(msg)` runs on the receive
+Messages are the typed dataclasses of messages.py; `handler(msg)` runs on the receive
 thread. A frame that does not decode is logged and dropped (`stats.malformed`); an exception in
 the handler is logged (`stats.handler_errors`); neither stops the endpoint. PUSH sockets use
 linger 0 and NOBLOCK sends, so a dead or slow peer fills at most `send_hwm` messages and then
@@ -136,9 +136,10 @@ class ControlEndpoint:
                 log.error("%s: receive failed: %s", self.name, e)
                 continue
             self.stats.received += 1
+            payload: bytes | memoryview = frame
             if self._auth is not None:
                 try:
-                    frame = self._auth.open(frame, self.address.encode())
+                    payload = self._auth.open(frame, self.address.encode())
                 except AuthError as e:
                     self.stats.auth_rejected += 1
                     # the first few in full, then every 1000th: a flood must not flood the log
@@ -152,10 +153,10 @@ class ControlEndpoint:
                         )
                     continue
             try:
-                msg = messages.decode(frame)
+                msg = messages.decode(payload)
             except Exception as e:  # ProtocolError, or anything a hostile frame provokes
                 self.stats.malformed += 1
-                log.warning("%s: dropped malformed control message (%d bytes): %s", self.name, len(frame), e)
+                log.warning("%s: dropped malformed control message (%d bytes): %s", self.name, len(payload), e)
                 continue
             try:
                 self._handler(msg)

@@ -7,7 +7,7 @@ Flow: decode rank -> prefill: RegisterPeer once per (decode rank, prefill rank),
 TransferRequest per request; prefill -> decode: TransferStatus when the KV has landed (or
 failed); either side: Abort; both: Heartbeat.
 
-Staged chunks (heterogeneous TP through a staging ring, staging.py): prefill rank -> the decode
+Staged chunks (heterogeneous TP through a staging ring, staging/buffers.py): prefill rank -> the decode
 rank's staging agent: StagingSlotRequest; agent -> prefill: StagingSlotGrant (a ring offset, or
 refused); prefill writes the chunk there with one op, then StagingChunkWritten (scatter it into
 these pages, or only release the slot); agent -> prefill: StagingChunkDone once scattered.
@@ -31,7 +31,7 @@ MAX_MESSAGE_BYTES = 64 << 20  # a page list of 8M pages; anything bigger is garb
 
 
 class WireState(enum.Enum):
-    """Outcome carried by TransferStatus; not the room state machine (state.TransferState)."""
+    """Outcome carried by TransferStatus; not the room state machine (lifecycle.TransferState)."""
 
     SUCCESS = "success"
     FAILED = "failed"
@@ -238,12 +238,12 @@ MESSAGE_TYPES: dict[str, type] = {
 
 def encode(msg: Message) -> bytes:
     kind = getattr(type(msg), "KIND", None)
-    if MESSAGE_TYPES.get(kind) is not type(msg):
+    if kind is None or MESSAGE_TYPES.get(kind) is not type(msg):
         raise TypeError(f"not a control-plane message: {type(msg).__name__}")
     return msgpack.packb({"kind": kind, "version": PROTOCOL_VERSION, **to_wire(msg)}, use_bin_type=True)
 
 
-def decode(data: bytes) -> Message:
+def decode(data: bytes | bytearray | memoryview) -> Message:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"expected bytes, got {type(data).__name__}")
     if len(data) > MAX_MESSAGE_BYTES:

@@ -1,7 +1,7 @@
 """Write ops as parallel arrays: op i copies length[i] bytes from src_addr[i] to dst_addr[i].
 
-The shared shape of every plan (KV pages: planner.TransferPlan, recurrent state:
-state_plan.StatePlan, the bench's whole-request plan), which the backends submit as is.
+The shared shape of every plan (KV pages: planner.py's TransferPlan, recurrent state:
+recurrent/plan.py's StatePlan, the bench's whole-request plan), which the backends submit as is.
 """
 
 from __future__ import annotations

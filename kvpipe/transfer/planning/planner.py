@@ -192,7 +192,7 @@ def sendable_pages(sent_tokens: int, ready_tokens: int, page_size: int, final: b
     return PageSpan(first, end, end * page_size)
 
 
-# Cost model of a staged chunk against its page ops (staging.py). A Mooncake TCP op costs about
+# Cost model of a staged chunk against its page ops (staging/buffers.py). A Mooncake TCP op costs about
 # OP_COST_S of fixed work (docs/benchmarks.md, fragmentation sweep); a staged chunk costs a slot
 # round trip and an announce/done round trip on the control plane (STAGING_FIXED_S) plus a
 # gather and a scatter of its bytes at memory speed (MEMCPY_BYTES_PER_S), and one op.

@@ -1,6 +1,6 @@
 """Everything the decode's KVReceiver decides, without threads, sockets or HTTP.
 
-`ReceiverBook` holds the rooms (receiver_room.py), the prefill instances known from their
+`ReceiverBook` holds the rooms (room.py), the prefill instances known from their
 bootstrap servers, the rooms waiting for a bootstrap fetch, prefill liveness and the heartbeat
 sequence, and reacts to the engine, to control messages, to fetch outcomes and to the clock. It
 never performs I/O: control messages go out through the injected `send(address, message)`;
@@ -11,7 +11,7 @@ every method under its lock with `now` from its clock.
 Flow: the first room for a prefill waits for its bootstrap info; once it is known (and
 compatible) every (prefill rank, decode rank) pair of the TP rank mapping gets RegisterPeer once
 per prefill instance, then every room a TransferRequest per pair. Prefill ranks answer with one
-final TransferStatus per pair (receiver_room.py). Rules it keeps:
+final TransferStatus per pair (room.py). Rules it keeps:
 - poll() reports a room only when it is safe to reuse its pages: after Success, or after a
   failure once every paired prefill rank gave its final word, the prefill restarted, or
   transfer_timeout_s passed since the failure;
@@ -57,6 +57,18 @@ log = logging.getLogger(__name__)
 Address = tuple[str, int]  # a prefill's bootstrap server: host, port
 
 
+def per_rank_arrays(lists: Sequence[np.ndarray] | np.ndarray | list[int]) -> tuple[np.ndarray, ...]:
+    """Page lists as one int64 array per decode rank; one flat list (an array or ints) is a
+    single rank's."""
+    if (
+        isinstance(lists, np.ndarray)
+        and lists.ndim == 1
+        or (isinstance(lists, list) and all(isinstance(p, (int, np.integer)) for p in lists))
+    ):
+        return (np.asarray(lists, dtype=np.int64).ravel(),)
+    return tuple(np.asarray(p, dtype=np.int64).ravel() for p in lists)
+
+
 @dataclass
 class ReceiverStats:
     rejected_messages: int = 0
@@ -93,7 +105,7 @@ class ReceiverBook:
         self.stats = ReceiverStats()
         self.rooms: dict[int, ReceiverRoom] = {}
         self.prefills: dict[Address, KnownPrefill] = {}
-        self.liveness = PeerLiveness(cfg.heartbeat_timeout_s)  # per prefill session
+        self.liveness = PeerLiveness[str](cfg.heartbeat_timeout_s)  # per prefill session
         self._session_rank = {s: r for r, s in enumerate(self.sessions)}
         self._timeouts = receiver_timeouts(cfg)
         self._by_session: dict[str, tuple[Address, int]] = {}  # prefill session -> (addr, prefill rank)
@@ -107,13 +119,7 @@ class ReceiverBook:
         self, room: int, dst_pages: Sequence[np.ndarray] | np.ndarray | list[int], prefix_len: int
     ) -> tuple[np.ndarray, ...]:
         """add_room's page lists as one int64 array per decode rank, or ValueError (reads only the layouts)."""
-        if (
-            isinstance(dst_pages, np.ndarray)
-            and dst_pages.ndim == 1
-            or (isinstance(dst_pages, list) and all(isinstance(p, (int, np.integer)) for p in dst_pages))
-        ):
-            dst_pages = [dst_pages]
-        pages = tuple(np.asarray(p, dtype=np.int64).ravel() for p in dst_pages)
+        pages = per_rank_arrays(dst_pages)
         if len(pages) != self.tp_size:
             raise ValueError(f"room {room}: {len(pages)} page lists for {self.tp_size} decode ranks")
         ps = self.ranks[0].layout.page_size
@@ -138,13 +144,7 @@ class ReceiverBook:
             return None
         if not lay.swa_layers:
             raise ValueError(f"room {room}: window pages (swa_pages) for a model without sliding-window layers")
-        if (
-            isinstance(swa_pages, np.ndarray)
-            and swa_pages.ndim == 1
-            or (isinstance(swa_pages, list) and all(isinstance(p, (int, np.integer)) for p in swa_pages))
-        ):
-            swa_pages = [swa_pages]
-        swa = tuple(np.asarray(p, dtype=np.int64).ravel() for p in swa_pages)
+        swa = per_rank_arrays(swa_pages)
         if len(swa) != self.tp_size:
             raise ValueError(f"room {room}: {len(swa)} window page lists for {self.tp_size} decode ranks")
         for r, (w, p) in enumerate(zip(swa, pages)):
@@ -402,8 +402,11 @@ class ReceiverBook:
             r.rec.expire(now, "not every prefill rank reported the transfer finished")
             self._settle(r, now)
         for s in self.liveness.reap(now):
-            addr, p = self._by_session.get(s, (None, 0))
-            peer = self.prefills.get(addr) if addr is not None else None
+            known = self._by_session.get(s)
+            if known is None:
+                continue
+            addr, p = known
+            peer = self.prefills.get(addr)
             if peer is not None and s in peer.sessions:
                 self._drop_prefill(
                     peer,

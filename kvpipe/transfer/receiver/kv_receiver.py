@@ -11,9 +11,9 @@ and speaks for every decode rank). Thread-safe, engine-agnostic.
     recv.abort(room, "client disconnected")           # pages stay reserved until poll reports it
     recv.close()
 
-What happens inside: every decision is the `ReceiverBook`'s (receiver_book.py: rooms, known
+What happens inside: every decision is the `ReceiverBook`'s (book.py: rooms, known
 prefills, deadlines, liveness, when pages are safe; no I/O). This shell owns the I/O: a receive
-thread (control.py) hands TransferStatus, Abort and Heartbeat to the book; a pool thread fetches
+thread (control/endpoint.py) hands TransferStatus, Abort and Heartbeat to the book; a pool thread fetches
 a prefill's bootstrap info when the book asks (retrying while the prefill starts, then checking
 compatibility) and hands the outcome back; a worker thread drives the book's deadlines and
 heartbeats every idle_tick_s. Control messages leave through the endpoint, never blocking.

@@ -9,7 +9,7 @@ op per (linear layer, conv|recurrent) when both ranks hold the same heads (same 
 rank holds key heads [key_head_start, +key_heads) and value heads [value_head_start, +heads)
 (linear heads always split evenly, never replicated); its conv channels are [q | k | v] of those
 heads, so a head range of one slot is 3 channel ranges of the conv state and one contiguous
-range of the recurrent state (heterogeneous TP, state_plan.py).
+range of the recurrent state (heterogeneous TP, plan.py).
 
 The layout also carries the model's layer map: a hybrid KV pool has one buffer per full-attention
 layer only (ModelConfig.kv_layers), so a layer group [a, b) of model layers covers KV buffers

@@ -1,6 +1,6 @@
 """Everything a prefill rank's KVSender decides, without threads, sockets or a backend.
 
-`SenderBook` holds the rooms (sender_room.py), the decode peers (sender_peers.py) and tombstones
+`SenderBook` holds the rooms (room.py), the decode peers (peers.py) and tombstones
 of finished rooms, and reacts to control messages and to the clock. It never performs I/O: control
 messages go out through the injected `send(address, message)`, write batches are handed to the
 caller by `take_work` and their outcomes come back through `record`. KVSender calls every method
@@ -13,7 +13,7 @@ hear of every failure):
 - a room the engine never admitted (the decode's request came first) that fails is answered and
   forgotten; a tombstone makes a late add_room of it fail at once;
 - the engine sees a room in `poll` only when it is drained and its destinations were told;
-- a staged chunk (staging.py) holds local staging bytes from gather to the end of its write and
+- a staged chunk (staging/buffers.py) holds local staging bytes from gather to the end of its write and
   a decode ring slot from grant to scatter; whatever happens to its room the slot is released
   (StagingChunkWritten with scatter=False) or scattered, and the room's final status waits for
   every scatter the decode acknowledges (or transfer_timeout_s).
@@ -215,6 +215,7 @@ class SenderBook:
             r.src_pages = pages
         r.add_call(call)
         if call.last:
+            assert aux is not None  # KVSender.send refuses a last call without aux
             r.aux = AuxData(room, int(aux[0]), float(aux[1]), int(aux[2]) if len(aux) > 2 else 0)
         return True
 
@@ -280,8 +281,11 @@ class SenderBook:
             # This session has (or will get) its final status for the room; a second one would lie.
             return self._reject(f"repeated TransferRequest for room {room} from {session}")
         peer, why = self.peers.check_request(msg)
-        if why is None:
-            why = f"room {room} already finished here ({tomb.what})" if tomb else self._bind(msg, peer, now)
+        if why is None and tomb is not None:
+            why = f"room {room} already finished here ({tomb.what})"
+        elif why is None:
+            assert peer is not None  # check_request passes only the request of a registered session
+            why = self._bind(msg, peer, now)
         if why is None:
             return
         self._reject(f"TransferRequest for room {room} from {session}: {why}")
@@ -492,7 +496,7 @@ class SenderBook:
                 return self._step_chunks(r, now)
             if st is ChunkState.NEW:
                 assert self.local_ring is not None
-                slot = self.local_ring.alloc(ch.nbytes)  # chunks are sized to fit (sender_room._stage)
+                slot = self.local_ring.alloc(ch.nbytes)  # chunks are sized to fit (room.py, SenderRoom._stage)
                 if slot is None:
                     continue  # local staging is full: wait for writes to finish
                 ch.local, ch.state, ch.since = slot, ChunkState.GATHERING, now

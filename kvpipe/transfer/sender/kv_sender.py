@@ -16,9 +16,9 @@
 The caller registers the pool's buffers with `backend` beforehand. `instance_id` must be shared
 by all ranks of one prefill instance and change on every restart.
 
-What happens inside: a receive thread (control.py) hands RegisterPeer (a decode rank's layout and
+What happens inside: a receive thread (control/endpoint.py) hands RegisterPeer (a decode rank's layout and
 addresses, validated once per session), TransferRequest (room -> dst pages, prefix_len; validated;
-kept until add_room if it comes first), Abort and Heartbeat to the `SenderBook` (sender_book.py,
+kept until add_room if it comes first), Abort and Heartbeat to the `SenderBook` (book.py,
 all decisions, no I/O). A worker thread plans queued send() calls, submits write batches within
 `max_inflight_ops` (`pump()` runs one such pass on the caller's thread), polls them, enforces
 deadlines, sends heartbeats and declares silent decodes dead. After the last batch landed every
@@ -76,7 +76,7 @@ class KVSender:
         state_layout: StateLayout | None = None,
         on_news: Callable[[], None] | None = None,
     ) -> None:
-        """`staging`: a registered local staging buffer over this rank's KV (staging.py); with
+        """`staging`: a registered local staging buffer over this rank's KV (staging/buffers.py); with
         cfg.staging "on" or "auto" sends to decode ranks that offer a staging ring are staged.
         `state_layout`: this rank's registered recurrent-state pool (hybrid models): layer ranges
         of send() are then model layers, and every room names its state slot in add_room.

@@ -44,7 +44,7 @@ class SenderPeers:
         self.peers: dict[str, RegisterPeer] = {}
         self.heads: dict[str, tuple[int, int] | None] = {}  # per session: heads we write, None = dummy pair
         self.rejected: dict[str, tuple[str, str]] = {}  # session -> (reason, control address)
-        self.liveness = PeerLiveness(cfg.heartbeat_timeout_s)
+        self.liveness = PeerLiveness[str](cfg.heartbeat_timeout_s)
         self._forget_after_s = 10 * cfg.heartbeat_timeout_s
 
     def register(self, msg: RegisterPeer, now: float) -> str | None:

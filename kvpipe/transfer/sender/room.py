@@ -11,9 +11,9 @@ layers with equal cursors, the pages `planner.sendable_pages` allows: full pages
 partial page waits for the next chunk, and `last=True` flushes every layer up to token_end
 (layer-pipelined prefill: the earlier layer groups of the final chunk get their partial page too).
 
-Staged sends (heterogeneous TP through the decode's staging ring, staging.py): when the policy
+Staged sends (heterogeneous TP through the decode's staging ring, staging/buffers.py): when the policy
 says so, a planned span becomes `StagedChunk`s instead of page ops, each at most the policy's
-chunk size; sender_book.py walks them through gather, slot, write, scatter.
+chunk size; book.py walks them through gather, slot, write, scatter.
 
 Sliding-window layers (KVLayout.swa_layers): their pages come from the room's window page table
 `src_swa_pages` (aligned with src_pages by logical page, -1 where the prefill holds none, shorter:
@@ -23,10 +23,10 @@ and its sliding layers over the span pages the decode asked for only, each in on
 call; the cursor moves past the skipped pages too, so every page moves at most once. Such rooms
 are never staged (a chunk is a contiguous layer range over one page list).
 
-Recurrent state (hybrid models, state_layout.py): a call may also carry the final state of some
+Recurrent state (hybrid models, recurrent/layout.py): a call may also carry the final state of some
 linear layers (`state_layers`, the prompt's last forward has passed them); the last call writes
 every linear layer not written yet. Each destination remembers which layers it got, so the state
-of a layer moves once (state_plan.py: 2 ops, or 4 for a head slice under heterogeneous TP) from
+of a layer moves once (recurrent/plan.py: 2 ops, or 4 for a head slice under heterogeneous TP) from
 the room's slot into the decode's slot, queued with the room's KV batches, so the room's final
 status still follows it.
 """
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import collections
 import enum
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -354,7 +354,7 @@ class SenderRoom:
         chunk_ids: Iterator[int] | None,
         layers: tuple[int, int] | None = None,
         layer_ids: np.ndarray | None = None,
-    ) -> list[OpBatch | StagedChunk]:
+    ) -> Sequence[OpBatch | StagedChunk]:
         """Page ops of src -> dst over `layers` (or `layer_ids`), or staged chunks when the policy says so."""
         try:
             p = plan_pages(src, dst, self.layout, dest.layout, heads=dest.heads, layers=layers, layer_ids=layer_ids)

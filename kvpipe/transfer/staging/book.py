@@ -1,6 +1,6 @@
 """What a decode rank's staging agent decides, without threads, sockets or tensors.
 
-The agent owns one staging ring (staging_ring.py) in registered memory. Prefill ranks ask it for
+The agent owns one staging ring (ring.py) in registered memory. Prefill ranks ask it for
 slots (StagingSlotRequest), write their gathered chunk into the slot with one op, and announce it
 (StagingChunkWritten); the agent scatters the chunk into the KV pages it names, frees the slot and
 answers StagingChunkDone. Rules it keeps:
@@ -12,7 +12,7 @@ answers StagingChunkDone. Rules it keeps:
   failed or was aborted), or never announced within `lease_s` (its prefill died or stalled).
 
 `StagingBook` returns the control messages to send as (address, message) pairs and the scatters
-to run as `ScatterJob`s; the shell (staging.py) runs them and reports back with `scattered`.
+to run as `ScatterJob`s; the shell (buffers.py: StagingAgent) runs them and reports back with `scattered`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ ChunkKey = tuple[str, int]  # (prefill session, chunk id)
 
 @dataclass(frozen=True)
 class ScatterJob:
-    """Copy a slot's bytes [layers, K/V, pages, slice_nbytes] into KV pages (staging.py)."""
+    """Copy a slot's bytes [layers, K/V, pages, slice_nbytes] into KV pages (buffers.py)."""
 
     key: ChunkKey
     offset: int  # slot start in the ring

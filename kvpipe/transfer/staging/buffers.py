@@ -13,9 +13,9 @@ one write per (layer, K/V, page). Staging turns a send's slices into one contigu
                                                    TransferStatus waits for every Done)
 
 Chunk layout in both buffers: [layer_end - layer_start, 2 (K, V), pages, slice_nbytes] bytes, the
-slice being bytes [col, col + slice_nbytes) of each page (a contiguous head range, layout.py).
+slice being bytes [col, col + slice_nbytes) of each page (a contiguous head range, planning/layout.py).
 `KVBytes` does the tensor work (one index op per (layer, K/V)); the bookkeeping is in
-staging_ring.py (allocation) and staging_book.py (the agent's protocol) and sender_book.py.
+ring.py (allocation), book.py (the agent's protocol) and sender/book.py.
 CUDA: gathers and scatters run on a side stream that is synchronised before the bytes are
 written or announced as scattered.
 """

@@ -1,7 +1,7 @@
 """Ring allocator over a staging pool: contiguous slots handed out in order, freed in any order.
 
 Plain bookkeeping (no tensors, no I/O) for the decode's staging agent and the prefill's staging
-buffer (staging.py). Slots are carved at the head; the tail (the watermark) is the start of the
+buffer (buffers.py). Slots are carved at the head; the tail (the watermark) is the start of the
 oldest slot still live, and moves only when that slot is freed, so a writer is never handed bytes
 a slot not yet scattered still owns. A slot that does not fit before the end of the pool wraps to
 offset 0 (the bytes at the end stay unused for that round, like SGLang's ring); each wrap starts a
