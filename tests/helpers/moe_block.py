@@ -52,24 +52,9 @@ HF_CONFIGS = {
         qk_rope_head_dim=8,
         v_head_dim=8,
     ),
-    "deepseek_v3_no_renorm": dict(
-        n_routed_experts=16,
-        num_experts_per_tok=4,
-        moe_intermediate_size=16,
-        n_group=4,
-        topk_group=2,
-        n_shared_experts=1,
-        routed_scaling_factor=2.5,
-        norm_topk_prob=False,
-        intermediate_size=96,
-        first_k_dense_replace=1,
-        q_lora_rank=None,
-        kv_lora_rank=16,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=8,
-        v_head_dim=8,
-    ),
 }
+# without renormalised top-k weights and with one shared expert: the other routing branch
+HF_CONFIGS["deepseek_v3_no_renorm"] = {**HF_CONFIGS["deepseek_v3"], "n_shared_experts": 1, "norm_topk_prob": False}
 
 
 def family_of(case: str) -> str:
