@@ -15,11 +15,15 @@ from kvpipe.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class StopStringMatcher:
-    """Finds stop strings in a request's growing output text, decoding only new tokens."""
+    """Finds stop strings in a request's growing output text, decoding only new tokens.
+
+    Special tokens are decoded as their text (SGLang's rule: its scheduler decodes the output
+    tail with them), so a stop string naming one, "<|endoftext|>" or "<|im_start|>", stops
+    the request whether or not its client asked to see special tokens."""
 
     def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...]) -> None:
         self._search = StopStringSearch(stops)
-        self._detok = IncrementalDetokenizer(tokenizer)
+        self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
         self._text = ""
 
     def add(self, new_ids: list[int]) -> str | None:

@@ -2,7 +2,8 @@
 transformers' tokenizer of the same file: streamed text equals the final decode for any UTF-8
 (emoji, ZWJ sequences, flags, CJK, combining marks, characters split across tokens) and never
 shows U+FFFD for a character still incomplete; skip_special_tokens both ways; the chat template's
-token ids; stop strings and stop tokens in the server's RequestTracker on real text."""
+token ids; stop strings and stop tokens in the engine's FinishChecker and the server's
+RequestTracker on real text; each token's bytes in OpenAI logprobs."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from kvpipe.engine.request import FinishReason, SamplingParams, TokenOutput
+from kvpipe.engine.finish import FinishChecker
+from kvpipe.engine.request import FinishReason, Req, SamplingParams, TokenOutput
 from kvpipe.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvpipe.server.protocol import GenerateInput, TextOptions
 from kvpipe.server.request_tracker import RequestOutput, RequestTracker
@@ -268,3 +270,61 @@ def test_eos_on_real_text(tok: Tokenizer, hf: Any, skip: bool, no_stop_trim: boo
     assert final.text == hf.decode(shown, skip_special_tokens=skip)
     assert final.output_ids == ids and final.finish_detail == eos
     assert final.text.endswith("<|im_end|>") == (no_stop_trim and not skip)
+
+
+@FUZZ
+@given(text=TEXT_WITH_SPECIALS, data=st.data())
+def test_engine_and_server_stop_at_the_same_place(tok: Tokenizer, text: str, data: st.DataObject) -> None:
+    """The engine stops at the token that completes the stop string (special tokens count as
+    their text, as in SGLang), and the server, shown special tokens, cuts the text right there."""
+    ids = tok.encode(text, add_special_tokens=False)
+    full = tok.decode(ids, skip_special_tokens=False)
+    assume(len(full) >= 2)
+    a = data.draw(st.integers(0, len(full) - 1))
+    stop = full[a : data.draw(st.integers(a + 1, min(len(full), a + 6)))]
+    req = Req("r", [1], SamplingParams(max_new_tokens=len(ids) + 1, stop=(stop,), ignore_eos=True), (2,))
+    checker = FinishChecker(tok, (2,), context_length=1 << 20)
+    fin = None
+    for t in ids:
+        req.output_ids.append(t)
+        fin = checker.check(req, 1)
+        if fin is not None:
+            break
+    want_m = next(k for k in range(1, len(ids) + 1) if stop in tok.decode(ids[:k], skip_special_tokens=False))
+    assert fin == (FinishReason.STOP, stop) and len(req.output_ids) == want_m
+    final = _check_stream(_track(tok, req.output_ids, fin, stop=(stop,), skip=False))
+    assert final.text == full[: full.index(stop)] and final.output_ids == ids[:want_m]
+
+
+def test_stop_string_naming_a_special_token(tok: Tokenizer) -> None:
+    """stop=["<|endoftext|>"] ends the request at that token even when the client does not see
+    special tokens (skip_special_tokens, the default); the text has nothing to trim."""
+    ids = [*tok.encode("Hi there", add_special_tokens=False), tok.token_to_id("<|endoftext|>")]
+    ids += tok.encode("more", add_special_tokens=False)
+    req = Req("r", [1], SamplingParams(max_new_tokens=50, stop=("<|endoftext|>",)), (2,))
+    checker = FinishChecker(tok, (2,), context_length=1 << 20)
+    fins = []
+    for t in ids:
+        req.output_ids.append(t)
+        fins.append(checker.check(req, 1))
+    k = ids.index(tok.token_to_id("<|endoftext|>"))
+    assert fins[k] == (FinishReason.STOP, "<|endoftext|>") and fins[:k] == [None] * k
+    final = _check_stream(_track(tok, ids[: k + 1], (FinishReason.STOP, "<|endoftext|>"), stop=("<|endoftext|>",)))
+    assert final.text == "Hi there" and final.finish_detail == "<|endoftext|>"
+
+
+@FUZZ
+@given(text=TEXT)
+def test_token_bytes_rebuild_the_text(tok: Tokenizer, text: str) -> None:
+    """OpenAI logprobs' `bytes`: the tokens' bytes joined are the text's UTF-8, also where a
+    token holds only part of a character (its decoded text is U+FFFD then)."""
+    ids = tok.encode(text, add_special_tokens=False)
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+
+
+@FUZZ
+@given(data=st.data())
+def test_token_bytes_of_any_ids(tok: Tokenizer, data: st.DataObject) -> None:
+    ids = data.draw(_vocab_ids(tok))
+    joined = b"".join(tok.token_bytes(i) for i in ids)
+    assert joined.decode("utf-8", errors="replace") == tok.decode(ids, skip_special_tokens=False)
