@@ -150,7 +150,7 @@ def test_history_reset_and_eof(server: ServerProc, tok: Tokenizer) -> None:
 
 def test_ctrl_c_stops_the_answer_and_keeps_the_session(server: ServerProc, tok: Tokenizer) -> None:
     u1, u2 = "Write a very long story.", "Shorter, please."
-    n = 2000
+    n = 1000
     # the precondition that makes this test deterministic: greedy runs the whole n tokens
     assert chat_answer(server, [user(u1)], n)["finish_reason"] == "length"
     server.wait_idle()
@@ -204,7 +204,8 @@ def test_server_dying_mid_session(tmp_path: Path, tiny_model_dir: Path) -> None:
         srv.proc.wait(10)
         chat.send("second")
         err = chat.wait_err(r"kvpipe chat:").string
-        assert err.startswith(f"kvpipe chat: cannot reach {srv.url}"), err
+        # refused at connect, or (a pooled connection the kill cut) broken before any answer
+        assert re.match(rf"kvpipe chat: (cannot reach|the connection to) {re.escape(srv.url)}", err), err
         assert chat.proc.poll() is None  # the session survives a failed turn
         rc = chat.finish()
     finally:

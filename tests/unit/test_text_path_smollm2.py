@@ -7,6 +7,7 @@ RequestTracker on real text; each token's bytes in OpenAI logprobs."""
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 import pytest
@@ -122,6 +123,7 @@ def test_skip_special_tokens_matches_hf(tok: Tokenizer, hf: Any, text: str, skip
         assert want == text
 
 
+@lru_cache(maxsize=1)
 def _vocab_ids(tok: Tokenizer) -> st.SearchStrategy[list[int]]:
     """Token ids a model may emit in any order: byte tokens (a lone UTF-8 lead or continuation
     byte), pieces of real multi-byte characters, special tokens, and any id at all."""
