@@ -22,6 +22,7 @@ import pytest
 from kvpipe.model.tokenizer import Tokenizer
 from kvpipe.server.launcher import free_port, stop_process
 from tests.helpers.server import ServerProc, server_fixture, start_server
+from tests.helpers.smollm2_text import GGUF_DIR, GGUF_NAME, GGUF_SERVING_PENDING
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -213,3 +214,24 @@ def test_server_dying_mid_session(tmp_path: Path, tiny_model_dir: Path) -> None:
         stop_process(srv.proc)
     assert rc == 1  # a turn failed
     assert not any("Traceback" in line for line in chat.err_seen), chat.err_seen
+
+
+@GGUF_SERVING_PENDING
+def test_real_model_keeps_the_conversation(tmp_path: Path) -> None:
+    """SmolLM2-135M-Instruct through `kvpipe chat`: the second question only makes sense with
+    the first one's history, and the prefix cache serves that history."""
+    srv = start_server(GGUF_DIR / GGUF_NAME, tmp_path / "server.log", "--page-size", "16")
+    chat = ChatProc(srv.url, "--max-tokens", "48", "--temperature", "0")
+    try:
+        chat.send("What is the capital of France?")
+        chat.wait_err(USAGE.pattern)
+        chat.send("And of Germany?")
+        m = chat.wait_err(USAGE.pattern)
+        rc = chat.finish()
+    finally:
+        chat.kill()
+        stop_process(srv.proc)
+    assert rc == 0, chat.err_seen
+    out = chat.stdout()
+    assert "Paris" in out and "Berlin" in out, out
+    assert usage(m)[1] >= 16  # at least a page of the first turn came from the prefix cache

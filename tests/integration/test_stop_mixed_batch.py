@@ -21,17 +21,12 @@ import pytest
 
 from kvpipe.model.tokenizer import Tokenizer
 from tests.helpers.server import ServerProc, server_fixture, sse_events
-from tests.helpers.smollm2_tokenizer import GGUF_DIR, GGUF_NAME, kvpipe_tokenizer
+from tests.helpers.smollm2_text import GGUF_DIR, GGUF_NAME, GGUF_SERVING_PENDING, kvpipe_tokenizer
 
 pytestmark = pytest.mark.timeout(600)
 
 N = 24  # reference length
 QUESTIONS = ["What is the capital of France?", "Say hello in Japanese.", "Name three colors.", "What is 2+2?"]
-# Until the realmodel branch (GGUF in the model loader) is merged, `serve --model-path x.gguf`
-# fails at start: strict, so the merge that makes it pass also removes this mark.
-GGUF_PENDING = pytest.mark.xfail(
-    strict=True, raises=RuntimeError, reason="serving a GGUF --model-path lands with the realmodel branch"
-)
 
 
 @dataclass
@@ -41,7 +36,7 @@ class Model:
     tok: Tokenizer
 
 
-@pytest.fixture(scope="module", params=["tiny", pytest.param("smollm2", marks=GGUF_PENDING)])
+@pytest.fixture(scope="module", params=["tiny", pytest.param("smollm2", marks=GGUF_SERVING_PENDING)])
 def model(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
 ) -> Iterator[Model]:

