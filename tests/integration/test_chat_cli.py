@@ -151,9 +151,7 @@ def test_history_reset_and_eof(server: ServerProc, tok: Tokenizer) -> None:
 
 def test_ctrl_c_stops_the_answer_and_keeps_the_session(server: ServerProc, tok: Tokenizer) -> None:
     u1, u2 = "Write a very long story.", "Shorter, please."
-    n = 1000
-    # the precondition that makes this test deterministic: greedy runs the whole n tokens
-    assert chat_answer(server, [user(u1)], n)["finish_reason"] == "length"
+    n = 120  # greedy on the tiny model says no EOS in these: the answer is still running at the SIGINT
     server.wait_idle()
     aborted = server.metric("kvpipe_requests_total", 'finish_reason="abort"')
     chat = ChatProc(server.url, "--max-tokens", str(n), "--temperature", "0")
