@@ -4,6 +4,7 @@ reference), and the mark for tests that serve the GGUF."""
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -36,3 +37,20 @@ def hf_tokenizer() -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(GGUF_DIR, gguf_file=GGUF_NAME)
+
+
+@lru_cache(maxsize=4)  # once per directory: a test session writes it once for all its modules
+def write_hf_dir(out: Path) -> Path:
+    """The GGUF as a plain HF checkpoint directory (config.json, model.safetensors in float32,
+    tokenizer.json, tokenizer_config.json with the chat template), which kvpipe serves without
+    GGUF support: real weights and the real tokenizer through today's loader."""
+    from safetensors.torch import save_file
+
+    ckpt = GGUFCheckpoint.open(GGUF_DIR / GGUF_NAME)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(ckpt.config))
+    save_file(ckpt.state_dict(progress=False), str(out / "model.safetensors"))
+    parts = ckpt.tokenizer()
+    parts.tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(parts.config))
+    return out

@@ -5,8 +5,9 @@ exactly where its own rules say, its text is cut exactly there, the others run o
 and a stream shows nothing it later takes back.
 
 Every expectation comes from the greedy reference of each prompt run alone (ignore_eos, N tokens)
-and the model's own tokenizer. Runs on the tiny preset, and on SmolLM2-135M-Instruct's GGUF
-(real text, EOS in the middle of the batch) once `--model-path` takes a GGUF file.
+and the model's own tokenizer. Runs on the tiny preset and on SmolLM2-135M-Instruct (real text,
+EOS in the middle of the batch): its GGUF written out as an HF directory, and the GGUF itself
+once `--model-path` takes one.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pytest
 
 from kvpipe.model.tokenizer import Tokenizer
 from tests.helpers.server import ServerProc, server_fixture, sse_events
-from tests.helpers.smollm2_text import GGUF_DIR, GGUF_NAME, GGUF_SERVING_PENDING, kvpipe_tokenizer
+from tests.helpers.smollm2_text import GGUF_DIR, GGUF_NAME, GGUF_SERVING_PENDING, kvpipe_tokenizer, write_hf_dir
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -36,12 +37,14 @@ class Model:
     tok: Tokenizer
 
 
-@pytest.fixture(scope="module", params=["tiny", pytest.param("smollm2", marks=GGUF_SERVING_PENDING)])
+@pytest.fixture(scope="module", params=["tiny", "smollm2-hf", pytest.param("smollm2-gguf", marks=GGUF_SERVING_PENDING)])
 def model(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
 ) -> Iterator[Model]:
     if request.param == "tiny":
         path, tok = tiny_model_dir, Tokenizer.from_dir(tiny_model_dir)
+    elif request.param == "smollm2-hf":  # the GGUF's weights and tokenizer as an HF directory
+        path, tok = write_hf_dir(tmp_path_factory.getbasetemp() / "smollm2_hf"), kvpipe_tokenizer()
     else:
         path, tok = GGUF_DIR / GGUF_NAME, kvpipe_tokenizer()
     for srv in server_fixture(path, tmp_path_factory.mktemp(f"stop_{request.param}")):
