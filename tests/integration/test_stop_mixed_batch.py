@@ -53,34 +53,39 @@ def model(
 
 @dataclass
 class Ref:
-    """One prompt's greedy reference: ids and the text of each prefix of them."""
+    """One prompt's greedy reference: ids and the text of each prefix of them, as shown
+    (special tokens skipped) and with special tokens as their text."""
 
     prompt: str
     ids: list[int]
     prefix_texts: list[str]  # prefix_texts[k] = decode(ids[:k]), skip_special_tokens
+    prefix_raw: list[str]  # decode(ids[:k], skip_special_tokens=False)
 
-    def piece(self, k: int) -> str:
-        """The text token k adds, "" where it is not a clean extension (part of a character)."""
-        a, b = self.prefix_texts[k], self.prefix_texts[k + 1]
-        return b[len(a) :] if b.startswith(a) and "\ufffd" not in b else ""
+    def shown(self, k: int) -> str:
+        """What a stream shows after k tokens: complete characters only."""
+        return self.prefix_texts[k].rstrip("\ufffd")
 
     def first_stop(self, stop: str) -> tuple[int, int]:
-        """(m, pos): the stop string first appears in decode(ids[:m]), at pos."""
-        for m, text in enumerate(self.prefix_texts):
-            if stop in text:
-                return m, text.index(stop)
+        """(m, pos): the engine stops at token m, the first after which the stop string is in
+        either view of the output; pos: where it is in the shown text (-1: not there)."""
+        for m in range(len(self.ids) + 1):
+            if stop in self.prefix_texts[m] or stop in self.prefix_raw[m]:
+                return m, self.prefix_texts[m].find(stop)
         raise AssertionError(f"{stop!r} not in the reference")
 
     def spanning_stop(self) -> str:
-        """Two characters across a token boundary whose first match ends the output there."""
-        for k in range(len(self.ids) - 2):
-            left, right = self.piece(k), self.piece(k + 1)
-            if left and right:
-                stop = left[-1] + right[0]
-                m, pos = self.first_stop(stop)
-                if m == k + 2 and pos == len(self.prefix_texts[k + 1]) - 1:
-                    return stop
-        raise AssertionError(f"no stop string spans two tokens of {self.prefix_texts[-1]!r}")
+        """Two characters, the last one shown after token k and the next one, completed by a
+        later token (several later where a character spans tokens), whose first match is there."""
+        final = self.shown(len(self.ids))
+        for k in range(1, len(self.ids)):
+            p = len(self.shown(k)) - 1
+            if p < 0 or p + 2 > len(final):
+                continue
+            stop = final[p : p + 2]
+            m, pos = self.first_stop(stop)
+            if pos == p and m > k:
+                return stop
+        raise AssertionError(f"no stop string spans two tokens of {final!r}")
 
 
 def generate(srv: ServerProc, prompts: list[str], params: list[dict[str, Any]]) -> list[dict]:
@@ -110,7 +115,8 @@ def refs(model: Model) -> list[Ref]:
         r = generate(model.server, [p], [{"max_new_tokens": N, "temperature": 0, "ignore_eos": True}])[0]
         ids = r["output_ids"]
         assert len(ids) == N
-        out.append(Ref(p, ids, [tok.decode(ids[:k]) for k in range(N + 1)]))
+        texts = [tok.decode(ids[:k]) for k in range(N + 1)]
+        out.append(Ref(p, ids, texts, [tok.decode(ids[:k], skip_special_tokens=False) for k in range(N + 1)]))
     return out
 
 
@@ -160,9 +166,9 @@ def cases(model: Model, refs: list[Ref]) -> list[Case]:
         out.append(Case(name, r, p, r.ids[:m], text, _stop(stop), None if keep else stop))
 
     # a stop string inside the first token
-    r = next((r for r in refs if r.piece(0).strip()), None)
+    r = next((r for r in refs if r.shown(1).strip()), None)
     assert r is not None, "no prompt's first token is text"
-    stop = r.piece(0).strip()[:2]
+    stop = r.shown(1).strip()[:2]
     pos = r.prefix_texts[1].index(stop)
     p = {**greedy, "ignore_eos": True, "stop": [stop, "never-generated-xyz"]}
     out.append(Case("first_token", r, p, r.ids[:1], r.prefix_texts[1][:pos], _stop(stop), stop))

@@ -287,12 +287,14 @@ def test_eos_on_real_text(tok: Tokenizer, hf: Any, skip: bool, no_stop_trim: boo
 
 
 @FUZZ
-@given(text=TEXT_WITH_SPECIALS, data=st.data())
-def test_engine_and_server_stop_at_the_same_place(tok: Tokenizer, text: str, data: st.DataObject) -> None:
-    """The engine stops at the token that completes the stop string (special tokens count as
-    their text, as in SGLang), and the server, shown special tokens, cuts the text right there."""
+@given(text=TEXT_WITH_SPECIALS, data=st.data(), skip=st.booleans())
+def test_engine_and_server_stop_at_the_same_place(tok: Tokenizer, text: str, data: st.DataObject, skip: bool) -> None:
+    """The engine stops at the first token after which the stop string is in the output, with
+    special tokens skipped or as their text (SGLang's rule); the server cuts the text it shows
+    right before it when it is there, and shows all of it otherwise (a special token's text,
+    skipped)."""
     ids = tok.encode(text, add_special_tokens=False)
-    full = tok.decode(ids, skip_special_tokens=False)
+    full = tok.decode(ids, skip_special_tokens=data.draw(st.booleans()))
     assume(len(full) >= 2)
     a = data.draw(st.integers(0, len(full) - 1))
     stop = full[a : data.draw(st.integers(a + 1, min(len(full), a + 6)))]
@@ -304,10 +306,12 @@ def test_engine_and_server_stop_at_the_same_place(tok: Tokenizer, text: str, dat
         fin = checker.check(req, 1)
         if fin is not None:
             break
-    want_m = next(k for k in range(1, len(ids) + 1) if stop in tok.decode(ids[:k], skip_special_tokens=False))
-    assert fin == (FinishReason.STOP, stop) and len(req.output_ids) == want_m
-    final = _check_stream(_track(tok, req.output_ids, fin, stop=(stop,), skip=False))
-    assert final.text == full[: full.index(stop)] and final.output_ids == ids[:want_m]
+    m = next(k for k in range(1, len(ids) + 1) if any(stop in tok.decode(ids[:k], v) for v in (True, False)))
+    assert fin == (FinishReason.STOP, stop) and req.output_ids == ids[:m]
+    final = _check_stream(_track(tok, req.output_ids, fin, stop=(stop,), skip=skip))
+    shown = tok.decode(ids[:m], skip_special_tokens=skip)
+    assert final.text == (shown[: shown.index(stop)] if stop in shown else shown)
+    assert final.finish_detail == stop
 
 
 def test_stop_string_naming_a_special_token(tok: Tokenizer) -> None:
