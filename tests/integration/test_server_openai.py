@@ -170,10 +170,16 @@ def test_chat_logprob_bytes_rebuild_split_characters(
     assert len(content) == len(ids)
     joined = b"".join(bytes(c.bytes or []) for c in content)
     assert joined.decode("utf-8", errors="replace") == tok.decode(ids, skip_special_tokens=False)
+    assert [bytes(c.bytes or []) for c in content] == [tok.token_bytes(i) for i in ids]
+    partial = 0
     for c, i in zip(content, ids):
         assert c.token == tok.decode([i], skip_special_tokens=False)
         if "\ufffd" not in c.token:
             assert bytes(c.bytes or []) == c.token.encode()
+        else:  # part of a character: its own bytes (the tiny vocabulary has no U+FFFD token)
+            partial += 1
+            assert bytes(c.bytes or []) != "\ufffd".encode() and len(c.bytes or []) >= 1
+    assert partial > 0  # the greedy answer has such tokens, so the check above ran
 
 
 @pytest.mark.parametrize(
