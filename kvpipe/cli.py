@@ -1,4 +1,4 @@
-"""`kvpipe` command line: `serve`, `generate`, `init-model`, and the commands others register.
+"""`kvpipe` command line: `serve`, `generate`, `init-model`, `chat`, and the commands others register.
 
 Subcommands live in a registry (`COMMANDS`) of modules imported only when their command runs
 (or when `--help` lists them), so `kvpipe serve` never imports the benchmarks. A command module
@@ -35,6 +35,9 @@ COMMANDS: list[Command] = [
     Command("serve", "run an HTTP server (SGLang native + OpenAI API)", "kvpipe.commands.serve"),
     Command("generate", "one-shot generation without a server", "kvpipe.commands.generate"),
     Command("init-model", "write a built-in preset checkpoint directory", "kvpipe.commands.init_model"),
+    Command(
+        "chat", "terminal chat with a running server or router (streams, keeps the history)", "kvpipe.commands.chat"
+    ),
     Command("launch", "local PD stack: prefill + decode + sglang-router", "kvpipe.server.launcher", pass_unknown=True),
     Command(
         "bench serve", "serving benchmark: TTFT/TPOT/ITL/throughput against a server or stacks", "kvpipe.bench.serve"

@@ -9,26 +9,48 @@ finish_detail (the engine does not stream text).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from kvpipe.engine.request import FinishReason, Req
 from kvpipe.engine.stop_strings import StopStringSearch
 from kvpipe.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
+@dataclass
+class _TextView:
+    """One decoding of a request's output and the stop-string search over it."""
+
+    detok: IncrementalDetokenizer
+    search: StopStringSearch
+    text: str = ""
+
+    def add(self, new_ids: list[int]) -> tuple[int, str] | None:
+        self.text += self.detok.add(new_ids)
+        return self.search.find(self.text)
+
+
 class StopStringMatcher:
-    """Finds stop strings in a request's growing output text, decoding only new tokens."""
+    """Finds stop strings in a request's growing output text, decoding only new tokens.
+
+    The output is searched in two views: as a client sees it by default (special tokens
+    skipped) and with special tokens as their text (SGLang's rule: its scheduler decodes the
+    output tail with them, so stop=["<|endoftext|>"] stops the request). The server's own search
+    (request_tracker.py) looks in one of the two, so whatever it finds the engine finds at the
+    same token and stops there."""
 
     def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...]) -> None:
-        self._search = StopStringSearch(stops)
-        self._detok = IncrementalDetokenizer(tokenizer)
-        self._text = ""
+        self._stops = tuple(s for s in stops if s)
+        self._views = [
+            _TextView(IncrementalDetokenizer(tokenizer, skip_special_tokens=skip), StopStringSearch(stops))
+            for skip in (True, False)
+        ]
 
     def add(self, new_ids: list[int]) -> str | None:
         """Feed new output tokens; return the first stop string that now appears, if any."""
-        if not self._search.stops:
+        if not self._stops:
             return None
-        self._text += self._detok.add(new_ids)
-        hit = self._search.find(self._text)
-        return None if hit is None else hit[1]
+        hits = [hit for view in self._views if (hit := view.add(new_ids)) is not None]
+        return hits[0][1] if hits else None  # the client's default view first
 
 
 class FinishChecker:

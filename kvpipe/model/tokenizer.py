@@ -5,6 +5,8 @@ chat template from tokenizer_config.json (or chat_template.jinja, as transformer
 from __future__ import annotations
 
 import json
+import re
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,23 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 from kvpipe.config import ConfigError
 from kvpipe.model.chat_template import render_chat
+
+
+@lru_cache(maxsize=1)
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, the alphabet byte-level BPE vocabularies are
+    spelled in (printable Latin-1 bytes map to themselves, the rest to U+0100 on)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return {b: chr(b) if b in keep else chr(next(extra)) for b in range(256)}
+
+
+@lru_cache(maxsize=1)
+def _unicode_to_bytes() -> dict[str, int]:
+    return {c: b for b, c in bytes_to_unicode().items()}
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens
 
 
 def _token_text(tok: Any) -> str | None:
@@ -80,6 +99,22 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes token `i` stands for (OpenAI logprobs' `bytes`). A byte-level BPE token may
+        hold part of a UTF-8 character, which decode() can only show as U+FFFD; its spelling in
+        GPT-2's byte alphabet, or a SentencePiece byte token (<0xE6>), says which bytes it holds."""
+        text = self.decode([i], skip_special_tokens=False)
+        piece = self.id_to_token(i)
+        if "\ufffd" not in text or piece is None:
+            return text.encode()
+        m = _BYTE_FALLBACK.fullmatch(piece)
+        if m is not None:
+            return bytes([int(m.group(1), 16)])
+        table = _unicode_to_bytes()
+        if all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        return text.encode()
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:

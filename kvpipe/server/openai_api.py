@@ -83,10 +83,13 @@ class _Responder:
         ids, lps = out.output_ids[start:], out.output_logprobs[start:]
         toks = [self._token_text(t) for t in ids]
         if self.kind == "chat":
+            # `bytes` is how a client rebuilds characters split across tokens: the token's own
+            # bytes, not those of its lossy text (U+FFFD for part of a character)
+            tok = self.state.tokenizer
             return {
                 "content": [
-                    {"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
-                    for s, lp in zip(toks, lps)
+                    {"token": s, "logprob": lp, "bytes": list(tok.token_bytes(t)), "top_logprobs": []}
+                    for s, t, lp in zip(toks, ids, lps)
                 ]
             }
         return {"tokens": toks, "token_logprobs": lps, "top_logprobs": None, "text_offset": None}

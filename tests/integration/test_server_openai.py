@@ -157,6 +157,31 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
     assert len(content) == r.usage.completion_tokens and all(c.logprob <= 0 for c in content)
 
 
+def test_chat_logprob_bytes_rebuild_split_characters(
+    server: ServerProc, client: openai.OpenAI, tiny_model_dir: Path
+) -> None:
+    """`bytes` of each token are its own bytes: joined, they decode to the tokens' text even where
+    a token holds only part of a UTF-8 character (the random model emits many such bytes)."""
+    tok = Tokenizer.from_dir(tiny_model_dir)
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=32, temperature=0, logprobs=True)
+    content = r.choices[0].logprobs.content
+    body = {"input_ids": tok.encode_chat(MESSAGES), "sampling_params": {"max_new_tokens": 32, "temperature": 0}}
+    ids = server.post("/generate", json=body).json()["output_ids"]
+    assert len(content) == len(ids)
+    joined = b"".join(bytes(c.bytes or []) for c in content)
+    assert joined.decode("utf-8", errors="replace") == tok.decode(ids, skip_special_tokens=False)
+    assert [bytes(c.bytes or []) for c in content] == [tok.token_bytes(i) for i in ids]
+    partial = 0
+    for c, i in zip(content, ids):
+        assert c.token == tok.decode([i], skip_special_tokens=False)
+        if "\ufffd" not in c.token:
+            assert bytes(c.bytes or []) == c.token.encode()
+        else:  # part of a character: its own bytes (the tiny vocabulary has no U+FFFD token)
+            partial += 1
+            assert bytes(c.bytes or []) != "\ufffd".encode() and len(c.bytes or []) >= 1
+    assert partial > 0  # the greedy answer has such tokens, so the check above ran
+
+
 @pytest.mark.parametrize(
     "kwargs,error",
     [

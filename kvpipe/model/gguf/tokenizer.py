@@ -10,7 +10,6 @@ tokenizer_config.json (special token strings, add_bos_token, chat_template) come
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 from gguf import TokenType
@@ -19,6 +18,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from kvpipe.config import ConfigError
 from kvpipe.model.gguf.config import eos_token_ids
 from kvpipe.model.gguf.reader import Metadata
+from kvpipe.model.tokenizer import bytes_to_unicode
 
 # llama.cpp's pre-tokenizer regexes (llama-vocab.cpp), as the original tokenizer.json files have them
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
@@ -54,14 +54,6 @@ PRE_TOKENIZERS: dict[str, tuple[str | None, bool]] = {
 _SPECIAL_IDS = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown", "pad_token": "padding"}
 
 
-@lru_cache(maxsize=1)
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table (printable Latin-1 bytes map to themselves)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    extra = iter(range(256, 512))
-    return {b: chr(b) if b in keep else chr(next(extra)) for b in range(256)}
-
-
 @dataclass(frozen=True)
 class GGUFTokenizer:
     """What kvpipe's Tokenizer is built from: `Tokenizer(tokenizer, config, chat_template, eos_token_ids)`."""
@@ -86,7 +78,7 @@ def build_tokenizer(meta: Metadata) -> GGUFTokenizer:
     tokens: list[str] = meta.require("tokenizer.ggml.tokens")
     types: list[int] = meta.get("tokenizer.ggml.token_type") or [int(TokenType.NORMAL)] * len(tokens)
     merges: list[str] = meta.require("tokenizer.ggml.merges")
-    spelled = _bytes_to_unicode()
+    spelled = bytes_to_unicode()
     alphabet = set(spelled.values())
     # llama.cpp stores a few tokens in plain UTF-8 rather than the byte alphabet; respell them so the
     # BPE model finds them (transformers' byte_level_tokenizer does the same)
