@@ -6,7 +6,6 @@ work from inside a testbed namespace).
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Mapping
@@ -16,6 +15,8 @@ from typing import Any
 import httpx
 
 from kvpipe.bench.sweep import TransferCount
+from kvpipe.config import ConfigError
+from kvpipe.model.loader import read_hf_config
 
 # Names under which a prefill server may report the layer-group count of its last batch:
 # keys of /server_info (top level or any `internal_states` entry) and Prometheus gauge names
@@ -130,10 +131,10 @@ def tail_delta(before: tuple[float, int] | None, after: tuple[float, int] | None
 
 
 def model_config(model_path: str | Path) -> dict[str, Any] | None:
-    """config.json of a local checkpoint directory, or None."""
+    """config.json of a local checkpoint directory (or the same dict from a GGUF file), or None."""
     try:
-        return json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError):
+        return read_hf_config(model_path)
+    except (OSError, ValueError, ConfigError):
         return None
 
 
