@@ -139,13 +139,15 @@ def model_config(model_path: str | Path) -> dict[str, Any] | None:
 
 
 def server_model_path(url: str, timeout_s: float = 5.0) -> str | None:
-    """The local model directory a server (or the router in front of it) reports."""
+    """The local checkpoint a server (or the router in front of it) reports: kvpipe's
+    `checkpoint_path` (a directory or a .gguf file), else SGLang's `model_path` (a directory)."""
     base = url.rstrip("/")
     for path in ("/model_info", "/get_model_info", "/server_info", "/get_server_info"):
         try:
             r = httpx.get(base + path, timeout=timeout_s)
-            if r.status_code == 200 and isinstance(r.json(), dict) and r.json().get("model_path"):
-                return str(r.json()["model_path"])
+            info = r.json() if r.status_code == 200 else None
+            if isinstance(info, dict) and (info.get("checkpoint_path") or info.get("model_path")):
+                return str(info.get("checkpoint_path") or info["model_path"])
         except (httpx.HTTPError, ValueError):
             continue
     return None
