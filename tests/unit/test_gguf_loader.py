@@ -21,6 +21,12 @@ from kvpipe.model.tokenizer import Tokenizer
 from tests.helpers.gguf_files import Q, Written, write_gguf
 
 
+@pytest.fixture(autouse=True)
+def dense_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compare the weights as loaded, not oneDNN's packed copies (packed_linear.py)."""
+    monkeypatch.setenv("KVPIPE_PACK_WEIGHTS", "0")
+
+
 def hf_twin(w: Written, out: Path) -> Path:
     """The HF directory of the weights a correct GGUF reader returns (config from the file)."""
     out.mkdir()
