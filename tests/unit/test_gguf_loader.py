@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from kvpipe.bench.probe import model_config
 from kvpipe.config import ConfigError, ServerConfig
 from kvpipe.model.config import ModelConfig
 from kvpipe.model.default_model import DEFAULT_MODEL_FILE, default_model_path, resolve_model_path
@@ -68,6 +69,7 @@ def test_config_tokenizer_and_eos_from_the_file(tmp_path: Path) -> None:
         assert tok.eos_token_ids == (2, 4) and tok.bos_token_id == 1
         assert tok.apply_chat_template([{"role": "user", "content": "hi"}]).endswith("<|im_start|>assistant\n")
         assert load_generation_eos(path) == ()  # a GGUF's EOS ids are in its config and tokenizer
+        assert model_config(path) == read_hf_config(w.path)  # what bench serve reads the vocabulary from
     assert check_checkpoint(w.path).architecture == "qwen3"
 
 
