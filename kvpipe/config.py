@@ -272,4 +272,7 @@ class ServerConfig:
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or Path(self.model_path).name
+        """--served-model-name, else the checkpoint's name: its directory's, or a GGUF file's
+        without the suffix (SmolLM2-135M-Instruct.Q4_1)."""
+        path = Path(self.model_path)
+        return self.served_model_name or (path.stem if path.suffix.lower() == ".gguf" else path.name)

@@ -53,10 +53,11 @@ from kvpipe.bench.engine_stats import (
 )
 from kvpipe.bench.hf_reference import HFReference
 from kvpipe.bench.machine import cpu_name
-from kvpipe.config import CacheConfig, SchedulerConfig, ServerConfig
+from kvpipe.config import CacheConfig, ConfigError, SchedulerConfig, ServerConfig
 from kvpipe.engine.cpu_threads import apply_cpu_threads, server_cpu_threads
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import FinishReason, Req, SamplingParams
+from kvpipe.model.loader import check_checkpoint
 from kvpipe.model.presets import default_model_dir
 
 STEP_LIMIT = 100_000  # no run of a point takes more engine steps than this
@@ -64,7 +65,7 @@ STEP_LIMIT = 100_000  # no run of a point takes more engine steps than this
 
 def add_args(p: argparse.ArgumentParser) -> None:
     m = p.add_mutually_exclusive_group()
-    m.add_argument("--model-path", default=None, help="local HF checkpoint directory")
+    m.add_argument("--model-path", default=None, help="local HF checkpoint directory or .gguf file (default: --preset)")
     m.add_argument("--preset", default=None, choices=["tiny", "bench"], help="built-in preset (default: bench)")
     p.add_argument("--prompt-lens", default="256,1024,2048", help="prefill prompt lengths in tokens")
     p.add_argument("--prefill-batch", type=int, default=4, help="the batched prefill point (besides batch 1)")
@@ -237,6 +238,10 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             max_prefill_tokens=args.max_prefill_tokens,
         ),
     )
+    try:  # a bad checkpoint: one line, not a traceback from the engine's load
+        check_checkpoint(model_path)
+    except ConfigError as e:
+        raise SystemExit(f"kvpipe bench engine: {e}") from None
     threads = server_cpu_threads(cfg)  # as a server plans them: every TP rank gets per_rank
     apply_cpu_threads(threads)  # rank 0 runs here; the other ranks apply the same plan themselves
     load_start = list(os.getloadavg())

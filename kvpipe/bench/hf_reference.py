@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from kvpipe.bench.engine_stats import DecodePoint, PrefillPoint
+from kvpipe.model.gguf.reader import find_gguf
 
 
 class HFReference:
@@ -25,7 +26,9 @@ class HFReference:
     def __init__(self, model_path: str, seed: int, threads: int) -> None:
         from transformers import AutoModelForCausalLM  # optional: only --compare-hf needs it
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        gguf = find_gguf(model_path)  # transformers reads a GGUF file as (its directory, its name)
+        where, kw = (gguf.parent, {"gguf_file": gguf.name}) if gguf is not None else (model_path, {})
+        self.model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kw).eval()
         self.vocab = int(self.model.config.vocab_size)
         self.attn = str(self.model.config._attn_implementation)
         self.threads = threads

@@ -6,7 +6,6 @@ work from inside a testbed namespace).
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Mapping
@@ -16,6 +15,8 @@ from typing import Any
 import httpx
 
 from kvpipe.bench.sweep import TransferCount
+from kvpipe.config import ConfigError
+from kvpipe.model.loader import read_hf_config
 
 # Names under which a prefill server may report the layer-group count of its last batch:
 # keys of /server_info (top level or any `internal_states` entry) and Prometheus gauge names
@@ -130,21 +131,23 @@ def tail_delta(before: tuple[float, int] | None, after: tuple[float, int] | None
 
 
 def model_config(model_path: str | Path) -> dict[str, Any] | None:
-    """config.json of a local checkpoint directory, or None."""
+    """config.json of a local checkpoint directory (or the same dict from a GGUF file), or None."""
     try:
-        return json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError):
+        return read_hf_config(model_path)
+    except (OSError, ValueError, ConfigError):
         return None
 
 
 def server_model_path(url: str, timeout_s: float = 5.0) -> str | None:
-    """The local model directory a server (or the router in front of it) reports."""
+    """The local checkpoint a server (or the router in front of it) reports: kvpipe's
+    `checkpoint_path` (a directory or a .gguf file), else SGLang's `model_path` (a directory)."""
     base = url.rstrip("/")
     for path in ("/model_info", "/get_model_info", "/server_info", "/get_server_info"):
         try:
             r = httpx.get(base + path, timeout=timeout_s)
-            if r.status_code == 200 and isinstance(r.json(), dict) and r.json().get("model_path"):
-                return str(r.json()["model_path"])
+            info = r.json() if r.status_code == 200 else None
+            if isinstance(info, dict) and (info.get("checkpoint_path") or info.get("model_path")):
+                return str(info.get("checkpoint_path") or info["model_path"])
         except (httpx.HTTPError, ValueError):
             continue
     return None

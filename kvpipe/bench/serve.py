@@ -58,7 +58,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
         default="baseline,pipelined,inproc",
         help="sweep: baseline, pipelined, pipelined-N (forced N groups), inproc (colocated)",
     )
-    t.add_argument("--model-path", default=None, help="sweep: checkpoint directory (default: tiny preset)")
+    t.add_argument(
+        "--model-path", default=None, help="sweep: checkpoint directory or .gguf file (default: tiny preset)"
+    )
     t.add_argument("--server-args", default="", help="sweep: extra flags for every server, one string")
     t.add_argument(
         "--interleave",

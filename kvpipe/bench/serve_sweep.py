@@ -40,7 +40,7 @@ from kvpipe.bench.sweep_rows import sweep_rows
 from kvpipe.bench.workload import WorkloadConfig, build_workload, split_rounds
 from kvpipe.config import ConfigError
 from kvpipe.model.config import ModelConfig
-from kvpipe.model.presets import resolve_model_path
+from kvpipe.model.presets import model_path_or_preset
 from kvpipe.qa.testbed import LinkTestbed, LinkTestbedError, parse_rate
 from kvpipe.transfer.planning.wire_bytes import KVWireBytes
 
@@ -139,7 +139,7 @@ def run_sweep_cmd(args: argparse.Namespace, compare: bool = False) -> int:
         rate_bps = parse_rate(args.link_rate)[1] if args.link_rate else None
     except ValueError as e:
         raise SystemExit(f"kvpipe bench serve: {e}") from None
-    model_path = resolve_model_path(args.model_path)
+    model_path = model_path_or_preset(args.model_path)
     vocab = vocab_size(args, model_path)
     configs = {n: workload_config(args, vocab, n) for n in lens}  # same prompts for every mode
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="kvpipe-bench-serve-")  # server logs, always kept

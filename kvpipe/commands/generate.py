@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvpipe.commands.flags import add_server_args, require_positive, server_config_from_args, setup_logging
+from kvpipe.commands.flags import (
+    add_server_args,
+    check_model,
+    require_positive,
+    server_config_from_args,
+    setup_logging,
+)
 from kvpipe.engine.cpu_threads import apply_cpu_threads, server_cpu_threads
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import SamplingParams
@@ -27,6 +33,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         raise SystemExit("kvpipe: --temperature must be >= 0 and --top-p in (0, 1]")
     cfg = server_config_from_args(args)
     setup_logging("warning" if args.log_level == "info" else args.log_level)
+    check_model(cfg)
     apply_cpu_threads(server_cpu_threads(cfg))  # as a server would, before the model loads
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k

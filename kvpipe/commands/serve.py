@@ -7,7 +7,7 @@ import logging
 import os
 from collections.abc import Callable
 
-from kvpipe.commands.flags import add_server_args, server_config_from_args, setup_logging
+from kvpipe.commands.flags import add_server_args, check_model, server_config_from_args, setup_logging
 from kvpipe.config import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerConfig
 from kvpipe.disagg.connectors import make_connector
 from kvpipe.engine.engine import Engine
@@ -39,6 +39,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         )
     setup_logging(cfg.log_level)
     log_sglang_env(os.environ, logger)
+    check_model(cfg)
     return run_server(cfg, engine_factory(cfg), mode)
 
 

@@ -119,6 +119,11 @@ def worker_main(fd: int, parent_pid: int) -> None:
     try:
         start = conn.recv()
         rank = start.rank
+        # this rank's own log lines (its model load among them) at the server's level, to the
+        # server's output (inherited stderr)
+        logging.basicConfig(
+            level=start.cfg.log_level.upper(), format=f"%(asctime)s %(levelname)s tp{rank} %(name)s: %(message)s"
+        )
         conn.send(HelloMsg(rank))
         device = _init_rank(start.cfg, rank, start.init_method)
         runner = build_runner(start.cfg, ParallelConfig(start.cfg.tp_size, rank), device)

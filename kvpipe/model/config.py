@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpipe.config import ConfigError
+from kvpipe.model.gguf.checkpoint import gguf_checkpoint
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
@@ -341,9 +342,14 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        """The config of a checkpoint: an HF directory's config.json, or a GGUF file's metadata
+        (a .gguf file, or a directory holding one)."""
+        ckpt = gguf_checkpoint(model_dir)
+        if ckpt is not None:
+            return cls.from_hf_dict(ckpt.config)
         path = Path(model_dir) / "config.json"
         if not path.is_file():
-            raise ConfigError(f"{model_dir}: no config.json (expected a local HF checkpoint directory)")
+            raise ConfigError(f"{model_dir}: no config.json (expected a local HF checkpoint directory or a .gguf file)")
         return cls.from_hf_dict(json.loads(path.read_text()))
 
 

@@ -1,14 +1,19 @@
-"""Load an HF checkpoint directory (config.json + safetensors) into its family's model (registry.py).
+"""Load a checkpoint into its family's model (registry.py): an HF directory (config.json +
+safetensors) or a GGUF file (gguf/: config from its metadata, tensors dequantized on the way).
 
-Each TP rank reads only its slice of every sharded tensor (safe_open(...).get_slice), so a rank
-never materialises the full q/k/v/o or MLP matrices.
+Each TP rank reads only its slice of every sharded tensor (safe_open(...).get_slice, or a GGUF
+tensor's row range), so a rank never materialises the full q/k/v/o or MLP matrices; a GGUF
+tensor is dequantized once, in float32, and cast into the engine's dtype by the copy.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
-from contextlib import ExitStack
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,20 +25,34 @@ from torch import nn
 from kvpipe.config import ConfigError, ParallelConfig
 from kvpipe.model.causal_lm import LMBase, check_parallel
 from kvpipe.model.config import ModelConfig
+from kvpipe.model.gguf.checkpoint import GGUFCheckpoint, gguf_checkpoint
+from kvpipe.model.gguf.tensors import progress_bar
 from kvpipe.model.linear import Linear, Shard
 from kvpipe.model.moe import check_routing
 from kvpipe.model.packed_linear import packing_enabled
 from kvpipe.model.registry import build_causal_lm, family
+from kvpipe.model.tokenizer import Tokenizer
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
+logger = logging.getLogger(__name__)
+
+# HF tensor name -> an object sliced like safetensors' get_slice (sl[:], sl[a:b], sl[:, a:b])
+SliceSource = Callable[[str], Any]
+
 
 def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
+    """config.json of an HF directory, or the equivalent dict a GGUF file's metadata gives."""
+    ckpt = gguf_checkpoint(model_dir)
+    if ckpt is not None:
+        return ckpt.config
     path = Path(model_dir) / "config.json"
+    expected = "expected a local HF checkpoint directory, a .gguf file, or a directory holding one"
     if not Path(model_dir).is_dir():
-        raise ConfigError(f"{model_dir}: not a directory (expected a local HF checkpoint directory)")
+        what = "no such file or directory" if not Path(model_dir).exists() else "not a directory or a .gguf file"
+        raise ConfigError(f"{model_dir}: {what} ({expected})")
     if not path.is_file():
-        raise ConfigError(f"{model_dir}: no config.json (expected a local HF checkpoint directory)")
+        raise ConfigError(f"{model_dir}: no config.json and no .gguf file ({expected})")
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -58,6 +77,19 @@ def check_supported(raw: dict[str, Any], cfg: ModelConfig) -> None:
     fam.check(raw, cfg)
     if cfg.moe is not None:
         check_routing(cfg.moe)
+
+
+def check_checkpoint(model_path: str | Path, tokenizer_path: str | Path | None = None) -> ModelConfig:
+    """Everything about a checkpoint that can be refused before a model is built: its config
+    (for a GGUF file also its header, family and tensor types, and truncation), the options the
+    model code lacks, and its tokenizer. Commands call it first, so a bad checkpoint ends them with
+    one ConfigError line rather than a traceback from the engine thread. A GGUF file is opened once
+    per process (gguf_checkpoint), so the engine's load reuses this work."""
+    raw = read_hf_config(model_path)
+    cfg = ModelConfig.from_hf_dict(raw)
+    check_supported(raw, cfg)
+    Tokenizer.from_dir(tokenizer_path or model_path)
+    return cfg
 
 
 def check_group(parallel: ParallelConfig, group: dist.ProcessGroup | None) -> None:
@@ -159,11 +191,13 @@ def load_model(
     dtype: torch.dtype | str | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> LMBase:
+    """`model_dir`: an HF checkpoint directory, a .gguf file, or a directory holding one."""
     model_dir = Path(model_dir)
-    raw = read_hf_config(model_dir)
+    ckpt = gguf_checkpoint(model_dir)
+    raw = ckpt.config if ckpt is not None else read_hf_config(model_dir)
     cfg = ModelConfig.from_hf_dict(raw)
     check_supported(raw, cfg)
-    files = weight_files(model_dir)
+    names: set[str] = set(ckpt.tensors) if ckpt is not None else set(weight_files(model_dir))
     check_parallel(cfg, parallel)
     check_group(parallel, group)
     torch_dtype = resolve_dtype(dtype, cfg, device)
@@ -174,17 +208,20 @@ def load_model(
     keep_fp32(model)
     model.init_rope(device)  # inv_freq was computed on meta above; compute it for real, in fp32
     plan = shard_plan(model)
-    missing = sorted(hf for hf, _ in plan.values() if hf not in files)
+    missing = sorted(hf for hf, _ in plan.values() if hf not in names)
     if missing:
         raise ConfigError(f"{model_dir}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
     params = dict(model.named_parameters())
-    with ExitStack() as stack, torch.no_grad():
-        handles: dict[Path, Any] = {}
+    what = f"{ckpt.path} ({_gguf_summary(ckpt)})" if ckpt is not None else str(model_dir)
+    rank = f" (tp rank {parallel.tp_rank} of {parallel.tp_size})" if parallel.tp_size > 1 else ""
+    logger.info("loading %s%s into %s on %s", what, rank, str(torch_dtype).removeprefix("torch."), device)
+    start = time.monotonic()
+    desc = "dequantizing GGUF" if ckpt is not None else "loading safetensors"
+    # one bar (rank 0's, on a terminal only); the log lines above and below are every rank's
+    bar = progress_bar(len(plan), None if parallel.tp_rank == 0 else False, desc)
+    with _slices(model_dir, ckpt) as get_slice, torch.no_grad(), bar:
         for name, (hf, shard) in plan.items():
-            path = files[hf]
-            if path not in handles:
-                handles[path] = stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
-            t = read_shard(handles[path].get_slice(hf), shard)
+            t = read_shard(get_slice(hf), shard)
             p = params[name]
             if tuple(t.shape) != tuple(p.shape):
                 raise ConfigError(
@@ -192,9 +229,40 @@ def load_model(
                     f"expected {tuple(p.shape)} for this config and tp rank"
                 )
             p.copy_(t)
+            bar.update()
+    logger.info("loaded %d tensors%s in %.1f s", len(plan), rank, time.monotonic() - start)
     if packing_enabled():
         pack_linears(model)
     return model.eval()
+
+
+@contextmanager
+def _slices(model_dir: Path, ckpt: GGUFCheckpoint | None) -> Iterator[SliceSource]:
+    """Where each HF tensor is read from: the GGUF's lazily dequantized tensors (a row range
+    dequantizes only those rows), or the safetensors files, each opened once."""
+    if ckpt is not None:
+        yield ckpt.tensors.__getitem__
+        return
+    files = weight_files(model_dir)
+    with ExitStack() as stack:
+        handles: dict[Path, Any] = {}
+
+        def get_slice(hf: str) -> Any:
+            path = files[hf]
+            if path not in handles:
+                handles[path] = stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+            return handles[path].get_slice(hf)
+
+        yield get_slice
+
+
+def _gguf_summary(ckpt: GGUFCheckpoint) -> str:
+    """e.g. 'llama, 272 tensors: Q4_1 x 180, Q8_0 x 31, F32 x 61'."""
+    counts: dict[str, int] = {}
+    for t in ckpt.tensors.values():
+        counts[t.ggml_type] = counts.get(t.ggml_type, 0) + 1
+    kinds = ", ".join(f"{k} x {n}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    return f"GGUF {ckpt.family}, {len(ckpt.tensors)} tensors: {kinds}"
 
 
 def pack_linears(model: nn.Module) -> int:
@@ -204,7 +272,11 @@ def pack_linears(model: nn.Module) -> int:
 
 
 def load_generation_eos(model_dir: str | Path) -> tuple[int, ...]:
-    """EOS ids from generation_config.json first, then config.json's, without duplicates."""
+    """EOS ids from generation_config.json first, then config.json's, without duplicates. A GGUF
+    file has neither: its EOS (and end-of-turn) ids are in its config (ModelConfig.eos_token_ids)
+    and its tokenizer."""
+    if gguf_checkpoint(model_dir) is not None:
+        return ()
     ids: list[int] = []
     for fname in ("generation_config.json", "config.json"):
         path = Path(model_dir) / fname

@@ -1,5 +1,6 @@
 """Tokenizer of a model directory: tokenizer.json via the `tokenizers` library, special tokens and
-chat template from tokenizer_config.json (or chat_template.jinja, as transformers >= 4.5x saves it).
+chat template from tokenizer_config.json (or chat_template.jinja, as transformers >= 4.5x saves it);
+or of a GGUF file (model/gguf/tokenizer.py builds the same parts from its metadata).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 from kvpipe.config import ConfigError
 from kvpipe.model.chat_template import render_chat
+from kvpipe.model.gguf.checkpoint import gguf_checkpoint
 
 
 @lru_cache(maxsize=1)
@@ -63,6 +65,12 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: str | Path, extra_eos_ids: tuple[int, ...] = ()) -> Tokenizer:
+        """An HF directory's tokenizer files, or a GGUF file's `tokenizer.ggml.*` and chat template
+        (a .gguf file, or a directory holding one)."""
+        ckpt = gguf_checkpoint(path)
+        if ckpt is not None:
+            parts = ckpt.tokenizer()
+            return cls(parts.tokenizer, parts.config, parts.chat_template, (*parts.eos_token_ids, *extra_eos_ids))
         path = Path(path)
         tj = path / "tokenizer.json"
         if not tj.is_file():

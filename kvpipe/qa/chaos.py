@@ -41,6 +41,7 @@ import httpx
 
 from kvpipe.bench import driver
 from kvpipe.bench.probe import engine_stats
+from kvpipe.model.presets import model_path_or_preset
 from kvpipe.qa.chaos_load import FINAL, Load, Sent, generate
 from kvpipe.qa.chaos_plan import LONG_PROMPT, TP_CHILD, ChaosConfig, Phase, plan_rounds
 from kvpipe.qa.chaos_report import fmt_s, summarize, table
@@ -294,7 +295,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         default=d.inflight_deadline_s,
         help="seconds within which a request in flight at a kill must end",
     )
-    p.add_argument("--model-path", default=None, help="HF checkpoint directory (default: the built-in tiny model)")
+    p.add_argument("--model-path", default=None, help="checkpoint directory or .gguf file (default: the tiny preset)")
     p.add_argument("--log-dir", default=None, help="server logs (default: a new temporary directory, printed)")
     p.add_argument("--out", default=None, help="write the JSON summary here")
     p.add_argument("--json", action="store_true", help="print the JSON summary instead of the table")
@@ -310,7 +311,7 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
         tp_side=args.tp_side,
         tp_rounds=args.tp_rounds,
         inflight_deadline_s=args.inflight_deadline,
-        model_path=args.model_path,
+        model_path=model_path_or_preset(args.model_path),
         log_dir=log_dir,
     )
     plan = plan_rounds(cfg)

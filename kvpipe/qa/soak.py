@@ -34,7 +34,7 @@ from kvpipe.bench.machine import load_average, machine_info
 from kvpipe.bench.probe import engine_stats
 from kvpipe.bench.request import Request
 from kvpipe.bench.sigterm import sigterm_as_exit
-from kvpipe.model.presets import resolve_model_path
+from kvpipe.model.presets import model_path_or_preset
 from kvpipe.qa.checks import Check, checks_dict, failed, verdict
 from kvpipe.qa.leaks import wait_idle
 from kvpipe.qa.soak_plan import Bounds, SoakConfig, plan_requests, plan_warmup
@@ -89,7 +89,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--max-fd-delta", type=int, default=b.fd_delta)
     c.add_argument("--max-thread-delta", type=int, default=b.thread_delta)
     s = p.add_argument_group("stack")
-    s.add_argument("--model-path", default=None, help="checkpoint directory (default: tiny preset)")
+    s.add_argument("--model-path", default=None, help="checkpoint directory or .gguf file (default: tiny preset)")
     s.add_argument("--server-args", default="", help="extra flags for both servers, one string")
     s.add_argument("--log-dir", default=None, help="server logs (default: a new temp dir)")
     s.add_argument("--startup-timeout", type=float, default=300.0)
@@ -223,7 +223,7 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
         try:
             result = run_soak(
                 cfg,
-                resolve_model_path(args.model_path),
+                model_path_or_preset(args.model_path),
                 shlex.split(args.server_args),
                 log_dir,
                 args.startup_timeout,

@@ -80,8 +80,15 @@ class ServerState:
         return None
 
     def model_paths(self) -> dict[str, str | None]:
+        """model_path/tokenizer_path as sglang-router reads them (local directories only, so a
+        GGUF file is not reported there), and kvpipe's own `checkpoint_path`: what --model-path
+        named, a directory or a .gguf file (what `bench serve --url` reads the vocabulary from)."""
         c = self.cfg
-        return {"model_path": _local_dir(c.model_path), "tokenizer_path": _local_dir(c.tokenizer_path or c.model_path)}
+        return {
+            "model_path": _local_dir(c.model_path),
+            "tokenizer_path": _local_dir(c.tokenizer_path or c.model_path),
+            "checkpoint_path": os.path.abspath(c.model_path) if os.path.exists(c.model_path) else None,
+        }
 
     # ---- requests ---------------------------------------------------------------------------------
     @property

@@ -51,6 +51,17 @@ def has_flag(args: Sequence[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
+def flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value of `--flag V` or `--flag=V` among command-line args (the last one), else None."""
+    value = None
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.partition("=")[2]
+    return value
+
+
 @dataclass(frozen=True)
 class ServerCores:
     """What one server of the stack gets from the split."""

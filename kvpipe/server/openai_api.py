@@ -143,8 +143,12 @@ class _Responder:
         return c
 
 
+# sglang-router's OpenAI request types default an absent `model` to this name: it means "not given"
+ROUTER_NO_MODEL = "unknown"
+
+
 def _check_model(state: ServerState, req: _OpenAIBase) -> None:
-    if req.model is not None and req.model not in (state.cfg.model_name, state.cfg.model_path):
+    if req.model is not None and req.model not in (state.cfg.model_name, state.cfg.model_path, ROUTER_NO_MODEL):
         raise APIError(
             f"The model `{req.model}` does not exist; this server serves `{state.cfg.model_name}`", 404, param="model"
         )

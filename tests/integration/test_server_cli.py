@@ -11,6 +11,7 @@ import pytest
 
 from kvpipe.cli import build_parser
 from kvpipe.commands.flags import server_config_from_args
+from tests.helpers.gguf_files import Q, write_gguf
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -121,3 +122,27 @@ def test_python_dash_m_kvpipe_runs_the_cli() -> None:
     out = subprocess.run([sys.executable, "-m", "kvpipe", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert all(cmd in out.stdout for cmd in ("serve", "launch", "generate", "init-model", "bench"))
+
+
+def _bad_gguf(tmp_path: Path, case: str) -> tuple[Path, str]:
+    """A GGUF kvpipe must refuse, and a word its error line must hold."""
+    path = tmp_path / f"{case}.gguf"
+    if case == "truncated":
+        blob = write_gguf(path, "llama", Q.Q4_0).path.read_bytes()
+        path.write_bytes(blob[: len(blob) * 2 // 3])
+        return path, "truncated or corrupt"
+    if case == "architecture":
+        return write_gguf(path, "llama", arch="gemma2").path, "'gemma2' is not supported"
+    return write_gguf(path, "llama", Q.TQ1_0).path, "unsupported tensor types"
+
+
+@pytest.mark.parametrize("case", ["truncated", "architecture", "quant type"])
+def test_bad_gguf_is_one_error_line_from_each_command(tmp_path: Path, case: str) -> None:
+    """serve, generate and launch refuse it before anything starts: exit 1, the reason on one line,
+    no traceback (the engine thread would log one)."""
+    path, words = _bad_gguf(tmp_path, case)
+    for cmd in (("generate", "--prompt", "x"), ("serve", "--port", "1"), ("launch", "--port", "1")):
+        r = _run(cmd[0], "--model-path", str(path), *cmd[1:])
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 1 and "Traceback" not in r.stderr, (cmd, r.stderr)
+        assert len([line for line in lines if str(path) in line]) == 1 and words in lines[-1], (cmd, r.stderr)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpipe.server.core_split import CoreSplit, ServerCores, has_flag, server_cores, split_cores
+from kvpipe.server.core_split import CoreSplit, ServerCores, flag_value, has_flag, server_cores, split_cores
 
 
 @pytest.mark.parametrize(
@@ -55,6 +55,13 @@ def test_user_threads_win_per_server() -> None:
     assert p == ServerCores((), None) and d == ServerCores(("--cpu-threads", "1"), (1,))
     p, d = server_cores(split, [], [], ["--cpu-threads", "1"])
     assert p == ServerCores(("--cpu-threads", "1"), (0,)) and d == ServerCores((), None)
+
+
+def test_flag_value() -> None:
+    assert flag_value(["--x", "--tokenizer-path", "t"], "--tokenizer-path") == "t"
+    assert flag_value(["--tokenizer-path=a", "--tokenizer-path", "b"], "--tokenizer-path") == "b"  # the last wins
+    assert flag_value(["--tokenizer-path"], "--tokenizer-path") is None  # no value
+    assert flag_value(["--tokenizer-paths", "x"], "--tokenizer-path") is None
 
 
 def test_has_flag() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -122,7 +123,7 @@ def test_tick_restarts_only_the_dead_part(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_launch_gives_up_with_exit_code_1_and_stops_in_order(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, tiny_model_dir: Path
 ) -> None:
     stopped: list[str] = []
     procs = [FakeProc([n]) for n in launcher.PARTS]
@@ -137,7 +138,8 @@ def test_launch_gives_up_with_exit_code_1_and_stops_in_order(
     launcher.add_args(parser)
     old = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     try:
-        assert launcher.run(parser.parse_args(["--max-restarts", "0"]), []) == 1
+        args = parser.parse_args(["--max-restarts", "0", "--model-path", str(tiny_model_dir)])
+        assert launcher.run(args, []) == 1
     finally:
         signal.signal(signal.SIGTERM, old[0])
         signal.signal(signal.SIGINT, old[1])

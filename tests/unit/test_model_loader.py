@@ -40,7 +40,7 @@ def test_unsupported_architecture(model_copy):
 
 
 def test_missing_directory_and_config(tmp_path):
-    with pytest.raises(ConfigError, match="not a directory"):
+    with pytest.raises(ConfigError, match="no such file or directory.*a .gguf file"):
         load_model(tmp_path / "nope")
     with pytest.raises(ConfigError, match="no config.json"):
         load_model(tmp_path)

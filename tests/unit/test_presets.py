@@ -9,7 +9,7 @@ import pytest
 from kvpipe.config import ConfigError
 from kvpipe.model.config import ModelConfig
 from kvpipe.model.loader import load_generation_eos, load_model
-from kvpipe.model.presets import PRESETS, default_model_dir, resolve_model_path, write_preset
+from kvpipe.model.presets import PRESETS, default_model_dir, model_path_or_preset, write_preset
 from kvpipe.model.tokenizer import Tokenizer
 from tests.helpers.paged_model import greedy_generate
 from tests.helpers.preset_digests import digests
@@ -97,9 +97,10 @@ def test_default_model_dir_writes_once(tmp_path, monkeypatch):
     assert json.loads(marker.read_text())["version"] != -1
 
 
-def test_resolve_model_path(tmp_path, monkeypatch):
+def test_model_path_or_preset(tmp_path, monkeypatch):
+    """What benchmarks and harnesses default to (servers default to the trained model instead)."""
     monkeypatch.setenv("KVPIPE_CACHE_DIR", str(tmp_path))
-    assert resolve_model_path("/some/checkpoint") == "/some/checkpoint"  # a given path is taken as is
+    assert model_path_or_preset("/some/checkpoint") == "/some/checkpoint"  # a given path is taken as is
     assert not (tmp_path / "tiny").exists()
-    assert resolve_model_path(None) == str(tmp_path / "tiny")  # none: the tiny preset, written once
+    assert model_path_or_preset(None) == str(tmp_path / "tiny")  # none: the tiny preset, written once
     assert (tmp_path / "tiny" / "config.json").is_file()

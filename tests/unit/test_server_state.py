@@ -35,7 +35,8 @@ def test_engine_properties_are_503_while_loading(tmp_path: Path) -> None:
             getattr(state, name)
         assert e.value.status == 503 and "loading" in e.value.message
     assert state.advertised_context_length() == 77  # the flag, while the engine loads
-    assert state.model_paths() == {"model_path": None, "tokenizer_path": None}  # not a local directory
+    # not a local directory: hidden from sglang-router, and not kvpipe's checkpoint_path either
+    assert state.model_paths() == {"model_path": None, "tokenizer_path": None, "checkpoint_path": None}
 
 
 def test_engine_properties_once_loaded(tmp_path: Path) -> None:
@@ -47,7 +48,16 @@ def test_engine_properties_once_loaded(tmp_path: Path) -> None:
     assert (state.tokenizer, state.context_length, state.eos_token_ids) == ("tok", 512, (2, 7))
     assert (state.limits.vocab_size, state.limits.context_length) == (300, 512)
     assert state.advertised_context_length() == 512  # the engine's, once it is loaded
-    assert state.model_paths() == {"model_path": str(tmp_path), "tokenizer_path": str(tmp_path)}
+    assert state.model_paths() == {
+        "model_path": str(tmp_path),
+        "tokenizer_path": str(tmp_path),
+        "checkpoint_path": str(tmp_path),
+    }
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    state = _state(SimpleNamespace(engine=loaded, ready=True), ServerConfig(model_path=str(gguf)))
+    # a GGUF file: only kvpipe's own key names it (sglang-router would try to download a file path)
+    assert state.model_paths() == {"model_path": None, "tokenizer_path": None, "checkpoint_path": str(gguf)}
 
 
 def test_openai_routes_do_not_import_the_native_server() -> None:

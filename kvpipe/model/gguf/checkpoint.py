@@ -10,7 +10,7 @@ HF names, tokenizer parts). The model loader's seam:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -59,3 +59,22 @@ class GGUFCheckpoint:
     @cached_property
     def _tokenizer(self) -> GGUFTokenizer:
         return build_tokenizer(self.metadata)
+
+
+def gguf_checkpoint(path: str | Path) -> GGUFCheckpoint | None:
+    """The GGUF checkpoint `path` names (a .gguf file, or a directory holding one and no
+    config.json), None for anything else (an HF directory). Opened once per process: parsing the
+    metadata of a 49k-token vocabulary takes seconds, and a server reads the config, the tokenizer
+    and the weights of the same file from different places."""
+    file = find_gguf(path)
+    if file is None:
+        return None
+    st = file.stat()
+    return _open_once(file.resolve(), st.st_mtime_ns, st.st_size)
+
+
+@lru_cache(maxsize=2)
+def _open_once(file: Path, mtime_ns: int, size: int) -> GGUFCheckpoint:
+    """Keyed by mtime and size too, so a file rewritten in place is read again (a ConfigError is
+    not cached: a fixed file is retried)."""
+    return GGUFCheckpoint.open(file)
