@@ -7,30 +7,15 @@ from __future__ import annotations
 
 import json
 import re
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
 
 from kvpipe.config import ConfigError
+from kvpipe.model.byte_alphabet import unicode_to_bytes
 from kvpipe.model.chat_template import render_chat
 from kvpipe.model.gguf.checkpoint import gguf_checkpoint
-
-
-@lru_cache(maxsize=1)
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table, the alphabet byte-level BPE vocabularies are
-    spelled in (printable Latin-1 bytes map to themselves, the rest to U+0100 on)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    extra = iter(range(256, 512))
-    return {b: chr(b) if b in keep else chr(next(extra)) for b in range(256)}
-
-
-@lru_cache(maxsize=1)
-def _unicode_to_bytes() -> dict[str, int]:
-    return {c: b for b, c in bytes_to_unicode().items()}
-
 
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens
 
@@ -119,7 +104,7 @@ class Tokenizer:
         m = _BYTE_FALLBACK.fullmatch(piece)
         if m is not None:
             return bytes([int(m.group(1), 16)])
-        table = _unicode_to_bytes()
+        table = unicode_to_bytes()
         if all(c in table for c in piece):
             return bytes(table[c] for c in piece)
         return text.encode()

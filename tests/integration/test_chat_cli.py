@@ -22,7 +22,7 @@ import pytest
 from kvpipe.model.tokenizer import Tokenizer
 from kvpipe.server.launcher import free_port, stop_process
 from tests.helpers.server import ServerProc, server_fixture, start_server
-from tests.helpers.smollm2_text import GGUF_DIR, GGUF_NAME, GGUF_SERVING_PENDING, write_hf_dir
+from tests.helpers.smollm2_text import GGUF_DIR, GGUF_NAME
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -214,12 +214,10 @@ def test_server_dying_mid_session(tmp_path: Path, tiny_model_dir: Path) -> None:
     assert not any("Traceback" in line for line in chat.err_seen), chat.err_seen
 
 
-@pytest.mark.parametrize("form", ["hf", pytest.param("gguf", marks=GGUF_SERVING_PENDING)])
-def test_real_model_keeps_the_conversation(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, form: str) -> None:
-    """SmolLM2-135M-Instruct through `kvpipe chat` (its GGUF as an HF directory, and the GGUF
-    itself): the second question only makes sense with the first one's history, and the prefix
-    cache serves that history."""
-    path = write_hf_dir(tmp_path_factory.getbasetemp() / "smollm2_hf") if form == "hf" else GGUF_DIR / GGUF_NAME
+def test_real_model_keeps_the_conversation(tmp_path: Path) -> None:
+    """SmolLM2-135M-Instruct through `kvpipe chat`, served from its GGUF: the second question only
+    makes sense with the first one's history, and the prefix cache serves that history."""
+    path = GGUF_DIR / GGUF_NAME
     srv = start_server(path, tmp_path / "server.log", "--page-size", "16")
     chat = ChatProc(srv.url, "--max-tokens", "48", "--temperature", "0")
     try:

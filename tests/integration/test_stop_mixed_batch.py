@@ -22,7 +22,7 @@ import pytest
 
 from kvpipe.model.tokenizer import Tokenizer
 from tests.helpers.server import ServerProc, server_fixture, sse_events
-from tests.helpers.smollm2_text import GGUF_DIR, GGUF_NAME, GGUF_SERVING_PENDING, kvpipe_tokenizer, write_hf_dir
+from tests.helpers.smollm2_text import GGUF_DIR, GGUF_NAME, kvpipe_tokenizer
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -37,15 +37,13 @@ class Model:
     tok: Tokenizer
 
 
-@pytest.fixture(scope="module", params=["tiny", "smollm2-hf", pytest.param("smollm2-gguf", marks=GGUF_SERVING_PENDING)])
+@pytest.fixture(scope="module", params=["tiny", "smollm2"])
 def model(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
 ) -> Iterator[Model]:
     if request.param == "tiny":
         path, tok = tiny_model_dir, Tokenizer.from_dir(tiny_model_dir)
-    elif request.param == "smollm2-hf":  # the GGUF's weights and tokenizer as an HF directory
-        path, tok = write_hf_dir(tmp_path_factory.getbasetemp() / "smollm2_hf"), kvpipe_tokenizer()
-    else:
+    else:  # SmolLM2-135M-Instruct's GGUF: real weights, its tokenizer and chat template
         path, tok = GGUF_DIR / GGUF_NAME, kvpipe_tokenizer()
     for srv in server_fixture(path, tmp_path_factory.mktemp(f"stop_{request.param}")):
         yield Model(request.param, srv, tok)

@@ -16,9 +16,9 @@ from gguf import TokenType
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from kvpipe.config import ConfigError
+from kvpipe.model.byte_alphabet import bytes_to_unicode
 from kvpipe.model.gguf.config import eos_token_ids
 from kvpipe.model.gguf.reader import Metadata
-from kvpipe.model.tokenizer import bytes_to_unicode
 
 # llama.cpp's pre-tokenizer regexes (llama-vocab.cpp), as the original tokenizer.json files have them
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from kvpipe.model.byte_alphabet import bytes_to_unicode
+
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>")
 
 # Merges in priority order, in plain text (" " is the byte-level "Ġ"). Each right side must
@@ -49,19 +51,6 @@ _MERGES = (
     (" i", "s"),
     ("a", "r"),
 )
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable unicode character map (ByteLevel's alphabet)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
 
 
 def _bl(text: str) -> str:
