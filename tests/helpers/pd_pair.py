@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvpipe.cache.kv_pool import KVPool
 from kvpipe.config import CacheConfig, DisaggregationConfig, FaultInjection, SchedulerConfig, ServerConfig
 from kvpipe.disagg.decode import DecodeConnector
 from kvpipe.disagg.prefill import PrefillConnector
@@ -24,7 +23,7 @@ from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import FinishReason, Req, SamplingParams, TokenOutput
 from kvpipe.transfer.backends.local import LocalBackend, LocalFabric
 from tests.helpers.pd_parity import expected_bytes
-from tests.helpers.tolerance import Generation, Route, assert_same_generations
+from tests.helpers.tolerance import Generation, Route, assert_close_logits, assert_same_generations
 
 PS = 16
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
@@ -129,7 +128,7 @@ class Pair:
             for out in self.prefill.step():
                 p_out.setdefault(out.rid, []).append(out)
             for out in self.decode.step():
-                if on_landed is not None and out.rid not in d_out:
+                if on_landed is not None and out.rid in decoding and out.rid not in d_out:
                     on_landed(self, decoding[out.rid])
                 d_out.setdefault(out.rid, []).append(out)
         return p_out, d_out
@@ -151,16 +150,69 @@ class Pair:
             assert time.monotonic() < end, f"pages leaked: prefill {ps}, decode {ds}"
 
 
-def prompt_kv(pool: KVPool, pages: np.ndarray, n_tokens: int) -> list[torch.Tensor]:
-    """The KV of a request's first n_tokens positions, per pool layer and buffer (K then V, or the
-    latent), token-major: pages [P, heads, page_size, d] -> [n_tokens, heads, d] (a copy)."""
-    idx = torch.as_tensor(np.asarray(pages[: -(-n_tokens // pool.page_size)], dtype=np.int64))
-    out = []
+def landed_state(engine: Engine, req: Req) -> dict[str, torch.Tensor]:
+    """A request's prompt KV and recurrent state as `engine` (rank 0) holds them now, by name
+    ("layer 0 k", "state 2 conv"): each full layer's buffers token-major (pages [P, heads,
+    page_size, d] -> [n_tokens, heads, d]; sliding layers, which hold only a window, are left out)
+    and each linear layer's state slot. Copies."""
+    pool, n = engine.runner.pool, len(req.input_ids)
+    idx = torch.as_tensor(np.asarray(req.pages[: -(-n // pool.page_size)], dtype=np.int64))
+    out = {}
     for layer in range(pool.num_layers):
-        for _, buf in pool.layer_buffers(layer):
+        if layer in pool.swa_layers:
+            continue
+        for kind, buf in pool.layer_buffers(layer):
             paged = buf[idx]  # [P, heads, ps, d]
-            out.append(paged.transpose(1, 2).reshape(-1, paged.shape[1], paged.shape[3])[:n_tokens].clone())
+            out[f"layer {layer} {kind}"] = paged.transpose(1, 2).reshape(-1, *paged.shape[1::2])[:n].clone()
+    state = engine.runner.state_pool
+    if state is not None:
+        assert req.state_slot is not None
+        for i, layer in enumerate(state.layers):
+            out[f"state {layer} conv"] = state.conv[i][req.state_slot].clone()
+            out[f"state {layer} recurrent"] = state.recurrent[i][req.state_slot].clone()
     return out
+
+
+def assert_landed_equals_cold(model_dir: Path, ps: list[list[int]], chunk: int) -> None:
+    """What lands on the decode for each prompt (through a pair with chunked prefill of `chunk`,
+    before any decode step: its prompt KV and recurrent state) is what a cold colocated engine
+    holds after that prompt's whole prefill, within tolerance.logit_atol of each tensor (the same
+    arithmetic, chunked otherwise). The truth is the colocated engine's own pool, not the planner."""
+    landed: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
+
+    def keep(pair: Pair, d: Req) -> None:
+        landed[tuple(d.input_ids)] = landed_state(pair.decode, d)
+
+    with make_pair(model_dir, chunk) as pair:
+        pair.run([pair.reqs(ids) for ids in ps], on_landed=keep)
+        pair.settle()
+    cold = Engine(
+        ServerConfig(model_path=str(model_dir), cache=CacheConfig(page_size=PS, num_pages=256, radix_cache=False))
+    )
+    want: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
+    try:
+        reqs = [Req(f"cold-{i}", list(ids), GREEDY) for i, ids in enumerate(ps)]
+        for r in reqs:
+            cold.add_request(r)
+        end = time.monotonic() + 60
+        while len(want) < len(reqs):  # each prompt's state right after its prefill step
+            assert time.monotonic() < end, "the cold prefill did not finish"
+            cold.step()
+            for r in reqs:
+                if r.prefill_done and tuple(r.input_ids) not in want:
+                    assert len(r.output_ids) == 1
+                    want[tuple(r.input_ids)] = landed_state(cold, r)
+        for r in reqs:
+            cold.abort(r.rid)
+        cold.step()
+        mc = cold.model_config
+    finally:
+        cold.shutdown()
+    for i, ids in enumerate(ps):
+        got, exp = landed[tuple(ids)], want[tuple(ids)]
+        assert got.keys() == exp.keys()
+        for name in exp:
+            assert_close_logits(got[name], exp[name], mc, len(ids), msg=f"prompt {i} ({len(ids)} tokens), {name}")
 
 
 def _finished(outs: dict[str, list[TokenOutput]], req: Req) -> bool:

@@ -34,7 +34,13 @@ frequencies off by 0.1% (1e-2) or an RMSNorm epsilon 10x too large (2.9e-3) are 
 above it. What it cannot see is a change within rounding noise, which no fixed atol sees either.
 
 The bound refuses to be used where it would check nothing (at or above a tenth of the logits'
-scale, as for bf16 at any depth): compare those runs by their own, coarser criterion."""
+scale, as for bf16 at any depth): compare those runs by their own, coarser criterion.
+
+Exactness checks of whole generations (PD against colocated, TP against TP 1, cache on against
+off, chunked against whole) compare greedy tokens AND each token's logprob: assert_same_generations,
+with a tolerance chosen by the Route the compared run took (same process, across processes or TP,
+across devices), and a message naming the prompt, the first differing output position and the
+size of the difference."""
 
 from __future__ import annotations
 
@@ -167,7 +173,11 @@ def generation_difference(actual: Generation, expected: Generation, atol: float)
         return f"{len(actual.logprobs)} logprobs for {len(actual.tokens)} tokens"
     for pos, (a, e) in enumerate(zip(actual.tokens, expected.tokens)):
         if a != e:
-            return f"token at output position {pos} is {a}, expected {e}"
+            before = max([abs(x - y) for x, y in zip(actual.logprobs[:pos], expected.logprobs[:pos])], default=0.0)
+            return (
+                f"token at output position {pos} is {a} (logprob {actual.logprobs[pos]:.5g}), expected {e} "
+                f"({expected.logprobs[pos]:.5g}); the logprobs before it differ by up to {before:.3g}"
+            )
     if len(actual.tokens) != len(expected.tokens):
         return f"{len(actual.tokens)} tokens, expected {len(expected.tokens)}"
     for pos, (a, e) in enumerate(zip(actual.logprobs, expected.logprobs)):  # equal tokens: comparable

@@ -17,6 +17,7 @@ from kvpipe.model.presets import write_preset
 from tests.helpers.corrupt_kv import KVCorruption, corrupt_state_slot
 from tests.helpers.pd_pair import (
     Pair,
+    assert_landed_equals_cold,
     colocated_greedy,
     failures_then_decode_abort,
     greedy_and_bytes_as_predicted,
@@ -93,6 +94,12 @@ def test_a_corrupted_state_slot_or_page_fails_the_check(model_dir, reference, wh
     pattern = rf"prompt {target} \({LENS[target]} tokens\): [^;]*position [1-9][^;]*$"
     with pytest.raises(AssertionError, match=pattern):
         check_greedy_and_bytes(model_dir, reference, 24, 2, on_landed=corrupt)
+
+
+def test_landed_state_and_pages_equal_a_cold_colocated_run(model_dir):
+    """The decode's state slot (every linear layer's conv and delta-rule state) and the full
+    layer's pages, as they land, equal a cold colocated engine's after the whole prefill."""
+    assert_landed_equals_cold(model_dir, prompts(3, [17, 40, 100]), chunk=24)
 
 
 def test_failures_and_aborts_free_state_slots(model_dir, reference):

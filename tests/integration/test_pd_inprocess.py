@@ -11,15 +11,12 @@ import time
 from dataclasses import replace
 
 import pytest
-import torch
 
 from kvpipe.config import FaultInjection
 from kvpipe.engine.request import FinishReason, Req, TokenOutput
 from kvpipe.transfer.lifecycle import TransferState
 from tests.helpers.corrupt_kv import KVCorruption
-from tests.helpers.engine import generate_after_prefill, make_engine
-from tests.helpers.pd_pair import GREEDY, PS, Pair, assert_pd_matches, make_pair, prompt_kv, prompts, tokens
-from tests.helpers.tolerance import assert_close_logits
+from tests.helpers.pd_pair import GREEDY, Pair, assert_landed_equals_cold, assert_pd_matches, make_pair, prompts, tokens
 
 LENS = [1, 2, 15, 16, 17, 40, 100, 333]
 
@@ -71,29 +68,8 @@ def test_a_corrupted_destination_page_fails_the_check(tiny_model_dir, reference,
 def test_destination_pages_equal_a_cold_colocated_run(tiny_model_dir):
     """What lands in the decode's pages (chunked prefill of 24, before any decode step) is the KV a
     cold colocated engine holds for the same prompt after its whole prefill: every layer, K and V,
-    every position, within tolerance.logit_atol (the same arithmetic, chunked otherwise)."""
-    ps = prompts(24, [17, 40, 100])
-    landed: dict[tuple[int, ...], list[torch.Tensor]] = {}
-
-    def keep(pair: Pair, d: Req) -> None:
-        landed[tuple(d.input_ids)] = prompt_kv(pair.decode.runner.pool, d.pages, len(d.input_ids))
-
-    with make_pair(tiny_model_dir, 24) as pair:
-        pair.run([pair.reqs(ids) for ids in ps], on_landed=keep)
-        pair.settle()
-    cold: dict[tuple[int, ...], list[torch.Tensor]] = {}
-    eng = make_engine(tiny_model_dir, page_size=PS)
-    try:
-        generate_after_prefill(
-            eng, ps, lambda e, r, i: cold.setdefault(tuple(r.input_ids), prompt_kv(e.runner.pool, r.pages, len(ps[i])))
-        )
-        mc = eng.model_config
-    finally:
-        eng.shutdown()
-    for i, ids in enumerate(ps):
-        for j, (got, want) in enumerate(zip(landed[tuple(ids)], cold[tuple(ids)], strict=True)):
-            what = f"prompt {i}, layer {j // 2} {'KV'[j % 2]}"
-            assert_close_logits(got, want, mc, len(ids), msg=what)
+    every position."""
+    assert_landed_equals_cold(tiny_model_dir, prompts(24, [17, 40, 100]), chunk=24)
 
 
 def test_first_token_finishes(tiny_model_dir, reference):
