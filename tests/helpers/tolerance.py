@@ -210,4 +210,5 @@ def assert_same_generations(
         if diff is not None:
             size = f" ({len(prompts[i])} tokens)" if prompts is not None else ""
             problems.append(f"prompt {i}{size}: {diff}")
-    assert not problems, f"{what + ': ' if what else ''}{route.value}: " + "; ".join(problems)
+    if problems:  # one line per failing prompt
+        raise AssertionError(f"{what + ': ' if what else ''}{route.value}: " + "\n  ".join(problems))

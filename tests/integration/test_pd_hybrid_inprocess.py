@@ -91,7 +91,7 @@ def test_a_corrupted_state_slot_or_page_fails_the_check(model_dir, reference, wh
         else:
             KVCorruption(layer=0, page=1).apply(pair.decode.runner.pool, d.pages)  # the pool's one (full) layer
 
-    pattern = rf"prompt {target} \({LENS[target]} tokens\): [^;]*position [1-9][^;]*$"
+    pattern = rf"same process and TP: prompt {target} \({LENS[target]} tokens\): [^\n]*position [1-9][^\n]*\Z"
     with pytest.raises(AssertionError, match=pattern):
         check_greedy_and_bytes(model_dir, reference, 24, 2, on_landed=corrupt)
 
