@@ -1,5 +1,6 @@
 """CUDA paths of the engine (skipped without a GPU): the model, the paged pool and layer groups on
-the device give the CPU's greedy tokens, and the pool's buffers are device memory."""
+the device give the CPU's greedy tokens and logprobs (within Route.ACROSS_DEVICES), they depend on
+the context (a wrong page would show), and the pool's buffers are device memory."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import torch
 from kvpipe.config import CacheConfig, SchedulerConfig, ServerConfig
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import SamplingParams
+from tests.helpers.engine import assert_context_matters
+from tests.helpers.tolerance import Generation, Route, assert_same_generations
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -18,7 +21,7 @@ GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5 + (i * 7) % 200 for i in range(n)] for n in (1, 13, 64, 150)]
 
 
-def _outputs(model_dir, device: str, **kw) -> list[list[int]]:
+def _outputs(model_dir, device: str, prompts: list[list[int]] = PROMPTS, **kw) -> list[Generation]:
     cfg = ServerConfig(
         model_path=str(model_dir),
         device=device,
@@ -28,15 +31,23 @@ def _outputs(model_dir, device: str, **kw) -> list[list[int]]:
     eng = Engine(cfg, **kw)
     try:
         assert eng.runner.pool.k[0].device.type == device
-        return [r["output_ids"] for r in eng.generate(PROMPTS, GREEDY)]
+        return [Generation.of(r) for r in eng.generate(prompts, GREEDY)]
     finally:
         eng.shutdown()
 
 
 def test_cuda_greedy_matches_cpu(tiny_model_dir):
     cpu = _outputs(tiny_model_dir, "cpu")
-    assert _outputs(tiny_model_dir, "cuda") == cpu
-    assert _outputs(tiny_model_dir, "cuda", chunk=33, prefill_layer_groups=2) == cpu
+    assert_same_generations(_outputs(tiny_model_dir, "cuda"), cpu, Route.ACROSS_DEVICES, PROMPTS, "cuda")
+    chunked = _outputs(tiny_model_dir, "cuda", chunk=33, prefill_layer_groups=2)
+    assert_same_generations(chunked, cpu, Route.ACROSS_DEVICES, PROMPTS, "cuda, chunked, 2 layer groups")
+
+
+def test_cuda_outputs_depend_on_the_context(tiny_model_dir):
+    """The same last token after other earlier tokens changes the device's outputs: the check
+    above would see a wrong page (the prompts of 2+ tokens)."""
+    ps = PROMPTS[1:]
+    assert_context_matters(lambda x: _outputs(tiny_model_dir, "cuda", x), ps, _outputs(tiny_model_dir, "cuda", ps))
 
 
 def test_cuda_pool_exposes_device_addresses(tiny_model_dir):

@@ -5,7 +5,9 @@ rewritten like a test's (tests/conftest.py registers the package).
 Models: paged_model (drive a CausalLM through the paged KV pool), hybrid_model (random Qwen3.5
 checkpoints and their driver), hf_models / hf_gpt_oss / hf_deepseek_v3 (random tiny HF
 checkpoints per family), moe_block (SparseMoE next to HF's MoE blocks), tolerance (how close
-two runs' logits must be), tp_ranks (a function on every rank of a gloo process group),
+two runs' logits must be, and the exactness check of two generations: tokens and logprobs,
+assert_same_generations), corrupt_kv (negative controls: one page, head slice or state slot
+corrupted on purpose), tp_ranks (a function on every rank of a gloo process group),
 preset_digests, gguf_files (small GGUF files written with gguf.GGUFWriter).
 Engine and scheduler: engine, recording_connector, scheduler_steps.
 Transfer and PD: kv_transfer (sender/receiver rigs), bootstrap_info, wire_maps, pd_pair (prefill

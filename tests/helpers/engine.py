@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import random
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from kvpipe.config import CacheConfig, SchedulerConfig, ServerConfig
 from kvpipe.engine.engine import Engine
-from kvpipe.engine.request import SamplingParams
+from kvpipe.engine.request import Req, SamplingParams
+from tests.helpers.tolerance import Generation, Route, assert_same_generations, generation_atol
 
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
 
@@ -44,14 +47,95 @@ def output_ids(engine: Engine, ps: list[list[int]], params: SamplingParams = GRE
     return [r["output_ids"] for r in engine.generate(ps, params)]
 
 
-def one_at_a_time(engine: Engine, ps: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
-    return [output_ids(engine, [p], params)[0] for p in ps]
+def generations(engine: Engine, ps: list[list[int]], params: SamplingParams = GREEDY) -> list[Generation]:
+    """Greedy tokens and their logprobs of the prompts, run together (one batch where they fit)."""
+    return [Generation.of(r) for r in engine.generate(ps, params)]
 
 
-def reference_outputs(model_dir: Path, ps: list[list[int]]) -> list[list[int]]:
-    """Greedy outputs of each prompt alone on a fresh TP 1 engine (whole prefill, page size 16)."""
+def one_at_a_time(engine: Engine, ps: list[list[int]], params: SamplingParams = GREEDY) -> list[Generation]:
+    return [generations(engine, [p], params)[0] for p in ps]
+
+
+def reference_outputs(model_dir: Path, ps: list[list[int]]) -> list[Generation]:
+    """Greedy generations of each prompt alone on a fresh TP 1 engine (whole prefill, page size 16)."""
     eng = make_engine(model_dir)
     try:
         return one_at_a_time(eng, ps)
     finally:
         eng.shutdown()
+
+
+def assert_engine_matches(
+    engine: Engine,
+    ps: list[list[int]],
+    reference: list[Generation],
+    route: Route = Route.SAME_PROCESS,
+    params: SamplingParams = GREEDY,
+    what: str = "",
+) -> None:
+    """The engine's generations of `ps` (run together) equal `reference` in tokens and logprobs
+    (tolerance.assert_same_generations): the exactness check of the engine tests."""
+    assert_same_generations(generations(engine, ps, params), reference, route, ps, what)
+
+
+def generate_after_prefill(
+    engine: Engine,
+    ps: list[list[int]],
+    after_prefill: Callable[[Engine, Req, int], None],
+    params: SamplingParams = GREEDY,
+    timeout_s: float = 120.0,
+) -> list[Generation]:
+    """Engine.generate with a pause per request: right after the step that finished prompt i's
+    prefill (its first token sampled, no decode step yet), `after_prefill(engine, req, i)` runs,
+    then decoding goes on. The negative controls corrupt the KV there (tests/helpers/corrupt_kv.py)."""
+    reqs = [Req(f"ctl-{i}", list(p), params) for i, p in enumerate(ps)]
+    for r in reqs:
+        engine.add_request(r)
+    end = time.monotonic() + timeout_s
+    pending = set(range(len(reqs)))
+    while not all(r.finished for r in reqs):
+        assert time.monotonic() < end, f"not done after {timeout_s}s: {engine.stats()}"
+        engine.step()
+        for i in sorted(i for i in pending if reqs[i].prefill_done):
+            assert len(reqs[i].output_ids) == 1, "a decode step ran before the pause"
+            after_prefill(engine, reqs[i], i)
+            pending.discard(i)
+    return [Generation.of_req(r) for r in reqs]
+
+
+def other_context(ps: list[list[int]], seed: int = 99, vocab: int = 250) -> list[list[int]]:
+    """Each prompt (of 2+ tokens) with every token but the last replaced by other random ones."""
+    rnd = random.Random(seed)
+    out = []
+    for p in ps:
+        assert len(p) >= 2, "a 1-token prompt has no context to change"
+        other = [rnd.randrange(3, vocab) for _ in p[:-1]]
+        out.append([t if t != old else (t + 1) % vocab + 3 for t, old in zip(other, p)] + [p[-1]])
+    return out
+
+
+# How far a changed context must move a logprob where the tokens stay: far beyond the
+# cross-process tolerance (the context-dependent presets change the first token of most prompts
+# and move the first logprob of the others by 4e-2 and more, at 150 tokens; the presets of
+# format version 1, which mostly continued their last token, left 3 to 5 of 6 outputs unchanged).
+CONTEXT_FACTOR = 100.0
+
+
+def assert_context_matters(
+    generate: Engine | Callable[[list[list[int]]], list[Generation]], ps: list[list[int]], reference: list[Generation]
+) -> None:
+    """The prompts `ps` (2+ tokens each), with every token but the last changed, give other
+    generations than `reference` (the prompts' own): each one's tokens differ, or (the same tokens
+    throughout) a logprob moves by more than CONTEXT_FACTOR times the cross-process tolerance, and
+    the greedy tokens change for most prompts. `generate`: an Engine, or prompts -> generations."""
+    assert len(ps) >= 3 and all(len(p) >= 2 for p in ps), "prompts without a context to change"
+    run = (lambda x: generations(generate, x)) if isinstance(generate, Engine) else generate
+    got = run(other_context(ps))
+    floor = CONTEXT_FACTOR * generation_atol(Route.ACROSS_PROCESSES, reference)
+    moved = [
+        a.tokens != e.tokens or max(abs(x - y) for x, y in zip(a.logprobs, e.logprobs)) > floor
+        for a, e in zip(got, reference)
+    ]
+    assert all(moved), f"logprobs moved by less than {floor:.3g}: {list(zip(got, reference))}"
+    changed = sum(a.tokens != e.tokens for a, e in zip(got, reference))
+    assert 2 * changed > len(ps), f"only {changed} of {len(ps)} greedy outputs changed with the context"

@@ -9,8 +9,12 @@ import contextlib
 import itertools
 import random
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
+import torch
 
 from kvpipe.config import CacheConfig, DisaggregationConfig, FaultInjection, SchedulerConfig, ServerConfig
 from kvpipe.disagg.decode import DecodeConnector
@@ -19,6 +23,7 @@ from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import FinishReason, Req, SamplingParams, TokenOutput
 from kvpipe.transfer.backends.local import LocalBackend, LocalFabric
 from tests.helpers.pd_parity import expected_bytes
+from tests.helpers.tolerance import Generation, Route, assert_close_logits, assert_same_generations
 
 PS = 16
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
@@ -91,12 +96,21 @@ class Pair:
         return p, d
 
     def run(
-        self, pairs: list[tuple[Req | None, Req | None]], timeout_s: float = 60.0, until=None
+        self,
+        pairs: list[tuple[Req | None, Req | None]],
+        timeout_s: float = 60.0,
+        until=None,
+        on_landed: Callable[[Pair, Req], None] | None = None,
     ) -> tuple[dict[str, list[TokenOutput]], dict[str, list[TokenOutput]]]:
         """Add the requests, step both engines until every one finished on both sides (or
-        `until()` holds); returns the outputs per rid of prefill and decode."""
+        `until()` holds); returns the outputs per rid of prefill and decode.
+
+        `on_landed(pair, decode_req)` runs once per decode request right after the decode step
+        that reported its KV landed (its first token, from the prefill) and before any decode
+        forward reads that KV: the negative controls corrupt the destination pool there."""
         p_out: dict[str, list[TokenOutput]] = {}
         d_out: dict[str, list[TokenOutput]] = {}
+        decoding = {d.rid: d for _, d in pairs if d is not None}
         for p, d in pairs:
             if p is not None:
                 self.prefill.add_request(p)
@@ -114,6 +128,8 @@ class Pair:
             for out in self.prefill.step():
                 p_out.setdefault(out.rid, []).append(out)
             for out in self.decode.step():
+                if on_landed is not None and out.rid in decoding and out.rid not in d_out:
+                    on_landed(self, decoding[out.rid])
                 d_out.setdefault(out.rid, []).append(out)
         return p_out, d_out
 
@@ -132,6 +148,71 @@ class Pair:
             ):
                 return
             assert time.monotonic() < end, f"pages leaked: prefill {ps}, decode {ds}"
+
+
+def landed_state(engine: Engine, req: Req) -> dict[str, torch.Tensor]:
+    """A request's prompt KV and recurrent state as `engine` (rank 0) holds them now, by name
+    ("layer 0 k", "state 2 conv"): each full layer's buffers token-major (pages [P, heads,
+    page_size, d] -> [n_tokens, heads, d]; sliding layers, which hold only a window, are left out)
+    and each linear layer's state slot. Copies."""
+    pool, n = engine.runner.pool, len(req.input_ids)
+    idx = torch.as_tensor(np.asarray(req.pages[: -(-n // pool.page_size)], dtype=np.int64))
+    out = {}
+    for layer in range(pool.num_layers):
+        if layer in pool.swa_layers:
+            continue
+        for kind, buf in pool.layer_buffers(layer):
+            paged = buf[idx]  # [P, heads, ps, d]
+            out[f"layer {layer} {kind}"] = paged.transpose(1, 2).reshape(-1, *paged.shape[1::2])[:n].clone()
+    state = engine.runner.state_pool
+    if state is not None:
+        assert req.state_slot is not None
+        for i, layer in enumerate(state.layers):
+            out[f"state {layer} conv"] = state.conv[i][req.state_slot].clone()
+            out[f"state {layer} recurrent"] = state.recurrent[i][req.state_slot].clone()
+    return out
+
+
+def assert_landed_equals_cold(model_dir: Path, ps: list[list[int]], chunk: int) -> None:
+    """What lands on the decode for each prompt (through a pair with chunked prefill of `chunk`,
+    before any decode step: its prompt KV and recurrent state) is what a cold colocated engine
+    holds after that prompt's whole prefill, within tolerance.logit_atol of each tensor (the same
+    arithmetic, chunked otherwise). The truth is the colocated engine's own pool, not the planner."""
+    landed: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
+
+    def keep(pair: Pair, d: Req) -> None:
+        landed[tuple(d.input_ids)] = landed_state(pair.decode, d)
+
+    with make_pair(model_dir, chunk) as pair:
+        pair.run([pair.reqs(ids) for ids in ps], on_landed=keep)
+        pair.settle()
+    cold = Engine(
+        ServerConfig(model_path=str(model_dir), cache=CacheConfig(page_size=PS, num_pages=256, radix_cache=False))
+    )
+    want: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
+    try:
+        reqs = [Req(f"cold-{i}", list(ids), GREEDY) for i, ids in enumerate(ps)]
+        for r in reqs:
+            cold.add_request(r)
+        end = time.monotonic() + 60
+        while len(want) < len(reqs):  # each prompt's state right after its prefill step
+            assert time.monotonic() < end, "the cold prefill did not finish"
+            cold.step()
+            for r in reqs:
+                if r.prefill_done and tuple(r.input_ids) not in want:
+                    assert len(r.output_ids) == 1
+                    want[tuple(r.input_ids)] = landed_state(cold, r)
+        for r in reqs:
+            cold.abort(r.rid)
+        cold.step()
+        mc = cold.model_config
+    finally:
+        cold.shutdown()
+    for i, ids in enumerate(ps):
+        got, exp = landed[tuple(ids)], want[tuple(ids)]
+        assert got.keys() == exp.keys()
+        for name in exp:
+            assert_close_logits(got[name], exp[name], mc, len(ids), msg=f"prompt {i} ({len(ids)} tokens), {name}")
 
 
 def _finished(outs: dict[str, list[TokenOutput]], req: Req) -> bool:
@@ -169,21 +250,35 @@ def make_pair(
         yield Pair(prefill, decode)
 
 
-def colocated_greedy(model_dir: Path):
-    """Generator of a memoized greedy reference (the colocated engine, no prefix cache) for a fixture."""
+Reference = Callable[..., Generation]  # (prompt ids, params=GREEDY) -> the colocated generation
+
+
+def colocated_greedy(model_dir: Path) -> Iterator[Reference]:
+    """Generator of a memoized greedy reference (the colocated engine, no prefix cache; tokens and
+    logprobs of each prompt run alone) for a fixture."""
     eng = Engine(
         ServerConfig(model_path=str(model_dir), cache=CacheConfig(page_size=PS, num_pages=256, radix_cache=False))
     )
-    cache: dict[tuple, list[int]] = {}
+    cache: dict[tuple, Generation] = {}
 
-    def ref(ids: list[int], params: SamplingParams = GREEDY) -> list[int]:
+    def ref(ids: list[int], params: SamplingParams = GREEDY) -> Generation:
         key = (tuple(ids), params)
         if key not in cache:
-            cache[key] = eng.generate([ids], params)[0]["output_ids"]
+            cache[key] = Generation.of(eng.generate([ids], params)[0])
         return cache[key]
 
     yield ref
     eng.shutdown()
+
+
+def assert_pd_matches(
+    reqs: Sequence[Req], ps: Sequence[Sequence[int]], reference: Reference, what: str = "PD vs colocated"
+) -> None:
+    """The finished decode requests `reqs` of prompts `ps` give the colocated reference's tokens and
+    logprobs. Both engines run in this process with TP 1 and the same kernels: Route.SAME_PROCESS.
+    The first token's logprob is the prefill's, carried in the aux data."""
+    want = [reference(list(ids), r.params) for r, ids in zip(reqs, ps)]
+    assert_same_generations([Generation.of_req(r) for r in reqs], want, Route.SAME_PROCESS, ps, what)
 
 
 def prompts(seed: int, lens: list[int]) -> list[list[int]]:
@@ -191,7 +286,7 @@ def prompts(seed: int, lens: list[int]) -> list[list[int]]:
     return [[rnd.randrange(3, 290) for _ in range(n)] for n in lens]
 
 
-def failures_then_decode_abort(model_dir: Path, reference, check_free=lambda pair: None) -> None:
+def failures_then_decode_abort(model_dir: Path, reference: Reference, check_free=lambda pair: None) -> None:
     """Injected write failures (seeded: some rooms fail, some succeed with the colocated tokens),
     then a decode abort while the prefill computes; after each, both sides settle with every page
     free, and `check_free(pair)` checks whatever else must be free (state slots)."""
@@ -202,8 +297,7 @@ def failures_then_decode_abort(model_dir: Path, reference, check_free=lambda pai
         failed = [d for _, d in reqs if d.finish_reason is FinishReason.ABORT]
         ok = [(d, ids) for (_, d), ids in zip(reqs, ps) if d.finish_reason is not FinishReason.ABORT]
         assert failed and ok, "the seed should give both outcomes"
-        for d, ids in ok:
-            assert d.output_ids == reference(ids)
+        assert_pd_matches([d for d, _ in ok], [ids for _, ids in ok], reference, "rooms that succeeded")
         pair.settle()
         check_free(pair)
         a = pair.reqs(prompts(1, [200])[0])
@@ -220,23 +314,25 @@ def failures_then_decode_abort(model_dir: Path, reference, check_free=lambda pai
 
 def greedy_and_bytes_as_predicted(
     model_dir: Path,
-    reference,
+    reference: Reference,
     chunk: int,
     groups: int,
     lens: list[int],
     check=lambda pair, stats: None,
     check_free=lambda pair: None,
+    on_landed: Callable[[Pair, Req], None] | None = None,
 ) -> None:
     """Prompts of `lens` through a pair with chunked prefill of `chunk` and `groups` layer groups:
-    greedy tokens equal `reference`, every room succeeds, the bytes written are
-    pd_parity.expected_bytes, `check(pair, stats)` asserts what else the model family implies;
-    then both sides settle with every page free and `check_free(pair)` checks the rest."""
+    greedy tokens and logprobs equal `reference` (assert_pd_matches), every room succeeds, the bytes
+    written are pd_parity.expected_bytes, `check(pair, stats)` asserts what else the model family
+    implies; then both sides settle with every page free and `check_free(pair)` checks the rest.
+    `on_landed` is Pair.run's (a negative control's corruption)."""
     ps = prompts(chunk + groups, lens)
     with make_pair(model_dir, chunk, layer_groups=groups) as pair:
         reqs = [pair.reqs(ids) for ids in ps]
-        pair.run(reqs)
-        for (_, d), ids in zip(reqs, ps):
-            assert d.output_ids == reference(ids), f"prompt of {len(ids)} tokens: {d.finish_detail}"
+        pair.run(reqs, on_landed=on_landed)
+        assert all(d.finish_reason is FinishReason.LENGTH for _, d in reqs), [d.finish_detail for _, d in reqs]
+        assert_pd_matches([d for _, d in reqs], ps, reference)
         st = pair.prefill.stats()["disaggregation"]
         assert (st["rooms_succeeded"], st["rooms_failed"]) == (len(ps), 0)
         assert st["bytes_written"] == expected_bytes(model_dir, lens, PS, 1, 1)

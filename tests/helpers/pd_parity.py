@@ -14,18 +14,16 @@ from kvpipe.config import CacheConfig, ServerConfig
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import SamplingParams
 from kvpipe.model.config import ModelConfig
-from kvpipe.transfer.planning.tp_mapping import transfer_slices
 from tests.helpers.pd_stack import Stack, disagg_stats, generate, greedy, start_stack
+from tests.helpers.tolerance import Generation, Route, assert_same_generations
 
 # 24 prompt lengths from 1 to 150 tokens: around pages of 16, a window of 32 and chunks of 64
 MANY_LENGTHS = [150, 37, 90, 1, 5, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65, 80, 96, 97, 111, 120, 128, 129, 140]
 
-# PD (TP on either side) against the colocated TP 1 engine on the same machine: the same kernels,
-# only TP's all-reduces and per-rank matmul blocking reorder fp32 sums (~1e-6 measured); a KV
-# head missing or misplaced on one decode rank moves the logprobs ~1e-3. Deliberately tighter
-# than tests/helpers/tolerance.logit_atol, which is sized for two different implementations
-# (~7e-4 on the tiny preset) and would not tell such a head from noise.
-LOGPROB_TOL = 1e-4
+# PD (TP on either side, other processes) against the colocated TP 1 engine of the test process:
+# tolerance.Route.ACROSS_PROCESSES (TP all-reduces and other matmul blockings reorder fp32 sums,
+# ~1e-6 measured; a KV head missing or misplaced on one decode rank moves the logprobs ~1e-2).
+ROUTE = Route.ACROSS_PROCESSES
 
 
 def prompts(lengths: list[int], vocab: int = 290, seed: int = 7) -> list[list[int]]:
@@ -33,16 +31,14 @@ def prompts(lengths: list[int], vocab: int = 290, seed: int = 7) -> list[list[in
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
-def colocated_reference(
-    model_dir: Path, ids: list[list[int]], new_tokens: int, page_size: int
-) -> list[tuple[list[int], list[float]]]:
-    """Colocated TP 1 engine: (greedy tokens, logprobs) per prompt."""
+def colocated_reference(model_dir: Path, ids: list[list[int]], new_tokens: int, page_size: int) -> list[Generation]:
+    """Colocated TP 1 engine: greedy tokens and logprobs per prompt."""
     eng = Engine(ServerConfig(model_path=str(model_dir), cache=CacheConfig(page_size=page_size, num_pages=128)))
     try:
         outs = eng.generate(ids, SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True))
     finally:
         eng.shutdown()
-    return [(o["output_ids"], o["meta_info"]["output_token_logprobs"]) for o in outs]
+    return [Generation.of(o) for o in outs]
 
 
 def expected_bytes(model_dir: Path, lengths: list[int], page_size: int, p_tp: int, d_tp: int, itemsize: int = 4) -> int:
@@ -51,9 +47,16 @@ def expected_bytes(model_dir: Path, lengths: list[int], page_size: int, p_tp: in
     model's KV is that of its full-attention layers, and each request's state moves once: every
     linear head of its slot from the one prefill rank that holds it (linear heads are never
     replicated). A sliding-window layer moves only the pages the decode's first query can see:
-    from the one holding token n - window + 1 of an n-token prompt on."""
+    from the one holding token n - window + 1 of an n-token prompt on.
+
+    Written from the layout alone, not from the production planner (transfer_slices): a decode
+    rank holds kv_heads / d_tp heads when d_tp divides the KV heads, else one replicated head
+    (d_tp / kv_heads ranks share each); an MLA latent is one "head" every decode rank holds whole.
+    Each decode rank's heads are written once, whichever prefill TP computed them."""
     mc = ModelConfig.from_dir(model_dir)
-    heads = sum(s.num_heads for s in transfer_slices(p_tp, d_tp, mc.kv_cache_heads))
+    kv_heads = mc.kv_cache_heads  # 1 for the MLA latent
+    assert kv_heads % d_tp == 0 or d_tp % kv_heads == 0, (kv_heads, d_tp)
+    heads = d_tp * max(1, kv_heads // d_tp)
     sliding = [layer for layer in mc.kv_layers if mc.window(layer) is not None]
     full_pages = sum(-(-n // page_size) for n in lengths)
     window_pages = (
@@ -87,7 +90,6 @@ def check_parity(
     p_tp: int,
     d_tp: int,
     groups: int,
-    logprob_tol: float = LOGPROB_TOL,
 ) -> None:
     def one(prompt: list[int]) -> dict:
         return generate(
@@ -96,10 +98,8 @@ def check_parity(
 
     with ThreadPoolExecutor(len(ids)) as pool:  # concurrent: prefill batches several rooms
         outs = list(pool.map(one, ids))
-    for prompt, out, (ref_ids, ref_lp) in zip(ids, outs, reference):
-        assert out["output_ids"] == ref_ids, (len(prompt), out["meta_info"])
-        got = [t[0] for t in out["meta_info"]["output_token_logprobs"]]
-        assert max(abs(a - b) for a, b in zip(got, ref_lp)) < logprob_tol, (len(prompt), got, ref_lp)
+    got = [Generation.of(out) for out in outs]
+    assert_same_generations(got, reference, ROUTE, ids, f"prefill TP {p_tp}, decode TP {d_tp}, {groups} groups")
     p = stack.prefill.wait_idle(30)  # every page back on both sides
     stack.decode.wait_idle(30)
     st = disagg_stats(stack.prefill)

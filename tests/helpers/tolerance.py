@@ -34,12 +34,21 @@ frequencies off by 0.1% (1e-2) or an RMSNorm epsilon 10x too large (2.9e-3) are 
 above it. What it cannot see is a change within rounding noise, which no fixed atol sees either.
 
 The bound refuses to be used where it would check nothing (at or above a tenth of the logits'
-scale, as for bf16 at any depth): compare those runs by their own, coarser criterion."""
+scale, as for bf16 at any depth): compare those runs by their own, coarser criterion.
+
+Exactness checks of whole generations (PD against colocated, TP against TP 1, cache on against
+off, chunked against whole) compare greedy tokens AND each token's logprob: assert_same_generations,
+with a tolerance chosen by the Route the compared run took (same process, across processes or TP,
+across devices), and a message naming the prompt, the first differing output position and the
+size of the difference."""
 
 from __future__ import annotations
 
+import enum
 import math
-from typing import Protocol
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -105,3 +114,113 @@ def assert_close_logits(
             f"width {shape.hidden_size}, {positions} positions, {dtype})"
         ),
     )
+
+
+# ---- generations: two runs of the same prompts, token by token and logprob by logprob ----
+
+
+class Route(enum.Enum):
+    """How the compared generation reached its numbers, relative to the reference's: what decides
+    the logprob tolerance of an exactness check (generation_atol)."""
+
+    # Same process, same TP, same kernels: batching, chunking, page size, layer groups, a prefix
+    # cache or a PD pair in one process change only how many rows a matmul gets and how the
+    # attention walks the pages, so the same fp32 sums run in nearly the same order.
+    SAME_PROCESS = "same process and TP"
+    # Another TP size or another process (PD servers, TP workers, another thread count): an
+    # all-reduce adds the ranks' partial sums in another order and each rank's matmuls block
+    # differently, so every layer's output moves by a few fp32 roundings of its own size.
+    ACROSS_PROCESSES = "across processes or TP"
+    # Another device (CUDA against the CPU): other kernels for every op, the case logit_atol is
+    # sized for; its bound for the tiny preset over ~170 positions is GAIN * (4 + 1) * sqrt(128 +
+    # 170) ~ 2,800 roundings of the logits' scale.
+    ACROSS_DEVICES = "across devices"
+
+
+# The logprob bounds of each Route, in units of fp32 eps times the reference's largest |logprob|
+# (at least 1). The logprob of a token is logit - logsumexp(logits): its rounding error follows
+# the logits' scale, which the largest |logprob| of a random-weight model tracks (its logits spread
+# over a few units). Measured on the context-dependent presets (scripts/exactness_drift.py: every
+# family, batched, chunks of 7 to 100, pages of 1, layer groups, TP 2, against one prompt at a time;
+# largest |logprob| about 3.9): at most 4.5e-6 (tiny-qwen3.5, layer groups), i.e. 10 roundings,
+# TP 2 included. SAME_PROCESS: 64 roundings (3e-5 at that scale, 6x the largest measured).
+# ACROSS_PROCESSES: 256 roundings (1.2e-4 there): other processes run other thread counts and TP
+# all-reduces, which reorder every layer's sums; the same TP 2 runs stay below 4e-6 in one process.
+# Both stay far below what a wrong KV page, head or state slot does on these presets (1e-1 and more:
+# tests/unit/test_presets_context.py and the negative controls).
+_ROUTE_ULPS = {Route.SAME_PROCESS: 64.0, Route.ACROSS_PROCESSES: 256.0, Route.ACROSS_DEVICES: 4096.0}
+
+
+def generation_atol(route: Route, expected: Sequence[Generation]) -> float:
+    """The largest |logprob difference| two correct generations of `route` may show."""
+    scale = max([1.0, *(abs(x) for g in expected for x in g.logprobs)])
+    return _ROUTE_ULPS[route] * torch.finfo(torch.float32).eps * scale
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One prompt's output: greedy token ids (or token texts, where an API gives no ids: OpenAI
+    chat logprobs) and the logprob of each (fp32 in every engine)."""
+
+    tokens: tuple[int | str, ...]
+    logprobs: tuple[float, ...]
+
+    @classmethod
+    def of(cls, result: dict) -> Generation:
+        """From an SGLang-shaped result: Engine.generate's (logprobs as floats) or a /generate
+        response with return_logprob (triples [logprob, token id, text])."""
+        lps = result["meta_info"]["output_token_logprobs"]
+        return cls(
+            tuple(result["output_ids"]), tuple(float(x[0]) if isinstance(x, list | tuple) else float(x) for x in lps)
+        )
+
+    @classmethod
+    def of_req(cls, req: Any) -> Generation:
+        """From a finished engine Req (its output_ids and output_logprobs)."""
+        return cls(tuple(req.output_ids), tuple(req.output_logprobs))
+
+
+def generation_difference(actual: Generation, expected: Generation, atol: float) -> str | None:
+    """Where `actual` first leaves `expected` (a token, a missing logprob, or a logprob off by more
+    than atol), in words; None when they agree."""
+    if len(actual.logprobs) != len(actual.tokens):
+        return f"{len(actual.logprobs)} logprobs for {len(actual.tokens)} tokens"
+    for pos, (a, e) in enumerate(zip(actual.tokens, expected.tokens)):
+        if a != e:
+            before = max([abs(x - y) for x, y in zip(actual.logprobs[:pos], expected.logprobs[:pos])], default=0.0)
+            return (
+                f"token at output position {pos} is {a} (logprob {actual.logprobs[pos]:.5g}), expected {e} "
+                f"({expected.logprobs[pos]:.5g}); the logprobs before it differ by up to {before:.3g}"
+            )
+    if len(actual.tokens) != len(expected.tokens):
+        return f"{len(actual.tokens)} tokens, expected {len(expected.tokens)}"
+    for pos, (a, e) in enumerate(zip(actual.logprobs, expected.logprobs)):  # equal tokens: comparable
+        if not abs(a - e) <= atol:  # NaN fails too
+            worst = max(abs(x - y) for x, y in zip(actual.logprobs, expected.logprobs))
+            return (
+                f"logprob at output position {pos} is off by {abs(a - e):.3g} ({a:.7g} vs {e:.7g}; "
+                f"atol {atol:.3g}, largest difference {worst:.3g})"
+            )
+    return None
+
+
+def assert_same_generations(
+    actual: Sequence[Generation],
+    expected: Sequence[Generation],
+    route: Route,
+    prompts: Sequence[Sequence[int]] | None = None,
+    what: str = "",
+) -> None:
+    """Every actual generation has the expected tokens and logprobs within generation_atol(route);
+    the message names each failing prompt (index and length), its first differing output position
+    and the size of the difference."""
+    assert len(actual) == len(expected), f"{what}: {len(actual)} generations, expected {len(expected)}"
+    atol = generation_atol(route, expected)
+    problems = []
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        diff = generation_difference(a, e, atol)
+        if diff is not None:
+            size = f" ({len(prompts[i])} tokens)" if prompts is not None else ""
+            problems.append(f"prompt {i}{size}: {diff}")
+    if problems:  # one line per failing prompt
+        raise AssertionError(f"{what + ': ' if what else ''}{route.value}: " + "\n  ".join(problems))

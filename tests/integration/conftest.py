@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.pd_pair import colocated_greedy
+from tests.helpers.pd_pair import Reference, colocated_greedy
 
 
 @pytest.fixture
@@ -21,7 +21,7 @@ def stack() -> Iterator[contextlib.ExitStack]:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir: Path) -> Iterator[Callable[..., list[int]]]:
-    """Greedy outputs of the colocated engine on the tiny preset with no prefix cache (memoized).
-    Modules on another model, or wanting (tokens, logprobs), define their own `reference`."""
+def reference(tiny_model_dir: Path) -> Iterator[Reference]:
+    """Greedy generations (tokens and logprobs) of the colocated engine on the tiny preset with no
+    prefix cache (memoized). Modules on another model define their own `reference`."""
     yield from colocated_greedy(tiny_model_dir)

@@ -1,4 +1,5 @@
-"""Tensor parallelism over processes: same greedy tokens as tp 1, clean shutdown, no orphans."""
+"""Tensor parallelism over processes: the same greedy tokens and logprobs as tp 1 (a corrupted head
+slice on one rank fails that check: negative control), clean shutdown, no orphans."""
 
 import os
 import signal
@@ -11,7 +12,9 @@ import pytest
 
 from kvpipe.engine.errors import EngineLost
 from kvpipe.engine.request import Req, SamplingParams
-from tests.helpers.engine import make_engine, one_at_a_time, output_ids, prompts
+from tests.helpers.corrupt_kv import KVCorruption
+from tests.helpers.engine import assert_engine_matches, generate_after_prefill, make_engine, one_at_a_time, prompts
+from tests.helpers.tolerance import Route, assert_same_generations
 
 PROMPTS = prompts(4)
 
@@ -54,12 +57,29 @@ def test_tp_matches_tp1(tiny_model_dir, reference, tp):
     try:
         assert len(pids) == tp - 1
         assert eng.runner.pool.kv_heads == 1
-        assert output_ids(eng, PROMPTS) == reference
+        assert_engine_matches(eng, PROMPTS, reference, Route.ACROSS_PROCESSES)
         assert eng.stats()["tp_size"] == tp and eng.allocator.num_free == eng.allocator.num_pages
+        if tp == 2:  # negative control, on the engine already running
+            check_a_corrupted_head_slice_fails(eng, reference)
     finally:
         eng.shutdown()
     assert wait_gone(pids, 5.0)
     eng.shutdown()  # idempotent
+
+
+def check_a_corrupted_head_slice_fails(eng, reference) -> None:
+    """Rank 0's KV head (global head 0 of tiny's 2) of one page of one layer, overwritten between
+    the prefill and the decode steps, makes the TP-vs-TP-1 check fail on that prompt only; the same
+    paused run without the corruption passes."""
+    untouched = generate_after_prefill(eng, PROMPTS, lambda e, req, i: None)
+    assert_same_generations(untouched, reference, Route.ACROSS_PROCESSES, PROMPTS)
+    hit = KVCorruption(layer=2, page=0, head=0)  # rank 0 runs in this process: its pool is eng.runner's
+    got = generate_after_prefill(eng, PROMPTS, lambda e, req, i: i == 2 and hit.apply(e.runner.pool, req.pages))
+    with pytest.raises(
+        AssertionError, match=r"across processes or TP: prompt 2 \(17 tokens\): [^\n]*position [1-9][^\n]*\Z"
+    ):
+        assert_same_generations(got, reference, Route.ACROSS_PROCESSES, PROMPTS)
+    assert eng.allocator.num_free == eng.allocator.num_pages
 
 
 def test_dead_rank_fails_the_step_not_hangs(tiny_model_dir):

@@ -1,7 +1,8 @@
 """A prefill Engine and a decode Engine (their PD connectors) in one process over the `local`
 backend (real bootstrap server, real ZMQ control plane; tests/helpers/pd_pair.py): greedy
-exactness against the colocated Engine and the request lifecycle, stepping both engines from the
-test thread. Every wait is bounded."""
+exactness (tokens and logprobs) against the colocated Engine, a negative control (one transferred
+page corrupted on the decode makes that check fail), and the request lifecycle, stepping both
+engines from the test thread. Every wait is bounded."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import pytest
 from kvpipe.config import FaultInjection
 from kvpipe.engine.request import FinishReason, Req, TokenOutput
 from kvpipe.transfer.lifecycle import TransferState
-from tests.helpers.pd_pair import GREEDY, make_pair, prompts, tokens
+from tests.helpers.corrupt_kv import KVCorruption
+from tests.helpers.pd_pair import GREEDY, Pair, assert_landed_equals_cold, assert_pd_matches, make_pair, prompts, tokens
 
 LENS = [1, 2, 15, 16, 17, 40, 100, 333]
 
@@ -25,8 +27,8 @@ def test_greedy_matches_colocated(tiny_model_dir, reference, chunk):
     with make_pair(tiny_model_dir, chunk) as pair:
         reqs = [pair.reqs(ids) for ids in ps]
         p_out, d_out = pair.run(reqs)
-        for (p, d), ids in zip(reqs, ps):
-            assert d.output_ids == reference(ids), f"prompt of {len(ids)} tokens: {d.finish_detail} {p_out.get(p.rid)}"
+        assert_pd_matches([d for _, d in reqs], ps, reference)
+        for p, d in reqs:
             assert tokens(d_out[d.rid]) == d.output_ids  # streamed token by token, first one included
             assert d_out[d.rid][0].token_ids == (d.output_ids[0],) and d.finish_reason is FinishReason.LENGTH
             final = p_out[p.rid][-1]  # the prefill answers with its first token once the KV landed
@@ -36,10 +38,44 @@ def test_greedy_matches_colocated(tiny_model_dir, reference, chunk):
         pair.settle()
 
 
+@pytest.mark.parametrize(
+    "target,hit",
+    [
+        (7, KVCorruption(layer=3, page=-1)),  # the 333-token prompt's last page, last layer
+        (5, KVCorruption(layer=0, page=1, head=1)),  # one KV head of the 40-token prompt's second page
+    ],
+    ids=["last_page", "head_slice"],
+)
+def test_a_corrupted_destination_page_fails_the_check(tiny_model_dir, reference, target, hit):
+    """Negative control: the chunk-24 case with one page (or one head slice of it) of one layer
+    overwritten in the decode's pool after it landed and before the decode read it: the exactness
+    check fails on that prompt alone, at a decoded position (the first token is the prefill's)."""
+    ps = prompts(24, LENS)
+
+    def corrupt(pair: Pair, d: Req) -> None:
+        if d.input_ids == ps[target]:
+            hit.apply(pair.decode.runner.pool, d.pages)
+
+    with make_pair(tiny_model_dir, 24) as pair:
+        reqs = [pair.reqs(ids) for ids in ps]
+        pair.run(reqs, on_landed=corrupt)
+        pattern = rf"same process and TP: prompt {target} \({len(ps[target])} tokens\): [^\n]*position [1-9][^\n]*\Z"
+        with pytest.raises(AssertionError, match=pattern):
+            assert_pd_matches([d for _, d in reqs], ps, reference)
+        pair.settle()
+
+
+def test_destination_pages_equal_a_cold_colocated_run(tiny_model_dir):
+    """What lands in the decode's pages (chunked prefill of 24, before any decode step) is the KV a
+    cold colocated engine holds for the same prompt after its whole prefill: every layer, K and V,
+    every position."""
+    assert_landed_equals_cold(tiny_model_dir, prompts(24, [17, 40, 100]), chunk=24)
+
+
 def test_first_token_finishes(tiny_model_dir, reference):
     """max_new_tokens=1 and EOS / stop id on the first token finish on the decode without a decode step."""
     ids = prompts(7, [50])[0]
-    first = reference(ids)[0]
+    first = reference(ids).tokens[0]
     with make_pair(tiny_model_dir) as pair:
         one = pair.reqs(ids, replace(GREEDY, max_new_tokens=1))
         eos = pair.reqs(ids, replace(GREEDY, ignore_eos=False))
@@ -90,8 +126,7 @@ def test_injected_failures_and_aborts_free_pages(tiny_model_dir, reference):
         assert failed and ok, "the seed should give both outcomes"
         for d in failed:
             assert "KV transfer failed" in str(d.finish_detail)
-        for d, ids in ok:
-            assert d.output_ids == reference(ids)
+        assert_pd_matches([d for d, _ in ok], [ids for _, ids in ok], reference, "rooms that succeeded")
         pair.settle()
     with make_pair(tiny_model_dir, chunk=32) as pair:
         # Decode-side abort while the prefill still computes; prefill-side abort after its prefill.
@@ -180,13 +215,14 @@ def test_first_token_leaves_before_the_next_decode_forward(tiny_model_dir, refer
             pair.prefill.step()
             first = [o for o in pair.decode.step() if o.rid == d.rid]
         assert woke.is_set()
-        assert first[0].token_ids == (reference(ids)[0],)
-        assert d.output_ids == [reference(ids)[0]]  # the decode has not run a forward for it yet
+        want = reference(ids)
+        assert first[0].token_ids == want.tokens[:1]
+        assert d.output_ids == list(want.tokens[:1])  # the decode has not run a forward for it yet
         while not d.finished:
             assert time.monotonic() < end, "decode did not finish within 60 s"
             pair.prefill.step()
             pair.decode.step()
-        assert d.output_ids == reference(ids)
+        assert_pd_matches([d], [ids], reference)
         pair.settle()
 
 

@@ -1,7 +1,8 @@
 """Prefix caching with PD (in one process over the `local` backend, both engines stepped from the
 test thread): the prefill skips computing its cached prefix, the decode asks only for the KV past
-its own cached prefix. Greedy outputs equal the colocated engine without any cache; transferred
-bytes are bounded by the unique suffix; failures and aborts never touch shared pages."""
+its own cached prefix. Greedy outputs (tokens and logprobs) equal the colocated engine without any
+cache, and a corrupted cached page fails that check (negative control); transferred bytes are
+bounded by the unique suffix; failures and aborts never touch shared pages."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import pytest
 from kvpipe.config import FaultInjection
 from kvpipe.engine.request import FinishReason, Req
 from kvpipe.model.presets import write_preset
-from tests.helpers.pd_pair import GREEDY, PS, Pair, colocated_greedy, make_pair
+from tests.helpers.corrupt_kv import KVCorruption
+from tests.helpers.pd_pair import GREEDY, PS, Pair, Reference, assert_pd_matches, colocated_greedy, make_pair
 from tests.helpers.prefix_prompts import shared_prefix_prompts
 
 
@@ -22,15 +24,15 @@ def pair_caches(pair: Pair) -> tuple[bool, bool]:
     return pair.prefill.prefix_cache is not None, pair.decode.prefix_cache is not None
 
 
-def run_waves(pair: Pair, waves: list[list[list[int]]], reference) -> list[Req]:
-    """Each wave runs concurrently after the previous one finished (so later waves can hit)."""
+def run_waves(pair: Pair, waves: list[list[list[int]]], reference: Reference) -> list[Req]:
+    """Each wave runs concurrently after the previous one finished (so later waves can hit); each
+    wave's tokens and logprobs equal the colocated reference's (the message names the wave)."""
     done = []
-    for wave in waves:
+    for k, wave in enumerate(waves):
         reqs = [pair.reqs(ids) for ids in wave]
         pair.run(reqs)
-        for (p, d), ids in zip(reqs, wave):
-            assert d.output_ids == reference(ids), f"{len(ids)}-token prompt: {d.finish_detail}"
-            assert p.finish_reason is FinishReason.LENGTH
+        assert all(p.finish_reason is FinishReason.LENGTH for p, _ in reqs), [p.finish_detail for p, _ in reqs]
+        assert_pd_matches([d for _, d in reqs], wave, reference, f"wave {k}")
         done += [d for _, d in reqs]
     return done
 
@@ -56,7 +58,7 @@ def test_greedy_equals_no_cache(tiny_model_dir, reference, prefill_cache, decode
         # a multi-turn conversation: each turn resends the previous prompt and answer
         convo = ps[3]
         for turn in range(3):
-            convo = convo + reference(convo) + [5 + turn] * (turn + 3)
+            convo = convo + list(reference(convo).tokens) + [5 + turn] * (turn + 3)
             done += run_waves(pair, [[convo]], reference)
         p_hits = pair.prefill.stats()["prefix_hit_tokens"]
         d_hits = pair.decode.stats()["prefix_hit_tokens"]
@@ -64,6 +66,26 @@ def test_greedy_equals_no_cache(tiny_model_dir, reference, prefill_cache, decode
         if prefill_cache:  # the decode reports what the prefill did not compute
             assert any(d.cached_tokens > 0 for d in done)
         assert all(d.cached_tokens % PS == 0 for d in done)
+        pair.settle()
+
+
+def test_a_corrupted_cached_page_fails_the_check(tiny_model_dir, reference):
+    """Negative control: one page the decode's prefix cache holds (the first page of the 16-token
+    prefix, one layer), overwritten after the wave that cached it, makes the next wave's check fail
+    on the prompts that reuse that page, and on those only; a wave that runs before it passes."""
+    ps = shared_prefix_prompts(1)
+    with make_pair(tiny_model_dir, 24, decode_radix_cache=True, prefill_radix_cache=False) as pair:
+        run_waves(pair, [ps[::8], [ps[4], ps[9], ps[10]]], reference)  # caches every prefix; then hits
+        assert pair.decode.prefix_cache is not None
+        pages, _ = pair.decode.prefix_cache.match(ps[0])
+        assert len(pages) >= 1
+        KVCorruption(layer=1, page=0).apply(pair.decode.runner.pool, pages)
+        wave = ps[1:4] + ps[12:14]  # three prompts on the corrupted prefix, two on another
+        with pytest.raises(
+            AssertionError, match=r"(?s)wave 0: same process and TP: prompt 0 .*prompt 2 \([^\n]*\Z"
+        ) as err:
+            run_waves(pair, [wave], reference)
+        assert "prompt 3" not in str(err.value) and "prompt 4" not in str(err.value)
         pair.settle()
 
 
@@ -148,9 +170,8 @@ def test_failures_and_aborts_spare_shared_pages(tiny_model_dir, reference):
         pair.run([], until=lambda: all(p.finished and d.finished for p, d in reqs))
         failed = [d for _, d in reqs if d.finish_reason is FinishReason.ABORT]
         assert len(failed) >= 2
-        for (_, d), x in zip(reqs, ids):
-            if d.finish_reason is not FinishReason.ABORT:
-                assert d.output_ids == reference(x)
+        ok = [(d, x) for (_, d), x in zip(reqs, ids) if d.finish_reason is not FinishReason.ABORT]
+        assert_pd_matches([d for d, _ in ok], [x for _, x in ok], reference, "requests that finished")
         pair.settle()
         assert pair.decode.stats()["cached_pages"] > 0
     with make_pair(tiny_model_dir, 24, decode_radix_cache=True) as pair:  # no failures: all exact
@@ -158,11 +179,11 @@ def test_failures_and_aborts_spare_shared_pages(tiny_model_dir, reference):
         pair.settle()
 
 
-def run_waves_allowing_failures(pair: Pair, ids: list[list[int]], reference) -> None:
+def run_waves_allowing_failures(pair: Pair, ids: list[list[int]], reference: Reference) -> None:
     reqs = [pair.reqs(x) for x in ids]
     pair.run(reqs)
-    for (_, d), x in zip(reqs, ids):
-        assert d.finish_reason is FinishReason.ABORT or d.output_ids == reference(x)
+    ok = [(d, x) for (_, d), x in zip(reqs, ids) if d.finish_reason is not FinishReason.ABORT]
+    assert_pd_matches([d for d, _ in ok], [x for _, x in ok], reference, "requests that finished")
 
 
 def test_soak_under_memory_pressure(tiny_model_dir, reference):
@@ -195,10 +216,10 @@ def test_soak_under_memory_pressure(tiny_model_dir, reference):
                 if rnd.random() < 0.1:
                     (pair.decode if rnd.random() < 0.5 else pair.prefill).abort(d.rid)
             pair.run([], until=lambda reqs=reqs: all(p.finished and d.finished for p, d in reqs), timeout_s=120)
-            for (_, d), x in zip(reqs, ids):
-                if d.finish_reason is not FinishReason.ABORT:
-                    assert d.output_ids == reference(x, params)
-                counts["aborted" if d.finish_reason is FinishReason.ABORT else "ok"] += 1
+            ok = [(d, x) for (_, d), x in zip(reqs, ids) if d.finish_reason is not FinishReason.ABORT]
+            assert_pd_matches([d for d, _ in ok], [x for _, x in ok], reference, "requests that finished")
+            counts["ok"] += len(ok)
+            counts["aborted"] += len(reqs) - len(ok)
         assert pair.decode.stats()["prefix_hit_tokens"] > 0
         pair.settle()
         print(f"soak: {counts}, prefill {pair.prefill.stats()}, decode {pair.decode.stats()}")

@@ -1,7 +1,7 @@
 """Prefix caching on both PD servers through sglang-router, with TP on either side (Mooncake over
 loopback): 32 prompts sharing 4 prefixes (page-aligned and not), chunked prefill that does not
-divide the page size, layer pipelining on and off. Greedy tokens equal the colocated engine with
-no cache; the decode reports the prefill's cached tokens natively and in OpenAI usage; the
+divide the page size, layer pipelining on and off. Greedy tokens and logprobs equal the colocated
+engine with no cache; the decode reports the prefill's cached tokens natively and in OpenAI usage; the
 prefill sends less KV than the prompts hold; every page comes back on both sides."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from kvpipe.engine.request import SamplingParams
 from tests.helpers.pd_parity import expected_bytes
 from tests.helpers.pd_stack import TP_PS, close_and_check_no_orphans, disagg_stats, generate, greedy, start_tp_stack
 from tests.helpers.prefix_prompts import shared_prefix_prompts
+from tests.helpers.tolerance import Generation, Route, assert_same_generations
 
 pytest.importorskip("mooncake.engine")
 
@@ -26,7 +27,7 @@ PS, NEW = TP_PS, 4  # the tiny preset, fp32
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir: Path) -> list[list[int]]:
+def reference(tiny_model_dir: Path) -> list[Generation]:
     eng = Engine(
         ServerConfig(model_path=str(tiny_model_dir), cache=CacheConfig(page_size=PS, num_pages=256, radix_cache=False))
     )
@@ -36,7 +37,7 @@ def reference(tiny_model_dir: Path) -> list[list[int]]:
         )
     finally:
         eng.shutdown()
-    return [o["output_ids"] for o in outs]
+    return [Generation.of(o) for o in outs]
 
 
 @pytest.mark.parametrize("p_tp,d_tp,groups", [(1, 2, 2), (2, 1, 1)])
@@ -58,15 +59,16 @@ def test_cached_prefixes_through_router(
     try:
 
         def one(i: int) -> dict:
-            return generate(stack.router, {"input_ids": ps[i], "sampling_params": greedy(NEW)})
+            return generate(stack.router, {"input_ids": ps[i], "sampling_params": greedy(NEW), "return_logprob": True})
 
         first = list(range(0, len(ps), 8))  # one prompt per prefix fills both caches
         rest = [i for i in range(len(ps)) if i % 8]
         outs = {i: one(i) for i in first}
         with ThreadPoolExecutor(8) as pool:
             outs.update(zip(rest, pool.map(one, rest)))
-        for i, out in outs.items():
-            assert out["output_ids"] == reference[i], (i, len(ps[i]), out["meta_info"])
+        # TP servers against this process's TP 1 engine: Route.ACROSS_PROCESSES
+        got = [Generation.of(outs[i]) for i in range(len(ps))]
+        assert_same_generations(got, reference, Route.ACROSS_PROCESSES, ps, f"prefill TP {p_tp}, decode TP {d_tp}")
         cached = [outs[i]["meta_info"]["cached_tokens"] for i in rest]
         kv_prompts = disagg_stats(stack.prefill)["bytes_written"]  # every write of the 32 prompts is done
         assert all(c % PS == 0 for c in cached) and sum(c > 0 for c in cached) >= len(rest) // 2, cached

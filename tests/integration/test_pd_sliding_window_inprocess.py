@@ -1,9 +1,9 @@
 """PD of tiny-gpt-oss (sliding window 32) with a prefill Engine and a decode Engine in one
-process (local backend, real bootstrap and ZMQ): greedy tokens equal the colocated engine's with
-and without chunked prefill (chunks that cut the window and the pages) and layer groups; the
-bytes written are every page of the full layers plus the prompt's last-window pages of the
-sliding layers; every page (both tables) is free afterwards on both sides, also after injected
-transfer failures and aborts."""
+process (local backend, real bootstrap and ZMQ): greedy tokens and logprobs equal the colocated
+engine's with and without chunked prefill (chunks that cut the window and the pages) and layer
+groups; the bytes written are every page of the full layers plus the prompt's last-window pages
+of the sliding layers; every page (both tables) is free afterwards on both sides, also after
+injected transfer failures and aborts."""
 
 from __future__ import annotations
 

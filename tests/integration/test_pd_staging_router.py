@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from kvpipe.model.presets import write_preset
-from tests.helpers.pd_parity import LOGPROB_TOL, colocated_reference, expected_bytes
+from tests.helpers.pd_parity import ROUTE, colocated_reference, expected_bytes
 from tests.helpers.pd_stack import close_and_check_no_orphans, disagg_stats, generate, greedy, start_tp_stack
+from tests.helpers.tolerance import Generation, assert_same_generations
 
 pytest.importorskip("mooncake.engine")
 
@@ -34,7 +35,7 @@ def kv4_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(kv4_model_dir: Path) -> list[tuple[list[int], list[float]]]:
+def reference(kv4_model_dir: Path) -> list[Generation]:
     return colocated_reference(kv4_model_dir, prompts(), NEW, PS)
 
 
@@ -67,10 +68,7 @@ def test_staged_pd_matches_colocated(
 
         with ThreadPoolExecutor(len(LENGTHS)) as pool:  # concurrent: chunks of several rooms share the ring
             outs = list(pool.map(one, prompts()))
-        for n, out, (ref_ids, ref_lp) in zip(LENGTHS, outs, reference):
-            assert out["output_ids"] == ref_ids, (n, out["meta_info"])
-            got = [t[0] for t in out["meta_info"]["output_token_logprobs"]]
-            assert max(abs(a - b) for a, b in zip(got, ref_lp)) < LOGPROB_TOL, (n, got, ref_lp)
+        assert_same_generations([Generation.of(o) for o in outs], reference, ROUTE, prompts(), "staged")
         stack.prefill.wait_idle(30)
         stack.decode.wait_idle(30)
         st = disagg_stats(stack.prefill)

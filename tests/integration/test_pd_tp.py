@@ -33,6 +33,7 @@ from tests.helpers.pd_stack import (
     start_tp_stack,
     wait_for,
 )
+from tests.helpers.tolerance import Generation
 
 pytest.importorskip("mooncake.engine")
 
@@ -45,7 +46,7 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir: Path) -> list[tuple[list[int], list[float]]]:
+def reference(tiny_model_dir: Path) -> list[Generation]:
     return colocated_reference(tiny_model_dir, prompts(), NEW, PS)
 
 

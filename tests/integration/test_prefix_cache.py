@@ -1,5 +1,5 @@
-"""The radix (prefix) cache in a colocated engine: greedy outputs with the cache equal outputs
-without it for prompts sharing prefixes of varied lengths (page-aligned and not), chunk sizes that
+"""The radix (prefix) cache in a colocated engine: greedy outputs (tokens and logprobs) with the
+cache equal outputs without it for prompts sharing prefixes of varied lengths (page-aligned and not), chunk sizes that
 do not divide the page size, one at a time and batched; cached_tokens says what was skipped; a
 pool small enough to force eviction still serves everything exactly and ends with every page
 free or evictable."""
@@ -11,7 +11,8 @@ import random
 import pytest
 
 from kvpipe.engine.request import Req, SamplingParams
-from tests.helpers.engine import make_engine
+from tests.helpers.engine import generations, make_engine, one_at_a_time
+from tests.helpers.tolerance import Generation, Route, assert_same_generations
 
 PS = 16
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
@@ -35,10 +36,10 @@ def shared_prefix_prompts(seed: int = 0) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir) -> list[list[int]]:
+def reference(tiny_model_dir) -> list[Generation]:
     eng = make_engine(tiny_model_dir, page_size=PS)
     try:
-        return [eng.generate([p], GREEDY)[0]["output_ids"] for p in shared_prefix_prompts()]
+        return one_at_a_time(eng, shared_prefix_prompts(), GREEDY)
     finally:
         eng.shutdown()
 
@@ -49,14 +50,14 @@ def test_cache_keeps_outputs_and_reports_cached_tokens(tiny_model_dir, reference
     try:
         ps = shared_prefix_prompts()
         results = [eng.generate([p], GREEDY)[0] for p in ps]  # one at a time: later ones hit the cache
-        assert [r["output_ids"] for r in results] == reference
+        assert_same_generations([Generation.of(r) for r in results], reference, Route.SAME_PROCESS, ps, "one at a time")
         cached = [r["meta_info"]["cached_tokens"] for r in results]
         assert all(c % PS == 0 and c < len(p) for c, p in zip(cached, ps))
         assert cached[0] == 0 and cached[1] == 48  # the second of the group reuses the 3-page system prompt
         assert cached[5] == 32  # 37-token system prompt: 2 whole pages are shared
         assert sum(cached) > 0.3 * sum(len(p) for p in ps)
         # batched: the same outputs again (everything is cached now)
-        assert [r["output_ids"] for r in eng.generate(ps, GREEDY)] == reference
+        assert_same_generations(generations(eng, ps, GREEDY), reference, Route.SAME_PROCESS, ps, "batched")
         st = eng.stats()
         assert st["cached_pages"] > 0 and st["free_pages"] == st["total_pages"]  # all evictable at idle
         assert eng.prefix_cache is not None and eng.prefix_cache.locked_pages == 0
@@ -71,7 +72,7 @@ def test_eviction_under_page_pressure(tiny_model_dir, reference):
     try:
         ps = shared_prefix_prompts()
         for _ in range(2):
-            assert [eng.generate([p], GREEDY)[0]["output_ids"] for p in ps] == reference
+            assert_same_generations(one_at_a_time(eng, ps, GREEDY), reference, Route.SAME_PROCESS, ps)
         cache = eng.prefix_cache
         assert cache is not None and cache.locked_pages == 0
         held = cache.all_pages()

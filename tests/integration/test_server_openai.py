@@ -11,7 +11,9 @@ import openai
 import pytest
 
 from kvpipe.model.tokenizer import Tokenizer
+from tests.helpers.engine import CONTEXT_FACTOR
 from tests.helpers.server import ServerProc, server_fixture
+from tests.helpers.tolerance import Generation, Route, assert_same_generations, generation_atol
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -56,13 +58,28 @@ def test_chat_non_stream_matches_native(client: openai.OpenAI, server: ServerPro
 
 
 def test_chat_content_parts_and_max_completion_tokens(client: openai.OpenAI) -> None:
-    parts = [{"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hi"}]}]
-    r = client.chat.completions.create(model=MODEL, messages=parts, max_completion_tokens=4, temperature=0)
-    r2 = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Say hi"}], max_tokens=4, temperature=0
-    )
-    assert r.choices[0].message.content == r2.choices[0].message.content
-    assert r.usage.completion_tokens <= 4
+    """Content parts are joined into the same prompt as the plain string (same tokens and logprobs),
+    and the answer depends on that content: other parts, or none, give another answer (every chat
+    prompt ends in the same template tokens, so only the context can tell them apart)."""
+
+    def chat(content, **limit) -> tuple[Generation, str]:
+        r = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": content}], temperature=0, logprobs=True, **limit
+        )
+        assert r.usage.completion_tokens <= 4
+        lps = r.choices[0].logprobs.content
+        return Generation(tuple(c.token for c in lps), tuple(c.logprob for c in lps)), r.choices[0].message.content
+
+    parts, text = chat([{"type": "text", "text": "Say "}, {"type": "text", "text": "hi"}], max_completion_tokens=4)
+    plain, plain_text = chat("Say hi", max_tokens=4)
+    # one server process, one prompt at a time: Route.SAME_PROCESS
+    assert_same_generations([parts], [plain], Route.SAME_PROCESS, what="content parts vs the same string")
+    assert text == plain_text
+    floor = CONTEXT_FACTOR * generation_atol(Route.ACROSS_PROCESSES, [plain])
+    for other in ([{"type": "text", "text": "Tell me "}, {"type": "text", "text": "a story"}], ""):
+        got, _ = chat(other, max_completion_tokens=4)
+        assert got.tokens != plain.tokens, (other, got, plain)
+        assert got.tokens[0] != plain.tokens[0] or abs(got.logprobs[0] - plain.logprobs[0]) > floor, (other, got, plain)
 
 
 def test_chat_stream_with_usage(client: openai.OpenAI) -> None:

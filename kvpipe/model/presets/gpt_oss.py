@@ -4,10 +4,12 @@ transformers. Kept apart from llama.PresetSpec so the other presets' files stay 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
+from kvpipe.model.presets.scale import WEIGHT_GAIN
 from kvpipe.model.registry import hf_header
 
 
@@ -26,7 +28,7 @@ class GptOssPresetSpec:
     rope_theta: float = 150000.0
     yarn_factor: float = 2.0  # GPT-OSS ships yarn with truncate=false
     yarn_original_max_position_embeddings: int = 4096
-    weight_std: float = 0.02
+    weight_gain: float = WEIGHT_GAIN  # a projection's std is weight_gain / sqrt(fan_in)
     embed_std: float = 1.0
     bias_std: float = 0.02
     sink_std: float = 1.0  # sinks of a few units: they take a visible share of each softmax
@@ -94,8 +96,10 @@ def weights(spec: GptOssPresetSpec, vocab_size: int, seed: int) -> dict[str, tor
     h, d, e, inter = spec.hidden_size, spec.head_dim, spec.num_experts, spec.expert_intermediate_size
     q, kv = spec.num_heads * d, spec.num_kv_heads * d
 
-    def rnd(*shape: int, std: float = spec.weight_std) -> torch.Tensor:
-        return torch.randn(*shape, generator=g, dtype=torch.float32) * std
+    def rnd(*shape: int, std: float | None = None) -> torch.Tensor:
+        """Random [out, in] weights of std weight_gain / sqrt(in), or of `std`."""
+        scale = spec.weight_gain / math.sqrt(shape[-1]) if std is None else std
+        return torch.randn(*shape, generator=g, dtype=torch.float32) * scale
 
     w = {"model.embed_tokens.weight": rnd(vocab_size, h, std=spec.embed_std)}
     for i in range(spec.num_layers):
@@ -110,10 +114,10 @@ def weights(spec: GptOssPresetSpec, vocab_size: int, seed: int) -> dict[str, tor
         m = p + "mlp."
         w[m + "router.weight"] = rnd(e, h)
         w[m + "router.bias"] = rnd(e, std=spec.bias_std)
-        # fused experts, x @ W layout; gate/up interleaved along the last dim
-        w[m + "experts.gate_up_proj"] = rnd(e, h, 2 * inter)
+        # fused experts, x @ W layout ([experts, in, out]); gate/up interleaved along the last dim
+        w[m + "experts.gate_up_proj"] = rnd(e, h, 2 * inter, std=spec.weight_gain / math.sqrt(h))
         w[m + "experts.gate_up_proj_bias"] = rnd(e, 2 * inter, std=spec.bias_std)
-        w[m + "experts.down_proj"] = rnd(e, inter, h)
+        w[m + "experts.down_proj"] = rnd(e, inter, h, std=spec.weight_gain / math.sqrt(inter))
         w[m + "experts.down_proj_bias"] = rnd(e, h, std=spec.bias_std)
     w["model.norm.weight"] = torch.ones(h)
     w["lm_head.weight"] = rnd(vocab_size, h)

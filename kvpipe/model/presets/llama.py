@@ -8,6 +8,7 @@ transfer benchmarks.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ import torch
 
 from kvpipe.config import ConfigError
 from kvpipe.model.presets.deepseek import MLAPresetSpec, deepseek_v3_config, mla_attention_weights
+from kvpipe.model.presets.scale import WEIGHT_GAIN
 from kvpipe.model.registry import hf_header
 
 
@@ -48,7 +50,7 @@ class PresetSpec:
     max_position_embeddings: int = 8192
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = False  # untied: a tied random model mostly echoes its input token
-    weight_std: float = 0.02
+    weight_gain: float = WEIGHT_GAIN  # a projection's std is weight_gain / sqrt(fan_in)
     embed_std: float = 1.0
     moe: MoEPresetSpec | None = None  # None: a dense Llama
     mla: MLAPresetSpec | None = None  # latent attention (DeepSeek-V3); num_kv_heads is then unused
@@ -181,8 +183,10 @@ def weights(spec: PresetSpec, vocab_size: int, seed: int) -> dict[str, torch.Ten
     g = torch.Generator().manual_seed(seed)
     h, d, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
 
-    def rnd(*shape: int, std: float = spec.weight_std) -> torch.Tensor:
-        return torch.randn(*shape, generator=g, dtype=torch.float32) * std
+    def rnd(*shape: int, std: float | None = None) -> torch.Tensor:
+        """Random [out, in] weights of std weight_gain / sqrt(in), or of `std`."""
+        scale = spec.weight_gain / math.sqrt(shape[-1]) if std is None else std
+        return torch.randn(*shape, generator=g, dtype=torch.float32) * scale
 
     w = {"model.embed_tokens.weight": rnd(vocab_size, h, std=spec.embed_std)}
     for i in range(spec.num_layers):

@@ -5,10 +5,12 @@ stay byte-identical; a dense spec's file has no `moe` key (writer._spec_json dro
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
+from kvpipe.model.presets.scale import WEIGHT_GAIN
 from kvpipe.model.registry import hf_header
 
 
@@ -41,7 +43,7 @@ class Qwen3_5PresetSpec:
     partial_rotary_factor: float = 0.25
     max_position_embeddings: int = 8192
     rope_theta: float = 10000.0
-    weight_std: float = 0.02
+    weight_gain: float = WEIGHT_GAIN  # a projection's std is weight_gain / sqrt(fan_in)
     embed_std: float = 1.0
     conv_std: float = 0.3
     moe: Qwen3_5MoeSpec | None = None  # None: the dense MLP of intermediate_size (Qwen3.5)
@@ -144,8 +146,10 @@ def weights(spec: Qwen3_5PresetSpec, vocab_size: int, seed: int) -> dict[str, to
     dk, dv = spec.linear_key_head_dim, spec.linear_value_head_dim
     conv_dim = 2 * nk * dk + nv * dv
 
-    def rnd(*shape: int, std: float = spec.weight_std) -> torch.Tensor:
-        return torch.randn(*shape, generator=g, dtype=torch.float32) * std
+    def rnd(*shape: int, std: float | None = None) -> torch.Tensor:
+        """Random [out, in] weights of std weight_gain / sqrt(in), or of `std`."""
+        scale = spec.weight_gain / math.sqrt(shape[-1]) if std is None else std
+        return torch.randn(*shape, generator=g, dtype=torch.float32) * scale
 
     w = {"model.embed_tokens.weight": rnd(vocab_size, h, std=spec.embed_std)}
     for i, kind in enumerate(spec.layer_types):
