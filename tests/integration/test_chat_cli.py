@@ -149,9 +149,22 @@ def test_history_reset_and_eof(server: ServerProc, tok: Tokenizer) -> None:
     assert all(0 < t[2] <= 8 for t in turns)
 
 
+def long_answer_prompt(server: ServerProc, n: int) -> str:
+    """A first message whose greedy answer on the served (random-weight) model runs the full `n`
+    tokens without EOS, so the answer is still running when the test interrupts it. Which one
+    does depends on the preset's weights, so it is asked, not assumed."""
+    for text in ("Write a very long story.", "Tell me everything.", "Go on and on.", "List a thousand words."):
+        body = {"messages": [user(text)], "max_tokens": n, "temperature": 0}
+        r = server.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        if r.json()["choices"][0]["finish_reason"] == "length":
+            return text
+    raise AssertionError(f"every candidate's greedy answer ended before {n} tokens on this model")
+
+
 def test_ctrl_c_stops_the_answer_and_keeps_the_session(server: ServerProc, tok: Tokenizer) -> None:
-    u1, u2 = "Write a very long story.", "Shorter, please."
-    n = 120  # greedy on the tiny model says no EOS in these: the answer is still running at the SIGINT
+    n = 120
+    u1, u2 = long_answer_prompt(server, n), "Shorter, please."
     server.wait_idle()
     aborted = server.metric("kvpipe_requests_total", 'finish_reason="abort"')
     chat = ChatProc(server.url, "--max-tokens", str(n), "--temperature", "0")
