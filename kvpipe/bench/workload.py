@@ -126,8 +126,8 @@ class WorkloadConfig:
             raise ValueError(f"api must be generate or chat, got {self.api.value}")
         if self.api is Api.CHAT and self.num_turns > 1:
             raise ValueError(
-                "multi-turn mode (num_turns > 1) sends token-id conversations to /generate; "
-                "with api chat every request is one user message (use api generate for several turns)"
+                "multi-turn mode (--num-turns > 1) resends token-id conversations to /generate; with "
+                "--api chat every request is one user message: use --api generate for several turns"
             )
         if self.num_prefix_groups and self.prefix_len >= self.prompt_lens.min():
             raise ValueError(
