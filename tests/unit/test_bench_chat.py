@@ -52,6 +52,7 @@ def test_chat_workload_is_the_generate_ids_as_one_user_message() -> None:
         assert body["messages"] == [{"role": "user", "content": c.prompt}]
         assert (body["max_tokens"], body["ignore_eos"], body["temperature"], body["stream"]) == (3, True, 0.0, True)
         assert body["stream_options"] == {"include_usage": True} and body["model"] == "m"
+        assert "model" not in c.body()  # no name: the server serves its own model
 
 
 def test_chat_shared_prefix_stays_a_shared_text_head() -> None:
