@@ -2,8 +2,9 @@
 the finish reason and a failure carried in a body or a stream event.
 
 SGLang's native `/generate` reports `meta_info` (completion_tokens, finish_reason {type, message},
-cached_tokens) and cumulative `output_ids`; the OpenAI APIs report `choices[0].finish_reason`
-and, with include_usage, `usage.completion_tokens`.
+cached_tokens, prompt_tokens) and cumulative `output_ids`; the OpenAI APIs report
+`choices[0].finish_reason` and, with include_usage, `usage.completion_tokens` and
+`usage.prompt_tokens` (for a chat: the prompt as the server rendered it, chat template included).
 """
 
 from __future__ import annotations
@@ -89,6 +90,14 @@ def failure(api: Api, obj: dict) -> Failure | None:
     if fin == "abort":
         return Failure(msg, f"aborted: {msg}" if msg else "finish_reason abort without a message")
     return None
+
+
+def prompt_tokens(api: Api, obj: dict) -> int | None:
+    """The prompt's token count as the server reports it (native: meta_info; OpenAI: the usage,
+    when reported); None when not reported."""
+    src = (obj.get("meta_info") if api is Api.GENERATE else obj.get("usage")) or {}
+    n = src.get("prompt_tokens")
+    return n if isinstance(n, int) and not isinstance(n, bool) else None
 
 
 def cached_tokens(obj: dict) -> int | None:

@@ -17,6 +17,18 @@ COMPARE_MODES = (PD, INPROC)
 COMPARE_KEYS = ("e2e_p50_ms", "e2e_p90_ms", "ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms")
 
 
+# per side: how many completed, and the prompt tokens the server counted (a chat's rendered prompt)
+_COUNTS = ("completed", "failed", "prompt_tokens_mean")
+
+
+def _prompt_head(r: Mapping[str, Any]) -> str:
+    """'prompt N tokens', and the server's mean count where it differs (chat: the rendered prompt)."""
+    counted = r["pd"].get("prompt_tokens_mean") or r["colocated"].get("prompt_tokens_mean")
+    if counted is None or round(counted) == r["prompt_len"]:
+        return f"prompt {r['prompt_len']} tokens (ms)"
+    return f"prompt {r['prompt_len']} tokens, {counted:,.0f} as the server counted them (ms)"
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
@@ -32,8 +44,8 @@ def compare_rows(points: Iterable[SweepPoint]) -> list[dict[str, Any]]:
         rows.append(
             {
                 "prompt_len": n,
-                "pd": {k: pd.get(k) for k in (*COMPARE_KEYS, "completed", "failed")},
-                "colocated": {k: colo.get(k) for k in (*COMPARE_KEYS, "completed", "failed")},
+                "pd": {k: pd.get(k) for k in (*COMPARE_KEYS, *_COUNTS)},
+                "colocated": {k: colo.get(k) for k in (*COMPARE_KEYS, *_COUNTS)},
                 "ratio": {k: _ratio(pd.get(k), colo.get(k)) for k in COMPARE_KEYS},
             }
         )
@@ -64,7 +76,7 @@ def compare_table(rows: Iterable[Mapping[str, Any]], threads: Mapping[str, Mappi
     head = ["e2e p50", "e2e p90", "TTFT p50", "TTFT p90", "TPOT p50"]
     lines = []
     for r in rows:
-        lines.append(f"prompt {r['prompt_len']} tokens (ms)")
+        lines.append(_prompt_head(r))
         width = max(len(pd_label), len(colo_label), len("PD / colocated"))
         lines.append(" " * width + "".join(f"{h:>10}" for h in head))
         lines.append(f"{pd_label:<{width}}" + "".join(f"{_ms(r['pd'][k]):>10}" for k in COMPARE_KEYS))

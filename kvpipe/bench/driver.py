@@ -33,6 +33,7 @@ from kvpipe.bench.answers import (
     output_ids,
     output_tokens,
     parse_sse_line,
+    prompt_tokens,
 )
 from kvpipe.bench.outcome import End, Outcome
 from kvpipe.bench.request import Prompt, Request
@@ -62,6 +63,7 @@ class _Recording:
         self.finish: str | None = None  # the finish type, once one came
         self.ids: tuple[int, ...] = ()
         self.cached: int | None = None
+        self.server_prompt: int | None = None  # the prompt tokens the server reported
 
     def see(self, obj: dict) -> None:
         """A stream event or a plain body: its tokens (stamped when new), ids, finish reason."""
@@ -81,6 +83,9 @@ class _Recording:
         cached = cached_tokens(obj)
         if cached is not None:
             self.cached = cached
+        prompt = prompt_tokens(api, obj)
+        if prompt is not None:
+            self.server_prompt = prompt
         fin, _ = finish(api, obj)
         if fin is not None:
             self.finish = fin
@@ -101,6 +106,7 @@ class _Recording:
             output_ids=self.ids,
             cached_tokens=self.cached,
             events=self.events,
+            server_prompt_tokens=self.server_prompt,
         )
 
     def judged(self, obj: dict) -> Outcome | None:

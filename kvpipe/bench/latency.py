@@ -31,7 +31,7 @@ class RequestMetrics:
     e2e_s: float
     tpot_s: float | None  # None for single-token outputs
     itl_s: tuple[float, ...]
-    prompt_len: int
+    prompt_len: int | None  # prompt tokens, the server's count where it reported one (Outcome.prompt_tokens)
     output_tokens: int
 
 
@@ -50,7 +50,7 @@ def request_metrics(rec: Outcome) -> RequestMetrics:
     for (t0, c0), (t1, c1) in zip(zip(times, counts), zip(times[1:], counts[1:])):
         k = c1 - c0
         itl.extend([(t1 - t0) / k] * k)
-    return RequestMetrics(ttft, end - rec.start_s, tpot, tuple(itl), rec.prompt_len, n)
+    return RequestMetrics(ttft, end - rec.start_s, tpot, tuple(itl), rec.prompt_tokens, n)
 
 
 def completed_metrics(records: Sequence[Outcome]) -> list[RequestMetrics]:
@@ -81,7 +81,8 @@ def summarize(records: Sequence[Outcome], duration_s: float) -> dict[str, float 
         raise ValueError(f"duration_s must be > 0, got {duration_s}")
     done = completed_metrics(records)
     out_tokens = sum(m.output_tokens for m in done)
-    in_tokens = sum(m.prompt_len for m in done)
+    in_tokens = sum(m.prompt_len for m in done if m.prompt_len is not None)
+    counted = sum(m.prompt_len is not None for m in done)
     summary: dict[str, float | int | None] = {
         "num_requests": len(records),
         "completed": len(done),
@@ -98,7 +99,9 @@ def summarize(records: Sequence[Outcome], duration_s: float) -> dict[str, float 
     summary |= _stat_block("itl", [x for m in done for x in m.itl_s])
     summary |= _stat_block("e2e", [m.e2e_s for m in done])
     cached = [r.cached_tokens for r in records if r.ok and r.cached_tokens is not None]
-    summary["prompt_tokens_mean"] = in_tokens / len(done) if done else None
+    summary["prompt_tokens_mean"] = in_tokens / counted if counted else None
+    if counted < len(done):  # text prompts the server gave no token count for: not in the input totals
+        summary["prompt_tokens_unreported"] = len(done) - counted
     summary["cached_tokens_mean"] = float(np.mean(cached)) if cached else None
     return summary
 

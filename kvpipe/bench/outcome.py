@@ -30,7 +30,7 @@ class Outcome:
     end: End
     start_s: float  # sent (a request never sent: when it was given up)
     end_s: float  # its final status
-    prompt_len: int  # what was sent (a follow-up turn: the whole conversation)
+    prompt_len: int  # what was sent: tokens, or a text prompt's characters (a follow-up: the whole conversation)
     http_status: int | None = None  # None: no response
     body: str = ""  # an HTTP error's body (at most 300 characters)
     message: str = ""  # the server's own error message ("" when it gave none)
@@ -40,6 +40,8 @@ class Outcome:
     output_ids: tuple[int, ...] = ()  # the final cumulative output ids (native API)
     cached_tokens: int | None = None  # meta_info.cached_tokens of the last event (None: not reported)
     events: int = 0  # stream events received (a plain answer: 1)
+    # the prompt's tokens as the server counted them (a chat: rendered with its template); None: not reported
+    server_prompt_tokens: int | None = None
 
     @property
     def index(self) -> int:
@@ -48,6 +50,14 @@ class Outcome:
     @property
     def ok(self) -> bool:
         return self.end is End.OK
+
+    @property
+    def prompt_tokens(self) -> int | None:
+        """Prompt tokens: the server's count, else the length of a token-id prompt; None for a
+        text prompt the server gave no count for (its characters are no token count)."""
+        if self.server_prompt_tokens is not None:
+            return self.server_prompt_tokens
+        return None if isinstance(self.request.prompt, str) else self.prompt_len
 
     @property
     def output_tokens(self) -> int:

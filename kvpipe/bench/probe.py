@@ -141,13 +141,26 @@ def model_config(model_path: str | Path) -> dict[str, Any] | None:
 def server_model_path(url: str, timeout_s: float = 5.0) -> str | None:
     """The local checkpoint a server (or the router in front of it) reports: kvpipe's
     `checkpoint_path` (a directory or a .gguf file), else SGLang's `model_path` (a directory)."""
+    return _server_path(url, ("checkpoint_path", "model_path"), timeout_s)
+
+
+def server_tokenizer_path(url: str, timeout_s: float = 5.0) -> str | None:
+    """Where the tokenizer a server reports lives: its `tokenizer_path` (a local directory), else
+    its checkpoint (a .gguf file holds its tokenizer)."""
+    return _server_path(url, ("tokenizer_path", "checkpoint_path", "model_path"), timeout_s)
+
+
+def _server_path(url: str, keys: tuple[str, ...], timeout_s: float) -> str | None:
+    """The first of `keys` a server's model/server info holds (the first info that holds any)."""
     base = url.rstrip("/")
     for path in ("/model_info", "/get_model_info", "/server_info", "/get_server_info"):
         try:
             r = httpx.get(base + path, timeout=timeout_s)
             info = r.json() if r.status_code == 200 else None
-            if isinstance(info, dict) and (info.get("checkpoint_path") or info.get("model_path")):
-                return str(info.get("checkpoint_path") or info["model_path"])
         except (httpx.HTTPError, ValueError):
             continue
+        if isinstance(info, dict):
+            found = next((info[k] for k in keys if info.get(k)), None)
+            if found:
+                return str(found)
     return None

@@ -49,7 +49,7 @@ class Request:
 
     def body(self, model: str = "", prompt: Sequence[int] | str | None = None) -> dict[str, Any]:
         """The JSON body for `api.path`; `prompt` replaces the request's own (a follow-up's whole
-        conversation); `model` names the model for the OpenAI APIs."""
+        conversation); `model` names the model for the OpenAI APIs ("" sends none)."""
         p = self.prompt if prompt is None else prompt
         sent: list[int] | str = p if isinstance(p, str) else list(p)
         if self.api is Api.GENERATE:
@@ -59,12 +59,13 @@ class Request:
                 "sampling_params": {"max_new_tokens": self.max_tokens, "temperature": 0.0, "ignore_eos": True},
             }
         body: dict[str, Any] = {
-            "model": model,
             "max_tokens": self.max_tokens,
             "temperature": 0.0,
             "ignore_eos": True,
             "stream": self.stream,
         }
+        if model:  # no name: the server's own model (a wrong name is refused with 404)
+            body["model"] = model
         if self.stream:  # the last chunk then reports the token count
             body["stream_options"] = {"include_usage": True}
         if self.api is Api.CHAT:

@@ -9,6 +9,10 @@ Sweep, one stack per mode started here (optionally across an emulated link, need
 The local PD stack (as `kvpipe launch` starts it, cores split) against a colocated server:
     kvpipe bench serve --compare-colocated --prompt-lens 362 --output-lens 32 --concurrency 4 \
         --num-requests 32                      # table of e2e/TTFT p50/p90 and PD/colocated ratios
+Any of them with `--api chat`: the seeded prompt ids decoded with the model's tokenizer and sent to
+/v1/chat/completions as one user message, so the server renders its chat template; prompt-token
+figures are then the server's counts of the rendered prompts (shared prefixes work, several turns
+do not).
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ import argparse
 import math
 import sys
 
+from kvpipe.bench.chat_text import open_chat_text
 from kvpipe.bench.plot import plot_run
-from kvpipe.bench.probe import server_model_path
+from kvpipe.bench.probe import server_model_path, server_tokenizer_path
 from kvpipe.bench.serve_run import config_dict, direct, emit, measure, vocab_size, workload_config
 from kvpipe.bench.serve_sweep import run_sweep_cmd
 from kvpipe.bench.sigterm import sigterm_as_exit
@@ -26,6 +31,13 @@ from kvpipe.bench.sigterm import sigterm_as_exit
 
 def add_args(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload")
+    w.add_argument(
+        "--api",
+        choices=("generate", "chat"),
+        default="generate",
+        help="generate: token-id prompts to /generate; chat: the same ids as text, one user message to "
+        "/v1/chat/completions (the server applies its chat template; prompt tokens are its counts)",
+    )
     w.add_argument("--prompt-lens", default="1024", help="N | N,N,... (cycled) | uniform:LO:HI")
     w.add_argument("--output-lens", default="16", help="output tokens, same forms as --prompt-lens")
     w.add_argument("--num-requests", type=int, default=8, help="requests per run (per point in a sweep)")
@@ -92,8 +104,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def run_single(args: argparse.Namespace) -> int:
     model_path = args.model_path or (None if args.vocab_size else server_model_path(args.url))
-    cfg = workload_config(args, vocab_size(args, model_path), args.prompt_lens)
-    summary, outcomes = measure(direct, args.url, cfg, args, "requests")
+    text = open_chat_text(args.model_path or server_tokenizer_path(args.url)) if args.api == "chat" else None
+    cfg = workload_config(args, vocab_size(args, model_path, text), args.prompt_lens)
+    summary, outcomes = measure(direct, args.url, cfg, args, "requests", text=text)
     result = {"url": args.url, "workload": config_dict(cfg, args), "summary": summary}
     emit(result, args, lambda path: plot_run(outcomes, summary, path))
     return 0 if summary["completed"] else 1

@@ -13,9 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from kvpipe.bench import driver
+from kvpipe.bench.chat_text import ChatText
 from kvpipe.bench.latency import first_errors, summarize
 from kvpipe.bench.outcome import Outcome
 from kvpipe.bench.probe import model_config
+from kvpipe.bench.request import Api
 from kvpipe.bench.workload import WorkloadConfig, build_workload, parse_lengths
 
 # how a request is run where the server is reachable: directly, or by Endpoint.call (a thread
@@ -27,14 +29,17 @@ def direct(fn: Callable[..., Any], *args: Any) -> Any:
     return fn(*args)
 
 
-def vocab_size(args: argparse.Namespace, model_path: str | None) -> int:
-    """--vocab-size, else the model's config.json vocab_size."""
+def vocab_size(args: argparse.Namespace, model_path: str | None, text: ChatText | None = None) -> int:
+    """--vocab-size, else the model's config.json vocab_size; with chat prompts at most the
+    tokenizer's (a checkpoint's embedding may be padded past the ids its tokenizer decodes)."""
     if args.vocab_size:
-        return int(args.vocab_size)
-    cfg = model_config(model_path) if model_path else None
-    if not cfg or not isinstance(cfg.get("vocab_size"), int):
-        raise SystemExit(f"kvpipe bench serve: cannot read vocab_size from {model_path!r}; pass --vocab-size")
-    return int(cfg["vocab_size"])
+        n = int(args.vocab_size)
+    else:
+        cfg = model_config(model_path) if model_path else None
+        if not cfg or not isinstance(cfg.get("vocab_size"), int):
+            raise SystemExit(f"kvpipe bench serve: cannot read vocab_size from {model_path!r}; pass --vocab-size")
+        n = int(cfg["vocab_size"])
+    return min(n, text.vocab_size) if text is not None else n
 
 
 def workload_config(args: argparse.Namespace, vocab: int, prompt_lens: str | int) -> WorkloadConfig:
@@ -51,6 +56,7 @@ def workload_config(args: argparse.Namespace, vocab: int, prompt_lens: str | int
             args.token_id_low,
             args.num_turns,
             args.turn_len,
+            Api(args.api),
         )
     except ValueError as e:
         raise SystemExit(f"kvpipe bench serve: {e}") from None
@@ -63,9 +69,17 @@ def warmup_config(cfg: WorkloadConfig, args: argparse.Namespace) -> WorkloadConf
     )
 
 
-def warm_up(call: Call, url: str, cfg: WorkloadConfig, args: argparse.Namespace, desc: str, progress: bool) -> None:
+def warm_up(
+    call: Call,
+    url: str,
+    cfg: WorkloadConfig,
+    args: argparse.Namespace,
+    desc: str,
+    progress: bool,
+    text: ChatText | None = None,
+) -> None:
     if args.warmup_requests > 0:
-        warm = build_workload(warmup_config(cfg, args)).requests
+        warm = build_workload(warmup_config(cfg, args), text).requests
         call(driver.run, url, warm, args.concurrency, args.timeout, progress, desc)
 
 
@@ -85,13 +99,15 @@ def measure(
     args: argparse.Namespace,
     desc: str,
     after_warmup: Callable[[], None] | None = None,
+    text: ChatText | None = None,
 ) -> tuple[dict[str, Any], list[Outcome]]:
-    """Warm-up requests (other prompts), `after_warmup()`, then the measured run; returns (summary, outcomes)."""
-    warm_up(call, url, cfg, args, f"{desc} warmup", not args.no_progress)
+    """Warm-up requests (other prompts), `after_warmup()`, then the measured run; returns
+    (summary, outcomes). `text`: the tokenizer that turns a chat workload's ids into text."""
+    warm_up(call, url, cfg, args, f"{desc} warmup", not args.no_progress, text)
     if after_warmup is not None:
         after_warmup()
     res = call(
-        driver.run, url, build_workload(cfg).requests, args.concurrency, args.timeout, not args.no_progress, desc
+        driver.run, url, build_workload(cfg, text).requests, args.concurrency, args.timeout, not args.no_progress, desc
     )
     summary = summary_of(res.outcomes, res.duration_s)
     if "errors" in summary:
@@ -103,6 +119,7 @@ def config_dict(cfg: WorkloadConfig, args: argparse.Namespace) -> dict[str, Any]
     d = asdict(cfg)
     d["request_rate"] = None if math.isinf(cfg.request_rate) else cfg.request_rate
     d["prompt_lens"], d["output_lens"] = cfg.prompt_lens.describe(), cfg.output_lens.describe()
+    d["api"] = cfg.api.value  # chat: prompt_lens are the user text's ids; the summaries count the rendered prompts
     return {**d, "concurrency": args.concurrency, "warmup_requests": args.warmup_requests}
 
 

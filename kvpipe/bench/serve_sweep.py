@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from kvpipe.bench import driver
+from kvpipe.bench.chat_text import ChatText, open_chat_text
 from kvpipe.bench.compare import COMPARE_MODES, compare_rows, compare_table
 from kvpipe.bench.kv_bytes import kv_wire_bytes, state_bytes_per_request
 from kvpipe.bench.machine import load_average, machine_info
@@ -67,11 +68,13 @@ def _model_bytes(model_path: str, server_args: tuple[str, ...]) -> tuple[KVWireB
 class _Sweep:
     """The measurements of one sweep: per (mode, prompt length), or per round when interleaved."""
 
-    def __init__(self, args: argparse.Namespace, configs: dict[int, WorkloadConfig]) -> None:
-        self.args, self.configs = args, configs
+    def __init__(
+        self, args: argparse.Namespace, configs: dict[int, WorkloadConfig], text: ChatText | None = None
+    ) -> None:
+        self.args, self.configs, self.text = args, configs, text
         # a round is `concurrency` conversations (single turn: requests), never a split conversation
         self.slices = (
-            {n: split_rounds(build_workload(c), args.concurrency) for n, c in configs.items()}
+            {n: split_rounds(build_workload(c, text), args.concurrency) for n, c in configs.items()}
             if args.interleave
             else {}
         )
@@ -85,7 +88,7 @@ class _Sweep:
             if pd:
                 before.append(_readings(ep))
 
-        summary, _ = measure(ep.call, ep.url, self.configs[n], self.args, f"{mode} len={n}", read_before)
+        summary, _ = measure(ep.call, ep.url, self.configs[n], self.args, f"{mode} len={n}", read_before, self.text)
         if not pd:
             return summary, None, None, None
         (tail0, count0), (tail1, count1) = before[0], _readings(ep)
@@ -101,7 +104,7 @@ class _Sweep:
         args, desc = self.args, f"{mode} len={n} round {r + 1}/{self.rounds}"
         pd = ep.info_url is not None and mode != INPROC
         if r == 0:
-            warm_up(ep.call, ep.url, self.configs[n], args, desc, False)
+            warm_up(ep.call, ep.url, self.configs[n], args, desc, False, self.text)
         sub = self.slices[n][r].requests
         before = _readings(ep) if pd else None
         res = ep.call(driver.run, ep.url, sub, args.concurrency, args.timeout, not args.no_progress, desc)
@@ -140,13 +143,14 @@ def run_sweep_cmd(args: argparse.Namespace, compare: bool = False) -> int:
     except ValueError as e:
         raise SystemExit(f"kvpipe bench serve: {e}") from None
     model_path = model_path_or_preset(args.model_path)
-    vocab = vocab_size(args, model_path)
+    text = open_chat_text(model_path) if args.api == "chat" else None
+    vocab = vocab_size(args, model_path, text)
     configs = {n: workload_config(args, vocab, n) for n in lens}  # same prompts for every mode
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="kvpipe-bench-serve-")  # server logs, always kept
     threads: dict[str, Any] = {}  # mode -> server name -> the cpu_threads its /server_info reported
     load_before = load_average()
     opts = StackOptions(model_path, tuple(shlex.split(args.server_args)), log_dir, args.startup_timeout)
-    sweep = _Sweep(args, configs)
+    sweep = _Sweep(args, configs, text)
     points: list[SweepPoint]
     try:
         with contextlib.ExitStack() as stack:

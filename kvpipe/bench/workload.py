@@ -6,6 +6,13 @@ Everything here is plain Python/numpy and deterministic for a given `WorkloadCon
 Prompts are `input_ids` rather than text: a tokenizer round trip would change their lengths, and
 the benchmark is about prompt length. Output lengths are exact too: requests set `ignore_eos`.
 
+With `api=Api.CHAT` the same seeded ids are decoded into text by the served model's tokenizer
+(`build_workload(cfg, text=...)`) and each request is one user message to `/v1/chat/completions`:
+the server renders its chat template around it, so the prompt it computes is longer than the
+requested length (and re-encoding may merge or split tokens); the driver records the server's own
+prompt-token count. Shared prefixes stay shared (the decoded prefix is the text's head); several
+turns are refused (a follow-up would need the answer's text as an assistant message).
+
 Length specs (`parse_lengths`):
   "1024"              every request 1024
   "256,1024,2048"     cycled in request order (request i gets item i % 3)
@@ -15,11 +22,14 @@ Length specs (`parse_lengths`):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from kvpipe.bench.request import Request
+from kvpipe.bench.request import Api, Request
+
+TextOf = Callable[[Sequence[int]], str]  # token ids -> the text they decode to (the served tokenizer)
 
 
 @dataclass(frozen=True)
@@ -94,6 +104,8 @@ class WorkloadConfig:
     # known only when it finished) plus `turn_len` new user tokens.
     num_turns: int = 1
     turn_len: int = 0
+    # GENERATE: token-id prompts to /generate; CHAT: the ids decoded to text, one user message each
+    api: Api = Api.GENERATE
 
     def __post_init__(self) -> None:
         if self.num_requests < 1:
@@ -110,6 +122,13 @@ class WorkloadConfig:
             )
         if self.num_requests % self.num_turns:
             raise ValueError(f"num_requests ({self.num_requests}) must be a multiple of num_turns ({self.num_turns})")
+        if self.api not in (Api.GENERATE, Api.CHAT):
+            raise ValueError(f"api must be generate or chat, got {self.api.value}")
+        if self.api is Api.CHAT and self.num_turns > 1:
+            raise ValueError(
+                "multi-turn mode (--num-turns > 1) resends token-id conversations to /generate; with "
+                "--api chat every request is one user message: use --api generate for several turns"
+            )
         if self.num_prefix_groups and self.prefix_len >= self.prompt_lens.min():
             raise ValueError(
                 f"prefix_len ({self.prefix_len}) must be shorter than every prompt (shortest {self.prompt_lens.min()})"
@@ -127,15 +146,17 @@ def arrival_times(n: int, rate: float, rng: np.random.Generator) -> list[float]:
 
 @dataclass(frozen=True)
 class Workload:
-    """Streamed native /generate requests with token-id prompts; a follow-up turn's `prompt` is
-    its new user tokens only (the driver sends the whole conversation)."""
+    """Streamed native /generate requests with token-id prompts (a follow-up turn's `prompt` is
+    its new user tokens only: the driver sends the whole conversation), or chat requests whose
+    prompts are the same ids as text."""
 
     config: WorkloadConfig
     requests: tuple[Request, ...] = field(default_factory=tuple)
 
     @property
     def total_prompt_tokens(self) -> int:
-        return sum(r.prompt_len for r in self.requests)
+        """Requested prompt tokens (a chat's rendered prompt is known only from the server)."""
+        return sum(r.prompt_len for r in self.requests) if self.config.api is Api.GENERATE else 0
 
     @property
     def total_output_tokens(self) -> int:
@@ -147,8 +168,11 @@ class Workload:
         return (index // self.config.num_turns) % groups if groups else None
 
 
-def build_workload(cfg: WorkloadConfig) -> Workload:
-    """The requests of `cfg`, identical for identical configs (one seeded generator, fixed draw order)."""
+def build_workload(cfg: WorkloadConfig, text: TextOf | None = None) -> Workload:
+    """The requests of `cfg`, identical for identical configs (one seeded generator, fixed draw
+    order); with api CHAT `text` decodes each prompt's ids (required then)."""
+    if cfg.api is Api.CHAT and text is None:
+        raise ValueError("a chat workload needs the served model's tokenizer to turn its token ids into text")
     rng = np.random.default_rng(cfg.seed)
     n = cfg.num_requests
     prompt_lens = cfg.prompt_lens.sample(n, rng)
@@ -168,7 +192,10 @@ def build_workload(cfg: WorkloadConfig) -> Workload:
         head = prefixes[group] if group is not None else np.empty(0, dtype=np.int64)
         tail = rng.integers(cfg.token_id_low, cfg.vocab_size, size=prompt_lens[i] - len(head))
         ids = tuple(int(t) for t in np.concatenate([head, tail]))
-        reqs.append(Request(i, ids, output_lens[i], arrival_s=arrivals[i]))
+        if cfg.api is Api.CHAT and text is not None:
+            reqs.append(Request(i, text(ids), output_lens[i], api=Api.CHAT, arrival_s=arrivals[i]))
+        else:
+            reqs.append(Request(i, ids, output_lens[i], arrival_s=arrivals[i]))
     return Workload(cfg, tuple(reqs))
 
 

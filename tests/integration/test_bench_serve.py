@@ -1,7 +1,8 @@
 """`kvpipe bench serve` against a real colocated `kvpipe serve` (tiny preset, 4 short requests),
-and the same client reaching a server across the link testbed (root only). Nothing is timed:
-the tests check that every request completes with the exact token counts and that the JSON and
-PNG outputs are written."""
+with `--api chat` too, and the same client reaching a server across the link testbed (root only).
+Nothing is timed: the tests check that every request completes with the exact token counts, that
+chat prompts are counted as the server rendered them, and that the JSON and PNG outputs are
+written."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from kvpipe.bench import driver, serve
+from kvpipe.bench.chat_text import ChatText, open_chat_text
 from kvpipe.bench.latency import summarize
+from kvpipe.bench.request import Api
 from kvpipe.bench.stacks import Endpoint
 from kvpipe.bench.workload import WorkloadConfig, build_workload, parse_lengths
 from kvpipe.qa.testbed import LinkTestbed, can_run
@@ -84,6 +87,44 @@ def test_bench_serve_smoke(tiny_model_dir: Path, tmp_path: Path, capsys: pytest.
     assert (tmp_path / "run.png").stat().st_size > 1000
 
 
+def _rendered_prompt_tokens(text: ChatText, vocab: int, prompt_lens: str, n: int) -> list[int]:
+    """What the server computes for each request of a chat workload: its user text inside the chat
+    template, encoded (the server's own encode_chat on the same tokenizer files)."""
+    cfg = WorkloadConfig(parse_lengths(prompt_lens), parse_lengths("2"), n, min(vocab, text.vocab_size), api=Api.CHAT)
+    return [
+        len(text.tokenizer.encode_chat([{"role": "user", "content": str(r.prompt)}]))
+        for r in build_workload(cfg, text).requests
+    ]
+
+
+def test_bench_serve_chat_reports_the_rendered_prompt(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """--api chat against a real server: the requests go to /v1/chat/completions (uvicorn's access
+    log, on at debug level, names each path) and the input tokens are the rendered prompts'."""
+    port, log = free_port(), tmp_path / "server.log"
+    cmd = _serve_cmd(tiny_model_dir, "127.0.0.1", port)
+    cmd[cmd.index("warning")] = "debug"
+    with log.open("wb") as f:
+        proc = subprocess.Popen(cmd, start_new_session=True, stdout=f, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url + "/health", 120, [proc])
+        flags = ["--prompt-lens", "8,24", "--output-lens", "2", "--num-requests", "2", "--concurrency", "2"]
+        rc = serve.main(["--url", url, "--api", "chat", *flags, "--warmup-requests", "0", "--json", "--no-progress"])
+    finally:
+        stop_process(proc)
+    assert rc == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    s, vocab = printed["summary"], json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    assert (s["completed"], s["failed"], s["total_output_tokens"]) == (2, 0, 4)
+    rendered = _rendered_prompt_tokens(open_chat_text(tiny_model_dir), vocab, "8,24", 2)
+    assert s["total_input_tokens"] == sum(rendered) and rendered[0] > 8 and rendered[1] > 24  # template tokens
+    assert printed["workload"]["api"] == "chat"
+    posts = [line for line in log.read_text(errors="replace").splitlines() if '"POST /' in line]
+    assert len(posts) == 2 and all('"POST /v1/chat/completions HTTP/1.1" 200' in p for p in posts), posts
+
+
 @pytest.mark.skipif(not can_run(), reason="needs root and iproute2")
 def test_client_across_testbed(tiny_model_dir: Path) -> None:
     vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
@@ -139,3 +180,37 @@ def test_compare_colocated_smoke(tmp_path: Path, capsys: pytest.CaptureFixture) 
     prefill, decode, colocated = threads["pd"]["prefill"], threads["pd"]["decode"], threads["inproc"]["colocated"]
     assert colocated["source"] == "affinity" and colocated["total"] == res["machine"]["cores"]
     assert prefill["total"] + decode["total"] <= max(2, res["machine"]["cores"])
+
+
+def test_compare_colocated_chat(tmp_path: Path) -> None:
+    """--compare-colocated --api chat: both sides (the PD stack behind its router, and the
+    colocated server) answer every chat request, and count the rendered prompts alike."""
+    pytest.importorskip("mooncake.engine")
+    out = tmp_path / "cmp.json"
+    flags = ["--prompt-lens", "24", "--output-lens", "2", "--num-requests", "2", "--concurrency", "2"]
+    rc = serve.main(
+        [
+            "--compare-colocated",
+            "--api",
+            "chat",
+            *flags,
+            "--warmup-requests",
+            "0",
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--out",
+            str(out),
+            "--no-progress",
+            "--startup-timeout",
+            "90",
+        ]
+    )
+    res = json.loads(out.read_text())
+    assert rc == 0, res["summaries"]
+    text = open_chat_text(res["model_path"])
+    vocab = json.loads((Path(res["model_path"]) / "config.json").read_text())["vocab_size"]
+    rendered = _rendered_prompt_tokens(text, vocab, "24", 2)
+    [row] = res["compare"]
+    for side in ("pd", "colocated"):
+        assert (row[side]["completed"], row[side]["failed"]) == (2, 0)
+        assert row[side]["prompt_tokens_mean"] == sum(rendered) / 2 > 24
