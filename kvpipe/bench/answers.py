@@ -59,6 +59,18 @@ def output_tokens(api: Api, obj: dict) -> int | None:
     return n if isinstance(n, int) else None
 
 
+def streamed_text(api: Api, obj: dict) -> str:
+    """The text an OpenAI stream chunk adds (chat: choices[0].delta.content, completions:
+    choices[0].text); "" for native events, role-only, usage-only and finish chunks."""
+    if api is Api.GENERATE:
+        return ""
+    choices = obj.get("choices") or []
+    first = choices[0] if choices and isinstance(choices[0], dict) else {}
+    delta = first.get("delta")
+    text = (delta.get("content") if isinstance(delta, dict) else None) if api is Api.CHAT else first.get("text")
+    return text if isinstance(text, str) else ""
+
+
 def finish(api: Api, obj: dict) -> tuple[str | None, str]:
     """(finish type, its message) of a body or event; type None while running."""
     if api is Api.GENERATE:

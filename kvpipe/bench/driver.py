@@ -34,6 +34,7 @@ from kvpipe.bench.answers import (
     output_tokens,
     parse_sse_line,
     prompt_tokens,
+    streamed_text,
 )
 from kvpipe.bench.outcome import End, Outcome
 from kvpipe.bench.request import Prompt, Request
@@ -72,6 +73,11 @@ class _Recording:
             self.on_event(self.events)
         api = self.req.api
         n = output_tokens(api, obj)
+        if n is None and streamed_text(api, obj):
+            # OpenAI streams report the token count only in the final usage chunk: until then each
+            # chunk that adds text counts one token (kvpipe and SGLang send a chunk per decode
+            # step), so the first one stamps TTFT; the usage then sets the exact total
+            n = (self.counts[-1] if self.counts else 0) + 1
         if n is not None:
             self.tokens = n
             if n > (self.counts[-1] if self.counts else 0):

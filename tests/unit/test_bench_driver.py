@@ -290,15 +290,20 @@ def test_refused_connection() -> None:
 
 @pytest.mark.parametrize("api", [Api.CHAT, Api.COMPLETION])
 def test_openai_stream_with_usage(api: Api) -> None:
-    key = "delta" if api is Api.CHAT else "text"
+    def piece(text: str) -> dict:
+        return {"delta": {"content": text}} if api is Api.CHAT else {"text": text}
+
     chunks = [
-        {"choices": [{key: "x", "finish_reason": None}]},
-        {"choices": [{key: "y", "finish_reason": "length"}]},
+        {"choices": [{"delta": {"role": "assistant"}} if api is Api.CHAT else {"text": ""}]},  # no text yet
+        {"choices": [{**piece("x"), "finish_reason": None}]},
+        {"choices": [{**piece("y"), "finish_reason": "length"}]},
         {"choices": [], "usage": {"completion_tokens": 4}},
     ]
     r = send_one(_req(True, api=api), httpx.Response(200, stream=_Body([sse(*chunks, b"[DONE]")])))
     assert r.end is End.OK, r.reason
-    short = [*chunks[:2], {"choices": [], "usage": {"completion_tokens": 2}}]
+    # each chunk with text stamps one token (TTFT at the first), the usage the exact total
+    assert r.token_counts == (1, 2, 4) and len(r.token_times) == 3, r.token_counts
+    short = [*chunks[:3], {"choices": [], "usage": {"completion_tokens": 2}}]
     r = send_one(_req(True, api=api), httpx.Response(200, stream=_Body([sse(*short, b"[DONE]")])))
     assert r.end is End.CUT and "expected 4" in r.reason
 
