@@ -7,19 +7,13 @@ from __future__ import annotations
 
 import pytest
 
+from kvpipe.commands.init_model import PRESETS
 from kvpipe.model.presets import write_preset
 from tests.helpers.engine import assert_context_matters, make_engine, one_at_a_time, prompts
 
 # one preset per family (tiny-kv4 and bench are Llamas of other sizes)
-FAMILY_PRESETS = [
-    "tiny",
-    "tiny-qwen3-moe",
-    "tiny-minimax-m2",
-    "tiny-deepseek-v3",
-    "tiny-qwen3.5",
-    "tiny-qwen3.5-moe",
-    "tiny-gpt-oss",
-]
+# every family's tiny preset: init-model's list without `bench` (the dense Llama at a larger size)
+FAMILY_PRESETS = [p for p in PRESETS if p != "bench"]
 PROMPTS = prompts()[1:]  # 5 to 150 tokens: a 1-token prompt has no context to change
 
 
