@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
@@ -78,9 +79,11 @@ class ChatProc:
         self.proc.stdin.flush()
 
     def wait_err(self, pattern: str, timeout_s: float = 120.0) -> re.Match[str]:
-        """The next stderr line matching `pattern` (lines before it are kept in err_seen)."""
+        """The next stderr line matching `pattern` within `timeout_s` in all (lines before it are
+        kept in err_seen); queue.Empty when none came by then."""
+        deadline = time.monotonic() + timeout_s
         while True:
-            line = self.err_lines.get(timeout=timeout_s)
+            line = self.err_lines.get(timeout=max(0.0, deadline - time.monotonic()))
             self.err_seen.append(line)
             m = re.search(pattern, line)
             if m:
