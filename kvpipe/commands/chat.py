@@ -18,6 +18,8 @@ from typing import Any, TextIO
 
 import httpx
 
+from kvpipe.bench.answers import error_message
+
 try:  # line editing and history for input() where the platform has it
     import readline  # noqa: F401
 except ImportError:  # pragma: no cover - e.g. Windows
@@ -118,14 +120,8 @@ def _reason(e: Exception) -> str:
 
 
 def _error_message(text: str) -> str:
-    """The message of an OpenAI-style error body ({"error": {"message": ...}}), else the text."""
-    try:
-        obj = json.loads(text)
-    except ValueError:
-        return " ".join(text.split())[:300] or "(empty body)"
-    err = obj.get("error", obj) if isinstance(obj, dict) else obj
-    msg = err.get("message") if isinstance(err, dict) else None
-    return " ".join(str(msg if msg is not None else obj).split())[:300]
+    """The server's error message (bench's parser of OpenAI/SGLang error bodies) on one line."""
+    return " ".join(error_message(text).split()) or "(empty body)"
 
 
 def _chunk_items(payload: str) -> Iterator[str | Usage]:
