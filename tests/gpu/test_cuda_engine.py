@@ -39,7 +39,7 @@ def _outputs(model_dir, device: str, prompts: list[list[int]] = PROMPTS, **kw) -
 def test_cuda_greedy_matches_cpu(tiny_model_dir):
     cpu = _outputs(tiny_model_dir, "cpu")
     assert_same_generations(_outputs(tiny_model_dir, "cuda"), cpu, Route.ACROSS_DEVICES, PROMPTS, "cuda")
-    chunked = _outputs(tiny_model_dir, "cuda", chunk=33, prefill_layer_groups=2)
+    chunked = _outputs(tiny_model_dir, "cuda", chunk=33, layer_groups=2)
     assert_same_generations(chunked, cpu, Route.ACROSS_DEVICES, PROMPTS, "cuda, chunked, 2 layer groups")
 
 
