@@ -40,6 +40,12 @@ class ParallelConfig:
         return self.tp_rank // (self.tp_size // num_kv_heads)
 
 
+# --dtype (weights and activations; "auto": fp32 on CPU, the checkpoint's dtype elsewhere) and
+# --kv-cache-dtype (the KV pool; "auto": the model dtype), SGLang's names
+MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     page_size: int = 64
@@ -53,6 +59,13 @@ class CacheConfig:
     # per-request recurrent-state slots of a hybrid model (kvpipe/cache/recurrent_pool.py); None:
     # SchedulerConfig.max_running_requests (then slots never limit admission)
     max_state_slots: int | None = None
+    # what the KV pool stores (--kv-cache-dtype, SGLang's names): "auto" is the model dtype;
+    # fp8 pools keep per-layer K and V scales (the checkpoint's k_scale / v_scale, else 1.0)
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"KV cache dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
     def pages(self) -> int:
         return self.num_pages if self.num_pages is not None else -(-self.max_total_tokens // self.page_size)
@@ -242,11 +255,15 @@ class ServerConfig:
     log_level: str = "info"
     # bodies over this many bytes are refused with 413 before they are read (kvpipe/body_limit.py)
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    # weights and activations (--dtype): "auto" | "float32" | "bfloat16" | "float16"
+    dtype: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
 
     def __post_init__(self) -> None:
+        if self.dtype not in MODEL_DTYPES:
+            raise ConfigError(f"dtype must be one of {MODEL_DTYPES}, got {self.dtype!r}")
         if self.cpu_threads is not None and not (type(self.cpu_threads) is int and self.cpu_threads >= 1):
             raise ConfigError(f"cpu threads must be a whole number >= 1, got {self.cpu_threads!r}")
         if not (type(self.max_request_body_bytes) is int and self.max_request_body_bytes >= 1):

@@ -10,6 +10,8 @@ import os
 
 from kvpipe.config import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
+    KV_CACHE_DTYPES,
+    MODEL_DTYPES,
     STAGING_MODES,
     CacheConfig,
     ConfigError,
@@ -70,6 +72,19 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--random-seed", "--seed", dest="seed", type=int, default=0, help="sampling seed")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
+    p.add_argument(
+        "--dtype",
+        choices=list(MODEL_DTYPES),
+        default="auto",
+        help="weights and activations (auto: float32 on CPU, the checkpoint's dtype on CUDA)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=list(KV_CACHE_DTYPES),
+        default=d_cache.kv_cache_dtype,
+        help="what the KV pool stores (auto: the model dtype); fp8 uses per-layer k_scale/v_scale "
+        "from the checkpoint, else 1.0. Prefill and decode of a PD pair must agree",
+    )
     add_disaggregation_args(p)
 
 
@@ -257,11 +272,13 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             device=args.device,
             seed=args.seed,
             log_level=args.log_level,
+            dtype=args.dtype,
             cache=CacheConfig(
                 page_size=args.page_size,
                 max_total_tokens=args.max_total_tokens,
                 radix_cache=not args.disable_radix_cache,
                 max_state_slots=args.max_state_slots,
+                kv_cache_dtype=args.kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_running_requests=args.max_running_requests,
