@@ -7,8 +7,8 @@ out-of-range key becomes +-448, not NaN; an fp16 pool saturates at 65504 likewis
 multiplies by the scale again. The transfer
 moves the raw bytes and never the scales, so both sides of a PD pair must load the same ones.
 
-fp8 tensors support few torch ops on CPU (no index_put, no index_select), so the pool moves
-their bytes as uint8 views (`storage_view`) and converts with `.to()` only.
+fp8 tensors support few torch ops (indexing them came late, and not on every device), so the
+pool moves their bytes as uint8 views (`storage_view`) and converts with `.to()` only.
 """
 
 from __future__ import annotations

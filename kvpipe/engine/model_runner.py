@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvpipe.cache.kv_dtype import is_fp8, kv_storage_dtype
 from kvpipe.cache.kv_pool import KVPool
 from kvpipe.cache.recurrent_pool import StatePool
 from kvpipe.config import CacheConfig, SchedulerConfig
@@ -22,14 +23,23 @@ GroupCallback = Callable[[int, int, ForwardBatch], None]
 
 
 def make_kv_pool(
-    model: LMBase, num_pages: int, page_size: int, device: str | torch.device = "cpu", window_tables: bool = True
+    model: LMBase,
+    num_pages: int,
+    page_size: int,
+    device: str | torch.device = "cpu",
+    window_tables: bool = True,
+    kv_cache_dtype: str = "auto",
 ) -> KVPool:
     """The KV pool one rank of `model` needs: its KV heads only (one replicated head when tp_size >
     KV heads), or the MLA latent (one buffer per layer, whole on every rank); sliding-window
     layers share their tensors with full ones (cache/kv_pool.py), and every forward must then carry
-    their own page tables (ForwardBatch.swa); window_tables=False: one table for all layers."""
+    their own page tables (ForwardBatch.swa); window_tables=False: one table for all layers.
+    kv_cache_dtype (--kv-cache-dtype): what the pool stores; an fp8 pool takes the model's
+    per-layer scales (its checkpoint's, else 1.0)."""
     cfg = model.cfg
-    dtype = next(model.parameters()).dtype
+    model_dtype = next(model.parameters()).dtype
+    dtype = kv_storage_dtype(kv_cache_dtype, model_dtype)
+    scales = model.kv_scales if is_fp8(dtype) else None
     # one buffer per layer that keeps KV: every layer, or a hybrid model's full-attention layers
     swa = tuple(i for i, layer in enumerate(cfg.kv_layers) if window_tables and cfg.window(layer) is not None)
     return KVPool(
@@ -42,6 +52,9 @@ def make_kv_pool(
         device,
         latent=cfg.mla is not None,
         swa_layers=swa,
+        compute_dtype=model_dtype,
+        k_scales=None if scales is None else scales.k,
+        v_scales=None if scales is None else scales.v,
     )
 
 
@@ -78,7 +91,9 @@ class ModelRunner:
         self.model = model
         self.device = torch.device(device)
         self.page_size = cache.page_size
-        self.pool = make_kv_pool(model, cache.pages(), cache.page_size, self.device)
+        self.pool = make_kv_pool(
+            model, cache.pages(), cache.page_size, self.device, kv_cache_dtype=cache.kv_cache_dtype
+        )
         self.state_pool = make_state_pool(model, state_slots(cache, scheduler), self.device)
 
     @property

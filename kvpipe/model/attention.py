@@ -5,7 +5,8 @@ prefill and decode rows in one step):
 - decode (every row adds one token): one pass for the whole batch over its pages (DecodeIndex), no
   per-row Python work. On CPU the C++ kernel (cpu_kernels/paged_decode.cpp) reads the pages in
   place; elsewhere, or without the kernel, they are gathered once per layer with one
-  `index_select` per K/V and `attend_pages` (the reference semantics) runs on the copy;
+  `index_select` per K/V (dequantized into the model dtype: KVPool.read_pages) and
+  `attend_pages` (the reference semantics) runs on the copy;
 - prefill of a row with nothing cached: causal SDPA straight on the new K/V (no gather, no
   materialised mask; torch's CPU flash kernel skips the masked half);
 - prefill of a row behind a cached prefix (a later chunk, a prefix-cache hit): SDPA over the
@@ -150,14 +151,24 @@ def decode_attention(
     the page the window starts in).
     """
     kernel = paged_decode_kernel() if q.device.type == "cpu" else None
-    if kernel is not None:  # reads the pages in place: no gather, no per-tile matmuls
+    if kernel is not None:  # reads the pages in place (any pool dtype): no gather, no per-tile matmuls
         return kernel(
-            q, pool.k[layer], pool.v[layer], index.page_table, index.lens, index.key_start, scale, window, sinks
+            q,
+            pool.k[layer],
+            pool.v[layer],
+            index.page_table,
+            index.lens,
+            index.key_start,
+            scale,
+            window,
+            sinks,
+            pool.k_scale[layer],
+            pool.v_scale[layer],
         )
     b, n, page = index.batch_size, index.num_pages, pool.page_size
     hkv, d = pool.kv_heads, pool.head_dim
-    kp = pool.k[layer].index_select(0, index.pages).view(b, n, hkv, page, d)
-    vp = pool.v[layer].index_select(0, index.pages).view(b, n, hkv, page, d)
+    kp = pool.read_pages(layer, index.pages, "k").view(b, n, hkv, page, d)  # dequantized copies
+    vp = pool.read_pages(layer, index.pages, "v").view(b, n, hkv, page, d)
     return attend_pages(q, kp, vp, index.valid if window is None else index.window_valid(window), scale, sinks)
 
 

@@ -20,6 +20,7 @@ from kvpipe.config import ConfigError, ParallelConfig
 from kvpipe.model.config import ModelConfig
 from kvpipe.model.decoder_layer import DecoderLayer
 from kvpipe.model.forward_batch import ForwardBatch
+from kvpipe.model.kv_scales import KVScales
 from kvpipe.model.linear import Linear
 from kvpipe.model.norms import RMSNorm
 from kvpipe.model.rope import rope_attention_factor, rope_cos_sin, rope_inv_freq
@@ -45,6 +46,8 @@ class LMBase(nn.Module):
         self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
         # Tied: logits reuse embed_tokens (no second parameter that a device move could untie).
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        # fp8 KV-cache scales per KV layer (the loader reads the checkpoint's; kv_scales.py)
+        self.kv_scales = KVScales.ones(len(cfg.kv_layers))
         self.init_rope()
 
     def init_rope(self, device: str | torch.device | None = None) -> None:

@@ -27,6 +27,7 @@ from kvpipe.model.causal_lm import LMBase, check_parallel
 from kvpipe.model.config import ModelConfig
 from kvpipe.model.gguf.checkpoint import GGUFCheckpoint, gguf_checkpoint
 from kvpipe.model.gguf.tensors import progress_bar
+from kvpipe.model.kv_scales import KVScales, read_kv_scales
 from kvpipe.model.linear import Linear, Shard
 from kvpipe.model.moe import check_routing
 from kvpipe.model.packed_linear import packing_enabled
@@ -230,10 +231,22 @@ def load_model(
                 )
             p.copy_(t)
             bar.update()
+        model.kv_scales = _kv_scales(model, names, get_slice)
     logger.info("loaded %d tensors%s in %.1f s", len(plan), rank, time.monotonic() - start)
+    if model.kv_scales.found:
+        logger.info(
+            "fp8 KV scales for %d of %d KV layers from the checkpoint", model.kv_scales.found, len(cfg.kv_layers)
+        )
     if packing_enabled():
         pack_linears(model)
     return model.eval()
+
+
+def _kv_scales(model: LMBase, names: set[str], get_slice: SliceSource) -> KVScales:
+    """The checkpoint's per-layer K/V scales of an fp8 KV cache (kv_scales.py), 1.0 where absent."""
+    renames = family(model.cfg.architecture).checkpoint_renames
+    attn = [hf_name(f"layers.{i}.self_attn.x", renames).removesuffix(".x") for i in model.cfg.kv_layers]
+    return read_kv_scales(attn, names, lambda n: get_slice(n)[...])  # [...]: 0-d tensors too
 
 
 @contextmanager

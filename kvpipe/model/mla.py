@@ -150,9 +150,20 @@ class MLAttention(nn.Module):
         q = torch.cat([q_lat, q_rope], dim=-1)  # [B, H, C + rope], against latent rows [c | k_rope]
         kernel = paged_decode_kernel() if q.device.type == "cpu" else None
         latent = pool.k[self.layer]  # [N, 1, P, C + rope]
+        s = pool.k_scale[self.layer]  # the latent's one scale (an fp8 pool), for keys and values alike
         if kernel is not None:  # the latent pages in place; values are their prefix view [..., :C]
-            o_lat = kernel(q, latent, latent[..., :c], index.page_table, index.lens, index.key_start, self.scale)
+            o_lat = kernel(
+                q,
+                latent,
+                latent[..., :c],
+                index.page_table,
+                index.lens,
+                index.key_start,
+                self.scale,
+                k_scale=s,
+                v_scale=s,
+            )
         else:
-            pages = latent.index_select(0, index.pages).view(b, n, 1, pool.page_size, pool.head_dim)
+            pages = pool.read_pages(self.layer, index.pages).view(b, n, 1, pool.page_size, pool.head_dim)
             o_lat = attend_pages(q, pages, pages[..., :c], index.valid, self.scale)  # [B, H, C]: values are c itself
         return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, H, v]

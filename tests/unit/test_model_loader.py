@@ -130,3 +130,28 @@ def test_tp_rejects_indivisible_split(tiny_model_dir):
         load_model(tiny_model_dir, ParallelConfig(2, 2))
     with pytest.raises(ConfigError, match="torch.distributed"):
         load_model(tiny_model_dir, ParallelConfig(2, 0))  # no process group in this process
+
+
+def test_fp8_kv_scales_come_from_the_checkpoint(model_copy):
+    """k_scale / v_scale tensors under the names SGLang reads (self_attn.k_scale, one kv_scale for
+    both) reach an fp8 pool, layer by layer; absent: 1.0; other KV dtypes ignore them. A scale
+    that is not positive is refused."""
+    from kvpipe.engine.model_runner import make_kv_pool
+
+    path = model_copy / "model.safetensors"
+    tensors = load_file(path)
+    tensors["model.layers.0.self_attn.k_scale"] = torch.tensor(0.5)
+    tensors["model.layers.0.self_attn.v_scale"] = torch.tensor([2.0])
+    tensors["model.layers.2.self_attn.kv_scale"] = torch.tensor(0.25)
+    save_file(tensors, path, metadata={"format": "pt"})
+    m = load_model(model_copy)
+    n = m.cfg.num_layers
+    assert m.kv_scales.k == (0.5, 1.0, 0.25) + (1.0,) * (n - 3) and m.kv_scales.found == 2
+    assert m.kv_scales.v == (2.0, 1.0, 0.25) + (1.0,) * (n - 3)
+    pool = make_kv_pool(m, 4, 16, kv_cache_dtype="fp8_e4m3")
+    assert (pool.k_scale, pool.v_scale) == (m.kv_scales.k, m.kv_scales.v)
+    assert make_kv_pool(m, 4, 16, kv_cache_dtype="bfloat16").k_scale == (1.0,) * n
+    tensors["model.layers.1.self_attn.k_scale"] = torch.tensor(-1.0)
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="positive"):
+        load_model(model_copy)

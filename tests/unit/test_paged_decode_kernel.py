@@ -1,7 +1,9 @@
 """The C++ CPU paged decode kernel (kvpipe/model/cpu_kernels) against attend_pages, the torch
 reference, on random pools: dtypes, GQA groups, head dims, page sizes, ragged rows (length 1,
 page boundaries), padding pages, sinks, sliding windows (key_start > 0), MLA-shaped latent pages
-(v a prefix view of k); and the fallbacks (disabled by env, failed build)."""
+(v a prefix view of k); pools stored in another dtype than q (bf16, fp16, fp8 e4m3 / e5m2 with
+per-layer scales: --kv-cache-dtype), every fp8 code decoded exactly; and the fallbacks (disabled
+by env, failed build)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvpipe.cache.kv_dtype import quantize
 from kvpipe.cache.kv_pool import KVPool
 from kvpipe.model.attention import attend_pages, decode_attention
 from kvpipe.model.cpu_kernels import loader, paged_decode_kernel
@@ -52,11 +55,14 @@ def reference(
     scale: float,
     window: int | None,
     sinks: torch.Tensor | None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """attend_pages on the gathered pages, in fp32 (the kernel accumulates in fp32 too)."""
+    """attend_pages on the gathered pages, dequantized (stored * scale), in fp32 (the kernel
+    accumulates in fp32 too)."""
     b, n = index.batch_size, index.num_pages
-    kp = k.float().index_select(0, index.pages).view(b, n, *k.shape[1:])
-    vp = v.float().index_select(0, index.pages).view(b, n, *v.shape[1:])
+    kp = (k.float() * k_scale).index_select(0, index.pages).view(b, n, *k.shape[1:])
+    vp = (v.float() * v_scale).index_select(0, index.pages).view(b, n, *v.shape[1:])
     valid = index.valid if window is None else index.window_valid(window)
     return attend_pages(q.float(), kp, vp, valid, scale, None if sinks is None else sinks.float())
 
@@ -73,19 +79,25 @@ def check(
     sinks: bool = False,
     mla_v: int | None = None,
     seed: int = 0,
+    kv_dtype: torch.dtype | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """mla_v: v is k[..., :mla_v] (one latent head), as MLA decode passes it."""
+    """mla_v: v is k[..., :mla_v] (one latent head), as MLA decode passes it. kv_dtype: what the
+    pool stores (default: q's dtype), values quantized with the scales as KVPool.write does."""
     gen = torch.Generator().manual_seed(seed)
+    kv_dtype = kv_dtype or dtype
     num_pages = sum(-(-n // page) for n in lens) + 3
-    k = torch.randn(num_pages, kv_heads, page, head_dim, generator=gen).to(dtype)
-    v = k[..., :mla_v] if mla_v is not None else torch.randn(k.shape, generator=gen).to(dtype)
+    k = quantize(torch.randn(num_pages, kv_heads, page, head_dim, generator=gen) * 3, kv_dtype, k_scale)
+    v = k[..., :mla_v] if mla_v is not None else quantize(torch.randn(k.shape, generator=gen), kv_dtype, v_scale)
     q = torch.randn(len(lens), kv_heads * group, head_dim, generator=gen).to(dtype)
     s = torch.randn(kv_heads * group, generator=gen) * 2 if sinks else None
     index = make_index(gen, lens, page, num_pages, window)
     scale = head_dim**-0.5
-    out = kernel(q, k, v, index.page_table, index.lens, index.key_start, scale, window, s)
+    out = kernel(q, k, v, index.page_table, index.lens, index.key_start, scale, window, s, k_scale, v_scale)
     assert out.dtype == dtype and out.shape == (len(lens), kv_heads * group, v.shape[-1])
-    torch.testing.assert_close(out.float(), reference(q, k, v, index, scale, window, s), **TOL[dtype])
+    want = reference(q, k, v, index, scale, window, s, k_scale, v_scale)
+    torch.testing.assert_close(out.float(), want, **TOL[dtype])
 
 
 @st.composite
@@ -144,6 +156,53 @@ def test_windows_and_sinks(kernel, window: int | None, sinks: bool) -> None:
 def test_mla_latent_pages(kernel, dtype: torch.dtype, page: int) -> None:
     # one latent head [C + rope] = 72 + 8, values its first C numbers, 16 query heads
     check(kernel, dtype, [1, 30, 64, 65, 129], kv_heads=1, group=16, head_dim=80, page=page, mla_v=72)
+
+
+KV_DTYPES = [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [40, 64, 128])
+def test_quantized_pools_match_the_dequantized_reference(
+    kernel, kv_dtype: torch.dtype, dtype: torch.dtype, head_dim: int
+) -> None:
+    """A pool stored in another dtype than q (--kv-cache-dtype): the kernel converts each row as
+    it reads it and applies the scales (fp8 only; other pools always pass 1.0); the reference
+    dequantizes the whole pool first. Same fp32 arithmetic otherwise: q's dtype's tolerance."""
+    scales = (0.5, 3.0) if kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else (1.0, 1.0)
+    lens = [1, 15, 16, 17, 100]
+    check(kernel, dtype, lens, 2, 3, head_dim, 16, kv_dtype=kv_dtype, k_scale=scales[0], v_scale=scales[1])
+    check(kernel, dtype, lens, 2, 3, head_dim, 16, window=20, sinks=True, kv_dtype=kv_dtype, seed=1)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
+def test_quantized_mla_latent_pages(kernel, kv_dtype: torch.dtype) -> None:
+    # the latent's one scale serves its keys and its values (the prefix view)
+    check(kernel, torch.float32, [1, 30, 65], 1, 16, 80, 16, mla_v=72, kv_dtype=kv_dtype, k_scale=2.0, v_scale=2.0)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.float16], ids=str)
+@pytest.mark.parametrize("width", [256, 261])  # whole 8-wide conversions, and a scalar tail
+def test_every_stored_code_decodes_exactly(kernel, kv_dtype: torch.dtype, width: int) -> None:
+    """One key per row: its softmax weight is exactly 1, so the output is the value row times
+    v_scale, converted by the kernel. Every fp8 byte (every fp16 code of a sample) against
+    torch's own conversion, bit for bit: subnormals, the largest finite values, signed zeros."""
+    if kv_dtype == torch.float16:
+        bits = torch.randint(
+            -(1 << 15), 1 << 15, (width,), generator=torch.Generator().manual_seed(0), dtype=torch.int16
+        )
+    else:
+        bits = (torch.arange(width) % 256).to(torch.uint8)
+    bits = bits.clone()
+    bits[~torch.isfinite(bits.view(kv_dtype).float())] = 0  # NaN / inf: a pool never holds them (writes saturate)
+    row = bits.view(kv_dtype)
+    v = row.view(1, 1, 1, width).expand(2, 1, 1, width).contiguous()
+    k = torch.zeros(2, 1, 1, width, dtype=kv_dtype)
+    q = torch.zeros(1, 1, width)
+    one = torch.tensor([[1]])
+    out = kernel(q, k, v, one, torch.tensor([1]), torch.tensor([0]), 1.0, None, None, 1.0, 0.75)
+    assert torch.equal(out[0, 0], row.float() * 0.75)
 
 
 def test_single_row_single_token(kernel) -> None:

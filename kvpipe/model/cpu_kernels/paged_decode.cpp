@@ -8,13 +8,25 @@
 // Pool layout per layer: k [num_pages, Hkv, P, D], v [num_pages, Hkv, P, Dv]. Any strides of the
 // first three dims are accepted (MLA passes v as the prefix view k[..., :Dv] of the latent pages);
 // the last dim must be contiguous.
+//
+// KV dtypes (--kv-cache-dtype): the pool may store float32, bfloat16, float16, float8_e4m3fn or
+// float8_e5m2 whatever the model computes in. Other than fp32, each key or value row is converted
+// to fp32 as it is read (a row of head_dim floats in registers / L1, once for the G query heads
+// that share it), never a page or the pool: bf16 by a 16-bit shift, fp16 by F16C (or the
+// branch-free bit conversion of the FP16 library without it), fp8 by moving its bits into an fp16
+// (e5m2 is the top byte of an fp16; e4m3 shifted into fp16's fields is its value times 2^-8, a
+// factor folded into the scales). The fp8 scales (key = stored * k_scale, value = stored *
+// v_scale) fold into the query and into the final normalisation, so they cost nothing per key.
 
-#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Optional.h>
 #include <torch/csrc/utils/pybind.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -53,22 +65,72 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return acc;
 }
 
-// Rows [j0, j1) of a page (row stride `stride` elements) as fp32: the pool itself when it already
-// is (then rows keep `stride`), else converted into buf with stride n.
-template <typename scalar_t>
-inline const float* page_as_float(const scalar_t* page, int64_t stride, int64_t j0, int64_t j1, int64_t n,
-                                  float* buf) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    return page;
+enum class KV { F32, BF16, F16, E4M3, E5M2 };
+
+template <KV T>
+struct Stored {  // the bits one element is stored in
+  using type = std::conditional_t<T == KV::F32, float, std::conditional_t<T == KV::BF16 || T == KV::F16, uint16_t, uint8_t>>;
+};
+
+// fp16 bits -> float without branches (Maratyszcza's FP16 library, fp16_ieee_to_fp32_value): GCC
+// vectorises it, and no intermediate is a denormal float (which would cost microcode assists).
+inline float half_bits_to_float(uint32_t h) {
+  const uint32_t w = h << 16, sign = w & 0x80000000u, two_w = w + w;
+  const float normalized = __builtin_bit_cast(float, (two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+  const float denormalized = __builtin_bit_cast(float, (two_w >> 17) | (126u << 23)) - 0.5f;
+  const uint32_t bits = two_w < (1u << 27) ? __builtin_bit_cast(uint32_t, denormalized)
+                                           : __builtin_bit_cast(uint32_t, normalized);
+  return __builtin_bit_cast(float, sign | bits);
+}
+
+// What the conversion below leaves out of a stored value, folded into the scales: e4m3's
+// sign/exponent/mantissa moved into fp16's fields reads as 2^-8 of its value (biases 7 and 15),
+// subnormals included; e5m2 is exactly the top byte of an fp16.
+template <KV T>
+constexpr float kv_factor() {
+  return T == KV::E4M3 ? 256.0f : 1.0f;
+}
+
+template <KV T>
+inline float to_float(typename Stored<T>::type x) {
+  if constexpr (T == KV::F32) {
+    return x;
+  } else if constexpr (T == KV::BF16) {
+    return __builtin_bit_cast(float, static_cast<uint32_t>(x) << 16);
+  } else if constexpr (T == KV::F16) {
+    return half_bits_to_float(x);
+  } else if constexpr (T == KV::E4M3) {
+    return half_bits_to_float(((x & 0x80u) << 8) | ((x & 0x7Fu) << 7));
   } else {
-    for (int64_t j = j0; j < j1; ++j) {
-      const scalar_t* row = page + j * stride;
-      float* out = buf + j * n;
-#pragma omp simd
-      for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(row[i]);
-    }
-    return buf;
+    return half_bits_to_float(static_cast<uint32_t>(x) << 8);
   }
+}
+
+// One stored row of n elements -> fp32 (divided by kv_factor) in out.
+template <KV T>
+inline void convert_row(const typename Stored<T>::type* src, float* out, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__) && defined(__AVX2__)
+  if constexpr (T == KV::F16 || T == KV::E4M3 || T == KV::E5M2) {  // 8 at a time through F16C
+    for (; i + 8 <= n; i += 8) {
+      __m128i h;
+      if constexpr (T == KV::F16) {
+        h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+      } else {
+        const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i)));
+        if constexpr (T == KV::E5M2) {
+          h = _mm_slli_epi16(b, 8);
+        } else {
+          h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                           _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
+        }
+      }
+      _mm256_storeu_ps(out + i, _mm256_cvtph_ps(h));
+    }
+  }
+#endif
+#pragma omp simd
+  for (int64_t j = i; j < n; ++j) out[j] = to_float<T>(src[j]);
 }
 
 struct Shapes {
@@ -77,30 +139,33 @@ struct Shapes {
   int64_t v_page, v_head, v_tok;  // element strides of v
   int64_t window;                 // <= 0: no window
   float scale;
+  float k_scale, v_scale;  // the pool's scales times kv_factor
 };
 
 // Per-thread scratch, sized once per parallel chunk.
 struct Scratch {
-  std::vector<float> q, acc, m, l, s, page;
+  std::vector<float> q, acc, m, l, s, row;
   explicit Scratch(const Shapes& sh)
       : q(sh.group * sh.head_dim), acc(sh.group * sh.v_dim), m(sh.group), l(sh.group),
-        s(sh.group * sh.page_size), page(sh.page_size * std::max(sh.head_dim, sh.v_dim)) {}
+        s(sh.group * sh.page_size), row(std::max(sh.head_dim, sh.v_dim)) {}
 };
 
 // One (row b, KV head h) task: its G query heads over the keys [lo, len) of row b.
-// q [B, Hq, D] contiguous; pages [B, n]; out [B, Hq, Dv] contiguous; sinks [Hq] fp32 or null.
-template <typename scalar_t, int DK, int DV>
-void decode_task(const Shapes& sh, int64_t b, int64_t h, const scalar_t* q, const scalar_t* k,
-                 const scalar_t* v, const int64_t* pages, int64_t len, int64_t key_start,
-                 const float* sinks, scalar_t* out, Scratch& w) {
+// q [B, Hq, D] fp32 contiguous; pages [B, n]; out [B, Hq, Dv] fp32 contiguous; sinks [Hq] fp32 or null.
+template <KV T, int DK, int DV>
+void decode_task(const Shapes& sh, int64_t b, int64_t h, const float* q, const typename Stored<T>::type* k,
+                 const typename Stored<T>::type* v, const int64_t* pages, int64_t len, int64_t key_start,
+                 const float* sinks, float* out, Scratch& w) {
+  using S = typename Stored<T>::type;
   const int64_t G = sh.group, P = sh.page_size;
   // DK, DV > 0: head dims fixed at compile time, so the inner loops unroll into registers
   const int64_t D = DK > 0 ? DK : sh.head_dim, Dv = DV > 0 ? DV : sh.v_dim;
+  const float qscale = sh.scale * sh.k_scale;  // scores = (q . stored key) * scale * k_scale
   for (int64_t g = 0; g < G; ++g) {
-    const scalar_t* qrow = q + (b * sh.q_heads + h * G + g) * D;
+    const float* qrow = q + (b * sh.q_heads + h * G + g) * D;
     float* qf = w.q.data() + g * D;
 #pragma omp simd
-    for (int64_t d = 0; d < D; ++d) qf[d] = static_cast<float>(qrow[d]) * sh.scale;
+    for (int64_t d = 0; d < D; ++d) qf[d] = qrow[d] * qscale;
   }
   std::fill(w.acc.begin(), w.acc.end(), 0.0f);
   std::fill(w.m.begin(), w.m.end(), -std::numeric_limits<float>::infinity());
@@ -113,15 +178,21 @@ void decode_task(const Shapes& sh, int64_t b, int64_t h, const scalar_t* q, cons
     for (int64_t pi = first; pi <= last; ++pi) {
       const int64_t page = pages[b * sh.num_pages + pi], base = key_start + pi * P;
       const int64_t j0 = std::max<int64_t>(lo - base, 0), j1 = std::min<int64_t>(len - base, P);
-      const scalar_t* kp = k + page * sh.k_page + h * sh.k_head;
-      const scalar_t* vp = v + page * sh.v_page + h * sh.v_head;
+      const S* kp = k + page * sh.k_page + h * sh.k_head;
+      const S* vp = v + page * sh.v_page + h * sh.v_head;
       // scores s[g, j] for the page's keys in range; each key row is read once for G heads
-      const float* kf = page_as_float(kp, sh.k_tok, j0, j1, D, w.page.data());  // rows j0..j1, kst apart
-      const int64_t kst = std::is_same_v<scalar_t, float> ? sh.k_tok : D;
-      for (int64_t g = 0; g < G; ++g) {  // one query head at a time: it stays in registers, the page in L1
-        const float* qg = w.q.data() + g * D;
-        float* sg = w.s.data() + g * P;
-        for (int64_t j = j0; j < j1; ++j) sg[j] = dot<DK>(qg, kf + j * kst, D);
+      if constexpr (T == KV::F32) {
+        for (int64_t g = 0; g < G; ++g) {  // one query head at a time: it stays in registers, the page in L1
+          const float* qg = w.q.data() + g * D;
+          float* sg = w.s.data() + g * P;
+          for (int64_t j = j0; j < j1; ++j) sg[j] = dot<DK>(qg, kp + j * sh.k_tok, D);
+        }
+      } else {
+        float* row = w.row.data();
+        for (int64_t j = j0; j < j1; ++j) {  // one key row converted once, for the G heads that read it
+          convert_row<T>(kp + j * sh.k_tok, row, D);
+          for (int64_t g = 0; g < G; ++g) w.s[g * P + j] = dot<DK>(w.q.data() + g * D, row, D);
+        }
       }
       // online softmax: rescale what was accumulated to the new running max
       for (int64_t g = 0; g < G; ++g) {
@@ -144,29 +215,40 @@ void decode_task(const Shapes& sh, int64_t b, int64_t h, const scalar_t* q, cons
         }
       }
       // acc[g] += p[g, j] * v[j]
-      const float* vf = page_as_float(vp, sh.v_tok, j0, j1, Dv, w.page.data());
-      const int64_t vst = std::is_same_v<scalar_t, float> ? sh.v_tok : Dv;
-      for (int64_t g = 0; g < G; ++g) {
-        const float* pg = w.s.data() + g * P;
-        float* ag = w.acc.data() + g * Dv;
-        float a[DV > 0 ? DV : 1];  // the accumulator in registers when Dv is fixed
-        if constexpr (DV > 0) {
+      if constexpr (T == KV::F32) {
+        for (int64_t g = 0; g < G; ++g) {
+          const float* pg = w.s.data() + g * P;
+          float* ag = w.acc.data() + g * Dv;
+          float a[DV > 0 ? DV : 1];  // the accumulator in registers when Dv is fixed
+          if constexpr (DV > 0) {
 #pragma omp simd
-          for (int64_t d = 0; d < DV; ++d) a[d] = ag[d];
-          for (int64_t j = j0; j < j1; ++j) {
-            const float p = pg[j];
-            const float* vr = vf + j * vst;
+            for (int64_t d = 0; d < DV; ++d) a[d] = ag[d];
+            for (int64_t j = j0; j < j1; ++j) {
+              const float p = pg[j];
+              const float* vr = vp + j * sh.v_tok;
 #pragma omp simd
-            for (int64_t d = 0; d < DV; ++d) a[d] += p * vr[d];
+              for (int64_t d = 0; d < DV; ++d) a[d] += p * vr[d];
+            }
+#pragma omp simd
+            for (int64_t d = 0; d < DV; ++d) ag[d] = a[d];
+          } else {
+            for (int64_t j = j0; j < j1; ++j) {
+              const float p = pg[j];
+              const float* vr = vp + j * sh.v_tok;
+#pragma omp simd
+              for (int64_t d = 0; d < Dv; ++d) ag[d] += p * vr[d];
+            }
           }
+        }
+      } else {
+        float* row = w.row.data();
+        for (int64_t j = j0; j < j1; ++j) {  // one value row converted once, for the G heads
+          convert_row<T>(vp + j * sh.v_tok, row, Dv);
+          for (int64_t g = 0; g < G; ++g) {
+            const float p = w.s[g * P + j];
+            float* ag = w.acc.data() + g * Dv;
 #pragma omp simd
-          for (int64_t d = 0; d < DV; ++d) ag[d] = a[d];
-        } else {
-          for (int64_t j = j0; j < j1; ++j) {
-            const float p = pg[j];
-            const float* vr = vf + j * vst;
-#pragma omp simd
-            for (int64_t d = 0; d < Dv; ++d) ag[d] += p * vr[d];
+            for (int64_t d = 0; d < Dv; ++d) ag[d] += p * row[d];
           }
         }
       }
@@ -179,11 +261,11 @@ void decode_task(const Shapes& sh, int64_t b, int64_t h, const scalar_t* q, cons
       alpha = exp_nonpositive(w.m[g] - mx);
       l = l * alpha + exp_nonpositive(sink - mx);
     }
-    const float f = l > 0.0f ? alpha / l : 0.0f;  // no key and no sink: zeros, not NaN
+    const float f = l > 0.0f ? alpha / l * sh.v_scale : 0.0f;  // no key and no sink: zeros, not NaN
     const float* ag = w.acc.data() + g * Dv;
-    scalar_t* orow = out + (b * sh.q_heads + h * G + g) * Dv;
+    float* orow = out + (b * sh.q_heads + h * G + g) * Dv;
 #pragma omp simd
-    for (int64_t d = 0; d < Dv; ++d) orow[d] = static_cast<scalar_t>(ag[d] * f);
+    for (int64_t d = 0; d < Dv; ++d) orow[d] = ag[d] * f;
   }
 }
 
@@ -193,22 +275,47 @@ void check_pool(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.stride(3) == 1, name, "'s last dim must be contiguous");
 }
 
-// q [B, Hq, D]; k [N, Hkv, P, D]; v [N, Hkv, P, Dv]; pages [B, n] int64; lens, key_start [B] int64;
-// window <= 0 for none; sinks [Hq] or None -> [B, Hq, Dv] in q's dtype.
+template <KV T>
+void run_tasks(const Shapes& sh, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+               const int64_t* pages_p, const int64_t* lens_p, const int64_t* start_p, const float* sinks_p,
+               at::Tensor& out) {
+  using S = typename Stored<T>::type;
+  const float* q_p = q.data_ptr<float>();
+  const S* k_p = static_cast<const S*>(k.data_ptr());
+  const S* v_p = static_cast<const S*>(v.data_ptr());
+  float* out_p = out.data_ptr<float>();
+  // one task per (row, KV head); at::parallel_for honours torch's intra-op thread count
+  at::parallel_for(0, sh.batch * sh.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    Scratch w(sh);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b = t / sh.kv_heads, h = t % sh.kv_heads;
+      if (sh.head_dim == 64 && sh.v_dim == 64)
+        decode_task<T, 64, 64>(sh, b, h, q_p, k_p, v_p, pages_p, lens_p[b], start_p[b], sinks_p, out_p, w);
+      else if (sh.head_dim == 128 && sh.v_dim == 128)
+        decode_task<T, 128, 128>(sh, b, h, q_p, k_p, v_p, pages_p, lens_p[b], start_p[b], sinks_p, out_p, w);
+      else
+        decode_task<T, 0, 0>(sh, b, h, q_p, k_p, v_p, pages_p, lens_p[b], start_p[b], sinks_p, out_p, w);
+    }
+  });
+}
+
+// q [B, Hq, D] (any float dtype); k [N, Hkv, P, D]; v [N, Hkv, P, Dv] (one of the five pool
+// dtypes, the same for both); pages [B, n] int64; lens, key_start [B] int64; window <= 0 for none;
+// sinks [Hq] or None; k_scale, v_scale: the pool's (1.0 unless fp8) -> [B, Hq, Dv] in q's dtype.
 at::Tensor paged_decode(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
                         const at::Tensor& pages_in, const at::Tensor& lens_in,
                         const at::Tensor& key_start_in, int64_t window,
-                        const c10::optional<at::Tensor>& sinks_in, double scale) {
+                        const c10::optional<at::Tensor>& sinks_in, double scale, double k_scale,
+                        double v_scale) {
   TORCH_CHECK(q_in.device().is_cpu() && q_in.dim() == 3, "q must be a [B, Hq, D] CPU tensor");
   check_pool(k, "k");
   check_pool(v, "v");
-  TORCH_CHECK(k.scalar_type() == q_in.scalar_type() && v.scalar_type() == q_in.scalar_type(),
-              "q, k and v must share a dtype");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "k and v must share a dtype");
   TORCH_CHECK(pages_in.dim() == 2 && pages_in.size(0) == q_in.size(0), "pages must be [B, n]");
   TORCH_CHECK(k.size(0) == v.size(0) && k.size(1) == v.size(1) && k.size(2) == v.size(2),
               "k and v must have the same pages, heads and page size");
   TORCH_CHECK(k.size(3) == q_in.size(2), "q and k head dims differ");
-  const at::Tensor q = q_in.contiguous();
+  const at::Tensor q = q_in.to(at::kFloat).contiguous();
   const at::Tensor pages = pages_in.to(at::kLong).contiguous();
   const at::Tensor lens = lens_in.to(at::kLong).contiguous();
   const at::Tensor key_start = key_start_in.to(at::kLong).contiguous();
@@ -239,26 +346,21 @@ at::Tensor paged_decode(const at::Tensor& q_in, const at::Tensor& k, const at::T
   const int64_t* start_p = key_start.data_ptr<int64_t>();
   const float* sinks_p = sinks.defined() ? sinks.data_ptr<float>() : nullptr;
 
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    const scalar_t* q_p = q.data_ptr<scalar_t>();
-    const scalar_t* k_p = k.data_ptr<scalar_t>();
-    const scalar_t* v_p = v.data_ptr<scalar_t>();
-    scalar_t* out_p = out.data_ptr<scalar_t>();
-    // one task per (row, KV head); at::parallel_for honours torch's intra-op thread count
-    at::parallel_for(0, sh.batch * sh.kv_heads, 1, [&](int64_t begin, int64_t end) {
-      Scratch w(sh);
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t b = t / sh.kv_heads, h = t % sh.kv_heads;
-        if (sh.head_dim == 64 && sh.v_dim == 64)
-          decode_task<scalar_t, 64, 64>(sh, b, h, q_p, k_p, v_p, pages_p, lens_p[b], start_p[b], sinks_p, out_p, w);
-        else if (sh.head_dim == 128 && sh.v_dim == 128)
-          decode_task<scalar_t, 128, 128>(sh, b, h, q_p, k_p, v_p, pages_p, lens_p[b], start_p[b], sinks_p, out_p, w);
-        else
-          decode_task<scalar_t, 0, 0>(sh, b, h, q_p, k_p, v_p, pages_p, lens_p[b], start_p[b], sinks_p, out_p, w);
-      }
-    });
-  });
-  return out;
+  auto run = [&](auto tag) {
+    constexpr KV T = decltype(tag)::value;
+    sh.k_scale = static_cast<float>(k_scale) * kv_factor<T>();
+    sh.v_scale = static_cast<float>(v_scale) * kv_factor<T>();
+    run_tasks<T>(sh, q, k, v, pages_p, lens_p, start_p, sinks_p, out);
+  };
+  switch (k.scalar_type()) {
+    case at::ScalarType::Float: run(std::integral_constant<KV, KV::F32>{}); break;
+    case at::ScalarType::BFloat16: run(std::integral_constant<KV, KV::BF16>{}); break;
+    case at::ScalarType::Half: run(std::integral_constant<KV, KV::F16>{}); break;
+    case at::ScalarType::Float8_e4m3fn: run(std::integral_constant<KV, KV::E4M3>{}); break;
+    case at::ScalarType::Float8_e5m2: run(std::integral_constant<KV, KV::E5M2>{}); break;
+    default: TORCH_CHECK(false, "unsupported KV pool dtype ", k.scalar_type());
+  }
+  return q_in.scalar_type() == at::kFloat ? out : out.to(q_in.scalar_type());
 }
 
 }  // namespace
@@ -267,5 +369,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention over KV pages read in place",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("pages"),
         pybind11::arg("lens"), pybind11::arg("key_start"), pybind11::arg("window"),
-        pybind11::arg("sinks"), pybind11::arg("scale"));
+        pybind11::arg("sinks"), pybind11::arg("scale"), pybind11::arg("k_scale") = 1.0,
+        pybind11::arg("v_scale") = 1.0);
 }
