@@ -30,6 +30,7 @@ def make_engine(
     pages: int = 256,
     max_prefill_tokens: int = 16384,
     radix_cache: bool = False,
+    kv_cache_dtype: str = "auto",
     **kw,
 ) -> Engine:
     """An engine on the tiny model; the prefix cache is off unless asked for, so page counts
@@ -37,7 +38,7 @@ def make_engine(
     cfg = ServerConfig(
         model_path=str(model_dir),
         tp_size=tp,
-        cache=CacheConfig(page_size=page_size, num_pages=pages, radix_cache=radix_cache),
+        cache=CacheConfig(page_size=page_size, num_pages=pages, radix_cache=radix_cache, kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(chunked_prefill_size=chunk, max_prefill_tokens=max_prefill_tokens),
     )
     return Engine(cfg, **kw)
