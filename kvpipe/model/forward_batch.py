@@ -96,7 +96,7 @@ class ForwardBatch:
     slot_offsets: torch.Tensor  # [T] int64, offset inside that page
     seqs: tuple[SeqSpan, ...]
     logit_indices: torch.Tensor  # [B_out] int64, packed rows whose logits are wanted
-    decode: DecodeIndex | None = None  # set when every row adds exactly one token
+    decode: DecodeIndex | None = None  # set when every row adds exactly one token to a context
     # [B] int64, each row's slot in the StatePool (hybrid models only): a row with prefix_len 0
     # starts from a zero state, any other from its slot's; the forward writes the slot back
     state_slots: torch.Tensor | None = None
@@ -141,8 +141,10 @@ class ForwardBatch:
             slot_offsets=positions % page_size,
             seqs=tuple(seqs),
             logit_indices=torch.tensor(last, dtype=torch.int64),
+            # a fresh 1-token prompt is a prefill: it attends to its own new K/V, not to what the
+            # pool stores (a low-precision pool would round it), as it would packed with others
             decode=DecodeIndex.build(tuple(seqs), page_size, window)
-            if seqs and all(s.extend_len == 1 for s in seqs)
+            if seqs and all(s.extend_len == 1 and s.prefix_len > 0 for s in seqs)
             else None,
             state_slots=None if state_slots is None else torch.tensor(state_slots, dtype=torch.int64),
             swa=swa,

@@ -66,7 +66,8 @@ def test_paged_attention_matches_reference(case: dict) -> None:
         pos = torch.arange(pre)  # the cached prefix is already in the pool
         pool.write(0, tables[-1][pos // ps], pos % ps, keys[-1][:pre], values[-1][:pre])
     batch = ForwardBatch.build([[0] * e for e in case["extends"]], case["prefixes"], tables, ps)
-    assert (batch.decode is not None) == all(e == 1 for e in case["extends"])
+    # decode: every row adds one token to a context (a fresh 1-token prompt is a prefill row)
+    assert (batch.decode is not None) == all(e == 1 and p > 0 for e, p in zip(case["extends"], case["prefixes"]))
     new_k = torch.cat([k[p:] for k, p in zip(keys, case["prefixes"])])
     new_v = torch.cat([v[p:] for v, p in zip(values, case["prefixes"])])
     q = torch.randn(batch.num_tokens, hq, D, generator=gen)

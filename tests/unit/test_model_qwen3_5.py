@@ -107,8 +107,9 @@ def test_slot_is_reset_for_a_new_sequence(case):
 
 
 def test_packed_batches_match_hf(case):
-    """Packed prefill rows (a later chunk next to a fresh prompt), then batched decode of three
-    rows in slots out of order, one of them a 1-token prompt (a fresh row in a decode-shaped batch)."""
+    """Packed prefill rows (a later chunk next to a fresh prompt), then batched one-token rows of
+    three sequences in slots out of order, one of them a 1-token prompt: a fresh row makes that
+    batch a prefill (it attends to its own new K/V), the next step is a decode."""
     hf, ours = case
     a, b, c = prompt_ids(14, seed=5), prompt_ids(9, seed=6), prompt_ids(4, seed=7)
     kv, state = pools(ours, 16, 3, slots=5)
@@ -121,7 +122,7 @@ def test_packed_batches_match_hf(case):
         batch = ForwardBatch.build(
             [[a[12 + i]], [b[7 + i]], [c[i]]], [12 + i, 7 + i, i], [ta, tb, tc], 3, state_slots=[4, 0, 2]
         )
-        assert batch.decode is not None
+        assert (batch.decode is None) == (i == 0)
         got = ours(batch, kv, state)
         assert_close_logits(got[0], hf_logits(hf, a[: 13 + i])[-1], ours.cfg, 13 + i)
         assert_close_logits(got[1], hf_logits(hf, b[: 8 + i])[-1], ours.cfg, 8 + i)
