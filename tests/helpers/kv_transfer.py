@@ -79,19 +79,21 @@ def make_backend(kind: str, fabric: LocalFabric, stack, inject=None):
 LATENT_DIM = 12  # an MLA latent row (kv_lora_rank + rope dims) of the latent-pool tests
 
 
-def truth(seed: int = 0, latent: bool = False) -> list[torch.Tensor]:
+def truth(seed: int = 0, latent: bool = False, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     """Full-head KV per (layer, K/V): [PAGES, H, PS, HD] each, layer-major, K then V; or one MLA
-    latent per layer, [PAGES, 1, PS, LATENT_DIM]."""
+    latent per layer, [PAGES, 1, PS, LATENT_DIM]; in the pools' dtype."""
     g = torch.Generator().manual_seed(seed)
     if latent:
-        return [torch.randn(PAGES, 1, PS, LATENT_DIM, generator=g) for _ in range(L)]
-    return [torch.randn(PAGES, H, PS, HD, generator=g) for _ in range(2 * L)]
+        return [torch.randn(PAGES, 1, PS, LATENT_DIM, generator=g).to(dtype) for _ in range(L)]
+    return [torch.randn(PAGES, H, PS, HD, generator=g).to(dtype) for _ in range(2 * L)]
 
 
-def rank_pool(tp: int, rank: int, data: list[torch.Tensor] | None, latent: bool = False):
+def rank_pool(
+    tp: int, rank: int, data: list[torch.Tensor] | None, latent: bool = False, dtype: torch.dtype = torch.float32
+):
     heads = 1 if latent else H  # the latent is one head that every rank holds whole
     h0, h1 = kv_head_range(tp, rank, heads)
-    pool = KVPool(L, PAGES, PS, h1 - h0, LATENT_DIM if latent else HD, latent=latent)
+    pool = KVPool(L, PAGES, PS, h1 - h0, LATENT_DIM if latent else HD, dtype, latent=latent)
     if data is not None:
         for buf, full in zip(pool.buffers(), data):
             buf.copy_(full[:, h0:h1])
@@ -125,14 +127,15 @@ def start_prefill(
     inject=None,
     latent=False,
     on_news=None,
+    dtype=torch.float32,
 ):
     """cfg.staging other than "off": each rank gets a local staging buffer of cfg.staging_pool_nbytes."""
     fabric = fabric or LocalFabric()
     if server is None:
         server = stack.enter_context(BootstrapServer("127.0.0.1", 0))
-    data, senders = truth(seed, latent), []
+    data, senders = truth(seed, latent, dtype), []
     for rank in range(tp):
-        pool, layout = rank_pool(tp, rank, data, latent)
+        pool, layout = rank_pool(tp, rank, data, latent, dtype)
         backend = make_backend(kind, fabric, stack, inject)
         register(backend, layout)
         buf = None if cfg.staging == "off" else StagingBuffer(KVBytes.from_pool(pool), backend, cfg.staging_pool_nbytes)
@@ -163,12 +166,13 @@ def start_decode(
     model="m",
     staging_nbytes: int | None = None,
     latent=False,
+    dtype=torch.float32,
 ):
     """staging_nbytes: every rank offers a staging ring of that size (recv.agents)."""
     fabric = fabric or LocalFabric()
     pools, ranks, agents = [], [], []
     for rank in range(tp):
-        pool, layout = rank_pool(tp, rank, None, latent)
+        pool, layout = rank_pool(tp, rank, None, latent, dtype)
         backend = make_backend(kind, fabric, stack)
         register(backend, layout)
         pools.append(pool)
@@ -198,8 +202,9 @@ def assert_moved(prefill: Prefill, recv: KVReceiver, src: np.ndarray, dst: np.nd
     for rank, pool in enumerate(recv.pools):
         h0, h1 = kv_head_range(len(recv.pools), rank, 1 if pool.latent else H)
         for full, buf in zip(prefill.data, pool.buffers(), strict=True):
-            assert torch.equal(buf[dst], full[src][:, h0:h1])
-            assert not buf[untouched].any()
+            raw = buf.view(torch.uint8)  # compared as bytes: any pool dtype, fp8 included
+            assert torch.equal(raw[dst], full[src][:, h0:h1].contiguous().view(torch.uint8))
+            assert not raw[untouched].any()
 
 
 SRC = np.array([3, 4, 5, 9, 10, 11])  # prefill page table of a 22-token prompt (page size 4)

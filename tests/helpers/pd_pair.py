@@ -22,7 +22,7 @@ from kvpipe.disagg.prefill import PrefillConnector
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import FinishReason, Req, SamplingParams, TokenOutput
 from kvpipe.transfer.backends.local import LocalBackend, LocalFabric
-from tests.helpers.pd_parity import expected_bytes
+from tests.helpers.pd_parity import KV_ITEMSIZE, expected_bytes
 from tests.helpers.tolerance import Generation, Route, assert_close_logits, assert_same_generations
 
 PS = 16
@@ -31,7 +31,13 @@ _rooms = itertools.count(1000)
 
 
 def cfg(
-    model_dir: Path, mode: str, chunk: int = 0, pages: int = 128, radix_cache: bool = True, **disagg
+    model_dir: Path,
+    mode: str,
+    chunk: int = 0,
+    pages: int = 128,
+    radix_cache: bool = True,
+    kv_cache_dtype: str = "auto",
+    **disagg,
 ) -> ServerConfig:
     # generous deadlines: a loaded 2-core host can stall an engine step for a second
     d = dict(
@@ -45,7 +51,7 @@ def cfg(
     )
     return ServerConfig(
         model_path=str(model_dir),
-        cache=CacheConfig(page_size=PS, num_pages=pages, radix_cache=radix_cache),
+        cache=CacheConfig(page_size=PS, num_pages=pages, radix_cache=radix_cache, kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(chunked_prefill_size=chunk, max_prefill_tokens=4096),
         disaggregation=DisaggregationConfig(**{**d, **disagg}),
     )
@@ -232,19 +238,28 @@ def make_pair(
     inject=None,
     prefill_radix_cache: bool = True,
     decode_radix_cache: bool = False,
+    kv_cache_dtype: str = "auto",
     **disagg,
 ):
     """Prefill + decode engines; the prefill keeps its prefix cache unless told otherwise, the
-    decode has one with `decode_radix_cache`."""
+    decode has one with `decode_radix_cache`; both pools store `kv_cache_dtype`."""
     fabric = LocalFabric()
     with contextlib.ExitStack() as es:
         pb, db = LocalBackend(fabric, inject=inject), LocalBackend(fabric)
         es.callback(pb.close)
         es.callback(db.close)
-        p_cfg = cfg(model_dir, "prefill", chunk, p_pages, prefill_radix_cache, **disagg)
+        p_cfg = cfg(model_dir, "prefill", chunk, p_pages, prefill_radix_cache, kv_cache_dtype, **disagg)
         prefill = Engine(p_cfg, PrefillConnector(p_cfg, pb))
         es.callback(prefill.shutdown)
-        d_cfg = cfg(model_dir, "decode", 0, d_pages, decode_radix_cache=decode_radix_cache, **disagg)
+        d_cfg = cfg(
+            model_dir,
+            "decode",
+            0,
+            d_pages,
+            decode_radix_cache=decode_radix_cache,
+            kv_cache_dtype=kv_cache_dtype,
+            **disagg,
+        )
         decode = Engine(d_cfg, DecodeConnector(d_cfg, db))
         es.callback(decode.shutdown)
         yield Pair(prefill, decode)
@@ -253,12 +268,11 @@ def make_pair(
 Reference = Callable[..., Generation]  # (prompt ids, params=GREEDY) -> the colocated generation
 
 
-def colocated_greedy(model_dir: Path) -> Iterator[Reference]:
+def colocated_greedy(model_dir: Path, kv_cache_dtype: str = "auto") -> Iterator[Reference]:
     """Generator of a memoized greedy reference (the colocated engine, no prefix cache; tokens and
     logprobs of each prompt run alone) for a fixture."""
-    eng = Engine(
-        ServerConfig(model_path=str(model_dir), cache=CacheConfig(page_size=PS, num_pages=256, radix_cache=False))
-    )
+    cache = CacheConfig(page_size=PS, num_pages=256, radix_cache=False, kv_cache_dtype=kv_cache_dtype)
+    eng = Engine(ServerConfig(model_path=str(model_dir), cache=cache))
     cache: dict[tuple, Generation] = {}
 
     def ref(ids: list[int], params: SamplingParams = GREEDY) -> Generation:
@@ -321,21 +335,23 @@ def greedy_and_bytes_as_predicted(
     check=lambda pair, stats: None,
     check_free=lambda pair: None,
     on_landed: Callable[[Pair, Req], None] | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> None:
     """Prompts of `lens` through a pair with chunked prefill of `chunk` and `groups` layer groups:
     greedy tokens and logprobs equal `reference` (assert_pd_matches), every room succeeds, the bytes
     written are pd_parity.expected_bytes, `check(pair, stats)` asserts what else the model family
     implies; then both sides settle with every page free and `check_free(pair)` checks the rest.
-    `on_landed` is Pair.run's (a negative control's corruption)."""
+    `on_landed` is Pair.run's (a negative control's corruption). Both pools (and the
+    reference's, which the caller builds) store `kv_cache_dtype`."""
     ps = prompts(chunk + groups, lens)
-    with make_pair(model_dir, chunk, layer_groups=groups) as pair:
+    with make_pair(model_dir, chunk, layer_groups=groups, kv_cache_dtype=kv_cache_dtype) as pair:
         reqs = [pair.reqs(ids) for ids in ps]
         pair.run(reqs, on_landed=on_landed)
         assert all(d.finish_reason is FinishReason.LENGTH for _, d in reqs), [d.finish_detail for _, d in reqs]
         assert_pd_matches([d for _, d in reqs], ps, reference)
         st = pair.prefill.stats()["disaggregation"]
         assert (st["rooms_succeeded"], st["rooms_failed"]) == (len(ps), 0)
-        assert st["bytes_written"] == expected_bytes(model_dir, lens, PS, 1, 1)
+        assert st["bytes_written"] == expected_bytes(model_dir, lens, PS, 1, 1, kv_itemsize=KV_ITEMSIZE[kv_cache_dtype])
         if groups > 1:
             assert pair.pipeline.counters.batches_by_groups.get(groups, 0) > 0
         check(pair, st)

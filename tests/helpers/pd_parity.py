@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvpipe.cache.window_pages import prompt_window_pages
-from kvpipe.config import CacheConfig, ServerConfig
+from kvpipe.config import CacheConfig, SchedulerConfig, ServerConfig
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import SamplingParams
 from kvpipe.model.config import ModelConfig
@@ -31,9 +31,24 @@ def prompts(lengths: list[int], vocab: int = 290, seed: int = 7) -> list[list[in
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
-def colocated_reference(model_dir: Path, ids: list[list[int]], new_tokens: int, page_size: int) -> list[Generation]:
-    """Colocated TP 1 engine: greedy tokens and logprobs per prompt."""
-    eng = Engine(ServerConfig(model_path=str(model_dir), cache=CacheConfig(page_size=page_size, num_pages=128)))
+# bytes of one stored KV element per --kv-cache-dtype on CPU (auto: the fp32 model dtype)
+KV_ITEMSIZE = {"auto": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
+
+
+def colocated_reference(
+    model_dir: Path,
+    ids: list[list[int]],
+    new_tokens: int,
+    page_size: int,
+    kv_cache_dtype: str = "auto",
+    chunk: int | None = None,
+) -> list[Generation]:
+    """Colocated TP 1 engine: greedy tokens and logprobs per prompt. With a low-precision KV
+    dtype give the PD servers' `chunk` (--chunked-prefill-size): a later chunk reads the stored,
+    rounded KV of the earlier ones where a whole prompt attends to its unrounded K/V."""
+    cache = CacheConfig(page_size=page_size, num_pages=128, kv_cache_dtype=kv_cache_dtype)
+    sched = SchedulerConfig() if chunk is None else SchedulerConfig(chunked_prefill_size=chunk)
+    eng = Engine(ServerConfig(model_path=str(model_dir), cache=cache, scheduler=sched))
     try:
         outs = eng.generate(ids, SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True))
     finally:
@@ -41,7 +56,15 @@ def colocated_reference(model_dir: Path, ids: list[list[int]], new_tokens: int, 
     return [Generation.of(o) for o in outs]
 
 
-def expected_bytes(model_dir: Path, lengths: list[int], page_size: int, p_tp: int, d_tp: int, itemsize: int = 4) -> int:
+def expected_bytes(
+    model_dir: Path,
+    lengths: list[int],
+    page_size: int,
+    p_tp: int,
+    d_tp: int,
+    itemsize: int = 4,
+    kv_itemsize: int | None = None,
+) -> int:
     """Bytes every prefill rank together writes for the prompts: whole pages, each decode rank's
     heads once (decode ranks sharing a replicated head, or the MLA latent, each get it); a hybrid
     model's KV is that of its full-attention layers, and each request's state moves once: every
@@ -52,7 +75,9 @@ def expected_bytes(model_dir: Path, lengths: list[int], page_size: int, p_tp: in
     Written from the layout alone, not from the production planner (transfer_slices): a decode
     rank holds kv_heads / d_tp heads when d_tp divides the KV heads, else one replicated head
     (d_tp / kv_heads ranks share each); an MLA latent is one "head" every decode rank holds whole.
-    Each decode rank's heads are written once, whichever prefill TP computed them."""
+    Each decode rank's heads are written once, whichever prefill TP computed them. `itemsize`:
+    the model dtype's (a hybrid model's conv state); `kv_itemsize`: the KV pool's
+    (--kv-cache-dtype; default `itemsize`)."""
     mc = ModelConfig.from_dir(model_dir)
     kv_heads = mc.kv_cache_heads  # 1 for the MLA latent
     assert kv_heads % d_tp == 0 or d_tp % kv_heads == 0, (kv_heads, d_tp)
@@ -65,7 +90,8 @@ def expected_bytes(model_dir: Path, lengths: list[int], page_size: int, p_tp: in
         else 0
     )
     layer_pages = full_pages * (len(mc.kv_layers) - len(sliding)) + window_pages * len(sliding)
-    kv = layer_pages * heads * page_size * mc.kv_cache_head_dim * itemsize * mc.kv_buffers_per_layer
+    kv_item = itemsize if kv_itemsize is None else kv_itemsize
+    kv = layer_pages * heads * page_size * mc.kv_cache_head_dim * kv_item * mc.kv_buffers_per_layer
     return kv + len(lengths) * state_slot_nbytes(mc, itemsize)
 
 
@@ -90,6 +116,7 @@ def check_parity(
     p_tp: int,
     d_tp: int,
     groups: int,
+    kv_cache_dtype: str = "auto",
 ) -> None:
     def one(prompt: list[int]) -> dict:
         return generate(
@@ -99,13 +126,15 @@ def check_parity(
     with ThreadPoolExecutor(len(ids)) as pool:  # concurrent: prefill batches several rooms
         outs = list(pool.map(one, ids))
     got = [Generation.of(out) for out in outs]
-    assert_same_generations(got, reference, ROUTE, ids, f"prefill TP {p_tp}, decode TP {d_tp}, {groups} groups")
+    what = f"prefill TP {p_tp}, decode TP {d_tp}, {groups} groups, KV {kv_cache_dtype}"
+    assert_same_generations(got, reference, ROUTE, ids, what)
     p = stack.prefill.wait_idle(30)  # every page back on both sides
     stack.decode.wait_idle(30)
     st = disagg_stats(stack.prefill)
     assert (st["rooms_succeeded"], st["rooms_failed"]) == (len(ids), 0), st
     lengths = [len(x) for x in ids]
-    assert st["bytes_written"] == expected_bytes(model_dir, lengths, page_size, p_tp, d_tp), st
+    want = expected_bytes(model_dir, lengths, page_size, p_tp, d_tp, kv_itemsize=KV_ITEMSIZE[kv_cache_dtype])
+    assert st["bytes_written"] == want, st
     assert p["tp_size"] == p_tp and stack.decode.engine_stats()["tp_size"] == d_tp
     if groups > 1:
         assert p["layer_group_batches"].get(str(groups), 0) > 0, p["layer_group_batches"]
@@ -121,9 +150,11 @@ def run_router_pd(
     lengths: list[int],
     new_tokens: int,
     page_size: int,
+    kv_cache_dtype: str = "auto",
 ) -> None:
     """A router PD stack of (model dir, colocated reference) on TP (p_tp, d_tp) with `groups`
-    layer groups: check_parity on prompts of `lengths`; the stack's logs are printed on failure."""
+    layer groups and `kv_cache_dtype` on both sides (the reference's too): check_parity on
+    prompts of `lengths`; the stack's logs are printed on failure."""
     model_dir, reference = model
     stack = start_stack(
         model_dir,
@@ -131,11 +162,15 @@ def run_router_pd(
         *flags,
         "--disaggregation-layer-groups",
         str(groups),
+        "--kv-cache-dtype",
+        kv_cache_dtype,
         prefill_args=("--tp-size", str(p_tp)),
         decode_args=("--tp-size", str(d_tp)),
     )
     try:
-        check_parity(stack, model_dir, prompts(lengths), reference, new_tokens, page_size, p_tp, d_tp, groups)
+        check_parity(
+            stack, model_dir, prompts(lengths), reference, new_tokens, page_size, p_tp, d_tp, groups, kv_cache_dtype
+        )
     except BaseException:
         print(stack.logs())
         raise

@@ -62,7 +62,19 @@ def test_moe_greedy_matches_colocated_and_bytes_as_predicted(moe_model_dir):
         ref.close()
 
 
-def check_greedy_and_bytes(model_dir: Path, reference, chunk: int, groups: int, on_landed=None) -> None:
+def test_fp8_kv_matches_colocated_fp8(model_dir):
+    """--kv-cache-dtype fp8_e4m3: the full-attention layers' pages in fp8, the state slots in
+    their own dtypes (fp32 here), two layer groups; bytes: 1-byte KV plus the fp32 state."""
+    ref = colocated_greedy(model_dir, "fp8_e4m3")
+    try:
+        check_greedy_and_bytes(model_dir, next(ref), 0, 2, kv_cache_dtype="fp8_e4m3")
+    finally:
+        ref.close()
+
+
+def check_greedy_and_bytes(
+    model_dir: Path, reference, chunk: int, groups: int, on_landed=None, kv_cache_dtype: str = "auto"
+) -> None:
     greedy_and_bytes_as_predicted(
         model_dir,
         reference,
@@ -71,6 +83,7 @@ def check_greedy_and_bytes(model_dir: Path, reference, chunk: int, groups: int, 
         LENS,
         check_free=lambda pair: assert_slots_free(pair.prefill, pair.decode),
         on_landed=on_landed,
+        kv_cache_dtype=kv_cache_dtype,
     )
 
 

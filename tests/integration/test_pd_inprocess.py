@@ -16,7 +16,19 @@ from kvpipe.config import FaultInjection
 from kvpipe.engine.request import FinishReason, Req, TokenOutput
 from kvpipe.transfer.lifecycle import TransferState
 from tests.helpers.corrupt_kv import KVCorruption
-from tests.helpers.pd_pair import GREEDY, Pair, assert_landed_equals_cold, assert_pd_matches, make_pair, prompts, tokens
+from tests.helpers.pd_pair import (
+    GREEDY,
+    PS,
+    Pair,
+    assert_landed_equals_cold,
+    assert_pd_matches,
+    colocated_greedy,
+    greedy_and_bytes_as_predicted,
+    make_pair,
+    prompts,
+    tokens,
+)
+from tests.helpers.pd_parity import KV_ITEMSIZE, expected_bytes
 
 LENS = [1, 2, 15, 16, 17, 40, 100, 333]
 
@@ -36,6 +48,21 @@ def test_greedy_matches_colocated(tiny_model_dir, reference, chunk):
         st = pair.prefill.stats()["disaggregation"]
         assert st["rooms_succeeded"] == len(ps) and st["rooms_failed"] == 0 and st["bytes_written"] > 0
         pair.settle()
+
+
+@pytest.mark.parametrize("kv", ["bfloat16", "fp8_e4m3"])
+def test_kv_cache_dtype_matches_colocated_and_shrinks_the_bytes(tiny_model_dir, kv):
+    """--kv-cache-dtype on both sides, two layer groups: tokens and logprobs equal the colocated
+    engine's with the same KV dtype, and the bytes written are the prediction for the dtype's
+    element size: exactly 1/2 (bf16) or 1/4 (fp8) of what fp32 KV moves for the same prompts."""
+    ref = colocated_greedy(tiny_model_dir, kv)
+    try:
+        greedy_and_bytes_as_predicted(tiny_model_dir, next(ref), 0, 2, LENS, kv_cache_dtype=kv)
+    finally:
+        ref.close()
+    ps = [len(p) for p in prompts(2, LENS)]
+    fp32, ours = (expected_bytes(tiny_model_dir, ps, PS, 1, 1, kv_itemsize=KV_ITEMSIZE[x]) for x in ("auto", kv))
+    assert ours * 4 == fp32 * KV_ITEMSIZE[kv]
 
 
 @pytest.mark.parametrize(

@@ -40,5 +40,15 @@ def test_greedy_matches_colocated_and_only_window_pages_move(model_dir, referenc
     greedy_and_bytes_as_predicted(model_dir, reference, chunk, groups, LENS, check)
 
 
+def test_fp8_kv_matches_colocated_fp8(model_dir):
+    """--kv-cache-dtype fp8_e4m3 on both sides (window pages, sinks), two layer groups: the
+    colocated fp8 engine's tokens and logprobs; bytes for 1-byte elements."""
+    ref = colocated_greedy(model_dir, "fp8_e4m3")
+    try:
+        greedy_and_bytes_as_predicted(model_dir, next(ref), 0, 2, LENS, kv_cache_dtype="fp8_e4m3")
+    finally:
+        ref.close()
+
+
 def test_failures_and_aborts_free_every_page(model_dir, reference):
     failures_then_decode_abort(model_dir, reference)  # settle() checks both page tables' pages

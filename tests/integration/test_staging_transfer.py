@@ -10,11 +10,25 @@ import dataclasses
 
 import numpy as np
 import pytest
+import torch
 
 from kvpipe.config import FaultInjection
 from kvpipe.transfer.backends.local import LocalFabric
 from kvpipe.transfer.lifecycle import TransferState
-from tests.helpers.kv_transfer import CFG, PAGES, SRC, H, Results, assert_moved, start_decode, start_prefill, wait_for
+from tests.helpers.kv_transfer import (
+    CFG,
+    HD,
+    PAGES,
+    PS,
+    SRC,
+    H,
+    L,
+    Results,
+    assert_moved,
+    start_decode,
+    start_prefill,
+    wait_for,
+)
 
 S, F = TransferState.SUCCESS, TransferState.FAILED
 STAGED = dataclasses.replace(CFG, staging="on", staging_pool_mb=1)
@@ -60,6 +74,23 @@ def test_staged_heterogeneous_tp_moves_the_same_bytes(stack, p_tp, d_tp, groups)
     sliced = s_heads(p_tp) != s_heads(d_tp)  # else a destination holds whole pages: plain coalesced writes
     for s in senders:  # one op per staged chunk instead of 2 x layers x pages
         assert s.stats.staged_chunks == (s.stats.ops_submitted if sliced else 0) and s.stats.ops_submitted, s.stats
+    assert wait_for(lambda: rings_empty(recv, prefill), 5, "every staging slot freed")
+
+
+@pytest.mark.parametrize("p_tp, d_tp", [(1, 2), (2, 1)])  # head-sliced both ways
+def test_staged_fp8_pools_move_the_same_bytes(stack, p_tp, d_tp):
+    """1-byte elements (--kv-cache-dtype fp8_e4m3): staged chunks gather and scatter head slices
+    at byte offsets of the fp8 layout, landing every byte where page writes would, ring freed."""
+    fabric = LocalFabric()
+    fp8 = torch.float8_e4m3fn
+    prefill = start_prefill(stack, fabric=fabric, tp=p_tp, cfg=STAGED, dtype=fp8)
+    recv = start_decode(stack, fabric=fabric, tp=d_tp, staging_nbytes=1 << 20, dtype=fp8)
+    dst = np.array([1, 2, 3, 12, 13])
+    run_room(prefill, recv, 9, dst, d_tp)
+    assert Results(recv).get(9)[1] is S
+    assert_moved(prefill, recv, SRC[1:], dst, np.setdiff1d(np.arange(PAGES), dst))
+    assert all(s.stats.staged_chunks for s in prefill.senders if s.stats.ops_submitted)
+    assert sum(s.stats.bytes_written for s in prefill.senders) == (len(SRC) - 1) * PS * HD * 2 * L * H
     assert wait_for(lambda: rings_empty(recv, prefill), 5, "every staging slot freed")
 
 
