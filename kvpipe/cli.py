@@ -51,6 +51,11 @@ COMMANDS: list[Command] = [
         "kvpipe.qa.chaos",
     ),
     Command("testbed", "emulated link between two network namespaces (up/down/status)", "kvpipe.qa.testbed_cli"),
+    Command(
+        "bench kv-accuracy",
+        "greedy agreement and logprob drift of each --kv-cache-dtype against fp32 KV",
+        "kvpipe.bench.kv_accuracy",
+    ),
 ]
 GROUP_HELP = {"bench": "benchmarks (results as JSON and PNG)"}
 AddArgs = Callable[[argparse.ArgumentParser], None]

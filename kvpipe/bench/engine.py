@@ -53,7 +53,7 @@ from kvpipe.bench.engine_stats import (
 )
 from kvpipe.bench.hf_reference import HFReference
 from kvpipe.bench.machine import cpu_name
-from kvpipe.config import CacheConfig, ConfigError, SchedulerConfig, ServerConfig
+from kvpipe.config import KV_CACHE_DTYPES, MODEL_DTYPES, CacheConfig, ConfigError, SchedulerConfig, ServerConfig
 from kvpipe.engine.cpu_threads import apply_cpu_threads, server_cpu_threads
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import FinishReason, Req, SamplingParams
@@ -79,6 +79,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="untimed full-batch decode steps before the timed ones, every repeat",
     )
     p.add_argument("--tp-size", "--tp", type=int, default=1, help="tensor parallel ranks")
+    p.add_argument("--dtype", default="auto", choices=list(MODEL_DTYPES), help="weights and activations")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="KV pool dtype; comma-separated: one engine per dtype, one after the other in this run "
+        f"(each of {', '.join(KV_CACHE_DTYPES)})",
+    )
     p.add_argument("--page-size", type=int, default=64, help="tokens per KV page")
     p.add_argument("--chunked-prefill-size", type=int, default=8192, help="max prompt tokens per prefill step")
     p.add_argument("--max-prefill-tokens", type=int, default=16384, help="token budget of one prefill batch")
@@ -231,7 +238,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed,
         log_level="warning",
         cpu_threads=args.threads * args.tp_size if args.threads else None,
-        cache=CacheConfig(page_size=args.page_size, max_total_tokens=kv_tokens),
+        dtype=args.dtype,
+        cache=CacheConfig(page_size=args.page_size, max_total_tokens=kv_tokens, kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(
             max_running_requests=max(64, max_batch),
             chunked_prefill_size=args.chunked_prefill_size,
@@ -305,6 +313,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "heads": mc.num_heads,
             "kv_heads": mc.num_kv_heads,
             "dtype": mc.dtype,
+            "run_dtype": args.dtype,
+            "kv_cache_dtype": args.kv_cache_dtype,
             "tp_size": args.tp_size,
             "page_size": args.page_size,
             "chunked_prefill_size": args.chunked_prefill_size,
@@ -335,11 +345,21 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
-    report = run_bench(args)
-    text = json.dumps(report)
+    kv_dtypes = [d.strip() for d in str(args.kv_cache_dtype).split(",") if d.strip()]
+    bad = [d for d in kv_dtypes if d not in KV_CACHE_DTYPES]
+    if bad or not kv_dtypes:
+        raise SystemExit(f"kvpipe bench engine: --kv-cache-dtype takes {', '.join(KV_CACHE_DTYPES)}, got {bad}")
+    reports = []
+    for kv in kv_dtypes:  # one engine at a time: their pools never share the memory
+        report = run_bench(argparse.Namespace(**{**vars(args), "kv_cache_dtype": kv}))
+        reports.append(report)
+        if not args.json:
+            print(format_table(report), flush=True)
+    result = reports[0] if len(reports) == 1 else {"runs": reports}
     if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(text if args.json else format_table(report))
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    if args.json:
+        print(json.dumps(result))
     return 0
 
 

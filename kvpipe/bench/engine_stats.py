@@ -145,7 +145,8 @@ def format_table(report: dict[str, Any]) -> str:
     m, c = report["machine"], report["config"]
     hf = c.get("compare_hf")
     rows = [
-        f"{c['model']} | tp {c['tp_size']} | page {c['page_size']} | chunk {c['chunked_prefill_size']} | "
+        f"{c['model']} | tp {c['tp_size']} | KV {c.get('kv_cache_dtype', 'auto')} | page {c['page_size']} | "
+        f"chunk {c['chunked_prefill_size']} | "
         f"median of {c['repeat']} | torch {m['torch']} | {m['threads']} threads | "
         f"{m['cpu']}" + (f" | HF transformers {hf['attn_implementation']}, {hf['threads']} threads" if hf else ""),
         "",

@@ -43,6 +43,9 @@ from kvpipe.bench.transfer_shapes import EXTRA_SHAPES, KVShape, lookup_shape, sh
 from kvpipe.qa.testbed import LinkTestbed
 from kvpipe.transfer.backends.mooncake import DEFAULT_MAX_OP_BYTES
 
+# --kv-cache-dtype -> the torch dtype name the pools are made of
+KV_TORCH_NAMES = {"bfloat16": "bfloat16", "float16": "float16", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
 # Raw patterns timed by default, around the best of the full sweep (docs/benchmarks.md), and the sweep grid.
 RAW_PIECES = (1 << 20, 4 << 20, 8 << 20)
 RAW_WINDOWS = (16, 256)
@@ -62,6 +65,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-heads", type=int, default=None, help="override the preset's KV heads")
     p.add_argument("--head-dim", type=int, default=None, help="override the preset's head_dim")
     p.add_argument("--dtype", default=None, help="override the KV dtype (float32, bfloat16, float16)")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        choices=sorted(KV_TORCH_NAMES),
+        help="the KV pool's dtype by the server flag's names (fp8: 1-byte elements); KV-only shapes",
+    )
     p.add_argument("--repeat", type=int, default=5, help="transfers per length (medians are reported)")
     p.add_argument(
         "--fragmentation",
@@ -120,11 +129,15 @@ def _shape(args: argparse.Namespace) -> KVShape:
         raise SystemExit(
             "kvpipe bench transfer: a hybrid or sliding-window shape's layers are fixed by its layer map (no --layers)"
         )
+    kv_dtype = getattr(args, "kv_cache_dtype", None)
+    if kv_dtype is not None and s.hybrid is not None:
+        # the shape's dtype is also its conv state's, which keeps the model dtype
+        raise SystemExit("kvpipe bench transfer: --kv-cache-dtype is for KV-only shapes, not a hybrid one")
     return KVShape(
         args.layers or s.num_layers,
         args.kv_heads or s.kv_heads,
         args.head_dim or s.head_dim,
-        args.dtype or s.dtype,
+        KV_TORCH_NAMES[kv_dtype] if kv_dtype else args.dtype or s.dtype,
         s.latent,
         s.hybrid,
         s.sliding_layers,

@@ -1,6 +1,8 @@
 """CUDA paths of the engine (skipped without a GPU): the model, the paged pool and layer groups on
 the device give the CPU's greedy tokens and logprobs (within Route.ACROSS_DEVICES), they depend on
-the context (a wrong page would show), and the pool's buffers are device memory."""
+the context (a wrong page would show), and the pool's buffers are device memory. With
+--kv-cache-dtype bfloat16 / fp8_e4m3 the device pool stores that dtype and its generations stay
+closer to the CPU's with the same KV dtype than that dtype's own effect (against fp32 KV)."""
 
 from __future__ import annotations
 
@@ -19,18 +21,22 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5 + (i * 7) % 200 for i in range(n)] for n in (1, 13, 64, 150)]
+KV_TORCH = {"bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 def _outputs(model_dir, device: str, prompts: list[list[int]] = PROMPTS, **kw) -> list[Generation]:
+    kv = kw.pop("kv_cache_dtype", "auto")
     cfg = ServerConfig(
         model_path=str(model_dir),
         device=device,
-        cache=CacheConfig(page_size=16, num_pages=128),
+        dtype="float32",  # CUDA's auto is the checkpoint's dtype; the CPU's is fp32
+        cache=CacheConfig(page_size=16, num_pages=128, kv_cache_dtype=kv),
         scheduler=SchedulerConfig(chunked_prefill_size=kw.pop("chunk", 0)),
     )
     eng = Engine(cfg, **kw)
     try:
         assert eng.runner.pool.k[0].device.type == device
+        assert eng.runner.pool.k[0].dtype == KV_TORCH.get(kv, torch.float32)
         return [Generation.of(r) for r in eng.generate(prompts, GREEDY)]
     finally:
         eng.shutdown()
@@ -61,3 +67,31 @@ def test_cuda_pool_exposes_device_addresses(tiny_model_dir):
         assert all(i.addr == t.data_ptr() for i, t in zip(infos[::2], eng.runner.pool.k))
     finally:
         eng.shutdown()
+
+
+def _largest_logprob_gap(a: list[Generation], b: list[Generation]) -> float:
+    """Largest |logprob difference| over each prompt's common token prefix (after a token differs
+    the two runs condition on other text)."""
+    gap = 0.0
+    for x, y in zip(a, b):
+        for tx, ty, lx, ly in zip(x.tokens, y.tokens, x.logprobs, y.logprobs):
+            if tx != ty:
+                break
+            gap = max(gap, abs(lx - ly))
+    return gap
+
+
+@pytest.mark.parametrize("kv", ["bfloat16", "fp8_e4m3"])
+def test_cuda_kv_cache_dtype_follows_the_cpu(tiny_model_dir, kv):
+    """The device pool stores `kv` and decodes through it: against the CPU with the same KV dtype
+    the logprobs move far less than the dtype itself moves them (CPU `kv` against CPU fp32 KV).
+    Exactness is not asked for: the two devices' K/V differ by fp32 roundings, and a value near an
+    fp8 (bf16) rounding boundary can round the other way, which moves logprobs by more than
+    Route.ACROSS_DEVICES allows. A device that ignored the flag, or read the bytes with the wrong
+    format or scale, would be as far from the CPU as fp32 KV is, or farther."""
+    cpu = _outputs(tiny_model_dir, "cpu", kv_cache_dtype=kv, chunk=33)  # chunks read stored KV: the same ones
+    cpu_fp32 = _outputs(tiny_model_dir, "cpu", chunk=33)
+    cuda = _outputs(tiny_model_dir, "cuda", kv_cache_dtype=kv, chunk=33, layer_groups=2)
+    dtype_effect = _largest_logprob_gap(cpu, cpu_fp32)
+    assert dtype_effect > 0, f"{kv} KV changed nothing on the CPU"
+    assert _largest_logprob_gap(cuda, cpu) < 0.5 * dtype_effect

@@ -7,7 +7,7 @@ GQA families, and for MLA one whole latent per decode rank, read from exactly on
 The hybrid Qwen3.5 (issue 12: KV of its full-attention layers plus each request's recurrent
 state, sliced by linear heads under heterogeneous TP) runs 24 prompts on (1,1) and (2,2) with one
 and two layer groups, and on (1,2) and (2,1). GPT-OSS (sliding-window pages) has its own file,
-test_pd_sliding_window.py."""
+test_pd_sliding_window.py. --kv-cache-dtype: an fp8 MLA latent and bf16 GQA K/V on (1,2) and (2,1)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from tests.helpers.pd_parity import MANY_LENGTHS, colocated_reference, prompts, 
 
 pytest.importorskip("mooncake.engine")
 
-PS, NEW = 16, 6
+PS, NEW, CHUNK = 16, 6, 64
 LENGTHS = [150, 37, 90]
 FLAGS = [
     "--page-size",
@@ -29,7 +29,7 @@ FLAGS = [
     "--max-total-tokens",
     "4096",
     "--chunked-prefill-size",
-    "64",
+    str(CHUNK),
     "--disaggregation-heartbeat-interval",
     "0.5",
     "--disaggregation-bootstrap-timeout",
@@ -76,6 +76,22 @@ def test_pd_family_matches_colocated(
     family: Callable[[str], tuple[Path, list]], tmp_path: Path, name: str, pairing: tuple[int, int, int]
 ) -> None:
     run_pd(family(name), tmp_path, *pairing)
+
+
+# --kv-cache-dtype on both servers (issue 26): MLA's latent in fp8 e4m3 and GQA K/V in bf16, on
+# both heterogeneous directions; the reference is colocated with the same KV dtype and chunks
+KV_DTYPE_CASES = [("tiny-deepseek-v3", (1, 2, 2), "fp8_e4m3"), ("tiny-qwen3-moe", (2, 1, 1), "bfloat16")]
+
+
+@pytest.mark.parametrize(
+    "name,pairing,kv", KV_DTYPE_CASES, ids=[f"{f}-{p}-{d}-{g}-{kv}" for f, (p, d, g), kv in KV_DTYPE_CASES]
+)
+def test_pd_kv_cache_dtype_matches_colocated(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path, name: str, pairing: tuple[int, int, int], kv: str
+) -> None:
+    model_dir = write_preset(name, tmp_path_factory.mktemp(name))
+    reference = colocated_reference(model_dir, prompts(LENGTHS), NEW, PS, kv, chunk=CHUNK)
+    run_router_pd((model_dir, reference), tmp_path, FLAGS, *pairing, LENGTHS, NEW, PS, kv)
 
 
 @pytest.mark.parametrize("p_tp,d_tp,groups", HYBRID_PAIRINGS)

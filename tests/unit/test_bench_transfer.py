@@ -66,6 +66,42 @@ def test_flags_to_worker_config():
             config_from_args(p.parse_args(bad), "/tmp/x.log")
 
 
+@pytest.mark.parametrize("kv,itemsize", [("bfloat16", 2), ("float16", 2), ("fp8_e4m3", 1), ("fp8_e5m2", 1)])
+def test_kv_cache_dtype_shrinks_the_bytes_by_the_itemsize_ratio(kv, itemsize):
+    """--kv-cache-dtype: the pools are made of that dtype; the bench's prediction (KVShape) and
+    the planner's plan of a request both shrink by exactly itemsize / 4 against fp32 KV, and a
+    copy along the plan lands every byte of the request's pages (1-byte elements included)."""
+    p = argparse.ArgumentParser()
+    add_args(p)
+    base = ["--preset", "tiny", "--prompt-lens", "100", "--page-size", "16"]
+    fp32 = config_from_args(p.parse_args(base), "/tmp/x.log")
+    cfg = config_from_args(p.parse_args([*base, "--kv-cache-dtype", kv]), "/tmp/x.log")
+    assert fp32.dtype == "float32" and getattr(torch, cfg.dtype).itemsize == itemsize
+    shape32, shape = lookup_shape("tiny"), _shape_of(cfg)
+    assert shape32 is not None and shape.request_kv_nbytes(100, 16) * 4 == shape32.request_kv_nbytes(100, 16) * itemsize
+    plans = {}
+    for c in (fp32, cfg):
+        src, dst = (KVPool(c.num_layers, 8, 16, c.kv_heads, c.head_dim, getattr(torch, c.dtype)) for _ in range(2))
+        for t in src.buffers():
+            t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(1)).to(t.dtype))
+        pages = RequestPages(np.arange(7), np.array([7, 6, 0, 1, 2, 4, 5]))
+        plans[c.dtype] = plan = plan_request(pages, KVLayout.from_pool(src), KVLayout.from_pool(dst))
+        for s_, d_, n_ in zip(plan.src_addr.tolist(), plan.dst_addr.tolist(), plan.length.tolist()):
+            ctypes.memmove(d_, s_, n_)
+        assert digest(dst, pages.dst) == digest(src, pages.src)
+    assert plans[cfg.dtype].nbytes == shape.request_kv_nbytes(100, 16)
+    assert plans[cfg.dtype].nbytes * 4 == plans["float32"].nbytes * itemsize
+    assert plans[cfg.dtype].num_ops == plans["float32"].num_ops  # the same runs, shorter
+    with pytest.raises(SystemExit, match="KV-only"):
+        config_from_args(p.parse_args(["--preset", "tiny-qwen3.5", "--kv-cache-dtype", kv]), "/tmp/x.log")
+
+
+def _shape_of(cfg):
+    from kvpipe.bench.transfer_shapes import KVShape
+
+    return KVShape(cfg.num_layers, cfg.kv_heads, cfg.head_dim, cfg.dtype)
+
+
 def test_mla_shape_is_a_latent_pool_and_not_a_tp_bench():
     p = argparse.ArgumentParser()
     add_args(p)

@@ -4,6 +4,7 @@ only (hand-computed numbers), every other model every token of every KV layer.""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvpipe.cache.kv_pool import KVPool
 from kvpipe.cache.window_pages import prompt_window_pages
@@ -59,3 +60,22 @@ def test_from_layout_splits_full_and_sliding_layers():
     plain = KVLayout.from_pool(KVPool(4, 8, 16, 4, 16))
     w = KVWireBytes.from_layout(plain, None)
     assert (w.full_token_nbytes, w.swa_token_nbytes, w.window) == (plain.token_nbytes, 0, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_bytes_follow_the_kv_dtype(dtype):
+    """--kv-cache-dtype: the layout's token bytes (the layer-group cost model's per-token figure)
+    and every request's wire bytes shrink by exactly itemsize / 4 against fp32 KV, sliding layers
+    included; the page and head offsets the planner uses shrink alike."""
+    fp32 = KVLayout.from_pool(KVPool(4, 8, 16, 4, 16, swa_layers=(0, 2)))
+    low = KVLayout.from_pool(KVPool(4, 8, 16, 4, 16, dtype, swa_layers=(0, 2)))
+    assert low.itemsize == dtype.itemsize and low.dtype == str(dtype).removeprefix("torch.")
+    assert low.token_nbytes * 4 == fp32.token_nbytes * dtype.itemsize
+    assert (low.page_nbytes * 4, low.head_nbytes * 4) == (
+        fp32.page_nbytes * low.itemsize,
+        fp32.head_nbytes * low.itemsize,
+    )
+    w32, w = KVWireBytes.from_layout(fp32, 32), KVWireBytes.from_layout(low, 32)
+    for n in (1, 20, 100, 333):
+        assert w.request_nbytes(n) * 4 == w32.request_nbytes(n) * dtype.itemsize
+    assert fp32.compatible_with(low) is not None  # and the bootstrap's check refuses the pair

@@ -123,15 +123,16 @@ def test_sendable_pages():
 # ---- heterogeneous TP -------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn], ids=str)  # 4- and 1-byte elements
 @pytest.mark.parametrize("P,D,H", [(1, 2, 4), (2, 1, 4), (1, 4, 2), (4, 2, 2), (4, 2, 8), (2, 4, 2), (8, 2, 2)])
-def test_heterogeneous_tp_gives_each_decode_rank_its_heads(P, D, H):
+def test_heterogeneous_tp_gives_each_decode_rank_its_heads(P, D, H, dtype):
     g = torch.Generator().manual_seed(P * 100 + D * 10 + H)
-    full = [torch.randn((PAGES, H, PAGE, HD), generator=g) for _ in range(2 * LAYERS)]  # K0 V0 K1 V1..
+    full = [torch.randn((PAGES, H, PAGE, HD), generator=g).to(dtype) for _ in range(2 * LAYERS)]  # K0 V0 K1 V1..
     prefill, decode = [], []
     for tp, pools in ((P, prefill), (D, decode)):
         for r in range(tp):
             a, b = kv_head_range(tp, r, H)
-            pool = make_pool(b - a, False)
+            pool = make_pool(b - a, False, dtype=dtype)
             if pools is prefill:
                 for i, buf in enumerate(x for layer in range(LAYERS) for x in (pool.k[layer], pool.v[layer])):
                     buf.copy_(full[i][:, a:b])
@@ -149,6 +150,8 @@ def test_heterogeneous_tp_gives_each_decode_rank_its_heads(P, D, H):
         plan = plan_pages(src_pages, dst_pages, ls, ld, heads=(s.head_start, s.head_end))
         whole = s.num_heads == ls.kv_heads == ld.kv_heads
         assert plan.num_runs == (2 if whole else len(src_pages))  # coalesce only whole pages
+        # bytes follow the element size: head slices of PAGE tokens x HD elements, K and V, each layer
+        assert plan.nbytes == len(src_pages) * s.num_heads * PAGE * HD * dtype.itemsize * 2 * LAYERS
         h = tx[s.prefill_rank].submit(rx[s.decode_rank].address, plan.src_addr, plan.dst_addr, plan.length)
         assert h.state is BatchState.DONE, h.error
         writes[s.decode_rank, s.head_start : s.head_end] += 1
@@ -156,8 +159,9 @@ def test_heterogeneous_tp_gives_each_decode_rank_its_heads(P, D, H):
         a, b = layout.head_start, layout.head_end
         assert (writes[r, a:b] == 1).all() and writes[r].sum() == b - a  # each head exactly once
         for i, buf in enumerate(x for layer in range(LAYERS) for x in (pool.k[layer], pool.v[layer])):
-            assert torch.equal(buf[dst_pages], full[i][src_pages, a:b])
-            assert not buf[5:].any()
+            raw = buf.view(torch.uint8)  # bytes: fp8 has few torch ops
+            assert torch.equal(raw[dst_pages], full[i][src_pages, a:b].contiguous().view(torch.uint8))
+            assert not raw[5:].any()
 
 
 def _sglang_offsets(p_rank: int, d_rank: int, P: int, D: int, H: int) -> tuple[int, int, int]:
