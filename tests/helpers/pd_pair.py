@@ -69,7 +69,9 @@ class Pair:
     @property
     def sender(self):
         """Rank 0's KVSender (in its TransferWorker)."""
-        return self.prefill_connector.local_worker.sender
+        worker = self.prefill_connector.local_worker
+        assert worker is not None  # prefill_connector asserts it: rank 0 runs in-process
+        return worker.sender
 
     @property
     def pipeline(self):
@@ -77,7 +79,9 @@ class Pair:
 
     @property
     def layout(self):
-        return self.prefill_connector.local_worker.layout
+        worker = self.prefill_connector.local_worker
+        assert worker is not None
+        return worker.layout
 
     @property
     def receiver(self):
