@@ -35,7 +35,7 @@ run: setup
 # more TP pairings of paths a kept case covers) left to `make test-full`, which runs everything
 # serially
 test: setup
-	$(BIN)/python -m pytest -q -ra -m "not slow" -n 2 --dist loadgroup tests/unit
+	$(BIN)/python -m pytest -q -ra -m "not slow" -n 2 --dist loadfile tests/unit
 	$(BIN)/python -m pytest -q -ra -m "not slow" tests/integration tests/gpu
 
 test-full: setup

