@@ -251,6 +251,8 @@ def register_openai_routes(app: FastAPI, state: ServerState) -> None:
         req = CompletionRequest.model_validate(body)
         req.check_supported()
         _check_model(state, req)
+        max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
+        to_sampling_params(req.sampling(max_tokens), 1, state.cfg.limits)  # refused before tokenizing
         tok, limits = state.tokenizer, state.input_limits()
         prompts = []
         for p in req.prompts():
@@ -259,7 +261,6 @@ def register_openai_routes(app: FastAPI, state: ServerState) -> None:
             if isinstance(p, str):
                 check_prompt_chars(len(p), limits)
             prompts.append(tok.encode(p) if isinstance(p, str) else p)
-        max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
         rid = req.rid or new_rid()
         inputs = _build_inputs(
             state, req, rid, prompts, max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, req.logprobs is not None
@@ -288,6 +289,7 @@ def register_openai_routes(app: FastAPI, state: ServerState) -> None:
                 param="messages",
             )
         check_prompt_chars(req.content_chars(), limits)
+        to_sampling_params(req.sampling(req.max_new_tokens()), 1, state.cfg.limits)  # refused before tokenizing
         try:
             ids = state.tokenizer.encode_chat(req.message_dicts())
         except (ValueError, ConfigError, jinja2.TemplateError) as e:
