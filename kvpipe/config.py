@@ -227,6 +227,34 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20  # an HTTP server's --max-request-body
 
 
 @dataclass(frozen=True)
+class RequestLimits:
+    """What one HTTP request may ask for, and how many requests a server holds (kvpipe/server/):
+    past a cap a request is refused with a 400 that names the flag, before the engine sees it."""
+
+    max_prompts_per_request: int = 256  # prompts in one batched /generate or /v1/completions body
+    # stop strings per prompt, and characters per stop string: the engine searches each one after
+    # every token (1M strings once cost 0.29 s a token), a stream's holdback is quadratic in length
+    max_stop_strings: int = 32
+    max_stop_string_chars: int = 256
+    max_stop_token_ids: int = 256  # per prompt
+    # requests waiting beyond --max-running-requests (SGLang's --max-queued-requests): a server
+    # holding max_running_requests + this many answers 503 with Retry-After
+    max_queued_requests: int = 1024
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_prompts_per_request",
+            "max_stop_strings",
+            "max_stop_string_chars",
+            "max_stop_token_ids",
+            "max_queued_requests",
+        ):
+            value = getattr(self, name)
+            if not (type(value) is int and value >= 1):
+                raise ConfigError(f"{name} must be a whole number >= 1, got {value!r}")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     model_path: str
     host: str = "127.0.0.1"
@@ -245,6 +273,10 @@ class ServerConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    # SGLang's --api-key: every HTTP route but /health, /health_generate and /metrics needs
+    # `Authorization: Bearer <key>` (kvpipe/server/api_key.py). Not in repr: configs get logged.
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.cpu_threads is not None and not (type(self.cpu_threads) is int and self.cpu_threads >= 1):
@@ -253,6 +285,8 @@ class ServerConfig:
             raise ConfigError(
                 f"the request body limit must be a whole number of bytes >= 1, got {self.max_request_body_bytes!r}"
             )
+        if self.api_key is not None and not self.api_key.strip():
+            raise ConfigError("the API key must not be empty")
 
     def check_servable(self) -> None:
         """Refuse PD set-ups no server can run (a TP group cannot share the in-process local

@@ -15,6 +15,7 @@ from kvpipe.config import (
     ConfigError,
     DisaggregationConfig,
     FaultInjection,
+    RequestLimits,
     SchedulerConfig,
     ServerConfig,
     parse_layer_groups,
@@ -22,6 +23,7 @@ from kvpipe.config import (
 from kvpipe.model.config import ModelConfig
 from kvpipe.model.default_model import resolve_model_path
 from kvpipe.model.loader import check_checkpoint
+from kvpipe.server.api_key import API_KEY_ENV, api_key_from_env
 from kvpipe.sglang_env import LayersPerGroup, flag_defaults
 from kvpipe.transfer.control.auth import TOKEN_ENV, token_from_env
 
@@ -270,6 +272,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                 context_length=args.context_length,
             ),
             disaggregation=disagg,
+            limits=request_limits_from_args(args),
+            api_key=getattr(args, "api_key", None) or api_key_from_env(),
         )
         cfg.check_servable()
         return cfg
@@ -295,3 +299,48 @@ def setup_logging(level: str) -> None:
     if level != "debug":  # httpx logs a line per bootstrap call at INFO
         for name in ("httpx", "httpcore"):
             logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def add_http_api_args(p: argparse.ArgumentParser) -> None:
+    """What an HTTP server lets one request ask for, how many it holds, and its key (`serve`)."""
+    d = RequestLimits()
+    g = p.add_argument_group("HTTP API limits and key")
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help=f"clients must send `Authorization: Bearer <key>` on every route but /health, "
+        f"/health_generate and /metrics (401 otherwise); prefer ${API_KEY_ENV}, which stays out "
+        f"of process lists",
+    )
+    g.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=d.max_queued_requests,
+        help="requests the server holds beyond --max-running-requests; past them it answers 503 with Retry-After",
+    )
+    g.add_argument(
+        "--max-prompts-per-request",
+        type=int,
+        default=d.max_prompts_per_request,
+        help="prompts in one batched /generate or /v1/completions body",
+    )
+    g.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings, help="stop strings per prompt")
+    g.add_argument(
+        "--max-stop-string-chars", type=int, default=d.max_stop_string_chars, help="characters of one stop string"
+    )
+    g.add_argument("--max-stop-token-ids", type=int, default=d.max_stop_token_ids, help="stop_token_ids per prompt")
+
+
+def request_limits_from_args(args: argparse.Namespace) -> RequestLimits:
+    """The flags of `add_http_api_args` (their defaults for commands without them)."""
+    d = RequestLimits()
+    names = (
+        "max_queued_requests",
+        "max_prompts_per_request",
+        "max_stop_strings",
+        "max_stop_string_chars",
+        "max_stop_token_ids",
+    )
+    for name in names:
+        require_positive("--" + name.replace("_", "-"), getattr(args, name, getattr(d, name)))
+    return RequestLimits(**{name: getattr(args, name, getattr(d, name)) for name in names})

@@ -7,7 +7,13 @@ import logging
 import os
 from collections.abc import Callable
 
-from kvpipe.commands.flags import add_server_args, check_model, server_config_from_args, setup_logging
+from kvpipe.commands.flags import (
+    add_http_api_args,
+    add_server_args,
+    check_model,
+    server_config_from_args,
+    setup_logging,
+)
 from kvpipe.config import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerConfig
 from kvpipe.disagg.connectors import make_connector
 from kvpipe.engine.engine import Engine
@@ -27,6 +33,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_REQUEST_BODY_BYTES,
         help="refuse request bodies larger than this with 413 (default: 32 MiB)",
     )
+    add_http_api_args(p)
 
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
