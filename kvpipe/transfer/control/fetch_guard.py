@@ -62,11 +62,9 @@ class FetchGuard:
         self._failed: OrderedDict[Address, tuple[float, str]] = OrderedDict()  # addr -> (until, why)
 
     def _allowed_ip(self, ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-        if ip.is_loopback:
-            return True
         if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-            ip = ip.ipv4_mapped
-        return any(ip.version == net.version and ip in net for net in self._networks)
+            ip = ip.ipv4_mapped  # ::ffff:a.b.c.d reaches a.b.c.d
+        return ip.is_loopback or any(ip.version == net.version and ip in net for net in self._networks)
 
     def refusal(self, addr: Address) -> str | None:
         """Why a fetch from `addr` is refused now, as far as this can tell without DNS (a name
