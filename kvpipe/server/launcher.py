@@ -445,7 +445,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         stack = start_pd_stack(
             model_path, args.host, args.port, server_args=extra, log_dir=args.log_dir, timeout_s=args.timeout
         )
-    except (RuntimeError, TimeoutError) as e:  # a part that exited or never became healthy
+    except (RuntimeError, TimeoutError, ConfigError) as e:  # a part that exited or never became healthy
         where = f"its log in {args.log_dir}" if args.log_dir else "its output above"
         raise SystemExit(f"kvpipe launch: {e} (see {where})") from None
     stop = threading.Event()
