@@ -31,6 +31,7 @@ class Blackhole:
         self.sock = socket.create_server(("127.0.0.1", 0), backlog=16)
         self.port = self.sock.getsockname()[1]
         self.accepted: list[socket.socket] = []
+        self._released = threading.Event()
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -39,11 +40,20 @@ class Blackhole:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
+            if self._released.is_set():
+                conn.close()
+                return
             self.accepted.append(conn)
 
     def release(self) -> None:
+        self._released.set()
+        # shutdown wakes the blocked accept() and stops listening (close alone does neither on Linux)
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self.sock.close()
-        for c in self.accepted:
+        for c in list(self.accepted):
             c.close()
 
 
@@ -97,5 +107,6 @@ def test_bogus_hosts_hold_no_worker_of_a_proven_prefill(stack) -> None:
     assert recv.stats.bootstrap_fetches == fetches
     # both sides hold nothing any more
     assert rr.get(2)[1] is F  # reported once the new instance proved the old one gone
+    assert Results(second.senders[0]).get(3)[1] is S
     wait_for(lambda: recv.num_rooms() == 0, 10, "decode rooms released")
-    assert second.senders[0].num_rooms() == 0
+    wait_for(lambda: second.senders[0].num_rooms() == 0, 10, "prefill rooms released")

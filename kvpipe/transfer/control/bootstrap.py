@@ -26,7 +26,7 @@ start and /health says it: a client asks for it first, so a captured header work
 and not after a restart on the same port. Every 200 answer carries `X-Kvpipe-Auth-Reply`, a tag
 over the call's context, timestamp and nonce and the answer's body; the client refuses an answer
 without a valid one. The client reads at most `MAX_ANSWER_BYTES` of an answer, and gives up on a
-call after its timeout even when the server trickles bytes.
+call after twice its timeout even when the server trickles bytes.
 """
 
 from __future__ import annotations
@@ -373,14 +373,15 @@ def _request(
     auth: Authenticator | None = None,
     connect_to: str | None = None,
 ) -> Any:
-    """One call, within `timeout_s` in all (with a token: the instance look-up, then the signed
-    call); `connect_to`: the address to connect to instead of resolving `host` again (the one an
-    allow list checked). The answer is read up to MAX_ANSWER_BYTES; with a token it must carry a
-    valid reply tag."""
+    """One call (with a token: the instance look-up, then the signed call); every wait (connect,
+    each read) is at most `timeout_s`, and the whole exchange stops reading after twice that (at
+    least one second more), so a server that trickles bytes cannot hold the caller. `connect_to`: the address to connect to
+    instead of resolving `host` again (the one an allow list checked). The answer is read up to
+    MAX_ANSWER_BYTES; with a token it must carry a valid reply tag."""
     authority = _authority(host, port)
     base = _base_url(connect_to or host, port)
     url = _base_url(host, port) + path
-    end = time.monotonic() + timeout_s
+    end = time.monotonic() + timeout_s + max(timeout_s, 1.0)
     content = b"" if body is None else json.dumps(body).encode()
     headers = {"Host": authority, "Accept-Encoding": "identity"}
     if body is not None:
@@ -394,7 +395,7 @@ def _request(
                 headers[HTTP_HEADER] = auth.sign_http(ctx, content)
             status, raw, resp_headers = _call(client, method, base + path, headers, content, end)
     except httpx.TimeoutException as e:
-        raise BootstrapUnreachable(f"bootstrap server {url}: no answer within {timeout_s}s") from e
+        raise BootstrapUnreachable(f"bootstrap server {url}: no complete answer within {timeout_s}s") from e
     except httpx.HTTPError as e:
         raise BootstrapUnreachable(f"bootstrap server {url} unreachable: {e}") from e
     if status == 503:
@@ -415,19 +416,22 @@ def _request(
 def _call(
     client: httpx.Client, method: str, url: str, headers: dict[str, str], content: bytes, end: float
 ) -> tuple[int, bytes, httpx.Headers]:
-    """Status, body (at most MAX_ANSWER_BYTES) and headers of one exchange that ends by `end`."""
-    left = max(0.01, end - time.monotonic())  # each wait (connect, every read) within what is left
-    with client.stream(method, url, content=content, headers=headers, timeout=left) as resp:
+    """Status, body (at most MAX_ANSWER_BYTES) and headers of one exchange; no read starts after `end`."""
+    with client.stream(method, url, content=content, headers=headers) as resp:
         declared = resp.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > MAX_ANSWER_BYTES:
             raise BootstrapError(f"bootstrap server {url}: answer of {declared} bytes (at most {MAX_ANSWER_BYTES})")
         buf = bytearray()
-        for chunk in resp.iter_bytes():
+        chunks = resp.iter_bytes()
+        while True:
+            if time.monotonic() > end:
+                raise httpx.ReadTimeout("answer not complete in time")
+            chunk = next(chunks, None)
+            if chunk is None:
+                break
             buf += chunk
             if len(buf) > MAX_ANSWER_BYTES:
                 raise BootstrapError(f"bootstrap server {url}: answer longer than {MAX_ANSWER_BYTES} bytes")
-            if time.monotonic() > end:
-                raise httpx.ReadTimeout("answer not complete in time")
         return resp.status_code, bytes(buf), resp.headers
 
 
