@@ -375,9 +375,9 @@ def _request(
 ) -> Any:
     """One call (with a token: the instance look-up, then the signed call); every wait (connect,
     each read) is at most `timeout_s`, and the whole exchange stops reading after twice that (at
-    least one second more), so a server that trickles bytes cannot hold the caller. `connect_to`: the address to connect to
-    instead of resolving `host` again (the one an allow list checked). The answer is read up to
-    MAX_ANSWER_BYTES; with a token it must carry a valid reply tag."""
+    least one second more), so a server that trickles bytes cannot hold the caller. `connect_to`:
+    the address to connect to instead of resolving `host` again (the one an allow list checked).
+    The answer is read up to MAX_ANSWER_BYTES; with a token it must carry a valid reply tag."""
     authority = _authority(host, port)
     base = _base_url(connect_to or host, port)
     url = _base_url(host, port) + path
