@@ -58,12 +58,13 @@ class Blackhole:
 
 
 def test_bogus_hosts_hold_no_worker_of_a_proven_prefill(stack) -> None:
-    # an HTTP timeout far longer than the test: a held fetch stays held until released
+    # an HTTP timeout and a negative cache far longer than the test: a held fetch stays held
+    # until released, a failed address stays refused
     cfg = dataclasses.replace(
         CFG,
         bootstrap_timeout_s=60.0,
         transfer_timeout_s=60.0,
-        tuning=dataclasses.replace(CFG.tuning, http_timeout_s=60.0),
+        tuning=dataclasses.replace(CFG.tuning, http_timeout_s=60.0, bootstrap_negative_ttl_s=600.0),
     )
     fabric = LocalFabric()
     server = stack.enter_context(BootstrapServer("127.0.0.1", 0))
