@@ -5,6 +5,9 @@ What a checkpoint says of its model is in kvpipe/model/config.py (ModelConfig).
 
 from __future__ import annotations
 
+import ipaddress
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,6 +90,34 @@ def parse_layer_groups(value: str | int) -> int | str:
     return n
 
 
+_HOSTNAME = re.compile(r"^(?=.{1,253}$)[a-z0-9_]([a-z0-9_-]{0,62})(\.[a-z0-9_][a-z0-9_-]{0,62})*$")
+
+
+def parse_bootstrap_allow(
+    entries: Sequence[str],
+) -> tuple[tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...], frozenset[str]]:
+    """--disaggregation-bootstrap-allow entries -> (networks, host names, lower case); a single
+    address is a network of one. ConfigError for anything else."""
+    if isinstance(entries, str):
+        raise ConfigError("the bootstrap allow list is a sequence of entries, not one string")
+    nets, names = [], set()
+    for raw in entries:
+        entry = str(raw).strip()
+        try:
+            nets.append(ipaddress.ip_network(entry, strict=False))
+            continue
+        except ValueError:
+            pass
+        name = entry.lower().rstrip(".")
+        if not _HOSTNAME.match(name) or name.replace(".", "").isdigit():
+            raise ConfigError(
+                f"--disaggregation-bootstrap-allow entry {raw!r} is neither a network (CIDR), "
+                "an address nor a host name"
+            )
+        names.add(name)
+    return tuple(nets), frozenset(names)
+
+
 @dataclass(frozen=True)
 class TransferTuning:
     """How the transfer layer paces and bounds itself. No flags: the defaults hold on the links
@@ -101,9 +132,12 @@ class TransferTuning:
     # CPU (and the GIL) from the prefill forward that layer-pipelined transfer overlaps with
     max_tick_s: float = 0.004
     idle_tick_s: float = 0.01  # worker sleep when nothing is in flight
+    # decode: a bootstrap address never fetched from successfully whose fetch failed is refused
+    # this long without a new try (transfer/control/fetch_guard.py)
+    bootstrap_negative_ttl_s: float = 10.0
 
     def __post_init__(self) -> None:
-        for name in ("http_timeout_s", "tick_s", "max_tick_s", "idle_tick_s"):
+        for name in ("http_timeout_s", "tick_s", "max_tick_s", "idle_tick_s", "bootstrap_negative_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_inflight_ops < 1 or self.control_send_hwm < 1:
@@ -174,6 +208,11 @@ class DisaggregationConfig:
     # and look-ups and every control-plane frame. None: unauthenticated, and both bound to the
     # data-plane address only. Not in repr: configs get logged.
     auth_token: str | None = field(default=None, repr=False)
+    # decode: where it may fetch bootstrap info (networks in CIDR notation or host names; empty:
+    # anywhere; loopback always); the request body names the host (transfer/control/fetch_guard.py)
+    bootstrap_allow: tuple[str, ...] = ()
+    # without an auth token, serve PD on a non-loopback data-plane address anyway
+    insecure: bool = False
     tuning: TransferTuning = field(default_factory=TransferTuning)
     faults: FaultInjection = field(default_factory=FaultInjection)
 
@@ -209,6 +248,7 @@ class DisaggregationConfig:
                 f"the disaggregation auth token needs at least {MIN_AUTH_TOKEN_CHARS} characters "
                 "(a short secret is guessable offline from one captured message)"
             )
+        parse_bootstrap_allow(self.bootstrap_allow)
 
     @property
     def enabled(self) -> bool:

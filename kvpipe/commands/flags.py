@@ -176,8 +176,27 @@ def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help=f"shared secret of the PD deployment (same on every prefill and decode server): "
         f"authenticates bootstrap calls and every control-plane message (HMAC, timestamp, "
-        f"replay check); prefer ${TOKEN_ENV}, which stays out of process lists. Without "
-        f"one, bootstrap and control plane listen on the data-plane address only",
+        f"replay check); prefer --disaggregation-auth-token-file or ${TOKEN_ENV}, which stay out "
+        f"of process lists. Without one, bootstrap and control plane listen on the data-plane "
+        f"address only, and only a loopback one unless --disaggregation-insecure",
+    )
+    g.add_argument(
+        "--disaggregation-auth-token-file",
+        default=None,
+        help="read the shared PD secret from this file (its first line) instead of a flag",
+    )
+    g.add_argument(
+        "--disaggregation-insecure",
+        action="store_true",
+        help="serve PD without an auth token on a non-loopback data-plane address (refused otherwise)",
+    )
+    g.add_argument(
+        "--disaggregation-bootstrap-allow",
+        action="append",
+        default=None,
+        metavar="CIDR|HOST[,...]",
+        help="decode: fetch bootstrap info (the request's bootstrap_host) only from these networks "
+        "or host names (repeatable, comma separated; default: anywhere; loopback always)",
     )
     # test-only: fail each transfer batch with this probability (seeded by the next flag)
     g.add_argument("--disaggregation-failure-prob", type=float, default=d.faults.prob, help=argparse.SUPPRESS)
@@ -218,11 +237,33 @@ def disaggregation_config_from_args(args: argparse.Namespace, model_path: str) -
             heartbeat_interval_s=args.disaggregation_heartbeat_interval,
             heartbeat_misses=args.disaggregation_heartbeat_max_failure,
             transfer_timeout_s=args.disaggregation_transfer_timeout,
-            auth_token=args.disaggregation_auth_token or token_from_env(),
+            auth_token=_auth_token(args),
+            bootstrap_allow=tuple(
+                e.strip() for arg in args.disaggregation_bootstrap_allow or () for e in arg.split(",") if e.strip()
+            ),
+            insecure=args.disaggregation_insecure,
             faults=FaultInjection(args.disaggregation_failure_prob, args.disaggregation_failure_seed),
         )
     except ConfigError as e:
         raise SystemExit(f"kvpipe: {e}") from e
+
+
+def _auth_token(args: argparse.Namespace) -> str | None:
+    """--disaggregation-auth-token, else the first line of --disaggregation-auth-token-file, else
+    the environment."""
+    path = args.disaggregation_auth_token_file
+    if path is None:
+        return args.disaggregation_auth_token or token_from_env()
+    if args.disaggregation_auth_token:
+        raise ConfigError("give --disaggregation-auth-token or --disaggregation-auth-token-file, not both")
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.readline(4096).strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--disaggregation-auth-token-file {path}: {e}") from None
+    if not token:
+        raise ConfigError(f"--disaggregation-auth-token-file {path} is empty")
+    return token
 
 
 def require_positive(name: str, value: int | None, allow_none: bool = False) -> None:

@@ -14,8 +14,9 @@ from kvpipe.commands.flags import (
     server_config_from_args,
     setup_logging,
 )
-from kvpipe.config import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerConfig
+from kvpipe.config import DEFAULT_MAX_REQUEST_BODY_BYTES, ConfigError, ServerConfig
 from kvpipe.disagg.connectors import make_connector
+from kvpipe.disagg.setup import require_auth_off_loopback
 from kvpipe.engine.engine import Engine
 from kvpipe.server.http_server import run_server
 from kvpipe.sglang_env import log_sglang_env
@@ -44,6 +45,10 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
             "kvpipe: --disaggregation-transfer-backend local only connects engines inside one "
             "process; PD servers need mooncake"
         )
+    try:  # before anything loads or listens
+        require_auth_off_loopback(cfg, warn=False)
+    except ConfigError as e:
+        raise SystemExit(f"kvpipe: {e}") from None
     setup_logging(cfg.log_level)
     log_sglang_env(os.environ, logger)
     check_model(cfg)

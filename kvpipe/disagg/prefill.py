@@ -40,7 +40,7 @@ from kvpipe.disagg.commands import (
 from kvpipe.disagg.layer_groups import LayerGroupPolicy
 from kvpipe.disagg.layer_pipeline import LayerPipeline
 from kvpipe.disagg.pd_connector import PDConnector
-from kvpipe.disagg.setup import TRANSFER_POLL_S, bootstrap_host, warn_if_unauthenticated
+from kvpipe.disagg.setup import TRANSFER_POLL_S, bootstrap_host, require_auth_off_loopback
 from kvpipe.disagg.tally import RoomTally
 from kvpipe.engine.batch import ScheduledBatch
 from kvpipe.engine.connector import (
@@ -119,7 +119,7 @@ class PrefillConnector(PDConnector):
         d = self.cfg.disaggregation
         self._workers = ctx.workers
         self._tally = RoomTally(ctx.workers.tp_size)
-        warn_if_unauthenticated(self.cfg)
+        require_auth_off_loopback(self.cfg)
         host = bootstrap_host(self.cfg)
         self.bootstrap = BootstrapServer(host, d.bootstrap_port, authenticator(d.auth_token)).start()
         reg_host = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host

@@ -45,9 +45,27 @@ from kvpipe.server.supervisor import PartState, RestartPolicy, Supervisor
 from kvpipe.transfer.control.auth import TOKEN_ENV, new_token
 
 AUTH_TOKEN_FLAG = "--disaggregation-auth-token"
+AUTH_TOKEN_FILE_FLAG = "--disaggregation-auth-token-file"
 
 PARTS = ("prefill", "decode", "router")  # the order of PDStack.procs; stopped in reverse
 SUPERVISE_TICK_S = 0.25
+
+
+def take_token_flag(args: Sequence[str]) -> tuple[list[str], str | None]:
+    """`args` without --disaggregation-auth-token (`--flag V` or `--flag=V`), and its value (the
+    last one): the children get it through their environment, never their command line, which
+    every user of the machine can read in /proc."""
+    rest: list[str] = []
+    token = None
+    it = iter(args)
+    for a in it:
+        if a == AUTH_TOKEN_FLAG:
+            token = next(it, None)
+        elif a.startswith(AUTH_TOKEN_FLAG + "="):
+            token = a.partition("=")[2]
+        else:
+            rest.append(a)
+    return rest, token
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -285,7 +303,13 @@ def start_pd_stack(
     --cpu-threads and their CPU affinity (core_split.py), except a server whose threads the
     caller's args already choose. The router runs on every core."""
     py = sys.executable
-    server_args, prefill_args, decode_args = server_args or [], prefill_args or [], decode_args or []
+    # a token given as a flag leaves the command lines (the children read it from their environment)
+    server_args, token = take_token_flag(server_args or [])
+    prefill_args, p_token = take_token_flag(prefill_args or [])
+    decode_args, d_token = take_token_flag(decode_args or [])
+    if len({t for t in (token, p_token, d_token) if t}) > 1:
+        raise ConfigError("prefill and decode need the same --disaggregation-auth-token")
+    token = token or p_token or d_token
     split = split_cores(affinity_cores()) if split_cpus else None
     mine = ServerCores((), None)
     p_cores, d_cores = server_cores(split, server_args, prefill_args, decode_args) if split else (mine, mine)
@@ -297,9 +321,9 @@ def start_pd_stack(
         os.makedirs(log_dir, exist_ok=True)
     stack = PDStack(f"http://{host}:{p_port}", f"http://{host}:{d_port}", f"http://{host}:{r_port}", b_port, split)
     # One random token per stack authenticates its PD control plane, unless the caller chose one
-    # (in our environment, or as a flag to both servers); restarts reuse it, so survivors trust them.
-    if not has_flag(server_args, AUTH_TOKEN_FLAG):
-        stack.auth_token = os.environ.get(TOKEN_ENV) or new_token()
+    # (a flag, a token file, or our environment); restarts reuse it, so survivors trust them.
+    if token or not has_flag(server_args, AUTH_TOKEN_FILE_FLAG):
+        stack.auth_token = token or os.environ.get(TOKEN_ENV) or new_token()
     env = ((TOKEN_ENV, stack.auth_token),) if stack.auth_token else ()
     stack.specs = [
         PartSpec(
@@ -421,7 +445,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         stack = start_pd_stack(
             model_path, args.host, args.port, server_args=extra, log_dir=args.log_dir, timeout_s=args.timeout
         )
-    except (RuntimeError, TimeoutError) as e:  # a part that exited or never became healthy
+    except (RuntimeError, TimeoutError, ConfigError) as e:  # a part that exited or never became healthy
         where = f"its log in {args.log_dir}" if args.log_dir else "its output above"
         raise SystemExit(f"kvpipe launch: {e} (see {where})") from None
     stop = threading.Event()
@@ -436,8 +460,13 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     elif stack.cores is not None:
         how = "each server pinned to its share" if stack.cores.disjoint else "one thread each"
         print(f"kvpipe launch: {stack.cores.describe()}; --cpu-threads its size, {how}", flush=True)
-    if stack.auth_token:
-        chosen = "$" + TOKEN_ENV if os.environ.get(TOKEN_ENV) else "a fresh random token"
+    if stack.auth_token or has_flag(extra, AUTH_TOKEN_FILE_FLAG):
+        if has_flag(extra, AUTH_TOKEN_FLAG):
+            chosen = f"the {AUTH_TOKEN_FLAG} given (passed to the servers in their environment)"
+        elif not stack.auth_token:
+            chosen = f"the token in {AUTH_TOKEN_FILE_FLAG}"
+        else:
+            chosen = "$" + TOKEN_ENV if os.environ.get(TOKEN_ENV) else "a fresh random token"
         print(f"kvpipe launch: PD bootstrap and control plane authenticated with {chosen}", flush=True)
     print(
         f"kvpipe PD stack ready: router {stack.router_url} (prefill {stack.prefill_url}, "
