@@ -156,6 +156,14 @@ class IncrementalDetokenizer:
             return text[len(prefix_text) :]
         return ""
 
+    def held(self) -> str:
+        """The text of the tokens not emitted yet, as they decode now (U+FFFD for incomplete bytes;
+        "" when none), without emitting it."""
+        if self.read_offset == len(self.ids):
+            return ""
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        return self._decode(self.ids[self.prefix_offset :])[len(prefix_text) :]
+
     def flush(self) -> str:
         """At the end of a stream: whatever is still held back (incomplete bytes as U+FFFD)."""
         prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])

@@ -33,6 +33,21 @@ def hf_model() -> Any:
 
 @lru_cache(maxsize=1)
 def hf_tokenizer() -> Any:
+    """transformers' tokenizer from the GGUF, with the pre-tokenizer the file names. Its
+    `tokenizer.ggml.pre` is "smollm", for which llama.cpp (llama-vocab.cpp: the regexes "\\p{N}",
+    then GPT-2's) splits digits one by one before GPT-2's regex, as kvpipe does
+    (kvpipe/model/gguf/tokenizer.py). transformers' GGUF converter keeps GPT-2's regex alone, which
+    differs where a run of whitespace precedes a digit: "\\n\\n\\n0" is ["\\n\\n\\n", "0"] for
+    llama.cpp and ["\\n\\n", "\\n", "0"] for GPT-2's regex (hypothesis found it). Vocabulary, merges,
+    special tokens and the template stay transformers' own."""
+    from tokenizers import pre_tokenizers
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(GGUF_DIR, gguf_file=GGUF_NAME)
+    tok = AutoTokenizer.from_pretrained(GGUF_DIR, gguf_file=GGUF_NAME)
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    return tok

@@ -28,6 +28,7 @@ TEXTS = [
     "日本語のテキストと中文文本，한국어 텍스트",
     "héllo wörld — naïve café, Ελληνικά, русский",
     "   many     spaces\n\n\n\nand newlines   ",
+    "whitespace before digits:\n\n\n0, \t 42,   7",  # digits split first (tokenizer.ggml.pre 'smollm')
     "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n",
     "<|endoftext|>text after<|endoftext|><repo_name>x<file_sep>",
 ]
