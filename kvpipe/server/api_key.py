@@ -32,6 +32,13 @@ def api_key_from_env(environ: Mapping[str, str] = os.environ) -> str | None:
     return environ.get(API_KEY_ENV) or None
 
 
+def client_headers(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """What kvpipe's own clients (bench, soak, chaos, chat) send: `Authorization: Bearer <key>`
+    when KVPIPE_API_KEY is set, else nothing."""
+    key = api_key_from_env(environ)
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def _digest(value: str) -> bytes:
     return hashlib.sha256(value.encode("utf-8", "surrogatepass")).digest()
 

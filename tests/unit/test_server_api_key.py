@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from kvpipe.commands.flags import add_http_api_args, add_server_args, server_config_from_args
 from kvpipe.config import ServerConfig
-from kvpipe.server.api_key import API_KEY_ENV, OPEN_PATHS, bearer_token, key_matches
+from kvpipe.server.api_key import API_KEY_ENV, OPEN_PATHS, bearer_token, client_headers, key_matches
 from kvpipe.server.async_engine import EngineLike
 from kvpipe.server.http_server import create_app
 
@@ -142,3 +142,9 @@ def test_flags_and_environment(tiny_model_dir: Path, monkeypatch: pytest.MonkeyP
     assert server_config_from_args(_parse([*base, "--api-key", KEY])).api_key == KEY  # the flag wins
     with pytest.raises(SystemExit, match="--max-prompts-per-request must be a positive integer"):
         server_config_from_args(_parse([*base, "--max-prompts-per-request", "0"]))
+
+
+def test_our_clients_send_the_key_from_the_environment() -> None:
+    assert client_headers({API_KEY_ENV: "k"}) == {"Authorization": "Bearer k"}
+    assert client_headers({}) == {} == client_headers({API_KEY_ENV: ""})
+    assert key_matches(client_headers({API_KEY_ENV: "k"})["Authorization"], "k")
