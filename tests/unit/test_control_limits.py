@@ -14,16 +14,9 @@ import pytest
 
 from kvpipe.transfer.control import messages as m
 from kvpipe.transfer.control.codec import MAX_STR_BYTES, MAX_TEXT_CHARS
-from kvpipe.transfer.planning.layout import KVLayout
 
 PAGES = 1000  # a pool's pages: the longest page list an endpoint of that pool accepts
 LONG = "x" * MAX_STR_BYTES  # the longest str any field may carry
-
-
-def _layout() -> KVLayout:
-    return KVLayout(
-        4, 16, 2, 0, 2, 64, "bfloat16", 2, tuple(range(1 << 30, (1 << 30) + 8 * (1 << 20), 1 << 20)), 1 << 20
-    )
 
 
 def _largest_request() -> m.TransferRequest:
