@@ -121,9 +121,9 @@ class SenderPeers:
             and ipaddress.ip_address(data_host) != ipaddress.ip_address(control_host)
         ):
             return f"data address {msg.data_address} is not on the control address's host {control_host}"
-        lay = msg.layout
-        starts = [*lay.buffer_addrs, *([msg.staging.pool_addr] if msg.staging is not None else [])]
-        sizes = [lay.buffer_nbytes] * lay.num_buffers + ([msg.staging.pool_nbytes] if msg.staging is not None else [])
+        starts, sizes = msg.layout.unique_buffers()  # aliased layers share a buffer: that is no overlap
+        if msg.staging is not None:
+            starts, sizes = [*starts, msg.staging.pool_addr], [*sizes, msg.staging.pool_nbytes]
         order = np.argsort(np.asarray(starts, dtype=np.uint64), kind="stable")
         begin = np.asarray(starts, dtype=np.uint64)[order]
         end = begin + np.asarray(sizes, dtype=np.uint64)[order]
