@@ -194,19 +194,19 @@ def test_every_kind_is_received_by_some_endpoint() -> None:
     assert set(MESSAGE_TYPES.values()) == {c for kinds in ROLES.values() for c in kinds}
 
 
-@settings(FUZZ, max_examples=40)
-@given(st.data())
-def test_real_messages_fit_their_receivers_limits(data: st.DataObject) -> None:
+@pytest.mark.parametrize("kind", KINDS)
+@settings(FUZZ, max_examples=25)
+@given(data=st.data())
+def test_real_messages_fit_their_receivers_limits(kind: str, data: st.DataObject) -> None:
     """The frame bound and the max_*_len limits derived from the classes never refuse a generated
     message whose int lists are within the bound (test_control_limits.py: the longest strings)."""
-    for kind in KINDS:
-        cls = MESSAGE_TYPES[kind]
-        msg = data.draw(messages_of(cls), label=kind)
-        raw = encode(msg)
-        for role in _roles_of(cls):
-            limits = m.limits_for(ROLES[role], MAX_INTS)
-            assert len(raw) <= limits.max_frame_bytes
-            assert decode(raw, limits) == msg
+    cls = MESSAGE_TYPES[kind]
+    msg = data.draw(messages_of(cls), label=kind)
+    raw = encode(msg)
+    for role in _roles_of(cls):
+        limits = m.limits_for(ROLES[role], MAX_INTS)
+        assert len(raw) <= limits.max_frame_bytes
+        assert decode(raw, limits) == msg
 
 
 @FUZZ
