@@ -13,7 +13,7 @@ import msgpack
 import pytest
 
 from kvpipe.transfer.control import messages as m
-from kvpipe.transfer.control.codec import MAX_STR_BYTES, MAX_TEXT_CHARS
+from kvpipe.transfer.control.codec import MAP_COUNT_FROM_BYTES, MAX_STR_BYTES, MAX_TEXT_CHARS
 
 PAGES = 1000  # a pool's pages: the longest page list an endpoint of that pool accepts
 LONG = "x" * MAX_STR_BYTES  # the longest str any field may carry
@@ -79,6 +79,9 @@ def test_the_issues_msgpack_bomb_is_refused_before_it_expands():
     assert _peak_decode_bytes(bomb) < len(bomb) // 8
 
 
+PAD = {f"pad{i}": "x" * 4000 for i in range(5)}  # 20 KB of legit-sized strings: past MAP_COUNT_FROM_BYTES
+
+
 @pytest.mark.parametrize(
     "shape",
     [
@@ -88,13 +91,26 @@ def test_the_issues_msgpack_bomb_is_refused_before_it_expands():
     ],
 )
 def test_container_bombs_are_refused_with_bounded_allocations(shape):
+    """Frames from MAP_COUNT_FROM_BYTES on are decoded counting their maps; smaller ones cannot
+    expand past about 1 MiB whatever they hold."""
     if shape == "nested maps":
         inner: object = {}
         for _ in range(500):
             inner = {"k": inner}
-        frame = msgpack.packb({"kind": "register_peer", "version": m.PROTOCOL_VERSION, "layout": inner})
+        frame = msgpack.packb({"kind": "register_peer", "version": m.PROTOCOL_VERSION, **PAD, "layout": inner})
     elif shape == "wide maps":
-        frame = msgpack.packb({f"f{i}": {"a": {"b": {"c": {"d": {}}}}} for i in range(m.DEFAULT_LIMITS.max_map_len)})
+        wide = {f"f{i}": {"a": {"b": {"c": {"d": {}}}}} for i in range(m.DEFAULT_LIMITS.max_map_len - len(PAD))}
+        frame = msgpack.packb({**PAD, **wide})
     else:
         frame = msgpack.packb({f"f{i}": "v" * MAX_STR_BYTES for i in range(m.DEFAULT_LIMITS.max_map_len + 1)})
-    assert _peak_decode_bytes(frame) < 4 * len(frame) + (64 << 10)
+    assert len(frame) >= MAP_COUNT_FROM_BYTES
+    assert _peak_decode_bytes(frame) < 2 * len(frame) + (64 << 10)
+
+
+def test_a_small_frame_of_nested_maps_stays_small_without_the_map_count():
+    inner: object = {}
+    for _ in range(500):  # about as deep as msgpack nests
+        inner = {"k": inner}
+    frame = msgpack.packb({"kind": "register_peer", "version": m.PROTOCOL_VERSION, "layout": inner})
+    assert len(frame) < MAP_COUNT_FROM_BYTES
+    assert _peak_decode_bytes(frame) < 1 << 20

@@ -173,6 +173,7 @@ class WireLimits:
             max_frame_bytes=max(s.nbytes for s in sizes) + extra,
         )
 
+    @functools.cached_property
     def unpack_kwargs(self) -> dict[str, Any]:
         """msgpack.unpackb limits: no arrays (int lists travel as bytes), no ext types."""
         return {
@@ -210,6 +211,11 @@ def _bound(cls: type, bin_len: int) -> _Size:
         else:  # int, float, bool, None
             nbytes += _INT_BYTES
     return _Size(nbytes, map_len, maps)
+
+
+# Below this a frame is decoded without MapCounter (a Python call per map): a map costs at least 3
+# bytes and its dict about 200, so a smaller frame expands to at most ~1 MiB whatever its shape.
+MAP_COUNT_FROM_BYTES = 16 << 10
 
 
 class MapCounter:

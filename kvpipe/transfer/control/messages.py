@@ -30,7 +30,16 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-from kvpipe.transfer.control.codec import NO_PAGE_OK, TEXT, MapCounter, ProtocolError, WireLimits, from_wire, to_wire
+from kvpipe.transfer.control.codec import (
+    MAP_COUNT_FROM_BYTES,
+    NO_PAGE_OK,
+    TEXT,
+    MapCounter,
+    ProtocolError,
+    WireLimits,
+    from_wire,
+    to_wire,
+)
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.recurrent.layout import StateLayout
 
@@ -284,14 +293,10 @@ def decode(data: bytes | bytearray | memoryview, limits: WireLimits = DEFAULT_LI
         raise ProtocolError(f"expected bytes, got {type(data).__name__}")
     if len(data) > limits.max_frame_bytes:
         raise ProtocolError(f"message of {len(data)} bytes exceeds {limits.max_frame_bytes}")
+    hook = MapCounter(limits.max_maps) if len(data) >= MAP_COUNT_FROM_BYTES else None
     try:
         obj = msgpack.unpackb(
-            data,
-            raw=False,
-            strict_map_key=True,
-            use_list=True,
-            object_pairs_hook=MapCounter(limits.max_maps),
-            **limits.unpack_kwargs(),
+            data, raw=False, strict_map_key=True, use_list=True, object_pairs_hook=hook, **limits.unpack_kwargs
         )
     except Exception as e:  # msgpack raises many types (ExtraData, FormatError, ValueError, ...)
         raise ProtocolError(f"not a msgpack message: {type(e).__name__}: {e}"[:200]) from None
