@@ -164,6 +164,36 @@ class FaultInjection:
 
 
 @dataclass(frozen=True)
+class ControlLimits:
+    """What one peer's control messages may make a PD server hold (issue 30): per session (a decode
+    rank's registration on a prefill rank; a prefill rank's chunks at a decode rank's staging
+    agent), sessions per prefill rank, open sockets per control endpoint. A peer past a bound gets
+    a refusal that names it (a failed status or grant), never another peer's state dropped."""
+
+    max_sessions: int = 1024  # decode sessions registered with one prefill rank at a time
+    # rooms a session requested before the prefill engine admitted them (each holds its page list
+    # for up to waiting_timeout_s)
+    max_orphan_rooms_per_session: int = 256
+    # rooms a session made a prefill rank remember as refused or aborted (each for 2 x
+    # waiting_timeout_s + bootstrap_timeout_s); past it the session's oldest is forgotten
+    max_tombstones_per_session: int = 1024
+    max_staging_waits_per_session: int = 64  # slot requests queued at a staging agent (a full ring)
+    max_reply_sockets: int = 1024  # PUSH sockets a control endpoint keeps open (least recently used closed)
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_sessions",
+            "max_orphan_rooms_per_session",
+            "max_tombstones_per_session",
+            "max_staging_waits_per_session",
+            "max_reply_sockets",
+        ):
+            v = getattr(self, name)
+            if not (type(v) is int and v >= 1):
+                raise ConfigError(f"{name} must be a whole number >= 1, got {v!r}")
+
+
+@dataclass(frozen=True)
 class DisaggregationConfig:
     """Prefill/decode disaggregation of one server: SGLang's --disaggregation-* flags (validated
     once, here; every layer takes this object), with the transfer layer's tuning and the test
@@ -215,6 +245,7 @@ class DisaggregationConfig:
     insecure: bool = False
     tuning: TransferTuning = field(default_factory=TransferTuning)
     faults: FaultInjection = field(default_factory=FaultInjection)
+    limits: ControlLimits = field(default_factory=ControlLimits)
 
     def __post_init__(self) -> None:
         if self.mode not in DISAGGREGATION_MODES:

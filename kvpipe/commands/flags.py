@@ -13,6 +13,7 @@ from kvpipe.config import (
     STAGING_MODES,
     CacheConfig,
     ConfigError,
+    ControlLimits,
     DisaggregationConfig,
     FaultInjection,
     RequestLimits,
@@ -198,6 +199,31 @@ def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
         help="decode: fetch bootstrap info (the request's bootstrap_host) only from these networks "
         "or host names (repeatable, comma separated; default: anywhere; loopback always)",
     )
+    lim = d.limits
+    for flag, default, what in (
+        ("--disaggregation-max-sessions", lim.max_sessions, "decode sessions one prefill rank keeps registered"),
+        (
+            "--disaggregation-max-orphan-rooms",
+            lim.max_orphan_rooms_per_session,
+            "per decode session: rooms requested before the prefill admitted them",
+        ),
+        (
+            "--disaggregation-max-tombstones",
+            lim.max_tombstones_per_session,
+            "per decode session: refused or aborted rooms a prefill rank remembers",
+        ),
+        (
+            "--disaggregation-max-staging-waits",
+            lim.max_staging_waits_per_session,
+            "per prefill session: staging slot requests queued at a full staging ring",
+        ),
+        (
+            "--disaggregation-max-reply-sockets",
+            lim.max_reply_sockets,
+            "control-plane sockets kept open per endpoint (least recently used closed)",
+        ),
+    ):
+        g.add_argument(flag, type=int, default=default, help=f"{what} (default %(default)s)")
     # test-only: fail each transfer batch with this probability (seeded by the next flag)
     g.add_argument("--disaggregation-failure-prob", type=float, default=d.faults.prob, help=argparse.SUPPRESS)
     g.add_argument("--disaggregation-failure-seed", type=int, default=d.faults.seed, help=argparse.SUPPRESS)
@@ -243,6 +269,13 @@ def disaggregation_config_from_args(args: argparse.Namespace, model_path: str) -
             ),
             insecure=args.disaggregation_insecure,
             faults=FaultInjection(args.disaggregation_failure_prob, args.disaggregation_failure_seed),
+            limits=ControlLimits(
+                args.disaggregation_max_sessions,
+                args.disaggregation_max_orphan_rooms,
+                args.disaggregation_max_tombstones,
+                args.disaggregation_max_staging_waits,
+                args.disaggregation_max_reply_sockets,
+            ),
         )
     except ConfigError as e:
         raise SystemExit(f"kvpipe: {e}") from e

@@ -180,6 +180,7 @@ class DecodeConnector(PDConnector):
                 "authenticated": self.cfg.disaggregation.auth_token is not None,
                 "auth_rejected": {"control": st.auth_rejected + self._staging_auth_rejected()},
                 "bootstrap_fetches": st.bootstrap_fetches,
+                "foreign_rejected": st.foreign_rejected,  # statuses / aborts not from the room's pairs (issue 30)
                 **self._staging_stats(),
             }
         }

@@ -70,6 +70,9 @@ SUMMED_STATS = (
     "staged_chunks",
     "staged_bytes",
     "auth_rejected",
+    "foreign_rejected",
+    "orphans_refused",
+    "tombstones_evicted",
 )
 
 
@@ -369,6 +372,10 @@ class PrefillConnector(PDConnector):
                 "staged_bytes": st.staged_bytes,
                 "link_busy_s": st.busy_s,
                 "link_busy_bytes": st.busy_bytes,
+                # frames naming a session or chunk not bound to their sender, and the per-session caps (issue 30)
+                "foreign_rejected": st.foreign_rejected,
+                "orphans_refused": st.orphans_refused,
+                "tombstones_evicted": st.tombstones_evicted,
                 "layer_groups": pipe.stats(),
             },
             # the observer's counters: the last batch's choice (bench probes read `num_groups`), the

@@ -49,6 +49,7 @@ REPLY_HEADER = "X-Kvpipe-Auth-Reply"
 MAGIC = b"KVA1"
 _HEAD = struct.Struct("<4sQQ")  # magic, timestamp ns, nonce
 TAG_BYTES = 32
+FRAME_OVERHEAD = _HEAD.size + TAG_BYTES  # bytes seal() adds in front of a payload
 DEFAULT_MAX_SKEW_S = 30.0
 MAX_REMEMBERED = 1 << 20  # (timestamp, nonce) pairs kept for replay detection
 

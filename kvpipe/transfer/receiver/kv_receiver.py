@@ -46,7 +46,7 @@ from kvpipe.transfer.control.bootstrap import (
 )
 from kvpipe.transfer.control.endpoint import ControlEndpoint
 from kvpipe.transfer.control.fetch_guard import FetchGuard
-from kvpipe.transfer.control.messages import AuxData, DecodeRank
+from kvpipe.transfer.control.messages import RECEIVER_RECEIVES, AuxData, DecodeRank, limits_for
 from kvpipe.transfer.lifecycle import Clock, TransferState
 from kvpipe.transfer.receiver.book import Address, ReceiverBook, ReceiverStats
 
@@ -83,7 +83,13 @@ class KVReceiver:
         self._stop = threading.Event()
         self._auth = authenticator(cfg.auth_token)  # control frames and bootstrap look-ups
         self._endpoint = ControlEndpoint(
-            host, self._on_message, name="kvreceiver", send_hwm=cfg.tuning.control_send_hwm, auth=self._auth
+            host,
+            self._on_message,
+            name="kvreceiver",
+            send_hwm=cfg.tuning.control_send_hwm,
+            auth=self._auth,
+            limits=limits_for(RECEIVER_RECEIVES, 0),  # statuses, aborts, heartbeats: no int lists
+            max_sockets=cfg.limits.max_reply_sockets,
         )
         self._book = ReceiverBook(cfg, self.ranks, self.instance_id, self._endpoint.address, self._endpoint.send)
         self.sessions = self._book.sessions  # per decode rank: its session id on the wire
