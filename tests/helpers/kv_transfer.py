@@ -19,6 +19,7 @@ from kvpipe.cache.kv_pool import KVPool
 from kvpipe.config import DisaggregationConfig, FaultInjection, TransferTuning
 from kvpipe.transfer.backends.base import TransferBackend
 from kvpipe.transfer.backends.local import LocalBackend, LocalFabric
+from kvpipe.transfer.control.auth import authenticator
 from kvpipe.transfer.control.bootstrap import BootstrapServer
 from kvpipe.transfer.control.messages import AuxData, DecodeRank
 from kvpipe.transfer.lifecycle import Clock, TransferState
@@ -157,7 +158,8 @@ def start_prefill(
     """cfg.staging other than "off": each rank gets a local staging buffer of cfg.staging_pool_nbytes."""
     fabric = fabric or LocalFabric()
     if server is None:
-        server = stack.enter_context(BootstrapServer("127.0.0.1", 0))
+        # the bootstrap signs its answers with the same token (a decode with one refuses unsigned answers)
+        server = stack.enter_context(BootstrapServer("127.0.0.1", 0, auth=authenticator(cfg.auth_token)))
     data = truth(seed, latent)
     senders: list[KVSender] = []
     for rank in range(tp):
