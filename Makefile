@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvpipe-installed
 
-.PHONY: setup system-deps run test test-unit lint clean
+.PHONY: setup system-deps run test test-full test-unit lint clean
 
 # Mooncake's shared libraries (apt-get when root and missing; else a one-line instruction)
 system-deps:
@@ -30,7 +30,15 @@ setup: system-deps $(STAMP)
 run: setup
 	$(BIN)/kvpipe launch
 
+# `make test` (CI): the unit tests on 2 workers (no servers: each worker on one thread), then the
+# integration tests one at a time (servers take the cores themselves), the full sweep (`slow`:
+# more TP pairings of paths a kept case covers) left to `make test-full`, which runs everything
+# serially
 test: setup
+	$(BIN)/python -m pytest -q -ra -m "not slow" -n 2 --dist loadfile tests/unit
+	$(BIN)/python -m pytest -q -ra -m "not slow" tests/integration tests/gpu
+
+test-full: setup
 	$(BIN)/python -m pytest -q -ra tests
 
 # ruff (lint + format check) and mypy, configured in pyproject.toml; CI runs this before the tests

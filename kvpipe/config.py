@@ -5,6 +5,9 @@ What a checkpoint says of its model is in kvpipe/model/config.py (ModelConfig).
 
 from __future__ import annotations
 
+import ipaddress
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -100,6 +103,34 @@ def parse_layer_groups(value: str | int) -> int | str:
     return n
 
 
+_HOSTNAME = re.compile(r"^(?=.{1,253}$)[a-z0-9_]([a-z0-9_-]{0,62})(\.[a-z0-9_][a-z0-9_-]{0,62})*$")
+
+
+def parse_bootstrap_allow(
+    entries: Sequence[str],
+) -> tuple[tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...], frozenset[str]]:
+    """--disaggregation-bootstrap-allow entries -> (networks, host names, lower case); a single
+    address is a network of one. ConfigError for anything else."""
+    if isinstance(entries, str):
+        raise ConfigError("the bootstrap allow list is a sequence of entries, not one string")
+    nets, names = [], set()
+    for raw in entries:
+        entry = str(raw).strip()
+        try:
+            nets.append(ipaddress.ip_network(entry, strict=False))
+            continue
+        except ValueError:
+            pass
+        name = entry.lower().rstrip(".")
+        if not _HOSTNAME.match(name) or name.replace(".", "").isdigit():
+            raise ConfigError(
+                f"--disaggregation-bootstrap-allow entry {raw!r} is neither a network (CIDR), "
+                "an address nor a host name"
+            )
+        names.add(name)
+    return tuple(nets), frozenset(names)
+
+
 @dataclass(frozen=True)
 class TransferTuning:
     """How the transfer layer paces and bounds itself. No flags: the defaults hold on the links
@@ -114,9 +145,12 @@ class TransferTuning:
     # CPU (and the GIL) from the prefill forward that layer-pipelined transfer overlaps with
     max_tick_s: float = 0.004
     idle_tick_s: float = 0.01  # worker sleep when nothing is in flight
+    # decode: a bootstrap address never fetched from successfully whose fetch failed is refused
+    # this long without a new try (transfer/control/fetch_guard.py)
+    bootstrap_negative_ttl_s: float = 10.0
 
     def __post_init__(self) -> None:
-        for name in ("http_timeout_s", "tick_s", "max_tick_s", "idle_tick_s"):
+        for name in ("http_timeout_s", "tick_s", "max_tick_s", "idle_tick_s", "bootstrap_negative_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_inflight_ops < 1 or self.control_send_hwm < 1:
@@ -140,6 +174,36 @@ class FaultInjection:
     @property
     def enabled(self) -> bool:
         return self.prob > 0.0
+
+
+@dataclass(frozen=True)
+class ControlLimits:
+    """What one peer's control messages may make a PD server hold (issue 30): per session (a decode
+    rank's registration on a prefill rank; a prefill rank's chunks at a decode rank's staging
+    agent), sessions per prefill rank, open sockets per control endpoint. A peer past a bound gets
+    a refusal that names it (a failed status or grant), never another peer's state dropped."""
+
+    max_sessions: int = 1024  # decode sessions registered with one prefill rank at a time
+    # rooms a session requested before the prefill engine admitted them (each holds its page list
+    # for up to waiting_timeout_s)
+    max_orphan_rooms_per_session: int = 256
+    # rooms a session made a prefill rank remember as refused or aborted (each for 2 x
+    # waiting_timeout_s + bootstrap_timeout_s); past it the session's oldest is forgotten
+    max_tombstones_per_session: int = 1024
+    max_staging_waits_per_session: int = 64  # slot requests queued at a staging agent (a full ring)
+    max_reply_sockets: int = 1024  # PUSH sockets a control endpoint keeps open (least recently used closed)
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_sessions",
+            "max_orphan_rooms_per_session",
+            "max_tombstones_per_session",
+            "max_staging_waits_per_session",
+            "max_reply_sockets",
+        ):
+            v = getattr(self, name)
+            if not (type(v) is int and v >= 1):
+                raise ConfigError(f"{name} must be a whole number >= 1, got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -187,8 +251,14 @@ class DisaggregationConfig:
     # and look-ups and every control-plane frame. None: unauthenticated, and both bound to the
     # data-plane address only. Not in repr: configs get logged.
     auth_token: str | None = field(default=None, repr=False)
+    # decode: where it may fetch bootstrap info (networks in CIDR notation or host names; empty:
+    # anywhere; loopback always); the request body names the host (transfer/control/fetch_guard.py)
+    bootstrap_allow: tuple[str, ...] = ()
+    # without an auth token, serve PD on a non-loopback data-plane address anyway
+    insecure: bool = False
     tuning: TransferTuning = field(default_factory=TransferTuning)
     faults: FaultInjection = field(default_factory=FaultInjection)
+    limits: ControlLimits = field(default_factory=ControlLimits)
 
     def __post_init__(self) -> None:
         if self.mode not in DISAGGREGATION_MODES:
@@ -222,6 +292,7 @@ class DisaggregationConfig:
                 f"the disaggregation auth token needs at least {MIN_AUTH_TOKEN_CHARS} characters "
                 "(a short secret is guessable offline from one captured message)"
             )
+        parse_bootstrap_allow(self.bootstrap_allow)
 
     @property
     def enabled(self) -> bool:
@@ -237,6 +308,34 @@ class DisaggregationConfig:
 
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20  # an HTTP server's --max-request-body-bytes
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one HTTP request may ask for, and how many requests a server holds (kvpipe/server/):
+    past a cap a request is refused with a 400 that names the flag, before the engine sees it."""
+
+    max_prompts_per_request: int = 256  # prompts in one batched /generate or /v1/completions body
+    # stop strings per prompt, and characters per stop string: the engine searches each one after
+    # every token (1M strings once cost 0.29 s a token), a stream's holdback is quadratic in length
+    max_stop_strings: int = 32
+    max_stop_string_chars: int = 256
+    max_stop_token_ids: int = 256  # per prompt
+    # requests waiting beyond --max-running-requests (SGLang's --max-queued-requests): a server
+    # holding max_running_requests + this many answers 503 with Retry-After
+    max_queued_requests: int = 1024
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_prompts_per_request",
+            "max_stop_strings",
+            "max_stop_string_chars",
+            "max_stop_token_ids",
+            "max_queued_requests",
+        ):
+            value = getattr(self, name)
+            if not (type(value) is int and value >= 1):
+                raise ConfigError(f"{name} must be a whole number >= 1, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -260,6 +359,10 @@ class ServerConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    # SGLang's --api-key: every HTTP route but /health, /health_generate and /metrics needs
+    # `Authorization: Bearer <key>` (kvpipe/server/api_key.py). Not in repr: configs get logged.
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:
@@ -270,6 +373,8 @@ class ServerConfig:
             raise ConfigError(
                 f"the request body limit must be a whole number of bytes >= 1, got {self.max_request_body_bytes!r}"
             )
+        if self.api_key is not None and not self.api_key.strip():
+            raise ConfigError("the API key must not be empty")
 
     def check_servable(self) -> None:
         """Refuse PD set-ups no server can run (a TP group cannot share the in-process local

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvpipe.model.presets import write_preset
 
@@ -15,6 +17,13 @@ TESTS = Path(__file__).parent
 # directory -> the marker each of its tests carries (`-m "not integration"`: no servers, no
 # subprocess fleets, no process groups; `-m "not gpu"`: no CUDA)
 DIRECTORY_MARKERS = {TESTS / "integration": "integration", TESTS / "gpu": "gpu"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # `make test` runs the unit tests on 2 xdist workers (one per core): each worker computes on
+    # one thread, or the two would each start a thread per core and fight for them
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -38,6 +38,7 @@ from kvpipe.bench.answers import (
 )
 from kvpipe.bench.outcome import End, Outcome
 from kvpipe.bench.request import Prompt, Request
+from kvpipe.server.api_key import client_headers
 
 HTTP_SLACK_S = 30.0  # httpx's own timeouts stay this far behind the per-request deadline
 
@@ -214,7 +215,9 @@ def new_client(
 ) -> httpx.AsyncClient:
     """A client for `concurrency` requests in flight whose own timeouts stay out of the deadline's way."""
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    return httpx.AsyncClient(timeout=httpx.Timeout(deadline_s + HTTP_SLACK_S), limits=limits, transport=transport)
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(deadline_s + HTTP_SLACK_S), limits=limits, transport=transport, headers=client_headers()
+    )
 
 
 async def drive(

@@ -17,6 +17,7 @@ import httpx
 from kvpipe.bench.sweep import TransferCount
 from kvpipe.config import ConfigError
 from kvpipe.model.loader import read_hf_config
+from kvpipe.server.api_key import client_headers
 
 # Names under which a prefill server may report the layer-group count of its last batch:
 # keys of /server_info (top level or any `internal_states` entry) and Prometheus gauge names
@@ -60,12 +61,12 @@ def read_num_groups(info_url: str, timeout_s: float = 5.0) -> int | None:
     """From `info_url`'s /server_info, else its /metrics; None when the server reports neither."""
     base = info_url.rstrip("/")
     try:
-        r = httpx.get(base + "/server_info", timeout=timeout_s)
+        r = httpx.get(base + "/server_info", timeout=timeout_s, headers=client_headers())
         if r.status_code == 200:
             g = num_groups_from_server_info(r.json())
             if g is not None:
                 return g
-        r = httpx.get(base + "/metrics", timeout=timeout_s)
+        r = httpx.get(base + "/metrics", timeout=timeout_s, headers=client_headers())
         if r.status_code == 200:
             return num_groups_from_metrics(r.text)
     except (httpx.HTTPError, ValueError):
@@ -110,7 +111,7 @@ def read_server_info(info_url: str, timeout_s: float = 5.0) -> Mapping[str, Any]
     """A server's /server_info (None when unreachable or not JSON): parse it with the
     *_from_server_info functions, one fetch for every figure of a reading."""
     try:
-        r = httpx.get(info_url.rstrip("/") + "/server_info", timeout=timeout_s)
+        r = httpx.get(info_url.rstrip("/") + "/server_info", timeout=timeout_s, headers=client_headers())
         info = r.json() if r.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
         return None
@@ -155,7 +156,7 @@ def _server_path(url: str, keys: tuple[str, ...], timeout_s: float) -> str | Non
     base = url.rstrip("/")
     for path in ("/model_info", "/get_model_info", "/server_info", "/get_server_info"):
         try:
-            r = httpx.get(base + path, timeout=timeout_s)
+            r = httpx.get(base + path, timeout=timeout_s, headers=client_headers())
             info = r.json() if r.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
             continue

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from kvpipe.bench.sweep import ModeFlags, mode_server_flags
 from kvpipe.qa.testbed import LinkTestbed, run_in_netns
 from kvpipe.server.launcher import free_port, router_command, start_pd_stack, stop_process, wait_healthy
+from kvpipe.transfer.control.auth import TOKEN_ENV, new_token
 
 T = TypeVar("T")
 
@@ -110,10 +111,13 @@ def testbed_pd_stack(tb: LinkTestbed, opts: StackOptions, flags: ModeFlags, name
     p_url, d_url, r_url = f"http://{a}:{p_port}", f"http://{b}:{d_port}", f"http://{b}:{r_port}"
     sub = StackOptions(opts.model_path, opts.server_args, os.path.join(opts.log_dir, name) if opts.log_dir else None)
     procs: list[subprocess.Popen] = []
+    # the data plane is off loopback: the servers need a shared token (in their environment, as
+    # `kvpipe launch` passes it), or they refuse to start
+    env = {**os.environ, TOKEN_ENV: os.environ.get(TOKEN_ENV) or new_token()}
 
     def start(side: str, part: str, cmd: list[str]) -> None:
         log = _log(sub, part)
-        procs.append(tb.popen(side, cmd, stdout=log, stderr=subprocess.STDOUT))  # type: ignore[arg-type]
+        procs.append(tb.popen(side, cmd, stdout=log, stderr=subprocess.STDOUT, env=env))  # type: ignore[arg-type]
         if log is not subprocess.DEVNULL:
             log.close()
 

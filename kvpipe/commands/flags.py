@@ -15,8 +15,10 @@ from kvpipe.config import (
     STAGING_MODES,
     CacheConfig,
     ConfigError,
+    ControlLimits,
     DisaggregationConfig,
     FaultInjection,
+    RequestLimits,
     SchedulerConfig,
     ServerConfig,
     parse_layer_groups,
@@ -24,6 +26,7 @@ from kvpipe.config import (
 from kvpipe.model.config import ModelConfig
 from kvpipe.model.default_model import resolve_model_path
 from kvpipe.model.loader import check_checkpoint
+from kvpipe.server.api_key import API_KEY_ENV, api_key_from_env
 from kvpipe.sglang_env import LayersPerGroup, flag_defaults
 from kvpipe.transfer.control.auth import TOKEN_ENV, token_from_env
 
@@ -189,9 +192,53 @@ def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help=f"shared secret of the PD deployment (same on every prefill and decode server): "
         f"authenticates bootstrap calls and every control-plane message (HMAC, timestamp, "
-        f"replay check); prefer ${TOKEN_ENV}, which stays out of process lists. Without "
-        f"one, bootstrap and control plane listen on the data-plane address only",
+        f"replay check); prefer --disaggregation-auth-token-file or ${TOKEN_ENV}, which stay out "
+        f"of process lists. Without one, bootstrap and control plane listen on the data-plane "
+        f"address only, and only a loopback one unless --disaggregation-insecure",
     )
+    g.add_argument(
+        "--disaggregation-auth-token-file",
+        default=None,
+        help="read the shared PD secret from this file (its first line) instead of a flag",
+    )
+    g.add_argument(
+        "--disaggregation-insecure",
+        action="store_true",
+        help="serve PD without an auth token on a non-loopback data-plane address (refused otherwise)",
+    )
+    g.add_argument(
+        "--disaggregation-bootstrap-allow",
+        action="append",
+        default=None,
+        metavar="CIDR|HOST[,...]",
+        help="decode: fetch bootstrap info (the request's bootstrap_host) only from these networks "
+        "or host names (repeatable, comma separated; default: anywhere; loopback always)",
+    )
+    lim = d.limits
+    for flag, default, what in (
+        ("--disaggregation-max-sessions", lim.max_sessions, "decode sessions one prefill rank keeps registered"),
+        (
+            "--disaggregation-max-orphan-rooms",
+            lim.max_orphan_rooms_per_session,
+            "per decode session: rooms requested before the prefill admitted them",
+        ),
+        (
+            "--disaggregation-max-tombstones",
+            lim.max_tombstones_per_session,
+            "per decode session: refused or aborted rooms a prefill rank remembers",
+        ),
+        (
+            "--disaggregation-max-staging-waits",
+            lim.max_staging_waits_per_session,
+            "per prefill session: staging slot requests queued at a full staging ring",
+        ),
+        (
+            "--disaggregation-max-reply-sockets",
+            lim.max_reply_sockets,
+            "control-plane sockets kept open per endpoint (least recently used closed)",
+        ),
+    ):
+        g.add_argument(flag, type=int, default=default, help=f"{what} (default %(default)s)")
     # test-only: fail each transfer batch with this probability (seeded by the next flag)
     g.add_argument("--disaggregation-failure-prob", type=float, default=d.faults.prob, help=argparse.SUPPRESS)
     g.add_argument("--disaggregation-failure-seed", type=int, default=d.faults.seed, help=argparse.SUPPRESS)
@@ -231,11 +278,40 @@ def disaggregation_config_from_args(args: argparse.Namespace, model_path: str) -
             heartbeat_interval_s=args.disaggregation_heartbeat_interval,
             heartbeat_misses=args.disaggregation_heartbeat_max_failure,
             transfer_timeout_s=args.disaggregation_transfer_timeout,
-            auth_token=args.disaggregation_auth_token or token_from_env(),
+            auth_token=_auth_token(args),
+            bootstrap_allow=tuple(
+                e.strip() for arg in args.disaggregation_bootstrap_allow or () for e in arg.split(",") if e.strip()
+            ),
+            insecure=args.disaggregation_insecure,
             faults=FaultInjection(args.disaggregation_failure_prob, args.disaggregation_failure_seed),
+            limits=ControlLimits(
+                args.disaggregation_max_sessions,
+                args.disaggregation_max_orphan_rooms,
+                args.disaggregation_max_tombstones,
+                args.disaggregation_max_staging_waits,
+                args.disaggregation_max_reply_sockets,
+            ),
         )
     except ConfigError as e:
         raise SystemExit(f"kvpipe: {e}") from e
+
+
+def _auth_token(args: argparse.Namespace) -> str | None:
+    """--disaggregation-auth-token, else the first line of --disaggregation-auth-token-file, else
+    the environment."""
+    path = args.disaggregation_auth_token_file
+    if path is None:
+        return args.disaggregation_auth_token or token_from_env()
+    if args.disaggregation_auth_token:
+        raise ConfigError("give --disaggregation-auth-token or --disaggregation-auth-token-file, not both")
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.readline(4096).strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--disaggregation-auth-token-file {path}: {e}") from None
+    if not token:
+        raise ConfigError(f"--disaggregation-auth-token-file {path} is empty")
+    return token
 
 
 def require_positive(name: str, value: int | None, allow_none: bool = False) -> None:
@@ -287,6 +363,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                 context_length=args.context_length,
             ),
             disaggregation=disagg,
+            limits=request_limits_from_args(args),
+            api_key=getattr(args, "api_key", None) or api_key_from_env(),
         )
         cfg.check_servable()
         return cfg
@@ -312,3 +390,48 @@ def setup_logging(level: str) -> None:
     if level != "debug":  # httpx logs a line per bootstrap call at INFO
         for name in ("httpx", "httpcore"):
             logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def add_http_api_args(p: argparse.ArgumentParser) -> None:
+    """What an HTTP server lets one request ask for, how many it holds, and its key (`serve`)."""
+    d = RequestLimits()
+    g = p.add_argument_group("HTTP API limits and key")
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help=f"clients must send `Authorization: Bearer <key>` on every route but /health, "
+        f"/health_generate and /metrics (401 otherwise); prefer ${API_KEY_ENV}, which stays out "
+        f"of process lists",
+    )
+    g.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=d.max_queued_requests,
+        help="requests the server holds beyond --max-running-requests; past them it answers 503 with Retry-After",
+    )
+    g.add_argument(
+        "--max-prompts-per-request",
+        type=int,
+        default=d.max_prompts_per_request,
+        help="prompts in one batched /generate or /v1/completions body",
+    )
+    g.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings, help="stop strings per prompt")
+    g.add_argument(
+        "--max-stop-string-chars", type=int, default=d.max_stop_string_chars, help="characters of one stop string"
+    )
+    g.add_argument("--max-stop-token-ids", type=int, default=d.max_stop_token_ids, help="stop_token_ids per prompt")
+
+
+def request_limits_from_args(args: argparse.Namespace) -> RequestLimits:
+    """The flags of `add_http_api_args` (their defaults for commands without them)."""
+    d = RequestLimits()
+    names = (
+        "max_queued_requests",
+        "max_prompts_per_request",
+        "max_stop_strings",
+        "max_stop_string_chars",
+        "max_stop_token_ids",
+    )
+    for name in names:
+        require_positive("--" + name.replace("_", "-"), getattr(args, name, getattr(d, name)))
+    return RequestLimits(**{name: getattr(args, name, getattr(d, name)) for name in names})

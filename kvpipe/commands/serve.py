@@ -7,9 +7,16 @@ import logging
 import os
 from collections.abc import Callable
 
-from kvpipe.commands.flags import add_server_args, check_model, server_config_from_args, setup_logging
-from kvpipe.config import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerConfig
+from kvpipe.commands.flags import (
+    add_http_api_args,
+    add_server_args,
+    check_model,
+    server_config_from_args,
+    setup_logging,
+)
+from kvpipe.config import DEFAULT_MAX_REQUEST_BODY_BYTES, ConfigError, ServerConfig
 from kvpipe.disagg.connectors import make_connector
+from kvpipe.disagg.setup import require_auth_off_loopback
 from kvpipe.engine.engine import Engine
 from kvpipe.server.http_server import run_server
 from kvpipe.sglang_env import log_sglang_env
@@ -27,6 +34,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_REQUEST_BODY_BYTES,
         help="refuse request bodies larger than this with 413 (default: 32 MiB)",
     )
+    add_http_api_args(p)
 
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
@@ -37,6 +45,10 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
             "kvpipe: --disaggregation-transfer-backend local only connects engines inside one "
             "process; PD servers need mooncake"
         )
+    try:  # before anything loads or listens
+        require_auth_off_loopback(cfg, warn=False)
+    except ConfigError as e:
+        raise SystemExit(f"kvpipe: {e}") from None
     setup_logging(cfg.log_level)
     log_sglang_env(os.environ, logger)
     check_model(cfg)

@@ -24,10 +24,11 @@ from typing import Any
 from kvpipe.config import ServerConfig
 from kvpipe.disagg.commands import StartDecode
 from kvpipe.disagg.pd_connector import PDConnector
-from kvpipe.disagg.setup import TRANSFER_POLL_S, data_host, warn_if_unauthenticated
+from kvpipe.disagg.setup import TRANSFER_POLL_S, data_host, require_auth_off_loopback
 from kvpipe.engine.connector import Admission, ConnectorContext, ConnectorEvent, KVArrived, TransferFinished
 from kvpipe.engine.request import FinishReason, Req
 from kvpipe.transfer.backends.base import TransferBackend
+from kvpipe.transfer.control.bootstrap import DEFAULT_BOOTSTRAP_PORT
 from kvpipe.transfer.control.messages import AuxData, DecodeRank
 from kvpipe.transfer.lifecycle import TransferState
 from kvpipe.transfer.receiver.kv_receiver import KVReceiver
@@ -51,7 +52,7 @@ class DecodeConnector(PDConnector):
     def start(self, ctx: ConnectorContext) -> None:
         d = self.cfg.disaggregation
         self._vocab_size = ctx.model_config.vocab_size
-        warn_if_unauthenticated(self.cfg)
+        require_auth_off_loopback(self.cfg)
         self._start_ranks(ctx.workers, StartDecode())
         self.receiver = KVReceiver(
             d,
@@ -69,6 +70,13 @@ class DecodeConnector(PDConnector):
                 "a decode server needs bootstrap_host and bootstrap_room (and bootstrap_port) "
                 "with every request; send requests through sglang-router --pd-disaggregation"
             )
+        # refused at once where this decode may not fetch (allow list, an address that failed a
+        # moment ago), before the request waits for pages
+        if self.receiver is not None:
+            port = DEFAULT_BOOTSTRAP_PORT if req.bootstrap_port is None else int(req.bootstrap_port)
+            why = self.receiver.guard.refusal((req.bootstrap_host, port))
+            if why is not None:
+                raise ValueError(why)
         self._claim_room(req.bootstrap_room)
 
     def admit(self, req: Req) -> Admission:
@@ -172,6 +180,7 @@ class DecodeConnector(PDConnector):
                 "authenticated": self.cfg.disaggregation.auth_token is not None,
                 "auth_rejected": {"control": st.auth_rejected + self._staging_auth_rejected()},
                 "bootstrap_fetches": st.bootstrap_fetches,
+                "foreign_rejected": st.foreign_rejected,  # statuses / aborts not from the room's pairs (issue 30)
                 **self._staging_stats(),
             }
         }

@@ -40,7 +40,7 @@ from kvpipe.disagg.commands import (
 from kvpipe.disagg.layer_groups import LayerGroupPolicy
 from kvpipe.disagg.layer_pipeline import LayerPipeline
 from kvpipe.disagg.pd_connector import PDConnector
-from kvpipe.disagg.setup import TRANSFER_POLL_S, bootstrap_host, warn_if_unauthenticated
+from kvpipe.disagg.setup import TRANSFER_POLL_S, bootstrap_host, require_auth_off_loopback
 from kvpipe.disagg.tally import RoomTally
 from kvpipe.engine.batch import ScheduledBatch
 from kvpipe.engine.connector import (
@@ -70,6 +70,9 @@ SUMMED_STATS = (
     "staged_chunks",
     "staged_bytes",
     "auth_rejected",
+    "foreign_rejected",
+    "orphans_refused",
+    "tombstones_evicted",
 )
 
 
@@ -119,7 +122,7 @@ class PrefillConnector(PDConnector):
         d = self.cfg.disaggregation
         self._workers = ctx.workers
         self._tally = RoomTally(ctx.workers.tp_size)
-        warn_if_unauthenticated(self.cfg)
+        require_auth_off_loopback(self.cfg)
         host = bootstrap_host(self.cfg)
         self.bootstrap = BootstrapServer(host, d.bootstrap_port, authenticator(d.auth_token)).start()
         reg_host = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
@@ -369,6 +372,10 @@ class PrefillConnector(PDConnector):
                 "staged_bytes": st.staged_bytes,
                 "link_busy_s": st.busy_s,
                 "link_busy_bytes": st.busy_bytes,
+                # frames naming a session or chunk not bound to their sender, and the per-session caps (issue 30)
+                "foreign_rejected": st.foreign_rejected,
+                "orphans_refused": st.orphans_refused,
+                "tombstones_evicted": st.tombstones_evicted,
                 "layer_groups": pipe.stats(),
             },
             # the observer's counters: the last batch's choice (bench probes read `num_groups`), the

@@ -4,12 +4,13 @@ registered once, the rank's KV layout (its head range), and the data-plane host.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import socket
 
 from kvpipe.cache.kv_pool import KVPool
 from kvpipe.cache.recurrent_pool import StatePool
-from kvpipe.config import ParallelConfig, ServerConfig
+from kvpipe.config import ConfigError, ParallelConfig, ServerConfig
 from kvpipe.model.config import ModelConfig
 from kvpipe.transfer.backends import TransferBackend, create_backend
 from kvpipe.transfer.control.auth import TOKEN_ENV
@@ -49,15 +50,44 @@ def bootstrap_host(cfg: ServerConfig) -> str:
     return cfg.host if cfg.disaggregation.auth_token is not None else data_host(cfg)
 
 
-def warn_if_unauthenticated(cfg: ServerConfig) -> None:
-    if cfg.disaggregation.auth_token is None:
-        logger.warning(
-            "PD without --disaggregation-auth-token (or $%s): bootstrap and control plane are "
-            "unauthenticated and listen on the data-plane address %s only; set the same token on "
-            "every prefill and decode server of the deployment",
-            TOKEN_ENV,
-            data_host(cfg),
+def is_loopback(host: str) -> bool:
+    """`host` (an address or a name) reaches this machine only: every address it resolves to is
+    a loopback one."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        found = {info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    except OSError:
+        return False
+    return bool(found) and all(ipaddress.ip_address(str(a).split("%")[0]).is_loopback for a in found)
+
+
+def require_auth_off_loopback(cfg: ServerConfig, warn: bool = True) -> None:
+    """PD without a token only on a loopback data plane, unless --disaggregation-insecure says
+    otherwise (ConfigError naming the flags); a warning for what runs unauthenticated."""
+    d = cfg.disaggregation
+    if not d.enabled or d.auth_token is not None:
+        return
+    host = data_host(cfg)
+    if not is_loopback(host) and not d.insecure:
+        raise ConfigError(
+            f"PD serving without an auth token on the non-loopback data-plane address {host}: anyone "
+            "who reaches it could register as a prefill or read KV buffer addresses. Give every "
+            f"prefill and decode server the same token (--disaggregation-auth-token-file or ${TOKEN_ENV}), "
+            "or pass --disaggregation-insecure to serve unauthenticated anyway"
         )
+    if not warn:
+        return
+    logger.warning(
+        "PD without --disaggregation-auth-token-file (or $%s): bootstrap and control plane are "
+        "unauthenticated and listen on the data-plane address %s only%s; set the same token on "
+        "every prefill and decode server of the deployment",
+        TOKEN_ENV,
+        host,
+        " (--disaggregation-insecure)" if d.insecure else "",
+    )
 
 
 def make_backend(cfg: ServerConfig) -> TransferBackend:

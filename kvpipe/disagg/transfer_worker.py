@@ -152,6 +152,7 @@ class TransferWorker(KVConnectorWorker):
                 lease_s=2 * d.transfer_timeout_s,
                 send_hwm=d.tuning.control_send_hwm,
                 auth=authenticator(d.auth_token),
+                limits=d.limits,
             ).start()
         return RankStarted(
             self.rank,

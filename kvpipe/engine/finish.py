@@ -26,7 +26,13 @@ class _TextView:
 
     def add(self, new_ids: list[int]) -> tuple[int, str] | None:
         self.text += self.detok.add(new_ids)
-        return self.search.find(self.text)
+        hit = self.search.find(self.text)
+        if hit is None and (held := self.detok.held()):
+            # a token ending inside a UTF-8 character is held back, but the characters before
+            # that byte (" " of " " + 0xC2) may already finish a stop string: SGLang decodes the
+            # output tail as it is (U+FFFD and all) and stops at this token, so do we
+            hit = self.search.find_across(self.text, held)
+        return hit
 
 
 class StopStringMatcher:

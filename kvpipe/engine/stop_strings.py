@@ -32,6 +32,17 @@ class StopStringSearch:
         self._searched = len(text)
         return min(hits) if hits else None
 
+    def find_across(self, text: str, tail: str) -> tuple[int, str] | None:
+        """Like `find` on `text + tail`, for a tail that may still change (a detokenizer's held
+        text): only matches that reach into `tail` are new, and the search does not advance."""
+        head = text[max(0, len(text) - self._longest + 1) :]
+        joined = head + tail
+        hits = [(pos, s) for s in self.stops if (pos := joined.find(s)) >= 0]
+        if not hits:
+            return None
+        pos, s = min(hits)
+        return len(text) - len(head) + pos, s
+
     def holdback(self, text: str) -> int:
         """Length of the longest suffix of `text` that is a proper prefix of a stop string: what a
         stream must not show yet, since the next tokens may complete the stop string."""

@@ -41,6 +41,7 @@ from kvpipe.qa.soak_plan import Bounds, SoakConfig, plan_requests, plan_warmup
 from kvpipe.qa.soak_report import room_deltas, table
 from kvpipe.qa.soak_resources import ResourceSeries, Sampler, resource_checks
 from kvpipe.qa.soak_tally import Tally
+from kvpipe.server.api_key import client_headers
 from kvpipe.server.launcher import start_pd_stack
 
 SERVERS = ("prefill", "decode")
@@ -121,7 +122,7 @@ def config_from_args(args: argparse.Namespace) -> SoakConfig:
 
 
 def _model_name(url: str) -> str:
-    r = httpx.get(url.rstrip("/") + "/v1/models", timeout=10.0)
+    r = httpx.get(url.rstrip("/") + "/v1/models", timeout=10.0, headers=client_headers())
     return str(r.json()["data"][0]["id"])
 
 

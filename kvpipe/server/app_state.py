@@ -7,11 +7,14 @@ answer 503 while the engine is still loading or after it failed.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -27,7 +30,13 @@ from kvpipe.server.metrics import ServerMetrics
 from kvpipe.server.protocol import GenerateInput
 from kvpipe.server.request_tracker import RequestOutput
 from kvpipe.server.streaming import ClientDisconnected, close_all, collect, until_disconnect
-from kvpipe.server.validation import ModelLimits
+from kvpipe.server.validation import ModelLimits, longest_token_chars, prompt_chars_cap
+
+T = TypeVar("T")
+
+# Threads that parse, validate and tokenize request bodies off the event loop: two keep the loop
+# and the engine thread their cores on a small machine while a huge body is worked through.
+PREP_THREADS = 2
 
 
 def _local_dir(path: str | None) -> str | None:
@@ -42,6 +51,10 @@ class ServerState:
     metrics: ServerMetrics
     disaggregation_mode: str = "null"
     cpu_threads: CpuThreads | None = None  # the torch thread plan of this server (/server_info)
+    prep: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="kvpipe-prep"), repr=False
+    )
+    _token_chars: int | None = field(default=None, init=False, repr=False)  # longest_token_chars, once
 
     # ---- the loaded engine (APIError 503 while loading or after a failure) ------------------------
     @property
@@ -67,6 +80,19 @@ class ServerState:
     @property
     def limits(self) -> ModelLimits:
         return ModelLimits(vocab_size=self.model_config.vocab_size, context_length=self.context_length)
+
+    def input_limits(self) -> ModelLimits:
+        """`limits` with the prompt-text cap; the first call scans the vocabulary, so call it in
+        a prep thread (`offload`)."""
+        limits = self.limits
+        if self._token_chars is None:
+            self._token_chars = longest_token_chars(self.tokenizer)
+        return replace(limits, max_prompt_chars=prompt_chars_cap(limits.context_length, self._token_chars))
+
+    async def offload(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)` (validation, chat templates, tokenization) in a prep thread, so a huge
+        body does not hold the event loop that streams every other request's tokens."""
+        return await asyncio.get_running_loop().run_in_executor(self.prep, functools.partial(fn, *args))
 
     # ---- what the info routes report, also while the engine loads ---------------------------------
     def advertised_context_length(self) -> int | None:
@@ -106,7 +132,9 @@ class ServerState:
                 raise APIError(f"prefill of request {out.rid} failed: {out.finish_detail or ABORTED_ON_REQUEST}", 500)
 
     def submit_all(self, inputs: list[GenerateInput]) -> list[RequestStream]:
-        """Submit a batch all-or-nothing: if one prompt is refused, the others are aborted."""
+        """Submit a batch all-or-nothing: if one prompt is refused, the others are aborted; a
+        batch the server has no room for is refused whole (503 with Retry-After)."""
+        self.engine.check_room(len(inputs))
         streams: list[RequestStream] = []
         try:
             for inp in inputs:

@@ -32,6 +32,7 @@ from kvpipe.server.request_tracker import RequestOutput, RequestTracker
 logger = logging.getLogger(__name__)
 
 MAX_CONSECUTIVE_STEP_FAILURES = 3
+RETRY_AFTER_S = 1  # what a full server's 503 asks clients to wait (the Retry-After header)
 
 
 class EngineLike(Protocol):
@@ -63,10 +64,15 @@ class _EngineFailure:
 
 class AsyncEngine:
     def __init__(
-        self, engine_factory: Callable[[], EngineLike], on_fatal: Callable[[BaseException], None] | None = None
+        self,
+        engine_factory: Callable[[], EngineLike],
+        on_fatal: Callable[[BaseException], None] | None = None,
+        capacity: int | None = None,
     ) -> None:
         self._factory = engine_factory
         self._on_fatal = on_fatal
+        # requests this server holds at once (running, waiting, in the engine's inbox); None: no cap
+        self.capacity = capacity
         self._engine: EngineLike | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -107,6 +113,25 @@ class AsyncEngine:
 
     def num_active(self) -> int:
         return len(self._queues)
+
+    def check_room(self, n: int) -> None:
+        """Refuse `n` more requests when they would take the server past its capacity: 503 with
+        Retry-After (busy now), or 400 for a batch no idle server could hold either."""
+        cap = self.capacity
+        if cap is None:
+            return
+        if n > cap:
+            raise APIError(
+                f"a batch of {n} prompts is more than this server holds at once ({cap}: "
+                "--max-running-requests + --max-queued-requests)"
+            )
+        if len(self._queues) + n > cap:
+            raise APIError(
+                f"the server is full: it holds {len(self._queues)} requests, at most {cap} "
+                "(--max-running-requests + --max-queued-requests); retry later",
+                503,
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
 
     # ---- engine thread ---------------------------------------------------------------------------
     def _post(self, fn: Callable, *args: object) -> None:
@@ -232,6 +257,7 @@ class AsyncEngine:
         engine = self.engine
         if inp.rid in self._queues:
             raise APIError(f"a request with rid {inp.rid!r} is already running", 400, param="rid")
+        self.check_room(1)
         req = self.make_req(inp)
         detok = IncrementalDetokenizer(engine.tokenizer, inp.text_options.skip_special_tokens)
         stream = RequestStream(self, RequestTracker(inp, detok, time.monotonic()))

@@ -7,6 +7,7 @@ Every rejected request ends here, whichever route or validation layer rejected i
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -20,9 +21,11 @@ logger = logging.getLogger(__name__)
 # HTTP status -> OpenAI-style error type.
 _ERROR_TYPES = {
     400: "invalid_request_error",
+    401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
     409: "conflict_error",
+    415: "invalid_request_error",
     500: "internal_server_error",
     503: "service_unavailable",
 }
@@ -31,12 +34,20 @@ _ERROR_TYPES = {
 class APIError(Exception):
     """A request the server refuses; `status` is the HTTP status code."""
 
-    def __init__(self, message: str, status: int = 400, err_type: str | None = None, param: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        err_type: str | None = None,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,  # e.g. Retry-After on a 503, WWW-Authenticate on a 401
+    ):
         super().__init__(message)
         self.message = message
         self.status = status
         self.err_type = err_type or _ERROR_TYPES.get(status, "invalid_request_error")
         self.param = param
+        self.headers = headers
 
 
 def error_body(message: str, status: int, err_type: str | None = None, param: str | None = None) -> dict[str, Any]:
@@ -45,7 +56,9 @@ def error_body(message: str, status: int, err_type: str | None = None, param: st
 
 
 def error_response(exc: APIError) -> JSONResponse:
-    return JSONResponse(error_body(exc.message, exc.status, exc.err_type, exc.param), status_code=exc.status)
+    return JSONResponse(
+        error_body(exc.message, exc.status, exc.err_type, exc.param), status_code=exc.status, headers=exc.headers
+    )
 
 
 def describe_validation_error(exc: ValidationError | RequestValidationError) -> str:
@@ -74,7 +87,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(APIError(str(exc.detail), exc.status_code))
+        return error_response(APIError(str(exc.detail), exc.status_code, headers=exc.headers))
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

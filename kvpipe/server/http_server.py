@@ -22,6 +22,7 @@ from kvpipe.config import ServerConfig
 from kvpipe.engine.cpu_threads import CpuThreads, apply_cpu_threads, server_cpu_threads, torch_threads
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import SamplingParams
+from kvpipe.server.api_key import APIKeyMiddleware
 from kvpipe.server.app_state import ServerState
 from kvpipe.server.async_engine import AsyncEngine, EngineLike
 from kvpipe.server.errors import APIError, install_error_handlers
@@ -29,7 +30,14 @@ from kvpipe.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvpipe.server.openai_api import register_openai_routes
 from kvpipe.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from kvpipe.server.openapi_schema import BODY_ROUTE_RESPONSES, AbortRequest, install_body_schemas, json_body
-from kvpipe.server.protocol import GenerateInput, GenerateRequest, new_rid, split_generate_request
+from kvpipe.server.protocol import (
+    GENERATE_BATCH_FIELDS,
+    GenerateInput,
+    GenerateRequest,
+    check_batch_size,
+    new_rid,
+    split_generate_request,
+)
 from kvpipe.server.request_tracker import RequestOutput
 from kvpipe.server.streaming import (
     SSE_DONE,
@@ -156,11 +164,18 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
             raise APIError("rid is required (or abort_all: true)", param="rid")
         return {"aborted": int(state.engine.abort(rid))}
 
+    def prepare(body: Any) -> tuple[GenerateRequest, list[GenerateInput], bool]:
+        """Validate and tokenize a /generate body (in a prep thread)."""
+        req = GenerateRequest.model_validate(body)
+        specs, batched = split_generate_request(req)
+        limits = state.input_limits()
+        return req, prepare_prompts(specs, state.tokenizer, limits, request_limits=state.cfg.limits), batched
+
     @app.post("/generate", openapi_extra=json_body(GenerateRequest), responses=BODY_ROUTE_RESPONSES)
     async def generate(request: Request) -> Response:
-        req = GenerateRequest.model_validate(await read_json(request))
-        specs, batched = split_generate_request(req)
-        inputs = prepare_prompts(specs, state.tokenizer, state.limits)
+        raw = await read_json(request)
+        check_batch_size(raw, GENERATE_BATCH_FIELDS, state.cfg.limits)
+        req, inputs, batched = await state.offload(prepare, raw)
         by_rid = {inp.rid: inp for inp in inputs}
         streams = state.submit_all(inputs)
         if req.stream and not state.is_prefill:
@@ -200,7 +215,8 @@ def create_app(
         def engine_factory() -> EngineLike:
             return Engine(cfg)
 
-    async_engine = AsyncEngine(engine_factory, on_fatal=on_fatal)
+    capacity = cfg.scheduler.max_running_requests + cfg.limits.max_queued_requests
+    async_engine = AsyncEngine(engine_factory, on_fatal=on_fatal, capacity=capacity)
     metrics = ServerMetrics(cfg.model_name, async_engine.stats)
     async_engine.metrics = metrics
     state = ServerState(cfg, async_engine, metrics, disaggregation_mode, cpu_threads or server_cpu_threads(cfg))
@@ -212,14 +228,22 @@ def create_app(
             yield
         finally:
             await async_engine.stop()
+            state.prep.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="kvpipe", version=kvpipe.__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.kvpipe = state
     app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_request_body_bytes, knob="--max-request-body-bytes")
+    if cfg.api_key is not None:  # added last: the outermost layer, before any body is read
+        app.add_middleware(APIKeyMiddleware, api_key=cfg.api_key)
     install_error_handlers(app)
     register_native_routes(app, state)
     register_openai_routes(app, state)
-    install_body_schemas(app, [GenerateRequest, AbortRequest, CompletionRequest, ChatCompletionRequest])
+    install_body_schemas(
+        app,
+        [GenerateRequest, AbortRequest, CompletionRequest, ChatCompletionRequest],
+        cfg.limits,
+        key_required=cfg.api_key is not None,
+    )
     return app
 
 

@@ -32,6 +32,7 @@ from kvpipe.config import ConfigError
 from kvpipe.engine.cpu_threads import affinity_cores
 from kvpipe.model.default_model import resolve_model_path
 from kvpipe.model.loader import check_checkpoint
+from kvpipe.server.api_key import API_KEY_ENV, api_key_from_env
 from kvpipe.server.core_split import (
     CPU_THREADS_FLAG,
     CoreSplit,
@@ -45,9 +46,28 @@ from kvpipe.server.supervisor import PartState, RestartPolicy, Supervisor
 from kvpipe.transfer.control.auth import TOKEN_ENV, new_token
 
 AUTH_TOKEN_FLAG = "--disaggregation-auth-token"
+AUTH_TOKEN_FILE_FLAG = "--disaggregation-auth-token-file"
+API_KEY_FLAG = "--api-key"
 
 PARTS = ("prefill", "decode", "router")  # the order of PDStack.procs; stopped in reverse
 SUPERVISE_TICK_S = 0.25
+
+
+def take_secret_flag(args: Sequence[str], flag: str = AUTH_TOKEN_FLAG) -> tuple[list[str], str | None]:
+    """`args` without a secret's flag (`--flag V` or `--flag=V`), and its value (the last one): the
+    children get it through their environment, never their command line, which every user of the
+    machine can read in /proc."""
+    rest: list[str] = []
+    value = None
+    it = iter(args)
+    for a in it:
+        if a == flag:
+            value = next(it, None)
+        elif a.startswith(flag + "="):
+            value = a.partition("=")[2]
+        else:
+            rest.append(a)
+    return rest, value
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -199,10 +219,18 @@ ROUTER_RECOVERY_FLAGS = ("--cb-timeout-duration-secs", "5", "--health-check-inte
 
 
 def router_command(
-    prefill_url: str, bootstrap_port: int, decode_url: str, host: str, port: int, prometheus_port: int
+    prefill_url: str,
+    bootstrap_port: int,
+    decode_url: str,
+    host: str,
+    port: int,
+    prometheus_port: int,
+    api_key: str | None = None,
 ) -> list[str]:
     """sglang-router in PD mode. Its Prometheus exporter gets a port of its own (it defaults to a
-    fixed one, so a second router on the machine would die at startup)."""
+    fixed one, so a second router on the machine would die at startup). `api_key`: the servers'
+    --api-key, which the router sends them (it takes it as a flag only, so it shows in the router's
+    command line)."""
     return [
         sys.executable,
         "-m",
@@ -224,6 +252,7 @@ def router_command(
         "--log-level",
         "warn",
         *ROUTER_RECOVERY_FLAGS,
+        *(["--api-key", api_key] if api_key else []),
     ]
 
 
@@ -285,7 +314,17 @@ def start_pd_stack(
     --cpu-threads and their CPU affinity (core_split.py), except a server whose threads the
     caller's args already choose. The router runs on every core."""
     py = sys.executable
-    server_args, prefill_args, decode_args = server_args or [], prefill_args or [], decode_args or []
+    # a token given as a flag leaves the command lines (the children read it from their environment)
+    server_args, token = take_secret_flag(server_args or [])
+    prefill_args, p_token = take_secret_flag(prefill_args or [])
+    decode_args, d_token = take_secret_flag(decode_args or [])
+    if len({t for t in (token, p_token, d_token) if t}) > 1:
+        raise ConfigError("prefill and decode need the same --disaggregation-auth-token")
+    token = token or p_token or d_token
+    # --api-key likewise: the servers read it from their environment; the router, which takes it
+    # as a flag only, sends it to them and asks its own clients for it
+    server_args, api_key = take_secret_flag(server_args, API_KEY_FLAG)
+    api_key = api_key or api_key_from_env()
     split = split_cores(affinity_cores()) if split_cpus else None
     mine = ServerCores((), None)
     p_cores, d_cores = server_cores(split, server_args, prefill_args, decode_args) if split else (mine, mine)
@@ -297,10 +336,11 @@ def start_pd_stack(
         os.makedirs(log_dir, exist_ok=True)
     stack = PDStack(f"http://{host}:{p_port}", f"http://{host}:{d_port}", f"http://{host}:{r_port}", b_port, split)
     # One random token per stack authenticates its PD control plane, unless the caller chose one
-    # (in our environment, or as a flag to both servers); restarts reuse it, so survivors trust them.
-    if not has_flag(server_args, AUTH_TOKEN_FLAG):
-        stack.auth_token = os.environ.get(TOKEN_ENV) or new_token()
-    env = ((TOKEN_ENV, stack.auth_token),) if stack.auth_token else ()
+    # (a flag, a token file, or our environment); restarts reuse it, so survivors trust them.
+    if token or not has_flag(server_args, AUTH_TOKEN_FILE_FLAG):
+        stack.auth_token = token or os.environ.get(TOKEN_ENV) or new_token()
+    child_secrets = {TOKEN_ENV: stack.auth_token, API_KEY_ENV: api_key}
+    env = tuple((name, value) for name, value in child_secrets.items() if value)
     stack.specs = [
         PartSpec(
             "prefill",
@@ -346,7 +386,7 @@ def start_pd_stack(
         ),
         PartSpec(
             "router",
-            tuple(router_command(stack.prefill_url, b_port, stack.decode_url, host, r_port, metrics_port)),
+            tuple(router_command(stack.prefill_url, b_port, stack.decode_url, host, r_port, metrics_port, api_key)),
             stack.router_url + "/health",
             log("router"),
         ),
@@ -421,7 +461,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         stack = start_pd_stack(
             model_path, args.host, args.port, server_args=extra, log_dir=args.log_dir, timeout_s=args.timeout
         )
-    except (RuntimeError, TimeoutError) as e:  # a part that exited or never became healthy
+    except (RuntimeError, TimeoutError, ConfigError) as e:  # a part that exited or never became healthy
         where = f"its log in {args.log_dir}" if args.log_dir else "its output above"
         raise SystemExit(f"kvpipe launch: {e} (see {where})") from None
     stop = threading.Event()
@@ -436,8 +476,13 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     elif stack.cores is not None:
         how = "each server pinned to its share" if stack.cores.disjoint else "one thread each"
         print(f"kvpipe launch: {stack.cores.describe()}; --cpu-threads its size, {how}", flush=True)
-    if stack.auth_token:
-        chosen = "$" + TOKEN_ENV if os.environ.get(TOKEN_ENV) else "a fresh random token"
+    if stack.auth_token or has_flag(extra, AUTH_TOKEN_FILE_FLAG):
+        if has_flag(extra, AUTH_TOKEN_FLAG):
+            chosen = f"the {AUTH_TOKEN_FLAG} given (passed to the servers in their environment)"
+        elif not stack.auth_token:
+            chosen = f"the token in {AUTH_TOKEN_FILE_FLAG}"
+        else:
+            chosen = "$" + TOKEN_ENV if os.environ.get(TOKEN_ENV) else "a fresh random token"
         print(f"kvpipe launch: PD bootstrap and control plane authenticated with {chosen}", flush=True)
     print(
         f"kvpipe PD stack ready: router {stack.router_url} (prefill {stack.prefill_url}, "

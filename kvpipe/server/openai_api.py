@@ -15,13 +15,14 @@ from kvpipe.engine.request import ABORTED_ON_REQUEST, FinishReason
 from kvpipe.server.app_state import ServerState
 from kvpipe.server.errors import APIError
 from kvpipe.server.openai_protocol import (
+    COMPLETION_BATCH_FIELDS,
     DEFAULT_COMPLETION_MAX_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
     _OpenAIBase,
 )
 from kvpipe.server.openapi_schema import BODY_ROUTE_RESPONSES, json_body
-from kvpipe.server.protocol import GenerateInput, new_rid, text_options, to_sampling_params
+from kvpipe.server.protocol import GenerateInput, check_batch_size, new_rid, text_options, to_sampling_params
 from kvpipe.server.request_tracker import RequestOutput
 from kvpipe.server.streaming import (
     SSE_DONE,
@@ -32,7 +33,7 @@ from kvpipe.server.streaming import (
     sse,
     sse_error,
 )
-from kvpipe.server.validation import finalize_input, with_default_max_tokens
+from kvpipe.server.validation import check_prompt_chars, finalize_input, with_default_max_tokens
 
 
 def _finish_fields(out: RequestOutput) -> dict[str, Any]:
@@ -163,9 +164,9 @@ def _build_inputs(
     default_max: int | None,
     want_logprobs: bool,
 ) -> list[GenerateInput]:
-    limits = state.limits
+    limits = state.input_limits()
     sp = req.sampling(max_tokens)
-    params = to_sampling_params(sp, default_max or 1)
+    params = to_sampling_params(sp, default_max or 1, state.cfg.limits)
     inputs = []
     for i, ids in enumerate(prompts):
         p = params if default_max is not None else with_default_max_tokens(params, len(ids), limits)
@@ -245,31 +246,50 @@ def register_openai_routes(app: FastAPI, state: ServerState) -> None:
             ],
         }
 
-    @app.post("/v1/completions", openapi_extra=json_body(CompletionRequest), responses=BODY_ROUTE_RESPONSES)
-    async def completions(request: Request) -> Response:
-        req = CompletionRequest.model_validate(await read_json(request))
+    def prepare_completion(body: Any) -> tuple[CompletionRequest, str, list[GenerateInput]]:
+        """Validate and tokenize a /v1/completions body (in a prep thread)."""
+        req = CompletionRequest.model_validate(body)
         req.check_supported()
         _check_model(state, req)
-        tok = state.tokenizer
+        max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
+        to_sampling_params(req.sampling(max_tokens), 1, state.cfg.limits)  # refused before tokenizing
+        tok, limits = state.tokenizer, state.input_limits()
         prompts = []
         for p in req.prompts():
             if p == "":
                 raise APIError("the prompt is empty", param="prompt")
+            if isinstance(p, str):
+                check_prompt_chars(len(p), limits)
             prompts.append(tok.encode(p) if isinstance(p, str) else p)
-        max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
         rid = req.rid or new_rid()
         inputs = _build_inputs(
             state, req, rid, prompts, max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, req.logprobs is not None
         )
+        return req, rid, inputs
+
+    @app.post("/v1/completions", openapi_extra=json_body(CompletionRequest), responses=BODY_ROUTE_RESPONSES)
+    async def completions(request: Request) -> Response:
+        body = await read_json(request)
+        check_batch_size(body, COMPLETION_BATCH_FIELDS, state.cfg.limits)
+        req, rid, inputs = await state.offload(prepare_completion, body)
         return await _respond(
             request, state, req, inputs, _Responder(state, "completion", rid, req.logprobs is not None)
         )
 
-    @app.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest), responses=BODY_ROUTE_RESPONSES)
-    async def chat_completions(request: Request) -> Response:
-        req = ChatCompletionRequest.model_validate(await read_json(request))
+    def prepare_chat(body: Any) -> tuple[ChatCompletionRequest, str, list[GenerateInput]]:
+        """Validate a /v1/chat/completions body, render its chat template and tokenize (in a prep
+        thread)."""
+        req = ChatCompletionRequest.model_validate(body)
         req.check_supported()
         _check_model(state, req)
+        limits = state.input_limits()
+        if len(req.messages) > limits.context_length:  # each one costs the template a token or more
+            raise APIError(
+                f"{len(req.messages)} messages cannot fit the model's context length of {limits.context_length} tokens",
+                param="messages",
+            )
+        check_prompt_chars(req.content_chars(), limits)
+        to_sampling_params(req.sampling(req.max_new_tokens()), 1, state.cfg.limits)  # refused before tokenizing
         try:
             ids = state.tokenizer.encode_chat(req.message_dicts())
         except (ValueError, ConfigError, jinja2.TemplateError) as e:
@@ -277,5 +297,9 @@ def register_openai_routes(app: FastAPI, state: ServerState) -> None:
         max_new = req.max_new_tokens()
         # No max tokens: up to the end of the context (default_max=None picks it per prompt).
         rid = req.rid or new_rid()
-        inputs = _build_inputs(state, req, rid, [ids], max_new, max_new, bool(req.logprobs))
+        return req, rid, _build_inputs(state, req, rid, [ids], max_new, max_new, bool(req.logprobs))
+
+    @app.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest), responses=BODY_ROUTE_RESPONSES)
+    async def chat_completions(request: Request) -> Response:
+        req, rid, inputs = await state.offload(prepare_chat, await read_json(request))
         return await _respond(request, state, req, inputs, _Responder(state, "chat", rid, bool(req.logprobs)))

@@ -14,6 +14,8 @@ from kvpipe.server.errors import APIError
 from kvpipe.server.protocol import BootstrapInfo, SamplingParamsIn, WireModel, pick
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# /v1/completions fields that hold one entry per prompt when they are lists
+COMPLETION_BATCH_FIELDS = ("prompt", "bootstrap_host", "bootstrap_port", "bootstrap_room")
 
 
 class StreamOptions(WireModel):
@@ -142,3 +144,14 @@ class ChatCompletionRequest(_OpenAIBase):
 
     def message_dicts(self) -> list[dict[str, Any]]:
         return [m.model_dump(exclude_none=True) for m in self.messages]
+
+    def content_chars(self) -> int:
+        """Characters of the messages' text (string contents and text parts): the chat template
+        only adds to them, so this bounds the prompt from below before it is rendered."""
+        total = 0
+        for m in self.messages:
+            if isinstance(m.content, str):
+                total += len(m.content)
+            elif m.content is not None:
+                total += sum(len(p["text"]) for p in m.content if isinstance(p.get("text"), str))
+        return total

@@ -17,7 +17,9 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from kvpipe.server.protocol import WireModel
+from kvpipe.config import RequestLimits
+from kvpipe.server.api_key import OPEN_PATHS
+from kvpipe.server.protocol import DEFAULT_LIMITS, GENERATE_BATCH_FIELDS, WireModel
 
 REF = "#/components/schemas/{model}"
 
@@ -50,11 +52,13 @@ BODY_ROUTE_RESPONSES: dict[int | str, dict[str, Any]] = {
     **{
         status: {"model": ErrorBody, "description": what}
         for status, what in (
-            (400, "invalid request"),
+            (400, "invalid request, or over a cap of the request limits (--max-prompts-per-request, ...)"),
+            (401, "no API key, or a wrong one (--api-key)"),
             (404, "unknown model"),
             (413, "request body too large"),
+            (415, "the body is not sent as application/json"),
             (500, "the prefill of a PD request failed"),
-            (503, "the engine is loading or failed"),
+            (503, "the engine is loading or failed, or the server is full (then with Retry-After)"),
         )
     },
 }
@@ -70,14 +74,75 @@ def json_body(model: type[BaseModel]) -> dict[str, Any]:
     }
 
 
-def install_body_schemas(app: FastAPI, models: list[type[BaseModel]]) -> None:
-    """Add `models` (and the models they nest) to the schema's components, for `json_body` refs."""
+# per-prompt list fields of each request model: with more entries than a batch may have prompts,
+# the body is refused (protocol.check_batch_size)
+_BATCH_FIELDS = {
+    "GenerateRequest": GENERATE_BATCH_FIELDS,
+    "CompletionRequest": ("prompt", "bootstrap_host", "bootstrap_port", "bootstrap_room"),
+    "ChatCompletionRequest": ("bootstrap_host", "bootstrap_port", "bootstrap_room"),
+}
+
+
+def _branches(prop: dict[str, Any]) -> list[dict[str, Any]]:
+    return prop.get("anyOf", [prop])
+
+
+def _is_token_list(branch: dict[str, Any]) -> bool:
+    """`[1, 2, 3]`: one prompt of token ids, not a batch."""
+    return branch.get("type") == "array" and branch.get("items", {}).get("type") == "integer"
+
+
+def apply_limits(defs: dict[str, Any], limits: RequestLimits) -> None:
+    """Write the server's caps into the request schemas (maxItems, maxLength), so the schema
+    says what a request may hold and a schema fuzzer tries the far side of each cap."""
+    for name, model in defs.items():
+        props = model.get("properties", {})
+        for branch in _branches(props.get("stop", {})):
+            if branch.get("type") == "string":
+                branch["maxLength"] = limits.max_stop_string_chars
+            elif branch.get("type") == "array":
+                branch["maxItems"] = limits.max_stop_strings
+                branch["items"]["maxLength"] = limits.max_stop_string_chars
+        for branch in _branches(props.get("stop_token_ids", {})):
+            if branch.get("type") == "array":
+                branch["maxItems"] = limits.max_stop_token_ids
+        for field in _BATCH_FIELDS.get(name, ()):
+            for branch in _branches(props.get(field, {})):
+                if branch.get("type") == "array" and not _is_token_list(branch):
+                    branch["maxItems"] = limits.max_prompts_per_request
+
+
+def _require_key(schema: dict[str, Any]) -> None:
+    """Every operation but the open probes needs the bearer key, and may answer 401."""
+    schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    error = {"$ref": REF.format(model=ErrorBody.__name__)}
+    for path, ops in schema.get("paths", {}).items():
+        if path in OPEN_PATHS:
+            continue
+        for op in ops.values():
+            op["security"] = [{"bearer": []}]
+            op.setdefault("responses", {}).setdefault(
+                "401", {"description": "no API key, or a wrong one", "content": {"application/json": {"schema": error}}}
+            )
+
+
+def install_body_schemas(
+    app: FastAPI, models: list[type[BaseModel]], limits: RequestLimits = DEFAULT_LIMITS, key_required: bool = False
+) -> None:
+    """Add `models` (and the models they nest) to the schema's components, for `json_body` refs,
+    with the server's caps written in; `key_required`: the server runs with --api-key."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            _, defs = models_json_schema([(m, "validation") for m in models], ref_template=REF)
-            schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+            # ErrorBody too: the 401 answers _require_key declares refer to it
+            documented: list[type[BaseModel]] = [*models, ErrorBody]
+            _, defs = models_json_schema([(m, "validation") for m in documented], ref_template=REF)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            components.update(defs.get("$defs", {}))
+            apply_limits(components, limits)
+            if key_required:
+                _require_key(schema)
             app.openapi_schema = schema
         return app.openapi_schema
 

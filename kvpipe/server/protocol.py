@@ -14,10 +14,12 @@ from typing import Any, TypeGuard, cast
 
 from pydantic import BaseModel, ConfigDict
 
+from kvpipe.config import RequestLimits
 from kvpipe.engine.request import SamplingParams
 from kvpipe.server.errors import APIError
 
 MAX_SEED = 2**63 - 1
+DEFAULT_LIMITS = RequestLimits()
 
 
 class WireModel(BaseModel):
@@ -102,6 +104,61 @@ class PromptSpec:
     bootstrap: BootstrapInfo | None
 
 
+# /generate's fields that hold one entry per prompt when they are lists
+GENERATE_BATCH_FIELDS = (
+    "text",
+    "input_ids",
+    "sampling_params",
+    "return_logprob",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "rid",
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+)
+
+
+def check_batch_size(body: Any, fields: tuple[str, ...], limits: RequestLimits) -> None:
+    """Refuse a batch of more prompts than --max-prompts-per-request from the parsed JSON, before
+    validation walks it (a 4.8 MB body once held a million prompts). A list of token ids is one
+    prompt, not a batch (`input_ids`, `prompt`): a batch of them is a list of lists."""
+    if not isinstance(body, dict):
+        return  # validation refuses it
+    cap = limits.max_prompts_per_request
+    for name in fields:
+        value = body.get(name)
+        if not isinstance(value, list) or len(value) <= cap:
+            continue
+        if name in ("input_ids", "prompt") and isinstance(value[0], int):
+            continue  # one prompt of token ids: its length is checked against the context
+        raise APIError(
+            f"{name} holds {len(value)} entries: a request may batch at most {cap} prompts (--max-prompts-per-request)",
+            param=name,
+        )
+
+
+def check_stops(stop: tuple[str, ...], stop_ids: tuple[int, ...], limits: RequestLimits) -> None:
+    """The engine searches every stop string after every token: cap their count and length."""
+    if len(stop) > limits.max_stop_strings:
+        raise APIError(
+            f"{len(stop)} stop strings: at most {limits.max_stop_strings} are allowed (--max-stop-strings)",
+            param="stop",
+        )
+    longest = max((len(s) for s in stop), default=0)
+    if longest > limits.max_stop_string_chars:
+        raise APIError(
+            f"a stop string of {longest} characters: at most {limits.max_stop_string_chars} are allowed "
+            "(--max-stop-string-chars)",
+            param="stop",
+        )
+    if len(stop_ids) > limits.max_stop_token_ids:
+        raise APIError(
+            f"{len(stop_ids)} stop_token_ids: at most {limits.max_stop_token_ids} are allowed (--max-stop-token-ids)",
+            param="stop_token_ids",
+        )
+
+
 def new_rid() -> str:
     return uuid.uuid4().hex
 
@@ -171,8 +228,11 @@ def split_generate_request(req: GenerateRequest) -> tuple[list[PromptSpec], bool
     return specs, batched
 
 
-def to_sampling_params(sp: SamplingParamsIn, default_max_new_tokens: int) -> SamplingParams:
-    """Check ranges (SGLang's rules) and build the engine's frozen SamplingParams."""
+def to_sampling_params(
+    sp: SamplingParamsIn, default_max_new_tokens: int, limits: RequestLimits = DEFAULT_LIMITS
+) -> SamplingParams:
+    """Check ranges (SGLang's rules) and the server's caps, and build the engine's frozen
+    SamplingParams."""
     max_new = default_max_new_tokens if sp.max_new_tokens is None else sp.max_new_tokens
     if max_new < 1:
         raise APIError(f"max_new_tokens must be at least 1, got {max_new}", param="max_new_tokens")
@@ -192,6 +252,7 @@ def to_sampling_params(sp: SamplingParamsIn, default_max_new_tokens: int) -> Sam
     if any(s == "" for s in stop):
         raise APIError("stop strings must not be empty", param="stop")
     stop_ids = tuple(sp.stop_token_ids or ())
+    check_stops(stop, stop_ids, limits)
     if any(t < 0 for t in stop_ids):
         raise APIError("stop_token_ids must be non-negative", param="stop_token_ids")
     if sp.seed is not None and not 0 <= sp.seed <= MAX_SEED:

@@ -7,6 +7,7 @@ closer to the CPU's with the same KV dtype than that dtype's own effect (against
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,39 +25,45 @@ PROMPTS = [[5 + (i * 7) % 200 for i in range(n)] for n in (1, 13, 64, 150)]
 KV_TORCH = {"bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
 
 
-def _outputs(model_dir, device: str, prompts: list[list[int]] = PROMPTS, **kw) -> list[Generation]:
-    kv = kw.pop("kv_cache_dtype", "auto")
+def _outputs(
+    model_dir: Path,
+    device: str,
+    prompts: list[list[int]] = PROMPTS,
+    chunk: int = 0,
+    layer_groups: int = 1,
+    kv_cache_dtype: str = "auto",
+) -> list[Generation]:
     cfg = ServerConfig(
         model_path=str(model_dir),
         device=device,
         dtype="float32",  # CUDA's auto is the checkpoint's dtype; the CPU's is fp32
-        cache=CacheConfig(page_size=16, num_pages=128, kv_cache_dtype=kv),
-        scheduler=SchedulerConfig(chunked_prefill_size=kw.pop("chunk", 0)),
+        cache=CacheConfig(page_size=16, num_pages=128, kv_cache_dtype=kv_cache_dtype),
+        scheduler=SchedulerConfig(chunked_prefill_size=chunk),
     )
-    eng = Engine(cfg, **kw)
+    eng = Engine(cfg, layer_groups=layer_groups)
     try:
         assert eng.runner.pool.k[0].device.type == device
-        assert eng.runner.pool.k[0].dtype == KV_TORCH.get(kv, torch.float32)
+        assert eng.runner.pool.k[0].dtype == KV_TORCH.get(kv_cache_dtype, torch.float32)
         return [Generation.of(r) for r in eng.generate(prompts, GREEDY)]
     finally:
         eng.shutdown()
 
 
-def test_cuda_greedy_matches_cpu(tiny_model_dir):
+def test_cuda_greedy_matches_cpu(tiny_model_dir: Path) -> None:
     cpu = _outputs(tiny_model_dir, "cpu")
     assert_same_generations(_outputs(tiny_model_dir, "cuda"), cpu, Route.ACROSS_DEVICES, PROMPTS, "cuda")
     chunked = _outputs(tiny_model_dir, "cuda", chunk=33, layer_groups=2)
     assert_same_generations(chunked, cpu, Route.ACROSS_DEVICES, PROMPTS, "cuda, chunked, 2 layer groups")
 
 
-def test_cuda_outputs_depend_on_the_context(tiny_model_dir):
+def test_cuda_outputs_depend_on_the_context(tiny_model_dir: Path) -> None:
     """The same last token after other earlier tokens changes the device's outputs: the check
     above would see a wrong page (the prompts of 2+ tokens)."""
     ps = PROMPTS[1:]
     assert_context_matters(lambda x: _outputs(tiny_model_dir, "cuda", x), ps, _outputs(tiny_model_dir, "cuda", ps))
 
 
-def test_cuda_pool_exposes_device_addresses(tiny_model_dir):
+def test_cuda_pool_exposes_device_addresses(tiny_model_dir: Path) -> None:
     cfg = dataclasses.replace(
         ServerConfig(model_path=str(tiny_model_dir), device="cuda"), cache=CacheConfig(page_size=16, num_pages=8)
     )
@@ -82,7 +89,7 @@ def _largest_logprob_gap(a: list[Generation], b: list[Generation]) -> float:
 
 
 @pytest.mark.parametrize("kv", ["bfloat16", "fp8_e4m3"])
-def test_cuda_kv_cache_dtype_follows_the_cpu(tiny_model_dir, kv):
+def test_cuda_kv_cache_dtype_follows_the_cpu(tiny_model_dir: Path, kv: str) -> None:
     """The device pool stores `kv` and decodes through it: against the CPU with the same KV dtype
     the logprobs move far less than the dtype itself moves them (CPU `kv` against CPU fp32 KV).
     Exactness is not asked for: the two devices' K/V differ by fp32 roundings, and a value near an

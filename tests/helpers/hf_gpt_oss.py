@@ -3,12 +3,42 @@ top-k-softmax MoE with biased fused experts, yarn RoPE; the parity tests' cases.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, TypedDict
+
 import torch
 import transformers
 
 from tests.helpers.hf_models import VOCAB
 
-YARN = {
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's from Python 3.11
+
+
+class GptOssKwargs(TypedDict, total=False):
+    """The GptOssConfig keyword arguments the tiny checkpoints set (typed, so mypy checks them
+    against the config's fields)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    head_dim: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    num_hidden_layers: int
+    num_local_experts: int
+    num_experts_per_tok: int
+    max_position_embeddings: int
+    rope_parameters: dict[str, object]
+    initializer_range: float
+    sliding_window: int
+    layer_types: list[str]
+    attention_bias: bool
+    bos_token_id: int | None
+    eos_token_id: int | None
+    pad_token_id: int | None
+
+
+YARN: dict[str, object] = {
     "rope_type": "yarn",
     "rope_theta": 150000.0,
     "factor": 4.0,
@@ -17,11 +47,11 @@ YARN = {
     "truncate": False,
     "original_max_position_embeddings": 64,
 }
-CASES = {
+CASES: dict[str, GptOssKwargs] = {
     # HF's default pattern (sliding, full, ...), window 8, GQA, biases on q/k/v/o
-    "alternating_gqa": dict(num_hidden_layers=4, num_key_value_heads=2, sliding_window=8),
+    "alternating_gqa": GptOssKwargs(num_hidden_layers=4, num_key_value_heads=2, sliding_window=8),
     # full first, then two sliding layers of window 5; MHA, no attention biases, top-3 routing
-    "custom_layers_mha": dict(
+    "custom_layers_mha": GptOssKwargs(
         num_hidden_layers=3,
         num_key_value_heads=4,
         sliding_window=5,
@@ -32,8 +62,8 @@ CASES = {
 }
 
 
-def hf_gpt_oss(seed: int = 0, **overrides):
-    kw = dict(
+def hf_gpt_oss(seed: int = 0, **overrides: Unpack[GptOssKwargs]) -> transformers.GptOssForCausalLM:
+    kw = GptOssKwargs(
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=32,

@@ -3,6 +3,8 @@ model through the paged KV pool and a StatePool like the engine does."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, TypedDict
+
 import torch
 import transformers
 
@@ -13,23 +15,69 @@ from kvpipe.model.forward_batch import ForwardBatch
 from tests.helpers.hf_models import VOCAB
 from tests.helpers.paged_model import all_logits
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's from Python 3.11
+
 L, F = "linear_attention", "full_attention"
 
 
-def hf_qwen3_5(seed: int = 0, **overrides) -> transformers.Qwen3_5ForCausalLM:
+class HybridKwargs(TypedDict, total=False):
+    """The keyword arguments of Qwen3.5's text configs (dense and MoE) the tiny checkpoints set
+    (typed, so mypy checks them against the configs' fields)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    layer_types: list[str]
+    max_position_embeddings: int
+    initializer_range: float
+    tie_word_embeddings: bool
+    attention_bias: bool
+    rope_parameters: dict[str, object]
+    bos_token_id: int | None
+    eos_token_id: int | None
+    pad_token_id: int | None
+
+
+class Qwen3_5Kwargs(HybridKwargs, total=False):
+    """Qwen3_5TextConfig's: a dense MLP."""
+
+    intermediate_size: int
+
+
+class Qwen3_5MoeKwargs(HybridKwargs, total=False):
+    """Qwen3_5MoeTextConfig's: the sparse MLP and its shared expert."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+
+
+def hf_qwen3_5(seed: int = 0, **overrides: Unpack[Qwen3_5Kwargs]) -> transformers.Qwen3_5ForCausalLM:
     """A random tiny Qwen3.5 text model: GQA in both attention kinds (2 value heads per key head in
     the delta-net), partial RoPE, random norm weights and dt_bias (HF inits them to constants,
     which would hide a wrong (1 + w) or a missing bias)."""
-    kw = dict(_TINY, intermediate_size=96)
+    kw = Qwen3_5Kwargs(**_TINY, intermediate_size=96)
     kw.update(overrides)
     torch.manual_seed(seed)
     return _randomize(transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**kw)).eval())
 
 
-def hf_qwen3_5_moe(seed: int = 0, **overrides) -> transformers.Qwen3_5MoeForCausalLM:
+def hf_qwen3_5_moe(seed: int = 0, **overrides: Unpack[Qwen3_5MoeKwargs]) -> transformers.Qwen3_5MoeForCausalLM:
     """hf_qwen3_5's model with Qwen3.5-MoE's MLP in every layer: 8 experts of 24, top 3, and a
     shared expert of 40 behind its sigmoid gate."""
-    kw = dict(_TINY, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=24, shared_expert_intermediate_size=40)
+    kw = Qwen3_5MoeKwargs(
+        **_TINY, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=24, shared_expert_intermediate_size=40
+    )
     kw.update(overrides)
     torch.manual_seed(seed)
     model = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**kw)).eval()
@@ -39,7 +87,7 @@ def hf_qwen3_5_moe(seed: int = 0, **overrides) -> transformers.Qwen3_5MoeForCaus
     return _randomize(model)
 
 
-_TINY = dict(
+_TINY = HybridKwargs(
     vocab_size=VOCAB,
     hidden_size=64,
     num_hidden_layers=4,

@@ -5,18 +5,24 @@ starts goes on its ExitStack (the `stack` fixture of tests/integration/conftest.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 import pytest
 import torch
 
 from kvpipe.cache.kv_pool import KVPool
-from kvpipe.config import DisaggregationConfig, TransferTuning
+from kvpipe.config import DisaggregationConfig, FaultInjection, TransferTuning
+from kvpipe.transfer.backends.base import TransferBackend
 from kvpipe.transfer.backends.local import LocalBackend, LocalFabric
+from kvpipe.transfer.control.auth import authenticator
 from kvpipe.transfer.control.bootstrap import BootstrapServer
-from kvpipe.transfer.control.messages import DecodeRank
+from kvpipe.transfer.control.messages import AuxData, DecodeRank
+from kvpipe.transfer.lifecycle import Clock, TransferState
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.planning.tp_mapping import kv_head_range
 from kvpipe.transfer.receiver.kv_receiver import KVReceiver
@@ -34,8 +40,12 @@ CFG = DisaggregationConfig(
     tuning=TransferTuning(http_timeout_s=1.0),
 )
 
+T = TypeVar("T")
+# one poll() entry: a KVSender's (room, state, reason) or a KVReceiver's, with the prefill's aux data
+Entry = tuple[int, TransferState, str] | tuple[int, TransferState, str, AuxData | None]
 
-def wait_for(fn, timeout: float = 10.0, what: str = "condition"):
+
+def wait_for(fn: Callable[[], T | None], timeout: float = 10.0, what: str = "condition") -> T:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         got = fn()
@@ -48,28 +58,32 @@ def wait_for(fn, timeout: float = 10.0, what: str = "condition"):
 class Results:
     """Collects poll() output of one manager; `get(room)` waits for that room."""
 
-    def __init__(self, mgr) -> None:
-        self.mgr, self.seen = mgr, {}
+    def __init__(self, mgr: KVSender | KVReceiver) -> None:
+        self.mgr = mgr
+        self.seen: dict[int, Entry] = {}
 
-    def _pull(self):
+    def _pull(self) -> dict[int, Entry]:
         for entry in self.mgr.poll():
             assert entry[0] not in self.seen, f"room {entry[0]} reported twice"
             self.seen[entry[0]] = entry
         return self.seen
 
-    def get(self, room: int, timeout: float = 10.0):
-        return wait_for(lambda: self._pull().get(room), timeout, f"room {room}")
+    def get(self, room: int, timeout: float = 10.0) -> Entry:
+        wait_for(lambda: room in self._pull(), timeout, f"room {room}")
+        return self.seen[room]
 
     def absent(self, room: int) -> bool:
         return room not in self._pull()
 
 
-def make_backend(kind: str, fabric: LocalFabric, stack, inject=None):
+def make_backend(
+    kind: str, fabric: LocalFabric, stack: contextlib.ExitStack, inject: FaultInjection | None = None
+) -> TransferBackend:
     if kind == "mooncake":
         pytest.importorskip("mooncake.engine")
         from kvpipe.transfer.backends.mooncake import MooncakeBackend
 
-        backend = MooncakeBackend("127.0.0.1", inject=inject)
+        backend: TransferBackend = MooncakeBackend("127.0.0.1", inject=inject)
     else:
         backend = LocalBackend(fabric, inject=inject)
     stack.callback(backend.close)
@@ -90,7 +104,7 @@ def truth(seed: int = 0, latent: bool = False, dtype: torch.dtype = torch.float3
 
 def rank_pool(
     tp: int, rank: int, data: list[torch.Tensor] | None, latent: bool = False, dtype: torch.dtype = torch.float32
-):
+) -> tuple[KVPool, KVLayout]:
     heads = 1 if latent else H  # the latent is one head that every rank holds whole
     h0, h1 = kv_head_range(tp, rank, heads)
     pool = KVPool(L, PAGES, PS, h1 - h0, LATENT_DIM if latent else HD, dtype, latent=latent)
@@ -100,8 +114,23 @@ def rank_pool(
     return pool, KVLayout.from_pool(pool, head_start=h0, total_kv_heads=heads)
 
 
-def register(backend, layout: KVLayout) -> None:
+def register(backend: TransferBackend, layout: KVLayout) -> None:
     backend.register_many(list(layout.buffer_addrs), [layout.buffer_nbytes] * layout.num_buffers)
+
+
+class RigSender(KVSender):
+    """A KVSender that holds its rank's pool: the memory it registered by address lives as long
+    as the sender (the stack closes it)."""
+
+    pool: KVPool
+
+
+class RigReceiver(KVReceiver):
+    """A KVReceiver that holds what its tests check: each decode rank's pool (and staging agent,
+    where it offers staging). Like RigSender's, the pools live as long as the receiver."""
+
+    pools: list[KVPool]
+    agents: list[StagingAgent]
 
 
 @dataclasses.dataclass
@@ -116,30 +145,32 @@ class Prefill:
 
 
 def start_prefill(
-    stack,
-    kind="local",
-    fabric=None,
-    tp=1,
-    cfg=CFG,
-    server=None,
-    instance="p0",
-    seed=0,
-    inject=None,
-    latent=False,
-    on_news=None,
-    dtype=torch.float32,
-):
+    stack: contextlib.ExitStack,
+    kind: str = "local",
+    fabric: LocalFabric | None = None,
+    tp: int = 1,
+    cfg: DisaggregationConfig = CFG,
+    server: BootstrapServer | None = None,
+    instance: str = "p0",
+    seed: int = 0,
+    inject: FaultInjection | None = None,
+    latent: bool = False,
+    on_news: Callable[[], None] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Prefill:
     """cfg.staging other than "off": each rank gets a local staging buffer of cfg.staging_pool_nbytes."""
     fabric = fabric or LocalFabric()
     if server is None:
-        server = stack.enter_context(BootstrapServer("127.0.0.1", 0))
-    data, senders = truth(seed, latent, dtype), []
+        # the bootstrap signs its answers with the same token (a decode with one refuses unsigned answers)
+        server = stack.enter_context(BootstrapServer("127.0.0.1", 0, auth=authenticator(cfg.auth_token)))
+    data = truth(seed, latent, dtype)
+    senders: list[KVSender] = []
     for rank in range(tp):
         pool, layout = rank_pool(tp, rank, data, latent, dtype)
         backend = make_backend(kind, fabric, stack, inject)
         register(backend, layout)
         buf = None if cfg.staging == "off" else StagingBuffer(KVBytes.from_pool(pool), backend, cfg.staging_pool_nbytes)
-        s = KVSender(
+        s = RigSender(
             cfg,
             layout=layout,
             backend=backend,
@@ -157,20 +188,22 @@ def start_prefill(
 
 
 def start_decode(
-    stack,
-    kind="local",
-    fabric=None,
-    tp=1,
-    cfg=CFG,
-    clock=time.monotonic,
-    model="m",
+    stack: contextlib.ExitStack,
+    kind: str = "local",
+    fabric: LocalFabric | None = None,
+    tp: int = 1,
+    cfg: DisaggregationConfig = CFG,
+    clock: Clock = time.monotonic,
+    model: str = "m",
     staging_nbytes: int | None = None,
-    latent=False,
-    dtype=torch.float32,
-):
+    latent: bool = False,
+    dtype: torch.dtype = torch.float32,
+) -> RigReceiver:
     """staging_nbytes: every rank offers a staging ring of that size (recv.agents)."""
     fabric = fabric or LocalFabric()
-    pools, ranks, agents = [], [], []
+    pools: list[KVPool] = []
+    ranks: list[DecodeRank] = []
+    agents: list[StagingAgent] = []
     for rank in range(tp):
         pool, layout = rank_pool(tp, rank, None, latent, dtype)
         backend = make_backend(kind, fabric, stack)
@@ -191,13 +224,14 @@ def start_decode(
             agents.append(agent)
             info = agent.info
         ranks.append(DecodeRank(layout, backend.address, info))
-    recv = KVReceiver(cfg, ranks=ranks, model_name=model, clock=clock)
+    recv = RigReceiver(cfg, ranks=ranks, model_name=model, clock=clock)
     recv.pools, recv.agents = pools, agents
     stack.callback(recv.close)
-    return recv.start()
+    recv.start()
+    return recv
 
 
-def assert_moved(prefill: Prefill, recv: KVReceiver, src: np.ndarray, dst: np.ndarray, untouched: np.ndarray):
+def assert_moved(prefill: Prefill, recv: RigReceiver, src: np.ndarray, dst: np.ndarray, untouched: np.ndarray) -> None:
     """Decode pages `dst` hold prefill pages `src` for every decode rank's heads; `untouched` stay zero."""
     for rank, pool in enumerate(recv.pools):
         h0, h1 = kv_head_range(len(recv.pools), rank, 1 if pool.latent else H)

@@ -5,6 +5,7 @@ block's whole tensors, each sliced by its TP shard as the loader does."""
 from __future__ import annotations
 
 import json
+from typing import TypedDict
 
 import torch
 import transformers
@@ -27,15 +28,40 @@ COMMON = dict(
     vocab_size=64,
     initializer_range=0.1,
 )
+
+
+class MoeKwargs(TypedDict, total=False):
+    """The MoE keyword arguments of the cases' HF configs (Qwen3MoeConfig, MiniMaxM2Config,
+    DeepseekV3Config; each case sets only its family's)."""
+
+    num_experts: int
+    num_local_experts: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    n_group: int
+    topk_group: int
+    n_shared_experts: int
+    routed_scaling_factor: float
+    first_k_dense_replace: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+
 # family -> HF config keyword arguments; sizes split over TP 4
-HF_CONFIGS = {
-    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96),
-    "qwen3_moe_renorm": dict(
+HF_CONFIGS: dict[str, MoeKwargs] = {
+    "qwen3_moe": MoeKwargs(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96),
+    "qwen3_moe_renorm": MoeKwargs(
         num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, intermediate_size=96, norm_topk_prob=True
     ),
-    "minimax_m2": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
+    "minimax_m2": MoeKwargs(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
     # 16 experts in 4 groups of 4, the best 2 groups per token, 4 experts from them, 2 shared experts
-    "deepseek_v3": dict(
+    "deepseek_v3": MoeKwargs(
         n_routed_experts=16,
         num_experts_per_tok=4,
         moe_intermediate_size=16,
@@ -61,7 +87,7 @@ def family_of(case: str) -> str:
     return next(f for f in ARCHS if case.startswith(f))
 
 
-def hf_config(case: str):
+def hf_config(case: str) -> transformers.PreTrainedConfig:
     cls = {
         "qwen3_moe": transformers.Qwen3MoeConfig,
         "minimax_m2": transformers.MiniMaxM2Config,
@@ -70,13 +96,13 @@ def hf_config(case: str):
     return cls(**COMMON, **HF_CONFIGS[case])
 
 
-def our_config(hf_cfg, case: str) -> ModelConfig:
+def our_config(hf_cfg: transformers.PreTrainedConfig, case: str) -> ModelConfig:
     raw = hf_cfg.to_dict() | {"architectures": [ARCHS[family_of(case)]]}
     return ModelConfig.from_hf_dict(json.loads(json.dumps(raw)))  # as read from a config.json
 
 
 @torch.no_grad()
-def hf_block(case: str, seed: int = 0):
+def hf_block(case: str, seed: int = 0) -> tuple[transformers.PreTrainedConfig, torch.nn.Module]:
     """HF's sparse MoE block of `case` with random weights and a random correction bias."""
     cfg = hf_config(case)
     cls = {

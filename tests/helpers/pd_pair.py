@@ -75,7 +75,9 @@ class Pair:
     @property
     def sender(self):
         """Rank 0's KVSender (in its TransferWorker)."""
-        return self.prefill_connector.local_worker.sender
+        worker = self.prefill_connector.local_worker
+        assert worker is not None  # prefill_connector asserts it: rank 0 runs in-process
+        return worker.sender
 
     @property
     def pipeline(self):
@@ -83,7 +85,9 @@ class Pair:
 
     @property
     def layout(self):
-        return self.prefill_connector.local_worker.layout
+        worker = self.prefill_connector.local_worker
+        assert worker is not None
+        return worker.layout
 
     @property
     def receiver(self):
@@ -271,8 +275,8 @@ Reference = Callable[..., Generation]  # (prompt ids, params=GREEDY) -> the colo
 def colocated_greedy(model_dir: Path, kv_cache_dtype: str = "auto") -> Iterator[Reference]:
     """Generator of a memoized greedy reference (the colocated engine, no prefix cache; tokens and
     logprobs of each prompt run alone) for a fixture."""
-    cache = CacheConfig(page_size=PS, num_pages=256, radix_cache=False, kv_cache_dtype=kv_cache_dtype)
-    eng = Engine(ServerConfig(model_path=str(model_dir), cache=cache))
+    pool = CacheConfig(page_size=PS, num_pages=256, radix_cache=False, kv_cache_dtype=kv_cache_dtype)
+    eng = Engine(ServerConfig(model_path=str(model_dir), cache=pool))
     cache: dict[tuple, Generation] = {}
 
     def ref(ids: list[int], params: SamplingParams = GREEDY) -> Generation:

@@ -87,7 +87,7 @@ def expected_bytes(
     full_pages = sum(-(-n // page_size) for n in lengths)
     window_pages = (
         sum(end - first for first, end in (prompt_window_pages(n, mc.sliding_window, page_size) for n in lengths))
-        if sliding
+        if sliding and mc.sliding_window is not None  # the one implies the other (ModelConfig.window)
         else 0
     )
     layer_pages = full_pages * (len(mc.kv_layers) - len(sliding)) + window_pages * len(sliding)

@@ -108,7 +108,9 @@ def generate(url: str, body: dict[str, Any], timeout_s: float = 120.0) -> dict[s
         for ev in sse_events(r.iter_lines()):
             events.append(ev)
     assert events and events[-1] == "[DONE]", events[-3:]
-    final = dict(events[-2])
+    last = events[-2]
+    assert isinstance(last, dict), events[-3:]  # the final chunk, not a second "[DONE]"
+    final = dict(last)
     final["num_events"] = len(events) - 1
     return final
 

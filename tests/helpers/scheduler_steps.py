@@ -1,21 +1,21 @@
 """Drive a Scheduler without a model: requests of counted tokens, one engine step with a fake
 model (token = seq_len), page bookkeeping checked after every step, and draining until idle.
-A test's scheduler carries `hold_on_finish` (step()'s knob: keep a finished request's pages
-until release())."""
+`hold`: keep a finished request's pages until release() (Scheduler.finish's knob)."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from kvpipe.engine.batch import ScheduledBatch
 from kvpipe.engine.request import FinishReason, Req, SamplingParams
 from kvpipe.engine.scheduler import Scheduler
 
 
-def req(rid, n, max_new=4):
+def req(rid: str, n: int, max_new: int = 4) -> Req:
     return Req(rid, list(range(1, n + 1)), SamplingParams(max_new_tokens=max_new))
 
 
-def step(s: Scheduler):
+def step(s: Scheduler, hold: bool = False) -> ScheduledBatch | None:
     """One engine step with a fake model: token = seq_len; finish at max_new_tokens."""
     b = s.schedule()
     if b is None:
@@ -25,11 +25,11 @@ def step(s: Scheduler):
     s.commit(b, toks, [0.0 if t is not None else None for t in toks])
     for r, t in zip(b.reqs, toks):
         if t is not None and len(r.output_ids) >= r.params.max_new_tokens:
-            s.finish(r, FinishReason.LENGTH, hold=s.hold_on_finish)
+            s.finish(r, FinishReason.LENGTH, hold=hold)
     return b
 
 
-def check_pages(s: Scheduler, b):
+def check_pages(s: Scheduler, b: ScheduledBatch) -> None:
     """Every row has pages for exactly the tokens it holds after this step; no page shared."""
     for r, pre, n in zip(b.reqs, b.prefix_lens, b.extend_lens):
         tokens = max(pre + n, len(r.input_ids)) if s.whole_prompt_pages else pre + n
@@ -43,10 +43,10 @@ def check_pages(s: Scheduler, b):
     s.allocator.check_owned(allp.astype(np.int64))
 
 
-def drain(s: Scheduler, limit=10_000):
-    batches = []
+def drain(s: Scheduler, limit: int = 10_000, hold: bool = False) -> list[ScheduledBatch]:
+    batches: list[ScheduledBatch] = []
     for _ in range(limit):
-        b = step(s)
+        b = step(s, hold)
         if b is None:
             return batches
         batches.append(b)

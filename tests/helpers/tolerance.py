@@ -61,10 +61,14 @@ SAME_BINARY_TP_GAIN = 1.0
 
 
 class ModelShape(Protocol):
-    """What the bound needs of a model's configuration (kvpipe's ModelConfig has both)."""
+    """What the bound needs of a model's configuration (kvpipe's ModelConfig has both). Read-only
+    properties, so frozen dataclasses match."""
 
-    num_layers: int
-    hidden_size: int
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def hidden_size(self) -> int: ...
 
 
 def logit_atol(
@@ -185,11 +189,11 @@ def generation_difference(actual: Generation, expected: Generation, atol: float)
     than atol), in words; None when they agree."""
     if len(actual.logprobs) != len(actual.tokens):
         return f"{len(actual.logprobs)} logprobs for {len(actual.tokens)} tokens"
-    for pos, (a, e) in enumerate(zip(actual.tokens, expected.tokens)):
-        if a != e:
+    for pos, (tok, want) in enumerate(zip(actual.tokens, expected.tokens)):
+        if tok != want:
             before = max([abs(x - y) for x, y in zip(actual.logprobs[:pos], expected.logprobs[:pos])], default=0.0)
             return (
-                f"token at output position {pos} is {a} (logprob {actual.logprobs[pos]:.5g}), expected {e} "
+                f"token at output position {pos} is {tok} (logprob {actual.logprobs[pos]:.5g}), expected {want} "
                 f"({expected.logprobs[pos]:.5g}); the logprobs before it differ by up to {before:.3g}"
             )
     if len(actual.tokens) != len(expected.tokens):

@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from kvpipe.transfer.control import messages as m
-from kvpipe.transfer.control.auth import HTTP_HEADER, Authenticator
+from kvpipe.transfer.control.auth import HTTP_HEADER, Authenticator, http_context
 from kvpipe.transfer.control.bootstrap import BootstrapError, BootstrapServer, fetch_prefill_info, register_prefill_rank
 from kvpipe.transfer.control.endpoint import ControlEndpoint
 from tests.helpers.bootstrap_info import rank_info
@@ -71,7 +71,8 @@ def test_bootstrap_with_a_token_rejects_forged_registrations_and_lookups() -> No
             fetch_prefill_info("127.0.0.1", srv.port)
         # a captured tag does not carry over to another body, nor work twice
         body = httpx.Request("PUT", srv.url, json=rank_info(0).to_dict()).content
-        header = auth.sign_http("PUT", "/v1/prefill/ranks/0", body)
+        ctx = http_context("PUT", f"127.0.0.1:{srv.port}", "/v1/prefill/ranks/0", srv.instance)
+        header = auth.sign_http(ctx, body)
         forged_body = httpx.Request("PUT", srv.url, json=forged.to_dict()).content
         statuses = [
             httpx.put(

@@ -127,7 +127,7 @@ def test_aborts_free_slots_and_leave_others_intact(model_dir, reference):
         eng.shutdown()
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_tp_matches_hf(model_dir, reference, tp):
     eng = make_engine(model_dir, chunk=33, tp=tp)
     try:

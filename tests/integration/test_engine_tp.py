@@ -50,7 +50,8 @@ def reference(tiny_model_dir):
         eng.shutdown()
 
 
-@pytest.mark.parametrize("tp", [2, 4])  # tiny has 2 KV heads: tp 4 replicates them
+# tiny has 2 KV heads: tp 4 replicates them (the full sweep; PD replicates them in test_pd_tp)
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_tp_matches_tp1(tiny_model_dir, reference, tp):
     eng = make_engine(tiny_model_dir, tp=tp, chunk=33)
     pids = [p.pid for p in eng._tp._procs]

@@ -58,7 +58,7 @@ MODELS = {
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("family,world", [("dense", 2), ("dense", 4), ("moe", 2)])
+@pytest.mark.parametrize("family,world", [("dense", 2), pytest.param("dense", 4, marks=pytest.mark.slow), ("moe", 2)])
 def test_tp_matches_tp1(family, world, tmp_path):
     model_dir = str(save(MODELS[family](), tmp_path / "model"))
     ranks = run_ranks(_run, world, tmp_path, model_dir)

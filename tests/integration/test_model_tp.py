@@ -95,7 +95,7 @@ def test_tp_matches_tp1(world, model_dirs, tmp_path):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_gpt_oss_tp_matches_tp1(world, tmp_path):
     """Heads, KV heads (replicated at tp 4), sinks and experts' intermediate dim sliced; greedy
     tokens and logits of tp=1 (the dense models' harness: 13-token prompt in chunks of 5, decode
@@ -137,7 +137,7 @@ def mla_model_dirs(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_mla_tp_matches_tp1(world, mla_model_dirs, tmp_path):
     """Heads split over 2 and 4 ranks: the logits and greedy tokens of tp=1, and every rank caches
     the whole latent (the one replicated "head")."""
@@ -164,7 +164,7 @@ def _moe_block_output(parallel: ParallelConfig, case: str) -> torch.Tensor:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_deepseek_sparse_moe_tp_matches_tp1(world, tmp_path):
     """DeepSeek-V3's block under TP: routed and shared experts sliced, one all-reduce."""
     ranks = run_ranks(_moe_block_output, world, tmp_path, "deepseek_v3")

@@ -49,6 +49,10 @@ HYBRID_LENGTHS = MANY_LENGTHS
 # norm, is TP-tested in test_model_moe.py): the two share the pairings, to keep make test short
 GQA_MOE = {"tiny-qwen3-moe": [(1, 2, 2), (2, 4, 2)], "tiny-minimax-m2": [(2, 1, 1)]}
 CASES = [(f, pairing) for f in FAMILIES for pairing in GQA_MOE.get(f, PAIRINGS)]
+# `make test` runs each family's heterogeneous directions once; decode TP 4 (2 -> 4) and the
+# same-TP hybrid pairings are the full sweep (`make test-full`)
+SLOW_CASES = {("tiny-qwen3-moe", (2, 4, 2)), ("tiny-deepseek-v3", (2, 4, 2))}
+SLOW_HYBRID = {(1, 1, 1), (2, 2, 2)}
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +75,11 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list]:
     return model_dir, colocated_reference(model_dir, prompts(HYBRID_LENGTHS), NEW, PS)
 
 
-@pytest.mark.parametrize("name,pairing", CASES, ids=[f"{f}-{p}-{d}-{g}" for f, (p, d, g) in CASES])
+@pytest.mark.parametrize(
+    "name,pairing",
+    [pytest.param(*c, marks=[pytest.mark.slow] if c in SLOW_CASES else []) for c in CASES],
+    ids=[f"{f}-{p}-{d}-{g}" for f, (p, d, g) in CASES],
+)
 def test_pd_family_matches_colocated(
     family: Callable[[str], tuple[Path, list]], tmp_path: Path, name: str, pairing: tuple[int, int, int]
 ) -> None:
@@ -97,7 +105,10 @@ def test_pd_kv_cache_dtype_matches_colocated(
     run_router_pd((model_dir, reference), tmp_path, WHOLE_PROMPTS, *pairing, LENGTHS, NEW, PS, kv)
 
 
-@pytest.mark.parametrize("p_tp,d_tp,groups", HYBRID_PAIRINGS)
+@pytest.mark.parametrize(
+    "p_tp,d_tp,groups",
+    [pytest.param(*p, marks=[pytest.mark.slow] if p in SLOW_HYBRID else []) for p in HYBRID_PAIRINGS],
+)
 def test_pd_hybrid_matches_colocated(
     hybrid: tuple[Path, list], tmp_path: Path, p_tp: int, d_tp: int, groups: int
 ) -> None:

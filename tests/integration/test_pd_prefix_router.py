@@ -40,7 +40,7 @@ def reference(tiny_model_dir: Path) -> list[Generation]:
     return [Generation.of(o) for o in outs]
 
 
-@pytest.mark.parametrize("p_tp,d_tp,groups", [(1, 2, 2), (2, 1, 1)])
+@pytest.mark.parametrize("p_tp,d_tp,groups", [(1, 2, 2), pytest.param(2, 1, 1, marks=pytest.mark.slow)])
 def test_cached_prefixes_through_router(
     tiny_model_dir: Path, tmp_path: Path, reference, p_tp: int, d_tp: int, groups: int
 ) -> None:

@@ -33,7 +33,13 @@ FLAGS = [
     "--disaggregation-transfer-timeout",
     "3",
 ]
-PAIRINGS = [(1, 1, 1), (1, 1, 2), (1, 2, 2), (2, 1, 1)]  # (prefill TP, decode TP, layer groups)
+# (prefill TP, decode TP, layer groups); `make test` runs one same-TP and one heterogeneous pairing
+PAIRINGS = [
+    pytest.param(1, 1, 1, marks=pytest.mark.slow),
+    (1, 1, 2),
+    pytest.param(1, 2, 2, marks=pytest.mark.slow),
+    (2, 1, 1),
+]
 
 
 @pytest.fixture(scope="module")

@@ -65,6 +65,7 @@ PD_FLAGS = [
     "5",
 ]
 PAIRINGS = [(1, 1), (1, 3), (3, 1)]
+SLOW_PAIRINGS = {(1, 3)}  # the full sweep (`make test-full`); 1P1D and 3P1D run in `make test`
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,13 @@ def test_reference_answers_are_real_text(reference: list[Answer], tp_logprob_tol
             assert max(abs(x - y) for x, y in zip(a.logprobs, group[0].logprobs)) <= tp_logprob_tol, group
 
 
-@pytest.mark.parametrize("p_tp,d_tp", PAIRINGS, ids=[f"{p}P{d}D" for p, d in PAIRINGS])
+@pytest.mark.parametrize(
+    "p_tp,d_tp",
+    [
+        pytest.param(p, d, id=f"{p}P{d}D", marks=[pytest.mark.slow] if (p, d) in SLOW_PAIRINGS else [])
+        for p, d in PAIRINGS
+    ],
+)
 def test_pd_router_matches_colocated(
     model: Path,
     tok: Tokenizer,

@@ -58,8 +58,9 @@ def check_parity(stack: Stack, model_dir: Path, reference, p_tp: int, d_tp: int,
     "p_tp,d_tp,chunk,groups",
     [
         (1, 2, 64, 2),
-        (2, 2, 0, 1),  # plain path, unchunked
-        (1, 4, 48, 2),  # replicated heads on decode: prefill writes each head twice
+        pytest.param(2, 2, 0, 1, marks=pytest.mark.slow),  # plain path, unchunked
+        # replicated heads on decode: prefill writes each head twice
+        pytest.param(1, 4, 48, 2, marks=pytest.mark.slow),
         (4, 1, 64, 2),  # replicated heads on prefill: only one of each pair sends
     ],
 )

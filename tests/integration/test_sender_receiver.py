@@ -188,6 +188,7 @@ def test_decode_abort_keeps_pages_until_prefill_acknowledges(stack):
     recv.add_room(2, "127.0.0.1", server.port, [6, 7], prefix_len=0)
     kinds = [type(x).__name__ for x in receive(3)]
     assert kinds == ["RegisterPeer", "TransferRequest", "TransferRequest"]
+    session = got[1].session_id  # the decode's session with instance "fake"; we answer as its rank 0
     recv.abort(1, "client disconnected")
     recv.abort(2, "client disconnected")
     aborts = [x for x in receive(5)[3:] if isinstance(x, m.Abort)]
@@ -198,12 +199,12 @@ def test_decode_abort_keeps_pages_until_prefill_acknowledges(stack):
     push = ctx.socket(zmq.PUSH)
     stack.callback(push.close, 0)
     push.connect(recv.control_address)
-    push.send(m.encode(m.TransferStatus(1, recv.sessions[0], m.WireState.FAILED, "aborted")))
+    push.send(m.encode(m.TransferStatus(1, session, m.WireState.FAILED, "aborted", sender="fake/0")))
     assert res.get(1, timeout=5)[1:3] == (F, "client disconnected")
     assert res.absent(2)
     now[0] += 2.01  # no acknowledgement for room 2: released when the transfer deadline passed
     assert res.get(2, timeout=5)[1] is F
-    push.send(m.encode(m.TransferStatus(2, recv.sessions[0], m.WireState.FAILED, "late")))
+    push.send(m.encode(m.TransferStatus(2, session, m.WireState.FAILED, "late", sender="fake/0")))
     wait_for(lambda: recv.stats.rejected_messages >= 1, 5, "late status rejected")
 
 
@@ -267,8 +268,10 @@ def test_malformed_and_invalid_messages_are_dropped(stack):
     for frame in bad * 2:
         push.send(frame)
     wait_for(lambda: sender._endpoint.stats.received + recv._endpoint.stats.received >= 10, 5, "frames")
-    assert sender._endpoint.stats.malformed + recv._endpoint.stats.malformed == 6
-    assert sender.stats.rejected_messages + recv.stats.rejected_messages == 4
+    # each frame reaches each endpoint once: 3 garbage frames x 2, plus the TransferRequest at the
+    # decode, whose limits (the messages a decode receives) have no room for its fields and pages
+    assert sender._endpoint.stats.malformed + recv._endpoint.stats.malformed == 7
+    assert sender.stats.rejected_messages + recv.stats.rejected_messages == 3
     sender.add_room(4, SRC)
     recv.add_room(4, "127.0.0.1", prefill.port, np.arange(6), prefix_len=0)
     sender.send(4, 0, 22, last=True, aux=(5, -0.1))

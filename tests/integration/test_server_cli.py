@@ -136,13 +136,25 @@ def _bad_gguf(tmp_path: Path, case: str) -> tuple[Path, str]:
     return write_gguf(path, "llama", Q.TQ1_0).path, "unsupported tensor types"
 
 
-@pytest.mark.parametrize("case", ["truncated", "architecture", "quant type"])
-def test_bad_gguf_is_one_error_line_from_each_command(tmp_path: Path, case: str) -> None:
+BAD_GGUF_CASES = ["truncated", "architecture", "quant type"]
+COMMANDS = {"generate": ("--prompt", "x"), "serve": ("--port", "1"), "launch": ("--port", "1")}
+
+
+@pytest.mark.parametrize(
+    "case,command",
+    [
+        # `make test` pairs each case with one command (each command and each case once); every
+        # other pairing is the full sweep (`make test-full`)
+        pytest.param(case, cmd, marks=[] if i == j else [pytest.mark.slow])
+        for i, case in enumerate(BAD_GGUF_CASES)
+        for j, cmd in enumerate(COMMANDS)
+    ],
+)
+def test_bad_gguf_is_one_error_line_from_each_command(tmp_path: Path, case: str, command: str) -> None:
     """serve, generate and launch refuse it before anything starts: exit 1, the reason on one line,
     no traceback (the engine thread would log one)."""
     path, words = _bad_gguf(tmp_path, case)
-    for cmd in (("generate", "--prompt", "x"), ("serve", "--port", "1"), ("launch", "--port", "1")):
-        r = _run(cmd[0], "--model-path", str(path), *cmd[1:])
-        lines = r.stderr.strip().splitlines()
-        assert r.returncode == 1 and "Traceback" not in r.stderr, (cmd, r.stderr)
-        assert len([line for line in lines if str(path) in line]) == 1 and words in lines[-1], (cmd, r.stderr)
+    r = _run(command, "--model-path", str(path), *COMMANDS[command])
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and "Traceback" not in r.stderr, (command, r.stderr)
+    assert len([line for line in lines if str(path) in line]) == 1 and words in lines[-1], (command, r.stderr)

@@ -21,7 +21,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpipe.config import CacheConfig, SchedulerConfig, ServerConfig
+from kvpipe.config import CacheConfig, RequestLimits, SchedulerConfig, ServerConfig
 from kvpipe.server.http_server import create_app
 
 # schemathesis comes with the `test` extra: without it this module is skipped, not failed, so
@@ -42,6 +42,9 @@ BODY_ROUTES = ["/generate", "/v1/completions", "/v1/chat/completions", "/abort_r
 MAX_EXAMPLES = {"/generate": 50, "/v1/completions": 40, "/v1/chat/completions": 40, "/abort_request": 15}
 # every answer is declared: its status, its content type and, where given, its JSON schema
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+# the request caps, small so the wire schema's negative cases (which /openapi.json spells as
+# maxItems/maxLength) reach past each of them
+CAPS = RequestLimits(max_prompts_per_request=4, max_stop_strings=3, max_stop_string_chars=8, max_stop_token_ids=4)
 
 
 def _servable_bodies(vocab: int, model: str) -> dict[str, dict]:
@@ -66,11 +69,15 @@ def _servable_bodies(vocab: int, model: str) -> dict[str, dict]:
         "min_p": {"type": "number", "minimum": 0, "maximum": 1},
         "stop": {
             "anyOf": [
-                {"type": "string", "minLength": 1},
-                {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 3},
+                {"type": "string", "minLength": 1, "maxLength": CAPS.max_stop_string_chars},
+                {
+                    "type": "array",
+                    "items": {"type": "string", "minLength": 1, "maxLength": CAPS.max_stop_string_chars},
+                    "maxItems": CAPS.max_stop_strings,
+                },
             ]
         },
-        "stop_token_ids": {**ids, "minItems": 0, "maxItems": 4},
+        "stop_token_ids": {**ids, "minItems": 0, "maxItems": CAPS.max_stop_token_ids},
         "ignore_eos": {"type": "boolean"},
         "seed": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1},
         "skip_special_tokens": {"type": "boolean"},
@@ -139,6 +146,7 @@ def served(tiny_model_dir: Path) -> Iterator[tuple[TestClient, Any, Any]]:
         model_path=str(tiny_model_dir),
         cache=CacheConfig(page_size=16, max_total_tokens=2048),
         scheduler=SchedulerConfig(context_length=64, max_running_requests=8),
+        limits=CAPS,
         log_level="warning",
     )
     app = create_app(cfg)
@@ -245,3 +253,8 @@ def test_the_schema_describes_the_bodies(served: tuple[TestClient, Any, Any]) ->
     props = doc["components"]["schemas"]["GenerateRequest"]["properties"]
     assert {"text", "input_ids", "sampling_params", "stream"} <= set(props)
     assert doc["components"]["schemas"]["CompletionRequest"]["required"] == ["prompt"]
+    # the caps are in the schema, so the negative cases above went past them
+    stop = doc["components"]["schemas"]["SamplingParamsIn"]["properties"]["stop"]["anyOf"]
+    assert stop[1]["maxItems"] == CAPS.max_stop_strings and stop[1]["items"]["maxLength"] == CAPS.max_stop_string_chars
+    assert props["text"]["anyOf"][1]["maxItems"] == CAPS.max_prompts_per_request
+    assert {"401", "415", "503"} <= set(doc["paths"]["/generate"]["post"]["responses"])

@@ -8,7 +8,7 @@ import pytest
 
 from kvpipe.config import ConfigError, DisaggregationConfig
 from kvpipe.transfer.control import messages as m
-from kvpipe.transfer.control.auth import Authenticator, AuthError
+from kvpipe.transfer.control.auth import Authenticator, AuthError, http_context
 
 TOKEN = "correct-horse-battery-staple"
 CTX = b"tcp://127.0.0.1:5555"
@@ -69,22 +69,47 @@ def test_the_replay_window_forgets_only_what_the_clock_rejects_anyway() -> None:
             receiver.open(f, CTX)
 
 
-def test_http_tags_bind_method_path_and_body() -> None:
+def test_http_tags_bind_method_destination_path_instance_and_body() -> None:
     a, b = Authenticator.from_token(TOKEN), Authenticator.from_token(TOKEN)
-    header = a.sign_http("PUT", "/v1/prefill/ranks/0", b'{"rank": 0}')
-    b.verify_http("PUT", "/v1/prefill/ranks/0", b'{"rank": 0}', header)
+    ctx = http_context("PUT", "10.0.0.2:8998", "/v1/prefill/ranks/0", "inst-1")
+    header = a.sign_http(ctx, b'{"rank": 0}')
+    b.verify_http(ctx, b'{"rank": 0}', header)
     with pytest.raises(AuthError, match="replayed"):
-        b.verify_http("PUT", "/v1/prefill/ranks/0", b'{"rank": 0}', header)
-    for method, path, body in (
-        ("PUT", "/v1/prefill/ranks/1", b'{"rank": 0}'),
-        ("GET", "/v1/prefill/ranks/0", b""),
-        ("PUT", "/v1/prefill/ranks/0", b'{"rank": 1}'),
+        b.verify_http(ctx, b'{"rank": 0}', header)
+    for other, body in (
+        (http_context("PUT", "10.0.0.2:8998", "/v1/prefill/ranks/1", "inst-1"), b'{"rank": 0}'),
+        (http_context("GET", "10.0.0.2:8998", "/v1/prefill/ranks/0", "inst-1"), b""),
+        (ctx, b'{"rank": 1}'),
+        (http_context("PUT", "10.0.0.3:8998", "/v1/prefill/ranks/0", "inst-1"), b'{"rank": 0}'),  # another host
+        (http_context("PUT", "10.0.0.2:8999", "/v1/prefill/ranks/0", "inst-1"), b'{"rank": 0}'),  # another port
+        (http_context("PUT", "10.0.0.2:8998", "/v1/prefill/ranks/0", "inst-2"), b'{"rank": 0}'),  # restarted
     ):
         with pytest.raises(AuthError, match="tag"):
-            b.verify_http(method, path, body, a.sign_http("PUT", "/v1/prefill/ranks/0", b'{"rank": 0}'))
+            b.verify_http(other, body, a.sign_http(ctx, b'{"rank": 0}'))
     for bad in (None, "", "1.2", "x.y.z", "1.2.zz", f"1.2.{'00' * 31}", f"-1.2.{'00' * 32}"):
         with pytest.raises(AuthError, match="header"):
-            b.verify_http("GET", "/", b"", bad)
+            b.verify_http(ctx, b"", bad)
+
+
+def test_replies_answer_one_call_only() -> None:
+    client, server = Authenticator.from_token(TOKEN), Authenticator.from_token(TOKEN)
+    ctx = http_context("GET", "127.0.0.1:8998", "/v1/prefill/ranks", "inst-1")
+    call = client.sign_http(ctx, b"")
+    reply = server.sign_reply(ctx, server.verify_http(ctx, b"", call), b'{"ranks": []}')
+    client.verify_reply(ctx, call, b'{"ranks": []}', reply)
+    other_call = client.sign_http(ctx, b"")  # a fresh nonce: yesterday's answer does not fit it
+    outsider = Authenticator.from_token("not-the-deployment-token")
+    for req, body, tag in (
+        (other_call, b'{"ranks": []}', reply),
+        (call, b'{"ranks": [1]}', reply),  # altered on the way
+        (call, b'{"ranks": []}', outsider.sign_reply(ctx, server.verify_http(ctx, b"", other_call), b"")),
+        (call, b'{"ranks": []}', None),
+        (call, b'{"ranks": []}', "zz"),
+    ):
+        with pytest.raises(AuthError, match="Reply"):
+            client.verify_reply(ctx, req, body, tag)
+    with pytest.raises(AuthError, match="tag"):  # a reply's tag never passes for a call's
+        server.verify_http(ctx, b'{"ranks": []}', call.rsplit(".", 1)[0] + "." + reply)
 
 
 def test_a_short_token_is_refused() -> None:

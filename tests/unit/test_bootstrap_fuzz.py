@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpipe.transfer.control.auth import HTTP_HEADER, Authenticator
+from kvpipe.transfer.control.auth import HTTP_HEADER, REPLY_HEADER, Authenticator, http_context
 from kvpipe.transfer.control.bootstrap import PrefillRankInfo, _app, _Registry
 from kvpipe.transfer.planning.layout import KVLayout
 from tests.helpers.wire_maps import key_paths
@@ -152,8 +152,12 @@ def test_with_a_token_nothing_unsigned_gets_through() -> None:
     the registry is unchanged, and a signed registration still works."""
     token = "fuzzing-the-bootstrap-token"
     registry = _Registry()
-    client = TestClient(_app(registry, Authenticator.from_token(token)))
+    client = TestClient(_app(registry, Authenticator.from_token(token), instance="fuzz-instance"))
     signer = Authenticator.from_token(token)
+    assert client.get("/health").json()["instance"] == "fuzz-instance"
+
+    def ctx(method: str, path: str) -> bytes:
+        return http_context(method, "testserver", path, "fuzz-instance")  # TestClient's Host
 
     def signed_put(body: dict[str, Any]) -> int:
         raw = json.dumps(body).encode()
@@ -162,7 +166,7 @@ def test_with_a_token_nothing_unsigned_gets_through() -> None:
             content=raw,
             headers={
                 "content-type": "application/json",
-                HTTP_HEADER: signer.sign_http("PUT", "/v1/prefill/ranks/0", raw),
+                HTTP_HEADER: signer.sign_http(ctx("PUT", "/v1/prefill/ranks/0"), raw),
             },
         ).status_code
 
@@ -183,6 +187,7 @@ def test_with_a_token_nothing_unsigned_gets_through() -> None:
     forge()
     assert registry.auth_rejected > 0
     assert signed_put(registration("inst-new")) == 200
-    raw_get = signer.sign_http("GET", "/v1/prefill/ranks", b"")
-    got = client.get("/v1/prefill/ranks", headers={HTTP_HEADER: raw_get}).json()
-    assert got["instance_id"] == "inst-new"
+    raw_get = signer.sign_http(ctx("GET", "/v1/prefill/ranks"), b"")
+    resp = client.get("/v1/prefill/ranks", headers={HTTP_HEADER: raw_get})
+    assert resp.json()["instance_id"] == "inst-new"
+    signer.verify_reply(ctx("GET", "/v1/prefill/ranks"), raw_get, resp.content, resp.headers[REPLY_HEADER])

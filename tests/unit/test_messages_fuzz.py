@@ -11,9 +11,11 @@ import typing
 from typing import Any
 
 import msgpack
+import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from kvpipe.transfer.control import messages as m
 from kvpipe.transfer.control.codec import ProtocolError, _hints, _is_int_tuple, _optional_inner
 from kvpipe.transfer.control.messages import MESSAGE_TYPES, PROTOCOL_VERSION, decode, encode
 from kvpipe.transfer.planning.layout import KVLayout
@@ -173,3 +175,71 @@ def test_strategies_cover_every_field_type() -> None:
         for name, tp in typing.get_type_hints(cls).items():
             if name != "KIND":
                 strategy_for(tp)
+
+
+# ---- the decoding limits (issue 30): sound for every real message, tight for anything else ------
+MAX_INTS = 50  # the strategies' longest int list (strategy_for: lists of max_size 50)
+ROLES = {
+    "sender": m.SENDER_RECEIVES,
+    "receiver": m.RECEIVER_RECEIVES,
+    "staging agent": m.STAGING_AGENT_RECEIVES,
+}
+
+
+def _roles_of(cls: type) -> list[str]:
+    return [role for role, kinds in ROLES.items() if cls in kinds]
+
+
+def test_every_kind_is_received_by_some_endpoint() -> None:
+    assert set(MESSAGE_TYPES.values()) == {c for kinds in ROLES.values() for c in kinds}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@settings(FUZZ, max_examples=25)
+@given(data=st.data())
+def test_real_messages_fit_their_receivers_limits(kind: str, data: st.DataObject) -> None:
+    """The frame bound and the max_*_len limits derived from the classes never refuse a generated
+    message whose int lists are within the bound (test_control_limits.py: the longest strings)."""
+    cls = MESSAGE_TYPES[kind]
+    msg = data.draw(messages_of(cls), label=kind)
+    raw = encode(msg)
+    for role in _roles_of(cls):
+        limits = m.limits_for(ROLES[role], MAX_INTS)
+        assert len(raw) <= limits.max_frame_bytes
+        assert decode(raw, limits) == msg
+
+
+@FUZZ
+@given(st.sampled_from(sorted(ROLES)), MSGPACK_VALUES)
+def test_any_msgpack_value_under_an_endpoints_limits(role: str, value: Any) -> None:
+    limits = m.limits_for(ROLES[role], MAX_INTS)
+    try:
+        msg = decode(msgpack.packb(value, use_bin_type=True), limits)
+    except ProtocolError:
+        return
+    assert type(msg) in ROLES[role] or type(msg) in MESSAGE_TYPES.values()
+
+
+@FUZZ
+@given(st.integers(MAX_INTS + 1, 4 * MAX_INTS), st.sampled_from(["dst_pages", "swa"]))
+def test_an_int_list_past_the_bound_is_refused(n: int, which: str) -> None:
+    pages = tuple(range(n))
+    msg = (
+        m.TransferRequest(1, "d/0", pages, 0, 0)
+        if which == "dst_pages"
+        else m.TransferRequest(1, "d/0", (0,) * n, 0, 0, None, (-1,) * n)
+    )
+    with pytest.raises(ProtocolError):
+        decode(encode(msg), m.limits_for(m.SENDER_RECEIVES, MAX_INTS))
+
+
+@FUZZ
+@given(st.integers(1, 6), st.integers(0, 3))
+def test_nested_containers_are_refused_whatever_their_shape(depth: int, width: int) -> None:
+    """Arrays anywhere, or more maps than the widest message has, are refused while unpacking."""
+    inner: Any = [[]] * width
+    for _ in range(depth):
+        inner = {"k": inner, "j": {}}
+    frame = msgpack.packb({"kind": "heartbeat", "version": PROTOCOL_VERSION, "session_id": "s", "seq": inner})
+    with pytest.raises(ProtocolError):
+        decode(frame, m.limits_for(m.RECEIVER_RECEIVES, 0))

@@ -76,19 +76,35 @@ class Decode:
         assert self.add(room, now) == ADDR
         self.book.on_fetched(ADDR, info, None, now)
 
+    def s(self, room: int, rank: int = 0) -> str:
+        """Our session of decode rank `rank` that room `room` was requested under (random per prefill instance)."""
+        return self.book.rooms[room].sessions[rank]
+
+    def mine(self, rank: int = 0, addr=ADDR) -> str:
+        """Our session of decode rank `rank` with the prefill instance known at `addr`."""
+        return self.book.prefills[addr].mine[rank]
+
+    def sender(self, room: int, rank: int) -> str:
+        """A prefill session paired with `rank` that has not reported the room yet (else the first paired one)."""
+        r = self.book.rooms[room]
+        pairs = [(snd, pair) for (snd, sess), pair in r.senders.items() if sess == r.sessions[rank]]
+        return next((snd for snd, pair in pairs if pair not in r.reported), pairs[0][0])
+
     def status(
         self,
         room: int,
-        session: str = "d/0",
+        rank: int = 0,
         ok: bool = True,
         aux_room: int | None = None,
         now: float = 1.0,
         reason: str = "",
     ) -> None:
+        """A final status of the next prefill rank paired with decode rank `rank`, as the prefill sends it."""
         aux = m.AuxData(room if aux_room is None else aux_room, 42, -0.5) if ok else None
-        self.book.on_message(
-            m.TransferStatus(room, session, m.WireState.SUCCESS if ok else m.WireState.FAILED, reason, aux), now
-        )
+        r = self.book.rooms.get(room)
+        session, sender = (self.s(room, rank), self.sender(room, rank)) if r and r.sessions else ("d/0", "p0/0")
+        state = m.WireState.SUCCESS if ok else m.WireState.FAILED
+        self.book.on_message(m.TransferStatus(room, session, state, reason, aux, sender), now)
 
 
 def test_bootstrap_deadline_names_the_last_fetch_error():
@@ -136,11 +152,12 @@ def test_success_registers_once_and_delivers_aux():
     d.connected(5, prefill(), 0.0)
     (a1, reg), (a2, req) = d.take()
     assert a1 == a2 == "tcp://p0-0"
-    assert reg == m.RegisterPeer("d/0", 0, 1, "data-d0", "tcp://decode", layout(1, 0))
-    assert req == m.TransferRequest(5, "d/0", (20, 21, 22, 23), 0, 5)
+    assert reg == m.RegisterPeer(d.mine(), 0, 1, "data-d0", "tcp://decode", layout(1, 0))
+    assert d.mine().startswith("d/0/") and len(d.mine()) == len("d/0/") + 32  # 128 random bits
+    assert req == m.TransferRequest(5, d.mine(), (20, 21, 22, 23), 0, 5)
     assert d.book.room_state(5) is T.WAITING_FOR_INPUT
     assert d.add(6, 0.5, pages=[9, 10], prefix_len=4) is None  # known prefill: requested at once
-    assert d.take() == [("tcp://p0-0", m.TransferRequest(6, "d/0", (9, 10), 4, 6))]
+    assert d.take() == [("tcp://p0-0", m.TransferRequest(6, d.mine(), (9, 10), 4, 6))]
     d.status(5, now=1.0)
     assert d.book.poll(1.0) == [(5, T.SUCCESS, "", m.AuxData(5, 42, -0.5))]
     assert d.book.poll(1.0) == [] and d.book.room_state(5) is None  # reported once
@@ -162,16 +179,16 @@ def test_a_prefill_ranks_failure_frees_pages_only_after_every_final_or_the_trans
     d.connected(1, prefill(tp=2))
     d.add(2, 0.0)
     d.take()
-    d.book.on_message(m.TransferStatus(1, "d/0", m.WireState.FAILED, "write failed"), 1.0)
+    d.book.on_message(m.TransferStatus(1, d.s(1), m.WireState.FAILED, "write failed", sender="p0/0"), 1.0)
     assert d.book.room_state(1) is T.FAILED and d.book.poll(1.0) == []  # prefill rank 1 may still write
     aborts = d.take(m.Abort)
     assert {a for a, _ in aborts} == {"tcp://p0-0", "tcp://p0-1"}
     assert all(
-        msg == m.Abort(1, "d/0", m.Side.DECODE, "prefill failed the transfer: write failed") for _, msg in aborts
+        msg == m.Abort(1, d.s(1), m.Side.DECODE, "prefill failed the transfer: write failed") for _, msg in aborts
     )
     d.status(1, ok=False, now=2.0)  # the other rank's final word
     assert [(room, state) for room, state, *_ in d.book.poll(2.0)] == [(1, T.FAILED)]
-    d.book.on_message(m.TransferStatus(2, "d/0", m.WireState.FAILED, "x"), 3.0)
+    d.book.on_message(m.TransferStatus(2, d.s(2), m.WireState.FAILED, "x", sender="p0/1"), 3.0)
     assert d.book.poll(12.9) == []  # the other rank never answers: wait transfer_timeout_s
     assert [room for room, *_ in d.book.poll(13.0)] == [2]
 
@@ -182,7 +199,7 @@ def test_decode_abort_asks_every_paired_prefill_rank_to_stop():
     d.take()
     d.book.abort(1, "client disconnected", 1.0)
     assert sorted(d.take()) == [
-        (f"tcp://p0-{p}", m.Abort(1, "d/0", m.Side.DECODE, "client disconnected")) for p in (0, 1)
+        (f"tcp://p0-{p}", m.Abort(1, d.s(1), m.Side.DECODE, "client disconnected")) for p in (0, 1)
     ]
     d.book.abort(1, "again", 1.5)  # once is enough
     assert d.take() == [] and d.book.poll(2.0) == []
@@ -198,9 +215,9 @@ def test_prefill_abort_waits_for_its_final_status():
     d = Decode()
     d.connected(1, prefill())
     d.take()
-    d.book.on_message(m.Abort(1, "d/0", m.Side.DECODE, "spoofed"), 0.5)
+    d.book.on_message(m.Abort(1, d.s(1), m.Side.DECODE, "spoofed"), 0.5)
     assert d.book.room_state(1) is T.WAITING_FOR_INPUT and d.book.stats.rejected_messages == 1
-    d.book.on_message(m.Abort(1, "d/0", m.Side.PREFILL, "prefill OOM"), 1.0)
+    d.book.on_message(m.Abort(1, d.s(1), m.Side.PREFILL, "prefill OOM", "p0/0"), 1.0)
     assert d.book.poll(1.0) == []  # its writes may still be in flight
     d.status(1, ok=False, now=1.5)
     assert d.book.poll(1.5) == [(1, T.FAILED, "aborted by prefill: prefill OOM", None)]
@@ -237,7 +254,7 @@ def test_heartbeats_one_per_prefill_rank_with_increasing_seq():
     assert d.take() == []
     for now in (1.0, 1.5, 2.0):
         d.book.housekeeping(now)
-    assert d.take() == [("tcp://p0-0", m.Heartbeat("d/1", 1)), ("tcp://p0-0", m.Heartbeat("d/1", 2))]
+    assert d.take() == [("tcp://p0-0", m.Heartbeat(d.mine(1), 1)), ("tcp://p0-0", m.Heartbeat(d.mine(1), 2))]
 
 
 def test_heartbeat_death_keeps_pages_until_quiet_and_forgets_the_prefill():
@@ -275,7 +292,7 @@ def test_prefill_restart_fails_old_rooms_and_frees_them_at_once():
     [(room, state, reason, _)] = d.book.poll(5.0)
     assert (room, state) == (2, T.FAILED) and "restarted (instance p1 -> p2)" in reason
     assert not any(isinstance(msg, m.Abort) for _, msg in d.take())  # p1 is gone: nobody to tell
-    d.status(2, now=5.5)  # a status from the old instance's session is not for a room any more
+    d.book.on_message(m.TransferStatus(2, "d/0", m.WireState.FAILED, "x", sender="p1/0"), 5.5)  # not a room any more
     assert d.book.stats.rejected_messages == 1
 
 
@@ -313,17 +330,17 @@ def test_one_prefill_rank_into_two_decode_ranks():
     d.book.on_fetched(ADDR, prefill(), None, 0.0)
     regs, reqs = d.take(m.RegisterPeer), None
     assert [(a, msg.session_id, msg.tp_rank, msg.data_address) for a, msg in regs] == [
-        ("tcp://p0-0", "d/0", 0, "data-d0"),
-        ("tcp://p0-0", "d/1", 1, "data-d1"),
+        ("tcp://p0-0", d.mine(0), 0, "data-d0"),
+        ("tcp://p0-0", d.mine(1), 1, "data-d1"),
     ]
     d.book.abort(9, "unknown room", 0.0)  # nothing happens
     d.add(2, 0.5, pages=[np.array([5]), np.array([6])])
     reqs = d.take(m.TransferRequest)
-    assert [(msg.session_id, msg.dst_pages) for _, msg in reqs] == [("d/0", (5,)), ("d/1", (6,))]
-    d.status(1, "d/0")
-    d.status(1, "d/0")  # one final per (room, session): a second one is refused
+    assert [(msg.session_id, msg.dst_pages) for _, msg in reqs] == [(d.mine(0), (5,)), (d.mine(1), (6,))]
+    d.status(1, rank=0)
+    d.status(1, rank=0)  # one final per (room, session, prefill rank): a second one is refused
     assert d.book.stats.rejected_messages == 1 and d.book.poll(1.0) == []
-    d.status(1, "d/1")
+    d.status(1, rank=1)
     assert d.book.poll(1.0)[0][:2] == (1, T.SUCCESS)
 
 
@@ -347,7 +364,7 @@ def test_messages_that_are_not_for_a_waiting_room_are_rejected():
     d.status(1)
     d.status(2)
     d.book.on_message(m.TransferStatus(1, "stranger/0", m.WireState.FAILED), 0.0)
-    d.book.on_message(m.TransferRequest(1, "d/0", (1,), 0, 0), 0.0)
+    d.book.on_message(m.TransferRequest(1, "d/0/x", (1,), 0, 0), 0.0)
     d.book.on_message(m.Heartbeat("stranger/0", 1), 0.0)  # ignored, not counted
     assert d.book.stats.rejected_messages == 4 and d.book.room_state(1) is T.BOOTSTRAPPING
 
@@ -374,6 +391,40 @@ def test_a_request_that_never_asked_is_aborted_on_every_paired_prefill_rank():
     d.take()
     assert d.book.abort_unrequested(9, ADDR, "waited too long for pages")
     assert sorted(d.take()) == [
-        (f"tcp://p0-{p}", m.Abort(9, "d/0", m.Side.DECODE, "waited too long for pages")) for p in (0, 1)
+        (f"tcp://p0-{p}", m.Abort(9, d.mine(), m.Side.DECODE, "waited too long for pages")) for p in (0, 1)
     ]
     assert not d.book.abort_unrequested(1, ADDR, "has a room: abort() is for it") and d.take() == []
+
+
+def test_forged_statuses_for_another_sessions_room_are_refused_and_counted():
+    """Issue 30, finding 5: whoever holds the token but never saw the room's request cannot finish
+    (or fail) it: the room keeps waiting, so the decode never decodes pages nobody wrote, until
+    the prefill it asked answers."""
+    d = Decode()
+    d.connected(1, prefill("p0"))
+    other = ("evil-host", 8998)  # a second prefill this decode also uses (a legit registration)
+    assert d.add(2, 0.0, addr=other) == other
+    d.book.on_fetched(other, prefill("evil"), None, 0.0)
+    d.take()
+    assert d.mine(0) != d.mine(0, other)  # one random session per prefill instance
+    ok, aux = m.WireState.SUCCESS, m.AuxData(1, 13, -0.1)
+    forged = [
+        m.TransferStatus(1, "d/0", ok, "", aux, "p0/0"),  # the session's guessable prefix, the real sender's name
+        m.TransferStatus(1, d.mine(0, other), ok, "", aux, "evil/0"),  # evil's own session with us
+        m.TransferStatus(1, d.mine(0, other), ok, "", aux, "p0/0"),  # ... claiming p0's (public) name
+        m.TransferStatus(1, d.s(1), ok, "", aux, "evil/0"),  # the right session, another instance's rank
+        m.TransferStatus(1, d.s(1), ok, "", aux, "p0/1"),  # a rank p0 does not have
+        m.TransferStatus(1, d.s(1), ok, "", aux, ""),  # no sender at all
+        m.Abort(1, d.mine(0, other), m.Side.PREFILL, "forged", "evil/0"),
+    ]
+    for msg in forged:
+        d.book.on_message(msg, 0.5)
+    assert d.book.room_state(1) is T.WAITING_FOR_INPUT and d.book.poll(0.5) == []
+    assert d.book.stats.foreign_rejected == len(forged) == d.book.stats.rejected_messages
+    d.status(1)  # p0's own final status
+    d.status(2)  # and evil's for the room it was asked for
+    assert sorted(d.book.poll(1.0)) == [
+        (1, T.SUCCESS, "", m.AuxData(1, 42, -0.5)),
+        (2, T.SUCCESS, "", m.AuxData(2, 42, -0.5)),
+    ]
+    assert d.book.num_active_rooms() == 0 and d.book.stats.foreign_rejected == len(forged)

@@ -13,9 +13,7 @@ from tests.helpers.scheduler_steps import drain, req, step
 
 
 def make(num_pages=64, page_size=4, ctx=4096, whole=False, **cfg):
-    s = Scheduler(SchedulerConfig(**cfg), PageAllocator(num_pages), page_size, ctx, whole_prompt_pages=whole)
-    s.hold_on_finish = False  # test knob of step(): keep a finished request's pages until release()
-    return s
+    return Scheduler(SchedulerConfig(**cfg), PageAllocator(num_pages), page_size, ctx, whole_prompt_pages=whole)
 
 
 def test_single_request_prefill_then_decode():
@@ -153,10 +151,9 @@ def test_whole_prompt_pages_at_the_first_chunk():
 
 def test_held_pages_until_release():
     s = make(num_pages=16)
-    s.hold_on_finish = True
     r = req("a", 10, max_new=1)
     s.add(r)
-    drain(s)
+    drain(s, hold=True)
     assert r.finished and s.allocator.num_free == 13 and "a" in s.held
     assert s.stats()["num_held"] == 1
     assert s.release("a") and not s.release("a")
@@ -250,9 +247,7 @@ def test_max_running_requests_caps_admission():
 
 
 def cached(num_pages=16, page_size=4):
-    s = Scheduler(SchedulerConfig(), PageAllocator(num_pages), page_size, 4096, prefix_cache=RadixCache(page_size))
-    s.hold_on_finish = False
-    return s
+    return Scheduler(SchedulerConfig(), PageAllocator(num_pages), page_size, 4096, prefix_cache=RadixCache(page_size))
 
 
 def test_reserve_with_a_prefix_cache_asks_only_for_the_missing_pages():

@@ -13,9 +13,7 @@ from tests.helpers.scheduler_steps import drain, req, step
 
 
 def make(slots: int, num_pages: int = 64, **cfg) -> Scheduler:
-    s = Scheduler(SchedulerConfig(**cfg), PageAllocator(num_pages), 4, 4096, state_slots=StateSlotAllocator(slots))
-    s.hold_on_finish = False
-    return s
+    return Scheduler(SchedulerConfig(**cfg), PageAllocator(num_pages), 4, 4096, state_slots=StateSlotAllocator(slots))
 
 
 def live_slots(s: Scheduler) -> dict[int, str]:

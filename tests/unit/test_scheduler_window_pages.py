@@ -19,9 +19,7 @@ PS, W = 4, 10
 
 
 def make(num_pages: int = 64, **cfg) -> Scheduler:
-    s = Scheduler(SchedulerConfig(**cfg), PageAllocator(num_pages), PS, 4096, window=W)
-    s.hold_on_finish = False
-    return s
+    return Scheduler(SchedulerConfig(**cfg), PageAllocator(num_pages), PS, 4096, window=W)
 
 
 def window_ok(r) -> None:

@@ -8,6 +8,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -141,3 +142,15 @@ def test_respond_when_done_fails_a_prefill_that_did_not_hand_its_kv_over(tmp_pat
         _respond(_state(None, cfg, "prefill"), streams)
     assert e.value.status == 500 and "KV transfer failed" in e.value.message and streams[0].closed
     assert _respond(_state(None, cfg), [_Stream(_output("a", FinishReason.ABORT))]).status_code == 200
+
+
+def test_offload_runs_off_the_event_loop(tmp_path: Path) -> None:
+    """Validation and tokenization go through `offload`: a prep thread, not the loop's."""
+    state = _state(AsyncEngine(lambda: None), ServerConfig(model_path=str(tmp_path)))
+
+    async def where() -> tuple[str, str]:
+        return threading.current_thread().name, await state.offload(lambda: threading.current_thread().name)
+
+    loop_thread, prep_thread = asyncio.run(where())
+    assert prep_thread.startswith("kvpipe-prep") and prep_thread != loop_thread
+    state.prep.shutdown()

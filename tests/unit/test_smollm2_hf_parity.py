@@ -29,6 +29,7 @@ from kvpipe.model.causal_lm import CausalLM
 from kvpipe.model.default_model import default_model_path
 from kvpipe.model.loader import load_model
 from kvpipe.model.tokenizer import Tokenizer
+from tests.helpers import smollm2_text as smollm2
 from tests.helpers.paged_model import incremental_logits
 from tests.helpers.tolerance import assert_close_logits, logit_atol
 
@@ -78,9 +79,8 @@ def prompts(tok: Tokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def hf(path: Path):
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    assert path == smollm2.GGUF_DIR / smollm2.GGUF_NAME
+    return smollm2.hf_model()
 
 
 @pytest.fixture(scope="module")

@@ -218,7 +218,7 @@ class Staged:
         )
         self.agent = StagingBook(DPOOL, 4096, "d/0", lease_s=30.0)
         self.book.on_message(
-            m.RegisterPeer("d/0", 0, 1, "data-d", "tcp://d", DPOOL, m.StagingInfo(AGENT, POOL, 4096)), 0.0
+            m.RegisterPeer("d/0", 0, 1, "data-d", "tcp://d", DPOOL, m.StagingInfo(AGENT, POOL, 4096, "d/0")), 0.0
         )
         self.book.add_room(ROOM, np.arange(10, 14), 0.0)
         self.book.on_message(m.TransferRequest(ROOM, "d/0", (40, 41, 42, 43), 0, 0), 0.0)
@@ -271,7 +271,8 @@ def test_staged_chunks_gather_slot_write_scatter_then_the_status():
         (ch.src_col, ch.dst_col, ch.ncols, ch.l0, ch.l1, ch.nbytes) == (0, HEAD, HEAD, 0, L, 1024) for ch in chunks
     )
     reqs = [msg for _, msg in s.sent]
-    assert reqs == [m.StagingSlotRequest(ROOM, "p/0", ch.chunk, 1024, P) for ch in chunks]
+    assert reqs == [m.StagingSlotRequest(ROOM, "p/0", ch.chunk, 1024, P, ch.nonce) for ch in chunks]
+    assert len({ch.nonce for ch in chunks}) == 2  # random per chunk
     for _, g in s.to_agent(m.StagingSlotRequest, 1.1):
         s.book.on_message(g, 1.1)
     assert [ch.offset for ch in chunks] == [0, 1024]
@@ -327,7 +328,7 @@ def test_a_refused_grant_fails_the_room_with_the_agents_reason():
     c0, c1 = s.gather(1.0)
     s.take(m.StagingSlotRequest)
     why = "a staging chunk of 1024 bytes is larger than the 512-byte staging ring"
-    s.book.on_message(m.StagingSlotGrant(ROOM, c0.chunk, "d/0", False, 0, why), 1.5)
+    s.book.on_message(m.StagingSlotGrant(ROOM, c0.chunk, "d/0", False, 0, why, c0.nonce), 1.5)
     s.book.take_work(1.6)
     released = [msg for _, msg in s.take(m.StagingChunkWritten)]
     assert [(w.chunk, w.scatter) for w in released] == [(c1.chunk, False)]  # c0 never had a slot
@@ -342,10 +343,72 @@ def test_a_grant_past_the_decodes_ring_is_rejected_and_fails_the_room():
     s = Staged()
     c0, _ = s.gather(1.0)
     s.take(m.StagingSlotRequest)
-    s.book.on_message(m.StagingSlotGrant(ROOM, c0.chunk, "d/0", True, 4096 - 512, ""), 1.5)  # 1024 bytes at 3584
+    s.book.on_message(m.StagingSlotGrant(ROOM, c0.chunk, "d/0", True, 4096 - 512, "", c0.nonce), 1.5)  # at 3584
     assert s.book.stats.rejected_messages == 1
     s.book.take_work(1.6)
     assert s.take(m.TransferStatus)[0][1].state is m.WireState.FAILED
     [(room, state, reason)] = s.book.poll(1.6)
     assert (room, state) == (ROOM, T.FAILED) and "overruns the decode's 4096-byte ring" in reason
     assert s.book.local_ring.num_live == 0
+
+
+def test_a_forged_grant_or_done_is_refused_and_the_real_ones_finish_the_room():
+    """Issue 30, finding 5: a grant or done counts only from the agent session the decode announced
+    and with the chunk's nonce; forged ones change nothing, and both rings end empty."""
+    s = Staged()
+    c0, c1 = s.gather(1.0)
+    forged = [
+        m.StagingSlotGrant(ROOM, c0.chunk, "evil/0", True, 0, "", c0.nonce),  # another session
+        m.StagingSlotGrant(ROOM, c0.chunk, "d/0", True, 0, "", c0.nonce ^ 1),  # the agent's session, no nonce
+        m.StagingSlotGrant(ROOM, c1.chunk, "d/0", False, 0, "refused", 0),  # a refusal would fail the room
+        m.StagingChunkDone(ROOM, c1.chunk, "d/0", True, nonce=c0.nonce),  # c0's nonce for c1
+    ]
+    for msg in forged:
+        s.book.on_message(msg, 1.05)
+    assert s.book.stats.foreign_rejected == len(forged) == s.book.stats.rejected_messages
+    assert c0.state is c1.state is ChunkState.WAIT_SLOT and c0.offset is None
+    assert s.book.rooms[ROOM].rec.state is not T.FAILED
+    for _, g in s.to_agent(m.StagingSlotRequest, 1.1):
+        s.book.on_message(g, 1.1)
+    s.write(2.0)
+    for _, done in s.to_agent(m.StagingChunkWritten, 3.0):
+        s.book.on_message(done, 3.0)
+    s.book.take_work(3.1)
+    assert s.book.poll(3.1) == [(ROOM, T.SUCCESS, "")]
+    assert s.book.rooms == {} and s.book.local_ring.num_live == 0 and s.agent.ring.num_live == 0
+
+
+def test_an_announcement_or_release_without_the_chunks_nonce_changes_nothing():
+    """Issue 30, finding 5: the agent frees or scatters a slot only for the prefill that asked."""
+    b = agent()
+    [(_, g0)] = b.on_request(m.StagingSlotRequest(ROOM, "p/0", 0, 1024, P, 77), 0.0)
+    assert g0.ok and g0.nonce == 77
+    assert b.on_request(m.StagingSlotRequest(ROOM, "p/0", 1, 2048, P, 78), 0.0) == []  # waits
+    forged = [
+        m.StagingChunkWritten(ROOM, 0, "p/0", P, False, nonce=0),  # release the granted slot
+        m.StagingChunkWritten(ROOM, 0, "p/0", "tcp://evil", True, (0, 1), HEAD, HEAD, 0, L, 5),  # scatter into it
+        m.StagingChunkWritten(ROOM, 1, "p/0", P, False, nonce=0),  # drop the queued request
+    ]
+    assert all(b.on_written(msg, 0.1) == (None, []) for msg in forged)
+    assert b.stats.foreign == len(forged) and b.ring.num_live == 1 and list(b.waiting) == [("p/0", 1)]
+    job, out = b.on_written(m.StagingChunkWritten(ROOM, 0, "p/0", P, True, (0, 1), HEAD, HEAD, 0, L, 77), 0.2)
+    assert job is not None and out == []
+    [(_, done), (_, g1)] = b.scattered(job, None, 0.3)
+    assert done.ok and done.nonce == 77 and g1.ok and g1.nonce == 78  # the queued request, granted now
+    assert b.on_written(m.StagingChunkWritten(ROOM, 1, "p/0", P, False, nonce=78), 0.4) == (None, [])
+    assert b.ring.num_live == 0 and not b.waiting and not b.grants
+
+
+def test_staging_waits_are_capped_per_session():
+    """Issue 30, finding 5: one prefill session cannot queue unbounded requests at a full ring."""
+    b = StagingBook(DEC, 2048, "d/0", lease_s=5.0, max_waits=2)
+    assert ask(b, 0, nbytes=2048)[0][1].ok  # the whole ring
+    assert ask(b, 1) == [] and ask(b, 2) == []
+    [(_, refused)] = ask(b, 3)
+    assert not refused.ok and "2 chunks of this session" in refused.reason and b.stats.refused == 1
+    assert ask(b, 4, session="p/1") == []  # another session queues behind them
+    assert len(b.waiting) == 3
+    for chunk, session in ((1, "p/0"), (2, "p/0"), (4, "p/1")):
+        b.on_written(m.StagingChunkWritten(ROOM, chunk, session, P, False), 1.0)
+    b.on_written(m.StagingChunkWritten(ROOM, 0, "p/0", P, False), 1.0)
+    assert b.ring.num_live == 0 and not b.waiting and not b._waits

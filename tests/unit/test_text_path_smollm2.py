@@ -286,6 +286,30 @@ def test_eos_on_real_text(tok: Tokenizer, hf: Any, skip: bool, no_stop_trim: boo
     assert final.text.endswith("<|im_end|>") == (no_stop_trim and not skip)
 
 
+def _engine_stop(tok: Tokenizer, ids: list[int], stop: str) -> tuple[Req, tuple | None]:
+    """The engine's finish check fed `ids` one at a time with stop=[stop]: the request (its
+    output_ids end where it stopped) and the finish."""
+    req = Req("r", [1], SamplingParams(max_new_tokens=len(ids) + 1, stop=(stop,), ignore_eos=True), (2,))
+    checker = FinishChecker(tok, (2,), context_length=1 << 20)
+    fin = None
+    for t in ids:
+        req.output_ids.append(t)
+        fin = checker.check(req, 1)
+        if fin is not None:
+            break
+    return req, fin
+
+
+def test_stop_string_ending_before_a_held_partial_character(tok: Tokenizer) -> None:
+    """A token ending inside a UTF-8 character (" " + 0xC2, the first byte of "´") is held back by
+    the detokenizer, but its complete " " already finishes the stop string "0 ": the engine stops
+    at that token, as SGLang (which decodes the tail U+FFFD and all) does. Hypothesis found it."""
+    ids = tok.encode("café00 ´", add_special_tokens=False)
+    k = next(i for i, t in enumerate(ids) if tok.decode([t], skip_special_tokens=False) == " \ufffd")
+    req, fin = _engine_stop(tok, ids, "0 ")
+    assert fin == (FinishReason.STOP, "0 ") and req.output_ids == ids[: k + 1]
+
+
 @FUZZ
 @given(text=TEXT_WITH_SPECIALS, data=st.data(), skip=st.booleans())
 def test_engine_and_server_stop_at_the_same_place(tok: Tokenizer, text: str, data: st.DataObject, skip: bool) -> None:
@@ -298,14 +322,7 @@ def test_engine_and_server_stop_at_the_same_place(tok: Tokenizer, text: str, dat
     assume(len(full) >= 2)
     a = data.draw(st.integers(0, len(full) - 1))
     stop = full[a : data.draw(st.integers(a + 1, min(len(full), a + 6)))]
-    req = Req("r", [1], SamplingParams(max_new_tokens=len(ids) + 1, stop=(stop,), ignore_eos=True), (2,))
-    checker = FinishChecker(tok, (2,), context_length=1 << 20)
-    fin = None
-    for t in ids:
-        req.output_ids.append(t)
-        fin = checker.check(req, 1)
-        if fin is not None:
-            break
+    req, fin = _engine_stop(tok, ids, stop)
     m = next(k for k in range(1, len(ids) + 1) if any(stop in tok.decode(ids[:k], v) for v in (True, False)))
     assert fin == (FinishReason.STOP, stop) and req.output_ids == ids[:m]
     final = _check_stream(_track(tok, req.output_ids, fin, stop=(stop,), skip=skip))

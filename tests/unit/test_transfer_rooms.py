@@ -4,11 +4,12 @@ final-status rules, deadlines and liveness on a fake clock."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import numpy as np
 import pytest
 
-from kvpipe.config import DisaggregationConfig, TransferTuning
+from kvpipe.config import ControlLimits, DisaggregationConfig, TransferTuning
 from kvpipe.transfer.backends.base import BatchHandle, BatchState
 from kvpipe.transfer.control import messages as m
 from kvpipe.transfer.lifecycle import DuplicateRoomError, RoomRecord, TransferState, receiver_timeouts, sender_timeouts
@@ -112,7 +113,9 @@ class Book:
 
     def __init__(self, cfg=CFG):
         self.sent: list[tuple[str, object]] = []
-        self.book = SenderBook(cfg, SRC, 0, 1, "p/0", lambda a, msg: self.sent.append((a, msg)) or True)
+        self.book = SenderBook(
+            cfg, SRC, 0, 1, "p/0", lambda a, msg: self.sent.append((a, msg)) or True, own_data_address="data-p"
+        )
         self.book.on_message(m.RegisterPeer("d/0", 0, 1, "data-d", "tcp://d", DST), 0.0)
 
     def statuses(self):
@@ -228,33 +231,36 @@ def status(room, ok=True, aux_room=None, token=1):
 
 def recv_room(p_tp=2, d_tp=1) -> ReceiverRoom:
     r = ReceiverRoom(3, RoomRecord.new(3, receiver_timeouts(CFG), 0.0), ("h", 1), (np.arange(4),) * d_tp, 0)
-    r.requested_from("inst", p_tp, d_tp)
+    r.requested_from("inst", p_tp, d_tp, tuple(f"d/{i}" for i in range(d_tp)))
     return r
 
 
 def test_receiver_room_needs_every_prefill_rank():
     r = recv_room(p_tp=2)
     assert not r.quiet(1.0)
-    assert r.on_status(0, status(3), 1.0) is None and r.rec.state is T.TRANSFERRING
-    assert r.on_status(0, status(3), 2.0) is None and r.rec.state is T.SUCCESS
+    assert r.on_status(0, 0, status(3), 1.0) is None and r.rec.state is T.TRANSFERRING
+    assert r.on_status(0, 1, status(3), 2.0) is None and r.rec.state is T.SUCCESS
     assert r.aux == m.AuxData(3, 1, -0.1) and r.quiet(2.0)
-    assert "more final statuses" in r.on_status(0, status(3), 3.0)
-    assert "did not request" in r.on_status(1, status(3), 3.0)
+    assert "a second final status from prefill rank 1" in r.on_status(0, 1, status(3), 3.0)
+    # only the pairs the room was requested from answer: our session of that rank, a paired prefill rank
+    assert r.pair_of("d/0", "inst/1") == (0, 1) and r.pair_of("d/0", "inst/0") == (0, 0)
+    assert r.pair_of("d/1", "inst/0") is None and r.pair_of("d/0", "other/0") is None
+    assert r.pair_of("d/0", "inst/2") is None and r.pair_of("inst/0", "d/0") is None
 
 
 def test_receiver_room_stale_aux_and_quiet_rules():
     r = recv_room(p_tp=2)
-    r.on_status(0, status(3, aux_room=4), 1.0)
+    r.on_status(0, 0, status(3, aux_room=4), 1.0)
     assert r.rec.state is T.FAILED and "aux data of room 4" in r.rec.reason
     assert not r.quiet(1.0)  # the other prefill rank may still write
     r.quiet_deadline = 11.0
     assert not r.quiet(10.9) and r.quiet(11.0)
     r2 = recv_room(p_tp=2)
-    r2.on_status(0, status(3, token=1), 1.0)
-    r2.on_status(0, status(3, token=2), 1.0)
+    r2.on_status(0, 0, status(3, token=1), 1.0)
+    r2.on_status(0, 1, status(3, token=2), 1.0)
     assert r2.rec.state is T.FAILED and "disagree" in r2.rec.reason and r2.quiet(1.0)
     r3 = recv_room(p_tp=1)
-    r3.on_status(0, status(3, ok=False), 1.0)
+    r3.on_status(0, 0, status(3, ok=False), 1.0)
     assert r3.rec.state is T.FAILED and r3.quiet(1.0)
     unrequested = ReceiverRoom(4, RoomRecord.new(4, receiver_timeouts(CFG), 0.0), ("h", 1), (np.arange(4),), 0)
     assert unrequested.quiet(0.0)
@@ -298,3 +304,69 @@ def test_book_abort_before_the_request_fails_the_room_at_once():
     b.book.on_message(m.TransferRequest(4, "d/0", tuple(range(6)), 0, 0), 2.0)
     b.book.on_message(m.Abort(4, "e/0", m.Side.DECODE, "not yours"), 2.1)
     assert b.book.rooms[4].rec.state is T.WAITING_FOR_INPUT and b.book.stats.rejected_messages == 1
+
+
+def test_register_peer_cannot_rebind_a_session_or_point_writes_at_another_decodes_memory():
+    """Issue 30, finding 5: RegisterPeer with someone else's data address or buffers is refused;
+    the decode that registered first keeps its binding and its room's writes."""
+    b = Book()  # "d/0": data "data-d", control "tcp://d", buffers DST; this rank's own data address "data-p"
+    bound = b.book.peers.peers["d/0"]
+    page = 2 * PS * HD * 4
+    overlapping = KVLayout(
+        L, PS, 2, 0, 2, HD, "float32", 4, tuple((1 << 41) + i * 4096 for i in range(2 * L)), PAGES * page
+    )
+    attempts = [
+        m.RegisterPeer("d/0", 0, 1, "data-evil", "tcp://d", DST),  # rebind a bound session
+        m.RegisterPeer("e/0", 0, 1, "data-d", "tcp://evil", DST),  # another decode's data address
+        m.RegisterPeer("e/1", 0, 1, "data-d", "tcp://d", layout(1 << 41)),  # its address, other offsets
+        m.RegisterPeer("e/2", 0, 1, "data-p", "tcp://evil", DST),  # this prefill rank's own memory
+        m.RegisterPeer("e/3", 0, 1, "10.0.0.9:15000", "tcp://10.0.0.2:5555", DST),  # data on another host
+        m.RegisterPeer("e/4", 0, 1, "10.0.0.2:15000", "tcp://10.0.0.2:5555", overlapping),
+    ]
+    for msg in attempts:
+        b.book.on_message(msg, 0.5)
+    assert b.book.peers.peers == {"d/0": bound} and b.book.stats.rejected_messages == len(attempts)
+    b.book.on_message(m.TransferRequest(1, "e/0", (1, 2), 0, 0), 0.6)  # answered with the reason, never written
+    [st] = b.statuses()
+    assert st.state is m.WireState.FAILED and "registered by the decode at tcp://d" in st.reason
+    b.book.on_message(m.TransferRequest(2, "e/4", (1, 2), 0, 0), 0.6)
+    assert "overlap" in b.statuses()[0].reason
+    # the first registrant's room goes where it said, and everything is released afterwards
+    b.book.add_room(3, np.arange(6), 1.0)
+    b.book.on_message(m.TransferRequest(3, "d/0", tuple(range(6)), 0, 0), 1.0)
+    b.book.add_call(3, SendCall(0, 22, 0, L, True), (5, -0.5))
+    take, _, _ = b.book.take_work(1.1)
+    lo, hi = min(DST.buffer_addrs), max(DST.buffer_addrs) + DST.buffer_nbytes
+    assert take and all(bt.peer == "data-d" and lo <= bt.dst.min() and bt.dst.max() < hi for _, bt in take)
+    b.book.record([(r, bt, BatchHandle(i, bt.peer, bt.num_ops, 64), None) for i, (r, bt) in enumerate(take)], [], 1.1)
+    b.book.record([], [(r, inf, BatchState.DONE) for r in b.book.rooms.values() for inf in list(r.inflight)], 1.2)
+    assert b.book.poll(1.2) == [(3, T.SUCCESS, "")] and b.book.rooms == {} and b.book.inflight_ops == 0
+
+
+def test_orphan_rooms_and_tombstones_are_capped_per_session():
+    """Issue 30, finding 5: a decode session cannot make a prefill rank hold unbounded rooms it
+    requested ahead of the engine, nor unbounded tombstones; another session keeps its own."""
+    cfg = dataclasses.replace(CFG, limits=ControlLimits(max_orphan_rooms_per_session=3, max_tombstones_per_session=2))
+    b = Book(cfg)
+    b.book.on_message(m.RegisterPeer("e/0", 0, 1, "data-e", "tcp://e", layout(1 << 41)), 0.0)
+    for room in range(5):
+        b.book.on_message(m.TransferRequest(room, "d/0", (room,), 0, 0), 0.1)
+    reasons = {st.room: st.reason for st in b.statuses()}
+    assert sorted(reasons) == [3, 4] and "--disaggregation-max-orphan-rooms 3" in reasons[3]
+    assert b.book.stats.orphans_refused == 2 and sorted(b.book.rooms) == [0, 1, 2]
+    b.book.on_message(m.TransferRequest(9, "e/0", (1,), 0, 0), 0.1)  # another session: its own bound
+    b.book.add_room(0, np.arange(6), 0.2)  # the engine admits room 0: it is no orphan any more
+    b.book.on_message(m.TransferRequest(5, "d/0", (5,), 0, 0), 0.3)
+    assert 5 in b.book.rooms and b.statuses() == []
+    # tombstones: the refusals of rooms 3 and 4, then aborts of rooms it never asked for
+    b.book.on_message(m.Abort(9, "e/0", m.Side.DECODE, "gone"), 0.3)  # e/0's own room: a failure, no tombstone
+    for room in (10, 11, 12):
+        b.book.on_message(m.Abort(room, "d/0", m.Side.DECODE, "gone"), 0.4)
+    assert b.book.stats.tombstones_evicted == 3 and sorted(b.book.tombstones) == [11, 12]
+    # everything ends: orphans time out, the admitted room is aborted; all released, bounds hold
+    b.book.abort(0, "done", 1.0)
+    for now in (1.0, 60.0):
+        b.tick(now)
+    assert [room for room, *_ in b.book.poll(60.0)] == [0]
+    assert b.book.rooms == {} and b.book._orphans == {}
+    assert len([t for t in b.book.tombstones.values() if t.by == "d/0"]) <= 2

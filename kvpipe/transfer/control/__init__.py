@@ -4,6 +4,7 @@
 TransferStatus, ...) and `codec.py` their strict msgpack form; `endpoint.py` is the ZeroMQ
 endpoint every rank owns (one PULL socket in, one PUSH socket per peer out); `bootstrap.py` is
 the prefill's HTTP bootstrap server, where prefill ranks register their layouts and a decode
-looks them up, and its client; `auth.py` signs and checks bootstrap calls and control frames
-with the deployment's shared secret. Nothing here moves KV bytes.
+looks them up, and its client; `fetch_guard.py` decides where a decode may fetch that from;
+`auth.py` signs and checks bootstrap calls and control frames with the deployment's shared
+secret. Nothing here moves KV bytes.
 """

@@ -1,22 +1,29 @@
 """Shared-secret authentication of the PD control plane and the bootstrap API.
 
-Both servers of a PD pair are given the same token (`--disaggregation-auth-token`, or the
-environment variable below so it stays out of process lists). Every control-plane frame and every
-bootstrap HTTP call then carries an HMAC-SHA256 tag over
+Both servers of a PD pair are given the same token (`--disaggregation-auth-token-file`, or the
+environment variable below; `--disaggregation-auth-token` works but shows in process lists).
+Every control-plane frame and every bootstrap HTTP call then carries an HMAC-SHA256 tag over
 
     context | timestamp | nonce | payload
 
-where `context` names the receiver (the destination ZeroMQ address, or the HTTP method and path),
-`payload` is the encoded message (whose fields hold the room) or the HTTP body. The receiver
-checks the tag in constant time, that the timestamp is within `max_skew_s` of its own clock, and
-that it has not seen the (timestamp, nonce) pair before (replays inside the window); anything
-else is rejected and counted. The token itself never crosses the wire.
+where `context` names the receiver: the destination ZeroMQ address, or for HTTP the method, the
+`host:port` the caller addressed, the path and the bootstrap server's instance id (random per
+start, so a captured header is refused by every other bootstrap server and by the same port after
+a restart); `payload` is the encoded message (whose fields hold the room) or the HTTP body. The
+receiver checks the tag in constant time, that the timestamp is within `max_skew_s` of its own
+clock, and that it has not seen the (timestamp, nonce) pair before (replays inside the window);
+anything else is rejected and counted. A bootstrap answer is tagged over the request's context,
+timestamp and nonce and its own body (`sign_reply`), so a decode accepts only the answer to the
+question it asked. The token itself never crosses the wire.
 
     auth = Authenticator.from_token("a-shared-secret-of-16+-chars")
     frame = auth.seal(payload, context=b"tcp://10.0.0.2:5555")   # sender
     payload = auth.open(frame, context=b"tcp://10.0.0.2:5555")   # receiver; raises AuthError
-    header = auth.sign_http("PUT", "/v1/prefill/ranks/0", body)  # X-Kvpipe-Auth value
-    auth.verify_http("PUT", "/v1/prefill/ranks/0", body, header) # raises AuthError
+    ctx = http_context("PUT", "10.0.0.2:8998", "/v1/prefill/ranks/0", server_instance)
+    header = auth.sign_http(ctx, body)                # X-Kvpipe-Auth value
+    stamp = auth.verify_http(ctx, body, header)       # server; raises AuthError
+    reply = auth.sign_reply(ctx, stamp, answer)       # X-Kvpipe-Auth-Reply value
+    auth.verify_reply(ctx, header, answer, reply)     # client; raises AuthError
 
 Frame layout: MAGIC(4) | timestamp ns (8, little endian) | nonce (8) | tag (32) | payload.
 """
@@ -38,15 +45,23 @@ from kvpipe.config import MIN_AUTH_TOKEN_CHARS
 
 TOKEN_ENV = "KVPIPE_DISAGGREGATION_AUTH_TOKEN"
 HTTP_HEADER = "X-Kvpipe-Auth"
+REPLY_HEADER = "X-Kvpipe-Auth-Reply"
 MAGIC = b"KVA1"
 _HEAD = struct.Struct("<4sQQ")  # magic, timestamp ns, nonce
 TAG_BYTES = 32
+FRAME_OVERHEAD = _HEAD.size + TAG_BYTES  # bytes seal() adds in front of a payload
 DEFAULT_MAX_SKEW_S = 30.0
 MAX_REMEMBERED = 1 << 20  # (timestamp, nonce) pairs kept for replay detection
 
 
 class AuthError(Exception):
     """A frame or request without a valid tag, outside the time window, or replayed."""
+
+
+def http_context(method: str, authority: str, path: str, instance: str) -> bytes:
+    """What a bootstrap call's tag names: `authority` is the `host:port` the caller addressed (its
+    Host header), `instance` the bootstrap server's id (its /health says it)."""
+    return f"{method.upper()} {authority.lower()}{path} instance={instance}".encode()
 
 
 def token_from_env() -> str | None:
@@ -141,22 +156,49 @@ class Authenticator:
         return view[start:]
 
     # ---- bootstrap HTTP ------------------------------------------------------------------------
-    @staticmethod
-    def _http_context(method: str, path: str) -> bytes:
-        return f"{method.upper()} {path}".encode()
-
-    def sign_http(self, method: str, path: str, body: bytes) -> str:
+    def sign_http(self, context: bytes, body: bytes) -> str:
+        """The X-Kvpipe-Auth value of a call with `context` (http_context) and `body`."""
         ts, nonce = self._clock_ns(), next(self._nonces) & ((1 << 64) - 1)
-        return f"{ts}.{nonce}.{self._tag(self._http_context(method, path), ts, nonce, body).hex()}"
+        return _format(ts, nonce, self._tag(context, ts, nonce, body))
 
-    def verify_http(self, method: str, path: str, body: bytes, header: str | None) -> None:
-        if not header:
-            raise AuthError(f"missing {HTTP_HEADER} header")
+    def verify_http(self, context: bytes, body: bytes, header: str | None) -> tuple[int, int]:
+        """Check a call's header; its (timestamp, nonce), which the answer is signed over."""
+        ts, nonce, tag = _parse(header, HTTP_HEADER)
+        self._check(context, ts, nonce, tag, body)
+        return ts, nonce
+
+    def sign_reply(self, context: bytes, stamp: tuple[int, int], body: bytes) -> str:
+        """The X-Kvpipe-Auth-Reply value of the answer `body` to the call verify_http stamped."""
+        ts, nonce = stamp
+        return self._tag(_REPLY + context, ts, nonce, body).hex()
+
+    def verify_reply(self, context: bytes, request_header: str, body: bytes, reply: str | None) -> None:
+        """The answer to our call (`request_header` is what we sent) came from a token holder and
+        answers this very call: no window needed, the nonce is ours and fresh."""
+        ts, nonce, _ = _parse(request_header, HTTP_HEADER)
         try:
-            ts_s, nonce_s, tag_hex = header.split(".")
-            ts, nonce, tag = int(ts_s), int(nonce_s), bytes.fromhex(tag_hex)
+            tag = bytes.fromhex(reply or "")
         except ValueError:
-            raise AuthError(f"malformed {HTTP_HEADER} header") from None
-        if not (0 <= ts < 1 << 64 and 0 <= nonce < 1 << 64 and len(tag) == TAG_BYTES):
-            raise AuthError(f"malformed {HTTP_HEADER} header")
-        self._check(self._http_context(method, path), ts, nonce, tag, body)
+            tag = b""
+        if len(tag) != TAG_BYTES or not hmac.compare_digest(tag, self._tag(_REPLY + context, ts, nonce, body)):
+            raise AuthError(f"answer without a valid {REPLY_HEADER} (not from a holder of the token, or altered)")
+
+
+_REPLY = b"reply\0"  # a reply's tag can never pass for a call's
+
+
+def _format(ts: int, nonce: int, tag: bytes) -> str:
+    return f"{ts}.{nonce}.{tag.hex()}"
+
+
+def _parse(header: str | None, name: str) -> tuple[int, int, bytes]:
+    if not header:
+        raise AuthError(f"missing {name} header")
+    try:
+        ts_s, nonce_s, tag_hex = header.split(".")
+        ts, nonce, tag = int(ts_s), int(nonce_s), bytes.fromhex(tag_hex)
+    except ValueError:
+        raise AuthError(f"malformed {name} header") from None
+    if not (0 <= ts < 1 << 64 and 0 <= nonce < 1 << 64 and len(tag) == TAG_BYTES):
+        raise AuthError(f"malformed {name} header")
+    return ts, nonce, tag

@@ -18,14 +18,21 @@ HTTP API: `PUT /v1/prefill/ranks/{rank}` (JSON PrefillRankInfo), `GET /v1/prefil
 `GET /health`. A registration with a new instance id replaces the previous instance's ranks.
 
 With an `Authenticator` (auth.py, the deployment's shared token) every call but /health must
-carry a valid `X-Kvpipe-Auth` tag over its method, path and body: registrations (which would let
-anyone point decodes at their own control endpoint) and look-ups (which hand out KV buffer
-addresses) alike. A call without one gets 401 and is counted (`auth_rejected`).
+carry a valid `X-Kvpipe-Auth` tag over its method, the host:port it was addressed to, its path,
+the server's instance id and its body: registrations (which would let anyone point decodes at
+their own control endpoint) and look-ups (which hand out KV buffer addresses) alike. A call
+without one gets 401 and is counted (`auth_rejected`). The server's instance id is random per
+start and /health says it: a client asks for it first, so a captured header works nowhere else
+and not after a restart on the same port. Every 200 answer carries `X-Kvpipe-Auth-Reply`, a tag
+over the call's context, timestamp and nonce and the answer's body; the client refuses an answer
+without a valid one. The client reads at most `MAX_ANSWER_BYTES` of an answer, and gives up on a
+call after twice its timeout even when the server trickles bytes.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 import socket
 import threading
 import time
@@ -39,13 +46,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from kvpipe.body_limit import BodyLimitMiddleware
-from kvpipe.transfer.control.auth import HTTP_HEADER, Authenticator, AuthError
+from kvpipe.transfer.control.auth import HTTP_HEADER, REPLY_HEADER, Authenticator, AuthError, http_context
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.planning.tp_mapping import kv_head_range, transfer_slices
 
 DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's convention; the router sends null for "default"
 # A registration is a few KB (two addresses per layer); anything near this is garbage or an attack.
 MAX_BODY_BYTES = 1 << 20
+# An answer holds one registration per prefill rank: a decode reads at most this much of one
+# (an unbounded read let a bogus bootstrap host fill the decode's memory).
+MAX_ANSWER_BYTES = 16 * MAX_BODY_BYTES
 # What a field of hostile JSON can make int()/KVLayout raise: 1e400 parses as inf, int(inf) overflows.
 _MALFORMED = (KeyError, TypeError, ValueError, OverflowError)
 
@@ -64,6 +74,11 @@ class BootstrapUnreachable(BootstrapError):
 
 class IncompatiblePeerError(BootstrapError):
     """Prefill and decode cannot exchange KV (model, page size, dtype, layers, TP ...)."""
+
+
+class BootstrapRefused(BootstrapError, ValueError):
+    """This decode may not fetch from that bootstrap address (--disaggregation-bootstrap-allow,
+    or it failed a moment ago). A ValueError too: the engine refuses the request with it."""
 
 
 def layout_from_dict(d: dict[str, Any]) -> KVLayout:
@@ -223,16 +238,34 @@ class _Registry:
         return info.to_dict()
 
 
-def _app(registry: _Registry, auth: Authenticator | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+def _app(
+    registry: _Registry,
+    auth: Authenticator | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    instance: str | None = None,
+) -> FastAPI:
+    """`instance`: this server's id in every tag (random when not given)."""
+    server_id = instance or secrets.token_hex(12)
+
+    def context(request: Request) -> bytes:
+        return http_context(request.method, request.headers.get("host", ""), request.url.path, server_id)
+
     async def authenticated(request: Request) -> None:
         if auth is None or request.url.path == "/health":
             return
         body = await request.body()  # cached on the request: the route's body parsing reads it again
         try:
-            auth.verify_http(request.method, request.url.path, body, request.headers.get(HTTP_HEADER))
+            request.state.auth_stamp = auth.verify_http(context(request), body, request.headers.get(HTTP_HEADER))
         except AuthError as e:
             registry.reject()
             raise HTTPException(401, f"bootstrap call rejected: {e}") from None
+
+    def answer(request: Request, payload: dict[str, Any]) -> JSONResponse:
+        """A 200 answer; with a token, tagged over the call it answers."""
+        resp = JSONResponse(payload)
+        if auth is not None:
+            resp.headers[REPLY_HEADER] = auth.sign_reply(context(request), request.state.auth_stamp, bytes(resp.body))
+        return resp
 
     app = FastAPI(
         title="kvpipe bootstrap", docs_url=None, redoc_url=None, openapi_url=None, dependencies=[Depends(authenticated)]
@@ -249,25 +282,25 @@ def _app(registry: _Registry, auth: Authenticator | None = None, max_body_bytes:
         return JSONResponse({"detail": where or "invalid request"}, status_code=422)
 
     @app.put("/v1/prefill/ranks/{rank}")
-    def put_rank(rank: int, body: dict[str, Any]) -> dict[str, str]:
+    def put_rank(rank: int, body: dict[str, Any], request: Request) -> JSONResponse:
         try:
             info = PrefillRankInfo.from_dict(body)
         except BootstrapError as e:
             raise HTTPException(400, str(e)) from e
         registry.put(rank, info)
-        return {"status": "ok"}
+        return answer(request, {"status": "ok"})
 
     @app.get("/v1/prefill/ranks")
-    def get_ranks() -> dict[str, Any]:
-        return registry.get_all()
+    def get_ranks(request: Request) -> JSONResponse:
+        return answer(request, registry.get_all())
 
     @app.get("/v1/prefill/ranks/{rank}")
-    def get_rank(rank: int) -> dict[str, Any]:
-        return registry.get_one(rank)
+    def get_rank(rank: int, request: Request) -> JSONResponse:
+        return answer(request, registry.get_one(rank))
 
     @app.get("/health")
     def health() -> dict[str, str]:
-        return {"status": "ok"}
+        return {"status": "ok", "instance": server_id}
 
     return app
 
@@ -283,7 +316,9 @@ class BootstrapServer:
         self._sock.bind((host, port))  # bound now, so `port` is known before start()
         self.port: int = self._sock.getsockname()[1]
         self._registry = _Registry()
-        cfg = uvicorn.Config(_app(self._registry, auth), log_level="warning", lifespan="off", access_log=False)
+        self.instance = secrets.token_hex(12)  # in every tag: new on every start
+        app = _app(self._registry, auth, instance=self.instance)
+        cfg = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)
         self._server = uvicorn.Server(cfg)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._sock]}, name=f"bootstrap-{self.port}", daemon=True
@@ -321,67 +356,127 @@ class BootstrapServer:
 
 
 def _base_url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return f"http://{_authority(host, port)}"
+
+
+def _authority(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _request(
     method: str,
-    base: str,
+    host: str,
+    port: int,
     path: str,
     timeout_s: float,
     body: dict[str, Any] | None = None,
     auth: Authenticator | None = None,
+    connect_to: str | None = None,
 ) -> Any:
-    url = base + path
+    """One call (with a token: the instance look-up, then the signed call); every wait (connect,
+    each read) is at most `timeout_s`, and the whole exchange stops reading after twice that (at
+    least one second more), so a server that trickles bytes cannot hold the caller. `connect_to`:
+    the address to connect to instead of resolving `host` again (the one an allow list checked).
+    The answer is read up to MAX_ANSWER_BYTES; with a token it must carry a valid reply tag."""
+    authority = _authority(host, port)
+    base = _base_url(connect_to or host, port)
+    url = _base_url(host, port) + path
+    end = time.monotonic() + timeout_s + max(timeout_s, 1.0)
     content = b"" if body is None else json.dumps(body).encode()
-    headers = {"Content-Type": "application/json"} if body is not None else {}
-    if auth is not None:
-        headers[HTTP_HEADER] = auth.sign_http(method, path, content)
+    # a connection per exchange: a second request on a kept-alive loopback connection waited
+    # ~40 ms for a delayed ACK (Nagle)
+    headers = {"Host": authority, "Accept-Encoding": "identity", "Connection": "close"}
+    if body is not None:
+        headers["Content-Type"] = "application/json"
     try:
-        with httpx.Client(timeout=timeout_s, trust_env=False) as client:
-            resp = client.request(method, url, content=content, headers=headers)
+        # verify=False: the bootstrap API is plain HTTP, and loading the CA bundle for a client
+        # that never speaks TLS cost ~0.2 s per call on a loaded 2-core host
+        with httpx.Client(timeout=timeout_s, trust_env=False, verify=False) as client:
+            ctx = b""
+            if auth is not None:
+                status, raw, _ = _call(client, "GET", base + "/health", {**headers}, b"", end)
+                ctx = http_context(method, authority, path, _instance(url, status, raw))
+                headers[HTTP_HEADER] = auth.sign_http(ctx, content)
+            status, raw, resp_headers = _call(client, method, base + path, headers, content, end)
     except httpx.TimeoutException as e:
-        raise BootstrapUnreachable(f"bootstrap server {url}: no answer within {timeout_s}s") from e
+        raise BootstrapUnreachable(f"bootstrap server {url}: no complete answer within {timeout_s}s") from e
     except httpx.HTTPError as e:
         raise BootstrapUnreachable(f"bootstrap server {url} unreachable: {e}") from e
-    if resp.status_code == 503:
-        raise BootstrapNotReady(f"bootstrap server {url}: {_detail(resp)}")
-    if resp.status_code != 200:
-        raise BootstrapError(f"bootstrap server {url}: HTTP {resp.status_code}: {_detail(resp)}")
+    if status == 503:
+        raise BootstrapNotReady(f"bootstrap server {url}: {_detail(raw)}")
+    if status != 200:
+        raise BootstrapError(f"bootstrap server {url}: HTTP {status}: {_detail(raw)}")
+    if auth is not None:
+        try:
+            auth.verify_reply(ctx, headers[HTTP_HEADER], raw, resp_headers.get(REPLY_HEADER))
+        except AuthError as e:
+            raise BootstrapError(f"bootstrap server {url}: {e}") from None
     try:
-        return resp.json()
+        return json.loads(raw)
     except ValueError as e:
         raise BootstrapError(f"bootstrap server {url}: answer is not JSON") from e
 
 
-def _detail(resp: httpx.Response) -> str:
+def _call(
+    client: httpx.Client, method: str, url: str, headers: dict[str, str], content: bytes, end: float
+) -> tuple[int, bytes, httpx.Headers]:
+    """Status, body (at most MAX_ANSWER_BYTES) and headers of one exchange; no read starts after `end`."""
+    with client.stream(method, url, content=content, headers=headers) as resp:
+        declared = resp.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_ANSWER_BYTES:
+            raise BootstrapError(f"bootstrap server {url}: answer of {declared} bytes (at most {MAX_ANSWER_BYTES})")
+        buf = bytearray()
+        chunks = resp.iter_bytes()
+        while True:
+            if time.monotonic() > end:
+                raise httpx.ReadTimeout("answer not complete in time")
+            chunk = next(chunks, None)
+            if chunk is None:
+                break
+            buf += chunk
+            if len(buf) > MAX_ANSWER_BYTES:
+                raise BootstrapError(f"bootstrap server {url}: answer longer than {MAX_ANSWER_BYTES} bytes")
+        return resp.status_code, bytes(buf), resp.headers
+
+
+def _instance(url: str, status: int, raw: bytes) -> str:
+    """The server's instance id from its /health answer (what a signed call names)."""
     try:
-        body = resp.json()
+        instance = json.loads(raw)["instance"] if status == 200 else None
+    except (ValueError, KeyError, TypeError):
+        instance = None
+    if not isinstance(instance, str) or not 0 < len(instance) <= 64:
+        raise BootstrapError(f"bootstrap server {url}: /health names no instance (HTTP {status}; not kvpipe?)")
+    return instance
+
+
+def _detail(raw: bytes) -> str:
+    try:
+        body = json.loads(raw)
     except ValueError:
-        return resp.text[:200]
-    return str(body.get("detail", resp.text)) if isinstance(body, dict) else resp.text[:200]
+        return raw[:200].decode(errors="replace")
+    return str(body.get("detail", body))[:500] if isinstance(body, dict) else raw[:200].decode(errors="replace")
 
 
 def register_prefill_rank(
     host: str, port: int, info: PrefillRankInfo, timeout_s: float = 2.0, auth: Authenticator | None = None
 ) -> None:
-    _request("PUT", _base_url(host, port), f"/v1/prefill/ranks/{info.rank}", timeout_s, info.to_dict(), auth)
+    _request("PUT", host, port, f"/v1/prefill/ranks/{info.rank}", timeout_s, info.to_dict(), auth)
 
 
 def fetch_prefill_info(
-    host: str, port: int, timeout_s: float = 2.0, auth: Authenticator | None = None
+    host: str, port: int, timeout_s: float = 2.0, auth: Authenticator | None = None, connect_to: str | None = None
 ) -> PrefillInstanceInfo:
+    """`connect_to`: the checked address of `host` to connect to (allow lists, fetch_guard.py)."""
     return PrefillInstanceInfo.from_dict(
-        _request("GET", _base_url(host, port), "/v1/prefill/ranks", timeout_s, auth=auth)
+        _request("GET", host, port, "/v1/prefill/ranks", timeout_s, auth=auth, connect_to=connect_to)
     )
 
 
 def fetch_prefill_rank(
     host: str, port: int, rank: int, timeout_s: float = 2.0, auth: Authenticator | None = None
 ) -> PrefillRankInfo:
-    return PrefillRankInfo.from_dict(
-        _request("GET", _base_url(host, port), f"/v1/prefill/ranks/{rank}", timeout_s, auth=auth)
-    )
+    return PrefillRankInfo.from_dict(_request("GET", host, port, f"/v1/prefill/ranks/{rank}", timeout_s, auth=auth))
 
 
 def wait_prefill_info(

@@ -7,8 +7,16 @@ Rules (they keep validation generic and vectorised):
   Python work on either side); their entries are non-negative unless the field's metadata is
   NO_PAGE_OK (-1 entries allowed: "no page here");
 - nested dataclasses travel as maps; `X | None` accepts None;
-- a map must hold exactly the dataclass's fields (no missing, no unknown ones).
+- a map must hold exactly the dataclass's fields (no missing, no unknown ones);
+- str fields whose metadata is TEXT (free-text reasons) are cut to MAX_TEXT_CHARS when encoded.
 Anything else raises ProtocolError, including a dataclass's own __post_init__ ValueError.
+
+`WireLimits` bounds what decoding a frame may allocate. The wire form above has no msgpack arrays
+at all, a known number of maps per message, and strings and int64 lists only where the message
+classes put them, so the limits follow from the classes an endpoint receives and from the largest
+int list it can legitimately get (a page list: the pages of a pool). The frame size bound is the
+largest encoding of those classes under those limits: a bigger frame is refused by the socket
+(ZMQ_MAXMSGSIZE) before it is copied or authenticated.
 """
 
 from __future__ import annotations
@@ -18,12 +26,17 @@ import enum
 import functools
 import types
 import typing
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 _INT_MAX = 1 << 63
 NO_PAGE_OK = {"min_id": -1}  # field metadata: an int tuple whose entries may be -1 (no page)
+TEXT = {"text": True}  # field metadata: a free-text str (a reason), cut to MAX_TEXT_CHARS when sent
+MAX_STR_BYTES = 4096  # any str on the wire: addresses, session ids, dtype names, reasons
+MAX_TEXT_CHARS = MAX_STR_BYTES // 4  # UTF-8 takes at most 4 bytes a character
 
 
 class ProtocolError(Exception):
@@ -44,7 +57,10 @@ def to_wire(obj: Any) -> dict[str, Any]:
     cls: type = type(obj)
     hints = _hints(cls)
     for f in dataclasses.fields(obj):
-        out[f.name] = _value_to_wire(getattr(obj, f.name), hints[f.name])
+        value = getattr(obj, f.name)
+        if f.metadata.get("text") and type(value) is str and len(value) > MAX_TEXT_CHARS:
+            value = value[: MAX_TEXT_CHARS - 3] + "..."  # an error message must never make a frame the peer refuses
+        out[f.name] = _value_to_wire(value, hints[f.name])
     return out
 
 
@@ -119,3 +135,100 @@ def _value_from_wire(value: Any, tp: Any, path: str, min_id: int = 0) -> Any:
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return from_wire(tp, value, path)
     raise TypeError(f"{path}: codec does not support field type {tp!r}")  # a bug in a message class
+
+
+# ---- decoding limits -----------------------------------------------------------------------------
+
+_INT_BYTES = 9  # msgpack uint64 / float64: marker + 8 bytes
+_HEADER_BYTES = 5  # str32 / bin32 / map32 marker + length
+
+
+@dataclass(frozen=True)
+class WireLimits:
+    """What decoding one frame may allocate (msgpack's max_*_len), and the largest frame a legit
+    peer can send under them. Build with `for_classes`."""
+
+    max_bin_len: int  # bytes of one int64 list: 8 x the longest list
+    max_str_len: int
+    max_map_len: int  # fields of the widest message (+ kind and version)
+    max_maps: int  # maps in one message: the message and its nested dataclasses
+    max_frame_bytes: int  # the largest encoding of any accepted class under these limits
+
+    @classmethod
+    def for_classes(cls, classes: Iterable[type], max_ints: int) -> WireLimits:
+        """Limits for an endpoint that receives `classes` (top-level messages, each encoded with
+        two more keys, kind and version) whose int lists hold at most `max_ints` entries."""
+        bin_len = 8 * max_ints
+        sizes = [_bound(c, bin_len) for c in classes]
+        if not sizes:
+            raise ValueError("an endpoint receives at least one message class")
+        kind_bytes = max(len(getattr(c, "KIND", "")) for c in classes) + _HEADER_BYTES
+        # kind and version: their keys (short fixstr) and values
+        extra = len("kind") + 1 + kind_bytes + len("version") + 1 + _INT_BYTES
+        return cls(
+            max_bin_len=bin_len,
+            max_str_len=MAX_STR_BYTES,
+            max_map_len=max(s.map_len for s in sizes) + 2,
+            max_maps=max(s.maps for s in sizes),
+            max_frame_bytes=max(s.nbytes for s in sizes) + extra,
+        )
+
+    @functools.cached_property
+    def unpack_kwargs(self) -> dict[str, Any]:
+        """msgpack.unpackb limits: no arrays (int lists travel as bytes), no ext types."""
+        return {
+            "max_bin_len": self.max_bin_len,
+            "max_str_len": self.max_str_len,
+            "max_array_len": 0,
+            "max_map_len": self.max_map_len,
+            "max_ext_len": 0,
+        }
+
+
+@dataclass(frozen=True)
+class _Size:
+    nbytes: int  # largest encoding
+    map_len: int  # widest map inside (this one included)
+    maps: int  # maps inside (this one included)
+
+
+@functools.cache
+def _bound(cls: type, bin_len: int) -> _Size:
+    hints = _hints(cls)
+    nbytes, map_len, maps = _HEADER_BYTES, len(dataclasses.fields(cls)), 1
+    for f in dataclasses.fields(cls):
+        tp = _optional_inner(hints[f.name]) or hints[f.name]
+        nbytes += len(f.name.encode()) + _HEADER_BYTES
+        if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+            inner = _bound(tp, bin_len)
+            nbytes, map_len, maps = nbytes + inner.nbytes, max(map_len, inner.map_len), maps + inner.maps
+        elif _is_int_tuple(tp):
+            nbytes += bin_len + _HEADER_BYTES
+        elif tp is str:
+            nbytes += MAX_STR_BYTES + _HEADER_BYTES
+        elif isinstance(tp, type) and issubclass(tp, enum.Enum):
+            nbytes += max(len(str(m.value).encode()) for m in tp) + _HEADER_BYTES
+        else:  # int, float, bool, None
+            nbytes += _INT_BYTES
+    return _Size(nbytes, map_len, maps)
+
+
+# Below this a frame is decoded without MapCounter (a Python call per map): a map costs at least 3
+# bytes and its dict about 200, so a smaller frame expands to at most ~1 MiB whatever its shape.
+MAP_COUNT_FROM_BYTES = 16 << 10
+
+
+class MapCounter:
+    """msgpack object_pairs_hook: builds each map as a dict and refuses the (max_maps + 1)-th, so a
+    frame of nested maps cannot make more objects than a real message has."""
+
+    __slots__ = ("left",)
+
+    def __init__(self, max_maps: int) -> None:
+        self.left = max_maps
+
+    def __call__(self, pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+        self.left -= 1
+        if self.left < 0:
+            raise ValueError("more maps than any message holds")
+        return dict(pairs)

@@ -15,10 +15,18 @@ sends to it fail fast instead of blocking a server loop. `send` is thread-safe.
 With an `Authenticator` (auth.py) every frame is sealed for the destination address and every
 received frame must carry a valid tag for this endpoint's address, a fresh timestamp and an unseen
 nonce; a frame that fails is dropped before it is decoded (`stats.auth_rejected`).
+
+Bounds (issue 30): every socket has ZMQ_MAXMSGSIZE set from `limits` (codec.WireLimits: the
+largest frame a legit peer can send this endpoint, plus the authentication header), so libzmq drops
+the connection of a peer that announces a bigger frame before a byte of it is buffered; decoding
+runs under the same limits. PUSH sockets are pooled: at most `max_sockets` stay open, the least
+recently used one is closed when another is needed (`stats.sockets_closed`), so a flood of
+distinct reply addresses cannot pile up sockets.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 from collections.abc import Callable
@@ -28,7 +36,8 @@ from typing import Any
 import zmq
 
 from kvpipe.transfer.control import messages
-from kvpipe.transfer.control.auth import Authenticator, AuthError
+from kvpipe.transfer.control.auth import FRAME_OVERHEAD, Authenticator, AuthError
+from kvpipe.transfer.control.codec import WireLimits
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +50,7 @@ class EndpointStats:
     sent: int = 0
     send_dropped: int = 0  # peer queue full, peer unreachable or endpoint closed
     auth_rejected: int = 0  # frames without a valid tag, stale or replayed (with an Authenticator)
+    sockets_closed: int = 0  # least recently used PUSH sockets closed to stay within max_sockets
 
 
 def _tcp(host: str) -> str:
@@ -57,9 +67,17 @@ class ControlEndpoint:
         send_hwm: int = 10000,
         poll_ms: int = 20,
         auth: Authenticator | None = None,
+        limits: WireLimits = messages.DEFAULT_LIMITS,
+        max_sockets: int = 1024,
     ) -> None:
+        if max_sockets < 1:
+            raise ValueError("an endpoint needs at least one PUSH socket")
         self.name = name
         self._auth = auth
+        self._limits = limits
+        self._max_sockets = max_sockets
+        # the socket refuses anything longer: the frame is never buffered, let alone authenticated
+        self.max_frame_bytes = limits.max_frame_bytes + (FRAME_OVERHEAD if auth is not None else 0)
         self.stats = EndpointStats()
         self._handler = handler
         self._send_hwm = send_hwm
@@ -68,11 +86,12 @@ class ControlEndpoint:
         self._ctx = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
         if ":" in host:
             self._pull.setsockopt(zmq.IPV6, 1)
         port = self._pull.bind_to_random_port(_tcp(host))
         self.address = f"{_tcp(host)}:{port}"
-        self._push: dict[str, zmq.Socket] = {}
+        self._push: collections.OrderedDict[str, zmq.Socket] = collections.OrderedDict()  # LRU last
         self._lock = threading.Lock()  # guards _push (zmq sockets are not thread-safe)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._recv_loop, name=f"{name}-recv", daemon=True)
@@ -93,13 +112,26 @@ class ControlEndpoint:
                 return False
             sock = self._push.get(addr)
             if sock is None:
+                while len(self._push) >= self._max_sockets:
+                    _, old = self._push.popitem(last=False)
+                    old.close(linger=0)
+                    self.stats.sockets_closed += 1
                 sock = self._ctx.socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.SNDHWM, self._send_hwm)
+                sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)  # a PUSH socket receives nothing
                 if addr.startswith("tcp://["):
                     sock.setsockopt(zmq.IPV6, 1)
-                sock.connect(addr)
+                try:
+                    sock.connect(addr)
+                except zmq.ZMQError as e:  # a malformed address from a peer's message
+                    sock.close(linger=0)
+                    self.stats.send_dropped += 1
+                    log.warning("%s: cannot connect to %.200s: %s", self.name, addr, e)
+                    return False
                 self._push[addr] = sock
+            else:
+                self._push.move_to_end(addr)
             try:
                 sock.send(data, flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -153,7 +185,7 @@ class ControlEndpoint:
                         )
                     continue
             try:
-                msg = messages.decode(payload)
+                msg = messages.decode(payload, self._limits)
             except Exception as e:  # ProtocolError, or anything a hostile frame provokes
                 self.stats.malformed += 1
                 log.warning("%s: dropped malformed control message (%d bytes): %s", self.name, len(payload), e)
@@ -163,6 +195,11 @@ class ControlEndpoint:
             except Exception:
                 self.stats.handler_errors += 1
                 log.exception("%s: handler failed on %s", self.name, type(msg).__name__)
+
+    def num_sockets(self) -> int:
+        """PUSH sockets open now (at most max_sockets)."""
+        with self._lock:
+            return len(self._push)
 
     def close(self) -> None:
         if self._closed:

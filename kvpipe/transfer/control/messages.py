@@ -11,23 +11,43 @@ Staged chunks (heterogeneous TP through a staging ring, staging/buffers.py): pre
 rank's staging agent: StagingSlotRequest; agent -> prefill: StagingSlotGrant (a ring offset, or
 refused); prefill writes the chunk there with one op, then StagingChunkWritten (scatter it into
 these pages, or only release the slot); agent -> prefill: StagingChunkDone once scattered.
+
+Who sent a frame (protocol 6): a frame names sessions, and every receiver checks them against what
+it bound at registration. A decode rank's session is a fresh random id per prefill instance it
+registers with (receiver/book.py), sent only to that prefill's ranks: TransferStatus and Abort name
+it and the prefill session that sends them (`sender`, which the decode checks against the ranks the
+bootstrap server listed for that instance and the TP rank pairs). A staging ring's agent has a
+random session of its own (StagingInfo.session_id, in RegisterPeer); each staged chunk carries a
+random `nonce` the prefill picked, echoed by the agent's grant and done and by the prefill's
+announcement, so neither side acts on a frame about a chunk its sender never saw.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import msgpack
 
-from kvpipe.transfer.control.codec import NO_PAGE_OK, ProtocolError, from_wire, to_wire
+from kvpipe.transfer.control.codec import (
+    MAP_COUNT_FROM_BYTES,
+    NO_PAGE_OK,
+    TEXT,
+    MapCounter,
+    ProtocolError,
+    WireLimits,
+    from_wire,
+    to_wire,
+)
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.recurrent.layout import StateLayout
 
-PROTOCOL_VERSION = 5  # 2: AuxData.cached_tokens; 3: staging ring messages, RegisterPeer.staging;
+PROTOCOL_VERSION = 6  # 2: AuxData.cached_tokens; 3: staging ring messages, RegisterPeer.staging;
 # 4: recurrent state (RegisterPeer.state, TransferRequest.state_slot); 5: sliding-window layers
-# (KVLayout.swa_layers, TransferRequest.dst_swa_pages: the window pages the decode wants)
-MAX_MESSAGE_BYTES = 64 << 20  # a page list of 8M pages; anything bigger is garbage
+# (KVLayout.swa_layers, TransferRequest.dst_swa_pages: the window pages the decode wants);
+# 6: senders named (TransferStatus.sender, Abort.sender, StagingInfo.session_id, staging nonces)
+MAX_MESSAGE_INTS = 1 << 20  # `decode` without limits: int lists of up to 1M entries (8 MiB)
 
 
 class WireState(enum.Enum):
@@ -49,6 +69,7 @@ class StagingInfo:
     control_address: str  # the rank's staging agent (its own control endpoint)
     pool_addr: int  # base address of the ring, registered with the rank's backend
     pool_nbytes: int
+    session_id: str = ""  # the agent's session: its grants and dones must name it
 
 
 @dataclass(frozen=True)
@@ -122,8 +143,9 @@ class TransferStatus:
     room: int
     session_id: str  # the decode session the writes went to
     state: WireState
-    reason: str = ""
+    reason: str = field(default="", metadata=TEXT)
     aux: AuxData | None = None  # required with SUCCESS
+    sender: str = ""  # the prefill rank's session (f"{instance_id}/{rank}"): the decode checks the pair
 
     def __post_init__(self) -> None:
         if self.state is WireState.SUCCESS and self.aux is None:
@@ -138,9 +160,10 @@ class TransferStatus:
 class Abort:
     KIND = "abort"
     room: int
-    session_id: str
+    session_id: str  # the decode session (from a decode: the sender's own)
     side: Side  # who gave up
-    reason: str
+    reason: str = field(metadata=TEXT)
+    sender: str = ""  # from a prefill: its session, checked like TransferStatus.sender
 
 
 @dataclass(frozen=True)
@@ -160,6 +183,7 @@ class StagingSlotRequest:
     chunk: int  # unique per prefill session: names the slot in every later message
     nbytes: int
     reply_address: str  # the prefill rank's control endpoint
+    nonce: int = 0  # random per chunk: every later message about the chunk must echo it
 
 
 @dataclass(frozen=True)
@@ -169,10 +193,11 @@ class StagingSlotGrant:
     KIND = "staging_slot_grant"
     room: int
     chunk: int
-    session_id: str  # the decode rank's session (the prefill finds the agent's address by it)
+    session_id: str  # the agent's session (StagingInfo.session_id)
     ok: bool
     offset: int = 0
-    reason: str = ""
+    reason: str = field(default="", metadata=TEXT)
+    nonce: int = 0  # the request's
 
 
 @dataclass(frozen=True)
@@ -192,6 +217,7 @@ class StagingChunkWritten:
     slice_nbytes: int = 0  # bytes per (layer, K/V, page)
     layer_start: int = 0
     layer_end: int = 0
+    nonce: int = 0  # the request's: the agent acts only on the chunk it granted
 
 
 @dataclass(frozen=True)
@@ -202,11 +228,12 @@ class StagingChunkDone:
     KIND = "staging_chunk_done"
     room: int
     chunk: int
-    session_id: str  # the decode rank's session
+    session_id: str  # the agent's session
     ok: bool
-    reason: str = ""
+    reason: str = field(default="", metadata=TEXT)
     watermark_round: int = 0
     watermark_offset: int = 0
+    nonce: int = 0  # the request's
 
 
 Message = (
@@ -236,6 +263,12 @@ MESSAGE_TYPES: dict[str, type] = {
 }
 
 
+# what each kind of endpoint receives (their decoding limits follow from it: limits_for)
+SENDER_RECEIVES = (RegisterPeer, TransferRequest, Abort, Heartbeat, StagingSlotGrant, StagingChunkDone)
+RECEIVER_RECEIVES = (TransferStatus, Abort, Heartbeat)
+STAGING_AGENT_RECEIVES = (StagingSlotRequest, StagingChunkWritten)
+
+
 def encode(msg: Message) -> bytes:
     kind = getattr(type(msg), "KIND", None)
     if kind is None or MESSAGE_TYPES.get(kind) is not type(msg):
@@ -243,13 +276,28 @@ def encode(msg: Message) -> bytes:
     return msgpack.packb({"kind": kind, "version": PROTOCOL_VERSION, **to_wire(msg)}, use_bin_type=True)
 
 
-def decode(data: bytes | bytearray | memoryview) -> Message:
+def limits_for(kinds: Iterable[type], max_ints: int) -> WireLimits:
+    """Decoding limits of an endpoint that receives these message classes, whose int lists (page
+    lists, buffer addresses, layer indices) hold at most `max_ints` entries."""
+    return WireLimits.for_classes(tuple(kinds), max(1, max_ints))
+
+
+DEFAULT_LIMITS = limits_for(MESSAGE_TYPES.values(), MAX_MESSAGE_INTS)
+
+
+def decode(data: bytes | bytearray | memoryview, limits: WireLimits = DEFAULT_LIMITS) -> Message:
+    """The message in `data`; ProtocolError for anything malformed or beyond `limits` (checked while
+    unpacking: a frame that would expand into more than a real message's objects is refused
+    before it does)."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"expected bytes, got {type(data).__name__}")
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    if len(data) > limits.max_frame_bytes:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds {limits.max_frame_bytes}")
+    hook = MapCounter(limits.max_maps) if len(data) >= MAP_COUNT_FROM_BYTES else None
     try:
-        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+        obj = msgpack.unpackb(
+            data, raw=False, strict_map_key=True, use_list=True, object_pairs_hook=hook, **limits.unpack_kwargs
+        )
     except Exception as e:  # msgpack raises many types (ExtraData, FormatError, ValueError, ...)
         raise ProtocolError(f"not a msgpack message: {type(e).__name__}: {e}"[:200]) from None
     if not isinstance(obj, dict):

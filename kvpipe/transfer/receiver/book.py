@@ -22,13 +22,19 @@ final TransferStatus per pair (room.py). Rules it keeps:
   next add_room fetches the bootstrap info again; a new instance id there proves the old one
   gone and frees the old rooms' pages at once.
 
-Session ids: decode rank r is f"{instance_id}/{r}", prefill rank p is f"{prefill_instance_id}/{p}"
-(KVSender); heartbeats carry them.
+Session ids: prefill rank p is f"{prefill_instance_id}/{p}" (KVSender; the bootstrap server lists
+the instance). Decode rank r registers with each prefill instance under a session of its own,
+f"{instance_id}/{r}/" + 128 random bits, sent to that instance's ranks only. A room remembers the
+sessions it was requested under; a TransferStatus or Abort counts only when it names the room's
+session of its decode rank and, as `sender`, a prefill rank of that instance that the TP mapping
+pairs with it, once per pair (`stats.foreign_rejected` counts the others): a holder of the token
+who never saw the request cannot finish, fail or forge the aux data of another session's room.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -77,6 +83,7 @@ class ReceiverStats:
     rooms_succeeded: int = 0
     rooms_failed: int = 0
     auth_rejected: int = 0  # control frames the endpoint dropped (no valid tag, stale, replayed)
+    foreign_rejected: int = 0  # statuses / aborts naming a session or sender the room was not requested from
 
 
 @dataclass
@@ -86,6 +93,7 @@ class KnownPrefill:
     addr: Address
     info: PrefillInstanceInfo
     sessions: dict[str, int]  # prefill session id -> prefill rank
+    mine: tuple[str, ...] = ()  # per decode rank: our session with this instance (random, never published)
 
 
 class ReceiverBook:
@@ -101,12 +109,12 @@ class ReceiverBook:
         self.tp_size = len(self.ranks)
         self.control_address = control_address  # where prefill ranks answer (in RegisterPeer)
         self.send = send
+        # per decode rank: the prefix of its sessions (each prefill instance gets its own, KnownPrefill.mine)
         self.sessions = [f"{instance_id}/{r}" for r in range(self.tp_size)]
         self.stats = ReceiverStats()
         self.rooms: dict[int, ReceiverRoom] = {}
         self.prefills: dict[Address, KnownPrefill] = {}
         self.liveness = PeerLiveness[str](cfg.heartbeat_timeout_s)  # per prefill session
-        self._session_rank = {s: r for r, s in enumerate(self.sessions)}
         self._timeouts = receiver_timeouts(cfg)
         self._by_session: dict[str, tuple[Address, int]] = {}  # prefill session -> (addr, prefill rank)
         self._waiting: dict[Address, list[ReceiverRoom]] = {}  # rooms waiting for a bootstrap fetch
@@ -214,7 +222,7 @@ class ReceiverBook:
         peer = self.prefills.get(prefill)
         if room in self.rooms or peer is None:
             return False
-        return self._to_pairs(peer.info, lambda rank: Abort(room, self.sessions[rank], Side.DECODE, reason))
+        return self._to_pairs(peer.info, lambda rank: Abort(room, peer.mine[rank], Side.DECODE, reason))
 
     def poll(self, now: float) -> list[tuple[int, TransferState, str, AuxData | None]]:
         """Rooms that finished and whose pages are safe to reuse (each reported once)."""
@@ -281,11 +289,12 @@ class ReceiverBook:
             if r.prefill == addr and r.instance_id not in (None, info.instance_id):
                 r.prefill_gone = True
                 r.rec.fail(f"prefill at {addr[0]}:{addr[1]} restarted", now)
-        peer = KnownPrefill(addr, info, {f"{info.instance_id}/{p}": p for p in range(info.tp_size)})
+        mine = tuple(f"{self.sessions[r]}/{secrets.token_hex(16)}" for r in range(self.tp_size))
+        peer = KnownPrefill(addr, info, {f"{info.instance_id}/{p}": p for p in range(info.tp_size)}, mine)
         self._to_pairs(
             info,
             lambda r: RegisterPeer(
-                self.sessions[r],
+                mine[r],
                 r,
                 self.tp_size,
                 self.ranks[r].data_address,
@@ -308,7 +317,7 @@ class ReceiverBook:
             info,
             lambda rank: TransferRequest(
                 r.room,
-                self.sessions[rank],
+                peer.mine[rank],
                 tuple(r.dst_pages[rank].tolist()),
                 r.prefix_len,
                 r.aux_slot,
@@ -316,7 +325,7 @@ class ReceiverBook:
                 None if r.swa_pages is None else tuple(r.swa_pages[rank].tolist()),
             ),
         )
-        r.requested_from(info.instance_id, info.tp_size, self.tp_size)
+        r.requested_from(info.instance_id, info.tp_size, self.tp_size, peer.mine)
         r.rec.move(TransferState.WAITING_FOR_INPUT, now)
         if not queued:
             r.rec.fail(f"control queue to prefill {peer.addr[0]}:{peer.addr[1]} is full", now)
@@ -348,7 +357,7 @@ class ReceiverBook:
         peer = self.prefills.get(r.prefill)
         if not r.requested or r.all_final or r.prefill_gone or peer is None or peer.info.instance_id != r.instance_id:
             return
-        self._to_pairs(peer.info, lambda rank: Abort(r.room, self.sessions[rank], Side.DECODE, r.rec.reason))
+        self._to_pairs(peer.info, lambda rank: Abort(r.room, r.sessions[rank], Side.DECODE, r.rec.reason))
         r.aborts_sent = True
 
     def _to_pairs(self, info: PrefillInstanceInfo, make: Callable[[int], Any]) -> bool:
@@ -371,19 +380,25 @@ class ReceiverBook:
             return
         if not isinstance(msg, (TransferStatus, Abort)):
             return self._reject(f"unexpected {type(msg).__name__} on a decode")
-        rank = self._session_rank.get(msg.session_id)
         r = self.rooms.get(msg.room)
-        if rank is None or r is None or not r.requested:
+        if r is None or not r.requested:
             return self._reject(
-                f"{type(msg).__name__} for room {msg.room}, session {msg.session_id}: "
-                f"{'unknown session' if rank is None else 'room not awaiting a transfer'}"
+                f"{type(msg).__name__} for room {msg.room}, session {msg.session_id:.80}: room not awaiting a transfer"
             )
+        if isinstance(msg, Abort) and msg.side is not Side.PREFILL:
+            return self._reject(f"Abort for room {msg.room} claiming to come from {msg.side.value}")
+        pair = r.pair_of(msg.session_id, msg.sender)
+        if pair is None:
+            self.stats.foreign_rejected += 1
+            return self._reject(
+                f"{type(msg).__name__} for room {msg.room} from {msg.sender!r:.80} naming session "
+                f"{msg.session_id!r:.80}: not a (prefill rank, decode session) pair the room was requested from"
+            )
+        rank, p = pair
         if isinstance(msg, Abort):
-            if msg.side is not Side.PREFILL:
-                return self._reject(f"Abort for room {msg.room} claiming to come from {msg.side.value}")
             r.rec.fail(f"aborted by prefill: {msg.reason}", now)
         else:
-            why = r.on_status(rank, msg, now)
+            why = r.on_status(rank, p, msg, now)
             if why is not None:
                 return self._reject(f"TransferStatus for room {msg.room}: {why}")
         self._settle(r, now)
@@ -421,5 +436,5 @@ class ReceiverBook:
         for peer in self.prefills.values():
             # one beat per prefill rank, in the name of a decode rank paired with it
             for p, rank in dict(rank_pairs(peer.info.tp_size, self.tp_size)).items():
-                self.send(peer.info.ranks[p].control_address, Heartbeat(self.sessions[rank], self._hb_seq))
+                self.send(peer.info.ranks[p].control_address, Heartbeat(peer.mine[rank], self._hb_seq))
         self._hb_seq += 1

@@ -14,8 +14,9 @@ and speaks for every decode rank). Thread-safe, engine-agnostic.
 What happens inside: every decision is the `ReceiverBook`'s (book.py: rooms, known
 prefills, deadlines, liveness, when pages are safe; no I/O). This shell owns the I/O: a receive
 thread (control/endpoint.py) hands TransferStatus, Abort and Heartbeat to the book; a pool thread fetches
-a prefill's bootstrap info when the book asks (retrying while the prefill starts, then checking
-compatibility) and hands the outcome back; a worker thread drives the book's deadlines and
+a prefill's bootstrap info when the book asks (only where `guard` allows, control/fetch_guard.py;
+retrying while a prefill that answered before restarts, then checking compatibility) and hands
+the outcome back; a worker thread drives the book's deadlines and
 heartbeats every idle_tick_s. Control messages leave through the endpoint, never blocking.
 """
 
@@ -36,6 +37,7 @@ from kvpipe.transfer.control.auth import authenticator
 from kvpipe.transfer.control.bootstrap import (
     DEFAULT_BOOTSTRAP_PORT,
     BootstrapNotReady,
+    BootstrapRefused,
     BootstrapUnreachable,
     DecodeInfo,
     PrefillInstanceInfo,
@@ -43,7 +45,8 @@ from kvpipe.transfer.control.bootstrap import (
     fetch_prefill_info,
 )
 from kvpipe.transfer.control.endpoint import ControlEndpoint
-from kvpipe.transfer.control.messages import AuxData, DecodeRank
+from kvpipe.transfer.control.fetch_guard import FetchGuard
+from kvpipe.transfer.control.messages import RECEIVER_RECEIVES, AuxData, DecodeRank, limits_for
 from kvpipe.transfer.lifecycle import Clock, TransferState
 from kvpipe.transfer.receiver.book import Address, ReceiverBook, ReceiverStats
 
@@ -80,11 +83,20 @@ class KVReceiver:
         self._stop = threading.Event()
         self._auth = authenticator(cfg.auth_token)  # control frames and bootstrap look-ups
         self._endpoint = ControlEndpoint(
-            host, self._on_message, name="kvreceiver", send_hwm=cfg.tuning.control_send_hwm, auth=self._auth
+            host,
+            self._on_message,
+            name="kvreceiver",
+            send_hwm=cfg.tuning.control_send_hwm,
+            auth=self._auth,
+            limits=limits_for(RECEIVER_RECEIVES, 0),  # statuses, aborts, heartbeats: no int lists
+            max_sockets=cfg.limits.max_reply_sockets,
         )
         self._book = ReceiverBook(cfg, self.ranks, self.instance_id, self._endpoint.address, self._endpoint.send)
         self.sessions = self._book.sessions  # per decode rank: its session id on the wire
+        self.guard = FetchGuard(cfg.bootstrap_allow, cfg.tuning.bootstrap_negative_ttl_s)
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvreceiver-bootstrap")
+        # fetches of prefills fetched from before (restarts) never queue behind bogus hosts'
+        self._proven_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvreceiver-bootstrap-proven")
         self._worker = threading.Thread(target=self._run, name="kvreceiver-worker", daemon=True)
 
     @property
@@ -108,6 +120,7 @@ class KVReceiver:
     def close(self) -> None:
         self._stop.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._proven_pool.shutdown(wait=False, cancel_futures=True)
         if self._worker.is_alive():
             self._worker.join(timeout=5.0)
         self._endpoint.close()
@@ -135,15 +148,19 @@ class KVReceiver:
         only they): per decode rank like dst_pages and aligned with them, the page of the sliding
         layers for the same logical page, -1 where none is wanted (outside the window); the
         prefill writes the sliding layers into those pages only. Non-blocking.
-        Raises DuplicateRoomError if the room is active already (reject that request only)."""
+        Raises DuplicateRoomError if the room is active already, BootstrapRefused if this decode
+        may not fetch from that address (reject that request only)."""
         pages = self._book.check_pages(room, dst_pages, prefix_len)
         self._book.check_state_slot(room, state_slot)
         swa = self._book.check_swa_pages(room, swa_pages, pages)
         addr = _address(bootstrap_host, bootstrap_port)
+        why = self.guard.refusal(addr)
+        if why is not None:
+            raise BootstrapRefused(why)
         with self._lock:
             fetch = self._book.add_room(room, addr, pages, prefix_len, aux_slot, self._clock(), state_slot, swa)
             if fetch is not None:
-                self._pool.submit(self._fetch, fetch)
+                (self._proven_pool if self.guard.proven(fetch) else self._pool).submit(self._fetch, fetch)
 
     def abort(self, room: int, reason: str = "aborted by decode") -> None:
         """Fail the room; poll() reports it once no write from the prefill can still land."""
@@ -180,21 +197,28 @@ class KVReceiver:
         info: PrefillInstanceInfo | None = None
         err: Exception | None = None
         end = time.monotonic() + self.cfg.bootstrap_timeout_s
+        proven = self.guard.proven(addr)
         while not self._stop.is_set():
             try:
-                info = fetch_prefill_info(*addr, self.cfg.tuning.http_timeout_s, self._auth)
+                connect_to = self.guard.connect_to(addr[0])  # BootstrapRefused: not allowed
+                info = fetch_prefill_info(*addr, self.cfg.tuning.http_timeout_s, self._auth, connect_to)
                 check_compatible(info, self.decode_info)
+                self.guard.succeeded(addr)
                 break
             except (BootstrapUnreachable, BootstrapNotReady) as e:
                 info, err = None, e
                 with self._lock:
                     self._book.fetch_retrying(addr, str(e))
-                if time.monotonic() >= end:
+                # an address that never answered is not waited for: a bogus host would hold this
+                # worker for the whole bootstrap timeout (a server that says "not ready" is)
+                if time.monotonic() >= end or (not proven and isinstance(e, BootstrapUnreachable)):
                     break
                 self._stop.wait(0.05)
             except Exception as e:  # incompatible, malformed, or a bug: fail the rooms with it
                 info, err = None, e
                 break
+        if err is not None and info is None:
+            self.guard.failed(addr, str(err))  # unproven: refused for a while (a proven one is not)
         with self._lock:
             self._book.on_fetched(addr, info, None if err is None else str(err), self._clock())
 

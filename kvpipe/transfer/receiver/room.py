@@ -1,7 +1,8 @@
 """Decode-side bookkeeping of one room: which final statuses are due, aux data, when pages are safe.
 
 Plain Python for `ReceiverBook`. Per decode rank r the room expects one final TransferStatus
-from each prefill rank of `source_ranks(r, P, D)` (r // (D/P) when D >= P, else ranks r*P/D to
+(naming r's session and, as sender, the prefill rank) from each prefill rank of
+`source_ranks(r, P, D)` (r // (D/P) when D >= P, else ranks r*P/D to
 (r+1)*P/D - 1; prefill ranks whose heads another rank already sends still answer, without
 writing). A prefill rank sends exactly one final status per (room, decode session), and only
 once none of its writes for the room can still land. So the room is
@@ -46,22 +47,34 @@ class ReceiverRoom:
     prefill_gone: bool = False  # the prefill instance restarted: nothing more of the old one can land
     aborts_sent: bool = False
     quiet_deadline: float | None = None
+    sessions: tuple[str, ...] = ()  # per decode rank: the session the room was requested under
+    # (prefill session f"{instance_id}/{p}", our session of rank r) -> (r, p): the pairs that answer
+    senders: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
+    reported: set[tuple[int, int]] = field(default_factory=set)  # (decode rank, prefill rank) final statuses
 
-    def requested_from(self, instance_id: str, prefill_tp: int, decode_tp: int) -> None:
+    def requested_from(self, instance_id: str, prefill_tp: int, decode_tp: int, sessions: tuple[str, ...]) -> None:
         self.instance_id = instance_id
         self.requested = True
+        self.sessions = sessions
         self.expected = {r: 0 for r in range(decode_tp)}
-        for _, r in rank_pairs(prefill_tp, decode_tp):
+        self.senders = {}
+        for p, r in rank_pairs(prefill_tp, decode_tp):
             self.expected[r] += 1
+            self.senders[(f"{instance_id}/{p}", sessions[r])] = (r, p)
         self.finals = dict.fromkeys(self.expected, 0)
         self.successes = dict.fromkeys(self.expected, 0)
 
-    def on_status(self, decode_rank: int, st: TransferStatus, now: float) -> str | None:
-        """Apply a final status; returns why it was rejected (then it changes nothing), or None."""
-        if decode_rank not in self.expected:
-            return f"status for decode rank {decode_rank}, which room {self.room} did not request"
-        if self.finals[decode_rank] >= self.expected[decode_rank]:
-            return f"more final statuses than the {self.expected[decode_rank]} expected for decode rank {decode_rank}"
+    def pair_of(self, session: str, sender: str) -> tuple[int, int] | None:
+        """(decode rank, prefill rank) of a status or abort naming our `session` and, as its
+        sender, prefill session `sender`; None unless the room was requested that way."""
+        return self.senders.get((sender, session))
+
+    def on_status(self, decode_rank: int, prefill_rank: int, st: TransferStatus, now: float) -> str | None:
+        """Apply a final status of a pair from pair_of; returns why it was rejected (then it
+        changes nothing), or None."""
+        if (decode_rank, prefill_rank) in self.reported:
+            return f"a second final status from prefill rank {prefill_rank} for decode rank {decode_rank}"
+        self.reported.add((decode_rank, prefill_rank))
         self.finals[decode_rank] += 1
         if st.state is WireState.FAILED:
             self.rec.fail(f"prefill failed the transfer: {st.reason}", now)

@@ -17,6 +17,14 @@ hear of every failure):
   a decode ring slot from grant to scatter; whatever happens to its room the slot is released
   (StagingChunkWritten with scatter=False) or scattered, and the room's final status waits for
   every scatter the decode acknowledges (or transfer_timeout_s).
+
+Bounds per decode session (issue 30, cfg.limits): rooms it requested that the engine has not
+admitted yet ("orphans": past the bound a request is refused with a failed status) and tombstones
+it caused (refused requests, aborts of rooms never seen, orphans that timed out: past the bound its
+oldest is forgotten, so a late add_room of that room waits for its request instead of failing at
+once). Every frame is checked against the session it names: a request or abort only for the
+rooms bound to that session (peers.py binds sessions to registrations); a staging grant or done
+only from the agent session the destination announced, with the chunk's nonce.
 """
 
 from __future__ import annotations
@@ -85,6 +93,9 @@ class SenderStats:
     staged_chunks: int = 0  # staged chunks the decode scattered
     staged_bytes: int = 0
     auth_rejected: int = 0  # control frames the rank's endpoint dropped (no valid tag, stale, replayed)
+    foreign_rejected: int = 0  # staging grants / dones not from the chunk's agent session or without its nonce
+    orphans_refused: int = 0  # requests refused: their session had max_orphan_rooms_per_session waiting
+    tombstones_evicted: int = 0  # a session's oldest tombstones forgotten past max_tombstones_per_session
 
 
 @dataclass(frozen=True)
@@ -103,6 +114,7 @@ class Tombstone:
     expires_at: float
     what: str  # how the room ended
     notified: set[str]  # decode sessions that already got our final status
+    by: str | None = None  # the decode session whose messages made it (None: a room our engine ran)
 
 
 class SenderBook:
@@ -119,9 +131,11 @@ class SenderBook:
         staging: StagingPolicy | None = None,
         staging_addr: int = 0,
         state_layout: StateLayout | None = None,
+        own_data_address: str = "",
     ) -> None:
         """`state_layout`: this rank's recurrent-state pool (hybrid models): every room has a
-        state slot (add_room) that its decodes get with the KV."""
+        state slot (add_room) that its decodes get with the KV. `own_data_address`: this rank's
+        backend, which no decode may name as its own."""
         self.cfg, self.layout, self.tp_rank, self.tp_size = cfg, layout, tp_rank, tp_size
         self.state_layout = state_layout
         self.session_id = session_id
@@ -133,9 +147,12 @@ class SenderBook:
         self._chunk_ids = itertools.count()
         self._gathers: list[tuple[SenderRoom, StagedChunk]] = []  # for the worker: gather, then gathered()
         self.stats = SenderStats()
-        self.peers = SenderPeers(cfg, layout, tp_rank, tp_size, state_layout)
+        self.peers = SenderPeers(cfg, layout, tp_rank, tp_size, state_layout, own_data_address)
         self.rooms: dict[int, SenderRoom] = {}  # insertion order = FIFO for the write window
         self.tombstones: dict[int, Tombstone] = {}
+        self._limits = cfg.limits
+        self._orphans: dict[str, set[int]] = {}  # decode session -> its rooms the engine has not admitted
+        self._tombs_by: dict[str, dict[int, None]] = {}  # decode session -> rooms of its tombstones, oldest first
         self.inflight_ops = 0
         self._timeouts = sender_timeouts(cfg)
         self._orphan_timeouts = {TransferState.BOOTSTRAPPING: cfg.waiting_timeout_s}  # request before add_room
@@ -175,7 +192,8 @@ class SenderBook:
         r.src_pages = pages
         r.src_state_slot = state_slot
         r.src_swa_pages = swa_pages
-        tomb = self.tombstones.pop(room, None)
+        self._adopt(r)
+        tomb = self._untomb(room)
         if tomb is not None:
             r.notified |= tomb.notified
             r.rec.fail(f"room {room} was already used or aborted: {tomb.what}", now)
@@ -224,7 +242,7 @@ class SenderBook:
         r = self.rooms.get(room)
         if r is not None and r.rec.fail(reason, now):
             for d in r.dests.values():
-                self.send(d.control_address, Abort(room, d.session_id, Side.PREFILL, reason))
+                self.send(d.control_address, Abort(room, d.session_id, Side.PREFILL, reason, self.session_id))
 
     def poll(self, now: float) -> list[tuple[int, TransferState, str]]:
         out = []
@@ -272,7 +290,8 @@ class SenderBook:
     def _status(
         self, addr: str, room: int, session: str, ok: bool, reason: str = "", aux: AuxData | None = None
     ) -> None:
-        self.send(addr, TransferStatus(room, session, WireState.SUCCESS if ok else WireState.FAILED, reason, aux))
+        state = WireState.SUCCESS if ok else WireState.FAILED
+        self.send(addr, TransferStatus(room, session, state, reason, aux, self.session_id))
 
     def _on_request(self, msg: TransferRequest, now: float) -> None:
         room, session = msg.room, msg.session_id
@@ -297,13 +316,20 @@ class SenderBook:
             r.notified.add(session)
         elif tomb is not None:
             tomb.notified.add(session)
-        else:  # a later add_room for this room fails at once instead of waiting for a request
-            self.tombstones[room] = Tombstone(now + self._tomb_ttl, f"invalid TransferRequest: {why}", {session})
+        elif peer is not None:  # a later add_room for this room fails at once instead of waiting for a request
+            self._entomb(room, Tombstone(now + self._tomb_ttl, f"invalid TransferRequest: {why}", {session}, session))
 
     def _bind(self, msg: TransferRequest, peer: RegisterPeer, now: float) -> str | None:
         """Attach a validated request to its room; returns why it cannot be, or None."""
         room, session = msg.room, msg.session_id
         r = self.rooms.get(room)
+        waiting = len(self._orphans.get(session, ()))
+        if (r is None or r.src_pages is None) and waiting >= self._limits.max_orphan_rooms_per_session:
+            self.stats.orphans_refused += 1
+            return (
+                f"{waiting} rooms of decode session {session} wait for this prefill's engine "
+                f"already (--disaggregation-max-orphan-rooms {self._limits.max_orphan_rooms_per_session})"
+            )
         if r is None:  # the decode is ahead of our engine: keep it until add_room (or time out)
             r = self.rooms[room] = SenderRoom(
                 room, RoomRecord.new(room, self._orphan_timeouts, now), self.layout, self.state_layout
@@ -316,6 +342,8 @@ class SenderBook:
         ):
             return f"room {room} is already bound to another decode (duplicate bootstrap_room?)"
         r.expected = expected
+        if r.src_pages is None:
+            self._orphans.setdefault(session, set()).add(room)
         r.dests[session] = Destination(
             session,
             peer.tp_rank,
@@ -358,16 +386,52 @@ class SenderBook:
         # that a late add_room fails at once instead of waiting for a request that never comes.
         self._status(addr, room, session, False, f"prefill rank {self.tp_rank} never wrote room {room}")
         if tomb is None:
-            self.tombstones[room] = Tombstone(now + self._tomb_ttl, f"aborted by decode: {msg.reason}", {session})
+            self._entomb(room, Tombstone(now + self._tomb_ttl, f"aborted by decode: {msg.reason}", {session}, session))
         else:
             tomb.notified.add(session)
+
+    def _adopt(self, r: SenderRoom) -> None:
+        """The room is no orphan of its sessions any more (admitted, or gone)."""
+        for session in r.dests:
+            rooms = self._orphans.get(session)
+            if rooms is not None:
+                rooms.discard(r.room)
+                if not rooms:
+                    del self._orphans[session]
+
+    def _entomb(self, room: int, tomb: Tombstone) -> None:
+        """Remember how `room` ended; a session past its bound forgets its oldest tombstone."""
+        self._untomb(room)
+        self.tombstones[room] = tomb
+        if tomb.by is None:
+            return
+        mine = self._tombs_by.setdefault(tomb.by, {})
+        mine[room] = None
+        while len(mine) > self._limits.max_tombstones_per_session:
+            old = next(iter(mine))
+            del mine[old]
+            self.tombstones.pop(old, None)
+            self.stats.tombstones_evicted += 1
+
+    def _untomb(self, room: int) -> Tombstone | None:
+        tomb = self.tombstones.pop(room, None)
+        if tomb is not None and tomb.by is not None:
+            mine = self._tombs_by.get(tomb.by)
+            if mine is not None:
+                mine.pop(room, None)
+                if not mine:
+                    del self._tombs_by[tomb.by]
+        return tomb
 
     def _bury(self, r: SenderRoom, now: float) -> None:
         del self.rooms[r.room]
         self._busy.pop(r.room, None)
         self._done.pop(r.room, None)
+        self._adopt(r)
         what = "succeeded" if r.rec.state is S else f"failed: {r.rec.reason}"
-        self.tombstones[r.room] = Tombstone(now + self._tomb_ttl, what, r.notified | set(r.dests))
+        # a room our engine never admitted was made by its decode's messages: it counts against that session
+        by = next(iter(r.dests), None) if r.src_pages is None else None
+        self._entomb(r.room, Tombstone(now + self._tomb_ttl, what, r.notified | set(r.dests), by))
         if r.src_pages is not None:
             self.stats.rooms_succeeded += r.rec.state is S
             self.stats.rooms_failed += r.rec.state is F
@@ -392,7 +456,7 @@ class SenderBook:
             self.send(addr, Heartbeat(self.session_id, self._hb_seq))
         self._hb_seq += 1
         for room in [k for k, t in self.tombstones.items() if t.expires_at <= now]:
-            del self.tombstones[room]
+            self._untomb(room)
         return self.peers.prune(now, {d.control_address for r in self.rooms.values() for d in r.dests.values()})
 
     def take_work(
@@ -464,7 +528,7 @@ class SenderBook:
             ch.state, ch.since = ChunkState.WAIT_SLOT, now
             self.send(
                 dest.staging.control_address,
-                StagingSlotRequest(r.room, self.session_id, ch.chunk, ch.nbytes, self.control_address),
+                StagingSlotRequest(r.room, self.session_id, ch.chunk, ch.nbytes, self.control_address, ch.nonce),
             )
         self._dirty = True
 
@@ -522,6 +586,13 @@ class SenderBook:
         ch = r.staged.get(msg.chunk) if r is not None else None
         if r is None or ch is None:
             return  # a chunk released meanwhile (its agent frees the slot on our release)
+        agent = r.dests[ch.dest].staging
+        if agent is None or msg.session_id != agent.session_id or msg.nonce != ch.nonce:
+            self.stats.foreign_rejected += 1
+            return self._reject(
+                f"{type(msg).__name__} for chunk {msg.chunk} of room {msg.room} from session "
+                f"{msg.session_id!r:.80}: not the chunk's staging agent, or not its nonce"
+            )
         if isinstance(msg, StagingSlotGrant):
             if ch.state is not ChunkState.WAIT_SLOT:
                 return self._reject(f"staging grant for chunk {msg.chunk} in state {ch.state.value}")
@@ -572,6 +643,7 @@ class SenderBook:
                 ch.ncols,
                 ch.l0,
                 ch.l1,
+                ch.nonce,
             ),
         )
 
@@ -579,7 +651,8 @@ class SenderBook:
         staging = r.dests[ch.dest].staging
         assert staging is not None
         self.send(
-            staging.control_address, StagingChunkWritten(r.room, ch.chunk, self.session_id, self.control_address, False)
+            staging.control_address,
+            StagingChunkWritten(r.room, ch.chunk, self.session_id, self.control_address, False, nonce=ch.nonce),
         )
         self._finish_chunk(r, ch)
 

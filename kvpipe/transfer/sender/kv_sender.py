@@ -47,7 +47,7 @@ from kvpipe.transfer.backends.base import BatchHandle, BatchState, TransferBacke
 from kvpipe.transfer.control.auth import authenticator
 from kvpipe.transfer.control.bootstrap import BootstrapError, PrefillRankInfo, register_prefill_rank
 from kvpipe.transfer.control.endpoint import ControlEndpoint
-from kvpipe.transfer.control.messages import AuxTuple
+from kvpipe.transfer.control.messages import SENDER_RECEIVES, AuxTuple, limits_for
 from kvpipe.transfer.lifecycle import Clock, TransferState
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.planning.window_table import window_pages_problem
@@ -105,8 +105,17 @@ class KVSender:
         self._pass_lock = threading.Lock()
         self._progress_at = clock()  # (under _pass_lock) when a pass last submitted or finished a batch
         self._auth = authenticator(cfg.auth_token)  # control frames and the bootstrap registration
+        # the longest int list a decode can send: a page list (a prompt fits this rank's pool), or
+        # buffer addresses / layer indices of a compatible layout
+        max_ints = max(layout.num_pages, layout.num_buffers, state_layout.num_model_layers if state_layout else 0)
         self._endpoint = ControlEndpoint(
-            host, self._on_message, name=f"kvsender-{tp_rank}", send_hwm=cfg.tuning.control_send_hwm, auth=self._auth
+            host,
+            self._on_message,
+            name=f"kvsender-{tp_rank}",
+            send_hwm=cfg.tuning.control_send_hwm,
+            auth=self._auth,
+            limits=limits_for(SENDER_RECEIVES, max_ints),
+            max_sockets=cfg.limits.max_reply_sockets,
         )
         self._stager = staging if cfg.staging != "off" else None
         policy = (
@@ -123,6 +132,7 @@ class KVSender:
             staging=policy,
             staging_addr=0 if self._stager is None else self._stager.addr,
             state_layout=state_layout,
+            own_data_address=backend.address,
         )
         self._worker = threading.Thread(target=self._run, name=f"kvsender-{tp_rank}-worker", daemon=True)
 

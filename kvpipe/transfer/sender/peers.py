@@ -5,10 +5,22 @@ session (RegisterPeer); a registration that cannot work (incompatible layout, TP
 divide, a rank pair the mapping never uses) is remembered with its reason so that the session's
 TransferRequests are answered with that reason instead of a silent timeout. Liveness is tracked
 per decode control address: every message from any of its sessions is a sign of life.
+
+A session is bound to its first registration (issue 30): the same session id with another
+address, layout or ring is refused and the first stays. A data address is bound to what its
+first live registrant said: while that decode (control address) is alive, another session may
+name the data address only with the same control address, rank, buffers, ring and state pool (a
+decode rank registering again), so nobody can point a prefill's writes at other offsets of a
+decode's memory. The data address must be on the control address's host (when both are IP
+literals) and not this prefill rank's own; buffers and ring may not overlap or start at 0. The
+bootstrap server lists prefill ranks only, so these bindings, not a bootstrap record of the
+decode, are what a RegisterPeer is checked against. At most `max_sessions` sessions are kept
+(dead decodes are pruned).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 
 import numpy as np
@@ -38,8 +50,11 @@ class SenderPeers:
         tp_rank: int,
         tp_size: int,
         state_layout: StateLayout | None = None,
+        own_data_address: str = "",
     ) -> None:
         self.layout, self.tp_rank, self.tp_size = layout, tp_rank, tp_size
+        self.own_data_address = own_data_address  # this rank's backend: never a destination
+        self.max_sessions = cfg.limits.max_sessions
         self.state_layout = state_layout
         self.peers: dict[str, RegisterPeer] = {}
         self.heads: dict[str, tuple[int, int] | None] = {}  # per session: heads we write, None = dummy pair
@@ -49,20 +64,71 @@ class SenderPeers:
 
     def register(self, msg: RegisterPeer, now: float) -> str | None:
         """Accept a decode rank's registration; returns why it was refused, or None."""
+        clash = self._binding_clash(msg)
+        if clash is not None:  # the bound session (or the address's owner) stays as it was
+            if msg.session_id not in self.peers:
+                self._remember_rejected(msg, clash)
+            return clash
         reason = self._check(msg)
         if reason is not None:
-            self.rejected[msg.session_id] = (reason, msg.control_address)
-            while len(self.rejected) > 1024:  # bounded against a misbehaving peer
-                del self.rejected[next(iter(self.rejected))]
+            self._remember_rejected(msg, reason)
             self.peers.pop(msg.session_id, None)
             return reason
-        old = self.peers.get(msg.session_id)
-        if old is not None and old != msg:
-            log.warning("decode session %s re-registered with a different layout/address", msg.session_id)
+        if msg.session_id not in self.peers and len(self.peers) >= self.max_sessions:
+            return f"{len(self.peers)} decode sessions are registered with prefill rank {self.tp_rank} already"
         self.rejected.pop(msg.session_id, None)
         self.peers[msg.session_id] = msg
         self.heads[msg.session_id] = self._pair_heads(msg)
         self.liveness.seen(msg.control_address, now)
+        return None
+
+    def _remember_rejected(self, msg: RegisterPeer, reason: str) -> None:
+        """The session's requests are answered with `reason` (at its control address)."""
+        self.rejected[msg.session_id] = (reason, msg.control_address)
+        while len(self.rejected) > 1024:  # bounded against a misbehaving peer
+            del self.rejected[next(iter(self.rejected))]
+
+    def _forget_session(self, session: str) -> None:
+        self.peers.pop(session, None)
+        self.heads.pop(session, None)
+
+    def _binding_clash(self, msg: RegisterPeer) -> str | None:
+        """Why this registration would rebind a session or take another decode's memory, or None."""
+        old = self.peers.get(msg.session_id)
+        if old is not None and old != msg:
+            return f"session {msg.session_id} is bound to its first registration (another address or layout now)"
+        if msg.data_address == self.own_data_address:
+            return f"data address {msg.data_address} is this prefill rank's own"
+        mine = (msg.control_address, msg.tp_rank, msg.layout, msg.staging, msg.state)
+        for p in self.peers.values():
+            if (
+                p.data_address == msg.data_address
+                and (p.control_address, p.tp_rank, p.layout, p.staging, p.state) != mine
+                and self.liveness.alive(p.control_address)
+            ):
+                return (
+                    f"data address {msg.data_address} is registered by the decode at {p.control_address} "
+                    "with other buffers"
+                )
+        return None
+
+    def _check_addresses(self, msg: RegisterPeer) -> str | None:
+        """The data address on the control address's host; buffers and ring that do not overlap."""
+        data_host, control_host = _host(msg.data_address), _host(msg.control_address.removeprefix("tcp://"))
+        if (
+            _is_ip(data_host)
+            and _is_ip(control_host)
+            and ipaddress.ip_address(data_host) != ipaddress.ip_address(control_host)
+        ):
+            return f"data address {msg.data_address} is not on the control address's host {control_host}"
+        starts, sizes = msg.layout.unique_buffers()  # aliased layers share a buffer: that is no overlap
+        if msg.staging is not None:
+            starts, sizes = [*starts, msg.staging.pool_addr], [*sizes, msg.staging.pool_nbytes]
+        order = np.argsort(np.asarray(starts, dtype=np.uint64), kind="stable")
+        begin = np.asarray(starts, dtype=np.uint64)[order]
+        end = begin + np.asarray(sizes, dtype=np.uint64)[order]
+        if begin.size and (begin[0] == 0 or (end < begin).any() or (begin[1:] < end[:-1]).any()):
+            return "KV buffers (and staging ring) of the decode overlap, wrap or start at address 0"
         return None
 
     def _check(self, msg: RegisterPeer) -> str | None:
@@ -71,7 +137,7 @@ class SenderPeers:
             return f"decode rank {msg.tp_rank} layout incompatible with prefill rank {self.tp_rank}: {why}"
         if not 0 <= msg.tp_rank < msg.tp_size:
             return f"decode tp_rank {msg.tp_rank} outside tp_size {msg.tp_size}"
-        why = self._check_state(msg)
+        why = self._check_state(msg) or self._check_addresses(msg)
         if why:
             return why
         try:
@@ -174,6 +240,19 @@ class SenderPeers:
         for a in gone:
             self.liveness.forget(a)
             for s in [s for s, p in self.peers.items() if p.control_address == a]:
-                del self.peers[s]
-                self.heads.pop(s, None)
+                self._forget_session(s)
         return gone
+
+
+def _host(address: str) -> str:
+    """The host of "host:port" or "[v6]:port"."""
+    host = address.rsplit(":", 1)[0] if ":" in address else address
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True

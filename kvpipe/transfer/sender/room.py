@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import secrets
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -124,6 +125,8 @@ class StagedChunk:
     since: float = 0.0  # when it entered its current state
     local: Slot | None = None  # prefill staging bytes
     offset: int | None = None  # decode ring offset once granted
+    # random: the agent's grant and done, and our announcement, must echo it (messages.py)
+    nonce: int = field(default_factory=lambda: secrets.randbits(63))
 
     @property
     def nbytes(self) -> int:

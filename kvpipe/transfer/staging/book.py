@@ -9,7 +9,11 @@ answers StagingChunkDone. Rules it keeps:
 - a request larger than the whole ring is refused at once (the prefill fails the room with it);
 - every index of an announced chunk is checked against this rank's own pool before any scatter;
 - a slot is freed whatever happens to its room: scattered, released by the prefill (its room
-  failed or was aborted), or never announced within `lease_s` (its prefill died or stalled).
+  failed or was aborted), or never announced within `lease_s` (its prefill died or stalled);
+- an announcement or release counts only with the nonce of the chunk's request (messages.py): a
+  frame that names another session's chunk without it changes nothing (`stats.foreign`);
+- a prefill session has at most `max_waits` requests queued, and the queue at most
+  `max_waits * WAITING_SESSIONS` (a refused request is answered at once, as an oversized one).
 
 `StagingBook` returns the control messages to send as (address, message) pairs and the scatters
 to run as `ScatterJob`s; the shell (buffers.py: StagingAgent) runs them and reports back with `scattered`.
@@ -31,6 +35,7 @@ log = logging.getLogger(__name__)
 
 Outbox = list[tuple[str, object]]
 ChunkKey = tuple[str, int]  # (prefill session, chunk id)
+WAITING_SESSIONS = 16  # the whole queue holds max_waits of this many prefill sessions
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,7 @@ class _Grant:
     room: int
     reply_address: str
     granted_at: float
+    nonce: int  # the request's
 
 
 @dataclass
@@ -63,12 +69,15 @@ class StagingStats:
     refused: int = 0  # oversized or duplicate requests
     rejected: int = 0  # announcements that failed validation or named no live slot
     waited: int = 0  # requests that found the ring full and queued
+    foreign: int = 0  # announcements / releases without the nonce of the chunk they name
     auth_rejected: int = 0  # control frames the agent's endpoint dropped (no valid tag, stale, replayed)
 
 
 class StagingBook:
-    def __init__(self, layout: KVLayout, capacity: int, session_id: str, lease_s: float) -> None:
+    def __init__(self, layout: KVLayout, capacity: int, session_id: str, lease_s: float, max_waits: int = 64) -> None:
         self.layout, self.session_id, self.lease_s = layout, session_id, lease_s
+        self.max_waits = max_waits
+        self._waits: collections.Counter[str] = collections.Counter()  # queued requests per prefill session
         self.ring = RingAllocator(capacity)
         self.stats = StagingStats()
         self.grants: dict[ChunkKey, _Grant] = {}
@@ -89,6 +98,13 @@ class StagingBook:
                 else "an empty staging chunk"
             )
             return [(msg.reply_address, self._grant_msg(msg, None, why))]
+        if self.waiting and (
+            self._waits[msg.session_id] >= self.max_waits or len(self.waiting) >= self.max_waits * WAITING_SESSIONS
+        ):
+            self.stats.refused += 1
+            n = self._waits[msg.session_id]
+            why = f"{n} chunks of this session (and {len(self.waiting)} in all) wait for the staging ring"
+            return [(msg.reply_address, self._grant_msg(msg, None, why))]
         if self.waiting:  # FIFO: nobody jumps the queue of a full ring
             self._wait(key, msg, now)
             return []
@@ -101,8 +117,15 @@ class StagingBook:
     def on_written(self, msg: StagingChunkWritten, now: float) -> tuple[ScatterJob | None, Outbox]:
         """An announced chunk: the scatter to run, or (release / reject) what to answer."""
         key = (msg.session_id, msg.chunk)
+        queued = self.waiting.get(key)
+        live = self.grants.get(key)
+        if (queued is not None and queued[0].nonce != msg.nonce) or (live is not None and live.nonce != msg.nonce):
+            self.stats.foreign += 1  # not from the prefill that asked: answer nothing, keep the slot
+            log.warning("staging agent %s: chunk %d announced without its nonce, ignored", self.session_id, msg.chunk)
+            return None, []
         if not msg.scatter:  # the prefill gave the chunk up: free its slot or its place in the queue
-            if self.waiting.pop(key, None) is not None:
+            if queued is not None:
+                self._unwait(key)
                 self.stats.released += 1
                 return None, self._pump(now)  # the requests behind it may fit now
             g = self.grants.pop(key, None)
@@ -123,6 +146,7 @@ class StagingBook:
                         self.session_id,
                         False,
                         f"chunk {msg.chunk} holds no slot here (lease expired?)",
+                        nonce=msg.nonce,
                     ),
                 )
             ]
@@ -132,7 +156,7 @@ class StagingBook:
             del self.grants[key]
             self.ring.free(g.slot.slot_id)
             log.warning("staging agent %s rejected chunk %d of room %d: %s", self.session_id, msg.chunk, msg.room, why)
-            return None, [(msg.reply_address, self._done_msg(msg.room, msg.chunk, False, why)), *self._pump(now)]
+            return None, [(g.reply_address, self._done_msg(msg.room, msg.chunk, g.nonce, False, why)), *self._pump(now)]
         del self.grants[key]
         self.scattering[key] = g
         return ScatterJob(
@@ -151,7 +175,7 @@ class StagingBook:
         self.ring.free(g.slot.slot_id)
         if error is None:
             self.stats.scattered += 1
-        out = [(g.reply_address, self._done_msg(g.room, job.key[1], error is None, error or ""))]
+        out = [(g.reply_address, self._done_msg(g.room, job.key[1], g.nonce, error is None, error or ""))]
         return out + self._pump(now)
 
     # ---- clock --------------------------------------------------------------------------------
@@ -170,7 +194,7 @@ class StagingBook:
             )
         out: Outbox = []
         for key in [k for k, (_, t) in self.waiting.items() if now - t > self.lease_s]:
-            req, _ = self.waiting.pop(key)
+            req = self._unwait(key)
             self.stats.expired += 1
             out.append((req.reply_address, self._grant_msg(req, None, f"staging ring full for {self.lease_s:.0f}s")))
         return out + self._pump(now)
@@ -179,6 +203,14 @@ class StagingBook:
     def _wait(self, key: ChunkKey, msg: StagingSlotRequest, now: float) -> None:
         self.stats.waited += 1
         self.waiting[key] = (msg, now)
+        self._waits[key[0]] += 1
+
+    def _unwait(self, key: ChunkKey) -> StagingSlotRequest:
+        req, _ = self.waiting.pop(key)
+        self._waits[key[0]] -= 1
+        if not self._waits[key[0]]:
+            del self._waits[key[0]]
+        return req
 
     def _pump(self, now: float) -> Outbox:
         """Grant queued requests in order while the ring has room."""
@@ -188,23 +220,23 @@ class StagingBook:
             slot = self.ring.alloc(req.nbytes)  # sizes were checked on arrival
             if slot is None:
                 break
-            del self.waiting[key]
+            self._unwait(key)
             out.append(self._grant(key, req, slot, now))
         return out
 
     def _grant(self, key: ChunkKey, msg: StagingSlotRequest, slot: Slot, now: float) -> tuple[str, object]:
-        self.grants[key] = _Grant(slot, msg.room, msg.reply_address, now)
+        self.grants[key] = _Grant(slot, msg.room, msg.reply_address, now, msg.nonce)
         self.stats.granted += 1
         return msg.reply_address, self._grant_msg(msg, slot, "")
 
     def _grant_msg(self, msg: StagingSlotRequest, slot: Slot | None, reason: str) -> StagingSlotGrant:
         if slot is None:
-            return StagingSlotGrant(msg.room, msg.chunk, self.session_id, False, 0, reason)
-        return StagingSlotGrant(msg.room, msg.chunk, self.session_id, True, slot.offset)
+            return StagingSlotGrant(msg.room, msg.chunk, self.session_id, False, 0, reason, msg.nonce)
+        return StagingSlotGrant(msg.room, msg.chunk, self.session_id, True, slot.offset, nonce=msg.nonce)
 
-    def _done_msg(self, room: int, chunk: int, ok: bool, reason: str) -> StagingChunkDone:
+    def _done_msg(self, room: int, chunk: int, nonce: int, ok: bool, reason: str) -> StagingChunkDone:
         rnd, off = self.ring.watermark
-        return StagingChunkDone(room, chunk, self.session_id, ok, reason, rnd, off)
+        return StagingChunkDone(room, chunk, self.session_id, ok, reason, rnd, off, nonce)
 
     def _check(self, msg: StagingChunkWritten, g: _Grant) -> str | None:
         """Every index against this rank's own pool: a bad chunk must not scatter anywhere."""

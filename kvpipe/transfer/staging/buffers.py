@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Sequence
@@ -32,10 +33,17 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from kvpipe.config import ControlLimits
 from kvpipe.transfer.backends.base import TransferBackend
 from kvpipe.transfer.control.auth import Authenticator
 from kvpipe.transfer.control.endpoint import ControlEndpoint
-from kvpipe.transfer.control.messages import StagingChunkWritten, StagingInfo, StagingSlotRequest
+from kvpipe.transfer.control.messages import (
+    STAGING_AGENT_RECEIVES,
+    StagingChunkWritten,
+    StagingInfo,
+    StagingSlotRequest,
+    limits_for,
+)
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.staging.book import Outbox, ScatterJob, StagingBook, StagingStats
 
@@ -141,7 +149,8 @@ class StagingAgent:
 
     Runs in the process that owns the rank's KV pool (the scatter writes its pages): rank 0's
     with the KVReceiver, the others in their TP worker. Scatters run on the endpoint's receive
-    thread, in arrival order; a second thread expires leases."""
+    thread, in arrival order; a second thread expires leases. Its session is `session_id` plus
+    128 random bits (StagingInfo.session_id: only the prefill ranks it registers with see it)."""
 
     def __init__(
         self,
@@ -155,21 +164,31 @@ class StagingAgent:
         lease_s: float,
         send_hwm: int = 10000,
         auth: Authenticator | None = None,
+        limits: ControlLimits | None = None,
     ) -> None:
+        limits = limits or ControlLimits()
         self.kv = kv
         self.ring = registered_buffer(backend, nbytes, kv.device)
-        self._book = StagingBook(layout, nbytes, session_id, lease_s)
+        session_id = f"{session_id}/{secrets.token_hex(16)}"
+        self._book = StagingBook(layout, nbytes, session_id, lease_s, limits.max_staging_waits_per_session)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._endpoint = ControlEndpoint(
-            host, self._on_message, name=f"staging-{session_id}", send_hwm=send_hwm, auth=auth
+            host,
+            self._on_message,
+            name=f"staging-{session_id}",
+            send_hwm=send_hwm,
+            auth=auth,
+            limits=limits_for(STAGING_AGENT_RECEIVES, layout.num_pages),  # page lists of this rank's pool
+            max_sockets=limits.max_reply_sockets,
         )
         self._thread = threading.Thread(target=self._run, name=f"staging-{session_id}", daemon=True)
         self._tick_s = min(1.0, lease_s / 4)
 
     @property
     def info(self) -> StagingInfo:
-        return StagingInfo(self._endpoint.address, self.ring.data_ptr(), self._book.ring.capacity)
+        book = self._book
+        return StagingInfo(self._endpoint.address, self.ring.data_ptr(), book.ring.capacity, book.session_id)
 
     @property
     def stats(self) -> StagingStats:
