@@ -127,6 +127,8 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
             "chunked_prefill_size": c.scheduler.chunked_prefill_size,
             "max_running_requests": c.scheduler.max_running_requests,
             "device": c.device,
+            "dtype": c.dtype,  # --dtype and --kv-cache-dtype as given (SGLang reports its args)
+            "kv_cache_dtype": c.cache.kv_cache_dtype,
             "disaggregation_mode": state.disaggregation_mode,
             "version": kvpipe.__version__,
             # the plan, and what torch reports in this process (rank 0): they differ only if

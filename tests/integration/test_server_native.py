@@ -51,6 +51,7 @@ def test_health_and_info(server: ServerProc) -> None:
         assert Path(info["model_path"]).is_dir() and Path(info["tokenizer_path"]).is_dir()
         assert info["tp_size"] == 1 and info["page_size"] == 16 and info["context_length"] == 8192
         assert info["disaggregation_mode"] == "null" and info["version"]
+        assert info["dtype"] == info["kv_cache_dtype"] == "auto"
         assert info["internal_states"][0]["total_pages"] == 16384 // 16
     for path in ("/model_info", "/get_model_info"):
         mi = server.get(path).json()

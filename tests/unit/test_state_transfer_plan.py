@@ -293,7 +293,9 @@ def test_prefill_refuses_hybrid_pairings_it_cannot_serve():
     peers = SenderPeers(DisaggregationConfig(), kv, 0, 1, sl)
 
     def reg(session: str, tp_size: int = 1, state: StateLayout | None = sl) -> str | None:
-        return peers.register(RegisterPeer(session, 0, tp_size, "data", "ctl", kv, None, state), 0.0)
+        # a data address per session: one already registered by a live decode with other buffers
+        # is refused for that reason (issue 30), before the pairing checks this test is about
+        return peers.register(RegisterPeer(session, 0, tp_size, f"data-{session}", "ctl", kv, None, state), 0.0)
 
     assert reg("ok") is None
     assert "only the prefill" in reg("no-state", state=None)
