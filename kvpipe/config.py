@@ -8,8 +8,9 @@ from __future__ import annotations
 import ipaddress
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 
 class ConfigError(ValueError):
@@ -176,6 +177,15 @@ class FaultInjection:
         return self.prob > 0.0
 
 
+def require_counts(limits: Any) -> None:
+    """Every field of a frozen limits dataclass is a whole number >= 1 (a cap of 0 would refuse
+    everything; a float or a bool is a typo)."""
+    for f in fields(limits):
+        v = getattr(limits, f.name)
+        if not (type(v) is int and v >= 1):
+            raise ConfigError(f"{f.name} must be a whole number >= 1, got {v!r}")
+
+
 @dataclass(frozen=True)
 class ControlLimits:
     """What one peer's control messages may make a PD server hold (issue 30): per session (a decode
@@ -194,16 +204,7 @@ class ControlLimits:
     max_reply_sockets: int = 1024  # PUSH sockets a control endpoint keeps open (least recently used closed)
 
     def __post_init__(self) -> None:
-        for name in (
-            "max_sessions",
-            "max_orphan_rooms_per_session",
-            "max_tombstones_per_session",
-            "max_staging_waits_per_session",
-            "max_reply_sockets",
-        ):
-            v = getattr(self, name)
-            if not (type(v) is int and v >= 1):
-                raise ConfigError(f"{name} must be a whole number >= 1, got {v!r}")
+        require_counts(self)
 
 
 @dataclass(frozen=True)
@@ -326,16 +327,7 @@ class RequestLimits:
     max_queued_requests: int = 1024
 
     def __post_init__(self) -> None:
-        for name in (
-            "max_prompts_per_request",
-            "max_stop_strings",
-            "max_stop_string_chars",
-            "max_stop_token_ids",
-            "max_queued_requests",
-        ):
-            value = getattr(self, name)
-            if not (type(value) is int and value >= 1):
-                raise ConfigError(f"{name} must be a whole number >= 1, got {value!r}")
+        require_counts(self)
 
 
 @dataclass(frozen=True)
