@@ -49,6 +49,13 @@ DEADLINE_S = 5 * HEARTBEAT_S + TRANSFER_S + 10.0  # detection + drain + slack fo
 LONG = [(i * 7919) % 280 + 3 for i in range(7000)]  # 55 chunks of 128: a long prefill to interrupt
 
 
+def uncached_long(first: int) -> list[int]:
+    """LONG under a first token no other prompt here starts with (LONG's are 3..282): the prefill's
+    prefix cache holds LONG from earlier tests, and a cached prompt ends before a test can catch
+    the prefill computing it."""
+    return [first, *LONG[1:]]
+
+
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     s = start_stack(tiny_model_dir, tmp_path_factory.mktemp("pd-lifecycle"), *FLAGS)
@@ -199,7 +206,7 @@ def test_decode_killed_mid_transfer(stack: Stack) -> None:
     p, d = stack.prefill, stack.decode
     sent = disagg_stats(p)["bytes_written"]
     # Straight to both servers, as the router sends it (the router would retry with new rooms).
-    body = pd_body(stack, {"input_ids": LONG, "sampling_params": greedy(8)})
+    body = pd_body(stack, {"input_ids": uncached_long(1), "sampling_params": greedy(8)})
     t, box = _in_background(lambda: httpx.post(p.url + "/generate", json=body, timeout=120))
     _in_background(lambda: httpx.post(d.url + "/generate", json=body, timeout=120))
     # KV of the first chunks landed on the decode and the prefill is still computing the rest.
@@ -224,7 +231,7 @@ def test_decode_killed_mid_transfer(stack: Stack) -> None:
 
 def test_prefill_killed_then_restarted(stack: Stack) -> None:
     p, d = stack.prefill, stack.decode
-    body = pd_body(stack, {"input_ids": LONG, "sampling_params": greedy(8)})  # what the router sends
+    body = pd_body(stack, {"input_ids": uncached_long(2), "sampling_params": greedy(8)})  # what the router sends
     t, box = _in_background(lambda: generate(d.url, body))
     bt, box_p = _in_background(lambda: httpx.post(p.url + "/generate", json=body, timeout=120))
     seen: dict = {}
