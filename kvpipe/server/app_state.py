@@ -31,6 +31,7 @@ from kvpipe.server.protocol import GenerateInput
 from kvpipe.server.request_tracker import RequestOutput
 from kvpipe.server.streaming import ClientDisconnected, close_all, collect, until_disconnect
 from kvpipe.server.validation import ModelLimits, longest_token_chars, prompt_chars_cap
+from kvpipe.transfer.control.handshake import refusal_status
 
 T = TypeVar("T")
 
@@ -124,11 +125,15 @@ class ServerState:
         return self.disaggregation_mode == "prefill"
 
     def check_prefill_outputs(self, outs: list[RequestOutput]) -> None:
-        """On a prefill server a request that did not hand its KV over is an error response."""
-        if not self.is_prefill:
-            return
+        """On a prefill server a request that did not hand its KV over is an error response; on
+        any PD server one failed by a refused handshake is (409: sglang-router does not retry it)."""
         for out in outs:
-            if out.finish_reason is FinishReason.ABORT:
+            if out.finish_reason is not FinishReason.ABORT:
+                continue
+            refused = refusal_status(out.finish_detail)
+            if refused is not None:
+                raise APIError(f"request {out.rid} failed: {out.finish_detail}", refused)
+            if self.is_prefill:
                 raise APIError(f"prefill of request {out.rid} failed: {out.finish_detail or ABORTED_ON_REQUEST}", 500)
 
     def submit_all(self, inputs: list[GenerateInput]) -> list[RequestStream]:
