@@ -143,7 +143,7 @@ def test_incompatible_prefill_fails_the_room_with_the_reason():
     d.add(1, 0.0)
     d.book.on_fetched(ADDR, None, str(e.value), 0.1)
     [(_, state, reason, _)] = d.book.poll(0.1)
-    assert state is T.FAILED and "serves model 'other-model'" in reason and "'m'" in reason
+    assert state is T.FAILED and "served model name: prefill 'other-model', decode 'm'" in reason
     assert d.take() == []  # never registered with it
 
 
