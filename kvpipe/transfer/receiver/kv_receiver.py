@@ -15,8 +15,10 @@ What happens inside: every decision is the `ReceiverBook`'s (book.py: rooms, kno
 prefills, deadlines, liveness, when pages are safe; no I/O). This shell owns the I/O: a receive
 thread (control/endpoint.py) hands TransferStatus, Abort and Heartbeat to the book; a pool thread fetches
 a prefill's bootstrap info when the book asks (only where `guard` allows, control/fetch_guard.py;
-retrying while a prefill that answered before restarts, then checking compatibility) and hands
-the outcome back; a worker thread drives the book's deadlines and
+retrying while a prefill that answered before restarts, then checking compatibility: a refused
+handshake fails every waiting room and posts them to the prefill's bootstrap server, which fails
+them there too, control/handshake.py) and hands the outcome back; a worker thread drives the
+book's deadlines and
 heartbeats every idle_tick_s. Control messages leave through the endpoint, never blocking.
 """
 
@@ -232,17 +234,17 @@ class KVReceiver:
             except Exception as e:  # incompatible, malformed, or a bug: fail the rooms with it
                 info, err = None, e
                 break
-        refused = isinstance(err, IncompatiblePeerError)
-        if err is not None and info is None and not refused:
+        refused = err if isinstance(err, IncompatiblePeerError) else None
+        if err is not None and info is None and refused is None:
             self.guard.failed(addr, str(err))  # unproven: refused for a while (a proven one is not)
         with self._lock:
             failed = self._book.on_fetched(addr, info, None if err is None else str(err), self._clock())
-            if isinstance(err, IncompatiblePeerError) and failed:
-                self._book.stats.count_refused(err.reason, len(failed))
-        if isinstance(err, IncompatiblePeerError) and failed:
+            if refused is not None and failed:
+                self._book.stats.count_refused(refused.reason, len(failed))
+        if refused is not None and failed:
             if self._on_news is not None:
                 self._on_news()  # the engine answers the refused requests now
-            self._report_refusal(addr, connect_to, failed, err)
+            self._report_refusal(addr, connect_to, failed, refused)
 
     def _report_refusal(
         self, addr: Address, connect_to: str | None, rooms: list[int], err: IncompatiblePeerError
