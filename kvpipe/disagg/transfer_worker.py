@@ -169,6 +169,8 @@ class TransferWorker(KVConnectorWorker):
         """What this server's peers must agree with (control/handshake.py): the checkpoint's
         digest, this rank's pool without its TP-dependent parts, its fp8 scales, its state pool."""
         pool = self._pool
+        # speculative decoding (being built) passes its settings here as `speculative=`, a canonical
+        # string; until then every server says "none" and the field always agrees
         return Handshake.of(model_digest, self.layout, pool.k_scale, pool.v_scale, self.state_layout)
 
     def _prefill_sender(self) -> KVSender:
