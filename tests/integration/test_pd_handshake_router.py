@@ -4,8 +4,9 @@ mismatch at once while the prefill waited out its 30 s bootstrap timeout and ans
 the router retried 5 times (150 s per request). Now the first request fails on both sides with
 the reason and a 409, which the router does not retry (each side counts exactly one refusal), and
 no page is left behind. Then the decode restarts with another KV dtype, then with another
-checkpoint served under the same name (refused alike), then matching (serves). One stack for the
-module; tests run in order. No test times anything: the client's timeout is far below the
+checkpoint served under the same name (refused alike), then matching (serves): those restarts are
+`slow` (tests/integration/test_pd_handshake_inprocess.py covers the cases in `make test`). One
+stack for the module; tests run in order. No test times anything: the client's timeout is far below the
 prefill's 30 s bootstrap timeout, and each answer must name the handshake's reason."""
 
 from __future__ import annotations
@@ -101,17 +102,20 @@ def test_both_servers_answer_the_reason(stack: Stack) -> None:
         srv.wait_idle(10.0)
 
 
+@pytest.mark.slow  # a decode restart each; the in-process pair covers the case in `make test`
 def test_another_kv_dtype_is_refused(stack: Stack) -> None:
     restart_decode(stack, "--page-size", "16", "--kv-cache-dtype", "fp8_e4m3")
     assert_refused_once(stack, "kv_dtype", "KV cache dtype: prefill 'float32', decode 'float8_e4m3fn'")
 
 
+@pytest.mark.slow  # a decode restart each; the in-process pair covers the case in `make test`
 def test_another_checkpoint_under_the_same_name_is_refused(stack: Stack, tmp_path: Path) -> None:
     other = write_preset("tiny", tmp_path / "tiny", seed=1)
     restart_decode(stack, "--page-size", "16", "--model-path", str(other))
     assert_refused_once(stack, "model", "model (checkpoint digest): prefill '")
 
 
+@pytest.mark.slow  # a decode restart each; the in-process pair covers the case in `make test`
 def test_a_matching_decode_serves(stack: Stack, tiny_model_dir: Path) -> None:
     restart_decode(stack, "--page-size", "16", "--model-path", str(tiny_model_dir))
     out = wait_for(lambda: _served(stack), 60.0, "a successful request through the router", interval_s=0.5)
