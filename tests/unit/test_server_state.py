@@ -1,5 +1,6 @@
 """ServerState: what routes read of the engine (503 while loading), the non-streamed answer
-(499 when the client left, prefill failures), and the route modules' import direction
+(499 when the client left, prefill failures, 409 for a refused PD handshake), the handshake
+refusal metric, and the route modules' import direction
 (state <- openai_api <- http_server, no cycle)."""
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kvpipe.server.async_engine import AsyncEngine
 from kvpipe.server.errors import APIError
 from kvpipe.server.metrics import ServerMetrics
 from kvpipe.server.request_tracker import RequestOutput
+from kvpipe.transfer.control.handshake import REFUSED
 
 
 def _state(engine: object, cfg: ServerConfig, mode: str = "null") -> ServerState:
@@ -142,6 +144,23 @@ def test_respond_when_done_fails_a_prefill_that_did_not_hand_its_kv_over(tmp_pat
         _respond(_state(None, cfg, "prefill"), streams)
     assert e.value.status == 500 and "KV transfer failed" in e.value.message and streams[0].closed
     assert _respond(_state(None, cfg), [_Stream(_output("a", FinishReason.ABORT))]).status_code == 200
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_a_refused_handshake_is_409_on_both_sides(tmp_path: Path, mode: str) -> None:
+    """sglang-router retries 5xx: a refused PD handshake is a 409 with its reason, not a 500."""
+    why = f"KV transfer failed: {REFUSED}: page size: prefill 16, decode 64"
+    streams = [_Stream(_output("a", FinishReason.ABORT, why))]
+    with pytest.raises(APIError) as e:
+        _respond(_state(None, ServerConfig(model_path=str(tmp_path)), mode), streams)
+    assert e.value.status == 409 and "page size: prefill 16, decode 64" in e.value.message
+
+
+def test_refused_handshakes_are_counted_in_metrics_by_reason() -> None:
+    stats = {"disaggregation": {"handshakes_refused": {"page_size": 2, "model": 1}}}
+    text = ServerMetrics("m", lambda: stats).render().decode()
+    assert 'kvpipe_pd_handshakes_refused_total{reason="page_size"} 2.0' in text
+    assert 'kvpipe_pd_handshakes_refused_total{reason="model"} 1.0' in text
 
 
 def test_offload_runs_off_the_event_loop(tmp_path: Path) -> None:
