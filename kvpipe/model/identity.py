@@ -4,7 +4,7 @@
 What goes in (SHA-256, each part length-prefixed):
 - config.json as canonical JSON (sorted keys), and the tokenizer files, whole (they are small;
   a different tokenizer gives the two sides different prompts);
-- every weight file's name and size, and
+- every weight file's size (and name, inside a directory), and
   - safetensors: its whole header (every tensor's name, dtype, shape and byte range) and, of
     every tensor, `SAMPLE_BYTES` at its start, middle and end;
   - GGUF (and anything else): its first `HEAD_BYTES` (metadata: architecture and
@@ -47,11 +47,10 @@ def checkpoint_digest(path: str | Path) -> str:
         for name in TOKENIZER_FILES:
             if (p / name).is_file():
                 _part(h, name.encode(), (p / name).read_bytes())
-        weights = sorted(f for f in p.iterdir() if f.is_file() and f.name.endswith(WEIGHT_SUFFIXES))
+        for f in sorted(f for f in p.iterdir() if f.is_file() and f.name.endswith(WEIGHT_SUFFIXES)):
+            _file(h, f, f.name)  # a directory's shards by name: their split is part of the checkpoint
     else:
-        weights = [p]
-    for f in weights:
-        _file(h, f)
+        _file(h, p, "")  # a single file's name is not (a copy under another name is the same model)
     return h.hexdigest()
 
 
@@ -61,9 +60,9 @@ def _part(h: hashlib._Hash, tag: bytes, data: bytes) -> None:
     h.update(data)
 
 
-def _file(h: hashlib._Hash, f: Path) -> None:
+def _file(h: hashlib._Hash, f: Path, name: str) -> None:
     size = f.stat().st_size
-    _part(h, b"file", f"{f.name}:{size}".encode())
+    _part(h, b"file", f"{name}:{size}".encode())
     with open(f, "rb") as fh:
         fd = fh.fileno()
         if f.suffix == ".safetensors" and _safetensors(h, fd, size):

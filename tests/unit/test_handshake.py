@@ -123,7 +123,7 @@ def test_json_round_trip_and_malformed_peers():
     ]:
         with pytest.raises(err):
             Handshake.from_dict(bad)
-    with pytest.raises(KeyError):
+    with pytest.raises(TypeError, match="page_size"):  # a missing field
         Handshake.from_dict({k: v for k, v in good.items() if k != "page_size"})
 
 
