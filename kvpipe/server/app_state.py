@@ -125,15 +125,15 @@ class ServerState:
         return self.disaggregation_mode == "prefill"
 
     def check_prefill_outputs(self, outs: list[RequestOutput]) -> None:
-        """On a prefill server a request that did not hand its KV over is an error response; on
-        any PD server one failed by a refused handshake is (409: sglang-router does not retry it)."""
+        """On a prefill server a request that did not hand its KV over is an error response (500),
+        except one whose handshake the decode refused: its native answer is SGLang's abort with the
+        reason, as the decode's is, because sglang-router 0.3.2 retries every error status of
+        either server (a 409 too, measured) and a retry cannot help (the OpenAI routes, which have
+        no place for the reason, answer it with 409: openai_api._failure)."""
+        if not self.is_prefill:
+            return
         for out in outs:
-            if out.finish_reason is not FinishReason.ABORT:
-                continue
-            refused = refusal_status(out.finish_detail)
-            if refused is not None:
-                raise APIError(f"request {out.rid} failed: {out.finish_detail}", refused)
-            if self.is_prefill:
+            if out.finish_reason is FinishReason.ABORT and refusal_status(out.finish_detail) is None:
                 raise APIError(f"prefill of request {out.rid} failed: {out.finish_detail or ABORTED_ON_REQUEST}", 500)
 
     def submit_all(self, inputs: list[GenerateInput]) -> list[RequestStream]:

@@ -2,12 +2,14 @@
 prefill `--page-size 16`, decode `--page-size 64`. Before the handshake work the decode logged the
 mismatch at once while the prefill waited out its 30 s bootstrap timeout and answered 500, which
 the router retried 5 times (150 s per request). Now the first request fails on both sides with
-the reason and a 409, which the router does not retry (each side counts exactly one refusal), and
-no page is left behind. Then the decode restarts with another KV dtype, then with another
-checkpoint served under the same name (refused alike), then matching (serves): those restarts are
-`slow` (tests/integration/test_pd_handshake_inprocess.py covers the cases in `make test`). One
-stack for the module; tests run in order. No test times anything: the client's timeout is far below the
-prefill's 30 s bootstrap timeout, and each answer must name the handshake's reason."""
+the reason (native /generate: SGLang's abort with the message on both servers, which
+sglang-router 0.3.2 does not retry, while it retries every error status of either server, 409
+included: each side counts exactly one refusal), and no page is left behind. Then the decode
+restarts with another KV dtype, then with another checkpoint served under the same name (refused
+alike), then matching (serves): those restarts are `slow` (test_pd_handshake_inprocess.py covers
+the cases in `make test`). One stack for the module; tests run in order. No test times anything:
+the client's timeout is far below the prefill's 30 s bootstrap timeout, and each answer must name
+the handshake's reason."""
 
 from __future__ import annotations
 
@@ -69,8 +71,11 @@ def through_router(stack: Stack) -> httpx.Response:
 def assert_refused_once(stack: Stack, label: str, words: str) -> None:
     before = refusals(stack, label)
     r = through_router(stack)
-    assert r.status_code == 409, r.text
-    assert REFUSED in r.text and words in r.text, r.text
+    # the decode's native answer: SGLang's finish_reason "abort" with the reason (an error status
+    # of either server would make sglang-router 0.3.2 retry it 4 more times, whatever the status)
+    assert r.status_code == 200, r.text
+    finish = r.json()["meta_info"]["finish_reason"]
+    assert finish["type"] == "abort" and REFUSED in finish["message"] and words in finish["message"], finish
     # exactly one more refusal on each side: the router did not retry the 409
     want = (before[0] + 1, before[1] + 1)
     wait_for(lambda: refusals(stack, label) == want, 10.0, f"one refusal counted on each side ({want})")
@@ -89,15 +94,25 @@ def test_page_size_mismatch_fails_fast_through_the_router(stack: Stack) -> None:
     assert_refused_once(stack, "page_size", "page size: prefill 16, decode 64")
 
 
-def test_both_servers_answer_the_reason(stack: Stack) -> None:
-    """The same request posted to both servers at once, as the router does: each answers 409
-    with the reason, well before the prefill's bootstrap timeout."""
-    body = pd_body(stack, BODY)
+def both(stack: Stack, path: str, body: dict) -> list[httpx.Response]:
+    """`body` posted to prefill and decode at once with the same room, as the router does."""
+    body = pd_body(stack, body)
     with ThreadPoolExecutor(2) as pool:
         urls = (stack.prefill.url, stack.decode.url)
-        answers = list(pool.map(lambda url: httpx.post(url + "/generate", json=body, timeout=CLIENT_S), urls))
-    for r in answers:
-        assert r.status_code == 409 and "page size: prefill 16, decode 64" in r.text, r.text
+        return list(pool.map(lambda url: httpx.post(url + path, json=body, timeout=CLIENT_S), urls))
+
+
+def test_both_servers_answer_the_reason(stack: Stack) -> None:
+    """Each server answers with the reason, well before the prefill's bootstrap timeout: native
+    /generate with SGLang's abort, the OpenAI routes with 409."""
+    words = "page size: prefill 16, decode 64"
+    for r in both(stack, "/generate", BODY):
+        assert r.status_code == 200, r.text
+        finish = r.json()["meta_info"]["finish_reason"]
+        assert finish["type"] == "abort" and words in finish["message"], finish
+    completion = {"model": "tiny", "prompt": "the handshake", "max_tokens": 4}
+    for r in both(stack, "/v1/completions", completion):
+        assert r.status_code == 409 and words in r.json()["error"]["message"], r.text
     for srv in (stack.prefill, stack.decode):
         srv.wait_idle(10.0)
 

@@ -147,13 +147,13 @@ def test_respond_when_done_fails_a_prefill_that_did_not_hand_its_kv_over(tmp_pat
 
 
 @pytest.mark.parametrize("mode", ["prefill", "decode"])
-def test_a_refused_handshake_is_409_on_both_sides(tmp_path: Path, mode: str) -> None:
-    """sglang-router retries 5xx: a refused PD handshake is a 409 with its reason, not a 500."""
+def test_a_refused_handshake_is_a_native_abort_on_both_sides(tmp_path: Path, mode: str) -> None:
+    """sglang-router 0.3.2 retries any error status: a refused PD handshake (which no retry can
+    cure) answers /generate with SGLang's abort and its reason on the prefill too."""
     why = f"KV transfer failed: {REFUSED}: page size: prefill 16, decode 64"
-    streams = [_Stream(_output("a", FinishReason.ABORT, why))]
-    with pytest.raises(APIError) as e:
-        _respond(_state(None, ServerConfig(model_path=str(tmp_path)), mode), streams)
-    assert e.value.status == 409 and "page size: prefill 16, decode 64" in e.value.message
+    state = _state(None, ServerConfig(model_path=str(tmp_path)), mode)
+    r = _respond(state, [_Stream(_output("a", FinishReason.ABORT, why))])
+    assert r.status_code == 200
 
 
 def test_refused_handshakes_are_counted_in_metrics_by_reason() -> None:
