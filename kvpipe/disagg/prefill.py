@@ -176,9 +176,6 @@ class PrefillConnector(PDConnector):
                 "a prefill server needs bootstrap_room (and bootstrap_host/port) with every "
                 "request; send requests through sglang-router --pd-disaggregation"
             )
-        why = self.refused.pop(room)
-        if why is not None:  # the decode refused our handshake before the request came here
-            raise ValueError(why)
         self._claim_room(room)
         req.params = replace(req.params, max_new_tokens=1)  # the decode server generates the rest
 
@@ -187,8 +184,8 @@ class PrefillConnector(PDConnector):
         self._rooms[r.room] = r
         self._by_rid[req.rid] = r
         why = self.refused.pop(r.room)
-        if why is not None:  # refused between its claim and now: it fails without computing
-            self._fail_room(r, why)
+        if why is not None:  # the decode refused our handshake before the request came here
+            self._fail_room(r, why)  # answered like one refused later (SGLang's abort, the reason)
         return Admission.LOCAL
 
     def _on_refusal(self, notice: RefusalNotice) -> None:

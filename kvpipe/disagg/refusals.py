@@ -3,9 +3,9 @@
 A decode that refuses the prefill's handshake (transfer/control/handshake.py) posts a
 `RefusalNotice` to the prefill's bootstrap server for the rooms it refused. The decode may be
 ahead of the prefill's engine (the router posts the request to both at once), so a refusal can
-come before the prefill claimed the room, between its claim and its admission, or while it
-computes; `RefusedRooms` keeps each refused room until the connector acts on it at whichever of
-those comes (`pop`), or for `ttl_s` (a request that never comes). The connector learns of new
+come before the prefill admitted the room or while it computes; `RefusedRooms` keeps each refused
+room until the connector acts on it at whichever of those comes (`pop`: at admission, or when the
+engine thread takes the news), or for `ttl_s` (a request that never comes). The connector learns of new
 refusals with `take_new` on the engine thread. Bounded (oldest forgotten first), thread-safe.
 """
 

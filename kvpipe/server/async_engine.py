@@ -28,7 +28,6 @@ from kvpipe.server.first_token import FIRST_TOKEN_HANDOFF_S, FirstTokens
 from kvpipe.server.metrics import ServerMetrics
 from kvpipe.server.protocol import GenerateInput
 from kvpipe.server.request_tracker import RequestOutput, RequestTracker
-from kvpipe.transfer.control.handshake import refusal_status
 
 logger = logging.getLogger(__name__)
 
@@ -265,9 +264,9 @@ class AsyncEngine:
         self._queues[inp.rid] = stream.queue
         try:
             engine.add_request(req)
-        except ValueError as e:  # e.g. the engine still holds this rid; a refused PD handshake: 409
+        except ValueError as e:  # e.g. the engine still holds this rid
             self._queues.pop(inp.rid, None)
-            raise APIError(str(e), refusal_status(str(e)) or 400) from e
+            raise APIError(str(e), 400) from e
         except RuntimeError as e:  # the engine is shutting down
             self._queues.pop(inp.rid, None)
             raise APIError(str(e), 503) from e

@@ -17,8 +17,8 @@ live (those are checked per rank pair: bootstrap.check_compatible, sender/peers.
 The prefill publishes its handshake with every rank's bootstrap registration; the decode
 compares it with its own when it fetches the prefill's info and, on a mismatch, refuses every
 waiting request (nothing is registered, so nothing can be written) and reports the refusal to the
-prefill's bootstrap server, which fails the same rooms there (`REFUSED` marks such failures; the
-HTTP servers answer them with `REFUSED_STATUS`, which sglang-router does not retry).
+prefill's bootstrap server, which fails the same rooms there (`REFUSED` marks such failures: the
+HTTP servers answer them as REFUSED_STATUS says).
 """
 
 from __future__ import annotations
@@ -32,11 +32,13 @@ from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.recurrent.layout import StateLayout
 
 SPECULATIVE_NONE = "none"
-REFUSED = "PD handshake refused"  # in every refusal message: the servers map it to REFUSED_STATUS
-# 409 Conflict: the two servers' configurations conflict, and trying again cannot help.
-# sglang-router retries 408, 429, 500, 502, 503 and 504 only (a new room, up to 5 attempts; with
-# the prefill's 30 s bootstrap timeout that was 150 s per request), so a 409 ends the request
-# at once with the reason in its body.
+REFUSED = "PD handshake refused"  # in every refusal message (what the HTTP servers look for)
+# 409 Conflict: the two servers' configurations conflict, and trying again cannot help. The OpenAI
+# routes answer a refused request with it (their answers have no place for the reason). Native
+# /generate answers it, on both servers, with SGLang's abort and the reason instead (a 200):
+# sglang-router 0.3.2 retries every error status of either server, 409 included (measured: 5
+# attempts, a new room each, every one refused at once), but not an answer; sgl-model-gateway's
+# own retry list is 408, 429, 500, 502, 503 and 504.
 REFUSED_STATUS = 409
 MAX_ENTRIES = 1 << 16  # list fields of a peer's handshake (layers): far more than any model has
 
