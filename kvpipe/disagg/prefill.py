@@ -189,10 +189,19 @@ class PrefillConnector(PDConnector):
         return Admission.LOCAL
 
     def _on_refusal(self, notice: RefusalNotice) -> None:
-        """Bootstrap server thread: a decode refused our handshake for these rooms."""
+        """Bootstrap server thread: a decode refused our handshake for these rooms. A room a decode
+        asked for already (bound on rank 0, which every decode asks) was not refused by its own
+        decode, which registered: such a notice is ignored, so a notice cannot fail another
+        decode's transfer (as an Abort from a session the room is not bound to cannot)."""
+        sender = self.local_worker.sender if self.local_worker is not None else None
+        rooms = [room for room in notice.rooms if sender is None or not sender.is_bound(room)]
+        if len(rooms) < len(notice.rooms):
+            logger.warning("ignored a refusal of %d rooms a decode asked for", len(notice.rooms) - len(rooms))
+        if not rooms:
+            return
         reason, label = refusal_reason(notice, self.handshake)
-        logger.warning("decode refused %d rooms: %s", len(notice.rooms), reason)
-        self.refused.add(notice.rooms, reason, label)
+        logger.warning("decode refused %d rooms: %s", len(rooms), reason)
+        self.refused.add(rooms, reason, label)
         self._wake()
 
     # ---- the forward ---------------------------------------------------------------------------

@@ -6,13 +6,15 @@ is left behind. Then a matching pair serves."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 
 from kvpipe.engine.request import FinishReason
 from kvpipe.model.presets.writer import write_preset
-from kvpipe.transfer.control.handshake import REFUSED
+from kvpipe.transfer.control.bootstrap import report_refusal
+from kvpipe.transfer.control.handshake import REFUSED, RefusalNotice
 from tests.helpers.pd_pair import make_pair
 
 BOOTSTRAP_S = 30.0  # the prefill's bootstrap timeout: far beyond RUN_S, so it cannot be what fails the request
@@ -75,4 +77,23 @@ def test_the_same_checkpoint_elsewhere_serves(tiny_model_dir: Path, tmp_path: Pa
         _, d_out = pair.run([(p, d)], timeout_s=60.0)
         assert d_out[d.rid][-1].finish_reason is FinishReason.LENGTH
         assert pair.decode.connector.stats()["disaggregation"]["handshakes_refused"] == {}
+        pair.settle()
+
+
+def test_a_refusal_cannot_fail_a_room_its_decode_asked_for(tiny_model_dir: Path):
+    """A refusal notice for a room a (compatible, registered) decode asked for is ignored: the room
+    was not refused by its own decode, and a notice must not fail another decode's transfer."""
+    with make_pair(tiny_model_dir, bootstrap_timeout_s=BOOTSTRAP_S) as pair:
+        p, d = pair.reqs(PROMPT)
+        assert d.bootstrap_room is not None
+        pair.decode.add_request(d)
+        end = time.monotonic() + RUN_S
+        while not pair.sender.is_bound(d.bootstrap_room):  # the decode's request reached the prefill
+            assert time.monotonic() < end, "the decode never asked for the room"
+            pair.decode.step()
+        forged = RefusalNotice((d.bootstrap_room,), f"{REFUSED}: forged", "page_size")
+        report_refusal("127.0.0.1", pair.bootstrap_port, forged)
+        assert pair.prefill_connector.refused.snapshot() == {}
+        pair.run([(p, None)], timeout_s=60.0, until=lambda: p.finished and d.finished)
+        assert p.finish_reason is FinishReason.LENGTH and d.finish_reason is FinishReason.LENGTH
         pair.settle()

@@ -154,6 +154,12 @@ class KVSender:
         with self._lock:
             return len(self._book.rooms)
 
+    def is_bound(self, room: int) -> bool:
+        """A decode session asked for `room` here (its TransferRequest was accepted)."""
+        with self._lock:
+            r = self._book.rooms.get(room)
+            return r is not None and bool(r.dests)
+
     @property
     def info(self) -> PrefillRankInfo:
         return PrefillRankInfo(
