@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvpipe.transfer.control.handshake import Handshake
 from kvpipe.transfer.control.messages import AuxTuple, StagingInfo
 from kvpipe.transfer.lifecycle import TransferState
 from kvpipe.transfer.planning.layout import KVLayout
@@ -29,6 +30,7 @@ from kvpipe.transfer.sender.book import SenderStats, TransferTiming
 class StartPrefill:
     instance_id: str  # shared by all ranks of the instance, new on every start
     bootstrap: tuple[str, int]  # the bootstrap server every rank registers with
+    handshake: Handshake | None = None  # the instance's, registered by every rank (decodes compare it)
 
 
 @dataclass(frozen=True)

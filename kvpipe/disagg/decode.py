@@ -27,6 +27,7 @@ from kvpipe.disagg.pd_connector import PDConnector
 from kvpipe.disagg.setup import TRANSFER_POLL_S, data_host, require_auth_off_loopback
 from kvpipe.engine.connector import Admission, ConnectorContext, ConnectorEvent, KVArrived, TransferFinished
 from kvpipe.engine.request import FinishReason, Req
+from kvpipe.model.identity import checkpoint_digest
 from kvpipe.transfer.backends.base import TransferBackend
 from kvpipe.transfer.control.bootstrap import DEFAULT_BOOTSTRAP_PORT
 from kvpipe.transfer.control.messages import AuxData, DecodeRank
@@ -54,12 +55,17 @@ class DecodeConnector(PDConnector):
         self._vocab_size = ctx.model_config.vocab_size
         require_auth_off_loopback(self.cfg)
         self._start_ranks(ctx.workers, StartDecode())
+        # what every prefill must agree with, computed once, at load (control/handshake.py)
+        handshake = (
+            None if self.local_worker is None else self.local_worker.handshake(checkpoint_digest(self.cfg.model_path))
+        )
         self.receiver = KVReceiver(
             d,
             ranks=[DecodeRank(r.layout, r.data_address, r.staging, r.state) for r in self.ranks],
             model_name=self.cfg.model_name,
             host=data_host(self.cfg),
             on_news=ctx.wake,
+            handshake=handshake,
         ).start()
         logger.info("decode ready: control %s, data %s", self.receiver.control_address, self.ranks[0].data_address)
 
@@ -181,6 +187,7 @@ class DecodeConnector(PDConnector):
                 "auth_rejected": {"control": st.auth_rejected + self._staging_auth_rejected()},
                 "bootstrap_fetches": st.bootstrap_fetches,
                 "foreign_rejected": st.foreign_rejected,  # statuses / aborts not from the room's pairs (issue 30)
+                "handshakes_refused": st.handshakes_refused,  # rooms failed: a prefill's handshake refused, by reason
                 **self._staging_stats(),
             }
         }

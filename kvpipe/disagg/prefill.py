@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -40,6 +41,7 @@ from kvpipe.disagg.commands import (
 from kvpipe.disagg.layer_groups import LayerGroupPolicy
 from kvpipe.disagg.layer_pipeline import LayerPipeline
 from kvpipe.disagg.pd_connector import PDConnector
+from kvpipe.disagg.refusals import RefusedRooms, refusal_reason
 from kvpipe.disagg.setup import TRANSFER_POLL_S, bootstrap_host, require_auth_off_loopback
 from kvpipe.disagg.tally import RoomTally
 from kvpipe.engine.batch import ScheduledBatch
@@ -52,9 +54,11 @@ from kvpipe.engine.connector import (
     WorkerGroup,
 )
 from kvpipe.engine.request import FinishReason, Req
+from kvpipe.model.identity import checkpoint_digest
 from kvpipe.transfer.backends.base import TransferBackend
 from kvpipe.transfer.control.auth import authenticator
 from kvpipe.transfer.control.bootstrap import BootstrapServer
+from kvpipe.transfer.control.handshake import Handshake, RefusalNotice
 from kvpipe.transfer.lifecycle import TransferState
 from kvpipe.transfer.planning.wire_bytes import KVWireBytes
 from kvpipe.transfer.sender.book import SenderStats
@@ -116,6 +120,11 @@ class PrefillConnector(PDConnector):
         self._tally: RoomTally | None = None
         self.pipeline: LayerPipeline | None = None
         self.kv_wire: KVWireBytes | None = None  # KV bytes a chunk puts on the wire (set in start)
+        d = cfg.disaggregation
+        # rooms decodes refused our handshake for (bootstrap thread -> engine thread)
+        self.refused = RefusedRooms(d.bootstrap_timeout_s + d.waiting_timeout_s)
+        self.handshake: Handshake | None = None  # ours, set in start
+        self._wake: Callable[[], None] = lambda: None
 
     # ---- set-up --------------------------------------------------------------------------------
     def start(self, ctx: ConnectorContext) -> None:
@@ -123,10 +132,15 @@ class PrefillConnector(PDConnector):
         self._workers = ctx.workers
         self._tally = RoomTally(ctx.workers.tp_size)
         require_auth_off_loopback(self.cfg)
+        self._wake = ctx.wake
+        if self.local_worker is not None:  # computed once, at load
+            self.handshake = self.local_worker.handshake(checkpoint_digest(self.cfg.model_path))
         host = bootstrap_host(self.cfg)
-        self.bootstrap = BootstrapServer(host, d.bootstrap_port, authenticator(d.auth_token)).start()
+        self.bootstrap = BootstrapServer(
+            host, d.bootstrap_port, authenticator(d.auth_token), on_refusal=self._on_refusal
+        ).start()
         reg_host = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
-        start = StartPrefill(uuid.uuid4().hex[:12], (reg_host, self.bootstrap.port))
+        start = StartPrefill(uuid.uuid4().hex[:12], (reg_host, self.bootstrap.port), self.handshake)
         if self.local_worker is not None:
             # a finished room ends the loop's poll-interval sleep at once: its held answer is what
             # sglang-router waits for before it streams the decode's first token (traced)
@@ -169,7 +183,26 @@ class PrefillConnector(PDConnector):
         r = _Room(req)
         self._rooms[r.room] = r
         self._by_rid[req.rid] = r
+        why = self.refused.pop(r.room)
+        if why is not None:  # the decode refused our handshake before the request came here
+            self._fail_room(r, why)  # answered like one refused later (SGLang's abort, the reason)
         return Admission.LOCAL
+
+    def _on_refusal(self, notice: RefusalNotice) -> None:
+        """Bootstrap server thread: a decode refused our handshake for these rooms. A room a decode
+        asked for already (bound on rank 0, which every decode asks) was not refused by its own
+        decode, which registered: such a notice is ignored, so a notice cannot fail another
+        decode's transfer (as an Abort from a session the room is not bound to cannot)."""
+        sender = self.local_worker.sender if self.local_worker is not None else None
+        rooms = [room for room in notice.rooms if sender is None or not sender.is_bound(room)]
+        if len(rooms) < len(notice.rooms):
+            logger.warning("ignored a refusal of %d rooms a decode asked for", len(notice.rooms) - len(rooms))
+        if not rooms:
+            return
+        reason, label = refusal_reason(notice, self.handshake)
+        logger.warning("decode refused %d rooms: %s", len(rooms), reason)
+        self.refused.add(rooms, reason, label)
+        self._wake()
 
     # ---- the forward ---------------------------------------------------------------------------
     def plan_forward(self, batch: ScheduledBatch) -> ForwardPlan:
@@ -265,6 +298,11 @@ class PrefillConnector(PDConnector):
     # ---- transfer news -------------------------------------------------------------------------
     def poll(self) -> list[ConnectorEvent]:
         assert self._workers is not None and self._tally is not None and self.pipeline is not None
+        for room in self.refused.take_new():
+            r = self._rooms.get(room)
+            why = self.refused.pop(room) if r is not None and not r.transfer_done else None
+            if r is not None and why is not None:
+                self._fail_room(r, why)  # answered once every rank reported it (a moment)
         fresh: list[int] = []
         timings = {}
         for rank, news in self._workers.reports():
@@ -376,6 +414,7 @@ class PrefillConnector(PDConnector):
                 "foreign_rejected": st.foreign_rejected,
                 "orphans_refused": st.orphans_refused,
                 "tombstones_evicted": st.tombstones_evicted,
+                "handshakes_refused": self.refused.snapshot(),  # rooms decodes refused, by reason
                 "layer_groups": pipe.stats(),
             },
             # the observer's counters: the last batch's choice (bench probes read `num_groups`), the

@@ -42,6 +42,7 @@ from kvpipe.disagg.setup import data_host, make_backend, rank_layout, rank_state
 from kvpipe.engine.connector import KVConnectorWorker
 from kvpipe.transfer.backends.base import TransferBackend
 from kvpipe.transfer.control.auth import authenticator
+from kvpipe.transfer.control.handshake import Handshake
 from kvpipe.transfer.lifecycle import DuplicateRoomError, TransferState
 from kvpipe.transfer.sender.book import SenderStats
 from kvpipe.transfer.sender.kv_sender import KVSender
@@ -138,6 +139,7 @@ class TransferWorker(KVConnectorWorker):
                 staging=buf,
                 state_layout=self.state_layout,
                 on_news=self.on_news,
+                handshake=cmd.handshake,
             )
             self.sender.start(bootstrap=cmd.bootstrap)
             control = self.sender.control_address
@@ -162,6 +164,14 @@ class TransferWorker(KVConnectorWorker):
             None if self.staging_agent is None else self.staging_agent.info,
             self.state_layout,
         )
+
+    def handshake(self, model_digest: str) -> Handshake:
+        """What this server's peers must agree with (control/handshake.py): the checkpoint's
+        digest, this rank's pool without its TP-dependent parts, its fp8 scales, its state pool."""
+        pool = self._pool
+        # speculative decoding (being built) passes its settings here as `speculative=`, a canonical
+        # string; until then every server says "none" and the field always agrees
+        return Handshake.of(model_digest, self.layout, pool.k_scale, pool.v_scale, self.state_layout)
 
     def _prefill_sender(self) -> KVSender:
         if self.sender is None:

@@ -31,6 +31,7 @@ from kvpipe.server.protocol import GenerateInput
 from kvpipe.server.request_tracker import RequestOutput
 from kvpipe.server.streaming import ClientDisconnected, close_all, collect, until_disconnect
 from kvpipe.server.validation import ModelLimits, longest_token_chars, prompt_chars_cap
+from kvpipe.transfer.control.handshake import refusal_status
 
 T = TypeVar("T")
 
@@ -124,11 +125,15 @@ class ServerState:
         return self.disaggregation_mode == "prefill"
 
     def check_prefill_outputs(self, outs: list[RequestOutput]) -> None:
-        """On a prefill server a request that did not hand its KV over is an error response."""
+        """On a prefill server a request that did not hand its KV over is an error response (500),
+        except one whose handshake the decode refused: its native answer is SGLang's abort with the
+        reason, as the decode's is, because sglang-router 0.3.2 retries every error status of
+        either server (a 409 too, measured) and a retry cannot help (the OpenAI routes, which have
+        no place for the reason, answer it with 409: openai_api._failure)."""
         if not self.is_prefill:
             return
         for out in outs:
-            if out.finish_reason is FinishReason.ABORT:
+            if out.finish_reason is FinishReason.ABORT and refusal_status(out.finish_detail) is None:
                 raise APIError(f"prefill of request {out.rid} failed: {out.finish_detail or ABORTED_ON_REQUEST}", 500)
 
     def submit_all(self, inputs: list[GenerateInput]) -> list[RequestStream]:

@@ -63,6 +63,17 @@ class _EngineStatsCollector(Collector):
             for plane, n in sorted(pd["auth_rejected"].items()):
                 c.add_metric([plane], float(n))
             yield c
+        if isinstance(pd, dict) and isinstance(pd.get("handshakes_refused"), dict):
+            c = CounterMetricFamily(
+                "kvpipe_pd_handshakes_refused",
+                "PD requests failed because decode and prefill refused each other's handshake "
+                "(KV dtype, page size, layout, model digest, fp8 scales, state layout, speculative "
+                "settings), by the first field that differed",
+                labels=["reason"],
+            )
+            for reason, n in sorted(pd["handshakes_refused"].items()):
+                c.add_metric([reason], float(n))
+            yield c
         by_groups = stats.get("layer_group_batches")
         if isinstance(by_groups, dict):
             c = CounterMetricFamily(

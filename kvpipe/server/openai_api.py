@@ -34,6 +34,7 @@ from kvpipe.server.streaming import (
     sse_error,
 )
 from kvpipe.server.validation import check_prompt_chars, finalize_input, with_default_max_tokens
+from kvpipe.transfer.control.handshake import refusal_status
 
 
 def _finish_fields(out: RequestOutput) -> dict[str, Any]:
@@ -50,7 +51,7 @@ def _failure(out: RequestOutput) -> APIError | None:
     failed KV transfer, no KV pages in time, a prompt the KV cache cannot hold) is an error with
     that reason, as on a PD prefill; one aborted on request keeps finish_reason "abort"."""
     if out.finish_reason is FinishReason.ABORT and out.finish_detail not in (None, ABORTED_ON_REQUEST):
-        return APIError(f"request {out.rid} failed: {out.finish_detail}", 500)
+        return APIError(f"request {out.rid} failed: {out.finish_detail}", refusal_status(out.finish_detail) or 500)
     return None
 
 

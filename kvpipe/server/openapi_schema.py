@@ -45,8 +45,8 @@ class AbortRequest(WireModel):
 
 
 # what a body route answers: JSON, or with "stream": true server-sent events; else a refused
-# request, an unknown model (OpenAI routes), a body over --max-request-body-bytes, a prefill that
-# failed (PD), the engine still loading
+# request, an unknown model (OpenAI routes), a body over --max-request-body-bytes, a refused PD
+# handshake, a prefill that failed (PD), the engine still loading
 BODY_ROUTE_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"content": {"application/json": {}, "text/event-stream": {}}},
     **{
@@ -55,6 +55,7 @@ BODY_ROUTE_RESPONSES: dict[int | str, dict[str, Any]] = {
             (400, "invalid request, or over a cap of the request limits (--max-prompts-per-request, ...)"),
             (401, "no API key, or a wrong one (--api-key)"),
             (404, "unknown model"),
+            (409, "PD: the prefill and decode refused each other's handshake (the message names both sides' values)"),
             (413, "request body too large"),
             (415, "the body is not sent as application/json"),
             (500, "the prefill of a PD request failed"),

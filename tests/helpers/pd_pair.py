@@ -6,12 +6,14 @@ bounded."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -243,10 +245,14 @@ def make_pair(
     prefill_radix_cache: bool = True,
     decode_radix_cache: bool = False,
     kv_cache_dtype: str = "auto",
+    decode_model_dir: Path | None = None,
+    decode_cache: dict[str, Any] | None = None,
     **disagg,
 ):
     """Prefill + decode engines; the prefill keeps its prefix cache unless told otherwise, the
-    decode has one with `decode_radix_cache`; both pools store `kv_cache_dtype`."""
+    decode has one with `decode_radix_cache`; both pools store `kv_cache_dtype`. Mismatched pairs
+    (the handshake tests): the decode serves `decode_model_dir` instead, and `decode_cache`
+    overrides fields of its CacheConfig (page_size, kv_cache_dtype)."""
     fabric = LocalFabric()
     with contextlib.ExitStack() as es:
         pb, db = LocalBackend(fabric, inject=inject), LocalBackend(fabric)
@@ -256,7 +262,7 @@ def make_pair(
         prefill = Engine(p_cfg, PrefillConnector(p_cfg, pb))
         es.callback(prefill.shutdown)
         d_cfg = cfg(
-            model_dir,
+            decode_model_dir or model_dir,
             "decode",
             0,
             d_pages,
@@ -264,6 +270,8 @@ def make_pair(
             kv_cache_dtype=kv_cache_dtype,
             **disagg,
         )
+        if decode_cache:
+            d_cfg = dataclasses.replace(d_cfg, cache=dataclasses.replace(d_cfg.cache, **decode_cache))
         decode = Engine(d_cfg, DecodeConnector(d_cfg, db))
         es.callback(decode.shutdown)
         yield Pair(prefill, decode)

@@ -8,6 +8,7 @@ import dataclasses
 import httpx
 import pytest
 
+from kvpipe.transfer.control.auth import Authenticator
 from kvpipe.transfer.control.bootstrap import (
     BootstrapError,
     BootstrapNotReady,
@@ -16,9 +17,11 @@ from kvpipe.transfer.control.bootstrap import (
     fetch_prefill_info,
     fetch_prefill_rank,
     register_prefill_rank,
+    report_refusal,
     wait_prefill_info,
 )
-from tests.helpers.bootstrap_info import rank_info
+from kvpipe.transfer.control.handshake import REFUSED, Handshake, RefusalNotice
+from tests.helpers.bootstrap_info import layout, rank_info
 
 
 @pytest.fixture(scope="module")
@@ -68,3 +71,31 @@ def test_wait_retries_until_the_prefill_registers():
         assert wait_prefill_info("127.0.0.1", srv.port, timeout_s=2.0).ranks[0].rank == 0
     with pytest.raises(BootstrapUnreachable):  # closed server frees its port
         fetch_prefill_info("127.0.0.1", srv.port, timeout_s=0.5)
+
+
+def test_handshakes_travel_and_ranks_must_agree_on_theirs(server):
+    port = server.port
+    mine = Handshake.of("f" * 64, layout(1, 0), state=None)
+    register_prefill_rank("127.0.0.1", port, dataclasses.replace(rank_info(0, tp=2, instance="inst-h"), handshake=mine))
+    other = dataclasses.replace(mine, page_size=8)
+    with pytest.raises(BootstrapError, match="HTTP 409.*another handshake"):
+        register_prefill_rank(
+            "127.0.0.1", port, dataclasses.replace(rank_info(1, tp=2, instance="inst-h"), handshake=other)
+        )
+    register_prefill_rank("127.0.0.1", port, dataclasses.replace(rank_info(1, tp=2, instance="inst-h"), handshake=mine))
+    assert fetch_prefill_info("127.0.0.1", port).handshake == mine
+
+
+def test_refusal_notices_reach_the_prefill_authenticated():
+    got: list[RefusalNotice] = []
+    auth = Authenticator.from_token("handshake-test-token")
+    notice = RefusalNotice((5, 6), f"{REFUSED}: page size: prefill 16, decode 64", "page_size", None)
+    with BootstrapServer("127.0.0.1", 0, auth, on_refusal=got.append) as srv:
+        report_refusal("127.0.0.1", srv.port, notice, auth=auth)
+        assert got == [notice]
+        with pytest.raises(BootstrapError, match="HTTP 401"):  # without the token: refused and counted
+            report_refusal("127.0.0.1", srv.port, notice)
+        assert srv.auth_rejected == 1
+        with pytest.raises(BootstrapError, match="HTTP 400.*malformed refusal notice"):
+            report_refusal("127.0.0.1", srv.port, dataclasses.replace(notice, label="not a label"), auth=auth)
+    assert got == [notice]

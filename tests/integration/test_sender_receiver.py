@@ -372,7 +372,7 @@ def test_incompatible_decode_is_refused_clearly(stack):
     recv = start_decode(stack, fabric=fabric, model="other-model")
     recv.add_room(1, "127.0.0.1", prefill.port, np.arange(6), prefix_len=0)
     state, reason = Results(recv).get(1, timeout=5)[1:3]
-    assert state is F and "serves model 'm'" in reason and "'other-model'" in reason
+    assert state is F and "served model name: prefill 'm', decode 'other-model'" in reason
 
 
 def test_write_failure_fails_both_sides(stack):

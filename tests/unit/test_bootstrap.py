@@ -49,8 +49,8 @@ def test_check_compatible_accepts_heterogeneous_tp():
 @pytest.mark.parametrize(
     "decode, match",
     [
-        (DecodeInfo("other", 1, (layout(),)), "model 'm'.*'other'"),
-        (DecodeInfo("m", 1, (layout(page_size=8),)), "page size mismatch: 4 here vs 8"),
+        (DecodeInfo("other", 1, (layout(),)), "served model name: prefill 'm', decode 'other'"),
+        (DecodeInfo("m", 1, (layout(page_size=8),)), "page size mismatch: 4 on the prefill vs 8 on the decode"),
         (DecodeInfo("m", 1, (layout(dtype="bfloat16"),)), "KV dtype mismatch"),
         (DecodeInfo("m", 1, (layout(layers=3),)), "number of layers mismatch"),
         (DecodeInfo("m", 2, (layout(),)), "tp_size 2 but 1 layouts"),

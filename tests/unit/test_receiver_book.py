@@ -141,9 +141,11 @@ def test_incompatible_prefill_fails_the_room_with_the_reason():
     with pytest.raises(IncompatiblePeerError) as e:  # what KVReceiver's fetch thread runs
         check_compatible(info, DecodeInfo("m", 1, (layout(1, 0),)))
     d.add(1, 0.0)
-    d.book.on_fetched(ADDR, None, str(e.value), 0.1)
-    [(_, state, reason, _)] = d.book.poll(0.1)
-    assert state is T.FAILED and "serves model 'other-model'" in reason and "'m'" in reason
+    d.add(2, 0.0)
+    assert e.value.reason == "model_name"
+    assert d.book.on_fetched(ADDR, None, str(e.value), 0.1) == [1, 2]  # what the prefill is told
+    [(_, state, reason, _), _] = d.book.poll(0.1)  # at once: nothing was requested, nothing can land
+    assert state is T.FAILED and "served model name: prefill 'other-model', decode 'm'" in reason
     assert d.take() == []  # never registered with it
 
 

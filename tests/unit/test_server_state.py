@@ -1,5 +1,6 @@
 """ServerState: what routes read of the engine (503 while loading), the non-streamed answer
-(499 when the client left, prefill failures), and the route modules' import direction
+(499 when the client left, prefill failures, 409 for a refused PD handshake), the handshake
+refusal metric, and the route modules' import direction
 (state <- openai_api <- http_server, no cycle)."""
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kvpipe.server.async_engine import AsyncEngine
 from kvpipe.server.errors import APIError
 from kvpipe.server.metrics import ServerMetrics
 from kvpipe.server.request_tracker import RequestOutput
+from kvpipe.transfer.control.handshake import REFUSED
 
 
 def _state(engine: object, cfg: ServerConfig, mode: str = "null") -> ServerState:
@@ -142,6 +144,23 @@ def test_respond_when_done_fails_a_prefill_that_did_not_hand_its_kv_over(tmp_pat
         _respond(_state(None, cfg, "prefill"), streams)
     assert e.value.status == 500 and "KV transfer failed" in e.value.message and streams[0].closed
     assert _respond(_state(None, cfg), [_Stream(_output("a", FinishReason.ABORT))]).status_code == 200
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_a_refused_handshake_is_a_native_abort_on_both_sides(tmp_path: Path, mode: str) -> None:
+    """sglang-router 0.3.2 retries any error status: a refused PD handshake (which no retry can
+    cure) answers /generate with SGLang's abort and its reason on the prefill too."""
+    why = f"KV transfer failed: {REFUSED}: page size: prefill 16, decode 64"
+    state = _state(None, ServerConfig(model_path=str(tmp_path)), mode)
+    r = _respond(state, [_Stream(_output("a", FinishReason.ABORT, why))])
+    assert r.status_code == 200
+
+
+def test_refused_handshakes_are_counted_in_metrics_by_reason() -> None:
+    stats = {"disaggregation": {"handshakes_refused": {"page_size": 2, "model": 1}}}
+    text = ServerMetrics("m", lambda: stats).render().decode()
+    assert 'kvpipe_pd_handshakes_refused_total{reason="page_size"} 2.0' in text
+    assert 'kvpipe_pd_handshakes_refused_total{reason="model"} 1.0' in text
 
 
 def test_offload_runs_off_the_event_loop(tmp_path: Path) -> None:

@@ -6,5 +6,7 @@ endpoint every rank owns (one PULL socket in, one PUSH socket per peer out); `bo
 the prefill's HTTP bootstrap server, where prefill ranks register their layouts and a decode
 looks them up, and its client; `fetch_guard.py` decides where a decode may fetch that from;
 `auth.py` signs and checks bootstrap calls and control frames with the deployment's shared
-secret. Nothing here moves KV bytes.
+secret; `handshake.py` is what a prefill and a decode must agree on (model digest, KV dtype, page
+size, layout, fp8 scales, state layout, speculative settings) and the refusal of a mismatch.
+Nothing here moves KV bytes.
 """

@@ -3,9 +3,12 @@
 Where they sit in a request's life: docs/architecture.md, The path of one PD request.
 
 One server per prefill instance (CLI default port 8998). Every prefill rank PUTs its
-`PrefillRankInfo` (KV layout, data-plane address, control-plane ZMQ address, model name and an
-instance id that changes when the prefill restarts); a decode GETs all ranks (or one), then runs
-`check_compatible` before it registers with them.
+`PrefillRankInfo` (KV layout, data-plane address, control-plane ZMQ address, model name, the
+instance's `Handshake` (handshake.py) and an instance id that changes when the prefill restarts); a
+decode GETs all ranks (or one), then runs `check_compatible` before it registers with them. A
+decode that refuses the handshake registers nothing and POSTs a `RefusalNotice` naming the rooms
+it refused, so the prefill fails them at once too (the decode's requests fail with the same
+reason).
 
     server = BootstrapServer("127.0.0.1", 8998).start()     # uvicorn in a daemon thread
     register_prefill_rank("127.0.0.1", server.port, info)   # each prefill rank, at startup
@@ -15,7 +18,8 @@ instance id that changes when the prefill restarts); a decode GETs all ranks (or
 
 HTTP API: `PUT /v1/prefill/ranks/{rank}` (JSON PrefillRankInfo), `GET /v1/prefill/ranks`
 (503 until all tp_size ranks of the current instance registered), `GET /v1/prefill/ranks/{rank}`,
-`GET /health`. A registration with a new instance id replaces the previous instance's ranks.
+`POST /v1/prefill/refusals` (JSON RefusalNotice), `GET /health`. A registration with a new
+instance id replaces the previous instance's ranks.
 
 With an `Authenticator` (auth.py, the deployment's shared token) every call but /health must
 carry a valid `X-Kvpipe-Auth` tag over its method, the host:port it was addressed to, its path,
@@ -36,6 +40,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +52,7 @@ from fastapi.responses import JSONResponse
 
 from kvpipe.body_limit import BodyLimitMiddleware
 from kvpipe.transfer.control.auth import HTTP_HEADER, REPLY_HEADER, Authenticator, AuthError, http_context
+from kvpipe.transfer.control.handshake import REFUSED, Handshake, Mismatch, RefusalNotice, compare, describe, refusal
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.planning.tp_mapping import kv_head_range, transfer_slices
 
@@ -73,7 +79,16 @@ class BootstrapUnreachable(BootstrapError):
 
 
 class IncompatiblePeerError(BootstrapError):
-    """Prefill and decode cannot exchange KV (model, page size, dtype, layers, TP ...)."""
+    """Prefill and decode cannot exchange KV (model, page size, dtype, layers, TP ...): a refused
+    handshake. `mismatches` names each disagreement; `reason` is the first one's /metrics label."""
+
+    def __init__(self, message: str, reason: str, mismatches: tuple[Mismatch, ...] = ()) -> None:
+        super().__init__(message if message.startswith(REFUSED) else f"{REFUSED}: {message}")
+        self.reason, self.mismatches = reason, mismatches
+
+    @classmethod
+    def of(cls, mismatches: tuple[Mismatch, ...], where: str) -> IncompatiblePeerError:
+        return cls(f"{describe(mismatches)} ({where})", mismatches[0].reason, mismatches)
 
 
 class BootstrapRefused(BootstrapError, ValueError):
@@ -100,11 +115,13 @@ class PrefillRankInfo:
     control_address: str  # ZMQ PULL address of this rank's KVSender ("tcp://ip:port")
     model_name: str
     instance_id: str  # new value on every prefill (re)start
+    handshake: Handshake | None = None  # what a decode must agree with (None: not checked, tests)
 
     def to_dict(self) -> dict[str, Any]:
         d = {f: getattr(self, f) for f in self.__dataclass_fields__}
         d["layout"] = self.layout.to_dict()
         d["layout"]["buffer_addrs"] = list(self.layout.buffer_addrs)
+        d["handshake"] = None if self.handshake is None else self.handshake.to_dict()
         return d
 
     @classmethod
@@ -118,6 +135,7 @@ class PrefillRankInfo:
                 control_address=str(d["control_address"]),
                 model_name=str(d["model_name"]),
                 instance_id=str(d["instance_id"]),
+                handshake=None if d.get("handshake") is None else Handshake.from_dict(d["handshake"]),
             )
         except _MALFORMED as e:
             raise BootstrapError(f"malformed prefill rank info: {e!r}") from e
@@ -129,6 +147,11 @@ class PrefillInstanceInfo:
     tp_size: int
     model_name: str
     ranks: tuple[PrefillRankInfo, ...]  # ranks[i].rank == i
+
+    @property
+    def handshake(self) -> Handshake | None:
+        """The instance's handshake (every rank registers the same one: _Registry.put)."""
+        return self.ranks[0].handshake if self.ranks else None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PrefillInstanceInfo:
@@ -150,22 +173,37 @@ class DecodeInfo:
     model_name: str
     tp_size: int
     layouts: tuple[KVLayout, ...]  # one per decode rank
+    handshake: Handshake | None = None  # None: not checked (tests that build bare senders and receivers)
 
 
 def check_compatible(prefill: PrefillInstanceInfo, decode: DecodeInfo) -> None:
-    """Raise IncompatiblePeerError with a clear message if KV cannot move from `prefill` to `decode`."""
+    """Raise IncompatiblePeerError naming both sides' values if KV cannot move from `prefill`
+    to `decode`: the served model name, the handshakes (handshake.py: every field they disagree
+    on), each rank pair's layout, the TP mapping."""
     where = f"prefill instance {prefill.instance_id}"
     if prefill.model_name != decode.model_name:
-        raise IncompatiblePeerError(
-            f"{where} serves model {prefill.model_name!r}, this decode serves {decode.model_name!r}"
+        raise IncompatiblePeerError.of(
+            refusal("served model name", "model_name", prefill.model_name, decode.model_name), where
         )
+    mine, theirs = decode.handshake, prefill.handshake
+    if (mine is None) != (theirs is None):
+        has = lambda h: "a handshake" if h is not None else "none"  # noqa: E731
+        raise IncompatiblePeerError.of(refusal("handshake", "handshake", has(theirs), has(mine)), where)
+    if mine is not None and theirs is not None:
+        mismatches = compare(theirs, mine)
+        if mismatches:
+            raise IncompatiblePeerError.of(mismatches, where)
     if len(decode.layouts) != decode.tp_size:
-        raise IncompatiblePeerError(f"decode has tp_size {decode.tp_size} but {len(decode.layouts)} layouts")
+        raise IncompatiblePeerError(f"decode has tp_size {decode.tp_size} but {len(decode.layouts)} layouts", "tp")
     for p in prefill.ranks:
         for d_rank, d in enumerate(decode.layouts):
             why = p.layout.compatible_with(d)
             if why:
-                raise IncompatiblePeerError(f"{where} rank {p.rank} vs decode rank {d_rank}: {why}")
+                raise IncompatiblePeerError(
+                    f"{where} rank {p.rank} vs decode rank {d_rank}: "
+                    + why.replace(" here ", " on the prefill ").replace("on the peer", "on the decode"),
+                    "kv_layout",
+                )
     total = decode.layouts[0].total_kv_heads
     try:
         transfer_slices(prefill.tp_size, decode.tp_size, total)
@@ -181,7 +219,7 @@ def check_compatible(prefill: PrefillInstanceInfo, decode: DecodeInfo) -> None:
                         f"TP {tp} needs [{want[0]}, {want[1]})"
                     )
     except ValueError as e:
-        raise IncompatiblePeerError(f"{where}: TP {prefill.tp_size} -> decode TP {decode.tp_size}: {e}") from e
+        raise IncompatiblePeerError(f"{where}: TP {prefill.tp_size} -> decode TP {decode.tp_size}: {e}", "tp") from e
 
 
 class _Registry:
@@ -211,6 +249,8 @@ class _Registry:
                         f"{info.model_name!r}; rank {other.rank} of the same instance "
                         f"has tp_size {other.tp_size} model {other.model_name!r}",
                     )
+                if other.handshake != info.handshake and other.rank != rank:
+                    raise HTTPException(409, f"rank {rank} registers another handshake than rank {other.rank}")
             self._ranks[rank] = info
 
     def get_all(self) -> dict[str, Any]:
@@ -243,8 +283,10 @@ def _app(
     auth: Authenticator | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     instance: str | None = None,
+    on_refusal: Callable[[RefusalNotice], None] | None = None,
 ) -> FastAPI:
-    """`instance`: this server's id in every tag (random when not given)."""
+    """`instance`: this server's id in every tag (random when not given); `on_refusal`: called
+    (on a server thread) with every refusal notice a decode posts."""
     server_id = instance or secrets.token_hex(12)
 
     def context(request: Request) -> bytes:
@@ -290,6 +332,16 @@ def _app(
         registry.put(rank, info)
         return answer(request, {"status": "ok"})
 
+    @app.post("/v1/prefill/refusals")
+    def post_refusal(body: dict[str, Any], request: Request) -> JSONResponse:
+        try:
+            notice = RefusalNotice.from_dict(body)
+        except _MALFORMED as e:
+            raise HTTPException(400, f"malformed refusal notice: {e}") from e
+        if on_refusal is not None:
+            on_refusal(notice)
+        return answer(request, {"status": "ok"})
+
     @app.get("/v1/prefill/ranks")
     def get_ranks(request: Request) -> JSONResponse:
         return answer(request, registry.get_all())
@@ -308,7 +360,13 @@ def _app(
 class BootstrapServer:
     """uvicorn serving the registry from a daemon thread; port 0 picks a free port."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, auth: Authenticator | None = None) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        auth: Authenticator | None = None,
+        on_refusal: Callable[[RefusalNotice], None] | None = None,
+    ) -> None:
         self.host = host
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
@@ -317,7 +375,7 @@ class BootstrapServer:
         self.port: int = self._sock.getsockname()[1]
         self._registry = _Registry()
         self.instance = secrets.token_hex(12)  # in every tag: new on every start
-        app = _app(self._registry, auth, instance=self.instance)
+        app = _app(self._registry, auth, instance=self.instance, on_refusal=on_refusal)
         cfg = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)
         self._server = uvicorn.Server(cfg)
         self._thread = threading.Thread(
@@ -471,6 +529,18 @@ def fetch_prefill_info(
     return PrefillInstanceInfo.from_dict(
         _request("GET", host, port, "/v1/prefill/ranks", timeout_s, auth=auth, connect_to=connect_to)
     )
+
+
+def report_refusal(
+    host: str,
+    port: int,
+    notice: RefusalNotice,
+    timeout_s: float = 2.0,
+    auth: Authenticator | None = None,
+    connect_to: str | None = None,
+) -> None:
+    """Tell the prefill's bootstrap server that this decode refused its handshake for `notice.rooms`."""
+    _request("POST", host, port, "/v1/prefill/refusals", timeout_s, notice.to_dict(), auth, connect_to)
 
 
 def fetch_prefill_rank(

@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -84,6 +84,11 @@ class ReceiverStats:
     rooms_failed: int = 0
     auth_rejected: int = 0  # control frames the endpoint dropped (no valid tag, stale, replayed)
     foreign_rejected: int = 0  # statuses / aborts naming a session or sender the room was not requested from
+    # rooms failed because this decode refused their prefill's handshake, by reason (handshake.py labels)
+    handshakes_refused: dict[str, int] = field(default_factory=dict)
+
+    def count_refused(self, reason: str, rooms: int) -> None:
+        self.handshakes_refused[reason] = self.handshakes_refused.get(reason, 0) + rooms
 
 
 @dataclass
@@ -253,9 +258,12 @@ class ReceiverBook:
         waiting for it names this error."""
         self._fetch_errors[prefill] = error
 
-    def on_fetched(self, prefill: Address, info: PrefillInstanceInfo | None, error: str | None, now: float) -> None:
+    def on_fetched(
+        self, prefill: Address, info: PrefillInstanceInfo | None, error: str | None, now: float
+    ) -> list[int]:
         """The fetch add_room asked for ended: `info` fetched and compatible, or None and why not.
-        Requests every room waiting for it, or fails them."""
+        Requests every room waiting for it, or fails them; returns the rooms it failed (nothing
+        was registered or requested for them: a refused handshake tells the prefill so)."""
         # A room that was reported and whose id came back (maybe for another prefill) is a new
         # room: only the very objects that waited, still active, are requested.
         rooms = [
@@ -269,10 +277,11 @@ class ReceiverBook:
             log.warning("%s (%d rooms)", why, len(rooms))
             for r in rooms:
                 r.rec.fail(why, now)
-            return
+            return [r.room for r in rooms]
         peer = self._install(prefill, info, now)
         for r in rooms:
             self._request(r, peer, now)
+        return []
 
     def _install(self, addr: Address, info: PrefillInstanceInfo, now: float) -> KnownPrefill:
         old = self.prefills.get(addr)

@@ -15,8 +15,10 @@ What happens inside: every decision is the `ReceiverBook`'s (book.py: rooms, kno
 prefills, deadlines, liveness, when pages are safe; no I/O). This shell owns the I/O: a receive
 thread (control/endpoint.py) hands TransferStatus, Abort and Heartbeat to the book; a pool thread fetches
 a prefill's bootstrap info when the book asks (only where `guard` allows, control/fetch_guard.py;
-retrying while a prefill that answered before restarts, then checking compatibility) and hands
-the outcome back; a worker thread drives the book's deadlines and
+retrying while a prefill that answered before restarts, then checking compatibility: a refused
+handshake fails every waiting room and posts them to the prefill's bootstrap server, which fails
+them there too, control/handshake.py) and hands the outcome back; a worker thread drives the
+book's deadlines and
 heartbeats every idle_tick_s. Control messages leave through the endpoint, never blocking.
 """
 
@@ -40,12 +42,15 @@ from kvpipe.transfer.control.bootstrap import (
     BootstrapRefused,
     BootstrapUnreachable,
     DecodeInfo,
+    IncompatiblePeerError,
     PrefillInstanceInfo,
     check_compatible,
     fetch_prefill_info,
+    report_refusal,
 )
 from kvpipe.transfer.control.endpoint import ControlEndpoint
 from kvpipe.transfer.control.fetch_guard import FetchGuard
+from kvpipe.transfer.control.handshake import MAX_REFUSED_ROOMS, Handshake, RefusalNotice
 from kvpipe.transfer.control.messages import RECEIVER_RECEIVES, AuxData, DecodeRank, limits_for
 from kvpipe.transfer.lifecycle import Clock, TransferState
 from kvpipe.transfer.receiver.book import Address, ReceiverBook, ReceiverStats
@@ -68,15 +73,19 @@ class KVReceiver:
         host: str = "127.0.0.1",
         clock: Clock = time.monotonic,
         on_news: Callable[[], None] | None = None,
+        handshake: Handshake | None = None,
     ) -> None:
         """`on_news` (called on the control thread after every message from a prefill): poll()
-        may have something new, e.g. wake the engine loop instead of waiting for its timer."""
+        may have something new, e.g. wake the engine loop instead of waiting for its timer.
+        `handshake`: this decode instance's (control/handshake.py), compared with every prefill's
+        (None: not checked; tests and benchmarks of bare receivers)."""
         if not ranks:
             raise ValueError("KVReceiver needs at least one decode rank")
         self.cfg, self.ranks, self.model_name = cfg, tuple(ranks), model_name
         self.tp_size = len(self.ranks)
         self.instance_id = instance_id or uuid.uuid4().hex[:12]
-        self.decode_info = DecodeInfo(model_name, self.tp_size, tuple(d.layout for d in self.ranks))
+        self.handshake = handshake
+        self.decode_info = DecodeInfo(model_name, self.tp_size, tuple(d.layout for d in self.ranks), handshake)
         self._clock = clock
         self._on_news = on_news
         self._lock = threading.Lock()
@@ -101,7 +110,11 @@ class KVReceiver:
 
     @property
     def stats(self) -> ReceiverStats:
-        return replace(self._book.stats, auth_rejected=self._endpoint.stats.auth_rejected)
+        with self._lock:
+            st = self._book.stats
+            return replace(
+                st, auth_rejected=self._endpoint.stats.auth_rejected, handshakes_refused=dict(st.handshakes_refused)
+            )
 
     @property
     def control_address(self) -> str:
@@ -198,12 +211,16 @@ class KVReceiver:
         err: Exception | None = None
         end = time.monotonic() + self.cfg.bootstrap_timeout_s
         proven = self.guard.proven(addr)
+        connect_to: str | None = None
         while not self._stop.is_set():
             try:
                 connect_to = self.guard.connect_to(addr[0])  # BootstrapRefused: not allowed
                 info = fetch_prefill_info(*addr, self.cfg.tuning.http_timeout_s, self._auth, connect_to)
                 check_compatible(info, self.decode_info)
                 self.guard.succeeded(addr)
+                break
+            except IncompatiblePeerError as e:  # a real prefill that answered: not a failed address
+                info, err = None, e
                 break
             except (BootstrapUnreachable, BootstrapNotReady) as e:
                 info, err = None, e
@@ -217,10 +234,32 @@ class KVReceiver:
             except Exception as e:  # incompatible, malformed, or a bug: fail the rooms with it
                 info, err = None, e
                 break
-        if err is not None and info is None:
+        refused = err if isinstance(err, IncompatiblePeerError) else None
+        if err is not None and info is None and refused is None:
             self.guard.failed(addr, str(err))  # unproven: refused for a while (a proven one is not)
         with self._lock:
-            self._book.on_fetched(addr, info, None if err is None else str(err), self._clock())
+            failed = self._book.on_fetched(addr, info, None if err is None else str(err), self._clock())
+            if refused is not None and failed:
+                self._book.stats.count_refused(refused.reason, len(failed))
+        if refused is not None and failed:
+            if self._on_news is not None:
+                self._on_news()  # the engine answers the refused requests now
+            self._report_refusal(addr, connect_to, failed, refused)
+
+    def _report_refusal(
+        self, addr: Address, connect_to: str | None, rooms: list[int], err: IncompatiblePeerError
+    ) -> None:
+        """Tell the prefill which rooms this decode refused (and why), so it fails them now rather
+        than at its bootstrap timeout. Each handshake with an incompatible prefill is tried anew
+        (the address is not refused for a while like one that failed): a prefill restarted with a
+        matching configuration is accepted at once, and every refused request is reported."""
+        for i in range(0, len(rooms), MAX_REFUSED_ROOMS):
+            notice = RefusalNotice(tuple(rooms[i : i + MAX_REFUSED_ROOMS]), str(err), err.reason, self.handshake)
+            try:
+                report_refusal(*addr, notice, self.cfg.tuning.http_timeout_s, self._auth, connect_to)
+            except Exception as e:  # best effort: the prefill's bootstrap timeout frees them anyway
+                log.warning("could not report refused rooms to prefill %s:%d: %s", addr[0], addr[1], e)
+                return
 
     def _on_message(self, msg: object) -> None:
         with self._lock:

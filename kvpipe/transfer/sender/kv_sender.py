@@ -47,6 +47,7 @@ from kvpipe.transfer.backends.base import BatchHandle, BatchState, TransferBacke
 from kvpipe.transfer.control.auth import authenticator
 from kvpipe.transfer.control.bootstrap import BootstrapError, PrefillRankInfo, register_prefill_rank
 from kvpipe.transfer.control.endpoint import ControlEndpoint
+from kvpipe.transfer.control.handshake import Handshake
 from kvpipe.transfer.control.messages import SENDER_RECEIVES, AuxTuple, limits_for
 from kvpipe.transfer.lifecycle import Clock, TransferState
 from kvpipe.transfer.planning.layout import KVLayout
@@ -75,13 +76,16 @@ class KVSender:
         staging: StagingBuffer | None = None,
         state_layout: StateLayout | None = None,
         on_news: Callable[[], None] | None = None,
+        handshake: Handshake | None = None,
     ) -> None:
         """`staging`: a registered local staging buffer over this rank's KV (staging/buffers.py); with
         cfg.staging "on" or "auto" sends to decode ranks that offer a staging ring are staged.
         `state_layout`: this rank's registered recurrent-state pool (hybrid models): layer ranges
         of send() are then model layers, and every room names its state slot in add_room.
         `on_news` (called on the worker's or pump()'s thread once a room is ready for poll()): e.g.
-        wake the engine loop, whose answer for the room waits for it, instead of its poll timer."""
+        wake the engine loop, whose answer for the room waits for it, instead of its poll timer.
+        `handshake`: the instance's (control/handshake.py), registered with the bootstrap server for
+        decodes to compare with theirs (None: not checked; tests and benchmarks of bare senders)."""
         if instance_id is None:
             if tp_size != 1:
                 raise ValueError("with tp_size > 1 every rank needs the same instance_id")
@@ -95,6 +99,7 @@ class KVSender:
             )
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.model_name, self.instance_id = model_name, instance_id
+        self.handshake = handshake  # published with the registration: what decodes must agree with
         self.session_id = f"{instance_id}/{tp_rank}"
         self._on_news = on_news
         self._clock = clock
@@ -149,6 +154,12 @@ class KVSender:
         with self._lock:
             return len(self._book.rooms)
 
+    def is_bound(self, room: int) -> bool:
+        """A decode session asked for `room` here (its TransferRequest was accepted)."""
+        with self._lock:
+            r = self._book.rooms.get(room)
+            return r is not None and bool(r.dests)
+
     @property
     def info(self) -> PrefillRankInfo:
         return PrefillRankInfo(
@@ -159,6 +170,7 @@ class KVSender:
             self.control_address,
             self.model_name,
             self.instance_id,
+            self.handshake,
         )
 
     def start(self, bootstrap: tuple[str, int] | None = None) -> KVSender:
