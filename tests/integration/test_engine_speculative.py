@@ -165,3 +165,22 @@ def test_models_without_rollback_are_refused(preset, tmp_path):
     path = write_preset(preset, tmp_path / "m")
     with pytest.raises(ConfigError, match="not supported yet"):
         make_engine(path, speculative=NGRAM)
+
+
+def test_bench_engine_reports_speculative_decoding():
+    """`kvpipe bench engine --speculative-algorithm NGRAM` on the tiny preset: both engines' outputs
+    are equal and the acceptance figures are there (no timing asserted)."""
+    import argparse
+
+    from kvpipe.bench.engine import add_args, run_bench
+
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    args = parser.parse_args(
+        "--preset tiny --skip-prefill --skip-decode --speculative-algorithm ngram --spec-output-len 24 "
+        "--spec-batch 2 --repeat 1 --threads 1 --no-progress".split()
+    )
+    r = run_bench(args)["speculative"]
+    assert r["outputs_equal"] and r["workload"] == "repeated-units" and r["batch"] == 2
+    assert all(1 <= n <= 24 for n in r["completion_tokens"]) and r["num_draft_tokens"] == 8
+    assert r["accept_length"] >= 1.0 and len(r["samples_on"]) == len(r["samples_off"]) == 1
