@@ -10,13 +10,20 @@ import itertools
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from kvpipe.config import CacheConfig, DisaggregationConfig, FaultInjection, SchedulerConfig, ServerConfig
+from kvpipe.config import (
+    CacheConfig,
+    DisaggregationConfig,
+    FaultInjection,
+    SchedulerConfig,
+    ServerConfig,
+    SpeculativeConfig,
+)
 from kvpipe.disagg.decode import DecodeConnector
 from kvpipe.disagg.prefill import PrefillConnector
 from kvpipe.engine.engine import Engine
@@ -243,10 +250,12 @@ def make_pair(
     prefill_radix_cache: bool = True,
     decode_radix_cache: bool = False,
     kv_cache_dtype: str = "auto",
+    decode_speculative: SpeculativeConfig | None = None,
     **disagg,
 ):
     """Prefill + decode engines; the prefill keeps its prefix cache unless told otherwise, the
-    decode has one with `decode_radix_cache`; both pools store `kv_cache_dtype`."""
+    decode has one with `decode_radix_cache`; both pools store `kv_cache_dtype`; the decode
+    decodes speculatively with `decode_speculative`."""
     fabric = LocalFabric()
     with contextlib.ExitStack() as es:
         pb, db = LocalBackend(fabric, inject=inject), LocalBackend(fabric)
@@ -264,6 +273,8 @@ def make_pair(
             kv_cache_dtype=kv_cache_dtype,
             **disagg,
         )
+        if decode_speculative is not None:
+            d_cfg = replace(d_cfg, speculative=decode_speculative)
         decode = Engine(d_cfg, DecodeConnector(d_cfg, db))
         es.callback(decode.shutdown)
         yield Pair(prefill, decode)
