@@ -41,6 +41,7 @@ from kvpipe.engine.ngram_drafter import propose_ngram
 from kvpipe.engine.request import ABORTED_ON_REQUEST, FinishReason, Req, SamplingParams, TokenOutput, finish_reason_json
 from kvpipe.engine.sampler import Sampler, make_generator
 from kvpipe.engine.scheduler import Scheduler
+from kvpipe.engine.spec_sampling import speculative_sample
 from kvpipe.engine.spec_verify import SpecCounts, accepted_prefix
 from kvpipe.engine.tp_group import TPGroup, build_runner
 from kvpipe.model.config import ModelConfig
@@ -275,30 +276,48 @@ class Engine:
 
     # ---- speculative decoding ----------------------------------------------------------------
     def _propose(self, req: Req, max_drafts: int) -> list[int]:
-        """NGRAM drafts of a decode row. Sampled requests get none: they decode normally (greedy
-        acceptance would not keep their distribution; rejection sampling is not built yet)."""
-        if not req.params.greedy:
-            return []
+        """NGRAM drafts of a decode row (greedy rows keep the matching ones, sampled rows verify
+        them by speculative sampling: spec_sampling.py)."""
         s = self.spec
         return propose_ngram(req.all_ids, max_drafts, s.ngram_min_match_window_size, s.ngram_max_match_window_size)
 
     def _commit_verify(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[TokenOutput]:
         """logits [sum(1 + drafts), V]: each row's target tokens after its last token and each
-        draft; keep the longest greedy-matching prefix of its drafts and the bonus token."""
+        draft; a greedy row keeps the longest matching prefix of its drafts and the bonus token,
+        a sampled row what speculative sampling accepts and one drawn token."""
         counts = [1 + len(d) for d in batch.drafts]
         assert logits.shape[0] == sum(counts), (tuple(logits.shape), counts)
-        params = [r.params for r, c in zip(batch.reqs, counts) for _ in range(c)]
-        gens = [self._generator(r) for r, c in zip(batch.reqs, counts) for _ in range(c)]
-        sampled = self.sampler.sample(logits, params, gens)  # greedy rows: argmax at every position
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        # greedy rows (argmax at every position) and rows without drafts (one plain draw) go
+        # through the sampler as any decode step; sampled rows with drafts are verified below
+        plain = [
+            (i, j)
+            for i, (r, c) in enumerate(zip(batch.reqs, counts))
+            if r.params.greedy or c == 1
+            for j in range(starts[i], starts[i] + c)
+        ]
+        sel = torch.tensor([j for _, j in plain], dtype=torch.int64, device=logits.device)
+        sampled = self.sampler.sample(
+            logits[sel], [batch.reqs[i].params for i, _ in plain], [self._generator(batch.reqs[i]) for i, _ in plain]
+        )
+        by_row: dict[int, tuple[list[int], list[float]]] = {}
+        for (i, _), t, lp in zip(plain, sampled.token_ids, sampled.logprobs):
+            toks, lps = by_row.setdefault(i, ([], []))
+            toks.append(t)
+            lps.append(lp)
         outs: list[TokenOutput] = []
-        off = 0
         for i, req in enumerate(batch.reqs):
-            draft, c = batch.drafts[i], counts[i]
-            targets, lps = sampled.token_ids[off : off + c], sampled.logprobs[off : off + c]
-            off += c
+            draft = batch.drafts[i]
             if req.finished:  # aborted while its forward ran
                 continue
-            accepted = accepted_prefix(draft, targets)
+            if i in by_row:
+                targets, lps = by_row[i]
+                accepted = accepted_prefix(draft, targets)
+            else:
+                rows = logits[starts[i] : starts[i] + counts[i]]
+                targets, accepted = self._speculative_sample(req, rows, draft)
+                raw = torch.log_softmax(rows.float(), dim=-1)  # logprobs of the raw logits, as the sampler's
+                lps = [float(raw[j, t]) for j, t in enumerate(targets)]
             fins: list[tuple[FinishReason, str | int | None]] = []
             n = self.scheduler.commit_verify(
                 req, batch.prefix_lens[i], targets[: accepted + 1], lps[: accepted + 1], partial(self._stops, fins)
@@ -323,6 +342,15 @@ class Engine:
             else:
                 outs.append(out)
         return outs
+
+    def _speculative_sample(self, req: Req, logits: torch.Tensor, draft: list[int]) -> tuple[list[int], int]:
+        """A sampled row's drafts verified by speculative sampling -> (its accepted drafts and one
+        drawn token, the drafts accepted)."""
+        gen = self._generator(req)
+        weights = self.sampler.distributions(logits, [req.params] * logits.shape[0])
+        return speculative_sample(
+            weights, draft, partial(self.sampler.uniform, gen), partial(self.sampler.draw, gen=gen)
+        )
 
     def _stops(self, fins: list[tuple[FinishReason, str | int | None]], req: Req) -> bool:
         """commit_verify's check after each appended token: a finish goes into `fins`."""

@@ -144,17 +144,27 @@ def test_abort_mid_generation_frees_every_page(model):
         eng.shutdown()
 
 
-def test_sampled_requests_decode_normally(model):
-    """A sampled request gets no drafts (greedy acceptance would change its distribution): alone,
-    it draws exactly the tokens it draws without speculation."""
+def test_sampled_requests_verify_drafts_by_speculative_sampling(model):
+    """temperature > 0: drafts are verified by speculative sampling (tests/unit/test_spec_sampling.py
+    checks that it keeps the target's distribution). Here: a seeded request is reproducible and runs
+    to max_new_tokens; a near-zero temperature accepts drafts; top_k=1 is greedy, as without
+    speculation; no page is lost."""
     path, _ = model
-    params = SamplingParams(max_new_tokens=12, temperature=0.8, seed=7, ignore_eos=True)
     plain = make_engine(path)
-    spec = make_engine(path, speculative=NGRAM)
+    spec = make_engine(path, speculative=NGRAM, radix_cache=True)
     try:
         p = repetitive_prompts()[0]
-        assert output_ids(spec, [p], params) == output_ids(plain, [p], params)
-        assert spec.spec_counts.proposed == 0 and spec.spec_counts.verify_ct == 11
+        params = SamplingParams(max_new_tokens=16, temperature=0.7, seed=7, ignore_eos=True)
+        first = output_ids(spec, [p], params)
+        assert first == output_ids(spec, [p], params) and len(first[0]) == 16
+        assert spec.spec_counts.proposed > 0
+        before = spec.spec_counts.accepted
+        cold = replace(params, temperature=1e-3, seed=None)
+        assert len(output_ids(spec, [p, p], cold)[1]) == 16
+        assert spec.spec_counts.accepted > before
+        top1 = replace(params, top_k=1)
+        assert output_ids(spec, [p], top1) == output_ids(plain, [p], top1)
+        assert_no_pages_lost(spec)
     finally:
         plain.shutdown()
         spec.shutdown()
