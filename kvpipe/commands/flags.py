@@ -105,7 +105,7 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
         type=str.upper,
         choices=[*SPECULATIVE_ALGORITHMS, *SPECULATIVE_NOT_YET],
         help="NGRAM: drafts looked up in the request's own tokens, verified greedily in one forward "
-        "(sampled requests decode normally); STANDALONE, NEXTN and EAGLE are refused (not yet)",
+        "(sampled requests by speculative sampling); STANDALONE, NEXTN and EAGLE are refused (not yet)",
     )
     g.add_argument("--speculative-num-steps", type=int, default=None, help="drafts per step (a chain)")
     g.add_argument("--speculative-eagle-topk", type=int, default=None, help="1 only: kvpipe verifies a chain")
