@@ -53,8 +53,8 @@ from kvpipe.bench.engine_stats import (
 )
 from kvpipe.bench.hf_reference import HFReference
 from kvpipe.bench.machine import cpu_name
+from kvpipe.bench.spec_decode import WORKLOADS, format_spec
 from kvpipe.bench.spec_decode import compare as compare_speculative
-from kvpipe.bench.spec_decode import format_spec
 from kvpipe.config import (
     KV_CACHE_DTYPES,
     MODEL_DTYPES,
@@ -128,6 +128,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="tokens verified per step")
     p.add_argument("--spec-output-len", type=int, default=160, help="max new tokens of the speculative workload")
     p.add_argument("--spec-batch", type=int, default=1, help="requests of the speculative workload run together")
+    p.add_argument(
+        "--spec-workload",
+        choices=list(WORKLOADS),
+        default="edit",
+        help="edit: a chat turn asking to repeat a paragraph with its typos fixed (needs a chat template); "
+        "repeat: prompts repeating a random unit of tokens",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--out", default=None, help="also write the JSON result to this file")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -333,7 +340,9 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             spec = SpeculativeConfig(args.speculative_algorithm, num_draft_tokens=args.speculative_num_draft_tokens)
         except ConfigError as e:
             raise SystemExit(f"kvpipe bench engine: {e}") from None
-        speculative = compare_speculative(cfg, spec, args.spec_batch, args.spec_output_len, args.repeat, args.seed)
+        speculative = compare_speculative(
+            cfg, spec, args.spec_workload, args.spec_batch, args.spec_output_len, args.repeat, args.seed
+        )
     mc = engine.model_config
     return {
         "config": {

@@ -8,9 +8,9 @@ it; decode tokens/s = (completion tokens - 1) / that time, summed over the batch
 equal both ways (greedy speculation changes nothing but the speed); the acceptance length is the
 tokens each verify step emitted (1 + accepted drafts).
 
-The workload: a model with a chat template gets a user turn asking to repeat a paragraph with
-its typos fixed (an edit); a model without one (the random presets) gets prompts that repeat a
-random unit of tokens, whose continuation its own n-grams predict only where the model repeats.
+The workloads: `edit` is a chat turn asking to repeat a paragraph with its typos fixed (a trained
+chat model copies most of it); `repeat` is prompts that repeat a random unit of tokens (for the
+random presets: their n-grams predict the continuation only where the model itself repeats).
 """
 
 from __future__ import annotations
@@ -52,10 +52,13 @@ class SpecSample:
         return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
 
-def workload(engine: Engine, batch: int, seed: int) -> list[list[int]]:
-    """The editing prompt (chat models) or repeated random units, `batch` of them."""
+WORKLOADS = ("edit", "repeat")
+
+
+def workload(engine: Engine, kind: str, batch: int, seed: int) -> list[list[int]]:
+    """`batch` prompts of workload `kind` (WORKLOADS)."""
     tok = engine.tokenizer
-    if tok.chat_template:
+    if kind == "edit":
         ids = tok.encode_chat([{"role": "user", "content": EDIT_INSTRUCTION + EDIT_TEXT}])
         return [list(ids) for _ in range(batch)]
     rng = np.random.default_rng(seed)
@@ -93,7 +96,7 @@ def run_once(engine: Engine, prompts: list[list[int]], params: SamplingParams, t
 
 
 def compare(
-    cfg: ServerConfig, spec: SpeculativeConfig, batch: int, output_len: int, repeat: int, seed: int
+    cfg: ServerConfig, spec: SpeculativeConfig, kind: str, batch: int, output_len: int, repeat: int, seed: int
 ) -> dict[str, Any]:
     """Decode tokens/s and acceptance of `spec` against no speculation (cfg's engine settings)."""
     params = SamplingParams(max_new_tokens=output_len, temperature=0.0)
@@ -101,7 +104,7 @@ def compare(
     plain_cfg = replace(cfg, cache=cache, speculative=SpeculativeConfig())
     engines = [Engine(plain_cfg), Engine(replace(plain_cfg, speculative=spec))]
     try:
-        prompts = workload(engines[0], batch, seed)
+        prompts = workload(engines[0], kind, batch, seed)
         for i, eng in enumerate(engines):  # warm-up: kernels built, first-call costs paid
             run_once(eng, prompts, replace(params, max_new_tokens=4), f"warm{i}")
         samples: list[list[SpecSample]] = [[], []]
@@ -118,7 +121,7 @@ def compare(
     return {
         "algorithm": spec.algorithm,
         "num_draft_tokens": spec.max_drafts + 1,
-        "workload": "edit" if engines[0].tokenizer.chat_template else "repeated-units",
+        "workload": kind,
         "batch": batch,
         "prompt_tokens": len(prompts[0]),
         "output_len": output_len,

@@ -188,9 +188,9 @@ def test_bench_engine_reports_speculative_decoding():
     add_args(parser)
     args = parser.parse_args(
         "--preset tiny --skip-prefill --skip-decode --speculative-algorithm ngram --spec-output-len 24 "
-        "--spec-batch 2 --repeat 1 --threads 1 --no-progress".split()
+        "--spec-workload repeat --spec-batch 2 --repeat 1 --threads 1 --no-progress".split()
     )
     r = run_bench(args)["speculative"]
-    assert r["outputs_equal"] and r["workload"] == "repeated-units" and r["batch"] == 2
+    assert r["outputs_equal"] and r["workload"] == "repeat" and r["batch"] == 2
     assert all(1 <= n <= 24 for n in r["completion_tokens"]) and r["num_draft_tokens"] == 8
     assert r["accept_length"] >= 1.0 and len(r["samples_on"]) == len(r["samples_off"]) == 1
