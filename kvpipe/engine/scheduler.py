@@ -33,6 +33,10 @@ step the pages the window slid past are freed, so a request holds at most
 `window_page_bound` of them however long it generates; admission promises that many. A reserved
 (PD decode) request gets window pages for the prompt's last window only: that is all the
 prefill sends.
+
+Speculative decoding (`drafter`): a decode row gets pages for its last token and its drafts (at
+most max_new_tokens - outputs - 1 of them, so within its promise); after the verify forward
+`commit_verify` keeps the accepted tokens and `rollback_pages` frees the pages past them.
 """
 
 from __future__ import annotations
