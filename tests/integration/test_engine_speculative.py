@@ -56,7 +56,11 @@ def model(request, tmp_path_factory):
 
 @pytest.mark.parametrize(
     "kw",
-    [dict(chunk=7, radix_cache=True), dict(chunk=33, page_size=1, pages=4096), dict(chunk=33, tp=2)],
+    [
+        dict(chunk=7, radix_cache=True),
+        pytest.param(dict(chunk=33, page_size=1, pages=4096), marks=pytest.mark.slow),  # a page per token
+        dict(chunk=33, tp=2),
+    ],
     ids=["chunk7_radix", "page1", "tp2"],
 )
 def test_greedy_outputs_equal_without_speculation(model, kw):
