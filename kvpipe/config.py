@@ -311,6 +311,71 @@ class DisaggregationConfig:
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20  # an HTTP server's --max-request-body-bytes
 
 
+# --speculative-algorithm (SGLang's names): what kvpipe runs, and what it names but refuses for now
+SPECULATIVE_ALGORITHMS = ("NGRAM",)
+SPECULATIVE_NOT_YET = ("STANDALONE", "NEXTN", "EAGLE", "EAGLE3")
+NGRAM_DEFAULT_DRAFT_TOKENS = 8  # verified tokens per step: the last token and 7 drafts
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (SGLang's --speculative-* flags; kvpipe/engine/spec_*.py). algorithm
+    None: off. num_draft_tokens counts the tokens one verify forward runs per request, as in
+    SGLang: the last accepted token plus num_draft_tokens - 1 drafts (a chain: eagle_topk 1)."""
+
+    algorithm: str | None = None
+    num_steps: int | None = None  # a chain's drafts: num_draft_tokens - 1
+    eagle_topk: int | None = None  # 1 (a chain) is all kvpipe verifies
+    num_draft_tokens: int | None = None  # None: num_steps + 1, else NGRAM_DEFAULT_DRAFT_TOKENS
+    # NGRAM: the suffix of the request's tokens looked up in its own earlier tokens, in tokens
+    ngram_min_match_window_size: int = 1
+    ngram_max_match_window_size: int = 12
+
+    def __post_init__(self) -> None:
+        a = self.algorithm
+        if a is None:
+            return
+        if a.upper() in SPECULATIVE_NOT_YET:
+            raise ConfigError(
+                f"--speculative-algorithm {a} is not implemented yet; kvpipe runs {', '.join(SPECULATIVE_ALGORITHMS)}"
+            )
+        if a.upper() not in SPECULATIVE_ALGORITHMS:
+            raise ConfigError(f"--speculative-algorithm must be one of {SPECULATIVE_ALGORITHMS}, got {a!r}")
+        for name in ("num_steps", "eagle_topk", "num_draft_tokens"):
+            v = getattr(self, name)
+            if v is not None and not (type(v) is int and v >= 1):
+                raise ConfigError(f"--speculative-{name.replace('_', '-')} must be a whole number >= 1, got {v!r}")
+        if self.eagle_topk not in (None, 1):
+            raise ConfigError(f"--speculative-eagle-topk {self.eagle_topk}: kvpipe verifies a chain only (topk 1)")
+        if (
+            self.num_steps is not None
+            and self.num_draft_tokens is not None
+            and self.num_draft_tokens != self.num_steps + 1
+        ):
+            raise ConfigError(
+                f"--speculative-num-draft-tokens {self.num_draft_tokens} with --speculative-num-steps "
+                f"{self.num_steps}: a chain verifies num_steps + 1 tokens"
+            )
+        lo, hi = self.ngram_min_match_window_size, self.ngram_max_match_window_size
+        if not (type(lo) is int and type(hi) is int and 1 <= lo <= hi):
+            raise ConfigError(f"NGRAM match windows must satisfy 1 <= min ({lo!r}) <= max ({hi!r})")
+
+    @property
+    def enabled(self) -> bool:
+        return self.algorithm is not None
+
+    @property
+    def max_drafts(self) -> int:
+        """Draft tokens proposed per request and step at most (0 when off)."""
+        if not self.enabled:
+            return 0
+        if self.num_draft_tokens is not None:
+            return self.num_draft_tokens - 1
+        if self.num_steps is not None:
+            return self.num_steps
+        return NGRAM_DEFAULT_DRAFT_TOKENS - 1
+
+
 @dataclass(frozen=True)
 class RequestLimits:
     """What one HTTP request may ask for, and how many requests a server holds (kvpipe/server/):
@@ -355,6 +420,7 @@ class ServerConfig:
     # SGLang's --api-key: every HTTP route but /health, /health_generate and /metrics needs
     # `Authorization: Bearer <key>` (kvpipe/server/api_key.py). Not in repr: configs get logged.
     api_key: str | None = field(default=None, repr=False)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:

@@ -53,7 +53,18 @@ from kvpipe.bench.engine_stats import (
 )
 from kvpipe.bench.hf_reference import HFReference
 from kvpipe.bench.machine import cpu_name
-from kvpipe.config import KV_CACHE_DTYPES, MODEL_DTYPES, CacheConfig, ConfigError, SchedulerConfig, ServerConfig
+from kvpipe.bench.spec_decode import WORKLOADS, format_spec
+from kvpipe.bench.spec_decode import compare as compare_speculative
+from kvpipe.config import (
+    KV_CACHE_DTYPES,
+    MODEL_DTYPES,
+    SPECULATIVE_ALGORITHMS,
+    CacheConfig,
+    ConfigError,
+    SchedulerConfig,
+    ServerConfig,
+    SpeculativeConfig,
+)
 from kvpipe.engine.cpu_threads import apply_cpu_threads, server_cpu_threads
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import FinishReason, Req, SamplingParams
@@ -106,6 +117,24 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="also run HF transformers on the same checkpoint, alternating with the engine repeat by "
         "repeat, and report kvpipe/HF ratios (needs the transformers package)",
     )
+    p.add_argument(
+        "--speculative-algorithm",
+        type=str.upper,
+        choices=list(SPECULATIVE_ALGORITHMS),
+        default=None,
+        help="also compare decode tokens/s with and without speculative decoding on an editing "
+        "workload (bench/spec_decode.py); --skip-prefill --skip-decode runs only that",
+    )
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="tokens verified per step")
+    p.add_argument("--spec-output-len", type=int, default=160, help="max new tokens of the speculative workload")
+    p.add_argument("--spec-batch", type=int, default=1, help="requests of the speculative workload run together")
+    p.add_argument(
+        "--spec-workload",
+        choices=list(WORKLOADS),
+        default="edit",
+        help="edit: a chat turn asking to repeat a paragraph with its typos fixed (needs a chat template); "
+        "repeat: prompts repeating a random unit of tokens",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--out", default=None, help="also write the JSON result to this file")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -120,6 +149,8 @@ def _check(args: argparse.Namespace) -> None:
         "page_size",
         "max_prefill_tokens",
         "repeat",
+        "spec_output_len",
+        "spec_batch",
     ):
         if getattr(args, name) < 1:
             raise SystemExit(f"kvpipe bench engine: --{name.replace('_', '-')} must be positive")
@@ -303,6 +334,15 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         bar.close()
         engine.shutdown()
+    speculative = None
+    if args.speculative_algorithm:
+        try:
+            spec = SpeculativeConfig(args.speculative_algorithm, num_draft_tokens=args.speculative_num_draft_tokens)
+        except ConfigError as e:
+            raise SystemExit(f"kvpipe bench engine: {e}") from None
+        speculative = compare_speculative(
+            cfg, spec, args.spec_workload, args.spec_batch, args.spec_output_len, args.repeat, args.seed
+        )
     mc = engine.model_config
     return {
         "config": {
@@ -341,6 +381,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         },
         "prefill": prefill,
         "decode": decode,
+        **({"speculative": speculative} if speculative is not None else {}),
     }
 
 
@@ -355,6 +396,8 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
         reports.append(report)
         if not args.json:
             print(format_table(report), flush=True)
+            if "speculative" in report:
+                print(format_spec(report["speculative"]), flush=True)
     result = reports[0] if len(reports) == 1 else {"runs": reports}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

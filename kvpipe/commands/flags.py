@@ -12,6 +12,8 @@ from kvpipe.config import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     KV_CACHE_DTYPES,
     MODEL_DTYPES,
+    SPECULATIVE_ALGORITHMS,
+    SPECULATIVE_NOT_YET,
     STAGING_MODES,
     CacheConfig,
     ConfigError,
@@ -21,6 +23,7 @@ from kvpipe.config import (
     RequestLimits,
     SchedulerConfig,
     ServerConfig,
+    SpeculativeConfig,
     parse_layer_groups,
 )
 from kvpipe.model.config import ModelConfig
@@ -89,6 +92,59 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         "from the checkpoint, else 1.0. Prefill and decode of a PD pair must agree",
     )
     add_disaggregation_args(p)
+    add_speculative_args(p)
+
+
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    """SGLang's --speculative-* flags (kvpipe/engine/spec_verify.py, ngram_drafter.py)."""
+    d = SpeculativeConfig()
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument(
+        "--speculative-algorithm",
+        default=None,
+        type=str.upper,
+        choices=[*SPECULATIVE_ALGORITHMS, *SPECULATIVE_NOT_YET],
+        help="NGRAM: drafts looked up in the request's own tokens, verified greedily in one forward "
+        "(sampled requests by speculative sampling); STANDALONE, NEXTN and EAGLE are refused (not yet)",
+    )
+    g.add_argument("--speculative-num-steps", type=int, default=None, help="drafts per step (a chain)")
+    g.add_argument("--speculative-eagle-topk", type=int, default=None, help="1 only: kvpipe verifies a chain")
+    g.add_argument(
+        "--speculative-num-draft-tokens",
+        type=int,
+        default=None,
+        help="tokens verified per request and step: the last token and up to N - 1 drafts "
+        "(default: num_steps + 1, else 8)",
+    )
+    g.add_argument(
+        "--speculative-ngram-min-match-window-size",
+        type=int,
+        default=d.ngram_min_match_window_size,
+        help="NGRAM: shortest suffix of the request's tokens looked up",
+    )
+    g.add_argument(
+        "--speculative-ngram-max-match-window-size",
+        type=int,
+        default=d.ngram_max_match_window_size,
+        help="NGRAM: longest suffix of the request's tokens looked up",
+    )
+
+
+def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig:
+    """The flags of `add_speculative_args` (off for commands without them)."""
+    d = SpeculativeConfig()
+    return SpeculativeConfig(
+        algorithm=getattr(args, "speculative_algorithm", None),
+        num_steps=getattr(args, "speculative_num_steps", None),
+        eagle_topk=getattr(args, "speculative_eagle_topk", None),
+        num_draft_tokens=getattr(args, "speculative_num_draft_tokens", None),
+        ngram_min_match_window_size=getattr(
+            args, "speculative_ngram_min_match_window_size", d.ngram_min_match_window_size
+        ),
+        ngram_max_match_window_size=getattr(
+            args, "speculative_ngram_max_match_window_size", d.ngram_max_match_window_size
+        ),
+    )
 
 
 def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
@@ -365,6 +421,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             disaggregation=disagg,
             limits=request_limits_from_args(args),
             api_key=getattr(args, "api_key", None) or api_key_from_env(),
+            speculative=speculative_config_from_args(args),
         )
         cfg.check_servable()
         return cfg

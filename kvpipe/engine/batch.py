@@ -8,7 +8,7 @@ rank to build the same ForwardBatch.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -35,6 +35,9 @@ class ForwardSpec:
     # sliding-window models: each row's sliding-layer pages, like page_tables (-1: slid out, never
     # read); None: no sliding layers
     swa_page_tables: tuple[np.ndarray, ...] | None = None
+    # speculative verify: logits for each row's last logit_counts[i] tokens (its last token and
+    # drafts); None: one (the last token's) for every row with want_logits
+    logit_counts: tuple[int, ...] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -47,6 +50,9 @@ class ScheduledBatch:
     reqs: list[Req]
     extend_lens: list[int]  # new tokens per row
     prefix_lens: list[int]  # tokens per row already cached before this step
+    # speculative decode rows: the draft tokens each row verifies after its last token (its
+    # extend_len is 1 + len(drafts[i])); empty: no speculation in this batch
+    drafts: list[list[int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -60,9 +66,11 @@ class ScheduledBatch:
         self, page_size: int, layer_groups: tuple[tuple[int, int], ...] | None = None, connector_meta: Any = None
     ) -> ForwardSpec:
         toks, tables, swa = [], [], []
-        for req, pre, n in zip(self.reqs, self.prefix_lens, self.extend_lens):
-            ids = req.input_ids[pre : pre + n] if pre + n <= len(req.input_ids) else req.all_ids[pre : pre + n]
-            toks.append(list(ids))
+        drafts = self.drafts or [[] for _ in self.reqs]
+        for req, pre, n, draft in zip(self.reqs, self.prefix_lens, self.extend_lens, drafts):
+            m = n - len(draft)  # tokens of the request itself; the drafts follow them
+            ids = req.input_ids[pre : pre + m] if pre + m <= len(req.input_ids) else req.all_ids[pre : pre + m]
+            toks.append(list(ids) + list(draft))
             used = -(-(pre + n) // page_size)
             tables.append(np.ascontiguousarray(req.pages[:used], dtype=np.int64))
             swa.append(np.ascontiguousarray(req.swa_pages[:used], dtype=np.int64))
@@ -77,4 +85,5 @@ class ScheduledBatch:
             connector_meta,
             state_slots if len(state_slots) == len(slots) else None,
             tuple(swa) if any(t.size for t in swa) else None,
+            tuple(1 + len(d) for d in self.drafts) if self.drafts else None,
         )

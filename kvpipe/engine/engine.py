@@ -14,7 +14,8 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import TypeGuard, cast
 
 import torch
@@ -22,7 +23,7 @@ import torch
 from kvpipe.cache.page_allocator import PageAllocator
 from kvpipe.cache.radix_cache import RadixCache
 from kvpipe.cache.recurrent_slots import StateSlotAllocator
-from kvpipe.config import ParallelConfig, ServerConfig
+from kvpipe.config import ConfigError, ParallelConfig, ServerConfig
 from kvpipe.engine.batch import ForwardMode, ForwardSpec, ScheduledBatch
 from kvpipe.engine.connector import (
     Admission,
@@ -36,9 +37,12 @@ from kvpipe.engine.connector import (
 from kvpipe.engine.connector_workers import RankWorkers
 from kvpipe.engine.finish import FinishChecker
 from kvpipe.engine.model_runner import ModelRunner, split_layers, state_slots
+from kvpipe.engine.ngram_drafter import propose_ngram
 from kvpipe.engine.request import ABORTED_ON_REQUEST, FinishReason, Req, SamplingParams, TokenOutput, finish_reason_json
 from kvpipe.engine.sampler import Sampler, make_generator
 from kvpipe.engine.scheduler import Scheduler
+from kvpipe.engine.spec_sampling import speculative_sample
+from kvpipe.engine.spec_verify import SpecCounts, accepted_prefix
 from kvpipe.engine.tp_group import TPGroup, build_runner
 from kvpipe.model.config import ModelConfig
 from kvpipe.model.loader import load_generation_eos
@@ -79,6 +83,9 @@ class Engine:
             dict.fromkeys(self.tokenizer.eos_token_ids + self.model_config.eos_token_ids)
         )
         self.context_length: int = cfg.scheduler.context_length or self.model_config.max_position_embeddings
+        self.spec = cfg.speculative
+        self.spec_counts = SpecCounts()  # the server's verify steps, drafts proposed and accepted
+        check_speculative(cfg, self.model_config)
         self.page_size = cfg.cache.page_size
         self.connector = connector
         self._layer_groups = layer_groups
@@ -122,6 +129,8 @@ class Engine:
             prefix_cache=self.prefix_cache,
             state_slots=self.state_slots,
             window=window,
+            drafter=self._propose if self.spec.enabled else None,
+            max_drafts=self.spec.max_drafts,
         )
         self.sampler = Sampler(cfg.seed, device)
         self.finisher = FinishChecker(self.tokenizer, self.eos_token_ids, self.context_length)
@@ -198,6 +207,9 @@ class Engine:
             s["num_waiting"] += len(self._inbox)
         s["num_waiting"] += len(self._remote)
         s.update(context_length=self.context_length, tp_size=self.cfg.tp_size, kv_cache_bytes=self.runner.pool.nbytes)
+        if self.spec.enabled:
+            c = self.spec_counts
+            s.update(spec_verify_steps=c.verify_ct, spec_proposed_tokens=c.proposed, spec_accepted_tokens=c.accepted)
         if self.connector is not None:
             s.update(self.connector.stats())
         return s
@@ -222,6 +234,10 @@ class Engine:
             for req in batch.reqs:
                 self._finish(req, FinishReason.ABORT, f"forward failed: {e}")
             raise
+        if batch.drafts:  # a speculative decode step: every row verifies its drafts (maybe none)
+            assert logits is not None
+            outs.extend(self._commit_verify(batch, logits))
+            return outs
         rows = [i for i, r in enumerate(batch.reqs) if batch.completes_prefill(i)]
         tokens: list[int | None] = [None] * len(batch.reqs)
         logprobs: list[float | None] = [None] * len(batch.reqs)
@@ -257,6 +273,91 @@ class Engine:
             else:
                 outs.append(out)
         return outs
+
+    # ---- speculative decoding ----------------------------------------------------------------
+    def _propose(self, req: Req, max_drafts: int) -> list[int]:
+        """NGRAM drafts of a decode row (greedy rows keep the matching ones, sampled rows verify
+        them by speculative sampling: spec_sampling.py)."""
+        s = self.spec
+        return propose_ngram(req.all_ids, max_drafts, s.ngram_min_match_window_size, s.ngram_max_match_window_size)
+
+    def _commit_verify(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[TokenOutput]:
+        """logits [sum(1 + drafts), V]: each row's target tokens after its last token and each
+        draft; a greedy row keeps the longest matching prefix of its drafts and the bonus token,
+        a sampled row what speculative sampling accepts and one drawn token."""
+        counts = [1 + len(d) for d in batch.drafts]
+        assert logits.shape[0] == sum(counts), (tuple(logits.shape), counts)
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        # greedy rows (argmax at every position) and rows without drafts (one plain draw) go
+        # through the sampler as any decode step; sampled rows with drafts are verified below
+        plain = [
+            (i, j)
+            for i, (r, c) in enumerate(zip(batch.reqs, counts))
+            if r.params.greedy or c == 1
+            for j in range(starts[i], starts[i] + c)
+        ]
+        sel = torch.tensor([j for _, j in plain], dtype=torch.int64, device=logits.device)
+        sampled = self.sampler.sample(
+            logits[sel], [batch.reqs[i].params for i, _ in plain], [self._generator(batch.reqs[i]) for i, _ in plain]
+        )
+        by_row: dict[int, tuple[list[int], list[float]]] = {}
+        for (i, _), t, lp in zip(plain, sampled.token_ids, sampled.logprobs):
+            toks, lps = by_row.setdefault(i, ([], []))
+            toks.append(t)
+            lps.append(lp)
+        outs: list[TokenOutput] = []
+        for i, req in enumerate(batch.reqs):
+            draft = batch.drafts[i]
+            if req.finished:  # aborted while its forward ran
+                continue
+            if i in by_row:
+                targets, lps = by_row[i]
+                accepted = accepted_prefix(draft, targets)
+            else:
+                rows = logits[starts[i] : starts[i] + counts[i]]
+                targets, accepted = self._speculative_sample(req, rows, draft)
+                raw = torch.log_softmax(rows.float(), dim=-1)  # logprobs of the raw logits, as the sampler's
+                lps = [float(raw[j, t]) for j, t in enumerate(targets)]
+            fins: list[tuple[FinishReason, str | int | None]] = []
+            n = self.scheduler.commit_verify(
+                req, batch.prefix_lens[i], targets[: accepted + 1], lps[: accepted + 1], partial(self._stops, fins)
+            )
+            self.spec_counts.add(len(draft), accepted, n)
+            if req.spec is None:
+                req.spec = SpecCounts()
+            req.spec.add(len(draft), accepted, n)
+            held = self._finish(req, *fins[0]) if fins else False
+            out = TokenOutput(
+                req.rid,
+                tuple(req.output_ids[-n:]),
+                tuple(req.output_logprobs[-n:]),
+                req.finish_reason,
+                req.finish_detail,
+                len(req.input_ids),
+                req.cached_tokens,
+                replace(req.spec) if req.finished else None,
+            )
+            if held and req.finish_reason is not FinishReason.ABORT:
+                self._held[req.rid].deferred = out
+            else:
+                outs.append(out)
+        return outs
+
+    def _speculative_sample(self, req: Req, logits: torch.Tensor, draft: list[int]) -> tuple[list[int], int]:
+        """A sampled row's drafts verified by speculative sampling -> (its accepted drafts and one
+        drawn token, the drafts accepted)."""
+        gen = self._generator(req)
+        weights = self.sampler.distributions(logits, [req.params] * logits.shape[0])
+        return speculative_sample(
+            weights, draft, partial(self.sampler.uniform, gen), partial(self.sampler.draw, gen=gen)
+        )
+
+    def _stops(self, fins: list[tuple[FinishReason, str | int | None]], req: Req) -> bool:
+        """commit_verify's check after each appended token: a finish goes into `fins`."""
+        fin = self.finisher.check(req, 1)
+        if fin is not None:
+            fins.append(fin)
+        return fin is not None
 
     def _forward(self, batch: ScheduledBatch) -> torch.Tensor | None:
         """Run the batch on every rank: prefills as the planned layer groups, the connector's
@@ -488,5 +589,23 @@ class Engine:
                 "cached_tokens": req.cached_tokens,
                 "output_token_logprobs": list(req.output_logprobs),
                 "e2e_latency": latency,
+                **(req.spec.meta_info() if req.spec is not None else {}),
             },
         }
+
+
+def check_speculative(cfg: ServerConfig, model: ModelConfig) -> None:
+    """Refuse speculative decoding where a rejected draft could not be rolled back yet: a hybrid
+    model's recurrent state and sliding-window pages advance with every verified token."""
+    if not cfg.speculative.enabled:
+        return
+    if model.hybrid is not None:
+        raise ConfigError(
+            f"--speculative-algorithm {cfg.speculative.algorithm} is not supported yet for the hybrid "
+            f"model {cfg.model_path}: rolling back its recurrent state after a rejected draft is not built"
+        )
+    if model.sliding_layers:
+        raise ConfigError(
+            f"--speculative-algorithm {cfg.speculative.algorithm} is not supported yet for "
+            f"{cfg.model_path}: its sliding-window pages would need a rollback after a rejected draft"
+        )

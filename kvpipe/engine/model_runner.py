@@ -114,6 +114,7 @@ class ModelRunner:
             None if spec.state_slots is None else list(spec.state_slots),
             swa,
             self.model.cfg.sliding_window,
+            None if spec.logit_counts is None else list(spec.logit_counts),
         )
         return fb if self.device.type == "cpu" else fb.to(self.device)
 
@@ -133,7 +134,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, spec: ForwardSpec, on_group_done: GroupCallback | None = None) -> torch.Tensor | None:
         """Forward the batch (layer group by layer group). Returns fp32 logits [B_out, V] for
-        rows with want_logits (in row order), or None when no row wants them."""
+        rows with want_logits (in row order; spec.logit_counts[i] rows of row i, a verify), or
+        None when no row wants them."""
         fb = self.build_batch(spec)
         callback = on_group_done
         hidden = self.model.embed(fb)  # [T, hidden]

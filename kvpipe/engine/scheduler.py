@@ -33,12 +33,16 @@ step the pages the window slid past are freed, so a request holds at most
 `window_page_bound` of them however long it generates; admission promises that many. A reserved
 (PD decode) request gets window pages for the prompt's last window only: that is all the
 prefill sends.
+
+Speculative decoding (`drafter`): a decode row gets pages for its last token and its drafts (at
+most max_new_tokens - outputs - 1 of them, so within its promise); after the verify forward
+`commit_verify` keeps the accepted tokens and `rollback_pages` frees the pages past them.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -49,6 +53,10 @@ from kvpipe.cache.window_pages import window_first_page, window_page_bound
 from kvpipe.config import SchedulerConfig
 from kvpipe.engine.batch import ForwardMode, ScheduledBatch
 from kvpipe.engine.request import FinishReason, Req, ReqStatus
+from kvpipe.engine.spec_verify import draft_budget
+
+# speculative decoding: (request, most drafts it may get) -> its draft tokens for this step
+Drafter = Callable[[Req, int], list[int]]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -66,8 +74,14 @@ class Scheduler:
         prefix_cache: RadixCache | None = None,
         state_slots: StateSlotAllocator | None = None,
         window: int | None = None,
+        drafter: Drafter | None = None,
+        max_drafts: int = 0,
     ) -> None:
         self.cfg = cfg
+        # speculative decoding: each decode row verifies the drafts `drafter` proposes (at most
+        # max_drafts, never past max_new_tokens); commit_verify then keeps the accepted ones
+        self.drafter = drafter
+        self.max_drafts = max_drafts
         if window is not None and prefix_cache is not None:
             raise ValueError("a prefix cache cannot serve sliding-window pages that slid out")
         self.window = window  # sliding-window layers' window (tokens): they get window pages
@@ -282,10 +296,23 @@ class Scheduler:
 
     def _schedule_decode(self) -> ScheduledBatch:
         reqs = [r for r in self.running if r.prefill_done]
-        for r in reqs:
-            self._ensure_pages(r, r.num_cached + 1)
-            self._ensure_window(r, r.num_cached, r.num_cached + 1)
-        return ScheduledBatch(ForwardMode.DECODE, reqs, [1] * len(reqs), [r.num_cached for r in reqs])
+        drafts = [self._draft(r) for r in reqs]
+        for r, d in zip(reqs, drafts):
+            self._ensure_pages(r, r.num_cached + 1 + len(d))
+            self._ensure_window(r, r.num_cached, r.num_cached + 1 + len(d))
+        return ScheduledBatch(
+            ForwardMode.DECODE,
+            reqs,
+            [1 + len(d) for d in drafts],
+            [r.num_cached for r in reqs],
+            drafts if self.drafter is not None else [],
+        )
+
+    def _draft(self, req: Req) -> list[int]:
+        if self.drafter is None:
+            return []
+        k = draft_budget(self.max_drafts, req.params.max_new_tokens, len(req.output_ids))
+        return [int(t) for t in self.drafter(req, k)[:k]] if k > 0 else []
 
     def _ensure_pages(self, req: Req, tokens: int) -> None:
         need = _cdiv(tokens, self.page_size) - len(req.pages)
@@ -349,6 +376,41 @@ class Scheduler:
             if req.params.max_new_tokens > 0:
                 req.output_ids.append(int(token))
                 req.output_logprobs.append(float(logprob) if logprob is not None else 0.0)
+
+    def commit_verify(
+        self,
+        req: Req,
+        prefix_len: int,
+        tokens: Sequence[int],
+        logprobs: Sequence[float],
+        stops: Callable[[Req], bool],
+    ) -> int:
+        """Record a verify step of decode row `req` (spec_verify.py): append `tokens` (its accepted
+        drafts and the bonus token) one by one until `stops(req)` says the last one ended it; the
+        KV of its inputs up to the last appended token's is kept, the rest rolled back (pages
+        past it go back to the allocator, so no later step reads a rejected draft's KV and no
+        page leaks). Returns the tokens appended."""
+        n = 0
+        for token, logprob in zip(tokens, logprobs):
+            req.output_ids.append(int(token))
+            req.output_logprobs.append(float(logprob))
+            n += 1
+            if stops(req):
+                break
+        # inputs x_0 .. x_{n-1} (the last token and the accepted drafts) have valid KV; the last
+        # appended token, as after any decode step, has none yet
+        req.num_cached = prefix_len + n
+        self._slide(req)
+        self.rollback_pages(req)
+        return n
+
+    def rollback_pages(self, req: Req) -> None:
+        """Free the pages past the ones holding req's num_cached tokens (what a verify step
+        allocated for drafts that were rejected); a cached prefix's pages are never touched."""
+        keep = max(_cdiv(req.num_cached, self.page_size), req.num_shared_pages)
+        if len(req.pages) > keep:
+            self.allocator.free(req.pages[keep:])
+            req.pages = req.pages[:keep].copy()
 
     def finish(self, req: Req, reason: FinishReason, detail: str | int | None = None, hold: bool = False) -> None:
         """End a request (idempotent). Its pages are freed exactly once: now, or with hold=True

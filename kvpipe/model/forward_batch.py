@@ -114,10 +114,12 @@ class ForwardBatch:
         state_slots: list[int] | None = None,
         swa_page_tables: list[torch.Tensor] | None = None,
         window: int | None = None,
+        logit_counts: list[int] | None = None,
     ) -> ForwardBatch:
         """Pack sequences. token_ids[i] are the new tokens of sequence i (extend_len of them).
         swa_page_tables (with the sliding layers' `window`): build the `swa` view too. A batch
-        built with a window and no swa tables is itself such a view."""
+        built with a window and no swa tables is itself such a view. logit_counts[i]: logits of
+        the last that many tokens of row i (a speculative verify), else of its last token."""
         seqs, ids, pos, start = [], [], [], 0
         for toks, pre, table in zip(token_ids, prefix_lens, page_tables):
             seqs.append(SeqSpan(start, len(toks), pre, table))
@@ -127,12 +129,23 @@ class ForwardBatch:
         positions = torch.cat(pos) if pos else torch.zeros(0, dtype=torch.int64)
         pages = torch.cat([s.page_table[p // page_size] for s, p in zip(seqs, pos)]) if seqs else positions
         want = want_logits if want_logits is not None else [True] * len(seqs)
-        last = [s.start + s.extend_len - 1 for s, w in zip(seqs, want) if w]
+        counts = logit_counts if logit_counts is not None else [1] * len(seqs)
+        ends = [(s.start + s.extend_len, c) for s, w, c in zip(seqs, want, counts) if w]
+        last = [i for end, c in ends for i in range(end - c, end)]
         swa = None
         if swa_page_tables is not None:
             if window is None:
                 raise ValueError("sliding-window page tables need the window")
-            swa = cls.build(token_ids, prefix_lens, swa_page_tables, page_size, want_logits, state_slots, window=window)
+            swa = cls.build(
+                token_ids,
+                prefix_lens,
+                swa_page_tables,
+                page_size,
+                want_logits,
+                state_slots,
+                window=window,
+                logit_counts=logit_counts,
+            )
             window = None  # this batch's own decode index covers whole contexts
         return cls(
             input_ids=torch.tensor(ids, dtype=torch.int64),

@@ -66,6 +66,8 @@ def generate_response(out: RequestOutput, inp: GenerateInput, batched: bool) -> 
         "cached_tokens": out.cached_tokens,
         "e2e_latency": round(out.e2e_latency, 6),
     }
+    if out.spec is not None and out.finished:  # SGLang reports these when a request finished
+        meta.update(out.spec.meta_info())
     if inp.return_logprob:
         # [logprob, token_id, text]; prompt logprobs are not computed by this engine.
         meta["input_token_logprobs"] = []

@@ -30,6 +30,14 @@ _GAUGES = {
 }
 
 
+# speculative decoding (Engine.stats() with --speculative-algorithm): key -> help; the metric is kvpipe_<key>
+_SPEC_COUNTERS = {
+    "spec_verify_steps": "Verify steps of decode rows (each emits 1 + accepted drafts tokens)",
+    "spec_proposed_tokens": "Draft tokens proposed and verified",
+    "spec_accepted_tokens": "Draft tokens the target model accepted",
+}
+
+
 class _EngineStatsCollector(Collector):
     def __init__(self, stats: Callable[[], dict | None]) -> None:
         self._stats = stats
@@ -46,6 +54,9 @@ class _EngineStatsCollector(Collector):
                 "server's prefix cache (a PD decode: KV not transferred)",
                 value=float(stats["prefix_hit_tokens"]),
             )
+        for key, doc in _SPEC_COUNTERS.items():
+            if key in stats:
+                yield CounterMetricFamily(f"kvpipe_{key}", doc, value=float(stats[key]))
         pd = stats.get("disaggregation")
         if isinstance(pd, dict) and isinstance(pd.get("bytes_written"), int):
             yield CounterMetricFamily(

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvpipe.engine.request import FinishReason, TokenOutput, finish_reason_json
+from kvpipe.engine.spec_verify import SpecCounts
 from kvpipe.engine.stop_strings import StopStringSearch
 from kvpipe.server.protocol import GenerateInput
 
@@ -37,6 +38,7 @@ class RequestOutput:
     e2e_latency: float
     finish_reason: FinishReason | None = None
     finish_detail: str | int | None = None
+    spec: SpecCounts | None = None  # a speculative engine's counts, once the request finished
 
     @property
     def finished(self) -> bool:
@@ -67,6 +69,7 @@ class RequestTracker:
         self.finish_detail: str | int | None = None
         # Set when a stop string matched here but the engine still runs the request: abort it there.
         self.needs_engine_abort = False
+        self.spec: SpecCounts | None = None
 
     @property
     def finished(self) -> bool:
@@ -84,6 +87,7 @@ class RequestTracker:
             self.logprobs += list(out.logprobs)
             self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
             self.cached_tokens = max(self.cached_tokens, out.cached_tokens)
+            self.spec = out.spec or self.spec
             if out.finish_reason is not None:
                 engine_finish = out
                 # A matched stop token / EOS stays in output_ids but not in the text (as SGLang).
@@ -140,4 +144,5 @@ class RequestTracker:
             e2e_latency=now - self.start_time,
             finish_reason=self.finish_reason,
             finish_detail=self.finish_detail,
+            spec=self.spec,
         )

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kvpipe.config import CacheConfig, SchedulerConfig, ServerConfig
+from kvpipe.config import CacheConfig, SchedulerConfig, ServerConfig, SpeculativeConfig
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import Req, SamplingParams
 from tests.helpers.tolerance import Generation, Route, assert_same_generations, generation_atol
@@ -31,6 +31,7 @@ def make_engine(
     max_prefill_tokens: int = 16384,
     radix_cache: bool = False,
     kv_cache_dtype: str = "auto",
+    speculative: SpeculativeConfig | None = None,
     **kw,
 ) -> Engine:
     """An engine on the tiny model; the prefix cache is off unless asked for, so page counts
@@ -40,6 +41,7 @@ def make_engine(
         tp_size=tp,
         cache=CacheConfig(page_size=page_size, num_pages=pages, radix_cache=radix_cache, kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(chunked_prefill_size=chunk, max_prefill_tokens=max_prefill_tokens),
+        speculative=speculative or SpeculativeConfig(),
     )
     return Engine(cfg, **kw)
 

@@ -18,7 +18,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvpipe.config import CacheConfig, DisaggregationConfig, FaultInjection, SchedulerConfig, ServerConfig
+from kvpipe.config import (
+    CacheConfig,
+    DisaggregationConfig,
+    FaultInjection,
+    SchedulerConfig,
+    ServerConfig,
+    SpeculativeConfig,
+)
 from kvpipe.disagg.decode import DecodeConnector
 from kvpipe.disagg.prefill import PrefillConnector
 from kvpipe.engine.engine import Engine
@@ -247,12 +254,14 @@ def make_pair(
     kv_cache_dtype: str = "auto",
     decode_model_dir: Path | None = None,
     decode_cache: dict[str, Any] | None = None,
+    decode_speculative: SpeculativeConfig | None = None,
     **disagg,
 ):
     """Prefill + decode engines; the prefill keeps its prefix cache unless told otherwise, the
-    decode has one with `decode_radix_cache`; both pools store `kv_cache_dtype`. Mismatched pairs
-    (the handshake tests): the decode serves `decode_model_dir` instead, and `decode_cache`
-    overrides fields of its CacheConfig (page_size, kv_cache_dtype)."""
+    decode has one with `decode_radix_cache`; both pools store `kv_cache_dtype`; the decode
+    decodes speculatively with `decode_speculative`. Mismatched pairs (the handshake tests): the
+    decode serves `decode_model_dir` instead, and `decode_cache` overrides fields of its
+    CacheConfig (page_size, kv_cache_dtype)."""
     fabric = LocalFabric()
     with contextlib.ExitStack() as es:
         pb, db = LocalBackend(fabric, inject=inject), LocalBackend(fabric)
@@ -272,6 +281,8 @@ def make_pair(
         )
         if decode_cache:
             d_cfg = dataclasses.replace(d_cfg, cache=dataclasses.replace(d_cfg.cache, **decode_cache))
+        if decode_speculative is not None:
+            d_cfg = dataclasses.replace(d_cfg, speculative=decode_speculative)
         decode = Engine(d_cfg, DecodeConnector(d_cfg, db))
         es.callback(decode.shutdown)
         yield Pair(prefill, decode)
