@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from kvpipe.engine.timeline import Timeline, TimelineRecord
+
 # Temperatures below this sample greedily (SGLang's _SAMPLING_EPS): logits / 1e-300 overflow to
 # inf and the softmax to NaN, and the limit of tempered sampling is the argmax anyway.
 SAMPLING_EPS = 1e-6
@@ -90,6 +92,7 @@ class Req:
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None  # None: the default bootstrap port
     bootstrap_room: int | None = None
+    timeline: Timeline = field(default_factory=Timeline)  # where its time went (engine/timeline.py)
 
     @property
     def seq_len(self) -> int:
@@ -119,3 +122,4 @@ class TokenOutput:
     finish_detail: str | int | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    timeline: TimelineRecord | None = None  # with a request's final output

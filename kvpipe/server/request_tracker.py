@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from kvpipe.engine.request import FinishReason, TokenOutput, finish_reason_json
 from kvpipe.engine.stop_strings import StopStringSearch
+from kvpipe.engine.timeline import TimelineRecord
 from kvpipe.server.protocol import GenerateInput
 
 
@@ -37,6 +38,7 @@ class RequestOutput:
     e2e_latency: float
     finish_reason: FinishReason | None = None
     finish_detail: str | int | None = None
+    timeline: TimelineRecord | None = None  # the engine's, once it finished the request
 
     @property
     def finished(self) -> bool:
@@ -67,6 +69,7 @@ class RequestTracker:
         self.finish_detail: str | int | None = None
         # Set when a stop string matched here but the engine still runs the request: abort it there.
         self.needs_engine_abort = False
+        self.timeline: TimelineRecord | None = None  # the engine's, with its final output
 
     @property
     def finished(self) -> bool:
@@ -86,6 +89,7 @@ class RequestTracker:
             self.cached_tokens = max(self.cached_tokens, out.cached_tokens)
             if out.finish_reason is not None:
                 engine_finish = out
+                self.timeline = out.timeline
                 # A matched stop token / EOS stays in output_ids but not in the text (as SGLang).
                 if (
                     out.finish_reason is FinishReason.STOP
@@ -140,4 +144,5 @@ class RequestTracker:
             e2e_latency=now - self.start_time,
             finish_reason=self.finish_reason,
             finish_detail=self.finish_detail,
+            timeline=self.timeline,
         )

@@ -192,6 +192,7 @@ class SenderRoom:
     busy_since: float | None = None
     first_submit_at: float | None = None
     last_done_at: float | None = None
+    requested_at: float | None = None  # every decode destination's page table had arrived (timelines)
     reported: bool = False  # poll() handed the outcome to the engine
 
     @property
