@@ -25,7 +25,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 
 class Phase(enum.Enum):
@@ -44,8 +44,10 @@ class Phase(enum.Enum):
     RELEASED = "released"  # its pages were held for a transfer and are free now (prefill answers then)
 
 
-@dataclass(frozen=True)
-class TimelineEvent:
+class TimelineEvent(NamedTuple):
+    """One phase's time (a NamedTuple: a frozen dataclass costs several times as much to build,
+    and every request builds a dozen of these on the engine thread)."""
+
     phase: Phase
     t: float  # time.monotonic() seconds
     value: int | None = None  # what the phase moved: tokens of a chunk, a layer index, bytes

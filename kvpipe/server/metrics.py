@@ -182,13 +182,15 @@ class ServerMetrics:
             registry=self.registry,
         )
         # the series of this role's phases exist (at zero) from the start: a scrape before the
-        # first request shows them, and a rate() over the first one is not lost
-        for key, (_, _, roles) in PHASE_HISTOGRAMS.items():
-            if role in roles:
-                self.phases[key].labels(model_name, role)
-        if role == "prefill":
-            self.transfer_bytes.labels(model_name, role)
-        self.prefix_hit.labels(model_name, role)
+        # first request shows them, and a rate() over the first one is not lost; kept, as a
+        # labels() lookup per observation is most of what a request's observations cost
+        self._phase_series = {
+            key: self.phases[key].labels(model_name, role)
+            for key, (_, _, roles) in PHASE_HISTOGRAMS.items()
+            if role in roles
+        }
+        self._bytes_series = self.transfer_bytes.labels(model_name, role) if role == "prefill" else None
+        self._prefix_series = self.prefix_hit.labels(model_name, role)
 
     def on_first_token(self, ttft_s: float) -> None:
         self.ttft.labels(self._model).observe(ttft_s)
@@ -214,12 +216,13 @@ class ServerMetrics:
         """A finished request's phases (the engine's timeline of it)."""
         comps = record.components()
         for key, seconds in comps.items():
-            if key in PHASE_HISTOGRAMS and self.role in PHASE_HISTOGRAMS[key][2]:
-                self.phases[key].labels(self._model, self.role).observe(seconds)
-        if record.transfer_bytes is not None:
-            self.transfer_bytes.labels(self._model, self.role).observe(record.transfer_bytes)
+            series = self._phase_series.get(key)  # only this role's phases
+            if series is not None:
+                series.observe(seconds)
+        if record.transfer_bytes is not None and self._bytes_series is not None:
+            self._bytes_series.observe(record.transfer_bytes)
         if "queue" in comps or "decode_wait" in comps:  # admitted: it met the prefix cache
-            self.prefix_hit.labels(self._model, self.role).observe(record.prefix_hit_tokens)
+            self._prefix_series.observe(record.prefix_hit_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
