@@ -11,13 +11,16 @@ from kvpipe.transfer.sender.book import TransferTiming
 
 
 def record_transfer(timeline: Timeline, timing: TransferTiming | None) -> None:
-    """Bootstrap, first write and last write of a room (nothing when rank 0 reported no timing)."""
+    """Bootstrap, and each stretch of the room's writes in flight (one per layer group where the
+    link keeps up with the compute): nothing when rank 0 reported no timing."""
     if timing is None:
         return
     if timing.requested_at is not None:
         timeline.mark(Phase.BOOTSTRAPPED, timing.requested_at)
-    if timing.first_submit_at is not None:
-        timeline.mark(Phase.TRANSFER_START, timing.first_submit_at)
-    if timing.last_done_at is not None:
-        timeline.mark(Phase.TRANSFER_DONE, timing.last_done_at, timing.nbytes)
+    spans = timing.busy_spans
+    if not spans and timing.first_submit_at is not None and timing.last_done_at is not None:
+        spans = ((timing.first_submit_at, timing.last_done_at),)
+    for start, end in spans:
+        timeline.mark(Phase.TRANSFER_START, start)
+        timeline.mark(Phase.TRANSFER_DONE, end)
     timeline.transfer_bytes = timing.nbytes

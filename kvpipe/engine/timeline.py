@@ -12,9 +12,9 @@ and that `meta_info.timeline` and `/debug/requests` show:
 - colocated / prefill: queue (arrived -> scheduled), prefill compute (the sum of its chunks'
   forwards; other batches may run between chunks);
 - prefill: bootstrap wait (arrived -> the decode's page table for the room reached the sender),
-  transfer (first write submitted -> last write done; overlaps the compute when layer groups
-  pipeline it), exposed transfer (last chunk's forward end -> last write done: what layer
-  pipelining did not hide);
+  transfer (first write submitted -> last write done, over its stretches of writes in flight;
+  overlaps the compute when layer groups pipeline it), exposed transfer (last chunk's forward
+  end -> last write done: what layer pipelining did not hide);
 - decode: decode wait (arrived -> its prompt's pages reserved and its KV asked for), KV wait
   (-> the KV and the first token arrived), decoding (-> finished): these three add up to
   finished - arrived.
@@ -36,8 +36,10 @@ class Phase(enum.Enum):
     FORWARD_END = "forward_end"  # that chunk's forward ended (value: the chunk's tokens)
     FIRST_TOKEN = "first_token"  # sampled here (colocated, prefill) or arrived with the KV (decode)
     BOOTSTRAPPED = "bootstrapped"  # prefill: the decode's page table for the room reached the sender
-    TRANSFER_START = "transfer_start"  # prefill: the room's first KV write was submitted
-    TRANSFER_DONE = "transfer_done"  # prefill: the room's last KV write completed (value: bytes)
+    # prefill: a stretch of the room's KV writes in flight began / ended (one stretch per layer group
+    # where the link keeps up with the compute; the first start and the last end bound the transfer)
+    TRANSFER_START = "transfer_start"
+    TRANSFER_DONE = "transfer_done"
     PAGES_RESERVED = "pages_reserved"  # decode: the prompt's pages are reserved, the KV asked for
     KV_ARRIVED = "kv_arrived"  # decode: the KV and the aux data (first token) landed
     FINISHED = "finished"  # the engine finished the request

@@ -102,6 +102,8 @@ def test_timelines_through_router(stack: Stack) -> None:
         # each side's own order
         assert_order(ptl, "arrived", "scheduled", "forward_start", "first_token", "finished", "released")
         assert_order(ptl, "bootstrapped", "transfer_start", "transfer_done", "released")
+        wire = [e["phase"] for e in ptl["events"] if e["phase"] in ("transfer_start", "transfer_done")]
+        assert wire == ["transfer_start", "transfer_done"] * (len(wire) // 2)  # stretches, one after another
         assert t(ptl, "forward_end", last=True) <= t(ptl, "first_token")
         starts = [e for e in ptl["events"] if e["phase"] in ("forward_start", "forward_end")]
         assert all(a["t"] <= b["t"] for a, b in zip(starts, starts[1:]))  # each chunk after the one before

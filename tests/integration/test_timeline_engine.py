@@ -100,6 +100,9 @@ def test_pd_pair_timelines(tiny_model_dir, groups: int) -> None:
         assert_before(pr, Phase.BOOTSTRAPPED, Phase.TRANSFER_START, Phase.TRANSFER_DONE, Phase.RELEASED)
         assert_before(pr, Phase.FORWARD_START, Phase.TRANSFER_START)  # nothing is sent before it is computed
         assert_chunks(pr, p)
+        # stretches of writes in flight, one after the other
+        wire = [e for e in pr.events if e.phase in (Phase.TRANSFER_START, Phase.TRANSFER_DONE)]
+        assert [e.phase for e in wire] == [Phase.TRANSFER_START, Phase.TRANSFER_DONE] * (len(wire) // 2)
         # the prefill answers once the transfer is over: its final output is the released one
         assert pr.last(Phase.TRANSFER_DONE) <= pr.last(Phase.RELEASED) == pr.events[-1].t  # type: ignore[operator]
         piped = [e for e in pr.events if e.phase is Phase.LAYER_GROUP_DONE]

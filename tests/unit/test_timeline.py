@@ -29,7 +29,8 @@ def prefill_timeline() -> Timeline:
     tl.mark(Phase.FIRST_TOKEN, T0 + 1.0)
     tl.mark(Phase.FINISHED, T0 + 1.0)
     # the room's timing arrives after the finish, with earlier sender times
-    record_transfer(tl, TransferTiming(7, 4096, 0.5, T0 + 0.5, T0 + 1.125, requested_at=T0 + 0.375))
+    spans = ((T0 + 0.5, T0 + 0.625), (T0 + 0.875, T0 + 1.125))  # a group of each chunk, on the wire
+    record_transfer(tl, TransferTiming(7, 4096, 0.375, T0 + 0.5, T0 + 1.125, T0 + 0.375, spans))
     tl.mark(Phase.RELEASED, T0 + 1.25)
     return tl
 
@@ -41,6 +42,13 @@ def test_record_sorts_late_events_and_keeps_chunk_order() -> None:
     phases = [e.phase for e in rec.events]
     assert phases.index(Phase.BOOTSTRAPPED) < phases.index(Phase.FORWARD_END)  # by time, not by when recorded
     assert phases[-2:] == [Phase.TRANSFER_DONE, Phase.RELEASED]
+    wire = [(e.phase, e.t - T0) for e in rec.events if e.phase in (Phase.TRANSFER_START, Phase.TRANSFER_DONE)]
+    assert wire == [
+        (Phase.TRANSFER_START, 0.5),
+        (Phase.TRANSFER_DONE, 0.625),
+        (Phase.TRANSFER_START, 0.875),
+        (Phase.TRANSFER_DONE, 1.125),
+    ]
     # a chunk's start and end stay paired in order (equal times keep their recording order)
     chunks = [(e.phase, e.value) for e in rec.events if e.phase in (Phase.FORWARD_START, Phase.FORWARD_END)]
     assert chunks == [

@@ -108,6 +108,7 @@ class TransferTiming:
     first_submit_at: float | None
     last_done_at: float | None
     requested_at: float | None = None  # the decode's page tables (all its ranks') had arrived
+    busy_spans: tuple[tuple[float, float], ...] = ()  # (start, end) of each stretch of writes in flight
 
 
 @dataclass
@@ -440,7 +441,15 @@ class SenderBook:
             self.stats.rooms_failed += r.rec.state is F
             if r.rec.state is S:
                 self.timings.append(
-                    TransferTiming(r.room, r.bytes_done, r.busy_s, r.first_submit_at, r.last_done_at, r.requested_at)
+                    TransferTiming(
+                        r.room,
+                        r.bytes_done,
+                        r.busy_s,
+                        r.first_submit_at,
+                        r.last_done_at,
+                        r.requested_at,
+                        tuple(r.busy_spans),
+                    )
                 )
 
     # ---- clock: deadlines, liveness, heartbeats, planning, the write window --------------------
