@@ -3,14 +3,21 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpipe.commands.flags import add_http_api_args, add_server_args, server_config_from_args
+from kvpipe.config import ConfigError, ServerConfig
 from kvpipe.disagg.timeline_events import record_transfer
+from kvpipe.engine.request import FinishReason, SamplingParams, TokenOutput
 from kvpipe.engine.timeline import Phase, Timeline
+from kvpipe.server.async_engine import AsyncEngine
 from kvpipe.server.metrics import PHASE_HISTOGRAMS, ServerMetrics
+from kvpipe.server.protocol import BootstrapInfo, GenerateInput
+from kvpipe.server.request_tracker import RequestTracker
 from kvpipe.transfer.sender.book import TransferTiming
 
 T0 = 1000.0  # a monotonic clock reading; every other time is T0 + an exact binary fraction
@@ -146,3 +153,42 @@ def test_decode_histograms_and_roles() -> None:
     assert got[("kvpipe_kv_wait_seconds_sum", "decode")] == 0.5
     assert got[("kvpipe_request_prefix_hit_tokens_sum", "decode")] == 48
     assert ("kvpipe_queue_time_seconds_count", "decode") not in got  # a decode has no prefill queue
+
+
+class _NoText:
+    """A detokenizer for outputs without tokens (the history test needs no text)."""
+
+    def add(self, new_ids: list[int]) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
+def test_debug_history_keeps_the_last_n_finished_requests() -> None:
+    ae = AsyncEngine(lambda: None, history=2)  # type: ignore[arg-type, return-value]  # never started
+    ae.metrics = ServerMetrics("tiny", lambda: None, "prefill")
+    for i in range(3):
+        inp = GenerateInput(f"r{i}", (5, 6), SamplingParams(), bootstrap=BootstrapInfo("h", 1, 100 + i))
+        tr = RequestTracker(inp, _NoText(), start_time=0.0)
+        rec = prefill_timeline().record()
+        tr.update([TokenOutput(f"r{i}", (), (), FinishReason.LENGTH, None, 2, 0, rec)], now=1.0)
+        assert tr.timeline is rec
+        ae._on_finished(tr)
+    assert [(r["rid"], r["bootstrap_room"], r["finish_reason"]) for r in ae.recent] == [
+        ("r1", 101, "length"),
+        ("r2", 102, "length"),
+    ]
+    assert ae.recent[-1]["timeline"] == prefill_timeline().record().to_json()
+    assert _samples(ae.metrics)[("kvpipe_queue_time_seconds_count", "prefill")] == 3  # metrics saw all three
+
+
+@pytest.mark.parametrize(("argv", "want"), [([], 256), (["--debug-requests-history", "0"], 0)])
+def test_debug_requests_history_flag(tmp_path, argv: list[str], want: int) -> None:
+    p = argparse.ArgumentParser()
+    add_server_args(p)
+    add_http_api_args(p)
+    cfg = server_config_from_args(p.parse_args(["--model-path", str(tmp_path), *argv]))
+    assert cfg.debug_requests_history == want
+    with pytest.raises(ConfigError, match="debug request history"):
+        ServerConfig(model_path=str(tmp_path), debug_requests_history=-1)
