@@ -421,6 +421,8 @@ class ServerConfig:
     # `Authorization: Bearer <key>` (kvpipe/server/api_key.py). Not in repr: configs get logged.
     api_key: str | None = field(default=None, repr=False)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    # finished requests whose timelines GET /debug/requests keeps (kvpipe/engine/timeline.py); 0: none
+    debug_requests_history: int = 256
 
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:
@@ -433,6 +435,8 @@ class ServerConfig:
             )
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("the API key must not be empty")
+        if not (type(self.debug_requests_history) is int and self.debug_requests_history >= 0):
+            raise ConfigError(f"the debug request history must be a count >= 0, got {self.debug_requests_history!r}")
 
     def check_servable(self) -> None:
         """Refuse PD set-ups no server can run (a TP group cannot share the in-process local

@@ -422,6 +422,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             limits=request_limits_from_args(args),
             api_key=getattr(args, "api_key", None) or api_key_from_env(),
             speculative=speculative_config_from_args(args),
+            debug_requests_history=getattr(args, "debug_requests_history", ServerConfig.debug_requests_history),
         )
         cfg.check_servable()
         return cfg
@@ -477,6 +478,12 @@ def add_http_api_args(p: argparse.ArgumentParser) -> None:
         "--max-stop-string-chars", type=int, default=d.max_stop_string_chars, help="characters of one stop string"
     )
     g.add_argument("--max-stop-token-ids", type=int, default=d.max_stop_token_ids, help="stop_token_ids per prompt")
+    g.add_argument(
+        "--debug-requests-history",
+        type=int,
+        default=ServerConfig.debug_requests_history,
+        help="finished requests whose phase timelines GET /debug/requests keeps (0: none)",
+    )
 
 
 def request_limits_from_args(args: argparse.Namespace) -> RequestLimits:

@@ -11,4 +11,5 @@ layer_groups.py    cost model choosing the layer groups of a prefill batch
 layer_pipeline.py  timing of the forward, link estimates, transfer tails
 observer.py        TransferObserver and the prefill's TransferCounters (layer-group choices, tails)
 setup.py           backend, KV layout and data-plane address of a rank
+timeline_events.py a room's bootstrap and transfer times as phases of its request's timeline
 """

@@ -44,6 +44,7 @@ from kvpipe.disagg.pd_connector import PDConnector
 from kvpipe.disagg.refusals import RefusedRooms, refusal_reason
 from kvpipe.disagg.setup import TRANSFER_POLL_S, bootstrap_host, require_auth_off_loopback
 from kvpipe.disagg.tally import RoomTally
+from kvpipe.disagg.timeline_events import record_transfer
 from kvpipe.engine.batch import ScheduledBatch
 from kvpipe.engine.connector import (
     Admission,
@@ -332,6 +333,7 @@ class PrefillConnector(PDConnector):
             r.transfer_done = True
             if ok:
                 self.pipeline.room_done(timings.get(room), r.forward_done_at)
+                record_transfer(r.req.timeline, timings.get(room))
             events.append(TransferFinished(r.req.rid, ok, reason))
             self._maybe_forget(r)
         return events

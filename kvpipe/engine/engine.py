@@ -43,6 +43,7 @@ from kvpipe.engine.sampler import Sampler, make_generator
 from kvpipe.engine.scheduler import Scheduler
 from kvpipe.engine.spec_sampling import speculative_sample
 from kvpipe.engine.spec_verify import SpecCounts, accepted_prefix
+from kvpipe.engine.timeline import Phase, TimelineRecord
 from kvpipe.engine.tp_group import TPGroup, build_runner
 from kvpipe.model.config import ModelConfig
 from kvpipe.model.loader import load_generation_eos
@@ -59,6 +60,11 @@ def _one_prompt(
 ) -> TypeGuard[str | Sequence[int]]:
     """generate()'s argument is one prompt (text, or token ids), not a list of them."""
     return isinstance(prompts_or_ids, str) or bool(prompts_or_ids and isinstance(prompts_or_ids[0], int))
+
+
+def _final_record(req: Req) -> TimelineRecord | None:
+    """The timeline that goes with a finished request's output (None while it runs)."""
+    return req.timeline.record() if req.finished else None
 
 
 @dataclass
@@ -159,6 +165,7 @@ class Engine:
     def add_request(self, req: Req) -> None:
         """Queue a request (any thread). ValueError: its rid is still active, or the connector
         refuses it (e.g. PD bootstrap fields missing or in use)."""
+        req.timeline.mark(Phase.ARRIVED)
         with self._lock:
             if self._closed:
                 raise RuntimeError("the engine is shut down")
@@ -227,6 +234,8 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch is None:
             return outs
+        if batch.mode is ForwardMode.PREFILL:
+            self._mark_scheduled(batch)
         try:
             logits = self._forward(batch)
         except Exception as e:
@@ -239,6 +248,8 @@ class Engine:
             outs.extend(self._commit_verify(batch, logits))
             return outs
         rows = [i for i, r in enumerate(batch.reqs) if batch.completes_prefill(i)]
+        for i in rows:
+            batch.reqs[i].timeline.mark(Phase.FIRST_TOKEN)
         tokens: list[int | None] = [None] * len(batch.reqs)
         logprobs: list[float | None] = [None] * len(batch.reqs)
         if rows:
@@ -267,6 +278,7 @@ class Engine:
                 req.finish_detail,
                 len(req.input_ids),
                 req.cached_tokens,
+                _final_record(req),
             )
             if held and req.finish_reason is not FinishReason.ABORT:
                 self._held[req.rid].deferred = out  # the client hears once the KV has landed
@@ -372,11 +384,34 @@ class Engine:
         worker = self._worker
         if worker is not None:
             worker.before_forward(plan.meta)
-            callback = lambda start, end, fb: worker.after_layers(plan.meta, start, end)  # noqa: E731
+            callback = lambda start, end, fb: self._after_layers(worker, plan.meta, batch, start, end, n)  # noqa: E731
+        prefill = batch.mode is ForwardMode.PREFILL
+        if prefill:
+            for req, n_new in zip(batch.reqs, batch.extend_lens):
+                req.timeline.mark(Phase.FORWARD_START, value=n_new)
         logits = self._tp.run(spec, callback) if self._tp is not None else self.runner.run(spec, callback)
-        if self.connector is not None and batch.mode is ForwardMode.PREFILL:
+        if prefill:
+            for req, n_new in zip(batch.reqs, batch.extend_lens):
+                req.timeline.mark(Phase.FORWARD_END, value=n_new)
+        if self.connector is not None and prefill:
             self.connector.after_forward(batch)
         return logits
+
+    @staticmethod
+    def _after_layers(
+        worker: KVConnectorWorker, meta: object, batch: ScheduledBatch, start: int, end: int, groups: int
+    ) -> None:
+        worker.after_layers(meta, start, end)
+        if groups > 1 and batch.mode is ForwardMode.PREFILL:  # layer-pipelined: this group's KV is on its way
+            for req in batch.reqs:
+                req.timeline.mark(Phase.LAYER_GROUP_DONE, value=end)
+
+    def _mark_scheduled(self, batch: ScheduledBatch) -> None:
+        """A prefill batch's requests that left the queue with it (their first chunk)."""
+        for req in batch.reqs:
+            if not req.timeline.has(Phase.SCHEDULED):
+                req.timeline.mark(Phase.SCHEDULED)
+                req.timeline.prefix_hit_tokens = req.num_shared_pages * self.page_size
 
     def _drain_inbox(self, outs: list[TokenOutput]) -> None:
         with self._lock:
@@ -434,11 +469,14 @@ class Engine:
                 outs.append(self._finish_output(req))
                 continue
             self._remote.popleft()
+            req.timeline.prefix_hit_tokens = req.num_shared_pages * self.page_size
             try:
                 self.connector.on_reserved(req)
             except ValueError as e:  # e.g. pages the transfer refuses: nothing was asked for
                 self._finish(req, FinishReason.ABORT, str(e))
                 outs.append(self._finish_output(req))
+                continue
+            req.timeline.mark(Phase.PAGES_RESERVED)
 
     def _poll_connector(self, outs: list[TokenOutput]) -> None:
         assert self.connector is not None
@@ -451,9 +489,10 @@ class Engine:
             if h is not None:  # pages are safe now
                 self.scheduler.release(ev.rid)
                 self._forget(ev.rid)
+                h.req.timeline.mark(Phase.RELEASED)
                 if not h.replied:
                     outs.append(
-                        h.deferred
+                        replace(h.deferred, timeline=h.req.timeline.record())
                         if ev.ok and h.deferred is not None
                         else self._abort_output(h.req, f"KV transfer failed: {ev.reason}")
                     )
@@ -468,6 +507,8 @@ class Engine:
         if req is None or req.rid not in self.scheduler.reserved:
             logger.warning("KV arrived for %s, which is not waiting for it", ev.rid)
             return
+        req.timeline.mark(Phase.KV_ARRIVED)
+        req.timeline.mark(Phase.FIRST_TOKEN)
         req.output_ids.append(ev.first_token_id)
         req.output_logprobs.append(ev.first_token_logprob)
         # cached_tokens means what it means colocated: prompt tokens not computed (by the prefill);
@@ -486,6 +527,7 @@ class Engine:
                 req.finish_detail,
                 len(req.input_ids),
                 req.cached_tokens,
+                _final_record(req),
             )
         )
 
@@ -500,6 +542,7 @@ class Engine:
         return self._settle(req, hold)
 
     def _settle(self, req: Req, hold: bool) -> bool:
+        req.timeline.mark(Phase.FINISHED)
         if hold:  # its rid stays taken until the transfer lets go of its pages
             self._held[req.rid] = _Held(req, replied=req.finish_reason is FinishReason.ABORT)
         self._forget(req.rid, release_rid=not hold)
@@ -514,10 +557,21 @@ class Engine:
 
     def _abort_output(self, req: Req, message: str) -> TokenOutput:
         """An ABORT answer for a request finished otherwise earlier (its answer was held back)."""
-        return TokenOutput(req.rid, (), (), FinishReason.ABORT, message, len(req.input_ids), req.cached_tokens)
+        return TokenOutput(
+            req.rid, (), (), FinishReason.ABORT, message, len(req.input_ids), req.cached_tokens, req.timeline.record()
+        )
 
     def _finish_output(self, req: Req) -> TokenOutput:
-        return TokenOutput(req.rid, (), (), req.finish_reason, req.finish_detail, len(req.input_ids), req.cached_tokens)
+        return TokenOutput(
+            req.rid,
+            (),
+            (),
+            req.finish_reason,
+            req.finish_detail,
+            len(req.input_ids),
+            req.cached_tokens,
+            req.timeline.record(),
+        )
 
     def _generator(self, req: Req) -> torch.Generator | None:
         if req.params.seed is None:

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from kvpipe.engine.spec_verify import SpecCounts
+from kvpipe.engine.timeline import Timeline, TimelineRecord
 
 # Temperatures below this sample greedily (SGLang's _SAMPLING_EPS): logits / 1e-300 overflow to
 # inf and the softmax to NaN, and the limit of tempered sampling is the argmax anyway.
@@ -93,6 +94,7 @@ class Req:
     bootstrap_port: int | None = None  # None: the default bootstrap port
     bootstrap_room: int | None = None
     spec: SpecCounts | None = None  # speculative decoding: this request's verify counts
+    timeline: Timeline = field(default_factory=Timeline)  # where its time went (engine/timeline.py)
 
     @property
     def seq_len(self) -> int:
@@ -123,3 +125,4 @@ class TokenOutput:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     spec: SpecCounts | None = None  # a speculative engine's counts of the request, when it finished
+    timeline: TimelineRecord | None = None  # with a request's final output

@@ -16,8 +16,9 @@ import asyncio
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvpipe.engine.errors import EngineLost
 from kvpipe.engine.request import FinishReason, Req, TokenOutput
@@ -68,7 +69,9 @@ class AsyncEngine:
         engine_factory: Callable[[], EngineLike],
         on_fatal: Callable[[BaseException], None] | None = None,
         capacity: int | None = None,
+        history: int = 0,
     ) -> None:
+        """`history`: finished requests whose timelines `recent` keeps (GET /debug/requests)."""
         self._factory = engine_factory
         self._on_fatal = on_fatal
         # requests this server holds at once (running, waiting, in the engine's inbox); None: no cap
@@ -82,6 +85,7 @@ class AsyncEngine:
         self._first_tokens = FirstTokens()  # engine thread only
         self.metrics: ServerMetrics | None = None
         self.fatal_error: BaseException | None = None
+        self.recent: deque[dict[str, Any]] = deque(maxlen=history)  # event loop only
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -278,8 +282,20 @@ class AsyncEngine:
             self.metrics.on_first_token(tracker.first_token_time - tracker.start_time)
 
     def _on_finished(self, tracker: RequestTracker) -> None:
+        record = tracker.timeline
+        if record is not None and self.recent.maxlen:
+            self.recent.append(
+                {
+                    "rid": tracker.inp.rid,
+                    "bootstrap_room": tracker.inp.bootstrap.room if tracker.inp.bootstrap else None,
+                    "finish_reason": tracker.finish_reason.value if tracker.finish_reason else None,
+                    "timeline": record.to_json(),
+                }
+            )
         if self.metrics is None:
             return
+        if record is not None:
+            self.metrics.on_timeline(record)
         ttft = None if tracker.first_token_time is None else tracker.first_token_time - tracker.start_time
         reason = tracker.finish_reason or FinishReason.ABORT
         self.metrics.on_finish(

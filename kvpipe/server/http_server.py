@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -68,6 +69,8 @@ def generate_response(out: RequestOutput, inp: GenerateInput, batched: bool) -> 
     }
     if out.spec is not None and out.finished:  # SGLang reports these when a request finished
         meta.update(out.spec.meta_info())
+    if inp.return_timeline and out.timeline is not None:
+        meta["timeline"] = out.timeline.to_json()
     if inp.return_logprob:
         # [logprob, token_id, text]; prompt logprobs are not computed by this engine.
         meta["input_token_logprobs"] = []
@@ -154,6 +157,11 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
+    @app.get("/debug/requests")
+    async def debug_requests() -> dict[str, Any]:
+        """The phase timelines of the last finished requests, oldest first (--debug-requests-history)."""
+        return {"role": state.metrics.role, "requests": list(state.engine.recent)}
+
     @app.post("/abort_request", openapi_extra=json_body(AbortRequest), responses=BODY_ROUTE_RESPONSES)
     async def abort_request(request: Request) -> dict[str, Any]:
         body = await read_json(request)
@@ -180,6 +188,8 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
         raw = await read_json(request)
         check_batch_size(raw, GENERATE_BATCH_FIELDS, state.cfg.limits)
         req, inputs, batched = await state.offload(prepare, raw)
+        if req.return_timeline:
+            inputs = [replace(inp, return_timeline=True) for inp in inputs]
         by_rid = {inp.rid: inp for inp in inputs}
         streams = state.submit_all(inputs)
         if req.stream and not state.is_prefill:
@@ -220,8 +230,9 @@ def create_app(
             return Engine(cfg)
 
     capacity = cfg.scheduler.max_running_requests + cfg.limits.max_queued_requests
-    async_engine = AsyncEngine(engine_factory, on_fatal=on_fatal, capacity=capacity)
-    metrics = ServerMetrics(cfg.model_name, async_engine.stats)
+    async_engine = AsyncEngine(engine_factory, on_fatal=on_fatal, capacity=capacity, history=cfg.debug_requests_history)
+    role = "colocated" if disaggregation_mode == "null" else disaggregation_mode
+    metrics = ServerMetrics(cfg.model_name, async_engine.stats, role)
     async_engine.metrics = metrics
     state = ServerState(cfg, async_engine, metrics, disaggregation_mode, cpu_threads or server_cpu_threads(cfg))
 

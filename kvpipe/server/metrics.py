@@ -1,6 +1,7 @@
 """Prometheus metrics of one server, in a registry of its own (no process-global state).
 
-Counters and histograms are fed by the async bridge as requests finish; the engine gauges
+Counters and histograms are fed by the async bridge as requests finish (the phase histograms from
+each request's timeline, kvpipe/engine/timeline.py, labelled by the server's role); the engine gauges
 (running / waiting requests, free pages) are read from `Engine.stats()` at scrape time, so they
 are never stale and cost nothing between scrapes.
 """
@@ -13,10 +14,57 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvpipe.engine.timeline import TimelineRecord
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# phases of one request: from a millisecond (a queue nobody waited in) to a minute (a long prompt on CPU)
+_PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# KV bytes of one request: 64 KiB (a short prompt of a small model) to 4 GiB, x4 apart
+_BYTES_BUCKETS = tuple(float(4**k * 65536) for k in range(9))
+# prompt tokens a request took from the prefix cache: le=0 counts the requests that hit nothing
+_TOKENS_BUCKETS = (0.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0)
+
+# TimelineRecord.components() key -> (histogram name, help, the roles that have the phase); labelled by role
+PHASE_HISTOGRAMS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "queue": (
+        "kvpipe_queue_time_seconds",
+        "Arrival to the first prefill batch",
+        ("colocated", "prefill"),
+    ),
+    "prefill_compute": (
+        "kvpipe_prefill_compute_seconds",
+        "Prefill forwards of one request, its chunks summed",
+        ("colocated", "prefill"),
+    ),
+    "bootstrap_wait": (
+        "kvpipe_bootstrap_wait_seconds",
+        "Arrival to the decode's page table for the request reaching the prefill's sender",
+        ("prefill",),
+    ),
+    "transfer": (
+        "kvpipe_kv_transfer_seconds",
+        "First KV write of one request submitted to its last one done",
+        ("prefill",),
+    ),
+    "exposed_transfer": (
+        "kvpipe_kv_transfer_exposed_seconds",
+        "Last prefill forward end to the last KV write done: the transfer layer pipelining did not hide",
+        ("prefill",),
+    ),
+    "decode_wait": (
+        "kvpipe_decode_wait_seconds",
+        "Arrival to the prompt's pages reserved and its KV asked for",
+        ("decode",),
+    ),
+    "kv_wait": (
+        "kvpipe_kv_wait_seconds",
+        "Pages reserved to the KV and first token arrived",
+        ("decode",),
+    ),
+}
 
 # Engine.stats() key -> (metric name, help)
 _GAUGES = {
@@ -98,10 +146,12 @@ class _EngineStatsCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, stats: Callable[[], dict | None]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], dict | None], role: str = "colocated") -> None:
+        """`role`: colocated, prefill or decode (the label of the timeline histograms)."""
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name"]
         self._model = model_name
+        self.role = role
         self.requests = Counter(
             "kvpipe_requests", "Finished requests by finish reason", [*labels, "finish_reason"], registry=self.registry
         )
@@ -134,6 +184,35 @@ class ServerMetrics:
             registry=self.registry,
         )
         self.registry.register(_EngineStatsCollector(stats))
+        by_role = [*labels, "role"]
+        self.phases = {
+            key: Histogram(name, doc, by_role, buckets=_PHASE_BUCKETS, registry=self.registry)
+            for key, (name, doc, _) in PHASE_HISTOGRAMS.items()
+        }
+        self.transfer_bytes = Histogram(
+            "kvpipe_kv_transfer_request_bytes",
+            "KV bytes written for one request (prefill, TP rank 0's share)",
+            by_role,
+            buckets=_BYTES_BUCKETS,
+            registry=self.registry,
+        )
+        self.prefix_hit = Histogram(
+            "kvpipe_request_prefix_hit_tokens",
+            "Prompt tokens one admitted request took from this server's prefix cache",
+            by_role,
+            buckets=_TOKENS_BUCKETS,
+            registry=self.registry,
+        )
+        # the series of this role's phases exist (at zero) from the start: a scrape before the
+        # first request shows them, and a rate() over the first one is not lost; kept, as a
+        # labels() lookup per observation is most of what a request's observations cost
+        self._phase_series = {
+            key: self.phases[key].labels(model_name, role)
+            for key, (_, _, roles) in PHASE_HISTOGRAMS.items()
+            if role in roles
+        }
+        self._bytes_series = self.transfer_bytes.labels(model_name, role) if role == "prefill" else None
+        self._prefix_series = self.prefix_hit.labels(model_name, role)
 
     def on_first_token(self, ttft_s: float) -> None:
         self.ttft.labels(self._model).observe(ttft_s)
@@ -154,6 +233,18 @@ class ServerMetrics:
         self.e2e.labels(self._model).observe(e2e_s)
         if ttft_s is not None and completion_tokens > 1:
             self.tpot.labels(self._model).observe((e2e_s - ttft_s) / (completion_tokens - 1))
+
+    def on_timeline(self, record: TimelineRecord) -> None:
+        """A finished request's phases (the engine's timeline of it)."""
+        comps = record.components()
+        for key, seconds in comps.items():
+            series = self._phase_series.get(key)  # only this role's phases
+            if series is not None:
+                series.observe(seconds)
+        if record.transfer_bytes is not None and self._bytes_series is not None:
+            self._bytes_series.observe(record.transfer_bytes)
+        if "queue" in comps or "decode_wait" in comps:  # admitted: it met the prefix cache
+            self._prefix_series.observe(record.prefix_hit_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -60,6 +60,9 @@ class GenerateRequest(WireModel):
     bootstrap_host: str | list[str | None] | None = None
     bootstrap_port: int | list[int | None] | None = None
     bootstrap_room: int | list[int | None] | None = None
+    # meta_info.timeline: where the request's time went on this server (kvpipe/engine/timeline.py);
+    # SGLang only logs such stats server-wide (--enable-request-time-stats-logging)
+    return_timeline: bool | None = False
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,7 @@ class GenerateInput:
     text_options: TextOptions = TextOptions()
     bootstrap: BootstrapInfo | None = None
     index: int = 0  # position in a batched request
+    return_timeline: bool = False
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from kvpipe.engine.request import FinishReason, TokenOutput, finish_reason_json
 from kvpipe.engine.spec_verify import SpecCounts
 from kvpipe.engine.stop_strings import StopStringSearch
+from kvpipe.engine.timeline import TimelineRecord
 from kvpipe.server.protocol import GenerateInput
 
 
@@ -39,6 +40,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     finish_detail: str | int | None = None
     spec: SpecCounts | None = None  # a speculative engine's counts, once the request finished
+    timeline: TimelineRecord | None = None  # the engine's, once it finished the request
 
     @property
     def finished(self) -> bool:
@@ -70,6 +72,7 @@ class RequestTracker:
         # Set when a stop string matched here but the engine still runs the request: abort it there.
         self.needs_engine_abort = False
         self.spec: SpecCounts | None = None
+        self.timeline: TimelineRecord | None = None  # the engine's, with its final output
 
     @property
     def finished(self) -> bool:
@@ -90,6 +93,7 @@ class RequestTracker:
             self.spec = out.spec or self.spec
             if out.finish_reason is not None:
                 engine_finish = out
+                self.timeline = out.timeline
                 # A matched stop token / EOS stays in output_ids but not in the text (as SGLang).
                 if (
                     out.finish_reason is FinishReason.STOP
@@ -145,4 +149,5 @@ class RequestTracker:
             finish_reason=self.finish_reason,
             finish_detail=self.finish_detail,
             spec=self.spec,
+            timeline=self.timeline,
         )

@@ -107,6 +107,8 @@ class TransferTiming:
     busy_s: float  # seconds with at least one of its batches in flight
     first_submit_at: float | None
     last_done_at: float | None
+    requested_at: float | None = None  # the decode's page tables (all its ranks') had arrived
+    busy_spans: tuple[tuple[float, float], ...] = ()  # (start, end) of each stretch of writes in flight
 
 
 @dataclass
@@ -360,6 +362,8 @@ class SenderBook:
             None if peer.state is None else np.zeros(peer.state.num_linear, dtype=bool),
             None if msg.dst_swa_pages is None else np.asarray(msg.dst_swa_pages, dtype=np.int64),
         )
+        if len(r.dests) >= expected:
+            r.requested_at = now
         if r.ready:
             r.rec.move(TransferState.WAITING_FOR_INPUT, now)
         return None
@@ -436,7 +440,17 @@ class SenderBook:
             self.stats.rooms_succeeded += r.rec.state is S
             self.stats.rooms_failed += r.rec.state is F
             if r.rec.state is S:
-                self.timings.append(TransferTiming(r.room, r.bytes_done, r.busy_s, r.first_submit_at, r.last_done_at))
+                self.timings.append(
+                    TransferTiming(
+                        r.room,
+                        r.bytes_done,
+                        r.busy_s,
+                        r.first_submit_at,
+                        r.last_done_at,
+                        r.requested_at,
+                        tuple(r.busy_spans),
+                    )
+                )
 
     # ---- clock: deadlines, liveness, heartbeats, planning, the write window --------------------
 

@@ -192,6 +192,10 @@ class SenderRoom:
     busy_since: float | None = None
     first_submit_at: float | None = None
     last_done_at: float | None = None
+    requested_at: float | None = None  # every decode destination's page table had arrived (timelines)
+    # (start, end) of each stretch with some of its writes in flight: one per layer group where the
+    # link keeps up with the compute (request timelines)
+    busy_spans: list[tuple[float, float]] = field(default_factory=list)
     reported: bool = False  # poll() handed the outcome to the engine
 
     @property
@@ -225,6 +229,7 @@ class SenderRoom:
         """Close the busy interval once nothing of this room is in flight."""
         if self.busy_since is not None and not self.inflight and not self.submitting:
             self.busy_s += max(0.0, now - self.busy_since)
+            self.busy_spans.append((self.busy_since, now))
             self.busy_since = None
             self.last_done_at = now
 

@@ -1,0 +1,173 @@
+"""Request timelines through sglang-router (issue 29). sglang-router 0.3.2 forwards only the request
+fields it knows, and `return_timeline` is not one of them: a request through it finds its decode
+timeline at the decode's /debug/requests under its rid and its prefill timeline at the prefill's
+under the same bootstrap room (a body sent to the servers directly, as the router would, gets
+them in meta_info: the second test). Checks the phases' order on both sides and across
+them (one host: CLOCK_MONOTONIC is shared by the servers), that the components fit in the
+request's end-to-end time, and that the role-labelled histograms moved and sum to the timelines.
+Nothing here times anything."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvpipe.server.metrics import PHASE_HISTOGRAMS
+from tests.helpers.pd_stack import Stack, generate, greedy, pd_body, start_stack
+from tests.helpers.server import ServerProc
+
+pytest.importorskip("mooncake.engine")
+
+LENS = [5, 40, 100, 300]  # chunks of 64: one to five forwards per prompt
+PROMPTS = [[random.Random(n).randrange(3, 290) for _ in range(n)] for n in LENS]
+# meta_info and /debug/requests round each duration to 6 decimals
+JSON_ROUNDING_S = 1e-6
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = start_stack(
+        tiny_model_dir,
+        tmp_path_factory.mktemp("pd-timeline"),
+        "--page-size",
+        "16",
+        "--chunked-prefill-size",
+        "64",
+        prefill_args=("--disaggregation-layer-groups", "2", "--disaggregation-layer-groups-min-tokens", "0"),
+    )
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def t(tl: dict[str, Any], phase: str, last: bool = False) -> float:
+    """A phase's monotonic time (its first occurrence, or its last)."""
+    ts = [e["t"] for e in tl["events"] if e["phase"] == phase]
+    assert ts, (phase, [e["phase"] for e in tl["events"]])
+    return tl["arrived_monotonic"] + (ts[-1] if last else ts[0])
+
+
+def assert_order(tl: dict[str, Any], *phases: str) -> None:
+    ts = [t(tl, p) for p in phases]
+    assert ts == sorted(ts), list(zip(phases, ts))
+
+
+def histograms(srv: ServerProc) -> dict[tuple[str, str], float]:
+    """(sample name, role) -> value of the role-labelled _count and _sum samples in /metrics."""
+    out: dict[tuple[str, str], float] = {}
+    for fam in text_string_to_metric_families(srv.get("/metrics").text):
+        for s in fam.samples:
+            if "role" in s.labels and s.name.endswith(("_count", "_sum")):
+                out[(s.name, s.labels["role"])] = s.value
+    return out
+
+
+def test_timelines_through_router(stack: Stack) -> None:
+    def one(i: int) -> dict[str, Any]:
+        body = {
+            "input_ids": PROMPTS[i],
+            "sampling_params": greedy(6),
+            "return_timeline": True,
+            "rid": f"timeline-{i}",
+            "stream": i % 2 == 1,
+        }
+        return generate(stack.router, body)
+
+    with ThreadPoolExecutor(2) as pool:
+        outs = list(pool.map(one, range(len(PROMPTS))))
+    stack.prefill.wait_idle()
+    stack.decode.wait_idle()
+    p_debug, d_debug = stack.prefill.get("/debug/requests").json(), stack.decode.get("/debug/requests").json()
+    assert p_debug["role"] == "prefill" and d_debug["role"] == "decode"
+    d_by_rid = {r["rid"]: r for r in d_debug["requests"]}
+    p_by_room = {r["bootstrap_room"]: r for r in p_debug["requests"]}
+    assert len(p_by_room) == len(d_by_rid) == len(PROMPTS)  # only this test's requests ran on this stack
+
+    for i, out in enumerate(outs):
+        meta = out["meta_info"]
+        entry = d_by_rid[f"timeline-{i}"]  # the router keeps the client's rid
+        dtl = entry["timeline"]
+        assert entry["finish_reason"] == "length"
+        if "timeline" in meta:  # a router that forwards return_timeline
+            assert meta["timeline"] == dtl
+        ptl = p_by_room[entry["bootstrap_room"]]["timeline"]
+
+        # each side's own order
+        assert_order(ptl, "arrived", "scheduled", "forward_start", "first_token", "finished", "released")
+        assert_order(ptl, "bootstrapped", "transfer_start", "transfer_done", "released")
+        wire = [e["phase"] for e in ptl["events"] if e["phase"] in ("transfer_start", "transfer_done")]
+        assert wire == ["transfer_start", "transfer_done"] * (len(wire) // 2)  # stretches, one after another
+        assert t(ptl, "forward_end", last=True) <= t(ptl, "first_token")
+        starts = [e for e in ptl["events"] if e["phase"] in ("forward_start", "forward_end")]
+        assert all(a["t"] <= b["t"] for a, b in zip(starts, starts[1:]))  # each chunk after the one before
+        assert sum(e["value"] for e in starts if e["phase"] == "forward_start") == LENS[i]
+        assert any(e["phase"] == "layer_group_done" for e in ptl["events"])  # --disaggregation-layer-groups 2
+        assert_order(dtl, "arrived", "pages_reserved", "kv_arrived", "first_token", "finished")
+
+        # across the two servers: the decode hears of the KV after its last write completed
+        assert t(ptl, "transfer_done", last=True) <= t(dtl, "kv_arrived")
+        assert t(ptl, "first_token") <= t(dtl, "kv_arrived")
+
+        # the components fit in the request's time on each server
+        pc, dc = ptl["components"], dtl["components"]
+        assert pc["queue"] + pc["prefill_compute"] + pc["exposed_transfer"] <= (
+            t(ptl, "released") - t(ptl, "arrived") + 3 * JSON_ROUNDING_S
+        )
+        assert sum(dc.values()) == pytest.approx(t(dtl, "finished") - t(dtl, "arrived"), abs=4 * JSON_ROUNDING_S)
+        # the decode's e2e_latency runs from the HTTP request (before the engine's arrival) to the answer
+        assert sum(dc.values()) <= meta["e2e_latency"] + 4 * JSON_ROUNDING_S
+        assert ptl["transfer_bytes"] > 0 and dtl["transfer_bytes"] is None
+
+    # every histogram of each role moved, and sums what the timelines say
+    for srv, role, timelines in (
+        (stack.prefill, "prefill", [r["timeline"] for r in p_debug["requests"]]),
+        (stack.decode, "decode", [r["timeline"] for r in d_debug["requests"]]),
+    ):
+        got = histograms(srv)
+        for key, (name, _, roles) in PHASE_HISTOGRAMS.items():
+            if role not in roles:
+                assert (f"{name}_count", role) not in got
+                continue
+            want = [tl["components"][key] for tl in timelines]
+            assert got[(f"{name}_count", role)] == len(PROMPTS), name
+            assert got[(f"{name}_sum", role)] == pytest.approx(sum(want), abs=len(want) * JSON_ROUNDING_S), name
+            assert got[(f"{name}_sum", role)] > 0, name  # not stuck at zero
+        hits = got[("kvpipe_request_prefix_hit_tokens_count", role)]
+        assert hits == len(PROMPTS)
+    p_hist = histograms(stack.prefill)
+    p_bytes = sum(r["timeline"]["transfer_bytes"] for r in p_debug["requests"])
+    assert p_hist[("kvpipe_kv_transfer_request_bytes_sum", "prefill")] == p_bytes
+    assert p_bytes == stack.prefill.engine_stats()["disaggregation"]["bytes_written"]
+
+
+def test_return_timeline_in_meta_info(stack: Stack) -> None:
+    """A body with return_timeline sent to both servers directly, as sglang-router sends it:
+    each answers with its own timeline in meta_info, the one /debug/requests keeps."""
+    body = pd_body(stack, {"input_ids": PROMPTS[2], "sampling_params": greedy(3), "return_timeline": True})
+    with ThreadPoolExecutor(2) as pool:
+        p = pool.submit(generate, stack.prefill.url, body)
+        d = pool.submit(generate, stack.decode.url, body)
+        p_out, d_out = p.result(), d.result()
+    ptl, dtl = p_out["meta_info"]["timeline"], d_out["meta_info"]["timeline"]
+    assert_order(ptl, "arrived", "scheduled", "first_token", "finished", "released")
+    assert_order(dtl, "arrived", "pages_reserved", "kv_arrived", "finished")
+    assert t(ptl, "transfer_done", last=True) <= t(dtl, "kv_arrived")
+    room = body["bootstrap_room"]
+    assert [
+        r["timeline"] for r in stack.prefill.get("/debug/requests").json()["requests"] if r["bootstrap_room"] == room
+    ] == [ptl]
+    assert [
+        r["timeline"] for r in stack.decode.get("/debug/requests").json()["requests"] if r["bootstrap_room"] == room
+    ] == [dtl]
+    # without the flag, meta_info stays as it was
+    plain = pd_body(stack, {"input_ids": PROMPTS[0], "sampling_params": greedy(2)})
+    with ThreadPoolExecutor(2) as pool:
+        pool.submit(generate, stack.prefill.url, plain)
+        assert "timeline" not in generate(stack.decode.url, plain)["meta_info"]
