@@ -278,7 +278,7 @@ class Engine:
                 req.finish_detail,
                 len(req.input_ids),
                 req.cached_tokens,
-                _final_record(req),
+                timeline=_final_record(req),
             )
             if held and req.finish_reason is not FinishReason.ABORT:
                 self._held[req.rid].deferred = out  # the client hears once the KV has landed
@@ -347,7 +347,8 @@ class Engine:
                 req.finish_detail,
                 len(req.input_ids),
                 req.cached_tokens,
-                replace(req.spec) if req.finished else None,
+                spec=replace(req.spec) if req.finished else None,
+                timeline=_final_record(req),
             )
             if held and req.finish_reason is not FinishReason.ABORT:
                 self._held[req.rid].deferred = out
@@ -527,7 +528,7 @@ class Engine:
                 req.finish_detail,
                 len(req.input_ids),
                 req.cached_tokens,
-                _final_record(req),
+                timeline=_final_record(req),
             )
         )
 
@@ -558,7 +559,14 @@ class Engine:
     def _abort_output(self, req: Req, message: str) -> TokenOutput:
         """An ABORT answer for a request finished otherwise earlier (its answer was held back)."""
         return TokenOutput(
-            req.rid, (), (), FinishReason.ABORT, message, len(req.input_ids), req.cached_tokens, req.timeline.record()
+            req.rid,
+            (),
+            (),
+            FinishReason.ABORT,
+            message,
+            len(req.input_ids),
+            req.cached_tokens,
+            timeline=req.timeline.record(),
         )
 
     def _finish_output(self, req: Req) -> TokenOutput:
@@ -570,7 +578,7 @@ class Engine:
             req.finish_detail,
             len(req.input_ids),
             req.cached_tokens,
-            req.timeline.record(),
+            timeline=req.timeline.record(),
         )
 
     def _generator(self, req: Req) -> torch.Generator | None:
