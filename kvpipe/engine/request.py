@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -124,5 +124,7 @@ class TokenOutput:
     finish_detail: str | int | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    # by keyword only: optional reports that different features attach to a final output
+    _: KW_ONLY
     spec: SpecCounts | None = None  # a speculative engine's counts of the request, when it finished
     timeline: TimelineRecord | None = None  # with a request's final output

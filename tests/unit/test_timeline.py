@@ -172,7 +172,7 @@ def test_debug_history_keeps_the_last_n_finished_requests() -> None:
         inp = GenerateInput(f"r{i}", (5, 6), SamplingParams(), bootstrap=BootstrapInfo("h", 1, 100 + i))
         tr = RequestTracker(inp, _NoText(), start_time=0.0)
         rec = prefill_timeline().record()
-        tr.update([TokenOutput(f"r{i}", (), (), FinishReason.LENGTH, None, 2, 0, rec)], now=1.0)
+        tr.update([TokenOutput(f"r{i}", (), (), FinishReason.LENGTH, None, 2, 0, timeline=rec)], now=1.0)
         assert tr.timeline is rec
         ae._on_finished(tr)
     assert [(r["rid"], r["bootstrap_room"], r["finish_reason"]) for r in ae.recent] == [
