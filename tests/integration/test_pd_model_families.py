@@ -7,7 +7,8 @@ GQA families, and for MLA one whole latent per decode rank, read from exactly on
 The hybrid Qwen3.5 (issue 12: KV of its full-attention layers plus each request's recurrent
 state, sliced by linear heads under heterogeneous TP) runs 24 prompts on (1,1) and (2,2) with one
 and two layer groups, and on (1,2) and (2,1). GPT-OSS (sliding-window pages) has its own file,
-test_pd_sliding_window.py. --kv-cache-dtype: an fp8 MLA latent and bf16 GQA K/V on (1,2) and (2,1)."""
+test_pd_sliding_window.py. --kv-cache-dtype: an fp8 MLA latent, bf16 GQA K/V, and Qwen3.5's and
+GPT-OSS's KV in fp8 and bf16, on (1,2) and (2,1)."""
 
 from __future__ import annotations
 
@@ -90,12 +91,24 @@ def test_pd_family_matches_colocated(
 # both heterogeneous directions, against colocated with the same KV dtype. Whole prompts: a later
 # chunk reads the rounded KV of the earlier ones, and chunk boundaries depend on which prompts
 # share a prefill step (the chunk budget is per step), which concurrent requests do not fix
-KV_DTYPE_CASES = [("tiny-deepseek-v3", (1, 2, 2), "fp8_e4m3"), ("tiny-qwen3-moe", (2, 1, 1), "bfloat16")]
+# Qwen3.5 stores its full-attention layers' K/V in the KV dtype (its recurrent state keeps its
+# own), GPT-OSS its window pages and full pages alike (prompts of 150 tokens pass its window of 32)
+KV_DTYPE_CASES = [
+    ("tiny-deepseek-v3", (1, 2, 2), "fp8_e4m3"),
+    ("tiny-qwen3-moe", (2, 1, 1), "bfloat16"),
+    ("tiny-qwen3.5", (2, 1, 1), "fp8_e4m3"),
+    ("tiny-gpt-oss", (1, 2, 2), "bfloat16"),
+    ("tiny-qwen3.5", (1, 2, 2), "bfloat16"),
+    ("tiny-gpt-oss", (2, 1, 1), "fp8_e4m3"),
+]
+SLOW_KV_DTYPE = {("tiny-qwen3.5", (1, 2, 2), "bfloat16"), ("tiny-gpt-oss", (2, 1, 1), "fp8_e4m3")}
 WHOLE_PROMPTS = [*FLAGS, "--chunked-prefill-size", "0"]  # the last value of a flag wins
 
 
 @pytest.mark.parametrize(
-    "name,pairing,kv", KV_DTYPE_CASES, ids=[f"{f}-{p}-{d}-{g}-{kv}" for f, (p, d, g), kv in KV_DTYPE_CASES]
+    "name,pairing,kv",
+    [pytest.param(*c, marks=[pytest.mark.slow] if c in SLOW_KV_DTYPE else []) for c in KV_DTYPE_CASES],
+    ids=[f"{f}-{p}-{d}-{g}-{kv}" for f, (p, d, g), kv in KV_DTYPE_CASES],
 )
 def test_pd_kv_cache_dtype_matches_colocated(
     tmp_path_factory: pytest.TempPathFactory, tmp_path: Path, name: str, pairing: tuple[int, int, int], kv: str
