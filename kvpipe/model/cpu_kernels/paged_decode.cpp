@@ -133,25 +133,128 @@ inline void convert_row(const typename Stored<T>::type* src, float* out, int64_t
   for (int64_t j = i; j < n; ++j) out[j] = to_float<T>(src[j]);
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#define KVPIPE_AVX2 1
+#else
+#define KVPIPE_AVX2 0
+#endif
+
+#if KVPIPE_AVX2
+// [sum of a0's 8 lanes, ..., sum of a7's]: one transpose-and-add for a block of 8 keys instead of
+// a horizontal reduction per key.
+inline __m256 lane_sums(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
+  const __m256 t0 = _mm256_hadd_ps(a0, a1), t1 = _mm256_hadd_ps(a2, a3);
+  const __m256 t2 = _mm256_hadd_ps(a4, a5), t3 = _mm256_hadd_ps(a6, a7);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // [a0..a3 low, a0..a3 high]
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#endif
+
+// s[j] = q . k[j] for the fp32 key rows j in [j0, j1), `stride` floats apart, of n (or DK) floats.
+// With AVX2 + FMA, 8 keys at a time: one vector accumulator per key (8 independent FMA chains,
+// q's vector loaded once for the 8 keys), then lane_sums; the keys left over and the head dim's
+// tail beyond whole vectors go through the scalar dot.
+template <int DK>
+inline void score_rows(const float* q, const float* k, int64_t stride, int64_t j0, int64_t j1, int64_t n, float* s) {
+  const int64_t D = DK > 0 ? DK : n;
+  int64_t j = j0;
+#if KVPIPE_AVX2
+  const int64_t Dw = D & ~int64_t{7};
+  if (Dw > 0) {
+    for (; j + 8 <= j1; j += 8) {
+      const float* r = k + j * stride;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+      for (int64_t d = 0; d < Dw; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + d), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + stride + d), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + 2 * stride + d), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + 3 * stride + d), a3);
+        a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + 4 * stride + d), a4);
+        a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + 5 * stride + d), a5);
+        a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + 6 * stride + d), a6);
+        a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + 7 * stride + d), a7);
+      }
+      _mm256_storeu_ps(s + j, lane_sums(a0, a1, a2, a3, a4, a5, a6, a7));
+      for (int64_t d = Dw; d < D; ++d)
+        for (int64_t i = 0; i < 8; ++i) s[j + i] += q[d] * r[i * stride + d];
+    }
+  }
+#endif
+  for (; j < j1; ++j) s[j] = dot<DK>(q, k + j * stride, D);
+}
+
+// acc[0, n) += sum over j in [j0, j1) of p[j] * v[j], fp32 value rows `stride` floats apart.
+// With AVX2 + FMA, 64 columns at a time in 8 vector accumulators held in registers over all the
+// keys (8 independent FMA chains), then 8 columns at a time; the columns left over row by row.
+template <int DV>
+inline void accumulate_rows(const float* p, const float* v, int64_t stride, int64_t j0, int64_t j1, int64_t n,
+                            float* acc) {
+  const int64_t Dv = DV > 0 ? DV : n;
+  int64_t d = 0;
+#if KVPIPE_AVX2
+  for (; d + 64 <= Dv; d += 64) {
+    __m256 a0 = _mm256_loadu_ps(acc + d), a1 = _mm256_loadu_ps(acc + d + 8), a2 = _mm256_loadu_ps(acc + d + 16),
+           a3 = _mm256_loadu_ps(acc + d + 24), a4 = _mm256_loadu_ps(acc + d + 32),
+           a5 = _mm256_loadu_ps(acc + d + 40), a6 = _mm256_loadu_ps(acc + d + 48),
+           a7 = _mm256_loadu_ps(acc + d + 56);
+    for (int64_t j = j0; j < j1; ++j) {
+      const __m256 pj = _mm256_set1_ps(p[j]);
+      const float* r = v + j * stride + d;
+      a0 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(r), a0);
+      a1 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(r + 8), a1);
+      a2 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(r + 16), a2);
+      a3 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(r + 24), a3);
+      a4 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(r + 32), a4);
+      a5 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(r + 40), a5);
+      a6 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(r + 48), a6);
+      a7 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(r + 56), a7);
+    }
+    _mm256_storeu_ps(acc + d, a0), _mm256_storeu_ps(acc + d + 8, a1), _mm256_storeu_ps(acc + d + 16, a2);
+    _mm256_storeu_ps(acc + d + 24, a3), _mm256_storeu_ps(acc + d + 32, a4), _mm256_storeu_ps(acc + d + 40, a5);
+    _mm256_storeu_ps(acc + d + 48, a6), _mm256_storeu_ps(acc + d + 56, a7);
+  }
+  for (; d + 8 <= Dv; d += 8) {
+    __m256 a = _mm256_loadu_ps(acc + d);
+    for (int64_t j = j0; j < j1; ++j) a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v + j * stride + d), a);
+    _mm256_storeu_ps(acc + d, a);
+  }
+#endif
+  if (d < Dv) {
+    for (int64_t j = j0; j < j1; ++j) {
+      const float pj = p[j];
+      const float* r = v + j * stride;
+#pragma omp simd
+      for (int64_t c = d; c < Dv; ++c) acc[c] += pj * r[c];
+    }
+  }
+}
+
 struct Shapes {
   int64_t batch, q_heads, kv_heads, group, head_dim, v_dim, page_size, num_pages;
   int64_t k_page, k_head, k_tok;  // element strides of k
   int64_t v_page, v_head, v_tok;  // element strides of v
+  bool v_in_k;                    // v is a prefix view of k (MLA's latent pages): same rows
   int64_t window;                 // <= 0: no window
   float scale;
   float k_scale, v_scale;  // the pool's scales times kv_factor
 };
 
-// Per-thread scratch, sized once per parallel chunk.
+// Per-thread scratch, sized once per parallel chunk. kt, vt: one page's key and value rows
+// converted to fp32 (pools other than fp32 only), [P, D] and [P, Dv], 16 KiB each at P = D = 64.
 struct Scratch {
-  std::vector<float> q, acc, m, l, s, row;
-  explicit Scratch(const Shapes& sh)
+  std::vector<float> q, acc, m, l, s, kt, vt;
+  Scratch(const Shapes& sh, bool convert)
       : q(sh.group * sh.head_dim), acc(sh.group * sh.v_dim), m(sh.group), l(sh.group),
-        s(sh.group * sh.page_size), row(std::max(sh.head_dim, sh.v_dim)) {}
+        s(sh.group * sh.page_size), kt(convert ? sh.page_size * sh.head_dim : 0),
+        vt(convert && !sh.v_in_k ? sh.page_size * sh.v_dim : 0) {}
 };
 
-// One (row b, KV head h) task: its G query heads over the keys [lo, len) of row b.
+// One (row b, KV head h) task: its G query heads over the keys [lo, len) of row b, page by page.
 // q [B, Hq, D] fp32 contiguous; pages [B, n]; out [B, Hq, Dv] fp32 contiguous; sinks [Hq] fp32 or null.
+// A page's key rows are scored for one query head at a time (the page stays in L1 for the next
+// head); pools other than fp32 convert the page's rows in range into the fp32 tiles kt / vt once,
+// and the same fp32 loops run over them.
 template <KV T, int DK, int DV>
 void decode_task(const Shapes& sh, int64_t b, int64_t h, const float* q, const typename Stored<T>::type* k,
                  const typename Stored<T>::type* v, const int64_t* pages, int64_t len, int64_t key_start,
@@ -180,24 +283,29 @@ void decode_task(const Shapes& sh, int64_t b, int64_t h, const float* q, const t
       const int64_t j0 = std::max<int64_t>(lo - base, 0), j1 = std::min<int64_t>(len - base, P);
       const S* kp = k + page * sh.k_page + h * sh.k_head;
       const S* vp = v + page * sh.v_page + h * sh.v_head;
-      // scores s[g, j] for the page's keys in range; each key row is read once for G heads
+      // the page's rows as fp32: in place for an fp32 pool, else converted once into kt / vt
+      const float *kf, *vf;
+      int64_t k_stride, v_stride;
       if constexpr (T == KV::F32) {
-        for (int64_t g = 0; g < G; ++g) {  // one query head at a time: it stays in registers, the page in L1
-          const float* qg = w.q.data() + g * D;
-          float* sg = w.s.data() + g * P;
-          for (int64_t j = j0; j < j1; ++j) sg[j] = dot<DK>(qg, kp + j * sh.k_tok, D);
-        }
+        kf = kp, k_stride = sh.k_tok, vf = vp, v_stride = sh.v_tok;
       } else {
-        float* row = w.row.data();
-        for (int64_t j = j0; j < j1; ++j) {  // one key row converted once, for the G heads that read it
-          convert_row<T>(kp + j * sh.k_tok, row, D);
-          for (int64_t g = 0; g < G; ++g) w.s[g * P + j] = dot<DK>(w.q.data() + g * D, row, D);
+        float* kt = w.kt.data();
+        for (int64_t j = j0; j < j1; ++j) convert_row<T>(kp + j * sh.k_tok, kt + j * D, D);
+        kf = kt, k_stride = D;
+        if (sh.v_in_k) {  // MLA: the values are the first Dv numbers of the rows just converted
+          vf = kt, v_stride = D;
+        } else {
+          float* vt = w.vt.data();
+          for (int64_t j = j0; j < j1; ++j) convert_row<T>(vp + j * sh.v_tok, vt + j * Dv, Dv);
+          vf = vt, v_stride = Dv;
         }
       }
+      for (int64_t g = 0; g < G; ++g) score_rows<DK>(w.q.data() + g * D, kf, k_stride, j0, j1, D, w.s.data() + g * P);
       // online softmax: rescale what was accumulated to the new running max
       for (int64_t g = 0; g < G; ++g) {
         float* sg = w.s.data() + g * P;
         float mx = w.m[g];
+#pragma omp simd reduction(max : mx)
         for (int64_t j = j0; j < j1; ++j) mx = std::max(mx, sg[j]);
         const float alpha = exp_nonpositive(w.m[g] - mx);  // 0 on the first page (m = -inf)
         float sum = 0.0f;
@@ -215,43 +323,8 @@ void decode_task(const Shapes& sh, int64_t b, int64_t h, const float* q, const t
         }
       }
       // acc[g] += p[g, j] * v[j]
-      if constexpr (T == KV::F32) {
-        for (int64_t g = 0; g < G; ++g) {
-          const float* pg = w.s.data() + g * P;
-          float* ag = w.acc.data() + g * Dv;
-          float a[DV > 0 ? DV : 1];  // the accumulator in registers when Dv is fixed
-          if constexpr (DV > 0) {
-#pragma omp simd
-            for (int64_t d = 0; d < DV; ++d) a[d] = ag[d];
-            for (int64_t j = j0; j < j1; ++j) {
-              const float p = pg[j];
-              const float* vr = vp + j * sh.v_tok;
-#pragma omp simd
-              for (int64_t d = 0; d < DV; ++d) a[d] += p * vr[d];
-            }
-#pragma omp simd
-            for (int64_t d = 0; d < DV; ++d) ag[d] = a[d];
-          } else {
-            for (int64_t j = j0; j < j1; ++j) {
-              const float p = pg[j];
-              const float* vr = vp + j * sh.v_tok;
-#pragma omp simd
-              for (int64_t d = 0; d < Dv; ++d) ag[d] += p * vr[d];
-            }
-          }
-        }
-      } else {
-        float* row = w.row.data();
-        for (int64_t j = j0; j < j1; ++j) {  // one value row converted once, for the G heads
-          convert_row<T>(vp + j * sh.v_tok, row, Dv);
-          for (int64_t g = 0; g < G; ++g) {
-            const float p = w.s[g * P + j];
-            float* ag = w.acc.data() + g * Dv;
-#pragma omp simd
-            for (int64_t d = 0; d < Dv; ++d) ag[d] += p * row[d];
-          }
-        }
-      }
+      for (int64_t g = 0; g < G; ++g)
+        accumulate_rows<DV>(w.s.data() + g * P, vf, v_stride, j0, j1, Dv, w.acc.data() + g * Dv);
     }
   }
   for (int64_t g = 0; g < G; ++g) {
@@ -286,7 +359,7 @@ void run_tasks(const Shapes& sh, const at::Tensor& q, const at::Tensor& k, const
   float* out_p = out.data_ptr<float>();
   // one task per (row, KV head); at::parallel_for honours torch's intra-op thread count
   at::parallel_for(0, sh.batch * sh.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    Scratch w(sh);
+    Scratch w(sh, T != KV::F32);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b = t / sh.kv_heads, h = t % sh.kv_heads;
       if (sh.head_dim == 64 && sh.v_dim == 64)
@@ -337,6 +410,8 @@ at::Tensor paged_decode(const at::Tensor& q_in, const at::Tensor& k, const at::T
   sh.num_pages = pages.size(1);
   sh.k_page = k.stride(0), sh.k_head = k.stride(1), sh.k_tok = k.stride(2);
   sh.v_page = v.stride(0), sh.v_head = v.stride(1), sh.v_tok = v.stride(2);
+  sh.v_in_k = v.data_ptr() == k.data_ptr() && sh.v_page == sh.k_page && sh.v_head == sh.k_head &&
+              sh.v_tok == sh.k_tok && sh.v_dim <= sh.head_dim;
   sh.window = window;
   sh.scale = static_cast<float>(scale);
 
