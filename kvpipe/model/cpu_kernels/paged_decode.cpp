@@ -230,6 +230,18 @@ inline void accumulate_rows(const float* p, const float* v, int64_t stride, int6
   }
 }
 
+// Asks for one stored row (`cols` elements) ahead of its use, into L2. Pools other than fp32
+// convert their pages row by row; each row converted asks for the same row of the task's next
+// page, so DRAM streams that page during this one's arithmetic (the next page lies 3 x 16 KiB
+// away at SmolLM2's shape: the hardware prefetchers do not cross to it in time). One or two
+// lines per row, not a whole tile at once: a burst of hundreds of prefetches fills the line fill
+// buffers and stalls the loads behind it. fp32 pools are read at DRAM bandwidth without it.
+template <typename S>
+inline void prefetch_row(const S* row, int64_t cols) {
+  const char* r = reinterpret_cast<const char*>(row);
+  for (int64_t o = 0; o < cols * static_cast<int64_t>(sizeof(S)); o += 64) __builtin_prefetch(r + o, 0, 2);
+}
+
 struct Shapes {
   int64_t batch, q_heads, kv_heads, group, head_dim, v_dim, page_size, num_pages;
   int64_t k_page, k_head, k_tok;  // element strides of k
@@ -289,14 +301,28 @@ void decode_task(const Shapes& sh, int64_t b, int64_t h, const float* q, const t
       if constexpr (T == KV::F32) {
         kf = kp, k_stride = sh.k_tok, vf = vp, v_stride = sh.v_tok;
       } else {
+        // the same rows of the next page (nullptr on the last): its first rows go unasked when
+        // this page starts at j0 > 0 (a window's first page), and are read on demand then
+        const S *kn = nullptr, *vn = nullptr;
+        if (pi < last) {
+          const int64_t next = pages[b * sh.num_pages + pi + 1];
+          kn = k + next * sh.k_page + h * sh.k_head;
+          vn = sh.v_in_k ? nullptr : v + next * sh.v_page + h * sh.v_head;
+        }
         float* kt = w.kt.data();
-        for (int64_t j = j0; j < j1; ++j) convert_row<T>(kp + j * sh.k_tok, kt + j * D, D);
+        for (int64_t j = j0; j < j1; ++j) {
+          if (kn != nullptr) prefetch_row(kn + j * sh.k_tok, D);
+          convert_row<T>(kp + j * sh.k_tok, kt + j * D, D);
+        }
         kf = kt, k_stride = D;
         if (sh.v_in_k) {  // MLA: the values are the first Dv numbers of the rows just converted
           vf = kt, v_stride = D;
         } else {
           float* vt = w.vt.data();
-          for (int64_t j = j0; j < j1; ++j) convert_row<T>(vp + j * sh.v_tok, vt + j * Dv, Dv);
+          for (int64_t j = j0; j < j1; ++j) {
+            if (vn != nullptr) prefetch_row(vn + j * sh.v_tok, Dv);
+            convert_row<T>(vp + j * sh.v_tok, vt + j * Dv, Dv);
+          }
           vf = vt, v_stride = Dv;
         }
       }
@@ -305,8 +331,9 @@ void decode_task(const Shapes& sh, int64_t b, int64_t h, const float* q, const t
       for (int64_t g = 0; g < G; ++g) {
         float* sg = w.s.data() + g * P;
         float mx = w.m[g];
+        // written as a comparison GCC vectorises (std::max's reduction stays scalar here)
 #pragma omp simd reduction(max : mx)
-        for (int64_t j = j0; j < j1; ++j) mx = std::max(mx, sg[j]);
+        for (int64_t j = j0; j < j1; ++j) mx = sg[j] > mx ? sg[j] : mx;
         const float alpha = exp_nonpositive(w.m[g] - mx);  // 0 on the first page (m = -inf)
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
