@@ -109,15 +109,13 @@ def main(argv: list[str] | None = None) -> int:
                     best[kn, d] = min(best[kn, d], time_calls(ext, cases[d], args.calls))
         for kn in kernels:
             for d in dtypes:
-                ms, c = best[kn, d] * 1e3, cases[d]
-                ratio = f"{best[kn, d] / best[kn, 'fp32']:.2f}x" if "fp32" in best_keys(best, kn) else "-"
-                kv_bytes = shape.batch * context * shape.kv_heads * shape.head_dim * 2 * c.k.element_size()
+                ms, ratio = best[kn, d] * 1e3, "-"
+                if "fp32" in dtypes:
+                    ratio = f"{best[kn, d] / best[kn, 'fp32']:.2f}x"
+                kv_bytes = shape.batch * context * shape.kv_heads * shape.head_dim * 2 * cases[d].k.element_size()
                 print(f"| {context:,} | {kn} | {d} | {ms:.2f} | {ratio} | {kv_bytes / 2**20:.0f} |")
+    print(f"load average {os.getloadavg()}")
     return 0
-
-
-def best_keys(best: dict[tuple[str, str], float], kernel: str) -> set[str]:
-    return {d for kn, d in best if kn == kernel}
 
 
 if __name__ == "__main__":

@@ -10,13 +10,19 @@
 // the last dim must be contiguous.
 //
 // KV dtypes (--kv-cache-dtype): the pool may store float32, bfloat16, float16, float8_e4m3fn or
-// float8_e5m2 whatever the model computes in. Other than fp32, each key or value row is converted
-// to fp32 as it is read (a row of head_dim floats in registers / L1, once for the G query heads
-// that share it), never a page or the pool: bf16 by a 16-bit shift, fp16 by F16C (or the
+// float8_e5m2 whatever the model computes in. Other than fp32, a page's key and value rows in
+// range are converted once into an fp32 tile in L1 (per-thread scratch, [P, D] and [P, Dv]) and
+// the fp32 loops run over it, never the pool: bf16 by a 16-bit shift, fp16 by F16C (or the
 // branch-free bit conversion of the FP16 library without it), fp8 by moving its bits into an fp16
 // (e5m2 is the top byte of an fp16; e4m3 shifted into fp16's fields is its value times 2^-8, a
 // factor folded into the scales). The fp8 scales (key = stored * k_scale, value = stored *
 // v_scale) fold into the query and into the final normalisation, so they cost nothing per key.
+//
+// The fp32 loops (AVX2 + FMA; a scalar `omp simd` path without them) score 4 keys for up to 3
+// query heads at a time, one vector accumulator per (head, key) and one transpose-and-add per 4
+// keys instead of a horizontal reduction per key, and accumulate values 32 columns x 3 heads at a
+// time in registers: each key or value vector is loaded once for the heads that share it. On the
+// 2-core Xeon of docs/benchmarks.md an fp32 pool is then read at DRAM bandwidth (~4.5 GB/s there).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -140,92 +146,119 @@ inline void convert_row(const typename Stored<T>::type* src, float* out, int64_t
 #endif
 
 #if KVPIPE_AVX2
-// [sum of a0's 8 lanes, ..., sum of a7's]: one transpose-and-add for a block of 8 keys instead of
+// [sum of a0's 8 lanes, ..., sum of a3's]: one transpose-and-add for a block of 4 keys instead of
 // a horizontal reduction per key.
-inline __m256 lane_sums(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
-  const __m256 t0 = _mm256_hadd_ps(a0, a1), t1 = _mm256_hadd_ps(a2, a3);
-  const __m256 t2 = _mm256_hadd_ps(a4, a5), t3 = _mm256_hadd_ps(a6, a7);
-  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // [a0..a3 low, a0..a3 high]
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+inline __m128 lane_sums(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));  // [a0..a3 low | high]
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
 #endif
 
-// s[j] = q . k[j] for the fp32 key rows j in [j0, j1), `stride` floats apart, of n (or DK) floats.
-// With AVX2 + FMA, 8 keys at a time: one vector accumulator per key (8 independent FMA chains,
-// q's vector loaded once for the 8 keys), then lane_sums; the keys left over and the head dim's
-// tail beyond whole vectors go through the scalar dot.
-template <int DK>
-inline void score_rows(const float* q, const float* k, int64_t stride, int64_t j0, int64_t j1, int64_t n, float* s) {
+// Query heads handled together by the loops below: NH x 4 vector accumulators, NH query (or
+// weight) vectors and one key (or value) vector fill AVX2's 16 registers at NH = 3.
+constexpr int kHeadBlock = 3;
+
+// s[h * s_stride + j] = q[h] . k[j] for NH query heads (rows q_stride apart) and the fp32 key rows
+// j in [j0, j1), `stride` floats apart, of n (or DK) floats. With AVX2 + FMA, 4 keys at a time:
+// each key vector is loaded once for the NH heads, one accumulator per (head, key) (independent
+// FMA chains), then one lane_sums per head; the keys left over and the head dim's tail beyond
+// whole vectors go through the scalar dot.
+template <int DK, int NH>
+inline void score_heads(const float* q, int64_t q_stride, const float* k, int64_t stride, int64_t j0, int64_t j1,
+                        int64_t n, float* s, int64_t s_stride) {
   const int64_t D = DK > 0 ? DK : n;
   int64_t j = j0;
 #if KVPIPE_AVX2
   const int64_t Dw = D & ~int64_t{7};
   if (Dw > 0) {
-    for (; j + 8 <= j1; j += 8) {
+    for (; j + 4 <= j1; j += 4) {
       const float* r = k + j * stride;
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+      __m256 a[NH][4];
+#pragma GCC unroll 16
+      for (int h = 0; h < NH; ++h)
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) a[h][i] = _mm256_setzero_ps();
       for (int64_t d = 0; d < Dw; d += 8) {
-        const __m256 qv = _mm256_loadu_ps(q + d);
-        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + d), a0);
-        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + stride + d), a1);
-        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + 2 * stride + d), a2);
-        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + 3 * stride + d), a3);
-        a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + 4 * stride + d), a4);
-        a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + 5 * stride + d), a5);
-        a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + 6 * stride + d), a6);
-        a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + 7 * stride + d), a7);
+        __m256 qv[NH];
+#pragma GCC unroll 16
+        for (int h = 0; h < NH; ++h) qv[h] = _mm256_loadu_ps(q + h * q_stride + d);
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) {
+          const __m256 kv = _mm256_loadu_ps(r + i * stride + d);
+#pragma GCC unroll 16
+          for (int h = 0; h < NH; ++h) a[h][i] = _mm256_fmadd_ps(qv[h], kv, a[h][i]);
+        }
       }
-      _mm256_storeu_ps(s + j, lane_sums(a0, a1, a2, a3, a4, a5, a6, a7));
-      for (int64_t d = Dw; d < D; ++d)
-        for (int64_t i = 0; i < 8; ++i) s[j + i] += q[d] * r[i * stride + d];
+#pragma GCC unroll 16
+      for (int h = 0; h < NH; ++h) {
+        float* sh = s + h * s_stride + j;
+        _mm_storeu_ps(sh, lane_sums(a[h][0], a[h][1], a[h][2], a[h][3]));
+        const float* qh = q + h * q_stride;
+        for (int64_t d = Dw; d < D; ++d)
+          for (int64_t i = 0; i < 4; ++i) sh[i] += qh[d] * r[i * stride + d];
+      }
     }
   }
 #endif
-  for (; j < j1; ++j) s[j] = dot<DK>(q, k + j * stride, D);
+  for (; j < j1; ++j)
+    for (int h = 0; h < NH; ++h) s[h * s_stride + j] = dot<DK>(q + h * q_stride, k + j * stride, D);
 }
 
-// acc[0, n) += sum over j in [j0, j1) of p[j] * v[j], fp32 value rows `stride` floats apart.
-// With AVX2 + FMA, 64 columns at a time in 8 vector accumulators held in registers over all the
-// keys (8 independent FMA chains), then 8 columns at a time; the columns left over row by row.
-template <int DV>
-inline void accumulate_rows(const float* p, const float* v, int64_t stride, int64_t j0, int64_t j1, int64_t n,
-                            float* acc) {
+// acc[h * acc_stride + c] += sum over j in [j0, j1) of p[h * p_stride + j] * v[j][c], c < n (or
+// DV), for NH heads; fp32 value rows `stride` floats apart. With AVX2 + FMA, 32 columns at a time
+// for the NH heads in NH x 4 accumulators held in registers over all the keys (each value vector
+// loaded once for the NH heads), then 8 columns at a time; the columns left over row by row.
+template <int DV, int NH>
+inline void accumulate_heads(const float* p, int64_t p_stride, const float* v, int64_t stride, int64_t j0,
+                             int64_t j1, int64_t n, float* acc, int64_t acc_stride) {
   const int64_t Dv = DV > 0 ? DV : n;
   int64_t d = 0;
 #if KVPIPE_AVX2
-  for (; d + 64 <= Dv; d += 64) {
-    __m256 a0 = _mm256_loadu_ps(acc + d), a1 = _mm256_loadu_ps(acc + d + 8), a2 = _mm256_loadu_ps(acc + d + 16),
-           a3 = _mm256_loadu_ps(acc + d + 24), a4 = _mm256_loadu_ps(acc + d + 32),
-           a5 = _mm256_loadu_ps(acc + d + 40), a6 = _mm256_loadu_ps(acc + d + 48),
-           a7 = _mm256_loadu_ps(acc + d + 56);
+  for (; d + 32 <= Dv; d += 32) {
+    __m256 a[NH][4];
+#pragma GCC unroll 16
+    for (int h = 0; h < NH; ++h)
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) a[h][i] = _mm256_loadu_ps(acc + h * acc_stride + d + 8 * i);
     for (int64_t j = j0; j < j1; ++j) {
-      const __m256 pj = _mm256_set1_ps(p[j]);
+      __m256 pv[NH];
+#pragma GCC unroll 16
+      for (int h = 0; h < NH; ++h) pv[h] = _mm256_broadcast_ss(p + h * p_stride + j);
       const float* r = v + j * stride + d;
-      a0 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(r), a0);
-      a1 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(r + 8), a1);
-      a2 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(r + 16), a2);
-      a3 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(r + 24), a3);
-      a4 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(r + 32), a4);
-      a5 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(r + 40), a5);
-      a6 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(r + 48), a6);
-      a7 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(r + 56), a7);
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        const __m256 vv = _mm256_loadu_ps(r + 8 * i);
+#pragma GCC unroll 16
+        for (int h = 0; h < NH; ++h) a[h][i] = _mm256_fmadd_ps(pv[h], vv, a[h][i]);
+      }
     }
-    _mm256_storeu_ps(acc + d, a0), _mm256_storeu_ps(acc + d + 8, a1), _mm256_storeu_ps(acc + d + 16, a2);
-    _mm256_storeu_ps(acc + d + 24, a3), _mm256_storeu_ps(acc + d + 32, a4), _mm256_storeu_ps(acc + d + 40, a5);
-    _mm256_storeu_ps(acc + d + 48, a6), _mm256_storeu_ps(acc + d + 56, a7);
+#pragma GCC unroll 16
+    for (int h = 0; h < NH; ++h)
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(acc + h * acc_stride + d + 8 * i, a[h][i]);
   }
   for (; d + 8 <= Dv; d += 8) {
-    __m256 a = _mm256_loadu_ps(acc + d);
-    for (int64_t j = j0; j < j1; ++j) a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v + j * stride + d), a);
-    _mm256_storeu_ps(acc + d, a);
+    __m256 a[NH];
+#pragma GCC unroll 16
+    for (int h = 0; h < NH; ++h) a[h] = _mm256_loadu_ps(acc + h * acc_stride + d);
+    for (int64_t j = j0; j < j1; ++j) {
+      const __m256 vv = _mm256_loadu_ps(v + j * stride + d);
+#pragma GCC unroll 16
+      for (int h = 0; h < NH; ++h) a[h] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + h * p_stride + j), vv, a[h]);
+    }
+#pragma GCC unroll 16
+    for (int h = 0; h < NH; ++h) _mm256_storeu_ps(acc + h * acc_stride + d, a[h]);
   }
 #endif
   if (d < Dv) {
-    for (int64_t j = j0; j < j1; ++j) {
-      const float pj = p[j];
-      const float* r = v + j * stride;
+    for (int h = 0; h < NH; ++h) {
+      float* ah = acc + h * acc_stride;
+      for (int64_t j = j0; j < j1; ++j) {
+        const float pj = p[h * p_stride + j];
+        const float* r = v + j * stride;
 #pragma omp simd
-      for (int64_t c = d; c < Dv; ++c) acc[c] += pj * r[c];
+        for (int64_t c = d; c < Dv; ++c) ah[c] += pj * r[c];
+      }
     }
   }
 }
@@ -326,7 +359,12 @@ void decode_task(const Shapes& sh, int64_t b, int64_t h, const float* q, const t
           vf = vt, v_stride = Dv;
         }
       }
-      for (int64_t g = 0; g < G; ++g) score_rows<DK>(w.q.data() + g * D, kf, k_stride, j0, j1, D, w.s.data() + g * P);
+      // scores: kHeadBlock query heads at a time, then the 1 or 2 left over
+      int64_t g = 0;
+      for (; g + kHeadBlock <= G; g += kHeadBlock)
+        score_heads<DK, kHeadBlock>(w.q.data() + g * D, D, kf, k_stride, j0, j1, D, w.s.data() + g * P, P);
+      if (G - g == 2) score_heads<DK, 2>(w.q.data() + g * D, D, kf, k_stride, j0, j1, D, w.s.data() + g * P, P);
+      if (G - g == 1) score_heads<DK, 1>(w.q.data() + g * D, D, kf, k_stride, j0, j1, D, w.s.data() + g * P, P);
       // online softmax: rescale what was accumulated to the new running max
       for (int64_t g = 0; g < G; ++g) {
         float* sg = w.s.data() + g * P;
@@ -350,8 +388,10 @@ void decode_task(const Shapes& sh, int64_t b, int64_t h, const float* q, const t
         }
       }
       // acc[g] += p[g, j] * v[j]
-      for (int64_t g = 0; g < G; ++g)
-        accumulate_rows<DV>(w.s.data() + g * P, vf, v_stride, j0, j1, Dv, w.acc.data() + g * Dv);
+      for (g = 0; g + kHeadBlock <= G; g += kHeadBlock)
+        accumulate_heads<DV, kHeadBlock>(w.s.data() + g * P, P, vf, v_stride, j0, j1, Dv, w.acc.data() + g * Dv, Dv);
+      if (G - g == 2) accumulate_heads<DV, 2>(w.s.data() + g * P, P, vf, v_stride, j0, j1, Dv, w.acc.data() + g * Dv, Dv);
+      if (G - g == 1) accumulate_heads<DV, 1>(w.s.data() + g * P, P, vf, v_stride, j0, j1, Dv, w.acc.data() + g * Dv, Dv);
     }
   }
   for (int64_t g = 0; g < G; ++g) {
