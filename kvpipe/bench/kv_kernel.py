@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                 if "fp32" in dtypes:
                     ratio = f"{best[kn, d] / best[kn, 'fp32']:.2f}x"
                 mib = shape.batch * context * shape.kv_heads * shape.head_dim * 2 * cases[d].k.element_size() / 2**20
-                print(f"| {context:,} | {kn} | {d} | {ms:.2f} | {ratio} | {cpu[kn, d] * 1e3:.2f} | {mib:.0f} |")
+                print(f"| {context:,} | {kn} | {d} | {ms:#.3g} | {ratio} | {cpu[kn, d] * 1e3:#.3g} | {mib:#.3g} |")
     print(f"load average {os.getloadavg()}")
     return 0
 
