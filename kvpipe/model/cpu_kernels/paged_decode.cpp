@@ -10,19 +10,20 @@
 // the last dim must be contiguous.
 //
 // KV dtypes (--kv-cache-dtype): the pool may store float32, bfloat16, float16, float8_e4m3fn or
-// float8_e5m2 whatever the model computes in. Other than fp32, a page's key and value rows in
-// range are converted once into an fp32 tile in L1 (per-thread scratch, [P, D] and [P, Dv]) and
-// the fp32 loops run over it, never the pool: bf16 by a 16-bit shift, fp16 by F16C (or the
-// branch-free bit conversion of the FP16 library without it), fp8 by moving its bits into an fp16
-// (e5m2 is the top byte of an fp16; e4m3 shifted into fp16's fields is its value times 2^-8, a
-// factor folded into the scales). The fp8 scales (key = stored * k_scale, value = stored *
-// v_scale) fold into the query and into the final normalisation, so they cost nothing per key.
+// float8_e5m2 whatever the model computes in, converted to fp32 as it is read, never the pool:
+// bf16 by a 16-bit shift, fp16 by F16C (or the branch-free bit conversion of the FP16 library
+// without it), fp8 by moving its bits into an fp16 (e5m2 is the top byte of an fp16; e4m3 shifted
+// into fp16's fields is its value times 2^-8, a factor folded into the scales). The fp8 scales
+// (key = stored * k_scale, value = stored * v_scale) fold into the query and into the final
+// normalisation, so they cost nothing per key.
 //
-// The fp32 loops (AVX2 + FMA; a scalar `omp simd` path without them) score 4 keys for up to 3
-// query heads at a time, one vector accumulator per (head, key) and one transpose-and-add per 4
-// keys instead of a horizontal reduction per key, and accumulate values 32 columns x 3 heads at a
-// time in registers: each key or value vector is loaded once for the heads that share it. On the
-// 2-core Xeon of docs/benchmarks.md an fp32 pool is then read at DRAM bandwidth (~4.5 GB/s there).
+// The loops (AVX2 + FMA; a scalar `omp simd` path without them) score 4 keys for up to 3 query
+// heads at a time, one vector accumulator per (head, key) and one transpose-and-add per 4 keys
+// instead of a horizontal reduction per key, and accumulate values 32 columns x 3 heads at a time
+// in registers: each key or value vector is loaded, and converted, once for the heads that share
+// it. With more than 3 query heads per KV head a page's rows are converted once into fp32 tiles
+// in L1 instead (per-thread scratch), so that no row is converted once per block of heads.
+// docs/benchmarks.md (KV cache dtypes) has the timings.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -370,7 +371,8 @@ struct Shapes {
 };
 
 // Per-thread scratch, sized once per parallel chunk. kt, vt: one page's key and value rows
-// converted to fp32 (pools other than fp32 only), [P, D] and [P, Dv], 16 KiB each at P = D = 64.
+// converted to fp32 (pools other than fp32 with more than kHeadBlock query heads per KV head
+// only), [P, D] and [P, Dv], 16 KiB each at P = D = 64.
 struct Scratch {
   std::vector<float> q, acc, m, l, s, kt, vt;
   Scratch(const Shapes& sh, bool convert)
@@ -381,9 +383,8 @@ struct Scratch {
 
 // One (row b, KV head h) task: its G query heads over the keys [lo, len) of row b, page by page.
 // q [B, Hq, D] fp32 contiguous; pages [B, n]; out [B, Hq, Dv] fp32 contiguous; sinks [Hq] fp32 or null.
-// A page's key rows are scored for one query head at a time (the page stays in L1 for the next
-// head); pools other than fp32 convert the page's rows in range into the fp32 tiles kt / vt once,
-// and the same fp32 loops run over them.
+// A page's key rows are scored kHeadBlock query heads at a time (the page stays in L1 for the next
+// block), then its values accumulated the same way.
 template <KV T, int DK, int DV>
 void decode_task(const Shapes& sh, int64_t b, int64_t h, const float* q, const typename Stored<T>::type* k,
                  const typename Stored<T>::type* v, const int64_t* pages, int64_t len, int64_t key_start,
