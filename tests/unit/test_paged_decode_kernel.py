@@ -205,6 +205,66 @@ def test_every_stored_code_decodes_exactly(kernel, kv_dtype: torch.dtype, width:
     assert torch.equal(out[0, 0], row.float() * 0.75)
 
 
+BLOCK_EDGE_LENS = [1, 7, 8, 9, 23, 24, 25, 63, 64, 65, 150]  # around the 8-key blocks and the pages
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn], ids=str)
+@pytest.mark.parametrize("head_dim", [36, 64, 100, 128])  # 36, 100: a tail beyond whole 8-float vectors
+@pytest.mark.parametrize("page", [24, 64])  # 24: pages of 3 whole key blocks; 64: of 8
+def test_blocked_path_edges(kernel, kv_dtype: torch.dtype, head_dim: int, page: int) -> None:
+    """The kernel scores keys 8 at a time and accumulates values 64 then 8 columns at a time (with
+    AVX2): rows ending inside a key block, windows starting inside one, head dims with a scalar
+    tail; the same answers as the torch reference with or without a window and sinks."""
+    scales = (0.5, 3.0) if kv_dtype == torch.float8_e4m3fn else (1.0, 1.0)
+    check(
+        kernel,
+        torch.float32,
+        BLOCK_EDGE_LENS,
+        2,
+        3,
+        head_dim,
+        page,
+        kv_dtype=kv_dtype,
+        k_scale=scales[0],
+        v_scale=scales[1],
+    )
+    check(
+        kernel, torch.float32, BLOCK_EDGE_LENS, 2, 3, head_dim, page, window=13, sinks=True, kv_dtype=kv_dtype, seed=1
+    )
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float8_e5m2], ids=str)
+@pytest.mark.parametrize("mla_v", [64, 68, 100])
+def test_mla_prefix_values_with_tails(kernel, kv_dtype: torch.dtype, mla_v: int) -> None:
+    # v = k[..., :mla_v] of 100-wide latent rows: pools other than fp32 convert each row once for
+    # both. A scale (fp8's only) leaves fp32's keys as they are and doubles the reference's scores,
+    # and with them the rounding that fp32's fixed tolerance has to cover: fp8 only, as KVPool does.
+    scale = 2.0 if kv_dtype == torch.float8_e5m2 else 1.0
+    check(
+        kernel,
+        torch.float32,
+        BLOCK_EDGE_LENS,
+        1,
+        8,
+        100,
+        24,
+        mla_v=mla_v,
+        kv_dtype=kv_dtype,
+        k_scale=scale,
+        v_scale=scale,
+    )
+
+
+def test_v_the_same_tensor_as_k(kernel) -> None:
+    # k and v one tensor (not MLA's prefix view, every column a value): read once, both roles
+    gen = torch.Generator().manual_seed(5)
+    kv = quantize(torch.randn(12, 2, 16, 64, generator=gen), torch.bfloat16)
+    q = torch.randn(3, 6, 64, generator=gen)
+    index = make_index(gen, [5, 17, 40], 16, 12, None)
+    out = kernel(q, kv, kv, index.page_table, index.lens, index.key_start, 0.125)
+    torch.testing.assert_close(out, reference(q, kv, kv, index, 0.125, None, None), **TOL[torch.float32])
+
+
 def test_single_row_single_token(kernel) -> None:
     check(kernel, torch.float32, [1], kv_heads=4, group=3, head_dim=64, page=64)
 

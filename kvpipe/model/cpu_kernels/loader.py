@@ -62,8 +62,12 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
 
-def build(source: Path | None = None, directory: Path | None = None, verbose: bool = False) -> ModuleType:
-    """Compile (or reuse) and import the extension; raises when it cannot be built."""
+def build(
+    source: Path | None = None, directory: Path | None = None, verbose: bool = False, name: str = EXTENSION_NAME
+) -> ModuleType:
+    """Compile (or reuse) and import the extension; raises when it cannot be built. `name`: another
+    module name lets a second build of another source (a baseline to benchmark against) load into
+    the same process."""
     from torch.utils.cpp_extension import load
 
     _ninja_on_path()
@@ -71,7 +75,7 @@ def build(source: Path | None = None, directory: Path | None = None, verbose: bo
     directory = directory or build_dir()
     directory.mkdir(parents=True, exist_ok=True)
     return load(
-        name=EXTENSION_NAME,
+        name=name,
         sources=[str(source)],
         extra_cflags=CFLAGS,
         extra_ldflags=["-fopenmp"],

@@ -10,13 +10,20 @@
 // the last dim must be contiguous.
 //
 // KV dtypes (--kv-cache-dtype): the pool may store float32, bfloat16, float16, float8_e4m3fn or
-// float8_e5m2 whatever the model computes in. Other than fp32, each key or value row is converted
-// to fp32 as it is read (a row of head_dim floats in registers / L1, once for the G query heads
-// that share it), never a page or the pool: bf16 by a 16-bit shift, fp16 by F16C (or the
-// branch-free bit conversion of the FP16 library without it), fp8 by moving its bits into an fp16
-// (e5m2 is the top byte of an fp16; e4m3 shifted into fp16's fields is its value times 2^-8, a
-// factor folded into the scales). The fp8 scales (key = stored * k_scale, value = stored *
-// v_scale) fold into the query and into the final normalisation, so they cost nothing per key.
+// float8_e5m2 whatever the model computes in, converted to fp32 as it is read, never the pool:
+// bf16 by a 16-bit shift, fp16 by F16C (or the branch-free bit conversion of the FP16 library
+// without it), fp8 by moving its bits into an fp16 (e5m2 is the top byte of an fp16; e4m3 shifted
+// into fp16's fields is its value times 2^-8, a factor folded into the scales). The fp8 scales
+// (key = stored * k_scale, value = stored * v_scale) fold into the query and into the final
+// normalisation, so they cost nothing per key.
+//
+// The loops (AVX2 + FMA; a scalar `omp simd` path without them) score 4 keys for up to 3 query
+// heads at a time, one vector accumulator per (head, key) and one transpose-and-add per 4 keys
+// instead of a horizontal reduction per key, and accumulate values 32 columns x 3 heads at a time
+// in registers: each key or value vector is loaded, and converted, once for the heads that share
+// it. With more than 3 query heads per KV head a page's rows are converted once into fp32 tiles
+// in L1 instead (per-thread scratch), so that no row is converted once per block of heads.
+// docs/benchmarks.md (KV cache dtypes) has the timings.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -106,6 +113,17 @@ inline float to_float(typename Stored<T>::type x) {
   }
 }
 
+#if defined(__F16C__) && defined(__AVX2__)
+// 8 fp8 bytes (the low 8 of x) -> the fp16 bits that F16C converts (see kv_factor). e4m3:
+// sign-extended to 16 bits and shifted left by 7, the sign lands in bits 15 and 14 and the
+// exponent and mantissa in 13..7; clearing bit 14 leaves fp16's fields (3 operations, not 6).
+template <KV T>
+inline __m128i fp8_to_half_bits(__m128i x) {
+  if constexpr (T == KV::E5M2) return _mm_slli_epi16(_mm_cvtepu8_epi16(x), 8);
+  return _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(x), 7), _mm_set1_epi16(static_cast<int16_t>(0xBF80)));
+}
+#endif
+
 // One stored row of n elements -> fp32 (divided by kv_factor) in out.
 template <KV T>
 inline void convert_row(const typename Stored<T>::type* src, float* out, int64_t n) {
@@ -117,13 +135,7 @@ inline void convert_row(const typename Stored<T>::type* src, float* out, int64_t
       if constexpr (T == KV::F16) {
         h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
       } else {
-        const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i)));
-        if constexpr (T == KV::E5M2) {
-          h = _mm_slli_epi16(b, 8);
-        } else {
-          h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
-                           _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
-        }
+        h = fp8_to_half_bits<T>(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i)));
       }
       _mm256_storeu_ps(out + i, _mm256_cvtph_ps(h));
     }
@@ -133,25 +145,246 @@ inline void convert_row(const typename Stored<T>::type* src, float* out, int64_t
   for (int64_t j = i; j < n; ++j) out[j] = to_float<T>(src[j]);
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#define KVPIPE_AVX2 1
+#else
+#define KVPIPE_AVX2 0
+#endif
+
+#if KVPIPE_AVX2
+// [sum of a0's 8 lanes, ..., sum of a3's]: one transpose-and-add for a block of 4 keys instead of
+// a horizontal reduction per key.
+inline __m128 lane_sums(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));  // [a0..a3 low | high]
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+#endif
+
+// Asks for one stored row (`cols` elements) ahead of its use, into L2. Pools other than fp32
+// convert their pages row by row; each row converted asks for the same row of the task's next
+// page, so DRAM streams that page during this one's arithmetic (the next page lies 3 x 16 KiB
+// away at SmolLM2's shape: the hardware prefetchers do not cross to it in time). One or two
+// lines per row, not a whole tile at once: a burst of hundreds of prefetches fills the line fill
+// buffers and stalls the loads behind it. fp32 pools are read at DRAM bandwidth without it.
+template <typename S>
+inline void prefetch_row(const S* row, int64_t cols) {
+  const char* r = reinterpret_cast<const char*>(row);
+  for (int64_t o = 0; o < cols * static_cast<int64_t>(sizeof(S)); o += 64) __builtin_prefetch(r + o, 0, 2);
+}
+
+// Query heads handled together by the loops below: NH x 4 vector accumulators, NH query (or
+// weight) vectors and one key (or value) vector fill AVX2's 16 registers at NH = 3.
+constexpr int kHeadBlock = 3;
+
+#if KVPIPE_AVX2
+// 8 stored elements -> 8 floats (divided by kv_factor) in a register: the conversion of
+// convert_row, for loops that convert as they load.
+template <KV T>
+inline __m256 load8(const typename Stored<T>::type* p) {
+  if constexpr (T == KV::F32) {
+    return _mm256_loadu_ps(p);
+  } else if constexpr (T == KV::BF16) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  } else {
+#if defined(__F16C__)
+    __m128i h;
+    if constexpr (T == KV::F16) {
+      h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    } else {
+      h = fp8_to_half_bits<T>(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    }
+    return _mm256_cvtph_ps(h);
+#else
+    alignas(32) float t[8];
+    for (int i = 0; i < 8; ++i) t[i] = to_float<T>(p[i]);
+    return _mm256_load_ps(t);
+#endif
+  }
+}
+#endif
+
+// q . row for one stored row, converted element by element (the scalar path and the tails).
+template <KV T, int N>
+inline float dot_stored(const float* q, const typename Stored<T>::type* row, int64_t n) {
+  if constexpr (T == KV::F32) {
+    return dot<N>(q, row, n);
+  } else {
+    if constexpr (N > 0) n = N;
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t i = 0; i < n; ++i) acc += q[i] * to_float<T>(row[i]);
+    return acc;
+  }
+}
+
+// s[h * s_stride + j] = q[h] . k[j] for NH query heads (rows q_stride apart) and the fp32 key rows
+// j in [j0, j1), `stride` floats apart, of n (or DK) floats. With AVX2 + FMA, 4 keys at a time:
+// each key vector is loaded once for the NH heads, one accumulator per (head, key) (independent
+// FMA chains), then one lane_sums per head; the keys left over and the head dim's tail beyond
+// whole vectors go through the scalar dot.
+template <KV T, int DK, int NH>
+inline void score_heads(const float* q, int64_t q_stride, const typename Stored<T>::type* k, int64_t stride,
+                        int64_t j0, int64_t j1, int64_t n, float* s, int64_t s_stride,
+                        const typename Stored<T>::type* next) {
+  const int64_t D = DK > 0 ? DK : n;
+  int64_t j = j0;
+#if KVPIPE_AVX2
+  const int64_t Dw = D & ~int64_t{7};
+  if (Dw > 0) {
+    for (; j + 4 <= j1; j += 4) {
+      const typename Stored<T>::type* r = k + j * stride;
+      if (next != nullptr)
+        for (int64_t i = 0; i < 4; ++i) prefetch_row(next + (j + i) * stride, D);
+      __m256 a[NH][4];
+#pragma GCC unroll 16
+      for (int h = 0; h < NH; ++h)
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) a[h][i] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < Dw; d += 8) {
+        __m256 qv[NH];
+#pragma GCC unroll 16
+        for (int h = 0; h < NH; ++h) qv[h] = _mm256_loadu_ps(q + h * q_stride + d);
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) {
+          const __m256 kv = load8<T>(r + i * stride + d);
+#pragma GCC unroll 16
+          for (int h = 0; h < NH; ++h) a[h][i] = _mm256_fmadd_ps(qv[h], kv, a[h][i]);
+        }
+      }
+#pragma GCC unroll 16
+      for (int h = 0; h < NH; ++h) {
+        float* sh = s + h * s_stride + j;
+        _mm_storeu_ps(sh, lane_sums(a[h][0], a[h][1], a[h][2], a[h][3]));
+        const float* qh = q + h * q_stride;
+        for (int64_t d = Dw; d < D; ++d)
+          for (int64_t i = 0; i < 4; ++i) sh[i] += qh[d] * to_float<T>(r[i * stride + d]);
+      }
+    }
+  }
+#endif
+  for (; j < j1; ++j) {
+    if (next != nullptr) prefetch_row(next + j * stride, D);
+    for (int h = 0; h < NH; ++h) s[h * s_stride + j] = dot_stored<T, DK>(q + h * q_stride, k + j * stride, D);
+  }
+}
+
+// acc[h * acc_stride + c] += sum over j in [j0, j1) of p[h * p_stride + j] * v[j][c], c < n (or
+// DV), for NH heads; fp32 value rows `stride` floats apart. With AVX2 + FMA, 32 columns at a time
+// for the NH heads in NH x 4 accumulators held in registers over all the keys (each value vector
+// loaded once for the NH heads), then 8 columns at a time; the columns left over row by row.
+template <KV T, int DV, int NH>
+inline void accumulate_heads(const float* p, int64_t p_stride, const typename Stored<T>::type* v, int64_t stride,
+                             int64_t j0, int64_t j1, int64_t n, float* acc, int64_t acc_stride,
+                             const typename Stored<T>::type* next) {
+  const int64_t Dv = DV > 0 ? DV : n;
+  const typename Stored<T>::type* pf = next;  // asked for row by row in the first pass over the keys
+  int64_t d = 0;
+#if KVPIPE_AVX2
+  for (; d + 32 <= Dv; d += 32) {
+    __m256 a[NH][4];
+#pragma GCC unroll 16
+    for (int h = 0; h < NH; ++h)
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) a[h][i] = _mm256_loadu_ps(acc + h * acc_stride + d + 8 * i);
+    for (int64_t j = j0; j < j1; ++j) {
+      if (pf != nullptr) prefetch_row(pf + j * stride, Dv);
+      __m256 pv[NH];
+#pragma GCC unroll 16
+      for (int h = 0; h < NH; ++h) pv[h] = _mm256_broadcast_ss(p + h * p_stride + j);
+      const typename Stored<T>::type* r = v + j * stride + d;
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        const __m256 vv = load8<T>(r + 8 * i);
+#pragma GCC unroll 16
+        for (int h = 0; h < NH; ++h) a[h][i] = _mm256_fmadd_ps(pv[h], vv, a[h][i]);
+      }
+    }
+#pragma GCC unroll 16
+    for (int h = 0; h < NH; ++h)
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(acc + h * acc_stride + d + 8 * i, a[h][i]);
+    pf = nullptr;
+  }
+  for (; d + 8 <= Dv; d += 8) {
+    __m256 a[NH];
+#pragma GCC unroll 16
+    for (int h = 0; h < NH; ++h) a[h] = _mm256_loadu_ps(acc + h * acc_stride + d);
+    for (int64_t j = j0; j < j1; ++j) {
+      if (pf != nullptr) prefetch_row(pf + j * stride, Dv);
+      const __m256 vv = load8<T>(v + j * stride + d);
+#pragma GCC unroll 16
+      for (int h = 0; h < NH; ++h) a[h] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + h * p_stride + j), vv, a[h]);
+    }
+#pragma GCC unroll 16
+    for (int h = 0; h < NH; ++h) _mm256_storeu_ps(acc + h * acc_stride + d, a[h]);
+    pf = nullptr;
+  }
+#endif
+  if (d < Dv) {
+    for (int h = 0; h < NH; ++h) {
+      float* ah = acc + h * acc_stride;
+      for (int64_t j = j0; j < j1; ++j) {
+        if (pf != nullptr) prefetch_row(pf + j * stride, Dv);
+        const float pj = p[h * p_stride + j];
+        const typename Stored<T>::type* r = v + j * stride;
+#pragma omp simd
+        for (int64_t c = d; c < Dv; ++c) ah[c] += pj * to_float<T>(r[c]);
+      }
+      pf = nullptr;
+    }
+  }
+}
+
+// One page's scores for the G query heads: kHeadBlock at a time, then the 1 or 2 left over.
+// q [G, D] fp32; k: the page's key rows (stored type U), `stride` apart; s [G, P]; next: the
+// next page's key rows to ask for, or nullptr.
+template <KV U, int DK>
+inline void page_scores(int64_t G, const float* q, int64_t D, const typename Stored<U>::type* k, int64_t stride,
+                        int64_t j0, int64_t j1, float* s, int64_t P, const typename Stored<U>::type* next) {
+  int64_t g = 0;
+  for (; g + kHeadBlock <= G; g += kHeadBlock, next = nullptr)  // ask once, in the first head block
+    score_heads<U, DK, kHeadBlock>(q + g * D, D, k, stride, j0, j1, D, s + g * P, P, next);
+  if (G - g == 2) score_heads<U, DK, 2>(q + g * D, D, k, stride, j0, j1, D, s + g * P, P, next);
+  if (G - g == 1) score_heads<U, DK, 1>(q + g * D, D, k, stride, j0, j1, D, s + g * P, P, next);
+}
+
+// acc[g] += sum over the page's keys j of p[g, j] * v[j], for the G heads; p [G, P]; acc [G, Dv].
+template <KV U, int DV>
+inline void page_values(int64_t G, const float* p, int64_t P, const typename Stored<U>::type* v, int64_t stride,
+                        int64_t j0, int64_t j1, int64_t Dv, float* acc, const typename Stored<U>::type* next) {
+  int64_t g = 0;
+  for (; g + kHeadBlock <= G; g += kHeadBlock, next = nullptr)
+    accumulate_heads<U, DV, kHeadBlock>(p + g * P, P, v, stride, j0, j1, Dv, acc + g * Dv, Dv, next);
+  if (G - g == 2) accumulate_heads<U, DV, 2>(p + g * P, P, v, stride, j0, j1, Dv, acc + g * Dv, Dv, next);
+  if (G - g == 1) accumulate_heads<U, DV, 1>(p + g * P, P, v, stride, j0, j1, Dv, acc + g * Dv, Dv, next);
+}
+
 struct Shapes {
   int64_t batch, q_heads, kv_heads, group, head_dim, v_dim, page_size, num_pages;
   int64_t k_page, k_head, k_tok;  // element strides of k
   int64_t v_page, v_head, v_tok;  // element strides of v
+  bool v_in_k;                    // v is a prefix view of k (MLA's latent pages): same rows
   int64_t window;                 // <= 0: no window
   float scale;
   float k_scale, v_scale;  // the pool's scales times kv_factor
 };
 
-// Per-thread scratch, sized once per parallel chunk.
+// Per-thread scratch, sized once per parallel chunk. kt, vt: one page's key and value rows
+// converted to fp32 (pools other than fp32 with more than kHeadBlock query heads per KV head
+// only), [P, D] and [P, Dv], 16 KiB each at P = D = 64.
 struct Scratch {
-  std::vector<float> q, acc, m, l, s, row;
-  explicit Scratch(const Shapes& sh)
+  std::vector<float> q, acc, m, l, s, kt, vt;
+  Scratch(const Shapes& sh, bool convert)
       : q(sh.group * sh.head_dim), acc(sh.group * sh.v_dim), m(sh.group), l(sh.group),
-        s(sh.group * sh.page_size), row(std::max(sh.head_dim, sh.v_dim)) {}
+        s(sh.group * sh.page_size), kt(convert ? sh.page_size * sh.head_dim : 0),
+        vt(convert && !sh.v_in_k ? sh.page_size * sh.v_dim : 0) {}
 };
 
-// One (row b, KV head h) task: its G query heads over the keys [lo, len) of row b.
+// One (row b, KV head h) task: its G query heads over the keys [lo, len) of row b, page by page.
 // q [B, Hq, D] fp32 contiguous; pages [B, n]; out [B, Hq, Dv] fp32 contiguous; sinks [Hq] fp32 or null.
+// A page's key rows are scored kHeadBlock query heads at a time (the page stays in L1 for the next
+// block), then its values accumulated the same way.
 template <KV T, int DK, int DV>
 void decode_task(const Shapes& sh, int64_t b, int64_t h, const float* q, const typename Stored<T>::type* k,
                  const typename Stored<T>::type* v, const int64_t* pages, int64_t len, int64_t key_start,
@@ -180,25 +413,49 @@ void decode_task(const Shapes& sh, int64_t b, int64_t h, const float* q, const t
       const int64_t j0 = std::max<int64_t>(lo - base, 0), j1 = std::min<int64_t>(len - base, P);
       const S* kp = k + page * sh.k_page + h * sh.k_head;
       const S* vp = v + page * sh.v_page + h * sh.v_head;
-      // scores s[g, j] for the page's keys in range; each key row is read once for G heads
-      if constexpr (T == KV::F32) {
-        for (int64_t g = 0; g < G; ++g) {  // one query head at a time: it stays in registers, the page in L1
-          const float* qg = w.q.data() + g * D;
-          float* sg = w.s.data() + g * P;
-          for (int64_t j = j0; j < j1; ++j) sg[j] = dot<DK>(qg, kp + j * sh.k_tok, D);
+      // the same rows of the next page, asked for while this one is computed (nullptr on the
+      // last page; a window's first page starts at j0 > 0 and leaves the next page's first rows
+      // unasked: they are read on demand)
+      const S *kn = nullptr, *vn = nullptr;
+      if (pi < last) {
+        const int64_t next = pages[b * sh.num_pages + pi + 1];
+        kn = k + next * sh.k_page + h * sh.k_head;
+        vn = sh.v_in_k ? nullptr : v + next * sh.v_page + h * sh.v_head;
+      }
+      // Up to kHeadBlock query heads (one head block) read each stored row once: the loops
+      // convert in registers as they load. More heads would convert each row once per block:
+      // then the page's rows are converted once into the fp32 tiles kt / vt and read from there.
+      const bool tiles = T != KV::F32 && G > kHeadBlock;
+      const float *kf = nullptr, *vf = nullptr;
+      int64_t v_stride = Dv;
+      if (tiles) {
+        float* kt = w.kt.data();
+        for (int64_t j = j0; j < j1; ++j) {
+          if (kn != nullptr) prefetch_row(kn + j * sh.k_tok, D);
+          convert_row<T>(kp + j * sh.k_tok, kt + j * D, D);
         }
+        kf = kt;
+        if (sh.v_in_k) {  // MLA: the values are the first Dv numbers of the rows just converted
+          vf = kt, v_stride = D;
+        } else {
+          float* vt = w.vt.data();
+          for (int64_t j = j0; j < j1; ++j) {
+            if (vn != nullptr) prefetch_row(vn + j * sh.v_tok, Dv);
+            convert_row<T>(vp + j * sh.v_tok, vt + j * Dv, Dv);
+          }
+          vf = vt;
+        }
+        page_scores<KV::F32, DK>(G, w.q.data(), D, kf, D, j0, j1, w.s.data(), P, nullptr);
       } else {
-        float* row = w.row.data();
-        for (int64_t j = j0; j < j1; ++j) {  // one key row converted once, for the G heads that read it
-          convert_row<T>(kp + j * sh.k_tok, row, D);
-          for (int64_t g = 0; g < G; ++g) w.s[g * P + j] = dot<DK>(w.q.data() + g * D, row, D);
-        }
+        page_scores<T, DK>(G, w.q.data(), D, kp, sh.k_tok, j0, j1, w.s.data(), P, kn);
       }
       // online softmax: rescale what was accumulated to the new running max
       for (int64_t g = 0; g < G; ++g) {
         float* sg = w.s.data() + g * P;
         float mx = w.m[g];
-        for (int64_t j = j0; j < j1; ++j) mx = std::max(mx, sg[j]);
+        // written as a comparison GCC vectorises (std::max's reduction stays scalar here)
+#pragma omp simd reduction(max : mx)
+        for (int64_t j = j0; j < j1; ++j) mx = sg[j] > mx ? sg[j] : mx;
         const float alpha = exp_nonpositive(w.m[g] - mx);  // 0 on the first page (m = -inf)
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
@@ -215,43 +472,10 @@ void decode_task(const Shapes& sh, int64_t b, int64_t h, const float* q, const t
         }
       }
       // acc[g] += p[g, j] * v[j]
-      if constexpr (T == KV::F32) {
-        for (int64_t g = 0; g < G; ++g) {
-          const float* pg = w.s.data() + g * P;
-          float* ag = w.acc.data() + g * Dv;
-          float a[DV > 0 ? DV : 1];  // the accumulator in registers when Dv is fixed
-          if constexpr (DV > 0) {
-#pragma omp simd
-            for (int64_t d = 0; d < DV; ++d) a[d] = ag[d];
-            for (int64_t j = j0; j < j1; ++j) {
-              const float p = pg[j];
-              const float* vr = vp + j * sh.v_tok;
-#pragma omp simd
-              for (int64_t d = 0; d < DV; ++d) a[d] += p * vr[d];
-            }
-#pragma omp simd
-            for (int64_t d = 0; d < DV; ++d) ag[d] = a[d];
-          } else {
-            for (int64_t j = j0; j < j1; ++j) {
-              const float p = pg[j];
-              const float* vr = vp + j * sh.v_tok;
-#pragma omp simd
-              for (int64_t d = 0; d < Dv; ++d) ag[d] += p * vr[d];
-            }
-          }
-        }
-      } else {
-        float* row = w.row.data();
-        for (int64_t j = j0; j < j1; ++j) {  // one value row converted once, for the G heads
-          convert_row<T>(vp + j * sh.v_tok, row, Dv);
-          for (int64_t g = 0; g < G; ++g) {
-            const float p = w.s[g * P + j];
-            float* ag = w.acc.data() + g * Dv;
-#pragma omp simd
-            for (int64_t d = 0; d < Dv; ++d) ag[d] += p * row[d];
-          }
-        }
-      }
+      if (tiles)
+        page_values<KV::F32, DV>(G, w.s.data(), P, vf, v_stride, j0, j1, Dv, w.acc.data(), nullptr);
+      else
+        page_values<T, DV>(G, w.s.data(), P, vp, sh.v_tok, j0, j1, Dv, w.acc.data(), vn);
     }
   }
   for (int64_t g = 0; g < G; ++g) {
@@ -286,7 +510,7 @@ void run_tasks(const Shapes& sh, const at::Tensor& q, const at::Tensor& k, const
   float* out_p = out.data_ptr<float>();
   // one task per (row, KV head); at::parallel_for honours torch's intra-op thread count
   at::parallel_for(0, sh.batch * sh.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    Scratch w(sh);
+    Scratch w(sh, T != KV::F32 && sh.group > kHeadBlock);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b = t / sh.kv_heads, h = t % sh.kv_heads;
       if (sh.head_dim == 64 && sh.v_dim == 64)
@@ -337,6 +561,8 @@ at::Tensor paged_decode(const at::Tensor& q_in, const at::Tensor& k, const at::T
   sh.num_pages = pages.size(1);
   sh.k_page = k.stride(0), sh.k_head = k.stride(1), sh.k_tok = k.stride(2);
   sh.v_page = v.stride(0), sh.v_head = v.stride(1), sh.v_tok = v.stride(2);
+  sh.v_in_k = v.data_ptr() == k.data_ptr() && sh.v_page == sh.k_page && sh.v_head == sh.k_head &&
+              sh.v_tok == sh.k_tok && sh.v_dim <= sh.head_dim;
   sh.window = window;
   sh.scale = static_cast<float>(scale);
 
