@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvpipe.model.presets import write_preset
-from tests.helpers.pd_parity import ROUTE, colocated_reference, expected_bytes
+from tests.helpers.pd_parity import KV_ITEMSIZE, ROUTE, colocated_reference, expected_bytes
 from tests.helpers.pd_stack import close_and_check_no_orphans, disagg_stats, generate, greedy, start_tp_stack
 from tests.helpers.tolerance import Generation, assert_same_generations
 
@@ -42,12 +42,23 @@ def reference(kv4_model_dir: Path) -> list[Generation]:
 # both directions, TP 4 on either side (decode TP 4 in the full sweep), chunked and not,
 # layer-pipelined and not (the other pairings' slicing is covered by
 # tests/integration/test_staging_transfer.py without a router)
+# fp8 K/V (issue 26): 1-byte elements through the ring's gather and scatter, whole prompts (a
+# chunk reads the rounded KV of the earlier ones, and concurrent requests do not fix chunk
+# boundaries), against colocated with the same KV dtype
 @pytest.mark.parametrize(
-    "p_tp,d_tp,chunk,groups", [(1, 2, 64, 2), pytest.param(1, 4, 0, 2, marks=pytest.mark.slow), (4, 1, 48, 1)]
+    "p_tp,d_tp,chunk,groups,kv",
+    [
+        (1, 2, 64, 2, "auto"),
+        pytest.param(1, 4, 0, 2, "auto", marks=pytest.mark.slow),
+        (4, 1, 48, 1, "auto"),
+        (1, 2, 0, 2, "fp8_e4m3"),
+    ],
 )
 def test_staged_pd_matches_colocated(
-    kv4_model_dir: Path, tmp_path: Path, reference, p_tp: int, d_tp: int, chunk: int, groups: int
+    kv4_model_dir: Path, tmp_path: Path, reference, p_tp: int, d_tp: int, chunk: int, groups: int, kv: str
 ) -> None:
+    if kv != "auto":
+        reference = colocated_reference(kv4_model_dir, prompts(), NEW, PS, kv, chunk=0)
     stack = start_tp_stack(
         kv4_model_dir,
         tmp_path,
@@ -62,6 +73,8 @@ def test_staged_pd_matches_colocated(
             "on",
             "--disaggregation-staging-pool-size-mb",
             "1",
+            "--kv-cache-dtype",
+            kv,
         ),
     )
     try:
@@ -76,7 +89,11 @@ def test_staged_pd_matches_colocated(
         stack.decode.wait_idle(30)
         st = disagg_stats(stack.prefill)
         assert (st["rooms_succeeded"], st["rooms_failed"]) == (len(LENGTHS), 0), st
-        assert st["bytes_written"] == st["staged_bytes"] == expected_bytes(kv4_model_dir, LENGTHS, PS, p_tp, d_tp), st
+        assert (
+            st["bytes_written"]
+            == st["staged_bytes"]
+            == expected_bytes(kv4_model_dir, LENGTHS, PS, p_tp, d_tp, kv_itemsize=KV_ITEMSIZE[kv])
+        ), st
         assert st["ops_submitted"] == st["staged_chunks"] > 0, st  # every write one staged chunk
         ring = disagg_stats(stack.decode)["staging_ring"]  # decode rank 0's
         assert ring["live_slots"] == ring["waiting"] == 0 and ring["scattered"] == ring["granted"] > 0, ring
