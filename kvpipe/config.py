@@ -66,10 +66,17 @@ class CacheConfig:
     # what the KV pool stores (--kv-cache-dtype, SGLang's names): "auto" is the model dtype;
     # fp8 pools keep per-layer K and V scales (the checkpoint's k_scale / v_scale, else 1.0)
     kv_cache_dtype: str = "auto"
+    # hybrid models with the radix cache (colocated): recurrent-state slots in all, the running
+    # requests' (max_state_slots) plus the prefix cache's state snapshots (SGLang's
+    # --max-mamba-cache-size); None: 3 snapshot slots per running one. Bounds snapshot memory
+    # to (this - running slots) x one request's state
+    max_mamba_cache_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"KV cache dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.max_mamba_cache_size is not None and self.max_mamba_cache_size < 1:
+            raise ConfigError(f"max_mamba_cache_size must be positive, got {self.max_mamba_cache_size}")
 
     def pages(self) -> int:
         return self.num_pages if self.num_pages is not None else -(-self.max_total_tokens // self.page_size)

@@ -71,6 +71,14 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         help="hybrid (linear-attention) models: per-request recurrent-state slots; a request waits "
         "for a free one like for pages (default: --max-running-requests)",
     )
+    p.add_argument(
+        "--max-mamba-cache-size",
+        type=int,
+        default=None,
+        help="hybrid models with the radix cache (colocated): recurrent-state slots in all, the running "
+        "requests' plus the prefix cache's state snapshots; bounds snapshot memory "
+        "(default: 4 x --max-state-slots, i.e. 3 snapshots per running slot)",
+    )
     p.add_argument("--context-length", type=int, default=None, help="default: the model's max_position_embeddings")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--random-seed", "--seed", dest="seed", type=int, default=0, help="sampling seed")
@@ -327,6 +335,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         require_positive("--" + name.replace("_", "-"), getattr(args, name))
     require_positive("--context-length", args.context_length, allow_none=True)
     require_positive("--max-state-slots", args.max_state_slots, allow_none=True)
+    require_positive("--max-mamba-cache-size", args.max_mamba_cache_size, allow_none=True)
     require_positive("--cpu-threads", args.cpu_threads, allow_none=True)
     body_limit = getattr(args, "max_request_body_bytes", DEFAULT_MAX_REQUEST_BODY_BYTES)
     require_positive("--max-request-body-bytes", body_limit)
@@ -354,6 +363,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                 max_total_tokens=args.max_total_tokens,
                 radix_cache=not args.disable_radix_cache,
                 max_state_slots=args.max_state_slots,
+                max_mamba_cache_size=args.max_mamba_cache_size,
                 kv_cache_dtype=args.kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(

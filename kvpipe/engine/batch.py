@@ -8,7 +8,7 @@ rank to build the same ForwardBatch.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -35,6 +35,11 @@ class ForwardSpec:
     # sliding-window models: each row's sliding-layer pages, like page_tables (-1: slid out, never
     # read); None: no sliding layers
     swa_page_tables: tuple[np.ndarray, ...] | None = None
+    # hybrid prefix cache: (snapshot slot, row's slot) copied before the forward (a cached prefix's
+    # state), and (row, k, slot): the state of the row's slot after its first k new tokens
+    # copied into snapshot slot `slot` during it (engine/state_snapshots.py)
+    state_restores: tuple[tuple[int, int], ...] = ()
+    state_snapshots: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -47,6 +52,8 @@ class ScheduledBatch:
     reqs: list[Req]
     extend_lens: list[int]  # new tokens per row
     prefix_lens: list[int]  # tokens per row already cached before this step
+    state_restores: list[tuple[int, int]] = field(default_factory=list)  # as ForwardSpec's
+    state_snapshots: list[tuple[int, int, int]] = field(default_factory=list)  # as ForwardSpec's
 
     @property
     def num_tokens(self) -> int:
@@ -77,4 +84,6 @@ class ScheduledBatch:
             connector_meta,
             state_slots if len(state_slots) == len(slots) else None,
             tuple(swa) if any(t.size for t in swa) else None,
+            tuple(self.state_restores),
+            tuple(self.state_snapshots),
         )

@@ -19,6 +19,7 @@ from typing import TypeGuard, cast
 
 import torch
 
+from kvpipe.cache.hybrid_radix_cache import HybridRadixCache
 from kvpipe.cache.page_allocator import PageAllocator
 from kvpipe.cache.radix_cache import RadixCache
 from kvpipe.cache.recurrent_slots import StateSlotAllocator
@@ -35,7 +36,7 @@ from kvpipe.engine.connector import (
 )
 from kvpipe.engine.connector_workers import RankWorkers
 from kvpipe.engine.finish import FinishChecker
-from kvpipe.engine.model_runner import ModelRunner, split_layers, state_slots
+from kvpipe.engine.model_runner import ModelRunner, snapshot_slots, split_layers, state_slots
 from kvpipe.engine.request import ABORTED_ON_REQUEST, FinishReason, Req, SamplingParams, TokenOutput, finish_reason_json
 from kvpipe.engine.sampler import Sampler, make_generator
 from kvpipe.engine.scheduler import Scheduler
@@ -95,10 +96,12 @@ class Engine:
         self.allocator = PageAllocator(cfg.cache.pages(), cfg.cache.debug_checks)
         use_cache = cfg.cache.radix_cache and (connector is None or connector.prefix_cache)
         hybrid = self.model_config.hybrid is not None
-        if use_cache and hybrid:
+        running_slots = state_slots(cfg.cache, cfg.scheduler)
+        num_snapshots = snapshot_slots(cfg) if hybrid and connector is None else 0
+        if use_cache and hybrid and num_snapshots == 0:
             logger.info(
-                "prefix caching (radix cache) is disabled for the hybrid model %s: it would need "
-                "snapshots of the recurrent state at page boundaries, which are not implemented",
+                "prefix caching (radix cache) is disabled for the hybrid model %s in PD: its state "
+                "snapshots are built for colocated serving only",
                 cfg.model_path,
             )
             use_cache = False
@@ -111,8 +114,20 @@ class Engine:
                 cfg.model_path,
             )
             use_cache = False
-        self.prefix_cache = RadixCache(self.page_size) if use_cache else None
-        self.state_slots = StateSlotAllocator(state_slots(cfg.cache, cfg.scheduler)) if hybrid else None
+        self.prefix_cache: RadixCache | None = None
+        if use_cache and num_snapshots:
+            self.prefix_cache = HybridRadixCache(self.page_size, StateSlotAllocator(num_snapshots, running_slots))
+            pool = self.runner.state_pool
+            assert pool is not None and pool.num_slots == running_slots + num_snapshots
+            logger.info(
+                "hybrid prefix cache: %d state snapshots of %d bytes each (--max-mamba-cache-size %d)",
+                num_snapshots,
+                pool.slot_nbytes,
+                running_slots + num_snapshots,
+            )
+        elif use_cache:
+            self.prefix_cache = RadixCache(self.page_size)
+        self.state_slots = StateSlotAllocator(running_slots) if hybrid else None
         self.scheduler = Scheduler(
             cfg.scheduler,
             self.allocator,
