@@ -98,10 +98,13 @@ class Engine:
         hybrid = self.model_config.hybrid is not None
         running_slots = state_slots(cfg.cache, cfg.scheduler)
         num_snapshots = snapshot_slots(cfg) if hybrid and connector is None else 0
-        if use_cache and hybrid and num_snapshots == 0:
+        # a PD decode never computes a prompt: its cache needs only the KV of a prefix (the prefill
+        # sends the KV past it and the prompt's final state whole), so a plain RadixCache
+        kv_only = hybrid and cfg.disaggregation.mode == "decode"
+        if use_cache and hybrid and num_snapshots == 0 and not kv_only:
             logger.info(
-                "prefix caching (radix cache) is disabled for the hybrid model %s in PD: its state "
-                "snapshots are built for colocated serving only",
+                "prefix caching (radix cache) is disabled for the hybrid model %s on a PD prefill: its "
+                "state snapshots are built for colocated serving only",
                 cfg.model_path,
             )
             use_cache = False
