@@ -97,14 +97,16 @@ class Engine:
         use_cache = cfg.cache.radix_cache and (connector is None or connector.prefix_cache)
         hybrid = self.model_config.hybrid is not None
         running_slots = state_slots(cfg.cache, cfg.scheduler)
-        num_snapshots = snapshot_slots(cfg) if hybrid and connector is None else 0
+        # state snapshots where prompts are computed: colocated, and on a PD prefill
+        computes = connector is None or cfg.disaggregation.mode == "prefill"
+        num_snapshots = snapshot_slots(cfg) if hybrid and computes else 0
         # a PD decode never computes a prompt: its cache needs only the KV of a prefix (the prefill
         # sends the KV past it and the prompt's final state whole), so a plain RadixCache
         kv_only = hybrid and cfg.disaggregation.mode == "decode"
         if use_cache and hybrid and num_snapshots == 0 and not kv_only:
             logger.info(
-                "prefix caching (radix cache) is disabled for the hybrid model %s on a PD prefill: its "
-                "state snapshots are built for colocated serving only",
+                "prefix caching (radix cache) is disabled for the hybrid model %s: no state snapshot "
+                "slots (a connector other than PD's, or --max-mamba-cache-size)",
                 cfg.model_path,
             )
             use_cache = False

@@ -76,8 +76,9 @@ def state_slots(cache: CacheConfig, scheduler: SchedulerConfig) -> int:
 def snapshot_slots(cfg: ServerConfig) -> int:
     """State slots after the running requests' where a hybrid model's prefix cache keeps its
     snapshots (kvpipe/cache/hybrid_radix_cache.py): --max-mamba-cache-size minus the running slots,
-    else 3 per running slot; 0 without the cache (it is colocated only for now)."""
-    if not cfg.cache.radix_cache or cfg.disaggregation.mode != "null":
+    else 3 per running slot; 0 without the cache, and on a PD decode (it never computes a prompt:
+    its cache keeps KV alone and the prefill sends the final state)."""
+    if not cfg.cache.radix_cache or cfg.disaggregation.mode == "decode":
         return 0
     running = state_slots(cfg.cache, cfg.scheduler)
     if cfg.cache.max_mamba_cache_size is None:

@@ -42,7 +42,10 @@ def run_one(pair: Pair, ids: list[int], reference) -> tuple[int, int, Req]:
     return pair.sender.stats.bytes_written - before, pair.decode.stats()["prefix_hit_tokens"] - hits, d
 
 
-def test_decode_cache_moves_the_suffix_pages_and_one_state(model_dir, reference):
+@pytest.mark.parametrize("prefill_cache", [False, True])
+def test_decode_cache_moves_the_suffix_pages_and_one_state(model_dir, reference, prefill_cache):
+    """With the prefill's own cache too (state snapshots, as colocated) it skips computing the
+    shared prefix and reports it as cached_tokens; the bytes do not change."""
     rnd = random.Random(7)
     tok = lambda n: [rnd.randrange(3, 290) for _ in range(n)]  # noqa: E731
     state = state_slot_nbytes(ModelConfig.from_dir(model_dir))
@@ -51,15 +54,20 @@ def test_decode_cache_moves_the_suffix_pages_and_one_state(model_dir, reference)
     def predicted(n: int, held: int) -> int:
         return (-(-n // PS) - held // PS) * page + state
 
-    with make_pair(model_dir, 24, decode_radix_cache=True, prefill_radix_cache=False) as pair:
+    with make_pair(model_dir, 24, decode_radix_cache=True, prefill_radix_cache=prefill_cache) as pair:
         cache = pair.decode.prefix_cache
         assert cache is not None and not isinstance(cache, HybridRadixCache)  # KV alone
-        assert pair.prefill.prefix_cache is None
+        assert isinstance(pair.prefill.prefix_cache, HybridRadixCache) == prefill_cache
         system = tok(40)
-        for i in range(3):  # a shared system prompt: 2 whole pages
-            ids = system + tok(rnd.randint(3, 30))
-            sent, hit, _ = run_one(pair, ids, reference)
+        computed = []
+        for i in range(4):  # a shared system prompt: 2 whole pages
+            ids = system + tok(rnd.randint(20, 30))  # its prompt end lies past the system prompt
+            sent, hit, d = run_one(pair, ids, reference)
             assert hit == (0 if i == 0 else 32) and sent == predicted(len(ids), hit), (i, hit, sent)
+            computed.append(d.cached_tokens)
+        # the prefill: the second finds the KV of the shared pages but no state there and snapshots
+        # it (the branch point); the rest hit it
+        assert computed == ([0, 0, 32, 32] if prefill_cache else [0] * 4)
         convo = tok(30)
         for turn in range(4):  # each turn resends the conversation so far
             sent, hit, d = run_one(pair, convo, reference)
@@ -68,4 +76,8 @@ def test_decode_cache_moves_the_suffix_pages_and_one_state(model_dir, reference)
         pair.settle()
         for eng in (pair.prefill, pair.decode):
             assert eng.state_slots is not None and eng.state_slots.in_use() == {}
-        assert cache.locked_pages == 0 and pair.decode.allocator.num_used == cache.num_pages
+            c = eng.prefix_cache
+            assert c is None or (c.locked_pages == 0 and eng.allocator.num_used == c.num_pages)
+        p_cache = pair.prefill.prefix_cache
+        if isinstance(p_cache, HybridRadixCache):
+            assert p_cache.snapshots.num_used == p_cache.num_snapshots > 0
