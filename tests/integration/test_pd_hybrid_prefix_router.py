@@ -2,8 +2,8 @@
 Mooncake over loopback, the decode with --disaggregation-enable-decode-radix-cache): prompts
 sharing a system prompt, sent in waves, give the colocated engine's greedy tokens and logprobs
 (no cache there); the repeated prefix shows as cached_tokens > 0 (the prefill's state snapshots)
-and as decode prefix hits; the prefill writes exactly the pages past the decode's prefix and one state per request; every
-page and state slot comes back on both sides."""
+and as decode prefix hits; the prefill writes exactly the pages past the decode's prefix and one
+state per request; every page and state slot comes back on both sides."""
 
 from __future__ import annotations
 
