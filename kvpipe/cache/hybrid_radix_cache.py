@@ -42,9 +42,12 @@ class StateMatch:
 
 
 class HybridRadixCache(RadixCache):
-    def __init__(self, page_size: int, snapshots: StateSlotAllocator) -> None:
+    def __init__(self, page_size: int, snapshots: StateSlotAllocator, split_rows: bool = True) -> None:
+        """`split_rows`: snapshots may be taken inside a forward's row (--mamba-scheduler-strategy
+        extra_buffer); False: only where a row ends (no_buffer)."""
         super().__init__(page_size)
         self.snapshots = snapshots
+        self.split_rows = split_rows
         self.num_snapshots = 0  # snapshots the tree holds (the rest of `snapshots` is with requests)
 
     # ---- lookups -------------------------------------------------------------------------------

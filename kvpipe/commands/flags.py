@@ -11,6 +11,7 @@ import os
 from kvpipe.config import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     KV_CACHE_DTYPES,
+    MAMBA_SCHEDULER_STRATEGIES,
     MODEL_DTYPES,
     STAGING_MODES,
     CacheConfig,
@@ -78,6 +79,13 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         help="hybrid models with the radix cache (colocated): recurrent-state slots in all, the running "
         "requests' plus the prefix cache's state snapshots; bounds snapshot memory "
         "(default: 4 x --max-state-slots, i.e. 3 snapshots per running slot)",
+    )
+    p.add_argument(
+        "--mamba-scheduler-strategy",
+        choices=list(MAMBA_SCHEDULER_STRATEGIES),
+        default="auto",
+        help="hybrid prefix cache: where state snapshots are taken; extra_buffer (= auto) at any page "
+        "boundary inside a forward, no_buffer only where a chunk or decode step ends",
     )
     p.add_argument("--context-length", type=int, default=None, help="default: the model's max_position_embeddings")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -364,6 +372,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                 radix_cache=not args.disable_radix_cache,
                 max_state_slots=args.max_state_slots,
                 max_mamba_cache_size=args.max_mamba_cache_size,
+                mamba_scheduler_strategy=args.mamba_scheduler_strategy,
                 kv_cache_dtype=args.kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(

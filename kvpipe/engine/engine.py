@@ -121,7 +121,9 @@ class Engine:
             use_cache = False
         self.prefix_cache: RadixCache | None = None
         if use_cache and num_snapshots:
-            self.prefix_cache = HybridRadixCache(self.page_size, StateSlotAllocator(num_snapshots, running_slots))
+            split = cfg.cache.mamba_scheduler_strategy != "no_buffer"
+            slots = StateSlotAllocator(num_snapshots, running_slots)
+            self.prefix_cache = HybridRadixCache(self.page_size, slots, split)
             pool = self.runner.state_pool
             assert pool is not None and pool.num_slots == running_slots + num_snapshots
             logger.info(

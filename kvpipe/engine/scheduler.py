@@ -157,7 +157,8 @@ class Scheduler:
             m = self.cache.match_state(req.input_ids[:-1])
             pages, node, ps = m.pages, m.node, self.page_size
             branch = m.kv_tokens if m.kv_tokens > len(pages) * ps else 0
-            req.snapshots = ReqSnapshots(m.snapshot, branch, (len(req.input_ids) - 1) // ps * ps)
+            prompt_end = (len(req.input_ids) - 1) // ps * ps
+            req.snapshots = ReqSnapshots(m.snapshot, branch, prompt_end, split=self.cache.split_rows)
         else:
             pages, node = self.cache.match(req.input_ids[:-1])
         self.cache.lock(node)

@@ -27,6 +27,7 @@ class ReqSnapshots:
     taken: dict[int, int] = field(default_factory=dict)  # position -> slot, of committed forwards
     pending: list[tuple[int, int]] = field(default_factory=list)  # (position, slot) being written
     track: int | None = None  # the slot of the latest aligned position past the prompt end
+    split: bool = True  # positions inside a forward's row too (else only where its row ends)
 
     def positions(self, prefix_len: int, extend_len: int, page_size: int) -> list[int]:
         """Positions in (prefix_len, prefix_len + extend_len] a forward of these tokens snapshots."""
@@ -35,7 +36,7 @@ class ReqSnapshots:
         last = end - end % page_size
         if last > start and last > self.prompt_end:
             out.add(last)
-        return sorted(out)
+        return sorted(out) if self.split else [end] if end in out else []
 
     def is_tracking(self, pos: int) -> bool:
         return pos > self.prompt_end

@@ -19,8 +19,8 @@ PS = 4
 RUNNING = 2
 
 
-def make(snapshots: int = 6, pages: int = 64, chunk: int = 0) -> Scheduler:
-    cache = HybridRadixCache(PS, StateSlotAllocator(snapshots, first=RUNNING))
+def make(snapshots: int = 6, pages: int = 64, chunk: int = 0, split: bool = True) -> Scheduler:
+    cache = HybridRadixCache(PS, StateSlotAllocator(snapshots, first=RUNNING), split)
     cfg = SchedulerConfig(chunked_prefill_size=chunk, max_running_requests=RUNNING)
     return Scheduler(cfg, PageAllocator(pages), PS, 4096, prefix_cache=cache, state_slots=StateSlotAllocator(RUNNING))
 
@@ -181,3 +181,18 @@ def test_few_snapshot_slots_evict_old_states_and_skip_when_pinned():
     run(s, x, y)
     assert hybrid(s).num_snapshots == 1 and s.allocator.num_used == hybrid(s).num_pages
     assert s.stats()["cached_state_snapshots"] == 1 and s.stats()["free_snapshot_slots"] == 0
+
+
+def test_no_buffer_snapshots_only_where_a_row_ends():
+    """--mamba-scheduler-strategy no_buffer: no split of a row; a chunk or decode step that ends on
+    a page boundary at a wanted position still snapshots."""
+    s = make(chunk=4, split=False)
+    a = req("a", list(range(1, 11)), max_new=4)  # chunks [0,4) [4,8) [8,10): prompt end 8 ends one
+    batches = run(s, a)
+    ends = [(b.prefix_lens[0] + b.extend_lens[0], b.state_snapshots) for b in batches]
+    assert [e for e, sn in ends if sn] == [8, 12] and all(
+        sn[0][1] == 4 if e == 8 else sn[0][1] == 1 for e, sn in ends if sn
+    )
+    s = make(split=False)
+    b = req("b", list(range(1, 11)), max_new=2)  # one row [0, 10): 8 lies inside it, 12 is never reached
+    assert all(not x.state_snapshots for x in run(s, b)) and hybrid(s).num_pages == 0
