@@ -86,6 +86,8 @@ class Engine:
         self._wakeup: Callable[[], None] | None = None
         self._tp: TPGroup | None = None
         self._worker: KVConnectorWorker | None = None
+        if self.model_config.hybrid is not None:
+            snapshot_slots(cfg)  # a --max-mamba-cache-size without room for snapshots: refused before any rank starts
         if cfg.tp_size > 1:
             self._tp = TPGroup(cfg, connector.worker_factory if connector is not None else None)
             self.runner: ModelRunner = self._tp.runner
