@@ -69,7 +69,7 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
     # hybrid models with the radix cache (colocated): recurrent-state slots in all, the running
     # requests' (max_state_slots) plus the prefix cache's state snapshots (SGLang's
-    # --max-mamba-cache-size); None: 3 snapshot slots per running one. Bounds snapshot memory
+    # --max-mamba-cache-size); None: 2 snapshot slots per running one. Bounds snapshot memory
     # to (this - running slots) x one request's state
     max_mamba_cache_size: int | None = None
     # where those snapshots are taken (SGLang's --mamba-scheduler-strategy): "extra_buffer" (and

@@ -78,7 +78,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="hybrid models with the radix cache (colocated): recurrent-state slots in all, the running "
         "requests' plus the prefix cache's state snapshots; bounds snapshot memory "
-        "(default: 4 x --max-state-slots, i.e. 3 snapshots per running slot)",
+        "(default: 3 x --max-state-slots, i.e. 2 snapshots per running slot)",
     )
     p.add_argument(
         "--mamba-scheduler-strategy",

@@ -76,13 +76,14 @@ def state_slots(cache: CacheConfig, scheduler: SchedulerConfig) -> int:
 def snapshot_slots(cfg: ServerConfig) -> int:
     """State slots after the running requests' where a hybrid model's prefix cache keeps its
     snapshots (kvpipe/cache/hybrid_radix_cache.py): --max-mamba-cache-size minus the running slots,
-    else 3 per running slot; 0 without the cache, and on a PD decode (it never computes a prompt:
-    its cache keeps KV alone and the prefill sends the final state)."""
+    else 2 per running slot (3 state slots per request in all, SGLang's no_buffer sizing); 0 without
+    the cache, and on a PD decode (it never computes a prompt: its cache keeps KV alone and the
+    prefill sends the final state)."""
     if not cfg.cache.radix_cache or cfg.disaggregation.mode == "decode":
         return 0
     running = state_slots(cfg.cache, cfg.scheduler)
     if cfg.cache.max_mamba_cache_size is None:
-        return 3 * running
+        return 2 * running
     if cfg.cache.max_mamba_cache_size <= running:
         raise ConfigError(
             f"--max-mamba-cache-size {cfg.cache.max_mamba_cache_size} leaves no state slot for prefix-cache "

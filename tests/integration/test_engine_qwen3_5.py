@@ -140,13 +140,13 @@ def test_tp_matches_hf(model_dir, reference, tp):
 
 
 def test_radix_cache_keeps_state_snapshots_colocated_and_is_off_with_a_connector(model_dir, caplog):
-    """Colocated: a HybridRadixCache whose snapshots take 3 state slots per running request after
+    """Colocated: a HybridRadixCache whose snapshots take 2 state slots per running request after
     theirs (tests/integration/test_engine_qwen3_5_prefix_cache.py tests it); behind a KV connector
     (PD) it is still off, with a log line."""
     eng = make_engine(model_dir, radix_cache=True, max_running=4)
     try:
         assert isinstance(eng.prefix_cache, HybridRadixCache) and eng.scheduler.cache is eng.prefix_cache
-        assert eng.runner.state_pool.num_slots == 4 + 12 and eng.prefix_cache.snapshots.first == 4
+        assert eng.runner.state_pool.num_slots == 4 + 8 and eng.prefix_cache.snapshots.first == 4
     finally:
         eng.shutdown()
     conn = RecordingConnector()
