@@ -98,13 +98,16 @@ def test_a_repeat_restores_the_snapshot_and_computes_only_the_rest():
     s = make()
     prompt = list(range(1, 11))
     run(s, req("a", prompt))
-    b = req("b", prompt)
-    batches = run(s, b)
-    first = batches[0]
     snap_slot = hybrid(s).match_state(prompt[:-1]).snapshot
-    assert first.prefix_lens == [8] and first.extend_lens == [2] and b.cached_tokens == 8
-    assert first.state_restores == [(snap_slot, first.reqs[0].state_slot)]
-    assert all(not x.state_restores for x in batches[1:])
+    assert snap_slot is not None
+    b = req("b", prompt)
+    s.add(b)
+    first = step(s)
+    assert first is not None and first.prefix_lens == [8] and first.extend_lens == [2] and b.cached_tokens == 8
+    assert first.state_restores == [(snap_slot, b.state_slot)] and first.spec(PS).state_restores == (
+        (snap_slot, b.state_slot),
+    )
+    assert all(not x.state_restores for x in run(s))
     assert s.prefix_hit_tokens == 8
 
 
