@@ -25,6 +25,8 @@ from kvpipe.model.forward_batch import ForwardBatch
 from kvpipe.model.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_step
 from kvpipe.model.linear import Linear, Shard
 
+CHUNK = 64  # the chunked delta rule's block (HF's): snapshots reuse the states at its boundaries
+
 
 def local_linear_heads(h: HybridConfig, parallel: ParallelConfig) -> tuple[int, int]:
     """(key heads, value heads) of the linear-attention layers one rank holds."""
@@ -160,30 +162,35 @@ class GatedDeltaNet(nn.Module):
         snapshots: tuple[tuple[int, int], ...] = (),
     ) -> torch.Tensor:
         """One sequence's E new tokens: mixed [E, C], g, beta [E, Hv] -> o [E, Hv, Dv]; its slot
-        updated. `snapshots`: (k, dst) pairs, k ascending in [1, E]: the state after the first k
-        tokens also goes to slot dst (the delta rule then runs in pieces split at each k)."""
+        updated. `snapshots`: (k, dst) pairs, k in [1, E]: the state after the first k tokens also
+        goes to slot dst. The row's own arithmetic stays that of one pass (its outputs do not depend
+        on snapshots): the state at the last delta-rule chunk boundary (64 tokens) before k comes
+        from that pass, and at most 63 more tokens are run again from there for k."""
         conv_buf, rec_buf = state.conv[self.state_layer], state.recurrent[self.state_layer]
         prev = torch.zeros_like(conv_buf[slot]) if fresh else conv_buf[slot]  # [C, K-1]
         window = torch.cat([prev, mixed.t().to(prev.dtype)], dim=1)  # [C, K-1+E]
         conv_buf[slot] = window[:, -(self.kernel - 1) :]
         out = self._conv(window[None])[0].t().to(mixed.dtype)  # [E, C]
         q, k, v = self._split(out)
-        rec = None if fresh else rec_buf[slot]
-        pieces, at = [], 0
+        # the states at the chunk boundaries below each snapshot, filled by the pass
+        keep: dict[int, torch.Tensor | None] | None = (
+            {end // CHUNK: None for end, _ in snapshots} if snapshots else None
+        )
+        o, final = chunk_gated_delta_rule(q, k, v, g, beta, None if fresh else rec_buf[slot], CHUNK, keep)
         for end, dst in snapshots:
-            if end > at:
-                o_part, rec = chunk_gated_delta_rule(q[at:end], k[at:end], v[at:end], g[at:end], beta[at:end], rec)
-                pieces.append(o_part)
-                at = end
             # after `end` tokens: the conv keeps inputs [end, end + K - 1) of the window
             conv_buf[dst] = window[:, end : end + self.kernel - 1]
-            rec_buf[dst] = rec if rec is not None else 0
-        if at < q.shape[0] or not pieces:
-            o_part, rec = chunk_gated_delta_rule(q[at:], k[at:], v[at:], g[at:], beta[at:], rec)
-            pieces.append(o_part)
-        assert rec is not None
-        rec_buf[slot] = rec
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+            assert keep is not None
+            at = end // CHUNK * CHUNK
+            base = keep[end // CHUNK]  # the state after `at` tokens
+            assert base is not None
+            if end == at:
+                rec_buf[dst] = base
+            else:
+                _, rec = chunk_gated_delta_rule(q[at:end], k[at:end], v[at:end], g[at:end], beta[at:end], base, CHUNK)
+                rec_buf[dst] = rec
+        rec_buf[slot] = final
+        return o
 
     def _decode(
         self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, batch: ForwardBatch, state: StatePool
