@@ -73,8 +73,8 @@ class CacheConfig:
     # to (this - running slots) x one request's state
     max_mamba_cache_size: int | None = None
     # where those snapshots are taken (SGLang's --mamba-scheduler-strategy): "extra_buffer" (and
-    # "auto") inside a forward, at any page boundary (the row's delta rule is split there);
-    # "no_buffer" only where a forward's row ends (a chunk or decode step), no split
+    # "auto") at any page boundary inside a forward's row (at most 63 tokens of the delta rule
+    # run again per snapshot); "no_buffer" only where a row ends (a chunk or decode step)
     mamba_scheduler_strategy: str = "auto"
 
     def __post_init__(self) -> None:
