@@ -48,6 +48,7 @@ class ParallelConfig:
 # --kv-cache-dtype (the KV pool; "auto": the model dtype), SGLang's names
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
+MAMBA_SCHEDULER_STRATEGIES = ("auto", "no_buffer", "extra_buffer")  # --mamba-scheduler-strategy
 
 
 @dataclass(frozen=True)
@@ -66,10 +67,26 @@ class CacheConfig:
     # what the KV pool stores (--kv-cache-dtype, SGLang's names): "auto" is the model dtype;
     # fp8 pools keep per-layer K and V scales (the checkpoint's k_scale / v_scale, else 1.0)
     kv_cache_dtype: str = "auto"
+    # hybrid models with the radix cache (colocated): recurrent-state slots in all, the running
+    # requests' (max_state_slots) plus the prefix cache's state snapshots (SGLang's
+    # --max-mamba-cache-size); None: 2 snapshot slots per running one. Bounds snapshot memory
+    # to (this - running slots) x one request's state
+    max_mamba_cache_size: int | None = None
+    # where those snapshots are taken (SGLang's --mamba-scheduler-strategy): "extra_buffer" (and
+    # "auto") at any page boundary inside a forward's row (at most 63 tokens of the delta rule
+    # run again per snapshot); "no_buffer" only where a row ends (a chunk or decode step)
+    mamba_scheduler_strategy: str = "auto"
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"KV cache dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.mamba_scheduler_strategy not in MAMBA_SCHEDULER_STRATEGIES:
+            raise ConfigError(
+                f"mamba scheduler strategy must be one of {MAMBA_SCHEDULER_STRATEGIES}, "
+                f"got {self.mamba_scheduler_strategy!r}"
+            )
+        if self.max_mamba_cache_size is not None and self.max_mamba_cache_size < 1:
+            raise ConfigError(f"max_mamba_cache_size must be positive, got {self.max_mamba_cache_size}")
 
     def pages(self) -> int:
         return self.num_pages if self.num_pages is not None else -(-self.max_total_tokens // self.page_size)

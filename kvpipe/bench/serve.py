@@ -68,7 +68,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     t.add_argument(
         "--modes",
         default="baseline,pipelined,inproc",
-        help="sweep: baseline, pipelined, pipelined-N (forced N groups), inproc (colocated)",
+        help="sweep: baseline, pipelined, pipelined-N (forced N groups), inproc (colocated), inproc-nocache "
+        "(colocated, --disable-radix-cache)",
     )
     t.add_argument(
         "--model-path", default=None, help="sweep: checkpoint directory or .gguf file (default: tiny preset)"

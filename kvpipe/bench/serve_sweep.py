@@ -28,7 +28,7 @@ from kvpipe.bench.probe import (
 from kvpipe.bench.serve_run import config_dict, emit, measure, summary_of, vocab_size, warm_up, workload_config
 from kvpipe.bench.stacks import Endpoint, StackOptions, default_stack_factory
 from kvpipe.bench.sweep import (
-    INPROC,
+    COLOCATED_MODES,
     SliceResult,
     SweepPoint,
     parse_modes,
@@ -81,7 +81,7 @@ class _Sweep:
         self.rounds = len(next(iter(self.slices.values()))) if self.slices else 0
 
     def measure(self, ep: Endpoint, mode: str, n: int) -> tuple[dict, int | None, float | None, float | None]:
-        pd = ep.info_url is not None and mode != INPROC
+        pd = ep.info_url is not None and mode not in COLOCATED_MODES
         before: list[Reading] = []
 
         def read_before() -> None:
@@ -102,7 +102,7 @@ class _Sweep:
 
     def measure_slice(self, ep: Endpoint, mode: str, n: int, r: int) -> SliceResult:
         args, desc = self.args, f"{mode} len={n} round {r + 1}/{self.rounds}"
-        pd = ep.info_url is not None and mode != INPROC
+        pd = ep.info_url is not None and mode not in COLOCATED_MODES
         if r == 0:
             warm_up(ep.call, ep.url, self.configs[n], args, desc, False, self.text)
         sub = self.slices[n][r].requests

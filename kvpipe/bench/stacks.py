@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvpipe.bench.sweep import ModeFlags, mode_server_flags
+from kvpipe.bench.sweep import ModeFlags, colocated_flags, mode_server_flags
 from kvpipe.qa.testbed import LinkTestbed, run_in_netns
 from kvpipe.server.launcher import free_port, router_command, start_pd_stack, stop_process, wait_healthy
 from kvpipe.transfer.control.auth import TOKEN_ENV, new_token
@@ -70,11 +70,11 @@ def _serve_cmd(opts: StackOptions, host: str, port: int, *flags: str) -> list[st
 
 
 @contextlib.contextmanager
-def colocated_server(opts: StackOptions, name: str = "inproc") -> Iterator[Endpoint]:
+def colocated_server(opts: StackOptions, name: str = "inproc", flags: tuple[str, ...] = ()) -> Iterator[Endpoint]:
     port = free_port(opts.host)
     log = _log(opts, name)
     proc = subprocess.Popen(
-        _serve_cmd(opts, opts.host, port), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        _serve_cmd(opts, opts.host, port, *flags), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
     )
     if log is not subprocess.DEVNULL:
         log.close()  # the child holds its own copy
@@ -155,7 +155,7 @@ def default_stack_factory(
     def open_stack(mode: str) -> contextlib.AbstractContextManager[Endpoint]:
         flags = mode_server_flags(mode)
         if flags is None:
-            return colocated_server(opts, mode)
+            return colocated_server(opts, mode, colocated_flags(mode))
         if testbed is not None:
             return testbed_pd_stack(testbed, opts, flags, mode)
         return loopback_pd_stack(opts, flags, mode)

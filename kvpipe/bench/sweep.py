@@ -28,7 +28,10 @@ from kvpipe.config import CacheConfig
 
 E = TypeVar("E")
 BASELINE, PIPELINED, INPROC, DECODE_CACHE, PD = "baseline", "pipelined", "inproc", "decode-cache", "pd"
-PLAIN_MODES = (BASELINE, PIPELINED, INPROC, DECODE_CACHE, PD)
+# a colocated server with its prefix cache off (--disable-radix-cache): the cache's own gain, same run
+INPROC_NOCACHE = "inproc-nocache"
+COLOCATED_MODES = (INPROC, INPROC_NOCACHE)
+PLAIN_MODES = (BASELINE, PIPELINED, INPROC, DECODE_CACHE, PD, INPROC_NOCACHE)
 _PIPELINED_N = re.compile(r"^pipelined-(\d+)$")
 
 
@@ -41,7 +44,8 @@ def parse_modes(spec: str) -> list[str]:
     for m in modes:
         if m not in PLAIN_MODES and not (_PIPELINED_N.match(m) and int(m[10:]) >= 1):
             raise ValueError(
-                f"unknown mode {m!r}: choose from baseline, pipelined, pipelined-N, decode-cache, pd, inproc"
+                f"unknown mode {m!r}: choose from baseline, pipelined, pipelined-N, decode-cache, pd, inproc, "
+                "inproc-nocache"
             )
     if not modes or len(set(modes)) != len(modes):
         raise ValueError(f"modes must be a non-empty list without repeats, got {spec!r}")
@@ -56,9 +60,14 @@ class ModeFlags:
     decode: tuple[str, ...] = ()  # for the decode only
 
 
+def colocated_flags(mode: str) -> tuple[str, ...]:
+    """Extra server flags of a colocated mode."""
+    return ("--disable-radix-cache",) if mode == INPROC_NOCACHE else ()
+
+
 def mode_server_flags(mode: str) -> ModeFlags | None:
-    """Server flags of a PD mode; None for the colocated inproc mode."""
-    if mode == INPROC:
+    """Server flags of a PD mode; None for the colocated modes (colocated_flags)."""
+    if mode in COLOCATED_MODES:
         return None
     if mode == PD:
         return ModeFlags(())

@@ -37,6 +37,9 @@ class RadixNode:
     children: dict[Key, RadixNode] = field(default_factory=dict)
     refs: int = 0  # requests holding a lock on this node or a descendant
     last_access: int = 0  # logical clock of the last match or insert through it
+    # hybrid models (hybrid_radix_cache.py): the StatePool slot holding the recurrent state after
+    # this node's last token; None: a tombstone (its pages serve only descendants that have one)
+    snapshot: int | None = None
 
     @property
     def num_pages(self) -> int:
@@ -155,7 +158,7 @@ class RadixCache:
             if not leaves:
                 break
             # a parent becomes a leaf only after its children go: recompute after each round
-            for leaf in sorted(leaves, key=lambda n: n.last_access):
+            for leaf in sorted(leaves, key=self._evict_order):
                 if freed >= num_pages:
                     break
                 out.append(leaf.pages)
@@ -163,6 +166,10 @@ class RadixCache:
                 self._remove(leaf)
         self.num_pages -= freed
         return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+    def _evict_order(self, leaf: RadixNode) -> tuple[int, ...]:
+        """Sort key of evictable leaves: the smallest goes first."""
+        return (leaf.last_access,)
 
     def _remove(self, leaf: RadixNode) -> None:
         parent = leaf.parent

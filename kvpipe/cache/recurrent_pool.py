@@ -73,6 +73,16 @@ class StatePool:
                 out.append(StateBufferInfo(layer, kind, buf.data_ptr(), nbytes, nbytes // self.num_slots))
         return out
 
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        """Every layer's state of slots `src` into slots `dst` (a cached prefix's snapshot into a
+        request's slot; kvpipe/cache/hybrid_radix_cache.py)."""
+        if not src:
+            return
+        s = torch.tensor(src, dtype=torch.int64, device=self.conv[0].device)
+        d = torch.tensor(dst, dtype=torch.int64, device=self.conv[0].device)
+        for buf in (*self.conv, *self.recurrent):
+            buf[d] = buf[s]
+
     @property
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.buffer_infos())

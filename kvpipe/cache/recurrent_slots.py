@@ -11,11 +11,14 @@ import heapq
 
 
 class StateSlotAllocator:
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, first: int = 0) -> None:
+        """Slots [first, first + num_slots) of the pool: a hybrid prefix cache's snapshots take
+        the slots after the running requests' (hybrid_radix_cache.py)."""
         if num_slots <= 0:
             raise ValueError(f"num_slots must be positive, got {num_slots}")
         self.num_slots = num_slots
-        self._free: list[int] = list(range(num_slots))  # a min-heap: low slots first
+        self.first = first
+        self._free: list[int] = list(range(first, first + num_slots))  # a min-heap: low slots first
         self._owner: dict[int, str] = {}  # slot -> rid holding it (leaks name their request)
 
     @property
@@ -36,8 +39,8 @@ class StateSlotAllocator:
 
     def free(self, slot: int) -> None:
         """Give a slot back. RuntimeError on a double free, ValueError on an id out of range."""
-        if not 0 <= slot < self.num_slots:
-            raise ValueError(f"state slot {slot} out of range [0, {self.num_slots})")
+        if not self.first <= slot < self.first + self.num_slots:
+            raise ValueError(f"state slot {slot} out of range [{self.first}, {self.first + self.num_slots})")
         if self._owner.pop(slot, None) is None:
             raise RuntimeError(f"double free of state slot {slot}")
         heapq.heappush(self._free, slot)

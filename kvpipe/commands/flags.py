@@ -11,6 +11,7 @@ import os
 from kvpipe.config import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     KV_CACHE_DTYPES,
+    MAMBA_SCHEDULER_STRATEGIES,
     MODEL_DTYPES,
     SPECULATIVE_ALGORITHMS,
     SPECULATIVE_NOT_YET,
@@ -73,6 +74,21 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="hybrid (linear-attention) models: per-request recurrent-state slots; a request waits "
         "for a free one like for pages (default: --max-running-requests)",
+    )
+    p.add_argument(
+        "--max-mamba-cache-size",
+        type=int,
+        default=None,
+        help="hybrid models with the radix cache (colocated): recurrent-state slots in all, the running "
+        "requests' plus the prefix cache's state snapshots; bounds snapshot memory "
+        "(default: 3 x --max-state-slots, i.e. 2 snapshots per running slot)",
+    )
+    p.add_argument(
+        "--mamba-scheduler-strategy",
+        choices=list(MAMBA_SCHEDULER_STRATEGIES),
+        default="auto",
+        help="hybrid prefix cache: where state snapshots are taken; extra_buffer (= auto) at any page "
+        "boundary inside a forward, no_buffer only where a chunk or decode step ends",
     )
     p.add_argument("--context-length", type=int, default=None, help="default: the model's max_position_embeddings")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -383,6 +399,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         require_positive("--" + name.replace("_", "-"), getattr(args, name))
     require_positive("--context-length", args.context_length, allow_none=True)
     require_positive("--max-state-slots", args.max_state_slots, allow_none=True)
+    require_positive("--max-mamba-cache-size", args.max_mamba_cache_size, allow_none=True)
     require_positive("--cpu-threads", args.cpu_threads, allow_none=True)
     body_limit = getattr(args, "max_request_body_bytes", DEFAULT_MAX_REQUEST_BODY_BYTES)
     require_positive("--max-request-body-bytes", body_limit)
@@ -410,6 +427,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                 max_total_tokens=args.max_total_tokens,
                 radix_cache=not args.disable_radix_cache,
                 max_state_slots=args.max_state_slots,
+                max_mamba_cache_size=args.max_mamba_cache_size,
+                mamba_scheduler_strategy=args.mamba_scheduler_strategy,
                 kv_cache_dtype=args.kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(

@@ -38,6 +38,11 @@ class ForwardSpec:
     # speculative verify: logits for each row's last logit_counts[i] tokens (its last token and
     # drafts); None: one (the last token's) for every row with want_logits
     logit_counts: tuple[int, ...] | None = None
+    # hybrid prefix cache: (snapshot slot, row's slot) copied before the forward (a cached prefix's
+    # state), and (row, k, slot): the state of the row's slot after its first k new tokens
+    # copied into snapshot slot `slot` during it (engine/state_snapshots.py)
+    state_restores: tuple[tuple[int, int], ...] = ()
+    state_snapshots: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -53,6 +58,8 @@ class ScheduledBatch:
     # speculative decode rows: the draft tokens each row verifies after its last token (its
     # extend_len is 1 + len(drafts[i])); empty: no speculation in this batch
     drafts: list[list[int]] = field(default_factory=list)
+    state_restores: list[tuple[int, int]] = field(default_factory=list)  # as ForwardSpec's
+    state_snapshots: list[tuple[int, int, int]] = field(default_factory=list)  # as ForwardSpec's
 
     @property
     def num_tokens(self) -> int:
@@ -85,5 +92,7 @@ class ScheduledBatch:
             connector_meta,
             state_slots if len(state_slots) == len(slots) else None,
             tuple(swa) if any(t.size for t in swa) else None,
-            tuple(1 + len(d) for d in self.drafts) if self.drafts else None,
+            logit_counts=tuple(1 + len(d) for d in self.drafts) if self.drafts else None,
+            state_restores=tuple(self.state_restores),
+            state_snapshots=tuple(self.state_snapshots),
         )

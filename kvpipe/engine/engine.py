@@ -20,6 +20,7 @@ from typing import TypeGuard, cast
 
 import torch
 
+from kvpipe.cache.hybrid_radix_cache import HybridRadixCache
 from kvpipe.cache.page_allocator import PageAllocator
 from kvpipe.cache.radix_cache import RadixCache
 from kvpipe.cache.recurrent_slots import StateSlotAllocator
@@ -36,7 +37,7 @@ from kvpipe.engine.connector import (
 )
 from kvpipe.engine.connector_workers import RankWorkers
 from kvpipe.engine.finish import FinishChecker
-from kvpipe.engine.model_runner import ModelRunner, split_layers, state_slots
+from kvpipe.engine.model_runner import ModelRunner, snapshot_slots, split_layers, state_slots
 from kvpipe.engine.ngram_drafter import propose_ngram
 from kvpipe.engine.request import ABORTED_ON_REQUEST, FinishReason, Req, SamplingParams, TokenOutput, finish_reason_json
 from kvpipe.engine.sampler import Sampler, make_generator
@@ -98,6 +99,8 @@ class Engine:
         self._wakeup: Callable[[], None] | None = None
         self._tp: TPGroup | None = None
         self._worker: KVConnectorWorker | None = None
+        if self.model_config.hybrid is not None:
+            snapshot_slots(cfg)  # a --max-mamba-cache-size without room for snapshots: refused before any rank starts
         if cfg.tp_size > 1:
             self._tp = TPGroup(cfg, connector.worker_factory if connector is not None else None)
             self.runner: ModelRunner = self._tp.runner
@@ -108,10 +111,17 @@ class Engine:
         self.allocator = PageAllocator(cfg.cache.pages(), cfg.cache.debug_checks)
         use_cache = cfg.cache.radix_cache and (connector is None or connector.prefix_cache)
         hybrid = self.model_config.hybrid is not None
-        if use_cache and hybrid:
+        running_slots = state_slots(cfg.cache, cfg.scheduler)
+        # state snapshots where prompts are computed: colocated, and on a PD prefill
+        computes = connector is None or cfg.disaggregation.mode == "prefill"
+        num_snapshots = snapshot_slots(cfg) if hybrid and computes else 0
+        # a PD decode never computes a prompt: its cache needs only the KV of a prefix (the prefill
+        # sends the KV past it and the prompt's final state whole), so a plain RadixCache
+        kv_only = hybrid and cfg.disaggregation.mode == "decode"
+        if use_cache and hybrid and num_snapshots == 0 and not kv_only:
             logger.info(
-                "prefix caching (radix cache) is disabled for the hybrid model %s: it would need "
-                "snapshots of the recurrent state at page boundaries, which are not implemented",
+                "prefix caching (radix cache) is disabled for the hybrid model %s: no state snapshot "
+                "slots (a connector other than PD's, or --max-mamba-cache-size)",
                 cfg.model_path,
             )
             use_cache = False
@@ -124,8 +134,22 @@ class Engine:
                 cfg.model_path,
             )
             use_cache = False
-        self.prefix_cache = RadixCache(self.page_size) if use_cache else None
-        self.state_slots = StateSlotAllocator(state_slots(cfg.cache, cfg.scheduler)) if hybrid else None
+        self.prefix_cache: RadixCache | None = None
+        if use_cache and num_snapshots:
+            split = cfg.cache.mamba_scheduler_strategy != "no_buffer"
+            slots = StateSlotAllocator(num_snapshots, running_slots)
+            self.prefix_cache = HybridRadixCache(self.page_size, slots, split)
+            pool = self.runner.state_pool
+            assert pool is not None and pool.num_slots == running_slots + num_snapshots
+            logger.info(
+                "hybrid prefix cache: %d state snapshots of %d bytes each (--max-mamba-cache-size %d)",
+                num_snapshots,
+                pool.slot_nbytes,
+                running_slots + num_snapshots,
+            )
+        elif use_cache:
+            self.prefix_cache = RadixCache(self.page_size)
+        self.state_slots = StateSlotAllocator(running_slots) if hybrid else None
         self.scheduler = Scheduler(
             cfg.scheduler,
             self.allocator,

@@ -12,7 +12,7 @@ import torch
 from kvpipe.cache.kv_dtype import is_fp8, kv_storage_dtype
 from kvpipe.cache.kv_pool import KVPool
 from kvpipe.cache.recurrent_pool import StatePool
-from kvpipe.config import CacheConfig, SchedulerConfig
+from kvpipe.config import CacheConfig, ConfigError, SchedulerConfig, ServerConfig
 from kvpipe.engine.batch import ForwardSpec
 from kvpipe.model.causal_lm import LMBase
 from kvpipe.model.forward_batch import ForwardBatch
@@ -73,6 +73,25 @@ def state_slots(cache: CacheConfig, scheduler: SchedulerConfig) -> int:
     return cache.max_state_slots or scheduler.max_running_requests
 
 
+def snapshot_slots(cfg: ServerConfig) -> int:
+    """State slots after the running requests' where a hybrid model's prefix cache keeps its
+    snapshots (kvpipe/cache/hybrid_radix_cache.py): --max-mamba-cache-size minus the running slots,
+    else 2 per running slot (3 state slots per request in all, SGLang's no_buffer sizing); 0 without
+    the cache, and on a PD decode (it never computes a prompt: its cache keeps KV alone and the
+    prefill sends the final state)."""
+    if not cfg.cache.radix_cache or cfg.disaggregation.mode == "decode":
+        return 0
+    running = state_slots(cfg.cache, cfg.scheduler)
+    if cfg.cache.max_mamba_cache_size is None:
+        return 2 * running
+    if cfg.cache.max_mamba_cache_size <= running:
+        raise ConfigError(
+            f"--max-mamba-cache-size {cfg.cache.max_mamba_cache_size} leaves no state slot for prefix-cache "
+            f"snapshots beside the {running} running requests' (raise it, or --disable-radix-cache)"
+        )
+    return cfg.cache.max_mamba_cache_size - running
+
+
 def split_layers(num_layers: int, num_groups: int) -> tuple[tuple[int, int], ...]:
     """[start, end) ranges of `num_groups` near-equal contiguous layer groups."""
     n = max(1, min(num_groups, num_layers))
@@ -87,14 +106,17 @@ class ModelRunner:
         cache: CacheConfig,
         device: str | torch.device = "cpu",
         scheduler: SchedulerConfig = SchedulerConfig(),
+        snapshot_slots: int = 0,
     ) -> None:
+        """`snapshot_slots`: hybrid models' state slots for prefix-cache snapshots, after the
+        running requests' ones."""
         self.model = model
         self.device = torch.device(device)
         self.page_size = cache.page_size
         self.pool = make_kv_pool(
             model, cache.pages(), cache.page_size, self.device, kv_cache_dtype=cache.kv_cache_dtype
         )
-        self.state_pool = make_state_pool(model, state_slots(cache, scheduler), self.device)
+        self.state_pool = make_state_pool(model, state_slots(cache, scheduler) + snapshot_slots, self.device)
 
     @property
     def num_layers(self) -> int:
@@ -114,7 +136,8 @@ class ModelRunner:
             None if spec.state_slots is None else list(spec.state_slots),
             swa,
             self.model.cfg.sliding_window,
-            None if spec.logit_counts is None else list(spec.logit_counts),
+            logit_counts=None if spec.logit_counts is None else list(spec.logit_counts),
+            state_snapshots=list(spec.state_snapshots) or None,
         )
         return fb if self.device.type == "cpu" else fb.to(self.device)
 
@@ -137,6 +160,10 @@ class ModelRunner:
         rows with want_logits (in row order; spec.logit_counts[i] rows of row i, a verify), or
         None when no row wants them."""
         fb = self.build_batch(spec)
+        if spec.state_restores:  # cached prefixes' states into their requests' slots (hybrid models)
+            assert self.state_pool is not None
+            src, dst = zip(*spec.state_restores)
+            self.state_pool.copy_slots(list(src), list(dst))
         callback = on_group_done
         hidden = self.model.embed(fb)  # [T, hidden]
         for start, end in self._groups(spec):

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from kvpipe.engine.spec_verify import SpecCounts
+from kvpipe.engine.state_snapshots import ReqSnapshots
 from kvpipe.engine.timeline import Timeline, TimelineRecord
 
 # Temperatures below this sample greedily (SGLang's _SAMPLING_EPS): logits / 1e-300 overflow to
@@ -85,6 +86,7 @@ class Req:
     cache_node: Any = None  # the RadixNode this request locked (None: nothing matched)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     state_slot: int | None = None  # hybrid models: its recurrent-state slot while admitted
+    snapshots: ReqSnapshots | None = None  # hybrid models with a prefix cache: its state snapshots
     # sliding-window models: the pages of the sliding layers, by logical page like `pages` (at
     # most as long; shorter: not allocated yet), -1 where the window has slid past (freed) or
     # never reached (a PD decode holds only the prompt's last window)

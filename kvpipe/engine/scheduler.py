@@ -26,6 +26,13 @@ req.pages[:num_shared_pages], pinned and read-only, and only the other pages cou
 pool. A request's full pages of KV it computed (or, reserved, that a verified transfer wrote:
 num_cached grows only at `add_prefilled`) go to the cache when its pages are freed.
 
+Hybrid models (a HybridRadixCache): a cached prefix is usable only with a snapshot of the
+recurrent state at its end, so a match stops at the deepest node holding one; the request's first
+forward copies that state into its slot, and its forwards snapshot the state at the positions
+engine/state_snapshots.py picks (into slots the cache hands out, evicting old snapshots when none
+is free, or skipping the snapshot when all are pinned). At finish the cache takes its pages up to
+its deepest snapshot, and the snapshots; an aborted request gives it nothing.
+
 Sliding-window models (`window`): the sliding layers keep a second page table per request,
 req.swa_pages, from the same allocator (the pool aliases a sliding and a full layer's buffers,
 cache/kv_pool.py). It is allocated per step for the pages the step's queries can see, and after each
@@ -46,6 +53,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from kvpipe.cache.hybrid_radix_cache import HybridRadixCache
 from kvpipe.cache.page_allocator import PageAllocator
 from kvpipe.cache.radix_cache import RadixCache
 from kvpipe.cache.recurrent_slots import StateSlotAllocator
@@ -54,6 +62,7 @@ from kvpipe.config import SchedulerConfig
 from kvpipe.engine.batch import ForwardMode, ScheduledBatch
 from kvpipe.engine.request import FinishReason, Req, ReqStatus
 from kvpipe.engine.spec_verify import draft_budget
+from kvpipe.engine.state_snapshots import ReqSnapshots
 
 # speculative decoding: (request, most drafts it may get) -> its draft tokens for this step
 Drafter = Callable[[Req, int], list[int]]
@@ -158,7 +167,14 @@ class Scheduler:
         its logits give the first output token); the matched pages are pinned."""
         if self.cache is None or req.cache_node is not None:
             return
-        pages, node = self.cache.match(req.input_ids[:-1])
+        if isinstance(self.cache, HybridRadixCache):
+            m = self.cache.match_state(req.input_ids[:-1])
+            pages, node, ps = m.pages, m.node, self.page_size
+            branch = m.kv_tokens if m.kv_tokens > len(pages) * ps else 0
+            prompt_end = (len(req.input_ids) - 1) // ps * ps
+            req.snapshots = ReqSnapshots(m.snapshot, branch, prompt_end, split=self.cache.split_rows)
+        else:
+            pages, node = self.cache.match(req.input_ids[:-1])
         self.cache.lock(node)
         req.cache_node = node
         req.pages = pages.copy()
@@ -180,6 +196,7 @@ class Scheduler:
         self._unpin(req)
         req.pages = np.zeros(0, dtype=np.int64)
         req.num_cached = req.cached_tokens = 0
+        req.snapshots = None  # nothing planned yet: no slots to give back
 
     def _unpin(self, req: Req) -> None:
         if self.cache is not None and req.cache_node is not None:
@@ -267,6 +284,7 @@ class Scheduler:
             n = min(remaining, budget) if chunking else remaining
             self._ensure_pages(req, len(req.input_ids) if self.whole_prompt_pages else req.num_cached + n)
             self._ensure_window(req, req.num_cached, req.num_cached + n)
+            self._plan_state(req, batch, len(batch.reqs), req.num_cached, n)
             batch.reqs.append(req)
             batch.extend_lens.append(n)
             batch.prefix_lens.append(req.num_cached)
@@ -297,22 +315,47 @@ class Scheduler:
     def _schedule_decode(self) -> ScheduledBatch:
         reqs = [r for r in self.running if r.prefill_done]
         drafts = [self._draft(r) for r in reqs]
-        for r, d in zip(reqs, drafts):
-            self._ensure_pages(r, r.num_cached + 1 + len(d))
-            self._ensure_window(r, r.num_cached, r.num_cached + 1 + len(d))
-        return ScheduledBatch(
+        batch = ScheduledBatch(
             ForwardMode.DECODE,
             reqs,
             [1 + len(d) for d in drafts],
             [r.num_cached for r in reqs],
-            drafts if self.drafter is not None else [],
+            drafts=drafts if self.drafter is not None else [],
         )
+        for i, (r, d) in enumerate(zip(reqs, drafts)):
+            self._ensure_pages(r, r.num_cached + 1 + len(d))
+            self._ensure_window(r, r.num_cached, r.num_cached + 1 + len(d))
+            self._plan_state(r, batch, i, r.num_cached, 1 + len(d))  # no drafts for hybrid models
+        return batch
 
     def _draft(self, req: Req) -> list[int]:
         if self.drafter is None:
             return []
         k = draft_budget(self.max_drafts, req.params.max_new_tokens, len(req.output_ids))
         return [int(t) for t in self.drafter(req, k)[:k]] if k > 0 else []
+
+    def _plan_state(self, req: Req, batch: ScheduledBatch, row: int, start: int, n: int) -> None:
+        """Hybrid prefix cache: the state copies of `req`'s forward of tokens [start, start + n)
+        (row `row` of `batch`): its cached prefix's state first, then the snapshots it takes."""
+        snap = req.snapshots
+        if snap is None or not isinstance(self.cache, HybridRadixCache):
+            return
+        assert req.state_slot is not None
+        if snap.restore is not None:
+            assert start == req.cached_tokens > 0, "a cached state is restored by the first forward"
+            batch.state_restores.append((snap.restore, req.state_slot))
+            snap.restore = None
+        for pos in snap.positions(start, n, self.page_size):
+            slot = snap.track if snap.is_tracking(pos) else None
+            if slot is None:
+                slot, freed = self.cache.alloc_snapshot(req.rid)
+                self.allocator.free(freed)
+                if slot is None:
+                    continue  # every snapshot is pinned: this one is skipped (a later miss)
+                if snap.is_tracking(pos):
+                    snap.track = slot
+            snap.plan(pos, slot)
+            batch.state_snapshots.append((row, pos - start, slot))
 
     def _ensure_pages(self, req: Req, tokens: int) -> None:
         need = _cdiv(tokens, self.page_size) - len(req.pages)
@@ -369,6 +412,8 @@ class Scheduler:
                 continue
             start, n = batch.prefix_lens[i], batch.extend_lens[i]
             req.num_cached = start + n
+            if req.snapshots is not None:
+                req.snapshots.commit()
             self._slide(req)
             token, logprob = tokens[i], logprobs[i]
             if token is None:
@@ -430,6 +475,7 @@ class Scheduler:
         if req.pages.size == 0:
             self._unpin(req)
             self._free_state_slot(req)
+            self._cache_snapshots(req, np.zeros(0, dtype=np.int64))
             return
         if hold:  # a cached prefix stays pinned too: the transfer reads (prefill) or skips (decode) it
             self.held[req.rid] = req
@@ -455,7 +501,10 @@ class Scheduler:
         """Return a finished request's pages: with a prefix cache its full pages of computed KV
         go to the cache (its own duplicates of what the cache has, and the rest, to the allocator)."""
         pages = req.pages
-        if self.cache is not None:
+        if isinstance(self.cache, HybridRadixCache):
+            own = self._cache_snapshots(req, pages)
+            self._unpin(req)
+        elif self.cache is not None:
             full = min(req.num_cached // self.page_size, len(pages))
             dup = self.cache.insert(req.all_ids[: full * self.page_size], pages[:full])
             # pages[:num_shared_pages] were the cache's all along; [shared, dup) duplicate pages the
@@ -469,6 +518,21 @@ class Scheduler:
         req.pages = np.zeros(0, dtype=np.int64)
         req.swa_pages = np.zeros(0, dtype=np.int64)
         self._free_state_slot(req)
+
+    def _cache_snapshots(self, req: Req, pages: np.ndarray) -> np.ndarray:
+        """Hybrid prefix cache, at finish: its pages up to its deepest snapshot and the snapshots
+        go to the cache (none after an abort); returns the pages that stay the request's own."""
+        snap, req.snapshots = req.snapshots, None
+        if snap is None or not isinstance(self.cache, HybridRadixCache):
+            return pages
+        keep, free = snap.release(keep=req.finish_reason is not FinishReason.ABORT)
+        for slot in free:
+            self.cache.snapshots.free(slot)
+        shared = req.num_shared_pages
+        dup, n = self.cache.insert_state(req.all_ids, pages, keep)
+        # pages[:shared] were the cache's all along, [shared, dup) duplicate pages it got meanwhile,
+        # [shared, n) are its own now; the rest were never cached (no snapshot past them)
+        return np.concatenate([pages[shared : max(dup, shared)], pages[max(n, shared) :]])
 
     def _free_state_slot(self, req: Req) -> None:
         if req.state_slot is not None:
@@ -501,6 +565,14 @@ class Scheduler:
             **(
                 {"free_state_slots": self.state_slots.num_free, "total_state_slots": self.state_slots.num_slots}
                 if self.state_slots is not None
+                else {}
+            ),
+            **(
+                {
+                    "cached_state_snapshots": self.cache.num_snapshots,
+                    "free_snapshot_slots": self.cache.snapshots.num_free,
+                }
+                if isinstance(self.cache, HybridRadixCache)
                 else {}
             ),
         }

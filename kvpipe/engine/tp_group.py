@@ -44,7 +44,7 @@ from kvpipe.engine.connector import KVConnectorWorker, WorkerFactory
 from kvpipe.engine.cpu_threads import apply_cpu_threads, server_cpu_threads
 from kvpipe.engine.errors import EngineLost
 from kvpipe.engine.host_memory import tune_malloc
-from kvpipe.engine.model_runner import GroupCallback, ModelRunner
+from kvpipe.engine.model_runner import GroupCallback, ModelRunner, snapshot_slots
 from kvpipe.engine.tp_messages import (
     CommandMsg,
     ErrorMsg,
@@ -75,7 +75,7 @@ def build_runner(cfg: ServerConfig, parallel: ParallelConfig, device: str) -> Mo
     tune_malloc()  # every rank's process: step activations reuse heap pages instead of faulting new ones
     group = dist.group.WORLD if parallel.tp_size > 1 else None
     model = load_model(cfg.model_path, parallel, device, None if cfg.dtype == "auto" else cfg.dtype, group)
-    return ModelRunner(model, cfg.cache, device, cfg.scheduler)
+    return ModelRunner(model, cfg.cache, device, cfg.scheduler, snapshot_slots(cfg))
 
 
 def _init_rank(cfg: ServerConfig, rank: int, init_method: str) -> str:

@@ -102,6 +102,9 @@ class ForwardBatch:
     state_slots: torch.Tensor | None = None
     # sliding-window models: this batch over the sliding layers' page tables (swa=None there)
     swa: ForwardBatch | None = None
+    # hybrid prefix cache: per row, (k, slot) pairs: after its first k new tokens the row's state
+    # is copied into StatePool slot `slot` (model/gated_delta_net.py); None: no row snapshots
+    state_snapshots: tuple[tuple[tuple[int, int], ...], ...] | None = None
 
     @classmethod
     def build(
@@ -115,6 +118,7 @@ class ForwardBatch:
         swa_page_tables: list[torch.Tensor] | None = None,
         window: int | None = None,
         logit_counts: list[int] | None = None,
+        state_snapshots: list[tuple[int, int, int]] | None = None,
     ) -> ForwardBatch:
         """Pack sequences. token_ids[i] are the new tokens of sequence i (extend_len of them).
         swa_page_tables (with the sliding layers' `window`): build the `swa` view too. A batch
@@ -161,6 +165,7 @@ class ForwardBatch:
             else None,
             state_slots=None if state_slots is None else torch.tensor(state_slots, dtype=torch.int64),
             swa=swa,
+            state_snapshots=_row_snapshots(len(seqs), state_snapshots),
         )
 
     @property
@@ -178,4 +183,17 @@ class ForwardBatch:
             None if self.decode is None else self.decode.to(device),
             None if self.state_slots is None else self.state_slots.to(device),
             None if self.swa is None else self.swa.to(device),
+            self.state_snapshots,
         )
+
+
+def _row_snapshots(
+    num_rows: int, snaps: list[tuple[int, int, int]] | None
+) -> tuple[tuple[tuple[int, int], ...], ...] | None:
+    """(row, k, slot) triples -> per row its (k, slot) pairs in token order; None when empty."""
+    if not snaps:
+        return None
+    rows: list[list[tuple[int, int]]] = [[] for _ in range(num_rows)]
+    for row, k, slot in snaps:
+        rows[row].append((k, slot))
+    return tuple(tuple(sorted(r)) for r in rows)

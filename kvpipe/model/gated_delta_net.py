@@ -25,6 +25,8 @@ from kvpipe.model.forward_batch import ForwardBatch
 from kvpipe.model.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_step
 from kvpipe.model.linear import Linear, Shard
 
+CHUNK = 64  # the chunked delta rule's block (HF's): snapshots reuse the states at its boundaries
+
 
 def local_linear_heads(h: HybridConfig, parallel: ParallelConfig) -> tuple[int, int]:
     """(key heads, value heads) of the linear-attention layers one rank holds."""
@@ -126,9 +128,10 @@ class GatedDeltaNet(nn.Module):
         else:
             o = torch.empty(t, self.num_v_heads, self.v_dim, dtype=x.dtype, device=x.device)
             slots = batch.state_slots.tolist()  # one device sync per layer, not per row
-            for s, slot in zip(batch.seqs, slots):
+            snaps = batch.state_snapshots or ((),) * len(batch.seqs)
+            for s, slot, snap in zip(batch.seqs, slots, snaps):
                 rows = slice(s.start, s.start + s.extend_len)
-                o[rows] = self._prefill_row(mixed[rows], g[rows], beta[rows], s.prefix_len == 0, slot, state)
+                o[rows] = self._prefill_row(mixed[rows], g[rows], beta[rows], s.prefix_len == 0, slot, state, snap)
         o = self.norm(o.reshape(-1, self.v_dim), z.reshape(-1, self.v_dim))
         return self.out_proj(o.view(t, self.num_v_heads * self.v_dim))
 
@@ -149,16 +152,43 @@ class GatedDeltaNet(nn.Module):
         return F.silu(F.conv1d(window.to(w.dtype), w, groups=self.conv_dim))
 
     def _prefill_row(
-        self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, fresh: bool, slot: int, state: StatePool
+        self,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        fresh: bool,
+        slot: int,
+        state: StatePool,
+        snapshots: tuple[tuple[int, int], ...] = (),
     ) -> torch.Tensor:
-        """One sequence's E new tokens: mixed [E, C], g, beta [E, Hv] -> o [E, Hv, Dv]; its slot updated."""
+        """One sequence's E new tokens: mixed [E, C], g, beta [E, Hv] -> o [E, Hv, Dv]; its slot
+        updated. `snapshots`: (k, dst) pairs, k in [1, E]: the state after the first k tokens also
+        goes to slot dst. The row's own arithmetic stays that of one pass (its outputs do not depend
+        on snapshots): the state at the last delta-rule chunk boundary (64 tokens) before k comes
+        from that pass, and at most 63 more tokens are run again from there for k."""
         conv_buf, rec_buf = state.conv[self.state_layer], state.recurrent[self.state_layer]
         prev = torch.zeros_like(conv_buf[slot]) if fresh else conv_buf[slot]  # [C, K-1]
         window = torch.cat([prev, mixed.t().to(prev.dtype)], dim=1)  # [C, K-1+E]
         conv_buf[slot] = window[:, -(self.kernel - 1) :]
         out = self._conv(window[None])[0].t().to(mixed.dtype)  # [E, C]
         q, k, v = self._split(out)
-        o, final = chunk_gated_delta_rule(q, k, v, g, beta, None if fresh else rec_buf[slot])
+        # the states at the chunk boundaries below each snapshot, filled by the pass
+        keep: dict[int, torch.Tensor | None] | None = (
+            {end // CHUNK: None for end, _ in snapshots} if snapshots else None
+        )
+        o, final = chunk_gated_delta_rule(q, k, v, g, beta, None if fresh else rec_buf[slot], CHUNK, keep)
+        for end, dst in snapshots:
+            # after `end` tokens: the conv keeps inputs [end, end + K - 1) of the window
+            conv_buf[dst] = window[:, end : end + self.kernel - 1]
+            assert keep is not None
+            at = end // CHUNK * CHUNK
+            base = keep[end // CHUNK]  # the state after `at` tokens
+            assert base is not None
+            if end == at:
+                rec_buf[dst] = base
+            else:
+                _, rec = chunk_gated_delta_rule(q[at:end], k[at:end], v[at:end], g[at:end], beta[at:end], base, CHUNK)
+                rec_buf[dst] = rec
         rec_buf[slot] = final
         return o
 
@@ -178,4 +208,7 @@ class GatedDeltaNet(nn.Module):
         q, k, v = self._split(self._conv(window)[:, :, 0].to(mixed.dtype))
         o, new = recurrent_gated_delta_step(q, k, v, g, beta, rec)
         rec_buf[slots] = new
+        for row, snaps in enumerate(batch.state_snapshots or ()):
+            for _, dst in snaps:  # k is 1: the state after this step
+                conv_buf[dst], rec_buf[dst] = window[row, :, 1:], new[row]
         return o

@@ -36,10 +36,12 @@ def chunk_gated_delta_rule(
     beta: torch.Tensor,
     initial_state: torch.Tensor | None,
     chunk_size: int = 64,
+    keep: dict[int, torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence of T tokens. q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g (log decay, <= 0), beta: [T, Hv];
     initial_state: [Hv, Dk, Dv] fp32, None for zeros. Returns o [T, Hv, Dv] (v's dtype) and the
-    final state [Hv, Dk, Dv] fp32."""
+    final state [Hv, Dk, Dv] fp32. `keep`: a dict whose keys are whole chunk counts i (i * chunk_size
+    <= T): filled with the state after the first i * chunk_size tokens (the scan passes them anyway)."""
     out_dtype = v.dtype
     t, hv, dv = v.shape
     dk = k.shape[-1]
@@ -74,10 +76,14 @@ def chunk_gated_delta_rule(
     q = q * cum.exp()[..., None]
     k = k * (cum[..., -1:] - cum).exp()[..., None]
     chunk_decay = cum[..., -1].exp()[..., None, None]
+    if keep is not None and 0 in keep:
+        keep[0] = state[0].clone()
     for i in range(q.shape[2]):
         v_new = new_v[:, :, i] - k_cumdecay[:, :, i] @ state
         o[:, :, i] = q[:, :, i] @ state + intra[:, :, i] @ v_new
         state = state * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ v_new
+        if keep is not None and i + 1 in keep:
+            keep[i + 1] = state[0]
     o = o.reshape(1, hv, -1, dv)[:, :, :t]
     return o[0].transpose(0, 1).to(out_dtype, memory_format=torch.contiguous_format), state[0]
 

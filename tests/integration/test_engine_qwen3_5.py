@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from kvpipe.cache.hybrid_radix_cache import HybridRadixCache
 from kvpipe.config import CacheConfig, SchedulerConfig, ServerConfig
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import FinishReason, Req
@@ -138,9 +139,20 @@ def test_tp_matches_hf(model_dir, reference, tp):
         eng.shutdown()
 
 
-def test_radix_cache_disabled_with_a_log_line(model_dir, caplog):
+def test_radix_cache_keeps_state_snapshots_colocated_and_is_off_with_a_connector(model_dir, caplog):
+    """Colocated: a HybridRadixCache whose snapshots take 2 state slots per running request after
+    theirs (tests/integration/test_engine_qwen3_5_prefix_cache.py tests it); behind a KV connector
+    (PD) it is still off, with a log line."""
+    eng = make_engine(model_dir, radix_cache=True, max_running=4)
+    try:
+        assert isinstance(eng.prefix_cache, HybridRadixCache) and eng.scheduler.cache is eng.prefix_cache
+        assert eng.runner.state_pool.num_slots == 4 + 8 and eng.prefix_cache.snapshots.first == 4
+    finally:
+        eng.shutdown()
+    conn = RecordingConnector()
+    conn.prefix_cache = True  # as a PD prefill's connector says
     with caplog.at_level(logging.INFO, logger="kvpipe.engine.engine"):
-        eng = make_engine(model_dir, radix_cache=True)
+        eng = make_engine(model_dir, radix_cache=True, connector=conn)
     try:
         assert eng.prefix_cache is None and eng.scheduler.cache is None
         assert any("prefix caching (radix cache) is disabled" in m for m in caplog.messages)

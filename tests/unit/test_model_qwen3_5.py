@@ -146,6 +146,43 @@ def test_layer_groups_equal_full_forward(case):
         ours.forward_layers(h, batch, kv_b, 0, 1)
 
 
+def test_state_snapshots_hold_the_state_of_their_prefix(case):
+    """A prefill row of 150 tokens that snapshots its state after 8 and 100 of them (inside the
+    first and the second 64-token block of the delta rule) and at its end (hybrid prefix cache):
+    its logits are HF's and bitwise those of the row without snapshots, the row's slot and the end
+    snapshot are the same state, and a forward that starts from either mid-row snapshot (its
+    prefix's KV in the pool) gives HF's logits of the rest; a decode row snapshots the state after
+    its token."""
+    hf, ours = case
+    n = 150
+    ids, table = prompt_ids(n + 1, seed=9), torch.arange(38)
+    kv, state = pools(ours, 38, 4, slots=5)
+    snaps = [(0, 8, 2), (0, 100, 3), (0, n, 1)]  # (row, tokens, slot)
+    batch = ForwardBatch.build([ids[:n]], [0], [table], 4, state_slots=[0], state_snapshots=snaps)
+    want = hf_logits(hf, ids)
+    got = ours(all_logits(batch), kv, state)
+    assert_close_logits(got, want[:n], ours.cfg, n)
+    kv2, state2 = pools(ours, 38, 4, slots=5)  # snapshots do not change the row's own arithmetic
+    plain = ForwardBatch.build([ids[:n]], [0], [table], 4, state_slots=[0])
+    assert torch.equal(ours(all_logits(plain), kv2, state2), got)
+    for i in range(state.num_layers):
+        assert torch.equal(state.recurrent[i][0], state2.recurrent[i][0])
+        assert torch.equal(state.recurrent[i][1], state.recurrent[i][0]) and torch.equal(
+            state.conv[i][1], state.conv[i][0]
+        )
+    for start, slot in ((8, 2), (100, 3)):
+        state.copy_slots([slot], [4])  # the restore a cache hit does into the request's slot
+        rest = ForwardBatch.build([ids[start:n]], [start], [table], 4, state_slots=[4])
+        assert_close_logits(ours(all_logits(rest), kv, state), want[start:n], ours.cfg, n)
+    step = ForwardBatch.build([[ids[n]]], [n], [table], 4, state_slots=[0], state_snapshots=[(0, 1, 2)])
+    assert step.decode is not None
+    assert_close_logits(ours(step, kv, state), want[n:], ours.cfg, n + 1)
+    for i in range(state.num_layers):
+        assert torch.equal(state.recurrent[i][2], state.recurrent[i][0]) and torch.equal(
+            state.conv[i][2], state.conv[i][0]
+        )
+
+
 def test_greedy_generation_matches_hf_generate(case):
     hf, ours = case
     prompt = prompt_ids(10, seed=9)

@@ -1,0 +1,83 @@
+"""PD of the hybrid tiny-qwen3.5 preset with the decode's radix cache (--disaggregation-enable-
+decode-radix-cache; prefill and decode engines in one process over the local backend): the decode
+never computes a prompt, so its cache matches KV alone; the prefill sends the full-attention pages
+past the decode's prefix and the prompt's final state whole. Greedy tokens and logprobs equal the
+colocated engine without a cache for a shared system prompt and a multi-turn conversation; the
+bytes of every request are exactly its suffix pages plus one state; every page and slot is free
+afterwards on both sides."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from kvpipe.cache.hybrid_radix_cache import HybridRadixCache
+from kvpipe.engine.request import FinishReason, Req
+from kvpipe.model.config import ModelConfig
+from kvpipe.model.presets import write_preset
+from tests.helpers.pd_pair import PS, Pair, assert_pd_matches, colocated_greedy, make_pair
+from tests.helpers.pd_parity import expected_bytes, state_slot_nbytes
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return write_preset("tiny-qwen3.5", tmp_path_factory.mktemp("tiny_qwen35_pd_cache"))
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    yield from colocated_greedy(model_dir)
+
+
+def run_one(pair: Pair, ids: list[int], reference) -> tuple[int, int, Req]:
+    """One request through the pair: (bytes the prefill wrote, prompt tokens the decode had cached,
+    the finished decode request), its output checked against the reference."""
+    before, hits = pair.sender.stats.bytes_written, pair.decode.stats()["prefix_hit_tokens"]
+    p, d = pair.reqs(ids)
+    pair.run([(p, d)])
+    assert d.finish_reason is FinishReason.LENGTH, d.finish_detail
+    assert_pd_matches([d], [ids], reference)
+    return pair.sender.stats.bytes_written - before, pair.decode.stats()["prefix_hit_tokens"] - hits, d
+
+
+@pytest.mark.parametrize("prefill_cache", [False, True])
+def test_decode_cache_moves_the_suffix_pages_and_one_state(model_dir, reference, prefill_cache):
+    """With the prefill's own cache too (state snapshots, as colocated) it skips computing the
+    shared prefix and reports it as cached_tokens; the bytes do not change."""
+    rnd = random.Random(7)
+    tok = lambda n: [rnd.randrange(3, 290) for _ in range(n)]  # noqa: E731
+    state = state_slot_nbytes(ModelConfig.from_dir(model_dir))
+    page = expected_bytes(model_dir, [PS], PS, 1, 1) - state  # one page of the full-attention layer
+
+    def predicted(n: int, held: int) -> int:
+        return (-(-n // PS) - held // PS) * page + state
+
+    with make_pair(model_dir, 24, decode_radix_cache=True, prefill_radix_cache=prefill_cache) as pair:
+        cache = pair.decode.prefix_cache
+        assert cache is not None and not isinstance(cache, HybridRadixCache)  # KV alone
+        assert isinstance(pair.prefill.prefix_cache, HybridRadixCache) == prefill_cache
+        system = tok(40)
+        computed = []
+        for i in range(4):  # a shared system prompt: 2 whole pages
+            ids = system + tok(rnd.randint(20, 30))  # its prompt end lies past the system prompt
+            sent, hit, d = run_one(pair, ids, reference)
+            assert hit == (0 if i == 0 else 32) and sent == predicted(len(ids), hit), (i, hit, sent)
+            computed.append(d.cached_tokens)
+        # the prefill: the second finds the KV of the shared pages but no state there and snapshots
+        # it (the branch point); the rest hit it
+        assert computed == ([0, 0, 32, 32] if prefill_cache else [0] * 4)
+        convo = tok(30)
+        for turn in range(4):  # each turn resends the conversation so far
+            sent, hit, d = run_one(pair, convo, reference)
+            assert hit % PS == 0 and (turn == 0 or hit >= len(convo) - 30) and sent == predicted(len(convo), hit)
+            convo = convo + list(d.output_ids) + tok(5 + turn)
+        pair.settle()
+        for eng in (pair.prefill, pair.decode):
+            assert eng.state_slots is not None and eng.state_slots.in_use() == {}
+            c = eng.prefix_cache
+            assert c is None or (c.locked_pages == 0 and eng.allocator.num_used == c.num_pages)
+        p_cache = pair.prefill.prefix_cache
+        if isinstance(p_cache, HybridRadixCache):
+            assert p_cache.snapshots.num_used == p_cache.num_snapshots > 0
