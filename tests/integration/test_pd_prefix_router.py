@@ -16,8 +16,17 @@ import pytest
 from kvpipe.config import CacheConfig, ServerConfig
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import SamplingParams
-from tests.helpers.pd_parity import expected_bytes
-from tests.helpers.pd_stack import TP_PS, close_and_check_no_orphans, disagg_stats, generate, greedy, start_tp_stack
+from tests.helpers.pd_parity import colocated_reference, expected_bytes
+from tests.helpers.pd_stack import (
+    TP_FLAGS,
+    TP_PS,
+    close_and_check_no_orphans,
+    disagg_stats,
+    generate,
+    greedy,
+    start_stack,
+    start_tp_stack,
+)
 from tests.helpers.prefix_prompts import shared_prefix_prompts
 from tests.helpers.tolerance import Generation, Route, assert_same_generations
 
@@ -103,6 +112,53 @@ def test_cached_prefixes_through_router(
         assert not re.search(
             r"^I\d{4} ", (tmp_path / "prefill.log").read_text(errors="replace"), re.M
         )  # the decode held the prefixes
+    except BaseException:
+        print(stack.logs())
+        raise
+    finally:
+        close_and_check_no_orphans(stack)
+
+
+def test_decode_cache_with_fp8_kv(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """--kv-cache-dtype fp8_e4m3 with the decode's radix cache (issue 26): the decode reuses the fp8
+    pages it holds and receives only the rest. The prefill computes whole prompts and keeps no
+    cache (a cached prefix would be read back rounded at a chunk boundary the colocated reference
+    does not have), so every request's KV equals the colocated engine's with the same KV dtype."""
+    ps = shared_prefix_prompts(2)
+    reference = colocated_reference(tiny_model_dir, ps, NEW, PS, "fp8_e4m3", chunk=0, radix_cache=False)
+    stack = start_stack(
+        tiny_model_dir,
+        tmp_path,
+        *TP_FLAGS,
+        "--kv-cache-dtype",
+        "fp8_e4m3",
+        "--chunked-prefill-size",
+        "0",
+        "--disaggregation-layer-groups",
+        "2",
+        prefill_args=("--disable-radix-cache",),
+        decode_args=("--disaggregation-enable-decode-radix-cache",),
+    )
+    try:
+
+        def one(i: int) -> dict:
+            return generate(stack.router, {"input_ids": ps[i], "sampling_params": greedy(NEW), "return_logprob": True})
+
+        first = list(range(0, len(ps), 8))  # one prompt per prefix fills the decode's cache
+        rest = [i for i in range(len(ps)) if i % 8]
+        outs = {i: one(i) for i in first}
+        with ThreadPoolExecutor(8) as pool:
+            outs.update(zip(rest, pool.map(one, rest)))
+        got = [Generation.of(outs[i]) for i in range(len(ps))]
+        assert_same_generations(got, reference, Route.ACROSS_PROCESSES, ps, "fp8 KV, decode radix cache")
+        stack.prefill.wait_idle(30)
+        d = stack.decode.wait_idle(30)
+        assert d["prefix_hit_tokens"] > 0 and d["cached_pages"] > 0, d
+        st = disagg_stats(stack.prefill)
+        assert st["rooms_failed"] == 0 and st["rooms_succeeded"] == len(ps), st
+        # fp8 pages (1 byte per element), fewer of them than the prompts hold
+        full = expected_bytes(tiny_model_dir, [len(p) for p in ps], PS, 1, 1, kv_itemsize=1)
+        assert 0 < st["bytes_written"] < 0.6 * full, (st["bytes_written"], full)
     except BaseException:
         print(stack.logs())
         raise
