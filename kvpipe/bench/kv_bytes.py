@@ -1,20 +1,43 @@
 """What a model's PD request weighs on the wire, from its checkpoint schema (ModelConfig): the KV of
 every layer that keeps KV (K and V, or an MLA latent; a hybrid model's full-attention layers
 only), a GPT-OSS model's sliding layers only over the prompt's last window (KVWireBytes), plus a
-hybrid model's recurrent state once per request."""
+hybrid model's recurrent state once per request. Element sizes are the served ones (ServedDtypes:
+--dtype and --kv-cache-dtype as the servers resolve them), else the checkpoint's."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from kvpipe.cache.kv_dtype import kv_storage_dtype
 from kvpipe.model.config import ModelConfig
+from kvpipe.model.loader import resolve_dtype
 from kvpipe.transfer.planning.wire_bytes import KVWireBytes
 
 # bytes per element of the model dtypes a KV cache is kept in
 ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
-def kv_wire_bytes(mc: ModelConfig, page_size: int) -> KVWireBytes | None:
-    """Bytes of a request's KV by prompt length (None for a dtype of unknown size)."""
-    itemsize = ITEMSIZE.get(mc.dtype)
+@dataclass(frozen=True)
+class ServedDtypes:
+    """Bytes per element of what servers compute in (a hybrid model's conv state) and
+    store KV in: --dtype auto is fp32 on CPU and the checkpoint's dtype elsewhere, --kv-cache-dtype
+    auto the model dtype (kvpipe/model/loader.py resolve_dtype, kvpipe/cache/kv_dtype.py)."""
+
+    model: int
+    kv: int
+
+    @classmethod
+    def of(cls, mc: ModelConfig, dtype: str | None, kv_cache_dtype: str | None, device: str | None) -> ServedDtypes:
+        """From the servers' flag values (None: not given, the default)."""
+        model = resolve_dtype(None if dtype in (None, "auto") else dtype, mc, device or "cpu")
+        kv = kv_storage_dtype(kv_cache_dtype or "auto", model)
+        return cls(model.itemsize, kv.itemsize)
+
+
+def kv_wire_bytes(mc: ModelConfig, page_size: int, itemsize: int | None = None) -> KVWireBytes | None:
+    """Bytes of a request's KV by prompt length; `itemsize`: the pool's bytes per element (None:
+    the checkpoint dtype's; None back for a dtype of unknown size)."""
+    itemsize = ITEMSIZE.get(mc.dtype) if itemsize is None else itemsize
     if itemsize is None:
         return None
     per_layer = mc.kv_buffers_per_layer * mc.kv_cache_heads * mc.kv_cache_head_dim * itemsize
@@ -22,11 +45,11 @@ def kv_wire_bytes(mc: ModelConfig, page_size: int) -> KVWireBytes | None:
     return KVWireBytes((n - n_swa) * per_layer, n_swa * per_layer, mc.sliding_window if n_swa else None, page_size)
 
 
-def state_bytes_per_request(mc: ModelConfig) -> int | None:
+def state_bytes_per_request(mc: ModelConfig, itemsize: int | None = None) -> int | None:
     """Recurrent-state bytes one request moves whatever its length: a hybrid model's conv state in
-    the model dtype plus its fp32 recurrent state, per linear layer; 0 without linear layers,
-    None for a dtype of unknown size."""
+    the model dtype (`itemsize`; None: the checkpoint's) plus its fp32 recurrent state, per linear
+    layer; 0 without linear layers, None for a dtype of unknown size."""
     if mc.hybrid is None:
         return 0
-    itemsize = ITEMSIZE.get(mc.dtype)
+    itemsize = ITEMSIZE.get(mc.dtype) if itemsize is None else itemsize
     return None if itemsize is None else mc.hybrid.state_nbytes(itemsize)

@@ -9,12 +9,13 @@ import contextlib
 import shlex
 import tempfile
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 from kvpipe.bench import driver
 from kvpipe.bench.chat_text import ChatText, open_chat_text
 from kvpipe.bench.compare import COMPARE_MODES, compare_rows, compare_table
-from kvpipe.bench.kv_bytes import kv_wire_bytes, state_bytes_per_request
+from kvpipe.bench.kv_bytes import ServedDtypes, kv_wire_bytes, state_bytes_per_request
 from kvpipe.bench.machine import load_average, machine_info
 from kvpipe.bench.plot import plot_modes, plot_sweep
 from kvpipe.bench.probe import (
@@ -35,6 +36,7 @@ from kvpipe.bench.sweep import (
     parse_prompt_lens,
     run_sweep,
     run_sweep_interleaved,
+    server_flag,
     server_page_size,
 )
 from kvpipe.bench.sweep_rows import sweep_rows
@@ -57,12 +59,18 @@ def _readings(ep: Endpoint) -> Reading:
 
 
 def _model_bytes(model_path: str, server_args: tuple[str, ...]) -> tuple[KVWireBytes | None, int]:
-    """What a request of the model moves: its KV by prompt length and its state (unknown: None, 0)."""
+    """What a request of the model moves as the servers run it (their --dtype, --kv-cache-dtype,
+    --page-size): its KV by prompt length and its state (unknown: None, 0)."""
     try:
         mc = ModelConfig.from_dir(model_path)
     except (ConfigError, OSError, KeyError, TypeError, ValueError):
         return None, 0
-    return kv_wire_bytes(mc, server_page_size(server_args)), state_bytes_per_request(mc) or 0
+    flag = partial(server_flag, server_args)
+    served = ServedDtypes.of(mc, flag("--dtype"), flag("--kv-cache-dtype"), flag("--device"))
+    return (
+        kv_wire_bytes(mc, server_page_size(server_args), served.kv),
+        state_bytes_per_request(mc, served.model) or 0,
+    )
 
 
 class _Sweep:

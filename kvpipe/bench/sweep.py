@@ -189,12 +189,18 @@ def run_sweep_interleaved(
     return points
 
 
+def server_flag(server_args: Sequence[str], name: str) -> str | None:
+    """The last value of `--name` among the servers' flags (`--name V` or `--name=V`), else None."""
+    value = None
+    for i, a in enumerate(server_args):
+        if a == name and i + 1 < len(server_args):
+            value = server_args[i + 1]
+        elif a.startswith(name + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
 def server_page_size(server_args: Sequence[str]) -> int:
     """The servers' --page-size (tokens per KV page) among their flags, else the default."""
-    size = CacheConfig().page_size
-    for i, a in enumerate(server_args):
-        if a == "--page-size" and i + 1 < len(server_args):
-            size = int(server_args[i + 1])
-        elif a.startswith("--page-size="):
-            size = int(a.split("=", 1)[1])
-    return size
+    size = server_flag(server_args, "--page-size")
+    return CacheConfig().page_size if size is None else int(size)

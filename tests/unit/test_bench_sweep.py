@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvpipe.bench.kv_bytes import kv_wire_bytes, state_bytes_per_request
+from kvpipe.bench.kv_bytes import ServedDtypes, kv_wire_bytes, state_bytes_per_request
 from kvpipe.bench.latency import summarize
 from kvpipe.bench.outcome import End, Outcome
 from kvpipe.bench.plot import plot_modes, plot_run, plot_sweep
@@ -20,6 +20,7 @@ from kvpipe.bench.sweep import (
     parse_modes,
     parse_prompt_lens,
     run_sweep,
+    server_flag,
     server_page_size,
 )
 from kvpipe.bench.sweep_rows import exposed_ratio, sweep_rows
@@ -340,3 +341,26 @@ def test_server_page_size() -> None:
     assert server_page_size(()) == 64
     assert server_page_size(("--tp", "2", "--page-size", "16")) == 16
     assert server_page_size(("--page-size=32",)) == 32
+    assert server_flag(("--kv-cache-dtype", "bfloat16", "--kv-cache-dtype=fp8_e4m3"), "--kv-cache-dtype") == "fp8_e4m3"
+    assert server_flag(("--dtype", "float16"), "--kv-cache-dtype") is None
+
+
+def test_predicted_bytes_follow_the_served_dtypes() -> None:
+    """The bench predicts what the servers move with their --dtype and --kv-cache-dtype: a bf16
+    checkpoint runs in fp32 on CPU unless --dtype says otherwise, and the pool's element size
+    follows --kv-cache-dtype (fp8: 1 byte)."""
+    bf16 = _model("LlamaForCausalLM", **(BENCH | {"torch_dtype": "bfloat16"}))
+    per_token = 2 * 12 * 4 * 64
+    cases = [
+        ((None, None, None), ServedDtypes(4, 4)),  # CPU: fp32 whatever the checkpoint
+        ((None, None, "cuda"), ServedDtypes(2, 2)),  # elsewhere: the checkpoint's
+        (("float16", None, None), ServedDtypes(2, 2)),
+        (("auto", "fp8_e4m3", None), ServedDtypes(4, 1)),
+        (("bfloat16", "fp8_e5m2", None), ServedDtypes(2, 1)),
+    ]
+    for (dtype, kv, device), want in cases:
+        served = ServedDtypes.of(bf16, dtype, kv, device)
+        assert served == want, (dtype, kv, device)
+        assert kv_wire_bytes(bf16, 64, served.kv) == KVWireBytes(per_token * want.kv, page_size=64)
+    qwen = preset_config("tiny-qwen3.5")  # conv state in the model dtype, recurrent state fp32
+    assert state_bytes_per_request(qwen, 2) == 3 * (512 * 3 * 2 + 8 * 32 * 32 * 4)
