@@ -42,6 +42,7 @@ from kvpipe.server.core_split import (
     server_cores,
     split_cores,
 )
+from kvpipe.server.prometheus_targets import scrape_targets, write_targets
 from kvpipe.server.supervisor import PartState, RestartPolicy, Supervisor
 from kvpipe.transfer.control.auth import TOKEN_ENV, new_token
 
@@ -156,11 +157,19 @@ class PDStack:
     specs: list[PartSpec] = field(default_factory=list)
     supervisor: Supervisor | None = None  # set by supervise(): restart counts and events
     auth_token: str | None = field(default=None, repr=False)  # the servers' shared PD token
+    router_metrics_url: str | None = None  # the router's Prometheus exporter (its own port)
 
     @property
     def restarts(self) -> dict[str, int]:
         """Restarts per part so far (all 0 when not supervised)."""
         return self.supervisor.restarts() if self.supervisor else {s.name: 0 for s in self.specs}
+
+    @property
+    def metrics_urls(self) -> dict[str, str]:
+        """Where each part serves Prometheus' /metrics: the servers on their HTTP port, the router
+        on its exporter's."""
+        urls = {"prefill": self.prefill_url, "decode": self.decode_url}
+        return {**urls, "router": self.router_metrics_url} if self.router_metrics_url else urls
 
     def proc(self, name: str) -> subprocess.Popen:
         return self.procs[PARTS.index(name)]
@@ -335,6 +344,7 @@ def start_pd_stack(
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
     stack = PDStack(f"http://{host}:{p_port}", f"http://{host}:{d_port}", f"http://{host}:{r_port}", b_port, split)
+    stack.router_metrics_url = f"http://{host}:{metrics_port}"
     # One random token per stack authenticates its PD control plane, unless the caller chose one
     # (a flag, a token file, or our environment); restarts reuse it, so survivors trust them.
     if token or not has_flag(server_args, AUTH_TOKEN_FILE_FLAG):
@@ -436,6 +446,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
         default=d.backoff_max_s,
         help="cap of the backoff (seconds; at least --restart-backoff)",
     )
+    p.add_argument(
+        "--prometheus-targets",
+        default=None,
+        metavar="PATH",
+        help="write the stack's /metrics targets (prefill, decode, router) here as a Prometheus "
+        "file_sd_configs file once it is up (deploy/prometheus/prometheus.yml reads it; docs/metrics.md)",
+    )
 
 
 def policy_from_args(args: argparse.Namespace) -> RestartPolicy:
@@ -464,6 +481,13 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     except (RuntimeError, TimeoutError, ConfigError) as e:  # a part that exited or never became healthy
         where = f"its log in {args.log_dir}" if args.log_dir else "its output above"
         raise SystemExit(f"kvpipe launch: {e} (see {where})") from None
+    if args.prometheus_targets:
+        try:
+            write_targets(args.prometheus_targets, scrape_targets(stack.metrics_urls, stack.router_url))
+        except OSError as e:
+            stack.close()
+            raise SystemExit(f"kvpipe launch: cannot write --prometheus-targets: {e}") from None
+        print(f"kvpipe launch: Prometheus targets in {args.prometheus_targets}", flush=True)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:

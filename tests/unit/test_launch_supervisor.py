@@ -4,6 +4,7 @@ fake clock and fake processes: backoff doubling to a cap, the bound per window, 
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 from pathlib import Path
 
@@ -147,3 +148,41 @@ def test_launch_gives_up_with_exit_code_1_and_stops_in_order(
     out = capsys.readouterr()
     assert "prefill exited (exit code 1); restarts are off: stopping the stack" in out.out
     assert "stopped (restarts: prefill 0, decode 0, router 0)" in out.err
+
+
+def test_launch_writes_its_prometheus_targets(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """--prometheus-targets: once the stack is up, its parts' /metrics addresses are in the file
+    (the stack then stops at once: its prefill exits and restarts are off)."""
+    procs = [FakeProc([n]) for n in launcher.PARTS]
+    procs[0].returncode = 1
+    stack = PDStack(
+        "http://127.0.0.1:4001",
+        "http://127.0.0.1:4002",
+        "http://127.0.0.1:8000",
+        4003,
+        specs=[PartSpec(n, (n,), f"http://{n}/health") for n in launcher.PARTS],
+        procs=procs,
+        router_metrics_url="http://127.0.0.1:4004",
+    )
+    monkeypatch.setattr(launcher, "start_pd_stack", lambda *a, **kw: stack)
+    monkeypatch.setattr(launcher, "stop_process", lambda p, timeout_s=10.0: None)
+    parser = argparse.ArgumentParser()
+    launcher.add_args(parser)
+    path = tmp_path / "targets" / "kvpipe.json"
+    old = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    try:
+        args = parser.parse_args(
+            ["--max-restarts", "0", "--model-path", str(tiny_model_dir), "--prometheus-targets", str(path)]
+        )
+        assert launcher.run(args, []) == 1
+    finally:
+        signal.signal(signal.SIGTERM, old[0])
+        signal.signal(signal.SIGINT, old[1])
+    groups = json.loads(path.read_text())
+    assert {g["labels"]["part"]: g["targets"] for g in groups} == {
+        "prefill": ["127.0.0.1:4001"],
+        "decode": ["127.0.0.1:4002"],
+        "router": ["127.0.0.1:4004"],
+    }
