@@ -86,8 +86,12 @@ def test_abort_mid_generation_frees_every_draft_page(models):
     path, other, _ = models
     eng = make_engine(path, speculative=standalone(other), radix_cache=True, chunk=16)
     try:
-        params = replace(GREEDY24, max_new_tokens=40)
-        reqs = [Req(f"r{i}", list(p), params) for i, p in enumerate(PROMPTS[2:5])]
+        # the middle one runs to its end; the others could not finish before they are aborted
+        lens = (200, 40, 200)
+        reqs = [
+            Req(f"r{i}", list(p), replace(GREEDY24, max_new_tokens=n))
+            for i, (p, n) in enumerate(zip(PROMPTS[2:5], lens))
+        ]
         for r in reqs:
             eng.add_request(r)
         for _ in range(500):
