@@ -1,7 +1,8 @@
 """The STANDALONE drafter (a draft model with the target's tokenizer, engine/draft_model.py) in the
 engine: greedy outputs with it are those without, batched with chunked prefill and the radix
 cache; a draft model equal to the target has every draft accepted; a different draft (the tiny
-preset written with another seed) still gives the target's outputs; no draft page is left after
+preset written with another seed, or a noisy copy of the target that agrees in part) still gives
+the target's outputs; no draft page is left after
 the requests finish or are aborted mid-generation; sampled requests verify the draft's greedy
 (point-mass) drafts by speculative sampling; draft models the drafter cannot serve are refused."""
 
@@ -13,6 +14,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from kvpipe.config import ConfigError, SpeculativeConfig
 from kvpipe.engine.engine import Engine
@@ -36,6 +39,20 @@ def assert_nothing_left(eng: Engine) -> None:
     assert eng.draft is not None and not eng.draft.book.seqs
     a = eng.draft.book.allocator
     assert a.num_free == a.num_pages
+
+
+def noisy_copy(src: Path, dst: Path, scale: float = 0.1) -> Path:
+    """`src` with seeded noise (scale x each matrix's std) on every weight matrix: a draft that
+    agrees with the target often but not always (a part of each chain accepted)."""
+    shutil.copytree(src, dst)
+    weights = load_file(str(dst / "model.safetensors"))
+    g = torch.Generator().manual_seed(1)
+    for name, w in weights.items():
+        if w.ndim == 2:
+            noise = scale * w.float().std() * torch.randn(w.shape, generator=g)
+            weights[name] = (w.float() + noise).to(w.dtype)
+    save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
 
 
 @pytest.fixture(scope="module")
@@ -69,13 +86,20 @@ def test_draft_equal_to_target_accepts_every_draft(models):
         eng.shutdown()
 
 
-def test_other_draft_model_keeps_the_target_outputs(models):
+@pytest.mark.parametrize("draft", ["seed1", "noisy"])
+def test_other_draft_model_keeps_the_target_outputs(models, draft, tmp_path):
+    """A draft of another seed (it never agrees: every chain rejected at its first draft) and a
+    noisy copy of the target (chains accepted in part: the draft KV of the accepted drafts is
+    kept, the rest recomputed) leave the target's outputs as they are."""
     path, other, reference = models
-    eng = make_engine(path, speculative=standalone(other, steps=4), chunk=7, radix_cache=True)
+    drafter = other if draft == "seed1" else noisy_copy(path, tmp_path / "noisy")
+    eng = make_engine(path, speculative=standalone(drafter, steps=4), chunk=7, radix_cache=True)
     try:
-        assert_engine_matches(eng, PROMPTS, reference, Route.SAME_PROCESS, GREEDY24, "STANDALONE, other draft")
+        assert_engine_matches(eng, PROMPTS, reference, Route.SAME_PROCESS, GREEDY24, f"STANDALONE, {draft} draft")
         c = eng.spec_counts
         assert c.proposed > 0 and c.accepted <= c.proposed, c
+        if draft == "noisy":
+            assert 0 < c.accepted < c.proposed, c
         assert c.emitted == c.verify_ct + c.accepted
         assert_nothing_left(eng)
     finally:
