@@ -329,9 +329,10 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20  # an HTTP server's --max-request-body
 
 
 # --speculative-algorithm (SGLang's names): what kvpipe runs, and what it names but refuses for now
-SPECULATIVE_ALGORITHMS = ("NGRAM",)
-SPECULATIVE_NOT_YET = ("STANDALONE", "NEXTN", "EAGLE", "EAGLE3")
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
+SPECULATIVE_NOT_YET = ("NEXTN", "EAGLE", "EAGLE3")
 NGRAM_DEFAULT_DRAFT_TOKENS = 8  # verified tokens per step: the last token and 7 drafts
+STANDALONE_DEFAULT_NUM_STEPS = 3  # drafts per step of a draft model when neither count is given
 
 
 @dataclass(frozen=True)
@@ -347,6 +348,8 @@ class SpeculativeConfig:
     # NGRAM: the suffix of the request's tokens looked up in its own earlier tokens, in tokens
     ngram_min_match_window_size: int = 1
     ngram_max_match_window_size: int = 12
+    # STANDALONE: the draft model's checkpoint (same tokenizer as the target)
+    draft_model_path: str | None = None
 
     def __post_init__(self) -> None:
         a = self.algorithm
@@ -376,6 +379,11 @@ class SpeculativeConfig:
         lo, hi = self.ngram_min_match_window_size, self.ngram_max_match_window_size
         if not (type(lo) is int and type(hi) is int and 1 <= lo <= hi):
             raise ConfigError(f"NGRAM match windows must satisfy 1 <= min ({lo!r}) <= max ({hi!r})")
+        if (a.upper() == "STANDALONE") != (self.draft_model_path is not None):
+            raise ConfigError(
+                "--speculative-draft-model-path goes with --speculative-algorithm STANDALONE "
+                f"(got algorithm {a}, draft model {self.draft_model_path!r})"
+            )
 
     @property
     def enabled(self) -> bool:
@@ -390,6 +398,8 @@ class SpeculativeConfig:
             return self.num_draft_tokens - 1
         if self.num_steps is not None:
             return self.num_steps
+        if self.algorithm is not None and self.algorithm.upper() == "STANDALONE":
+            return STANDALONE_DEFAULT_NUM_STEPS
         return NGRAM_DEFAULT_DRAFT_TOKENS - 1
 
 

@@ -126,6 +126,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "workload (bench/spec_decode.py); --skip-prefill --skip-decode runs only that",
     )
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="tokens verified per step")
+    p.add_argument("--speculative-draft-model-path", default=None, help="STANDALONE: the draft model's checkpoint")
     p.add_argument("--spec-output-len", type=int, default=160, help="max new tokens of the speculative workload")
     p.add_argument("--spec-batch", type=int, default=1, help="requests of the speculative workload run together")
     p.add_argument(
@@ -337,7 +338,11 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     speculative = None
     if args.speculative_algorithm:
         try:
-            spec = SpeculativeConfig(args.speculative_algorithm, num_draft_tokens=args.speculative_num_draft_tokens)
+            spec = SpeculativeConfig(
+                args.speculative_algorithm,
+                num_draft_tokens=args.speculative_num_draft_tokens,
+                draft_model_path=args.speculative_draft_model_path,
+            )
         except ConfigError as e:
             raise SystemExit(f"kvpipe bench engine: {e}") from None
         speculative = compare_speculative(

@@ -121,7 +121,8 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
         type=str.upper,
         choices=[*SPECULATIVE_ALGORITHMS, *SPECULATIVE_NOT_YET],
         help="NGRAM: drafts looked up in the request's own tokens, verified greedily in one forward "
-        "(sampled requests by speculative sampling); STANDALONE, NEXTN and EAGLE are refused (not yet)",
+        "(sampled requests by speculative sampling); STANDALONE: greedy drafts of a smaller model "
+        "(--speculative-draft-model-path); NEXTN and EAGLE are refused (not yet)",
     )
     g.add_argument("--speculative-num-steps", type=int, default=None, help="drafts per step (a chain)")
     g.add_argument("--speculative-eagle-topk", type=int, default=None, help="1 only: kvpipe verifies a chain")
@@ -130,7 +131,7 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="tokens verified per request and step: the last token and up to N - 1 drafts "
-        "(default: num_steps + 1, else 8)",
+        "(default: num_steps + 1, else 8 for NGRAM and 4 for STANDALONE)",
     )
     g.add_argument(
         "--speculative-ngram-min-match-window-size",
@@ -143,6 +144,11 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=d.ngram_max_match_window_size,
         help="NGRAM: longest suffix of the request's tokens looked up",
+    )
+    g.add_argument(
+        "--speculative-draft-model-path",
+        default=None,
+        help="STANDALONE: the draft model's checkpoint (the target's tokenizer; TP 1)",
     )
 
 
@@ -160,6 +166,7 @@ def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig:
         ngram_max_match_window_size=getattr(
             args, "speculative_ngram_max_match_window_size", d.ngram_max_match_window_size
         ),
+        draft_model_path=getattr(args, "speculative_draft_model_path", None),
     )
 
 

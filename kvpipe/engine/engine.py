@@ -36,6 +36,7 @@ from kvpipe.engine.connector import (
     TransferFinished,
 )
 from kvpipe.engine.connector_workers import RankWorkers
+from kvpipe.engine.draft_model import DraftModel, check_draft_model
 from kvpipe.engine.finish import FinishChecker
 from kvpipe.engine.model_runner import ModelRunner, snapshot_slots, split_layers, state_slots
 from kvpipe.engine.ngram_drafter import propose_ngram
@@ -108,6 +109,10 @@ class Engine:
         else:
             device = cfg.device
             self.runner = build_runner(cfg, ParallelConfig(), device)
+        # STANDALONE: the draft model and its own KV, in this process (TP 1, checked above)
+        self.draft: DraftModel | None = None
+        if self.spec.draft_model_path is not None:
+            self.draft = DraftModel(cfg, self.model_config, device)
         self.allocator = PageAllocator(cfg.cache.pages(), cfg.cache.debug_checks)
         use_cache = cfg.cache.radix_cache and (connector is None or connector.prefix_cache)
         hybrid = self.model_config.hybrid is not None
@@ -312,8 +317,10 @@ class Engine:
 
     # ---- speculative decoding ----------------------------------------------------------------
     def _propose(self, req: Req, max_drafts: int) -> list[int]:
-        """NGRAM drafts of a decode row (greedy rows keep the matching ones, sampled rows verify
-        them by speculative sampling: spec_sampling.py)."""
+        """NGRAM or the draft model's drafts of a decode row (greedy rows keep the matching ones,
+        sampled rows verify them by speculative sampling: spec_sampling.py)."""
+        if self.draft is not None:
+            return self.draft.propose(req.rid, req.all_ids, max_drafts)
         s = self.spec
         return propose_ngram(req.all_ids, max_drafts, s.ngram_min_match_window_size, s.ngram_max_match_window_size)
 
@@ -575,6 +582,8 @@ class Engine:
 
     def _forget(self, rid: str, release_rid: bool = True) -> None:
         self._generators.pop(rid, None)
+        if self.draft is not None:  # every end of a request passes here (finish, abort, failure)
+            self.draft.release(rid)
         self.finisher.forget(rid)
         if release_rid:
             with self._lock:
@@ -695,3 +704,5 @@ def check_speculative(cfg: ServerConfig, model: ModelConfig) -> None:
             f"--speculative-algorithm {cfg.speculative.algorithm} is not supported yet for "
             f"{cfg.model_path}: its sliding-window pages would need a rollback after a rejected draft"
         )
+    if cfg.speculative.draft_model_path is not None:  # before any TP rank starts
+        check_draft_model(cfg, model, ModelConfig.from_dir(cfg.speculative.draft_model_path))

@@ -47,10 +47,13 @@ def test_config_and_flags():
     assert SpeculativeConfig("NGRAM").max_drafts == 7
     assert SpeculativeConfig("NGRAM", num_steps=3).max_drafts == 3
     assert SpeculativeConfig("NGRAM", num_draft_tokens=5, num_steps=4, eagle_topk=1).max_drafts == 4
+    assert SpeculativeConfig("STANDALONE", draft_model_path="d").max_drafts == 3
+    assert SpeculativeConfig("STANDALONE", num_steps=5, draft_model_path="d").max_drafts == 5
     for bad in (
         dict(algorithm="EAGLE"),
         dict(algorithm="NEXTN"),
-        dict(algorithm="STANDALONE"),
+        dict(algorithm="STANDALONE"),  # without a draft model
+        dict(algorithm="NGRAM", draft_model_path="d"),
         dict(algorithm="MEDUSA"),
         dict(algorithm="NGRAM", eagle_topk=4),
         dict(algorithm="NGRAM", num_steps=3, num_draft_tokens=8),
@@ -71,6 +74,8 @@ def test_config_and_flags():
     )
     assert cfg == SpeculativeConfig("NGRAM", num_draft_tokens=5, ngram_max_match_window_size=6)
     assert not speculative_config_from_args(p.parse_args([])).enabled
+    args = p.parse_args("--speculative-algorithm standalone --speculative-draft-model-path /m/draft".split())
+    assert speculative_config_from_args(args) == SpeculativeConfig("STANDALONE", draft_model_path="/m/draft")
 
 
 def _fake_drafter(wrong_at: int):

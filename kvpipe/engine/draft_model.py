@@ -1,0 +1,85 @@
+"""The STANDALONE drafter (SGLang's --speculative-algorithm STANDALONE): a smaller model with the
+target's tokenizer proposes a chain of greedy drafts from its own paged KV.
+
+Loaded by the target's loader into its own ModelRunner (its own KV pool, as many pages as the
+target's, the same page size) and its own PageAllocator; draft_book.py keeps which tokens its KV
+holds per request. One proposal: an extend forward over the request's tokens the draft KV lacks
+(the whole prompt at the first decode step, later the accepted drafts and the bonus token), whose
+last logits give draft 1, then single-token forwards of each draft for the next. The draft is a
+point mass (argmax), so sampled requests verify it as NGRAM's (engine/spec_sampling.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from kvpipe.cache.page_allocator import PageAllocator
+from kvpipe.config import ConfigError, ServerConfig
+from kvpipe.engine.batch import ForwardSpec
+from kvpipe.engine.draft_book import DraftBook
+from kvpipe.engine.model_runner import ModelRunner
+from kvpipe.model.config import ModelConfig
+from kvpipe.model.loader import load_model
+
+
+def check_draft_model(cfg: ServerConfig, target: ModelConfig, draft: ModelConfig) -> None:
+    """Refuse a draft model the STANDALONE drafter cannot serve next to `target`."""
+    path = cfg.speculative.draft_model_path
+    if draft.vocab_size != target.vocab_size:
+        raise ConfigError(
+            f"--speculative-draft-model-path {path}: its vocabulary ({draft.vocab_size} tokens) is not the "
+            f"target's ({target.vocab_size}); a draft model must share the target's tokenizer"
+        )
+    if draft.hybrid is not None or draft.sliding_layers:
+        raise ConfigError(
+            f"--speculative-draft-model-path {path}: a hybrid or sliding-window draft model is not supported yet"
+        )
+    if cfg.tp_size > 1:
+        raise ConfigError(
+            f"--speculative-algorithm STANDALONE with --tp-size {cfg.tp_size}: not supported yet "
+            "(the draft model runs with TP 1 only)"
+        )
+
+
+class DraftModel:
+    def __init__(self, cfg: ServerConfig, target: ModelConfig, device: str) -> None:
+        path = cfg.speculative.draft_model_path
+        assert path is not None
+        self.model_config = ModelConfig.from_dir(path)
+        check_draft_model(cfg, target, self.model_config)
+        model = load_model(path, device=device, dtype=None if cfg.dtype == "auto" else cfg.dtype)
+        cache = replace(cfg.cache, kv_cache_dtype="auto")  # the draft's own KV in its compute dtype
+        self.runner = ModelRunner(model, cache, device, cfg.scheduler)
+        self.page_size = cache.page_size
+        self.book = DraftBook(PageAllocator(cache.pages(), cache.debug_checks), cache.page_size)
+
+    @torch.inference_mode()
+    def propose(self, rid: str, tokens: Sequence[int], num_drafts: int) -> list[int]:
+        """Up to `num_drafts` greedy drafts after `tokens` (the request's prompt and outputs);
+        [] when the draft pool has no room this step."""
+        plan = self.book.plan(rid, tokens, num_drafts)
+        if plan is None:
+            return []
+        drafts = [self._forward(plan.catch_up, plan.start, plan.pages)]
+        self.book.wrote(rid, plan.catch_up)
+        pos = plan.start + len(plan.catch_up)
+        while len(drafts) < num_drafts:
+            drafts.append(self._forward([drafts[-1]], pos, plan.pages))
+            self.book.wrote(rid, drafts[-2:-1])
+            pos += 1
+        return drafts
+
+    def _forward(self, token_ids: list[int], prefix_len: int, pages: np.ndarray) -> int:
+        """One row's forward of `token_ids` at positions prefix_len..; the argmax after the last."""
+        used = -(-(prefix_len + len(token_ids)) // self.page_size)
+        spec = ForwardSpec((token_ids,), (prefix_len,), (np.ascontiguousarray(pages[:used]),), (True,))
+        logits = self.runner.run(spec)
+        assert logits is not None
+        return int(torch.argmax(logits[0]).item())
+
+    def release(self, rid: str) -> None:
+        self.book.release(rid)
