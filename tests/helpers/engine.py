@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from kvpipe.config import CacheConfig, SchedulerConfig, ServerConfig, SpeculativeConfig
@@ -142,3 +143,29 @@ def assert_context_matters(
     assert all(moved), f"logprobs moved by less than {floor:.3g}: {list(zip(got, reference))}"
     changed = sum(a.tokens != e.tokens for a, e in zip(got, reference))
     assert 2 * changed > len(ps), f"only {changed} of {len(ps)} greedy outputs changed with the context"
+
+
+def check_sampled_speculation(
+    path: Path, speculative: SpeculativeConfig, prompt: list[int], leaves_nothing: Callable[[Engine], None]
+) -> None:
+    """temperature > 0 with speculation: drafts are verified by speculative sampling (its
+    distribution: tests/unit/test_spec_sampling.py). A seeded request is reproducible and runs to
+    max_new_tokens; a near-zero temperature accepts drafts (`prompt` must draw some); top_k=1 is
+    greedy, as without speculation; then `leaves_nothing` checks the engine's pages."""
+    plain = make_engine(path)
+    spec = make_engine(path, speculative=speculative, radix_cache=True)
+    try:
+        params = SamplingParams(max_new_tokens=16, temperature=0.7, seed=7, ignore_eos=True)
+        first = output_ids(spec, [prompt], params)
+        assert first == output_ids(spec, [prompt], params) and len(first[0]) == 16
+        assert spec.spec_counts.proposed > 0
+        before = spec.spec_counts.accepted
+        cold = replace(params, temperature=1e-3, seed=None)
+        assert len(output_ids(spec, [prompt, prompt], cold)[1]) == 16
+        assert spec.spec_counts.accepted > before
+        top1 = replace(params, top_k=1)
+        assert output_ids(spec, [prompt], top1) == output_ids(plain, [prompt], top1)
+        leaves_nothing(spec)
+    finally:
+        plain.shutdown()
+        spec.shutdown()

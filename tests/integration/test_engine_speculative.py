@@ -16,7 +16,14 @@ from kvpipe.config import ConfigError, SpeculativeConfig
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import FinishReason, Req, SamplingParams
 from kvpipe.model.presets import write_preset
-from tests.helpers.engine import assert_engine_matches, make_engine, one_at_a_time, output_ids, prompts
+from tests.helpers.engine import (
+    assert_engine_matches,
+    check_sampled_speculation,
+    make_engine,
+    one_at_a_time,
+    output_ids,
+    prompts,
+)
 from tests.helpers.tolerance import Route
 
 NGRAM = SpeculativeConfig("NGRAM", num_draft_tokens=5)
@@ -153,25 +160,7 @@ def test_sampled_requests_verify_drafts_by_speculative_sampling(model):
     checks that it keeps the target's distribution). Here: a seeded request is reproducible and runs
     to max_new_tokens; a near-zero temperature accepts drafts; top_k=1 is greedy, as without
     speculation; no page is lost."""
-    path, _ = model
-    plain = make_engine(path)
-    spec = make_engine(path, speculative=NGRAM, radix_cache=True)
-    try:
-        p = repetitive_prompts()[0]
-        params = SamplingParams(max_new_tokens=16, temperature=0.7, seed=7, ignore_eos=True)
-        first = output_ids(spec, [p], params)
-        assert first == output_ids(spec, [p], params) and len(first[0]) == 16
-        assert spec.spec_counts.proposed > 0
-        before = spec.spec_counts.accepted
-        cold = replace(params, temperature=1e-3, seed=None)
-        assert len(output_ids(spec, [p, p], cold)[1]) == 16
-        assert spec.spec_counts.accepted > before
-        top1 = replace(params, top_k=1)
-        assert output_ids(spec, [p], top1) == output_ids(plain, [p], top1)
-        assert_no_pages_lost(spec)
-    finally:
-        plain.shutdown()
-        spec.shutdown()
+    check_sampled_speculation(model[0], NGRAM, repetitive_prompts()[0], assert_no_pages_lost)
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen3.5", "tiny-gpt-oss"])

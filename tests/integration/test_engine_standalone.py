@@ -21,7 +21,13 @@ from kvpipe.config import ConfigError, SpeculativeConfig
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import FinishReason, Req, SamplingParams
 from kvpipe.model.presets import write_preset
-from tests.helpers.engine import assert_engine_matches, make_engine, one_at_a_time, output_ids, prompts
+from tests.helpers.engine import (
+    assert_engine_matches,
+    check_sampled_speculation,
+    make_engine,
+    one_at_a_time,
+    prompts,
+)
 from tests.helpers.tolerance import Route
 
 GREEDY24 = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
@@ -140,24 +146,7 @@ def test_sampled_requests_verify_the_greedy_drafts(models):
     sampling as NGRAM's drafts. A seeded request is reproducible; a near-zero temperature with the
     target as its own draft accepts drafts; top_k=1 is greedy, as without speculation."""
     path, _, _ = models
-    plain = make_engine(path)
-    spec = make_engine(path, speculative=standalone(path), radix_cache=True)
-    try:
-        p = PROMPTS[3]
-        params = SamplingParams(max_new_tokens=16, temperature=0.7, seed=7, ignore_eos=True)
-        first = output_ids(spec, [p], params)
-        assert first == output_ids(spec, [p], params) and len(first[0]) == 16
-        assert spec.spec_counts.proposed > 0
-        before = spec.spec_counts.accepted
-        cold = replace(params, temperature=1e-3, seed=None)
-        assert len(output_ids(spec, [p, p], cold)[1]) == 16
-        assert spec.spec_counts.accepted > before
-        top1 = replace(params, top_k=1)
-        assert output_ids(spec, [p], top1) == output_ids(plain, [p], top1)
-        assert_nothing_left(spec)
-    finally:
-        plain.shutdown()
-        spec.shutdown()
+    check_sampled_speculation(path, standalone(path), PROMPTS[3], assert_nothing_left)
 
 
 def test_unservable_draft_models_are_refused(models, tmp_path):
