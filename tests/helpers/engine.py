@@ -10,7 +10,7 @@ from pathlib import Path
 
 from kvpipe.config import CacheConfig, SchedulerConfig, ServerConfig, SpeculativeConfig
 from kvpipe.engine.engine import Engine
-from kvpipe.engine.request import Req, SamplingParams
+from kvpipe.engine.request import Req, SamplingParams, TokenOutput
 from tests.helpers.tolerance import Generation, Route, assert_same_generations, generation_atol
 
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
@@ -169,3 +169,14 @@ def check_sampled_speculation(
     finally:
         plain.shutdown()
         spec.shutdown()
+
+
+def step_until_finished(engine: Engine, reqs: list[Req], max_steps: int = 2000) -> list[TokenOutput]:
+    """Step `engine` until every request in `reqs` finished (at most `max_steps` steps: a request
+    that never ends fails the test instead of hanging it); the outputs the steps returned."""
+    outs: list[TokenOutput] = []
+    for _ in range(max_steps):
+        if all(r.finished for r in reqs):
+            return outs
+        outs.extend(engine.step())
+    raise AssertionError(f"not finished after {max_steps} steps: {[r.rid for r in reqs if not r.finished]}")

@@ -23,6 +23,7 @@ from tests.helpers.engine import (
     one_at_a_time,
     output_ids,
     prompts,
+    step_until_finished,
 )
 from tests.helpers.tolerance import Route
 
@@ -147,8 +148,7 @@ def test_abort_mid_generation_frees_every_page(model):
         assert reqs[0].spec is not None and reqs[0].spec.proposed > 0
         eng.abort(reqs[0].rid)
         eng.abort(reqs[2].rid)
-        while not all(r.finished for r in reqs):
-            eng.step()
+        step_until_finished(eng, reqs)
         assert [r.finish_reason for r in reqs] == [FinishReason.ABORT, FinishReason.LENGTH, FinishReason.ABORT]
         assert_no_pages_lost(eng)
     finally:

@@ -27,6 +27,7 @@ from tests.helpers.engine import (
     make_engine,
     one_at_a_time,
     prompts,
+    step_until_finished,
 )
 from tests.helpers.tolerance import Route
 
@@ -133,8 +134,7 @@ def test_abort_mid_generation_frees_every_draft_page(models):
         eng.abort(reqs[2].rid)
         eng.step()
         assert set(eng.draft.book.seqs) == {reqs[1].rid}  # the aborted requests' draft pages are back
-        while not all(r.finished for r in reqs):
-            eng.step()
+        step_until_finished(eng, reqs)
         assert [r.finish_reason for r in reqs] == [FinishReason.ABORT, FinishReason.LENGTH, FinishReason.ABORT]
         assert_nothing_left(eng)
     finally:

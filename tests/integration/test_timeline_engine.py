@@ -11,7 +11,7 @@ import pytest
 
 from kvpipe.engine.request import Req, TokenOutput
 from kvpipe.engine.timeline import Phase, TimelineRecord
-from tests.helpers.engine import GREEDY, make_engine
+from tests.helpers.engine import GREEDY, make_engine, step_until_finished
 from tests.helpers.pd_pair import make_pair, prompts
 
 CHUNK = 24  # does not divide into pages of 16
@@ -53,9 +53,8 @@ def run(engine, reqs: list[Req]) -> dict[str, list[TokenOutput]]:
     outs: dict[str, list[TokenOutput]] = {}
     for r in reqs:
         engine.add_request(r)
-    while not all(r.finished for r in reqs):
-        for o in engine.step():
-            outs.setdefault(o.rid, []).append(o)
+    for o in step_until_finished(engine, reqs):
+        outs.setdefault(o.rid, []).append(o)
     return outs
 
 
