@@ -15,6 +15,13 @@ transfer/planning/wire_bytes.py) plus, once per request in its last forward, a h
 (LayerPipeline.begin). N = 1 is the plain
 path. We pick the N with the smallest predicted TTFT and keep the plain path unless pipelining
 saves at least `min_gain` of the plain TTFT: a short prompt never pays for groups it cannot use.
+
+Equal groups are not the best split where T ≈ C: the link is busy from the first group's KV to
+the last, so what stays exposed is the first group's compute (before the link has anything) or
+the last group's transfer (after the compute is done), whichever regime holds. A tapered split
+(one layer at each end, the rest near-equal: 12 layers in 7 groups are 1,2,2,2,2,2,1) halves
+that exposed end for one more group's overhead. The planner simulates both shapes for every N
+(`predicted_ttft_ms` with `bounds`) and keeps the cheaper.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from kvpipe.engine.model_runner import split_layers
 @dataclass(frozen=True)
 class LayerGroupPolicy:
     fixed_groups: int | None = None  # None: adaptive; 1: plain path always; N: always N groups
-    max_groups: int = 8
+    max_groups: int = 16  # capped by the layer count
     min_tokens: int = 512  # below this many prompt tokens in the batch: plain path
     min_gain: float = 0.05  # pipelining must save this fraction of the plain TTFT
     group_overhead_ms: float = 1.0  # fixed cost of one more group
@@ -43,24 +50,44 @@ class LayerGroupPolicy:
         return cls() if n == "auto" else cls(fixed_groups=int(n))
 
 
+Bounds = tuple[tuple[int, int], ...]  # [start, end) layer ranges of a batch's groups, in order
+
+
+def tapered_split(num_layers: int, num_groups: int) -> Bounds | None:
+    """One layer in the first and the last group, the layers between in `num_groups - 2`
+    near-equal groups; None where that is no different from `split_layers` or impossible."""
+    if num_groups < 3 or num_groups > num_layers:
+        return None
+    inner = split_layers(num_layers - 2, num_groups - 2)
+    bounds = ((0, 1), *((s + 1, e + 1) for s, e in inner), (num_layers - 1, num_layers))
+    return None if bounds == split_layers(num_layers, num_groups) else bounds
+
+
 def predicted_ttft_ms(
-    compute_ms: float, transfer_ms: float, groups: int, overhead_ms: float, num_layers: int | None = None
+    compute_ms: float,
+    transfer_ms: float,
+    groups: int,
+    overhead_ms: float,
+    num_layers: int | None = None,
+    bounds: Bounds | None = None,
 ) -> float:
     """Prefill compute plus the transfer left after it, for `groups` layer groups.
 
     Without `num_layers` the groups are equal (the closed form above). With it, the groups are
-    those `split_layers` makes (12 layers in 8 groups: sizes 2,1,1,2,2,1,1,2), and the pipeline
-    is simulated: group k's KV leaves once group k is computed and group k-1's KV has left, so a
-    split whose last group is larger exposes more than T/N."""
+    `bounds` or else those `split_layers` makes (12 layers in 8 groups: sizes 2,1,1,2,2,1,1,2),
+    and the pipeline is simulated: group k's KV leaves once group k is computed and group k-1's
+    KV has left, so a split whose last group is larger exposes more than T/N. Compute and
+    transfer are spread over the layers evenly (every layer of a model has the same shape)."""
     n = max(1, groups)
     if num_layers is None:
         return max(compute_ms + transfer_ms / n, compute_ms / n + transfer_ms) + (n - 1) * overhead_ms
+    split = bounds if bounds is not None else split_layers(num_layers, n)
     c_done = t_done = 0.0
-    for start, end in split_layers(num_layers, n):
+    for start, end in split:
         frac = (end - start) / num_layers
         c_done += compute_ms * frac
         t_done = max(t_done, c_done) + transfer_ms * frac
-    return t_done + (len(split_layers(num_layers, n)) - 1) * overhead_ms
+    return t_done + (len(split) - 1) * overhead_ms
 
 
 class ComputeEstimator:
@@ -123,6 +150,8 @@ class GroupChoice:
     compute_ms: float | None = None
     transfer_ms: float | None = None
     predicted_ms: float | None = None
+    # the groups' layer ranges when not split_layers(num_layers, groups) (a tapered split)
+    bounds: Bounds | None = None
 
 
 class LayerGroupPlanner:
@@ -146,11 +175,18 @@ class LayerGroupPlanner:
                 choice = GroupChoice(1, "no-estimate")
             else:
                 c = per_layer * self.num_layers
-                cost = {n: predicted_ttft_ms(c, t, n, p.group_overhead_ms, self.num_layers) for n in range(1, cap + 1)}
-                best = min(cost, key=lambda n: (cost[n], n))
-                if cost[best] > (1 - p.min_gain) * cost[1]:
-                    choice = GroupChoice(1, "no-gain", c, t, cost[1])
+                # (predicted ms, groups, tapered?) of every split: equal groups first on ties
+                splits: list[tuple[int, Bounds | None]] = [(n, None) for n in range(1, cap + 1)]
+                splits += [(n, b) for n in range(3, cap + 1) if (b := tapered_split(self.num_layers, n))]
+                cost = [
+                    (predicted_ttft_ms(c, t, n, p.group_overhead_ms, self.num_layers, b), n, b is not None, b)
+                    for n, b in splits
+                ]
+                best_ms, best, _, bounds = min(cost, key=lambda x: x[:3])
+                plain_ms = cost[0][0]
+                if best_ms > (1 - p.min_gain) * plain_ms:
+                    choice = GroupChoice(1, "no-gain", c, t, plain_ms)
                 else:
-                    choice = GroupChoice(best, "cost-model", c, t, cost[best])
+                    choice = GroupChoice(best, "cost-model", c, t, best_ms, bounds)
         self.last = choice
         return choice

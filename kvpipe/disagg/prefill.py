@@ -225,7 +225,7 @@ class PrefillConnector(PDConnector):
             batch.num_tokens, sum(c.token_end - c.token_start for c in rows), sum(c.state for c in rows), kv_bytes
         )
         self._piped = tuple(rows) if choice.groups > 1 else ()
-        return ForwardPlan(choice.groups, PrefillStep(tuple(starts), self._piped))
+        return ForwardPlan(choice.groups, PrefillStep(tuple(starts), self._piped), layer_bounds=choice.bounds)
 
     def after_forward(self, batch: ScheduledBatch) -> None:
         assert self.pipeline is not None

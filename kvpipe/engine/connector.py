@@ -51,6 +51,8 @@ class Admission(enum.Enum):
 class ForwardPlan:
     layer_groups: int = 1  # the prefill forward runs as this many layer groups (1: one pass)
     meta: Any = None  # picklable; handed to every rank's worker with the forward
+    # the groups' [start, end) layer ranges when not split_layers(num_layers, layer_groups)
+    layer_bounds: tuple[tuple[int, int], ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -410,7 +410,8 @@ class Engine:
         if batch.mode is ForwardMode.PREFILL and self.connector is not None:
             plan = self.connector.plan_forward(batch)
         n = plan.layer_groups if batch.mode is ForwardMode.PREFILL else 1
-        groups = split_layers(self.model_config.num_layers, n) if n > 1 else None
+        groups = (plan.layer_bounds or split_layers(self.model_config.num_layers, n)) if n > 1 else None
+        assert groups is None or len(groups) == n, (groups, n)
         spec: ForwardSpec = batch.spec(self.page_size, groups, plan.meta)
         callback = None
         worker = self._worker

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from kvpipe.disagg.layer_groups import ComputeEstimator, LinkEstimator
+from kvpipe.disagg.layer_groups import ComputeEstimator, GroupChoice, LinkEstimator
 from kvpipe.engine.model_runner import split_layers
 from kvpipe.engine.request import FinishReason
 from tests.helpers.pd_pair import GREEDY, PS, Pair, Reference, assert_pd_matches, make_pair, prompts
@@ -72,6 +72,28 @@ def test_fixed_groups_match_colocated(tiny_model_dir, reference, groups, chunk):
             assert bounds[0][0] == 0 and bounds[-1][1] == len(p.input_ids)
             assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))  # chunks tile the prompt
             assert mine[-1]["last"] and not any(c["last"] for c in mine[:-1])
+        pair.settle()
+
+
+def test_uneven_groups_match_colocated(tiny_model_dir, reference):
+    """Groups of unequal sizes (what the planner's tapered splits make on deeper models) run and
+    ship exactly the layers they name."""
+    bounds = ((0, 2), (2, 3), (3, 4))  # not split_layers(4, 3), which is 1,2,1
+    assert bounds != split_layers(LAYERS, 3)
+    ps = prompts(7, MIXED)
+    with make_pair(tiny_model_dir, 24) as pair:
+        planner = pair.pipeline.planner
+        planner.choose = lambda tokens, kv_bytes: GroupChoice(3, "cost-model", bounds=bounds)  # type: ignore[method-assign]
+        calls = spy_sends(pair)
+        reqs = [pair.reqs(ids) for ids in ps]
+        pair.run(reqs)
+        check_outputs(pair, reqs, ps, reference)
+        for p, _ in reqs:
+            mine = [c for c in calls if c["room"] == p.bootstrap_room]
+            by_chunk: dict[tuple[int, int], list] = {}
+            for c in mine[:-1]:
+                by_chunk.setdefault(c["tokens"], []).append(c["layers"])
+            assert by_chunk and all(v == list(bounds) for v in by_chunk.values()), by_chunk
         pair.settle()
 
 

@@ -11,6 +11,7 @@ from kvpipe.disagg.layer_groups import (
     LinkEstimator,
     predicted_ttft_ms,
     split_layers,
+    tapered_split,
 )
 
 
@@ -69,10 +70,22 @@ def test_plain_path_for_short_prompts_and_without_estimates():
 def test_cost_model_pipelines_when_transfer_is_comparable_to_compute():
     pl = _planner(group_overhead_ms=1.0)
     ch = pl.choose(tokens=2048, kv_bytes=1_200_000_000)  # T = 1200 ms = C
-    # 8 groups of 12 layers include 2-layer groups, exposing as much as 6 groups of 2: 6 is cheaper
-    assert ch.reason == "cost-model" and ch.groups == 6
+    # T = C: the link is busy from the first group's KV to the last, so the largest group's
+    # transfer stays exposed whatever the shape: one layer per group (100 ms) for 11 overheads
+    assert ch.reason == "cost-model" and ch.groups == 12 and ch.bounds is None
+    assert ch.predicted_ms == pytest.approx(1200 + 100 + 11 * 1.0)
     assert ch.predicted_ms < 0.6 * predicted_ttft_ms(ch.compute_ms, ch.transfer_ms, 1, 1.0)
     assert pl.last is ch
+
+
+def test_tapered_split_where_the_ends_matter():
+    # T = 0.9 C, at most 8 groups: equal groups of 12 layers expose a 2-layer group's transfer at
+    # the end; 1,2,2,1,2,2,1,1-style shapes expose one layer's; the simulation picks a tapered one
+    pl = _planner(group_overhead_ms=1.0, max_groups=8)
+    ch = pl.choose(tokens=2048, kv_bytes=1_080_000_000)  # T = 1080 ms, C = 1200 ms
+    assert ch.reason == "cost-model" and ch.bounds is not None and ch.bounds[-1] == (11, 12)
+    assert ch.groups == len(ch.bounds) <= 8
+    assert ch.predicted_ms < predicted_ttft_ms(1200, 1080, 6, 1.0, num_layers=12)
 
 
 def test_no_gain_keeps_the_plain_path():
@@ -104,3 +117,43 @@ def test_uneven_split_exposes_its_largest_last_group():
     # T < C: the last group (2 of 12 layers) stays exposed, as with 6 groups, not T/8
     assert predicted_ttft_ms(1200, 600, 8, 0, num_layers=12) == pytest.approx(1200 + 600 * 2 / 12)
     assert predicted_ttft_ms(1200, 600, 8, 0, num_layers=12) > predicted_ttft_ms(1200, 600, 8, 0)
+
+
+def test_tapered_split_has_one_layer_at_each_end():
+    assert [e - s for s, e in tapered_split(12, 7) or ()] == [1, 2, 2, 2, 2, 2, 1]
+    assert [e - s for s, e in tapered_split(12, 4) or ()] == [1, 5, 5, 1]
+    assert tapered_split(12, 2) is None  # no middle
+    assert tapered_split(12, 12) is None  # the equal split already is one layer per group
+    assert tapered_split(4, 3) is None  # 1,2,1 is what split_layers makes
+    assert tapered_split(3, 4) is None  # more groups than layers
+    for n in range(3, 12):
+        b = tapered_split(12, n)
+        if b is not None:
+            assert len(b) == n and b[0] == (0, 1) and b[-1] == (11, 12)
+            assert all(x[1] == y[0] for x, y in zip(b, b[1:]))
+
+
+def test_planner_tapers_at_either_end():
+    # T far below C, costly groups: a 1,10,1 split exposes one layer's transfer for two
+    # overheads, cheaper than two equal groups (half the transfer exposed)
+    pl = _planner(group_overhead_ms=20.0)
+    ch = pl.choose(tokens=2048, kv_bytes=120_000_000)  # T = 120 ms, C = 1200 ms
+    assert ch.reason == "cost-model" and ch.bounds == ((0, 1), (1, 11), (11, 12))
+    assert ch.predicted_ms == pytest.approx(1200 + 10 + 2 * 20.0)
+    # T far above C: the link is the bottleneck; what an equal split exposes is its first
+    # group's compute before the link has anything, so the first group is one layer
+    pl = _planner(group_overhead_ms=1.0, max_groups=8)
+    ch = pl.choose(tokens=2048, kv_bytes=4_800_000_000)  # T = 4800 ms
+    assert ch.reason == "cost-model" and ch.bounds is not None and ch.bounds[0] == (0, 1)
+    assert ch.predicted_ms == pytest.approx(
+        predicted_ttft_ms(1200, 4800, ch.groups, 1.0, num_layers=12, bounds=ch.bounds)
+    )
+    assert ch.predicted_ms < predicted_ttft_ms(1200, 4800, 6, 1.0, num_layers=12)
+
+
+def test_at_t_equal_c_only_the_largest_group_matters():
+    # every group's transfer waits for its compute and the next compute waits for nothing:
+    # finish = C + the largest group's transfer, whatever the order of sizes
+    assert predicted_ttft_ms(1200, 1200, 7, 0, num_layers=12, bounds=tapered_split(12, 7)) == pytest.approx(1400)
+    assert predicted_ttft_ms(1200, 1200, 6, 0, num_layers=12) == pytest.approx(1400)
+    assert predicted_ttft_ms(1200, 1200, 12, 0, num_layers=12) == pytest.approx(1300)
