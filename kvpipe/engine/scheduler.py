@@ -31,7 +31,7 @@ recurrent state at its end, so a match stops at the deepest node holding one; th
 forward copies that state into its slot, and its forwards snapshot the state at the positions
 engine/state_snapshots.py picks (into slots the cache hands out, evicting old snapshots when none
 is free, or skipping the snapshot when all are pinned). At finish the cache takes its pages up to
-its deepest snapshot, and the snapshots; an aborted request gives it nothing.
+its deepest snapshot, and the snapshots; an aborted request gives it nothing (engine/hybrid_state.py).
 
 Sliding-window models (`window`): the sliding layers keep a second page table per request,
 req.swa_pages, from the same allocator (the pool aliases a sliding and a full layer's buffers,
@@ -60,9 +60,9 @@ from kvpipe.cache.recurrent_slots import StateSlotAllocator
 from kvpipe.cache.window_pages import window_first_page, window_page_bound
 from kvpipe.config import SchedulerConfig
 from kvpipe.engine.batch import ForwardMode, ScheduledBatch
+from kvpipe.engine.hybrid_state import cache_snapshots, free_state_slot, match_state, plan_state, state_stats
 from kvpipe.engine.request import FinishReason, Req, ReqStatus
 from kvpipe.engine.spec_verify import draft_budget
-from kvpipe.engine.state_snapshots import ReqSnapshots
 
 # speculative decoding: (request, most drafts it may get) -> its draft tokens for this step
 Drafter = Callable[[Req, int], list[int]]
@@ -168,11 +168,7 @@ class Scheduler:
         if self.cache is None or req.cache_node is not None:
             return
         if isinstance(self.cache, HybridRadixCache):
-            m = self.cache.match_state(req.input_ids[:-1])
-            pages, node, ps = m.pages, m.node, self.page_size
-            branch = m.kv_tokens if m.kv_tokens > len(pages) * ps else 0
-            prompt_end = (len(req.input_ids) - 1) // ps * ps
-            req.snapshots = ReqSnapshots(m.snapshot, branch, prompt_end, split=self.cache.split_rows)
+            pages, node = match_state(self.cache, req, self.page_size)
         else:
             pages, node = self.cache.match(req.input_ids[:-1])
         self.cache.lock(node)
@@ -335,27 +331,9 @@ class Scheduler:
         return [int(t) for t in self.drafter(req, k)[:k]] if k > 0 else []
 
     def _plan_state(self, req: Req, batch: ScheduledBatch, row: int, start: int, n: int) -> None:
-        """Hybrid prefix cache: the state copies of `req`'s forward of tokens [start, start + n)
-        (row `row` of `batch`): its cached prefix's state first, then the snapshots it takes."""
-        snap = req.snapshots
-        if snap is None or not isinstance(self.cache, HybridRadixCache):
-            return
-        assert req.state_slot is not None
-        if snap.restore is not None:
-            assert start == req.cached_tokens > 0, "a cached state is restored by the first forward"
-            batch.state_restores.append((snap.restore, req.state_slot))
-            snap.restore = None
-        for pos in snap.positions(start, n, self.page_size):
-            slot = snap.track if snap.is_tracking(pos) else None
-            if slot is None:
-                slot, freed = self.cache.alloc_snapshot(req.rid)
-                self.allocator.free(freed)
-                if slot is None:
-                    continue  # every snapshot is pinned: this one is skipped (a later miss)
-                if snap.is_tracking(pos):
-                    snap.track = slot
-            snap.plan(pos, slot)
-            batch.state_snapshots.append((row, pos - start, slot))
+        """Hybrid prefix cache: the state copies of `req`'s forward of tokens [start, start + n)."""
+        if isinstance(self.cache, HybridRadixCache):
+            plan_state(self.cache, self.allocator, req, batch, row, start, n, self.page_size)
 
     def _ensure_pages(self, req: Req, tokens: int) -> None:
         need = _cdiv(tokens, self.page_size) - len(req.pages)
@@ -474,8 +452,9 @@ class Scheduler:
         req.finish_detail = detail
         if req.pages.size == 0:
             self._unpin(req)
-            self._free_state_slot(req)
-            self._cache_snapshots(req, np.zeros(0, dtype=np.int64))
+            free_state_slot(self.state_slots, req)
+            if isinstance(self.cache, HybridRadixCache):
+                cache_snapshots(self.cache, req, np.zeros(0, dtype=np.int64))
             return
         if hold:  # a cached prefix stays pinned too: the transfer reads (prefill) or skips (decode) it
             self.held[req.rid] = req
@@ -502,7 +481,7 @@ class Scheduler:
         go to the cache (its own duplicates of what the cache has, and the rest, to the allocator)."""
         pages = req.pages
         if isinstance(self.cache, HybridRadixCache):
-            own = self._cache_snapshots(req, pages)
+            own = cache_snapshots(self.cache, req, pages)
             self._unpin(req)
         elif self.cache is not None:
             full = min(req.num_cached // self.page_size, len(pages))
@@ -517,28 +496,7 @@ class Scheduler:
         self.allocator.free(req.swa_pages[req.swa_pages >= 0])
         req.pages = np.zeros(0, dtype=np.int64)
         req.swa_pages = np.zeros(0, dtype=np.int64)
-        self._free_state_slot(req)
-
-    def _cache_snapshots(self, req: Req, pages: np.ndarray) -> np.ndarray:
-        """Hybrid prefix cache, at finish: its pages up to its deepest snapshot and the snapshots
-        go to the cache (none after an abort); returns the pages that stay the request's own."""
-        snap, req.snapshots = req.snapshots, None
-        if snap is None or not isinstance(self.cache, HybridRadixCache):
-            return pages
-        keep, free = snap.release(keep=req.finish_reason is not FinishReason.ABORT)
-        for slot in free:
-            self.cache.snapshots.free(slot)
-        shared = req.num_shared_pages
-        dup, n = self.cache.insert_state(req.all_ids, pages, keep)
-        # pages[:shared] were the cache's all along, [shared, dup) duplicate pages it got meanwhile,
-        # [shared, n) are its own now; the rest were never cached (no snapshot past them)
-        return np.concatenate([pages[shared : max(dup, shared)], pages[max(n, shared) :]])
-
-    def _free_state_slot(self, req: Req) -> None:
-        if req.state_slot is not None:
-            assert self.state_slots is not None
-            self.state_slots.free(req.state_slot)
-            req.state_slot = None
+        free_state_slot(self.state_slots, req)
 
     def get(self, rid: str) -> Req | None:
         return self._live.get(rid)
@@ -562,17 +520,5 @@ class Scheduler:
             "prefix_hit_tokens": self.prefix_hit_tokens,
             "total_pages": self.allocator.num_pages,
             "page_size": self.page_size,
-            **(
-                {"free_state_slots": self.state_slots.num_free, "total_state_slots": self.state_slots.num_slots}
-                if self.state_slots is not None
-                else {}
-            ),
-            **(
-                {
-                    "cached_state_snapshots": self.cache.num_snapshots,
-                    "free_snapshot_slots": self.cache.snapshots.num_free,
-                }
-                if isinstance(self.cache, HybridRadixCache)
-                else {}
-            ),
+            **state_stats(self.state_slots, self.cache),
         }
