@@ -57,12 +57,14 @@ from kvpipe.cache.hybrid_radix_cache import HybridRadixCache
 from kvpipe.cache.page_allocator import PageAllocator
 from kvpipe.cache.radix_cache import RadixCache
 from kvpipe.cache.recurrent_slots import StateSlotAllocator
+from kvpipe.cache.swa_radix_cache import SWARadixCache
 from kvpipe.cache.window_pages import window_first_page, window_page_bound
 from kvpipe.config import SchedulerConfig
 from kvpipe.engine.batch import ForwardMode, ScheduledBatch
 from kvpipe.engine.hybrid_state import cache_snapshots, free_state_slot, match_state, plan_state, state_stats
 from kvpipe.engine.request import FinishReason, Req, ReqStatus
 from kvpipe.engine.spec_verify import draft_budget
+from kvpipe.engine.window_cache import cache_window, match_window, own_window_pages, slide_kept, window_promise
 
 # speculative decoding: (request, most drafts it may get) -> its draft tokens for this step
 Drafter = Callable[[Req, int], list[int]]
@@ -91,8 +93,8 @@ class Scheduler:
         # max_drafts, never past max_new_tokens); commit_verify then keeps the accepted ones
         self.drafter = drafter
         self.max_drafts = max_drafts
-        if window is not None and prefix_cache is not None:
-            raise ValueError("a prefix cache cannot serve sliding-window pages that slid out")
+        if (window is not None and prefix_cache is not None) != isinstance(prefix_cache, SWARadixCache):
+            raise ValueError("a sliding-window model's prefix cache is an SWARadixCache, and only its")
         self.window = window  # sliding-window layers' window (tokens): they get window pages
         self.cache = prefix_cache
         # hybrid models: each admitted request holds one recurrent-state slot, from admission
@@ -125,6 +127,8 @@ class Scheduler:
         n = len(req.input_ids)
         if self.cfg.chunked_prefill_size > 0:
             n = min(n, max(1, min(self.cfg.max_prefill_tokens, self.cfg.chunked_prefill_size)))
+        if isinstance(self.cache, SWARadixCache):  # it keeps window pages for the cache too
+            return min(self.max_pages(req), window_promise(self.window, n, self.page_size))
         return min(self.max_pages(req), window_page_bound(self.window, n, self.page_size))
 
     def _reject_reason(self, req: Req) -> str | None:
@@ -151,7 +155,8 @@ class Scheduler:
 
     @staticmethod
     def _own_pages(req: Req) -> int:
-        return len(req.pages) - req.num_shared_pages + int((req.swa_pages >= 0).sum())
+        # window pages below a cached prefix are the cache's too (window_cache.py)
+        return len(req.pages) - req.num_shared_pages + int((req.swa_pages[req.num_shared_pages :] >= 0).sum())
 
     def _available(self) -> int:
         """Pages a new allocation can get: free ones and cached ones nobody reads."""
@@ -169,6 +174,8 @@ class Scheduler:
             return
         if isinstance(self.cache, HybridRadixCache):
             pages, node = match_state(self.cache, req, self.page_size)
+        elif isinstance(self.cache, SWARadixCache):
+            pages, node = match_window(self.cache, req, self.page_size)
         else:
             pages, node = self.cache.match(req.input_ids[:-1])
         self.cache.lock(node)
@@ -193,6 +200,8 @@ class Scheduler:
         req.pages = np.zeros(0, dtype=np.int64)
         req.num_cached = req.cached_tokens = 0
         req.snapshots = None  # nothing planned yet: no slots to give back
+        req.swa_pages = np.zeros(0, dtype=np.int64)  # the cache's window pages, if any
+        req.swa_hit_points = ()
 
     def _unpin(self, req: Req) -> None:
         if self.cache is not None and req.cache_node is not None:
@@ -376,6 +385,9 @@ class Scheduler:
         """Free the sliding-window pages no later query of `req` can see."""
         if self.window is None or req.swa_pages.size == 0:
             return
+        if isinstance(self.cache, SWARadixCache):
+            self.allocator.free(slide_kept(req, self.window, self.page_size))
+            return
         first = window_first_page(req.num_cached, self.window, self.page_size)
         gone = req.swa_pages[:first]
         if (gone >= 0).any():
@@ -480,8 +492,12 @@ class Scheduler:
         """Return a finished request's pages: with a prefix cache its full pages of computed KV
         go to the cache (its own duplicates of what the cache has, and the rest, to the allocator)."""
         pages = req.pages
+        own_swa = own_window_pages(req)
         if isinstance(self.cache, HybridRadixCache):
             own = cache_snapshots(self.cache, req, pages)
+            self._unpin(req)
+        elif isinstance(self.cache, SWARadixCache):
+            own, own_swa = cache_window(self.cache, req, pages, self.page_size)
             self._unpin(req)
         elif self.cache is not None:
             full = min(req.num_cached // self.page_size, len(pages))
@@ -493,7 +509,7 @@ class Scheduler:
         else:
             own = pages
         self.allocator.free(own)
-        self.allocator.free(req.swa_pages[req.swa_pages >= 0])
+        self.allocator.free(own_swa)
         req.pages = np.zeros(0, dtype=np.int64)
         req.swa_pages = np.zeros(0, dtype=np.int64)
         free_state_slot(self.state_slots, req)
