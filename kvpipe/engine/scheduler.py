@@ -514,6 +514,12 @@ class Scheduler:
         req.swa_pages = np.zeros(0, dtype=np.int64)
         free_state_slot(self.state_slots, req)
 
+    def _cached_pages(self) -> int:
+        """Pages the prefix cache holds, of both kinds (a sliding-window model's window pages too)."""
+        if isinstance(self.cache, SWARadixCache):
+            return self.cache.num_pages + self.cache.num_swa_pages
+        return self.cache.num_pages if self.cache is not None else 0
+
     def get(self, rid: str) -> Req | None:
         return self._live.get(rid)
 
@@ -532,7 +538,7 @@ class Scheduler:
             # pages a new request can get: free ones and cached ones no running request reads
             "free_pages": self._available(),
             "used_pages": self.allocator.num_pages - self._available(),
-            "cached_pages": self.cache.num_pages if self.cache is not None else 0,
+            "cached_pages": self._cached_pages(),
             "prefix_hit_tokens": self.prefix_hit_tokens,
             "total_pages": self.allocator.num_pages,
             "page_size": self.page_size,
