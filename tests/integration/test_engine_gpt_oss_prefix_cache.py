@@ -28,9 +28,12 @@ PER_SYSTEM = 4
 TURNS = 4
 
 
-def make_engine(model_dir, radix_cache: bool, chunk: int = 0, pages: int = 256, running: int = 64) -> Engine:
+def make_engine(
+    model_dir, radix_cache: bool, chunk: int = 0, pages: int = 256, running: int = 64, tp: int = 1
+) -> Engine:
     cfg = ServerConfig(
         model_path=str(model_dir),
+        tp_size=tp,
         cache=CacheConfig(page_size=PS, num_pages=pages, radix_cache=radix_cache),
         scheduler=SchedulerConfig(chunked_prefill_size=chunk, max_running_requests=running),
     )
@@ -163,6 +166,20 @@ def test_an_aborted_request_caches_nothing(model_dir, reference):
         # the cache still works for what follows
         got = [Generation.of(x) for x in results(eng, ps[:PER_SYSTEM])]
         assert_same_generations(got, want[:PER_SYSTEM], Route.SAME_PROCESS, ps[:PER_SYSTEM])
+        assert_accounted(eng)
+    finally:
+        eng.shutdown()
+
+
+def test_tp2_with_the_cache_equals_tp1_without(model_dir, reference):
+    """Every TP rank reads the same page tables, window pages from the cache included."""
+    ps, want = reference
+    n = 2 * PER_SYSTEM
+    eng = make_engine(model_dir, radix_cache=True, chunk=24, tp=2)
+    try:
+        got = results(eng, ps[:n])
+        assert_same_generations([Generation.of(r) for r in got], want[:n], Route.ACROSS_PROCESSES, ps[:n])
+        assert [r["meta_info"]["cached_tokens"] for r in got][2:PER_SYSTEM] == [48, 48]  # system prompt 48
         assert_accounted(eng)
     finally:
         eng.shutdown()

@@ -44,8 +44,11 @@ def run_one(pair: Pair, ids: list[int], reference) -> tuple[int, int, Req]:
     return pair.sender.stats.bytes_written - before, pair.decode.stats()["prefix_hit_tokens"] - hits, d
 
 
-@pytest.mark.parametrize("prefill_cache", [False, True])
-def test_decode_cache_moves_suffix_pages_and_the_missing_window_pages(model_dir, reference, prefill_cache):
+@pytest.mark.parametrize("prefill_cache,groups", [(False, 1), (True, 2)])
+def test_decode_cache_moves_suffix_pages_and_the_missing_window_pages(model_dir, reference, prefill_cache, groups):
+    """With the prefill's own cache too it skips computing the shared prefix and reports it as
+    cached_tokens, with two layer groups (each group's pages go while the next computes); the
+    bytes do not change."""
     rnd = random.Random(7)
     tok = lambda n: [rnd.randrange(3, 290) for _ in range(n)]  # noqa: E731
     mc = ModelConfig.from_dir(model_dir)
@@ -61,7 +64,9 @@ def test_decode_cache_moves_suffix_pages_and_the_missing_window_pages(model_dir,
         end, first = -(-n // PS), window_first_page(n, 32, PS)
         return (end - held // PS) * full_page + (end - max(first, held // PS)) * window_page
 
-    with make_pair(model_dir, 24, decode_radix_cache=True, prefill_radix_cache=prefill_cache) as pair:
+    with make_pair(
+        model_dir, 24, decode_radix_cache=True, prefill_radix_cache=prefill_cache, layer_groups=groups
+    ) as pair:
         assert isinstance(pair.decode.prefix_cache, SWARadixCache)
         assert isinstance(pair.prefill.prefix_cache, SWARadixCache) == prefill_cache
         system = tok(40)
@@ -82,6 +87,8 @@ def test_decode_cache_moves_suffix_pages_and_the_missing_window_pages(model_dir,
             assert hit == (0 if turn == 0 else (prev + GREEDY.max_new_tokens - 1) // PS * PS), (turn, hit)
             assert sent == predicted(len(convo), hit), (turn, hit, sent)
             prev, convo = len(convo), convo + list(d.output_ids) + tok(5 + turn)
+        if groups > 1:
+            assert pair.pipeline.counters.batches_by_groups.get(groups, 0) > 0
         pair.settle()
         for eng in (pair.prefill, pair.decode):
             c = eng.prefix_cache
