@@ -39,7 +39,9 @@ cache/kv_pool.py). It is allocated per step for the pages the step's queries can
 step the pages the window slid past are freed, so a request holds at most
 `window_page_bound` of them however long it generates; admission promises that many. A reserved
 (PD decode) request gets window pages for the prompt's last window only: that is all the
-prefill sends.
+prefill sends. With a prefix cache (an SWARadixCache) a hit also restores the window pages before
+it, and a request keeps the windows before the points a later prompt may start at, for the cache
+(engine/window_cache.py).
 
 Speculative decoding (`drafter`): a decode row gets pages for its last token and its drafts (at
 most max_new_tokens - outputs - 1 of them, so within its promise); after the verify forward
@@ -94,7 +96,7 @@ class Scheduler:
         self.drafter = drafter
         self.max_drafts = max_drafts
         if (window is not None and prefix_cache is not None) != isinstance(prefix_cache, SWARadixCache):
-            raise ValueError("a sliding-window model's prefix cache is an SWARadixCache, and only its")
+            raise ValueError("a sliding-window model's prefix cache must be an SWARadixCache, and only such a model's")
         self.window = window  # sliding-window layers' window (tokens): they get window pages
         self.cache = prefix_cache
         # hybrid models: each admitted request holds one recurrent-state slot, from admission
