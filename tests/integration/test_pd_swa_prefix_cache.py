@@ -16,10 +16,11 @@ import pytest
 
 from kvpipe.cache.swa_radix_cache import SWARadixCache
 from kvpipe.cache.window_pages import window_first_page
+from kvpipe.config import FaultInjection
 from kvpipe.engine.request import FinishReason, Req
 from kvpipe.model.config import ModelConfig
 from kvpipe.model.presets import write_preset
-from tests.helpers.pd_pair import GREEDY, PS, Pair, assert_pd_matches, colocated_greedy, make_pair
+from tests.helpers.pd_pair import GREEDY, PS, Pair, assert_pd_matches, colocated_greedy, make_pair, prompts
 from tests.helpers.pd_parity import expected_bytes
 
 
@@ -90,9 +91,43 @@ def test_decode_cache_moves_suffix_pages_and_the_missing_window_pages(model_dir,
         if groups > 1:
             assert pair.pipeline.counters.batches_by_groups.get(groups, 0) > 0
         pair.settle()
-        for eng in (pair.prefill, pair.decode):
-            c = eng.prefix_cache
-            assert c is None or isinstance(c, SWARadixCache)
-            if isinstance(c, SWARadixCache):
-                assert c.locked_pages == c.locked_swa_pages == 0
-                assert eng.allocator.num_used == c.num_pages + c.num_swa_pages == c.all_pages().size
+        assert_only_cached(pair)
+
+
+def assert_only_cached(pair: Pair) -> None:
+    """Idle: every used page of either side is its cache's, once, and none is pinned."""
+    for eng in (pair.prefill, pair.decode):
+        c = eng.prefix_cache
+        assert c is None or isinstance(c, SWARadixCache)
+        if isinstance(c, SWARadixCache):
+            assert c.locked_pages == c.locked_swa_pages == 0
+            assert eng.allocator.num_used == c.num_pages + c.num_swa_pages == c.all_pages().size
+            eng.allocator.check_owned(c.all_pages())
+
+
+def test_failed_and_aborted_transfers_insert_nothing_and_leak_nothing(model_dir, reference):
+    """30% injected write failures with both caches on, prompts sharing a system prompt (hits on
+    both sides), then a decode abort while the prefill computes: the rooms that succeed give the
+    colocated tokens, and afterwards every page on either side is its cache's."""
+    with make_pair(model_dir, chunk=32, inject=FaultInjection(prob=0.3, seed=3), decode_radix_cache=True) as pair:
+        system = prompts(11, [40])[0]
+        ps = [system + tail for tail in prompts(12, [20, 64, 90, 47, 30, 25])]
+        for wave in (ps[:2], ps[2:]):  # the second wave may hit what the first cached
+            reqs = [pair.reqs(ids) for ids in wave]
+            pair.run(reqs)
+            ok = [(d, ids) for (_, d), ids in zip(reqs, wave) if d.finish_reason is not FinishReason.ABORT]
+            assert_pd_matches([d for d, _ in ok], [ids for _, ids in ok], reference, "rooms that succeeded")
+        st = pair.prefill.stats()["disaggregation"]
+        assert st["rooms_failed"] > 0 and st["rooms_succeeded"] > 0, st
+        pair.settle()
+        assert_only_cached(pair)
+        a = pair.reqs(system + prompts(1, [200])[0])
+        pair.prefill.add_request(a[0])
+        pair.decode.add_request(a[1])
+        pair.prefill.step()
+        pair.decode.step()
+        pair.decode.abort(a[1].rid)
+        pair.run([], until=lambda: a[0].finished and a[1].finished)
+        assert a[1].finish_reason is FinishReason.ABORT
+        pair.settle()
+        assert_only_cached(pair)
