@@ -102,7 +102,8 @@ def results(eng: Engine, ps: list[list[int]]) -> list[dict]:
     return [eng.generate([p], GREEDY)[0] for p in ps]
 
 
-@pytest.mark.parametrize("chunk", [0, 24])  # 24 cuts both the pages of 16 and the window of 32
+# 24 cuts both the pages of 16 and the window of 32; whole prompts in make test-full
+@pytest.mark.parametrize("chunk", [pytest.param(0, marks=pytest.mark.slow), 24])
 def test_cache_on_equals_off_and_reports_cached_tokens(model_dir, reference, chunk):
     ps, want = reference
     eng = make_engine(model_dir, radix_cache=True, chunk=chunk)
@@ -171,6 +172,7 @@ def test_an_aborted_request_caches_nothing(model_dir, reference):
         eng.shutdown()
 
 
+@pytest.mark.slow  # make test-full: TP processes on top of the fast suite's cache tests
 def test_tp2_with_the_cache_equals_tp1_without(model_dir, reference):
     """Every TP rank reads the same page tables, window pages from the cache included."""
     ps, want = reference
