@@ -40,6 +40,9 @@ class RadixNode:
     # hybrid models (hybrid_radix_cache.py): the StatePool slot holding the recurrent state after
     # this node's last token; None: a tombstone (its pages serve only descendants that have one)
     snapshot: int | None = None
+    # sliding-window models (swa_radix_cache.py): the sliding layers' page per page of `pages`, -1
+    # where it slid out (a tombstone); None: none held
+    swa_pages: np.ndarray | None = None
 
     @property
     def num_pages(self) -> int:

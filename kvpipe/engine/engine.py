@@ -24,6 +24,7 @@ from kvpipe.cache.hybrid_radix_cache import HybridRadixCache
 from kvpipe.cache.page_allocator import PageAllocator
 from kvpipe.cache.radix_cache import RadixCache
 from kvpipe.cache.recurrent_slots import StateSlotAllocator
+from kvpipe.cache.swa_radix_cache import SWARadixCache
 from kvpipe.config import ConfigError, ParallelConfig, ServerConfig
 from kvpipe.engine.batch import ForwardMode, ForwardSpec, ScheduledBatch
 from kvpipe.engine.connector import (
@@ -130,17 +131,13 @@ class Engine:
                 cfg.model_path,
             )
             use_cache = False
-        # sliding layers keep only their window's pages (scheduler.py): a cached prefix would lack them
+        # sliding layers keep only their window's pages (scheduler.py): their prefix cache keeps
+        # window pages where a hit may start, tombstones where they slid out (cache/swa_radix_cache.py)
         window = self.model_config.sliding_window if self.model_config.sliding_layers else None
-        if use_cache and window is not None:
-            logger.info(
-                "prefix caching (radix cache) is disabled for %s: its sliding-window layers free the "
-                "pages their window slid past, so a cached prefix would lack them",
-                cfg.model_path,
-            )
-            use_cache = False
         self.prefix_cache: RadixCache | None = None
-        if use_cache and num_snapshots:
+        if use_cache and window is not None:
+            self.prefix_cache = SWARadixCache(self.page_size, window)
+        elif use_cache and num_snapshots:
             split = cfg.cache.mamba_scheduler_strategy != "no_buffer"
             slots = StateSlotAllocator(num_snapshots, running_slots)
             self.prefix_cache = HybridRadixCache(self.page_size, slots, split)

@@ -97,6 +97,9 @@ class Req:
     bootstrap_room: int | None = None
     spec: SpecCounts | None = None  # speculative decoding: this request's verify counts
     timeline: Timeline = field(default_factory=Timeline)  # where its time went (engine/timeline.py)
+    # sliding-window models with a prefix cache (engine/window_cache.py): token positions (page
+    # aligned) whose preceding window pages the request keeps from sliding out, for the cache
+    swa_hit_points: tuple[int, ...] = ()
 
     @property
     def seq_len(self) -> int:

@@ -31,7 +31,7 @@ recurrent state at its end, so a match stops at the deepest node holding one; th
 forward copies that state into its slot, and its forwards snapshot the state at the positions
 engine/state_snapshots.py picks (into slots the cache hands out, evicting old snapshots when none
 is free, or skipping the snapshot when all are pinned). At finish the cache takes its pages up to
-its deepest snapshot, and the snapshots; an aborted request gives it nothing.
+its deepest snapshot, and the snapshots; an aborted request gives it nothing (engine/hybrid_state.py).
 
 Sliding-window models (`window`): the sliding layers keep a second page table per request,
 req.swa_pages, from the same allocator (the pool aliases a sliding and a full layer's buffers,
@@ -39,7 +39,9 @@ cache/kv_pool.py). It is allocated per step for the pages the step's queries can
 step the pages the window slid past are freed, so a request holds at most
 `window_page_bound` of them however long it generates; admission promises that many. A reserved
 (PD decode) request gets window pages for the prompt's last window only: that is all the
-prefill sends.
+prefill sends. With a prefix cache (an SWARadixCache) a hit also restores the window pages before
+it, and a request keeps the windows before the points a later prompt may start at, for the cache
+(engine/window_cache.py).
 
 Speculative decoding (`drafter`): a decode row gets pages for its last token and its drafts (at
 most max_new_tokens - outputs - 1 of them, so within its promise); after the verify forward
@@ -57,12 +59,14 @@ from kvpipe.cache.hybrid_radix_cache import HybridRadixCache
 from kvpipe.cache.page_allocator import PageAllocator
 from kvpipe.cache.radix_cache import RadixCache
 from kvpipe.cache.recurrent_slots import StateSlotAllocator
+from kvpipe.cache.swa_radix_cache import SWARadixCache
 from kvpipe.cache.window_pages import window_first_page, window_page_bound
 from kvpipe.config import SchedulerConfig
 from kvpipe.engine.batch import ForwardMode, ScheduledBatch
+from kvpipe.engine.hybrid_state import cache_snapshots, free_state_slot, match_state, plan_state, state_stats
 from kvpipe.engine.request import FinishReason, Req, ReqStatus
 from kvpipe.engine.spec_verify import draft_budget
-from kvpipe.engine.state_snapshots import ReqSnapshots
+from kvpipe.engine.window_cache import cache_window, match_window, own_window_pages, slide_kept, window_promise
 
 # speculative decoding: (request, most drafts it may get) -> its draft tokens for this step
 Drafter = Callable[[Req, int], list[int]]
@@ -91,8 +95,8 @@ class Scheduler:
         # max_drafts, never past max_new_tokens); commit_verify then keeps the accepted ones
         self.drafter = drafter
         self.max_drafts = max_drafts
-        if window is not None and prefix_cache is not None:
-            raise ValueError("a prefix cache cannot serve sliding-window pages that slid out")
+        if (window is not None and prefix_cache is not None) != isinstance(prefix_cache, SWARadixCache):
+            raise ValueError("a sliding-window model's prefix cache must be an SWARadixCache, and only such a model's")
         self.window = window  # sliding-window layers' window (tokens): they get window pages
         self.cache = prefix_cache
         # hybrid models: each admitted request holds one recurrent-state slot, from admission
@@ -125,6 +129,8 @@ class Scheduler:
         n = len(req.input_ids)
         if self.cfg.chunked_prefill_size > 0:
             n = min(n, max(1, min(self.cfg.max_prefill_tokens, self.cfg.chunked_prefill_size)))
+        if isinstance(self.cache, SWARadixCache):  # it keeps window pages for the cache too
+            return min(self.max_pages(req), window_promise(self.window, n, self.page_size))
         return min(self.max_pages(req), window_page_bound(self.window, n, self.page_size))
 
     def _reject_reason(self, req: Req) -> str | None:
@@ -151,7 +157,8 @@ class Scheduler:
 
     @staticmethod
     def _own_pages(req: Req) -> int:
-        return len(req.pages) - req.num_shared_pages + int((req.swa_pages >= 0).sum())
+        # window pages below a cached prefix are the cache's too (window_cache.py)
+        return len(req.pages) - req.num_shared_pages + int((req.swa_pages[req.num_shared_pages :] >= 0).sum())
 
     def _available(self) -> int:
         """Pages a new allocation can get: free ones and cached ones nobody reads."""
@@ -168,11 +175,9 @@ class Scheduler:
         if self.cache is None or req.cache_node is not None:
             return
         if isinstance(self.cache, HybridRadixCache):
-            m = self.cache.match_state(req.input_ids[:-1])
-            pages, node, ps = m.pages, m.node, self.page_size
-            branch = m.kv_tokens if m.kv_tokens > len(pages) * ps else 0
-            prompt_end = (len(req.input_ids) - 1) // ps * ps
-            req.snapshots = ReqSnapshots(m.snapshot, branch, prompt_end, split=self.cache.split_rows)
+            pages, node = match_state(self.cache, req, self.page_size)
+        elif isinstance(self.cache, SWARadixCache):
+            pages, node = match_window(self.cache, req, self.page_size)
         else:
             pages, node = self.cache.match(req.input_ids[:-1])
         self.cache.lock(node)
@@ -197,6 +202,8 @@ class Scheduler:
         req.pages = np.zeros(0, dtype=np.int64)
         req.num_cached = req.cached_tokens = 0
         req.snapshots = None  # nothing planned yet: no slots to give back
+        req.swa_pages = np.zeros(0, dtype=np.int64)  # the cache's window pages, if any
+        req.swa_hit_points = ()
 
     def _unpin(self, req: Req) -> None:
         if self.cache is not None and req.cache_node is not None:
@@ -335,27 +342,9 @@ class Scheduler:
         return [int(t) for t in self.drafter(req, k)[:k]] if k > 0 else []
 
     def _plan_state(self, req: Req, batch: ScheduledBatch, row: int, start: int, n: int) -> None:
-        """Hybrid prefix cache: the state copies of `req`'s forward of tokens [start, start + n)
-        (row `row` of `batch`): its cached prefix's state first, then the snapshots it takes."""
-        snap = req.snapshots
-        if snap is None or not isinstance(self.cache, HybridRadixCache):
-            return
-        assert req.state_slot is not None
-        if snap.restore is not None:
-            assert start == req.cached_tokens > 0, "a cached state is restored by the first forward"
-            batch.state_restores.append((snap.restore, req.state_slot))
-            snap.restore = None
-        for pos in snap.positions(start, n, self.page_size):
-            slot = snap.track if snap.is_tracking(pos) else None
-            if slot is None:
-                slot, freed = self.cache.alloc_snapshot(req.rid)
-                self.allocator.free(freed)
-                if slot is None:
-                    continue  # every snapshot is pinned: this one is skipped (a later miss)
-                if snap.is_tracking(pos):
-                    snap.track = slot
-            snap.plan(pos, slot)
-            batch.state_snapshots.append((row, pos - start, slot))
+        """Hybrid prefix cache: the state copies of `req`'s forward of tokens [start, start + n)."""
+        if isinstance(self.cache, HybridRadixCache):
+            plan_state(self.cache, self.allocator, req, batch, row, start, n, self.page_size)
 
     def _ensure_pages(self, req: Req, tokens: int) -> None:
         need = _cdiv(tokens, self.page_size) - len(req.pages)
@@ -397,6 +386,9 @@ class Scheduler:
     def _slide(self, req: Req) -> None:
         """Free the sliding-window pages no later query of `req` can see."""
         if self.window is None or req.swa_pages.size == 0:
+            return
+        if isinstance(self.cache, SWARadixCache):
+            self.allocator.free(slide_kept(req, self.window, self.page_size))
             return
         first = window_first_page(req.num_cached, self.window, self.page_size)
         gone = req.swa_pages[:first]
@@ -474,8 +466,9 @@ class Scheduler:
         req.finish_detail = detail
         if req.pages.size == 0:
             self._unpin(req)
-            self._free_state_slot(req)
-            self._cache_snapshots(req, np.zeros(0, dtype=np.int64))
+            free_state_slot(self.state_slots, req)
+            if isinstance(self.cache, HybridRadixCache):
+                cache_snapshots(self.cache, req, np.zeros(0, dtype=np.int64))
             return
         if hold:  # a cached prefix stays pinned too: the transfer reads (prefill) or skips (decode) it
             self.held[req.rid] = req
@@ -501,8 +494,12 @@ class Scheduler:
         """Return a finished request's pages: with a prefix cache its full pages of computed KV
         go to the cache (its own duplicates of what the cache has, and the rest, to the allocator)."""
         pages = req.pages
+        own_swa = own_window_pages(req)
         if isinstance(self.cache, HybridRadixCache):
-            own = self._cache_snapshots(req, pages)
+            own = cache_snapshots(self.cache, req, pages)
+            self._unpin(req)
+        elif isinstance(self.cache, SWARadixCache):
+            own, own_swa = cache_window(self.cache, req, pages, self.page_size)
             self._unpin(req)
         elif self.cache is not None:
             full = min(req.num_cached // self.page_size, len(pages))
@@ -514,31 +511,16 @@ class Scheduler:
         else:
             own = pages
         self.allocator.free(own)
-        self.allocator.free(req.swa_pages[req.swa_pages >= 0])
+        self.allocator.free(own_swa)
         req.pages = np.zeros(0, dtype=np.int64)
         req.swa_pages = np.zeros(0, dtype=np.int64)
-        self._free_state_slot(req)
+        free_state_slot(self.state_slots, req)
 
-    def _cache_snapshots(self, req: Req, pages: np.ndarray) -> np.ndarray:
-        """Hybrid prefix cache, at finish: its pages up to its deepest snapshot and the snapshots
-        go to the cache (none after an abort); returns the pages that stay the request's own."""
-        snap, req.snapshots = req.snapshots, None
-        if snap is None or not isinstance(self.cache, HybridRadixCache):
-            return pages
-        keep, free = snap.release(keep=req.finish_reason is not FinishReason.ABORT)
-        for slot in free:
-            self.cache.snapshots.free(slot)
-        shared = req.num_shared_pages
-        dup, n = self.cache.insert_state(req.all_ids, pages, keep)
-        # pages[:shared] were the cache's all along, [shared, dup) duplicate pages it got meanwhile,
-        # [shared, n) are its own now; the rest were never cached (no snapshot past them)
-        return np.concatenate([pages[shared : max(dup, shared)], pages[max(n, shared) :]])
-
-    def _free_state_slot(self, req: Req) -> None:
-        if req.state_slot is not None:
-            assert self.state_slots is not None
-            self.state_slots.free(req.state_slot)
-            req.state_slot = None
+    def _cached_pages(self) -> int:
+        """Pages the prefix cache holds, of both kinds (a sliding-window model's window pages too)."""
+        if isinstance(self.cache, SWARadixCache):
+            return self.cache.num_pages + self.cache.num_swa_pages
+        return self.cache.num_pages if self.cache is not None else 0
 
     def get(self, rid: str) -> Req | None:
         return self._live.get(rid)
@@ -558,21 +540,9 @@ class Scheduler:
             # pages a new request can get: free ones and cached ones no running request reads
             "free_pages": self._available(),
             "used_pages": self.allocator.num_pages - self._available(),
-            "cached_pages": self.cache.num_pages if self.cache is not None else 0,
+            "cached_pages": self._cached_pages(),
             "prefix_hit_tokens": self.prefix_hit_tokens,
             "total_pages": self.allocator.num_pages,
             "page_size": self.page_size,
-            **(
-                {"free_state_slots": self.state_slots.num_free, "total_state_slots": self.state_slots.num_slots}
-                if self.state_slots is not None
-                else {}
-            ),
-            **(
-                {
-                    "cached_state_snapshots": self.cache.num_snapshots,
-                    "free_snapshot_slots": self.cache.snapshots.num_free,
-                }
-                if isinstance(self.cache, HybridRadixCache)
-                else {}
-            ),
+            **state_stats(self.state_slots, self.cache),
         }

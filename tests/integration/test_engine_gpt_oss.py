@@ -5,6 +5,7 @@ windows move."""
 
 import pytest
 
+from kvpipe.cache.swa_radix_cache import SWARadixCache
 from kvpipe.cache.window_pages import window_page_bound
 from kvpipe.engine.request import Req, SamplingParams
 from kvpipe.model.presets import write_preset
@@ -49,13 +50,14 @@ def test_batched_chunked_and_tp_equal_one_at_a_time(gpt_oss_model, tp, chunk):
         eng.shutdown()
 
 
-def test_prefix_cache_is_off_for_sliding_window_pages(gpt_oss_model):
-    """The sliding layers free the pages their window slid past, so a cached prefix would lack
-    them: the engine turns the radix cache off (with a log line) and outputs stay exact."""
+def test_prefix_cache_keeps_window_pages(gpt_oss_model):
+    """The sliding layers free the pages their window slid past, so the engine's radix cache is
+    the sliding-window one (window pages only where a hit may start; its own tests in
+    test_engine_gpt_oss_prefix_cache.py) and outputs stay exact."""
     path, reference = gpt_oss_model
     eng = make_engine(path, radix_cache=True)
     try:
-        assert eng.prefix_cache is None
+        assert isinstance(eng.prefix_cache, SWARadixCache) and eng.prefix_cache.window == 32
         assert_engine_matches(eng, PROMPTS, reference)
     finally:
         eng.shutdown()

@@ -1,9 +1,10 @@
-"""Prefix caching of the hybrid tiny-qwen3.5 preset through sglang-router (prefill TP 1, decode TP 1,
-Mooncake over loopback, the decode with --disaggregation-enable-decode-radix-cache): prompts
-sharing a system prompt, sent in waves, give the colocated engine's greedy tokens and logprobs
-(no cache there); the repeated prefix shows as cached_tokens > 0 (the prefill's state snapshots)
-and as decode prefix hits; the prefill writes exactly the pages past the decode's prefix and one
-state per request; every page and state slot comes back on both sides."""
+"""Prefix caching of the hybrid tiny-qwen3.5 preset through sglang-router (prefill TP 1, decode TP 1;
+(1, 2) and (2, 1) in make test-full; Mooncake over loopback, the decode with
+--disaggregation-enable-decode-radix-cache): prompts sharing a system prompt, sent in waves, give
+the colocated engine's greedy tokens and logprobs (no cache there); the repeated prefix shows as
+cached_tokens > 0 (the prefill's state snapshots) and as decode prefix hits; the prefill writes
+exactly the pages past the decode's prefix and one state per request; every page and state slot
+comes back on both sides."""
 
 from __future__ import annotations
 
@@ -19,7 +20,15 @@ from kvpipe.engine.request import SamplingParams
 from kvpipe.model.config import ModelConfig
 from kvpipe.model.presets import write_preset
 from tests.helpers.pd_parity import expected_bytes, state_slot_nbytes
-from tests.helpers.pd_stack import TP_PS, close_and_check_no_orphans, disagg_stats, generate, greedy, start_tp_stack
+from tests.helpers.pd_stack import (
+    TP_FLAGS,
+    TP_PS,
+    close_and_check_no_orphans,
+    disagg_stats,
+    generate,
+    greedy,
+    start_stack,
+)
 from tests.helpers.tolerance import Generation, Route, assert_same_generations
 
 pytest.importorskip("mooncake.engine")
@@ -54,12 +63,22 @@ def reference(model_dir: Path) -> list[Generation]:
     return [Generation.of(o) for o in outs]
 
 
-def test_hybrid_prefixes_through_router(model_dir: Path, tmp_path: Path, reference) -> None:
+# heterogeneous TP: each decode rank holds its KV heads of the cached prefix and gets its heads of
+# the rest and of the state from whichever prefill rank computed them
+@pytest.mark.parametrize(
+    "p_tp,d_tp", [(1, 1), pytest.param(1, 2, marks=pytest.mark.slow), pytest.param(2, 1, marks=pytest.mark.slow)]
+)
+def test_hybrid_prefixes_through_router(model_dir: Path, tmp_path: Path, reference, p_tp: int, d_tp: int) -> None:
     ps = prompts()
-    stack = start_tp_stack(model_dir, tmp_path, 1, 1, ("--chunked-prefill-size", "24"))
-    stack.decode.proc.terminate()  # the decode cache is a decode-only flag: restart with it
-    stack.decode.proc.wait(30)
-    stack.restart("decode", "--disaggregation-enable-decode-radix-cache")
+    stack = start_stack(
+        model_dir,
+        tmp_path,
+        *TP_FLAGS,
+        "--chunked-prefill-size",
+        "24",
+        prefill_args=("--tp-size", str(p_tp)),
+        decode_args=("--tp-size", str(d_tp), "--disaggregation-enable-decode-radix-cache"),  # a decode-only flag
+    )
     try:
 
         def one(i: int) -> dict:
@@ -73,14 +92,16 @@ def test_hybrid_prefixes_through_router(model_dir: Path, tmp_path: Path, referen
             with ThreadPoolExecutor(len(wave)) as pool:
                 outs.update(zip(wave, pool.map(one, wave)))
         got = [Generation.of(outs[i]) for i in range(len(ps))]
-        assert_same_generations(got, reference, Route.ACROSS_PROCESSES, ps, "hybrid PD (1, 1) through the router")
+        assert_same_generations(
+            got, reference, Route.ACROSS_PROCESSES, ps, f"hybrid PD ({p_tp}, {d_tp}) through the router"
+        )
         cached = {i: outs[i]["meta_info"]["cached_tokens"] for i in range(len(ps))}
         assert [cached[i] for i in waves[2]] == [48, 48, 48, 32, 32, 32], cached
         # the decode held the shared pages from the second of each system prompt on (its cache
         # keeps KV alone): every request moved its other pages and its state, nothing more
         sent = disagg_stats(stack.prefill)["bytes_written"]
-        full = expected_bytes(model_dir, [len(p) for p in ps], PS, 1, 1)  # nothing cached, states included
-        page = expected_bytes(model_dir, [PS], PS, 1, 1) - state_slot_nbytes(ModelConfig.from_dir(model_dir))
+        full = expected_bytes(model_dir, [len(p) for p in ps], PS, p_tp, d_tp)  # nothing cached, states included
+        page = expected_bytes(model_dir, [PS], PS, p_tp, d_tp) - state_slot_nbytes(ModelConfig.from_dir(model_dir))
         held = 4 * 48 + 4 * 32
         assert sent == full - held // PS * page, (sent, full, page)
         stack.prefill.wait_idle(30)

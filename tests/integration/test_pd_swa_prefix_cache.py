@@ -1,0 +1,133 @@
+"""PD of tiny-gpt-oss (window 32, pages of 16) with the decode's radix cache
+(--disaggregation-enable-decode-radix-cache; prefill and decode engines in one process over the
+local backend): the decode's cache is the sliding-window one, so its hit needs the window pages
+before it; the prefill sends the full layers' pages past the decode's prefix and the window pages
+of the prompt's last window that the decode lacks. Greedy tokens and logprobs equal the colocated
+engine without a cache for a shared system prompt and a multi-turn conversation; the bytes of
+every request are exactly that prediction; the prefill's own cache (on or off) saves its compute
+and changes no byte; every page of either kind is accounted for afterwards on both sides."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from kvpipe.cache.swa_radix_cache import SWARadixCache
+from kvpipe.cache.window_pages import window_first_page
+from kvpipe.config import FaultInjection
+from kvpipe.engine.request import FinishReason, Req
+from kvpipe.model.config import ModelConfig
+from kvpipe.model.presets import write_preset
+from tests.helpers.pd_pair import GREEDY, PS, Pair, assert_pd_matches, colocated_greedy, make_pair, prompts
+from tests.helpers.pd_parity import expected_bytes
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return write_preset("tiny-gpt-oss", tmp_path_factory.mktemp("tiny_gpt_oss_pd_cache"))
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    yield from colocated_greedy(model_dir)
+
+
+def run_one(pair: Pair, ids: list[int], reference) -> tuple[int, int, Req]:
+    """One request through the pair: (bytes the prefill wrote, prompt tokens the decode had cached,
+    the finished decode request), its output checked against the reference."""
+    before, hits = pair.sender.stats.bytes_written, pair.decode.stats()["prefix_hit_tokens"]
+    p, d = pair.reqs(ids)
+    pair.run([(p, d)])
+    assert d.finish_reason is FinishReason.LENGTH, d.finish_detail
+    assert_pd_matches([d], [ids], reference)
+    return pair.sender.stats.bytes_written - before, pair.decode.stats()["prefix_hit_tokens"] - hits, d
+
+
+@pytest.mark.parametrize("prefill_cache,groups", [(False, 1), (True, 2)])
+def test_decode_cache_moves_suffix_pages_and_the_missing_window_pages(model_dir, reference, prefill_cache, groups):
+    """With the prefill's own cache too it skips computing the shared prefix and reports it as
+    cached_tokens, with two layer groups (each group's pages go while the next computes); the
+    bytes do not change."""
+    rnd = random.Random(7)
+    tok = lambda n: [rnd.randrange(3, 290) for _ in range(n)]  # noqa: E731
+    mc = ModelConfig.from_dir(model_dir)
+    assert mc.sliding_window == 32 and 0 < len(mc.sliding_layers) < mc.num_layers
+    layer_page = PS * mc.num_kv_heads * mc.head_dim * 4 * 2  # K and V of one page of one layer, fp32
+    assert expected_bytes(model_dir, [PS], PS, 1, 1) == mc.num_layers * layer_page
+    full_page = (mc.num_layers - len(mc.sliding_layers)) * layer_page
+    window_page = len(mc.sliding_layers) * layer_page
+
+    def predicted(n: int, held: int) -> int:
+        """Full layers: the pages past the decode's prefix; sliding layers: the pages of the
+        prompt's last window past it (those before it are the decode cache's)."""
+        end, first = -(-n // PS), window_first_page(n, 32, PS)
+        return (end - held // PS) * full_page + (end - max(first, held // PS)) * window_page
+
+    with make_pair(
+        model_dir, 24, decode_radix_cache=True, prefill_radix_cache=prefill_cache, layer_groups=groups
+    ) as pair:
+        assert isinstance(pair.decode.prefix_cache, SWARadixCache)
+        assert isinstance(pair.prefill.prefix_cache, SWARadixCache) == prefill_cache
+        system = tok(40)
+        computed = []
+        for i in range(4):  # a shared system prompt of 2 whole pages, prompts past the window
+            ids = system + tok(rnd.randint(20, 30))
+            sent, hit, d = run_one(pair, ids, reference)
+            assert hit % PS == 0 and sent == predicted(len(ids), hit), (i, hit, sent)
+            computed.append(d.cached_tokens)
+        # the prefill: the second finds the full pages of the shared prefix but its window slid
+        # out and keeps it (the branch point); the rest hit it
+        assert computed == ([0, 0, 32, 32] if prefill_cache else [0] * 4)
+        convo, prev = tok(30), 0
+        for turn in range(4):  # each turn resends the conversation so far
+            sent, hit, d = run_one(pair, convo, reference)
+            # the decode cached the last turn up to its last KV (prompt + 5 outputs) with the window
+            # before it: it holds that prefix, and the prefill sends the rest
+            assert hit == (0 if turn == 0 else (prev + GREEDY.max_new_tokens - 1) // PS * PS), (turn, hit)
+            assert sent == predicted(len(convo), hit), (turn, hit, sent)
+            prev, convo = len(convo), convo + list(d.output_ids) + tok(5 + turn)
+        if groups > 1:
+            assert pair.pipeline.counters.batches_by_groups.get(groups, 0) > 0
+        pair.settle()
+        assert_only_cached(pair)
+
+
+def assert_only_cached(pair: Pair) -> None:
+    """Idle: every used page of either side is its cache's, once, and none is pinned."""
+    for eng in (pair.prefill, pair.decode):
+        c = eng.prefix_cache
+        assert c is None or isinstance(c, SWARadixCache)
+        if isinstance(c, SWARadixCache):
+            assert c.locked_pages == c.locked_swa_pages == 0
+            assert eng.allocator.num_used == c.num_pages + c.num_swa_pages == c.all_pages().size
+            eng.allocator.check_owned(c.all_pages())
+
+
+def test_failed_and_aborted_transfers_insert_nothing_and_leak_nothing(model_dir, reference):
+    """30% injected write failures with both caches on, prompts sharing a system prompt (hits on
+    both sides), then a decode abort while the prefill computes: the rooms that succeed give the
+    colocated tokens, and afterwards every page on either side is its cache's."""
+    with make_pair(model_dir, chunk=32, inject=FaultInjection(prob=0.3, seed=3), decode_radix_cache=True) as pair:
+        system = prompts(11, [40])[0]
+        ps = [system + tail for tail in prompts(12, [20, 64, 90, 47, 30, 25])]
+        for wave in (ps[:2], ps[2:]):  # the second wave may hit what the first cached
+            reqs = [pair.reqs(ids) for ids in wave]
+            pair.run(reqs)
+            ok = [(d, ids) for (_, d), ids in zip(reqs, wave) if d.finish_reason is not FinishReason.ABORT]
+            assert_pd_matches([d for d, _ in ok], [ids for _, ids in ok], reference, "rooms that succeeded")
+        st = pair.prefill.stats()["disaggregation"]
+        assert st["rooms_failed"] > 0 and st["rooms_succeeded"] > 0, st
+        pair.settle()
+        assert_only_cached(pair)
+        a = pair.reqs(system + prompts(1, [200])[0])
+        pair.prefill.add_request(a[0])
+        pair.decode.add_request(a[1])
+        pair.prefill.step()
+        pair.decode.step()
+        pair.decode.abort(a[1].rid)
+        pair.run([], until=lambda: a[0].finished and a[1].finished)
+        assert a[1].finish_reason is FinishReason.ABORT
+        pair.settle()
+        assert_only_cached(pair)
