@@ -57,7 +57,8 @@ def check_nextn(cfg: ServerConfig, model: ModelConfig) -> None:
         )
     if cfg.tp_size > 1:
         raise ConfigError(
-            f"--speculative-algorithm {algo} with --tp-size {cfg.tp_size}: not supported yet (the MTP layer runs with TP 1 only)"
+            f"--speculative-algorithm {algo} with --tp-size {cfg.tp_size}: not supported yet "
+            "(the MTP layer runs with TP 1 only)"
         )
     if cfg.disaggregation.mode != "null":
         raise ConfigError(
