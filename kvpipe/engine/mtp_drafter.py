@@ -14,7 +14,12 @@ cache shares for a prefix holds the MTP KV of that prefix too, and freeing the t
 frees the MTP's (aborts included). The chain's positions n - 1 .. lie past the request's valid
 KV: in its own partly filled last page, then in the scratch pages; the catch-up of the next step
 overwrites them. Only full pages go to the radix cache: before a request finishes the drafter
-catches its MTP KV up on those (finish()), so a cached prefix never holds a stale MTP row.
+catches its MTP KV up on those (finish()), so a cached prefix holds the MTP KV of every position.
+One row of it depends on a token past the prefix: the MTP row of the prefix's last position was
+computed with the token that followed it in the request that cached it. A request whose own
+token there differs (its divergence falls exactly on a page boundary) drafts with that one row
+stale; its output does not change (every draft is verified). SGLang keys its EAGLE radix cache by
+token pairs for this; here the row would need a copy-on-write page (not built).
 
 Which MTP KV is valid. The target's hidden states arrive with every forward (keep(), rows kept
 per request from its first uncomputed MTP position); propose() first catches the MTP KV up on
