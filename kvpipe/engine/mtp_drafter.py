@@ -15,11 +15,16 @@ frees the MTP's (aborts included). The chain's positions n - 1 .. lie past the r
 KV: in its own partly filled last page, then in the scratch pages; the catch-up of the next step
 overwrites them. Only full pages go to the radix cache: before a request finishes the drafter
 catches its MTP KV up on those (finish()), so a cached prefix holds the MTP KV of every position.
-One row of it depends on a token past the prefix: the MTP row of the prefix's last position was
-computed with the token that followed it in the request that cached it. A request whose own
-token there differs (its divergence falls exactly on a page boundary) drafts with that one row
-stale; its output does not change (every draft is verified). SGLang keys its EAGLE radix cache by
-token pairs for this; here the row would need a copy-on-write page (not built).
+The MTP KV row of position i depends on t_{i+1} (its own input only: a layer's K/V at a position
+never depends on other positions). So the last row of a cached page was computed with the token
+that followed it in the request that computed it; where the radix tree branches right after that
+page, another branch's request would read it stale (SGLang keys its EAGLE radix cache by token
+pairs for this). The drafter keeps, for the last position of every page it computed, the target's
+hidden state there and the token that followed (`page_hidden`, `page_next`); a request starting
+behind a cached prefix checks each of its shared pages, and where the following token differs
+it gets a private copy of that page (copy on write: other requests read the shared one) with the
+row recomputed for its own token. With no private page free the row stays as cached: drafts may
+differ, outputs never (every draft is verified).
 
 Which MTP KV is valid. The target's hidden states arrive with every forward (keep(), rows kept
 per request from its first uncomputed MTP position); propose() first catches the MTP KV up on
@@ -31,7 +36,7 @@ but that: positions past the valid prefix are recomputed before they are read).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import numpy as np
@@ -79,6 +84,9 @@ class MTPSeq:
 
     valid: int
     hidden: torch.Tensor
+    # cached pages whose last row this request recomputed: their index in the request's pages ->
+    # the private MTP page that stands for them in its page tables
+    private: dict[int, int] = field(default_factory=dict)
 
 
 class MTPDrafter:
@@ -96,12 +104,22 @@ class MTPDrafter:
         # the chain writes up to max_drafts - 1 positions past a request's pages
         scratch = _cdiv(max(cfg.speculative.max_drafts, 1), self.page_size) + 1
         self.scratch = np.arange(num_pages, num_pages + scratch, dtype=np.int64)
+        # the private copies of cached pages (copy on write), two per running request
+        first = num_pages + scratch
+        private = 2 * cfg.scheduler.max_running_requests
+        self.free_private = list(range(first + private - 1, first - 1, -1))
+        self.num_private = private
+        self.hit_copies = 0  # cached pages whose last MTP row a request recomputed in a private copy
         dtype = next(self.mtp.parameters()).dtype
+        # the target's hidden state at the last position of each page whose MTP KV was computed
+        # here: what a cache hit of that page recomputes its last MTP row from
+        self.page_hidden = torch.zeros(num_pages, target_cfg.hidden_size, dtype=dtype, device=self.device)
+        self.page_next = np.full(num_pages, -1, dtype=np.int64)  # and the token after it there
         mla = target_cfg.mla
         assert mla is not None  # check_nextn: only DeepSeek-V3 has MTP layers
         self.pool = KVPool(
             1,
-            num_pages + scratch,
+            num_pages + scratch + private,
             self.page_size,
             1,
             mla.latent_dim,
@@ -124,12 +142,41 @@ class MTPDrafter:
             start += n
             seq = self.seqs.get(req.rid)
             if seq is None:  # its first forward: a cached prefix's MTP KV came with its pages
-                self.seqs[req.rid] = MTPSeq(valid=pre, hidden=h.clone())
+                self.seqs[req.rid] = self._start(req, pre, h)
                 continue
             if pre < seq.valid:
                 raise AssertionError(f"{req.rid}: a target forward at {pre}, below the MTP's valid KV ({seq.valid})")
             seq.hidden = torch.cat([seq.hidden[: pre - seq.valid], h])
         assert start == hidden.shape[0], (start, tuple(hidden.shape))
+
+    def _start(self, req: Req, pre: int, h: torch.Tensor) -> MTPSeq:
+        """A request's first forward, at prefix `pre`: behind a cache hit (whole pages) its
+        prefix's MTP KV came with its pages; the last row of a page whose next token differs from
+        this request's is recomputed in a private copy (see the module docstring)."""
+        seq = MTPSeq(pre, h.clone())
+        p, tokens = self.page_size, req.all_ids
+        for j in range(min(pre // p, len(req.pages))):
+            src = int(req.pages[j])
+            nxt = int(self.page_next[src])
+            if nxt < 0 or nxt == tokens[(j + 1) * p] or not self.free_private:
+                continue  # unknown (nothing to recompute it from), the same token, or no room
+            dst = self.free_private.pop()
+            self.pool.k[0][dst].copy_(self.pool.k[0][src])
+            seq.private[j] = dst
+            self.hit_copies += 1
+            pos = (j + 1) * p - 1
+            with torch.inference_mode():
+                self._forward([tokens[pos + 1]], pos, self._table(req, seq, j + 1), self.page_hidden[src][None])
+        return seq
+
+    def _table(self, req: Req, seq: MTPSeq, used: int) -> np.ndarray:
+        """The MTP page table of `req`'s first `used` pages: its target pages, with its private
+        copies standing for the cached pages whose last row it recomputed."""
+        table = np.array(req.pages[:used], dtype=np.int64)
+        for j, dst in seq.private.items():
+            if j < used:
+                table[j] = dst
+        return table
 
     # ---- drafting ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -141,8 +188,8 @@ class MTPDrafter:
         end = len(tokens) - 1  # the MTP KV needed: positions [0, end)
         if seq is None or num_drafts <= 0 or seq.valid >= end:
             return []
-        table = np.concatenate([req.pages[: _cdiv(end, self.page_size)], self.scratch])
-        out, logits = self._catch_up(seq, tokens, end, table)
+        table = np.concatenate([self._table(req, seq, _cdiv(end, self.page_size)), self.scratch])
+        out, logits = self._catch_up(seq, req, end, table)
         drafts = [int(torch.argmax(logits[0]).item())]
         h, pos = out[-1:], end
         while len(drafts) < num_drafts:
@@ -162,26 +209,35 @@ class MTPDrafter:
         end = min(full, len(req.all_ids) - 1)
         if end > seq.valid:
             with torch.inference_mode():
-                self._catch_up(seq, req.all_ids, end, req.pages[: _cdiv(end, self.page_size)])
+                self._catch_up(seq, req, end, self._table(req, seq, _cdiv(end, self.page_size)))
 
     def release(self, rid: str) -> None:
         """The request ended (finished, aborted, failed): drop its state; its MTP KV pages are
-        the target's and go back with them (idempotent)."""
-        self.seqs.pop(rid, None)
+        the target's and go back with them, its private copy here (idempotent)."""
+        seq = self.seqs.pop(rid, None)
+        if seq is not None:
+            self.free_private.extend(seq.private.values())
 
     # ---- forwards -------------------------------------------------------------------------
-    def _catch_up(
-        self, seq: MTPSeq, tokens: list[int], end: int, table: np.ndarray
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The MTP KV of positions [seq.valid, end): (h_i, t_{i+1}) for each; returns the extend
-        forward's (out [n, H], logits [1, V] of its last row)."""
+    def _catch_up(self, seq: MTPSeq, req: Req, end: int, table: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP KV of positions [seq.valid, end) of `req`: (h_i, t_{i+1}) for each; returns the
+        extend forward's (out [n, H], logits [1, V] of its last row)."""
         start, n = seq.valid, end - seq.valid
         if n > seq.hidden.shape[0]:
             raise AssertionError(
                 f"MTP catch-up of positions [{start}, {end}) but hidden states of [{start}, "
                 f"{start + seq.hidden.shape[0]}) only"
             )
-        out, logits = self._forward(tokens[start + 1 : end + 1], start, table, seq.hidden[:n])
+        # the hidden state of each page's last position, for cache hits of the page
+        p = self.page_size
+        last = np.arange(start + (p - 1 - start) % p, end, p)
+        if seq.private:  # a shared page keeps the row (and token) it was cached with
+            last = last[~np.isin(last // p, list(seq.private))]
+        if last.size:
+            pages = req.pages[last // p].astype(np.int64)
+            self.page_hidden[torch.from_numpy(pages)] = seq.hidden[torch.from_numpy(last - start)]
+            self.page_next[pages] = np.asarray(req.all_ids, dtype=np.int64)[last + 1]
+        out, logits = self._forward(req.all_ids[start + 1 : end + 1], start, table, seq.hidden[:n])
         seq.hidden = seq.hidden[n:]  # consumed: positions before `end` are never needed again
         seq.valid = end
         return out, logits

@@ -52,6 +52,7 @@ def assert_nothing_left(eng: Engine) -> None:
     assert st["free_pages"] == st["total_pages"], st
     assert eng.prefix_cache is None or eng.prefix_cache.locked_pages == 0
     assert eng.mtp is not None and not eng.mtp.seqs
+    assert len(eng.mtp.free_private) == eng.mtp.num_private  # every hit's private page is back
 
 
 def bigram_copy(src: Path, dst: Path) -> Path:
@@ -170,7 +171,18 @@ def test_greedy_outputs_unchanged_and_drafts_from_the_mtp_layer(models):
         # again, every prompt behind its cached prefix: the MTP KV came with the cached pages
         assert_engine_matches(eng, PROMPTS, reference, Route.SAME_PROCESS, GREEDY24, "NEXTN, cached")
         assert eng.scheduler.prefix_hit_tokens > 0
-        assert [d for _, d in seen[cold:]] and sum(len(d) for _, d in seen) == eng.spec_counts.proposed
+        assert seen[cold:] and eng.mtp is not None and eng.mtp.hit_copies == 0  # same next tokens
+        # prompts that leave the cached ones exactly at a page boundary: the MTP row of the
+        # prefix's last position depends on the next token, recomputed in a private page copy
+        diverging = [p[: 4 * PAGE] + [(t + 1) % 250 + 3 for t in p[4 * PAGE : 4 * PAGE + 20]] for p in PROMPTS[4:]]
+        plain = make_engine(path, page_size=PAGE)
+        try:
+            want = one_at_a_time(plain, diverging, GREEDY24)
+        finally:
+            plain.shutdown()
+        assert_engine_matches(eng, diverging, want, Route.SAME_PROCESS, GREEDY24, "NEXTN, diverging at a page")
+        assert eng.mtp.hit_copies == len(diverging)
+        assert sum(len(d) for _, d in seen) == eng.spec_counts.proposed
         compared = assert_drafts_from_scratch(seen, FromScratch(path))
         assert compared > 0.9 * eng.spec_counts.proposed, (compared, eng.spec_counts)
         assert_nothing_left(eng)
