@@ -29,6 +29,7 @@ from kvpipe.config import ConfigError, ParallelConfig
 from kvpipe.model.config import ModelConfig
 from kvpipe.model.decoder_layer import DecoderLayer
 from kvpipe.model.forward_batch import ForwardBatch
+from kvpipe.model.gguf.checkpoint import gguf_checkpoint
 from kvpipe.model.linear import Linear
 from kvpipe.model.loader import _slices, keep_fp32, pack_linears, resolve_dtype, weight_files
 from kvpipe.model.mla import MLAttention
@@ -138,6 +139,8 @@ def load_mtp(
             f"{model_dir}: no multi-token-prediction layer {index} (num_nextn_predict_layers="
             f"{cfg.num_nextn_predict_layers})"
         )
+    if gguf_checkpoint(model_dir) is not None:
+        raise ConfigError(f"{model_dir}: the MTP layer loads from HF safetensors checkpoints only, not GGUF")
     model_dir = Path(model_dir)
     names = set(weight_files(model_dir))
     layer = cfg.num_layers + index
