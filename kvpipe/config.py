@@ -329,8 +329,11 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20  # an HTTP server's --max-request-body
 
 
 # --speculative-algorithm (SGLang's names): what kvpipe runs, and what it names but refuses for now
-SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
-SPECULATIVE_NOT_YET = ("NEXTN", "EAGLE", "EAGLE3")
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "NEXTN", "EAGLE")
+SPECULATIVE_NOT_YET = ("EAGLE3",)
+# drafted by the checkpoint's multi-token-prediction layer (SGLang turns NEXTN into EAGLE; kvpipe
+# runs EAGLE without a draft model path as NEXTN)
+MTP_ALGORITHMS = ("NEXTN", "EAGLE")
 NGRAM_DEFAULT_DRAFT_TOKENS = 8  # verified tokens per step: the last token and 7 drafts
 STANDALONE_DEFAULT_NUM_STEPS = 3  # drafts per step of a draft model when neither count is given
 
@@ -379,6 +382,11 @@ class SpeculativeConfig:
         lo, hi = self.ngram_min_match_window_size, self.ngram_max_match_window_size
         if not (type(lo) is int and type(hi) is int and 1 <= lo <= hi):
             raise ConfigError(f"NGRAM match windows must satisfy 1 <= min ({lo!r}) <= max ({hi!r})")
+        if a.upper() in MTP_ALGORITHMS and self.draft_model_path is not None:
+            raise ConfigError(
+                f"--speculative-algorithm {a} drafts with the target checkpoint's own multi-token-prediction "
+                f"layer; a separate draft model ({self.draft_model_path!r}, e.g. EAGLE heads) is not supported"
+            )
         if (a.upper() == "STANDALONE") != (self.draft_model_path is not None):
             raise ConfigError(
                 "--speculative-draft-model-path goes with --speculative-algorithm STANDALONE "
@@ -390,6 +398,11 @@ class SpeculativeConfig:
         return self.algorithm is not None
 
     @property
+    def uses_mtp(self) -> bool:
+        """NEXTN (or EAGLE): drafts come from the target checkpoint's MTP layer."""
+        return self.algorithm is not None and self.algorithm.upper() in MTP_ALGORITHMS
+
+    @property
     def max_drafts(self) -> int:
         """Draft tokens proposed per request and step at most (0 when off)."""
         if not self.enabled:
@@ -398,8 +411,8 @@ class SpeculativeConfig:
             return self.num_draft_tokens - 1
         if self.num_steps is not None:
             return self.num_steps
-        if self.algorithm is not None and self.algorithm.upper() == "STANDALONE":
-            return STANDALONE_DEFAULT_NUM_STEPS
+        if self.algorithm is not None and self.algorithm.upper() in ("STANDALONE", *MTP_ALGORITHMS):
+            return STANDALONE_DEFAULT_NUM_STEPS  # SGLang's DeepSeek MTP default too: 3 steps, topk 1
         return NGRAM_DEFAULT_DRAFT_TOKENS - 1
 
 

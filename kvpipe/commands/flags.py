@@ -122,7 +122,8 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
         choices=[*SPECULATIVE_ALGORITHMS, *SPECULATIVE_NOT_YET],
         help="NGRAM: drafts looked up in the request's own tokens, verified greedily in one forward "
         "(sampled requests by speculative sampling); STANDALONE: greedy drafts of a smaller model "
-        "(--speculative-draft-model-path); NEXTN and EAGLE are refused (not yet)",
+        "(--speculative-draft-model-path); NEXTN (or EAGLE): greedy drafts of the checkpoint's "
+        "multi-token-prediction layer (DeepSeek-V3, colocated, TP 1); EAGLE3 is refused (not yet)",
     )
     g.add_argument("--speculative-num-steps", type=int, default=None, help="drafts per step (a chain)")
     g.add_argument("--speculative-eagle-topk", type=int, default=None, help="1 only: kvpipe verifies a chain")
@@ -131,7 +132,7 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="tokens verified per request and step: the last token and up to N - 1 drafts "
-        "(default: num_steps + 1, else 8 for NGRAM and 4 for STANDALONE)",
+        "(default: num_steps + 1, else 8 for NGRAM and 4 for STANDALONE and NEXTN)",
     )
     g.add_argument(
         "--speculative-ngram-min-match-window-size",

@@ -40,6 +40,7 @@ from kvpipe.engine.connector_workers import RankWorkers
 from kvpipe.engine.draft_model import DraftModel, check_draft_model
 from kvpipe.engine.finish import FinishChecker
 from kvpipe.engine.model_runner import ModelRunner, snapshot_slots, split_layers, state_slots
+from kvpipe.engine.mtp_drafter import MTPDrafter, check_nextn
 from kvpipe.engine.ngram_drafter import propose_ngram
 from kvpipe.engine.request import ABORTED_ON_REQUEST, FinishReason, Req, SamplingParams, TokenOutput, finish_reason_json
 from kvpipe.engine.sampler import Sampler, make_generator
@@ -114,6 +115,11 @@ class Engine:
         self.draft: DraftModel | None = None
         if self.spec.draft_model_path is not None:
             self.draft = DraftModel(cfg, self.model_config, device)
+        # NEXTN: the checkpoint's MTP layer, fed the target's hidden states of every forward
+        self.mtp: MTPDrafter | None = None
+        if self.spec.uses_mtp:
+            self.mtp = MTPDrafter(cfg, self.model_config, self.runner.model, self.runner.pool.num_pages, device)
+            self.runner.capture_hidden = True
         self.allocator = PageAllocator(cfg.cache.pages(), cfg.cache.debug_checks)
         use_cache = cfg.cache.radix_cache and (connector is None or connector.prefix_cache)
         hybrid = self.model_config.hybrid is not None
@@ -314,10 +320,12 @@ class Engine:
 
     # ---- speculative decoding ----------------------------------------------------------------
     def _propose(self, req: Req, max_drafts: int) -> list[int]:
-        """NGRAM or the draft model's drafts of a decode row (greedy rows keep the matching ones,
+        """NGRAM's, the draft model's or the MTP layer's drafts of a decode row (greedy rows keep the matching ones,
         sampled rows verify them by speculative sampling: spec_sampling.py)."""
         if self.draft is not None:
             return self.draft.propose(req.rid, req.all_ids, max_drafts)
+        if self.mtp is not None:
+            return self.mtp.propose(req, max_drafts)
         s = self.spec
         return propose_ngram(req.all_ids, max_drafts, s.ngram_min_match_window_size, s.ngram_max_match_window_size)
 
@@ -420,6 +428,8 @@ class Engine:
             for req, n_new in zip(batch.reqs, batch.extend_lens):
                 req.timeline.mark(Phase.FORWARD_START, value=n_new)
         logits = self._tp.run(spec, callback) if self._tp is not None else self.runner.run(spec, callback)
+        if self.mtp is not None:
+            self.mtp.keep(batch, self.runner.take_hidden())
         if prefill:
             for req, n_new in zip(batch.reqs, batch.extend_lens):
                 req.timeline.mark(Phase.FORWARD_END, value=n_new)
@@ -568,6 +578,8 @@ class Engine:
         """End `req`; True when a transfer keeps its pages (then they are freed at its
         TransferFinished, and a normal finish is answered then)."""
         hold = self._connector_holds(req, reason, detail)
+        if self.mtp is not None and self.prefix_cache is not None and reason is not FinishReason.ABORT:
+            self.mtp.finish(req)  # its full pages go to the radix cache with their MTP KV complete
         self.scheduler.finish(req, reason, detail, hold=hold)
         return self._settle(req, hold)
 
@@ -582,6 +594,8 @@ class Engine:
         self._generators.pop(rid, None)
         if self.draft is not None:  # every end of a request passes here (finish, abort, failure)
             self.draft.release(rid)
+        if self.mtp is not None:
+            self.mtp.release(rid)
         self.finisher.forget(rid)
         if release_rid:
             with self._lock:
@@ -704,3 +718,5 @@ def check_speculative(cfg: ServerConfig, model: ModelConfig) -> None:
         )
     if cfg.speculative.draft_model_path is not None:  # before any TP rank starts
         check_draft_model(cfg, model, ModelConfig.from_dir(cfg.speculative.draft_model_path))
+    if cfg.speculative.uses_mtp:
+        check_nextn(cfg, model)

@@ -117,10 +117,21 @@ class ModelRunner:
             model, cache.pages(), cache.page_size, self.device, kv_cache_dtype=cache.kv_cache_dtype
         )
         self.state_pool = make_state_pool(model, state_slots(cache, scheduler) + snapshot_slots, self.device)
+        # the NEXTN drafter (engine/mtp_drafter.py) reads each forward's last hidden states, after
+        # the final norm ([T, hidden], every row), from last_hidden; off: nothing is kept
+        self.capture_hidden = False
+        self.last_hidden: torch.Tensor | None = None
 
     @property
     def num_layers(self) -> int:
         return self.model.cfg.num_layers
+
+    def take_hidden(self) -> torch.Tensor:
+        """The last forward's hidden states (capture_hidden on), handed over once."""
+        h, self.last_hidden = self.last_hidden, None
+        if h is None:
+            raise RuntimeError("no hidden states captured (capture_hidden is off, or they were taken)")
+        return h
 
     def build_batch(self, spec: ForwardSpec) -> ForwardBatch:
         tables = [torch.from_numpy(t) for t in spec.page_tables]
@@ -173,6 +184,8 @@ class ModelRunner:
                 hidden = self.model.forward_layers(hidden, fb, self.pool, start, end, self.state_pool)
             if callback is not None:
                 callback(start, end, fb)
+        if self.capture_hidden:
+            self.last_hidden = self.model.norm(hidden)
         if not any(spec.want_logits):
             return None
         return self.model.compute_logits(hidden, fb)

@@ -260,6 +260,9 @@ class ModelConfig:
     sliding_layers: tuple[int, ...] = ()
     attention_sinks: bool = False  # a learned logit per head added to the softmax denominator (GPT-OSS)
     o_proj_bias: bool = False  # o_proj carries a bias (GPT-OSS's attention_bias covers q/k/v/o)
+    # DeepSeek-V3 multi-token-prediction layers after the last decoder layer (model/mtp.py): the
+    # NEXTN drafter's; the target's forward never runs them
+    num_nextn_predict_layers: int = 0
 
     def window(self, layer: int) -> int | None:
         """The sliding window of `layer`, None where it attends to the whole context."""
@@ -338,6 +341,7 @@ class ModelConfig:
             rotary_dim=_partial_rotary_dim(cfg, head_dim) if arch in ("minimax_m2", *HYBRID_FAMILIES) else None,
             hybrid=HybridConfig.from_hf_dict(cfg) if arch in HYBRID_FAMILIES else None,
             **(_gpt_oss_attention(cfg) if arch == "gpt_oss" else {}),
+            num_nextn_predict_layers=int(cfg.get("num_nextn_predict_layers") or 0) if arch == "deepseek_v3" else 0,
         )
 
     @classmethod

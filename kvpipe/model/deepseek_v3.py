@@ -2,8 +2,8 @@
 (sigmoid scores, bias-corrected group-limited top-k, shared experts, routed_scaling_factor) in
 every layer after the first `first_k_dense_replace` dense ones.
 
-Its multi-token-prediction layers, if a checkpoint has them, are not built and their weights not
-read.
+Its multi-token-prediction layers, if a checkpoint has them, are not part of this model: the
+NEXTN drafter loads the first one (model/mtp.py).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class DeepseekV3CausalLM(CausalLM):
 def check_deepseek_v3(raw: dict[str, Any], cfg: ModelConfig) -> None:
     """DeepSeek-V3 as HF runs it: sigmoid expert scores with bias-corrected group-limited top-k
     (V2-style softmax / greedy routing keys would be silently ignored). Multi-token-prediction
-    layers (num_nextn_predict_layers) are fine: they are not built and their weights not read."""
+    layers (num_nextn_predict_layers) are fine: the target never runs them (model/mtp.py does)."""
     if raw.get("scoring_func", "sigmoid") != "sigmoid":
         raise ConfigError(f"scoring_func={raw['scoring_func']!r} is not supported for DeepSeek-V3 (only sigmoid)")
     if raw.get("topk_method", "noaux_tc") != "noaux_tc":

@@ -49,9 +49,12 @@ def test_config_and_flags():
     assert SpeculativeConfig("NGRAM", num_draft_tokens=5, num_steps=4, eagle_topk=1).max_drafts == 4
     assert SpeculativeConfig("STANDALONE", draft_model_path="d").max_drafts == 3
     assert SpeculativeConfig("STANDALONE", num_steps=5, draft_model_path="d").max_drafts == 5
+    assert SpeculativeConfig("NEXTN").max_drafts == 3 and SpeculativeConfig("NEXTN").uses_mtp
+    assert SpeculativeConfig("EAGLE", num_steps=2).uses_mtp and not SpeculativeConfig("NGRAM").uses_mtp
     for bad in (
-        dict(algorithm="EAGLE"),
-        dict(algorithm="NEXTN"),
+        dict(algorithm="EAGLE3"),
+        dict(algorithm="NEXTN", draft_model_path="d"),  # the MTP layer is the target checkpoint's
+        dict(algorithm="EAGLE", draft_model_path="d"),
         dict(algorithm="STANDALONE"),  # without a draft model
         dict(algorithm="NGRAM", draft_model_path="d"),
         dict(algorithm="MEDUSA"),
@@ -63,7 +66,7 @@ def test_config_and_flags():
         with pytest.raises(ConfigError):
             SpeculativeConfig(**bad)
     with pytest.raises(ConfigError, match="not implemented yet"):
-        SpeculativeConfig("EAGLE")
+        SpeculativeConfig("EAGLE3")
     p = argparse.ArgumentParser()
     add_speculative_args(p)
     cfg = speculative_config_from_args(

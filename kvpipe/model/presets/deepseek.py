@@ -25,6 +25,9 @@ class MLAPresetSpec:
     rope_interleave: bool = True
     yarn_factor: float | None = None  # None: plain RoPE
     yarn_original_max_position_embeddings: int = 2048
+    # multi-token-prediction layers after the decoder stack (HF's num_nextn_predict_layers; the
+    # NEXTN drafter, model/mtp.py), written under model.layers.{num_layers + i}.
+    nextn_layers: int = 0
 
 
 def deepseek_v3_config(num_layers: int, num_heads: int, head_dim: int, mla: MLAPresetSpec, moe: Any) -> dict[str, Any]:
@@ -71,7 +74,7 @@ def deepseek_v3_config(num_layers: int, num_heads: int, head_dim: int, mla: MLAP
         "first_k_dense_replace": k,
         "scoring_func": "sigmoid",
         "topk_method": "noaux_tc",
-        "num_nextn_predict_layers": 0,  # no multi-token-prediction layer is written
+        "num_nextn_predict_layers": mla.nextn_layers,
     }
 
 
@@ -94,3 +97,25 @@ def mla_attention_weights(
     w[p + "kv_b_proj.weight"] = rnd(num_heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank)
     w[p + "o_proj.weight"] = rnd(hidden, num_heads * mla.v_head_dim)
     return w
+
+
+def mtp_layer_weights(
+    hidden: int,
+    layer: int,
+    embed: torch.Tensor,
+    head: torch.Tensor,
+    rnd: Callable[..., torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """A multi-token-prediction layer's own tensors under DeepSeek-V3's hub names
+    (model.layers.{layer}.): enorm, hnorm, eh_proj [hidden, 2 hidden] and shared_head.norm, with
+    copies of the target's embedding and lm_head (the hub checkpoint stores copies too). Its
+    decoder layer's tensors (norms, self_attn, mlp) are written as any layer's."""
+    p = f"model.layers.{layer}."
+    return {
+        p + "enorm.weight": torch.ones(hidden),
+        p + "hnorm.weight": torch.ones(hidden),
+        p + "eh_proj.weight": rnd(hidden, 2 * hidden),
+        p + "embed_tokens.weight": embed.clone(),
+        p + "shared_head.norm.weight": torch.ones(hidden),
+        p + "shared_head.head.weight": head.clone(),
+    }

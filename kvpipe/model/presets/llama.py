@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpipe.config import ConfigError
-from kvpipe.model.presets.deepseek import MLAPresetSpec, deepseek_v3_config, mla_attention_weights
+from kvpipe.model.presets.deepseek import MLAPresetSpec, deepseek_v3_config, mla_attention_weights, mtp_layer_weights
 from kvpipe.model.presets.scale import WEIGHT_GAIN
 from kvpipe.model.registry import hf_header
 
@@ -90,7 +90,8 @@ PRESETS: dict[str, PresetSpec] = {
         moe=MoEPresetSpec("minimax_m2", num_experts=8, top_k=2, expert_intermediate_size=64, rotary_dim=16),
     ),
     # MLA (latent 32 + rope 16 per token and layer, q LoRA 64, yarn x4) + MoE (layer 0 dense, then
-    # 8 experts in 2 groups, top-2 from the best group, 1 shared expert); every size splits over TP 4
+    # 8 experts in 2 groups, top-2 from the best group, 1 shared expert); every size splits over TP 4;
+    # one multi-token-prediction layer (layer 4, sparse) for the NEXTN drafter
     "tiny-deepseek-v3": PresetSpec(
         num_layers=4,
         hidden_size=128,
@@ -110,7 +111,13 @@ PRESETS: dict[str, PresetSpec] = {
             routed_scaling_factor=2.5,
         ),
         mla=MLAPresetSpec(
-            q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, yarn_factor=4.0
+            q_lora_rank=64,
+            kv_lora_rank=32,
+            qk_nope_head_dim=32,
+            qk_rope_head_dim=16,
+            v_head_dim=32,
+            yarn_factor=4.0,
+            nextn_layers=1,
         ),
     ),
 }
@@ -209,6 +216,15 @@ def weights(spec: PresetSpec, vocab_size: int, seed: int) -> dict[str, torch.Ten
     w["model.norm.weight"] = torch.ones(h)
     if not spec.tie_word_embeddings:
         w["lm_head.weight"] = rnd(vocab_size, h)
+    if spec.mla is not None and spec.moe is not None:  # DeepSeek-V3's MTP layers, drawn after the rest
+        head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
+        for i in range(spec.num_layers, spec.num_layers + spec.mla.nextn_layers):
+            p = f"model.layers.{i}."
+            w[p + "input_layernorm.weight"] = torch.ones(h)
+            w[p + "post_attention_layernorm.weight"] = torch.ones(h)
+            w.update(mla_attention_weights(h, spec.num_heads, spec.mla, i, rnd))
+            w.update(_moe_layer_weights(spec, spec.moe, i, rnd))
+            w.update(mtp_layer_weights(h, i, w["model.embed_tokens.weight"], head, rnd))
     return w
 
 

@@ -1,0 +1,169 @@
+"""DeepSeek-V3's multi-token-prediction (MTP) layer, the NEXTN drafter's model, as the hub
+checkpoints store it (`num_nextn_predict_layers`, tensors under model.layers.{num_layers + i}.)
+and SGLang runs it (python/sglang/srt/models/deepseek_nextn.py):
+
+    x   = eh_proj(cat(enorm(embed(t_{i+1})), hnorm(h_i)))     [T, 2 hidden] -> [T, hidden]
+    x   = decoder_layer(x)                                     MLA + MoE, its own one-layer KV
+    out = shared_head.norm(x)                                  the hidden state the next step feeds
+    logits = shared_head.head(out)                             a guess at t_{i+2}
+
+h_i is the target's last hidden state at position i AFTER its final norm (what SGLang's
+DeepseekV2Model returns and its EAGLE worker captures), t_{i+1} the token that followed; the MTP
+runs at position i (RoPE and KV slot of i). Chained drafts feed `out` back as h.
+
+Built for TP 1 (the drafter refuses more). `embed_tokens` and `shared_head.head` are the
+checkpoint's copies when it has them, else the target's (load_mtp's `embed`, `head`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvpipe.cache.kv_pool import KVPool
+from kvpipe.config import ConfigError, ParallelConfig
+from kvpipe.model.config import ModelConfig
+from kvpipe.model.decoder_layer import DecoderLayer
+from kvpipe.model.forward_batch import ForwardBatch
+from kvpipe.model.gguf.checkpoint import gguf_checkpoint
+from kvpipe.model.linear import Linear
+from kvpipe.model.loader import _slices, keep_fp32, pack_linears, resolve_dtype, weight_files
+from kvpipe.model.mla import MLAttention
+from kvpipe.model.moe import sparse_or_dense_mlp
+from kvpipe.model.norms import RMSNorm
+from kvpipe.model.packed_linear import packing_enabled
+from kvpipe.model.rope import rope_attention_factor, rope_cos_sin, rope_inv_freq
+
+
+class SharedHead(nn.Module):
+    """The MTP layer's output head: a norm, and the vocabulary projection (None: the target's)."""
+
+    def __init__(self, cfg: ModelConfig, own_head: bool) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.head = Linear(cfg.hidden_size, cfg.vocab_size) if own_head else None
+
+
+class DeepseekMTP(nn.Module):
+    """One MTP layer over a one-layer latent KV pool (layer 0 of `pool`)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, own_embed: bool = True, own_head: bool = True) -> None:
+        """`layer`: the checkpoint's index of this MTP layer (num_layers + i): its MLP is sparse
+        or dense as a decoder layer of that index would be."""
+        super().__init__()
+        if cfg.mla is None:
+            raise ConfigError(f"the MTP layer is DeepSeek-V3's (MLA); {cfg.architecture} has none")
+        parallel = ParallelConfig()
+        self.cfg = cfg
+        self.layer = layer
+        h = cfg.hidden_size
+        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, h), requires_grad=False) if own_embed else None
+        self.enorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.eh_proj = Linear(2 * h, h)
+        # the attention writes layer 0 of the MTP's own pool; the MLP is the checkpoint layer's
+        attn = MLAttention(cfg, 0, parallel, None)
+        self.decoder = DecoderLayer(
+            RMSNorm(h, cfg.rms_norm_eps),
+            attn,
+            RMSNorm(h, cfg.rms_norm_eps),
+            sparse_or_dense_mlp(cfg, layer, parallel, None),
+        )
+        self.shared_head = SharedHead(cfg, own_head)
+        # the target's embedding [V, hidden] and vocabulary projection, where the checkpoint has no
+        # copy (set_target; plain attributes, not submodules: the target owns them)
+        self.target_embed: torch.Tensor | None = None
+        self.target_head: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.init_rope()
+
+    def set_target(self, embed: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """The target's embedding table and its lm_head (hidden -> vocab, no norm), used where this
+        layer has no copy of its own (SGLang always shares the target's)."""
+        self.target_embed = embed
+        self.target_head = head
+
+    def init_rope(self, device: str | torch.device | None = None) -> None:
+        """RoPE as the target's (LMBase.init_rope): fp32 inverse frequencies and yarn's factor."""
+        cfg = self.cfg
+        self.inv_freq = rope_inv_freq(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+        if device is not None:
+            self.inv_freq = self.inv_freq.to(device)
+        self.rope_attention_factor = rope_attention_factor(cfg.rope_scaling, cfg.max_position_embeddings)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        table = self.embed_tokens if self.embed_tokens is not None else self.target_embed
+        assert table is not None, "an MTP layer without its own embedding needs the target's"
+        return F.embedding(token_ids, table)
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, hidden]: the h_i of each packed row (batch.input_ids holds t_{i+1}, its
+        positions are i). Writes the T latent rows into layer 0 of `pool`. Returns (out [T,
+        hidden], fp32 logits [B_out, V] of the rows in batch.logit_indices)."""
+        x = torch.cat([self.enorm(self.embed(batch.input_ids)), self.hnorm(hidden)], dim=-1)
+        x = self.eh_proj(x)
+        cos, sin = rope_cos_sin(self.inv_freq.to(x.device), batch.positions, x.dtype, self.rope_attention_factor)
+        out = self.shared_head.norm(self.decoder(x, cos, sin, batch, pool))
+        return out, self.logits(out[batch.logit_indices])
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """[B, hidden] normed output rows -> [B, V] fp32."""
+        if self.shared_head.head is not None:
+            return self.shared_head.head(out).float()
+        assert self.target_head is not None, "an MTP layer without its own head needs the target's"
+        return self.target_head(out).float()
+
+
+def mtp_tensor_name(name: str, layer: int) -> str:
+    """Our parameter name -> the checkpoint's: the decoder layer's tensors sit directly under
+    model.layers.{layer}. (as any decoder layer's), the MTP's own next to them."""
+    if name == "embed_tokens":  # a bare Parameter here, a module with a weight in the checkpoint
+        name = "embed_tokens.weight"
+    return f"model.layers.{layer}." + name.removeprefix("decoder.")
+
+
+def load_mtp(
+    model_dir: str | Path,
+    cfg: ModelConfig,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | str | None = None,
+    index: int = 0,
+) -> DeepseekMTP:
+    """MTP layer `index` of an HF checkpoint directory (TP 1). Its embed_tokens and
+    shared_head.head are read when present; otherwise the caller calls set_target."""
+    if index >= cfg.num_nextn_predict_layers:
+        raise ConfigError(
+            f"{model_dir}: no multi-token-prediction layer {index} (num_nextn_predict_layers="
+            f"{cfg.num_nextn_predict_layers})"
+        )
+    if gguf_checkpoint(model_dir) is not None:
+        raise ConfigError(f"{model_dir}: the MTP layer loads from HF safetensors checkpoints only, not GGUF")
+    model_dir = Path(model_dir)
+    names = set(weight_files(model_dir))
+    layer = cfg.num_layers + index
+    own_embed = mtp_tensor_name("embed_tokens", layer) in names
+    own_head = mtp_tensor_name("shared_head.head.weight", layer) in names
+    torch_dtype = resolve_dtype(dtype, cfg, device)
+    with torch.device("meta"):
+        mtp = DeepseekMTP(cfg, layer, own_embed, own_head)
+    mtp = mtp.to(dtype=torch_dtype).to_empty(device=device)
+    keep_fp32(mtp)
+    mtp.init_rope(device)
+    params = dict(mtp.named_parameters())
+    plan = {n: mtp_tensor_name(n, layer) for n in params}
+    missing = sorted(hf for hf in plan.values() if hf not in names)
+    if missing:
+        raise ConfigError(f"{model_dir}: the MTP layer lacks {len(missing)} tensors, e.g. {missing[:5]}")
+    with _slices(model_dir, None) as get_slice, torch.no_grad():
+        for name, hf in plan.items():
+            t = get_slice(hf)[:]
+            p = params[name]
+            if tuple(t.shape) != tuple(p.shape):
+                raise ConfigError(f"{model_dir}: tensor {hf} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
+            p.copy_(t)
+    if packing_enabled():
+        pack_linears(mtp)
+    return mtp.eval()
