@@ -134,6 +134,7 @@ class PrefillConnector(PDConnector):
         self._tally = RoomTally(ctx.workers.tp_size)
         require_auth_off_loopback(self.cfg)
         self._wake = ctx.wake
+        self._attach_draft(ctx)
         if self.local_worker is not None:  # computed once, at load
             self.handshake = self.local_worker.handshake(checkpoint_digest(self.cfg.model_path))
         host = bootstrap_host(self.cfg)
@@ -215,7 +216,8 @@ class PrefillConnector(PDConnector):
             if r is None or r.transfer_done:
                 continue
             if not r.started:
-                starts.append(RoomStart(r.room, req.pages.copy(), req.state_slot, _swa(req)))
+                draft = req.draft_pages.copy() if req.draft_pages.size else None  # STANDALONE's
+                starts.append(RoomStart(r.room, req.pages.copy(), req.state_slot, _swa(req), draft_pages=draft))
                 self._start(r)
             # the prompt's last forward: a hybrid model's state of each layer group is final
             # after the group, so it can go with the group's KV

@@ -97,6 +97,9 @@ class Req:
     bootstrap_room: int | None = None
     spec: SpecCounts | None = None  # speculative decoding: this request's verify counts
     timeline: Timeline = field(default_factory=Timeline)  # where its time went (engine/timeline.py)
+    # PD with a STANDALONE draft model: the draft pool's pages of its whole prompt, reserved with
+    # its prompt's pages, whose draft KV moves with the target's (empty: none)
+    draft_pages: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     @property
     def seq_len(self) -> int:
