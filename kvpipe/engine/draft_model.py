@@ -47,7 +47,8 @@ def check_draft_model(cfg: ServerConfig, target: ModelConfig, draft: ModelConfig
     if cfg.tp_size > 1:
         raise ConfigError(
             f"--speculative-algorithm STANDALONE with --tp-size {cfg.tp_size}: not supported yet "
-            "(the draft model runs with TP 1 only)"
+            "(the draft model runs with TP 1 only; in PD both servers run it and move its KV, so both "
+            "need --tp-size 1: heterogeneous TP of draft KV is not built)"
         )
 
 
