@@ -158,6 +158,9 @@ class PrefillConnector(PDConnector):
         )
         # sliding-window layers send only the prompt's last window: the planner's T counts that
         self.kv_wire = KVWireBytes.from_layout(layout, ctx.model_config.sliding_window)
+        draft = self.local_worker.draft_layout if self.local_worker is not None else None
+        if draft is not None:  # a STANDALONE draft model's KV goes with every chunk too (the last layer group)
+            self.kv_wire = replace(self.kv_wire, full_token_nbytes=self.kv_wire.full_token_nbytes + draft.token_nbytes)
         logger.info(
             "prefill ready: bootstrap port %d, control %s, data %s",
             self.bootstrap.port,
