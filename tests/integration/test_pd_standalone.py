@@ -70,7 +70,8 @@ def draft_book_at_landing(landed: dict[str, list[int]]):
 
 def run_and_check(pair: Pair, ps: list[list[int]], reference, draft: Path, model_dir: Path) -> list[Req]:
     """Every prompt through the pair: outputs as colocated, the draft KV of the whole prompt held by
-    the decode's draft book when the KV landed, the bytes of both models' KV; both sides free."""
+    the decode's draft book when the KV landed, the bytes of both models' KV (the target's past the
+    prefix the decode's radix cache held, the draft's whole); both sides free."""
     landed: dict[str, list[int]] = {}
     before = pair.prefill.stats()["disaggregation"]["bytes_written"]
     reqs = [pair.reqs(ids, GREEDY24) for ids in ps]
@@ -79,8 +80,9 @@ def run_and_check(pair: Pair, ps: list[list[int]], reference, draft: Path, model
     assert all(d.finish_reason is FinishReason.LENGTH for d in decoded), [d.finish_detail for d in decoded]
     assert_pd_matches(decoded, ps, reference, "PD, STANDALONE on both sides vs colocated")
     assert [landed[d.rid] for d in decoded] == ps  # nothing of the prompt is recomputed on the decode
-    lens = [len(p) for p in ps]
-    target_kv, draft_kv = expected_bytes(model_dir, lens, PS, 1, 1), expected_bytes(draft, lens, PS, 1, 1)
+    lens, held = [len(p) for p in ps], [d.timeline.prefix_hit_tokens for d in decoded]  # whole pages
+    target_kv = expected_bytes(model_dir, lens, PS, 1, 1) - expected_bytes(model_dir, held, PS, 1, 1)
+    draft_kv = expected_bytes(draft, lens, PS, 1, 1)
     assert pair.prefill.stats()["disaggregation"]["bytes_written"] - before == target_kv + draft_kv
     pair.settle()
     assert_draft_pool_free(pair.prefill)
@@ -105,17 +107,21 @@ def test_draft_equal_to_target_accepts_every_draft_from_the_first_step(tiny_mode
 
 def test_other_draft_proposes_what_it_proposes_colocated(tiny_model_dir: Path, noisy_draft: Path, reference):
     """A noisy copy of the target as draft (chains accepted in part): every step's drafts and
-    accepted count equal a colocated STANDALONE engine's, also when the prefill took the prompts'
-    target KV from its prefix cache the second time (the draft still computes and sends them whole)."""
+    accepted count equal a colocated STANDALONE engine's, also the second time, when the prefill
+    took the prompts' target KV from its prefix cache and the decode held their prefix in its own
+    (the draft's KV is still computed and sent whole: neither side caches it)."""
     ps = prompts(22, LENS)
     spec = standalone(noisy_draft)
     want = colocated_steps(tiny_model_dir, spec, ps)
-    with make_pair(tiny_model_dir, 24, prefill_speculative=spec, decode_speculative=spec) as pair:
+    with make_pair(
+        tiny_model_dir, 24, prefill_speculative=spec, decode_speculative=spec, decode_radix_cache=True
+    ) as pair:
         for round_ in range(2):
             decoded = run_and_check(pair, ps, reference, noisy_draft, tiny_model_dir)
             assert [d.spec.steps for d in decoded if d.spec is not None] == want, f"round {round_}"
             # the prefill's cached prompt tokens (aux data): none the first time, whole pages the second
             assert (sum(d.cached_tokens for d in decoded) > 0) == (round_ == 1), [d.cached_tokens for d in decoded]
+            assert (sum(d.timeline.prefix_hit_tokens for d in decoded) > 0) == (round_ == 1)  # the decode's
     proposed = sum(len(drafts) for s in want for drafts, _ in s)
     accepted = sum(a for s in want for _, a in s)
     assert 0 < accepted < proposed, (accepted, proposed)
