@@ -17,7 +17,7 @@ from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.sender.book import SenderBook
 from kvpipe.transfer.sender.room import SendCall
 
-L, PS, PAGES = 2, 4, 32
+L, PS, PAGES = 2, 4, 64
 CFG = DisaggregationConfig(
     bootstrap_timeout_s=5,
     waiting_timeout_s=50,
