@@ -327,14 +327,22 @@ def prompts(seed: int, lens: list[int]) -> list[list[int]]:
     return [[rnd.randrange(3, 290) for _ in range(n)] for n in lens]
 
 
+FAULTS = FaultInjection(prob=0.3, seed=3)  # failures_then_decode_abort's: some rooms fail, some succeed
+
+
 def failures_then_decode_abort(
-    model_dir: Path, reference: Reference, check_free=lambda pair: None, **pair_kw: Any
+    model_dir: Path,
+    reference: Reference,
+    check_free=lambda pair: None,
+    inject: FaultInjection = FAULTS,
+    **pair_kw: Any,
 ) -> None:
     """Injected write failures (seeded: some rooms fail, some succeed with the colocated tokens),
     then a decode abort while the prefill computes; after each, both sides settle with every page
     free, and `check_free(pair)` checks whatever else must be free (state slots, draft pages).
-    `pair_kw`: more of make_pair's arguments (speculative settings)."""
-    with make_pair(model_dir, chunk=32, inject=FaultInjection(prob=0.3, seed=3), **pair_kw) as pair:
+    `inject`: the failures (a pair that moves more batches per room needs a lower probability for
+    both outcomes); `pair_kw`: more of make_pair's arguments (speculative settings)."""
+    with make_pair(model_dir, chunk=32, inject=inject, **pair_kw) as pair:
         ps = prompts(11, [20, 64, 90, 130, 47])
         reqs = [pair.reqs(ids) for ids in ps]
         pair.run(reqs)
