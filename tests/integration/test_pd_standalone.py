@@ -90,9 +90,10 @@ def run_and_check(pair: Pair, ps: list[list[int]], reference, draft: Path, model
     return decoded
 
 
-@pytest.mark.parametrize("groups", [1, 3])
+@pytest.mark.parametrize("groups", [pytest.param(1, marks=pytest.mark.slow), 3])
 def test_draft_equal_to_target_accepts_every_draft_from_the_first_step(tiny_model_dir: Path, reference, groups):
-    """Chunked prefill (24 tokens), the draft KV as its own last layer group after 3 target groups."""
+    """Chunked prefill (24 tokens), the draft KV sent with each chunk, or as its own last layer group
+    after 3 target groups (the fast suite runs that one; the others send chunks whole)."""
     ps = prompts(21, LENS)
     spec = standalone(tiny_model_dir)
     with make_pair(tiny_model_dir, 24, prefill_speculative=spec, decode_speculative=spec, layer_groups=groups) as pair:
@@ -105,6 +106,7 @@ def test_draft_equal_to_target_accepts_every_draft_from_the_first_step(tiny_mode
     assert steps == colocated_steps(tiny_model_dir, spec, ps)
 
 
+@pytest.mark.slow  # two rounds of three prompts and a colocated run: test_draft_equal_to_target_... is its sibling
 def test_other_draft_proposes_what_it_proposes_colocated(tiny_model_dir: Path, noisy_draft: Path, reference):
     """A noisy copy of the target as draft (chains accepted in part): every step's drafts and
     accepted count equal a colocated STANDALONE engine's, also the second time, when the prefill
