@@ -5,13 +5,15 @@ drafts at once. Greedy outputs equal the colocated engine's without speculation;
 and accepted at every step equal a colocated STANDALONE engine's for the same request (what shows
 the draft state arrived: a draft equal to the target accepts every draft either way, a noisy
 copy of it does not); the bytes written are the target's KV plus the draft's; injected transfer
-failures and aborts leave no draft page on either side."""
+failures and aborts leave no draft page on either side; and a negative control: draft KV lost on
+arrival keeps the outputs but not the first step's acceptance."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvpipe.config import FaultInjection, SpeculativeConfig
 from kvpipe.engine.engine import Engine
@@ -104,6 +106,30 @@ def test_draft_equal_to_target_accepts_every_draft_from_the_first_step(tiny_mode
     assert len(steps) == len(ps) and all(len(s[0][0]) == s[0][1] == 3 for s in steps)  # all 3 at once
     assert all(a == len(drafts) for s in steps for drafts, a in s)
     assert steps == colocated_steps(tiny_model_dir, spec, ps)
+
+
+def test_negative_control_draft_kv_lost_on_arrival(tiny_model_dir: Path, reference):
+    """What the per-step checks catch: the decode's draft KV zeroed as it lands (the draft book
+    still takes it as written, like a placeholder) keeps the outputs (verification) but a draft
+    equal to the target no longer has all its drafts accepted at the first step."""
+    ps = prompts(24, [40])
+    spec = standalone(tiny_model_dir)
+
+    def zero_draft_kv(pair: Pair, d: Req) -> None:
+        draft = pair.decode.draft
+        assert draft is not None and d.draft_pages.size
+        idx = torch.as_tensor(d.draft_pages)
+        for t in (*draft.runner.pool.k, *draft.runner.pool.v):
+            t[idx] = 0
+
+    with make_pair(tiny_model_dir, 24, prefill_speculative=spec, decode_speculative=spec) as pair:
+        reqs = [pair.reqs(ids, GREEDY24) for ids in ps]
+        pair.run(reqs, timeout_s=120.0, on_landed=zero_draft_kv)
+        decoded = [d for _, d in reqs]
+        assert_pd_matches(decoded, ps, reference, "PD, draft KV zeroed on arrival")
+        first = decoded[0].spec.steps[0] if decoded[0].spec is not None else None
+        assert first is not None and first[1] < len(first[0]) == 3, first
+        pair.settle()
 
 
 @pytest.mark.slow  # two rounds of three prompts and a colocated run: test_draft_equal_to_target_... is its sibling
