@@ -1,12 +1,13 @@
 """What a model's PD request weighs on the wire, from its checkpoint schema (ModelConfig): the KV of
 every layer that keeps KV (K and V, or an MLA latent; a hybrid model's full-attention layers
 only), a GPT-OSS model's sliding layers only over the prompt's last window (KVWireBytes), plus a
-hybrid model's recurrent state once per request. Element sizes are the served ones (ServedDtypes:
+hybrid model's recurrent state once per request, and a STANDALONE draft model's KV where both PD
+servers run one (`with_draft_kv`: its KV moves after the target's). Element sizes are the served ones (ServedDtypes:
 --dtype and --kv-cache-dtype as the servers resolve them), else the checkpoint's."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvpipe.cache.kv_dtype import kv_storage_dtype
 from kvpipe.model.config import ModelConfig
@@ -43,6 +44,16 @@ def kv_wire_bytes(mc: ModelConfig, page_size: int, itemsize: int | None = None) 
     per_layer = mc.kv_buffers_per_layer * mc.kv_cache_heads * mc.kv_cache_head_dim * itemsize
     n, n_swa = len(mc.kv_layers), len(mc.sliding_layers)
     return KVWireBytes((n - n_swa) * per_layer, n_swa * per_layer, mc.sliding_window if n_swa else None, page_size)
+
+
+def with_draft_kv(kv: KVWireBytes, draft: ModelConfig, itemsize: int) -> KVWireBytes | None:
+    """`kv` plus a STANDALONE draft model's KV (every prompt token of every draft layer, in its
+    pool's `itemsize`: the draft's compute dtype, disagg/draft_transfer.py); None for a draft the
+    drafter refuses (sliding-window or hybrid: it would not move like this)."""
+    if draft.sliding_layers or draft.hybrid is not None:
+        return None
+    d = kv_wire_bytes(draft, kv.page_size, itemsize)
+    return None if d is None else replace(kv, full_token_nbytes=kv.full_token_nbytes + d.full_token_nbytes)
 
 
 def state_bytes_per_request(mc: ModelConfig, itemsize: int | None = None) -> int | None:

@@ -15,7 +15,7 @@ from typing import Any
 from kvpipe.bench import driver
 from kvpipe.bench.chat_text import ChatText, open_chat_text
 from kvpipe.bench.compare import COMPARE_MODES, compare_rows, compare_table
-from kvpipe.bench.kv_bytes import ServedDtypes, kv_wire_bytes, state_bytes_per_request
+from kvpipe.bench.kv_bytes import ServedDtypes, kv_wire_bytes, state_bytes_per_request, with_draft_kv
 from kvpipe.bench.machine import load_average, machine_info
 from kvpipe.bench.plot import plot_modes, plot_sweep
 from kvpipe.bench.probe import (
@@ -67,10 +67,16 @@ def _model_bytes(model_path: str, server_args: tuple[str, ...]) -> tuple[KVWireB
         return None, 0
     flag = partial(server_flag, server_args)
     served = ServedDtypes.of(mc, flag("--dtype"), flag("--kv-cache-dtype"), flag("--device"))
-    return (
-        kv_wire_bytes(mc, server_page_size(server_args), served.kv),
-        state_bytes_per_request(mc, served.model) or 0,
-    )
+    kv = kv_wire_bytes(mc, server_page_size(server_args), served.kv)
+    draft_path = flag("--speculative-draft-model-path")
+    if kv is not None and draft_path is not None:  # every server runs the draft: PD moves its KV too
+        try:
+            draft = ModelConfig.from_dir(draft_path)
+        except (ConfigError, OSError, KeyError, TypeError, ValueError):
+            return None, 0
+        # the draft's pool keeps its compute dtype (--kv-cache-dtype does not apply to it)
+        kv = with_draft_kv(kv, draft, ServedDtypes.of(draft, flag("--dtype"), None, flag("--device")).model)
+    return kv, state_bytes_per_request(mc, served.model) or 0
 
 
 class _Sweep:

@@ -46,6 +46,7 @@ class RankStarted:
     control_address: str | None  # prefill: its KVSender's control endpoint
     staging: StagingInfo | None = None  # decode with a staging ring: its agent and pool
     state: StateLayout | None = None  # a hybrid model's recurrent-state pool on this rank
+    draft: KVLayout | None = None  # the draft model's KV pool (STANDALONE speculative decoding, TP 1)
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,8 @@ class RoomStart:
     state_slot: int | None = None  # hybrid models: the request's state slot (the same on every rank)
     # sliding-window models: the sliding layers' page table so far (-1: slid out), like `pages`
     swa_pages: np.ndarray | None = None
+    # STANDALONE speculative decoding: the draft model's pages of the whole prompt (None: no draft KV)
+    draft_pages: np.ndarray | None = None
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,7 @@ class DecodeConnector(PDConnector):
         d = self.cfg.disaggregation
         self._vocab_size = ctx.model_config.vocab_size
         require_auth_off_loopback(self.cfg)
+        self._attach_draft(ctx)
         self._start_ranks(ctx.workers, StartDecode())
         # what every prefill must agree with, computed once, at load (control/handshake.py)
         handshake = (
@@ -61,7 +62,7 @@ class DecodeConnector(PDConnector):
         )
         self.receiver = KVReceiver(
             d,
-            ranks=[DecodeRank(r.layout, r.data_address, r.staging, r.state) for r in self.ranks],
+            ranks=[DecodeRank(r.layout, r.data_address, r.staging, r.state, r.draft) for r in self.ranks],
             model_name=self.cfg.model_name,
             host=data_host(self.cfg),
             on_news=ctx.wake,
@@ -107,6 +108,8 @@ class DecodeConnector(PDConnector):
             shared * self.cfg.cache.page_size,  # ValueError: nothing was asked for
             state_slot=req.state_slot,  # hybrid models: the prefill fills it too
             swa_pages=swa,
+            # STANDALONE: the draft model's pages for the whole prompt (none reserved: none asked for)
+            draft_pages=req.draft_pages.copy() if req.draft_pages.size else None,
         )
         self._transfers[req.bootstrap_room] = req
         self._asked.add(req.bootstrap_room)
@@ -153,7 +156,15 @@ class DecodeConnector(PDConnector):
                 why = self._check_aux(room, aux)
                 if why is None:
                     assert aux is not None
-                    events.append(KVArrived(req.rid, aux.first_token_id, aux.first_token_logprob, aux.cached_tokens))
+                    events.append(
+                        KVArrived(
+                            req.rid,
+                            aux.first_token_id,
+                            aux.first_token_logprob,
+                            aux.cached_tokens,
+                            draft_tokens=aux.draft_tokens,
+                        )
+                    )
                     continue
                 reason = why
             events.append(TransferFinished(req.rid, False, reason))

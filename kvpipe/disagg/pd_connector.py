@@ -9,7 +9,7 @@ from typing import Any
 from kvpipe.config import ServerConfig
 from kvpipe.disagg.commands import RankStarted
 from kvpipe.disagg.transfer_worker import WORKER_FACTORY, TransferWorker
-from kvpipe.engine.connector import KVConnector, WorkerGroup
+from kvpipe.engine.connector import ConnectorContext, KVConnector, WorkerGroup
 from kvpipe.transfer.backends.base import TransferBackend
 
 START_MARGIN_S = 30.0  # on top of the bootstrap timeout: backend start-up of every rank on a loaded host
@@ -32,6 +32,11 @@ class PDConnector(KVConnector):
     def make_worker(self, pool: Any, total_kv_heads: int, state_pool: Any = None) -> TransferWorker:
         self.local_worker = TransferWorker(self.cfg, 0, pool, total_kv_heads, self._backend, state_pool)
         return self.local_worker
+
+    def _attach_draft(self, ctx: ConnectorContext) -> None:
+        """Rank 0's worker registers and moves the draft model's KV too (before the start)."""
+        if self.local_worker is not None:
+            self.local_worker.set_draft_pool(ctx.draft_pool)
 
     def _start_ranks(self, workers: WorkerGroup, cmd: object) -> None:
         timeout = self.cfg.disaggregation.bootstrap_timeout_s + START_MARGIN_S

@@ -134,6 +134,7 @@ class PrefillConnector(PDConnector):
         self._tally = RoomTally(ctx.workers.tp_size)
         require_auth_off_loopback(self.cfg)
         self._wake = ctx.wake
+        self._attach_draft(ctx)
         if self.local_worker is not None:  # computed once, at load
             self.handshake = self.local_worker.handshake(checkpoint_digest(self.cfg.model_path))
         host = bootstrap_host(self.cfg)
@@ -157,6 +158,9 @@ class PrefillConnector(PDConnector):
         )
         # sliding-window layers send only the prompt's last window: the planner's T counts that
         self.kv_wire = KVWireBytes.from_layout(layout, ctx.model_config.sliding_window)
+        draft = self.local_worker.draft_layout if self.local_worker is not None else None
+        if draft is not None:  # a STANDALONE draft model's KV goes with every chunk too (the last layer group)
+            self.kv_wire = replace(self.kv_wire, full_token_nbytes=self.kv_wire.full_token_nbytes + draft.token_nbytes)
         logger.info(
             "prefill ready: bootstrap port %d, control %s, data %s",
             self.bootstrap.port,
@@ -215,7 +219,8 @@ class PrefillConnector(PDConnector):
             if r is None or r.transfer_done:
                 continue
             if not r.started:
-                starts.append(RoomStart(r.room, req.pages.copy(), req.state_slot, _swa(req)))
+                draft = req.draft_pages.copy() if req.draft_pages.size else None  # STANDALONE's
+                starts.append(RoomStart(r.room, req.pages.copy(), req.state_slot, _swa(req), draft_pages=draft))
                 self._start(r)
             # the prompt's last forward: a hybrid model's state of each layer group is final
             # after the group, so it can go with the group's KV

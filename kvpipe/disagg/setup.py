@@ -102,11 +102,16 @@ def make_backend(cfg: ServerConfig) -> TransferBackend:
     return create_backend("local", inject=inject)
 
 
-def register_pool(backend: TransferBackend, layout: KVLayout, state: StateLayout | None = None) -> None:
-    """Expose every KV buffer of the rank's pool, and its state buffers (hybrid models), to the
-    backend (once, at start). Aliased buffers (sliding and full layers over one tensor) are
-    registered once: Mooncake refuses or double counts a region registered twice."""
+def register_pool(
+    backend: TransferBackend, layout: KVLayout, state: StateLayout | None = None, draft: KVLayout | None = None
+) -> None:
+    """Expose every KV buffer of the rank's pool, its state buffers (hybrid models) and its draft
+    model's KV buffers (STANDALONE speculative decoding) to the backend (once, at start). Aliased
+    buffers (sliding and full layers over one tensor) are registered once: Mooncake refuses or
+    double counts a region registered twice."""
     backend.register_many(*layout.unique_buffers())
+    if draft is not None:
+        backend.register_many(*draft.unique_buffers())
     if state is not None and state.num_linear:
         addrs, sizes = zip(*state.buffers())
         backend.register_many(list(addrs), list(sizes))

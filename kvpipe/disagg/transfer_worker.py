@@ -9,6 +9,8 @@ Every TP rank holds a shard of the KV pool (its KV heads), so every rank moves i
   the rooms its sender is done with.
 - decode: the rank registers its pool with its own backend and tells rank 0 its layout and data
   address; rank 0's KVReceiver speaks for it.
+With a STANDALONE draft model (TP 1 only) rank 0 also registers the draft model's KV pool, which
+moves as the layers after the target's (disagg/draft_transfer.py).
 Errors of one room (a refused page table, a planning error) fail that room on this rank; rank 0
 tallies every rank's outcome (kvpipe/disagg/tally.py).
 """
@@ -38,12 +40,14 @@ from kvpipe.disagg.commands import (
     StartDecode,
     StartPrefill,
 )
+from kvpipe.disagg.draft_transfer import draft_layout, speculative_handshake
 from kvpipe.disagg.setup import data_host, make_backend, rank_layout, rank_state_layout, register_pool
 from kvpipe.engine.connector import KVConnectorWorker
 from kvpipe.transfer.backends.base import TransferBackend
 from kvpipe.transfer.control.auth import authenticator
 from kvpipe.transfer.control.handshake import Handshake
 from kvpipe.transfer.lifecycle import DuplicateRoomError, TransferState
+from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.sender.book import SenderStats
 from kvpipe.transfer.sender.kv_sender import KVSender
 from kvpipe.transfer.staging.buffers import KVBytes, StagingAgent, StagingBuffer
@@ -82,6 +86,13 @@ class TransferWorker(KVConnectorWorker):
         # set by rank 0's connector before the start: the sender wakes the engine loop with it when
         # a room is ready to report (a TP child's reports reach rank 0 on its poll timer)
         self.on_news: Callable[[], None] | None = None
+        # set by rank 0's connector before the start (set_draft_pool): the draft model's KV pool
+        self.draft_layout: KVLayout | None = None
+
+    def set_draft_pool(self, pool: KVPool | None) -> None:
+        """The engine's STANDALONE draft model keeps its KV in `pool` (rank 0, TP 1): it is
+        registered and sent with the target's KV (before the start)."""
+        self.draft_layout = None if pool is None else draft_layout(pool)
 
     # ---- between forwards ------------------------------------------------------------------
     def handle(self, cmd: object) -> object | None:
@@ -105,7 +116,7 @@ class TransferWorker(KVConnectorWorker):
     def _start(self, cmd: StartPrefill | StartDecode) -> RankStarted:
         if self.backend is None:
             self.backend = make_backend(self.cfg)
-        register_pool(self.backend, self.layout, self.state_layout)
+        register_pool(self.backend, self.layout, self.state_layout, self.draft_layout)
         d = self.cfg.disaggregation
         control = None
         staging = d.staging != "off"
@@ -140,6 +151,7 @@ class TransferWorker(KVConnectorWorker):
                 state_layout=self.state_layout,
                 on_news=self.on_news,
                 handshake=cmd.handshake,
+                draft_layout=self.draft_layout,
             )
             self.sender.start(bootstrap=cmd.bootstrap)
             control = self.sender.control_address
@@ -163,15 +175,16 @@ class TransferWorker(KVConnectorWorker):
             control,
             None if self.staging_agent is None else self.staging_agent.info,
             self.state_layout,
+            draft=self.draft_layout,
         )
 
     def handshake(self, model_digest: str) -> Handshake:
         """What this server's peers must agree with (control/handshake.py): the checkpoint's
-        digest, this rank's pool without its TP-dependent parts, its fp8 scales, its state pool."""
+        digest, this rank's pool without its TP-dependent parts, its fp8 scales, its state pool,
+        and the speculative settings that change what moves (draft_transfer.py)."""
         pool = self._pool
-        # speculative decoding (being built) passes its settings here as `speculative=`, a canonical
-        # string; until then every server says "none" and the field always agrees
-        return Handshake.of(model_digest, self.layout, pool.k_scale, pool.v_scale, self.state_layout)
+        spec = speculative_handshake(self.cfg, self.draft_layout)
+        return Handshake.of(model_digest, self.layout, pool.k_scale, pool.v_scale, self.state_layout, spec)
 
     def _prefill_sender(self) -> KVSender:
         if self.sender is None:
@@ -222,7 +235,7 @@ class TransferWorker(KVConnectorWorker):
         s = self._prefill_sender()
         for start in meta.start:
             try:
-                s.add_room(start.room, start.pages, start.state_slot, start.swa_pages)
+                s.add_room(start.room, start.pages, start.state_slot, start.swa_pages, start.draft_pages)
             except ValueError as e:  # nothing of this room is in our sender: report it failed
                 self._failed.append((start.room, TransferState.FAILED, f"add_room refused on TP rank {self.rank}: {e}"))
 

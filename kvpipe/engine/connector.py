@@ -63,6 +63,7 @@ class KVArrived:
     first_token_id: int
     first_token_logprob: float
     prefill_cached_tokens: int = 0  # prompt tokens the KV's writer took from its prefix cache
+    draft_tokens: int = 0  # prompt tokens whose draft-model KV landed in the request's draft pages
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,9 @@ class ConnectorContext:
     # any thread: news for poll() arrived, run the engine's next step now instead of after its
     # poll interval (a first token from the prefill should not wait for a timer)
     wake: Callable[[], None] = lambda: None
+    # the STANDALONE draft model's KV pool (rank 0, TP 1), whose pages move with the target's
+    # (req.draft_pages); None: no draft model
+    draft_pool: KVPool | None = None
 
 
 class KVConnectorWorker(ABC):

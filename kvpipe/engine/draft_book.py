@@ -8,6 +8,11 @@ longest common prefix of those tokens and the request's tokens now (the accepted
 a rejected draft and everything after it do not), so rollback is nothing but that comparison:
 the positions past it are overwritten by the next forward. The request's first decode step finds
 nothing recorded and catches up on its whole prompt (the draft's prefill).
+
+In PD (disagg/draft_transfer.py) both sides `reserve` the pages of a request's whole prompt up
+front: the prefill writes the prompt's draft KV chunk by chunk (`wrote`) and sends it, the decode
+records it as written once it landed (`wrote` the prompt's tokens), so its first step catches up on
+the first sampled token only.
 """
 
 from __future__ import annotations
@@ -80,6 +85,17 @@ class DraftBook:
             seq.pages = np.concatenate([seq.pages, self.allocator.alloc(need)])
         del seq.tokens[start:]
         return DraftPlan(start, [int(t) for t in tokens[start:]], seq.pages[: _cdiv(end, self.page_size)])
+
+    def reserve(self, rid: str, num_pages: int) -> np.ndarray:
+        """PD: the request's first `num_pages` draft pages (a whole prompt's), allocated now if it
+        holds fewer; empty when the pool has no room for them (nothing is allocated then)."""
+        seq = self.seqs.setdefault(rid, DraftSeq())
+        need = num_pages - len(seq.pages)
+        if need > self.allocator.num_free:
+            return np.zeros(0, dtype=np.int64)
+        if need > 0:
+            seq.pages = np.concatenate([seq.pages, self.allocator.alloc(need)])
+        return seq.pages[:num_pages]
 
     def wrote(self, rid: str, tokens: Sequence[int]) -> None:
         """The draft model wrote KV for `tokens` after the ones recorded (catch-up, then drafts)."""

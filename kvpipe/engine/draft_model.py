@@ -7,6 +7,11 @@ holds per request. One proposal: an extend forward over the request's tokens the
 (the whole prompt at the first decode step, later the accepted drafts and the bonus token), whose
 last logits give draft 1, then single-token forwards of each draft for the next. The draft is a
 point mass (argmax), so sampled requests verify it as NGRAM's (engine/spec_sampling.py).
+
+PD (disagg/draft_transfer.py): a prefill reserves draft pages for a request's whole prompt at its
+first forward and runs the draft over each prompt chunk after the target (`prefill_forward`); its
+KV goes to the decode with the target's. The decode reserves the prompt's draft pages with the
+target's (`reserve_prompt`) and takes what landed as written (`kv_arrived`).
 """
 
 from __future__ import annotations
@@ -19,9 +24,10 @@ import torch
 
 from kvpipe.cache.page_allocator import PageAllocator
 from kvpipe.config import ConfigError, ServerConfig
-from kvpipe.engine.batch import ForwardSpec
+from kvpipe.engine.batch import ForwardSpec, ScheduledBatch
 from kvpipe.engine.draft_book import DraftBook
 from kvpipe.engine.model_runner import ModelRunner
+from kvpipe.engine.request import Req
 from kvpipe.model.config import ModelConfig
 from kvpipe.model.loader import load_model
 
@@ -41,7 +47,8 @@ def check_draft_model(cfg: ServerConfig, target: ModelConfig, draft: ModelConfig
     if cfg.tp_size > 1:
         raise ConfigError(
             f"--speculative-algorithm STANDALONE with --tp-size {cfg.tp_size}: not supported yet "
-            "(the draft model runs with TP 1 only)"
+            "(the draft model runs with TP 1 only; in PD both servers run it and move its KV, so both "
+            "need --tp-size 1: heterogeneous TP of draft KV is not built)"
         )
 
 
@@ -80,6 +87,50 @@ class DraftModel:
         logits = self.runner.run(spec)
         assert logits is not None
         return int(torch.argmax(logits[0]).item())
+
+    @property
+    def num_layers(self) -> int:
+        """KV layers of the draft pool (PD sends them after the target's)."""
+        return self.runner.pool.num_layers
+
+    def reserve_prompt(self, req: Req) -> None:
+        """PD: draft pages for `req`'s whole prompt, once (req.draft_pages; it stays empty when the
+        draft pool has no room: the prompt's draft KV is then neither sent nor received, and the
+        decode's first step catches up on the prompt)."""
+        if req.rid not in self.book.seqs:
+            pages = self.book.reserve(req.rid, -(-len(req.input_ids) // self.page_size))
+            req.draft_pages = pages.copy()
+
+    @torch.inference_mode()
+    def prefill_forward(self, batch: ScheduledBatch) -> None:
+        """PD prefill: the draft's KV of each row's prompt up to the end of this chunk, in one
+        extend forward (from the draft KV's end: a prefix the target took from its cache is computed
+        here too). Rows without draft pages are left out."""
+        rows, starts, tables, ids = [], [], [], []
+        for req, pre, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+            seq = self.book.seqs.get(req.rid)
+            end = pre + n
+            if seq is None or not req.draft_pages.size or len(seq.tokens) >= end:
+                continue
+            start = len(seq.tokens)  # a prefill records prompt tokens only, in order
+            rows.append(req)
+            starts.append(start)
+            ids.append([int(t) for t in req.input_ids[start:end]])
+            tables.append(np.ascontiguousarray(seq.pages[: -(-end // self.page_size)]))
+        if not rows:
+            return
+        spec = ForwardSpec(tuple(ids), tuple(starts), tuple(tables), (False,) * len(rows))
+        self.runner.run(spec)
+        for req, toks in zip(rows, ids):
+            self.book.wrote(req.rid, toks)
+
+    def kv_arrived(self, req: Req, num_tokens: int) -> None:
+        """PD decode: the prefill wrote the draft KV of the prompt's first `num_tokens` tokens into
+        req.draft_pages (its aux data says so): the draft book holds them now."""
+        n = min(num_tokens, len(req.input_ids), req.draft_pages.size * self.page_size)
+        seq = self.book.seqs.get(req.rid)
+        if n > 0 and seq is not None and not seq.tokens:
+            self.book.wrote(req.rid, req.input_ids[:n])
 
     def release(self, rid: str) -> None:
         self.book.release(rid)

@@ -120,6 +120,8 @@ class Engine:
         if self.spec.uses_mtp:
             self.mtp = MTPDrafter(cfg, self.model_config, self.runner.model, self.runner.pool.num_pages, device)
             self.runner.capture_hidden = True
+        # a PD prefill's draft model runs over each prompt chunk; its KV goes to the decode with the target's
+        self._draft_prefill = self.draft is not None and connector is not None and cfg.disaggregation.mode == "prefill"
         self.allocator = PageAllocator(cfg.cache.pages(), cfg.cache.debug_checks)
         use_cache = cfg.cache.radix_cache and (connector is None or connector.prefix_cache)
         hybrid = self.model_config.hybrid is not None
@@ -186,8 +188,11 @@ class Engine:
                 self._worker = connector.make_worker(
                     self.runner.pool, self.model_config.kv_cache_heads, self.runner.state_pool
                 )
+                draft_pool = self.draft.runner.pool if self.draft is not None else None
                 connector.start(
-                    ConnectorContext(cfg, self.model_config, RankWorkers(self._worker, self._tp), self._wake)
+                    ConnectorContext(
+                        cfg, self.model_config, RankWorkers(self._worker, self._tp), self._wake, draft_pool=draft_pool
+                    )
                 )
             except BaseException:
                 self.shutdown()
@@ -373,7 +378,7 @@ class Engine:
             self.spec_counts.add(len(draft), accepted, n)
             if req.spec is None:
                 req.spec = SpecCounts()
-            req.spec.add(len(draft), accepted, n)
+            req.spec.record(draft, accepted, n)
             held = self._finish(req, *fins[0]) if fins else False
             out = TokenOutput(
                 req.rid,
@@ -412,6 +417,10 @@ class Engine:
         """Run the batch on every rank: prefills as the planned layer groups, the connector's
         workers moving KV from their layer-group hooks."""
         plan = ForwardPlan(self._layer_groups)
+        draft_kv = self.draft if self._draft_prefill and batch.mode is ForwardMode.PREFILL else None
+        if draft_kv is not None:  # before the connector starts the rooms with their page tables
+            for req in batch.reqs:
+                draft_kv.reserve_prompt(req)
         if batch.mode is ForwardMode.PREFILL and self.connector is not None:
             plan = self.connector.plan_forward(batch)
         n = plan.layer_groups if batch.mode is ForwardMode.PREFILL else 1
@@ -430,6 +439,11 @@ class Engine:
         logits = self._tp.run(spec, callback) if self._tp is not None else self.runner.run(spec, callback)
         if self.mtp is not None:
             self.mtp.keep(batch, self.runner.take_hidden())
+        if draft_kv is not None:  # the draft model's KV of the chunk, sent as the last layer group
+            draft_kv.prefill_forward(batch)
+            if callback is not None:
+                n_kv = self.runner.pool.num_layers
+                callback(n_kv, n_kv + draft_kv.num_layers, None)
         if prefill:
             for req, n_new in zip(batch.reqs, batch.extend_lens):
                 req.timeline.mark(Phase.FORWARD_END, value=n_new)
@@ -510,6 +524,8 @@ class Engine:
                 continue
             self._remote.popleft()
             req.timeline.prefix_hit_tokens = req.num_shared_pages * self.page_size
+            if self.draft is not None:  # the prompt's draft KV lands next to its KV
+                self.draft.reserve_prompt(req)
             try:
                 self.connector.on_reserved(req)
             except ValueError as e:  # e.g. pages the transfer refuses: nothing was asked for
@@ -551,6 +567,8 @@ class Engine:
         req.timeline.mark(Phase.FIRST_TOKEN)
         req.output_ids.append(ev.first_token_id)
         req.output_logprobs.append(ev.first_token_logprob)
+        if self.draft is not None:
+            self.draft.kv_arrived(req, ev.draft_tokens)
         # cached_tokens means what it means colocated: prompt tokens not computed (by the prefill);
         # the decode's own prefix (req.num_shared_pages) shows in the KV bytes not transferred
         req.cached_tokens = ev.prefill_cached_tokens
@@ -592,7 +610,9 @@ class Engine:
 
     def _forget(self, rid: str, release_rid: bool = True) -> None:
         self._generators.pop(rid, None)
-        if self.draft is not None:  # every end of a request passes here (finish, abort, failure)
+        # every end of a request passes here (finish, abort, failure); a transfer that holds the
+        # request (release_rid False) may still read or write its draft pages: freed at its end
+        if self.draft is not None and release_rid:
             self.draft.release(rid)
         if self.mtp is not None:
             self.mtp.release(rid)

@@ -100,6 +100,9 @@ class Req:
     # sliding-window models with a prefix cache (engine/window_cache.py): token positions (page
     # aligned) whose preceding window pages the request keeps from sliding out, for the cache
     swa_hit_points: tuple[int, ...] = ()
+    # PD with a STANDALONE draft model: the draft pool's pages of its whole prompt, reserved with
+    # its prompt's pages, whose draft KV moves with the target's (empty: none)
+    draft_pages: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     @property
     def seq_len(self) -> int:

@@ -11,7 +11,7 @@ what the forward wrote for x_{a+1} .. x_k is stale and the scheduler rolls it ba
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 def draft_budget(max_drafts: int, max_new_tokens: int, num_output: int) -> int:
@@ -40,6 +40,14 @@ class SpecCounts:
     proposed: int = 0  # draft tokens verified
     accepted: int = 0  # draft tokens the target accepted
     emitted: int = 0  # tokens verify steps emitted (accepted drafts + bonus tokens, after stops)
+    # a request's counts only: (drafts proposed, drafts accepted) of each verify step, in order, so
+    # two servers' proposals for one request can be compared step by step (PD against colocated)
+    steps: list[tuple[tuple[int, ...], int]] = field(default_factory=list)
+
+    def record(self, drafts: Sequence[int], accepted: int, emitted: int) -> None:
+        """A request's verify step: add() and remember its drafts and how many were accepted."""
+        self.add(len(drafts), accepted, emitted)
+        self.steps.append((tuple(int(t) for t in drafts), accepted))
 
     def add(self, proposed: int, accepted: int, emitted: int) -> None:
         self.verify_ct += 1

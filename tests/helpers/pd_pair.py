@@ -255,11 +255,13 @@ def make_pair(
     decode_model_dir: Path | None = None,
     decode_cache: dict[str, Any] | None = None,
     decode_speculative: SpeculativeConfig | None = None,
+    prefill_speculative: SpeculativeConfig | None = None,
     **disagg,
 ):
     """Prefill + decode engines; the prefill keeps its prefix cache unless told otherwise, the
     decode has one with `decode_radix_cache`; both pools store `kv_cache_dtype`; the decode
-    decodes speculatively with `decode_speculative`. Mismatched pairs (the handshake tests): the
+    decodes speculatively with `decode_speculative`, and the prefill runs `prefill_speculative`'s
+    draft model (STANDALONE: its draft KV goes to the decode). Mismatched pairs (the handshake tests): the
     decode serves `decode_model_dir` instead, and `decode_cache` overrides fields of its
     CacheConfig (page_size, kv_cache_dtype)."""
     fabric = LocalFabric()
@@ -268,6 +270,8 @@ def make_pair(
         es.callback(pb.close)
         es.callback(db.close)
         p_cfg = cfg(model_dir, "prefill", chunk, p_pages, prefill_radix_cache, kv_cache_dtype, **disagg)
+        if prefill_speculative is not None:
+            p_cfg = dataclasses.replace(p_cfg, speculative=prefill_speculative)
         prefill = Engine(p_cfg, PrefillConnector(p_cfg, pb))
         es.callback(prefill.shutdown)
         d_cfg = cfg(
@@ -323,11 +327,22 @@ def prompts(seed: int, lens: list[int]) -> list[list[int]]:
     return [[rnd.randrange(3, 290) for _ in range(n)] for n in lens]
 
 
-def failures_then_decode_abort(model_dir: Path, reference: Reference, check_free=lambda pair: None) -> None:
+FAULTS = FaultInjection(prob=0.3, seed=3)  # failures_then_decode_abort's: some rooms fail, some succeed
+
+
+def failures_then_decode_abort(
+    model_dir: Path,
+    reference: Reference,
+    check_free=lambda pair: None,
+    inject: FaultInjection = FAULTS,
+    **pair_kw: Any,
+) -> None:
     """Injected write failures (seeded: some rooms fail, some succeed with the colocated tokens),
     then a decode abort while the prefill computes; after each, both sides settle with every page
-    free, and `check_free(pair)` checks whatever else must be free (state slots)."""
-    with make_pair(model_dir, chunk=32, inject=FaultInjection(prob=0.3, seed=3)) as pair:
+    free, and `check_free(pair)` checks whatever else must be free (state slots, draft pages).
+    `inject`: the failures (a pair that moves more batches per room needs a lower probability for
+    both outcomes); `pair_kw`: more of make_pair's arguments (speculative settings)."""
+    with make_pair(model_dir, chunk=32, inject=inject, **pair_kw) as pair:
         ps = prompts(11, [20, 64, 90, 130, 47])
         reqs = [pair.reqs(ids) for ids in ps]
         pair.run(reqs)

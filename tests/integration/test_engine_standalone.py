@@ -14,13 +14,12 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
 from kvpipe.config import ConfigError, SpeculativeConfig
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import FinishReason, Req, SamplingParams
 from kvpipe.model.presets import write_preset
+from tests.helpers.draft_models import noisy_copy
 from tests.helpers.engine import (
     assert_engine_matches,
     check_sampled_speculation,
@@ -46,20 +45,6 @@ def assert_nothing_left(eng: Engine) -> None:
     assert eng.draft is not None and not eng.draft.book.seqs
     a = eng.draft.book.allocator
     assert a.num_free == a.num_pages
-
-
-def noisy_copy(src: Path, dst: Path, scale: float = 0.1) -> Path:
-    """`src` with seeded noise (scale x each matrix's std) on every weight matrix: a draft that
-    agrees with the target often but not always (a part of each chain accepted)."""
-    shutil.copytree(src, dst)
-    weights = load_file(str(dst / "model.safetensors"))
-    g = torch.Generator().manual_seed(1)
-    for name, w in weights.items():
-        if w.ndim == 2:
-            noise = scale * w.float().std() * torch.randn(w.shape, generator=g)
-            weights[name] = (w.float() + noise).to(w.dtype)
-    save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return dst
 
 
 @pytest.fixture(scope="module")

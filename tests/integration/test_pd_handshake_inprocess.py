@@ -2,7 +2,8 @@
 under the same name), in one process (tests/helpers/pd_pair.py: real bootstrap server, real ZMQ):
 the first request fails on both sides with the handshake's reason, long before the prefill's
 bootstrap timeout could have fired, both count the refusal by reason, and no page, room or slot
-is left behind. Then a matching pair serves."""
+is left behind; the same when only one side decodes with a STANDALONE draft model (its draft KV
+moves with the target's). Then a matching pair serves."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from kvpipe.config import SpeculativeConfig
 from kvpipe.engine.request import FinishReason
 from kvpipe.model.presets.writer import write_preset
 from kvpipe.transfer.control.bootstrap import report_refusal
@@ -67,6 +69,18 @@ def test_another_checkpoint_under_the_same_name_is_refused(tiny_model_dir: Path,
     with make_pair(tiny_model_dir, decode_model_dir=other_checkpoint, bootstrap_timeout_s=BOOTSTRAP_S) as pair:
         assert pair.prefill.cfg.model_name == pair.decode.cfg.model_name
         refused_both_sides(pair, "model (checkpoint digest): prefill '", "model")
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_a_draft_model_on_one_side_only_is_refused(tiny_model_dir: Path, side: str):
+    """A STANDALONE draft model on one side only: the prefill would send draft KV nobody holds, or
+    the decode wait for draft KV nobody sends; refused by the `speculative` field."""
+    spec = SpeculativeConfig("STANDALONE", num_steps=2, draft_model_path=str(tiny_model_dir))
+    kw = {f"{side}_speculative": spec}
+    with make_pair(tiny_model_dir, bootstrap_timeout_s=BOOTSTRAP_S, **kw) as pair:
+        mine = "'standalone:draft="
+        want = f"prefill {mine}" if side == "prefill" else f"prefill 'none', decode {mine}"
+        refused_both_sides(pair, f"speculative decoding: {want}", "speculative")
 
 
 def test_the_same_checkpoint_elsewhere_serves(tiny_model_dir: Path, tmp_path: Path):

@@ -2,7 +2,8 @@
 state from the prefill (the decode has the prompt's tokens), so the decode drafts from its first
 decode step on; greedy tokens and logprobs equal the colocated engine's, drafts are accepted, and
 every page on both sides is free afterwards (the decode radix cache on, so only verified KV is
-cached); and the same through sglang-router with real servers."""
+cached); and the same through sglang-router with real servers. A STANDALONE draft model needs
+its draft KV from the prefill: test_pd_standalone.py."""
 
 from __future__ import annotations
 
@@ -40,29 +41,6 @@ def test_speculative_decode_matches_colocated(tiny_model_dir, reference, decode_
         assert c.proposed > 0 and c.accepted > 0, c
         assert sum(d.spec.verify_ct for d in decoded if d.spec) == c.verify_ct
         pair.settle()
-
-
-def test_standalone_decode_catches_up_on_the_prompt(tiny_model_dir, reference):
-    """A STANDALONE decode (the target as its own draft model) gets no draft KV from the prefill
-    yet: its draft catches up on the whole prompt at the first decode step, so every draft is
-    accepted from the first step on, the outputs are the colocated ones, and no draft page is left."""
-    ps = [repetitive(3)] + prompts(5, [17, 40])
-    spec = SpeculativeConfig("STANDALONE", num_steps=3, draft_model_path=str(tiny_model_dir))
-    with make_pair(tiny_model_dir, 24, decode_speculative=spec) as pair:
-        reqs = [pair.reqs(ids, GREEDY24) for ids in ps]
-        pair.run(reqs)
-        decoded = [d for _, d in reqs]
-        assert_pd_matches(decoded, ps, reference, "PD, STANDALONE decode vs colocated")
-        c = pair.decode.spec_counts
-        assert c.proposed > 0 and c.accepted == c.proposed, c
-        assert all(d.spec is not None and d.spec.verify_ct == 6 for d in decoded)  # 4 tokens a step
-        pair.settle()
-        draft = pair.decode.draft
-        assert (
-            draft is not None
-            and not draft.book.seqs
-            and draft.book.allocator.num_free == draft.book.allocator.num_pages
-        )
 
 
 def test_speculative_decode_through_router(tiny_model_dir, tmp_path, reference):

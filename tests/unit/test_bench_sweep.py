@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvpipe.bench.kv_bytes import ServedDtypes, kv_wire_bytes, state_bytes_per_request
+from kvpipe.bench.kv_bytes import ServedDtypes, kv_wire_bytes, state_bytes_per_request, with_draft_kv
 from kvpipe.bench.latency import summarize
 from kvpipe.bench.outcome import End, Outcome
 from kvpipe.bench.plot import plot_modes, plot_run, plot_sweep
@@ -209,6 +209,18 @@ def test_kv_bytes_per_token() -> None:
         4 * (mla.mla.kv_lora_rank + mla.mla.qk_rope_head_dim) * 4, page_size=16
     )
     assert state_bytes_per_request(bench) == 0 and state_bytes_per_request(mla) == 0
+
+
+def test_a_draft_models_kv_adds_to_the_targets() -> None:
+    """PD with a STANDALONE draft model moves the draft's KV too: per token its layers x K/V x heads
+    x head_dim in its own pool's itemsize; drafts the drafter refuses predict nothing."""
+    target = kv_wire_bytes(_model("LlamaForCausalLM", **BENCH), 64, 2)
+    draft = _model("LlamaForCausalLM", **(BENCH | {"num_hidden_layers": 2, "num_key_value_heads": 1}))
+    assert target is not None
+    both = with_draft_kv(target, draft, 4)
+    assert both == KVWireBytes(2 * 12 * 4 * 64 * 2 + 2 * 2 * 1 * 64 * 4, page_size=64)
+    assert both.request_nbytes(10) == 10 * both.full_token_nbytes
+    assert with_draft_kv(target, preset_config("tiny-gpt-oss"), 4) is None
 
 
 def test_hybrid_and_sliding_bytes_per_token_by_hand() -> None:

@@ -93,3 +93,22 @@ def test_release_frees_every_page_once():
 def test_no_drafts_asked_plans_nothing():
     b = book()
     assert b.plan("r", [1, 2, 3], 0) is None and b.allocator.num_free == 16
+
+
+def test_pd_reserves_the_prompt_and_takes_landed_draft_kv_as_written():
+    """PD: the prompt's pages up front (none when they do not fit); once its draft KV landed
+    (`wrote` the prompt) the first step extends the draft over the first output token only, in
+    the reserved pages and what the chain needs past them."""
+    b = book(pages=8)
+    prompt = list(range(10, 19))  # 9 tokens: 3 pages
+    pages = b.reserve("r", 3)
+    assert pages.size == 3 and b.allocator.num_free == 5
+    assert b.reserve("r", 3).tolist() == pages.tolist()  # again: the same pages, nothing allocated
+    b.wrote("r", prompt)
+    plan = b.plan("r", prompt + [40], 3)
+    assert plan is not None and (plan.start, plan.catch_up) == (9, [40])
+    assert plan.pages[:3].tolist() == pages.tolist() and plan.pages.size == 3  # 9 + 1 + 2 tokens: 3 pages
+    assert b.reserve("big", 6).size == 0 and b.allocator.num_free == 5  # no room: nothing taken
+    b.release("r")
+    b.release("big")
+    assert b.allocator.num_free == 8 and not b.seqs

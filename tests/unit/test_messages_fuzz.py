@@ -114,7 +114,9 @@ def _decode_or_protocol_error(data: bytes) -> Any:
     return msg
 
 
-@settings(FUZZ, max_examples=40)  # each example draws all nine kinds
+# each example draws all nine kinds, and one drawn against its class's invariant (a SUCCESS status
+# without aux, window pages not aligned with the pages) discards the example: many are filtered
+@settings(FUZZ, max_examples=40, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(st.data())
 def test_every_kind_round_trips(data: st.DataObject) -> None:
     for kind in KINDS:  # every kind in every example, so none is left to chance

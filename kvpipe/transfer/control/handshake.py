@@ -11,8 +11,9 @@ live (those are checked per rank pair: bootstrap.check_compatible, sender/peers.
   so both sides must load the same ones (1.0 each for other dtypes);
 - a hybrid model's recurrent state (conv and delta-rule state dtypes and whole-model shapes);
 - `speculative`: the speculative-decoding settings that change what moves with the KV (draft
-  KV, draft inputs). "none" until speculative decoding lands; that work fills it in (a
-  canonical string such as "eagle:draft=<digest>:steps=3") and the comparison picks it up as is.
+  KV, draft inputs), a canonical string: "none" (no speculation, or NGRAM, which moves nothing),
+  or for a STANDALONE draft model the algorithm, the draft checkpoint's digest and its KV layout
+  (disagg/draft_transfer.py); the comparison takes it as is.
 
 The prefill publishes its handshake with every rank's bootstrap registration; the decode
 compares it with its own when it fetches the prefill's info and, on a mismatch, refuses every

@@ -43,10 +43,11 @@ from kvpipe.transfer.control.codec import (
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.recurrent.layout import StateLayout
 
-PROTOCOL_VERSION = 6  # 2: AuxData.cached_tokens; 3: staging ring messages, RegisterPeer.staging;
+PROTOCOL_VERSION = 7  # 2: AuxData.cached_tokens; 3: staging ring messages, RegisterPeer.staging;
 # 4: recurrent state (RegisterPeer.state, TransferRequest.state_slot); 5: sliding-window layers
 # (KVLayout.swa_layers, TransferRequest.dst_swa_pages: the window pages the decode wants);
-# 6: senders named (TransferStatus.sender, Abort.sender, StagingInfo.session_id, staging nonces)
+# 6: senders named (TransferStatus.sender, Abort.sender, StagingInfo.session_id, staging nonces);
+# 7: a draft model's KV (RegisterPeer.draft, TransferRequest.dst_draft_pages, AuxData.draft_tokens)
 MAX_MESSAGE_INTS = 1 << 20  # `decode` without limits: int lists of up to 1M entries (8 MiB)
 
 
@@ -80,6 +81,7 @@ class DecodeRank:
     data_address: str  # its backend's address: where prefill writes
     staging: StagingInfo | None = None  # its staging ring, when it offers one
     state: StateLayout | None = None  # its recurrent-state pool (hybrid models)
+    draft: KVLayout | None = None  # its draft model's KV pool (STANDALONE speculative decoding)
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,9 @@ class RegisterPeer:
     layout: KVLayout  # decode's registered KV buffers and head range
     staging: StagingInfo | None = None  # None: this decode rank takes plain page writes only
     state: StateLayout | None = None  # a hybrid model's recurrent-state pool (None: KV only)
+    # the draft model's KV pool (STANDALONE speculative decoding; None: no draft KV): its pages move
+    # as the layers after the target's, the last layer group (disagg/draft_transfer.py)
+    draft: KVLayout | None = None
 
 
 @dataclass(frozen=True)
@@ -111,6 +116,9 @@ class TransferRequest:
     # sliding-window models (KVLayout.swa_layers): aligned with dst_pages, the decode page of the
     # sliding layers for the same logical page, -1 where the decode wants none (outside its window)
     dst_swa_pages: tuple[int, ...] | None = field(default=None, metadata=NO_PAGE_OK)
+    # the decode's draft-pool pages for the prompt's draft KV, logical page i holding tokens from
+    # i * page_size (from 0, whatever prefix_len: the draft has no prefix cache); None: not wanted
+    dst_draft_pages: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.dst_swa_pages is not None:
@@ -128,6 +136,7 @@ class AuxData:
     first_token_id: int
     first_token_logprob: float
     cached_tokens: int = 0  # prompt tokens the prefill took from its prefix cache (not computed)
+    draft_tokens: int = 0  # prompt tokens whose draft-model KV was written into the draft pages (0: none)
 
 
 # what the engine hands the sender with a room's last chunk: (first token id, its logprob) and

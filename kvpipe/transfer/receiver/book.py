@@ -167,6 +167,18 @@ class ReceiverBook:
                 raise ValueError(f"room {room}: decode rank {r}: {why}")
         return swa
 
+    def check_draft_pages(self, room: int, draft_pages: np.ndarray | list[int] | None) -> np.ndarray | None:
+        """add_room's draft-pool pages (decode TP 1, a rank with a draft pool) as int64, or ValueError."""
+        if draft_pages is None:
+            return None
+        draft = self.ranks[0].draft
+        if draft is None or self.tp_size != 1:
+            raise ValueError(f"room {room}: draft pages need a decode of TP 1 with a draft-model KV pool")
+        pages = np.asarray(draft_pages, dtype=np.int64).ravel()
+        if pages.size and (pages.min() < 0 or pages.max() >= draft.num_pages or np.unique(pages).size != pages.size):
+            raise ValueError(f"room {room}: draft pages must be distinct ids in [0, {draft.num_pages})")
+        return pages
+
     def check_state_slot(self, room: int, state_slot: int | None) -> None:
         """ValueError unless a hybrid decode (its ranks have state pools) names a slot inside them."""
         state = self.ranks[0].state
@@ -186,6 +198,7 @@ class ReceiverBook:
         now: float,
         state_slot: int | None = None,
         swa_pages: tuple[np.ndarray, ...] | None = None,
+        draft_pages: np.ndarray | None = None,
     ) -> Address | None:
         """Open a room (pages from check_pages, swa_pages from check_swa_pages). Returns `prefill`
         when the caller must start a bootstrap fetch of it (then report with on_fetched), None when
@@ -202,6 +215,7 @@ class ReceiverBook:
             aux_slot,
             state_slot,
             swa_pages=swa_pages,
+            draft_pages=draft_pages,
         )
         peer = self.prefills.get(prefill)
         if peer is not None:
@@ -311,6 +325,7 @@ class ReceiverBook:
                 self.ranks[r].layout,
                 self.ranks[r].staging,
                 self.ranks[r].state,
+                draft=self.ranks[r].draft,
             ),
         )
         self.stats.registrations += len(rank_pairs(info.tp_size, self.tp_size))
@@ -332,6 +347,7 @@ class ReceiverBook:
                 r.aux_slot,
                 r.state_slot,
                 None if r.swa_pages is None else tuple(r.swa_pages[rank].tolist()),
+                dst_draft_pages=None if r.draft_pages is None else tuple(r.draft_pages.tolist()),
             ),
         )
         r.requested_from(info.instance_id, info.tp_size, self.tp_size, peer.mine)

@@ -150,6 +150,7 @@ class KVReceiver:
         aux_slot: int = 0,
         state_slot: int | None = None,
         swa_pages: Sequence[np.ndarray] | np.ndarray | list[int] | None = None,
+        draft_pages: np.ndarray | list[int] | None = None,
     ) -> None:
         """Ask the prefill at bootstrap_host:bootstrap_port (None: 8998) for request `room`'s KV.
 
@@ -160,18 +161,22 @@ class KVReceiver:
         which the prefill fills before it reports Success; swa_pages: sliding-window models (and
         only they): per decode rank like dst_pages and aligned with them, the page of the sliding
         layers for the same logical page, -1 where none is wanted (outside the window); the
-        prefill writes the sliding layers into those pages only. Non-blocking.
+        prefill writes the sliding layers into those pages only; draft_pages: a decode of TP 1 with
+        a draft-model pool (STANDALONE speculative decoding): its pages for the prompt's draft KV
+        from token 0, which the prefill fills if it has the draft KV (the aux data's draft_tokens
+        says how much). Non-blocking.
         Raises DuplicateRoomError if the room is active already, BootstrapRefused if this decode
         may not fetch from that address (reject that request only)."""
         pages = self._book.check_pages(room, dst_pages, prefix_len)
         self._book.check_state_slot(room, state_slot)
         swa = self._book.check_swa_pages(room, swa_pages, pages)
+        draft = self._book.check_draft_pages(room, draft_pages)
         addr = _address(bootstrap_host, bootstrap_port)
         why = self.guard.refusal(addr)
         if why is not None:
             raise BootstrapRefused(why)
         with self._lock:
-            fetch = self._book.add_room(room, addr, pages, prefix_len, aux_slot, self._clock(), state_slot, swa)
+            fetch = self._book.add_room(room, addr, pages, prefix_len, aux_slot, self._clock(), state_slot, swa, draft)
             if fetch is not None:
                 (self._proven_pool if self.guard.proven(fetch) else self._pool).submit(self._fetch, fetch)
 

@@ -134,12 +134,16 @@ class SenderBook:
         staging_addr: int = 0,
         state_layout: StateLayout | None = None,
         own_data_address: str = "",
+        draft_layout: KVLayout | None = None,
     ) -> None:
         """`state_layout`: this rank's recurrent-state pool (hybrid models): every room has a
         state slot (add_room) that its decodes get with the KV. `own_data_address`: this rank's
-        backend, which no decode may name as its own."""
+        backend, which no decode may name as its own. `draft_layout`: this rank's draft-model
+        pool (STANDALONE speculative decoding): rooms may name draft pages (add_room), sent as
+        the layers after the target's (room.py)."""
         self.cfg, self.layout, self.tp_rank, self.tp_size = cfg, layout, tp_rank, tp_size
         self.state_layout = state_layout
+        self.draft_layout = draft_layout
         self.session_id = session_id
         self.send = send
         self.control_address = control_address  # where staging agents answer
@@ -149,7 +153,7 @@ class SenderBook:
         self._chunk_ids = itertools.count()
         self._gathers: list[tuple[SenderRoom, StagedChunk]] = []  # for the worker: gather, then gathered()
         self.stats = SenderStats()
-        self.peers = SenderPeers(cfg, layout, tp_rank, tp_size, state_layout, own_data_address)
+        self.peers = SenderPeers(cfg, layout, tp_rank, tp_size, state_layout, own_data_address, draft_layout)
         self.rooms: dict[int, SenderRoom] = {}  # insertion order = FIFO for the write window
         self.tombstones: dict[int, Tombstone] = {}
         self._limits = cfg.limits
@@ -180,20 +184,20 @@ class SenderBook:
         now: float,
         state_slot: int | None = None,
         swa_pages: np.ndarray | None = None,
+        draft_pages: np.ndarray | None = None,
     ) -> None:
         self._dirty = True
         r = self.rooms.get(room)
         if r is not None and r.src_pages is not None:
             raise DuplicateRoomError(f"bootstrap_room {room} is already active on this prefill")
         if r is None:
-            r = self.rooms[room] = SenderRoom(
-                room, RoomRecord.new(room, self._timeouts, now), self.layout, self.state_layout
-            )
+            r = self.rooms[room] = self._room(room, RoomRecord.new(room, self._timeouts, now))
         elif r.rec.state is not F:  # the decode's request came first: restart the clock now
             r.rec = RoomRecord.new(room, self._timeouts, now)
         r.src_pages = pages
         r.src_state_slot = state_slot
         r.src_swa_pages = swa_pages
+        r.src_draft_pages = draft_pages
         self._adopt(r)
         tomb = self._untomb(room)
         if tomb is not None:
@@ -236,7 +240,8 @@ class SenderBook:
         r.add_call(call)
         if call.last:
             assert aux is not None  # KVSender.send refuses a last call without aux
-            r.aux = AuxData(room, int(aux[0]), float(aux[1]), int(aux[2]) if len(aux) > 2 else 0)
+            cached = int(aux[2]) if len(aux) > 2 else 0
+            r.aux = AuxData(room, int(aux[0]), float(aux[1]), cached, draft_tokens=r.draft_tokens)
         return True
 
     def abort(self, room: int, reason: str, now: float) -> None:
@@ -333,9 +338,7 @@ class SenderBook:
                 f"already (--disaggregation-max-orphan-rooms {self._limits.max_orphan_rooms_per_session})"
             )
         if r is None:  # the decode is ahead of our engine: keep it until add_room (or time out)
-            r = self.rooms[room] = SenderRoom(
-                room, RoomRecord.new(room, self._orphan_timeouts, now), self.layout, self.state_layout
-            )
+            r = self.rooms[room] = self._room(room, RoomRecord.new(room, self._orphan_timeouts, now))
         expected = expected_destinations(self.tp_rank, self.tp_size, peer.tp_size)
         if (
             (r.expected is not None and r.expected != expected)
@@ -355,18 +358,29 @@ class SenderBook:
             np.asarray(msg.dst_pages, dtype=np.int64),
             msg.prefix_len,
             self.peers.heads.get(session),
-            np.full(self.layout.num_layers, msg.prefix_len, dtype=np.int64),
+            # target layers from the decode's prefix on, draft layers (if any) from 0
+            np.concatenate(
+                (
+                    np.full(self.layout.num_layers, msg.prefix_len, dtype=np.int64),
+                    np.zeros(0 if self.draft_layout is None else self.draft_layout.num_layers, dtype=np.int64),
+                )
+            ),
             peer.staging,
             peer.state,
             msg.state_slot,
             None if peer.state is None else np.zeros(peer.state.num_linear, dtype=bool),
             None if msg.dst_swa_pages is None else np.asarray(msg.dst_swa_pages, dtype=np.int64),
+            draft_layout=None if msg.dst_draft_pages is None else peer.draft,
+            dst_draft_pages=None if msg.dst_draft_pages is None else np.asarray(msg.dst_draft_pages, dtype=np.int64),
         )
         if len(r.dests) >= expected:
             r.requested_at = now
         if r.ready:
             r.rec.move(TransferState.WAITING_FOR_INPUT, now)
         return None
+
+    def _room(self, room: int, rec: RoomRecord) -> SenderRoom:
+        return SenderRoom(room, rec, self.layout, self.state_layout, draft_layout=self.draft_layout)
 
     def _on_abort(self, msg: Abort, now: float) -> None:
         room, session = msg.room, msg.session_id

@@ -4,7 +4,8 @@
                       backend=backend, tp_rank=r, tp_size=tp, model_name=name, instance_id=iid)
     sender.start(bootstrap=("127.0.0.1", 8998))   # control endpoint + worker, registers the rank
     sender.add_room(room, src_pages)              # request admitted; src_pages: its page table
-                                                  # (+ src_swa_pages: window table, swa layouts)
+                                                  # (+ src_swa_pages: window table, swa layouts;
+                                                  # + src_draft_pages: the draft model's pages)
     sender.send(room, t0, t1, layer_start, layer_end)          # KV of tokens < t1 ready (chunk,
     sender.send(room, t0, n, last=True, aux=(token_id, logprob))  # layer group); final call
     sender.pump()                                 # optional: submit what is queued now, here
@@ -77,6 +78,7 @@ class KVSender:
         state_layout: StateLayout | None = None,
         on_news: Callable[[], None] | None = None,
         handshake: Handshake | None = None,
+        draft_layout: KVLayout | None = None,
     ) -> None:
         """`staging`: a registered local staging buffer over this rank's KV (staging/buffers.py); with
         cfg.staging "on" or "auto" sends to decode ranks that offer a staging ring are staged.
@@ -85,13 +87,19 @@ class KVSender:
         `on_news` (called on the worker's or pump()'s thread once a room is ready for poll()): e.g.
         wake the engine loop, whose answer for the room waits for it, instead of its poll timer.
         `handshake`: the instance's (control/handshake.py), registered with the bootstrap server for
-        decodes to compare with theirs (None: not checked; tests and benchmarks of bare senders)."""
+        decodes to compare with theirs (None: not checked; tests and benchmarks of bare senders).
+        `draft_layout`: this rank's registered draft-model pool (STANDALONE speculative decoding):
+        its layers are send() layers num_layers .. num_layers + draft layers - 1, after the
+        target's (the last layer group), and rooms name their draft pages in add_room."""
         if instance_id is None:
             if tp_size != 1:
                 raise ValueError("with tp_size > 1 every rank needs the same instance_id")
             instance_id = uuid.uuid4().hex[:12]
         self.cfg, self.layout, self.backend = cfg, layout, backend
         self.state_layout = state_layout
+        self.draft_layout = draft_layout
+        if draft_layout is not None and (state_layout is not None or tp_size != 1):
+            raise ValueError("draft-model KV moves with TP 1 and without recurrent state only")
         if state_layout is not None and len(state_layout.kv_layers) != layout.num_layers:
             raise ValueError(
                 f"state layout names {len(state_layout.kv_layers)} full-attention layers, "
@@ -112,7 +120,12 @@ class KVSender:
         self._auth = authenticator(cfg.auth_token)  # control frames and the bootstrap registration
         # the longest int list a decode can send: a page list (a prompt fits this rank's pool), or
         # buffer addresses / layer indices of a compatible layout
-        max_ints = max(layout.num_pages, layout.num_buffers, state_layout.num_model_layers if state_layout else 0)
+        max_ints = max(
+            layout.num_pages,
+            layout.num_buffers,
+            state_layout.num_model_layers if state_layout else 0,
+            max(draft_layout.num_pages, draft_layout.num_buffers) if draft_layout else 0,
+        )
         self._endpoint = ControlEndpoint(
             host,
             self._on_message,
@@ -138,6 +151,7 @@ class KVSender:
             staging_addr=0 if self._stager is None else self._stager.addr,
             state_layout=state_layout,
             own_data_address=backend.address,
+            draft_layout=draft_layout,
         )
         self._worker = threading.Thread(target=self._run, name=f"kvsender-{tp_rank}-worker", daemon=True)
 
@@ -206,22 +220,36 @@ class KVSender:
         src_pages: np.ndarray | list[int],
         state_slot: int | None = None,
         src_swa_pages: np.ndarray | list[int] | None = None,
+        src_draft_pages: np.ndarray | list[int] | None = None,
     ) -> None:
         """The engine admitted request `room`; `src_pages` is its page table (tokens from 0);
         `state_slot`: its recurrent-state slot (hybrid models: required; it must stay the room's
         until poll() reported the room); `src_swa_pages`: its window page table (a layout with
         swa_layers: aligned with src_pages, -1 where no sliding-window page is held, shorter
         while not allocated; None: none yet). The pages the decode asks for must stay the room's
-        until poll() reported it. Raises DuplicateRoomError if the room is active already
+        until poll() reported it. `src_draft_pages`: the room's draft-model pages (a sender with a
+        draft layout), the whole prompt's from token 0, kept like `src_pages`; None: no draft KV
+        for this room. Raises DuplicateRoomError if the room is active already
         (reject that request only), ValueError for pages or a slot outside the pools."""
         pages = self._check_pages(room, src_pages)
+        draft = self._check_draft_pages(room, src_draft_pages)
         sl = self.state_layout
         if sl is not None and pages.size and (state_slot is None or not 0 <= state_slot < sl.num_slots):
             raise ValueError(f"room {room}: state slot {state_slot} outside [0, {sl.num_slots})")
         swa = self._check_swa_pages(room, src_swa_pages, pages)
         with self._lock:
-            self._book.add_room(room, pages, self._clock(), None if sl is None else state_slot, swa)
+            self._book.add_room(room, pages, self._clock(), None if sl is None else state_slot, swa, draft)
         self._wake.set()
+
+    def _check_draft_pages(self, room: int, draft_pages: np.ndarray | list[int] | None) -> np.ndarray | None:
+        if draft_pages is None:
+            return None
+        if self.draft_layout is None:
+            raise ValueError(f"room {room}: draft pages for a sender without a draft-model pool")
+        pages = np.asarray(draft_pages, dtype=np.int64).ravel()
+        if pages.size and (pages.min() < 0 or pages.max() >= self.draft_layout.num_pages):
+            raise ValueError(f"room {room}: draft pages outside [0, {self.draft_layout.num_pages})")
+        return pages
 
     def _check_swa_pages(
         self, room: int, swa_pages: np.ndarray | list[int] | None, pages: np.ndarray
@@ -294,8 +322,9 @@ class KVSender:
         """Model layers -> KV buffers (a hybrid pool has them for full-attention layers only) and
         the linear layers whose state goes with the call."""
         sl = self.state_layout
-        if sl is None:
-            end = self.layout.num_layers if layer_end is None else layer_end
+        if sl is None:  # layers past the target's are the draft model's
+            n_draft = 0 if self.draft_layout is None else self.draft_layout.num_layers
+            end = self.layout.num_layers + n_draft if layer_end is None else layer_end
             return SendCall(token_start, token_end, layer_start, end, last, ready)
         end = sl.num_model_layers if layer_end is None else layer_end
         try:

@@ -51,8 +51,12 @@ class SenderPeers:
         tp_size: int,
         state_layout: StateLayout | None = None,
         own_data_address: str = "",
+        draft_layout: KVLayout | None = None,
     ) -> None:
+        """`draft_layout`: this rank's draft-model pool (STANDALONE speculative decoding): a decode
+        must register one compatible with it, or none (then its requests name no draft pages)."""
         self.layout, self.tp_rank, self.tp_size = layout, tp_rank, tp_size
+        self.draft_layout = draft_layout
         self.own_data_address = own_data_address  # this rank's backend: never a destination
         self.max_sessions = cfg.limits.max_sessions
         self.state_layout = state_layout
@@ -99,11 +103,11 @@ class SenderPeers:
             return f"session {msg.session_id} is bound to its first registration (another address or layout now)"
         if msg.data_address == self.own_data_address:
             return f"data address {msg.data_address} is this prefill rank's own"
-        mine = (msg.control_address, msg.tp_rank, msg.layout, msg.staging, msg.state)
+        mine = (msg.control_address, msg.tp_rank, msg.layout, msg.staging, msg.state, msg.draft)
         for p in self.peers.values():
             if (
                 p.data_address == msg.data_address
-                and (p.control_address, p.tp_rank, p.layout, p.staging, p.state) != mine
+                and (p.control_address, p.tp_rank, p.layout, p.staging, p.state, p.draft) != mine
                 and self.liveness.alive(p.control_address)
             ):
                 return (
@@ -122,6 +126,9 @@ class SenderPeers:
         ):
             return f"data address {msg.data_address} is not on the control address's host {control_host}"
         starts, sizes = msg.layout.unique_buffers()  # aliased layers share a buffer: that is no overlap
+        if msg.draft is not None:
+            d_starts, d_sizes = msg.draft.unique_buffers()
+            starts, sizes = [*starts, *d_starts], [*sizes, *d_sizes]
         if msg.staging is not None:
             starts, sizes = [*starts, msg.staging.pool_addr], [*sizes, msg.staging.pool_nbytes]
         order = np.argsort(np.asarray(starts, dtype=np.uint64), kind="stable")
@@ -137,7 +144,7 @@ class SenderPeers:
             return f"decode rank {msg.tp_rank} layout incompatible with prefill rank {self.tp_rank}: {why}"
         if not 0 <= msg.tp_rank < msg.tp_size:
             return f"decode tp_rank {msg.tp_rank} outside tp_size {msg.tp_size}"
-        why = self._check_state(msg) or self._check_addresses(msg)
+        why = self._check_state(msg) or self._check_draft(msg) or self._check_addresses(msg)
         if why:
             return why
         try:
@@ -168,6 +175,16 @@ class SenderPeers:
         if why is None and common_heads(mine, theirs) is None:
             why = "no common linear-attention heads (the TP mapping pairs ranks that share heads)"
         return None if why is None else f"decode rank {msg.tp_rank}: {why}"
+
+    def _check_draft(self, msg: RegisterPeer) -> str | None:
+        """A decode's draft pool must move with ours: compatible, or absent on the decode (which then
+        asks for no draft KV). One on the decode only has nothing to fill it."""
+        if msg.draft is None:
+            return None
+        if self.draft_layout is None:
+            return f"decode rank {msg.tp_rank} has a draft-model KV pool, this prefill has no draft model"
+        why = self.draft_layout.compatible_with(msg.draft)
+        return None if why is None else f"decode rank {msg.tp_rank} draft-model KV pool incompatible: {why}"
 
     def _pair_heads(self, msg: RegisterPeer) -> tuple[int, int] | None:
         for s in slices_for_decode_rank(msg.tp_rank, self.tp_size, msg.tp_size, self.layout.total_kv_heads):
@@ -203,6 +220,14 @@ class SenderPeers:
                 if msg.dst_swa_pages is None
                 else "dst_swa_pages for a model without sliding-window layers"
             )
+        if msg.dst_draft_pages is not None:
+            draft = np.asarray(msg.dst_draft_pages, dtype=np.int64)
+            if peer.draft is None:
+                return peer, "draft pages from a decode rank that registered no draft-model KV pool"
+            if draft.size and draft.max() >= peer.draft.num_pages:
+                return peer, f"draft page {int(draft.max())} outside the decode's draft pool of {peer.draft.num_pages}"
+            if np.unique(draft).size != draft.size:
+                return peer, "duplicate draft pages"
         if msg.dst_swa_pages is not None:
             why = window_pages_problem(
                 np.asarray(msg.dst_swa_pages, dtype=np.int64),

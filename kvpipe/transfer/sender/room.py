@@ -29,6 +29,14 @@ every linear layer not written yet. Each destination remembers which layers it g
 of a layer moves once (recurrent/plan.py: 2 ops, or 4 for a head slice under heterogeneous TP) from
 the room's slot into the decode's slot, queued with the room's KV batches, so the room's final
 status still follows it.
+
+Draft KV (STANDALONE speculative decoding, disagg/draft_transfer.py): the draft model's pool is a
+second layout (`draft_layout`, its own buffers and head shape, the target's page size) with its
+own page tables, `src_draft_pages` here and `dst_draft_pages` on the decode, both from logical
+page 0 (the decode holds no draft prefix, whatever its prefix_len). Its layers come after the
+target's in send() calls: draft layer i is send layer num_layers + i, so a send call over layers
+[num_layers, num_send_layers) is the last layer group and a last call flushes it like any layer.
+Never staged (TP 1 only).
 """
 
 from __future__ import annotations
@@ -88,6 +96,10 @@ class Destination:
     state_slot: int | None = None  # the decode's state slot for this room
     state_sent: np.ndarray | None = None  # [num_linear] bool: the layer's state is planned
     dst_swa_pages: np.ndarray | None = None  # [n] int64 aligned with dst_pages, -1: no sliding page wanted
+    # the decode's draft pool and its pages for the prompt's draft KV from logical page 0 (None:
+    # no draft KV wanted); cursor[num_layers:] are the draft layers' send cursors, from 0
+    draft_layout: KVLayout | None = None
+    dst_draft_pages: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -197,6 +209,18 @@ class SenderRoom:
     # link keeps up with the compute (request timelines)
     busy_spans: list[tuple[float, float]] = field(default_factory=list)
     reported: bool = False  # poll() handed the outcome to the engine
+    draft_layout: KVLayout | None = None  # this prefill rank's draft-model pool (STANDALONE)
+    src_draft_pages: np.ndarray | None = None  # the room's draft page table (None: no draft KV here)
+
+    @property
+    def num_send_layers(self) -> int:
+        """Layers of send() calls: the target's KV layers, then the draft model's."""
+        return self.layout.num_layers + (self.draft_layout.num_layers if self.draft_layout is not None else 0)
+
+    @property
+    def draft_tokens(self) -> int:
+        """Prompt tokens whose draft KV this room sends (its aux data tells the decode)."""
+        return self.token_end if self.draft_layout is not None and self.src_draft_pages is not None else 0
 
     @property
     def ready(self) -> bool:
@@ -236,7 +260,7 @@ class SenderRoom:
     def add_call(self, call: SendCall) -> None:
         if self.last_called:
             raise PlanError(f"room {self.room}: send() after the last chunk")
-        n_layers = self.layout.num_layers
+        n_layers = self.num_send_layers
         # a hybrid model's layer group may hold no full-attention layer: no KV, maybe state
         empty_ok = self.state_layout is not None
         j0, j1 = call.state_layers
@@ -254,6 +278,11 @@ class SenderRoom:
             raise PlanError(
                 f"room {self.room}: {call.token_end} tokens need more than the "
                 f"{self.src_pages.size} source pages given to add_room"
+            )
+        if self.src_draft_pages is not None and -(-call.token_end // self.layout.page_size) > self.src_draft_pages.size:
+            raise PlanError(
+                f"room {self.room}: {call.token_end} tokens need more than the "
+                f"{self.src_draft_pages.size} draft pages given to add_room"
             )
         self.token_end = max(self.token_end, call.token_end)
         self.last_called = call.last
@@ -300,7 +329,9 @@ class SenderRoom:
     ) -> list[OpBatch | StagedChunk]:
         assert self.src_pages is not None
         ps = self.layout.page_size
-        layers = (0, self.layout.num_layers) if call.last else (call.layer_start, call.layer_end)
+        n_kv = self.layout.num_layers
+        a, b = (0, self.num_send_layers) if call.last else (call.layer_start, call.layer_end)
+        layers = (a, min(b, n_kv))  # the target's layers; the draft's [n_kv, b) go below
         end_tok = self.token_end if call.last else call.token_end
         if -(-end_tok // ps) > self.src_pages.size:
             raise PlanError(f"room {self.room}: {end_tok} tokens need more than {self.src_pages.size} source pages")
@@ -331,6 +362,39 @@ class SenderRoom:
             src_w, dst_w = self._window_pages(dest, span.first, j0, j1)
             if dst_w.size:
                 out.extend(self._plan_span(dest, src_w, dst_w, None, None, layer_ids=ids[swa[l0:l1]]))
+        if b > n_kv:
+            out.extend(self._plan_draft(dest, max(a, n_kv), b, end_tok, call.last))
+        return out
+
+    def _plan_draft(self, dest: Destination, a: int, b: int, end_tok: int, final: bool) -> list[OpBatch]:
+        """The draft model's KV of send layers [a, b) (draft layers [a - num_layers, b - num_layers))
+        up to token end_tok, by the same cursor rule as the target's; nothing for a destination
+        that asked for no draft KV, or a room without draft pages here (its aux says 0 tokens)."""
+        if dest.draft_layout is None or dest.dst_draft_pages is None:
+            return []
+        if self.draft_layout is None or self.src_draft_pages is None:
+            return []
+        n_kv, ps = self.layout.num_layers, self.layout.page_size
+        out = []
+        for l0, l1, cur in equal_runs(dest.cursor, a, b):
+            if cur >= end_tok:
+                continue
+            span = sendable_pages(cur, end_tok, ps, final=final)
+            dest.cursor[l0:l1] = span.token_end
+            if span.num_pages == 0:
+                continue
+            if span.end > dest.dst_draft_pages.size:
+                raise PlanError(
+                    f"room {self.room}: decode rank {dest.decode_rank} gave {dest.dst_draft_pages.size} draft "
+                    f"pages, {end_tok} tokens need {span.end}"
+                )
+            src = self.src_draft_pages[span.first : span.end]
+            dst = dest.dst_draft_pages[span.first : span.end]
+            try:
+                p = plan_pages(src, dst, self.draft_layout, dest.draft_layout, layers=(l0 - n_kv, l1 - n_kv))
+            except ValueError as e:
+                raise PlanError(f"room {self.room}: draft KV: {e}") from e
+            out.append(OpBatch(dest.data_address, p.src_addr, p.dst_addr, p.length))
         return out
 
     def _window_pages(self, dest: Destination, first: int, j0: int, j1: int) -> tuple[np.ndarray, np.ndarray]:

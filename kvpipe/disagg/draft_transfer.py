@@ -1,0 +1,58 @@
+"""PD with a STANDALONE draft model (issue 27): the prefill runs the draft over the prompt and
+sends its KV with the target's, so the decode drafts at once with nothing recomputed.
+
+Flow (TP 1 on both sides: a draft model runs with TP 1 only, engine/draft_model.py):
+- both sides register the draft model's KV pool with their backend next to the target's
+  (TransferWorker.set_draft_pool, setup.register_pool); a decode rank announces its draft pool
+  in RegisterPeer.draft, checked against the prefill's (sender/peers.py);
+- the decode reserves draft-pool pages for the whole prompt next to the target's (the engine,
+  DraftModel.reserve_prompt; none when its draft pool is full: the request then catches up on the
+  prompt at its first decode step, as without PD) and asks for them in
+  TransferRequest.dst_draft_pages, from token 0 whatever prefix its radix cache holds;
+- the prefill reserves draft pages for the whole prompt at the request's first forward, runs the
+  draft over each chunk right after the target (DraftModel.prefill_forward) and the sender moves
+  them as the layers after the target's: draft layer i is send layer num_layers + i, one more
+  layer group at the end of a layer-pipelined forward (sender/room.py), flushed with the rest by
+  the last chunk's send;
+- the aux data says how many prompt tokens of draft KV were written (AuxData.draft_tokens) and
+  the decode's draft book takes them as valid (DraftModel.kv_arrived): its first step extends
+  the draft over the first sampled token only, as a colocated engine's does after its prefill;
+- a failed or aborted transfer frees the draft pages with the target's, on both sides, once no
+  write can land in them any more (the engine keeps them while a transfer holds the request).
+
+The speculative settings that change what moves are in the PD handshake (control/handshake.py):
+`speculative_handshake` names the algorithm, the draft checkpoint's digest and the draft KV
+layout; a prefill and a decode that disagree refuse each other at bootstrap. NGRAM moves nothing
+(the decode drafts from the request's own tokens), so it counts as "none".
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvpipe.config import ServerConfig
+from kvpipe.model.identity import checkpoint_digest
+from kvpipe.transfer.control.handshake import SPECULATIVE_NONE
+from kvpipe.transfer.planning.layout import KVLayout
+
+if TYPE_CHECKING:
+    from kvpipe.cache.kv_pool import KVPool
+
+
+def draft_layout(pool: KVPool) -> KVLayout:
+    """The draft model's pool as the transfer layer sees it (TP 1: every head)."""
+    return KVLayout.from_pool(pool)
+
+
+def speculative_handshake(cfg: ServerConfig, draft: KVLayout | None) -> str:
+    """Handshake.speculative of a PD server: "none", or for a STANDALONE draft model
+    "standalone:draft=<checkpoint digest>:kv=<dtype>/<page size>/<kind>x<layers>x<heads>x<head dim>"."""
+    spec = cfg.speculative
+    path = spec.draft_model_path
+    if not spec.enabled or path is None:
+        return SPECULATIVE_NONE
+    if draft is None:
+        raise ValueError("a STANDALONE server's handshake needs its draft model's KV layout")
+    shape = f"{draft.buffers_per_layer}x{draft.num_layers}x{draft.total_kv_heads}x{draft.head_dim}"
+    kv = f"{draft.dtype}/{draft.page_size}/{shape}"
+    return f"{str(spec.algorithm).lower()}:draft={checkpoint_digest(path)}:kv={kv}"
