@@ -1,0 +1,58 @@
+"""`kvpipe launch --prefills 2 --decodes 2` (start_pd_stack's xPyD stack): four servers behind one
+sglang-router serve greedy requests identical to a colocated engine, every server takes part
+(round_robin on both sides), and the layout printed at start lists the four workers."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from kvpipe.server.launcher import start_pd_stack
+from tests.helpers.pd_parity import colocated_reference, prompts
+from tests.helpers.pd_stack import generate, greedy
+from tests.helpers.server import ServerProc
+from tests.helpers.tolerance import Generation, Route, assert_same_generations
+
+pytest.importorskip("mooncake.engine")
+pytestmark = pytest.mark.timeout(300)
+
+PAGE = 16
+LENGTHS = [5, 17, 40, 33, 64, 9, 80, 23]  # 8 requests: each of the 2 prefills and 2 decodes gets some
+NEW = 6
+
+
+def test_2p2d_serves_like_colocated(tiny_model_dir: Path, tmp_path: Path) -> None:
+    ids = prompts(LENGTHS, seed=11)
+    expected = colocated_reference(tiny_model_dir, ids, NEW, PAGE)
+    flags = ["--page-size", str(PAGE), "--max-total-tokens", "4096"]
+    with start_pd_stack(
+        str(tiny_model_dir),
+        server_args=flags,
+        log_dir=str(tmp_path),
+        timeout_s=180.0,
+        prefills=2,
+        decodes=2,
+        prefill_policy="round_robin",
+        decode_policy="round_robin",
+    ) as stack:
+        layout = stack.layout_lines()
+        workers = [line.split()[0] for line in layout[1:-1]]
+        assert layout[0] == "layout: 2P2D" and workers == ["prefill0", "prefill1", "decode0", "decode1"], layout
+        for url in [*stack.prefill_urls, *stack.decode_urls]:
+            assert sum(url in line for line in layout) == 1, (url, layout)
+        assert "round_robin" in layout[-1] and stack.router_url in layout[-1]
+        assert len(set(stack.bootstrap_ports)) == 2
+
+        def one(p: list[int]) -> Generation:
+            return Generation.of(
+                generate(stack.router_url, {"input_ids": p, "sampling_params": greedy(NEW), "return_logprob": True})
+            )
+
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(one, ids))
+        assert_same_generations(got, expected, Route.ACROSS_PROCESSES, ids, "2P2D through the router")
+        for i, spec in enumerate(stack.specs[:4]):  # round_robin: every server took requests
+            srv = ServerProc(spec.health_url.removesuffix("/health"), stack.procs[i], tmp_path / f"{spec.name}.log")
+            assert srv.metric("kvpipe_requests_total", 'finish_reason="length"') > 0, spec.name
