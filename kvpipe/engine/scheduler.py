@@ -57,6 +57,7 @@ from kvpipe.cache.hybrid_radix_cache import HybridRadixCache
 from kvpipe.cache.page_allocator import PageAllocator
 from kvpipe.cache.radix_cache import RadixCache
 from kvpipe.cache.recurrent_slots import StateSlotAllocator
+from kvpipe.cache.store_tier import StoreTier
 from kvpipe.cache.window_pages import window_first_page, window_page_bound
 from kvpipe.config import SchedulerConfig
 from kvpipe.engine.batch import ForwardMode, ScheduledBatch
@@ -110,6 +111,8 @@ class Scheduler:
         self._promised: dict[str, int] = {}  # rid -> pages it may hold at most (admitted ones)
         self._last_was_prefill = False
         self.prefix_hit_tokens = 0  # prompt tokens admitted requests took from the prefix cache
+        # a KV tier shared with other servers (cache/store_tier.py; engine/store_setup.py sets it)
+        self.kv_tier: StoreTier | None = None
 
     # ---- admission -------------------------------------------------------------------------
     def max_pages(self, req: Req) -> int:
@@ -167,6 +170,8 @@ class Scheduler:
         its logits give the first output token); the matched pages are pinned."""
         if self.cache is None or req.cache_node is not None:
             return
+        if self.kv_tier is not None:  # stored pages past the radix match join the cache first
+            self.kv_tier.load_prefix(req.input_ids[:-1], self.cache, self.allocator)
         if isinstance(self.cache, HybridRadixCache):
             m = self.cache.match_state(req.input_ids[:-1])
             pages, node, ps = m.pages, m.node, self.page_size
@@ -507,6 +512,8 @@ class Scheduler:
         elif self.cache is not None:
             full = min(req.num_cached // self.page_size, len(pages))
             dup = self.cache.insert(req.all_ids[: full * self.page_size], pages[:full])
+            if self.kv_tier is not None:
+                self.kv_tier.store_prefix(req.all_ids[: full * self.page_size], pages[:full])
             # pages[:num_shared_pages] were the cache's all along; [shared, dup) duplicate pages the
             # cache got from another request meanwhile; [dup, full) are the cache's now
             own = np.concatenate([pages[req.num_shared_pages : dup], pages[full:]])
