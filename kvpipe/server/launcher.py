@@ -51,6 +51,7 @@ from kvpipe.server.core_split import (
     stack_server_cores,
 )
 from kvpipe.server.prometheus_targets import scrape_targets, write_targets
+from kvpipe.server.store_master import StoreMaster, wants_master
 from kvpipe.server.supervisor import PartState, RestartPolicy, Supervisor
 from kvpipe.transfer.control.auth import TOKEN_ENV, new_token
 
@@ -171,6 +172,7 @@ class PDStack:
     decode_urls: list[str] = field(default_factory=list)
     bootstrap_ports: list[int] = field(default_factory=list)
     policies: tuple[str | None, str | None] = (None, None)  # the router's --prefill/--decode-policy
+    store_master: StoreMaster | None = None  # the KV tier's mooncake_master, when the stack started one
 
     @property
     def restarts(self) -> dict[str, int]:
@@ -197,7 +199,7 @@ class PDStack:
         prefill_urls = self.prefill_urls or [self.prefill_url]
         decode_urls = self.decode_urls or [self.decode_url]
         ports = self.bootstrap_ports or [self.bootstrap_port]
-        names = [s.name for s in self.specs if s.name != "router"]
+        names = [s.name for s in self.specs if s.name not in ("router", "store")]
         if len(names) != len(prefill_urls) + len(decode_urls):
             names = _server_names(len(prefill_urls), len(decode_urls))
         shares = self.core_shares()
@@ -214,6 +216,11 @@ class PDStack:
         lines.append(
             f"  router    {self.router_url} (prefill policy {pp or 'cache_aware'}, decode policy {dp or 'cache_aware'})"
         )
+        if self.store_master is not None:
+            m = self.store_master
+            lines.append(
+                f"  store     {m.host}:{m.rpc_port} (mooncake_master for the KV tier, metadata port {m.metadata_port})"
+            )
         return lines
 
     def core_shares(self) -> list[tuple[int, ...]]:
@@ -428,6 +435,9 @@ def start_pd_stack(
     else:
         split = split_cores_among(affinity_cores(), prefills, decodes)
         shares = stack_server_cores(split, server_args, own_args)
+    master = StoreMaster(host, *free_ports(3, host)) if wants_master(server_args) else None
+    if master is not None:  # the KV tier's store: started first, its address to every server
+        server_args = [*server_args, *master.server_flags()]
     ports = free_ports(2 * prefills + decodes + 2, host)
     http_ports, b_ports = ports[:n], ports[n : n + prefills]
     r_free, metrics_port = ports[-2:]
@@ -464,16 +474,27 @@ def start_pd_stack(
         decode_policy,
     )
     stack.specs.append(PartSpec("router", tuple(router_cmd), stack.router_url + "/health", log("router")))
+    if master is not None:  # last in the specs: the servers' indices stay what they were
+        stack.specs.append(PartSpec("store", tuple(master.command()), master.health_url, log("store")))
+        stack.store_master = master
+    store: list[subprocess.Popen] = []  # the master, until it joins stack.procs after the router
     try:
+        if master is not None:
+            store.append(stack.specs[-1].spawn())
+            wait_healthy(master.health_url, timeout_s, store)
         for spec in stack.specs[:n]:
             stack.procs.append(spec.spawn())
         for spec in stack.specs[:n]:
-            wait_healthy(spec.health_url, timeout_s, stack.procs)
+            wait_healthy(spec.health_url, timeout_s, [*stack.procs, *store])
         router = stack.specs[n]  # once the servers answer: it checks its workers at startup
         stack.procs.append(router.spawn())
+        stack.procs += store  # procs[i] runs specs[i]
+        store = []
         wait_healthy(router.health_url, timeout_s, stack.procs)
     except BaseException:
         stack.close()
+        for p in store:
+            stop_process(p)
         raise
     return stack
 

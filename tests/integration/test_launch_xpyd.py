@@ -11,7 +11,7 @@ import pytest
 
 from kvpipe.server.launcher import start_pd_stack
 from tests.helpers.pd_parity import colocated_reference, prompts
-from tests.helpers.pd_stack import generate, greedy
+from tests.helpers.pd_stack import generate, greedy, wait_for
 from tests.helpers.server import ServerProc
 from tests.helpers.tolerance import Generation, Route, assert_same_generations
 
@@ -56,3 +56,39 @@ def test_2p2d_serves_like_colocated(tiny_model_dir: Path, tmp_path: Path) -> Non
         for i, spec in enumerate(stack.specs[:4]):  # round_robin: every server took requests
             srv = ServerProc(spec.health_url.removesuffix("/health"), stack.procs[i], tmp_path / f"{spec.name}.log")
             assert srv.metric("kvpipe_requests_total", 'finish_reason="length"') > 0, spec.name
+
+
+def test_2p1d_with_the_kv_tier_reuses_a_prefix_across_prefills(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`launch` with --enable-hierarchical-cache starts mooncake_master itself; with round_robin
+    the second request of a prompt reaches the other prefill, which loads the pages the first one
+    stored instead of computing them (cached_tokens through the router), with the same output."""
+    pytest.importorskip("mooncake.store")
+    flags = ["--page-size", str(PAGE), "--max-total-tokens", "4096"]
+    tier = ["--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake"]
+    tier += ["--hicache-mooncake-global-segment-size", "32mb", "--hicache-mooncake-local-buffer-size", "16mb"]
+    with start_pd_stack(
+        str(tiny_model_dir),
+        server_args=[*flags, *tier],
+        log_dir=str(tmp_path),
+        timeout_s=180.0,
+        prefills=2,
+        decodes=1,
+        prefill_policy="round_robin",
+    ) as stack:
+        assert stack.store_master is not None and stack.layout_lines()[-1].split()[0] == "store"
+        prefills = [
+            ServerProc(u, stack.proc(f"prefill{i}"), tmp_path / f"prefill{i}.log")
+            for i, u in enumerate(stack.prefill_urls)
+        ]
+        ids = prompts([90], seed=12)[0]  # 5 whole pages in the 89 tokens a match looks at
+        body = {"input_ids": ids, "sampling_params": greedy(NEW), "return_logprob": True}
+        first = generate(stack.router_url, body)
+        assert first["meta_info"]["cached_tokens"] == 0
+        wait_for(
+            lambda: sum(p.engine_stats()["kv_store"]["pages_put"] for p in prefills) >= 5, 30, "the pages in the store"
+        )
+        second = generate(stack.router_url, body)
+        assert second["meta_info"]["cached_tokens"] == 5 * PAGE, second["meta_info"]
+        fetched = [p.engine_stats()["kv_store"]["pages_fetched"] for p in prefills]
+        assert sorted(fetched) == [0, 5], fetched  # the other prefill loaded them
+        assert_same_generations([Generation.of(second)], [Generation.of(first)], Route.ACROSS_PROCESSES, [ids])
