@@ -27,14 +27,16 @@ class PoolPages:
         self.buffer_bytes = [int(b[0].numel()) for b in self.buffers]
         self.payload_bytes = sum(self.buffer_bytes)
 
-    def read(self, pages: np.ndarray) -> list[bytes]:
-        """A copy of each page's payload (the pool's pages may be reused once this returns)."""
+    def read(self, pages: np.ndarray) -> list[memoryview]:
+        """A copy of each page's payload (the pool's pages may be reused once this returns): views
+        of rows of one fresh [n, payload_bytes] array, so a finished request's pages cost the engine
+        two memory copies, not a Python object per byte range."""
         if len(pages) == 0:
             return []
         idx = torch.as_tensor(np.asarray(pages, dtype=np.int64))
         rows = torch.cat([b.index_select(0, idx).reshape(len(idx), -1) for b in self.buffers], dim=1)
-        arr = rows.cpu().numpy()  # [n, payload_bytes]
-        return [arr[i].tobytes() for i in range(len(idx))]
+        arr = rows.cpu().numpy()  # [n, payload_bytes], owned by these views from now on
+        return [memoryview(arr[i]) for i in range(len(idx))]
 
     def write(self, pages: np.ndarray, payloads: Sequence[bytes | memoryview]) -> None:
         """Load payloads (each payload_bytes long) into pool pages `pages`."""

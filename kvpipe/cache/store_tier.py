@@ -53,7 +53,7 @@ class PageIO(Protocol):
 
     payload_bytes: int
 
-    def read(self, pages: np.ndarray) -> list[bytes]: ...
+    def read(self, pages: np.ndarray) -> Sequence[bytes | memoryview]: ...
 
     def write(self, pages: np.ndarray, payloads: Sequence[bytes | memoryview]) -> None: ...
 
@@ -106,7 +106,7 @@ class StoreTier:
         self.puts_dropped: Counter[str] = Counter()
         self._fetch_pool = ThreadPoolExecutor(1, thread_name_prefix="kv-store-fetch")
         self._fetching: Future | None = None  # a fetch that outlived its wait
-        self._puts: queue.Queue[tuple[list[str], list[bytes]] | None] = queue.Queue(settings.put_queue)
+        self._puts: queue.Queue[tuple[list[str], Sequence[bytes | memoryview]] | None] = queue.Queue(settings.put_queue)
         self._put_thread = threading.Thread(target=self._put_loop, name="kv-store-put", daemon=True)
         self._put_thread.start()
 
