@@ -435,10 +435,12 @@ def start_pd_stack(
     else:
         split = split_cores_among(affinity_cores(), prefills, decodes)
         shares = stack_server_cores(split, server_args, own_args)
-    master = StoreMaster(host, *free_ports(3, host)) if wants_master(server_args) else None
+    with_master = wants_master(server_args)
+    ports = free_ports(2 * prefills + decodes + 2 + (3 if with_master else 0), host)  # all at once: distinct
+    master = StoreMaster(host, *ports[-3:]) if with_master else None
     if master is not None:  # the KV tier's store: started first, its address to every server
         server_args = [*server_args, *master.server_flags()]
-    ports = free_ports(2 * prefills + decodes + 2, host)
+        ports = ports[:-3]
     http_ports, b_ports = ports[:n], ports[n : n + prefills]
     r_free, metrics_port = ports[-2:]
     r_port = router_port or r_free
