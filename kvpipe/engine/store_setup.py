@@ -39,8 +39,12 @@ def attach_store_tier(cfg: ServerConfig, pool: KVPool, scheduler: Scheduler) -> 
         return None
     if cfg.tp_size > 1:
         raise ConfigError("--enable-hierarchical-cache runs with --tp-size 1 for now (each TP rank's pool is its own)")
-    if scheduler.cache is None:
-        raise ConfigError("--enable-hierarchical-cache needs the radix cache (drop --disable-radix-cache)")
+    if scheduler.cache is None:  # a PD decode without its radix cache, a sliding-window model
+        logger.info(
+            "the KV tier is off on this server: it keeps no radix cache (a PD decode needs "
+            "--disaggregation-enable-decode-radix-cache)"
+        )
+        return None
     if isinstance(scheduler.cache, HybridRadixCache):
         logger.warning("the KV tier is off for %s: a hybrid model's prefix needs its recurrent state", cfg.model_path)
         return None

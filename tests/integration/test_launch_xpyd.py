@@ -58,10 +58,13 @@ def test_2p2d_serves_like_colocated(tiny_model_dir: Path, tmp_path: Path) -> Non
             assert srv.metric("kvpipe_prompt_tokens_total") > 0, spec.name
 
 
-def test_2p1d_with_the_kv_tier_reuses_a_prefix_across_prefills(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """`launch` with --enable-hierarchical-cache starts mooncake_master itself; with round_robin
-    the second request of a prompt reaches the other prefill, which loads the pages the first one
-    stored instead of computing them (cached_tokens through the router), with the same output."""
+def test_2p2d_with_the_kv_tier_reuses_a_prefix_on_the_other_prefill_and_decode(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """`launch` with --enable-hierarchical-cache starts mooncake_master itself. With round_robin on
+    both sides the second request of a prompt reaches the other prefill and the other decode (its
+    radix cache on): both load the pages the first pair stored instead of computing / receiving
+    them (cached_tokens through the router), and the output is the same."""
     pytest.importorskip("mooncake.store")
     flags = ["--page-size", str(PAGE), "--max-total-tokens", "4096"]
     tier = ["--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake"]
@@ -69,26 +72,30 @@ def test_2p1d_with_the_kv_tier_reuses_a_prefix_across_prefills(tiny_model_dir: P
     with start_pd_stack(
         str(tiny_model_dir),
         server_args=[*flags, *tier],
+        decode_args=["--disaggregation-enable-decode-radix-cache"],
         log_dir=str(tmp_path),
         timeout_s=180.0,
         prefills=2,
-        decodes=1,
+        decodes=2,
         prefill_policy="round_robin",
+        decode_policy="round_robin",
     ) as stack:
         assert stack.store_master is not None and stack.layout_lines()[-1].split()[0] == "store"
-        prefills = [
-            ServerProc(u, stack.proc(f"prefill{i}"), tmp_path / f"prefill{i}.log")
-            for i, u in enumerate(stack.prefill_urls)
-        ]
+        servers = {
+            spec.name: ServerProc(spec.health_url.removesuffix("/health"), stack.proc(spec.name), tmp_path / "x.log")
+            for spec in stack.specs[:4]
+        }
+
+        def tier_stats(prefix: str, key: str) -> list[int]:
+            return sorted(s.engine_stats()["kv_store"][key] for n, s in servers.items() if n.startswith(prefix))
+
         ids = prompts([90], seed=12)[0]  # 5 whole pages in the 89 tokens a match looks at
         body = {"input_ids": ids, "sampling_params": greedy(NEW), "return_logprob": True}
         first = generate(stack.router_url, body)
         assert first["meta_info"]["cached_tokens"] == 0
-        wait_for(
-            lambda: sum(p.engine_stats()["kv_store"]["pages_put"] for p in prefills) >= 5, 30, "the pages in the store"
-        )
+        wait_for(lambda: sum(tier_stats("prefill", "pages_put")) >= 5, 30, "the prefill's pages in the store")
         second = generate(stack.router_url, body)
         assert second["meta_info"]["cached_tokens"] == 5 * PAGE, second["meta_info"]
-        fetched = [p.engine_stats()["kv_store"]["pages_fetched"] for p in prefills]
-        assert sorted(fetched) == [0, 5], fetched  # the other prefill loaded them
+        assert tier_stats("prefill", "pages_fetched") == [0, 5]  # the other prefill loaded them
+        assert tier_stats("decode", "pages_fetched") == [0, 5]  # and so did the other decode
         assert_same_generations([Generation.of(second)], [Generation.of(first)], Route.ACROSS_PROCESSES, [ids])
