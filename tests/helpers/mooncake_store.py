@@ -53,6 +53,8 @@ class Master:
             "16mb",
             "--hicache-store-retry-interval",
             str(retry_s),
+            "--hicache-store-fetch-timeout",
+            "10",  # a loaded test machine: a slow fetch would count as a fallback and fail the reuse checks
         ]
 
     def start(self, timeout_s: float = 30.0) -> None:

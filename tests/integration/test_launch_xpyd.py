@@ -69,6 +69,7 @@ def test_2p2d_with_the_kv_tier_reuses_a_prefix_on_the_other_prefill_and_decode(
     flags = ["--page-size", str(PAGE), "--max-total-tokens", "4096"]
     tier = ["--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake"]
     tier += ["--hicache-mooncake-global-segment-size", "32mb", "--hicache-mooncake-local-buffer-size", "16mb"]
+    tier += ["--hicache-store-fetch-timeout", "10"]  # a loaded test machine: no timeout fallbacks
     with start_pd_stack(
         str(tiny_model_dir),
         server_args=[*flags, *tier],
