@@ -108,6 +108,8 @@ def test_corrupted_or_foreign_pages_are_never_used(
     a, b = servers
     ns = _namespace(tiny_model_dir)
     corrupt, foreign = prompt(70, seed=2), prompt(70, seed=3)
+    # the test's own client lends the store a segment too: the records may live there, so it stays
+    # connected until the servers have read them
     client = MooncakeStoreClient(MooncakeStoreSpec(master.address, master.metadata_url, global_segment_bytes=16 << 20))
     try:
         payload = ns.num_buffers * ns.kv_heads * PS * ns.head_dim * 4
@@ -119,12 +121,12 @@ def test_corrupted_or_foreign_pages_are_never_used(
         # a valid record, of another page: it names another key than the one it is stored under
         client.put([k_corrupt, k_foreign], [bytes(blob), encode_page(other, bytes(payload))])
         assert client.exists([k_corrupt, k_foreign]) == [True, True]
+        rejected = store_stats(b)["pages_rejected"]
+        got = [ask(b, ids) for ids in (corrupt, foreign)]
+        assert [g["meta_info"]["cached_tokens"] for g in got] == [0, 0]
+        assert store_stats(b)["pages_rejected"] == rejected + 2
     finally:
         client.close()
-    rejected = store_stats(b)["pages_rejected"]
-    got = [ask(b, ids) for ids in (corrupt, foreign)]
-    assert [g["meta_info"]["cached_tokens"] for g in got] == [0, 0]
-    assert store_stats(b)["pages_rejected"] == rejected + 2
     # what a server computes without the store: the same prompts on A, whose radix cache lacks them
     want = [ask(a, ids) for ids in (corrupt, foreign)]
     assert_same_generations(
