@@ -183,12 +183,21 @@ class PDStack:
     def metrics_urls(self) -> dict[str, str]:
         """Where each part serves Prometheus' /metrics: the servers on their HTTP port, the router
         on its exporter's."""
-        servers = [s for s in self.specs if s.name != "router"]
-        if servers:
-            urls = {s.name: s.health_url.removesuffix("/health") for s in servers}
-        else:
-            urls = {"prefill": self.prefill_url, "decode": self.decode_url}
+        urls = dict(zip(self._server_names(), self._server_urls()))
+        if self.store_master is not None:  # mooncake_master's own Prometheus exporter
+            urls["store"] = self.store_master.health_url.removesuffix("/health")
         return {**urls, "router": self.router_metrics_url} if self.router_metrics_url else urls
+
+    def _server_urls(self) -> list[str]:
+        return [*(self.prefill_urls or [self.prefill_url]), *(self.decode_urls or [self.decode_url])]
+
+    def _server_names(self) -> list[str]:
+        """Each server's part name, in the order of _server_urls."""
+        prefills = len(self.prefill_urls or [self.prefill_url])
+        names = [s.name for s in self.specs if s.name not in ("router", "store")]
+        if len(names) != len(self._server_urls()):
+            names = _server_names(prefills, len(self._server_urls()) - prefills)
+        return names
 
     def proc(self, name: str) -> subprocess.Popen:
         names = [s.name for s in self.specs] or list(PARTS)
@@ -199,9 +208,7 @@ class PDStack:
         prefill_urls = self.prefill_urls or [self.prefill_url]
         decode_urls = self.decode_urls or [self.decode_url]
         ports = self.bootstrap_ports or [self.bootstrap_port]
-        names = [s.name for s in self.specs if s.name not in ("router", "store")]
-        if len(names) != len(prefill_urls) + len(decode_urls):
-            names = _server_names(len(prefill_urls), len(decode_urls))
+        names = self._server_names()
         shares = self.core_shares()
         lines = [f"layout: {len(prefill_urls)}P{len(decode_urls)}D"]
         for i, name in enumerate(names):

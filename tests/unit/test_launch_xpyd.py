@@ -64,7 +64,7 @@ def test_names_and_layout() -> None:
     assert lines[2].split() == ["prefill1", "http://p1", "(bootstrap", "port", "12,", "TP", "2,", "cores", "1)"]
     assert lines[3].split() == ["decode0", "http://d0", "(TP", "1,", "cores", "2)"]
     assert lines[4].startswith("  router    http://r")
-    assert set(stack.metrics_urls) == {"prefill0", "prefill1", "decode0"}
+    assert stack.metrics_urls == {"prefill0": "http://p0", "prefill1": "http://p1", "decode0": "http://d0"}
 
 
 def test_tp_flags() -> None:
