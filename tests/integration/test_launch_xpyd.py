@@ -58,6 +58,7 @@ def test_2p2d_serves_like_colocated(tiny_model_dir: Path, tmp_path: Path) -> Non
             assert srv.metric("kvpipe_prompt_tokens_total") > 0, spec.name
 
 
+@pytest.mark.slow  # ~75 s: five processes; the fast suite has test_kv_store_tier.py and the plain 2P2D above
 def test_2p2d_with_the_kv_tier_reuses_a_prefix_on_the_other_prefill_and_decode(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
