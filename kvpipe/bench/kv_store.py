@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import statistics
 import sys
 import tempfile
@@ -66,6 +67,8 @@ def _wait_put(url: str, pages: int, timeout_s: float = 120.0) -> bool:
 
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
+    # SIGTERM (timeout, Ctrl-C's cousin) unwinds the ExitStack below: no server or master left behind
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     load_before = load_average()
     model = resolve_model_path(args.model_path)
     vocab = ModelConfig.from_dir(model).vocab_size

@@ -75,6 +75,9 @@ class TierSettings:
     min_fetch_pages: int = 1  # fetch only runs past the radix match of at least this many pages
     miss_ttl_s: float = 2.0  # a prompt whose next page the store lacked is not asked again for this long
     known_keys: int = 1 << 16  # keys remembered as stored (not queued again)
+    # bytes of one batched put or get: Mooncake stages a batch in the client's local buffer and
+    # refuses one larger than it (measured: 64 x 2.9 MB pages into a 64 MiB buffer)
+    max_batch_bytes: int = 32 << 20
 
 
 class StoreTier:
@@ -255,6 +258,11 @@ class StoreTier:
             self._known.popitem(last=False)
 
     # ---- the tier's threads ------------------------------------------------------------------
+    def _batches(self, n: int) -> list[tuple[int, int]]:
+        """[lo, hi) ranges of n pages, each batch within max_batch_bytes (at least one page)."""
+        per = max(1, self.settings.max_batch_bytes // max(1, self._pages.payload_bytes + 512))
+        return [(lo, min(n, lo + per)) for lo in range(0, n, per)]
+
     def _fetch(self, keys: list[str]) -> list[memoryview] | None:
         """The checked payloads of the longest run of `keys` the store holds (fetch thread); None
         when the store failed."""
@@ -265,7 +273,9 @@ class StoreTier:
         try:
             held = store.exists(keys)
             run = next((i for i, h in enumerate(held) if not h), len(held))
-            blobs = store.get(keys[:run]) if run else []
+            blobs: list[bytes] = []
+            for lo, hi in self._batches(run):
+                blobs += store.get(keys[lo:hi])
         except Exception as e:
             self._failed("fetch", e)
             self._count_fallback(Fallback.ERROR)
@@ -309,7 +319,9 @@ class StoreTier:
             if not todo:
                 continue
             try:
-                store.put([keys[i] for i in todo], [encode_page(keys[i], payloads[i]) for i in todo])
+                for lo, hi in self._batches(len(todo)):
+                    part = todo[lo:hi]
+                    store.put([keys[i] for i in part], [encode_page(keys[i], payloads[i]) for i in part])
             except Exception as e:  # reachable but refused (full): drop, the store stays in use
                 logger.debug("KV store: put of %d pages refused: %s", len(todo), e)
                 with self._lock:

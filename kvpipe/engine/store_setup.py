@@ -63,7 +63,11 @@ def attach_store_tier(cfg: ServerConfig, pool: KVPool, scheduler: Scheduler) -> 
         return MooncakeStoreClient(spec)
 
     ns = store_namespace(cfg, pool)
-    tier = StoreTier(ns, PoolPages(pool), connect, TierSettings(fetch_timeout_s=h.fetch_timeout_s, retry_s=h.retry_s))
+    # a batch staged in the client's local buffer must fit it (half: gets and puts run at once)
+    settings = TierSettings(
+        fetch_timeout_s=h.fetch_timeout_s, retry_s=h.retry_s, max_batch_bytes=h.mooncake_local_buffer_bytes // 2
+    )
+    tier = StoreTier(ns, PoolPages(pool), connect, settings)
     scheduler.kv_tier = tier
     logger.info("KV tier on Mooncake Store %s (keys %s...)", h.mooncake_master, ns.key_prefix())
     return tier
