@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -44,17 +45,16 @@ def servers(
 ) -> Iterator[tuple[ServerProc, ServerProc]]:
     logs = tmp_path_factory.mktemp("tier")
     flags = ["--page-size", str(PS), "--max-total-tokens", "4096", "--cpu-threads", "1", *master.server_flags()]
-    a = start_server(tiny_model_dir, logs / "a.log", *flags)
+    with ThreadPoolExecutor(2) as pool:  # both start at once: half the fixture's wait
+        futures = [pool.submit(start_server, tiny_model_dir, logs / f"{n}.log", *flags) for n in "ab"]
+    started = [f.result() for f in futures if f.exception() is None]
     try:
-        b = start_server(tiny_model_dir, logs / "b.log", *flags)
-    except BaseException:
-        stop_process(a.proc)
-        raise
-    try:
-        yield a, b
+        for f in futures:
+            f.result()  # a server that did not start fails the fixture (the other is stopped below)
+        yield started[0], started[1]
     finally:
-        stop_process(b.proc)
-        stop_process(a.proc)
+        for srv in reversed(started):
+            stop_process(srv.proc)
 
 
 def prompt(n: int, seed: int) -> list[int]:
