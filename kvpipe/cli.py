@@ -56,6 +56,12 @@ COMMANDS: list[Command] = [
         "greedy agreement and logprob drift of each --kv-cache-dtype against fp32 KV",
         "kvpipe.bench.kv_accuracy",
     ),
+    Command(
+        "bench kv-store",
+        "TTFT of a server loading a prefix another computed from the KV tier (Mooncake Store) vs computing it",
+        "kvpipe.bench.kv_store",
+        pass_unknown=True,
+    ),
 ]
 GROUP_HELP = {"bench": "benchmarks (results as JSON and PNG)"}
 AddArgs = Callable[[argparse.ArgumentParser], None]

@@ -435,6 +435,49 @@ class RequestLimits:
         require_counts(self)
 
 
+HICACHE_STORAGE_BACKENDS = ("mooncake",)
+
+
+@dataclass(frozen=True)
+class HiCacheConfig:
+    """A KV tier shared by every server of a model (kvpipe/cache/store_tier.py): full prefix pages
+    go to a Mooncake Store, and a radix miss loads the stored ones (SGLang's
+    --enable-hierarchical-cache --hicache-storage-backend mooncake; kvpipe has no host-memory
+    tier in between: its pool is host memory already). The mooncake_* fields are SGLang's
+    MOONCAKE_* settings."""
+
+    enabled: bool = False
+    storage_backend: str | None = None
+    mooncake_master: str | None = None  # host:port of mooncake_master's RPC
+    # "P2PHANDSHAKE", or the HTTP metadata server's URL (mooncake_master --enable_http_metadata_server)
+    mooncake_metadata_server: str = "P2PHANDSHAKE"
+    mooncake_global_segment_bytes: int = 256 << 20  # memory this server lends the store
+    mooncake_local_buffer_bytes: int = 64 << 20
+    mooncake_protocol: str = "tcp"
+    mooncake_device: str = ""
+    fetch_timeout_s: float = 1.0  # the longest a prompt waits for stored pages before computing them
+    retry_s: float = 5.0  # after a store failure, compute without it this long, then try again
+
+    def __post_init__(self) -> None:
+        if not self.enabled:
+            if self.storage_backend is not None:
+                raise ConfigError("--hicache-storage-backend needs --enable-hierarchical-cache")
+            return
+        if self.storage_backend not in HICACHE_STORAGE_BACKENDS:
+            raise ConfigError(
+                "kvpipe's hierarchical cache is a storage tier: --enable-hierarchical-cache needs "
+                f"--hicache-storage-backend {' or '.join(HICACHE_STORAGE_BACKENDS)} (got {self.storage_backend!r})"
+            )
+        if not self.mooncake_master:
+            raise ConfigError(
+                "--hicache-storage-backend mooncake needs the master (--hicache-mooncake-master HOST:PORT)"
+            )
+        if self.fetch_timeout_s <= 0 or self.retry_s <= 0:
+            raise ConfigError(f"store timeouts must be positive, got {self.fetch_timeout_s}, {self.retry_s}")
+        if self.mooncake_global_segment_bytes < 1 or self.mooncake_local_buffer_bytes < 1:
+            raise ConfigError("the Mooncake Store segment and buffer sizes must be positive")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     model_path: str
@@ -463,6 +506,8 @@ class ServerConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     # finished requests whose timelines GET /debug/requests keeps (kvpipe/engine/timeline.py); 0: none
     debug_requests_history: int = 256
+    # the KV tier on a Mooncake Store (--enable-hierarchical-cache --hicache-storage-backend mooncake)
+    hicache: HiCacheConfig = field(default_factory=HiCacheConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:

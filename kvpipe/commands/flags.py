@@ -8,6 +8,7 @@ import argparse
 import logging
 import os
 
+from kvpipe.commands.hicache_flags import add_hicache_args, hicache_config_from_args
 from kvpipe.config import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     KV_CACHE_DTYPES,
@@ -109,6 +110,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     )
     add_disaggregation_args(p)
     add_speculative_args(p)
+    add_hicache_args(p)
 
 
 def add_speculative_args(p: argparse.ArgumentParser) -> None:
@@ -450,6 +452,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             api_key=getattr(args, "api_key", None) or api_key_from_env(),
             speculative=speculative_config_from_args(args),
             debug_requests_history=getattr(args, "debug_requests_history", ServerConfig.debug_requests_history),
+            hicache=hicache_config_from_args(args),
         )
         cfg.check_servable()
         return cfg

@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import TypeGuard, cast
+from typing import Any, TypeGuard, cast
 
 import torch
 
@@ -47,6 +47,7 @@ from kvpipe.engine.sampler import Sampler, make_generator
 from kvpipe.engine.scheduler import Scheduler
 from kvpipe.engine.spec_sampling import speculative_sample
 from kvpipe.engine.spec_verify import SpecCounts, accepted_prefix
+from kvpipe.engine.store_setup import attach_store_tier
 from kvpipe.engine.timeline import Phase, TimelineRecord
 from kvpipe.engine.tp_group import TPGroup, build_runner
 from kvpipe.model.config import ModelConfig
@@ -172,6 +173,8 @@ class Engine:
             drafter=self._propose if self.spec.enabled else None,
             max_drafts=self.spec.max_drafts,
         )
+        # the KV tier on a Mooncake Store (--enable-hierarchical-cache): the scheduler loads and stores pages
+        self.store_tier = attach_store_tier(cfg, self.runner.pool, self.scheduler)
         self.sampler = Sampler(cfg.seed, device)
         self.finisher = FinishChecker(self.tokenizer, self.eos_token_ids, self.context_length)
         self._device = device
@@ -246,7 +249,7 @@ class Engine:
         return self.poll_interval() is not None
 
     def stats(self) -> dict:
-        s = dict(self.scheduler.stats())
+        s: dict[str, Any] = dict(self.scheduler.stats())
         with self._lock:
             s["num_waiting"] += len(self._inbox)
         s["num_waiting"] += len(self._remote)
@@ -256,6 +259,8 @@ class Engine:
             s.update(spec_verify_steps=c.verify_ct, spec_proposed_tokens=c.proposed, spec_accepted_tokens=c.accepted)
         if self.connector is not None:
             s.update(self.connector.stats())
+        if self.store_tier is not None:
+            s["kv_store"] = self.store_tier.stats()
         return s
 
     # ---- the step --------------------------------------------------------------------------
@@ -665,6 +670,8 @@ class Engine:
             self._worker.close()
         if self._tp is not None:
             self._tp.shutdown()
+        if self.store_tier is not None:
+            self.store_tier.close()
 
     # ---- synchronous convenience -----------------------------------------------------------
     def generate(

@@ -60,6 +60,7 @@ from kvpipe.cache.page_allocator import PageAllocator
 from kvpipe.cache.radix_cache import RadixCache
 from kvpipe.cache.recurrent_slots import StateSlotAllocator
 from kvpipe.cache.swa_radix_cache import SWARadixCache
+from kvpipe.cache.store_tier import StoreTier
 from kvpipe.cache.window_pages import window_first_page, window_page_bound
 from kvpipe.config import SchedulerConfig
 from kvpipe.engine.batch import ForwardMode, ScheduledBatch
@@ -114,6 +115,8 @@ class Scheduler:
         self._promised: dict[str, int] = {}  # rid -> pages it may hold at most (admitted ones)
         self._last_was_prefill = False
         self.prefix_hit_tokens = 0  # prompt tokens admitted requests took from the prefix cache
+        # a KV tier shared with other servers (cache/store_tier.py; engine/store_setup.py sets it)
+        self.kv_tier: StoreTier | None = None
 
     # ---- admission -------------------------------------------------------------------------
     def max_pages(self, req: Req) -> int:
@@ -174,6 +177,8 @@ class Scheduler:
         its logits give the first output token); the matched pages are pinned."""
         if self.cache is None or req.cache_node is not None:
             return
+        if self.kv_tier is not None:  # stored pages past the radix match join the cache first
+            self.kv_tier.load_prefix(req.input_ids[:-1], self.cache, self.allocator)
         if isinstance(self.cache, HybridRadixCache):
             pages, node = match_state(self.cache, req, self.page_size)
         elif isinstance(self.cache, SWARadixCache):
@@ -504,6 +509,8 @@ class Scheduler:
         elif self.cache is not None:
             full = min(req.num_cached // self.page_size, len(pages))
             dup = self.cache.insert(req.all_ids[: full * self.page_size], pages[:full])
+            if self.kv_tier is not None:
+                self.kv_tier.store_prefix(req.all_ids[: full * self.page_size], pages[:full])
             # pages[:num_shared_pages] were the cache's all along; [shared, dup) duplicate pages the
             # cache got from another request meanwhile; [dup, full) are the cache's now
             own = np.concatenate([pages[req.num_shared_pages : dup], pages[full:]])

@@ -84,3 +84,50 @@ def server_cores(
         return ServerCores((CPU_THREADS_FLAG, str(len(cores))), cores if split.disjoint else None)
 
     return share(split.prefill, prefill), share(split.decode, decode)
+
+
+@dataclass(frozen=True)
+class StackCores:
+    """The cores of every server of an xPyD stack (`kvpipe launch --prefills N --decodes M`), in
+    the order prefills then decodes. With at least one core per server the shares are disjoint
+    (each server pinned to its own); with fewer cores than servers they are shared round-robin and
+    nobody is pinned (each server runs one thread)."""
+
+    shares: tuple[tuple[int, ...], ...]
+
+    @property
+    def disjoint(self) -> bool:
+        seen = [c for s in self.shares for c in s]
+        return len(seen) == len(set(seen))
+
+
+def split_cores_among(cores: Sequence[int], prefills: int, decodes: int) -> StackCores:
+    """`prefills + decodes` shares of `cores`: every server gets n // servers cores, the cores left
+    over go to the prefills first (they run the long forwards). One prefill and one decode get what
+    `split_cores` gives them."""
+    ordered = tuple(sorted(set(cores)))
+    servers = prefills + decodes
+    if not ordered:
+        raise ValueError("no cores to split")
+    if prefills < 1 or decodes < 1:
+        raise ValueError(f"a stack needs at least one prefill and one decode, got {prefills}P{decodes}D")
+    if len(ordered) < servers:
+        return StackCores(tuple((ordered[i % len(ordered)],) for i in range(servers)))
+    base, extra = divmod(len(ordered), servers)
+    shares, at = [], 0
+    for i in range(servers):
+        n = base + (1 if i < extra else 0)
+        shares.append(ordered[at : at + n])
+        at += n
+    return StackCores(tuple(shares))
+
+
+def stack_server_cores(split: StackCores, both: Sequence[str], own: Sequence[Sequence[str]]) -> list[ServerCores]:
+    """`server_cores` for every server of an xPyD stack: `own[i]` are server i's own args."""
+    out = []
+    for cores, args in zip(split.shares, own):
+        if has_flag([*both, *args], CPU_THREADS_FLAG):
+            out.append(ServerCores((), None))
+        else:
+            out.append(ServerCores((CPU_THREADS_FLAG, str(len(cores))), cores if split.disjoint else None))
+    return out

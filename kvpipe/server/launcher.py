@@ -1,4 +1,9 @@
-"""`kvpipe launch`: a local PD stack — one prefill server, one decode server, sglang-router.
+"""`kvpipe launch`: a local PD stack — prefill servers, decode servers, sglang-router.
+
+One prefill and one decode by default; `--prefills N --decodes M` starts an xPyD stack (every
+server on ports of its own, the prefills each with a bootstrap port, the router told about all of
+them and routing with `--prefill-policy` / `--decode-policy`). Parts are named prefill, decode,
+router in a 1P1D stack and prefill0.., decode0.., router otherwise.
 
 Every process gets free loopback ports unless told otherwise, so two stacks can share a machine.
 Prefill and decode get disjoint shares of the cores (core_split.py) instead of one torch thread
@@ -29,7 +34,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from kvpipe.config import ConfigError
-from kvpipe.engine.cpu_threads import affinity_cores
+from kvpipe.engine.cpu_threads import affinity_cores, format_cores
 from kvpipe.model.default_model import resolve_model_path
 from kvpipe.model.loader import check_checkpoint
 from kvpipe.server.api_key import API_KEY_ENV, api_key_from_env
@@ -37,12 +42,16 @@ from kvpipe.server.core_split import (
     CPU_THREADS_FLAG,
     CoreSplit,
     ServerCores,
+    StackCores,
     flag_value,
     has_flag,
     server_cores,
     split_cores,
+    split_cores_among,
+    stack_server_cores,
 )
 from kvpipe.server.prometheus_targets import scrape_targets, write_targets
+from kvpipe.server.store_master import StoreMaster, wants_master
 from kvpipe.server.supervisor import PartState, RestartPolicy, Supervisor
 from kvpipe.transfer.control.auth import TOKEN_ENV, new_token
 
@@ -152,12 +161,18 @@ class PDStack:
     decode_url: str
     router_url: str
     bootstrap_port: int
-    cores: CoreSplit | None = None  # how the servers share the cores (None: not split)
+    cores: CoreSplit | StackCores | None = None  # how the servers share the cores (None: not split)
     procs: list[subprocess.Popen] = field(default_factory=list)
     specs: list[PartSpec] = field(default_factory=list)
     supervisor: Supervisor | None = None  # set by supervise(): restart counts and events
     auth_token: str | None = field(default=None, repr=False)  # the servers' shared PD token
     router_metrics_url: str | None = None  # the router's Prometheus exporter (its own port)
+    # every server of an xPyD stack (1P1D: the one prefill / decode above), in spec order
+    prefill_urls: list[str] = field(default_factory=list)
+    decode_urls: list[str] = field(default_factory=list)
+    bootstrap_ports: list[int] = field(default_factory=list)
+    policies: tuple[str | None, str | None] = (None, None)  # the router's --prefill/--decode-policy
+    store_master: StoreMaster | None = None  # the KV tier's mooncake_master, when the stack started one
 
     @property
     def restarts(self) -> dict[str, int]:
@@ -168,11 +183,60 @@ class PDStack:
     def metrics_urls(self) -> dict[str, str]:
         """Where each part serves Prometheus' /metrics: the servers on their HTTP port, the router
         on its exporter's."""
-        urls = {"prefill": self.prefill_url, "decode": self.decode_url}
+        urls = dict(zip(self._server_names(), self._server_urls()))
+        if self.store_master is not None:  # mooncake_master's own Prometheus exporter
+            urls["store"] = self.store_master.health_url.removesuffix("/health")
         return {**urls, "router": self.router_metrics_url} if self.router_metrics_url else urls
 
+    def _server_urls(self) -> list[str]:
+        return [*(self.prefill_urls or [self.prefill_url]), *(self.decode_urls or [self.decode_url])]
+
+    def _server_names(self) -> list[str]:
+        """Each server's part name, in the order of _server_urls."""
+        prefills = len(self.prefill_urls or [self.prefill_url])
+        names = [s.name for s in self.specs if s.name not in ("router", "store")]
+        if len(names) != len(self._server_urls()):
+            names = _server_names(prefills, len(self._server_urls()) - prefills)
+        return names
+
     def proc(self, name: str) -> subprocess.Popen:
-        return self.procs[PARTS.index(name)]
+        names = [s.name for s in self.specs] or list(PARTS)
+        return self.procs[names.index(name)]
+
+    def layout_lines(self) -> list[str]:
+        """The stack's layout as `kvpipe launch` prints it at start: one line per worker, then the router."""
+        prefill_urls = self.prefill_urls or [self.prefill_url]
+        decode_urls = self.decode_urls or [self.decode_url]
+        ports = self.bootstrap_ports or [self.bootstrap_port]
+        names = self._server_names()
+        shares = self.core_shares()
+        lines = [f"layout: {len(prefill_urls)}P{len(decode_urls)}D"]
+        for i, name in enumerate(names):
+            tp = flag_value(list(self.specs[i].cmd), "--tp-size") if i < len(self.specs) else None
+            if i < len(prefill_urls):
+                where = f"{prefill_urls[i]} (bootstrap port {ports[i]}, "
+            else:
+                where = f"{decode_urls[i - len(prefill_urls)]} ("
+            cores = f", cores {format_cores(shares[i])}" if i < len(shares) else ""
+            lines.append(f"  {name:<9} {where}TP {tp or 1}{cores})")
+        pp, dp = self.policies
+        lines.append(
+            f"  router    {self.router_url} (prefill policy {pp or 'cache_aware'}, decode policy {dp or 'cache_aware'})"
+        )
+        if self.store_master is not None:
+            m = self.store_master
+            lines.append(
+                f"  store     {m.host}:{m.rpc_port} (mooncake_master for the KV tier, metadata port {m.metadata_port})"
+            )
+        return lines
+
+    def core_shares(self) -> list[tuple[int, ...]]:
+        """Each server's cores (spec order), or [] when the cores are not split."""
+        if self.cores is None:
+            return []
+        if isinstance(self.cores, CoreSplit):
+            return [self.cores.prefill, self.cores.decode]
+        return list(self.cores.shares)
 
     def supervise(
         self,
@@ -236,20 +300,38 @@ def router_command(
     prometheus_port: int,
     api_key: str | None = None,
 ) -> list[str]:
-    """sglang-router in PD mode. Its Prometheus exporter gets a port of its own (it defaults to a
-    fixed one, so a second router on the machine would die at startup). `api_key`: the servers'
-    --api-key, which the router sends them (it takes it as a flag only, so it shows in the router's
-    command line)."""
+    """sglang-router in PD mode over one prefill and one decode (router_command_xpyd)."""
+    return router_command_xpyd([(prefill_url, bootstrap_port)], [decode_url], host, port, prometheus_port, api_key)
+
+
+def router_command_xpyd(
+    prefills: Sequence[tuple[str, int]],
+    decodes: Sequence[str],
+    host: str,
+    port: int,
+    prometheus_port: int,
+    api_key: str | None = None,
+    prefill_policy: str | None = None,
+    decode_policy: str | None = None,
+) -> list[str]:
+    """sglang-router in PD mode: `--prefill URL BOOTSTRAP_PORT` for each prefill, `--decode URL`
+    for each decode, and the policies when given (the router's default: cache_aware). Its
+    Prometheus exporter gets a port of its own (it defaults to a fixed one, so a second router on
+    the machine would die at startup). `api_key`: the servers' --api-key, which the router sends
+    them (it takes it as a flag only, so it shows in the router's command line)."""
+    workers: list[str] = []
+    for url, bport in prefills:
+        workers += ["--prefill", url, str(bport)]
+    for url in decodes:
+        workers += ["--decode", url]
     return [
         sys.executable,
         "-m",
         "sglang_router.launch_router",
         "--pd-disaggregation",
-        "--prefill",
-        prefill_url,
-        str(bootstrap_port),
-        "--decode",
-        decode_url,
+        *workers,
+        *(["--prefill-policy", prefill_policy] if prefill_policy else []),
+        *(["--decode-policy", decode_policy] if decode_policy else []),
         "--host",
         host,
         "--port",
@@ -263,6 +345,14 @@ def router_command(
         *ROUTER_RECOVERY_FLAGS,
         *(["--api-key", api_key] if api_key else []),
     ]
+
+
+def _server_names(prefills: int, decodes: int) -> list[str]:
+    """prefill, decode in a 1P1D stack (the names every tool knew before xPyD); prefill0..,
+    decode0.. otherwise."""
+    if prefills == 1 and decodes == 1:
+        return ["prefill", "decode"]
+    return [f"prefill{i}" for i in range(prefills)] + [f"decode{i}" for i in range(decodes)]
 
 
 @contextlib.contextmanager
@@ -316,12 +406,19 @@ def start_pd_stack(
     log_dir: str | None = None,
     timeout_s: float = 300.0,
     split_cpus: bool = True,
+    prefills: int = 1,
+    decodes: int = 1,
+    prefill_policy: str | None = None,
+    decode_policy: str | None = None,
 ) -> PDStack:
-    """Start prefill, decode and sglang-router (PD mode) and wait until all are healthy.
+    """Start `prefills` prefill servers, `decodes` decode servers and sglang-router (PD mode) and
+    wait until all are healthy.
 
-    `split_cpus`: prefill and decode get disjoint shares of this process's cores, as their
-    --cpu-threads and their CPU affinity (core_split.py), except a server whose threads the
-    caller's args already choose. The router runs on every core."""
+    `split_cpus`: the servers get disjoint shares of this process's cores, as their --cpu-threads
+    and their CPU affinity (core_split.py), except a server whose threads the caller's args already
+    choose. The router runs on every core. `prefill_policy` / `decode_policy`: the router's."""
+    if prefills < 1 or decodes < 1:
+        raise ConfigError(f"a PD stack needs at least one prefill and one decode, got {prefills}P{decodes}D")
     py = sys.executable
     # a token given as a flag leaves the command lines (the children read it from their environment)
     server_args, token = take_secret_flag(server_args or [])
@@ -334,16 +431,34 @@ def start_pd_stack(
     # as a flag only, sends it to them and asks its own clients for it
     server_args, api_key = take_secret_flag(server_args, API_KEY_FLAG)
     api_key = api_key or api_key_from_env()
-    split = split_cores(affinity_cores()) if split_cpus else None
-    mine = ServerCores((), None)
-    p_cores, d_cores = server_cores(split, server_args, prefill_args, decode_args) if split else (mine, mine)
-    p_port, d_port, b_port, r_free, metrics_port = free_ports(5, host)
+    n = prefills + decodes
+    own_args = [prefill_args] * prefills + [decode_args] * decodes
+    split: CoreSplit | StackCores | None = None
+    if not split_cpus:
+        shares = [ServerCores((), None)] * n
+    elif n == 2:
+        split = split_cores(affinity_cores())
+        shares = list(server_cores(split, server_args, prefill_args, decode_args))
+    else:
+        split = split_cores_among(affinity_cores(), prefills, decodes)
+        shares = stack_server_cores(split, server_args, own_args)
+    with_master = wants_master(server_args)
+    ports = free_ports(2 * prefills + decodes + 2 + (3 if with_master else 0), host)  # all at once: distinct
+    master = StoreMaster(host, *ports[-3:]) if with_master else None
+    if master is not None:  # the KV tier's store: started first, its address to every server
+        server_args = [*server_args, *master.server_flags()]
+        ports = ports[:-3]
+    http_ports, b_ports = ports[:n], ports[n : n + prefills]
+    r_free, metrics_port = ports[-2:]
     r_port = router_port or r_free
+    urls = [f"http://{host}:{p}" for p in http_ports]
     common = ["--host", host, *(["--model-path", model_path] if model_path else []), *server_args]
     log = (lambda name: os.path.join(log_dir, f"{name}.log")) if log_dir else (lambda name: None)
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
-    stack = PDStack(f"http://{host}:{p_port}", f"http://{host}:{d_port}", f"http://{host}:{r_port}", b_port, split)
+    stack = PDStack(urls[0], urls[prefills], f"http://{host}:{r_port}", b_ports[0], split)
+    stack.prefill_urls, stack.decode_urls, stack.bootstrap_ports = urls[:prefills], urls[prefills:], b_ports
+    stack.policies = (prefill_policy, decode_policy)
     stack.router_metrics_url = f"http://{host}:{metrics_port}"
     # One random token per stack authenticates its PD control plane, unless the caller chose one
     # (a flag, a token file, or our environment); restarts reuse it, so survivors trust them.
@@ -351,66 +466,44 @@ def start_pd_stack(
         stack.auth_token = token or os.environ.get(TOKEN_ENV) or new_token()
     child_secrets = {TOKEN_ENV: stack.auth_token, API_KEY_ENV: api_key}
     env = tuple((name, value) for name, value in child_secrets.items() if value)
-    stack.specs = [
-        PartSpec(
-            "prefill",
-            (
-                py,
-                "-m",
-                "kvpipe.cli",
-                "serve",
-                *common,
-                *p_cores.flags,
-                "--port",
-                str(p_port),
-                "--disaggregation-mode",
-                "prefill",
-                "--disaggregation-bootstrap-port",
-                str(b_port),
-                *prefill_args,
-            ),
-            stack.prefill_url + "/health",
-            log("prefill"),
-            p_cores.pin,
-            env,
-        ),
-        PartSpec(
-            "decode",
-            (
-                py,
-                "-m",
-                "kvpipe.cli",
-                "serve",
-                *common,
-                *d_cores.flags,
-                "--port",
-                str(d_port),
-                "--disaggregation-mode",
-                "decode",
-                *decode_args,
-            ),
-            stack.decode_url + "/health",
-            log("decode"),
-            d_cores.pin,
-            env,
-        ),
-        PartSpec(
-            "router",
-            tuple(router_command(stack.prefill_url, b_port, stack.decode_url, host, r_port, metrics_port, api_key)),
-            stack.router_url + "/health",
-            log("router"),
-        ),
-    ]
+    for i, name in enumerate(_server_names(prefills, decodes)):
+        role: tuple[str, ...] = ("--disaggregation-mode", "decode")
+        if i < prefills:
+            role = ("--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(b_ports[i]))
+        cmd = (py, "-m", "kvpipe.cli", "serve", *common, *shares[i].flags, "--port", str(http_ports[i]), *role)
+        stack.specs.append(PartSpec(name, (*cmd, *own_args[i]), urls[i] + "/health", log(name), shares[i].pin, env))
+    router_cmd = router_command_xpyd(
+        list(zip(stack.prefill_urls, b_ports)),
+        stack.decode_urls,
+        host,
+        r_port,
+        metrics_port,
+        api_key,
+        prefill_policy,
+        decode_policy,
+    )
+    stack.specs.append(PartSpec("router", tuple(router_cmd), stack.router_url + "/health", log("router")))
+    if master is not None:  # last in the specs: the servers' indices stay what they were
+        stack.specs.append(PartSpec("store", tuple(master.command()), master.health_url, log("store")))
+        stack.store_master = master
+    store: list[subprocess.Popen] = []  # the master, until it joins stack.procs after the router
     try:
-        for spec in stack.specs[:2]:
+        if master is not None:
+            store.append(stack.specs[-1].spawn())
+            wait_healthy(master.health_url, timeout_s, store)
+        for spec in stack.specs[:n]:
             stack.procs.append(spec.spawn())
-        for spec in stack.specs[:2]:
-            wait_healthy(spec.health_url, timeout_s, stack.procs)
-        router = stack.specs[2]  # once the servers answer: it checks its workers at startup
+        for spec in stack.specs[:n]:
+            wait_healthy(spec.health_url, timeout_s, [*stack.procs, *store])
+        router = stack.specs[n]  # once the servers answer: it checks its workers at startup
         stack.procs.append(router.spawn())
+        stack.procs += store  # procs[i] runs specs[i]
+        store = []
         wait_healthy(router.health_url, timeout_s, stack.procs)
     except BaseException:
         stack.close()
+        for p in store:
+            stop_process(p)
         raise
     return stack
 
@@ -453,6 +546,42 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="write the stack's /metrics targets (prefill, decode, router) here as a Prometheus "
         "file_sd_configs file once it is up (deploy/prometheus/prometheus.yml reads it; docs/metrics.md)",
     )
+    add_xpyd_args(p)
+
+
+# sglang-router 0.3.2's policies (its --prefill-policy also takes "bucket")
+ROUTER_POLICIES = ("random", "round_robin", "cache_aware", "power_of_two", "manual")
+
+
+def add_xpyd_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("xPyD (several prefill and decode servers behind one router)")
+    g.add_argument("--prefills", type=int, default=1, help="prefill servers to start (default 1)")
+    g.add_argument("--decodes", type=int, default=1, help="decode servers to start (default 1)")
+    g.add_argument("--prefill-tp", type=int, default=None, help="--tp-size of every prefill server")
+    g.add_argument("--decode-tp", type=int, default=None, help="--tp-size of every decode server")
+    g.add_argument(
+        "--prefill-policy",
+        choices=(*ROUTER_POLICIES, "bucket"),
+        default=None,
+        help="the router's policy among the prefills (sglang-router's; its default: cache_aware)",
+    )
+    g.add_argument(
+        "--decode-policy",
+        choices=ROUTER_POLICIES,
+        default=None,
+        help="the router's policy among the decodes (sglang-router's; its default: cache_aware)",
+    )
+
+
+def xpyd_server_args(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """(prefill_args, decode_args) of --prefill-tp / --decode-tp; SystemExit on a bad count."""
+    for name in ("prefills", "decodes", "prefill_tp", "decode_tp"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise SystemExit(f"kvpipe launch: --{name.replace('_', '-')} must be at least 1, got {v}")
+    p = ["--tp-size", str(args.prefill_tp)] if args.prefill_tp else []
+    d = ["--tp-size", str(args.decode_tp)] if args.decode_tp else []
+    return p, d
 
 
 def policy_from_args(args: argparse.Namespace) -> RestartPolicy:
@@ -473,10 +602,22 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         check_checkpoint(model_path, flag_value(extra, "--tokenizer-path"))
     except ConfigError as e:
         raise SystemExit(f"kvpipe launch: {e}") from None
+    prefill_args, decode_args = xpyd_server_args(args)
     print(f"kvpipe launch: serving {model_path}", flush=True)
     try:
         stack = start_pd_stack(
-            model_path, args.host, args.port, server_args=extra, log_dir=args.log_dir, timeout_s=args.timeout
+            model_path,
+            args.host,
+            args.port,
+            server_args=extra,
+            prefill_args=prefill_args,
+            decode_args=decode_args,
+            log_dir=args.log_dir,
+            timeout_s=args.timeout,
+            prefills=args.prefills,
+            decodes=args.decodes,
+            prefill_policy=args.prefill_policy,
+            decode_policy=args.decode_policy,
         )
     except (RuntimeError, TimeoutError, ConfigError) as e:  # a part that exited or never became healthy
         where = f"its log in {args.log_dir}" if args.log_dir else "its output above"
@@ -495,8 +636,13 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    for line in stack.layout_lines():
+        print(f"kvpipe launch: {line}", flush=True)
     if has_flag(extra, CPU_THREADS_FLAG):
-        print("kvpipe launch: both servers take the given --cpu-threads (no core split)", flush=True)
+        print("kvpipe launch: every server takes the given --cpu-threads (no core split)", flush=True)
+    elif isinstance(stack.cores, StackCores):
+        how = "each server pinned to its share" if stack.cores.disjoint else "one thread each, shared cores"
+        print(f"kvpipe launch: cores split among {len(stack.cores.shares)} servers; {how}", flush=True)
     elif stack.cores is not None:
         how = "each server pinned to its share" if stack.cores.disjoint else "one thread each"
         print(f"kvpipe launch: {stack.cores.describe()}; --cpu-threads its size, {how}", flush=True)

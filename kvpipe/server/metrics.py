@@ -143,6 +143,39 @@ class _EngineStatsCollector(Collector):
             for groups, n in sorted(by_groups.items()):
                 c.add_metric([str(groups)], float(n))
             yield c
+        store = stats.get("kv_store")
+        if isinstance(store, dict):
+            yield from _store_metrics(store)
+
+
+def _store_metrics(store: dict) -> Iterator[CounterMetricFamily]:
+    """The KV tier's counters (--enable-hierarchical-cache; kvpipe/cache/store_tier.py)."""
+    pages = CounterMetricFamily(
+        "kvpipe_kv_store_pages",
+        "KV pages this server fetched from the KV store into its pool, put into the store, or "
+        "rejected (a record that failed its key or digest check)",
+        labels=["event"],
+    )
+    for event in ("fetched", "put", "rejected"):
+        pages.add_metric([event], float(store.get(f"pages_{event}", 0)))
+    yield pages
+    fallbacks = CounterMetricFamily(
+        "kvpipe_kv_store_fallbacks",
+        "Prompts whose stored pages were computed instead: the store down (skipped while it "
+        "recovers), slow (timeout), still busy with a slow fetch, or failing now (error)",
+        labels=["reason"],
+    )
+    for reason, n in sorted(store.get("fallbacks", {}).items()):
+        fallbacks.add_metric([reason], float(n))
+    yield fallbacks
+    dropped = CounterMetricFamily(
+        "kvpipe_kv_store_dropped_puts",
+        "KV pages not put into the store: its queue full, the store down, or the put refused (full)",
+        labels=["reason"],
+    )
+    for reason, n in sorted(store.get("puts_dropped", {}).items()):
+        dropped.add_metric([reason], float(n))
+    yield dropped
 
 
 class ServerMetrics:

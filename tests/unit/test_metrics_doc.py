@@ -26,6 +26,13 @@ STATS = {
         "handshakes_refused": {"page_size": 1},
     },
     "layer_group_batches": {1: 2},
+    "kv_store": {
+        "pages_fetched": 4,
+        "pages_put": 5,
+        "pages_rejected": 1,
+        "fallbacks": {"down": 1},
+        "puts_dropped": {"queue_full": 2},
+    },
 }
 
 

@@ -1,0 +1,73 @@
+"""The engine's side of the KV tier (cache/store_tier.py): build it from the server's config and
+hand it to the scheduler, which calls it where it matches and inserts radix-cache prefixes."""
+
+from __future__ import annotations
+
+import logging
+
+from kvpipe.cache.hybrid_radix_cache import HybridRadixCache
+from kvpipe.cache.kv_pool import KVPool
+from kvpipe.cache.store_client import KVStore, MooncakeStoreClient, MooncakeStoreSpec
+from kvpipe.cache.store_keys import StoreNamespace
+from kvpipe.cache.store_pages import PoolPages
+from kvpipe.cache.store_tier import StoreTier, TierSettings
+from kvpipe.config import ConfigError, ServerConfig
+from kvpipe.engine.scheduler import Scheduler
+from kvpipe.model.identity import checkpoint_digest
+
+logger = logging.getLogger(__name__)
+
+
+def store_namespace(cfg: ServerConfig, pool: KVPool, tp_rank: int = 0) -> StoreNamespace:
+    return StoreNamespace(
+        model_digest=checkpoint_digest(cfg.model_path),
+        kv_dtype=str(pool.dtype),
+        page_size=pool.page_size,
+        num_buffers=len(pool.buffers()),
+        kv_heads=pool.kv_heads,
+        head_dim=pool.head_dim,
+        tp_rank=tp_rank,
+        tp_size=cfg.tp_size,
+    )
+
+
+def attach_store_tier(cfg: ServerConfig, pool: KVPool, scheduler: Scheduler) -> StoreTier | None:
+    """The tier of `cfg.hicache` given to `scheduler` (None when off, or when this model's prefix
+    cache cannot use it). ConfigError for set-ups it refuses."""
+    h = cfg.hicache
+    if not h.enabled:
+        return None
+    if cfg.tp_size > 1:
+        raise ConfigError("--enable-hierarchical-cache runs with --tp-size 1 for now (each TP rank's pool is its own)")
+    if scheduler.cache is None:  # a PD decode without its radix cache, a sliding-window model
+        logger.info(
+            "the KV tier is off on this server: it keeps no radix cache (a PD decode needs "
+            "--disaggregation-enable-decode-radix-cache)"
+        )
+        return None
+    if isinstance(scheduler.cache, HybridRadixCache):
+        logger.warning("the KV tier is off for %s: a hybrid model's prefix needs its recurrent state", cfg.model_path)
+        return None
+    assert h.mooncake_master is not None  # HiCacheConfig checked it
+    spec = MooncakeStoreSpec(
+        master=h.mooncake_master,
+        metadata_server=h.mooncake_metadata_server,
+        local_hostname=cfg.disaggregation.host or cfg.host,
+        global_segment_bytes=h.mooncake_global_segment_bytes,
+        local_buffer_bytes=h.mooncake_local_buffer_bytes,
+        protocol=h.mooncake_protocol,
+        device=h.mooncake_device,
+    )
+
+    def connect() -> KVStore:
+        return MooncakeStoreClient(spec)
+
+    ns = store_namespace(cfg, pool)
+    # a batch staged in the client's local buffer must fit it (half: gets and puts run at once)
+    settings = TierSettings(
+        fetch_timeout_s=h.fetch_timeout_s, retry_s=h.retry_s, max_batch_bytes=h.mooncake_local_buffer_bytes // 2
+    )
+    tier = StoreTier(ns, PoolPages(pool), connect, settings)
+    scheduler.kv_tier = tier
+    logger.info("KV tier on Mooncake Store %s (keys %s...)", h.mooncake_master, ns.key_prefix())
+    return tier
