@@ -11,6 +11,7 @@ from kvpipe.cache.store_client import KVStore, MooncakeStoreClient, MooncakeStor
 from kvpipe.cache.store_keys import StoreNamespace
 from kvpipe.cache.store_pages import PoolPages
 from kvpipe.cache.store_tier import StoreTier, TierSettings
+from kvpipe.cache.swa_radix_cache import SWARadixCache
 from kvpipe.config import ConfigError, ServerConfig
 from kvpipe.engine.scheduler import Scheduler
 from kvpipe.model.identity import checkpoint_digest
@@ -39,7 +40,7 @@ def attach_store_tier(cfg: ServerConfig, pool: KVPool, scheduler: Scheduler) -> 
         return None
     if cfg.tp_size > 1:
         raise ConfigError("--enable-hierarchical-cache runs with --tp-size 1 for now (each TP rank's pool is its own)")
-    if scheduler.cache is None:  # a PD decode without its radix cache, a sliding-window model
+    if scheduler.cache is None:  # a PD decode without its radix cache
         logger.info(
             "the KV tier is off on this server: it keeps no radix cache (a PD decode needs "
             "--disaggregation-enable-decode-radix-cache)"
@@ -47,6 +48,11 @@ def attach_store_tier(cfg: ServerConfig, pool: KVPool, scheduler: Scheduler) -> 
         return None
     if isinstance(scheduler.cache, HybridRadixCache):
         logger.warning("the KV tier is off for %s: a hybrid model's prefix needs its recurrent state", cfg.model_path)
+        return None
+    if isinstance(scheduler.cache, SWARadixCache):
+        logger.warning(
+            "the KV tier is off for %s: a sliding-window model's prefix needs its window pages", cfg.model_path
+        )
         return None
     assert h.mooncake_master is not None  # HiCacheConfig checked it
     spec = MooncakeStoreSpec(
