@@ -450,6 +450,10 @@ class ServerConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     # finished requests whose timelines GET /debug/requests keeps (kvpipe/engine/timeline.py); 0: none
     debug_requests_history: int = 256
+    # per-request recording (--disable-request-metrics turns it off): each request's phase timeline
+    # (meta_info.timeline, /debug/requests) and the latency histograms fed per request or per token
+    # (server/metrics.py); counters and the gauges read at scrape time stay
+    request_metrics: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:

@@ -449,6 +449,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             api_key=getattr(args, "api_key", None) or api_key_from_env(),
             speculative=speculative_config_from_args(args),
             debug_requests_history=getattr(args, "debug_requests_history", ServerConfig.debug_requests_history),
+            request_metrics=not getattr(args, "disable_request_metrics", False),
         )
         cfg.check_servable()
         return cfg
@@ -509,6 +510,12 @@ def add_http_api_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=ServerConfig.debug_requests_history,
         help="finished requests whose phase timelines GET /debug/requests keeps (0: none)",
+    )
+    g.add_argument(
+        "--disable-request-metrics",
+        action="store_true",
+        help="record no per-request phase timelines (meta_info.timeline, /debug/requests) and no "
+        "latency histograms (TTFT, inter-token, phases); counters and gauges stay (docs/metrics.md)",
     )
 
 

@@ -141,7 +141,16 @@ def test_timelines_through_router(stack: Stack) -> None:
             assert got[(f"{name}_sum", role)] > 0, name  # not stuck at zero
         hits = got[("kvpipe_request_prefix_hit_tokens_count", role)]
         assert hits == len(PROMPTS)
-    p_hist = histograms(stack.prefill)
+    # TTFT by role on both servers; the inter-token latency on the decode only (a prefill emits
+    # one token), one observation per token after each request's first
+    p_hist, d_hist = histograms(stack.prefill), histograms(stack.decode)
+    assert p_hist[("kvpipe_time_to_first_token_seconds_count", "prefill")] == len(PROMPTS)
+    assert d_hist[("kvpipe_time_to_first_token_seconds_count", "decode")] == len(PROMPTS)
+    assert d_hist[("kvpipe_inter_token_latency_seconds_count", "decode")] == sum(
+        out["meta_info"]["completion_tokens"] - 1 for out in outs
+    )
+    assert d_hist[("kvpipe_inter_token_latency_seconds_sum", "decode")] > 0
+    assert not any(name.startswith("kvpipe_inter_token_latency") for name, _ in p_hist)
     p_bytes = sum(r["timeline"]["transfer_bytes"] for r in p_debug["requests"])
     assert p_hist[("kvpipe_kv_transfer_request_bytes_sum", "prefill")] == p_bytes
     assert p_bytes == stack.prefill.engine_stats()["disaggregation"]["bytes_written"]
