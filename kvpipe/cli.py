@@ -56,6 +56,11 @@ COMMANDS: list[Command] = [
         "greedy agreement and logprob drift of each --kv-cache-dtype against fp32 KV",
         "kvpipe.bench.kv_accuracy",
     ),
+    Command(
+        "top",
+        "live view of a running stack through its router: rates, TTFT and its parts, pages, transfer, restarts",
+        "kvpipe.commands.top",
+    ),
 ]
 GROUP_HELP = {"bench": "benchmarks (results as JSON and PNG)"}
 AddArgs = Callable[[argparse.ArgumentParser], None]

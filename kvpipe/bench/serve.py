@@ -69,7 +69,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--modes",
         default="baseline,pipelined,inproc",
         help="sweep: baseline, pipelined, pipelined-N (forced N groups), inproc (colocated), inproc-nocache "
-        "(colocated, --disable-radix-cache)",
+        "(colocated, --disable-radix-cache), pd (as kvpipe launch), pd-norecord / inproc-norecord (pd / inproc "
+        "with --disable-request-metrics)",
     )
     t.add_argument(
         "--model-path", default=None, help="sweep: checkpoint directory or .gguf file (default: tiny preset)"
