@@ -5,13 +5,14 @@
     kvpipe top --once                            # one frame (two readings --interval apart), then exit
     kvpipe top --workers http://127.0.0.1:30000  # servers without a router (e.g. colocated)
 
-Every --interval seconds it asks the router for its workers (sglang-router's `GET /workers`, else
-`GET /list_workers`), reads each worker's `/metrics` (open without --api-key, as in SGLang) and
-redraws in place (rich.live): per worker its role, uptime and the restarts seen meanwhile (a new
-`kvpipe_server_start_time_seconds`), requests and tokens per second, TTFT p50 / p99, inter-token
-latency, running / waiting requests, KV pages and state / staging slots in use, KV transfer GB/s;
-below, the TTFT components (mean and p99 over the interval) by role. Figures are over the last
-interval (top_stats.py); docs/metrics.md says what each metric measures.
+Every --interval seconds it asks the router for its workers (server/router_workers.py; a --url
+that is a server, not a router, is shown alone), reads each worker's `/metrics` (open without
+--api-key, as in SGLang) and redraws in place (rich.live): per worker its role, uptime and the
+restarts seen meanwhile (a new `kvpipe_server_start_time_seconds`), requests and tokens per
+second, TTFT p50 / p99, inter-token latency, running / waiting requests, KV pages and state /
+staging slots in use, KV transfer GB/s; below, the TTFT components (mean and p99 over the
+interval) by role. Figures are over the last interval (top_stats.py); docs/metrics.md says what
+each metric measures.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import httpx
 from rich.console import Console, Group
@@ -29,36 +29,9 @@ from rich.text import Text
 
 from kvpipe.commands.top_stats import COMPONENTS, Latency, Scrape, WorkerView, parse_metrics, worker_view
 from kvpipe.server.api_key import client_headers
+from kvpipe.server.router_workers import Worker, workers_or_self
 
 DEFAULT_URL = "http://127.0.0.1:8000"  # `kvpipe launch` / `make run`'s router (as `kvpipe chat`)
-
-
-@dataclass(frozen=True)
-class Worker:
-    url: str
-    role: str | None = None  # prefill / decode as the router lists it (None: from its metrics)
-    healthy: bool | None = None
-
-
-def _role_of(worker_type: str) -> str | None:
-    """sglang-router's worker_type ("Prefill { bootstrap_port: Some(8998) }", "Decode", "Regular")."""
-    kind = worker_type.split()[0].lower() if worker_type else ""
-    return {"prefill": "prefill", "decode": "decode", "regular": "colocated"}.get(kind)
-
-
-def router_workers(client: httpx.Client, router: str) -> list[Worker]:
-    """The router's workers: `GET /workers` (sglang-router >= 0.2: url, worker_type, is_healthy),
-    else `GET /list_workers` (urls only)."""
-    r = client.get(router.rstrip("/") + "/workers")
-    if r.status_code == 200 and isinstance(r.json().get("workers"), list):
-        return [
-            Worker(w["url"], _role_of(str(w.get("worker_type", ""))), w.get("is_healthy"))
-            for w in r.json()["workers"]
-            if isinstance(w, dict) and isinstance(w.get("url"), str)
-        ]
-    r = client.get(router.rstrip("/") + "/list_workers")
-    r.raise_for_status()
-    return [Worker(u) for u in r.json().get("urls", []) if isinstance(u, str)]
 
 
 class Poller:
@@ -75,7 +48,7 @@ class Poller:
         if self.router is None:
             return self.fixed
         try:
-            found = router_workers(self.client, self.router)
+            found = workers_or_self(self.client, self.router)
             self.router_error = None
             return found
         except (httpx.HTTPError, ValueError) as e:

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpipe.bench.timeline_plot import DECODE, KV_TRANSFER, PREFILL_COMPUTE, request_bars, timeline_figure
 from kvpipe.server.metrics import PHASE_HISTOGRAMS
 from tests.helpers.pd_stack import Stack, generate, greedy, pd_body, start_stack
 from tests.helpers.server import ServerProc
@@ -153,6 +154,19 @@ def test_timelines_through_router(stack: Stack) -> None:
     assert not any(name.startswith("kvpipe_inter_token_latency") for name, _ in p_hist)
     p_bytes = sum(r["timeline"]["transfer_bytes"] for r in p_debug["requests"])
     assert p_hist[("kvpipe_kv_transfer_request_bytes_sum", "prefill")] == p_bytes
+
+    # `bench serve --timeline` from these entries: a row per request, a bar per chunk's forward,
+    # per stretch of KV writes and per decode (the figure's artists)
+    rows = request_bars({"prefill": p_debug["requests"], "decode": d_debug["requests"]})
+    assert sorted(r.label for r in rows) == sorted(d_by_rid)
+    ax = timeline_figure(rows).axes[0]
+    drawn = {c.get_label(): len(c.patches) for c in ax.containers}
+    ptls = [r["timeline"] for r in p_debug["requests"]]
+    assert drawn == {
+        PREFILL_COMPUTE: sum(e["phase"] == "forward_start" for tl in ptls for e in tl["events"]),
+        KV_TRANSFER: sum(e["phase"] == "transfer_start" for tl in ptls for e in tl["events"]),
+        DECODE: len(PROMPTS),
+    }
     assert p_bytes == stack.prefill.engine_stats()["disaggregation"]["bytes_written"]
 
 

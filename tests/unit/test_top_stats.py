@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 from rich.console import Console
 
-from kvpipe.commands.top import _role_of, frame
+from kvpipe.commands.top import frame
 from kvpipe.commands.top_stats import Hist, parse_metrics, worker_view
 from kvpipe.engine.timeline import Phase, Timeline
 from kvpipe.server.metrics import ServerMetrics
+from kvpipe.server.router_workers import role_of
 
 PREFILL_STATS = {"num_running": 2, "num_waiting": 1, "free_pages": 30, "total_pages": 100}
 
@@ -92,5 +93,5 @@ def test_components_restart_and_the_rendered_frame() -> None:
 
 
 def test_router_worker_types() -> None:
-    assert _role_of("Prefill { bootstrap_port: Some(8998) }") == "prefill"
-    assert _role_of("Decode") == "decode" and _role_of("Regular") == "colocated" and _role_of("") is None
+    assert role_of("Prefill { bootstrap_port: Some(8998) }") == "prefill"
+    assert role_of("Decode") == "decode" and role_of("Regular") == "colocated" and role_of("") is None
