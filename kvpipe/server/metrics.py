@@ -19,7 +19,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from kvpipe.engine.timeline import TimelineRecord
-from kvpipe.transfer.staging.waits import STAGING_WAIT_BUCKETS_S
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -101,7 +100,7 @@ def _staging_waits(model: str, waits: Mapping[str, Any] | None) -> HistogramMetr
         "Staging slot requests granted by this decode (TP rank 0's ring): how long each queued behind a full ring",
         labels=["model_name", "role"],
     )
-    bounds = list(waits["bounds"]) if waits else list(STAGING_WAIT_BUCKETS_S)
+    bounds = list(waits["bounds"]) if waits else list(_PHASE_BUCKETS)  # the ring's own bounds when it has one
     counts = list(waits["counts"]) if waits else [0] * (len(bounds) + 1)
     cumulative, buckets = 0, []
     for bound, n in zip([*(str(float(b)) for b in bounds), "+Inf"], counts):
