@@ -84,8 +84,9 @@ def test_top_shows_a_stack_under_load(tiny_model_dir: Path, tmp_path: Path, tmux
     try:
         top = [sys.executable, "-m", "kvpipe.cli", "top", "--url", stack.router, "--interval", "1"]
         env = [f"-e{k}={os.environ[k]}" for k in ("PYTHONPATH", "KVPIPE_API_KEY") if k in os.environ]
+        shell = f"{shlex.join(top)}; sleep 600"  # the pane outlives top (an error stays on screen)
         subprocess.run(
-            [*tmux, "new-session", "-d", "-s", "top", "-x", str(COLS), "-y", str(ROWS), *env, shlex.join(top)],
+            [*tmux, "new-session", "-d", "-s", "top", "-x", str(COLS), "-y", str(ROWS), *env, shell],
             check=True,
             timeout=30,
         )
