@@ -27,6 +27,8 @@ class Tmux:
 
     def start(self, argv: Sequence[str], session: str = "s") -> None:
         env = [f"-e{k}={os.environ[k]}" for k in ENV_PASSED if k in os.environ]
+        # the pane's size: a COLUMNS / LINES inherited from our environment would win over it
+        env += [f"-eCOLUMNS={self.cols}", f"-eLINES={self.rows}"]
         shell = f"{shlex.join(argv)}; sleep 600"  # killed with the server
         size = ["-x", str(self.cols), "-y", str(self.rows)]
         subprocess.run([*self.base, "new-session", "-d", "-s", session, *size, *env, shell], check=True, timeout=30)
