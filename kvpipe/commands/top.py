@@ -165,7 +165,11 @@ def frame(views: list[WorkerView], source: str, interval_s: float, note: str | N
         ("kvpipe top", "bold"),
         f"  {source}  workers {up}/{len(views)} up  every {interval_s:g}s  {time.strftime('%H:%M:%S')}",
     )
-    parts: list = [head, workers_table(views), components_table(views)]
+    comps = components_table(views)
+    if comps.row_count:
+        parts: list = [head, workers_table(views), comps]
+    else:  # an empty table would squeeze its title into one column
+        parts = [head, workers_table(views), Text("TTFT components: no request finished in the last interval")]
     if note:
         parts.append(Text(note, style="red"))
     return Group(*parts)

@@ -145,11 +145,15 @@ class WorkerView:
     error: str | None = None
 
 
+# labelled counters every server declares: no sample until the first request finished, i.e. zero
+_ZERO_UNTIL_SEEN = ("kvpipe_requests_total", "kvpipe_generation_tokens_total", "kvpipe_prompt_tokens_total")
+
+
 def _rate(cur: Scrape, prev: Scrape | None, name: str, seconds: float | None) -> float | None:
-    now = cur.value(name)
+    now = cur.values.get(name, 0.0 if name in _ZERO_UNTIL_SEEN else None)
     if now is None or not seconds or seconds <= 0:
         return None
-    before = prev.value(name) if prev is not None else 0.0
+    before = prev.values.get(name, 0.0) if prev is not None else 0.0
     if before is None or before > now:  # a restarted server counts from 0 again
         before = 0.0
     return (now - before) / seconds

@@ -86,3 +86,14 @@ def test_components_restart_and_the_rendered_frame() -> None:
 def test_router_worker_types() -> None:
     assert role_of("Prefill { bootstrap_port: Some(8998) }") == "prefill"
     assert role_of("Decode") == "decode" and role_of("Regular") == "colocated" and role_of("") is None
+
+
+def test_a_server_that_finished_nothing_shows_zero_rates() -> None:
+    """Its labelled counters have no sample yet: zero requests and tokens per second, not unknown;
+    the components table gives way to one line."""
+    m = ServerMetrics("tiny", lambda: {"num_running": 16}, "decode")
+    v = worker_view("http://d", parse_metrics(m.render().decode(), 3.0), parse_metrics(m.render().decode(), 1.0))
+    assert (v.requests_per_s, v.tokens_per_s, v.running, v.transfer_gb_per_s) == (0.0, 0.0, 16, None)
+    console = Console(record=True, width=200)
+    console.print(frame([v], "router http://r", 2.0))
+    assert "no request finished in the last interval" in console.export_text()
