@@ -62,6 +62,11 @@ COMMANDS: list[Command] = [
         "kvpipe.bench.kv_store",
         pass_unknown=True,
     ),
+    Command(
+        "top",
+        "live view of a running stack through its router: rates, TTFT and its parts, pages, transfer, restarts",
+        "kvpipe.commands.top",
+    ),
 ]
 GROUP_HELP = {"bench": "benchmarks (results as JSON and PNG)"}
 AddArgs = Callable[[argparse.ArgumentParser], None]

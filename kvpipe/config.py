@@ -508,6 +508,10 @@ class ServerConfig:
     debug_requests_history: int = 256
     # the KV tier on a Mooncake Store (--enable-hierarchical-cache --hicache-storage-backend mooncake)
     hicache: HiCacheConfig = field(default_factory=HiCacheConfig)
+    # per-request recording (--disable-request-metrics turns it off): each request's phase timeline
+    # (meta_info.timeline, /debug/requests) and the latency histograms fed per request or per token
+    # (server/metrics.py); counters and the gauges read at scrape time stay
+    request_metrics: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:

@@ -9,6 +9,8 @@ Sweep, one stack per mode started here (optionally across an emulated link, need
 The local PD stack (as `kvpipe launch` starts it, cores split) against a colocated server:
     kvpipe bench serve --compare-colocated --prompt-lens 362 --output-lens 32 --concurrency 4 \
         --num-requests 32                      # table of e2e/TTFT p50/p90 and PD/colocated ratios
+A single run with `--timeline out.png` also draws each measured request's phases as bars, from the
+servers' /debug/requests (kvpipe/bench/timeline_plot.py).
 Any of them with `--api chat`: the seeded prompt ids decoded with the model's tokenizer and sent to
 /v1/chat/completions as one user message, so the server renders its chat template; prompt-token
 figures are then the server's counts of the rendered prompts (shared prefixes work, several turns
@@ -27,6 +29,8 @@ from kvpipe.bench.probe import server_model_path, server_tokenizer_path
 from kvpipe.bench.serve_run import config_dict, direct, emit, measure, vocab_size, workload_config
 from kvpipe.bench.serve_sweep import run_sweep_cmd
 from kvpipe.bench.sigterm import sigterm_as_exit
+from kvpipe.bench.timeline_fetch import TimelineSnapshot
+from kvpipe.bench.timeline_plot import plot_timelines, request_bars
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -69,7 +73,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--modes",
         default="baseline,pipelined,inproc",
         help="sweep: baseline, pipelined, pipelined-N (forced N groups), inproc (colocated), inproc-nocache "
-        "(colocated, --disable-radix-cache)",
+        "(colocated, --disable-radix-cache), pd (as kvpipe launch), pd-norecord / inproc-norecord (pd / inproc "
+        "with --disable-request-metrics)",
     )
     t.add_argument(
         "--model-path", default=None, help="sweep: checkpoint directory or .gguf file (default: tiny preset)"
@@ -100,6 +105,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     o.add_argument("--json", action="store_true", help="print the result as one JSON object")
     o.add_argument("--out", default=None, help="write the JSON result to this file")
     o.add_argument("--plot", default=None, help="PNG plot path (default: --out with .png)")
+    o.add_argument(
+        "--timeline",
+        default=None,
+        metavar="PNG",
+        help="single run: draw each measured request's phases (prefill compute per chunk, KV transfer "
+        "per layer group, decode) as bars from the servers' /debug/requests",
+    )
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -107,8 +119,18 @@ def run_single(args: argparse.Namespace) -> int:
     model_path = args.model_path or (None if args.vocab_size else server_model_path(args.url))
     text = open_chat_text(args.model_path or server_tokenizer_path(args.url)) if args.api == "chat" else None
     cfg = workload_config(args, vocab_size(args, model_path, text), args.prompt_lens)
-    summary, outcomes = measure(direct, args.url, cfg, args, "requests", text=text)
-    result = {"url": args.url, "workload": config_dict(cfg, args), "summary": summary}
+    snap = TimelineSnapshot(args.url) if args.timeline else None
+    try:
+        summary, outcomes = measure(direct, args.url, cfg, args, "requests", snap.mark if snap else None, text)
+        result = {"url": args.url, "workload": config_dict(cfg, args), "summary": summary}
+        if snap is not None:
+            rows = request_bars(snap.new_entries())
+            title = f"kvpipe request timelines, {len(rows)} requests, c={args.concurrency}"
+            result["timeline_plot"] = str(plot_timelines(rows, args.timeline, title))
+            result["timeline_requests"] = len(rows)  # the measured ones the servers still held
+    finally:
+        if snap is not None:
+            snap.close()
     emit(result, args, lambda path: plot_run(outcomes, summary, path))
     return 0 if summary["completed"] else 1
 
@@ -135,6 +157,8 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
             "kvpipe bench serve: --interleave applies to sweeps without --request-rate "
             "(each round sends its requests at once)"
         )
+    if args.timeline and args.url is None:
+        raise SystemExit("kvpipe bench serve: --timeline applies to a single run (--url)")
     if args.link_rate and not args.sweep_prompt_lens:
         raise SystemExit("kvpipe bench serve: --link-rate applies to sweeps (the stacks started here)")
     with sigterm_as_exit():

@@ -188,7 +188,15 @@ def run_sweep_cmd(args: argparse.Namespace, compare: bool = False) -> int:
         "server_args": list(opts.server_args),
         "workload": config_dict(configs[lens[0]], args) | {"prompt_lens": lens},
         "rows": rows,
-        "summaries": [{"prompt_len": p.prompt_len, "mode": p.mode, **p.summary} for p in points],
+        "summaries": [
+            {
+                "prompt_len": p.prompt_len,
+                "mode": p.mode,
+                **p.summary,
+                **({"round_output_throughput": list(p.round_throughput)} if p.round_throughput else {}),
+            }
+            for p in points
+        ],
         "cpu_threads": threads,
         "machine": machine_info(load_before),
     }

@@ -10,6 +10,9 @@ tests without servers. Modes:
   decode-cache  PD with the plain transfer and the decode radix cache: the prefill sends only the
                 KV past the prefix the decode holds (compare with baseline on shared-prefix and
                 multi-turn workloads; the prefill's own prefix cache is on in every mode)
+  pd-norecord, inproc-norecord
+                pd and inproc with --disable-request-metrics: no request timelines or latency
+                histograms (interleave with pd / inproc: what recording costs, same run)
 The rows of a sweep's result are sweep_rows.py.
 """
 
@@ -30,8 +33,11 @@ E = TypeVar("E")
 BASELINE, PIPELINED, INPROC, DECODE_CACHE, PD = "baseline", "pipelined", "inproc", "decode-cache", "pd"
 # a colocated server with its prefix cache off (--disable-radix-cache): the cache's own gain, same run
 INPROC_NOCACHE = "inproc-nocache"
-COLOCATED_MODES = (INPROC, INPROC_NOCACHE)
-PLAIN_MODES = (BASELINE, PIPELINED, INPROC, DECODE_CACHE, PD, INPROC_NOCACHE)
+# per-request recording off (--disable-request-metrics): what timelines and histograms cost, same run
+PD_NORECORD, INPROC_NORECORD = "pd-norecord", "inproc-norecord"
+NORECORD_FLAGS = ("--disable-request-metrics",)
+COLOCATED_MODES = (INPROC, INPROC_NOCACHE, INPROC_NORECORD)
+PLAIN_MODES = (BASELINE, PIPELINED, INPROC, DECODE_CACHE, PD, INPROC_NOCACHE, PD_NORECORD, INPROC_NORECORD)
 _PIPELINED_N = re.compile(r"^pipelined-(\d+)$")
 
 
@@ -45,7 +51,7 @@ def parse_modes(spec: str) -> list[str]:
         if m not in PLAIN_MODES and not (_PIPELINED_N.match(m) and int(m[10:]) >= 1):
             raise ValueError(
                 f"unknown mode {m!r}: choose from baseline, pipelined, pipelined-N, decode-cache, pd, inproc, "
-                "inproc-nocache"
+                "inproc-nocache, pd-norecord, inproc-norecord"
             )
     if not modes or len(set(modes)) != len(modes):
         raise ValueError(f"modes must be a non-empty list without repeats, got {spec!r}")
@@ -62,6 +68,8 @@ class ModeFlags:
 
 def colocated_flags(mode: str) -> tuple[str, ...]:
     """Extra server flags of a colocated mode."""
+    if mode == INPROC_NORECORD:
+        return NORECORD_FLAGS
     return ("--disable-radix-cache",) if mode == INPROC_NOCACHE else ()
 
 
@@ -71,6 +79,8 @@ def mode_server_flags(mode: str) -> ModeFlags | None:
         return None
     if mode == PD:
         return ModeFlags(())
+    if mode == PD_NORECORD:
+        return ModeFlags(NORECORD_FLAGS)
     if mode == BASELINE:
         return ModeFlags(("--disaggregation-layer-groups", "1"))
     if mode == DECODE_CACHE:
@@ -104,6 +114,9 @@ class SweepPoint:
     transfer_tail_ms: float | None = None
     # KV bytes the prefill wrote per request that succeeded (PD modes)
     kv_bytes_per_request: float | None = None
+    # interleaved sweeps: each round's output tokens per second, in round order (modes pair up by
+    # round: the spread of their ratios is the run's noise)
+    round_throughput: tuple[float, ...] = ()
 
 
 def run_sweep(
@@ -176,6 +189,7 @@ def run_sweep_interleaved(
                 tails = [p.transfer_tail_ms for p in parts[m] if p.transfer_tail_ms is not None]
                 counts = [p.transfer for p in parts[m] if p.transfer is not None]
                 kv = sum(counts[1:], counts[0]).per_room if counts else None
+                per_round = [summarize(p.records, p.duration_s).get("output_throughput") for p in parts[m]]
                 points.append(
                     SweepPoint(
                         n,
@@ -184,6 +198,7 @@ def run_sweep_interleaved(
                         groups,
                         statistics.median(tails) if tails else None,
                         kv,
+                        round_throughput=tuple(float(t) for t in per_round if t is not None),
                     )
                 )
     return points

@@ -453,6 +453,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             speculative=speculative_config_from_args(args),
             debug_requests_history=getattr(args, "debug_requests_history", ServerConfig.debug_requests_history),
             hicache=hicache_config_from_args(args),
+            request_metrics=not getattr(args, "disable_request_metrics", False),
         )
         cfg.check_servable()
         return cfg
@@ -513,6 +514,12 @@ def add_http_api_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=ServerConfig.debug_requests_history,
         help="finished requests whose phase timelines GET /debug/requests keeps (0: none)",
+    )
+    g.add_argument(
+        "--disable-request-metrics",
+        action="store_true",
+        help="record no per-request phase timelines (meta_info.timeline, /debug/requests) and no "
+        "latency histograms (TTFT, inter-token, phases); counters and gauges stay (docs/metrics.md)",
     )
 
 

@@ -216,6 +216,7 @@ class DecodeConnector(PDConnector):
         return {
             "staging": self.cfg.disaggregation.staging,
             "staging_ring": {**vars(agent.stats), "live_slots": live, "used_bytes": used, "waiting": waiting},
+            "staging_waits": agent.waits(),  # kvpipe_staging_wait_seconds (server/metrics.py)
         }
 
     def shutdown(self) -> None:

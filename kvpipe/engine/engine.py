@@ -205,6 +205,7 @@ class Engine:
     def add_request(self, req: Req) -> None:
         """Queue a request (any thread). ValueError: its rid is still active, or the connector
         refuses it (e.g. PD bootstrap fields missing or in use)."""
+        req.timeline.enabled = self.cfg.request_metrics  # --disable-request-metrics: nothing recorded
         req.timeline.mark(Phase.ARRIVED)
         with self._lock:
             if self._closed:

@@ -119,19 +119,26 @@ class TimelineRecord:
 
 @dataclass
 class Timeline:
-    """The events of one live request (owned by its Req, written on the engine thread)."""
+    """The events of one live request (owned by its Req, written on the engine thread).
+
+    `enabled` False (--disable-request-metrics): marks are dropped and `record()` is None, so
+    nothing downstream (meta_info, /debug/requests, the phase histograms) sees the request."""
 
     events: list[TimelineEvent] = field(default_factory=list)
     prefix_hit_tokens: int = 0
     transfer_bytes: int | None = None
+    enabled: bool = True
 
     def mark(self, phase: Phase, t: float | None = None, value: int | None = None) -> None:
-        self.events.append(TimelineEvent(phase, time.monotonic() if t is None else t, value))
+        if self.enabled:
+            self.events.append(TimelineEvent(phase, time.monotonic() if t is None else t, value))
 
     def has(self, phase: Phase) -> bool:
         return any(e.phase is phase for e in self.events)
 
-    def record(self) -> TimelineRecord:
+    def record(self) -> TimelineRecord | None:
+        if not self.enabled:
+            return None
         # events from another clock reading (the sender's transfer times) arrive late: sort by time
         # (stable: a chunk's start stays before its end at equal times)
         return TimelineRecord(

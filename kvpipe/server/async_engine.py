@@ -281,6 +281,10 @@ class AsyncEngine:
         if self.metrics is not None and tracker.first_token_time is not None:
             self.metrics.on_first_token(tracker.first_token_time - tracker.start_time)
 
+    def _on_tokens(self, gap_s: float, n: int) -> None:
+        if self.metrics is not None:
+            self.metrics.on_tokens(gap_s, n)
+
     def _on_finished(self, tracker: RequestTracker) -> None:
         record = tracker.timeline
         if record is not None and self.recent.maxlen:
@@ -337,9 +341,16 @@ class RequestStream:
                 if failure is not None:
                     raise APIError(failure.message, 500)
                 had_first = tracker.first_token_time is not None
-                out = tracker.update(items, time.monotonic())
+                n_before, last = len(tracker.output_ids), tracker.last_token_time
+                now = time.monotonic()
+                out = tracker.update(items, now)
+                n_new = len(tracker.output_ids) - n_before
                 if not had_first:
                     self._owner._on_first_token(tracker)
+                    if n_new > 1:  # tokens that came with the first one: no gap
+                        self._owner._on_tokens(0.0, n_new - 1)
+                elif last is not None and n_new:
+                    self._owner._on_tokens(now - last, n_new)
                 if tracker.finished:
                     self.close()
                 if out is not None:

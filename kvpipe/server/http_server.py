@@ -160,7 +160,9 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/debug/requests")
     async def debug_requests() -> dict[str, Any]:
         """The phase timelines of the last finished requests, oldest first (--debug-requests-history)."""
-        return {"role": state.metrics.role, "requests": list(state.engine.recent)}
+        # "recording": False under --disable-request-metrics (then no request is kept)
+        recording = state.cfg.request_metrics
+        return {"role": state.metrics.role, "recording": recording, "requests": list(state.engine.recent)}
 
     @app.post("/abort_request", openapi_extra=json_body(AbortRequest), responses=BODY_ROUTE_RESPONSES)
     async def abort_request(request: Request) -> dict[str, Any]:
@@ -232,7 +234,7 @@ def create_app(
     capacity = cfg.scheduler.max_running_requests + cfg.limits.max_queued_requests
     async_engine = AsyncEngine(engine_factory, on_fatal=on_fatal, capacity=capacity, history=cfg.debug_requests_history)
     role = "colocated" if disaggregation_mode == "null" else disaggregation_mode
-    metrics = ServerMetrics(cfg.model_name, async_engine.stats, role)
+    metrics = ServerMetrics(cfg.model_name, async_engine.stats, role, per_request=cfg.request_metrics)
     async_engine.metrics = metrics
     state = ServerState(cfg, async_engine, metrics, disaggregation_mode, cpu_threads or server_cpu_threads(cfg))
 

@@ -1,17 +1,21 @@
 """Prometheus metrics of one server, in a registry of its own (no process-global state).
 
 Counters and histograms are fed by the async bridge as requests finish (the phase histograms from
-each request's timeline, kvpipe/engine/timeline.py, labelled by the server's role); the engine gauges
-(running / waiting requests, free pages) are read from `Engine.stats()` at scrape time, so they
-are never stale and cost nothing between scrapes.
+each request's timeline, kvpipe/engine/timeline.py, labelled by the server's role) and, for the
+inter-token latency, as tokens reach a request's stream; the engine gauges (running / waiting
+requests, free pages) and the staging-ring waits are read from `Engine.stats()` at scrape time, so
+they are never stale and cost nothing between scrapes. `per_request` False
+(--disable-request-metrics): the latency histograms stay at zero, the counters still count.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from kvpipe.engine.timeline import TimelineRecord
@@ -75,6 +79,9 @@ _GAUGES = {
     "cached_pages": ("kvpipe_cached_pages", "KV pages held by the radix prefix cache (in use or evictable)"),
     # PD prefill (layer-pipelined KV transfer)
     "num_groups": ("kvpipe_num_layer_groups", "Layer groups of the last prefill batch (1: plain transfer)"),
+    # hybrid models (recurrent state per running request)
+    "free_state_slots": ("kvpipe_free_state_slots", "Recurrent-state slots free for new requests (hybrid models)"),
+    "total_state_slots": ("kvpipe_total_state_slots", "Recurrent-state slots in the pool (hybrid models)"),
 }
 
 
@@ -86,11 +93,36 @@ _SPEC_COUNTERS = {
 }
 
 
-class _EngineStatsCollector(Collector):
-    def __init__(self, stats: Callable[[], dict | None]) -> None:
-        self._stats = stats
+def _staging_waits(model: str, waits: Mapping[str, Any] | None) -> HistogramMetricFamily:
+    """A decode rank 0's staging-ring waits (transfer/staging/waits.py; none: staging off)."""
+    fam = HistogramMetricFamily(
+        "kvpipe_staging_wait_seconds",
+        "Staging slot requests granted by this decode (TP rank 0's ring): how long each queued behind a full ring",
+        labels=["model_name", "role"],
+    )
+    bounds = list(waits["bounds"]) if waits else list(_PHASE_BUCKETS)  # the ring's own bounds when it has one
+    counts = list(waits["counts"]) if waits else [0] * (len(bounds) + 1)
+    cumulative, buckets = 0, []
+    for bound, n in zip([*(str(float(b)) for b in bounds), "+Inf"], counts):
+        cumulative += n
+        buckets.append((bound, float(cumulative)))
+    fam.add_metric([model, "decode"], buckets, float(waits["sum"]) if waits else 0.0)
+    return fam
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+
+class _EngineStatsCollector(Collector):
+    def __init__(self, stats: Callable[[], dict | None], model: str = "", started_at: float | None = None) -> None:
+        self._stats = stats
+        self._model = model
+        self._started_at = started_at
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
+        if self._started_at is not None:
+            yield GaugeMetricFamily(
+                "kvpipe_server_start_time_seconds",
+                "Unix time this server process started (a new value: it was restarted)",
+                value=self._started_at,
+            )
         stats = self._stats() or {}
         for key, (name, doc) in _GAUGES.items():
             if key in stats:
@@ -106,6 +138,15 @@ class _EngineStatsCollector(Collector):
             if key in stats:
                 yield CounterMetricFamily(f"kvpipe_{key}", doc, value=float(stats[key]))
         pd = stats.get("disaggregation")
+        if isinstance(pd, dict) and pd.get("mode") == "decode":  # at zero with the staging ring off
+            yield _staging_waits(self._model, pd.get("staging_waits"))
+            ring = pd.get("staging_ring")
+            if isinstance(ring, dict) and "live_slots" in ring:
+                yield GaugeMetricFamily(
+                    "kvpipe_staging_live_slots",
+                    "Slots of this decode's staging ring (TP rank 0's) granted and not yet freed",
+                    value=float(ring["live_slots"]),
+                )
         if isinstance(pd, dict) and isinstance(pd.get("bytes_written"), int):
             yield CounterMetricFamily(
                 "kvpipe_kv_transfer_bytes",
@@ -179,12 +220,17 @@ def _store_metrics(store: dict) -> Iterator[CounterMetricFamily]:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, stats: Callable[[], dict | None], role: str = "colocated") -> None:
-        """`role`: colocated, prefill or decode (the label of the timeline histograms)."""
+    def __init__(
+        self, model_name: str, stats: Callable[[], dict | None], role: str = "colocated", per_request: bool = True
+    ) -> None:
+        """`role`: colocated, prefill or decode (the label of the timeline histograms);
+        `per_request` False: the latency histograms are not fed (--disable-request-metrics)."""
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name"]
         self._model = model_name
         self.role = role
+        self.per_request = per_request
+        by_role = [*labels, "role"]
         self.requests = Counter(
             "kvpipe_requests", "Finished requests by finish reason", [*labels, "finish_reason"], registry=self.registry
         )
@@ -197,9 +243,17 @@ class ServerMetrics:
         self.generation_tokens = Counter("kvpipe_generation_tokens", "Generated tokens", labels, registry=self.registry)
         self.ttft = Histogram(
             "kvpipe_time_to_first_token_seconds",
-            "Time to first token",
-            labels,
+            "Time to first token (a PD prefill: to its answer, after the KV transfer)",
+            by_role,
             buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "kvpipe_inter_token_latency_seconds",
+            "Gap between output tokens reaching a request's stream; tokens that arrive together "
+            "(speculative decoding) each count the gap divided among them",
+            by_role,
+            buckets=_TPOT_BUCKETS,
             registry=self.registry,
         )
         self.tpot = Histogram(
@@ -216,8 +270,7 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
-        self.registry.register(_EngineStatsCollector(stats))
-        by_role = [*labels, "role"]
+        self.registry.register(_EngineStatsCollector(stats, model_name, time.time()))
         self.phases = {
             key: Histogram(name, doc, by_role, buckets=_PHASE_BUCKETS, registry=self.registry)
             for key, (name, doc, _) in PHASE_HISTOGRAMS.items()
@@ -246,9 +299,24 @@ class ServerMetrics:
         }
         self._bytes_series = self.transfer_bytes.labels(model_name, role) if role == "prefill" else None
         self._prefix_series = self.prefix_hit.labels(model_name, role)
+        self._ttft_series = self.ttft.labels(model_name, role)
+        # a prefill emits one token: no gaps
+        self._itl_series = self.itl.labels(model_name, role) if role != "prefill" else None
 
     def on_first_token(self, ttft_s: float) -> None:
-        self.ttft.labels(self._model).observe(ttft_s)
+        if self.per_request:
+            self._ttft_series.observe(ttft_s)
+
+    def on_tokens(self, gap_s: float, n: int) -> None:
+        """`n` output tokens reached a stream together, `gap_s` after the ones before them: each
+        counts gap_s / n (SGLang's convention), so the sum is the stream's time after its first
+        token and the count its tokens after the first."""
+        series = self._itl_series
+        if not self.per_request or series is None or n < 1:
+            return
+        each = gap_s / n
+        for _ in range(n):
+            series.observe(each)
 
     def on_finish(
         self,
@@ -263,12 +331,16 @@ class ServerMetrics:
         self.prompt_tokens.labels(self._model).inc(prompt_tokens)
         self.cached_tokens.labels(self._model).inc(cached_tokens)
         self.generation_tokens.labels(self._model).inc(completion_tokens)
+        if not self.per_request:
+            return
         self.e2e.labels(self._model).observe(e2e_s)
         if ttft_s is not None and completion_tokens > 1:
             self.tpot.labels(self._model).observe((e2e_s - ttft_s) / (completion_tokens - 1))
 
     def on_timeline(self, record: TimelineRecord) -> None:
         """A finished request's phases (the engine's timeline of it)."""
+        if not self.per_request:
+            return
         comps = record.components()
         for key, seconds in comps.items():
             series = self._phase_series.get(key)  # only this role's phases

@@ -60,6 +60,7 @@ class RequestTracker:
         self.detok = detok
         self.start_time = start_time
         self.first_token_time: float | None = None
+        self.last_token_time: float | None = None  # when output tokens last arrived (inter-token latency)
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
         self.prompt_tokens = len(inp.input_ids)
@@ -108,6 +109,8 @@ class RequestTracker:
                 break  # nothing follows a finish
         if self.output_ids and self.first_token_time is None:
             self.first_token_time = now
+        if len(self.output_ids) > n_before:
+            self.last_token_time = now
         if engine_finish is not None:
             self._text += self.detok.flush()
         visible_end = len(self._text)

@@ -33,6 +33,7 @@ def make_engine(
     radix_cache: bool = False,
     kv_cache_dtype: str = "auto",
     speculative: SpeculativeConfig | None = None,
+    request_metrics: bool = True,
     **kw,
 ) -> Engine:
     """An engine on the tiny model; the prefix cache is off unless asked for, so page counts
@@ -43,6 +44,7 @@ def make_engine(
         cache=CacheConfig(page_size=page_size, num_pages=pages, radix_cache=radix_cache, kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(chunked_prefill_size=chunk, max_prefill_tokens=max_prefill_tokens),
         speculative=speculative or SpeculativeConfig(),
+        request_metrics=request_metrics,
     )
     return Engine(cfg, **kw)
 

@@ -72,12 +72,17 @@ def test_bench_serve_smoke(tiny_model_dir: Path, tmp_path: Path, capsys: pytest.
                 "--out",
                 str(out),
                 "--no-progress",
+                "--timeline",  # a server, not a router: its own /debug/requests
+                str(tmp_path / "timeline.png"),
             ]
         )
     finally:
         stop_process(proc)
     assert rc == 0
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert printed["timeline_plot"] == str(tmp_path / "timeline.png")
+    assert printed["timeline_requests"] == 4  # the measured requests, not the warm-up
     assert printed == json.loads(out.read_text())
     s = printed["summary"]
     assert (s["completed"], s["failed"]) == (4, 0)

@@ -97,6 +97,8 @@ def test_staged_pd_matches_colocated(
         assert st["ops_submitted"] == st["staged_chunks"] > 0, st  # every write one staged chunk
         ring = disagg_stats(stack.decode)["staging_ring"]  # decode rank 0's
         assert ring["live_slots"] == ring["waiting"] == 0 and ring["scattered"] == ring["granted"] > 0, ring
+        # kvpipe_staging_wait_seconds (issue 29): one wait per grant, at scrape time
+        assert stack.decode.metric("kvpipe_staging_wait_seconds_count") == ring["granted"]
     except BaseException:
         print(stack.logs())
         raise

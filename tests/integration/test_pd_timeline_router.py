@@ -5,11 +5,18 @@ under the same bootstrap room (a body sent to the servers directly, as the route
 them in meta_info: the second test). Checks the phases' order on both sides and across
 them (one host: CLOCK_MONOTONIC is shared by the servers), that the components fit in the
 request's end-to-end time, and that the role-labelled histograms moved and sum to the timelines.
-Nothing here times anything."""
+Last, on the same stack, `kvpipe top` read off a terminal: it runs in a detached tmux session of a
+fixed size while two clients load the router, and the captured screen must show both workers with
+nonzero request rates, the decode's token rate and the prefill's KV transfer rate; `--once` then
+prints one frame. Every wait is bounded. Nothing here times anything."""
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,9 +25,11 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpipe.bench.timeline_plot import DECODE, KV_TRANSFER, PREFILL_COMPUTE, request_bars, timeline_figure
 from kvpipe.server.metrics import PHASE_HISTOGRAMS
-from tests.helpers.pd_stack import Stack, generate, greedy, pd_body, start_stack
+from tests.helpers.pd_stack import Stack, generate, greedy, pd_body, start_stack, wait_for
 from tests.helpers.server import ServerProc
+from tests.helpers.tmux import Tmux, have_tmux
 
 pytest.importorskip("mooncake.engine")
 
@@ -141,9 +150,31 @@ def test_timelines_through_router(stack: Stack) -> None:
             assert got[(f"{name}_sum", role)] > 0, name  # not stuck at zero
         hits = got[("kvpipe_request_prefix_hit_tokens_count", role)]
         assert hits == len(PROMPTS)
-    p_hist = histograms(stack.prefill)
+    # TTFT by role on both servers; the inter-token latency on the decode only (a prefill emits
+    # one token), one observation per token after each request's first
+    p_hist, d_hist = histograms(stack.prefill), histograms(stack.decode)
+    assert p_hist[("kvpipe_time_to_first_token_seconds_count", "prefill")] == len(PROMPTS)
+    assert d_hist[("kvpipe_time_to_first_token_seconds_count", "decode")] == len(PROMPTS)
+    assert d_hist[("kvpipe_inter_token_latency_seconds_count", "decode")] == sum(
+        out["meta_info"]["completion_tokens"] - 1 for out in outs
+    )
+    assert d_hist[("kvpipe_inter_token_latency_seconds_sum", "decode")] > 0
+    assert not any(name.startswith("kvpipe_inter_token_latency") for name, _ in p_hist)
     p_bytes = sum(r["timeline"]["transfer_bytes"] for r in p_debug["requests"])
     assert p_hist[("kvpipe_kv_transfer_request_bytes_sum", "prefill")] == p_bytes
+
+    # `bench serve --timeline` from these entries: a row per request, a bar per chunk's forward,
+    # per stretch of KV writes and per decode (the figure's artists)
+    rows = request_bars({"prefill": p_debug["requests"], "decode": d_debug["requests"]})
+    assert sorted(r.label for r in rows) == sorted(d_by_rid)
+    ax = timeline_figure(rows).axes[0]
+    drawn = {c.get_label(): len(c.patches) for c in ax.containers}
+    ptls = [r["timeline"] for r in p_debug["requests"]]
+    assert drawn == {
+        PREFILL_COMPUTE: sum(e["phase"] == "forward_start" for tl in ptls for e in tl["events"]),
+        KV_TRANSFER: sum(e["phase"] == "transfer_start" for tl in ptls for e in tl["events"]),
+        DECODE: len(PROMPTS),
+    }
     assert p_bytes == stack.prefill.engine_stats()["disaggregation"]["bytes_written"]
 
 
@@ -171,3 +202,69 @@ def test_return_timeline_in_meta_info(stack: Stack) -> None:
     with ThreadPoolExecutor(2) as pool:
         pool.submit(generate, stack.prefill.url, plain)
         assert "timeline" not in generate(stack.decode.url, plain)["meta_info"]
+
+
+def top_row(screen: str, url: str) -> list[str] | None:
+    """kvpipe top's row of the worker at `url` (rich draws the columns with │): role, url, up,
+    restarts, req/s, tok/s, TTFT p50, TTFT p99, ITL p50, run/wait, pages, slots, KV GB/s."""
+    for line in screen.splitlines():
+        if url in line and "│" in line:
+            return [c.strip() for c in line.split("│")[1:-1]]
+    return None
+
+
+def _num(cell: str) -> float:
+    try:
+        return float(cell)
+    except ValueError:
+        return 0.0
+
+
+def shows_load(screen: str, stack: Stack) -> bool:
+    p, d = top_row(screen, stack.pd.prefill_url), top_row(screen, stack.pd.decode_url)
+    if p is None or d is None or len(p) != 13 or len(d) != 13:
+        return False
+    return (p[0], d[0], p[3], d[3]) == ("prefill", "decode", "0", "0") and min(
+        _num(p[4]), _num(d[4]), _num(d[5]), _num(p[12])
+    ) > 0
+
+
+@pytest.mark.skipif(not have_tmux(), reason="tmux is not installed")
+def test_kvpipe_top_shows_the_stack_under_load(stack: Stack) -> None:
+    stop = threading.Event()
+
+    def load(seed: int) -> None:
+        i = 0
+        while not stop.is_set():
+            generate(stack.router, {"input_ids": PROMPTS[(seed + i) % len(PROMPTS)], "sampling_params": greedy(8)})
+            i += 1
+
+    clients = [threading.Thread(target=load, args=(s,), daemon=True) for s in range(2)]
+    term = Tmux(cols=230, rows=40)
+    screen = ""
+    top = [sys.executable, "-m", "kvpipe.cli", "top", "--url", stack.router, "--interval", "1"]
+    try:
+        term.start(top)
+        for c in clients:
+            c.start()
+
+        def loaded() -> bool:
+            nonlocal screen
+            screen = term.screen()
+            return shows_load(screen, stack)
+
+        wait_for(loaded, 120.0, "kvpipe top to show both workers under load", interval_s=0.5)
+        assert "TTFT components" in screen and "prefill compute" in screen and "kv wait" in screen
+        wide = {**os.environ, "COLUMNS": "230"}  # rich's width off a terminal
+        once = subprocess.run([*top[:-1], "0.5", "--once"], capture_output=True, text=True, timeout=60, env=wide)
+        assert once.returncode == 0, once.stdout + once.stderr
+        assert top_row(once.stdout, stack.pd.prefill_url) and top_row(once.stdout, stack.pd.decode_url)
+    except BaseException:
+        print(screen)
+        print(stack.logs())
+        raise
+    finally:
+        stop.set()
+        term.close()
+        for c in clients:
+            c.join(timeout=60)

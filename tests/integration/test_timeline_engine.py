@@ -124,3 +124,24 @@ def test_pd_pair_timelines(tiny_model_dir, groups: int) -> None:
         d_span = dr.first(Phase.FINISHED) - dr.first(Phase.ARRIVED)  # type: ignore[operator]
         assert sum(dc.values()) == pytest.approx(d_span, abs=tol(dr))
     assert total_bytes == st["bytes_written"]  # the per-request bytes are the sender's, all of them
+
+
+def test_recording_off_records_nothing_and_changes_no_output(tiny_model_dir) -> None:
+    """--disable-request-metrics (ServerConfig.request_metrics False): no output carries a
+    timeline, no request holds an event, and the tokens are the recording engine's."""
+    got: dict[bool, dict[str, list[TokenOutput]]] = {}
+    held: list[Req] = []
+    for recording in (True, False):
+        eng = make_engine(tiny_model_dir, chunk=CHUNK, request_metrics=recording)
+        try:
+            reqs = [Req(f"c{i}", ids, GREEDY) for i, ids in enumerate(prompts(0, LENS))]
+            got[recording] = run(eng, reqs)
+        finally:
+            eng.shutdown()
+        if not recording:
+            held = reqs
+    tokens = {rec: {rid: [t for o in outs for t in o.token_ids] for rid, outs in got[rec].items()} for rec in got}
+    assert tokens[False] == tokens[True]
+    assert all(o.timeline is None for outs in got[False].values() for o in outs)
+    assert all(final_record(outs).events for outs in got[True].values())
+    assert all(r.timeline.events == [] and not r.timeline.enabled for r in held)

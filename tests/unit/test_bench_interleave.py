@@ -11,7 +11,16 @@ import pytest
 from kvpipe.bench.plot import plot_sweep
 from kvpipe.bench.probe import count_delta, tail_delta, transfer_count_from_server_info, transfer_tail_from_server_info
 from kvpipe.bench.rotation import rotated
-from kvpipe.bench.sweep import SliceResult, SweepPoint, TransferCount, run_sweep_interleaved
+from kvpipe.bench.sweep import (
+    ModeFlags,
+    SliceResult,
+    SweepPoint,
+    TransferCount,
+    colocated_flags,
+    mode_server_flags,
+    parse_modes,
+    run_sweep_interleaved,
+)
 from kvpipe.bench.sweep_rows import sweep_rows
 from kvpipe.transfer.planning.wire_bytes import KVWireBytes
 
@@ -144,3 +153,26 @@ def test_transferred_kv_per_request_from_probe_to_rows():
     rows = sweep_rows(points)
     assert rows[1]["ttft_speedup_vs_baseline"] == 4.0 and rows[0]["ttft_speedup_vs_baseline"] is None
     assert rows[1]["kv_bytes_per_request"] == 100.0 and rows[0]["cached_tokens_mean"] == 32.0
+
+
+def test_recording_modes_and_per_round_throughput():
+    """pd-norecord / inproc-norecord (issue 29: recording on vs off, same run): their flags, and
+    each round's output throughput kept in order so the on/off ratio's spread can be read."""
+    assert parse_modes("pd,pd-norecord") == ["pd", "pd-norecord"]
+    assert mode_server_flags("pd-norecord") == ModeFlags(("--disable-request-metrics",))
+    assert mode_server_flags("inproc-norecord") is None
+    assert colocated_flags("inproc-norecord") == ("--disable-request-metrics",)
+
+    @contextlib.contextmanager
+    def open_stack(mode: str) -> Iterator[str]:
+        yield mode
+
+    def measure(ep: str, mode: str, n: int, r: int) -> SliceResult:
+        return SliceResult([mode] * (r + 1), 2.0 if mode == "pd" else 1.0)
+
+    def summarize(records, duration_s):
+        return {"output_throughput": 10 * len(records) / duration_s}
+
+    points = run_sweep_interleaved([8], ["pd", "pd-norecord"], open_stack, measure, 3, summarize)
+    assert [p.round_throughput for p in points] == [(5.0, 10.0, 15.0), (10.0, 20.0, 30.0)]
+    assert points[0].summary == {"output_throughput": 10.0}  # 60 tokens in 6 s

@@ -34,6 +34,21 @@ STATS = {
         "puts_dropped": {"queue_full": 2},
     },
 }
+# a decode's with a staging ring (heterogeneous TP): its waits and live slots
+DECODE_STATS = {
+    **STATS,
+    "disaggregation": {
+        "mode": "decode",
+        "auth_rejected": {"control": 0},
+        "handshakes_refused": {},
+        "staging_ring": {"live_slots": 1},
+        "staging_waits": {"bounds": [0.001, 1.0], "counts": [3, 1, 0], "sum": 0.5},
+    },
+}
+
+
+def stats_of(role: str) -> dict:
+    return DECODE_STATS if role == "decode" else STATS
 
 
 def documented() -> set[str]:
@@ -54,8 +69,9 @@ def documented_families() -> dict[str, str]:
 
 @pytest.mark.parametrize("role", ["colocated", "prefill", "decode"])
 def test_every_exposed_metric_is_documented(role: str) -> None:
-    m = ServerMetrics("tiny", lambda: STATS, role)
+    m = ServerMetrics("tiny", lambda: stats_of(role), role)
     m.on_first_token(0.1)
+    m.on_tokens(0.2, 2)
     m.on_finish("length", 5, 0, 3, 0.5, 0.1)
     exposed = {
         f"{fam.name}_total" if fam.type == "counter" else fam.name
@@ -68,7 +84,8 @@ def test_every_exposed_metric_is_documented(role: str) -> None:
 def test_every_documented_metric_exists() -> None:
     names: set[str] = set()
     for role in ("colocated", "prefill", "decode"):
-        m = ServerMetrics("tiny", lambda: STATS, role)
+        stats = stats_of(role)
+        m = ServerMetrics("tiny", lambda: stats, role)  # noqa: B023 - rendered in this iteration
         m.on_finish("length", 5, 0, 3, 0.5, 0.1)
         names |= {
             f"{fam.name}_total" if fam.type == "counter" else fam.name

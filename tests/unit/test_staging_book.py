@@ -412,3 +412,22 @@ def test_staging_waits_are_capped_per_session():
         b.on_written(m.StagingChunkWritten(ROOM, chunk, session, P, False), 1.0)
     b.on_written(m.StagingChunkWritten(ROOM, 0, "p/0", P, False), 1.0)
     assert b.ring.num_live == 0 and not b.waiting and not b._waits
+
+
+def test_each_grant_observes_how_long_its_request_queued():
+    """kvpipe_staging_wait_seconds (waits.py): 0 for a grant at once, the queued time otherwise;
+    a request released or expired while queued was never granted and observes nothing."""
+    b = agent(lease_s=5.0)
+    ask(b, 0, now=1.0)
+    ask(b, 1, now=1.0)  # two grants at once
+    assert ask(b, 2, nbytes=2048, now=1.5) == []  # queues from 1.5
+    scatter(b, 0, now=2.0)
+    out = scatter(b, 1, now=2.25)  # granted at 2.25: waited 0.75 s
+    assert [msg for _, msg in out][1:] == [grant(2, 0)[1]]
+    assert ask(b, 3, nbytes=256, now=3.0) == []  # queues behind chunk 2's whole-ring slot
+    assert announce(b, 3, scatter=False, now=3.5) == (None, [])  # given up while queued
+    w = b.waits
+    assert w.count == b.stats.granted == 3
+    assert w.total_s == 0.75
+    assert w.counts[0] == 2  # le=0.001: the two at once
+    assert w.counts[w.bounds.index(1.0)] == 1  # (0.5, 1.0]

@@ -30,6 +30,7 @@ import numpy as np
 from kvpipe.transfer.control.messages import StagingChunkDone, StagingChunkWritten, StagingSlotGrant, StagingSlotRequest
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.staging.ring import RingAllocator, Slot
+from kvpipe.transfer.staging.waits import WaitCounts
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ class StagingBook:
         self.grants: dict[ChunkKey, _Grant] = {}
         self.waiting: collections.OrderedDict[ChunkKey, tuple[StagingSlotRequest, float]] = collections.OrderedDict()
         self.scattering: dict[ChunkKey, _Grant] = {}  # handed to the shell, not yet reported
+        self.waits = WaitCounts()  # per granted request: how long it queued for the ring (0: not at all)
 
     # ---- messages ----------------------------------------------------------------------------
     def on_request(self, msg: StagingSlotRequest, now: float) -> Outbox:
@@ -112,6 +114,7 @@ class StagingBook:
         if slot is None:
             self._wait(key, msg, now)
             return []
+        self.waits.observe(0.0)
         return [self._grant(key, msg, slot, now)]
 
     def on_written(self, msg: StagingChunkWritten, now: float) -> tuple[ScatterJob | None, Outbox]:
@@ -216,11 +219,12 @@ class StagingBook:
         """Grant queued requests in order while the ring has room."""
         out: Outbox = []
         while self.waiting:
-            key, (req, _) = next(iter(self.waiting.items()))
+            key, (req, since) = next(iter(self.waiting.items()))
             slot = self.ring.alloc(req.nbytes)  # sizes were checked on arrival
             if slot is None:
                 break
             self._unwait(key)
+            self.waits.observe(now - since)
             out.append(self._grant(key, req, slot, now))
         return out
 

@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -193,6 +194,11 @@ class StagingAgent:
     @property
     def stats(self) -> StagingStats:
         return replace(self._book.stats, auth_rejected=self._endpoint.stats.auth_rejected)
+
+    def waits(self) -> dict[str, Any]:
+        """How long granted slot requests waited for the ring (waits.py), as plain data."""
+        with self._lock:
+            return self._book.waits.as_dict()
 
     def usage(self) -> tuple[int, int, int]:
         """(live slots, bytes held back by the watermark, requests waiting) right now."""
