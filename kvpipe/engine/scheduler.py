@@ -59,8 +59,8 @@ from kvpipe.cache.hybrid_radix_cache import HybridRadixCache
 from kvpipe.cache.page_allocator import PageAllocator
 from kvpipe.cache.radix_cache import RadixCache
 from kvpipe.cache.recurrent_slots import StateSlotAllocator
-from kvpipe.cache.swa_radix_cache import SWARadixCache
 from kvpipe.cache.store_tier import StoreTier
+from kvpipe.cache.swa_radix_cache import SWARadixCache
 from kvpipe.cache.window_pages import window_first_page, window_page_bound
 from kvpipe.config import SchedulerConfig
 from kvpipe.engine.batch import ForwardMode, ScheduledBatch
