@@ -13,6 +13,7 @@ from kvpipe.config import (
     KV_CACHE_DTYPES,
     MAMBA_SCHEDULER_STRATEGIES,
     MODEL_DTYPES,
+    QUANTIZATIONS,
     SPECULATIVE_ALGORITHMS,
     SPECULATIVE_NOT_YET,
     STAGING_MODES,
@@ -106,6 +107,14 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         default=d_cache.kv_cache_dtype,
         help="what the KV pool stores (auto: the model dtype); fp8 uses per-layer k_scale/v_scale "
         "from the checkpoint, else 1.0. Prefill and decode of a PD pair must agree",
+    )
+    p.add_argument(
+        "--quantization",
+        choices=list(QUANTIZATIONS),
+        default=None,
+        help="weight-only quantization of the linear layers on CPU: w8a16 int8 per output channel, w4a16 "
+        "int4 in groups of 32 (GGUF Q4_0/Q4_1 loaded straight); dense Llama/Qwen2/Qwen3 only. "
+        "Prefill and decode of a PD pair must agree",
     )
     add_disaggregation_args(p)
     add_speculative_args(p)
@@ -449,6 +458,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             api_key=getattr(args, "api_key", None) or api_key_from_env(),
             speculative=speculative_config_from_args(args),
             debug_requests_history=getattr(args, "debug_requests_history", ServerConfig.debug_requests_history),
+            quantization=getattr(args, "quantization", None),
         )
         cfg.check_servable()
         return cfg
@@ -460,7 +470,7 @@ def check_model(cfg: ServerConfig) -> None:
     """Refuse a bad checkpoint (missing, corrupt or truncated GGUF, unsupported architecture or
     tensor type, no tokenizer) with one line, before a server or engine starts."""
     try:
-        check_checkpoint(cfg.model_path, cfg.tokenizer_path)
+        check_checkpoint(cfg.model_path, cfg.tokenizer_path, cfg.quantization)
     except ConfigError as e:
         raise SystemExit(f"kvpipe: {e}") from e
 

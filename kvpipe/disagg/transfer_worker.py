@@ -171,7 +171,14 @@ class TransferWorker(KVConnectorWorker):
         pool = self._pool
         # speculative decoding (being built) passes its settings here as `speculative=`, a canonical
         # string; until then every server says "none" and the field always agrees
-        return Handshake.of(model_digest, self.layout, pool.k_scale, pool.v_scale, self.state_layout)
+        return Handshake.of(
+            model_digest,
+            self.layout,
+            pool.k_scale,
+            pool.v_scale,
+            self.state_layout,
+            quantization=self.cfg.quantization,
+        )
 
     def _prefill_sender(self) -> KVSender:
         if self.sender is None:
