@@ -56,6 +56,11 @@ COMMANDS: list[Command] = [
         "greedy agreement and logprob drift of each --kv-cache-dtype against fp32 KV",
         "kvpipe.bench.kv_accuracy",
     ),
+    Command(
+        "bench quant-accuracy",
+        "greedy agreement and logprob drift of each --quantization against the unquantized model",
+        "kvpipe.bench.quant_accuracy",
+    ),
 ]
 GROUP_HELP = {"bench": "benchmarks (results as JSON and PNG)"}
 AddArgs = Callable[[argparse.ArgumentParser], None]
