@@ -240,14 +240,17 @@ def load_model(
             p.copy_(t)
             bar.update()
         model.kv_scales = _kv_scales(model, names, get_slice)
+        if quantization is not None:
+            whole = None if parallel.tp_size == 1 else lambda hf: get_slice(hf)[:]
+            tensors = ckpt.tensors if ckpt is not None else None
+            counts = quantize_model(model, quantization, plan, tensors, whole)
+            made = ", ".join(f"{k} x {n}" for k, n in counts.items())
+            logger.info("--quantization %s%s: %s", quantization, rank, made)
     logger.info("loaded %d tensors%s in %.1f s", len(plan), rank, time.monotonic() - start)
     if model.kv_scales.found:
         logger.info(
             "fp8 KV scales for %d of %d KV layers from the checkpoint", model.kv_scales.found, len(cfg.kv_layers)
         )
-    if quantization is not None:
-        counts = quantize_model(model, quantization, plan, ckpt.tensors if ckpt is not None else None)
-        logger.info("--quantization %s%s: %s", quantization, rank, ", ".join(f"{k} x {n}" for k, n in counts.items()))
     if packing_enabled():
         pack_linears(model)
     return model.eval()

@@ -13,15 +13,16 @@
   for the logits (as llama.cpp keeps its output at 8 bits and more in 4-bit files).
 Activations, norms, embeddings, attention and the KV cache stay in --dtype.
 
-Every TP rank quantizes its own shard (a row-parallel shard reads whole 32-weight groups: the
-loader's column ranges of a GGUF block tensor start and end on block boundaries, else that shard
+Every TP rank quantizes its own shard to the weights TP 1 would have: a row-parallel (column)
+shard takes its int8 row scales from the whole checkpoint row (`whole`), and its int4 groups are
+TP 1's where its column ranges start and end on multiples of 32 (a GGUF shard that cuts a block
 falls back to quantizing its dequantized values). Sparse (MoE) experts, MLA's latent projections
 and hybrid models' linear-attention layers are not plain Linears here: such models are refused.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -63,10 +64,12 @@ def quantize_model(
     quantization: str,
     plan: Mapping[str, tuple[str, Shard | None]],
     gguf: Mapping[str, GGUFTensor] | None = None,
+    whole: Callable[[str], torch.Tensor] | None = None,
 ) -> dict[str, int]:
     """Quantize every packable Linear of a loaded model in place (and a tied head's copy); `plan`
     is the loader's shard plan (our param name -> (checkpoint name, this rank's Shard)), `gguf`
-    the file's tensors when loading one. Returns how many weights became what."""
+    the file's tensors when loading one, `whole` reads a checkpoint tensor whole (for the row
+    scales of row-parallel shards). Returns how many weights became what."""
     check_quantization(quantization, model.cfg, model.embed_tokens.device)
     dtype = model.embed_tokens.dtype
     counts: dict[str, int] = {}
@@ -75,7 +78,10 @@ def quantize_model(
             continue
         hf, shard = plan[f"{name}.weight"]
         src = None if gguf is None else gguf.get(hf)
-        weight, kind = _quantized(mod.weight, quantization, src, shard, dtype)
+        amax = None
+        if shard is not None and shard.dim == 1 and whole is not None:
+            amax = whole(hf).float().abs().amax(dim=1)  # [N]: TP 1's row scales
+        weight, kind = _quantized(mod.weight, quantization, src, shard, dtype, amax)
         mod.quantize(weight)
         counts[kind] = counts.get(kind, 0) + 1
     if model.lm_head is None:
@@ -85,11 +91,16 @@ def quantize_model(
 
 
 def _quantized(
-    w: torch.Tensor, quantization: str, src: GGUFTensor | None, shard: Shard | None, dtype: torch.dtype
+    w: torch.Tensor,
+    quantization: str,
+    src: GGUFTensor | None,
+    shard: Shard | None,
+    dtype: torch.dtype,
+    amax: torch.Tensor | None,
 ) -> tuple[QuantizedWeight, str]:
     n, k = w.shape
     if quantization == "w8a16" or not Int4Weight.fits(n, k):
-        return Int8Weight.quantize(w, dtype), "int8"
+        return Int8Weight.quantize(w, dtype, amax), "int8"
     if src is not None and src.ggml_type in INT4_BLOCK_TYPES:
         codes = gguf_codes(src, shard)
         if codes is not None:

@@ -40,10 +40,14 @@ class Int8Weight(nn.Module):
         self.register_buffer("scale", scale.contiguous())
 
     @classmethod
-    def quantize(cls, w: torch.Tensor, dtype: torch.dtype = torch.float32) -> Int8Weight:
-        """Symmetric per-row int8 of a dense [N, K] weight; a zero row gets scale 1 (q = 0)."""
+    def quantize(
+        cls, w: torch.Tensor, dtype: torch.dtype = torch.float32, amax: torch.Tensor | None = None
+    ) -> Int8Weight:
+        """Symmetric per-row int8 of a dense [N, K] weight; a zero row gets scale 1 (q = 0).
+        `amax` [N]: each row's largest |weight| over the whole checkpoint row, when `w` holds only
+        some of its columns (a row-parallel TP shard), so every TP size quantizes alike."""
         w = w.detach().float()
-        amax = w.abs().amax(dim=1)
+        amax = w.abs().amax(dim=1) if amax is None else amax.float()
         scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
         q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
         return cls(q, scale.to(dtype))
