@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import time
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -53,11 +54,19 @@ def convert_gguf(src: Path, dst: Path, kind: str, threads: int) -> Path:
     params.nthread = threads
     params.allow_requantize = True
     tmp = dst.with_suffix(".partial")
-    rc = lc.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
+    with _quiet(lc):  # llama.cpp logs a line per tensor
+        rc = lc.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
     if rc != 0:
         raise RuntimeError(f"llama_model_quantize {src.name} -> {kind} failed ({rc})")
     tmp.rename(dst)
     return dst
+
+
+def _quiet(lc: Any) -> AbstractContextManager[Any]:
+    """llama-cpp-python's own redirect of the C library's stdout/stderr (what Llama(verbose=False)
+    uses), where this version has it."""
+    suppress = getattr(getattr(lc, "_utils", None), "suppress_stdout_stderr", None)
+    return suppress(disable=False) if suppress is not None else nullcontext()
 
 
 def gguf_type(path: Path) -> str:
