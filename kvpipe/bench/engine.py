@@ -347,11 +347,11 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     threads = server_cpu_threads(cfg)  # as a server plans them: every TP rank gets per_rank
     apply_cpu_threads(threads)  # rank 0 runs here; the other ranks apply the same plan themselves
     load_start = list(os.getloadavg())
+    llama = _llamacpp(args, model_path, quantization, threads.total, ppoints, dpoints)  # refused before the engine
     engine = Engine(cfg)
     hf = None
     if args.compare_hf:
         hf = HFReference(model_path, args.seed, threads.total)  # the threads all engine ranks share
-    llama = _llamacpp(args, model_path, quantization, threads.total, ppoints, dpoints)
     runs = args.warmup + args.repeat
     bar = tqdm(
         total=len(ppoints) * runs + len(dpoints) * args.repeat,
