@@ -11,7 +11,8 @@
   output count is not a multiple of 16 (the kernel's rule) is int8 instead.
 - In both modes, tied embeddings keep the dense table for the lookup and get an int8 per-row copy
   for the logits (as llama.cpp keeps its output at 8 bits and more in 4-bit files).
-Activations, norms, embeddings, attention and the KV cache stay in --dtype.
+The quantized matmuls take their input in bf16 (quantized_weight.py: torch's fast CPU path);
+norms, embeddings, attention, residuals and the KV cache stay in --dtype.
 
 Every TP rank quantizes its own shard to the weights TP 1 would have: a row-parallel (column)
 shard takes its int8 row scales from the whole checkpoint row (`whole`), and its int4 groups are
@@ -71,7 +72,6 @@ def quantize_model(
     the file's tensors when loading one, `whole` reads a checkpoint tensor whole (for the row
     scales of row-parallel shards). Returns how many weights became what."""
     check_quantization(quantization, model.cfg, model.embed_tokens.device)
-    dtype = model.embed_tokens.dtype
     counts: dict[str, int] = {}
     for name, mod in model.named_modules():
         if not isinstance(mod, Linear) or not mod.packable or mod.quant is not None:
@@ -81,11 +81,11 @@ def quantize_model(
         amax = None
         if shard is not None and shard.dim == 1 and whole is not None:
             amax = whole(hf).float().abs().amax(dim=1)  # [N]: TP 1's row scales
-        weight, kind = _quantized(mod.weight, quantization, src, shard, dtype, amax)
+        weight, kind = _quantized(mod.weight, quantization, src, shard, amax)
         mod.quantize(weight)
         counts[kind] = counts.get(kind, 0) + 1
     if model.lm_head is None:
-        model.head_quant = Int8Weight.quantize(model.embed_tokens, dtype)
+        model.head_quant = Int8Weight.quantize(model.embed_tokens)
         counts["int8 (tied head copy)"] = 1
     return counts
 
@@ -95,17 +95,16 @@ def _quantized(
     quantization: str,
     src: GGUFTensor | None,
     shard: Shard | None,
-    dtype: torch.dtype,
     amax: torch.Tensor | None,
 ) -> tuple[QuantizedWeight, str]:
     n, k = w.shape
     if quantization == "w8a16" or not Int4Weight.fits(n, k):
-        return Int8Weight.quantize(w, dtype, amax), "int8"
+        return Int8Weight.quantize(w, amax), "int8"
     if src is not None and src.ggml_type in INT4_BLOCK_TYPES:
         codes = gguf_codes(src, shard)
         if codes is not None:
-            return Int4Weight.from_codes(*codes, dtype=dtype), f"int4 (GGUF {src.ggml_type} blocks)"
-    return Int4Weight.quantize(w, dtype), "int4"
+            return Int4Weight.from_codes(*codes), f"int4 (GGUF {src.ggml_type} blocks)"
+    return Int4Weight.quantize(w), "int4"
 
 
 def gguf_codes(src: GGUFTensor, shard: Shard | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

@@ -244,3 +244,13 @@ def matmul_bound(x: torch.Tensor, w_magnitude: torch.Tensor, dtype: torch.dtype 
     k = x.shape[-1]
     eps = torch.finfo(dtype).eps
     return (k + 2) * eps * (x.double().abs() @ w_magnitude.double().abs().T)
+
+
+def bf16_matmul_bound(x: torch.Tensor, w_magnitude: torch.Tensor) -> torch.Tensor:
+    """matmul_bound for a kernel that takes x already rounded to bf16 (pass that x), may round
+    each weight it forms to bf16, accumulates in fp32 and rounds its result to bf16: the fp32 sums'
+    bound, plus one bf16 rounding (half its eps) of every weight's product term and of the result,
+    whose size is at most sum_k |x| |w|."""
+    half_ulp = torch.finfo(torch.bfloat16).eps / 2
+    mag = x.double().abs() @ w_magnitude.double().abs().T
+    return matmul_bound(x, w_magnitude) + 2 * half_ulp * mag

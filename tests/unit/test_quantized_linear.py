@@ -1,6 +1,7 @@
 """Weight-only quantized linears (--quantization; kvpipe/model/quantized_weight.py,
-quantization.py): torch's CPU int8/int4 kernels against the exact product with the dequantized
-weights (tolerance.matmul_bound), the quantizers' rounding, GGUF Q4_0/Q4_1 blocks loaded
+quantization.py): torch's CPU int8/int4 kernels (bf16 activations) against the exact product of
+the bf16-rounded input with the dequantized weights (tolerance.bf16_matmul_bound), the quantizers'
+rounding, GGUF Q4_0/Q4_1 blocks loaded
 straight (whole and TP-sharded), the loader's swap and the refusals."""
 
 from __future__ import annotations
@@ -15,13 +16,18 @@ from kvpipe.model.linear import Linear, Shard
 from kvpipe.model.loader import check_checkpoint, load_model
 from kvpipe.model.presets import write_preset
 from kvpipe.model.quantization import gguf_codes
-from kvpipe.model.quantized_weight import GROUP, Int4Weight, Int8Weight
+from kvpipe.model.quantized_weight import ACT_DTYPE, GROUP, Int4Weight, Int8Weight
 from tests.helpers.gguf_files import Q, write_gguf
-from tests.helpers.tolerance import matmul_bound
+from tests.helpers.tolerance import bf16_matmul_bound
 
 
 def _exact(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return x.double() @ w.double().T
+    """What the kernel computes, exactly: its bf16 input times the weights."""
+    return x.to(ACT_DTYPE).double() @ w.double().T
+
+
+def _bound(x: torch.Tensor, w_magnitude: torch.Tensor) -> torch.Tensor:
+    return bf16_matmul_bound(x.to(ACT_DTYPE), w_magnitude)
 
 
 def _assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor) -> None:
@@ -36,19 +42,24 @@ def test_int8_matches_its_dequantized_weight(rows, n, k):
     w[3] = 0.0  # a zero row: scale 1, codes 0
     q = Int8Weight.quantize(w)
     deq = q.dequantize()
-    # each weight within half a step of its row's scale; the step is absmax / 127
-    assert bool(((w - deq).abs() <= q.scale[:, None] / 2 * (1 + 1e-6)).all())
+    # each weight within half a step of its row's fp32 scale (absmax / 127), plus the scale's bf16
+    # rounding over the 127 steps
+    step = w.abs().amax(dim=1).clamp(min=1e-30) / 127
+    slack = step / 2 + 127 * step * torch.finfo(ACT_DTYPE).eps / 2
+    assert bool(((w - deq).abs() <= slack[:, None] * (1 + 1e-6)).all())
     assert int(q.q.abs().max()) == 127 and bool((deq[3] == 0).all())
     x = torch.randn(rows, k, generator=g)
-    _assert_within(q(x), _exact(x, deq), matmul_bound(x, deq))
+    _assert_within(q(x), _exact(x, deq), _bound(x, deq))
 
 
 def _int4_reference(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The exact weights codes * scale + minimum, and what the kernel forms for each of them,
-    (q - 8) * scale + zero with zero = minimum + 8 * scale, in magnitude (matmul_bound)."""
-    s = scale.double().repeat_interleave(GROUP, dim=1)
-    m = minimum.double().repeat_interleave(GROUP, dim=1)
-    return q.double() * s + m, ((q.double() - 8) * s).abs() + (m + 8 * s).abs()
+    """The weights the kernel holds, (q - 8) * scale + zero with scale and zero = minimum + 8 *
+    scale (fp32) rounded to bf16, exactly; and the size of what it forms for each (the two terms
+    may cancel)."""
+    s32 = scale.float()
+    s = s32.to(ACT_DTYPE).double().repeat_interleave(GROUP, dim=1)
+    z = (minimum.float() + 8.0 * s32).to(ACT_DTYPE).double().repeat_interleave(GROUP, dim=1)
+    return (q.double() - 8) * s + z, ((q.double() - 8) * s).abs() + z.abs()
 
 
 @pytest.mark.parametrize("rows, n, k", [(1, 16, 32), (5, 64, 96), (40, 32, 256)])
@@ -59,20 +70,24 @@ def test_int4_matches_its_codes(rows, n, k):
     minimum = -torch.rand(n, k // GROUP, generator=g)
     w, mag = _int4_reference(q, scale, minimum)
     x = torch.randn(rows, k, generator=g)
-    _assert_within(Int4Weight.from_codes(q, scale, minimum)(x), x.double() @ w.T, matmul_bound(x, mag))
+    _assert_within(Int4Weight.from_codes(q, scale, minimum)(x), _exact(x, w), _bound(x, mag))
 
 
 def test_int4_quantizer_rounds_to_the_nearest_step():
-    """min/max groups of 32 (as Q4_1): every weight within half a step of its group; read back
-    through the kernel itself (x = the identity gives the dequantized weight, transposed)."""
+    """min/max groups of 32 (as Q4_1): every weight within half a step of its group, plus the
+    bf16 rounding of the scale (over 15 steps) and of the zero; read back through the kernel
+    itself (x = the identity, exact in bf16, gives the dequantized weight transposed, rounded to
+    bf16 on the way out)."""
     g = torch.Generator().manual_seed(3)
     n, k = 32, 128
     w = torch.randn(n, k, generator=g)
     deq = Int4Weight.quantize(w)(torch.eye(k)).T  # [N, K]
     groups = w.reshape(n, k // GROUP, GROUP)
     step = (groups.amax(-1) - groups.amin(-1)) / 15
+    half_ulp = torch.finfo(ACT_DTYPE).eps / 2
+    big = groups.abs().amax(-1) + 8 * step  # the largest |zero| and |weight| of the group
     err = (w - deq).reshape(n, k // GROUP, GROUP).abs()
-    assert bool((err <= step[..., None] * (0.5 + 1e-5) + 1e-6).all())
+    assert bool((err <= (step / 2 + 15 * step * half_ulp + 3 * big * half_ulp)[..., None]).all())
 
 
 def test_int4_refuses_shapes_the_kernel_cannot_take():
@@ -101,10 +116,12 @@ def test_gguf_blocks_load_straight_whole_and_sharded(tmp_path, qtype):
             codes = gguf_codes(src, shard)
             assert codes is not None
             want = full[where]
+            q, s, m = codes
+            exact = q.double() * s.double().repeat_interleave(GROUP, 1) + m.double().repeat_interleave(GROUP, 1)
+            torch.testing.assert_close(exact, want.double(), atol=4 * torch.finfo(torch.float32).eps, rtol=0)
             got, mag = _int4_reference(*codes)
-            torch.testing.assert_close(got, want.double(), atol=4 * torch.finfo(torch.float32).eps, rtol=0)
             x = torch.randn(3, want.shape[1], generator=torch.Generator().manual_seed(0))
-            _assert_within(Int4Weight.from_codes(*codes)(x), x.double() @ got.T, matmul_bound(x, mag))
+            _assert_within(Int4Weight.from_codes(*codes)(x), _exact(x, got), _bound(x, mag))
         assert gguf_codes(src, Shard(1, 16, k - 16)) is None
 
 
@@ -120,7 +137,8 @@ def test_linear_with_a_quantized_weight_adds_its_bias_and_keeps_leading_dims():
     y = lin(x)
     assert y.shape == (2, 3, 32)
     want = _exact(x.reshape(6, 64), qw.dequantize()) + lin.bias.double()
-    _assert_within(y.reshape(6, 32), want, matmul_bound(x.reshape(6, 64), qw.dequantize()) + 1e-6)
+    bound = _bound(x.reshape(6, 64), qw.dequantize()) + torch.finfo(torch.float32).eps * want.abs()
+    _assert_within(y.reshape(6, 32), want, bound)
 
 
 @pytest.mark.parametrize("mode", ["w8a16", "w4a16"])
