@@ -14,7 +14,7 @@ from tests.helpers.tolerance import Route, generation_atol
 LENS = [1, 16, 17, 40, 100]
 
 
-@pytest.mark.parametrize("mode", ["w8a16", "w4a16"])
+@pytest.mark.parametrize("mode", ["w8a16", pytest.param("w4a16", marks=pytest.mark.slow)])
 def test_quantized_pd_matches_colocated_and_is_deterministic(tiny_model_dir, reference, mode):
     ps = prompts(3, LENS)
     first, second = (

@@ -60,6 +60,7 @@ def test_a_model_without_a_gguf_is_refused(tiny_model_dir):
         run_bench(args)
 
 
+@pytest.mark.slow  # the real model in both engines: ~50 s on the loaded 2-core machine
 def test_a_real_run_against_the_same_gguf():
     """w4a16 against llama.cpp on the default model's own Q4_1 file (no conversion): llama.cpp
     rows at batch 1 only, with positive times and ratios."""
