@@ -67,6 +67,11 @@ COMMANDS: list[Command] = [
         "live view of a running stack through its router: rates, TTFT and its parts, pages, transfer, restarts",
         "kvpipe.commands.top",
     ),
+    Command(
+        "bench quant-accuracy",
+        "greedy agreement and logprob drift of each --quantization against the unquantized model",
+        "kvpipe.bench.quant_accuracy",
+    ),
 ]
 GROUP_HELP = {"bench": "benchmarks (results as JSON and PNG)"}
 AddArgs = Callable[[argparse.ArgumentParser], None]

@@ -49,6 +49,9 @@ class ParallelConfig:
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
 MAMBA_SCHEDULER_STRATEGIES = ("auto", "no_buffer", "extra_buffer")  # --mamba-scheduler-strategy
+# --quantization (weight-only, CPU; kvpipe/model/quantization.py): int8 per output channel, int4 in
+# groups of 32; None: the weights in --dtype
+QUANTIZATIONS = ("w8a16", "w4a16")
 
 
 @dataclass(frozen=True)
@@ -512,6 +515,8 @@ class ServerConfig:
     # (meta_info.timeline, /debug/requests) and the latency histograms fed per request or per token
     # (server/metrics.py); counters and the gauges read at scrape time stay
     request_metrics: bool = True
+    # weight-only quantization of the linear layers (--quantization): None or one of QUANTIZATIONS
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:
@@ -526,6 +531,8 @@ class ServerConfig:
             raise ConfigError("the API key must not be empty")
         if not (type(self.debug_requests_history) is int and self.debug_requests_history >= 0):
             raise ConfigError(f"the debug request history must be a count >= 0, got {self.debug_requests_history!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
 
     def check_servable(self) -> None:
         """Refuse PD set-ups no server can run (a TP group cannot share the in-process local

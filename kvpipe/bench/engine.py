@@ -16,8 +16,16 @@ Each prefill point runs --warmup unmeasured times first; figures are medians ove
 repeat by repeat alternating with the engine so load drift on a shared machine hits both alike,
 and reports kvpipe/HF prefill time and kvpipe/HF decode throughput per point.
 
+--compare-llamacpp does the same with llama.cpp (bench/llamacpp_reference.py, the `bench` extra)
+on the same GGUF and thread count: batch-1 prefill points and batch-1 decode, per llama.cpp type
+(--llamacpp-types; default the type matching --quantization: F32, Q8_0 or Q4_1), as
+kvpipe/llama.cpp time ratios. --quantization none,w8a16,w4a16 runs one engine per mode, one after
+the other, each against its own llama.cpp peer.
+
 Example: kvpipe bench engine --preset bench --prompt-lens 256,1024,2048 --batch-sizes 1,8,32 --json
          kvpipe bench engine --preset bench --prompt-lens 256,1024,2048,4096 --batch-sizes 1,8,32 --compare-hf
+         kvpipe bench engine --model-path <gguf> --prompt-lens 512 --batch-sizes 1 --compare-llamacpp \
+             --quantization none,w8a16,w4a16
 """
 
 from __future__ import annotations
@@ -28,7 +36,9 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +50,8 @@ from kvpipe.bench.engine_stats import (
     DecodePoint,
     PrefillPoint,
     compare_decode,
+    compare_llamacpp_decode,
+    compare_llamacpp_prefill,
     compare_prefill,
     cpu_per_wall,
     decode_max_new_tokens,
@@ -52,12 +64,14 @@ from kvpipe.bench.engine_stats import (
     summarize_prefill,
 )
 from kvpipe.bench.hf_reference import HFReference
+from kvpipe.bench.llamacpp_reference import LlamaCppReference, format_llamacpp, llamacpp_kinds, references
 from kvpipe.bench.machine import cpu_name
 from kvpipe.bench.spec_decode import WORKLOADS, format_spec
 from kvpipe.bench.spec_decode import compare as compare_speculative
 from kvpipe.config import (
     KV_CACHE_DTYPES,
     MODEL_DTYPES,
+    QUANTIZATIONS,
     SPECULATIVE_ALGORITHMS,
     CacheConfig,
     ConfigError,
@@ -68,6 +82,7 @@ from kvpipe.config import (
 from kvpipe.engine.cpu_threads import apply_cpu_threads, server_cpu_threads
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import FinishReason, Req, SamplingParams
+from kvpipe.model.gguf.reader import find_gguf
 from kvpipe.model.loader import check_checkpoint
 from kvpipe.model.presets import default_model_dir
 
@@ -135,6 +150,30 @@ def add_args(p: argparse.ArgumentParser) -> None:
         default="edit",
         help="edit: a chat turn asking to repeat a paragraph with its typos fixed (needs a chat template); "
         "repeat: prompts repeating a random unit of tokens",
+    )
+    p.add_argument(
+        "--quantization",
+        default="none",
+        help="weight-only quantization; comma-separated: one engine per mode, one after the other in "
+        f"this run (each of none, {', '.join(QUANTIZATIONS)})",
+    )
+    p.add_argument(
+        "--compare-llamacpp",
+        action="store_true",
+        help="also run llama.cpp (llama-cpp-python, the bench extra) on the same GGUF with the same "
+        "threads, alternating with the engine repeat by repeat, at batch 1: kvpipe/llama.cpp time ratios",
+    )
+    p.add_argument(
+        "--llamacpp-types",
+        default=None,
+        help="llama.cpp GGUF types compared with every engine (comma-separated: F32, F16, Q8_0, Q4_0, Q4_1; "
+        "converted from the model's GGUF with llama.cpp's quantizer); default: F32 for --quantization none, "
+        "Q8_0 for w8a16, Q4_1 for w4a16",
+    )
+    p.add_argument(
+        "--llamacpp-dir",
+        default=None,
+        help="where converted GGUFs are written and reused (default: a temporary directory of this run)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--out", default=None, help="also write the JSON result to this file")
@@ -238,6 +277,27 @@ class EngineBench:
         return timed, cpu_per_wall(sum(cpu[point.warmup_steps :]), sum(timed))
 
 
+def _llamacpp(
+    args: argparse.Namespace,
+    model_path: str,
+    quantization: str | None,
+    threads: int,
+    ppoints: list[PrefillPoint],
+    dpoints: list[DecodePoint],
+) -> list[LlamaCppReference]:
+    """The llama.cpp references of --compare-llamacpp (none without it), with a context and a batch
+    large enough for every point of this run."""
+    if not getattr(args, "compare_llamacpp", False):
+        return []
+    gguf = find_gguf(model_path)
+    if gguf is None:
+        raise SystemExit("kvpipe bench engine: --compare-llamacpp needs a GGUF checkpoint (--model-path <file>.gguf)")
+    longest = max([p.prompt_len for p in ppoints] + [1])
+    n_ctx = max([longest] + [d.context + d.warmup_steps + d.steps for d in dpoints]) + 64
+    kinds = llamacpp_kinds(args.llamacpp_types, quantization)
+    return references(gguf, kinds, Path(args.llamacpp_dir), args.seed, threads, n_ctx, max(longest, 512))
+
+
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     _check(args)
     if args.model_path:
@@ -246,6 +306,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         model = f"preset:{args.preset or 'bench'}"
         model_path = str(default_model_dir(args.preset or "bench"))
     budget = prefill_budget(args)
+    quantization = None if args.quantization in (None, "none") else args.quantization
     ppoints = (
         []
         if args.skip_prefill
@@ -277,14 +338,16 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             chunked_prefill_size=args.chunked_prefill_size,
             max_prefill_tokens=args.max_prefill_tokens,
         ),
+        quantization=quantization,
     )
     try:  # a bad checkpoint: one line, not a traceback from the engine's load
-        check_checkpoint(model_path)
+        check_checkpoint(model_path, quantization=quantization)
     except ConfigError as e:
         raise SystemExit(f"kvpipe bench engine: {e}") from None
     threads = server_cpu_threads(cfg)  # as a server plans them: every TP rank gets per_rank
     apply_cpu_threads(threads)  # rank 0 runs here; the other ranks apply the same plan themselves
     load_start = list(os.getloadavg())
+    llama = _llamacpp(args, model_path, quantization, threads.total, ppoints, dpoints)  # refused before the engine
     engine = Engine(cfg)
     hf = None
     if args.compare_hf:
@@ -303,13 +366,18 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         for p in ppoints:
             bar.set_postfix_str(f"prefill {p.prompt_len}x{p.batch}")
             samples, hf_samples = [], []
+            lc_samples: dict[str, list[tuple[float, float]]] = {r.kind: [] for r in llama}
             for i in range(runs):
                 res = bench.prefill_once(p)
                 hf_res = hf.prefill_once(p) if hf else None
+                lc_res = [(r.kind, r.prefill_once(p)) for r in llama]
                 if i >= args.warmup:
                     samples.append(res)
                     if hf_res:
                         hf_samples.append(hf_res)
+                    for kind, x in lc_res:
+                        if x is not None:
+                            lc_samples[kind].append(x)
                 bar.update()
             row = summarize_prefill(p, [x[0] for x in samples], [x[1] for x in samples], [x[2] for x in samples])
             if hf:
@@ -317,24 +385,45 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                     p, [x[0] for x in hf_samples], [1] * len(hf_samples), [cpu_per_wall(c, t) for t, c in hf_samples]
                 )
                 row = compare_prefill(row, hf_row)
+            lc_rows = {
+                k: summarize_prefill(p, [t for t, _ in xs], [1] * len(xs), [cpu_per_wall(c, t) for t, c in xs])
+                for k, xs in lc_samples.items()
+                if xs
+            }
+            if lc_rows:
+                row = compare_llamacpp_prefill(row, lc_rows)
             prefill.append(row)
         for d in dpoints:
             bar.set_postfix_str(f"decode batch {d.batch}")
             reps, hf_reps = [], []
+            lc_reps: dict[str, list[tuple[list[float], float]]] = {r.kind: [] for r in llama}
             for _ in range(args.repeat):
                 reps.append(bench.decode_once(d, budget))
                 if hf:
                     hf_reps.append(hf.decode_once(d))
+                for r in llama:
+                    steps = r.decode_once(d)
+                    if steps is not None:
+                        lc_reps[r.kind].append(steps)
                 bar.update()
             row = summarize_decode(d, [r[0] for r in reps], [r[1] for r in reps])
             if hf:
                 hf_row = summarize_decode(d, [r[0] for r in hf_reps], [cpu_per_wall(c, sum(t)) for t, c in hf_reps])
                 row = compare_decode(row, hf_row)
+            lc_drows = {
+                k: summarize_decode(d, [t for t, _ in xs], [cpu_per_wall(c, sum(t)) for t, c in xs])
+                for k, xs in lc_reps.items()
+                if xs
+            }
+            if lc_drows:
+                row = compare_llamacpp_decode(row, lc_drows)
             decode.append(row)
         kv_bytes = engine.stats()["kv_cache_bytes"]
     finally:
         bar.close()
         engine.shutdown()
+        for r in llama:
+            r.close()
     speculative = None
     if args.speculative_algorithm:
         try:
@@ -373,6 +462,14 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "kv_cache_bytes": kv_bytes,
             "seed": args.seed,
             "compare_hf": None if hf is None else {"attn_implementation": hf.attn, "threads": hf.threads},
+            "quantization": quantization,
+            "compare_llamacpp": None
+            if not llama
+            else {
+                "version": llama[0].version,
+                "threads": llama[0].threads,
+                "files": {r.kind: str(r.path) for r in llama},
+            },
         },
         "machine": {
             "cpu": cpu_name(),
@@ -395,14 +492,24 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     bad = [d for d in kv_dtypes if d not in KV_CACHE_DTYPES]
     if bad or not kv_dtypes:
         raise SystemExit(f"kvpipe bench engine: --kv-cache-dtype takes {', '.join(KV_CACHE_DTYPES)}, got {bad}")
+    quants = [q.strip() for q in str(args.quantization).split(",") if q.strip()]
+    badq = [q for q in quants if q != "none" and q not in QUANTIZATIONS]
+    if badq or not quants:
+        raise SystemExit(f"kvpipe bench engine: --quantization takes none, {', '.join(QUANTIZATIONS)}, got {badq}")
     reports = []
-    for kv in kv_dtypes:  # one engine at a time: their pools never share the memory
-        report = run_bench(argparse.Namespace(**{**vars(args), "kv_cache_dtype": kv}))
-        reports.append(report)
-        if not args.json:
-            print(format_table(report), flush=True)
-            if "speculative" in report:
-                print(format_spec(report["speculative"]), flush=True)
+    with ExitStack() as stack:
+        workdir = args.llamacpp_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="kvpipe-llamacpp-"))
+        for kv in kv_dtypes:  # one engine at a time: their pools never share the memory
+            for q in quants:
+                over = {"kv_cache_dtype": kv, "quantization": q, "llamacpp_dir": workdir}
+                report = run_bench(argparse.Namespace(**{**vars(args), **over}))
+                reports.append(report)
+                if not args.json:
+                    print(format_table(report), flush=True)
+                    if report["config"].get("compare_llamacpp"):
+                        print(format_llamacpp(report), flush=True)
+                    if "speculative" in report:
+                        print(format_spec(report["speculative"]), flush=True)
     result = reports[0] if len(reports) == 1 else {"runs": reports}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

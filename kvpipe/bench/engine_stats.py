@@ -174,3 +174,17 @@ def format_table(report: dict[str, Any]) -> str:
             + (f" {x['hf']['ms_per_step']:>9.2f} {x['throughput_ratio_vs_hf']:>16.2f}" if "hf" in x else "")
         )
     return "\n".join(rows)
+
+
+def compare_llamacpp_prefill(row: dict[str, Any], lc: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """A prefill row with llama.cpp's rows of the same point, per GGUF type, and kvpipe/llama.cpp
+    time per type (< 1: kvpipe faster)."""
+    ratios = {k: row["ms_per_prefill"] / r["ms_per_prefill"] for k, r in lc.items()}
+    return {**row, "llamacpp": lc, "time_ratio_vs_llamacpp": ratios}
+
+
+def compare_llamacpp_decode(row: dict[str, Any], lc: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """A decode row with llama.cpp's rows, per GGUF type, and kvpipe/llama.cpp time per step
+    (< 1: kvpipe faster)."""
+    ratios = {k: row["ms_per_step"] / r["ms_per_step"] for k, r in lc.items()}
+    return {**row, "llamacpp": lc, "step_ratio_vs_llamacpp": ratios}

@@ -70,14 +70,21 @@ def prompts(engine: Engine, n: int) -> list[list[int]]:
     return out
 
 
-def generate(model_path: str, kv: str, ids: list[list[int]] | None, args: argparse.Namespace) -> tuple[Any, Any]:
-    """(prompts, generations as (tokens, logprobs) per prompt) of one engine with `kv` KV."""
+def generate(
+    model_path: str, kv: str, ids: list[list[int]] | None, args: argparse.Namespace, quantization: str | None = None
+) -> tuple[Any, Any]:
+    """(prompts, generations as (tokens, logprobs) per prompt) of one engine with `kv` KV (and
+    `quantization`'s weights: bench quant-accuracy)."""
     # room for every prompt (a chat question renders to well under 512 tokens) and its output at once
     cache = CacheConfig(
         page_size=args.page_size, max_total_tokens=args.num_prompts * (args.output_len + 512), kv_cache_dtype=kv
     )
     sched = SchedulerConfig(max_running_requests=max(64, args.num_prompts))
-    engine = Engine(ServerConfig(model_path=model_path, log_level="warning", cache=cache, scheduler=sched))
+    engine = Engine(
+        ServerConfig(
+            model_path=model_path, log_level="warning", cache=cache, scheduler=sched, quantization=quantization
+        )
+    )
     try:
         ids = ids or prompts(engine, args.num_prompts)
         params = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)

@@ -14,6 +14,7 @@ from kvpipe.config import (
     KV_CACHE_DTYPES,
     MAMBA_SCHEDULER_STRATEGIES,
     MODEL_DTYPES,
+    QUANTIZATIONS,
     SPECULATIVE_ALGORITHMS,
     SPECULATIVE_NOT_YET,
     STAGING_MODES,
@@ -107,6 +108,14 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         default=d_cache.kv_cache_dtype,
         help="what the KV pool stores (auto: the model dtype); fp8 uses per-layer k_scale/v_scale "
         "from the checkpoint, else 1.0. Prefill and decode of a PD pair must agree",
+    )
+    p.add_argument(
+        "--quantization",
+        choices=list(QUANTIZATIONS),
+        default=None,
+        help="weight-only quantization of the linear layers on CPU: w8a16 int8 per output channel, w4a16 "
+        "int4 in groups of 32 (GGUF Q4_0/Q4_1 loaded straight); dense Llama/Qwen2/Qwen3 only. "
+        "Prefill and decode of a PD pair must agree",
     )
     add_disaggregation_args(p)
     add_speculative_args(p)
@@ -454,6 +463,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             debug_requests_history=getattr(args, "debug_requests_history", ServerConfig.debug_requests_history),
             hicache=hicache_config_from_args(args),
             request_metrics=not getattr(args, "disable_request_metrics", False),
+            quantization=getattr(args, "quantization", None),
         )
         cfg.check_servable()
         return cfg
@@ -465,7 +475,7 @@ def check_model(cfg: ServerConfig) -> None:
     """Refuse a bad checkpoint (missing, corrupt or truncated GGUF, unsupported architecture or
     tensor type, no tokenizer) with one line, before a server or engine starts."""
     try:
-        check_checkpoint(cfg.model_path, cfg.tokenizer_path)
+        check_checkpoint(cfg.model_path, cfg.tokenizer_path, cfg.quantization)
     except ConfigError as e:
         raise SystemExit(f"kvpipe: {e}") from e
 

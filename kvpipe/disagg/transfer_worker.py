@@ -184,7 +184,15 @@ class TransferWorker(KVConnectorWorker):
         and the speculative settings that change what moves (draft_transfer.py)."""
         pool = self._pool
         spec = speculative_handshake(self.cfg, self.draft_layout)
-        return Handshake.of(model_digest, self.layout, pool.k_scale, pool.v_scale, self.state_layout, spec)
+        return Handshake.of(
+            model_digest,
+            self.layout,
+            pool.k_scale,
+            pool.v_scale,
+            self.state_layout,
+            spec,
+            quantization=self.cfg.quantization,
+        )
 
     def _prefill_sender(self) -> KVSender:
         if self.sender is None:

@@ -74,7 +74,14 @@ def rank_device(device: str, rank: int) -> str:
 def build_runner(cfg: ServerConfig, parallel: ParallelConfig, device: str) -> ModelRunner:
     tune_malloc()  # every rank's process: step activations reuse heap pages instead of faulting new ones
     group = dist.group.WORLD if parallel.tp_size > 1 else None
-    model = load_model(cfg.model_path, parallel, device, None if cfg.dtype == "auto" else cfg.dtype, group)
+    model = load_model(
+        cfg.model_path,
+        parallel,
+        device,
+        None if cfg.dtype == "auto" else cfg.dtype,
+        group,
+        quantization=cfg.quantization,
+    )
     return ModelRunner(model, cfg.cache, device, cfg.scheduler, snapshot_slots(cfg))
 
 

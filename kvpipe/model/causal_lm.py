@@ -23,6 +23,7 @@ from kvpipe.model.forward_batch import ForwardBatch
 from kvpipe.model.kv_scales import KVScales
 from kvpipe.model.linear import Linear
 from kvpipe.model.norms import RMSNorm
+from kvpipe.model.quantized_weight import Int8Weight
 from kvpipe.model.rope import rope_attention_factor, rope_cos_sin, rope_inv_freq
 
 
@@ -46,6 +47,8 @@ class LMBase(nn.Module):
         self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
         # Tied: logits reuse embed_tokens (no second parameter that a device move could untie).
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        # --quantization with tied embeddings: an int8 copy of the table for the logits (quantization.py)
+        self.head_quant: Int8Weight | None = None
         # fp8 KV-cache scales per KV layer (the loader reads the checkpoint's; kv_scales.py)
         self.kv_scales = KVScales.ones(len(cfg.kv_layers))
         self.init_rope()
@@ -87,6 +90,8 @@ class LMBase(nn.Module):
         """Final norm + lm_head on the rows in batch.logit_indices -> [B_out, vocab] fp32."""
         h = self.norm(hidden[batch.logit_indices])
         if self.lm_head is None:  # tied: the embedding table (dense, the lookup needs it)
+            if self.head_quant is not None:
+                return self.head_quant(h).float()
             return F.linear(h, self.embed_tokens).float()
         return self.lm_head(h).float()
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from kvpipe.config import ParallelConfig
 from kvpipe.model.packed_linear import can_pack, pack_weight, packed_linear
+from kvpipe.model.quantized_weight import QuantizedWeight
 
 
 @dataclass(frozen=True)
@@ -66,16 +67,26 @@ class Linear(nn.Module):
         self.all_reduce = all_reduce  # row-parallel: sum partial products across the TP group
         self.group = group
         self.shard = shard  # None: the whole checkpoint tensor
+        self.quant: QuantizedWeight | None = None  # --quantization: set by quantize(), replaces the weight
 
     def pack(self) -> bool:
         """Swap the dense weight for its oneDNN-packed form (packed_linear.py), once loaded;
         False where it cannot be packed (not CPU fp32)."""
-        if not (self.packable and can_pack(self.weight)):
+        if self.quant is not None or not (self.packable and can_pack(self.weight)):
             return False
         self.weight = nn.Parameter(pack_weight(self.weight), requires_grad=False)
         return True
 
+    def quantize(self, weight: QuantizedWeight) -> None:
+        """Swap the loaded dense weight for its weight-only quantized form (quantized_weight.py,
+        --quantization); the dense one is dropped (an empty [0, in] tensor stays in its place)."""
+        self.quant = weight
+        self.weight = nn.Parameter(self.weight.new_empty(0, self.weight.shape[1]), requires_grad=False)
+
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant is not None:
+            y = self.quant(x)
+            return y if bias is None else y + bias
         if self.weight.is_mkldnn:
             return packed_linear(x, self.weight, bias)
         return F.linear(x, self.weight, bias)

@@ -31,6 +31,7 @@ from kvpipe.model.kv_scales import KVScales, read_kv_scales
 from kvpipe.model.linear import Linear, Shard
 from kvpipe.model.moe import check_routing
 from kvpipe.model.packed_linear import packing_enabled
+from kvpipe.model.quantization import check_quantization, quantize_model
 from kvpipe.model.registry import build_causal_lm, family
 from kvpipe.model.tokenizer import Tokenizer
 
@@ -80,15 +81,19 @@ def check_supported(raw: dict[str, Any], cfg: ModelConfig) -> None:
         check_routing(cfg.moe)
 
 
-def check_checkpoint(model_path: str | Path, tokenizer_path: str | Path | None = None) -> ModelConfig:
+def check_checkpoint(
+    model_path: str | Path, tokenizer_path: str | Path | None = None, quantization: str | None = None
+) -> ModelConfig:
     """Everything about a checkpoint that can be refused before a model is built: its config
     (for a GGUF file also its header, family and tensor types, and truncation), the options the
-    model code lacks, and its tokenizer. Commands call it first, so a bad checkpoint ends them with
-    one ConfigError line rather than a traceback from the engine thread. A GGUF file is opened once
-    per process (gguf_checkpoint), so the engine's load reuses this work."""
+    model code lacks (--quantization included), and its tokenizer. Commands call it first, so a
+    bad checkpoint ends them with one ConfigError line rather than a traceback from the engine
+    thread. A GGUF file is opened once per process (gguf_checkpoint), so the engine's load reuses
+    this work."""
     raw = read_hf_config(model_path)
     cfg = ModelConfig.from_hf_dict(raw)
     check_supported(raw, cfg)
+    check_quantization(quantization, cfg)
     Tokenizer.from_dir(tokenizer_path or model_path)
     return cfg
 
@@ -191,13 +196,16 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | str | None = None,
     group: dist.ProcessGroup | None = None,
+    quantization: str | None = None,
 ) -> LMBase:
-    """`model_dir`: an HF checkpoint directory, a .gguf file, or a directory holding one."""
+    """`model_dir`: an HF checkpoint directory, a .gguf file, or a directory holding one;
+    `quantization`: --quantization's weight-only int8/int4 linears (quantization.py)."""
     model_dir = Path(model_dir)
     ckpt = gguf_checkpoint(model_dir)
     raw = ckpt.config if ckpt is not None else read_hf_config(model_dir)
     cfg = ModelConfig.from_hf_dict(raw)
     check_supported(raw, cfg)
+    check_quantization(quantization, cfg, device)
     names: set[str] = set(ckpt.tensors) if ckpt is not None else set(weight_files(model_dir))
     check_parallel(cfg, parallel)
     check_group(parallel, group)
@@ -232,6 +240,12 @@ def load_model(
             p.copy_(t)
             bar.update()
         model.kv_scales = _kv_scales(model, names, get_slice)
+        if quantization is not None:
+            whole = None if parallel.tp_size == 1 else lambda hf: get_slice(hf)[:]
+            tensors = ckpt.tensors if ckpt is not None else None
+            counts = quantize_model(model, quantization, plan, tensors, whole)
+            made = ", ".join(f"{k} x {n}" for k, n in counts.items())
+            logger.info("--quantization %s%s: %s", quantization, rank, made)
     logger.info("loaded %d tensors%s in %.1f s", len(plan), rank, time.monotonic() - start)
     if model.kv_scales.found:
         logger.info(

@@ -599,7 +599,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     policy = policy_from_args(args)  # bad values fail before anything starts
     try:  # a bad checkpoint: one line here, rather than two servers failing to start
         model_path = resolve_model_path(args.model_path)
-        check_checkpoint(model_path, flag_value(extra, "--tokenizer-path"))
+        check_checkpoint(model_path, flag_value(extra, "--tokenizer-path"), flag_value(extra, "--quantization"))
     except ConfigError as e:
         raise SystemExit(f"kvpipe launch: {e}") from None
     prefill_args, decode_args = xpyd_server_args(args)

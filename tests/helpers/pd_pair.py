@@ -256,14 +256,17 @@ def make_pair(
     decode_cache: dict[str, Any] | None = None,
     decode_speculative: SpeculativeConfig | None = None,
     prefill_speculative: SpeculativeConfig | None = None,
+    quantization: str | None = None,
+    decode_config: dict[str, Any] | None = None,
     **disagg,
 ):
     """Prefill + decode engines; the prefill keeps its prefix cache unless told otherwise, the
     decode has one with `decode_radix_cache`; both pools store `kv_cache_dtype`; the decode
     decodes speculatively with `decode_speculative`, and the prefill runs `prefill_speculative`'s
-    draft model (STANDALONE: its draft KV goes to the decode). Mismatched pairs (the handshake tests): the
-    decode serves `decode_model_dir` instead, and `decode_cache` overrides fields of its
-    CacheConfig (page_size, kv_cache_dtype)."""
+    draft model (STANDALONE: its draft KV goes to the decode); both run `quantization`'s weights.
+    Mismatched pairs (the handshake tests): the decode serves `decode_model_dir` instead,
+    `decode_cache` overrides fields of its CacheConfig (page_size, kv_cache_dtype) and
+    `decode_config` fields of its ServerConfig (quantization)."""
     fabric = LocalFabric()
     with contextlib.ExitStack() as es:
         pb, db = LocalBackend(fabric, inject=inject), LocalBackend(fabric)
@@ -272,6 +275,7 @@ def make_pair(
         p_cfg = cfg(model_dir, "prefill", chunk, p_pages, prefill_radix_cache, kv_cache_dtype, **disagg)
         if prefill_speculative is not None:
             p_cfg = dataclasses.replace(p_cfg, speculative=prefill_speculative)
+        p_cfg = dataclasses.replace(p_cfg, quantization=quantization)
         prefill = Engine(p_cfg, PrefillConnector(p_cfg, pb))
         es.callback(prefill.shutdown)
         d_cfg = cfg(
@@ -287,6 +291,7 @@ def make_pair(
             d_cfg = dataclasses.replace(d_cfg, cache=dataclasses.replace(d_cfg.cache, **decode_cache))
         if decode_speculative is not None:
             d_cfg = dataclasses.replace(d_cfg, speculative=decode_speculative)
+        d_cfg = dataclasses.replace(d_cfg, **{"quantization": quantization, **(decode_config or {})})
         decode = Engine(d_cfg, DecodeConnector(d_cfg, db))
         es.callback(decode.shutdown)
         yield Pair(prefill, decode)
@@ -295,11 +300,13 @@ def make_pair(
 Reference = Callable[..., Generation]  # (prompt ids, params=GREEDY) -> the colocated generation
 
 
-def colocated_greedy(model_dir: Path, kv_cache_dtype: str = "auto") -> Iterator[Reference]:
+def colocated_greedy(
+    model_dir: Path, kv_cache_dtype: str = "auto", quantization: str | None = None
+) -> Iterator[Reference]:
     """Generator of a memoized greedy reference (the colocated engine, no prefix cache; tokens and
-    logprobs of each prompt run alone) for a fixture."""
+    logprobs of each prompt run alone) for a fixture; `quantization`: its --quantization."""
     pool = CacheConfig(page_size=PS, num_pages=256, radix_cache=False, kv_cache_dtype=kv_cache_dtype)
-    eng = Engine(ServerConfig(model_path=str(model_dir), cache=pool))
+    eng = Engine(ServerConfig(model_path=str(model_dir), cache=pool, quantization=quantization))
     cache: dict[tuple, Generation] = {}
 
     def ref(ids: list[int], params: SamplingParams = GREEDY) -> Generation:

@@ -228,3 +228,29 @@ def assert_same_generations(
             problems.append(f"prompt {i}{size}: {diff}")
     if problems:  # one line per failing prompt
         raise AssertionError(f"{what + ': ' if what else ''}{route.value}: " + "\n  ".join(problems))
+
+
+# ---- one matmul against an exact reference (quantized linear layers) ----
+
+
+def matmul_bound(x: torch.Tensor, w_magnitude: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The largest error of a `dtype` matmul x [M, K] @ w^T [K, N] against the exact product, per
+    output element [M, N]: the textbook worst-case bound for a sum of K products in any order,
+    (K + 2) * eps * sum_k |x[m, k]| * |w[n, k]|, with two more roundings for forming each weight
+    in the kernel (a dequantizing multiply, and an add where a zero point is added).
+    `w_magnitude` [N, K]: a bound of what the kernel forms before rounding each weight (|w|, or
+    |(q - 8) * scale| + |zero| for int4, where the two terms may cancel). Holds for every blocking
+    and SIMD width; not a measurement."""
+    k = x.shape[-1]
+    eps = torch.finfo(dtype).eps
+    return (k + 2) * eps * (x.double().abs() @ w_magnitude.double().abs().T)
+
+
+def bf16_matmul_bound(x: torch.Tensor, w_magnitude: torch.Tensor) -> torch.Tensor:
+    """matmul_bound for a kernel that takes x already rounded to bf16 (pass that x), may round
+    each weight it forms to bf16, accumulates in fp32 and rounds its result to bf16: the fp32 sums'
+    bound, plus one bf16 rounding (half its eps) of every weight's product term and of the result,
+    whose size is at most sum_k |x| |w|."""
+    half_ulp = torch.finfo(torch.bfloat16).eps / 2
+    mag = x.double().abs() @ w_magnitude.double().abs().T
+    return matmul_bound(x, w_magnitude) + 2 * half_ulp * mag

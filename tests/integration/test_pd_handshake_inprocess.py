@@ -83,6 +83,13 @@ def test_a_draft_model_on_one_side_only_is_refused(tiny_model_dir: Path, side: s
         refused_both_sides(pair, f"speculative decoding: {want}", "speculative")
 
 
+def test_another_quantization_is_refused(tiny_model_dir: Path):
+    """The same checkpoint and KV pool, but the decode's weights quantized (--quantization): its
+    KV values and logits would differ from what the prefill computes, so the pair is refused."""
+    with make_pair(tiny_model_dir, decode_config={"quantization": "w8a16"}, bootstrap_timeout_s=BOOTSTRAP_S) as pair:
+        refused_both_sides(pair, "weight quantization: prefill 'none', decode 'w8a16'", "quantization")
+
+
 def test_the_same_checkpoint_elsewhere_serves(tiny_model_dir: Path, tmp_path: Path):
     """The same checkpoint written twice (another directory, same seed) is the same model."""
     twin = write_preset("tiny", tmp_path / tiny_model_dir.name, seed=0)

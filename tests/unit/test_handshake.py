@@ -58,6 +58,7 @@ def test_of_describes_the_instance_not_the_rank():
     assert (h.kv_dtype, h.page_size, h.kv_kind, h.kv_layers, h.kv_heads, h.head_dim) == ("float32", 4, 2, 2, 2, 8)
     assert h.state_layers == (1, 3) and h.state_conv_shape == (2 * 2 * 16 + 4 * 32, 3)
     assert h.state_recurrent_shape == (4, 16, 32) and h.speculative == SPECULATIVE_NONE
+    assert h.quantization == "none" and Handshake.of("x", layout(), quantization="w8a16").quantization == "w8a16"
 
 
 def test_equal_handshakes_have_no_mismatch():
@@ -80,6 +81,7 @@ def test_equal_handshakes_have_no_mismatch():
             "speculative",
             "speculative decoding: prefill 'none', decode 'eagle:steps=3'",
         ),
+        ({"quantization": "w4a16"}, "quantization", "weight quantization: prefill 'none', decode 'w4a16'"),
     ],
 )
 def test_each_field_is_named_with_both_values(change, label, words):

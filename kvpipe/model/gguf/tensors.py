@@ -110,6 +110,12 @@ class GGUFTensor:
         data = self.raw.data[rows if self.row_order is None else self.row_order[rows]]
         return self._to_torch(data)[(slice(None),) + key[1:]]
 
+    def raw_rows(self, key: slice) -> np.ndarray:
+        """The file's bytes of HF rows `key`, in HF order: [rows, bytes per row] (blocks.py reads
+        4-bit blocks from them without dequantizing)."""
+        rows = np.arange(self.shape[0])[key]
+        return self.raw.data[rows if self.row_order is None else self.row_order[rows]]
+
     def _to_torch(self, data: np.ndarray) -> torch.Tensor:
         arr = dequantize(data, self.raw.tensor_type)
         if not arr.flags.writeable or not arr.flags.c_contiguous:  # F32 comes back as a view of the file

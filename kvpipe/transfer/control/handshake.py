@@ -14,6 +14,9 @@ live (those are checked per rank pair: bootstrap.check_compatible, sender/peers.
   KV, draft inputs), a canonical string: "none" (no speculation, or NGRAM, which moves nothing),
   or for a STANDALONE draft model the algorithm, the draft checkpoint's digest and its KV layout
   (disagg/draft_transfer.py); the comparison takes it as is.
+- `quantization`: --quantization ("none" without it). The KV layout would agree, but weights
+  quantized differently give other logits and other KV values: a decode continuing a prefill's
+  KV with other weights would generate what neither side alone would.
 
 The prefill publishes its handshake with every rank's bootstrap registration; the decode
 compares it with its own when it fetches the prefill's info and, on a mismatch, refuses every
@@ -33,6 +36,7 @@ from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.recurrent.layout import StateLayout
 
 SPECULATIVE_NONE = "none"
+QUANTIZATION_NONE = "none"  # the handshake's quantization without --quantization
 REFUSED = "PD handshake refused"  # in every refusal message (what the HTTP servers look for)
 # 409 Conflict: the two servers' configurations conflict, and trying again cannot help. The OpenAI
 # routes answer a refused request with it (their answers have no place for the reason). Native
@@ -75,6 +79,7 @@ class Handshake:
     state_recurrent_dtype: str = field(default="", metadata=_meta("recurrent state dtype", "state_layout"))
     state_recurrent_shape: tuple[int, ...] = field(default=(), metadata=_meta("recurrent state shape", "state_layout"))
     speculative: str = field(default=SPECULATIVE_NONE, metadata=_meta("speculative decoding", "speculative"))
+    quantization: str = field(default=QUANTIZATION_NONE, metadata=_meta("weight quantization", "quantization"))
 
     def __post_init__(self) -> None:
         for name in ("page_size", "kv_kind", "kv_layers", "kv_heads", "head_dim"):
@@ -95,6 +100,7 @@ class Handshake:
         v_scales: tuple[float, ...] = (),
         state: StateLayout | None = None,
         speculative: str = SPECULATIVE_NONE,
+        quantization: str | None = None,
     ) -> Handshake:
         """An instance's handshake from one of its ranks' pools (every rank's gives the same: the
         TP-dependent parts, head ranges and addresses, are left out)."""
@@ -120,6 +126,7 @@ class Handshake:
             k_scales=tuple(float(x) for x in k_scales),
             v_scales=tuple(float(x) for x in v_scales),
             speculative=speculative,
+            quantization=quantization or QUANTIZATION_NONE,
             **st,
         )
 
