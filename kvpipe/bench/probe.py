@@ -165,3 +165,14 @@ def _server_path(url: str, keys: tuple[str, ...], timeout_s: float) -> str | Non
             if found:
                 return str(found)
     return None
+
+
+def read_debug_requests(url: str, timeout_s: float = 5.0) -> list[dict[str, Any]]:
+    """A server's /debug/requests entries, oldest first ([] when it keeps none or cannot say)."""
+    try:
+        r = httpx.get(url.rstrip("/") + "/debug/requests", timeout=timeout_s, headers=client_headers())
+        body = r.json() if r.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError):
+        return []
+    entries = body.get("requests") if isinstance(body, dict) else None
+    return [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []

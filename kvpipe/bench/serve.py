@@ -10,7 +10,9 @@ The local PD stack (as `kvpipe launch` starts it, cores split) against a colocat
     kvpipe bench serve --compare-colocated --prompt-lens 362 --output-lens 32 --concurrency 4 \
         --num-requests 32                      # table of e2e/TTFT p50/p90 and PD/colocated ratios
 A single run with `--timeline out.png` also draws each measured request's phases as bars, from the
-servers' /debug/requests (kvpipe/bench/timeline_plot.py).
+servers' /debug/requests (kvpipe/bench/timeline_plot.py). A sweep prints (stderr) and records
+(`group_timelines`) one layer-pipelined request per PD row: each group's compute end and the KV
+writes in flight, from the prefill's own timestamps (kvpipe/bench/group_timeline.py).
 Any of them with `--api chat`: the seeded prompt ids decoded with the model's tokenizer and sent to
 /v1/chat/completions as one user message, so the server renders its chat template; prompt-token
 figures are then the server's counts of the rendered prompts (shared prefixes work, several turns

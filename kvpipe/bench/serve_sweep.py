@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import shlex
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -15,11 +16,13 @@ from typing import Any
 from kvpipe.bench import driver
 from kvpipe.bench.chat_text import ChatText, open_chat_text
 from kvpipe.bench.compare import COMPARE_MODES, compare_rows, compare_table
+from kvpipe.bench.group_timeline import GroupTimeline, format_group_timeline, newest_group_timeline
 from kvpipe.bench.kv_bytes import ServedDtypes, kv_wire_bytes, state_bytes_per_request, with_draft_kv
 from kvpipe.bench.machine import load_average, machine_info
 from kvpipe.bench.plot import plot_modes, plot_sweep
 from kvpipe.bench.probe import (
     count_delta,
+    read_debug_requests,
     read_num_groups,
     read_server_info,
     tail_delta,
@@ -93,6 +96,16 @@ class _Sweep:
             else {}
         )
         self.rounds = len(next(iter(self.slices.values()))) if self.slices else 0
+        # (mode, prompt length) -> the newest layer-pipelined request's per-group timeline
+        self.group_timelines: dict[tuple[str, int], GroupTimeline] = {}
+
+    def _keep_group_timeline(self, ep: Endpoint, mode: str, n: int, groups: int | None) -> None:
+        """After a PD measurement whose prefill ran layer groups: its newest request's timeline."""
+        if ep.info_url is None or not groups or groups < 2:
+            return
+        g = newest_group_timeline(ep.call(read_debug_requests, ep.info_url))
+        if g is not None:
+            self.group_timelines[(mode, n)] = g
 
     def measure(self, ep: Endpoint, mode: str, n: int) -> tuple[dict, int | None, float | None, float | None]:
         pd = ep.info_url is not None and mode not in COLOCATED_MODES
@@ -107,12 +120,9 @@ class _Sweep:
             return summary, None, None, None
         (tail0, count0), (tail1, count1) = before[0], _readings(ep)
         count = count_delta(count0, count1)
-        return (
-            summary,
-            ep.call(read_num_groups, ep.info_url),
-            tail_delta(tail0, tail1),
-            count.per_room if count else None,
-        )
+        groups = ep.call(read_num_groups, ep.info_url)
+        self._keep_group_timeline(ep, mode, n, groups)
+        return (summary, groups, tail_delta(tail0, tail1), count.per_room if count else None)
 
     def measure_slice(self, ep: Endpoint, mode: str, n: int, r: int) -> SliceResult:
         args, desc = self.args, f"{mode} len={n} round {r + 1}/{self.rounds}"
@@ -125,12 +135,10 @@ class _Sweep:
         if before is None:
             return SliceResult(res.outcomes, res.duration_s)
         after = _readings(ep)
+        groups = ep.call(read_num_groups, ep.info_url)
+        self._keep_group_timeline(ep, mode, n, groups)
         return SliceResult(
-            res.outcomes,
-            res.duration_s,
-            ep.call(read_num_groups, ep.info_url),
-            tail_delta(before[0], after[0]),
-            count_delta(before[1], after[1]),
+            res.outcomes, res.duration_s, groups, tail_delta(before[0], after[0]), count_delta(before[1], after[1])
         )
 
 
@@ -199,7 +207,14 @@ def run_sweep_cmd(args: argparse.Namespace, compare: bool = False) -> int:
         ],
         "cpu_threads": threads,
         "machine": machine_info(load_before),
+        # one layer-pipelined request per (mode, prompt length): each group's compute end and the
+        # writes in flight, from the prefill's own timestamps (bench/group_timeline.py)
+        "group_timelines": [
+            {"mode": m, "prompt_len": n, **g.to_json()} for (m, n), g in sorted(sweep.group_timelines.items())
+        ],
     }
+    for (m, n), g in sorted(sweep.group_timelines.items()):
+        print(format_group_timeline(f"{m} len={n}", g), file=sys.stderr)
     ok = 0 if all(p.summary["completed"] for p in points) else 1
     if compare:
         result["compare"] = compare_rows(points)
