@@ -136,24 +136,35 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def format_table(report: dict[str, Any]) -> str:
-    head = f"{'kv dtype':<10} {'tokens':>7} {'agreement':>9} {'identical':>9} {'mean|dlogp|':>11} {'max|dlogp|':>10}"
+def accuracy_table(report: dict[str, Any], key: str, label: str) -> str:
+    """A report's rows (one per `key` value: a KV dtype, a quantization) as a text table."""
+    w = max(len(label), *(len(str(r[key])) for r in report["rows"]))
+    head = f"{label:<{w}} {'tokens':>7} {'agreement':>9} {'identical':>9} {'mean|dlogp|':>11} {'max|dlogp|':>10}"
     lines = [head]
     for r in report["rows"]:
         lines.append(
-            f"{r['kv_cache_dtype']:<10} {r['generated_tokens']:>7} {r['token_agreement']:>9.4f} "
+            f"{r[key]:<{w}} {r['generated_tokens']:>7} {r['token_agreement']:>9.4f} "
             f"{r['prompts_identical']:>4}/{r['prompts']:<4} {r['mean_abs_logprob_diff']:>11.2e} "
             f"{r['max_abs_logprob_diff']:>10.2e}"
         )
     return "\n".join(lines)
 
 
-def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
-    report = run_bench(args)
+def format_table(report: dict[str, Any]) -> str:
+    return accuracy_table(report, "kv_cache_dtype", "kv dtype")
+
+
+def emit_report(report: dict[str, Any], args: argparse.Namespace, table: str) -> int:
+    """--out writes the JSON; stdout gets the JSON (--json) or the table."""
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report) if args.json else format_table(report))
+    print(json.dumps(report) if args.json else table)
     return 0
+
+
+def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
+    report = run_bench(args)
+    return emit_report(report, args, format_table(report))
 
 
 def main(argv: list[str] | None = None) -> int:

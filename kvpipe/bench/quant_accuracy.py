@@ -15,12 +15,10 @@ Example: kvpipe bench quant-accuracy --num-prompts 32 --output-len 64 --json
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 from typing import Any
 
-from kvpipe.bench.kv_accuracy import compare, generate
+from kvpipe.bench.kv_accuracy import accuracy_table, compare, emit_report, generate
 from kvpipe.config import QUANTIZATIONS
 from kvpipe.model.default_model import resolve_model_path
 
@@ -63,23 +61,12 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def format_table(report: dict[str, Any]) -> str:
-    head = f"{'mode':<8} {'tokens':>7} {'agreement':>9} {'identical':>9} {'mean|dlogp|':>11} {'max|dlogp|':>10}"
-    lines = [head]
-    for r in report["rows"]:
-        lines.append(
-            f"{r['quantization']:<8} {r['generated_tokens']:>7} {r['token_agreement']:>9.4f} "
-            f"{r['prompts_identical']:>4}/{r['prompts']:<4} {r['mean_abs_logprob_diff']:>11.2e} "
-            f"{r['max_abs_logprob_diff']:>10.2e}"
-        )
-    return "\n".join(lines)
+    return accuracy_table(report, "quantization", "mode")
 
 
 def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     report = run_bench(args)
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report) if args.json else format_table(report))
-    return 0
+    return emit_report(report, args, format_table(report))
 
 
 def main(argv: list[str] | None = None) -> int:
