@@ -359,16 +359,33 @@ def failures_then_decode_abort(
         assert_pd_matches([d for d, _ in ok], [ids for _, ids in ok], reference, "rooms that succeeded")
         pair.settle()
         check_free(pair)
-        a = pair.reqs(prompts(1, [200])[0])
-        pair.prefill.add_request(a[0])
-        pair.decode.add_request(a[1])
-        pair.prefill.step()
-        pair.decode.step()
-        pair.decode.abort(a[1].rid)
-        pair.run([], until=lambda: a[0].finished and a[1].finished)
-        assert a[1].finish_reason is FinishReason.ABORT
-        pair.settle()
+        decode_abort_in_flight(pair, prompts(1, [200])[0])
         check_free(pair)
+
+
+def decode_abort_in_flight(pair: Pair, ids: list[int]) -> None:
+    """A request the decode aborts after one step of each side (its transfer under way); both
+    sides finish it, the pair settles."""
+    a = pair.reqs(ids)
+    pair.prefill.add_request(a[0])
+    pair.decode.add_request(a[1])
+    pair.prefill.step()
+    pair.decode.step()
+    pair.decode.abort(a[1].rid)
+    pair.run([], until=lambda: a[0].finished and a[1].finished)
+    assert a[1].finish_reason is FinishReason.ABORT
+    pair.settle()
+
+
+def run_one(pair: Pair, ids: list[int], reference: Reference) -> tuple[int, int, Req]:
+    """One request through the pair: (bytes the prefill wrote, prompt tokens the decode had cached,
+    the finished decode request), its output checked against the reference."""
+    before, hits = pair.sender.stats.bytes_written, pair.decode.stats()["prefix_hit_tokens"]
+    p, d = pair.reqs(ids)
+    pair.run([(p, d)])
+    assert d.finish_reason is FinishReason.LENGTH, d.finish_detail
+    assert_pd_matches([d], [ids], reference)
+    return pair.sender.stats.bytes_written - before, pair.decode.stats()["prefix_hit_tokens"] - hits, d
 
 
 def greedy_and_bytes_as_predicted(

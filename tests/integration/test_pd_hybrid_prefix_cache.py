@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 
 from kvpipe.cache.hybrid_radix_cache import HybridRadixCache
-from kvpipe.engine.request import FinishReason, Req
 from kvpipe.model.config import ModelConfig
 from kvpipe.model.presets import write_preset
-from tests.helpers.pd_pair import PS, Pair, assert_pd_matches, colocated_greedy, make_pair
+from tests.helpers.pd_pair import PS, colocated_greedy, make_pair, run_one
 from tests.helpers.pd_parity import expected_bytes, state_slot_nbytes
 
 
@@ -29,17 +28,6 @@ def model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def reference(model_dir):
     yield from colocated_greedy(model_dir)
-
-
-def run_one(pair: Pair, ids: list[int], reference) -> tuple[int, int, Req]:
-    """One request through the pair: (bytes the prefill wrote, prompt tokens the decode had cached,
-    the finished decode request), its output checked against the reference."""
-    before, hits = pair.sender.stats.bytes_written, pair.decode.stats()["prefix_hit_tokens"]
-    p, d = pair.reqs(ids)
-    pair.run([(p, d)])
-    assert d.finish_reason is FinishReason.LENGTH, d.finish_detail
-    assert_pd_matches([d], [ids], reference)
-    return pair.sender.stats.bytes_written - before, pair.decode.stats()["prefix_hit_tokens"] - hits, d
 
 
 @pytest.mark.parametrize("prefill_cache", [False, True])

@@ -17,10 +17,20 @@ import pytest
 from kvpipe.cache.swa_radix_cache import SWARadixCache
 from kvpipe.cache.window_pages import window_first_page
 from kvpipe.config import FaultInjection
-from kvpipe.engine.request import FinishReason, Req
+from kvpipe.engine.request import FinishReason
 from kvpipe.model.config import ModelConfig
 from kvpipe.model.presets import write_preset
-from tests.helpers.pd_pair import GREEDY, PS, Pair, assert_pd_matches, colocated_greedy, make_pair, prompts
+from tests.helpers.pd_pair import (
+    GREEDY,
+    PS,
+    Pair,
+    assert_pd_matches,
+    colocated_greedy,
+    decode_abort_in_flight,
+    make_pair,
+    prompts,
+    run_one,
+)
 from tests.helpers.pd_parity import expected_bytes
 
 
@@ -32,17 +42,6 @@ def model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def reference(model_dir):
     yield from colocated_greedy(model_dir)
-
-
-def run_one(pair: Pair, ids: list[int], reference) -> tuple[int, int, Req]:
-    """One request through the pair: (bytes the prefill wrote, prompt tokens the decode had cached,
-    the finished decode request), its output checked against the reference."""
-    before, hits = pair.sender.stats.bytes_written, pair.decode.stats()["prefix_hit_tokens"]
-    p, d = pair.reqs(ids)
-    pair.run([(p, d)])
-    assert d.finish_reason is FinishReason.LENGTH, d.finish_detail
-    assert_pd_matches([d], [ids], reference)
-    return pair.sender.stats.bytes_written - before, pair.decode.stats()["prefix_hit_tokens"] - hits, d
 
 
 @pytest.mark.parametrize("prefill_cache,groups", [(False, 1), (True, 2)])
@@ -121,13 +120,5 @@ def test_failed_and_aborted_transfers_insert_nothing_and_leak_nothing(model_dir,
         assert st["rooms_failed"] > 0 and st["rooms_succeeded"] > 0, st
         pair.settle()
         assert_only_cached(pair)
-        a = pair.reqs(system + prompts(1, [200])[0])
-        pair.prefill.add_request(a[0])
-        pair.decode.add_request(a[1])
-        pair.prefill.step()
-        pair.decode.step()
-        pair.decode.abort(a[1].rid)
-        pair.run([], until=lambda: a[0].finished and a[1].finished)
-        assert a[1].finish_reason is FinishReason.ABORT
-        pair.settle()
+        decode_abort_in_flight(pair, system + prompts(1, [200])[0])
         assert_only_cached(pair)
