@@ -8,7 +8,6 @@ accounted for at the end."""
 
 from __future__ import annotations
 
-import random
 import time
 
 import pytest
@@ -19,6 +18,7 @@ from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import FinishReason, Req, SamplingParams
 from kvpipe.model.presets import write_preset
 from tests.helpers.engine import generations, one_at_a_time
+from tests.helpers.prefix_prompts import assert_system_and_turn_hits, conversation, system_prompts
 from tests.helpers.tolerance import Generation, Route, assert_same_generations
 
 PS = 16
@@ -40,28 +40,6 @@ def make_engine(
     return Engine(cfg)
 
 
-def system_prompts(seed: int = 0) -> list[list[int]]:
-    """Groups of prompts sharing a system prompt, then two unrelated ones."""
-    rnd = random.Random(seed)
-    tok = lambda n: [rnd.randrange(3, 250) for _ in range(n)]  # noqa: E731
-    out = []
-    for n in SYSTEM_LENS:
-        system = tok(n)
-        out += [system + tok(rnd.randint(3, 30)) for _ in range(PER_SYSTEM)]
-    return out + [tok(20), tok(33)]
-
-
-def conversation(eng: Engine, seed: int = 1) -> tuple[list[list[int]], list[Generation]]:
-    """TURNS turns, each prompt the previous one, its answer and a new message, one at a time."""
-    rnd = random.Random(seed)
-    prompt, ps, gens = [rnd.randrange(3, 250) for _ in range(40)], [], []
-    for _ in range(TURNS):
-        ps.append(prompt)
-        gens.append(one_at_a_time(eng, [prompt], GREEDY)[0])
-        prompt = prompt + list(gens[-1].tokens) + [rnd.randrange(3, 250) for _ in range(rnd.randint(5, 20))]
-    return ps, gens
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return write_preset("tiny-gpt-oss", tmp_path_factory.mktemp("tiny_gpt_oss_cache"))
@@ -73,9 +51,9 @@ def reference(model_dir) -> tuple[list[list[int]], list[Generation]]:
     eng = make_engine(model_dir, radix_cache=False)
     try:
         assert eng.prefix_cache is None
-        ps = system_prompts()
+        ps = system_prompts(SYSTEM_LENS, PER_SYSTEM)
         gens = one_at_a_time(eng, ps, GREEDY)
-        turns, turn_gens = conversation(eng)
+        turns, turn_gens = conversation(eng, TURNS, GREEDY)
         return ps + turns, gens + turn_gens
     finally:
         eng.shutdown()
@@ -111,18 +89,7 @@ def test_cache_on_equals_off_and_reports_cached_tokens(model_dir, reference, chu
         got = results(eng, ps)  # one at a time: later prompts hit what earlier ones left
         assert_same_generations([Generation.of(r) for r in got], want, Route.SAME_PROCESS, ps, "one at a time")
         cached = [r["meta_info"]["cached_tokens"] for r in got]
-        assert all(c % PS == 0 and c < len(p) for c, p in zip(cached, ps))
-        # per system prompt: the first caches its prompt with the window before its prompt end;
-        # the second finds the full pages of the shared prefix and the window there only if the
-        # first prompt's end fell in the same page (else it keeps the window there: the branch
-        # point); the rest hit it
-        for g, n in enumerate(SYSTEM_LENS):
-            group, shared = cached[g * PER_SYSTEM : (g + 1) * PER_SYSTEM], n // PS * PS
-            first_end = (len(ps[g * PER_SYSTEM]) - 1) // PS * PS
-            assert group[0] == 0 and group[1] == (shared if first_end == shared else 0), (n, group)
-            assert group[2:] == [shared] * (PER_SYSTEM - 2), (n, group)
-        turns = cached[-TURNS:]
-        assert turns[0] == 0 and all(c >= 32 for c in turns[1:]), turns  # each turn reuses the last
+        assert_system_and_turn_hits(cached, ps, SYSTEM_LENS, PER_SYSTEM, TURNS, PS)
         assert swa_cache(eng).num_swa_pages > 0
         # batched, everything cached now: the same outputs again
         assert_same_generations(generations(eng, ps, GREEDY), want, Route.SAME_PROCESS, ps, "batched")
