@@ -187,6 +187,7 @@ def test_compare_colocated_smoke(tmp_path: Path, capsys: pytest.CaptureFixture) 
     assert prefill["total"] + decode["total"] <= max(2, res["machine"]["cores"])
 
 
+@pytest.mark.slow  # the /generate sibling (test_compare_colocated_smoke) runs in make test
 def test_compare_colocated_chat(tmp_path: Path) -> None:
     """--compare-colocated --api chat: both sides (the PD stack behind its router, and the
     colocated server) answer every chat request, and count the rendered prompts alike."""

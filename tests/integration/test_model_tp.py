@@ -72,7 +72,7 @@ def model_dirs(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_tp_matches_tp1(world, model_dirs, tmp_path):
     ranks = run_ranks(_run_all, world, tmp_path, model_dirs)
     for name, d in model_dirs.items():

@@ -65,7 +65,7 @@ PD_FLAGS = [
     "5",
 ]
 PAIRINGS = [(1, 1), (1, 3), (3, 1)]
-SLOW_PAIRINGS = {(1, 3)}  # the full sweep (`make test-full`); 1P1D and 3P1D run in `make test`
+SLOW_PAIRINGS = {(1, 3), (3, 1)}  # the full sweep (`make test-full`); 1P1D runs in `make test` (xPyD: test_launch_xpyd)
 
 
 @dataclass(frozen=True)

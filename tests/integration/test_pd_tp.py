@@ -61,7 +61,8 @@ def check_parity(stack: Stack, model_dir: Path, reference, p_tp: int, d_tp: int,
         pytest.param(2, 2, 0, 1, marks=pytest.mark.slow),  # plain path, unchunked
         # replicated heads on decode: prefill writes each head twice
         pytest.param(1, 4, 48, 2, marks=pytest.mark.slow),
-        (4, 1, 64, 2),  # replicated heads on prefill: only one of each pair sends
+        # replicated heads on prefill: only one of each pair sends (make test: test_pd_tp2_to_tp1)
+        pytest.param(4, 1, 64, 2, marks=pytest.mark.slow),
     ],
 )
 def test_pd_tp_matches_colocated(
