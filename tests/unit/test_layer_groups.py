@@ -71,11 +71,15 @@ def test_cost_model_pipelines_when_transfer_is_comparable_to_compute():
     pl = _planner(group_overhead_ms=1.0)
     ch = pl.choose(tokens=2048, kv_bytes=1_200_000_000)  # T = 1200 ms = C
     # T = C: the link is busy from the first group's KV to the last, so the largest group's
-    # transfer stays exposed whatever the shape: one layer per group (100 ms) for 11 overheads
-    assert ch.reason == "cost-model" and ch.groups == 12 and ch.bounds is None
-    assert ch.predicted_ms == pytest.approx(1200 + 100 + 11 * 1.0)
+    # transfer stays exposed whatever the shape; at most 8 groups of 12 layers have a 2-layer
+    # group, so 6 equal groups (the fewest overheads) are cheapest
+    assert ch.reason == "cost-model" and ch.groups == 6 and ch.bounds is None
+    assert ch.predicted_ms == pytest.approx(1200 + 200 + 5 * 1.0)
     assert ch.predicted_ms < 0.6 * predicted_ttft_ms(ch.compute_ms, ch.transfer_ms, 1, 1.0)
     assert pl.last is ch
+    # with one group per layer allowed, one layer's transfer (100 ms) for 11 overheads
+    ch = _planner(group_overhead_ms=1.0, max_groups=16).choose(tokens=2048, kv_bytes=1_200_000_000)
+    assert ch.groups == 12 and ch.predicted_ms == pytest.approx(1200 + 100 + 11 * 1.0)
 
 
 def test_tapered_split_where_the_ends_matter():
