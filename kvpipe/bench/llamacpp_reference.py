@@ -1,5 +1,5 @@
 """llama.cpp on the same GGUF: the baseline `kvpipe bench engine --compare-llamacpp` reports its
-ratios against (the `bench` extra installs `llama-cpp-python`).
+ratios against (the `llamacpp` extra installs `llama-cpp-python`: `.venv/bin/pip install -e '.[llamacpp]'`).
 
 Run the way a user of `llama_cpp.Llama` would, with kvpipe's thread count for both its batch and
 its single-token threads:
@@ -38,7 +38,7 @@ def _llama_cpp() -> Any:
         import llama_cpp
     except ImportError:
         raise SystemExit(
-            "kvpipe bench engine: --compare-llamacpp needs llama-cpp-python (pip install 'kvpipe[bench]')"
+            "kvpipe bench engine: --compare-llamacpp needs llama-cpp-python (pip install -e '.[llamacpp]')"
         ) from None
     return llama_cpp
 
