@@ -182,3 +182,24 @@ def step_until_finished(engine: Engine, reqs: list[Req], max_steps: int = 2000) 
             return outs
         outs.extend(engine.step())
     raise AssertionError(f"not finished after {max_steps} steps: {[r.rid for r in reqs if not r.finished]}")
+
+
+def assert_every_draft_accepted(
+    eng: Engine,
+    ps: list[list[int]],
+    reference: list[Generation],
+    params: SamplingParams,
+    verify_steps: int,
+    label: str,
+) -> None:
+    """A drafter that predicts the target exactly (a draft equal to the target, an MTP layer that
+    is the target's bigram): output as the reference, every draft accepted, each request's
+    max_new_tokens - 1 tokens after the prefill's emitted in `verify_steps` verify steps; again
+    with every prompt behind its cached prefix."""
+    assert_engine_matches(eng, ps, reference, Route.SAME_PROCESS, params, label)
+    c = eng.spec_counts
+    assert c.proposed > 0 and c.accepted == c.proposed, c  # accept rate 1.0
+    assert c.emitted == c.verify_ct + c.accepted == (params.max_new_tokens - 1) * len(ps)
+    assert c.verify_ct == verify_steps * len(ps)
+    assert_engine_matches(eng, ps, reference, Route.SAME_PROCESS, params, f"{label}, cached")
+    assert eng.spec_counts.accepted == eng.spec_counts.proposed
