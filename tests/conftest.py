@@ -5,8 +5,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-import torch
+# Set before torch loads libgomp, and inherited by every server a test starts. The tests' servers
+# share 2 cores with the xdist workers and with each other, and libgomp's default spin-wait after
+# each parallel region burns the core a peer needs: a server test module ran 1.5-2x slower beside
+# two busy torch processes (31 tests: 42 s and 31 s spinning, 21 s and 20 s PASSIVE). Servers
+# started outside the tests keep the default; `kvpipe launch` gives each part its own cores.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from kvpipe.model.presets import write_preset
 
