@@ -90,11 +90,20 @@ def run(stack: Stack, reference, p_tp: int, d_tp: int, what: str) -> list[dict]:
 # head slices in tests/unit/test_draft_transfer_tp.py. Negative control (run by hand): a prefill that
 # skips decode rank 1's draft KV keeps the outputs but fails the every-draft-accepted check.
 @pytest.mark.slow
-@pytest.mark.parametrize("p_tp,d_tp", [(1, 2), (2, 2)])
-def test_standalone_draft_equal_to_target(tiny_model_dir: Path, tmp_path: Path, reference, p_tp: int, d_tp: int):
+@pytest.mark.parametrize(
+    "p_tp,d_tp,staging",
+    [(1, 2, False), (2, 2, False), (1, 2, True)],
+    ids=["tp1-tp2", "tp2-tp2", "tp1-tp2-staging"],
+)
+def test_standalone_draft_equal_to_target(
+    tiny_model_dir: Path, tmp_path: Path, reference, p_tp: int, d_tp: int, staging: bool
+):
     """Every draft accepted: 5 steps of 3 drafts and one of 2 after the prefill's token (23 tokens),
-    which a missing or misplaced draft KV head on one decode rank would break at the first step."""
-    stack = start_tp_stack(tiny_model_dir, tmp_path, p_tp, d_tp, (*CHUNK, *standalone_flags(tiny_model_dir)))
+    which a missing or misplaced draft KV head on one decode rank would break at the first step.
+    With the decode's staging ring on, the target's head slices go through it, the draft's as page
+    ops beside them."""
+    ring = ("--disaggregation-staging-buffer", "on", "--disaggregation-staging-pool-size-mb", "1") if staging else ()
+    stack = start_tp_stack(tiny_model_dir, tmp_path, p_tp, d_tp, (*CHUNK, *ring, *standalone_flags(tiny_model_dir)))
     try:
         metas = run(stack, reference, p_tp, d_tp, "STANDALONE, draft = target")
         assert all(
@@ -102,6 +111,8 @@ def test_standalone_draft_equal_to_target(tiny_model_dir: Path, tmp_path: Path, 
         ), metas
         target_kv = expected_bytes(tiny_model_dir, LENGTHS, PS, p_tp, d_tp)
         assert disagg_stats(stack.prefill)["bytes_written"] == 2 * target_kv  # the draft is the target
+        if staging:
+            assert disagg_stats(stack.decode)["staging_ring"]["granted"] > 0
     except BaseException:
         print(stack.logs())
         raise
