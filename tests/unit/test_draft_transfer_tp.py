@@ -2,12 +2,15 @@
 the draft's heads pair up by the target's rank mapping over the draft's own head count, so each
 decode rank gets its shard of the draft's heads once, as head slices of each page after the
 target's layers; a replicated draft head is sent by one prefill rank only, also where that rank
-owes the decode no target head; a decode rank that holds another draft head range is refused."""
+owes the decode no target head; a decode rank that holds another draft head range is refused;
+the handshake names the draft's KV heads before TP, so servers of different TP agree."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from kvpipe.config import ServerConfig, SpeculativeConfig
+from kvpipe.disagg.draft_transfer import speculative_handshake
 from kvpipe.transfer.control import messages as m
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.sender.book import SenderBook
@@ -131,3 +134,15 @@ def test_a_decode_rank_with_another_draft_head_range_is_refused():
     b.on_message(m.TransferRequest(1, "d/1", DST_PAGES, 0, 0, dst_draft_pages=DST_DRAFT_PAGES), 0.0)
     reasons = [s.reason for s in sent if isinstance(s, m.TransferStatus)]
     assert reasons and "holds draft KV heads [0, 2), TP 2 rank 1 needs [2, 4)" in reasons[0], reasons
+
+
+def test_the_handshake_names_the_draft_kv_before_tp(tiny_model_dir):
+    """The handshake's speculative field is the same for every TP (the draft's KV heads before TP):
+    a TP 1 prefill and a TP 2 decode with the same draft agree; each rank's slice is checked per
+    pair at registration (above)."""
+    spec = SpeculativeConfig("STANDALONE", draft_model_path=str(tiny_model_dir))
+    cfg = ServerConfig(model_path=str(tiny_model_dir), speculative=spec)
+    whole = speculative_handshake(cfg, draft(1 << 30, 4, 0, 4))
+    shards = [speculative_handshake(cfg, draft(r << 30, 2, 2 * r, 4)) for r in range(2)]
+    assert shards == [whole, whole] and whole.endswith("x1x4x4")
+    assert speculative_handshake(cfg, draft(1 << 30, 2, 0, 2)) != whole  # another draft head count
