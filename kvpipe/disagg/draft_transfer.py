@@ -1,10 +1,15 @@
 """PD with a STANDALONE draft model (issue 27): the prefill runs the draft over the prompt and
 sends its KV with the target's, so the decode drafts at once with nothing recomputed.
 
-Flow (TP 1 on both sides: a draft model runs with TP 1 only, engine/draft_model.py):
-- both sides register the draft model's KV pool with their backend next to the target's
-  (TransferWorker.set_draft_pool, setup.register_pool); a decode rank announces its draft pool
-  in RegisterPeer.draft, checked against the prefill's (sender/peers.py);
+Flow (any TP on either side: the draft model is sharded like the target, engine/draft_model.py):
+- every rank of both sides registers its shard of the draft model's KV pool with its backend next
+  to the target's (TransferWorker.set_draft_pool, setup.register_pool; a TP child's from its own
+  draft runner, tp_group.py); a decode rank announces its draft pool (its head range among the
+  draft's KV heads) in RegisterPeer.draft, checked against the prefill's (sender/peers.py);
+- heterogeneous TP: the draft's heads pair up by the target's rank mapping over the draft's own
+  head count (SenderPeers.draft_heads; a replicated draft head is sent by one prefill rank), and
+  each page's head slice is one op per (layer, K/V, page run) of the head-major layout, never
+  staged (sender/room.py);
 - the decode reserves draft-pool pages for the whole prompt next to the target's (the engine,
   DraftModel.reserve_prompt; none when its draft pool is full: the request then catches up on the
   prompt at its first decode step, as without PD) and asks for them in
@@ -31,6 +36,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvpipe.config import ServerConfig
+from kvpipe.disagg.setup import rank_layout
 from kvpipe.model.identity import checkpoint_digest
 from kvpipe.transfer.control.handshake import SPECULATIVE_NONE
 from kvpipe.transfer.planning.layout import KVLayout
@@ -39,9 +45,11 @@ if TYPE_CHECKING:
     from kvpipe.cache.kv_pool import KVPool
 
 
-def draft_layout(pool: KVPool) -> KVLayout:
-    """The draft model's pool as the transfer layer sees it (TP 1: every head)."""
-    return KVLayout.from_pool(pool)
+def draft_layout(cfg: ServerConfig, rank: int, pool: KVPool, total_kv_heads: int | None = None) -> KVLayout:
+    """A TP rank's shard of the draft model's pool as the transfer layer sees it: its head range
+    among the draft's `total_kv_heads` (None: the pool holds every head, TP 1), split like the
+    target's (setup.rank_layout)."""
+    return rank_layout(cfg, rank, pool, pool.kv_heads if total_kv_heads is None else total_kv_heads)
 
 
 def speculative_handshake(cfg: ServerConfig, draft: KVLayout | None) -> str:

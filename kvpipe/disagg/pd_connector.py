@@ -36,7 +36,7 @@ class PDConnector(KVConnector):
     def _attach_draft(self, ctx: ConnectorContext) -> None:
         """Rank 0's worker registers and moves the draft model's KV too (before the start)."""
         if self.local_worker is not None:
-            self.local_worker.set_draft_pool(ctx.draft_pool)
+            self.local_worker.set_draft_pool(ctx.draft_pool, ctx.draft_kv_heads)
 
     def _start_ranks(self, workers: WorkerGroup, cmd: object) -> None:
         timeout = self.cfg.disaggregation.bootstrap_timeout_s + START_MARGIN_S

@@ -9,8 +9,8 @@ Every TP rank holds a shard of the KV pool (its KV heads), so every rank moves i
   the rooms its sender is done with.
 - decode: the rank registers its pool with its own backend and tells rank 0 its layout and data
   address; rank 0's KVReceiver speaks for it.
-With a STANDALONE draft model (TP 1 only) rank 0 also registers the draft model's KV pool, which
-moves as the layers after the target's (disagg/draft_transfer.py).
+With a STANDALONE draft model every rank also registers its shard of the draft model's KV pool,
+which moves as the layers after the target's (disagg/draft_transfer.py).
 Errors of one room (a refused page table, a planning error) fail that room on this rank; rank 0
 tallies every rank's outcome (kvpipe/disagg/tally.py).
 """
@@ -89,10 +89,11 @@ class TransferWorker(KVConnectorWorker):
         # set by rank 0's connector before the start (set_draft_pool): the draft model's KV pool
         self.draft_layout: KVLayout | None = None
 
-    def set_draft_pool(self, pool: KVPool | None) -> None:
-        """The engine's STANDALONE draft model keeps its KV in `pool` (rank 0, TP 1): it is
+    def set_draft_pool(self, pool: KVPool | None, total_kv_heads: int | None = None) -> None:
+        """The engine's STANDALONE draft model keeps this rank's shard of its KV in `pool`
+        (`total_kv_heads`: the draft model's before TP; None: the pool's own, TP 1): it is
         registered and sent with the target's KV (before the start)."""
-        self.draft_layout = None if pool is None else draft_layout(pool)
+        self.draft_layout = None if pool is None else draft_layout(self.cfg, self.rank, pool, total_kv_heads)
 
     # ---- between forwards ------------------------------------------------------------------
     def handle(self, cmd: object) -> object | None:

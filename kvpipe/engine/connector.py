@@ -99,9 +99,10 @@ class ConnectorContext:
     # any thread: news for poll() arrived, run the engine's next step now instead of after its
     # poll interval (a first token from the prefill should not wait for a timer)
     wake: Callable[[], None] = lambda: None
-    # the STANDALONE draft model's KV pool (rank 0, TP 1), whose pages move with the target's
+    # the STANDALONE draft model's KV pool (rank 0's shard), whose pages move with the target's
     # (req.draft_pages); None: no draft model
     draft_pool: KVPool | None = None
+    draft_kv_heads: int | None = None  # the draft model's KV heads before TP (None: draft_pool's own)
 
 
 class KVConnectorWorker(ABC):
@@ -123,6 +124,10 @@ class KVConnectorWorker(ABC):
     def poll(self) -> object | None:
         """News for rank 0's connector (None: nothing new)."""
         return None
+
+    def set_draft_pool(self, pool: KVPool | None, total_kv_heads: int | None = None) -> None:
+        """This rank's shard of a STANDALONE draft model's KV pool (`total_kv_heads`: the draft
+        model's, before TP), set before the start; a connector that moves no draft KV ignores it."""
 
     def close(self) -> None:
         """Stop threads and release transfer resources (idempotent)."""

@@ -12,24 +12,29 @@ PD (disagg/draft_transfer.py): a prefill reserves draft pages for a request's wh
 first forward and runs the draft over each prompt chunk after the target (`prefill_forward`); its
 KV goes to the decode with the target's. The decode reserves the prompt's draft pages with the
 target's (`reserve_prompt`) and takes what landed as written (`kv_arrived`).
+
+TP (--tp-size > 1): the draft model is sharded like the target, over the same TP group (SGLang
+runs the draft worker with the target's TP): every rank loads its shard of heads and MLP
+(tp_group.build_draft_runner) with its own draft KV pool of the same page ids, rank 0 alone keeps
+the book and sends each draft forward to every rank (TPGroup.run_draft), so all ranks write the
+draft KV of the same tokens and rank 0 picks each draft from the all-reduced logits.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 
 import numpy as np
 import torch
 
 from kvpipe.cache.page_allocator import PageAllocator
-from kvpipe.config import ConfigError, ServerConfig
+from kvpipe.config import ConfigError, ParallelConfig, ServerConfig
 from kvpipe.engine.batch import ForwardSpec, ScheduledBatch
 from kvpipe.engine.draft_book import DraftBook
-from kvpipe.engine.model_runner import ModelRunner
 from kvpipe.engine.request import Req
+from kvpipe.engine.tp_group import TPGroup, build_draft_runner
+from kvpipe.model.causal_lm import check_parallel
 from kvpipe.model.config import ModelConfig
-from kvpipe.model.loader import load_model
 
 
 def check_draft_model(cfg: ServerConfig, target: ModelConfig, draft: ModelConfig) -> None:
@@ -44,25 +49,33 @@ def check_draft_model(cfg: ServerConfig, target: ModelConfig, draft: ModelConfig
         raise ConfigError(
             f"--speculative-draft-model-path {path}: a hybrid or sliding-window draft model is not supported yet"
         )
-    if cfg.tp_size > 1:
-        raise ConfigError(
-            f"--speculative-algorithm STANDALONE with --tp-size {cfg.tp_size}: not supported yet "
-            "(the draft model runs with TP 1 only; in PD both servers run it and move its KV, so both "
-            "need --tp-size 1: heterogeneous TP of draft KV is not built)"
-        )
+    if cfg.tp_size > 1:  # sharded like the target (the same TP group): its heads must split too
+        try:
+            check_parallel(draft, ParallelConfig(cfg.tp_size))
+        except ConfigError as e:
+            raise ConfigError(f"--speculative-draft-model-path {path} with --tp-size {cfg.tp_size}: {e}") from None
 
 
 class DraftModel:
-    def __init__(self, cfg: ServerConfig, target: ModelConfig, device: str) -> None:
+    def __init__(self, cfg: ServerConfig, target: ModelConfig, device: str, tp: TPGroup | None = None) -> None:
+        """`tp`: the target's TP group (--tp-size > 1): every rank holds a shard of the draft model
+        and runs each draft forward with rank 0 (TPGroup.run_draft), which alone keeps the book."""
         path = cfg.speculative.draft_model_path
         assert path is not None
         self.model_config = ModelConfig.from_dir(path)
         check_draft_model(cfg, target, self.model_config)
-        model = load_model(path, device=device, dtype=None if cfg.dtype == "auto" else cfg.dtype)
-        cache = replace(cfg.cache, kv_cache_dtype="auto")  # the draft's own KV in its compute dtype
-        self.runner = ModelRunner(model, cache, device, cfg.scheduler)
-        self.page_size = cache.page_size
-        self.book = DraftBook(PageAllocator(cache.pages(), cache.debug_checks), cache.page_size)
+        self._tp = tp
+        # the draft's own KV in its compute dtype, its heads split like the target's
+        self.runner = build_draft_runner(cfg, ParallelConfig(cfg.tp_size, 0), device)
+        self.page_size = cfg.cache.page_size
+        self.book = DraftBook(PageAllocator(cfg.cache.pages(), cfg.cache.debug_checks), cfg.cache.page_size)
+
+    def _run(self, spec: ForwardSpec | None, after: tuple[object, int, int] | None = None) -> torch.Tensor | None:
+        """A draft forward on every rank (rank 0's logits); `after`: the children's connector
+        workers then ship those send layers (a PD prefill's draft KV)."""
+        if self._tp is not None:
+            return self._tp.run_draft(self.runner, spec, after)
+        return None if spec is None else self.runner.run(spec)
 
     @torch.inference_mode()
     def propose(self, rid: str, tokens: Sequence[int], num_drafts: int) -> list[int]:
@@ -84,7 +97,7 @@ class DraftModel:
         """One row's forward of `token_ids` at positions prefix_len..; the argmax after the last."""
         used = -(-(prefix_len + len(token_ids)) // self.page_size)
         spec = ForwardSpec((token_ids,), (prefix_len,), (np.ascontiguousarray(pages[:used]),), (True,))
-        logits = self.runner.run(spec)
+        logits = self._run(spec)
         assert logits is not None
         return int(torch.argmax(logits[0]).item())
 
@@ -102,10 +115,12 @@ class DraftModel:
             req.draft_pages = pages.copy()
 
     @torch.inference_mode()
-    def prefill_forward(self, batch: ScheduledBatch) -> None:
+    def prefill_forward(self, batch: ScheduledBatch, after: tuple[object, int, int] | None = None) -> None:
         """PD prefill: the draft's KV of each row's prompt up to the end of this chunk, in one
         extend forward (from the draft KV's end: a prefix the target took from its cache is computed
-        here too). Rows without draft pages are left out."""
+        here too). Rows without draft pages are left out. `after` (connector meta, send layers):
+        what the TP children's connector workers ship once their shard ran (rank 0's caller ships
+        its own)."""
         rows, starts, tables, ids = [], [], [], []
         for req, pre, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
             seq = self.book.seqs.get(req.rid)
@@ -118,9 +133,11 @@ class DraftModel:
             ids.append([int(t) for t in req.input_ids[start:end]])
             tables.append(np.ascontiguousarray(seq.pages[: -(-end // self.page_size)]))
         if not rows:
+            if self._tp is not None and after is not None:
+                self._tp.run_draft(self.runner, None, after)
             return
         spec = ForwardSpec(tuple(ids), tuple(starts), tuple(tables), (False,) * len(rows))
-        self.runner.run(spec)
+        self._run(spec, after)
         for req, toks in zip(rows, ids):
             self.book.wrote(req.rid, toks)
 

@@ -112,10 +112,10 @@ class Engine:
         else:
             device = cfg.device
             self.runner = build_runner(cfg, ParallelConfig(), device)
-        # STANDALONE: the draft model and its own KV, in this process (TP 1, checked above)
+        # STANDALONE: the draft model and its own KV, sharded over the TP group like the target
         self.draft: DraftModel | None = None
         if self.spec.draft_model_path is not None:
-            self.draft = DraftModel(cfg, self.model_config, device)
+            self.draft = DraftModel(cfg, self.model_config, device, self._tp)
         # NEXTN: the checkpoint's MTP layer, fed the target's hidden states of every forward
         self.mtp: MTPDrafter | None = None
         if self.spec.uses_mtp:
@@ -194,7 +194,12 @@ class Engine:
                 draft_pool = self.draft.runner.pool if self.draft is not None else None
                 connector.start(
                     ConnectorContext(
-                        cfg, self.model_config, RankWorkers(self._worker, self._tp), self._wake, draft_pool=draft_pool
+                        cfg,
+                        self.model_config,
+                        RankWorkers(self._worker, self._tp),
+                        self._wake,
+                        draft_pool=draft_pool,
+                        draft_kv_heads=self.draft.model_config.kv_cache_heads if self.draft is not None else None,
                     )
                 )
             except BaseException:
@@ -446,10 +451,11 @@ class Engine:
         if self.mtp is not None:
             self.mtp.keep(batch, self.runner.take_hidden())
         if draft_kv is not None:  # the draft model's KV of the chunk, sent as the last layer group
-            draft_kv.prefill_forward(batch)
+            n_kv = self.runner.pool.num_layers
+            send = (n_kv, n_kv + draft_kv.num_layers)
+            draft_kv.prefill_forward(batch, after=(plan.meta, *send) if callback is not None else None)
             if callback is not None:
-                n_kv = self.runner.pool.num_layers
-                callback(n_kv, n_kv + draft_kv.num_layers, None)
+                callback(*send, None)
         if prefill:
             for req, n_new in zip(batch.reqs, batch.extend_lens):
                 req.timeline.mark(Phase.FORWARD_END, value=n_new)

@@ -58,17 +58,14 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def check_nextn(cfg: ServerConfig, model: ModelConfig) -> None:
-    """Refuse NEXTN where it cannot run (yet): no MTP layer, TP > 1, a PD server."""
+    """Refuse NEXTN where it cannot run (yet): no MTP layer, a PD server. With --tp-size > 1 the
+    MTP layer runs whole on rank 0 (the target's last hidden states, its embedding and lm_head are
+    replicated on every rank; the MLA latent is TP-invariant), not sharded over the TP group."""
     algo = cfg.speculative.algorithm
     if model.num_nextn_predict_layers < 1:
         raise ConfigError(
             f"--speculative-algorithm {algo} drafts with the checkpoint's multi-token-prediction layer "
             f"(DeepSeek-V3's num_nextn_predict_layers); {cfg.model_path} ({model.architecture}) has none"
-        )
-    if cfg.tp_size > 1:
-        raise ConfigError(
-            f"--speculative-algorithm {algo} with --tp-size {cfg.tp_size}: not supported yet "
-            "(the MTP layer runs with TP 1 only)"
         )
     if cfg.disaggregation.mode != "null":
         raise ConfigError(

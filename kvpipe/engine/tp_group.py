@@ -31,6 +31,8 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
@@ -47,6 +49,7 @@ from kvpipe.engine.host_memory import tune_malloc
 from kvpipe.engine.model_runner import GroupCallback, ModelRunner, snapshot_slots
 from kvpipe.engine.tp_messages import (
     CommandMsg,
+    DraftStepMsg,
     ErrorMsg,
     HelloMsg,
     ReadyMsg,
@@ -83,6 +86,17 @@ def build_runner(cfg: ServerConfig, parallel: ParallelConfig, device: str) -> Mo
         quantization=cfg.quantization,
     )
     return ModelRunner(model, cfg.cache, device, cfg.scheduler, snapshot_slots(cfg))
+
+
+def build_draft_runner(cfg: ServerConfig, parallel: ParallelConfig, device: str) -> ModelRunner:
+    """This rank's shard of a STANDALONE draft model (engine/draft_model.py) with its own KV pool:
+    heads split over the target's TP group (as SGLang runs the draft worker with the target's
+    TP), as many pages as the target's, in the model's compute dtype."""
+    path = cfg.speculative.draft_model_path
+    assert path is not None
+    group = dist.group.WORLD if parallel.tp_size > 1 else None
+    model = load_model(path, parallel, device, None if cfg.dtype == "auto" else cfg.dtype, group)
+    return ModelRunner(model, replace(cfg.cache, kv_cache_dtype="auto"), device, cfg.scheduler)
 
 
 def _init_rank(cfg: ServerConfig, rank: int, init_method: str) -> str:
@@ -133,13 +147,17 @@ def worker_main(fd: int, parent_pid: int) -> None:
         )
         conn.send(HelloMsg(rank))
         device = _init_rank(start.cfg, rank, start.init_method)
-        runner = build_runner(start.cfg, ParallelConfig(start.cfg.tp_size, rank), device)
+        parallel = ParallelConfig(start.cfg.tp_size, rank)
+        runner = build_runner(start.cfg, parallel, device)
+        draft = build_draft_runner(start.cfg, parallel, device) if start.cfg.speculative.draft_model_path else None
         if start.worker_factory is not None:
             worker = load_factory(start.worker_factory)(
                 start.cfg, rank, runner.pool, runner.model.cfg.kv_cache_heads, runner.state_pool
             )
+            if draft is not None:  # its shard of the draft KV moves with the target's (PD)
+                worker.set_draft_pool(draft.pool, draft.model.cfg.kv_cache_heads)
         conn.send(ReadyMsg(rank))
-        _serve(conn, rank, runner, worker)
+        _serve(conn, rank, runner, worker, draft)
     except EOFError:
         code = 2
     except BaseException:  # noqa: BLE001 - reported to rank 0, then this rank exits
@@ -158,8 +176,15 @@ def worker_main(fd: int, parent_pid: int) -> None:
     os._exit(code)
 
 
-def _serve(conn: Connection, rank: int, runner: ModelRunner, worker: KVConnectorWorker | None) -> None:
-    """A child's loop: forwards and commands in pipe order; while idle, the worker's news."""
+def _serve(
+    conn: Connection,
+    rank: int,
+    runner: ModelRunner,
+    worker: KVConnectorWorker | None,
+    draft: ModelRunner | None = None,
+) -> None:
+    """A child's loop: forwards (the target's, the draft model's) and commands in pipe order;
+    while idle, the worker's news."""
     while True:
         timeout = worker.poll_interval_s if worker is not None else None
         if conn.poll(timeout):
@@ -173,6 +198,13 @@ def _serve(conn: Connection, rank: int, runner: ModelRunner, worker: KVConnector
                     worker.before_forward(meta)
                     callback = lambda start, end, fb, w=worker, m=meta: w.after_layers(m, start, end)  # noqa: E731
                 runner.run(msg.spec, callback)
+            elif isinstance(msg, DraftStepMsg):
+                if draft is None:
+                    raise TypeError(f"TP rank {rank} has no draft model for a draft forward")
+                if msg.spec is not None:
+                    draft.run(msg.spec)
+                if msg.after is not None and worker is not None:
+                    worker.after_layers(*msg.after)
             elif isinstance(msg, CommandMsg):
                 if worker is None:
                     raise TypeError(f"TP rank {rank} has no KV connector worker for {type(msg.cmd).__name__}")
@@ -261,15 +293,31 @@ class TPGroup:
     def run(self, spec: ForwardSpec, on_group_done: GroupCallback | None = None) -> torch.Tensor | None:
         """Every rank forwards `spec`; `on_group_done` runs on rank 0 after each layer group (each
         layer ends in an all-reduce, so every rank has written that group's KV by then)."""
+        self._to_children(StepMsg(spec))
+        return self._run_here(lambda: self.runner.run(spec, on_group_done))
+
+    def run_draft(
+        self, draft: ModelRunner, spec: ForwardSpec | None, after: tuple[object, int, int] | None = None
+    ) -> torch.Tensor | None:
+        """Every rank forwards `spec` on its shard of the draft model (`draft`: rank 0's); with
+        `after`, the children's connector workers then ship those send layers (rank 0's caller
+        does its own). Returns rank 0's logits."""
+        self._to_children(DraftStepMsg(spec, after))
+        return self._run_here(lambda: None if spec is None else draft.run(spec))
+
+    def _to_children(self, msg: StepMsg | DraftStepMsg) -> None:
         for rank, conn in enumerate(self._conns, start=1):
             if self._procs[rank - 1].poll() is not None:
                 raise EngineLost(f"TP rank {rank} is gone (exit code {self._procs[rank - 1].returncode})")
             try:
-                conn.send(StepMsg(spec))
+                conn.send(msg)
             except OSError as e:
                 raise EngineLost(f"TP rank {rank} is unreachable: {e}") from e
+
+    def _run_here(self, forward: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
+        """Rank 0's part of a forward the children run too; a failure names the ranks that died."""
         try:
-            return self.runner.run(spec, on_group_done)
+            return forward()
         except Exception as e:
             why = f"TP forward failed: {e}{self._child_errors()}"
             if self.gone():  # a rank died under the collective: no later forward can succeed

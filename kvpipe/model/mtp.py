@@ -11,7 +11,8 @@ h_i is the target's last hidden state at position i AFTER its final norm (what S
 DeepseekV2Model returns and its EAGLE worker captures), t_{i+1} the token that followed; the MTP
 runs at position i (RoPE and KV slot of i). Chained drafts feed `out` back as h.
 
-Built for TP 1 (the drafter refuses more). `embed_tokens` and `shared_head.head` are the
+Built for TP 1: with a TP target the drafter runs it whole on rank 0, where the target's hidden
+states, embedding and lm_head are complete (replicated on every rank). `embed_tokens` and `shared_head.head` are the
 checkpoint's copies when it has them, else the target's (load_mtp's `embed`, `head`).
 """
 

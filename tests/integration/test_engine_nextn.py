@@ -244,8 +244,6 @@ def test_what_nextn_cannot_serve_is_refused(models, tiny_model_dir):
     path, _, _, _ = models
     with pytest.raises(ConfigError, match="multi-token-prediction"):
         make_engine(tiny_model_dir, speculative=nextn())  # a Llama: no MTP layer
-    with pytest.raises(ConfigError, match="TP 1 only"):
-        make_engine(path, speculative=nextn(), tp=2)
     eng_cfg = ServerConfig(model_path=str(path), speculative=nextn())
     for mode in ("prefill", "decode"):
         pd = replace(eng_cfg, disaggregation=replace(eng_cfg.disaggregation, mode=mode))

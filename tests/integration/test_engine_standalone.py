@@ -140,8 +140,6 @@ def test_unservable_draft_models_are_refused(models, tmp_path):
         make_engine(path, speculative=standalone(wide))
     with pytest.raises(ConfigError, match="hybrid or sliding-window"):
         make_engine(path, speculative=standalone(write_preset("tiny-qwen3.5", tmp_path / "q")))
-    with pytest.raises(ConfigError, match="TP 1 only"):
-        make_engine(path, speculative=standalone(path), tp=2)
     with pytest.raises(ConfigError, match="draft-model-path"):
         SpeculativeConfig("STANDALONE")
     with pytest.raises(ConfigError, match="draft-model-path"):

@@ -168,12 +168,13 @@ class ReceiverBook:
         return swa
 
     def check_draft_pages(self, room: int, draft_pages: np.ndarray | list[int] | None) -> np.ndarray | None:
-        """add_room's draft-pool pages (decode TP 1, a rank with a draft pool) as int64, or ValueError."""
+        """add_room's draft-pool pages as int64, or ValueError: every rank has a draft pool (its
+        shard of the draft's heads, the same page ids on every rank: one list for all)."""
         if draft_pages is None:
             return None
         draft = self.ranks[0].draft
-        if draft is None or self.tp_size != 1:
-            raise ValueError(f"room {room}: draft pages need a decode of TP 1 with a draft-model KV pool")
+        if draft is None or any(r.draft is None or r.draft.num_pages != draft.num_pages for r in self.ranks):
+            raise ValueError(f"room {room}: draft pages need a draft-model KV pool of one size on every decode rank")
         pages = np.asarray(draft_pages, dtype=np.int64).ravel()
         if pages.size and (pages.min() < 0 or pages.max() >= draft.num_pages or np.unique(pages).size != pages.size):
             raise ValueError(f"room {room}: draft pages must be distinct ids in [0, {draft.num_pages})")

@@ -161,10 +161,10 @@ class KVReceiver:
         which the prefill fills before it reports Success; swa_pages: sliding-window models (and
         only they): per decode rank like dst_pages and aligned with them, the page of the sliding
         layers for the same logical page, -1 where none is wanted (outside the window); the
-        prefill writes the sliding layers into those pages only; draft_pages: a decode of TP 1 with
-        a draft-model pool (STANDALONE speculative decoding): its pages for the prompt's draft KV
-        from token 0, which the prefill fills if it has the draft KV (the aux data's draft_tokens
-        says how much). Non-blocking.
+        prefill writes the sliding layers into those pages only; draft_pages: a decode whose ranks
+        have draft-model pools (STANDALONE speculative decoding, each rank its shard of the draft's
+        heads): their pages for the prompt's draft KV from token 0, the same ids on every rank,
+        which the prefill fills if it has the draft KV (the aux data's draft_tokens says how much). Non-blocking.
         Raises DuplicateRoomError if the room is active already, BootstrapRefused if this decode
         may not fetch from that address (reject that request only)."""
         pages = self._book.check_pages(room, dst_pages, prefix_len)

@@ -40,7 +40,7 @@ class ReceiverRoom:
     # sliding-window models: per decode rank, aligned with dst_pages, -1 where no window page is wanted
     swa_pages: tuple[np.ndarray, ...] | None = None
     # STANDALONE speculative decoding: the draft pool's pages for the prompt's draft KV from token 0
-    # (decode TP 1: rank 0's); None: no draft KV asked for
+    # (the same ids on every decode rank, each holding its shard of heads); None: no draft KV asked for
     draft_pages: np.ndarray | None = None
     expected: dict[int, int] = field(default_factory=dict)  # decode rank -> final statuses due
     finals: dict[int, int] = field(default_factory=dict)

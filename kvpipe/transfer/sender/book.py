@@ -372,6 +372,7 @@ class SenderBook:
             None if msg.dst_swa_pages is None else np.asarray(msg.dst_swa_pages, dtype=np.int64),
             draft_layout=None if msg.dst_draft_pages is None else peer.draft,
             dst_draft_pages=None if msg.dst_draft_pages is None else np.asarray(msg.dst_draft_pages, dtype=np.int64),
+            draft_heads=self.peers.draft_heads.get(session),
         )
         if len(r.dests) >= expected:
             r.requested_at = now

@@ -98,8 +98,8 @@ class KVSender:
         self.cfg, self.layout, self.backend = cfg, layout, backend
         self.state_layout = state_layout
         self.draft_layout = draft_layout
-        if draft_layout is not None and (state_layout is not None or tp_size != 1):
-            raise ValueError("draft-model KV moves with TP 1 and without recurrent state only")
+        if draft_layout is not None and state_layout is not None:
+            raise ValueError("draft-model KV moves without recurrent state only")
         if state_layout is not None and len(state_layout.kv_layers) != layout.num_layers:
             raise ValueError(
                 f"state layout names {len(state_layout.kv_layers)} full-attention layers, "

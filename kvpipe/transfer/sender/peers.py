@@ -62,6 +62,9 @@ class SenderPeers:
         self.state_layout = state_layout
         self.peers: dict[str, RegisterPeer] = {}
         self.heads: dict[str, tuple[int, int] | None] = {}  # per session: heads we write, None = dummy pair
+        # per session registered with a draft pool: the draft model's heads we write (its own
+        # head count, the same rank pairing), None: another prefill rank sends them
+        self.draft_heads: dict[str, tuple[int, int] | None] = {}
         self.rejected: dict[str, tuple[str, str]] = {}  # session -> (reason, control address)
         self.liveness = PeerLiveness[str](cfg.heartbeat_timeout_s)
         self._forget_after_s = 10 * cfg.heartbeat_timeout_s
@@ -83,6 +86,8 @@ class SenderPeers:
         self.rejected.pop(msg.session_id, None)
         self.peers[msg.session_id] = msg
         self.heads[msg.session_id] = self._pair_heads(msg)
+        if msg.draft is not None and self.draft_layout is not None:
+            self.draft_heads[msg.session_id] = self._pair_heads(msg, self.draft_layout.total_kv_heads)
         self.liveness.seen(msg.control_address, now)
         return None
 
@@ -95,6 +100,7 @@ class SenderPeers:
     def _forget_session(self, session: str) -> None:
         self.peers.pop(session, None)
         self.heads.pop(session, None)
+        self.draft_heads.pop(session, None)
 
     def _binding_clash(self, msg: RegisterPeer) -> str | None:
         """Why this registration would rebind a session or take another decode's memory, or None."""
@@ -184,10 +190,24 @@ class SenderPeers:
         if self.draft_layout is None:
             return f"decode rank {msg.tp_rank} has a draft-model KV pool, this prefill has no draft model"
         why = self.draft_layout.compatible_with(msg.draft)
+        if why is None and 0 <= msg.tp_rank < msg.tp_size:  # its shard of heads, split like the target's
+            try:
+                heads = kv_head_range(msg.tp_size, msg.tp_rank, msg.draft.total_kv_heads)
+                self._pair_heads(msg, msg.draft.total_kv_heads)  # the pairing covers its heads once
+            except ValueError as e:
+                heads, why = None, f"TP {self.tp_size} -> {msg.tp_size}: {e}"
+            if heads is not None and (msg.draft.head_start, msg.draft.head_end) != heads:
+                why = (
+                    f"holds draft KV heads [{msg.draft.head_start}, {msg.draft.head_end}), "
+                    f"TP {msg.tp_size} rank {msg.tp_rank} needs [{heads[0]}, {heads[1]})"
+                )
         return None if why is None else f"decode rank {msg.tp_rank} draft-model KV pool incompatible: {why}"
 
-    def _pair_heads(self, msg: RegisterPeer) -> tuple[int, int] | None:
-        for s in slices_for_decode_rank(msg.tp_rank, self.tp_size, msg.tp_size, self.layout.total_kv_heads):
+    def _pair_heads(self, msg: RegisterPeer, total_kv_heads: int | None = None) -> tuple[int, int] | None:
+        """Global KV heads this rank writes into decode rank msg.tp_rank: of the target, or of a
+        model with `total_kv_heads` (the draft's) over the same rank pairing."""
+        total = self.layout.total_kv_heads if total_kv_heads is None else total_kv_heads
+        for s in slices_for_decode_rank(msg.tp_rank, self.tp_size, msg.tp_size, total):
             if s.prefill_rank == self.tp_rank:
                 return s.head_start, s.head_end
         return None  # a replicated head another prefill rank already sends

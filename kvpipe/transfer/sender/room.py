@@ -36,7 +36,9 @@ own page tables, `src_draft_pages` here and `dst_draft_pages` on the decode, bot
 page 0 (the decode holds no draft prefix, whatever its prefix_len). Its layers come after the
 target's in send() calls: draft layer i is send layer num_layers + i, so a send call over layers
 [num_layers, num_send_layers) is the last layer group and a last call flushes it like any layer.
-Never staged (TP 1 only).
+Heterogeneous TP: the draft's heads pair up by the target's rank mapping over the draft's own head
+count (`Destination.draft_heads`), each page's head slice one op per (layer, K/V, page run) of the
+head-major layout. Never staged (the staging ring carries the target's layers only).
 """
 
 from __future__ import annotations
@@ -100,6 +102,9 @@ class Destination:
     # no draft KV wanted); cursor[num_layers:] are the draft layers' send cursors, from 0
     draft_layout: KVLayout | None = None
     dst_draft_pages: np.ndarray | None = None
+    # global draft-model KV heads this prefill rank writes there (the target's rank pairing over the
+    # draft's own heads); None: another prefill rank sends them (a replicated head)
+    draft_heads: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -319,6 +324,12 @@ class SenderRoom:
         # dest.heads None: another prefill rank writes the replicated KV head; the linear heads
         # are never replicated, so this rank may still owe the state of its own heads
         out = [] if dest.heads is None else self._plan_kv(call, dest, staging, chunk_ids)
+        # the draft model's heads pair up on their own: this rank may owe them where it owes no target head
+        n_kv = self.layout.num_layers
+        a, b = (0, self.num_send_layers) if call.last else (call.layer_start, call.layer_end)
+        if b > n_kv:
+            end_tok = self.token_end if call.last else call.token_end
+            out.extend(self._plan_draft(dest, max(a, n_kv), b, end_tok, call.last))
         state = self._plan_state(call, dest)
         if state is not None:
             out.append(state)
@@ -362,15 +373,15 @@ class SenderRoom:
             src_w, dst_w = self._window_pages(dest, span.first, j0, j1)
             if dst_w.size:
                 out.extend(self._plan_span(dest, src_w, dst_w, None, None, layer_ids=ids[swa[l0:l1]]))
-        if b > n_kv:
-            out.extend(self._plan_draft(dest, max(a, n_kv), b, end_tok, call.last))
         return out
 
     def _plan_draft(self, dest: Destination, a: int, b: int, end_tok: int, final: bool) -> list[OpBatch]:
         """The draft model's KV of send layers [a, b) (draft layers [a - num_layers, b - num_layers))
-        up to token end_tok, by the same cursor rule as the target's; nothing for a destination
-        that asked for no draft KV, or a room without draft pages here (its aux says 0 tokens)."""
-        if dest.draft_layout is None or dest.dst_draft_pages is None:
+        up to token end_tok, by the same cursor rule as the target's, the destination's draft heads
+        only (heterogeneous TP: a head slice of each page, one op per (layer, K/V, page run)); nothing
+        for a destination that asked for no draft KV, whose draft heads another prefill rank sends,
+        or a room without draft pages here (its aux says 0 tokens)."""
+        if dest.draft_layout is None or dest.dst_draft_pages is None or dest.draft_heads is None:
             return []
         if self.draft_layout is None or self.src_draft_pages is None:
             return []
@@ -391,7 +402,8 @@ class SenderRoom:
             src = self.src_draft_pages[span.first : span.end]
             dst = dest.dst_draft_pages[span.first : span.end]
             try:
-                p = plan_pages(src, dst, self.draft_layout, dest.draft_layout, layers=(l0 - n_kv, l1 - n_kv))
+                layers = (l0 - n_kv, l1 - n_kv)
+                p = plan_pages(src, dst, self.draft_layout, dest.draft_layout, heads=dest.draft_heads, layers=layers)
             except ValueError as e:
                 raise PlanError(f"room {self.room}: draft KV: {e}") from e
             out.append(OpBatch(dest.data_address, p.src_addr, p.dst_addr, p.length))
