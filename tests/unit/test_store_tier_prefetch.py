@@ -82,9 +82,9 @@ def test_a_slow_store_delays_no_other_request() -> None:
     try:
         a = req("a", 10, 1, max_new=6)
         s.add(a)
-        assert step(s) is None  # a's fetch (nothing stored) runs first
+        assert step(s, check=False) is None  # a's fetch (nothing stored) runs first
         wait_until(lambda: tier.rank.fetch_result("a") is not None)
-        assert step(s).mode is ForwardMode.PREFILL  # type: ignore[union-attr]
+        assert step(s, check=False).mode is ForwardMode.PREFILL  # type: ignore[union-attr]
         b = req("b", 21, 100, max_new=2)  # 5 whole pages in the 20 tokens a match looks at
         stored(store, tier.rank, b.input_ids, 5, 1.5)
         store.gate.clear()  # the store hangs from now on
@@ -92,14 +92,14 @@ def test_a_slow_store_delays_no_other_request() -> None:
         c = req("c", 4, 200, max_new=2)  # behind b in the queue; no whole page to fetch
         s.add(c)
         # b's fetch hangs: c passes it, and a decodes at every other step or more (as without a store)
-        modes = [step(s).mode for _ in range(5)]  # type: ignore[union-attr]
+        modes = [step(s, check=False).mode for _ in range(5)]  # type: ignore[union-attr]
         want = [ForwardMode.DECODE, ForwardMode.PREFILL, ForwardMode.DECODE, ForwardMode.DECODE, ForwardMode.DECODE]
         assert modes == want, modes
         assert tier.pending("b") and any(r is b for r in s.waiting) and c.finished and len(a.output_ids) == 5
         assert s.waiting_on_tier()
         store.gate.set()  # the store answers: b is admitted with its 5 stored pages
         wait_until(lambda: tier.rank.fetch_result("b") is not None)
-        batch = step(s)
+        batch = step(s, check=False)
         assert batch is not None and batch.reqs[0] is b and batch.prefix_lens == [5 * PS]
         assert b.num_shared_pages == 5 and b.cached_tokens == 5 * PS and not s.waiting_on_tier()
         loaded = p.buffers()[0][b.pages[:5]]
@@ -119,15 +119,15 @@ def test_a_fetch_past_its_timeout_is_given_up_and_blocks_no_later_fetch() -> Non
         stored(store, tier.rank, b.input_ids, 5, 1.5)
         store.gate.clear()
         s.add(b)
-        assert step(s) is None and tier.pending("b")  # nothing runnable while it waits
+        assert step(s, check=False) is None and tier.pending("b")  # nothing runnable while it waits
         clock.t += 1.0  # its wait ran out: computed whole, counted
-        batch = step(s)
+        batch = step(s, check=False)
         assert batch is not None and batch.reqs[0] is b and batch.prefix_lens == [0]
         assert tier.stats()["fallbacks"] == {"timeout": 1} and not tier.pending("b")
         d = req("d", 21, 300, max_new=1)  # the hung fetch still runs: d does not wait behind it
         stored(store, tier.rank, d.input_ids, 5, 2.5)
         s.add(d)
-        assert step(s).reqs[0] is d  # type: ignore[union-attr]
+        assert step(s, check=False).reqs[0] is d  # type: ignore[union-attr]
         assert tier.stats()["fallbacks"] == {"timeout": 1, "busy": 1}
     finally:
         store.gate.set()
@@ -172,9 +172,9 @@ def test_tp_ranks_load_the_least_any_rank_fetched_each_its_own_slice() -> None:
         stored(store, tier.rank, b.input_ids, 5, 1.0)  # rank 0 has 5 pages in the store,
         stored(store, rank1, b.input_ids, 3, 2.0)  # rank 1 only 3: both load 3
         s.add(b)
-        assert step(s) is None
+        assert step(s, check=False) is None
         wait_until(lambda: tier.rank.fetch_result("b") is not None and rank1.fetch_result("b") is not None)
-        batch = step(s)
+        batch = step(s, check=False)
         assert batch is not None and batch.prefix_lens == [3 * PS] and b.num_shared_pages == 3
         for p, v in ((p0, 1.0), (p1, 2.0)):  # each rank's own head slice
             got = p.buffers()[3][b.pages[:3]]
@@ -182,7 +182,7 @@ def test_tp_ranks_load_the_least_any_rank_fetched_each_its_own_slice() -> None:
         assert tier.stats()["pages_fetched"] == 3 and rank1.stats()["pages_fetched"] == 3
         # the finished request's pages are put by every rank under its own keys
         while not b.finished:
-            step(s)
+            step(s, check=False)
         wait_until(lambda: rank1.stats()["pages_put"] == 2)  # rank 0's 5 were all there already
         keys0, keys1 = tier.rank.keys(b.input_ids, 0, 5), rank1.keys(b.input_ids, 0, 5)
         assert set(keys0).isdisjoint(keys1) and all(k in store.data for k in keys0 + keys1)
