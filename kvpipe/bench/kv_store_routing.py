@@ -166,10 +166,13 @@ def run_routing(args: argparse.Namespace, extra: list[str], model: str, vocab: i
 
 def format_row(row: dict[str, Any]) -> str:
     b = row["bytes"]
-    hit = row["hit_rate"]
+
+    def num(x: float | None, fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
+
     return (
-        f"{row['case']:<26} hit rate {hit if hit is None else f'{hit:.3f}'}  TTFT p50 {row['ttft_p50_ms']:.0f} ms "
-        f"p99 {row['ttft_p99_ms']:.0f} ms  moved {b['total'] / 1e6:.1f} MB (PD {b['pd_transfer_bytes'] / 1e6:.1f}, "
+        f"{row['case']:<26} hit rate {num(row['hit_rate'], '.3f')}  TTFT p50 {num(row['ttft_p50_ms'], '.0f')} ms "
+        f"p99 {num(row['ttft_p99_ms'], '.0f')} ms  moved {b['total'] / 1e6:.1f} MB (PD {b['pd_transfer_bytes'] / 1e6:.1f}, "
         f"store put {b['store_put_bytes'] / 1e6:.1f}, fetched {b['store_fetched_bytes'] / 1e6:.1f})"
         f"  failed {row['failed']}"
     )
