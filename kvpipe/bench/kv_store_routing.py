@@ -172,7 +172,8 @@ def format_row(row: dict[str, Any]) -> str:
 
     return (
         f"{row['case']:<26} hit rate {num(row['hit_rate'], '.3f')}  TTFT p50 {num(row['ttft_p50_ms'], '.0f')} ms "
-        f"p99 {num(row['ttft_p99_ms'], '.0f')} ms  moved {b['total'] / 1e6:.1f} MB (PD {b['pd_transfer_bytes'] / 1e6:.1f}, "
+        f"p99 {num(row['ttft_p99_ms'], '.0f')} ms  moved {b['total'] / 1e6:.1f} MB "
+        f"(PD {b['pd_transfer_bytes'] / 1e6:.1f}, "
         f"store put {b['store_put_bytes'] / 1e6:.1f}, fetched {b['store_fetched_bytes'] / 1e6:.1f})"
         f"  failed {row['failed']}"
     )
