@@ -66,6 +66,6 @@ def test_an_unreachable_store_falls_back_is_counted_and_retried() -> None:
         assert attempts == [100.0, 105.0] and tier.stats()["fallbacks"] == {"down": 1, "error": 1}
         assert not tier.stats()["up"] and alloc.num_free == 16
         # 3 KiB batches of 2 x 2 x 4 x 8 x 4 = 512-byte pages (+ a record header): 3 pages each
-        assert tier._batches(7) == [(0, 3), (3, 6), (6, 7)]
+        assert tier.rank._batches(7) == [(0, 3), (3, 6), (6, 7)]
     finally:
         tier.close()
