@@ -71,7 +71,10 @@ def tier(srv: ServerProc) -> dict:
     return srv.engine_stats()["kv_store"]
 
 
-@pytest.mark.parametrize("p_tp,d_tp", [(1, 2), pytest.param(2, 1, marks=pytest.mark.slow)])
+# ~2 min a case here (seven processes); the fast suite has the unit test of the ranks' agreement
+# (tests/unit/test_store_tier_prefetch.py) and the TP 1 tier tests (test_kv_store_tier.py)
+@pytest.mark.slow
+@pytest.mark.parametrize("p_tp,d_tp", [(1, 2), (2, 1)])
 def test_tp_ranks_share_prefixes_through_the_store(
     master: Master, colocated: ServerProc, tiny_model_dir: Path, tmp_path: Path, p_tp: int, d_tp: int
 ) -> None:
