@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from kvpipe.bench import kv_store_goodput, kv_store_routing
 from kvpipe.bench.machine import load_average, machine_info
 from kvpipe.model.config import ModelConfig
 from kvpipe.model.default_model import resolve_model_path
@@ -42,6 +43,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-dir", default=None, help="server and master logs (default: a temporary directory)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
     p.add_argument("--out", default=None, help="also write the JSON result to this file")
+    p.add_argument(
+        "--workload",
+        choices=("prefix", "multiturn", "goodput"),
+        default="prefix",
+        help="prefix: A computes, B loads (above); multiturn: hit rate, TTFT and bytes of round_robin vs "
+        "cache_aware on 2P2D with and without the store, and 1P1D (bench/kv_store_routing.py); goodput: the "
+        "tier's put/get against raw Mooncake Store calls (bench/kv_store_goodput.py)",
+    )
+    kv_store_routing.add_args(p)
+    kv_store_goodput.add_args(p)
 
 
 def _post(url: str, ids: list[int]) -> tuple[float, dict[str, Any]]:
@@ -74,6 +85,12 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     vocab = ModelConfig.from_dir(model).vocab_size
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="kvpipe-bench-kv-store-")
     os.makedirs(log_dir, exist_ok=True)
+    if args.workload != "prefix":
+        if args.workload == "multiturn":
+            other = kv_store_routing.run_routing(args, extra, model, vocab, log_dir)
+        else:
+            other = kv_store_goodput.run_goodput(args, model, log_dir)
+        return _report(args, {"model": model, "workload": args.workload, **other}, load_before, log_dir)
     master = StoreMaster("127.0.0.1", *free_ports(3))
     common = [
         "--model-path",
@@ -154,4 +171,25 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         print(json.dumps(result))
     else:
         print(f"TTFT median: with the store {store:.3f} s, computing {compute:.3f} s: {result['speedup']:.1f}x")
+    return 0
+
+
+def _report(args: argparse.Namespace, result: dict[str, Any], load_before: float | None, log_dir: str) -> int:
+    """Write and print a --workload multiturn / goodput result."""
+    result |= {"machine": machine_info(load_before), "log_dir": log_dir}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    if args.json:
+        print(json.dumps(result))
+    elif args.workload == "multiturn":
+        ratio = result["cache_aware_store_vs_single_hit_rate"]
+        print(f"hit rate of 2P2D cache_aware + store / 1P1D: {ratio if ratio is None else f'{ratio:.3f}'}")
+    else:
+        g = result["goodput_gb_s"]
+        print(
+            f"{result['pages']} pages of {result['page_bytes'] / 1e6:.2f} MB: put tier {g['tier_put']:.2f} GB/s vs "
+            f"raw {g['raw_put']:.2f} GB/s ({result['put_ratio']:.2f}); get tier {g['tier_get']:.2f} GB/s vs raw "
+            f"{g['raw_get']:.2f} GB/s ({result['get_ratio']:.2f})"
+        )
     return 0

@@ -1,83 +1,71 @@
 """A KV tier shared by every server of a model: full prefix pages in a KV store (Mooncake Store).
 
 SGLang's HiCache with a storage backend, for kvpipe's radix cache (`--enable-hierarchical-cache
---hicache-storage-backend mooncake`). The scheduler calls two hooks, both on the engine's thread:
+--hicache-storage-backend mooncake`). The scheduler calls it on the engine's thread (rank 0):
 
-- `load_prefix(ids, cache, allocator)` before it matches a prompt in the radix cache: the pages
-  past the radix cache's match whose keys the store holds (the longest run of them) are fetched,
-  checked (cache/store_keys.py: key and digest), written into freshly allocated free pages and
-  inserted into the radix cache, so the match that follows finds them and the prefill computes
-  only the rest. The fetch runs on the tier's fetch thread; the engine waits for it at most
-  `fetch_timeout_s`.
-- `store_prefix(ids, pages)` after a finished request's full pages entered the radix cache: the
-  pages whose keys it has not stored yet are copied off the pool now (their pool pages may be
-  reused later) and queued; the tier's put thread writes the ones the store lacks. A full queue
-  drops the batch: a put is never on a request's path.
+- `ready(rid, ids, cache, allocator)` before it matches a waiting prompt in the radix cache. The
+  first call starts a prefetch of the pages past the radix match (the longest run of them the store
+  holds) on every TP rank's fetch thread and returns False: the request stays queued while other
+  requests' steps run (SGLang prefetches while a request waits in its queue). A later call returns
+  True once every rank's fetch ended, or `fetch_timeout_s` passed (then nothing is loaded): the
+  ranks agree on the number of pages to load (the least any rank fetched, so every rank's prefill
+  computes the same suffix), rank 0 allocates them, every rank writes its own head slice into them,
+  and they are inserted into the radix cache, where the match that follows finds them.
+- `store_prefix(ids, pages)` after a finished request's full pages entered the radix cache: each
+  rank copies the pages whose keys it has not stored yet off its pool now (their pool pages may be
+  reused later) and queues them; its put thread writes the ones the store lacks. A full queue drops
+  the batch: a put is never on a request's path.
+- `forget(rid)` when a request finishes (an abort while it prefetched among them).
 
-Failure rules: a store that is down, slow, full or answers garbage never fails a request. A failed
-call makes the tier skip the store (everything is computed, as without it) for `retry_s`, logs once
-per outage, counts each fallback by reason, and tries again after that (the Mooncake client
-reconnects to a restarted master by itself; a client that never connected is created again). A
-page whose record does not check out is rejected (counted) and ends the fetched run there.
-
-Bookkeeping is here (keys, runs, queues, counters); the bytes come and go through PoolPages
-(cache/store_pages.py, the only part with tensors) and the store through a KVStore (cache/store_client.py).
+Per-rank work (keys, fetch and put threads, health, counters) is cache/store_rank.py's RankStore;
+rank 0 reaches the other ranks' through TierPeers (engine/store_tp.py, over the TP group's
+pipes). Failure rules: see store_rank.py; a store that is slow or down costs a request at most
+fetch_timeout_s in the queue and never another request's step.
 """
 
 from __future__ import annotations
 
-import logging
-import queue
-import threading
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import Future
 from dataclasses import dataclass
-from enum import Enum
 from typing import Protocol
 
 import numpy as np
 
 from kvpipe.cache.page_allocator import PageAllocator
-from kvpipe.cache.radix_cache import RadixCache
+from kvpipe.cache.radix_cache import RadixCache, RadixNode
 from kvpipe.cache.store_client import KVStore
-from kvpipe.cache.store_keys import StoreNamespace, decode_page, encode_page, page_keys
+from kvpipe.cache.store_keys import StoreNamespace
+from kvpipe.cache.store_rank import Fallback, PageIO, RankStore, TierSettings
 
-logger = logging.getLogger(__name__)
-
-
-class PageIO(Protocol):
-    """Pool pages as payload bytes and back (cache/store_pages.py's PoolPages)."""
-
-    payload_bytes: int
-
-    def read(self, pages: np.ndarray) -> Sequence[bytes | memoryview]: ...
-
-    def write(self, pages: np.ndarray, payloads: Sequence[bytes | memoryview]) -> None: ...
+__all__ = ["Fallback", "PageIO", "StoreTier", "TierPeers", "TierSettings"]
 
 
-class Fallback(str, Enum):
-    """Why a fetch computed instead of loading (the label of kvpipe_kv_store_fallbacks_total)."""
+class TierPeers(Protocol):
+    """TP ranks 1..N-1's RankStores, driven by rank 0 (engine/store_tp.py)."""
 
-    DOWN = "down"  # the store failed recently: skipped until retry_s passed
-    TIMEOUT = "timeout"  # the fetch took longer than fetch_timeout_s
-    BUSY = "busy"  # an earlier fetch that timed out still runs
-    ERROR = "error"  # a store call failed now
+    def fetch(self, rid: str, token_ids: Sequence[int], first: int, count: int) -> None: ...
+
+    def fetched(self, rid: str) -> list[int | None]:
+        """Each rank's RankStore.fetch_result(rid)."""
+        ...
+
+    def load(self, rid: str, pages: np.ndarray, skip: int) -> None: ...
+
+    def drop(self, rid: str) -> None: ...
+
+    def store(self, token_ids: Sequence[int], pages: np.ndarray) -> None: ...
 
 
-@dataclass(frozen=True)
-class TierSettings:
-    fetch_timeout_s: float = 1.0  # the longest a prefill waits for the store
-    put_queue: int = 64  # finished requests' page batches waiting for the put thread
-    retry_s: float = 5.0  # after a failure, the store is skipped this long
-    min_fetch_pages: int = 1  # fetch only runs past the radix match of at least this many pages
-    miss_ttl_s: float = 2.0  # a prompt whose next page the store lacked is not asked again for this long
-    known_keys: int = 1 << 16  # keys remembered as stored (not queued again)
-    # bytes of one batched put or get: Mooncake stages a batch in the client's local buffer and
-    # refuses one larger than it (measured: 64 x 2.9 MB pages into a 64 MiB buffer)
-    max_batch_bytes: int = 32 << 20
+@dataclass
+class _Prefetch:
+    first: int  # pages of the prompt the radix cache held when it started
+    keys: list[str]  # rank 0's keys of the pages fetched: [first, first + len(keys))
+    cache: RadixCache
+    node: RadixNode  # where the match ended: locked while the fetch runs (its pages stay)
+    deadline: float
 
 
 class StoreTier:
@@ -86,248 +74,134 @@ class StoreTier:
         ns: StoreNamespace,
         pages: PageIO,
         connect: Callable[[], KVStore],
-        settings: TierSettings = TierSettings(),
+        settings: TierSettings | None = None,
         clock: Callable[[], float] = time.monotonic,
+        peers: TierPeers | None = None,
     ) -> None:
         self.ns = ns
-        self.settings = settings
-        self._root = ns.digest()
-        self._pages = pages
-        self._connect = connect
+        self.settings = settings = settings or TierSettings()
+        self.rank = RankStore(ns, pages, connect, settings, clock)
+        self.peers = peers
         self._clock = clock
-        self._store: KVStore | None = None
-        self._lock = threading.Lock()  # the fields below, shared with the tier's threads
-        self._connecting = threading.Lock()
-        self._up = True  # False from a failure until a call succeeds again (one log line per outage)
-        self._retry_at = 0.0
-        self._known: OrderedDict[str, None] = OrderedDict()  # keys stored (or queued) by us, LRU
+        self._pending: dict[str, _Prefetch] = {}  # prefetching requests
+        self._settled: set[str] = set()  # requests whose prefetch is over (until forget)
         self._misses: OrderedDict[str, float] = OrderedDict()  # first missing key -> when
-        self.pages_fetched = 0
-        self.pages_put = 0
-        self.pages_rejected = 0
-        self.fallbacks: Counter[str] = Counter()
-        self.puts_dropped: Counter[str] = Counter()
-        self._fetch_pool = ThreadPoolExecutor(1, thread_name_prefix="kv-store-fetch")
-        self._fetching: Future | None = None  # a fetch that outlived its wait
-        self._puts: queue.Queue[tuple[list[str], Sequence[bytes | memoryview]] | None] = queue.Queue(settings.put_queue)
-        self._put_thread = threading.Thread(target=self._put_loop, name="kv-store-put", daemon=True)
-        self._put_thread.start()
+        self._stuck: Future | None = None  # a fetch that outlived its wait and still runs
 
     # ---- engine thread -----------------------------------------------------------------------
-    def load_prefix(self, token_ids: Sequence[int], cache: RadixCache, allocator: PageAllocator) -> int:
-        """Fetch the stored pages that extend `cache`'s match of `token_ids` into free pages and
-        insert them into `cache`; returns how many (0: nothing stored, no room, or a fallback)."""
-        ps = self.ns.page_size
-        n_full = len(token_ids) // ps
-        have, _ = cache.match(token_ids[: n_full * ps])
-        m = len(have)
-        room = min(n_full - m, allocator.num_free)
-        if room < self.settings.min_fetch_pages or not self._usable():
-            return 0
-        keys = page_keys(self.ns, token_ids[: n_full * ps], self._root)[m : m + room]
-        now = self._clock()
-        with self._lock:
-            missed = self._misses.get(keys[0])
-            if missed is not None and now - missed < self.settings.miss_ttl_s:
-                return 0
-        if self._fetching is not None:
-            if not self._fetching.done():
-                self._count_fallback(Fallback.BUSY)
-                return 0
-            self._fetching = None
-        fut = self._fetch_pool.submit(self._fetch, keys)
-        try:
-            payloads = fut.result(timeout=self.settings.fetch_timeout_s)
-        except FutureTimeout:
-            self._fetching = fut
-            self._count_fallback(Fallback.TIMEOUT)
-            return 0
-        if payloads is None:  # the store failed (counted and logged by _fetch)
-            return 0
-        if len(payloads) < len(keys):
-            with self._lock:
-                self._misses[keys[len(payloads)]] = now
-                while len(self._misses) > 1024:
-                    self._misses.popitem(last=False)
-        n = min(len(payloads), allocator.num_free)
-        if n == 0:
-            return 0
-        new = allocator.alloc(n)
-        self._pages.write(new, payloads[:n])
-        dup = cache.insert(token_ids[: (m + n) * ps], np.concatenate([have, new]))
-        if dup > m:  # (not expected: nothing ran between the match and the insert)
-            allocator.free(new[: dup - m])
-        with self._lock:
-            self.pages_fetched += n
-            self._remember(keys[:n])
-        return n
+    def ready(self, rid: str, token_ids: Sequence[int], cache: RadixCache, allocator: PageAllocator) -> bool:
+        """False while `rid` waits for stored pages extending `cache`'s match of `token_ids`; True
+        when it may match now (they were loaded into `cache`, or there were none, or it gave up)."""
+        if rid in self._settled:
+            return True
+        p = self._pending.get(rid)
+        if p is None:
+            if self._begin(rid, token_ids, cache, allocator):
+                return False
+            self._settled.add(rid)
+            return True
+        n = self._agreed(rid)
+        if n is None:
+            if self._clock() < p.deadline:
+                return False
+            self.rank.count_fallback(Fallback.TIMEOUT)
+            self._end(rid, stuck=True)
+        else:
+            self._load(rid, p, token_ids, allocator, n)
+        self._settled.add(rid)
+        return True
+
+    def pending(self, rid: str) -> bool:
+        """`rid` waits for its prefetch."""
+        return rid in self._pending
+
+    def forget(self, rid: str) -> None:
+        """`rid` finished: drop its prefetch if one runs."""
+        self._settled.discard(rid)
+        if rid in self._pending:
+            self._end(rid)
 
     def store_prefix(self, token_ids: Sequence[int], pages: np.ndarray) -> None:
-        """Queue the whole pages of `token_ids` (pages[i] holds page i) the store may lack."""
-        if len(pages) == 0 or not self._usable(pages=len(pages)):
-            return
-        keys = page_keys(self.ns, token_ids[: len(pages) * self.ns.page_size], self._root)
-        with self._lock:
-            new = [i for i, k in enumerate(keys) if k not in self._known]
-            if not new:
-                return
-            self._remember([keys[i] for i in new])  # queued once, by whichever request came first
-        payloads = self._pages.read(np.asarray(pages)[new])
-        try:
-            self._puts.put_nowait(([keys[i] for i in new], payloads))
-        except queue.Full:
-            with self._lock:
-                self.puts_dropped["queue_full"] += len(new)
-                for i in new:
-                    self._known.pop(keys[i], None)
+        """Queue the whole pages of `token_ids` (pages[i] holds page i) the store may lack, on
+        every rank."""
+        if self.rank.store_pages(token_ids, pages) and self.peers is not None:
+            self.peers.store(list(token_ids[: len(pages) * self.ns.page_size]), np.asarray(pages))
 
     def stats(self) -> dict:
-        with self._lock:
-            return {
-                "up": self._up,
-                "pages_fetched": self.pages_fetched,
-                "pages_put": self.pages_put,
-                "pages_rejected": self.pages_rejected,
-                "fallbacks": dict(self.fallbacks),
-                "puts_dropped": dict(self.puts_dropped),
-                "put_queue": self._puts.qsize(),
-            }
+        """Rank 0's counters (every rank fetches and puts the same pages, its own head slice)."""
+        return {**self.rank.stats(), "prefetching": len(self._pending)}
 
     def close(self, timeout_s: float = 5.0) -> None:
-        try:
-            self._puts.put(None, timeout=timeout_s)
-        except queue.Full:
-            pass  # the daemon thread dies with the process
-        self._put_thread.join(timeout_s)
-        self._fetch_pool.shutdown(wait=False, cancel_futures=True)
-        store, self._store = self._store, None
-        if store is not None:
-            store.close()
+        self.rank.close(timeout_s)
 
-    # ---- health ------------------------------------------------------------------------------
-    def _usable(self, pages: int = 0) -> bool:
-        """False while a recent failure's retry_s runs: counted as a fetch's fallback, or as
-        `pages` pages of a put dropped."""
-        with self._lock:
-            if self._clock() >= self._retry_at:
-                return True
-            if pages:
-                self.puts_dropped["down"] += pages
-            else:
-                self.fallbacks[Fallback.DOWN.value] += 1
+    # ---- prefetch ----------------------------------------------------------------------------
+    def _begin(self, rid: str, token_ids: Sequence[int], cache: RadixCache, allocator: PageAllocator) -> bool:
+        """Start fetching the pages past `cache`'s match on every rank; False: nothing to fetch."""
+        ps = self.ns.page_size
+        n_full = len(token_ids) // ps
+        have, node = cache.match(token_ids[: n_full * ps])
+        m = len(have)
+        room = min(n_full - m, allocator.num_free)
+        if room < self.settings.min_fetch_pages or not self.rank.usable():
             return False
+        keys = self.rank.keys(token_ids, m, room)
+        missed = self._misses.get(keys[0])
+        if missed is not None and self._clock() - missed < self.settings.miss_ttl_s:
+            return False
+        if self._stuck is not None:
+            if not self._stuck.done():
+                self.rank.count_fallback(Fallback.BUSY)
+                return False
+            self._stuck = None
+        cache.lock(node)
+        self.rank.start_fetch(rid, keys)
+        if self.peers is not None:
+            self.peers.fetch(rid, list(token_ids[: (m + room) * ps]), m, room)
+        self._pending[rid] = _Prefetch(m, keys, cache, node, self._clock() + self.settings.fetch_timeout_s)
+        return True
 
-    def _count_fallback(self, why: Fallback) -> None:
-        with self._lock:
-            self.fallbacks[why.value] += 1
-
-    def _failed(self, what: str, err: Exception) -> None:
-        with self._lock:
-            self._retry_at = self._clock() + self.settings.retry_s
-            was_up, self._up = self._up, False
-            # a restarted store holds none of what we stored: put it again
-            self._known.clear()
-            self._misses.clear()
-        if was_up:
-            logger.warning(
-                "KV store: %s failed (%s); computing instead, retrying every %g s", what, err, self.settings.retry_s
-            )
-
-    def _ok(self) -> None:
-        with self._lock:
-            was_up, self._up = self._up, True
-        if not was_up:
-            logger.warning("KV store: reachable again")
-
-    def _client(self) -> KVStore | None:
-        """The store client, connected on first use (and again after a failed connect)."""
-        with self._connecting:
-            if self._store is None:
-                try:
-                    self._store = self._connect()
-                except Exception as e:
-                    self._failed("connect", e)
-                    return None
-            return self._store
-
-    def _remember(self, keys: Sequence[str]) -> None:
-        for k in keys:
-            self._known[k] = None
-            self._known.move_to_end(k)
-        while len(self._known) > self.settings.known_keys:
-            self._known.popitem(last=False)
-
-    # ---- the tier's threads ------------------------------------------------------------------
-    def _batches(self, n: int) -> list[tuple[int, int]]:
-        """[lo, hi) ranges of n pages, each batch within max_batch_bytes (at least one page)."""
-        per = max(1, self.settings.max_batch_bytes // max(1, self._pages.payload_bytes + 512))
-        return [(lo, min(n, lo + per)) for lo in range(0, n, per)]
-
-    def _fetch(self, keys: list[str]) -> list[memoryview] | None:
-        """The checked payloads of the longest run of `keys` the store holds (fetch thread); None
-        when the store failed."""
-        store = self._client()
-        if store is None:
-            self._count_fallback(Fallback.ERROR)
+    def _agreed(self, rid: str) -> int | None:
+        """Pages every rank fetched for `rid` (the least of them); None while one still fetches."""
+        own = self.rank.fetch_result(rid)
+        if own is None or self.peers is None:
+            return own
+        theirs = self.peers.fetched(rid)
+        if any(t is None for t in theirs):
             return None
-        try:
-            held = store.exists(keys)
-            run = next((i for i, h in enumerate(held) if not h), len(held))
-            blobs: list[bytes] = []
-            for lo, hi in self._batches(run):
-                blobs += store.get(keys[lo:hi])
-        except Exception as e:
-            self._failed("fetch", e)
-            self._count_fallback(Fallback.ERROR)
-            return None
-        self._ok()
-        out: list[memoryview] = []
-        for key, blob in zip(keys, blobs):
-            payload = decode_page(key, blob, self._pages.payload_bytes) if blob else None
-            if payload is None:
-                if blob:  # there, but not a record of this key: corrupt, foreign or stale
-                    with self._lock:
-                        self.pages_rejected += 1
-                        first = self.pages_rejected == 1
-                    if first:  # once: a foreign writer would otherwise fill the log
-                        logger.warning("KV store: rejected the page under %s (not a valid record of that key)", key)
-                break  # evicted meanwhile, or rejected: the rest is computed
-            out.append(payload)
-        return out
+        return min([own, *(t for t in theirs if t is not None)])
 
-    def _put_loop(self) -> None:
-        self._client()  # connect now, not inside the first request's bounded fetch
-        while True:
-            item = self._puts.get()
-            if item is None:
-                return
-            keys, payloads = item
-            store = self._client()
-            if store is None:
-                with self._lock:
-                    self.puts_dropped["down"] += len(keys)
-                continue
-            try:
-                held = store.exists(keys)
-            except Exception as e:
-                self._failed("put", e)
-                with self._lock:
-                    self.puts_dropped["down"] += len(keys)
-                continue
-            self._ok()
-            todo = [i for i, h in enumerate(held) if not h]
-            if not todo:
-                continue
-            try:
-                for lo, hi in self._batches(len(todo)):
-                    part = todo[lo:hi]
-                    store.put([keys[i] for i in part], [encode_page(keys[i], payloads[i]) for i in part])
-            except Exception as e:  # reachable but refused (full): drop, the store stays in use
-                logger.debug("KV store: put of %d pages refused: %s", len(todo), e)
-                with self._lock:
-                    self.puts_dropped["refused"] += len(todo)
-                    for i in todo:
-                        self._known.pop(keys[i], None)
-                continue
-            with self._lock:
-                self.pages_put += len(todo)
+    def _load(self, rid: str, p: _Prefetch, token_ids: Sequence[int], allocator: PageAllocator, n: int) -> int:
+        """Write `n` fetched pages (all ranks) into free pages and insert them into the cache."""
+        del self._pending[rid]
+        p.cache.unlock(p.node)
+        ps = self.ns.page_size
+        if n < len(p.keys):
+            self._misses[p.keys[n]] = self._clock()
+            while len(self._misses) > 1024:
+                self._misses.popitem(last=False)
+        # another request may have put some of these pages into the cache meanwhile: skip those
+        have, _ = p.cache.match(token_ids[: (p.first + n) * ps])
+        skip = len(have) - p.first  # >= 0: the pages up to p.first were locked
+        k = min(n - skip, allocator.num_free)
+        if k <= 0:
+            self.rank.drop_fetch(rid)
+            if self.peers is not None:
+                self.peers.drop(rid)
+            return 0
+        new = allocator.alloc(k)
+        self.rank.write_fetched(rid, new, skip)
+        if self.peers is not None:
+            self.peers.load(rid, new, skip)
+        dup = p.cache.insert(token_ids[: (len(have) + k) * ps], np.concatenate([have, new]))
+        if dup > len(have):  # (not expected: nothing ran between the match and the insert)
+            allocator.free(new[: dup - len(have)])
+        return k
+
+    def _end(self, rid: str, stuck: bool = False) -> None:
+        p = self._pending.pop(rid)
+        p.cache.unlock(p.node)
+        running = self.rank.drop_fetch(rid)
+        if stuck and running is not None:
+            self._stuck = running
+        if self.peers is not None:
+            self.peers.drop(rid)

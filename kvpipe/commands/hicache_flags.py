@@ -94,8 +94,6 @@ def add_hicache_args(p: argparse.ArgumentParser, env: Mapping[str, str] | None =
 def hicache_config_from_args(args: argparse.Namespace) -> HiCacheConfig:
     if not hasattr(args, "enable_hierarchical_cache"):  # a command without these flags
         return HiCacheConfig()
-    if args.enable_hierarchical_cache and getattr(args, "tp_size", 1) > 1:
-        raise ConfigError("--enable-hierarchical-cache runs with --tp-size 1 for now (each TP rank's pool is its own)")
     if args.enable_hierarchical_cache and getattr(args, "disable_radix_cache", False):
         raise ConfigError("--enable-hierarchical-cache needs the radix cache (drop --disable-radix-cache)")
     return HiCacheConfig(

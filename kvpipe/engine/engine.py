@@ -58,6 +58,7 @@ logger = logging.getLogger(__name__)
 
 # A REMOTE request waiting for free pages is retried this often when nothing else wakes the loop.
 RESERVE_RETRY_S = 0.01
+TIER_POLL_S = 0.005  # how often an idle engine checks a KV-tier prefetch (cache/store_tier.py)
 
 
 def _one_prompt(
@@ -174,7 +175,7 @@ class Engine:
             max_drafts=self.spec.max_drafts,
         )
         # the KV tier on a Mooncake Store (--enable-hierarchical-cache): the scheduler loads and stores pages
-        self.store_tier = attach_store_tier(cfg, self.runner.pool, self.scheduler)
+        self.store_tier = attach_store_tier(cfg, self.runner.pool, self.scheduler, tp=self._tp)
         self.sampler = Sampler(cfg.seed, device)
         self.finisher = FinishChecker(self.tokenizer, self.eos_token_ids, self.context_length)
         self._device = device
@@ -245,10 +246,13 @@ class Engine:
                 return 0.0
         s = self.scheduler
         if s.running or (s.waiting and not self._held and not s.reserved and not self._remote):
-            return 0.0
+            # requests waiting only for the KV tier's prefetch: look again shortly, do not spin
+            return TIER_POLL_S if not s.running and s.waiting_on_tier() else 0.0
         hint = self.connector.wait_hint() if self.connector is not None else None
         if self._remote:
             hint = RESERVE_RETRY_S if hint is None else min(hint, RESERVE_RETRY_S)
+        if s.waiting_on_tier():
+            hint = TIER_POLL_S if hint is None else min(hint, TIER_POLL_S)
         return hint
 
     def has_work(self) -> bool:

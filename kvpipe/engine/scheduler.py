@@ -7,7 +7,9 @@ Policy (simple and fair):
 - A prefill batch first continues partially prefilled requests, then admits waiting ones in
   FIFO order (head-of-line: no overtaking), up to a token budget of
   min(max_prefill_tokens, chunked_prefill_size). With chunking, the last row takes what is
-  left of the budget, so a prompt spans several steps; without, prompts go whole.
+  left of the budget, so a prompt spans several steps; without, prompts go whole. A request
+  whose stored prefix pages the KV tier is fetching (cache/store_tier.py) is passed over until
+  the fetch ends (bounded): it never holds up the queue or the running requests' steps.
 - Pages are allocated lazily, per step, for exactly the tokens that step writes. Admission
   is conservative instead: a request is admitted only if the pages it could ever need
   (prompt + max_new_tokens - 1 tokens) fit in the free pages minus those promised to admitted
@@ -177,8 +179,6 @@ class Scheduler:
         its logits give the first output token); the matched pages are pinned."""
         if self.cache is None or req.cache_node is not None:
             return
-        if self.kv_tier is not None:  # stored pages past the radix match join the cache first
-            self.kv_tier.load_prefix(req.input_ids[:-1], self.cache, self.allocator)
         if isinstance(self.cache, HybridRadixCache):
             pages, node = match_state(self.cache, req, self.page_size)
         elif isinstance(self.cache, SWARadixCache):
@@ -190,6 +190,18 @@ class Scheduler:
         req.pages = pages.copy()
         req.num_shared_pages = len(pages)
         req.num_cached = req.cached_tokens = len(pages) * self.page_size
+
+    def _tier_ready(self, req: Req) -> bool:
+        """False while the KV tier fetches stored pages past `req`'s radix match (bounded by its
+        fetch timeout): `req` stays queued, other requests' steps go on; then they are in the cache."""
+        if self.kv_tier is None or self.cache is None or req.cache_node is not None:
+            return True
+        return self.kv_tier.ready(req.rid, req.input_ids[:-1], self.cache, self.allocator)
+
+    def waiting_on_tier(self) -> bool:
+        """Every waiting request waits for the KV tier's prefetch (nothing to schedule for them yet)."""
+        tier = self.kv_tier
+        return tier is not None and bool(self.waiting) and all(tier.pending(r.rid) for r in self.waiting)
 
     def _promise(self, req: Req) -> int:
         """Admit `req`: promise the pages it may still allocate (its cached prefix aside), give it a
@@ -249,6 +261,8 @@ class Scheduler:
             return False
         if len(self.running) + len(self.reserved) >= self.cfg.max_running_requests:
             return False
+        if not self._tier_ready(req):
+            return False  # stored pages are on their way: retry later
         self._match_prefix(req)
         if not self._can_admit(req, self._outstanding()):
             self._unmatch(req)
@@ -308,15 +322,20 @@ class Scheduler:
             if not req.prefill_done:
                 take(req)
         outstanding = self._outstanding()
-        while self.waiting and budget > 0 and len(self.running) + len(self.reserved) < self.cfg.max_running_requests:
-            req = self.waiting[0]
+        at = 0  # the first waiting request not waiting for the KV tier's prefetch
+        room = self.cfg.max_running_requests
+        while len(self.waiting) > at and budget > 0 and len(self.running) + len(self.reserved) < room:
+            req = self.waiting[at]
+            if not self._tier_ready(req):
+                at += 1  # its stored pages are on their way (bounded): the next one may go first
+                continue
             self._match_prefix(req)
             if (not chunking and batch.reqs and len(req.input_ids) - req.num_cached > budget) or not self._can_admit(
                 req, outstanding
             ):
                 self._unmatch(req)
                 break  # FIFO: later requests do not overtake the head
-            self.waiting.popleft()
+            del self.waiting[at]
             outstanding += self._promise(req)
             req.status = ReqStatus.RUNNING
             self.running.append(req)
@@ -461,6 +480,8 @@ class Scheduler:
             return
         self._live.pop(req.rid, None)
         self._promised.pop(req.rid, None)
+        if self.kv_tier is not None:
+            self.kv_tier.forget(req.rid)
         self.reserved.pop(req.rid, None)
         # by identity: Req is a dataclass whose == compares fields (numpy pages among them)
         if any(r is req for r in self.waiting):

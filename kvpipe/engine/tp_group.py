@@ -47,6 +47,7 @@ from kvpipe.engine.cpu_threads import apply_cpu_threads, server_cpu_threads
 from kvpipe.engine.errors import EngineLost
 from kvpipe.engine.host_memory import tune_malloc
 from kvpipe.engine.model_runner import GroupCallback, ModelRunner, snapshot_slots
+from kvpipe.engine.store_tp import RankTier
 from kvpipe.engine.tp_messages import (
     CommandMsg,
     DraftStepMsg,
@@ -58,6 +59,7 @@ from kvpipe.engine.tp_messages import (
     StartMsg,
     StepMsg,
     StopMsg,
+    TierMsg,
 )
 from kvpipe.model.loader import load_model
 
@@ -157,7 +159,8 @@ def worker_main(fd: int, parent_pid: int) -> None:
             if draft is not None:  # its shard of the draft KV moves with the target's (PD)
                 worker.set_draft_pool(draft.pool, draft.model.cfg.kv_cache_heads)
         conn.send(ReadyMsg(rank))
-        _serve(conn, rank, runner, worker, draft)
+        tier = RankTier(start.cfg, runner.pool, rank) if start.cfg.hicache.enabled else None
+        _serve(conn, rank, runner, worker, draft, tier)
     except EOFError:
         code = 2
     except BaseException:  # noqa: BLE001 - reported to rank 0, then this rank exits
@@ -182,9 +185,10 @@ def _serve(
     runner: ModelRunner,
     worker: KVConnectorWorker | None,
     draft: ModelRunner | None = None,
+    tier: RankTier | None = None,
 ) -> None:
-    """A child's loop: forwards (the target's, the draft model's) and commands in pipe order;
-    while idle, the worker's news."""
+    """A child's loop: forwards (the target's, the draft model's), connector and KV-tier
+    commands in pipe order; while idle, the worker's news."""
     while True:
         timeout = worker.poll_interval_s if worker is not None else None
         if conn.poll(timeout):
@@ -215,6 +219,12 @@ def _serve(
                         conn.send(ReplyMsg(rank, worker.handle(msg.cmd)))
                     except Exception:  # noqa: BLE001 - rank 0 raises it where it called
                         conn.send(ReplyMsg(rank, None, traceback.format_exc()))
+            elif isinstance(msg, TierMsg):
+                if tier is None:
+                    raise TypeError(f"TP rank {rank} has no KV tier for {type(msg.cmd).__name__}")
+                answer = tier.handle(msg.cmd)  # a failure is this rank's failure (ErrorMsg, exit)
+                if msg.reply:
+                    conn.send(ReplyMsg(rank, answer))
             else:
                 raise TypeError(f"TP rank {rank} got an unexpected {type(msg).__name__}")
             if conn.poll(0):
@@ -329,6 +339,17 @@ class TPGroup:
         self.reports_into_buffer()
         texts = [f"\nTP rank {rank}: {why}" for rank, why in sorted(self._gone.items())]
         return "".join(texts)
+
+    def tier_command(self, cmd: object, reply: bool) -> None:
+        """Send `cmd` to every live child's side of the KV tier (engine/store_tp.py); with
+        `reply`, read the answers with replies()."""
+        for rank, conn in enumerate(self._conns, start=1):
+            if rank in self._gone:
+                continue
+            try:
+                conn.send(TierMsg(cmd, reply))
+            except (OSError, ValueError) as e:
+                self._gone.setdefault(rank, f"TP rank {rank} is unreachable ({e}): its process exited")
 
     # ---- the connector workers' channel (kvpipe/engine/connector_workers.py) ------------------------
     def command(self, cmd: object, reply: bool) -> None:

@@ -1,7 +1,9 @@
 """Typed messages on a TP child's step pipe (kvpipe/engine/tp_group.py).
 
-rank 0 -> child: StartMsg, then StepMsg (a forward) | CommandMsg (for its connector worker) ..., StopMsg
-child -> rank 0: HelloMsg, ReadyMsg, then ReplyMsg (to a CommandMsg that wants one) |
+rank 0 -> child: StartMsg, then StepMsg (a forward) | DraftStepMsg (a draft model's forward) |
+                 CommandMsg (for its connector worker) |
+                 TierMsg (for its side of the KV tier, engine/store_tp.py) ..., StopMsg
+child -> rank 0: HelloMsg, ReadyMsg, then ReplyMsg (to a CommandMsg or TierMsg that wants one) |
                  ReportMsg (its worker's news) ..., ErrorMsg before it exits on a failure
 """
 
@@ -75,3 +77,9 @@ class DraftStepMsg:
 
     spec: ForwardSpec | None
     after: tuple[object, int, int] | None = None
+
+
+@dataclass(frozen=True)
+class TierMsg:  # for the child's side of the KV tier (engine/store_tp.py), between forwards
+    cmd: object
+    reply: bool

@@ -7,6 +7,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -89,3 +91,14 @@ class Master:
     def stop(self) -> None:
         if self.proc is not None:
             stop_process(self.proc, timeout_s=5.0)
+
+
+@contextmanager
+def running_master(log_dir: Path) -> Iterator[Master]:
+    """A started master (its log in `log_dir`), stopped on the way out (a module fixture's body)."""
+    m = Master(log_dir / "master.log")
+    m.start()
+    try:
+        yield m
+    finally:
+        m.stop()

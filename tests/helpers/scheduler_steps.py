@@ -15,12 +15,14 @@ def req(rid: str, n: int, max_new: int = 4) -> Req:
     return Req(rid, list(range(1, n + 1)), SamplingParams(max_new_tokens=max_new))
 
 
-def step(s: Scheduler, hold: bool = False) -> ScheduledBatch | None:
-    """One engine step with a fake model: token = seq_len; finish at max_new_tokens."""
+def step(s: Scheduler, hold: bool = False, check: bool = True) -> ScheduledBatch | None:
+    """One engine step with a fake model: token = seq_len; finish at max_new_tokens. `check`:
+    check_pages (which counts every used page as a request's: no prefix cache)."""
     b = s.schedule()
     if b is None:
         return None
-    check_pages(s, b)
+    if check:
+        check_pages(s, b)
     toks = [r.seq_len if b.completes_prefill(i) else None for i, r in enumerate(b.reqs)]
     s.commit(b, toks, [0.0 if t is not None else None for t in toks])
     for r, t in zip(b.reqs, toks):

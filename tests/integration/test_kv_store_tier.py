@@ -17,7 +17,7 @@ from kvpipe.cache.store_keys import StoreNamespace, encode_page, page_keys
 from kvpipe.model.config import ModelConfig
 from kvpipe.model.identity import checkpoint_digest
 from kvpipe.server.launcher import stop_process
-from tests.helpers.mooncake_store import Master
+from tests.helpers.mooncake_store import Master, running_master
 from tests.helpers.pd_stack import generate, greedy, wait_for
 from tests.helpers.server import ServerProc, start_server
 from tests.helpers.tolerance import Generation, Route, assert_same_generations
@@ -31,12 +31,8 @@ NEW = 4
 
 @pytest.fixture(scope="module")
 def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Master]:
-    m = Master(tmp_path_factory.mktemp("mooncake") / "master.log")
-    m.start()
-    try:
+    with running_master(tmp_path_factory.mktemp("mooncake")) as m:
         yield m
-    finally:
-        m.stop()
 
 
 @pytest.fixture(scope="module")

@@ -93,10 +93,11 @@ def test_hicache_flags() -> None:
     assert (cfg.enabled, cfg.mooncake_master, cfg.mooncake_global_segment_bytes) == (True, "10.0.0.1:50051", 1 << 30)
     assert cfg.mooncake_metadata_server == "P2PHANDSHAKE"
     assert not hicache_config_from_args(p.parse_args([])).enabled
+    tp2 = ["--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake", "--tp-size", "2"]
+    assert hicache_config_from_args(p.parse_args(tp2)).enabled  # every TP rank stores its own head slice
     for bad in (
         ["--enable-hierarchical-cache"],  # no backend: kvpipe has no host tier to enable alone
         ["--hicache-storage-backend", "mooncake"],
-        ["--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake", "--tp-size", "2"],
         ["--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake", "--disable-radix-cache"],
     ):
         with pytest.raises(ConfigError):

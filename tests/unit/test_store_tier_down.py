@@ -5,6 +5,7 @@ tried again after it; batched calls stay within the client's buffer."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -18,6 +19,14 @@ from kvpipe.cache.store_pages import PoolPages
 from kvpipe.cache.store_tier import StoreTier, TierSettings
 
 PS = 4
+
+
+def wait_until(fn: Callable[[], bool]) -> None:
+    for _ in range(500):  # the tier's fetch thread (bounded: 5 s)
+        if fn():
+            return
+        time.sleep(0.01)
+    raise AssertionError("the tier's fetch did not end")
 
 
 class Clock:
@@ -47,15 +56,16 @@ def test_an_unreachable_store_falls_back_is_counted_and_retried() -> None:
                 break
             time.sleep(0.01)
         assert attempts == [100.0]
-        assert tier.load_prefix(ids, cache, alloc) == 0  # inside the retry interval: skipped
+        assert tier.ready("r1", ids, cache, alloc)  # inside the retry interval: skipped, nothing to wait for
         assert tier.stats()["fallbacks"] == {"down": 1} and alloc.num_free == 16 and cache.num_pages == 0
         tier.store_prefix(ids, np.arange(5))
         assert tier.stats()["puts_dropped"] == {"down": 5} and tier.stats()["put_queue"] == 0
         clock.t += 5.0  # the interval passed: the next fetch tries to connect again, fails, computes
-        assert tier.load_prefix(ids, cache, alloc) == 0
+        assert not tier.ready("r2", ids, cache, alloc)  # a fetch started: it tries to connect again
+        wait_until(lambda: tier.ready("r2", ids, cache, alloc))  # fails: nothing loaded, computed
         assert attempts == [100.0, 105.0] and tier.stats()["fallbacks"] == {"down": 1, "error": 1}
         assert not tier.stats()["up"] and alloc.num_free == 16
         # 3 KiB batches of 2 x 2 x 4 x 8 x 4 = 512-byte pages (+ a record header): 3 pages each
-        assert tier._batches(7) == [(0, 3), (3, 6), (6, 7)]
+        assert tier.rank._batches(7) == [(0, 3), (3, 6), (6, 7)]
     finally:
         tier.close()
