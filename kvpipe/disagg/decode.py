@@ -163,6 +163,7 @@ class DecodeConnector(PDConnector):
                             aux.first_token_logprob,
                             aux.cached_tokens,
                             draft_tokens=aux.draft_tokens,
+                            draft_hidden=aux.hidden,
                         )
                     )
                     continue
