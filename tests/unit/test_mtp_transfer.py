@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 import torch
 
+from kvpipe.bench.kv_bytes import kv_wire_bytes, with_mtp_kv
 from kvpipe.config import DisaggregationConfig, ServerConfig, SpeculativeConfig, TransferTuning
 from kvpipe.disagg.draft_transfer import speculative_handshake
 from kvpipe.engine.mtp_drafter import hidden_from_bytes, hidden_to_bytes
 from kvpipe.model.config import ModelConfig
-from kvpipe.model.presets import write_preset
+from kvpipe.model.presets import preset_config, write_preset
 from kvpipe.transfer.control import messages as m
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.sender.book import SenderBook
@@ -100,3 +101,15 @@ def test_handshake_names_nextn_its_mtp_layer_and_kv(tmp_path):
     assert handshake("NEXTN") == handshake("EAGLE") == want
     with pytest.raises(ValueError, match="KV layout"):
         speculative_handshake(ServerConfig(model_path=str(path), speculative=SpeculativeConfig("NEXTN")), None)
+
+
+def test_bench_serve_predicts_the_mtp_layers_kv():
+    """bench serve's predicted bytes with NEXTN servers: the target's KV plus one latent layer of
+    the MTP's per token, in its compute dtype; a model without an MTP layer predicts nothing."""
+    ds = preset_config("tiny-deepseek-v3")
+    assert ds.mla is not None
+    target = kv_wire_bytes(ds, 16, 2)
+    assert target is not None
+    both = with_mtp_kv(target, ds, 4)
+    assert both is not None and both.request_nbytes(10) == 10 * (target.full_token_nbytes + ds.mla.latent_dim * 4)
+    assert with_mtp_kv(target, preset_config("tiny"), 4) is None
