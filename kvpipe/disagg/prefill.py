@@ -159,9 +159,7 @@ class PrefillConnector(PDConnector):
         # sliding-window layers send only the prompt's last window: the planner's T counts that
         self.kv_wire = KVWireBytes.from_layout(layout, ctx.model_config.sliding_window)
         draft = self.local_worker.draft_layout if self.local_worker is not None else None
-        if (
-            draft is not None
-        ):  # a STANDALONE draft model's (NEXTN: MTP) KV goes with every chunk too (the last layer group)
+        if draft is not None:  # a STANDALONE draft model's KV goes with every chunk too (the last layer group)
             self.kv_wire = replace(self.kv_wire, full_token_nbytes=self.kv_wire.full_token_nbytes + draft.token_nbytes)
         logger.info(
             "prefill ready: bootstrap port %d, control %s, data %s",
@@ -221,7 +219,7 @@ class PrefillConnector(PDConnector):
             if r is None or r.transfer_done:
                 continue
             if not r.started:
-                draft = req.draft_pages.copy() if req.draft_pages.size else None  # STANDALONE's, NEXTN's
+                draft = req.draft_pages.copy() if req.draft_pages.size else None  # STANDALONE's
                 starts.append(RoomStart(r.room, req.pages.copy(), req.state_slot, _swa(req), draft_pages=draft))
                 self._start(r)
             # the prompt's last forward: a hybrid model's state of each layer group is final

@@ -598,7 +598,7 @@ class Engine:
             try:
                 self.mtp.kv_arrived(req, ev.draft_tokens, ev.draft_hidden)
             except ValueError as e:  # a peer the handshake let through should never send this
-                logger.warning("request %s decodes without NEXTN drafts: %s", req.rid, e)
+                logger.warning("request %s: the prefill's NEXTN state refused (%s); its drafts start cold", req.rid, e)
         # cached_tokens means what it means colocated: prompt tokens not computed (by the prefill);
         # the decode's own prefix (req.num_shared_pages) shows in the KV bytes not transferred
         req.cached_tokens = ev.prefill_cached_tokens
