@@ -21,7 +21,9 @@ send layer num_layers, the last layer group of a layer-pipelined forward. What d
   the wire is whatever the prefill's page held there: the decode overwrites it before reading it;
 - a cached page's last MTP row depends on the token after it (mtp_drafter.py's copy on write):
   the decode does not know the hidden states of pages that arrived by transfer, so it marks them
-  unknown (no copy on write of such a page on a later hit: drafts may differ, outputs never).
+  unknown. A later decode radix hit that ends exactly where its prompt leaves the cached one (a
+  branch at a page boundary: only the hit's last page can be affected) keeps that page's last
+  row as cached: that request's drafts may differ from a colocated engine's, outputs never.
 
 The handshake's speculative field (`nextn_handshake`) names NEXTN, the MTP layer (its index and
 count in the checkpoint, whose content the handshake's model digest covers), the hidden size the
