@@ -128,16 +128,18 @@ def run_and_check(pair: Pair, ps: list[list[int]], reference: Reference, model_d
     return decoded
 
 
-def test_drafts_and_accepted_counts_as_colocated_also_behind_cached_prefixes(deepseek: Path, ds_reference):
+@pytest.mark.parametrize("rounds", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_drafts_and_accepted_counts_as_colocated(deepseek: Path, ds_reference, rounds: int):
     """Layer-pipelined (3 target groups, the MTP layer its own last group), chunked prefill (24);
-    the second round finds the prompts in the prefill's prefix cache and their leading pages in
-    the decode's (the MTP KV of that prefix came with its pages: only the rest moves)."""
+    a second round (the full sweep) finds the prompts in the prefill's prefix cache and their
+    leading pages in the decode's (the MTP KV of that prefix came with its pages: only the rest
+    moves)."""
     ps = prompts(22, LENS)
     want = colocated_steps(deepseek, ps)
     with make_pair(
         deepseek, 24, prefill_speculative=NEXTN, decode_speculative=NEXTN, decode_radix_cache=True, layer_groups=3
     ) as pair:
-        for round_ in range(2):
+        for round_ in range(rounds):
             decoded = run_and_check(pair, ps, ds_reference, deepseek)
             assert [d.spec.steps for d in decoded if d.spec is not None] == want, f"round {round_}"
             assert all(len(d.spec.steps[0][0]) == 3 for d in decoded if d.spec is not None)  # drafts at once
@@ -155,7 +157,7 @@ def test_an_mtp_layer_that_predicts_the_target_accepts_every_draft_from_the_firs
     assert all(a == len(drafts) for s in steps for drafts, a in s)
 
 
-@pytest.mark.parametrize("what", ["mtp_kv", "hidden"])
+@pytest.mark.parametrize("what", ["mtp_kv", pytest.param("hidden", marks=pytest.mark.slow)])
 def test_negative_control_landed_mtp_state_zeroed(deepseek: Path, ds_reference, what: str):
     """What the per-step checks catch: the decode's landed MTP KV (or its hidden row, the aux)
     zeroed before its first step keeps the outputs (verification) but not the first step's
