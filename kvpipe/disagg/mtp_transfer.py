@@ -25,6 +25,13 @@ send layer num_layers, the last layer group of a layer-pipelined forward. What d
   branch at a page boundary: only the hit's last page can be affected) keeps that page's last
   row as cached: that request's drafts may differ from a colocated engine's, outputs never.
 
+SGLang, for comparison (disaggregation/utils.py MetadataBuffers): its prefill runs the draft
+extend after sampling and writes, per request, the first token, the draft's top-k probabilities
+and indices and a hidden state into registered aux buffers on the decode (the data plane). Here
+the MTP row that needs the sampled token is left to the decode (one MTP row at its first step),
+so no top-k travels, and the hidden row rides in the final TransferStatus frame (H x itemsize
+bytes: 14 KiB for DeepSeek-V3 in bf16), after every KV write of the room has landed.
+
 The handshake's speculative field (`nextn_handshake`) names NEXTN, the MTP layer (its index and
 count in the checkpoint, whose content the handshake's model digest covers), the hidden size the
 aux carries and the MTP KV layout; a prefill and a decode that disagree refuse each other.
