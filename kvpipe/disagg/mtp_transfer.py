@@ -40,8 +40,12 @@ aux carries and the MTP KV layout; a prefill and a decode that disagree refuse e
 from __future__ import annotations
 
 from kvpipe.config import ServerConfig
+from kvpipe.engine.connector import ConnectorContext
 from kvpipe.model.config import ModelConfig
 from kvpipe.transfer.planning.layout import KVLayout
+
+# hidden rows AuxData.hidden carries: h_{L-1} (MTPDrafter.pending_hidden after the prompt)
+AUX_HIDDEN_ROWS = 1
 
 
 def nextn_handshake(cfg: ServerConfig, mtp: KVLayout | None) -> str:
@@ -53,3 +57,12 @@ def nextn_handshake(cfg: ServerConfig, mtp: KVLayout | None) -> str:
     shape = f"{mtp.buffers_per_layer}x{mtp.num_layers}x{mtp.total_kv_heads}x{mtp.head_dim}"
     layer = f"layer{model.num_layers}x{model.num_nextn_predict_layers}"
     return f"nextn:mtp={layer}:hidden={model.hidden_size}:kv={mtp.dtype}/{mtp.page_size}/{shape}"
+
+
+def nextn_aux_nbytes(cfg: ServerConfig, ctx: ConnectorContext) -> int:
+    """The largest AuxData.hidden a NEXTN decode accepts: AUX_HIDDEN_ROWS rows of the target's
+    hidden size in the MTP's dtype (its KV pool's, ctx.draft_pool); 0 without NEXTN."""
+    pool = ctx.draft_pool
+    if not cfg.speculative.uses_mtp or pool is None:
+        return 0
+    return AUX_HIDDEN_ROWS * ctx.model_config.hidden_size * pool.k[0].element_size()
