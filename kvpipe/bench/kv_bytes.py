@@ -2,7 +2,8 @@
 every layer that keeps KV (K and V, or an MLA latent; a hybrid model's full-attention layers
 only), a GPT-OSS model's sliding layers only over the prompt's last window (KVWireBytes), plus a
 hybrid model's recurrent state once per request, and a STANDALONE draft model's KV where both PD
-servers run one (`with_draft_kv`: its KV moves after the target's). Element sizes are the served ones (ServedDtypes:
+servers run one (`with_draft_kv`: its KV moves after the target's), or NEXTN's MTP layer KV
+(`with_mtp_kv`). Element sizes are the served ones (ServedDtypes:
 --dtype and --kv-cache-dtype as the servers resolve them), else the checkpoint's."""
 
 from __future__ import annotations
@@ -54,6 +55,14 @@ def with_draft_kv(kv: KVWireBytes, draft: ModelConfig, itemsize: int) -> KVWireB
         return None
     d = kv_wire_bytes(draft, kv.page_size, itemsize)
     return None if d is None else replace(kv, full_token_nbytes=kv.full_token_nbytes + d.full_token_nbytes)
+
+
+def with_mtp_kv(kv: KVWireBytes, mc: ModelConfig, itemsize: int) -> KVWireBytes | None:
+    """`kv` plus NEXTN's MTP layer KV (one latent layer for every prompt token, in the MTP's
+    compute dtype `itemsize`: disagg/mtp_transfer.py); None for a model without an MTP layer."""
+    if mc.num_nextn_predict_layers < 1 or mc.mla is None:
+        return None
+    return replace(kv, full_token_nbytes=kv.full_token_nbytes + mc.mla.latent_dim * itemsize)
 
 
 def state_bytes_per_request(mc: ModelConfig, itemsize: int | None = None) -> int | None:

@@ -17,7 +17,7 @@ from kvpipe.bench import driver
 from kvpipe.bench.chat_text import ChatText, open_chat_text
 from kvpipe.bench.compare import COMPARE_MODES, compare_rows, compare_table
 from kvpipe.bench.group_timeline import GroupTimeline, format_group_timeline, newest_group_timeline
-from kvpipe.bench.kv_bytes import ServedDtypes, kv_wire_bytes, state_bytes_per_request, with_draft_kv
+from kvpipe.bench.kv_bytes import ServedDtypes, kv_wire_bytes, state_bytes_per_request, with_draft_kv, with_mtp_kv
 from kvpipe.bench.machine import load_average, machine_info
 from kvpipe.bench.plot import plot_modes, plot_sweep
 from kvpipe.bench.probe import (
@@ -30,6 +30,7 @@ from kvpipe.bench.probe import (
     transfer_tail_from_server_info,
 )
 from kvpipe.bench.serve_run import config_dict, emit, measure, summary_of, vocab_size, warm_up, workload_config
+from kvpipe.bench.spec_stats import reporting_spec
 from kvpipe.bench.stacks import Endpoint, StackOptions, default_stack_factory
 from kvpipe.bench.sweep import (
     COLOCATED_MODES,
@@ -44,7 +45,7 @@ from kvpipe.bench.sweep import (
 )
 from kvpipe.bench.sweep_rows import sweep_rows
 from kvpipe.bench.workload import WorkloadConfig, build_workload, split_rounds
-from kvpipe.config import ConfigError
+from kvpipe.config import MTP_ALGORITHMS, ConfigError
 from kvpipe.model.config import ModelConfig
 from kvpipe.model.presets import model_path_or_preset
 from kvpipe.qa.testbed import LinkTestbed, LinkTestbedError, parse_rate
@@ -79,6 +80,9 @@ def _model_bytes(model_path: str, server_args: tuple[str, ...]) -> tuple[KVWireB
             return None, 0
         # the draft's pool keeps its compute dtype (--kv-cache-dtype does not apply to it)
         kv = with_draft_kv(kv, draft, ServedDtypes.of(draft, flag("--dtype"), None, flag("--device")).model)
+    algo = (flag("--speculative-algorithm") or "").upper()
+    if kv is not None and draft_path is None and algo in MTP_ALGORITHMS:  # NEXTN: the MTP layer's KV moves too
+        kv = with_mtp_kv(kv, mc, served.model)
     return kv, state_bytes_per_request(mc, served.model) or 0
 
 
@@ -170,6 +174,7 @@ def run_sweep_cmd(args: argparse.Namespace, compare: bool = False) -> int:
     configs = {n: workload_config(args, vocab, n) for n in lens}  # same prompts for every mode
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="kvpipe-bench-serve-")  # server logs, always kept
     threads: dict[str, Any] = {}  # mode -> server name -> the cpu_threads its /server_info reported
+    speculative: dict[str, Any] = {}  # mode -> server name -> its speculative counts (bench/spec_stats.py)
     load_before = load_average()
     opts = StackOptions(model_path, tuple(shlex.split(args.server_args)), log_dir, args.startup_timeout)
     sweep = _Sweep(args, configs, text)
@@ -178,6 +183,7 @@ def run_sweep_cmd(args: argparse.Namespace, compare: bool = False) -> int:
         with contextlib.ExitStack() as stack:
             tb = stack.enter_context(LinkTestbed(args.link_rate)) if args.link_rate else None
             factory = _reporting_threads(default_stack_factory(opts, tb), threads)
+            factory = reporting_spec(factory, speculative)  # speculative servers: their acceptance
             if args.interleave:
                 points = run_sweep_interleaved(lens, modes, factory, sweep.measure_slice, sweep.rounds, summary_of)
             else:
@@ -206,6 +212,7 @@ def run_sweep_cmd(args: argparse.Namespace, compare: bool = False) -> int:
             for p in points
         ],
         "cpu_threads": threads,
+        **({"speculative": speculative} if speculative else {}),
         "machine": machine_info(load_before),
         # one layer-pipelined request per (mode, prompt length): each group's compute end and the
         # writes in flight, from the prefill's own timestamps (bench/group_timeline.py)

@@ -23,6 +23,7 @@ from typing import Any
 
 from kvpipe.config import ServerConfig
 from kvpipe.disagg.commands import StartDecode
+from kvpipe.disagg.mtp_transfer import nextn_aux_nbytes
 from kvpipe.disagg.pd_connector import PDConnector
 from kvpipe.disagg.setup import TRANSFER_POLL_S, data_host, require_auth_off_loopback
 from kvpipe.engine.connector import Admission, ConnectorContext, ConnectorEvent, KVArrived, TransferFinished
@@ -67,6 +68,7 @@ class DecodeConnector(PDConnector):
             host=data_host(self.cfg),
             on_news=ctx.wake,
             handshake=handshake,
+            max_aux_bytes=nextn_aux_nbytes(self.cfg, ctx),  # NEXTN's hidden row (disagg/mtp_transfer.py)
         ).start()
         logger.info("decode ready: control %s, data %s", self.receiver.control_address, self.ranks[0].data_address)
 
@@ -163,6 +165,7 @@ class DecodeConnector(PDConnector):
                             aux.first_token_logprob,
                             aux.cached_tokens,
                             draft_tokens=aux.draft_tokens,
+                            draft_hidden=aux.hidden,
                         )
                     )
                     continue

@@ -36,6 +36,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvpipe.config import ServerConfig
+from kvpipe.disagg.mtp_transfer import nextn_handshake
 from kvpipe.disagg.setup import rank_layout
 from kvpipe.model.identity import checkpoint_digest
 from kvpipe.transfer.control.handshake import SPECULATIVE_NONE
@@ -56,6 +57,8 @@ def speculative_handshake(cfg: ServerConfig, draft: KVLayout | None) -> str:
     """Handshake.speculative of a PD server: "none", or for a STANDALONE draft model
     "standalone:draft=<checkpoint digest>:kv=<dtype>/<page size>/<kind>x<layers>x<heads>x<head dim>"."""
     spec = cfg.speculative
+    if spec.enabled and spec.uses_mtp:  # NEXTN: its MTP layer's KV is the "draft" KV (mtp_transfer.py)
+        return nextn_handshake(cfg, draft)
     path = spec.draft_model_path
     if not spec.enabled or path is None:
         return SPECULATIVE_NONE

@@ -259,7 +259,7 @@ class PrefillConnector(PDConnector):
                         end,
                         last=True,
                         swa_pages=_swa(req),
-                        aux=(req.output_ids[0], req.output_logprobs[0], req.cached_tokens),
+                        aux=(req.output_ids[0], req.output_logprobs[0], req.cached_tokens, req.draft_hidden),
                     )
                 )
             elif r.room not in piped:

@@ -153,6 +153,8 @@ class TransferWorker(KVConnectorWorker):
                 on_news=self.on_news,
                 handshake=cmd.handshake,
                 draft_layout=self.draft_layout,
+                # NEXTN: the MTP KV sits on the target's page ids, a decode's prefix holds it too
+                draft_at_prefix=self.cfg.speculative.uses_mtp,
             )
             self.sender.start(bootstrap=cmd.bootstrap)
             control = self.sender.control_address

@@ -64,6 +64,7 @@ class KVArrived:
     first_token_logprob: float
     prefill_cached_tokens: int = 0  # prompt tokens the KV's writer took from its prefix cache
     draft_tokens: int = 0  # prompt tokens whose draft-model KV landed in the request's draft pages
+    draft_hidden: bytes = b""  # NEXTN: AuxData.hidden, the target's hidden states (disagg/mtp_transfer.py)
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ class ConnectorContext:
     # poll interval (a first token from the prefill should not wait for a timer)
     wake: Callable[[], None] = lambda: None
     # the STANDALONE draft model's KV pool (rank 0's shard), whose pages move with the target's
-    # (req.draft_pages); None: no draft model
+    # (req.draft_pages), or NEXTN's MTP KV pool (disagg/mtp_transfer.py, TP 1); None: no draft model
     draft_pool: KVPool | None = None
     draft_kv_heads: int | None = None  # the draft model's KV heads before TP (None: draft_pool's own)
 

@@ -124,6 +124,8 @@ class Engine:
             self.runner.capture_hidden = True
         # a PD prefill's draft model runs over each prompt chunk; its KV goes to the decode with the target's
         self._draft_prefill = self.draft is not None and connector is not None and cfg.disaggregation.mode == "prefill"
+        # NEXTN's MTP layer too, its KV and the last hidden state go with the target's (disagg/mtp_transfer.py)
+        self._mtp_prefill = self.mtp is not None and connector is not None and cfg.disaggregation.mode == "prefill"
         self.allocator = PageAllocator(cfg.cache.pages(), cfg.cache.debug_checks)
         use_cache = cfg.cache.radix_cache and (connector is None or connector.prefix_cache)
         hybrid = self.model_config.hybrid is not None
@@ -193,6 +195,8 @@ class Engine:
                     self.runner.pool, self.model_config.kv_cache_heads, self.runner.state_pool
                 )
                 draft_pool = self.draft.runner.pool if self.draft is not None else None
+                if self.mtp is not None:  # NEXTN: the MTP layer's KV pool moves as the draft's
+                    draft_pool = self.mtp.pool
                 connector.start(
                     ConnectorContext(
                         cfg,
@@ -436,6 +440,11 @@ class Engine:
         if draft_kv is not None:  # before the connector starts the rooms with their page tables
             for req in batch.reqs:
                 draft_kv.reserve_prompt(req)
+        mtp_kv = self.mtp if self._mtp_prefill and batch.mode is ForwardMode.PREFILL else None
+        if mtp_kv is not None:  # the MTP page tables (private copies made) before the rooms start
+            for req, pre in zip(batch.reqs, batch.prefix_lens):
+                if req.rid not in mtp_kv.seqs:
+                    req.draft_pages = mtp_kv.begin(req, pre)
         if batch.mode is ForwardMode.PREFILL and self.connector is not None:
             plan = self.connector.plan_forward(batch)
         n = plan.layer_groups if batch.mode is ForwardMode.PREFILL else 1
@@ -460,6 +469,14 @@ class Engine:
             draft_kv.prefill_forward(batch, after=(plan.meta, *send) if callback is not None else None)
             if callback is not None:
                 callback(*send, None)
+        if mtp_kv is not None:  # the MTP layer's KV of the chunk: the last layer group
+            mtp_kv.prefill_forward(batch)
+            for i, req in enumerate(batch.reqs):
+                if batch.completes_prefill(i):  # h_{L-1} goes with the first token (AuxData.hidden)
+                    req.draft_hidden = mtp_kv.pending_hidden(req.rid)
+            if callback is not None:
+                n_kv = self.runner.pool.num_layers
+                callback(n_kv, n_kv + 1, None)
         if prefill:
             for req, n_new in zip(batch.reqs, batch.extend_lens):
                 req.timeline.mark(Phase.FORWARD_END, value=n_new)
@@ -542,6 +559,8 @@ class Engine:
             req.timeline.prefix_hit_tokens = req.num_shared_pages * self.page_size
             if self.draft is not None:  # the prompt's draft KV lands next to its KV
                 self.draft.reserve_prompt(req)
+            if self.mtp is not None:  # NEXTN: the prompt's MTP KV lands in its own pages (the MTP pool's ids)
+                req.draft_pages = req.pages[: -(-len(req.input_ids) // self.page_size)].copy()
             try:
                 self.connector.on_reserved(req)
             except ValueError as e:  # e.g. pages the transfer refuses: nothing was asked for
@@ -585,6 +604,11 @@ class Engine:
         req.output_logprobs.append(ev.first_token_logprob)
         if self.draft is not None:
             self.draft.kv_arrived(req, ev.draft_tokens)
+        if self.mtp is not None:
+            try:
+                self.mtp.kv_arrived(req, ev.draft_tokens, ev.draft_hidden)
+            except ValueError as e:  # a peer the handshake let through should never send this
+                logger.warning("request %s: the prefill's NEXTN state refused (%s); its drafts start cold", req.rid, e)
         # cached_tokens means what it means colocated: prompt tokens not computed (by the prefill);
         # the decode's own prefix (req.num_shared_pages) shows in the KV bytes not transferred
         req.cached_tokens = ev.prefill_cached_tokens
@@ -630,7 +654,7 @@ class Engine:
         # request (release_rid False) may still read or write its draft pages: freed at its end
         if self.draft is not None and release_rid:
             self.draft.release(rid)
-        if self.mtp is not None:
+        if self.mtp is not None and release_rid:  # a PD prefill's transfer may still read its private pages
             self.mtp.release(rid)
         self.finisher.forget(rid)
         if release_rid:

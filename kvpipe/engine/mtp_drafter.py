@@ -58,20 +58,36 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def check_nextn(cfg: ServerConfig, model: ModelConfig) -> None:
-    """Refuse NEXTN where it cannot run (yet): no MTP layer, a PD server. With --tp-size > 1 the
-    MTP layer runs whole on rank 0 (the target's last hidden states, its embedding and lm_head are
-    replicated on every rank; the MLA latent is TP-invariant), not sharded over the TP group."""
+    """Refuse NEXTN where it cannot run (yet): no MTP layer, a PD server with --tp-size > 1. PD
+    servers at TP 1 run it on both sides (disagg/mtp_transfer.py). Colocated with --tp-size > 1
+    the MTP layer runs whole on rank 0 (the target's last hidden states, its embedding and lm_head
+    are replicated on every rank; the MLA latent is TP-invariant), not sharded over the TP group."""
     algo = cfg.speculative.algorithm
     if model.num_nextn_predict_layers < 1:
         raise ConfigError(
             f"--speculative-algorithm {algo} drafts with the checkpoint's multi-token-prediction layer "
             f"(DeepSeek-V3's num_nextn_predict_layers); {cfg.model_path} ({model.architecture}) has none"
         )
-    if cfg.disaggregation.mode != "null":
+    if cfg.disaggregation.mode != "null" and cfg.tp_size > 1:
         raise ConfigError(
-            f"--speculative-algorithm {algo} on a PD {cfg.disaggregation.mode} server: not supported yet "
-            "(the decode's MTP layer needs the prefill's hidden states and MTP KV; not built yet)"
+            f"--speculative-algorithm {algo} on a PD {cfg.disaggregation.mode} server with --tp-size "
+            f"{cfg.tp_size}: not supported yet (the MTP KV and hidden state move at TP 1 only)"
         )
+
+
+def hidden_to_bytes(hidden: torch.Tensor) -> bytes:
+    """[rows, H] hidden states as AuxData.hidden: raw bytes (native little-endian, any dtype)."""
+    return hidden.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+
+
+def hidden_from_bytes(data: bytes, hidden_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """AuxData.hidden back to [rows, H] (a copy); ValueError when it is not whole rows."""
+    row = hidden_size * torch.empty(0, dtype=dtype).element_size()
+    if not data:
+        return torch.zeros(0, hidden_size, dtype=dtype)
+    if len(data) % row:
+        raise ValueError(f"{len(data)} bytes of hidden states are not whole rows of {hidden_size} x {dtype}")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).view(-1, hidden_size)
 
 
 @dataclass
@@ -165,6 +181,54 @@ class MTPDrafter:
             with torch.inference_mode():
                 self._forward([tokens[pos + 1]], pos, self._table(req, seq, j + 1), self.page_hidden[src][None])
         return seq
+
+    # ---- PD (disagg/mtp_transfer.py) ------------------------------------------------------
+    def begin(self, req: Req, pre: int) -> np.ndarray:
+        """PD prefill, before `req`'s first forward (at prefix `pre`): its MTP state, with the
+        private copies of cached pages made now, so the MTP page table of its prompt (returned,
+        whole prompt) is final before the transfer starts reading it. Idempotent."""
+        seq = self.seqs.get(req.rid)
+        if seq is None:
+            seq = self.seqs[req.rid] = self._start(req, pre, self.page_hidden[:0])
+        return self._table(req, seq, _cdiv(len(req.input_ids), self.page_size))
+
+    @torch.inference_mode()
+    def prefill_forward(self, batch: ScheduledBatch) -> None:
+        """PD prefill, after the target's forward of `batch` (keep() took its hidden states): the
+        MTP KV of each row's positions up to the chunk's end, at most to L - 1 of an L-token
+        prompt (row L - 1 needs the first sampled token: the decode computes it)."""
+        for req, pre, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+            seq = self.seqs.get(req.rid)
+            end = min(pre + n, len(req.input_ids) - 1)
+            if seq is not None and end > seq.valid:
+                self._catch_up(seq, req, end, self._table(req, seq, _cdiv(end, self.page_size)))
+
+    def pending_hidden(self, rid: str) -> bytes:
+        """The hidden states kept for `rid` past its valid MTP KV, as AuxData.hidden carries them
+        (raw [rows, H] in the MTP's dtype; after the prompt's last prefill_forward: h_{L-1})."""
+        seq = self.seqs.get(rid)
+        return b"" if seq is None else hidden_to_bytes(seq.hidden)
+
+    def kv_arrived(self, req: Req, num_tokens: int, data: bytes) -> None:
+        """PD decode: the prefill wrote `req`'s MTP KV of the prompt's positions past the decode's
+        prefix (into its target pages) and sent `data` (AuxData.hidden, [rows, H]), the target's
+        hidden states of the positions [num_tokens - rows, num_tokens) whose MTP KV it did not
+        compute: they are this request's pending rows, so its first propose() catches up on them
+        only. The pages that arrived had their last rows computed elsewhere, from hidden states
+        not kept here: unknown to a later hit's copy on write. ValueError (and no MTP state: the
+        request decodes without drafts) when they do not fit the prompt."""
+        hidden = hidden_from_bytes(data, self.page_hidden.shape[1], self.page_hidden.dtype).to(self.device)
+        p = self.page_size
+        pre = req.num_shared_pages * p
+        self.page_next[req.pages[pre // p : _cdiv(len(req.input_ids), p)]] = -1
+        seq = self.seqs[req.rid] = self._start(req, pre, hidden)
+        seq.valid = num_tokens - hidden.shape[0]
+        if not pre <= seq.valid < len(req.input_ids):
+            self.release(req.rid)  # no drafts for it (its outputs stay the target's)
+            raise ValueError(
+                f"{req.rid}: NEXTN state of {num_tokens} prompt tokens with {hidden.shape[0]} hidden rows "
+                f"does not fit its {len(req.input_ids)}-token prompt past its {pre}-token cached prefix"
+            )
 
     def _table(self, req: Req, seq: MTPSeq, used: int) -> np.ndarray:
         """The MTP page table of `req`'s first `used` pages: its target pages, with its private

@@ -103,6 +103,9 @@ class Req:
     # PD with a STANDALONE draft model: the draft pool's pages of its whole prompt, reserved with
     # its prompt's pages, whose draft KV moves with the target's (empty: none)
     draft_pages: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # PD with NEXTN, on the prefill: the target's hidden states the decode's MTP layer starts from
+    # (disagg/mtp_transfer.py; raw bytes for AuxData.hidden, set after the prompt's last forward)
+    draft_hidden: bytes = b""
 
     @property
     def seq_len(self) -> int:

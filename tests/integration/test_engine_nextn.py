@@ -8,14 +8,12 @@ requests verify its greedy drafts by speculative sampling; what NEXTN cannot ser
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from kvpipe.cache.kv_pool import KVPool
 from kvpipe.config import ConfigError, ServerConfig, SpeculativeConfig
@@ -28,6 +26,7 @@ from kvpipe.model.forward_batch import ForwardBatch
 from kvpipe.model.loader import load_model
 from kvpipe.model.mtp import load_mtp
 from kvpipe.model.presets import write_preset
+from tests.helpers.draft_models import bigram_copy
 from tests.helpers.engine import (
     assert_engine_matches,
     assert_every_draft_accepted,
@@ -54,23 +53,6 @@ def assert_nothing_left(eng: Engine) -> None:
     assert eng.prefix_cache is None or eng.prefix_cache.locked_pages == 0
     assert eng.mtp is not None and not eng.mtp.seqs
     assert len(eng.mtp.free_private) == eng.mtp.num_private  # every hit's private page is back
-
-
-def bigram_copy(src: Path, dst: Path) -> Path:
-    """`src` with every o_proj and down_proj zeroed (each layer adds nothing to the residual, so
-    the target's next token depends on the last token only) and the MTP's eh_proj keeping the
-    embedding half (its guess after t_{i+1} is the target's own next token after t_{i+1}): an
-    MTP layer that drafts exactly what the target generates."""
-    shutil.copytree(src, dst)
-    cfg = ModelConfig.from_dir(src)
-    weights = load_file(str(dst / "model.safetensors"))
-    for name, w in weights.items():
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            weights[name] = torch.zeros_like(w)
-    h = cfg.hidden_size
-    weights[f"model.layers.{cfg.num_layers}.eh_proj.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
-    save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return dst
 
 
 @pytest.fixture(scope="module")
@@ -245,11 +227,10 @@ def test_what_nextn_cannot_serve_is_refused(models, tiny_model_dir):
     with pytest.raises(ConfigError, match="multi-token-prediction"):
         make_engine(tiny_model_dir, speculative=nextn())  # a Llama: no MTP layer
     eng_cfg = ServerConfig(model_path=str(path), speculative=nextn())
-    for mode in ("prefill", "decode"):
-        pd = replace(eng_cfg, disaggregation=replace(eng_cfg.disaggregation, mode=mode))
-        with pytest.raises(ConfigError, match=f"PD {mode} server: not supported yet"):
-            check_nextn(pd, ModelConfig.from_dir(path))
-    check_nextn(eng_cfg, ModelConfig.from_dir(path))  # colocated, TP 1: served
+    for mode in ("null", "prefill", "decode"):  # colocated and PD (tests/integration/test_pd_nextn.py), TP 1: served
+        check_nextn(
+            replace(eng_cfg, disaggregation=replace(eng_cfg.disaggregation, mode=mode)), ModelConfig.from_dir(path)
+        )
 
 
 def test_page_ids_are_shared_with_the_target_pool(models):

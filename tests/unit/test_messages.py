@@ -83,6 +83,10 @@ MESSAGES = [
     StagingChunkDone(ROOM, 9, "d/1", True, watermark_round=2, watermark_offset=512),
     RegisterPeer("d/0", 0, 1, "10.0.0.2:15000", "tcp://10.0.0.2:5555", LAYOUT, state=STATE),
     TransferRequest(ROOM, "d/0", (4, 5), 0, 0, state_slot=7),
+    # NEXTN: the target's last hidden state as raw bytes (msgpack bin)
+    TransferStatus(
+        ROOM, "d/0", WireState.SUCCESS, aux=AuxData(ROOM, 42, -0.25, draft_tokens=40, hidden=bytes(range(16)))
+    ),
 ]
 
 
@@ -96,16 +100,17 @@ def test_round_trip(msg):
 # change it (version 2 added AuxData.cached_tokens, version 3 the staging messages, version 4 the
 # recurrent state: RegisterPeer.state, TransferRequest.state_slot; version 5 sliding-window pages;
 # version 6 the sender's session: TransferStatus.sender; version 7 a draft model's KV:
-# AuxData.draft_tokens, RegisterPeer.draft, TransferRequest.dst_draft_pages).
+# AuxData.draft_tokens, RegisterPeer.draft, TransferRequest.dst_draft_pages; version 8 NEXTN's
+# AuxData.hidden, msgpack bin).
 STATUS_BYTES = {
     "success": bytes.fromhex(
-        "88a46b696e64af7472616e736665725f737461747573a776657273696f6e07a4726f6f6d07aa73657373696f6e5f6964"
-        "a3642f30a57374617465a773756363657373a6726561736f6ea0a361757885a4726f6f6d07ae66697273745f746f6b65"
+        "88a46b696e64af7472616e736665725f737461747573a776657273696f6e08a4726f6f6d07aa73657373696f6e5f6964"
+        "a3642f30a57374617465a773756363657373a6726561736f6ea0a361757886a4726f6f6d07ae66697273745f746f6b65"
         "6e5f69642ab366697273745f746f6b656e5f6c6f6770726f62cbbfd0000000000000ad6361636865645f746f6b656e73"
-        "cc80ac64726166745f746f6b656e7300a673656e646572a3702f30"
+        "cc80ac64726166745f746f6b656e7300a668696464656ec400a673656e646572a3702f30"
     ),
     "failed": bytes.fromhex(
-        "88a46b696e64af7472616e736665725f737461747573a776657273696f6e07a4726f6f6d07aa73657373696f6e5f6964"
+        "88a46b696e64af7472616e736665725f737461747573a776657273696f6e08a4726f6f6d07aa73657373696f6e5f6964"
         "a3642f30a57374617465a66661696c6564a6726561736f6eaa71756575652d66756c6ca3617578c0a673656e646572a3"
         "702f30"
     ),
@@ -123,15 +128,16 @@ def test_transfer_status_bytes_are_unchanged():
 def test_a_peer_on_an_older_protocol_version_is_refused():
     """Version 1 peers send aux data without cached_tokens, version 2 ones know no staging ring,
     version 3 ones no recurrent state, version 4 ones no sliding-window pages, version 5 ones name
-    no sender, version 6 ones know no draft KV: all are refused by version, not misread."""
+    no sender, version 6 ones know no draft KV, version 7 ones no NEXTN hidden state: all are
+    refused by version, not misread."""
     v1 = msgpack.unpackb(STATUS_BYTES["success"])
     v1["version"] = 1
     del v1["aux"]["cached_tokens"]
-    with pytest.raises(ProtocolError, match="protocol version 1, expected 7"):
+    with pytest.raises(ProtocolError, match="protocol version 1, expected 8"):
         decode(msgpack.packb(v1))
-    for old in (2, 3, 4, 5, 6):
+    for old in (2, 3, 4, 5, 6, 7):
         v1["version"] = old
-        with pytest.raises(ProtocolError, match=f"protocol version {old}, expected 7"):
+        with pytest.raises(ProtocolError, match=f"protocol version {old}, expected 8"):
             decode(msgpack.packb(v1))
 
 
@@ -168,6 +174,16 @@ BAD = {
     "huge room": raw(kind="abort", version=PROTOCOL_VERSION, room=1 << 63, session_id="s", side="decode", reason=""),
     "bad enum": raw(kind="abort", version=PROTOCOL_VERSION, room=1, session_id="s", side="router", reason=""),
     "str is bytes": raw(kind="heartbeat", version=PROTOCOL_VERSION, session_id=b"s", seq=1),
+    "bytes is str": raw(
+        kind="transfer_status",
+        version=PROTOCOL_VERSION,
+        room=1,
+        session_id="s",
+        state="success",
+        reason="",
+        aux=dict(room=1, first_token_id=2, first_token_logprob=0.0, cached_tokens=0, draft_tokens=0, hidden="h"),
+        sender="",
+    ),
     "bad utf8": b"\x82\xa4kind\xa9heartbeat\xa7version\xa2\xff\xfe",
     "int key": msgpack.packb({1: 2}),
 }

@@ -81,6 +81,8 @@ def strategy_for(tp: Any) -> st.SearchStrategy:
         return st.text(max_size=30)
     if tp is bool:
         return st.booleans()
+    if tp is bytes:  # raw bytes (AuxData.hidden)
+        return st.binary(max_size=64)
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return st.sampled_from(list(tp))
     if _is_int_tuple(tp):

@@ -8,7 +8,9 @@ Rules (they keep validation generic and vectorised):
   NO_PAGE_OK (-1 entries allowed: "no page here");
 - nested dataclasses travel as maps; `X | None` accepts None;
 - a map must hold exactly the dataclass's fields (no missing, no unknown ones);
-- str fields whose metadata is TEXT (free-text reasons) are cut to MAX_TEXT_CHARS when encoded.
+- str fields whose metadata is TEXT (free-text reasons) are cut to MAX_TEXT_CHARS when encoded;
+- bytes fields travel as msgpack bin, as they are (raw tensors: a NEXTN prefill's hidden state),
+  bounded like an int list (max_bin_len).
 Anything else raises ProtocolError, including a dataclass's own __post_init__ ValueError.
 
 `WireLimits` bounds what decoding a frame may allocate. The wire form above has no msgpack arrays
@@ -116,7 +118,7 @@ def _value_from_wire(value: Any, tp: Any, path: str, min_id: int = 0) -> Any:
         if type(value) not in (int, float):
             raise ProtocolError(f"{path}: expected a number, got {type(value).__name__}")
         return float(value)
-    if tp in (str, bool):
+    if tp in (str, bool, bytes):
         if type(value) is not tp:
             raise ProtocolError(f"{path}: expected {tp.__name__}, got {type(value).__name__}")
         return value
@@ -202,7 +204,7 @@ def _bound(cls: type, bin_len: int) -> _Size:
         if dataclasses.is_dataclass(tp) and isinstance(tp, type):
             inner = _bound(tp, bin_len)
             nbytes, map_len, maps = nbytes + inner.nbytes, max(map_len, inner.map_len), maps + inner.maps
-        elif _is_int_tuple(tp):
+        elif _is_int_tuple(tp) or tp is bytes:
             nbytes += bin_len + _HEADER_BYTES
         elif tp is str:
             nbytes += MAX_STR_BYTES + _HEADER_BYTES

@@ -43,11 +43,12 @@ from kvpipe.transfer.control.codec import (
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.recurrent.layout import StateLayout
 
-PROTOCOL_VERSION = 7  # 2: AuxData.cached_tokens; 3: staging ring messages, RegisterPeer.staging;
+PROTOCOL_VERSION = 8  # 2: AuxData.cached_tokens; 3: staging ring messages, RegisterPeer.staging;
 # 4: recurrent state (RegisterPeer.state, TransferRequest.state_slot); 5: sliding-window layers
 # (KVLayout.swa_layers, TransferRequest.dst_swa_pages: the window pages the decode wants);
 # 6: senders named (TransferStatus.sender, Abort.sender, StagingInfo.session_id, staging nonces);
 # 7: a draft model's KV (RegisterPeer.draft, TransferRequest.dst_draft_pages, AuxData.draft_tokens)
+# 8: NEXTN's draft inputs (AuxData.hidden: the target's last hidden state, disagg/mtp_transfer.py)
 MAX_MESSAGE_INTS = 1 << 20  # `decode` without limits: int lists of up to 1M entries (8 MiB)
 
 
@@ -137,11 +138,15 @@ class AuxData:
     first_token_logprob: float
     cached_tokens: int = 0  # prompt tokens the prefill took from its prefix cache (not computed)
     draft_tokens: int = 0  # prompt tokens whose draft-model KV was written into the draft pages (0: none)
+    # NEXTN (disagg/mtp_transfer.py): the target's hidden states (after its final norm) of the
+    # prompt's last positions whose MTP KV the prefill did not compute, [rows, hidden] raw bytes
+    # in the MTP layer's dtype (b"": none)
+    hidden: bytes = b""
 
 
 # what the engine hands the sender with a room's last chunk: (first token id, its logprob) and
-# optionally the prompt tokens the prefill took from its prefix cache
-AuxTuple = tuple[int, float] | tuple[int, float, int]
+# optionally the prompt tokens the prefill took from its prefix cache, and NEXTN's hidden states
+AuxTuple = tuple[int, float] | tuple[int, float, int] | tuple[int, float, int, bytes]
 
 
 @dataclass(frozen=True)

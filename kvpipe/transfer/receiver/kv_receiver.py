@@ -74,9 +74,12 @@ class KVReceiver:
         clock: Clock = time.monotonic,
         on_news: Callable[[], None] | None = None,
         handshake: Handshake | None = None,
+        max_aux_bytes: int = 0,
     ) -> None:
         """`on_news` (called on the control thread after every message from a prefill): poll()
         may have something new, e.g. wake the engine loop instead of waiting for its timer.
+        `max_aux_bytes`: the largest raw field a prefill's aux data may carry (NEXTN's hidden state,
+        AuxData.hidden; 0: none), a bound of the control frames this receiver decodes.
         `handshake`: this decode instance's (control/handshake.py), compared with every prefill's
         (None: not checked; tests and benchmarks of bare receivers)."""
         if not ranks:
@@ -97,7 +100,8 @@ class KVReceiver:
             name="kvreceiver",
             send_hwm=cfg.tuning.control_send_hwm,
             auth=self._auth,
-            limits=limits_for(RECEIVER_RECEIVES, 0),  # statuses, aborts, heartbeats: no int lists
+            # statuses, aborts, heartbeats: no int lists; raw bytes (AuxData.hidden) up to max_aux_bytes
+            limits=limits_for(RECEIVER_RECEIVES, -(-max_aux_bytes // 8)),
             max_sockets=cfg.limits.max_reply_sockets,
         )
         self._book = ReceiverBook(cfg, self.ranks, self.instance_id, self._endpoint.address, self._endpoint.send)

@@ -135,15 +135,20 @@ class SenderBook:
         state_layout: StateLayout | None = None,
         own_data_address: str = "",
         draft_layout: KVLayout | None = None,
+        draft_at_prefix: bool = False,
     ) -> None:
         """`state_layout`: this rank's recurrent-state pool (hybrid models): every room has a
         state slot (add_room) that its decodes get with the KV. `own_data_address`: this rank's
         backend, which no decode may name as its own. `draft_layout`: this rank's draft-model
         pool (STANDALONE speculative decoding): rooms may name draft pages (add_room), sent as
-        the layers after the target's (room.py)."""
+        the layers after the target's (room.py). `draft_at_prefix`: the draft KV lives on the
+        target's page ids and a decode's cached prefix holds it too (NEXTN's MTP layer,
+        disagg/mtp_transfer.py): its layers are sent from the decode's prefix_len like the
+        target's, not from token 0."""
         self.cfg, self.layout, self.tp_rank, self.tp_size = cfg, layout, tp_rank, tp_size
         self.state_layout = state_layout
         self.draft_layout = draft_layout
+        self.draft_at_prefix = draft_at_prefix
         self.session_id = session_id
         self.send = send
         self.control_address = control_address  # where staging agents answer
@@ -241,7 +246,8 @@ class SenderBook:
         if call.last:
             assert aux is not None  # KVSender.send refuses a last call without aux
             cached = int(aux[2]) if len(aux) > 2 else 0
-            r.aux = AuxData(room, int(aux[0]), float(aux[1]), cached, draft_tokens=r.draft_tokens)
+            hidden = aux[3] if len(aux) > 3 else b""  # NEXTN's (disagg/mtp_transfer.py)
+            r.aux = AuxData(room, int(aux[0]), float(aux[1]), cached, draft_tokens=r.draft_tokens, hidden=hidden)
         return True
 
     def abort(self, room: int, reason: str, now: float) -> None:
@@ -358,11 +364,16 @@ class SenderBook:
             np.asarray(msg.dst_pages, dtype=np.int64),
             msg.prefix_len,
             self.peers.heads.get(session),
-            # target layers from the decode's prefix on, draft layers (if any) from 0
+            # target layers from the decode's prefix on, draft layers (if any) from 0 (NEXTN's
+            # MTP layer from the prefix too: draft_at_prefix)
             np.concatenate(
                 (
                     np.full(self.layout.num_layers, msg.prefix_len, dtype=np.int64),
-                    np.zeros(0 if self.draft_layout is None else self.draft_layout.num_layers, dtype=np.int64),
+                    np.full(
+                        0 if self.draft_layout is None else self.draft_layout.num_layers,
+                        msg.prefix_len if self.draft_at_prefix else 0,
+                        dtype=np.int64,
+                    ),
                 )
             ),
             peer.staging,

@@ -79,6 +79,7 @@ class KVSender:
         on_news: Callable[[], None] | None = None,
         handshake: Handshake | None = None,
         draft_layout: KVLayout | None = None,
+        draft_at_prefix: bool = False,
     ) -> None:
         """`staging`: a registered local staging buffer over this rank's KV (staging/buffers.py); with
         cfg.staging "on" or "auto" sends to decode ranks that offer a staging ring are staged.
@@ -90,7 +91,8 @@ class KVSender:
         decodes to compare with theirs (None: not checked; tests and benchmarks of bare senders).
         `draft_layout`: this rank's registered draft-model pool (STANDALONE speculative decoding):
         its layers are send() layers num_layers .. num_layers + draft layers - 1, after the
-        target's (the last layer group), and rooms name their draft pages in add_room."""
+        target's (the last layer group), and rooms name their draft pages in add_room.
+        `draft_at_prefix`: SenderBook's (NEXTN: the MTP KV is sent from the decode's prefix on)."""
         if instance_id is None:
             if tp_size != 1:
                 raise ValueError("with tp_size > 1 every rank needs the same instance_id")
@@ -152,6 +154,7 @@ class KVSender:
             state_layout=state_layout,
             own_data_address=backend.address,
             draft_layout=draft_layout,
+            draft_at_prefix=draft_at_prefix,
         )
         self._worker = threading.Thread(target=self._run, name=f"kvsender-{tp_rank}-worker", daemon=True)
 

@@ -1,0 +1,68 @@
+"""PD with NEXTN (DeepSeek-V3's multi-token-prediction layer, engine/mtp_drafter.py, issue 27):
+the prefill runs the MTP layer over the prompt and sends its one-layer latent KV with the
+target's, plus the target's last hidden state, so the decode drafts at once with nothing over
+the prompt recomputed (SGLang sends the same for EAGLE/MTP: the first token and hidden states).
+
+It reuses the STANDALONE path (disagg/draft_transfer.py): the MTP pool is the "draft" pool both
+sides register and announce (TransferWorker.set_draft_pool, RegisterPeer.draft), its layer is
+send layer num_layers, the last layer group of a layer-pipelined forward. What differs:
+- pages: the MTP pool has the target pool's page ids (mtp_drafter.py), so a request's MTP pages
+  are its target pages (the prefill's with its private copy-on-write pages standing in,
+  MTPDrafter.begin), and a decode's cached prefix holds the MTP KV of that prefix with the
+  target's: both sides send/ask from the decode's prefix_len (SenderBook's draft_at_prefix);
+- positions: the MTP row of position i is computed from (h_i, t_{i+1}); the prefill computes
+  rows 0 .. L - 2 of an L-token prompt chunk by chunk, right after each chunk's target forward
+  (MTPDrafter.prefill_forward; row L - 1 needs the first sampled token, which comes after the
+  forward, so the last group cannot carry it). AuxData.draft_tokens is L, AuxData.hidden the
+  target's hidden state h_{L-1} (after its final norm, one row, the MTP's dtype): the decode
+  takes rows [0, L - 1) as valid and h_{L-1} as its pending hidden row (MTPDrafter.kv_arrived),
+  so its first proposal catches up row L - 1 from (h_{L-1}, first token) and drafts, as the
+  colocated engine's first proposal after its prefill does over the whole prompt. Row L - 1 on
+  the wire is whatever the prefill's page held there: the decode overwrites it before reading it;
+- a cached page's last MTP row depends on the token after it (mtp_drafter.py's copy on write):
+  the decode does not know the hidden states of pages that arrived by transfer, so it marks them
+  unknown. A later decode radix hit that ends exactly where its prompt leaves the cached one (a
+  branch at a page boundary: only the hit's last page can be affected) keeps that page's last
+  row as cached: that request's drafts may differ from a colocated engine's, outputs never.
+
+SGLang, for comparison (disaggregation/utils.py MetadataBuffers): its prefill runs the draft
+extend after sampling and writes, per request, the first token, the draft's top-k probabilities
+and indices and a hidden state into registered aux buffers on the decode (the data plane). Here
+the MTP row that needs the sampled token is left to the decode (one MTP row at its first step),
+so no top-k travels, and the hidden row rides in the final TransferStatus frame (H x itemsize
+bytes: 14 KiB for DeepSeek-V3 in bf16), after every KV write of the room has landed.
+
+The handshake's speculative field (`nextn_handshake`) names NEXTN, the MTP layer (its index and
+count in the checkpoint, whose content the handshake's model digest covers), the hidden size the
+aux carries and the MTP KV layout; a prefill and a decode that disagree refuse each other.
+"""
+
+from __future__ import annotations
+
+from kvpipe.config import ServerConfig
+from kvpipe.engine.connector import ConnectorContext
+from kvpipe.model.config import ModelConfig
+from kvpipe.transfer.planning.layout import KVLayout
+
+# hidden rows AuxData.hidden carries: h_{L-1} (MTPDrafter.pending_hidden after the prompt)
+AUX_HIDDEN_ROWS = 1
+
+
+def nextn_handshake(cfg: ServerConfig, mtp: KVLayout | None) -> str:
+    """Handshake.speculative of a NEXTN (or EAGLE without a draft model) PD server:
+    "nextn:mtp=layer<index>x<count>:hidden=<size>:kv=<dtype>/<page size>/<kind>x<layers>x<heads>x<head dim>"."""
+    if mtp is None:
+        raise ValueError("a NEXTN server's handshake needs its MTP layer's KV layout")
+    model = ModelConfig.from_dir(cfg.model_path)
+    shape = f"{mtp.buffers_per_layer}x{mtp.num_layers}x{mtp.total_kv_heads}x{mtp.head_dim}"
+    layer = f"layer{model.num_layers}x{model.num_nextn_predict_layers}"
+    return f"nextn:mtp={layer}:hidden={model.hidden_size}:kv={mtp.dtype}/{mtp.page_size}/{shape}"
+
+
+def nextn_aux_nbytes(cfg: ServerConfig, ctx: ConnectorContext) -> int:
+    """The largest AuxData.hidden a NEXTN decode accepts: AUX_HIDDEN_ROWS rows of the target's
+    hidden size in the MTP's dtype (its KV pool's, ctx.draft_pool); 0 without NEXTN."""
+    pool = ctx.draft_pool
+    if not cfg.speculative.uses_mtp or pool is None:
+        return 0
+    return AUX_HIDDEN_ROWS * ctx.model_config.hidden_size * pool.k[0].element_size()
