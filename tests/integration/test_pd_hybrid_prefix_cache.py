@@ -108,7 +108,7 @@ def test_failures_eviction_and_aborts_leave_everything_accounted_for(model_dir, 
     page, state slot and snapshot is accounted for."""
     faults = FaultInjection(prob=0.3, seed=3)
     slots = {"max_state_slots": 4, "max_mamba_cache_size": 7}  # 4 running, 3 snapshots
-    with make_pair(model_dir, 24, 24, 24, faults, decode_radix_cache=True, prefill_cache=slots) as pair:
+    with make_pair(model_dir, 32, 24, 24, faults, decode_radix_cache=True, prefill_cache=slots) as pair:
         p_cache = pair.prefill.prefix_cache
         assert isinstance(p_cache, HybridRadixCache) and p_cache.snapshots.num_slots == 3
         system = prompts(11, [40])[0]
