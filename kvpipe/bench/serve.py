@@ -76,7 +76,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
         default="baseline,pipelined,inproc",
         help="sweep: baseline, pipelined, pipelined-N (forced N groups), inproc (colocated), inproc-nocache "
         "(colocated, --disable-radix-cache), pd (as kvpipe launch), pd-norecord / inproc-norecord (pd / inproc "
-        "with --disable-request-metrics)",
+        "with --disable-request-metrics), decode-cache (baseline + the decode radix cache), pd-nocache "
+        "(baseline, --disable-radix-cache on both servers)",
     )
     t.add_argument(
         "--model-path", default=None, help="sweep: checkpoint directory or .gguf file (default: tiny preset)"

@@ -13,6 +13,8 @@ tests without servers. Modes:
   pd-norecord, inproc-norecord
                 pd and inproc with --disable-request-metrics: no request timelines or latency
                 histograms (interleave with pd / inproc: what recording costs, same run)
+  pd-nocache    baseline with --disable-radix-cache on both servers: every turn recomputes and
+                resends its whole prompt (interleave with decode-cache: both caches' gain, same run)
 The rows of a sweep's result are sweep_rows.py.
 """
 
@@ -36,8 +38,10 @@ INPROC_NOCACHE = "inproc-nocache"
 # per-request recording off (--disable-request-metrics): what timelines and histograms cost, same run
 PD_NORECORD, INPROC_NORECORD = "pd-norecord", "inproc-norecord"
 NORECORD_FLAGS = ("--disable-request-metrics",)
+# PD with no prefix cache on either server (baseline's transfer): what both caches save, same run
+PD_NOCACHE = "pd-nocache"
 COLOCATED_MODES = (INPROC, INPROC_NOCACHE, INPROC_NORECORD)
-PLAIN_MODES = (BASELINE, PIPELINED, INPROC, DECODE_CACHE, PD, INPROC_NOCACHE, PD_NORECORD, INPROC_NORECORD)
+PLAIN_MODES = (BASELINE, PIPELINED, INPROC, DECODE_CACHE, PD, INPROC_NOCACHE, PD_NORECORD, INPROC_NORECORD, PD_NOCACHE)
 _PIPELINED_N = re.compile(r"^pipelined-(\d+)$")
 
 
@@ -51,7 +55,7 @@ def parse_modes(spec: str) -> list[str]:
         if m not in PLAIN_MODES and not (_PIPELINED_N.match(m) and int(m[10:]) >= 1):
             raise ValueError(
                 f"unknown mode {m!r}: choose from baseline, pipelined, pipelined-N, decode-cache, pd, inproc, "
-                "inproc-nocache, pd-norecord, inproc-norecord"
+                "inproc-nocache, pd-norecord, inproc-norecord, pd-nocache"
             )
     if not modes or len(set(modes)) != len(modes):
         raise ValueError(f"modes must be a non-empty list without repeats, got {spec!r}")
@@ -83,6 +87,8 @@ def mode_server_flags(mode: str) -> ModeFlags | None:
         return ModeFlags(NORECORD_FLAGS)
     if mode == BASELINE:
         return ModeFlags(("--disaggregation-layer-groups", "1"))
+    if mode == PD_NOCACHE:
+        return ModeFlags(("--disaggregation-layer-groups", "1", "--disable-radix-cache"))
     if mode == DECODE_CACHE:
         return ModeFlags(("--disaggregation-layer-groups", "1"), ("--disaggregation-enable-decode-radix-cache",))
     if mode == PIPELINED:

@@ -23,7 +23,7 @@ def match_state(cache: HybridRadixCache, req: Req, page_size: int) -> tuple[np.n
     pages, node, ps = m.pages, m.node, page_size
     branch = m.kv_tokens if m.kv_tokens > len(pages) * ps else 0
     prompt_end = (len(req.input_ids) - 1) // ps * ps
-    req.snapshots = ReqSnapshots(m.snapshot, branch, prompt_end, split=cache.split_rows)
+    req.snapshots = ReqSnapshots(m.snapshot, branch, prompt_end, split=cache.split_rows, prompt_len=len(req.input_ids))
     return pages, node
 
 
@@ -53,8 +53,10 @@ def plan_state(
         if slot is None:
             slot, freed = cache.alloc_snapshot(req.rid)
             allocator.free(freed)
+            if slot is None:  # every snapshot is pinned: take its own shallowest chunk boundary's
+                slot = snap.recycle(pos)
             if slot is None:
-                continue  # every snapshot is pinned: this one is skipped (a later miss)
+                continue  # none either: this one is skipped (a later miss)
             if snap.is_tracking(pos):
                 snap.track = slot
         snap.plan(pos, slot)

@@ -4,9 +4,14 @@ for the hybrid prefix cache (kvpipe/cache/hybrid_radix_cache.py), no tensors.
 A cached prefix is usable only with the state after its last token, so while a request runs, its
 forwards copy that state (its own slot's, kvpipe/cache/recurrent_pool.py) into snapshot slots
 at page-aligned positions where a later prompt may want to start (the copies happen inside the
-forward: model/gated_delta_net.py takes them from the row's one pass). Per request at most three:
+forward: model/gated_delta_net.py takes them from the row's one pass). Per request:
 - `branch`: where its KV match outran the snapshots (the cache held the pages of a shared system
   prompt but no state at its end): a snapshot there makes the next prompt with that prefix a hit;
+- chunk boundaries: where a chunked prefill's row ends inside the prompt (floored to a page), so a
+  later prompt sharing a long prefix that ends before this one's end hits the deepest boundary it
+  covers (SGLang's Mamba radix cache caches each chunk of an unfinished prompt). When no snapshot
+  slot is free and none can be evicted, a later snapshot takes the request's shallowest committed
+  chunk snapshot's slot (`recycle`): the deepest boundaries and the prompt end are worth most;
 - `prompt_end`: the longest prefix a repeat of the prompt can hit, floor((len - 1) / ps) * ps;
 - the latest aligned position past the prompt end (decode steps, a multi-turn conversation's next
   turn starts from it), in one slot that is overwritten as the request goes on.
@@ -28,18 +33,28 @@ class ReqSnapshots:
     pending: list[tuple[int, int]] = field(default_factory=list)  # (position, slot) being written
     track: int | None = None  # the slot of the latest aligned position past the prompt end
     split: bool = True  # positions inside a forward's row too (else only where its row ends)
+    prompt_len: int = 0  # a row ending before the prompt's end ends at a chunk boundary
 
     def positions(self, prefix_len: int, extend_len: int, page_size: int) -> list[int]:
         """Positions in (prefix_len, prefix_len + extend_len] a forward of these tokens snapshots."""
         start, end = prefix_len, prefix_len + extend_len
         out = {p for p in (self.branch, self.prompt_end) if start < p <= end}
         last = end - end % page_size
-        if last > start and last > self.prompt_end:
-            out.add(last)
+        if last > start and (last > self.prompt_end or end < self.prompt_len):
+            out.add(last)  # past the prompt end (tracked), or a chunk boundary inside the prompt
         return sorted(out) if self.split else [end] if end in out else []
 
     def is_tracking(self, pos: int) -> bool:
         return pos > self.prompt_end
+
+    def is_chunk(self, pos: int) -> bool:
+        return pos < self.prompt_end and pos != self.branch
+
+    def recycle(self, pos: int) -> int | None:
+        """The slot of this request's shallowest committed chunk-boundary snapshot before `pos`
+        (plan() then drops that snapshot), or None: when no slot is free, a deeper one is worth more."""
+        older = [p for p in self.taken if self.is_chunk(p) and p < pos]
+        return self.taken[min(older)] if older else None
 
     def plan(self, pos: int, slot: int) -> None:
         """The running forward writes the state at `pos` into `slot` (a tracking slot reused: its

@@ -258,6 +258,7 @@ def make_pair(
     prefill_speculative: SpeculativeConfig | None = None,
     quantization: str | None = None,
     decode_config: dict[str, Any] | None = None,
+    prefill_cache: dict[str, Any] | None = None,
     **disagg,
 ):
     """Prefill + decode engines; the prefill keeps its prefix cache unless told otherwise, the
@@ -266,7 +267,8 @@ def make_pair(
     draft model (STANDALONE: its draft KV goes to the decode); both run `quantization`'s weights.
     Mismatched pairs (the handshake tests): the decode serves `decode_model_dir` instead,
     `decode_cache` overrides fields of its CacheConfig (page_size, kv_cache_dtype) and
-    `decode_config` fields of its ServerConfig (quantization)."""
+    `decode_config` fields of its ServerConfig (quantization); `prefill_cache` overrides fields of
+    the prefill's CacheConfig (a hybrid model's state and snapshot slots)."""
     fabric = LocalFabric()
     with contextlib.ExitStack() as es:
         pb, db = LocalBackend(fabric, inject=inject), LocalBackend(fabric)
@@ -275,6 +277,8 @@ def make_pair(
         p_cfg = cfg(model_dir, "prefill", chunk, p_pages, prefill_radix_cache, kv_cache_dtype, **disagg)
         if prefill_speculative is not None:
             p_cfg = dataclasses.replace(p_cfg, speculative=prefill_speculative)
+        if prefill_cache:
+            p_cfg = dataclasses.replace(p_cfg, cache=dataclasses.replace(p_cfg.cache, **prefill_cache))
         p_cfg = dataclasses.replace(p_cfg, quantization=quantization)
         prefill = Engine(p_cfg, PrefillConnector(p_cfg, pb))
         es.callback(prefill.shutdown)

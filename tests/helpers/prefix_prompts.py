@@ -55,17 +55,23 @@ def assert_system_and_turn_hits(
     per_system: int,
     turns: int,
     page: int,
+    chunk: int = 0,
 ) -> None:
     """cached_tokens of `system_prompts` + `conversation` run one at a time with a prefix cache:
     page-aligned hits shorter than each prompt; per system prompt the first caches its prompt,
     the second finds the shared pages but a hit point (a state snapshot, a window) there only if
     the first prompt's end fell in the same page (else it keeps one there: the branch point), the
-    rest hit it; each turn of the conversation reuses the last."""
+    rest hit it; each turn of the conversation reuses the last. `chunk`: the first prompt was
+    prefilled in chunks of that many tokens and left a hit point at each chunk boundary (floored
+    to a page; a hybrid model's state snapshots), so the second hits the deepest one it shares."""
     assert all(c % page == 0 and c < len(p) for c, p in zip(cached, ps))
     for g, n in enumerate(system_lens):
         group, shared = list(cached[g * per_system : (g + 1) * per_system]), n // page * page
-        first_end = (len(ps[g * per_system]) - 1) // page * page
-        assert group[0] == 0 and group[1] == (shared if first_end == shared else 0), (n, group)
+        first_len = len(ps[g * per_system])
+        points = [(first_len - 1) // page * page]
+        points += [k * chunk // page * page for k in range(1, first_len) if chunk and k * chunk < first_len]
+        second = max((x for x in points if x <= shared), default=0)
+        assert group[0] == 0 and group[1] == second, (n, group, second)
         assert group[2:] == [shared] * (per_system - 2), (n, group)
     last = list(cached[-turns:])
     assert last[0] == 0 and all(c >= 32 for c in last[1:]), last

@@ -99,7 +99,7 @@ def test_cache_on_equals_off_and_reports_cached_tokens(model_dir, reference, chu
         got = results(eng, ps)  # one at a time: later prompts hit what earlier ones left
         assert_same_generations([Generation.of(r) for r in got], want, Route.SAME_PROCESS, ps, "one at a time")
         cached = [r["meta_info"]["cached_tokens"] for r in got]
-        assert_system_and_turn_hits(cached, ps, SYSTEM_LENS, PER_SYSTEM, TURNS, PS)
+        assert_system_and_turn_hits(cached, ps, SYSTEM_LENS, PER_SYSTEM, TURNS, PS, chunk)
         assert eng.stats()["cached_state_snapshots"] > 0
         # batched, everything cached now: the same outputs again
         assert_same_generations(generations(eng, ps, GREEDY), want, Route.SAME_PROCESS, ps, "batched")

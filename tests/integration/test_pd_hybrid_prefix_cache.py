@@ -4,7 +4,8 @@ never computes a prompt, so its cache matches KV alone; the prefill sends the fu
 past the decode's prefix and the prompt's final state whole. Greedy tokens and logprobs equal the
 colocated engine without a cache for a shared system prompt and a multi-turn conversation; the
 bytes of every request are exactly its suffix pages plus one state; every page and slot is free
-afterwards on both sides."""
+afterwards on both sides, also after 30% injected write failures, eviction from small pools and
+aborts on either side (every page, state slot and snapshot accounted for)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,20 @@ from pathlib import Path
 import pytest
 
 from kvpipe.cache.hybrid_radix_cache import HybridRadixCache
+from kvpipe.config import FaultInjection
+from kvpipe.engine.request import FinishReason
 from kvpipe.model.config import ModelConfig
 from kvpipe.model.presets import write_preset
-from tests.helpers.pd_pair import PS, colocated_greedy, make_pair, run_one
+from tests.helpers.pd_pair import (
+    PS,
+    Pair,
+    assert_pd_matches,
+    colocated_greedy,
+    decode_abort_in_flight,
+    make_pair,
+    prompts,
+    run_one,
+)
 from tests.helpers.pd_parity import expected_bytes, state_slot_nbytes
 
 
@@ -53,9 +65,10 @@ def test_decode_cache_moves_the_suffix_pages_and_one_state(model_dir, reference,
             sent, hit, d = run_one(pair, ids, reference)
             assert hit == (0 if i == 0 else 32) and sent == predicted(len(ids), hit), (i, hit, sent)
             computed.append(d.cached_tokens)
-        # the prefill: the second finds the KV of the shared pages but no state there and snapshots
-        # it (the branch point); the rest hit it
-        assert computed == ([0, 0, 32, 32] if prefill_cache else [0] * 4)
+        # the prefill: the second finds the KV of the shared pages but a state only at the first's
+        # chunk boundary 16 (chunks of 24, floored to a page) and snapshots the branch point 32;
+        # the rest hit it
+        assert computed == ([0, 16, 32, 32] if prefill_cache else [0] * 4)
         convo = tok(30)
         for turn in range(4):  # each turn resends the conversation so far
             sent, hit, d = run_one(pair, convo, reference)
@@ -69,3 +82,54 @@ def test_decode_cache_moves_the_suffix_pages_and_one_state(model_dir, reference,
         p_cache = pair.prefill.prefix_cache
         if isinstance(p_cache, HybridRadixCache):
             assert p_cache.snapshots.num_used == p_cache.num_snapshots > 0
+
+
+def assert_accounted(pair: Pair) -> None:
+    """Idle: on either side every used page is its cache's (each once, none pinned) and every state
+    slot is free; every snapshot slot in use is one the prefill's cache holds, once."""
+    for eng in (pair.prefill, pair.decode):
+        assert eng.state_slots is not None and eng.state_slots.in_use() == {}
+        c = eng.prefix_cache
+        assert c is not None and c.locked_pages == 0
+        held = c.all_pages()
+        assert eng.allocator.num_used == c.num_pages == held.size
+        eng.allocator.check_owned(held)
+    p_cache = pair.prefill.prefix_cache
+    assert isinstance(p_cache, HybridRadixCache)
+    snaps = p_cache.all_snapshots()
+    assert p_cache.snapshots.num_used == p_cache.num_snapshots == len(set(snaps)) == len(snaps)
+
+
+def test_failures_eviction_and_aborts_leave_everything_accounted_for(model_dir, reference):
+    """Both caches on, 30% injected write failures, 24-page pools on both sides and 3 snapshot slots
+    on the prefill (pages and snapshots evicted all the time), prompts sharing a system prompt
+    prefilled in chunks (chunk-boundary snapshots): the rooms that succeed give the colocated
+    tokens; then a decode abort and a prefill abort while the prompt computes. After each, every
+    page, state slot and snapshot is accounted for."""
+    faults = FaultInjection(prob=0.3, seed=3)
+    slots = {"max_state_slots": 4, "max_mamba_cache_size": 7}  # 4 running, 3 snapshots
+    with make_pair(model_dir, 32, 24, 24, faults, decode_radix_cache=True, prefill_cache=slots) as pair:
+        p_cache = pair.prefill.prefix_cache
+        assert isinstance(p_cache, HybridRadixCache) and p_cache.snapshots.num_slots == 3
+        system = prompts(11, [40])[0]
+        ps = [system + tail for tail in prompts(12, [20, 64, 90, 47, 30, 25])]
+        for wave in (ps[:2], ps[2:]):  # the second wave may hit what the first cached
+            reqs = [pair.reqs(ids) for ids in wave]
+            pair.run(reqs)
+            ok = [(d, ids) for (_, d), ids in zip(reqs, wave) if d.finish_reason is not FinishReason.ABORT]
+            assert_pd_matches([d for d, _ in ok], [ids for _, ids in ok], reference, "rooms that succeeded")
+        st = pair.prefill.stats()["disaggregation"]
+        assert st["rooms_failed"] > 0 and st["rooms_succeeded"] > 0, st
+        pair.settle()
+        assert_accounted(pair)
+        decode_abort_in_flight(pair, system + prompts(1, [200])[0])
+        assert_accounted(pair)
+        p, d = pair.reqs(system + prompts(2, [200])[0])  # the prefill aborts after its first chunk
+        pair.prefill.add_request(p)
+        pair.decode.add_request(d)
+        pair.prefill.step()
+        pair.prefill.abort(p.rid)
+        pair.run([], until=lambda: p.finished and d.finished)
+        assert p.finish_reason is FinishReason.ABORT and d.finish_reason is FinishReason.ABORT
+        pair.settle()
+        assert_accounted(pair)

@@ -1,15 +1,18 @@
-"""Prefix caching of the hybrid tiny-qwen3.5 preset through sglang-router (prefill TP 1, decode TP 1;
-(1, 2) and (2, 1) in make test-full; Mooncake over loopback, the decode with
---disaggregation-enable-decode-radix-cache): prompts sharing a system prompt, sent in waves, give
-the colocated engine's greedy tokens and logprobs (no cache there); the repeated prefix shows as
-cached_tokens > 0 (the prefill's state snapshots) and as decode prefix hits; the prefill writes
-exactly the pages past the decode's prefix and one state per request; every page and state slot
-comes back on both sides."""
+"""Prefix caching of the hybrid tiny-qwen3.5 presets (dense and MoE) through sglang-router (prefill
+TP 1, decode TP 1; (1, 2), (2, 1) and the MoE preset in make test-full; Mooncake over loopback, the
+decode with --disaggregation-enable-decode-radix-cache): prompts sharing a system prompt, sent in
+waves, and then a four-turn conversation give the colocated engine's greedy tokens and logprobs
+(no cache there); the repeated prefix shows as cached_tokens > 0 (the prefill's state snapshots)
+and as decode prefix hits (each turn where the last turn's KV ended); the prefill writes exactly
+the pages past the decode's prefix and one state per request; every page and state slot comes
+back on both sides."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -33,7 +36,7 @@ from tests.helpers.tolerance import Generation, Route, assert_same_generations
 
 pytest.importorskip("mooncake.engine")
 
-PS, NEW = TP_PS, 4
+PS, NEW, TURNS = TP_PS, 4, 4
 
 
 def prompts() -> list[list[int]]:
@@ -46,29 +49,65 @@ def prompts() -> list[list[int]]:
     return out
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return write_preset("tiny-qwen3.5", tmp_path_factory.mktemp("tiny_qwen35_router"))
+@dataclass(frozen=True)
+class Preset:
+    dir: Path
+    waves: list[Generation]  # prompts(), colocated without a cache
+    turns: list[list[int]]  # the conversation's prompts, each the last, its answer and a message
+    turn_gens: list[Generation]
 
 
-@pytest.fixture(scope="module")
-def reference(model_dir: Path) -> list[Generation]:
+def colocated(model_dir: Path) -> Preset:
+    """The colocated engine's greedy generations without a prefix cache: prompts() at once, then
+    the conversation one turn after the other."""
     eng = Engine(
         ServerConfig(model_path=str(model_dir), cache=CacheConfig(page_size=PS, num_pages=256, radix_cache=False))
     )
+    rnd, params = random.Random(4), SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
+    turns, gens, prompt = [], [], [rnd.randrange(3, 250) for _ in range(40)]
     try:
-        outs = eng.generate(prompts(), SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True))
+        waves = [Generation.of(o) for o in eng.generate(prompts(), params)]
+        for _ in range(TURNS):
+            turns.append(prompt)
+            out = eng.generate([prompt], params)[0]
+            gens.append(Generation.of(out))
+            prompt = prompt + list(out["output_ids"]) + [rnd.randrange(3, 250) for _ in range(rnd.randint(5, 12))]
     finally:
         eng.shutdown()
-    return [Generation.of(o) for o in outs]
+    return Preset(model_dir, waves, turns, gens)
+
+
+@pytest.fixture(scope="module")
+def presets(tmp_path_factory) -> Callable[[str], Preset]:
+    """A preset's checkpoint and colocated reference, made once per module when first asked for."""
+    made: dict[str, Preset] = {}
+
+    def get(name: str) -> Preset:
+        if name not in made:
+            made[name] = colocated(write_preset(name, tmp_path_factory.mktemp(name.replace(".", "_"))))
+        return made[name]
+
+    return get
 
 
 # heterogeneous TP: each decode rank holds its KV heads of the cached prefix and gets its heads of
 # the rest and of the state from whichever prefill rank computed them
-@pytest.mark.parametrize(
-    "p_tp,d_tp", [(1, 1), pytest.param(1, 2, marks=pytest.mark.slow), pytest.param(2, 1, marks=pytest.mark.slow)]
-)
-def test_hybrid_prefixes_through_router(model_dir: Path, tmp_path: Path, reference, p_tp: int, d_tp: int) -> None:
+SLOW = pytest.mark.slow
+CASES = [
+    ("tiny-qwen3.5", 1, 1),
+    pytest.param("tiny-qwen3.5", 1, 2, marks=SLOW),
+    pytest.param("tiny-qwen3.5", 2, 1, marks=SLOW),
+    # the MoE preset's sparse MLP holds no per-request state: the same caches and transfer
+    pytest.param("tiny-qwen3.5-moe", 1, 1, marks=SLOW),
+    pytest.param("tiny-qwen3.5-moe", 1, 2, marks=SLOW),
+    pytest.param("tiny-qwen3.5-moe", 2, 1, marks=SLOW),
+]
+
+
+@pytest.mark.parametrize("preset,p_tp,d_tp", CASES)
+def test_hybrid_prefixes_through_router(presets, tmp_path: Path, preset: str, p_tp: int, d_tp: int) -> None:
+    ref = presets(preset)
+    model_dir, reference = ref.dir, ref.waves
     ps = prompts()
     stack = start_stack(
         model_dir,
@@ -110,7 +149,32 @@ def test_hybrid_prefixes_through_router(model_dir: Path, tmp_path: Path, referen
         st = disagg_stats(stack.prefill)
         assert st["rooms_failed"] == 0 and st["rooms_succeeded"] == len(ps)
         p = stack.prefill.engine_stats()
-        assert p["cached_state_snapshots"] > 0 and p["prefix_hit_tokens"] == 3 * 48 + 3 * 32
+        # the second of each system prompt hits the first's deepest chunk boundary it shares (chunks
+        # of 24 floored to pages: 48 of the 48-token system prompt, 16 of the 37-token one)
+        assert p["cached_state_snapshots"] > 0 and p["prefix_hit_tokens"] == 4 * 48 + 16 + 3 * 32
+
+        # a conversation: each turn resends everything so far
+        turn_outs, hits = [], []
+        for prompt in ref.turns:
+            before = stack.decode.engine_stats()["prefix_hit_tokens"]
+            body = {"input_ids": prompt, "sampling_params": greedy(NEW), "return_logprob": True}
+            turn_outs.append(generate(stack.router, body))
+            hits.append(stack.decode.engine_stats()["prefix_hit_tokens"] - before)
+        assert_same_generations(
+            [Generation.of(o) for o in turn_outs], ref.turn_gens, Route.ACROSS_PROCESSES, ref.turns, "conversation"
+        )
+        # the decode cached each turn up to its last KV (prompt + NEW - 1 outputs)
+        assert hits == [0] + [(len(t) + NEW - 1) // PS * PS for t in ref.turns[:-1]], hits
+        turn_cached = [o["meta_info"]["cached_tokens"] for o in turn_outs]
+        # the prefill's own hits (a turn may reach it before it cached the last one: the prefill
+        # caches a request when its transfer is over, which the router does not wait for)
+        assert turn_cached[0] == 0 and any(c > 0 for c in turn_cached[1:]), turn_cached
+        # bytes per follow-up: its pages past the decode's prefix and one state, nothing more
+        stack.prefill.wait_idle(30)
+        stack.decode.wait_idle(30)
+        state = state_slot_nbytes(ModelConfig.from_dir(model_dir))
+        predicted = sum((-(-len(t) // PS) - h // PS) * page + state for t, h in zip(ref.turns, hits))
+        assert disagg_stats(stack.prefill)["bytes_written"] - sent == predicted
     except BaseException:
         print(stack.logs())
         raise

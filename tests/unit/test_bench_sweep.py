@@ -53,6 +53,9 @@ def test_parse_modes_and_flags() -> None:
     assert mode_server_flags("decode-cache") == ModeFlags(
         ("--disaggregation-layer-groups", "1"), ("--disaggregation-enable-decode-radix-cache",)
     )
+    assert mode_server_flags("pd-nocache") == ModeFlags(
+        ("--disaggregation-layer-groups", "1", "--disable-radix-cache")
+    )  # both servers: no prefix cache anywhere
     assert mode_server_flags("inproc") is None
     assert parse_prompt_lens("256,1024") == [256, 1024]
     for bad in ("", "0", "a,b"):

@@ -1,5 +1,5 @@
 """The scheduler with a hybrid prefix cache (no model): which state snapshots each forward takes
-(the branch point, the prompt end, the latest aligned position past it), the restore a hit's first
+(the branch point, chunk boundaries, the prompt end, the latest aligned position past it), the restore a hit's first
 forward does, what a finished request leaves in the cache, that an abort leaves nothing, and that
 every page, state slot and snapshot slot is accounted for after every step."""
 
@@ -139,8 +139,8 @@ def test_chunked_prefill_snapshots_mid_chunk_and_restores_once():
     prompt = list(range(1, 15))  # 14 tokens in chunks of 5: prompt end 12 lies in the third chunk
     a = req("a", prompt)
     batches = run(s, a)
-    got = [(b.prefix_lens[0], b.state_snapshots) for b in batches[:3]]
-    assert [p for p, sn in got if sn] == [10] and got[2][1][0][1] == 2  # 12 = 10 + 2 tokens in
+    got = [[b.prefix_lens[0] + k for _, k, _ in b.state_snapshots] for b in batches[:3]]
+    assert got == [[4], [8], [12]]  # chunk boundaries 5 and 10 floored to pages, then 12 = 10 + 2 in
     b = req("b", prompt + [1, 2])
     batches = run(s, b)
     assert b.cached_tokens == 12 and [len(x.state_restores) for x in batches] == [1] + [0] * (len(batches) - 1)
@@ -190,12 +190,46 @@ def test_no_buffer_snapshots_only_where_a_row_ends():
     """--mamba-scheduler-strategy no_buffer: no split of a row; a chunk or decode step that ends on
     a page boundary at a wanted position still snapshots."""
     s = make(chunk=4, split=False)
-    a = req("a", list(range(1, 11)), max_new=4)  # chunks [0,4) [4,8) [8,10): prompt end 8 ends one
+    a = req("a", list(range(1, 11)), max_new=4)  # chunks [0,4) [4,8) [8,10): a boundary, the prompt end
     batches = run(s, a)
     ends = [(b.prefix_lens[0] + b.extend_lens[0], b.state_snapshots) for b in batches]
-    assert [e for e, sn in ends if sn] == [8, 12] and all(
-        sn[0][1] == 4 if e == 8 else sn[0][1] == 1 for e, sn in ends if sn
+    assert [e for e, sn in ends if sn] == [4, 8, 12] and all(
+        sn[0][1] == 4 if e in (4, 8) else sn[0][1] == 1 for e, sn in ends if sn
     )
     s = make(split=False)
     b = req("b", list(range(1, 11)), max_new=2)  # one row [0, 10): 8 lies inside it, 12 is never reached
     assert all(not x.state_snapshots for x in run(s, b)) and hybrid(s).num_pages == 0
+
+
+def snapshot_positions(s: Scheduler) -> list[int]:
+    cache = hybrid(s)
+    return sorted(cache.depth(n) * PS for n in cache._nodes() if n.snapshot is not None)
+
+
+def test_a_long_prefix_hits_the_deepest_chunk_boundary_it_shares():
+    """A prompt prefilled in chunks keeps a snapshot at each chunk boundary: a later prompt that
+    shares more than a chunk but not the whole prompt starts at the deepest boundary it covers."""
+    s = make(chunk=8)
+    a = req("a", list(range(1, 31)))  # 30 tokens: rows end at 8, 16, 24; prompt end 28
+    batches = run(s, a)
+    assert [[b.prefix_lens[0] + k for _, k, _ in b.state_snapshots] for b in batches[:4]] == [[8], [16], [24], [28]]
+    assert snapshot_positions(s) == [8, 16, 24, 28, 32]  # 32: the last aligned state of decode
+    b = req("b", list(range(1, 22)) + [99] * 6)  # shares 21 tokens (5 pages): deepest boundary 16
+    batches = run(s, b)
+    assert b.cached_tokens == 16 and batches[0].prefix_lens == [16]
+    c = req("c", list(range(1, 22)) + [98] * 6)  # b left a snapshot at its branch point, 20
+    run(s, c)
+    assert c.cached_tokens == 20
+
+
+def test_chunk_snapshots_recycle_their_own_slots_when_none_is_free():
+    """Two snapshot slots for a prompt of four chunk boundaries: each later snapshot takes the
+    slot of the request's shallowest committed chunk snapshot, so the deepest boundary and the
+    prompt end survive; every slot is accounted for after every step (check)."""
+    s = make(snapshots=2, chunk=4)
+    a = req("a", list(range(1, 23)))  # 22 tokens: boundaries 4, 8, 12, 16; prompt end 20; decode to 24
+    run(s, a)
+    assert snapshot_positions(s) == [20, 24] and hybrid(s).snapshots.num_free == 0
+    b = req("b", list(range(1, 23)) + [7])
+    run(s, b)
+    assert b.cached_tokens == 20
