@@ -47,6 +47,7 @@ from kvpipe.engine.sampler import Sampler, make_generator
 from kvpipe.engine.scheduler import Scheduler
 from kvpipe.engine.spec_sampling import speculative_sample
 from kvpipe.engine.spec_verify import SpecCounts, accepted_prefix
+from kvpipe.engine.state_rollback import StateRollback
 from kvpipe.engine.store_setup import attach_store_tier
 from kvpipe.engine.timeline import Phase, TimelineRecord
 from kvpipe.engine.tp_group import TPGroup, build_runner
@@ -161,6 +162,8 @@ class Engine:
         elif use_cache:
             self.prefix_cache = RadixCache(self.page_size)
         self.state_slots = StateSlotAllocator(running_slots) if hybrid else None
+        # a hybrid model's verify steps: the accepted position's state, committed by the next forward
+        self._rollback = StateRollback() if hybrid and self.spec.enabled else None
         self.scheduler = Scheduler(
             cfg.scheduler,
             self.allocator,
@@ -381,6 +384,9 @@ class Engine:
             n = self.scheduler.commit_verify(
                 req, batch.prefix_lens[i], targets[: accepted + 1], lps[: accepted + 1], partial(self._stops, fins)
             )
+            if self._rollback is not None:  # before _finish: its snapshots go to the cache there
+                cache = self.prefix_cache if isinstance(self.prefix_cache, HybridRadixCache) else None
+                self._rollback.verified(req, batch.prefix_lens[i], counts[i], n, cache, self.allocator, self.page_size)
             self.spec_counts.add(len(draft), accepted, n)
             if req.spec is None:
                 req.spec = SpecCounts()
@@ -432,6 +438,8 @@ class Engine:
         n = plan.layer_groups if batch.mode is ForwardMode.PREFILL else 1
         groups = (plan.layer_bounds or split_layers(self.model_config.num_layers, n)) if n > 1 else None
         assert groups is None or len(groups) == n, (groups, n)
+        if self._rollback is not None:
+            batch.state_commits = self._rollback.take()
         spec: ForwardSpec = batch.spec(self.page_size, groups, plan.meta)
         callback = None
         worker = self._worker
@@ -730,15 +738,11 @@ class Engine:
 
 
 def check_speculative(cfg: ServerConfig, model: ModelConfig) -> None:
-    """Refuse speculative decoding where a rejected draft could not be rolled back yet: a hybrid
-    model's recurrent state and sliding-window pages advance with every verified token."""
+    """Refuse speculative decoding where a rejected draft could not be rolled back yet:
+    sliding-window pages advance with every verified token. (A hybrid model's recurrent state is
+    rolled back: engine/state_rollback.py.)"""
     if not cfg.speculative.enabled:
         return
-    if model.hybrid is not None:
-        raise ConfigError(
-            f"--speculative-algorithm {cfg.speculative.algorithm} is not supported yet for the hybrid "
-            f"model {cfg.model_path}: rolling back its recurrent state after a rejected draft is not built"
-        )
     if model.sliding_layers:
         raise ConfigError(
             f"--speculative-algorithm {cfg.speculative.algorithm} is not supported yet for "

@@ -337,7 +337,9 @@ class Scheduler:
         for i, (r, d) in enumerate(zip(reqs, drafts)):
             self._ensure_pages(r, r.num_cached + 1 + len(d))
             self._ensure_window(r, r.num_cached, r.num_cached + 1 + len(d))
-            self._plan_state(r, batch, i, r.num_cached, 1 + len(d))  # no drafts for hybrid models
+            # hybrid prefix cache: the snapshot after the last token only, which is always kept; those
+            # after accepted drafts are planned once acceptance is known (engine/state_rollback.py)
+            self._plan_state(r, batch, i, r.num_cached, 1)
         return batch
 
     def _draft(self, req: Req) -> list[int]:

@@ -82,7 +82,10 @@ def build_runner(cfg: ServerConfig, parallel: ParallelConfig, device: str) -> Mo
         group,
         quantization=cfg.quantization,
     )
-    return ModelRunner(model, cfg.cache, device, cfg.scheduler, snapshot_slots(cfg))
+    # a hybrid target keeps per-position states of its verify forwards (cache/verify_states.py);
+    # a PD prefill never verifies
+    verify = cfg.speculative.max_drafts + 1 if cfg.speculative.enabled and cfg.disaggregation.mode != "prefill" else 0
+    return ModelRunner(model, cfg.cache, device, cfg.scheduler, snapshot_slots(cfg), verify_positions=verify)
 
 
 def _init_rank(cfg: ServerConfig, rank: int, init_method: str) -> str:
