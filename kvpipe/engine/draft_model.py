@@ -66,6 +66,10 @@ class DraftModel:
         self.page_size = cache.page_size
         self.book = DraftBook(PageAllocator(cache.pages(), cache.debug_checks), cache.page_size)
         self.states = DraftStates(running) if hybrid else None
+        # PD moves draft KV for a dense draft next to a dense target only (the sender moves draft KV
+        # without recurrent state, and a hybrid draft's own state does not move): otherwise the
+        # decode's draft catches up on the prompt at its first step, as a colocated engine's does
+        self.moves_kv = not hybrid and target.hybrid is None
 
     @torch.inference_mode()
     def propose(self, rid: str, tokens: Sequence[int], num_drafts: int) -> list[int]:
@@ -120,7 +124,7 @@ class DraftModel:
         draft pool has no room: the prompt's draft KV is then neither sent nor received, and the
         decode's first step catches up on the prompt). A hybrid draft's state does not move in PD
         (draft_state.py): no pages, and the decode catches up on the prompt."""
-        if req.rid not in self.book.seqs and self.states is None:
+        if req.rid not in self.book.seqs and self.moves_kv:
             pages = self.book.reserve(req.rid, -(-len(req.input_ids) // self.page_size))
             req.draft_pages = pages.copy()
 

@@ -25,7 +25,7 @@ from kvpipe.cache.page_allocator import PageAllocator
 from kvpipe.cache.radix_cache import RadixCache
 from kvpipe.cache.recurrent_slots import StateSlotAllocator
 from kvpipe.cache.swa_radix_cache import SWARadixCache
-from kvpipe.config import ConfigError, ParallelConfig, ServerConfig
+from kvpipe.config import ParallelConfig, ServerConfig
 from kvpipe.engine.batch import ForwardMode, ForwardSpec, ScheduledBatch
 from kvpipe.engine.connector import (
     Admission,
@@ -123,7 +123,12 @@ class Engine:
             self.mtp = MTPDrafter(cfg, self.model_config, self.runner.model, self.runner.pool.num_pages, device)
             self.runner.capture_hidden = True
         # a PD prefill's draft model runs over each prompt chunk; its KV goes to the decode with the target's
-        self._draft_prefill = self.draft is not None and connector is not None and cfg.disaggregation.mode == "prefill"
+        self._draft_prefill = (
+            self.draft is not None
+            and self.draft.moves_kv
+            and connector is not None
+            and cfg.disaggregation.mode == "prefill"
+        )
         self.allocator = PageAllocator(cfg.cache.pages(), cfg.cache.debug_checks)
         use_cache = cfg.cache.radix_cache and (connector is None or connector.prefix_cache)
         hybrid = self.model_config.hybrid is not None
@@ -194,7 +199,7 @@ class Engine:
                 self._worker = connector.make_worker(
                     self.runner.pool, self.model_config.kv_cache_heads, self.runner.state_pool
                 )
-                draft_pool = self.draft.runner.pool if self.draft is not None else None
+                draft_pool = self.draft.runner.pool if self.draft is not None and self.draft.moves_kv else None
                 connector.start(
                     ConnectorContext(
                         cfg, self.model_config, RankWorkers(self._worker, self._tp), self._wake, draft_pool=draft_pool
@@ -738,16 +743,12 @@ class Engine:
 
 
 def check_speculative(cfg: ServerConfig, model: ModelConfig) -> None:
-    """Refuse speculative decoding where a rejected draft could not be rolled back yet:
-    sliding-window pages advance with every verified token. (A hybrid model's recurrent state is
-    rolled back: engine/state_rollback.py.)"""
+    """Refuse speculative decoding where it cannot run (yet): draft models and MTP layers the
+    drafters cannot serve. Every target model rolls back a rejected draft: its KV pages and
+    sliding-window pages (Scheduler.commit_verify), a hybrid model's recurrent state
+    (engine/state_rollback.py)."""
     if not cfg.speculative.enabled:
         return
-    if model.sliding_layers:
-        raise ConfigError(
-            f"--speculative-algorithm {cfg.speculative.algorithm} is not supported yet for "
-            f"{cfg.model_path}: its sliding-window pages would need a rollback after a rejected draft"
-        )
     if cfg.speculative.draft_model_path is not None:  # before any TP rank starts
         check_draft_model(cfg, model, ModelConfig.from_dir(cfg.speculative.draft_model_path))
     if cfg.speculative.uses_mtp:
