@@ -13,9 +13,12 @@ The tensors are allocated once; writes go in place, so the addresses stay valid.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from kvpipe.cache.verify_states import VerifyStates
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,8 @@ class StatePool:
         self.recurrent = [
             torch.zeros(num_slots, s.heads, s.key_dim, s.value_dim, dtype=torch.float32, device=device) for _ in layers
         ]
+        # speculative decoding: the per-position states of verify forwards (cache/verify_states.py)
+        self.verify: VerifyStates | None = None
 
     @property
     def num_layers(self) -> int:
@@ -72,6 +77,19 @@ class StatePool:
                 nbytes = buf.numel() * buf.element_size()
                 out.append(StateBufferInfo(layer, kind, buf.data_ptr(), nbytes, nbytes // self.num_slots))
         return out
+
+    def keep_verify_states(self, running_slots: int, positions: int) -> VerifyStates:
+        """Speculative decoding: buffers for `positions` per-position states of each of the first
+        `running_slots` slots (cache/verify_states.py), which verify forwards fill."""
+        self.verify = VerifyStates(self.conv, self.recurrent, running_slots, positions)
+        return self.verify
+
+    def commit_verify(self, copies: Sequence[tuple[int, int, int]]) -> None:
+        """Apply (slot, j, dst) copies of the last verify forward's per-position states."""
+        if copies:
+            if self.verify is None:
+                raise ValueError("state commits without verify states")
+            self.verify.commit(self.conv, self.recurrent, copies)
 
     def copy_slots(self, src: list[int], dst: list[int]) -> None:
         """Every layer's state of slots `src` into slots `dst` (a cached prefix's snapshot into a

@@ -62,8 +62,8 @@ def speculative_handshake(cfg: ServerConfig, draft: KVLayout | None) -> str:
     path = spec.draft_model_path
     if not spec.enabled or path is None:
         return SPECULATIVE_NONE
-    if draft is None:
-        raise ValueError("a STANDALONE server's handshake needs its draft model's KV layout")
+    if draft is None:  # a hybrid target or draft: no draft KV moves, the decode's draft catches up
+        return f"{str(spec.algorithm).lower()}:draft={checkpoint_digest(path)}:kv=none"
     shape = f"{draft.buffers_per_layer}x{draft.num_layers}x{draft.total_kv_heads}x{draft.head_dim}"
     kv = f"{draft.dtype}/{draft.page_size}/{shape}"
     return f"{str(spec.algorithm).lower()}:draft={checkpoint_digest(path)}:kv={kv}"

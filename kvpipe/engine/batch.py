@@ -43,6 +43,11 @@ class ForwardSpec:
     # copied into snapshot slot `slot` during it (engine/state_snapshots.py)
     state_restores: tuple[tuple[int, int], ...] = ()
     state_snapshots: tuple[tuple[int, int, int], ...] = ()
+    # hybrid speculative decoding (cache/verify_states.py): (slot, j, dst) copies of the last verify
+    # forward's per-position states applied before this forward (first of all state copies), and
+    # whether this forward is a verify that keeps each row's per-position states
+    state_commits: tuple[tuple[int, int, int], ...] = ()
+    verify_states: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -60,6 +65,7 @@ class ScheduledBatch:
     drafts: list[list[int]] = field(default_factory=list)
     state_restores: list[tuple[int, int]] = field(default_factory=list)  # as ForwardSpec's
     state_snapshots: list[tuple[int, int, int]] = field(default_factory=list)  # as ForwardSpec's
+    state_commits: list[tuple[int, int, int]] = field(default_factory=list)  # as ForwardSpec's
 
     @property
     def num_tokens(self) -> int:
@@ -95,4 +101,6 @@ class ScheduledBatch:
             logit_counts=tuple(1 + len(d) for d in self.drafts) if self.drafts else None,
             state_restores=tuple(self.state_restores),
             state_snapshots=tuple(self.state_snapshots),
+            state_commits=tuple(self.state_commits),
+            verify_states=bool(self.drafts) and len(state_slots) == len(slots) and bool(slots),
         )

@@ -68,14 +68,17 @@ class DraftBook:
         diff = np.flatnonzero(a != b)
         return int(diff[0]) if diff.size else n
 
-    def plan(self, rid: str, tokens: Sequence[int], num_drafts: int) -> DraftPlan | None:
+    def plan(self, rid: str, tokens: Sequence[int], num_drafts: int, max_start: int | None = None) -> DraftPlan | None:
         """The forwards that propose `num_drafts` drafts for request `rid` (tokens so far:
         `tokens`), with its pages allocated; None when the draft pool has no room for them (the
-        request then gets no drafts this step, and its draft KV stays as it was)."""
+        request then gets no drafts this step, and its draft KV stays as it was). `max_start`: the
+        catch-up starts there at the latest (a hybrid draft's state has seen no more tokens)."""
         if num_drafts <= 0 or not tokens:
             return None
         seq = self.seqs.setdefault(rid, DraftSeq())
         start = self.valid_len(seq.tokens, tokens)
+        if max_start is not None:
+            start = min(start, max_start)
         # the catch-up writes positions [start, len), the chain feeds drafts 1 .. k-1 back
         end = len(tokens) + num_drafts - 1
         need = _cdiv(end, self.page_size) - len(seq.pages)

@@ -31,6 +31,8 @@ from kvpipe.cache.page_allocator import PageAllocator
 from kvpipe.config import ConfigError, ParallelConfig, ServerConfig
 from kvpipe.engine.batch import ForwardSpec, ScheduledBatch
 from kvpipe.engine.draft_book import DraftBook
+from kvpipe.engine.draft_state import DraftStates
+from kvpipe.engine.model_runner import state_slots
 from kvpipe.engine.request import Req
 from kvpipe.engine.tp_group import TPGroup, build_draft_runner
 from kvpipe.model.causal_lm import check_parallel
@@ -45,9 +47,14 @@ def check_draft_model(cfg: ServerConfig, target: ModelConfig, draft: ModelConfig
             f"--speculative-draft-model-path {path}: its vocabulary ({draft.vocab_size} tokens) is not the "
             f"target's ({target.vocab_size}); a draft model must share the target's tokenizer"
         )
-    if draft.hybrid is not None or draft.sliding_layers:
+    if draft.sliding_layers:
+        raise ConfigError(f"--speculative-draft-model-path {path}: a sliding-window draft model is not supported yet")
+    if cfg.tp_size > 1 and (draft.hybrid is not None or target.hybrid is not None):
+        # a hybrid draft's recurrent-state slots live on rank 0 only, and with a hybrid target the
+        # draft KV does not move in PD (moves_kv) while TP children would register their shards
         raise ConfigError(
-            f"--speculative-draft-model-path {path}: a hybrid or sliding-window draft model is not supported yet"
+            f"--speculative-algorithm STANDALONE with --tp-size {cfg.tp_size} and a hybrid target or draft "
+            "model: not supported yet (hybrid speculation runs with TP 1)"
         )
     if cfg.tp_size > 1:  # sharded like the target (the same TP group): its heads must split too
         try:
@@ -65,10 +72,18 @@ class DraftModel:
         self.model_config = ModelConfig.from_dir(path)
         check_draft_model(cfg, target, self.model_config)
         self._tp = tp
+        # a hybrid draft (TP 1): two recurrent-state slots per running request (draft_state.py)
+        running = state_slots(cfg.cache, cfg.scheduler)
+        hybrid = self.model_config.hybrid is not None
         # the draft's own KV in its compute dtype, its heads split like the target's
-        self.runner = build_draft_runner(cfg, ParallelConfig(cfg.tp_size, 0), device)
+        self.runner = build_draft_runner(cfg, ParallelConfig(cfg.tp_size, 0), device, running if hybrid else 0)
         self.page_size = cfg.cache.page_size
         self.book = DraftBook(PageAllocator(cfg.cache.pages(), cfg.cache.debug_checks), cfg.cache.page_size)
+        self.states = DraftStates(running) if hybrid else None
+        # PD moves draft KV for a dense draft next to a dense target only (the sender moves draft KV
+        # without recurrent state, and a hybrid draft's own state does not move): otherwise the
+        # decode's draft catches up on the prompt at its first step, as a colocated engine's does
+        self.moves_kv = not hybrid and target.hybrid is None
 
     def _run(self, spec: ForwardSpec | None, after: tuple[object, int, int] | None = None) -> torch.Tensor | None:
         """A draft forward on every rank (rank 0's logits); `after`: the children's connector
@@ -81,22 +96,41 @@ class DraftModel:
     def propose(self, rid: str, tokens: Sequence[int], num_drafts: int) -> list[int]:
         """Up to `num_drafts` greedy drafts after `tokens` (the request's prompt and outputs);
         [] when the draft pool has no room this step."""
-        plan = self.book.plan(rid, tokens, num_drafts)
+        slots = None
+        if self.states is not None:  # a hybrid draft catches up from its base state (draft_state.py)
+            slots = self.states.get(rid)
+            if slots is None:
+                return []
+        plan = self.book.plan(rid, tokens, num_drafts, max_start=None if slots is None else slots.base_len)
         if plan is None:
             return []
-        drafts = [self._forward(plan.catch_up, plan.start, plan.pages)]
+        drafts = [self._forward(plan.catch_up, plan.start, plan.pages, None if slots is None else slots.base)]
         self.book.wrote(rid, plan.catch_up)
         pos = plan.start + len(plan.catch_up)
+        work = None
+        if slots is not None:
+            slots.base_len = pos
+            if num_drafts > 1:  # the chain advances a copy: its drafts may be rejected
+                assert self.runner.state_pool is not None
+                self.runner.state_pool.copy_slots([slots.base], [slots.work])
+                work = slots.work
         while len(drafts) < num_drafts:
-            drafts.append(self._forward([drafts[-1]], pos, plan.pages))
+            drafts.append(self._forward([drafts[-1]], pos, plan.pages, work))
             self.book.wrote(rid, drafts[-2:-1])
             pos += 1
         return drafts
 
-    def _forward(self, token_ids: list[int], prefix_len: int, pages: np.ndarray) -> int:
-        """One row's forward of `token_ids` at positions prefix_len..; the argmax after the last."""
+    def _forward(self, token_ids: list[int], prefix_len: int, pages: np.ndarray, slot: int | None = None) -> int:
+        """One row's forward of `token_ids` at positions prefix_len..; the argmax after the last.
+        `slot`: a hybrid draft's recurrent-state slot."""
         used = -(-(prefix_len + len(token_ids)) // self.page_size)
-        spec = ForwardSpec((token_ids,), (prefix_len,), (np.ascontiguousarray(pages[:used]),), (True,))
+        spec = ForwardSpec(
+            (token_ids,),
+            (prefix_len,),
+            (np.ascontiguousarray(pages[:used]),),
+            (True,),
+            state_slots=None if slot is None else (slot,),
+        )
         logits = self._run(spec)
         assert logits is not None
         return int(torch.argmax(logits[0]).item())
@@ -109,8 +143,9 @@ class DraftModel:
     def reserve_prompt(self, req: Req) -> None:
         """PD: draft pages for `req`'s whole prompt, once (req.draft_pages; it stays empty when the
         draft pool has no room: the prompt's draft KV is then neither sent nor received, and the
-        decode's first step catches up on the prompt)."""
-        if req.rid not in self.book.seqs:
+        decode's first step catches up on the prompt). A hybrid draft's state does not move in PD
+        (draft_state.py): no pages, and the decode catches up on the prompt."""
+        if req.rid not in self.book.seqs and self.moves_kv:
             pages = self.book.reserve(req.rid, -(-len(req.input_ids) // self.page_size))
             req.draft_pages = pages.copy()
 
@@ -151,3 +186,5 @@ class DraftModel:
 
     def release(self, rid: str) -> None:
         self.book.release(rid)
+        if self.states is not None:
+            self.states.release(rid)

@@ -25,7 +25,7 @@ from kvpipe.cache.page_allocator import PageAllocator
 from kvpipe.cache.radix_cache import RadixCache
 from kvpipe.cache.recurrent_slots import StateSlotAllocator
 from kvpipe.cache.swa_radix_cache import SWARadixCache
-from kvpipe.config import ConfigError, ParallelConfig, ServerConfig
+from kvpipe.config import ParallelConfig, ServerConfig
 from kvpipe.engine.batch import ForwardMode, ForwardSpec, ScheduledBatch
 from kvpipe.engine.connector import (
     Admission,
@@ -47,6 +47,7 @@ from kvpipe.engine.sampler import Sampler, make_generator
 from kvpipe.engine.scheduler import Scheduler
 from kvpipe.engine.spec_sampling import speculative_sample
 from kvpipe.engine.spec_verify import SpecCounts, accepted_prefix
+from kvpipe.engine.state_rollback import StateRollback
 from kvpipe.engine.store_setup import attach_store_tier
 from kvpipe.engine.timeline import Phase, TimelineRecord
 from kvpipe.engine.tp_group import TPGroup, build_runner
@@ -123,7 +124,12 @@ class Engine:
             self.mtp = MTPDrafter(cfg, self.model_config, self.runner.model, self.runner.pool.num_pages, device)
             self.runner.capture_hidden = True
         # a PD prefill's draft model runs over each prompt chunk; its KV goes to the decode with the target's
-        self._draft_prefill = self.draft is not None and connector is not None and cfg.disaggregation.mode == "prefill"
+        self._draft_prefill = (
+            self.draft is not None
+            and self.draft.moves_kv
+            and connector is not None
+            and cfg.disaggregation.mode == "prefill"
+        )
         # NEXTN's MTP layer too, its KV and the last hidden state go with the target's (disagg/mtp_transfer.py)
         self._mtp_prefill = self.mtp is not None and connector is not None and cfg.disaggregation.mode == "prefill"
         self.allocator = PageAllocator(cfg.cache.pages(), cfg.cache.debug_checks)
@@ -164,6 +170,8 @@ class Engine:
         elif use_cache:
             self.prefix_cache = RadixCache(self.page_size)
         self.state_slots = StateSlotAllocator(running_slots) if hybrid else None
+        # a hybrid model's verify steps: the accepted position's state, committed by the next forward
+        self._rollback = StateRollback() if hybrid and self.spec.enabled else None
         self.scheduler = Scheduler(
             cfg.scheduler,
             self.allocator,
@@ -194,7 +202,7 @@ class Engine:
                 self._worker = connector.make_worker(
                     self.runner.pool, self.model_config.kv_cache_heads, self.runner.state_pool
                 )
-                draft_pool = self.draft.runner.pool if self.draft is not None else None
+                draft_pool = self.draft.runner.pool if self.draft is not None and self.draft.moves_kv else None
                 if self.mtp is not None:  # NEXTN: the MTP layer's KV pool moves as the draft's
                     draft_pool = self.mtp.pool
                 connector.start(
@@ -394,6 +402,9 @@ class Engine:
             n = self.scheduler.commit_verify(
                 req, batch.prefix_lens[i], targets[: accepted + 1], lps[: accepted + 1], partial(self._stops, fins)
             )
+            if self._rollback is not None:  # before _finish: its snapshots go to the cache there
+                cache = self.prefix_cache if isinstance(self.prefix_cache, HybridRadixCache) else None
+                self._rollback.verified(req, batch.prefix_lens[i], counts[i], n, cache, self.allocator, self.page_size)
             self.spec_counts.add(len(draft), accepted, n)
             if req.spec is None:
                 req.spec = SpecCounts()
@@ -450,6 +461,8 @@ class Engine:
         n = plan.layer_groups if batch.mode is ForwardMode.PREFILL else 1
         groups = (plan.layer_bounds or split_layers(self.model_config.num_layers, n)) if n > 1 else None
         assert groups is None or len(groups) == n, (groups, n)
+        if self._rollback is not None:
+            batch.state_commits = self._rollback.take()
         spec: ForwardSpec = batch.spec(self.page_size, groups, plan.meta)
         callback = None
         worker = self._worker
@@ -764,20 +777,12 @@ class Engine:
 
 
 def check_speculative(cfg: ServerConfig, model: ModelConfig) -> None:
-    """Refuse speculative decoding where a rejected draft could not be rolled back yet: a hybrid
-    model's recurrent state and sliding-window pages advance with every verified token."""
+    """Refuse speculative decoding where it cannot run (yet): draft models and MTP layers the
+    drafters cannot serve. Every target model rolls back a rejected draft: its KV pages and
+    sliding-window pages (Scheduler.commit_verify), a hybrid model's recurrent state
+    (engine/state_rollback.py)."""
     if not cfg.speculative.enabled:
         return
-    if model.hybrid is not None:
-        raise ConfigError(
-            f"--speculative-algorithm {cfg.speculative.algorithm} is not supported yet for the hybrid "
-            f"model {cfg.model_path}: rolling back its recurrent state after a rejected draft is not built"
-        )
-    if model.sliding_layers:
-        raise ConfigError(
-            f"--speculative-algorithm {cfg.speculative.algorithm} is not supported yet for "
-            f"{cfg.model_path}: its sliding-window pages would need a rollback after a rejected draft"
-        )
     if cfg.speculative.draft_model_path is not None:  # before any TP rank starts
         check_draft_model(cfg, model, ModelConfig.from_dir(cfg.speculative.draft_model_path))
     if cfg.speculative.uses_mtp:

@@ -107,9 +107,11 @@ class ModelRunner:
         device: str | torch.device = "cpu",
         scheduler: SchedulerConfig = SchedulerConfig(),
         snapshot_slots: int = 0,
+        verify_positions: int = 0,
     ) -> None:
         """`snapshot_slots`: hybrid models' state slots for prefix-cache snapshots, after the
-        running requests' ones."""
+        running requests' ones. `verify_positions`: speculative decoding's inputs per verify row
+        (max drafts + 1): a hybrid model keeps that many states per running slot."""
         self.model = model
         self.device = torch.device(device)
         self.page_size = cache.page_size
@@ -117,6 +119,8 @@ class ModelRunner:
             model, cache.pages(), cache.page_size, self.device, kv_cache_dtype=cache.kv_cache_dtype
         )
         self.state_pool = make_state_pool(model, state_slots(cache, scheduler) + snapshot_slots, self.device)
+        if self.state_pool is not None and verify_positions > 0:
+            self.state_pool.keep_verify_states(state_slots(cache, scheduler), verify_positions)
         # the NEXTN drafter (engine/mtp_drafter.py) reads each forward's last hidden states, after
         # the final norm ([T, hidden], every row), from last_hidden; off: nothing is kept
         self.capture_hidden = False
@@ -149,6 +153,7 @@ class ModelRunner:
             self.model.cfg.sliding_window,
             logit_counts=None if spec.logit_counts is None else list(spec.logit_counts),
             state_snapshots=list(spec.state_snapshots) or None,
+            verify_states=spec.verify_states,
         )
         return fb if self.device.type == "cpu" else fb.to(self.device)
 
@@ -171,6 +176,9 @@ class ModelRunner:
         rows with want_logits (in row order; spec.logit_counts[i] rows of row i, a verify), or
         None when no row wants them."""
         fb = self.build_batch(spec)
+        if spec.state_commits:  # the last verify's accepted states, before anything reads the slots
+            assert self.state_pool is not None
+            self.state_pool.commit_verify(spec.state_commits)
         if spec.state_restores:  # cached prefixes' states into their requests' slots (hybrid models)
             assert self.state_pool is not None
             src, dst = zip(*spec.state_restores)

@@ -134,6 +134,8 @@ class Scheduler:
         n = len(req.input_ids)
         if self.cfg.chunked_prefill_size > 0:
             n = min(n, max(1, min(self.cfg.max_prefill_tokens, self.cfg.chunked_prefill_size)))
+        if self.drafter is not None:  # a verify step adds its last token and its drafts
+            n = max(n, 1 + self.max_drafts)
         if isinstance(self.cache, SWARadixCache):  # it keeps window pages for the cache too
             return min(self.max_pages(req), window_promise(self.window, n, self.page_size))
         return min(self.max_pages(req), window_page_bound(self.window, n, self.page_size))
@@ -356,7 +358,9 @@ class Scheduler:
         for i, (r, d) in enumerate(zip(reqs, drafts)):
             self._ensure_pages(r, r.num_cached + 1 + len(d))
             self._ensure_window(r, r.num_cached, r.num_cached + 1 + len(d))
-            self._plan_state(r, batch, i, r.num_cached, 1 + len(d))  # no drafts for hybrid models
+            # hybrid prefix cache: the snapshot after the last token only, which is always kept; those
+            # after accepted drafts are planned once acceptance is known (engine/state_rollback.py)
+            self._plan_state(r, batch, i, r.num_cached, 1)
         return batch
 
     def _draft(self, req: Req) -> list[int]:
@@ -472,6 +476,10 @@ class Scheduler:
         if len(req.pages) > keep:
             self.allocator.free(req.pages[keep:])
             req.pages = req.pages[:keep].copy()
+        if req.swa_pages.size > keep:  # sliding layers: the window pages only rejected drafts reached
+            past = req.swa_pages[keep:]
+            self.allocator.free(past[past >= 0])
+            req.swa_pages = req.swa_pages[:keep].copy()
 
     def finish(self, req: Req, reason: FinishReason, detail: str | int | None = None, hold: bool = False) -> None:
         """End a request (idempotent). Its pages are freed exactly once: now, or with hold=True

@@ -87,18 +87,26 @@ def build_runner(cfg: ServerConfig, parallel: ParallelConfig, device: str) -> Mo
         group,
         quantization=cfg.quantization,
     )
-    return ModelRunner(model, cfg.cache, device, cfg.scheduler, snapshot_slots(cfg))
+    # a hybrid target keeps per-position states of its verify forwards (cache/verify_states.py);
+    # a PD prefill never verifies
+    verify = cfg.speculative.max_drafts + 1 if cfg.speculative.enabled and cfg.disaggregation.mode != "prefill" else 0
+    return ModelRunner(model, cfg.cache, device, cfg.scheduler, snapshot_slots(cfg), verify_positions=verify)
 
 
-def build_draft_runner(cfg: ServerConfig, parallel: ParallelConfig, device: str) -> ModelRunner:
+def build_draft_runner(
+    cfg: ServerConfig, parallel: ParallelConfig, device: str, snapshot_slots: int = 0
+) -> ModelRunner:
     """This rank's shard of a STANDALONE draft model (engine/draft_model.py) with its own KV pool:
     heads split over the target's TP group (as SGLang runs the draft worker with the target's
-    TP), as many pages as the target's, in the model's compute dtype."""
+    TP), as many pages as the target's, in the model's compute dtype. `snapshot_slots`: a hybrid
+    draft's extra recurrent-state slots (TP 1, engine/draft_state.py)."""
     path = cfg.speculative.draft_model_path
     assert path is not None
     group = dist.group.WORLD if parallel.tp_size > 1 else None
     model = load_model(path, parallel, device, None if cfg.dtype == "auto" else cfg.dtype, group)
-    return ModelRunner(model, replace(cfg.cache, kv_cache_dtype="auto"), device, cfg.scheduler)
+    return ModelRunner(
+        model, replace(cfg.cache, kv_cache_dtype="auto"), device, cfg.scheduler, snapshot_slots=snapshot_slots
+    )
 
 
 def _init_rank(cfg: ServerConfig, rank: int, init_method: str) -> str:

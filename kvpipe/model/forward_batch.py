@@ -105,6 +105,9 @@ class ForwardBatch:
     # hybrid prefix cache: per row, (k, slot) pairs: after its first k new tokens the row's state
     # is copied into StatePool slot `slot` (model/gated_delta_net.py); None: no row snapshots
     state_snapshots: tuple[tuple[tuple[int, int], ...], ...] | None = None
+    # hybrid speculative verify: every row (its last token and its drafts) keeps the state after
+    # each of its inputs in StatePool.verify (cache/verify_states.py)
+    verify_states: bool = False
 
     @classmethod
     def build(
@@ -119,6 +122,7 @@ class ForwardBatch:
         window: int | None = None,
         logit_counts: list[int] | None = None,
         state_snapshots: list[tuple[int, int, int]] | None = None,
+        verify_states: bool = False,
     ) -> ForwardBatch:
         """Pack sequences. token_ids[i] are the new tokens of sequence i (extend_len of them).
         swa_page_tables (with the sliding layers' `window`): build the `swa` view too. A batch
@@ -166,6 +170,7 @@ class ForwardBatch:
             state_slots=None if state_slots is None else torch.tensor(state_slots, dtype=torch.int64),
             swa=swa,
             state_snapshots=_row_snapshots(len(seqs), state_snapshots),
+            verify_states=verify_states,
         )
 
     @property
@@ -184,6 +189,7 @@ class ForwardBatch:
             None if self.state_slots is None else self.state_slots.to(device),
             None if self.swa is None else self.swa.to(device),
             self.state_snapshots,
+            self.verify_states,
         )
 
 

@@ -123,7 +123,9 @@ class GatedDeltaNet(nn.Module):
         beta = self.in_proj_b(x).sigmoid()  # [T, Hv]
         # fp32 before exp: in half precision A could overflow to inf
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # [T, Hv]
-        if batch.decode is not None:
+        if batch.verify_states:
+            o = self._verify(mixed, g, beta, batch, state)
+        elif batch.decode is not None:
             o = self._decode(mixed, g, beta, batch, state)
         else:
             o = torch.empty(t, self.num_v_heads, self.v_dim, dtype=x.dtype, device=x.device)
@@ -211,4 +213,41 @@ class GatedDeltaNet(nn.Module):
         for row, snaps in enumerate(batch.state_snapshots or ()):
             for _, dst in snaps:  # k is 1: the state after this step
                 conv_buf[dst], rec_buf[dst] = window[row, :, 1:], new[row]
+        return o
+
+    def _verify(
+        self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, batch: ForwardBatch, state: StatePool
+    ) -> torch.Tensor:
+        """A speculative verify: each row's inputs (its last token and drafts, prefix_len > 0) one
+        position at a time, the rows side by side, with a decode step's arithmetic (so a verify
+        computes each token as plain decoding would); mixed [T, C] -> o [T, Hv, Dv]. The state
+        after each row's input j goes to StatePool.verify at (slot, j), the state after its last
+        input to its slot; a snapshot (k, dst) takes the state after input k - 1."""
+        keep = state.verify
+        slots_t = batch.state_slots
+        assert keep is not None and slots_t is not None, "a verify forward needs StatePool.verify and state slots"
+        slots = slots_t.tolist()
+        lens = [s.extend_len for s in batch.seqs]
+        keep.check_rows(slots, lens)
+        li = self.state_layer
+        conv_buf, rec_buf = state.conv[li], state.recurrent[li]
+        conv_keep, rec_keep = keep.conv[li], keep.recurrent[li]
+        prev, rec = conv_buf.index_select(0, slots_t), rec_buf.index_select(0, slots_t)  # [B, C, K-1], [B, Hv, Dk, Dv]
+        o = torch.empty(mixed.shape[0], self.num_v_heads, self.v_dim, dtype=mixed.dtype, device=mixed.device)
+        starts = [s.start for s in batch.seqs]
+        for j in range(max(lens)):
+            rows = [b for b, n in enumerate(lens) if n > j]  # rows with an input at position j
+            at = torch.tensor([starts[b] + j for b in rows], dtype=torch.int64, device=mixed.device)
+            r = torch.tensor(rows, dtype=torch.int64, device=mixed.device)
+            window = torch.cat([prev[r], mixed[at][:, :, None].to(prev.dtype)], dim=2)  # [R, C, K]
+            q, k, v = self._split(self._conv(window)[:, :, 0].to(mixed.dtype))
+            out, new = recurrent_gated_delta_step(q, k, v, g[at], beta[at], rec[r])
+            o[at] = out
+            prev[r], rec[r] = window[:, :, 1:], new
+            at_slots = slots_t[r]
+            conv_keep[at_slots, j], rec_keep[at_slots, j] = window[:, :, 1:], new
+        conv_buf[slots_t], rec_buf[slots_t] = prev, rec
+        for row, snaps in enumerate(batch.state_snapshots or ()):
+            for n, dst in snaps:  # the state after the row's first n inputs
+                conv_buf[dst], rec_buf[dst] = conv_keep[slots[row], n - 1], rec_keep[slots[row], n - 1]
         return o

@@ -2,8 +2,8 @@
 token for token and logprob for logprob, on GQA (tiny) and MLA (tiny-deepseek-v3), batched, with
 chunked prefill, the radix cache and TP; repetitive text gets drafts accepted; stop tokens and
 max_new_tokens inside an accepted run end the request where plain decoding does; no page is lost
-after the requests finish or are aborted mid-generation; models whose state cannot roll back yet
-are refused."""
+after the requests finish or are aborted mid-generation (hybrid models: test_spec_hybrid.py,
+sliding-window ones: test_spec_sliding_window.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 
-from kvpipe.config import ConfigError, SpeculativeConfig
+from kvpipe.config import SpeculativeConfig
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import FinishReason, Req, SamplingParams
 from kvpipe.model.presets import write_preset
@@ -161,13 +161,6 @@ def test_sampled_requests_verify_drafts_by_speculative_sampling(model):
     to max_new_tokens; a near-zero temperature accepts drafts; top_k=1 is greedy, as without
     speculation; no page is lost."""
     check_sampled_speculation(model[0], NGRAM, repetitive_prompts()[0], assert_no_pages_lost)
-
-
-@pytest.mark.parametrize("preset", ["tiny-qwen3.5", "tiny-gpt-oss"])
-def test_models_without_rollback_are_refused(preset, tmp_path):
-    path = write_preset(preset, tmp_path / "m")
-    with pytest.raises(ConfigError, match="not supported yet"):
-        make_engine(path, speculative=NGRAM)
 
 
 def test_bench_engine_reports_speculative_decoding():

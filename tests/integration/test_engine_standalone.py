@@ -138,8 +138,10 @@ def test_unservable_draft_models_are_refused(models, tmp_path):
     (wide / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="vocabulary"):
         make_engine(path, speculative=standalone(wide))
-    with pytest.raises(ConfigError, match="hybrid or sliding-window"):
-        make_engine(path, speculative=standalone(write_preset("tiny-qwen3.5", tmp_path / "q")))
+    with pytest.raises(ConfigError, match="sliding-window draft"):  # hybrid drafts: test_spec_hybrid.py
+        make_engine(path, speculative=standalone(write_preset("tiny-gpt-oss", tmp_path / "g")))
+    with pytest.raises(ConfigError, match="hybrid target or draft"):  # hybrid speculation: TP 1
+        make_engine(path, speculative=standalone(write_preset("tiny-qwen3.5", tmp_path / "q")), tp=2)
     with pytest.raises(ConfigError, match="draft-model-path"):
         SpeculativeConfig("STANDALONE")
     with pytest.raises(ConfigError, match="draft-model-path"):
