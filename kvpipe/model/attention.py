@@ -45,15 +45,18 @@ def paged_attention(
     scale: float,
     sinks: torch.Tensor | None = None,
     window: int | None = None,
+    stored: bool = False,
 ) -> torch.Tensor:
-    """q: [T, Hq, D]; k, v: [T, Hkv, D] (new tokens). Stores k/v in the pool, returns [T, Hq, D].
+    """q: [T, Hq, D]; k, v: [T, Hkv, D] (new tokens). Stores k/v in the pool (unless `stored`: the
+    caller did, cpu_kernels/rope_store.cpp), returns [T, Hq, D].
 
     Each sequence attends to its prefix in the pool plus its new tokens, causally; with a
     window, query i sees keys j with i - window < j <= i; sinks [Hq] join each softmax.
     """
     if window is not None and batch.swa is not None:  # a sliding layer's own pages
         batch = batch.swa
-    pool.write(layer, batch.slot_pages, batch.slot_offsets, k, v)
+    if not stored:
+        pool.write(layer, batch.slot_pages, batch.slot_offsets, k, v)
     if batch.decode is not None:
         return decode_attention(q, layer, batch.decode, pool, scale, sinks, window)
     if sinks is not None or window is not None:

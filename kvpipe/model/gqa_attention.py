@@ -17,7 +17,9 @@ from kvpipe.cache.kv_pool import KVPool
 from kvpipe.config import ParallelConfig
 from kvpipe.model.attention import paged_attention
 from kvpipe.model.config import ModelConfig
+from kvpipe.model.cpu_kernels.rope_store import can_rope_store, rope_store_kernel
 from kvpipe.model.forward_batch import ForwardBatch
+from kvpipe.model.fused_projections import fuse_linears
 from kvpipe.model.linear import Linear, Shard
 from kvpipe.model.norms import RMSNorm, ShardedRMSNorm, whole_qk_norm
 from kvpipe.model.rope import apply_rope
@@ -53,6 +55,8 @@ class GQAttention(nn.Module):
         self.param_shards = (
             {"sinks": Shard(0, parallel.tp_rank * self.num_heads, self.num_heads)} if cfg.attention_sinks and tp else {}
         )
+        # q/k/v as one Linear once loaded (fuse_projections; fused_projections.py), else None
+        self.qkv: Linear | None = None
         self.q_norm: RMSNorm | ShardedRMSNorm | None = None
         self.k_norm: RMSNorm | ShardedRMSNorm | None = None
         if cfg.qk_norm and cfg.qk_norm_per_head:
@@ -67,11 +71,22 @@ class GQAttention(nn.Module):
                 replicas=max(1, parallel.tp_size // cfg.num_kv_heads),
             )
 
+    def fuse_projections(self) -> bool:
+        """Fuse q/k/v into `qkv` (after loading, before packing); False where they stay apart."""
+        if self.qkv is None:
+            self.qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        return self.qkv is not None
+
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, pool: KVPool
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qkv is not None and self.q_norm is None:
+            return self._forward_fused(self.qkv(x), cos, sin, batch, pool)
+        if self.qkv is not None:
+            q, k, v = self.qkv(x).split(self._qkv_sizes(), dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q_norm, k_norm = self.q_norm, self.k_norm
         if isinstance(q_norm, ShardedRMSNorm) and isinstance(k_norm, ShardedRMSNorm):  # MiniMax-M2: over all heads
             q, k = whole_qk_norm(q, k, q_norm, k_norm, self.group)
@@ -83,3 +98,36 @@ class GQAttention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = paged_attention(q, k, v, self.layer, batch, pool, self.scale, self.sinks, self.window)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+    def _qkv_sizes(self) -> list[int]:
+        d = self.head_dim
+        return [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d]
+
+    def _forward_fused(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, pool: KVPool
+    ) -> torch.Tensor:
+        """qkv [T, (Hq + 2 Hkv) D] with no q/k norm: q and k rotated in one pass (elementwise, so
+        the same bits as rotating each alone), v a view of qkv."""
+        t, hq, hkv = qkv.shape[0], self.num_heads, self.num_kv_heads
+        heads = qkv.view(t, hq + 2 * hkv, self.head_dim)
+        kernel = None
+        if self.window is None and can_rope_store(qkv, cos, pool.k[self.layer], self.head_dim):
+            kernel = rope_store_kernel()
+        if kernel is not None:  # rotated and stored in one call: the same bits (rope_store.cpp)
+            k_pool, v_pool = pool.k[self.layer], pool.v[self.layer]
+            qk = kernel.rope_store(qkv, cos, sin, k_pool, v_pool, batch.slot_pages, batch.slot_offsets, hq, hkv)
+        else:
+            qk = apply_rope(heads[:, : hq + hkv], cos, sin)  # [T, Hq + Hkv, D]
+        o = paged_attention(
+            qk[:, :hq],
+            qk[:, hq:],
+            heads[:, hq + hkv :],
+            self.layer,
+            batch,
+            pool,
+            self.scale,
+            self.sinks,
+            self.window,
+            stored=kernel is not None,
+        )  # [T, Hq, D]
+        return self.o_proj(o.reshape(t, hq * self.head_dim))

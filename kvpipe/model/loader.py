@@ -25,6 +25,7 @@ from torch import nn
 from kvpipe.config import ConfigError, ParallelConfig
 from kvpipe.model.causal_lm import LMBase, check_parallel
 from kvpipe.model.config import ModelConfig
+from kvpipe.model.fused_projections import fuse_projections, fusing_enabled
 from kvpipe.model.gguf.checkpoint import GGUFCheckpoint, gguf_checkpoint
 from kvpipe.model.gguf.tensors import progress_bar
 from kvpipe.model.kv_scales import KVScales, read_kv_scales
@@ -251,6 +252,8 @@ def load_model(
         logger.info(
             "fp8 KV scales for %d of %d KV layers from the checkpoint", model.kv_scales.found, len(cfg.kv_layers)
         )
+    if fusing_enabled() and torch.device(device).type == "cpu":
+        fuse_projections(model)
     if packing_enabled():
         pack_linears(model)
     return model.eval()

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpipe.config import ConfigError, ParallelConfig
+from kvpipe.model.fused_projections import fuse_linears
 from kvpipe.model.linear import Linear, Shard
 
 
@@ -41,6 +42,18 @@ class MLP(nn.Module):
             group=group,
             shard=Shard.cols(parallel, i0, inter),
         )
+        self.inter = inter
+        # gate/up as one Linear once loaded (fuse_projections; fused_projections.py), else None
+        self.gate_up: Linear | None = None
+
+    def fuse_projections(self) -> bool:
+        """Fuse gate/up into `gate_up` (after loading, before packing); False where they stay apart."""
+        if self.gate_up is None:
+            self.gate_up = fuse_linears([self.gate_proj, self.up_proj])
+        return self.gate_up is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x).split(self.inter, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from kvpipe.model.linear import Shard
@@ -28,6 +29,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # fp32 statistics, weight applied after casting back (HF LlamaRMSNorm order)
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32 and x.device.type == "cpu":
+            # fp32: torch's rms_norm computes the same ops in the same order (the same bits,
+            # tests/unit/test_fused_projections.py) in one call instead of six, and a decode step
+            # runs 2 per layer (docs/benchmarks.md, issue 31). Not bf16/fp16: there it applies
+            # the weight before rounding back, HF after.
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -2,17 +2,18 @@
 (quantized_weight.py), and what each is made from.
 
 - w8a16: every Linear of the decoder layers (q/k/v/o, gate/up/down; an untied lm_head too) as
-  int8 per output row, from its loaded values. A GGUF Q8_0 tensor has a scale per block of 32,
-  the kernel one per row: it is dequantized and requantized per row (one more rounding, not a
-  straight load).
+  int8 per output row, from its loaded values (an untied lm_head is int8 under w4a16 too). A GGUF
+  Q8_0 tensor has a scale per block of 32, the kernel one per row: it is dequantized and
+  requantized per row (one more rounding, not a straight load).
 - w4a16: those Linears as int4 in groups of 32. GGUF Q4_0/Q4_1 tensors load straight: their codes,
   scales and minimums become the kernel's (blocks.py), so the weights are the file's exactly;
   other tensors are quantized like Q4_1 (min/max per group) from their values. A Linear whose
-  output count is not a multiple of 16 (the kernel's rule) is int8 instead.
+  input count is not a multiple of 32 is int8 instead.
 - In both modes, tied embeddings keep the dense table for the lookup and get an int8 per-row copy
-  for the logits (as llama.cpp keeps its output at 8 bits and more in 4-bit files).
-The quantized matmuls take their input in bf16 (quantized_weight.py: torch's fast CPU path);
-norms, embeddings, attention, residuals and the KV cache stay in --dtype.
+  for the logits (as llama.cpp does: SmolLM2's Q4_1 file stores token_embd, its tied output, as
+  Q8_0, and llama.cpp's Q8_0 conversion keeps it at Q8_0).
+The quantized matmuls run in fp32 on the dequantized weights (quantized_weight.py,
+cpu_kernels/weight_only.cpp); norms, embeddings, attention, residuals and the KV cache stay in --dtype.
 
 Every TP rank quantizes its own shard to the weights TP 1 would have: a row-parallel (column)
 shard takes its int8 row scales from the whole checkpoint row (`whole`), and its int4 groups are
@@ -81,7 +82,10 @@ def quantize_model(
         amax = None
         if shard is not None and shard.dim == 1 and whole is not None:
             amax = whole(hf).float().abs().amax(dim=1)  # [N]: TP 1's row scales
-        weight, kind = _quantized(mod.weight, quantization, src, shard, amax)
+        # the logits' projection stays 8-bit in both modes, as llama.cpp keeps its output (Q6_K or
+        # Q8_0) in 4-bit files
+        mode = "w8a16" if mod is model.lm_head else quantization
+        weight, kind = _quantized(mod.weight, mode, src, shard, amax)
         mod.quantize(weight)
         counts[kind] = counts.get(kind, 0) + 1
     if model.lm_head is None:

@@ -1,39 +1,40 @@
 """Weight-only quantized linear weights on the CPU (--quantization w8a16 / w4a16).
 
-Only the weights are stored in fewer bits; the kernels take the activations in bf16 (the "a16":
-a linear's input is rounded to bf16 on the way in, its output returns in the model dtype) and the
-scales in bf16 too. Why bf16: torch 2.13's CPU kernels vectorize (AVX-512) only that path; with
-fp32 inputs they run a scalar loop, measured on the 2-core Xeon of docs/benchmarks.md at 1 thread
-for a [1536, 576] weight: int8 11.2 ms per row against 0.97 ms with bf16 (fp32 oneDNN-packed:
-1.2 ms). At one row the quantized kernels are then 2-3x faster than the packed fp32 GEMM (they
-read a quarter or an eighth of the bytes); at 16 rows and more they are about 2x slower than it,
-so prefill pays for what decode gains.
-- `Int8Weight`: int8 [N, K], one scale per output row (symmetric, absmax / 127):
-  w[n, k] = q[n, k] * scale[n]; `aten._weight_int8pack_mm(x [M, K], q [N, K] int8, scale [N])`.
-- `Int4Weight`: 4-bit codes in groups of GROUP input columns with a scale and a zero per
-  (group, row): w[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n], q in 0..15;
-  `aten._convert_weight_to_int4pack_for_cpu(q int32 [N, K], inner_k_tiles)` packs the codes
-  once and `aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, scale_zeros [K / GROUP, N, 2])`
-  multiplies. GGUF's Q4_1 block (32 weights, w = d * q + m) is exactly such a group: scale = d,
-  zero = m + 8 d; Q4_0 (w = d * (q - 8)) is scale = d, zero = 0. The kernel needs N % 16 == 0.
+Only the weights are stored in fewer bits; the C++ kernels (cpu_kernels/weight_only.cpp)
+dequantize them as they read them and compute in fp32 with the activations as they come (fp32;
+a bf16 model's are widened), so the activations are not rounded at all: the "a16" of the names
+(SGLang's) is an upper bound here. Why not torch's `_weight_int8pack_mm` /
+`_weight_int4pack_mm_for_cpu`: they vectorize only bf16 inputs and, even so, ran a [1536, 576]
+weight at one row in 0.6-1 ms on the 2-core Xeon of docs/benchmarks.md (1-1.5 GMAC/s, compute
+bound on unpacking), where a decode step wants memory bandwidth; the kernels here read the packed
+bytes at bandwidth (issue 31's table in docs/benchmarks.md). Without the kernels (KVPIPE_CPU_KERNELS=0,
+no compiler) a call multiplies with the dequantized weight (slow, same values).
+- `Int8Weight`: int8 [N, K], one fp32 scale per output row (symmetric, absmax / 127):
+  w[n, k] = q[n, k] * scale[n].
+- `Int4Weight`: 4-bit codes in groups of GROUP input columns with a scale and a minimum per
+  (row, group): w[n, k] = q[n, k] * scale[n, g] + minimum[n, g], q in 0..15, stored two codes a
+  byte in GGUF's block layout (byte j of a group: code j low, code j + 16 high). GGUF's Q4_1 block
+  (32 weights, w = d * q + m) is exactly such a group: scale = d, minimum = m; Q4_0
+  (w = d * (q - 8)) is scale = d, minimum = -8 d.
 
 Both are modules holding buffers (they move with the model), called as `weight(x)` for
-x [..., K] -> [..., N] in x's dtype.
+x [..., K] -> [..., N] in x's dtype. Each output is computed in an order that depends on K only,
+so a row gives the same bits alone or in any batch (PD and colocated servers agree).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from kvpipe.model.cpu_kernels.weight_only import weight_only_kernels
+
 GROUP = 32  # int4 group size along K: GGUF's Q4_0/Q4_1 block, and llama.cpp's choice
-INT4_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu: "expect N to be dividable by 16"
-INNER_K_TILES = 2  # the CPU pack ignores it beyond validation; 2 is what torchao passes
-ACT_DTYPE = torch.bfloat16  # what the kernels compute with (see above); scales are stored in it
 
 
 class Int8Weight(nn.Module):
-    """w ≈ q * scale[:, None]: q int8 [N, K], scale [N] in ACT_DTYPE."""
+    """w ≈ q * scale[:, None]: q int8 [N, K], scale [N] fp32."""
 
     q: torch.Tensor
     scale: torch.Tensor
@@ -43,7 +44,7 @@ class Int8Weight(nn.Module):
         if q.dtype != torch.int8 or q.dim() != 2 or scale.shape != (q.shape[0],):
             raise ValueError(f"int8 weight [N, K] with N scales, got {tuple(q.shape)} {q.dtype}, {tuple(scale.shape)}")
         self.register_buffer("q", q.contiguous())
-        self.register_buffer("scale", scale.contiguous())
+        self.register_buffer("scale", scale.float().contiguous())
 
     @classmethod
     def quantize(cls, w: torch.Tensor, amax: torch.Tensor | None = None) -> Int8Weight:
@@ -54,7 +55,7 @@ class Int8Weight(nn.Module):
         amax = w.abs().amax(dim=1) if amax is None else amax.float()
         scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
         q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-        return cls(q, scale.to(ACT_DTYPE))
+        return cls(q, scale)
 
     @property
     def out_features(self) -> int:
@@ -65,32 +66,48 @@ class Int8Weight(nn.Module):
         return int(self.q.shape[1])
 
     def dequantize(self) -> torch.Tensor:
-        """[N, K] in fp32 (exact: int8 times a bf16 scale)."""
-        return self.q.float() * self.scale.float()[:, None]
+        """[N, K] in fp32 (int8 times the scale, rounded once)."""
+        return self.q.float() * self.scale[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features).to(ACT_DTYPE).contiguous()
-        y = torch.ops.aten._weight_int8pack_mm(x2, self.q, self.scale)
+        x2 = x.reshape(-1, self.in_features)
+        ext = weight_only_kernels() if x.device.type == "cpu" else None
+        if ext is None:
+            y = F.linear(x2.float(), self.dequantize())
+        else:
+            y = ext.int8_linear(x2, self.q, self.scale)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
 
 class Int4Weight(nn.Module):
-    """Groupwise 4-bit weight [N, K] packed for torch's CPU kernel (see the module docstring)."""
+    """Groupwise 4-bit weight [N, K], two codes a byte (see the module docstring)."""
 
-    packed: torch.Tensor
-    scale_zeros: torch.Tensor
+    codes: torch.Tensor
+    scale: torch.Tensor
+    minimum: torch.Tensor
 
-    def __init__(self, packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int, in_features: int) -> None:
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> None:
+        """codes uint8 [N, K / 2] (GGUF block layout), scale and minimum [N, K / GROUP]."""
         super().__init__()
-        self.register_buffer("packed", packed)
-        self.register_buffer("scale_zeros", scale_zeros.contiguous())  # [K / GROUP, N, 2]
-        self.out_features = out_features
-        self.in_features = in_features
+        n, half = codes.shape
+        if codes.dtype != torch.uint8 or scale.shape != (n, 2 * half // GROUP) or minimum.shape != scale.shape:
+            raise ValueError(f"int4 codes [N, K / 2] uint8 with [N, K / {GROUP}] scales, got {tuple(codes.shape)}")
+        self.register_buffer("codes", codes.contiguous())
+        self.register_buffer("scale", scale.float().contiguous())
+        self.register_buffer("minimum", minimum.float().contiguous())
+
+    @property
+    def out_features(self) -> int:
+        return int(self.codes.shape[0])
+
+    @property
+    def in_features(self) -> int:
+        return 2 * int(self.codes.shape[1])
 
     @staticmethod
     def fits(out_features: int, in_features: int) -> bool:
-        """Whether the kernel takes a weight of this shape."""
-        return out_features % INT4_N_MULTIPLE == 0 and in_features % GROUP == 0 and in_features > 0
+        """Whether a weight of this shape splits into whole groups."""
+        return in_features % GROUP == 0 and in_features > 0 and out_features > 0
 
     @classmethod
     def from_codes(cls, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> Int4Weight:
@@ -98,14 +115,12 @@ class Int4Weight(nn.Module):
         [N, K / GROUP] (GGUF Q4_1's d and m; Q4_0 is minimum = -8 d)."""
         n, k = q.shape
         if not cls.fits(n, k) or scale.shape != (n, k // GROUP) or minimum.shape != scale.shape:
-            raise ValueError(f"int4 weight [{n}, {k}] needs N % {INT4_N_MULTIPLE} == 0, K % {GROUP} == 0")
+            raise ValueError(f"int4 weight [{n}, {k}] needs K % {GROUP} == 0 and [N, K / {GROUP}] scales")
         if int(q.min()) < 0 or int(q.max()) > 15:
             raise ValueError("int4 codes must lie in 0..15")
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), INNER_K_TILES)
-        scale = scale.float()
-        zero = minimum.float() + 8.0 * scale  # (q - 8) * scale + zero == q * scale + minimum
-        scale_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).to(ACT_DTYPE)  # [K / GROUP, N, 2]
-        return cls(packed, scale_zeros, n, k)
+        g = q.to(torch.uint8).reshape(n, k // GROUP, 2, GROUP // 2)  # [N, groups, low/high, 16]
+        codes = (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2)
+        return cls(codes, scale, minimum)
 
     @classmethod
     def quantize(cls, w: torch.Tensor) -> Int4Weight:
@@ -117,9 +132,25 @@ class Int4Weight(nn.Module):
         q = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15).reshape(n, k)
         return cls.from_codes(q, scale, lo)
 
+    def unpacked(self) -> torch.Tensor:
+        """The codes [N, K] int64 in 0..15."""
+        n, half = self.codes.shape
+        c = self.codes.reshape(n, half // (GROUP // 2), 1, GROUP // 2).long()
+        return torch.cat([c & 0x0F, c >> 4], dim=2).reshape(n, 2 * half)
+
+    def dequantize(self) -> torch.Tensor:
+        """[N, K] fp32 as the kernel forms them: q * scale + minimum, rounded once (fp64 then fp32)."""
+        s = self.scale.double().repeat_interleave(GROUP, dim=1)
+        m = self.minimum.double().repeat_interleave(GROUP, dim=1)
+        return (self.unpacked().double() * s + m).float()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features).to(ACT_DTYPE).contiguous()
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scale_zeros)
+        x2 = x.reshape(-1, self.in_features)
+        ext = weight_only_kernels() if x.device.type == "cpu" else None
+        if ext is None:
+            y = F.linear(x2.float(), self.dequantize())
+        else:
+            y = ext.int4_linear(x2, self.codes, self.scale, self.minimum)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
 

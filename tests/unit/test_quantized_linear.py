@@ -1,8 +1,9 @@
 """Weight-only quantized linears (--quantization; kvpipe/model/quantized_weight.py,
-quantization.py): torch's CPU int8/int4 kernels (bf16 activations) against the exact product of
-the bf16-rounded input with the dequantized weights (tolerance.bf16_matmul_bound), the quantizers'
-rounding, GGUF Q4_0/Q4_1 blocks loaded
-straight (whole and TP-sharded), the loader's swap and the refusals."""
+quantization.py, cpu_kernels/weight_only.cpp): the int8/int4 kernels (fp32 activations) against
+the exact product of the input with the dequantized weights (tolerance.matmul_bound), a row
+alone against the same row in a batch (bit for bit), the fallback without the kernels, the
+quantizers' rounding, GGUF Q4_0/Q4_1 blocks loaded straight (whole and TP-sharded), the
+loader's swap and the refusals."""
 
 from __future__ import annotations
 
@@ -11,23 +12,27 @@ import pytest
 import torch
 
 from kvpipe.config import ConfigError, ServerConfig
+from kvpipe.model.cpu_kernels import loader
+from kvpipe.model.cpu_kernels.weight_only import weight_only_kernels
 from kvpipe.model.gguf.checkpoint import GGUFCheckpoint
 from kvpipe.model.linear import Linear, Shard
 from kvpipe.model.loader import check_checkpoint, load_model
 from kvpipe.model.presets import write_preset
 from kvpipe.model.quantization import gguf_codes
-from kvpipe.model.quantized_weight import ACT_DTYPE, GROUP, Int4Weight, Int8Weight
+from kvpipe.model.quantized_weight import GROUP, Int4Weight, Int8Weight
 from tests.helpers.gguf_files import Q, write_gguf
-from tests.helpers.tolerance import bf16_matmul_bound
+from tests.helpers.tolerance import matmul_bound
+
+HALF_ULP = torch.finfo(torch.float32).eps / 2
 
 
 def _exact(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """What the kernel computes, exactly: its bf16 input times the weights."""
-    return x.to(ACT_DTYPE).double() @ w.double().T
+    """The exact product of the input with the weights."""
+    return x.double() @ w.double().T
 
 
 def _bound(x: torch.Tensor, w_magnitude: torch.Tensor) -> torch.Tensor:
-    return bf16_matmul_bound(x.to(ACT_DTYPE), w_magnitude)
+    return matmul_bound(x, w_magnitude)
 
 
 def _assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor) -> None:
@@ -42,10 +47,10 @@ def test_int8_matches_its_dequantized_weight(rows, n, k):
     w[3] = 0.0  # a zero row: scale 1, codes 0
     q = Int8Weight.quantize(w)
     deq = q.dequantize()
-    # each weight within half a step of its row's fp32 scale (absmax / 127), plus the scale's bf16
-    # rounding over the 127 steps
+    # each weight within half a step of its row's fp32 scale (absmax / 127), plus the scale's and
+    # the product's fp32 roundings
     step = w.abs().amax(dim=1).clamp(min=1e-30) / 127
-    slack = step / 2 + 127 * step * torch.finfo(ACT_DTYPE).eps / 2
+    slack = step / 2 + 2 * 127 * step * HALF_ULP
     assert bool(((w - deq).abs() <= slack[:, None] * (1 + 1e-6)).all())
     assert int(q.q.abs().max()) == 127 and bool((deq[3] == 0).all())
     x = torch.randn(rows, k, generator=g)
@@ -53,16 +58,14 @@ def test_int8_matches_its_dequantized_weight(rows, n, k):
 
 
 def _int4_reference(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The weights the kernel holds, (q - 8) * scale + zero with scale and zero = minimum + 8 *
-    scale (fp32) rounded to bf16, exactly; and the size of what it forms for each (the two terms
-    may cancel)."""
-    s32 = scale.float()
-    s = s32.to(ACT_DTYPE).double().repeat_interleave(GROUP, dim=1)
-    z = (minimum.float() + 8.0 * s32).to(ACT_DTYPE).double().repeat_interleave(GROUP, dim=1)
-    return (q.double() - 8) * s + z, ((q.double() - 8) * s).abs() + z.abs()
+    """The weights q * scale + minimum, exactly; and the size of what the kernel forms for each
+    (the two terms may cancel)."""
+    s = scale.float().double().repeat_interleave(GROUP, dim=1)
+    m = minimum.float().double().repeat_interleave(GROUP, dim=1)
+    return q.double() * s + m, (q.double() * s).abs() + m.abs()
 
 
-@pytest.mark.parametrize("rows, n, k", [(1, 16, 32), (5, 64, 96), (40, 32, 256)])
+@pytest.mark.parametrize("rows, n, k", [(1, 16, 32), (5, 24, 96), (40, 32, 256)])
 def test_int4_matches_its_codes(rows, n, k):
     g = torch.Generator().manual_seed(rows + n)
     q = torch.randint(0, 16, (n, k), generator=g)
@@ -70,30 +73,59 @@ def test_int4_matches_its_codes(rows, n, k):
     minimum = -torch.rand(n, k // GROUP, generator=g)
     w, mag = _int4_reference(q, scale, minimum)
     x = torch.randn(rows, k, generator=g)
-    _assert_within(Int4Weight.from_codes(q, scale, minimum)(x), _exact(x, w), _bound(x, mag))
+    q4 = Int4Weight.from_codes(q, scale, minimum)
+    assert torch.equal(q4.unpacked(), q)
+    _assert_within(q4(x), _exact(x, w), _bound(x, mag))
 
 
 def test_int4_quantizer_rounds_to_the_nearest_step():
     """min/max groups of 32 (as Q4_1): every weight within half a step of its group, plus the
-    bf16 rounding of the scale (over 15 steps) and of the zero; read back through the kernel
-    itself (x = the identity, exact in bf16, gives the dequantized weight transposed, rounded to
-    bf16 on the way out)."""
+    fp32 roundings of the scale (over 15 steps) and of the dequantized weight."""
     g = torch.Generator().manual_seed(3)
     n, k = 32, 128
     w = torch.randn(n, k, generator=g)
-    deq = Int4Weight.quantize(w)(torch.eye(k)).T  # [N, K]
+    deq = Int4Weight.quantize(w).dequantize()  # [N, K]
     groups = w.reshape(n, k // GROUP, GROUP)
     step = (groups.amax(-1) - groups.amin(-1)) / 15
-    half_ulp = torch.finfo(ACT_DTYPE).eps / 2
-    big = groups.abs().amax(-1) + 8 * step  # the largest |zero| and |weight| of the group
+    big = groups.abs().amax(-1) + 15 * step  # the largest |minimum| and |weight| of the group
     err = (w - deq).reshape(n, k // GROUP, GROUP).abs()
-    assert bool((err <= (step / 2 + 15 * step * half_ulp + 3 * big * half_ulp)[..., None]).all())
+    assert bool((err <= (step / 2 + 15 * step * HALF_ULP + 3 * big * HALF_ULP)[..., None]).all())
 
 
 def test_int4_refuses_shapes_the_kernel_cannot_take():
-    assert Int4Weight.fits(16, 32) and not Int4Weight.fits(24, 32) and not Int4Weight.fits(16, 48)
-    with pytest.raises(ValueError, match="dividable|N % 16"):
-        Int4Weight.from_codes(torch.zeros(24, 32, dtype=torch.int32), torch.ones(24, 1), torch.zeros(24, 1))
+    assert Int4Weight.fits(16, 32) and Int4Weight.fits(24, 32) and not Int4Weight.fits(16, 48)
+    with pytest.raises(ValueError, match="K % 32"):
+        Int4Weight.from_codes(torch.zeros(24, 48, dtype=torch.int32), torch.ones(24, 1), torch.zeros(24, 1))
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_a_row_gives_the_same_bits_alone_and_in_a_batch(kind):
+    """Each output's sum runs in an order that depends on K only (weight_only.cpp): a decode row
+    alone, or batched with others (odd and even batch sizes), or in a prefill, gives the same bits."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(80, 576, generator=g) * 0.05
+    weight = Int8Weight.quantize(w) if kind == "int8" else Int4Weight.quantize(w)
+    x = torch.randn(9, 576, generator=g)
+    batched = weight(x)
+    for i in range(9):
+        assert torch.equal(weight(x[i : i + 1]), batched[i : i + 1]), i
+    assert torch.equal(weight(x[3:8]), batched[3:8])
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_without_the_kernels_the_dequantized_weights_multiply(kind, monkeypatch):
+    assert weight_only_kernels() is not None
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(48, 96, generator=g)
+    weight = Int8Weight.quantize(w) if kind == "int8" else Int4Weight.quantize(w)
+    x = torch.randn(3, 96, generator=g)
+    fast = weight(x)
+    monkeypatch.setenv(loader.DISABLE_ENV, "0")
+    assert weight_only_kernels() is None
+    deq = weight.dequantize()
+    bound = 2 * _bound(x, deq.abs() + (0 if kind == "int8" else weight.minimum.abs().repeat_interleave(GROUP, 1)))
+    _assert_within(fast, _exact(x, deq), bound)
+    _assert_within(weight(x), _exact(x, deq), bound)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda t: t.name)
@@ -141,14 +173,22 @@ def test_linear_with_a_quantized_weight_adds_its_bias_and_keeps_leading_dims():
     _assert_within(y.reshape(6, 32), want, bound)
 
 
+def _qkv(layer: torch.nn.Module) -> tuple[Linear, Linear, Linear]:
+    a = layer.self_attn
+    return a.q_proj, a.k_proj, a.v_proj
+
+
 @pytest.mark.parametrize("mode", ["w8a16", "w4a16"])
 def test_loader_quantizes_every_projection(tiny_model_dir, mode):
     """Every decoder Linear and the untied lm_head hold a quantized weight; under w4a16 the tiny
     preset's lm_head (vocab 290, not a multiple of 16) falls back to int8."""
     model = load_model(tiny_model_dir, quantization=mode)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.quant is not None and m.weight.numel() == 0 for m in linears)
-    kinds = {type(m.quant) for m in model.layers.modules() if isinstance(m, Linear)}
+    assert linears and all(m.weight.numel() == 0 for m in linears)
+    # q/k/v and gate/up were fused after quantizing (fused_projections.py): their parts hold nothing
+    fused = {id(p) for layer in model.layers for p in (*_qkv(layer), layer.mlp.gate_proj, layer.mlp.up_proj)}
+    assert all((m.quant is None) == (id(m) in fused) for m in linears)
+    kinds = {type(m.quant) for m in model.layers.modules() if isinstance(m, Linear) and m.quant is not None}
     assert kinds == ({Int8Weight} if mode == "w8a16" else {Int4Weight})
     assert model.lm_head is not None and isinstance(model.lm_head.quant, Int8Weight)
 
@@ -158,8 +198,8 @@ def test_tied_gguf_head_gets_an_int8_copy(tmp_path):
     model = load_model(written.path, quantization="w4a16")
     assert model.lm_head is None and isinstance(model.head_quant, Int8Weight)
     assert model.embed_tokens.shape == model.head_quant.q.shape  # the lookup keeps the dense table
-    q_proj = model.layers[0].self_attn.q_proj
-    assert isinstance(q_proj.quant, Int4Weight)
+    qkv = model.layers[0].self_attn.qkv  # q/k/v fused (fused_projections.py)
+    assert qkv is not None and isinstance(qkv.quant, Int4Weight)
 
 
 @pytest.mark.parametrize(

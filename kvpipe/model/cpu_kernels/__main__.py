@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import sys
 
-from kvpipe.model.cpu_kernels.loader import build, build_dir
+from kvpipe.model.cpu_kernels.loader import EXTRA_KERNELS, build, build_dir, build_extra
 
 
 def main() -> int:
     try:
         build(verbose=False)
+        for stem in EXTRA_KERNELS:
+            build_extra(stem)
     except Exception as e:  # setup goes on: servers fall back to the torch path
         print(f"kvpipe: CPU kernels not built ({type(e).__name__}: {e}); the torch path will be used", file=sys.stderr)
         return 0

@@ -1,4 +1,4 @@
-"""JIT build and load of the C++ CPU kernels (paged_decode.cpp), once per process.
+"""JIT build and load of the C++ CPU kernels (paged_decode.cpp; EXTRA_KERNELS), once per process.
 
 The extension compiles on the machine that runs it (`-march=native`) into a per-user cache keyed
 by torch version and CPU (`-march=native` code must not load on another CPU sharing the home
@@ -17,6 +17,7 @@ import logging
 import os
 import platform
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -26,6 +27,10 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode.cpp")
 EXTENSION_NAME = "kvpipe_paged_decode"
+# the other extensions, source stem -> module name: the weight-only quantized linears
+# (weight_only.cpp) and the RoPE + KV store of the decode step (rope_store.cpp), each in its own
+# subdirectory of the build directory (torch's build files are per directory)
+EXTRA_KERNELS = {"weight_only": "kvpipe_weight_only", "rope_store": "kvpipe_rope_store"}
 DISABLE_ENV = "KVPIPE_CPU_KERNELS"
 DIR_ENV = "KVPIPE_KERNEL_DIR"
 # -fopenmp: at::parallel_for is inline OpenMP in ATen's headers (the .so then shares torch's libgomp)
@@ -87,12 +92,27 @@ def build(
 @functools.cache
 def load_extension() -> ModuleType | None:
     """The built extension, or None (one warning) when the build fails. Memoised per process."""
+    return _load(build)
+
+
+def build_extra(stem: str) -> ModuleType:
+    """Compile (or reuse) and import one of EXTRA_KERNELS."""
+    return build(Path(__file__).with_name(f"{stem}.cpp"), build_dir() / stem, name=EXTRA_KERNELS[stem])
+
+
+@functools.cache
+def load_extra(stem: str) -> ModuleType | None:
+    """One of EXTRA_KERNELS, or None (one warning) when its build fails. Memoised per process."""
+    return _load(lambda: build_extra(stem))
+
+
+def _load(make: Callable[[], ModuleType]) -> ModuleType | None:
     try:
-        return build()
+        return make()
     except Exception as e:  # no compiler, no ninja, a compile error: the torch path still works
         reason = str(e).strip().splitlines()
         log.warning(
-            "CPU attention kernels unavailable, using the torch path: %s: %s",
+            "CPU kernels unavailable, using the torch path: %s: %s",
             type(e).__name__,
             reason[-1] if reason else "",
         )
