@@ -3,21 +3,25 @@
 The extension compiles on the machine that runs it (`-march=native`) into a per-user cache keyed
 by torch version and CPU (`-march=native` code must not load on another CPU sharing the home
 directory), ~/.cache/kvpipe/kernels/torch-<version>-<cpu key> or $KVPIPE_KERNEL_DIR; torch's
-cpp_extension rebuilds it when the source or flags change and locks the directory, so servers
-starting together build it once. `make setup` builds it ahead of time (`python -m
+cpp_extension rebuilds it when the source or flags change. Builders take an flock on the directory
+(`build_lock`), so servers starting together build it once; torch's own `lock` file stays behind
+when a builder is killed (and every later build would wait on it forever), so one found while the
+flock is held is stale and removed. `make setup` builds it ahead of time (`python -m
 kvpipe.model.cpu_kernels`). KVPIPE_CPU_KERNELS=0 turns the kernels off; a failed build (no
 compiler, no ninja) logs one warning and every caller falls back to the torch path.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import platform
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -67,6 +71,27 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
 
+BUILD_LOCK = ".kvpipe-build.lock"  # our flock, next to torch's FileBaton file `lock`
+
+
+@contextlib.contextmanager
+def build_lock(directory: Path) -> Iterator[None]:
+    """Hold an flock on `directory` while building there: the kernel drops it when its holder
+    dies, unlike torch's `lock` file, which a killed build leaves behind (then removed here: no
+    build of ours can be running while we hold the flock)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / BUILD_LOCK, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = directory / "lock"
+            if stale.exists():
+                log.warning("removing a stale build lock left by a killed build: %s", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def build(
     source: Path | None = None, directory: Path | None = None, verbose: bool = False, name: str = EXTENSION_NAME
 ) -> ModuleType:
@@ -78,15 +103,15 @@ def build(
     _ninja_on_path()
     source = source or SOURCE
     directory = directory or build_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    return load(
-        name=name,
-        sources=[str(source)],
-        extra_cflags=CFLAGS,
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(directory),
-        verbose=verbose,
-    )
+    with build_lock(directory):
+        return load(
+            name=name,
+            sources=[str(source)],
+            extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            verbose=verbose,
+        )
 
 
 @functools.cache
