@@ -4,66 +4,58 @@ hand it to the scheduler, which calls it where it matches and inserts radix-cach
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Sequence
+from typing import cast
+
+import numpy as np
 
 from kvpipe.cache.hybrid_radix_cache import HybridRadixCache
 from kvpipe.cache.kv_pool import KVPool
-from kvpipe.cache.store_client import KVStore, MooncakeStoreClient, MooncakeStoreSpec
-from kvpipe.cache.store_keys import StoreNamespace
 from kvpipe.cache.store_pages import PoolPages
-from kvpipe.cache.store_rank import RankStore
-from kvpipe.cache.store_tier import StoreTier, TierSettings
+from kvpipe.cache.store_tier import StoreTier
 from kvpipe.cache.swa_radix_cache import SWARadixCache
 from kvpipe.config import ServerConfig
 from kvpipe.engine.scheduler import Scheduler
-from kvpipe.engine.store_tp import TPTierPeers
+from kvpipe.engine.store_tp import (
+    REPLY_TIMEOUT_S,
+    TierDrop,
+    TierFetch,
+    TierFetched,
+    TierLoad,
+    TierStart,
+    TierStore,
+    connect_and_settings,
+    store_namespace,
+)
 from kvpipe.engine.tp_group import TPGroup
-from kvpipe.model.identity import checkpoint_digest
 
 logger = logging.getLogger(__name__)
 
 
-def store_namespace(cfg: ServerConfig, pool: KVPool, tp_rank: int = 0) -> StoreNamespace:
-    return StoreNamespace(
-        model_digest=checkpoint_digest(cfg.model_path),
-        kv_dtype=str(pool.dtype),
-        page_size=pool.page_size,
-        num_buffers=len(pool.buffers()),
-        kv_heads=pool.kv_heads,
-        head_dim=pool.head_dim,
-        tp_rank=tp_rank,
-        tp_size=cfg.tp_size,
-    )
+class TPTierPeers:
+    """Rank 0's TierPeers: ranks 1..N-1 of `tp` (engine/store_tp.py: the messages and their side)."""
 
+    def __init__(self, tp: TPGroup) -> None:
+        self._tp = tp
 
-def _connect_and_settings(cfg: ServerConfig) -> tuple[Callable[[], KVStore], TierSettings]:
-    h = cfg.hicache
-    assert h.mooncake_master is not None  # HiCacheConfig checked it
-    spec = MooncakeStoreSpec(
-        master=h.mooncake_master,
-        metadata_server=h.mooncake_metadata_server,
-        local_hostname=cfg.disaggregation.host or cfg.host,
-        global_segment_bytes=h.mooncake_global_segment_bytes,
-        local_buffer_bytes=h.mooncake_local_buffer_bytes,
-        protocol=h.mooncake_protocol,
-        device=h.mooncake_device,
-    )
+    def start(self) -> None:
+        self._tp.tier_command(TierStart(), reply=False)
 
-    def connect() -> KVStore:
-        return MooncakeStoreClient(spec)
+    def fetch(self, rid: str, token_ids: Sequence[int], first: int, count: int) -> None:
+        self._tp.tier_command(TierFetch(rid, list(token_ids), first, count), reply=False)
 
-    # a batch staged in the client's local buffer must fit it (half: gets and puts run at once)
-    settings = TierSettings(
-        fetch_timeout_s=h.fetch_timeout_s, retry_s=h.retry_s, max_batch_bytes=h.mooncake_local_buffer_bytes // 2
-    )
-    return connect, settings
+    def fetched(self, rid: str) -> list[int | None]:
+        self._tp.tier_command(TierFetched(rid), reply=True)
+        return [None if r is None else int(cast(int, r)) for r in self._tp.replies(REPLY_TIMEOUT_S)]
 
+    def load(self, rid: str, pages: np.ndarray, skip: int) -> None:
+        self._tp.tier_command(TierLoad(rid, np.asarray(pages, dtype=np.int64), skip), reply=False)
 
-def rank_store(cfg: ServerConfig, pool: KVPool, tp_rank: int) -> RankStore:
-    """TP rank `tp_rank`'s (>= 1) side of the tier: its own client, keys and head slice
-    (engine/store_tp.py's RankTier makes it when rank 0 first asks)."""
-    connect, settings = _connect_and_settings(cfg)
-    return RankStore(store_namespace(cfg, pool, tp_rank), PoolPages(pool), connect, settings)
+    def drop(self, rid: str) -> None:
+        self._tp.tier_command(TierDrop(rid), reply=False)
+
+    def store(self, token_ids: Sequence[int], pages: np.ndarray) -> None:
+        self._tp.tier_command(TierStore(list(token_ids), np.asarray(pages, dtype=np.int64)), reply=False)
 
 
 def attach_store_tier(
@@ -88,7 +80,7 @@ def attach_store_tier(
             "the KV tier is off for %s: a sliding-window model's prefix needs its window pages", cfg.model_path
         )
         return None
-    connect, settings = _connect_and_settings(cfg)
+    connect, settings = connect_and_settings(cfg)
     ns = store_namespace(cfg, pool)
     peers = TPTierPeers(tp) if tp is not None and cfg.tp_size > 1 else None
     if peers is not None:

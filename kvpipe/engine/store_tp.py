@@ -8,23 +8,25 @@ fetch ended (`TierFetched`, answered between forwards), and then every rank writ
 those counts into the same pool pages (`TierLoad`), so the prefill computes the same suffix on
 every rank; or they drop what they fetched (`TierDrop`). A finished request's pages are copied off
 every rank's pool (`TierStore`) before a later forward can reuse them: the pipe carries commands
-and forwards in the order rank 0 sent them.
+and forwards in the order rank 0 sent them. Rank 0's end of these commands is
+engine/store_setup.py's TPTierPeers; this module holds the messages and the children's side.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
 from kvpipe.cache.kv_pool import KVPool
+from kvpipe.cache.store_client import KVStore, MooncakeStoreClient, MooncakeStoreSpec
+from kvpipe.cache.store_keys import StoreNamespace
+from kvpipe.cache.store_pages import PoolPages
 from kvpipe.cache.store_rank import RankStore
+from kvpipe.cache.store_tier import TierSettings
 from kvpipe.config import ServerConfig
-
-if TYPE_CHECKING:
-    from kvpipe.engine.tp_group import TPGroup
+from kvpipe.model.identity import checkpoint_digest
 
 # a rank answers between forwards (its pipe carries nothing longer): anything slower is a dead rank
 REPLY_TIMEOUT_S = 60.0
@@ -66,30 +68,47 @@ class TierStore:
     pages: np.ndarray  # pages[i] holds page i of token_ids
 
 
-class TPTierPeers:
-    """Rank 0's TierPeers: ranks 1..N-1 of `tp`."""
+def store_namespace(cfg: ServerConfig, pool: KVPool, tp_rank: int = 0) -> StoreNamespace:
+    return StoreNamespace(
+        model_digest=checkpoint_digest(cfg.model_path),
+        kv_dtype=str(pool.dtype),
+        page_size=pool.page_size,
+        num_buffers=len(pool.buffers()),
+        kv_heads=pool.kv_heads,
+        head_dim=pool.head_dim,
+        tp_rank=tp_rank,
+        tp_size=cfg.tp_size,
+    )
 
-    def __init__(self, tp: TPGroup) -> None:
-        self._tp = tp
 
-    def start(self) -> None:
-        self._tp.tier_command(TierStart(), reply=False)
+def connect_and_settings(cfg: ServerConfig) -> tuple[Callable[[], KVStore], TierSettings]:
+    h = cfg.hicache
+    assert h.mooncake_master is not None  # HiCacheConfig checked it
+    spec = MooncakeStoreSpec(
+        master=h.mooncake_master,
+        metadata_server=h.mooncake_metadata_server,
+        local_hostname=cfg.disaggregation.host or cfg.host,
+        global_segment_bytes=h.mooncake_global_segment_bytes,
+        local_buffer_bytes=h.mooncake_local_buffer_bytes,
+        protocol=h.mooncake_protocol,
+        device=h.mooncake_device,
+    )
 
-    def fetch(self, rid: str, token_ids: Sequence[int], first: int, count: int) -> None:
-        self._tp.tier_command(TierFetch(rid, list(token_ids), first, count), reply=False)
+    def connect() -> KVStore:
+        return MooncakeStoreClient(spec)
 
-    def fetched(self, rid: str) -> list[int | None]:
-        self._tp.tier_command(TierFetched(rid), reply=True)
-        return [None if r is None else int(cast(int, r)) for r in self._tp.replies(REPLY_TIMEOUT_S)]
+    # a batch staged in the client's local buffer must fit it (half: gets and puts run at once)
+    settings = TierSettings(
+        fetch_timeout_s=h.fetch_timeout_s, retry_s=h.retry_s, max_batch_bytes=h.mooncake_local_buffer_bytes // 2
+    )
+    return connect, settings
 
-    def load(self, rid: str, pages: np.ndarray, skip: int) -> None:
-        self._tp.tier_command(TierLoad(rid, np.asarray(pages, dtype=np.int64), skip), reply=False)
 
-    def drop(self, rid: str) -> None:
-        self._tp.tier_command(TierDrop(rid), reply=False)
-
-    def store(self, token_ids: Sequence[int], pages: np.ndarray) -> None:
-        self._tp.tier_command(TierStore(list(token_ids), np.asarray(pages, dtype=np.int64)), reply=False)
+def rank_store(cfg: ServerConfig, pool: KVPool, tp_rank: int) -> RankStore:
+    """TP rank `tp_rank`'s (>= 1) side of the tier: its own client, keys and head slice
+    (RankTier makes it when rank 0 first asks)."""
+    connect, settings = connect_and_settings(cfg)
+    return RankStore(store_namespace(cfg, pool, tp_rank), PoolPages(pool), connect, settings)
 
 
 class RankTier:
@@ -102,8 +121,6 @@ class RankTier:
 
     def handle(self, cmd: object) -> object:
         if self._store is None:
-            from kvpipe.engine.store_setup import rank_store  # the engine's imports, only with the tier on
-
             self._store = rank_store(self._cfg, self._pool, self._rank)
         s = self._store
         if isinstance(cmd, TierStart):

@@ -125,7 +125,7 @@ def test_start_claims_and_what_each_step_ships(conn) -> None:
     assert w.posted == []  # nothing more after a grouped chunk that is not the last
     m2 = prefill(c, req, 6, 10, first=42)
     assert m2.start == () and m2.grouped == (ChunkSend(7, 6, 10, state=True),)  # the last forward: final state
-    assert w.posted == [SendChunks((ChunkSend(7, 6, 10, last=True, aux=(42, -0.5, 0)),))]
+    assert w.posted == [SendChunks((ChunkSend(7, 6, 10, last=True, aux=(42, -0.5, 0, b"")),))]  # b"": no hidden row
     assert c.on_finish(req, FinishReason.LENGTH, 1) is True  # the transfer owns the pages
     w.report(0, (7, S, ""))
     assert c.poll() == []  # rank 1 has not reported
