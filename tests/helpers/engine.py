@@ -203,3 +203,25 @@ def assert_every_draft_accepted(
     assert c.verify_ct == verify_steps * len(ps)
     assert_engine_matches(eng, ps, reference, Route.SAME_PROCESS, params, f"{label}, cached")
     assert eng.spec_counts.accepted == eng.spec_counts.proposed
+
+
+def colocated_spec_steps(
+    model_dir: Path,
+    spec: SpeculativeConfig,
+    ps: list[list[int]],
+    params: SamplingParams,
+    page_size: int,
+    chunk: int = 0,
+) -> list[list]:
+    """Each prompt's (drafts, accepted) per verify step on a colocated speculative engine, the
+    prompts served together: what a PD decode must propose step by step for the same requests."""
+    eng = make_engine(model_dir, page_size=page_size, chunk=chunk, speculative=spec)
+    try:
+        reqs = [Req(f"colocated-{i}", list(p), params) for i, p in enumerate(ps)]
+        for r in reqs:
+            eng.add_request(r)
+        step_until_finished(eng, reqs)
+        assert all(r.spec is not None for r in reqs)
+        return [r.spec.steps for r in reqs if r.spec is not None]
+    finally:
+        eng.shutdown()

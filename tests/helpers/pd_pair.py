@@ -367,6 +367,24 @@ def failures_then_decode_abort(
         check_free(pair)
 
 
+def shared_prefix_failure_waves(pair: Pair, reference: Reference) -> list[int]:
+    """Two waves of prompts sharing a system prompt (the second may hit what the first cached,
+    on either side) under the pair's injected write failures: the rooms that succeed give the
+    colocated tokens, some fail and some succeed, and the pair settles. Returns the system prompt."""
+    system = prompts(11, [40])[0]
+    ps = [system + tail for tail in prompts(12, [20, 64, 90, 47, 30, 25])]
+    for wave in (ps[:2], ps[2:]):
+        reqs: list[tuple[Req | None, Req | None]] = [pair.reqs(ids) for ids in wave]
+        pair.run(reqs)
+        decodes = [d for _, d in reqs if d is not None]
+        ok = [(d, ids) for d, ids in zip(decodes, wave) if d.finish_reason is not FinishReason.ABORT]
+        assert_pd_matches([d for d, _ in ok], [ids for _, ids in ok], reference, "rooms that succeeded")
+    st = pair.prefill.stats()["disaggregation"]
+    assert st["rooms_failed"] > 0 and st["rooms_succeeded"] > 0, st
+    pair.settle()
+    return system
+
+
 def decode_abort_in_flight(pair: Pair, ids: list[int]) -> None:
     """A request the decode aborts after one step of each side (its transfer under way); both
     sides finish it, the pair settles."""

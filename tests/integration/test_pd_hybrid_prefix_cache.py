@@ -22,12 +22,12 @@ from kvpipe.model.presets import write_preset
 from tests.helpers.pd_pair import (
     PS,
     Pair,
-    assert_pd_matches,
     colocated_greedy,
     decode_abort_in_flight,
     make_pair,
     prompts,
     run_one,
+    shared_prefix_failure_waves,
 )
 from tests.helpers.pd_parity import expected_bytes, state_slot_nbytes
 
@@ -111,16 +111,7 @@ def test_failures_eviction_and_aborts_leave_everything_accounted_for(model_dir, 
     with make_pair(model_dir, 32, 24, 24, faults, decode_radix_cache=True, prefill_cache=slots) as pair:
         p_cache = pair.prefill.prefix_cache
         assert isinstance(p_cache, HybridRadixCache) and p_cache.snapshots.num_slots == 3
-        system = prompts(11, [40])[0]
-        ps = [system + tail for tail in prompts(12, [20, 64, 90, 47, 30, 25])]
-        for wave in (ps[:2], ps[2:]):  # the second wave may hit what the first cached
-            reqs = [pair.reqs(ids) for ids in wave]
-            pair.run(reqs)
-            ok = [(d, ids) for (_, d), ids in zip(reqs, wave) if d.finish_reason is not FinishReason.ABORT]
-            assert_pd_matches([d for d, _ in ok], [ids for _, ids in ok], reference, "rooms that succeeded")
-        st = pair.prefill.stats()["disaggregation"]
-        assert st["rooms_failed"] > 0 and st["rooms_succeeded"] > 0, st
-        pair.settle()
+        system = shared_prefix_failure_waves(pair, reference)
         assert_accounted(pair)
         decode_abort_in_flight(pair, system + prompts(1, [200])[0])
         assert_accounted(pair)

@@ -25,7 +25,7 @@ from kvpipe.model.config import ModelConfig
 from kvpipe.model.presets import write_preset
 from kvpipe.transfer.control.handshake import REFUSED
 from tests.helpers.draft_models import bigram_copy
-from tests.helpers.engine import make_engine, step_until_finished
+from tests.helpers.engine import colocated_spec_steps
 from tests.helpers.pd_pair import (
     PS,
     Pair,
@@ -67,16 +67,7 @@ def bigram_reference(bigram: Path) -> Iterator[Reference]:
 
 
 def colocated_steps(model_dir: Path, ps: list[list[int]], chunk: int = 24) -> Steps:
-    """Each prompt's (drafts, accepted) per verify step on a colocated NEXTN engine (together)."""
-    eng = make_engine(model_dir, page_size=PS, chunk=chunk, speculative=NEXTN)
-    try:
-        reqs = [Req(f"colocated-{i}", list(p), GREEDY16) for i, p in enumerate(ps)]
-        for r in reqs:
-            eng.add_request(r)
-        step_until_finished(eng, reqs)
-        return [r.spec.steps for r in reqs if r.spec is not None]
-    finally:
-        eng.shutdown()
+    return colocated_spec_steps(model_dir, NEXTN, ps, GREEDY16, PS, chunk)
 
 
 def assert_no_mtp_state(engine: Engine) -> None:

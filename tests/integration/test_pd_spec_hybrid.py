@@ -15,9 +15,9 @@ import pytest
 
 from kvpipe.config import SpeculativeConfig
 from kvpipe.engine.engine import Engine
-from kvpipe.engine.request import FinishReason, Req, SamplingParams
+from kvpipe.engine.request import FinishReason, SamplingParams
 from kvpipe.model.presets import write_preset
-from tests.helpers.engine import make_engine, step_until_finished
+from tests.helpers.engine import colocated_spec_steps
 from tests.helpers.pd_pair import PS, assert_pd_matches, colocated_greedy, make_pair, prompts
 
 GREEDY16 = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
@@ -39,16 +39,7 @@ def repetitive(n: int) -> list[int]:
 
 
 def colocated_steps(model_dir: Path, spec: SpeculativeConfig, ps: list[list[int]]) -> list[list]:
-    """Each prompt's (drafts, accepted) per verify step on a colocated speculative engine (together)."""
-    eng = make_engine(model_dir, page_size=PS, speculative=spec)
-    try:
-        reqs = [Req(f"colocated-{i}", list(p), GREEDY16) for i, p in enumerate(ps)]
-        for r in reqs:
-            eng.add_request(r)
-        step_until_finished(eng, reqs)
-        return [r.spec.steps for r in reqs if r.spec is not None]
-    finally:
-        eng.shutdown()
+    return colocated_spec_steps(model_dir, spec, ps, GREEDY16, PS)
 
 
 def assert_all_free(*engines: Engine) -> None:

@@ -19,7 +19,7 @@ from kvpipe.config import FaultInjection, SpeculativeConfig
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import FinishReason, Req, SamplingParams
 from tests.helpers.draft_models import noisy_copy
-from tests.helpers.engine import make_engine, step_until_finished
+from tests.helpers.engine import colocated_spec_steps
 from tests.helpers.pd_pair import PS, Pair, assert_pd_matches, failures_then_decode_abort, make_pair, prompts
 from tests.helpers.pd_parity import expected_bytes
 from tests.helpers.pd_stack import generate, greedy, start_stack
@@ -39,17 +39,7 @@ def noisy_draft(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
 
 
 def colocated_steps(model_dir: Path, spec: SpeculativeConfig, ps: list[list[int]]) -> list[list]:
-    """Each prompt's (drafts, accepted) per verify step on a colocated STANDALONE engine (together)."""
-    eng = make_engine(model_dir, page_size=PS, speculative=spec)
-    try:
-        reqs = [Req(f"colocated-{i}", list(p), GREEDY24) for i, p in enumerate(ps)]
-        for r in reqs:
-            eng.add_request(r)
-        step_until_finished(eng, reqs)
-        assert all(r.spec is not None for r in reqs)
-        return [r.spec.steps for r in reqs if r.spec is not None]
-    finally:
-        eng.shutdown()
+    return colocated_spec_steps(model_dir, spec, ps, GREEDY24, PS)
 
 
 def assert_draft_pool_free(engine: Engine) -> None:

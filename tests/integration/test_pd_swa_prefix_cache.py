@@ -17,19 +17,18 @@ import pytest
 from kvpipe.cache.swa_radix_cache import SWARadixCache
 from kvpipe.cache.window_pages import window_first_page
 from kvpipe.config import FaultInjection
-from kvpipe.engine.request import FinishReason
 from kvpipe.model.config import ModelConfig
 from kvpipe.model.presets import write_preset
 from tests.helpers.pd_pair import (
     GREEDY,
     PS,
     Pair,
-    assert_pd_matches,
     colocated_greedy,
     decode_abort_in_flight,
     make_pair,
     prompts,
     run_one,
+    shared_prefix_failure_waves,
 )
 from tests.helpers.pd_parity import expected_bytes
 
@@ -109,16 +108,7 @@ def test_failed_and_aborted_transfers_insert_nothing_and_leak_nothing(model_dir,
     both sides), then a decode abort while the prefill computes: the rooms that succeed give the
     colocated tokens, and afterwards every page on either side is its cache's."""
     with make_pair(model_dir, chunk=32, inject=FaultInjection(prob=0.3, seed=3), decode_radix_cache=True) as pair:
-        system = prompts(11, [40])[0]
-        ps = [system + tail for tail in prompts(12, [20, 64, 90, 47, 30, 25])]
-        for wave in (ps[:2], ps[2:]):  # the second wave may hit what the first cached
-            reqs = [pair.reqs(ids) for ids in wave]
-            pair.run(reqs)
-            ok = [(d, ids) for (_, d), ids in zip(reqs, wave) if d.finish_reason is not FinishReason.ABORT]
-            assert_pd_matches([d for d, _ in ok], [ids for _, ids in ok], reference, "rooms that succeeded")
-        st = pair.prefill.stats()["disaggregation"]
-        assert st["rooms_failed"] > 0 and st["rooms_succeeded"] > 0, st
-        pair.settle()
+        system = shared_prefix_failure_waves(pair, reference)
         assert_only_cached(pair)
         decode_abort_in_flight(pair, system + prompts(1, [200])[0])
         assert_only_cached(pair)
