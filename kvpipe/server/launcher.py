@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -61,6 +62,8 @@ API_KEY_FLAG = "--api-key"
 
 PARTS = ("prefill", "decode", "router")  # the order of PDStack.procs; stopped in reverse
 SUPERVISE_TICK_S = 0.25
+logger = logging.getLogger(__name__)
+ROUTER_START_TRIES = 3  # a router that lost a port to another process between pick and bind
 
 
 def take_secret_flag(args: Sequence[str], flag: str = AUTH_TOKEN_FLAG) -> tuple[list[str], str | None]:
@@ -459,7 +462,6 @@ def start_pd_stack(
     stack = PDStack(urls[0], urls[prefills], f"http://{host}:{r_port}", b_ports[0], split)
     stack.prefill_urls, stack.decode_urls, stack.bootstrap_ports = urls[:prefills], urls[prefills:], b_ports
     stack.policies = (prefill_policy, decode_policy)
-    stack.router_metrics_url = f"http://{host}:{metrics_port}"
     # One random token per stack authenticates its PD control plane, unless the caller chose one
     # (a flag, a token file, or our environment); restarts reuse it, so survivors trust them.
     if token or not has_flag(server_args, AUTH_TOKEN_FILE_FLAG):
@@ -472,17 +474,22 @@ def start_pd_stack(
             role = ("--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(b_ports[i]))
         cmd = (py, "-m", "kvpipe.cli", "serve", *common, *shares[i].flags, "--port", str(http_ports[i]), *role)
         stack.specs.append(PartSpec(name, (*cmd, *own_args[i]), urls[i] + "/health", log(name), shares[i].pin, env))
-    router_cmd = router_command_xpyd(
-        list(zip(stack.prefill_urls, b_ports)),
-        stack.decode_urls,
-        host,
-        r_port,
-        metrics_port,
-        api_key,
-        prefill_policy,
-        decode_policy,
-    )
-    stack.specs.append(PartSpec("router", tuple(router_cmd), stack.router_url + "/health", log("router")))
+
+    def router_spec(port: int, prometheus_port: int) -> PartSpec:
+        cmd = router_command_xpyd(
+            list(zip(stack.prefill_urls, b_ports)),
+            stack.decode_urls,
+            host,
+            port,
+            prometheus_port,
+            api_key,
+            prefill_policy,
+            decode_policy,
+        )
+        stack.router_url, stack.router_metrics_url = f"http://{host}:{port}", f"http://{host}:{prometheus_port}"
+        return PartSpec("router", tuple(cmd), stack.router_url + "/health", log("router"))
+
+    stack.specs.append(router_spec(r_port, metrics_port))
     if master is not None:  # last in the specs: the servers' indices stay what they were
         stack.specs.append(PartSpec("store", tuple(master.command()), master.health_url, log("store")))
         stack.store_master = master
@@ -495,11 +502,25 @@ def start_pd_stack(
             stack.procs.append(spec.spawn())
         for spec in stack.specs[:n]:
             wait_healthy(spec.health_url, timeout_s, [*stack.procs, *store])
-        router = stack.specs[n]  # once the servers answer: it checks its workers at startup
-        stack.procs.append(router.spawn())
+        # once the servers answer: it checks its workers at startup. Its ports were free when
+        # picked, but the servers' start takes seconds, in which another process on the machine
+        # may bind one (the router then exits with "Address already in use"): a router that exits
+        # before it answers gets fresh ports (not the caller's --port) and another try.
+        for attempt in range(ROUTER_START_TRIES):
+            router = stack.specs[n]
+            stack.procs.append(router.spawn())
+            try:
+                wait_healthy(router.health_url, timeout_s, [*stack.procs, *store])
+                break
+            except RuntimeError:
+                if stack.procs[n].poll() is None or attempt == ROUTER_START_TRIES - 1:
+                    raise
+                logger.warning("sglang-router exited at startup (a port taken?); retrying with fresh ports")
+                stack.procs.pop()
+                fresh = free_ports(2, host)
+                stack.specs[n] = router_spec(router_port or fresh[0], fresh[1])
         stack.procs += store  # procs[i] runs specs[i]
         store = []
-        wait_healthy(router.health_url, timeout_s, stack.procs)
     except BaseException:
         stack.close()
         for p in store:
