@@ -33,6 +33,7 @@ from kvpipe.bench.serve_sweep import run_sweep_cmd
 from kvpipe.bench.sigterm import sigterm_as_exit
 from kvpipe.bench.timeline_fetch import TimelineSnapshot
 from kvpipe.bench.timeline_plot import plot_timelines, request_bars
+from kvpipe.qa.testbed import DEFAULT_MTU
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -101,6 +102,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--link-rate",
         default=None,
         help="sweep: run PD stacks across an emulated link of this tc rate (e.g. 1gbit); needs root",
+    )
+    t.add_argument(
+        "--link-mtu",
+        type=int,
+        default=DEFAULT_MTU,
+        help="sweep: the emulated link's MTU (9000: jumbo frames, fewer packets for the kernels of both ends)",
     )
     t.add_argument("--log-dir", default=None, help="sweep: write server logs here (default: a new temp dir)")
     t.add_argument("--startup-timeout", type=float, default=300.0, help="sweep: seconds for a stack to start")

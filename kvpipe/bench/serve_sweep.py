@@ -181,7 +181,7 @@ def run_sweep_cmd(args: argparse.Namespace, compare: bool = False) -> int:
     points: list[SweepPoint]
     try:
         with contextlib.ExitStack() as stack:
-            tb = stack.enter_context(LinkTestbed(args.link_rate)) if args.link_rate else None
+            tb = stack.enter_context(LinkTestbed(args.link_rate, mtu=args.link_mtu)) if args.link_rate else None
             factory = _reporting_threads(default_stack_factory(opts, tb), threads)
             factory = reporting_spec(factory, speculative)  # speculative servers: their acceptance
             if args.interleave:
@@ -197,6 +197,7 @@ def run_sweep_cmd(args: argparse.Namespace, compare: bool = False) -> int:
         "log_dir": log_dir,
         "link_rate": args.link_rate or "loopback",
         "link_rate_bps": rate_bps,
+        "link_mtu": args.link_mtu if args.link_rate else None,
         "modes": modes,
         "interleaved": args.interleave,
         "server_args": list(opts.server_args),

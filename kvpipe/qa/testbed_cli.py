@@ -15,6 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from kvpipe.qa.testbed import (
+    DEFAULT_MTU,
     LinkSpec,
     LinkTestbed,
     LinkTestbedError,
@@ -60,6 +61,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     up.add_argument("--rate", required=True, help="link rate in tc units, e.g. 500mbit, 2gbit")
     up.add_argument("--burst-bytes", type=int, default=None, help="tbf burst (default: 1 ms at line rate)")
     up.add_argument("--latency-ms", type=int, default=50, help="tbf queue latency bound")
+    up.add_argument("--mtu", type=int, default=DEFAULT_MTU, help="veth MTU of both ends (9000: jumbo frames)")
     up.add_argument("--json", action="store_true", help="print the state as one JSON object")
     down = sub.add_parser("down", help="remove testbeds made by `up` (and orphaned ones)")
     down.add_argument("--name", default=None, help="remove only this testbed (from `up` or `status`)")
@@ -69,7 +71,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def _describe(spec: LinkSpec) -> str:
     return (
         f"testbed {spec.name}: {spec.rate} ({spec.rate_bps / 1e9:.3g} Gbit/s) tbf burst "
-        f"{spec.burst_bytes} B latency {spec.latency_ms} ms\n"
+        f"{spec.burst_bytes} B latency {spec.latency_ms} ms mtu {spec.mtu}\n"
         f"  side a: netns {spec.ns_a}  {spec.addr_a}  (e.g. the prefill)\n"
         f"  side b: netns {spec.ns_b}  {spec.addr_b}  (e.g. decode and router)\n"
         f"  run:    ip netns exec {spec.ns_a} kvpipe serve --host {spec.addr_a} ...\n"
@@ -80,7 +82,9 @@ def _describe(spec: LinkSpec) -> str:
 def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     try:
         if args.testbed_cmd == "up":
-            tb = LinkTestbed(args.rate, burst_bytes=args.burst_bytes, latency_ms=args.latency_ms, persistent=True).up()
+            tb = LinkTestbed(
+                args.rate, burst_bytes=args.burst_bytes, latency_ms=args.latency_ms, mtu=args.mtu, persistent=True
+            ).up()
             print(
                 json.dumps({"state_file": str(tb.state_path), **asdict(tb.spec), "ns_a": tb.ns_a, "ns_b": tb.ns_b})
                 if args.json

@@ -45,6 +45,12 @@ def test_parse_rate_and_commands() -> None:
     tbf = [c for c in cmds if "tbf" in c]
     assert len(tbf) == 2 and all("2gbit" in c for c in tbf)
     assert {c[2] for c in cmds if c[:2] == ["ip", "-n"] and "lo" in c} == {s.ns_a, s.ns_b}
+    assert [c[-1] for c in cmds if "mtu" in c] == ["1500", "1500"]  # Linux's default, said explicitly
+    jumbo = setup_commands(make_spec("165mbit", mtu=9000))
+    assert [c[-1] for c in jumbo if "mtu" in c] == ["9000", "9000"]
+    for bad in (576, 70_000):
+        with pytest.raises(ValueError, match="mtu"):
+            make_spec("1gbit", mtu=bad)
 
 
 def _echo_server(sock: socket.socket) -> None:
@@ -55,8 +61,11 @@ def _echo_server(sock: socket.socket) -> None:
 
 @needs_root
 def test_tcp_across_and_cleanup(tmp_path) -> None:
-    with LinkTestbed("500mbit", state_dir=tmp_path) as tb:
+    with LinkTestbed("500mbit", mtu=9000, state_dir=tmp_path) as tb:
         assert namespace_exists(tb.ns_a) and namespace_exists(tb.ns_b)
+        for ns, dev in ((tb.ns_a, tb.spec.veth_a), (tb.ns_b, tb.spec.veth_b)):
+            link = subprocess.run([tool("ip"), "-n", ns, "link", "show", dev], capture_output=True, text=True)
+            assert " mtu 9000 " in link.stdout, link.stdout
         assert [st["spec"]["name"] for _, st in recorded(tmp_path)] == [tb.spec.name]
         assert not removable(recorded(tmp_path)[0][1], None)  # live, run-scoped: `down` leaves it
         qdisc = subprocess.run(
