@@ -20,8 +20,12 @@ Equal groups are not the best split where T ≈ C: the link is busy from the fir
 the last, so what stays exposed is the first group's compute (before the link has anything) or
 the last group's transfer (after the compute is done), whichever regime holds. A tapered split
 (one layer at each end, the rest near-equal: 12 layers in 7 groups are 1,2,2,2,2,2,1) halves
-that exposed end for one more group's overhead. The planner simulates both shapes for every N
-(`predicted_ttft_ms` with `bounds`) and keeps the cheaper.
+that exposed end for one more group's overhead. One layer at an end is not always enough: with
+T a little above C, a first group of one layer leaves the link idle until the (larger) second
+group is computed; with T a little below C, the larger groups' KV queues up behind the last
+compute (measured, issue 34: 380 ms left after the forward at N = 7 where one layer's transfer is
+205 ms). So tapered splits have up to MAX_END_RUN single-layer groups at each end. The planner
+simulates every shape for every N (`predicted_ttft_ms` with `bounds`) and keeps the cheapest.
 """
 
 from __future__ import annotations
@@ -53,14 +57,35 @@ class LayerGroupPolicy:
 Bounds = tuple[tuple[int, int], ...]  # [start, end) layer ranges of a batch's groups, in order
 
 
-def tapered_split(num_layers: int, num_groups: int) -> Bounds | None:
-    """One layer in the first and the last group, the layers between in `num_groups - 2`
-    near-equal groups; None where that is no different from `split_layers` or impossible."""
-    if num_groups < 3 or num_groups > num_layers:
+MAX_END_RUN = 3  # single-layer groups at either end of a tapered split, at most
+
+
+def tapered_split(num_layers: int, num_groups: int, head: int = 1, tail: int = 1) -> Bounds | None:
+    """`head` single-layer groups first and `tail` last, the layers between in the remaining groups
+    near-equal; None where that is no different from `split_layers` or impossible."""
+    inner_groups, inner_layers = num_groups - head - tail, num_layers - head - tail
+    if min(head, tail) < 0 or head + tail == 0 or inner_groups < 1 or inner_layers < inner_groups:
         return None
-    inner = split_layers(num_layers - 2, num_groups - 2)
-    bounds = ((0, 1), *((s + 1, e + 1) for s, e in inner), (num_layers - 1, num_layers))
+    inner = tuple((s + head, e + head) for s, e in split_layers(inner_layers, inner_groups))
+    first = tuple((i, i + 1) for i in range(head))
+    last = tuple((i, i + 1) for i in range(num_layers - tail, num_layers))
+    bounds = (*first, *inner, *last)
     return None if bounds == split_layers(num_layers, num_groups) else bounds
+
+
+def tapered_splits(num_layers: int, num_groups: int) -> list[Bounds]:
+    """Every distinct tapered split of `num_layers` into `num_groups` groups with up to MAX_END_RUN
+    single-layer groups at each end. Where T > C per layer the link idles after a small first
+    group unless the next ones are small too; where T < C a backlog of larger groups' KV reaches
+    past the last compute unless the last ones are small: which runs pay depends on T/C, so the
+    planner simulates them all (at most 15 shapes per group count)."""
+    seen: dict[Bounds, None] = {}
+    for head in range(MAX_END_RUN + 1):
+        for tail in range(MAX_END_RUN + 1):
+            b = tapered_split(num_layers, num_groups, head, tail)
+            if b is not None:
+                seen.setdefault(b)
+    return list(seen)
 
 
 def predicted_ttft_ms(
@@ -177,7 +202,7 @@ class LayerGroupPlanner:
                 c = per_layer * self.num_layers
                 # (predicted ms, groups, tapered?) of every split: equal groups first on ties
                 splits: list[tuple[int, Bounds | None]] = [(n, None) for n in range(1, cap + 1)]
-                splits += [(n, b) for n in range(3, cap + 1) if (b := tapered_split(self.num_layers, n))]
+                splits += [(n, b) for n in range(2, cap + 1) for b in tapered_splits(self.num_layers, n)]
                 cost = [
                     (predicted_ttft_ms(c, t, n, p.group_overhead_ms, self.num_layers, b), n, b is not None, b)
                     for n, b in splits

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvpipe.disagg.layer_groups import (
+    MAX_END_RUN,
     ComputeEstimator,
     LayerGroupPlanner,
     LayerGroupPolicy,
@@ -12,6 +13,7 @@ from kvpipe.disagg.layer_groups import (
     predicted_ttft_ms,
     split_layers,
     tapered_split,
+    tapered_splits,
 )
 
 
@@ -137,13 +139,41 @@ def test_tapered_split_has_one_layer_at_each_end():
             assert all(x[1] == y[0] for x, y in zip(b, b[1:]))
 
 
+def test_tapered_splits_have_runs_of_single_layers_at_the_ends():
+    shapes = {tuple(e - s for s, e in b) for b in tapered_splits(12, 7)}
+    assert (1, 2, 2, 2, 2, 2, 1) in shapes
+    assert any(sh[:3] == (1, 1, 1) and sh[3] > 1 for sh in shapes) and any(sh[-4:] == (2, 1, 1, 1) for sh in shapes)
+    assert all(sum(sh) == 12 and len(sh) == 7 for sh in shapes)
+    assert tuple(e - s for s, e in split_layers(12, 7)) not in shapes  # the equal split is not repeated
+    assert tapered_splits(12, 12) == [] and tapered_splits(12, 1) == []
+    assert len(tapered_splits(80, 8)) == (MAX_END_RUN + 1) ** 2 - 1
+
+
+@pytest.mark.parametrize(("t_ms", "runs_at"), [(1320, "head"), (1080, "tail")])
+def test_near_t_equal_c_the_planner_uses_end_runs(t_ms: float, runs_at: str) -> None:
+    # C = 1200 ms over 12 layers. T 10% above C: after a one-layer first group the link idles
+    # until a larger second group is computed, unless it is small too. T 10% below C: the
+    # larger groups' KV queues up behind the last compute unless the last ones are small.
+    ch = _planner(group_overhead_ms=1.0, max_groups=8).choose(tokens=2048, kv_bytes=int(t_ms * 1e6))
+    assert ch.bounds is not None
+    sizes = [e - s for s, e in ch.bounds]
+    assert (sizes[:2] if runs_at == "head" else sizes[-2:]) == [1, 1], sizes
+    one_each_end = min(
+        predicted_ttft_ms(1200, t_ms, n, 1.0, num_layers=12, bounds=b)
+        for n in range(3, 9)
+        if (b := tapered_split(12, n)) is not None
+    )
+    assert ch.predicted_ms < one_each_end
+
+
 def test_planner_tapers_at_either_end():
-    # T far below C, costly groups: a 1,10,1 split exposes one layer's transfer for two
-    # overheads, cheaper than two equal groups (half the transfer exposed)
+    # T far below C, costly groups: an 11,1 split exposes one layer's transfer (the first
+    # group's 110 ms hide behind the last layer's compute) for one overhead, cheaper than two
+    # equal groups (half the transfer exposed) and than 1,10,1 (two overheads)
     pl = _planner(group_overhead_ms=20.0)
     ch = pl.choose(tokens=2048, kv_bytes=120_000_000)  # T = 120 ms, C = 1200 ms
-    assert ch.reason == "cost-model" and ch.bounds == ((0, 1), (1, 11), (11, 12))
-    assert ch.predicted_ms == pytest.approx(1200 + 10 + 2 * 20.0)
+    assert ch.reason == "cost-model" and ch.bounds == ((0, 11), (11, 12))
+    assert ch.predicted_ms == pytest.approx(1100 + 110 + 10 + 20.0)
     # T far above C: the link is the bottleneck; what an equal split exposes is its first
     # group's compute before the link has anything, so the first group is one layer
     pl = _planner(group_overhead_ms=1.0, max_groups=8)
