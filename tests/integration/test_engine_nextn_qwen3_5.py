@@ -187,3 +187,22 @@ def test_what_nextn_serves_on_qwen3_5(models, tmp_path):
     (without / "config.json").write_text(raw.replace('"mtp_num_hidden_layers": 1', '"mtp_num_hidden_layers": 0'))
     with pytest.raises(ConfigError, match="mtp_num_hidden_layers"):
         check_nextn(replace(cfg, model_path=str(without)), ModelConfig.from_dir(without))
+
+
+@pytest.mark.slow  # two TP 2 engines (~60 s on 2 cores); TP 1's sibling: the bigram test above
+def test_tp2_mtp_layer_that_predicts_the_target_accepts_every_draft(models):
+    """NEXTN at TP 2 on Qwen3.5 (the MTP layer whole on rank 0, fed rank 0's hidden states; the
+    target's linear heads and recurrent state split over the ranks, rolled back on each): the
+    bigram copy has every draft accepted and its outputs are TP 2's without speculation."""
+    _, bigram, _, _ = models
+    plain = make_engine(bigram, page_size=PAGE, tp=2)
+    try:
+        reference = generations(plain, PROMPTS, GREEDY16)
+    finally:
+        plain.shutdown()
+    eng = make_engine(bigram, page_size=PAGE, tp=2, speculative=NEXTN, chunk=7, radix_cache=True)
+    try:
+        assert_every_draft_accepted(eng, PROMPTS, reference, GREEDY16, 4, "NEXTN on Qwen3.5 at TP 2, bigram")
+        assert_nothing_left(eng)
+    finally:
+        eng.shutdown()
