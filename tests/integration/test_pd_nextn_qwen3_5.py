@@ -144,7 +144,6 @@ def test_negative_control_landed_mtp_kv_zeroed(qwen: Path, reference):
         pair.settle()
 
 
-@pytest.mark.slow  # injected failures and an abort mid-prefill: ~60 s on a loaded 2-core host
 def test_failures_and_aborts_free_every_page_state_and_mtp_state_on_both_sides(qwen: Path, reference):
     faults = FaultInjection(prob=0.15, seed=3)  # more batches per room with the MTP's KV: both outcomes
     failures_then_decode_abort(
