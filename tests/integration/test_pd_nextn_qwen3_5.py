@@ -36,6 +36,8 @@ from tests.helpers.pd_pair import (
     prompts,
 )
 from tests.helpers.pd_parity import expected_bytes, state_slot_nbytes
+from tests.helpers.pd_stack import generate, greedy, start_stack
+from tests.helpers.tolerance import Generation, Route, assert_same_generations
 
 GREEDY16 = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
 LENS = [17, 40, 70]  # inside a page, across pages, across chunks of 24
@@ -149,3 +151,45 @@ def test_failures_and_aborts_free_every_page_state_and_mtp_state_on_both_sides(q
     failures_then_decode_abort(
         qwen, reference, assert_all_free, faults, prefill_speculative=NEXTN, decode_speculative=NEXTN
     )
+
+
+@pytest.mark.slow  # two servers and sglang-router (38 s here, more under load); in-process sibling above
+def test_nextn_pd_through_router(bigram: Path, bigram_reference, tmp_path: Path):
+    """prefill and decode both with NEXTN on tiny-qwen3.5's bigram copy (Mooncake over loopback,
+    sglang-router): the router's answers are the colocated tokens and logprobs, every draft is
+    accepted from the first step (17 drafts in 23 tokens after the prefill's, 3 + 1 a step), and
+    the prefill wrote the target's KV and state plus the MTP layer's KV."""
+    pytest.importorskip("mooncake.engine")
+    ps = prompts(23, LENS)
+    nextn = ("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3")
+    stack = start_stack(
+        bigram,
+        tmp_path,
+        "--page-size",
+        str(PS),
+        "--max-total-tokens",
+        "4096",
+        "--chunked-prefill-size",
+        "24",
+        prefill_args=nextn,
+        decode_args=nextn,
+    )
+    try:
+        params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+        outs = [
+            generate(stack.router, {"input_ids": p, "sampling_params": greedy(24), "return_logprob": True}) for p in ps
+        ]
+        want = [bigram_reference(p, params) for p in ps]
+        assert_same_generations([Generation.of(o) for o in outs], want, Route.ACROSS_PROCESSES, ps, "PD NEXTN Qwen3.5")
+        metas = [o["meta_info"] for o in outs]
+        assert all(m["spec_accept_token_num"] == m["spec_draft_token_num"] == 17 for m in metas), metas
+        stack.decode.wait_idle()
+        p = stack.prefill.wait_idle()
+        assert p["disaggregation"]["bytes_written"] == expected_bytes(bigram, LENS, PS, 1, 1) + mtp_kv_bytes(
+            bigram, LENS, PS
+        )
+    except AssertionError:
+        print(stack.logs())
+        raise
+    finally:
+        stack.close()
