@@ -58,11 +58,13 @@ def with_draft_kv(kv: KVWireBytes, draft: ModelConfig, itemsize: int) -> KVWireB
 
 
 def with_mtp_kv(kv: KVWireBytes, mc: ModelConfig, itemsize: int) -> KVWireBytes | None:
-    """`kv` plus NEXTN's MTP layer KV (one latent layer for every prompt token, in the MTP's
-    compute dtype `itemsize`: disagg/mtp_transfer.py); None for a model without an MTP layer."""
-    if mc.num_nextn_predict_layers < 1 or mc.mla is None:
+    """`kv` plus NEXTN's MTP layer KV (one layer for every prompt token: DeepSeek-V3's latent,
+    Qwen3.5's full-attention K and V, in the MTP's compute dtype `itemsize`:
+    disagg/mtp_transfer.py); None for a model without an MTP layer."""
+    if mc.num_nextn_predict_layers < 1 or (mc.mla is None and mc.hybrid is None):
         return None
-    return replace(kv, full_token_nbytes=kv.full_token_nbytes + mc.mla.latent_dim * itemsize)
+    per_token = mc.mla.latent_dim if mc.mla is not None else 2 * mc.num_kv_heads * mc.head_dim
+    return replace(kv, full_token_nbytes=kv.full_token_nbytes + per_token * itemsize)
 
 
 def state_bytes_per_request(mc: ModelConfig, itemsize: int | None = None) -> int | None:

@@ -487,9 +487,9 @@ class Engine:
             for i, req in enumerate(batch.reqs):
                 if batch.completes_prefill(i):  # h_{L-1} goes with the first token (AuxData.hidden)
                     req.draft_hidden = mtp_kv.pending_hidden(req.rid)
-            if callback is not None:
-                n_kv = self.runner.pool.num_layers
-                callback(n_kv, n_kv + 1, None)
+            if callback is not None:  # send layer num_layers (model layers: a hybrid pool has fewer KV layers)
+                n_layers = self.model_config.num_layers
+                callback(n_layers, n_layers + 1, None)
         if prefill:
             for req, n_new in zip(batch.reqs, batch.extend_lens):
                 req.timeline.mark(Phase.FORWARD_END, value=n_new)

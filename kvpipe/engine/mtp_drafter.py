@@ -1,6 +1,6 @@
 """The NEXTN drafter (SGLang's --speculative-algorithm NEXTN, and EAGLE without a draft model
-path): DeepSeek-V3's multi-token-prediction layer (model/mtp.py) proposes a chain of greedy
-drafts from the target's last hidden states.
+path): the checkpoint's multi-token-prediction layer (DeepSeek-V3's, model/mtp.py; Qwen3.5's,
+model/qwen3_5_mtp.py) proposes a chain of greedy drafts from the target's last hidden states.
 
 Positions. The MTP at position i takes the target's hidden state h_i (after its final norm) and
 the token t_{i+1} that followed, writes its KV at i and guesses t_{i+2}. A decode row whose tokens
@@ -8,9 +8,10 @@ are t_0 .. t_{n-1} (t_{n-1} sampled, not yet in the target's KV) needs the MTP K
 0 .. n-2: its last row (h_{n-2}, t_{n-1}) gives draft 1, and draft j + 1 comes from the chain
 step (out_j, d_j) at position n - 2 + j, out_j being the MTP's own output hidden state.
 
-Where its KV lives. The MTP's one-layer latent pool has the target pool's page ids (plus a few
-scratch pages): position i of a request is on the same page as its target KV, so what the radix
-cache shares for a prefix holds the MTP KV of that prefix too, and freeing the target's pages
+Where its KV lives. The MTP's one-layer pool (DeepSeek's latent, Qwen3.5's K/V) has the target
+pool's page ids (plus a few scratch pages): position i of a request is on the same page as its
+target KV, so what the radix cache shares for a prefix holds the MTP KV of that prefix too, and
+freeing the target's pages
 frees the MTP's (aborts included). The chain's positions n - 1 .. lie past the request's valid
 KV: in its own partly filled last page, then in the scratch pages; the catch-up of the next step
 overwrites them. Only full pages go to the radix cache: before a request finishes the drafter
@@ -50,7 +51,8 @@ from kvpipe.engine.request import Req
 from kvpipe.model.causal_lm import LMBase
 from kvpipe.model.config import ModelConfig
 from kvpipe.model.forward_batch import ForwardBatch
-from kvpipe.model.mtp import DeepseekMTP, load_mtp
+from kvpipe.model.mtp import load_mtp
+from kvpipe.model.mtp_layer import MTPLayer
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -66,7 +68,8 @@ def check_nextn(cfg: ServerConfig, model: ModelConfig) -> None:
     if model.num_nextn_predict_layers < 1:
         raise ConfigError(
             f"--speculative-algorithm {algo} drafts with the checkpoint's multi-token-prediction layer "
-            f"(DeepSeek-V3's num_nextn_predict_layers); {cfg.model_path} ({model.architecture}) has none"
+            f"(DeepSeek-V3's num_nextn_predict_layers, Qwen3.5's mtp_num_hidden_layers); {cfg.model_path} "
+            f"({model.architecture}) has none"
         )
     if cfg.disaggregation.mode != "null" and cfg.tp_size > 1:
         raise ConfigError(
@@ -107,7 +110,7 @@ class MTPDrafter:
         """`target`: the loaded target model (its embedding and lm_head serve where the MTP layer
         has no copy); `num_pages`: the target pool's pages, whose ids the MTP pool shares."""
         check_nextn(cfg, target_cfg)
-        self.mtp: DeepseekMTP = load_mtp(
+        self.mtp: MTPLayer = load_mtp(
             cfg.model_path, target_cfg, device, dtype=None if cfg.dtype == "auto" else cfg.dtype
         )
         head = target.lm_head if target.lm_head is not None else partial(F.linear, weight=target.embed_tokens)
@@ -128,19 +131,7 @@ class MTPDrafter:
         # here: what a cache hit of that page recomputes its last MTP row from
         self.page_hidden = torch.zeros(num_pages, target_cfg.hidden_size, dtype=dtype, device=self.device)
         self.page_next = np.full(num_pages, -1, dtype=np.int64)  # and the token after it there
-        mla = target_cfg.mla
-        assert mla is not None  # check_nextn: only DeepSeek-V3 has MTP layers
-        self.pool = KVPool(
-            1,
-            num_pages + scratch + private,
-            self.page_size,
-            1,
-            mla.latent_dim,
-            dtype,
-            self.device,
-            latent=True,
-            compute_dtype=dtype,
-        )
+        self.pool: KVPool = self.mtp.kv_pool(num_pages + scratch + private, self.page_size, self.device)
         self.seqs: dict[str, MTPSeq] = {}
 
     # ---- the target's hidden states -------------------------------------------------------

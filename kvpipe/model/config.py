@@ -260,8 +260,9 @@ class ModelConfig:
     sliding_layers: tuple[int, ...] = ()
     attention_sinks: bool = False  # a learned logit per head added to the softmax denominator (GPT-OSS)
     o_proj_bias: bool = False  # o_proj carries a bias (GPT-OSS's attention_bias covers q/k/v/o)
-    # DeepSeek-V3 multi-token-prediction layers after the last decoder layer (model/mtp.py): the
-    # NEXTN drafter's; the target's forward never runs them
+    # multi-token-prediction layers (model/mtp.py): DeepSeek-V3's after the last decoder layer
+    # (num_nextn_predict_layers), Qwen3.5's under mtp.* (mtp_num_hidden_layers); the NEXTN
+    # drafter's, the target's forward never runs them
     num_nextn_predict_layers: int = 0
 
     def window(self, layer: int) -> int | None:
@@ -341,7 +342,7 @@ class ModelConfig:
             rotary_dim=_partial_rotary_dim(cfg, head_dim) if arch in ("minimax_m2", *HYBRID_FAMILIES) else None,
             hybrid=HybridConfig.from_hf_dict(cfg) if arch in HYBRID_FAMILIES else None,
             **(_gpt_oss_attention(cfg) if arch == "gpt_oss" else {}),
-            num_nextn_predict_layers=int(cfg.get("num_nextn_predict_layers") or 0) if arch == "deepseek_v3" else 0,
+            num_nextn_predict_layers=_mtp_layers(cfg, arch),
         )
 
     @classmethod
@@ -390,3 +391,14 @@ def _partial_rotary_dim(cfg: dict[str, Any], head_dim: int) -> int | None:
     if not 0 < int(dim) < head_dim or int(dim) % 2:
         raise ConfigError(f"rotary dim {dim} must be even and in (0, head_dim={head_dim}]")
     return int(dim)
+
+
+def _mtp_layers(cfg: dict[str, Any], arch: str) -> int:
+    """The checkpoint's multi-token-prediction layers: DeepSeek-V3's num_nextn_predict_layers,
+    Qwen3.5's mtp_num_hidden_layers (its hub configs' key; transformers' config class does not
+    declare it and its models skip the mtp.* tensors); none for the other families."""
+    if arch == "deepseek_v3":
+        return int(cfg.get("num_nextn_predict_layers") or 0)
+    if arch in HYBRID_FAMILIES:
+        return int(cfg.get("mtp_num_hidden_layers") or 0)
+    return 0

@@ -11,6 +11,9 @@ h_i is the target's last hidden state at position i AFTER its final norm (what S
 DeepseekV2Model returns and its EAGLE worker captures), t_{i+1} the token that followed; the MTP
 runs at position i (RoPE and KV slot of i). Chained drafts feed `out` back as h.
 
+And `load_mtp`, every family's loader: the family's MTPLayer (mtp_layer.py; Qwen3.5's in
+qwen3_5_mtp.py) built from the checkpoint's tensors, each named by the layer's tensor_name.
+
 Built for TP 1: with a TP target the drafter runs it whole on rank 0, where the target's hidden
 states, embedding and lm_head are complete (replicated on every rank). `embed_tokens` and `shared_head.head` are the
 checkpoint's copies when it has them, else the target's (load_mtp's `embed`, `head`).
@@ -18,11 +21,9 @@ checkpoint's copies when it has them, else the target's (load_mtp's `embed`, `he
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvpipe.cache.kv_pool import KVPool
@@ -35,9 +36,10 @@ from kvpipe.model.linear import Linear
 from kvpipe.model.loader import _slices, keep_fp32, pack_linears, resolve_dtype, weight_files
 from kvpipe.model.mla import MLAttention
 from kvpipe.model.moe import sparse_or_dense_mlp
+from kvpipe.model.mtp_layer import MTPLayer
 from kvpipe.model.norms import RMSNorm
 from kvpipe.model.packed_linear import packing_enabled
-from kvpipe.model.rope import rope_attention_factor, rope_cos_sin, rope_inv_freq
+from kvpipe.model.qwen3_5_mtp import Qwen3_5MTP
 
 
 class SharedHead(nn.Module):
@@ -49,20 +51,18 @@ class SharedHead(nn.Module):
         self.head = Linear(cfg.hidden_size, cfg.vocab_size) if own_head else None
 
 
-class DeepseekMTP(nn.Module):
+class DeepseekMTP(MTPLayer):
     """One MTP layer over a one-layer latent KV pool (layer 0 of `pool`)."""
 
     def __init__(self, cfg: ModelConfig, layer: int, own_embed: bool = True, own_head: bool = True) -> None:
         """`layer`: the checkpoint's index of this MTP layer (num_layers + i): its MLP is sparse
         or dense as a decoder layer of that index would be."""
-        super().__init__()
         if cfg.mla is None:
             raise ConfigError(f"the MTP layer is DeepSeek-V3's (MLA); {cfg.architecture} has none")
+        super().__init__(cfg, layer - cfg.num_layers, own_embed)
         parallel = ParallelConfig()
-        self.cfg = cfg
         self.layer = layer
         h = cfg.hidden_size
-        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, h), requires_grad=False) if own_embed else None
         self.enorm = RMSNorm(h, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
         self.eh_proj = Linear(2 * h, h)
@@ -75,47 +75,35 @@ class DeepseekMTP(nn.Module):
             sparse_or_dense_mlp(cfg, layer, parallel, None),
         )
         self.shared_head = SharedHead(cfg, own_head)
-        # the target's embedding [V, hidden] and vocabulary projection, where the checkpoint has no
-        # copy (set_target; plain attributes, not submodules: the target owns them)
-        self.target_embed: torch.Tensor | None = None
-        self.target_head: Callable[[torch.Tensor], torch.Tensor] | None = None
-        self.init_rope()
 
-    def set_target(self, embed: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """The target's embedding table and its lm_head (hidden -> vocab, no norm), used where this
-        layer has no copy of its own (SGLang always shares the target's)."""
-        self.target_embed = embed
-        self.target_head = head
+    @classmethod
+    def from_names(cls, cfg: ModelConfig, index: int, names: set[str]) -> DeepseekMTP:
+        """MTP layer `index`, with its own embedding and head where the checkpoint has copies."""
+        layer = cfg.num_layers + index
+        own_embed = mtp_tensor_name("embed_tokens", layer) in names
+        own_head = mtp_tensor_name("shared_head.head.weight", layer) in names
+        return cls(cfg, layer, own_embed, own_head)
 
-    def init_rope(self, device: str | torch.device | None = None) -> None:
-        """RoPE as the target's (LMBase.init_rope): fp32 inverse frequencies and yarn's factor."""
-        cfg = self.cfg
-        self.inv_freq = rope_inv_freq(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
-        if device is not None:
-            self.inv_freq = self.inv_freq.to(device)
-        self.rope_attention_factor = rope_attention_factor(cfg.rope_scaling, cfg.max_position_embeddings)
+    @property
+    def own_head(self) -> nn.Module | None:
+        return self.shared_head.head
 
-    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        table = self.embed_tokens if self.embed_tokens is not None else self.target_embed
-        assert table is not None, "an MTP layer without its own embedding needs the target's"
-        return F.embedding(token_ids, table)
+    def tensor_name(self, name: str) -> str:
+        return mtp_tensor_name(name, self.layer)
+
+    def kv_pool(self, num_pages: int, page_size: int, device: str | torch.device) -> KVPool:
+        """One latent layer (MLA: one buffer, no head axis)."""
+        mla = self.cfg.mla
+        assert mla is not None
+        dtype = next(self.parameters()).dtype
+        return KVPool(1, num_pages, page_size, 1, mla.latent_dim, dtype, device, latent=True, compute_dtype=dtype)
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [T, hidden]: the h_i of each packed row (batch.input_ids holds t_{i+1}, its
-        positions are i). Writes the T latent rows into layer 0 of `pool`. Returns (out [T,
-        hidden], fp32 logits [B_out, V] of the rows in batch.logit_indices)."""
         x = torch.cat([self.enorm(self.embed(batch.input_ids)), self.hnorm(hidden)], dim=-1)
         x = self.eh_proj(x)
-        cos, sin = rope_cos_sin(self.inv_freq.to(x.device), batch.positions, x.dtype, self.rope_attention_factor)
+        cos, sin = self.rope(batch, x)
         out = self.shared_head.norm(self.decoder(x, cos, sin, batch, pool))
         return out, self.logits(out[batch.logit_indices])
-
-    def logits(self, out: torch.Tensor) -> torch.Tensor:
-        """[B, hidden] normed output rows -> [B, V] fp32."""
-        if self.shared_head.head is not None:
-            return self.shared_head.head(out).float()
-        assert self.target_head is not None, "an MTP layer without its own head needs the target's"
-        return self.target_head(out).float()
 
 
 def mtp_tensor_name(name: str, layer: int) -> str:
@@ -126,15 +114,24 @@ def mtp_tensor_name(name: str, layer: int) -> str:
     return f"model.layers.{layer}." + name.removeprefix("decoder.")
 
 
+def mtp_family(cfg: ModelConfig) -> type[DeepseekMTP] | type[Qwen3_5MTP]:
+    """The MTP layer class of `cfg`'s family: DeepSeek-V3 (MLA) or Qwen3.5 (hybrid, dense or MoE)."""
+    if cfg.mla is not None:
+        return DeepseekMTP
+    if cfg.hybrid is not None:
+        return Qwen3_5MTP
+    raise ConfigError(f"{cfg.architecture} has no multi-token-prediction layer kvpipe can run")
+
+
 def load_mtp(
     model_dir: str | Path,
     cfg: ModelConfig,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | str | None = None,
     index: int = 0,
-) -> DeepseekMTP:
-    """MTP layer `index` of an HF checkpoint directory (TP 1). Its embed_tokens and
-    shared_head.head are read when present; otherwise the caller calls set_target."""
+) -> MTPLayer:
+    """MTP layer `index` of an HF checkpoint directory (TP 1). Where it has no embed_tokens or
+    vocabulary projection of its own the caller calls set_target."""
     if index >= cfg.num_nextn_predict_layers:
         raise ConfigError(
             f"{model_dir}: no multi-token-prediction layer {index} (num_nextn_predict_layers="
@@ -144,17 +141,15 @@ def load_mtp(
         raise ConfigError(f"{model_dir}: the MTP layer loads from HF safetensors checkpoints only, not GGUF")
     model_dir = Path(model_dir)
     names = set(weight_files(model_dir))
-    layer = cfg.num_layers + index
-    own_embed = mtp_tensor_name("embed_tokens", layer) in names
-    own_head = mtp_tensor_name("shared_head.head.weight", layer) in names
+    family = mtp_family(cfg)
     torch_dtype = resolve_dtype(dtype, cfg, device)
     with torch.device("meta"):
-        mtp = DeepseekMTP(cfg, layer, own_embed, own_head)
+        mtp = family.from_names(cfg, index, names)
     mtp = mtp.to(dtype=torch_dtype).to_empty(device=device)
     keep_fp32(mtp)
     mtp.init_rope(device)
     params = dict(mtp.named_parameters())
-    plan = {n: mtp_tensor_name(n, layer) for n in params}
+    plan = {n: mtp.tensor_name(n) for n in params}
     missing = sorted(hf for hf in plan.values() if hf not in names)
     if missing:
         raise ConfigError(f"{model_dir}: the MTP layer lacks {len(missing)} tensors, e.g. {missing[:5]}")

@@ -47,6 +47,9 @@ class Qwen3_5PresetSpec:
     embed_std: float = 1.0
     conv_std: float = 0.3
     moe: Qwen3_5MoeSpec | None = None  # None: the dense MLP of intermediate_size (Qwen3.5)
+    # multi-token-prediction layers under mtp.* (HF's mtp_num_hidden_layers; the NEXTN drafter,
+    # model/qwen3_5_mtp.py), drawn after every target tensor so the target's stay as they were
+    mtp_layers: int = 0
 
     @property
     def layer_types(self) -> list[str]:
@@ -70,6 +73,7 @@ QWEN3_5_PRESETS: dict[str, Qwen3_5PresetSpec] = {
         linear_value_heads=8,
         linear_key_head_dim=32,
         linear_value_head_dim=32,
+        mtp_layers=1,
     ),
     # the same stack with 8 experts of 64 (top 2) and a shared expert of 128 in every layer
     "tiny-qwen3.5-moe": Qwen3_5PresetSpec(
@@ -85,6 +89,7 @@ QWEN3_5_PRESETS: dict[str, Qwen3_5PresetSpec] = {
         linear_key_head_dim=32,
         linear_value_head_dim=32,
         moe=Qwen3_5MoeSpec(num_experts=8, top_k=2, expert_intermediate_size=64, shared_intermediate_size=128),
+        mtp_layers=1,
     ),
 }
 
@@ -136,12 +141,13 @@ def _dense_config(spec: Qwen3_5PresetSpec, vocab_size: int, bos: int, eos: int) 
         "eos_token_id": eos,
         "dtype": "float32",
         "use_cache": True,
+        **({"mtp_num_hidden_layers": spec.mtp_layers} if spec.mtp_layers else {}),
     }
 
 
 def weights(spec: Qwen3_5PresetSpec, vocab_size: int, seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    h, d, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
+    h = spec.hidden_size
     nk, nv = spec.linear_key_heads, spec.linear_value_heads
     dk, dv = spec.linear_key_head_dim, spec.linear_value_head_dim
     conv_dim = 2 * nk * dk + nv * dv
@@ -169,21 +175,54 @@ def weights(spec: Qwen3_5PresetSpec, vocab_size: int, seed: int) -> dict[str, to
             w[a + "norm.weight"] = torch.ones(dv)
             w[a + "out_proj.weight"] = rnd(h, nv * dv)
         else:
-            a = p + "self_attn."
-            w[a + "q_proj.weight"] = rnd(spec.num_heads * 2 * d, h)  # query and output gate per head
-            w[a + "k_proj.weight"] = rnd(spec.num_kv_heads * d, h)
-            w[a + "v_proj.weight"] = rnd(spec.num_kv_heads * d, h)
-            w[a + "o_proj.weight"] = rnd(h, spec.num_heads * d)
-            w[a + "q_norm.weight"] = torch.zeros(d)
-            w[a + "k_norm.weight"] = torch.zeros(d)
-        if spec.moe is None:
-            w[p + "mlp.gate_proj.weight"] = rnd(inter, h)
-            w[p + "mlp.up_proj.weight"] = rnd(inter, h)
-            w[p + "mlp.down_proj.weight"] = rnd(h, inter)
-        else:
-            w |= _moe_weights(spec.moe, h, p + "mlp.", rnd)
+            w |= _full_attention_weights(spec, p + "self_attn.", rnd)
+        w |= _mlp_weights(spec, p + "mlp.", rnd)
     w["model.norm.weight"] = torch.zeros(h)
     w["lm_head.weight"] = rnd(vocab_size, h)
+    if spec.mtp_layers:  # drawn after the target's: its tensors are those of a preset without
+        w |= _mtp_weights(spec, rnd)
+    return w
+
+
+def _full_attention_weights(spec: Qwen3_5PresetSpec, a: str, rnd) -> dict[str, torch.Tensor]:
+    """A gated full-attention layer's tensors under prefix a ("model.layers.i.self_attn.")."""
+    h, d = spec.hidden_size, spec.head_dim
+    return {
+        a + "q_proj.weight": rnd(spec.num_heads * 2 * d, h),  # query and output gate per head
+        a + "k_proj.weight": rnd(spec.num_kv_heads * d, h),
+        a + "v_proj.weight": rnd(spec.num_kv_heads * d, h),
+        a + "o_proj.weight": rnd(h, spec.num_heads * d),
+        a + "q_norm.weight": torch.zeros(d),
+        a + "k_norm.weight": torch.zeros(d),
+    }
+
+
+def _mlp_weights(spec: Qwen3_5PresetSpec, p: str, rnd) -> dict[str, torch.Tensor]:
+    """A layer's MLP under prefix p ("model.layers.i.mlp."): dense, or the MoE block."""
+    if spec.moe is not None:
+        return _moe_weights(spec.moe, spec.hidden_size, p, rnd)
+    h, inter = spec.hidden_size, spec.intermediate_size
+    return {
+        p + "gate_proj.weight": rnd(inter, h),
+        p + "up_proj.weight": rnd(inter, h),
+        p + "down_proj.weight": rnd(h, inter),
+    }
+
+
+def _mtp_weights(spec: Qwen3_5PresetSpec, rnd) -> dict[str, torch.Tensor]:
+    """The MTP layers under Qwen3.5's hub names: fc [hidden, 2 hidden] over the normed embedding
+    and hidden state, the two pre-fc norms and the final mtp.norm (shared by the layers), and each
+    full-attention decoder layer (mtp.layers.i.); no embedding or head of their own (the target's
+    are shared)."""
+    h = spec.hidden_size
+    w = {"mtp.fc.weight": rnd(h, 2 * h)}
+    for i in range(spec.mtp_layers):
+        p = f"mtp.layers.{i}."
+        w |= {p + "input_layernorm.weight": torch.zeros(h), p + "post_attention_layernorm.weight": torch.zeros(h)}
+        w |= _full_attention_weights(spec, p + "self_attn.", rnd)
+        w |= _mlp_weights(spec, p + "mlp.", rnd)
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        w[f"mtp.{name}.weight"] = torch.zeros(h)
     return w
 
 

@@ -22,7 +22,7 @@ from kvpipe.config import ConfigError
 from kvpipe.model.config import ModelConfig
 from kvpipe.model.presets.tokenizer import SPECIAL_TOKENS, build_tokenizer
 
-PRESET_FORMAT_VERSION = 3  # bump when a preset's files change, so cached copies are rewritten
+PRESET_FORMAT_VERSION = 4  # bump when a preset's files change, so cached copies are rewritten (4: Qwen3.5 MTP layers)
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"

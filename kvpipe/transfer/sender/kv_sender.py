@@ -89,9 +89,10 @@ class KVSender:
         wake the engine loop, whose answer for the room waits for it, instead of its poll timer.
         `handshake`: the instance's (control/handshake.py), registered with the bootstrap server for
         decodes to compare with theirs (None: not checked; tests and benchmarks of bare senders).
-        `draft_layout`: this rank's registered draft-model pool (STANDALONE speculative decoding):
-        its layers are send() layers num_layers .. num_layers + draft layers - 1, after the
-        target's (the last layer group), and rooms name their draft pages in add_room.
+        `draft_layout`: this rank's registered draft-model pool (STANDALONE speculative decoding,
+        NEXTN's MTP layer): its layers are send() layers num_layers .. num_layers + draft layers - 1
+        (num_layers: the model's layers with a state layout), after the target's (the last layer
+        group), and rooms name their draft pages in add_room.
         `draft_at_prefix`: SenderBook's (NEXTN: the MTP KV is sent from the decode's prefix on)."""
         if instance_id is None:
             if tp_size != 1:
@@ -100,8 +101,6 @@ class KVSender:
         self.cfg, self.layout, self.backend = cfg, layout, backend
         self.state_layout = state_layout
         self.draft_layout = draft_layout
-        if draft_layout is not None and state_layout is not None:
-            raise ValueError("draft-model KV moves without recurrent state only")
         if state_layout is not None and len(state_layout.kv_layers) != layout.num_layers:
             raise ValueError(
                 f"state layout names {len(state_layout.kv_layers)} full-attention layers, "
@@ -323,18 +322,27 @@ class KVSender:
         state: bool,
     ) -> SendCall:
         """Model layers -> KV buffers (a hybrid pool has them for full-attention layers only) and
-        the linear layers whose state goes with the call."""
+        the linear layers whose state goes with the call. Layers past the target's are the draft
+        model's (NEXTN's MTP layer next to a hybrid target): draft layer i is send layer
+        num_layers + i, after the target's KV buffers."""
         sl = self.state_layout
-        if sl is None:  # layers past the target's are the draft model's
-            n_draft = 0 if self.draft_layout is None else self.draft_layout.num_layers
+        n_draft = 0 if self.draft_layout is None else self.draft_layout.num_layers
+        if sl is None:
             end = self.layout.num_layers + n_draft if layer_end is None else layer_end
             return SendCall(token_start, token_end, layer_start, end, last, ready)
-        end = sl.num_model_layers if layer_end is None else layer_end
+        n_model = sl.num_model_layers
+        end = n_model + n_draft if layer_end is None else layer_end
+        if not 0 <= layer_start <= end <= n_model + n_draft:
+            raise ValueError(f"room send: layers [{layer_start}, {end}) outside [0, {n_model + n_draft})")
+        a, b = min(layer_start, n_model), min(end, n_model)  # the target's part
         try:
-            k0, k1 = sl.kv_range(layer_start, end)
-            j0, j1 = sl.linear_range(layer_start, end) if state else (0, 0)
+            k0, k1 = sl.kv_range(a, b)
+            j0, j1 = sl.linear_range(a, b) if state else (0, 0)
         except ValueError as e:
             raise ValueError(f"room send: {e}") from e
+        if end > n_model:  # draft layers: the KV buffers after the target's
+            k0 = k0 if layer_start < n_model else self.layout.num_layers + layer_start - n_model
+            k1 = self.layout.num_layers + end - n_model
         return SendCall(token_start, token_end, k0, k1, last, ready, (j0, j1))
 
     def abort(self, room: int, reason: str = "aborted by prefill") -> None:

@@ -1,0 +1,195 @@
+"""PD with NEXTN on both sides on Qwen3.5 (tiny-qwen3.5's mtp.* layer, TP (1,1); in process,
+local backend; disagg/mtp_transfer.py): the prefill runs the MTP layer over the prompt chunk by
+chunk and sends its one-layer K/V after the target's layers (the last layer group, after the
+target's full-attention KV and its recurrent state, which moves as without NEXTN) and the target's
+last hidden state in the aux data. Greedy outputs equal the colocated engine's; the drafts
+proposed and accepted at every step equal a colocated NEXTN engine's for the same request (what
+shows the MTP state arrived), layer-pipelined (a group with no full-attention layer sends state
+only) and behind cached prefixes on both sides; the bytes written are the target's KV, its state
+and the MTP's KV; an MTP layer that predicts the target has every draft accepted from the first
+step; a landed MTP KV zeroed keeps the outputs but not the first step's drafts; injected failures
+and aborts leave no page, state slot or MTP state on either side."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvpipe.config import FaultInjection, SpeculativeConfig
+from kvpipe.engine.request import FinishReason, Req, SamplingParams
+from kvpipe.model.config import ModelConfig
+from kvpipe.model.presets import write_preset
+from tests.helpers.draft_models import bigram_copy
+from tests.helpers.engine import colocated_spec_steps
+from tests.helpers.nextn import assert_no_mtp_state, mtp_kv_bytes, mtp_state_at_landing
+from tests.helpers.pd_pair import (
+    PS,
+    Pair,
+    Reference,
+    assert_pd_matches,
+    colocated_greedy,
+    failures_then_decode_abort,
+    make_pair,
+    prompts,
+)
+from tests.helpers.pd_parity import expected_bytes, state_slot_nbytes
+from tests.helpers.pd_stack import generate, greedy, start_stack
+from tests.helpers.tolerance import Generation, Route, assert_same_generations
+
+GREEDY16 = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+LENS = [17, 40, 70]  # inside a page, across pages, across chunks of 24
+NEXTN = SpeculativeConfig("NEXTN", num_steps=3)
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_preset("tiny-qwen3.5", tmp_path_factory.mktemp("tiny_qwen35_pd_nextn"))
+
+
+@pytest.fixture(scope="module")
+def bigram(qwen: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return bigram_copy(qwen, tmp_path_factory.mktemp("bigram") / "m")
+
+
+@pytest.fixture(scope="module")
+def reference(qwen: Path) -> Iterator[Reference]:
+    yield from colocated_greedy(qwen)
+
+
+@pytest.fixture(scope="module")
+def bigram_reference(bigram: Path) -> Iterator[Reference]:
+    yield from colocated_greedy(bigram)
+
+
+def assert_all_free(pair: Pair) -> None:
+    for eng in (pair.prefill, pair.decode):
+        assert_no_mtp_state(eng)
+        assert eng.state_slots is not None and eng.state_slots.in_use() == {}
+
+
+def run_and_check(pair: Pair, ps: list[list[int]], reference: Reference, model_dir: Path) -> list[Req]:
+    """Every prompt through the pair: outputs as colocated; the decode's MTP state when the KV
+    landed holds rows [0, L - 1) and one hidden row (h_{L-1}, the aux); the bytes written are the
+    target's KV past the prefix the decode's radix cache held, each request's whole recurrent
+    state, and the MTP's KV past that prefix; both sides free."""
+    landed: dict[str, tuple[int, int, int]] = {}
+    before = pair.prefill.stats()["disaggregation"]["bytes_written"]
+    reqs = [pair.reqs(ids, GREEDY16) for ids in ps]
+    pair.run(reqs, timeout_s=120.0, on_landed=mtp_state_at_landing(landed))
+    decoded = [d for _, d in reqs]
+    assert all(d.finish_reason is FinishReason.LENGTH for d in decoded), [d.finish_detail for d in decoded]
+    assert_pd_matches(decoded, ps, reference, "PD, NEXTN on both sides (Qwen3.5) vs colocated")
+    hidden = ModelConfig.from_dir(model_dir).hidden_size
+    assert [landed[d.rid] for d in decoded] == [(len(p) - 1, 1, hidden) for p in ps]  # nothing recomputed
+    lens, held = [len(p) for p in ps], [d.timeline.prefix_hit_tokens for d in decoded]  # whole pages
+    state = state_slot_nbytes(ModelConfig.from_dir(model_dir))
+    held_kv = expected_bytes(model_dir, held, PS, 1, 1) - len(held) * state  # the state moves whole
+    target = expected_bytes(model_dir, lens, PS, 1, 1) - held_kv
+    mtp_kv = mtp_kv_bytes(model_dir, lens, PS) - mtp_kv_bytes(model_dir, held, PS)
+    assert pair.prefill.stats()["disaggregation"]["bytes_written"] - before == target + mtp_kv
+    pair.settle()
+    assert_all_free(pair)
+    return decoded
+
+
+@pytest.mark.parametrize("rounds", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_drafts_and_accepted_counts_as_colocated(qwen: Path, reference, rounds: int):
+    """Layer-pipelined (2 target groups: the first holds only delta-net layers, state and no KV;
+    the MTP layer its own last group), chunked prefill (24); a second round (the full sweep)
+    finds the prompts in both sides' prefix caches (the decode's: the MTP KV of its prefix came
+    with its pages, only the rest moves). The fast suite runs one round of the two longer prompts."""
+    ps = prompts(22, LENS) if rounds > 1 else prompts(22, LENS)[1:]
+    want = colocated_spec_steps(qwen, NEXTN, ps, GREEDY16, PS, 24)
+    with make_pair(
+        qwen, 24, prefill_speculative=NEXTN, decode_speculative=NEXTN, decode_radix_cache=True, layer_groups=2
+    ) as pair:
+        for round_ in range(rounds):
+            decoded = run_and_check(pair, ps, reference, qwen)
+            assert [d.spec.steps for d in decoded if d.spec is not None] == want, f"round {round_}"
+            assert all(len(d.spec.steps[0][0]) == 3 for d in decoded if d.spec is not None)  # drafts at once
+            assert (sum(d.timeline.prefix_hit_tokens for d in decoded) > 0) == (round_ == 1)  # the decode's
+        assert pair.pipeline is not None and pair.pipeline.counters.batches_by_groups.get(2, 0) > 0
+
+
+def test_an_mtp_layer_that_predicts_the_target_accepts_every_draft_from_the_first_step(bigram: Path, bigram_reference):
+    ps = prompts(21, LENS)
+    with make_pair(bigram, 24, prefill_speculative=NEXTN, decode_speculative=NEXTN) as pair:
+        decoded = run_and_check(pair, ps, bigram_reference, bigram)
+    steps = [d.spec.steps for d in decoded if d.spec is not None]
+    assert len(steps) == len(ps) and all(len(s[0][0]) == s[0][1] == 3 for s in steps)  # all 3 at once
+    assert all(a == len(drafts) for s in steps for drafts, a in s)
+
+
+def test_negative_control_landed_mtp_kv_zeroed(qwen: Path, reference):
+    """What the per-step checks catch: the decode's landed MTP KV zeroed before its first step
+    keeps the outputs (verification) but not the first step's drafts."""
+    ps = prompts(24, [40])
+    want = colocated_spec_steps(qwen, NEXTN, ps, GREEDY16, PS, 24)
+
+    def zero(pair: Pair, d: Req) -> None:
+        mtp = pair.decode.mtp
+        assert mtp is not None and d.draft_pages.size
+        pages = torch.as_tensor(d.draft_pages)
+        mtp.pool.k[0][pages] = 0
+        mtp.pool.v[0][pages] = 0
+
+    with make_pair(qwen, 24, prefill_speculative=NEXTN, decode_speculative=NEXTN) as pair:
+        reqs = [pair.reqs(ids, GREEDY16) for ids in ps]
+        pair.run(reqs, timeout_s=120.0, on_landed=zero)
+        decoded = [d for _, d in reqs]
+        assert_pd_matches(decoded, ps, reference, "PD, MTP KV zeroed on arrival")
+        first = [d.spec.steps[0] for d in decoded if d.spec is not None]
+        assert len(first) == len(ps) and all(f != w[0] for f, w in zip(first, want)), (first, want)
+        pair.settle()
+
+
+def test_failures_and_aborts_free_every_page_state_and_mtp_state_on_both_sides(qwen: Path, reference):
+    faults = FaultInjection(prob=0.15, seed=3)  # more batches per room with the MTP's KV: both outcomes
+    failures_then_decode_abort(
+        qwen, reference, assert_all_free, faults, prefill_speculative=NEXTN, decode_speculative=NEXTN
+    )
+
+
+@pytest.mark.slow  # two servers and sglang-router (38 s here, more under load); in-process sibling above
+def test_nextn_pd_through_router(bigram: Path, bigram_reference, tmp_path: Path):
+    """prefill and decode both with NEXTN on tiny-qwen3.5's bigram copy (Mooncake over loopback,
+    sglang-router): the router's answers are the colocated tokens and logprobs, every draft is
+    accepted from the first step (17 drafts in 23 tokens after the prefill's, 3 + 1 a step), and
+    the prefill wrote the target's KV and state plus the MTP layer's KV."""
+    pytest.importorskip("mooncake.engine")
+    ps = prompts(23, LENS)
+    nextn = ("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3")
+    stack = start_stack(
+        bigram,
+        tmp_path,
+        "--page-size",
+        str(PS),
+        "--max-total-tokens",
+        "4096",
+        "--chunked-prefill-size",
+        "24",
+        prefill_args=nextn,
+        decode_args=nextn,
+    )
+    try:
+        params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+        outs = [
+            generate(stack.router, {"input_ids": p, "sampling_params": greedy(24), "return_logprob": True}) for p in ps
+        ]
+        want = [bigram_reference(p, params) for p in ps]
+        assert_same_generations([Generation.of(o) for o in outs], want, Route.ACROSS_PROCESSES, ps, "PD NEXTN Qwen3.5")
+        metas = [o["meta_info"] for o in outs]
+        assert all(m["spec_accept_token_num"] == m["spec_draft_token_num"] == 17 for m in metas), metas
+        stack.decode.wait_idle()
+        p = stack.prefill.wait_idle()
+        assert p["disaggregation"]["bytes_written"] == expected_bytes(bigram, LENS, PS, 1, 1) + mtp_kv_bytes(
+            bigram, LENS, PS
+        )
+    except AssertionError:
+        print(stack.logs())
+        raise
+    finally:
+        stack.close()
