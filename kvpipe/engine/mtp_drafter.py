@@ -49,6 +49,7 @@ from kvpipe.engine.batch import ScheduledBatch
 from kvpipe.engine.request import Req
 from kvpipe.model.causal_lm import LMBase
 from kvpipe.model.config import ModelConfig
+from kvpipe.model.eagle import EagleHead
 from kvpipe.model.forward_batch import ForwardBatch
 from kvpipe.model.mtp import DeepseekMTP, load_mtp
 
@@ -106,10 +107,7 @@ class MTPDrafter:
     def __init__(self, cfg: ServerConfig, target_cfg: ModelConfig, target: LMBase, num_pages: int, device: str) -> None:
         """`target`: the loaded target model (its embedding and lm_head serve where the MTP layer
         has no copy); `num_pages`: the target pool's pages, whose ids the MTP pool shares."""
-        check_nextn(cfg, target_cfg)
-        self.mtp: DeepseekMTP = load_mtp(
-            cfg.model_path, target_cfg, device, dtype=None if cfg.dtype == "auto" else cfg.dtype
-        )
+        self.mtp: DeepseekMTP | EagleHead = self.load_head(cfg, target_cfg, device)
         head = target.lm_head if target.lm_head is not None else partial(F.linear, weight=target.embed_tokens)
         self.mtp.set_target(target.embed_tokens, head)
         self.page_size = cfg.cache.page_size
@@ -128,11 +126,21 @@ class MTPDrafter:
         # here: what a cache hit of that page recomputes its last MTP row from
         self.page_hidden = torch.zeros(num_pages, target_cfg.hidden_size, dtype=dtype, device=self.device)
         self.page_next = np.full(num_pages, -1, dtype=np.int64)  # and the token after it there
+        self.pool = self.make_pool(target_cfg, num_pages + scratch + private, dtype)
+        self.seqs: dict[str, MTPSeq] = {}
+
+    def load_head(self, cfg: ServerConfig, target_cfg: ModelConfig, device: str) -> DeepseekMTP | EagleHead:
+        """The drafting layer: the checkpoint's MTP layer (engine/eagle_drafter.py: an EAGLE head)."""
+        check_nextn(cfg, target_cfg)
+        return load_mtp(cfg.model_path, target_cfg, device, dtype=None if cfg.dtype == "auto" else cfg.dtype)
+
+    def make_pool(self, target_cfg: ModelConfig, num_pages: int, dtype: torch.dtype) -> KVPool:
+        """The drafting layer's one-layer KV pool on `num_pages` page ids: the MTP's MLA latent."""
         mla = target_cfg.mla
         assert mla is not None  # check_nextn: only DeepSeek-V3 has MTP layers
-        self.pool = KVPool(
+        return KVPool(
             1,
-            num_pages + scratch + private,
+            num_pages,
             self.page_size,
             1,
             mla.latent_dim,
@@ -141,7 +149,6 @@ class MTPDrafter:
             latent=True,
             compute_dtype=dtype,
         )
-        self.seqs: dict[str, MTPSeq] = {}
 
     # ---- the target's hidden states -------------------------------------------------------
     @torch.inference_mode()
@@ -174,7 +181,8 @@ class MTPDrafter:
             if nxt < 0 or nxt == tokens[(j + 1) * p] or not self.free_private:
                 continue  # unknown (nothing to recompute it from), the same token, or no room
             dst = self.free_private.pop()
-            self.pool.k[0][dst].copy_(self.pool.k[0][src])
+            for buf in (*self.pool.k[:1], *self.pool.v[:1]):  # the MLA latent, or an EAGLE head's K and V
+                buf[dst].copy_(buf[src])
             seq.private[j] = dst
             self.hit_copies += 1
             pos = (j + 1) * p - 1
