@@ -53,4 +53,4 @@ class EagleDrafter(MTPDrafter):
     def make_pool(self, target_cfg: ModelConfig, num_pages: int, dtype: torch.dtype) -> KVPool:
         """The head's one GQA layer: K and V of its KV heads on `num_pages` page ids."""
         assert isinstance(self.mtp, EagleHead)
-        return self.mtp.make_pool(num_pages, self.page_size, self.device)
+        return self.mtp.kv_pool(num_pages, self.page_size, self.device)

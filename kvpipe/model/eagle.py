@@ -13,7 +13,9 @@ takes auxiliary layers instead; not this head), as the original EAGLE code feeds
 output. The head's output goes to the lm_head as it is: SGLang's EAGLE LlamaModel returns
 `hidden_states + residual`, no norm. So EAGLE consumes exactly what NEXTN does (ModelRunner's
 capture_hidden) at the same positions (row i from h_i and t_{i+1}, at i), and the NEXTN drafter
-(engine/mtp_drafter.py) runs it with its own one-layer KV (engine/eagle_drafter.py).
+(engine/mtp_drafter.py) runs it with its own one-layer KV (engine/eagle_drafter.py): EagleHead has
+the MTP layers' interface (forward(hidden, batch, pool) -> (out, logits), set_target, kv_pool,
+embed, logits, init_rope).
 
 Checkpoint: an HF-style directory, config.json with architectures ["LlamaForCausalLMEagle"], one
 layer of the target's hidden size and vocabulary, safetensors with `fc.weight` (`fc.bias`),
@@ -86,7 +88,7 @@ def check_eagle_head(head: ModelConfig, target: ModelConfig, head_dir: str | Pat
 
 
 class EagleHead(nn.Module):
-    """One EAGLE decoder layer over a one-layer GQA KV pool (layer 0 of `pool`, make_pool)."""
+    """One EAGLE decoder layer over a one-layer GQA KV pool (layer 0 of `pool`, kv_pool)."""
 
     def __init__(self, cfg: ModelConfig, own_embed: bool, fc_bias: bool) -> None:
         super().__init__()
@@ -132,7 +134,7 @@ class EagleHead(nn.Module):
         layer = cast(DecoderLayer, self.layers[0])
         return cast(RMSNorm, layer.post_attention_layernorm).weight.dtype
 
-    def make_pool(self, num_pages: int, page_size: int, device: str | torch.device) -> KVPool:
+    def kv_pool(self, num_pages: int, page_size: int, device: str | torch.device) -> KVPool:
         """The head's one-layer KV pool (its KV heads whole, TP 1), in its compute dtype."""
         cfg, dtype = self.cfg, self.dtype
         return KVPool(1, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype, device, compute_dtype=dtype)

@@ -30,6 +30,7 @@ from tests.helpers.engine import (
     check_sampled_speculation,
     generations,
     make_engine,
+    one_at_a_time,
     prompts,
 )
 from tests.helpers.tolerance import Route, logit_atol
@@ -103,7 +104,7 @@ class FromScratch:
         assert self.model.lm_head is not None
         self.head.set_target(self.model.embed_tokens, self.model.lm_head)
         self.pool = make_kv_pool(self.model, pages, PAGE)
-        self.head_pool = self.head.make_pool(pages, PAGE, "cpu")
+        self.head_pool = self.head.kv_pool(pages, PAGE, "cpu")
         self.table = torch.arange(pages, dtype=torch.int64)
         self.shape = Shape(self.model.cfg.num_layers + 1, self.model.cfg.hidden_size)
 
@@ -197,3 +198,22 @@ def test_what_eagle_cannot_serve_is_refused(models: Models, tmp_path: Path):
     check_eagle(replace(cfg, tp_size=2), target)  # colocated TP 2: the head whole on rank 0
     with pytest.raises(ConfigError, match="PD prefill server with --tp-size 2"):
         check_eagle(replace(cfg, tp_size=2, disaggregation=replace(cfg.disaggregation, mode="prefill")), target)
+
+
+@pytest.mark.slow  # two TP 2 engines (~40 s on 2 cores); TP 1's sibling: test_a_head_that_predicts_...
+def test_tp2_head_runs_whole_on_rank_0_and_accepts_every_draft(models: Models):
+    """EAGLE at TP 2, colocated: the head runs whole on rank 0 (fed rank 0's all-reduced hidden
+    states, the replicated embedding and lm_head; no TP child loads it as a draft model); the
+    exact head on the bigram target has every draft accepted, outputs as TP 2 without it."""
+    plain = make_engine(models.bigram, page_size=PAGE, tp=2)
+    try:
+        reference = one_at_a_time(plain, PROMPTS, GREEDY16)
+    finally:
+        plain.shutdown()
+    eng = make_engine(models.bigram, page_size=PAGE, tp=2, speculative=eagle(models.exact), chunk=7, radix_cache=True)
+    try:
+        assert eng.draft is None and isinstance(eng.mtp, EagleDrafter)
+        assert_every_draft_accepted(eng, PROMPTS, reference, GREEDY16, 4, "EAGLE at TP 2, exact head")
+        assert_nothing_left(eng)
+    finally:
+        eng.shutdown()

@@ -117,7 +117,7 @@ def test_head_forward_matches_plain_torch(tiny_model_dir: Path, head_dir: Path):
     assert head.embed_tokens is None and head.fc.bias is not None  # the target's embedding; fc's bias read
     shape = Shape(cfg.num_layers + 1, cfg.hidden_size)
     for cuts in ([0, n], [0, 11, 20, *range(21, n + 1)]):
-        pool = head.make_pool(16, PAGE, "cpu")
+        pool = head.kv_pool(16, PAGE, "cpu")
         assert (pool.num_layers, pool.kv_heads, pool.head_dim, pool.latent) == (
             1,
             cfg.num_kv_heads,
@@ -128,7 +128,7 @@ def test_head_forward_matches_plain_torch(tiny_model_dir: Path, head_dir: Path):
         assert_close_logits(logits, want_logits, shape, n, msg=f"EAGLE logits, pieces {cuts[:4]}..")
         assert_close_logits(out, want_out, shape, n, msg="EAGLE output hidden states")
     # the hidden input matters: the previous row's h gives other logits
-    _, wrong = run_head(head, head.make_pool(16, PAGE, "cpu"), torch.roll(hidden, 1, 0), ids, [0, n])
+    _, wrong = run_head(head, head.kv_pool(16, PAGE, "cpu"), torch.roll(hidden, 1, 0), ids, [0, n])
     assert (wrong - want_logits).abs().max() > 100 * (logits - want_logits).abs().max()
 
 
@@ -152,7 +152,7 @@ def test_own_embedding_and_model_prefixed_names(tiny_model_dir: Path, head_dir: 
     hidden = torch.randn(3, embed.shape[1])
     fb = ForwardBatch.build([ids.tolist()], [0], [torch.arange(4)], PAGE)
     with torch.inference_mode():
-        out, logits = head(hidden, fb, head.make_pool(4, PAGE, "cpu"))
+        out, logits = head(hidden, fb, head.kv_pool(4, PAGE, "cpu"))
     assert torch.isfinite(logits).all()  # the NaN lm_head of the checkpoint was not used
 
 
