@@ -4,7 +4,8 @@ over the prompt chunk by chunk and sends its one-layer K/V after the target's la
 layer group) and the target's last hidden state in the aux data, so the decode's head state holds
 the prompt when the KV lands and its first step drafts at once. Greedy outputs equal the
 colocated engine's; the drafts proposed and accepted at every step equal a colocated EAGLE
-engine's for the same request (also behind the decode's cached prefixes); a head that predicts
+engine's for the same request (also behind the decode's cached prefixes), and a negative control
+(the landed head K/V or hidden row zeroed) changes the first step's drafts; a head that predicts
 the target has every draft accepted from the first step; the bytes written are the target's KV
 plus the head's; servers whose heads differ refuse each other at bootstrap, on both sides."""
 
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvpipe.config import SpeculativeConfig
 from kvpipe.engine.request import FinishReason, Req, SamplingParams
@@ -40,10 +42,12 @@ def bigram(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 
 @pytest.fixture(scope="module")
-def heads(bigram: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """For the bigram target: the exact head, and two noisy ones (chains accepted in part)."""
+def heads(tiny_model_dir: Path, bigram: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """For the bigram target: the exact head, and two noisy ones (chains accepted in part); a
+    random one for the tiny target."""
     tmp = tmp_path_factory.mktemp("heads")
     return {
+        "random": write_eagle_head(tiny_model_dir, tmp / "random", seed=5),
         "exact": write_eagle_head(bigram, tmp / "exact", bigram=1.0, noise=0.0),
         "noisy": write_eagle_head(bigram, tmp / "noisy", bigram=1.0, noise=0.5, seed=2),
         "other": write_eagle_head(bigram, tmp / "other", bigram=1.0, noise=0.5, seed=3),
@@ -84,26 +88,61 @@ def run_and_check(pair: Pair, ps: list[list[int]], reference: Reference, target:
     return decoded
 
 
-@pytest.mark.parametrize("rounds", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_drafts_and_accepted_counts_as_colocated(bigram: Path, heads, reference, rounds: int):
+def test_drafts_and_accepted_counts_as_colocated(bigram: Path, heads, reference):
     """Layer-pipelined (2 target groups, the head its own last group), chunked prefill (24), the
-    noisy head (chains accepted in part); a second round (the full sweep) finds the prompts in
-    the prefill's cache and their leading pages in the decode's (the head KV of that prefix
-    came with its pages). The fast suite runs one round of the two longer prompts."""
+    noisy head (chains accepted in part); the second round finds the prompts in the prefill's
+    cache and their leading pages in the decode's (the head KV of that prefix came with its
+    pages: only the rest moves)."""
     head = heads["noisy"]
-    ps = prompts(22, LENS) if rounds > 1 else prompts(22, LENS)[1:]
+    ps = prompts(22, LENS)
     want = colocated_spec_steps(bigram, eagle(head), ps, GREEDY16, PS, 24)
     assert any(0 < a < len(d) for steps in want for d, a in steps)  # some chains accepted in part
     spec = eagle(head)
     with make_pair(
         bigram, 24, prefill_speculative=spec, decode_speculative=spec, decode_radix_cache=True, layer_groups=2
     ) as pair:
-        for round_ in range(rounds):
+        for round_ in range(2):
             decoded = run_and_check(pair, ps, reference, bigram, head)
             assert [d.spec.steps for d in decoded if d.spec is not None] == want, f"round {round_}"
             assert all(len(d.spec.steps[0][0]) == 3 for d in decoded if d.spec is not None)  # drafts at once
             assert (sum(d.timeline.prefix_hit_tokens for d in decoded) > 0) == (round_ == 1)
         assert pair.pipeline is not None and pair.pipeline.counters.batches_by_groups.get(2, 0) > 0
+
+
+@pytest.mark.parametrize("what", ["nothing", "head_kv", "hidden"])
+def test_negative_control_landed_head_state_zeroed(tiny_model_dir: Path, heads, what: str):
+    """What the per-step checks catch: on the tiny target with a random head, every step's drafts
+    are the colocated engine's (the control), but with the decode's landed head K/V (or its
+    hidden row, the aux) zeroed before its first step the first step's drafts differ (the
+    outputs stay the target's: verification)."""
+    head = heads["random"]
+    ps = prompts(24, [40, 33])
+    want = colocated_spec_steps(tiny_model_dir, eagle(head), ps, GREEDY16, PS, 24)
+
+    def zero(pair: Pair, d: Req) -> None:
+        mtp = pair.decode.mtp
+        assert mtp is not None and d.draft_pages.size
+        if what == "nothing":  # the control: every step's drafts as colocated
+            return
+        if what == "head_kv":
+            pages = torch.as_tensor(d.draft_pages)
+            mtp.pool.k[0][pages] = 0
+            mtp.pool.v[0][pages] = 0
+        else:
+            mtp.seqs[d.rid].hidden.zero_()
+
+    spec = eagle(head)
+    with make_pair(tiny_model_dir, 24, prefill_speculative=spec, decode_speculative=spec) as pair:
+        reqs = [pair.reqs(ids, GREEDY16) for ids in ps]
+        pair.run(reqs, timeout_s=120.0, on_landed=zero)
+        decoded = [d for _, d in reqs]
+        assert all(d.finish_reason is FinishReason.LENGTH for d in decoded)
+        if what == "nothing":
+            assert [d.spec.steps for d in decoded if d.spec is not None] == want
+        else:
+            first = [d.spec.steps[0] for d in decoded if d.spec is not None]
+            assert len(first) == len(ps) and all(f != w[0] for f, w in zip(first, want)), (first, want)
+        pair.settle()
 
 
 def test_a_head_that_predicts_the_target_accepts_every_draft_from_the_first_step(bigram: Path, heads, reference):
