@@ -26,6 +26,8 @@ from tests.helpers.draft_models import bigram_copy, write_eagle_head
 from tests.helpers.engine import colocated_spec_steps
 from tests.helpers.pd_pair import PS, Pair, Reference, assert_pd_matches, colocated_greedy, make_pair, prompts
 from tests.helpers.pd_parity import expected_bytes
+from tests.helpers.pd_stack import generate, greedy, start_stack
+from tests.helpers.tolerance import Generation, Route, assert_same_generations
 from tests.integration.test_pd_nextn import assert_no_mtp_state, mtp_state_at_landing
 
 GREEDY16 = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
@@ -173,3 +175,45 @@ def test_servers_whose_heads_differ_refuse_each_other(bigram: Path, heads):
         for eng in (pair.prefill, pair.decode):
             assert eng.stats()["disaggregation"]["handshakes_refused"] == {"speculative": 1}
         pair.settle()
+
+
+@pytest.mark.slow  # ~90 s on a loaded 2-core host; test_a_head_that_predicts_... is its in-process sibling
+def test_eagle_pd_through_router(bigram: Path, heads, reference, tmp_path: Path):
+    """prefill and decode servers both with the exact EAGLE head on the bigram target (`kvpipe
+    serve` flags, Mooncake over loopback, sglang-router): the router's answers are the colocated
+    tokens and logprobs, every draft is accepted from the first step (17 drafts in 23 tokens
+    after the prefill's, 3 + 1 a step), and the prefill wrote the target's KV plus the head's."""
+    pytest.importorskip("mooncake.engine")
+    ps = prompts(23, LENS)
+    flags = ("--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3")
+    flags += ("--speculative-draft-model-path", str(heads["exact"]))
+    stack = start_stack(
+        bigram,
+        tmp_path,
+        "--page-size",
+        str(PS),
+        "--max-total-tokens",
+        "4096",
+        "--chunked-prefill-size",
+        "24",
+        prefill_args=flags,
+        decode_args=flags,
+    )
+    try:
+        params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+        outs = [
+            generate(stack.router, {"input_ids": p, "sampling_params": greedy(24), "return_logprob": True}) for p in ps
+        ]
+        want = [reference(p, params) for p in ps]
+        assert_same_generations([Generation.of(o) for o in outs], want, Route.ACROSS_PROCESSES, ps, "PD EAGLE")
+        metas = [o["meta_info"] for o in outs]
+        assert all(m["spec_accept_token_num"] == m["spec_draft_token_num"] == 17 for m in metas), metas
+        stack.decode.wait_idle()
+        p = stack.prefill.wait_idle()
+        want_bytes = expected_bytes(bigram, LENS, PS, 1, 1) + head_kv_bytes(heads["exact"], LENS)
+        assert p["disaggregation"]["bytes_written"] == want_bytes
+    except AssertionError:
+        print(stack.logs())
+        raise
+    finally:
+        stack.close()
