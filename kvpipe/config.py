@@ -335,7 +335,7 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20  # an HTTP server's --max-request-body
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "NEXTN", "EAGLE")
 SPECULATIVE_NOT_YET = ("EAGLE3",)
 # drafted by the checkpoint's multi-token-prediction layer (SGLang turns NEXTN into EAGLE; kvpipe
-# runs EAGLE without a draft model path as NEXTN)
+# runs EAGLE without a draft model path as NEXTN; with one, an EAGLE head drafts the same way)
 MTP_ALGORITHMS = ("NEXTN", "EAGLE")
 NGRAM_DEFAULT_DRAFT_TOKENS = 8  # verified tokens per step: the last token and 7 drafts
 STANDALONE_DEFAULT_NUM_STEPS = 3  # drafts per step of a draft model when neither count is given
@@ -385,12 +385,13 @@ class SpeculativeConfig:
         lo, hi = self.ngram_min_match_window_size, self.ngram_max_match_window_size
         if not (type(lo) is int and type(hi) is int and 1 <= lo <= hi):
             raise ConfigError(f"NGRAM match windows must satisfy 1 <= min ({lo!r}) <= max ({hi!r})")
-        if a.upper() in MTP_ALGORITHMS and self.draft_model_path is not None:
+        if a.upper() == "NEXTN" and self.draft_model_path is not None:
             raise ConfigError(
                 f"--speculative-algorithm {a} drafts with the target checkpoint's own multi-token-prediction "
-                f"layer; a separate draft model ({self.draft_model_path!r}, e.g. EAGLE heads) is not supported"
+                f"layer; a separate draft model ({self.draft_model_path!r}) goes with STANDALONE, "
+                "an EAGLE head with EAGLE"
             )
-        if (a.upper() == "STANDALONE") != (self.draft_model_path is not None):
+        if a.upper() != "EAGLE" and (a.upper() == "STANDALONE") != (self.draft_model_path is not None):
             raise ConfigError(
                 "--speculative-draft-model-path goes with --speculative-algorithm STANDALONE "
                 f"(got algorithm {a}, draft model {self.draft_model_path!r})"
@@ -402,8 +403,21 @@ class SpeculativeConfig:
 
     @property
     def uses_mtp(self) -> bool:
-        """NEXTN (or EAGLE): drafts come from the target checkpoint's MTP layer."""
+        """NEXTN (or EAGLE): drafts come from the target checkpoint's MTP layer (or an EAGLE head)."""
         return self.algorithm is not None and self.algorithm.upper() in MTP_ALGORITHMS
+
+    @property
+    def eagle_head_path(self) -> str | None:
+        """EAGLE with --speculative-draft-model-path: the EAGLE head's checkpoint (model/eagle.py),
+        drafting through the NEXTN drafter's machinery (uses_mtp); None otherwise."""
+        if self.algorithm is not None and self.algorithm.upper() == "EAGLE":
+            return self.draft_model_path
+        return None
+
+    @property
+    def standalone_draft_path(self) -> str | None:
+        """STANDALONE's draft model (engine/draft_model.py); None otherwise."""
+        return None if self.eagle_head_path is not None else self.draft_model_path
 
     @property
     def max_drafts(self) -> int:

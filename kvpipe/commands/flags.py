@@ -134,7 +134,8 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
         help="NGRAM: drafts looked up in the request's own tokens, verified greedily in one forward "
         "(sampled requests by speculative sampling); STANDALONE: greedy drafts of a smaller model "
         "(--speculative-draft-model-path); NEXTN (or EAGLE): greedy drafts of the checkpoint's "
-        "multi-token-prediction layer (DeepSeek-V3 or Qwen3.5, TP 1; PD: both servers); EAGLE3 is refused (not yet)",
+        "multi-token-prediction layer (DeepSeek-V3 or Qwen3.5, TP 1; PD: both servers); EAGLE with "
+        "--speculative-draft-model-path: an EAGLE head's (Llama-family targets); EAGLE3 is refused (not yet)",
     )
     g.add_argument("--speculative-num-steps", type=int, default=None, help="drafts per step (a chain)")
     g.add_argument("--speculative-eagle-topk", type=int, default=None, help="1 only: kvpipe verifies a chain")
@@ -160,7 +161,8 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--speculative-draft-model-path",
         default=None,
-        help="STANDALONE: the draft model's checkpoint (the target's tokenizer; TP 1)",
+        help="STANDALONE: the draft model's checkpoint (the target's tokenizer; TP 1); "
+        "EAGLE: an EAGLE head's (LlamaForCausalLMEagle)",
     )
 
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 from kvpipe.config import ServerConfig
 from kvpipe.engine.connector import ConnectorContext
 from kvpipe.model.config import ModelConfig
+from kvpipe.model.identity import checkpoint_digest
 from kvpipe.transfer.planning.layout import KVLayout
 
 # hidden rows AuxData.hidden carries: h_{L-1} (MTPDrafter.pending_hidden after the prompt)
@@ -53,6 +54,8 @@ def nextn_handshake(cfg: ServerConfig, mtp: KVLayout | None) -> str:
     "nextn:mtp=layer<index>x<count>:hidden=<size>:kv=<dtype>/<page size>/<kind>x<layers>x<heads>x<head dim>"."""
     if mtp is None:
         raise ValueError("a NEXTN server's handshake needs its MTP layer's KV layout")
+    if cfg.speculative.eagle_head_path is not None:  # an EAGLE head drafts in the MTP layer's place
+        return eagle_handshake(cfg, mtp)
     model = ModelConfig.from_dir(cfg.model_path)
     shape = f"{mtp.buffers_per_layer}x{mtp.num_layers}x{mtp.total_kv_heads}x{mtp.head_dim}"
     layer = f"layer{model.num_layers}x{model.num_nextn_predict_layers}"
@@ -66,3 +69,14 @@ def nextn_aux_nbytes(cfg: ServerConfig, ctx: ConnectorContext) -> int:
     if not cfg.speculative.uses_mtp or pool is None:
         return 0
     return AUX_HIDDEN_ROWS * ctx.model_config.hidden_size * pool.k[0].element_size()
+
+
+def eagle_handshake(cfg: ServerConfig, head: KVLayout) -> str:
+    """Handshake.speculative of an EAGLE server with a draft head (engine/eagle_drafter.py), whose
+    KV and hidden state move as NEXTN's do: "eagle:head=<head checkpoint digest>:hidden=<size>:
+    kv=<dtype>/<page size>/<kind>x<layers>x<heads>x<head dim>" (its GQA layer: kind 2, K and V)."""
+    path = cfg.speculative.eagle_head_path
+    assert path is not None
+    hidden = ModelConfig.from_dir(cfg.model_path).hidden_size
+    shape = f"{head.buffers_per_layer}x{head.num_layers}x{head.total_kv_heads}x{head.head_dim}"
+    return f"eagle:head={checkpoint_digest(path)}:hidden={hidden}:kv={head.dtype}/{head.page_size}/{shape}"

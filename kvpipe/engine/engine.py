@@ -38,6 +38,7 @@ from kvpipe.engine.connector import (
 )
 from kvpipe.engine.connector_workers import RankWorkers
 from kvpipe.engine.draft_model import DraftModel, check_draft_model
+from kvpipe.engine.eagle_drafter import EagleDrafter, check_eagle
 from kvpipe.engine.finish import FinishChecker
 from kvpipe.engine.model_runner import ModelRunner, snapshot_slots, split_layers, state_slots
 from kvpipe.engine.mtp_drafter import MTPDrafter, check_nextn
@@ -116,12 +117,13 @@ class Engine:
             self.runner = build_runner(cfg, ParallelConfig(), device)
         # STANDALONE: the draft model and its own KV, sharded over the TP group like the target
         self.draft: DraftModel | None = None
-        if self.spec.draft_model_path is not None:
+        if self.spec.standalone_draft_path is not None:
             self.draft = DraftModel(cfg, self.model_config, device, self._tp)
         # NEXTN: the checkpoint's MTP layer, fed the target's hidden states of every forward
         self.mtp: MTPDrafter | None = None
-        if self.spec.uses_mtp:
-            self.mtp = MTPDrafter(cfg, self.model_config, self.runner.model, self.runner.pool.num_pages, device)
+        if self.spec.uses_mtp:  # EAGLE with a draft model path: an EAGLE head in the MTP layer's place
+            drafter = EagleDrafter if self.spec.eagle_head_path is not None else MTPDrafter
+            self.mtp = drafter(cfg, self.model_config, self.runner.model, self.runner.pool.num_pages, device)
             self.runner.capture_hidden = True
         # a PD prefill's draft model runs over each prompt chunk; its KV goes to the decode with the target's
         self._draft_prefill = (
@@ -783,7 +785,9 @@ def check_speculative(cfg: ServerConfig, model: ModelConfig) -> None:
     (engine/state_rollback.py)."""
     if not cfg.speculative.enabled:
         return
-    if cfg.speculative.draft_model_path is not None:  # before any TP rank starts
-        check_draft_model(cfg, model, ModelConfig.from_dir(cfg.speculative.draft_model_path))
-    if cfg.speculative.uses_mtp:
+    if cfg.speculative.standalone_draft_path is not None:  # before any TP rank starts
+        check_draft_model(cfg, model, ModelConfig.from_dir(cfg.speculative.standalone_draft_path))
+    if cfg.speculative.eagle_head_path is not None:
+        check_eagle(cfg, model)
+    elif cfg.speculative.uses_mtp:
         check_nextn(cfg, model)

@@ -109,10 +109,7 @@ class MTPDrafter:
     def __init__(self, cfg: ServerConfig, target_cfg: ModelConfig, target: LMBase, num_pages: int, device: str) -> None:
         """`target`: the loaded target model (its embedding and lm_head serve where the MTP layer
         has no copy); `num_pages`: the target pool's pages, whose ids the MTP pool shares."""
-        check_nextn(cfg, target_cfg)
-        self.mtp: MTPLayer = load_mtp(
-            cfg.model_path, target_cfg, device, dtype=None if cfg.dtype == "auto" else cfg.dtype
-        )
+        self.mtp: MTPLayer = self.load_head(cfg, target_cfg, device)
         head = target.lm_head if target.lm_head is not None else partial(F.linear, weight=target.embed_tokens)
         self.mtp.set_target(target.embed_tokens, head)
         self.page_size = cfg.cache.page_size
@@ -133,6 +130,11 @@ class MTPDrafter:
         self.page_next = np.full(num_pages, -1, dtype=np.int64)  # and the token after it there
         self.pool: KVPool = self.mtp.kv_pool(num_pages + scratch + private, self.page_size, self.device)
         self.seqs: dict[str, MTPSeq] = {}
+
+    def load_head(self, cfg: ServerConfig, target_cfg: ModelConfig, device: str) -> MTPLayer:
+        """The drafting layer: the checkpoint's MTP layer (engine/eagle_drafter.py: an EAGLE head)."""
+        check_nextn(cfg, target_cfg)
+        return load_mtp(cfg.model_path, target_cfg, device, dtype=None if cfg.dtype == "auto" else cfg.dtype)
 
     # ---- the target's hidden states -------------------------------------------------------
     @torch.inference_mode()
@@ -165,7 +167,8 @@ class MTPDrafter:
             if nxt < 0 or nxt == tokens[(j + 1) * p] or not self.free_private:
                 continue  # unknown (nothing to recompute it from), the same token, or no room
             dst = self.free_private.pop()
-            self.pool.k[0][dst].copy_(self.pool.k[0][src])
+            for buf in (*self.pool.k[:1], *self.pool.v[:1]):  # the MLA latent, or an EAGLE head's K and V
+                buf[dst].copy_(buf[src])
             seq.private[j] = dst
             self.hit_copies += 1
             pos = (j + 1) * p - 1

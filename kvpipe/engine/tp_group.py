@@ -159,7 +159,7 @@ def worker_main(fd: int, parent_pid: int) -> None:
         device = _init_rank(start.cfg, rank, start.init_method)
         parallel = ParallelConfig(start.cfg.tp_size, rank)
         runner = build_runner(start.cfg, parallel, device)
-        draft = build_draft_runner(start.cfg, parallel, device) if start.cfg.speculative.draft_model_path else None
+        draft = build_draft_runner(start.cfg, parallel, device) if start.cfg.speculative.standalone_draft_path else None
         if start.worker_factory is not None:
             worker = load_factory(start.worker_factory)(
                 start.cfg, rank, runner.pool, runner.model.cfg.kv_cache_heads, runner.state_pool

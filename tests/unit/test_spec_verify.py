@@ -54,7 +54,6 @@ def test_config_and_flags():
     for bad in (
         dict(algorithm="EAGLE3"),
         dict(algorithm="NEXTN", draft_model_path="d"),  # the MTP layer is the target checkpoint's
-        dict(algorithm="EAGLE", draft_model_path="d"),
         dict(algorithm="STANDALONE"),  # without a draft model
         dict(algorithm="NGRAM", draft_model_path="d"),
         dict(algorithm="MEDUSA"),
@@ -79,6 +78,11 @@ def test_config_and_flags():
     assert not speculative_config_from_args(p.parse_args([])).enabled
     args = p.parse_args("--speculative-algorithm standalone --speculative-draft-model-path /m/draft".split())
     assert speculative_config_from_args(args) == SpeculativeConfig("STANDALONE", draft_model_path="/m/draft")
+    # EAGLE with a draft model path: an EAGLE head (engine/eagle_drafter.py), drafted like NEXTN
+    args = p.parse_args("--speculative-algorithm EAGLE --speculative-draft-model-path /m/head".split())
+    eagle = speculative_config_from_args(args)
+    assert eagle.uses_mtp and eagle.eagle_head_path == "/m/head" and eagle.standalone_draft_path is None
+    assert eagle.max_drafts == 3 and SpeculativeConfig("EAGLE").eagle_head_path is None
 
 
 def _fake_drafter(wrong_at: int):
