@@ -10,7 +10,9 @@ Every TP rank holds a shard of the KV pool (its KV heads), so every rank moves i
 - decode: the rank registers its pool with its own backend and tells rank 0 its layout and data
   address; rank 0's KVReceiver speaks for it.
 With a STANDALONE draft model every rank also registers its shard of the draft model's KV pool,
-which moves as the layers after the target's (disagg/draft_transfer.py).
+which moves as the layers after the target's (disagg/draft_transfer.py); with NEXTN rank 0 alone
+registers the MTP layer's KV pool, which prefill rank 0 writes into decode rank 0
+(disagg/mtp_transfer.py).
 Errors of one room (a refused page table, a planning error) fail that room on this rank; rank 0
 tallies every rank's outcome (kvpipe/disagg/tally.py).
 """
@@ -41,6 +43,7 @@ from kvpipe.disagg.commands import (
     StartPrefill,
 )
 from kvpipe.disagg.draft_transfer import draft_layout, speculative_handshake
+from kvpipe.disagg.mtp_transfer import MTP_RANK
 from kvpipe.disagg.setup import data_host, make_backend, rank_layout, rank_state_layout, register_pool
 from kvpipe.engine.connector import KVConnectorWorker
 from kvpipe.transfer.backends.base import TransferBackend
@@ -155,6 +158,8 @@ class TransferWorker(KVConnectorWorker):
                 draft_layout=self.draft_layout,
                 # NEXTN: the MTP KV sits on the target's page ids, a decode's prefix holds it too
                 draft_at_prefix=self.cfg.speculative.uses_mtp,
+                # NEXTN: the MTP layer and its KV live whole on TP rank 0 of each side
+                draft_rank=MTP_RANK if self.cfg.speculative.uses_mtp else None,
             )
             self.sender.start(bootstrap=cmd.bootstrap)
             control = self.sender.control_address
