@@ -91,6 +91,8 @@ class TransferWorker(KVConnectorWorker):
         self.on_news: Callable[[], None] | None = None
         # set by rank 0's connector before the start (set_draft_pool): the draft model's KV pool
         self.draft_layout: KVLayout | None = None
+        # NEXTN's MTP layer and its KV live on another TP rank (MTP_RANK): none moves from here
+        self._mtp_elsewhere = cfg.speculative.uses_mtp and rank != MTP_RANK
 
     def set_draft_pool(self, pool: KVPool | None, total_kv_heads: int | None = None) -> None:
         """The engine's STANDALONE draft model keeps this rank's shard of its KV in `pool`
@@ -250,8 +252,10 @@ class TransferWorker(KVConnectorWorker):
             return
         s = self._prefill_sender()
         for start in meta.start:
+            # NEXTN: a room's MTP pages are rank 0's (disagg/mtp_transfer.py); other ranks hold no MTP pool
+            draft = None if self._mtp_elsewhere else start.draft_pages
             try:
-                s.add_room(start.room, start.pages, start.state_slot, start.swa_pages, start.draft_pages)
+                s.add_room(start.room, start.pages, start.state_slot, start.swa_pages, draft)
             except ValueError as e:  # nothing of this room is in our sender: report it failed
                 self._failed.append((start.room, TransferState.FAILED, f"add_room refused on TP rank {self.rank}: {e}"))
 
