@@ -135,6 +135,9 @@ def test_an_mtp_pool_on_another_decode_rank_is_refused_and_ranks_without_one_acc
     assert b1.peers.draft_heads.get("d/0") is None  # it never writes MTP KV
     b0 = prefill_book(0, 2)
     assert register(b0, 0, 1, dst, mtp) is None and b0.peers.draft_heads["d/0"] == (0, 1)
+    bare = SenderBook(CFG, latent(1 << 30, L), 0, 1, "p/0", lambda a, msg: True, draft_rank=MTP_RANK)
+    why = register(bare, 0, 1, dst, mtp)  # rank 0 should hold the MTP pool: nobody would fill decode rank 0's
+    assert why is not None and "has no draft-model KV pool" in why, why
 
 
 def test_the_decode_asks_its_mtp_rank_only_for_draft_pages():

@@ -222,7 +222,11 @@ class SenderPeers:
         if (msg.draft.head_start, msg.draft.head_end) != (0, msg.draft.total_kv_heads):
             heads = f"[{msg.draft.head_start}, {msg.draft.head_end})"
             return f"{where} holds heads {heads} of {msg.draft.total_kv_heads}, not all"
-        why = None if self.draft_layout is None else self.draft_layout.compatible_with(msg.draft)
+        if self.draft_layout is None:  # another prefill rank holds it (and writes it), unless we should
+            if self.tp_rank == self.draft_rank:
+                return f"{where}: this prefill rank {self.tp_rank} has no draft-model KV pool to send into it"
+            return None
+        why = self.draft_layout.compatible_with(msg.draft)
         return None if why is None else f"{where} incompatible: {why}"
 
     def _draft_heads(self, msg: RegisterPeer) -> tuple[int, int] | None:
