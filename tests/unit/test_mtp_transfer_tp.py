@@ -107,7 +107,8 @@ def test_prefill_rank0_writes_the_mtp_kv_into_decode_rank0_only(p_tp: int, d_tp:
             assert register(b, r, d_tp, *decode[r]) is None
             draft = DST_PAGES if decode[r][1] is not None else None  # as the decode's receiver asks
             b.on_message(m.TransferRequest(1, f"d/{r}", DST_PAGES, 0, 0, dst_draft_pages=draft), 0.0)
-        b.add_call(1, SendCall(0, 10, 0, L + 1, True), (7, -0.5, 0, HIDDEN))
+        layers = L + (p == MTP_RANK)  # the MTP layer is send layer L on rank 0 only
+        b.add_call(1, SendCall(0, 10, 0, layers, True), (7, -0.5, 0, HIDDEN))
         ops = ops_of(b)
         mtp.append((p, {o for o in ops if o[0] >= MTP_BASE}))
         for r in paired:
