@@ -6,10 +6,10 @@ a layer-pipelined, chunked prefill), with the target's last hidden state in rank
 prefill TP x decode TP = (1,2) and (2,1) the drafts proposed and accepted at every step equal a
 colocated NEXTN engine's for the same requests (what shows the MTP state arrived on the rank that
 drafts); an MTP layer that predicts the target has every draft accepted from the first step at
-(2,2); the bytes written are the target's KV as the head-slice mapping moves it (the latent whole
-to every decode rank) plus the MTP KV once; injected write failures and a decode abort leave no
-page and no MTP state on either side. tests/unit/test_mtp_transfer_tp.py plans the same moves
-without processes."""
+(2,2) (two servers through sglang-router: one TP engine per process); the bytes written are the
+target's KV as the head-slice mapping moves it (the latent whole to every decode rank) plus the
+MTP KV once; injected write failures and a decode abort leave no page and no MTP state on either
+side. tests/unit/test_mtp_transfer_tp.py plans the same moves without processes."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from kvpipe.config import FaultInjection
-from kvpipe.engine.request import FinishReason, Req
+from kvpipe.engine.request import FinishReason, Req, SamplingParams
 from kvpipe.model.config import ModelConfig
 from kvpipe.model.presets import write_preset
 from tests.helpers.draft_models import bigram_copy
@@ -34,7 +34,8 @@ from tests.helpers.pd_pair import (
     prompts,
 )
 from tests.helpers.pd_parity import expected_bytes
-from tests.helpers.tolerance import Route
+from tests.helpers.pd_stack import close_and_check_no_orphans, disagg_stats, generate, greedy, start_tp_stack
+from tests.helpers.tolerance import Generation, Route, assert_same_generations
 from tests.integration.test_pd_nextn import (
     GREEDY16,
     LENS,
@@ -118,18 +119,39 @@ def test_drafts_and_accepted_counts_as_colocated(deepseek: Path, ds_reference, p
     assert all(len(d.spec.steps[0][0]) == 3 for d in decoded if d.spec is not None)  # drafts at once
 
 
-@pytest.mark.slow  # two TP 2 engines with their children (~50 s on 2 loaded cores)
+@pytest.mark.slow  # two TP 2 servers with their children and sglang-router (~60 s on 2 loaded cores)
 def test_an_mtp_layer_that_predicts_the_target_accepts_every_draft_from_the_first_step_tp2_tp2(
-    bigram: Path, bigram_reference
+    bigram: Path, bigram_reference, tmp_path: Path
 ):
-    ps = prompts(21, LENS)
-    with make_pair(
-        bigram, CHUNK, prefill_speculative=NEXTN, decode_speculative=NEXTN, prefill_tp=2, decode_tp=2
-    ) as pair:
-        decoded = run_and_check(pair, ps, bigram_reference, bigram, (2, 2))
-    steps = [d.spec.steps for d in decoded if d.spec is not None]
-    assert len(steps) == len(ps) and all(len(s[0][0]) == s[0][1] == 3 for s in steps)  # all 3 at once
-    assert all(a == len(drafts) for s in steps for drafts, a in s)
+    """Through sglang-router (one TP engine per process: two servers, not an in-process pair):
+    greedy tokens and logprobs as colocated, every draft accepted from the first step (5 steps of
+    3 drafts and one of 2 after the prefill's token: 23 tokens), which an MTP KV or hidden state
+    missing on decode rank 0 would break at the first step; the bytes are the target's latent
+    once per decode rank plus the MTP KV once; every room succeeded, no TP worker survives."""
+    ps = prompts(23, LENS)
+    nextn = ("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3")
+    chunks = ("--chunked-prefill-size", str(CHUNK), "--disaggregation-layer-groups", "2")
+    stack = start_tp_stack(bigram, tmp_path, 2, 2, (*chunks, *nextn))
+    try:
+        params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+        outs = [
+            generate(stack.router, {"input_ids": p, "sampling_params": greedy(24), "return_logprob": True}) for p in ps
+        ]
+        want = [bigram_reference(p, params) for p in ps]
+        assert_same_generations([Generation.of(o) for o in outs], want, ROUTE, ps, "PD NEXTN at TP (2,2)")
+        metas = [o["meta_info"] for o in outs]
+        got = [(m["spec_verify_ct"], m["spec_draft_token_num"], m["spec_accept_token_num"]) for m in metas]
+        assert got == [(6, 17, 17)] * len(ps), got
+        stack.decode.wait_idle(30)
+        stack.prefill.wait_idle(30)
+        st = disagg_stats(stack.prefill)
+        assert (st["rooms_succeeded"], st["rooms_failed"]) == (len(ps), 0), st
+        assert st["bytes_written"] == expected_bytes(bigram, LENS, PS, 2, 2) + mtp_kv_bytes(bigram, LENS)
+    except BaseException:
+        print(stack.logs())
+        raise
+    finally:
+        close_and_check_no_orphans(stack)
 
 
 @pytest.mark.slow  # a TP 2 prefill with its child, six prompts, two failure rounds
