@@ -96,7 +96,11 @@ def run_and_check(
     return decoded
 
 
-@pytest.mark.slow  # two TP engines with their children and a colocated run (~60 s on 2 loaded cores)
+# Two TP engines with their children and a colocated run (~30 s each on 2 loaded cores, about as
+# much for one prompt: start-up): slow, like the STANDALONE TP PD tests; the fast suite plans the
+# same moves in tests/unit/test_mtp_transfer_tp.py. Negative control (run by hand): a decode that
+# asks no rank for the MTP pages fails here (the bytes written lack the MTP KV).
+@pytest.mark.slow
 @pytest.mark.parametrize("p_tp,d_tp", [(1, 2), (2, 1)], ids=["tp1-tp2", "tp2-tp1"])
 def test_drafts_and_accepted_counts_as_colocated(deepseek: Path, ds_reference, p_tp: int, d_tp: int):
     """Layer-pipelined (3 target groups, the MTP layer rank 0's own last group), chunked prefill
@@ -154,8 +158,11 @@ def test_an_mtp_layer_that_predicts_the_target_accepts_every_draft_from_the_firs
         close_and_check_no_orphans(stack)
 
 
-@pytest.mark.slow  # a TP 2 prefill with its child, six prompts, two failure rounds
-def test_failures_and_aborts_free_every_page_and_mtp_state_on_both_sides_tp2_tp1(deepseek: Path, ds_reference):
+@pytest.mark.slow  # a TP 2 server with its child, six prompts (~30 s); TP 1's sibling: test_pd_nextn.py
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)], ids=["tp2-tp1", "tp1-tp2"])
+def test_failures_and_aborts_free_every_page_and_mtp_state_on_both_sides(
+    deepseek: Path, ds_reference, p_tp: int, d_tp: int
+):
     def check_free(pair: Pair) -> None:
         assert_no_mtp_state(pair.prefill)
         assert_no_mtp_state(pair.decode)
@@ -168,5 +175,6 @@ def test_failures_and_aborts_free_every_page_and_mtp_state_on_both_sides_tp2_tp1
         ROUTE,
         prefill_speculative=NEXTN,
         decode_speculative=NEXTN,
-        prefill_tp=2,
+        prefill_tp=p_tp,
+        decode_tp=d_tp,
     )
