@@ -32,9 +32,29 @@ the MTP row that needs the sampled token is left to the decode (one MTP row at i
 so no top-k travels, and the hidden row rides in the final TransferStatus frame (H x itemsize
 bytes: 14 KiB for DeepSeek-V3 in bf16), after every KV write of the room has landed.
 
+Tensor parallelism, the same or different on the two sides (TP (1,2), (2,1), (2,2), ...): the MTP
+layer runs whole on TP rank 0 of each side (engine/mtp_drafter.py: the target's last hidden states,
+its embedding and lm_head are whole on every rank), so its KV pool, the MLA latent (TP-invariant,
+never head-sliced), exists on rank 0 only: MTP_RANK. Rank 0 of every rank mapping pairs prefill
+rank 0 with decode rank 0 (tp_mapping.source_ranks(0, P, D) holds 0), so that pair moves it, once:
+- only rank 0's TransferWorker registers an MTP pool (the engine's ConnectorContext.draft_pool;
+  TP children have none), so only decode rank 0 announces one (RegisterPeer.draft) and is asked
+  for it (TransferRequest.dst_draft_pages: the receiver asks the ranks that hold a draft pool);
+- the sender books run with `draft_rank=MTP_RANK` (sender/peers.py): prefill rank 0 writes the
+  whole pool into decode rank 0 and nowhere else; a prefill rank without it accepts decode rank
+  0's registration and never sends MTP KV; an MTP pool announced by another decode rank is refused;
+- the aux data's draft fields (draft_tokens, hidden) are rank 0's: prefill ranks without the MTP
+  KV send 0 and b"" (SenderBook drops the hidden row a rank without a draft pool was handed),
+  and the decode merges every rank's aux, taking the draft fields from the ranks that have some
+  (receiver/room.py merge_aux);
+- the MTP layer's send layer is num_layers on rank 0 (its last layer group, sent from the
+  engine's thread after the MTP forward); the other ranks' sends stop at their target layers.
+Bytes per request: the target's KV as the head-slice mapping moves it plus the MTP KV once.
+
 The handshake's speculative field (`nextn_handshake`) names NEXTN, the MTP layer (its index and
 count in the checkpoint, whose content the handshake's model digest covers), the hidden size the
-aux carries and the MTP KV layout; a prefill and a decode that disagree refuse each other.
+aux carries, the MTP KV layout and where it lives (`at=rank0`: whole on TP rank 0, whatever the
+TP size, so servers of different TP agree); a prefill and a decode that disagree refuse each other.
 """
 
 from __future__ import annotations
@@ -47,11 +67,14 @@ from kvpipe.transfer.planning.layout import KVLayout
 
 # hidden rows AuxData.hidden carries: h_{L-1} (MTPDrafter.pending_hidden after the prompt)
 AUX_HIDDEN_ROWS = 1
+# the TP rank of each side that runs the MTP layer and holds its KV (whole, not sharded)
+MTP_RANK = 0
 
 
 def nextn_handshake(cfg: ServerConfig, mtp: KVLayout | None) -> str:
     """Handshake.speculative of a NEXTN (or EAGLE without a draft model) PD server:
-    "nextn:mtp=layer<index>x<count>:hidden=<size>:kv=<dtype>/<page size>/<kind>x<layers>x<heads>x<head dim>"."""
+    "nextn:mtp=layer<index>x<count>:hidden=<size>:kv=<dtype>/<page size>/<kind>x<layers>x<heads>x<head dim>
+    :at=rank<MTP_RANK>" (where the MTP KV lives on each side: the same for every TP size)."""
     if mtp is None:
         raise ValueError("a NEXTN server's handshake needs its MTP layer's KV layout")
     if cfg.speculative.eagle_head_path is not None:  # an EAGLE head drafts in the MTP layer's place
@@ -59,7 +82,8 @@ def nextn_handshake(cfg: ServerConfig, mtp: KVLayout | None) -> str:
     model = ModelConfig.from_dir(cfg.model_path)
     shape = f"{mtp.buffers_per_layer}x{mtp.num_layers}x{mtp.total_kv_heads}x{mtp.head_dim}"
     layer = f"layer{model.num_layers}x{model.num_nextn_predict_layers}"
-    return f"nextn:mtp={layer}:hidden={model.hidden_size}:kv={mtp.dtype}/{mtp.page_size}/{shape}"
+    kv = f"{mtp.dtype}/{mtp.page_size}/{shape}"
+    return f"nextn:mtp={layer}:hidden={model.hidden_size}:kv={kv}:at=rank{MTP_RANK}"
 
 
 def nextn_aux_nbytes(cfg: ServerConfig, ctx: ConnectorContext) -> int:

@@ -10,7 +10,9 @@ Every TP rank holds a shard of the KV pool (its KV heads), so every rank moves i
 - decode: the rank registers its pool with its own backend and tells rank 0 its layout and data
   address; rank 0's KVReceiver speaks for it.
 With a STANDALONE draft model every rank also registers its shard of the draft model's KV pool,
-which moves as the layers after the target's (disagg/draft_transfer.py).
+which moves as the layers after the target's (disagg/draft_transfer.py); with NEXTN rank 0 alone
+registers the MTP layer's KV pool, which prefill rank 0 writes into decode rank 0
+(disagg/mtp_transfer.py).
 Errors of one room (a refused page table, a planning error) fail that room on this rank; rank 0
 tallies every rank's outcome (kvpipe/disagg/tally.py).
 """
@@ -41,6 +43,7 @@ from kvpipe.disagg.commands import (
     StartPrefill,
 )
 from kvpipe.disagg.draft_transfer import draft_layout, speculative_handshake
+from kvpipe.disagg.mtp_transfer import MTP_RANK
 from kvpipe.disagg.setup import data_host, make_backend, rank_layout, rank_state_layout, register_pool
 from kvpipe.engine.connector import KVConnectorWorker
 from kvpipe.transfer.backends.base import TransferBackend
@@ -88,6 +91,8 @@ class TransferWorker(KVConnectorWorker):
         self.on_news: Callable[[], None] | None = None
         # set by rank 0's connector before the start (set_draft_pool): the draft model's KV pool
         self.draft_layout: KVLayout | None = None
+        # NEXTN's MTP layer and its KV live on another TP rank (MTP_RANK): none moves from here
+        self._mtp_elsewhere = cfg.speculative.uses_mtp and rank != MTP_RANK
 
     def set_draft_pool(self, pool: KVPool | None, total_kv_heads: int | None = None) -> None:
         """The engine's STANDALONE draft model keeps this rank's shard of its KV in `pool`
@@ -155,6 +160,8 @@ class TransferWorker(KVConnectorWorker):
                 draft_layout=self.draft_layout,
                 # NEXTN: the MTP KV sits on the target's page ids, a decode's prefix holds it too
                 draft_at_prefix=self.cfg.speculative.uses_mtp,
+                # NEXTN: the MTP layer and its KV live whole on TP rank 0 of each side
+                draft_rank=MTP_RANK if self.cfg.speculative.uses_mtp else None,
             )
             self.sender.start(bootstrap=cmd.bootstrap)
             control = self.sender.control_address
@@ -245,8 +252,10 @@ class TransferWorker(KVConnectorWorker):
             return
         s = self._prefill_sender()
         for start in meta.start:
+            # NEXTN: a room's MTP pages are rank 0's (disagg/mtp_transfer.py); other ranks hold no MTP pool
+            draft = None if self._mtp_elsewhere else start.draft_pages
             try:
-                s.add_room(start.room, start.pages, start.state_slot, start.swa_pages, start.draft_pages)
+                s.add_room(start.room, start.pages, start.state_slot, start.swa_pages, draft)
             except ValueError as e:  # nothing of this room is in our sender: report it failed
                 self._failed.append((start.room, TransferState.FAILED, f"add_room refused on TP rank {self.rank}: {e}"))
 

@@ -101,7 +101,7 @@ class ConnectorContext:
     # poll interval (a first token from the prefill should not wait for a timer)
     wake: Callable[[], None] = lambda: None
     # the STANDALONE draft model's KV pool (rank 0's shard), whose pages move with the target's
-    # (req.draft_pages), or NEXTN's MTP KV pool (disagg/mtp_transfer.py, TP 1); None: no draft model
+    # (req.draft_pages), or NEXTN's MTP KV pool (disagg/mtp_transfer.py: rank 0's only); None: no draft model
     draft_pool: KVPool | None = None
     draft_kv_heads: int | None = None  # the draft model's KV heads before TP (None: draft_pool's own)
 

@@ -60,21 +60,16 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def check_nextn(cfg: ServerConfig, model: ModelConfig) -> None:
-    """Refuse NEXTN where it cannot run (yet): no MTP layer, a PD server with --tp-size > 1. PD
-    servers at TP 1 run it on both sides (disagg/mtp_transfer.py). Colocated with --tp-size > 1
-    the MTP layer runs whole on rank 0 (the target's last hidden states, its embedding and lm_head
-    are replicated on every rank; the MLA latent is TP-invariant), not sharded over the TP group."""
+    """Refuse NEXTN where it cannot run (yet): no MTP layer. With --tp-size > 1 the MTP layer runs
+    whole on rank 0 (the target's last hidden states, its embedding and lm_head are replicated on
+    every rank; the MLA latent is TP-invariant), not sharded over the TP group; in PD its KV moves
+    from prefill rank 0 to decode rank 0, any TP on either side (disagg/mtp_transfer.py)."""
     algo = cfg.speculative.algorithm
     if model.num_nextn_predict_layers < 1:
         raise ConfigError(
             f"--speculative-algorithm {algo} drafts with the checkpoint's multi-token-prediction layer "
             f"(DeepSeek-V3's num_nextn_predict_layers, Qwen3.5's mtp_num_hidden_layers); {cfg.model_path} "
             f"({model.architecture}) has none"
-        )
-    if cfg.disaggregation.mode != "null" and cfg.tp_size > 1:
-        raise ConfigError(
-            f"--speculative-algorithm {algo} on a PD {cfg.disaggregation.mode} server with --tp-size "
-            f"{cfg.tp_size}: not supported yet (the MTP KV and hidden state move at TP 1 only)"
         )
 
 

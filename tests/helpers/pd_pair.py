@@ -259,6 +259,8 @@ def make_pair(
     quantization: str | None = None,
     decode_config: dict[str, Any] | None = None,
     prefill_cache: dict[str, Any] | None = None,
+    prefill_tp: int = 1,
+    decode_tp: int = 1,
     **disagg,
 ):
     """Prefill + decode engines; the prefill keeps its prefix cache unless told otherwise, the
@@ -268,13 +270,25 @@ def make_pair(
     Mismatched pairs (the handshake tests): the decode serves `decode_model_dir` instead,
     `decode_cache` overrides fields of its CacheConfig (page_size, kv_cache_dtype) and
     `decode_config` fields of its ServerConfig (quantization); `prefill_cache` overrides fields of
-    the prefill's CacheConfig (a hybrid model's state and snapshot slots)."""
+    the prefill's CacheConfig (a hybrid model's state and snapshot slots). With `prefill_tp` or
+    `decode_tp` > 1 the servers have TP children (processes) and every rank its own Mooncake
+    backend over loopback (the local backend copies inside one process only); `inject` then
+    fails the prefill ranks' write batches."""
     fabric = LocalFabric()
+    tp = prefill_tp > 1 or decode_tp > 1
+    if tp:
+        disagg = {"transfer_backend": "mooncake", **disagg}
     with contextlib.ExitStack() as es:
-        pb, db = LocalBackend(fabric, inject=inject), LocalBackend(fabric)
-        es.callback(pb.close)
-        es.callback(db.close)
+        pb: LocalBackend | None = None
+        db: LocalBackend | None = None
+        if not tp:
+            pb, db = LocalBackend(fabric, inject=inject), LocalBackend(fabric)
+            es.callback(pb.close)
+            es.callback(db.close)
         p_cfg = cfg(model_dir, "prefill", chunk, p_pages, prefill_radix_cache, kv_cache_dtype, **disagg)
+        p_cfg = dataclasses.replace(p_cfg, tp_size=prefill_tp)
+        if tp and inject is not None:
+            p_cfg = dataclasses.replace(p_cfg, disaggregation=dataclasses.replace(p_cfg.disaggregation, faults=inject))
         if prefill_speculative is not None:
             p_cfg = dataclasses.replace(p_cfg, speculative=prefill_speculative)
         if prefill_cache:
@@ -291,6 +305,7 @@ def make_pair(
             kv_cache_dtype=kv_cache_dtype,
             **disagg,
         )
+        d_cfg = dataclasses.replace(d_cfg, tp_size=decode_tp)
         if decode_cache:
             d_cfg = dataclasses.replace(d_cfg, cache=dataclasses.replace(d_cfg.cache, **decode_cache))
         if decode_speculative is not None:
@@ -324,13 +339,18 @@ def colocated_greedy(
 
 
 def assert_pd_matches(
-    reqs: Sequence[Req], ps: Sequence[Sequence[int]], reference: Reference, what: str = "PD vs colocated"
+    reqs: Sequence[Req],
+    ps: Sequence[Sequence[int]],
+    reference: Reference,
+    what: str = "PD vs colocated",
+    route: Route = Route.SAME_PROCESS,
 ) -> None:
     """The finished decode requests `reqs` of prompts `ps` give the colocated reference's tokens and
-    logprobs. Both engines run in this process with TP 1 and the same kernels: Route.SAME_PROCESS.
-    The first token's logprob is the prefill's, carried in the aux data."""
+    logprobs. Both engines run in this process with TP 1 and the same kernels: Route.SAME_PROCESS
+    (a pair with TP children: Route.ACROSS_PROCESSES). The first token's logprob is the prefill's,
+    carried in the aux data."""
     want = [reference(list(ids), r.params) for r, ids in zip(reqs, ps)]
-    assert_same_generations([Generation.of_req(r) for r in reqs], want, Route.SAME_PROCESS, ps, what)
+    assert_same_generations([Generation.of_req(r) for r in reqs], want, route, ps, what)
 
 
 def prompts(seed: int, lens: list[int]) -> list[list[int]]:
@@ -346,13 +366,15 @@ def failures_then_decode_abort(
     reference: Reference,
     check_free=lambda pair: None,
     inject: FaultInjection = FAULTS,
+    route: Route = Route.SAME_PROCESS,
     **pair_kw: Any,
 ) -> None:
     """Injected write failures (seeded: some rooms fail, some succeed with the colocated tokens),
     then a decode abort while the prefill computes; after each, both sides settle with every page
     free, and `check_free(pair)` checks whatever else must be free (state slots, draft pages).
     `inject`: the failures (a pair that moves more batches per room needs a lower probability for
-    both outcomes); `pair_kw`: more of make_pair's arguments (speculative settings)."""
+    both outcomes); `route`: assert_pd_matches'; `pair_kw`: more of make_pair's arguments
+    (speculative settings, TP sizes)."""
     with make_pair(model_dir, chunk=32, inject=inject, **pair_kw) as pair:
         ps = prompts(11, [20, 64, 90, 130, 47])
         reqs = [pair.reqs(ids) for ids in ps]
@@ -360,7 +382,7 @@ def failures_then_decode_abort(
         failed = [d for _, d in reqs if d.finish_reason is FinishReason.ABORT]
         ok = [(d, ids) for (_, d), ids in zip(reqs, ps) if d.finish_reason is not FinishReason.ABORT]
         assert failed and ok, "the seed should give both outcomes"
-        assert_pd_matches([d for d, _ in ok], [ids for _, ids in ok], reference, "rooms that succeeded")
+        assert_pd_matches([d for d, _ in ok], [ids for _, ids in ok], reference, "rooms that succeeded", route)
         pair.settle()
         check_free(pair)
         decode_abort_in_flight(pair, prompts(1, [200])[0])

@@ -227,10 +227,11 @@ def test_what_nextn_cannot_serve_is_refused(models, tiny_model_dir):
     with pytest.raises(ConfigError, match="multi-token-prediction"):
         make_engine(tiny_model_dir, speculative=nextn())  # a Llama: no MTP layer
     eng_cfg = ServerConfig(model_path=str(path), speculative=nextn())
-    for mode in ("null", "prefill", "decode"):  # colocated and PD (tests/integration/test_pd_nextn.py), TP 1: served
-        check_nextn(
-            replace(eng_cfg, disaggregation=replace(eng_cfg.disaggregation, mode=mode)), ModelConfig.from_dir(path)
-        )
+    # colocated and PD (tests/integration/test_pd_nextn.py, test_pd_nextn_tp.py), any TP: served
+    for mode in ("null", "prefill", "decode"):
+        for tp in (1, 2):
+            served = replace(eng_cfg, tp_size=tp, disaggregation=replace(eng_cfg.disaggregation, mode=mode))
+            check_nextn(served, ModelConfig.from_dir(path))
 
 
 def test_page_ids_are_shared_with_the_target_pool(models):

@@ -97,7 +97,7 @@ def test_handshake_names_nextn_its_mtp_layer_and_kv(tmp_path):
     def handshake(algo: str) -> str:
         return speculative_handshake(ServerConfig(model_path=str(path), speculative=SpeculativeConfig(algo)), SRC_MTP)
 
-    want = f"nextn:mtp=layer{cfg.num_layers}x1:hidden={cfg.hidden_size}:kv=float32/4/1x1x1x8"
+    want = f"nextn:mtp=layer{cfg.num_layers}x1:hidden={cfg.hidden_size}:kv=float32/4/1x1x1x8:at=rank0"
     assert handshake("NEXTN") == handshake("EAGLE") == want
     with pytest.raises(ValueError, match="KV layout"):
         speculative_handshake(ServerConfig(model_path=str(path), speculative=SpeculativeConfig("NEXTN")), None)

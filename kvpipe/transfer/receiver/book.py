@@ -168,13 +168,18 @@ class ReceiverBook:
         return swa
 
     def check_draft_pages(self, room: int, draft_pages: np.ndarray | list[int] | None) -> np.ndarray | None:
-        """add_room's draft-pool pages as int64, or ValueError: every rank has a draft pool (its
-        shard of the draft's heads, the same page ids on every rank: one list for all)."""
+        """add_room's draft-pool pages as int64, or ValueError: rank 0 has a draft pool, and every
+        rank with one has one of its size (STANDALONE: every rank its shard of the draft's heads;
+        NEXTN: rank 0 alone the MTP layer's whole; the same page ids on every rank that holds one:
+        one list for all, asked of those ranks only)."""
         if draft_pages is None:
             return None
         draft = self.ranks[0].draft
-        if draft is None or any(r.draft is None or r.draft.num_pages != draft.num_pages for r in self.ranks):
-            raise ValueError(f"room {room}: draft pages need a draft-model KV pool of one size on every decode rank")
+        if draft is None or any(r.draft is not None and r.draft.num_pages != draft.num_pages for r in self.ranks):
+            raise ValueError(
+                f"room {room}: draft pages need a draft-model KV pool on decode rank 0, "
+                "of one size on every rank that has one"
+            )
         pages = np.asarray(draft_pages, dtype=np.int64).ravel()
         if pages.size and (pages.min() < 0 or pages.max() >= draft.num_pages or np.unique(pages).size != pages.size):
             raise ValueError(f"room {room}: draft pages must be distinct ids in [0, {draft.num_pages})")
@@ -348,7 +353,9 @@ class ReceiverBook:
                 r.aux_slot,
                 r.state_slot,
                 None if r.swa_pages is None else tuple(r.swa_pages[rank].tolist()),
-                dst_draft_pages=None if r.draft_pages is None else tuple(r.draft_pages.tolist()),
+                dst_draft_pages=(
+                    None if r.draft_pages is None or self.ranks[rank].draft is None else tuple(r.draft_pages.tolist())
+                ),
             ),
         )
         r.requested_from(info.instance_id, info.tp_size, self.tp_size, peer.mine)

@@ -13,7 +13,7 @@ once none of its writes for the room can still land. So the room is
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -25,6 +25,23 @@ from kvpipe.transfer.planning.tp_mapping import source_ranks
 def rank_pairs(prefill_tp: int, decode_tp: int) -> list[tuple[int, int]]:
     """(prefill rank, decode rank) pairs that exchange a TransferRequest and a final status."""
     return [(p, r) for r in range(decode_tp) for p in source_ranks(r, prefill_tp, decode_tp)]
+
+
+def merge_aux(held: AuxData | None, new: AuxData | None) -> tuple[AuxData | None, str | None]:
+    """The room's aux data after one more prefill rank's: (merged, None), or (held, what the two
+    disagree on). Every rank's must agree on the target's fields (first token, its logprob,
+    cached tokens). The draft fields (draft_tokens, hidden) come from the ranks that hold draft
+    state: every rank with a STANDALONE draft model's shard, rank 0 alone with NEXTN's MTP layer
+    (disagg/mtp_transfer.py), whose other ranks send none (0 and b""); those that send some agree."""
+    if held is None or new is None:
+        return (new if held is None else held), None
+    if replace(new, draft_tokens=0, hidden=b"") != replace(held, draft_tokens=0, hidden=b""):
+        return held, "the first token"
+    if new.draft_tokens == 0 and not new.hidden:
+        return held, None
+    if held.draft_tokens == 0 and not held.hidden:
+        return new, None
+    return held, (None if new == held else "the draft state (draft tokens, hidden state)")
 
 
 @dataclass
@@ -88,11 +105,11 @@ class ReceiverRoom:
             )
             return None
         self.successes[decode_rank] += 1
-        if self.aux is None:
-            self.aux = st.aux
-        elif st.aux is not None and st.aux != self.aux:
-            self.rec.fail(f"prefill ranks disagree on the first token: {self.aux} vs {st.aux}", now)
+        aux, why = merge_aux(self.aux, st.aux)
+        if why is not None:
+            self.rec.fail(f"prefill ranks disagree on {why}: {self.aux} vs {st.aux}", now)
             return None
+        self.aux = aux
         if self.successes == self.expected:
             self.rec.move(TransferState.SUCCESS, now)
         else:

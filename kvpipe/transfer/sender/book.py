@@ -136,6 +136,7 @@ class SenderBook:
         own_data_address: str = "",
         draft_layout: KVLayout | None = None,
         draft_at_prefix: bool = False,
+        draft_rank: int | None = None,
     ) -> None:
         """`state_layout`: this rank's recurrent-state pool (hybrid models): every room has a
         state slot (add_room) that its decodes get with the KV. `own_data_address`: this rank's
@@ -144,7 +145,9 @@ class SenderBook:
         the layers after the target's (room.py). `draft_at_prefix`: the draft KV lives on the
         target's page ids and a decode's cached prefix holds it too (NEXTN's MTP layer,
         disagg/mtp_transfer.py): its layers are sent from the decode's prefix_len like the
-        target's, not from token 0."""
+        target's, not from token 0. `draft_rank`: SenderPeers' (NEXTN: the one TP rank of each
+        side that holds the draft KV whole; the other prefill ranks send none, and their aux
+        data carries no draft fields: the decode takes them from that rank's)."""
         self.cfg, self.layout, self.tp_rank, self.tp_size = cfg, layout, tp_rank, tp_size
         self.state_layout = state_layout
         self.draft_layout = draft_layout
@@ -158,7 +161,9 @@ class SenderBook:
         self._chunk_ids = itertools.count()
         self._gathers: list[tuple[SenderRoom, StagedChunk]] = []  # for the worker: gather, then gathered()
         self.stats = SenderStats()
-        self.peers = SenderPeers(cfg, layout, tp_rank, tp_size, state_layout, own_data_address, draft_layout)
+        self.peers = SenderPeers(
+            cfg, layout, tp_rank, tp_size, state_layout, own_data_address, draft_layout, draft_rank=draft_rank
+        )
         self.rooms: dict[int, SenderRoom] = {}  # insertion order = FIFO for the write window
         self.tombstones: dict[int, Tombstone] = {}
         self._limits = cfg.limits
@@ -246,7 +251,8 @@ class SenderBook:
         if call.last:
             assert aux is not None  # KVSender.send refuses a last call without aux
             cached = int(aux[2]) if len(aux) > 2 else 0
-            hidden = aux[3] if len(aux) > 3 else b""  # NEXTN's (disagg/mtp_transfer.py)
+            # NEXTN's (disagg/mtp_transfer.py), from the rank that holds the MTP KV only
+            hidden = aux[3] if len(aux) > 3 and self.draft_layout is not None else b""
             r.aux = AuxData(room, int(aux[0]), float(aux[1]), cached, draft_tokens=r.draft_tokens, hidden=hidden)
         return True
 

@@ -80,6 +80,7 @@ class KVSender:
         handshake: Handshake | None = None,
         draft_layout: KVLayout | None = None,
         draft_at_prefix: bool = False,
+        draft_rank: int | None = None,
     ) -> None:
         """`staging`: a registered local staging buffer over this rank's KV (staging/buffers.py); with
         cfg.staging "on" or "auto" sends to decode ranks that offer a staging ring are staged.
@@ -93,7 +94,8 @@ class KVSender:
         NEXTN's MTP layer): its layers are send() layers num_layers .. num_layers + draft layers - 1
         (num_layers: the model's layers with a state layout), after the target's (the last layer
         group), and rooms name their draft pages in add_room.
-        `draft_at_prefix`: SenderBook's (NEXTN: the MTP KV is sent from the decode's prefix on)."""
+        `draft_at_prefix`: SenderBook's (NEXTN: the MTP KV is sent from the decode's prefix on).
+        `draft_rank`: SenderBook's (NEXTN: the MTP KV lives on TP rank 0 of each side only)."""
         if instance_id is None:
             if tp_size != 1:
                 raise ValueError("with tp_size > 1 every rank needs the same instance_id")
@@ -154,6 +156,7 @@ class KVSender:
             own_data_address=backend.address,
             draft_layout=draft_layout,
             draft_at_prefix=draft_at_prefix,
+            draft_rank=draft_rank,
         )
         self._worker = threading.Thread(target=self._run, name=f"kvsender-{tp_rank}-worker", daemon=True)
 

@@ -52,11 +52,18 @@ class SenderPeers:
         state_layout: StateLayout | None = None,
         own_data_address: str = "",
         draft_layout: KVLayout | None = None,
+        draft_rank: int | None = None,
     ) -> None:
         """`draft_layout`: this rank's draft-model pool (STANDALONE speculative decoding): a decode
-        must register one compatible with it, or none (then its requests name no draft pages)."""
+        must register one compatible with it, or none (then its requests name no draft pages).
+        `draft_rank`: the one TP rank of each side that holds the draft KV whole (NEXTN's MTP
+        layer, disagg/mtp_transfer.py: rank 0), None: every rank holds its shard of the draft's
+        heads (STANDALONE). Then only that decode rank may register a draft pool, only that
+        prefill rank has one, and it writes the whole pool into it; the other prefill ranks accept
+        the registration and send no draft KV."""
         self.layout, self.tp_rank, self.tp_size = layout, tp_rank, tp_size
         self.draft_layout = draft_layout
+        self.draft_rank = draft_rank
         self.own_data_address = own_data_address  # this rank's backend: never a destination
         self.max_sessions = cfg.limits.max_sessions
         self.state_layout = state_layout
@@ -87,7 +94,7 @@ class SenderPeers:
         self.peers[msg.session_id] = msg
         self.heads[msg.session_id] = self._pair_heads(msg)
         if msg.draft is not None and self.draft_layout is not None:
-            self.draft_heads[msg.session_id] = self._pair_heads(msg, self.draft_layout.total_kv_heads)
+            self.draft_heads[msg.session_id] = self._draft_heads(msg)
         self.liveness.seen(msg.control_address, now)
         return None
 
@@ -187,6 +194,8 @@ class SenderPeers:
         asks for no draft KV). One on the decode only has nothing to fill it."""
         if msg.draft is None:
             return None
+        if self.draft_rank is not None:
+            return self._check_whole_draft(msg)
         if self.draft_layout is None:
             return f"decode rank {msg.tp_rank} has a draft-model KV pool, this prefill has no draft model"
         why = self.draft_layout.compatible_with(msg.draft)
@@ -202,6 +211,31 @@ class SenderPeers:
                     f"TP {msg.tp_size} rank {msg.tp_rank} needs [{heads[0]}, {heads[1]})"
                 )
         return None if why is None else f"decode rank {msg.tp_rank} draft-model KV pool incompatible: {why}"
+
+    def _check_whole_draft(self, msg: RegisterPeer) -> str | None:
+        """With `draft_rank` (NEXTN): a draft pool on that decode rank only, holding every head of
+        the draft; this prefill rank's own compatible with it (ranks without one never send)."""
+        assert msg.draft is not None
+        where = f"decode rank {msg.tp_rank} draft-model KV pool"
+        if msg.tp_rank != self.draft_rank:
+            return f"{where}: the draft KV (NEXTN's MTP layer) lives on TP rank {self.draft_rank} only"
+        if (msg.draft.head_start, msg.draft.head_end) != (0, msg.draft.total_kv_heads):
+            heads = f"[{msg.draft.head_start}, {msg.draft.head_end})"
+            return f"{where} holds heads {heads} of {msg.draft.total_kv_heads}, not all"
+        if self.draft_layout is None:  # another prefill rank holds it (and writes it), unless we should
+            if self.tp_rank == self.draft_rank:
+                return f"{where}: this prefill rank {self.tp_rank} has no draft-model KV pool to send into it"
+            return None
+        why = self.draft_layout.compatible_with(msg.draft)
+        return None if why is None else f"{where} incompatible: {why}"
+
+    def _draft_heads(self, msg: RegisterPeer) -> tuple[int, int] | None:
+        """Global draft KV heads this rank writes into decode rank msg.tp_rank (None: none)."""
+        assert self.draft_layout is not None
+        total = self.draft_layout.total_kv_heads
+        if self.draft_rank is None:  # sharded like the target: the target's rank pairing over its heads
+            return self._pair_heads(msg, total)
+        return (0, total) if self.tp_rank == msg.tp_rank == self.draft_rank else None
 
     def _pair_heads(self, msg: RegisterPeer, total_kv_heads: int | None = None) -> tuple[int, int] | None:
         """Global KV heads this rank writes into decode rank msg.tp_rank: of the target, or of a
