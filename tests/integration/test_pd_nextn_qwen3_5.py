@@ -193,3 +193,28 @@ def test_nextn_pd_through_router(bigram: Path, bigram_reference, tmp_path: Path)
         raise
     finally:
         stack.close()
+
+
+@pytest.mark.slow  # two TP engines with their children (~30-60 s on 2 loaded cores)
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)], ids=["tp2-tp1", "tp1-tp2"])
+def test_drafts_as_colocated_with_tp_on_either_side(qwen: Path, reference, p_tp: int, d_tp: int):
+    """The MTP layer and its K/V whole on TP rank 0 of each side (disagg/mtp_transfer.py's
+    MTP_RANK), the target's KV and recurrent state head-sliced: outputs, every step's drafts and
+    accepted counts as a colocated TP 1 NEXTN engine's, the first step drafting at once; both
+    sides free every page, state slot and MTP state."""
+    ps = prompts(22, LENS)[1:]
+    want = colocated_spec_steps(qwen, NEXTN, ps, GREEDY16, PS, 24)
+    with make_pair(
+        qwen, 24, prefill_speculative=NEXTN, decode_speculative=NEXTN, layer_groups=2, prefill_tp=p_tp, decode_tp=d_tp
+    ) as pair:
+        reqs = [pair.reqs(ids, GREEDY16) for ids in ps]
+        pair.run(reqs, timeout_s=180.0)
+        decoded = [d for _, d in reqs]
+        assert_pd_matches(
+            decoded, ps, reference, f"PD NEXTN (Qwen3.5) at TP ({p_tp},{d_tp}) vs colocated", Route.ACROSS_PROCESSES
+        )
+        assert [d.spec.steps for d in decoded if d.spec is not None] == want
+        assert all(len(d.spec.steps[0][0]) == 3 for d in decoded if d.spec is not None)  # drafts at once
+        pair.settle()
+        for eng in (pair.prefill, pair.decode):
+            assert_no_mtp_state(eng)
