@@ -11,6 +11,8 @@ cache). A match therefore stops at the deepest page boundary on the full-layer m
 pages are all present (`match_window`), splitting the edge there.
 
     m = cache.match_window(ids)              # full pages, window pages of the usable prefix
+    pages, node = cache.match(ids)           # a PD decode's hit: the full-layer match (it computes
+    swa = cache.path_window_pages(node)      # nothing) and whatever window pages are on its path
     cache.lock(m.node) ... cache.unlock(m.node)
     dup, taken = cache.insert_window(ids, pages, swa_pages, shared)
     freed = cache.evict(n)                   # tombstone window pages / remove leaves, LRU
