@@ -11,6 +11,8 @@ cache). A match therefore stops at the deepest page boundary on the full-layer m
 pages are all present (`match_window`), splitting the edge there.
 
     m = cache.match_window(ids)              # full pages, window pages of the usable prefix
+    pages, node = cache.match(ids)           # a PD decode's hit: the full-layer match (it computes
+    swa = cache.path_window_pages(node)      # nothing) and whatever window pages are on its path
     cache.lock(m.node) ... cache.unlock(m.node)
     dup, taken = cache.insert_window(ids, pages, swa_pages, shared)
     freed = cache.evict(n)                   # tombstone window pages / remove leaves, LRU
@@ -82,8 +84,7 @@ class SWARadixCache(RadixCache):
         ps = self.page_size
         pages, node = self.match(token_ids)
         kv_tokens = len(pages) * ps
-        path = list(self._path(node))[::-1]  # root side first
-        swa = np.concatenate([self._swa(n) for n in path]) if path else np.zeros(0, dtype=np.int64)
+        swa = self.path_window_pages(node)
         d = len(pages)
         while d > 0 and not self.hit_ok(swa, d):
             d -= 1
@@ -93,6 +94,12 @@ class SWARadixCache(RadixCache):
         first = window_first_page(d * ps, self.window, ps)
         out[first:d] = swa[first:d]
         return WindowMatch(pages, out, node, kv_tokens)
+
+    def path_window_pages(self, node: RadixNode) -> np.ndarray:
+        """[pages on the path] the window pages of the path from the root to `node`, by logical
+        page (-1: a tombstone, or never had one)."""
+        path = list(self._path(node))[::-1]  # root side first
+        return np.concatenate([self._swa(n) for n in path]) if path else np.zeros(0, dtype=np.int64)
 
     # ---- insert --------------------------------------------------------------------------------
     def insert_window(

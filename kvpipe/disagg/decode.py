@@ -6,7 +6,9 @@ Per request, keyed by its bootstrap_room (the request flow is in docs/architectu
 - on_reserved: `KVReceiver.add_room(room, host, port, pages, prefix_len)`: the receiver fetches
   the prefill's bootstrap info, registers every decode rank once per prefill, and asks for the
   KV; with the decode radix cache (--disaggregation-enable-decode-radix-cache) the engine gave
-  the request its longest cached prefix, and the prefill sends only the pages past prefix_len;
+  the request its longest cached prefix, and the prefill sends only the pages past prefix_len
+  (a sliding-window model: and the window pages of the prompt's last window the cache lacks,
+  below prefix_len too);
 - poll: Success with aux data (room echo and vocabulary checked) -> KVArrived (the engine runs
   the finish check on the first token and the request decodes); Failed -> TransferFinished.
   The receiver reports a room only when no write from the prefill can still land in its pages.
@@ -28,6 +30,7 @@ from kvpipe.disagg.pd_connector import PDConnector
 from kvpipe.disagg.setup import TRANSFER_POLL_S, data_host, require_auth_off_loopback
 from kvpipe.engine.connector import Admission, ConnectorContext, ConnectorEvent, KVArrived, TransferFinished
 from kvpipe.engine.request import FinishReason, Req
+from kvpipe.engine.window_cache import wanted_window_pages
 from kvpipe.model.identity import checkpoint_digest
 from kvpipe.transfer.backends.base import TransferBackend
 from kvpipe.transfer.control.bootstrap import DEFAULT_BOOTSTRAP_PORT
@@ -100,8 +103,9 @@ class DecodeConnector(PDConnector):
         # holding its own heads of the cached prefix; the prefill sends the pages past it only
         shared = req.num_shared_pages
         pages = req.pages[shared:].copy()
-        # sliding-window models: the prompt's last window only (-1 elsewhere), aligned with pages
-        swa = None if req.swa_pages.size == 0 else [req.swa_pages[shared:].copy()] * self.receiver.tp_size
+        # sliding-window models: the pages of the prompt's last window the cache lacks (-1 elsewhere),
+        # aligned with pages at its end; with a cached prefix it may start below it (window_cache.py)
+        swa = None if req.swa_pages.size == 0 else [wanted_window_pages(req)] * self.receiver.tp_size
         self.receiver.add_room(
             req.bootstrap_room,
             req.bootstrap_host,

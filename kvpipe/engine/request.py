@@ -106,6 +106,11 @@ class Req:
     # PD with NEXTN, on the prefill: the target's hidden states the decode's MTP layer starts from
     # (disagg/mtp_transfer.py; raw bytes for AuxData.hidden, set after the prompt's last forward)
     draft_hidden: bytes = b""
+    # sliding-window models, a PD decode with a prefix cache (engine/window_cache.py match_full):
+    # logical pages below num_shared_pages whose window page is the request's own (the prompt's
+    # last window reaches back into its cached prefix where the cache holds no window page: the
+    # prefill fills them); every other window page below num_shared_pages is the cache's
+    swa_own_shared: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     @property
     def seq_len(self) -> int:

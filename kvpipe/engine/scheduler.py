@@ -43,7 +43,9 @@ step the pages the window slid past are freed, so a request holds at most
 (PD decode) request gets window pages for the prompt's last window only: that is all the
 prefill sends. With a prefix cache (an SWARadixCache) a hit also restores the window pages before
 it, and a request keeps the windows before the points a later prompt may start at, for the cache
-(engine/window_cache.py).
+(engine/window_cache.py). A reserved request's hit is its full-layer match (it computes nothing):
+of the prompt's last window it takes the cache's pages and allocates, as its own, those the cache
+lacks, below its prefix's end too (`Req.swa_own_shared`), for the writer to fill.
 
 Speculative decoding (`drafter`): a decode row gets pages for its last token and its drafts (at
 most max_new_tokens - outputs - 1 of them, so within its promise); after the verify forward
@@ -69,7 +71,15 @@ from kvpipe.engine.batch import ForwardMode, ScheduledBatch
 from kvpipe.engine.hybrid_state import cache_snapshots, free_state_slot, match_state, plan_state, state_stats
 from kvpipe.engine.request import FinishReason, Req, ReqStatus
 from kvpipe.engine.spec_verify import draft_budget
-from kvpipe.engine.window_cache import cache_window, match_window, own_window_pages, slide_kept, window_promise
+from kvpipe.engine.window_cache import (
+    cache_window,
+    match_full,
+    match_window,
+    own_window_mask,
+    own_window_pages,
+    slide_kept,
+    window_promise,
+)
 
 # speculative decoding: (request, most drafts it may get) -> its draft tokens for this step
 Drafter = Callable[[Req, int], list[int]]
@@ -164,8 +174,8 @@ class Scheduler:
 
     @staticmethod
     def _own_pages(req: Req) -> int:
-        # window pages below a cached prefix are the cache's too (window_cache.py)
-        return len(req.pages) - req.num_shared_pages + int((req.swa_pages[req.num_shared_pages :] >= 0).sum())
+        # window pages below a cached prefix are the cache's too, but for a PD decode's own there (window_cache.py)
+        return len(req.pages) - req.num_shared_pages + int(own_window_mask(req).sum())
 
     def _available(self) -> int:
         """Pages a new allocation can get: free ones and cached ones nobody reads."""
@@ -176,15 +186,17 @@ class Scheduler:
             return False  # it waits for a finishing request's state slot, as for pages
         return self.max_pages(req) - req.num_shared_pages + self.window_pages(req) <= self._available() - outstanding
 
-    def _match_prefix(self, req: Req) -> None:
+    def _match_prefix(self, req: Req, reserved: bool = False) -> None:
         """Start `req` at its longest cached prefix (at least its last prompt token is computed:
-        its logits give the first output token); the matched pages are pinned."""
+        its logits give the first output token); the matched pages are pinned. `reserved`: its KV
+        is written by someone else (a PD decode), which needs no window before the prefix's end."""
         if self.cache is None or req.cache_node is not None:
             return
         if isinstance(self.cache, HybridRadixCache):
             pages, node = match_state(self.cache, req, self.page_size)
         elif isinstance(self.cache, SWARadixCache):
-            pages, node = match_window(self.cache, req, self.page_size)
+            match = match_full if reserved else match_window
+            pages, node = match(self.cache, req, self.page_size)
         else:
             pages, node = self.cache.match(req.input_ids[:-1])
         self.cache.lock(node)
@@ -222,6 +234,7 @@ class Scheduler:
         req.num_cached = req.cached_tokens = 0
         req.snapshots = None  # nothing planned yet: no slots to give back
         req.swa_pages = np.zeros(0, dtype=np.int64)  # the cache's window pages, if any
+        req.swa_own_shared = np.zeros(0, dtype=np.int64)
         req.swa_hit_points = ()
 
     def _unpin(self, req: Req) -> None:
@@ -265,7 +278,7 @@ class Scheduler:
             return False
         if not self._tier_ready(req):
             return False  # stored pages are on their way: retry later
-        self._match_prefix(req)
+        self._match_prefix(req, reserved=True)
         if not self._can_admit(req, self._outstanding()):
             self._unmatch(req)
             return False
@@ -410,6 +423,9 @@ class Scheduler:
                 f"pages (sliding window up to {tokens} tokens)"
             )
         req.swa_pages[missing] = self._alloc(int(missing.size))
+        below = missing[missing < req.num_shared_pages]  # a PD decode's last window before its prefix's end
+        if below.size:
+            req.swa_own_shared = np.union1d(req.swa_own_shared, below)
 
     def _slide(self, req: Req) -> None:
         """Free the sliding-window pages no later query of `req` can see."""
@@ -550,6 +566,7 @@ class Scheduler:
         self.allocator.free(own_swa)
         req.pages = np.zeros(0, dtype=np.int64)
         req.swa_pages = np.zeros(0, dtype=np.int64)
+        req.swa_own_shared = np.zeros(0, dtype=np.int64)
         free_state_slot(self.state_slots, req)
 
     def _cached_pages(self) -> int:

@@ -1,11 +1,13 @@
 """PD of tiny-gpt-oss (window 32, pages of 16) with the decode's radix cache
 (--disaggregation-enable-decode-radix-cache; prefill and decode engines in one process over the
-local backend): the decode's cache is the sliding-window one, so its hit needs the window pages
-before it; the prefill sends the full layers' pages past the decode's prefix and the window pages
-of the prompt's last window that the decode lacks. Greedy tokens and logprobs equal the colocated
-engine without a cache for a shared system prompt and a multi-turn conversation; the bytes of
-every request are exactly that prediction; the prefill's own cache (on or off) saves its compute
-and changes no byte; every page of either kind is accounted for afterwards on both sides."""
+local backend): the decode's cache is the sliding-window one; the decode computes no prompt token,
+so its hit is its full-layer match (a shared system prompt hits though its window slid out of the
+request that cached it), and the prefill sends the full layers' pages past the decode's prefix and
+the window pages of the prompt's last window that the decode's cache lacks, below its prefix too.
+Greedy tokens and logprobs equal the colocated engine without a cache for a shared system prompt
+and a multi-turn conversation; the bytes of every request are exactly that prediction; the
+prefill's own cache (on or off) saves its compute and changes no byte; every page of either kind
+is accounted for afterwards on both sides."""
 
 from __future__ import annotations
 
@@ -57,11 +59,11 @@ def test_decode_cache_moves_suffix_pages_and_the_missing_window_pages(model_dir,
     full_page = (mc.num_layers - len(mc.sliding_layers)) * layer_page
     window_page = len(mc.sliding_layers) * layer_page
 
-    def predicted(n: int, held: int) -> int:
-        """Full layers: the pages past the decode's prefix; sliding layers: the pages of the
-        prompt's last window past it (those before it are the decode cache's)."""
+    def predicted(n: int, hit: int, held: int) -> int:
+        """Full layers: the pages past the decode's prefix of `hit` tokens; sliding layers: the
+        pages of the prompt's last window but the `held` ones the decode's cache has (below hit)."""
         end, first = -(-n // PS), window_first_page(n, 32, PS)
-        return (end - held // PS) * full_page + (end - max(first, held // PS)) * window_page
+        return (end - hit // PS) * full_page + (end - first - held) * window_page
 
     with make_pair(
         model_dir, 24, decode_radix_cache=True, prefill_radix_cache=prefill_cache, layer_groups=groups
@@ -69,12 +71,20 @@ def test_decode_cache_moves_suffix_pages_and_the_missing_window_pages(model_dir,
         assert isinstance(pair.decode.prefix_cache, SWARadixCache)
         assert isinstance(pair.prefill.prefix_cache, SWARadixCache) == prefill_cache
         system = tok(40)
-        computed = []
-        for i in range(4):  # a shared system prompt of 2 whole pages, prompts past the window
-            ids = system + tok(rnd.randint(20, 30))
+        computed, hits = [], []
+        # a shared system prompt of 2 whole pages, prompts of 70, 60, 61 and 68 tokens: their last
+        # windows start at logical pages 2, 1, 1, 2. The decode's hit is the system prompt's 2
+        # full pages from the second on; of the window page before it (page 1) its cache holds
+        # none for the second (the first never had it: it is the prefill's to send), then the one
+        # the second kept (the window before its prompt's last page boundary, 48).
+        held = [0, 0, 1, 0]
+        for i, n in enumerate([30, 20, 21, 28]):
+            ids = system + tok(n)
             sent, hit, d = run_one(pair, ids, reference)
-            assert hit % PS == 0 and sent == predicted(len(ids), hit), (i, hit, sent)
+            hits.append(hit)
+            assert sent == predicted(len(ids), hit, held[i]), (i, hit, sent)
             computed.append(d.cached_tokens)
+        assert hits == [0, 32, 32, 32], hits
         # the prefill: the second finds the full pages of the shared prefix but its window slid
         # out and keeps it (the branch point); the rest hit it
         assert computed == ([0, 0, 32, 32] if prefill_cache else [0] * 4)
@@ -84,7 +94,10 @@ def test_decode_cache_moves_suffix_pages_and_the_missing_window_pages(model_dir,
             # the decode cached the last turn up to its last KV (prompt + 5 outputs) with the window
             # before it: it holds that prefix, and the prefill sends the rest
             assert hit == (0 if turn == 0 else (prev + GREEDY.max_new_tokens - 1) // PS * PS), (turn, hit)
-            assert sent == predicted(len(convo), hit), (turn, hit, sent)
+            # the window pages of the prompt's last window before the hit: the cache's (the last
+            # turn's window before its end)
+            held = max(0, hit // PS - window_first_page(len(convo), 32, PS))
+            assert sent == predicted(len(convo), hit, held), (turn, hit, sent)
             prev, convo = len(convo), convo + list(d.output_ids) + tok(5 + turn)
         if groups > 1:
             assert pair.pipeline.counters.batches_by_groups.get(groups, 0) > 0

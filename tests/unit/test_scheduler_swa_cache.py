@@ -2,9 +2,10 @@
 a shared system prompt (a hit from the third request on: the second keeps the window where its
 match outran the windows) and a multi-turn conversation hit, the hit restores the request's window
 page table from the cache's pages and computes only the rest; an abort inserts nothing and frees
-everything; the cache's pages stay pinned while a request reads them; a PD decode reserves only
-the window pages it lacks; and every page of either kind is the cache's or one request's own
-after every step, also under eviction pressure."""
+everything; the cache's pages stay pinned while a request reads them; a PD decode hits its
+full-layer match (a shared system prompt from the second request on) and reserves, as its own,
+the pages of the prompt's last window the cache lacks, below its prefix too; and every page of
+either kind is the cache's or one request's own after every step, also under eviction pressure."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from kvpipe.config import SchedulerConfig
 from kvpipe.engine.batch import ScheduledBatch
 from kvpipe.engine.request import FinishReason, Req, SamplingParams
 from kvpipe.engine.scheduler import Scheduler
+from kvpipe.engine.window_cache import own_window_mask, own_window_pages, wanted_window_pages
 
 PS, W = 4, 10
 
@@ -44,15 +46,15 @@ def check(s: Scheduler) -> None:
     window pages are the cache's, and its next query's window is all there."""
     cache = swa(s)
     owners = s.running + list(s.reserved.values()) + list(s.held.values())
-    own = [r.pages[r.num_shared_pages :] for r in owners]
-    own += [r.swa_pages[r.num_shared_pages :][r.swa_pages[r.num_shared_pages :] >= 0] for r in owners]
+    own = [r.pages[r.num_shared_pages :] for r in owners] + [own_window_pages(r) for r in owners]
     held = cache.all_pages()
     allp = np.concatenate([held, *own])
     assert np.unique(allp).size == allp.size == s.allocator.num_used
     s.allocator.check_owned(allp)
-    for r in s.running:
-        shared = r.swa_pages[: r.num_shared_pages]
+    for r in s.running + list(s.reserved.values()):
+        shared = r.swa_pages[~own_window_mask(r)]
         assert set(shared[shared >= 0].tolist()) <= set(held.tolist())
+    for r in s.running:
         if r.num_cached:
             lo, hi = window_first_page(r.num_cached, W, PS), -(-r.num_cached // PS)
             assert (r.swa_pages[lo:hi] >= 0).all(), (r.rid, r.num_cached, r.swa_pages)
@@ -194,6 +196,16 @@ def test_eviction_under_pressure_keeps_every_page_accounted_for():
     assert s.allocator.num_free == 40 and swa(s).num_pages == swa(s).num_swa_pages == 0
 
 
+def decode(s: Scheduler, r: Req) -> None:
+    """As a PD decode: reserve r's pages, its KV and first token arrive, it decodes to its end."""
+    assert s.reserve(r)
+    check(s)
+    r.output_ids.append(7)
+    s.add_prefilled(r)
+    run(s)
+    assert r.finish_reason is FinishReason.LENGTH
+
+
 def test_a_pd_decode_reserves_only_the_window_pages_it_lacks():
     s = make()
     ids = list(range(3, 33))
@@ -203,14 +215,82 @@ def test_a_pd_decode_reserves_only_the_window_pages_it_lacks():
     assert d.num_shared_pages == 7 and d.pages.size == 9
     lo = window_first_page(36, W, PS)  # the first decode query (36) sees from page 6 on
     assert lo == 6
-    # the cache's window before its 28 tokens ([4, 7), more than the decode needs), then its own
-    assert d.swa_pages[:7].tolist() == swa(s).match_window(ids[:-1]).swa_pages.tolist()
-    assert (d.swa_pages[4:] >= 0).all() and (d.swa_pages[:4] < 0).all()
+    # the cache's window page 6 (it holds [4, 7): a's window before 28), its own from 7 on; none before 6
+    cached = swa(s).match_window(ids[:-1]).swa_pages
+    assert d.swa_pages[6] == cached[6] >= 0 and (d.swa_pages[:6] < 0).all() and (d.swa_pages[7:] >= 0).all()
+    assert d.swa_own_shared.size == 0 and wanted_window_pages(d).tolist() == d.swa_pages[7:].tolist()
     check(s)
     d.output_ids.append(7)
     s.add_prefilled(d)
     run(s)
     assert d.finished
+
+
+def test_a_pd_decode_hits_a_shared_system_prompt_and_owns_the_window_pages_the_cache_lacks():
+    """The decode's cache holds a system prompt's full pages without their window pages (they slid
+    out of the request that cached it): the next prompt hits its full pages, owns the pages of its
+    last window before the hit, which the writer fills, and fills the cache's tombstones at finish;
+    the one after takes them from the cache."""
+    s = make()
+    rnd = random.Random(5)
+    system = [rnd.randrange(3, 90) for _ in range(20)]  # 5 pages
+    tail = lambda n: [rnd.randrange(3, 90) for _ in range(n)]  # noqa: E731
+    decode(s, mk("r0", system + tail(12), max_new=2))  # window of 32: [5, 8); the system's window slid out
+    assert swa(s).match_window(system).pages.size == 0  # a colocated hit there would need them
+    r1 = mk("r1", system + tail(3), max_new=2)  # 23 tokens: its last window is [3, 6)
+    assert s.reserve(r1)
+    assert r1.num_shared_pages == 5 and r1.swa_own_shared.tolist() == [3, 4]
+    assert (r1.swa_pages[3:6] >= 0).all() and (r1.swa_pages[:3] < 0).all()
+    # the writer fills logical pages 3..5: 2 before the prefix, then the one after it
+    assert wanted_window_pages(r1).tolist() == r1.swa_pages[3:6].tolist()
+    below = r1.swa_pages[3:5].tolist()
+    check(s)
+    r1.output_ids.append(7)
+    s.add_prefilled(r1)
+    run(s)
+    # the cache took r1's window pages before its prefix into its tombstones
+    _, node = swa(s).match(system)
+    assert swa(s).path_window_pages(node)[3:5].tolist() == below
+    r2 = mk("r2", system + tail(5), max_new=3)  # 25 tokens: its last window is [4, 7)
+    assert s.reserve(r2)
+    assert r2.num_shared_pages == 5 and r2.swa_own_shared.size == 0 and r2.swa_pages[4] == below[1]
+    assert wanted_window_pages(r2).tolist() == r2.swa_pages[5:7].tolist()  # from the prefix on only
+    check(s)
+    r2.output_ids.append(7)
+    s.add_prefilled(r2)
+    run(s)
+    assert s.prefix_hit_tokens == 40
+    s.allocator.free(swa(s).evict(10_000))
+    assert s.allocator.num_free == s.allocator.num_pages
+
+
+def test_an_aborted_pd_decode_frees_its_own_window_pages_below_its_prefix():
+    s = make()
+    system = list(range(3, 23))
+    decode(s, mk("r0", system + [50] * 12, max_new=2))
+    before = (swa(s).num_pages, swa(s).num_swa_pages, s.allocator.num_free)
+    r = mk("r1", system + [60] * 3, max_new=4)
+    assert s.reserve(r)
+    assert r.swa_own_shared.tolist() == [3, 4] and swa(s).locked_pages > 0
+    check(s)
+    s.abort(r.rid)  # its KV never arrived: nothing goes to the cache, every own page is free
+    assert (swa(s).num_pages, swa(s).num_swa_pages, s.allocator.num_free) == before
+    assert swa(s).locked_pages == swa(s).locked_swa_pages == 0
+
+
+def test_pd_decodes_under_eviction_pressure_keep_every_page_accounted_for():
+    s = make(pages=48, running=2)
+    rnd = random.Random(6)
+    systems = [[rnd.randrange(3, 90) for _ in range(rnd.randint(8, 24))] for _ in range(3)]
+    inserted = 0
+    for i in range(30):
+        r = mk(f"d{i}", rnd.choice(systems) + [rnd.randrange(3, 90) for _ in range(rnd.randint(1, 14))], 1 + i % 5)
+        decode(s, r)
+        inserted += (r.seq_len - 1) // PS
+    # hits, and more full pages went in than the pool holds: eviction ran
+    assert s.prefix_hit_tokens > 0 and inserted > 48
+    s.allocator.free(swa(s).evict(10_000))
+    assert s.allocator.num_free == 48 and swa(s).num_pages == swa(s).num_swa_pages == 0
 
 
 def test_only_an_swa_cache_goes_with_a_window():

@@ -1,6 +1,7 @@
 """Sliding-window layers in the transfer layer: plan_pages over explicit layer ids, sender rooms
 that plan full layers over every page and sliding layers over the window pages the decode asked
-for (aliased buffers, chunked sends, layer groups), request validation, protocol round trip."""
+for (aliased buffers, chunked sends, layer groups; below the decode's prefix too, once per layer),
+request validation, protocol round trip."""
 
 from __future__ import annotations
 
@@ -263,6 +264,59 @@ def test_chunked_sends_with_layer_groups_move_each_window_page_once():
     assert sorted(got) == sorted(want) and len(set(got)) == len(got)
 
 
+def lead_room(src_swa=SRC_SWA) -> tuple[SenderRoom, Destination]:
+    """The decode holds 16 tokens (pages 0..3, its cache's) but, of its last window [3, 6), not
+    the window page of logical page 3: it asks for it before its prefix (43), then 4, 5 (44, 45)."""
+    r, d = room(src_swa=src_swa, prefix=16, dst_swa=[44, 45])
+    d.dst_swa_lead, d.swa_lead_sent = np.array([43]), np.zeros(L, dtype=bool)
+    return r, d
+
+
+def test_room_sends_the_window_pages_below_the_decode_prefix_once():
+    r, _ = lead_room()
+    r.add_call(SendCall(0, 22, 0, L, True))
+    r.plan(1 << 20)
+    got = planned(r)
+    want = expected_writes(SRC, DST, FULL, SRC_PAGES[4:], [24, 25]) + expected_writes(
+        SRC, DST, SWA, [30, 31, 32], [43, 44, 45]
+    )
+    assert sorted(got) == sorted(want) and len(set(got)) == len(got)
+
+
+def test_window_pages_below_the_prefix_go_with_each_layer_group_s_first_call_past_it():
+    """Chunks of 12 and 10 tokens, two layer groups: the first chunk ends before the decode's
+    prefix (nothing moves, the lead pages' KV may not be computed yet); the second chunk's first
+    group sends layer 1's lead page, the second group layer 3's; the last call flushes the rest."""
+    r, d = lead_room()
+    r.add_call(SendCall(0, 12, 0, 2, False))
+    r.add_call(SendCall(0, 12, 2, 4, False))
+    r.plan(1 << 20)
+    assert planned(r) == [] and not d.swa_lead_sent.any()
+    r.add_call(SendCall(12, 22, 0, 2, False))  # page 4 full, page 5 partial
+    r.plan(1 << 20)
+    assert sorted(planned(r)) == sorted(
+        expected_writes(SRC, DST, (0,), [14], [24]) + expected_writes(SRC, DST, (1,), [30, 31], [43, 44])
+    )
+    assert d.swa_lead_sent.tolist() == [False, True, False, False]
+    r.add_call(SendCall(12, 22, 2, 4, False))
+    r.plan(1 << 20)
+    assert sorted(planned(r)) == sorted(
+        expected_writes(SRC, DST, (2,), [14], [24]) + expected_writes(SRC, DST, (3,), [30, 31], [43, 44])
+    )
+    r.add_call(SendCall(22, 22, 0, L, True))
+    r.plan(1 << 20)
+    assert sorted(planned(r)) == sorted(
+        expected_writes(SRC, DST, FULL, [15], [25]) + expected_writes(SRC, DST, SWA, [32], [45])
+    )
+
+
+def test_room_refuses_a_window_page_below_the_prefix_the_prefill_does_not_hold():
+    r, _ = lead_room(src_swa=[-1, -1, -1, -1, 31, 32])
+    r.add_call(SendCall(0, 22, 0, L, True))
+    with pytest.raises(PlanError, match="logical page 3"):
+        r.plan(1 << 20)
+
+
 def test_partial_page_of_a_window_waits_for_the_next_chunk():
     r, d = room()
     r.add_call(SendCall(0, 14, 0, L, False))  # pages 0..2 full, page 3 (tokens 12..15) partial
@@ -332,10 +386,46 @@ def test_requests_are_checked_against_the_window_rules():
     b3 = Book(layout(1 << 40, swa=()), layout(1 << 30, swa=()))
     b3.book.on_message(req(6, (-1, -1, 8)), 0.0)
     assert "for a model without sliding-window layers" in b3.reasons()[6]
-    with pytest.raises(ValueError, match="3 sliding-window pages for 2 pages"):
+    with pytest.raises(ValueError, match="3 sliding-window pages for 2 pages after a 0-token prefix"):
         req(7, (-1, 2, 3), pages=(1, 2))
     with pytest.raises(ValueError, match="-1"):
         req(8, (-2, 2, 3))
+
+
+def test_requests_may_name_window_pages_below_their_prefix_up_to_its_length():
+    b = Book()
+
+    def req(room, swa, prefix=8, pages=(1, 2)):
+        return m.TransferRequest(room, "d/0", pages, prefix, 0, dst_swa_pages=swa)
+
+    b.book.on_message(req(1, (9, -1, 7, 8)), 0.0)  # logical pages 0, 1 (below the 2-page prefix), 2, 3
+    b.book.on_message(req(2, (10, 9, -1, 7, 8)), 0.0)  # 3 before a 2-page prefix
+    b.book.on_message(req(3, (1, 7, 8)), 0.0)  # a full page of the request: aliased buffers
+    reasons = b.reasons()
+    assert 1 not in reasons
+    dest = b.book.rooms[1].dests["d/0"]
+    assert dest.dst_swa_pages.tolist() == [7, 8] and dest.dst_swa_lead.tolist() == [9, -1]
+    assert "5 sliding-window pages for 2 pages (same length, or up to 2 more before them)" in reasons[2]
+    assert "also a full-attention page" in reasons[3]
+    b.book.on_message(req(4, (7, 8), prefix=0), 0.0)
+    assert b.book.rooms[4].dests["d/0"].dst_swa_lead is None
+    with pytest.raises(ValueError, match="after a 1-token prefix"):
+        req(5, (6, 5, 7, 8), prefix=1)
+
+
+def test_book_sends_window_pages_below_the_prefix_from_a_request():
+    b = Book()
+    b.book.add_room(1, SRC_PAGES, 0.0, swa_pages=SRC_SWA)
+    b.book.on_message(m.TransferRequest(1, "d/0", (24, 25), 16, 0, dst_swa_pages=(43, 44, 45)), 0.0)
+    assert b.book.add_call(1, SendCall(0, 22, 0, L, True), (1, 0.0), SRC_PAGES, SRC_SWA)
+    take, _, _ = b.book.take_work(1.0)
+    got = []
+    for _, batch in take:
+        got += writes_of(batch.src, batch.dst, batch.length)
+    assert sorted(got) == sorted(
+        expected_writes(SRC, DST, FULL, SRC_PAGES[4:], [24, 25])
+        + expected_writes(SRC, DST, SWA, [30, 31, 32], [43, 44, 45])
+    )
 
 
 def test_book_takes_newer_window_tables_with_send_calls():
@@ -367,6 +457,7 @@ def test_protocol_round_trip_with_window_pages():
     for msg in (
         m.TransferRequest(5, "d/0", (4, 5, 6), 0, 1, dst_swa_pages=(-1, 9, 10)),
         m.TransferRequest(5, "d/0", (), 0, 1, dst_swa_pages=()),
+        m.TransferRequest(5, "d/0", (4, 5), 8, 1, dst_swa_pages=(3, -1, 9, 10)),  # 2 below the prefix
         m.RegisterPeer("d/0", 0, 1, "x", "tcp://x", DST),
     ):
         assert m.decode(m.encode(msg)) == msg

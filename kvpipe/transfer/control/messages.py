@@ -43,12 +43,14 @@ from kvpipe.transfer.control.codec import (
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.recurrent.layout import StateLayout
 
-PROTOCOL_VERSION = 8  # 2: AuxData.cached_tokens; 3: staging ring messages, RegisterPeer.staging;
+PROTOCOL_VERSION = 9  # 2: AuxData.cached_tokens; 3: staging ring messages, RegisterPeer.staging;
 # 4: recurrent state (RegisterPeer.state, TransferRequest.state_slot); 5: sliding-window layers
 # (KVLayout.swa_layers, TransferRequest.dst_swa_pages: the window pages the decode wants);
 # 6: senders named (TransferStatus.sender, Abort.sender, StagingInfo.session_id, staging nonces);
 # 7: a draft model's KV (RegisterPeer.draft, TransferRequest.dst_draft_pages, AuxData.draft_tokens)
 # 8: NEXTN's draft inputs (AuxData.hidden: the target's last hidden state, disagg/mtp_transfer.py)
+# 9: TransferRequest.dst_swa_pages may start before the decode's prefix (the prompt's last window
+# reaching back into a decode-cached prefix whose window pages the decode lacks)
 MAX_MESSAGE_INTS = 1 << 20  # `decode` without limits: int lists of up to 1M entries (8 MiB)
 
 
@@ -114,8 +116,11 @@ class TransferRequest:
     prefix_len: int  # leading tokens decode already holds (page aligned); prefill sends the rest
     aux_slot: int  # decode's slot for the request's aux data
     state_slot: int | None = None  # hybrid models: decode's state slot the prefill writes the final state into
-    # sliding-window models (KVLayout.swa_layers): aligned with dst_pages, the decode page of the
-    # sliding layers for the same logical page, -1 where the decode wants none (outside its window)
+    # sliding-window models (KVLayout.swa_layers): aligned with dst_pages at its end, the decode page
+    # of the sliding layers for the same logical page, -1 where the decode wants none (outside its
+    # window, or it holds that one); k more entries before them name logical pages
+    # [prefix_len // page_size - k, prefix_len // page_size): the prompt's last window reaching back
+    # into the decode's cached prefix, whose window pages there the decode may lack
     dst_swa_pages: tuple[int, ...] | None = field(default=None, metadata=NO_PAGE_OK)
     # the decode's draft-pool pages for the prompt's draft KV, logical page i holding tokens from
     # i * page_size (from 0, whatever prefix_len: the draft has no prefix cache); None: not wanted
@@ -123,8 +128,12 @@ class TransferRequest:
 
     def __post_init__(self) -> None:
         if self.dst_swa_pages is not None:
-            if len(self.dst_swa_pages) != len(self.dst_pages):
-                raise ValueError(f"{len(self.dst_swa_pages)} sliding-window pages for {len(self.dst_pages)} pages")
+            lead = len(self.dst_swa_pages) - len(self.dst_pages)
+            if not 0 <= lead <= self.prefix_len:  # the sender checks lead <= prefix_len // page_size
+                raise ValueError(
+                    f"{len(self.dst_swa_pages)} sliding-window pages for {len(self.dst_pages)} pages "
+                    f"after a {self.prefix_len}-token prefix"
+                )
             if self.dst_swa_pages and min(self.dst_swa_pages) < -1:
                 raise ValueError(f"sliding-window page {min(self.dst_swa_pages)}: -1 (none) or a page id")
 

@@ -145,11 +145,16 @@ class ReceiverBook:
         return pages
 
     def check_swa_pages(
-        self, room: int, swa_pages: Sequence[np.ndarray] | np.ndarray | list[int] | None, pages: tuple[np.ndarray, ...]
+        self,
+        room: int,
+        swa_pages: Sequence[np.ndarray] | np.ndarray | list[int] | None,
+        pages: tuple[np.ndarray, ...],
+        prefix_len: int = 0,
     ) -> tuple[np.ndarray, ...] | None:
-        """add_room's window page tables (per decode rank, aligned with `pages` from check_pages,
-        -1 where no sliding-window page is wanted) as int64 arrays, or ValueError. Required iff the
-        layout has sliding-window layers."""
+        """add_room's window page tables (per decode rank, aligned with `pages` from check_pages at
+        their end, up to prefix_len // page_size entries more before them for logical pages below
+        the prefix; -1 where no sliding-window page is wanted) as int64 arrays, or ValueError.
+        Required iff the layout has sliding-window layers."""
         lay = self.ranks[0].layout
         if swa_pages is None:
             if lay.swa_layers:
@@ -162,7 +167,8 @@ class ReceiverBook:
             raise ValueError(f"room {room}: {len(swa)} window page lists for {self.tp_size} decode ranks")
         for r, (w, p) in enumerate(zip(swa, pages)):
             lay = self.ranks[r].layout
-            why = window_pages_problem(w, lay.num_pages, p, exact=True, aliased=lay.aliased)
+            lead = prefix_len // lay.page_size
+            why = window_pages_problem(w, lay.num_pages, p, exact=True, aliased=lay.aliased, max_lead=lead)
             if why is not None:
                 raise ValueError(f"room {room}: decode rank {r}: {why}")
         return swa

@@ -163,9 +163,11 @@ class KVReceiver:
         prefix_len: leading tokens this decode already holds (page aligned); state_slot: the
         request's recurrent-state slot (hybrid models; the same slot id on every decode rank),
         which the prefill fills before it reports Success; swa_pages: sliding-window models (and
-        only they): per decode rank like dst_pages and aligned with them, the page of the sliding
-        layers for the same logical page, -1 where none is wanted (outside the window); the
-        prefill writes the sliding layers into those pages only; draft_pages: a decode whose ranks
+        only they): per decode rank like dst_pages and aligned with them at its end, the page of the
+        sliding layers for the same logical page, -1 where none is wanted (outside the window, or
+        held already), up to prefix_len // page_size entries more before them for logical pages
+        below the prefix (the prompt's last window reaching back into it); the prefill writes the
+        sliding layers into those pages only; draft_pages: a decode whose ranks
         have draft-model pools (STANDALONE speculative decoding, each rank its shard of the draft's
         heads): their pages for the prompt's draft KV from token 0, the same ids on every rank,
         which the prefill fills if it has the draft KV (the aux data's draft_tokens says how much). Non-blocking.
@@ -173,7 +175,7 @@ class KVReceiver:
         may not fetch from that address (reject that request only)."""
         pages = self._book.check_pages(room, dst_pages, prefix_len)
         self._book.check_state_slot(room, state_slot)
-        swa = self._book.check_swa_pages(room, swa_pages, pages)
+        swa = self._book.check_swa_pages(room, swa_pages, pages, prefix_len)
         draft = self._book.check_draft_pages(room, draft_pages)
         addr = _address(bootstrap_host, bootstrap_port)
         why = self.guard.refusal(addr)

@@ -54,7 +54,8 @@ class ReceiverRoom:
     aux_slot: int = 0
     state_slot: int | None = None  # hybrid models: the request's state slot on every decode rank
     instance_id: str | None = None  # prefill instance the request went to
-    # sliding-window models: per decode rank, aligned with dst_pages, -1 where no window page is wanted
+    # sliding-window models: per decode rank, aligned with dst_pages at its end (entries before them:
+    # logical pages below prefix_len), -1 where no window page is wanted
     swa_pages: tuple[np.ndarray, ...] | None = None
     # STANDALONE speculative decoding: the draft pool's pages for the prompt's draft KV from token 0
     # (the same ids on every decode rank, each holding its shard of heads); None: no draft KV asked for

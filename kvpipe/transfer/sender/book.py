@@ -361,6 +361,8 @@ class SenderBook:
         r.expected = expected
         if r.src_pages is None:
             self._orphans.setdefault(session, set()).add(room)
+        swa = None if msg.dst_swa_pages is None else np.asarray(msg.dst_swa_pages, dtype=np.int64)
+        lead = 0 if swa is None else swa.size - len(msg.dst_pages)  # check_request: <= prefix pages
         r.dests[session] = Destination(
             session,
             peer.tp_rank,
@@ -386,10 +388,13 @@ class SenderBook:
             peer.state,
             msg.state_slot,
             None if peer.state is None else np.zeros(peer.state.num_linear, dtype=bool),
-            None if msg.dst_swa_pages is None else np.asarray(msg.dst_swa_pages, dtype=np.int64),
+            None if swa is None else swa[lead:],
             draft_layout=None if msg.dst_draft_pages is None else peer.draft,
             dst_draft_pages=None if msg.dst_draft_pages is None else np.asarray(msg.dst_draft_pages, dtype=np.int64),
             draft_heads=self.peers.draft_heads.get(session),
+            # window pages of logical pages [prefix - lead, prefix): below the decode's prefix
+            dst_swa_lead=None if swa is None or lead == 0 else swa[:lead],
+            swa_lead_sent=None if swa is None or lead == 0 else np.zeros(self.layout.num_layers, dtype=bool),
         )
         if len(r.dests) >= expected:
             r.requested_at = now

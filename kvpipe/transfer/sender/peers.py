@@ -289,6 +289,7 @@ class SenderPeers:
                 pages,
                 exact=True,
                 aliased=peer.layout.aliased,
+                max_lead=msg.prefix_len // ps,
             )
             if why is not None:
                 return peer, why

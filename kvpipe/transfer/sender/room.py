@@ -20,8 +20,12 @@ Sliding-window layers (KVLayout.swa_layers): their pages come from the room's wi
 not allocated yet) into the destination's `dst_swa_pages` (aligned with dst_pages, -1 where the
 decode wants none). A run of layers with equal cursors plans its full layers over every span page
 and its sliding layers over the span pages the decode asked for only, each in one vectorised
-call; the cursor moves past the skipped pages too, so every page moves at most once. Such rooms
-are never staged (a chunk is a contiguous layer range over one page list).
+call; the cursor moves past the skipped pages too, so every page moves at most once. A decode
+with a cached prefix may also want window pages below it (`dst_swa_lead`: the prompt's last
+window reaches back into the prefix, whose window pages it lacks): a sliding layer's go with the
+first call that moves its cursor (its KV is computed past the prefix then; the prefill holds
+every page of its prompt's last window until the room ends). Such rooms are never staged (a chunk
+is a contiguous layer range over one page list).
 
 Recurrent state (hybrid models, recurrent/layout.py): a call may also carry the final state of some
 linear layers (`state_layers`, the prompt's last forward has passed them); the last call writes
@@ -105,6 +109,10 @@ class Destination:
     # global draft-model KV heads this prefill rank writes there (the target's rank pairing over the
     # draft's own heads); None: another prefill rank sends them (a replicated head)
     draft_heads: tuple[int, int] | None = None
+    # [k] int64: window pages of logical pages [prefix_len // ps - k, prefix_len // ps), below the
+    # decode's prefix (-1: not wanted); None: none wanted there
+    dst_swa_lead: np.ndarray | None = None
+    swa_lead_sent: np.ndarray | None = None  # [num_layers] bool: the layer's lead pages are planned
 
 
 @dataclass(frozen=True)
@@ -352,6 +360,8 @@ class SenderRoom:
         for l0, l1, cur in equal_runs(dest.cursor, *layers):
             if cur >= end_tok:  # decode holds these tokens already, or they went with an earlier call
                 continue
+            if dest.dst_swa_lead is not None and swa[l0:l1].any():
+                out.extend(self._plan_lead(dest, l0, l1, swa))
             span = sendable_pages(cur, end_tok, ps, final=call.last)
             dest.cursor[l0:l1] = span.token_end
             if span.num_pages == 0:
@@ -370,7 +380,9 @@ class SenderRoom:
             full = ids[~swa[l0:l1]]
             if full.size:
                 out.extend(self._plan_span(dest, src, dst, None, None, layer_ids=full))
-            src_w, dst_w = self._window_pages(dest, span.first, j0, j1)
+            if dest.dst_swa_pages is None:  # SenderPeers.check_request refuses such a request
+                raise PlanError(f"room {self.room}: decode rank {dest.decode_rank} named no sliding-window pages")
+            src_w, dst_w = self._window_pages(dest, span.first, dest.dst_swa_pages[j0:j1])
             if dst_w.size:
                 out.extend(self._plan_span(dest, src_w, dst_w, None, None, layer_ids=ids[swa[l0:l1]]))
         return out
@@ -409,12 +421,24 @@ class SenderRoom:
             out.append(OpBatch(dest.data_address, p.src_addr, p.dst_addr, p.length))
         return out
 
-    def _window_pages(self, dest: Destination, first: int, j0: int, j1: int) -> tuple[np.ndarray, np.ndarray]:
-        """(src, dst) sliding-window pages of destination positions [j0, j1) (logical pages from
-        `first`): the positions the decode asked for; the prefill must hold each of them."""
-        if dest.dst_swa_pages is None:  # SenderPeers.check_request refuses such a request
-            raise PlanError(f"room {self.room}: decode rank {dest.decode_rank} named no sliding-window pages")
-        dst = dest.dst_swa_pages[j0:j1]
+    def _plan_lead(self, dest: Destination, l0: int, l1: int, swa: np.ndarray) -> list[OpBatch | StagedChunk]:
+        """The window pages below the decode's prefix (dest.dst_swa_lead) of the sliding layers in
+        [l0, l1) that did not get them yet: the caller's call moves their cursor, so their KV is
+        computed past the prefix (or was cached on the prefill), these pages included."""
+        assert dest.dst_swa_lead is not None and dest.swa_lead_sent is not None
+        todo = np.flatnonzero(swa[l0:l1] & ~dest.swa_lead_sent[l0:l1]) + l0
+        if todo.size == 0:
+            return []
+        dest.swa_lead_sent[todo] = True
+        first = dest.prefix_len // self.layout.page_size - dest.dst_swa_lead.size
+        src, dst = self._window_pages(dest, first, dest.dst_swa_lead)
+        if dst.size == 0:
+            return []
+        return list(self._plan_span(dest, src, dst, None, None, layer_ids=todo))
+
+    def _window_pages(self, dest: Destination, first: int, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(src, dst) sliding-window pages of the decode's window pages `dst` (logical pages from
+        `first`, -1: not wanted): the ones the decode asked for; the prefill must hold each of them."""
         pos = np.flatnonzero(dst >= 0)  # [k] positions wanted, relative to j0
         held = self.src_swa_pages if self.src_swa_pages is not None else np.zeros(0, dtype=np.int64)
         logical = first + pos
