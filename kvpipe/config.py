@@ -52,6 +52,8 @@ MAMBA_SCHEDULER_STRATEGIES = ("auto", "no_buffer", "extra_buffer")  # --mamba-sc
 # --quantization (weight-only, CPU; kvpipe/model/quantization.py): int8 per output channel, int4 in
 # groups of 32; None: the weights in --dtype
 QUANTIZATIONS = ("w8a16", "w4a16")
+# --decode-fused-layer (kvpipe/model/fused_decode.py)
+DECODE_FUSED_LAYER_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -517,6 +519,9 @@ class ServerConfig:
     request_metrics: bool = True
     # weight-only quantization of the linear layers (--quantization): None or one of QUANTIZATIONS
     quantization: str | None = None
+    # a decode step's decoder layers as one C++ call each (--decode-fused-layer, kvpipe/model/
+    # fused_decode.py): "auto" (decode batches up to 64 rows), "on", "off"; the same bits either way
+    decode_fused_layer: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:
@@ -533,6 +538,10 @@ class ServerConfig:
             raise ConfigError(f"the debug request history must be a count >= 0, got {self.debug_requests_history!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.decode_fused_layer not in DECODE_FUSED_LAYER_MODES:
+            raise ConfigError(
+                f"decode_fused_layer must be one of {DECODE_FUSED_LAYER_MODES}, got {self.decode_fused_layer!r}"
+            )
 
     def check_servable(self) -> None:
         """Refuse PD set-ups no server can run (a TP group cannot share the in-process local

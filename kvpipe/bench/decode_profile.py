@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpipe.config import CacheConfig, SchedulerConfig, ServerConfig
+from kvpipe.config import DECODE_FUSED_LAYER_MODES, CacheConfig, SchedulerConfig, ServerConfig
 from kvpipe.engine.cpu_threads import apply_cpu_threads, server_cpu_threads
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import Req, SamplingParams
@@ -36,6 +36,12 @@ LAYER_CALLERS: tuple[Fn, ...] = (
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-path", default=None, help="checkpoint (default: the default model, SmolLM2-135M)")
     p.add_argument("--quantization", default=None, help="w8a16 or w4a16 (default: none)")
+    p.add_argument(
+        "--decode-fused-layer",
+        choices=list(DECODE_FUSED_LAYER_MODES),
+        default=ServerConfig.decode_fused_layer,
+        help="the layers as one C++ call each (model/fused_decode.py); off: the modules, op by op",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--context", type=int, default=256, help="prompt tokens before decoding")
     p.add_argument("--warmup", type=int, default=8, help="untimed decode steps first")
@@ -51,6 +57,7 @@ def _engine(args: argparse.Namespace) -> Engine:
         cache=CacheConfig(page_size=64, max_total_tokens=args.context + args.warmup + 2 * args.steps + 128),
         scheduler=SchedulerConfig(max_running_requests=8),
         quantization=args.quantization,
+        decode_fused_layer=args.decode_fused_layer,
     )
     apply_cpu_threads(server_cpu_threads(cfg))
     return Engine(cfg)
@@ -83,15 +90,19 @@ def _components(t: _Table, num_layers: int) -> dict[str, float]:
     """Seconds of each part of the profiled steps (no part nests in another). cProfile's callers
     of a module's forward are torch's Module.__call__, so a part is a function's time in all its
     calls: the GEMMs are every Linear's (a tied lm_head is not one), the layers' norms the share
-    2L / (2L + 1) of RMSNorm's (the final norm is the last one)."""
-    layers = t.cum(("model/decoder_layer.py", "forward"))
+    2L / (2L + 1) of RMSNorm's (the final norm is the last one). With --decode-fused-layer the
+    layers are one C++ call each, a part of its own with nothing inside it visible."""
+    fused = t.cum(("model/fused_decode.py", "run"))
+    layers = t.cum(("model/decoder_layer.py", "forward")) + fused
+    norms = 0.0 if fused else t.cum(("model/norms.py", "forward")) * 2 * num_layers / (2 * num_layers + 1)
     inside = {
+        "fused decoder layers (one C++ call each: everything of the layers)": fused,
         "GEMMs of the layers (q/k/v, o, gate/up, down)": t.cum(("model/linear.py", "forward")),
         "RoPE + K/V store": t.cum(("", "rope_store"))
         + t.cum(("model/rope.py", "apply_rope"))
         + t.cum(("cache/kv_pool.py", "write")),
         "decode attention kernel": t.cum(("model/attention.py", "decode_attention")),
-        "RMSNorms of the layers": t.cum(("model/norms.py", "forward")) * 2 * num_layers / (2 * num_layers + 1),
+        "RMSNorms of the layers": norms,
         "SwiGLU silu": t.cum(("nn/functional.py", "silu")),
     }
     inside["rest of the layers (residual adds, SwiGLU mul, views, module calls)"] = layers - sum(inside.values())
@@ -138,6 +149,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         engine.shutdown()
     return {
         "quantization": args.quantization,
+        "decode_fused_layer": args.decode_fused_layer,
         "threads": args.threads,
         "step_ms_median": 1e3 * statistics.median(times),
         "profiled_step_ms": 1e3 * profiled / args.steps,
@@ -149,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvpipe.bench.decode_profile", description=__doc__.split("\n")[0])
     add_args(p)
     res = run(p.parse_args(argv))
-    print(f"quantization={res['quantization']} threads={res['threads']}")
+    print(f"quantization={res['quantization']} decode_fused_layer={res['decode_fused_layer']} threads={res['threads']}")
     print(f"decode step: median {res['step_ms_median']:.2f} ms plain, {res['profiled_step_ms']:.2f} ms under cProfile")
     for name, ms in res["components_ms"].items():
         print(f"  {name:66s} {ms:7.2f} ms/step ({100 * ms / res['profiled_step_ms']:4.1f}%)")

@@ -263,9 +263,12 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& codes_in, const
 
 }  // namespace
 
+// decode_layer.cpp compiles this file's kernels into its own extension: without a module of their own
+#ifndef KVPIPE_KERNELS_NO_MODULE
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "x [M, K] times int8 weights [N, K] with row scales -> [M, N]",
         pybind11::arg("x"), pybind11::arg("q"), pybind11::arg("scale"));
   m.def("int4_linear", &int4_linear, "x [M, K] times int4 group weights [N, K] -> [M, N]", pybind11::arg("x"),
         pybind11::arg("codes"), pybind11::arg("scale"), pybind11::arg("minimum"));
 }
+#endif  // KVPIPE_KERNELS_NO_MODULE
