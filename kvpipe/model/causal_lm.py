@@ -93,6 +93,9 @@ class LMBase(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Final norm + lm_head on the rows in batch.logit_indices -> [B_out, vocab] fp32."""
         h = self.norm(hidden[batch.logit_indices])
+        fused = self.fused_decode
+        if fused is not None and (logits := fused.logits(h, batch)) is not None:  # --decode-fused-layer fp32-gemv
+            return logits
         if self.lm_head is None:  # tied: the embedding table (dense, the lookup needs it)
             if self.head_quant is not None:
                 return self.head_quant(h).float()

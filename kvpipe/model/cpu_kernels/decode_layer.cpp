@@ -14,6 +14,8 @@
 //   functions, compiled into this extension from their own source files (included below, with
 //   the same flags), so the same code computes the same bits.
 // tests/unit/test_decode_layer.py checks the outputs and the pool bit for bit against the module path.
+// The one exception is opt-in: --decode-fused-layer fp32-gemv gives fp32 projections to
+// weight_only.cpp's f32_linear (kind F32Rows), which sums in its own order.
 //
 // What a layer must be to take this path is decided in Python (model/fused_decode.py): fp32
 // weights and activations, an fp32 pool, q/k/v and gate/up fused, no biases, no q/k norms, no
@@ -63,8 +65,9 @@ namespace paged_decode {
 namespace {
 
 // How a projection's weight is held (model/linear.py): dense fp32, oneDNN-packed fp32, int8
-// with row scales, int4 groups (model/quantized_weight.py).
-enum class Kind : int64_t { Dense = 0, Packed = 1, Int8 = 2, Int4 = 3 };
+// with row scales, int4 groups (model/quantized_weight.py); F32Rows: dense fp32 multiplied by
+// weight_only.cpp's f32_linear (--decode-fused-layer fp32-gemv: other bits than oneDNN's)
+enum class Kind : int64_t { Dense = 0, Packed = 1, Int8 = 2, Int4 = 3, F32Rows = 4 };
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w) {
   // the op packed_linear.py calls, through the dispatcher as Python's torch.ops does
@@ -92,6 +95,7 @@ struct Proj {
       case Kind::Packed: return packed_linear(x, w);
       case Kind::Int8: return weight_only::int8_linear(x, w, a);
       case Kind::Int4: return weight_only::int4_linear(x, w, a, b);
+      case Kind::F32Rows: return weight_only::f32_linear(x, w);
     }
     TORCH_CHECK(false, "unknown projection kind");
   }
@@ -101,7 +105,7 @@ using ProjSpec = std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor>;
 
 Proj make_proj(const ProjSpec& s) {
   const int64_t kind = std::get<0>(s);
-  TORCH_CHECK(kind >= 0 && kind <= 3, "projection kind must be 0..3, got ", kind);
+  TORCH_CHECK(kind >= 0 && kind <= 4, "projection kind must be 0..4, got ", kind);
   return Proj{static_cast<Kind>(kind), std::get<1>(s), std::get<2>(s), std::get<3>(s)};
 }
 
