@@ -42,6 +42,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
         default=ServerConfig.decode_fused_layer,
         help="the layers as one C++ call each (model/fused_decode.py); off: the modules, op by op",
     )
+    p.add_argument(
+        "--ab",
+        action="store_true",
+        help="instead of the profile: time the step with the fused layers and with the modules, "
+        "alternating step by step in one engine (same weights, same pool), and report their medians' ratio",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--context", type=int, default=256, help="prompt tokens before decoding")
     p.add_argument("--warmup", type=int, default=8, help="untimed decode steps first")
@@ -119,6 +125,27 @@ def _components(t: _Table, num_layers: int) -> dict[str, float]:
     return {**inside, **outside}
 
 
+def _ab(engine: Engine, steps: int) -> dict[str, Any]:
+    """Alternate steps with the fused layers and without (model.fused_decode set and unset), so a
+    shared machine's load drift hits both alike; the medians and their ratio."""
+    model = engine.runner.model
+    fused = model.fused_decode
+    if fused is None:
+        raise SystemExit("decode_profile --ab: the engine has no fused layers (--decode-fused-layer off?)")
+    times: dict[str, list[float]] = {"fused": [], "modules": []}
+    try:
+        for i in range(2 * steps):
+            name = "fused" if i % 2 == 0 else "modules"
+            model.fused_decode = fused if name == "fused" else None
+            t0 = time.perf_counter()
+            engine.step()
+            times[name].append(time.perf_counter() - t0)
+    finally:
+        model.fused_decode = fused
+    med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    return {"fused_ms": med["fused"], "modules_ms": med["modules"], "fused_over_modules": med["fused"] / med["modules"]}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     engine = _engine(args)
     try:
@@ -131,6 +158,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             engine.step()
         for _ in range(args.warmup):
             engine.step()
+        if args.ab:
+            return {"quantization": args.quantization, "threads": args.threads, "ab": _ab(engine, args.steps)}
         times = []
         for _ in range(args.steps):
             t0 = time.perf_counter()
@@ -161,6 +190,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvpipe.bench.decode_profile", description=__doc__.split("\n")[0])
     add_args(p)
     res = run(p.parse_args(argv))
+    if "ab" in res:
+        ab = res["ab"]
+        print(
+            f"quantization={res['quantization']} threads={res['threads']}: decode step median "
+            f"{ab['fused_ms']:.2f} ms fused, {ab['modules_ms']:.2f} ms modules, "
+            f"fused/modules {ab['fused_over_modules']:.3f} (alternating step by step)"
+        )
+        return 0
     print(f"quantization={res['quantization']} decode_fused_layer={res['decode_fused_layer']} threads={res['threads']}")
     print(f"decode step: median {res['step_ms_median']:.2f} ms plain, {res['profiled_step_ms']:.2f} ms under cProfile")
     for name, ms in res["components_ms"].items():
