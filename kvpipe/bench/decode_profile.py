@@ -1,6 +1,6 @@
 """Where a decode step's time goes: `python -m kvpipe.bench.decode_profile` (issue 31).
 
-One request (random prompt of --context tokens, greedy, EOS ignored) decodes through the real
+--batch requests (default one; random prompts of --context tokens, greedy, EOS ignored) decode through the real
 engine path (Engine.step, as `bench engine`'s decode loop); after --warmup untimed steps, --steps
 steps are timed plainly (the median is the step time), then --steps more run under cProfile and
 the cumulative time of each component is reported per step. cProfile adds its own cost to every
@@ -50,6 +50,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--context", type=int, default=256, help="prompt tokens before decoding")
+    p.add_argument("--batch", type=int, default=1, help="requests decoding together")
     p.add_argument("--warmup", type=int, default=8, help="untimed decode steps first")
     p.add_argument("--steps", type=int, default=32, help="timed steps, and profiled steps")
 
@@ -60,8 +61,10 @@ def _engine(args: argparse.Namespace) -> Engine:
         seed=0,
         log_level="warning",
         cpu_threads=args.threads,
-        cache=CacheConfig(page_size=64, max_total_tokens=args.context + args.warmup + 2 * args.steps + 128),
-        scheduler=SchedulerConfig(max_running_requests=8),
+        cache=CacheConfig(
+            page_size=64, max_total_tokens=args.batch * (args.context + args.warmup + 2 * args.steps + 128)
+        ),
+        scheduler=SchedulerConfig(max_running_requests=max(8, args.batch)),
         quantization=args.quantization,
         decode_fused_layer=args.decode_fused_layer,
     )
@@ -150,16 +153,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     engine = _engine(args)
     try:
         rng = np.random.default_rng(0)
-        ids = rng.integers(0, engine.model_config.vocab_size, size=args.context).tolist()
         params = SamplingParams(max_new_tokens=args.warmup + 2 * args.steps + 4, temperature=0.0, ignore_eos=True)
-        req = Req("profile", ids, params)
-        engine.add_request(req)
-        while not req.output_ids:  # the prefill
+        reqs = [
+            Req(f"profile-{i}", rng.integers(0, engine.model_config.vocab_size, size=args.context).tolist(), params)
+            for i in range(args.batch)
+        ]
+        for req in reqs:
+            engine.add_request(req)
+        while not all(r.output_ids for r in reqs):  # the prefills
             engine.step()
         for _ in range(args.warmup):
             engine.step()
         if args.ab:
-            return {"quantization": args.quantization, "threads": args.threads, "ab": _ab(engine, args.steps)}
+            ab = _ab(engine, args.steps)
+            return {"quantization": args.quantization, "threads": args.threads, "batch": args.batch, "ab": ab}
         times = []
         for _ in range(args.steps):
             t0 = time.perf_counter()
@@ -193,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     if "ab" in res:
         ab = res["ab"]
         print(
-            f"quantization={res['quantization']} threads={res['threads']}: decode step median "
+            f"quantization={res['quantization']} threads={res['threads']} batch={res['batch']}: decode step median "
             f"{ab['fused_ms']:.2f} ms fused, {ab['modules_ms']:.2f} ms modules, "
             f"fused/modules {ab['fused_over_modules']:.3f} (alternating step by step)"
         )

@@ -80,7 +80,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w) {
   stack.emplace_back(c10::IValue());  // no bias
   stack.emplace_back(std::string("none"));
   stack.emplace_back(c10::List<std::optional<at::Scalar>>());
-  stack.emplace_back(c10::IValue());  // no algorithm
+  stack.emplace_back(std::string(""));  // no algorithm, as packed_linear.py passes it
   op.callBoxed(&stack);
   return std::move(stack[0]).toTensor();
 }
