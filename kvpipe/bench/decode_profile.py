@@ -131,7 +131,7 @@ def _components(t: _Table, num_layers: int) -> dict[str, float]:
 def _ab(engine: Engine, steps: int) -> dict[str, Any]:
     """Alternate steps with the fused layers and without (model.fused_decode set and unset), so a
     shared machine's load drift hits both alike; the medians and their ratio."""
-    model = engine.runner.model
+    model = engine.model
     fused = model.fused_decode
     if fused is None:
         raise SystemExit("decode_profile --ab: the engine has no fused layers (--decode-fused-layer off?)")
