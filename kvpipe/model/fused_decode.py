@@ -48,7 +48,8 @@ from kvpipe.model.mlp import MLP
 from kvpipe.model.norms import RMSNorm
 from kvpipe.model.quantized_weight import Int4Weight, Int8Weight
 
-# "auto": the largest decode batch that takes the fused layers (the GEMMs dominate beyond it)
+# "auto": the largest decode batch that takes the fused layers. Measured faster than the modules at
+# 1, 8 and 32 rows (docs/benchmarks.md, issue 31); beyond 64 unmeasured, and the GEMMs dominate there
 AUTO_MAX_BATCH = 64
 
 # decode_layer.cpp's projection kinds
