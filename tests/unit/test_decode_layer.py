@@ -6,9 +6,12 @@ fp32-gemv mode (kvpipe's fp32 GEMV) is held to the tolerance of tests/helpers/to
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 
+from kvpipe.commands.flags import add_http_api_args, add_server_args, server_config_from_args
 from kvpipe.config import ConfigError, ServerConfig
 from kvpipe.engine.model_runner import make_kv_pool
 from kvpipe.model.causal_lm import CausalLM
@@ -134,3 +137,11 @@ def test_fp32_gemv_logits_within_the_tolerance_and_greedy_tokens_unchanged(tiny_
     assert torch.equal(got[:9], want[:9])  # prefill: the module path
     assert_close_logits(got, want, model.cfg, positions=len(ids))
     assert greedy_generate(model, ids[:9], 16, PAGE) == want_tokens
+
+
+@pytest.mark.parametrize(("argv", "want"), [([], "auto"), (["--decode-fused-layer", "off"], "off")])
+def test_decode_fused_layer_flag(tmp_path, argv: list[str], want: str) -> None:
+    p = argparse.ArgumentParser()
+    add_server_args(p)
+    add_http_api_args(p)
+    assert server_config_from_args(p.parse_args(["--model-path", str(tmp_path), *argv])).decode_fused_layer == want
