@@ -52,6 +52,9 @@ MAMBA_SCHEDULER_STRATEGIES = ("auto", "no_buffer", "extra_buffer")  # --mamba-sc
 # --quantization (weight-only, CPU; kvpipe/model/quantization.py): int8 per output channel, int4 in
 # groups of 32; None: the weights in --dtype
 QUANTIZATIONS = ("w8a16", "w4a16")
+# --decode-fused-layer (kvpipe/model/fused_decode.py); fp32-gemv: "on" with kvpipe's own fp32 GEMV
+# for the projections and the logits (other fp32 bits than oneDNN's/MKL's: opt-in)
+DECODE_FUSED_LAYER_MODES = ("auto", "on", "off", "fp32-gemv")
 
 
 @dataclass(frozen=True)
@@ -531,6 +534,10 @@ class ServerConfig:
     request_metrics: bool = True
     # weight-only quantization of the linear layers (--quantization): None or one of QUANTIZATIONS
     quantization: str | None = None
+    # a decode step's decoder layers as one C++ call each (--decode-fused-layer, kvpipe/model/
+    # fused_decode.py): "auto" (decode batches up to 64 rows), "on", "off" (the same bits in all
+    # three), "fp32-gemv" ("on" with kvpipe's fp32 GEMV: fp32 logits differ in the last bits)
+    decode_fused_layer: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:
@@ -547,6 +554,10 @@ class ServerConfig:
             raise ConfigError(f"the debug request history must be a count >= 0, got {self.debug_requests_history!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.decode_fused_layer not in DECODE_FUSED_LAYER_MODES:
+            raise ConfigError(
+                f"decode_fused_layer must be one of {DECODE_FUSED_LAYER_MODES}, got {self.decode_fused_layer!r}"
+            )
 
     def check_servable(self) -> None:
         """Refuse PD set-ups no server can run (a TP group cannot share the in-process local

@@ -1,6 +1,6 @@
 """Where a decode step's time goes: `python -m kvpipe.bench.decode_profile` (issue 31).
 
-One request (random prompt of --context tokens, greedy, EOS ignored) decodes through the real
+--batch requests (default one; random prompts of --context tokens, greedy, EOS ignored) decode through the real
 engine path (Engine.step, as `bench engine`'s decode loop); after --warmup untimed steps, --steps
 steps are timed plainly (the median is the step time), then --steps more run under cProfile and
 the cumulative time of each component is reported per step. cProfile adds its own cost to every
@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpipe.config import CacheConfig, SchedulerConfig, ServerConfig
+from kvpipe.config import DECODE_FUSED_LAYER_MODES, CacheConfig, SchedulerConfig, ServerConfig
 from kvpipe.engine.cpu_threads import apply_cpu_threads, server_cpu_threads
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import Req, SamplingParams
@@ -36,8 +36,21 @@ LAYER_CALLERS: tuple[Fn, ...] = (
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-path", default=None, help="checkpoint (default: the default model, SmolLM2-135M)")
     p.add_argument("--quantization", default=None, help="w8a16 or w4a16 (default: none)")
+    p.add_argument(
+        "--decode-fused-layer",
+        choices=list(DECODE_FUSED_LAYER_MODES),
+        default=ServerConfig.decode_fused_layer,
+        help="the layers as one C++ call each (model/fused_decode.py); off: the modules, op by op",
+    )
+    p.add_argument(
+        "--ab",
+        action="store_true",
+        help="instead of the profile: time the step with the fused layers and with the modules, "
+        "alternating step by step in one engine (same weights, same pool), and report their medians' ratio",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--context", type=int, default=256, help="prompt tokens before decoding")
+    p.add_argument("--batch", type=int, default=1, help="requests decoding together")
     p.add_argument("--warmup", type=int, default=8, help="untimed decode steps first")
     p.add_argument("--steps", type=int, default=32, help="timed steps, and profiled steps")
 
@@ -48,9 +61,12 @@ def _engine(args: argparse.Namespace) -> Engine:
         seed=0,
         log_level="warning",
         cpu_threads=args.threads,
-        cache=CacheConfig(page_size=64, max_total_tokens=args.context + args.warmup + 2 * args.steps + 128),
-        scheduler=SchedulerConfig(max_running_requests=8),
+        cache=CacheConfig(
+            page_size=64, max_total_tokens=args.batch * (args.context + args.warmup + 2 * args.steps + 128)
+        ),
+        scheduler=SchedulerConfig(max_running_requests=max(8, args.batch)),
         quantization=args.quantization,
+        decode_fused_layer=args.decode_fused_layer,
     )
     apply_cpu_threads(server_cpu_threads(cfg))
     return Engine(cfg)
@@ -83,15 +99,19 @@ def _components(t: _Table, num_layers: int) -> dict[str, float]:
     """Seconds of each part of the profiled steps (no part nests in another). cProfile's callers
     of a module's forward are torch's Module.__call__, so a part is a function's time in all its
     calls: the GEMMs are every Linear's (a tied lm_head is not one), the layers' norms the share
-    2L / (2L + 1) of RMSNorm's (the final norm is the last one)."""
-    layers = t.cum(("model/decoder_layer.py", "forward"))
+    2L / (2L + 1) of RMSNorm's (the final norm is the last one). With --decode-fused-layer the
+    layers are one C++ call each, a part of its own with nothing inside it visible."""
+    fused = t.cum(("model/fused_decode.py", "run"))
+    layers = t.cum(("model/decoder_layer.py", "forward")) + fused
+    norms = 0.0 if fused else t.cum(("model/norms.py", "forward")) * 2 * num_layers / (2 * num_layers + 1)
     inside = {
+        "fused decoder layers (one C++ call each: everything of the layers)": fused,
         "GEMMs of the layers (q/k/v, o, gate/up, down)": t.cum(("model/linear.py", "forward")),
         "RoPE + K/V store": t.cum(("", "rope_store"))
         + t.cum(("model/rope.py", "apply_rope"))
         + t.cum(("cache/kv_pool.py", "write")),
         "decode attention kernel": t.cum(("model/attention.py", "decode_attention")),
-        "RMSNorms of the layers": t.cum(("model/norms.py", "forward")) * 2 * num_layers / (2 * num_layers + 1),
+        "RMSNorms of the layers": norms,
         "SwiGLU silu": t.cum(("nn/functional.py", "silu")),
     }
     inside["rest of the layers (residual adds, SwiGLU mul, views, module calls)"] = layers - sum(inside.values())
@@ -108,18 +128,45 @@ def _components(t: _Table, num_layers: int) -> dict[str, float]:
     return {**inside, **outside}
 
 
+def _ab(engine: Engine, steps: int) -> dict[str, Any]:
+    """Alternate steps with the fused layers and without (model.fused_decode set and unset), so a
+    shared machine's load drift hits both alike; the medians and their ratio."""
+    model = engine.model
+    fused = model.fused_decode
+    if fused is None:
+        raise SystemExit("decode_profile --ab: the engine has no fused layers (--decode-fused-layer off?)")
+    times: dict[str, list[float]] = {"fused": [], "modules": []}
+    try:
+        for i in range(2 * steps):
+            name = "fused" if i % 2 == 0 else "modules"
+            model.fused_decode = fused if name == "fused" else None
+            t0 = time.perf_counter()
+            engine.step()
+            times[name].append(time.perf_counter() - t0)
+    finally:
+        model.fused_decode = fused
+    med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    return {"fused_ms": med["fused"], "modules_ms": med["modules"], "fused_over_modules": med["fused"] / med["modules"]}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     engine = _engine(args)
     try:
         rng = np.random.default_rng(0)
-        ids = rng.integers(0, engine.model_config.vocab_size, size=args.context).tolist()
         params = SamplingParams(max_new_tokens=args.warmup + 2 * args.steps + 4, temperature=0.0, ignore_eos=True)
-        req = Req("profile", ids, params)
-        engine.add_request(req)
-        while not req.output_ids:  # the prefill
+        reqs = [
+            Req(f"profile-{i}", rng.integers(0, engine.model_config.vocab_size, size=args.context).tolist(), params)
+            for i in range(args.batch)
+        ]
+        for req in reqs:
+            engine.add_request(req)
+        while not all(r.output_ids for r in reqs):  # the prefills
             engine.step()
         for _ in range(args.warmup):
             engine.step()
+        if args.ab:
+            ab = _ab(engine, args.steps)
+            return {"quantization": args.quantization, "threads": args.threads, "batch": args.batch, "ab": ab}
         times = []
         for _ in range(args.steps):
             t0 = time.perf_counter()
@@ -138,6 +185,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         engine.shutdown()
     return {
         "quantization": args.quantization,
+        "decode_fused_layer": args.decode_fused_layer,
         "threads": args.threads,
         "step_ms_median": 1e3 * statistics.median(times),
         "profiled_step_ms": 1e3 * profiled / args.steps,
@@ -149,7 +197,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvpipe.bench.decode_profile", description=__doc__.split("\n")[0])
     add_args(p)
     res = run(p.parse_args(argv))
-    print(f"quantization={res['quantization']} threads={res['threads']}")
+    if "ab" in res:
+        ab = res["ab"]
+        print(
+            f"quantization={res['quantization']} threads={res['threads']} batch={res['batch']}: decode step median "
+            f"{ab['fused_ms']:.2f} ms fused, {ab['modules_ms']:.2f} ms modules, "
+            f"fused/modules {ab['fused_over_modules']:.3f} (alternating step by step)"
+        )
+        return 0
+    print(f"quantization={res['quantization']} decode_fused_layer={res['decode_fused_layer']} threads={res['threads']}")
     print(f"decode step: median {res['step_ms_median']:.2f} ms plain, {res['profiled_step_ms']:.2f} ms under cProfile")
     for name, ms in res["components_ms"].items():
         print(f"  {name:66s} {ms:7.2f} ms/step ({100 * ms / res['profiled_step_ms']:4.1f}%)")

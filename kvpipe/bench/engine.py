@@ -69,6 +69,7 @@ from kvpipe.bench.machine import cpu_name
 from kvpipe.bench.spec_decode import WORKLOADS, format_spec
 from kvpipe.bench.spec_decode import compare as compare_speculative
 from kvpipe.config import (
+    DECODE_FUSED_LAYER_MODES,
     KV_CACHE_DTYPES,
     MODEL_DTYPES,
     QUANTIZATIONS,
@@ -156,6 +157,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
         default="none",
         help="weight-only quantization; comma-separated: one engine per mode, one after the other in "
         f"this run (each of none, {', '.join(QUANTIZATIONS)})",
+    )
+    p.add_argument(
+        "--decode-fused-layer",
+        default=ServerConfig.decode_fused_layer,
+        help="a decode step's layers as one C++ call each; comma-separated: one engine per mode, one "
+        f"after the other in this run (each of {', '.join(DECODE_FUSED_LAYER_MODES)})",
     )
     p.add_argument(
         "--compare-llamacpp",
@@ -339,6 +346,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             max_prefill_tokens=args.max_prefill_tokens,
         ),
         quantization=quantization,
+        decode_fused_layer=args.decode_fused_layer,
     )
     try:  # a bad checkpoint: one line, not a traceback from the engine's load
         check_checkpoint(model_path, quantization=quantization)
@@ -463,6 +471,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "seed": args.seed,
             "compare_hf": None if hf is None else {"attn_implementation": hf.attn, "threads": hf.threads},
             "quantization": quantization,
+            "decode_fused_layer": args.decode_fused_layer,
             "compare_llamacpp": None
             if not llama
             else {
@@ -496,20 +505,27 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     badq = [q for q in quants if q != "none" and q not in QUANTIZATIONS]
     if badq or not quants:
         raise SystemExit(f"kvpipe bench engine: --quantization takes none, {', '.join(QUANTIZATIONS)}, got {badq}")
+    fused = [f.strip() for f in str(args.decode_fused_layer).split(",") if f.strip()]
+    badf = [f for f in fused if f not in DECODE_FUSED_LAYER_MODES]
+    if badf or not fused:
+        raise SystemExit(
+            f"kvpipe bench engine: --decode-fused-layer takes {', '.join(DECODE_FUSED_LAYER_MODES)}, got {badf}"
+        )
     reports = []
     with ExitStack() as stack:
         workdir = args.llamacpp_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="kvpipe-llamacpp-"))
         for kv in kv_dtypes:  # one engine at a time: their pools never share the memory
             for q in quants:
-                over = {"kv_cache_dtype": kv, "quantization": q, "llamacpp_dir": workdir}
-                report = run_bench(argparse.Namespace(**{**vars(args), **over}))
-                reports.append(report)
-                if not args.json:
-                    print(format_table(report), flush=True)
-                    if report["config"].get("compare_llamacpp"):
-                        print(format_llamacpp(report), flush=True)
-                    if "speculative" in report:
-                        print(format_spec(report["speculative"]), flush=True)
+                for f in fused:
+                    over = {"kv_cache_dtype": kv, "quantization": q, "decode_fused_layer": f, "llamacpp_dir": workdir}
+                    report = run_bench(argparse.Namespace(**{**vars(args), **over}))
+                    reports.append(report)
+                    if not args.json:
+                        print(format_table(report), flush=True)
+                        if report["config"].get("compare_llamacpp"):
+                            print(format_llamacpp(report), flush=True)
+                        if "speculative" in report:
+                            print(format_spec(report["speculative"]), flush=True)
     result = reports[0] if len(reports) == 1 else {"runs": reports}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -170,7 +170,11 @@ def format_llamacpp(report: dict[str, Any]) -> str:
     if not lc:
         return ""
     q = report["config"].get("quantization") or "none"
-    rows = [f"llama.cpp {lc['version']} ({lc['threads']} threads) against kvpipe --quantization {q}"]
+    fused = report["config"].get("decode_fused_layer", "auto")
+    rows = [
+        f"llama.cpp {lc['version']} ({lc['threads']} threads) against kvpipe --quantization {q} "
+        f"--decode-fused-layer {fused}"
+    ]
     for x in report["prefill"]:
         for kind, r in x.get("llamacpp", {}).items():
             rows.append(

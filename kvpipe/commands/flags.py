@@ -10,6 +10,7 @@ import os
 
 from kvpipe.commands.hicache_flags import add_hicache_args, hicache_config_from_args
 from kvpipe.config import (
+    DECODE_FUSED_LAYER_MODES,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     KV_CACHE_DTYPES,
     MAMBA_SCHEDULER_STRATEGIES,
@@ -116,6 +117,14 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         help="weight-only quantization of the linear layers on CPU: w8a16 int8 per output channel, w4a16 "
         "int4 in groups of 32 (GGUF Q4_0/Q4_1 loaded straight); dense Llama/Qwen2/Qwen3 only. "
         "Prefill and decode of a PD pair must agree",
+    )
+    p.add_argument(
+        "--decode-fused-layer",
+        choices=list(DECODE_FUSED_LAYER_MODES),
+        default=ServerConfig.decode_fused_layer,
+        help="run each decoder layer of a decode step as one C++ call (CPU, fp32 Llama-style layers; "
+        "the same ops, the same bits): auto (decode batches up to 64 rows), on, off (the module path); "
+        "fp32-gemv: on, with kvpipe's fp32 GEMV for the projections and logits (fp32 results differ in the last bits)",
     )
     add_disaggregation_args(p)
     add_speculative_args(p)
@@ -466,6 +475,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             hicache=hicache_config_from_args(args),
             request_metrics=not getattr(args, "disable_request_metrics", False),
             quantization=getattr(args, "quantization", None),
+            decode_fused_layer=getattr(args, "decode_fused_layer", ServerConfig.decode_fused_layer),
         )
         cfg.check_servable()
         return cfg

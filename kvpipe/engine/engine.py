@@ -52,6 +52,7 @@ from kvpipe.engine.state_rollback import StateRollback
 from kvpipe.engine.store_setup import attach_store_tier
 from kvpipe.engine.timeline import Phase, TimelineRecord
 from kvpipe.engine.tp_group import TPGroup, build_runner
+from kvpipe.model.causal_lm import LMBase
 from kvpipe.model.config import ModelConfig
 from kvpipe.model.loader import load_generation_eos
 from kvpipe.model.tokenizer import Tokenizer
@@ -708,6 +709,12 @@ class Engine:
         if g is None:
             g = self._generators[req.rid] = make_generator(req.params.seed, self._device)
         return g
+
+    @property
+    def model(self) -> LMBase:
+        """This process's model (rank 0's under TP): for benchmarks that switch a model-level path
+        step by step (bench/decode_profile.py --ab)."""
+        return self.runner.model
 
     def shutdown(self) -> None:
         with self._lock:

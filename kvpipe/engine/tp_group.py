@@ -86,6 +86,7 @@ def build_runner(cfg: ServerConfig, parallel: ParallelConfig, device: str) -> Mo
         None if cfg.dtype == "auto" else cfg.dtype,
         group,
         quantization=cfg.quantization,
+        decode_fused_layer=cfg.decode_fused_layer,
     )
     # a hybrid target keeps per-position states of its verify forwards (cache/verify_states.py);
     # a PD prefill never verifies

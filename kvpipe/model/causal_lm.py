@@ -20,6 +20,7 @@ from kvpipe.config import ConfigError, ParallelConfig
 from kvpipe.model.config import ModelConfig
 from kvpipe.model.decoder_layer import DecoderLayer
 from kvpipe.model.forward_batch import ForwardBatch
+from kvpipe.model.fused_decode import FusedDecodeLayers
 from kvpipe.model.kv_scales import KVScales
 from kvpipe.model.linear import Linear
 from kvpipe.model.norms import RMSNorm
@@ -51,6 +52,9 @@ class LMBase(nn.Module):
         self.head_quant: Int8Weight | None = None
         # fp8 KV-cache scales per KV layer (the loader reads the checkpoint's; kv_scales.py)
         self.kv_scales = KVScales.ones(len(cfg.kv_layers))
+        # the decode step's layers as one C++ call each (--decode-fused-layer; fused_decode.py),
+        # set once loaded by enable_fused_decode; None: the module path
+        self.fused_decode: FusedDecodeLayers | None = None
         self.init_rope()
 
     def init_rope(self, device: str | torch.device | None = None) -> None:
@@ -89,6 +93,9 @@ class LMBase(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Final norm + lm_head on the rows in batch.logit_indices -> [B_out, vocab] fp32."""
         h = self.norm(hidden[batch.logit_indices])
+        fused = self.fused_decode
+        if fused is not None and (logits := fused.logits(h, batch)) is not None:  # --decode-fused-layer fp32-gemv
+            return logits
         if self.lm_head is None:  # tied: the embedding table (dense, the lookup needs it)
             if self.head_quant is not None:
                 return self.head_quant(h).float()
@@ -128,6 +135,9 @@ class CausalLM(LMBase, ABC):
         """Run layers [start, end); writes their K/V into `pool` (global layer index)."""
         self.check_layers(start, end)
         cos, sin = self.rope(batch, hidden)
+        fused = self.fused_decode
+        if fused is not None and fused.takes(batch, pool, hidden, start, end):
+            return fused.run(hidden, cos, sin, batch, pool, start, end)
         for i in range(start, end):
             hidden = self.layers[i](hidden, cos, sin, batch, pool)
         return hidden

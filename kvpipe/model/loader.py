@@ -25,6 +25,7 @@ from torch import nn
 from kvpipe.config import ConfigError, ParallelConfig
 from kvpipe.model.causal_lm import LMBase, check_parallel
 from kvpipe.model.config import ModelConfig
+from kvpipe.model.fused_decode import build_fused_decode
 from kvpipe.model.fused_projections import fuse_projections, fusing_enabled
 from kvpipe.model.gguf.checkpoint import GGUFCheckpoint, gguf_checkpoint
 from kvpipe.model.gguf.tensors import progress_bar
@@ -198,9 +199,12 @@ def load_model(
     dtype: torch.dtype | str | None = None,
     group: dist.ProcessGroup | None = None,
     quantization: str | None = None,
+    decode_fused_layer: str = "auto",
 ) -> LMBase:
     """`model_dir`: an HF checkpoint directory, a .gguf file, or a directory holding one;
-    `quantization`: --quantization's weight-only int8/int4 linears (quantization.py)."""
+    `quantization`: --quantization's weight-only int8/int4 linears (quantization.py);
+    `decode_fused_layer`: --decode-fused-layer, a decode step's layers as one C++ call each
+    (fused_decode.py)."""
     model_dir = Path(model_dir)
     ckpt = gguf_checkpoint(model_dir)
     raw = ckpt.config if ckpt is not None else read_hf_config(model_dir)
@@ -256,6 +260,8 @@ def load_model(
         fuse_projections(model)
     if packing_enabled():
         pack_linears(model)
+    if torch.device(device).type == "cpu":  # after fusing and packing: it holds the final weights
+        model.fused_decode = build_fused_decode(model, decode_fused_layer)
     return model.eval()
 
 

@@ -32,9 +32,17 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("paged_decode.cpp")
 EXTENSION_NAME = "kvpipe_paged_decode"
 # the other extensions, source stem -> module name: the weight-only quantized linears
-# (weight_only.cpp) and the RoPE + KV store of the decode step (rope_store.cpp), each in its own
-# subdirectory of the build directory (torch's build files are per directory)
-EXTRA_KERNELS = {"weight_only": "kvpipe_weight_only", "rope_store": "kvpipe_rope_store"}
+# (weight_only.cpp), the RoPE + KV store of the decode step (rope_store.cpp) and the one-call
+# decoder layer of a decode step (decode_layer.cpp), each in its own subdirectory of the build
+# directory (torch's build files are per directory)
+EXTRA_KERNELS = {
+    "weight_only": "kvpipe_weight_only",
+    "rope_store": "kvpipe_rope_store",
+    "decode_layer": "kvpipe_decode_layer",
+}
+# sources an extension #includes: torch's JIT build rebuilds when the listed source or the flags
+# change, so their digest goes into the flags (decode_layer.cpp compiles the other kernels' code)
+INCLUDED_SOURCES = {"decode_layer": ("weight_only", "rope_store", "paged_decode")}
 DISABLE_ENV = "KVPIPE_CPU_KERNELS"
 DIR_ENV = "KVPIPE_KERNEL_DIR"
 # -fopenmp: at::parallel_for is inline OpenMP in ATen's headers (the .so then shares torch's libgomp)
@@ -93,7 +101,11 @@ def build_lock(directory: Path) -> Iterator[None]:
 
 
 def build(
-    source: Path | None = None, directory: Path | None = None, verbose: bool = False, name: str = EXTENSION_NAME
+    source: Path | None = None,
+    directory: Path | None = None,
+    verbose: bool = False,
+    name: str = EXTENSION_NAME,
+    extra_cflags: tuple[str, ...] = (),
 ) -> ModuleType:
     """Compile (or reuse) and import the extension; raises when it cannot be built. `name`: another
     module name lets a second build of another source (a baseline to benchmark against) load into
@@ -107,7 +119,7 @@ def build(
         return load(
             name=name,
             sources=[str(source)],
-            extra_cflags=CFLAGS,
+            extra_cflags=[*CFLAGS, *extra_cflags],
             extra_ldflags=["-fopenmp"],
             build_directory=str(directory),
             verbose=verbose,
@@ -122,7 +134,11 @@ def load_extension() -> ModuleType | None:
 
 def build_extra(stem: str) -> ModuleType:
     """Compile (or reuse) and import one of EXTRA_KERNELS."""
-    return build(Path(__file__).with_name(f"{stem}.cpp"), build_dir() / stem, name=EXTRA_KERNELS[stem])
+    here = Path(__file__).parent
+    included = INCLUDED_SOURCES.get(stem, ())
+    digest = hashlib.sha256(b"".join((here / f"{s}.cpp").read_bytes() for s in included)).hexdigest()[:16]
+    flags = (f"-DKVPIPE_INCLUDED_SOURCES_DIGEST={digest}",) if included else ()
+    return build(here / f"{stem}.cpp", build_dir() / stem, name=EXTRA_KERNELS[stem], extra_cflags=flags)
 
 
 @functools.cache

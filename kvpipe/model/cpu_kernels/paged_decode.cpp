@@ -591,6 +591,8 @@ at::Tensor paged_decode(const at::Tensor& q_in, const at::Tensor& k, const at::T
 
 }  // namespace
 
+// decode_layer.cpp compiles this file's kernels into its own extension: without a module of their own
+#ifndef KVPIPE_KERNELS_NO_MODULE
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention over KV pages read in place",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("pages"),
@@ -598,3 +600,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("sinks"), pybind11::arg("scale"), pybind11::arg("k_scale") = 1.0,
         pybind11::arg("v_scale") = 1.0);
 }
+#endif  // KVPIPE_KERNELS_NO_MODULE

@@ -91,8 +91,11 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
 
 #pragma GCC pop_options
 
+// decode_layer.cpp compiles this file's kernels into its own extension: without a module of their own
+#ifndef KVPIPE_KERNELS_NO_MODULE
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_store", &rope_store, "RoPE of q and k, and k and v stored into the paged pool", pybind11::arg("qkv"),
         pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("k_pool"), pybind11::arg("v_pool"),
         pybind11::arg("pages"), pybind11::arg("offsets"), pybind11::arg("hq"), pybind11::arg("hkv"));
 }
+#endif  // KVPIPE_KERNELS_NO_MODULE

@@ -1,5 +1,6 @@
 // Weight-only quantized linears on CPU: y [M, N] = x [M, K] (fp32) times int8 or int4 weights
-// [N, K], dequantized as they are read (quantized_weight.py holds the formats).
+// [N, K], dequantized as they are read (quantized_weight.py holds the formats); and the same loop
+// over plain fp32 weights (f32_linear, --decode-fused-layer fp32-gemv, model/fused_decode.py).
 //
 // Why not torch's kernels: `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` vectorise only
 // bf16 inputs and still ran a [1536, 576] weight at one row in 0.6-1 ms on the Xeon of
@@ -190,6 +191,26 @@ void int4_tile(const float* x, int64_t ldx, const uint8_t* codes, const float* s
   for (int r = 0; r < R; ++r) y[r * ldy] = finish(acc[r]);
 }
 
+// R rows of x against one fp32 weight row w: out[r] = x[r] . w (the int8 tile's order, no scale)
+template <int R>
+void f32_tile(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy) {
+  Vec acc[R][kAcc];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < kAcc; ++i) acc[r][i] = vzero();
+  const int64_t kv = K - K % kStep;
+  for (int64_t k = 0; k < kv; k += kStep) {
+    Vec wv[kAcc];
+    for (int i = 0; i < kAcc; ++i) wv[i] = vload(w + k + W * i);
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < kAcc; ++i) acc[r][i] = vfma(vload(x + r * ldx + k + W * i), wv[i], acc[r][i]);
+  }
+  for (int r = 0; r < R; ++r) {
+    float s = finish(acc[r]);
+    for (int64_t k = kv; k < K; ++k) s += x[r * ldx + k] * w[k];
+    y[r * ldy] = s;
+  }
+}
+
 at::Tensor check_x(const at::Tensor& x, int64_t K) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == K, "x must be a CPU [M, K] tensor, K = ", K);
   return x.to(at::kFloat).contiguous();
@@ -261,11 +282,47 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& codes_in, const
   return y;
 }
 
+// x [M, K]; w fp32 [N, K] dense row-major -> [M, N] fp32. A GEMV at bandwidth for a decode
+// step's few rows (--decode-fused-layer fp32-gemv): oneDNN's packed product reads a [1536, 576]
+// weight at one row well below the memory bandwidth. Its sums run in another order than
+// oneDNN's, so its fp32 results differ from the default path's in the last bits.
+at::Tensor f32_linear(const at::Tensor& x_in, const at::Tensor& w_in) {
+  TORCH_CHECK(w_in.scalar_type() == at::kFloat && w_in.dim() == 2 && !w_in.is_mkldnn(), "w must be dense float32 [N, K]");
+  const int64_t N = w_in.size(0), K = w_in.size(1);
+  const at::Tensor x = check_x(x_in, K), w = w_in.contiguous();
+  const int64_t M = x.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t b = n0; b < n1; b += kBlockN)
+    for (int64_t m = 0; m < M; m += kRowsPerTile) {
+      for (int64_t n = b; n < std::min(b + kBlockN, n1); ++n) {
+        const float* xm = xp + m * K;
+        float* ym = yp + m * N + n;
+        switch (std::min<int64_t>(M - m, kRowsPerTile)) {
+          case 4: f32_tile<4>(xm, K, wp + n * K, K, ym, N); break;
+          case 3: f32_tile<3>(xm, K, wp + n * K, K, ym, N); break;
+          case 2: f32_tile<2>(xm, K, wp + n * K, K, ym, N); break;
+          default: f32_tile<1>(xm, K, wp + n * K, K, ym, N);
+        }
+      }
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
+// decode_layer.cpp compiles this file's kernels into its own extension: without a module of their own
+#ifndef KVPIPE_KERNELS_NO_MODULE
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "x [M, K] times int8 weights [N, K] with row scales -> [M, N]",
         pybind11::arg("x"), pybind11::arg("q"), pybind11::arg("scale"));
+  m.def("f32_linear", &f32_linear, "x [M, K] times fp32 weights [N, K] -> [M, N], each output in an order of K only",
+        pybind11::arg("x"), pybind11::arg("w"));
   m.def("int4_linear", &int4_linear, "x [M, K] times int4 group weights [N, K] -> [M, N]", pybind11::arg("x"),
         pybind11::arg("codes"), pybind11::arg("scale"), pybind11::arg("minimum"));
 }
+#endif  // KVPIPE_KERNELS_NO_MODULE

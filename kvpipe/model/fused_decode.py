@@ -1,0 +1,220 @@
+"""A decode step's decoder layers as one C++ call each (--decode-fused-layer, issue 31).
+
+Why: at batch 1 a small model's decode step is bound by per-call costs, not by its weights
+(docs/benchmarks.md, issue 31): a Llama layer is ~20 Python-level calls (module calls, views,
+checks, torch dispatch) around its four GEMMs and the attention kernel, 30 layers a step. Here
+each layer is one call into cpu_kernels/decode_layer.cpp, which runs the same ops on the same
+inputs from C++: RMSNorm, residual adds, silu and the SwiGLU product as the same ATen ops, the
+projections as the same oneDNN packed op or weight-only kernel, RoPE + K/V store and the paged
+attention as the same kernels' code. So the outputs and the pool are bit-identical to the module
+path (tests/unit/test_decode_layer.py), in fp32 and in the quantized modes, and PD vs colocated
+stays exact.
+
+Which layers take it: DecoderLayer(RMSNorm, GQAttention, RMSNorm, MLP) with fp32 weights on the
+CPU, q/k/v and gate/up fused (fused_projections.py), no biases, no q/k norms, no window or
+sinks, full rotary dims, TP 1; and per step, a decode batch (every row adds one token) with an
+fp32 pool and fp32 activations. Anything else (prefill, extend, Qwen3's q/k norms, MoE, TP > 1,
+bf16, an fp8 pool) runs the module path. All layers in a range or none: a mixed range runs the
+module path.
+
+Modes (ServerConfig.decode_fused_layer, --decode-fused-layer): "on" (every decode batch the
+layers can take), "auto" (decode batches of at most AUTO_MAX_BATCH rows), "off" (the module path).
+"fp32-gemv" is "on" with the fp32 projections and the fp32 logits of a decode step multiplied by
+cpu_kernels/weight_only.cpp's f32_linear instead of oneDNN's packed product / MKL: a GEMV that
+reads the weights at bandwidth at a few rows, but sums in its own order, so fp32 logits differ from
+the default path's in the last bits (within tests/helpers/tolerance.py's bound; greedy tokens of
+the tests' models unchanged, tests/unit/test_decode_layer.py). It keeps a dense copy of every
+packed fp32 weight (prefill keeps oneDNN's), so an fp32 model's weights take twice the memory. Off
+by default for those two reasons; it changes nothing in the quantized modes' layers but the logits
+of an untied fp32 head.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvpipe.cache.kv_pool import KVPool
+from kvpipe.config import DECODE_FUSED_LAYER_MODES
+from kvpipe.model.cpu_kernels.decode_layer import decode_layer_kernels
+from kvpipe.model.cpu_kernels.weight_only import weight_only_kernels
+from kvpipe.model.decoder_layer import DecoderLayer
+from kvpipe.model.forward_batch import ForwardBatch
+from kvpipe.model.gqa_attention import GQAttention
+from kvpipe.model.linear import Linear
+from kvpipe.model.mlp import MLP
+from kvpipe.model.norms import RMSNorm
+from kvpipe.model.quantized_weight import Int4Weight, Int8Weight
+
+# "auto": the largest decode batch that takes the fused layers. Measured faster than the modules at
+# 1, 8 and 32 rows (docs/benchmarks.md, issue 31); beyond 64 unmeasured, and the GEMMs dominate there
+AUTO_MAX_BATCH = 64
+
+# decode_layer.cpp's projection kinds
+_DENSE, _PACKED, _INT8, _INT4, _F32ROWS = 0, 1, 2, 3, 4
+
+ProjSpec = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class FusedDecodeLayers:
+    """The C++ layer objects of a model, by layer index, and the step-level gate."""
+
+    def __init__(
+        self, layers: dict[int, Any], max_batch: int | None, head: torch.Tensor | None = None, ext: Any = None
+    ) -> None:
+        self.layers = layers  # layer index -> decode_layer.cpp's DecodeLayer
+        self.max_batch = max_batch  # None: any decode batch
+        # fp32-gemv: the dense fp32 [vocab, hidden] logits weight f32_linear multiplies with, and
+        # the weight-only extension holding f32_linear; None: compute_logits' own path
+        self.head = head
+        self.ext = ext
+
+    def logits(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | None:
+        """fp32-gemv: a decode batch's logits [B, vocab] from its final-normed rows h [B, hidden];
+        None where compute_logits' own path runs."""
+        if self.head is None or batch.decode is None or h.dtype != torch.float32:
+            return None
+        if self.max_batch is not None and batch.decode.batch_size > self.max_batch:
+            return None
+        return self.ext.f32_linear(h, self.head)
+
+    def takes(self, batch: ForwardBatch, pool: KVPool, hidden: torch.Tensor, start: int, end: int) -> bool:
+        """Whether layers [start, end) of this forward run fused."""
+        decode = batch.decode
+        if decode is None or hidden.dtype != torch.float32 or pool.dtype != torch.float32 or pool.latent:
+            return False
+        if self.max_batch is not None and decode.batch_size > self.max_batch:
+            return False
+        return all(i in self.layers for i in range(start, end))
+
+    def run(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        pool: KVPool,
+        start: int,
+        end: int,
+    ) -> torch.Tensor:
+        """Layers [start, end) of a decode step: hidden [B, hidden] -> [B, hidden]; writes their K/V."""
+        decode = batch.decode
+        assert decode is not None
+        table, lens, key_start = decode.page_table, decode.lens, decode.key_start
+        pages, offsets = batch.slot_pages, batch.slot_offsets
+        cos, sin = cos.contiguous(), sin.contiguous()
+        for i in range(start, end):
+            hidden = self.layers[i].forward(
+                hidden,
+                cos,
+                sin,
+                pool.k[i],
+                pool.v[i],
+                pages,
+                offsets,
+                table,
+                lens,
+                key_start,
+                pool.k_scale[i],
+                pool.v_scale[i],
+            )
+        return hidden
+
+
+def build_fused_decode(model: nn.Module, mode: str) -> FusedDecodeLayers | None:
+    """The fused layers of a loaded (fused, packed or quantized) model for `mode`; None when the
+    mode is off, the kernels are unavailable, or no layer qualifies."""
+    if mode not in DECODE_FUSED_LAYER_MODES:
+        raise ValueError(f"decode_fused_layer must be one of {DECODE_FUSED_LAYER_MODES}, got {mode!r}")
+    if mode == "off":
+        return None
+    layers = getattr(model, "layers", None)
+    cfg = getattr(model, "cfg", None)
+    if not isinstance(layers, nn.ModuleList) or cfg is None or cfg.rope_dim != cfg.head_dim:
+        return None  # partial rotary: the RoPE + store kernel rotates whole heads
+    gemv = mode == "fp32-gemv"
+    specs = {i: spec for i, layer in enumerate(layers) if (spec := _layer_spec(layer, i, gemv)) is not None}
+    if not specs:
+        return None
+    ext, rows = decode_layer_kernels(), weight_only_kernels()
+    if ext is None or rows is None:
+        return None
+    made = {i: ext.DecodeLayer(**spec) for i, spec in specs.items()}
+    head = _fp32_head(model) if gemv else None
+    return FusedDecodeLayers(made, AUTO_MAX_BATCH if mode == "auto" else None, head, rows)
+
+
+def _fp32_head(model: nn.Module) -> torch.Tensor | None:
+    """The logits' weight as a dense fp32 [vocab, hidden] tensor (the tied embedding table itself,
+    or a dense copy of an fp32 lm_head); None for a quantized head."""
+    if getattr(model, "head_quant", None) is not None:
+        return None
+    head = getattr(model, "lm_head", None)
+    if head is None:
+        table = getattr(model, "embed_tokens", None)
+        return table.detach() if isinstance(table, torch.Tensor) and _fp32_cpu(table) else None
+    if not isinstance(head, Linear) or head.quant is not None or head.bias is not None or not _fp32_cpu(head.weight):
+        return None
+    return _dense(head.weight)
+
+
+def _dense(w: torch.Tensor) -> torch.Tensor:
+    """A weight as a dense row-major fp32 tensor (a copy of a oneDNN-packed one)."""
+    return (w.to_dense() if w.is_mkldnn else w).detach().contiguous()
+
+
+def _layer_spec(layer: nn.Module, index: int, gemv: bool) -> dict[str, object] | None:
+    """decode_layer.cpp's constructor arguments for a layer that qualifies, else None."""
+    if type(layer) is not DecoderLayer:
+        return None
+    attn, mlp, n1, n2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
+    if type(attn) is not GQAttention or type(mlp) is not MLP or type(n1) is not RMSNorm or type(n2) is not RMSNorm:
+        return None
+    if attn.layer != index or attn.qkv is None or attn.q_norm is not None or attn.k_norm is not None:
+        return None
+    if attn.window is not None or attn.sinks is not None or mlp.gate_up is None:
+        return None
+    if n1.eps != n2.eps or not all(_fp32_cpu(n.weight) for n in (n1, n2)):
+        return None
+    projs = [_proj(p, gemv) for p in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj)]
+    if any(p is None for p in projs):
+        return None
+    qkv, o, gate_up, down = projs
+    return {
+        "input_norm": n1.weight.detach(),
+        "post_norm": n2.weight.detach(),
+        "eps": float(n1.eps),
+        "qkv": qkv,
+        "o": o,
+        "gate_up": gate_up,
+        "down": down,
+        "q_heads": attn.num_heads,
+        "kv_heads": attn.num_kv_heads,
+        "head_dim": attn.head_dim,
+        "intermediate": mlp.inter,
+        "scale": float(attn.scale),
+    }
+
+
+def _fp32_cpu(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dtype == torch.float32
+
+
+def _proj(p: Linear, gemv: bool) -> ProjSpec | None:
+    """A projection as decode_layer.cpp holds it; None for one it cannot run (a bias, an
+    all-reduce, a non-fp32 weight). gemv: an fp32 weight goes to f32_linear, densely."""
+    if p.bias is not None or p.all_reduce or not _fp32_cpu(p.weight):
+        return None
+    empty = torch.empty(0)
+    q = p.quant
+    if isinstance(q, Int8Weight):
+        return (_INT8, q.q, q.scale, empty)
+    if isinstance(q, Int4Weight):
+        return (_INT4, q.codes, q.scale, q.minimum)
+    if q is not None or p.weight.numel() == 0:
+        return None
+    if gemv:
+        return (_F32ROWS, _dense(p.weight), empty, empty)
+    return (_PACKED if p.weight.is_mkldnn else _DENSE, p.weight.detach(), empty, empty)

@@ -1,0 +1,147 @@
+"""A decode step's layers as one C++ call each (model/fused_decode.py, cpu_kernels/decode_layer.cpp)
+give the module path's bits: every logit and every stored K/V, one row and a batch of rows with
+contexts of different lengths, in fp32 (oneDNN-packed and dense weights) and with int8 / int4
+weights; prefill and anything the fused layers cannot run stay on the module path. The opt-in
+fp32-gemv mode (kvpipe's fp32 GEMV) is held to the tolerance of tests/helpers/tolerance.py instead."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from kvpipe.commands.flags import add_http_api_args, add_server_args, server_config_from_args
+from kvpipe.config import ConfigError, ServerConfig
+from kvpipe.engine.model_runner import make_kv_pool
+from kvpipe.model.causal_lm import CausalLM
+from kvpipe.model.cpu_kernels import loader as kernel_loader
+from kvpipe.model.cpu_kernels.weight_only import weight_only_kernels
+from kvpipe.model.forward_batch import ForwardBatch
+from kvpipe.model.fused_decode import FusedDecodeLayers, build_fused_decode
+from kvpipe.model.loader import load_model
+from tests.helpers.hf_models import prompt_ids
+from tests.helpers.paged_model import greedy_generate, incremental_logits, make_pool
+from tests.helpers.tolerance import assert_close_logits, matmul_bound
+
+PAGE = 4
+
+
+def _fused(model: CausalLM) -> FusedDecodeLayers:
+    fused = model.fused_decode
+    assert fused is not None and sorted(fused.layers) == list(range(model.cfg.num_layers))
+    return fused
+
+
+@pytest.mark.parametrize("quantization", [None, "w8a16", "w4a16"])
+def test_one_row_logits_equal_the_module_path(tiny_model_dir, quantization) -> None:
+    """Chunked prefill then decode steps: every position's logits the same bits."""
+    model = load_model(tiny_model_dir, quantization=quantization, decode_fused_layer="on")
+    fused = _fused(model)
+    ids = prompt_ids(20, seed=5)
+    model.fused_decode = None
+    want = incremental_logits(model, ids, prompt_len=9, page_size=PAGE, chunk=5)
+    model.fused_decode = fused
+    got = incremental_logits(model, ids, prompt_len=9, page_size=PAGE, chunk=5)
+    assert torch.equal(got, want)
+
+
+@torch.no_grad()
+def _batched_decode(model: CausalLM, steps: int) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """Three rows (prompts of 3, 9 and 14 tokens, scattered pages) prefilled alone, then `steps`
+    decode steps of the three together -> their logits [steps * 3, vocab] and the pool."""
+    prompts = [prompt_ids(n, seed=n) for n in (3, 9, 14)]
+    feed = prompt_ids(steps * 3, seed=11)
+    tables = [torch.tensor(t) for t in ([7, 2, 12, 0, 5, 17], [1, 9, 3, 14, 8, 19], [4, 16, 6, 11, 10, 13])]
+    pool = make_pool(model, 20, PAGE)
+    for p, t in zip(prompts, tables):
+        model(ForwardBatch.build([p], [0], [t], PAGE), pool)
+    lens, out = [len(p) for p in prompts], []
+    fused = model.fused_decode
+    for s in range(steps):
+        batch = ForwardBatch.build([[feed[3 * s + r]] for r in range(3)], lens, tables, PAGE)
+        assert batch.decode is not None
+        if fused is not None:  # the fused layers take this batch
+            assert fused.takes(batch, pool, torch.zeros(3, model.cfg.hidden_size), 0, model.cfg.num_layers)
+        out.append(model(batch, pool))
+        lens = [n + 1 for n in lens]
+    return torch.cat(out), pool.k, pool.v
+
+
+@pytest.mark.parametrize("quantization", [None, "w4a16"])
+@pytest.mark.parametrize("packed", ["1", "0"])
+def test_a_batch_of_rows_equals_the_module_path(tiny_model_dir, monkeypatch, quantization, packed) -> None:
+    """Logits and every layer's stored K/V, bit for bit."""
+    monkeypatch.setenv("KVPIPE_PACK_WEIGHTS", packed)
+    model = load_model(tiny_model_dir, quantization=quantization, decode_fused_layer="on")
+    assert model.layers[0].self_attn.qkv.weight.is_mkldnn == (packed == "1" and quantization is None)
+    fused = _fused(model)
+    model.fused_decode = None
+    want, want_k, want_v = _batched_decode(model, steps=6)
+    model.fused_decode = fused
+    got, got_k, got_v = _batched_decode(model, steps=6)
+    assert torch.equal(got, want)
+    assert all(torch.equal(a, b) for a, b in zip(got_k, want_k))
+    assert all(torch.equal(a, b) for a, b in zip(got_v, want_v))
+
+
+def test_what_the_fused_layers_do_not_take(tiny_model_dir, monkeypatch) -> None:
+    model = load_model(tiny_model_dir, decode_fused_layer="auto")
+    fused = _fused(model)
+    n, hidden = model.cfg.num_layers, torch.zeros(1, model.cfg.hidden_size)
+    pool = make_pool(model, 4, PAGE)
+    table = torch.arange(4)
+    prefill = ForwardBatch.build([[1, 2, 3]], [0], [table], PAGE)
+    decode = ForwardBatch.build([[1]], [3], [table], PAGE)
+    assert not fused.takes(prefill, pool, hidden, 0, n)
+    assert fused.takes(decode, pool, hidden, 0, n)
+    assert not fused.takes(decode, pool, hidden.bfloat16(), 0, n)
+    bf16_pool = make_kv_pool(model, 4, PAGE, window_tables=False, kv_cache_dtype="bfloat16")
+    assert not fused.takes(decode, bf16_pool, hidden, 0, n)
+    assert fused.max_batch is not None and build_fused_decode(model, "on").max_batch is None  # type: ignore[union-attr]
+    assert load_model(tiny_model_dir, decode_fused_layer="off").fused_decode is None
+    monkeypatch.setenv(kernel_loader.DISABLE_ENV, "0")
+    assert build_fused_decode(model, "on") is None
+    with pytest.raises(ValueError, match="decode_fused_layer"):
+        build_fused_decode(model, "always")
+    with pytest.raises(ConfigError, match="decode_fused_layer"):
+        ServerConfig(model_path="m", decode_fused_layer="always")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_f32_linear_is_within_the_matmul_bound_and_row_invariant(rows: int) -> None:
+    """fp32-gemv's GEMV: within the worst-case bound of any summation order, and a row gives the
+    same bits alone or in a batch (PD and colocated decode agree)."""
+    ext = weight_only_kernels()
+    assert ext is not None
+    g = torch.Generator().manual_seed(rows)
+    k = 64 * 3 + 7  # whole vector rounds at either SIMD width, then a scalar tail
+    w, x = torch.randn(70, k, generator=g), torch.randn(rows, k, generator=g)
+    y = ext.f32_linear(x, w)
+    assert bool(((y.double() - x.double() @ w.double().T).abs() <= matmul_bound(x, w)).all())
+    assert torch.equal(torch.cat([ext.f32_linear(x[i : i + 1], w) for i in range(rows)]), y)
+
+
+def test_fp32_gemv_logits_within_the_tolerance_and_greedy_tokens_unchanged(tiny_model_dir) -> None:
+    """--decode-fused-layer fp32-gemv: other bits than the module path, within the bound the HF
+    parity tests use, and the same greedy tokens."""
+    model = load_model(tiny_model_dir, decode_fused_layer="fp32-gemv")
+    gemv = _fused(model)
+    assert gemv.head is not None
+    ids = prompt_ids(24, seed=5)
+    model.fused_decode = None
+    want = incremental_logits(model, ids, prompt_len=9, page_size=PAGE, chunk=5)
+    want_tokens = greedy_generate(model, ids[:9], 16, PAGE)
+    model.fused_decode = gemv
+    got = incremental_logits(model, ids, prompt_len=9, page_size=PAGE, chunk=5)
+    assert torch.equal(got[:9], want[:9])  # prefill: the module path
+    assert_close_logits(got, want, model.cfg, positions=len(ids))
+    assert greedy_generate(model, ids[:9], 16, PAGE) == want_tokens
+
+
+@pytest.mark.parametrize(("argv", "want"), [([], "auto"), (["--decode-fused-layer", "off"], "off")])
+def test_decode_fused_layer_flag(tmp_path, argv: list[str], want: str) -> None:
+    p = argparse.ArgumentParser()
+    add_server_args(p)
+    add_http_api_args(p)
+    assert server_config_from_args(p.parse_args(["--model-path", str(tmp_path), *argv])).decode_fused_layer == want
