@@ -43,9 +43,9 @@ from kvpipe.model.forward_batch import ForwardBatch
 from kvpipe.model.fused_projections import fuse_projections, fusing_enabled
 from kvpipe.model.gqa_attention import GQAttention
 from kvpipe.model.linear import Linear
-from kvpipe.model.loader import _slices, pack_linears, resolve_dtype, weight_files
+from kvpipe.model.loader import pack_linears, resolve_dtype, weight_files
 from kvpipe.model.mlp import MLP
-from kvpipe.model.mtp_layer import MTPLayer
+from kvpipe.model.mtp_layer import MTPLayer, copy_checkpoint_tensors
 from kvpipe.model.norms import RMSNorm
 from kvpipe.model.packed_linear import packing_enabled
 
@@ -159,18 +159,7 @@ def load_eagle(
         head = EagleHead(cfg, own_embed, fc_bias, frozenset(names))
     head = head.to(dtype=torch_dtype).to_empty(device=device)
     head.init_rope(device)
-    params = dict(head.named_parameters())
-    plan = {n: head.tensor_name(n) for n in params}
-    missing = sorted(hf for hf in plan.values() if hf not in names)
-    if missing:
-        raise ConfigError(f"{head_dir}: the EAGLE head lacks {len(missing)} tensors, e.g. {missing[:5]}")
-    with _slices(head_dir, None) as get_slice, torch.no_grad():
-        for name, hf in plan.items():
-            t = get_slice(hf)[:]
-            p = params[name]
-            if tuple(t.shape) != tuple(p.shape):
-                raise ConfigError(f"{head_dir}: tensor {hf} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
-            p.copy_(t)
+    copy_checkpoint_tensors(head, head_dir, names, "the EAGLE head")
     if fusing_enabled() and torch.device(device).type == "cpu":
         fuse_projections(head)  # q/k/v, gate/up: as load_model does for the target
     if packing_enabled():

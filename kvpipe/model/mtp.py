@@ -33,10 +33,10 @@ from kvpipe.model.decoder_layer import DecoderLayer
 from kvpipe.model.forward_batch import ForwardBatch
 from kvpipe.model.gguf.checkpoint import gguf_checkpoint
 from kvpipe.model.linear import Linear
-from kvpipe.model.loader import _slices, keep_fp32, pack_linears, resolve_dtype, weight_files
+from kvpipe.model.loader import keep_fp32, pack_linears, resolve_dtype, weight_files
 from kvpipe.model.mla import MLAttention
 from kvpipe.model.moe import sparse_or_dense_mlp
-from kvpipe.model.mtp_layer import MTPLayer
+from kvpipe.model.mtp_layer import MTPLayer, copy_checkpoint_tensors
 from kvpipe.model.norms import RMSNorm
 from kvpipe.model.packed_linear import packing_enabled
 from kvpipe.model.qwen3_5_mtp import Qwen3_5MTP
@@ -148,18 +148,7 @@ def load_mtp(
     mtp = mtp.to(dtype=torch_dtype).to_empty(device=device)
     keep_fp32(mtp)
     mtp.init_rope(device)
-    params = dict(mtp.named_parameters())
-    plan = {n: mtp.tensor_name(n) for n in params}
-    missing = sorted(hf for hf in plan.values() if hf not in names)
-    if missing:
-        raise ConfigError(f"{model_dir}: the MTP layer lacks {len(missing)} tensors, e.g. {missing[:5]}")
-    with _slices(model_dir, None) as get_slice, torch.no_grad():
-        for name, hf in plan.items():
-            t = get_slice(hf)[:]
-            p = params[name]
-            if tuple(t.shape) != tuple(p.shape):
-                raise ConfigError(f"{model_dir}: tensor {hf} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
-            p.copy_(t)
+    copy_checkpoint_tensors(mtp, model_dir, names, "the MTP layer")
     if packing_enabled():
         pack_linears(mtp)
     return mtp.eval()

@@ -19,14 +19,17 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvpipe.cache.kv_pool import KVPool
+from kvpipe.config import ConfigError
 from kvpipe.model.config import ModelConfig
 from kvpipe.model.forward_batch import ForwardBatch
+from kvpipe.model.loader import _slices
 from kvpipe.model.rope import rope_attention_factor, rope_cos_sin, rope_inv_freq
 
 
@@ -94,3 +97,21 @@ class MTPLayer(nn.Module, ABC):
             return head(out).float()
         assert self.target_head is not None, "an MTP layer without its own head needs the target's"
         return self.target_head(out).float()
+
+
+def copy_checkpoint_tensors(layer: MTPLayer, ckpt_dir: Path, names: set[str], what: str) -> None:
+    """Every parameter of `layer` (materialized, on its device) from its checkpoint tensor
+    (`layer.tensor_name`) among `names`, the tensors of `ckpt_dir`; a missing tensor or another
+    shape is a ConfigError naming `what` ("the MTP layer", "the EAGLE head")."""
+    params = dict(layer.named_parameters())
+    plan = {n: layer.tensor_name(n) for n in params}
+    missing = sorted(hf for hf in plan.values() if hf not in names)
+    if missing:
+        raise ConfigError(f"{ckpt_dir}: {what} lacks {len(missing)} tensors, e.g. {missing[:5]}")
+    with _slices(ckpt_dir, None) as get_slice, torch.no_grad():
+        for name, hf in plan.items():
+            t = get_slice(hf)[:]
+            p = params[name]
+            if tuple(t.shape) != tuple(p.shape):
+                raise ConfigError(f"{ckpt_dir}: tensor {hf} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
+            p.copy_(t)
