@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvpipe.config import ConfigError
+from kvpipe.engine.cpu_threads import prefer_passive_omp_wait
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,8 @@ def build_parser(
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if _positionals(argv)[:1] == ["serve"]:  # before torch loads libgomp (cpu_threads.py says why)
+        prefer_passive_omp_wait(os.environ)
     try:  # a command's flags may take defaults from the environment (kvpipe/sglang_env.py)
         parser, runners = build_parser(argv)
     except ConfigError as e:

@@ -39,6 +39,7 @@ from kvpipe.bench.sweep import (
     parse_modes,
     parse_prompt_lens,
     run_sweep,
+    run_sweep_in_rounds,
     run_sweep_interleaved,
     server_flag,
     server_page_size,
@@ -92,13 +93,18 @@ class _Sweep:
     """The measurements of one sweep: per (mode, prompt length), or per round when interleaved."""
 
     def __init__(
-        self, args: argparse.Namespace, configs: dict[int, WorkloadConfig], text: ChatText | None = None
+        self,
+        args: argparse.Namespace,
+        configs: dict[int, WorkloadConfig],
+        text: ChatText | None = None,
+        in_rounds: bool = False,
     ) -> None:
         self.args, self.configs, self.text = args, configs, text
-        # a round is `concurrency` conversations (single turn: requests), never a split conversation
+        # a round is `concurrency` conversations (single turn: requests), never a split conversation;
+        # `in_rounds`: a sequential run in the same rounds (--compare-colocated without --interleave)
         self.slices = (
             {n: split_rounds(build_workload(c, text), args.concurrency) for n, c in configs.items()}
-            if args.interleave
+            if args.interleave or in_rounds
             else {}
         )
         self.rounds = len(next(iter(self.slices.values()))) if self.slices else 0
@@ -179,7 +185,9 @@ def run_sweep_cmd(args: argparse.Namespace, compare: bool = False) -> int:
     speculative: dict[str, Any] = {}  # mode -> server name -> its speculative counts (bench/spec_stats.py)
     load_before = load_average()
     opts = StackOptions(model_path, tuple(shlex.split(args.server_args)), log_dir, args.startup_timeout)
-    sweep = _Sweep(args, configs, text)
+    # --compare-colocated sends the same rounds whether interleaved or not: its two orders must
+    # give the same ratios (issue 31), so they may differ only in what shares the machine meanwhile
+    sweep = _Sweep(args, configs, text, in_rounds=compare)
     points: list[SweepPoint]
     try:
         with contextlib.ExitStack() as stack:
@@ -188,6 +196,8 @@ def run_sweep_cmd(args: argparse.Namespace, compare: bool = False) -> int:
             factory = reporting_spec(factory, speculative)  # speculative servers: their acceptance
             if args.interleave:
                 points = run_sweep_interleaved(lens, modes, factory, sweep.measure_slice, sweep.rounds, summary_of)
+            elif compare:
+                points = run_sweep_in_rounds(lens, modes, factory, sweep.measure_slice, sweep.rounds, summary_of)
             else:
                 points = run_sweep(lens, modes, factory, sweep.measure)
     except (LinkTestbedError, RuntimeError, TimeoutError) as e:  # a stack that did not start

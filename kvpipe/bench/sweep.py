@@ -189,24 +189,51 @@ def run_sweep_interleaved(
             for r in range(rounds):
                 for m in rotated(modes, r):  # no mode always runs first, right after a mode switch
                     parts[m].append(measure_slice(eps[m], m, n, r))
-            for m in modes:
-                records = [rec for p in parts[m] for rec in p.records]
-                groups = next((p.num_groups for p in reversed(parts[m]) if p.num_groups is not None), None)
-                tails = [p.transfer_tail_ms for p in parts[m] if p.transfer_tail_ms is not None]
-                counts = [p.transfer for p in parts[m] if p.transfer is not None]
-                kv = sum(counts[1:], counts[0]).per_room if counts else None
-                per_round = [summarize(p.records, p.duration_s).get("output_throughput") for p in parts[m]]
-                points.append(
-                    SweepPoint(
-                        n,
-                        m,
-                        summarize(records, sum(p.duration_s for p in parts[m])),
-                        groups,
-                        statistics.median(tails) if tails else None,
-                        kv,
-                        round_throughput=tuple(float(t) for t in per_round if t is not None),
-                    )
-                )
+            points += [_point_of(n, m, parts[m], summarize) for m in modes]
+    return points
+
+
+def _point_of(
+    n: int, m: str, parts: Sequence[SliceResult], summarize: Callable[[Sequence[Outcome], float], Mapping[str, Any]]
+) -> SweepPoint:
+    """One mode's rounds at one prompt length as a SweepPoint: every round's outcomes together."""
+    records = [rec for p in parts for rec in p.records]
+    groups = next((p.num_groups for p in reversed(parts) if p.num_groups is not None), None)
+    tails = [p.transfer_tail_ms for p in parts if p.transfer_tail_ms is not None]
+    counts = [p.transfer for p in parts if p.transfer is not None]
+    kv = sum(counts[1:], counts[0]).per_room if counts else None
+    per_round = [summarize(p.records, p.duration_s).get("output_throughput") for p in parts]
+    return SweepPoint(
+        n,
+        m,
+        summarize(records, sum(p.duration_s for p in parts)),
+        groups,
+        statistics.median(tails) if tails else None,
+        kv,
+        round_throughput=tuple(float(t) for t in per_round if t is not None),
+    )
+
+
+def run_sweep_in_rounds(
+    prompt_lens: Sequence[int],
+    modes: Sequence[str],
+    open_stack: Callable[[str], AbstractContextManager[E]],
+    measure_slice: Callable[[E, str, int, int], SliceResult],
+    rounds: int,
+    summarize: Callable[[Sequence[Outcome], float], Mapping[str, Any]],
+) -> list[SweepPoint]:
+    """The rounds of `run_sweep_interleaved`, one mode after the other: one stack up at a time
+    (started, every prompt length's rounds in order, stopped). The workload reaches each stack in
+    the same rounds as interleaved (`concurrency` requests sent together, the next round after the
+    last one ended), so the two orders differ only in what shares the machine meanwhile; a plain
+    `run_sweep` keeps `concurrency` requests in flight and starts each as one ends, a different load."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    points = []
+    for m in modes:
+        with open_stack(m) as ep:
+            for n in prompt_lens:
+                points.append(_point_of(n, m, [measure_slice(ep, m, n, r) for r in range(rounds)], summarize))
     return points
 
 

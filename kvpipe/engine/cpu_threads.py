@@ -12,7 +12,7 @@ without it the cores it may run on (its CPU affinity) split among its TP ranks.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -115,3 +115,19 @@ def torch_threads() -> dict[str, int]:
     import torch
 
     return {"intra_op": torch.get_num_threads(), "interop": torch.get_num_interop_threads()}
+
+
+# libgomp (torch's OpenMP) spins a thread that waits at a barrier before it sleeps. On cores
+# something else also wants (a PD stack beside it, a benchmark client, other work), the spinning
+# thread takes the core from the one it waits for: a 2-thread server on 2 loaded cores used 4.6x
+# the CPU and took 7x the wall time per request of the same server with PASSIVE (measured,
+# docs/benchmarks.md); with the cores to itself PASSIVE costs a futex wake per parallel region.
+OMP_WAIT_ENV = "OMP_WAIT_POLICY"
+SERVER_OMP_WAIT_POLICY = "PASSIVE"
+
+
+def prefer_passive_omp_wait(environ: MutableMapping[str, str]) -> str:
+    """Set OMP_WAIT_POLICY=PASSIVE in `environ` unless the user chose a policy; returns the policy
+    in effect. libgomp reads it once, when torch loads it: call before torch is imported (its TP
+    workers inherit the environment)."""
+    return environ.setdefault(OMP_WAIT_ENV, SERVER_OMP_WAIT_POLICY)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
@@ -20,7 +21,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 import kvpipe
 from kvpipe.body_limit import BodyLimitMiddleware
 from kvpipe.config import ServerConfig
-from kvpipe.engine.cpu_threads import CpuThreads, apply_cpu_threads, server_cpu_threads, torch_threads
+from kvpipe.engine.cpu_threads import (
+    OMP_WAIT_ENV,
+    CpuThreads,
+    apply_cpu_threads,
+    server_cpu_threads,
+    torch_threads,
+)
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import SamplingParams
 from kvpipe.server.api_key import APIKeyMiddleware
@@ -140,7 +147,11 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
             # something changed torch's count after startup
             "cpu_threads": None
             if state.cpu_threads is None
-            else {**state.cpu_threads.as_dict(), "torch": torch_threads()},
+            else {
+                **state.cpu_threads.as_dict(),
+                "torch": torch_threads(),
+                "omp_wait_policy": os.environ.get(OMP_WAIT_ENV),  # what libgomp read at start
+            },
             "status": "ready" if state.engine.ready else "loading",
             "internal_states": [state.engine.stats() or {}],
         }

@@ -27,6 +27,7 @@ def test_serve_reports_its_cpu_threads(tiny_model_dir: Path, tmp_path: Path) -> 
         t = _threads(srv.url)
         assert (t["per_rank"], t["total"], t["source"], t["interop"]) == (1, 1, "flag", 1)
         assert t["torch"] == {"intra_op": 1, "interop": 1}  # applied in the process, not only planned
+        assert t["omp_wait_policy"] == "PASSIVE"  # what its libgomp read (cpu_threads.prefer_passive_omp_wait)
         assert "cpu threads: 1 intra-op per TP rank" in srv.log()
 
 

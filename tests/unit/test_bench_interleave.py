@@ -19,6 +19,7 @@ from kvpipe.bench.sweep import (
     colocated_flags,
     mode_server_flags,
     parse_modes,
+    run_sweep_in_rounds,
     run_sweep_interleaved,
 )
 from kvpipe.bench.sweep_rows import sweep_rows
@@ -176,3 +177,47 @@ def test_recording_modes_and_per_round_throughput():
     points = run_sweep_interleaved([8], ["pd", "pd-norecord"], open_stack, measure, 3, summarize)
     assert [p.round_throughput for p in points] == [(5.0, 10.0, 15.0), (10.0, 20.0, 30.0)]
     assert points[0].summary == {"output_throughput": 10.0}  # 60 tokens in 6 s
+
+
+def test_sequential_rounds_send_what_interleaved_sends_one_stack_at_a_time():
+    """--compare-colocated without --interleave: each mode gets the same (prompt length, round)
+    slices as interleaved, its stack alone (started, all its rounds, stopped), and the same points."""
+
+    def run(sweep):
+        events: list[tuple] = []
+
+        @contextlib.contextmanager
+        def open_stack(mode: str) -> Iterator[str]:
+            events.append(("start", mode))
+            try:
+                yield f"url-{mode}"
+            finally:
+                events.append(("stop", mode))
+
+        def measure(ep: str, mode: str, n: int, r: int) -> SliceResult:
+            events.append((mode, n, r))
+            return SliceResult(
+                [(mode, n, r)], 0.5 + r, None if mode == "a" else r + 1, None if mode == "a" else 10.0 * r
+            )
+
+        def summarize(records, duration_s):
+            return {"records": list(records), "duration_s": duration_s}
+
+        return sweep([10, 20], ["a", "b"], open_stack, measure, 2, summarize), events
+
+    seq, seq_events = run(run_sweep_in_rounds)
+    inter, inter_events = run(run_sweep_interleaved)
+    assert seq_events == [
+        ("start", "a"),
+        *[("a", n, r) for n in (10, 20) for r in (0, 1)],
+        ("stop", "a"),
+        ("start", "b"),
+        *[("b", n, r) for n in (10, 20) for r in (0, 1)],
+        ("stop", "b"),
+    ]
+    assert sorted(e for e in seq_events if len(e) == 3) == sorted(e for e in inter_events if len(e) == 3)
+    key = lambda p: (p.prompt_len, p.mode)  # noqa: E731
+    assert sorted(seq, key=key) == sorted(inter, key=key)
+    assert [p.summary["duration_s"] for p in seq] == [2.0] * 4 and seq[2].num_groups == 2
+    with pytest.raises(ValueError):
+        run_sweep_in_rounds([10], ["a"], contextlib.nullcontext, lambda *a: SliceResult([], 0.0), 0, dict)

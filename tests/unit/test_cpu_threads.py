@@ -67,3 +67,28 @@ def test_cli_flag_reaches_the_server_config() -> None:
         cfg("--cpu-threads", "0")
     with pytest.raises(ConfigError):
         ServerConfig(model_path="m", cpu_threads=0)
+
+
+def test_servers_prefer_passive_omp_wait_unless_chosen() -> None:
+    from kvpipe.engine.cpu_threads import OMP_WAIT_ENV, prefer_passive_omp_wait
+
+    env: dict[str, str] = {}
+    assert prefer_passive_omp_wait(env) == "PASSIVE" and env == {OMP_WAIT_ENV: "PASSIVE"}
+    chosen = {OMP_WAIT_ENV: "ACTIVE"}
+    assert prefer_passive_omp_wait(chosen) == "ACTIVE" and chosen == {OMP_WAIT_ENV: "ACTIVE"}
+
+
+@pytest.mark.parametrize(("argv", "policy"), [(["serve", "--help"], "PASSIVE"), (["bench", "engine", "--help"], None)])
+def test_kvpipe_serve_sets_the_policy_before_torch_loads(
+    argv: list[str], policy: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`kvpipe serve` (what launch and the benchmarks start) sets it in its environment before it
+    imports the server; other commands (the engine benchmark) keep libgomp's default."""
+    import os
+
+    from kvpipe.cli import main
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert os.environ.get("OMP_WAIT_POLICY") == policy
