@@ -33,8 +33,8 @@ from tests.helpers.engine import (
     one_at_a_time,
     prompts,
 )
+from tests.helpers.spec_drafts import assert_drafts_from_scratch, record_drafts
 from tests.helpers.tolerance import Route, logit_atol
-from tests.integration.test_engine_nextn import assert_drafts_from_scratch, record_drafts
 
 GREEDY16 = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
 PROMPTS = prompts(5)  # 1 to 100 tokens

@@ -36,6 +36,7 @@ from tests.helpers.engine import (
     prompts,
     step_until_finished,
 )
+from tests.helpers.spec_drafts import assert_drafts_from_scratch, record_drafts
 from tests.helpers.tolerance import Route, logit_atol
 
 GREEDY16 = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
@@ -111,35 +112,6 @@ class FromScratch:
         top = torch.topk(logits, 2)
         margin = float(top.values[0] - top.values[1])
         return int(top.indices[0]), margin, logit_atol(logits, self.shape, positions)
-
-
-def record_drafts(eng: Engine) -> list[tuple[list[int], list[int]]]:
-    """Every proposal the engine's drafter makes from now on: (the request's tokens, drafts)."""
-    seen: list[tuple[list[int], list[int]]] = []
-    drafter = eng.scheduler.drafter
-    assert drafter is not None
-
-    def spy(req: Req, k: int) -> list[int]:
-        drafts = drafter(req, k)
-        seen.append((list(req.all_ids), list(drafts)))
-        return drafts
-
-    eng.scheduler.drafter = spy
-    return seen
-
-
-def assert_drafts_from_scratch(seen: list[tuple[list[int], list[int]]], ref: FromScratch) -> int:
-    """Each recorded chain equals the from-scratch one, draft by draft, up to a draft whose
-    reference margin is within the logits' tolerance (a near tie: rounding may pick either);
-    returns the drafts compared."""
-    compared = 0
-    for tokens, drafts in seen:
-        for j, (d, (want, margin, atol)) in enumerate(zip(drafts, ref.drafts(tokens, len(drafts)))):
-            if margin <= 2 * atol:
-                break
-            assert d == want, f"draft {j} after {len(tokens)} tokens: {d}, from scratch {want} (margin {margin:.3g})"
-            compared += 1
-    return compared
 
 
 def test_greedy_outputs_unchanged_and_drafts_from_the_mtp_layer(models):

@@ -19,7 +19,7 @@ import torch
 from kvpipe.config import ConfigError, ServerConfig, SpeculativeConfig
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.mtp_drafter import check_nextn
-from kvpipe.engine.request import Req, SamplingParams
+from kvpipe.engine.request import SamplingParams
 from kvpipe.model.config import ModelConfig
 from kvpipe.model.forward_batch import ForwardBatch
 from kvpipe.model.loader import load_model
@@ -28,6 +28,7 @@ from kvpipe.model.presets import write_preset
 from tests.helpers.draft_models import bigram_copy
 from tests.helpers.engine import assert_engine_matches, assert_every_draft_accepted, generations, make_engine, prompts
 from tests.helpers.hybrid_model import pools
+from tests.helpers.spec_drafts import assert_drafts_from_scratch, record_drafts
 from tests.helpers.tolerance import Route, logit_atol
 
 GREEDY16 = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
@@ -105,21 +106,6 @@ class FromScratch:
         return int(top.indices[0]), float(top.values[0] - top.values[1]), logit_atol(logits, self.shape, positions)
 
 
-def record_drafts(eng: Engine) -> list[tuple[list[int], list[int]]]:
-    """Every proposal the engine's drafter makes from now on: (the request's tokens, drafts)."""
-    seen: list[tuple[list[int], list[int]]] = []
-    drafter = eng.scheduler.drafter
-    assert drafter is not None
-
-    def spy(req: Req, k: int) -> list[int]:
-        drafts = drafter(req, k)
-        seen.append((list(req.all_ids), list(drafts)))
-        return drafts
-
-    eng.scheduler.drafter = spy
-    return seen
-
-
 def test_greedy_outputs_unchanged_and_drafts_from_the_mtp_layer(models):
     path, _, reference, _ = models
     eng = make_engine(path, page_size=PAGE, speculative=NEXTN, chunk=7, radix_cache=True)
@@ -134,13 +120,8 @@ def test_greedy_outputs_unchanged_and_drafts_from_the_mtp_layer(models):
         assert eng.scheduler.prefix_hit_tokens > 0
         assert sum(len(d) for _, d in seen) == eng.spec_counts.proposed
         ref = FromScratch(path)
-        checked, compared = seen[::2], 0
-        for tokens, drafts in checked:
-            for j, (d, (want, margin, atol)) in enumerate(zip(drafts, ref.drafts(tokens, len(drafts)))):
-                if margin <= 2 * atol:  # a near tie: rounding may pick either
-                    break
-                assert d == want, f"draft {j} after {len(tokens)} tokens: {d}, from scratch {want} ({margin:.3g})"
-                compared += 1
+        checked = seen[::2]
+        compared = assert_drafts_from_scratch(checked, ref)
         assert compared > 0.9 * sum(len(d) for _, d in checked), compared
         assert_nothing_left(eng)
     finally:
