@@ -10,7 +10,7 @@ is covered on tiny-deepseek-v3 (tests/integration/test_engine_nextn.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -28,8 +28,8 @@ from kvpipe.model.presets import write_preset
 from tests.helpers.draft_models import bigram_copy
 from tests.helpers.engine import assert_engine_matches, assert_every_draft_accepted, generations, make_engine, prompts
 from tests.helpers.hybrid_model import pools
-from tests.helpers.spec_drafts import assert_drafts_from_scratch, record_drafts
-from tests.helpers.tolerance import Route, logit_atol
+from tests.helpers.spec_drafts import DraftShape, assert_drafts_from_scratch, chain_from_scratch, record_drafts
+from tests.helpers.tolerance import Route
 
 GREEDY16 = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
 PROMPTS = prompts(5)  # 1 to 100 tokens
@@ -62,12 +62,6 @@ def models(tmp_path_factory):
     return path, bigram, reference_generations(path, PROMPTS), reference_generations(bigram, PROMPTS)
 
 
-@dataclass(frozen=True)
-class Shape:
-    num_layers: int
-    hidden_size: int
-
-
 class FromScratch:
     """The drafts of a request whose tokens are t_0 .. t_{n-1}, computed with nothing kept: the
     hybrid target over t_0 .. t_{n-2} in one forward from a zero state (its hidden states after
@@ -84,26 +78,14 @@ class FromScratch:
         self.pool, self.state = pools(self.model, pages, PAGE)
         self.mtp_pool = self.mtp.kv_pool(pages, PAGE, "cpu")
         self.table = torch.arange(pages, dtype=torch.int64)
-        self.shape = Shape(cfg.num_layers + 1, cfg.hidden_size)
+        self.shape = DraftShape(cfg.num_layers + 1, cfg.hidden_size)
 
     @torch.inference_mode()
     def drafts(self, tokens: list[int], k: int) -> list[tuple[int, float, float]]:
-        n, m = len(tokens), self.model
+        m = self.model
         fb = ForwardBatch.build([tokens[:-1]], [0], [self.table], PAGE, state_slots=[0])  # prefix 0: a zero state
         hidden = m.norm(m.forward_layers(m.embed(fb), fb, self.pool, 0, m.cfg.num_layers, self.state))
-        fb = ForwardBatch.build([tokens[1:]], [0], [self.table], PAGE)
-        out, logits = self.mtp(hidden, fb, self.mtp_pool)
-        got = [self._pick(logits[0], n)]
-        h = out[-1:]
-        while len(got) < k:
-            fb = ForwardBatch.build([[got[-1][0]]], [n - 2 + len(got)], [self.table], PAGE)
-            h, logits = self.mtp(h, fb, self.mtp_pool)
-            got.append(self._pick(logits[0], n + len(got)))
-        return got
-
-    def _pick(self, logits: torch.Tensor, positions: int) -> tuple[int, float, float]:
-        top = torch.topk(logits, 2)
-        return int(top.indices[0]), float(top.values[0] - top.values[1]), logit_atol(logits, self.shape, positions)
+        return chain_from_scratch(self.mtp, self.mtp_pool, hidden, tokens, k, self.table, PAGE, self.shape)
 
 
 def test_greedy_outputs_unchanged_and_drafts_from_the_mtp_layer(models):
