@@ -1,15 +1,27 @@
-"""Helpers of the NEXTN (MTP drafter) PD tests: what the MTP layer's KV weighs on the wire, the
-decode's MTP state when a request's KV landed, and the check that no MTP state is left."""
+"""Helpers of the PD tests of the MTP-style drafters (NEXTN on DeepSeek-V3 and Qwen3.5, EAGLE):
+what the MTP layer's KV weighs on the wire, the decode's MTP state when a request's KV landed,
+the check that no MTP state is left, a pair's run checked end to end, and the same through two
+servers and sglang-router."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
+from kvpipe.config import SpeculativeConfig
 from kvpipe.engine.engine import Engine
-from kvpipe.engine.request import Req
+from kvpipe.engine.request import FinishReason, Req, SamplingParams
 from kvpipe.model.config import ModelConfig
-from tests.helpers.pd_pair import Pair
+from tests.helpers.pd_pair import PS, Pair, Reference, assert_pd_matches, prompts
+from tests.helpers.pd_parity import expected_bytes, state_slot_nbytes
+from tests.helpers.pd_stack import generate, greedy, start_stack
+from tests.helpers.tolerance import Generation, Route, assert_same_generations
+
+GREEDY16 = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+LENS = [17, 40, 70]  # inside a page, across pages, across chunks of 24
+NEXTN = SpeculativeConfig("NEXTN", num_steps=3)
 
 
 def mtp_kv_bytes(model_dir: Path, lens: list[int], page_size: int, itemsize: int = 4) -> int:
@@ -37,3 +49,86 @@ def assert_no_mtp_state(engine: Engine) -> None:
     mtp = engine.mtp
     assert mtp is not None and not mtp.seqs, None if mtp is None else list(mtp.seqs)
     assert len(mtp.free_private) == mtp.num_private  # every copy-on-write page is back
+
+
+def no_mtp_state_on_either_side(pair: Pair) -> None:
+    assert_no_mtp_state(pair.prefill)
+    assert_no_mtp_state(pair.decode)
+
+
+def run_and_check(
+    pair: Pair,
+    ps: list[list[int]],
+    reference: Reference,
+    target: Path,
+    draft_kv_bytes: Callable[[list[int]], int],
+    what: str,
+    check_free: Callable[[Pair], None] = no_mtp_state_on_either_side,
+    tp: tuple[int, int] = (1, 1),
+    route: Route = Route.SAME_PROCESS,
+    timeout_s: float = 120.0,
+) -> list[Req]:
+    """Every prompt through the pair (drafting on both sides), GREEDY16: outputs as colocated;
+    the decode's MTP state (rank 0's) when the KV landed holds rows [0, L - 1) and one hidden
+    row (h_{L-1}, the aux); the bytes written are the target's KV past the prefix the decode's
+    radix cache held as TP `tp` moves it, each request's whole recurrent state (a hybrid
+    target's), and the drafter's KV (`draft_kv_bytes` of the prompt lengths) past that prefix;
+    both sides free (`check_free`)."""
+    landed: dict[str, tuple[int, int, int]] = {}
+    before = pair.prefill.stats()["disaggregation"]["bytes_written"]
+    reqs = [pair.reqs(ids, GREEDY16) for ids in ps]
+    pair.run([(p, d) for p, d in reqs], timeout_s=timeout_s, on_landed=mtp_state_at_landing(landed))  # Req | None pairs
+    decoded = [d for _, d in reqs]
+    assert all(d.finish_reason is FinishReason.LENGTH for d in decoded), [d.finish_detail for d in decoded]
+    assert_pd_matches(decoded, ps, reference, what, route)
+    mc = ModelConfig.from_dir(target)
+    assert [landed[d.rid] for d in decoded] == [(len(p) - 1, 1, mc.hidden_size) for p in ps]  # nothing recomputed
+    lens, held = [len(p) for p in ps], [d.timeline.prefix_hit_tokens for d in decoded]  # whole pages
+    held_kv = expected_bytes(target, held, PS, *tp) - len(held) * state_slot_nbytes(mc)  # the state moves whole
+    target_bytes = expected_bytes(target, lens, PS, *tp) - held_kv
+    draft_kv = draft_kv_bytes(lens) - draft_kv_bytes(held)
+    assert pair.prefill.stats()["disaggregation"]["bytes_written"] - before == target_bytes + draft_kv
+    pair.settle()
+    check_free(pair)
+    return decoded
+
+
+def check_through_router(
+    target: Path, tmp_path: Path, spec_flags: tuple[str, ...], reference: Reference, draft_kv_bytes: int, what: str
+) -> None:
+    """Prefill and decode servers both drafting with `spec_flags` (3 steps) on a target whose
+    drafter predicts it (Mooncake over loopback, sglang-router), chunked prefill (24): the
+    router's answers are the colocated tokens and logprobs, every draft is accepted from the
+    first step (17 drafts in 23 tokens after the prefill's, 3 + 1 a step), and the prefill wrote
+    the target's KV (and state) plus the drafter's KV (`draft_kv_bytes` of LENS)."""
+    pytest.importorskip("mooncake.engine")
+    ps = prompts(23, LENS)
+    stack = start_stack(
+        target,
+        tmp_path,
+        "--page-size",
+        str(PS),
+        "--max-total-tokens",
+        "4096",
+        "--chunked-prefill-size",
+        "24",
+        prefill_args=spec_flags,
+        decode_args=spec_flags,
+    )
+    try:
+        params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+        outs = [
+            generate(stack.router, {"input_ids": p, "sampling_params": greedy(24), "return_logprob": True}) for p in ps
+        ]
+        want = [reference(p, params) for p in ps]
+        assert_same_generations([Generation.of(o) for o in outs], want, Route.ACROSS_PROCESSES, ps, what)
+        metas = [o["meta_info"] for o in outs]
+        assert all(m["spec_accept_token_num"] == m["spec_draft_token_num"] == 17 for m in metas), metas
+        stack.decode.wait_idle()
+        p = stack.prefill.wait_idle()
+        assert p["disaggregation"]["bytes_written"] == expected_bytes(target, LENS, PS, 1, 1) + draft_kv_bytes
+    except AssertionError:
+        print(stack.logs())
+        raise
+    finally:
+        stack.close()

@@ -33,8 +33,8 @@ from tests.helpers.engine import (
     one_at_a_time,
     prompts,
 )
-from tests.helpers.tolerance import Route, logit_atol
-from tests.integration.test_engine_nextn import assert_drafts_from_scratch, record_drafts
+from tests.helpers.spec_drafts import DraftShape, assert_drafts_from_scratch, chain_from_scratch, record_drafts
+from tests.helpers.tolerance import Route
 
 GREEDY16 = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
 PROMPTS = prompts(5)  # 1 to 100 tokens
@@ -86,12 +86,6 @@ def models(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Mo
     )
 
 
-@dataclass(frozen=True)
-class Shape:
-    num_layers: int
-    hidden_size: int
-
-
 class FromScratch:
     """The drafts of a request whose tokens are t_0 .. t_{n-1}, computed with nothing kept: the
     target over t_0 .. t_{n-2} (its hidden states after the final norm), the head over (h_i,
@@ -106,26 +100,14 @@ class FromScratch:
         self.pool = make_kv_pool(self.model, pages, PAGE)
         self.head_pool = self.head.kv_pool(pages, PAGE, "cpu")
         self.table = torch.arange(pages, dtype=torch.int64)
-        self.shape = Shape(self.model.cfg.num_layers + 1, self.model.cfg.hidden_size)
+        self.shape = DraftShape(self.model.cfg.num_layers + 1, self.model.cfg.hidden_size)
 
     @torch.inference_mode()
     def drafts(self, tokens: list[int], k: int) -> list[tuple[int, float, float]]:
-        n, m = len(tokens), self.model
+        m = self.model
         fb = ForwardBatch.build([tokens[:-1]], [0], [self.table], PAGE)
         hidden = m.norm(m.forward_layers(m.embed(fb), fb, self.pool, 0, m.cfg.num_layers))
-        fb = ForwardBatch.build([tokens[1:]], [0], [self.table], PAGE)
-        out, logits = self.head(hidden, fb, self.head_pool)
-        got = [self._pick(logits[0], n)]
-        h = out[-1:]
-        while len(got) < k:
-            fb = ForwardBatch.build([[got[-1][0]]], [n - 2 + len(got)], [self.table], PAGE)
-            h, logits = self.head(h, fb, self.head_pool)
-            got.append(self._pick(logits[0], n + len(got)))
-        return got
-
-    def _pick(self, logits: torch.Tensor, positions: int) -> tuple[int, float, float]:
-        top = torch.topk(logits, 2)
-        return int(top.indices[0]), float(top.values[0] - top.values[1]), logit_atol(logits, self.shape, positions)
+        return chain_from_scratch(self.head, self.head_pool, hidden, tokens, k, self.table, PAGE, self.shape)
 
 
 @pytest.mark.parametrize("which", ["random", pytest.param("noisy", marks=pytest.mark.slow)])

@@ -8,7 +8,7 @@ requests verify its greedy drafts by speculative sampling; what NEXTN cannot ser
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +36,8 @@ from tests.helpers.engine import (
     prompts,
     step_until_finished,
 )
-from tests.helpers.tolerance import Route, logit_atol
+from tests.helpers.spec_drafts import DraftShape, assert_drafts_from_scratch, chain_from_scratch, record_drafts
+from tests.helpers.tolerance import Route
 
 GREEDY16 = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
 PROMPTS = prompts(5)  # 1 to 100 tokens
@@ -70,12 +71,6 @@ def models(tmp_path_factory):
     return path, bigram, refs[0], refs[1]
 
 
-@dataclass(frozen=True)
-class Shape:
-    num_layers: int
-    hidden_size: int
-
-
 class FromScratch:
     """The drafts of a request whose tokens are t_0 .. t_{n-1}, computed with nothing kept: the
     target over t_0 .. t_{n-2} in one forward (its hidden states after the final norm), the MTP
@@ -90,56 +85,14 @@ class FromScratch:
         assert cfg.mla is not None
         self.mtp_pool = KVPool(1, pages, PAGE, 1, cfg.mla.latent_dim, latent=True)
         self.table = torch.arange(pages, dtype=torch.int64)
-        self.shape = Shape(cfg.num_layers + 1, cfg.hidden_size)
+        self.shape = DraftShape(cfg.num_layers + 1, cfg.hidden_size)
 
     @torch.inference_mode()
     def drafts(self, tokens: list[int], k: int) -> list[tuple[int, float, float]]:
-        n, m = len(tokens), self.model
+        m = self.model
         fb = ForwardBatch.build([tokens[:-1]], [0], [self.table], PAGE)
         hidden = m.norm(m.forward_layers(m.embed(fb), fb, self.pool, 0, m.cfg.num_layers))
-        fb = ForwardBatch.build([tokens[1:]], [0], [self.table], PAGE)
-        out, logits = self.mtp(hidden, fb, self.mtp_pool)
-        got = [self._pick(logits[0], n)]
-        h = out[-1:]
-        while len(got) < k:
-            fb = ForwardBatch.build([[got[-1][0]]], [n - 2 + len(got)], [self.table], PAGE)
-            h, logits = self.mtp(h, fb, self.mtp_pool)
-            got.append(self._pick(logits[0], n + len(got)))
-        return got
-
-    def _pick(self, logits: torch.Tensor, positions: int) -> tuple[int, float, float]:
-        top = torch.topk(logits, 2)
-        margin = float(top.values[0] - top.values[1])
-        return int(top.indices[0]), margin, logit_atol(logits, self.shape, positions)
-
-
-def record_drafts(eng: Engine) -> list[tuple[list[int], list[int]]]:
-    """Every proposal the engine's drafter makes from now on: (the request's tokens, drafts)."""
-    seen: list[tuple[list[int], list[int]]] = []
-    drafter = eng.scheduler.drafter
-    assert drafter is not None
-
-    def spy(req: Req, k: int) -> list[int]:
-        drafts = drafter(req, k)
-        seen.append((list(req.all_ids), list(drafts)))
-        return drafts
-
-    eng.scheduler.drafter = spy
-    return seen
-
-
-def assert_drafts_from_scratch(seen: list[tuple[list[int], list[int]]], ref: FromScratch) -> int:
-    """Each recorded chain equals the from-scratch one, draft by draft, up to a draft whose
-    reference margin is within the logits' tolerance (a near tie: rounding may pick either);
-    returns the drafts compared."""
-    compared = 0
-    for tokens, drafts in seen:
-        for j, (d, (want, margin, atol)) in enumerate(zip(drafts, ref.drafts(tokens, len(drafts)))):
-            if margin <= 2 * atol:
-                break
-            assert d == want, f"draft {j} after {len(tokens)} tokens: {d}, from scratch {want} (margin {margin:.3g})"
-            compared += 1
-    return compared
+        return chain_from_scratch(self.mtp, self.mtp_pool, hidden, tokens, k, self.table, PAGE, self.shape)
 
 
 def test_greedy_outputs_unchanged_and_drafts_from_the_mtp_layer(models):

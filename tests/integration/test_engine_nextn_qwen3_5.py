@@ -10,7 +10,7 @@ is covered on tiny-deepseek-v3 (tests/integration/test_engine_nextn.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,7 +19,7 @@ import torch
 from kvpipe.config import ConfigError, ServerConfig, SpeculativeConfig
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.mtp_drafter import check_nextn
-from kvpipe.engine.request import Req, SamplingParams
+from kvpipe.engine.request import SamplingParams
 from kvpipe.model.config import ModelConfig
 from kvpipe.model.forward_batch import ForwardBatch
 from kvpipe.model.loader import load_model
@@ -28,7 +28,8 @@ from kvpipe.model.presets import write_preset
 from tests.helpers.draft_models import bigram_copy
 from tests.helpers.engine import assert_engine_matches, assert_every_draft_accepted, generations, make_engine, prompts
 from tests.helpers.hybrid_model import pools
-from tests.helpers.tolerance import Route, logit_atol
+from tests.helpers.spec_drafts import DraftShape, assert_drafts_from_scratch, chain_from_scratch, record_drafts
+from tests.helpers.tolerance import Route
 
 GREEDY16 = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
 PROMPTS = prompts(5)  # 1 to 100 tokens
@@ -61,12 +62,6 @@ def models(tmp_path_factory):
     return path, bigram, reference_generations(path, PROMPTS), reference_generations(bigram, PROMPTS)
 
 
-@dataclass(frozen=True)
-class Shape:
-    num_layers: int
-    hidden_size: int
-
-
 class FromScratch:
     """The drafts of a request whose tokens are t_0 .. t_{n-1}, computed with nothing kept: the
     hybrid target over t_0 .. t_{n-2} in one forward from a zero state (its hidden states after
@@ -83,41 +78,14 @@ class FromScratch:
         self.pool, self.state = pools(self.model, pages, PAGE)
         self.mtp_pool = self.mtp.kv_pool(pages, PAGE, "cpu")
         self.table = torch.arange(pages, dtype=torch.int64)
-        self.shape = Shape(cfg.num_layers + 1, cfg.hidden_size)
+        self.shape = DraftShape(cfg.num_layers + 1, cfg.hidden_size)
 
     @torch.inference_mode()
     def drafts(self, tokens: list[int], k: int) -> list[tuple[int, float, float]]:
-        n, m = len(tokens), self.model
+        m = self.model
         fb = ForwardBatch.build([tokens[:-1]], [0], [self.table], PAGE, state_slots=[0])  # prefix 0: a zero state
         hidden = m.norm(m.forward_layers(m.embed(fb), fb, self.pool, 0, m.cfg.num_layers, self.state))
-        fb = ForwardBatch.build([tokens[1:]], [0], [self.table], PAGE)
-        out, logits = self.mtp(hidden, fb, self.mtp_pool)
-        got = [self._pick(logits[0], n)]
-        h = out[-1:]
-        while len(got) < k:
-            fb = ForwardBatch.build([[got[-1][0]]], [n - 2 + len(got)], [self.table], PAGE)
-            h, logits = self.mtp(h, fb, self.mtp_pool)
-            got.append(self._pick(logits[0], n + len(got)))
-        return got
-
-    def _pick(self, logits: torch.Tensor, positions: int) -> tuple[int, float, float]:
-        top = torch.topk(logits, 2)
-        return int(top.indices[0]), float(top.values[0] - top.values[1]), logit_atol(logits, self.shape, positions)
-
-
-def record_drafts(eng: Engine) -> list[tuple[list[int], list[int]]]:
-    """Every proposal the engine's drafter makes from now on: (the request's tokens, drafts)."""
-    seen: list[tuple[list[int], list[int]]] = []
-    drafter = eng.scheduler.drafter
-    assert drafter is not None
-
-    def spy(req: Req, k: int) -> list[int]:
-        drafts = drafter(req, k)
-        seen.append((list(req.all_ids), list(drafts)))
-        return drafts
-
-    eng.scheduler.drafter = spy
-    return seen
+        return chain_from_scratch(self.mtp, self.mtp_pool, hidden, tokens, k, self.table, PAGE, self.shape)
 
 
 def test_greedy_outputs_unchanged_and_drafts_from_the_mtp_layer(models):
@@ -134,13 +102,8 @@ def test_greedy_outputs_unchanged_and_drafts_from_the_mtp_layer(models):
         assert eng.scheduler.prefix_hit_tokens > 0
         assert sum(len(d) for _, d in seen) == eng.spec_counts.proposed
         ref = FromScratch(path)
-        checked, compared = seen[::2], 0
-        for tokens, drafts in checked:
-            for j, (d, (want, margin, atol)) in enumerate(zip(drafts, ref.drafts(tokens, len(drafts)))):
-                if margin <= 2 * atol:  # a near tie: rounding may pick either
-                    break
-                assert d == want, f"draft {j} after {len(tokens)} tokens: {d}, from scratch {want} ({margin:.3g})"
-                compared += 1
+        checked = seen[::2]
+        compared = assert_drafts_from_scratch(checked, ref)
         assert compared > 0.9 * sum(len(d) for _, d in checked), compared
         assert_nothing_left(eng)
     finally:

@@ -18,20 +18,14 @@ import pytest
 import torch
 
 from kvpipe.config import SpeculativeConfig
-from kvpipe.engine.request import FinishReason, Req, SamplingParams
-from kvpipe.model.config import ModelConfig
+from kvpipe.engine.request import FinishReason, Req
 from kvpipe.model.eagle import eagle_config
 from kvpipe.transfer.control.handshake import REFUSED
+from tests.helpers import nextn
 from tests.helpers.draft_models import bigram_copy, write_eagle_head
 from tests.helpers.engine import colocated_spec_steps
-from tests.helpers.pd_pair import PS, Pair, Reference, assert_pd_matches, colocated_greedy, make_pair, prompts
-from tests.helpers.pd_parity import expected_bytes
-from tests.helpers.pd_stack import generate, greedy, start_stack
-from tests.helpers.tolerance import Generation, Route, assert_same_generations
-from tests.integration.test_pd_nextn import assert_no_mtp_state, mtp_state_at_landing
-
-GREEDY16 = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
-LENS = [17, 40, 70]  # inside a page, across pages, across chunks of 24
+from tests.helpers.nextn import GREEDY16, LENS, check_through_router
+from tests.helpers.pd_pair import PS, Pair, Reference, colocated_greedy, make_pair, prompts
 
 
 def eagle(head: Path) -> SpeculativeConfig:
@@ -68,26 +62,10 @@ def head_kv_bytes(head: Path, lens: list[int]) -> int:
 
 
 def run_and_check(pair: Pair, ps: list[list[int]], reference: Reference, target: Path, head: Path) -> list[Req]:
-    """Every prompt through the pair: outputs as colocated; the decode's head state when the KV
-    landed holds rows [0, L - 1) and one hidden row (h_{L-1}, the aux); the bytes written are the
-    target's and the head's KV past the prefix the decode's radix cache held; both sides free."""
-    landed: dict[str, tuple[int, int, int]] = {}
-    before = pair.prefill.stats()["disaggregation"]["bytes_written"]
-    reqs = [pair.reqs(ids, GREEDY16) for ids in ps]
-    pair.run(reqs, timeout_s=120.0, on_landed=mtp_state_at_landing(landed))
-    decoded = [d for _, d in reqs]
-    assert all(d.finish_reason is FinishReason.LENGTH for d in decoded), [d.finish_detail for d in decoded]
-    assert_pd_matches(decoded, ps, reference, "PD, EAGLE on both sides vs colocated")
-    hidden = ModelConfig.from_dir(target).hidden_size
-    assert [landed[d.rid] for d in decoded] == [(len(p) - 1, 1, hidden) for p in ps]  # nothing recomputed
-    lens, held = [len(p) for p in ps], [d.timeline.prefix_hit_tokens for d in decoded]
-    target_kv = expected_bytes(target, lens, PS, 1, 1) - expected_bytes(target, held, PS, 1, 1)
-    head_kv = head_kv_bytes(head, lens) - head_kv_bytes(head, held)
-    assert pair.prefill.stats()["disaggregation"]["bytes_written"] - before == target_kv + head_kv
-    pair.settle()
-    assert_no_mtp_state(pair.prefill)
-    assert_no_mtp_state(pair.decode)
-    return decoded
+    """nextn.run_and_check with the head's K and V in the MTP layer's place."""
+    return nextn.run_and_check(
+        pair, ps, reference, target, lambda lens: head_kv_bytes(head, lens), "PD, EAGLE on both sides vs colocated"
+    )
 
 
 def test_drafts_and_accepted_counts_as_colocated(bigram: Path, heads, reference):
@@ -183,37 +161,6 @@ def test_eagle_pd_through_router(bigram: Path, heads, reference, tmp_path: Path)
     serve` flags, Mooncake over loopback, sglang-router): the router's answers are the colocated
     tokens and logprobs, every draft is accepted from the first step (17 drafts in 23 tokens
     after the prefill's, 3 + 1 a step), and the prefill wrote the target's KV plus the head's."""
-    pytest.importorskip("mooncake.engine")
-    ps = prompts(23, LENS)
     flags = ("--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3")
     flags += ("--speculative-draft-model-path", str(heads["exact"]))
-    stack = start_stack(
-        bigram,
-        tmp_path,
-        "--page-size",
-        str(PS),
-        "--max-total-tokens",
-        "4096",
-        "--chunked-prefill-size",
-        "24",
-        prefill_args=flags,
-        decode_args=flags,
-    )
-    try:
-        params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
-        outs = [
-            generate(stack.router, {"input_ids": p, "sampling_params": greedy(24), "return_logprob": True}) for p in ps
-        ]
-        want = [reference(p, params) for p in ps]
-        assert_same_generations([Generation.of(o) for o in outs], want, Route.ACROSS_PROCESSES, ps, "PD EAGLE")
-        metas = [o["meta_info"] for o in outs]
-        assert all(m["spec_accept_token_num"] == m["spec_draft_token_num"] == 17 for m in metas), metas
-        stack.decode.wait_idle()
-        p = stack.prefill.wait_idle()
-        want_bytes = expected_bytes(bigram, LENS, PS, 1, 1) + head_kv_bytes(heads["exact"], LENS)
-        assert p["disaggregation"]["bytes_written"] == want_bytes
-    except AssertionError:
-        print(stack.logs())
-        raise
-    finally:
-        stack.close()
+    check_through_router(bigram, tmp_path, flags, reference, head_kv_bytes(heads["exact"], LENS), "PD EAGLE")

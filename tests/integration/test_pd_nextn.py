@@ -12,20 +12,20 @@ no page and no MTP state on either side; a NEXTN server on one side only is refu
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from kvpipe.config import FaultInjection, SpeculativeConfig
-from kvpipe.engine.engine import Engine
-from kvpipe.engine.request import FinishReason, Req, SamplingParams
-from kvpipe.model.config import ModelConfig
+from kvpipe.config import FaultInjection
+from kvpipe.engine.request import FinishReason, Req
 from kvpipe.model.presets import write_preset
 from kvpipe.transfer.control.handshake import REFUSED
+from tests.helpers import nextn
 from tests.helpers.draft_models import bigram_copy
 from tests.helpers.engine import colocated_spec_steps
+from tests.helpers.nextn import GREEDY16, LENS, NEXTN, check_through_router, mtp_kv_bytes, no_mtp_state_on_either_side
 from tests.helpers.pd_pair import (
     PS,
     Pair,
@@ -36,13 +36,7 @@ from tests.helpers.pd_pair import (
     make_pair,
     prompts,
 )
-from tests.helpers.pd_parity import expected_bytes
-from tests.helpers.pd_stack import generate, greedy, start_stack
-from tests.helpers.tolerance import Generation, Route, assert_same_generations
 
-GREEDY16 = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
-LENS = [17, 40, 70]  # inside a page, across pages, across chunks of 24
-NEXTN = SpeculativeConfig("NEXTN", num_steps=3)
 Steps = list[list[tuple[tuple[int, ...], int]]]
 
 
@@ -70,53 +64,15 @@ def colocated_steps(model_dir: Path, ps: list[list[int]], chunk: int = 24) -> St
     return colocated_spec_steps(model_dir, NEXTN, ps, GREEDY16, PS, chunk)
 
 
-def assert_no_mtp_state(engine: Engine) -> None:
-    mtp = engine.mtp
-    assert mtp is not None and not mtp.seqs, None if mtp is None else list(mtp.seqs)
-    assert len(mtp.free_private) == mtp.num_private  # every copy-on-write page is back
-
-
-def mtp_kv_bytes(model_dir: Path, lens: list[int]) -> int:
-    """The MTP layer's latent KV of the prompts: whole pages, one layer, fp32 (the model's dtype)."""
-    mla = ModelConfig.from_dir(model_dir).mla
-    assert mla is not None
-    return sum(-(-n // PS) for n in lens) * PS * mla.latent_dim * 4
-
-
-def mtp_state_at_landing(landed: dict[str, tuple[int, int, int]]) -> Callable[[Pair, Req], None]:
-    """Pair.run's on_landed: (valid MTP KV positions, hidden rows, hidden size) the decode's MTP
-    state holds for the request when its KV landed, before any decode step."""
-
-    def keep(pair: Pair, d: Req) -> None:
-        mtp = pair.decode.mtp
-        assert mtp is not None
-        seq = mtp.seqs.get(d.rid)
-        landed[d.rid] = (-1, 0, 0) if seq is None else (seq.valid, *seq.hidden.shape)
-
-    return keep
-
-
 def run_and_check(pair: Pair, ps: list[list[int]], reference: Reference, model_dir: Path) -> list[Req]:
-    """Every prompt through the pair: outputs as colocated; the decode's MTP state when the KV
-    landed holds rows [0, L - 1) and one hidden row (h_{L-1}, the aux); the bytes written are
-    the target's and the MTP's KV past the prefix the decode's radix cache held; both sides free."""
-    landed: dict[str, tuple[int, int, int]] = {}
-    before = pair.prefill.stats()["disaggregation"]["bytes_written"]
-    reqs = [pair.reqs(ids, GREEDY16) for ids in ps]
-    pair.run(reqs, timeout_s=120.0, on_landed=mtp_state_at_landing(landed))
-    decoded = [d for _, d in reqs]
-    assert all(d.finish_reason is FinishReason.LENGTH for d in decoded), [d.finish_detail for d in decoded]
-    assert_pd_matches(decoded, ps, reference, "PD, NEXTN on both sides vs colocated")
-    hidden = ModelConfig.from_dir(model_dir).hidden_size
-    assert [landed[d.rid] for d in decoded] == [(len(p) - 1, 1, hidden) for p in ps]  # nothing recomputed
-    lens, held = [len(p) for p in ps], [d.timeline.prefix_hit_tokens for d in decoded]  # whole pages
-    target_kv = expected_bytes(model_dir, lens, PS, 1, 1) - expected_bytes(model_dir, held, PS, 1, 1)
-    mtp_kv = mtp_kv_bytes(model_dir, lens) - mtp_kv_bytes(model_dir, held)
-    assert pair.prefill.stats()["disaggregation"]["bytes_written"] - before == target_kv + mtp_kv
-    pair.settle()
-    assert_no_mtp_state(pair.prefill)
-    assert_no_mtp_state(pair.decode)
-    return decoded
+    return nextn.run_and_check(
+        pair,
+        ps,
+        reference,
+        model_dir,
+        lambda lens: mtp_kv_bytes(model_dir, lens, PS),
+        "PD, NEXTN on both sides vs colocated",
+    )
 
 
 @pytest.mark.parametrize("rounds", [1, pytest.param(2, marks=pytest.mark.slow)])
@@ -175,14 +131,10 @@ def test_negative_control_landed_mtp_state_zeroed(deepseek: Path, ds_reference, 
 
 
 def test_failures_and_aborts_free_every_page_and_mtp_state_on_both_sides(deepseek: Path, ds_reference):
-    def check_free(pair: Pair) -> None:
-        assert_no_mtp_state(pair.prefill)
-        assert_no_mtp_state(pair.decode)
-
     # the MTP's pages are more batches per room: a lower failure probability leaves both outcomes
     faults = FaultInjection(prob=0.15, seed=3)
     failures_then_decode_abort(
-        deepseek, ds_reference, check_free, faults, prefill_speculative=NEXTN, decode_speculative=NEXTN
+        deepseek, ds_reference, no_mtp_state_on_either_side, faults, prefill_speculative=NEXTN, decode_speculative=NEXTN
     )
 
 
@@ -210,37 +162,5 @@ def test_nextn_pd_through_router(bigram: Path, bigram_reference, tmp_path: Path)
     sglang-router): the router's answers are the colocated tokens and logprobs, every draft is
     accepted (from the first step: 17 drafts in 23 tokens after the prefill's, 3 + 1 a step), and
     the prefill wrote the target's KV plus the MTP layer's."""
-    pytest.importorskip("mooncake.engine")
-    ps = prompts(23, LENS)
-    nextn = ("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3")
-    stack = start_stack(
-        bigram,
-        tmp_path,
-        "--page-size",
-        str(PS),
-        "--max-total-tokens",
-        "4096",
-        "--chunked-prefill-size",
-        "24",
-        prefill_args=nextn,
-        decode_args=nextn,
-    )
-    try:
-        params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
-        outs = [
-            generate(stack.router, {"input_ids": p, "sampling_params": greedy(24), "return_logprob": True}) for p in ps
-        ]
-        want = [bigram_reference(p, params) for p in ps]
-        assert_same_generations([Generation.of(o) for o in outs], want, Route.ACROSS_PROCESSES, ps, "PD NEXTN")
-        metas = [o["meta_info"] for o in outs]
-        assert all(m["spec_accept_token_num"] == m["spec_draft_token_num"] == 17 for m in metas), metas
-        stack.decode.wait_idle()
-        p = stack.prefill.wait_idle()
-        assert p["disaggregation"]["bytes_written"] == expected_bytes(bigram, LENS, PS, 1, 1) + mtp_kv_bytes(
-            bigram, LENS
-        )
-    except AssertionError:
-        print(stack.logs())
-        raise
-    finally:
-        stack.close()
+    nextn_flags = ("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3")
+    check_through_router(bigram, tmp_path, nextn_flags, bigram_reference, mtp_kv_bytes(bigram, LENS, PS), "PD NEXTN")

@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpipe.config import FaultInjection, SpeculativeConfig
-from kvpipe.engine.request import FinishReason, Req, SamplingParams
-from kvpipe.model.config import ModelConfig
+from kvpipe.config import FaultInjection
+from kvpipe.engine.request import Req
 from kvpipe.model.presets import write_preset
+from tests.helpers import nextn
 from tests.helpers.draft_models import bigram_copy
 from tests.helpers.engine import colocated_spec_steps
-from tests.helpers.nextn import assert_no_mtp_state, mtp_kv_bytes, mtp_state_at_landing
+from tests.helpers.nextn import GREEDY16, LENS, NEXTN, assert_no_mtp_state, check_through_router, mtp_kv_bytes
 from tests.helpers.pd_pair import (
     PS,
     Pair,
@@ -35,13 +35,7 @@ from tests.helpers.pd_pair import (
     make_pair,
     prompts,
 )
-from tests.helpers.pd_parity import expected_bytes, state_slot_nbytes
-from tests.helpers.pd_stack import generate, greedy, start_stack
-from tests.helpers.tolerance import Generation, Route, assert_same_generations
-
-GREEDY16 = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
-LENS = [17, 40, 70]  # inside a page, across pages, across chunks of 24
-NEXTN = SpeculativeConfig("NEXTN", num_steps=3)
+from tests.helpers.tolerance import Route
 
 
 @pytest.fixture(scope="module")
@@ -71,28 +65,15 @@ def assert_all_free(pair: Pair) -> None:
 
 
 def run_and_check(pair: Pair, ps: list[list[int]], reference: Reference, model_dir: Path) -> list[Req]:
-    """Every prompt through the pair: outputs as colocated; the decode's MTP state when the KV
-    landed holds rows [0, L - 1) and one hidden row (h_{L-1}, the aux); the bytes written are the
-    target's KV past the prefix the decode's radix cache held, each request's whole recurrent
-    state, and the MTP's KV past that prefix; both sides free."""
-    landed: dict[str, tuple[int, int, int]] = {}
-    before = pair.prefill.stats()["disaggregation"]["bytes_written"]
-    reqs = [pair.reqs(ids, GREEDY16) for ids in ps]
-    pair.run(reqs, timeout_s=120.0, on_landed=mtp_state_at_landing(landed))
-    decoded = [d for _, d in reqs]
-    assert all(d.finish_reason is FinishReason.LENGTH for d in decoded), [d.finish_detail for d in decoded]
-    assert_pd_matches(decoded, ps, reference, "PD, NEXTN on both sides (Qwen3.5) vs colocated")
-    hidden = ModelConfig.from_dir(model_dir).hidden_size
-    assert [landed[d.rid] for d in decoded] == [(len(p) - 1, 1, hidden) for p in ps]  # nothing recomputed
-    lens, held = [len(p) for p in ps], [d.timeline.prefix_hit_tokens for d in decoded]  # whole pages
-    state = state_slot_nbytes(ModelConfig.from_dir(model_dir))
-    held_kv = expected_bytes(model_dir, held, PS, 1, 1) - len(held) * state  # the state moves whole
-    target = expected_bytes(model_dir, lens, PS, 1, 1) - held_kv
-    mtp_kv = mtp_kv_bytes(model_dir, lens, PS) - mtp_kv_bytes(model_dir, held, PS)
-    assert pair.prefill.stats()["disaggregation"]["bytes_written"] - before == target + mtp_kv
-    pair.settle()
-    assert_all_free(pair)
-    return decoded
+    return nextn.run_and_check(
+        pair,
+        ps,
+        reference,
+        model_dir,
+        lambda lens: mtp_kv_bytes(model_dir, lens, PS),
+        "PD, NEXTN on both sides (Qwen3.5) vs colocated",
+        check_free=assert_all_free,
+    )
 
 
 @pytest.mark.parametrize("rounds", [1, pytest.param(2, marks=pytest.mark.slow)])
@@ -159,40 +140,9 @@ def test_nextn_pd_through_router(bigram: Path, bigram_reference, tmp_path: Path)
     sglang-router): the router's answers are the colocated tokens and logprobs, every draft is
     accepted from the first step (17 drafts in 23 tokens after the prefill's, 3 + 1 a step), and
     the prefill wrote the target's KV and state plus the MTP layer's KV."""
-    pytest.importorskip("mooncake.engine")
-    ps = prompts(23, LENS)
-    nextn = ("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3")
-    stack = start_stack(
-        bigram,
-        tmp_path,
-        "--page-size",
-        str(PS),
-        "--max-total-tokens",
-        "4096",
-        "--chunked-prefill-size",
-        "24",
-        prefill_args=nextn,
-        decode_args=nextn,
-    )
-    try:
-        params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
-        outs = [
-            generate(stack.router, {"input_ids": p, "sampling_params": greedy(24), "return_logprob": True}) for p in ps
-        ]
-        want = [bigram_reference(p, params) for p in ps]
-        assert_same_generations([Generation.of(o) for o in outs], want, Route.ACROSS_PROCESSES, ps, "PD NEXTN Qwen3.5")
-        metas = [o["meta_info"] for o in outs]
-        assert all(m["spec_accept_token_num"] == m["spec_draft_token_num"] == 17 for m in metas), metas
-        stack.decode.wait_idle()
-        p = stack.prefill.wait_idle()
-        assert p["disaggregation"]["bytes_written"] == expected_bytes(bigram, LENS, PS, 1, 1) + mtp_kv_bytes(
-            bigram, LENS, PS
-        )
-    except AssertionError:
-        print(stack.logs())
-        raise
-    finally:
-        stack.close()
+    nextn_flags = ("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3")
+    kv = mtp_kv_bytes(bigram, LENS, PS)
+    check_through_router(bigram, tmp_path, nextn_flags, bigram_reference, kv, "PD NEXTN Qwen3.5")
 
 
 @pytest.mark.slow  # two TP engines with their children (~30-60 s on 2 loaded cores)

@@ -19,15 +19,14 @@ from pathlib import Path
 import pytest
 
 from kvpipe.config import FaultInjection
-from kvpipe.engine.request import FinishReason, Req, SamplingParams
-from kvpipe.model.config import ModelConfig
+from kvpipe.engine.request import SamplingParams
 from kvpipe.model.presets import write_preset
 from tests.helpers.draft_models import bigram_copy
+from tests.helpers.engine import colocated_spec_steps
+from tests.helpers.nextn import GREEDY16, LENS, NEXTN, mtp_kv_bytes, no_mtp_state_on_either_side, run_and_check
 from tests.helpers.pd_pair import (
     PS,
-    Pair,
     Reference,
-    assert_pd_matches,
     colocated_greedy,
     failures_then_decode_abort,
     make_pair,
@@ -36,15 +35,6 @@ from tests.helpers.pd_pair import (
 from tests.helpers.pd_parity import expected_bytes
 from tests.helpers.pd_stack import close_and_check_no_orphans, disagg_stats, generate, greedy, start_tp_stack
 from tests.helpers.tolerance import Generation, Route, assert_same_generations
-from tests.integration.test_pd_nextn import (
-    GREEDY16,
-    LENS,
-    NEXTN,
-    assert_no_mtp_state,
-    colocated_steps,
-    mtp_kv_bytes,
-    mtp_state_at_landing,
-)
 
 pytest.importorskip("mooncake.engine")
 
@@ -72,30 +62,6 @@ def bigram_reference(bigram: Path) -> Iterator[Reference]:
     yield from colocated_greedy(bigram)
 
 
-def run_and_check(
-    pair: Pair, ps: list[list[int]], reference: Reference, model_dir: Path, tp: tuple[int, int]
-) -> list[Req]:
-    """Every prompt through the TP pair: outputs as colocated; the decode's MTP state (rank 0's)
-    held rows [0, L - 1) and one hidden row when the KV landed; the bytes written are the
-    target's KV as TP `tp` moves it plus the MTP KV once; both sides free every page and state."""
-    landed: dict[str, tuple[int, int, int]] = {}
-    before = pair.prefill.stats()["disaggregation"]["bytes_written"]
-    reqs = [pair.reqs(ids, GREEDY16) for ids in ps]
-    pair.run(reqs, timeout_s=180.0, on_landed=mtp_state_at_landing(landed))
-    decoded = [d for _, d in reqs]
-    assert all(d.finish_reason is FinishReason.LENGTH for d in decoded), [d.finish_detail for d in decoded]
-    assert_pd_matches(decoded, ps, reference, f"PD NEXTN at TP {tp} vs colocated", ROUTE)
-    hidden = ModelConfig.from_dir(model_dir).hidden_size
-    assert [landed[d.rid] for d in decoded] == [(len(p) - 1, 1, hidden) for p in ps]  # nothing recomputed
-    lens = [len(p) for p in ps]
-    want = expected_bytes(model_dir, lens, PS, *tp) + mtp_kv_bytes(model_dir, lens)
-    assert pair.prefill.stats()["disaggregation"]["bytes_written"] - before == want
-    pair.settle()
-    assert_no_mtp_state(pair.prefill)
-    assert_no_mtp_state(pair.decode)
-    return decoded
-
-
 # Two TP engines with their children and a colocated run (~30 s each on 2 loaded cores, about as
 # much for one prompt: start-up): slow, like the STANDALONE TP PD tests; the fast suite plans the
 # same moves in tests/unit/test_mtp_transfer_tp.py. Negative control (run by hand): a decode that
@@ -107,7 +73,7 @@ def test_drafts_and_accepted_counts_as_colocated(deepseek: Path, ds_reference, p
     (24): every step's drafts and accepted count equal a colocated NEXTN engine's (TP 1), the
     first step drafts at once."""
     ps = prompts(22, LENS)[1:]
-    want = colocated_steps(deepseek, ps, CHUNK)
+    want = colocated_spec_steps(deepseek, NEXTN, ps, GREEDY16, PS, CHUNK)
     with make_pair(
         deepseek,
         CHUNK,
@@ -117,7 +83,19 @@ def test_drafts_and_accepted_counts_as_colocated(deepseek: Path, ds_reference, p
         prefill_tp=p_tp,
         decode_tp=d_tp,
     ) as pair:
-        decoded = run_and_check(pair, ps, ds_reference, deepseek, (p_tp, d_tp))
+        tp = (p_tp, d_tp)
+        decoded = run_and_check(
+            pair,
+            ps,
+            ds_reference,
+            deepseek,
+            lambda lens: mtp_kv_bytes(deepseek, lens, PS),
+            f"PD NEXTN at TP {tp} vs colocated",
+            tp=tp,
+            route=ROUTE,
+            timeout_s=180.0,
+        )
+        assert not any(d.timeline.prefix_hit_tokens for d in decoded)  # no radix cache: the whole prompts moved
         assert pair.pipeline is not None and pair.pipeline.counters.batches_by_groups.get(GROUPS, 0) > 0
     assert [d.spec.steps for d in decoded if d.spec is not None] == want
     assert all(len(d.spec.steps[0][0]) == 3 for d in decoded if d.spec is not None)  # drafts at once
@@ -150,7 +128,7 @@ def test_an_mtp_layer_that_predicts_the_target_accepts_every_draft_from_the_firs
         stack.prefill.wait_idle(30)
         st = disagg_stats(stack.prefill)
         assert (st["rooms_succeeded"], st["rooms_failed"]) == (len(ps), 0), st
-        assert st["bytes_written"] == expected_bytes(bigram, LENS, PS, 2, 2) + mtp_kv_bytes(bigram, LENS)
+        assert st["bytes_written"] == expected_bytes(bigram, LENS, PS, 2, 2) + mtp_kv_bytes(bigram, LENS, PS)
     except BaseException:
         print(stack.logs())
         raise
@@ -163,14 +141,10 @@ def test_an_mtp_layer_that_predicts_the_target_accepts_every_draft_from_the_firs
 def test_failures_and_aborts_free_every_page_and_mtp_state_on_both_sides(
     deepseek: Path, ds_reference, p_tp: int, d_tp: int
 ):
-    def check_free(pair: Pair) -> None:
-        assert_no_mtp_state(pair.prefill)
-        assert_no_mtp_state(pair.decode)
-
     failures_then_decode_abort(
         deepseek,
         ds_reference,
-        check_free,
+        no_mtp_state_on_either_side,
         FaultInjection(prob=0.15, seed=3),
         ROUTE,
         prefill_speculative=NEXTN,

@@ -15,10 +15,9 @@ from kvpipe.config import SpeculativeConfig
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import SamplingParams
 from kvpipe.model.presets import write_preset
-from tests.helpers.draft_models import noisy_copy
+from tests.helpers.draft_models import bigram_copy, noisy_copy
 from tests.helpers.engine import assert_engine_matches, assert_every_draft_accepted, make_engine, one_at_a_time, prompts
 from tests.helpers.tolerance import Generation, Route
-from tests.integration.test_engine_nextn import bigram_copy
 
 GREEDY24 = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
 PROMPTS = prompts(4)
