@@ -93,7 +93,7 @@ def tp_pair(target: Path, head: Path, p_tp: int, d_tp: int):
     )
 
 
-# Two TP engines with their children and a colocated run (~30 s+ on 2 loaded cores: start-up):
+# Two TP engines with their children and a colocated run (~90 s each beside a running `make test` on 2 cores):
 # slow, like the NEXTN TP PD tests; the fast suite plans the same moves in
 # tests/unit/test_eagle_transfer_tp.py and runs EAGLE PD at TP 1 in test_pd_eagle.py.
 @pytest.mark.slow
