@@ -143,7 +143,7 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
         help="NGRAM: drafts looked up in the request's own tokens, verified greedily in one forward "
         "(sampled requests by speculative sampling); STANDALONE: greedy drafts of a smaller model "
         "(--speculative-draft-model-path); NEXTN (or EAGLE): greedy drafts of the checkpoint's "
-        "multi-token-prediction layer (DeepSeek-V3 or Qwen3.5, TP 1; PD: both servers); EAGLE with "
+        "multi-token-prediction layer (DeepSeek-V3 or Qwen3.5; with TP, whole on rank 0; PD: both servers); EAGLE with "
         "--speculative-draft-model-path: an EAGLE head's (Llama-family targets); EAGLE3 is refused (not yet)",
     )
     g.add_argument("--speculative-num-steps", type=int, default=None, help="drafts per step (a chain)")

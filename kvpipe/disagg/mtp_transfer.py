@@ -50,6 +50,11 @@ rank 0 with decode rank 0 (tp_mapping.source_ranks(0, P, D) holds 0), so that pa
 - the MTP layer's send layer is num_layers on rank 0 (its last layer group, sent from the
   engine's thread after the MTP forward); the other ranks' sends stop at their target layers.
 Bytes per request: the target's KV as the head-slice mapping moves it plus the MTP KV once.
+An EAGLE head (engine/eagle_drafter.py) takes the MTP layer's place on rank 0 with the same
+placement: every decision above keys on `SpeculativeConfig.uses_mtp` (NEXTN or EAGLE), so its
+pool, the K and V of all the head's KV heads (a GQA layer, but never head-sliced: the head runs
+whole on rank 0), moves whole from prefill rank 0 into decode rank 0 at any TP on either side,
+while the target's K/V moves head-sliced as TP maps it.
 
 The handshake's speculative field (`nextn_handshake`) names NEXTN, the MTP layer (its index and
 count in the checkpoint, whose content the handshake's model digest covers), the hidden size the
@@ -67,7 +72,7 @@ from kvpipe.transfer.planning.layout import KVLayout
 
 # hidden rows AuxData.hidden carries: h_{L-1} (MTPDrafter.pending_hidden after the prompt)
 AUX_HIDDEN_ROWS = 1
-# the TP rank of each side that runs the MTP layer and holds its KV (whole, not sharded)
+# the TP rank of each side that runs the MTP layer (or EAGLE head) and holds its KV (whole, not sharded)
 MTP_RANK = 0
 
 
@@ -98,9 +103,12 @@ def nextn_aux_nbytes(cfg: ServerConfig, ctx: ConnectorContext) -> int:
 def eagle_handshake(cfg: ServerConfig, head: KVLayout) -> str:
     """Handshake.speculative of an EAGLE server with a draft head (engine/eagle_drafter.py), whose
     KV and hidden state move as NEXTN's do: "eagle:head=<head checkpoint digest>:hidden=<size>:
-    kv=<dtype>/<page size>/<kind>x<layers>x<heads>x<head dim>" (its GQA layer: kind 2, K and V)."""
+    kv=<dtype>/<page size>/<kind>x<layers>x<heads>x<head dim>:at=rank<MTP_RANK>" (its GQA layer:
+    kind 2, K and V; `at`: all its KV heads live whole on TP rank 0 of each side, whatever the TP
+    size, so servers of different TP agree)."""
     path = cfg.speculative.eagle_head_path
     assert path is not None
     hidden = ModelConfig.from_dir(cfg.model_path).hidden_size
     shape = f"{head.buffers_per_layer}x{head.num_layers}x{head.total_kv_heads}x{head.head_dim}"
-    return f"eagle:head={checkpoint_digest(path)}:hidden={hidden}:kv={head.dtype}/{head.page_size}/{shape}"
+    kv = f"{head.dtype}/{head.page_size}/{shape}"
+    return f"eagle:head={checkpoint_digest(path)}:hidden={hidden}:kv={kv}:at=rank{MTP_RANK}"

@@ -91,7 +91,7 @@ class TransferWorker(KVConnectorWorker):
         self.on_news: Callable[[], None] | None = None
         # set by rank 0's connector before the start (set_draft_pool): the draft model's KV pool
         self.draft_layout: KVLayout | None = None
-        # NEXTN's MTP layer and its KV live on another TP rank (MTP_RANK): none moves from here
+        # NEXTN's MTP layer (or an EAGLE head) and its KV live on another TP rank (MTP_RANK): none moves from here
         self._mtp_elsewhere = cfg.speculative.uses_mtp and rank != MTP_RANK
 
     def set_draft_pool(self, pool: KVPool | None, total_kv_heads: int | None = None) -> None:
@@ -160,7 +160,7 @@ class TransferWorker(KVConnectorWorker):
                 draft_layout=self.draft_layout,
                 # NEXTN: the MTP KV sits on the target's page ids, a decode's prefix holds it too
                 draft_at_prefix=self.cfg.speculative.uses_mtp,
-                # NEXTN: the MTP layer and its KV live whole on TP rank 0 of each side
+                # NEXTN (or an EAGLE head): the MTP layer and its KV live whole on TP rank 0 of each side
                 draft_rank=MTP_RANK if self.cfg.speculative.uses_mtp else None,
             )
             self.sender.start(bootstrap=cmd.bootstrap)

@@ -12,13 +12,15 @@ recomputing past the valid prefix) and PD (disagg/mtp_transfer.py: the head KV a
 group, h_{L-1} in AuxData.hidden) are MTPDrafter's. What differs is the pool: the head's GQA layer
 keeps K and V ([pages, its KV heads, page, head dim] each), not an MLA latent.
 
-Built for TP 1 on the head: with a TP target (colocated) the head runs whole on rank 0, where
-the target's hidden states, embedding and lm_head are complete. PD servers run it at TP 1.
+Built for TP 1 on the head: with a TP target the head runs whole on rank 0, where the target's
+hidden states, embedding and lm_head are complete. In PD, at any TP on either side, its KV pool
+(the K and V of all its KV heads, never head-sliced) lives on TP rank 0 of each side as the MTP
+layer's does, and prefill rank 0 writes it whole into decode rank 0 (disagg/mtp_transfer.py).
 """
 
 from __future__ import annotations
 
-from kvpipe.config import ConfigError, ServerConfig
+from kvpipe.config import ServerConfig
 from kvpipe.engine.mtp_drafter import MTPDrafter
 from kvpipe.model.config import ModelConfig
 from kvpipe.model.eagle import check_eagle_head, eagle_config, load_eagle
@@ -26,16 +28,12 @@ from kvpipe.model.mtp_layer import MTPLayer
 
 
 def check_eagle(cfg: ServerConfig, target: ModelConfig) -> None:
-    """Refuse an EAGLE head where it cannot run (yet): one that does not fit the target (hidden
-    size, vocabulary, a non-Llama-family target), a PD server with --tp-size > 1."""
+    """Refuse an EAGLE head that does not fit the target (hidden size, vocabulary, a
+    non-Llama-family target): ConfigError. Any TP, colocated or PD: the head runs whole on TP rank
+    0 and, in PD, its KV moves from prefill rank 0 to decode rank 0 (disagg/mtp_transfer.py)."""
     path = cfg.speculative.eagle_head_path
     assert path is not None
     check_eagle_head(eagle_config(path), target, path)
-    if cfg.disaggregation.mode != "null" and cfg.tp_size > 1:
-        raise ConfigError(
-            f"--speculative-algorithm EAGLE with a draft head on a PD {cfg.disaggregation.mode} server with "
-            f"--tp-size {cfg.tp_size}: not supported yet (the head's KV and hidden state move at TP 1 only)"
-        )
 
 
 class EagleDrafter(MTPDrafter):

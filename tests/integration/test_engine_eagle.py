@@ -175,11 +175,9 @@ def test_what_eagle_cannot_serve_is_refused(models: Models, tmp_path: Path):
         make_engine(write_preset("tiny-deepseek-v3", tmp_path / "ds"), speculative=spec)
     cfg = ServerConfig(model_path=str(models.tiny), speculative=spec)
     target = ModelConfig.from_dir(models.tiny)
-    for mode in ("null", "prefill", "decode"):
-        check_eagle(replace(cfg, disaggregation=replace(cfg.disaggregation, mode=mode)), target)  # TP 1: served
-    check_eagle(replace(cfg, tp_size=2), target)  # colocated TP 2: the head whole on rank 0
-    with pytest.raises(ConfigError, match="PD prefill server with --tp-size 2"):
-        check_eagle(replace(cfg, tp_size=2, disaggregation=replace(cfg.disaggregation, mode="prefill")), target)
+    for mode in ("null", "prefill", "decode"):  # served at any TP: the head whole on rank 0 (PD: test_pd_eagle_tp.py)
+        for tp in (1, 2):
+            check_eagle(replace(cfg, tp_size=tp, disaggregation=replace(cfg.disaggregation, mode=mode)), target)
 
 
 @pytest.mark.slow  # two TP 2 engines (~40 s on 2 cores); TP 1's sibling: test_a_head_that_predicts_...

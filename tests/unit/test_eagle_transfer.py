@@ -35,7 +35,7 @@ def test_handshake_names_the_head_and_its_kv(tiny_model_dir: Path, tmp_path: Pat
 
     got = handshake(SpeculativeConfig("EAGLE", draft_model_path=str(a)))
     kv = f"float32/{PS}/2x1x{cfg.num_kv_heads}x{cfg.head_dim}"  # K and V, one layer, the head's KV heads
-    want = f"eagle:head={checkpoint_digest(a)}:hidden={cfg.hidden_size}:kv={kv}"
+    want = f"eagle:head={checkpoint_digest(a)}:hidden={cfg.hidden_size}:kv={kv}:at=rank0"
     assert got == want
     assert got != handshake(SpeculativeConfig("EAGLE", draft_model_path=str(b)))  # another head's weights
     assert handshake(SpeculativeConfig("EAGLE")).startswith("nextn:")  # no path: NEXTN's

@@ -218,7 +218,7 @@ class SenderPeers:
         assert msg.draft is not None
         where = f"decode rank {msg.tp_rank} draft-model KV pool"
         if msg.tp_rank != self.draft_rank:
-            return f"{where}: the draft KV (NEXTN's MTP layer) lives on TP rank {self.draft_rank} only"
+            return f"{where}: the draft KV (NEXTN's MTP layer, an EAGLE head) lives on TP rank {self.draft_rank} only"
         if (msg.draft.head_start, msg.draft.head_end) != (0, msg.draft.total_kv_heads):
             heads = f"[{msg.draft.head_start}, {msg.draft.head_end})"
             return f"{where} holds heads {heads} of {msg.draft.total_kv_heads}, not all"
