@@ -22,12 +22,12 @@ from kvpipe.engine.request import FinishReason, Req, SamplingParams
 from kvpipe.model.config import ModelConfig
 from tests.helpers.draft_models import bigram_copy, write_eagle_head
 from tests.helpers.engine import colocated_spec_steps
+from tests.helpers.nextn import GREEDY16, LENS, assert_no_mtp_state, mtp_state_at_landing
 from tests.helpers.pd_pair import PS, Pair, Reference, assert_pd_matches, colocated_greedy, make_pair, prompts
 from tests.helpers.pd_parity import expected_bytes
 from tests.helpers.pd_stack import close_and_check_no_orphans, disagg_stats, generate, greedy, start_tp_stack
 from tests.helpers.tolerance import Generation, Route, assert_same_generations
-from tests.integration.test_pd_eagle import GREEDY16, LENS, eagle, head_kv_bytes
-from tests.integration.test_pd_nextn import assert_no_mtp_state, mtp_state_at_landing
+from tests.integration.test_pd_eagle import eagle, head_kv_bytes
 
 pytest.importorskip("mooncake.engine")
 
