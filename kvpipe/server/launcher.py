@@ -29,7 +29,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -63,7 +63,9 @@ API_KEY_FLAG = "--api-key"
 PARTS = ("prefill", "decode", "router")  # the order of PDStack.procs; stopped in reverse
 SUPERVISE_TICK_S = 0.25
 logger = logging.getLogger(__name__)
-ROUTER_START_TRIES = 3  # a router that lost a port to another process between pick and bind
+# A part whose port another process bound between our pick and its bind exits at startup; it gets
+# fresh ports and another start, up to this many starts.
+START_TRIES = 3
 
 
 def take_secret_flag(args: Sequence[str], flag: str = AUTH_TOKEN_FLAG) -> tuple[list[str], str | None]:
@@ -95,6 +97,19 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
         for s in socks:
             s.bind((host, 0))
         return [s.getsockname()[1] for s in socks]
+
+
+def ports_taken(host: str, ports: Sequence[int]) -> bool:
+    """Whether another process holds one of `ports` (bind fails; SO_REUSEADDR so that our own
+    closed sockets in TIME_WAIT do not count)."""
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError:
+                return True
+    return False
 
 
 def _command_line(args: str | bytes | os.PathLike | Sequence[str | bytes | os.PathLike]) -> str:
@@ -454,13 +469,15 @@ def start_pd_stack(
     http_ports, b_ports = ports[:n], ports[n : n + prefills]
     r_free, metrics_port = ports[-2:]
     r_port = router_port or r_free
-    urls = [f"http://{host}:{p}" for p in http_ports]
     common = ["--host", host, *(["--model-path", model_path] if model_path else []), *server_args]
     log = (lambda name: os.path.join(log_dir, f"{name}.log")) if log_dir else (lambda name: None)
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
-    stack = PDStack(urls[0], urls[prefills], f"http://{host}:{r_port}", b_ports[0], split)
-    stack.prefill_urls, stack.decode_urls, stack.bootstrap_ports = urls[:prefills], urls[prefills:], b_ports
+
+    def url(port: int) -> str:
+        return f"http://{host}:{port}"
+
+    stack = PDStack(url(http_ports[0]), url(http_ports[prefills]), url(r_port), b_ports[0], split)
     stack.policies = (prefill_policy, decode_policy)
     # One random token per stack authenticates its PD control plane, unless the caller chose one
     # (a flag, a token file, or our environment); restarts reuse it, so survivors trust them.
@@ -468,65 +485,123 @@ def start_pd_stack(
         stack.auth_token = token or os.environ.get(TOKEN_ENV) or new_token()
     child_secrets = {TOKEN_ENV: stack.auth_token, API_KEY_ENV: api_key}
     env = tuple((name, value) for name, value in child_secrets.items() if value)
-    for i, name in enumerate(_server_names(prefills, decodes)):
+    names = _server_names(prefills, decodes)
+
+    def server_spec(i: int) -> PartSpec:
+        """Server i's spec on http_ports[i] (and b_ports[i] for a prefill); the stack's URLs follow."""
         role: tuple[str, ...] = ("--disaggregation-mode", "decode")
         if i < prefills:
             role = ("--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(b_ports[i]))
         cmd = (py, "-m", "kvpipe.cli", "serve", *common, *shares[i].flags, "--port", str(http_ports[i]), *role)
-        stack.specs.append(PartSpec(name, (*cmd, *own_args[i]), urls[i] + "/health", log(name), shares[i].pin, env))
+        urls = [url(p) for p in http_ports]
+        stack.prefill_urls, stack.decode_urls, stack.bootstrap_ports = urls[:prefills], urls[prefills:], list(b_ports)
+        stack.prefill_url, stack.decode_url, stack.bootstrap_port = urls[0], urls[prefills], b_ports[0]
+        return PartSpec(names[i], (*cmd, *own_args[i]), urls[i] + "/health", log(names[i]), shares[i].pin, env)
 
-    def router_spec(port: int, prometheus_port: int) -> PartSpec:
+    def router_spec() -> PartSpec:
         cmd = router_command_xpyd(
             list(zip(stack.prefill_urls, b_ports)),
             stack.decode_urls,
             host,
-            port,
-            prometheus_port,
+            r_port,
+            metrics_port,
             api_key,
             prefill_policy,
             decode_policy,
         )
-        stack.router_url, stack.router_metrics_url = f"http://{host}:{port}", f"http://{host}:{prometheus_port}"
+        stack.router_url, stack.router_metrics_url = url(r_port), url(metrics_port)
         return PartSpec("router", tuple(cmd), stack.router_url + "/health", log("router"))
 
-    stack.specs.append(router_spec(r_port, metrics_port))
+    def picked_ports(i: int) -> list[int]:
+        """The ports we picked for part i (a caller's --port is theirs to keep)."""
+        if i == n:
+            return [metrics_port, *([] if router_port else [r_port])]
+        return [http_ports[i], *([b_ports[i]] if i < prefills else [])]
+
+    def fresh_spec(i: int) -> PartSpec:
+        nonlocal r_port, metrics_port
+        if i == n:
+            fresh = free_ports(2, host)
+            r_port, metrics_port = router_port or fresh[0], fresh[1]
+            return router_spec()
+        if i < prefills:
+            http_ports[i], b_ports[i] = free_ports(2, host)
+        else:
+            http_ports[i] = free_port(host)
+        return server_spec(i)
+
+    stack.specs += [server_spec(i) for i in range(n)]
+    stack.specs.append(router_spec())
     if master is not None:  # last in the specs: the servers' indices stay what they were
         stack.specs.append(PartSpec("store", tuple(master.command()), master.health_url, log("store")))
         stack.store_master = master
     store: list[subprocess.Popen] = []  # the master, until it joins stack.procs after the router
+    starter = _PartStarter(stack, host, timeout_s, store, picked_ports, fresh_spec)
     try:
         if master is not None:
             store.append(stack.specs[-1].spawn())
             wait_healthy(master.health_url, timeout_s, store)
         for spec in stack.specs[:n]:
             stack.procs.append(spec.spawn())
-        for spec in stack.specs[:n]:
-            wait_healthy(spec.health_url, timeout_s, [*stack.procs, *store])
-        # once the servers answer: it checks its workers at startup. Its ports were free when
-        # picked, but the servers' start takes seconds, in which another process on the machine
-        # may bind one (the router then exits with "Address already in use"): a router that exits
-        # before it answers gets fresh ports (not the caller's --port) and another try.
-        for attempt in range(ROUTER_START_TRIES):
-            router = stack.specs[n]
-            stack.procs.append(router.spawn())
-            try:
-                wait_healthy(router.health_url, timeout_s, [*stack.procs, *store])
-                break
-            except RuntimeError:
-                if stack.procs[n].poll() is None or attempt == ROUTER_START_TRIES - 1:
-                    raise
-                logger.warning("sglang-router exited at startup (a port taken?); retrying with fresh ports")
-                stack.procs.pop()
-                fresh = free_ports(2, host)
-                stack.specs[n] = router_spec(router_port or fresh[0], fresh[1])
+        starter.wait(range(n))
+        # The router once the servers answer: it checks its workers at startup, and its URLs of
+        # them are final only now (a server that lost a port got fresh ones).
+        stack.specs[n] = router_spec()
+        stack.procs.append(stack.specs[n].spawn())
+        starter.wait([n])
         stack.procs += store  # procs[i] runs specs[i]
-        store = []
+        store.clear()
     except BaseException:
         stack.close()
         for p in store:
             stop_process(p)
         raise
     return stack
+
+
+@dataclass
+class _PartStarter:
+    """Waits for parts of a starting stack to answer /health. Their ports were free when picked,
+    but the parts take seconds to start, in which another process on the machine may bind one; the
+    part then exits ("Address already in use"). Such a part, and only such a one (its picked ports
+    held by someone else once it exited), gets fresh ports and another start, up to START_TRIES."""
+
+    stack: PDStack
+    host: str
+    timeout_s: float
+    store: list[subprocess.Popen]
+    picked_ports: Callable[[int], list[int]]
+    fresh_spec: Callable[[int], PartSpec]
+    starts: dict[int, int] = field(default_factory=dict)
+
+    def wait(self, parts: Iterable[int]) -> None:
+        pending = list(parts)
+        while pending:
+            i = pending[0]
+            try:
+                wait_healthy(self.stack.specs[i].health_url, self.timeout_s, [*self.stack.procs, *self.store])
+                pending.pop(0)
+            except RuntimeError as e:
+                for j in self._restart_port_losers(pending, e):
+                    if j not in pending:
+                        pending.append(j)
+
+    def _restart_port_losers(self, parts: list[int], error: RuntimeError) -> list[int]:
+        """Restart the exited parts among `parts` that lost a port; raise `error` if one exited for
+        another reason (or ran out of starts), or if another process exited."""
+        exited = [j for j in parts if self.stack.procs[j].poll() is not None]
+        if not exited or any(
+            self.starts.get(j, 1) >= START_TRIES or not ports_taken(self.host, self.picked_ports(j)) for j in exited
+        ):
+            raise error
+        for j in exited:
+            self.starts[j] = self.starts.get(j, 1) + 1
+            logger.warning(
+                "%s exited at startup with a port taken; starting it on fresh ports", self.stack.specs[j].name
+            )
+            self.stack.specs[j] = self.fresh_spec(j)
+            self.stack.procs[j] = self.stack.specs[j].spawn()
+        return exited
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -32,27 +32,32 @@ def test_serve_reports_its_cpu_threads(tiny_model_dir: Path, tmp_path: Path) -> 
 
 
 def test_launch_splits_the_cores(tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Also: a router port taken by another process after it was picked (what once failed the soak
-    test on a busy machine) costs the stack a second router start, not its start."""
+    """Also: ports taken by another process after they were picked (what once failed the soak and
+    the xPyD tests on a busy machine) cost the stack a second start of the part that lost them,
+    with fresh ports, not its start: here the decode's HTTP port and the router's port."""
     pytest.importorskip("mooncake.engine")
     split = split_cores(affinity_cores())
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        taken_port = taken.getsockname()[1]
+    with socket.socket() as taken_d, socket.socket() as taken_r:
+        for s in (taken_d, taken_r):
+            s.bind(("127.0.0.1", 0))
+            s.listen()
         picks: list[list[int]] = []
 
         def pick_then_lose(n: int, host: str = "127.0.0.1") -> list[int]:
             ports = free_ports(n, host)
-            if not picks:  # the stack's first pick: the router's port (second to last) is taken
-                ports[-2] = taken_port
+            if not picks:  # the stack's first pick: [prefill, decode, bootstrap, router, metrics]
+                ports[1], ports[-2] = taken_d.getsockname()[1], taken_r.getsockname()[1]
             picks.append(ports)
             return ports
 
         monkeypatch.setattr(launcher, "free_ports", pick_then_lose)
         with start_pd_stack(str(tiny_model_dir), log_dir=str(tmp_path), timeout_s=90.0) as stack:
-            assert len(picks) == 2 and stack.router_url == f"http://127.0.0.1:{picks[1][0]}"
+            # then the decode's fresh HTTP port, then the router's fresh pair
+            assert [len(p) for p in picks] == [5, 1, 2]
+            assert stack.decode_url == f"http://127.0.0.1:{picks[1][0]}" == stack.decode_urls[0]
+            assert stack.router_url == f"http://127.0.0.1:{picks[2][0]}"
             assert httpx.get(stack.router_url + "/health", timeout=10.0).status_code == 200
+            assert "address already in use" in (tmp_path / "decode.log").read_text().lower()
             assert stack.cores == split
             p, d = _threads(stack.prefill_url), _threads(stack.decode_url)
     assert (p["source"], d["source"]) == ("flag", "flag")
