@@ -27,7 +27,7 @@ from kvpipe.config import ServerConfig
 from kvpipe.disagg.commands import StartDecode
 from kvpipe.disagg.mtp_transfer import nextn_aux_nbytes
 from kvpipe.disagg.pd_connector import PDConnector
-from kvpipe.disagg.setup import TRANSFER_POLL_S, data_host, require_auth_off_loopback
+from kvpipe.disagg.setup import DECODE_TRANSFER_BACKSTOP_S, data_host, require_auth_off_loopback
 from kvpipe.engine.connector import Admission, ConnectorContext, ConnectorEvent, KVArrived, TransferFinished
 from kvpipe.engine.request import FinishReason, Req
 from kvpipe.engine.window_cache import wanted_window_pages
@@ -185,7 +185,7 @@ class DecodeConnector(PDConnector):
         return None
 
     def wait_hint(self) -> float | None:
-        return TRANSFER_POLL_S if self._transfers else None
+        return DECODE_TRANSFER_BACKSTOP_S if self._transfers else None
 
     def stats(self) -> dict[str, Any]:
         if self.receiver is None:

@@ -23,6 +23,12 @@ logger = logging.getLogger(__name__)
 # to spin a core (a busy-polling loop halves throughput on 2 cores, docs/architecture.md), short
 # enough to add at most this much to a request's TTFT.
 TRANSFER_POLL_S = 0.002
+# The decode's engine loop, waiting only for KV to land, sleeps until its receiver calls it
+# (every room it can report wakes it: KVReceiver's on_news); this is a backstop. Polling at
+# TRANSFER_POLL_S cost the decode ~0.4 CPU-s of Python per 2,048-token request on a 110 Mbit/s
+# link (0.63-0.72 CPU-s against 0.25 now), taken from the cores the prefill computes on when
+# both share a machine (issue 34: the layer-pipelined prefill's forward ran slower).
+DECODE_TRANSFER_BACKSTOP_S = 0.1
 
 _WILDCARDS = ("0.0.0.0", "::", "")
 

@@ -272,8 +272,12 @@ def test_heartbeat_death_keeps_pages_until_quiet_and_forgets_the_prefill():
         and "prefill rank 0 at prefill-host:8998 sent no heartbeat for 3.0s" in d.book.rooms[1].rec.reason
     )
     assert [msg.room for _, msg in d.take(m.Abort)] == [1]
-    assert d.book.poll(15.0) == []  # a silent prefill may be stalled with writes in flight
+    # has_news (what wakes the decode's engine loop, which no longer polls every 2 ms) says
+    # exactly when poll() has a room: not while writes may still land, then at the quiet deadline
+    assert not d.book.has_news(15.0) and d.book.poll(15.0) == []  # a silent prefill may have writes in flight
+    assert d.book.has_news(15.01)
     assert d.book.poll(15.01)[0][:2] == (1, T.FAILED)
+    assert not d.book.has_news(15.02)  # reported once
     assert d.add(2, 16.0) == ADDR  # forgotten: the next room fetches its bootstrap info again
 
 

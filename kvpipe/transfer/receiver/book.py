@@ -270,6 +270,10 @@ class ReceiverBook:
                 self.stats.rooms_failed += 1
         return out
 
+    def has_news(self, now: float) -> bool:
+        """Whether poll() would report a room now."""
+        return any(r.rec.state.terminal and r.quiet(now) for r in self.rooms.values())
+
     def room_state(self, room: int) -> TransferState | None:
         r = self.rooms.get(room)
         return None if r is None else r.rec.state

@@ -76,8 +76,9 @@ class KVReceiver:
         handshake: Handshake | None = None,
         max_aux_bytes: int = 0,
     ) -> None:
-        """`on_news` (called on the control thread after every message from a prefill): poll()
-        may have something new, e.g. wake the engine loop instead of waiting for its timer.
+        """`on_news` (called on the control thread after every message from a prefill, and on the
+        worker thread at its tick when a room became reportable otherwise): poll() has something
+        new; the engine loop sleeps until it is called (DECODE_TRANSFER_BACKSTOP_S at most).
         `max_aux_bytes`: the largest raw field a prefill's aux data may carry (NEXTN's hidden state,
         AuxData.hidden; 0: none), a bound of the control frames this receiver decodes.
         `handshake`: this decode instance's (control/handshake.py), compared with every prefill's
@@ -282,7 +283,13 @@ class KVReceiver:
         while not self._stop.is_set():
             try:
                 with self._lock:
-                    self._book.housekeeping(self._clock())
+                    now = self._clock()
+                    self._book.housekeeping(now)
+                    news = self._book.has_news(now)
+                # a room reportable for a reason no message brought (a deadline, a write that can
+                # no longer land, a failed bootstrap fetch): the engine hears it within a tick
+                if news and self._on_news is not None:
+                    self._on_news()
             except Exception:
                 log.exception("decode transfer worker error")
             self._stop.wait(self.cfg.tuning.idle_tick_s)
