@@ -34,9 +34,10 @@ run: setup
 # built once; each worker computes on one torch thread). Integration tests spend much of their
 # time waiting on server start-ups and sockets, so two at a time keep both cores busy (13.5 min
 # for the integration tests instead of 19). The full sweep (`slow`: more TP pairings of paths a
-# kept case covers) is left to `make test-full`, which runs everything serially.
+# kept case covers) is left to `make test-full`, which runs everything serially. The 25 slowest
+# tests are listed at the end, so the next one to move to `slow` is in every run's log.
 test: setup
-	$(BIN)/python -m pytest -q -ra -m "not slow" -n 2 --dist loadfile tests/unit tests/integration tests/gpu
+	$(BIN)/python -m pytest -q -ra -m "not slow" -n 2 --dist loadfile --durations=25 tests/unit tests/integration tests/gpu
 
 test-full: setup
 	$(BIN)/python -m pytest -q -ra tests
