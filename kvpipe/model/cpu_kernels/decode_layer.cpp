@@ -161,6 +161,9 @@ class DecodeLayer {
 
 }  // namespace
 
+// Every call releases the GIL while it runs (it touches no Python object). Holding it, a decode
+// step left the server's other threads (the event loop streaming a first token, the transfer
+// threads) only the gaps between kernel calls, each wait up to a switch interval (5 ms) long.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<DecodeLayer>(m, "DecodeLayer")
       .def(pybind11::init<at::Tensor, at::Tensor, double, const ProjSpec&, const ProjSpec&, const ProjSpec&,
@@ -169,7 +172,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("o"), pybind11::arg("gate_up"), pybind11::arg("down"), pybind11::arg("q_heads"),
            pybind11::arg("kv_heads"), pybind11::arg("head_dim"), pybind11::arg("intermediate"),
            pybind11::arg("scale"))
-      .def("forward", &DecodeLayer::forward, "one decoder layer's decode step", pybind11::arg("x"),
+      .def("forward", &DecodeLayer::forward, "one decoder layer's decode step",
+           pybind11::call_guard<pybind11::gil_scoped_release>(), pybind11::arg("x"),
            pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("k_pool"), pybind11::arg("v_pool"),
            pybind11::arg("slot_pages"), pybind11::arg("slot_offsets"), pybind11::arg("page_table"),
            pybind11::arg("lens"), pybind11::arg("key_start"), pybind11::arg("k_scale"), pybind11::arg("v_scale"));

@@ -593,9 +593,13 @@ at::Tensor paged_decode(const at::Tensor& q_in, const at::Tensor& k, const at::T
 
 // decode_layer.cpp compiles this file's kernels into its own extension: without a module of their own
 #ifndef KVPIPE_KERNELS_NO_MODULE
+// Every call releases the GIL while it runs (it touches no Python object). Holding it, a decode
+// step left the server's other threads (the event loop streaming a first token, the transfer
+// threads) only the gaps between kernel calls, each wait up to a switch interval (5 ms) long.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention over KV pages read in place",
-        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("pages"),
+        pybind11::call_guard<pybind11::gil_scoped_release>(), pybind11::arg("q"), pybind11::arg("k"),
+        pybind11::arg("v"), pybind11::arg("pages"),
         pybind11::arg("lens"), pybind11::arg("key_start"), pybind11::arg("window"),
         pybind11::arg("sinks"), pybind11::arg("scale"), pybind11::arg("k_scale") = 1.0,
         pybind11::arg("v_scale") = 1.0);

@@ -93,8 +93,12 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
 
 // decode_layer.cpp compiles this file's kernels into its own extension: without a module of their own
 #ifndef KVPIPE_KERNELS_NO_MODULE
+// Every call releases the GIL while it runs (it touches no Python object). Holding it, a decode
+// step left the server's other threads (the event loop streaming a first token, the transfer
+// threads) only the gaps between kernel calls, each wait up to a switch interval (5 ms) long.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rope_store", &rope_store, "RoPE of q and k, and k and v stored into the paged pool", pybind11::arg("qkv"),
+  m.def("rope_store", &rope_store, "RoPE of q and k, and k and v stored into the paged pool",
+        pybind11::call_guard<pybind11::gil_scoped_release>(), pybind11::arg("qkv"),
         pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("k_pool"), pybind11::arg("v_pool"),
         pybind11::arg("pages"), pybind11::arg("offsets"), pybind11::arg("hq"), pybind11::arg("hkv"));
 }

@@ -317,12 +317,17 @@ at::Tensor f32_linear(const at::Tensor& x_in, const at::Tensor& w_in) {
 
 // decode_layer.cpp compiles this file's kernels into its own extension: without a module of their own
 #ifndef KVPIPE_KERNELS_NO_MODULE
+// Every call releases the GIL while it runs (it touches no Python object). Holding it, a decode
+// step left the server's other threads (the event loop streaming a first token, the transfer
+// threads) only the gaps between kernel calls, each wait up to a switch interval (5 ms) long.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "x [M, K] times int8 weights [N, K] with row scales -> [M, N]",
-        pybind11::arg("x"), pybind11::arg("q"), pybind11::arg("scale"));
+        pybind11::call_guard<pybind11::gil_scoped_release>(), pybind11::arg("x"), pybind11::arg("q"),
+        pybind11::arg("scale"));
   m.def("f32_linear", &f32_linear, "x [M, K] times fp32 weights [N, K] -> [M, N], each output in an order of K only",
-        pybind11::arg("x"), pybind11::arg("w"));
-  m.def("int4_linear", &int4_linear, "x [M, K] times int4 group weights [N, K] -> [M, N]", pybind11::arg("x"),
+        pybind11::call_guard<pybind11::gil_scoped_release>(), pybind11::arg("x"), pybind11::arg("w"));
+  m.def("int4_linear", &int4_linear, "x [M, K] times int4 group weights [N, K] -> [M, N]",
+        pybind11::call_guard<pybind11::gil_scoped_release>(), pybind11::arg("x"),
         pybind11::arg("codes"), pybind11::arg("scale"), pybind11::arg("minimum"));
 }
 #endif  // KVPIPE_KERNELS_NO_MODULE
