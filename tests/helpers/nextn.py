@@ -14,14 +14,32 @@ from kvpipe.config import SpeculativeConfig
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import FinishReason, Req, SamplingParams
 from kvpipe.model.config import ModelConfig
+from kvpipe.model.eagle import eagle_config
 from tests.helpers.pd_pair import PS, Pair, Reference, assert_pd_matches, prompts
 from tests.helpers.pd_parity import expected_bytes, state_slot_nbytes
-from tests.helpers.pd_stack import generate, greedy, start_stack
+from tests.helpers.pd_stack import (
+    close_and_check_no_orphans,
+    disagg_stats,
+    generate,
+    greedy,
+    start_stack,
+    start_tp_stack,
+)
 from tests.helpers.tolerance import Generation, Route, assert_same_generations
 
 GREEDY16 = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
 LENS = [17, 40, 70]  # inside a page, across pages, across chunks of 24
 NEXTN = SpeculativeConfig("NEXTN", num_steps=3)
+
+
+def eagle(head: Path) -> SpeculativeConfig:
+    return SpeculativeConfig("EAGLE", num_steps=3, draft_model_path=str(head))
+
+
+def head_kv_bytes(head: Path, lens: list[int]) -> int:
+    """An EAGLE head's K and V of the prompts: whole pages, one layer, its KV heads, fp32."""
+    cfg = eagle_config(head)
+    return sum(-(-n // PS) for n in lens) * PS * 2 * cfg.num_kv_heads * cfg.head_dim * 4
 
 
 def mtp_kv_bytes(model_dir: Path, lens: list[int], page_size: int, itemsize: int = 4) -> int:
@@ -132,3 +150,40 @@ def check_through_router(
         raise
     finally:
         stack.close()
+
+
+def check_tp2_through_router(
+    target: Path,
+    tmp_path: Path,
+    flags: tuple[str, ...],
+    reference: Reference,
+    draft_kv_bytes: int,
+    what: str,
+) -> None:
+    """TP 2 prefill and decode servers with `flags` (a drafter that predicts the target, 3 steps;
+    chunked prefill, layer groups) behind sglang-router: greedy tokens and logprobs as colocated,
+    every draft accepted from the first step (5 steps of 3 drafts and one of 2 after the prefill's
+    token: 23 tokens), the bytes the target's KV as TP (2,2) moves it plus the drafter's KV once
+    (`draft_kv_bytes` of LENS), every room succeeded, no TP worker survives."""
+    ps = prompts(23, LENS)
+    stack = start_tp_stack(target, tmp_path, 2, 2, flags)
+    try:
+        params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+        outs = [
+            generate(stack.router, {"input_ids": p, "sampling_params": greedy(24), "return_logprob": True}) for p in ps
+        ]
+        want = [reference(p, params) for p in ps]
+        assert_same_generations([Generation.of(o) for o in outs], want, Route.ACROSS_PROCESSES, ps, what)
+        metas = [o["meta_info"] for o in outs]
+        got = [(m["spec_verify_ct"], m["spec_draft_token_num"], m["spec_accept_token_num"]) for m in metas]
+        assert got == [(6, 17, 17)] * len(ps), got
+        stack.decode.wait_idle(30)
+        stack.prefill.wait_idle(30)
+        st = disagg_stats(stack.prefill)
+        assert (st["rooms_succeeded"], st["rooms_failed"]) == (len(ps), 0), st
+        assert st["bytes_written"] == expected_bytes(target, LENS, PS, 2, 2) + draft_kv_bytes
+    except BaseException:
+        print(stack.logs())
+        raise
+    finally:
+        close_and_check_no_orphans(stack)

@@ -17,19 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpipe.config import SpeculativeConfig
 from kvpipe.engine.request import FinishReason, Req
-from kvpipe.model.eagle import eagle_config
 from kvpipe.transfer.control.handshake import REFUSED
 from tests.helpers import nextn
 from tests.helpers.draft_models import bigram_copy, write_eagle_head
 from tests.helpers.engine import colocated_spec_steps
-from tests.helpers.nextn import GREEDY16, LENS, check_through_router
+from tests.helpers.nextn import GREEDY16, LENS, check_through_router, eagle, head_kv_bytes
 from tests.helpers.pd_pair import PS, Pair, Reference, colocated_greedy, make_pair, prompts
-
-
-def eagle(head: Path) -> SpeculativeConfig:
-    return SpeculativeConfig("EAGLE", num_steps=3, draft_model_path=str(head))
 
 
 @pytest.fixture(scope="module")
@@ -53,12 +47,6 @@ def heads(tiny_model_dir: Path, bigram: Path, tmp_path_factory: pytest.TempPathF
 @pytest.fixture(scope="module")
 def reference(bigram: Path) -> Iterator[Reference]:
     yield from colocated_greedy(bigram)
-
-
-def head_kv_bytes(head: Path, lens: list[int]) -> int:
-    """The head's K and V of the prompts: whole pages, one layer, its KV heads, fp32."""
-    cfg = eagle_config(head)
-    return sum(-(-n // PS) for n in lens) * PS * 2 * cfg.num_kv_heads * cfg.head_dim * 4
 
 
 def run_and_check(pair: Pair, ps: list[list[int]], reference: Reference, target: Path, head: Path) -> list[Req]:

@@ -18,16 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from kvpipe.engine.request import FinishReason, Req, SamplingParams
-from kvpipe.model.config import ModelConfig
+from kvpipe.engine.request import Req
+from tests.helpers import nextn
 from tests.helpers.draft_models import bigram_copy, write_eagle_head
 from tests.helpers.engine import colocated_spec_steps
-from tests.helpers.nextn import GREEDY16, LENS, assert_no_mtp_state, mtp_state_at_landing
-from tests.helpers.pd_pair import PS, Pair, Reference, assert_pd_matches, colocated_greedy, make_pair, prompts
-from tests.helpers.pd_parity import expected_bytes
-from tests.helpers.pd_stack import close_and_check_no_orphans, disagg_stats, generate, greedy, start_tp_stack
-from tests.helpers.tolerance import Generation, Route, assert_same_generations
-from tests.integration.test_pd_eagle import eagle, head_kv_bytes
+from tests.helpers.nextn import GREEDY16, LENS, check_tp2_through_router, eagle, head_kv_bytes
+from tests.helpers.pd_pair import PS, Pair, Reference, colocated_greedy, make_pair, prompts
+from tests.helpers.tolerance import Route
 
 pytest.importorskip("mooncake.engine")
 
@@ -59,25 +56,18 @@ def reference(bigram: Path) -> Iterator[Reference]:
 def run_and_check(
     pair: Pair, ps: list[list[int]], reference: Reference, target: Path, head: Path, tp: tuple[int, int]
 ) -> list[Req]:
-    """Every prompt through the TP pair: outputs as colocated; the decode's head state (rank
-    0's) held rows [0, L - 1) and one hidden row when the KV landed; the bytes written are the
-    target's K/V as TP `tp` moves it plus the head's K/V once; both sides free every page and state."""
-    landed: dict[str, tuple[int, int, int]] = {}
-    before = pair.prefill.stats()["disaggregation"]["bytes_written"]
-    reqs = [pair.reqs(ids, GREEDY16) for ids in ps]
-    pair.run(reqs, timeout_s=180.0, on_landed=mtp_state_at_landing(landed))
-    decoded = [d for _, d in reqs]
-    assert all(d.finish_reason is FinishReason.LENGTH for d in decoded), [d.finish_detail for d in decoded]
-    assert_pd_matches(decoded, ps, reference, f"PD EAGLE at TP {tp} vs colocated", ROUTE)
-    hidden = ModelConfig.from_dir(target).hidden_size
-    assert [landed[d.rid] for d in decoded] == [(len(p) - 1, 1, hidden) for p in ps]  # nothing recomputed
-    lens = [len(p) for p in ps]
-    want = expected_bytes(target, lens, PS, *tp) + head_kv_bytes(head, lens)
-    assert pair.prefill.stats()["disaggregation"]["bytes_written"] - before == want
-    pair.settle()
-    assert_no_mtp_state(pair.prefill)
-    assert_no_mtp_state(pair.decode)
-    return decoded
+    """nextn.run_and_check through the TP pair, with the head's K and V (once) in the MTP layer's place."""
+    return nextn.run_and_check(
+        pair,
+        ps,
+        reference,
+        target,
+        lambda lens: head_kv_bytes(head, lens),
+        f"PD EAGLE at TP {tp} vs colocated",
+        tp=tp,
+        route=ROUTE,
+        timeout_s=180.0,
+    )
 
 
 def tp_pair(target: Path, head: Path, p_tp: int, d_tp: int):
@@ -136,28 +126,8 @@ def test_a_head_that_predicts_the_target_accepts_every_draft_from_the_first_step
     3 drafts and one of 2 after the prefill's token: 23 tokens), which a head KV or hidden state
     missing on decode rank 0 would break at the first step; the bytes are the target's K/V as
     TP (2,2) moves it plus the head's K/V once; every room succeeded, no TP worker survives."""
-    ps = prompts(23, LENS)
     flags = ("--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3")
     flags += ("--speculative-draft-model-path", str(heads["exact"]))
     chunks = ("--chunked-prefill-size", str(CHUNK), "--disaggregation-layer-groups", str(GROUPS))
-    stack = start_tp_stack(bigram, tmp_path, 2, 2, (*chunks, *flags))
-    try:
-        params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
-        outs = [
-            generate(stack.router, {"input_ids": p, "sampling_params": greedy(24), "return_logprob": True}) for p in ps
-        ]
-        want = [reference(p, params) for p in ps]
-        assert_same_generations([Generation.of(o) for o in outs], want, ROUTE, ps, "PD EAGLE at TP (2,2)")
-        metas = [o["meta_info"] for o in outs]
-        got = [(m["spec_verify_ct"], m["spec_draft_token_num"], m["spec_accept_token_num"]) for m in metas]
-        assert got == [(6, 17, 17)] * len(ps), got
-        stack.decode.wait_idle(30)
-        stack.prefill.wait_idle(30)
-        st = disagg_stats(stack.prefill)
-        assert (st["rooms_succeeded"], st["rooms_failed"]) == (len(ps), 0), st
-        assert st["bytes_written"] == expected_bytes(bigram, LENS, PS, 2, 2) + head_kv_bytes(heads["exact"], LENS)
-    except BaseException:
-        print(stack.logs())
-        raise
-    finally:
-        close_and_check_no_orphans(stack)
+    head_kv = head_kv_bytes(heads["exact"], LENS)
+    check_tp2_through_router(bigram, tmp_path, (*chunks, *flags), reference, head_kv, "PD EAGLE at TP (2,2)")

@@ -19,11 +19,18 @@ from pathlib import Path
 import pytest
 
 from kvpipe.config import FaultInjection
-from kvpipe.engine.request import SamplingParams
 from kvpipe.model.presets import write_preset
 from tests.helpers.draft_models import bigram_copy
 from tests.helpers.engine import colocated_spec_steps
-from tests.helpers.nextn import GREEDY16, LENS, NEXTN, mtp_kv_bytes, no_mtp_state_on_either_side, run_and_check
+from tests.helpers.nextn import (
+    GREEDY16,
+    LENS,
+    NEXTN,
+    check_tp2_through_router,
+    mtp_kv_bytes,
+    no_mtp_state_on_either_side,
+    run_and_check,
+)
 from tests.helpers.pd_pair import (
     PS,
     Reference,
@@ -32,9 +39,7 @@ from tests.helpers.pd_pair import (
     make_pair,
     prompts,
 )
-from tests.helpers.pd_parity import expected_bytes
-from tests.helpers.pd_stack import close_and_check_no_orphans, disagg_stats, generate, greedy, start_tp_stack
-from tests.helpers.tolerance import Generation, Route, assert_same_generations
+from tests.helpers.tolerance import Route
 
 pytest.importorskip("mooncake.engine")
 
@@ -110,30 +115,10 @@ def test_an_mtp_layer_that_predicts_the_target_accepts_every_draft_from_the_firs
     3 drafts and one of 2 after the prefill's token: 23 tokens), which an MTP KV or hidden state
     missing on decode rank 0 would break at the first step; the bytes are the target's latent
     once per decode rank plus the MTP KV once; every room succeeded, no TP worker survives."""
-    ps = prompts(23, LENS)
     nextn = ("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3")
     chunks = ("--chunked-prefill-size", str(CHUNK), "--disaggregation-layer-groups", "2")
-    stack = start_tp_stack(bigram, tmp_path, 2, 2, (*chunks, *nextn))
-    try:
-        params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
-        outs = [
-            generate(stack.router, {"input_ids": p, "sampling_params": greedy(24), "return_logprob": True}) for p in ps
-        ]
-        want = [bigram_reference(p, params) for p in ps]
-        assert_same_generations([Generation.of(o) for o in outs], want, ROUTE, ps, "PD NEXTN at TP (2,2)")
-        metas = [o["meta_info"] for o in outs]
-        got = [(m["spec_verify_ct"], m["spec_draft_token_num"], m["spec_accept_token_num"]) for m in metas]
-        assert got == [(6, 17, 17)] * len(ps), got
-        stack.decode.wait_idle(30)
-        stack.prefill.wait_idle(30)
-        st = disagg_stats(stack.prefill)
-        assert (st["rooms_succeeded"], st["rooms_failed"]) == (len(ps), 0), st
-        assert st["bytes_written"] == expected_bytes(bigram, LENS, PS, 2, 2) + mtp_kv_bytes(bigram, LENS, PS)
-    except BaseException:
-        print(stack.logs())
-        raise
-    finally:
-        close_and_check_no_orphans(stack)
+    mtp_kv = mtp_kv_bytes(bigram, LENS, PS)
+    check_tp2_through_router(bigram, tmp_path, (*chunks, *nextn), bigram_reference, mtp_kv, "PD NEXTN at TP (2,2)")
 
 
 @pytest.mark.slow  # a TP 2 server with its child, six prompts (~30 s); TP 1's sibling: test_pd_nextn.py
