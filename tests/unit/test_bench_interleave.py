@@ -24,6 +24,7 @@ from kvpipe.bench.sweep import (
 )
 from kvpipe.bench.sweep_rows import sweep_rows
 from kvpipe.transfer.planning.wire_bytes import KVWireBytes
+from tests.helpers.sweep_stacks import recording_stacks
 
 
 def test_rotation():
@@ -36,13 +37,7 @@ def test_rotation():
 def test_interleaved_sweep_alternates_modes_and_merges_rounds():
     events: list[tuple] = []
 
-    @contextlib.contextmanager
-    def open_stack(mode: str) -> Iterator[str]:
-        events.append(("start", mode))
-        try:
-            yield f"url-{mode}"
-        finally:
-            events.append(("stop", mode))
+    open_stack = recording_stacks(events)
 
     def measure(ep: str, mode: str, n: int, r: int) -> SliceResult:
         events.append((mode, n, r))
@@ -186,13 +181,7 @@ def test_sequential_rounds_send_what_interleaved_sends_one_stack_at_a_time():
     def run(sweep):
         events: list[tuple] = []
 
-        @contextlib.contextmanager
-        def open_stack(mode: str) -> Iterator[str]:
-            events.append(("start", mode))
-            try:
-                yield f"url-{mode}"
-            finally:
-                events.append(("stop", mode))
+        open_stack = recording_stacks(events)
 
         def measure(ep: str, mode: str, n: int, r: int) -> SliceResult:
             events.append((mode, n, r))

@@ -27,6 +27,7 @@ from kvpipe.bench.sweep_rows import exposed_ratio, sweep_rows
 from kvpipe.model.config import ModelConfig
 from kvpipe.model.presets import preset_config
 from kvpipe.transfer.planning.wire_bytes import KVWireBytes
+from tests.helpers.sweep_stacks import recording_stacks
 
 
 def s(ttft50: float | None, ttft99: float | None = None, tpot50: float | None = 5.0) -> dict:
@@ -134,13 +135,7 @@ def test_rows_without_reference_or_link() -> None:
 def test_run_sweep_one_stack_per_mode_every_length() -> None:
     events: list[tuple] = []
 
-    @contextlib.contextmanager
-    def open_stack(mode: str) -> Iterator[str]:
-        events.append(("start", mode))
-        try:
-            yield f"url-{mode}"
-        finally:
-            events.append(("stop", mode))
+    open_stack = recording_stacks(events)
 
     def measure(ep: str, mode: str, n: int) -> tuple[dict, int | None]:
         events.append(("measure", ep, n))
