@@ -12,7 +12,7 @@ after the last forward (`tail_ms`).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 
@@ -24,6 +24,9 @@ class GroupTimeline:
     forward_end_ms: float  # the last chunk's forward ended
     stretches: tuple[tuple[float, float], ...]  # (start, end) of each stretch of writes in flight
     tail_ms: float | None  # last write done - last forward end: the transfer left after compute
+    # the planner's estimates at its last choice (`layer_groups` in the prefill's /server_info):
+    # compute_ms, transfer_ms, predicted_ms; empty when the server did not report them
+    planner: Mapping[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -75,8 +78,27 @@ def format_group_timeline(label: str, g: GroupTimeline) -> str:
     groups = ", ".join(f"L{end}@{at:.0f}" for end, at in g.groups)
     wire = ", ".join(f"{a:.0f}-{b:.0f}" for a, b in g.stretches) or "none recorded"
     tail = "?" if g.tail_ms is None else f"{g.tail_ms:.0f}"
+    est = ", ".join(f"{k.removesuffix('_ms')} {v:.0f}" for k, v in g.planner.items())
     return (
         f"{label}: {len(g.groups)} layer groups computed (end layer @ ms since the forward began): {groups}\n"
         f"  forward ended at {g.forward_end_ms:.0f} ms; KV writes in flight (ms): {wire}; "
-        f"left after the forward: {tail} ms"
+        f"left after the forward: {tail} ms" + (f"\n  planner's estimates (ms): {est}" if est else "")
     )
+
+
+PLANNER_KEYS = ("compute_ms", "transfer_ms", "predicted_ms")
+
+
+def planner_estimates(info: Mapping[str, Any] | None) -> dict[str, float]:
+    """The layer-group planner's estimates at its last choice, from a prefill's /server_info
+    (`internal_states[i].disaggregation.layer_groups`); empty where not reported."""
+    states = (info or {}).get("internal_states")
+    for state in states if isinstance(states, list) else ():
+        lg = ((state or {}).get("disaggregation") or {}).get("layer_groups") if isinstance(state, Mapping) else None
+        if isinstance(lg, Mapping):
+            return {k: float(lg[k]) for k in PLANNER_KEYS if isinstance(lg.get(k), (int, float))}
+    return {}
+
+
+def with_planner(g: GroupTimeline, info: Mapping[str, Any] | None) -> GroupTimeline:
+    return replace(g, planner=planner_estimates(info))

@@ -16,7 +16,7 @@ from typing import Any
 from kvpipe.bench import driver
 from kvpipe.bench.chat_text import ChatText, open_chat_text
 from kvpipe.bench.compare import COMPARE_MODES, compare_rows, compare_table
-from kvpipe.bench.group_timeline import GroupTimeline, format_group_timeline, newest_group_timeline
+from kvpipe.bench.group_timeline import GroupTimeline, format_group_timeline, newest_group_timeline, with_planner
 from kvpipe.bench.kv_bytes import ServedDtypes, kv_wire_bytes, state_bytes_per_request, with_draft_kv, with_mtp_kv
 from kvpipe.bench.machine import load_average, machine_info
 from kvpipe.bench.plot import plot_modes, plot_sweep
@@ -117,7 +117,7 @@ class _Sweep:
             return
         g = newest_group_timeline(ep.call(read_debug_requests, ep.info_url))
         if g is not None:
-            self.group_timelines[(mode, n)] = g
+            self.group_timelines[(mode, n)] = with_planner(g, ep.call(read_server_info, ep.info_url))
 
     def measure(self, ep: Endpoint, mode: str, n: int) -> tuple[dict, int | None, float | None, float | None]:
         pd = ep.info_url is not None and mode not in COLOCATED_MODES

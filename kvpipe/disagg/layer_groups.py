@@ -26,6 +26,16 @@ group is computed; with T a little below C, the larger groups' KV queues up behi
 compute (measured, issue 34: 380 ms left after the forward at N = 7 where one layer's transfer is
 205 ms). So tapered splits have up to MAX_END_RUN single-layer groups at each end. The planner
 simulates every shape for every N (`predicted_ttft_ms` with `bounds`) and keeps the cheapest.
+
+The estimates are not exact: the link's rate and the CPU's speed drift (±25% between minutes on
+the 2-core Xeon of issue 34), and a shape that is best at the estimated T/C can be much worse a
+little off it: 2-layer groups tie with one-layer groups at T/C 0.7 in the model, but where the
+link is 25% slower than estimated their KV queues up to the end (measured: 496 ms left after the
+forward against 271 for twelve one-layer groups at T/C 0.86). So a shape is judged by its mean
+predicted TTFT over T scaled by `LayerGroupPolicy.ratio_scales` (0.8, 1, 1.25), which prefers the
+finer shapes that hold up either way, and each group's fixed cost still bounds the count. The
+best shape depends only on T/C and overhead/C (the model scales linearly in time), so it is
+computed once per (T/C, overhead/C) rounded to 1% and kept.
 """
 
 from __future__ import annotations
@@ -41,11 +51,17 @@ from kvpipe.engine.model_runner import split_layers
 @dataclass(frozen=True)
 class LayerGroupPolicy:
     fixed_groups: int | None = None  # None: adaptive; 1: plain path always; N: always N groups
-    max_groups: int = 8  # capped by the layer count
+    max_groups: int = 16  # capped by the layer count
     min_tokens: int = 512  # below this many prompt tokens in the batch: plain path
     min_gain: float = 0.05  # pipelining must save this fraction of the plain TTFT
     group_overhead_ms: float = 1.0  # fixed cost of one more group
     ema: float = 0.3  # weight of a new measurement in the running estimates
+    # scales of the estimated transfer a shape's predicted TTFT is averaged over (module doc)
+    ratio_scales: tuple[float, ...] = (0.8, 1.0, 1.25)
+
+    def __post_init__(self) -> None:
+        if not self.ratio_scales or min(self.ratio_scales) <= 0:
+            raise ValueError(f"ratio_scales must be positive, got {self.ratio_scales!r}")
 
     @classmethod
     def parse(cls, value: str | int) -> LayerGroupPolicy:
@@ -179,6 +195,11 @@ class GroupChoice:
     bounds: Bounds | None = None
 
 
+# (T/C, overhead/C, cap) rounded -> (groups, bounds or None, expected TTFT / plain's)
+_Shape = tuple[int, "Bounds | None", float]
+MAX_CACHED_SHAPES = 4096
+
+
 class LayerGroupPlanner:
     def __init__(self, policy: LayerGroupPolicy, num_layers: int) -> None:
         self.policy = policy
@@ -186,6 +207,29 @@ class LayerGroupPlanner:
         self.compute = ComputeEstimator(policy.ema)
         self.link = LinkEstimator(policy.ema)
         self.last: GroupChoice = GroupChoice(1, "no-estimate")
+        self._shapes: dict[tuple[float, float, int], _Shape] = {}
+
+    def best_shape(self, ratio: float, overhead: float, cap: int) -> _Shape:
+        """The split with the least mean predicted TTFT over `policy.ratio_scales`, for transfer
+        `ratio` x compute and per-group `overhead` x compute (compute = 1): equal groups first,
+        then fewer groups on ties. Returns (groups, bounds, its mean TTFT / the plain path's)."""
+        key = (round(ratio, 2), round(overhead, 5), cap)
+        hit = self._shapes.get(key)
+        if hit is not None:
+            return hit
+        r, ov, scales, n_layers = key[0], key[1], self.policy.ratio_scales, self.num_layers
+
+        def expected(n: int, b: Bounds | None) -> float:
+            return sum(predicted_ttft_ms(1.0, r * s, n, ov, n_layers, b) for s in scales) / len(scales)
+
+        splits: list[tuple[int, Bounds | None]] = [(n, None) for n in range(1, cap + 1)]
+        splits += [(n, b) for n in range(2, cap + 1) for b in tapered_splits(n_layers, n)]
+        cost = [(expected(n, b), n, b is not None, b) for n, b in splits]
+        best_ms, best, _, bounds = min(cost, key=lambda x: x[:3])
+        if len(self._shapes) >= MAX_CACHED_SHAPES:
+            self._shapes.clear()
+        shape = self._shapes[key] = (best, bounds, best_ms / cost[0][0])
+        return shape
 
     def choose(self, tokens: int, kv_bytes: int) -> GroupChoice:
         """Groups for a prefill batch of `tokens` new tokens whose KV is `kv_bytes` on the wire."""
@@ -200,18 +244,11 @@ class LayerGroupPlanner:
                 choice = GroupChoice(1, "no-estimate")
             else:
                 c = per_layer * self.num_layers
-                # (predicted ms, groups, tapered?) of every split: equal groups first on ties
-                splits: list[tuple[int, Bounds | None]] = [(n, None) for n in range(1, cap + 1)]
-                splits += [(n, b) for n in range(2, cap + 1) for b in tapered_splits(self.num_layers, n)]
-                cost = [
-                    (predicted_ttft_ms(c, t, n, p.group_overhead_ms, self.num_layers, b), n, b is not None, b)
-                    for n, b in splits
-                ]
-                best_ms, best, _, bounds = min(cost, key=lambda x: x[:3])
-                plain_ms = cost[0][0]
-                if best_ms > (1 - p.min_gain) * plain_ms:
-                    choice = GroupChoice(1, "no-gain", c, t, plain_ms)
+                n, bounds, rel = self.best_shape(t / c, p.group_overhead_ms / c, cap)
+                if n == 1 or rel > 1 - p.min_gain:
+                    choice = GroupChoice(1, "no-gain", c, t, predicted_ttft_ms(c, t, 1, p.group_overhead_ms))
                 else:
-                    choice = GroupChoice(best, "cost-model", c, t, best_ms, bounds)
+                    ms = predicted_ttft_ms(c, t, n, p.group_overhead_ms, self.num_layers, bounds)
+                    choice = GroupChoice(n, "cost-model", c, t, ms, bounds)
         self.last = choice
         return choice

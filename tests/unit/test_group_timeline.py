@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from kvpipe.bench.group_timeline import format_group_timeline, group_timeline, newest_group_timeline
+from kvpipe.bench.group_timeline import (
+    format_group_timeline,
+    group_timeline,
+    newest_group_timeline,
+    planner_estimates,
+    with_planner,
+)
 
 
 def _entry(events: list[tuple[str, float, int | None]]) -> dict:
@@ -58,3 +64,15 @@ def test_no_writes_recorded_keeps_the_groups():
     )
     assert g is not None and g.stretches == () and g.tail_ms is None
     assert "none recorded" in format_group_timeline("x", g)
+
+
+def test_planner_estimates_from_server_info():
+    groups = {"num_groups": 8, "compute_ms": 2900.4, "transfer_ms": 2650.0, "predicted_ms": None}
+    info = {"internal_states": [{"disaggregation": {"mode": "prefill", "layer_groups": groups}}]}
+    assert planner_estimates(info) == {"compute_ms": 2900.4, "transfer_ms": 2650.0}
+    assert planner_estimates(None) == {} and planner_estimates({"internal_states": [{}]}) == {}
+    g = group_timeline(PIPELINED["timeline"])
+    assert g is not None
+    text = format_group_timeline("x", with_planner(g, info))
+    assert "planner's estimates (ms): compute 2900, transfer 2650" in text
+    assert "planner" not in format_group_timeline("x", g)
