@@ -244,8 +244,10 @@ class DisaggregationConfig:
     # prefill: "auto" (a cost model picks the layer groups per batch; short prompts take the plain
     # path) or a fixed group count N (1: plain path, no layer pipelining)
     layer_groups: int | str = "auto"
-    # prefill, "auto": a batch with fewer new prompt tokens than this takes the plain path
-    layer_groups_min_tokens: int = 512
+    # prefill, "auto": a batch with fewer new prompt tokens than this takes the plain path (above
+    # it the cost model still keeps the plain path where groups save under 5%; 256-token prompts at
+    # T ~ C took 0.61x the plain path's TTFT in groups, docs/benchmarks.md, issue 34)
+    layer_groups_min_tokens: int = 128
     # decode: match each prompt against a radix cache of KV this server already holds and ask the
     # prefill only for the pages past it (SGLang's --disaggregation-enable-decode-radix-cache)
     decode_radix_cache: bool = False

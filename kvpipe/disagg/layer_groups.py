@@ -52,7 +52,7 @@ from kvpipe.engine.model_runner import split_layers
 class LayerGroupPolicy:
     fixed_groups: int | None = None  # None: adaptive; 1: plain path always; N: always N groups
     max_groups: int = 16  # capped by the layer count
-    min_tokens: int = 512  # below this many prompt tokens in the batch: plain path
+    min_tokens: int = 128  # below this many prompt tokens in the batch: plain path
     min_gain: float = 0.05  # pipelining must save this fraction of the plain TTFT
     group_overhead_ms: float = 1.0  # fixed cost of one more group
     ema: float = 0.3  # weight of a new measurement in the running estimates
