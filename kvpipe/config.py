@@ -171,12 +171,24 @@ class TransferTuning:
     # Mbit/s; a write that finishes is seen at most 16 ms or a quarter of its time late)
     max_tick_s: float = 0.016
     idle_tick_s: float = 0.01  # worker sleep when nothing is in flight
+    # decode: the receiver worker's period for deadlines, heartbeats and failures that no message
+    # brings (messages are handled as they arrive, on their own thread). At 10 ms its wake-ups took
+    # ~0.055 CPU-s per 2,048-token request from the cores a prefill on the same host computes on
+    # (issue 34); deadlines and heartbeat periods are in seconds
+    receiver_tick_s: float = 0.05
     # decode: a bootstrap address never fetched from successfully whose fetch failed is refused
     # this long without a new try (transfer/control/fetch_guard.py)
     bootstrap_negative_ttl_s: float = 10.0
 
     def __post_init__(self) -> None:
-        for name in ("http_timeout_s", "tick_s", "max_tick_s", "idle_tick_s", "bootstrap_negative_ttl_s"):
+        for name in (
+            "http_timeout_s",
+            "tick_s",
+            "max_tick_s",
+            "idle_tick_s",
+            "receiver_tick_s",
+            "bootstrap_negative_ttl_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_inflight_ops < 1 or self.control_send_hwm < 1:

@@ -19,7 +19,7 @@ retrying while a prefill that answered before restarts, then checking compatibil
 handshake fails every waiting room and posts them to the prefill's bootstrap server, which fails
 them there too, control/handshake.py) and hands the outcome back; a worker thread drives the
 book's deadlines and
-heartbeats every idle_tick_s. Control messages leave through the endpoint, never blocking.
+heartbeats every receiver_tick_s (TransferTuning). Control messages leave through the endpoint, never blocking.
 """
 
 from __future__ import annotations
@@ -292,4 +292,4 @@ class KVReceiver:
                     self._on_news()
             except Exception:
                 log.exception("decode transfer worker error")
-            self._stop.wait(self.cfg.tuning.idle_tick_s)
+            self._stop.wait(self.cfg.tuning.receiver_tick_s)
