@@ -111,6 +111,16 @@ def run_and_check(
     return decoded
 
 
+def _greedy_through_router(router: str, ps: list[list[int]], reference: Reference, what: str) -> list[dict]:
+    """24 greedy tokens per prompt through `router`, checked against the colocated `reference`
+    (tokens and logprobs); returns each answer's meta_info (the speculation counts)."""
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    outs = [generate(router, {"input_ids": p, "sampling_params": greedy(24), "return_logprob": True}) for p in ps]
+    want = [reference(p, params) for p in ps]
+    assert_same_generations([Generation.of(o) for o in outs], want, Route.ACROSS_PROCESSES, ps, what)
+    return [o["meta_info"] for o in outs]
+
+
 def check_through_router(
     target: Path, tmp_path: Path, spec_flags: tuple[str, ...], reference: Reference, draft_kv_bytes: int, what: str
 ) -> None:
@@ -134,13 +144,7 @@ def check_through_router(
         decode_args=spec_flags,
     )
     try:
-        params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
-        outs = [
-            generate(stack.router, {"input_ids": p, "sampling_params": greedy(24), "return_logprob": True}) for p in ps
-        ]
-        want = [reference(p, params) for p in ps]
-        assert_same_generations([Generation.of(o) for o in outs], want, Route.ACROSS_PROCESSES, ps, what)
-        metas = [o["meta_info"] for o in outs]
+        metas = _greedy_through_router(stack.router, ps, reference, what)
         assert all(m["spec_accept_token_num"] == m["spec_draft_token_num"] == 17 for m in metas), metas
         stack.decode.wait_idle()
         p = stack.prefill.wait_idle()
@@ -168,13 +172,7 @@ def check_tp2_through_router(
     ps = prompts(23, LENS)
     stack = start_tp_stack(target, tmp_path, 2, 2, flags)
     try:
-        params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
-        outs = [
-            generate(stack.router, {"input_ids": p, "sampling_params": greedy(24), "return_logprob": True}) for p in ps
-        ]
-        want = [reference(p, params) for p in ps]
-        assert_same_generations([Generation.of(o) for o in outs], want, Route.ACROSS_PROCESSES, ps, what)
-        metas = [o["meta_info"] for o in outs]
+        metas = _greedy_through_router(stack.router, ps, reference, what)
         got = [(m["spec_verify_ct"], m["spec_draft_token_num"], m["spec_accept_token_num"]) for m in metas]
         assert got == [(6, 17, 17)] * len(ps), got
         stack.decode.wait_idle(30)
