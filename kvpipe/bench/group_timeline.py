@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from kvpipe.bench.probe import layer_group_estimates_from_server_info
+
 
 @dataclass(frozen=True)
 class GroupTimeline:
@@ -86,19 +88,6 @@ def format_group_timeline(label: str, g: GroupTimeline) -> str:
     )
 
 
-PLANNER_KEYS = ("compute_ms", "transfer_ms", "predicted_ms")
-
-
-def planner_estimates(info: Mapping[str, Any] | None) -> dict[str, float]:
-    """The layer-group planner's estimates at its last choice, from a prefill's /server_info
-    (`internal_states[i].disaggregation.layer_groups`); empty where not reported."""
-    states = (info or {}).get("internal_states")
-    for state in states if isinstance(states, list) else ():
-        lg = ((state or {}).get("disaggregation") or {}).get("layer_groups") if isinstance(state, Mapping) else None
-        if isinstance(lg, Mapping):
-            return {k: float(lg[k]) for k in PLANNER_KEYS if isinstance(lg.get(k), (int, float))}
-    return {}
-
-
 def with_planner(g: GroupTimeline, info: Mapping[str, Any] | None) -> GroupTimeline:
-    return replace(g, planner=planner_estimates(info))
+    """`g` with the planner's estimates from a prefill's /server_info (bench/probe.py parses it)."""
+    return replace(g, planner={} if info is None else layer_group_estimates_from_server_info(info))

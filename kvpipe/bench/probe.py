@@ -101,6 +101,21 @@ def transfer_count_from_server_info(info: Mapping[str, Any]) -> TransferCount | 
     return None
 
 
+# the layer-group planner's estimates at its last choice (`layer_groups` under a prefill's
+# `disaggregation` stats), in ms
+PLANNER_KEYS = ("compute_ms", "transfer_ms", "predicted_ms")
+
+
+def layer_group_estimates_from_server_info(info: Mapping[str, Any]) -> dict[str, float]:
+    """A prefill's planner estimates (PLANNER_KEYS that are numbers); empty where not reported."""
+    for scope in _scopes(info):
+        d = scope.get("disaggregation")
+        lg = d.get("layer_groups") if isinstance(d, Mapping) else None
+        if isinstance(lg, Mapping):
+            return {k: float(lg[k]) for k in PLANNER_KEYS if isinstance(lg.get(k), (int, float))}
+    return {}
+
+
 def count_delta(before: TransferCount | None, after: TransferCount | None) -> TransferCount | None:
     if before is None or after is None:
         return None

@@ -8,9 +8,9 @@ from kvpipe.bench.group_timeline import (
     format_group_timeline,
     group_timeline,
     newest_group_timeline,
-    planner_estimates,
     with_planner,
 )
+from kvpipe.bench.probe import layer_group_estimates_from_server_info
 
 
 def _entry(events: list[tuple[str, float, int | None]]) -> dict:
@@ -69,10 +69,11 @@ def test_no_writes_recorded_keeps_the_groups():
 def test_planner_estimates_from_server_info():
     groups = {"num_groups": 8, "compute_ms": 2900.4, "transfer_ms": 2650.0, "predicted_ms": None}
     info = {"internal_states": [{"disaggregation": {"mode": "prefill", "layer_groups": groups}}]}
-    assert planner_estimates(info) == {"compute_ms": 2900.4, "transfer_ms": 2650.0}
-    assert planner_estimates(None) == {} and planner_estimates({"internal_states": [{}]}) == {}
+    assert layer_group_estimates_from_server_info(info) == {"compute_ms": 2900.4, "transfer_ms": 2650.0}
+    assert layer_group_estimates_from_server_info({"internal_states": [{}]}) == {}
     g = group_timeline(PIPELINED["timeline"])
     assert g is not None
+    assert with_planner(g, None).planner == {}  # the server was unreachable
     text = format_group_timeline("x", with_planner(g, info))
     assert "planner's estimates (ms): compute 2900, transfer 2650" in text
     assert "planner" not in format_group_timeline("x", g)
