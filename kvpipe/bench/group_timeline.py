@@ -1,8 +1,9 @@
-"""Per layer group, when its compute ended and when its KV was on the wire: one prefill request's
+"""Per layer group, when its KV was ready and when it was on the wire: one prefill request's
 layer-pipelined timeline (issue 34), from the prefill's own timestamps in `/debug/requests`.
 
 The prefill's timeline (kvpipe/engine/timeline.py) marks each chunk's forward start and end, each
-layer group handed to the sender (`layer_group_done`, value: its end layer), and each stretch of
+layer group handed to the sender (`layer_group_done`, value: its end layer; handed over once the
+group's last layer has stored its K/V, while that layer's attention and MLP still compute), and each stretch of
 the room's writes in flight (`transfer_start` -> `transfer_done`, the sender's own clock). Read
 together they show the overlap that `exposed_transfer_ms` only summarises: a stretch per group
 where the link keeps up; one long stretch where it does not; and what of the transfer was left
@@ -22,7 +23,7 @@ from kvpipe.bench.probe import layer_group_estimates_from_server_info
 class GroupTimeline:
     """Milliseconds since the request's first prefill forward started."""
 
-    groups: tuple[tuple[int, float], ...]  # (end layer, computed at) of every layer group, in order
+    groups: tuple[tuple[int, float], ...]  # (end layer, KV ready at) of every layer group, in order
     forward_end_ms: float  # the last chunk's forward ended
     stretches: tuple[tuple[float, float], ...]  # (start, end) of each stretch of writes in flight
     tail_ms: float | None  # last write done - last forward end: the transfer left after compute
@@ -76,13 +77,13 @@ def newest_group_timeline(entries: Sequence[Mapping[str, Any]]) -> GroupTimeline
 
 
 def format_group_timeline(label: str, g: GroupTimeline) -> str:
-    """A few lines for the terminal: each group's compute end, then the write stretches."""
+    """A few lines for the terminal: when each group's KV was ready, then the write stretches."""
     groups = ", ".join(f"L{end}@{at:.0f}" for end, at in g.groups)
     wire = ", ".join(f"{a:.0f}-{b:.0f}" for a, b in g.stretches) or "none recorded"
     tail = "?" if g.tail_ms is None else f"{g.tail_ms:.0f}"
     est = ", ".join(f"{k.removesuffix('_ms')} {v:.0f}" for k, v in g.planner.items())
     return (
-        f"{label}: {len(g.groups)} layer groups computed (end layer @ ms since the forward began): {groups}\n"
+        f"{label}: {len(g.groups)} layer groups, KV ready (end layer @ ms since the forward began): {groups}\n"
         f"  forward ended at {g.forward_end_ms:.0f} ms; KV writes in flight (ms): {wire}; "
         f"left after the forward: {tail} ms" + (f"\n  planner's estimates (ms): {est}" if est else "")
     )

@@ -6,6 +6,7 @@ The same runner runs on every TP rank; only rank 0 samples from what it returns.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -18,8 +19,31 @@ from kvpipe.model.causal_lm import LMBase
 from kvpipe.model.forward_batch import ForwardBatch
 from kvpipe.model.gated_delta_net import local_state_shape
 
-# (start, end, batch): layers [start, end) of this forward have written their KV into the pool
+# (start, end, batch): layers [start, end) of this forward have written their KV into the pool (the
+# last of them may still be computing its attention and MLP: _EarlyGroup)
 GroupCallback = Callable[[int, int, ForwardBatch], None]
+
+
+class _EarlyGroup:
+    """Fires a layer group's callback as soon as its last layer's K/V are in the pool (from the
+    attention, ForwardBatch.kv_stored), not after that layer's attention and MLP: the group's KV
+    goes on the wire while its last layer still computes, which shortens what is left to send
+    after the forward by most of a layer's compute (issue 34). `finish` fires it after the group
+    if no store reported it (a layer without a KV store of its own)."""
+
+    def __init__(self, callback: GroupCallback, start: int, end: int, fb: ForwardBatch) -> None:
+        self.callback, self.start, self.end, self.fb = callback, start, end, fb
+        self.fired = False
+
+    def stored(self, layer: int) -> None:
+        if layer == self.end - 1 and not self.fired:
+            self.fired = True
+            self.callback(self.start, self.end, self.fb)
+
+    def finish(self) -> None:
+        if not self.fired:
+            self.fired = True
+            self.callback(self.start, self.end, self.fb)
 
 
 def make_kv_pool(
@@ -187,11 +211,15 @@ class ModelRunner:
         hidden = self.model.embed(fb)  # [T, hidden]
         for start, end in self._groups(spec):
             if self.state_pool is None:
-                hidden = self.model.forward_layers(hidden, fb, self.pool, start, end)
-            else:
+                early = _EarlyGroup(callback, start, end, fb) if callback is not None else None
+                group_fb = fb if early is None else replace(fb, kv_stored=early.stored)
+                hidden = self.model.forward_layers(hidden, group_fb, self.pool, start, end)
+                if early is not None:
+                    early.finish()
+            else:  # a hybrid model's group holds recurrent state too, final only at the group's end
                 hidden = self.model.forward_layers(hidden, fb, self.pool, start, end, self.state_pool)
-            if callback is not None:
-                callback(start, end, fb)
+                if callback is not None:
+                    callback(start, end, fb)
         if self.capture_hidden:
             self.last_hidden = self.model.norm(hidden)
         if not any(spec.want_logits):

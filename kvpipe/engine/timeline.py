@@ -32,7 +32,7 @@ class Phase(enum.Enum):
     ARRIVED = "arrived"  # the engine got the request (add_request)
     SCHEDULED = "scheduled"  # it left the queue: its first prefill batch was scheduled
     FORWARD_START = "forward_start"  # a prefill chunk's forward began (value: the chunk's tokens)
-    LAYER_GROUP_DONE = "layer_group_done"  # a layer group computed and handed to the sender (value: its end layer)
+    LAYER_GROUP_DONE = "layer_group_done"  # a layer group's KV stored and handed to the sender (value: its end layer)
     FORWARD_END = "forward_end"  # that chunk's forward ended (value: the chunk's tokens)
     FIRST_TOKEN = "first_token"  # sampled here (colocated, prefill) or arrived with the KV (decode)
     BOOTSTRAPPED = "bootstrapped"  # prefill: the decode's page table for the room reached the sender

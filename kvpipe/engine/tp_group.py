@@ -310,8 +310,9 @@ class TPGroup:
         return self.runner.pool
 
     def run(self, spec: ForwardSpec, on_group_done: GroupCallback | None = None) -> torch.Tensor | None:
-        """Every rank forwards `spec`; `on_group_done` runs on rank 0 after each layer group (each
-        layer ends in an all-reduce, so every rank has written that group's KV by then)."""
+        """Every rank forwards `spec`; `on_group_done` runs on rank 0 once rank 0 has stored each
+        layer group's KV (ModelRunner.run); every child's connector worker ships its own shard
+        from its own runner's callback, so no rank waits on another's store."""
         self._to_children(StepMsg(spec))
         return self._run_here(lambda: self.runner.run(spec, on_group_done))
 

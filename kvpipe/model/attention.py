@@ -53,10 +53,13 @@ def paged_attention(
     Each sequence attends to its prefix in the pool plus its new tokens, causally; with a
     window, query i sees keys j with i - window < j <= i; sinks [Hq] join each softmax.
     """
+    stored_hook = batch.kv_stored  # the full batch's (a sliding layer's view below has none)
     if window is not None and batch.swa is not None:  # a sliding layer's own pages
         batch = batch.swa
     if not stored:
         pool.write(layer, batch.slot_pages, batch.slot_offsets, k, v)
+    if stored_hook is not None:
+        stored_hook(layer)
     if batch.decode is not None:
         return decode_attention(q, layer, batch.decode, pool, scale, sinks, window)
     if sinks is not None or window is not None:

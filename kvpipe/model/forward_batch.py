@@ -11,6 +11,7 @@ row at the first page its window reaches.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +109,10 @@ class ForwardBatch:
     # hybrid speculative verify: every row (its last token and its drafts) keeps the state after
     # each of its inputs in StatePool.verify (cache/verify_states.py)
     verify_states: bool = False
+    # layer-pipelined prefill: called with a layer's index once its new K/V are in the pool, before
+    # its attention and MLP compute (model/attention.py, model/mla.py): the runner ships a layer
+    # group's KV from there, so the wire starts while the group's last layer still computes
+    kv_stored: Callable[[int], None] | None = None
 
     @classmethod
     def build(

@@ -112,6 +112,8 @@ class MLAttention(nn.Module):
         k_rope = self.rotate(k_rope[:, None], cos, sin)  # [T, 1, rope]: one key shared by every head
         latent = torch.cat([self.kv_a_layernorm(c)[:, None], k_rope], dim=-1)  # [T, 1, C + rope]
         pool.write(self.layer, batch.slot_pages, batch.slot_offsets, latent)
+        if batch.kv_stored is not None:
+            batch.kv_stored(self.layer)
         if batch.decode is not None:
             o = self._decode(q_nope, q_rope, batch.decode, pool)
         else:
