@@ -1,6 +1,8 @@
 """--kv-cache-dtype on the colocated engine: each KV dtype's greedy generations through the C++
 decode kernel equal the torch path's (both read the same stored values and dequantize them
-exactly into fp32, so only the order of fp32 sums differs: Route.SAME_PROCESS), with chunked
+exactly into fp32, so only the order of fp32 sums differs: Route.SAME_PROCESS, until a decode
+step's new K/V, computed from those sums, lands next to a rounding boundary of the KV dtype and is
+stored as the neighbouring code on one side: rounding_flip_atol), with chunked
 prefill (a later chunk reads the stored prefix) on every family's KV layout (GQA, MLA latent,
 GPT-OSS window pages and sinks, Qwen3.5's full-attention layers next to its fp32 state); a
 prefix-cache hit reads stored KV exactly as a chunk boundary at the same place does; and a
@@ -8,7 +10,7 @@ negative control: bf16 and fp8 KV change the generations of fp32 KV (the flag is
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,13 @@ import torch
 from kvpipe.model.cpu_kernels import loader
 from kvpipe.model.presets import write_preset
 from tests.helpers.engine import generations, make_engine, prompts
-from tests.helpers.tolerance import Route, assert_same_generations, generation_atol, generation_difference
+from tests.helpers.tolerance import (
+    Generation,
+    Route,
+    assert_same_generations,
+    generation_atol,
+    generation_difference,
+)
 
 PROMPTS = prompts()
 KV_DTYPES = ["bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"]
@@ -52,11 +60,38 @@ def run(model_dir: Path, kv: str, kernel: bool, monkeypatch: pytest.MonkeyPatch,
         eng.shutdown()
 
 
+def rounding_flip_atol(low: Sequence[Generation], fp32: Sequence[Generation]) -> float:
+    """How far the kernel and torch paths' generations of one low-precision KV dtype may drift
+    apart: their attention sums differ in the last fp32 bits, and a decode step's new K/V computed
+    from them can land on either side of a rounding boundary of the KV dtype, so one stored value
+    differs by one code from then on (seen once on an AMD EPYC in fp8 e4m3: 1.9e-3, where every
+    other prompt stayed at 1e-6). One such value is a small part of what rounding every stored
+    value does, the dtype's own effect against the fp32 pool: at most a quarter of the smallest
+    such effect over the prompts (tiny preset: 0.026-0.88 in e4m3, 2e-4-8e-4 in fp16). A wrong
+    dequantization, scale or page moves the logprobs by that effect or more."""
+    effects = [
+        max(abs(a - b) for a, b in zip(g.logprobs, r.logprobs)) for g, r in zip(low, fp32) if g.tokens == r.tokens
+    ]
+    assert effects, "every prompt's tokens changed with the KV dtype: no effect to scale from"
+    return min(effects) / 4
+
+
+def assert_kernel_equals_torch_path(fast, slow, fp32, what: str) -> None:
+    """Tokens equal; logprobs within the same-process bound or, where a stored value rounded the
+    other way, rounding_flip_atol."""
+    atol = max(generation_atol(Route.SAME_PROCESS, slow), rounding_flip_atol(slow, fp32))
+    problems = [
+        f"prompt {i}: {d}" for i, (f, s) in enumerate(zip(fast, slow)) if (d := generation_difference(f, s, atol))
+    ]
+    assert len(fast) == len(slow) and not problems, f"{what}: " + "\n  ".join(problems)
+
+
 @pytest.mark.parametrize("kv", KV_DTYPES)
 def test_kernel_equals_torch_path_per_kv_dtype(preset, monkeypatch, kv: str) -> None:
     fast = run(preset("tiny"), kv, True, monkeypatch)
     slow = run(preset("tiny"), kv, False, monkeypatch)
-    assert_same_generations(fast, slow, Route.SAME_PROCESS, PROMPTS, f"{kv} KV, kernel vs torch path")
+    fp32 = run(preset("tiny"), "auto", False, monkeypatch)
+    assert_kernel_equals_torch_path(fast, slow, fp32, f"{kv} KV, kernel vs torch path")
 
 
 @pytest.mark.parametrize("name", ["tiny-deepseek-v3", "tiny-gpt-oss", "tiny-qwen3.5"])
@@ -65,7 +100,8 @@ def test_families_with_fp8_kv(preset, monkeypatch, name: str) -> None:
     Qwen3.5's full-attention layers (its recurrent state stays fp32) in fp8 e4m3."""
     fast = run(preset(name), "fp8_e4m3", True, monkeypatch)
     slow = run(preset(name), "fp8_e4m3", False, monkeypatch)
-    assert_same_generations(fast, slow, Route.SAME_PROCESS, PROMPTS, f"{name}, fp8 KV, kernel vs torch path")
+    fp32 = run(preset(name), "auto", False, monkeypatch)
+    assert_kernel_equals_torch_path(fast, slow, fp32, f"{name}, fp8 KV, kernel vs torch path")
     if name == "tiny-qwen3.5":
         eng = make_engine(preset(name), kv_cache_dtype="fp8_e4m3")
         try:
