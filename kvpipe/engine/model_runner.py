@@ -36,9 +36,8 @@ class _EarlyGroup:
         self.fired = False
 
     def stored(self, layer: int) -> None:
-        if layer == self.end - 1 and not self.fired:
-            self.fired = True
-            self.callback(self.start, self.end, self.fb)
+        if layer == self.end - 1:
+            self.finish()
 
     def finish(self) -> None:
         if not self.fired:
