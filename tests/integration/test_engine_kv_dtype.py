@@ -49,6 +49,21 @@ def preset(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     return get
 
 
+@pytest.fixture(scope="module")
+def fp32_reference(preset: Callable[[str], Path]) -> Callable[[str], list[Generation]]:
+    """A preset's generations with an fp32 pool on the torch path, made once per module (the scale
+    rounding_flip_atol derives its bound from)."""
+    made: dict[str, list[Generation]] = {}
+
+    def get(name: str) -> list[Generation]:
+        if name not in made:
+            with pytest.MonkeyPatch.context() as mp:
+                made[name] = run(preset(name), "auto", False, mp)
+        return made[name]
+
+    return get
+
+
 def run(model_dir: Path, kv: str, kernel: bool, monkeypatch: pytest.MonkeyPatch, chunk: int = 24, **kw):
     monkeypatch.setenv(loader.DISABLE_ENV, "1" if kernel else "0")
     eng = make_engine(model_dir, chunk=chunk, kv_cache_dtype=kv, **kw)
@@ -76,32 +91,22 @@ def rounding_flip_atol(low: Sequence[Generation], fp32: Sequence[Generation]) ->
     return min(effects) / 4
 
 
-def assert_kernel_equals_torch_path(fast, slow, fp32, what: str) -> None:
-    """Tokens equal; logprobs within the same-process bound or, where a stored value rounded the
-    other way, rounding_flip_atol."""
-    atol = max(generation_atol(Route.SAME_PROCESS, slow), rounding_flip_atol(slow, fp32))
-    problems = [
-        f"prompt {i}: {d}" for i, (f, s) in enumerate(zip(fast, slow)) if (d := generation_difference(f, s, atol))
-    ]
-    assert len(fast) == len(slow) and not problems, f"{what}: " + "\n  ".join(problems)
-
-
 @pytest.mark.parametrize("kv", KV_DTYPES)
-def test_kernel_equals_torch_path_per_kv_dtype(preset, monkeypatch, kv: str) -> None:
+def test_kernel_equals_torch_path_per_kv_dtype(preset, fp32_reference, monkeypatch, kv: str) -> None:
     fast = run(preset("tiny"), kv, True, monkeypatch)
     slow = run(preset("tiny"), kv, False, monkeypatch)
-    fp32 = run(preset("tiny"), "auto", False, monkeypatch)
-    assert_kernel_equals_torch_path(fast, slow, fp32, f"{kv} KV, kernel vs torch path")
+    flip = rounding_flip_atol(slow, fp32_reference("tiny"))
+    assert_same_generations(fast, slow, Route.SAME_PROCESS, PROMPTS, f"{kv} KV, kernel vs torch path", flip)
 
 
 @pytest.mark.parametrize("name", ["tiny-deepseek-v3", "tiny-gpt-oss", "tiny-qwen3.5"])
-def test_families_with_fp8_kv(preset, monkeypatch, name: str) -> None:
+def test_families_with_fp8_kv(preset, fp32_reference, monkeypatch, name: str) -> None:
     """MLA's latent pool (one scale for keys and values), GPT-OSS's window pages and sinks, and
     Qwen3.5's full-attention layers (its recurrent state stays fp32) in fp8 e4m3."""
     fast = run(preset(name), "fp8_e4m3", True, monkeypatch)
     slow = run(preset(name), "fp8_e4m3", False, monkeypatch)
-    fp32 = run(preset(name), "auto", False, monkeypatch)
-    assert_kernel_equals_torch_path(fast, slow, fp32, f"{name}, fp8 KV, kernel vs torch path")
+    flip = rounding_flip_atol(slow, fp32_reference(name))
+    assert_same_generations(fast, slow, Route.SAME_PROCESS, PROMPTS, f"{name}, fp8 KV, kernel vs torch path", flip)
     if name == "tiny-qwen3.5":
         eng = make_engine(preset(name), kv_cache_dtype="fp8_e4m3")
         try:
