@@ -200,14 +200,20 @@ class FaultInjection:
     """Test knob (--disaggregation-failure-prob/-seed): each KV transfer batch fails with
     probability `prob`, drawn from a generator seeded with `seed` (reproducible). A failed batch
     really writes a random prefix of its ops first, like a link that dies midway (the backends'
-    injector, kvpipe/transfer/backends/base.py)."""
+    injector, kvpipe/transfer/backends/base.py). With `max_failures` set, a backend fails at most
+    that many batches and runs every later one: which room a batch belongs to (a room's chunks and
+    how they coalesce) depends on timing, so a test that needs rooms of both outcomes bounds the
+    failures below its number of rooms instead of hoping the seed spreads them."""
 
     prob: float = 0.0
     seed: int = 0
+    max_failures: int | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.prob <= 1.0:
             raise ConfigError(f"failure probability must be in [0, 1], got {self.prob}")
+        if self.max_failures is not None and not (type(self.max_failures) is int and self.max_failures >= 0):
+            raise ConfigError(f"max failures must be a whole number >= 0 or None, got {self.max_failures!r}")
 
     @property
     def enabled(self) -> bool:

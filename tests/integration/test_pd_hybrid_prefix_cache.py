@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from kvpipe.cache.hybrid_radix_cache import HybridRadixCache
-from kvpipe.config import FaultInjection
 from kvpipe.engine.request import FinishReason
 from kvpipe.model.config import ModelConfig
 from kvpipe.model.presets import write_preset
 from tests.helpers.pd_pair import (
+    FAULTS,
     PS,
     Pair,
     colocated_greedy,
@@ -106,9 +106,8 @@ def test_failures_eviction_and_aborts_leave_everything_accounted_for(model_dir, 
     prefilled in chunks (chunk-boundary snapshots): the rooms that succeed give the colocated
     tokens; then a decode abort and a prefill abort while the prompt computes. After each, every
     page, state slot and snapshot is accounted for."""
-    faults = FaultInjection(prob=0.3, seed=3)
     slots = {"max_state_slots": 4, "max_mamba_cache_size": 7}  # 4 running, 3 snapshots
-    with make_pair(model_dir, 32, 24, 24, faults, decode_radix_cache=True, prefill_cache=slots) as pair:
+    with make_pair(model_dir, 32, 24, 24, FAULTS, decode_radix_cache=True, prefill_cache=slots) as pair:
         p_cache = pair.prefill.prefix_cache
         assert isinstance(p_cache, HybridRadixCache) and p_cache.snapshots.num_slots == 3
         system = shared_prefix_failure_waves(pair, reference)

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from kvpipe.config import FaultInjection
 from kvpipe.model.presets import write_preset
 from tests.helpers.draft_models import bigram_copy
 from tests.helpers.engine import colocated_spec_steps
@@ -130,8 +129,7 @@ def test_failures_and_aborts_free_every_page_and_mtp_state_on_both_sides(
         deepseek,
         ds_reference,
         no_mtp_state_on_either_side,
-        FaultInjection(prob=0.15, seed=3),
-        ROUTE,
+        route=ROUTE,
         prefill_speculative=NEXTN,
         decode_speculative=NEXTN,
         prefill_tp=p_tp,

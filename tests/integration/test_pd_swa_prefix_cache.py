@@ -18,10 +18,10 @@ import pytest
 
 from kvpipe.cache.swa_radix_cache import SWARadixCache
 from kvpipe.cache.window_pages import window_first_page
-from kvpipe.config import FaultInjection
 from kvpipe.model.config import ModelConfig
 from kvpipe.model.presets import write_preset
 from tests.helpers.pd_pair import (
+    FAULTS,
     GREEDY,
     PS,
     Pair,
@@ -120,7 +120,7 @@ def test_failed_and_aborted_transfers_insert_nothing_and_leak_nothing(model_dir,
     """30% injected write failures with both caches on, prompts sharing a system prompt (hits on
     both sides), then a decode abort while the prefill computes: the rooms that succeed give the
     colocated tokens, and afterwards every page on either side is its cache's."""
-    with make_pair(model_dir, chunk=32, inject=FaultInjection(prob=0.3, seed=3), decode_radix_cache=True) as pair:
+    with make_pair(model_dir, chunk=32, inject=FAULTS, decode_radix_cache=True) as pair:
         system = shared_prefix_failure_waves(pair, reference)
         assert_only_cached(pair)
         decode_abort_in_flight(pair, system + prompts(1, [200])[0])

@@ -71,6 +71,16 @@ def test_failure_injection_is_seeded_and_writes_a_prefix():
     assert 5 < outcomes[0].count(BatchState.FAILED) < 35
 
 
+@pytest.mark.parametrize("cap", [0, 3])
+def test_failure_injection_fails_at_most_max_failures(cap):
+    tx, rx = pair(FaultInjection(prob=1.0, max_failures=cap))
+    src, dst = buffers()
+    tx.register(src.ctypes.data, src.nbytes)
+    rx.register(dst.ctypes.data, dst.nbytes)
+    states = [tx.submit(rx.address, [src.ctypes.data], [dst.ctypes.data], [8]).state for _ in range(8)]
+    assert states == [BatchState.FAILED] * cap + [BatchState.DONE] * (8 - cap)
+
+
 def test_bad_op_arrays_rejected():
     tx, rx = pair()
     with pytest.raises(ValueError):

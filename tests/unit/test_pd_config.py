@@ -103,6 +103,9 @@ def test_parts_validate_themselves() -> None:
     for prob in (-0.1, 1.5):
         with pytest.raises(ConfigError, match="failure probability"):
             FaultInjection(prob=prob)
+    for cap in (-1, 1.5):
+        with pytest.raises(ConfigError, match="max failures"):
+            FaultInjection(prob=0.5, max_failures=cap)  # type: ignore[arg-type]
     assert FaultInjection(prob=1.0).enabled and not FaultInjection().enabled
     for bad in (
         dict(heartbeat_misses=0),

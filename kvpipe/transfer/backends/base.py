@@ -73,11 +73,14 @@ class _Injector:
     def __init__(self, cfg: FaultInjection | None) -> None:
         self.prob = cfg.prob if cfg else 0.0
         self._rng = random.Random(cfg.seed if cfg else 0)
+        self._failures_left = cfg.max_failures if cfg else None
 
     def ops_before_failure(self, num_ops: int) -> int | None:
         """None: the batch runs normally; else fail it after this many ops were written."""
-        if self.prob <= 0.0 or self._rng.random() >= self.prob:
+        if self.prob <= 0.0 or self._failures_left == 0 or self._rng.random() >= self.prob:
             return None
+        if self._failures_left is not None:
+            self._failures_left -= 1
         return self._rng.randrange(num_ops + 1)
 
 
