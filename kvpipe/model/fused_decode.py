@@ -43,6 +43,7 @@ from kvpipe.model.cpu_kernels.weight_only import weight_only_kernels
 from kvpipe.model.decoder_layer import DecoderLayer
 from kvpipe.model.forward_batch import ForwardBatch
 from kvpipe.model.gqa_attention import GQAttention
+from kvpipe.model.huge_pages import huge_pages_enabled, relocate
 from kvpipe.model.linear import Linear
 from kvpipe.model.mlp import MLP
 from kvpipe.model.norms import RMSNorm
@@ -141,9 +142,30 @@ def build_fused_decode(model: nn.Module, mode: str) -> FusedDecodeLayers | None:
     ext, rows = decode_layer_kernels(), weight_only_kernels()
     if ext is None or rows is None:
         return None
-    made = {i: ext.DecodeLayer(**spec) for i, spec in specs.items()}
     head = _fp32_head(model) if gemv else None
+    if gemv:
+        head = _copies_in_huge_pages(model, specs, head)
+    made = {i: ext.DecodeLayer(**spec) for i, spec in specs.items()}
     return FusedDecodeLayers(made, AUTO_MAX_BATCH if mode == "auto" else None, head, rows)
+
+
+def _copies_in_huge_pages(
+    model: nn.Module, specs: dict[int, dict[str, Any]], head: torch.Tensor | None
+) -> torch.Tensor | None:
+    """fp32-gemv: move the dense copies of oneDNN-packed weights (the model's own dense tensors are
+    in its arena already) into one huge-page arena, in the order a step reads them (huge_pages.py);
+    `specs` change in place; returns the head to use."""
+    if not huge_pages_enabled():
+        return head
+    own = {p.data_ptr() for p in model.parameters() if not p.is_mkldnn}
+    slots = [(spec, name) for _, spec in sorted(specs.items()) for name in ("qkv", "o", "gate_up", "down")]
+    slots = [(spec, name) for spec, name in slots if spec[name][0] == _F32ROWS and spec[name][1].data_ptr() not in own]
+    copies = [spec[name][1] for spec, name in slots]
+    head_copy = head is not None and head.data_ptr() not in own
+    moved = relocate([*copies, head] if head is not None and head_copy else copies)
+    for (spec, name), t in zip(slots, moved, strict=False):
+        spec[name] = (_F32ROWS, t, *spec[name][2:])
+    return moved[-1] if head_copy else head
 
 
 def _fp32_head(model: nn.Module) -> torch.Tensor | None:

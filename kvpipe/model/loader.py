@@ -29,6 +29,7 @@ from kvpipe.model.fused_decode import build_fused_decode
 from kvpipe.model.fused_projections import fuse_projections, fusing_enabled
 from kvpipe.model.gguf.checkpoint import GGUFCheckpoint, gguf_checkpoint
 from kvpipe.model.gguf.tensors import progress_bar
+from kvpipe.model.huge_pages import place_weights
 from kvpipe.model.kv_scales import KVScales, read_kv_scales
 from kvpipe.model.linear import Linear, Shard
 from kvpipe.model.moe import check_routing
@@ -260,7 +261,8 @@ def load_model(
         fuse_projections(model)
     if packing_enabled():
         pack_linears(model)
-    if torch.device(device).type == "cpu":  # after fusing and packing: it holds the final weights
+    if torch.device(device).type == "cpu":  # after fusing and packing: the final weights
+        place_weights(model)
         model.fused_decode = build_fused_decode(model, decode_fused_layer)
     return model.eval()
 
