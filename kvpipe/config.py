@@ -52,9 +52,8 @@ MAMBA_SCHEDULER_STRATEGIES = ("auto", "no_buffer", "extra_buffer")  # --mamba-sc
 # --quantization (weight-only, CPU; kvpipe/model/quantization.py): int8 per output channel, int4 in
 # groups of 32; None: the weights in --dtype
 QUANTIZATIONS = ("w8a16", "w4a16")
-# --decode-fused-layer (kvpipe/model/fused_decode.py); fp32-gemv: "on" with kvpipe's own fp32 GEMV
-# for the projections and the logits (other fp32 bits than oneDNN's/MKL's: opt-in)
-DECODE_FUSED_LAYER_MODES = ("auto", "on", "off", "fp32-gemv")
+# --decode-fused-layer (kvpipe/model/fused_decode.py)
+DECODE_FUSED_LAYER_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -557,8 +556,7 @@ class ServerConfig:
     # weight-only quantization of the linear layers (--quantization): None or one of QUANTIZATIONS
     quantization: str | None = None
     # a decode step's decoder layers as one C++ call each (--decode-fused-layer, kvpipe/model/
-    # fused_decode.py): "auto" (decode batches up to 64 rows), "on", "off" (the same bits in all
-    # three), "fp32-gemv" ("on" with kvpipe's fp32 GEMV: fp32 logits differ in the last bits)
+    # fused_decode.py): "auto" (decode batches up to 64 rows), "on", "off" (the same bits in all three)
     decode_fused_layer: str = "auto"
 
     def __post_init__(self) -> None:

@@ -123,8 +123,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         choices=list(DECODE_FUSED_LAYER_MODES),
         default=ServerConfig.decode_fused_layer,
         help="run each decoder layer of a decode step as one C++ call (CPU, fp32 Llama-style layers; "
-        "the same ops, the same bits): auto (decode batches up to 64 rows), on, off (the module path); "
-        "fp32-gemv: on, with kvpipe's fp32 GEMV for the projections and logits (fp32 results differ in the last bits)",
+        "the same ops, the same bits): auto (decode batches up to 64 rows), on, off (the module path)",
     )
     add_disaggregation_args(p)
     add_speculative_args(p)

@@ -24,6 +24,8 @@ from kvpipe.model.fused_decode import FusedDecodeLayers
 from kvpipe.model.kv_scales import KVScales
 from kvpipe.model.linear import Linear
 from kvpipe.model.norms import RMSNorm
+from kvpipe.model.packed_linear import can_pack
+from kvpipe.model.panel_weight import PanelWeight, panel_kernels
 from kvpipe.model.quantized_weight import Int8Weight
 from kvpipe.model.rope import rope_attention_factor, rope_cos_sin, rope_inv_freq
 
@@ -50,6 +52,8 @@ class LMBase(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         # --quantization with tied embeddings: an int8 copy of the table for the logits (quantization.py)
         self.head_quant: Int8Weight | None = None
+        # fp32 on the CPU with tied embeddings: a panel copy of the table for the logits (pack_head)
+        self.head_panel: PanelWeight | None = None
         # fp8 KV-cache scales per KV layer (the loader reads the checkpoint's; kv_scales.py)
         self.kv_scales = KVScales.ones(len(cfg.kv_layers))
         # the decode step's layers as one C++ call each (--decode-fused-layer; fused_decode.py),
@@ -73,6 +77,18 @@ class LMBase(nn.Module):
             self.inv_freq = self.inv_freq.to(like.device)
         return rope_cos_sin(self.inv_freq, batch.positions, like.dtype, self.rope_attention_factor)
 
+    def pack_head(self) -> bool:
+        """Tied fp32 logits on the CPU: multiply by a panel copy of the embedding table (the lookup
+        keeps the dense one), the kernel every other fp32 projection runs (panel_weight.py): one
+        order of sums at any row count. False where there is none to make."""
+        if self.lm_head is not None or self.head_quant is not None or not can_pack(self.embed_tokens):
+            return False
+        ext = panel_kernels()
+        if ext is None:
+            return False
+        self.head_panel = PanelWeight.pack(self.embed_tokens, ext)
+        return True
+
     @property
     def num_layers(self) -> int:
         return self.cfg.num_layers
@@ -93,12 +109,11 @@ class LMBase(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Final norm + lm_head on the rows in batch.logit_indices -> [B_out, vocab] fp32."""
         h = self.norm(hidden[batch.logit_indices])
-        fused = self.fused_decode
-        if fused is not None and (logits := fused.logits(h, batch)) is not None:  # --decode-fused-layer fp32-gemv
-            return logits
-        if self.lm_head is None:  # tied: the embedding table (dense, the lookup needs it)
+        if self.lm_head is None:  # tied: the embedding table (dense, the lookup needs it) or a copy
             if self.head_quant is not None:
                 return self.head_quant(h).float()
+            if self.head_panel is not None:
+                return self.head_panel(h)
             return F.linear(h, self.embed_tokens).float()
         return self.lm_head(h).float()
 

@@ -5,10 +5,10 @@ Why: at batch 1 a small model's decode step is bound by per-call costs, not by i
 checks, torch dispatch) around its four GEMMs and the attention kernel, 30 layers a step. Here
 each layer is one call into cpu_kernels/decode_layer.cpp, which runs the same ops on the same
 inputs from C++: RMSNorm, residual adds, silu and the SwiGLU product as the same ATen ops, the
-projections as the same oneDNN packed op or weight-only kernel, RoPE + K/V store and the paged
-attention as the same kernels' code. So the outputs and the pool are bit-identical to the module
-path (tests/unit/test_decode_layer.py), in fp32 and in the quantized modes, and PD vs colocated
-stays exact.
+projections as the same fp32 panel or weight-only kernel (or oneDNN's packed op where the panels
+are not built), RoPE + K/V store and the paged attention as the same kernels' code. So the outputs
+and the pool are bit-identical to the module path (tests/unit/test_decode_layer.py), in fp32 and
+in the quantized modes, and PD vs colocated stays exact.
 
 Which layers take it: DecoderLayer(RMSNorm, GQAttention, RMSNorm, MLP) with fp32 weights on the
 CPU, q/k/v and gate/up fused (fused_projections.py), no biases, no q/k norms, no window or
@@ -19,14 +19,6 @@ module path.
 
 Modes (ServerConfig.decode_fused_layer, --decode-fused-layer): "on" (every decode batch the
 layers can take), "auto" (decode batches of at most AUTO_MAX_BATCH rows), "off" (the module path).
-"fp32-gemv" is "on" with the fp32 projections and the fp32 logits of a decode step multiplied by
-cpu_kernels/weight_only.cpp's f32_linear instead of oneDNN's packed product / MKL: a GEMV that
-reads the weights at bandwidth at a few rows, but sums in its own order, so fp32 logits differ from
-the default path's in the last bits (within tests/helpers/tolerance.py's bound; greedy tokens of
-the tests' models unchanged, tests/unit/test_decode_layer.py). It keeps a dense copy of every
-packed fp32 weight (prefill keeps oneDNN's), so an fp32 model's weights take twice the memory. Off
-by default for those two reasons; it changes nothing in the quantized modes' layers but the logits
-of an untied fp32 head.
 """
 
 from __future__ import annotations
@@ -39,11 +31,9 @@ from torch import nn
 from kvpipe.cache.kv_pool import KVPool
 from kvpipe.config import DECODE_FUSED_LAYER_MODES
 from kvpipe.model.cpu_kernels.decode_layer import decode_layer_kernels
-from kvpipe.model.cpu_kernels.weight_only import weight_only_kernels
 from kvpipe.model.decoder_layer import DecoderLayer
 from kvpipe.model.forward_batch import ForwardBatch
 from kvpipe.model.gqa_attention import GQAttention
-from kvpipe.model.huge_pages import huge_pages_enabled, relocate
 from kvpipe.model.linear import Linear
 from kvpipe.model.mlp import MLP
 from kvpipe.model.norms import RMSNorm
@@ -54,32 +44,18 @@ from kvpipe.model.quantized_weight import Int4Weight, Int8Weight
 AUTO_MAX_BATCH = 64
 
 # decode_layer.cpp's projection kinds
-_DENSE, _PACKED, _INT8, _INT4, _F32ROWS = 0, 1, 2, 3, 4
+_DENSE, _PACKED, _INT8, _INT4, _PANEL = 0, 1, 2, 3, 4
 
-ProjSpec = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]
+# (kind, weight, scale, minimum, output features of a panel weight)
+ProjSpec = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, int]
 
 
 class FusedDecodeLayers:
     """The C++ layer objects of a model, by layer index, and the step-level gate."""
 
-    def __init__(
-        self, layers: dict[int, Any], max_batch: int | None, head: torch.Tensor | None = None, ext: Any = None
-    ) -> None:
+    def __init__(self, layers: dict[int, Any], max_batch: int | None) -> None:
         self.layers = layers  # layer index -> decode_layer.cpp's DecodeLayer
         self.max_batch = max_batch  # None: any decode batch
-        # fp32-gemv: the dense fp32 [vocab, hidden] logits weight f32_linear multiplies with, and
-        # the weight-only extension holding f32_linear; None: compute_logits' own path
-        self.head = head
-        self.ext = ext
-
-    def logits(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | None:
-        """fp32-gemv: a decode batch's logits [B, vocab] from its final-normed rows h [B, hidden];
-        None where compute_logits' own path runs."""
-        if self.head is None or batch.decode is None or h.dtype != torch.float32:
-            return None
-        if self.max_batch is not None and batch.decode.batch_size > self.max_batch:
-            return None
-        return self.ext.f32_linear(h, self.head)
 
     def takes(self, batch: ForwardBatch, pool: KVPool, hidden: torch.Tensor, start: int, end: int) -> bool:
         """Whether layers [start, end) of this forward run fused."""
@@ -135,59 +111,17 @@ def build_fused_decode(model: nn.Module, mode: str) -> FusedDecodeLayers | None:
     cfg = getattr(model, "cfg", None)
     if not isinstance(layers, nn.ModuleList) or cfg is None or cfg.rope_dim != cfg.head_dim:
         return None  # partial rotary: the RoPE + store kernel rotates whole heads
-    gemv = mode == "fp32-gemv"
-    specs = {i: spec for i, layer in enumerate(layers) if (spec := _layer_spec(layer, i, gemv)) is not None}
+    specs = {i: spec for i, layer in enumerate(layers) if (spec := _layer_spec(layer, i)) is not None}
     if not specs:
         return None
-    ext, rows = decode_layer_kernels(), weight_only_kernels()
-    if ext is None or rows is None:
+    ext = decode_layer_kernels()
+    if ext is None:
         return None
-    head = _fp32_head(model) if gemv else None
-    if gemv:
-        head = _copies_in_huge_pages(model, specs, head)
     made = {i: ext.DecodeLayer(**spec) for i, spec in specs.items()}
-    return FusedDecodeLayers(made, AUTO_MAX_BATCH if mode == "auto" else None, head, rows)
+    return FusedDecodeLayers(made, AUTO_MAX_BATCH if mode == "auto" else None)
 
 
-def _copies_in_huge_pages(
-    model: nn.Module, specs: dict[int, dict[str, Any]], head: torch.Tensor | None
-) -> torch.Tensor | None:
-    """fp32-gemv: move the dense copies of oneDNN-packed weights (the model's own dense tensors are
-    in its arena already) into one huge-page arena, in the order a step reads them (huge_pages.py);
-    `specs` change in place; returns the head to use."""
-    if not huge_pages_enabled():
-        return head
-    own = {p.data_ptr() for p in model.parameters() if not p.is_mkldnn}
-    slots = [(spec, name) for _, spec in sorted(specs.items()) for name in ("qkv", "o", "gate_up", "down")]
-    slots = [(spec, name) for spec, name in slots if spec[name][0] == _F32ROWS and spec[name][1].data_ptr() not in own]
-    copies = [spec[name][1] for spec, name in slots]
-    head_copy = head is not None and head.data_ptr() not in own
-    moved = relocate([*copies, head] if head is not None and head_copy else copies)
-    for (spec, name), t in zip(slots, moved, strict=False):
-        spec[name] = (_F32ROWS, t, *spec[name][2:])
-    return moved[-1] if head_copy else head
-
-
-def _fp32_head(model: nn.Module) -> torch.Tensor | None:
-    """The logits' weight as a dense fp32 [vocab, hidden] tensor (the tied embedding table itself,
-    or a dense copy of an fp32 lm_head); None for a quantized head."""
-    if getattr(model, "head_quant", None) is not None:
-        return None
-    head = getattr(model, "lm_head", None)
-    if head is None:
-        table = getattr(model, "embed_tokens", None)
-        return table.detach() if isinstance(table, torch.Tensor) and _fp32_cpu(table) else None
-    if not isinstance(head, Linear) or head.quant is not None or head.bias is not None or not _fp32_cpu(head.weight):
-        return None
-    return _dense(head.weight)
-
-
-def _dense(w: torch.Tensor) -> torch.Tensor:
-    """A weight as a dense row-major fp32 tensor (a copy of a oneDNN-packed one)."""
-    return (w.to_dense() if w.is_mkldnn else w).detach().contiguous()
-
-
-def _layer_spec(layer: nn.Module, index: int, gemv: bool) -> dict[str, object] | None:
+def _layer_spec(layer: nn.Module, index: int) -> dict[str, object] | None:
     """decode_layer.cpp's constructor arguments for a layer that qualifies, else None."""
     if type(layer) is not DecoderLayer:
         return None
@@ -200,7 +134,7 @@ def _layer_spec(layer: nn.Module, index: int, gemv: bool) -> dict[str, object] |
         return None
     if n1.eps != n2.eps or not all(_fp32_cpu(n.weight) for n in (n1, n2)):
         return None
-    projs = [_proj(p, gemv) for p in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj)]
+    projs = [_proj(p) for p in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj)]
     if any(p is None for p in projs):
         return None
     qkv, o, gate_up, down = projs
@@ -224,19 +158,19 @@ def _fp32_cpu(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.dtype == torch.float32
 
 
-def _proj(p: Linear, gemv: bool) -> ProjSpec | None:
+def _proj(p: Linear) -> ProjSpec | None:
     """A projection as decode_layer.cpp holds it; None for one it cannot run (a bias, an
-    all-reduce, a non-fp32 weight). gemv: an fp32 weight goes to f32_linear, densely."""
+    all-reduce, a non-fp32 weight)."""
     if p.bias is not None or p.all_reduce or not _fp32_cpu(p.weight):
         return None
     empty = torch.empty(0)
     q = p.quant
     if isinstance(q, Int8Weight):
-        return (_INT8, q.q, q.scale, empty)
+        return (_INT8, q.q, q.scale, empty, 0)
     if isinstance(q, Int4Weight):
-        return (_INT4, q.codes, q.scale, q.minimum)
+        return (_INT4, q.codes, q.scale, q.minimum, 0)
+    if p.panel is not None:
+        return (_PANEL, p.panel.panels, empty, empty, p.panel.out_features)
     if q is not None or p.weight.numel() == 0:
         return None
-    if gemv:
-        return (_F32ROWS, _dense(p.weight), empty, empty)
-    return (_PACKED if p.weight.is_mkldnn else _DENSE, p.weight.detach(), empty, empty)
+    return (_PACKED if p.weight.is_mkldnn else _DENSE, p.weight.detach(), empty, empty, 0)

@@ -76,7 +76,7 @@ def _out_features(p: Linear) -> int:
 
 def _compatible(parts: Sequence[Linear]) -> bool:
     first = parts[0]
-    if any(p.all_reduce or p.weight.is_mkldnn or p.packable != first.packable for p in parts):
+    if any(p.all_reduce or p.weight.is_mkldnn or p.panel is not None or p.packable != first.packable for p in parts):
         return False
     if any((p.bias is None) != (first.bias is None) for p in parts):
         return False

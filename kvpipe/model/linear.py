@@ -17,6 +17,7 @@ from torch import nn
 
 from kvpipe.config import ParallelConfig
 from kvpipe.model.packed_linear import can_pack, pack_weight, packed_linear
+from kvpipe.model.panel_weight import PanelWeight, panel_kernels
 from kvpipe.model.quantized_weight import QuantizedWeight
 
 
@@ -68,14 +69,37 @@ class Linear(nn.Module):
         self.group = group
         self.shard = shard  # None: the whole checkpoint tensor
         self.quant: QuantizedWeight | None = None  # --quantization: set by quantize(), replaces the weight
+        self.panel: PanelWeight | None = None  # fp32 on the CPU: set by pack(), replaces the weight
 
     def pack(self) -> bool:
-        """Swap the dense weight for its oneDNN-packed form (packed_linear.py), once loaded;
-        False where it cannot be packed (not CPU fp32)."""
+        """Swap the dense weight for its column panels (panel_weight.py; the dense one is dropped,
+        an empty [0, in] tensor stays in its place), or oneDNN's packed form (packed_linear.py)
+        where the panel kernel is not built; once loaded. False where it cannot be packed (not CPU
+        fp32)."""
         if self.quant is not None or not (self.packable and can_pack(self.weight)):
             return False
-        self.weight = nn.Parameter(pack_weight(self.weight), requires_grad=False)
+        ext = panel_kernels()
+        if ext is not None:
+            self.panel = PanelWeight.pack(self.weight, ext)
+            self.weight = nn.Parameter(self.weight.new_empty(0, self.weight.shape[1]), requires_grad=False)
+        else:
+            self.weight = nn.Parameter(pack_weight(self.weight), requires_grad=False)
         return True
+
+    @property
+    def form(self) -> str:
+        """How the weight is held: "quantized" (--quantization), "panel", "onednn" (packed) or "dense"."""
+        if self.quant is not None:
+            return "quantized"
+        return "panel" if self.panel is not None else "onednn" if self.weight.is_mkldnn else "dense"
+
+    def dense_weight(self) -> torch.Tensor:
+        """The [out, in] weight of an unquantized Linear, whatever form holds it (a copy of a packed one)."""
+        if self.quant is not None:
+            raise ValueError("a quantized weight has no dense form here")
+        if self.panel is not None:
+            return self.panel.dense()
+        return self.weight.to_dense() if self.weight.is_mkldnn else self.weight
 
     def quantize(self, weight: QuantizedWeight) -> None:
         """Swap the loaded dense weight for its weight-only quantized form (quantized_weight.py,
@@ -86,6 +110,9 @@ class Linear(nn.Module):
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant is not None:
             y = self.quant(x)
+            return y if bias is None else y + bias
+        if self.panel is not None:
+            y = self.panel(x)
             return y if bias is None else y + bias
         if self.weight.is_mkldnn:
             return packed_linear(x, self.weight, bias)

@@ -261,6 +261,7 @@ def load_model(
         fuse_projections(model)
     if packing_enabled():
         pack_linears(model)
+        model.pack_head()
     if torch.device(device).type == "cpu":  # after fusing and packing: the final weights
         place_weights(model)
         model.fused_decode = build_fused_decode(model, decode_fused_layer)
@@ -304,8 +305,8 @@ def _gguf_summary(ckpt: GGUFCheckpoint) -> str:
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Pack every Linear's weight for oneDNN where it can be (CPU fp32, packed_linear.py);
-    returns how many were packed."""
+    """Pack every Linear's weight where it can be (CPU fp32: column panels, panel_weight.py, or
+    oneDNN's form, packed_linear.py); returns how many were packed."""
     return sum(m.pack() for m in model.modules() if isinstance(m, Linear))
 
 

@@ -1,8 +1,7 @@
 """A decode step's layers as one C++ call each (model/fused_decode.py, cpu_kernels/decode_layer.cpp)
 give the module path's bits: every logit and every stored K/V, one row and a batch of rows with
-contexts of different lengths, in fp32 (oneDNN-packed and dense weights) and with int8 / int4
-weights; prefill and anything the fused layers cannot run stay on the module path. The opt-in
-fp32-gemv mode (kvpipe's fp32 GEMV) is held to the tolerance of tests/helpers/tolerance.py instead."""
+contexts of different lengths, in fp32 (panel, oneDNN-packed and dense weights) and with int8 /
+int4 weights; prefill and anything the fused layers cannot run stay on the module path."""
 
 from __future__ import annotations
 
@@ -16,13 +15,11 @@ from kvpipe.config import ConfigError, ServerConfig
 from kvpipe.engine.model_runner import make_kv_pool
 from kvpipe.model.causal_lm import CausalLM
 from kvpipe.model.cpu_kernels import loader as kernel_loader
-from kvpipe.model.cpu_kernels.weight_only import weight_only_kernels
 from kvpipe.model.forward_batch import ForwardBatch
 from kvpipe.model.fused_decode import FusedDecodeLayers, build_fused_decode
 from kvpipe.model.loader import load_model
 from tests.helpers.hf_models import prompt_ids
-from tests.helpers.paged_model import greedy_generate, incremental_logits, make_pool
-from tests.helpers.tolerance import assert_close_logits, matmul_bound
+from tests.helpers.paged_model import incremental_logits, make_pool
 
 PAGE = 4
 
@@ -69,12 +66,23 @@ def _batched_decode(model: CausalLM, steps: int) -> tuple[torch.Tensor, list[tor
 
 
 @pytest.mark.parametrize("quantization", [None, "w4a16"])
-@pytest.mark.parametrize("packed", ["1", "0"])
-def test_a_batch_of_rows_equals_the_module_path(tiny_model_dir, monkeypatch, quantization, packed) -> None:
-    """Logits and every layer's stored K/V, bit for bit."""
-    monkeypatch.setenv("KVPIPE_PACK_WEIGHTS", packed)
+@pytest.mark.parametrize("form", ["panel", "onednn", "dense"])
+def test_a_batch_of_rows_equals_the_module_path(tiny_model_dir, monkeypatch, quantization, form) -> None:
+    """Logits and every layer's stored K/V, bit for bit, whichever form the fp32 weights take."""
+    monkeypatch.setenv("KVPIPE_PACK_WEIGHTS", "0" if form == "dense" else "1")
+    monkeypatch.setenv("KVPIPE_PANEL_WEIGHTS", "1" if form == "panel" else "0")
     model = load_model(tiny_model_dir, quantization=quantization, decode_fused_layer="on")
-    assert model.layers[0].self_attn.qkv.weight.is_mkldnn == (packed == "1" and quantization is None)
+    qkv = model.layers[0].self_attn.qkv
+    held = (
+        "w4a16"
+        if qkv.quant is not None
+        else "panel"
+        if qkv.panel is not None
+        else "onednn"
+        if qkv.weight.is_mkldnn
+        else "dense"
+    )
+    assert held == (quantization or form)
     fused = _fused(model)
     model.fused_decode = None
     want, want_k, want_v = _batched_decode(model, steps=6)
@@ -106,37 +114,6 @@ def test_what_the_fused_layers_do_not_take(tiny_model_dir, monkeypatch) -> None:
         build_fused_decode(model, "always")
     with pytest.raises(ConfigError, match="decode_fused_layer"):
         ServerConfig(model_path="m", decode_fused_layer="always")
-
-
-@pytest.mark.parametrize("rows", [1, 3, 9])
-def test_f32_linear_is_within_the_matmul_bound_and_row_invariant(rows: int) -> None:
-    """fp32-gemv's GEMV: within the worst-case bound of any summation order, and a row gives the
-    same bits alone or in a batch (PD and colocated decode agree)."""
-    ext = weight_only_kernels()
-    assert ext is not None
-    g = torch.Generator().manual_seed(rows)
-    k = 64 * 3 + 7  # whole vector rounds at either SIMD width, then a scalar tail
-    w, x = torch.randn(70, k, generator=g), torch.randn(rows, k, generator=g)
-    y = ext.f32_linear(x, w)
-    assert bool(((y.double() - x.double() @ w.double().T).abs() <= matmul_bound(x, w)).all())
-    assert torch.equal(torch.cat([ext.f32_linear(x[i : i + 1], w) for i in range(rows)]), y)
-
-
-def test_fp32_gemv_logits_within_the_tolerance_and_greedy_tokens_unchanged(tiny_model_dir) -> None:
-    """--decode-fused-layer fp32-gemv: other bits than the module path, within the bound the HF
-    parity tests use, and the same greedy tokens."""
-    model = load_model(tiny_model_dir, decode_fused_layer="fp32-gemv")
-    gemv = _fused(model)
-    assert gemv.head is not None
-    ids = prompt_ids(24, seed=5)
-    model.fused_decode = None
-    want = incremental_logits(model, ids, prompt_len=9, page_size=PAGE, chunk=5)
-    want_tokens = greedy_generate(model, ids[:9], 16, PAGE)
-    model.fused_decode = gemv
-    got = incremental_logits(model, ids, prompt_len=9, page_size=PAGE, chunk=5)
-    assert torch.equal(got[:9], want[:9])  # prefill: the module path
-    assert_close_logits(got, want, model.cfg, positions=len(ids))
-    assert greedy_generate(model, ids[:9], 16, PAGE) == want_tokens
 
 
 @pytest.mark.parametrize(("argv", "want"), [([], "auto"), (["--decode-fused-layer", "off"], "off")])

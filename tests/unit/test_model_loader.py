@@ -29,9 +29,9 @@ def edit_config(path: Path, **changes) -> None:
 def test_loads_tiny_with_expected_shapes(tiny_model_dir):
     m = load_model(tiny_model_dir)
     assert m.cfg.architecture == "llama" and m.num_layers == 4 and m.local_kv_heads == 2
-    assert m.layers[0].self_attn.o_proj.weight.shape == (128, 4 * 32)
+    assert m.layers[0].self_attn.o_proj.dense_weight().shape == (128, 4 * 32)
     # q/k/v rows fused after loading (fused_projections.py), k's 2 heads after q's 4
-    assert m.layers[0].self_attn.qkv.weight.shape == ((4 + 2 + 2) * 32, 128)
+    assert m.layers[0].self_attn.qkv.dense_weight().shape == ((4 + 2 + 2) * 32, 128)
     assert not any(p.requires_grad for p in m.parameters())
 
 

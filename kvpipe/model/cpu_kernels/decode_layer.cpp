@@ -7,15 +7,13 @@
 // Exact by construction: every step is the call the Python path makes, on the same inputs.
 // - RMSNorm, the residual adds, silu and the SwiGLU product: the same ATen ops (at::rms_norm is
 //   what F.rms_norm calls, at::add / at::silu / at::mul what `+`, F.silu and `*` call);
-// - the projections: oneDNN's packed product through the same registered op
-//   (mkldnn::_linear_pointwise, packed_linear.py), at::linear for a dense weight (F.linear), or the
-//   int8 / int4 kernels of weight_only.cpp;
+// - the projections: weight_only.cpp's fp32 panel kernel (panel_weight.py) or its int8 / int4
+//   kernels, oneDNN's packed product through the same registered op (mkldnn::_linear_pointwise,
+//   packed_linear.py) where the panels are not built, at::linear for a dense weight (F.linear);
 // - RoPE + K/V store and the paged decode attention: rope_store.cpp's and paged_decode.cpp's
 //   functions, compiled into this extension from their own source files (included below, with
 //   the same flags), so the same code computes the same bits.
 // tests/unit/test_decode_layer.py checks the outputs and the pool bit for bit against the module path.
-// The one exception is opt-in: --decode-fused-layer fp32-gemv gives fp32 projections to
-// weight_only.cpp's f32_linear (kind F32Rows), which sums in its own order.
 //
 // What a layer must be to take this path is decided in Python (model/fused_decode.py): fp32
 // weights and activations, an fp32 pool, q/k/v and gate/up fused, no biases, no q/k norms, no
@@ -65,9 +63,8 @@ namespace paged_decode {
 namespace {
 
 // How a projection's weight is held (model/linear.py): dense fp32, oneDNN-packed fp32, int8
-// with row scales, int4 groups (model/quantized_weight.py); F32Rows: dense fp32 multiplied by
-// weight_only.cpp's f32_linear (--decode-fused-layer fp32-gemv: other bits than oneDNN's)
-enum class Kind : int64_t { Dense = 0, Packed = 1, Int8 = 2, Int4 = 3, F32Rows = 4 };
+// with row scales, int4 groups (model/quantized_weight.py), fp32 column panels (panel_weight.py)
+enum class Kind : int64_t { Dense = 0, Packed = 1, Int8 = 2, Int4 = 3, Panel = 4 };
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w) {
   // the op packed_linear.py calls, through the dispatcher as Python's torch.ops does
@@ -87,7 +84,10 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w) {
 
 struct Proj {
   Kind kind;
-  at::Tensor w, a, b;  // Dense/Packed: w; Int8: w = q, a = scale; Int4: w = codes, a = scale, b = minimum
+  // Dense/Packed: w; Int8: w = q, a = scale; Int4: w = codes, a = scale, b = minimum; Panel: w =
+  // panels, n = the output features
+  at::Tensor w, a, b;
+  int64_t n;
 
   at::Tensor operator()(const at::Tensor& x) const {  // x [T, in] fp32 -> [T, out] fp32
     switch (kind) {
@@ -95,18 +95,19 @@ struct Proj {
       case Kind::Packed: return packed_linear(x, w);
       case Kind::Int8: return weight_only::int8_linear(x, w, a);
       case Kind::Int4: return weight_only::int4_linear(x, w, a, b);
-      case Kind::F32Rows: return weight_only::f32_linear(x, w);
+      case Kind::Panel: return weight_only::f32_panel_linear(x, w, n);
     }
     TORCH_CHECK(false, "unknown projection kind");
   }
 };
 
-using ProjSpec = std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor>;
+// (kind, w, a, b, n): n the output features of a Panel projection, 0 for the others
+using ProjSpec = std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor, int64_t>;
 
 Proj make_proj(const ProjSpec& s) {
   const int64_t kind = std::get<0>(s);
   TORCH_CHECK(kind >= 0 && kind <= 4, "projection kind must be 0..4, got ", kind);
-  return Proj{static_cast<Kind>(kind), std::get<1>(s), std::get<2>(s), std::get<3>(s)};
+  return Proj{static_cast<Kind>(kind), std::get<1>(s), std::get<2>(s), std::get<3>(s), std::get<4>(s)};
 }
 
 class DecodeLayer {

@@ -1,13 +1,14 @@
 // Weight-only quantized linears on CPU: y [M, N] = x [M, K] (fp32) times int8 or int4 weights
-// [N, K], dequantized as they are read (quantized_weight.py holds the formats); and the same loop
-// over plain fp32 weights (f32_linear, --decode-fused-layer fp32-gemv, model/fused_decode.py).
+// [N, K], dequantized as they are read (quantized_weight.py holds the formats); and every fp32
+// linear of a CPU model, over its weights in column panels (f32_panel_linear, model/panel_weight.py;
+// its own comment below).
 //
 // Why not torch's kernels: `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` vectorise only
 // bf16 inputs and still ran a [1536, 576] weight at one row in 0.6-1 ms on the Xeon of
 // docs/benchmarks.md (1-1.5 GMAC/s: compute-bound on unpacking, far from the memory bandwidth a
 // GEMV of 0.4-0.9 MB should reach), and 2-7x slower than the fp32 GEMM at prefill sizes.
 //
-// What is computed, per output (m, n), in an order that depends on nothing but K (not on M, N,
+// What the weight-only kernels compute, per output (m, n), in an order that depends on nothing but K (not on M, N,
 // the thread count or which other rows share the call, so a row gives the same bits alone or in
 // a batch):
 // - int8: w[n, k] = q[n, k] * scale[n]; y = scale[n] * sum_k x[m, k] * q[n, k];
@@ -54,6 +55,7 @@ inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 inline Vec vset1(float x) { return _mm512_set1_ps(x); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 inline float vsum(Vec v) {  // halves added in a fixed order down to one lane
   const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
@@ -80,6 +82,7 @@ inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
 inline Vec vset1(float x) { return _mm256_set1_ps(x); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 inline float vsum(Vec v) {  // lanes added in a fixed order: (0+4, 1+5, 2+6, 3+7), then pairs
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -124,6 +127,9 @@ inline Vec vset1(float x) {
   Vec r;
   for (int i = 0; i < W; ++i) r.v[i] = x;
   return r;
+}
+inline void vstore(float* p, Vec v) {
+  for (int i = 0; i < W; ++i) p[i] = v.v[i];
 }
 inline float vsum(Vec v) {
   float s[4];
@@ -189,26 +195,6 @@ void int4_tile(const float* x, int64_t ldx, const uint8_t* codes, const float* s
       for (int i = 0; i < kGroupVecs; ++i) acc[r][a0 + i] = vfma(vload(x + r * ldx + k + W * i), w[i], acc[r][a0 + i]);
   }
   for (int r = 0; r < R; ++r) y[r * ldy] = finish(acc[r]);
-}
-
-// R rows of x against one fp32 weight row w: out[r] = x[r] . w (the int8 tile's order, no scale)
-template <int R>
-void f32_tile(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy) {
-  Vec acc[R][kAcc];
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < kAcc; ++i) acc[r][i] = vzero();
-  const int64_t kv = K - K % kStep;
-  for (int64_t k = 0; k < kv; k += kStep) {
-    Vec wv[kAcc];
-    for (int i = 0; i < kAcc; ++i) wv[i] = vload(w + k + W * i);
-    for (int r = 0; r < R; ++r)
-      for (int i = 0; i < kAcc; ++i) acc[r][i] = vfma(vload(x + r * ldx + k + W * i), wv[i], acc[r][i]);
-  }
-  for (int r = 0; r < R; ++r) {
-    float s = finish(acc[r]);
-    for (int64_t k = kv; k < K; ++k) s += x[r * ldx + k] * w[k];
-    y[r * ldy] = s;
-  }
 }
 
 at::Tensor check_x(const at::Tensor& x, int64_t K) {
@@ -282,31 +268,81 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& codes_in, const
   return y;
 }
 
-// x [M, K]; w fp32 [N, K] dense row-major -> [M, N] fp32. A GEMV at bandwidth for a decode
-// step's few rows (--decode-fused-layer fp32-gemv): oneDNN's packed product reads a [1536, 576]
-// weight at one row well below the memory bandwidth. Its sums run in another order than
-// oneDNN's, so its fp32 results differ from the default path's in the last bits.
-at::Tensor f32_linear(const at::Tensor& x_in, const at::Tensor& w_in) {
-  TORCH_CHECK(w_in.scalar_type() == at::kFloat && w_in.dim() == 2 && !w_in.is_mkldnn(), "w must be dense float32 [N, K]");
-  const int64_t N = w_in.size(0), K = w_in.size(1);
-  const at::Tensor x = check_x(x_in, K), w = w_in.contiguous();
+// ---- fp32: the weights as column panels (model/panel_weight.py) ----
+// Panel p holds output columns [p PW, (p + 1) PW) of W^T, k-major: panels[p, k, j] = w[p PW + j, k]
+// (zeros past N). A tile of R rows of x against one panel keeps R x kPanelVecs accumulators in
+// registers; per k it loads one panel row (PW contiguous floats) and broadcasts x[r, k]:
+// - one output is one chain, y = fma(x[k], w[k], y) for k = 0 .. K-1, whatever M, R, the thread
+//   count or the ISA's vector width: a row gives the same bits alone, in a decode batch or in a
+//   prefill (the prefill and a decode step of the same token agree bit for bit);
+// - a batch-1 step reads the panels as one sequential stream (measured 33 GB/s on the EPYC's huge
+//   pages, where oneDNN's packed product read the same weight at 14 GB/s at one row); from a few
+//   rows up the tile is bound by the FMAs and keeps up with oneDNN's GEMM (docs/benchmarks.md).
+constexpr int kPanelVecs = 4;
+constexpr int64_t kPanelW = kPanelVecs * W;  // columns per panel: 64 with AVX-512, 32 otherwise
+#if defined(__AVX512F__)
+constexpr int kPanelRows = 6;  // 24 accumulators + 4 panel vectors + a broadcast of 32 registers
+#else
+constexpr int kPanelRows = 2;  // 8 + 4 + 1 of 16
+#endif
+
+template <int R>
+void panel_tile(const float* x, int64_t ldx, const float* p, int64_t K, float* y, int64_t ldy, int64_t cols) {
+  Vec acc[R][kPanelVecs];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kPanelVecs; ++c) acc[r][c] = vzero();
+  for (int64_t k = 0; k < K; ++k) {
+    Vec w[kPanelVecs];
+    for (int c = 0; c < kPanelVecs; ++c) w[c] = vload(p + k * kPanelW + c * W);
+    for (int r = 0; r < R; ++r) {
+      const Vec xv = vset1(x[r * ldx + k]);
+      for (int c = 0; c < kPanelVecs; ++c) acc[r][c] = vfma(xv, w[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if (cols == kPanelW) {
+      for (int c = 0; c < kPanelVecs; ++c) vstore(y + r * ldy + c * W, acc[r][c]);
+    } else {  // the last panel of an N that is not a multiple of PW
+      float buf[kPanelW];
+      for (int c = 0; c < kPanelVecs; ++c) vstore(buf + c * W, acc[r][c]);
+      std::copy(buf, buf + cols, y + r * ldy);
+    }
+  }
+}
+
+int64_t f32_panel_width() { return kPanelW; }
+
+// x [M, K] (any float dtype, computed in fp32); panels fp32 [P, K, PW]; n: the output features
+// (P = ceil(n / PW)) -> [M, n] fp32. Work is split over panels (at::parallel_for).
+at::Tensor f32_panel_linear(const at::Tensor& x_in, const at::Tensor& panels_in, int64_t n) {
+  TORCH_CHECK(panels_in.scalar_type() == at::kFloat && panels_in.dim() == 3 && panels_in.size(2) == kPanelW,
+              "panels must be float32 [P, K, ", kPanelW, "]");
+  const int64_t P = panels_in.size(0), K = panels_in.size(1);
+  TORCH_CHECK(n > (P - 1) * kPanelW && n <= P * kPanelW, "n = ", n, " does not fill ", P, " panels of ", kPanelW);
+  const at::Tensor x = check_x(x_in, K), panels = panels_in.contiguous();
   const int64_t M = x.size(0);
-  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor y = at::empty({M, n}, x.options());
   const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
+  const float* pp = panels.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t b = n0; b < n1; b += kBlockN)
-    for (int64_t m = 0; m < M; m += kRowsPerTile) {
-      for (int64_t n = b; n < std::min(b + kBlockN, n1); ++n) {
-        const float* xm = xp + m * K;
-        float* ym = yp + m * N + n;
-        switch (std::min<int64_t>(M - m, kRowsPerTile)) {
-          case 4: f32_tile<4>(xm, K, wp + n * K, K, ym, N); break;
-          case 3: f32_tile<3>(xm, K, wp + n * K, K, ym, N); break;
-          case 2: f32_tile<2>(xm, K, wp + n * K, K, ym, N); break;
-          default: f32_tile<1>(xm, K, wp + n * K, K, ym, N);
-        }
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const float* panel = pp + p * K * kPanelW;
+      const int64_t col = p * kPanelW, cols = std::min(kPanelW, n - col);
+      int64_t m = 0;
+      for (; m + kPanelRows <= M; m += kPanelRows)
+        panel_tile<kPanelRows>(xp + m * K, K, panel, K, yp + m * n + col, n, cols);
+      const float* xm = xp + m * K;
+      float* ym = yp + m * n + col;
+      switch (M - m) {  // the rows left over, fewer than kPanelRows
+#if defined(__AVX512F__)
+        case 5: panel_tile<5>(xm, K, panel, K, ym, n, cols); break;
+        case 4: panel_tile<4>(xm, K, panel, K, ym, n, cols); break;
+        case 3: panel_tile<3>(xm, K, panel, K, ym, n, cols); break;
+        case 2: panel_tile<2>(xm, K, panel, K, ym, n, cols); break;
+#endif
+        case 1: panel_tile<1>(xm, K, panel, K, ym, n, cols); break;
+        default: break;
       }
     }
   });
@@ -324,8 +360,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "x [M, K] times int8 weights [N, K] with row scales -> [M, N]",
         pybind11::call_guard<pybind11::gil_scoped_release>(), pybind11::arg("x"), pybind11::arg("q"),
         pybind11::arg("scale"));
-  m.def("f32_linear", &f32_linear, "x [M, K] times fp32 weights [N, K] -> [M, N], each output in an order of K only",
-        pybind11::call_guard<pybind11::gil_scoped_release>(), pybind11::arg("x"), pybind11::arg("w"));
+  m.def("f32_panel_linear", &f32_panel_linear, "x [M, K] times fp32 panels [P, K, PW] -> [M, n], each output one chain over K",
+        pybind11::call_guard<pybind11::gil_scoped_release>(), pybind11::arg("x"), pybind11::arg("panels"),
+        pybind11::arg("n"));
+  m.def("f32_panel_width", &f32_panel_width, "PW: the columns of a panel on this CPU");
   m.def("int4_linear", &int4_linear, "x [M, K] times int4 group weights [N, K] -> [M, N]",
         pybind11::call_guard<pybind11::gil_scoped_release>(), pybind11::arg("x"),
         pybind11::arg("codes"), pybind11::arg("scale"), pybind11::arg("minimum"));
