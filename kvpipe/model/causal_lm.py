@@ -78,13 +78,17 @@ class LMBase(nn.Module):
         return rope_cos_sin(self.inv_freq, batch.positions, like.dtype, self.rope_attention_factor)
 
     def pack_head(self) -> bool:
-        """Tied fp32 logits on the CPU: multiply by a panel copy of the embedding table (the lookup
+        """Tied logits on the CPU: multiply by a panel copy of the fp32 embedding table (the lookup
         keeps the dense one), the kernel every other fp32 projection runs (panel_weight.py): one
-        order of sums at any row count. False where there is none to make."""
-        if self.lm_head is not None or self.head_quant is not None or not can_pack(self.embed_tokens):
-            return False
+        order of sums at any row count; --quantization's int8 copy goes into panels too. False
+        where there is nothing to pack."""
         ext = panel_kernels()
-        if ext is None:
+        if self.lm_head is not None or ext is None or self.embed_tokens.device.type != "cpu":
+            return False
+        if self.head_quant is not None:
+            self.head_quant.pack(int(ext.f32_panel_width()))
+            return True
+        if not can_pack(self.embed_tokens):
             return False
         self.head_panel = PanelWeight.pack(self.embed_tokens, ext)
         return True

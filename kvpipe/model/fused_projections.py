@@ -94,7 +94,8 @@ def _cat_quant(parts: list[QuantizedWeight]) -> QuantizedWeight:
     """Quantized weights of the same kind stacked along their output rows."""
     int8 = [p for p in parts if isinstance(p, Int8Weight)]
     if len(int8) == len(parts):
-        return Int8Weight(torch.cat([p.q for p in int8]), torch.cat([p.scale for p in int8]))
+        rows = [p.rows() for p in int8]
+        return Int8Weight(torch.cat([q for q, _ in rows]), torch.cat([scale for _, scale in rows]))
     int4 = [p for p in parts if isinstance(p, Int4Weight)]
     if len(int4) != len(parts):
         raise ValueError("only quantized weights of one kind concatenate")

@@ -34,10 +34,14 @@ GROUP = 32  # int4 group size along K: GGUF's Q4_0/Q4_1 block, and llama.cpp's c
 
 
 class Int8Weight(nn.Module):
-    """w ≈ q * scale[:, None]: q int8 [N, K], scale [N] fp32."""
+    """w ≈ q * scale[:, None]: q int8 [N, K], scale [N] fp32. Once loaded, `pack` lays the codes
+    out as column panels (panel_weight.py's layout, int8: one 64-byte line per k of a panel with
+    AVX-512) for weight_only.cpp's int8_panel_linear: a decode step streams them sequentially and
+    a prefill tile is bound by its FMAs (1.3-2.2x the row kernel on the EPYC, docs/benchmarks.md);
+    each output stays one order of sums whatever the row count."""
 
-    q: torch.Tensor
-    scale: torch.Tensor
+    q: torch.Tensor  # int8 [N, K]; packed: [P, K, PW]
+    scale: torch.Tensor  # [N]; packed: [P PW] (1 past N)
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor) -> None:
         super().__init__()
@@ -45,6 +49,25 @@ class Int8Weight(nn.Module):
             raise ValueError(f"int8 weight [N, K] with N scales, got {tuple(q.shape)} {q.dtype}, {tuple(scale.shape)}")
         self.register_buffer("q", q.contiguous())
         self.register_buffer("scale", scale.float().contiguous())
+        self.n = int(q.shape[0])
+        self.packed = False
+
+    def pack(self, pw: int) -> None:
+        """Lay the codes out in panels of `pw` columns (the kernel's f32_panel_width())."""
+        if self.packed:
+            return
+        n, k = self.q.shape
+        p = -(-n // pw)
+        q = F.pad(self.q, (0, 0, 0, p * pw - n)).view(p, pw, k).transpose(1, 2).contiguous()
+        self.q, self.scale = q, F.pad(self.scale, (0, p * pw - n), value=1.0)
+        self.packed = True
+
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The codes [N, K] and scales [N], packed or not."""
+        if not self.packed:
+            return self.q, self.scale
+        p, k, pw = self.q.shape
+        return self.q.transpose(1, 2).reshape(p * pw, k)[: self.n], self.scale[: self.n]
 
     @classmethod
     def quantize(cls, w: torch.Tensor, amax: torch.Tensor | None = None) -> Int8Weight:
@@ -59,7 +82,7 @@ class Int8Weight(nn.Module):
 
     @property
     def out_features(self) -> int:
-        return int(self.q.shape[0])
+        return self.n
 
     @property
     def in_features(self) -> int:
@@ -67,13 +90,16 @@ class Int8Weight(nn.Module):
 
     def dequantize(self) -> torch.Tensor:
         """[N, K] in fp32 (int8 times the scale, rounded once)."""
-        return self.q.float() * self.scale[:, None]
+        q, scale = self.rows()
+        return q.float() * scale[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         ext = weight_only_kernels() if x.device.type == "cpu" else None
         if ext is None:
             y = F.linear(x2.float(), self.dequantize())
+        elif self.packed:
+            y = ext.int8_panel_linear(x2, self.q, self.scale, self.n)
         else:
             y = ext.int8_linear(x2, self.q, self.scale)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)

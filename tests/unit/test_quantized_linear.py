@@ -40,7 +40,17 @@ def _assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor) -
     assert bool((err <= bound).all()), f"max error {float(err.max()):.3g}, bound there {float(bound.min()):.3g}"
 
 
-@pytest.mark.parametrize("rows, n, k", [(1, 48, 64), (7, 96, 160), (33, 16, 32)])
+def _panels(weight: Int8Weight) -> Int8Weight:
+    """The same weight with its codes in column panels (Linear.pack's form)."""
+    ext = weight_only_kernels()
+    assert ext is not None
+    packed = Int8Weight(*weight.rows())
+    packed.pack(int(ext.f32_panel_width()))
+    assert packed.packed and all(torch.equal(a, b) for a, b in zip(packed.rows(), weight.rows()))
+    return packed
+
+
+@pytest.mark.parametrize("rows, n, k", [(1, 48, 64), (7, 96, 160), (33, 16, 32), (6, 130, 40)])
 def test_int8_matches_its_dequantized_weight(rows, n, k):
     g = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=g) * 0.3
@@ -55,6 +65,7 @@ def test_int8_matches_its_dequantized_weight(rows, n, k):
     assert int(q.q.abs().max()) == 127 and bool((deq[3] == 0).all())
     x = torch.randn(rows, k, generator=g)
     _assert_within(q(x), _exact(x, deq), _bound(x, deq))
+    _assert_within(_panels(q)(x), _exact(x, deq), _bound(x, deq))  # N = 130: a partial last panel
 
 
 def _int4_reference(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,13 +109,15 @@ def test_int4_refuses_shapes_the_kernel_cannot_take():
         Int4Weight.from_codes(torch.zeros(24, 48, dtype=torch.int32), torch.ones(24, 1), torch.zeros(24, 1))
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("kind", ["int8", "int8-panels", "int4"])
 def test_a_row_gives_the_same_bits_alone_and_in_a_batch(kind):
     """Each output's sum runs in an order that depends on K only (weight_only.cpp): a decode row
     alone, or batched with others (odd and even batch sizes), or in a prefill, gives the same bits."""
     g = torch.Generator().manual_seed(11)
     w = torch.randn(80, 576, generator=g) * 0.05
-    weight = Int8Weight.quantize(w) if kind == "int8" else Int4Weight.quantize(w)
+    weight = Int4Weight.quantize(w) if kind == "int4" else Int8Weight.quantize(w)
+    if kind == "int8-panels":
+        weight = _panels(weight)
     x = torch.randn(9, 576, generator=g)
     batched = weight(x)
     for i in range(9):
@@ -164,13 +177,15 @@ def test_linear_with_a_quantized_weight_adds_its_bias_and_keeps_leading_dims():
         lin.bias.copy_(torch.randn(32))
     qw = Int8Weight.quantize(lin.weight)
     lin.quantize(qw)
-    assert lin.quant is qw and lin.weight.numel() == 0 and not lin.pack()
+    assert lin.quant is qw and lin.weight.numel() == 0
     x = torch.randn(2, 3, 64)
-    y = lin(x)
-    assert y.shape == (2, 3, 32)
     want = _exact(x.reshape(6, 64), qw.dequantize()) + lin.bias.double()
     bound = _bound(x.reshape(6, 64), qw.dequantize()) + torch.finfo(torch.float32).eps * want.abs()
-    _assert_within(y.reshape(6, 32), want, bound)
+    for _ in ("rows", "panels"):
+        y = lin(x)
+        assert y.shape == (2, 3, 32)
+        _assert_within(y.reshape(6, 32), want, bound)
+        assert lin.pack() and qw.packed  # its codes go into panels
 
 
 def _qkv(layer: torch.nn.Module) -> tuple[Linear, Linear, Linear]:
@@ -197,7 +212,7 @@ def test_tied_gguf_head_gets_an_int8_copy(tmp_path):
     written = write_gguf(tmp_path / "m.gguf", "llama", Q.Q4_1)
     model = load_model(written.path, quantization="w4a16")
     assert model.lm_head is None and isinstance(model.head_quant, Int8Weight)
-    assert model.embed_tokens.shape == model.head_quant.q.shape  # the lookup keeps the dense table
+    assert model.embed_tokens.shape == model.head_quant.rows()[0].shape  # the lookup keeps the dense table
     qkv = model.layers[0].self_attn.qkv  # q/k/v fused (fused_projections.py)
     assert qkv is not None and isinstance(qkv.quant, Int4Weight)
 

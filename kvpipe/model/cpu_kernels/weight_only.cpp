@@ -56,6 +56,7 @@ inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 inline Vec vset1(float x) { return _mm512_set1_ps(x); }
 inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
 inline float vsum(Vec v) {  // halves added in a fixed order down to one lane
   const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
@@ -83,6 +84,7 @@ inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
 inline Vec vset1(float x) { return _mm256_set1_ps(x); }
 inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 inline float vsum(Vec v) {  // lanes added in a fixed order: (0+4, 1+5, 2+6, 3+7), then pairs
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -130,6 +132,11 @@ inline Vec vset1(float x) {
 }
 inline void vstore(float* p, Vec v) {
   for (int i = 0; i < W; ++i) p[i] = v.v[i];
+}
+inline Vec vmul(Vec a, Vec b) {
+  Vec r;
+  for (int i = 0; i < W; ++i) r.v[i] = a.v[i] * b.v[i];
+  return r;
 }
 inline float vsum(Vec v) {
   float s[4];
@@ -268,9 +275,10 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& codes_in, const
   return y;
 }
 
-// ---- fp32: the weights as column panels (model/panel_weight.py) ----
+// ---- fp32 and int8 weights as column panels (model/panel_weight.py, quantized_weight.py) ----
 // Panel p holds output columns [p PW, (p + 1) PW) of W^T, k-major: panels[p, k, j] = w[p PW + j, k]
-// (zeros past N). A tile of R rows of x against one panel keeps R x kPanelVecs accumulators in
+// (zeros past N); int8 panels hold the codes, and y = scale[n] * sum_k x[k] q[n, k] (the codes
+// are exact in fp32; the scale is applied once, to the sum: the row kernel's arithmetic). A tile of R rows of x against one panel keeps R x kPanelVecs accumulators in
 // registers; per k it loads one panel row (PW contiguous floats) and broadcasts x[r, k]:
 // - one output is one chain, y = fma(x[k], w[k], y) for k = 0 .. K-1, whatever M, R, the thread
 //   count or the ISA's vector width: a row gives the same bits alone, in a decode batch or in a
@@ -286,19 +294,27 @@ constexpr int kPanelRows = 6;  // 24 accumulators + 4 panel vectors + a broadcas
 constexpr int kPanelRows = 2;  // 8 + 4 + 1 of 16
 #endif
 
-template <int R>
-void panel_tile(const float* x, int64_t ldx, const float* p, int64_t K, float* y, int64_t ldy, int64_t cols) {
+inline Vec vpanel(const float* p) { return vload(p); }
+inline Vec vpanel(const int8_t* p) { return vint8(p); }
+
+// scale: the panel's PW column scales (int8), or nullptr (fp32)
+template <int R, typename T>
+void panel_tile(const float* x, int64_t ldx, const T* p, int64_t K, const float* scale, float* y, int64_t ldy,
+                int64_t cols) {
   Vec acc[R][kPanelVecs];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < kPanelVecs; ++c) acc[r][c] = vzero();
   for (int64_t k = 0; k < K; ++k) {
     Vec w[kPanelVecs];
-    for (int c = 0; c < kPanelVecs; ++c) w[c] = vload(p + k * kPanelW + c * W);
+    for (int c = 0; c < kPanelVecs; ++c) w[c] = vpanel(p + k * kPanelW + c * W);
     for (int r = 0; r < R; ++r) {
       const Vec xv = vset1(x[r * ldx + k]);
       for (int c = 0; c < kPanelVecs; ++c) acc[r][c] = vfma(xv, w[c], acc[r][c]);
     }
   }
+  if (scale != nullptr)
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < kPanelVecs; ++c) acc[r][c] = vmul(acc[r][c], vload(scale + c * W));
   for (int r = 0; r < R; ++r) {
     if (cols == kPanelW) {
       for (int c = 0; c < kPanelVecs; ++c) vstore(y + r * ldy + c * W, acc[r][c]);
@@ -312,41 +328,57 @@ void panel_tile(const float* x, int64_t ldx, const float* p, int64_t K, float* y
 
 int64_t f32_panel_width() { return kPanelW; }
 
-// x [M, K] (any float dtype, computed in fp32); panels fp32 [P, K, PW]; n: the output features
-// (P = ceil(n / PW)) -> [M, n] fp32. Work is split over panels (at::parallel_for).
-at::Tensor f32_panel_linear(const at::Tensor& x_in, const at::Tensor& panels_in, int64_t n) {
-  TORCH_CHECK(panels_in.scalar_type() == at::kFloat && panels_in.dim() == 3 && panels_in.size(2) == kPanelW,
-              "panels must be float32 [P, K, ", kPanelW, "]");
-  const int64_t P = panels_in.size(0), K = panels_in.size(1);
+// x [M, K] (any float dtype, computed in fp32); panels [P, K, PW]; scale [P PW] or nullptr; n:
+// the output features (P = ceil(n / PW)) -> [M, n] fp32. Work is split over panels (at::parallel_for).
+template <typename T>
+at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, const float* scale, int64_t n) {
+  const int64_t P = panels.size(0), K = panels.size(1);
   TORCH_CHECK(n > (P - 1) * kPanelW && n <= P * kPanelW, "n = ", n, " does not fill ", P, " panels of ", kPanelW);
-  const at::Tensor x = check_x(x_in, K), panels = panels_in.contiguous();
+  const at::Tensor x = check_x(x_in, K);
   const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, n}, x.options());
   const float* xp = x.data_ptr<float>();
-  const float* pp = panels.data_ptr<float>();
+  const T* pp = panels.data_ptr<T>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
-      const float* panel = pp + p * K * kPanelW;
+      const T* panel = pp + p * K * kPanelW;
       const int64_t col = p * kPanelW, cols = std::min(kPanelW, n - col);
+      const float* sc = scale == nullptr ? nullptr : scale + col;
       int64_t m = 0;
       for (; m + kPanelRows <= M; m += kPanelRows)
-        panel_tile<kPanelRows>(xp + m * K, K, panel, K, yp + m * n + col, n, cols);
+        panel_tile<kPanelRows>(xp + m * K, K, panel, K, sc, yp + m * n + col, n, cols);
       const float* xm = xp + m * K;
       float* ym = yp + m * n + col;
       switch (M - m) {  // the rows left over, fewer than kPanelRows
 #if defined(__AVX512F__)
-        case 5: panel_tile<5>(xm, K, panel, K, ym, n, cols); break;
-        case 4: panel_tile<4>(xm, K, panel, K, ym, n, cols); break;
-        case 3: panel_tile<3>(xm, K, panel, K, ym, n, cols); break;
-        case 2: panel_tile<2>(xm, K, panel, K, ym, n, cols); break;
+        case 5: panel_tile<5>(xm, K, panel, K, sc, ym, n, cols); break;
+        case 4: panel_tile<4>(xm, K, panel, K, sc, ym, n, cols); break;
+        case 3: panel_tile<3>(xm, K, panel, K, sc, ym, n, cols); break;
+        case 2: panel_tile<2>(xm, K, panel, K, sc, ym, n, cols); break;
 #endif
-        case 1: panel_tile<1>(xm, K, panel, K, ym, n, cols); break;
+        case 1: panel_tile<1>(xm, K, panel, K, sc, ym, n, cols); break;
         default: break;
       }
     }
   });
   return y;
+}
+
+at::Tensor f32_panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n) {
+  TORCH_CHECK(panels.scalar_type() == at::kFloat && panels.dim() == 3 && panels.size(2) == kPanelW &&
+                  panels.is_contiguous(),
+              "panels must be contiguous float32 [P, K, ", kPanelW, "]");
+  return panel_linear<float>(x, panels, nullptr, n);
+}
+
+// codes int8 [P, K, PW]; scale fp32 [P PW] (a row's scale, any value past n)
+at::Tensor int8_panel_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, int64_t n) {
+  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 3 && codes.size(2) == kPanelW && codes.is_contiguous(),
+              "codes must be contiguous int8 [P, K, ", kPanelW, "]");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == codes.size(0) * kPanelW,
+              "scale must be contiguous float32 [P * ", kPanelW, "]");
+  return panel_linear<int8_t>(x, codes, scale.data_ptr<float>(), n);
 }
 
 }  // namespace
@@ -363,6 +395,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("f32_panel_linear", &f32_panel_linear, "x [M, K] times fp32 panels [P, K, PW] -> [M, n], each output one chain over K",
         pybind11::call_guard<pybind11::gil_scoped_release>(), pybind11::arg("x"), pybind11::arg("panels"),
         pybind11::arg("n"));
+  m.def("int8_panel_linear", &int8_panel_linear, "x [M, K] times int8 panels [P, K, PW] with row scales -> [M, n]",
+        pybind11::call_guard<pybind11::gil_scoped_release>(), pybind11::arg("x"), pybind11::arg("codes"),
+        pybind11::arg("scale"), pybind11::arg("n"));
   m.def("f32_panel_width", &f32_panel_width, "PW: the columns of a panel on this CPU");
   m.def("int4_linear", &int4_linear, "x [M, K] times int4 group weights [N, K] -> [M, N]",
         pybind11::call_guard<pybind11::gil_scoped_release>(), pybind11::arg("x"),
