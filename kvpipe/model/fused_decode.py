@@ -44,7 +44,7 @@ from kvpipe.model.quantized_weight import Int4Weight, Int8Weight
 AUTO_MAX_BATCH = 64
 
 # decode_layer.cpp's projection kinds
-_DENSE, _PACKED, _INT8, _INT4, _PANEL, _INT8_PANEL = 0, 1, 2, 3, 4, 5
+_DENSE, _PACKED, _INT8, _INT4, _PANEL, _INT8_PANEL, _INT4_PANEL = 0, 1, 2, 3, 4, 5, 6
 
 # (kind, weight, scale, minimum, output features of a panel weight)
 ProjSpec = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, int]
@@ -168,7 +168,7 @@ def _proj(p: Linear) -> ProjSpec | None:
     if isinstance(q, Int8Weight):
         return (_INT8_PANEL, q.q, q.scale, empty, q.out_features) if q.packed else (_INT8, q.q, q.scale, empty, 0)
     if isinstance(q, Int4Weight):
-        return (_INT4, q.codes, q.scale, q.minimum, 0)
+        return (_INT4_PANEL if q.packed else _INT4, q.codes, q.scale, q.minimum, q.out_features if q.packed else 0)
     if p.panel is not None:
         return (_PANEL, p.panel.panels, empty, empty, p.panel.out_features)
     if q is not None or p.weight.numel() == 0:

@@ -99,8 +99,5 @@ def _cat_quant(parts: list[QuantizedWeight]) -> QuantizedWeight:
     int4 = [p for p in parts if isinstance(p, Int4Weight)]
     if len(int4) != len(parts):
         raise ValueError("only quantized weights of one kind concatenate")
-    return Int4Weight(
-        torch.cat([p.codes for p in int4]),
-        torch.cat([p.scale for p in int4]),
-        torch.cat([p.minimum for p in int4]),
-    )
+    parts4 = [p.rows() for p in int4]
+    return Int4Weight(*(torch.cat([part[i] for part in parts4]) for i in range(3)))

@@ -18,7 +18,7 @@ from torch import nn
 from kvpipe.config import ParallelConfig
 from kvpipe.model.packed_linear import can_pack, pack_weight, packed_linear
 from kvpipe.model.panel_weight import PanelWeight, panel_kernels
-from kvpipe.model.quantized_weight import Int8Weight, QuantizedWeight
+from kvpipe.model.quantized_weight import QuantizedWeight
 
 
 @dataclass(frozen=True)
@@ -76,12 +76,12 @@ class Linear(nn.Module):
         an empty [0, in] tensor stays in its place), or oneDNN's packed form (packed_linear.py)
         where the panel kernel is not built; once loaded. False where it cannot be packed (not CPU
         fp32)."""
-        if isinstance(self.quant, Int8Weight):  # its codes in panels too, where the kernels build
-            ext = panel_kernels() if self.packable and self.quant.q.device.type == "cpu" else None
+        if self.quant is not None:  # int8 / int4 codes in panels too, where the kernels build
+            ext = panel_kernels() if self.packable and self.quant.scale.device.type == "cpu" else None
             if ext is not None:
                 self.quant.pack(int(ext.f32_panel_width()))
             return ext is not None
-        if self.quant is not None or not (self.packable and can_pack(self.weight)):
+        if not (self.packable and can_pack(self.weight)):
             return False
         ext = panel_kernels()
         if ext is not None:

@@ -108,6 +108,8 @@ class Int8Weight(nn.Module):
 class Int4Weight(nn.Module):
     """Groupwise 4-bit weight [N, K], two codes a byte (see the module docstring)."""
 
+    # packed (`pack`, once loaded): column panels for int4_panel_linear, codes [P, K, PW / 2] (byte j
+    # of a panel row: column j low, column j + PW / 2 high), scale and minimum [P, K / GROUP, PW]
     codes: torch.Tensor
     scale: torch.Tensor
     minimum: torch.Tensor
@@ -121,14 +123,44 @@ class Int4Weight(nn.Module):
         self.register_buffer("codes", codes.contiguous())
         self.register_buffer("scale", scale.float().contiguous())
         self.register_buffer("minimum", minimum.float().contiguous())
+        self.n, self.k = n, 2 * half
+        self.packed = False
+
+    def pack(self, pw: int) -> None:
+        """Lay the weight out in panels of `pw` columns (the kernel's f32_panel_width()): a decode
+        step streams them sequentially, a prefill tile is bound by its FMAs."""
+        if self.packed:
+            return
+        n, k, p = self.n, self.k, -(-self.n // pw)
+        q = F.pad(self.unpacked().to(torch.uint8), (0, 0, 0, p * pw - n)).view(p, pw, k).transpose(1, 2)
+        self.codes = (q[..., : pw // 2] | (q[..., pw // 2 :] << 4)).contiguous()  # [P, K, PW / 2]
+        self.scale, self.minimum = (
+            F.pad(t, (0, 0, 0, p * pw - n), value=v).view(p, pw, k // GROUP).transpose(1, 2).contiguous()
+            for t, v in ((self.scale, 1.0), (self.minimum, 0.0))
+        )
+        self.packed = True
+
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """codes [N, K / 2] in GGUF block layout, scale and minimum [N, K / GROUP], packed or not."""
+        if not self.packed:
+            return self.codes, self.scale, self.minimum
+        p, k, half = self.codes.shape
+        q = torch.cat([self.codes & 0x0F, self.codes >> 4], dim=2)  # [P, K, PW]: columns in order
+        q = q.transpose(1, 2).reshape(p * 2 * half, k)[: self.n]
+        g = q.reshape(self.n, k // GROUP, 2, GROUP // 2)
+        codes = (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(self.n, k // 2)
+        scale, minimum = (
+            t.transpose(1, 2).reshape(p * 2 * half, k // GROUP)[: self.n] for t in (self.scale, self.minimum)
+        )
+        return codes, scale, minimum
 
     @property
     def out_features(self) -> int:
-        return int(self.codes.shape[0])
+        return self.n
 
     @property
     def in_features(self) -> int:
-        return 2 * int(self.codes.shape[1])
+        return self.k
 
     @staticmethod
     def fits(out_features: int, in_features: int) -> bool:
@@ -160,14 +192,16 @@ class Int4Weight(nn.Module):
 
     def unpacked(self) -> torch.Tensor:
         """The codes [N, K] int64 in 0..15."""
-        n, half = self.codes.shape
-        c = self.codes.reshape(n, half // (GROUP // 2), 1, GROUP // 2).long()
+        codes = self.rows()[0]
+        n, half = codes.shape
+        c = codes.reshape(n, half // (GROUP // 2), 1, GROUP // 2).long()
         return torch.cat([c & 0x0F, c >> 4], dim=2).reshape(n, 2 * half)
 
     def dequantize(self) -> torch.Tensor:
         """[N, K] fp32 as the kernel forms them: q * scale + minimum, rounded once (fp64 then fp32)."""
-        s = self.scale.double().repeat_interleave(GROUP, dim=1)
-        m = self.minimum.double().repeat_interleave(GROUP, dim=1)
+        _, scale, minimum = self.rows()
+        s = scale.double().repeat_interleave(GROUP, dim=1)
+        m = minimum.double().repeat_interleave(GROUP, dim=1)
         return (self.unpacked().double() * s + m).float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -175,6 +209,8 @@ class Int4Weight(nn.Module):
         ext = weight_only_kernels() if x.device.type == "cpu" else None
         if ext is None:
             y = F.linear(x2.float(), self.dequantize())
+        elif self.packed:
+            y = ext.int4_panel_linear(x2, self.codes, self.scale, self.minimum, self.n)
         else:
             y = ext.int4_linear(x2, self.codes, self.scale, self.minimum)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)

@@ -40,13 +40,14 @@ def _assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor) -
     assert bool((err <= bound).all()), f"max error {float(err.max()):.3g}, bound there {float(bound.min()):.3g}"
 
 
-def _panels(weight: Int8Weight) -> Int8Weight:
+def _panels(weight: Int8Weight | Int4Weight) -> Int8Weight | Int4Weight:
     """The same weight with its codes in column panels (Linear.pack's form)."""
     ext = weight_only_kernels()
     assert ext is not None
-    packed = Int8Weight(*weight.rows())
+    packed = type(weight)(*weight.rows())
     packed.pack(int(ext.f32_panel_width()))
     assert packed.packed and all(torch.equal(a, b) for a, b in zip(packed.rows(), weight.rows()))
+    assert torch.equal(packed.dequantize(), weight.dequantize())
     return packed
 
 
@@ -76,7 +77,7 @@ def _int4_reference(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor)
     return q.double() * s + m, (q.double() * s).abs() + m.abs()
 
 
-@pytest.mark.parametrize("rows, n, k", [(1, 16, 32), (5, 24, 96), (40, 32, 256)])
+@pytest.mark.parametrize("rows, n, k", [(1, 16, 32), (5, 24, 96), (40, 32, 256), (6, 130, 64)])
 def test_int4_matches_its_codes(rows, n, k):
     g = torch.Generator().manual_seed(rows + n)
     q = torch.randint(0, 16, (n, k), generator=g)
@@ -87,6 +88,7 @@ def test_int4_matches_its_codes(rows, n, k):
     q4 = Int4Weight.from_codes(q, scale, minimum)
     assert torch.equal(q4.unpacked(), q)
     _assert_within(q4(x), _exact(x, w), _bound(x, mag))
+    _assert_within(_panels(q4)(x), _exact(x, w), _bound(x, mag))  # N = 130: a partial last panel
 
 
 def test_int4_quantizer_rounds_to_the_nearest_step():
@@ -109,14 +111,14 @@ def test_int4_refuses_shapes_the_kernel_cannot_take():
         Int4Weight.from_codes(torch.zeros(24, 48, dtype=torch.int32), torch.ones(24, 1), torch.zeros(24, 1))
 
 
-@pytest.mark.parametrize("kind", ["int8", "int8-panels", "int4"])
+@pytest.mark.parametrize("kind", ["int8", "int8-panels", "int4", "int4-panels"])
 def test_a_row_gives_the_same_bits_alone_and_in_a_batch(kind):
     """Each output's sum runs in an order that depends on K only (weight_only.cpp): a decode row
     alone, or batched with others (odd and even batch sizes), or in a prefill, gives the same bits."""
     g = torch.Generator().manual_seed(11)
     w = torch.randn(80, 576, generator=g) * 0.05
-    weight = Int4Weight.quantize(w) if kind == "int4" else Int8Weight.quantize(w)
-    if kind == "int8-panels":
+    weight = Int4Weight.quantize(w) if kind.startswith("int4") else Int8Weight.quantize(w)
+    if kind.endswith("panels"):
         weight = _panels(weight)
     x = torch.randn(9, 576, generator=g)
     batched = weight(x)

@@ -64,8 +64,8 @@ namespace {
 
 // How a projection's weight is held (model/linear.py): dense fp32, oneDNN-packed fp32, int8
 // with row scales, int4 groups (model/quantized_weight.py), fp32 column panels (panel_weight.py),
-// int8 codes in column panels with their scales
-enum class Kind : int64_t { Dense = 0, Packed = 1, Int8 = 2, Int4 = 3, Panel = 4, Int8Panel = 5 };
+// int8 and int4 codes in column panels with their scales
+enum class Kind : int64_t { Dense = 0, Packed = 1, Int8 = 2, Int4 = 3, Panel = 4, Int8Panel = 5, Int4Panel = 6 };
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w) {
   // the op packed_linear.py calls, through the dispatcher as Python's torch.ops does
@@ -86,7 +86,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w) {
 struct Proj {
   Kind kind;
   // Dense/Packed: w; Int8: w = q, a = scale; Int4: w = codes, a = scale, b = minimum; Panel: w =
-  // panels, n = the output features; Int8Panel: w = codes, a = scale, n
+  // panels, n = the output features; Int8Panel: w = codes, a = scale, n; Int4Panel: w = codes,
+  // a = scale, b = minimum, n
   at::Tensor w, a, b;
   int64_t n;
 
@@ -98,6 +99,7 @@ struct Proj {
       case Kind::Int4: return weight_only::int4_linear(x, w, a, b);
       case Kind::Panel: return weight_only::f32_panel_linear(x, w, n);
       case Kind::Int8Panel: return weight_only::int8_panel_linear(x, w, a, n);
+      case Kind::Int4Panel: return weight_only::int4_panel_linear(x, w, a, b, n);
     }
     TORCH_CHECK(false, "unknown projection kind");
   }
@@ -108,7 +110,7 @@ using ProjSpec = std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor, int64_t
 
 Proj make_proj(const ProjSpec& s) {
   const int64_t kind = std::get<0>(s);
-  TORCH_CHECK(kind >= 0 && kind <= 5, "projection kind must be 0..5, got ", kind);
+  TORCH_CHECK(kind >= 0 && kind <= 6, "projection kind must be 0..6, got ", kind);
   return Proj{static_cast<Kind>(kind), std::get<1>(s), std::get<2>(s), std::get<3>(s), std::get<4>(s)};
 }
 

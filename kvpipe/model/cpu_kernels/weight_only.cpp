@@ -278,8 +278,11 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& codes_in, const
 // ---- fp32 and int8 weights as column panels (model/panel_weight.py, quantized_weight.py) ----
 // Panel p holds output columns [p PW, (p + 1) PW) of W^T, k-major: panels[p, k, j] = w[p PW + j, k]
 // (zeros past N); int8 panels hold the codes, and y = scale[n] * sum_k x[k] q[n, k] (the codes
-// are exact in fp32; the scale is applied once, to the sum: the row kernel's arithmetic). A tile of R rows of x against one panel keeps R x kPanelVecs accumulators in
-// registers; per k it loads one panel row (PW contiguous floats) and broadcasts x[r, k]:
+// are exact in fp32; the scale is applied once, to the sum: the row kernel's arithmetic); int4
+// panels hold two codes a byte (column j low, column j + PW / 2 high) and each (group, column)'s
+// scale and minimum, and w = q * scale + minimum is formed with one FMA, as the row kernel does.
+// A tile of R rows of x against one panel keeps R x kPanelVecs accumulators in registers; per k
+// it loads one panel row (PW weights) and broadcasts x[r, k]:
 // - one output is one chain, y = fma(x[k], w[k], y) for k = 0 .. K-1, whatever M, R, the thread
 //   count or the ISA's vector width: a row gives the same bits alone, in a decode batch or in a
 //   prefill (the prefill and a decode step of the same token agree bit for bit);
@@ -296,6 +299,70 @@ constexpr int kPanelRows = 2;  // 8 + 4 + 1 of 16
 
 inline Vec vpanel(const float* p) { return vload(p); }
 inline Vec vpanel(const int8_t* p) { return vint8(p); }
+
+static_assert(kPanelVecs == 4, "an int4 panel row is two vectors of low nibbles and two of high");
+// one int4 panel row (PW / 2 bytes) -> its PW codes as kPanelVecs float vectors, in column order
+inline void vpanel4(const uint8_t* p, Vec* out) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i lo = _mm256_and_si256(b, mask), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
+  out[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(lo)));
+  out[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(lo, 1)));
+  out[2] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(hi)));
+  out[3] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(hi, 1)));
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+  out[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+  out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+  out[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+  out[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+#else
+  for (int j = 0; j < kPanelW / 2; ++j) {
+    out[j / W].v[j % W] = static_cast<float>(p[j] & 0x0F);
+    out[(j + kPanelW / 2) / W].v[j % W] = static_cast<float>(p[j] >> 4);
+  }
+#endif
+}
+
+// int4: per k one panel row of codes, dequantized with its group's scale and minimum (one FMA),
+// then R rows' FMAs; fewer rows than the other panels leave registers for the group's 8 vectors
+#if defined(__AVX512F__)
+constexpr int kPanelRows4 = 4;
+#else
+constexpr int kPanelRows4 = 1;
+#endif
+
+template <int R>
+void panel_tile4(const float* x, int64_t ldx, const uint8_t* p, const float* scale, const float* minimum, int64_t K,
+                 float* y, int64_t ldy, int64_t cols) {
+  Vec acc[R][kPanelVecs];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kPanelVecs; ++c) acc[r][c] = vzero();
+  for (int64_t g = 0; g < K / kGroup; ++g) {
+    Vec s[kPanelVecs], m[kPanelVecs];
+    for (int c = 0; c < kPanelVecs; ++c) {
+      s[c] = vload(scale + g * kPanelW + c * W);
+      m[c] = vload(minimum + g * kPanelW + c * W);
+    }
+    for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k) {
+      Vec w[kPanelVecs];
+      vpanel4(p + k * (kPanelW / 2), w);
+      for (int c = 0; c < kPanelVecs; ++c) w[c] = vfma(w[c], s[c], m[c]);
+      for (int r = 0; r < R; ++r) {
+        const Vec xv = vset1(x[r * ldx + k]);
+        for (int c = 0; c < kPanelVecs; ++c) acc[r][c] = vfma(xv, w[c], acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float buf[kPanelW];
+    for (int c = 0; c < kPanelVecs; ++c) vstore(buf + c * W, acc[r][c]);
+    std::copy(buf, buf + cols, y + r * ldy);
+  }
+}
 
 // scale: the panel's PW column scales (int8), or nullptr (fp32)
 template <int R, typename T>
@@ -372,6 +439,39 @@ at::Tensor f32_panel_linear(const at::Tensor& x, const at::Tensor& panels, int64
   return panel_linear<float>(x, panels, nullptr, n);
 }
 
+// codes uint8 [P, K, PW / 2]; scale, minimum fp32 [P, K / 32, PW]
+at::Tensor int4_panel_linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scale,
+                             const at::Tensor& minimum, int64_t n) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.size(2) == kPanelW / 2 &&
+                  codes.is_contiguous(),
+              "codes must be contiguous uint8 [P, K, ", kPanelW / 2, "]");
+  const int64_t P = codes.size(0), K = codes.size(1), G = K / kGroup;
+  TORCH_CHECK(K % kGroup == 0, "K must be a multiple of 32");
+  for (const at::Tensor* t : {&scale, &minimum})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == P * G * kPanelW,
+                "scale and minimum must be contiguous float32 [P, K / 32, ", kPanelW, "]");
+  TORCH_CHECK(n > (P - 1) * kPanelW && n <= P * kPanelW, "n = ", n, " does not fill ", P, " panels of ", kPanelW);
+  const at::Tensor x = check_x(x_in, K);
+  const int64_t M = x.size(0);
+  at::Tensor y = at::empty({M, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float *sp = scale.data_ptr<float>(), *mp = minimum.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint8_t* panel = cp + p * K * (kPanelW / 2);
+      const float *s = sp + p * G * kPanelW, *mn = mp + p * G * kPanelW;
+      const int64_t col = p * kPanelW, cols = std::min(kPanelW, n - col);
+      int64_t m = 0;
+      for (; m + kPanelRows4 <= M; m += kPanelRows4)
+        panel_tile4<kPanelRows4>(xp + m * K, K, panel, s, mn, K, yp + m * n + col, n, cols);
+      for (; m < M; ++m) panel_tile4<1>(xp + m * K, K, panel, s, mn, K, yp + m * n + col, n, cols);
+    }
+  });
+  return y;
+}
+
 // codes int8 [P, K, PW]; scale fp32 [P PW] (a row's scale, any value past n)
 at::Tensor int8_panel_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, int64_t n) {
   TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 3 && codes.size(2) == kPanelW && codes.is_contiguous(),
@@ -398,6 +498,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_panel_linear", &int8_panel_linear, "x [M, K] times int8 panels [P, K, PW] with row scales -> [M, n]",
         pybind11::call_guard<pybind11::gil_scoped_release>(), pybind11::arg("x"), pybind11::arg("codes"),
         pybind11::arg("scale"), pybind11::arg("n"));
+  m.def("int4_panel_linear", &int4_panel_linear, "x [M, K] times int4 panels [P, K, PW / 2] with group scales -> [M, n]",
+        pybind11::call_guard<pybind11::gil_scoped_release>(), pybind11::arg("x"), pybind11::arg("codes"),
+        pybind11::arg("scale"), pybind11::arg("minimum"), pybind11::arg("n"));
   m.def("f32_panel_width", &f32_panel_width, "PW: the columns of a panel on this CPU");
   m.def("int4_linear", &int4_linear, "x [M, K] times int4 group weights [N, K] -> [M, N]",
         pybind11::call_guard<pybind11::gil_scoped_release>(), pybind11::arg("x"),
