@@ -45,6 +45,7 @@
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 // The kernels, each in a namespace of its own (their helpers share names); every header they

@@ -36,6 +36,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 
 namespace {
 
@@ -395,15 +396,20 @@ void panel_tile(const float* x, int64_t ldx, const T* p, int64_t K, const float*
 
 int64_t f32_panel_width() { return kPanelW; }
 
+// A panel product's input x [M, K] as fp32 and its output [M, n] (n outputs in P panels)
+std::pair<at::Tensor, at::Tensor> panel_io(const at::Tensor& x_in, int64_t K, int64_t P, int64_t n) {
+  TORCH_CHECK(n > (P - 1) * kPanelW && n <= P * kPanelW, "n = ", n, " does not fill ", P, " panels of ", kPanelW);
+  at::Tensor x = check_x(x_in, K);
+  return {x, at::empty({x.size(0), n}, x.options())};
+}
+
 // x [M, K] (any float dtype, computed in fp32); panels [P, K, PW]; scale [P PW] or nullptr; n:
 // the output features (P = ceil(n / PW)) -> [M, n] fp32. Work is split over panels (at::parallel_for).
 template <typename T>
 at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, const float* scale, int64_t n) {
   const int64_t P = panels.size(0), K = panels.size(1);
-  TORCH_CHECK(n > (P - 1) * kPanelW && n <= P * kPanelW, "n = ", n, " does not fill ", P, " panels of ", kPanelW);
-  const at::Tensor x = check_x(x_in, K);
+  const auto [x, y] = panel_io(x_in, K, P, n);
   const int64_t M = x.size(0);
-  at::Tensor y = at::empty({M, n}, x.options());
   const float* xp = x.data_ptr<float>();
   const T* pp = panels.data_ptr<T>();
   float* yp = y.data_ptr<float>();
@@ -450,10 +456,8 @@ at::Tensor int4_panel_linear(const at::Tensor& x_in, const at::Tensor& codes, co
   for (const at::Tensor* t : {&scale, &minimum})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == P * G * kPanelW,
                 "scale and minimum must be contiguous float32 [P, K / 32, ", kPanelW, "]");
-  TORCH_CHECK(n > (P - 1) * kPanelW && n <= P * kPanelW, "n = ", n, " does not fill ", P, " panels of ", kPanelW);
-  const at::Tensor x = check_x(x_in, K);
+  const auto [x, y] = panel_io(x_in, K, P, n);
   const int64_t M = x.size(0);
-  at::Tensor y = at::empty({M, n}, x.options());
   const float* xp = x.data_ptr<float>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const float *sp = scale.data_ptr<float>(), *mp = minimum.data_ptr<float>();
