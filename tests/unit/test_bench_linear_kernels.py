@@ -17,4 +17,7 @@ def test_reports_every_point(capsys) -> None:
     assert "fp32 panels" in lines[1] and "int8 rows" in lines[1]
     points = [line.split() for line in lines[2:]]
     assert [(p[0], p[1]) for p in points] == [("70x32", "1"), ("70x32", "7"), ("64x96", "1"), ("64x96", "7")]
-    assert all(float(cell.split("(")[0]) > 0 for p in points for cell in p[2:] if not cell.startswith("("))
+    for p in points:  # a rate per kernel (and at one row its bytes per second in parentheses)
+        rates = [cell for cell in p[2:] if not cell.startswith("(")]
+        assert len(rates) == 7 and all(float(r) >= 0 for r in rates)
+        assert len(p[2:]) == (14 if p[1] == "1" else 7)
