@@ -72,10 +72,11 @@ class Linear(nn.Module):
         self.panel: PanelWeight | None = None  # fp32 on the CPU: set by pack(), replaces the weight
 
     def pack(self) -> bool:
-        """Swap the dense weight for its column panels (panel_weight.py; the dense one is dropped,
-        an empty [0, in] tensor stays in its place), or oneDNN's packed form (packed_linear.py)
-        where the panel kernel is not built; once loaded. False where it cannot be packed (not CPU
-        fp32)."""
+        """Once loaded: swap the dense fp32 weight for its column panels (panel_weight.py; the dense
+        one is dropped, an empty [0, in] tensor stays in its place), or oneDNN's packed form
+        (packed_linear.py) where the panel kernel is not built; a quantized weight lays its codes
+        out in panels (quantized_weight.py). False where nothing was packed (not on the CPU, not
+        fp32, MLA's kv_b_proj, no panel kernel for quantized codes)."""
         if self.quant is not None:  # int8 / int4 codes in panels too, where the kernels build
             ext = panel_kernels() if self.packable and self.quant.scale.device.type == "cpu" else None
             if ext is not None:
