@@ -166,9 +166,11 @@ def _proj(p: Linear) -> ProjSpec | None:
     empty = torch.empty(0)
     q = p.quant
     if isinstance(q, Int8Weight):
-        return (_INT8_PANEL, q.q, q.scale, empty, q.out_features) if q.packed else (_INT8, q.q, q.scale, empty, 0)
+        kind, n = (_INT8_PANEL, q.out_features) if q.packed else (_INT8, 0)
+        return (kind, q.q, q.scale, empty, n)
     if isinstance(q, Int4Weight):
-        return (_INT4_PANEL if q.packed else _INT4, q.codes, q.scale, q.minimum, q.out_features if q.packed else 0)
+        kind, n = (_INT4_PANEL, q.out_features) if q.packed else (_INT4, 0)
+        return (kind, q.codes, q.scale, q.minimum, n)
     if p.panel is not None:
         return (_PANEL, p.panel.panels, empty, empty, p.panel.out_features)
     if q is not None or p.weight.numel() == 0:

@@ -78,8 +78,8 @@ def relocate(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def _movable(t: torch.Tensor | None) -> bool:
-    return t is not None and t.device.type == "cpu" and t.layout is torch.strided and not t.is_mkldnn and t.numel() > 0
+def _movable(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.layout is torch.strided and not t.is_mkldnn and t.numel() > 0
 
 
 def place_weights(model: nn.Module) -> int:

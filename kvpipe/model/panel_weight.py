@@ -37,6 +37,19 @@ def panel_kernels() -> ModuleType | None:
     return weight_only_kernels()
 
 
+def to_panels(t: torch.Tensor, pw: int, fill: float = 0.0) -> torch.Tensor:
+    """[N, K] (any dtype) -> [ceil(N / pw), K, pw], the panel layout; rows past N are `fill`."""
+    n, k = t.shape
+    p = -(-n // pw)
+    return F.pad(t, (0, 0, 0, p * pw - n), value=fill).view(p, pw, k).transpose(1, 2).contiguous()
+
+
+def from_panels(panels: torch.Tensor, n: int) -> torch.Tensor:
+    """[P, K, pw] -> the [n, K] rows it holds (to_panels' inverse)."""
+    p, k, pw = panels.shape
+    return panels.transpose(1, 2).reshape(p * pw, k)[:n]
+
+
 class PanelWeight(nn.Module):
     """A dense fp32 [N, K] weight as panels [P, K, PW] (the module docstring)."""
 
@@ -56,11 +69,7 @@ class PanelWeight(nn.Module):
     @classmethod
     def pack(cls, w: torch.Tensor, ext: ModuleType) -> PanelWeight:
         """[N, K] dense fp32 -> its panels."""
-        n, k = w.shape
-        pw = int(ext.f32_panel_width())
-        p = -(-n // pw)
-        padded = F.pad(w.detach().float(), (0, 0, 0, p * pw - n))  # [P PW, K], zero rows past N
-        return cls(padded.view(p, pw, k).transpose(1, 2).contiguous(), n, ext)
+        return cls(to_panels(w.detach().float(), int(ext.f32_panel_width())), w.shape[0], ext)
 
     @property
     def in_features(self) -> int:
@@ -68,8 +77,7 @@ class PanelWeight(nn.Module):
 
     def dense(self) -> torch.Tensor:
         """The [N, K] weight."""
-        p, k, pw = self.panels.shape
-        return self.panels.transpose(1, 2).reshape(p * pw, k)[: self.out_features]
+        return from_panels(self.panels, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] fp32."""

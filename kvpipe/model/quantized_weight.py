@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpipe.model.cpu_kernels.weight_only import weight_only_kernels
+from kvpipe.model.panel_weight import from_panels, to_panels
 
 GROUP = 32  # int4 group size along K: GGUF's Q4_0/Q4_1 block, and llama.cpp's choice
 
@@ -56,18 +57,15 @@ class Int8Weight(nn.Module):
         """Lay the codes out in panels of `pw` columns (the kernel's f32_panel_width())."""
         if self.packed:
             return
-        n, k = self.q.shape
-        p = -(-n // pw)
-        q = F.pad(self.q, (0, 0, 0, p * pw - n)).view(p, pw, k).transpose(1, 2).contiguous()
-        self.q, self.scale = q, F.pad(self.scale, (0, p * pw - n), value=1.0)
+        self.q = to_panels(self.q, pw)
+        self.scale = F.pad(self.scale, (0, self.q.shape[0] * pw - self.n), value=1.0)
         self.packed = True
 
     def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The codes [N, K] and scales [N], packed or not."""
         if not self.packed:
             return self.q, self.scale
-        p, k, pw = self.q.shape
-        return self.q.transpose(1, 2).reshape(p * pw, k)[: self.n], self.scale[: self.n]
+        return from_panels(self.q, self.n), self.scale[: self.n]
 
     @classmethod
     def quantize(cls, w: torch.Tensor, amax: torch.Tensor | None = None) -> Int8Weight:
@@ -131,27 +129,19 @@ class Int4Weight(nn.Module):
         step streams them sequentially, a prefill tile is bound by its FMAs."""
         if self.packed:
             return
-        n, k, p = self.n, self.k, -(-self.n // pw)
-        q = F.pad(self.unpacked().to(torch.uint8), (0, 0, 0, p * pw - n)).view(p, pw, k).transpose(1, 2)
+        q = to_panels(self.unpacked().to(torch.uint8), pw)  # [P, K, PW]
         self.codes = (q[..., : pw // 2] | (q[..., pw // 2 :] << 4)).contiguous()  # [P, K, PW / 2]
-        self.scale, self.minimum = (
-            F.pad(t, (0, 0, 0, p * pw - n), value=v).view(p, pw, k // GROUP).transpose(1, 2).contiguous()
-            for t, v in ((self.scale, 1.0), (self.minimum, 0.0))
-        )
+        self.scale, self.minimum = to_panels(self.scale, pw, 1.0), to_panels(self.minimum, pw)
         self.packed = True
 
     def rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """codes [N, K / 2] in GGUF block layout, scale and minimum [N, K / GROUP], packed or not."""
         if not self.packed:
             return self.codes, self.scale, self.minimum
-        p, k, half = self.codes.shape
-        q = torch.cat([self.codes & 0x0F, self.codes >> 4], dim=2)  # [P, K, PW]: columns in order
-        q = q.transpose(1, 2).reshape(p * 2 * half, k)[: self.n]
-        g = q.reshape(self.n, k // GROUP, 2, GROUP // 2)
-        codes = (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(self.n, k // 2)
-        scale, minimum = (
-            t.transpose(1, 2).reshape(p * 2 * half, k // GROUP)[: self.n] for t in (self.scale, self.minimum)
-        )
+        q = from_panels(torch.cat([self.codes & 0x0F, self.codes >> 4], dim=2), self.n)  # [N, K]
+        g = q.reshape(self.n, self.k // GROUP, 2, GROUP // 2)
+        codes = (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(self.n, self.k // 2)
+        scale, minimum = from_panels(self.scale, self.n), from_panels(self.minimum, self.n)
         return codes, scale, minimum
 
     @property
