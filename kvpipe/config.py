@@ -1,6 +1,6 @@
 """Frozen configuration dataclasses the server and the engine are configured with (CLI flags).
 
-What a checkpoint says of its model is in kvpipe/model/config.py (ModelConfig).
+What a checkpoint says of its model is in kvpipe/model/checkpoint/schema.py (ModelConfig).
 """
 
 from __future__ import annotations
@@ -49,10 +49,10 @@ class ParallelConfig:
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
 MAMBA_SCHEDULER_STRATEGIES = ("auto", "no_buffer", "extra_buffer")  # --mamba-scheduler-strategy
-# --quantization (weight-only, CPU; kvpipe/model/quantization.py): int8 per output channel, int4 in
+# --quantization (weight-only, CPU; kvpipe/model/quant/quantize.py): int8 per output channel, int4 in
 # groups of 32; None: the weights in --dtype
 QUANTIZATIONS = ("w8a16", "w4a16")
-# --decode-fused-layer (kvpipe/model/fused_decode.py)
+# --decode-fused-layer (kvpipe/model/cpu/fused_decode.py)
 DECODE_FUSED_LAYER_MODES = ("auto", "on", "off")
 
 
@@ -432,7 +432,7 @@ class SpeculativeConfig:
 
     @property
     def eagle_head_path(self) -> str | None:
-        """EAGLE with --speculative-draft-model-path: the EAGLE head's checkpoint (model/eagle.py),
+        """EAGLE with --speculative-draft-model-path: the EAGLE head's checkpoint (model/draft/eagle.py),
         drafting through the NEXTN drafter's machinery (uses_mtp); None otherwise."""
         if self.algorithm is not None and self.algorithm.upper() == "EAGLE":
             return self.draft_model_path
@@ -440,7 +440,7 @@ class SpeculativeConfig:
 
     @property
     def standalone_draft_path(self) -> str | None:
-        """STANDALONE's draft model (engine/draft_model.py); None otherwise."""
+        """STANDALONE's draft model (engine/spec/draft_model.py); None otherwise."""
         return None if self.eagle_head_path is not None else self.draft_model_path
 
     @property

@@ -3,7 +3,7 @@
 # emulated-link testbed. Installed with apt-get when missing and we are root; otherwise one clear
 # line says what to run. Also Debian's python3-venv when $PY (the interpreter `make` builds the
 # venv with) has no ensurepip: a fresh Debian python3 cannot make a venv without it. And g++ for the
-# C++ CPU attention kernel (kvpipe/model/cpu_kernels): optional, kvpipe falls back to torch
+# C++ CPU attention kernel (kvpipe/model/cpu/kernels): optional, kvpipe falls back to torch
 # without it, so a non-root user missing only g++ gets a note, not a failure.
 # Called by `make setup` (and so by `make run` and `make test`).
 set -eu

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvpipe.config import ConfigError
-from kvpipe.model.tokenizer import Tokenizer
+from kvpipe.model.text.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

@@ -23,13 +23,13 @@ from kvpipe.config import DECODE_FUSED_LAYER_MODES, CacheConfig, SchedulerConfig
 from kvpipe.engine.cpu_threads import apply_cpu_threads, server_cpu_threads
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import Req, SamplingParams
-from kvpipe.model.default_model import resolve_model_path
+from kvpipe.model.checkpoint.default_model import resolve_model_path
 
 Fn = tuple[str, str]  # (file suffix, function name); builtins: ("", a substring of their name)
 LAYER_CALLERS: tuple[Fn, ...] = (
-    ("model/gqa_attention.py", "forward"),
-    ("model/gqa_attention.py", "_forward_fused"),
-    ("model/mlp.py", "forward"),
+    ("model/layers/gqa_attention.py", "forward"),
+    ("model/layers/gqa_attention.py", "_forward_fused"),
+    ("model/layers/mlp.py", "forward"),
 )
 
 
@@ -40,7 +40,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--decode-fused-layer",
         choices=list(DECODE_FUSED_LAYER_MODES),
         default=ServerConfig.decode_fused_layer,
-        help="the layers as one C++ call each (model/fused_decode.py); off: the modules, op by op",
+        help="the layers as one C++ call each (model/cpu/fused_decode.py); off: the modules, op by op",
     )
     p.add_argument(
         "--ab",
@@ -101,26 +101,26 @@ def _components(t: _Table, num_layers: int) -> dict[str, float]:
     calls: the GEMMs are every Linear's (a tied lm_head is not one), the layers' norms the share
     2L / (2L + 1) of RMSNorm's (the final norm is the last one). With --decode-fused-layer the
     layers are one C++ call each, a part of its own with nothing inside it visible."""
-    fused = t.cum(("model/fused_decode.py", "run"))
-    layers = t.cum(("model/decoder_layer.py", "forward")) + fused
-    norms = 0.0 if fused else t.cum(("model/norms.py", "forward")) * 2 * num_layers / (2 * num_layers + 1)
+    fused = t.cum(("model/cpu/fused_decode.py", "run"))
+    layers = t.cum(("model/layers/decoder_layer.py", "forward")) + fused
+    norms = 0.0 if fused else t.cum(("model/layers/norms.py", "forward")) * 2 * num_layers / (2 * num_layers + 1)
     inside = {
         "fused decoder layers (one C++ call each: everything of the layers)": fused,
-        "GEMMs of the layers (q/k/v, o, gate/up, down)": t.cum(("model/linear.py", "forward")),
+        "GEMMs of the layers (q/k/v, o, gate/up, down)": t.cum(("model/layers/linear.py", "forward")),
         "RoPE + K/V store": t.cum(("", "rope_store"))
-        + t.cum(("model/rope.py", "apply_rope"))
+        + t.cum(("model/layers/rope.py", "apply_rope"))
         + t.cum(("cache/kv_pool.py", "write")),
-        "decode attention kernel": t.cum(("model/attention.py", "decode_attention")),
+        "decode attention kernel": t.cum(("model/layers/attention.py", "decode_attention")),
         "RMSNorms of the layers": norms,
         "SwiGLU silu": t.cum(("nn/functional.py", "silu")),
     }
     inside["rest of the layers (residual adds, SwiGLU mul, views, module calls)"] = layers - sum(inside.values())
     outside = {
-        "logits (final norm + lm_head)": t.cum(("model/causal_lm.py", "compute_logits")),
+        "logits (final norm + lm_head)": t.cum(("model/families/causal_lm.py", "compute_logits")),
         "sampler": t.cum(("engine/sampler.py", "sample")),
         "batch build, RoPE tables, embedding": t.cum(("engine/model_runner.py", "build_batch"))
-        + t.cum(("model/causal_lm.py", "rope"))
-        + t.cum(("model/causal_lm.py", "embed")),
+        + t.cum(("model/families/causal_lm.py", "rope"))
+        + t.cum(("model/families/causal_lm.py", "embed")),
         "scheduler (schedule, commit)": t.cum(("engine/scheduler.py", "schedule"))
         + t.cum(("engine/scheduler.py", "commit")),
     }

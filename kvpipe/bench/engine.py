@@ -83,8 +83,8 @@ from kvpipe.config import (
 from kvpipe.engine.cpu_threads import apply_cpu_threads, server_cpu_threads
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import FinishReason, Req, SamplingParams
-from kvpipe.model.gguf.reader import find_gguf
-from kvpipe.model.loader import check_checkpoint
+from kvpipe.model.checkpoint.gguf.reader import find_gguf
+from kvpipe.model.checkpoint.loader import check_checkpoint
 from kvpipe.model.presets import default_model_dir
 
 STEP_LIMIT = 100_000  # no run of a point takes more engine steps than this

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from kvpipe.bench.engine_stats import DecodePoint, PrefillPoint
-from kvpipe.model.gguf.reader import find_gguf
+from kvpipe.model.checkpoint.gguf.reader import find_gguf
 
 
 class HFReference:

@@ -23,7 +23,7 @@ from typing import Any
 from kvpipe.config import KV_CACHE_DTYPES, CacheConfig, SchedulerConfig, ServerConfig
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import SamplingParams
-from kvpipe.model.default_model import resolve_model_path
+from kvpipe.model.checkpoint.default_model import resolve_model_path
 
 QUESTIONS = (
     "What is the capital of France?",

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from kvpipe.cache.kv_dtype import kv_storage_dtype
-from kvpipe.model.config import ModelConfig
-from kvpipe.model.loader import resolve_dtype
+from kvpipe.model.checkpoint.loader import resolve_dtype
+from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.transfer.planning.wire_bytes import KVWireBytes
 
 # bytes per element of the model dtypes a KV cache is kept in
@@ -23,7 +23,7 @@ ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e
 class ServedDtypes:
     """Bytes per element of what servers compute in (a hybrid model's conv state) and
     store KV in: --dtype auto is fp32 on CPU and the checkpoint's dtype elsewhere, --kv-cache-dtype
-    auto the model dtype (kvpipe/model/loader.py resolve_dtype, kvpipe/cache/kv_dtype.py)."""
+    auto the model dtype (kvpipe/model/checkpoint/loader.py resolve_dtype, kvpipe/cache/kv_dtype.py)."""
 
     model: int
     kv: int

@@ -22,7 +22,7 @@ from types import ModuleType
 import torch
 
 from kvpipe.cache.kv_dtype import quantize
-from kvpipe.model.cpu_kernels.loader import build
+from kvpipe.model.cpu.kernels.loader import build
 
 DTYPES = {
     "fp32": torch.float32,

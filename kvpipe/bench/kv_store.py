@@ -26,8 +26,8 @@ import httpx
 
 from kvpipe.bench import kv_store_goodput, kv_store_routing
 from kvpipe.bench.machine import load_average, machine_info
-from kvpipe.model.config import ModelConfig
-from kvpipe.model.default_model import resolve_model_path
+from kvpipe.model.checkpoint.default_model import resolve_model_path
+from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.server.launcher import PartSpec, free_ports, stop_process, wait_healthy
 from kvpipe.server.store_master import StoreMaster
 

@@ -25,8 +25,8 @@ from kvpipe.cache.store_client import MooncakeStoreClient, MooncakeStoreSpec
 from kvpipe.cache.store_keys import StoreNamespace, encode_page
 from kvpipe.cache.store_pages import PoolPages
 from kvpipe.cache.store_rank import RankStore, TierSettings
-from kvpipe.model.config import ModelConfig
-from kvpipe.model.identity import checkpoint_digest
+from kvpipe.model.checkpoint.identity import checkpoint_digest
+from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.server.launcher import PartSpec, free_ports, stop_process, wait_healthy
 from kvpipe.server.store_master import StoreMaster
 

@@ -24,11 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvpipe.model.cpu_kernels.weight_only import weight_only_kernels
-from kvpipe.model.huge_pages import place_weights, relocate
-from kvpipe.model.packed_linear import pack_weight, packed_linear
-from kvpipe.model.panel_weight import PanelWeight
-from kvpipe.model.quantized_weight import Int4Weight, Int8Weight
+from kvpipe.model.cpu.huge_pages import place_weights, relocate
+from kvpipe.model.cpu.kernels.weight_only import weight_only_kernels
+from kvpipe.model.cpu.packed_linear import pack_weight, packed_linear
+from kvpipe.model.cpu.panel_weight import PanelWeight
+from kvpipe.model.quant.weights import Int4Weight, Int8Weight
 
 SMOLLM2 = "960x576,3072x576,576x1536,49152x576"  # [out, in]: q/k/v, gate/up, down, tied logits
 

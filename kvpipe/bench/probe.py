@@ -16,7 +16,7 @@ import httpx
 
 from kvpipe.bench.sweep import TransferCount
 from kvpipe.config import ConfigError
-from kvpipe.model.loader import read_hf_config
+from kvpipe.model.checkpoint.loader import read_hf_config
 from kvpipe.server.api_key import client_headers
 
 # Names under which a prefill server may report the layer-group count of its last batch:

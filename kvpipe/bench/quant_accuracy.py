@@ -20,7 +20,7 @@ from typing import Any
 
 from kvpipe.bench.kv_accuracy import accuracy_table, compare, emit_report, generate
 from kvpipe.config import QUANTIZATIONS
-from kvpipe.model.default_model import resolve_model_path
+from kvpipe.model.checkpoint.default_model import resolve_model_path
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

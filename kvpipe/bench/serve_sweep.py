@@ -47,8 +47,8 @@ from kvpipe.bench.sweep import (
 from kvpipe.bench.sweep_rows import sweep_rows
 from kvpipe.bench.workload import WorkloadConfig, build_workload, split_rounds
 from kvpipe.config import MTP_ALGORITHMS, ConfigError
-from kvpipe.model.config import ModelConfig
-from kvpipe.model.eagle import eagle_config
+from kvpipe.model.checkpoint.schema import ModelConfig
+from kvpipe.model.draft.eagle import eagle_config
 from kvpipe.model.presets import model_path_or_preset
 from kvpipe.qa.testbed import LinkTestbed, LinkTestbedError, parse_rate
 from kvpipe.transfer.planning.wire_bytes import KVWireBytes
@@ -76,7 +76,7 @@ def _model_bytes(model_path: str, server_args: tuple[str, ...]) -> tuple[KVWireB
     kv = kv_wire_bytes(mc, server_page_size(server_args), served.kv)
     draft_path = flag("--speculative-draft-model-path")
     if kv is not None and draft_path is not None:  # every server runs the draft: PD moves its KV too
-        try:  # an EAGLE head's one layer of K/V moves like a one-layer draft model's (model/eagle.py)
+        try:  # an EAGLE head's one layer of K/V moves like a one-layer draft model's (model/draft/eagle.py)
             eagle = (flag("--speculative-algorithm") or "").upper() == "EAGLE"
             draft = eagle_config(draft_path) if eagle else ModelConfig.from_dir(draft_path)
         except (ConfigError, OSError, KeyError, TypeError, ValueError):

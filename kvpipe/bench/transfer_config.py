@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from kvpipe.bench.raw_mooncake import RawPattern
 from kvpipe.cache.window_pages import prompt_window_pages
-from kvpipe.model.config import HybridConfig
+from kvpipe.model.checkpoint.schema import HybridConfig
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ from kvpipe.cache.kv_pool import KVPool
 from kvpipe.cache.recurrent_pool import StatePool
 from kvpipe.config import ParallelConfig
 from kvpipe.disagg.setup import register_pool
-from kvpipe.model.gated_delta_net import local_state_shape
+from kvpipe.model.layers.gated_delta_net import local_state_shape
 from kvpipe.transfer.backends.mooncake import MooncakeBackend
 from kvpipe.transfer.control.messages import RegisterPeer, encode
 from kvpipe.transfer.planning.layout import KVLayout

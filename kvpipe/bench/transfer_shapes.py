@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from kvpipe.bench.kv_bytes import ITEMSIZE
 from kvpipe.cache.window_pages import prompt_window_pages
-from kvpipe.model.config import HybridConfig
+from kvpipe.model.checkpoint.schema import HybridConfig
 from kvpipe.model.presets import preset_config, preset_names
 
 

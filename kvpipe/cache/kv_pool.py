@@ -17,7 +17,7 @@ a model that alternates them (GPT-OSS), as vLLM's hybrid allocator does.
 Storage dtype (`dtype`, --kv-cache-dtype) and compute dtype (`compute_dtype`, the model's) may
 differ: `write` quantizes (cache/kv_dtype.py: fp8 stores x / scale with the layer's k_scale or
 v_scale), `gather` and `read_pages` dequantize into the compute dtype; the C++ decode kernel
-reads the stored bytes itself (model/cpu_kernels) and takes the scales as arguments.
+reads the stored bytes itself (model/cpu/kernels) and takes the scales as arguments.
 """
 
 from __future__ import annotations

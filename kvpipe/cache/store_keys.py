@@ -3,7 +3,7 @@ no tensors, no store.
 
 A page's key is a chained hash over the tokens of every page up to it, rooted in a namespace that
 holds everything that makes two servers' page bytes comparable: the checkpoint digest
-(model/identity.py), the KV storage dtype, the page size, the pool geometry and the TP slice. Two
+(model/checkpoint/identity.py), the KV storage dtype, the page size, the pool geometry and the TP slice. Two
 servers derive the same key for a page only if they would have computed the same bytes for it, so
 a key never names another model's KV, another dtype's or another TP rank's head slice (SGLang's
 HiCache keys: SHA-256 of the previous page's hash and the token ids, with the model in a prefix
@@ -41,7 +41,7 @@ KEY_PREFIX = "kvpipe"
 class StoreNamespace:
     """Everything that makes two servers' bytes of one page comparable."""
 
-    model_digest: str  # model/identity.py checkpoint_digest
+    model_digest: str  # model/checkpoint/identity.py checkpoint_digest
     kv_dtype: str  # the pool's storage dtype, e.g. "torch.float32"
     page_size: int
     num_buffers: int  # K/V (or latent) buffers of all layers

@@ -30,9 +30,9 @@ from kvpipe.config import (
     SpeculativeConfig,
     parse_layer_groups,
 )
-from kvpipe.model.config import ModelConfig
-from kvpipe.model.default_model import resolve_model_path
-from kvpipe.model.loader import check_checkpoint
+from kvpipe.model.checkpoint.default_model import resolve_model_path
+from kvpipe.model.checkpoint.loader import check_checkpoint
+from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.server.api_key import API_KEY_ENV, api_key_from_env
 from kvpipe.sglang_env import LayersPerGroup, flag_defaults
 from kvpipe.transfer.control.auth import TOKEN_ENV, token_from_env
@@ -131,7 +131,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_speculative_args(p: argparse.ArgumentParser) -> None:
-    """SGLang's --speculative-* flags (kvpipe/engine/spec_verify.py, ngram_drafter.py)."""
+    """SGLang's --speculative-* flags (kvpipe/engine/spec/verify.py, ngram_drafter.py)."""
     d = SpeculativeConfig()
     g = p.add_argument_group("speculative decoding")
     g.add_argument(

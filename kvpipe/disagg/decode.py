@@ -31,7 +31,7 @@ from kvpipe.disagg.setup import DECODE_TRANSFER_BACKSTOP_S, data_host, require_a
 from kvpipe.engine.connector import Admission, ConnectorContext, ConnectorEvent, KVArrived, TransferFinished
 from kvpipe.engine.request import FinishReason, Req
 from kvpipe.engine.window_cache import wanted_window_pages
-from kvpipe.model.identity import checkpoint_digest
+from kvpipe.model.checkpoint.identity import checkpoint_digest
 from kvpipe.transfer.backends.base import TransferBackend
 from kvpipe.transfer.control.bootstrap import DEFAULT_BOOTSTRAP_PORT
 from kvpipe.transfer.control.messages import AuxData, DecodeRank

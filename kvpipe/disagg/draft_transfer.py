@@ -1,7 +1,7 @@
 """PD with a STANDALONE draft model (issue 27): the prefill runs the draft over the prompt and
 sends its KV with the target's, so the decode drafts at once with nothing recomputed.
 
-Flow (any TP on either side: the draft model is sharded like the target, engine/draft_model.py):
+Flow (any TP on either side: the draft model is sharded like the target, engine/spec/draft_model.py):
 - every rank of both sides registers its shard of the draft model's KV pool with its backend next
   to the target's (TransferWorker.set_draft_pool, setup.register_pool; a TP child's from its own
   draft runner, tp_group.py); a decode rank announces its draft pool (its head range among the
@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 from kvpipe.config import ServerConfig
 from kvpipe.disagg.mtp_transfer import nextn_handshake
 from kvpipe.disagg.setup import rank_layout
-from kvpipe.model.identity import checkpoint_digest
+from kvpipe.model.checkpoint.identity import checkpoint_digest
 from kvpipe.transfer.control.handshake import SPECULATIVE_NONE
 from kvpipe.transfer.planning.layout import KVLayout
 

@@ -1,4 +1,4 @@
-"""PD with NEXTN (DeepSeek-V3's multi-token-prediction layer, engine/mtp_drafter.py, issue 27):
+"""PD with NEXTN (DeepSeek-V3's multi-token-prediction layer, engine/spec/mtp_drafter.py, issue 27):
 the prefill runs the MTP layer over the prompt and sends its one-layer latent KV with the
 target's, plus the target's last hidden state, so the decode drafts at once with nothing over
 the prompt recomputed (SGLang sends the same for EAGLE/MTP: the first token and hidden states).
@@ -33,7 +33,7 @@ so no top-k travels, and the hidden row rides in the final TransferStatus frame 
 bytes: 14 KiB for DeepSeek-V3 in bf16), after every KV write of the room has landed.
 
 Tensor parallelism, the same or different on the two sides (TP (1,2), (2,1), (2,2), ...): the MTP
-layer runs whole on TP rank 0 of each side (engine/mtp_drafter.py: the target's last hidden states,
+layer runs whole on TP rank 0 of each side (engine/spec/mtp_drafter.py: the target's last hidden states,
 its embedding and lm_head are whole on every rank), so its KV pool, the MLA latent (TP-invariant,
 never head-sliced), exists on rank 0 only: MTP_RANK. Rank 0 of every rank mapping pairs prefill
 rank 0 with decode rank 0 (tp_mapping.source_ranks(0, P, D) holds 0), so that pair moves it, once:
@@ -50,7 +50,7 @@ rank 0 with decode rank 0 (tp_mapping.source_ranks(0, P, D) holds 0), so that pa
 - the MTP layer's send layer is num_layers on rank 0 (its last layer group, sent from the
   engine's thread after the MTP forward); the other ranks' sends stop at their target layers.
 Bytes per request: the target's KV as the head-slice mapping moves it plus the MTP KV once.
-An EAGLE head (engine/eagle_drafter.py) takes the MTP layer's place on rank 0 with the same
+An EAGLE head (engine/spec/eagle_drafter.py) takes the MTP layer's place on rank 0 with the same
 placement: every decision above keys on `SpeculativeConfig.uses_mtp` (NEXTN or EAGLE), so its
 pool, the K and V of all the head's KV heads (a GQA layer, but never head-sliced: the head runs
 whole on rank 0), moves whole from prefill rank 0 into decode rank 0 at any TP on either side,
@@ -66,8 +66,8 @@ from __future__ import annotations
 
 from kvpipe.config import ServerConfig
 from kvpipe.engine.connector import ConnectorContext
-from kvpipe.model.config import ModelConfig
-from kvpipe.model.identity import checkpoint_digest
+from kvpipe.model.checkpoint.identity import checkpoint_digest
+from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.transfer.planning.layout import KVLayout
 
 # hidden rows AuxData.hidden carries: h_{L-1} (MTPDrafter.pending_hidden after the prompt)
@@ -101,7 +101,7 @@ def nextn_aux_nbytes(cfg: ServerConfig, ctx: ConnectorContext) -> int:
 
 
 def eagle_handshake(cfg: ServerConfig, head: KVLayout) -> str:
-    """Handshake.speculative of an EAGLE server with a draft head (engine/eagle_drafter.py), whose
+    """Handshake.speculative of an EAGLE server with a draft head (engine/spec/eagle_drafter.py), whose
     KV and hidden state move as NEXTN's do: "eagle:head=<head checkpoint digest>:hidden=<size>:
     kv=<dtype>/<page size>/<kind>x<layers>x<heads>x<head dim>:at=rank<MTP_RANK>" (its GQA layer:
     kind 2, K and V; `at`: all its KV heads live whole on TP rank 0 of each side, whatever the TP

@@ -55,7 +55,7 @@ from kvpipe.engine.connector import (
     WorkerGroup,
 )
 from kvpipe.engine.request import FinishReason, Req
-from kvpipe.model.identity import checkpoint_digest
+from kvpipe.model.checkpoint.identity import checkpoint_digest
 from kvpipe.transfer.backends.base import TransferBackend
 from kvpipe.transfer.control.auth import authenticator
 from kvpipe.transfer.control.bootstrap import BootstrapServer

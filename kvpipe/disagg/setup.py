@@ -11,7 +11,7 @@ import socket
 from kvpipe.cache.kv_pool import KVPool
 from kvpipe.cache.recurrent_pool import StatePool
 from kvpipe.config import ConfigError, ParallelConfig, ServerConfig
-from kvpipe.model.config import ModelConfig
+from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.transfer.backends import TransferBackend, create_backend
 from kvpipe.transfer.control.auth import TOKEN_ENV
 from kvpipe.transfer.planning.layout import KVLayout

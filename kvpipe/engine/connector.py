@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from kvpipe.cache.kv_pool import KVPool
     from kvpipe.cache.recurrent_pool import StatePool
     from kvpipe.config import ServerConfig
-    from kvpipe.model.config import ModelConfig
+    from kvpipe.model.checkpoint.schema import ModelConfig
 
 
 class Admission(enum.Enum):

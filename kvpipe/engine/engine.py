@@ -37,25 +37,25 @@ from kvpipe.engine.connector import (
     TransferFinished,
 )
 from kvpipe.engine.connector_workers import RankWorkers
-from kvpipe.engine.draft_model import DraftModel, check_draft_model
-from kvpipe.engine.eagle_drafter import EagleDrafter, check_eagle
 from kvpipe.engine.finish import FinishChecker
 from kvpipe.engine.model_runner import ModelRunner, snapshot_slots, split_layers, state_slots
-from kvpipe.engine.mtp_drafter import MTPDrafter, check_nextn
-from kvpipe.engine.ngram_drafter import propose_ngram
 from kvpipe.engine.request import ABORTED_ON_REQUEST, FinishReason, Req, SamplingParams, TokenOutput, finish_reason_json
 from kvpipe.engine.sampler import Sampler, make_generator
 from kvpipe.engine.scheduler import Scheduler
-from kvpipe.engine.spec_sampling import speculative_sample
-from kvpipe.engine.spec_verify import SpecCounts, accepted_prefix
-from kvpipe.engine.state_rollback import StateRollback
+from kvpipe.engine.spec.draft_model import DraftModel, check_draft_model
+from kvpipe.engine.spec.eagle_drafter import EagleDrafter, check_eagle
+from kvpipe.engine.spec.mtp_drafter import MTPDrafter, check_nextn
+from kvpipe.engine.spec.ngram_drafter import propose_ngram
+from kvpipe.engine.spec.sampling import speculative_sample
+from kvpipe.engine.spec.state_rollback import StateRollback
+from kvpipe.engine.spec.verify import SpecCounts, accepted_prefix
 from kvpipe.engine.store_setup import attach_store_tier
 from kvpipe.engine.timeline import Phase, TimelineRecord
 from kvpipe.engine.tp_group import TPGroup, build_runner
-from kvpipe.model.causal_lm import LMBase
-from kvpipe.model.config import ModelConfig
-from kvpipe.model.loader import load_generation_eos
-from kvpipe.model.tokenizer import Tokenizer
+from kvpipe.model.checkpoint.loader import load_generation_eos
+from kvpipe.model.checkpoint.schema import ModelConfig
+from kvpipe.model.families.causal_lm import LMBase
+from kvpipe.model.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -789,7 +789,7 @@ def check_speculative(cfg: ServerConfig, model: ModelConfig) -> None:
     """Refuse speculative decoding where it cannot run (yet): draft models and MTP layers the
     drafters cannot serve. Every target model rolls back a rejected draft: its KV pages and
     sliding-window pages (Scheduler.commit_verify), a hybrid model's recurrent state
-    (engine/state_rollback.py)."""
+    (engine/spec/state_rollback.py)."""
     if not cfg.speculative.enabled:
         return
     if cfg.speculative.standalone_draft_path is not None:  # before any TP rank starts

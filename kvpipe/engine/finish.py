@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from kvpipe.engine.request import FinishReason, Req
 from kvpipe.engine.stop_strings import StopStringSearch
-from kvpipe.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvpipe.model.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass

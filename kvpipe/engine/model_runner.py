@@ -15,9 +15,9 @@ from kvpipe.cache.kv_pool import KVPool
 from kvpipe.cache.recurrent_pool import StatePool
 from kvpipe.config import CacheConfig, ConfigError, SchedulerConfig, ServerConfig
 from kvpipe.engine.batch import ForwardSpec
-from kvpipe.model.causal_lm import LMBase
+from kvpipe.model.families.causal_lm import LMBase
 from kvpipe.model.forward_batch import ForwardBatch
-from kvpipe.model.gated_delta_net import local_state_shape
+from kvpipe.model.layers.gated_delta_net import local_state_shape
 
 # (start, end, batch): layers [start, end) of this forward have written their KV into the pool (the
 # last of them may still be computing its attention and MLP: _EarlyGroup)
@@ -144,7 +144,7 @@ class ModelRunner:
         self.state_pool = make_state_pool(model, state_slots(cache, scheduler) + snapshot_slots, self.device)
         if self.state_pool is not None and verify_positions > 0:
             self.state_pool.keep_verify_states(state_slots(cache, scheduler), verify_positions)
-        # the NEXTN drafter (engine/mtp_drafter.py) reads each forward's last hidden states, after
+        # the NEXTN drafter (engine/spec/mtp_drafter.py) reads each forward's last hidden states, after
         # the final norm ([T, hidden], every row), from last_hidden; off: nothing is kept
         self.capture_hidden = False
         self.last_hidden: torch.Tensor | None = None

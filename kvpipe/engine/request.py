@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpipe.engine.spec_verify import SpecCounts
+from kvpipe.engine.spec.verify import SpecCounts
 from kvpipe.engine.state_snapshots import ReqSnapshots
 from kvpipe.engine.timeline import Timeline, TimelineRecord
 

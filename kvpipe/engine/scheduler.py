@@ -70,7 +70,7 @@ from kvpipe.config import SchedulerConfig
 from kvpipe.engine.batch import ForwardMode, ScheduledBatch
 from kvpipe.engine.hybrid_state import cache_snapshots, free_state_slot, match_state, plan_state, state_stats
 from kvpipe.engine.request import FinishReason, Req, ReqStatus
-from kvpipe.engine.spec_verify import draft_budget
+from kvpipe.engine.spec.verify import draft_budget
 from kvpipe.engine.window_cache import (
     cache_window,
     match_full,
@@ -372,7 +372,7 @@ class Scheduler:
             self._ensure_pages(r, r.num_cached + 1 + len(d))
             self._ensure_window(r, r.num_cached, r.num_cached + 1 + len(d))
             # hybrid prefix cache: the snapshot after the last token only, which is always kept; those
-            # after accepted drafts are planned once acceptance is known (engine/state_rollback.py)
+            # after accepted drafts are planned once acceptance is known (engine/spec/state_rollback.py)
             self._plan_state(r, batch, i, r.num_cached, 1)
         return batch
 

@@ -4,7 +4,7 @@ for the hybrid prefix cache (kvpipe/cache/hybrid_radix_cache.py), no tensors.
 A cached prefix is usable only with the state after its last token, so while a request runs, its
 forwards copy that state (its own slot's, kvpipe/cache/recurrent_pool.py) into snapshot slots
 at page-aligned positions where a later prompt may want to start (the copies happen inside the
-forward: model/gated_delta_net.py takes them from the row's one pass). Per request:
+forward: model/layers/gated_delta_net.py takes them from the row's one pass). Per request:
 - `branch`: where its KV match outran the snapshots (the cache held the pages of a shared system
   prompt but no state at its end): a snapshot there makes the next prompt with that prefix a hit;
 - chunk boundaries: where a chunked prefill's row ends inside the prompt (floored to a page), so a

@@ -26,7 +26,7 @@ from kvpipe.cache.store_pages import PoolPages
 from kvpipe.cache.store_rank import RankStore
 from kvpipe.cache.store_tier import TierSettings
 from kvpipe.config import ServerConfig
-from kvpipe.model.identity import checkpoint_digest
+from kvpipe.model.checkpoint.identity import checkpoint_digest
 
 # a rank answers between forwards (its pipe carries nothing longer): anything slower is a dead rank
 REPLY_TIMEOUT_S = 60.0

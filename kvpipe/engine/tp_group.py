@@ -61,7 +61,7 @@ from kvpipe.engine.tp_messages import (
     StopMsg,
     TierMsg,
 )
-from kvpipe.model.loader import load_model
+from kvpipe.model.checkpoint.loader import load_model
 
 logger = logging.getLogger(__name__)
 
@@ -97,10 +97,10 @@ def build_runner(cfg: ServerConfig, parallel: ParallelConfig, device: str) -> Mo
 def build_draft_runner(
     cfg: ServerConfig, parallel: ParallelConfig, device: str, snapshot_slots: int = 0
 ) -> ModelRunner:
-    """This rank's shard of a STANDALONE draft model (engine/draft_model.py) with its own KV pool:
+    """This rank's shard of a STANDALONE draft model (engine/spec/draft_model.py) with its own KV pool:
     heads split over the target's TP group (as SGLang runs the draft worker with the target's
     TP), as many pages as the target's, in the model's compute dtype. `snapshot_slots`: a hybrid
-    draft's extra recurrent-state slots (TP 1, engine/draft_state.py)."""
+    draft's extra recurrent-state slots (TP 1, engine/spec/draft_state.py)."""
     path = cfg.speculative.draft_model_path
     assert path is not None
     group = dist.group.WORLD if parallel.tp_size > 1 else None

@@ -70,7 +70,7 @@ class ErrorMsg:
 
 @dataclass(frozen=True)
 class DraftStepMsg:
-    """A STANDALONE draft model's forward (engine/draft_model.py), sharded like the target's:
+    """A STANDALONE draft model's forward (engine/spec/draft_model.py), sharded like the target's:
     every rank runs `spec` (None: no rows this step) on its draft shard; `after` (connector meta,
     first and end send layer): then the rank's connector worker ships those layers (a PD prefill's
     draft KV, the layers after the target's)."""

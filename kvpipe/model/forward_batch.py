@@ -104,13 +104,13 @@ class ForwardBatch:
     # sliding-window models: this batch over the sliding layers' page tables (swa=None there)
     swa: ForwardBatch | None = None
     # hybrid prefix cache: per row, (k, slot) pairs: after its first k new tokens the row's state
-    # is copied into StatePool slot `slot` (model/gated_delta_net.py); None: no row snapshots
+    # is copied into StatePool slot `slot` (model/layers/gated_delta_net.py); None: no row snapshots
     state_snapshots: tuple[tuple[tuple[int, int], ...], ...] | None = None
     # hybrid speculative verify: every row (its last token and its drafts) keeps the state after
     # each of its inputs in StatePool.verify (cache/verify_states.py)
     verify_states: bool = False
     # layer-pipelined prefill: called with a layer's index once its new K/V are in the pool, before
-    # its attention and MLP compute (model/attention.py, model/mla.py): the runner ships a layer
+    # its attention and MLP compute (model/layers/attention.py, model/layers/mla.py): the runner ships a layer
     # group's KV from there, so the wire starts while the group's last layer still computes
     kv_stored: Callable[[int], None] | None = None
 

@@ -2,7 +2,7 @@
 says it is (`architectures`, `model_type`), and what the loader needs to know of it (options it
 refuses, checkpoint names that differ from our module tree).
 
-model/config.py recognises a checkpoint's family from its HF `architectures` list
+model/checkpoint/schema.py recognises a checkpoint's family from its HF `architectures` list
 (SUPPORTED_ARCHITECTURES, the family's name in ModelConfig.architecture); this module maps that
 family to its model. A new family is one file that assembles the building blocks, one entry in
 SUPPORTED_ARCHITECTURES and one in FAMILIES.
@@ -17,16 +17,16 @@ from typing import Any
 import torch.distributed as dist
 
 from kvpipe.config import ConfigError, ParallelConfig
-from kvpipe.model.causal_lm import LMBase
-from kvpipe.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from kvpipe.model.deepseek_v3 import DeepseekV3CausalLM, check_deepseek_v3
-from kvpipe.model.gpt_oss import GptOssCausalLM
-from kvpipe.model.llama import LlamaCausalLM
-from kvpipe.model.minimax_m2 import CHECKPOINT_RENAMES as MINIMAX_M2_RENAMES
-from kvpipe.model.minimax_m2 import MiniMaxM2CausalLM, check_minimax_m2
-from kvpipe.model.qwen3_5 import MOE_CHECKPOINT_RENAMES as QWEN3_5_MOE_RENAMES
-from kvpipe.model.qwen3_5 import Qwen3_5CausalLM, check_qwen3_5_moe
-from kvpipe.model.qwen3_moe import Qwen3MoeCausalLM, check_qwen3_moe
+from kvpipe.model.checkpoint.schema import SUPPORTED_ARCHITECTURES, ModelConfig
+from kvpipe.model.families.causal_lm import LMBase
+from kvpipe.model.families.deepseek_v3 import DeepseekV3CausalLM, check_deepseek_v3
+from kvpipe.model.families.gpt_oss import GptOssCausalLM
+from kvpipe.model.families.llama import LlamaCausalLM
+from kvpipe.model.families.minimax_m2 import CHECKPOINT_RENAMES as MINIMAX_M2_RENAMES
+from kvpipe.model.families.minimax_m2 import MiniMaxM2CausalLM, check_minimax_m2
+from kvpipe.model.families.qwen3_5 import MOE_CHECKPOINT_RENAMES as QWEN3_5_MOE_RENAMES
+from kvpipe.model.families.qwen3_5 import Qwen3_5CausalLM, check_qwen3_5_moe
+from kvpipe.model.families.qwen3_moe import Qwen3MoeCausalLM, check_qwen3_moe
 
 # raw HF config.json, its parsed ModelConfig -> None, or ConfigError for an option the model lacks
 ConfigCheck = Callable[[dict[str, Any], ModelConfig], None]

@@ -22,8 +22,8 @@ from fastapi.responses import JSONResponse, Response
 from kvpipe.config import ServerConfig
 from kvpipe.engine.cpu_threads import CpuThreads
 from kvpipe.engine.request import ABORTED_ON_REQUEST, FinishReason
-from kvpipe.model.config import ModelConfig
-from kvpipe.model.tokenizer import Tokenizer
+from kvpipe.model.checkpoint.schema import ModelConfig
+from kvpipe.model.text.tokenizer import Tokenizer
 from kvpipe.server.async_engine import AsyncEngine, EngineLike, RequestStream
 from kvpipe.server.errors import APIError
 from kvpipe.server.metrics import ServerMetrics

@@ -22,8 +22,8 @@ from typing import Any, Protocol
 
 from kvpipe.engine.errors import EngineLost
 from kvpipe.engine.request import FinishReason, Req, TokenOutput
-from kvpipe.model.config import ModelConfig
-from kvpipe.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvpipe.model.checkpoint.schema import ModelConfig
+from kvpipe.model.text.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvpipe.server.errors import APIError
 from kvpipe.server.first_token import FIRST_TOKEN_HANDOFF_S, FirstTokens
 from kvpipe.server.metrics import ServerMetrics

@@ -36,8 +36,8 @@ import httpx
 
 from kvpipe.config import ConfigError
 from kvpipe.engine.cpu_threads import affinity_cores, format_cores
-from kvpipe.model.default_model import resolve_model_path
-from kvpipe.model.loader import check_checkpoint
+from kvpipe.model.checkpoint.default_model import resolve_model_path
+from kvpipe.model.checkpoint.loader import check_checkpoint
 from kvpipe.server.api_key import API_KEY_ENV, api_key_from_env
 from kvpipe.server.core_split import (
     CPU_THREADS_FLAG,

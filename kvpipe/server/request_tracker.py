@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvpipe.engine.request import FinishReason, TokenOutput, finish_reason_json
-from kvpipe.engine.spec_verify import SpecCounts
+from kvpipe.engine.spec.verify import SpecCounts
 from kvpipe.engine.stop_strings import StopStringSearch
 from kvpipe.engine.timeline import TimelineRecord
 from kvpipe.server.protocol import GenerateInput

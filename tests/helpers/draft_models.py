@@ -1,6 +1,6 @@
-"""Draft models for the STANDALONE drafter's tests (engine/draft_model.py), MTP layers for the
-NEXTN drafter's (engine/mtp_drafter.py) and EAGLE heads for the EAGLE drafter's
-(engine/eagle_drafter.py)."""
+"""Draft models for the STANDALONE drafter's tests (engine/spec/draft_model.py), MTP layers for the
+NEXTN drafter's (engine/spec/mtp_drafter.py) and EAGLE heads for the EAGLE drafter's
+(engine/spec/eagle_drafter.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvpipe.model.config import ModelConfig
+from kvpipe.model.checkpoint.schema import ModelConfig
 
 
 def noisy_copy(src: Path, dst: Path, scale: float = 0.1) -> Path:
@@ -50,7 +50,7 @@ def bigram_copy(src: Path, dst: Path) -> Path:
 
 
 def write_eagle_head(target: Path, dst: Path, bigram: float = 0.0, noise: float = 1.0, seed: int = 0) -> Path:
-    """An EAGLE head for the Llama checkpoint `target` (model/eagle.py's format: config.json with
+    """An EAGLE head for the Llama checkpoint `target` (model/draft/eagle.py's format: config.json with
     architectures ["LlamaForCausalLMEagle"] and one layer of the target's dims; tensors named as
     SGLang's EAGLE checkpoints, with an fc bias and the unused layers.0.input_layernorm). Each
     tensor is `bigram` x the exact head's plus `noise` x a seeded random one (std 1/sqrt(fan_in),

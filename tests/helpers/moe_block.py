@@ -11,8 +11,8 @@ import torch
 import transformers
 
 from kvpipe.config import ParallelConfig
-from kvpipe.model.config import ModelConfig
-from kvpipe.model.moe import SparseMoE
+from kvpipe.model.checkpoint.schema import ModelConfig
+from kvpipe.model.layers.moe import SparseMoE
 
 HIDDEN = 64
 ARCHS = {

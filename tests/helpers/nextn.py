@@ -13,8 +13,8 @@ import pytest
 from kvpipe.config import SpeculativeConfig
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import FinishReason, Req, SamplingParams
-from kvpipe.model.config import ModelConfig
-from kvpipe.model.eagle import eagle_config
+from kvpipe.model.checkpoint.schema import ModelConfig
+from kvpipe.model.draft.eagle import eagle_config
 from tests.helpers.pd_pair import PS, Pair, Reference, assert_pd_matches, prompts
 from tests.helpers.pd_parity import expected_bytes, state_slot_nbytes
 from tests.helpers.pd_stack import (

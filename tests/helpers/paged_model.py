@@ -9,7 +9,7 @@ import torch
 
 from kvpipe.cache.kv_pool import KVPool
 from kvpipe.engine.model_runner import make_kv_pool
-from kvpipe.model.causal_lm import CausalLM
+from kvpipe.model.families.causal_lm import CausalLM
 from kvpipe.model.forward_batch import ForwardBatch
 
 

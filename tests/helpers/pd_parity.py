@@ -13,7 +13,7 @@ from kvpipe.cache.window_pages import prompt_window_pages
 from kvpipe.config import CacheConfig, SchedulerConfig, ServerConfig
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import SamplingParams
-from kvpipe.model.config import ModelConfig
+from kvpipe.model.checkpoint.schema import ModelConfig
 from tests.helpers.pd_stack import Stack, disagg_stats, generate, greedy, start_stack
 from tests.helpers.tolerance import Generation, Route, assert_same_generations
 

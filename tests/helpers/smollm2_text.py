@@ -9,9 +9,9 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
-from kvpipe.model.default_model import default_model_path
-from kvpipe.model.gguf.checkpoint import GGUFCheckpoint
-from kvpipe.model.tokenizer import Tokenizer
+from kvpipe.model.checkpoint.default_model import default_model_path
+from kvpipe.model.checkpoint.gguf.checkpoint import GGUFCheckpoint
+from kvpipe.model.text.tokenizer import Tokenizer
 
 GGUF_DIR, GGUF_NAME = default_model_path().parent, default_model_path().name
 
@@ -36,7 +36,7 @@ def hf_tokenizer() -> Any:
     """transformers' tokenizer from the GGUF, with the pre-tokenizer the file names. Its
     `tokenizer.ggml.pre` is "smollm", for which llama.cpp (llama-vocab.cpp: the regexes "\\p{N}",
     then GPT-2's) splits digits one by one before GPT-2's regex, as kvpipe does
-    (kvpipe/model/gguf/tokenizer.py). transformers' GGUF converter keeps GPT-2's regex alone, which
+    (kvpipe/model/checkpoint/gguf/tokenizer.py). transformers' GGUF converter keeps GPT-2's regex alone, which
     differs where a run of whitespace precedes a digit: "\\n\\n\\n0" is ["\\n\\n\\n", "0"] for
     llama.cpp and ["\\n\\n", "\\n", "0"] for GPT-2's regex (hypothesis found it). Vocabulary, merges,
     special tokens and the template stay transformers' own."""

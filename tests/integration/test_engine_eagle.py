@@ -1,4 +1,4 @@
-"""The EAGLE drafter (an EAGLE head for a Llama target, engine/eagle_drafter.py, run by the NEXTN
+"""The EAGLE drafter (an EAGLE head for a Llama target, engine/spec/eagle_drafter.py, run by the NEXTN
 drafter's machinery) in the engine, on the tiny preset: greedy outputs with it are those without
 (batched, chunked prefill, the radix cache, a prompt leaving a cached one at a page boundary);
 every draft it proposes is what the head computes from scratch for the request's tokens at that
@@ -14,14 +14,14 @@ import pytest
 import torch
 
 from kvpipe.config import ConfigError, ServerConfig, SpeculativeConfig
-from kvpipe.engine.eagle_drafter import EagleDrafter, check_eagle
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.model_runner import make_kv_pool
 from kvpipe.engine.request import SamplingParams
-from kvpipe.model.config import ModelConfig
-from kvpipe.model.eagle import load_eagle
+from kvpipe.engine.spec.eagle_drafter import EagleDrafter, check_eagle
+from kvpipe.model.checkpoint.loader import load_model
+from kvpipe.model.checkpoint.schema import ModelConfig
+from kvpipe.model.draft.eagle import load_eagle
 from kvpipe.model.forward_batch import ForwardBatch
-from kvpipe.model.loader import load_model
 from kvpipe.model.presets import write_preset
 from tests.helpers.draft_models import bigram_copy, write_eagle_head
 from tests.helpers.engine import (

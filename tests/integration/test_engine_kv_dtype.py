@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpipe.model.cpu_kernels import loader
+from kvpipe.model.cpu.kernels import loader
 from kvpipe.model.presets import write_preset
 from tests.helpers.engine import generations, make_engine, prompts
 from tests.helpers.tolerance import (

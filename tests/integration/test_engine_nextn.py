@@ -1,4 +1,4 @@
-"""The NEXTN drafter (DeepSeek-V3's multi-token-prediction layer, engine/mtp_drafter.py) in the
+"""The NEXTN drafter (DeepSeek-V3's multi-token-prediction layer, engine/spec/mtp_drafter.py) in the
 engine, on the tiny-deepseek-v3 preset: greedy outputs with it are those without (batched,
 chunked prefill, the radix cache); every draft it proposes is what the MTP layer computes from
 scratch for the request's tokens at that step (the target's hidden states arrive, rollback and
@@ -19,12 +19,12 @@ from kvpipe.cache.kv_pool import KVPool
 from kvpipe.config import ConfigError, ServerConfig, SpeculativeConfig
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.model_runner import make_kv_pool
-from kvpipe.engine.mtp_drafter import check_nextn
 from kvpipe.engine.request import FinishReason, Req, SamplingParams
-from kvpipe.model.config import ModelConfig
+from kvpipe.engine.spec.mtp_drafter import check_nextn
+from kvpipe.model.checkpoint.loader import load_model
+from kvpipe.model.checkpoint.schema import ModelConfig
+from kvpipe.model.draft.mtp import load_mtp
 from kvpipe.model.forward_batch import ForwardBatch
-from kvpipe.model.loader import load_model
-from kvpipe.model.mtp import load_mtp
 from kvpipe.model.presets import write_preset
 from tests.helpers.draft_models import bigram_copy
 from tests.helpers.engine import (

@@ -1,4 +1,4 @@
-"""NEXTN on Qwen3.5 targets (their own mtp.* layer, model/qwen3_5_mtp.py; engine/mtp_drafter.py)
+"""NEXTN on Qwen3.5 targets (their own mtp.* layer, model/draft/qwen3_5_mtp.py; engine/spec/mtp_drafter.py)
 in the engine, on the tiny-qwen3.5 preset: greedy outputs with it are those without (batched,
 chunked prefill, the hybrid radix cache with its state snapshots); every draft it proposes is
 what the MTP layer computes from scratch for the request's tokens at that step (the target's
@@ -18,12 +18,12 @@ import torch
 
 from kvpipe.config import ConfigError, ServerConfig, SpeculativeConfig
 from kvpipe.engine.engine import Engine
-from kvpipe.engine.mtp_drafter import check_nextn
 from kvpipe.engine.request import SamplingParams
-from kvpipe.model.config import ModelConfig
+from kvpipe.engine.spec.mtp_drafter import check_nextn
+from kvpipe.model.checkpoint.loader import load_model
+from kvpipe.model.checkpoint.schema import ModelConfig
+from kvpipe.model.draft.mtp import load_mtp
 from kvpipe.model.forward_batch import ForwardBatch
-from kvpipe.model.loader import load_model
-from kvpipe.model.mtp import load_mtp
 from kvpipe.model.presets import write_preset
 from tests.helpers.draft_models import bigram_copy
 from tests.helpers.engine import assert_engine_matches, assert_every_draft_accepted, generations, make_engine, prompts

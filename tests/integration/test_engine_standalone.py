@@ -1,4 +1,4 @@
-"""The STANDALONE drafter (a draft model with the target's tokenizer, engine/draft_model.py) in the
+"""The STANDALONE drafter (a draft model with the target's tokenizer, engine/spec/draft_model.py) in the
 engine: greedy outputs with it are those without, batched with chunked prefill and the radix
 cache; a draft model equal to the target has every draft accepted; a different draft (the tiny
 preset written with another seed, or a noisy copy of the target that agrees in part) still gives

@@ -18,8 +18,8 @@ import pytest
 
 from kvpipe.cache.store_client import MooncakeStoreClient, MooncakeStoreSpec
 from kvpipe.cache.store_keys import StoreNamespace, page_keys
-from kvpipe.model.config import ModelConfig
-from kvpipe.model.identity import checkpoint_digest
+from kvpipe.model.checkpoint.identity import checkpoint_digest
+from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.server.launcher import stop_process
 from tests.helpers.mooncake_store import Master, running_master
 from tests.helpers.pd_parity import colocated_reference, prompts

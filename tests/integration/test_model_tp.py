@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kvpipe.config import ParallelConfig
-from kvpipe.model.config import ModelConfig
-from kvpipe.model.loader import load_model
+from kvpipe.model.checkpoint.loader import load_model
+from kvpipe.model.checkpoint.schema import ModelConfig
 from tests.helpers.paged_model import greedy_generate, incremental_logits, make_pool
 from tests.helpers.tolerance import assert_close_logits
 from tests.helpers.tp_ranks import run_ranks

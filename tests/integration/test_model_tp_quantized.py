@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from kvpipe.config import ParallelConfig
-from kvpipe.model.linear import Linear
-from kvpipe.model.loader import load_model
-from kvpipe.model.quantized_weight import Int4Weight, Int8Weight
+from kvpipe.model.checkpoint.loader import load_model
+from kvpipe.model.layers.linear import Linear
+from kvpipe.model.quant.weights import Int4Weight, Int8Weight
 from tests.helpers.gguf_files import Q, write_gguf
 from tests.helpers.tp_ranks import run_ranks
 

@@ -1,5 +1,5 @@
 """PD with EAGLE heads under tensor parallelism, the same and different on the two sides
-(disagg/mtp_transfer.py, engine/eagle_drafter.py): a prefill and a decode Engine in this process
+(disagg/mtp_transfer.py, engine/spec/eagle_drafter.py): a prefill and a decode Engine in this process
 with their TP children, every rank's KV over its own Mooncake backend on loopback. The head runs
 whole on TP rank 0 of each side, so its K/V (all its KV heads, never head-sliced like the
 target's) moves from prefill rank 0 into decode rank 0 as the last layer group of a

@@ -16,7 +16,7 @@ import pytest
 
 from kvpipe.cache.hybrid_radix_cache import HybridRadixCache
 from kvpipe.engine.request import FinishReason
-from kvpipe.model.config import ModelConfig
+from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.model.presets import write_preset
 from tests.helpers.pd_pair import (
     FAULTS,

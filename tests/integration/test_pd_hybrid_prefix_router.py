@@ -20,7 +20,7 @@ import pytest
 from kvpipe.config import CacheConfig, ServerConfig
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import SamplingParams
-from kvpipe.model.config import ModelConfig
+from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.model.presets import write_preset
 from tests.helpers.pd_parity import expected_bytes, state_slot_nbytes
 from tests.helpers.pd_stack import (

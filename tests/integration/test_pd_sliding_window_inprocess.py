@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvpipe.cache.swa_radix_cache import SWARadixCache
-from kvpipe.model.config import ModelConfig
+from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.model.presets import write_preset
 from tests.helpers.pd_pair import PS, colocated_greedy, failures_then_decode_abort, greedy_and_bytes_as_predicted
 

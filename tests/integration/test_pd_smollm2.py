@@ -31,9 +31,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvpipe.model.default_model import default_model_path
-from kvpipe.model.loader import load_model
-from kvpipe.model.tokenizer import Tokenizer
+from kvpipe.model.checkpoint.default_model import default_model_path
+from kvpipe.model.checkpoint.loader import load_model
+from kvpipe.model.text.tokenizer import Tokenizer
 from tests.helpers.paged_model import incremental_logits
 from tests.helpers.pd_stack import Stack, disagg_stats, generate, start_stack
 from tests.helpers.server import ServerProc, server_fixture, sse_events

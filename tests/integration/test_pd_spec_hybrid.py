@@ -1,7 +1,7 @@
 """PD (prefill and decode engines in one process, local backend) of the hybrid tiny Qwen3.5 with
 speculative decoding on the decode: NGRAM (nothing moves besides the target's KV and state) and
 STANDALONE with the target as its own draft (a hybrid draft's recurrent state does not move: the
-decode's draft catches up on the prompt at its first step, engine/draft_state.py). Greedy tokens
+decode's draft catches up on the prompt at its first step, engine/spec/draft_state.py). Greedy tokens
 and logprobs equal the colocated engine's without speculation; the drafts proposed and accepted at
 every step equal a colocated speculative engine's for the same request; the draft equal to the
 target accepts every draft from the first step; every page, state slot and draft slot is free on

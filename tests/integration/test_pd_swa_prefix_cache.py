@@ -18,7 +18,7 @@ import pytest
 
 from kvpipe.cache.swa_radix_cache import SWARadixCache
 from kvpipe.cache.window_pages import window_first_page
-from kvpipe.model.config import ModelConfig
+from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.model.presets import write_preset
 from tests.helpers.pd_pair import (
     FAULTS,

@@ -20,7 +20,7 @@ from kvpipe.cache.window_pages import window_first_page
 from kvpipe.config import CacheConfig, ServerConfig
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import SamplingParams
-from kvpipe.model.config import ModelConfig
+from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.model.presets import write_preset
 from tests.helpers.pd_stack import (
     TP_FLAGS,

@@ -23,7 +23,7 @@ from kvpipe.disagg.prefill import PrefillConnector
 from kvpipe.engine.batch import ForwardMode, ScheduledBatch
 from kvpipe.engine.connector import Admission, ConnectorContext, TransferFinished
 from kvpipe.engine.request import FinishReason, Req, SamplingParams
-from kvpipe.model.config import ModelConfig
+from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.transfer.lifecycle import TransferState
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.planning.wire_bytes import KVWireBytes

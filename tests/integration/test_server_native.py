@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvpipe.model.tokenizer import Tokenizer
+from kvpipe.model.text.tokenizer import Tokenizer
 from tests.helpers.server import ServerProc, server_fixture, sse_events
 
 pytestmark = pytest.mark.timeout(300)

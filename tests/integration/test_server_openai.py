@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from kvpipe.model.tokenizer import Tokenizer
+from kvpipe.model.text.tokenizer import Tokenizer
 from tests.helpers.engine import CONTEXT_FACTOR
 from tests.helpers.server import ServerProc, server_fixture
 from tests.helpers.tolerance import Generation, Route, assert_same_generations, generation_atol

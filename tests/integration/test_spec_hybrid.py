@@ -1,11 +1,11 @@
 """Speculative decoding (NGRAM, STANDALONE) on the hybrid tiny Qwen3.5 (gated delta-net recurrent
 state), in a colocated engine: a verify forward keeps the state after each input and the engine
-commits the accepted one (engine/state_rollback.py). Greedy tokens and logprobs equal those without
+commits the accepted one (engine/spec/state_rollback.py). Greedy tokens and logprobs equal those without
 speculation, batched, with chunked prefill and the hybrid prefix cache (its hits included). NGRAM:
 the tiny preset rarely repeats itself, so its drafts are mostly rejected (every step rolls back);
 each request's per-step drafts and accepted counts agree with its output; aborts leave no page,
 state slot or snapshot behind; a negative control: without the rollback the outputs go wrong.
-STANDALONE with a hybrid draft model (its own recurrent state, engine/draft_state.py): a draft equal
+STANDALONE with a hybrid draft model (its own recurrent state, engine/spec/draft_state.py): a draft equal
 to the target accepts every draft, a noisy copy of it some, the outputs unchanged; sampled requests
 go through speculative sampling."""
 

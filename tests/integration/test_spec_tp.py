@@ -1,4 +1,4 @@
-"""Speculative decoding with tensor parallelism, colocated (engine/draft_model.py, tp_group.py): a
+"""Speculative decoding with tensor parallelism, colocated (engine/spec/draft_model.py, tp_group.py): a
 STANDALONE draft model sharded over the target's TP group (its KV heads split like the target's)
 keeps the greedy outputs of TP 2 without speculation; a draft equal to the target has every draft
 accepted; a noisy copy of it (chains accepted in part: the draft KV of rejected drafts rewritten on

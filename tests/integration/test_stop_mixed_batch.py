@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvpipe.model.tokenizer import Tokenizer
+from kvpipe.model.text.tokenizer import Tokenizer
 from tests.helpers.server import ServerProc, server_fixture, sse_events
 from tests.helpers.smollm2_text import GGUF_DIR, GGUF_NAME, kvpipe_tokenizer
 

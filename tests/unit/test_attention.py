@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpipe.cache.kv_pool import KVPool
-from kvpipe.model.attention import paged_attention
 from kvpipe.model.forward_batch import ForwardBatch
+from kvpipe.model.layers.attention import paged_attention
 
 D = 8
 

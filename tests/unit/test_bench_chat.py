@@ -18,7 +18,7 @@ from kvpipe.bench.latency import summarize
 from kvpipe.bench.request import Api
 from kvpipe.bench.workload import WorkloadConfig, build_workload, parse_lengths
 from kvpipe.model.presets.tokenizer import SPECIAL_TOKENS, build_tokenizer
-from kvpipe.model.tokenizer import Tokenizer
+from kvpipe.model.text.tokenizer import Tokenizer
 
 # the presets' byte-level BPE: ids 0..255 are bytes, then English merges (ASCII), then specials
 TEXT = ChatText(Tokenizer(build_tokenizer()))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvpipe.bench import linear_kernels
-from kvpipe.model.cpu_kernels.weight_only import weight_only_kernels
+from kvpipe.model.cpu.kernels.weight_only import weight_only_kernels
 
 
 def test_reports_every_point(capsys) -> None:

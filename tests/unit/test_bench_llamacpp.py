@@ -66,7 +66,7 @@ def test_a_real_run_against_the_same_gguf():
     rows at batch 1 only, with positive times and ratios."""
     pytest.importorskip("llama_cpp")
     from kvpipe.bench.engine import run_bench
-    from kvpipe.model.default_model import default_model_path
+    from kvpipe.model.checkpoint.default_model import default_model_path
 
     gguf = default_model_path()
     report = run_bench(

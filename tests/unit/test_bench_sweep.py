@@ -24,7 +24,7 @@ from kvpipe.bench.sweep import (
     server_page_size,
 )
 from kvpipe.bench.sweep_rows import exposed_ratio, sweep_rows
-from kvpipe.model.config import ModelConfig
+from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.model.presets import preset_config
 from kvpipe.transfer.planning.wire_bytes import KVWireBytes
 from tests.helpers.sweep_stacks import recording_stacks

@@ -28,7 +28,7 @@ from kvpipe.bench.transfer_shapes import EXTRA_SHAPES, lookup_shape
 from kvpipe.cache.kv_pool import KVPool
 from kvpipe.cache.recurrent_pool import StatePool
 from kvpipe.config import ParallelConfig
-from kvpipe.model.gated_delta_net import local_state_shape
+from kvpipe.model.layers.gated_delta_net import local_state_shape
 from kvpipe.transfer.backends.mooncake import DEFAULT_MAX_OP_BYTES
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.planning.planner import page_runs

@@ -1,4 +1,4 @@
-"""A decode step's layers as one C++ call each (model/fused_decode.py, cpu_kernels/decode_layer.cpp)
+"""A decode step's layers as one C++ call each (model/cpu/fused_decode.py, cpu/kernels/decode_layer.cpp)
 give the module path's bits: every logit and every stored K/V, one row and a batch of rows with
 contexts of different lengths, in fp32 (panel, oneDNN-packed and dense weights) and with int8 /
 int4 weights; prefill and anything the fused layers cannot run stay on the module path."""
@@ -13,11 +13,11 @@ import torch
 from kvpipe.commands.flags import add_http_api_args, add_server_args, server_config_from_args
 from kvpipe.config import ConfigError, ServerConfig
 from kvpipe.engine.model_runner import make_kv_pool
-from kvpipe.model.causal_lm import CausalLM
-from kvpipe.model.cpu_kernels import loader as kernel_loader
+from kvpipe.model.checkpoint.loader import load_model
+from kvpipe.model.cpu.fused_decode import FusedDecodeLayers, build_fused_decode
+from kvpipe.model.cpu.kernels import loader as kernel_loader
+from kvpipe.model.families.causal_lm import CausalLM
 from kvpipe.model.forward_batch import ForwardBatch
-from kvpipe.model.fused_decode import FusedDecodeLayers, build_fused_decode
-from kvpipe.model.loader import load_model
 from tests.helpers.hf_models import prompt_ids
 from tests.helpers.paged_model import incremental_logits, make_pool
 

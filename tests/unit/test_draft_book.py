@@ -1,4 +1,4 @@
-"""The STANDALONE drafter's bookkeeping (engine/draft_book.py): which positions of a request's draft
+"""The STANDALONE drafter's bookkeeping (engine/spec/draft_book.py): which positions of a request's draft
 KV stay valid after a verify step (the accepted drafts' do, a rejected draft's and everything after
 it do not; never the last token, whose logits give the first draft), the catch-up each step runs,
 the draft pages that cover it, no drafts when the draft pool is full, and every page back at release."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from kvpipe.cache.page_allocator import PageAllocator
-from kvpipe.engine.draft_book import DraftBook
+from kvpipe.engine.spec.draft_book import DraftBook
 
 PS = 4
 

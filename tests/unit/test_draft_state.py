@@ -1,12 +1,12 @@
-"""A hybrid draft model's state slots (engine/draft_state.py): two per request, allocated on first
+"""A hybrid draft model's state slots (engine/spec/draft_state.py): two per request, allocated on first
 use and given back once; none when the pool is full (the request then gets no drafts); and the
 draft book's catch-up never starts past what the base state has seen."""
 
 from __future__ import annotations
 
 from kvpipe.cache.page_allocator import PageAllocator
-from kvpipe.engine.draft_book import DraftBook
-from kvpipe.engine.draft_state import DraftStates
+from kvpipe.engine.spec.draft_book import DraftBook
+from kvpipe.engine.spec.draft_state import DraftStates
 
 
 def test_two_slots_per_request_given_back_once():

@@ -11,8 +11,8 @@ from kvpipe.bench.kv_bytes import kv_wire_bytes
 from kvpipe.bench.serve_sweep import _model_bytes
 from kvpipe.config import ServerConfig, SpeculativeConfig
 from kvpipe.disagg.draft_transfer import speculative_handshake
-from kvpipe.model.config import ModelConfig
-from kvpipe.model.identity import checkpoint_digest
+from kvpipe.model.checkpoint.identity import checkpoint_digest
+from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.transfer.planning.layout import KVLayout
 from tests.helpers.draft_models import write_eagle_head
 

@@ -1,5 +1,5 @@
 """An EAGLE head's KV under tensor parallelism, the same or different on the two sides
-(disagg/mtp_transfer.py, engine/eagle_drafter.py): unlike NEXTN's MLA latent, the head's pool is
+(disagg/mtp_transfer.py, engine/spec/eagle_drafter.py): unlike NEXTN's MLA latent, the head's pool is
 a GQA layer's K and V, which a TP target would slice by head; the head runs whole on TP rank 0
 of each side, so at prefill TP x decode TP = (1,2), (2,1), (2,2) prefill rank 0 writes whole pages
 of all the head's KV heads into decode rank 0 and nothing else moves them, while the target's

@@ -1,7 +1,7 @@
 """The decode step's fewer calls give the same bits: fused q/k/v and gate/up projections
 (fused_projections.py) against the parts alone, in every weight form (dense, oneDNN-packed,
 int8, int4), RMSNorm through torch's rms_norm against HF's formula, RoPE + KV store in one call
-(cpu_kernels/rope_store.cpp) against apply_rope and KVPool.write, and the loader's fused model
+(cpu/kernels/rope_store.cpp) against apply_rope and KVPool.write, and the loader's fused model
 against the unfused one, logits bit for bit, with and without the C++ kernels."""
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from kvpipe.cache.kv_pool import KVPool
-from kvpipe.model.cpu_kernels import loader as kernel_loader
-from kvpipe.model.cpu_kernels.rope_store import rope_store_kernel
-from kvpipe.model.fused_projections import fuse_linears
-from kvpipe.model.linear import Linear
-from kvpipe.model.loader import load_model
-from kvpipe.model.norms import RMSNorm
-from kvpipe.model.quantized_weight import Int4Weight, Int8Weight
-from kvpipe.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from kvpipe.model.checkpoint.loader import load_model
+from kvpipe.model.cpu.fused_projections import fuse_linears
+from kvpipe.model.cpu.kernels import loader as kernel_loader
+from kvpipe.model.cpu.kernels.rope_store import rope_store_kernel
+from kvpipe.model.layers.linear import Linear
+from kvpipe.model.layers.norms import RMSNorm
+from kvpipe.model.layers.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from kvpipe.model.quant.weights import Int4Weight, Int8Weight
 from tests.helpers.hf_models import prompt_ids
 from tests.helpers.paged_model import incremental_logits
 

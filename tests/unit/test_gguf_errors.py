@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from kvpipe.config import ConfigError
-from kvpipe.model.gguf.checkpoint import GGUFCheckpoint
-from kvpipe.model.gguf.reader import find_gguf
+from kvpipe.model.checkpoint.gguf.checkpoint import GGUFCheckpoint
+from kvpipe.model.checkpoint.gguf.reader import find_gguf
 from tests.helpers.gguf_files import Q, patch_tensor_type, write_gguf
 
 

@@ -14,11 +14,11 @@ from safetensors.torch import save_file
 
 from kvpipe.bench.probe import model_config
 from kvpipe.config import ConfigError, ServerConfig
-from kvpipe.model.config import ModelConfig
-from kvpipe.model.default_model import DEFAULT_MODEL_FILE, default_model_path, resolve_model_path
-from kvpipe.model.gguf.checkpoint import gguf_checkpoint
-from kvpipe.model.loader import check_checkpoint, load_generation_eos, load_model, read_hf_config
-from kvpipe.model.tokenizer import Tokenizer
+from kvpipe.model.checkpoint.default_model import DEFAULT_MODEL_FILE, default_model_path, resolve_model_path
+from kvpipe.model.checkpoint.gguf.checkpoint import gguf_checkpoint
+from kvpipe.model.checkpoint.loader import check_checkpoint, load_generation_eos, load_model, read_hf_config
+from kvpipe.model.checkpoint.schema import ModelConfig
+from kvpipe.model.text.tokenizer import Tokenizer
 from tests.helpers.gguf_files import Q, Written, write_gguf
 
 

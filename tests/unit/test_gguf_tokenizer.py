@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from kvpipe.config import ConfigError
-from kvpipe.model.gguf.checkpoint import GGUFCheckpoint
-from kvpipe.model.tokenizer import Tokenizer
+from kvpipe.model.checkpoint.gguf.checkpoint import GGUFCheckpoint
+from kvpipe.model.text.tokenizer import Tokenizer
 from tests.helpers.gguf_files import USER_TOKEN, vocab, write_gguf
 
 TOKENS = vocab()[0]

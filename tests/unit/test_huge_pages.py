@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from kvpipe.model import huge_pages
-from kvpipe.model.huge_pages import HUGE_PAGE, arena, place_weights, relocate
+from kvpipe.model.cpu import huge_pages
+from kvpipe.model.cpu.huge_pages import HUGE_PAGE, arena, place_weights, relocate
 
 
 def test_arena_is_aligned_and_relocate_keeps_values() -> None:

@@ -7,13 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvpipe.model.cpu_kernels.loader import BUILD_LOCK, build_lock
+from kvpipe.model.cpu.kernels.loader import BUILD_LOCK, build_lock
 
 # a builder that takes the flock, makes torch's lock file as a live build does, and waits
 HOLDER = """
 import sys, time
 from pathlib import Path
-from kvpipe.model.cpu_kernels.loader import build_lock
+from kvpipe.model.cpu.kernels.loader import build_lock
 with build_lock(Path(sys.argv[1])):
     (Path(sys.argv[1]) / "lock").touch()
     print("building", flush=True)

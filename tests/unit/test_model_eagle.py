@@ -1,4 +1,4 @@
-"""The EAGLE head (kvpipe/model/eagle.py) against plain torch on the same tensors: fc over
+"""The EAGLE head (kvpipe/model/draft/eagle.py) against plain torch on the same tensors: fc over
 cat(embedding of t_{i+1}, h_i) (with its bias), one Llama layer without its input_layernorm (GQA
 attention with RoPE, SwiGLU MLP after post_attention_layernorm), the target's lm_head on the
 output with no final norm (SGLang's LlamaForCausalLMEagle); fp32, for the tiny preset's dims.
@@ -20,8 +20,8 @@ from safetensors.torch import load_file, save_file
 
 from kvpipe.cache.kv_pool import KVPool
 from kvpipe.config import ConfigError
-from kvpipe.model.config import ModelConfig
-from kvpipe.model.eagle import EagleHead, check_eagle_head, eagle_config, eagle_tensor_name, load_eagle
+from kvpipe.model.checkpoint.schema import ModelConfig
+from kvpipe.model.draft.eagle import EagleHead, check_eagle_head, eagle_config, eagle_tensor_name, load_eagle
 from kvpipe.model.forward_batch import ForwardBatch
 from kvpipe.model.presets import preset_config
 from tests.helpers.draft_models import write_eagle_head

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from kvpipe.config import ConfigError
-from kvpipe.model.config import ModelConfig
+from kvpipe.model.checkpoint.loader import load_model
+from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.model.forward_batch import ForwardBatch
-from kvpipe.model.loader import load_model
 from kvpipe.model.presets import write_preset
-from kvpipe.model.tokenizer import Tokenizer
+from kvpipe.model.text.tokenizer import Tokenizer
 from tests.helpers.paged_model import all_logits, greedy_generate, incremental_logits, make_pool
 from tests.helpers.tolerance import assert_close_logits
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvpipe.model.checkpoint.loader import load_model
 from kvpipe.model.forward_batch import ForwardBatch
-from kvpipe.model.loader import load_model
 from tests.helpers.paged_model import all_logits, greedy_generate, incremental_logits, make_pool
 from tests.helpers.tolerance import assert_close_logits
 

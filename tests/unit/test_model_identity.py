@@ -1,4 +1,4 @@
-"""A checkpoint's digest (model/identity.py) tells apart what would give different KV and nothing
+"""A checkpoint's digest (model/checkpoint/identity.py) tells apart what would give different KV and nothing
 else: another seed, one changed tensor, another config or tokenizer; not another directory."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from kvpipe.model.identity import HEAD_BYTES, checkpoint_digest
+from kvpipe.model.checkpoint.identity import HEAD_BYTES, checkpoint_digest
 from kvpipe.model.presets.writer import write_preset
 
 

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvpipe.config import ConfigError, ParallelConfig
-from kvpipe.model.loader import load_generation_eos, load_model
+from kvpipe.model.checkpoint.loader import load_generation_eos, load_model
 
 
 @pytest.fixture

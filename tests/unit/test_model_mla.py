@@ -14,13 +14,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvpipe.config import ConfigError, ParallelConfig
-from kvpipe.model.config import ModelConfig
+from kvpipe.model.checkpoint.loader import load_model
+from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.model.forward_batch import ForwardBatch
-from kvpipe.model.loader import load_model
-from kvpipe.model.mla import MLAttention, mla_softmax_scale
+from kvpipe.model.layers.mla import MLAttention, mla_softmax_scale
+from kvpipe.model.layers.rope import rope_attention_factor, rope_cos_sin, rope_inv_freq, rope_type
 from kvpipe.model.presets import write_preset
-from kvpipe.model.rope import rope_attention_factor, rope_cos_sin, rope_inv_freq, rope_type
-from kvpipe.model.tokenizer import Tokenizer
+from kvpipe.model.text.tokenizer import Tokenizer
 from tests.helpers.paged_model import all_logits, greedy_generate, incremental_logits, make_pool
 from tests.helpers.tolerance import assert_close_logits
 

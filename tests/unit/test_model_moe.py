@@ -13,12 +13,12 @@ import torch
 
 from kvpipe.config import ConfigError, ParallelConfig
 from kvpipe.model import registry
-from kvpipe.model.causal_lm import check_parallel
-from kvpipe.model.config import ModelConfig, MoEConfig
-from kvpipe.model.loader import load_model
-from kvpipe.model.moe import Dispatch, SparseMoE, check_routing, route
+from kvpipe.model.checkpoint.loader import load_model
+from kvpipe.model.checkpoint.schema import ModelConfig, MoEConfig
+from kvpipe.model.families.causal_lm import check_parallel
+from kvpipe.model.families.qwen3_moe import Qwen3MoeCausalLM
+from kvpipe.model.layers.moe import Dispatch, SparseMoE, check_routing, route
 from kvpipe.model.presets import write_preset
-from kvpipe.model.qwen3_moe import Qwen3MoeCausalLM
 from tests.helpers.paged_model import incremental_logits
 from tests.helpers.tolerance import assert_close_logits
 

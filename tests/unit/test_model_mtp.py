@@ -1,4 +1,4 @@
-"""DeepSeek-V3's multi-token-prediction layer (kvpipe/model/mtp.py) against a reference on the
+"""DeepSeek-V3's multi-token-prediction layer (kvpipe/model/draft/mtp.py) against a reference on the
 same weights: the MTP's own parts (enorm, hnorm, eh_proj, shared_head) in plain torch over the
 checkpoint's tensors, its decoder layer as HF transformers runs layer 4 of a model built one
 layer deeper (the MTP layer's decoder tensors sit under model.layers.4., as any layer's); fp32,
@@ -20,10 +20,10 @@ from kvpipe.cache.kv_pool import KVPool
 from kvpipe.config import CacheConfig, ConfigError
 from kvpipe.engine.batch import ForwardSpec
 from kvpipe.engine.model_runner import ModelRunner
-from kvpipe.model.config import ModelConfig
+from kvpipe.model.checkpoint.loader import load_model
+from kvpipe.model.checkpoint.schema import ModelConfig
+from kvpipe.model.draft.mtp import DeepseekMTP, load_mtp
 from kvpipe.model.forward_batch import ForwardBatch
-from kvpipe.model.loader import load_model
-from kvpipe.model.mtp import DeepseekMTP, load_mtp
 from kvpipe.model.presets import write_preset
 from tests.helpers.hf_models import prompt_ids
 from tests.helpers.paged_model import all_logits

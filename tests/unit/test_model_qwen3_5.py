@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from kvpipe.config import ConfigError, ParallelConfig
-from kvpipe.model.config import LayerType, ModelConfig
+from kvpipe.model.checkpoint.loader import load_model
+from kvpipe.model.checkpoint.schema import LayerType, ModelConfig
+from kvpipe.model.families.qwen3_5 import Qwen3_5CausalLM
 from kvpipe.model.forward_batch import ForwardBatch
-from kvpipe.model.loader import load_model
 from kvpipe.model.presets import write_preset
-from kvpipe.model.qwen3_5 import Qwen3_5CausalLM
 from tests.helpers.paged_model import all_logits
 from tests.helpers.preset_digests import digests
 from tests.helpers.tolerance import assert_close_logits

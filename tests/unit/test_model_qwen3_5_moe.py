@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from kvpipe.config import ConfigError
-from kvpipe.model.config import ModelConfig
+from kvpipe.model.checkpoint.loader import load_model
+from kvpipe.model.checkpoint.schema import ModelConfig
+from kvpipe.model.families.qwen3_5 import Qwen3_5CausalLM
 from kvpipe.model.forward_batch import ForwardBatch
-from kvpipe.model.loader import load_model
-from kvpipe.model.moe import SparseMoE
+from kvpipe.model.layers.moe import SparseMoE
 from kvpipe.model.presets import preset_names, write_preset
-from kvpipe.model.qwen3_5 import Qwen3_5CausalLM
 from tests.helpers.paged_model import all_logits
 from tests.helpers.preset_digests import digests
 from tests.helpers.tolerance import assert_close_logits, logits_close

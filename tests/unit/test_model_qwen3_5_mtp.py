@@ -1,4 +1,4 @@
-"""Qwen3.5's multi-token-prediction layer (kvpipe/model/qwen3_5_mtp.py) against a reference on
+"""Qwen3.5's multi-token-prediction layer (kvpipe/model/draft/qwen3_5_mtp.py) against a reference on
 the same weights, fp32, on the tiny-qwen3.5 and tiny-qwen3.5-moe presets. transformers implements
 no Qwen3.5 MTP (its models skip the checkpoint's mtp.* tensors on load), so the reference is
 plain torch for the MTP's own parts (the zero-centred pre-fc norms, fc) and, for its decoder
@@ -24,14 +24,14 @@ from kvpipe.cache.kv_pool import KVPool
 from kvpipe.config import CacheConfig, ConfigError
 from kvpipe.engine.batch import ForwardSpec
 from kvpipe.engine.model_runner import ModelRunner
-from kvpipe.model.config import ModelConfig
+from kvpipe.model.checkpoint.loader import load_model
+from kvpipe.model.checkpoint.schema import ModelConfig
+from kvpipe.model.draft.mtp import load_mtp
+from kvpipe.model.draft.mtp_layer import MTPLayer
+from kvpipe.model.draft.qwen3_5_mtp import Qwen3_5MTP
 from kvpipe.model.forward_batch import ForwardBatch
-from kvpipe.model.loader import load_model
-from kvpipe.model.mtp import load_mtp
-from kvpipe.model.mtp_layer import MTPLayer
 from kvpipe.model.presets import write_preset
 from kvpipe.model.presets.qwen3_5 import QWEN3_5_PRESETS, weights
-from kvpipe.model.qwen3_5_mtp import Qwen3_5MTP
 from tests.helpers.hf_models import prompt_ids
 from tests.helpers.paged_model import all_logits
 from tests.helpers.tolerance import assert_close_logits

@@ -13,8 +13,8 @@ import torch
 from kvpipe.bench.kv_bytes import kv_wire_bytes, with_mtp_kv
 from kvpipe.config import DisaggregationConfig, ServerConfig, SpeculativeConfig, TransferTuning
 from kvpipe.disagg.draft_transfer import speculative_handshake
-from kvpipe.engine.mtp_drafter import hidden_from_bytes, hidden_to_bytes
-from kvpipe.model.config import ModelConfig
+from kvpipe.engine.spec.mtp_drafter import hidden_from_bytes, hidden_to_bytes
+from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.model.presets import preset_config, write_preset
 from kvpipe.transfer.control import messages as m
 from kvpipe.transfer.planning.layout import KVLayout

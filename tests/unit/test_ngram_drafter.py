@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from kvpipe.engine.ngram_drafter import longest_suffix_match, propose_ngram
+from kvpipe.engine.spec.ngram_drafter import longest_suffix_match, propose_ngram
 
 
 def test_proposes_what_followed_the_suffix():

@@ -18,10 +18,10 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpipe.model.linear import Linear
-from kvpipe.model.loader import load_model
-from kvpipe.model.packed_linear import can_pack, packing_enabled
-from kvpipe.model.panel_weight import PanelWeight, panel_kernels
+from kvpipe.model.checkpoint.loader import load_model
+from kvpipe.model.cpu.packed_linear import can_pack, packing_enabled
+from kvpipe.model.cpu.panel_weight import PanelWeight, panel_kernels
+from kvpipe.model.layers.linear import Linear
 from kvpipe.model.presets import write_preset
 from tests.helpers.tolerance import matmul_bound
 

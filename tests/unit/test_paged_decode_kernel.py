@@ -1,4 +1,4 @@
-"""The C++ CPU paged decode kernel (kvpipe/model/cpu_kernels) against attend_pages, the torch
+"""The C++ CPU paged decode kernel (kvpipe/model/cpu/kernels) against attend_pages, the torch
 reference, on random pools: dtypes, GQA groups, head dims, page sizes, ragged rows (length 1,
 page boundaries), padding pages, sinks, sliding windows (key_start > 0), MLA-shaped latent pages
 (v a prefix view of k); pools stored in another dtype than q (bf16, fp16, fp8 e4m3 / e5m2 with
@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 
 from kvpipe.cache.kv_dtype import quantize
 from kvpipe.cache.kv_pool import KVPool
-from kvpipe.model.attention import attend_pages, decode_attention
-from kvpipe.model.cpu_kernels import loader, paged_decode_kernel
+from kvpipe.model.cpu.kernels import loader, paged_decode_kernel
 from kvpipe.model.forward_batch import DecodeIndex, SeqSpan
+from kvpipe.model.layers.attention import attend_pages, decode_attention
 
 TOL = {
     torch.float32: dict(atol=1e-5, rtol=1e-5),

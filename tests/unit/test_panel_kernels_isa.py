@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvpipe.model.cpu_kernels import loader
-from kvpipe.model.quantized_weight import Int4Weight, Int8Weight
+from kvpipe.model.cpu.kernels import loader
+from kvpipe.model.quant.weights import Int4Weight, Int8Weight
 from tests.helpers.tolerance import matmul_bound
 
 pytestmark = [

@@ -7,10 +7,10 @@ import json
 import pytest
 
 from kvpipe.config import ConfigError
-from kvpipe.model.config import ModelConfig
-from kvpipe.model.loader import load_generation_eos, load_model
+from kvpipe.model.checkpoint.loader import load_generation_eos, load_model
+from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.model.presets import PRESETS, default_model_dir, model_path_or_preset, write_preset
-from kvpipe.model.tokenizer import Tokenizer
+from kvpipe.model.text.tokenizer import Tokenizer
 from tests.helpers.paged_model import greedy_generate
 from tests.helpers.preset_digests import digests
 

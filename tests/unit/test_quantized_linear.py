@@ -1,5 +1,5 @@
-"""Weight-only quantized linears (--quantization; kvpipe/model/quantized_weight.py,
-quantization.py, cpu_kernels/weight_only.cpp): the int8/int4 kernels (fp32 activations) against
+"""Weight-only quantized linears (--quantization; kvpipe/model/quant/weights.py,
+quantization.py, cpu/kernels/weight_only.cpp): the int8/int4 kernels (fp32 activations) against
 the exact product of the input with the dequantized weights (tolerance.matmul_bound), a row
 alone against the same row in a batch (bit for bit), the fallback without the kernels, the
 quantizers' rounding, GGUF Q4_0/Q4_1 blocks loaded straight (whole and TP-sharded), the
@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from kvpipe.config import ConfigError, ServerConfig
-from kvpipe.model.cpu_kernels import loader
-from kvpipe.model.cpu_kernels.weight_only import weight_only_kernels
-from kvpipe.model.gguf.checkpoint import GGUFCheckpoint
-from kvpipe.model.linear import Linear, Shard
-from kvpipe.model.loader import check_checkpoint, load_model
+from kvpipe.model.checkpoint.gguf.checkpoint import GGUFCheckpoint
+from kvpipe.model.checkpoint.loader import check_checkpoint, load_model
+from kvpipe.model.cpu.kernels import loader
+from kvpipe.model.cpu.kernels.weight_only import weight_only_kernels
+from kvpipe.model.layers.linear import Linear, Shard
 from kvpipe.model.presets import write_preset
-from kvpipe.model.quantization import gguf_codes
-from kvpipe.model.quantized_weight import GROUP, Int4Weight, Int8Weight
+from kvpipe.model.quant.quantize import gguf_codes
+from kvpipe.model.quant.weights import GROUP, Int4Weight, Int8Weight
 from tests.helpers.gguf_files import Q, write_gguf
 from tests.helpers.tolerance import matmul_bound
 

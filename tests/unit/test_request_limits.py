@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpipe.config import ConfigError, RequestLimits, ServerConfig
-from kvpipe.model.tokenizer import Tokenizer
+from kvpipe.model.text.tokenizer import Tokenizer
 from kvpipe.server.errors import APIError
 from kvpipe.server.openai_protocol import COMPLETION_BATCH_FIELDS, ChatCompletionRequest
 from kvpipe.server.openapi_schema import apply_limits

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvpipe.engine.request import FinishReason, SamplingParams, TokenOutput
-from kvpipe.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvpipe.model.text.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvpipe.server.protocol import GenerateInput, TextOptions
 from kvpipe.server.request_tracker import RequestTracker
 

@@ -12,9 +12,9 @@ import torch
 from kvpipe.config import CacheConfig
 from kvpipe.engine.batch import ForwardSpec
 from kvpipe.engine.model_runner import ModelRunner
-from kvpipe.model.config import ModelConfig
+from kvpipe.model.checkpoint.loader import load_model
+from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.model.forward_batch import ForwardBatch
-from kvpipe.model.loader import load_model
 from kvpipe.model.presets import write_preset
 from tests.helpers.hf_models import prompt_ids
 

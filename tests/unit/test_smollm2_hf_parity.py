@@ -25,10 +25,10 @@ import torch
 from kvpipe.config import CacheConfig, ServerConfig
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import SamplingParams
-from kvpipe.model.causal_lm import CausalLM
-from kvpipe.model.default_model import default_model_path
-from kvpipe.model.loader import load_model
-from kvpipe.model.tokenizer import Tokenizer
+from kvpipe.model.checkpoint.default_model import default_model_path
+from kvpipe.model.checkpoint.loader import load_model
+from kvpipe.model.families.causal_lm import CausalLM
+from kvpipe.model.text.tokenizer import Tokenizer
 from tests.helpers import smollm2_text as smollm2
 from tests.helpers.paged_model import incremental_logits
 from tests.helpers.tolerance import assert_close_logits, logit_atol

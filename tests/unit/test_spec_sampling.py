@@ -10,7 +10,7 @@ import torch
 
 from kvpipe.engine.request import SamplingParams
 from kvpipe.engine.sampler import Sampler, make_generator
-from kvpipe.engine.spec_sampling import speculative_sample
+from kvpipe.engine.spec.sampling import speculative_sample
 
 N = 20_000
 

@@ -13,7 +13,7 @@ from kvpipe.config import ConfigError, SchedulerConfig, SpeculativeConfig
 from kvpipe.engine.batch import ForwardMode
 from kvpipe.engine.request import FinishReason, Req, SamplingParams
 from kvpipe.engine.scheduler import Scheduler
-from kvpipe.engine.spec_verify import SpecCounts, accepted_prefix, draft_budget
+from kvpipe.engine.spec.verify import SpecCounts, accepted_prefix, draft_budget
 from tests.helpers.scheduler_steps import check_pages, drain, req
 
 
@@ -78,7 +78,7 @@ def test_config_and_flags():
     assert not speculative_config_from_args(p.parse_args([])).enabled
     args = p.parse_args("--speculative-algorithm standalone --speculative-draft-model-path /m/draft".split())
     assert speculative_config_from_args(args) == SpeculativeConfig("STANDALONE", draft_model_path="/m/draft")
-    # EAGLE with a draft model path: an EAGLE head (engine/eagle_drafter.py), drafted like NEXTN
+    # EAGLE with a draft model path: an EAGLE head (engine/spec/eagle_drafter.py), drafted like NEXTN
     args = p.parse_args("--speculative-algorithm EAGLE --speculative-draft-model-path /m/head".split())
     eagle = speculative_config_from_args(args)
     assert eagle.uses_mtp and eagle.eagle_head_path == "/m/head" and eagle.standalone_draft_path is None

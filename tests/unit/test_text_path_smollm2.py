@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from kvpipe.engine.finish import FinishChecker
 from kvpipe.engine.request import FinishReason, Req, SamplingParams, TokenOutput
-from kvpipe.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvpipe.model.text.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvpipe.server.protocol import GenerateInput, TextOptions
 from kvpipe.server.request_tracker import RequestOutput, RequestTracker
 from tests.helpers.smollm2_text import hf_tokenizer, kvpipe_tokenizer

@@ -9,7 +9,7 @@ import jinja2
 import pytest
 
 from kvpipe.config import ConfigError
-from kvpipe.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvpipe.model.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXTS = ["the cat and the dog", "héllo wörld", "日本語のテキスト", "emoji 🎉🦀 mixed", "  spaces\n\ttabs  ", ""]
 

@@ -1,9 +1,9 @@
-"""A hybrid model's speculative verify forward (model/gated_delta_net.py `_verify`,
+"""A hybrid model's speculative verify forward (model/layers/gated_delta_net.py `_verify`,
 cache/verify_states.py): rows of several inputs after their prompts compute each input as plain
 decode steps do (logits, and the state after every input kept per position), the row's slot ends
 at its last input, a rollback copy puts the state of an earlier input back (the next decode step
 then gives the logits of decoding from there), and a snapshot inside a verify row holds the state
-after its input. Also StateRollback's bookkeeping (engine/state_rollback.py)."""
+after its input. Also StateRollback's bookkeeping (engine/spec/state_rollback.py)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import torch
 from kvpipe.cache.page_allocator import PageAllocator
 from kvpipe.cache.verify_states import VerifyStates
 from kvpipe.engine.request import Req, ReqStatus, SamplingParams
-from kvpipe.engine.state_rollback import StateRollback
+from kvpipe.engine.spec.state_rollback import StateRollback
+from kvpipe.model.checkpoint.loader import load_model
 from kvpipe.model.forward_batch import ForwardBatch
-from kvpipe.model.loader import load_model
 from tests.helpers.tolerance import assert_close_logits
 
 pytest.importorskip("transformers.models.qwen3_5")

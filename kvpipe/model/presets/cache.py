@@ -54,5 +54,5 @@ def default_model_dir(preset: str, seed: int = 0) -> Path:
 def model_path_or_preset(path: str | None, preset: str = "tiny") -> str:
     """A benchmark's or harness's --model-path, or the random `preset` (written once, then reused)
     when none is given: their numbers stay comparable across sessions. Servers default to a trained
-    model instead (model/default_model.py)."""
+    model instead (model/checkpoint/default_model.py)."""
     return path if path else str(default_model_dir(preset))

@@ -26,7 +26,7 @@ class MLAPresetSpec:
     yarn_factor: float | None = None  # None: plain RoPE
     yarn_original_max_position_embeddings: int = 2048
     # multi-token-prediction layers after the decoder stack (HF's num_nextn_predict_layers; the
-    # NEXTN drafter, model/mtp.py), written under model.layers.{num_layers + i}.
+    # NEXTN drafter, model/draft/mtp.py), written under model.layers.{num_layers + i}.
     nextn_layers: int = 0
 
 

@@ -48,7 +48,7 @@ class Qwen3_5PresetSpec:
     conv_std: float = 0.3
     moe: Qwen3_5MoeSpec | None = None  # None: the dense MLP of intermediate_size (Qwen3.5)
     # multi-token-prediction layers under mtp.* (HF's mtp_num_hidden_layers; the NEXTN drafter,
-    # model/qwen3_5_mtp.py), drawn after every target tensor so the target's stay as they were
+    # model/draft/qwen3_5_mtp.py), drawn after every target tensor so the target's stay as they were
     mtp_layers: int = 0
 
     @property

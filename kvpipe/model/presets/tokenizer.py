@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from kvpipe.model.byte_alphabet import bytes_to_unicode
+from kvpipe.model.text.byte_alphabet import bytes_to_unicode
 
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>")
 

@@ -19,7 +19,7 @@ import kvpipe.model.presets.gpt_oss as presets_gpt_oss
 import kvpipe.model.presets.llama as presets_llama
 import kvpipe.model.presets.qwen3_5 as presets_qwen3_5
 from kvpipe.config import ConfigError
-from kvpipe.model.config import ModelConfig
+from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.model.presets.tokenizer import SPECIAL_TOKENS, build_tokenizer
 
 PRESET_FORMAT_VERSION = 4  # bump when a preset's files change, so cached copies are rewritten (4: Qwen3.5 MTP layers)

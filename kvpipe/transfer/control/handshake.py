@@ -3,7 +3,7 @@ comparison that names every disagreement with both sides' values.
 
 `Handshake` describes one server instance, independent of its TP size and of where its buffers
 live (those are checked per rank pair: bootstrap.check_compatible, sender/peers.py):
-- the model by content (`model_digest`, model/identity.py: config, tokenizer and a sample of
+- the model by content (`model_digest`, model/checkpoint/identity.py: config, tokenizer and a sample of
   every weight tensor), so two checkpoints served under one name are refused;
 - the KV pool: storage dtype, page size, kind (K and V, or one MLA latent), layers, total KV
   heads, head dim, sliding-window layers;

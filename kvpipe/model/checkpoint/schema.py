@@ -1,0 +1,404 @@
+"""The checkpoint schema: what kvpipe reads of an HF `config.json`, one frozen dataclass per part
+(attention and rope in ModelConfig; MoE, MLA and hybrid layers in their own), and each family's
+HF parsing (`ModelConfig.from_hf_dict`)."""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvpipe.config import ConfigError
+from kvpipe.model.checkpoint.gguf.checkpoint import gguf_checkpoint
+
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MiniMaxM2ForCausalLM": "minimax_m2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
+    "GptOssForCausalLM": "gpt_oss",
+}
+
+# Families built on the Qwen3.5 hybrid stack (HybridConfig): the dense one and its MoE variant.
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Sparse MLP: each token goes to top_k of num_experts routed experts (plus shared ones).
+
+    Routing variants by family: Qwen3-MoE softmax over all experts, then top-k (renormalised
+    when norm_topk_prob); MiniMax-M2 sigmoid scores, top-k chosen on score + correction bias,
+    weights renormalised; DeepSeek-V3 the same plus group-limited choice (the top `topk_groups`
+    of `num_groups` groups, a group scored by its two best experts), the shared experts and
+    `routed_scaling_factor` on the routed weights; Qwen3.5-MoE softmax top-k, always renormalised,
+    plus one shared expert scaled per token by sigmoid(shared_expert_gate(x)); GPT-OSS
+    ("topk_softmax") top-k of the biased router logits, then a softmax over the chosen k only,
+    into experts with biases and a clamped SwiGLU (gpt_oss.py).
+    """
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int  # per routed expert
+    scoring: str  # "softmax" | "sigmoid" | "topk_softmax"
+    norm_topk_prob: bool
+    correction_bias: bool = False  # e_score_correction_bias steers the choice, not the weights
+    num_groups: int = 1  # group-limited routing (DeepSeek-V3 n_group); 1: off
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_intermediate_size: int = 0  # one fused shared expert of this size; 0: none
+    shared_expert_gate: bool = False  # Qwen3.5-MoE: the shared expert's output times sigmoid(Linear(hidden, 1))
+    dense_layers: tuple[int, ...] = ()  # layers that keep a dense MLP of ModelConfig.intermediate_size
+    # GPT-OSS: the router and every expert projection carry a bias; the experts' SwiGLU clamps its
+    # gate (above) and up (both sides) at swiglu_limit and uses sigmoid(swiglu_alpha * gate)
+    biases: bool = False
+    swiglu_alpha: float = 1.0
+    swiglu_limit: float | None = None  # None: the plain SwiGLU
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer not in self.dense_layers
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any], arch: str) -> MoEConfig | None:
+        n_layers = int(cfg["num_hidden_layers"])
+        if arch == "qwen3_moe":
+            step = int(cfg.get("decoder_sparse_step", 1) or 1)
+            only = {int(i) for i in cfg.get("mlp_only_layers") or ()}
+            dense = tuple(i for i in range(n_layers) if i in only or (i + 1) % step)
+            return cls(
+                num_experts=int(cfg.get("num_experts") or cfg["num_local_experts"]),
+                top_k=int(cfg["num_experts_per_tok"]),
+                expert_intermediate_size=int(cfg["moe_intermediate_size"]),
+                scoring="softmax",
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                dense_layers=dense,
+            )
+        if arch == "qwen3_5_moe":  # every layer sparse: HF has no decoder_sparse_step / mlp_only_layers here
+            return cls(
+                num_experts=int(cfg["num_experts"]),
+                top_k=int(cfg["num_experts_per_tok"]),
+                expert_intermediate_size=int(cfg["moe_intermediate_size"]),
+                scoring="softmax",
+                norm_topk_prob=True,
+                shared_intermediate_size=int(cfg["shared_expert_intermediate_size"]),
+                shared_expert_gate=True,
+            )
+        if arch == "minimax_m2":
+            return cls(
+                num_experts=int(cfg["num_local_experts"]),
+                top_k=int(cfg["num_experts_per_tok"]),
+                expert_intermediate_size=int(cfg["intermediate_size"]),
+                scoring="sigmoid",
+                norm_topk_prob=True,
+                correction_bias=True,
+            )
+        if arch == "deepseek_v3":
+            first_dense = int(cfg.get("first_k_dense_replace", 0))
+            shared = int(cfg.get("n_shared_experts") or 0)
+            return cls(
+                num_experts=int(cfg["n_routed_experts"]),
+                top_k=int(cfg["num_experts_per_tok"]),
+                expert_intermediate_size=int(cfg["moe_intermediate_size"]),
+                scoring="sigmoid",
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                correction_bias=True,
+                num_groups=int(cfg.get("n_group") or 1),
+                topk_groups=int(cfg.get("topk_group") or 1),
+                routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+                shared_intermediate_size=shared * int(cfg["moe_intermediate_size"]),
+                dense_layers=tuple(range(min(first_dense, n_layers))),
+            )
+        if arch == "gpt_oss":
+            return cls(
+                num_experts=int(cfg["num_local_experts"]),
+                top_k=int(cfg["num_experts_per_tok"]),
+                expert_intermediate_size=int(cfg["intermediate_size"]),
+                scoring="topk_softmax",
+                norm_topk_prob=False,
+                biases=True,
+                swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+                swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+            )
+        return None
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): the KV cache holds one latent per token,
+    [kv_lora_rank] compressed KV then [qk_rope_head_dim] shared rotary key, with no head axis."""
+
+    q_lora_rank: int | None  # None: q is one full projection (no low-rank q)
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # rotary dims stored as interleaved pairs (x0, x1), (x2, x3), ...
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Width of one cached token of one layer."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> MLAConfig:
+        q = cfg.get("q_lora_rank")
+        return cls(
+            q_lora_rank=None if q is None else int(q),
+            kv_lora_rank=int(cfg["kv_lora_rank"]),
+            qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
+            qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+            v_head_dim=int(cfg["v_head_dim"]),
+            rope_interleave=bool(cfg.get("rope_interleave", True)),
+        )
+
+
+class LayerType(enum.Enum):
+    """The token mixer of one layer of a hybrid model (HF `layer_types`)."""
+
+    FULL_ATTENTION = "full_attention"  # gated softmax attention over the paged KV cache
+    LINEAR_ATTENTION = "linear_attention"  # gated delta-net: a per-request recurrent state, no KV
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    """Qwen3.5-style hybrid stack: gated delta-net (linear attention) layers between gated
+    full-attention layers. A linear layer keeps, per request, a causal-conv state
+    [conv_dim, conv_kernel - 1] and a recurrent state [linear_value_heads, key_dim, value_dim]."""
+
+    layer_types: tuple[LayerType, ...]
+    linear_key_heads: int
+    linear_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t is LayerType.FULL_ATTENTION)
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t is LayerType.LINEAR_ATTENTION)
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal conv: q and k (key heads) then v (value heads), before TP."""
+        k, v = self.linear_key_heads * self.linear_key_head_dim, self.linear_value_heads * self.linear_value_head_dim
+        return 2 * k + v
+
+    def state_nbytes(self, conv_itemsize: int) -> int:
+        """One request's state over every linear layer before TP (StateLayout.slot_nbytes at TP 1):
+        the conv state in the model dtype, the recurrent state in fp32. It does not grow with the
+        prompt, so a transfer cost counts it once per request."""
+        conv = self.conv_dim * (self.conv_kernel - 1) * conv_itemsize
+        recurrent = self.linear_value_heads * self.linear_key_head_dim * self.linear_value_head_dim * 4
+        return len(self.linear_layers) * (conv + recurrent)
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> HybridConfig:
+        n = int(cfg["num_hidden_layers"])
+        types = cfg.get("layer_types")
+        if types is None:  # HF's default pattern: every `full_attention_interval`-th layer is full
+            every = int(cfg.get("full_attention_interval", 4))
+            types = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+        if len(types) != n:
+            raise ConfigError(f"layer_types has {len(types)} entries for {n} layers")
+        try:
+            layer_types = tuple(LayerType(t) for t in types)
+        except ValueError as e:
+            raise ConfigError(f"unsupported layer type in layer_types: {e}") from None
+        return cls(
+            layer_types=layer_types,
+            linear_key_heads=int(cfg["linear_num_key_heads"]),
+            linear_value_heads=int(cfg["linear_num_value_heads"]),
+            linear_key_head_dim=int(cfg["linear_key_head_dim"]),
+            linear_value_head_dim=int(cfg["linear_value_head_dim"]),
+            conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str  # a value of SUPPORTED_ARCHITECTURES
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool  # RMSNorm on q and k before RoPE: per head (Qwen3) unless qk_norm_per_head is False
+    rope_scaling: dict[str, Any] | None = None
+    dtype: str = "float32"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    moe: MoEConfig | None = None  # sparse MLP (Qwen3-MoE, MiniMax-M2, DeepSeek-V3)
+    mla: MLAConfig | None = None  # latent attention and a latent KV cache (DeepSeek-V3)
+    hybrid: HybridConfig | None = None  # linear-attention layers with recurrent state (Qwen3.5)
+    # False: one RMSNorm over the whole q (and k) projection, all heads together (MiniMax-M2)
+    qk_norm_per_head: bool = True
+    # RoPE rotates only each head's first rotary_dim dims (MiniMax-M2, Qwen3.5); None: all
+    rotary_dim: int | None = None
+    # GPT-OSS: layers that attend to a sliding window of their last `sliding_window` keys (the
+    # query's own included: key j is visible to query i iff i - sliding_window < j <= i)
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    attention_sinks: bool = False  # a learned logit per head added to the softmax denominator (GPT-OSS)
+    o_proj_bias: bool = False  # o_proj carries a bias (GPT-OSS's attention_bias covers q/k/v/o)
+    # multi-token-prediction layers (model/draft/mtp.py): DeepSeek-V3's after the last decoder layer
+    # (num_nextn_predict_layers), Qwen3.5's under mtp.* (mtp_num_hidden_layers); the NEXTN
+    # drafter's, the target's forward never runs them
+    num_nextn_predict_layers: int = 0
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of `layer`, None where it attends to the whole context."""
+        return self.sliding_window if layer in self.sliding_layers else None
+
+    @property
+    def rope_dim(self) -> int:
+        """Leading dims of each q/k head that RoPE rotates (the rest pass through); MLA: its
+        decoupled rope dims (qk_rope_head_dim)."""
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """Layers that keep KV pages, in KV-pool order (a hybrid model's full-attention layers)."""
+        return self.hybrid.full_layers if self.hybrid is not None else tuple(range(self.num_layers))
+
+    @property
+    def kv_cache_heads(self) -> int:
+        """Heads of the KV cache before TP: one latent "head" for MLA, replicated on every rank."""
+        return 1 if self.mla is not None else self.num_kv_heads
+
+    @property
+    def kv_cache_head_dim(self) -> int:
+        return self.mla.latent_dim if self.mla is not None else self.head_dim
+
+    @property
+    def kv_buffers_per_layer(self) -> int:
+        """Cache tensors per layer: K and V, or the one MLA latent."""
+        return 1 if self.mla is not None else 2
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ConfigError(f"unsupported architecture {archs!r}; kvpipe supports {sorted(SUPPORTED_ARCHITECTURES)}")
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        eos = cfg.get("eos_token_id")
+        # transformers >= 5 writes `rope_parameters` (rope_theta + scaling) instead of the
+        # top-level `rope_theta` / `rope_scaling` of older checkpoints; accept both.
+        rope_params = cfg.get("rope_parameters") or {}
+        rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        rope_scaling = cfg.get("rope_scaling")
+        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+            rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        head_dim = int(cfg.get("head_dim") or hidden // num_heads)
+        return cls(
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            # Qwen3.5-MoE has no dense MLP, hence no intermediate_size
+            intermediate_size=int(
+                cfg.get("intermediate_size", 0) if arch == "qwen3_5_moe" else cfg["intermediate_size"]
+            ),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch in ("qwen2", "gpt_oss"))),
+            qk_norm=arch in ("qwen3", "qwen3_moe", "minimax_m2", *HYBRID_FAMILIES),
+            rope_scaling=rope_scaling,
+            dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            moe=MoEConfig.from_hf_dict(cfg, arch),
+            mla=MLAConfig.from_hf_dict(cfg) if arch == "deepseek_v3" else None,
+            qk_norm_per_head=arch != "minimax_m2",
+            rotary_dim=_partial_rotary_dim(cfg, head_dim) if arch in ("minimax_m2", *HYBRID_FAMILIES) else None,
+            hybrid=HybridConfig.from_hf_dict(cfg) if arch in HYBRID_FAMILIES else None,
+            **(_gpt_oss_attention(cfg) if arch == "gpt_oss" else {}),
+            num_nextn_predict_layers=_mtp_layers(cfg, arch),
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        """The config of a checkpoint: an HF directory's config.json, or a GGUF file's metadata
+        (a .gguf file, or a directory holding one)."""
+        ckpt = gguf_checkpoint(model_dir)
+        if ckpt is not None:
+            return cls.from_hf_dict(ckpt.config)
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"{model_dir}: no config.json (expected a local HF checkpoint directory or a .gguf file)")
+        return cls.from_hf_dict(json.loads(path.read_text()))
+
+
+def _gpt_oss_attention(cfg: dict[str, Any]) -> dict[str, Any]:
+    """GPT-OSS's attention fields of ModelConfig: sliding and full layers (HF's default pattern
+    alternates, sliding first), sinks in every layer, o_proj biased like q/k/v."""
+    n = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+    if len(types) != n:
+        raise ConfigError(f"layer_types has {len(types)} entries for {n} layers")
+    bad = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if bad:
+        raise ConfigError(f"unsupported layer types {bad} for GPT-OSS (only sliding_attention, full_attention)")
+    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    window = cfg.get("sliding_window")
+    if sliding and (window is None or int(window) < 1):
+        raise ConfigError(f"sliding_attention layers need a sliding_window >= 1, got {window!r}")
+    return dict(
+        sliding_window=None if window is None else int(window),
+        sliding_layers=sliding,
+        attention_sinks=True,
+        o_proj_bias=bool(cfg.get("attention_bias", True)),
+    )
+
+
+def _partial_rotary_dim(cfg: dict[str, Any], head_dim: int) -> int | None:
+    """MiniMax-M2 gives `rotary_dim`, Qwen3.5 `partial_rotary_factor`; transformers >= 5 also writes
+    `partial_rotary_factor` (in rope_parameters), which wins as in HF: int(head_dim * factor) dims
+    rotate."""
+    factor = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    dim = int(head_dim * float(factor)) if factor is not None else cfg.get("rotary_dim")
+    if dim is None or int(dim) == head_dim:
+        return None
+    if not 0 < int(dim) < head_dim or int(dim) % 2:
+        raise ConfigError(f"rotary dim {dim} must be even and in (0, head_dim={head_dim}]")
+    return int(dim)
+
+
+def _mtp_layers(cfg: dict[str, Any], arch: str) -> int:
+    """The checkpoint's multi-token-prediction layers: DeepSeek-V3's num_nextn_predict_layers,
+    Qwen3.5's mtp_num_hidden_layers (its hub configs' key; transformers' config class does not
+    declare it and its models skip the mtp.* tensors); none for the other families."""
+    if arch == "deepseek_v3":
+        return int(cfg.get("num_nextn_predict_layers") or 0)
+    if arch in HYBRID_FAMILIES:
+        return int(cfg.get("mtp_num_hidden_layers") or 0)
+    return 0

@@ -1,0 +1,29 @@
+"""Qwen3-MoE: Qwen3's attention (per-head q/k RMSNorm) and a sparse MoE MLP (softmax top-k,
+renormalised when norm_topk_prob) in every layer but the dense ones (mlp_only_layers,
+decoder_sparse_step)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from kvpipe.config import ConfigError
+from kvpipe.model.checkpoint.schema import ModelConfig
+from kvpipe.model.families.causal_lm import CausalLM
+from kvpipe.model.layers.gqa_attention import GQAttention
+from kvpipe.model.layers.moe import sparse_or_dense_mlp
+
+
+class Qwen3MoeCausalLM(CausalLM):
+    def make_attention(self, layer: int) -> nn.Module:
+        return GQAttention(self.cfg, layer, self.parallel, self.group)
+
+    def make_mlp(self, layer: int) -> nn.Module:
+        return sparse_or_dense_mlp(self.cfg, layer, self.parallel, self.group)
+
+
+def check_qwen3_moe(raw: dict[str, Any], cfg: ModelConfig) -> None:
+    """A Qwen3-MoE config without experts has no sparse layer: not a model this family builds."""
+    if cfg.moe is not None and cfg.moe.num_experts == 0:
+        raise ConfigError("qwen3_moe with num_experts=0 (no sparse layer) is not supported")
