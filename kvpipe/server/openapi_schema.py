@@ -98,10 +98,10 @@ def install_body_schemas(
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            defs = request_defs(tuple(models))
+            apply_limits(defs, limits)  # the requests' caps; the answers have none
             # ErrorBody too: the 401 answers _document_keys declares refer to it
-            defs = request_defs((*models, ErrorBody))
-            apply_limits(defs, limits)
-            schema.setdefault("components", {}).setdefault("schemas", {}).update(defs)
+            schema.setdefault("components", {}).setdefault("schemas", {}).update({**request_defs((ErrorBody,)), **defs})
             if keys.user or keys.admin is not None:
                 _document_keys(schema, keys)
             app.openapi_schema = schema
