@@ -61,6 +61,7 @@ class ServerState:
     _token_chars: int | None = field(default=None, init=False, repr=False)  # longest_token_chars, once
     # the request schemas with every cap, the model's too, and the chat budgets (check_body), once
     _caps: tuple[dict[str, Any], dict[str, Budget]] | None = field(default=None, init=False, repr=False)
+    _flag_caps: dict[str, Any] | None = field(default=None, init=False, repr=False)  # the flags' caps only
 
     # ---- the loaded engine (APIError 503 while loading or after a failure) ------------------------
     @property
@@ -100,9 +101,10 @@ class ServerState:
         templates or tokenization (`body_check.py`). `model_caps`: the loaded model's caps too
         (then call it in a prep thread: `input_limits`); without them it needs no engine."""
         if not model_caps:
-            defs = request_defs()
-            apply_limits(defs, self.cfg.limits)
-            return check_body(body, model, defs)
+            if self._flag_caps is None:
+                self._flag_caps = request_defs()
+                apply_limits(self._flag_caps, self.cfg.limits)
+            return check_body(body, model, self._flag_caps)
         if self._caps is None:
             limits = self.input_limits()
             defs = request_defs()

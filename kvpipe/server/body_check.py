@@ -19,7 +19,7 @@ checked against `Budget`s).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +54,15 @@ def _json_type_ok(value: Any, name: str) -> bool:
     if type(value) is bool:
         return name == "boolean"
     return isinstance(value, _TYPES[name])
+
+
+def _plain_test(kind: str, cap: int | None) -> Callable[[Any], bool]:
+    """Whether a value is of a plain JSON type (json.loads makes exact types: no subclasses but
+    bool's of int), within `cap` characters for a string."""
+    if kind == "string":
+        return (lambda v: type(v) is str) if cap is None else (lambda v: type(v) is str and len(v) <= cap)
+    exact = {"integer": (int,), "number": (int, float), "boolean": (bool,)}[kind]
+    return lambda v: type(v) in exact
 
 
 def _describe(value: Any) -> str:
@@ -118,14 +127,12 @@ class _Walk:
         if schema is None:
             return
         schema = self.resolve(schema)
-        kind = schema.get("type")
+        kind: str = schema.get("type", "")
         plain = kind in ("integer", "number", "boolean", "string") and not ({"anyOf", "const", "enum"} & schema.keys())
         if plain:  # one tight loop: a list of 100k token ids is checked in milliseconds
-            ok = _TYPES[kind]
-            cap = schema.get("maxLength")
-            for i, v in enumerate(value):
-                if type(v) is bool or not isinstance(v, ok) or (cap is not None and len(v) > cap):
-                    return self.check(v, schema, f"{where}.{i}")  # the one that failed, with its message
+            if not all(map(_plain_test(kind, schema.get("maxLength")), value)):
+                for i, v in enumerate(value):  # the first that failed, with its message
+                    self.check(v, schema, f"{where}.{i}")
             if COUNT in schema:
                 for v in value:
                     self.count(schema, len(v))

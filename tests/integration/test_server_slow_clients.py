@@ -168,3 +168,34 @@ def test_a_trickled_body_is_cut(server: ServerProc) -> None:
     assert _settled_fds(server, at_most=baseline + 2) <= baseline + 2
     assert "Traceback" not in server.log() and "unhandled error" not in server.log()
     assert server.post("/generate", json=GENUINE).status_code == 200
+
+
+def test_a_kept_alive_connection_s_next_head_has_the_same_deadline(server: ServerProc) -> None:
+    """After a served request, the next head trickled on the same connection is cut like a first
+    one (uvicorn's keep-alive timer stops at its first byte; the head deadline starts there)."""
+    port = int(server.url.rsplit(":", 1)[1])
+    body = b'{"text": "hi", "sampling_params": {"max_new_tokens": 2}}'
+    request = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    request += b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(request)
+        first = s.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200"), first[:200]
+        start = time.monotonic()
+        answer = b""
+        for i in range(HEAD_TIMEOUT_S + 15):  # a byte a second of the next head
+            try:
+                s.sendall(HEAD[i : i + 1])
+            except OSError:
+                break
+            s.settimeout(1.0)
+            try:
+                data = s.recv(4096)
+            except TimeoutError:
+                continue
+            answer += data
+            if not data:
+                break
+        cut = time.monotonic() - start
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert cut >= HEAD_TIMEOUT_S - 0.5, cut  # by the head deadline, not the keep-alive one

@@ -197,6 +197,10 @@ def test_a_long_list_of_token_ids_is_one_step() -> None:
     assert _refusal({"input_ids": list(range(16))}, "GenerateRequest") is None
     refused = _refusal({"input_ids": [*range(9), True]}, "GenerateRequest")
     assert refused is not None and refused.param == "input_ids.9" and "not a boolean" in refused.message
+    # a list of booleans: each entry looked at (the loop does not stop at the first good one)
+    assert _refusal({"text": ["a", "b"], "return_logprob": [True, False]}, "GenerateRequest") is None
+    refused = _refusal({"text": ["a", "b"], "return_logprob": [True, "x"]}, "GenerateRequest")
+    assert refused is not None and refused.param == "return_logprob.1"
 
 
 def test_messages() -> None:
