@@ -1,8 +1,9 @@
-"""The HTTP server: SGLang native routes, server/model info, health, metrics; `run_server`.
+"""The HTTP server: the app (`create_app`: its middleware and routes) and `run_server`.
 
-The engine loads in the engine thread after the server starts listening, so `/health` answers
-503 while loading (what sglang-router and the launcher poll for) and 200 once it is ready.
-OpenAI-compatible routes live in `openai_api.py`.
+SGLang's native `/generate` and `/abort_request` are here; health, info, metrics and debug routes
+in `info_routes.py`, the OpenAI-compatible ones in `openai_api.py`. The engine loads in the engine
+thread after the server starts listening, so `/health` answers 503 while loading (what
+sglang-router and the launcher poll for) and 200 once it is ready.
 """
 
 from __future__ import annotations
