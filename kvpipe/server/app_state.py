@@ -99,8 +99,9 @@ class ServerState:
     def check_body(self, body: Any, model: str, model_caps: bool = True) -> None:
         """Refuse a body whose fields' types or sizes are past a cap (400), before validation,
         templates or tokenization (`body_check.py`). `model_caps`: the loaded model's caps too
-        (then call it in a prep thread: `input_limits`); without them it needs no engine."""
-        if not model_caps:
+        (then call it in a prep thread: `input_limits`); without them, and while the engine loads
+        (the route answers 503 after this), it needs no engine."""
+        if not model_caps or not self.engine.ready:
             if self._flag_caps is None:
                 self._flag_caps = request_defs()
                 apply_limits(self._flag_caps, self.cfg.limits)
