@@ -468,12 +468,38 @@ class RequestLimits:
     max_stop_strings: int = 32
     max_stop_string_chars: int = 256
     max_stop_token_ids: int = 256  # per prompt
+    # characters of every other string field (role, name, rid, model, user, cache_salt, ...) and
+    # entries of every other list or object field (tools, logit_bias, ...): checked on the parsed
+    # JSON before anything reads them (kvpipe/server/request_caps.py)
+    max_field_size: int = 256
     # requests waiting beyond --max-running-requests (SGLang's --max-queued-requests): a server
     # holding max_running_requests + this many answers 503 with Retry-After
     max_queued_requests: int = 1024
 
     def __post_init__(self) -> None:
         require_counts(self)
+
+
+@dataclass(frozen=True)
+class ListenerLimits:
+    """How long an HTTP client may take to send a request, and how many connections a server keeps
+    open (kvpipe/http_listener.py): a client that sends its request slowly (slowloris) holds a
+    socket and a descriptor until it is cut."""
+
+    header_timeout_s: float = 10.0  # from a connection's start (or its last response) to a complete request head
+    # from the head to the body's last byte, plus one second for every BODY_MIN_RATE bytes received
+    body_timeout_s: float = 30.0
+    keep_alive_s: float = 30.0  # an idle connection between requests
+    # open client connections; one more is answered 503 at once and closed (its descriptor freed)
+    max_connections: int = 512
+
+    def __post_init__(self) -> None:
+        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):
+                raise ConfigError(f"{name} must be a positive number of seconds, got {v!r}")
+        if not (type(self.max_connections) is int and self.max_connections >= 1):
+            raise ConfigError(f"max_connections must be a whole number >= 1, got {self.max_connections!r}")
 
 
 HICACHE_STORAGE_BACKENDS = ("mooncake",)
@@ -541,9 +567,16 @@ class ServerConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
     limits: RequestLimits = field(default_factory=RequestLimits)
+    listener: ListenerLimits = field(default_factory=ListenerLimits)
     # SGLang's --api-key: every HTTP route but /health, /health_generate and /metrics needs
     # `Authorization: Bearer <key>` (kvpipe/server/api_key.py). Not in repr: configs get logged.
     api_key: str | None = field(default=None, repr=False)
+    # more user keys, one per user (--api-key-file): each its own identity (abort by rid, cache salt)
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    # --admin-api-key: the admin routes (/debug/*, abort_all, addresses and paths in /server_info)
+    admin_api_key: str | None = field(default=None, repr=False)
+    # --cache-salt-by-api-key: prefixes are shared only between requests sent with the same key
+    cache_salt_by_api_key: bool = False
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     # finished requests whose timelines GET /debug/requests keeps (kvpipe/engine/timeline.py); 0: none
     debug_requests_history: int = 256
@@ -568,8 +601,10 @@ class ServerConfig:
             raise ConfigError(
                 f"the request body limit must be a whole number of bytes >= 1, got {self.max_request_body_bytes!r}"
             )
-        if self.api_key is not None and not self.api_key.strip():
+        if any(k is not None and not k.strip() for k in (self.api_key, self.admin_api_key, *self.api_keys)):
             raise ConfigError("the API key must not be empty")
+        if self.admin_api_key is not None and self.admin_api_key in self.user_api_keys:
+            raise ConfigError("the admin API key must differ from every user key")
         if not (type(self.debug_requests_history) is int and self.debug_requests_history >= 0):
             raise ConfigError(f"the debug request history must be a count >= 0, got {self.debug_requests_history!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
@@ -594,6 +629,11 @@ class ServerConfig:
             )
         if d.ib_device and d.transfer_backend != "mooncake":
             raise ConfigError("--disaggregation-ib-device needs --disaggregation-transfer-backend mooncake")
+
+    @property
+    def user_api_keys(self) -> tuple[str, ...]:
+        """--api-key and the keys of --api-key-file."""
+        return ((self.api_key,) if self.api_key is not None else ()) + self.api_keys
 
     @property
     def model_name(self) -> str:

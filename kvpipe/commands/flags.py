@@ -9,6 +9,7 @@ import logging
 import os
 
 from kvpipe.commands.hicache_flags import add_hicache_args, hicache_config_from_args
+from kvpipe.commands.http_flags import access_from_args, add_access_args, add_listener_args, listener_from_args
 from kvpipe.config import (
     DECODE_FUSED_LAYER_MODES,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -33,7 +34,6 @@ from kvpipe.config import (
 from kvpipe.model.checkpoint.default_model import resolve_model_path
 from kvpipe.model.checkpoint.loader import check_checkpoint
 from kvpipe.model.checkpoint.schema import ModelConfig
-from kvpipe.server.api_key import API_KEY_ENV, api_key_from_env
 from kvpipe.sglang_env import LayersPerGroup, flag_defaults
 from kvpipe.transfer.control.auth import TOKEN_ENV, token_from_env
 
@@ -468,7 +468,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             ),
             disaggregation=disagg,
             limits=request_limits_from_args(args),
-            api_key=getattr(args, "api_key", None) or api_key_from_env(),
+            **access_from_args(args),
+            listener=listener_from_args(args),
             speculative=speculative_config_from_args(args),
             debug_requests_history=getattr(args, "debug_requests_history", ServerConfig.debug_requests_history),
             hicache=hicache_config_from_args(args),
@@ -503,16 +504,11 @@ def setup_logging(level: str) -> None:
 
 
 def add_http_api_args(p: argparse.ArgumentParser) -> None:
-    """What an HTTP server lets one request ask for, how many it holds, and its key (`serve`)."""
+    """What an HTTP server lets one request ask for, how many it holds, its keys and its listener (`serve`)."""
     d = RequestLimits()
-    g = p.add_argument_group("HTTP API limits and key")
-    g.add_argument(
-        "--api-key",
-        default=None,
-        help=f"clients must send `Authorization: Bearer <key>` on every route but /health, "
-        f"/health_generate and /metrics (401 otherwise); prefer ${API_KEY_ENV}, which stays out "
-        f"of process lists",
-    )
+    add_access_args(p)
+    add_listener_args(p)
+    g = p.add_argument_group("HTTP API limits")
     g.add_argument(
         "--max-queued-requests",
         type=int,
@@ -530,6 +526,13 @@ def add_http_api_args(p: argparse.ArgumentParser) -> None:
         "--max-stop-string-chars", type=int, default=d.max_stop_string_chars, help="characters of one stop string"
     )
     g.add_argument("--max-stop-token-ids", type=int, default=d.max_stop_token_ids, help="stop_token_ids per prompt")
+    g.add_argument(
+        "--max-field-size",
+        type=int,
+        default=d.max_field_size,
+        help="characters of any other string field (role, name, rid, model, user, cache_salt, ...) and entries "
+        "of any other list or object field (tools, logit_bias, ...) of a request body",
+    )
     g.add_argument(
         "--debug-requests-history",
         type=int,
@@ -553,6 +556,7 @@ def request_limits_from_args(args: argparse.Namespace) -> RequestLimits:
         "max_stop_strings",
         "max_stop_string_chars",
         "max_stop_token_ids",
+        "max_field_size",
     )
     for name in names:
         require_positive("--" + name.replace("_", "-"), getattr(args, name, getattr(d, name)))

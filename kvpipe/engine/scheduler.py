@@ -198,7 +198,7 @@ class Scheduler:
             match = match_full if reserved else match_window
             pages, node = match(self.cache, req, self.page_size)
         else:
-            pages, node = self.cache.match(req.input_ids[:-1])
+            pages, node = self.cache.match(req.cache_ids(req.input_ids[:-1]))
         self.cache.lock(node)
         req.cache_node = node
         req.pages = pages.copy()
@@ -208,8 +208,8 @@ class Scheduler:
     def _tier_ready(self, req: Req) -> bool:
         """False while the KV tier fetches stored pages past `req`'s radix match (bounded by its
         fetch timeout): `req` stays queued, other requests' steps go on; then they are in the cache."""
-        if self.kv_tier is None or self.cache is None or req.cache_node is not None:
-            return True
+        if self.kv_tier is None or self.cache is None or req.cache_node is not None or req.cache_salt is not None:
+            return True  # a salted prompt skips the tier: its keys have no tenant (README, tenancy)
         return self.kv_tier.ready(req.rid, req.input_ids[:-1], self.cache, self.allocator)
 
     def waiting_on_tier(self) -> bool:
@@ -553,8 +553,8 @@ class Scheduler:
             self._unpin(req)
         elif self.cache is not None:
             full = min(req.num_cached // self.page_size, len(pages))
-            dup = self.cache.insert(req.all_ids[: full * self.page_size], pages[:full])
-            if self.kv_tier is not None:
+            dup = self.cache.insert(req.cache_ids(req.all_ids[: full * self.page_size]), pages[:full])
+            if self.kv_tier is not None and req.cache_salt is None:
                 self.kv_tier.store_prefix(req.all_ids[: full * self.page_size], pages[:full])
             # pages[:num_shared_pages] were the cache's all along; [shared, dup) duplicate pages the
             # cache got from another request meanwhile; [dup, full) are the cache's now

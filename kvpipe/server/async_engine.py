@@ -82,6 +82,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stopping = False
         self._queues: dict[str, asyncio.Queue] = {}
+        self._owners: dict[str, str | None] = {}  # rid -> GenerateInput.owner, while it runs
         self._first_tokens = FirstTokens()  # engine thread only
         self.metrics: ServerMetrics | None = None
         self.fatal_error: BaseException | None = None
@@ -230,9 +231,10 @@ class AsyncEngine:
                 logger.exception("abort of %s failed", rid)
             self._wake.set()
 
-    def abort(self, rid: str) -> bool:
-        """Abort a running request (the `/abort_request` route); its stream ends with finish abort."""
-        if rid not in self._queues:
+    def abort(self, rid: str, owner: str | None = None) -> bool:
+        """Abort a running request (the `/abort_request` route); its stream ends with finish abort.
+        With `owner`, only a request of that owner (the same user key): another's is not found."""
+        if rid not in self._queues or (owner is not None and self._owners.get(rid) != owner):
             return False
         self._abort_in_engine(rid)
         return True
@@ -254,6 +256,7 @@ class AsyncEngine:
             bootstrap_host=boot.host if boot else None,
             bootstrap_port=boot.port if boot else None,
             bootstrap_room=boot.room if boot else None,
+            cache_salt=inp.cache_salt,
         )
 
     def submit(self, inp: GenerateInput) -> RequestStream:
@@ -266,16 +269,22 @@ class AsyncEngine:
         detok = IncrementalDetokenizer(engine.tokenizer, inp.text_options.skip_special_tokens)
         stream = RequestStream(self, RequestTracker(inp, detok, time.monotonic()))
         self._queues[inp.rid] = stream.queue
+        self._owners[inp.rid] = inp.owner
         try:
             engine.add_request(req)
         except ValueError as e:  # e.g. the engine still holds this rid
-            self._queues.pop(inp.rid, None)
+            self._drop(inp.rid)
             raise APIError(str(e), 400) from e
         except RuntimeError as e:  # the engine is shutting down
-            self._queues.pop(inp.rid, None)
+            self._drop(inp.rid)
             raise APIError(str(e), 503) from e
         self._wake.set()
         return stream
+
+    def _drop(self, rid: str) -> None:
+        """The request ended here: no more outputs go to it."""
+        self._queues.pop(rid, None)
+        self._owners.pop(rid, None)
 
     def _on_first_token(self, tracker: RequestTracker) -> None:
         if self.metrics is not None and tracker.first_token_time is not None:
@@ -373,7 +382,7 @@ class RequestStream:
         self._closed = True
         self.queue.put_nowait(_CLOSED)
         owner, tracker = self._owner, self.tracker
-        owner._queues.pop(self.rid, None)
+        owner._drop(self.rid)
         if not tracker.finished:  # client gone, cancelled or failed: free the engine's pages
             owner._abort_in_engine(self.rid)
             tracker.finish_abort("client disconnected or request failed", time.monotonic())

@@ -249,6 +249,7 @@ def register_openai_routes(app: FastAPI, state: ServerState) -> None:
 
     def prepare_completion(body: Any) -> tuple[CompletionRequest, str, list[GenerateInput]]:
         """Validate and tokenize a /v1/completions body (in a prep thread)."""
+        state.check_body(body, "CompletionRequest")
         req = CompletionRequest.model_validate(body)
         req.check_supported()
         _check_model(state, req)
@@ -273,6 +274,7 @@ def register_openai_routes(app: FastAPI, state: ServerState) -> None:
         body = await read_json(request)
         check_batch_size(body, COMPLETION_BATCH_FIELDS, state.cfg.limits)
         req, rid, inputs = await state.offload(prepare_completion, body)
+        inputs = state.for_caller(request, inputs, req.cache_salt)
         return await _respond(
             request, state, req, inputs, _Responder(state, "completion", rid, req.logprobs is not None)
         )
@@ -280,6 +282,7 @@ def register_openai_routes(app: FastAPI, state: ServerState) -> None:
     def prepare_chat(body: Any) -> tuple[ChatCompletionRequest, str, list[GenerateInput]]:
         """Validate a /v1/chat/completions body, render its chat template and tokenize (in a prep
         thread)."""
+        state.check_body(body, "ChatCompletionRequest")
         req = ChatCompletionRequest.model_validate(body)
         req.check_supported()
         _check_model(state, req)
@@ -303,4 +306,5 @@ def register_openai_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest), responses=BODY_ROUTE_RESPONSES)
     async def chat_completions(request: Request) -> Response:
         req, rid, inputs = await state.offload(prepare_chat, await read_json(request))
+        inputs = state.for_caller(request, inputs, req.cache_salt)
         return await _respond(request, state, req, inputs, _Responder(state, "chat", rid, bool(req.logprobs)))

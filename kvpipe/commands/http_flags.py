@@ -1,0 +1,132 @@
+"""Flags of the HTTP API's keys and of its listener (`serve`): who may call what
+(kvpipe/server/api_key.py) and how long a client may take to send a request
+(kvpipe/http_listener.py). Keys come from files or the environment, which stay out of process
+lists; the flags that take a key itself exist for SGLang's `--api-key`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from kvpipe.config import ConfigError, ListenerLimits
+from kvpipe.server.api_key import ADMIN_API_KEY_ENV, API_KEY_ENV
+
+MAX_KEY_CHARS = 4096
+
+
+def add_access_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("HTTP API keys")
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help=f"clients must send `Authorization: Bearer <key>` on every route but /health, "
+        f"/health_generate and /metrics (401 otherwise); prefer --api-key-file or ${API_KEY_ENV}, "
+        "which stay out of process lists",
+    )
+    g.add_argument(
+        "--api-key-file",
+        default=None,
+        help="user keys, one per line (# comments and blank lines skipped): each key is its own user "
+        "(abort by rid reaches only its own requests; --cache-salt-by-api-key)",
+    )
+    g.add_argument(
+        "--admin-api-key",
+        default=None,
+        help="the key of the admin routes (/debug/*, abort_all, the addresses and paths of /server_info); "
+        f"prefer --admin-api-key-file or ${ADMIN_API_KEY_ENV}. Without it nobody may use them once a user "
+        "key is set (without any key the server is open)",
+    )
+    g.add_argument("--admin-api-key-file", default=None, help="the admin key: the file's first line")
+    g.add_argument(
+        "--cache-salt-by-api-key",
+        action="store_true",
+        help="share cached prefixes only between requests sent with the same key (a request's own "
+        "cache_salt then narrows it further): another user's cached_tokens tell nothing",
+    )
+
+
+def _key_lines(path: str, flag: str) -> list[str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line.strip() for line in f.read(1 << 20).splitlines()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{flag} {path}: {e}") from None
+    keys = [line for line in lines if line and not line.startswith("#")]
+    if not keys:
+        raise ConfigError(f"{flag} {path} holds no key")
+    if any(len(k) > MAX_KEY_CHARS or " " in k for k in keys):
+        raise ConfigError(f"{flag} {path}: a key is one word of at most {MAX_KEY_CHARS} characters per line")
+    return keys
+
+
+def _one(flag_value: str | None, path: str | None, env: str, environ: Mapping[str, str], flag: str) -> list[str]:
+    """The keys of a flag, or of its file flag (not both), else of the environment."""
+    if flag_value is not None and path is not None:
+        raise ConfigError(f"give {flag} or {flag}-file, not both")
+    if path is not None:
+        return _key_lines(path, f"{flag}-file")
+    value = flag_value if flag_value is not None else environ.get(env)
+    return [value] if value else []
+
+
+def access_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
+    """ServerConfig's key fields from the flags of `add_access_args` (none for commands without them)."""
+    users = _one(getattr(args, "api_key", None), getattr(args, "api_key_file", None), API_KEY_ENV, environ, "--api-key")
+    admin = _one(
+        getattr(args, "admin_api_key", None),
+        getattr(args, "admin_api_key_file", None),
+        ADMIN_API_KEY_ENV,
+        environ,
+        "--admin-api-key",
+    )
+    return {
+        "api_key": users[0] if users else None,
+        "api_keys": tuple(users[1:]),
+        "admin_api_key": admin[0] if admin else None,
+        "cache_salt_by_api_key": bool(getattr(args, "cache_salt_by_api_key", False)),
+    }
+
+
+def add_listener_args(p: argparse.ArgumentParser) -> None:
+    d = ListenerLimits()
+    g = p.add_argument_group("HTTP listener (slow clients)")
+    g.add_argument(
+        "--http-header-timeout",
+        type=float,
+        default=d.header_timeout_s,
+        help="seconds a client has to send a request's head (from connecting, or from the next request's "
+        "first byte); then 408 and the connection is closed",
+    )
+    g.add_argument(
+        "--http-body-timeout",
+        type=float,
+        default=d.body_timeout_s,
+        help="seconds a client has to send a request's body after its head, plus one per 64 KiB it sent; "
+        "then the connection is closed",
+    )
+    g.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=d.keep_alive_s,
+        help="seconds an idle connection stays open between requests (uvicorn's)",
+    )
+    g.add_argument(
+        "--max-connections",
+        type=int,
+        default=d.max_connections,
+        help="open client connections; one more gets 503 with Retry-After at once and is closed "
+        "(keep it well under the process's open-file limit, `ulimit -n`)",
+    )
+
+
+def listener_from_args(args: argparse.Namespace) -> ListenerLimits:
+    """The flags of `add_listener_args` (their defaults for commands without them)."""
+    d = ListenerLimits()
+    return ListenerLimits(
+        header_timeout_s=getattr(args, "http_header_timeout", d.header_timeout_s),
+        body_timeout_s=getattr(args, "http_body_timeout", d.body_timeout_s),
+        keep_alive_s=getattr(args, "timeout_keep_alive", d.keep_alive_s),
+        max_connections=getattr(args, "max_connections", d.max_connections),
+    )
