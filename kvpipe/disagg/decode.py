@@ -43,6 +43,9 @@ logger = logging.getLogger(__name__)
 
 class DecodeConnector(PDConnector):
     side = "decode"
+    # it never computes a prompt: its prefix cache (--disaggregation-decode-enable-radix-cache)
+    # keeps KV only, the prefill sends the KV past the prefix and a hybrid prompt's final state whole
+    kv_only_prefix_cache = True
 
     def __init__(self, cfg: ServerConfig, backend: TransferBackend | None = None) -> None:
         super().__init__(cfg, backend)

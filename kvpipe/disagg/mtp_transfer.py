@@ -51,7 +51,7 @@ rank 0 with decode rank 0 (tp_mapping.source_ranks(0, P, D) holds 0), so that pa
   engine's thread after the MTP forward); the other ranks' sends stop at their target layers.
 Bytes per request: the target's KV as the head-slice mapping moves it plus the MTP KV once.
 An EAGLE head (engine/spec/eagle_drafter.py) takes the MTP layer's place on rank 0 with the same
-placement: every decision above keys on `SpeculativeConfig.uses_mtp` (NEXTN or EAGLE), so its
+placement: every decision above keys on the drafter registry's `DraftKV.RANK0` (NEXTN or EAGLE), so its
 pool, the K and V of all the head's KV heads (a GQA layer, but never head-sliced: the head runs
 whole on rank 0), moves whole from prefill rank 0 into decode rank 0 at any TP on either side,
 while the target's K/V moves head-sliced as TP maps it.
@@ -66,6 +66,7 @@ from __future__ import annotations
 
 from kvpipe.config import ServerConfig
 from kvpipe.engine.connector import ConnectorContext
+from kvpipe.engine.spec.registry import DraftKV, draft_kv
 from kvpipe.model.checkpoint.identity import checkpoint_digest
 from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.transfer.planning.layout import KVLayout
@@ -95,7 +96,7 @@ def nextn_aux_nbytes(cfg: ServerConfig, ctx: ConnectorContext) -> int:
     """The largest AuxData.hidden a NEXTN decode accepts: AUX_HIDDEN_ROWS rows of the target's
     hidden size in the MTP's dtype (its KV pool's, ctx.draft_pool); 0 without NEXTN."""
     pool = ctx.draft_pool
-    if not cfg.speculative.uses_mtp or pool is None:
+    if draft_kv(cfg.speculative) is not DraftKV.RANK0 or pool is None:
         return 0
     return AUX_HIDDEN_ROWS * ctx.model_config.hidden_size * pool.k[0].element_size()
 

@@ -108,6 +108,9 @@ class PrefillConnector(PDConnector):
     # a cached prefix is not computed again; the transfer reads its pages like any other (the
     # request pins them while it is held) and sends from the decode's prefix_len on
     prefix_cache = True
+    state_snapshots = True  # it computes prompts: a hybrid model's cache snapshots their states
+    verifies_drafts = False  # the decode verifies; a prefill samples the first token only
+    drafts_on_prefill = True  # the draft's KV of each chunk goes with the target's
 
     def __init__(self, cfg: ServerConfig, backend: TransferBackend | None = None) -> None:
         super().__init__(cfg, backend)

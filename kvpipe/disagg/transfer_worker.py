@@ -46,6 +46,7 @@ from kvpipe.disagg.draft_transfer import draft_layout, speculative_handshake
 from kvpipe.disagg.mtp_transfer import MTP_RANK
 from kvpipe.disagg.setup import data_host, make_backend, rank_layout, rank_state_layout, register_pool
 from kvpipe.engine.connector import KVConnectorWorker
+from kvpipe.engine.spec.registry import DraftKV, draft_kv
 from kvpipe.transfer.backends.base import TransferBackend
 from kvpipe.transfer.control.auth import authenticator
 from kvpipe.transfer.control.handshake import Handshake
@@ -92,7 +93,8 @@ class TransferWorker(KVConnectorWorker):
         # set by rank 0's connector before the start (set_draft_pool): the draft model's KV pool
         self.draft_layout: KVLayout | None = None
         # NEXTN's MTP layer (or an EAGLE head) and its KV live on another TP rank (MTP_RANK): none moves from here
-        self._mtp_elsewhere = cfg.speculative.uses_mtp and rank != MTP_RANK
+        self._draft_at_rank0 = draft_kv(cfg.speculative) is DraftKV.RANK0
+        self._mtp_elsewhere = self._draft_at_rank0 and rank != MTP_RANK
 
     def set_draft_pool(self, pool: KVPool | None, total_kv_heads: int | None = None) -> None:
         """The engine's STANDALONE draft model keeps this rank's shard of its KV in `pool`
@@ -159,9 +161,9 @@ class TransferWorker(KVConnectorWorker):
                 handshake=cmd.handshake,
                 draft_layout=self.draft_layout,
                 # NEXTN: the MTP KV sits on the target's page ids, a decode's prefix holds it too
-                draft_at_prefix=self.cfg.speculative.uses_mtp,
+                draft_at_prefix=self._draft_at_rank0,
                 # NEXTN (or an EAGLE head): the MTP layer and its KV live whole on TP rank 0 of each side
-                draft_rank=MTP_RANK if self.cfg.speculative.uses_mtp else None,
+                draft_rank=MTP_RANK if self._draft_at_rank0 else None,
             )
             self.sender.start(bootstrap=cmd.bootstrap)
             control = self.sender.control_address
