@@ -54,7 +54,7 @@ def test_a_prefix_is_shared_only_within_its_salt(make) -> None:  # type: ignore[
     assert _run(s, "u1", None) == 0  # nor for an unsalted request
     hit = _run(s, "a2", "tenant-a")
     assert hit > 0 and _run(s, "b2", "tenant-b") == hit and _run(s, "u2", None) == hit
-    assert s.allocator.num_used == s._cached_pages()  # every page is the cache's: none leaked
+    assert s.allocator.num_used == s.pages.cached_pages()  # every page is the cache's: none leaked
 
 
 def test_a_pd_decode_reserves_past_its_own_salt_s_prefix_only() -> None:
@@ -65,7 +65,7 @@ def test_a_pd_decode_reserves_past_its_own_salt_s_prefix_only() -> None:
         assert s.reserve(r)
         assert (r.num_shared_pages > 0) is expect_hit, (salt, r.num_shared_pages)
         s.finish(r, FinishReason.ABORT)
-    assert s.allocator.num_used == s._cached_pages()
+    assert s.allocator.num_used == s.pages.cached_pages()
 
 
 def test_salted_keys() -> None:
