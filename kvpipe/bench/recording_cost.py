@@ -24,7 +24,7 @@ from typing import Any
 from kvpipe.disagg.timeline_events import record_transfer
 from kvpipe.engine.timeline import Phase, Timeline
 from kvpipe.server.metrics import ServerMetrics
-from kvpipe.transfer.sender.book import TransferTiming
+from kvpipe.transfer.sender.stats import TransferTiming
 
 ROLES = ("colocated", "prefill", "decode")
 

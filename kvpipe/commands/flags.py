@@ -35,6 +35,7 @@ from kvpipe.model.checkpoint.default_model import resolve_model_path
 from kvpipe.model.checkpoint.loader import check_checkpoint
 from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.sglang_env import LayersPerGroup, flag_defaults
+from kvpipe.transfer.backends.registry import BACKENDS, backend_names, check_backend
 from kvpipe.transfer.control.auth import TOKEN_ENV, token_from_env
 
 
@@ -211,9 +212,9 @@ def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--disaggregation-transfer-backend",
-        choices=["mooncake", "local"],
+        choices=backend_names(),
         default=d.transfer_backend,
-        help="KV transfer engine (local: in-process copies, tests only)",
+        help="KV transfer engine: " + "; ".join(f"{s.name}: {s.summary}" for s in BACKENDS),
     )
     g.add_argument(
         "--disaggregation-ib-device", default=None, help="RDMA device for Mooncake (e.g. mlx5_0); default: TCP"
@@ -477,7 +478,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             quantization=getattr(args, "quantization", None),
             decode_fused_layer=getattr(args, "decode_fused_layer", ServerConfig.decode_fused_layer),
         )
-        cfg.check_servable()
+        check_backend(cfg.disaggregation, cfg.tp_size)
         return cfg
     except ConfigError as e:
         raise SystemExit(f"kvpipe: {e}") from e

@@ -20,6 +20,7 @@ from kvpipe.disagg.setup import require_auth_off_loopback
 from kvpipe.engine.engine import Engine
 from kvpipe.server.http_server import run_server
 from kvpipe.sglang_env import log_sglang_env
+from kvpipe.transfer.backends.registry import check_backend
 
 logger = logging.getLogger(__name__)
 
@@ -40,12 +41,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, extra: list[str]) -> int:
     cfg = server_config_from_args(args)
     mode = cfg.disaggregation.mode
-    if mode != "null" and cfg.disaggregation.transfer_backend == "local":
-        raise SystemExit(
-            "kvpipe: --disaggregation-transfer-backend local only connects engines inside one "
-            "process; PD servers need mooncake"
-        )
     try:  # before anything loads or listens
+        check_backend(cfg.disaggregation, cfg.tp_size, own_process=True)
         require_auth_off_loopback(cfg, warn=False)
     except ConfigError as e:
         raise SystemExit(f"kvpipe: {e}") from None

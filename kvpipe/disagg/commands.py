@@ -23,7 +23,7 @@ from kvpipe.transfer.control.messages import AuxTuple, StagingInfo
 from kvpipe.transfer.lifecycle import TransferState
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.recurrent.layout import StateLayout
-from kvpipe.transfer.sender.book import SenderStats, TransferTiming
+from kvpipe.transfer.sender.stats import SenderStats, TransferTiming
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ from kvpipe.transfer.control.bootstrap import BootstrapServer
 from kvpipe.transfer.control.handshake import Handshake, RefusalNotice
 from kvpipe.transfer.lifecycle import TransferState
 from kvpipe.transfer.planning.wire_bytes import KVWireBytes
-from kvpipe.transfer.sender.book import SenderStats
+from kvpipe.transfer.sender.stats import SenderStats
 
 logger = logging.getLogger(__name__)
 

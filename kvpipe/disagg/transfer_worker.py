@@ -52,8 +52,8 @@ from kvpipe.transfer.control.auth import authenticator
 from kvpipe.transfer.control.handshake import Handshake
 from kvpipe.transfer.lifecycle import DuplicateRoomError, TransferState
 from kvpipe.transfer.planning.layout import KVLayout
-from kvpipe.transfer.sender.book import SenderStats
 from kvpipe.transfer.sender.kv_sender import KVSender
+from kvpipe.transfer.sender.stats import SenderStats
 from kvpipe.transfer.staging.buffers import KVBytes, StagingAgent, StagingBuffer
 
 logger = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.transfer.lifecycle import TransferState
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.planning.wire_bytes import KVWireBytes
-from kvpipe.transfer.sender.book import SenderStats
+from kvpipe.transfer.sender.stats import SenderStats
 
 S, F = TransferState.SUCCESS, TransferState.FAILED
 LAYERS, PS = 4, 4

@@ -15,8 +15,9 @@ from kvpipe.transfer.backends.base import BatchHandle, BatchState
 from kvpipe.transfer.control import messages as m
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.planning.wire_bytes import KVWireBytes
-from kvpipe.transfer.sender.book import SenderBook, TransferTiming
+from kvpipe.transfer.sender.book import SenderBook
 from kvpipe.transfer.sender.room import SendCall
+from kvpipe.transfer.sender.stats import TransferTiming
 
 L, PS, HD, PAGES = 4, 4, 8, 64
 

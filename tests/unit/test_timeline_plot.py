@@ -15,7 +15,7 @@ from kvpipe.bench.timeline_plot import (
 )
 from kvpipe.disagg.timeline_events import record_transfer
 from kvpipe.engine.timeline import Phase, Timeline
-from kvpipe.transfer.sender.book import TransferTiming
+from kvpipe.transfer.sender.stats import TransferTiming
 
 T0 = 500.0
 

@@ -32,6 +32,7 @@ import numpy as np
 
 from kvpipe.config import FaultInjection
 from kvpipe.transfer.backends.base import (
+    BackendOptions,
     BatchHandle,
     BatchState,
     TransferBackend,
@@ -100,6 +101,24 @@ class MooncakeBackend(TransferBackend):
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
         self._engine = self._new_engine()
+
+    @classmethod
+    def from_options(cls, options: BackendOptions) -> MooncakeBackend:
+        """TCP, or RDMA on `options.ib_device`."""
+        device = options.ib_device or ""
+        return cls(options.host, "rdma" if device else "tcp", device, inject=options.inject)
+
+    def sibling(self, inject: FaultInjection | None = None) -> MooncakeBackend:
+        return MooncakeBackend(
+            self.hostname,
+            self.protocol,
+            self.device,
+            window=self.window,
+            max_op_bytes=self.max_op_bytes,
+            drain_timeout_s=self.drain_timeout_s,
+            stall_timeout_s=self.stall_timeout_s,
+            inject=inject,
+        )
 
     def _new_engine(self):
         from mooncake.engine import TransferEngine  # lazy: optional dependency

@@ -54,8 +54,9 @@ from kvpipe.transfer.lifecycle import Clock, TransferState
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.planning.window_table import window_pages_problem
 from kvpipe.transfer.recurrent.layout import StateLayout
-from kvpipe.transfer.sender.book import SenderBook, SenderStats, TransferTiming
+from kvpipe.transfer.sender.book import SenderBook
 from kvpipe.transfer.sender.room import OpBatch, SendCall, StagedChunk, StagingPolicy
+from kvpipe.transfer.sender.stats import SenderStats, TransferTiming
 from kvpipe.transfer.staging.buffers import StagingBuffer
 
 log = logging.getLogger(__name__)
@@ -423,11 +424,11 @@ class KVSender:
                 for addr in self._book.housekeeping(now):
                     self._endpoint.disconnect(addr)
                 take, cancels, watch = self._book.take_work(now)
-                gathers = self._book.take_gathers()
+                gathers = self._book.staged.take_gathers()
             if gathers:
                 done = [(r, ch, self._gather(ch)) for r, ch in gathers]
                 with self._lock:
-                    self._book.gathered(done, self._clock())
+                    self._book.staged.gathered(done, self._clock())
                 self._wake.set()  # the slot requests are out: look again soon
             fresh = [(r, b, *self._submit(b)) for r, b in take]
             for inf, why in cancels:

@@ -13,7 +13,7 @@ partial page waits for the next chunk, and `last=True` flushes every layer up to
 
 Staged sends (heterogeneous TP through the decode's staging ring, staging/buffers.py): when the policy
 says so, a planned span becomes `StagedChunk`s instead of page ops, each at most the policy's
-chunk size; book.py walks them through gather, slot, write, scatter.
+chunk size; staged_sends.py walks them through gather, slot, write, scatter.
 
 Sliding-window layers (KVLayout.swa_layers): their pages come from the room's window page table
 `src_swa_pages` (aligned with src_pages by logical page, -1 where the prefill holds none, shorter:

@@ -15,7 +15,7 @@ one write per (layer, K/V, page). Staging turns a send's slices into one contigu
 Chunk layout in both buffers: [layer_end - layer_start, 2 (K, V), pages, slice_nbytes] bytes, the
 slice being bytes [col, col + slice_nbytes) of each page (a contiguous head range, planning/layout.py).
 `KVBytes` does the tensor work (one index op per (layer, K/V)); the bookkeeping is in
-ring.py (allocation), book.py (the agent's protocol) and sender/book.py.
+ring.py (allocation), book.py (the agent's protocol) and sender/staged_sends.py.
 CUDA: gathers and scatters run on a side stream that is synchronised before the bytes are
 written or announced as scattered.
 """
