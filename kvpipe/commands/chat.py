@@ -19,7 +19,7 @@ from typing import Any, TextIO
 import httpx
 
 from kvpipe.bench.answers import error_message
-from kvpipe.server.api_key import client_headers
+from kvpipe.server.api_key_env import client_headers
 
 try:  # line editing and history for input() where the platform has it
     import readline  # noqa: F401

@@ -32,8 +32,6 @@ from kvpipe.config import (
     parse_layer_groups,
 )
 from kvpipe.model.checkpoint.default_model import resolve_model_path
-from kvpipe.model.checkpoint.loader import check_checkpoint
-from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.sglang_env import LayersPerGroup, flag_defaults
 from kvpipe.transfer.backends.registry import BACKENDS, backend_names, check_backend
 from kvpipe.transfer.control.auth import TOKEN_ENV, token_from_env
@@ -71,7 +69,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-prefill-tokens", type=int, default=d_sched.max_prefill_tokens, help="token budget of one prefill batch"
     )
-    p.add_argument("--max-running-requests", type=int, default=d_sched.max_running_requests)
+    p.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=d_sched.max_running_requests,
+        help="requests in the running batch at once; more wait in the queue",
+    )
     p.add_argument(
         "--max-state-slots",
         type=int,
@@ -95,9 +98,14 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         "boundary inside a forward, no_buffer only where a chunk or decode step ends",
     )
     p.add_argument("--context-length", type=int, default=None, help="default: the model's max_position_embeddings")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs")
     p.add_argument("--random-seed", "--seed", dest="seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error", "critical"],
+        help="server log threshold; debug also shows the transfer engine's own start-up lines",
+    )
     p.add_argument(
         "--dtype",
         choices=list(MODEL_DTYPES),
@@ -360,6 +368,8 @@ def disaggregation_config_from_args(args: argparse.Namespace, model_path: str) -
     try:
         layer_groups = args.disaggregation_layer_groups
         if isinstance(layer_groups, LayersPerGroup):
+            from kvpipe.model.checkpoint.schema import ModelConfig  # imports torch (GGUF): not on --help's path
+
             try:
                 layer_groups = layer_groups.groups(ModelConfig.from_dir(model_path).num_layers)
             except ConfigError as e:
@@ -487,6 +497,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
 def check_model(cfg: ServerConfig) -> None:
     """Refuse a bad checkpoint (missing, corrupt or truncated GGUF, unsupported architecture or
     tensor type, no tokenizer) with one line, before a server or engine starts."""
+    from kvpipe.model.checkpoint.loader import check_checkpoint  # torch: not on `--help`'s path
+
     try:
         check_checkpoint(cfg.model_path, cfg.tokenizer_path, cfg.quantization)
     except ConfigError as e:

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvpipe.config import ConfigError, ListenerLimits
-from kvpipe.server.api_key import ADMIN_API_KEY_ENV, API_KEY_ENV
+from kvpipe.server.api_key_env import ADMIN_API_KEY_ENV, API_KEY_ENV
 
 MAX_KEY_CHARS = 4096
 

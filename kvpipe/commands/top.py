@@ -28,7 +28,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvpipe.commands.top_stats import COMPONENTS, Latency, Scrape, WorkerView, parse_metrics, worker_view
-from kvpipe.server.api_key import client_headers
+from kvpipe.server.api_key_env import client_headers
 from kvpipe.server.router_workers import Worker, workers_or_self
 
 DEFAULT_URL = "http://127.0.0.1:8000"  # `kvpipe launch` / `make run`'s router (as `kvpipe chat`)

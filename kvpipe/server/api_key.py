@@ -27,8 +27,6 @@ from __future__ import annotations
 import enum
 import hashlib
 import hmac
-import os
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from starlette.datastructures import Headers
@@ -36,10 +34,12 @@ from starlette.requests import HTTPConnection
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvpipe.server.api_key_env import ADMIN_API_KEY_ENV as ADMIN_API_KEY_ENV  # re-exported: their old home
+from kvpipe.server.api_key_env import API_KEY_ENV as API_KEY_ENV
+from kvpipe.server.api_key_env import api_key_from_env as api_key_from_env
+from kvpipe.server.api_key_env import client_headers as client_headers
 from kvpipe.server.errors import APIError, error_body
 
-API_KEY_ENV = "KVPIPE_API_KEY"  # read when --api-key is not given: it stays out of process lists
-ADMIN_API_KEY_ENV = "KVPIPE_ADMIN_API_KEY"  # likewise for --admin-api-key
 OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics"})
 ADMIN_PATH_PREFIXES = ("/debug/",)
 CHALLENGE = {"WWW-Authenticate": 'Bearer realm="kvpipe"'}  # RFC 6750: how to authenticate
@@ -62,18 +62,6 @@ class Caller:
 
 
 OPEN_SERVER = Caller(Role.ADMIN)  # a server without keys: everyone
-
-
-def api_key_from_env(environ: Mapping[str, str] = os.environ) -> str | None:
-    return environ.get(API_KEY_ENV) or None
-
-
-def client_headers(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """What kvpipe's own clients (bench, soak, chaos, chat, top) send: `Authorization: Bearer
-    <key>` with KVPIPE_ADMIN_API_KEY when set (they read /debug/requests and the full
-    /server_info), else KVPIPE_API_KEY, else nothing."""
-    key = environ.get(ADMIN_API_KEY_ENV) or api_key_from_env(environ)
-    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def _digest(value: str) -> bytes:
