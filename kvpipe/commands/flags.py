@@ -508,9 +508,10 @@ def check_model(cfg: ServerConfig) -> None:
 def setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Mooncake's transfer engine reads its log level from the environment when it starts (later,
-    # and in TP children, which inherit it): its INFO lines only with --log-level debug; a
-    # user's MC_LOG_LEVEL wins
-    os.environ.setdefault("MC_LOG_LEVEL", "INFO" if level == "debug" else "WARNING")
+    # and in TP children, which inherit it): its INFO and WARNING lines (start-up noise such as
+    # "No RDMA devices found") only with --log-level debug (transfer/backends/mooncake_log.py);
+    # a user's MC_LOG_LEVEL wins
+    os.environ.setdefault("MC_LOG_LEVEL", "INFO" if level == "debug" else "ERROR")
     if level != "debug":  # httpx logs a line per bootstrap call at INFO
         for name in ("httpx", "httpcore"):
             logging.getLogger(name).setLevel(logging.WARNING)
