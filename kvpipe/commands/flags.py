@@ -107,6 +107,13 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         help="server log threshold; debug also shows the transfer engine's own start-up lines",
     )
     p.add_argument(
+        "--decode-log-interval",
+        type=int,
+        default=ServerConfig.decode_log_interval,
+        help="log a speed line (running requests, token usage, generation tokens/s, accept length) every "
+        "this many decode steps, and one per prefill batch (new sequences, tokens, cached tokens, queue); 0: none",
+    )
+    p.add_argument(
         "--dtype",
         choices=list(MODEL_DTYPES),
         default="auto",
@@ -487,6 +494,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             request_metrics=not getattr(args, "disable_request_metrics", False),
             quantization=getattr(args, "quantization", None),
             decode_fused_layer=getattr(args, "decode_fused_layer", ServerConfig.decode_fused_layer),
+            decode_log_interval=getattr(args, "decode_log_interval", ServerConfig.decode_log_interval),
+            worker_name=getattr(args, "worker_name", None),
         )
         check_backend(cfg.disaggregation, cfg.tp_size)
         return cfg

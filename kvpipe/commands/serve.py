@@ -34,6 +34,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address the HTTP server listens on")
     p.add_argument("--port", type=int, default=30000, help="port of the HTTP server")
     p.add_argument(
+        "--worker-name",
+        default=None,
+        help="this server's name in its stack (e.g. prefill0, decode1), shown by `kvpipe top` and in /server_info",
+    )
+    p.add_argument(
         "--max-request-body-bytes",
         type=int,
         default=DEFAULT_MAX_REQUEST_BODY_BYTES,

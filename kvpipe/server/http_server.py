@@ -181,7 +181,9 @@ def create_app(
         engine_factory, on_fatal=on_fatal, capacity=capacity, history=cfg.debug_requests_history, on_ready=on_ready
     )
     role = server_role(disaggregation_mode)
-    metrics = ServerMetrics(cfg.model_name, async_engine.stats, role, per_request=cfg.request_metrics)
+    metrics = ServerMetrics(
+        cfg.model_name, async_engine.stats, role, per_request=cfg.request_metrics, worker_name=cfg.worker_name
+    )
     async_engine.metrics = metrics
     state = ServerState(cfg, async_engine, metrics, disaggregation_mode, cpu_threads or server_cpu_threads(cfg))
 

@@ -50,6 +50,7 @@ def server_info(state: ServerState) -> dict[str, Any]:
     return {
         **state.model_paths(),
         "served_model_name": c.model_name,
+        "worker_name": c.worker_name,
         "tp_size": c.tp_size,
         "dp_size": 1,
         "page_size": c.cache.page_size,
