@@ -224,6 +224,7 @@ class Engine:
         s["num_waiting"] += self.driver.num_waiting if self.driver is not None else 0
         s.update(context_length=self.context_length, tp_size=self.cfg.tp_size, kv_cache_bytes=self.runner.pool.nbytes)
         s["generated_tokens"] = self.step_log.generated
+        s["kv_cache_storage_dtype"] = str(self.runner.pool.dtype).removeprefix("torch.")  # --kv-cache-dtype resolved
         if self.spec.enabled:
             c = self.spec_counts
             s.update(spec_verify_steps=c.verify_ct, spec_proposed_tokens=c.proposed, spec_accepted_tokens=c.accepted)

@@ -66,16 +66,7 @@ GRACEFUL_SHUTDOWN_S = 5  # whole seconds: uvicorn.Config takes an int
 
 def generate_response(out: RequestOutput, inp: GenerateInput, batched: bool) -> dict[str, Any]:
     """SGLang's `/generate` object (also each streamed event: cumulative text and output_ids)."""
-    meta: dict[str, Any] = {
-        "id": out.rid,
-        "finish_reason": out.finish_reason_json(),
-        "prompt_tokens": out.prompt_tokens,
-        "completion_tokens": out.completion_tokens,
-        "cached_tokens": out.cached_tokens,
-        "e2e_latency": round(out.e2e_latency, 6),
-    }
-    if out.spec is not None and out.finished:  # SGLang reports these when a request finished
-        meta.update(out.spec.meta_info())
+    meta = out.meta_info()
     if inp.return_timeline and out.timeline is not None:
         meta["timeline"] = out.timeline.to_json()
     if inp.return_logprob:
