@@ -33,7 +33,7 @@ from kvpipe.engine.request import FinishReason, Req
 from kvpipe.engine.window_cache import wanted_window_pages
 from kvpipe.model.identity import checkpoint_digest
 from kvpipe.transfer.backends.base import TransferBackend
-from kvpipe.transfer.control.bootstrap import DEFAULT_BOOTSTRAP_PORT
+from kvpipe.transfer.control.bootstrap_address import parse_bootstrap_address
 from kvpipe.transfer.control.messages import AuxData, DecodeRank
 from kvpipe.transfer.lifecycle import TransferState
 from kvpipe.transfer.receiver.kv_receiver import KVReceiver
@@ -82,11 +82,13 @@ class DecodeConnector(PDConnector):
                 "a decode server needs bootstrap_host and bootstrap_room (and bootstrap_port) "
                 "with every request; send requests through sglang-router --pd-disaggregation"
             )
-        # refused at once where this decode may not fetch (allow list, an address that failed a
-        # moment ago), before the request waits for pages
+        # refused at once (400) when the address is malformed (an IP literal or a host name, a port
+        # 1..65535: nothing else reaches a URL) or where this decode may not fetch (allow list,
+        # loopback only without a token, an address that failed a moment ago), before the request
+        # waits for pages and before anything connects anywhere
+        addr = parse_bootstrap_address(req.bootstrap_host, req.bootstrap_port)
         if self.receiver is not None:
-            port = DEFAULT_BOOTSTRAP_PORT if req.bootstrap_port is None else int(req.bootstrap_port)
-            why = self.receiver.guard.refusal((req.bootstrap_host, port))
+            why = self.receiver.guard.refusal(addr)
             if why is not None:
                 raise ValueError(why)
         self._claim_room(req.bootstrap_room)

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvpipe.config import DisaggregationConfig
+from kvpipe.transfer.control.bootstrap_address import BootstrapAddress
 from kvpipe.transfer.control.messages import (
     Abort,
     AuxData,
@@ -60,7 +61,7 @@ if TYPE_CHECKING:  # bootstrap pulls in the HTTP stack; the book only reads the 
     from kvpipe.transfer.control.bootstrap import PrefillInstanceInfo
 
 log = logging.getLogger(__name__)
-Address = tuple[str, int]  # a prefill's bootstrap server: host, port
+Address = BootstrapAddress  # a prefill's bootstrap server: host, port (parsed strictly)
 
 
 def per_rank_arrays(lists: Sequence[np.ndarray] | np.ndarray | list[int]) -> tuple[np.ndarray, ...]:

@@ -37,7 +37,7 @@ import numpy as np
 from kvpipe.config import DisaggregationConfig
 from kvpipe.transfer.control.auth import authenticator
 from kvpipe.transfer.control.bootstrap import (
-    DEFAULT_BOOTSTRAP_PORT,
+    BootstrapError,
     BootstrapNotReady,
     BootstrapRefused,
     BootstrapUnreachable,
@@ -48,6 +48,7 @@ from kvpipe.transfer.control.bootstrap import (
     fetch_prefill_info,
     report_refusal,
 )
+from kvpipe.transfer.control.bootstrap_address import parse_bootstrap_address
 from kvpipe.transfer.control.endpoint import ControlEndpoint
 from kvpipe.transfer.control.fetch_guard import FetchGuard
 from kvpipe.transfer.control.handshake import MAX_REFUSED_ROOMS, Handshake, RefusalNotice
@@ -56,10 +57,6 @@ from kvpipe.transfer.lifecycle import Clock, TransferState
 from kvpipe.transfer.receiver.book import Address, ReceiverBook, ReceiverStats
 
 log = logging.getLogger(__name__)
-
-
-def _address(bootstrap_host: str, bootstrap_port: int | None) -> tuple[str, int]:
-    return bootstrap_host, DEFAULT_BOOTSTRAP_PORT if bootstrap_port is None else int(bootstrap_port)
 
 
 class KVReceiver:
@@ -107,7 +104,11 @@ class KVReceiver:
         )
         self._book = ReceiverBook(cfg, self.ranks, self.instance_id, self._endpoint.address, self._endpoint.send)
         self.sessions = self._book.sessions  # per decode rank: its session id on the wire
-        self.guard = FetchGuard(cfg.bootstrap_allow, cfg.tuning.bootstrap_negative_ttl_s)
+        self.guard = FetchGuard(
+            cfg.bootstrap_allow,
+            cfg.tuning.bootstrap_negative_ttl_s,
+            loopback_only=cfg.auth_token is None and not cfg.insecure,
+        )
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvreceiver-bootstrap")
         # fetches of prefills fetched from before (restarts) never queue behind bogus hosts'
         self._proven_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvreceiver-bootstrap-proven")
@@ -178,7 +179,7 @@ class KVReceiver:
         self._book.check_state_slot(room, state_slot)
         swa = self._book.check_swa_pages(room, swa_pages, pages, prefix_len)
         draft = self._book.check_draft_pages(room, draft_pages)
-        addr = _address(bootstrap_host, bootstrap_port)
+        addr = parse_bootstrap_address(bootstrap_host, bootstrap_port)  # BootstrapRefused: malformed
         why = self.guard.refusal(addr)
         if why is not None:
             raise BootstrapRefused(why)
@@ -199,7 +200,7 @@ class KVReceiver:
         prefill, if this decode knows it, so the prefill frees the request's KV now instead of
         holding it until its bootstrap timeout. True when the prefill ranks were told."""
         with self._lock:
-            return self._book.abort_unrequested(room, _address(bootstrap_host, bootstrap_port), reason)
+            return self._book.abort_unrequested(room, parse_bootstrap_address(bootstrap_host, bootstrap_port), reason)
 
     def poll(self) -> list[tuple[int, TransferState, str, AuxData | None]]:
         """Rooms that finished and whose pages are safe to reuse (each reported once)."""
@@ -226,7 +227,7 @@ class KVReceiver:
         connect_to: str | None = None
         while not self._stop.is_set():
             try:
-                connect_to = self.guard.connect_to(addr[0])  # BootstrapRefused: not allowed
+                connect_to = self.guard.connect_to(addr.host)  # BootstrapRefused: not allowed
                 info = fetch_prefill_info(*addr, self.cfg.tuning.http_timeout_s, self._auth, connect_to)
                 check_compatible(info, self.decode_info)
                 self.guard.succeeded(addr)
@@ -247,6 +248,8 @@ class KVReceiver:
                 info, err = None, e
                 break
         refused = err if isinstance(err, IncompatiblePeerError) else None
+        if isinstance(err, BootstrapError) and err.detail:  # the peer's words: our log, never the client's error
+            log.warning("bootstrap server %s: %s (it said: %s)", addr, err, err.detail)
         if err is not None and info is None and refused is None:
             self.guard.failed(addr, str(err))  # unproven: refused for a while (a proven one is not)
         with self._lock:
@@ -270,7 +273,7 @@ class KVReceiver:
             try:
                 report_refusal(*addr, notice, self.cfg.tuning.http_timeout_s, self._auth, connect_to)
             except Exception as e:  # best effort: the prefill's bootstrap timeout frees them anyway
-                log.warning("could not report refused rooms to prefill %s:%d: %s", addr[0], addr[1], e)
+                log.warning("could not report refused rooms to prefill %s: %s", addr, e)
                 return
 
     def _on_message(self, msg: object) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from kvpipe.transfer.control.bootstrap_address import BootstrapAddress
 from kvpipe.transfer.control.messages import AuxData, TransferStatus, WireState
 from kvpipe.transfer.lifecycle import RoomRecord, TransferState
 from kvpipe.transfer.planning.tp_mapping import source_ranks
@@ -48,7 +49,7 @@ def merge_aux(held: AuxData | None, new: AuxData | None) -> tuple[AuxData | None
 class ReceiverRoom:
     room: int
     rec: RoomRecord
-    prefill: tuple[str, int]  # bootstrap host, port
+    prefill: BootstrapAddress  # bootstrap host, port
     dst_pages: tuple[np.ndarray, ...]  # per decode rank: pages for tokens from prefix_len on
     prefix_len: int
     aux_slot: int = 0
