@@ -19,6 +19,7 @@ the others stop it (AbortRooms); a rank that exited fails every room it had not 
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import Callable
@@ -138,11 +139,17 @@ class PrefillConnector(PDConnector):
         if self.local_worker is not None:  # computed once, at load
             self.handshake = self.local_worker.handshake(checkpoint_digest(self.cfg.model_path))
         host = bootstrap_host(self.cfg)
+        instance, registrar = uuid.uuid4().hex[:12], secrets.token_bytes(32)  # only our ranks register
         self.bootstrap = BootstrapServer(
-            host, d.bootstrap_port, authenticator(d.auth_token), on_refusal=self._on_refusal
+            host,
+            d.bootstrap_port,
+            authenticator(d.auth_token),
+            on_refusal=self._on_refusal,
+            registrar_key=registrar,
+            prefill_instance=instance,
         ).start()
         reg_host = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
-        start = StartPrefill(uuid.uuid4().hex[:12], (reg_host, self.bootstrap.port), self.handshake)
+        start = StartPrefill(instance, (reg_host, self.bootstrap.port), self.handshake, registrar)
         if self.local_worker is not None:
             # a finished room ends the loop's poll-interval sleep at once: its held answer is what
             # sglang-router waits for before it streams the decode's first token (traced)

@@ -163,7 +163,7 @@ class TransferWorker(KVConnectorWorker):
                 # NEXTN (or an EAGLE head): the MTP layer and its KV live whole on TP rank 0 of each side
                 draft_rank=MTP_RANK if self.cfg.speculative.uses_mtp else None,
             )
-            self.sender.start(bootstrap=cmd.bootstrap)
+            self.sender.start(bootstrap=cmd.bootstrap, registrar_key=cmd.registrar_key or None)
             control = self.sender.control_address
         elif staging:  # decode: a staging ring on this rank, scattered by this process
             self.staging_agent = StagingAgent(

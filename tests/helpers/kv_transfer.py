@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import secrets
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -161,8 +162,11 @@ def start_prefill(
     """cfg.staging other than "off": each rank gets a local staging buffer of cfg.staging_pool_nbytes."""
     fabric = fabric or LocalFabric()
     if server is None:
-        # the bootstrap signs its answers with the same token (a decode with one refuses unsigned answers)
-        server = stack.enter_context(BootstrapServer("127.0.0.1", 0, auth=authenticator(cfg.auth_token)))
+        # the bootstrap signs its answers with the same token (a decode with one refuses unsigned
+        # answers); the ranks register with the server's own registrar key, as a prefill's do
+        server = stack.enter_context(
+            BootstrapServer("127.0.0.1", 0, auth=authenticator(cfg.auth_token), registrar_key=secrets.token_bytes(32))
+        )
     data = truth(seed, latent, dtype)
     senders: list[KVSender] = []
     for rank in range(tp):
@@ -183,7 +187,7 @@ def start_prefill(
         )
         s.pool = pool  # keep the memory alive as long as the sender
         stack.callback(s.close)
-        senders.append(s.start(("127.0.0.1", server.port)))
+        senders.append(s.start(("127.0.0.1", server.port), server.registrar_key))
     return Prefill(server, senders, data)
 
 

@@ -21,6 +21,16 @@ HTTP API: `PUT /v1/prefill/ranks/{rank}` (JSON PrefillRankInfo), `GET /v1/prefil
 `POST /v1/prefill/refusals` (JSON RefusalNotice), `GET /health`. A registration with a new
 instance id replaces the previous instance's ranks.
 
+Who may register prefill ranks (issue 45, finding 6: a token holder re-registered a prefill's rank
+0 with its own control address, and decodes would have sent their KV requests there). The shared
+token cannot say: every decode holds it too, and a "prefill role key" derived from it is derived by
+any holder just as well. What only the prefill instance has is a secret it makes itself: the
+server runs in the instance's rank 0 process, which draws a random `registrar_key` at start and
+hands it to its TP ranks with their start command (disagg/commands.py StartPrefill, over the TP
+group's pipes, never the network). A rank registration (PUT) must be signed with that key instead
+of the token, and must name the instance's own id (`prefill_instance`): a token holder's gets 401,
+a replayed or relayed one too (the tag covers the endpoint, the server's id and a fresh nonce).
+
 With an `Authenticator` (auth.py, the deployment's shared token) every call but /health must
 carry a valid `X-Kvpipe-Auth` tag over its method, the endpoint it reached (this server's own
 address and port as the accepted socket has it, ASGI's scope["server"], never a Host header: a
@@ -102,9 +112,12 @@ __all__ = [
 class _Registry:
     """Registrations of the current prefill instance (thread-safe; FastAPI runs sync handlers in a pool)."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefill_instance: str | None = None) -> None:
+        """`prefill_instance`: the one prefill instance that may register (the server runs in its
+        rank 0's process); None: any, a new one replacing the last (tests, a shared server)."""
         self._lock = threading.Lock()
         self.auth_rejected = 0  # calls without a valid tag (with an Authenticator)
+        self._pinned = prefill_instance
         self._instance: str | None = None
         self._ranks: dict[int, PrefillRankInfo] = {}
 
@@ -115,6 +128,8 @@ class _Registry:
     def put(self, rank: int, info: PrefillRankInfo) -> None:
         if info.rank != rank or not 0 <= rank < info.tp_size:
             raise HTTPException(400, f"rank {rank} in path, {info.rank} in body, tp_size {info.tp_size}")
+        if self._pinned is not None and info.instance_id != self._pinned:
+            raise HTTPException(403, "this bootstrap server registers the ranks of its own prefill instance only")
         with self._lock:
             if info.instance_id != self._instance:  # first registration, or the prefill restarted
                 self._instance, self._ranks = info.instance_id, {}
@@ -161,10 +176,15 @@ def _app(
     max_body_bytes: int = MAX_BODY_BYTES,
     instance: str | None = None,
     on_refusal: Callable[[RefusalNotice], None] | None = None,
+    registrar: Authenticator | None = None,
 ) -> FastAPI:
     """`instance`: this server's id in every tag (random when not given); `on_refusal`: called
-    (on a server thread) with every refusal notice a decode posts."""
+    (on a server thread) with every refusal notice a decode posts; `registrar`: what a rank
+    registration (PUT) is signed with instead of `auth` (the prefill instance's own key)."""
     server_id = instance or secrets.token_hex(12)
+
+    def signer(request: Request) -> Authenticator | None:
+        return registrar if registrar is not None and request.method == "PUT" else auth
 
     def context(request: Request) -> bytes:
         # the endpoint this connection reached: the accepted socket's local address (one of ours)
@@ -176,11 +196,12 @@ def _app(
         return http_context(request.method, endpoint, request.url.path, server_id)
 
     async def authenticated(request: Request) -> None:
-        if auth is None or request.url.path == "/health":
+        checker = signer(request)
+        if checker is None or request.url.path == "/health":
             return
         body = await request.body()  # cached on the request: the route's body parsing reads it again
         try:
-            request.state.auth_stamp = auth.verify_http(context(request), body, request.headers.get(HTTP_HEADER))
+            request.state.auth_stamp = checker.verify_http(context(request), body, request.headers.get(HTTP_HEADER))
         except AuthError as e:
             registry.reject()
             raise HTTPException(401, f"bootstrap call rejected: {e}") from None
@@ -188,8 +209,11 @@ def _app(
     def answer(request: Request, payload: dict[str, Any]) -> JSONResponse:
         """A 200 answer; with a token, tagged over the call it answers."""
         resp = JSONResponse(payload)
-        if auth is not None:
-            resp.headers[REPLY_HEADER] = auth.sign_reply(context(request), request.state.auth_stamp, bytes(resp.body))
+        checker = signer(request)
+        if checker is not None:
+            resp.headers[REPLY_HEADER] = checker.sign_reply(
+                context(request), request.state.auth_stamp, bytes(resp.body)
+            )
         return resp
 
     app = FastAPI(
@@ -249,16 +273,24 @@ class BootstrapServer:
         port: int = 0,
         auth: Authenticator | None = None,
         on_refusal: Callable[[RefusalNotice], None] | None = None,
+        *,
+        registrar_key: bytes | None = None,
+        prefill_instance: str | None = None,
     ) -> None:
+        """`registrar_key`: rank registrations must be signed with it (its prefill instance's
+        own secret, handed to the instance's ranks; None: with `auth`, like every other call);
+        `prefill_instance`: the only instance id that may register (None: any)."""
         self.host = host
+        self.registrar_key = registrar_key
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))  # bound now, so `port` is known before start()
         self.port: int = self._sock.getsockname()[1]
-        self._registry = _Registry()
+        self._registry = _Registry(prefill_instance)
         self.instance = secrets.token_hex(12)  # in every tag: new on every start
-        app = _app(self._registry, auth, instance=self.instance, on_refusal=on_refusal)
+        registrar = None if registrar_key is None else Authenticator(registrar_key)
+        app = _app(self._registry, auth, instance=self.instance, on_refusal=on_refusal, registrar=registrar)
         cfg = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)
         self._server = uvicorn.Server(cfg)
         self._thread = threading.Thread(

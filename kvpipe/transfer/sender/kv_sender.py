@@ -45,7 +45,7 @@ import numpy as np
 
 from kvpipe.config import DisaggregationConfig
 from kvpipe.transfer.backends.base import BatchHandle, BatchState, TransferBackend, TransferError
-from kvpipe.transfer.control.auth import authenticator
+from kvpipe.transfer.control.auth import Authenticator, authenticator
 from kvpipe.transfer.control.bootstrap import BootstrapError, PrefillRankInfo, register_prefill_rank
 from kvpipe.transfer.control.endpoint import ControlEndpoint
 from kvpipe.transfer.control.handshake import Handshake
@@ -192,15 +192,17 @@ class KVSender:
             self.handshake,
         )
 
-    def start(self, bootstrap: tuple[str, int] | None = None) -> KVSender:
-        """Start the threads; with `bootstrap` (host, port), register this rank there."""
+    def start(self, bootstrap: tuple[str, int] | None = None, registrar_key: bytes | None = None) -> KVSender:
+        """Start the threads; with `bootstrap` (host, port), register this rank there, signed with
+        `registrar_key` (the prefill instance's own secret: bootstrap.py) or else the shared token."""
         self._endpoint.start()
         self._worker.start()
+        registrar = self._auth if registrar_key is None else Authenticator(registrar_key)
         if bootstrap is not None:
             end = time.monotonic() + self.cfg.bootstrap_timeout_s
             while True:  # the bootstrap server may still be starting
                 try:
-                    register_prefill_rank(*bootstrap, self.info, self.cfg.tuning.http_timeout_s, self._auth)
+                    register_prefill_rank(*bootstrap, self.info, self.cfg.tuning.http_timeout_s, registrar)
                     break
                 except BootstrapError:
                     if time.monotonic() >= end:
