@@ -313,7 +313,8 @@ def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="CIDR|HOST[,...]",
         help="decode: fetch bootstrap info (the request's bootstrap_host) only from these networks "
-        "or host names (repeatable, comma separated; default: anywhere; loopback always)",
+        "or host names, loopback included only when listed (repeatable, comma separated; default: "
+        "anywhere, and without an auth token loopback only)",
     )
     lim = d.limits
     for flag, default, what in (
@@ -337,6 +338,16 @@ def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
             "--disaggregation-max-reply-sockets",
             lim.max_reply_sockets,
             "control-plane sockets kept open per endpoint (least recently used closed)",
+        ),
+        (
+            "--disaggregation-max-sessions-per-endpoint",
+            lim.max_sessions_per_endpoint,
+            "decode sessions one decode endpoint (control address, rank) keeps with a prefill rank",
+        ),
+        (
+            "--disaggregation-session-idle-timeout",
+            lim.session_idle_s,
+            "seconds a decode session without a room stays registered with a prefill rank",
         ),
     ):
         g.add_argument(flag, type=int, default=default, help=f"{what} (default %(default)s)")
@@ -391,6 +402,8 @@ def disaggregation_config_from_args(args: argparse.Namespace, model_path: str) -
                 args.disaggregation_max_tombstones,
                 args.disaggregation_max_staging_waits,
                 args.disaggregation_max_reply_sockets,
+                args.disaggregation_max_sessions_per_endpoint,
+                args.disaggregation_session_idle_timeout,
             ),
         )
     except ConfigError as e:

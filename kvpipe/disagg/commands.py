@@ -61,6 +61,7 @@ class RoomStart:
     swa_pages: np.ndarray | None = None
     # STANDALONE speculative decoding: the draft model's pages of the whole prompt (None: no draft KV)
     draft_pages: np.ndarray | None = None
+    claim: bytes | None = None  # messages.room_claim of the request: only its decode may claim the room
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from kvpipe.engine.window_cache import wanted_window_pages
 from kvpipe.model.identity import checkpoint_digest
 from kvpipe.transfer.backends.base import TransferBackend
 from kvpipe.transfer.control.bootstrap_address import parse_bootstrap_address
-from kvpipe.transfer.control.messages import AuxData, DecodeRank
+from kvpipe.transfer.control.messages import AuxData, DecodeRank, room_claim
 from kvpipe.transfer.lifecycle import TransferState
 from kvpipe.transfer.receiver.kv_receiver import KVReceiver
 
@@ -118,6 +118,7 @@ class DecodeConnector(PDConnector):
             swa_pages=swa,
             # STANDALONE: the draft model's pages for the whole prompt (none reserved: none asked for)
             draft_pages=req.draft_pages.copy() if req.draft_pages.size else None,
+            claim=room_claim(req.bootstrap_room, req.input_ids),  # this decode was sent the request
         )
         self._transfers[req.bootstrap_room] = req
         self._asked.add(req.bootstrap_room)
@@ -144,6 +145,7 @@ class DecodeConnector(PDConnector):
                 req.bootstrap_host,
                 req.bootstrap_port,
                 f"aborted on the decode before its KV was requested: {detail}",
+                room_claim(room, req.input_ids),
             )
         self._release_room(room)
         return False

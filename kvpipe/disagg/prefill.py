@@ -61,6 +61,7 @@ from kvpipe.transfer.backends.base import TransferBackend
 from kvpipe.transfer.control.auth import authenticator
 from kvpipe.transfer.control.bootstrap import BootstrapServer
 from kvpipe.transfer.control.handshake import Handshake, RefusalNotice
+from kvpipe.transfer.control.messages import room_claim
 from kvpipe.transfer.lifecycle import TransferState
 from kvpipe.transfer.planning.wire_bytes import KVWireBytes
 from kvpipe.transfer.sender.book import SenderStats
@@ -227,7 +228,8 @@ class PrefillConnector(PDConnector):
                 continue
             if not r.started:
                 draft = req.draft_pages.copy() if req.draft_pages.size else None  # STANDALONE's
-                starts.append(RoomStart(r.room, req.pages.copy(), req.state_slot, _swa(req), draft_pages=draft))
+                claim = room_claim(r.room, req.input_ids)  # only the decode sent this request may ask for it
+                starts.append(RoomStart(r.room, req.pages.copy(), req.state_slot, _swa(req), draft, claim))
                 self._start(r)
             # the prompt's last forward: a hybrid model's state of each layer group is final
             # after the group, so it can go with the group's KV

@@ -255,7 +255,7 @@ class TransferWorker(KVConnectorWorker):
             # NEXTN: a room's MTP pages are rank 0's (disagg/mtp_transfer.py); other ranks hold no MTP pool
             draft = None if self._mtp_elsewhere else start.draft_pages
             try:
-                s.add_room(start.room, start.pages, start.state_slot, start.swa_pages, draft)
+                s.add_room(start.room, start.pages, start.state_slot, start.swa_pages, draft, claim=start.claim)
             except ValueError as e:  # nothing of this room is in our sender: report it failed
                 self._failed.append((start.room, TransferState.FAILED, f"add_room refused on TP rank {self.rank}: {e}"))
 

@@ -157,6 +157,7 @@ class KVReceiver:
         state_slot: int | None = None,
         swa_pages: Sequence[np.ndarray] | np.ndarray | list[int] | None = None,
         draft_pages: np.ndarray | list[int] | None = None,
+        claim: bytes = b"",
     ) -> None:
         """Ask the prefill at bootstrap_host:bootstrap_port (None: 8998) for request `room`'s KV.
 
@@ -172,7 +173,9 @@ class KVReceiver:
         sliding layers into those pages only; draft_pages: a decode whose ranks
         have draft-model pools (STANDALONE speculative decoding, each rank its shard of the draft's
         heads): their pages for the prompt's draft KV from token 0, the same ids on every rank,
-        which the prefill fills if it has the draft KV (the aux data's draft_tokens says how much). Non-blocking.
+        which the prefill fills if it has the draft KV (the aux data's draft_tokens says how much);
+        claim: messages.room_claim(room, prompt), what shows the prefill this decode was sent the
+        request (b"": none; a prefill that knows the room's claim then refuses it). Non-blocking.
         Raises DuplicateRoomError if the room is active already, BootstrapRefused if this decode
         may not fetch from that address (reject that request only)."""
         pages = self._book.check_pages(room, dst_pages, prefix_len)
@@ -184,7 +187,9 @@ class KVReceiver:
         if why is not None:
             raise BootstrapRefused(why)
         with self._lock:
-            fetch = self._book.add_room(room, addr, pages, prefix_len, aux_slot, self._clock(), state_slot, swa, draft)
+            fetch = self._book.add_room(
+                room, addr, pages, prefix_len, aux_slot, self._clock(), state_slot, swa, draft, claim
+            )
             if fetch is not None:
                 (self._proven_pool if self.guard.proven(fetch) else self._pool).submit(self._fetch, fetch)
 
@@ -194,13 +199,20 @@ class KVReceiver:
             self._book.abort(room, reason, self._clock())
 
     def abort_unrequested(
-        self, room: int, bootstrap_host: str, bootstrap_port: int | None, reason: str = "aborted by decode"
+        self,
+        room: int,
+        bootstrap_host: str,
+        bootstrap_port: int | None,
+        reason: str = "aborted by decode",
+        claim: bytes = b"",
     ) -> bool:
         """A request this decode never opened a room for (it waited for pages) is gone: tell the
         prefill, if this decode knows it, so the prefill frees the request's KV now instead of
         holding it until its bootstrap timeout. True when the prefill ranks were told."""
         with self._lock:
-            return self._book.abort_unrequested(room, parse_bootstrap_address(bootstrap_host, bootstrap_port), reason)
+            return self._book.abort_unrequested(
+                room, parse_bootstrap_address(bootstrap_host, bootstrap_port), reason, claim
+            )
 
     def poll(self) -> list[tuple[int, TransferState, str, AuxData | None]]:
         """Rooms that finished and whose pages are safe to reuse (each reported once)."""

@@ -61,6 +61,7 @@ class ReceiverRoom:
     # STANDALONE speculative decoding: the draft pool's pages for the prompt's draft KV from token 0
     # (the same ids on every decode rank, each holding its shard of heads); None: no draft KV asked for
     draft_pages: np.ndarray | None = None
+    claim: bytes = b""  # messages.room_claim of the request (the prefill serves only that claim)
     expected: dict[int, int] = field(default_factory=dict)  # decode rank -> final statuses due
     finals: dict[int, int] = field(default_factory=dict)
     successes: dict[int, int] = field(default_factory=dict)

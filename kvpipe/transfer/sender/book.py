@@ -33,7 +33,7 @@ import collections
 import itertools
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -46,6 +46,8 @@ from kvpipe.transfer.control.messages import (
     AuxTuple,
     Heartbeat,
     RegisterPeer,
+    RegisterReply,
+    RegisterState,
     Side,
     StagingChunkDone,
     StagingChunkWritten,
@@ -59,6 +61,8 @@ from kvpipe.transfer.lifecycle import DuplicateRoomError, RoomRecord, TransferSt
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.planning.window_table import window_pages_problem
 from kvpipe.transfer.recurrent.layout import StateLayout
+from kvpipe.transfer.sender import claims
+from kvpipe.transfer.sender.challenge import Challenges
 from kvpipe.transfer.sender.peers import SenderPeers, expected_destinations
 from kvpipe.transfer.sender.room import (
     ChunkState,
@@ -117,6 +121,7 @@ class Tombstone:
     what: str  # how the room ended
     notified: set[str]  # decode sessions that already got our final status
     by: str | None = None  # the decode session whose messages made it (None: a room our engine ran)
+    claim: bytes | None = None  # the room claim of those messages (claims.tomb_applies)
 
 
 class SenderBook:
@@ -164,6 +169,7 @@ class SenderBook:
         self.peers = SenderPeers(
             cfg, layout, tp_rank, tp_size, state_layout, own_data_address, draft_layout, draft_rank=draft_rank
         )
+        self.challenges = Challenges()  # a registration is kept once answered at its control address
         self.rooms: dict[int, SenderRoom] = {}  # insertion order = FIFO for the write window
         self.tombstones: dict[int, Tombstone] = {}
         self._limits = cfg.limits
@@ -195,7 +201,9 @@ class SenderBook:
         state_slot: int | None = None,
         swa_pages: np.ndarray | None = None,
         draft_pages: np.ndarray | None = None,
+        claim: bytes | None = None,
     ) -> None:
+        """`claim`: the room's messages.room_claim (None: the first decode to ask takes it)."""
         self._dirty = True
         r = self.rooms.get(room)
         if r is not None and r.src_pages is not None:
@@ -208,9 +216,11 @@ class SenderBook:
         r.src_state_slot = state_slot
         r.src_swa_pages = swa_pages
         r.src_draft_pages = draft_pages
+        r.claim = claim
+        self._settle_claims(r, now)
         self._adopt(r)
         tomb = self._untomb(room)
-        if tomb is not None:
+        if tomb is not None and claims.tomb_applies(tomb.by, tomb.claim, claim):
             r.notified |= tomb.notified
             r.rec.fail(f"room {room} was already used or aborted: {tomb.what}", now)
         if r.ready:
@@ -288,9 +298,7 @@ class SenderBook:
         if isinstance(msg, Heartbeat):
             self.peers.seen(msg.session_id, now)
         elif isinstance(msg, RegisterPeer):
-            why = self.peers.register(msg, now)
-            if why is not None:
-                self._reject(f"RegisterPeer from {msg.session_id}: {why}")
+            self._on_register(msg, now)
         elif isinstance(msg, TransferRequest):
             self.peers.seen(msg.session_id, now)
             self._on_request(msg, now)
@@ -301,6 +309,79 @@ class SenderBook:
             self._on_staging(msg, now)
         else:
             self._reject(f"unexpected {type(msg).__name__} on a prefill rank")
+
+    def _on_register(self, msg: RegisterPeer, now: float) -> None:
+        """Challenge a registration (challenge.py), then register it (peers.py) and say how it went."""
+
+        def reply(state: RegisterState, challenge: bytes = b"", reason: str = "") -> None:
+            self.send(msg.control_address, RegisterReply(msg.session_id, self.session_id, state, challenge, reason))
+
+        if not self.challenges.answered(msg, now):
+            return reply(RegisterState.CHALLENGE, self.challenges.issue(msg, now))
+        why = self.peers.register(replace(msg, challenge=b""), now, self._sessions_in_use())
+        self._tell_evicted()
+        if why is not None:
+            self._reject(f"RegisterPeer from {msg.session_id}: {why}")
+            return reply(RegisterState.REFUSED, reason=f"prefill rank {self.tp_rank}: {why}")
+        reply(RegisterState.ACCEPTED)
+
+    def _sessions_in_use(self) -> set[str]:
+        """Sessions bound to rooms our engine admitted (never evicted while such a room is open)."""
+        return {s for r in self.rooms.values() if r.src_pages is not None for s in r.dests}
+
+    def _tell_evicted(self) -> None:
+        """Sessions the peers evicted: drop their claims on rooms not admitted yet (their decode asks
+        again once registered again) and tell them."""
+        for peer in self.peers.take_evicted():
+            s = peer.session_id
+            for r in list(self.rooms.values()):
+                if s in r.dests and r.src_pages is None:
+                    del r.dests[s]
+                    if not r.dests:
+                        del self.rooms[r.room]
+                        self._busy.pop(r.room, None)
+            self._orphans.pop(s, None)
+            reason = f"prefill rank {self.tp_rank} evicted the idle session (register again to use it)"
+            self.send(peer.control_address, RegisterReply(s, self.session_id, RegisterState.EVICTED, reason=reason))
+
+    def _settle_claims(self, r: SenderRoom, now: float) -> None:
+        """The engine admitted the room: keep the claim group it belongs to, refuse the others."""
+        gone = claims.losers(r)
+        for s in gone:
+            d = r.dests.pop(s)
+            self._status(
+                d.control_address,
+                r.room,
+                s,
+                False,
+                f"prefill rank {self.tp_rank}: room {r.room} belongs to another request (its claim differs)",
+            )
+            r.notified.add(s)
+            self._disown(s, r.room)
+        if r.dests:
+            r.expected = next(iter(r.dests.values())).expected
+        elif gone:
+            r.expected = None
+
+    def _disown(self, session: str, room: int) -> None:
+        rooms = self._orphans.get(session)
+        if rooms is not None:
+            rooms.discard(room)
+            if not rooms:
+                del self._orphans[session]
+
+    def _fail_or_drop(self, r: SenderRoom, sessions: list[str], reason: str, now: float) -> None:
+        """`sessions` of the room gave up (an abort, their decode died): before admission, while
+        another claim group waits for the room, only their group goes (with its final statuses);
+        otherwise the room fails."""
+        if r.src_pages is None and claims.other_groups(r, sessions):
+            for s in sessions:
+                d = r.dests.pop(s)
+                self._status(d.control_address, r.room, s, False, reason)
+                r.notified.add(s)
+                self._disown(s, r.room)
+            return
+        r.rec.fail(reason, now)
 
     def _reject(self, what: str) -> None:
         self.stats.rejected_messages += 1
@@ -319,6 +400,9 @@ class SenderBook:
             # This session has (or will get) its final status for the room; a second one would lie.
             return self._reject(f"repeated TransferRequest for room {room} from {session}")
         peer, why = self.peers.check_request(msg)
+        if why is None and tomb is not None and not claims.tomb_applies(tomb.by, tomb.claim, msg.claim or None):
+            self._untomb(room)  # a stranger's tombstone of another claim: no word on this request
+            tomb = None
         if why is None and tomb is not None:
             why = f"room {room} already finished here ({tomb.what})"
         elif why is None:
@@ -336,7 +420,12 @@ class SenderBook:
         elif tomb is not None:
             tomb.notified.add(session)
         elif peer is not None:  # a later add_room for this room fails at once instead of waiting for a request
-            self._entomb(room, Tombstone(now + self._tomb_ttl, f"invalid TransferRequest: {why}", {session}, session))
+            self._entomb(
+                room,
+                Tombstone(
+                    now + self._tomb_ttl, f"invalid TransferRequest: {why}", {session}, session, msg.claim or None
+                ),
+            )
 
     def _bind(self, msg: TransferRequest, peer: RegisterPeer, now: float) -> str | None:
         """Attach a validated request to its room; returns why it cannot be, or None."""
@@ -352,13 +441,14 @@ class SenderBook:
         if r is None:  # the decode is ahead of our engine: keep it until add_room (or time out)
             r = self.rooms[room] = self._room(room, RoomRecord.new(room, self._orphan_timeouts, now))
         expected = expected_destinations(self.tp_rank, self.tp_size, peer.tp_size)
-        if (
-            (r.expected is not None and r.expected != expected)
-            or len(r.dests) >= expected
-            or any(d.decode_rank == peer.tp_rank or d.control_address != peer.control_address for d in r.dests.values())
-        ):
-            return f"room {room} is already bound to another decode (duplicate bootstrap_room?)"
-        r.expected = expected
+        why = claims.conflict(r, peer.control_address, peer.tp_rank, msg.claim, expected)
+        if why is not None:
+            if not r.dests and r.src_pages is None:  # made for this request only
+                del self.rooms[room]
+            return why
+        if r.expected is None or not r.dests:
+            r.expected = expected
+        self.peers.used(session, now)
         if r.src_pages is None:
             self._orphans.setdefault(session, set()).add(room)
         swa = None if msg.dst_swa_pages is None else np.asarray(msg.dst_swa_pages, dtype=np.int64)
@@ -395,6 +485,8 @@ class SenderBook:
             # window pages of logical pages [prefix - lead, prefix): below the decode's prefix
             dst_swa_lead=None if swa is None or lead == 0 else swa[:lead],
             swa_lead_sent=None if swa is None or lead == 0 else np.zeros(self.layout.num_layers, dtype=bool),
+            claim=msg.claim,
+            expected=expected,
         )
         if len(r.dests) >= expected:
             r.requested_at = now
@@ -411,10 +503,14 @@ class SenderBook:
         if (r is not None and session in r.notified) or (tomb is not None and session in tomb.notified):
             return  # it already has our final status (the abort crossed it on the wire)
         if r is not None and session in r.dests:
-            r.rec.fail(f"aborted by decode: {msg.reason}", now)
+            self._fail_or_drop(r, claims.group(r, session), f"aborted by decode: {msg.reason}", now)
             return
         addr = self.peers.reply_address(session)
-        if addr is None or (r is not None and r.dests):  # a stranger, or a room bound to other sessions
+        if (
+            addr is None  # a stranger
+            or (r is not None and r.dests)  # a room bound to other sessions
+            or (r is not None and r.claim is not None and msg.claim != r.claim)  # another request's room
+        ):
             return self._reject(f"Abort for room {room} from {session}, which is not bound to it")
         if r is not None:
             # The decode gave up before it asked for the room (it waited for pages): fail it now
@@ -427,7 +523,12 @@ class SenderBook:
         # that a late add_room fails at once instead of waiting for a request that never comes.
         self._status(addr, room, session, False, f"prefill rank {self.tp_rank} never wrote room {room}")
         if tomb is None:
-            self._entomb(room, Tombstone(now + self._tomb_ttl, f"aborted by decode: {msg.reason}", {session}, session))
+            self._entomb(
+                room,
+                Tombstone(
+                    now + self._tomb_ttl, f"aborted by decode: {msg.reason}", {session}, session, msg.claim or None
+                ),
+            )
         else:
             tomb.notified.add(session)
 
@@ -496,9 +597,10 @@ class SenderBook:
         for addr in self.peers.liveness.reap(now):
             why = f"decode at {addr} sent nothing for {self.cfg.heartbeat_timeout_s:.1f}s (heartbeats missed)"
             log.warning("prefill rank %d: %s", self.tp_rank, why)
-            for r in self.rooms.values():
-                if any(d.control_address == addr for d in r.dests.values()):
-                    r.rec.fail(why, now)
+            for r in list(self.rooms.values()):
+                dead = [s for s, d in r.dests.items() if d.control_address == addr]
+                if dead:
+                    self._fail_or_drop(r, dead, why, now)
                     self._dirty = True
         if now < self._next_hb:
             return []
@@ -508,7 +610,11 @@ class SenderBook:
         self._hb_seq += 1
         for room in [k for k, t in self.tombstones.items() if t.expires_at <= now]:
             self._untomb(room)
-        return self.peers.prune(now, {d.control_address for r in self.rooms.values() for d in r.dests.values()})
+        gone = self.peers.prune(
+            now, {d.control_address for r in self.rooms.values() for d in r.dests.values()}, self._sessions_in_use()
+        )
+        self._tell_evicted()
+        return gone
 
     def take_work(
         self, now: float

@@ -228,6 +228,7 @@ class KVSender:
         state_slot: int | None = None,
         src_swa_pages: np.ndarray | list[int] | None = None,
         src_draft_pages: np.ndarray | list[int] | None = None,
+        claim: bytes | None = None,
     ) -> None:
         """The engine admitted request `room`; `src_pages` is its page table (tokens from 0);
         `state_slot`: its recurrent-state slot (hybrid models: required; it must stay the room's
@@ -236,7 +237,8 @@ class KVSender:
         while not allocated; None: none yet). The pages the decode asks for must stay the room's
         until poll() reported it. `src_draft_pages`: the room's draft-model pages (a sender with a
         draft layout), the whole prompt's from token 0, kept like `src_pages`; None: no draft KV
-        for this room. Raises DuplicateRoomError if the room is active already
+        for this room. `claim`: messages.room_claim(room, prompt): only a decode that names it may
+        ask for the room (None: the first to ask). Raises DuplicateRoomError if the room is active already
         (reject that request only), ValueError for pages or a slot outside the pools."""
         pages = self._check_pages(room, src_pages)
         draft = self._check_draft_pages(room, src_draft_pages)
@@ -245,7 +247,7 @@ class KVSender:
             raise ValueError(f"room {room}: state slot {state_slot} outside [0, {sl.num_slots})")
         swa = self._check_swa_pages(room, src_swa_pages, pages)
         with self._lock:
-            self._book.add_room(room, pages, self._clock(), None if sl is None else state_slot, swa, draft)
+            self._book.add_room(room, pages, self._clock(), None if sl is None else state_slot, swa, draft, claim)
         self._wake.set()
 
     def _check_draft_pages(self, room: int, draft_pages: np.ndarray | list[int] | None) -> np.ndarray | None:
