@@ -33,7 +33,7 @@ import collections
 import itertools
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -46,8 +46,6 @@ from kvpipe.transfer.control.messages import (
     AuxTuple,
     Heartbeat,
     RegisterPeer,
-    RegisterReply,
-    RegisterState,
     Side,
     StagingChunkDone,
     StagingChunkWritten,
@@ -75,6 +73,7 @@ from kvpipe.transfer.sender.room import (
     StagedChunk,
     StagingPolicy,
 )
+from kvpipe.transfer.sender.sessions import SessionRules
 from kvpipe.transfer.staging.ring import RingAllocator
 
 log = logging.getLogger(__name__)
@@ -124,7 +123,7 @@ class Tombstone:
     claim: bytes | None = None  # the room claim of those messages (claims.tomb_applies)
 
 
-class SenderBook:
+class SenderBook(SessionRules):
     def __init__(
         self,
         cfg: DisaggregationConfig,
@@ -310,79 +309,6 @@ class SenderBook:
         else:
             self._reject(f"unexpected {type(msg).__name__} on a prefill rank")
 
-    def _on_register(self, msg: RegisterPeer, now: float) -> None:
-        """Challenge a registration (challenge.py), then register it (peers.py) and say how it went."""
-
-        def reply(state: RegisterState, challenge: bytes = b"", reason: str = "") -> None:
-            self.send(msg.control_address, RegisterReply(msg.session_id, self.session_id, state, challenge, reason))
-
-        if not self.challenges.answered(msg, now):
-            return reply(RegisterState.CHALLENGE, self.challenges.issue(msg, now))
-        why = self.peers.register(replace(msg, challenge=b""), now, self._sessions_in_use())
-        self._tell_evicted()
-        if why is not None:
-            self._reject(f"RegisterPeer from {msg.session_id}: {why}")
-            return reply(RegisterState.REFUSED, reason=f"prefill rank {self.tp_rank}: {why}")
-        reply(RegisterState.ACCEPTED)
-
-    def _sessions_in_use(self) -> set[str]:
-        """Sessions bound to rooms our engine admitted (never evicted while such a room is open)."""
-        return {s for r in self.rooms.values() if r.src_pages is not None for s in r.dests}
-
-    def _tell_evicted(self) -> None:
-        """Sessions the peers evicted: drop their claims on rooms not admitted yet (their decode asks
-        again once registered again) and tell them."""
-        for peer in self.peers.take_evicted():
-            s = peer.session_id
-            for r in list(self.rooms.values()):
-                if s in r.dests and r.src_pages is None:
-                    del r.dests[s]
-                    if not r.dests:
-                        del self.rooms[r.room]
-                        self._busy.pop(r.room, None)
-            self._orphans.pop(s, None)
-            reason = f"prefill rank {self.tp_rank} evicted the idle session (register again to use it)"
-            self.send(peer.control_address, RegisterReply(s, self.session_id, RegisterState.EVICTED, reason=reason))
-
-    def _settle_claims(self, r: SenderRoom, now: float) -> None:
-        """The engine admitted the room: keep the claim group it belongs to, refuse the others."""
-        gone = claims.losers(r)
-        for s in gone:
-            d = r.dests.pop(s)
-            self._status(
-                d.control_address,
-                r.room,
-                s,
-                False,
-                f"prefill rank {self.tp_rank}: room {r.room} belongs to another request (its claim differs)",
-            )
-            r.notified.add(s)
-            self._disown(s, r.room)
-        if r.dests:
-            r.expected = next(iter(r.dests.values())).expected
-        elif gone:
-            r.expected = None
-
-    def _disown(self, session: str, room: int) -> None:
-        rooms = self._orphans.get(session)
-        if rooms is not None:
-            rooms.discard(room)
-            if not rooms:
-                del self._orphans[session]
-
-    def _fail_or_drop(self, r: SenderRoom, sessions: list[str], reason: str, now: float) -> None:
-        """`sessions` of the room gave up (an abort, their decode died): before admission, while
-        another claim group waits for the room, only their group goes (with its final statuses);
-        otherwise the room fails."""
-        if r.src_pages is None and claims.other_groups(r, sessions):
-            for s in sessions:
-                d = r.dests.pop(s)
-                self._status(d.control_address, r.room, s, False, reason)
-                r.notified.add(s)
-                self._disown(s, r.room)
-            return
-        r.rec.fail(reason, now)
-
     def _reject(self, what: str) -> None:
         self.stats.rejected_messages += 1
         log.warning("prefill rank %d rejected %s", self.tp_rank, what)
@@ -535,11 +461,7 @@ class SenderBook:
     def _adopt(self, r: SenderRoom) -> None:
         """The room is no orphan of its sessions any more (admitted, or gone)."""
         for session in r.dests:
-            rooms = self._orphans.get(session)
-            if rooms is not None:
-                rooms.discard(r.room)
-                if not rooms:
-                    del self._orphans[session]
+            self._disown(session, r.room)
 
     def _entomb(self, room: int, tomb: Tombstone) -> None:
         """Remember how `room` ended; a session past its bound forgets its oldest tombstone."""
