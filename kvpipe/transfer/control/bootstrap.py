@@ -41,6 +41,10 @@ and is counted (`auth_rejected`). The server's instance id is random per start a
 it: a client asks for it first, so a captured header works nowhere else and not after a restart
 on the same port. Every 200 answer carries `X-Kvpipe-Auth-Reply`, a tag over the call's context,
 timestamp and nonce and the answer's body; the client refuses an answer without a valid one.
+
+Slow clients (issue 45, finding 7): the listener is uvicorn's h11 protocol with a request read
+deadline and a connection cap (slow_clients.py, BOOTSTRAP_CLIENT_LIMITS): a connection that has
+not sent a whole request within 10 s gets 408 and is closed, the 257th open one 503 at once.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from kvpipe.body_limit import BodyLimitMiddleware
+from kvpipe.slow_clients import ClientLimits, uvicorn_settings
 from kvpipe.transfer.control.auth import HTTP_HEADER, REPLY_HEADER, Authenticator, AuthError, http_context
 from kvpipe.transfer.control.bootstrap_client import (
     endpoint_of,
@@ -85,6 +90,11 @@ from kvpipe.transfer.control.bootstrap_info import (
     layout_from_dict,
 )
 from kvpipe.transfer.control.handshake import RefusalNotice
+
+# A bootstrap call is one small request per connection (clients send Connection: close): a whole
+# request within 10 s, at most 256 at once (decodes fetch once per prefill instance, ranks register
+# once); issue 45, finding 7.
+BOOTSTRAP_CLIENT_LIMITS = ClientLimits(max_connections=256, request_read_s=10.0)
 
 __all__ = [
     "DEFAULT_BOOTSTRAP_PORT",
@@ -276,10 +286,12 @@ class BootstrapServer:
         *,
         registrar_key: bytes | None = None,
         prefill_instance: str | None = None,
+        limits: ClientLimits = BOOTSTRAP_CLIENT_LIMITS,
     ) -> None:
         """`registrar_key`: rank registrations must be signed with it (its prefill instance's
         own secret, handed to the instance's ranks; None: with `auth`, like every other call);
-        `prefill_instance`: the only instance id that may register (None: any)."""
+        `prefill_instance`: the only instance id that may register (None: any); `limits`: slow
+        and too many clients (slow_clients.py)."""
         self.host = host
         self.registrar_key = registrar_key
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -291,7 +303,7 @@ class BootstrapServer:
         self.instance = secrets.token_hex(12)  # in every tag: new on every start
         registrar = None if registrar_key is None else Authenticator(registrar_key)
         app = _app(self._registry, auth, instance=self.instance, on_refusal=on_refusal, registrar=registrar)
-        cfg = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)
+        cfg = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, **uvicorn_settings(limits))
         self._server = uvicorn.Server(cfg)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._sock]}, name=f"bootstrap-{self.port}", daemon=True
