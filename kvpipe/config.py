@@ -310,6 +310,9 @@ class DisaggregationConfig:
     bootstrap_allow: tuple[str, ...] = ()
     # without an auth token, serve PD on a non-loopback data-plane address anyway
     insecure: bool = False
+    # decode: ask every prefill rank for a keyed digest of the KV it wrote and check it before the
+    # first decode step (transfer/kv_digest.py; a prefill always answers such a request)
+    kv_integrity: bool = False
     tuning: TransferTuning = field(default_factory=TransferTuning)
     faults: FaultInjection = field(default_factory=FaultInjection)
     limits: ControlLimits = field(default_factory=ControlLimits)

@@ -308,6 +308,13 @@ def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
         help="serve PD without an auth token on a non-loopback data-plane address (refused otherwise)",
     )
     g.add_argument(
+        "--disaggregation-kv-integrity",
+        action="store_true",
+        help="decode: check a keyed digest of the KV every prefill rank wrote (BLAKE2b, sent with "
+        "its final status) before a request's first decode step; a mismatch (a page written by "
+        "anyone else meanwhile) fails that request. Costs a pass over the KV on both sides",
+    )
+    g.add_argument(
         "--disaggregation-bootstrap-allow",
         action="append",
         default=None,
@@ -395,6 +402,7 @@ def disaggregation_config_from_args(args: argparse.Namespace, model_path: str) -
                 e.strip() for arg in args.disaggregation_bootstrap_allow or () for e in arg.split(",") if e.strip()
             ),
             insecure=args.disaggregation_insecure,
+            kv_integrity=args.disaggregation_kv_integrity,
             faults=FaultInjection(args.disaggregation_failure_prob, args.disaggregation_failure_seed),
             limits=ControlLimits(
                 args.disaggregation_max_sessions,

@@ -72,6 +72,8 @@ class DecodeConnector(PDConnector):
             on_news=ctx.wake,
             handshake=handshake,
             max_aux_bytes=nextn_aux_nbytes(self.cfg, ctx),  # NEXTN's hidden row (disagg/mtp_transfer.py)
+            # --disaggregation-kv-integrity: rank 0 checks the KV it got (transfer/kv_digest.py)
+            digester=self.local_worker.kv_digester() if self.local_worker is not None else None,
         ).start()
         logger.info("decode ready: control %s, data %s", self.receiver.control_address, self.ranks[0].data_address)
 

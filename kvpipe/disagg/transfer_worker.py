@@ -49,6 +49,7 @@ from kvpipe.engine.connector import KVConnectorWorker
 from kvpipe.transfer.backends.base import TransferBackend
 from kvpipe.transfer.control.auth import authenticator
 from kvpipe.transfer.control.handshake import Handshake
+from kvpipe.transfer.kv_digest import KVDigester
 from kvpipe.transfer.lifecycle import DuplicateRoomError, TransferState
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.sender.book import SenderStats
@@ -99,6 +100,10 @@ class TransferWorker(KVConnectorWorker):
         (`total_kv_heads`: the draft model's before TP; None: the pool's own, TP 1): it is
         registered and sent with the target's KV (before the start)."""
         self.draft_layout = None if pool is None else draft_layout(self.cfg, self.rank, pool, total_kv_heads)
+
+    def kv_digester(self) -> KVDigester:
+        """Digests of this rank's KV pool (transfer/kv_digest.py: end-to-end KV integrity)."""
+        return KVDigester(self._pool.buffers(), self.layout)
 
     # ---- between forwards ------------------------------------------------------------------
     def handle(self, cmd: object) -> object | None:
@@ -162,6 +167,7 @@ class TransferWorker(KVConnectorWorker):
                 draft_at_prefix=self.cfg.speculative.uses_mtp,
                 # NEXTN (or an EAGLE head): the MTP layer and its KV live whole on TP rank 0 of each side
                 draft_rank=MTP_RANK if self.cfg.speculative.uses_mtp else None,
+                digester=self.kv_digester(),  # for decodes that check the KV they got
             )
             self.sender.start(bootstrap=cmd.bootstrap, registrar_key=cmd.registrar_key or None)
             control = self.sender.control_address

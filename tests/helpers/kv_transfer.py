@@ -23,6 +23,7 @@ from kvpipe.transfer.backends.local import LocalBackend, LocalFabric
 from kvpipe.transfer.control.auth import authenticator
 from kvpipe.transfer.control.bootstrap import BootstrapServer
 from kvpipe.transfer.control.messages import AuxData, DecodeRank
+from kvpipe.transfer.kv_digest import KVDigester
 from kvpipe.transfer.lifecycle import Clock, TransferState
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.planning.tp_mapping import kv_head_range
@@ -184,6 +185,7 @@ def start_prefill(
             instance_id=instance,
             staging=buf,
             on_news=on_news,
+            digester=KVDigester(pool.buffers(), layout),
         )
         s.pool = pool  # keep the memory alive as long as the sender
         stack.callback(s.close)
@@ -228,7 +230,8 @@ def start_decode(
             agents.append(agent)
             info = agent.info
         ranks.append(DecodeRank(layout, backend.address, info))
-    recv = RigReceiver(cfg, ranks=ranks, model_name=model, clock=clock)
+    digester = KVDigester(pools[0].buffers(), ranks[0].layout) if cfg.kv_integrity else None
+    recv = RigReceiver(cfg, ranks=ranks, model_name=model, clock=clock, digester=digester)
     recv.pools, recv.agents = pools, agents
     stack.callback(recv.close)
     recv.start()

@@ -55,7 +55,8 @@ PROTOCOL_VERSION = 10  # 2: AuxData.cached_tokens; 3: staging ring messages, Reg
 # 9: TransferRequest.dst_swa_pages may start before the decode's prefix (the prompt's last window
 # reaching back into a decode-cached prefix whose window pages the decode lacks)
 # 10: registrations answer a challenge (RegisterPeer.challenge, RegisterReply), rooms are claimed
-# with their prompt's digest (TransferRequest.claim, Abort.claim: room_claim)
+# with their prompt's digest (TransferRequest.claim, Abort.claim: room_claim), end-to-end KV
+# integrity (TransferRequest.integrity_key, TransferStatus.kv_digest: transfer/kv_digest.py)
 MAX_MESSAGE_INTS = 1 << 20  # `decode` without limits: int lists of up to 1M entries (8 MiB)
 
 
@@ -156,6 +157,8 @@ class TransferRequest:
     # room_claim(room, prompt): the decode was sent this request; a prefill that knows the room's
     # prompt serves only a claim that names it (b"": none; sender/claims.py)
     claim: bytes = b""
+    # --disaggregation-kv-integrity: the key of the digest of the written KV the final status carries
+    integrity_key: bytes = b""
 
     def __post_init__(self) -> None:
         if self.dst_swa_pages is not None:
@@ -200,6 +203,7 @@ class TransferStatus:
     reason: str = field(default="", metadata=TEXT)
     aux: AuxData | None = None  # required with SUCCESS
     sender: str = ""  # the prefill rank's session (f"{instance_id}/{rank}"): the decode checks the pair
+    kv_digest: bytes = b""  # with SUCCESS, when the request named an integrity_key: kv_digest.py
 
     def __post_init__(self) -> None:
         if self.state is WireState.SUCCESS and self.aux is None:

@@ -88,6 +88,7 @@ class ReceiverStats:
     rooms_failed: int = 0
     auth_rejected: int = 0  # control frames the endpoint dropped (no valid tag, stale, replayed)
     foreign_rejected: int = 0  # statuses / aborts naming a session or sender the room was not requested from
+    integrity_failed: int = 0  # rooms whose KV differed from the prefill's digest (kv_digest.py)
     # rooms failed because this decode refused their prefill's handshake, by reason (handshake.py labels)
     handshakes_refused: dict[str, int] = field(default_factory=dict)
 
@@ -114,8 +115,12 @@ class ReceiverBook:
         instance_id: str,
         control_address: str,
         send: Callable[[str, Any], bool],
+        verify: Callable[[ReceiverRoom], str | None] | None = None,
     ) -> None:
+        """`verify(room)`: why a room whose prefill ranks all reported Success holds other KV than
+        they wrote, or None (kv_digest.py; rooms requested with an integrity key only)."""
         self.cfg, self.ranks = cfg, tuple(ranks)
+        self._verify = verify
         self.tp_size = len(self.ranks)
         self.control_address = control_address  # where prefill ranks answer (in RegisterPeer)
         self.send = send
@@ -217,6 +222,7 @@ class ReceiverBook:
         swa_pages: tuple[np.ndarray, ...] | None = None,
         draft_pages: np.ndarray | None = None,
         claim: bytes = b"",
+        integrity_key: bytes = b"",
     ) -> Address | None:
         """Open a room (pages from check_pages, swa_pages from check_swa_pages). Returns `prefill`
         when the caller must start a bootstrap fetch of it (then report with on_fetched), None when
@@ -235,6 +241,7 @@ class ReceiverBook:
             swa_pages=swa_pages,
             draft_pages=draft_pages,
             claim=claim,
+            integrity_key=integrity_key,
         )
         peer = self.prefills.get(prefill)
         if peer is not None:
@@ -269,6 +276,13 @@ class ReceiverBook:
             if not r.rec.state.terminal or not r.quiet(now):
                 continue
             ok = r.rec.state is TransferState.SUCCESS
+            if ok and r.integrity_key:  # before the first decode step reads the pages
+                why = "no KV digest checker on this decode" if self._verify is None else self._verify(r)
+                if why is not None:
+                    log.warning("room %d: %s", room, why)
+                    r.rec.fail(why, now)
+                    self.stats.integrity_failed += 1
+                    ok = False
             out.append((room, r.rec.state, r.rec.reason, r.aux if ok else None))
             del self.rooms[room]
             if ok:
@@ -383,6 +397,7 @@ class ReceiverBook:
                 None if r.draft_pages is None or self.ranks[rank].draft is None else tuple(r.draft_pages.tolist())
             ),
             claim=r.claim,
+            integrity_key=r.integrity_key,
         )
 
     def _request(self, r: ReceiverRoom, peer: KnownPrefill, now: float) -> None:

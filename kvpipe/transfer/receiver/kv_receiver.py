@@ -25,6 +25,7 @@ heartbeats every receiver_tick_s (TransferTuning). Control messages leave throug
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 import uuid
@@ -53,8 +54,11 @@ from kvpipe.transfer.control.endpoint import ControlEndpoint
 from kvpipe.transfer.control.fetch_guard import FetchGuard
 from kvpipe.transfer.control.handshake import MAX_REFUSED_ROOMS, Handshake, RefusalNotice
 from kvpipe.transfer.control.messages import RECEIVER_RECEIVES, AuxData, DecodeRank, limits_for
+from kvpipe.transfer.kv_digest import KEY_BYTES, KVDigester
 from kvpipe.transfer.lifecycle import Clock, TransferState
+from kvpipe.transfer.planning.tp_mapping import slices_for_decode_rank
 from kvpipe.transfer.receiver.book import Address, ReceiverBook, ReceiverStats
+from kvpipe.transfer.receiver.room import ReceiverRoom
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +76,7 @@ class KVReceiver:
         on_news: Callable[[], None] | None = None,
         handshake: Handshake | None = None,
         max_aux_bytes: int = 0,
+        digester: KVDigester | None = None,
     ) -> None:
         """`on_news` (called on the control thread after every message from a prefill, and on the
         worker thread at its tick when a room became reportable otherwise): poll() has something
@@ -79,9 +84,17 @@ class KVReceiver:
         `max_aux_bytes`: the largest raw field a prefill's aux data may carry (NEXTN's hidden state,
         AuxData.hidden; 0: none), a bound of the control frames this receiver decodes.
         `handshake`: this decode instance's (control/handshake.py), compared with every prefill's
-        (None: not checked; tests and benchmarks of bare receivers)."""
+        (None: not checked; tests and benchmarks of bare receivers). `digester`: over decode rank
+        0's pool, with cfg.kv_integrity (kv_digest.py: every room's KV checked before it is reported
+        a Success; decode TP 1 only, for now)."""
         if not ranks:
             raise ValueError("KVReceiver needs at least one decode rank")
+        if cfg.kv_integrity and (digester is None or len(ranks) != 1):
+            raise ValueError(
+                "--disaggregation-kv-integrity needs decode rank 0's pool and a decode TP size of 1 "
+                f"(this decode has {len(ranks)} ranks): the other ranks' KV is not checked yet"
+            )
+        self._digester = digester
         self.cfg, self.ranks, self.model_name = cfg, tuple(ranks), model_name
         self.tp_size = len(self.ranks)
         self.instance_id = instance_id or uuid.uuid4().hex[:12]
@@ -102,7 +115,14 @@ class KVReceiver:
             limits=limits_for(RECEIVER_RECEIVES, -(-max_aux_bytes // 8)),
             max_sockets=cfg.limits.max_reply_sockets,
         )
-        self._book = ReceiverBook(cfg, self.ranks, self.instance_id, self._endpoint.address, self._endpoint.send)
+        self._book = ReceiverBook(
+            cfg,
+            self.ranks,
+            self.instance_id,
+            self._endpoint.address,
+            self._endpoint.send,
+            verify=self._verify if cfg.kv_integrity else None,
+        )
         self.sessions = self._book.sessions  # per decode rank: its session id on the wire
         self.guard = FetchGuard(
             cfg.bootstrap_allow,
@@ -187,8 +207,9 @@ class KVReceiver:
         if why is not None:
             raise BootstrapRefused(why)
         with self._lock:
+            key = secrets.token_bytes(KEY_BYTES) if self.cfg.kv_integrity else b""
             fetch = self._book.add_room(
-                room, addr, pages, prefix_len, aux_slot, self._clock(), state_slot, swa, draft, claim
+                room, addr, pages, prefix_len, aux_slot, self._clock(), state_slot, swa, draft, claim, key
             )
             if fetch is not None:
                 (self._proven_pool if self.guard.proven(fetch) else self._pool).submit(self._fetch, fetch)
@@ -227,6 +248,23 @@ class KVReceiver:
     def num_active_rooms(self) -> int:
         with self._lock:
             return self._book.num_active_rooms()
+
+    def _verify(self, r: ReceiverRoom) -> str | None:
+        """Why room `r`'s pages hold other KV than its prefill ranks wrote, or None (kv_digest.py);
+        under the lock, on the engine thread's poll, before the request's first decode step."""
+        assert self._digester is not None and r.integrity_key
+        total = self.ranks[0].layout.total_kv_heads
+        for s in slices_for_decode_rank(0, r.prefill_tp, self.tp_size, total):
+            got = r.digests.get((0, s.prefill_rank), b"")
+            if not got:
+                return f"KV integrity: prefill rank {s.prefill_rank} sent no digest of the KV it wrote"
+            if got != self._digester.digest(r.integrity_key, r.dst_pages[0], (s.head_start, s.head_end)):
+                return (
+                    f"KV integrity check failed: the KV in this request's pages differs from what prefill "
+                    f"rank {s.prefill_rank} wrote (heads {s.head_start}-{s.head_end - 1}); something else "
+                    "wrote into the decode's KV pool after the transfer"
+                )
+        return None
 
     # ---- threads ---------------------------------------------------------------------------
 

@@ -141,6 +141,7 @@ class SenderBook(SessionRules):
         draft_layout: KVLayout | None = None,
         draft_at_prefix: bool = False,
         draft_rank: int | None = None,
+        digest: Callable[[bytes, np.ndarray, tuple[int, int]], bytes] | None = None,
     ) -> None:
         """`state_layout`: this rank's recurrent-state pool (hybrid models): every room has a
         state slot (add_room) that its decodes get with the KV. `own_data_address`: this rank's
@@ -151,11 +152,14 @@ class SenderBook(SessionRules):
         disagg/mtp_transfer.py): its layers are sent from the decode's prefix_len like the
         target's, not from token 0. `draft_rank`: SenderPeers' (NEXTN: the one TP rank of each
         side that holds the draft KV whole; the other prefill ranks send none, and their aux
-        data carries no draft fields: the decode takes them from that rank's)."""
+        data carries no draft fields: the decode takes them from that rank's). `digest(key, src pages,
+        global heads)`: the keyed digest of that part of this rank's pool (kv_digest.py), for
+        decodes that ask for one (None: they get none, and fail the room)."""
         self.cfg, self.layout, self.tp_rank, self.tp_size = cfg, layout, tp_rank, tp_size
         self.state_layout = state_layout
         self.draft_layout = draft_layout
         self.draft_at_prefix = draft_at_prefix
+        self._digest = digest
         self.session_id = session_id
         self.send = send
         self.control_address = control_address  # where staging agents answer
@@ -314,10 +318,25 @@ class SenderBook(SessionRules):
         log.warning("prefill rank %d rejected %s", self.tp_rank, what)
 
     def _status(
-        self, addr: str, room: int, session: str, ok: bool, reason: str = "", aux: AuxData | None = None
+        self,
+        addr: str,
+        room: int,
+        session: str,
+        ok: bool,
+        reason: str = "",
+        aux: AuxData | None = None,
+        kv_digest: bytes = b"",
     ) -> None:
         state = WireState.SUCCESS if ok else WireState.FAILED
-        self.send(addr, TransferStatus(room, session, state, reason, aux, self.session_id))
+        self.send(addr, TransferStatus(room, session, state, reason, aux, self.session_id, kv_digest))
+
+    def _kv_digest(self, r: SenderRoom, d: Destination) -> bytes:
+        """The digest a destination asked for of the pages we wrote into it (b"": not asked, or
+        we send it no heads, or we cannot: the decode fails the room then)."""
+        if not d.integrity_key or d.heads is None or self._digest is None or r.src_pages is None:
+            return b""
+        first = d.prefix_len // self.layout.page_size
+        return self._digest(d.integrity_key, r.src_pages[first : first + len(d.dst_pages)], d.heads)
 
     def _on_request(self, msg: TransferRequest, now: float) -> None:
         room, session = msg.room, msg.session_id
@@ -413,6 +432,7 @@ class SenderBook(SessionRules):
             swa_lead_sent=None if swa is None or lead == 0 else np.zeros(self.layout.num_layers, dtype=bool),
             claim=msg.claim,
             expected=expected,
+            integrity_key=msg.integrity_key,
         )
         if len(r.dests) >= expected:
             r.requested_at = now
@@ -825,7 +845,13 @@ class SenderBook(SessionRules):
             for d in r.dests.values():
                 if d.session_id not in r.notified:
                     self._status(
-                        d.control_address, r.room, d.session_id, ok, "" if ok else r.rec.reason, r.aux if ok else None
+                        d.control_address,
+                        r.room,
+                        d.session_id,
+                        ok,
+                        "" if ok else r.rec.reason,
+                        r.aux if ok else None,
+                        self._kv_digest(r, d) if ok else b"",
                     )
                     r.notified.add(d.session_id)
             if r.src_pages is None:  # a request without add_room that timed out or was aborted

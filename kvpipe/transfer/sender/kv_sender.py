@@ -50,6 +50,7 @@ from kvpipe.transfer.control.bootstrap import BootstrapError, PrefillRankInfo, r
 from kvpipe.transfer.control.endpoint import ControlEndpoint
 from kvpipe.transfer.control.handshake import Handshake
 from kvpipe.transfer.control.messages import SENDER_RECEIVES, AuxTuple, limits_for
+from kvpipe.transfer.kv_digest import KVDigester
 from kvpipe.transfer.lifecycle import Clock, TransferState
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.planning.window_table import window_pages_problem
@@ -81,6 +82,7 @@ class KVSender:
         draft_layout: KVLayout | None = None,
         draft_at_prefix: bool = False,
         draft_rank: int | None = None,
+        digester: KVDigester | None = None,
     ) -> None:
         """`staging`: a registered local staging buffer over this rank's KV (staging/buffers.py); with
         cfg.staging "on" or "auto" sends to decode ranks that offer a staging ring are staged.
@@ -95,7 +97,8 @@ class KVSender:
         (num_layers: the model's layers with a state layout), after the target's (the last layer
         group), and rooms name their draft pages in add_room.
         `draft_at_prefix`: SenderBook's (NEXTN: the MTP KV is sent from the decode's prefix on).
-        `draft_rank`: SenderBook's (NEXTN: the MTP KV lives on TP rank 0 of each side only)."""
+        `draft_rank`: SenderBook's (NEXTN: the MTP KV lives on TP rank 0 of each side only).
+        `digester`: over this rank's pool, for decodes that check the KV they got (kv_digest.py)."""
         if instance_id is None:
             if tp_size != 1:
                 raise ValueError("with tp_size > 1 every rank needs the same instance_id")
@@ -157,6 +160,7 @@ class KVSender:
             draft_layout=draft_layout,
             draft_at_prefix=draft_at_prefix,
             draft_rank=draft_rank,
+            digest=None if digester is None else digester.digest,
         )
         self._worker = threading.Thread(target=self._run, name=f"kvsender-{tp_rank}-worker", daemon=True)
 

@@ -115,6 +115,7 @@ class Destination:
     swa_lead_sent: np.ndarray | None = None  # [num_layers] bool: the layer's lead pages are planned
     claim: bytes = b""  # the request's room claim (claims.py)
     expected: int = 1  # destinations of its decode that pair with this prefill rank for the room
+    integrity_key: bytes = b""  # the decode wants a digest of what we wrote (transfer/kv_digest.py)
 
 
 @dataclass(frozen=True)
