@@ -304,22 +304,25 @@ class KVReceiver:
             self.guard.failed(addr, str(err))  # unproven: refused for a while (a proven one is not)
         with self._lock:
             failed = self._book.on_fetched(addr, info, None if err is None else str(err), self._clock())
+            claims = {room: self._book.rooms[room].claim for room in failed if room in self._book.rooms}
             if refused is not None and failed:
                 self._book.stats.count_refused(refused.reason, len(failed))
         if refused is not None and failed:
             if self._on_news is not None:
                 self._on_news()  # the engine answers the refused requests now
-            self._report_refusal(addr, connect_to, failed, refused)
+            self._report_refusal(addr, connect_to, [(room, claims.get(room, b"")) for room in failed], refused)
 
     def _report_refusal(
-        self, addr: Address, connect_to: str | None, rooms: list[int], err: IncompatiblePeerError
+        self, addr: Address, connect_to: str | None, rooms: list[tuple[int, bytes]], err: IncompatiblePeerError
     ) -> None:
         """Tell the prefill which rooms this decode refused (and why), so it fails them now rather
         than at its bootstrap timeout. Each handshake with an incompatible prefill is tried anew
         (the address is not refused for a while like one that failed): a prefill restarted with a
         matching configuration is accepted at once, and every refused request is reported."""
         for i in range(0, len(rooms), MAX_REFUSED_ROOMS):
-            notice = RefusalNotice(tuple(rooms[i : i + MAX_REFUSED_ROOMS]), str(err), err.reason, self.handshake)
+            part = rooms[i : i + MAX_REFUSED_ROOMS]
+            claims = tuple(c for _, c in part) if all(c for _, c in part) else ()  # every room's, or none
+            notice = RefusalNotice(tuple(r for r, _ in part), str(err), err.reason, self.handshake, claims)
             try:
                 report_refusal(*addr, notice, self.cfg.tuning.http_timeout_s, self._auth, connect_to)
             except Exception as e:  # best effort: the prefill's bootstrap timeout frees them anyway
