@@ -219,3 +219,15 @@ def test_an_evicted_session_registers_again_and_asks_again_for_its_rooms() -> No
     assert [r.room for r in d.take(m.TransferRequest)] == [2] and again.session_id == d.book.prefills[ADDR].mine[0]
     d.add(3, 0.6)  # registered again: requested at once
     assert [r.room for r in d.take(m.TransferRequest)] == [3]
+
+
+def test_a_registration_no_answer_came_for_is_sent_again_after_a_heartbeat_interval() -> None:
+    d = Decode()
+    d.add(1, 0.0)
+    assert len(d.take(m.RegisterPeer)) == 1
+    d.book.housekeeping(0.5)  # within the interval: still waiting for the answer
+    assert d.take(m.RegisterPeer) == []
+    d.book.housekeeping(CFG.heartbeat_interval_s + 0.1)  # lost? sent again, for the room waiting
+    assert len(d.take(m.RegisterPeer)) == 1
+    d.reply(S.ACCEPTED, 1.2)
+    assert [r.room for r in d.take(m.TransferRequest)] == [1]

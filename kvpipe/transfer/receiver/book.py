@@ -371,16 +371,17 @@ class ReceiverBook:
             mine,
             Registration(tuple(rank_pairs(info.tp_size, self.tp_size)), regs),
         )
-        self._register(peer)
+        self._register(peer, now)
         for s, p in peer.sessions.items():
             self._by_session[s] = (addr, p)
             self.liveness.track(s, now)  # the grace period for its first heartbeat starts now
         self.prefills[addr] = peer
         return peer
 
-    def _register(self, peer: KnownPrefill) -> None:
-        """Send the registration of every pair that is neither accepted nor awaiting an answer."""
-        for p, r in peer.reg.to_send():
+    def _register(self, peer: KnownPrefill, now: float) -> None:
+        """Send the registration of every pair that is neither accepted nor awaiting an answer (one
+        unanswered for a heartbeat interval is sent again)."""
+        for p, r in peer.reg.to_send(now, self.cfg.heartbeat_interval_s):
             self.send(peer.info.ranks[p].control_address, peer.reg.messages[r])
             self.stats.registrations += 1
 
@@ -403,7 +404,7 @@ class ReceiverBook:
     def _request(self, r: ReceiverRoom, peer: KnownPrefill, now: float) -> None:
         if not peer.reg.ready:  # every pair's registration must be accepted first (registration.py)
             peer.reg.queued.append(r)
-            self._register(peer)
+            self._register(peer, now)
             return
         info = peer.info
         queued = self._to_pairs(info, lambda rank: self._transfer_request(r, peer, rank))
@@ -516,7 +517,7 @@ class ReceiverBook:
             log.info("prefill rank %d evicted our session of decode rank %d (%d rooms to ask again)", *pair, len(rooms))
             reg.evicted(pair, rooms)
             if rooms:
-                self._register(peer)
+                self._register(peer, now)
             return None
         reg.answered(pair, msg.state is RegisterState.ACCEPTED)
         if msg.state is RegisterState.REFUSED:
@@ -565,6 +566,9 @@ class ReceiverBook:
                     now,
                     gone=False,
                 )
+        for peer in self.prefills.values():  # rooms wait for a registration no answer came for
+            if peer.reg.queued and not peer.reg.ready:
+                self._register(peer, now)
         if now < self._next_hb:
             return
         self._next_hb = now + self.cfg.heartbeat_interval_s

@@ -8,7 +8,9 @@ mapping was accepted (RegisterReply ACCEPTED); rooms opened before wait here, an
 them with the prefill's reason. An evicted pair registers again when a room needs it, and the
 rooms it had asked for and not heard from that pair again are asked for again once it is back
 (the eviction dropped their claims on the prefill, which had not admitted them yet). A challenge is
-answered at most MAX_CHALLENGES times per attempt: a peer that keeps challenging gets no loop.
+answered at most MAX_CHALLENGES times per attempt: a peer that keeps challenging gets no loop. An
+attempt no answer came for (a frame lost to a full queue or a dropped connection) is made again
+after `retry_s`, when a room needs the pair.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ class Registration:
     pairs: tuple[Pair, ...]  # the TP mapping's (rank_pairs)
     messages: tuple[RegisterPeer, ...]  # per decode rank: its registration (without a challenge)
     accepted: set[Pair] = field(default_factory=set)
-    pending: set[Pair] = field(default_factory=set)  # sent, no answer yet
+    pending: dict[Pair, float] = field(default_factory=dict)  # sent (when), no answer yet
     challenges: dict[Pair, int] = field(default_factory=dict)  # challenges answered in this attempt
     queued: list[ReceiverRoom] = field(default_factory=list)  # rooms waiting for every pair
     again: dict[Pair, set[int]] = field(default_factory=dict)  # rooms to ask for again once re-accepted
@@ -36,10 +38,17 @@ class Registration:
     def ready(self) -> bool:
         return len(self.accepted) == len(self.pairs)
 
-    def to_send(self) -> list[Pair]:
-        """Pairs to send the registration to now (neither accepted nor waiting for an answer)."""
-        out = [pair for pair in self.pairs if pair not in self.accepted and pair not in self.pending]
-        self.pending.update(out)
+    def to_send(self, now: float, retry_s: float) -> list[Pair]:
+        """Pairs to send the registration to now: not accepted, and not waiting for an answer to one
+        sent less than `retry_s` ago (a new attempt)."""
+        out = [
+            pair
+            for pair in self.pairs
+            if pair not in self.accepted and now - self.pending.get(pair, float("-inf")) >= retry_s
+        ]
+        for pair in out:
+            self.pending[pair] = now
+            self.challenges.pop(pair, None)
         return out
 
     def challenged(self, pair: Pair) -> bool:
@@ -51,7 +60,7 @@ class Registration:
 
     def answered(self, pair: Pair, ok: bool) -> None:
         """The prefill accepted (ok) or refused the pair's registration; this attempt is over."""
-        self.pending.discard(pair)
+        self.pending.pop(pair, None)
         self.challenges.pop(pair, None)
         if ok:
             self.accepted.add(pair)
@@ -59,7 +68,7 @@ class Registration:
     def evicted(self, pair: Pair, rooms: set[int]) -> None:
         """The prefill forgot the pair's session; `rooms`: those to ask for again once it is back."""
         self.accepted.discard(pair)
-        self.pending.discard(pair)
+        self.pending.pop(pair, None)
         self.challenges.pop(pair, None)
         if rooms:
             self.again.setdefault(pair, set()).update(rooms)
