@@ -232,8 +232,10 @@ def require_counts(limits: Any) -> None:
 class ControlLimits:
     """What one peer's control messages may make a PD server hold (issue 30): per session (a decode
     rank's registration on a prefill rank; a prefill rank's chunks at a decode rank's staging
-    agent), sessions per prefill rank, open sockets per control endpoint. A peer past a bound gets
-    a refusal that names it (a failed status or grant), never another peer's state dropped."""
+    agent), sessions per prefill rank and per decode endpoint, open sockets per control endpoint. A
+    peer past a per-peer bound gets a refusal that names it (a failed status or grant), never
+    another peer's state dropped; past the session bounds the least recently used session without
+    rooms in flight is evicted and told (transfer/sender/peers.py), so no decode is locked out."""
 
     max_sessions: int = 1024  # decode sessions registered with one prefill rank at a time
     # rooms a session requested before the prefill engine admitted them (each holds its page list
@@ -244,6 +246,12 @@ class ControlLimits:
     max_tombstones_per_session: int = 1024
     max_staging_waits_per_session: int = 64  # slot requests queued at a staging agent (a full ring)
     max_reply_sockets: int = 1024  # PUSH sockets a control endpoint keeps open (least recently used closed)
+    # decode sessions one endpoint (control address, decode rank) keeps with a prefill rank: a decode
+    # has one per prefill instance it knows under each bootstrap address (issue 45)
+    max_sessions_per_endpoint: int = 8
+    # seconds a decode session without a room stays registered (heartbeats or not); then it is
+    # evicted and its decode registers again when it needs the prefill (one round trip)
+    session_idle_s: int = 600
 
     def __post_init__(self) -> None:
         require_counts(self)
@@ -298,11 +306,15 @@ class DisaggregationConfig:
     # and look-ups and every control-plane frame. None: unauthenticated, and both bound to the
     # data-plane address only. Not in repr: configs get logged.
     auth_token: str | None = field(default=None, repr=False)
-    # decode: where it may fetch bootstrap info (networks in CIDR notation or host names; empty:
-    # anywhere; loopback always); the request body names the host (transfer/control/fetch_guard.py)
+    # decode: where it may fetch bootstrap info (networks in CIDR notation or host names, loopback
+    # included only when listed; empty: anywhere, and without an auth token loopback only); the
+    # request body names the host (transfer/control/fetch_guard.py)
     bootstrap_allow: tuple[str, ...] = ()
     # without an auth token, serve PD on a non-loopback data-plane address anyway
     insecure: bool = False
+    # decode: ask every prefill rank for a keyed digest of the KV it wrote and check it before the
+    # first decode step (transfer/kv_digest.py; a prefill always answers such a request)
+    kv_integrity: bool = False
     tuning: TransferTuning = field(default_factory=TransferTuning)
     faults: FaultInjection = field(default_factory=FaultInjection)
     limits: ControlLimits = field(default_factory=ControlLimits)

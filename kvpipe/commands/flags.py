@@ -309,12 +309,20 @@ def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
         help="serve PD without an auth token on a non-loopback data-plane address (refused otherwise)",
     )
     g.add_argument(
+        "--disaggregation-kv-integrity",
+        action="store_true",
+        help="decode: check a keyed digest of the KV every prefill rank wrote (BLAKE2b, sent with "
+        "its final status) before a request's first decode step; a mismatch (a page written by "
+        "anyone else meanwhile) fails that request. Costs a pass over the KV on both sides",
+    )
+    g.add_argument(
         "--disaggregation-bootstrap-allow",
         action="append",
         default=None,
         metavar="CIDR|HOST[,...]",
         help="decode: fetch bootstrap info (the request's bootstrap_host) only from these networks "
-        "or host names (repeatable, comma separated; default: anywhere; loopback always)",
+        "or host names, loopback included only when listed (repeatable, comma separated; default: "
+        "anywhere, and without an auth token loopback only)",
     )
     lim = d.limits
     for flag, default, what in (
@@ -338,6 +346,16 @@ def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
             "--disaggregation-max-reply-sockets",
             lim.max_reply_sockets,
             "control-plane sockets kept open per endpoint (least recently used closed)",
+        ),
+        (
+            "--disaggregation-max-sessions-per-endpoint",
+            lim.max_sessions_per_endpoint,
+            "decode sessions one decode endpoint (control address, rank) keeps with a prefill rank",
+        ),
+        (
+            "--disaggregation-session-idle-timeout",
+            lim.session_idle_s,
+            "seconds a decode session without a room stays registered with a prefill rank",
         ),
     ):
         g.add_argument(flag, type=int, default=default, help=f"{what} (default %(default)s)")
@@ -385,6 +403,7 @@ def disaggregation_config_from_args(args: argparse.Namespace, model_path: str) -
                 e.strip() for arg in args.disaggregation_bootstrap_allow or () for e in arg.split(",") if e.strip()
             ),
             insecure=args.disaggregation_insecure,
+            kv_integrity=args.disaggregation_kv_integrity,
             faults=FaultInjection(args.disaggregation_failure_prob, args.disaggregation_failure_seed),
             limits=ControlLimits(
                 args.disaggregation_max_sessions,
@@ -392,6 +411,8 @@ def disaggregation_config_from_args(args: argparse.Namespace, model_path: str) -
                 args.disaggregation_max_tombstones,
                 args.disaggregation_max_staging_waits,
                 args.disaggregation_max_reply_sockets,
+                args.disaggregation_max_sessions_per_endpoint,
+                args.disaggregation_session_idle_timeout,
             ),
         )
     except ConfigError as e:

@@ -78,7 +78,17 @@ def test_only_the_engine_touches_its_scheduler_finisher_and_runner() -> None:
 
 # transfer/'s parts bottom to top: a module of one imports only kvpipe.transfer modules of the
 # same part or of parts before it (docs/architecture.md, Packages)
-TRANSFER_ORDER = ("lifecycle", "planning", "recurrent", "control", "backends", "staging", ("sender", "receiver"), "api")
+TRANSFER_ORDER = (
+    "lifecycle",
+    "planning",
+    "recurrent",
+    "control",
+    "backends",
+    "staging",
+    "kv_digest",
+    ("sender", "receiver"),
+    "api",
+)
 
 
 def _transfer_part(module: str) -> int | None:

@@ -20,6 +20,7 @@ from kvpipe.transfer.control import messages as m
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.sender.book import SenderBook
 from kvpipe.transfer.sender.room import SendCall
+from tests.helpers.registered import register_answered
 
 L, PS, PAGES = 2, 4, 64
 CFG = DisaggregationConfig(
@@ -68,7 +69,7 @@ def test_the_mtp_layer_is_sent_from_the_decode_prefix_on_the_target_pages():
     book = SenderBook(
         CFG, SRC, 0, 1, "p/0", lambda a, msg: sent.append(msg) or True, draft_layout=SRC_MTP, draft_at_prefix=True
     )
-    book.on_message(m.RegisterPeer("d/0", 0, 1, "data-d", "tcp://d", DST, draft=DST_MTP), 0.0)
+    register_answered(book, m.RegisterPeer("d/0", 0, 1, "data-d", "tcp://d", DST, draft=DST_MTP), 0.0)
     book.add_room(1, np.arange(10, 13), 0.0, draft_pages=np.array([10, 50, 12]))
     book.on_message(m.TransferRequest(1, "d/0", (31, 32), 4, 0, dst_draft_pages=(30, 31, 32)), 0.0)
     book.add_call(1, SendCall(0, 8, 0, L + 1, False), None)  # a first chunk: full pages only
