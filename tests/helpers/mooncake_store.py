@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvpipe.server.launcher import free_ports, stop_process
+from kvpipe.launch.start import free_ports, stop_process
 
 MASTER = Path(sys.executable).parent / "mooncake_master"
 

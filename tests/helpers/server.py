@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from kvpipe.server.launcher import free_port, stop_process, wait_healthy
+from kvpipe.launch.start import free_port, stop_process, wait_healthy
 
 
 @dataclass

@@ -168,7 +168,7 @@ def test_bench_engine_reports_speculative_decoding():
     are equal and the acceptance figures are there (no timing asserted)."""
     import argparse
 
-    from kvpipe.bench.engine import add_args, run_bench
+    from kvpipe.bench.engine.command import add_args, run_bench
 
     parser = argparse.ArgumentParser()
     add_args(parser)

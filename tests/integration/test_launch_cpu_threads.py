@@ -10,9 +10,9 @@ import httpx
 import pytest
 
 from kvpipe.engine.cpu_threads import affinity_cores
-from kvpipe.server import launcher
-from kvpipe.server.core_split import split_cores
-from kvpipe.server.launcher import free_ports, start_pd_stack
+from kvpipe.launch import start as launcher
+from kvpipe.launch.core_split import split_cores
+from kvpipe.launch.start import free_ports, start_pd_stack
 from tests.helpers.server import server_fixture
 
 pytestmark = pytest.mark.timeout(120)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from kvpipe.server import launcher
-from kvpipe.server.launcher import PartSpec, PDStack
-from kvpipe.server.supervisor import PartState, PartTracker, RestartPolicy, Supervisor
+from kvpipe.launch import start as launcher
+from kvpipe.launch.start import PartSpec, PDStack
+from kvpipe.launch.supervisor import PartState, PartTracker, RestartPolicy, Supervisor
 
 
 def test_backoff_doubles_up_to_the_cap() -> None:

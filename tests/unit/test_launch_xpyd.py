@@ -7,8 +7,8 @@ import argparse
 
 import pytest
 
-from kvpipe.server.core_split import split_cores, split_cores_among, stack_server_cores
-from kvpipe.server.launcher import PartSpec, PDStack, _server_names, add_args, router_command_xpyd, xpyd_server_args
+from kvpipe.launch.core_split import split_cores, split_cores_among, stack_server_cores
+from kvpipe.launch.start import PartSpec, PDStack, _server_names, add_args, router_command_xpyd, xpyd_server_args
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 8, 9])

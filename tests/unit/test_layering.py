@@ -40,7 +40,7 @@ FORBIDDEN = {
     "model": ("kvpipe.engine", "kvpipe.disagg", "kvpipe.transfer", "kvpipe.server"),
     "disagg": ("kvpipe.server", "kvpipe.bench", "kvpipe.qa"),
     "server": ("kvpipe.bench", "kvpipe.qa"),
-    # benchmarks may run behind the emulated link (qa/testbed.py), nothing else of the QA harnesses
+    # benchmarks may run behind the emulated link (harness/testbed.py), nothing else of the QA harnesses
     "bench": ("kvpipe.qa.chaos", "kvpipe.qa.soak"),
 }
 # what a module outside the engine must not read of an Engine (its scheduler, finish checks, runner)
