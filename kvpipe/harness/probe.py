@@ -9,15 +9,31 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from kvpipe.bench.serve.sweep import TransferCount
 from kvpipe.config import ConfigError
 from kvpipe.model.checkpoint.loader import read_hf_config
 from kvpipe.server.api_key import client_headers
+
+
+@dataclass(frozen=True)
+class TransferCount:
+    """KV bytes a prefill wrote and rooms that succeeded (a delta between two readings)."""
+
+    bytes_written: int
+    rooms: int
+
+    def __add__(self, other: TransferCount) -> TransferCount:
+        return TransferCount(self.bytes_written + other.bytes_written, self.rooms + other.rooms)
+
+    @property
+    def per_room(self) -> float | None:
+        return self.bytes_written / self.rooms if self.rooms > 0 else None
+
 
 # Names under which a prefill server may report the layer-group count of its last batch:
 # keys of /server_info (top level or any `internal_states` entry) and Prometheus gauge names

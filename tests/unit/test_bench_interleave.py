@@ -14,7 +14,6 @@ from kvpipe.bench.serve.sweep import (
     ModeFlags,
     SliceResult,
     SweepPoint,
-    TransferCount,
     colocated_flags,
     mode_server_flags,
     parse_modes,
@@ -23,6 +22,7 @@ from kvpipe.bench.serve.sweep import (
 )
 from kvpipe.bench.serve.sweep_rows import sweep_rows
 from kvpipe.harness.probe import (
+    TransferCount,
     count_delta,
     tail_delta,
     transfer_count_from_server_info,

@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 from kvpipe.bench.rotation import rotated
 from kvpipe.config import CacheConfig
 from kvpipe.harness.outcome import Outcome
+from kvpipe.harness.probe import TransferCount
 
 E = TypeVar("E")
 BASELINE, PIPELINED, INPROC, DECODE_CACHE, PD = "baseline", "pipelined", "inproc", "decode-cache", "pd"
@@ -139,21 +140,6 @@ def run_sweep(
             for n in prompt_lens:
                 points.append(SweepPoint(n, mode, *measure(endpoint, mode, n)))
     return points
-
-
-@dataclass(frozen=True)
-class TransferCount:
-    """KV bytes a prefill wrote and rooms that succeeded (a delta between two readings)."""
-
-    bytes_written: int
-    rooms: int
-
-    def __add__(self, other: TransferCount) -> TransferCount:
-        return TransferCount(self.bytes_written + other.bytes_written, self.rooms + other.rooms)
-
-    @property
-    def per_room(self) -> float | None:
-        return self.bytes_written / self.rooms if self.rooms > 0 else None
 
 
 @dataclass(frozen=True)
