@@ -40,7 +40,7 @@ COMMANDS: list[Command] = [
     Command(
         "chat", "terminal chat with a running server or router (streams, keeps the history)", "kvpipe.commands.chat"
     ),
-    Command("launch", "local PD stack: prefill + decode + sglang-router", "kvpipe.launch.start", pass_unknown=True),
+    Command("launch", "local PD stack: prefill + decode + sglang-router", "kvpipe.commands.launch", pass_unknown=True),
     Command(
         "bench serve",
         "serving benchmark: TTFT/TPOT/ITL/throughput against a server or stacks",

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from kvpipe.launch.start import stop_process
+from kvpipe.launch.process import stop_process
 
 T = TypeVar("T")
 Side = Literal["a", "b"]

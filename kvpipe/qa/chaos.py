@@ -41,7 +41,8 @@ import httpx
 
 from kvpipe.harness import driver
 from kvpipe.harness.probe import engine_stats
-from kvpipe.launch.start import PARTS, PDStack, start_pd_stack
+from kvpipe.launch.stack import PARTS, PDStack
+from kvpipe.launch.start import start_pd_stack
 from kvpipe.launch.supervisor import PartState
 from kvpipe.model.presets import model_path_or_preset
 from kvpipe.qa.chaos_load import FINAL, Load, Sent, generate

@@ -7,7 +7,7 @@ import random
 from dataclasses import dataclass
 from enum import Enum
 
-from kvpipe.launch.start import PARTS
+from kvpipe.launch.stack import PARTS
 from kvpipe.launch.supervisor import RestartPolicy
 
 TP_CHILD = "tp-child"

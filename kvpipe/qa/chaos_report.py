@@ -10,7 +10,7 @@ from collections import Counter
 from typing import Any
 
 from kvpipe.harness.machine import cpu_name
-from kvpipe.launch.start import PDStack
+from kvpipe.launch.stack import PDStack
 from kvpipe.qa.chaos_plan import ChaosConfig
 from kvpipe.qa.chaos_round import RoundResult, rounded
 

@@ -21,7 +21,8 @@ from kvpipe.harness import driver
 from kvpipe.harness.latency import summarize
 from kvpipe.harness.request import Api
 from kvpipe.harness.testbed import LinkTestbed, can_run
-from kvpipe.launch.start import free_port, stop_process, wait_healthy
+from kvpipe.launch.ports import free_port
+from kvpipe.launch.process import stop_process, wait_healthy
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -14,7 +14,7 @@ import pytest
 
 from kvpipe.cache.store_client import MooncakeStoreClient, MooncakeStoreSpec
 from kvpipe.cache.store_keys import StoreNamespace, encode_page, page_keys
-from kvpipe.launch.start import stop_process
+from kvpipe.launch.process import stop_process
 from kvpipe.model.checkpoint.identity import checkpoint_digest
 from kvpipe.model.checkpoint.schema import ModelConfig
 from tests.helpers.mooncake_store import Master, running_master

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpipe.launch.start import PARTS
+from kvpipe.launch.stack import PARTS
 from kvpipe.launch.supervisor import PartState, RestartPolicy
 from kvpipe.qa.chaos import Campaign
 from kvpipe.qa.chaos_load import FINAL

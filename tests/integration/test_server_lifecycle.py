@@ -14,7 +14,7 @@ import uvicorn
 
 from kvpipe.config import CacheConfig, ServerConfig
 from kvpipe.engine.engine import Engine
-from kvpipe.launch.start import free_port
+from kvpipe.launch.ports import free_port
 from kvpipe.server.http_server import create_app
 
 pytestmark = pytest.mark.timeout(300)

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from kvpipe.harness.outcome import End, Outcome
-from kvpipe.launch.start import PARTS
+from kvpipe.launch.stack import PARTS
 from kvpipe.qa.chaos_load import Sent, generate
 from kvpipe.qa.chaos_plan import TP_CHILD, ChaosConfig, Phase, plan_rounds
 from kvpipe.qa.chaos_report import summarize, table

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvpipe.launch.prometheus_targets import host_port, scrape_targets, write_targets
-from kvpipe.launch.start import PDStack
+from kvpipe.launch.stack import PDStack
 
 CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "prometheus.yml"
 

@@ -26,7 +26,9 @@ import httpx
 
 from kvpipe.bench.kv_store import goodput, routing
 from kvpipe.harness.machine import load_average, machine_info
-from kvpipe.launch.start import PartSpec, free_ports, stop_process, wait_healthy
+from kvpipe.launch.ports import free_ports
+from kvpipe.launch.process import stop_process, wait_healthy
+from kvpipe.launch.stack import PartSpec
 from kvpipe.launch.store_master import StoreMaster
 from kvpipe.model.checkpoint.default_model import resolve_model_path
 from kvpipe.model.checkpoint.schema import ModelConfig

@@ -25,7 +25,9 @@ from kvpipe.cache.store_client import MooncakeStoreClient, MooncakeStoreSpec
 from kvpipe.cache.store_keys import StoreNamespace, encode_page
 from kvpipe.cache.store_pages import PoolPages
 from kvpipe.cache.store_rank import RankStore, TierSettings
-from kvpipe.launch.start import PartSpec, free_ports, stop_process, wait_healthy
+from kvpipe.launch.ports import free_ports
+from kvpipe.launch.process import stop_process, wait_healthy
+from kvpipe.launch.stack import PartSpec
 from kvpipe.launch.store_master import StoreMaster
 from kvpipe.model.checkpoint.identity import checkpoint_digest
 from kvpipe.model.checkpoint.schema import ModelConfig

@@ -18,7 +18,10 @@ from typing import Any, TypeVar
 
 from kvpipe.bench.serve.sweep import ModeFlags, colocated_flags, mode_server_flags
 from kvpipe.harness.testbed import LinkTestbed, run_in_netns
-from kvpipe.launch.start import free_port, router_command, start_pd_stack, stop_process, wait_healthy
+from kvpipe.launch.ports import free_port
+from kvpipe.launch.process import stop_process, wait_healthy
+from kvpipe.launch.router import router_command
+from kvpipe.launch.start import start_pd_stack
 from kvpipe.transfer.control.auth import TOKEN_ENV, new_token
 
 T = TypeVar("T")
