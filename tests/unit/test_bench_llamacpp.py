@@ -53,7 +53,7 @@ def test_ratios_and_their_text():
 
 
 def test_a_model_without_a_gguf_is_refused(tiny_model_dir):
-    from kvpipe.bench.engine.command import run_bench
+    from kvpipe.bench.engine.run import run_bench
 
     args = _args("--model-path", str(tiny_model_dir), "--compare-llamacpp", "--llamacpp-dir", "/nonexistent")
     with pytest.raises(SystemExit, match="needs a GGUF checkpoint"):
@@ -65,7 +65,7 @@ def test_a_real_run_against_the_same_gguf():
     """w4a16 against llama.cpp on the default model's own Q4_1 file (no conversion): llama.cpp
     rows at batch 1 only, with positive times and ratios."""
     pytest.importorskip("llama_cpp")
-    from kvpipe.bench.engine.command import run_bench
+    from kvpipe.bench.engine.run import run_bench
     from kvpipe.model.checkpoint.default_model import default_model_path
 
     gguf = default_model_path()
