@@ -18,7 +18,7 @@ from typing import Any, TextIO
 
 import httpx
 
-from kvpipe.bench.answers import error_message
+from kvpipe.harness.answers import error_message
 from kvpipe.server.api_key import client_headers
 
 try:  # line editing and history for input() where the platform has it

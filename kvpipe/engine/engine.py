@@ -377,7 +377,7 @@ class Engine:
     @property
     def model(self) -> LMBase:
         """This process's model (rank 0's under TP): for benchmarks that switch a model-level path
-        step by step (bench/decode_profile.py --ab)."""
+        step by step (bench/engine/decode_profile.py --ab)."""
         return self.runner.model
 
     def shutdown(self) -> None:

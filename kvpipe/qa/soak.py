@@ -29,11 +29,12 @@ from typing import Any
 
 import httpx
 
-from kvpipe.bench.driver import drive
-from kvpipe.bench.machine import load_average, machine_info
-from kvpipe.bench.probe import engine_stats
-from kvpipe.bench.request import Request
-from kvpipe.bench.sigterm import sigterm_as_exit
+from kvpipe.harness.driver import drive
+from kvpipe.harness.machine import load_average, machine_info
+from kvpipe.harness.probe import engine_stats
+from kvpipe.harness.request import Request
+from kvpipe.harness.sigterm import sigterm_as_exit
+from kvpipe.launch.start import start_pd_stack
 from kvpipe.model.presets import model_path_or_preset
 from kvpipe.qa.checks import Check, checks_dict, failed, verdict
 from kvpipe.qa.leaks import wait_idle
@@ -42,7 +43,6 @@ from kvpipe.qa.soak_report import room_deltas, table
 from kvpipe.qa.soak_resources import ResourceSeries, Sampler, resource_checks
 from kvpipe.qa.soak_tally import Tally
 from kvpipe.server.api_key import client_headers
-from kvpipe.server.launcher import start_pd_stack
 
 SERVERS = ("prefill", "decode")
 

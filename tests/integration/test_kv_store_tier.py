@@ -14,9 +14,9 @@ import pytest
 
 from kvpipe.cache.store_client import MooncakeStoreClient, MooncakeStoreSpec
 from kvpipe.cache.store_keys import StoreNamespace, encode_page, page_keys
+from kvpipe.launch.process import stop_process
 from kvpipe.model.checkpoint.identity import checkpoint_digest
 from kvpipe.model.checkpoint.schema import ModelConfig
-from kvpipe.server.launcher import stop_process
 from tests.helpers.mooncake_store import Master, running_master
 from tests.helpers.pd_stack import generate, greedy, wait_for
 from tests.helpers.server import ServerProc, start_server

@@ -18,9 +18,9 @@ import pytest
 
 from kvpipe.cache.store_client import MooncakeStoreClient, MooncakeStoreSpec
 from kvpipe.cache.store_keys import StoreNamespace, page_keys
+from kvpipe.launch.process import stop_process
 from kvpipe.model.checkpoint.identity import checkpoint_digest
 from kvpipe.model.checkpoint.schema import ModelConfig
-from kvpipe.server.launcher import stop_process
 from tests.helpers.mooncake_store import Master, running_master
 from tests.helpers.pd_parity import colocated_reference, prompts
 from tests.helpers.pd_stack import TP_FLAGS, TP_PS, close_and_check_no_orphans, generate, greedy, start_stack, wait_for

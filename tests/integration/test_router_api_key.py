@@ -15,9 +15,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvpipe.launch.ports import free_ports
+from kvpipe.launch.process import stop_process
 from kvpipe.qa.checks import failed
 from kvpipe.qa.leaks import pool_checks
-from kvpipe.server.launcher import free_ports, stop_process
 from tests.helpers.server import ServerProc, start_server
 
 pytestmark = pytest.mark.timeout(300)

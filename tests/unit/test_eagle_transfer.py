@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvpipe.bench.kv_bytes import kv_wire_bytes
-from kvpipe.bench.serve_sweep import _model_bytes
+from kvpipe.bench.serve.sweep_run import _model_bytes
 from kvpipe.config import ServerConfig, SpeculativeConfig
 from kvpipe.disagg.draft_transfer import speculative_handshake
 from kvpipe.model.checkpoint.identity import checkpoint_digest

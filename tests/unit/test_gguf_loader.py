@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from kvpipe.bench.probe import model_config
 from kvpipe.config import ConfigError, ServerConfig
+from kvpipe.harness.probe import model_config
 from kvpipe.model.checkpoint.default_model import DEFAULT_MODEL_FILE, default_model_path, resolve_model_path
 from kvpipe.model.checkpoint.gguf.checkpoint import gguf_checkpoint
 from kvpipe.model.checkpoint.loader import check_checkpoint, load_generation_eos, load_model, read_hf_config

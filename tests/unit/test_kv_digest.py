@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from kvpipe.bench import kv_digest as bench
+from kvpipe.bench.transfer import kv_digest as bench
 from kvpipe.transfer.kv_digest import DIGEST_BYTES, KVDigester
 from tests.helpers.kv_transfer import rank_pool, truth
 

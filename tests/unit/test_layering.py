@@ -39,9 +39,8 @@ FORBIDDEN = {
     "cache": ("kvpipe.engine", "kvpipe.disagg", "kvpipe.transfer", "kvpipe.server"),
     "model": ("kvpipe.engine", "kvpipe.disagg", "kvpipe.transfer", "kvpipe.server"),
     "disagg": ("kvpipe.server", "kvpipe.bench", "kvpipe.qa"),
-    "server": ("kvpipe.bench", "kvpipe.qa"),
-    # benchmarks may run behind the emulated link (qa/testbed.py), nothing else of the QA harnesses
-    "bench": ("kvpipe.qa.chaos", "kvpipe.qa.soak"),
+    "server": ("kvpipe.bench", "kvpipe.qa", "kvpipe.harness", "kvpipe.launch"),
+    # bench, qa, harness and launch among themselves: tests/unit/test_harness_layering.py
 }
 # what a module outside the engine must not read of an Engine (its scheduler, finish checks, runner)
 ENGINE_INTERNALS = (".scheduler.", ".finisher.", ".runner.")

@@ -12,7 +12,8 @@ from kvpipe.cli import build_parser
 from kvpipe.commands.flags import server_config_from_args
 from kvpipe.config import ConfigError, ServerConfig
 from kvpipe.disagg.setup import is_loopback, require_auth_off_loopback
-from kvpipe.server.launcher import API_KEY_FLAG, router_command, take_secret_flag
+from kvpipe.launch.router import router_command
+from kvpipe.launch.secret_flags import API_KEY_FLAG, take_secret_flag
 from kvpipe.transfer.control.auth import TOKEN_ENV
 
 TOKEN = "a-token-long-enough-to-pass"
