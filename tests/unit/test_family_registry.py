@@ -17,7 +17,7 @@ import torch
 import kvpipe
 from kvpipe.config import ConfigError
 from kvpipe.model import registry
-from kvpipe.model.checkpoint.loader import load_model
+from kvpipe.model.checkpoint.loader import check_supported, load_model
 from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.model.families.llama import LLAMA
 from kvpipe.model.presets import preset_config, preset_names
@@ -77,6 +77,24 @@ def test_unknown_architecture_names_its_model_type() -> None:
     raw = preset_hf_config("tiny") | {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3"}
     with pytest.raises(ConfigError, match=r"unsupported architecture \['Gemma3ForCausalLM'\]: the gemma3 model family"):
         ModelConfig.from_hf_dict(raw)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"partial_rotary_factor": 0.5},
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
+    ],
+)
+def test_partial_rotary_is_refused_where_the_family_lacks_it(change: dict) -> None:
+    """Family.partial_rotary: a family without it refuses a half-rotated head wherever the config
+    says so (transformers >= 5 writes the factor into rope_parameters); one with it reads the dims."""
+    raw = preset_hf_config("tiny") | change
+    with pytest.raises(ConfigError, match="partial_rotary_factor != 1 is not supported for llama"):
+        check_supported(raw, ModelConfig.from_hf_dict(raw))
+    minimax = preset_hf_config("tiny-minimax-m2")
+    raw = minimax | change | {"rotary_dim": minimax["head_dim"]}
+    assert ModelConfig.from_hf_dict(raw).rotary_dim == minimax["head_dim"] // 2
 
 
 def test_gguf_architectures_come_from_the_registry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 from kvpipe.config import ConfigError
 from kvpipe.model.checkpoint.gguf.checkpoint import gguf_checkpoint
 
+
 @dataclass(frozen=True)
 class MoEConfig:
     """Sparse MLP: each token goes to top_k of num_experts routed experts (plus shared ones).

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpipe.model.presets.scale import WEIGHT_GAIN
 from kvpipe.model.families.gpt_oss import GPT_OSS
+from kvpipe.model.presets.scale import WEIGHT_GAIN
 
 
 @dataclass(frozen=True)

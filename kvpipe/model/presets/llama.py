@@ -15,12 +15,12 @@ from dataclasses import dataclass
 import torch
 
 from kvpipe.config import ConfigError
-from kvpipe.model.presets.deepseek import MLAPresetSpec, deepseek_v3_config, mla_attention_weights, mtp_layer_weights
-from kvpipe.model.presets.scale import WEIGHT_GAIN
 from kvpipe.model.families.deepseek_v3 import DEEPSEEK_V3
 from kvpipe.model.families.llama import LLAMA
 from kvpipe.model.families.minimax_m2 import MINIMAX_M2
 from kvpipe.model.families.qwen3_moe import QWEN3_MOE
+from kvpipe.model.presets.deepseek import MLAPresetSpec, deepseek_v3_config, mla_attention_weights, mtp_layer_weights
+from kvpipe.model.presets.scale import WEIGHT_GAIN
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpipe.model.presets.scale import WEIGHT_GAIN
 from kvpipe.model.families.qwen3_5 import QWEN3_5, QWEN3_5_MOE
+from kvpipe.model.presets.scale import WEIGHT_GAIN
 
 
 @dataclass(frozen=True)

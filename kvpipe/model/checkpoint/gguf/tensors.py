@@ -115,9 +115,7 @@ class GGUFTensors(Mapping[str, GGUFTensor]):
             self._tensors[name] = GGUFTensor(name, t, self._row_order(t, family, config))
         if unknown:
             more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
-            raise ConfigError(
-                f"tensors a {family.architecture} model does not have: {', '.join(unknown[:5])}{more}"
-            )
+            raise ConfigError(f"tensors a {family.architecture} model does not have: {', '.join(unknown[:5])}{more}")
 
     @staticmethod
     def _row_order(t: ReaderTensor, family: GGUFFamily, config: dict[str, Any]) -> np.ndarray | None:
