@@ -25,7 +25,7 @@ from torch import nn
 from kvpipe.config import ConfigError, ParallelConfig
 from kvpipe.model.checkpoint.gguf.checkpoint import GGUFCheckpoint, gguf_checkpoint
 from kvpipe.model.checkpoint.gguf.tensors import progress_bar
-from kvpipe.model.checkpoint.schema import ModelConfig
+from kvpipe.model.checkpoint.schema import ModelConfig, partial_rotary_dim
 from kvpipe.model.cpu.fused_decode import build_fused_decode
 from kvpipe.model.cpu.fused_projections import fuse_projections, fusing_enabled
 from kvpipe.model.cpu.huge_pages import place_weights
@@ -74,8 +74,10 @@ def check_supported(raw: dict[str, Any], cfg: ModelConfig) -> None:
         raise ConfigError("mlp_bias=true is not supported")
     if raw.get("use_sliding_window"):
         raise ConfigError("use_sliding_window=true is not supported by the Llama/Qwen model")
-    if not fam.partial_rotary and float(raw.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ConfigError("partial_rotary_factor != 1 is not supported")
+    # read as a partial-rotary family would (top level or rope_parameters, or rotary_dim), so no
+    # key turns part of each head into the whole silently
+    if not fam.partial_rotary and partial_rotary_dim(raw, cfg.head_dim) is not None:
+        raise ConfigError(f"partial_rotary_factor != 1 is not supported for {cfg.architecture}")
     if raw.get("quantization_config"):  # e.g. DeepSeek-V3's fp8 blocks: their scales would be ignored
         method = (raw["quantization_config"] or {}).get("quant_method")
         raise ConfigError(f"quantized checkpoints are not supported (quant_method={method!r})")

@@ -107,9 +107,13 @@ def _spec_json(spec: Any) -> dict:
     return out
 
 
+def preset_hf_config(name: str) -> dict[str, Any]:
+    """The config.json preset `name` is written with, but for its bos/eos ids (0 and 1 here)."""
+    spec, config_fn, _ = _writer(name)
+    return config_fn(spec, build_tokenizer().get_vocab_size(with_added_tokens=True), 0, 1)
+
+
 def preset_config(name: str) -> ModelConfig:
     """The ModelConfig preset `name` would be written with (its KV and state shapes, without
     writing weights); any family's preset."""
-    spec, config_fn, _ = _writer(name)
-    tok = build_tokenizer()
-    return ModelConfig.from_hf_dict(config_fn(spec, tok.get_vocab_size(with_added_tokens=True), 0, 1))
+    return ModelConfig.from_hf_dict(preset_hf_config(name))
