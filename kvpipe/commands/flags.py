@@ -31,9 +31,9 @@ from kvpipe.config import (
     SpeculativeConfig,
     parse_layer_groups,
 )
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.checkpoint.default_model import resolve_model_path
 from kvpipe.model.checkpoint.loader import check_checkpoint
-from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.sglang_env import LayersPerGroup, flag_defaults
 from kvpipe.transfer.backends.registry import BACKENDS, backend_names, check_backend
 from kvpipe.transfer.control.auth import TOKEN_ENV, token_from_env
@@ -379,7 +379,7 @@ def disaggregation_config_from_args(args: argparse.Namespace, model_path: str) -
         layer_groups = args.disaggregation_layer_groups
         if isinstance(layer_groups, LayersPerGroup):
             try:
-                layer_groups = layer_groups.groups(ModelConfig.from_dir(model_path).num_layers)
+                layer_groups = layer_groups.groups(model_config_of(model_path).num_layers)
             except ConfigError as e:
                 raise ConfigError(f"SGLANG_PIPELINE_GROUP_SIZE counts layers, so it needs the model's: {e}") from e
         return DisaggregationConfig(

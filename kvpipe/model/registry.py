@@ -51,6 +51,11 @@ def hf_family(raw: dict[str, Any]) -> Family:
     raise ConfigError(f"unsupported architecture {archs!r}: {unknown}kvpipe supports {known}")
 
 
+def model_config(raw: dict[str, Any]) -> ModelConfig:
+    """The ModelConfig of an HF config.json (or a GGUF file's equivalent), as its family reads it."""
+    return ModelConfig.from_hf_dict(raw, hf_family(raw))
+
+
 def gguf_family(architecture: str) -> Family | None:
     """The family whose GGUF files say general.architecture=`architecture`, None for none."""
     return next((f for f in FAMILIES.values() if f.gguf is not None and f.gguf.architecture == architecture), None)

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from kvpipe.config import ServerConfig
 from kvpipe.engine.cpu_threads import CpuThreads
 from kvpipe.engine.request import ABORTED_ON_REQUEST, FinishReason
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.model.text.tokenizer import Tokenizer
 from kvpipe.server.api_key import caller_of, tenant_salt
@@ -126,7 +127,7 @@ class ServerState:
         if self.cfg.scheduler.context_length is not None:
             return self.cfg.scheduler.context_length
         with contextlib.suppress(Exception):
-            return ModelConfig.from_dir(self.cfg.model_path).max_position_embeddings
+            return model_config_of(self.cfg.model_path).max_position_embeddings
         return None
 
     def model_paths(self) -> dict[str, str | None]:

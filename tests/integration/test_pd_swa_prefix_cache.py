@@ -18,7 +18,7 @@ import pytest
 
 from kvpipe.cache.swa_radix_cache import SWARadixCache
 from kvpipe.cache.window_pages import window_first_page
-from kvpipe.model.checkpoint.schema import ModelConfig
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.presets import write_preset
 from tests.helpers.pd_pair import (
     FAULTS,
@@ -52,7 +52,7 @@ def test_decode_cache_moves_suffix_pages_and_the_missing_window_pages(model_dir,
     bytes do not change."""
     rnd = random.Random(7)
     tok = lambda n: [rnd.randrange(3, 290) for _ in range(n)]  # noqa: E731
-    mc = ModelConfig.from_dir(model_dir)
+    mc = model_config_of(model_dir)
     assert mc.sliding_window == 32 and 0 < len(mc.sliding_layers) < mc.num_layers
     layer_page = PS * mc.num_kv_heads * mc.head_dim * 4 * 2  # K and V of one page of one layer, fp32
     assert expected_bytes(model_dir, [PS], PS, 1, 1) == mc.num_layers * layer_page

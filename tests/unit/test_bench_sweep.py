@@ -26,6 +26,7 @@ from kvpipe.harness.probe import num_groups_from_metrics, num_groups_from_server
 from kvpipe.harness.request import Request
 from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.model.presets import preset_config
+from kvpipe.model.registry import model_config
 from kvpipe.transfer.planning.wire_bytes import KVWireBytes
 from tests.helpers.sweep_stacks import recording_stacks
 
@@ -181,7 +182,7 @@ def test_run_sweep_stops_the_stack_when_measuring_fails() -> None:
 def _model(arch: str, **cfg: object) -> ModelConfig:
     """A checkpoint schema from an HF config.json's fields (plus what every family needs)."""
     base = {"architectures": [arch], "vocab_size": 1000, "intermediate_size": 1024, "hidden_size": 768}
-    return ModelConfig.from_hf_dict({**base, **cfg})
+    return model_config({**base, **cfg})
 
 
 BENCH = {

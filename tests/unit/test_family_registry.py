@@ -17,11 +17,12 @@ import torch
 import kvpipe
 from kvpipe.config import ConfigError
 from kvpipe.model import registry
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.checkpoint.loader import check_supported, load_model
-from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.model.families.llama import LLAMA
 from kvpipe.model.presets import preset_config, preset_names
 from kvpipe.model.presets.writer import preset_hf_config
+from kvpipe.model.registry import model_config
 from tests.helpers.gguf_files import write_gguf
 
 PACKAGE = Path(kvpipe.__file__).resolve().parent
@@ -76,7 +77,7 @@ def test_presets_write_their_familys_header(preset: str) -> None:
 def test_unknown_architecture_names_its_model_type() -> None:
     raw = preset_hf_config("tiny") | {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3"}
     with pytest.raises(ConfigError, match=r"unsupported architecture \['Gemma3ForCausalLM'\]: the gemma3 model family"):
-        ModelConfig.from_hf_dict(raw)
+        model_config(raw)
 
 
 @pytest.mark.parametrize(
@@ -91,10 +92,10 @@ def test_partial_rotary_is_refused_where_the_family_lacks_it(change: dict) -> No
     says so (transformers >= 5 writes the factor into rope_parameters); one with it reads the dims."""
     raw = preset_hf_config("tiny") | change
     with pytest.raises(ConfigError, match="partial_rotary_factor != 1 is not supported for llama"):
-        check_supported(raw, ModelConfig.from_hf_dict(raw))
+        check_supported(raw, model_config(raw))
     minimax = preset_hf_config("tiny-minimax-m2")
     raw = minimax | change | {"rotary_dim": minimax["head_dim"]}
-    assert ModelConfig.from_hf_dict(raw).rotary_dim == minimax["head_dim"] // 2
+    assert model_config(raw).rotary_dim == minimax["head_dim"] // 2
 
 
 def test_gguf_architectures_come_from_the_registry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -103,7 +104,7 @@ def test_gguf_architectures_come_from_the_registry(tmp_path: Path, monkeypatch: 
     monkeypatch.setitem(registry.FAMILIES, "qwen3", no_gguf)
     w = write_gguf(tmp_path / "m.gguf", "qwen3")
     with pytest.raises(ConfigError, match=r"GGUF architecture 'qwen3' is not supported.*\['llama', 'qwen2'\]"):
-        ModelConfig.from_dir(w.path)
+        model_config_of(w.path)
 
 
 def test_a_new_family_is_one_entry(tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -120,7 +121,7 @@ def test_a_new_family_is_one_entry(tiny_model_dir: Path, tmp_path: Path, monkeyp
     model_dir = shutil.copytree(tiny_model_dir, tmp_path / "toy")
     raw = json.loads((model_dir / "config.json").read_text()) | toy.hf_header()
     (model_dir / "config.json").write_text(json.dumps(raw))
-    cfg = ModelConfig.from_dir(model_dir)
+    cfg = model_config_of(model_dir)
     assert cfg.architecture == "toy" and cfg.max_position_embeddings == 64
     toy_model, ref = load_model(model_dir), load_model(tiny_model_dir)
     assert toy_model.cfg == cfg

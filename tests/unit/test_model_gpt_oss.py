@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from kvpipe.config import ConfigError
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.checkpoint.loader import load_model
-from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.model.forward_batch import ForwardBatch
 from kvpipe.model.presets import write_preset
 from kvpipe.model.text.tokenizer import Tokenizer
@@ -110,7 +110,7 @@ def test_mxfp4_checkpoint_is_refused(tmp_path):
 )
 def test_bad_attention_configs_are_refused(tmp_path, changes, match):
     with pytest.raises(ConfigError, match=match):
-        ModelConfig.from_dir(_config(tmp_path, **changes))
+        model_config_of(_config(tmp_path, **changes))
 
 
 def test_tiny_gpt_oss_preset(tmp_path):
@@ -119,7 +119,7 @@ def test_tiny_gpt_oss_preset(tmp_path):
     again = write_preset("tiny-gpt-oss", tmp_path / "b")
     for f in ("config.json", "model.safetensors"):
         assert (path / f).read_bytes() == (again / f).read_bytes()
-    cfg = ModelConfig.from_dir(path)
+    cfg = model_config_of(path)
     assert (cfg.num_layers, cfg.sliding_layers, cfg.sliding_window, cfg.hidden_size) == (4, (0, 2), 32, 128)
     assert (cfg.moe.num_experts, cfg.moe.top_k) == (8, 2)
     assert all(n % 4 == 0 for n in (cfg.num_heads, cfg.num_kv_heads, cfg.moe.expert_intermediate_size))

@@ -14,7 +14,7 @@ from kvpipe.bench.kv_bytes import kv_wire_bytes, with_mtp_kv
 from kvpipe.config import DisaggregationConfig, ServerConfig, SpeculativeConfig, TransferTuning
 from kvpipe.disagg.draft_transfer import speculative_handshake
 from kvpipe.engine.spec.mtp_drafter import hidden_from_bytes, hidden_to_bytes
-from kvpipe.model.checkpoint.schema import ModelConfig
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.presets import preset_config, write_preset
 from kvpipe.transfer.control import messages as m
 from kvpipe.transfer.planning.layout import KVLayout
@@ -93,7 +93,7 @@ def test_hidden_states_travel_as_raw_bytes(dtype: torch.dtype):
 
 def test_handshake_names_nextn_its_mtp_layer_and_kv(tmp_path):
     path = write_preset("tiny-deepseek-v3", tmp_path / "ds")
-    cfg = ModelConfig.from_dir(path)
+    cfg = model_config_of(path)
 
     def handshake(algo: str) -> str:
         return speculative_handshake(ServerConfig(model_path=str(path), speculative=SpeculativeConfig(algo)), SRC_MTP)

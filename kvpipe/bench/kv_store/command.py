@@ -30,8 +30,8 @@ from kvpipe.launch.ports import free_ports
 from kvpipe.launch.process import stop_process, wait_healthy
 from kvpipe.launch.stack import PartSpec
 from kvpipe.launch.store_master import StoreMaster
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.checkpoint.default_model import resolve_model_path
-from kvpipe.model.checkpoint.schema import ModelConfig
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     load_before = load_average()
     model = resolve_model_path(args.model_path)
-    vocab = ModelConfig.from_dir(model).vocab_size
+    vocab = model_config_of(model).vocab_size
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="kvpipe-bench-kv-store-")
     os.makedirs(log_dir, exist_ok=True)
     if args.workload != "prefix":

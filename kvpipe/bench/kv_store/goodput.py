@@ -29,8 +29,8 @@ from kvpipe.launch.ports import free_ports
 from kvpipe.launch.process import stop_process, wait_healthy
 from kvpipe.launch.stack import PartSpec
 from kvpipe.launch.store_master import StoreMaster
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.checkpoint.identity import checkpoint_digest
-from kvpipe.model.checkpoint.schema import ModelConfig
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -47,7 +47,7 @@ def _wait(cond: Any, timeout_s: float = 120.0) -> None:
 
 
 def run_goodput(args: argparse.Namespace, model: str, log_dir: str) -> dict[str, Any]:
-    mc = ModelConfig.from_dir(model)
+    mc = model_config_of(model)
     n, ps = args.goodput_pages, args.page_size
     pool = KVPool(len(mc.kv_layers), n, ps, mc.kv_cache_heads, mc.kv_cache_head_dim, dtype=torch.float32)
     for b in pool.buffers():

@@ -48,7 +48,7 @@ from kvpipe.harness.probe import (
     transfer_tail_from_server_info,
 )
 from kvpipe.harness.testbed import LinkTestbed, LinkTestbedError, parse_rate
-from kvpipe.model.checkpoint.schema import ModelConfig
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.draft.eagle import eagle_config
 from kvpipe.model.presets import model_path_or_preset
 from kvpipe.transfer.planning.wire_bytes import KVWireBytes
@@ -68,7 +68,7 @@ def _model_bytes(model_path: str, server_args: tuple[str, ...]) -> tuple[KVWireB
     """What a request of the model moves as the servers run it (their --dtype, --kv-cache-dtype,
     --page-size): its KV by prompt length and its state (unknown: None, 0)."""
     try:
-        mc = ModelConfig.from_dir(model_path)
+        mc = model_config_of(model_path)
     except (ConfigError, OSError, KeyError, TypeError, ValueError):
         return None, 0
     flag = partial(server_flag, server_args)
@@ -78,7 +78,7 @@ def _model_bytes(model_path: str, server_args: tuple[str, ...]) -> tuple[KVWireB
     if kv is not None and draft_path is not None:  # every server runs the draft: PD moves its KV too
         try:  # an EAGLE head's one layer of K/V moves like a one-layer draft model's (model/draft/eagle.py)
             eagle = (flag("--speculative-algorithm") or "").upper() == "EAGLE"
-            draft = eagle_config(draft_path) if eagle else ModelConfig.from_dir(draft_path)
+            draft = eagle_config(draft_path) if eagle else model_config_of(draft_path)
         except (ConfigError, OSError, KeyError, TypeError, ValueError):
             return None, 0
         # the draft's pool keeps its compute dtype (--kv-cache-dtype does not apply to it)

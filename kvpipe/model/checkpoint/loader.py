@@ -35,7 +35,7 @@ from kvpipe.model.layers.linear import Linear, Shard
 from kvpipe.model.layers.moe import check_routing
 from kvpipe.model.quant.kv_scales import KVScales, read_kv_scales
 from kvpipe.model.quant.quantize import check_quantization, quantize_model
-from kvpipe.model.registry import build_causal_lm, family
+from kvpipe.model.registry import build_causal_lm, family, model_config
 from kvpipe.model.text.tokenizer import Tokenizer
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -96,7 +96,7 @@ def check_checkpoint(
     thread. A GGUF file is opened once per process (gguf_checkpoint), so the engine's load reuses
     this work."""
     raw = read_hf_config(model_path)
-    cfg = ModelConfig.from_hf_dict(raw)
+    cfg = model_config(raw)
     check_supported(raw, cfg)
     check_quantization(quantization, cfg)
     Tokenizer.from_dir(tokenizer_path or model_path)
@@ -211,7 +211,7 @@ def load_model(
     model_dir = Path(model_dir)
     ckpt = gguf_checkpoint(model_dir)
     raw = ckpt.config if ckpt is not None else read_hf_config(model_dir)
-    cfg = ModelConfig.from_hf_dict(raw)
+    cfg = model_config(raw)
     check_supported(raw, cfg)
     check_quantization(quantization, cfg, device)
     names: set[str] = set(ckpt.tensors) if ckpt is not None else set(weight_files(model_dir))

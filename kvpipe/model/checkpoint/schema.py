@@ -2,19 +2,17 @@
 (attention and rope in ModelConfig; MoE, MLA and hybrid layers in their own), and the parsing every
 family shares (`ModelConfig.from_hf_dict`). Which family a config is, and the fields only it sets,
 come from its Family entry (model/families/, collected by model/registry.py): no family is named
-here."""
+here. `registry.model_config(raw)` and `config_reader.model_config_of(path)` are how callers get a
+ModelConfig: they find the family first (this module sits below the families, which import it)."""
 
 from __future__ import annotations
 
 import enum
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from kvpipe.config import ConfigError
-from kvpipe.model.checkpoint.gguf.checkpoint import gguf_checkpoint
 
 
 @dataclass(frozen=True)
@@ -158,6 +156,19 @@ class HybridConfig:
         )
 
 
+class ConfigFamily(Protocol):
+    """What ModelConfig.from_hf_dict needs of a family (model/families/family.py's Family)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def partial_rotary(self) -> bool: ...
+
+    @property
+    def config(self) -> Callable[[dict[str, Any]], dict[str, Any]]: ...
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str  # the family's name (Family.name, model/registry.py)
@@ -228,14 +239,9 @@ class ModelConfig:
         return 1 if self.mla is not None else 2
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
-        """The config of the family cfg's `architectures` name: the fields every family reads
-        alike, then the family's own (Family.config)."""
-        # imported here, not at the top: the registry imports every family, and each family
-        # imports this module
-        from kvpipe.model.registry import hf_family
-
-        family = hf_family(cfg)
+    def from_hf_dict(cls, cfg: dict[str, Any], family: ConfigFamily) -> ModelConfig:
+        """The config of `cfg` as `family` (registry.hf_family(cfg)): the fields every family
+        reads alike, then the family's own (Family.config)."""
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         eos = cfg.get("eos_token_id")
@@ -272,18 +278,6 @@ class ModelConfig:
         if "intermediate_size" not in own:  # a family without a dense MLP gives its own (Qwen3.5-MoE: 0)
             fields["intermediate_size"] = int(cfg["intermediate_size"])
         return cls(**(fields | own))
-
-    @classmethod
-    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
-        """The config of a checkpoint: an HF directory's config.json, or a GGUF file's metadata
-        (a .gguf file, or a directory holding one)."""
-        ckpt = gguf_checkpoint(model_dir)
-        if ckpt is not None:
-            return cls.from_hf_dict(ckpt.config)
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise ConfigError(f"{model_dir}: no config.json (expected a local HF checkpoint directory or a .gguf file)")
-        return cls.from_hf_dict(json.loads(path.read_text()))
 
 
 def layer_types(cfg: dict[str, Any], allowed: tuple[str, ...], default: Callable[[int], str]) -> list[str]:

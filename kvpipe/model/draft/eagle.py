@@ -49,7 +49,7 @@ from kvpipe.model.layers.gqa_attention import GQAttention
 from kvpipe.model.layers.linear import Linear
 from kvpipe.model.layers.mlp import MLP
 from kvpipe.model.layers.norms import RMSNorm
-from kvpipe.model.registry import eagle_targets, family
+from kvpipe.model.registry import eagle_targets, family, model_config
 
 
 def eagle_config(head_dir: str | Path) -> ModelConfig:
@@ -61,7 +61,7 @@ def eagle_config(head_dir: str | Path) -> ModelConfig:
     archs = raw.get("architectures") or []
     if EAGLE_HEAD_ARCHITECTURE not in archs:
         raise ConfigError(f"{head_dir}: architectures {archs!r} is not an EAGLE head ({EAGLE_HEAD_ARCHITECTURE!r})")
-    cfg = ModelConfig.from_hf_dict({**raw, "architectures": list(LLAMA.hf_architectures)})
+    cfg = model_config({**raw, "architectures": list(LLAMA.hf_architectures)})
     if cfg.num_layers != 1:
         raise ConfigError(f"{head_dir}: an EAGLE head has one decoder layer, this one {cfg.num_layers}")
     return cfg

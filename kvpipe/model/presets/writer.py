@@ -21,6 +21,7 @@ import kvpipe.model.presets.qwen3_5 as presets_qwen3_5
 from kvpipe.config import ConfigError
 from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.model.presets.tokenizer import SPECIAL_TOKENS, build_tokenizer
+from kvpipe.model.registry import model_config
 
 PRESET_FORMAT_VERSION = 4  # bump when a preset's files change, so cached copies are rewritten (4: Qwen3.5 MTP layers)
 
@@ -116,4 +117,4 @@ def preset_hf_config(name: str) -> dict[str, Any]:
 def preset_config(name: str) -> ModelConfig:
     """The ModelConfig preset `name` would be written with (its KV and state shapes, without
     writing weights); any family's preset."""
-    return ModelConfig.from_hf_dict(preset_hf_config(name))
+    return model_config(preset_hf_config(name))

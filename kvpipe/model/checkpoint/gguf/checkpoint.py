@@ -2,7 +2,7 @@
 HF names, tokenizer parts). The model loader's seam:
 
     ckpt = GGUFCheckpoint.open(path)          # file, or a directory holding exactly one
-    cfg = ModelConfig.from_hf_dict(ckpt.config)
+    cfg = model_config(ckpt.config)
     t = ckpt.tensors["model.layers.0.self_attn.q_proj.weight"]   # lazy; t[a:b] dequantizes rows a:b
     parts = ckpt.tokenizer()                  # -> Tokenizer(parts.tokenizer, parts.config, ...)
 """
@@ -23,6 +23,7 @@ from kvpipe.model.checkpoint.gguf.family import GGUFFamily
 from kvpipe.model.checkpoint.gguf.reader import Metadata, find_gguf, open_gguf
 from kvpipe.model.checkpoint.gguf.tensors import GGUFTensors, dequantize_all
 from kvpipe.model.checkpoint.gguf.tokenizer import GGUFTokenizer, build_tokenizer
+from kvpipe.model.registry import gguf_family, gguf_names
 
 
 @dataclass(frozen=True)
@@ -65,10 +66,6 @@ class GGUFCheckpoint:
 def _family(meta: Metadata) -> tuple[GGUFFamily, dict[str, Any]]:
     """The GGUF names and the HF header of the family the file's general.architecture names,
     refused by name unless a family reads it."""
-    # imported here, not at the top: the registry imports every family, and each family imports
-    # the checkpoint schema, which imports this module
-    from kvpipe.model.registry import gguf_family, gguf_names
-
     arch = meta.require("general.architecture")
     family = gguf_family(arch)
     if family is None or family.gguf is None:
