@@ -10,5 +10,5 @@ workload.py the synthetic serving workload; rotation.py variant order by round; 
             request's KV bytes on the wire
 
 Requests go out through the load driver of kvpipe/harness, which the QA harnesses (kvpipe/qa)
-share; bench never imports qa (tests/unit/test_harness_layering.py).
+share; bench never imports qa (the allow list of docs/architecture.md, tests/unit/test_layering.py).
 """

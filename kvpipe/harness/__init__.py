@@ -1,5 +1,5 @@
 """What the benchmarks (kvpipe/bench) and the QA harnesses (kvpipe/qa) share, below both: neither
-imports the other (tests/unit/test_harness_layering.py).
+imports the other (the allow list of docs/architecture.md, tests/unit/test_layering.py).
 
 request.py      what the load driver sends: one request as data and its JSON body
 driver.py       the load driver: sends requests (httpx, asyncio), one Outcome per request
