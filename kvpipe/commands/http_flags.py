@@ -116,7 +116,8 @@ def add_listener_args(p: argparse.ArgumentParser) -> None:
         "--max-connections",
         type=int,
         default=d.max_connections,
-        help="open client connections; one more gets 503 with Retry-After at once and is closed "
+        help="open client connections; one more takes the place of the one waiting longest for its client "
+        "(closed, 408 in a head), or gets 503 with Retry-After at once when every one has a request in "
         "(keep it well under the process's open-file limit, `ulimit -n`)",
     )
 
