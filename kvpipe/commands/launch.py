@@ -16,6 +16,13 @@ Supervision (launch/stack.py): a part that exits (crash, OOM kill, kill -9) is s
 the same command on the same ports, after a backoff, while the other parts keep serving. A part
 that keeps exiting past the policy's bound (launch/supervisor.py) stops the whole stack with exit
 code 1.
+
+Secure by default (README, Security): the PD control plane gets a fresh random token, and the
+HTTP API a user key and an admin key (the ones given, else fresh random ones) that the servers and
+the router ask for: the router's inference routes the user key, its control plane (`POST
+/workers`) the admin key. The keys are not printed: they go to a 0600 keys file whose path is
+printed (`. FILE` exports them, OPENAI_API_KEY too), where kvpipe chat / top / bench find them.
+`--no-api-keys` starts the HTTP API open, as `kvpipe serve` without keys.
 """
 
 from __future__ import annotations
@@ -59,6 +66,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="write the stack's /metrics targets (prefill, decode, router) here as a Prometheus "
         "file_sd_configs file once it is up (deploy/prometheus/prometheus.yml reads it; docs/metrics.md)",
+    )
+    p.add_argument(
+        "--no-api-keys",
+        action="store_true",
+        help="start the stack's HTTP API without keys: anyone who reaches the router's or a server's port may "
+        "use every route, the router's POST /workers and the servers' admin routes included (default: the "
+        "keys given, else fresh random user and admin keys in a 0600 keys file)",
     )
     add_xpyd_args(p)
 
@@ -140,7 +154,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    for line in [*stack.layout_lines(), *_cores_lines(stack, extra), *_auth_lines(stack, extra)]:
+    for line in [*stack.layout_lines(), *_cores_lines(stack, extra), *_auth_lines(stack, extra), *_keys_lines(stack)]:
         print(PREFIX + line, flush=True)
     print(_ready_banner(stack, policy), flush=True)
     ok = False
@@ -180,6 +194,7 @@ def _start(args: argparse.Namespace, extra: list[str], model_path: str) -> PDSta
             decodes=args.decodes,
             prefill_policy=args.prefill_policy,
             decode_policy=args.decode_policy,
+            api_keys=not args.no_api_keys,
         )
     except (RuntimeError, TimeoutError, ConfigError) as e:  # a part that exited or never became healthy
         where = f"its log in {args.log_dir}" if args.log_dir else "its output above"
@@ -221,11 +236,26 @@ def _auth_lines(stack: PDStack, extra: list[str]) -> list[str]:
     return [f"PD bootstrap and control plane authenticated with {chosen}"]
 
 
+def _keys_lines(stack: PDStack) -> list[str]:
+    """Where the HTTP API's keys are (never the keys: this output ends up in logs and scrollback)."""
+    if stack.keys_file is None:
+        return ["HTTP API open: no API keys (--no-api-keys); anyone who reaches a port may use every route"]
+    fresh = {(): "the keys given", ("user",): "a fresh user key", ("admin",): "a fresh admin key"}
+    what = fresh.get(stack.generated_keys, "fresh random user and admin keys")
+    return [
+        f"HTTP API keys: {what}, in {stack.keys_file} (mode 0600, removed at stop); "
+        f"`. {stack.keys_file}` exports KVPIPE_API_KEY (requests), KVPIPE_ADMIN_API_KEY (the router's "
+        "control plane, the servers' admin routes) and OPENAI_API_KEY; kvpipe chat, top and bench find them there"
+    ]
+
+
 def _ready_banner(stack: PDStack, policy: RestartPolicy) -> str:
+    source = f". {stack.keys_file} && " if stack.keys_file else ""
+    bearer = '-H "Authorization: Bearer $KVPIPE_API_KEY" ' if stack.keys_file else ""
     return (
         f"kvpipe PD stack ready: router {stack.router_url} (prefill {stack.prefill_url}, "
         f"decode {stack.decode_url}, bootstrap port {stack.bootstrap_port})\n"
-        f"try: curl -s {stack.router_url}/v1/chat/completions -H 'Content-Type: application/json' "
+        f"try: {source}curl -s {stack.router_url}/v1/chat/completions {bearer}-H 'Content-Type: application/json' "
         f'-d \'{{"messages": [{{"role": "user", "content": "What is the capital of France?"}}], '
         f'"max_tokens": 32, "temperature": 0}}\'\n'
         f"A part that exits is restarted (at most {policy.max_restarts} times in {policy.window_s:g} s). "

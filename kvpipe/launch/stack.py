@@ -10,17 +10,21 @@ bound (supervisor.py) stops the whole stack.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import subprocess
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from kvpipe.engine.cpu_threads import format_cores
 from kvpipe.launch.core_split import CoreSplit, StackCores, flag_value
 from kvpipe.launch.process import answers, spawn, stop_process
 from kvpipe.launch.store_master import StoreMaster
 from kvpipe.launch.supervisor import PartState, RestartPolicy, Supervisor
+from kvpipe.server.client_keys import StackKeys, keys_file_path, remove_stale_keys_files, write_keys_file
 
 PARTS = ("prefill", "decode", "router")  # the order of PDStack.procs; stopped in reverse
 SUPERVISE_TICK_S = 0.25
@@ -72,6 +76,9 @@ class PDStack:
     bootstrap_ports: list[int] = field(default_factory=list)
     policies: tuple[str | None, str | None] = (None, None)  # the router's --prefill/--decode-policy
     store_master: StoreMaster | None = None  # the KV tier's mooncake_master, when the stack started one
+    keys: StackKeys = field(default_factory=StackKeys)  # the HTTP API's keys (none: open)
+    generated_keys: tuple[str, ...] = ()  # which of them are fresh random ones ("user", "admin")
+    keys_file: Path | None = None  # where they are for kvpipe's clients (removed at close)
 
     @property
     def restarts(self) -> dict[str, int]:
@@ -172,10 +179,23 @@ class PDStack:
                     stop_process(proc)  # the next tick counts this exit
         return True
 
+    def publish_keys(self, keys: StackKeys) -> None:
+        """Keep `keys` and write them to the stack's keys file (server/client_keys.py), where
+        kvpipe's clients of any of its URLs find them; stale files of dead stacks go first."""
+        self.keys = keys
+        remove_stale_keys_files()
+        path = keys_file_path(self.router_url)
+        write_keys_file(path, keys, self.router_url, [self.router_url, *self._server_urls()], os.getpid())
+        self.keys_file = path
+
     def close(self) -> None:
         for p in reversed(self.procs):
             stop_process(p)
         self.procs.clear()
+        if self.keys_file is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.keys_file.unlink()
+            self.keys_file = None
 
     def __enter__(self) -> PDStack:
         return self
