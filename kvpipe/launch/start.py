@@ -37,12 +37,14 @@ from kvpipe.launch.core_split import (
     split_cores_among,
     stack_server_cores,
 )
+from kvpipe.launch.firewall import MC_RANGE_ENV, FirewallSpec, mooncake_range
 from kvpipe.launch.ports import StackPorts, ports_taken
 from kvpipe.launch.process import stop_process, wait_healthy
 from kvpipe.launch.router import router_command_xpyd
 from kvpipe.launch.secret_flags import StackArgs, StackSecrets, split_secrets
 from kvpipe.launch.stack import PartSpec, PDStack, server_names
 from kvpipe.launch.store_master import StoreMaster, wants_master
+from kvpipe.server.client_keys import alive
 
 logger = logging.getLogger(__name__)
 # A part whose port another process bound between our pick and its bind exits at startup; it gets
@@ -65,6 +67,7 @@ def start_pd_stack(
     prefill_policy: str | None = None,
     decode_policy: str | None = None,
     api_keys: bool = False,
+    firewall: FirewallSpec | None = None,
 ) -> PDStack:
     """Start `prefills` prefill servers, `decodes` decode servers and sglang-router (PD mode) and
     wait until all are healthy.
@@ -72,7 +75,8 @@ def start_pd_stack(
     `split_cpus`: the servers get disjoint shares of this process's cores, as their --cpu-threads
     and their CPU affinity (core_split.py), except a server whose threads the caller's args already
     choose. The router runs on every core. `prefill_policy` / `decode_policy`: the router's.
-    `api_keys`: the stack's HTTP API needs keys (the ones given, else fresh random ones)."""
+    `api_keys`: the stack's HTTP API needs keys (the ones given, else fresh random ones).
+    `firewall`: its peer ports accept only this host and the networks allowed (firewall.py; root)."""
     if prefills < 1 or decodes < 1:
         raise ConfigError(f"a PD stack needs at least one prefill and one decode, got {prefills}P{decodes}D")
     # a secret given as a flag leaves the command lines (the children read it from their environment)
@@ -82,11 +86,24 @@ def start_pd_stack(
     master = StoreMaster(host, *master_ports) if master_ports else None
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
-    specs = StackSpecs(ports, model_path, args, shares, secrets, log_dir, master)
+    env: tuple[tuple[str, str], ...] = ()
+    if firewall is not None:
+        mc = mooncake_range(os.environ, host)
+        env = tuple(zip(MC_RANGE_ENV, map(str, mc)))
+    specs = StackSpecs(ports, model_path, args, shares, secrets, log_dir, master, env)
     stack = specs.new_stack(split, (prefill_policy, decode_policy))
+    if firewall is not None:  # before any part binds a port
+        stack.firewall = firewall.open(ports.router, alive)
+        stack.firewall_fixed = (mc, *ports.bootstrap, *((master.rpc_port, master.metadata_port) if master else ()))
+        stack.refresh_firewall()
     _start_parts(stack, specs, timeout_s)
-    if secrets.api_key or secrets.admin_key:
-        stack.publish_keys(secrets.keys)
+    try:
+        stack.refresh_firewall()  # the ports the servers bound: their control endpoints
+        if secrets.api_key or secrets.admin_key:
+            stack.publish_keys(secrets.keys)
+    except BaseException:
+        stack.close()
+        raise
     return stack
 
 
@@ -116,6 +133,7 @@ class StackSpecs:
     secrets: StackSecrets
     log_dir: str | None
     master: StoreMaster | None  # the KV tier's store, started first: its address goes to every server
+    env: tuple[tuple[str, str], ...] = ()  # every server's, beside the secrets (--firewall: its Mooncake ports)
     stack: PDStack = field(init=False)
 
     @property
@@ -161,7 +179,9 @@ class StackSpecs:
         s = self.stack
         s.prefill_urls, s.decode_urls, s.bootstrap_ports = urls[: p.prefills], urls[p.prefills :], list(p.bootstrap)
         s.prefill_url, s.decode_url, s.bootstrap_port = urls[0], urls[p.prefills], p.bootstrap[0]
-        return PartSpec(name, cmd, urls[i] + "/health", self.log(name), self.shares[i].pin, self.secrets.env())
+        return PartSpec(
+            name, cmd, urls[i] + "/health", self.log(name), self.shares[i].pin, self.secrets.env() + self.env
+        )
 
     def router(self) -> PartSpec:
         """The router's spec over the servers' current URLs."""
