@@ -28,6 +28,7 @@ import pytest
 from kvpipe.launch.ports import free_port
 from kvpipe.launch.secret_flags import AUTH_TOKEN_FLAG, KEY_FLAGS
 from kvpipe.server.client_keys import RUN_DIR_ENV, read_keys_file
+from kvpipe.server.listeners import process_tree
 from kvpipe.transfer.control.auth import TOKEN_ENV
 
 pytest.importorskip("mooncake.engine")
@@ -47,20 +48,6 @@ class Launched:
     user: str
     admin: str
     env: dict[str, str]  # a client's environment: no key in it, the stack's run directory
-
-
-def _child_pids(pid: int) -> list[int]:
-    """Every descendant of `pid` (the parts run in sessions of their own, but are its children)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            kids = Path(f"/proc/{p}/task/{p}/children").read_text().split()
-        except OSError:
-            continue
-        out += [int(k) for k in kids]
-        todo += [int(k) for k in kids]
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +110,17 @@ def test_requests_need_the_user_key(launched: Launched) -> None:
         assert httpx.get(url + "/debug/requests", headers=_bearer(launched.admin)).status_code == 200
 
 
+def test_the_servers_list_their_ports_to_the_admin_only(launched: Launched) -> None:
+    """/server_info's `listeners`: every port a server listens on, named (what a firewall covers)."""
+    for url in launched.servers:
+        assert "listeners" not in httpx.get(url + "/server_info", headers=_bearer(launched.user)).json()
+        rows = httpx.get(url + "/server_info", headers=_bearer(launched.admin)).json()["listeners"]
+        names = {r["name"] for r in rows}
+        assert {"http", "control", "mooncake_handshake", "mooncake_data"} <= names, rows
+        assert ("bootstrap" in names) == (url == launched.servers[0]), rows  # the prefill's (listed first)
+        assert int(url.rsplit(":", 1)[1]) in {r["port"] for r in rows if r["name"] == "http"}
+
+
 def test_the_router_s_control_plane_needs_the_admin_key(launched: Launched) -> None:
     attacker = {"url": "http://127.0.0.1:9", "worker_type": "decode"}
     for headers in ({}, _bearer(launched.user)):  # finding 9: POST /workers accepted anyone's worker
@@ -134,7 +132,7 @@ def test_the_router_s_control_plane_needs_the_admin_key(launched: Launched) -> N
 
 
 def test_no_secret_on_a_command_line(launched: Launched) -> None:
-    pids = _child_pids(launched.proc.pid)
+    pids = process_tree(launched.proc.pid)[1:]  # the launcher's descendants: every part
     assert len(pids) >= 3  # prefill, decode, router (and their TP workers, if any)
     lines = [Path(f"/proc/{p}/cmdline").read_bytes() for p in pids]
     environs = [Path(f"/proc/{p}/environ").read_bytes().split(b"\0") for p in pids]
