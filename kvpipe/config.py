@@ -495,23 +495,27 @@ class RequestLimits:
 @dataclass(frozen=True)
 class ListenerLimits:
     """How long an HTTP client may take to send a request, and how many connections a server keeps
-    open (kvpipe/http_listener.py): a client that sends its request slowly (slowloris) holds a
-    socket and a descriptor until it is cut."""
+    open (kvpipe/http_listener.py, the listener of the HTTP and the bootstrap servers): a client
+    that sends its request slowly (slowloris) holds a socket and a descriptor until it is cut."""
 
     header_timeout_s: float = 10.0  # from a connection's start (or its last response) to a complete request head
     # from the head to the body's last byte, plus one second for every BODY_MIN_RATE bytes received
     body_timeout_s: float = 30.0
     keep_alive_s: float = 30.0  # an idle connection between requests
-    # open client connections; one more is answered 503 at once and closed (its descriptor freed)
+    # open client connections; one more takes the place of the one waiting longest for its client,
+    # or is answered 503 at once when every one has a request in (its descriptor freed)
     max_connections: int = 512
+    max_header_bytes: int = 16 << 10  # the request line and headers (h11's incomplete-event bound)
 
     def __post_init__(self) -> None:
         for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):
                 raise ConfigError(f"{name} must be a positive number of seconds, got {v!r}")
-        if not (type(self.max_connections) is int and self.max_connections >= 1):
-            raise ConfigError(f"max_connections must be a whole number >= 1, got {self.max_connections!r}")
+        for name in ("max_connections", "max_header_bytes"):
+            v = getattr(self, name)
+            if not (type(v) is int and v >= 1):
+                raise ConfigError(f"{name} must be a whole number >= 1, got {v!r}")
 
 
 HICACHE_STORAGE_BACKENDS = ("mooncake",)

@@ -16,6 +16,15 @@ Supervision (launch/stack.py): a part that exits (crash, OOM kill, kill -9) is s
 the same command on the same ports, after a backoff, while the other parts keep serving. A part
 that keeps exiting past the policy's bound (launch/supervisor.py) stops the whole stack with exit
 code 1.
+
+Secure by default (README, Security): the PD control plane gets a fresh random token, and the
+HTTP API a user key and an admin key (the ones given, else fresh random ones) that the servers and
+the router ask for: the router's inference routes the user key, its control plane (`POST
+/workers`) the admin key. The keys are not printed: they go to a 0600 keys file whose path is
+printed (`. FILE` exports them, OPENAI_API_KEY too), where kvpipe chat / top / bench find them.
+`--no-api-keys` starts the HTTP API open, as `kvpipe serve` without keys. `--firewall` (root)
+closes the servers' peer ports, Mooncake's above all, to everything but this host and the
+networks of `--firewall-allow` (launch/firewall.py).
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import threading
 
 from kvpipe.config import ConfigError
 from kvpipe.launch.core_split import CPU_THREADS_FLAG, StackCores, flag_value, has_flag
+from kvpipe.launch.firewall import FirewallSpec
 from kvpipe.launch.prometheus_targets import scrape_targets, write_targets
 from kvpipe.launch.router import ROUTER_POLICIES
 from kvpipe.launch.secret_flags import AUTH_TOKEN_FILE_FLAG, AUTH_TOKEN_FLAG
@@ -60,7 +70,43 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="write the stack's /metrics targets (prefill, decode, router) here as a Prometheus "
         "file_sd_configs file once it is up (deploy/prometheus/prometheus.yml reads it; docs/metrics.md)",
     )
+    p.add_argument(
+        "--no-api-keys",
+        action="store_true",
+        help="start the stack's HTTP API without keys: anyone who reaches the router's or a server's port may "
+        "use every route, the router's POST /workers and the servers' admin routes included (default: the "
+        "keys given, else fresh random user and admin keys in a 0600 keys file)",
+    )
+    add_firewall_args(p)
     add_xpyd_args(p)
+
+
+def add_firewall_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("firewall (root; nftables, else iptables)")
+    g.add_argument(
+        "--firewall",
+        action="store_true",
+        help="accept connections to the servers' Mooncake, bootstrap and control ports only from this host "
+        "(and --firewall-allow): Mooncake listens on every interface with no credential. A table per stack, "
+        "removed at stop (a killed launcher's by the next --firewall start)",
+    )
+    g.add_argument(
+        "--firewall-allow",
+        action="append",
+        default=None,
+        metavar="NET[,NET...]",
+        help="with --firewall: networks that may reach those ports too (repeatable), e.g. a decode on another host",
+    )
+
+
+def firewall_from_args(args: argparse.Namespace) -> FirewallSpec | None:
+    allow = tuple(n.strip() for arg in args.firewall_allow or () for n in arg.split(",") if n.strip())
+    if allow and not args.firewall:
+        raise SystemExit(f"{PREFIX}--firewall-allow needs --firewall")
+    try:
+        return FirewallSpec(allow) if args.firewall else None
+    except ConfigError as e:
+        raise SystemExit(f"{PREFIX}{e}") from None
 
 
 def add_restart_args(p: argparse.ArgumentParser) -> None:
@@ -130,7 +176,8 @@ def policy_from_args(args: argparse.Namespace) -> RestartPolicy:
 def run(args: argparse.Namespace, extra: list[str]) -> int:
     """Entry point of `kvpipe launch`; `extra` flags go to every server (e.g. --page-size 16)."""
     policy = policy_from_args(args)  # bad values fail before anything starts
-    stack = _start(args, extra, _checked_model(args, extra))
+    firewall = firewall_from_args(args)
+    stack = _start(args, extra, _checked_model(args, extra), firewall)
     if args.prometheus_targets:
         _write_targets(stack, args.prometheus_targets)
     stop = threading.Event()
@@ -140,7 +187,13 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    for line in [*stack.layout_lines(), *_cores_lines(stack, extra), *_auth_lines(stack, extra)]:
+    for line in [
+        *stack.layout_lines(),
+        *_cores_lines(stack, extra),
+        *_auth_lines(stack, extra),
+        *_keys_lines(stack),
+        *_firewall_lines(stack),
+    ]:
         print(PREFIX + line, flush=True)
     print(_ready_banner(stack, policy), flush=True)
     ok = False
@@ -163,7 +216,7 @@ def _checked_model(args: argparse.Namespace, extra: list[str]) -> str:
     return model_path
 
 
-def _start(args: argparse.Namespace, extra: list[str], model_path: str) -> PDStack:
+def _start(args: argparse.Namespace, extra: list[str], model_path: str, firewall: FirewallSpec | None) -> PDStack:
     prefill_args, decode_args = xpyd_server_args(args)
     print(f"{PREFIX}serving {model_path}", flush=True)
     try:
@@ -180,6 +233,8 @@ def _start(args: argparse.Namespace, extra: list[str], model_path: str) -> PDSta
             decodes=args.decodes,
             prefill_policy=args.prefill_policy,
             decode_policy=args.decode_policy,
+            api_keys=not args.no_api_keys,
+            firewall=firewall,
         )
     except (RuntimeError, TimeoutError, ConfigError) as e:  # a part that exited or never became healthy
         where = f"its log in {args.log_dir}" if args.log_dir else "its output above"
@@ -221,11 +276,35 @@ def _auth_lines(stack: PDStack, extra: list[str]) -> list[str]:
     return [f"PD bootstrap and control plane authenticated with {chosen}"]
 
 
+def _keys_lines(stack: PDStack) -> list[str]:
+    """Where the HTTP API's keys are (never the keys: this output ends up in logs and scrollback)."""
+    if stack.keys_file is None:
+        return ["HTTP API open: no API keys (--no-api-keys); anyone who reaches a port may use every route"]
+    fresh = {(): "the keys given", ("user",): "a fresh user key", ("admin",): "a fresh admin key"}
+    what = fresh.get(stack.generated_keys, "fresh random user and admin keys")
+    return [
+        f"HTTP API keys: {what}, in {stack.keys_file} (mode 0600, removed at stop); "
+        f"`. {stack.keys_file}` exports KVPIPE_API_KEY (requests), KVPIPE_ADMIN_API_KEY (the router's "
+        "control plane, the servers' admin routes) and OPENAI_API_KEY; kvpipe chat, top and bench find them there"
+    ]
+
+
+def _firewall_lines(stack: PDStack) -> list[str]:
+    fw = stack.firewall
+    if fw is None or fw.applied is None:
+        return []
+    ports = ", ".join(f"{lo}-{hi}" if lo != hi else str(lo) for lo, hi in fw.applied.ports)
+    allow = f" and {', '.join(fw.allow)}" if fw.allow else ""
+    return [f"firewall ({fw.kind} {fw.name}): ports {ports} accept connections only from this host{allow}"]
+
+
 def _ready_banner(stack: PDStack, policy: RestartPolicy) -> str:
+    source = f". {stack.keys_file} && " if stack.keys_file else ""
+    bearer = '-H "Authorization: Bearer $KVPIPE_API_KEY" ' if stack.keys_file else ""
     return (
         f"kvpipe PD stack ready: router {stack.router_url} (prefill {stack.prefill_url}, "
         f"decode {stack.decode_url}, bootstrap port {stack.bootstrap_port})\n"
-        f"try: curl -s {stack.router_url}/v1/chat/completions -H 'Content-Type: application/json' "
+        f"try: {source}curl -s {stack.router_url}/v1/chat/completions {bearer}-H 'Content-Type: application/json' "
         f'-d \'{{"messages": [{{"role": "user", "content": "What is the capital of France?"}}], '
         f'"max_tokens": 32, "temperature": 0}}\'\n'
         f"A part that exits is restarted (at most {policy.max_restarts} times in {policy.window_s:g} s). "

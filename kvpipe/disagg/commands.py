@@ -51,6 +51,11 @@ class RankStarted:
     state: StateLayout | None = None  # a hybrid model's recurrent-state pool on this rank
     draft: KVLayout | None = None  # the draft model's KV pool (STANDALONE speculative decoding, TP 1)
 
+    def addresses(self) -> dict[str, object]:
+        """Where this rank listens (/server_info's rank_addresses, named in its listeners table)."""
+        staging = self.staging.control_address if self.staging is not None else None
+        return {"rank": self.rank, "data": self.data_address, "control": self.control_address, "staging": staging}
+
 
 @dataclass(frozen=True)
 class RoomStart:

@@ -205,6 +205,11 @@ class DecodeConnector(PDConnector):
                 "mode": "decode",
                 "control_address": self.receiver.control_address,
                 "data_address": self.ranks[0].data_address if self.ranks else None,
+                # every rank's (admins only); rank 0's receiver is the decode's control endpoint
+                "rank_addresses": [
+                    {**r.addresses(), **({"control": self.receiver.control_address} if r.rank == 0 else {})}
+                    for r in self.ranks
+                ],
                 "active_rooms": len(self._transfers),
                 "transfer_rooms": self.receiver.num_rooms(),
                 "rooms_succeeded": st.rooms_succeeded,

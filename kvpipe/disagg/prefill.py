@@ -421,6 +421,7 @@ class PrefillConnector(PDConnector):
                 "bootstrap_port": self.bootstrap_port,
                 "control_address": self.ranks[0].control_address,
                 "data_address": self.ranks[0].data_address,
+                "rank_addresses": [r.addresses() for r in self.ranks],  # every rank's (admins only)
                 "active_rooms": len(self._rooms),
                 "transfer_rooms": self._transfer_rooms(),
                 "rooms_succeeded": st.rooms_succeeded,

@@ -38,7 +38,7 @@ from kvpipe.harness.answers import (
 )
 from kvpipe.harness.outcome import End, Outcome
 from kvpipe.harness.request import Prompt, Request
-from kvpipe.server.api_key import client_headers
+from kvpipe.server.client_keys import client_headers
 
 HTTP_SLACK_S = 30.0  # httpx's own timeouts stay this far behind the per-request deadline
 
@@ -211,12 +211,16 @@ def _conversation(prompt: Prompt, answer: Outcome, new: Prompt) -> tuple[int, ..
 
 
 def new_client(
-    concurrency: int, deadline_s: float, transport: httpx.AsyncBaseTransport | None = None
+    concurrency: int, deadline_s: float, transport: httpx.AsyncBaseTransport | None = None, url: str | None = None
 ) -> httpx.AsyncClient:
-    """A client for `concurrency` requests in flight whose own timeouts stay out of the deadline's way."""
+    """A client for `concurrency` requests in flight whose own timeouts stay out of the deadline's
+    way, with the user key of `url`'s stack (server/client_keys.py)."""
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     return httpx.AsyncClient(
-        timeout=httpx.Timeout(deadline_s + HTTP_SLACK_S), limits=limits, transport=transport, headers=client_headers()
+        timeout=httpx.Timeout(deadline_s + HTTP_SLACK_S),
+        limits=limits,
+        transport=transport,
+        headers=client_headers(url=url),
     )
 
 
@@ -247,7 +251,7 @@ async def drive(
     prompts: list[Prompt] = [r.prompt for r in requests]  # what each request sent
     done = [asyncio.Event() for _ in requests]
     bar = tqdm(total=len(requests), desc=desc, disable=not progress, file=sys.stderr, leave=False)
-    async with new_client(concurrency, deadline_s, transport) as client:
+    async with new_client(concurrency, deadline_s, transport, base_url) as client:
         t0 = clock()
 
         async def run_one(k: int, req: Request) -> Outcome:

@@ -17,7 +17,7 @@ import httpx
 
 from kvpipe.config import ConfigError
 from kvpipe.model.checkpoint.loader import read_hf_config
-from kvpipe.server.api_key import client_headers
+from kvpipe.server.client_keys import client_headers
 
 
 @dataclass(frozen=True)
@@ -77,12 +77,12 @@ def read_num_groups(info_url: str, timeout_s: float = 5.0) -> int | None:
     """From `info_url`'s /server_info, else its /metrics; None when the server reports neither."""
     base = info_url.rstrip("/")
     try:
-        r = httpx.get(base + "/server_info", timeout=timeout_s, headers=client_headers())
+        r = httpx.get(base + "/server_info", timeout=timeout_s, headers=client_headers(url=base, admin=True))
         if r.status_code == 200:
             g = num_groups_from_server_info(r.json())
             if g is not None:
                 return g
-        r = httpx.get(base + "/metrics", timeout=timeout_s, headers=client_headers())
+        r = httpx.get(base + "/metrics", timeout=timeout_s)  # open, as for Prometheus
         if r.status_code == 200:
             return num_groups_from_metrics(r.text)
     except (httpx.HTTPError, ValueError):
@@ -142,7 +142,9 @@ def read_server_info(info_url: str, timeout_s: float = 5.0) -> Mapping[str, Any]
     """A server's /server_info (None when unreachable or not JSON): parse it with the
     *_from_server_info functions, one fetch for every figure of a reading."""
     try:
-        r = httpx.get(info_url.rstrip("/") + "/server_info", timeout=timeout_s, headers=client_headers())
+        r = httpx.get(
+            info_url.rstrip("/") + "/server_info", timeout=timeout_s, headers=client_headers(url=info_url, admin=True)
+        )
         info = r.json() if r.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
         return None
@@ -187,7 +189,7 @@ def _server_path(url: str, keys: tuple[str, ...], timeout_s: float) -> str | Non
     base = url.rstrip("/")
     for path in ("/model_info", "/get_model_info", "/server_info", "/get_server_info"):
         try:
-            r = httpx.get(base + path, timeout=timeout_s, headers=client_headers())
+            r = httpx.get(base + path, timeout=timeout_s, headers=client_headers(url=base, admin=True))
             info = r.json() if r.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
             continue
@@ -201,7 +203,9 @@ def _server_path(url: str, keys: tuple[str, ...], timeout_s: float) -> str | Non
 def read_debug_requests(url: str, timeout_s: float = 5.0) -> list[dict[str, Any]]:
     """A server's /debug/requests entries, oldest first ([] when it keeps none or cannot say)."""
     try:
-        r = httpx.get(url.rstrip("/") + "/debug/requests", timeout=timeout_s, headers=client_headers())
+        r = httpx.get(
+            url.rstrip("/") + "/debug/requests", timeout=timeout_s, headers=client_headers(url=url, admin=True)
+        )
         body = r.json() if r.status_code == 200 else {}
     except (httpx.HTTPError, ValueError):
         return []

@@ -1,4 +1,5 @@
-"""sglang-router's command line in PD mode over a stack's prefill and decode servers."""
+"""sglang-router's command line in PD mode over a stack's prefill and decode servers. It runs
+through router_main.py, which adds the stack's keys from its environment (StackSecrets.router_env)."""
 
 from __future__ import annotations
 
@@ -20,10 +21,9 @@ def router_command(
     host: str,
     port: int,
     prometheus_port: int,
-    api_key: str | None = None,
 ) -> list[str]:
     """sglang-router in PD mode over one prefill and one decode (router_command_xpyd)."""
-    return router_command_xpyd([(prefill_url, bootstrap_port)], [decode_url], host, port, prometheus_port, api_key)
+    return router_command_xpyd([(prefill_url, bootstrap_port)], [decode_url], host, port, prometheus_port)
 
 
 def router_command_xpyd(
@@ -32,15 +32,14 @@ def router_command_xpyd(
     host: str,
     port: int,
     prometheus_port: int,
-    api_key: str | None = None,
     prefill_policy: str | None = None,
     decode_policy: str | None = None,
 ) -> list[str]:
     """sglang-router in PD mode: `--prefill URL BOOTSTRAP_PORT` for each prefill, `--decode URL`
     for each decode, and the policies when given (the router's default: cache_aware). Its
     Prometheus exporter gets a port of its own (it defaults to a fixed one, so a second router on
-    the machine would die at startup). `api_key`: the servers' --api-key, which the router sends
-    them (it takes it as a flag only, so it shows in the router's command line)."""
+    the machine would die at startup). No key is on it: router_main.py reads them from the
+    environment."""
     workers: list[str] = []
     for url, bport in prefills:
         workers += ["--prefill", url, str(bport)]
@@ -49,7 +48,7 @@ def router_command_xpyd(
     return [
         sys.executable,
         "-m",
-        "sglang_router.launch_router",
+        "kvpipe.launch.router_main",
         "--pd-disaggregation",
         *workers,
         *(["--prefill-policy", prefill_policy] if prefill_policy else []),
@@ -65,5 +64,4 @@ def router_command_xpyd(
         "--log-level",
         "warn",
         *ROUTER_RECOVERY_FLAGS,
-        *(["--api-key", api_key] if api_key else []),
     ]

@@ -10,20 +10,28 @@ bound (supervisor.py) stops the whole stack.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
 import subprocess
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from kvpipe.engine.cpu_threads import format_cores
 from kvpipe.launch.core_split import CoreSplit, StackCores, flag_value
+from kvpipe.launch.firewall import Firewall, FirewallError
 from kvpipe.launch.process import answers, spawn, stop_process
 from kvpipe.launch.store_master import StoreMaster
 from kvpipe.launch.supervisor import PartState, RestartPolicy, Supervisor
+from kvpipe.server.client_keys import StackKeys, keys_file_path, remove_stale_keys_files, write_keys_file
+from kvpipe.server.listeners import listeners, process_tree
 
 PARTS = ("prefill", "decode", "router")  # the order of PDStack.procs; stopped in reverse
 SUPERVISE_TICK_S = 0.25
+logger = logging.getLogger(__name__)
 
 
 def server_names(prefills: int, decodes: int) -> list[str]:
@@ -72,6 +80,11 @@ class PDStack:
     bootstrap_ports: list[int] = field(default_factory=list)
     policies: tuple[str | None, str | None] = (None, None)  # the router's --prefill/--decode-policy
     store_master: StoreMaster | None = None  # the KV tier's mooncake_master, when the stack started one
+    keys: StackKeys = field(default_factory=StackKeys)  # the HTTP API's keys (none: open)
+    generated_keys: tuple[str, ...] = ()  # which of them are fresh random ones ("user", "admin")
+    keys_file: Path | None = None  # where they are for kvpipe's clients (removed at close)
+    firewall: Firewall | None = None  # --firewall: the stack's table (removed at close)
+    firewall_fixed: tuple[int | tuple[int, int], ...] = ()  # what it always protects (the Mooncake range, ...)
 
     @property
     def restarts(self) -> dict[str, int]:
@@ -167,15 +180,51 @@ class PDStack:
             elif part.state is PartState.STARTING:
                 if answers(spec.health_url):
                     log(part.healthy(time.monotonic()))
+                    self._refresh_after_restart(log)
                 elif part.start_timed_out(now):
                     log(f"{spec.name} not healthy {sup.policy.start_timeout_s:g} s after its restart: killing it")
                     stop_process(proc)  # the next tick counts this exit
         return True
 
+    def publish_keys(self, keys: StackKeys) -> None:
+        """Keep `keys` and write them to the stack's keys file (server/client_keys.py), where
+        kvpipe's clients of any of its URLs find them; stale files of dead stacks go first."""
+        self.keys = keys
+        remove_stale_keys_files()
+        path = keys_file_path(self.router_url)
+        write_keys_file(path, keys, self.router_url, [self.router_url, *self._server_urls()], os.getpid())
+        self.keys_file = path
+
+    def refresh_firewall(self) -> None:
+        """Protect the fixed ports and every port the servers listen on now but HTTP (firewall.py)."""
+        if self.firewall is None:
+            return
+        live: list[int] = []
+        for i, url in enumerate(self._server_urls()):
+            if i < len(self.procs):
+                http = int(url.rsplit(":", 1)[1])
+                live += [lst.port for lst in listeners(process_tree(self.procs[i].pid)) if lst.port != http]
+        self.firewall.apply([*self.firewall_fixed, *live])
+
+    def _refresh_after_restart(self, log: Callable[[str], None]) -> None:
+        try:
+            self.refresh_firewall()  # a restarted server's new control endpoint
+        except FirewallError as e:
+            log(f"firewall not refreshed: {e}")
+
     def close(self) -> None:
         for p in reversed(self.procs):
             stop_process(p)
         self.procs.clear()
+        if self.firewall is not None:
+            try:
+                self.firewall.close()
+            except FirewallError as e:  # the next --firewall start removes it (its launcher is gone)
+                logger.warning("could not remove the firewall table %s: %s", self.firewall.name, e)
+        if self.keys_file is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.keys_file.unlink()
+            self.keys_file = None
 
     def __enter__(self) -> PDStack:
         return self

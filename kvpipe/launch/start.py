@@ -9,6 +9,12 @@ stack and prefill0.., decode0.., router otherwise.
 Every process gets free loopback ports unless told otherwise, so two stacks can share a machine.
 Prefill and decode get disjoint shares of the cores (core_split.py) instead of one torch thread
 per core each, which oversubscribed the machine.
+
+Secrets (secret_flags.py) go to the parts in their environment, never on a command line: the PD
+token (the stack's own random one unless given) to the servers, and with `api_keys` a user and
+an admin key (given, else random) to the servers and the router, whose control plane then needs
+the admin key. Such a stack writes its keys file (server/client_keys.py: 0600, removed at close)
+where kvpipe's clients find them by URL.
 """
 
 from __future__ import annotations
@@ -31,12 +37,14 @@ from kvpipe.launch.core_split import (
     split_cores_among,
     stack_server_cores,
 )
+from kvpipe.launch.firewall import MC_RANGE_ENV, FirewallSpec, mooncake_range
 from kvpipe.launch.ports import StackPorts, ports_taken
 from kvpipe.launch.process import stop_process, wait_healthy
 from kvpipe.launch.router import router_command_xpyd
 from kvpipe.launch.secret_flags import StackArgs, StackSecrets, split_secrets
 from kvpipe.launch.stack import PartSpec, PDStack, server_names
 from kvpipe.launch.store_master import StoreMaster, wants_master
+from kvpipe.server.client_keys import alive
 
 logger = logging.getLogger(__name__)
 # A part whose port another process bound between our pick and its bind exits at startup; it gets
@@ -58,25 +66,44 @@ def start_pd_stack(
     decodes: int = 1,
     prefill_policy: str | None = None,
     decode_policy: str | None = None,
+    api_keys: bool = False,
+    firewall: FirewallSpec | None = None,
 ) -> PDStack:
     """Start `prefills` prefill servers, `decodes` decode servers and sglang-router (PD mode) and
     wait until all are healthy.
 
     `split_cpus`: the servers get disjoint shares of this process's cores, as their --cpu-threads
     and their CPU affinity (core_split.py), except a server whose threads the caller's args already
-    choose. The router runs on every core. `prefill_policy` / `decode_policy`: the router's."""
+    choose. The router runs on every core. `prefill_policy` / `decode_policy`: the router's.
+    `api_keys`: the stack's HTTP API needs keys (the ones given, else fresh random ones).
+    `firewall`: its peer ports accept only this host and the networks allowed (firewall.py; root)."""
     if prefills < 1 or decodes < 1:
         raise ConfigError(f"a PD stack needs at least one prefill and one decode, got {prefills}P{decodes}D")
     # a secret given as a flag leaves the command lines (the children read it from their environment)
-    args, secrets = split_secrets(server_args or [], prefill_args or [], decode_args or [])
+    args, secrets = split_secrets(server_args or [], prefill_args or [], decode_args or [], new_keys=api_keys)
     split, shares = _core_shares(split_cpus, prefills, decodes, args)
     ports, master_ports = StackPorts.pick(host, prefills, decodes, router_port, 3 if wants_master(args.server) else 0)
     master = StoreMaster(host, *master_ports) if master_ports else None
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
-    specs = StackSpecs(ports, model_path, args, shares, secrets, log_dir, master)
+    env: tuple[tuple[str, str], ...] = ()
+    if firewall is not None:
+        mc = mooncake_range(os.environ, host)
+        env = tuple(zip(MC_RANGE_ENV, map(str, mc)))
+    specs = StackSpecs(ports, model_path, args, shares, secrets, log_dir, master, env)
     stack = specs.new_stack(split, (prefill_policy, decode_policy))
+    if firewall is not None:  # before any part binds a port
+        stack.firewall = firewall.open(ports.router, alive)
+        stack.firewall_fixed = (mc, *ports.bootstrap, *((master.rpc_port, master.metadata_port) if master else ()))
+        stack.refresh_firewall()
     _start_parts(stack, specs, timeout_s)
+    try:
+        stack.refresh_firewall()  # the ports the servers bound: their control endpoints
+        if secrets.api_key or secrets.admin_key:
+            stack.publish_keys(secrets.keys)
+    except BaseException:
+        stack.close()
+        raise
     return stack
 
 
@@ -106,6 +133,7 @@ class StackSpecs:
     secrets: StackSecrets
     log_dir: str | None
     master: StoreMaster | None  # the KV tier's store, started first: its address goes to every server
+    env: tuple[tuple[str, str], ...] = ()  # every server's, beside the secrets (--firewall: its Mooncake ports)
     stack: PDStack = field(init=False)
 
     @property
@@ -126,6 +154,7 @@ class StackSpecs:
         )
         self.stack.policies = policies
         self.stack.auth_token = self.secrets.token  # restarts reuse it, so survivors trust them
+        self.stack.generated_keys = self.secrets.generated
         self.stack.specs += [self.server(i) for i in range(len(p.http))]
         self.stack.specs.append(self.router())
         if self.master is not None:  # last in the specs: the servers' indices stay what they were
@@ -150,16 +179,20 @@ class StackSpecs:
         s = self.stack
         s.prefill_urls, s.decode_urls, s.bootstrap_ports = urls[: p.prefills], urls[p.prefills :], list(p.bootstrap)
         s.prefill_url, s.decode_url, s.bootstrap_port = urls[0], urls[p.prefills], p.bootstrap[0]
-        return PartSpec(name, cmd, urls[i] + "/health", self.log(name), self.shares[i].pin, self.secrets.env())
+        return PartSpec(
+            name, cmd, urls[i] + "/health", self.log(name), self.shares[i].pin, self.secrets.env() + self.env
+        )
 
     def router(self) -> PartSpec:
         """The router's spec over the servers' current URLs."""
         p, s = self.ports, self.stack
         prefills = list(zip(s.prefill_urls, p.bootstrap))
         pp, dp = s.policies
-        cmd = router_command_xpyd(prefills, s.decode_urls, p.host, p.router, p.metrics, self.secrets.api_key, pp, dp)
+        cmd = router_command_xpyd(prefills, s.decode_urls, p.host, p.router, p.metrics, pp, dp)
         s.router_url, s.router_metrics_url = self.url(p.router), self.url(p.metrics)
-        return PartSpec("router", tuple(cmd), s.router_url + "/health", self.log("router"))
+        return PartSpec(
+            "router", tuple(cmd), s.router_url + "/health", self.log("router"), env=self.secrets.router_env()
+        )
 
     def fresh(self, i: int) -> PartSpec:
         """Part i's spec on fresh ports (it lost one of its own to another process)."""

@@ -116,6 +116,7 @@ class Campaign:
             decode_args=tp_args if cfg.tp_side == "decode" else [],
             log_dir=cfg.log_dir,
             timeout_s=180.0,
+            api_keys=True,  # as `kvpipe launch`: its clients find the keys by URL (server/client_keys.py)
         )
 
         def supervise() -> None:

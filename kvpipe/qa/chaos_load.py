@@ -108,7 +108,7 @@ class Load:
         await self._loop.shutdown_asyncgens()
 
     async def _new_client(self) -> httpx.AsyncClient:
-        return new_client(self.clients + 1, self.deadline_s)  # the clients and a probe
+        return new_client(self.clients + 1, self.deadline_s, url=self.url)  # the clients and a probe
 
     def _record(self, purpose: str) -> Sent:
         rec = Sent(purpose, time.monotonic())

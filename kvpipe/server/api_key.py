@@ -36,14 +36,15 @@ from starlette.requests import HTTPConnection
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvpipe.config import ConfigError
+from kvpipe.server.client_keys import API_KEY_ENV
 from kvpipe.server.errors import APIError, error_body
 
-API_KEY_ENV = "KVPIPE_API_KEY"  # read when --api-key is not given: it stays out of process lists
-ADMIN_API_KEY_ENV = "KVPIPE_ADMIN_API_KEY"  # likewise for --admin-api-key
 OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics"})
 ADMIN_PATH_PREFIXES = ("/debug/",)
 CHALLENGE = {"WWW-Authenticate": 'Bearer realm="kvpipe"'}  # RFC 6750: how to authenticate
 CALLER_SCOPE_KEY = "kvpipe.caller"
+MAX_KEY_CHARS = 4096
 
 
 class Role(enum.Enum):
@@ -68,12 +69,29 @@ def api_key_from_env(environ: Mapping[str, str] = os.environ) -> str | None:
     return environ.get(API_KEY_ENV) or None
 
 
-def client_headers(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """What kvpipe's own clients (bench, soak, chaos, chat, top) send: `Authorization: Bearer
-    <key>` with KVPIPE_ADMIN_API_KEY when set (they read /debug/requests and the full
-    /server_info), else KVPIPE_API_KEY, else nothing."""
-    key = environ.get(ADMIN_API_KEY_ENV) or api_key_from_env(environ)
-    return {"Authorization": f"Bearer {key}"} if key else {}
+def key_file_lines(path: str, flag: str) -> list[str]:
+    """The keys in a key file: one per line, # comments and blank lines skipped."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line.strip() for line in f.read(1 << 20).splitlines()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{flag} {path}: {e}") from None
+    keys = [line for line in lines if line and not line.startswith("#")]
+    if not keys:
+        raise ConfigError(f"{flag} {path} holds no key")
+    if any(len(k) > MAX_KEY_CHARS or " " in k for k in keys):
+        raise ConfigError(f"{flag} {path}: a key is one word of at most {MAX_KEY_CHARS} characters per line")
+    return keys
+
+
+def given_keys(flag_value: str | None, path: str | None, env: str, environ: Mapping[str, str], flag: str) -> list[str]:
+    """The keys of a flag, or of its file flag (not both), else of the environment."""
+    if flag_value is not None and path is not None:
+        raise ConfigError(f"give {flag} or {flag}-file, not both")
+    if path is not None:
+        return key_file_lines(path, f"{flag}-file")
+    value = flag_value if flag_value is not None else environ.get(env)
+    return [value] if value else []
 
 
 def _digest(value: str) -> bytes:

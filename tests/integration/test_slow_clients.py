@@ -106,7 +106,7 @@ def test_finding7_a_slowloris_run_holds_at_most_the_cap_and_leaves_nothing(victi
         # attackers past the cap and after the read deadline, and still served a genuine look-up
         assert peak <= CAP + 8, peak
         assert attack.reopened >= SOCKETS, attack.reopened
-        # a genuine client takes the place of the slowest attacker (slow_clients.py): served in
+        # a genuine client takes the place of the slowest attacker (http_listener.py): served in
         # every round, but a round may lose its one try to a burst that took every slot first
         assert genuine >= ROUNDS - 2, genuine
         # the attackers stop sending and keep their sockets open: the server lets go of every one

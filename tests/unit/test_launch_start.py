@@ -12,7 +12,7 @@ from kvpipe.launch.ports import StackPorts
 from kvpipe.launch.secret_flags import StackArgs, StackSecrets, split_secrets
 from kvpipe.launch.start import StackSpecs
 from kvpipe.launch.store_master import StoreMaster
-from kvpipe.server.api_key import API_KEY_ENV
+from kvpipe.server.client_keys import ADMIN_API_KEY_ENV, API_KEY_ENV
 from kvpipe.transfer.control.auth import TOKEN_ENV
 
 H = "127.0.0.1"  # the stack's host (fresh ports are bound on it)
@@ -43,14 +43,17 @@ def test_a_router_port_the_caller_chose_is_never_replaced() -> None:
 
 
 def test_secrets_leave_the_flags_for_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(TOKEN_ENV, raising=False)
-    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    for env in (TOKEN_ENV, API_KEY_ENV, ADMIN_API_KEY_ENV):
+        monkeypatch.delenv(env, raising=False)
     args, secrets = split_secrets(
-        ["--page-size", "16", "--api-key", "k"], ["--disaggregation-auth-token=t"], ["--disaggregation-auth-token", "t"]
+        ["--page-size", "16", "--api-key", "k", "--admin-api-key=a"],
+        ["--disaggregation-auth-token=t"],
+        ["--disaggregation-auth-token", "t"],
     )
     assert args == StackArgs(["--page-size", "16"], [], [])
-    assert secrets.env() == ((TOKEN_ENV, "t"), (API_KEY_ENV, "k"))
-    assert repr(secrets) == "StackSecrets()"  # never in a log line
+    assert secrets.env() == ((TOKEN_ENV, "t"), (API_KEY_ENV, "k"), (ADMIN_API_KEY_ENV, "a"))
+    assert secrets.router_env() == ((API_KEY_ENV, "k"), (ADMIN_API_KEY_ENV, "a"))  # no token: not a PD peer
+    assert repr(secrets) == "StackSecrets(generated=())"  # never a secret in a log line
     with pytest.raises(ConfigError, match="same --disaggregation-auth-token"):
         split_secrets([], ["--disaggregation-auth-token", "a"], ["--disaggregation-auth-token", "b"])
 
@@ -88,10 +91,10 @@ def test_specs_of_a_2p1d_stack() -> None:
     assert stack.specs[2].cmd[-3:] == ("12", "--disaggregation-mode", "decode")
     assert stack.specs[1].pin == (1,) and stack.specs[1].log_path == "/logs/prefill1.log"
     assert dict(stack.specs[0].env) == {TOKEN_ENV: "tok", API_KEY_ENV: "key"} and stack.auth_token == "tok"
-    assert stack.specs[3].env == ()  # the router takes the key as a flag, and no token
+    assert stack.specs[3].env == ((API_KEY_ENV, "key"),)  # the router's key in its environment, no token
     router = " ".join(stack.specs[3].cmd)
     assert f"--prefill http://{H}:10 20 --prefill http://{H}:11 21 --decode http://{H}:12" in router
-    assert "--prefill-policy round_robin" in router and router.endswith("--api-key key")
+    assert "--prefill-policy round_robin" in router and "key" not in router.split()
     assert (stack.prefill_urls, stack.decode_urls, stack.bootstrap_ports) == (
         [f"http://{H}:10", f"http://{H}:11"],
         [f"http://{H}:12"],
@@ -113,3 +116,27 @@ def test_a_server_on_fresh_ports_moves_the_stack_urls_and_the_router_follows() -
     assert new != 12 and spec.health_url == f"http://{H}:{new}/health"
     assert stack.decode_url == stack.decode_urls[0] == f"http://{H}:{new}"
     assert f"--decode http://{H}:{new}" in " ".join(specs.router().cmd)
+
+
+def test_a_secure_stack_gets_fresh_keys_unless_given(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """`kvpipe launch` (new_keys): the keys given (flag, one-line file, environment), else random
+    ones, each stack its own; one user key only (the router sends one); user and admin differ."""
+    for env in (TOKEN_ENV, API_KEY_ENV, ADMIN_API_KEY_ENV):
+        monkeypatch.delenv(env, raising=False)
+    _, a = split_secrets([], [], [], new_keys=True)
+    _, b = split_secrets([], [], [], new_keys=True)
+    assert a.generated == ("user", "admin") and a.api_key and a.admin_key
+    assert a.api_key.startswith("kvpipe-user-") and a.admin_key.startswith("kvpipe-admin-")
+    assert len({a.api_key, a.admin_key, b.api_key, b.admin_key}) == 4
+    assert split_secrets([], [], [])[1].keys.user is None  # without new_keys: open, as before
+    (tmp_path / "admin").write_text("# ops\nadmin-from-file\n")
+    args, given = split_secrets(["--api-key=u", "--admin-api-key-file", str(tmp_path / "admin")], [], [], new_keys=True)
+    assert (given.api_key, given.admin_key, given.generated, args.server) == ("u", "admin-from-file", (), [])
+    monkeypatch.setenv(ADMIN_API_KEY_ENV, "admin-from-env")
+    _, env = split_secrets([], [], [], new_keys=True)
+    assert env.admin_key == "admin-from-env" and env.generated == ("user",)
+    (tmp_path / "users").write_text("one\ntwo\n")
+    with pytest.raises(ConfigError, match="one user key"):
+        split_secrets(["--api-key-file", str(tmp_path / "users")], [], [], new_keys=True)
+    with pytest.raises(ConfigError, match="must differ"):
+        split_secrets(["--api-key", "same", "--admin-api-key", "same"], [], [])

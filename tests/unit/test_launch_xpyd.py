@@ -39,9 +39,8 @@ def test_router_command_lists_every_worker_and_the_policies() -> None:
         "h",
         1,
         2,
-        None,
-        "cache_aware",
-        "round_robin",
+        prefill_policy="cache_aware",
+        decode_policy="round_robin",
     )
     line = " ".join(cmd)
     assert "--prefill http://p0 11 --prefill http://p1 12 --decode http://d0 --decode http://d1" in line

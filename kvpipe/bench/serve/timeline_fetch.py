@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from kvpipe.server.api_key import client_headers
+from kvpipe.server.client_keys import client_headers
 from kvpipe.server.router_workers import Worker, workers_or_self
 
 Entries = dict[str, list[dict[str, Any]]]  # server role -> /debug/requests entries
@@ -24,7 +24,7 @@ class TimelineSnapshot:
     """The servers of `url` and the debug entries each held when `mark()` was called."""
 
     def __init__(self, url: str, timeout_s: float = 10.0) -> None:
-        self._client = httpx.Client(timeout=timeout_s, headers=client_headers())
+        self._client = httpx.Client(timeout=timeout_s, headers=client_headers(url=url, admin=True))
         self.workers: list[Worker] = workers_or_self(self._client, url)
         self._seen: set[tuple[str, Any]] = set()
 

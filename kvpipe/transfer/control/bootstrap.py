@@ -42,9 +42,10 @@ it: a client asks for it first, so a captured header works nowhere else and not 
 on the same port. Every 200 answer carries `X-Kvpipe-Auth-Reply`, a tag over the call's context,
 timestamp and nonce and the answer's body; the client refuses an answer without a valid one.
 
-Slow clients (issue 45, finding 7): the listener is uvicorn's h11 protocol with a request read
-deadline and a connection cap (slow_clients.py, BOOTSTRAP_CLIENT_LIMITS): a connection that has
-not sent a whole request within 10 s gets 408 and is closed, the 257th open one 503 at once.
+Slow clients (issue 45, finding 7): the listener is the HTTP server's (kvpipe/http_listener.py)
+with BOOTSTRAP_LISTENER_LIMITS: a connection that has not sent its request head within 10 s (its
+body within 10 s more) gets 408 and is closed; a 257th open one takes the place of the one that
+has waited longest for its client, or gets 503 at once if all 256 have a request in.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from kvpipe.body_limit import BodyLimitMiddleware
-from kvpipe.slow_clients import ClientLimits, uvicorn_settings
+from kvpipe.config import ListenerLimits
+from kvpipe.http_listener import listener_settings
 from kvpipe.transfer.control.auth import HTTP_HEADER, REPLY_HEADER, Authenticator, AuthError, http_context
 from kvpipe.transfer.control.bootstrap_client import (
     endpoint_of,
@@ -91,10 +93,12 @@ from kvpipe.transfer.control.bootstrap_info import (
 )
 from kvpipe.transfer.control.handshake import RefusalNotice
 
-# A bootstrap call is one small request per connection (clients send Connection: close): a whole
-# request within 10 s, at most 256 at once (decodes fetch once per prefill instance, ranks register
-# once); issue 45, finding 7.
-BOOTSTRAP_CLIENT_LIMITS = ClientLimits(max_connections=256, request_read_s=10.0)
+# A bootstrap call is one small request per connection (clients send Connection: close): its head
+# and its body within 10 s each, at most 256 connections at once (decodes fetch once per prefill
+# instance, ranks register once); issue 45, finding 7.
+BOOTSTRAP_LISTENER_LIMITS = ListenerLimits(
+    header_timeout_s=10.0, body_timeout_s=10.0, keep_alive_s=5.0, max_connections=256
+)
 
 __all__ = [
     "DEFAULT_BOOTSTRAP_PORT",
@@ -286,12 +290,12 @@ class BootstrapServer:
         *,
         registrar_key: bytes | None = None,
         prefill_instance: str | None = None,
-        limits: ClientLimits = BOOTSTRAP_CLIENT_LIMITS,
+        limits: ListenerLimits = BOOTSTRAP_LISTENER_LIMITS,
     ) -> None:
         """`registrar_key`: rank registrations must be signed with it (its prefill instance's
         own secret, handed to the instance's ranks; None: with `auth`, like every other call);
         `prefill_instance`: the only instance id that may register (None: any); `limits`: slow
-        and too many clients (slow_clients.py)."""
+        and too many clients (kvpipe/http_listener.py)."""
         self.host = host
         self.registrar_key = registrar_key
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -303,7 +307,7 @@ class BootstrapServer:
         self.instance = secrets.token_hex(12)  # in every tag: new on every start
         registrar = None if registrar_key is None else Authenticator(registrar_key)
         app = _app(self._registry, auth, instance=self.instance, on_refusal=on_refusal, registrar=registrar)
-        cfg = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, **uvicorn_settings(limits))
+        cfg = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, **listener_settings(limits))
         self._server = uvicorn.Server(cfg)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._sock]}, name=f"bootstrap-{self.port}", daemon=True
