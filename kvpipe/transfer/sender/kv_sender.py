@@ -141,6 +141,7 @@ class KVSender:
             auth=self._auth,
             limits=limits_for(SENDER_RECEIVES, max_ints),
             max_sockets=cfg.limits.max_reply_sockets,
+            ports=cfg.control_ports,
         )
         self._stager = staging if cfg.staging != "off" else None
         policy = (
