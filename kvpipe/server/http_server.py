@@ -280,4 +280,5 @@ def run_server(
     holder["server"] = server
     control.exit_server = server.exit_now
     server.run()
+    logger.info("server stopped")
     return 1 if "failed" in holder else 0
