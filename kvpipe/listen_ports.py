@@ -15,8 +15,9 @@ loopback or an open network suits them.
 
 from __future__ import annotations
 
+import argparse
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvpipe.config import ConfigError, PortRange, ServerConfig
@@ -33,6 +34,7 @@ ANY_PORT = PortRange(1024, 65535)  # an ephemeral control endpoint: any free por
 class Peer(enum.Enum):
     """Who connects to a listener."""
 
+    CLIENTS = "clients"  # anyone: the router's API (clients send its API key)
     ROUTER = "router"  # sglang-router: the HTTP API
     PROMETHEUS = "prometheus"  # scrapes /metrics on the HTTP port
     PD = "pd"  # the deployment's other prefill and decode servers (KV, control, bootstrap, KV tier)
@@ -129,3 +131,13 @@ def check_port_ranges(cfg: ServerConfig) -> None:
             for r in (d.control_ports, d.mooncake_ports):
                 if r is not None and r.first <= lst.ports.first <= r.last:
                     raise ConfigError(f"the {lst.name} port {lst.ports.first} lies inside the port range {r}")
+
+
+def router_listeners(argv: Sequence[str]) -> tuple[Listener, ...]:
+    """sglang-router's listeners from its flags: its API (--port) and its Prometheus exporter
+    (--prometheus-port), with sglang-router 0.3.2's defaults."""
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--prometheus-port", type=int, default=29000)
+    args, _ = p.parse_known_args(list(argv))
+    return (_one("http", args.port, (Peer.CLIENTS,)), _one("metrics", args.prometheus_port, (Peer.PROMETHEUS,)))
