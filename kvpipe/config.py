@@ -109,6 +109,37 @@ DISAGGREGATION_MODES = ("null", "prefill", "decode")
 
 
 STAGING_MODES = ("off", "on", "auto")
+
+
+@dataclass(frozen=True)
+class PortRange:
+    """TCP ports `first`..`last` (both included) a server's listeners draw from, so that a firewall
+    or a Kubernetes NetworkPolicy can name them (kvpipe/listen_ports.py)."""
+
+    first: int
+    last: int
+
+    def __post_init__(self) -> None:
+        if not (type(self.first) is int and type(self.last) is int and 1 <= self.first <= self.last <= 65535):
+            raise ConfigError(f"a port range needs 1 <= first <= last <= 65535, got {self.first}-{self.last}")
+
+    @property
+    def size(self) -> int:
+        return self.last - self.first + 1
+
+    def __str__(self) -> str:
+        return f"{self.first}-{self.last}"
+
+    @classmethod
+    def parse(cls, text: str) -> PortRange:
+        """`LO-HI` (or one port `P`) -> a PortRange."""
+        lo, sep, hi = text.strip().partition("-")
+        try:
+            return cls(int(lo), int(hi) if sep else int(lo))
+        except ValueError:
+            raise ConfigError(f"expected a port range LO-HI (e.g. 17000-17031), got {text!r}") from None
+
+
 MIN_AUTH_TOKEN_CHARS = 16  # shorter shared secrets are guessable offline from one captured frame
 
 
@@ -270,6 +301,12 @@ class DisaggregationConfig:
     transfer_backend: str = "mooncake"
     ib_device: str | None = None  # RDMA device for Mooncake; None: TCP
     host: str | None = None  # data/control-plane address; None: ServerConfig.host
+    # where the ZeroMQ control endpoints listen (one per TP rank, plus a decode's receiver); None:
+    # any free port. Mooncake's listeners: its handshake and TCP data ports (two per transfer
+    # engine; MC_MIN_RPC_PORT..MC_MAX_RPC_PORT); None: $MC_MIN_RPC_PORT..$MC_MAX_RPC_PORT, else
+    # Mooncake's own 15000-17000. Fixed ranges let a firewall or a NetworkPolicy name them.
+    control_ports: PortRange | None = None
+    mooncake_ports: PortRange | None = None
     # prefill: "auto" (a cost model picks the layer groups per batch; short prompts take the plain
     # path) or a fixed group count N (1: plain path, no layer pipelining)
     layer_groups: int | str = "auto"
@@ -607,8 +644,19 @@ class ServerConfig:
     # a decode step's decoder layers as one C++ call each (--decode-fused-layer, kvpipe/model/
     # fused_decode.py): "auto" (decode batches up to 64 rows), "on", "off" (the same bits in all three)
     decode_fused_layer: str = "auto"
+    # on SIGTERM (or a first Ctrl-C): seconds the server keeps serving what it holds, refusing new
+    # requests and failing /health, before it aborts what is left (kvpipe/server/drain.py)
+    graceful_shutdown_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
+        if not (
+            isinstance(self.graceful_shutdown_timeout_s, (int, float))
+            and not isinstance(self.graceful_shutdown_timeout_s, bool)
+            and self.graceful_shutdown_timeout_s >= 0
+        ):
+            raise ConfigError(
+                f"the graceful shutdown timeout must be >= 0 seconds, got {self.graceful_shutdown_timeout_s!r}"
+            )
         if self.dtype not in MODEL_DTYPES:
             raise ConfigError(f"dtype must be one of {MODEL_DTYPES}, got {self.dtype!r}")
         if self.cpu_threads is not None and not (type(self.cpu_threads) is int and self.cpu_threads >= 1):

@@ -25,12 +25,14 @@ from kvpipe.config import (
     ControlLimits,
     DisaggregationConfig,
     FaultInjection,
+    PortRange,
     RequestLimits,
     SchedulerConfig,
     ServerConfig,
     SpeculativeConfig,
     parse_layer_groups,
 )
+from kvpipe.listen_ports import check_port_ranges
 from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.checkpoint.default_model import resolve_model_path
 from kvpipe.model.checkpoint.loader import check_checkpoint
@@ -225,6 +227,22 @@ def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
         help="address peers reach this server's KV data plane at (default: --host)",
     )
     g.add_argument(
+        "--disaggregation-control-ports",
+        type=_port_range_arg,
+        default=None,
+        metavar="LO-HI",
+        help="ports the control-plane sockets listen on (one per TP rank, a decode's receiver one "
+        "more), so a firewall or a NetworkPolicy can name them (default: any free port)",
+    )
+    g.add_argument(
+        "--disaggregation-mooncake-ports",
+        type=_port_range_arg,
+        default=None,
+        metavar="LO-HI",
+        help="ports Mooncake's transfer engines listen on (handshake and TCP data: two per TP rank, "
+        "two more per rank with the KV tier) (default: $MC_MIN_RPC_PORT-$MC_MAX_RPC_PORT, else 15000-17000)",
+    )
+    g.add_argument(
         "--disaggregation-layer-groups",
         type=_layer_groups_arg,
         default=d.layer_groups,
@@ -365,6 +383,13 @@ def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
     p.set_defaults(**flag_defaults(os.environ))
 
 
+def _port_range_arg(value: str) -> PortRange:
+    try:
+        return PortRange.parse(value)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
 def _layer_groups_arg(value: str) -> int | str:
     try:
         return parse_layer_groups(value)
@@ -388,6 +413,8 @@ def disaggregation_config_from_args(args: argparse.Namespace, model_path: str) -
             transfer_backend=args.disaggregation_transfer_backend,
             ib_device=args.disaggregation_ib_device,
             host=args.disaggregation_host,
+            control_ports=args.disaggregation_control_ports,
+            mooncake_ports=args.disaggregation_mooncake_ports,
             layer_groups=layer_groups,
             layer_groups_min_tokens=args.disaggregation_layer_groups_min_tokens,
             decode_radix_cache=args.disaggregation_enable_decode_radix_cache,
@@ -498,8 +525,12 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             request_metrics=not getattr(args, "disable_request_metrics", False),
             quantization=getattr(args, "quantization", None),
             decode_fused_layer=getattr(args, "decode_fused_layer", ServerConfig.decode_fused_layer),
+            graceful_shutdown_timeout_s=getattr(
+                args, "graceful_shutdown_timeout", ServerConfig.graceful_shutdown_timeout_s
+            ),
         )
         check_backend(cfg.disaggregation, cfg.tp_size)
+        check_port_ranges(cfg)
         return cfg
     except ConfigError as e:
         raise SystemExit(f"kvpipe: {e}") from e

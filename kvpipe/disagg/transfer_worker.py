@@ -185,6 +185,7 @@ class TransferWorker(KVConnectorWorker):
                 send_hwm=d.tuning.control_send_hwm,
                 auth=authenticator(d.auth_token),
                 limits=d.limits,
+                ports=d.control_ports,
             ).start()
         return RankStarted(
             self.rank,

@@ -12,8 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvpipe.config import ConfigError
+from kvpipe.config import ConfigError, PortRange
 from kvpipe.launch.core_split import has_flag
+from kvpipe.listen_ports import Listener, Peer
 
 TIER_FLAG = "--enable-hierarchical-cache"
 MASTER_FLAG = "--hicache-mooncake-master"
@@ -53,6 +54,28 @@ class StoreMaster:
             f"--metrics_host={self.host}",
             f"--metrics_port={self.http_port}",
         ]
+
+    @classmethod
+    def from_command(cls, argv: Sequence[str]) -> StoreMaster:
+        """The master a `mooncake_master` command line starts (the flags `command` writes)."""
+        flags = dict(a.lstrip("-").split("=", 1) for a in argv if a.startswith("--") and "=" in a)
+        try:
+            return cls(
+                flags["rpc_address"],
+                int(flags["rpc_port"]),
+                int(flags["http_metadata_server_port"]),
+                int(flags["metrics_port"]),
+            )
+        except (KeyError, ValueError) as e:
+            raise ConfigError(f"not a mooncake_master command line with every port: {list(argv)} ({e})") from None
+
+    def listeners(self) -> tuple[Listener, ...]:
+        """Its RPC and metadata ports (the servers' store clients) and its metrics (Prometheus)."""
+        return (
+            Listener("rpc", PortRange(self.rpc_port, self.rpc_port), (Peer.PD,)),
+            Listener("metadata", PortRange(self.metadata_port, self.metadata_port), (Peer.PD,)),
+            Listener("metrics", PortRange(self.http_port, self.http_port), (Peer.PROMETHEUS,)),
+        )
 
     @property
     def health_url(self) -> str:

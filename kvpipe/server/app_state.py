@@ -28,6 +28,7 @@ from kvpipe.model.text.tokenizer import Tokenizer
 from kvpipe.server.api_key import caller_of, tenant_salt
 from kvpipe.server.async_engine import AsyncEngine, EngineLike, RequestStream
 from kvpipe.server.body_check import Budget, check_body
+from kvpipe.server.drain import DRAIN_DETAIL, DrainControl
 from kvpipe.server.errors import APIError
 from kvpipe.server.metrics import ServerMetrics
 from kvpipe.server.protocol import GenerateInput
@@ -56,6 +57,7 @@ class ServerState:
     metrics: ServerMetrics
     disaggregation_mode: str = "null"
     cpu_threads: CpuThreads | None = None  # the torch thread plan of this server (/server_info)
+    drain: DrainControl | None = None  # its graceful shutdown (drain.py); None: a bare app (tests)
     prep: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="kvpipe-prep"), repr=False
     )
@@ -141,6 +143,10 @@ class ServerState:
             "checkpoint_path": os.path.abspath(c.model_path) if os.path.exists(c.model_path) else None,
         }
 
+    @property
+    def draining(self) -> bool:
+        return self.drain is not None and self.drain.drain.draining
+
     # ---- requests ---------------------------------------------------------------------------------
     @property
     def is_prefill(self) -> bool:
@@ -158,7 +164,10 @@ class ServerState:
             return
         for out in outs:
             if out.finish_reason is FinishReason.ABORT and refusal_status(out.finish_detail) is None:
-                raise APIError(f"prefill of request {out.rid} failed: {out.finish_detail or ABORTED_ON_REQUEST}", 500)
+                status = 503 if out.finish_detail == DRAIN_DETAIL else 500  # a drain: another prefill can
+                raise APIError(
+                    f"prefill of request {out.rid} failed: {out.finish_detail or ABORTED_ON_REQUEST}", status
+                )
 
     def for_caller(self, request: Request, inputs: list[GenerateInput], salt: str | None) -> list[GenerateInput]:
         """`inputs` owned by the request's caller (abort by rid), in its prefix-cache namespace."""

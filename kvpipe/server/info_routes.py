@@ -78,17 +78,22 @@ def server_info(state: ServerState) -> dict[str, Any]:
 
 
 def _health_responses() -> dict[int | str, dict[str, Any]]:
-    # no body when healthy; `{"status": "loading" | "failed" | "timeout"}` with 503 otherwise
+    # no body when healthy; `{"status": "loading" | "failed" | "timeout" | "draining"}` with 503 otherwise
     status = {"type": "object", "properties": {"status": {"type": "string"}}}
     return {
         200: {"description": "ready", "content": None},
-        503: {"description": "loading or failed", "content": {"application/json": {"schema": status}}},
+        503: {
+            "description": "loading, failed or draining (shutting down)",
+            "content": {"application/json": {"schema": status}},
+        },
     }
 
 
 def register_health_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health", response_class=Response, responses=_health_responses())
     async def health() -> Response:
+        if state.draining:  # shutting down: out of the router's pool and Kubernetes' endpoints at once
+            return JSONResponse({"status": "draining"}, status_code=503)
         if not state.engine.ready:
             reason = "failed" if state.engine.fatal_error is not None else "loading"
             return JSONResponse({"status": reason}, status_code=503)
@@ -97,7 +102,7 @@ def register_health_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health_generate", response_class=Response, responses=_health_responses())
     async def health_generate() -> Response:
         """Health with a real one-token generation through the engine."""
-        if state.disaggregation_mode != "null":  # a PD server cannot generate alone
+        if state.disaggregation_mode != "null" or state.draining:  # a PD server cannot generate alone
             return await health()
         inp = GenerateInput(
             rid=f"health-{new_rid()}",

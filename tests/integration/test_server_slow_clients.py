@@ -185,7 +185,8 @@ def _read_response(s: socket.socket, limit_s: float = 60.0) -> bytes:
     while time.monotonic() < deadline:
         head, sep, body = data.partition(b"\r\n\r\n")
         if sep:
-            lengths = [int(h.split(b":", 1)[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:")]
+            lines = head.split(b"\r\n")
+            lengths = [int(h.split(b":", 1)[1]) for h in lines if h.lower().startswith(b"content-length:")]
             if len(body) >= (lengths[0] if lengths else 0):
                 return data
         chunk = s.recv(65536)

@@ -114,6 +114,7 @@ class KVReceiver:
             # statuses, aborts, heartbeats: no int lists; raw bytes (AuxData.hidden) up to max_aux_bytes
             limits=limits_for(RECEIVER_RECEIVES, -(-max_aux_bytes // 8)),
             max_sockets=cfg.limits.max_reply_sockets,
+            ports=cfg.control_ports,
         )
         self._book = ReceiverBook(
             cfg,

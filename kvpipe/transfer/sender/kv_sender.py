@@ -63,6 +63,17 @@ from kvpipe.transfer.staging.buffers import StagingBuffer
 log = logging.getLogger(__name__)
 
 
+def _max_control_ints(layout: KVLayout, state_layout: StateLayout | None, draft_layout: KVLayout | None) -> int:
+    """The longest int list a decode can send: a page list (a prompt fits this rank's pool), or
+    buffer addresses / layer indices of a compatible layout."""
+    return max(
+        layout.num_pages,
+        layout.num_buffers,
+        state_layout.num_model_layers if state_layout else 0,
+        max(draft_layout.num_pages, draft_layout.num_buffers) if draft_layout else 0,
+    )
+
+
 class KVSender:
     def __init__(
         self,
@@ -125,14 +136,7 @@ class KVSender:
         self._pass_lock = threading.Lock()
         self._progress_at = clock()  # (under _pass_lock) when a pass last submitted or finished a batch
         self._auth = authenticator(cfg.auth_token)  # control frames and the bootstrap registration
-        # the longest int list a decode can send: a page list (a prompt fits this rank's pool), or
-        # buffer addresses / layer indices of a compatible layout
-        max_ints = max(
-            layout.num_pages,
-            layout.num_buffers,
-            state_layout.num_model_layers if state_layout else 0,
-            max(draft_layout.num_pages, draft_layout.num_buffers) if draft_layout else 0,
-        )
+        max_ints = _max_control_ints(layout, state_layout, draft_layout)
         self._endpoint = ControlEndpoint(
             host,
             self._on_message,
@@ -141,6 +145,7 @@ class KVSender:
             auth=self._auth,
             limits=limits_for(SENDER_RECEIVES, max_ints),
             max_sockets=cfg.limits.max_reply_sockets,
+            ports=cfg.control_ports,
         )
         self._stager = staging if cfg.staging != "off" else None
         policy = (
