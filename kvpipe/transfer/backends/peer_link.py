@@ -22,7 +22,7 @@ from dataclasses import dataclass
 PIECE_S = 0.25  # a piece carries about this long of the link's measured rate
 INFLIGHT_S = 2.0  # bytes in flight to a peer: about this long of its measured rate
 MIN_PIECE = 64 << 10
-INITIAL_PIECE = 256 << 10  # before the first measurement: a slow link still completes one within seconds
+INITIAL_PIECE = 4 << 20  # before the first measurement (the budget lets one out): 4 s at 8 Mbit/s
 MIN_BUDGET = 4 << 20  # enough pieces in flight to keep every lane of a fast link busy while it is measured
 SAMPLE_S = 0.1  # a busy period this long measures the link (shorter ones may only raise the estimate)
 
