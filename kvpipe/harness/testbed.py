@@ -16,6 +16,7 @@ Deleting a namespace destroys its veth end (and with it the pair). Needs root an
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import json
 import os
@@ -27,7 +28,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -161,6 +162,8 @@ def setup_commands(s: LinkSpec) -> list[list[str]]:
                 "dev",
                 dev,
                 "root",
+                "handle",
+                "1:",  # netem faults go under its class 1:1 (link_faults.py)
                 "tbf",
                 "rate",
                 s.rate,
@@ -261,6 +264,23 @@ def enter_netns(ns: str) -> None:
             raise LinkTestbedError(f"setns into {ns} failed: {os.strerror(err)}")
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def inside_netns(ns: str) -> Iterator[None]:
+    """The calling thread inside namespace `ns` for the block, then back where it was. Threads and
+    subprocesses started meanwhile stay in `ns` (a harness that drives a stack from one side)."""
+    home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    try:
+        enter_netns(ns)
+        try:
+            yield
+        finally:
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.setns(home, CLONE_NEWNET) != 0:
+                raise LinkTestbedError(f"setns back from {ns} failed: {os.strerror(ctypes.get_errno())}")
+    finally:
+        os.close(home)
 
 
 def run_in_netns(ns: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

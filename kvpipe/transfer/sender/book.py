@@ -164,7 +164,7 @@ class SenderBook(SessionRules):
         self._done: dict[int, None] = {}  # rooms poll() may report
         self._dirty = True
         self._next_scan = float("-inf")
-        self._peer_progress: dict[str, float] = {}  # data address -> last time a batch to it completed
+        self._peer_progress: dict[str, float] = {}  # data address -> last time a write to it completed
         self._link_busy_since: float | None = None  # start of the current busy period
         self._period_bytes = 0  # bytes landed in the current busy period
         self.timings: collections.deque[TransferTiming] = collections.deque(maxlen=1024)  # succeeded rooms
@@ -400,6 +400,10 @@ class SenderBook(SessionRules):
                 take.append((r, b))
         self.finalize(now, rooms)
         return take, cancels, watch
+
+    def peer_progressed(self, peer: str, now: float) -> None:
+        """A write to the data address `peer` completed (a piece of a batch, seen by the backend)."""
+        self._peer_progress[peer] = now
 
     @staticmethod
     def _awaited(r: SenderRoom) -> str:

@@ -135,6 +135,7 @@ class KVSender:
         # one worker pass at a time: the worker thread's, or pump()'s on the engine's thread
         self._pass_lock = threading.Lock()
         self._progress_at = clock()  # (under _pass_lock) when a pass last submitted or finished a batch
+        self._backend_progress: dict[str, float] = {}  # (under _pass_lock) backend.last_progress seen, per peer
         self._auth = authenticator(cfg.auth_token)  # control frames and the bootstrap registration
         max_ints = _max_control_ints(layout, state_layout, draft_layout)
         self._endpoint = ControlEndpoint(
@@ -447,9 +448,12 @@ class KVSender:
             for inf, why in cancels:
                 self.backend.cancel(inf.handle, why)
             polled = [(r, inf, self.backend.poll(inf.handle)) for r, inf in watch]
-            progressed = bool(fresh) or any(st is not BatchState.PENDING for _, _, st in polled)
+            moved = self._peers_moved({inf.handle.peer for _, inf in watch})
+            progressed = bool(fresh or moved) or any(st is not BatchState.PENDING for _, _, st in polled)
             with self._lock:
                 now = self._clock()
+                for peer in moved:
+                    self._book.peer_progressed(peer, now)
                 busy = self._book.record(fresh, polled, now)
                 news = self._book.has_news()
             if progressed or not busy:
@@ -460,6 +464,17 @@ class KVSender:
         except Exception:  # never let the worker die: rooms would hang until their deadlines
             log.exception("prefill rank %d transfer worker error", self.tp_rank)
             return False
+
+    def _peers_moved(self, peers: set[str]) -> list[str]:
+        """Peers whose writes the backend saw complete since the last pass (a piece of a batch
+        counts: the book's stall check is per peer, and slow is not stuck)."""
+        moved = []
+        for peer in peers:
+            t = self.backend.last_progress(peer)
+            if t is not None and t != self._backend_progress.get(peer):
+                self._backend_progress[peer] = t
+                moved.append(peer)
+        return moved
 
     def _gather(self, ch: StagedChunk) -> str | None:
         assert self._stager is not None and ch.local is not None
