@@ -53,6 +53,8 @@ PRE_TOKENIZERS: dict[str, tuple[str | None, bool]] = {
     **dict.fromkeys(("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "falcon3", "dbrx"), (_LLAMA3_SPLIT, False)),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2"), (_QWEN2_SPLIT, False)),
 }
+# tokenizer.ggml.model: llama.cpp names a vocabulary kind after the first model that had it
+BYTE_LEVEL_BPE, SENTENCEPIECE_BPE = "gpt2", "llama"
 _SPECIAL_IDS = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown", "pad_token": "padding"}
 
 
@@ -72,14 +74,14 @@ def build_tokenizer(meta: Metadata, token_order_merges: bool = False) -> GGUFTok
     kind = meta.require("tokenizer.ggml.model")
     tokens: list[str] = meta.require("tokenizer.ggml.tokens")
     types: list[int] = meta.get("tokenizer.ggml.token_type") or [int(TokenType.NORMAL)] * len(tokens)
-    if kind not in ("gpt2", "llama") or (kind == "llama" and not token_order_merges):
+    if kind not in (BYTE_LEVEL_BPE, SENTENCEPIECE_BPE) or (kind == SENTENCEPIECE_BPE and not token_order_merges):
         raise ConfigError(
             f"{meta.path}: GGUF tokenizer model {kind!r} is not supported here (kvpipe builds byte-level BPE, "
             "'gpt2', and the SentencePiece BPE of families whose merges follow the token order, 'llama')"
         )
     # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise (as transformers)
     config: dict[str, Any] = {
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama")),
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", kind == SENTENCEPIECE_BPE)),
         "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
     }
     ids: dict[str, int] = {}
@@ -90,7 +92,7 @@ def build_tokenizer(meta: Metadata, token_order_merges: bool = False) -> GGUFTok
                 raise ConfigError(f"{meta.path}: tokenizer.ggml.{key}_token_id {i} is outside the vocabulary")
             ids[name] = int(i)
             config[name] = tokens[int(i)]
-    if kind == "gpt2":
+    if kind == BYTE_LEVEL_BPE:
         tok = _byte_level_bpe(meta, tokens, types)
     else:
         tok = sentencepiece_bpe(tokens, types, config.get("unk_token"))
