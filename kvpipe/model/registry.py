@@ -14,6 +14,7 @@ from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.model.families.causal_lm import LMBase
 from kvpipe.model.families.deepseek_v3 import DEEPSEEK_V3
 from kvpipe.model.families.family import Family
+from kvpipe.model.families.gemma3 import GEMMA3
 from kvpipe.model.families.gpt_oss import GPT_OSS
 from kvpipe.model.families.llama import LLAMA, QWEN2, QWEN3
 from kvpipe.model.families.minimax_m2 import MINIMAX_M2
@@ -22,7 +23,7 @@ from kvpipe.model.families.qwen3_moe import QWEN3_MOE
 
 # Family.name -> Family (ModelConfig.architecture names one)
 FAMILIES: dict[str, Family] = {
-    f.name: f for f in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, MINIMAX_M2, DEEPSEEK_V3, QWEN3_5, QWEN3_5_MOE, GPT_OSS)
+    f.name: f for f in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, MINIMAX_M2, DEEPSEEK_V3, QWEN3_5, QWEN3_5_MOE, GPT_OSS, GEMMA3)
 }
 
 

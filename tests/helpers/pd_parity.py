@@ -155,10 +155,11 @@ def run_router_pd(
     new_tokens: int,
     page_size: int,
     kv_cache_dtype: str = "auto",
+    ids: list[list[int]] | None = None,
 ) -> None:
     """A router PD stack of (model dir, colocated reference) on TP (p_tp, d_tp) with `groups`
     layer groups and `kv_cache_dtype` on both sides (the reference's too): check_parity on
-    prompts of `lengths`; the stack's logs are printed on failure."""
+    prompts `ids` (None: random ones of `lengths`); the stack's logs are printed on failure."""
     model_dir, reference = model
     stack = start_stack(
         model_dir,
@@ -173,7 +174,16 @@ def run_router_pd(
     )
     try:
         check_parity(
-            stack, model_dir, prompts(lengths), reference, new_tokens, page_size, p_tp, d_tp, groups, kv_cache_dtype
+            stack,
+            model_dir,
+            prompts(lengths) if ids is None else ids,
+            reference,
+            new_tokens,
+            page_size,
+            p_tp,
+            d_tp,
+            groups,
+            kv_cache_dtype,
         )
     except BaseException:
         print(stack.logs())

@@ -67,9 +67,9 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
 def check_supported(raw: dict[str, Any], cfg: ModelConfig) -> None:
     """Reject config options the model code does not implement, rather than compute wrong logits."""
     fam = family(cfg.architecture)
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise ConfigError(f"hidden_act={act!r} is not supported (only silu)")
+    if cfg.hidden_act not in fam.activations:
+        only = ", ".join(fam.activations)
+        raise ConfigError(f"hidden_act={cfg.hidden_act!r} is not supported for {cfg.architecture} (only {only})")
     if raw.get("mlp_bias"):
         raise ConfigError("mlp_bias=true is not supported")
     if raw.get("use_sliding_window"):

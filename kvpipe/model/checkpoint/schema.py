@@ -201,6 +201,13 @@ class ModelConfig:
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
     attention_sinks: bool = False  # a learned logit per head added to the softmax denominator (GPT-OSS)
+    # Gemma 3: the sliding layers' RoPE base (rope_local_base_freq, no scaling; rope_theta and
+    # rope_scaling are the full layers'); None: every layer uses rope_theta
+    sliding_rope_theta: float | None = None
+    # the softmax scale; None: head_dim ** -0.5 (Gemma 3: query_pre_attn_scalar ** -0.5)
+    attention_scale: float | None = None
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap); None: none
+    hidden_act: str = "silu"  # the gated MLP's activation (Family.activations lists what a family runs)
     o_proj_bias: bool = False  # o_proj carries a bias (GPT-OSS's attention_bias covers q/k/v/o)
     # multi-token-prediction layers (model/draft/mtp.py): DeepSeek-V3's after the last decoder layer
     # (num_nextn_predict_layers), Qwen3.5's under mtp.* (mtp_num_hidden_layers); the NEXTN
@@ -210,6 +217,10 @@ class ModelConfig:
     def window(self, layer: int) -> int | None:
         """The sliding window of `layer`, None where it attends to the whole context."""
         return self.sliding_window if layer in self.sliding_layers else None
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.head_dim**-0.5 if self.attention_scale is None else self.attention_scale
 
     @property
     def rope_dim(self) -> int:
@@ -274,6 +285,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             rotary_dim=partial_rotary_dim(cfg, head_dim) if family.partial_rotary else None,
+            hidden_act=str(cfg.get("hidden_act") or "silu"),
         )
         if "intermediate_size" not in own:  # a family without a dense MLP gives its own (Qwen3.5-MoE: 0)
             fields["intermediate_size"] = int(cfg["intermediate_size"])

@@ -57,6 +57,7 @@ class Family:
     # ModelConfig.rotary_dim (schema.py); any other family refuses partial_rotary_factor != 1 (loader.py)
     partial_rotary: bool = False
     gguf: GGUFFamily | None = None  # llama.cpp's names for it; None: no GGUF files
+    activations: tuple[str, ...] = ("silu",)  # ModelConfig.hidden_act values its MLPs compute (mlp.ACTIVATIONS)
     eagle_target: bool = False  # an EAGLE(-1/2) Llama head drafts from its hidden states (draft/eagle.py)
 
     def hf_header(self) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+import kvpipe.model.presets.gemma3 as presets_gemma3
 import kvpipe.model.presets.gpt_oss as presets_gpt_oss
 import kvpipe.model.presets.llama as presets_llama
 import kvpipe.model.presets.qwen3_5 as presets_qwen3_5
@@ -48,6 +49,7 @@ def _writers() -> dict[str, _Writer]:
             n: (s, presets_gpt_oss.hf_config, presets_gpt_oss.weights)
             for n, s in presets_gpt_oss.GPT_OSS_PRESETS.items()
         },
+        **{n: (s, presets_gemma3.hf_config, presets_gemma3.weights) for n, s in presets_gemma3.GEMMA3_PRESETS.items()},
     }
 
 

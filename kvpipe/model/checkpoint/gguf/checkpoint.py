@@ -44,7 +44,8 @@ class GGUFCheckpoint:
         reader: GGUFReader = open_gguf(file)
         meta = Metadata(file, reader)
         family, header = _family(meta)
-        config = hf_config(meta, frozenset(t.name for t in reader.tensors), family.architecture, header)
+        names = frozenset(t.name for t in reader.tensors)
+        config = hf_config(meta, names, family.architecture, header, family.config_keys)
         try:
             tensors = GGUFTensors(reader, family, config)
         except ConfigError as e:
@@ -60,7 +61,7 @@ class GGUFCheckpoint:
 
     @cached_property
     def _tokenizer(self) -> GGUFTokenizer:
-        return build_tokenizer(self.metadata)
+        return build_tokenizer(self.metadata, self.tensors.family.token_order_merges)
 
 
 def _family(meta: Metadata) -> tuple[GGUFFamily, dict[str, Any]]:

@@ -8,7 +8,7 @@ falls back on its config class default there), and rope scaling is read for ever
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvpipe.config import ConfigError
@@ -18,10 +18,17 @@ from kvpipe.model.checkpoint.gguf.reader import Metadata
 _ROPE_SCALING = ("none", "linear", "yarn")
 
 
-def hf_config(meta: Metadata, tensor_names: frozenset[str], arch: str, header: dict[str, Any]) -> dict[str, Any]:
+def hf_config(
+    meta: Metadata,
+    tensor_names: frozenset[str],
+    arch: str,
+    header: dict[str, Any],
+    own_keys: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
     """The config.json an HF checkpoint of this model would carry (the fields kvpipe reads): the
     `{arch}.*` keys of family `arch` (GGUFFamily.architecture) under `header`, the family's HF
-    `architectures` and `model_type` (Family.hf_header)."""
+    `architectures` and `model_type` (Family.hf_header); `own_keys` (GGUFFamily.config_keys): the
+    family's own `{arch}.<key>` -> HF key, copied where the file has them."""
 
     def key(name: str) -> str:
         return f"{arch}.{name}"
@@ -49,6 +56,10 @@ def hf_config(meta: Metadata, tensor_names: frozenset[str], arch: str, header: d
         "hidden_act": "silu",
         "torch_dtype": "float32",  # weights are dequantized; the engine picks its own dtype
     }
+    for gguf_key, hf_key in (own_keys or {}).items():
+        value = meta.get(key(gguf_key))
+        if value is not None:
+            cfg[hf_key] = value
     scaling = _rope_scaling(meta, key)
     if scaling is not None:
         cfg["rope_scaling"] = scaling

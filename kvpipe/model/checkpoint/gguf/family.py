@@ -5,7 +5,7 @@ Family entry (model/families/); the shared name tables are here for it to combin
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # llama.cpp name -> HF name: the tensors outside the layers, then those of every llama-style layer
 GLOBAL_TENSORS = {
@@ -39,3 +39,13 @@ class GGUFFamily:
     # llama.cpp's convert_hf_to_gguf reorders each head's q/k rows from HF's rotate-half layout into
     # interleaved pairs (for llama only): the loader undoes it (tensors.unpermute_rows)
     permuted_qk: bool = False
+    # the family's own metadata: `{architecture}.<key>` -> the HF config key it fills (config.hf_config)
+    config_keys: Mapping[str, str] = field(default_factory=dict)
+    # llama.cpp stores a norm that scales by (1 + weight) as 1 + weight (its RMSNorm multiplies by
+    # the weight alone): subtracted again from every `*norm.weight` tensor on reading, as
+    # transformers' GGUF loader does (Gemma)
+    norm_shift: float = 0.0
+    # the file's SentencePiece vocabulary (tokenizer.ggml.model "llama") has no merges: they are
+    # rebuilt from the vocabulary, best first in the order the tokens are listed (Gemma's scores do
+    # not follow its merge order), with tokens of two or more spaces respelled "▁▁" (tokenizer.py)
+    token_order_merges: bool = False

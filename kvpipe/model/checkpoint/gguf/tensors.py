@@ -56,6 +56,7 @@ class GGUFTensor:
     name: str
     raw: ReaderTensor
     row_order: np.ndarray | None = None  # HF row i = file row row_order[i]; None: the file's order
+    shift: float = 0.0  # subtracted from every value read (GGUFFamily.norm_shift, on its norms)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -85,11 +86,15 @@ class GGUFTensor:
     def raw_rows(self, key: slice) -> np.ndarray:
         """The file's bytes of HF rows `key`, in HF order: [rows, bytes per row] (blocks.py reads
         4-bit blocks from them without dequantizing)."""
+        if self.shift:
+            raise ValueError(f"{self.name}: its stored values are shifted; read it dequantized")
         rows = np.arange(self.shape[0])[key]
         return self.raw.data[rows if self.row_order is None else self.row_order[rows]]
 
     def _to_torch(self, data: np.ndarray) -> torch.Tensor:
         arr = dequantize(data, self.raw.tensor_type)
+        if self.shift:  # in the file's float32, as transformers does (a new array)
+            arr = arr - np.float32(self.shift)
         if not arr.flags.writeable or not arr.flags.c_contiguous:  # F32 comes back as a view of the file
             arr = np.array(arr, order="C")
         if len(self.shape) == 2:
@@ -103,6 +108,7 @@ class GGUFTensors(Mapping[str, GGUFTensor]):
 
     def __init__(self, reader: GGUFReader, family: GGUFFamily, config: dict[str, Any]) -> None:
         layers = int(config["num_hidden_layers"])
+        self.family = family
         self._tensors: dict[str, GGUFTensor] = {}
         unknown = []
         for t in reader.tensors:
@@ -112,7 +118,8 @@ class GGUFTensors(Mapping[str, GGUFTensor]):
             if name is None:
                 unknown.append(t.name)
                 continue
-            self._tensors[name] = GGUFTensor(name, t, self._row_order(t, family, config))
+            shift = family.norm_shift if name.endswith("norm.weight") else 0.0
+            self._tensors[name] = GGUFTensor(name, t, self._row_order(t, family, config), shift)
         if unknown:
             more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
             raise ConfigError(f"tensors a {family.architecture} model does not have: {', '.join(unknown[:5])}{more}")
