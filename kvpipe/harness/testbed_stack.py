@@ -77,7 +77,7 @@ def start_testbed_stack(
         "netns",
         "exec",
         tb.ns_b,
-        *router_command(p_url, b_port, d_url, tb.addr_b, r_port, m_port, secrets.api_key),
+        *router_command(p_url, b_port, d_url, tb.addr_b, r_port, m_port),
     )
     stack = PDStack(p_url, d_url, r_url, b_port, None)
     stack.auth_token = secrets.token
@@ -85,7 +85,7 @@ def start_testbed_stack(
     stack.specs = [
         PartSpec("prefill", prefill, p_url + "/health", log("prefill"), p_cores.pin, secrets.env()),
         PartSpec("decode", decode, d_url + "/health", log("decode"), d_cores.pin, secrets.env()),
-        PartSpec("router", router, r_url + "/health", log("router")),
+        PartSpec("router", router, r_url + "/health", log("router"), env=secrets.router_env()),
     ]
     try:
         for spec in stack.specs[:2]:

@@ -67,6 +67,7 @@ def preset_is_reproducible_and_matches_hf(name: str, tmp_path: Path, hf_class) -
     for f in ("config.json", "model.safetensors"):
         assert (path / f).read_bytes() == (again / f).read_bytes()
     model, tok = load_model(path), Tokenizer.from_dir(path)
+    assert isinstance(model, CausalLM)
     cfg = model.cfg
     assert cfg.sliding_window is not None
     hf = hf_class.from_pretrained(path).eval()
