@@ -109,6 +109,37 @@ DISAGGREGATION_MODES = ("null", "prefill", "decode")
 
 
 STAGING_MODES = ("off", "on", "auto")
+
+
+@dataclass(frozen=True)
+class PortRange:
+    """TCP ports `first`..`last` (both included) a server's listeners draw from, so that a firewall
+    or a Kubernetes NetworkPolicy can name them (kvpipe/listen_ports.py)."""
+
+    first: int
+    last: int
+
+    def __post_init__(self) -> None:
+        if not (type(self.first) is int and type(self.last) is int and 1 <= self.first <= self.last <= 65535):
+            raise ConfigError(f"a port range needs 1 <= first <= last <= 65535, got {self.first}-{self.last}")
+
+    @property
+    def size(self) -> int:
+        return self.last - self.first + 1
+
+    def __str__(self) -> str:
+        return f"{self.first}-{self.last}"
+
+    @classmethod
+    def parse(cls, text: str) -> PortRange:
+        """`LO-HI` (or one port `P`) -> a PortRange."""
+        lo, sep, hi = text.strip().partition("-")
+        try:
+            return cls(int(lo), int(hi) if sep else int(lo))
+        except ValueError:
+            raise ConfigError(f"expected a port range LO-HI (e.g. 17000-17031), got {text!r}") from None
+
+
 MIN_AUTH_TOKEN_CHARS = 16  # shorter shared secrets are guessable offline from one captured frame
 
 
@@ -232,8 +263,10 @@ def require_counts(limits: Any) -> None:
 class ControlLimits:
     """What one peer's control messages may make a PD server hold (issue 30): per session (a decode
     rank's registration on a prefill rank; a prefill rank's chunks at a decode rank's staging
-    agent), sessions per prefill rank, open sockets per control endpoint. A peer past a bound gets
-    a refusal that names it (a failed status or grant), never another peer's state dropped."""
+    agent), sessions per prefill rank and per decode endpoint, open sockets per control endpoint. A
+    peer past a per-peer bound gets a refusal that names it (a failed status or grant), never
+    another peer's state dropped; past the session bounds the least recently used session without
+    rooms in flight is evicted and told (transfer/sender/peers.py), so no decode is locked out."""
 
     max_sessions: int = 1024  # decode sessions registered with one prefill rank at a time
     # rooms a session requested before the prefill engine admitted them (each holds its page list
@@ -244,6 +277,12 @@ class ControlLimits:
     max_tombstones_per_session: int = 1024
     max_staging_waits_per_session: int = 64  # slot requests queued at a staging agent (a full ring)
     max_reply_sockets: int = 1024  # PUSH sockets a control endpoint keeps open (least recently used closed)
+    # decode sessions one endpoint (control address, decode rank) keeps with a prefill rank: a decode
+    # has one per prefill instance it knows under each bootstrap address (issue 45)
+    max_sessions_per_endpoint: int = 8
+    # seconds a decode session without a room stays registered (heartbeats or not); then it is
+    # evicted and its decode registers again when it needs the prefill (one round trip)
+    session_idle_s: int = 600
 
     def __post_init__(self) -> None:
         require_counts(self)
@@ -262,6 +301,12 @@ class DisaggregationConfig:
     transfer_backend: str = "mooncake"
     ib_device: str | None = None  # RDMA device for Mooncake; None: TCP
     host: str | None = None  # data/control-plane address; None: ServerConfig.host
+    # where the ZeroMQ control endpoints listen (one per TP rank, plus a decode's receiver); None:
+    # any free port. Mooncake's listeners: its handshake and TCP data ports (two per transfer
+    # engine; MC_MIN_RPC_PORT..MC_MAX_RPC_PORT); None: $MC_MIN_RPC_PORT..$MC_MAX_RPC_PORT, else
+    # Mooncake's own 15000-17000. Fixed ranges let a firewall or a NetworkPolicy name them.
+    control_ports: PortRange | None = None
+    mooncake_ports: PortRange | None = None
     # prefill: "auto" (a cost model picks the layer groups per batch; short prompts take the plain
     # path) or a fixed group count N (1: plain path, no layer pipelining)
     layer_groups: int | str = "auto"
@@ -298,11 +343,15 @@ class DisaggregationConfig:
     # and look-ups and every control-plane frame. None: unauthenticated, and both bound to the
     # data-plane address only. Not in repr: configs get logged.
     auth_token: str | None = field(default=None, repr=False)
-    # decode: where it may fetch bootstrap info (networks in CIDR notation or host names; empty:
-    # anywhere; loopback always); the request body names the host (transfer/control/fetch_guard.py)
+    # decode: where it may fetch bootstrap info (networks in CIDR notation or host names, loopback
+    # included only when listed; empty: anywhere, and without an auth token loopback only); the
+    # request body names the host (transfer/control/fetch_guard.py)
     bootstrap_allow: tuple[str, ...] = ()
     # without an auth token, serve PD on a non-loopback data-plane address anyway
     insecure: bool = False
+    # decode: ask every prefill rank for a keyed digest of the KV it wrote and check it before the
+    # first decode step (transfer/kv_digest.py; a prefill always answers such a request)
+    kv_integrity: bool = False
     tuning: TransferTuning = field(default_factory=TransferTuning)
     faults: FaultInjection = field(default_factory=FaultInjection)
     limits: ControlLimits = field(default_factory=ControlLimits)
@@ -483,23 +532,27 @@ class RequestLimits:
 @dataclass(frozen=True)
 class ListenerLimits:
     """How long an HTTP client may take to send a request, and how many connections a server keeps
-    open (kvpipe/http_listener.py): a client that sends its request slowly (slowloris) holds a
-    socket and a descriptor until it is cut."""
+    open (kvpipe/http_listener.py, the listener of the HTTP and the bootstrap servers): a client
+    that sends its request slowly (slowloris) holds a socket and a descriptor until it is cut."""
 
     header_timeout_s: float = 10.0  # from a connection's start (or its last response) to a complete request head
     # from the head to the body's last byte, plus one second for every BODY_MIN_RATE bytes received
     body_timeout_s: float = 30.0
     keep_alive_s: float = 30.0  # an idle connection between requests
-    # open client connections; one more is answered 503 at once and closed (its descriptor freed)
+    # open client connections; one more takes the place of the one waiting longest for its client,
+    # or is answered 503 at once when every one has a request in (its descriptor freed)
     max_connections: int = 512
+    max_header_bytes: int = 16 << 10  # the request line and headers (h11's incomplete-event bound)
 
     def __post_init__(self) -> None:
         for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):
                 raise ConfigError(f"{name} must be a positive number of seconds, got {v!r}")
-        if not (type(self.max_connections) is int and self.max_connections >= 1):
-            raise ConfigError(f"max_connections must be a whole number >= 1, got {self.max_connections!r}")
+        for name in ("max_connections", "max_header_bytes"):
+            v = getattr(self, name)
+            if not (type(v) is int and v >= 1):
+                raise ConfigError(f"{name} must be a whole number >= 1, got {v!r}")
 
 
 HICACHE_STORAGE_BACKENDS = ("mooncake",)
@@ -597,10 +650,21 @@ class ServerConfig:
     # --worker-name: what this server is called in its stack (`kvpipe launch`'s prefill0, decode1, ...),
     # reported in /server_info and /metrics (kvpipe_worker_info) for `kvpipe top`; None: unnamed
     worker_name: str | None = None
+    # on SIGTERM (or a first Ctrl-C): seconds the server keeps serving what it holds, refusing new
+    # requests and failing /health, before it aborts what is left (kvpipe/server/drain.py)
+    graceful_shutdown_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not (type(self.decode_log_interval) is int and self.decode_log_interval >= 0):
             raise ConfigError(f"the decode log interval must be a step count >= 0, got {self.decode_log_interval!r}")
+        if not (
+            isinstance(self.graceful_shutdown_timeout_s, (int, float))
+            and not isinstance(self.graceful_shutdown_timeout_s, bool)
+            and self.graceful_shutdown_timeout_s >= 0
+        ):
+            raise ConfigError(
+                f"the graceful shutdown timeout must be >= 0 seconds, got {self.graceful_shutdown_timeout_s!r}"
+            )
         if self.dtype not in MODEL_DTYPES:
             raise ConfigError(f"dtype must be one of {MODEL_DTYPES}, got {self.dtype!r}")
         if self.cpu_threads is not None and not (type(self.cpu_threads) is int and self.cpu_threads >= 1):

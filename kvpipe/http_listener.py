@@ -1,23 +1,38 @@
-"""uvicorn's HTTP/1.1 protocol with deadlines on reading a request and a cap on open connections,
-against slow clients (slowloris: 1,050 connections each sending a header byte now and then held
-1,023 descriptors for 70 s, issue 45).
+"""uvicorn's HTTP/1.1 protocol with read deadlines and a connection cap against slow and too many
+clients: the one listener of the HTTP server and of the prefill's bootstrap server (issue 45,
+finding 7: 1,050 slowloris connections, each sending a header byte now and then, held 1,023
+descriptors of a bootstrap server for 70 s).
 
 uvicorn 0.54 bounds neither: a connection that never completes its request head is never cut
 (`timeout_keep_alive` starts only after a response), nor one that trickles its body, and its
 `limit_concurrency` answers 503 only once a request's head has arrived, so a connection that
-never sends one holds its descriptor past the cap. Here, per connection:
+never sends one holds its descriptor past the cap. An ASGI middleware cannot help: it runs after
+the head. So this is a subclass of uvicorn's own h11 protocol, the real listener. Per connection:
 - the head must be complete `header_timeout_s` after the connection opened (or after the first
   byte of the next request on a kept-alive connection; the idle time before it is uvicorn's
   `timeout_keep_alive`), else the client gets 408 and the connection is closed;
 - the body must be complete `body_timeout_s` after the head, plus one second for every
   BODY_MIN_RATE bytes it has sent (a large body on a slow but honest link keeps going), else the
-  connection is closed (the app sees the client leave);
-- past `max_connections` open connections a new one gets 503 with Retry-After at once and is
-  closed as soon as its first bytes are read (within REFUSED_LINGER_S), so its descriptor is freed.
+  connection is closed (the app sees the client leave).
 Nothing is timed once a request has been read: a response may stream as long as it likes.
 
-Shared by the HTTP server and the prefill's bootstrap server (hence at the package root, like
-`body_limit.py`): `uvicorn.Config(app, **listener_settings(limits), ...)`.
+At `max_connections` open connections a new one takes the place of the one that has waited
+longest for its client (reading a request, or idle between two): that one is closed (408 if it
+was in a head). A slowloris holds a slot only until newer connections need it, and a genuine
+client, which sends its request at once, is served however many slow ones there are (a cap that
+refused newcomers instead let 200 slow heads lock every genuine client out until their deadline;
+tests/integration/test_server_slow_clients.py). Only when every open connection has a whole
+request in the application does a new one get 503 with Retry-After at once; it is closed as soon
+as its first bytes are read (within REFUSED_LINGER_S, so the close sends no reset before the 503
+arrives). Descriptors stay bounded whatever arrives: the accept backlog is the cap, so a burst
+adds at most one backlog's worth until the loop's next turn closes the evicted ones.
+
+Headers are bounded by h11's `max_incomplete_event_size` (`ListenerLimits.max_header_bytes`),
+bodies by BodyLimitMiddleware (body_limit.py). The limits come from kvpipe/config.py
+`ListenerLimits`: the server's flags (commands/http_flags.py) and the bootstrap server's fixed
+BOOTSTRAP_LISTENER_LIMITS (transfer/control/bootstrap.py).
+
+    config = uvicorn.Config(app, **listener_settings(limits), ...)
 """
 
 from __future__ import annotations
@@ -40,7 +55,9 @@ REFUSED_LINGER_S = 1.0  # a refused connection waits this long at most for its r
 
 
 def _raw_response(status: str, message: str, extra: str = "") -> bytes:
-    body = json.dumps({"error": {"message": message, "type": "service_unavailable", "code": int(status[:3])}})
+    code = int(status[:3])
+    kind = "service_unavailable" if code == 503 else "request_timeout"
+    body = json.dumps({"error": {"message": message, "type": kind, "code": code}})
     head = (
         f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
         f"connection: close\r\n{extra}\r\n"
@@ -50,7 +67,9 @@ def _raw_response(status: str, message: str, extra: str = "") -> bytes:
 
 def _refused(cap: int) -> bytes:
     return _raw_response(
-        "503 Service Unavailable", f"the server holds {cap} connections, its most", "retry-after: 1\r\n"
+        "503 Service Unavailable",
+        f"the server is busy with {cap} requests, the most it holds connections for",
+        "retry-after: 1\r\n",
     )
 
 
@@ -64,18 +83,19 @@ class Phase(enum.Enum):
 
 
 class GuardedH11Protocol(H11Protocol):
-    """H11Protocol with read deadlines and a connection cap; `limits` is set by `protocol_class`."""
+    """H11Protocol with read deadlines and an evicting connection cap; `limits` is set by
+    `protocol_class` (uvicorn builds one instance per connection from the class)."""
 
     limits: ClassVar[ListenerLimits] = ListenerLimits()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        self._phase, self._timer = Phase.NONE, None
-        self._refused = len(self.connections) >= self.limits.max_connections
+        self._phase, self._timer, self._since = Phase.NONE, None, self.loop.time()
+        self._refused = len(self.connections) >= self.limits.max_connections and not self._make_room()
         if self._refused:
             self.transport = transport
             transport.write(_refused(self.limits.max_connections))
             self._timer = self.loop.call_later(REFUSED_LINGER_S, transport.close)
-            logger.debug("connection refused: %d connections open", len(self.connections))
+            logger.debug("connection refused: all %d connections have a request in", len(self.connections))
             return
         super().connection_made(transport)
         self._arm(Phase.HEAD, self.limits.header_timeout_s)
@@ -94,7 +114,29 @@ class GuardedH11Protocol(H11Protocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        self._since = self.loop.time()  # waiting for the client again (its next request)
         self._follow(0)  # a pipelined request may have been read meanwhile
+
+    # ---- the cap ---------------------------------------------------------------------------------
+    @property
+    def waits_for_client(self) -> bool:
+        """Reading a request, or idle between two: nothing of the application's is lost by closing it."""
+        if self._refused or self.transport.is_closing():
+            return False
+        if self._phase is not Phase.NONE:
+            return True
+        return self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete)
+
+    def _make_room(self) -> bool:
+        """Close the open connection that has waited longest for its client; False when none waits
+        (every one has a request in the application)."""
+        waiting = [c for c in self.connections if isinstance(c, GuardedH11Protocol) and c.waits_for_client]
+        if not waiting:
+            return False
+        oldest = min(waiting, key=lambda c: c._since)
+        logger.debug("%s evicted for a new connection (%s)", oldest.client, oldest._phase.value)
+        oldest._expired(oldest._phase)
+        return True
 
     # ---- the deadlines ---------------------------------------------------------------------------
     def _follow(self, n: int) -> None:
@@ -125,7 +167,8 @@ class GuardedH11Protocol(H11Protocol):
         self._phase = Phase.NONE
 
     def _expired(self, phase: Phase) -> None:
-        self._timer = None
+        """Its deadline passed, or it was evicted: close it (with a 408 in a head)."""
+        self._disarm()
         if self.transport.is_closing():
             return
         logger.debug("%s: request %s not read in time, connection closed", self.client, phase.value)
@@ -135,7 +178,7 @@ class GuardedH11Protocol(H11Protocol):
 
 
 def protocol_class(limits: ListenerLimits) -> type[GuardedH11Protocol]:
-    """A GuardedH11Protocol with `limits` (uvicorn builds one per connection from the class)."""
+    """A GuardedH11Protocol with `limits` (one class per server: no limits shared between them)."""
     return type("GuardedH11Protocol", (GuardedH11Protocol,), {"limits": limits})
 
 
@@ -147,4 +190,8 @@ def listener_settings(limits: ListenerLimits) -> dict[str, Any]:
         # uvicorn's own cap (503 after a request head) would also count the connections being
         # refused above: the cap is enforced at accept instead
         "limit_concurrency": None,
+        "h11_max_incomplete_event_size": limits.max_header_bytes,
+        # the kernel's accept queue, and what asyncio accepts in one turn of the loop: a burst
+        # past the cap costs descriptors only until that turn's evictions are closed
+        "backlog": limits.max_connections,
     }

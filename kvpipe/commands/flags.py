@@ -25,12 +25,14 @@ from kvpipe.config import (
     ControlLimits,
     DisaggregationConfig,
     FaultInjection,
+    PortRange,
     RequestLimits,
     SchedulerConfig,
     ServerConfig,
     SpeculativeConfig,
     parse_layer_groups,
 )
+from kvpipe.listen_ports import check_port_ranges
 from kvpipe.model.checkpoint.default_model import resolve_model_path
 from kvpipe.sglang_env import LayersPerGroup, flag_defaults
 from kvpipe.transfer.backends.registry import BACKENDS, backend_names, check_backend
@@ -74,28 +76,6 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=d_sched.max_running_requests,
         help="requests in the running batch at once; more wait in the queue",
-    )
-    p.add_argument(
-        "--max-state-slots",
-        type=int,
-        default=None,
-        help="hybrid (linear-attention) models: per-request recurrent-state slots; a request waits "
-        "for a free one like for pages (default: --max-running-requests)",
-    )
-    p.add_argument(
-        "--max-mamba-cache-size",
-        type=int,
-        default=None,
-        help="hybrid models with the radix cache (colocated): recurrent-state slots in all, the running "
-        "requests' plus the prefix cache's state snapshots; bounds snapshot memory "
-        "(default: 3 x --max-state-slots, i.e. 2 snapshots per running slot)",
-    )
-    p.add_argument(
-        "--mamba-scheduler-strategy",
-        choices=list(MAMBA_SCHEDULER_STRATEGIES),
-        default="auto",
-        help="hybrid prefix cache: where state snapshots are taken; extra_buffer (= auto) at any page "
-        "boundary inside a forward, no_buffer only where a chunk or decode step ends",
     )
     p.add_argument("--context-length", type=int, default=None, help="default: the model's max_position_embeddings")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs")
@@ -141,9 +121,36 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         help="run each decoder layer of a decode step as one C++ call (CPU, fp32 Llama-style layers; "
         "the same ops, the same bits): auto (decode batches up to 64 rows), on, off (the module path)",
     )
+    add_hybrid_state_args(p)
     add_disaggregation_args(p)
     add_speculative_args(p)
     add_hicache_args(p)
+
+
+def add_hybrid_state_args(p: argparse.ArgumentParser) -> None:
+    """The recurrent-state slots of hybrid (linear-attention / Mamba-style) models."""
+    p.add_argument(
+        "--max-state-slots",
+        type=int,
+        default=None,
+        help="hybrid (linear-attention) models: per-request recurrent-state slots; a request waits "
+        "for a free one like for pages (default: --max-running-requests)",
+    )
+    p.add_argument(
+        "--max-mamba-cache-size",
+        type=int,
+        default=None,
+        help="hybrid models with the radix cache (colocated): recurrent-state slots in all, the running "
+        "requests' plus the prefix cache's state snapshots; bounds snapshot memory "
+        "(default: 3 x --max-state-slots, i.e. 2 snapshots per running slot)",
+    )
+    p.add_argument(
+        "--mamba-scheduler-strategy",
+        choices=list(MAMBA_SCHEDULER_STRATEGIES),
+        default="auto",
+        help="hybrid prefix cache: where state snapshots are taken; extra_buffer (= auto) at any page "
+        "boundary inside a forward, no_buffer only where a chunk or decode step ends",
+    )
 
 
 def add_speculative_args(p: argparse.ArgumentParser) -> None:
@@ -240,6 +247,22 @@ def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
         help="address peers reach this server's KV data plane at (default: --host)",
     )
     g.add_argument(
+        "--disaggregation-control-ports",
+        type=_port_range_arg,
+        default=None,
+        metavar="LO-HI",
+        help="ports the control-plane sockets listen on (one per TP rank, a decode's receiver one "
+        "more), so a firewall or a NetworkPolicy can name them (default: any free port)",
+    )
+    g.add_argument(
+        "--disaggregation-mooncake-ports",
+        type=_port_range_arg,
+        default=None,
+        metavar="LO-HI",
+        help="ports Mooncake's transfer engines listen on (handshake and TCP data: two per TP rank, "
+        "two more per rank with the KV tier) (default: $MC_MIN_RPC_PORT-$MC_MAX_RPC_PORT, else 15000-17000)",
+    )
+    g.add_argument(
         "--disaggregation-layer-groups",
         type=_layer_groups_arg,
         default=d.layer_groups,
@@ -324,12 +347,20 @@ def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
         help="serve PD without an auth token on a non-loopback data-plane address (refused otherwise)",
     )
     g.add_argument(
+        "--disaggregation-kv-integrity",
+        action="store_true",
+        help="decode: check a keyed digest of the KV every prefill rank wrote (BLAKE2b, sent with "
+        "its final status) before a request's first decode step; a mismatch (a page written by "
+        "anyone else meanwhile) fails that request. Costs a pass over the KV on both sides",
+    )
+    g.add_argument(
         "--disaggregation-bootstrap-allow",
         action="append",
         default=None,
         metavar="CIDR|HOST[,...]",
         help="decode: fetch bootstrap info (the request's bootstrap_host) only from these networks "
-        "or host names (repeatable, comma separated; default: anywhere; loopback always)",
+        "or host names, loopback included only when listed (repeatable, comma separated; default: "
+        "anywhere, and without an auth token loopback only)",
     )
     lim = d.limits
     for flag, default, what in (
@@ -354,12 +385,29 @@ def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
             lim.max_reply_sockets,
             "control-plane sockets kept open per endpoint (least recently used closed)",
         ),
+        (
+            "--disaggregation-max-sessions-per-endpoint",
+            lim.max_sessions_per_endpoint,
+            "decode sessions one decode endpoint (control address, rank) keeps with a prefill rank",
+        ),
+        (
+            "--disaggregation-session-idle-timeout",
+            lim.session_idle_s,
+            "seconds a decode session without a room stays registered with a prefill rank",
+        ),
     ):
         g.add_argument(flag, type=int, default=default, help=f"{what} (default %(default)s)")
     # test-only: fail each transfer batch with this probability (seeded by the next flag)
     g.add_argument("--disaggregation-failure-prob", type=float, default=d.faults.prob, help=argparse.SUPPRESS)
     g.add_argument("--disaggregation-failure-seed", type=int, default=d.faults.seed, help=argparse.SUPPRESS)
     p.set_defaults(**flag_defaults(os.environ))
+
+
+def _port_range_arg(value: str) -> PortRange:
+    try:
+        return PortRange.parse(value)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
 
 
 def _layer_groups_arg(value: str) -> int | str:
@@ -375,10 +423,10 @@ def disaggregation_config_from_args(args: argparse.Namespace, model_path: str) -
     try:
         layer_groups = args.disaggregation_layer_groups
         if isinstance(layer_groups, LayersPerGroup):
-            from kvpipe.model.checkpoint.schema import ModelConfig  # imports torch (GGUF): not on --help's path
+            from kvpipe.model.checkpoint.config_reader import model_config_of  # torch (GGUF): not on --help's path
 
             try:
-                layer_groups = layer_groups.groups(ModelConfig.from_dir(model_path).num_layers)
+                layer_groups = layer_groups.groups(model_config_of(model_path).num_layers)
             except ConfigError as e:
                 raise ConfigError(f"SGLANG_PIPELINE_GROUP_SIZE counts layers, so it needs the model's: {e}") from e
         return DisaggregationConfig(
@@ -387,6 +435,8 @@ def disaggregation_config_from_args(args: argparse.Namespace, model_path: str) -
             transfer_backend=args.disaggregation_transfer_backend,
             ib_device=args.disaggregation_ib_device,
             host=args.disaggregation_host,
+            control_ports=args.disaggregation_control_ports,
+            mooncake_ports=args.disaggregation_mooncake_ports,
             layer_groups=layer_groups,
             layer_groups_min_tokens=args.disaggregation_layer_groups_min_tokens,
             decode_radix_cache=args.disaggregation_enable_decode_radix_cache,
@@ -402,6 +452,7 @@ def disaggregation_config_from_args(args: argparse.Namespace, model_path: str) -
                 e.strip() for arg in args.disaggregation_bootstrap_allow or () for e in arg.split(",") if e.strip()
             ),
             insecure=args.disaggregation_insecure,
+            kv_integrity=args.disaggregation_kv_integrity,
             faults=FaultInjection(args.disaggregation_failure_prob, args.disaggregation_failure_seed),
             limits=ControlLimits(
                 args.disaggregation_max_sessions,
@@ -409,6 +460,8 @@ def disaggregation_config_from_args(args: argparse.Namespace, model_path: str) -
                 args.disaggregation_max_tombstones,
                 args.disaggregation_max_staging_waits,
                 args.disaggregation_max_reply_sockets,
+                args.disaggregation_max_sessions_per_endpoint,
+                args.disaggregation_session_idle_timeout,
             ),
         )
     except ConfigError as e:
@@ -496,8 +549,12 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             decode_fused_layer=getattr(args, "decode_fused_layer", ServerConfig.decode_fused_layer),
             decode_log_interval=getattr(args, "decode_log_interval", ServerConfig.decode_log_interval),
             worker_name=getattr(args, "worker_name", None),
+            graceful_shutdown_timeout_s=getattr(
+                args, "graceful_shutdown_timeout", ServerConfig.graceful_shutdown_timeout_s
+            ),
         )
         check_backend(cfg.disaggregation, cfg.tp_size)
+        check_port_ranges(cfg)
         return cfg
     except ConfigError as e:
         raise SystemExit(f"kvpipe: {e}") from e

@@ -10,10 +10,9 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from kvpipe.config import ConfigError, ListenerLimits
-from kvpipe.server.api_key_env import ADMIN_API_KEY_ENV, API_KEY_ENV
-
-MAX_KEY_CHARS = 4096
+from kvpipe.config import ListenerLimits
+from kvpipe.server.client_keys import ADMIN_API_KEY_ENV, API_KEY_ENV
+from kvpipe.server.server_keys import given_keys
 
 
 def add_access_args(p: argparse.ArgumentParser) -> None:
@@ -47,34 +46,12 @@ def add_access_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _key_lines(path: str, flag: str) -> list[str]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = [line.strip() for line in f.read(1 << 20).splitlines()]
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{flag} {path}: {e}") from None
-    keys = [line for line in lines if line and not line.startswith("#")]
-    if not keys:
-        raise ConfigError(f"{flag} {path} holds no key")
-    if any(len(k) > MAX_KEY_CHARS or " " in k for k in keys):
-        raise ConfigError(f"{flag} {path}: a key is one word of at most {MAX_KEY_CHARS} characters per line")
-    return keys
-
-
-def _one(flag_value: str | None, path: str | None, env: str, environ: Mapping[str, str], flag: str) -> list[str]:
-    """The keys of a flag, or of its file flag (not both), else of the environment."""
-    if flag_value is not None and path is not None:
-        raise ConfigError(f"give {flag} or {flag}-file, not both")
-    if path is not None:
-        return _key_lines(path, f"{flag}-file")
-    value = flag_value if flag_value is not None else environ.get(env)
-    return [value] if value else []
-
-
 def access_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
     """ServerConfig's key fields from the flags of `add_access_args` (none for commands without them)."""
-    users = _one(getattr(args, "api_key", None), getattr(args, "api_key_file", None), API_KEY_ENV, environ, "--api-key")
-    admin = _one(
+    users = given_keys(
+        getattr(args, "api_key", None), getattr(args, "api_key_file", None), API_KEY_ENV, environ, "--api-key"
+    )
+    admin = given_keys(
         getattr(args, "admin_api_key", None),
         getattr(args, "admin_api_key_file", None),
         ADMIN_API_KEY_ENV,
@@ -116,7 +93,8 @@ def add_listener_args(p: argparse.ArgumentParser) -> None:
         "--max-connections",
         type=int,
         default=d.max_connections,
-        help="open client connections; one more gets 503 with Retry-After at once and is closed "
+        help="open client connections; one more takes the place of the one waiting longest for its client "
+        "(closed, 408 in a head), or gets 503 with Retry-After at once when every one has a request in "
         "(keep it well under the process's open-file limit, `ulimit -n`)",
     )
 

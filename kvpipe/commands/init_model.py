@@ -13,6 +13,7 @@ PRESETS = (
     "tiny-qwen3.5",
     "tiny-qwen3.5-moe",
     "tiny-gpt-oss",
+    "tiny-gemma3",
 )
 
 

@@ -20,6 +20,7 @@ from kvpipe.commands.flags import (
     setup_logging,
 )
 from kvpipe.config import DEFAULT_MAX_REQUEST_BODY_BYTES, ConfigError, ServerConfig
+from kvpipe.listen_ports import mooncake_port_env
 from kvpipe.sglang_env import log_sglang_env
 from kvpipe.transfer.backends.registry import check_backend
 
@@ -44,6 +45,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_REQUEST_BODY_BYTES,
         help="refuse request bodies larger than this with 413 (default: 32 MiB)",
     )
+    p.add_argument(
+        "--graceful-shutdown-timeout",
+        type=float,
+        default=ServerConfig.graceful_shutdown_timeout_s,
+        help="on SIGTERM (or Ctrl-C): seconds to finish the requests in flight while /health fails "
+        "(503, draining) and new requests get 503 with Retry-After; what is left then is aborted "
+        "(streams end with an error event), pages and rooms are freed, and the server exits 0. "
+        "A second signal aborts at once",
+    )
     add_http_api_args(p)
 
 
@@ -60,6 +70,8 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         raise SystemExit(f"kvpipe: {e}") from None
     setup_logging(cfg.log_level)
     log_sglang_env(os.environ, logger)
+    # before any transfer engine starts (TP workers inherit it): Mooncake reads its range there
+    os.environ.update(mooncake_port_env(cfg))
     check_model(cfg)
     return run_server(cfg, engine_factory(cfg), mode)
 

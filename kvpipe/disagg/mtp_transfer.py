@@ -67,8 +67,8 @@ from __future__ import annotations
 from kvpipe.config import ServerConfig
 from kvpipe.engine.connector import ConnectorContext
 from kvpipe.engine.spec.registry import DraftKV, draft_kv
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.checkpoint.identity import checkpoint_digest
-from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.transfer.planning.layout import KVLayout
 
 # hidden rows AuxData.hidden carries: h_{L-1} (MTPDrafter.pending_hidden after the prompt)
@@ -85,7 +85,7 @@ def nextn_handshake(cfg: ServerConfig, mtp: KVLayout | None) -> str:
         raise ValueError("a NEXTN server's handshake needs its MTP layer's KV layout")
     if cfg.speculative.eagle_head_path is not None:  # an EAGLE head drafts in the MTP layer's place
         return eagle_handshake(cfg, mtp)
-    model = ModelConfig.from_dir(cfg.model_path)
+    model = model_config_of(cfg.model_path)
     shape = f"{mtp.buffers_per_layer}x{mtp.num_layers}x{mtp.total_kv_heads}x{mtp.head_dim}"
     layer = f"layer{model.num_layers}x{model.num_nextn_predict_layers}"
     kv = f"{mtp.dtype}/{mtp.page_size}/{shape}"
@@ -109,7 +109,7 @@ def eagle_handshake(cfg: ServerConfig, head: KVLayout) -> str:
     size, so servers of different TP agree)."""
     path = cfg.speculative.eagle_head_path
     assert path is not None
-    hidden = ModelConfig.from_dir(cfg.model_path).hidden_size
+    hidden = model_config_of(cfg.model_path).hidden_size
     shape = f"{head.buffers_per_layer}x{head.num_layers}x{head.total_kv_heads}x{head.head_dim}"
     kv = f"{head.dtype}/{head.page_size}/{shape}"
     return f"eagle:head={checkpoint_digest(path)}:hidden={hidden}:kv={kv}:at=rank{MTP_RANK}"

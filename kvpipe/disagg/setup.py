@@ -11,7 +11,7 @@ import socket
 from kvpipe.cache.kv_pool import KVPool
 from kvpipe.cache.recurrent_pool import StatePool
 from kvpipe.config import ConfigError, ParallelConfig, ServerConfig
-from kvpipe.model.checkpoint.schema import ModelConfig
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.transfer.backends.base import BackendOptions, TransferBackend
 from kvpipe.transfer.backends.registry import backend_spec, open_backend
 from kvpipe.transfer.control.auth import TOKEN_ENV
@@ -124,7 +124,7 @@ def register_pool(
 def rank_state_layout(cfg: ServerConfig, rank: int, pool: StatePool) -> StateLayout:
     """A hybrid model rank's state pool with the model's layer map (full layers keep the KV) and
     its linear heads (rank r of N holds the r-th N-th)."""
-    mc = ModelConfig.from_dir(cfg.model_path)
+    mc = model_config_of(cfg.model_path)
     return StateLayout.from_pool(pool, mc.kv_layers, mc.num_layers, rank, cfg.tp_size)
 
 

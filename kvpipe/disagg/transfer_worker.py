@@ -50,6 +50,7 @@ from kvpipe.engine.spec.registry import DraftKV, draft_kv
 from kvpipe.transfer.backends.base import TransferBackend
 from kvpipe.transfer.control.auth import authenticator
 from kvpipe.transfer.control.handshake import Handshake
+from kvpipe.transfer.kv_digest import KVDigester
 from kvpipe.transfer.lifecycle import DuplicateRoomError, TransferState
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.sender.kv_sender import KVSender
@@ -101,6 +102,10 @@ class TransferWorker(KVConnectorWorker):
         (`total_kv_heads`: the draft model's before TP; None: the pool's own, TP 1): it is
         registered and sent with the target's KV (before the start)."""
         self.draft_layout = None if pool is None else draft_layout(self.cfg, self.rank, pool, total_kv_heads)
+
+    def kv_digester(self) -> KVDigester:
+        """Digests of this rank's KV pool (transfer/kv_digest.py: end-to-end KV integrity)."""
+        return KVDigester(self._pool.buffers(), self.layout)
 
     # ---- between forwards ------------------------------------------------------------------
     def handle(self, cmd: object) -> object | None:
@@ -164,8 +169,9 @@ class TransferWorker(KVConnectorWorker):
                 draft_at_prefix=self._draft_at_rank0,
                 # NEXTN (or an EAGLE head): the MTP layer and its KV live whole on TP rank 0 of each side
                 draft_rank=MTP_RANK if self._draft_at_rank0 else None,
+                digester=self.kv_digester(),  # for decodes that check the KV they got
             )
-            self.sender.start(bootstrap=cmd.bootstrap)
+            self.sender.start(bootstrap=cmd.bootstrap, registrar_key=cmd.registrar_key or None)
             control = self.sender.control_address
         elif staging:  # decode: a staging ring on this rank, scattered by this process
             self.staging_agent = StagingAgent(
@@ -179,6 +185,7 @@ class TransferWorker(KVConnectorWorker):
                 send_hwm=d.tuning.control_send_hwm,
                 auth=authenticator(d.auth_token),
                 limits=d.limits,
+                ports=d.control_ports,
             ).start()
         return RankStarted(
             self.rank,
@@ -257,7 +264,7 @@ class TransferWorker(KVConnectorWorker):
             # NEXTN: a room's MTP pages are rank 0's (disagg/mtp_transfer.py); other ranks hold no MTP pool
             draft = None if self._mtp_elsewhere else start.draft_pages
             try:
-                s.add_room(start.room, start.pages, start.state_slot, start.swa_pages, draft)
+                s.add_room(start.room, start.pages, start.state_slot, start.swa_pages, draft, claim=start.claim)
             except ValueError as e:  # nothing of this room is in our sender: report it failed
                 self._failed.append((start.room, TransferState.FAILED, f"add_room refused on TP rank {self.rank}: {e}"))
 

@@ -48,8 +48,8 @@ from kvpipe.engine.step_log import SpecTotals, StepLog
 from kvpipe.engine.store_setup import attach_store_tier
 from kvpipe.engine.timeline import Phase
 from kvpipe.engine.tp_group import TPGroup, build_runner
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.checkpoint.loader import load_generation_eos
-from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.model.families.causal_lm import LMBase
 from kvpipe.model.text.tokenizer import Tokenizer
 
@@ -63,7 +63,7 @@ class Engine:
         """`layer_groups`: prefill forwards run as this many layer groups when no connector
         plans them (a colocated engine computes the same either way)."""
         self.cfg = cfg
-        self.model_config = ModelConfig.from_dir(cfg.model_path)
+        self.model_config = model_config_of(cfg.model_path)
         self.tokenizer = Tokenizer.from_dir(
             cfg.tokenizer_path or cfg.model_path, extra_eos_ids=load_generation_eos(cfg.model_path)
         )
@@ -388,7 +388,7 @@ class Engine:
     @property
     def model(self) -> LMBase:
         """This process's model (rank 0's under TP): for benchmarks that switch a model-level path
-        step by step (bench/decode_profile.py --ab)."""
+        step by step (bench/engine/decode_profile.py --ab)."""
         return self.runner.model
 
     def shutdown(self) -> None:

@@ -34,10 +34,6 @@ from starlette.requests import HTTPConnection
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvpipe.server.api_key_env import ADMIN_API_KEY_ENV as ADMIN_API_KEY_ENV  # re-exported: their old home
-from kvpipe.server.api_key_env import API_KEY_ENV as API_KEY_ENV
-from kvpipe.server.api_key_env import api_key_from_env as api_key_from_env
-from kvpipe.server.api_key_env import client_headers as client_headers
 from kvpipe.server.errors import APIError, error_body
 
 OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics"})

@@ -22,11 +22,13 @@ from fastapi.responses import JSONResponse, Response
 from kvpipe.config import ServerConfig
 from kvpipe.engine.cpu_threads import CpuThreads
 from kvpipe.engine.request import ABORTED_ON_REQUEST, FinishReason
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.model.text.tokenizer import Tokenizer
 from kvpipe.server.api_key import caller_of, tenant_salt
 from kvpipe.server.async_engine import AsyncEngine, EngineLike, RequestStream
 from kvpipe.server.body_check import Budget, check_body
+from kvpipe.server.drain import DRAIN_DETAIL, DrainControl
 from kvpipe.server.errors import APIError
 from kvpipe.server.metrics import ServerMetrics
 from kvpipe.server.protocol import GenerateInput
@@ -55,6 +57,7 @@ class ServerState:
     metrics: ServerMetrics
     disaggregation_mode: str = "null"
     cpu_threads: CpuThreads | None = None  # the torch thread plan of this server (/server_info)
+    drain: DrainControl | None = None  # its graceful shutdown (drain.py); None: a bare app (tests)
     prep: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="kvpipe-prep"), repr=False
     )
@@ -126,7 +129,7 @@ class ServerState:
         if self.cfg.scheduler.context_length is not None:
             return self.cfg.scheduler.context_length
         with contextlib.suppress(Exception):
-            return ModelConfig.from_dir(self.cfg.model_path).max_position_embeddings
+            return model_config_of(self.cfg.model_path).max_position_embeddings
         return None
 
     def model_paths(self) -> dict[str, str | None]:
@@ -139,6 +142,10 @@ class ServerState:
             "tokenizer_path": _local_dir(c.tokenizer_path or c.model_path),
             "checkpoint_path": os.path.abspath(c.model_path) if os.path.exists(c.model_path) else None,
         }
+
+    @property
+    def draining(self) -> bool:
+        return self.drain is not None and self.drain.drain.draining
 
     # ---- requests ---------------------------------------------------------------------------------
     @property
@@ -157,7 +164,10 @@ class ServerState:
             return
         for out in outs:
             if out.finish_reason is FinishReason.ABORT and refusal_status(out.finish_detail) is None:
-                raise APIError(f"prefill of request {out.rid} failed: {out.finish_detail or ABORTED_ON_REQUEST}", 500)
+                status = 503 if out.finish_detail == DRAIN_DETAIL else 500  # a drain: another prefill can
+                raise APIError(
+                    f"prefill of request {out.rid} failed: {out.finish_detail or ABORTED_ON_REQUEST}", status
+                )
 
     def for_caller(self, request: Request, inputs: list[GenerateInput], salt: str | None) -> list[GenerateInput]:
         """`inputs` owned by the request's caller (abort by rid), in its prefix-cache namespace."""

@@ -63,6 +63,14 @@ class _EngineFailure:
         self.message = message
 
 
+class _Ended:
+    """Queued to a request the server ends itself (a drain's timeout): it finishes with ABORT and
+    `detail` at once, whatever the engine still sends it."""
+
+    def __init__(self, detail: str) -> None:
+        self.detail = detail
+
+
 class AsyncEngine:
     def __init__(
         self,
@@ -90,6 +98,7 @@ class AsyncEngine:
         self.metrics: ServerMetrics | None = None
         self.fatal_error: BaseException | None = None
         self.recent: deque[dict[str, Any]] = deque(maxlen=history)  # event loop only
+        self._refusing: str | None = None  # why new requests are refused (a drain), None: taken
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -125,6 +134,8 @@ class AsyncEngine:
     def check_room(self, n: int) -> None:
         """Refuse `n` more requests when they would take the server past its capacity: 503 with
         Retry-After (busy now), or 400 for a batch no idle server could hold either."""
+        if self._refusing is not None:
+            raise APIError(self._refusing, 503, headers={"Retry-After": str(RETRY_AFTER_S)})
         cap = self.capacity
         if cap is None:
             return
@@ -250,6 +261,19 @@ class AsyncEngine:
             self._abort_in_engine(rid)
         return len(rids)
 
+    def refuse_new(self, reason: str) -> None:
+        """From now on every new request is refused: 503 with Retry-After and `reason` (a drain)."""
+        self._refusing = reason
+
+    def abort_all_for(self, detail: str) -> int:
+        """End every request here now, finish reason ABORT with `detail` (its stream's last output),
+        and abort it in the engine, which frees its pages and tells its PD peer (event loop only)."""
+        rids = list(self._queues)
+        for rid in rids:
+            self._queues[rid].put_nowait(_Ended(detail))
+            self._abort_in_engine(rid)
+        return len(rids)
+
     def make_req(self, inp: GenerateInput) -> Req:
         boot = inp.bootstrap
         return Req(
@@ -354,6 +378,15 @@ class RequestStream:
                 failure = next((x for x in items if isinstance(x, _EngineFailure)), None)
                 if failure is not None:
                     raise APIError(failure.message, 500)
+                ended = next((x for x in items if isinstance(x, _Ended)), None)
+                if ended is not None:
+                    items = [x for x in items if not isinstance(x, _Ended)]
+                    sent = tracker.update(items, time.monotonic()) if items else None
+                    if sent is not None:  # what the engine sent before: the client gets it first
+                        yield sent
+                    if not tracker.finished:
+                        yield tracker.finish_abort(ended.detail, time.monotonic())
+                    return
                 had_first = tracker.first_token_time is not None
                 n_before, last = len(tracker.output_ids), tracker.last_token_time
                 now = time.monotonic()

@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
+from types import FrameType
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -32,6 +33,7 @@ from kvpipe.http_listener import listener_settings
 from kvpipe.server.api_key import AccessKeys, APIKeyMiddleware, caller_of, require_admin
 from kvpipe.server.app_state import ServerState
 from kvpipe.server.async_engine import AsyncEngine, EngineLike
+from kvpipe.server.drain import DRAIN_DETAIL, Drain, DrainControl, is_drain_abort
 from kvpipe.server.errors import APIError, install_error_handlers
 from kvpipe.server.info_routes import register_health_routes, register_info_routes
 from kvpipe.server.metrics import ServerMetrics
@@ -126,6 +128,8 @@ def register_generate_route(app: FastAPI, state: ServerState) -> None:
                 try:
                     async for out in merge_streams(streams):
                         yield sse(generate_response(out, by_rid[out.rid], batched))
+                        if is_drain_abort(out):  # cut by a shutdown: an explicit error, not just a finish
+                            yield sse_error(APIError(f"request {out.rid}: {DRAIN_DETAIL}", 503))
                 except APIError as e:
                     yield sse_error(e)
                 yield SSE_DONE
@@ -177,13 +181,17 @@ def create_app(
     )
     async_engine.metrics = metrics
     state = ServerState(cfg, async_engine, metrics, disaggregation_mode, cpu_threads or server_cpu_threads(cfg))
+    state.drain = DrainControl(Drain(cfg.graceful_shutdown_timeout_s), async_engine)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
+        watcher = asyncio.ensure_future(state.drain.watch()) if state.drain is not None else None
         try:
             yield
         finally:
+            if watcher is not None:
+                watcher.cancel()
             await async_engine.stop()
             state.prep.shutdown(wait=False, cancel_futures=True)
 
@@ -207,10 +215,34 @@ def server_role(disaggregation_mode: str) -> str:
     return "colocated" if disaggregation_mode == "null" else disaggregation_mode
 
 
+def draining_server(config: Any, control: DrainControl) -> Any:
+    """uvicorn's Server whose SIGTERM / SIGINT start a drain (drain.py) instead of closing the
+    listener: the server keeps answering (/health with 503, requests in flight to their end) and
+    exits once drained. A second signal aborts what is left at once; a third exits without waiting.
+    Unlike uvicorn it does not raise the signal again after its shutdown, so a drained server exits
+    with status 0 (what a Kubernetes rolling update and a supervisor's restart count read)."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        signals = 0
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            self.signals += 1
+            if self.signals >= 3 or self.should_exit:
+                self.should_exit = self.force_exit = True
+            else:
+                control.signal()
+
+        def exit_now(self) -> None:
+            self.should_exit = True  # read by uvicorn's main loop; safe from another thread
+
+    return DrainingServer(config)
+
+
 def run_server(
     cfg: ServerConfig, engine_factory: Callable[[], EngineLike] | None = None, disaggregation_mode: str = "null"
 ) -> int:
-    """Serve until SIGINT/SIGTERM; returns 1 if the engine failed to load or died."""
+    """Serve until a SIGTERM / SIGINT drain ends (0, drain.py); 1 if the engine failed to load or died."""
     import uvicorn
 
     holder: dict[str, Any] = {}
@@ -221,7 +253,7 @@ def run_server(
         holder["failed"] = exc
         server = holder.get("server")
         if server is not None:
-            server.should_exit = True  # read by uvicorn's main loop; safe from another thread
+            server.exit_now()
 
     # torch's thread counts are per process: set them before the engine thread loads the model
     threads = server_cpu_threads(cfg)
@@ -241,14 +273,17 @@ def run_server(
         port=cfg.port,
         log_level=cfg.log_level,
         access_log=cfg.log_level == "debug",
-        # on SIGTERM, streams still running after this long are cut (and aborted)
+        # after a drain (drain.py), connections still open this long later are closed
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         # read deadlines and the connection cap (slow clients)
         **listener_settings(cfg.listener),
     )
     if cfg.log_level != "debug":  # after uvicorn.Config: it (re)configures its loggers
         logging.getLogger("uvicorn.error").addFilter(quiet_uvicorn_start)
-    server = uvicorn.Server(config)
+    control: DrainControl = app.state.kvpipe.drain
+    server = draining_server(config, control)
     holder["server"] = server
+    control.exit_server = server.exit_now
     server.run()
+    logger.info("server stopped")
     return 1 if "failed" in holder else 0

@@ -23,6 +23,7 @@ from kvpipe.engine.cpu_threads import OMP_WAIT_ENV, torch_threads
 from kvpipe.engine.request import SamplingParams
 from kvpipe.server.api_key import caller_of
 from kvpipe.server.app_state import ServerState
+from kvpipe.server.listeners import listeners, port_names, port_table, process_tree
 from kvpipe.server.metrics import CONTENT_TYPE
 from kvpipe.server.protocol import GenerateInput, new_rid
 
@@ -30,7 +31,7 @@ HEALTH_GENERATE_TIMEOUT_S = 30.0
 # keys of /server_info (at any depth) only an admin reads: where the planes listen, where the
 # checkpoint lives; sglang-router needs none of them
 _ADMIN_ONLY_KEYS = frozenset(
-    {"bootstrap_port", "model_path", "tokenizer_path", "checkpoint_path", "speculative_draft_model_path"}
+    {"bootstrap_port", "model_path", "tokenizer_path", "checkpoint_path", "listeners", "speculative_draft_model_path"}
 )
 _ADMIN_ONLY_SUFFIXES = ("_address", "_addresses", "_url", "_host", "_endpoint", "_endpoints")
 
@@ -96,17 +97,22 @@ def server_info(state: ServerState) -> dict[str, Any]:
 
 
 def _health_responses() -> dict[int | str, dict[str, Any]]:
-    # no body when healthy; `{"status": "loading" | "failed" | "timeout"}` with 503 otherwise
+    # no body when healthy; `{"status": "loading" | "failed" | "timeout" | "draining"}` with 503 otherwise
     status = {"type": "object", "properties": {"status": {"type": "string"}}}
     return {
         200: {"description": "ready", "content": None},
-        503: {"description": "loading or failed", "content": {"application/json": {"schema": status}}},
+        503: {
+            "description": "loading, failed or draining (shutting down)",
+            "content": {"application/json": {"schema": status}},
+        },
     }
 
 
 def register_health_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health", response_class=Response, responses=_health_responses())
     async def health() -> Response:
+        if state.draining:  # shutting down: out of the router's pool and Kubernetes' endpoints at once
+            return JSONResponse({"status": "draining"}, status_code=503)
         if not state.engine.ready:
             reason = "failed" if state.engine.fatal_error is not None else "loading"
             return JSONResponse({"status": reason}, status_code=503)
@@ -115,7 +121,7 @@ def register_health_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health_generate", response_class=Response, responses=_health_responses())
     async def health_generate() -> Response:
         """Health with a real one-token generation through the engine."""
-        if state.disaggregation_mode != "null":  # a PD server cannot generate alone
+        if state.disaggregation_mode != "null" or state.draining:  # a PD server cannot generate alone
             return await health()
         inp = GenerateInput(
             rid=f"health-{new_rid()}",
@@ -132,10 +138,25 @@ def register_health_routes(app: FastAPI, state: ServerState) -> None:
         return Response(status_code=200 if out.completion_tokens == 1 else 503)
 
 
+def listener_table(http_port: int, engine_stats: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every TCP port this server and its TP workers listen on, named (listeners.py): what a
+    firewall or a NetworkPolicy must cover."""
+    names = port_names(http_port, engine_stats.get("disaggregation") or {})
+    return port_table(listeners(process_tree(os.getpid())), names)
+
+
 def register_info_routes(app: FastAPI, state: ServerState) -> None:
+    # /server_info's `listeners` (admins only), read once the engine is ready: every port is bound
+    # by then and stays until the server exits, and reading /proc/net/tcp takes ~10 ms
+    table: list[list[dict[str, Any]]] = []
+
     async def get_server_info(request: Request) -> dict[str, Any]:
         info = server_info(state)
-        return info if caller_of(request).is_admin else redacted(info)
+        if not caller_of(request).is_admin:
+            return redacted(info)
+        if not table and state.engine.ready:
+            table.append(await asyncio.to_thread(listener_table, state.cfg.port, info["internal_states"][0]))
+        return {**info, "listeners": table[0] if table else None}
 
     async def get_model_info(request: Request) -> dict[str, Any]:
         info = {**state.model_paths(), "is_generation": True, "served_model_name": state.cfg.model_name}

@@ -13,6 +13,7 @@ from fastapi.responses import Response
 from kvpipe.config import ConfigError
 from kvpipe.engine.request import ABORTED_ON_REQUEST, FinishReason
 from kvpipe.server.app_state import ServerState
+from kvpipe.server.drain import is_drain_abort
 from kvpipe.server.errors import APIError
 from kvpipe.server.openai_protocol import (
     COMPLETION_BATCH_FIELDS,
@@ -51,7 +52,8 @@ def _failure(out: RequestOutput) -> APIError | None:
     failed KV transfer, no KV pages in time, a prompt the KV cache cannot hold) is an error with
     that reason, as on a PD prefill; one aborted on request keeps finish_reason "abort"."""
     if out.finish_reason is FinishReason.ABORT and out.finish_detail not in (None, ABORTED_ON_REQUEST):
-        return APIError(f"request {out.rid} failed: {out.finish_detail}", refusal_status(out.finish_detail) or 500)
+        status = 503 if is_drain_abort(out) else refusal_status(out.finish_detail) or 500
+        return APIError(f"request {out.rid} failed: {out.finish_detail}", status)
     return None
 
 

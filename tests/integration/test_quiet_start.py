@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpipe.server.launcher import free_port, stop_process
+from kvpipe.launch.ports import free_port
+from kvpipe.launch.process import stop_process
 from tests.helpers.server import start_server
 
 pytestmark = pytest.mark.timeout(240)

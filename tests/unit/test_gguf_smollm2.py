@@ -10,7 +10,7 @@ import torch
 from kvpipe.config import ConfigError
 from kvpipe.model.checkpoint.default_model import default_model_path
 from kvpipe.model.checkpoint.gguf.checkpoint import GGUFCheckpoint
-from kvpipe.model.checkpoint.schema import ModelConfig
+from kvpipe.model.registry import model_config
 from kvpipe.model.text.tokenizer import Tokenizer
 from tests.helpers import smollm2_text as smollm2
 
@@ -88,7 +88,7 @@ def test_config_matches_hf(ckpt, hf_model):
     ):
         assert cfg[key] == getattr(hf, key), key
     assert cfg["rope_theta"] == hf.rope_parameters["rope_theta"] and "rope_scaling" not in cfg
-    m = ModelConfig.from_hf_dict(cfg)
+    m = model_config(cfg)
     assert (m.architecture, m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads) == ("llama", 30, 576, 9, 3)
     assert m.tie_word_embeddings and m.eos_token_ids == (2,) and m.dtype == "float32"
 

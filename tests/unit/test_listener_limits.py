@@ -37,6 +37,8 @@ def test_limits_are_checked() -> None:
         ListenerLimits(body_timeout_s=float("nan"))
     with pytest.raises(ConfigError, match="max_connections"):
         ListenerLimits(max_connections=True)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="max_header_bytes"):
+        ListenerLimits(max_header_bytes=0)
 
 
 def test_uvicorn_gets_the_guarded_protocol() -> None:
@@ -47,3 +49,19 @@ def test_uvicorn_gets_the_guarded_protocol() -> None:
     assert isinstance(protocol, type) and issubclass(protocol, GuardedH11Protocol)
     assert protocol.limits is limits and GuardedH11Protocol.limits == ListenerLimits()  # no class shared
     assert config.timeout_keep_alive == 4 and config.limit_concurrency is None
+    assert config.backlog == 3 and config.h11_max_incomplete_event_size == 16 << 10
+
+
+def test_the_bootstrap_server_uses_the_same_listener() -> None:
+    """One listener, one policy for both servers: the bootstrap server's limits are ListenerLimits too."""
+    from kvpipe.transfer.control.bootstrap import BOOTSTRAP_LISTENER_LIMITS, BootstrapServer
+
+    srv = BootstrapServer("127.0.0.1", 0)
+    try:
+        config = srv._server.config
+        config.load()
+        protocol = config.http_protocol_class
+        assert isinstance(protocol, type) and issubclass(protocol, GuardedH11Protocol)
+        assert protocol.limits is BOOTSTRAP_LISTENER_LIMITS
+    finally:
+        srv._sock.close()

@@ -13,8 +13,9 @@ from fastapi.testclient import TestClient
 
 from kvpipe.commands.flags import add_http_api_args, add_server_args, server_config_from_args
 from kvpipe.config import ServerConfig
-from kvpipe.server.api_key import API_KEY_ENV, OPEN_PATHS, bearer_token, client_headers, key_matches
+from kvpipe.server.api_key import OPEN_PATHS, bearer_token, key_matches
 from kvpipe.server.async_engine import EngineLike
+from kvpipe.server.client_keys import API_KEY_ENV, client_headers
 from kvpipe.server.http_server import create_app
 
 KEY = "k-0123456789abcdef"

@@ -12,17 +12,9 @@ from fastapi.testclient import TestClient
 
 from kvpipe.commands.flags import add_http_api_args, add_server_args, server_config_from_args
 from kvpipe.config import ConfigError, ServerConfig
-from kvpipe.server.api_key import (
-    ADMIN_API_KEY_ENV,
-    API_KEY_ENV,
-    AccessKeys,
-    Caller,
-    Role,
-    client_headers,
-    key_id,
-    tenant_salt,
-)
+from kvpipe.server.api_key import AccessKeys, Caller, Role, key_id, tenant_salt
 from kvpipe.server.async_engine import EngineLike
+from kvpipe.server.client_keys import ADMIN_API_KEY_ENV, API_KEY_ENV, client_headers
 from kvpipe.server.http_server import create_app
 from kvpipe.server.info_routes import redacted
 
@@ -166,9 +158,14 @@ def test_keys_from_files_and_the_environment(
         ServerConfig(model_path="m", api_keys=(USER,), admin_api_key=USER)
 
 
-def test_our_clients_prefer_the_admin_key() -> None:
-    assert client_headers({API_KEY_ENV: "u", ADMIN_API_KEY_ENV: "a"}) == {"Authorization": "Bearer a"}
-    assert client_headers({API_KEY_ENV: "u"}) == {"Authorization": "Bearer u"}
+def test_our_clients_send_the_admin_key_only_for_an_admin_s_call() -> None:
+    """Inference carries the user key (sglang-router refuses its control-plane admin key there);
+    an admin's read the admin key; each falls back to the other."""
+    both = {API_KEY_ENV: "u", ADMIN_API_KEY_ENV: "a"}
+    assert client_headers(both) == {"Authorization": "Bearer u"}
+    assert client_headers(both, admin=True) == {"Authorization": "Bearer a"}
+    assert client_headers({API_KEY_ENV: "u"}, admin=True) == {"Authorization": "Bearer u"}
+    assert client_headers({ADMIN_API_KEY_ENV: "a"}) == {"Authorization": "Bearer a"}
 
 
 def test_the_schema_says_which_routes_need_the_admin_key(tmp_path: Path) -> None:

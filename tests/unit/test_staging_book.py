@@ -15,6 +15,7 @@ from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.sender.book import SenderBook
 from kvpipe.transfer.sender.room import ChunkState, SendCall, StagingPolicy
 from kvpipe.transfer.staging.book import StagingBook
+from tests.helpers.registered import register_answered
 
 L, PS, HD = 2, 4, 8
 HEAD = PS * HD * 4  # bytes of one head of one float32 page
@@ -217,9 +218,12 @@ class Staged:
             staging_addr=LOCAL,
         )
         self.agent = StagingBook(DPOOL, 4096, "d/0", lease_s=30.0)
-        self.book.on_message(
-            m.RegisterPeer("d/0", 0, 1, "data-d", "tcp://d", DPOOL, m.StagingInfo(AGENT, POOL, 4096, "d/0")), 0.0
+        register_answered(
+            self.book,
+            m.RegisterPeer("d/0", 0, 1, "data-d", "tcp://d", DPOOL, m.StagingInfo(AGENT, POOL, 4096, "d/0")),
+            0.0,
         )
+        assert self.take(m.RegisterReply)[0][1].state is m.RegisterState.ACCEPTED
         self.book.add_room(ROOM, np.arange(10, 14), 0.0)
         self.book.on_message(m.TransferRequest(ROOM, "d/0", (40, 41, 42, 43), 0, 0), 0.0)
         self.book.add_call(ROOM, SendCall(0, 16, 0, L, True), (5, -0.5))

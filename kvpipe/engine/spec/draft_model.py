@@ -35,6 +35,7 @@ from kvpipe.engine.spec.draft_book import DraftBook
 from kvpipe.engine.spec.draft_state import DraftStates
 from kvpipe.engine.spec.drafter import Drafter, LayerSend
 from kvpipe.engine.tp_group import TPGroup, build_draft_runner
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.model.families.causal_lm import check_parallel
 
@@ -72,7 +73,7 @@ class DraftModel(Drafter):
         `target_kv_layers`: the target pool's KV layers (PD sends the draft's after them)."""
         path = cfg.speculative.draft_model_path
         assert path is not None
-        self.model_config = ModelConfig.from_dir(path)
+        self.model_config = model_config_of(path)
         check_draft_model(cfg, target, self.model_config)
         self._tp = tp
         # a hybrid draft (TP 1): two recurrent-state slots per running request (draft_state.py)

@@ -26,6 +26,7 @@ from kvpipe.engine.spec.drafter import Drafter
 from kvpipe.engine.spec.eagle_drafter import EagleDrafter, check_eagle
 from kvpipe.engine.spec.mtp_drafter import MTPDrafter, check_nextn
 from kvpipe.engine.spec.ngram_drafter import NgramDrafter
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.checkpoint.schema import ModelConfig
 
 if TYPE_CHECKING:
@@ -82,7 +83,7 @@ def _no_check(cfg: ServerConfig, model: ModelConfig) -> None:
 def _check_standalone(cfg: ServerConfig, model: ModelConfig) -> None:
     path = cfg.speculative.draft_model_path
     assert path is not None  # DraftModelPath.REQUIRED: config.py refuses STANDALONE without it
-    check_draft_model(cfg, model, ModelConfig.from_dir(path))
+    check_draft_model(cfg, model, model_config_of(path))
 
 
 def _check_eagle(cfg: ServerConfig, model: ModelConfig) -> None:

@@ -145,6 +145,12 @@ class TransferBackend(abc.ABC):
     def cancel(self, handle: BatchHandle, reason: str = "cancelled") -> None:
         """Stop issuing the batch's remaining ops; it turns FAILED once nothing is in flight."""
 
+    def last_progress(self, peer: str) -> float | None:
+        """time.monotonic() when a write to `peer` last completed (None: this backend does not say).
+        A sender's stall check counts it as progress of every batch to that peer: on a slow link
+        that runs full a batch waits behind the others, and is not stuck (issue 50)."""
+        return None
+
     def wait(self, handle: BatchHandle, deadline: float | None = None, poll_interval_s: float = 100e-6) -> BatchState:
         """Poll until terminal or `deadline` (time.monotonic()); PENDING means the deadline passed.
 

@@ -11,6 +11,8 @@ The book's parts, each in its own module (all pure; the book owns one of each an
 - decode_requests.py  a decode's TransferRequest (bound to its room as a Destination,
                       destinations.py) or Abort; `Replies`: final statuses, refused frames
 - session_bounds.py   tombstones of ended rooms and orphan rooms, bounded per decode session
+- sessions.py         which sessions and room claims it keeps (mixed in): registrations answer a
+                      challenge first (challenge.py), a room goes to its own request's claim (claims.py)
 - staged_sends.py     staged chunks (heterogeneous TP): gather -> slot -> one write -> scatter
 - stats.py            SenderStats and a succeeded room's TransferTiming
 What stays here: the engine side (add_room, add_call, abort, poll), the dispatch of control
@@ -55,10 +57,13 @@ from kvpipe.transfer.lifecycle import DuplicateRoomError, RoomRecord, TransferSt
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.planning.window_table import window_pages_problem
 from kvpipe.transfer.recurrent.layout import StateLayout
+from kvpipe.transfer.sender import claims
+from kvpipe.transfer.sender.challenge import Challenges
 from kvpipe.transfer.sender.decode_requests import DecodeRequests, Replies
 from kvpipe.transfer.sender.peers import SenderPeers
 from kvpipe.transfer.sender.room import (
     ChunkState,
+    Destination,
     Inflight,
     OpBatch,
     PlanError,
@@ -67,6 +72,7 @@ from kvpipe.transfer.sender.room import (
     StagingPolicy,
 )
 from kvpipe.transfer.sender.session_bounds import Orphans, Tombstones
+from kvpipe.transfer.sender.sessions import SessionRules
 from kvpipe.transfer.sender.staged_sends import StagedSends
 from kvpipe.transfer.sender.stats import SenderStats, TransferTiming
 
@@ -74,7 +80,7 @@ log = logging.getLogger(__name__)
 S, F = TransferState.SUCCESS, TransferState.FAILED
 
 
-class SenderBook:
+class SenderBook(SessionRules):
     def __init__(
         self,
         cfg: DisaggregationConfig,
@@ -92,6 +98,7 @@ class SenderBook:
         draft_layout: KVLayout | None = None,
         draft_at_prefix: bool = False,
         draft_rank: int | None = None,
+        digest: Callable[[bytes, np.ndarray, tuple[int, int]], bytes] | None = None,
     ) -> None:
         """`state_layout`: this rank's recurrent-state pool (hybrid models): every room has a
         state slot (add_room) that its decodes get with the KV. `own_data_address`: this rank's
@@ -102,11 +109,14 @@ class SenderBook:
         disagg/mtp_transfer.py): its layers are sent from the decode's prefix_len like the
         target's, not from token 0. `draft_rank`: SenderPeers' (NEXTN: the one TP rank of each
         side that holds the draft KV whole; the other prefill ranks send none, and their aux
-        data carries no draft fields: the decode takes them from that rank's)."""
+        data carries no draft fields: the decode takes them from that rank's). `digest(key, src pages,
+        global heads)`: the keyed digest of that part of this rank's pool (kv_digest.py), for
+        decodes that ask for one (None: they get none, and fail the room)."""
         self.cfg, self.layout, self.tp_rank, self.tp_size = cfg, layout, tp_rank, tp_size
         self.state_layout = state_layout
         self.draft_layout = draft_layout
         self.draft_at_prefix = draft_at_prefix
+        self._digest = digest
         self.session_id = session_id
         self.send = send
         self.control_address = control_address  # where staging agents answer
@@ -125,6 +135,7 @@ class SenderBook:
         self.peers = SenderPeers(
             cfg, layout, tp_rank, tp_size, state_layout, own_data_address, draft_layout, draft_rank=draft_rank
         )
+        self.challenges = Challenges()  # a registration is kept once answered at its control address
         self.rooms: dict[int, SenderRoom] = {}  # insertion order = FIFO for the write window
         self.tombstones = Tombstones(
             cfg.limits.max_tombstones_per_session, 2 * cfg.waiting_timeout_s + cfg.bootstrap_timeout_s, self.stats
@@ -138,6 +149,7 @@ class SenderBook:
             self.orphans,
             self.replies,
             self._room,
+            self._fail_or_drop,
             layout=layout,
             tp_size=tp_size,
             draft_layout=draft_layout,
@@ -152,7 +164,7 @@ class SenderBook:
         self._done: dict[int, None] = {}  # rooms poll() may report
         self._dirty = True
         self._next_scan = float("-inf")
-        self._peer_progress: dict[str, float] = {}  # data address -> last time a batch to it completed
+        self._peer_progress: dict[str, float] = {}  # data address -> last time a write to it completed
         self._link_busy_since: float | None = None  # start of the current busy period
         self._period_bytes = 0  # bytes landed in the current busy period
         self.timings: collections.deque[TransferTiming] = collections.deque(maxlen=1024)  # succeeded rooms
@@ -167,7 +179,9 @@ class SenderBook:
         state_slot: int | None = None,
         swa_pages: np.ndarray | None = None,
         draft_pages: np.ndarray | None = None,
+        claim: bytes | None = None,
     ) -> None:
+        """`claim`: the room's messages.room_claim (None: the first decode to ask takes it)."""
         self._dirty = True
         r = self.rooms.get(room)
         if r is not None and r.src_pages is not None:
@@ -180,9 +194,11 @@ class SenderBook:
         r.src_state_slot = state_slot
         r.src_swa_pages = swa_pages
         r.src_draft_pages = draft_pages
+        r.claim = claim
+        self._settle_claims(r, now)
         self.orphans.adopt(room, r.dests)
         tomb = self.tombstones.pop(room)
-        if tomb is not None:
+        if tomb is not None and claims.tomb_applies(tomb.by, tomb.claim, claim):
             r.notified |= tomb.notified
             r.rec.fail(f"room {room} was already used or aborted: {tomb.what}", now)
         if r.ready:
@@ -260,9 +276,7 @@ class SenderBook:
         if isinstance(msg, Heartbeat):
             self.peers.seen(msg.session_id, now)
         elif isinstance(msg, RegisterPeer):
-            why = self.peers.register(msg, now)
-            if why is not None:
-                self.replies.reject(f"RegisterPeer from {msg.session_id}: {why}")
+            self._on_register(msg, now)
         elif isinstance(msg, TransferRequest):
             self.peers.seen(msg.session_id, now)
             self.requests.on_request(msg, now)
@@ -275,6 +289,14 @@ class SenderBook:
                 self.replies.reject(why)
         else:
             self.replies.reject(f"unexpected {type(msg).__name__} on a prefill rank")
+
+    def _kv_digest(self, r: SenderRoom, d: Destination) -> bytes:
+        """The digest a destination asked for of the pages we wrote into it (b"": not asked, or
+        we send it no heads, or we cannot: the decode fails the room then)."""
+        if not d.integrity_key or d.heads is None or self._digest is None or r.src_pages is None:
+            return b""
+        first = d.prefix_len // self.layout.page_size
+        return self._digest(d.integrity_key, r.src_pages[first : first + len(d.dst_pages)], d.heads)
 
     def _room(self, room: int, rec: RoomRecord) -> SenderRoom:
         return SenderRoom(room, rec, self.layout, self.state_layout, draft_layout=self.draft_layout)
@@ -311,9 +333,10 @@ class SenderBook:
         for addr in self.peers.liveness.reap(now):
             why = f"decode at {addr} sent nothing for {self.cfg.heartbeat_timeout_s:.1f}s (heartbeats missed)"
             log.warning("prefill rank %d: %s", self.tp_rank, why)
-            for r in self.rooms.values():
-                if any(d.control_address == addr for d in r.dests.values()):
-                    r.rec.fail(why, now)
+            for r in list(self.rooms.values()):
+                dead = [s for s, d in r.dests.items() if d.control_address == addr]
+                if dead:
+                    self._fail_or_drop(r, dead, why, now)
                     self._dirty = True
         if now < self._next_hb:
             return []
@@ -322,7 +345,11 @@ class SenderBook:
             self.send(addr, Heartbeat(self.session_id, self._hb_seq))
         self._hb_seq += 1
         self.tombstones.expire(now)
-        return self.peers.prune(now, {d.control_address for r in self.rooms.values() for d in r.dests.values()})
+        gone = self.peers.prune(
+            now, {d.control_address for r in self.rooms.values() for d in r.dests.values()}, self._sessions_in_use()
+        )
+        self._tell_evicted()
+        return gone
 
     def take_work(
         self, now: float
@@ -373,6 +400,10 @@ class SenderBook:
                 take.append((r, b))
         self.finalize(now, rooms)
         return take, cancels, watch
+
+    def peer_progressed(self, peer: str, now: float) -> None:
+        """A write to the data address `peer` completed (a piece of a batch, seen by the backend)."""
+        self._peer_progress[peer] = now
 
     @staticmethod
     def _awaited(r: SenderRoom) -> str:
@@ -457,7 +488,13 @@ class SenderBook:
             for d in r.dests.values():
                 if d.session_id not in r.notified:
                     self.replies.status(
-                        d.control_address, r.room, d.session_id, ok, "" if ok else r.rec.reason, r.aux if ok else None
+                        d.control_address,
+                        r.room,
+                        d.session_id,
+                        ok,
+                        "" if ok else r.rec.reason,
+                        r.aux if ok else None,
+                        self._kv_digest(r, d) if ok else b"",
                     )
                     r.notified.add(d.session_id)
             if r.src_pages is None:  # a request without add_room that timed out or was aborted

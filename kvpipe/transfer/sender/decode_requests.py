@@ -20,6 +20,7 @@ from kvpipe.config import DisaggregationConfig
 from kvpipe.transfer.control.messages import Abort, AuxData, RegisterPeer, TransferRequest, TransferStatus, WireState
 from kvpipe.transfer.lifecycle import RoomRecord, TransferState
 from kvpipe.transfer.planning.layout import KVLayout
+from kvpipe.transfer.sender import claims
 from kvpipe.transfer.sender.destinations import destination
 from kvpipe.transfer.sender.peers import SenderPeers, expected_destinations
 from kvpipe.transfer.sender.room import SenderRoom
@@ -36,10 +37,17 @@ class Replies:
         self.send, self.session_id, self.tp_rank, self.stats = send, session_id, tp_rank, stats
 
     def status(
-        self, addr: str, room: int, session: str, ok: bool, reason: str = "", aux: AuxData | None = None
+        self,
+        addr: str,
+        room: int,
+        session: str,
+        ok: bool,
+        reason: str = "",
+        aux: AuxData | None = None,
+        kv_digest: bytes = b"",
     ) -> None:
         state = WireState.SUCCESS if ok else WireState.FAILED
-        self.send(addr, TransferStatus(room, session, state, reason, aux, self.session_id))
+        self.send(addr, TransferStatus(room, session, state, reason, aux, self.session_id, kv_digest))
 
     def reject(self, what: str) -> None:
         self.stats.rejected_messages += 1
@@ -56,6 +64,7 @@ class DecodeRequests:
         orphans: Orphans,
         replies: Replies,
         new_room: Callable[[int, RoomRecord], SenderRoom],
+        fail_or_drop: Callable[[SenderRoom, list[str], str, float], None],
         *,
         layout: KVLayout,
         tp_size: int,
@@ -63,9 +72,10 @@ class DecodeRequests:
         draft_at_prefix: bool = False,
     ) -> None:
         """`rooms`, `tombstones`, `orphans`: SenderBook's, changed in place; `new_room`: how it
-        makes a room; `layout`, `draft_layout`, `draft_at_prefix`: as SenderBook's."""
+        makes a room; `fail_or_drop(room, sessions, reason, now)`: how sessions of a room give up
+        (SessionRules); `layout`, `draft_layout`, `draft_at_prefix`: as SenderBook's."""
         self.rooms, self.peers, self.tombstones, self.orphans = rooms, peers, tombstones, orphans
-        self.replies, self.new_room = replies, new_room
+        self.replies, self.new_room, self.fail_or_drop = replies, new_room, fail_or_drop
         self.layout, self.draft_layout, self.draft_at_prefix = layout, draft_layout, draft_at_prefix
         self.tp_rank, self.tp_size = replies.tp_rank, tp_size
         self.max_orphans = cfg.limits.max_orphan_rooms_per_session
@@ -78,6 +88,9 @@ class DecodeRequests:
             # This session has (or will get) its final status for the room; a second one would lie.
             return self.replies.reject(f"repeated TransferRequest for room {room} from {session}")
         peer, why = self.peers.check_request(msg)
+        if why is None and tomb is not None and not claims.tomb_applies(tomb.by, tomb.claim, msg.claim or None):
+            self.tombstones.pop(room)  # a stranger's tombstone of another claim: no word on this request
+            tomb = None
         if why is None and tomb is not None:
             why = f"room {room} already finished here ({tomb.what})"
         elif why is None:
@@ -95,7 +108,7 @@ class DecodeRequests:
         elif tomb is not None:
             tomb.notified.add(session)
         elif peer is not None:  # a later add_room for this room fails at once instead of waiting for a request
-            self.tombstones.add(room, now, f"invalid TransferRequest: {why}", {session}, session)
+            self.tombstones.add(room, now, f"invalid TransferRequest: {why}", {session}, session, msg.claim or None)
 
     def _bind(self, msg: TransferRequest, peer: RegisterPeer, now: float) -> str | None:
         """Attach a validated request to its room; returns why it cannot be, or None."""
@@ -111,13 +124,14 @@ class DecodeRequests:
         if r is None:  # the decode is ahead of our engine: keep it until add_room (or time out)
             r = self.rooms[room] = self.new_room(room, RoomRecord.new(room, self._orphan_timeouts, now))
         expected = expected_destinations(self.tp_rank, self.tp_size, peer.tp_size)
-        if (
-            (r.expected is not None and r.expected != expected)
-            or len(r.dests) >= expected
-            or any(d.decode_rank == peer.tp_rank or d.control_address != peer.control_address for d in r.dests.values())
-        ):
-            return f"room {room} is already bound to another decode (duplicate bootstrap_room?)"
-        r.expected = expected
+        why = claims.conflict(r, peer.control_address, peer.tp_rank, msg.claim, expected)
+        if why is not None:
+            if not r.dests and r.src_pages is None:  # made for this request only
+                del self.rooms[room]
+            return why
+        if r.expected is None or not r.dests:
+            r.expected = expected
+        self.peers.used(session, now)
         if r.src_pages is None:
             self.orphans.add(session, room)
         r.dests[session] = destination(
@@ -128,6 +142,7 @@ class DecodeRequests:
             draft_layout=self.draft_layout,
             draft_at_prefix=self.draft_at_prefix,
             draft_heads=self.peers.draft_heads.get(session),
+            expected=expected,
         )
         if len(r.dests) >= expected:
             r.requested_at = now
@@ -141,10 +156,14 @@ class DecodeRequests:
         if (r is not None and session in r.notified) or (tomb is not None and session in tomb.notified):
             return  # it already has our final status (the abort crossed it on the wire)
         if r is not None and session in r.dests:
-            r.rec.fail(f"aborted by decode: {msg.reason}", now)
+            self.fail_or_drop(r, claims.group(r, session), f"aborted by decode: {msg.reason}", now)
             return
         addr = self.peers.reply_address(session)
-        if addr is None or (r is not None and r.dests):  # a stranger, or a room bound to other sessions
+        if (
+            addr is None  # a stranger
+            or (r is not None and r.dests)  # a room bound to other sessions
+            or (r is not None and r.claim is not None and msg.claim != r.claim)  # another request's room
+        ):
             return self.replies.reject(f"Abort for room {room} from {session}, which is not bound to it")
         if r is not None:
             # The decode gave up before it asked for the room (it waited for pages): fail it now
@@ -157,6 +176,6 @@ class DecodeRequests:
         # that a late add_room fails at once instead of waiting for a request that never comes.
         self.replies.status(addr, room, session, False, f"prefill rank {self.tp_rank} never wrote room {room}")
         if tomb is None:
-            self.tombstones.add(room, now, f"aborted by decode: {msg.reason}", {session}, session)
+            self.tombstones.add(room, now, f"aborted by decode: {msg.reason}", {session}, session, msg.claim or None)
         else:
             tomb.notified.add(session)

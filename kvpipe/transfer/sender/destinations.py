@@ -20,10 +20,12 @@ def destination(
     draft_layout: KVLayout | None = None,
     draft_at_prefix: bool = False,
     draft_heads: tuple[int, int] | None = None,
+    expected: int = 1,
 ) -> Destination:
     """`peer`: the session's registration; `layout`, `draft_layout`: this rank's pools; `heads`,
     `draft_heads`: the global KV heads this rank writes there (SenderPeers'); `draft_at_prefix`:
-    the draft KV is sent from the decode's prefix like the target's (SenderBook says when)."""
+    the draft KV is sent from the decode's prefix like the target's (SenderBook says when);
+    `expected`: how many decode ranks the request's claim group expects (claims.py)."""
     swa = None if msg.dst_swa_pages is None else np.asarray(msg.dst_swa_pages, dtype=np.int64)
     lead = 0 if swa is None else swa.size - len(msg.dst_pages)  # check_request: <= prefix pages
     return Destination(
@@ -58,4 +60,7 @@ def destination(
         # window pages of logical pages [prefix - lead, prefix): below the decode's prefix
         dst_swa_lead=None if swa is None or lead == 0 else swa[:lead],
         swa_lead_sent=None if swa is None or lead == 0 else np.zeros(layout.num_layers, dtype=bool),
+        claim=msg.claim,
+        expected=expected,
+        integrity_key=msg.integrity_key,
     )

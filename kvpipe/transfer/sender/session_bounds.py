@@ -23,6 +23,7 @@ class Tombstone:
     what: str  # how the room ended
     notified: set[str]  # decode sessions that already got our final status
     by: str | None = None  # the decode session whose messages made it (None: a room our engine ran)
+    claim: bytes | None = None  # the room claim of those messages (claims.tomb_applies)
 
 
 class Tombstones:
@@ -46,11 +47,14 @@ class Tombstones:
     def values(self) -> ValuesView[Tombstone]:
         return self._tombs.values()
 
-    def add(self, room: int, now: float, what: str, notified: set[str], by: str | None = None) -> None:
+    def add(
+        self, room: int, now: float, what: str, notified: set[str], by: str | None = None, claim: bytes | None = None
+    ) -> None:
         """Remember how `room` ended (`what`), for `ttl_s`; `notified`: the decode sessions that
-        got our final status; `by`: the session it counts against (its oldest may be forgotten)."""
+        got our final status; `by`: the session it counts against (its oldest may be forgotten);
+        `claim`: the room claim of `by`'s messages (a stranger's tombstone binds no other claim)."""
         self.pop(room)
-        self._tombs[room] = Tombstone(now + self.ttl_s, what, notified, by)
+        self._tombs[room] = Tombstone(now + self.ttl_s, what, notified, by, claim)
         if by is None:
             return
         mine = self._by.setdefault(by, {})
@@ -96,6 +100,10 @@ class Orphans:
                 rooms.discard(room)
                 if not rooms:
                     del self._rooms[session]
+
+    def drop(self, session: str) -> None:
+        """Forget every orphan of `session` (evicted: its decode asks again once registered)."""
+        self._rooms.pop(session, None)
 
     def __len__(self) -> int:
         """Sessions with orphans."""
