@@ -261,14 +261,15 @@ def test_full_control_queue_fails_the_request():
 
 def test_heartbeats_one_per_prefill_rank_with_increasing_seq():
     d = Decode(tp=2)  # P=1, D=2: the prefill rank pairs with both decode ranks, gets one beat
-    d.book.housekeeping(0.0)
+    d.book.heartbeats(0.0)
     assert d.take() == []  # nobody known yet
     d.connected(1, prefill(), 0.0)
     d.take()
-    d.book.housekeeping(0.9)  # an interval has not passed since the first round
+    d.book.heartbeats(0.9)  # an interval has not passed since the first round
+    d.book.housekeeping(1.5)  # the worker's housekeeping never beats (the pulse thread does)
     assert d.take() == []
     for now in (1.0, 1.5, 2.0):
-        d.book.housekeeping(now)
+        d.book.heartbeats(now)
     assert d.take() == [("tcp://p0-0", m.Heartbeat(d.mine(1), 1)), ("tcp://p0-0", m.Heartbeat(d.mine(1), 2))]
 
 

@@ -569,6 +569,10 @@ class ReceiverBook:
         for peer in self.prefills.values():  # rooms wait for a registration no answer came for
             if peer.reg.queued and not peer.reg.ready:
                 self._register(peer, now)
+
+    def heartbeats(self, now: float) -> None:
+        """One beat per prefill rank, at most once per heartbeat interval. The receiver's `Pulse`
+        thread calls this, not the worker (whose housekeeping may wait on the lock)."""
         if now < self._next_hb:
             return
         self._next_hb = now + self.cfg.heartbeat_interval_s
