@@ -60,7 +60,7 @@ def _points(
             where = f"{pt['prompt_len']} tok b{pt['batch']}" if key == "prefill" else f"b{pt['batch']}"
             label = f"{mode_label(r, reports)}\n{where}"
             if ref is not None:
-                label += f"\n{pt[value] / ref[1][value]:.2f}x"
+                label += f"\n{pt[value] / ref[1][value]:.2f}x the time"
             rows.append((label, pt[value], ref and ref[0], ref and ref[1][value]))
     series: dict[str, list[float | None]] = {name: [ours for _, ours, _, _ in rows]}
     for ref_name in dict.fromkeys(n for _, _, n, _ in rows if n):
