@@ -44,8 +44,11 @@ def _title(reports: Sequence[Report], what: str) -> str:
     """The command and the machine, and the model where the points' labels do not name it."""
     cfg = reports[0]["config"]
     model = "" if what else ": " + Path(str(cfg.get("model") or cfg.get("model_path") or "?")).name
-    machine = machine_line(reports[0].get("machine"))
-    return f"kvpipe bench engine{what}{model}" + (f" — {machine}" if machine else "")
+    machine = dict(reports[0].get("machine") or {})
+    if len({(r.get("machine") or {}).get("threads") for r in reports}) > 1:
+        machine.pop("threads", None)  # runs with other thread counts: the labels' runs differ
+    line = machine_line(machine)
+    return f"kvpipe bench engine{what}{model}" + (f" — {line}" if line else "")
 
 
 def _points(
