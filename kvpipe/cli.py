@@ -74,6 +74,7 @@ COMMANDS: list[Command] = [
         "live view of a running stack through its router: rates, TTFT and its parts, pages, transfer, restarts",
         "kvpipe.commands.top",
     ),
+    Command("bench plot", "draw recorded benchmark results (their JSON) again as a PNG", "kvpipe.bench.plot_command"),
     Command(
         "bench quant-accuracy",
         "greedy agreement and logprob drift of each --quantization against the unquantized model",

@@ -17,9 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
+from kvpipe.bench.accuracy.plot import plot_accuracy
+from kvpipe.bench.output import add_output_args, write_outputs
 from kvpipe.config import KV_CACHE_DTYPES, CacheConfig, SchedulerConfig, ServerConfig
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import SamplingParams
@@ -55,8 +56,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=32, help="chat prompts (the built-in questions, repeated)")
     p.add_argument("--output-len", type=int, default=128, help="greedy tokens per prompt")
     p.add_argument("--page-size", type=int, default=64, help="tokens per KV page")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    p.add_argument("--out", default=None, help="also write the JSON result to this file")
+    add_output_args(p)
 
 
 def prompts(engine: Engine, n: int) -> list[list[int]]:
@@ -155,9 +155,8 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def emit_report(report: dict[str, Any], args: argparse.Namespace, table: str) -> int:
-    """--out writes the JSON; stdout gets the JSON (--json) or the table."""
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    """--out writes the JSON, --plot the plot; stdout gets the JSON (--json) or the table."""
+    write_outputs(report, args, plot_accuracy)
     print(json.dumps(report) if args.json else table)
     return 0
 

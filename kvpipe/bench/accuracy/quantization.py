@@ -19,6 +19,7 @@ import sys
 from typing import Any
 
 from kvpipe.bench.accuracy.kv_dtype import accuracy_table, compare, emit_report, generate
+from kvpipe.bench.output import add_output_args
 from kvpipe.config import QUANTIZATIONS
 from kvpipe.model.checkpoint.default_model import resolve_model_path
 
@@ -33,8 +34,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=32, help="chat prompts (kv-accuracy's questions, repeated)")
     p.add_argument("--output-len", type=int, default=64, help="greedy tokens per prompt")
     p.add_argument("--page-size", type=int, default=64, help="tokens per KV page")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    p.add_argument("--out", default=None, help="also write the JSON result to this file")
+    add_output_args(p)
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:

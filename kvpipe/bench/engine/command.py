@@ -34,12 +34,13 @@ import argparse
 import json
 import tempfile
 from contextlib import ExitStack
-from pathlib import Path
 
 from kvpipe.bench.engine.llamacpp_reference import format_llamacpp
+from kvpipe.bench.engine.plot import plot_engine
 from kvpipe.bench.engine.run import run_bench
 from kvpipe.bench.engine.spec_decode import WORKLOADS, format_spec
 from kvpipe.bench.engine.stats import format_table
+from kvpipe.bench.output import add_output_args, write_outputs
 from kvpipe.config import (
     DECODE_FUSED_LAYER_MODES,
     KV_CACHE_DTYPES,
@@ -142,8 +143,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="where converted GGUFs are written and reused (default: a temporary directory of this run)",
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    p.add_argument("--out", default=None, help="also write the JSON result to this file")
+    add_output_args(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -178,8 +178,7 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
                         if "speculative" in report:
                             print(format_spec(report["speculative"]), flush=True)
     result = reports[0] if len(reports) == 1 else {"runs": reports}
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_outputs(result, args, lambda res, path: plot_engine(reports, path))
     if args.json:
         print(json.dumps(result))
     return 0

@@ -6,17 +6,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvpipe.bench.plotting import pyplot, save
 from kvpipe.harness.latency import completed_metrics
 from kvpipe.harness.outcome import Outcome
-
-
-def _pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def _cdf(ax: Any, values_ms: Sequence[float], label: str) -> None:
@@ -29,7 +21,7 @@ def plot_run(
     records: Sequence[Outcome], summary: Mapping[str, Any], path: str | Path, title: str = "kvpipe bench serve"
 ) -> Path:
     """Two panels: CDFs of TTFT and e2e latency, and the ITL histogram (all in ms)."""
-    plt = _pyplot()
+    plt = pyplot()
     done = completed_metrics(records)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     _cdf(ax1, [m.ttft_s * 1e3 for m in done], "TTFT")
@@ -55,14 +47,14 @@ def plot_run(
         f"TTFT p50 {fmt('ttft_p50_ms')} ms, TPOT p50 {fmt('tpot_p50_ms')} ms, "
         f"{fmt('output_throughput')} tok/s"
     )
-    return _save(plt, fig, path)
+    return save(plt, fig, path)
 
 
 def plot_sweep(rows: Sequence[Mapping[str, Any]], path: str | Path, title: str = "kvpipe serving sweep") -> Path:
     """TTFT (p50 solid, p99 dashed) vs prompt length per mode; exposed transfer time per PD mode
     (and the KV tail after the forward with the 1.5/N target when the rows carry them), with the
     ideal line-rate transfer time when the rows carry it."""
-    plt = _pyplot()
+    plt = pyplot()
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for i, mode in enumerate(modes):
@@ -111,13 +103,13 @@ def plot_sweep(rows: Sequence[Mapping[str, Any]], path: str | Path, title: str =
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
     fig.suptitle(title)
-    return _save(plt, fig, path)
+    return save(plt, fig, path)
 
 
 def plot_modes(rows: Sequence[Mapping[str, Any]], path: str | Path, title: str = "kvpipe modes") -> Path:
     """Side by side per mode (one workload, e.g. shared prefixes or multi-turn): TTFT p50 and p99
     bars, and the KV bytes the prefill sent per request."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     labels = [
         f"{r['mode']}\n{r['prompt_len']} tok" if len({x["prompt_len"] for x in rows}) > 1 else r["mode"] for r in rows
@@ -146,14 +138,22 @@ def plot_modes(rows: Sequence[Mapping[str, Any]], path: str | Path, title: str =
         ax.grid(alpha=0.3, axis="y")
     ax1.legend(fontsize=8)
     fig.suptitle(title)
-    return _save(plt, fig, path)
+    return save(plt, fig, path)
 
 
-def _save(plt: Any, fig: Any, path: str | Path) -> Path:
-    """Write the figure as PNG (parent folders made) and free it."""
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+def result_plot(result: Mapping[str, Any], path: str | Path) -> Path:
+    """A sweep's or --compare-colocated result's plot, titled from the result itself: what `bench
+    serve` draws after the run and `bench plot` draws again from its JSON. One workload's modes
+    side by side (shared prefixes, several turns, PD vs colocated) are bars; prompt lengths, lines."""
+    w, rows = result["workload"], result["rows"]
+    if "compare" in result:
+        return plot_modes(rows, path, f"kvpipe PD vs colocated, {w['num_requests']} req, c={w['concurrency']}")
+    title = f"kvpipe sweep, link {result['link_rate']}, {w['num_requests']} req/point, c={w['concurrency']}"
+    groups, turns = w.get("num_prefix_groups") or 0, w.get("num_turns") or 1
+    if groups:
+        title += f", {groups} prefix groups of {w['prefix_len']} tokens"
+    if turns > 1:
+        title += f", {turns} turns (+{w['turn_len']} tokens each)"
+    if groups or turns > 1:
+        return plot_modes(rows, path, title)
+    return plot_sweep(rows, path, title)

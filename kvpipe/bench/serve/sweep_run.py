@@ -17,7 +17,7 @@ from kvpipe.bench.kv_bytes import ServedDtypes, kv_wire_bytes, state_bytes_per_r
 from kvpipe.bench.serve.chat_text import ChatText, open_chat_text
 from kvpipe.bench.serve.compare import COMPARE_MODES, compare_rows, compare_table
 from kvpipe.bench.serve.group_timeline import GroupTimeline, format_group_timeline, newest_group_timeline, with_planner
-from kvpipe.bench.serve.plot import plot_modes, plot_sweep
+from kvpipe.bench.serve.plot import result_plot
 from kvpipe.bench.serve.run import config_dict, emit, measure, summary_of, vocab_size, warm_up, workload_config
 from kvpipe.bench.serve.spec_stats import reporting_spec
 from kvpipe.bench.serve.stacks import Endpoint, StackOptions, default_stack_factory
@@ -238,17 +238,8 @@ def run_sweep_cmd(args: argparse.Namespace, compare: bool = False) -> int:
     ok = 0 if all(p.summary["completed"] for p in points) else 1
     if compare:
         result["compare"] = compare_rows(points)
-        title = f"kvpipe PD vs colocated, {args.num_requests} req, c={args.concurrency}"
         servers = {**threads.get(COMPARE_MODES[0], {}), **threads.get(COMPARE_MODES[1], {})}
-        emit(result, args, lambda path: plot_modes(rows, path, title), compare_table(result["compare"], servers))
+        emit(result, args, lambda path: result_plot(result, path), compare_table(result["compare"], servers))
         return ok
-    title = f"kvpipe sweep, link {result['link_rate']}, {args.num_requests} req/point, c={args.concurrency}"
-    if args.num_prefix_groups or args.num_turns > 1:  # one workload's modes side by side: bars
-        if args.num_prefix_groups:
-            title += f", {args.num_prefix_groups} prefix groups of {args.prefix_len} tokens"
-        if args.num_turns > 1:
-            title += f", {args.num_turns} turns (+{args.turn_len} tokens each)"
-        emit(result, args, lambda path: plot_modes(rows, path, title))
-    else:
-        emit(result, args, lambda path: plot_sweep(rows, path, title))
+    emit(result, args, lambda path: result_plot(result, path))
     return ok

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpipe.bench.serve.plot import _pyplot, _save
+from kvpipe.bench.plotting import pyplot, save
 
 PREFILL_COMPUTE, KV_TRANSFER, DECODE = "prefill compute", "KV transfer", "decode"
 PHASES = (PREFILL_COMPUTE, KV_TRANSFER, DECODE)
@@ -83,7 +83,7 @@ def request_bars(entries: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[Req
 
 def timeline_figure(rows: Sequence[RequestBars], title: str = "kvpipe request timelines") -> Any:
     """The figure: one `barh` container per phase (its label: the phase), one bar per Bar."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(11, max(2.5, 0.32 * len(rows) + 1.5)))
     t0 = min((b.start for r in rows for b in r.bars), default=0.0)
     for phase in PHASES:
@@ -106,5 +106,5 @@ def timeline_figure(rows: Sequence[RequestBars], title: str = "kvpipe request ti
 
 
 def plot_timelines(rows: Sequence[RequestBars], path: str | Path, title: str = "kvpipe request timelines") -> Path:
-    plt = _pyplot()
-    return _save(plt, timeline_figure(rows, title), path)
+    plt = pyplot()
+    return save(plt, timeline_figure(rows, title), path)

@@ -32,8 +32,10 @@ import tempfile
 from contextlib import ExitStack
 from typing import Any
 
+from kvpipe.bench.output import add_output_args, write_outputs
 from kvpipe.bench.transfer import tp
 from kvpipe.bench.transfer.config import TPConfig, WorkerConfig
+from kvpipe.bench.transfer.plot import plot_transfer
 from kvpipe.bench.transfer.prefill import prefill_main
 from kvpipe.bench.transfer.process_pair import run_pair
 from kvpipe.bench.transfer.procs import decode_main
@@ -112,7 +114,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--link-rate", default=None, help="emulate a link of this rate (tc syntax, e.g. 2gbit); needs root")
     p.add_argument("--seed", type=int, default=0, help="seed of the KV bytes and page choices")
     p.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    add_output_args(p)
 
 
 def _shape(args: argparse.Namespace) -> KVShape:
@@ -279,6 +281,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     report = run_bench(args)
+    write_outputs(report, args, plot_transfer)
     if args.json:
         print(json.dumps(report))
     elif report.get("mode") == "tp":
