@@ -18,7 +18,7 @@ import argparse
 import sys
 from typing import Any
 
-from kvpipe.bench.kv_accuracy import accuracy_table, compare, emit_report, generate
+from kvpipe.bench.kv_accuracy import accuracy_table, add_common_args, compare, emit_report, generate
 from kvpipe.config import QUANTIZATIONS
 from kvpipe.model.checkpoint.default_model import resolve_model_path
 
@@ -32,9 +32,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--num-prompts", type=int, default=32, help="chat prompts (kv-accuracy's questions, repeated)")
     p.add_argument("--output-len", type=int, default=64, help="greedy tokens per prompt")
-    p.add_argument("--page-size", type=int, default=64, help="tokens per KV page")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    p.add_argument("--out", default=None, help="also write the JSON result to this file")
+    add_common_args(p)
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
