@@ -5,9 +5,11 @@ tests expect of the file (shape, tensor types, special tokens), and the pieces b
 kvpipe's tokenizer, and transformers' tokenizer and float32 model from the same file (the
 reference). A catalog model is fetched on first use (`fetch` is idempotent and file-locked, so
 two test workers that ask at once wait for one download): the tests run whether or not
-`make models` ran. Each piece is built once per test process and model (loading an HF model
-dequantizes the whole file: 10 s for SmolLM2, minutes for the Qwens on a loaded machine); the HF
-model is kept for one model at a time (the 1.5B takes 6 GB in float32).
+`make models` ran. Tokenizers are built once per test process and model; an HF model is loaded
+anew for each caller, which owns it (a module-scoped fixture) and should let it go as soon as it
+has what it needs: loading dequantizes the whole file (10 s for SmolLM2, minutes for the Qwens on
+a loaded machine, a 5 GB peak for the 0.5B), and a cached copy lived on into the next module
+beside that module's own models (an 8.7 GB test process met the OOM killer).
 
     @pytest.fixture(scope="module", params=trained.params(trained.SMOLLM2, trained.QWEN_05B))
     def model(request) -> trained.TrainedModel: return trained.MODELS[request.param]
@@ -97,9 +99,8 @@ def kvpipe_tokenizer(name: str = SMOLLM2) -> Tokenizer:
     return Tokenizer.from_dir(gguf_path(name))
 
 
-@lru_cache(maxsize=1)
 def hf_model(name: str = SMOLLM2) -> Any:
-    """transformers' model from the GGUF, float32, in eval mode (shared: do not modify)."""
+    """transformers' model from the GGUF, float32, in eval mode (a new one each call)."""
     import torch
     from transformers import AutoModelForCausalLM
 
