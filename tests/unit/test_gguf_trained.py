@@ -18,6 +18,10 @@ from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.model.text.tokenizer import Tokenizer
 from tests.helpers import trained_models as trained
 
+# a liveness deadline, setup included: loading a Qwen (transformers dequantizes the whole file, kvpipe
+# packs it) took 2-8 minutes on a loaded 2-core host
+pytestmark = pytest.mark.timeout(1800)
+
 TEXTS = [
     "The capital of France is Paris.",
     "",
