@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvpipe-installed
 
-.PHONY: setup system-deps models models-full run test test-full test-unit lint clean
+.PHONY: setup system-deps models models-full run test test-full test-unit lint clean image
 
 # Mooncake's shared libraries (apt-get when root and missing; else a one-line instruction)
 system-deps:
@@ -59,6 +59,16 @@ lint: setup
 
 test-unit: setup
 	$(BIN)/python -m pytest -q -ra tests/unit
+
+# the container image (deploy/docker/Dockerfile; IMAGE_ARGS passes build arguments, e.g. MODEL=none)
+IMAGE ?= kvpipe:cpu
+IMAGE_ARGS ?=
+image:
+	@if command -v docker >/dev/null 2>&1 && docker info >/dev/null 2>&1; then \
+		docker build -f deploy/docker/Dockerfile -t $(IMAGE) $(IMAGE_ARGS) . ; \
+	else \
+		echo "make image: no docker daemon here, skipped (elsewhere: docker build -f deploy/docker/Dockerfile -t $(IMAGE) .)"; \
+	fi
 
 clean:
 	rm -rf $(VENV) build *.egg-info

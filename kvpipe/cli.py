@@ -41,28 +41,32 @@ COMMANDS: list[Command] = [
     Command(
         "chat", "terminal chat with a running server or router (streams, keeps the history)", "kvpipe.commands.chat"
     ),
-    Command("launch", "local PD stack: prefill + decode + sglang-router", "kvpipe.server.launcher", pass_unknown=True),
+    Command("launch", "local PD stack: prefill + decode + sglang-router", "kvpipe.commands.launch", pass_unknown=True),
     Command(
-        "bench serve", "serving benchmark: TTFT/TPOT/ITL/throughput against a server or stacks", "kvpipe.bench.serve"
+        "bench serve",
+        "serving benchmark: TTFT/TPOT/ITL/throughput against a server or stacks",
+        "kvpipe.bench.serve.command",
     ),
-    Command("bench engine", "offline engine prefill/decode throughput on this machine", "kvpipe.bench.engine"),
+    Command("bench engine", "offline engine prefill/decode throughput on this machine", "kvpipe.bench.engine.command"),
     Command("bench soak", "soak the local PD stack: mixed requests, injected faults, leak checks", "kvpipe.qa.soak"),
-    Command("bench transfer", "KV transfer goodput between a prefill and a decode process", "kvpipe.bench.transfer"),
+    Command(
+        "bench transfer", "KV transfer goodput between a prefill and a decode process", "kvpipe.bench.transfer.command"
+    ),
     Command(
         "bench chaos",
         "kill -9 campaign: kill parts of a supervised PD stack under load, check recovery",
         "kvpipe.qa.chaos",
     ),
-    Command("testbed", "emulated link between two network namespaces (up/down/status)", "kvpipe.qa.testbed_cli"),
+    Command("testbed", "emulated link between two network namespaces (up/down/status)", "kvpipe.harness.testbed_cli"),
     Command(
         "bench kv-accuracy",
         "greedy agreement and logprob drift of each --kv-cache-dtype against fp32 KV",
-        "kvpipe.bench.kv_accuracy",
+        "kvpipe.bench.accuracy.kv_dtype",
     ),
     Command(
         "bench kv-store",
         "TTFT of a server loading a prefix another computed from the KV tier (Mooncake Store) vs computing it",
-        "kvpipe.bench.kv_store",
+        "kvpipe.bench.kv_store.command",
         pass_unknown=True,
     ),
     Command(
@@ -73,7 +77,7 @@ COMMANDS: list[Command] = [
     Command(
         "bench quant-accuracy",
         "greedy agreement and logprob drift of each --quantization against the unquantized model",
-        "kvpipe.bench.quant_accuracy",
+        "kvpipe.bench.accuracy.quantization",
     ),
 ]
 GROUP_HELP = {"bench": "benchmarks (results as JSON and PNG)"}

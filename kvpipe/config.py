@@ -109,6 +109,37 @@ DISAGGREGATION_MODES = ("null", "prefill", "decode")
 
 
 STAGING_MODES = ("off", "on", "auto")
+
+
+@dataclass(frozen=True)
+class PortRange:
+    """TCP ports `first`..`last` (both included) a server's listeners draw from, so that a firewall
+    or a Kubernetes NetworkPolicy can name them (kvpipe/listen_ports.py)."""
+
+    first: int
+    last: int
+
+    def __post_init__(self) -> None:
+        if not (type(self.first) is int and type(self.last) is int and 1 <= self.first <= self.last <= 65535):
+            raise ConfigError(f"a port range needs 1 <= first <= last <= 65535, got {self.first}-{self.last}")
+
+    @property
+    def size(self) -> int:
+        return self.last - self.first + 1
+
+    def __str__(self) -> str:
+        return f"{self.first}-{self.last}"
+
+    @classmethod
+    def parse(cls, text: str) -> PortRange:
+        """`LO-HI` (or one port `P`) -> a PortRange."""
+        lo, sep, hi = text.strip().partition("-")
+        try:
+            return cls(int(lo), int(hi) if sep else int(lo))
+        except ValueError:
+            raise ConfigError(f"expected a port range LO-HI (e.g. 17000-17031), got {text!r}") from None
+
+
 MIN_AUTH_TOKEN_CHARS = 16  # shorter shared secrets are guessable offline from one captured frame
 
 
@@ -232,8 +263,10 @@ def require_counts(limits: Any) -> None:
 class ControlLimits:
     """What one peer's control messages may make a PD server hold (issue 30): per session (a decode
     rank's registration on a prefill rank; a prefill rank's chunks at a decode rank's staging
-    agent), sessions per prefill rank, open sockets per control endpoint. A peer past a bound gets
-    a refusal that names it (a failed status or grant), never another peer's state dropped."""
+    agent), sessions per prefill rank and per decode endpoint, open sockets per control endpoint. A
+    peer past a per-peer bound gets a refusal that names it (a failed status or grant), never
+    another peer's state dropped; past the session bounds the least recently used session without
+    rooms in flight is evicted and told (transfer/sender/peers.py), so no decode is locked out."""
 
     max_sessions: int = 1024  # decode sessions registered with one prefill rank at a time
     # rooms a session requested before the prefill engine admitted them (each holds its page list
@@ -244,6 +277,12 @@ class ControlLimits:
     max_tombstones_per_session: int = 1024
     max_staging_waits_per_session: int = 64  # slot requests queued at a staging agent (a full ring)
     max_reply_sockets: int = 1024  # PUSH sockets a control endpoint keeps open (least recently used closed)
+    # decode sessions one endpoint (control address, decode rank) keeps with a prefill rank: a decode
+    # has one per prefill instance it knows under each bootstrap address (issue 45)
+    max_sessions_per_endpoint: int = 8
+    # seconds a decode session without a room stays registered (heartbeats or not); then it is
+    # evicted and its decode registers again when it needs the prefill (one round trip)
+    session_idle_s: int = 600
 
     def __post_init__(self) -> None:
         require_counts(self)
@@ -257,9 +296,17 @@ class DisaggregationConfig:
 
     mode: str = "null"  # "null" (colocated) | "prefill" | "decode"
     bootstrap_port: int = 8998  # prefill: where its bootstrap HTTP server listens (0: a free port)
-    transfer_backend: str = "mooncake"  # "mooncake" | "local" (in-process only)
+    # a name in kvpipe/transfer/backends/registry.py, which checks it (check_backend; this layer
+    # imports nothing of kvpipe)
+    transfer_backend: str = "mooncake"
     ib_device: str | None = None  # RDMA device for Mooncake; None: TCP
     host: str | None = None  # data/control-plane address; None: ServerConfig.host
+    # where the ZeroMQ control endpoints listen (one per TP rank, plus a decode's receiver); None:
+    # any free port. Mooncake's listeners: its handshake and TCP data ports (two per transfer
+    # engine; MC_MIN_RPC_PORT..MC_MAX_RPC_PORT); None: $MC_MIN_RPC_PORT..$MC_MAX_RPC_PORT, else
+    # Mooncake's own 15000-17000. Fixed ranges let a firewall or a NetworkPolicy name them.
+    control_ports: PortRange | None = None
+    mooncake_ports: PortRange | None = None
     # prefill: "auto" (a cost model picks the layer groups per batch; short prompts take the plain
     # path) or a fixed group count N (1: plain path, no layer pipelining)
     layer_groups: int | str = "auto"
@@ -296,11 +343,15 @@ class DisaggregationConfig:
     # and look-ups and every control-plane frame. None: unauthenticated, and both bound to the
     # data-plane address only. Not in repr: configs get logged.
     auth_token: str | None = field(default=None, repr=False)
-    # decode: where it may fetch bootstrap info (networks in CIDR notation or host names; empty:
-    # anywhere; loopback always); the request body names the host (transfer/control/fetch_guard.py)
+    # decode: where it may fetch bootstrap info (networks in CIDR notation or host names, loopback
+    # included only when listed; empty: anywhere, and without an auth token loopback only); the
+    # request body names the host (transfer/control/fetch_guard.py)
     bootstrap_allow: tuple[str, ...] = ()
     # without an auth token, serve PD on a non-loopback data-plane address anyway
     insecure: bool = False
+    # decode: ask every prefill rank for a keyed digest of the KV it wrote and check it before the
+    # first decode step (transfer/kv_digest.py; a prefill always answers such a request)
+    kv_integrity: bool = False
     tuning: TransferTuning = field(default_factory=TransferTuning)
     faults: FaultInjection = field(default_factory=FaultInjection)
     limits: ControlLimits = field(default_factory=ControlLimits)
@@ -308,8 +359,6 @@ class DisaggregationConfig:
     def __post_init__(self) -> None:
         if self.mode not in DISAGGREGATION_MODES:
             raise ConfigError(f"disaggregation mode must be one of {DISAGGREGATION_MODES}, got {self.mode!r}")
-        if self.transfer_backend not in ("mooncake", "local"):
-            raise ConfigError(f"unknown transfer backend {self.transfer_backend!r}; choose mooncake or local")
         if not 0 <= self.bootstrap_port < 65536:
             raise ConfigError(f"bootstrap port {self.bootstrap_port} is not a TCP port")
         if self.layer_groups != "auto" and not (type(self.layer_groups) is int and self.layer_groups >= 1):
@@ -468,12 +517,42 @@ class RequestLimits:
     max_stop_strings: int = 32
     max_stop_string_chars: int = 256
     max_stop_token_ids: int = 256  # per prompt
+    # characters of every other string field (role, name, rid, model, user, cache_salt, ...) and
+    # entries of every other list or object field (tools, logit_bias, ...): checked on the parsed
+    # JSON before anything reads them (kvpipe/server/request_caps.py)
+    max_field_size: int = 256
     # requests waiting beyond --max-running-requests (SGLang's --max-queued-requests): a server
     # holding max_running_requests + this many answers 503 with Retry-After
     max_queued_requests: int = 1024
 
     def __post_init__(self) -> None:
         require_counts(self)
+
+
+@dataclass(frozen=True)
+class ListenerLimits:
+    """How long an HTTP client may take to send a request, and how many connections a server keeps
+    open (kvpipe/http_listener.py, the listener of the HTTP and the bootstrap servers): a client
+    that sends its request slowly (slowloris) holds a socket and a descriptor until it is cut."""
+
+    header_timeout_s: float = 10.0  # from a connection's start (or its last response) to a complete request head
+    # from the head to the body's last byte, plus one second for every BODY_MIN_RATE bytes received
+    body_timeout_s: float = 30.0
+    keep_alive_s: float = 30.0  # an idle connection between requests
+    # open client connections; one more takes the place of the one waiting longest for its client,
+    # or is answered 503 at once when every one has a request in (its descriptor freed)
+    max_connections: int = 512
+    max_header_bytes: int = 16 << 10  # the request line and headers (h11's incomplete-event bound)
+
+    def __post_init__(self) -> None:
+        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):
+                raise ConfigError(f"{name} must be a positive number of seconds, got {v!r}")
+        for name in ("max_connections", "max_header_bytes"):
+            v = getattr(self, name)
+            if not (type(v) is int and v >= 1):
+                raise ConfigError(f"{name} must be a whole number >= 1, got {v!r}")
 
 
 HICACHE_STORAGE_BACKENDS = ("mooncake",)
@@ -541,9 +620,16 @@ class ServerConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
     limits: RequestLimits = field(default_factory=RequestLimits)
+    listener: ListenerLimits = field(default_factory=ListenerLimits)
     # SGLang's --api-key: every HTTP route but /health, /health_generate and /metrics needs
     # `Authorization: Bearer <key>` (kvpipe/server/api_key.py). Not in repr: configs get logged.
     api_key: str | None = field(default=None, repr=False)
+    # more user keys, one per user (--api-key-file): each its own identity (abort by rid, cache salt)
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    # --admin-api-key: the admin routes (/debug/*, abort_all, addresses and paths in /server_info)
+    admin_api_key: str | None = field(default=None, repr=False)
+    # --cache-salt-by-api-key: prefixes are shared only between requests sent with the same key
+    cache_salt_by_api_key: bool = False
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     # finished requests whose timelines GET /debug/requests keeps (kvpipe/engine/timeline.py); 0: none
     debug_requests_history: int = 256
@@ -558,8 +644,19 @@ class ServerConfig:
     # a decode step's decoder layers as one C++ call each (--decode-fused-layer, kvpipe/model/
     # fused_decode.py): "auto" (decode batches up to 64 rows), "on", "off" (the same bits in all three)
     decode_fused_layer: str = "auto"
+    # on SIGTERM (or a first Ctrl-C): seconds the server keeps serving what it holds, refusing new
+    # requests and failing /health, before it aborts what is left (kvpipe/server/drain.py)
+    graceful_shutdown_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
+        if not (
+            isinstance(self.graceful_shutdown_timeout_s, (int, float))
+            and not isinstance(self.graceful_shutdown_timeout_s, bool)
+            and self.graceful_shutdown_timeout_s >= 0
+        ):
+            raise ConfigError(
+                f"the graceful shutdown timeout must be >= 0 seconds, got {self.graceful_shutdown_timeout_s!r}"
+            )
         if self.dtype not in MODEL_DTYPES:
             raise ConfigError(f"dtype must be one of {MODEL_DTYPES}, got {self.dtype!r}")
         if self.cpu_threads is not None and not (type(self.cpu_threads) is int and self.cpu_threads >= 1):
@@ -568,8 +665,10 @@ class ServerConfig:
             raise ConfigError(
                 f"the request body limit must be a whole number of bytes >= 1, got {self.max_request_body_bytes!r}"
             )
-        if self.api_key is not None and not self.api_key.strip():
+        if any(k is not None and not k.strip() for k in (self.api_key, self.admin_api_key, *self.api_keys)):
             raise ConfigError("the API key must not be empty")
+        if self.admin_api_key is not None and self.admin_api_key in self.user_api_keys:
+            raise ConfigError("the admin API key must differ from every user key")
         if not (type(self.debug_requests_history) is int and self.debug_requests_history >= 0):
             raise ConfigError(f"the debug request history must be a count >= 0, got {self.debug_requests_history!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
@@ -579,21 +678,10 @@ class ServerConfig:
                 f"decode_fused_layer must be one of {DECODE_FUSED_LAYER_MODES}, got {self.decode_fused_layer!r}"
             )
 
-    def check_servable(self) -> None:
-        """Refuse PD set-ups no server can run (a TP group cannot share the in-process local
-        backend). Checked when a server is configured, not on construction: tests drive TP ranks'
-        transfer parts inside one process with the local backend."""
-        d = self.disaggregation
-        if not d.enabled:
-            return
-        if self.tp_size > 1 and d.transfer_backend == "local":
-            raise ConfigError(
-                f"--disaggregation-mode {d.mode} with --tp-size {self.tp_size} needs "
-                "--disaggregation-transfer-backend mooncake: TP ranks are separate processes and "
-                "the local backend only copies inside one process"
-            )
-        if d.ib_device and d.transfer_backend != "mooncake":
-            raise ConfigError("--disaggregation-ib-device needs --disaggregation-transfer-backend mooncake")
+    @property
+    def user_api_keys(self) -> tuple[str, ...]:
+        """--api-key and the keys of --api-key-file."""
+        return ((self.api_key,) if self.api_key is not None else ()) + self.api_keys
 
     @property
     def model_name(self) -> str:

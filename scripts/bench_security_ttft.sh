@@ -9,7 +9,7 @@ OUT=${1:-/tmp/kvpipe-security-ttft}; mkdir -p $OUT
 M=$OUT/tiny; [ -d $M ] || .venv/bin/kvpipe init-model --preset tiny --out $M >/dev/null
 for round in 1 2; do
   for mode in on off; do
-    port=$(.venv/bin/python -c 'from kvpipe.server.launcher import free_port; print(free_port())')  # no fixed port: runs may share the machine
+    port=$(.venv/bin/python -c 'from kvpipe.launch.ports import free_port; print(free_port())')  # no fixed port: runs may share the machine
     if [ $mode = on ]; then
       env KVPIPE_API_KEY=abc123 .venv/bin/kvpipe launch --model-path $M --port $port --log-dir $OUT/logs-$mode-$round \
         --disaggregation-bootstrap-allow 127.0.0.1 > $OUT/launch-$mode-$round.log 2>&1 &

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from kvpipe.bench.request import Api, Request
+from kvpipe.harness.request import Api, Request
 
 TextOf = Callable[[Sequence[int]], str]  # token ids -> the text they decode to (the served tokenizer)
 

@@ -20,6 +20,7 @@ still reads is never evicted. Eviction takes least recently used leaves first.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +28,18 @@ from dataclasses import dataclass, field
 import numpy as np
 
 Key = tuple[int, ...]  # one page of token ids
+SALT_SHIFT = 32  # token ids are below 2**32 (the KV tier hashes them as 4-byte integers)
+
+
+def salted(token_ids: Sequence[int], salt: str | None) -> Sequence[int]:
+    """`token_ids` in the key space of a cache salt (a tenant's prefix namespace): each id lifted
+    past every vocabulary by the salt's own 64-bit tag, so keys of two salts never match, nor
+    unsalted ones; the caches only compare and slice them. Unchanged without a salt."""
+    if salt is None:
+        return token_ids
+    tag = int.from_bytes(hashlib.sha256(b"kvpipe cache salt\0" + salt.encode()).digest()[:8], "little") | 1
+    base = tag << SALT_SHIFT
+    return [base + t for t in token_ids]
 
 
 @dataclass(eq=False)

@@ -5,4 +5,5 @@ flags.py       the server's flags (SGLang's names; SGLANG_* variables as default
 serve.py       `kvpipe serve`: an HTTP server, colocated or one half of a PD pair
 generate.py    `kvpipe generate`: one-shot generation without a server
 init_model.py  `kvpipe init-model`: write a built-in preset checkpoint directory
+launch.py      `kvpipe launch`: a local PD stack (kvpipe/launch) started, supervised, stopped
 """

@@ -18,8 +18,8 @@ from typing import Any, TextIO
 
 import httpx
 
-from kvpipe.bench.answers import error_message
-from kvpipe.server.api_key import client_headers
+from kvpipe.harness.answers import error_message
+from kvpipe.server.client_keys import client_headers
 
 try:  # line editing and history for input() where the platform has it
     import readline  # noqa: F401
@@ -242,7 +242,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     if "://" not in url:
         url = "http://" + url
     timeout = httpx.Timeout(args.timeout, connect=10.0)
-    with httpx.Client(timeout=timeout, headers=client_headers()) as http:
+    with httpx.Client(timeout=timeout, headers=client_headers(url=url)) as http:
         client = ChatClient(http, url, args.model, args.max_tokens, args.temperature)
         try:
             served = client.check()

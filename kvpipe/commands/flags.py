@@ -9,6 +9,7 @@ import logging
 import os
 
 from kvpipe.commands.hicache_flags import add_hicache_args, hicache_config_from_args
+from kvpipe.commands.http_flags import access_from_args, add_access_args, add_listener_args, listener_from_args
 from kvpipe.config import (
     DECODE_FUSED_LAYER_MODES,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -24,17 +25,19 @@ from kvpipe.config import (
     ControlLimits,
     DisaggregationConfig,
     FaultInjection,
+    PortRange,
     RequestLimits,
     SchedulerConfig,
     ServerConfig,
     SpeculativeConfig,
     parse_layer_groups,
 )
+from kvpipe.listen_ports import check_port_ranges
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.checkpoint.default_model import resolve_model_path
 from kvpipe.model.checkpoint.loader import check_checkpoint
-from kvpipe.model.checkpoint.schema import ModelConfig
-from kvpipe.server.api_key import API_KEY_ENV, api_key_from_env
 from kvpipe.sglang_env import LayersPerGroup, flag_defaults
+from kvpipe.transfer.backends.registry import BACKENDS, backend_names, check_backend
 from kvpipe.transfer.control.auth import TOKEN_ENV, token_from_env
 
 
@@ -211,9 +214,9 @@ def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--disaggregation-transfer-backend",
-        choices=["mooncake", "local"],
+        choices=backend_names(),
         default=d.transfer_backend,
-        help="KV transfer engine (local: in-process copies, tests only)",
+        help="KV transfer engine: " + "; ".join(f"{s.name}: {s.summary}" for s in BACKENDS),
     )
     g.add_argument(
         "--disaggregation-ib-device", default=None, help="RDMA device for Mooncake (e.g. mlx5_0); default: TCP"
@@ -222,6 +225,22 @@ def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
         "--disaggregation-host",
         default=None,
         help="address peers reach this server's KV data plane at (default: --host)",
+    )
+    g.add_argument(
+        "--disaggregation-control-ports",
+        type=_port_range_arg,
+        default=None,
+        metavar="LO-HI",
+        help="ports the control-plane sockets listen on (one per TP rank, a decode's receiver one "
+        "more), so a firewall or a NetworkPolicy can name them (default: any free port)",
+    )
+    g.add_argument(
+        "--disaggregation-mooncake-ports",
+        type=_port_range_arg,
+        default=None,
+        metavar="LO-HI",
+        help="ports Mooncake's transfer engines listen on (handshake and TCP data: two per TP rank, "
+        "two more per rank with the KV tier) (default: $MC_MIN_RPC_PORT-$MC_MAX_RPC_PORT, else 15000-17000)",
     )
     g.add_argument(
         "--disaggregation-layer-groups",
@@ -308,12 +327,20 @@ def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
         help="serve PD without an auth token on a non-loopback data-plane address (refused otherwise)",
     )
     g.add_argument(
+        "--disaggregation-kv-integrity",
+        action="store_true",
+        help="decode: check a keyed digest of the KV every prefill rank wrote (BLAKE2b, sent with "
+        "its final status) before a request's first decode step; a mismatch (a page written by "
+        "anyone else meanwhile) fails that request. Costs a pass over the KV on both sides",
+    )
+    g.add_argument(
         "--disaggregation-bootstrap-allow",
         action="append",
         default=None,
         metavar="CIDR|HOST[,...]",
         help="decode: fetch bootstrap info (the request's bootstrap_host) only from these networks "
-        "or host names (repeatable, comma separated; default: anywhere; loopback always)",
+        "or host names, loopback included only when listed (repeatable, comma separated; default: "
+        "anywhere, and without an auth token loopback only)",
     )
     lim = d.limits
     for flag, default, what in (
@@ -338,12 +365,29 @@ def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
             lim.max_reply_sockets,
             "control-plane sockets kept open per endpoint (least recently used closed)",
         ),
+        (
+            "--disaggregation-max-sessions-per-endpoint",
+            lim.max_sessions_per_endpoint,
+            "decode sessions one decode endpoint (control address, rank) keeps with a prefill rank",
+        ),
+        (
+            "--disaggregation-session-idle-timeout",
+            lim.session_idle_s,
+            "seconds a decode session without a room stays registered with a prefill rank",
+        ),
     ):
         g.add_argument(flag, type=int, default=default, help=f"{what} (default %(default)s)")
     # test-only: fail each transfer batch with this probability (seeded by the next flag)
     g.add_argument("--disaggregation-failure-prob", type=float, default=d.faults.prob, help=argparse.SUPPRESS)
     g.add_argument("--disaggregation-failure-seed", type=int, default=d.faults.seed, help=argparse.SUPPRESS)
     p.set_defaults(**flag_defaults(os.environ))
+
+
+def _port_range_arg(value: str) -> PortRange:
+    try:
+        return PortRange.parse(value)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
 
 
 def _layer_groups_arg(value: str) -> int | str:
@@ -360,7 +404,7 @@ def disaggregation_config_from_args(args: argparse.Namespace, model_path: str) -
         layer_groups = args.disaggregation_layer_groups
         if isinstance(layer_groups, LayersPerGroup):
             try:
-                layer_groups = layer_groups.groups(ModelConfig.from_dir(model_path).num_layers)
+                layer_groups = layer_groups.groups(model_config_of(model_path).num_layers)
             except ConfigError as e:
                 raise ConfigError(f"SGLANG_PIPELINE_GROUP_SIZE counts layers, so it needs the model's: {e}") from e
         return DisaggregationConfig(
@@ -369,6 +413,8 @@ def disaggregation_config_from_args(args: argparse.Namespace, model_path: str) -
             transfer_backend=args.disaggregation_transfer_backend,
             ib_device=args.disaggregation_ib_device,
             host=args.disaggregation_host,
+            control_ports=args.disaggregation_control_ports,
+            mooncake_ports=args.disaggregation_mooncake_ports,
             layer_groups=layer_groups,
             layer_groups_min_tokens=args.disaggregation_layer_groups_min_tokens,
             decode_radix_cache=args.disaggregation_enable_decode_radix_cache,
@@ -384,6 +430,7 @@ def disaggregation_config_from_args(args: argparse.Namespace, model_path: str) -
                 e.strip() for arg in args.disaggregation_bootstrap_allow or () for e in arg.split(",") if e.strip()
             ),
             insecure=args.disaggregation_insecure,
+            kv_integrity=args.disaggregation_kv_integrity,
             faults=FaultInjection(args.disaggregation_failure_prob, args.disaggregation_failure_seed),
             limits=ControlLimits(
                 args.disaggregation_max_sessions,
@@ -391,6 +438,8 @@ def disaggregation_config_from_args(args: argparse.Namespace, model_path: str) -
                 args.disaggregation_max_tombstones,
                 args.disaggregation_max_staging_waits,
                 args.disaggregation_max_reply_sockets,
+                args.disaggregation_max_sessions_per_endpoint,
+                args.disaggregation_session_idle_timeout,
             ),
         )
     except ConfigError as e:
@@ -468,15 +517,20 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             ),
             disaggregation=disagg,
             limits=request_limits_from_args(args),
-            api_key=getattr(args, "api_key", None) or api_key_from_env(),
+            **access_from_args(args),
+            listener=listener_from_args(args),
             speculative=speculative_config_from_args(args),
             debug_requests_history=getattr(args, "debug_requests_history", ServerConfig.debug_requests_history),
             hicache=hicache_config_from_args(args),
             request_metrics=not getattr(args, "disable_request_metrics", False),
             quantization=getattr(args, "quantization", None),
             decode_fused_layer=getattr(args, "decode_fused_layer", ServerConfig.decode_fused_layer),
+            graceful_shutdown_timeout_s=getattr(
+                args, "graceful_shutdown_timeout", ServerConfig.graceful_shutdown_timeout_s
+            ),
         )
-        cfg.check_servable()
+        check_backend(cfg.disaggregation, cfg.tp_size)
+        check_port_ranges(cfg)
         return cfg
     except ConfigError as e:
         raise SystemExit(f"kvpipe: {e}") from e
@@ -503,16 +557,11 @@ def setup_logging(level: str) -> None:
 
 
 def add_http_api_args(p: argparse.ArgumentParser) -> None:
-    """What an HTTP server lets one request ask for, how many it holds, and its key (`serve`)."""
+    """What an HTTP server lets one request ask for, how many it holds, its keys and its listener (`serve`)."""
     d = RequestLimits()
-    g = p.add_argument_group("HTTP API limits and key")
-    g.add_argument(
-        "--api-key",
-        default=None,
-        help=f"clients must send `Authorization: Bearer <key>` on every route but /health, "
-        f"/health_generate and /metrics (401 otherwise); prefer ${API_KEY_ENV}, which stays out "
-        f"of process lists",
-    )
+    add_access_args(p)
+    add_listener_args(p)
+    g = p.add_argument_group("HTTP API limits")
     g.add_argument(
         "--max-queued-requests",
         type=int,
@@ -530,6 +579,13 @@ def add_http_api_args(p: argparse.ArgumentParser) -> None:
         "--max-stop-string-chars", type=int, default=d.max_stop_string_chars, help="characters of one stop string"
     )
     g.add_argument("--max-stop-token-ids", type=int, default=d.max_stop_token_ids, help="stop_token_ids per prompt")
+    g.add_argument(
+        "--max-field-size",
+        type=int,
+        default=d.max_field_size,
+        help="characters of any other string field (role, name, rid, model, user, cache_salt, ...) and entries "
+        "of any other list or object field (tools, logit_bias, ...) of a request body",
+    )
     g.add_argument(
         "--debug-requests-history",
         type=int,
@@ -553,6 +609,7 @@ def request_limits_from_args(args: argparse.Namespace) -> RequestLimits:
         "max_stop_strings",
         "max_stop_string_chars",
         "max_stop_token_ids",
+        "max_field_size",
     )
     for name in names:
         require_positive("--" + name.replace("_", "-"), getattr(args, name, getattr(d, name)))

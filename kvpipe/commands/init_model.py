@@ -15,6 +15,7 @@ PRESETS = (
     "tiny-qwen3.5",
     "tiny-qwen3.5-moe",
     "tiny-gpt-oss",
+    "tiny-gemma3",
 )
 
 

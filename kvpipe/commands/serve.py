@@ -18,8 +18,10 @@ from kvpipe.config import DEFAULT_MAX_REQUEST_BODY_BYTES, ConfigError, ServerCon
 from kvpipe.disagg.connectors import make_connector
 from kvpipe.disagg.setup import require_auth_off_loopback
 from kvpipe.engine.engine import Engine
+from kvpipe.listen_ports import mooncake_port_env
 from kvpipe.server.http_server import run_server
 from kvpipe.sglang_env import log_sglang_env
+from kvpipe.transfer.backends.registry import check_backend
 
 logger = logging.getLogger(__name__)
 
@@ -34,23 +36,30 @@ def add_args(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_REQUEST_BODY_BYTES,
         help="refuse request bodies larger than this with 413 (default: 32 MiB)",
     )
+    p.add_argument(
+        "--graceful-shutdown-timeout",
+        type=float,
+        default=ServerConfig.graceful_shutdown_timeout_s,
+        help="on SIGTERM (or Ctrl-C): seconds to finish the requests in flight while /health fails "
+        "(503, draining) and new requests get 503 with Retry-After; what is left then is aborted "
+        "(streams end with an error event), pages and rooms are freed, and the server exits 0. "
+        "A second signal aborts at once",
+    )
     add_http_api_args(p)
 
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
     cfg = server_config_from_args(args)
     mode = cfg.disaggregation.mode
-    if mode != "null" and cfg.disaggregation.transfer_backend == "local":
-        raise SystemExit(
-            "kvpipe: --disaggregation-transfer-backend local only connects engines inside one "
-            "process; PD servers need mooncake"
-        )
     try:  # before anything loads or listens
+        check_backend(cfg.disaggregation, cfg.tp_size, own_process=True)
         require_auth_off_loopback(cfg, warn=False)
     except ConfigError as e:
         raise SystemExit(f"kvpipe: {e}") from None
     setup_logging(cfg.log_level)
     log_sglang_env(os.environ, logger)
+    # before any transfer engine starts (TP workers inherit it): Mooncake reads its range there
+    os.environ.update(mooncake_port_env(cfg))
     check_model(cfg)
     return run_server(cfg, engine_factory(cfg), mode)
 

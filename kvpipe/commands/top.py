@@ -28,7 +28,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvpipe.commands.top_stats import COMPONENTS, Latency, Scrape, WorkerView, parse_metrics, worker_view
-from kvpipe.server.api_key import client_headers
+from kvpipe.server.client_keys import client_headers
 from kvpipe.server.router_workers import Worker, workers_or_self
 
 DEFAULT_URL = "http://127.0.0.1:8000"  # `kvpipe launch` / `make run`'s router (as `kvpipe chat`)
@@ -201,7 +201,9 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     workers = [u.strip() for u in args.workers.split(",") if u.strip()] if args.workers else []
     source = f"workers {', '.join(workers)}" if workers else f"router {args.url}"
     console = Console()
-    with httpx.Client(timeout=args.timeout, headers=client_headers()) as client:
+    # the admin key: the router lists its workers to its control plane's admins only
+    keys = client_headers(url=workers[0] if workers else args.url, admin=True)
+    with httpx.Client(timeout=args.timeout, headers=keys) as client:
         poller = Poller(client, None if workers else args.url, workers)
         if args.once:
             views = next(frames(poller, args.interval))

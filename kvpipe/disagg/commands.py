@@ -23,7 +23,7 @@ from kvpipe.transfer.control.messages import AuxTuple, StagingInfo
 from kvpipe.transfer.lifecycle import TransferState
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.recurrent.layout import StateLayout
-from kvpipe.transfer.sender.book import SenderStats, TransferTiming
+from kvpipe.transfer.sender.stats import SenderStats, TransferTiming
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,9 @@ class StartPrefill:
     instance_id: str  # shared by all ranks of the instance, new on every start
     bootstrap: tuple[str, int]  # the bootstrap server every rank registers with
     handshake: Handshake | None = None  # the instance's, registered by every rank (decodes compare it)
+    # the instance's own secret its ranks sign their bootstrap registrations with (bootstrap.py: only
+    # this prefill registers its ranks, not any holder of the shared token); b"": the shared token
+    registrar_key: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,11 @@ class RankStarted:
     state: StateLayout | None = None  # a hybrid model's recurrent-state pool on this rank
     draft: KVLayout | None = None  # the draft model's KV pool (STANDALONE speculative decoding, TP 1)
 
+    def addresses(self) -> dict[str, object]:
+        """Where this rank listens (/server_info's rank_addresses, named in its listeners table)."""
+        staging = self.staging.control_address if self.staging is not None else None
+        return {"rank": self.rank, "data": self.data_address, "control": self.control_address, "staging": staging}
+
 
 @dataclass(frozen=True)
 class RoomStart:
@@ -58,6 +66,7 @@ class RoomStart:
     swa_pages: np.ndarray | None = None
     # STANDALONE speculative decoding: the draft model's pages of the whole prompt (None: no draft KV)
     draft_pages: np.ndarray | None = None
+    claim: bytes | None = None  # messages.room_claim of the request: only its decode may claim the room
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,8 @@ from kvpipe.engine.request import FinishReason, Req
 from kvpipe.engine.window_cache import wanted_window_pages
 from kvpipe.model.checkpoint.identity import checkpoint_digest
 from kvpipe.transfer.backends.base import TransferBackend
-from kvpipe.transfer.control.bootstrap import DEFAULT_BOOTSTRAP_PORT
-from kvpipe.transfer.control.messages import AuxData, DecodeRank
+from kvpipe.transfer.control.bootstrap_address import parse_bootstrap_address
+from kvpipe.transfer.control.messages import AuxData, DecodeRank, room_claim
 from kvpipe.transfer.lifecycle import TransferState
 from kvpipe.transfer.receiver.kv_receiver import KVReceiver
 
@@ -43,6 +43,9 @@ logger = logging.getLogger(__name__)
 
 class DecodeConnector(PDConnector):
     side = "decode"
+    # it never computes a prompt: its prefix cache (--disaggregation-decode-enable-radix-cache)
+    # keeps KV only, the prefill sends the KV past the prefix and a hybrid prompt's final state whole
+    kv_only_prefix_cache = True
 
     def __init__(self, cfg: ServerConfig, backend: TransferBackend | None = None) -> None:
         super().__init__(cfg, backend)
@@ -72,6 +75,8 @@ class DecodeConnector(PDConnector):
             on_news=ctx.wake,
             handshake=handshake,
             max_aux_bytes=nextn_aux_nbytes(self.cfg, ctx),  # NEXTN's hidden row (disagg/mtp_transfer.py)
+            # --disaggregation-kv-integrity: rank 0 checks the KV it got (transfer/kv_digest.py)
+            digester=self.local_worker.kv_digester() if self.local_worker is not None else None,
         ).start()
         logger.info("decode ready: control %s, data %s", self.receiver.control_address, self.ranks[0].data_address)
 
@@ -82,11 +87,13 @@ class DecodeConnector(PDConnector):
                 "a decode server needs bootstrap_host and bootstrap_room (and bootstrap_port) "
                 "with every request; send requests through sglang-router --pd-disaggregation"
             )
-        # refused at once where this decode may not fetch (allow list, an address that failed a
-        # moment ago), before the request waits for pages
+        # refused at once (400) when the address is malformed (an IP literal or a host name, a port
+        # 1..65535: nothing else reaches a URL) or where this decode may not fetch (allow list,
+        # loopback only without a token, an address that failed a moment ago), before the request
+        # waits for pages and before anything connects anywhere
+        addr = parse_bootstrap_address(req.bootstrap_host, req.bootstrap_port)
         if self.receiver is not None:
-            port = DEFAULT_BOOTSTRAP_PORT if req.bootstrap_port is None else int(req.bootstrap_port)
-            why = self.receiver.guard.refusal((req.bootstrap_host, port))
+            why = self.receiver.guard.refusal(addr)
             if why is not None:
                 raise ValueError(why)
         self._claim_room(req.bootstrap_room)
@@ -116,6 +123,7 @@ class DecodeConnector(PDConnector):
             swa_pages=swa,
             # STANDALONE: the draft model's pages for the whole prompt (none reserved: none asked for)
             draft_pages=req.draft_pages.copy() if req.draft_pages.size else None,
+            claim=room_claim(req.bootstrap_room, req.input_ids),  # this decode was sent the request
         )
         self._transfers[req.bootstrap_room] = req
         self._asked.add(req.bootstrap_room)
@@ -142,6 +150,7 @@ class DecodeConnector(PDConnector):
                 req.bootstrap_host,
                 req.bootstrap_port,
                 f"aborted on the decode before its KV was requested: {detail}",
+                room_claim(room, req.input_ids),
             )
         self._release_room(room)
         return False
@@ -196,6 +205,11 @@ class DecodeConnector(PDConnector):
                 "mode": "decode",
                 "control_address": self.receiver.control_address,
                 "data_address": self.ranks[0].data_address if self.ranks else None,
+                # every rank's (admins only); rank 0's receiver is the decode's control endpoint
+                "rank_addresses": [
+                    {**r.addresses(), **({"control": self.receiver.control_address} if r.rank == 0 else {})}
+                    for r in self.ranks
+                ],
                 "active_rooms": len(self._transfers),
                 "transfer_rooms": self.receiver.num_rooms(),
                 "rooms_succeeded": st.rooms_succeeded,
@@ -206,6 +220,8 @@ class DecodeConnector(PDConnector):
                 "bootstrap_fetches": st.bootstrap_fetches,
                 "foreign_rejected": st.foreign_rejected,  # statuses / aborts not from the room's pairs (issue 30)
                 "handshakes_refused": st.handshakes_refused,  # rooms failed: a prefill's handshake refused, by reason
+                "kv_integrity": self.cfg.disaggregation.kv_integrity,
+                "integrity_failed": st.integrity_failed,  # rooms whose KV differed from the prefill's digest
                 **self._staging_stats(),
             }
         }

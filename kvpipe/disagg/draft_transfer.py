@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 from kvpipe.config import ServerConfig
 from kvpipe.disagg.mtp_transfer import nextn_handshake
 from kvpipe.disagg.setup import rank_layout
+from kvpipe.engine.spec.registry import DraftKV, draft_kv
 from kvpipe.model.checkpoint.identity import checkpoint_digest
 from kvpipe.transfer.control.handshake import SPECULATIVE_NONE
 from kvpipe.transfer.planning.layout import KVLayout
@@ -57,10 +58,11 @@ def speculative_handshake(cfg: ServerConfig, draft: KVLayout | None) -> str:
     """Handshake.speculative of a PD server: "none", or for a STANDALONE draft model
     "standalone:draft=<checkpoint digest>:kv=<dtype>/<page size>/<kind>x<layers>x<heads>x<head dim>"."""
     spec = cfg.speculative
-    if spec.enabled and spec.uses_mtp:  # NEXTN: its MTP layer's KV is the "draft" KV (mtp_transfer.py)
+    kind = draft_kv(spec)
+    if kind is DraftKV.RANK0:  # NEXTN: its MTP layer's KV is the "draft" KV (mtp_transfer.py)
         return nextn_handshake(cfg, draft)
     path = spec.draft_model_path
-    if not spec.enabled or path is None:
+    if kind is not DraftKV.SHARDED or path is None:  # NGRAM moves nothing
         return SPECULATIVE_NONE
     if draft is None:  # a hybrid target or draft: no draft KV moves, the decode's draft catches up
         return f"{str(spec.algorithm).lower()}:draft={checkpoint_digest(path)}:kv=none"

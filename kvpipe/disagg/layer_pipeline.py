@@ -6,7 +6,7 @@ The PrefillConnector calls, per prefill batch (engine thread, rank 0):
     choice = pipe.begin(batch_tokens, tokens_to_send, states_to_send)   # right before the forward
     pipe.end()                                          # after the forward
 and, as rooms finish, `pipe.observe_link(busy_bytes, busy_s)` with the sender's cumulative
-link counters (kvpipe.transfer.sender.book.SenderStats) and `pipe.room_done(timing, forward_done_at)`
+link counters (kvpipe.transfer.sender.stats.SenderStats) and `pipe.room_done(timing, forward_done_at)`
 per room that succeeded (its log line and the transfer tail that stayed exposed).
 
 Compute time on CPU is host wall time (the forward is synchronous); on CUDA it is the elapsed time
@@ -24,7 +24,7 @@ import torch
 
 from kvpipe.disagg.layer_groups import GroupChoice, LayerGroupPlanner, LayerGroupPolicy
 from kvpipe.disagg.observer import TransferCounters, TransferObserver
-from kvpipe.transfer.sender.book import TransferTiming
+from kvpipe.transfer.sender.stats import TransferTiming
 
 logger = logging.getLogger(__name__)
 

@@ -51,7 +51,7 @@ rank 0 with decode rank 0 (tp_mapping.source_ranks(0, P, D) holds 0), so that pa
   engine's thread after the MTP forward); the other ranks' sends stop at their target layers.
 Bytes per request: the target's KV as the head-slice mapping moves it plus the MTP KV once.
 An EAGLE head (engine/spec/eagle_drafter.py) takes the MTP layer's place on rank 0 with the same
-placement: every decision above keys on `SpeculativeConfig.uses_mtp` (NEXTN or EAGLE), so its
+placement: every decision above keys on the drafter registry's `DraftKV.RANK0` (NEXTN or EAGLE), so its
 pool, the K and V of all the head's KV heads (a GQA layer, but never head-sliced: the head runs
 whole on rank 0), moves whole from prefill rank 0 into decode rank 0 at any TP on either side,
 while the target's K/V moves head-sliced as TP maps it.
@@ -66,8 +66,9 @@ from __future__ import annotations
 
 from kvpipe.config import ServerConfig
 from kvpipe.engine.connector import ConnectorContext
+from kvpipe.engine.spec.registry import DraftKV, draft_kv
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.checkpoint.identity import checkpoint_digest
-from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.transfer.planning.layout import KVLayout
 
 # hidden rows AuxData.hidden carries: h_{L-1} (MTPDrafter.pending_hidden after the prompt)
@@ -84,7 +85,7 @@ def nextn_handshake(cfg: ServerConfig, mtp: KVLayout | None) -> str:
         raise ValueError("a NEXTN server's handshake needs its MTP layer's KV layout")
     if cfg.speculative.eagle_head_path is not None:  # an EAGLE head drafts in the MTP layer's place
         return eagle_handshake(cfg, mtp)
-    model = ModelConfig.from_dir(cfg.model_path)
+    model = model_config_of(cfg.model_path)
     shape = f"{mtp.buffers_per_layer}x{mtp.num_layers}x{mtp.total_kv_heads}x{mtp.head_dim}"
     layer = f"layer{model.num_layers}x{model.num_nextn_predict_layers}"
     kv = f"{mtp.dtype}/{mtp.page_size}/{shape}"
@@ -95,7 +96,7 @@ def nextn_aux_nbytes(cfg: ServerConfig, ctx: ConnectorContext) -> int:
     """The largest AuxData.hidden a NEXTN decode accepts: AUX_HIDDEN_ROWS rows of the target's
     hidden size in the MTP's dtype (its KV pool's, ctx.draft_pool); 0 without NEXTN."""
     pool = ctx.draft_pool
-    if not cfg.speculative.uses_mtp or pool is None:
+    if draft_kv(cfg.speculative) is not DraftKV.RANK0 or pool is None:
         return 0
     return AUX_HIDDEN_ROWS * ctx.model_config.hidden_size * pool.k[0].element_size()
 
@@ -108,7 +109,7 @@ def eagle_handshake(cfg: ServerConfig, head: KVLayout) -> str:
     size, so servers of different TP agree)."""
     path = cfg.speculative.eagle_head_path
     assert path is not None
-    hidden = ModelConfig.from_dir(cfg.model_path).hidden_size
+    hidden = model_config_of(cfg.model_path).hidden_size
     shape = f"{head.buffers_per_layer}x{head.num_layers}x{head.total_kv_heads}x{head.head_dim}"
     kv = f"{head.dtype}/{head.page_size}/{shape}"
     return f"eagle:head={checkpoint_digest(path)}:hidden={hidden}:kv={kv}:at=rank{MTP_RANK}"

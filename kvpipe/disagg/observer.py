@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvpipe.disagg.layer_groups import GroupChoice
-from kvpipe.transfer.sender.book import TransferTiming
+from kvpipe.transfer.sender.stats import TransferTiming
 
 
 class TransferObserver(Protocol):
@@ -45,7 +45,7 @@ class TransferCounters:
             self.tail_count += 1
 
     def snapshot(self) -> dict[str, Any]:
-        """The keys /server_info carries (bench/probe.py reads num_groups and the tail sums)."""
+        """The keys /server_info carries (harness/probe.py reads num_groups and the tail sums)."""
         return {
             "num_groups": self.last.groups,
             "layer_groups_reason": self.last.reason,

@@ -11,6 +11,7 @@ from kvpipe.disagg.commands import RankStarted
 from kvpipe.disagg.transfer_worker import WORKER_FACTORY, TransferWorker
 from kvpipe.engine.connector import ConnectorContext, KVConnector, WorkerGroup
 from kvpipe.transfer.backends.base import TransferBackend
+from kvpipe.transfer.backends.registry import check_backend
 
 START_MARGIN_S = 30.0  # on top of the bootstrap timeout: backend start-up of every rank on a loaded host
 
@@ -21,7 +22,7 @@ class PDConnector(KVConnector):
 
     def __init__(self, cfg: ServerConfig, backend: TransferBackend | None = None) -> None:
         """`backend`: rank 0's transfer backend (tests pass an in-process one); made otherwise."""
-        cfg.check_servable()
+        check_backend(cfg.disaggregation, cfg.tp_size)
         self.cfg = cfg
         self._backend = backend
         self.local_worker: TransferWorker | None = None  # rank 0's (the engine owns and closes it)

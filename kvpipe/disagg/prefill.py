@@ -18,7 +18,9 @@ the others stop it (AbortRooms); a rank that exited fails every room it had not 
 
 from __future__ import annotations
 
+import functools
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import Callable
@@ -60,9 +62,10 @@ from kvpipe.transfer.backends.base import TransferBackend
 from kvpipe.transfer.control.auth import authenticator
 from kvpipe.transfer.control.bootstrap import BootstrapServer
 from kvpipe.transfer.control.handshake import Handshake, RefusalNotice
+from kvpipe.transfer.control.messages import room_claim
 from kvpipe.transfer.lifecycle import TransferState
 from kvpipe.transfer.planning.wire_bytes import KVWireBytes
-from kvpipe.transfer.sender.book import SenderStats
+from kvpipe.transfer.sender.stats import SenderStats
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +104,11 @@ class _Room:
         assert self.req.bootstrap_room is not None
         return self.req.bootstrap_room
 
+    @functools.cached_property
+    def claim(self) -> bytes:
+        """What only the decode this request was sent to can name (messages.room_claim)."""
+        return room_claim(self.room, self.req.input_ids)
+
 
 class PrefillConnector(PDConnector):
     side = "prefill"
@@ -108,6 +116,9 @@ class PrefillConnector(PDConnector):
     # a cached prefix is not computed again; the transfer reads its pages like any other (the
     # request pins them while it is held) and sends from the decode's prefix_len on
     prefix_cache = True
+    state_snapshots = True  # it computes prompts: a hybrid model's cache snapshots their states
+    verifies_drafts = False  # the decode verifies; a prefill samples the first token only
+    drafts_on_prefill = True  # the draft's KV of each chunk goes with the target's
 
     def __init__(self, cfg: ServerConfig, backend: TransferBackend | None = None) -> None:
         super().__init__(cfg, backend)
@@ -138,11 +149,17 @@ class PrefillConnector(PDConnector):
         if self.local_worker is not None:  # computed once, at load
             self.handshake = self.local_worker.handshake(checkpoint_digest(self.cfg.model_path))
         host = bootstrap_host(self.cfg)
+        instance, registrar = uuid.uuid4().hex[:12], secrets.token_bytes(32)  # only our ranks register
         self.bootstrap = BootstrapServer(
-            host, d.bootstrap_port, authenticator(d.auth_token), on_refusal=self._on_refusal
+            host,
+            d.bootstrap_port,
+            authenticator(d.auth_token),
+            on_refusal=self._on_refusal,
+            registrar_key=registrar,
+            prefill_instance=instance,
         ).start()
         reg_host = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
-        start = StartPrefill(uuid.uuid4().hex[:12], (reg_host, self.bootstrap.port), self.handshake)
+        start = StartPrefill(instance, (reg_host, self.bootstrap.port), self.handshake, registrar)
         if self.local_worker is not None:
             # a finished room ends the loop's poll-interval sleep at once: its held answer is what
             # sglang-router waits for before it streams the decode's first token (traced)
@@ -188,7 +205,7 @@ class PrefillConnector(PDConnector):
         r = _Room(req)
         self._rooms[r.room] = r
         self._by_rid[req.rid] = r
-        why = self.refused.pop(r.room)
+        why = self.refused.pop(r.room, r.claim)
         if why is not None:  # the decode refused our handshake before the request came here
             self._fail_room(r, why)  # answered like one refused later (SGLang's abort, the reason)
         return Admission.LOCAL
@@ -196,8 +213,10 @@ class PrefillConnector(PDConnector):
     def _on_refusal(self, notice: RefusalNotice) -> None:
         """Bootstrap server thread: a decode refused our handshake for these rooms. A room a decode
         asked for already (bound on rank 0, which every decode asks) was not refused by its own
-        decode, which registered: such a notice is ignored, so a notice cannot fail another
-        decode's transfer (as an Abort from a session the room is not bound to cannot)."""
+        decode, which registered: such a notice is ignored, and a room counts as refused only with
+        its request's claim (messages.room_claim, checked where the room's request is known:
+        RefusedRooms.pop), so a notice cannot fail another decode's transfer (as an Abort from a
+        session the room is not bound to cannot, issue 45)."""
         sender = self.local_worker.sender if self.local_worker is not None else None
         rooms = [room for room in notice.rooms if sender is None or not sender.is_bound(room)]
         if len(rooms) < len(notice.rooms):
@@ -206,7 +225,8 @@ class PrefillConnector(PDConnector):
             return
         reason, label = refusal_reason(notice, self.handshake)
         logger.warning("decode refused %d rooms: %s", len(rooms), reason)
-        self.refused.add(rooms, reason, label)
+        claims = dict(zip(notice.rooms, notice.claims))
+        self.refused.add(rooms, reason, label, [claims.get(room) for room in rooms])
         self._wake()
 
     # ---- the forward ---------------------------------------------------------------------------
@@ -220,7 +240,8 @@ class PrefillConnector(PDConnector):
                 continue
             if not r.started:
                 draft = req.draft_pages.copy() if req.draft_pages.size else None  # STANDALONE's
-                starts.append(RoomStart(r.room, req.pages.copy(), req.state_slot, _swa(req), draft_pages=draft))
+                # only the decode sent this request may ask for it
+                starts.append(RoomStart(r.room, req.pages.copy(), req.state_slot, _swa(req), draft, r.claim))
                 self._start(r)
             # the prompt's last forward: a hybrid model's state of each layer group is final
             # after the group, so it can go with the group's KV
@@ -306,7 +327,7 @@ class PrefillConnector(PDConnector):
         assert self._workers is not None and self._tally is not None and self.pipeline is not None
         for room in self.refused.take_new():
             r = self._rooms.get(room)
-            why = self.refused.pop(room) if r is not None and not r.transfer_done else None
+            why = self.refused.pop(room, r.claim) if r is not None and not r.transfer_done else None
             if r is not None and why is not None:
                 self._fail_room(r, why)  # answered once every rank reported it (a moment)
         fresh: list[int] = []
@@ -400,6 +421,7 @@ class PrefillConnector(PDConnector):
                 "bootstrap_port": self.bootstrap_port,
                 "control_address": self.ranks[0].control_address,
                 "data_address": self.ranks[0].data_address,
+                "rank_addresses": [r.addresses() for r in self.ranks],  # every rank's (admins only)
                 "active_rooms": len(self._rooms),
                 "transfer_rooms": self._transfer_rooms(),
                 "rooms_succeeded": st.rooms_succeeded,

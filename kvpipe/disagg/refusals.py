@@ -7,6 +7,8 @@ come before the prefill admitted the room or while it computes; `RefusedRooms` k
 room until the connector acts on it at whichever of those comes (`pop`: at admission, or when the
 engine thread takes the news), or for `ttl_s` (a request that never comes). The connector learns of new
 refusals with `take_new` on the engine thread. Bounded (oldest forgotten first), thread-safe.
+A refusal counts only for the request whose claim it names (messages.room_claim: `pop`): a holder
+of the token who learnt a room id cannot fail another decode's request with a notice (issue 45).
 """
 
 from __future__ import annotations
@@ -37,21 +39,26 @@ class RefusedRooms:
     def __init__(self, ttl_s: float, max_rooms: int = MAX_REFUSED, clock: Callable[[], float] = time.monotonic) -> None:
         self._ttl, self._max, self._clock = ttl_s, max_rooms, clock
         self._lock = threading.Lock()
-        self._rooms: OrderedDict[int, tuple[float, str]] = OrderedDict()  # room -> (expires at, reason)
+        # room -> (expires at, reason, the room claim the notice named)
+        self._rooms: OrderedDict[int, tuple[float, str, bytes | None]] = OrderedDict()
         self._new: list[int] = []  # refused since the last take_new
         self.counts: dict[str, int] = {}  # refused rooms by /metrics label
 
-    def add(self, rooms: Iterable[int], reason: str, label: str) -> None:
-        """Any thread (the bootstrap server's): these rooms were refused for `reason`."""
+    def add(self, rooms: Iterable[int], reason: str, label: str, claims: Iterable[bytes | None] | None = None) -> None:
+        """Any thread (the bootstrap server's): these rooms were refused for `reason`; `claims`:
+        the room claim the notice named for each (None: none, then it fails no request)."""
+        rooms = list(rooms)
+        claim_list = list(claims) if claims is not None else [None] * len(rooms)
         with self._lock:
             now = self._clock()
             while self._rooms and next(iter(self._rooms.values()))[0] <= now:
                 self._rooms.popitem(last=False)
-            for room in rooms:
-                self._rooms[room] = (now + self._ttl, reason)
+            for room, claim in zip(rooms, claim_list, strict=True):
+                self._rooms[room] = (now + self._ttl, reason, claim)
                 self._rooms.move_to_end(room)
                 self._new.append(room)
-                self.counts[label] = self.counts.get(label, 0) + 1
+                if claim is not None:  # a notice without claims fails nothing: not counted either
+                    self.counts[label] = self.counts.get(label, 0) + 1
             while len(self._rooms) > self._max:
                 self._rooms.popitem(last=False)
             del self._new[: max(0, len(self._new) - self._max)]
@@ -62,11 +69,12 @@ class RefusedRooms:
             new, self._new = self._new, []
             return new
 
-    def pop(self, room: int) -> str | None:
-        """The reason `room` was refused (once), None if it was not or long ago."""
+    def pop(self, room: int, claim: bytes) -> str | None:
+        """The reason `room`, whose request has `claim`, was refused (once); None if it was not,
+        long ago, or by a notice that named another claim (or none)."""
         with self._lock:
             got = self._rooms.pop(room, None)
-        return got[1] if got is not None and got[0] > self._clock() else None
+        return got[1] if got is not None and got[0] > self._clock() and got[2] == claim else None
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:

@@ -11,8 +11,9 @@ import socket
 from kvpipe.cache.kv_pool import KVPool
 from kvpipe.cache.recurrent_pool import StatePool
 from kvpipe.config import ConfigError, ParallelConfig, ServerConfig
-from kvpipe.model.checkpoint.schema import ModelConfig
-from kvpipe.transfer.backends import TransferBackend, create_backend
+from kvpipe.model.checkpoint.config_reader import model_config_of
+from kvpipe.transfer.backends.base import BackendOptions, TransferBackend
+from kvpipe.transfer.backends.registry import backend_spec, open_backend
 from kvpipe.transfer.control.auth import TOKEN_ENV
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.recurrent.layout import StateLayout
@@ -97,15 +98,12 @@ def require_auth_off_loopback(cfg: ServerConfig, warn: bool = True) -> None:
 
 
 def make_backend(cfg: ServerConfig) -> TransferBackend:
-    """The configured transfer backend (Mooncake over TCP, or RDMA with --disaggregation-ib-device)."""
+    """The configured transfer backend (registry.py), listening on the data-plane host when it
+    crosses hosts."""
     d = cfg.disaggregation
-    inject = d.faults if d.faults.enabled else None
-    if d.transfer_backend == "mooncake":
-        device = d.ib_device or ""
-        return create_backend(
-            "mooncake", hostname=data_host(cfg), protocol="rdma" if device else "tcp", device=device, inject=inject
-        )
-    return create_backend("local", inject=inject)
+    host = data_host(cfg) if backend_spec(d.transfer_backend).crosses_hosts else BackendOptions.host
+    options = BackendOptions(host, d.ib_device, d.faults if d.faults.enabled else None)
+    return open_backend(d.transfer_backend, options)
 
 
 def register_pool(
@@ -126,7 +124,7 @@ def register_pool(
 def rank_state_layout(cfg: ServerConfig, rank: int, pool: StatePool) -> StateLayout:
     """A hybrid model rank's state pool with the model's layer map (full layers keep the KV) and
     its linear heads (rank r of N holds the r-th N-th)."""
-    mc = ModelConfig.from_dir(cfg.model_path)
+    mc = model_config_of(cfg.model_path)
     return StateLayout.from_pool(pool, mc.kv_layers, mc.num_layers, rank, cfg.tp_size)
 
 

@@ -7,7 +7,7 @@ succeeded as a `TransferTiming`; the PrefillConnector hands it here when the roo
 from __future__ import annotations
 
 from kvpipe.engine.timeline import Phase, Timeline
-from kvpipe.transfer.sender.book import TransferTiming
+from kvpipe.transfer.sender.stats import TransferTiming
 
 
 def record_transfer(timeline: Timeline, timing: TransferTiming | None) -> None:

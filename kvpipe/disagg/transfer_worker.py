@@ -46,13 +46,15 @@ from kvpipe.disagg.draft_transfer import draft_layout, speculative_handshake
 from kvpipe.disagg.mtp_transfer import MTP_RANK
 from kvpipe.disagg.setup import data_host, make_backend, rank_layout, rank_state_layout, register_pool
 from kvpipe.engine.connector import KVConnectorWorker
+from kvpipe.engine.spec.registry import DraftKV, draft_kv
 from kvpipe.transfer.backends.base import TransferBackend
 from kvpipe.transfer.control.auth import authenticator
 from kvpipe.transfer.control.handshake import Handshake
+from kvpipe.transfer.kv_digest import KVDigester
 from kvpipe.transfer.lifecycle import DuplicateRoomError, TransferState
 from kvpipe.transfer.planning.layout import KVLayout
-from kvpipe.transfer.sender.book import SenderStats
 from kvpipe.transfer.sender.kv_sender import KVSender
+from kvpipe.transfer.sender.stats import SenderStats
 from kvpipe.transfer.staging.buffers import KVBytes, StagingAgent, StagingBuffer
 
 logger = logging.getLogger(__name__)
@@ -92,13 +94,18 @@ class TransferWorker(KVConnectorWorker):
         # set by rank 0's connector before the start (set_draft_pool): the draft model's KV pool
         self.draft_layout: KVLayout | None = None
         # NEXTN's MTP layer (or an EAGLE head) and its KV live on another TP rank (MTP_RANK): none moves from here
-        self._mtp_elsewhere = cfg.speculative.uses_mtp and rank != MTP_RANK
+        self._draft_at_rank0 = draft_kv(cfg.speculative) is DraftKV.RANK0
+        self._mtp_elsewhere = self._draft_at_rank0 and rank != MTP_RANK
 
     def set_draft_pool(self, pool: KVPool | None, total_kv_heads: int | None = None) -> None:
         """The engine's STANDALONE draft model keeps this rank's shard of its KV in `pool`
         (`total_kv_heads`: the draft model's before TP; None: the pool's own, TP 1): it is
         registered and sent with the target's KV (before the start)."""
         self.draft_layout = None if pool is None else draft_layout(self.cfg, self.rank, pool, total_kv_heads)
+
+    def kv_digester(self) -> KVDigester:
+        """Digests of this rank's KV pool (transfer/kv_digest.py: end-to-end KV integrity)."""
+        return KVDigester(self._pool.buffers(), self.layout)
 
     # ---- between forwards ------------------------------------------------------------------
     def handle(self, cmd: object) -> object | None:
@@ -159,11 +166,12 @@ class TransferWorker(KVConnectorWorker):
                 handshake=cmd.handshake,
                 draft_layout=self.draft_layout,
                 # NEXTN: the MTP KV sits on the target's page ids, a decode's prefix holds it too
-                draft_at_prefix=self.cfg.speculative.uses_mtp,
+                draft_at_prefix=self._draft_at_rank0,
                 # NEXTN (or an EAGLE head): the MTP layer and its KV live whole on TP rank 0 of each side
-                draft_rank=MTP_RANK if self.cfg.speculative.uses_mtp else None,
+                draft_rank=MTP_RANK if self._draft_at_rank0 else None,
+                digester=self.kv_digester(),  # for decodes that check the KV they got
             )
-            self.sender.start(bootstrap=cmd.bootstrap)
+            self.sender.start(bootstrap=cmd.bootstrap, registrar_key=cmd.registrar_key or None)
             control = self.sender.control_address
         elif staging:  # decode: a staging ring on this rank, scattered by this process
             self.staging_agent = StagingAgent(
@@ -177,6 +185,7 @@ class TransferWorker(KVConnectorWorker):
                 send_hwm=d.tuning.control_send_hwm,
                 auth=authenticator(d.auth_token),
                 limits=d.limits,
+                ports=d.control_ports,
             ).start()
         return RankStarted(
             self.rank,
@@ -255,7 +264,7 @@ class TransferWorker(KVConnectorWorker):
             # NEXTN: a room's MTP pages are rank 0's (disagg/mtp_transfer.py); other ranks hold no MTP pool
             draft = None if self._mtp_elsewhere else start.draft_pages
             try:
-                s.add_room(start.room, start.pages, start.state_slot, start.swa_pages, draft)
+                s.add_room(start.room, start.pages, start.state_slot, start.swa_pages, draft, claim=start.claim)
             except ValueError as e:  # nothing of this room is in our sender: report it failed
                 self._failed.append((start.room, TransferState.FAILED, f"add_room refused on TP rank {self.rank}: {e}"))
 

@@ -48,6 +48,41 @@ class Admission(enum.Enum):
 
 
 @dataclass(frozen=True)
+class EngineRole:
+    """What an engine does with prompts, drafts and its prefix cache, as its connector says
+    (`EngineRole.of`); the defaults are a colocated engine's (no connector). The engine reads
+    these, never the server's disaggregation mode; picklable, so TP children size their runner
+    from it too (engine/tp_group.py)."""
+
+    # prompts are computed here, chunk by chunk with their recurrent states, so a hybrid model's
+    # prefix cache keeps state snapshots (colocated, PD prefill); False: no snapshot slots at all
+    state_snapshots: bool = True
+    # the prefix cache holds KV only, never a state: no prompt is computed here (a PD decode: the
+    # prefill sends the KV past the cached prefix and the prompt's final state whole)
+    kv_only_prefix_cache: bool = False
+    # decode steps verify speculative drafts here (False: a PD prefill, whose decode verifies)
+    verifies_drafts: bool = True
+    # the draft model or MTP layer runs over each prompt chunk and its KV goes out with the
+    # target's (a PD prefill: disagg/draft_transfer.py, disagg/mtp_transfer.py)
+    drafts_on_prefill: bool = False
+    prefix_cache: bool = True  # KVConnector.prefix_cache
+    whole_prompt_pages: bool = False  # KVConnector.whole_prompt_pages
+
+    @classmethod
+    def of(cls, connector: KVConnector | None) -> EngineRole:
+        if connector is None:
+            return cls()
+        return cls(
+            state_snapshots=connector.state_snapshots,
+            kv_only_prefix_cache=connector.kv_only_prefix_cache,
+            verifies_drafts=connector.verifies_drafts,
+            drafts_on_prefill=connector.drafts_on_prefill,
+            prefix_cache=connector.prefix_cache,
+            whole_prompt_pages=connector.whole_prompt_pages,
+        )
+
+
+@dataclass(frozen=True)
 class ForwardPlan:
     layer_groups: int = 1  # the prefill forward runs as this many layer groups (1: one pass)
     meta: Any = None  # picklable; handed to every rank's worker with the forward
@@ -151,6 +186,12 @@ class KVConnector(ABC):
     # REMOTE ones get req.pages[:req.num_shared_pages] from the cache and need KV for the rest only
     # (a finished request's pages go to the cache once no transfer owns them)
     prefix_cache: bool = False
+    # what the engine does besides (EngineRole; a connector that says nothing gets no hybrid
+    # state snapshots, verifies drafts, runs no draft over prompts)
+    state_snapshots: bool = False
+    kv_only_prefix_cache: bool = False
+    verifies_drafts: bool = True
+    drafts_on_prefill: bool = False
 
     @abstractmethod
     def make_worker(self, pool: KVPool, total_kv_heads: int, state_pool: StatePool | None = None) -> KVConnectorWorker:

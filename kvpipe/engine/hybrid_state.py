@@ -19,7 +19,7 @@ from kvpipe.engine.state_snapshots import ReqSnapshots
 def match_state(cache: HybridRadixCache, req: Req, page_size: int) -> tuple[np.ndarray, RadixNode]:
     """The longest cached prefix of req's prompt (minus its last token) that ends at a snapshot:
     its pages and node; req.snapshots plans the restore and the snapshots its forwards take."""
-    m = cache.match_state(req.input_ids[:-1])
+    m = cache.match_state(req.cache_ids(req.input_ids[:-1]))
     pages, node, ps = m.pages, m.node, page_size
     branch = m.kv_tokens if m.kv_tokens > len(pages) * ps else 0
     prompt_end = (len(req.input_ids) - 1) // ps * ps
@@ -73,7 +73,7 @@ def cache_snapshots(cache: HybridRadixCache, req: Req, pages: np.ndarray) -> np.
     for slot in free:
         cache.snapshots.free(slot)
     shared = req.num_shared_pages
-    dup, n = cache.insert_state(req.all_ids, pages, keep)
+    dup, n = cache.insert_state(req.cache_ids(req.all_ids), pages, keep)
     # pages[:shared] were the cache's all along, [shared, dup) duplicate pages it got meanwhile,
     # [shared, n) are its own now; the rest were never cached (no snapshot past them)
     return np.concatenate([pages[shared : max(dup, shared)], pages[max(n, shared) :]])

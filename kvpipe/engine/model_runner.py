@@ -15,6 +15,7 @@ from kvpipe.cache.kv_pool import KVPool
 from kvpipe.cache.recurrent_pool import StatePool
 from kvpipe.config import CacheConfig, ConfigError, SchedulerConfig, ServerConfig
 from kvpipe.engine.batch import ForwardSpec
+from kvpipe.engine.connector import EngineRole
 from kvpipe.model.families.causal_lm import LMBase
 from kvpipe.model.forward_batch import ForwardBatch
 from kvpipe.model.layers.gated_delta_net import local_state_shape
@@ -96,13 +97,13 @@ def state_slots(cache: CacheConfig, scheduler: SchedulerConfig) -> int:
     return cache.max_state_slots or scheduler.max_running_requests
 
 
-def snapshot_slots(cfg: ServerConfig) -> int:
+def snapshot_slots(cfg: ServerConfig, role: EngineRole) -> int:
     """State slots after the running requests' where a hybrid model's prefix cache keeps its
     snapshots (kvpipe/cache/hybrid_radix_cache.py): --max-mamba-cache-size minus the running slots,
     else 2 per running slot (3 state slots per request in all, SGLang's no_buffer sizing); 0 without
-    the cache, and on a PD decode (it never computes a prompt: its cache keeps KV alone and the
-    prefill sends the final state)."""
-    if not cfg.cache.radix_cache or cfg.disaggregation.mode == "decode":
+    the cache, and where the engine's role keeps no snapshots (a PD decode never computes a
+    prompt: its cache keeps KV alone and the prefill sends the final state)."""
+    if not cfg.cache.radix_cache or not role.state_snapshots:
         return 0
     running = state_slots(cfg.cache, cfg.scheduler)
     if cfg.cache.max_mamba_cache_size is None:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import numpy as np
 
+from kvpipe.cache.radix_cache import salted
 from kvpipe.engine.spec.verify import SpecCounts
 from kvpipe.engine.state_snapshots import ReqSnapshots
 from kvpipe.engine.timeline import Timeline, TimelineRecord
@@ -111,6 +113,13 @@ class Req:
     # last window reaches back into its cached prefix where the cache holds no window page: the
     # prefill fills them); every other window page below num_shared_pages is the cache's
     swa_own_shared: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # the prefix-cache namespace (a tenant's: server/api_key.tenant_salt): prefixes are shared only between
+    # requests of the same salt; None: with every unsalted request
+    cache_salt: str | None = None
+
+    def cache_ids(self, ids: list[int]) -> Sequence[int]:
+        """`ids` (of this request) as the prefix caches key them (radix_cache.salted)."""
+        return salted(ids, self.cache_salt)
 
     @property
     def seq_len(self) -> int:

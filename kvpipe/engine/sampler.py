@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpipe.engine.request import SamplingParams
+from kvpipe.engine.request import Req, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,25 @@ def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Gener
     g = torch.Generator(device=device)
     g.manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
     return g
+
+
+class RequestGenerators:
+    """Seeded requests' private RNG streams (unseeded ones draw from the sampler's default)."""
+
+    def __init__(self, device: str | torch.device = "cpu") -> None:
+        self.device = device
+        self._by_rid: dict[str, torch.Generator] = {}
+
+    def get(self, req: Req) -> torch.Generator | None:
+        if req.params.seed is None:
+            return None
+        g = self._by_rid.get(req.rid)
+        if g is None:
+            g = self._by_rid[req.rid] = make_generator(req.params.seed, self.device)
+        return g
+
+    def forget(self, rid: str) -> None:
+        self._by_rid.pop(rid, None)
 
 
 class Sampler:

@@ -10,11 +10,12 @@ Policy (simple and fair):
   left of the budget, so a prompt spans several steps; without, prompts go whole. A request
   whose stored prefix pages the KV tier is fetching (cache/store_tier.py) is passed over until
   the fetch ends (bounded): it never holds up the queue or the running requests' steps.
-- Pages are allocated lazily, per step, for exactly the tokens that step writes. Admission
-  is conservative instead: a request is admitted only if the pages it could ever need
-  (prompt + max_new_tokens - 1 tokens) fit in the free pages minus those promised to admitted
-  requests. Running requests therefore never run out of pages, and nothing is preempted;
-  the rest wait in the queue. A request that could never fit is finished with ABORT.
+- Pages are allocated lazily, per step, for exactly the tokens that step writes
+  (request_pages.py: each admitted request's promise and pages). Admission is conservative
+  instead: a request is admitted only if the pages it could ever need (prompt +
+  max_new_tokens - 1 tokens) fit in the free pages minus those promised to admitted requests.
+  Running requests therefore never run out of pages, and nothing is preempted; the rest wait
+  in the queue. A request that could never fit is finished with ABORT.
 
 Seams for disaggregation (driven by the engine for its KV connector, never by the connector):
 `reserve` + `add_prefilled` (a request whose KV another server wrote goes straight to decode),
@@ -49,7 +50,7 @@ lacks, below its prefix's end too (`Req.swa_own_shared`), for the writer to fill
 
 Speculative decoding (`drafter`): a decode row gets pages for its last token and its drafts (at
 most max_new_tokens - outputs - 1 of them, so within its promise); after the verify forward
-`commit_verify` keeps the accepted tokens and `rollback_pages` frees the pages past them.
+`commit_verify` keeps the accepted tokens and frees the pages past them (PageLedger.rollback).
 """
 
 from __future__ import annotations
@@ -65,19 +66,16 @@ from kvpipe.cache.radix_cache import RadixCache
 from kvpipe.cache.recurrent_slots import StateSlotAllocator
 from kvpipe.cache.store_tier import StoreTier
 from kvpipe.cache.swa_radix_cache import SWARadixCache
-from kvpipe.cache.window_pages import window_first_page, window_page_bound
+from kvpipe.cache.window_pages import window_page_bound
 from kvpipe.config import SchedulerConfig
 from kvpipe.engine.batch import ForwardMode, ScheduledBatch
 from kvpipe.engine.hybrid_state import cache_snapshots, free_state_slot, match_state, plan_state, state_stats
 from kvpipe.engine.request import FinishReason, Req, ReqStatus
+from kvpipe.engine.request_pages import PageLedger
 from kvpipe.engine.spec.verify import draft_budget
 from kvpipe.engine.window_cache import (
-    cache_window,
     match_full,
     match_window,
-    own_window_mask,
-    own_window_pages,
-    slide_kept,
     window_promise,
 )
 
@@ -124,11 +122,19 @@ class Scheduler:
         self.reserved: dict[str, Req] = {}  # pages reserved, KV being written by someone else
         self.held: dict[str, Req] = {}  # finished, pages kept until release(rid)
         self._live: dict[str, Req] = {}  # every unfinished request: waiting, running, reserved
-        self._promised: dict[str, int] = {}  # rid -> pages it may hold at most (admitted ones)
         self._last_was_prefill = False
         self.prefix_hit_tokens = 0  # prompt tokens admitted requests took from the prefix cache
-        # a KV tier shared with other servers (cache/store_tier.py; engine/store_setup.py sets it)
-        self.kv_tier: StoreTier | None = None
+        # the pages each admitted request was promised and holds (request_pages.py)
+        self.pages = PageLedger(allocator, page_size, prefix_cache, window)
+
+    @property
+    def kv_tier(self) -> StoreTier | None:
+        """A KV tier shared with other servers (cache/store_tier.py; engine/store_setup.py sets it)."""
+        return self.pages.kv_tier
+
+    @kv_tier.setter
+    def kv_tier(self, tier: StoreTier | None) -> None:
+        self.pages.kv_tier = tier
 
     # ---- admission -------------------------------------------------------------------------
     def max_pages(self, req: Req) -> int:
@@ -168,23 +174,11 @@ class Scheduler:
             )
         return None
 
-    def _outstanding(self) -> int:
-        """Pages promised to admitted requests but not allocated yet."""
-        return sum(self._promised[rid] - self._own_pages(r) for rid, r in self._live.items() if rid in self._promised)
-
-    @staticmethod
-    def _own_pages(req: Req) -> int:
-        # window pages below a cached prefix are the cache's too, but for a PD decode's own there (window_cache.py)
-        return len(req.pages) - req.num_shared_pages + int(own_window_mask(req).sum())
-
-    def _available(self) -> int:
-        """Pages a new allocation can get: free ones and cached ones nobody reads."""
-        return self.allocator.num_free + (self.cache.evictable_pages if self.cache is not None else 0)
-
     def _can_admit(self, req: Req, outstanding: int) -> bool:
         if self.state_slots is not None and self.state_slots.num_free == 0:
             return False  # it waits for a finishing request's state slot, as for pages
-        return self.max_pages(req) - req.num_shared_pages + self.window_pages(req) <= self._available() - outstanding
+        need = self.max_pages(req) - req.num_shared_pages + self.window_pages(req)
+        return need <= self.pages.available() - outstanding
 
     def _match_prefix(self, req: Req, reserved: bool = False) -> None:
         """Start `req` at its longest cached prefix (at least its last prompt token is computed:
@@ -198,7 +192,7 @@ class Scheduler:
             match = match_full if reserved else match_window
             pages, node = match(self.cache, req, self.page_size)
         else:
-            pages, node = self.cache.match(req.input_ids[:-1])
+            pages, node = self.cache.match(req.cache_ids(req.input_ids[:-1]))
         self.cache.lock(node)
         req.cache_node = node
         req.pages = pages.copy()
@@ -208,8 +202,8 @@ class Scheduler:
     def _tier_ready(self, req: Req) -> bool:
         """False while the KV tier fetches stored pages past `req`'s radix match (bounded by its
         fetch timeout): `req` stays queued, other requests' steps go on; then they are in the cache."""
-        if self.kv_tier is None or self.cache is None or req.cache_node is not None:
-            return True
+        if self.kv_tier is None or self.cache is None or req.cache_node is not None or req.cache_salt is not None:
+            return True  # a salted prompt skips the tier: its keys have no tenant (README, tenancy)
         return self.kv_tier.ready(req.rid, req.input_ids[:-1], self.cache, self.allocator)
 
     def waiting_on_tier(self) -> bool:
@@ -223,25 +217,20 @@ class Scheduler:
         if self.state_slots is not None:
             req.state_slot = self.state_slots.alloc(req.rid)
             assert req.state_slot is not None, "_can_admit checked for a free slot"
-        self._promised[req.rid] = self.max_pages(req) - req.num_shared_pages + self.window_pages(req)
+        promised = self.max_pages(req) - req.num_shared_pages + self.window_pages(req)
+        self.pages.promise(req, promised)
         self.prefix_hit_tokens += req.num_shared_pages * self.page_size
-        return self._promised[req.rid]
+        return promised
 
     def _unmatch(self, req: Req) -> None:
         """Give back a prefix match (the request stays queued)."""
-        self._unpin(req)
+        self.pages.unpin(req)
         req.pages = np.zeros(0, dtype=np.int64)
         req.num_cached = req.cached_tokens = 0
         req.snapshots = None  # nothing planned yet: no slots to give back
         req.swa_pages = np.zeros(0, dtype=np.int64)  # the cache's window pages, if any
         req.swa_own_shared = np.zeros(0, dtype=np.int64)
         req.swa_hit_points = ()
-
-    def _unpin(self, req: Req) -> None:
-        if self.cache is not None and req.cache_node is not None:
-            self.cache.unlock(req.cache_node)
-        req.cache_node = None
-        req.num_shared_pages = 0
 
     def add(self, req: Req) -> bool:
         """Queue a request. Returns False if it can never run (then it is finished with ABORT)."""
@@ -279,13 +268,13 @@ class Scheduler:
         if not self._tier_ready(req):
             return False  # stored pages are on their way: retry later
         self._match_prefix(req, reserved=True)
-        if not self._can_admit(req, self._outstanding()):
+        if not self._can_admit(req, self.pages.outstanding()):
             self._unmatch(req)
             return False
         self._promise(req)
-        self._ensure_pages(req, len(req.input_ids))
+        self.pages.ensure(req, len(req.input_ids))
         # the first decode step (position len(prompt)) sees the prompt's last window only
-        self._ensure_window(req, len(req.input_ids), len(req.input_ids))
+        self.pages.ensure_window(req, len(req.input_ids), len(req.input_ids))
         self.reserved[req.rid] = req
         return True
 
@@ -323,8 +312,8 @@ class Scheduler:
             nonlocal budget
             remaining = len(req.input_ids) - req.num_cached
             n = min(remaining, budget) if chunking else remaining
-            self._ensure_pages(req, len(req.input_ids) if self.whole_prompt_pages else req.num_cached + n)
-            self._ensure_window(req, req.num_cached, req.num_cached + n)
+            self.pages.ensure(req, len(req.input_ids) if self.whole_prompt_pages else req.num_cached + n)
+            self.pages.ensure_window(req, req.num_cached, req.num_cached + n)
             self._plan_state(req, batch, len(batch.reqs), req.num_cached, n)
             batch.reqs.append(req)
             batch.extend_lens.append(n)
@@ -336,7 +325,7 @@ class Scheduler:
                 break
             if not req.prefill_done:
                 take(req)
-        outstanding = self._outstanding()
+        outstanding = self.pages.outstanding()
         at = 0  # the first waiting request not waiting for the KV tier's prefetch
         room = self.cfg.max_running_requests
         while len(self.waiting) > at and budget > 0 and len(self.running) + len(self.reserved) < room:
@@ -355,7 +344,7 @@ class Scheduler:
             req.status = ReqStatus.RUNNING
             self.running.append(req)
             take(req)
-            outstanding -= self._own_pages(req)
+            outstanding -= self.pages.own_pages(req)
         return batch if batch.reqs else None
 
     def _schedule_decode(self) -> ScheduledBatch:
@@ -369,8 +358,8 @@ class Scheduler:
             drafts=drafts if self.drafter is not None else [],
         )
         for i, (r, d) in enumerate(zip(reqs, drafts)):
-            self._ensure_pages(r, r.num_cached + 1 + len(d))
-            self._ensure_window(r, r.num_cached, r.num_cached + 1 + len(d))
+            self.pages.ensure(r, r.num_cached + 1 + len(d))
+            self.pages.ensure_window(r, r.num_cached, r.num_cached + 1 + len(d))
             # hybrid prefix cache: the snapshot after the last token only, which is always kept; those
             # after accepted drafts are planned once acceptance is known (engine/spec/state_rollback.py)
             self._plan_state(r, batch, i, r.num_cached, 1)
@@ -387,59 +376,6 @@ class Scheduler:
         if isinstance(self.cache, HybridRadixCache):
             plan_state(self.cache, self.allocator, req, batch, row, start, n, self.page_size)
 
-    def _ensure_pages(self, req: Req, tokens: int) -> None:
-        need = _cdiv(tokens, self.page_size) - len(req.pages)
-        if need <= 0:
-            return
-        if self._own_pages(req) + need > self._promised[req.rid]:
-            raise RuntimeError(
-                f"request {req.rid!r} needs more than its {self._promised[req.rid]} "
-                f"promised pages ({tokens} tokens); it should have finished"
-            )
-        req.pages = np.concatenate([req.pages, self._alloc(need)])
-
-    def _alloc(self, n: int) -> np.ndarray:
-        short = n - self.allocator.num_free
-        if short > 0 and self.cache is not None:  # admission counted on these: take them back
-            self.allocator.free(self.cache.evict(short))
-        return self.allocator.alloc(n)
-
-    def _ensure_window(self, req: Req, first_pos: int, tokens: int) -> None:
-        """Sliding-window pages for a step whose first query sits at `first_pos` and after which
-        `tokens` tokens have KV: the logical pages from the one its first query's window starts in
-        to the last one written."""
-        if self.window is None:
-            return
-        end = _cdiv(tokens, self.page_size)
-        if req.swa_pages.size < end:
-            req.swa_pages = np.concatenate([req.swa_pages, np.full(end - req.swa_pages.size, -1, dtype=np.int64)])
-        first = window_first_page(first_pos, self.window, self.page_size)
-        missing = np.flatnonzero(req.swa_pages[first:end] < 0) + first
-        if missing.size == 0:
-            return
-        if self._own_pages(req) + missing.size > self._promised[req.rid]:
-            raise RuntimeError(
-                f"request {req.rid!r} needs more than its {self._promised[req.rid]} promised "
-                f"pages (sliding window up to {tokens} tokens)"
-            )
-        req.swa_pages[missing] = self._alloc(int(missing.size))
-        below = missing[missing < req.num_shared_pages]  # a PD decode's last window before its prefix's end
-        if below.size:
-            req.swa_own_shared = np.union1d(req.swa_own_shared, below)
-
-    def _slide(self, req: Req) -> None:
-        """Free the sliding-window pages no later query of `req` can see."""
-        if self.window is None or req.swa_pages.size == 0:
-            return
-        if isinstance(self.cache, SWARadixCache):
-            self.allocator.free(slide_kept(req, self.window, self.page_size))
-            return
-        first = window_first_page(req.num_cached, self.window, self.page_size)
-        gone = req.swa_pages[:first]
-        if (gone >= 0).any():
-            self.allocator.free(gone[gone >= 0])
-            gone[:] = -1
-
     # ---- results and lifecycle -------------------------------------------------------------
     def commit(self, batch: ScheduledBatch, tokens: Sequence[int | None], logprobs: Sequence[float | None]) -> None:
         """Record a finished forward: KV of every row is cached; rows with a token grow by it."""
@@ -450,7 +386,7 @@ class Scheduler:
             req.num_cached = start + n
             if req.snapshots is not None:
                 req.snapshots.commit()
-            self._slide(req)
+            self.pages.slide(req)
             token, logprob = tokens[i], logprobs[i]
             if token is None:
                 continue
@@ -481,21 +417,9 @@ class Scheduler:
         # inputs x_0 .. x_{n-1} (the last token and the accepted drafts) have valid KV; the last
         # appended token, as after any decode step, has none yet
         req.num_cached = prefix_len + n
-        self._slide(req)
-        self.rollback_pages(req)
+        self.pages.slide(req)
+        self.pages.rollback(req)
         return n
-
-    def rollback_pages(self, req: Req) -> None:
-        """Free the pages past the ones holding req's num_cached tokens (what a verify step
-        allocated for drafts that were rejected); a cached prefix's pages are never touched."""
-        keep = max(_cdiv(req.num_cached, self.page_size), req.num_shared_pages)
-        if len(req.pages) > keep:
-            self.allocator.free(req.pages[keep:])
-            req.pages = req.pages[:keep].copy()
-        if req.swa_pages.size > keep:  # sliding layers: the window pages only rejected drafts reached
-            past = req.swa_pages[keep:]
-            self.allocator.free(past[past >= 0])
-            req.swa_pages = req.swa_pages[:keep].copy()
 
     def finish(self, req: Req, reason: FinishReason, detail: str | int | None = None, hold: bool = False) -> None:
         """End a request (idempotent). Its pages are freed exactly once: now, or with hold=True
@@ -503,7 +427,7 @@ class Scheduler:
         if req.finished:
             return
         self._live.pop(req.rid, None)
-        self._promised.pop(req.rid, None)
+        self.pages.withdraw(req.rid)
         if self.kv_tier is not None:
             self.kv_tier.forget(req.rid)
         self.reserved.pop(req.rid, None)
@@ -515,7 +439,7 @@ class Scheduler:
         req.finish_reason = reason
         req.finish_detail = detail
         if req.pages.size == 0:
-            self._unpin(req)
+            self.pages.unpin(req)
             free_state_slot(self.state_slots, req)
             if isinstance(self.cache, HybridRadixCache):
                 cache_snapshots(self.cache, req, np.zeros(0, dtype=np.int64))
@@ -541,39 +465,9 @@ class Scheduler:
         return True
 
     def _free(self, req: Req) -> None:
-        """Return a finished request's pages: with a prefix cache its full pages of computed KV
-        go to the cache (its own duplicates of what the cache has, and the rest, to the allocator)."""
-        pages = req.pages
-        own_swa = own_window_pages(req)
-        if isinstance(self.cache, HybridRadixCache):
-            own = cache_snapshots(self.cache, req, pages)
-            self._unpin(req)
-        elif isinstance(self.cache, SWARadixCache):
-            own, own_swa = cache_window(self.cache, req, pages, self.page_size)
-            self._unpin(req)
-        elif self.cache is not None:
-            full = min(req.num_cached // self.page_size, len(pages))
-            dup = self.cache.insert(req.all_ids[: full * self.page_size], pages[:full])
-            if self.kv_tier is not None:
-                self.kv_tier.store_prefix(req.all_ids[: full * self.page_size], pages[:full])
-            # pages[:num_shared_pages] were the cache's all along; [shared, dup) duplicate pages the
-            # cache got from another request meanwhile; [dup, full) are the cache's now
-            own = np.concatenate([pages[req.num_shared_pages : dup], pages[full:]])
-            self._unpin(req)
-        else:
-            own = pages
-        self.allocator.free(own)
-        self.allocator.free(own_swa)
-        req.pages = np.zeros(0, dtype=np.int64)
-        req.swa_pages = np.zeros(0, dtype=np.int64)
-        req.swa_own_shared = np.zeros(0, dtype=np.int64)
+        """Return a finished request's pages (PageLedger.free) and its recurrent-state slot."""
+        self.pages.free(req)
         free_state_slot(self.state_slots, req)
-
-    def _cached_pages(self) -> int:
-        """Pages the prefix cache holds, of both kinds (a sliding-window model's window pages too)."""
-        if isinstance(self.cache, SWARadixCache):
-            return self.cache.num_pages + self.cache.num_swa_pages
-        return self.cache.num_pages if self.cache is not None else 0
 
     def get(self, rid: str) -> Req | None:
         return self._live.get(rid)
@@ -591,9 +485,9 @@ class Scheduler:
             "num_reserved": len(self.reserved),
             "num_held": len(self.held),
             # pages a new request can get: free ones and cached ones no running request reads
-            "free_pages": self._available(),
-            "used_pages": self.allocator.num_pages - self._available(),
-            "cached_pages": self._cached_pages(),
+            "free_pages": self.pages.available(),
+            "used_pages": self.allocator.num_pages - self.pages.available(),
+            "cached_pages": self.pages.cached_pages(),
             "prefix_hit_tokens": self.prefix_hit_tokens,
             "total_pages": self.allocator.num_pages,
             "page_size": self.page_size,

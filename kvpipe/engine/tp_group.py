@@ -42,7 +42,7 @@ import torch.distributed as dist
 from kvpipe.cache.kv_pool import KVPool
 from kvpipe.config import ParallelConfig, ServerConfig
 from kvpipe.engine.batch import ForwardSpec
-from kvpipe.engine.connector import KVConnectorWorker, WorkerFactory
+from kvpipe.engine.connector import EngineRole, KVConnectorWorker, WorkerFactory
 from kvpipe.engine.cpu_threads import apply_cpu_threads, server_cpu_threads
 from kvpipe.engine.errors import EngineLost
 from kvpipe.engine.host_memory import tune_malloc
@@ -76,7 +76,7 @@ def rank_device(device: str, rank: int) -> str:
     return f"cuda:{rank}" if device == "cuda" else device
 
 
-def build_runner(cfg: ServerConfig, parallel: ParallelConfig, device: str) -> ModelRunner:
+def build_runner(cfg: ServerConfig, parallel: ParallelConfig, device: str, role: EngineRole) -> ModelRunner:
     tune_malloc()  # every rank's process: step activations reuse heap pages instead of faulting new ones
     group = dist.group.WORLD if parallel.tp_size > 1 else None
     model = load_model(
@@ -90,8 +90,8 @@ def build_runner(cfg: ServerConfig, parallel: ParallelConfig, device: str) -> Mo
     )
     # a hybrid target keeps per-position states of its verify forwards (cache/verify_states.py);
     # a PD prefill never verifies
-    verify = cfg.speculative.max_drafts + 1 if cfg.speculative.enabled and cfg.disaggregation.mode != "prefill" else 0
-    return ModelRunner(model, cfg.cache, device, cfg.scheduler, snapshot_slots(cfg), verify_positions=verify)
+    verify = cfg.speculative.max_drafts + 1 if cfg.speculative.enabled and role.verifies_drafts else 0
+    return ModelRunner(model, cfg.cache, device, cfg.scheduler, snapshot_slots(cfg, role), verify_positions=verify)
 
 
 def build_draft_runner(
@@ -159,8 +159,8 @@ def worker_main(fd: int, parent_pid: int) -> None:
         conn.send(HelloMsg(rank))
         device = _init_rank(start.cfg, rank, start.init_method)
         parallel = ParallelConfig(start.cfg.tp_size, rank)
-        runner = build_runner(start.cfg, parallel, device)
-        draft = build_draft_runner(start.cfg, parallel, device) if start.cfg.speculative.standalone_draft_path else None
+        runner = build_runner(start.cfg, parallel, device, start.role)
+        draft = build_draft_runner(start.cfg, parallel, device) if start.sharded_draft else None
         if start.worker_factory is not None:
             worker = load_factory(start.worker_factory)(
                 start.cfg, rank, runner.pool, runner.model.cfg.kv_cache_heads, runner.state_pool
@@ -247,9 +247,19 @@ def _serve(
 class TPGroup:
     """Rank 0's handle on a TP group: runs its own shard and drives ranks 1..N-1."""
 
-    def __init__(self, cfg: ServerConfig, worker_factory: str | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ServerConfig,
+        worker_factory: str | None = None,
+        role: EngineRole | None = None,
+        sharded_draft: bool = False,
+    ) -> None:
+        """`worker_factory`: the KV connector's (every child builds its worker); `role`: what the
+        engine does (EngineRole.of its connector); `sharded_draft`: every rank loads its shard of
+        a draft model (engine/spec/registry.py, DraftKV.SHARDED)."""
         if dist.is_initialized():
             raise RuntimeError("torch.distributed is already initialised in this process; one TP engine per process")
+        role = role or EngineRole()
         self.cfg = cfg
         self._tmp = tempfile.mkdtemp(prefix="kvpipe-tp-")
         init_method = f"file://{os.path.join(self._tmp, 'rendezvous')}"
@@ -277,11 +287,11 @@ class TPGroup:
                 theirs.close()
                 self._procs.append(p)
                 self._conns.append(Connection(mine.detach()))
-                self._conns[-1].send(StartMsg(cfg, rank, init_method, worker_factory))
+                self._conns[-1].send(StartMsg(cfg, rank, init_method, worker_factory, role, sharded_draft))
             # join the rendezvous only once every child is alive and importable
             self._wait_for(HelloMsg, "start")
             self.device = _init_rank(cfg, 0, init_method)
-            self.runner = build_runner(cfg, ParallelConfig(cfg.tp_size, 0), self.device)
+            self.runner = build_runner(cfg, ParallelConfig(cfg.tp_size, 0), self.device, role)
             self._wait_for(ReadyMsg, "load the model")
         except BaseException:
             self.shutdown()

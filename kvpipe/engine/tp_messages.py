@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from kvpipe.config import ServerConfig
 from kvpipe.engine.batch import ForwardSpec
+from kvpipe.engine.connector import EngineRole
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,8 @@ class StartMsg:
     rank: int
     init_method: str
     worker_factory: str | None = None  # "module:function" of the KV connector's worker
+    role: EngineRole = EngineRole()  # what the engine does, as its connector says
+    sharded_draft: bool = False  # the rank loads its shard of a STANDALONE draft model
 
 
 @dataclass(frozen=True)

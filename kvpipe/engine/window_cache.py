@@ -39,7 +39,7 @@ def match_window(cache: SWARadixCache, req: Req, page_size: int) -> tuple[np.nda
     """The longest cached prefix of req's prompt (minus its last token) with its window pages:
     sets req.swa_pages (the cache's window pages before the hit) and req.swa_hit_points; returns
     the full-layer pages and the node to lock."""
-    m = cache.match_window(req.input_ids[:-1])
+    m = cache.match_window(req.cache_ids(req.input_ids[:-1]))
     hit = len(m.pages) * page_size
     prompt_end = (len(req.input_ids) - 1) // page_size * page_size
     req.swa_pages = m.swa_pages.copy()
@@ -53,7 +53,7 @@ def match_full(cache: SWARadixCache, req: Req, page_size: int) -> tuple[np.ndarr
     prompt's last window below D (-1 where the cache has none: the request allocates those as its
     own and asks the prefill for them). Keeps the window before the prompt's last page boundary
     (a repeat of the prompt reads most of it). Returns the full-layer pages and the node to lock."""
-    pages, node = cache.match(req.input_ids[:-1])
+    pages, node = cache.match(req.cache_ids(req.input_ids[:-1]))
     d, n = len(pages), len(req.input_ids)
     first = min(window_first_page(n, cache.window, page_size), d)
     req.swa_pages = np.full(d, -1, dtype=np.int64)
@@ -128,7 +128,7 @@ def cache_window(cache: SWARadixCache, req: Req, pages: np.ndarray, page_size: i
     swa, mine = req.swa_pages, own_window_mask(req)
     # only its own window pages fill the cache's tombstones (below its prefix too: a PD decode's)
     give = np.where(mine, swa, -1)[:full]
-    dup, taken = cache.insert_window(req.all_ids[: full * page_size], pages[:full], give)
+    dup, taken = cache.insert_window(req.cache_ids(req.all_ids[: full * page_size]), pages[:full], give)
     # pages[:shared] were the cache's all along; [shared, dup) duplicate pages the cache got from
     # another request meanwhile; [dup, full) are the cache's now
     own = np.concatenate([pages[shared:dup], pages[full:]])

@@ -1,6 +1,6 @@
 """Harnesses that judge a running stack rather than measure it: the kill -9 campaign
-(`chaos*.py`), the fault-injected soak (`soak*.py`), the leak check both run once the servers are
-idle (`leaks.py`) and the emulated link between network namespaces (`testbed.py`,
-`testbed_cli.py`). Their commands stay where users type them (`kvpipe bench chaos`,
-`kvpipe bench soak`, `kvpipe testbed`); benchmarks and the load driver live in kvpipe/bench.
+(`chaos*.py`), the fault-injected soak (`soak*.py`) and the leak check both run once the servers are
+idle (`leaks.py`, `checks.py`). Their commands stay where users type them (`kvpipe bench chaos`,
+`kvpipe bench soak`). The load driver and the emulated link are kvpipe/harness, shared with the
+benchmarks; qa never imports kvpipe/bench (the allow list of docs/architecture.md, tests/unit/test_layering.py).
 """

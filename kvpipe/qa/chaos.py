@@ -39,8 +39,11 @@ from typing import Any
 
 import httpx
 
-from kvpipe.bench import driver
-from kvpipe.bench.probe import engine_stats
+from kvpipe.harness import driver
+from kvpipe.harness.probe import engine_stats
+from kvpipe.launch.stack import PARTS, PDStack
+from kvpipe.launch.start import start_pd_stack
+from kvpipe.launch.supervisor import PartState
 from kvpipe.model.presets import model_path_or_preset
 from kvpipe.qa.chaos_load import FINAL, Load, Sent, generate
 from kvpipe.qa.chaos_plan import LONG_PROMPT, TP_CHILD, ChaosConfig, Phase, plan_rounds
@@ -48,8 +51,6 @@ from kvpipe.qa.chaos_report import fmt_s, summarize, table
 from kvpipe.qa.chaos_round import RoundResult
 from kvpipe.qa.checks import failed
 from kvpipe.qa.leaks import wait_idle
-from kvpipe.server.launcher import PARTS, PDStack, start_pd_stack
-from kvpipe.server.supervisor import PartState
 
 
 def child_pids(pid: int, marker: bytes = b"kvpipe.engine.tp_group") -> list[int]:
@@ -115,6 +116,7 @@ class Campaign:
             decode_args=tp_args if cfg.tp_side == "decode" else [],
             log_dir=cfg.log_dir,
             timeout_s=180.0,
+            api_keys=True,  # as `kvpipe launch`: its clients find the keys by URL (server/client_keys.py)
         )
 
         def supervise() -> None:

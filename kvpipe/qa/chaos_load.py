@@ -1,5 +1,5 @@
 """Load for the kill -9 campaign: client coroutines streaming `/generate` through the router back
-to back, each request ending in an Outcome (kvpipe/bench/driver.py) that says how it ended,
+to back, each request ending in an Outcome (kvpipe/harness/driver.py) that says how it ended,
 never silently hanging.
 
 They run on an asyncio loop in a thread of their own, so a request's clock keeps running while
@@ -21,9 +21,9 @@ from typing import Any
 
 import httpx
 
-from kvpipe.bench.driver import new_client, send
-from kvpipe.bench.outcome import End, Outcome
-from kvpipe.bench.request import Request
+from kvpipe.harness.driver import new_client, send
+from kvpipe.harness.outcome import End, Outcome
+from kvpipe.harness.request import Request
 
 # the ends a request in flight at a kill may have: every one but a hang (TIMEOUT); the campaign
 # sends neither follow-up turns nor requests it disconnects itself
@@ -108,7 +108,7 @@ class Load:
         await self._loop.shutdown_asyncgens()
 
     async def _new_client(self) -> httpx.AsyncClient:
-        return new_client(self.clients + 1, self.deadline_s)  # the clients and a probe
+        return new_client(self.clients + 1, self.deadline_s, url=self.url)  # the clients and a probe
 
     def _record(self, purpose: str) -> Sent:
         rec = Sent(purpose, time.monotonic())

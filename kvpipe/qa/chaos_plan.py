@@ -7,8 +7,8 @@ import random
 from dataclasses import dataclass
 from enum import Enum
 
-from kvpipe.server.launcher import PARTS
-from kvpipe.server.supervisor import RestartPolicy
+from kvpipe.launch.stack import PARTS
+from kvpipe.launch.supervisor import RestartPolicy
 
 TP_CHILD = "tp-child"
 # The lifecycle tests' timeouts: a peer silent for 5 heartbeats (2.5 s) is dead, a bootstrap or

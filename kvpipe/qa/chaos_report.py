@@ -9,10 +9,10 @@ import statistics
 from collections import Counter
 from typing import Any
 
-from kvpipe.bench.machine import cpu_name
+from kvpipe.harness.machine import cpu_name
+from kvpipe.launch.stack import PDStack
 from kvpipe.qa.chaos_plan import ChaosConfig
 from kvpipe.qa.chaos_round import RoundResult, rounded
-from kvpipe.server.launcher import PDStack
 
 
 def fmt_s(x: float | None) -> str:

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpipe.bench.probe import engine_stats
+from kvpipe.harness.probe import engine_stats
 from kvpipe.qa.checks import Check, verdict
 
 # (path in the engine stats, rule)

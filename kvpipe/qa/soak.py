@@ -29,11 +29,12 @@ from typing import Any
 
 import httpx
 
-from kvpipe.bench.driver import drive
-from kvpipe.bench.machine import load_average, machine_info
-from kvpipe.bench.probe import engine_stats
-from kvpipe.bench.request import Request
-from kvpipe.bench.sigterm import sigterm_as_exit
+from kvpipe.harness.driver import drive
+from kvpipe.harness.machine import load_average, machine_info
+from kvpipe.harness.probe import engine_stats
+from kvpipe.harness.request import Request
+from kvpipe.harness.sigterm import sigterm_as_exit
+from kvpipe.launch.start import start_pd_stack
 from kvpipe.model.presets import model_path_or_preset
 from kvpipe.qa.checks import Check, checks_dict, failed, verdict
 from kvpipe.qa.leaks import wait_idle
@@ -41,8 +42,7 @@ from kvpipe.qa.soak_plan import Bounds, SoakConfig, plan_requests, plan_warmup
 from kvpipe.qa.soak_report import room_deltas, table
 from kvpipe.qa.soak_resources import ResourceSeries, Sampler, resource_checks
 from kvpipe.qa.soak_tally import Tally
-from kvpipe.server.api_key import client_headers
-from kvpipe.server.launcher import start_pd_stack
+from kvpipe.server.client_keys import client_headers
 
 SERVERS = ("prefill", "decode")
 
@@ -122,7 +122,7 @@ def config_from_args(args: argparse.Namespace) -> SoakConfig:
 
 
 def _model_name(url: str) -> str:
-    r = httpx.get(url.rstrip("/") + "/v1/models", timeout=10.0, headers=client_headers())
+    r = httpx.get(url.rstrip("/") + "/v1/models", timeout=10.0, headers=client_headers(url=url))
     return str(r.json()["data"][0]["id"])
 
 
@@ -163,7 +163,12 @@ def run_soak(
     ]
     planned = plan_requests(cfg)
     with start_pd_stack(
-        model_path, server_args=server_args, prefill_args=prefill_args, log_dir=log_dir, timeout_s=startup_timeout_s
+        model_path,
+        server_args=server_args,
+        prefill_args=prefill_args,
+        log_dir=log_dir,
+        timeout_s=startup_timeout_s,
+        api_keys=True,  # as `kvpipe launch`: its clients find the keys by URL (server/client_keys.py)
     ) as stack:
         urls = {"prefill": stack.prefill_url, "decode": stack.decode_url}
         pgids = {"prefill": stack.procs[0].pid, "decode": stack.procs[1].pid}  # each leads its session

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from kvpipe.bench.request import Api, Request
+from kvpipe.harness.request import Api, Request
 
 # Token ids of prompts given as ids: byte tokens, clear of the preset's special tokens above 255
 # and of the low ids a real vocabulary keeps for control tokens.

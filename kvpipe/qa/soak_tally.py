@@ -12,8 +12,8 @@ import collections
 import enum
 from typing import Any
 
-from kvpipe.bench.latency import percentiles
-from kvpipe.bench.outcome import End, Outcome
+from kvpipe.harness.latency import percentiles
+from kvpipe.harness.outcome import End, Outcome
 from kvpipe.qa.checks import Check
 
 

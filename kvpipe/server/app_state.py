@@ -22,12 +22,17 @@ from fastapi.responses import JSONResponse, Response
 from kvpipe.config import ServerConfig
 from kvpipe.engine.cpu_threads import CpuThreads
 from kvpipe.engine.request import ABORTED_ON_REQUEST, FinishReason
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.model.text.tokenizer import Tokenizer
+from kvpipe.server.api_key import caller_of, tenant_salt
 from kvpipe.server.async_engine import AsyncEngine, EngineLike, RequestStream
+from kvpipe.server.body_check import Budget, check_body
+from kvpipe.server.drain import DRAIN_DETAIL, DrainControl
 from kvpipe.server.errors import APIError
 from kvpipe.server.metrics import ServerMetrics
 from kvpipe.server.protocol import GenerateInput
+from kvpipe.server.request_caps import apply_limits, budgets, request_defs
 from kvpipe.server.request_tracker import RequestOutput
 from kvpipe.server.streaming import ClientDisconnected, close_all, collect, until_disconnect
 from kvpipe.server.validation import ModelLimits, longest_token_chars, prompt_chars_cap
@@ -52,10 +57,14 @@ class ServerState:
     metrics: ServerMetrics
     disaggregation_mode: str = "null"
     cpu_threads: CpuThreads | None = None  # the torch thread plan of this server (/server_info)
+    drain: DrainControl | None = None  # its graceful shutdown (drain.py); None: a bare app (tests)
     prep: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="kvpipe-prep"), repr=False
     )
     _token_chars: int | None = field(default=None, init=False, repr=False)  # longest_token_chars, once
+    # the request schemas with every cap, the model's too, and the chat budgets (check_body), once
+    _caps: tuple[dict[str, Any], dict[str, Budget]] | None = field(default=None, init=False, repr=False)
+    _flag_caps: dict[str, Any] | None = field(default=None, init=False, repr=False)  # the flags' caps only
 
     # ---- the loaded engine (APIError 503 while loading or after a failure) ------------------------
     @property
@@ -90,6 +99,23 @@ class ServerState:
             self._token_chars = longest_token_chars(self.tokenizer)
         return replace(limits, max_prompt_chars=prompt_chars_cap(limits.context_length, self._token_chars))
 
+    def check_body(self, body: Any, model: str, model_caps: bool = True) -> None:
+        """Refuse a body whose fields' types or sizes are past a cap (400), before validation,
+        templates or tokenization (`body_check.py`). `model_caps`: the loaded model's caps too
+        (then call it in a prep thread: `input_limits`); without them, and while the engine loads
+        (the route answers 503 after this), it needs no engine."""
+        if not model_caps or not self.engine.ready:
+            if self._flag_caps is None:
+                self._flag_caps = request_defs()
+                apply_limits(self._flag_caps, self.cfg.limits)
+            return check_body(body, model, self._flag_caps)
+        if self._caps is None:
+            limits = self.input_limits()
+            defs = request_defs()
+            apply_limits(defs, self.cfg.limits, limits)
+            self._caps = defs, budgets(limits)
+        return check_body(body, model, *self._caps)
+
     async def offload(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` (validation, chat templates, tokenization) in a prep thread, so a huge
         body does not hold the event loop that streams every other request's tokens."""
@@ -103,7 +129,7 @@ class ServerState:
         if self.cfg.scheduler.context_length is not None:
             return self.cfg.scheduler.context_length
         with contextlib.suppress(Exception):
-            return ModelConfig.from_dir(self.cfg.model_path).max_position_embeddings
+            return model_config_of(self.cfg.model_path).max_position_embeddings
         return None
 
     def model_paths(self) -> dict[str, str | None]:
@@ -116,6 +142,10 @@ class ServerState:
             "tokenizer_path": _local_dir(c.tokenizer_path or c.model_path),
             "checkpoint_path": os.path.abspath(c.model_path) if os.path.exists(c.model_path) else None,
         }
+
+    @property
+    def draining(self) -> bool:
+        return self.drain is not None and self.drain.drain.draining
 
     # ---- requests ---------------------------------------------------------------------------------
     @property
@@ -134,7 +164,16 @@ class ServerState:
             return
         for out in outs:
             if out.finish_reason is FinishReason.ABORT and refusal_status(out.finish_detail) is None:
-                raise APIError(f"prefill of request {out.rid} failed: {out.finish_detail or ABORTED_ON_REQUEST}", 500)
+                status = 503 if out.finish_detail == DRAIN_DETAIL else 500  # a drain: another prefill can
+                raise APIError(
+                    f"prefill of request {out.rid} failed: {out.finish_detail or ABORTED_ON_REQUEST}", status
+                )
+
+    def for_caller(self, request: Request, inputs: list[GenerateInput], salt: str | None) -> list[GenerateInput]:
+        """`inputs` owned by the request's caller (abort by rid), in its prefix-cache namespace."""
+        caller = caller_of(request)
+        salt = tenant_salt(caller, salt, self.cfg.cache_salt_by_api_key)
+        return [replace(inp, owner=caller.key_id, cache_salt=salt) for inp in inputs]
 
     def submit_all(self, inputs: list[GenerateInput]) -> list[RequestStream]:
         """Submit a batch all-or-nothing: if one prompt is refused, the others are aborted; a

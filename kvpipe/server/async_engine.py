@@ -63,6 +63,14 @@ class _EngineFailure:
         self.message = message
 
 
+class _Ended:
+    """Queued to a request the server ends itself (a drain's timeout): it finishes with ABORT and
+    `detail` at once, whatever the engine still sends it."""
+
+    def __init__(self, detail: str) -> None:
+        self.detail = detail
+
+
 class AsyncEngine:
     def __init__(
         self,
@@ -82,10 +90,12 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stopping = False
         self._queues: dict[str, asyncio.Queue] = {}
+        self._owners: dict[str, str | None] = {}  # rid -> GenerateInput.owner, while it runs
         self._first_tokens = FirstTokens()  # engine thread only
         self.metrics: ServerMetrics | None = None
         self.fatal_error: BaseException | None = None
         self.recent: deque[dict[str, Any]] = deque(maxlen=history)  # event loop only
+        self._refusing: str | None = None  # why new requests are refused (a drain), None: taken
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -121,6 +131,8 @@ class AsyncEngine:
     def check_room(self, n: int) -> None:
         """Refuse `n` more requests when they would take the server past its capacity: 503 with
         Retry-After (busy now), or 400 for a batch no idle server could hold either."""
+        if self._refusing is not None:
+            raise APIError(self._refusing, 503, headers={"Retry-After": str(RETRY_AFTER_S)})
         cap = self.capacity
         if cap is None:
             return
@@ -230,9 +242,10 @@ class AsyncEngine:
                 logger.exception("abort of %s failed", rid)
             self._wake.set()
 
-    def abort(self, rid: str) -> bool:
-        """Abort a running request (the `/abort_request` route); its stream ends with finish abort."""
-        if rid not in self._queues:
+    def abort(self, rid: str, owner: str | None = None) -> bool:
+        """Abort a running request (the `/abort_request` route); its stream ends with finish abort.
+        With `owner`, only a request of that owner (the same user key): another's is not found."""
+        if rid not in self._queues or (owner is not None and self._owners.get(rid) != owner):
             return False
         self._abort_in_engine(rid)
         return True
@@ -240,6 +253,19 @@ class AsyncEngine:
     def abort_all(self) -> int:
         rids = list(self._queues)
         for rid in rids:
+            self._abort_in_engine(rid)
+        return len(rids)
+
+    def refuse_new(self, reason: str) -> None:
+        """From now on every new request is refused: 503 with Retry-After and `reason` (a drain)."""
+        self._refusing = reason
+
+    def abort_all_for(self, detail: str) -> int:
+        """End every request here now, finish reason ABORT with `detail` (its stream's last output),
+        and abort it in the engine, which frees its pages and tells its PD peer (event loop only)."""
+        rids = list(self._queues)
+        for rid in rids:
+            self._queues[rid].put_nowait(_Ended(detail))
             self._abort_in_engine(rid)
         return len(rids)
 
@@ -254,6 +280,7 @@ class AsyncEngine:
             bootstrap_host=boot.host if boot else None,
             bootstrap_port=boot.port if boot else None,
             bootstrap_room=boot.room if boot else None,
+            cache_salt=inp.cache_salt,
         )
 
     def submit(self, inp: GenerateInput) -> RequestStream:
@@ -266,16 +293,22 @@ class AsyncEngine:
         detok = IncrementalDetokenizer(engine.tokenizer, inp.text_options.skip_special_tokens)
         stream = RequestStream(self, RequestTracker(inp, detok, time.monotonic()))
         self._queues[inp.rid] = stream.queue
+        self._owners[inp.rid] = inp.owner
         try:
             engine.add_request(req)
         except ValueError as e:  # e.g. the engine still holds this rid
-            self._queues.pop(inp.rid, None)
+            self._drop(inp.rid)
             raise APIError(str(e), 400) from e
         except RuntimeError as e:  # the engine is shutting down
-            self._queues.pop(inp.rid, None)
+            self._drop(inp.rid)
             raise APIError(str(e), 503) from e
         self._wake.set()
         return stream
+
+    def _drop(self, rid: str) -> None:
+        """The request ended here: no more outputs go to it."""
+        self._queues.pop(rid, None)
+        self._owners.pop(rid, None)
 
     def _on_first_token(self, tracker: RequestTracker) -> None:
         if self.metrics is not None and tracker.first_token_time is not None:
@@ -340,6 +373,15 @@ class RequestStream:
                 failure = next((x for x in items if isinstance(x, _EngineFailure)), None)
                 if failure is not None:
                     raise APIError(failure.message, 500)
+                ended = next((x for x in items if isinstance(x, _Ended)), None)
+                if ended is not None:
+                    items = [x for x in items if not isinstance(x, _Ended)]
+                    sent = tracker.update(items, time.monotonic()) if items else None
+                    if sent is not None:  # what the engine sent before: the client gets it first
+                        yield sent
+                    if not tracker.finished:
+                        yield tracker.finish_abort(ended.detail, time.monotonic())
+                    return
                 had_first = tracker.first_token_time is not None
                 n_before, last = len(tracker.output_ids), tracker.last_token_time
                 now = time.monotonic()
@@ -373,7 +415,7 @@ class RequestStream:
         self._closed = True
         self.queue.put_nowait(_CLOSED)
         owner, tracker = self._owner, self.tracker
-        owner._queues.pop(self.rid, None)
+        owner._drop(self.rid)
         if not tracker.finished:  # client gone, cancelled or failed: free the engine's pages
             owner._abort_in_engine(self.rid)
             tracker.finish_abort("client disconnected or request failed", time.monotonic())

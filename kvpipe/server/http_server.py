@@ -1,8 +1,9 @@
-"""The HTTP server: SGLang native routes, server/model info, health, metrics; `run_server`.
+"""The HTTP server: the app (`create_app`: its middleware and routes) and `run_server`.
 
-The engine loads in the engine thread after the server starts listening, so `/health` answers
-503 while loading (what sglang-router and the launcher poll for) and 200 once it is ready.
-OpenAI-compatible routes live in `openai_api.py`.
+SGLang's native `/generate` and `/abort_request` are here; health, info, metrics and debug routes
+in `info_routes.py`, the OpenAI-compatible ones in `openai_api.py`. The engine loads in the engine
+thread after the server starts listening, so `/health` answers 503 while loading (what
+sglang-router and the launcher poll for) and 200 once it is ready.
 """
 
 from __future__ import annotations
@@ -10,40 +11,40 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
+from types import FrameType
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import Response
 
 import kvpipe
 from kvpipe.body_limit import BodyLimitMiddleware
 from kvpipe.config import ServerConfig
 from kvpipe.engine.cpu_threads import (
-    OMP_WAIT_ENV,
     CpuThreads,
     apply_cpu_threads,
     server_cpu_threads,
-    torch_threads,
 )
 from kvpipe.engine.engine import Engine
-from kvpipe.engine.request import SamplingParams
-from kvpipe.server.api_key import APIKeyMiddleware
+from kvpipe.http_listener import listener_settings
+from kvpipe.server.api_key import AccessKeys, APIKeyMiddleware, caller_of, require_admin
 from kvpipe.server.app_state import ServerState
 from kvpipe.server.async_engine import AsyncEngine, EngineLike
+from kvpipe.server.drain import DRAIN_DETAIL, Drain, DrainControl, is_drain_abort
 from kvpipe.server.errors import APIError, install_error_handlers
-from kvpipe.server.metrics import CONTENT_TYPE, ServerMetrics
+from kvpipe.server.info_routes import register_health_routes, register_info_routes
+from kvpipe.server.metrics import ServerMetrics
 from kvpipe.server.openai_api import register_openai_routes
 from kvpipe.server.openai_protocol import ChatCompletionRequest, CompletionRequest
-from kvpipe.server.openapi_schema import BODY_ROUTE_RESPONSES, AbortRequest, install_body_schemas, json_body
+from kvpipe.server.openapi_schema import BODY_ROUTE_RESPONSES, install_body_schemas, json_body
 from kvpipe.server.protocol import (
     GENERATE_BATCH_FIELDS,
+    AbortRequest,
     GenerateInput,
     GenerateRequest,
     check_batch_size,
-    new_rid,
     split_generate_request,
 )
 from kvpipe.server.request_tracker import RequestOutput
@@ -60,7 +61,6 @@ from kvpipe.server.validation import prepare_prompts
 
 logger = logging.getLogger(__name__)
 
-HEALTH_GENERATE_TIMEOUT_S = 30.0
 GRACEFUL_SHUTDOWN_S = 5  # whole seconds: uvicorn.Config takes an int
 
 
@@ -88,109 +88,32 @@ def generate_response(out: RequestOutput, inp: GenerateInput, batched: bool) -> 
     return body
 
 
-def register_native_routes(app: FastAPI, state: ServerState) -> None:
-    # no body when healthy; `{"status": "loading" | "failed" | "timeout"}` with 503 otherwise
-    health_responses: dict[int | str, dict[str, Any]] = {
-        200: {"description": "ready", "content": None},
-        503: {
-            "description": "loading or failed",
-            "content": {
-                "application/json": {"schema": {"type": "object", "properties": {"status": {"type": "string"}}}}
-            },
-        },
-    }
-
-    @app.get("/health", response_class=Response, responses=health_responses)
-    async def health() -> Response:
-        if not state.engine.ready:
-            reason = "failed" if state.engine.fatal_error is not None else "loading"
-            return JSONResponse({"status": reason}, status_code=503)
-        return Response(status_code=200)
-
-    @app.get("/health_generate", response_class=Response, responses=health_responses)
-    async def health_generate() -> Response:
-        """Health with a real one-token generation through the engine."""
-        if state.disaggregation_mode != "null":  # a PD server cannot generate alone
-            return await health()
-        inp = GenerateInput(
-            rid=f"health-{new_rid()}",
-            input_ids=tuple(state.tokenizer.encode("hi")),
-            params=SamplingParams(max_new_tokens=1, temperature=0.0),
-        )
-        stream = state.engine.submit(inp)
-        try:
-            out = await asyncio.wait_for(stream.result(), HEALTH_GENERATE_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            return JSONResponse({"status": "timeout"}, status_code=503)
-        finally:
-            stream.close()
-        return Response(status_code=200 if out.completion_tokens == 1 else 503)
-
-    async def server_info() -> dict[str, Any]:
-        c = state.cfg
-        return {
-            **state.model_paths(),
-            "served_model_name": c.model_name,
-            "tp_size": c.tp_size,
-            "dp_size": 1,
-            "page_size": c.cache.page_size,
-            "context_length": state.advertised_context_length(),
-            "max_total_num_tokens": c.cache.pages() * c.cache.page_size,
-            "chunked_prefill_size": c.scheduler.chunked_prefill_size,
-            "max_running_requests": c.scheduler.max_running_requests,
-            "device": c.device,
-            "dtype": c.dtype,  # --dtype and --kv-cache-dtype as given (SGLang reports its args)
-            "kv_cache_dtype": c.cache.kv_cache_dtype,
-            "disaggregation_mode": state.disaggregation_mode,
-            "version": kvpipe.__version__,
-            # the plan, and what torch reports in this process (rank 0): they differ only if
-            # something changed torch's count after startup
-            "cpu_threads": None
-            if state.cpu_threads is None
-            else {
-                **state.cpu_threads.as_dict(),
-                "torch": torch_threads(),
-                "omp_wait_policy": os.environ.get(OMP_WAIT_ENV),  # what libgomp read at start
-            },
-            "status": "ready" if state.engine.ready else "loading",
-            "internal_states": [state.engine.stats() or {}],
-        }
-
-    async def model_info() -> dict[str, Any]:
-        return {**state.model_paths(), "is_generation": True, "served_model_name": state.cfg.model_name}
-
-    for path in ("/server_info", "/get_server_info"):
-        app.add_api_route(path, server_info, methods=["GET"])
-    for path in ("/model_info", "/get_model_info"):
-        app.add_api_route(path, model_info, methods=["GET"])
-
-    @app.get("/metrics", response_class=PlainTextResponse)
-    async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
-
-    @app.get("/debug/requests")
-    async def debug_requests() -> dict[str, Any]:
-        """The phase timelines of the last finished requests, oldest first (--debug-requests-history)."""
-        # "recording": False under --disable-request-metrics (then no request is kept)
-        recording = state.cfg.request_metrics
-        return {"role": state.metrics.role, "recording": recording, "requests": list(state.engine.recent)}
+def register_abort_route(app: FastAPI, state: ServerState) -> None:
+    """`/abort_request`: one request by rid (a user only its own key's: `Caller.key_id`), or
+    every request with `abort_all` (admins only)."""
 
     @app.post("/abort_request", openapi_extra=json_body(AbortRequest), responses=BODY_ROUTE_RESPONSES)
     async def abort_request(request: Request) -> dict[str, Any]:
         body = await read_json(request)
         if not isinstance(body, dict):
             raise APIError('expected a JSON object {"rid": ...}')
+        state.check_body(body, "AbortRequest", model_caps=False)
         rid, abort_all = body.get("rid"), body.get("abort_all", False)
         if not isinstance(abort_all, bool) or not (rid is None or isinstance(rid, str)):
             raise APIError("rid must be a string and abort_all a boolean", param="rid")
+        caller = caller_of(request)
         if abort_all:
+            require_admin(request, "abort_all")
             return {"aborted": state.engine.abort_all()}
         if not rid:
             raise APIError("rid is required (or abort_all: true)", param="rid")
-        return {"aborted": int(state.engine.abort(rid))}
+        return {"aborted": int(state.engine.abort(rid, owner=None if caller.is_admin else caller.key_id))}
 
+
+def register_generate_route(app: FastAPI, state: ServerState) -> None:
     def prepare(body: Any) -> tuple[GenerateRequest, list[GenerateInput], bool]:
         """Validate and tokenize a /generate body (in a prep thread)."""
+        state.check_body(body, "GenerateRequest")
         req = GenerateRequest.model_validate(body)
         specs, batched = split_generate_request(req)
         limits = state.input_limits()
@@ -201,6 +124,7 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
         raw = await read_json(request)
         check_batch_size(raw, GENERATE_BATCH_FIELDS, state.cfg.limits)
         req, inputs, batched = await state.offload(prepare, raw)
+        inputs = state.for_caller(request, inputs, req.cache_salt)
         if req.return_timeline:
             inputs = [replace(inp, return_timeline=True) for inp in inputs]
         by_rid = {inp.rid: inp for inp in inputs}
@@ -211,6 +135,8 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
                 try:
                     async for out in merge_streams(streams):
                         yield sse(generate_response(out, by_rid[out.rid], batched))
+                        if is_drain_abort(out):  # cut by a shutdown: an explicit error, not just a finish
+                            yield sse_error(APIError(f"request {out.rid}: {DRAIN_DETAIL}", 503))
                 except APIError as e:
                     yield sse_error(e)
                 yield SSE_DONE
@@ -222,6 +148,14 @@ def register_native_routes(app: FastAPI, state: ServerState) -> None:
             return bodies if batched else bodies[0]
 
         return await state.respond_when_done(request, streams, body)
+
+
+def register_native_routes(app: FastAPI, state: ServerState) -> None:
+    """SGLang's native routes: health, info, metrics, debug, abort, generate."""
+    register_health_routes(app, state)
+    register_info_routes(app, state)
+    register_abort_route(app, state)
+    register_generate_route(app, state)
 
 
 def create_app(
@@ -248,29 +182,32 @@ def create_app(
     metrics = ServerMetrics(cfg.model_name, async_engine.stats, role, per_request=cfg.request_metrics)
     async_engine.metrics = metrics
     state = ServerState(cfg, async_engine, metrics, disaggregation_mode, cpu_threads or server_cpu_threads(cfg))
+    state.drain = DrainControl(Drain(cfg.graceful_shutdown_timeout_s), async_engine)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
+        watcher = asyncio.ensure_future(state.drain.watch()) if state.drain is not None else None
         try:
             yield
         finally:
+            if watcher is not None:
+                watcher.cancel()
             await async_engine.stop()
             state.prep.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="kvpipe", version=kvpipe.__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.kvpipe = state
     app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_request_body_bytes, knob="--max-request-body-bytes")
-    if cfg.api_key is not None:  # added last: the outermost layer, before any body is read
-        app.add_middleware(APIKeyMiddleware, api_key=cfg.api_key)
+    keys = AccessKeys(cfg.user_api_keys, cfg.admin_api_key)
+    # added last: the outermost layer, before any body is read (also without keys: it tells the
+    # routes who calls)
+    app.add_middleware(APIKeyMiddleware, keys=keys)
     install_error_handlers(app)
     register_native_routes(app, state)
     register_openai_routes(app, state)
     install_body_schemas(
-        app,
-        [GenerateRequest, AbortRequest, CompletionRequest, ChatCompletionRequest],
-        cfg.limits,
-        key_required=cfg.api_key is not None,
+        app, [GenerateRequest, AbortRequest, CompletionRequest, ChatCompletionRequest], cfg.limits, keys
     )
     return app
 
@@ -281,10 +218,34 @@ def _drop_router_probe_noise(record: logging.LogRecord) -> bool:
     return record.getMessage() != "Invalid HTTP request received."
 
 
+def draining_server(config: Any, control: DrainControl) -> Any:
+    """uvicorn's Server whose SIGTERM / SIGINT start a drain (drain.py) instead of closing the
+    listener: the server keeps answering (/health with 503, requests in flight to their end) and
+    exits once drained. A second signal aborts what is left at once; a third exits without waiting.
+    Unlike uvicorn it does not raise the signal again after its shutdown, so a drained server exits
+    with status 0 (what a Kubernetes rolling update and a supervisor's restart count read)."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        signals = 0
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            self.signals += 1
+            if self.signals >= 3 or self.should_exit:
+                self.should_exit = self.force_exit = True
+            else:
+                control.signal()
+
+        def exit_now(self) -> None:
+            self.should_exit = True  # read by uvicorn's main loop; safe from another thread
+
+    return DrainingServer(config)
+
+
 def run_server(
     cfg: ServerConfig, engine_factory: Callable[[], EngineLike] | None = None, disaggregation_mode: str = "null"
 ) -> int:
-    """Serve until SIGINT/SIGTERM; returns 1 if the engine failed to load or died."""
+    """Serve until a SIGTERM / SIGINT drain ends (0, drain.py); 1 if the engine failed to load or died."""
     import uvicorn
 
     holder: dict[str, Any] = {}
@@ -294,7 +255,7 @@ def run_server(
         holder["failed"] = exc
         server = holder.get("server")
         if server is not None:
-            server.should_exit = True  # read by uvicorn's main loop; safe from another thread
+            server.exit_now()
 
     # torch's thread counts are per process: set them before the engine thread loads the model
     threads = server_cpu_threads(cfg)
@@ -306,14 +267,18 @@ def run_server(
         host=cfg.host,
         port=cfg.port,
         log_level=cfg.log_level,
-        timeout_keep_alive=30,
         access_log=cfg.log_level == "debug",
-        # on SIGTERM, streams still running after this long are cut (and aborted)
+        # after a drain (drain.py), connections still open this long later are closed
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        # read deadlines and the connection cap (slow clients)
+        **listener_settings(cfg.listener),
     )
     if cfg.log_level != "debug":  # after uvicorn.Config: it (re)configures its loggers
         logging.getLogger("uvicorn.error").addFilter(_drop_router_probe_noise)
-    server = uvicorn.Server(config)
+    control: DrainControl = app.state.kvpipe.drain
+    server = draining_server(config, control)
     holder["server"] = server
+    control.exit_server = server.exit_now
     server.run()
+    logger.info("server stopped")
     return 1 if "failed" in holder else 0

@@ -13,6 +13,7 @@ from fastapi.responses import Response
 from kvpipe.config import ConfigError
 from kvpipe.engine.request import ABORTED_ON_REQUEST, FinishReason
 from kvpipe.server.app_state import ServerState
+from kvpipe.server.drain import is_drain_abort
 from kvpipe.server.errors import APIError
 from kvpipe.server.openai_protocol import (
     COMPLETION_BATCH_FIELDS,
@@ -51,7 +52,8 @@ def _failure(out: RequestOutput) -> APIError | None:
     failed KV transfer, no KV pages in time, a prompt the KV cache cannot hold) is an error with
     that reason, as on a PD prefill; one aborted on request keeps finish_reason "abort"."""
     if out.finish_reason is FinishReason.ABORT and out.finish_detail not in (None, ABORTED_ON_REQUEST):
-        return APIError(f"request {out.rid} failed: {out.finish_detail}", refusal_status(out.finish_detail) or 500)
+        status = 503 if is_drain_abort(out) else refusal_status(out.finish_detail) or 500
+        return APIError(f"request {out.rid} failed: {out.finish_detail}", status)
     return None
 
 
@@ -249,6 +251,7 @@ def register_openai_routes(app: FastAPI, state: ServerState) -> None:
 
     def prepare_completion(body: Any) -> tuple[CompletionRequest, str, list[GenerateInput]]:
         """Validate and tokenize a /v1/completions body (in a prep thread)."""
+        state.check_body(body, "CompletionRequest")
         req = CompletionRequest.model_validate(body)
         req.check_supported()
         _check_model(state, req)
@@ -273,6 +276,7 @@ def register_openai_routes(app: FastAPI, state: ServerState) -> None:
         body = await read_json(request)
         check_batch_size(body, COMPLETION_BATCH_FIELDS, state.cfg.limits)
         req, rid, inputs = await state.offload(prepare_completion, body)
+        inputs = state.for_caller(request, inputs, req.cache_salt)
         return await _respond(
             request, state, req, inputs, _Responder(state, "completion", rid, req.logprobs is not None)
         )
@@ -280,6 +284,7 @@ def register_openai_routes(app: FastAPI, state: ServerState) -> None:
     def prepare_chat(body: Any) -> tuple[ChatCompletionRequest, str, list[GenerateInput]]:
         """Validate a /v1/chat/completions body, render its chat template and tokenize (in a prep
         thread)."""
+        state.check_body(body, "ChatCompletionRequest")
         req = ChatCompletionRequest.model_validate(body)
         req.check_supported()
         _check_model(state, req)
@@ -303,4 +308,5 @@ def register_openai_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest), responses=BODY_ROUTE_RESPONSES)
     async def chat_completions(request: Request) -> Response:
         req, rid, inputs = await state.offload(prepare_chat, await read_json(request))
+        inputs = state.for_caller(request, inputs, req.cache_salt)
         return await _respond(request, state, req, inputs, _Responder(state, "chat", rid, bool(req.logprobs)))

@@ -44,6 +44,7 @@ class _OpenAIBase(WireModel):
     no_stop_trim: bool | None = None
     repetition_penalty: float | None = None
     rid: str | None = None
+    cache_salt: str | None = None  # vLLM's: prefixes are shared only with requests of the same salt
     # PD fields injected by sglang-router (lists for a batched prompt)
     bootstrap_host: str | list[str | None] | None = None
     bootstrap_port: int | list[int | None] | None = None
@@ -112,9 +113,17 @@ class CompletionRequest(_OpenAIBase):
             raise APIError("only logprobs=0 (logprobs of the sampled tokens) is supported", param="logprobs")
 
 
+class ContentPart(WireModel):
+    """One part of a message's content: only `{"type": "text", "text": ...}` is served (others
+    are refused by `check_supported`, before any template); fields of other kinds are ignored."""
+
+    type: str
+    text: str | None = None
+
+
 class ChatMessage(WireModel):
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
 
 
@@ -141,17 +150,26 @@ class ChatCompletionRequest(_OpenAIBase):
             raise APIError('only response_format {"type": "text"} is supported', param="response_format")
         if self.top_logprobs not in (None, 0):
             raise APIError("top_logprobs is not supported (only the sampled tokens' logprobs)", param="top_logprobs")
+        for i, m in enumerate(self.messages):
+            for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
+                if part.type != "text":
+                    raise APIError(
+                        f"messages.{i}.content.{j}: content parts of type {part.type!r} are not supported, only text",
+                        param=f"messages.{i}.content.{j}.type",
+                    )
 
     def message_dicts(self) -> list[dict[str, Any]]:
         return [m.model_dump(exclude_none=True) for m in self.messages]
 
     def content_chars(self) -> int:
-        """Characters of the messages' text (string contents and text parts): the chat template
-        only adds to them, so this bounds the prompt from below before it is rendered."""
+        """Characters of what the chat template prints of the messages (roles, names, string
+        contents and text parts): the template only adds to them, so this bounds the prompt from
+        below before it is rendered."""
         total = 0
         for m in self.messages:
+            total += len(m.role) + len(m.name or "")
             if isinstance(m.content, str):
                 total += len(m.content)
             elif m.content is not None:
-                total += sum(len(p["text"]) for p in m.content if isinstance(p.get("text"), str))
+                total += sum(len(p.text or "") for p in m.content)
         return total

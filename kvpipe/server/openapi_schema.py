@@ -15,13 +15,11 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
-from pydantic.json_schema import models_json_schema
 
 from kvpipe.config import RequestLimits
-from kvpipe.server.api_key import OPEN_PATHS
-from kvpipe.server.protocol import DEFAULT_LIMITS, GENERATE_BATCH_FIELDS, WireModel
-
-REF = "#/components/schemas/{model}"
+from kvpipe.server.api_key import ADMIN_PATH_PREFIXES, OPEN_PATHS, AccessKeys
+from kvpipe.server.protocol import DEFAULT_LIMITS
+from kvpipe.server.request_caps import REF, apply_limits, request_defs
 
 
 class ErrorDetail(BaseModel):
@@ -35,13 +33,6 @@ class ErrorBody(BaseModel):
     """Every refused request: `{"error": {"message", "type", "param", "code"}}` (errors.py)."""
 
     error: ErrorDetail
-
-
-class AbortRequest(WireModel):
-    """Body of `POST /abort_request`: one request by rid, or all of them."""
-
-    rid: str | None = None
-    abort_all: bool = False
 
 
 # what a body route answers: JSON, or with "stream": true server-sent events; else a refused
@@ -75,75 +66,44 @@ def json_body(model: type[BaseModel]) -> dict[str, Any]:
     }
 
 
-# per-prompt list fields of each request model: with more entries than a batch may have prompts,
-# the body is refused (protocol.check_batch_size)
-_BATCH_FIELDS = {
-    "GenerateRequest": GENERATE_BATCH_FIELDS,
-    "CompletionRequest": ("prompt", "bootstrap_host", "bootstrap_port", "bootstrap_room"),
-    "ChatCompletionRequest": ("bootstrap_host", "bootstrap_port", "bootstrap_room"),
-}
+NO_KEYS = AccessKeys()
+ADMIN_ROUTES = ("/abort_request",)  # may need the admin key, by what the body asks (abort_all)
 
 
-def _branches(prop: dict[str, Any]) -> list[dict[str, Any]]:
-    return prop.get("anyOf", [prop])
-
-
-def _is_token_list(branch: dict[str, Any]) -> bool:
-    """`[1, 2, 3]`: one prompt of token ids, not a batch."""
-    return branch.get("type") == "array" and branch.get("items", {}).get("type") == "integer"
-
-
-def apply_limits(defs: dict[str, Any], limits: RequestLimits) -> None:
-    """Write the server's caps into the request schemas (maxItems, maxLength), so the schema
-    says what a request may hold and a schema fuzzer tries the far side of each cap."""
-    for name, model in defs.items():
-        props = model.get("properties", {})
-        for branch in _branches(props.get("stop", {})):
-            if branch.get("type") == "string":
-                branch["maxLength"] = limits.max_stop_string_chars
-            elif branch.get("type") == "array":
-                branch["maxItems"] = limits.max_stop_strings
-                branch["items"]["maxLength"] = limits.max_stop_string_chars
-        for branch in _branches(props.get("stop_token_ids", {})):
-            if branch.get("type") == "array":
-                branch["maxItems"] = limits.max_stop_token_ids
-        for field in _BATCH_FIELDS.get(name, ()):
-            for branch in _branches(props.get(field, {})):
-                if branch.get("type") == "array" and not _is_token_list(branch):
-                    branch["maxItems"] = limits.max_prompts_per_request
-
-
-def _require_key(schema: dict[str, Any]) -> None:
-    """Every operation but the open probes needs the bearer key, and may answer 401."""
+def _document_keys(schema: dict[str, Any], keys: AccessKeys) -> None:
+    """Which operations need a bearer key (every one but the open probes with user keys; the
+    admin routes with an admin key only) and may answer 401, and which 403 (a user key where the
+    admin key is needed)."""
     schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
-    error = {"$ref": REF.format(model=ErrorBody.__name__)}
+    error = {"content": {"application/json": {"schema": {"$ref": REF.format(model=ErrorBody.__name__)}}}}
     for path, ops in schema.get("paths", {}).items():
-        if path in OPEN_PATHS:
+        admin = path.startswith(ADMIN_PATH_PREFIXES) or path in ADMIN_ROUTES
+        if path in OPEN_PATHS or not (keys.user or admin):
             continue
         for op in ops.values():
-            op["security"] = [{"bearer": []}]
-            op.setdefault("responses", {}).setdefault(
-                "401", {"description": "no API key, or a wrong one", "content": {"application/json": {"schema": error}}}
-            )
+            responses = op.setdefault("responses", {})
+            # with an admin key only, a user route that turns admin by its body takes no key too
+            op["security"] = [{"bearer": []}] if keys.user or path not in ADMIN_ROUTES else [{"bearer": []}, {}]
+            responses.setdefault("401", {"description": "no API key, or a wrong one", **error})
+            if admin:
+                responses.setdefault("403", {"description": "a user key where the admin key is needed", **error})
 
 
 def install_body_schemas(
-    app: FastAPI, models: list[type[BaseModel]], limits: RequestLimits = DEFAULT_LIMITS, key_required: bool = False
+    app: FastAPI, models: list[type[BaseModel]], limits: RequestLimits = DEFAULT_LIMITS, keys: AccessKeys = NO_KEYS
 ) -> None:
     """Add `models` (and the models they nest) to the schema's components, for `json_body` refs,
-    with the server's caps written in; `key_required`: the server runs with --api-key."""
+    with the server's caps written in, and which routes need which key."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            # ErrorBody too: the 401 answers _require_key declares refer to it
-            documented: list[type[BaseModel]] = [*models, ErrorBody]
-            _, defs = models_json_schema([(m, "validation") for m in documented], ref_template=REF)
-            components = schema.setdefault("components", {}).setdefault("schemas", {})
-            components.update(defs.get("$defs", {}))
-            apply_limits(components, limits)
-            if key_required:
-                _require_key(schema)
+            defs = request_defs(tuple(models))
+            apply_limits(defs, limits)  # the requests' caps; the answers have none
+            # ErrorBody too: the 401 answers _document_keys declares refer to it
+            schema.setdefault("components", {}).setdefault("schemas", {}).update({**request_defs((ErrorBody,)), **defs})
+            if keys.user or keys.admin is not None:
+                _document_keys(schema, keys)
             app.openapi_schema = schema
         return app.openapi_schema
 

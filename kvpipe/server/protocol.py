@@ -63,6 +63,14 @@ class GenerateRequest(WireModel):
     # meta_info.timeline: where the request's time went on this server (kvpipe/engine/timeline.py);
     # SGLang only logs such stats server-wide (--enable-request-time-stats-logging)
     return_timeline: bool | None = False
+    cache_salt: str | None = None  # vLLM's: prefixes are shared only with requests of the same salt
+
+
+class AbortRequest(WireModel):
+    """Body of `POST /abort_request`: one request by rid, or all of them (admins only)."""
+
+    rid: str | None = None
+    abort_all: bool = False
 
 
 @dataclass(frozen=True)
@@ -94,6 +102,9 @@ class GenerateInput:
     bootstrap: BootstrapInfo | None = None
     index: int = 0  # position in a batched request
     return_timeline: bool = False
+    owner: str | None = None  # Caller.key_id of the user key that sent it (abort by rid); None: any
+    # the prefix-cache namespace (api_key.tenant_salt): prefixes are shared only within one
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -59,7 +60,10 @@ def _parse(raw: bytes) -> Any:
 
 async def read_json(request: Request) -> Any:
     require_json_content_type(request)  # before the body is read
-    raw = await request.body()
+    try:
+        raw = await request.body()
+    except ClientDisconnect:  # it left, or was cut for sending too slowly (kvpipe/http_listener.py)
+        raise APIError("the client left before its body arrived") from None
     if len(raw) > PARSE_INLINE_BYTES:
         return await asyncio.to_thread(_parse, raw)
     return _parse(raw)

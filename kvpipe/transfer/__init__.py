@@ -6,7 +6,7 @@ sender/       the prefill side: a KVSender per TP rank, its SenderBook, decode p
 receiver/     the decode side: a KVReceiver per instance, its ReceiverBook and rooms
 staging/      heterogeneous TP: head slices gathered into chunks, the decode's staging ring and agent
 recurrent/    hybrid models' recurrent state: the state pool's layout and its write ops
-backends/     one-sided batched writes into a peer's registered memory: local and Mooncake
+backends/     one-sided batched writes into a peer's registered memory: the backends' registry, local and Mooncake
 api.py        what an engine sees: the KVSenderAPI / KVReceiverAPI Protocols and their plain types
 lifecycle.py  the room state machine (TransferState, RoomRecord), deadlines, peer liveness
 

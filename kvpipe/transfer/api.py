@@ -18,7 +18,7 @@ from kvpipe.transfer.control.messages import AuxData, AuxTuple, DecodeRank
 from kvpipe.transfer.lifecycle import DuplicateRoomError, TransferState
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.receiver.book import ReceiverStats
-from kvpipe.transfer.sender.book import SenderStats, TransferTiming
+from kvpipe.transfer.sender.stats import SenderStats, TransferTiming
 
 __all__ = [
     "AuxData",

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvpipe.model.checkpoint.schema import ModelConfig
+from kvpipe.model.checkpoint.config_reader import model_config_of
 
 
 def noisy_copy(src: Path, dst: Path, scale: float = 0.1) -> Path:
@@ -35,7 +35,7 @@ def bigram_copy(src: Path, dst: Path) -> Path:
     the embedding half (its guess after t_{i+1} is the target's own next token after t_{i+1}):
     an MTP layer that drafts exactly what the target generates."""
     shutil.copytree(src, dst)
-    cfg = ModelConfig.from_dir(src)
+    cfg = model_config_of(src)
     weights = load_file(str(dst / "model.safetensors"))
     for name, w in weights.items():
         if name.endswith(("o_proj.weight", "down_proj.weight", "linear_attn.out_proj.weight")):
@@ -61,7 +61,7 @@ def write_eagle_head(target: Path, dst: Path, bigram: float = 0.0, noise: float 
     raw = json.loads((target / "config.json").read_text())
     raw.update(architectures=["LlamaForCausalLMEagle"], num_hidden_layers=1)
     (dst / "config.json").write_text(json.dumps(raw, indent=2))
-    cfg = ModelConfig.from_dir(target)
+    cfg = model_config_of(target)
     tw = load_file(str(target / "model.safetensors"))
     h, q, kv, inter = (
         cfg.hidden_size,

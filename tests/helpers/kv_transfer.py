@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import secrets
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -22,6 +23,7 @@ from kvpipe.transfer.backends.local import LocalBackend, LocalFabric
 from kvpipe.transfer.control.auth import authenticator
 from kvpipe.transfer.control.bootstrap import BootstrapServer
 from kvpipe.transfer.control.messages import AuxData, DecodeRank
+from kvpipe.transfer.kv_digest import KVDigester
 from kvpipe.transfer.lifecycle import Clock, TransferState
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.planning.tp_mapping import kv_head_range
@@ -161,8 +163,11 @@ def start_prefill(
     """cfg.staging other than "off": each rank gets a local staging buffer of cfg.staging_pool_nbytes."""
     fabric = fabric or LocalFabric()
     if server is None:
-        # the bootstrap signs its answers with the same token (a decode with one refuses unsigned answers)
-        server = stack.enter_context(BootstrapServer("127.0.0.1", 0, auth=authenticator(cfg.auth_token)))
+        # the bootstrap signs its answers with the same token (a decode with one refuses unsigned
+        # answers); the ranks register with the server's own registrar key, as a prefill's do
+        server = stack.enter_context(
+            BootstrapServer("127.0.0.1", 0, auth=authenticator(cfg.auth_token), registrar_key=secrets.token_bytes(32))
+        )
     data = truth(seed, latent, dtype)
     senders: list[KVSender] = []
     for rank in range(tp):
@@ -180,10 +185,11 @@ def start_prefill(
             instance_id=instance,
             staging=buf,
             on_news=on_news,
+            digester=KVDigester(pool.buffers(), layout),
         )
         s.pool = pool  # keep the memory alive as long as the sender
         stack.callback(s.close)
-        senders.append(s.start(("127.0.0.1", server.port)))
+        senders.append(s.start(("127.0.0.1", server.port), server.registrar_key))
     return Prefill(server, senders, data)
 
 
@@ -224,7 +230,8 @@ def start_decode(
             agents.append(agent)
             info = agent.info
         ranks.append(DecodeRank(layout, backend.address, info))
-    recv = RigReceiver(cfg, ranks=ranks, model_name=model, clock=clock)
+    digester = KVDigester(pools[0].buffers(), ranks[0].layout) if cfg.kv_integrity else None
+    recv = RigReceiver(cfg, ranks=ranks, model_name=model, clock=clock, digester=digester)
     recv.pools, recv.agents = pools, agents
     stack.callback(recv.close)
     recv.start()

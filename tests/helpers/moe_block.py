@@ -13,6 +13,7 @@ import transformers
 from kvpipe.config import ParallelConfig
 from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.model.layers.moe import SparseMoE
+from kvpipe.model.registry import model_config
 
 HIDDEN = 64
 ARCHS = {
@@ -98,7 +99,7 @@ def hf_config(case: str) -> transformers.PreTrainedConfig:
 
 def our_config(hf_cfg: transformers.PreTrainedConfig, case: str) -> ModelConfig:
     raw = hf_cfg.to_dict() | {"architectures": [ARCHS[family_of(case)]]}
-    return ModelConfig.from_hf_dict(json.loads(json.dumps(raw)))  # as read from a config.json
+    return model_config(json.loads(json.dumps(raw)))  # as read from a config.json
 
 
 @torch.no_grad()

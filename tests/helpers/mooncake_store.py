@@ -12,7 +12,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvpipe.server.launcher import free_ports, stop_process
+from kvpipe.launch.ports import free_ports
+from kvpipe.launch.process import stop_process
 
 MASTER = Path(sys.executable).parent / "mooncake_master"
 

@@ -13,7 +13,7 @@ import pytest
 from kvpipe.config import SpeculativeConfig
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import FinishReason, Req, SamplingParams
-from kvpipe.model.checkpoint.schema import ModelConfig
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.draft.eagle import eagle_config
 from tests.helpers.pd_pair import PS, Pair, Reference, assert_pd_matches, prompts
 from tests.helpers.pd_parity import expected_bytes, state_slot_nbytes
@@ -45,7 +45,7 @@ def head_kv_bytes(head: Path, lens: list[int]) -> int:
 def mtp_kv_bytes(model_dir: Path, lens: list[int], page_size: int, itemsize: int = 4) -> int:
     """The MTP layer's KV of prompts of `lens` tokens: whole pages, one layer, in the model's
     dtype (`itemsize`): DeepSeek-V3's latent, or Qwen3.5's full-attention K and V of every KV head."""
-    mc = ModelConfig.from_dir(model_dir)
+    mc = model_config_of(model_dir)
     per_token = mc.mla.latent_dim if mc.mla is not None else 2 * mc.num_kv_heads * mc.head_dim
     return sum(-(-n // page_size) for n in lens) * page_size * per_token * itemsize
 
@@ -99,7 +99,7 @@ def run_and_check(
     decoded = [d for _, d in reqs]
     assert all(d.finish_reason is FinishReason.LENGTH for d in decoded), [d.finish_detail for d in decoded]
     assert_pd_matches(decoded, ps, reference, what, route)
-    mc = ModelConfig.from_dir(target)
+    mc = model_config_of(target)
     assert [landed[d.rid] for d in decoded] == [(len(p) - 1, 1, mc.hidden_size) for p in ps]  # nothing recomputed
     lens, held = [len(p) for p in ps], [d.timeline.prefix_hit_tokens for d in decoded]  # whole pages
     held_kv = expected_bytes(target, held, PS, *tp) - len(held) * state_slot_nbytes(mc)  # the state moves whole

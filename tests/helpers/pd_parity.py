@@ -13,6 +13,7 @@ from kvpipe.cache.window_pages import prompt_window_pages
 from kvpipe.config import CacheConfig, SchedulerConfig, ServerConfig
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import SamplingParams
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.checkpoint.schema import ModelConfig
 from tests.helpers.pd_stack import Stack, disagg_stats, generate, greedy, start_stack
 from tests.helpers.tolerance import Generation, Route, assert_same_generations
@@ -81,7 +82,7 @@ def expected_bytes(
     Each decode rank's heads are written once, whichever prefill TP computed them. `itemsize`:
     the model dtype's (a hybrid model's conv state); `kv_itemsize`: the KV pool's
     (--kv-cache-dtype; default `itemsize`)."""
-    mc = ModelConfig.from_dir(model_dir)
+    mc = model_config_of(model_dir)
     kv_heads = mc.kv_cache_heads  # 1 for the MLA latent
     assert kv_heads % d_tp == 0 or d_tp % kv_heads == 0, (kv_heads, d_tp)
     heads = d_tp * max(1, kv_heads // d_tp)
@@ -154,10 +155,11 @@ def run_router_pd(
     new_tokens: int,
     page_size: int,
     kv_cache_dtype: str = "auto",
+    ids: list[list[int]] | None = None,
 ) -> None:
     """A router PD stack of (model dir, colocated reference) on TP (p_tp, d_tp) with `groups`
     layer groups and `kv_cache_dtype` on both sides (the reference's too): check_parity on
-    prompts of `lengths`; the stack's logs are printed on failure."""
+    prompts `ids` (None: random ones of `lengths`); the stack's logs are printed on failure."""
     model_dir, reference = model
     stack = start_stack(
         model_dir,
@@ -172,7 +174,16 @@ def run_router_pd(
     )
     try:
         check_parity(
-            stack, model_dir, prompts(lengths), reference, new_tokens, page_size, p_tp, d_tp, groups, kv_cache_dtype
+            stack,
+            model_dir,
+            prompts(lengths) if ids is None else ids,
+            reference,
+            new_tokens,
+            page_size,
+            p_tp,
+            d_tp,
+            groups,
+            kv_cache_dtype,
         )
     except BaseException:
         print(stack.logs())

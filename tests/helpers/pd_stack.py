@@ -15,8 +15,10 @@ from typing import Any
 
 import httpx
 
+from kvpipe.launch.process import stop_process, wait_healthy
+from kvpipe.launch.stack import PDStack
+from kvpipe.launch.start import start_pd_stack
 from kvpipe.qa.chaos import child_pids
-from kvpipe.server.launcher import PDStack, start_pd_stack, stop_process, wait_healthy
 from tests.helpers.server import ServerProc, sse_events
 
 _rooms = itertools.count(random.Random().randrange(1 << 40))

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import httpx
 
-from kvpipe.server.launcher import free_port, stop_process, wait_healthy
+from kvpipe.launch.ports import free_port
+from kvpipe.launch.process import stop_process, wait_healthy
 
 
 @dataclass

@@ -13,14 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from kvpipe.bench import driver, serve
-from kvpipe.bench.chat_text import ChatText, open_chat_text
-from kvpipe.bench.latency import summarize
-from kvpipe.bench.request import Api
-from kvpipe.bench.stacks import Endpoint
+from kvpipe.bench.serve import command as serve
+from kvpipe.bench.serve.chat_text import ChatText, open_chat_text
+from kvpipe.bench.serve.stacks import Endpoint
 from kvpipe.bench.workload import WorkloadConfig, build_workload, parse_lengths
-from kvpipe.qa.testbed import LinkTestbed, can_run
-from kvpipe.server.launcher import free_port, stop_process, wait_healthy
+from kvpipe.harness import driver
+from kvpipe.harness.latency import summarize
+from kvpipe.harness.request import Api
+from kvpipe.harness.testbed import LinkTestbed, can_run
+from kvpipe.launch.ports import free_port
+from kvpipe.launch.process import stop_process, wait_healthy
 
 pytestmark = pytest.mark.timeout(180)
 

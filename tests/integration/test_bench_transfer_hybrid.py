@@ -8,7 +8,7 @@ import argparse
 
 import pytest
 
-from kvpipe.bench.transfer import add_args, run_bench
+from kvpipe.bench.transfer.command import add_args, run_bench
 
 pytest.importorskip("mooncake.engine")
 

@@ -20,8 +20,9 @@ from typing import IO
 
 import pytest
 
+from kvpipe.launch.ports import free_port
+from kvpipe.launch.process import stop_process
 from kvpipe.model.text.tokenizer import Tokenizer
-from kvpipe.server.launcher import free_port, stop_process
 from tests.helpers.server import ServerProc, server_fixture, start_server
 from tests.helpers.trained_models import gguf_path
 

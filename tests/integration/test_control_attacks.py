@@ -116,7 +116,13 @@ def test_a_forged_status_and_a_foreign_registration_are_refused_and_the_real_tra
     prefill = start_prefill(stack, fabric=fabric, cfg=cfg)
     recv = start_decode(stack, fabric=fabric, cfg=cfg)
     sender = prefill.senders[0]
-    insider = ControlEndpoint("127.0.0.1", lambda msg: None, name="insider", auth=Authenticator.from_token(TOKEN))
+    replies: list[m.RegisterReply] = []
+    insider = ControlEndpoint(
+        "127.0.0.1",
+        lambda msg: replies.append(msg) if isinstance(msg, m.RegisterReply) else None,
+        name="insider",
+        auth=Authenticator.from_token(TOKEN),
+    )
     stack.callback(insider.close)
     insider.start()
     dst = np.arange(6) + 20
@@ -132,8 +138,14 @@ def test_a_forged_status_and_a_foreign_registration_are_refused_and_the_real_tra
     [(session, reg)] = victim.items()
     evil = m.RegisterPeer("evil/0", 0, 1, reg.data_address, insider.address, reg.layout)
     insider.send(sender.control_address, evil)
+    # the insider receives at its address: it answers the challenge, and is refused for the clash
+    [challenge] = wait_for(lambda: list(replies), 5, "the registration's challenge")
+    assert challenge.state is m.RegisterState.CHALLENGE
+    insider.send(sender.control_address, dataclasses.replace(evil, challenge=challenge.challenge))
     wait_for(lambda: recv.stats.foreign_rejected == 3, 5, "the forged statuses refused")
     wait_for(lambda: sender.stats.rejected_messages == 1, 5, "the foreign registration refused")
+    refused = wait_for(lambda: replies[1:], 5, "the refusal at the insider's address")
+    assert refused[0].state is m.RegisterState.REFUSED and "registered by the decode" in refused[0].reason
     assert recv.room_state(21) is TransferState.WAITING_FOR_INPUT and Results(recv).absent(21)
     assert list(victim) == [session]
     # the real prefill finishes the room: its KV lands where the decode asked, both books empty

@@ -18,8 +18,8 @@ from kvpipe.engine.engine import Engine
 from kvpipe.engine.model_runner import make_kv_pool
 from kvpipe.engine.request import SamplingParams
 from kvpipe.engine.spec.eagle_drafter import EagleDrafter, check_eagle
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.checkpoint.loader import load_model
-from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.model.draft.eagle import load_eagle
 from kvpipe.model.forward_batch import ForwardBatch
 from kvpipe.model.presets import write_preset
@@ -174,7 +174,7 @@ def test_what_eagle_cannot_serve_is_refused(models: Models, tmp_path: Path):
     with pytest.raises(ConfigError, match="Llama-family targets"):  # a DeepSeek-V3 target
         make_engine(write_preset("tiny-deepseek-v3", tmp_path / "ds"), speculative=spec)
     cfg = ServerConfig(model_path=str(models.tiny), speculative=spec)
-    target = ModelConfig.from_dir(models.tiny)
+    target = model_config_of(models.tiny)
     for mode in ("null", "prefill", "decode"):  # served at any TP: the head whole on rank 0 (PD: test_pd_eagle_tp.py)
         for tp in (1, 2):
             check_eagle(replace(cfg, tp_size=tp, disaggregation=replace(cfg.disaggregation, mode=mode)), target)

@@ -21,8 +21,8 @@ from kvpipe.engine.engine import Engine
 from kvpipe.engine.model_runner import make_kv_pool
 from kvpipe.engine.request import FinishReason, Req, SamplingParams
 from kvpipe.engine.spec.mtp_drafter import check_nextn
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.checkpoint.loader import load_model
-from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.model.draft.mtp import load_mtp
 from kvpipe.model.forward_batch import ForwardBatch
 from kvpipe.model.presets import write_preset
@@ -184,7 +184,7 @@ def test_what_nextn_cannot_serve_is_refused(models, tiny_model_dir):
     for mode in ("null", "prefill", "decode"):
         for tp in (1, 2):
             served = replace(eng_cfg, tp_size=tp, disaggregation=replace(eng_cfg.disaggregation, mode=mode))
-            check_nextn(served, ModelConfig.from_dir(path))
+            check_nextn(served, model_config_of(path))
 
 
 def test_page_ids_are_shared_with_the_target_pool(models):

@@ -20,8 +20,8 @@ from kvpipe.config import ConfigError, ServerConfig, SpeculativeConfig
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import SamplingParams
 from kvpipe.engine.spec.mtp_drafter import check_nextn
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.checkpoint.loader import load_model
-from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.model.draft.mtp import load_mtp
 from kvpipe.model.forward_batch import ForwardBatch
 from kvpipe.model.presets import write_preset
@@ -92,7 +92,7 @@ def test_greedy_outputs_unchanged_and_drafts_from_the_mtp_layer(models):
     path, _, reference, _ = models
     eng = make_engine(path, page_size=PAGE, speculative=NEXTN, chunk=7, radix_cache=True)
     try:
-        assert eng.mtp is not None and eng.mtp.pool.kv_heads == ModelConfig.from_dir(path).num_kv_heads
+        assert eng.mtp is not None and eng.mtp.pool.kv_heads == model_config_of(path).num_kv_heads
         seen = record_drafts(eng)
         assert_engine_matches(eng, PROMPTS, reference, Route.SAME_PROCESS, GREEDY16, "NEXTN on Qwen3.5")
         c = eng.spec_counts
@@ -143,13 +143,13 @@ def test_what_nextn_serves_on_qwen3_5(models, tmp_path):
     path, _, _, _ = models
     cfg = ServerConfig(model_path=str(path), speculative=NEXTN)
     for mode in ("null", "prefill", "decode"):
-        check_nextn(replace(cfg, disaggregation=replace(cfg.disaggregation, mode=mode)), ModelConfig.from_dir(path))
+        check_nextn(replace(cfg, disaggregation=replace(cfg.disaggregation, mode=mode)), model_config_of(path))
     raw = (path / "config.json").read_text()
     without = tmp_path / "no_mtp"
     without.mkdir()
     (without / "config.json").write_text(raw.replace('"mtp_num_hidden_layers": 1', '"mtp_num_hidden_layers": 0'))
     with pytest.raises(ConfigError, match="mtp_num_hidden_layers"):
-        check_nextn(replace(cfg, model_path=str(without)), ModelConfig.from_dir(without))
+        check_nextn(replace(cfg, model_path=str(without)), model_config_of(without))
 
 
 @pytest.mark.slow  # two TP 2 engines (~60 s on 2 cores); TP 1's sibling: the bigram test above

@@ -151,7 +151,7 @@ def test_radix_cache_keeps_state_snapshots_colocated_and_is_off_with_a_connector
         eng.shutdown()
     conn = RecordingConnector()
     conn.prefix_cache = True  # as a PD prefill's connector says
-    with caplog.at_level(logging.INFO, logger="kvpipe.engine.engine"):
+    with caplog.at_level(logging.INFO, logger="kvpipe.engine.prefix_cache_setup"):
         eng = make_engine(model_dir, radix_cache=True, connector=conn)
     try:
         assert eng.prefix_cache is None and eng.scheduler.cache is None

@@ -168,7 +168,8 @@ def test_bench_engine_reports_speculative_decoding():
     are equal and the acceptance figures are there (no timing asserted)."""
     import argparse
 
-    from kvpipe.bench.engine import add_args, run_bench
+    from kvpipe.bench.engine.command import add_args
+    from kvpipe.bench.engine.run import run_bench
 
     parser = argparse.ArgumentParser()
     add_args(parser)

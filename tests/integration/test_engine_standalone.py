@@ -153,7 +153,8 @@ def test_bench_engine_runs_the_standalone_drafter():
     tiny preset with itself as the draft: outputs equal, every draft accepted (no timing asserted)."""
     import argparse
 
-    from kvpipe.bench.engine import add_args, run_bench
+    from kvpipe.bench.engine.command import add_args
+    from kvpipe.bench.engine.run import run_bench
     from kvpipe.model.presets import default_model_dir
 
     parser = argparse.ArgumentParser()

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpipe.server.prometheus_targets import scrape_targets, write_targets
+from kvpipe.launch.prometheus_targets import scrape_targets, write_targets
 from tests.helpers.grafana import dashboard_metric_names, family_name
 from tests.helpers.pd_stack import generate, greedy, start_stack
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpipe.bench.proc_cpu import cpu_seconds
+from kvpipe.bench.serve.proc_cpu import cpu_seconds
 from tests.helpers.pd_stack import generate, greedy, start_stack
 
 pytestmark = pytest.mark.timeout(240)

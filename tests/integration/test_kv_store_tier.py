@@ -14,9 +14,9 @@ import pytest
 
 from kvpipe.cache.store_client import MooncakeStoreClient, MooncakeStoreSpec
 from kvpipe.cache.store_keys import StoreNamespace, encode_page, page_keys
+from kvpipe.launch.process import stop_process
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.checkpoint.identity import checkpoint_digest
-from kvpipe.model.checkpoint.schema import ModelConfig
-from kvpipe.server.launcher import stop_process
 from tests.helpers.mooncake_store import Master, running_master
 from tests.helpers.pd_stack import generate, greedy, wait_for
 from tests.helpers.server import ServerProc, start_server
@@ -87,7 +87,7 @@ def test_b_reuses_the_prefix_a_computed(servers: tuple[ServerProc, ServerProc]) 
 
 def _namespace(model_dir: Path) -> StoreNamespace:
     """The namespace the servers above key their pages in (fp32 pool, page size PS, TP 1)."""
-    mc = ModelConfig.from_dir(str(model_dir))
+    mc = model_config_of(str(model_dir))
     return StoreNamespace(
         checkpoint_digest(model_dir),
         "torch.float32",

@@ -18,9 +18,9 @@ import pytest
 
 from kvpipe.cache.store_client import MooncakeStoreClient, MooncakeStoreSpec
 from kvpipe.cache.store_keys import StoreNamespace, page_keys
+from kvpipe.launch.process import stop_process
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.checkpoint.identity import checkpoint_digest
-from kvpipe.model.checkpoint.schema import ModelConfig
-from kvpipe.server.launcher import stop_process
 from tests.helpers.mooncake_store import Master, running_master
 from tests.helpers.pd_parity import colocated_reference, prompts
 from tests.helpers.pd_stack import TP_FLAGS, TP_PS, close_and_check_no_orphans, generate, greedy, start_stack, wait_for
@@ -53,7 +53,7 @@ def colocated(master: Master, tiny_model_dir: Path, tmp_path_factory: pytest.Tem
 
 def tp2_keys(model_dir: Path, ids: list[int]) -> list[str]:
     """Both TP 2 ranks' keys of the prompt's PAGES pages (fp32 pool, one KV head per rank)."""
-    mc = ModelConfig.from_dir(str(model_dir))
+    mc = model_config_of(str(model_dir))
     digest = checkpoint_digest(model_dir)
     heads = max(1, mc.kv_cache_heads // 2)
     out = []

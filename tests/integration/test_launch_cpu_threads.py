@@ -10,9 +10,10 @@ import httpx
 import pytest
 
 from kvpipe.engine.cpu_threads import affinity_cores
-from kvpipe.server import launcher
-from kvpipe.server.core_split import split_cores
-from kvpipe.server.launcher import free_ports, start_pd_stack
+from kvpipe.launch import ports as launch_ports
+from kvpipe.launch.core_split import split_cores
+from kvpipe.launch.ports import free_ports
+from kvpipe.launch.start import start_pd_stack
 from tests.helpers.server import server_fixture
 
 pytestmark = pytest.mark.timeout(120)
@@ -50,7 +51,7 @@ def test_launch_splits_the_cores(tiny_model_dir: Path, tmp_path: Path, monkeypat
             picks.append(ports)
             return ports
 
-        monkeypatch.setattr(launcher, "free_ports", pick_then_lose)
+        monkeypatch.setattr(launch_ports, "free_ports", pick_then_lose)
         with start_pd_stack(str(tiny_model_dir), log_dir=str(tmp_path), timeout_s=90.0) as stack:
             # then the decode's fresh HTTP port, then the router's fresh pair
             assert [len(p) for p in picks] == [5, 1, 2]

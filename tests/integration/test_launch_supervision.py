@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from kvpipe.launch.stack import PARTS
+from kvpipe.launch.supervisor import PartState, RestartPolicy
 from kvpipe.qa.chaos import Campaign
 from kvpipe.qa.chaos_load import FINAL
 from kvpipe.qa.chaos_plan import ChaosConfig, Phase
-from kvpipe.server.launcher import PARTS
-from kvpipe.server.supervisor import PartState, RestartPolicy
 
 pytest.importorskip("mooncake.engine")
 pytest.importorskip("sglang_router")

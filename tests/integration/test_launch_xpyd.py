@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpipe.server.launcher import start_pd_stack
+from kvpipe.launch.start import start_pd_stack
 from tests.helpers.pd_parity import colocated_reference, prompts
 from tests.helpers.pd_stack import generate, greedy, wait_for
 from tests.helpers.server import ServerProc

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kvpipe.config import ParallelConfig
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.checkpoint.loader import load_model
-from kvpipe.model.checkpoint.schema import ModelConfig
 from tests.helpers.tolerance import assert_close_logits
 from tests.helpers.tp_ranks import run_ranks
 
@@ -63,7 +63,7 @@ def test_tp_matches_tp1(family, world, tmp_path):
     model_dir = str(save(MODELS[family](), tmp_path / "model"))
     ranks = run_ranks(_run, world, tmp_path, model_dir)
     want = _run(ParallelConfig(), model_dir)
-    cfg = ModelConfig.from_dir(model_dir)
+    cfg = model_config_of(model_dir)
     heads = 8 // world
     for rank in range(world):
         got = ranks[rank]

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kvpipe.config import ParallelConfig
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.checkpoint.loader import load_model
-from kvpipe.model.checkpoint.schema import ModelConfig
 from tests.helpers.paged_model import greedy_generate, incremental_logits, make_pool
 from tests.helpers.tolerance import assert_close_logits
 from tests.helpers.tp_ranks import run_ranks
@@ -77,7 +77,7 @@ def test_tp_matches_tp1(world, model_dirs, tmp_path):
     ranks = run_ranks(_run_all, world, tmp_path, model_dirs)
     for name, d in model_dirs.items():
         want_logits, want_kv, want_greedy = _run(Path(d), ParallelConfig())
-        cfg = ModelConfig.from_dir(d)
+        cfg = model_config_of(d)
         num_kv = cfg.num_kv_heads
         for rank in range(world):
             got = ranks[rank][name]
@@ -106,7 +106,7 @@ def test_gpt_oss_tp_matches_tp1(world, tmp_path):
     for rank in range(world):
         got = ranks[rank]["gpt_oss"]
         assert got["greedy"] == want_greedy, f"rank {rank}"
-        assert_close_logits(got["logits"], want_logits, ModelConfig.from_dir(d), len(IDS), msg=f"rank {rank}")
+        assert_close_logits(got["logits"], want_logits, model_config_of(d), len(IDS), msg=f"rank {rank}")
 
 
 # ---- DeepSeek-V3: multi-head latent attention ------------------------------------------------------
@@ -144,7 +144,7 @@ def test_mla_tp_matches_tp1(world, mla_model_dirs, tmp_path):
     ranks = run_ranks(_mla_run_all, world, tmp_path, mla_model_dirs)
     for name, d in mla_model_dirs.items():
         want = _mla_run(Path(d), ParallelConfig())
-        cfg = ModelConfig.from_dir(d)
+        cfg = model_config_of(d)
         for rank in range(world):
             got = ranks[rank][name]
             assert got["greedy"] == want["greedy"], f"{name} rank {rank}"

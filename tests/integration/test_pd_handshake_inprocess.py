@@ -17,6 +17,7 @@ from kvpipe.engine.request import FinishReason
 from kvpipe.model.presets.writer import write_preset
 from kvpipe.transfer.control.bootstrap import report_refusal
 from kvpipe.transfer.control.handshake import REFUSED, RefusalNotice
+from kvpipe.transfer.control.messages import room_claim
 from tests.helpers.pd_pair import make_pair
 
 BOOTSTRAP_S = 30.0  # the prefill's bootstrap timeout: far beyond RUN_S, so it cannot be what fails the request
@@ -117,4 +118,20 @@ def test_a_refusal_cannot_fail_a_room_its_decode_asked_for(tiny_model_dir: Path)
         assert pair.prefill_connector.refused.snapshot() == {}
         pair.run([(p, None)], timeout_s=60.0, until=lambda: p.finished and d.finished)
         assert p.finish_reason is FinishReason.LENGTH and d.finish_reason is FinishReason.LENGTH
+        pair.settle()
+
+
+def test_a_refusal_without_the_requests_claim_cannot_fail_it(tiny_model_dir: Path):
+    """Issue 45, finding 6: a holder of the token who learnt a room id posts a refusal for it before
+    the request reaches either server (the decode has asked for nothing yet), without the room's
+    claim or with another; the request is served."""
+    with make_pair(tiny_model_dir, bootstrap_timeout_s=BOOTSTRAP_S) as pair:
+        p, d = pair.reqs(PROMPT)
+        assert d.bootstrap_room is not None
+        other = room_claim(d.bootstrap_room, [1, 2, 3])
+        for claims in ((), (other,)):
+            forged = RefusalNotice((d.bootstrap_room,), f"{REFUSED}: forged", "page_size", None, claims)
+            report_refusal("127.0.0.1", pair.bootstrap_port, forged)
+        _, d_out = pair.run([(p, d)], timeout_s=60.0)
+        assert p.finish_reason is FinishReason.LENGTH and d_out[d.rid][-1].finish_reason is FinishReason.LENGTH
         pair.settle()

@@ -16,7 +16,7 @@ import pytest
 
 from kvpipe.cache.hybrid_radix_cache import HybridRadixCache
 from kvpipe.engine.request import FinishReason
-from kvpipe.model.checkpoint.schema import ModelConfig
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.presets import write_preset
 from tests.helpers.pd_pair import (
     FAULTS,
@@ -48,7 +48,7 @@ def test_decode_cache_moves_the_suffix_pages_and_one_state(model_dir, reference,
     shared prefix and reports it as cached_tokens; the bytes do not change."""
     rnd = random.Random(7)
     tok = lambda n: [rnd.randrange(3, 290) for _ in range(n)]  # noqa: E731
-    state = state_slot_nbytes(ModelConfig.from_dir(model_dir))
+    state = state_slot_nbytes(model_config_of(model_dir))
     page = expected_bytes(model_dir, [PS], PS, 1, 1) - state  # one page of the full-attention layer
 
     def predicted(n: int, held: int) -> int:

@@ -20,7 +20,7 @@ import pytest
 from kvpipe.config import CacheConfig, ServerConfig
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import SamplingParams
-from kvpipe.model.checkpoint.schema import ModelConfig
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.presets import write_preset
 from tests.helpers.pd_parity import expected_bytes, state_slot_nbytes
 from tests.helpers.pd_stack import (
@@ -140,7 +140,7 @@ def test_hybrid_prefixes_through_router(presets, tmp_path: Path, preset: str, p_
         # keeps KV alone): every request moved its other pages and its state, nothing more
         sent = disagg_stats(stack.prefill)["bytes_written"]
         full = expected_bytes(model_dir, [len(p) for p in ps], PS, p_tp, d_tp)  # nothing cached, states included
-        page = expected_bytes(model_dir, [PS], PS, p_tp, d_tp) - state_slot_nbytes(ModelConfig.from_dir(model_dir))
+        page = expected_bytes(model_dir, [PS], PS, p_tp, d_tp) - state_slot_nbytes(model_config_of(model_dir))
         held = 4 * 48 + 4 * 32
         assert sent == full - held // PS * page, (sent, full, page)
         stack.prefill.wait_idle(30)
@@ -172,7 +172,7 @@ def test_hybrid_prefixes_through_router(presets, tmp_path: Path, preset: str, p_
         # bytes per follow-up: its pages past the decode's prefix and one state, nothing more
         stack.prefill.wait_idle(30)
         stack.decode.wait_idle(30)
-        state = state_slot_nbytes(ModelConfig.from_dir(model_dir))
+        state = state_slot_nbytes(model_config_of(model_dir))
         predicted = sum((-(-len(t) // PS) - h // PS) * page + state for t, h in zip(ref.turns, hits))
         assert disagg_stats(stack.prefill)["bytes_written"] - sent == predicted
     except BaseException:

@@ -40,7 +40,9 @@ from tests.helpers.pd_stack import Stack, disagg_stats, generate, greedy, pd_bod
 pytest.importorskip("mooncake.engine")
 
 TOKEN = "the-stack-token-given-as-a-flag"
-ALLOWED = "192.0.2.0/24"  # the decode's allow list (TEST-NET-1): loopback is allowed anyway
+# the decode's allow list: TEST-NET-1, and loopback (where the stack runs), which an allow list
+# must name like any other network (issue 45)
+ALLOWED = "192.0.2.0/24,127.0.0.0/8"
 FLAGS = (
     "--page-size",
     "16",
@@ -255,6 +257,51 @@ def test_finding2_the_client_cannot_steer_the_decode(stack: Stack) -> None:
             assert r.status_code == 400 and "not tried again" in r.text, r.text
     assert disagg_stats(decode)["bootstrap_fetches"] == fetches + len(bogus)
     # the real prefill, proven, is not affected
+    assert short(stack)["meta_info"]["finish_reason"]["type"] == "length"
+    assert_idle(stack)
+
+
+def test_issue45_finding1_an_injected_bootstrap_host_is_a_400_and_connects_nowhere(stack: Stack) -> None:
+    """The third pass: a bootstrap_host with a path in it made the decode GET another local
+    service's URL, and that service's error body came back in the client's error."""
+    decode = stack.decode
+    body = {"input_ids": list(range(3, 40)), "sampling_params": greedy(4)}
+    hits: list[str] = []
+
+    class Service(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            hits.append(self.path)
+            self.send_response(404)
+            self.send_header("Content-Length", "13")
+            self.end_headers()
+            self.wfile.write(b"local-secrets")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Service)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    port = srv.server_address[1]
+    fetches = disagg_stats(decode)["bootstrap_fetches"]
+    try:
+        for host, bport in (
+            (f"::ffff:127.0.0.1]:{port}/internal/admin?delete=1#", port),
+            ("127.0.0.1/internal/admin", port),
+            ("127.0.0.1", f"{port}/internal/admin"),
+            ("127.1", port),
+        ):
+            r = decode.post("/generate", json={**pd_body(stack, body), "bootstrap_host": host, "bootstrap_port": bport})
+            assert r.status_code == 400 and "bootstrap_" in r.text, r.text
+        # a well-formed address of the service: one fetch (with a token it asks /health first, the
+        # fixed path), and the service's body stays out of the client's error
+        out = decode.post("/generate", json={**pd_body(stack, body), "bootstrap_port": port}).json()
+        assert out["meta_info"]["finish_reason"]["type"] == "abort" and "HTTP 404" in str(out), out
+        assert "local-secrets" not in str(out)
+        assert hits == ["/health"]
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert disagg_stats(decode)["bootstrap_fetches"] == fetches + 1
     assert short(stack)["meta_info"]["finish_reason"]["type"] == "length"
     assert_idle(stack)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvpipe.cache.swa_radix_cache import SWARadixCache
-from kvpipe.model.checkpoint.schema import ModelConfig
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.presets import write_preset
 from tests.helpers.pd_pair import PS, colocated_greedy, failures_then_decode_abort, greedy_and_bytes_as_predicted
 
@@ -31,7 +31,7 @@ def reference(model_dir):
 
 @pytest.mark.parametrize("chunk,groups", [(0, 1), (24, 1), (24, 2)])
 def test_greedy_matches_colocated_and_only_window_pages_move(model_dir, reference, chunk, groups):
-    mc = ModelConfig.from_dir(model_dir)
+    mc = model_config_of(model_dir)
     every_page = sum(-(-n // PS) for n in LENS) * PS * mc.num_kv_heads * mc.head_dim * 4 * 2 * mc.num_layers
 
     def check(pair, st) -> None:

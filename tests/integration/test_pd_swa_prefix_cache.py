@@ -1,4 +1,4 @@
-"""PD of tiny-gpt-oss (window 32, pages of 16) with the decode's radix cache
+"""PD of tiny-gpt-oss (window 32, pages of 16; tiny-gemma3's too for the first test) with the decode's radix cache
 (--disaggregation-enable-decode-radix-cache; prefill and decode engines in one process over the
 local backend): the decode's cache is the sliding-window one; the decode computes no prompt token,
 so its hit is its full-layer match (a shared system prompt hits though its window slid out of the
@@ -18,7 +18,7 @@ import pytest
 
 from kvpipe.cache.swa_radix_cache import SWARadixCache
 from kvpipe.cache.window_pages import window_first_page
-from kvpipe.model.checkpoint.schema import ModelConfig
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.presets import write_preset
 from tests.helpers.pd_pair import (
     FAULTS,
@@ -36,8 +36,10 @@ from tests.helpers.pd_parity import expected_bytes
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return write_preset("tiny-gpt-oss", tmp_path_factory.mktemp("tiny_gpt_oss_pd_cache"))
+def model_dir(request, tmp_path_factory) -> Path:
+    """tiny-gpt-oss, or the preset a test names (indirect): both have a window of 32."""
+    name = getattr(request, "param", "tiny-gpt-oss")
+    return write_preset(name, tmp_path_factory.mktemp(name))
 
 
 @pytest.fixture(scope="module")
@@ -45,14 +47,18 @@ def reference(model_dir):
     yield from colocated_greedy(model_dir)
 
 
-@pytest.mark.parametrize("prefill_cache,groups", [(False, 1), (True, 2)])
+@pytest.mark.parametrize(
+    "model_dir,prefill_cache,groups",
+    [("tiny-gpt-oss", False, 1), ("tiny-gpt-oss", True, 2), ("tiny-gemma3", True, 2)],
+    indirect=["model_dir"],
+)
 def test_decode_cache_moves_suffix_pages_and_the_missing_window_pages(model_dir, reference, prefill_cache, groups):
     """With the prefill's own cache too it skips computing the shared prefix and reports it as
     cached_tokens, with two layer groups (each group's pages go while the next computes); the
     bytes do not change."""
     rnd = random.Random(7)
     tok = lambda n: [rnd.randrange(3, 290) for _ in range(n)]  # noqa: E731
-    mc = ModelConfig.from_dir(model_dir)
+    mc = model_config_of(model_dir)
     assert mc.sliding_window == 32 and 0 < len(mc.sliding_layers) < mc.num_layers
     layer_page = PS * mc.num_kv_heads * mc.head_dim * 4 * 2  # K and V of one page of one layer, fp32
     assert expected_bytes(model_dir, [PS], PS, 1, 1) == mc.num_layers * layer_page

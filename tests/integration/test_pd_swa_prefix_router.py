@@ -20,7 +20,7 @@ from kvpipe.cache.window_pages import window_first_page
 from kvpipe.config import CacheConfig, ServerConfig
 from kvpipe.engine.engine import Engine
 from kvpipe.engine.request import SamplingParams
-from kvpipe.model.checkpoint.schema import ModelConfig
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.presets import write_preset
 from tests.helpers.pd_stack import (
     TP_FLAGS,
@@ -88,7 +88,7 @@ def test_conversation_and_system_prompt_hit_both_caches_through_router(
     model_dir: Path, tmp_path: Path, conversation, system_prompts, p_tp, d_tp
 ):
     ps, want = conversation
-    mc = ModelConfig.from_dir(model_dir)
+    mc = model_config_of(model_dir)
     assert mc.sliding_window is not None and mc.num_kv_heads % 2 == 0  # each decode rank's heads once
     layer_page = PS * mc.num_kv_heads * mc.head_dim * 4 * 2
     full_page = (mc.num_layers - len(mc.sliding_layers)) * layer_page

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpipe.bench.timeline_plot import DECODE, KV_TRANSFER, PREFILL_COMPUTE, request_bars, timeline_figure
+from kvpipe.bench.serve.timeline_plot import DECODE, KV_TRANSFER, PREFILL_COMPUTE, request_bars, timeline_figure
 from kvpipe.server.metrics import PHASE_HISTOGRAMS
 from tests.helpers.pd_stack import Stack, generate, greedy, pd_body, start_stack, wait_for
 from tests.helpers.server import ServerProc

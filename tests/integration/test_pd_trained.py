@@ -39,9 +39,9 @@ import pytest
 import torch
 
 from kvpipe.engine.request import SamplingParams
+from kvpipe.launch.process import stop_process
 from kvpipe.model.checkpoint.loader import load_model
 from kvpipe.model.text.tokenizer import Tokenizer
-from kvpipe.server.launcher import stop_process
 from tests.helpers import trained_models as trained
 from tests.helpers.corrupt_kv import KVCorruption
 from tests.helpers.paged_model import incremental_logits

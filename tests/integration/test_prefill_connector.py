@@ -23,15 +23,15 @@ from kvpipe.disagg.prefill import PrefillConnector
 from kvpipe.engine.batch import ForwardMode, ScheduledBatch
 from kvpipe.engine.connector import Admission, ConnectorContext, TransferFinished
 from kvpipe.engine.request import FinishReason, Req, SamplingParams
-from kvpipe.model.checkpoint.schema import ModelConfig
+from kvpipe.model.registry import model_config
 from kvpipe.transfer.lifecycle import TransferState
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.planning.wire_bytes import KVWireBytes
-from kvpipe.transfer.sender.book import SenderStats
+from kvpipe.transfer.sender.stats import SenderStats
 
 S, F = TransferState.SUCCESS, TransferState.FAILED
 LAYERS, PS = 4, 4
-MODEL = ModelConfig.from_hf_dict(
+MODEL = model_config(
     {
         "architectures": ["LlamaForCausalLM"],
         "vocab_size": 100,

@@ -1,8 +1,8 @@
 """A server started with --api-key behind the real sglang-router given the same --api-key: the
 router reaches the server (it sends the bearer key on every call but its health checks) and asks
 its own clients for the key. The router runs in its regular mode in front of one colocated
-server (the PD router sends the same header to both workers; a PD stack's launcher does not pass
-a key to its router yet, README)."""
+server (the PD router sends the same header to both workers; `kvpipe launch` gives its router
+the key and a control-plane admin key: tests/integration/test_launch_secure.py)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvpipe.launch.ports import free_ports
+from kvpipe.launch.process import stop_process
 from kvpipe.qa.checks import failed
 from kvpipe.qa.leaks import pool_checks
-from kvpipe.server.launcher import free_ports, stop_process
 from tests.helpers.server import ServerProc, start_server
 
 pytestmark = pytest.mark.timeout(300)

@@ -186,9 +186,15 @@ def test_decode_abort_keeps_pages_until_prefill_acknowledges(stack):
 
     recv.add_room(1, "127.0.0.1", server.port, [4, 5], prefix_len=0)
     recv.add_room(2, "127.0.0.1", server.port, [6, 7], prefix_len=0)
+    [reg] = receive(1)
+    assert isinstance(reg, m.RegisterPeer)
+    session = reg.session_id  # the decode's session with instance "fake"; we answer as its rank 0
+    push = ctx.socket(zmq.PUSH)
+    stack.callback(push.close, 0)
+    push.connect(recv.control_address)
+    push.send(m.encode(m.RegisterReply(session, "fake/0", m.RegisterState.ACCEPTED)))  # no challenge: accepted
     kinds = [type(x).__name__ for x in receive(3)]
     assert kinds == ["RegisterPeer", "TransferRequest", "TransferRequest"]
-    session = got[1].session_id  # the decode's session with instance "fake"; we answer as its rank 0
     recv.abort(1, "client disconnected")
     recv.abort(2, "client disconnected")
     aborts = [x for x in receive(5)[3:] if isinstance(x, m.Abort)]
@@ -196,9 +202,6 @@ def test_decode_abort_keeps_pages_until_prefill_acknowledges(stack):
     res = Results(recv)
     time.sleep(0.05)
     assert res.absent(1) and res.absent(2)  # a write may still land: pages stay reserved
-    push = ctx.socket(zmq.PUSH)
-    stack.callback(push.close, 0)
-    push.connect(recv.control_address)
     push.send(m.encode(m.TransferStatus(1, session, m.WireState.FAILED, "aborted", sender="fake/0")))
     assert res.get(1, timeout=5)[1:3] == (F, "client disconnected")
     assert res.absent(2)

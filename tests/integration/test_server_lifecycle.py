@@ -14,8 +14,8 @@ import uvicorn
 
 from kvpipe.config import CacheConfig, ServerConfig
 from kvpipe.engine.engine import Engine
+from kvpipe.launch.ports import free_port
 from kvpipe.server.http_server import create_app
-from kvpipe.server.launcher import free_port
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -28,6 +28,7 @@ pytestmark = pytest.mark.timeout(300)
 
 KEY = "test-key-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+ADMIN = {"Authorization": "Bearer admin-key-0123456789abcdef"}  # abort_all is an admin's (issue 45)
 MAX_RUNNING, MAX_QUEUED = 2, 2
 # long enough that the attacks below land while these requests still run (a few HTTP calls
 # against thousands of decode steps)
@@ -42,6 +43,7 @@ def served(tiny_model_dir: Path) -> Iterator[tuple[TestClient, ServerState]]:
         scheduler=SchedulerConfig(context_length=4096, max_running_requests=MAX_RUNNING),
         limits=RequestLimits(max_queued_requests=MAX_QUEUED),  # the other caps at their defaults
         api_key=KEY,
+        admin_api_key=ADMIN["Authorization"].split()[1],
         log_level="warning",
     )
     app = create_app(cfg)
@@ -145,7 +147,8 @@ def test_finding_4_caps_and_the_queue(served: tuple[TestClient, ServerState]) ->
     assert state.engine.num_active() == MAX_RUNNING + MAX_QUEUED  # the refused ones took nothing
     r = client.post("/generate", json={"text": ["a"] * 5, "sampling_params": {"max_new_tokens": 1}})
     assert r.status_code == 400 and "holds at once" in r.json()["error"]["message"]  # never fits
-    assert client.post("/abort_request", json={"abort_all": True}).json() == {"aborted": MAX_RUNNING + MAX_QUEUED}
+    aborted = client.post("/abort_request", json={"abort_all": True}, headers=ADMIN).json()
+    assert aborted == {"aborted": MAX_RUNNING + MAX_QUEUED}
     held.join()
     assert [o["meta_info"]["finish_reason"]["type"] for o in held.outs] == ["abort"] * (MAX_RUNNING + MAX_QUEUED)
     _assert_back_to_idle(client, state)
@@ -175,8 +178,8 @@ def test_finding_7_api_key_and_cross_site_abort(served: tuple[TestClient, Server
     assert client.get("/health", headers={"Authorization": ""}).status_code == 200
 
     assert state.engine.num_active() == MAX_RUNNING  # nothing was aborted
-    # the owner, with the key, can
-    assert client.post("/abort_request", json={"abort_all": True}).json() == {"aborted": MAX_RUNNING}
+    # the operator, with the admin key, can
+    assert client.post("/abort_request", json={"abort_all": True}, headers=ADMIN).json() == {"aborted": MAX_RUNNING}
     victims.join()
     assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in victims.outs)
     _assert_back_to_idle(client, state)

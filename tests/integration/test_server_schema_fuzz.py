@@ -44,7 +44,9 @@ MAX_EXAMPLES = {"/generate": 50, "/v1/completions": 40, "/v1/chat/completions": 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 # the request caps, small so the wire schema's negative cases (which /openapi.json spells as
 # maxItems/maxLength) reach past each of them
-CAPS = RequestLimits(max_prompts_per_request=4, max_stop_strings=3, max_stop_string_chars=8, max_stop_token_ids=4)
+CAPS = RequestLimits(
+    max_prompts_per_request=4, max_stop_strings=3, max_stop_string_chars=8, max_stop_token_ids=4, max_field_size=16
+)
 
 
 def _servable_bodies(vocab: int, model: str) -> dict[str, dict]:
@@ -87,7 +89,11 @@ def _servable_bodies(vocab: int, model: str) -> dict[str, dict]:
         "repetition_penalty": {"enum": [1, None]},
     }
     max_tokens = {"type": "integer", "minimum": 1, "maximum": 8}
-    flags = {"stream": {"type": "boolean"}, "rid": {"type": "string", "minLength": 1, "maxLength": 12}}
+    flags = {
+        "stream": {"type": "boolean"},
+        "rid": {"type": "string", "minLength": 1, "maxLength": 12},
+        "cache_salt": {"type": "string", "maxLength": CAPS.max_field_size},
+    }
 
     def obj(props: dict, required: list[str]) -> dict:
         return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
@@ -107,7 +113,14 @@ def _servable_bodies(vocab: int, model: str) -> dict[str, dict]:
     # the chat template adds ~6 tokens a message, and a random character may take 4 byte-level
     # tokens: 2 messages of at most 6 characters stay inside the 64-token context
     content = {**text, "maxLength": 6}
-    message = obj({"role": {"enum": ["system", "user", "assistant"]}, "content": content}, ["role", "content"])
+    parts = {
+        "type": "array",
+        "items": obj({"type": {"enum": ["text"]}, "text": content}, ["type", "text"]),
+        "maxItems": 1,
+    }
+    message = obj(
+        {"role": {"enum": ["system", "user", "assistant"]}, "content": {"anyOf": [content, parts]}}, ["role", "content"]
+    )
     return {
         "/generate": {
             "anyOf": [obj({"text": text, **gen_common}, ["text"]), obj({"input_ids": ids, **gen_common}, ["input_ids"])]
@@ -129,7 +142,9 @@ def _servable_bodies(vocab: int, model: str) -> dict[str, dict]:
             },
             ["messages"],
         ),
-        "/abort_request": obj({"rid": {"type": "string"}, "abort_all": {"type": "boolean"}}, []),
+        "/abort_request": obj(
+            {"rid": {"type": "string", "maxLength": CAPS.max_field_size}, "abort_all": {"type": "boolean"}}, []
+        ),
     }
 
 
@@ -257,4 +272,10 @@ def test_the_schema_describes_the_bodies(served: tuple[TestClient, Any, Any]) ->
     stop = doc["components"]["schemas"]["SamplingParamsIn"]["properties"]["stop"]["anyOf"]
     assert stop[1]["maxItems"] == CAPS.max_stop_strings and stop[1]["items"]["maxLength"] == CAPS.max_stop_string_chars
     assert props["text"]["anyOf"][1]["maxItems"] == CAPS.max_prompts_per_request
+    # every other field has --max-field-size (issue 45): a message's role and name, a part's type
+    message = doc["components"]["schemas"]["ChatMessage"]["properties"]
+    assert message["role"]["maxLength"] == CAPS.max_field_size and message["name"]["anyOf"][0]["maxLength"] == 16
+    part = doc["components"]["schemas"]["ContentPart"]["properties"]
+    assert part["type"]["maxLength"] == 16 and part["text"]["anyOf"][0]["type"] == "string"  # typed, not Any
+    assert props["cache_salt"]["anyOf"][0]["maxLength"] == CAPS.max_field_size
     assert {"401", "415", "503"} <= set(doc["paths"]["/generate"]["post"]["responses"])

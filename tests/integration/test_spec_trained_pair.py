@@ -3,7 +3,7 @@ as its STANDALONE draft (one tokenizer: test_gguf_trained.py), both from their G
 outputs with speculation equal those without, colocated (fp32) and through PD (a prefill and a
 decode engine in this process, the draft on both sides and its KV sent with the target's), on a
 code-editing prompt (the answer copies most of the code) and a free-form chat prompt
-(kvpipe/bench/spec_decode.py's `code-edit` and `chat` workloads); the draft's proposals are really
+(kvpipe/bench/engine/spec_decode.py's `code-edit` and `chat` workloads); the draft's proposals are really
 accepted, more of them where the answer copies. The PD pair runs --quantization w8a16 (target and
 draft): two fp32 engines of both models would hold 16 GB. Those two are `slow` (`make test-full`):
 four engines of a 1.5B model, minutes each to load on a loaded 2-core host. `make test` runs the
@@ -24,7 +24,7 @@ import gc
 import pytest
 import torch
 
-from kvpipe.bench.spec_decode import CHAT_TURNS
+from kvpipe.bench.engine.spec_decode import CHAT_TURNS
 from kvpipe.config import SpeculativeConfig
 from kvpipe.engine.request import SamplingParams
 from tests.helpers import trained_models as trained

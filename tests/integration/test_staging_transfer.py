@@ -36,7 +36,7 @@ STAGED = dataclasses.replace(CFG, staging="on", staging_pool_mb=1)
 
 def rings_empty(recv, prefill) -> bool:
     return all(a.usage() == (0, 0, 0) for a in recv.agents) and all(
-        s._book.local_ring.num_live == 0 for s in prefill.senders
+        s._book.staged.local_ring.num_live == 0 for s in prefill.senders
     )
 
 

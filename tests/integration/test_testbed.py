@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import pytest
 
-from kvpipe.qa.testbed import (
+from kvpipe.harness.testbed import (
     MIN_BURST_BYTES,
     LinkTestbed,
     LinkTestbedError,
@@ -26,7 +26,7 @@ from kvpipe.qa.testbed import (
     setup_commands,
     tool,
 )
-from kvpipe.qa.testbed_cli import recorded, removable
+from kvpipe.harness.testbed_cli import recorded, removable
 
 pytestmark = pytest.mark.timeout(60)
 needs_root = pytest.mark.skipif(not can_run(), reason="needs root and iproute2")
@@ -172,7 +172,7 @@ def test_failed_setup_rolls_back(tmp_path) -> None:
 
 @needs_root
 def test_cli_up_then_down(tmp_path, monkeypatch) -> None:
-    from kvpipe.qa import testbed_cli as cli
+    from kvpipe.harness import testbed_cli as cli
 
     monkeypatch.setenv("KVPIPE_TESTBED_DIR", str(tmp_path))
     assert cli.main(["up", "--rate", "50mbit"]) == 0

@@ -6,12 +6,12 @@ from collections import Counter
 
 import pytest
 
-from kvpipe.bench.outcome import End, Outcome
+from kvpipe.harness.outcome import End, Outcome
+from kvpipe.launch.stack import PARTS
 from kvpipe.qa.chaos_load import Sent, generate
 from kvpipe.qa.chaos_plan import TP_CHILD, ChaosConfig, Phase, plan_rounds
 from kvpipe.qa.chaos_report import summarize, table
 from kvpipe.qa.chaos_round import RoundResult
-from kvpipe.server.launcher import PARTS
 
 
 def test_plan_pairs_every_part_with_every_phase_evenly() -> None:

@@ -10,13 +10,13 @@ import json
 import httpx
 import pytest
 
-from kvpipe.bench.answers import prompt_tokens
-from kvpipe.bench.chat_text import ChatText, open_chat_text
-from kvpipe.bench.compare import COMPARE_KEYS, compare_table
-from kvpipe.bench.driver import drive
-from kvpipe.bench.latency import summarize
-from kvpipe.bench.request import Api
+from kvpipe.bench.serve.chat_text import ChatText, open_chat_text
+from kvpipe.bench.serve.compare import COMPARE_KEYS, compare_table
 from kvpipe.bench.workload import WorkloadConfig, build_workload, parse_lengths
+from kvpipe.harness.answers import prompt_tokens
+from kvpipe.harness.driver import drive
+from kvpipe.harness.latency import summarize
+from kvpipe.harness.request import Api
 from kvpipe.model.presets.tokenizer import SPECIAL_TOKENS, build_tokenizer
 from kvpipe.model.text.tokenizer import Tokenizer
 

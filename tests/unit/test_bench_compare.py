@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvpipe.bench.compare import COMPARE_MODES, compare_rows, compare_table
-from kvpipe.bench.sweep import ModeFlags, SweepPoint, mode_server_flags, parse_modes
+from kvpipe.bench.serve.compare import COMPARE_MODES, compare_rows, compare_table
+from kvpipe.bench.serve.sweep import ModeFlags, SweepPoint, mode_server_flags, parse_modes
 
 
 def summary(e2e50: float, ttft50: float) -> dict:

@@ -10,12 +10,12 @@ import json
 import httpx
 import pytest
 
-from kvpipe.bench.answers import DONE, failure, output_tokens, parse_sse_line
-from kvpipe.bench.driver import drive, send
-from kvpipe.bench.latency import summarize
-from kvpipe.bench.outcome import End, Outcome
-from kvpipe.bench.request import Api, Request
 from kvpipe.bench.workload import WorkloadConfig, build_workload, parse_lengths, split_rounds
+from kvpipe.harness.answers import DONE, failure, output_tokens, parse_sse_line
+from kvpipe.harness.driver import drive, send
+from kvpipe.harness.latency import summarize
+from kvpipe.harness.outcome import End, Outcome
+from kvpipe.harness.request import Api, Request
 
 
 def sse(*events: object) -> bytes:

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from kvpipe.bench.engine_stats import (
+from kvpipe.bench.engine.stats import (
     DecodePoint,
     PrefillPoint,
     compare_decode,
@@ -148,7 +148,8 @@ def test_hf_ratios_and_their_columns():
 
 def test_compare_hf_runs_both_on_the_same_checkpoint(tmp_path):
     """A real (tiny) run: the HF rows come from the HF model, one per point, with positive times."""
-    from kvpipe.bench.engine import add_args, run_bench
+    from kvpipe.bench.engine.command import add_args
+    from kvpipe.bench.engine.run import run_bench
 
     parser = argparse.ArgumentParser()
     add_args(parser)

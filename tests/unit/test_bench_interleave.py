@@ -8,21 +8,26 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvpipe.bench.plot import plot_sweep
-from kvpipe.bench.probe import count_delta, tail_delta, transfer_count_from_server_info, transfer_tail_from_server_info
 from kvpipe.bench.rotation import rotated
-from kvpipe.bench.sweep import (
+from kvpipe.bench.serve.plot import plot_sweep
+from kvpipe.bench.serve.sweep import (
     ModeFlags,
     SliceResult,
     SweepPoint,
-    TransferCount,
     colocated_flags,
     mode_server_flags,
     parse_modes,
     run_sweep_in_rounds,
     run_sweep_interleaved,
 )
-from kvpipe.bench.sweep_rows import sweep_rows
+from kvpipe.bench.serve.sweep_rows import sweep_rows
+from kvpipe.harness.probe import (
+    TransferCount,
+    count_delta,
+    tail_delta,
+    transfer_count_from_server_info,
+    transfer_tail_from_server_info,
+)
 from kvpipe.transfer.planning.wire_bytes import KVWireBytes
 from tests.helpers.sweep_stacks import recording_stacks
 

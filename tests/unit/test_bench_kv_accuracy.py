@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpipe.bench.kv_accuracy import compare, format_table
+from kvpipe.bench.accuracy.kv_dtype import compare, format_table
 
 
 def test_agreement_counts_tokens_before_the_first_difference_and_logprobs_only_there():

@@ -1,11 +1,11 @@
-"""`python -m kvpipe.bench.linear_kernels` runs every kernel on each shape and row count and prints
+"""`python -m kvpipe.bench.engine.linear_kernels` runs every kernel on each shape and row count and prints
 a row per point (what it measures is docs/benchmarks.md's; here only that it runs and reports)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvpipe.bench import linear_kernels
+from kvpipe.bench.engine import linear_kernels
 from kvpipe.model.cpu.kernels.weight_only import weight_only_kernels
 
 

@@ -1,4 +1,4 @@
-"""`kvpipe bench engine --compare-llamacpp` (bench/llamacpp_reference.py): which llama.cpp type
+"""`kvpipe bench engine --compare-llamacpp` (bench/engine/llamacpp_reference.py): which llama.cpp type
 each --quantization is measured against, the ratio rows and their text, the refusal of a
 non-GGUF model, and one real run on the default model's GGUF (llama-cpp-python: bench extra)."""
 
@@ -8,7 +8,8 @@ import argparse
 
 import pytest
 
-from kvpipe.bench.engine_stats import (
+from kvpipe.bench.engine.llamacpp_reference import format_llamacpp, llamacpp_kinds
+from kvpipe.bench.engine.stats import (
     DecodePoint,
     PrefillPoint,
     compare_llamacpp_decode,
@@ -16,11 +17,10 @@ from kvpipe.bench.engine_stats import (
     summarize_decode,
     summarize_prefill,
 )
-from kvpipe.bench.llamacpp_reference import format_llamacpp, llamacpp_kinds
 
 
 def _args(*extra: str) -> argparse.Namespace:
-    from kvpipe.bench.engine import add_args
+    from kvpipe.bench.engine.command import add_args
 
     parser = argparse.ArgumentParser()
     add_args(parser)
@@ -53,7 +53,7 @@ def test_ratios_and_their_text():
 
 
 def test_a_model_without_a_gguf_is_refused(tiny_model_dir):
-    from kvpipe.bench.engine import run_bench
+    from kvpipe.bench.engine.run import run_bench
 
     args = _args("--model-path", str(tiny_model_dir), "--compare-llamacpp", "--llamacpp-dir", "/nonexistent")
     with pytest.raises(SystemExit, match="needs a GGUF checkpoint"):
@@ -65,7 +65,7 @@ def test_a_real_run_against_the_same_gguf():
     """w4a16 against llama.cpp on the default model's own Q4_1 file (no conversion): llama.cpp
     rows at batch 1 only, with positive times and ratios."""
     pytest.importorskip("llama_cpp")
-    from kvpipe.bench.engine import run_bench
+    from kvpipe.bench.engine.run import run_bench
     from kvpipe.model.checkpoint.default_model import default_model_path
 
     gguf = default_model_path()

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvpipe.bench.latency import first_errors, percentiles, request_metrics, summarize
-from kvpipe.bench.outcome import End, Outcome
-from kvpipe.bench.request import Request
+from kvpipe.harness.latency import first_errors, percentiles, request_metrics, summarize
+from kvpipe.harness.outcome import End, Outcome
+from kvpipe.harness.request import Request
 
 
 def rec(

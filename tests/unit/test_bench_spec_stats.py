@@ -1,9 +1,9 @@
-"""bench serve's speculative counts per server (bench/spec_stats.py): from engine stats as
+"""bench serve's speculative counts per server (bench/serve/spec_stats.py): from engine stats as
 /server_info reports them; a server without speculation reports none."""
 
 from __future__ import annotations
 
-from kvpipe.bench.spec_stats import spec_counts
+from kvpipe.bench.serve.spec_stats import spec_counts
 
 
 def test_counts_and_acceptance_from_engine_stats():

@@ -8,12 +8,8 @@ from collections.abc import Iterator
 import pytest
 
 from kvpipe.bench.kv_bytes import ServedDtypes, kv_wire_bytes, state_bytes_per_request, with_draft_kv
-from kvpipe.bench.latency import summarize
-from kvpipe.bench.outcome import End, Outcome
-from kvpipe.bench.plot import plot_modes, plot_run, plot_sweep
-from kvpipe.bench.probe import num_groups_from_metrics, num_groups_from_server_info
-from kvpipe.bench.request import Request
-from kvpipe.bench.sweep import (
+from kvpipe.bench.serve.plot import plot_modes, plot_run, plot_sweep
+from kvpipe.bench.serve.sweep import (
     ModeFlags,
     SweepPoint,
     mode_server_flags,
@@ -23,9 +19,14 @@ from kvpipe.bench.sweep import (
     server_flag,
     server_page_size,
 )
-from kvpipe.bench.sweep_rows import exposed_ratio, sweep_rows
+from kvpipe.bench.serve.sweep_rows import exposed_ratio, sweep_rows
+from kvpipe.harness.latency import summarize
+from kvpipe.harness.outcome import End, Outcome
+from kvpipe.harness.probe import num_groups_from_metrics, num_groups_from_server_info
+from kvpipe.harness.request import Request
 from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.model.presets import preset_config
+from kvpipe.model.registry import model_config
 from kvpipe.transfer.planning.wire_bytes import KVWireBytes
 from tests.helpers.sweep_stacks import recording_stacks
 
@@ -181,7 +182,7 @@ def test_run_sweep_stops_the_stack_when_measuring_fails() -> None:
 def _model(arch: str, **cfg: object) -> ModelConfig:
     """A checkpoint schema from an HF config.json's fields (plus what every family needs)."""
     base = {"architectures": [arch], "vocab_size": 1000, "intermediate_size": 1024, "hidden_size": 768}
-    return ModelConfig.from_hf_dict({**base, **cfg})
+    return model_config({**base, **cfg})
 
 
 BENCH = {

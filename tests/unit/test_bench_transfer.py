@@ -11,20 +11,20 @@ import numpy as np
 import pytest
 import torch
 
-from kvpipe.bench.raw_mooncake import WHOLE, RawPattern, fmt_bytes, parse_bytes, pattern_ops
-from kvpipe.bench.transfer import RAW_PIECES, RAW_WINDOWS, add_args, config_from_args, tp_config_from_args
-from kvpipe.bench.transfer_harness import Peer
-from kvpipe.bench.transfer_messages import DigestPages, PagesDigest, PoolZeroed, ProtocolError
-from kvpipe.bench.transfer_pages import (
+from kvpipe.bench.transfer.command import RAW_PIECES, RAW_WINDOWS, add_args, config_from_args, tp_config_from_args
+from kvpipe.bench.transfer.messages import DigestPages, PagesDigest, PoolZeroed, ProtocolError
+from kvpipe.bench.transfer.pages import (
     RequestPages,
     decode_window_table,
     fragmented_pages,
     plan_request,
     source_window_table,
 )
-from kvpipe.bench.transfer_procs import digest
-from kvpipe.bench.transfer_report import format_table, summarize
-from kvpipe.bench.transfer_shapes import EXTRA_SHAPES, lookup_shape
+from kvpipe.bench.transfer.process_pair import Peer
+from kvpipe.bench.transfer.procs import digest
+from kvpipe.bench.transfer.raw_mooncake import WHOLE, RawPattern, fmt_bytes, parse_bytes, pattern_ops
+from kvpipe.bench.transfer.report import format_table, summarize
+from kvpipe.bench.transfer.shapes import EXTRA_SHAPES, lookup_shape
 from kvpipe.cache.kv_pool import KVPool
 from kvpipe.cache.recurrent_pool import StatePool
 from kvpipe.config import ParallelConfig
@@ -97,7 +97,7 @@ def test_kv_cache_dtype_shrinks_the_bytes_by_the_itemsize_ratio(kv, itemsize):
 
 
 def _shape_of(cfg):
-    from kvpipe.bench.transfer_shapes import KVShape
+    from kvpipe.bench.transfer.shapes import KVShape
 
     return KVShape(cfg.num_layers, cfg.kv_heads, cfg.head_dim, cfg.dtype)
 

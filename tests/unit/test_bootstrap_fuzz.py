@@ -157,7 +157,7 @@ def test_with_a_token_nothing_unsigned_gets_through() -> None:
     assert client.get("/health").json()["instance"] == "fuzz-instance"
 
     def ctx(method: str, path: str) -> bytes:
-        return http_context(method, "testserver", path, "fuzz-instance")  # TestClient's Host
+        return http_context(method, "testserver:80", path, "fuzz-instance")  # TestClient's scope["server"]
 
     def signed_put(body: dict[str, Any]) -> int:
         raw = json.dumps(body).encode()

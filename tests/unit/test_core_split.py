@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpipe.server.core_split import CoreSplit, ServerCores, flag_value, has_flag, server_cores, split_cores
+from kvpipe.launch.core_split import CoreSplit, ServerCores, flag_value, has_flag, server_cores, split_cores
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ from kvpipe.transfer.control.handshake import SPECULATIVE_NONE
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.sender.book import SenderBook
 from kvpipe.transfer.sender.room import SendCall
+from tests.helpers.registered import register_answered
 
 L, PS, PAGES = 2, 4, 64
 CFG = DisaggregationConfig(
@@ -55,7 +56,7 @@ class Book:
         self.sent: list[object] = []
         send = lambda a, msg: self.sent.append(msg) or True  # noqa: E731
         self.book = SenderBook(CFG, SRC, 0, 1, "p/0", send, draft_layout=own_draft)
-        self.book.on_message(m.RegisterPeer("d/0", 0, 1, "data-d", "tcp://d", DST, draft=peer_draft), 0.0)
+        register_answered(self.book, m.RegisterPeer("d/0", 0, 1, "data-d", "tcp://d", DST, draft=peer_draft), 0.0)
 
     def request(self, room: int, prefix: int = 0, draft: tuple[int, ...] | None = (40, 41, 42)) -> None:
         pages = tuple(range(30 + prefix // PS, 33))

@@ -15,6 +15,7 @@ from kvpipe.transfer.control import messages as m
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.sender.book import SenderBook
 from kvpipe.transfer.sender.room import SendCall
+from tests.helpers.registered import register_answered
 from tests.unit.test_draft_transfer_plan import CFG, PAGES, PS
 
 L = 2  # target layers; the draft has 1
@@ -80,7 +81,7 @@ def run_room(b: SenderBook, decode_tp: int) -> tuple[set[tuple[int, int, int]], 
 
 
 def register(b: SenderBook, rank: int, tp: int, dst: KVLayout, dst_draft: KVLayout) -> None:
-    b.on_message(m.RegisterPeer(f"d/{rank}", rank, tp, f"data-d{rank}", "tcp://d", dst, draft=dst_draft), 0.0)
+    register_answered(b, m.RegisterPeer(f"d/{rank}", rank, tp, f"data-d{rank}", "tcp://d", dst, draft=dst_draft), 0.0)
 
 
 def test_prefill_tp1_to_decode_tp2_slices_the_draft_heads():

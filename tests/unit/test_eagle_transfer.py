@@ -8,11 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvpipe.bench.kv_bytes import kv_wire_bytes
-from kvpipe.bench.serve_sweep import _model_bytes
+from kvpipe.bench.serve.sweep_run import _model_bytes
 from kvpipe.config import ServerConfig, SpeculativeConfig
 from kvpipe.disagg.draft_transfer import speculative_handshake
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.checkpoint.identity import checkpoint_digest
-from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.transfer.planning.layout import KVLayout
 from tests.helpers.draft_models import write_eagle_head
 
@@ -27,7 +27,7 @@ def gqa(kv_heads: int, head_dim: int, pages: int = 64) -> KVLayout:
 
 def test_handshake_names_the_head_and_its_kv(tiny_model_dir: Path, tmp_path: Path):
     a, b = write_eagle_head(tiny_model_dir, tmp_path / "a", seed=1), write_eagle_head(tiny_model_dir, tmp_path / "b")
-    cfg = ModelConfig.from_dir(tiny_model_dir)
+    cfg = model_config_of(tiny_model_dir)
     lay = gqa(cfg.num_kv_heads, cfg.head_dim)
 
     def handshake(spec: SpeculativeConfig) -> str:
@@ -44,7 +44,7 @@ def test_handshake_names_the_head_and_its_kv(tiny_model_dir: Path, tmp_path: Pat
 
 def test_bench_serve_predicts_the_heads_kv(tiny_model_dir: Path, tmp_path: Path):
     head = write_eagle_head(tiny_model_dir, tmp_path / "h")
-    cfg = ModelConfig.from_dir(tiny_model_dir)
+    cfg = model_config_of(tiny_model_dir)
     target = kv_wire_bytes(cfg, 16, 4)
     assert target is not None
     args = ("--page-size", "16", "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", str(head))

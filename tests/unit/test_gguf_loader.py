@@ -12,12 +12,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from kvpipe.bench.probe import model_config
 from kvpipe.config import ConfigError, ServerConfig
+from kvpipe.harness.probe import model_config
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.checkpoint.default_model import DEFAULT_MODEL_FILE, default_model_path, resolve_model_path
 from kvpipe.model.checkpoint.gguf.checkpoint import gguf_checkpoint
 from kvpipe.model.checkpoint.loader import check_checkpoint, load_generation_eos, load_model, read_hf_config
-from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.model.text.tokenizer import Tokenizer
 from tests.helpers.gguf_files import Q, Written, write_gguf
 
@@ -62,7 +62,7 @@ def test_weights_land_in_the_engine_dtype(tmp_path: Path) -> None:
 def test_config_tokenizer_and_eos_from_the_file(tmp_path: Path) -> None:
     w = write_gguf(tmp_path / "m.gguf", "qwen3", Q.F16, meta={"tokenizer.ggml.eot_token_id": 4})
     for path in (w.path, tmp_path):
-        cfg = ModelConfig.from_dir(path)
+        cfg = model_config_of(path)
         assert (cfg.architecture, cfg.num_layers, cfg.num_kv_heads) == ("qwen3", 2, 2)
         assert cfg.eos_token_ids == (2, 4)  # eos, then the end-of-turn token
         tok = Tokenizer.from_dir(path)

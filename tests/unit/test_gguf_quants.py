@@ -9,7 +9,7 @@ import torch
 
 from kvpipe.model.checkpoint.gguf.checkpoint import GGUFCheckpoint
 from kvpipe.model.checkpoint.gguf.reader import SUPPORTED_TYPES
-from kvpipe.model.checkpoint.schema import ModelConfig
+from kvpipe.model.registry import model_config
 from tests.helpers.gguf_files import Q, Shape, write_gguf
 
 TYPES = sorted(SUPPORTED_TYPES, key=int)
@@ -61,7 +61,7 @@ def test_qwen_names_and_no_permutation(tmp_path, family):
     assert set(sd) == set(w.original)
     for name, x in w.original.items():
         assert torch.equal(sd[name], torch.from_numpy(x)), name
-    cfg = ModelConfig.from_hf_dict(ck.config)
+    cfg = model_config(ck.config)
     assert cfg.architecture == family and cfg.head_dim == 64 and not cfg.tie_word_embeddings
     assert (cfg.num_heads, cfg.num_kv_heads) == (s.heads, s.kv_heads)
     assert cfg.attention_bias == (family == "qwen2") and cfg.qk_norm == (family == "qwen3")

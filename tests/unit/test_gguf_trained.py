@@ -14,7 +14,7 @@ import torch
 
 from kvpipe.config import ConfigError
 from kvpipe.model.checkpoint.gguf.checkpoint import GGUFCheckpoint
-from kvpipe.model.checkpoint.schema import ModelConfig
+from kvpipe.model.registry import model_config
 from kvpipe.model.text.tokenizer import Tokenizer
 from tests.helpers import trained_models as trained
 
@@ -100,7 +100,7 @@ def test_config_matches_hf(model: trained.TrainedModel, ckpt: GGUFCheckpoint, hf
     assert cfg["head_dim"] == attn.head_dim
     assert cfg["attention_bias"] == (attn.q_proj.bias is not None) == (attn.k_proj.bias is not None)
     assert cfg["rope_theta"] == hf.rope_parameters["rope_theta"] and "rope_scaling" not in cfg
-    m = ModelConfig.from_hf_dict(cfg)
+    m = model_config(cfg)
     got = (m.architecture, m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim)
     assert got == (model.architecture, model.layers, model.hidden, model.heads, model.kv_heads, model.head_dim)
     assert (m.tie_word_embeddings, m.attention_bias, m.vocab_size) == (model.tied, model.qkv_bias, model.vocab)

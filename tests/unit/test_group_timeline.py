@@ -1,16 +1,16 @@
-"""bench/group_timeline.py: a prefill's per-layer-group timeline from its /debug/requests entry."""
+"""bench/serve/group_timeline.py: a prefill's per-layer-group timeline from its /debug/requests entry."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvpipe.bench.group_timeline import (
+from kvpipe.bench.serve.group_timeline import (
     format_group_timeline,
     group_timeline,
     newest_group_timeline,
     with_planner,
 )
-from kvpipe.bench.probe import layer_group_estimates_from_server_info
+from kvpipe.harness.probe import layer_group_estimates_from_server_info
 
 
 def _entry(events: list[tuple[str, float, int | None]]) -> dict:

@@ -22,9 +22,9 @@ LAZY_ALLOWED = {
     # the CLI imports a command's module only when that command runs (`kvpipe init-model` never
     # imports torch)
     ("kvpipe.cli", "kvpipe."),
-    # the Mooncake backend imports the optional `mooncake` wheel at its top
-    ("kvpipe.transfer.backends", "kvpipe.transfer.backends.mooncake"),
 }
+# (The transfer backend registry imports a backend's module by its "module:Class" path, with
+# importlib, only when the backend is chosen: kvpipe/transfer/backends/registry.py.)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""`kvpipe bench kv-store --workload multiturn` (bench/kv_store_routing.py): the workload is
+"""`kvpipe bench kv-store --workload multiturn` (bench/kv_store/routing.py): the workload is
 conversations of shared-prefix turns, every case runs it, and bytes moved count the PD transfer and
 every server's store traffic in pages of that server's size."""
 
@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import argparse
 
-from kvpipe.bench import kv_store_goodput, kv_store_routing
-from kvpipe.bench.kv_store_routing import CASES, _bytes_moved, workload
+from kvpipe.bench.kv_store import goodput as kv_store_goodput
+from kvpipe.bench.kv_store import routing as kv_store_routing
+from kvpipe.bench.kv_store.routing import CASES, _bytes_moved, workload
 
 
 def args(*argv: str) -> argparse.Namespace:

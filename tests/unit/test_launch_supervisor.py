@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from kvpipe.server import launcher
-from kvpipe.server.launcher import PartSpec, PDStack
-from kvpipe.server.supervisor import PartState, PartTracker, RestartPolicy, Supervisor
+from kvpipe.commands import launch as launch_cmd
+from kvpipe.launch import stack as stack_mod
+from kvpipe.launch.stack import PartSpec, PDStack
+from kvpipe.launch.supervisor import PartState, PartTracker, RestartPolicy, Supervisor
 
 
 def test_backoff_doubles_up_to_the_cap() -> None:
@@ -97,11 +98,11 @@ class FakeProc:
 def test_tick_restarts_only_the_dead_part(monkeypatch: pytest.MonkeyPatch) -> None:
     healthy: set[str] = set()
     envs: list[dict | None] = []
-    monkeypatch.setattr(launcher, "_spawn", lambda cmd, log, pin=None, env=None: envs.append(env) or FakeProc(cmd))
-    monkeypatch.setattr(launcher, "_answers", lambda url: url in healthy)
-    specs = [PartSpec(n, (n,), f"http://{n}/health", env=(("TOKEN", "t"),)) for n in launcher.PARTS]
-    stack = PDStack("p", "d", "r", 1, specs=specs, procs=[FakeProc([n]) for n in launcher.PARTS])
-    sup = stack.supervisor = Supervisor(list(launcher.PARTS), RestartPolicy(max_restarts=1, backoff_s=2.0))
+    monkeypatch.setattr(stack_mod, "spawn", lambda cmd, log, pin=None, env=None: envs.append(env) or FakeProc(cmd))
+    monkeypatch.setattr(stack_mod, "answers", lambda url: url in healthy)
+    specs = [PartSpec(n, (n,), f"http://{n}/health", env=(("TOKEN", "t"),)) for n in stack_mod.PARTS]
+    stack = PDStack("p", "d", "r", 1, specs=specs, procs=[FakeProc([n]) for n in stack_mod.PARTS])
+    sup = stack.supervisor = Supervisor(list(stack_mod.PARTS), RestartPolicy(max_restarts=1, backoff_s=2.0))
     lines: list[str] = []
     pids = [p.pid for p in stack.procs]
     stack.procs[1].returncode = -9  # decode killed
@@ -127,20 +128,20 @@ def test_launch_gives_up_with_exit_code_1_and_stops_in_order(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, tiny_model_dir: Path
 ) -> None:
     stopped: list[str] = []
-    procs = [FakeProc([n]) for n in launcher.PARTS]
+    procs = [FakeProc([n]) for n in stack_mod.PARTS]
     procs[0].returncode = 1  # the prefill dies at once; --max-restarts 0: no restart
     stack = PDStack(
-        "p", "d", "r", 1, specs=[PartSpec(n, (n,), f"http://{n}/health") for n in launcher.PARTS], procs=procs
+        "p", "d", "r", 1, specs=[PartSpec(n, (n,), f"http://{n}/health") for n in stack_mod.PARTS], procs=procs
     )
-    monkeypatch.setattr(launcher, "start_pd_stack", lambda *a, **kw: stack)
-    monkeypatch.setattr(launcher, "stop_process", lambda p, timeout_s=10.0: stopped.append(p.args[0]))
-    monkeypatch.setattr(launcher, "_spawn", lambda *a, **kw: pytest.fail("nothing may be restarted"))
+    monkeypatch.setattr(launch_cmd, "start_pd_stack", lambda *a, **kw: stack)
+    monkeypatch.setattr(stack_mod, "stop_process", lambda p, timeout_s=10.0: stopped.append(p.args[0]))
+    monkeypatch.setattr(stack_mod, "spawn", lambda *a, **kw: pytest.fail("nothing may be restarted"))
     parser = argparse.ArgumentParser()
-    launcher.add_args(parser)
+    launch_cmd.add_args(parser)
     old = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     try:
         args = parser.parse_args(["--max-restarts", "0", "--model-path", str(tiny_model_dir)])
-        assert launcher.run(args, []) == 1
+        assert launch_cmd.run(args, []) == 1
     finally:
         signal.signal(signal.SIGTERM, old[0])
         signal.signal(signal.SIGINT, old[1])
@@ -155,28 +156,28 @@ def test_launch_writes_its_prometheus_targets(
 ) -> None:
     """--prometheus-targets: once the stack is up, its parts' /metrics addresses are in the file
     (the stack then stops at once: its prefill exits and restarts are off)."""
-    procs = [FakeProc([n]) for n in launcher.PARTS]
+    procs = [FakeProc([n]) for n in stack_mod.PARTS]
     procs[0].returncode = 1
     stack = PDStack(
         "http://127.0.0.1:4001",
         "http://127.0.0.1:4002",
         "http://127.0.0.1:8000",
         4003,
-        specs=[PartSpec(n, (n,), f"http://{n}/health") for n in launcher.PARTS],
+        specs=[PartSpec(n, (n,), f"http://{n}/health") for n in stack_mod.PARTS],
         procs=procs,
         router_metrics_url="http://127.0.0.1:4004",
     )
-    monkeypatch.setattr(launcher, "start_pd_stack", lambda *a, **kw: stack)
-    monkeypatch.setattr(launcher, "stop_process", lambda p, timeout_s=10.0: None)
+    monkeypatch.setattr(launch_cmd, "start_pd_stack", lambda *a, **kw: stack)
+    monkeypatch.setattr(stack_mod, "stop_process", lambda p, timeout_s=10.0: None)
     parser = argparse.ArgumentParser()
-    launcher.add_args(parser)
+    launch_cmd.add_args(parser)
     path = tmp_path / "targets" / "kvpipe.json"
     old = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     try:
         args = parser.parse_args(
             ["--max-restarts", "0", "--model-path", str(tiny_model_dir), "--prometheus-targets", str(path)]
         )
-        assert launcher.run(args, []) == 1
+        assert launch_cmd.run(args, []) == 1
     finally:
         signal.signal(signal.SIGTERM, old[0])
         signal.signal(signal.SIGINT, old[1])

@@ -7,8 +7,10 @@ import argparse
 
 import pytest
 
-from kvpipe.server.core_split import split_cores, split_cores_among, stack_server_cores
-from kvpipe.server.launcher import PartSpec, PDStack, _server_names, add_args, router_command_xpyd, xpyd_server_args
+from kvpipe.commands.launch import add_args, xpyd_server_args
+from kvpipe.launch.core_split import split_cores, split_cores_among, stack_server_cores
+from kvpipe.launch.router import router_command_xpyd
+from kvpipe.launch.stack import PartSpec, PDStack, server_names
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 8, 9])
@@ -37,9 +39,8 @@ def test_router_command_lists_every_worker_and_the_policies() -> None:
         "h",
         1,
         2,
-        None,
-        "cache_aware",
-        "round_robin",
+        prefill_policy="cache_aware",
+        decode_policy="round_robin",
     )
     line = " ".join(cmd)
     assert "--prefill http://p0 11 --prefill http://p1 12 --decode http://d0 --decode http://d1" in line
@@ -48,8 +49,8 @@ def test_router_command_lists_every_worker_and_the_policies() -> None:
 
 
 def test_names_and_layout() -> None:
-    assert _server_names(1, 1) == ["prefill", "decode"]
-    assert _server_names(2, 1) == ["prefill0", "prefill1", "decode0"]
+    assert server_names(1, 1) == ["prefill", "decode"]
+    assert server_names(2, 1) == ["prefill0", "prefill1", "decode0"]
     specs = [
         PartSpec("prefill0", ("serve", "--tp-size", "2"), "http://p0/health"),
         PartSpec("prefill1", ("serve", "--tp-size", "2"), "http://p1/health"),

@@ -15,8 +15,10 @@ from kvpipe.transfer.backends.base import BatchHandle, BatchState
 from kvpipe.transfer.control import messages as m
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.planning.wire_bytes import KVWireBytes
-from kvpipe.transfer.sender.book import SenderBook, TransferTiming
+from kvpipe.transfer.sender.book import SenderBook
 from kvpipe.transfer.sender.room import SendCall
+from kvpipe.transfer.sender.stats import TransferTiming
+from tests.helpers.registered import register_answered
 
 L, PS, HD, PAGES = 4, 4, 8, 64
 
@@ -30,7 +32,7 @@ def layout(base: int) -> KVLayout:
 def book() -> SenderBook:
     cfg = DisaggregationConfig(tuning=TransferTuning(max_inflight_ops=1024))
     b = SenderBook(cfg, layout(1 << 30), 0, 1, "p/0", lambda a, msg: True)
-    b.on_message(m.RegisterPeer("d/0", 0, 1, "data-d", "tcp://d", layout(1 << 40)), 0.0)
+    register_answered(b, m.RegisterPeer("d/0", 0, 1, "data-d", "tcp://d", layout(1 << 40)), 0.0)
     b.add_room(1, np.arange(8), 0.0)
     b.on_message(m.TransferRequest(1, "d/0", tuple(range(8)), 0, 0), 0.0)
     return b

@@ -104,15 +104,15 @@ def test_round_trip(msg):
 # AuxData.hidden, msgpack bin; version 9 window pages below the decode's prefix).
 STATUS_BYTES = {
     "success": bytes.fromhex(
-        "88a46b696e64af7472616e736665725f737461747573a776657273696f6e09a4726f6f6d07aa73657373696f6e5f6964"
+        "89a46b696e64af7472616e736665725f737461747573a776657273696f6e0aa4726f6f6d07aa73657373696f6e5f6964"
         "a3642f30a57374617465a773756363657373a6726561736f6ea0a361757886a4726f6f6d07ae66697273745f746f6b65"
         "6e5f69642ab366697273745f746f6b656e5f6c6f6770726f62cbbfd0000000000000ad6361636865645f746f6b656e73"
-        "cc80ac64726166745f746f6b656e7300a668696464656ec400a673656e646572a3702f30"
+        "cc80ac64726166745f746f6b656e7300a668696464656ec400a673656e646572a3702f30a96b765f646967657374c400"
     ),
     "failed": bytes.fromhex(
-        "88a46b696e64af7472616e736665725f737461747573a776657273696f6e09a4726f6f6d07aa73657373696f6e5f6964"
+        "89a46b696e64af7472616e736665725f737461747573a776657273696f6e0aa4726f6f6d07aa73657373696f6e5f6964"
         "a3642f30a57374617465a66661696c6564a6726561736f6eaa71756575652d66756c6ca3617578c0a673656e646572a3"
-        "702f30"
+        "702f30a96b765f646967657374c400"
     ),
 }
 
@@ -129,15 +129,16 @@ def test_a_peer_on_an_older_protocol_version_is_refused():
     """Version 1 peers send aux data without cached_tokens, version 2 ones know no staging ring,
     version 3 ones no recurrent state, version 4 ones no sliding-window pages, version 5 ones name
     no sender, version 6 ones know no draft KV, version 7 ones no NEXTN hidden state, version 8 ones
-    send no window pages below the decode's prefix: all are refused by version, not misread."""
+    send no window pages below the decode's prefix, version 9 ones answer no registration challenge
+    and claim no room: all are refused by version, not misread."""
     v1 = msgpack.unpackb(STATUS_BYTES["success"])
     v1["version"] = 1
     del v1["aux"]["cached_tokens"]
-    with pytest.raises(ProtocolError, match="protocol version 1, expected 9"):
+    with pytest.raises(ProtocolError, match="protocol version 1, expected 10"):
         decode(msgpack.packb(v1))
-    for old in (2, 3, 4, 5, 6, 7, 8):
+    for old in (2, 3, 4, 5, 6, 7, 8, 9):
         v1["version"] = old
-        with pytest.raises(ProtocolError, match=f"protocol version {old}, expected 9"):
+        with pytest.raises(ProtocolError, match=f"protocol version {old}, expected 10"):
             decode(msgpack.packb(v1))
 
 

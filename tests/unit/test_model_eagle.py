@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from kvpipe.cache.kv_pool import KVPool
 from kvpipe.config import ConfigError
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.model.draft.eagle import EagleHead, check_eagle_head, eagle_config, eagle_tensor_name, load_eagle
 from kvpipe.model.forward_batch import ForwardBatch
@@ -87,7 +88,7 @@ def target_parts(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def loaded(head_dir: Path, target: Path) -> EagleHead:
-    head = load_eagle(head_dir, ModelConfig.from_dir(target))
+    head = load_eagle(head_dir, model_config_of(target))
     embed, lm_head = target_parts(target)
     head.set_target(embed, lambda h: h @ lm_head.T)
     return head
@@ -107,7 +108,7 @@ def run_head(head: EagleHead, pool: KVPool, hidden: torch.Tensor, ids: list[int]
 
 
 def test_head_forward_matches_plain_torch(tiny_model_dir: Path, head_dir: Path):
-    cfg = ModelConfig.from_dir(tiny_model_dir)
+    cfg = model_config_of(tiny_model_dir)
     w, tw = load_file(str(head_dir / "model.safetensors")), load_file(str(tiny_model_dir / "model.safetensors"))
     n = 30
     ids = prompt_ids(n, seed=4, vocab=cfg.vocab_size)
@@ -166,7 +167,7 @@ def test_what_is_not_an_eagle_head_for_the_target_is_refused(tiny_model_dir: Pat
         (tmp_path / name / "config.json").write_text(json.dumps(raw | change))
         with pytest.raises(ConfigError, match=match):
             eagle_config(tmp_path / name)
-    head, target = eagle_config(head_dir), ModelConfig.from_dir(tiny_model_dir)
+    head, target = eagle_config(head_dir), model_config_of(tiny_model_dir)
     check_eagle_head(head, target, head_dir)
     with pytest.raises(ConfigError, match="hidden_size 64 is not the target's"):
         check_eagle_head(dataclasses.replace(head, hidden_size=64), target, head_dir)

@@ -12,20 +12,23 @@ import pytest
 import torch
 
 from kvpipe.config import ConfigError
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.checkpoint.loader import load_model
-from kvpipe.model.checkpoint.schema import ModelConfig
-from kvpipe.model.forward_batch import ForwardBatch
-from kvpipe.model.presets import write_preset
-from kvpipe.model.text.tokenizer import Tokenizer
-from tests.helpers.paged_model import all_logits, greedy_generate, incremental_logits, make_pool
-from tests.helpers.tolerance import assert_close_logits
+from tests.helpers.paged_model import incremental_logits
 
 # transformers comes with the `test` extra: without it this module is skipped, not failed, so the
 # helpers that build HF models are imported after the check
 transformers = pytest.importorskip("transformers")
 
 from tests.helpers.hf_gpt_oss import CASES, hf_gpt_oss  # noqa: E402
-from tests.helpers.hf_models import hf_logits, prompt_ids, save  # noqa: E402
+from tests.helpers.hf_models import prompt_ids, save  # noqa: E402
+from tests.helpers.window_parity import (  # noqa: E402
+    batched_decode_rows_match_hf,
+    chunks_and_decode_past_window_match_hf,
+    full_prompt_matches_hf,
+    greedy_matches_hf_generate,
+    preset_is_reproducible_and_matches_hf,
+)
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -44,46 +47,20 @@ def test_config_fields(case):
 
 
 def test_full_prompt_logits_match_hf(case):
-    hf, ours = case
-    ids = prompt_ids(37)  # several windows long
-    batch = all_logits(ForwardBatch.build([ids], [0], [torch.arange(10)], 4))
-    assert_close_logits(ours(batch, make_pool(ours, 10, 4)), hf_logits(hf, ids), ours.cfg, len(ids))
+    full_prompt_matches_hf(*case)
 
 
 @pytest.mark.parametrize("chunk", [None, 3, 5, 7])
 def test_chunked_prefill_and_decode_past_window_match_hf(case, chunk):
-    """A 13-token prompt over pages of 4 in chunks that do not divide the page, then 27 decode
-    steps: the sliding layers' windows move past the first pages."""
-    hf, ours = case
-    ids = prompt_ids(40, seed=2)
-    got = incremental_logits(ours, ids, prompt_len=13, page_size=4, chunk=chunk)
-    assert_close_logits(got, hf_logits(hf, ids), ours.cfg, len(ids))
+    chunks_and_decode_past_window_match_hf(*case, chunk)
 
 
 def test_batched_decode_rows_of_different_lengths_match_hf(case):
-    """One decode forward over three rows: shorter than, equal to and longer than the window."""
-    hf, ours = case
-    seqs = [prompt_ids(n, seed=10 + n) for n in (4, hf.config.sliding_window, 23)]
-    pool = make_pool(ours, 20, 3)
-    tables, start = [], 0
-    for s in seqs:
-        n = -(-len(s) // 3)
-        tables.append(torch.arange(start, start + n).flip(0))  # scattered, descending pages
-        start += n
-        ours(ForwardBatch.build([s[:-1]], [0], [tables[-1]], 3), pool)
-    batch = ForwardBatch.build([[s[-1]] for s in seqs], [len(s) - 1 for s in seqs], tables, 3)
-    assert batch.decode is not None
-    got = ours(batch, pool)
-    for row, s in zip(got, seqs):
-        assert_close_logits(row, hf_logits(hf, s)[-1], ours.cfg, len(s))
+    batched_decode_rows_match_hf(*case)
 
 
 def test_greedy_generation_matches_hf_generate(case):
-    hf, ours = case
-    prompt = prompt_ids(10, seed=6)
-    want = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)[0, len(prompt) :].tolist()
-    assert len(want) == 32
-    assert greedy_generate(ours, prompt, 32, page_size=4) == want
+    greedy_matches_hf_generate(*case)
 
 
 def _config(tmp_path: Path, **changes) -> Path:
@@ -110,28 +87,15 @@ def test_mxfp4_checkpoint_is_refused(tmp_path):
 )
 def test_bad_attention_configs_are_refused(tmp_path, changes, match):
     with pytest.raises(ConfigError, match=match):
-        ModelConfig.from_dir(_config(tmp_path, **changes))
+        model_config_of(_config(tmp_path, **changes))
 
 
 def test_tiny_gpt_oss_preset(tmp_path):
     """Reproducible, HF's config, sizes that split over TP 4, HF's greedy tokens past the window."""
-    path = write_preset("tiny-gpt-oss", tmp_path / "a")
-    again = write_preset("tiny-gpt-oss", tmp_path / "b")
-    for f in ("config.json", "model.safetensors"):
-        assert (path / f).read_bytes() == (again / f).read_bytes()
-    cfg = ModelConfig.from_dir(path)
+    cfg = preset_is_reproducible_and_matches_hf("tiny-gpt-oss", tmp_path, transformers.GptOssForCausalLM)
     assert (cfg.num_layers, cfg.sliding_layers, cfg.sliding_window, cfg.hidden_size) == (4, (0, 2), 32, 128)
     assert (cfg.moe.num_experts, cfg.moe.top_k) == (8, 2)
     assert all(n % 4 == 0 for n in (cfg.num_heads, cfg.num_kv_heads, cfg.moe.expert_intermediate_size))
-    model, tok = load_model(path), Tokenizer.from_dir(path)
-    hf = transformers.GptOssForCausalLM.from_pretrained(path).eval()
-    prompt = tok.encode("the cat and the dog " * 8)
-    assert len(prompt) > 2 * cfg.sliding_window
-    out = greedy_generate(model, prompt, 32, page_size=8)
-    # EOS ignored on both sides: greedy_generate does not stop at it
-    want = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert out == want[0, len(prompt) :].tolist()
-    assert len(set(out)) >= 4, out
 
 
 def test_bf16_load_keeps_norms_fp32_and_tracks_fp32(case, tmp_path):

@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvpipe.config import ConfigError, ParallelConfig
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.checkpoint.loader import load_model
-from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.model.forward_batch import ForwardBatch
 from kvpipe.model.layers.mla import MLAttention, mla_softmax_scale
 from kvpipe.model.layers.rope import rope_attention_factor, rope_cos_sin, rope_inv_freq, rope_type
@@ -247,7 +247,7 @@ def deepseek_preset_dir(tmp_path_factory) -> Path:
 
 
 def test_deepseek_preset_shape(deepseek_preset_dir):
-    cfg = ModelConfig.from_dir(deepseek_preset_dir)
+    cfg = model_config_of(deepseek_preset_dir)
     mla, moe = cfg.mla, cfg.moe
     assert (cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.num_heads) == ("deepseek_v3", 4, 128, 8)
     assert (mla.q_lora_rank, mla.kv_lora_rank, mla.qk_rope_head_dim, mla.rope_interleave) == (64, 32, 16, True)

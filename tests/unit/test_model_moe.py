@@ -13,8 +13,9 @@ import torch
 
 from kvpipe.config import ConfigError, ParallelConfig
 from kvpipe.model import registry
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.checkpoint.loader import load_model
-from kvpipe.model.checkpoint.schema import ModelConfig, MoEConfig
+from kvpipe.model.checkpoint.schema import MoEConfig
 from kvpipe.model.families.causal_lm import check_parallel
 from kvpipe.model.families.qwen3_moe import Qwen3MoeCausalLM
 from kvpipe.model.layers.moe import Dispatch, SparseMoE, check_routing, route
@@ -238,7 +239,7 @@ def test_checkpoint_names_and_bf16_keep_routing_bias_fp32(minimax_dir):
 def test_moe_presets_match_hf(preset, tmp_path):
     path = write_preset(preset, tmp_path / preset)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    assert type(hf).__name__ == ARCHS[ModelConfig.from_dir(path).architecture]
+    assert type(hf).__name__ == ARCHS[model_config_of(path).architecture]
     ours = load_model(path)
     ids = torch.randint(0, ours.cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(4)).tolist()
     got = incremental_logits(ours, ids, prompt_len=11, page_size=4, chunk=5)

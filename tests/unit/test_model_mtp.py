@@ -20,6 +20,7 @@ from kvpipe.cache.kv_pool import KVPool
 from kvpipe.config import CacheConfig, ConfigError
 from kvpipe.engine.batch import ForwardSpec
 from kvpipe.engine.model_runner import ModelRunner
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.checkpoint.loader import load_model
 from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.model.draft.mtp import DeepseekMTP, load_mtp
@@ -99,7 +100,7 @@ def run_mtp(mtp: DeepseekMTP, pool: KVPool, hidden: torch.Tensor, next_ids: list
 
 
 def test_mtp_forward_matches_the_reference(preset, hf_deeper):
-    cfg = ModelConfig.from_dir(preset)
+    cfg = model_config_of(preset)
     assert cfg.num_nextn_predict_layers == 1
     w = load_file(str(preset / "model.safetensors"))
     ids = [cfg.bos_token_id or 0, *prompt_ids(30, seed=5, vocab=cfg.vocab_size)]
@@ -125,7 +126,7 @@ def test_mtp_forward_matches_the_reference(preset, hf_deeper):
 def test_runner_captures_the_post_norm_hidden_states(preset, hf_deeper):
     """ModelRunner.capture_hidden keeps the last layer's output after the final norm, every row:
     HF's hidden state after layer num_layers, through model.norm."""
-    cfg = ModelConfig.from_dir(preset)
+    cfg = model_config_of(preset)
     runner = ModelRunner(load_model(preset), CacheConfig(page_size=PAGE, num_pages=16))
     runner.capture_hidden = True
     ids = [cfg.bos_token_id or 0, *prompt_ids(13, seed=2, vocab=cfg.vocab_size)]
@@ -142,7 +143,7 @@ def test_runner_captures_the_post_norm_hidden_states(preset, hf_deeper):
 def test_mtp_layer_index_and_shared_weights(preset, tmp_path):
     """A checkpoint without the MTP's embed_tokens / shared_head.head copies uses the target's
     (SGLang always does); a config without MTP layers has none to load."""
-    cfg = ModelConfig.from_dir(preset)
+    cfg = model_config_of(preset)
     mtp = load_mtp(preset, cfg)
     w = load_file(str(preset / "model.safetensors"))
     # the preset writes copies of the target's tensors, as the hub checkpoint does

@@ -9,11 +9,13 @@ import pytest
 import torch
 
 from kvpipe.config import ConfigError, ParallelConfig
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.checkpoint.loader import load_model
-from kvpipe.model.checkpoint.schema import LayerType, ModelConfig
+from kvpipe.model.checkpoint.schema import LayerType
 from kvpipe.model.families.qwen3_5 import Qwen3_5CausalLM
 from kvpipe.model.forward_batch import ForwardBatch
 from kvpipe.model.presets import write_preset
+from kvpipe.model.registry import model_config
 from tests.helpers.paged_model import all_logits
 from tests.helpers.preset_digests import digests
 from tests.helpers.tolerance import assert_close_logits
@@ -64,7 +66,7 @@ def test_default_layer_types_follow_hf():
     raw = hf_qwen3_5().config.to_dict()
     raw.pop("layer_types")
     raw.update(num_hidden_layers=8, full_attention_interval=4, architectures=["Qwen3_5ForCausalLM"])
-    h = ModelConfig.from_hf_dict(raw).hybrid
+    h = model_config(raw).hybrid
     assert h.full_layers == (3, 7) and h.layer_types[0] is LayerType.LINEAR_ATTENTION
 
 
@@ -206,7 +208,7 @@ def test_tp_rejects_indivisible_linear_heads(tmp_path):
         tmp_path / "m",
     )
     with pytest.raises(ConfigError, match="linear-attention key heads"):
-        Qwen3_5CausalLM(ModelConfig.from_dir(path), ParallelConfig(2, 0))
+        Qwen3_5CausalLM(model_config_of(path), ParallelConfig(2, 0))
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ from kvpipe.cache.kv_pool import KVPool
 from kvpipe.config import CacheConfig, ConfigError
 from kvpipe.engine.batch import ForwardSpec
 from kvpipe.engine.model_runner import ModelRunner
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.checkpoint.loader import load_model
 from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.model.draft.mtp import load_mtp
@@ -81,7 +82,7 @@ def hf_mtp_decoder(preset: Path, out: Path):
     one |= {"model." + n.removeprefix("mtp."): t for n, t in w.items() if n.startswith("mtp.layers.0.")}
     one["model.norm.weight"] = w["mtp.norm.weight"]
     save_file(one, str(out / "model.safetensors"), metadata={"format": "pt"})
-    cfg = ModelConfig.from_dir(preset)
+    cfg = model_config_of(preset)
     return hf_class(cfg).from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
 
 
@@ -115,7 +116,7 @@ def run_mtp(mtp: MTPLayer, pool: KVPool, hidden: torch.Tensor, next_ids: list[in
 
 
 def test_mtp_forward_matches_the_reference(preset, tmp_path):
-    cfg = ModelConfig.from_dir(preset)
+    cfg = model_config_of(preset)
     assert cfg.num_nextn_predict_layers == 1 and cfg.hybrid is not None
     target = hf_class(cfg).from_pretrained(preset, dtype=torch.float32).eval()
     ids = [cfg.bos_token_id or 0, *prompt_ids(30, seed=5, vocab=cfg.vocab_size)]
@@ -146,7 +147,7 @@ def test_mtp_forward_matches_the_reference(preset, tmp_path):
 
 def test_runner_captures_the_post_norm_hidden_states(preset):
     """ModelRunner.capture_hidden on a hybrid target: HF's last hidden state (after model.norm)."""
-    cfg = ModelConfig.from_dir(preset)
+    cfg = model_config_of(preset)
     runner = ModelRunner(load_model(preset), CacheConfig(page_size=PAGE, num_pages=16))
     runner.capture_hidden = True
     ids = [cfg.bos_token_id or 0, *prompt_ids(13, seed=2, vocab=cfg.vocab_size)]
@@ -186,4 +187,4 @@ def test_a_checkpoint_without_mtp_tensors_is_refused(tmp_path):
     w = {n: t for n, t in load_file(str(path / "model.safetensors")).items() if n != "mtp.fc.weight"}
     save_file(w, str(path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ConfigError, match="mtp.fc.weight"):
-        load_mtp(path, ModelConfig.from_dir(path))
+        load_mtp(path, model_config_of(path))

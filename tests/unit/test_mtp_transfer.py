@@ -14,12 +14,13 @@ from kvpipe.bench.kv_bytes import kv_wire_bytes, with_mtp_kv
 from kvpipe.config import DisaggregationConfig, ServerConfig, SpeculativeConfig, TransferTuning
 from kvpipe.disagg.draft_transfer import speculative_handshake
 from kvpipe.engine.spec.mtp_drafter import hidden_from_bytes, hidden_to_bytes
-from kvpipe.model.checkpoint.schema import ModelConfig
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.presets import preset_config, write_preset
 from kvpipe.transfer.control import messages as m
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.sender.book import SenderBook
 from kvpipe.transfer.sender.room import SendCall
+from tests.helpers.registered import register_answered
 
 L, PS, PAGES = 2, 4, 64
 CFG = DisaggregationConfig(
@@ -68,7 +69,7 @@ def test_the_mtp_layer_is_sent_from_the_decode_prefix_on_the_target_pages():
     book = SenderBook(
         CFG, SRC, 0, 1, "p/0", lambda a, msg: sent.append(msg) or True, draft_layout=SRC_MTP, draft_at_prefix=True
     )
-    book.on_message(m.RegisterPeer("d/0", 0, 1, "data-d", "tcp://d", DST, draft=DST_MTP), 0.0)
+    register_answered(book, m.RegisterPeer("d/0", 0, 1, "data-d", "tcp://d", DST, draft=DST_MTP), 0.0)
     book.add_room(1, np.arange(10, 13), 0.0, draft_pages=np.array([10, 50, 12]))
     book.on_message(m.TransferRequest(1, "d/0", (31, 32), 4, 0, dst_draft_pages=(30, 31, 32)), 0.0)
     book.add_call(1, SendCall(0, 8, 0, L + 1, False), None)  # a first chunk: full pages only
@@ -92,7 +93,7 @@ def test_hidden_states_travel_as_raw_bytes(dtype: torch.dtype):
 
 def test_handshake_names_nextn_its_mtp_layer_and_kv(tmp_path):
     path = write_preset("tiny-deepseek-v3", tmp_path / "ds")
-    cfg = ModelConfig.from_dir(path)
+    cfg = model_config_of(path)
 
     def handshake(algo: str) -> str:
         return speculative_handshake(ServerConfig(model_path=str(path), speculative=SpeculativeConfig(algo)), SRC_MTP)

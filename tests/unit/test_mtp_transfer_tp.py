@@ -25,6 +25,7 @@ from kvpipe.transfer.receiver.book import ReceiverBook
 from kvpipe.transfer.receiver.room import merge_aux
 from kvpipe.transfer.sender.book import SenderBook
 from kvpipe.transfer.sender.room import SendCall
+from tests.helpers.registered import accept_registrations, register_answered
 from tests.unit.test_mtp_transfer import CFG, PAGES, PS
 
 L, DIM = 2, 8  # target layers, latent dim
@@ -65,7 +66,7 @@ def decode_ranks(tp: int) -> list[tuple[KVLayout, KVLayout | None]]:
 
 
 def register(b: SenderBook, rank: int, tp: int, dst: KVLayout, mtp: KVLayout | None) -> str | None:
-    b.on_message(m.RegisterPeer(f"d/{rank}", rank, tp, f"data-d{rank}", "tcp://d", dst, draft=mtp), 0.0)
+    register_answered(b, m.RegisterPeer(f"d/{rank}", rank, tp, f"data-d{rank}", "tcp://d", dst, draft=mtp), 0.0)
     rej = b.peers.rejected.get(f"d/{rank}")
     return None if rej is None else rej[0]
 
@@ -152,6 +153,7 @@ def test_the_decode_asks_its_mtp_rank_only_for_draft_pages():
     draft = book.check_draft_pages(1, np.array(DST_PAGES))
     assert book.add_room(1, addr, pages, 0, 0, 0.0, draft_pages=draft) == addr
     book.on_fetched(addr, info, None, 0.0)
+    accept_registrations(book, addr)
     reqs = {msg.session_id.split("/")[1]: msg for msg in sent if isinstance(msg, m.TransferRequest)}
     assert reqs["0"].dst_draft_pages == DST_PAGES and reqs["1"].dst_draft_pages is None
     swapped = [m.DecodeRank(ranks[0].layout, "data-d0"), m.DecodeRank(ranks[1].layout, "data-d1", draft=ranks[0].draft)]
@@ -182,6 +184,7 @@ def test_a_room_of_a_tp2_prefill_succeeds_with_rank0s_draft_fields_whatever_the_
         pages = book.check_pages(1, [np.array(DST_PAGES)], 0)
         book.add_room(1, addr, pages, 0, 0, 0.0, draft_pages=book.check_draft_pages(1, np.array(DST_PAGES)))
         book.on_fetched(addr, info, None, 0.0)
+        accept_registrations(book, addr)
         session = book.rooms[1].sessions[0]
         for p in order:
             aux = m.AuxData(1, 7, -0.5, 0, **({"draft_tokens": 10, "hidden": HIDDEN} if p == MTP_RANK else {}))

@@ -8,7 +8,8 @@ import pytest
 from kvpipe.cli import build_parser
 from kvpipe.commands.flags import server_config_from_args
 from kvpipe.config import ConfigError, DisaggregationConfig, FaultInjection, ServerConfig, TransferTuning
-from kvpipe.disagg.setup import data_host
+from kvpipe.disagg.setup import data_host, make_backend
+from kvpipe.transfer.backends import BACKENDS, BackendOptions, check_backend, open_backend
 
 
 def parse(*flags: str) -> ServerConfig:
@@ -77,15 +78,38 @@ def test_refusals() -> None:
     with pytest.raises(ConfigError, match="layer groups"):
         DisaggregationConfig(layer_groups=1.5)
     with pytest.raises(ConfigError, match="TP ranks are separate processes"):
-        ServerConfig(
-            "m", tp_size=2, disaggregation=DisaggregationConfig(mode="decode", transfer_backend="local")
-        ).check_servable()
-    ServerConfig("m", tp_size=4, disaggregation=DisaggregationConfig(mode="decode")).check_servable()
-    with pytest.raises(ConfigError, match="ib-device"):
-        ServerConfig(
-            "m", disaggregation=DisaggregationConfig(mode="decode", transfer_backend="local", ib_device="mlx5_0")
-        ).check_servable()
-    ServerConfig("m", tp_size=2).check_servable()  # colocated TP is fine
+        check_backend(DisaggregationConfig(mode="decode", transfer_backend="local"), tp_size=2)
+    assert check_backend(DisaggregationConfig(mode="decode"), tp_size=4).crosses_processes
+    with pytest.raises(ConfigError, match="ib-device needs --disaggregation-transfer-backend mooncake"):
+        check_backend(DisaggregationConfig(mode="decode", transfer_backend="local", ib_device="mlx5_0"), 1)
+    check_backend(DisaggregationConfig(transfer_backend="local"), tp_size=2)  # colocated TP is fine
+    check_backend(DisaggregationConfig(mode="decode", transfer_backend="local"), 1)  # tests' in-process PD
+    with pytest.raises(ConfigError, match="PD servers need mooncake"):  # but not `kvpipe serve`
+        check_backend(DisaggregationConfig(mode="decode", transfer_backend="local"), 1, own_process=True)
+
+
+def test_unknown_backend_is_refused_naming_the_known_ones() -> None:
+    with pytest.raises(SystemExit) as e:  # argparse's choices come from the registry
+        parse("--disaggregation-transfer-backend", "nixl")
+    assert e.value.code == 2
+    for name in ("nixl", ""):
+        cfg = DisaggregationConfig(mode="prefill", transfer_backend=name)
+        with pytest.raises(ConfigError, match=r"unknown transfer backend .*; known: mooncake, local"):
+            check_backend(cfg, 1)
+    with pytest.raises(ConfigError, match="known: mooncake, local"):
+        open_backend("nixl", BackendOptions())
+    bad = ServerConfig("m", disaggregation=DisaggregationConfig(mode="prefill", transfer_backend="nixl"))
+    with pytest.raises(ConfigError, match="unknown transfer backend 'nixl'"):
+        make_backend(bad)  # no fallback to another backend
+
+
+def test_help_lists_every_registered_backend(capsys: pytest.CaptureFixture[str]) -> None:
+    parser, _ = build_parser(["serve"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the help
+    for spec in BACKENDS:
+        assert f"{spec.name}: {spec.summary}" in text
 
 
 def test_parts_validate_themselves() -> None:

@@ -12,7 +12,8 @@ from kvpipe.cli import build_parser
 from kvpipe.commands.flags import server_config_from_args
 from kvpipe.config import ConfigError, ServerConfig
 from kvpipe.disagg.setup import is_loopback, require_auth_off_loopback
-from kvpipe.server.launcher import API_KEY_FLAG, router_command, take_secret_flag
+from kvpipe.launch.router import router_command
+from kvpipe.launch.secret_flags import API_KEY_FLAG, take_secret_flag
 from kvpipe.transfer.control.auth import TOKEN_ENV
 
 TOKEN = "a-token-long-enough-to-pass"
@@ -77,13 +78,12 @@ def test_launch_takes_the_token_flag_off_the_command_line() -> None:
 
 
 def test_launch_passes_the_api_key_to_the_servers_environment_and_the_router() -> None:
-    """The servers read --api-key from KVPIPE_API_KEY (off their command lines); sglang-router
-    takes it as a flag only and sends it to them (tests/integration/test_router_api_key.py)."""
+    """The servers read --api-key from KVPIPE_API_KEY (off their command lines); so does the
+    router's wrapper (launch/router_main.py), which hands it to sglang-router in-process."""
     assert take_secret_flag(["--api-key", "k1", "--page-size", "16"], API_KEY_FLAG) == (["--page-size", "16"], "k1")
     assert take_secret_flag(["--api-key=k2"], API_KEY_FLAG) == ([], "k2")
-    cmd = router_command("http://p", 1, "http://d", "127.0.0.1", 2, 3, api_key="k3")
-    assert cmd[cmd.index("--api-key") + 1] == "k3"
-    assert "--api-key" not in router_command("http://p", 1, "http://d", "127.0.0.1", 2, 3)
+    cmd = router_command("http://p", 1, "http://d", "127.0.0.1", 2, 3)
+    assert cmd[1:3] == ["-m", "kvpipe.launch.router_main"] and "--api-key" not in cmd
 
 
 def test_the_allow_list_flag_repeats_and_splits_on_commas() -> None:

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from kvpipe.config import ConfigError
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.checkpoint.loader import load_generation_eos, load_model
-from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.model.presets import PRESETS, default_model_dir, model_path_or_preset, write_preset
 from kvpipe.model.text.tokenizer import Tokenizer
 from tests.helpers.paged_model import greedy_generate
@@ -27,7 +27,7 @@ def test_tiny_is_byte_identical_across_writes(tiny_model_dir, tmp_path):
 
 
 def test_tiny_config_shape(tiny_model_dir):
-    cfg = ModelConfig.from_dir(tiny_model_dir)
+    cfg = model_config_of(tiny_model_dir)
     spec = PRESETS["tiny"]
     assert (cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (
         "llama",
@@ -61,7 +61,7 @@ def test_moe_presets(name, tmp_path):
     """Reproducible, the family's config, sizes that split over TP 4, routing that is not degenerate."""
     path = write_preset(name, tmp_path / "a")
     assert digests(write_preset(name, tmp_path / "b")) == digests(path)
-    cfg, spec = ModelConfig.from_dir(path), PRESETS[name]
+    cfg, spec = model_config_of(path), PRESETS[name]
     assert cfg.architecture == spec.family == spec.moe.family and cfg.moe is not None
     assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.hidden_size, cfg.num_layers) == (8, 2, 128, 4)
     assert all(n % 4 == 0 for n in (cfg.num_heads, cfg.moe.expert_intermediate_size, cfg.intermediate_size))

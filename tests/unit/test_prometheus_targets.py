@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpipe.server.launcher import PDStack
-from kvpipe.server.prometheus_targets import host_port, scrape_targets, write_targets
+from kvpipe.launch.prometheus_targets import host_port, scrape_targets, write_targets
+from kvpipe.launch.stack import PDStack
 
 CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "prometheus.yml"
 

@@ -74,7 +74,20 @@ class Decode:
     def connected(self, room: int, info: PrefillInstanceInfo, now: float = 0.0) -> None:
         """add_room, then the fetch it asked for succeeds."""
         assert self.add(room, now) == ADDR
-        self.book.on_fetched(ADDR, info, None, now)
+        self.fetched(ADDR, info, now)
+
+    def fetched(self, addr, info: PrefillInstanceInfo, now: float) -> list[int]:
+        """The fetch of `addr` succeeds and every prefill rank accepts our registrations."""
+        failed = self.book.on_fetched(addr, info, None, now)
+        self.accept(addr, now)
+        return failed
+
+    def accept(self, addr=ADDR, now: float = 0.0) -> None:
+        """Every prefill rank of the instance at `addr` accepts our registrations waiting for it."""
+        peer = self.book.prefills[addr]
+        for p, r in sorted(peer.reg.pending):
+            reply = m.RegisterReply(peer.mine[r], f"{peer.info.instance_id}/{p}", m.RegisterState.ACCEPTED)
+            self.book.on_message(reply, now)
 
     def s(self, room: int, rank: int = 0) -> str:
         """Our session of decode rank `rank` that room `room` was requested under (random per prefill instance)."""
@@ -118,7 +131,7 @@ def test_bootstrap_deadline_names_the_last_fetch_error():
     [(room, state, reason, aux)] = d.book.poll(5.0)  # nothing was requested: pages are free at once
     assert (room, state, aux) == (1, T.FAILED, None)
     assert "prefill-host:8998 failed: not done within 5s (connection refused)" in reason
-    d.book.on_fetched(ADDR, prefill(), None, 5.5)  # late: room 2 is still waiting for it
+    d.fetched(ADDR, prefill(), 5.5)  # late: room 2 is still waiting for it
     assert [msg.room for _, msg in d.take(m.TransferRequest)] == [2]
     assert d.book.stats.bootstrap_fetches == 1 and d.book.stats.rooms_failed == 1
 
@@ -288,13 +301,13 @@ def test_prefill_restart_fails_old_rooms_and_frees_them_at_once():
     assert d.book.room_state(1) is T.FAILED and d.book.poll(3.5) == []
     d.take()
     assert d.add(2, 4.0) == ADDR
-    d.book.on_fetched(ADDR, prefill("p1"), None, 4.0)  # a new instance there: p0's writes cannot land
+    d.fetched(ADDR, prefill("p1"), 4.0)  # a new instance there: p0's writes cannot land
     [(room, state, reason, _)] = d.book.poll(4.0)
     assert (room, state) == (1, T.FAILED) and "sent no heartbeat" in reason
     assert [type(msg).__name__ for _, msg in d.take()] == ["RegisterPeer", "TransferRequest"]
     assert d.book.stats.registrations == 2 and d.book.room_state(2) is T.WAITING_FOR_INPUT
     # A fetch that finds another instance while the old one is still known drops it the same way.
-    d.book.on_fetched(ADDR, prefill("p2"), None, 5.0)
+    d.fetched(ADDR, prefill("p2"), 5.0)
     [(room, state, reason, _)] = d.book.poll(5.0)
     assert (room, state) == (2, T.FAILED) and "restarted (instance p1 -> p2)" in reason
     assert not any(isinstance(msg, m.Abort) for _, msg in d.take())  # p1 is gone: nobody to tell
@@ -333,7 +346,7 @@ def test_two_prefill_ranks_into_one_decode_rank():
 def test_one_prefill_rank_into_two_decode_ranks():
     d = Decode(tp=2)  # P=1, D=2: each decode rank gets its own pages and its own final status
     d.add(1, 0.0, pages=[np.array([1, 2]), np.array([3, 4])])
-    d.book.on_fetched(ADDR, prefill(), None, 0.0)
+    d.fetched(ADDR, prefill(), 0.0)
     regs, reqs = d.take(m.RegisterPeer), None
     assert [(a, msg.session_id, msg.tp_rank, msg.data_address) for a, msg in regs] == [
         ("tcp://p0-0", d.mine(0), 0, "data-d0"),
@@ -385,7 +398,7 @@ def test_a_fetch_requests_only_the_rooms_that_still_wait_for_it():
     d.book.abort(6, "client gone", 0.3)
     d.book.poll(0.3)
     assert d.add(6, 0.4) is None  # back for the same prefill, whose fetch still runs
-    d.book.on_fetched(ADDR, prefill(), None, 0.5)
+    d.fetched(ADDR, prefill(), 0.5)
     assert [msg.room for _, msg in d.take(m.TransferRequest)] == [6]  # once; room 5 waits for "other"
     assert d.book.room_state(5) is T.BOOTSTRAPPING
 
@@ -410,7 +423,7 @@ def test_forged_statuses_for_another_sessions_room_are_refused_and_counted():
     d.connected(1, prefill("p0"))
     other = ("evil-host", 8998)  # a second prefill this decode also uses (a legit registration)
     assert d.add(2, 0.0, addr=other) == other
-    d.book.on_fetched(other, prefill("evil"), None, 0.0)
+    d.fetched(other, prefill("evil"), 0.0)
     d.take()
     assert d.mine(0) != d.mine(0, other)  # one random session per prefill instance
     ok, aux = m.WireState.SUCCESS, m.AuxData(1, 13, -0.1)

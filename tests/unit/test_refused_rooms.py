@@ -21,23 +21,34 @@ class Clock:
         return self.t
 
 
+C = {room: room.to_bytes(16, "little") for room in range(20)}  # each room's request's claim
+
+
 def test_each_refused_room_is_taken_once_and_popped_once():
     book = RefusedRooms(ttl_s=5.0, clock=Clock())
-    book.add([7, 8], "why", "page_size")
+    book.add([7, 8], "why", "page_size", [C[7], C[8]])
     assert book.take_new() == [7, 8] and book.take_new() == []
-    assert book.pop(7) == "why" and book.pop(7) is None
-    assert book.pop(9) is None
+    assert book.pop(7, C[7]) == "why" and book.pop(7, C[7]) is None
+    assert book.pop(9, C[9]) is None
     assert book.snapshot() == {"page_size": 2}
+
+
+def test_a_refusal_counts_only_for_the_request_whose_claim_it_names():
+    """Issue 45: a token holder who knows a room id posts a notice for it; the request is not
+    failed (its claim is not the notice's, or the notice names none)."""
+    book = RefusedRooms(ttl_s=5.0, clock=Clock())
+    book.add([7, 8], "forged", "page_size", [C[9], None])
+    assert book.pop(7, C[7]) is None and book.pop(8, C[8]) is None
 
 
 def test_refusals_expire_and_the_book_stays_bounded():
     clock = Clock()
     book = RefusedRooms(ttl_s=5.0, max_rooms=3, clock=clock)
-    book.add([1], "old", "model")
+    book.add([1], "old", "model", [C[1]])
     clock.t = 6.0
-    assert book.pop(1) is None  # its request never came in time
-    book.add(range(10, 15), "new", "kv_dtype")
-    assert [book.pop(r) for r in range(10, 15)] == [None, None, "new", "new", "new"]  # oldest forgotten
+    assert book.pop(1, C[1]) is None  # its request never came in time
+    book.add(range(10, 15), "new", "kv_dtype", [C[r] for r in range(10, 15)])
+    assert [book.pop(r, C[r]) for r in range(10, 15)] == [None, None, "new", "new", "new"]  # oldest forgotten
     assert book.take_new() == [12, 13, 14]  # bounded too: the newest
     assert book.snapshot() == {"model": 1, "kv_dtype": 5}
 

@@ -12,6 +12,7 @@ import torch
 from kvpipe.config import CacheConfig
 from kvpipe.engine.batch import ForwardSpec
 from kvpipe.engine.model_runner import ModelRunner
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.checkpoint.loader import load_model
 from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.model.forward_batch import ForwardBatch
@@ -46,7 +47,7 @@ def _layer_kv(runner: ModelRunner, layer: int) -> list[torch.Tensor]:
 )
 def test_a_group_ships_once_its_last_layer_stored_its_kv(name, early, tmp_path):
     path = write_preset(name, tmp_path)
-    cfg = ModelConfig.from_dir(path)
+    cfg = model_config_of(path)
     hybrid, sliding = name == "tiny-qwen3.5", name == "tiny-gpt-oss"
     runner = ModelRunner(load_model(path), CacheConfig(page_size=PAGE, num_pages=16))
     n = cfg.num_layers

@@ -13,8 +13,9 @@ from fastapi.testclient import TestClient
 
 from kvpipe.commands.flags import add_http_api_args, add_server_args, server_config_from_args
 from kvpipe.config import ServerConfig
-from kvpipe.server.api_key import API_KEY_ENV, OPEN_PATHS, bearer_token, client_headers, key_matches
+from kvpipe.server.api_key import OPEN_PATHS, bearer_token, key_matches
 from kvpipe.server.async_engine import EngineLike
+from kvpipe.server.client_keys import API_KEY_ENV, client_headers
 from kvpipe.server.http_server import create_app
 
 KEY = "k-0123456789abcdef"
@@ -26,9 +27,9 @@ def _never_loads() -> EngineLike:
     raise AssertionError("the engine is not needed to refuse a request")
 
 
-def _client(tmp_path: Path, api_key: str | None = KEY) -> TestClient:
+def _client(tmp_path: Path, api_key: str | None = KEY, admin: str | None = None) -> TestClient:
     # no `with`: the engine never starts (a request that passes the key meets 503 "loading")
-    app = create_app(ServerConfig(model_path=str(tmp_path), api_key=api_key), _never_loads)
+    app = create_app(ServerConfig(model_path=str(tmp_path), api_key=api_key, admin_api_key=admin), _never_loads)
     return TestClient(app, raise_server_exceptions=False)
 
 
@@ -63,14 +64,20 @@ def test_every_route_but_the_probes_needs_the_key(tmp_path: Path, headers: dict[
 
 
 def test_the_right_key_passes(tmp_path: Path) -> None:
-    client = _client(tmp_path)
-    for method, path in _routes(client):
-        r = client.request(method, path, headers=GOOD, json={"abort_all": True} if method == "POST" else None)
-        assert r.status_code != 401, (method, path)
+    admin = "admin-0123456789abcdef"
+    client = _client(tmp_path, admin=admin)
+    for key in (KEY, admin):
+        for method, path in _routes(client):
+            body = {"abort_all": key == admin} if method == "POST" else None
+            r = client.request(method, path, headers={"Authorization": f"Bearer {key}"}, json=body)
+            assert r.status_code not in (401, 403) or (key == KEY and path.startswith("/debug/")), (
+                method,
+                path,
+                r.text,
+            )
     # nothing runs, so abort_all aborts nothing: the admin route was reached
-    assert client.post("/abort_request", headers=GOOD, json={"abort_all": True}).json() == {"aborted": 0}
-    lower = {"Authorization": f"bearer {KEY}"}  # RFC 6750: the scheme is case-insensitive
-    assert client.post("/abort_request", headers=lower, json={"abort_all": True}).status_code == 200
+    lower = {"Authorization": f"bearer {admin}"}  # RFC 6750: the scheme is case-insensitive
+    assert client.post("/abort_request", headers=lower, json={"abort_all": True}).json() == {"aborted": 0}
 
 
 def test_abort_all_without_the_key_is_refused_before_the_body_is_read(tmp_path: Path) -> None:
@@ -83,6 +90,7 @@ def test_abort_all_without_the_key_is_refused_before_the_body_is_read(tmp_path: 
 def test_without_a_key_nothing_needs_one(tmp_path: Path) -> None:
     client = _client(tmp_path, api_key=None)
     assert client.post("/abort_request", json={"abort_all": True}).json() == {"aborted": 0}
+    assert client.get("/debug/requests").status_code == 200  # an open server: everyone is an admin
     assert "securitySchemes" not in client.get("/openapi.json").json()["components"]
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpipe.bench.outcome import End, Outcome
-from kvpipe.bench.request import Api, Request
+from kvpipe.harness.outcome import End, Outcome
+from kvpipe.harness.request import Api, Request
 from kvpipe.qa.checks import verdict
 from kvpipe.qa.leaks import pool_checks
 from kvpipe.qa.soak_plan import Bounds, SoakConfig, plan_requests, plan_warmup

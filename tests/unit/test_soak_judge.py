@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvpipe.bench.outcome import End, Outcome
-from kvpipe.bench.request import Request
+from kvpipe.harness.outcome import End, Outcome
+from kvpipe.harness.request import Request
 from kvpipe.qa.soak_tally import Judgement, judge
 
 

@@ -15,6 +15,7 @@ from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.sender.book import SenderBook
 from kvpipe.transfer.sender.room import ChunkState, SendCall, StagingPolicy
 from kvpipe.transfer.staging.book import StagingBook
+from tests.helpers.registered import register_answered
 
 L, PS, HD = 2, 4, 8
 HEAD = PS * HD * 4  # bytes of one head of one float32 page
@@ -217,9 +218,12 @@ class Staged:
             staging_addr=LOCAL,
         )
         self.agent = StagingBook(DPOOL, 4096, "d/0", lease_s=30.0)
-        self.book.on_message(
-            m.RegisterPeer("d/0", 0, 1, "data-d", "tcp://d", DPOOL, m.StagingInfo(AGENT, POOL, 4096, "d/0")), 0.0
+        register_answered(
+            self.book,
+            m.RegisterPeer("d/0", 0, 1, "data-d", "tcp://d", DPOOL, m.StagingInfo(AGENT, POOL, 4096, "d/0")),
+            0.0,
         )
+        assert self.take(m.RegisterReply)[0][1].state is m.RegisterState.ACCEPTED
         self.book.add_room(ROOM, np.arange(10, 14), 0.0)
         self.book.on_message(m.TransferRequest(ROOM, "d/0", (40, 41, 42, 43), 0, 0), 0.0)
         self.book.add_call(ROOM, SendCall(0, 16, 0, L, True), (5, -0.5))
@@ -246,9 +250,9 @@ class Staged:
         """Plan, then the worker gathers every chunk handed out and reports back."""
         take, _, _ = self.book.take_work(now)
         assert take == []  # staged chunks are no page ops
-        gathers = self.book.take_gathers()
-        assert self.book.take_gathers() == []  # handed out once
-        self.book.gathered([(r, ch, None) for r, ch in gathers], now)
+        gathers = self.book.staged.take_gathers()
+        assert self.book.staged.take_gathers() == []  # handed out once
+        self.book.staged.gathered([(r, ch, None) for r, ch in gathers], now)
         return [ch for _, ch in gathers]
 
     def write(self, now: float) -> list:
@@ -283,7 +287,7 @@ def test_staged_chunks_gather_slot_write_scatter_then_the_status():
         (local[0], POOL, 1024),
         (local[1], POOL + 1024, 1024),
     ]
-    assert s.book.local_ring.num_live == 0  # the bytes are on the decode: local staging is free
+    assert s.book.staged.local_ring.num_live == 0  # the bytes are on the decode: local staging is free
     written = [msg for _, msg in s.sent if isinstance(msg, m.StagingChunkWritten)]
     assert [(w.scatter, w.dst_pages, w.page_offset, w.slice_nbytes, w.layer_start, w.layer_end) for w in written] == [
         (True, (40, 41), HEAD, HEAD, 0, L),
@@ -320,7 +324,7 @@ def test_an_aborted_room_releases_chunks_waiting_for_slots():
     assert s.book.stats.rejected_messages == 0
     assert [msg.state for _, msg in s.take(m.TransferStatus)] == [m.WireState.FAILED]
     assert s.book.poll(2.3) == [(ROOM, T.FAILED, "client gone")]
-    assert s.book.local_ring.num_live == 0 and s.book.local_ring.used_bytes == 0
+    assert s.book.staged.local_ring.num_live == 0 and s.book.staged.local_ring.used_bytes == 0
 
 
 def test_a_refused_grant_fails_the_room_with_the_agents_reason():
@@ -336,7 +340,7 @@ def test_a_refused_grant_fails_the_room_with_the_agents_reason():
     assert st.state is m.WireState.FAILED and why in st.reason
     [(room, state, reason)] = s.book.poll(1.6)
     assert (room, state) == (ROOM, T.FAILED) and "refused a staging slot" in reason and why in reason
-    assert s.book.local_ring.num_live == 0
+    assert s.book.staged.local_ring.num_live == 0
 
 
 def test_a_grant_past_the_decodes_ring_is_rejected_and_fails_the_room():
@@ -349,7 +353,7 @@ def test_a_grant_past_the_decodes_ring_is_rejected_and_fails_the_room():
     assert s.take(m.TransferStatus)[0][1].state is m.WireState.FAILED
     [(room, state, reason)] = s.book.poll(1.6)
     assert (room, state) == (ROOM, T.FAILED) and "overruns the decode's 4096-byte ring" in reason
-    assert s.book.local_ring.num_live == 0
+    assert s.book.staged.local_ring.num_live == 0
 
 
 def test_a_forged_grant_or_done_is_refused_and_the_real_ones_finish_the_room():
@@ -375,7 +379,7 @@ def test_a_forged_grant_or_done_is_refused_and_the_real_ones_finish_the_room():
         s.book.on_message(done, 3.0)
     s.book.take_work(3.1)
     assert s.book.poll(3.1) == [(ROOM, T.SUCCESS, "")]
-    assert s.book.rooms == {} and s.book.local_ring.num_live == 0 and s.agent.ring.num_live == 0
+    assert s.book.rooms == {} and s.book.staged.local_ring.num_live == 0 and s.agent.ring.num_live == 0
 
 
 def test_an_announcement_or_release_without_the_chunks_nonce_changes_nothing():

@@ -23,6 +23,7 @@ from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.planning.planner import plan_pages
 from kvpipe.transfer.sender.book import SenderBook
 from kvpipe.transfer.sender.room import Destination, PlanError, SendCall, SenderRoom, StagingPolicy
+from tests.helpers.registered import register_answered
 
 L, PS, HD, PAGES = 4, 4, 8, 64
 SWA = (1, 3)  # GPT-OSS style: sliding and full layers alternate
@@ -355,7 +356,7 @@ class Book:
     def __init__(self, peer_layout: KVLayout = DST, own: KVLayout = SRC):
         self.sent = []
         self.book = SenderBook(CFG, own, 0, 1, "p/0", lambda a, msg: self.sent.append(msg) or True)
-        self.book.on_message(m.RegisterPeer("d/0", 0, 1, "data-d", "tcp://d", peer_layout), 0.0)
+        register_answered(self.book, m.RegisterPeer("d/0", 0, 1, "data-d", "tcp://d", peer_layout), 0.0)
 
     def reasons(self) -> dict[int, str]:
         return {s.room: s.reason for s in self.sent if isinstance(s, m.TransferStatus)}

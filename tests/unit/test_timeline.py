@@ -18,7 +18,7 @@ from kvpipe.server.async_engine import AsyncEngine
 from kvpipe.server.metrics import PHASE_HISTOGRAMS, ServerMetrics
 from kvpipe.server.protocol import BootstrapInfo, GenerateInput
 from kvpipe.server.request_tracker import RequestTracker
-from kvpipe.transfer.sender.book import TransferTiming
+from kvpipe.transfer.sender.stats import TransferTiming
 
 T0 = 1000.0  # a monotonic clock reading; every other time is T0 + an exact binary fraction
 

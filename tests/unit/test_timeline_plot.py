@@ -1,11 +1,11 @@
-"""`bench serve --timeline` (kvpipe/bench/timeline_plot.py) from recorded timelines in the form
+"""`bench serve --timeline` (kvpipe/bench/serve/timeline_plot.py) from recorded timelines in the form
 /debug/requests keeps them: a PD request's prefill and decode halves on one row, a colocated
 request alone; the figure has one bar per chunk's forward, per stretch of KV writes and per
 decode (read back from its artists), and the file written is a PNG."""
 
 from __future__ import annotations
 
-from kvpipe.bench.timeline_plot import (
+from kvpipe.bench.serve.timeline_plot import (
     DECODE,
     KV_TRANSFER,
     PREFILL_COMPUTE,
@@ -15,7 +15,7 @@ from kvpipe.bench.timeline_plot import (
 )
 from kvpipe.disagg.timeline_events import record_transfer
 from kvpipe.engine.timeline import Phase, Timeline
-from kvpipe.transfer.sender.book import TransferTiming
+from kvpipe.transfer.sender.stats import TransferTiming
 
 T0 = 500.0
 

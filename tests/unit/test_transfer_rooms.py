@@ -18,6 +18,7 @@ from kvpipe.transfer.receiver.room import ReceiverRoom, rank_pairs
 from kvpipe.transfer.sender.book import SenderBook
 from kvpipe.transfer.sender.peers import expected_destinations
 from kvpipe.transfer.sender.room import Destination, PlanError, SendCall, SenderRoom, equal_runs
+from tests.helpers.registered import register_answered
 
 L, PS, HD, PAGES = 2, 4, 8, 64
 T = TransferState
@@ -116,7 +117,7 @@ class Book:
         self.book = SenderBook(
             cfg, SRC, 0, 1, "p/0", lambda a, msg: self.sent.append((a, msg)) or True, own_data_address="data-p"
         )
-        self.book.on_message(m.RegisterPeer("d/0", 0, 1, "data-d", "tcp://d", DST), 0.0)
+        register_answered(self.book, m.RegisterPeer("d/0", 0, 1, "data-d", "tcp://d", DST), 0.0)
 
     def statuses(self):
         out = [msg for _, msg in self.sent if isinstance(msg, m.TransferStatus)]
@@ -179,10 +180,10 @@ def test_book_rejects_bad_requests_with_a_reason():
     b.book.on_message(m.TransferRequest(2, "d/0", (PAGES,), 0, 0), 0.0)
     b.book.on_message(m.TransferRequest(3, "d/0", (1,), 3, 0), 0.0)
     b.book.on_message(m.TransferRequest(4, "stranger", (1,), 0, 0), 0.0)  # nowhere to answer
-    b.book.on_message(m.RegisterPeer("d/8", 0, 1, "x", "tcp://x", layout(1 << 41, heads=1)), 0.0)
+    register_answered(b.book, m.RegisterPeer("d/8", 0, 1, "x", "tcp://x", layout(1 << 41, heads=1)), 0.0)
     b.book.on_message(m.TransferRequest(5, "d/8", (1,), 0, 0), 0.0)
     other = KVLayout(L, PS, 2, 0, 2, HD, "bfloat16", 2, layout(1 << 42).buffer_addrs, PAGES * 2 * PS * HD * 2)
-    b.book.on_message(m.RegisterPeer("d/9", 0, 1, "y", "tcp://y", other), 0.0)
+    register_answered(b.book, m.RegisterPeer("d/9", 0, 1, "y", "tcp://y", other), 0.0)
     b.book.on_message(m.TransferRequest(6, "d/9", (1,), 0, 0), 0.0)
     reasons = {st.room: st.reason for st in b.statuses()}
     assert "duplicate destination pages" in reasons[1]
@@ -299,7 +300,7 @@ def test_book_abort_before_the_request_fails_the_room_at_once():
     assert st.state is m.WireState.FAILED and "never wrote room 3" in st.reason
     assert b.book.stats.rejected_messages == 0
     # a room another session asked for is not theirs to abort
-    b.book.on_message(m.RegisterPeer("e/0", 0, 1, "data-e", "tcp://e", DST), 2.0)
+    register_answered(b.book, m.RegisterPeer("e/0", 0, 1, "data-e", "tcp://e", DST), 2.0)
     b.book.add_room(4, np.arange(6), 2.0)
     b.book.on_message(m.TransferRequest(4, "d/0", tuple(range(6)), 0, 0), 2.0)
     b.book.on_message(m.Abort(4, "e/0", m.Side.DECODE, "not yours"), 2.1)
@@ -324,7 +325,7 @@ def test_register_peer_cannot_rebind_a_session_or_point_writes_at_another_decode
         m.RegisterPeer("e/4", 0, 1, "10.0.0.2:15000", "tcp://10.0.0.2:5555", overlapping),
     ]
     for msg in attempts:
-        b.book.on_message(msg, 0.5)
+        register_answered(b.book, msg, 0.5)
     assert b.book.peers.peers == {"d/0": bound} and b.book.stats.rejected_messages == len(attempts)
     b.book.on_message(m.TransferRequest(1, "e/0", (1, 2), 0, 0), 0.6)  # answered with the reason, never written
     [st] = b.statuses()
@@ -348,7 +349,7 @@ def test_orphan_rooms_and_tombstones_are_capped_per_session():
     requested ahead of the engine, nor unbounded tombstones; another session keeps its own."""
     cfg = dataclasses.replace(CFG, limits=ControlLimits(max_orphan_rooms_per_session=3, max_tombstones_per_session=2))
     b = Book(cfg)
-    b.book.on_message(m.RegisterPeer("e/0", 0, 1, "data-e", "tcp://e", layout(1 << 41)), 0.0)
+    register_answered(b.book, m.RegisterPeer("e/0", 0, 1, "data-e", "tcp://e", layout(1 << 41)), 0.0)
     for room in range(5):
         b.book.on_message(m.TransferRequest(room, "d/0", (room,), 0, 0), 0.1)
     reasons = {st.room: st.reason for st in b.statuses()}
@@ -368,5 +369,5 @@ def test_orphan_rooms_and_tombstones_are_capped_per_session():
     for now in (1.0, 60.0):
         b.tick(now)
     assert [room for room, *_ in b.book.poll(60.0)] == [0]
-    assert b.book.rooms == {} and b.book._orphans == {}
+    assert b.book.rooms == {} and len(b.book.orphans) == 0
     assert len([t for t in b.book.tombstones.values() if t.by == "d/0"]) <= 2

@@ -22,11 +22,10 @@ draft KV of the same tokens and rank 0 picks each draft from the all-reduced log
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 import torch
 
+from kvpipe.cache.kv_pool import KVPool
 from kvpipe.cache.page_allocator import PageAllocator
 from kvpipe.config import ConfigError, ParallelConfig, ServerConfig
 from kvpipe.engine.batch import ForwardSpec, ScheduledBatch
@@ -34,7 +33,9 @@ from kvpipe.engine.model_runner import state_slots
 from kvpipe.engine.request import Req
 from kvpipe.engine.spec.draft_book import DraftBook
 from kvpipe.engine.spec.draft_state import DraftStates
+from kvpipe.engine.spec.drafter import Drafter, LayerSend
 from kvpipe.engine.tp_group import TPGroup, build_draft_runner
+from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.model.families.causal_lm import check_parallel
 
@@ -63,13 +64,16 @@ def check_draft_model(cfg: ServerConfig, target: ModelConfig, draft: ModelConfig
             raise ConfigError(f"--speculative-draft-model-path {path} with --tp-size {cfg.tp_size}: {e}") from None
 
 
-class DraftModel:
-    def __init__(self, cfg: ServerConfig, target: ModelConfig, device: str, tp: TPGroup | None = None) -> None:
+class DraftModel(Drafter):
+    def __init__(
+        self, cfg: ServerConfig, target: ModelConfig, device: str, tp: TPGroup | None, target_kv_layers: int
+    ) -> None:
         """`tp`: the target's TP group (--tp-size > 1): every rank holds a shard of the draft model
-        and runs each draft forward with rank 0 (TPGroup.run_draft), which alone keeps the book."""
+        and runs each draft forward with rank 0 (TPGroup.run_draft), which alone keeps the book.
+        `target_kv_layers`: the target pool's KV layers (PD sends the draft's after them)."""
         path = cfg.speculative.draft_model_path
         assert path is not None
-        self.model_config = ModelConfig.from_dir(path)
+        self.model_config = model_config_of(path)
         check_draft_model(cfg, target, self.model_config)
         self._tp = tp
         # a hybrid draft (TP 1): two recurrent-state slots per running request (draft_state.py)
@@ -84,6 +88,7 @@ class DraftModel:
         # without recurrent state, and a hybrid draft's own state does not move): otherwise the
         # decode's draft catches up on the prompt at its first step, as a colocated engine's does
         self.moves_kv = not hybrid and target.hybrid is None
+        self.send_from = target_kv_layers
 
     def _run(self, spec: ForwardSpec | None, after: tuple[object, int, int] | None = None) -> torch.Tensor | None:
         """A draft forward on every rank (rank 0's logits); `after`: the children's connector
@@ -93,9 +98,10 @@ class DraftModel:
         return None if spec is None else self.runner.run(spec)
 
     @torch.inference_mode()
-    def propose(self, rid: str, tokens: Sequence[int], num_drafts: int) -> list[int]:
-        """Up to `num_drafts` greedy drafts after `tokens` (the request's prompt and outputs);
-        [] when the draft pool has no room this step."""
+    def propose(self, req: Req, max_drafts: int) -> list[int]:
+        """Up to `max_drafts` greedy drafts after the request's prompt and outputs; [] when the
+        draft pool has no room this step."""
+        rid, tokens, num_drafts = req.rid, req.all_ids, max_drafts
         slots = None
         if self.states is not None:  # a hybrid draft catches up from its base state (draft_state.py)
             slots = self.states.get(rid)
@@ -149,8 +155,25 @@ class DraftModel:
             pages = self.book.reserve(req.rid, -(-len(req.input_ids) // self.page_size))
             req.draft_pages = pages.copy()
 
+    def moving_pool(self) -> tuple[KVPool | None, int | None]:
+        return (self.runner.pool if self.moves_kv else None), self.model_config.kv_cache_heads
+
+    def before_prefill(self, batch: ScheduledBatch) -> None:
+        for req in batch.reqs:
+            self.reserve_prompt(req)
+
+    def on_reserved(self, req: Req) -> None:
+        self.reserve_prompt(req)  # the prompt's draft KV lands next to its KV
+
+    def prefill_forward(self, batch: ScheduledBatch, send: LayerSend | None) -> None:
+        """The chunk's draft KV, sent as the last layer group: send layers after the target's."""
+        layers = (self.send_from, self.send_from + self.num_layers)
+        self._prefill_forward(batch, after=(send.meta, *layers) if send is not None else None)
+        if send is not None:
+            send.send(*layers)
+
     @torch.inference_mode()
-    def prefill_forward(self, batch: ScheduledBatch, after: tuple[object, int, int] | None = None) -> None:
+    def _prefill_forward(self, batch: ScheduledBatch, after: tuple[object, int, int] | None) -> None:
         """PD prefill: the draft's KV of each row's prompt up to the end of this chunk, in one
         extend forward (from the draft KV's end: a prefix the target took from its cache is computed
         here too). Rows without draft pages are left out. `after` (connector meta, send layers):
@@ -176,7 +199,7 @@ class DraftModel:
         for req, toks in zip(rows, ids):
             self.book.wrote(req.rid, toks)
 
-    def kv_arrived(self, req: Req, num_tokens: int) -> None:
+    def kv_arrived(self, req: Req, num_tokens: int, hidden: bytes = b"") -> None:
         """PD decode: the prefill wrote the draft KV of the prompt's first `num_tokens` tokens into
         req.draft_pages (its aux data says so): the draft book holds them now."""
         n = min(num_tokens, len(req.input_ids), req.draft_pages.size * self.page_size)

@@ -27,7 +27,7 @@ it gets a private copy of that page (copy on write: other requests read the shar
 row recomputed for its own token. With no private page free the row stays as cached: drafts may
 differ, outputs never (every draft is verified).
 
-Which MTP KV is valid. The target's hidden states arrive with every forward (keep(), rows kept
+Which MTP KV is valid. The target's hidden states arrive with every forward (after_forward(), rows kept
 per request from its first uncomputed MTP position); propose() first catches the MTP KV up on
 positions valid .. n-2 (one extend forward), then runs the chain. A rejected draft leaves the
 target's KV at n - 1 + accepted positions; the next forward at that prefix overwrites the
@@ -48,6 +48,7 @@ from kvpipe.cache.kv_pool import KVPool
 from kvpipe.config import ConfigError, ServerConfig
 from kvpipe.engine.batch import ScheduledBatch
 from kvpipe.engine.request import Req
+from kvpipe.engine.spec.drafter import Drafter, LayerSend
 from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.model.draft.mtp import load_mtp
 from kvpipe.model.draft.mtp_layer import MTPLayer
@@ -100,7 +101,10 @@ class MTPSeq:
     private: dict[int, int] = field(default_factory=dict)
 
 
-class MTPDrafter:
+class MTPDrafter(Drafter):
+    uses_target_hidden = True
+    moves_kv = True  # PD: its KV (rank 0's pool, the target's page ids) and h_{L-1} go to the decode
+
     def __init__(self, cfg: ServerConfig, target_cfg: ModelConfig, target: LMBase, num_pages: int, device: str) -> None:
         """`target`: the loaded target model (its embedding and lm_head serve where the MTP layer
         has no copy); `num_pages`: the target pool's pages, whose ids the MTP pool shares."""
@@ -109,6 +113,7 @@ class MTPDrafter:
         self.mtp.set_target(target.embed_tokens, head)
         self.page_size = cfg.cache.page_size
         self.device = torch.device(device)
+        self.send_layer = target_cfg.num_layers  # PD: its KV is send layer num_layers (model layers)
         # the chain writes up to max_drafts - 1 positions past a request's pages
         scratch = _cdiv(max(cfg.speculative.max_drafts, 1), self.page_size) + 1
         self.scratch = np.arange(num_pages, num_pages + scratch, dtype=np.int64)
@@ -133,7 +138,7 @@ class MTPDrafter:
 
     # ---- the target's hidden states -------------------------------------------------------
     @torch.inference_mode()
-    def keep(self, batch: ScheduledBatch, hidden: torch.Tensor) -> None:
+    def after_forward(self, batch: ScheduledBatch, hidden: torch.Tensor) -> None:
         """After a target forward of `batch`: hidden [T, H], its rows in batch order (each row's
         extend_len of them, positions prefix_len ..). A forward at prefix p makes the rows of
         positions >= p that were kept before stale (rejected drafts): they are replaced."""
@@ -172,6 +177,19 @@ class MTPDrafter:
         return seq
 
     # ---- PD (disagg/mtp_transfer.py) ------------------------------------------------------
+    def moving_pool(self) -> tuple[KVPool | None, int | None]:
+        return self.pool, None
+
+    def before_prefill(self, batch: ScheduledBatch) -> None:
+        """The MTP page tables (private copies made) before the transfer's rooms start."""
+        for req, pre in zip(batch.reqs, batch.prefix_lens):
+            if req.rid not in self.seqs:
+                req.draft_pages = self.begin(req, pre)
+
+    def on_reserved(self, req: Req) -> None:
+        """The prompt's MTP KV lands in its own pages (the MTP pool shares the target's page ids)."""
+        req.draft_pages = req.pages[: _cdiv(len(req.input_ids), self.page_size)].copy()
+
     def begin(self, req: Req, pre: int) -> np.ndarray:
         """PD prefill, before `req`'s first forward (at prefix `pre`): its MTP state, with the
         private copies of cached pages made now, so the MTP page table of its prompt (returned,
@@ -181,11 +199,21 @@ class MTPDrafter:
             seq = self.seqs[req.rid] = self._start(req, pre, self.page_hidden[:0])
         return self._table(req, seq, _cdiv(len(req.input_ids), self.page_size))
 
+    def prefill_forward(self, batch: ScheduledBatch, send: LayerSend | None) -> None:
+        """The chunk's MTP KV, sent as the last layer group; a row whose prompt it completes
+        carries h_{L-1} with its first token (req.draft_hidden, AuxData.hidden)."""
+        self._prefill_forward(batch)
+        for i, req in enumerate(batch.reqs):
+            if batch.completes_prefill(i):
+                req.draft_hidden = self.pending_hidden(req.rid)
+        if send is not None:
+            send.send(self.send_layer, self.send_layer + 1)
+
     @torch.inference_mode()
-    def prefill_forward(self, batch: ScheduledBatch) -> None:
-        """PD prefill, after the target's forward of `batch` (keep() took its hidden states): the
-        MTP KV of each row's positions up to the chunk's end, at most to L - 1 of an L-token
-        prompt (row L - 1 needs the first sampled token: the decode computes it)."""
+    def _prefill_forward(self, batch: ScheduledBatch) -> None:
+        """PD prefill, after the target's forward of `batch` (after_forward took its hidden
+        states): the MTP KV of each row's positions up to the chunk's end, at most to L - 1 of an
+        L-token prompt (row L - 1 needs the first sampled token: the decode computes it)."""
         for req, pre, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
             seq = self.seqs.get(req.rid)
             end = min(pre + n, len(req.input_ids) - 1)

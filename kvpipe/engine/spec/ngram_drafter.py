@@ -15,6 +15,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvpipe.config import SpeculativeConfig
+from kvpipe.engine.request import Req
+from kvpipe.engine.spec.drafter import Drafter
+
 
 def longest_suffix_match(tokens: np.ndarray, min_window: int, max_window: int) -> tuple[int, int]:
     """(n, end): the longest n in [min_window, max_window] such that tokens[-n:] also ends at an
@@ -53,3 +57,15 @@ def propose_ngram(tokens: Sequence[int], max_draft: int, min_window: int = 1, ma
         j = end + 1 + i
         draft.append(seq[j] if j < size else draft[j - size])
     return draft
+
+
+class NgramDrafter(Drafter):
+    """NGRAM as the engine's drafter: no draft KV, nothing to keep or move (PD: the decode drafts
+    from the request's own tokens)."""
+
+    def __init__(self, spec: SpeculativeConfig) -> None:
+        self.min_window = spec.ngram_min_match_window_size
+        self.max_window = spec.ngram_max_match_window_size
+
+    def propose(self, req: Req, max_drafts: int) -> list[int]:
+        return propose_ngram(req.all_ids, max_drafts, self.min_window, self.max_window)

@@ -25,7 +25,7 @@ from torch import nn
 from kvpipe.config import ConfigError, ParallelConfig
 from kvpipe.model.checkpoint.gguf.checkpoint import GGUFCheckpoint, gguf_checkpoint
 from kvpipe.model.checkpoint.gguf.tensors import progress_bar
-from kvpipe.model.checkpoint.schema import ModelConfig
+from kvpipe.model.checkpoint.schema import ModelConfig, partial_rotary_dim
 from kvpipe.model.cpu.fused_decode import build_fused_decode
 from kvpipe.model.cpu.fused_projections import fuse_projections, fusing_enabled
 from kvpipe.model.cpu.huge_pages import place_weights
@@ -35,7 +35,7 @@ from kvpipe.model.layers.linear import Linear, Shard
 from kvpipe.model.layers.moe import check_routing
 from kvpipe.model.quant.kv_scales import KVScales, read_kv_scales
 from kvpipe.model.quant.quantize import check_quantization, quantize_model
-from kvpipe.model.registry import build_causal_lm, family
+from kvpipe.model.registry import build_causal_lm, family, model_config
 from kvpipe.model.text.tokenizer import Tokenizer
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -67,15 +67,17 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
 def check_supported(raw: dict[str, Any], cfg: ModelConfig) -> None:
     """Reject config options the model code does not implement, rather than compute wrong logits."""
     fam = family(cfg.architecture)
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise ConfigError(f"hidden_act={act!r} is not supported (only silu)")
+    if cfg.hidden_act not in fam.activations:
+        only = ", ".join(fam.activations)
+        raise ConfigError(f"hidden_act={cfg.hidden_act!r} is not supported for {cfg.architecture} (only {only})")
     if raw.get("mlp_bias"):
         raise ConfigError("mlp_bias=true is not supported")
     if raw.get("use_sliding_window"):
         raise ConfigError("use_sliding_window=true is not supported by the Llama/Qwen model")
-    if not fam.partial_rotary and float(raw.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ConfigError("partial_rotary_factor != 1 is not supported")
+    # read as a partial-rotary family would (top level or rope_parameters, or rotary_dim), so no
+    # key turns part of each head into the whole silently
+    if not fam.partial_rotary and partial_rotary_dim(raw, cfg.head_dim) is not None:
+        raise ConfigError(f"partial_rotary_factor != 1 is not supported for {cfg.architecture}")
     if raw.get("quantization_config"):  # e.g. DeepSeek-V3's fp8 blocks: their scales would be ignored
         method = (raw["quantization_config"] or {}).get("quant_method")
         raise ConfigError(f"quantized checkpoints are not supported (quant_method={method!r})")
@@ -94,7 +96,7 @@ def check_checkpoint(
     thread. A GGUF file is opened once per process (gguf_checkpoint), so the engine's load reuses
     this work."""
     raw = read_hf_config(model_path)
-    cfg = ModelConfig.from_hf_dict(raw)
+    cfg = model_config(raw)
     check_supported(raw, cfg)
     check_quantization(quantization, cfg)
     Tokenizer.from_dir(tokenizer_path or model_path)
@@ -209,7 +211,7 @@ def load_model(
     model_dir = Path(model_dir)
     ckpt = gguf_checkpoint(model_dir)
     raw = ckpt.config if ckpt is not None else read_hf_config(model_dir)
-    cfg = ModelConfig.from_hf_dict(raw)
+    cfg = model_config(raw)
     check_supported(raw, cfg)
     check_quantization(quantization, cfg, device)
     names: set[str] = set(ckpt.tensors) if ckpt is not None else set(weight_files(model_dir))

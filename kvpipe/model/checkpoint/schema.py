@@ -1,32 +1,18 @@
 """The checkpoint schema: what kvpipe reads of an HF `config.json`, one frozen dataclass per part
-(attention and rope in ModelConfig; MoE, MLA and hybrid layers in their own), and each family's
-HF parsing (`ModelConfig.from_hf_dict`)."""
+(attention and rope in ModelConfig; MoE, MLA and hybrid layers in their own), and the parsing every
+family shares (`ModelConfig.from_hf_dict`). Which family a config is, and the fields only it sets,
+come from its Family entry (model/families/, collected by model/registry.py): no family is named
+here. `registry.model_config(raw)` and `config_reader.model_config_of(path)` are how callers get a
+ModelConfig: they find the family first (this module sits below the families, which import it)."""
 
 from __future__ import annotations
 
 import enum
-import json
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from kvpipe.config import ConfigError
-from kvpipe.model.checkpoint.gguf.checkpoint import gguf_checkpoint
-
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "MiniMaxM2ForCausalLM": "minimax_m2",
-    "DeepseekV3ForCausalLM": "deepseek_v3",
-    "Qwen3_5ForCausalLM": "qwen3_5",
-    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
-    "GptOssForCausalLM": "gpt_oss",
-}
-
-# Families built on the Qwen3.5 hybrid stack (HybridConfig): the dense one and its MoE variant.
-HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe")
 
 
 @dataclass(frozen=True)
@@ -65,67 +51,15 @@ class MoEConfig:
         return layer not in self.dense_layers
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any], arch: str) -> MoEConfig | None:
-        n_layers = int(cfg["num_hidden_layers"])
-        if arch == "qwen3_moe":
-            step = int(cfg.get("decoder_sparse_step", 1) or 1)
-            only = {int(i) for i in cfg.get("mlp_only_layers") or ()}
-            dense = tuple(i for i in range(n_layers) if i in only or (i + 1) % step)
-            return cls(
-                num_experts=int(cfg.get("num_experts") or cfg["num_local_experts"]),
-                top_k=int(cfg["num_experts_per_tok"]),
-                expert_intermediate_size=int(cfg["moe_intermediate_size"]),
-                scoring="softmax",
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-                dense_layers=dense,
-            )
-        if arch == "qwen3_5_moe":  # every layer sparse: HF has no decoder_sparse_step / mlp_only_layers here
-            return cls(
-                num_experts=int(cfg["num_experts"]),
-                top_k=int(cfg["num_experts_per_tok"]),
-                expert_intermediate_size=int(cfg["moe_intermediate_size"]),
-                scoring="softmax",
-                norm_topk_prob=True,
-                shared_intermediate_size=int(cfg["shared_expert_intermediate_size"]),
-                shared_expert_gate=True,
-            )
-        if arch == "minimax_m2":
-            return cls(
-                num_experts=int(cfg["num_local_experts"]),
-                top_k=int(cfg["num_experts_per_tok"]),
-                expert_intermediate_size=int(cfg["intermediate_size"]),
-                scoring="sigmoid",
-                norm_topk_prob=True,
-                correction_bias=True,
-            )
-        if arch == "deepseek_v3":
-            first_dense = int(cfg.get("first_k_dense_replace", 0))
-            shared = int(cfg.get("n_shared_experts") or 0)
-            return cls(
-                num_experts=int(cfg["n_routed_experts"]),
-                top_k=int(cfg["num_experts_per_tok"]),
-                expert_intermediate_size=int(cfg["moe_intermediate_size"]),
-                scoring="sigmoid",
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-                correction_bias=True,
-                num_groups=int(cfg.get("n_group") or 1),
-                topk_groups=int(cfg.get("topk_group") or 1),
-                routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
-                shared_intermediate_size=shared * int(cfg["moe_intermediate_size"]),
-                dense_layers=tuple(range(min(first_dense, n_layers))),
-            )
-        if arch == "gpt_oss":
-            return cls(
-                num_experts=int(cfg["num_local_experts"]),
-                top_k=int(cfg["num_experts_per_tok"]),
-                expert_intermediate_size=int(cfg["intermediate_size"]),
-                scoring="topk_softmax",
-                norm_topk_prob=False,
-                biases=True,
-                swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
-                swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
-            )
-        return None
+    def hf(cls, cfg: dict[str, Any], num_experts: int, expert_size_key: str, **routing: Any) -> MoEConfig:
+        """Routed experts as every family's HF config gives them: `num_experts` experts of
+        cfg[expert_size_key] each, num_experts_per_tok per token; `routing` the family's own fields."""
+        return cls(
+            num_experts=num_experts,
+            top_k=int(cfg["num_experts_per_tok"]),
+            expert_intermediate_size=int(cfg[expert_size_key]),
+            **routing,
+        )
 
 
 @dataclass(frozen=True)
@@ -206,19 +140,14 @@ class HybridConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> HybridConfig:
-        n = int(cfg["num_hidden_layers"])
-        types = cfg.get("layer_types")
-        if types is None:  # HF's default pattern: every `full_attention_interval`-th layer is full
-            every = int(cfg.get("full_attention_interval", 4))
-            types = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(n)]
-        if len(types) != n:
-            raise ConfigError(f"layer_types has {len(types)} entries for {n} layers")
-        try:
-            layer_types = tuple(LayerType(t) for t in types)
-        except ValueError as e:
-            raise ConfigError(f"unsupported layer type in layer_types: {e}") from None
+        every = int(cfg.get("full_attention_interval", 4))  # HF's default: every 4th layer is full
+
+        def default(i: int) -> str:
+            return LayerType.LINEAR_ATTENTION.value if (i + 1) % every else LayerType.FULL_ATTENTION.value
+
+        types = layer_types(cfg, tuple(t.value for t in LayerType), default)
         return cls(
-            layer_types=layer_types,
+            layer_types=tuple(LayerType(t) for t in types),
             linear_key_heads=int(cfg["linear_num_key_heads"]),
             linear_value_heads=int(cfg["linear_num_value_heads"]),
             linear_key_head_dim=int(cfg["linear_key_head_dim"]),
@@ -227,9 +156,22 @@ class HybridConfig:
         )
 
 
+class ConfigFamily(Protocol):
+    """What ModelConfig.from_hf_dict needs of a family (model/families/family.py's Family)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def partial_rotary(self) -> bool: ...
+
+    @property
+    def config(self) -> Callable[[dict[str, Any]], dict[str, Any]]: ...
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # a value of SUPPORTED_ARCHITECTURES
+    architecture: str  # the family's name (Family.name, model/registry.py)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -259,6 +201,13 @@ class ModelConfig:
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
     attention_sinks: bool = False  # a learned logit per head added to the softmax denominator (GPT-OSS)
+    # Gemma 3: the sliding layers' RoPE base (rope_local_base_freq, no scaling; rope_theta and
+    # rope_scaling are the full layers'); None: every layer uses rope_theta
+    sliding_rope_theta: float | None = None
+    # the softmax scale; None: head_dim ** -0.5 (Gemma 3: query_pre_attn_scalar ** -0.5)
+    attention_scale: float | None = None
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap); None: none
+    hidden_act: str = "silu"  # the gated MLP's activation (Family.activations lists what a family runs)
     o_proj_bias: bool = False  # o_proj carries a bias (GPT-OSS's attention_bias covers q/k/v/o)
     # multi-token-prediction layers (model/draft/mtp.py): DeepSeek-V3's after the last decoder layer
     # (num_nextn_predict_layers), Qwen3.5's under mtp.* (mtp_num_hidden_layers); the NEXTN
@@ -268,6 +217,10 @@ class ModelConfig:
     def window(self, layer: int) -> int | None:
         """The sliding window of `layer`, None where it attends to the whole context."""
         return self.sliding_window if layer in self.sliding_layers else None
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.head_dim**-0.5 if self.attention_scale is None else self.attention_scale
 
     @property
     def rope_dim(self) -> int:
@@ -297,11 +250,9 @@ class ModelConfig:
         return 1 if self.mla is not None else 2
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
-        archs = cfg.get("architectures") or []
-        arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise ConfigError(f"unsupported architecture {archs!r}; kvpipe supports {sorted(SUPPORTED_ARCHITECTURES)}")
+    def from_hf_dict(cls, cfg: dict[str, Any], family: ConfigFamily) -> ModelConfig:
+        """The config of `cfg` as `family` (registry.hf_family(cfg)): the fields every family
+        reads alike, then the family's own (Family.config)."""
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         eos = cfg.get("eos_token_id")
@@ -314,14 +265,11 @@ class ModelConfig:
             rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         head_dim = int(cfg.get("head_dim") or hidden // num_heads)
-        return cls(
-            architecture=arch,
+        own = family.config(cfg)
+        fields: dict[str, Any] = dict(
+            architecture=family.name,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
-            # Qwen3.5-MoE has no dense MLP, hence no intermediate_size
-            intermediate_size=int(
-                cfg.get("intermediate_size", 0) if arch == "qwen3_5_moe" else cfg["intermediate_size"]
-            ),
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
@@ -330,58 +278,36 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch in ("qwen2", "gpt_oss"))),
-            qk_norm=arch in ("qwen3", "qwen3_moe", "minimax_m2", *HYBRID_FAMILIES),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            qk_norm=False,
             rope_scaling=rope_scaling,
             dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            moe=MoEConfig.from_hf_dict(cfg, arch),
-            mla=MLAConfig.from_hf_dict(cfg) if arch == "deepseek_v3" else None,
-            qk_norm_per_head=arch != "minimax_m2",
-            rotary_dim=_partial_rotary_dim(cfg, head_dim) if arch in ("minimax_m2", *HYBRID_FAMILIES) else None,
-            hybrid=HybridConfig.from_hf_dict(cfg) if arch in HYBRID_FAMILIES else None,
-            **(_gpt_oss_attention(cfg) if arch == "gpt_oss" else {}),
-            num_nextn_predict_layers=_mtp_layers(cfg, arch),
+            rotary_dim=partial_rotary_dim(cfg, head_dim) if family.partial_rotary else None,
+            hidden_act=str(cfg.get("hidden_act") or "silu"),
         )
-
-    @classmethod
-    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
-        """The config of a checkpoint: an HF directory's config.json, or a GGUF file's metadata
-        (a .gguf file, or a directory holding one)."""
-        ckpt = gguf_checkpoint(model_dir)
-        if ckpt is not None:
-            return cls.from_hf_dict(ckpt.config)
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise ConfigError(f"{model_dir}: no config.json (expected a local HF checkpoint directory or a .gguf file)")
-        return cls.from_hf_dict(json.loads(path.read_text()))
+        if "intermediate_size" not in own:  # a family without a dense MLP gives its own (Qwen3.5-MoE: 0)
+            fields["intermediate_size"] = int(cfg["intermediate_size"])
+        return cls(**(fields | own))
 
 
-def _gpt_oss_attention(cfg: dict[str, Any]) -> dict[str, Any]:
-    """GPT-OSS's attention fields of ModelConfig: sliding and full layers (HF's default pattern
-    alternates, sliding first), sinks in every layer, o_proj biased like q/k/v."""
+def layer_types(cfg: dict[str, Any], allowed: tuple[str, ...], default: Callable[[int], str]) -> list[str]:
+    """HF's `layer_types`, one per layer, or the family's pattern `default(layer)` where the config
+    has none; ConfigError for another count or a type not in `allowed`."""
     n = int(cfg["num_hidden_layers"])
-    types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+    types = cfg.get("layer_types") or [default(i) for i in range(n)]
     if len(types) != n:
         raise ConfigError(f"layer_types has {len(types)} entries for {n} layers")
-    bad = sorted(set(types) - {"sliding_attention", "full_attention"})
+    bad = sorted(set(types) - set(allowed))
     if bad:
-        raise ConfigError(f"unsupported layer types {bad} for GPT-OSS (only sliding_attention, full_attention)")
-    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
-    window = cfg.get("sliding_window")
-    if sliding and (window is None or int(window) < 1):
-        raise ConfigError(f"sliding_attention layers need a sliding_window >= 1, got {window!r}")
-    return dict(
-        sliding_window=None if window is None else int(window),
-        sliding_layers=sliding,
-        attention_sinks=True,
-        o_proj_bias=bool(cfg.get("attention_bias", True)),
-    )
+        raise ConfigError(f"unsupported layer types {bad} (only {', '.join(allowed)})")
+    return list(types)
 
 
-def _partial_rotary_dim(cfg: dict[str, Any], head_dim: int) -> int | None:
-    """MiniMax-M2 gives `rotary_dim`, Qwen3.5 `partial_rotary_factor`; transformers >= 5 also writes
+def partial_rotary_dim(cfg: dict[str, Any], head_dim: int) -> int | None:
+    """The rotated dims of a partial-rotary family (Family.partial_rotary), None for all of them.
+    MiniMax-M2 gives `rotary_dim`, Qwen3.5 `partial_rotary_factor`; transformers >= 5 also writes
     `partial_rotary_factor` (in rope_parameters), which wins as in HF: int(head_dim * factor) dims
     rotate."""
     factor = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
@@ -391,14 +317,3 @@ def _partial_rotary_dim(cfg: dict[str, Any], head_dim: int) -> int | None:
     if not 0 < int(dim) < head_dim or int(dim) % 2:
         raise ConfigError(f"rotary dim {dim} must be even and in (0, head_dim={head_dim}]")
     return int(dim)
-
-
-def _mtp_layers(cfg: dict[str, Any], arch: str) -> int:
-    """The checkpoint's multi-token-prediction layers: DeepSeek-V3's num_nextn_predict_layers,
-    Qwen3.5's mtp_num_hidden_layers (its hub configs' key; transformers' config class does not
-    declare it and its models skip the mtp.* tensors); none for the other families."""
-    if arch == "deepseek_v3":
-        return int(cfg.get("num_nextn_predict_layers") or 0)
-    if arch in HYBRID_FAMILIES:
-        return int(cfg.get("mtp_num_hidden_layers") or 0)
-    return 0

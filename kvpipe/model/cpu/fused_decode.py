@@ -130,7 +130,7 @@ def _layer_spec(layer: nn.Module, index: int) -> dict[str, object] | None:
         return None
     if attn.layer != index or attn.qkv is None or attn.q_norm is not None or attn.k_norm is not None:
         return None
-    if attn.window is not None or attn.sinks is not None or mlp.gate_up is None:
+    if attn.window is not None or attn.sinks is not None or mlp.gate_up is None or mlp.activation != "silu":
         return None
     if n1.eps != n2.eps or not all(_fp32_cpu(n.weight) for n in (n1, n2)):
         return None

@@ -42,16 +42,14 @@ from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.model.cpu.fused_projections import fuse_projections, fusing_enabled
 from kvpipe.model.cpu.packed_linear import packing_enabled
 from kvpipe.model.draft.mtp_layer import MTPLayer, copy_checkpoint_tensors
+from kvpipe.model.families.llama import EAGLE_HEAD_ARCHITECTURE, LLAMA
 from kvpipe.model.forward_batch import ForwardBatch
 from kvpipe.model.layers.decoder_layer import DecoderLayer
 from kvpipe.model.layers.gqa_attention import GQAttention
 from kvpipe.model.layers.linear import Linear
 from kvpipe.model.layers.mlp import MLP
 from kvpipe.model.layers.norms import RMSNorm
-
-EAGLE_ARCHITECTURE = "LlamaForCausalLMEagle"
-# target families whose hidden states an EAGLE(-1/2) Llama head drafts from (dense GQA stacks)
-EAGLE_TARGET_FAMILIES = ("llama", "qwen2", "qwen3")
+from kvpipe.model.registry import eagle_targets, family, model_config
 
 
 def eagle_config(head_dir: str | Path) -> ModelConfig:
@@ -61,9 +59,9 @@ def eagle_config(head_dir: str | Path) -> ModelConfig:
         raise ConfigError(f"{head_dir}: no config.json (an EAGLE head is an HF-style checkpoint directory)")
     raw = json.loads(path.read_text())
     archs = raw.get("architectures") or []
-    if EAGLE_ARCHITECTURE not in archs:
-        raise ConfigError(f"{head_dir}: architectures {archs!r} is not an EAGLE head ({EAGLE_ARCHITECTURE!r})")
-    cfg = ModelConfig.from_hf_dict({**raw, "architectures": ["LlamaForCausalLM"]})
+    if EAGLE_HEAD_ARCHITECTURE not in archs:
+        raise ConfigError(f"{head_dir}: architectures {archs!r} is not an EAGLE head ({EAGLE_HEAD_ARCHITECTURE!r})")
+    cfg = model_config({**raw, "architectures": list(LLAMA.hf_architectures)})
     if cfg.num_layers != 1:
         raise ConfigError(f"{head_dir}: an EAGLE head has one decoder layer, this one {cfg.num_layers}")
     return cfg
@@ -72,10 +70,10 @@ def eagle_config(head_dir: str | Path) -> ModelConfig:
 def check_eagle_head(head: ModelConfig, target: ModelConfig, head_dir: str | Path) -> None:
     """Refuse a head that cannot draft for `target`: another hidden size or vocabulary, a target
     family it was not made for."""
-    if target.architecture not in EAGLE_TARGET_FAMILIES:
+    if not family(target.architecture).eagle_target:
         raise ConfigError(
             f"--speculative-algorithm EAGLE with a draft head drafts for Llama-family targets "
-            f"{EAGLE_TARGET_FAMILIES}; the target is {target.architecture}"
+            f"{eagle_targets()}; the target is {target.architecture}"
         )
     for what in ("hidden_size", "vocab_size"):
         if getattr(head, what) != getattr(target, what):

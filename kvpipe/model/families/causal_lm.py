@@ -132,7 +132,8 @@ class CausalLM(LMBase, ABC):
         self.layers = nn.ModuleList(self.make_layer(i) for i in range(cfg.num_layers))
         self.norm = self.make_norm(cfg.hidden_size)
 
-    def make_layer(self, layer: int) -> DecoderLayer:
+    def make_layer(self, layer: int) -> nn.Module:
+        """Layer `layer`: (x, cos, sin, batch, pool) -> [T, hidden] (a pre-norm DecoderLayer here)."""
         h = self.cfg.hidden_size
         return DecoderLayer(self.make_norm(h), self.make_attention(layer), self.make_norm(h), self.make_mlp(layer))
 

@@ -17,13 +17,16 @@ down_proj's bias is added once, after the reduction. Experts are dispatched as i
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from kvpipe.config import ConfigError, ParallelConfig
-from kvpipe.model.checkpoint.schema import ModelConfig, MoEConfig
+from kvpipe.model.checkpoint.schema import ModelConfig, MoEConfig, layer_types
 from kvpipe.model.families.causal_lm import CausalLM
+from kvpipe.model.families.family import Family
 from kvpipe.model.layers.gqa_attention import GQAttention
 from kvpipe.model.layers.linear import Shard
 from kvpipe.model.layers.moe import Dispatch, Router, route
@@ -120,3 +123,40 @@ class GptOssCausalLM(CausalLM):
 
     def make_norm(self, dim: int) -> nn.Module:
         return RMSNorm(dim, self.cfg.rms_norm_eps, fp32_weight=True)  # HF keeps these weights in fp32
+
+
+def _alternating(layer: int) -> str:
+    return "sliding_attention" if (layer + 1) % 2 else "full_attention"
+
+
+def gpt_oss_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """Biased attention (q/k/v and o_proj) with a sink per head; sliding and full layers (HF's
+    default pattern alternates, sliding first); top-k softmax routing into biased experts with a
+    clamped SwiGLU."""
+    types = layer_types(raw, ("sliding_attention", "full_attention"), _alternating)
+    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    window = raw.get("sliding_window")
+    if sliding and (window is None or int(window) < 1):
+        raise ConfigError(f"sliding_attention layers need a sliding_window >= 1, got {window!r}")
+    moe = MoEConfig.hf(
+        raw,
+        int(raw["num_local_experts"]),
+        "intermediate_size",
+        scoring="topk_softmax",
+        norm_topk_prob=False,
+        biases=True,
+        swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
+        swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
+    )
+    biased = bool(raw.get("attention_bias", True))
+    return {
+        "attention_bias": biased,
+        "o_proj_bias": biased,
+        "moe": moe,
+        "sliding_window": None if window is None else int(window),
+        "sliding_layers": sliding,
+        "attention_sinks": True,
+    }
+
+
+GPT_OSS = Family("gpt_oss", ("GptOssForCausalLM",), "gpt_oss", GptOssCausalLM, config=gpt_oss_config)

@@ -13,8 +13,9 @@ from typing import Any
 from torch import nn
 
 from kvpipe.config import ConfigError
-from kvpipe.model.checkpoint.schema import ModelConfig
+from kvpipe.model.checkpoint.schema import ModelConfig, MoEConfig
 from kvpipe.model.families.causal_lm import CausalLM
+from kvpipe.model.families.family import Family
 from kvpipe.model.layers.gqa_attention import GQAttention
 from kvpipe.model.layers.moe import sparse_or_dense_mlp
 
@@ -36,6 +37,20 @@ class MiniMaxM2CausalLM(CausalLM):
         return sparse_or_dense_mlp(self.cfg, layer, self.parallel, self.group)
 
 
+def minimax_m2_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """One RMSNorm over the whole q (and k) projection; sigmoid routing steered by a correction
+    bias, weights renormalised, in every layer (intermediate_size is the expert size)."""
+    moe = MoEConfig.hf(
+        raw,
+        int(raw["num_local_experts"]),
+        "intermediate_size",
+        scoring="sigmoid",
+        norm_topk_prob=True,
+        correction_bias=True,
+    )
+    return {"qk_norm": True, "qk_norm_per_head": False, "moe": moe}
+
+
 def check_minimax_m2(raw: dict[str, Any], cfg: ModelConfig) -> None:
     """Options of MiniMax checkpoints' own config.json that HF's MiniMaxM2 model (and kvpipe's)
     does not implement: anything but sigmoid scoring with a routing bias, full-projection q/k
@@ -51,3 +66,15 @@ def check_minimax_m2(raw: dict[str, Any], cfg: ModelConfig) -> None:
     bad = [f"{k}={raw[k]!r}" for k, v in unsupported.items() if v]
     if bad:
         raise ConfigError(f"MiniMax-M2 options not supported: {', '.join(bad)}")
+
+
+MINIMAX_M2 = Family(
+    "minimax_m2",
+    ("MiniMaxM2ForCausalLM",),
+    "minimax_m2",
+    MiniMaxM2CausalLM,
+    config=minimax_m2_config,
+    check=check_minimax_m2,
+    checkpoint_renames=CHECKPOINT_RENAMES,
+    partial_rotary=True,
+)

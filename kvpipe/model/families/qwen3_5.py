@@ -27,8 +27,9 @@ from torch import nn
 from kvpipe.cache.kv_pool import KVPool
 from kvpipe.cache.recurrent_pool import StatePool
 from kvpipe.config import ConfigError, ParallelConfig
-from kvpipe.model.checkpoint.schema import LayerType, ModelConfig
+from kvpipe.model.checkpoint.schema import HybridConfig, LayerType, ModelConfig, MoEConfig
 from kvpipe.model.families.causal_lm import LMBase
+from kvpipe.model.families.family import Family, qk_normed
 from kvpipe.model.forward_batch import ForwardBatch
 from kvpipe.model.layers.gated_attention import GatedAttention
 from kvpipe.model.layers.gated_delta_net import GatedDeltaNet, local_linear_heads
@@ -102,6 +103,31 @@ class Qwen3_5CausalLM(LMBase):
 MOE_CHECKPOINT_RENAMES = ((r"\.mlp\.shared_experts\.", ".mlp.shared_expert."),)
 
 
+def qwen3_5_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """The hybrid stack, q/k norms, and the MTP layers under mtp.* (mtp_num_hidden_layers: the hub
+    configs' key; transformers' config class does not declare it and its models skip mtp.*)."""
+    return qk_normed(raw) | {
+        "hybrid": HybridConfig.from_hf_dict(raw),
+        "num_nextn_predict_layers": int(raw.get("mtp_num_hidden_layers") or 0),
+    }
+
+
+def qwen3_5_moe_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5's, with every layer sparse (HF has no decoder_sparse_step / mlp_only_layers here):
+    softmax top-k, always renormalised, plus one gated shared expert; no dense MLP, hence no
+    intermediate_size."""
+    moe = MoEConfig.hf(
+        raw,
+        int(raw["num_experts"]),
+        "moe_intermediate_size",
+        scoring="softmax",
+        norm_topk_prob=True,
+        shared_intermediate_size=int(raw["shared_expert_intermediate_size"]),
+        shared_expert_gate=True,
+    )
+    return qwen3_5_config(raw) | {"intermediate_size": int(raw.get("intermediate_size", 0)), "moe": moe}
+
+
 def check_qwen3_5_moe(raw: dict[str, Any], cfg: ModelConfig) -> None:
     """HF's Qwen3.5-MoE makes every layer sparse, with one gated shared expert, and ignores the
     dense-layer keys of Qwen3-MoE; a config that carries them (or no shared expert) is asking for
@@ -116,3 +142,18 @@ def check_qwen3_5_moe(raw: dict[str, Any], cfg: ModelConfig) -> None:
     bad = [f"{k}={raw.get(k)!r}" for k, v in unsupported.items() if v]
     if bad:
         raise ConfigError(f"Qwen3.5-MoE options not supported: {', '.join(bad)}")
+
+
+QWEN3_5 = Family(
+    "qwen3_5", ("Qwen3_5ForCausalLM",), "qwen3_5_text", Qwen3_5CausalLM, config=qwen3_5_config, partial_rotary=True
+)
+QWEN3_5_MOE = Family(
+    "qwen3_5_moe",
+    ("Qwen3_5MoeForCausalLM",),
+    "qwen3_5_moe_text",
+    Qwen3_5CausalLM,
+    config=qwen3_5_moe_config,
+    check=check_qwen3_5_moe,
+    checkpoint_renames=MOE_CHECKPOINT_RENAMES,
+    partial_rotary=True,
+)

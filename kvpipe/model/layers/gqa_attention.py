@@ -3,11 +3,15 @@
 q/k/v are column-parallel (a rank holds its query heads and the KV heads they read; KV heads
 are replicated when tp > KV heads), o_proj is row-parallel with one all-reduce. What differs by
 family is read from ModelConfig: q/k/v biases (Qwen2), o_proj's bias, attention sinks and
-sliding-window layers (GPT-OSS), q/k RMSNorm per head (Qwen3) or over the whole projection
-(MiniMax-M2), partial rotary (rope.apply_rope rotates the first rope_dim dims).
+sliding-window layers (GPT-OSS, Gemma 3), q/k RMSNorm per head (Qwen3; Gemma 3's zero-centred
+one: the family's `head_norm`) or over the whole projection (MiniMax-M2), partial rotary
+(rope.apply_rope rotates the first rope_dim dims), the softmax scale (Gemma 3's
+query_pre_attn_scalar).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -26,13 +30,21 @@ from kvpipe.model.layers.rope import apply_rope
 
 
 class GQAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, parallel: ParallelConfig, group: dist.ProcessGroup | None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer: int,
+        parallel: ParallelConfig,
+        group: dist.ProcessGroup | None,
+        head_norm: Callable[[int, float], nn.Module] = RMSNorm,
+    ) -> None:
+        """head_norm(head_dim, eps): the per-head q/k norm where cfg.qk_norm_per_head."""
         super().__init__()
         self.layer = layer
         self.head_dim = cfg.head_dim
         self.num_heads = parallel.local_heads(cfg.num_heads)
         self.num_kv_heads = parallel.local_kv_heads(cfg.num_kv_heads)
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.softmax_scale
         tp = parallel.tp_size > 1
         d, bias = cfg.head_dim, cfg.attention_bias
         q0, kv0 = parallel.tp_rank * self.num_heads * d, parallel.kv_head_start(cfg.num_kv_heads) * d
@@ -57,10 +69,10 @@ class GQAttention(nn.Module):
         )
         # q/k/v as one Linear once loaded (fuse_projections; fused_projections.py), else None
         self.qkv: Linear | None = None
-        self.q_norm: RMSNorm | ShardedRMSNorm | None = None
-        self.k_norm: RMSNorm | ShardedRMSNorm | None = None
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
         if cfg.qk_norm and cfg.qk_norm_per_head:
-            self.q_norm, self.k_norm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)
+            self.q_norm, self.k_norm = head_norm(d, cfg.rms_norm_eps), head_norm(d, cfg.rms_norm_eps)
         elif cfg.qk_norm:  # over all heads: sliced like q/k; KV heads replicated when tp > KV heads
             self.q_norm = ShardedRMSNorm(cfg.num_heads * d, q_rows, self.num_heads * d, cfg.rms_norm_eps)
             self.k_norm = ShardedRMSNorm(
@@ -88,12 +100,13 @@ class GQAttention(nn.Module):
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q_norm, k_norm = self.q_norm, self.k_norm
+        whole = isinstance(q_norm, ShardedRMSNorm)
         if isinstance(q_norm, ShardedRMSNorm) and isinstance(k_norm, ShardedRMSNorm):  # MiniMax-M2: over all heads
             q, k = whole_qk_norm(q, k, q_norm, k_norm, self.group)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if isinstance(q_norm, RMSNorm) and isinstance(k_norm, RMSNorm):  # Qwen3: per-head RMSNorm before RoPE
+        if not whole and q_norm is not None and k_norm is not None:  # Qwen3, Gemma 3: per-head norm before RoPE
             q, k = q_norm(q), k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = paged_attention(q, k, v, self.layer, batch, pool, self.scale, self.sinks, self.window)  # [T, Hq, D]

@@ -1,6 +1,8 @@
-"""The dense SwiGLU MLP, tensor-parallel by its intermediate dim."""
+"""The dense gated MLP (SwiGLU, or Gemma's GeGLU), tensor-parallel by its intermediate dim."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -12,8 +14,17 @@ from kvpipe.model.cpu.fused_projections import fuse_linears
 from kvpipe.model.layers.linear import Linear, Shard
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+# ModelConfig.hidden_act -> the gate's activation (HF's ACT2FN names)
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "gelu_pytorch_tanh": gelu_tanh}
+
+
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), split over TP ranks by the intermediate dim.
+    """down(act(gate(x)) * up(x)), split over TP ranks by the intermediate dim: SwiGLU (silu),
+    or GeGLU (gelu_pytorch_tanh: Gemma).
 
     all_reduce=False leaves down_proj's partial sums unreduced, for a caller (an MoE block)
     that adds several MLPs' outputs and reduces once.
@@ -26,8 +37,13 @@ class MLP(nn.Module):
         parallel: ParallelConfig,
         group: dist.ProcessGroup | None,
         all_reduce: bool = True,
+        activation: str = "silu",
     ) -> None:
         super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ConfigError(f"hidden_act={activation!r} is not supported (only {', '.join(ACTIVATIONS)})")
+        self.activation = activation
+        self.act = ACTIVATIONS[activation]
         if intermediate_size % parallel.tp_size:
             raise ConfigError(f"intermediate size {intermediate_size} does not split over tp_size={parallel.tp_size}")
         inter = intermediate_size // parallel.tp_size
@@ -55,5 +71,5 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
             gate, up = self.gate_up(x).split(self.inter, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

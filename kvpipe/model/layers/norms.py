@@ -1,5 +1,5 @@
-"""RMSNorms: the plain one (per token, or per head for Qwen3's q/k norms), Qwen3.5's
-zero-centred one, and the norm over a whole q or k projection (MiniMax-M2), tensor-parallel.
+"""RMSNorms: the plain one (per token, or per head for Qwen3's q/k norms), the zero-centred one
+of Qwen3.5 and Gemma 3, and the norm over a whole q or k projection (MiniMax-M2), tensor-parallel.
 
 The whole-projection norm: under TP each rank holds a slice of the heads, so the vector being
 normalised spans ranks. The statistic is a sum, so each rank sums the squares of its slice and
@@ -44,7 +44,7 @@ class RMSNorm(nn.Module):
 
 
 class ZeroCenteredRMSNorm(nn.Module):
-    """RMSNorm scaled by (1 + weight), all in fp32, cast back last (HF Qwen3_5RMSNorm)."""
+    """RMSNorm scaled by (1 + weight), all in fp32, cast back last (HF Qwen3_5RMSNorm, Gemma3RMSNorm)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()

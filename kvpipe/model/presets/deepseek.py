@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from kvpipe.config import ConfigError
-from kvpipe.model.registry import hf_header
+from kvpipe.model.families.deepseek_v3 import DEEPSEEK_V3
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ def deepseek_v3_config(num_layers: int, num_heads: int, head_dim: int, mla: MLAP
         }
     )
     return {
-        **hf_header("deepseek_v3"),
+        **DEEPSEEK_V3.hf_header(),
         "num_key_value_heads": num_heads,
         "head_dim": head_dim,
         "rope_scaling": rope_scaling,

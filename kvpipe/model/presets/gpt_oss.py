@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpipe.model.families.gpt_oss import GPT_OSS
 from kvpipe.model.presets.scale import WEIGHT_GAIN
-from kvpipe.model.registry import hf_header
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ GPT_OSS_PRESETS: dict[str, GptOssPresetSpec] = {
 
 def hf_config(spec: GptOssPresetSpec, vocab_size: int, bos: int, eos: int) -> dict:
     return {
-        **hf_header("gpt_oss"),
+        **GPT_OSS.hf_header(),
         "vocab_size": vocab_size,
         "hidden_size": spec.hidden_size,
         "intermediate_size": spec.expert_intermediate_size,

@@ -15,16 +15,19 @@ from dataclasses import dataclass
 import torch
 
 from kvpipe.config import ConfigError
+from kvpipe.model.families.deepseek_v3 import DEEPSEEK_V3
+from kvpipe.model.families.llama import LLAMA
+from kvpipe.model.families.minimax_m2 import MINIMAX_M2
+from kvpipe.model.families.qwen3_moe import QWEN3_MOE
 from kvpipe.model.presets.deepseek import MLAPresetSpec, deepseek_v3_config, mla_attention_weights, mtp_layer_weights
 from kvpipe.model.presets.scale import WEIGHT_GAIN
-from kvpipe.model.registry import hf_header
 
 
 @dataclass(frozen=True)
 class MoEPresetSpec:
     """The sparse part of an MoE preset; its family decides the HF config and tensor names."""
 
-    family: str  # "qwen3_moe" | "minimax_m2" | "deepseek_v3"
+    family: str  # Family.name: Qwen3-MoE, MiniMax-M2 or DeepSeek-V3
     num_experts: int
     top_k: int
     expert_intermediate_size: int
@@ -57,7 +60,7 @@ class PresetSpec:
 
     @property
     def family(self) -> str:
-        return "llama" if self.moe is None else self.moe.family
+        return LLAMA.name if self.moe is None else self.moe.family
 
 
 PRESETS: dict[str, PresetSpec] = {
@@ -78,7 +81,7 @@ PRESETS: dict[str, PresetSpec] = {
         num_kv_heads=2,
         head_dim=32,
         intermediate_size=256,
-        moe=MoEPresetSpec("qwen3_moe", num_experts=8, top_k=2, expert_intermediate_size=64, dense_layers=(0,)),
+        moe=MoEPresetSpec(QWEN3_MOE.name, num_experts=8, top_k=2, expert_intermediate_size=64, dense_layers=(0,)),
     ),
     "tiny-minimax-m2": PresetSpec(
         num_layers=4,
@@ -87,7 +90,7 @@ PRESETS: dict[str, PresetSpec] = {
         num_kv_heads=2,
         head_dim=32,
         intermediate_size=64,
-        moe=MoEPresetSpec("minimax_m2", num_experts=8, top_k=2, expert_intermediate_size=64, rotary_dim=16),
+        moe=MoEPresetSpec(MINIMAX_M2.name, num_experts=8, top_k=2, expert_intermediate_size=64, rotary_dim=16),
     ),
     # MLA (latent 32 + rope 16 per token and layer, q LoRA 64, yarn x4) + MoE (layer 0 dense, then
     # 8 experts in 2 groups, top-2 from the best group, 1 shared expert); every size splits over TP 4;
@@ -100,7 +103,7 @@ PRESETS: dict[str, PresetSpec] = {
         head_dim=16,
         intermediate_size=256,
         moe=MoEPresetSpec(
-            "deepseek_v3",
+            DEEPSEEK_V3.name,
             num_experts=8,
             top_k=2,
             expert_intermediate_size=64,
@@ -125,7 +128,7 @@ PRESETS: dict[str, PresetSpec] = {
 
 def hf_config(spec: PresetSpec, vocab_size: int, bos: int, eos: int) -> dict:
     cfg = {
-        **hf_header("llama"),
+        **LLAMA.hf_header(),
         "vocab_size": vocab_size,
         "hidden_size": spec.hidden_size,
         "intermediate_size": spec.intermediate_size,
@@ -151,10 +154,10 @@ def hf_config(spec: PresetSpec, vocab_size: int, bos: int, eos: int) -> dict:
         return cfg
     for key in ("rope_scaling", "mlp_bias"):  # not options of the MoE families' HF configs
         del cfg[key]
-    if moe.family == "qwen3_moe":
+    if moe.family == QWEN3_MOE.name:
         return (
             cfg
-            | hf_header("qwen3_moe")
+            | QWEN3_MOE.hf_header()
             | {
                 "num_experts": moe.num_experts,
                 "num_experts_per_tok": moe.top_k,
@@ -165,12 +168,12 @@ def hf_config(spec: PresetSpec, vocab_size: int, bos: int, eos: int) -> dict:
                 "use_sliding_window": False,
             }
         )
-    if moe.family == "minimax_m2":
+    if moe.family == MINIMAX_M2.name:
         if spec.intermediate_size != moe.expert_intermediate_size or moe.dense_layers:
             raise ConfigError("MiniMax-M2 has no dense layers: intermediate_size is the expert size")
         return (
             cfg
-            | hf_header("minimax_m2")
+            | MINIMAX_M2.hf_header()
             | {
                 "num_local_experts": moe.num_experts,
                 "num_experts_per_tok": moe.top_k,
@@ -181,7 +184,7 @@ def hf_config(spec: PresetSpec, vocab_size: int, bos: int, eos: int) -> dict:
                 "qk_norm_type": "per_layer",
             }
         )
-    if moe.family == "deepseek_v3" and spec.mla is not None:
+    if moe.family == DEEPSEEK_V3.name and spec.mla is not None:
         return cfg | deepseek_v3_config(spec.num_layers, spec.num_heads, spec.head_dim, spec.mla, moe)
     raise ConfigError(f"unknown MoE preset family {moe.family!r}")
 
@@ -234,11 +237,11 @@ def _moe_layer_weights(
     """Layer `layer`'s q/k norms (none for DeepSeek-V3's MLA) and MLP (dense or sparse) under the
     family's hub tensor names."""
     h, d, p = spec.hidden_size, spec.head_dim, f"model.layers.{layer}."
-    per_head = moe.family == "qwen3_moe"  # MiniMax-M2 norms the whole q / k projection
-    mixtral_names = moe.family == "minimax_m2"
+    per_head = moe.family == QWEN3_MOE.name  # MiniMax-M2 norms the whole q / k projection
+    mixtral_names = moe.family == MINIMAX_M2.name
     w = (
         {}
-        if moe.family == "deepseek_v3"
+        if moe.family == DEEPSEEK_V3.name
         else {
             p + "self_attn.q_norm.weight": torch.ones(d if per_head else spec.num_heads * d),
             p + "self_attn.k_norm.weight": torch.ones(d if per_head else spec.num_kv_heads * d),
@@ -258,9 +261,9 @@ def _moe_layer_weights(
         ("block_sparse_moe", ("w1", "w3", "w2")) if mixtral_names else ("mlp", ("gate_proj", "up_proj", "down_proj"))
     )
     w[p + f"{block}.gate.weight"] = rnd(moe.num_experts, h)
-    if moe.family == "minimax_m2":
+    if moe.family == MINIMAX_M2.name:
         w[p + f"{block}.e_score_correction_bias"] = rnd(moe.num_experts, std=moe.bias_std)
-    if moe.family == "deepseek_v3":
+    if moe.family == DEEPSEEK_V3.name:
         w[p + "mlp.gate.e_score_correction_bias"] = rnd(moe.num_experts, std=moe.bias_std)
     for e in range(moe.num_experts):
         q = p + f"{block}.experts.{e}."

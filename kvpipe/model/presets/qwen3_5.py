@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpipe.model.families.qwen3_5 import QWEN3_5, QWEN3_5_MOE
 from kvpipe.model.presets.scale import WEIGHT_GAIN
-from kvpipe.model.registry import hf_header
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ def hf_config(spec: Qwen3_5PresetSpec, vocab_size: int, bos: int, eos: int) -> d
         dense = {k: v for k, v in _dense_config(spec, vocab_size, bos, eos).items() if k != "intermediate_size"}
         return (
             dense
-            | hf_header("qwen3_5_moe")
+            | QWEN3_5_MOE.hf_header()
             | {
                 "num_experts": m.num_experts,
                 "num_experts_per_tok": m.top_k,
@@ -113,7 +113,7 @@ def hf_config(spec: Qwen3_5PresetSpec, vocab_size: int, bos: int, eos: int) -> d
 
 def _dense_config(spec: Qwen3_5PresetSpec, vocab_size: int, bos: int, eos: int) -> dict:
     return {
-        **hf_header("qwen3_5"),
+        **QWEN3_5.hf_header(),
         "vocab_size": vocab_size,
         "hidden_size": spec.hidden_size,
         "intermediate_size": spec.intermediate_size,

@@ -15,12 +15,14 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+import kvpipe.model.presets.gemma3 as presets_gemma3
 import kvpipe.model.presets.gpt_oss as presets_gpt_oss
 import kvpipe.model.presets.llama as presets_llama
 import kvpipe.model.presets.qwen3_5 as presets_qwen3_5
 from kvpipe.config import ConfigError
 from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.model.presets.tokenizer import SPECIAL_TOKENS, build_tokenizer
+from kvpipe.model.registry import model_config
 
 PRESET_FORMAT_VERSION = 4  # bump when a preset's files change, so cached copies are rewritten (4: Qwen3.5 MTP layers)
 
@@ -47,6 +49,7 @@ def _writers() -> dict[str, _Writer]:
             n: (s, presets_gpt_oss.hf_config, presets_gpt_oss.weights)
             for n, s in presets_gpt_oss.GPT_OSS_PRESETS.items()
         },
+        **{n: (s, presets_gemma3.hf_config, presets_gemma3.weights) for n, s in presets_gemma3.GEMMA3_PRESETS.items()},
     }
 
 
@@ -107,9 +110,13 @@ def _spec_json(spec: Any) -> dict:
     return out
 
 
+def preset_hf_config(name: str) -> dict[str, Any]:
+    """The config.json preset `name` is written with, but for its bos/eos ids (0 and 1 here)."""
+    spec, config_fn, _ = _writer(name)
+    return config_fn(spec, build_tokenizer().get_vocab_size(with_added_tokens=True), 0, 1)
+
+
 def preset_config(name: str) -> ModelConfig:
     """The ModelConfig preset `name` would be written with (its KV and state shapes, without
     writing weights); any family's preset."""
-    spec, config_fn, _ = _writer(name)
-    tok = build_tokenizer()
-    return ModelConfig.from_hf_dict(config_fn(spec, tok.get_vocab_size(with_added_tokens=True), 0, 1))
+    return model_config(preset_hf_config(name))

@@ -15,6 +15,7 @@ import abc
 import enum
 import random
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -93,8 +94,28 @@ def as_op_arrays(src_addrs, dst_addrs, lengths) -> tuple[np.ndarray, np.ndarray,
     return s, d, n
 
 
+@dataclass(frozen=True)
+class BackendOptions:
+    """What a server tells the backend it starts (registry.open_backend, from the
+    --disaggregation-* flags); everything else about a backend is its own default."""
+
+    host: str = "127.0.0.1"  # the data-plane address peers reach it at (a backend that crosses hosts)
+    ib_device: str | None = None  # RDMA device (a backend with RDMA); None: its TCP path
+    inject: FaultInjection | None = None  # test fault injection (FaultInjection's docstring)
+
+
 class TransferBackend(abc.ABC):
-    name: str = "base"
+    name: str = "base"  # its registry name (registry.py)
+
+    @classmethod
+    @abc.abstractmethod
+    def from_options(cls, options: BackendOptions) -> TransferBackend:
+        """The backend a server starts (registry.open_backend)."""
+
+    @abc.abstractmethod
+    def sibling(self, inject: FaultInjection | None = None) -> TransferBackend:
+        """A new backend of this kind and configuration, in this process, that this one can write
+        to and be written by (tests and benchmarks pair backends with it)."""
 
     @property
     @abc.abstractmethod
@@ -123,6 +144,12 @@ class TransferBackend(abc.ABC):
     @abc.abstractmethod
     def cancel(self, handle: BatchHandle, reason: str = "cancelled") -> None:
         """Stop issuing the batch's remaining ops; it turns FAILED once nothing is in flight."""
+
+    def last_progress(self, peer: str) -> float | None:
+        """time.monotonic() when a write to `peer` last completed (None: this backend does not say).
+        A sender's stall check counts it as progress of every batch to that peer: on a slow link
+        that runs full a batch waits behind the others, and is not stuck (issue 50)."""
+        return None
 
     def wait(self, handle: BatchHandle, deadline: float | None = None, poll_interval_s: float = 100e-6) -> BatchState:
         """Poll until terminal or `deadline` (time.monotonic()); PENDING means the deadline passed.

@@ -15,6 +15,7 @@ import numpy as np
 
 from kvpipe.config import FaultInjection
 from kvpipe.transfer.backends.base import (
+    BackendOptions,
     BatchHandle,
     BatchState,
     TransferBackend,
@@ -89,6 +90,13 @@ class LocalBackend(TransferBackend):
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._closed = False
+
+    @classmethod
+    def from_options(cls, options: BackendOptions) -> LocalBackend:
+        return cls(inject=options.inject)  # a fabric of its own: nothing outside it can reach it
+
+    def sibling(self, inject: FaultInjection | None = None) -> LocalBackend:
+        return LocalBackend(self._fabric, inject)
 
     @property
     def fabric(self) -> LocalFabric:

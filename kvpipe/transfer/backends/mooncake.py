@@ -7,11 +7,18 @@ mooncake-transfer-engine 0.3.13):
   The blocking calls busy-spin a core, so we poll with a short sleep instead.
 - More than ~2,048 ops in flight to one peer get "queue-full" rejections, after which the peer's
   remaining ops never finish and new ones fail until the engine is recreated. So: at most
-  `window` ops in flight per peer; a failed op fails its batch, which stops issuing ops and
-  drains the ones in flight; if they do not drain within `drain_timeout_s` (or nothing
-  completes for `stall_timeout_s`), the engine is recreated. Recreation fails every batch still
-  in flight, re-registers local memory and gives the backend a new `address` (port): only a
-  sender ever needs it, and peers of a receiver never see its address change otherwise.
+  `window` pieces in flight per peer, and at most a couple of seconds of its measured rate in
+  bytes (peer_link.py: admission holds the rest in our queue); a failed op fails its batch, which
+  stops issuing ops and drains the ones in flight.
+- Slow is not stuck (issue 50): progress is judged per peer, from pieces that complete, with
+  pieces sized to a fraction of a second of that peer's link. A peer is stuck when none of its
+  pieces completed for `stall_timeout_s` (`drain_timeout_s` while a failed batch drains): the engine
+  is then recreated, which re-registers local memory and gives the backend a new `address` (port):
+  only a sender ever needs it, and peers of a receiver never see its address change otherwise.
+  Only what cannot complete fails then (batches with pieces on the wire to the stuck peer, failed
+  batches); every other batch is issued again on the new engine (`resent`). A link that stops for
+  less than `stall_timeout_s` (a partition that heals) resumes on the same connections: TCP
+  retransmits what was in flight once packets pass again.
 - A write outside the peer's registered memory fails with -1 and the engine stays usable.
 - One op rides one lane (connection) of the TCP transport, 4 lanes per peer by default
   (MC_TCP_LANES_PER_PEER): a batch of fewer long ops than lanes leaves lanes idle, and the last
@@ -32,6 +39,7 @@ import numpy as np
 
 from kvpipe.config import FaultInjection
 from kvpipe.transfer.backends.base import (
+    BackendOptions,
     BatchHandle,
     BatchState,
     TransferBackend,
@@ -39,6 +47,7 @@ from kvpipe.transfer.backends.base import (
     _Injector,
     as_op_arrays,
 )
+from kvpipe.transfer.backends.peer_link import PeerLink
 from kvpipe.transfer.planning.op_pieces import split_ops
 
 _BAD_BATCH_IDS = (0, -1, (1 << 64) - 1)  # how a failed submit comes back through pybind
@@ -55,18 +64,23 @@ class _Batch:
     def __init__(self, handle: BatchHandle, s: np.ndarray, d: np.ndarray, n: np.ndarray, fail_at: int | None):
         self.handle = handle
         self.src, self.dst, self.len = s.tolist(), d.tolist(), n.tolist()
-        self.cursor = 0  # next piece to issue
-        self.limit = len(self.len) if fail_at is None else fail_at  # pieces that may be issued
-        self.injected = fail_at is not None
-        self.inflight: list[int] = []  # engine batch ids
+        # pieces still to issue, in order (an injected failure: only the first fail_at of them)
+        self.todo = collections.deque(range(len(self.len) if fail_at is None else fail_at))
+        self.injected, self.fail_at = fail_at is not None, fail_at
+        self.inflight: list[tuple[int, int]] = []  # (engine batch id, piece index)
         self.failure: str | None = None  # set once: stop issuing, drain, then FAILED
-        self.last_progress = time.monotonic()
         self.last_full_scan = 0.0
 
     def fail(self, reason: str) -> None:
         if self.failure is None:
             self.failure = reason
-            self.limit = self.cursor
+            self.todo.clear()
+
+    def restart(self) -> None:
+        """The engine holding our pieces in flight was thrown away: issue them again (a write of the
+        same bytes to the same place; the source still holds them while the batch is pending)."""
+        self.todo = collections.deque(sorted(i for _, i in self.inflight) + list(self.todo))
+        self.inflight = []
 
 
 class MooncakeBackend(TransferBackend):
@@ -97,9 +111,30 @@ class MooncakeBackend(TransferBackend):
         self._injector = _Injector(inject)
         self._regions: dict[int, int] = {}  # addr -> nbytes, re-registered on recreation
         self._queues: dict[str, collections.deque[_Batch]] = {}
+        self._links: dict[str, PeerLink] = {}  # per peer: what is in flight, how fast it completes
+        self.resent = 0  # batches issued again on a recreated engine
+        self.recreated: list[str] = []  # why each recreation happened
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
         self._engine = self._new_engine()
+
+    @classmethod
+    def from_options(cls, options: BackendOptions) -> MooncakeBackend:
+        """TCP, or RDMA on `options.ib_device`."""
+        device = options.ib_device or ""
+        return cls(options.host, "rdma" if device else "tcp", device, inject=options.inject)
+
+    def sibling(self, inject: FaultInjection | None = None) -> MooncakeBackend:
+        return MooncakeBackend(
+            self.hostname,
+            self.protocol,
+            self.device,
+            window=self.window,
+            max_op_bytes=self.max_op_bytes,
+            drain_timeout_s=self.drain_timeout_s,
+            stall_timeout_s=self.stall_timeout_s,
+            inject=inject,
+        )
 
     def _new_engine(self):
         from mooncake.engine import TransferEngine  # lazy: optional dependency
@@ -151,7 +186,11 @@ class MooncakeBackend(TransferBackend):
         with self._lock:
             if self._engine is None:
                 raise TransferError("backend is closed")
-            ps, pd, pn = (s, d, n) if self.max_op_bytes is None else split_ops(s, d, n, self.max_op_bytes)
+            link = self._links.setdefault(peer, PeerLink())
+            if self.max_op_bytes is None:
+                ps, pd, pn = s, d, n
+            else:  # pieces of a fraction of a second of this peer's link (peer_link.py)
+                ps, pd, pn = split_ops(s, d, n, link.piece_bytes(self.max_op_bytes))
             handle = BatchHandle(next(self._ids), peer, int(n.size), int(n.sum()), int(pn.size))
             batch = _Batch(handle, ps, pd, pn, self._injector.ops_before_failure(int(pn.size)))
             self._queues.setdefault(peer, collections.deque()).append(batch)
@@ -171,66 +210,93 @@ class MooncakeBackend(TransferBackend):
                     batch.fail(reason)
             self._progress()
 
+    def last_progress(self, peer: str) -> float | None:
+        with self._lock:
+            link = self._links.get(peer)
+            return None if link is None else link.last_progress
+
     def _progress(self) -> None:
-        """Reap finished ops, issue new ones up to the window, finish batches. Never blocks."""
-        engine, now, broken = self._engine, time.monotonic(), None
+        """Reap finished pieces, issue new ones within each peer's window and budget, finish
+        batches, recreate the engine if a peer is stuck. Never blocks."""
+        now, stuck = time.monotonic(), {}
         for peer, queue in list(self._queues.items()):
-            inflight = 0
+            link = self._links[peer]
             for b in queue:
-                # Ops mostly finish in order: check from the oldest and stop at the first pending
-                # one (a full scan costs ~1 us per op per poll); every FULL_SCAN_S look at all of
-                # them, so a failure or completion behind a slow op is not missed for long.
-                full = now - b.last_full_scan >= FULL_SCAN_S
-                if full:
-                    b.last_full_scan = now
-                still = []
-                for j, bid in enumerate(b.inflight):
-                    rc = engine.transfer_check_status(bid)
-                    if rc == 0:
-                        still.append(bid)
-                        if not full:
-                            still.extend(b.inflight[j + 1 :])
-                            break
-                        continue
-                    b.last_progress = now
-                    if rc < 0:
-                        b.fail(f"transfer to {peer} failed (status {rc})")
-                b.inflight = still
-                inflight += len(still)
-            for b in queue:  # FIFO: earlier batches get the window first
-                while b.cursor < b.limit and inflight < self.window:
-                    i = b.cursor
-                    if not b.inflight:  # the stall clock starts when the batch gets the wire
-                        b.last_progress = now
-                    bid = engine.transfer_submit_write(peer, b.src[i], b.dst[i], b.len[i])
-                    if bid in _BAD_BATCH_IDS:
-                        b.fail(f"submitting piece {i} to {peer} failed (peer unreachable?)")
-                        break
-                    b.cursor += 1
-                    b.inflight.append(bid)
-                    inflight += 1
-                if b.injected and b.failure is None and b.cursor == b.limit:
-                    b.fail(f"injected failure after {b.limit} of {b.handle.num_pieces} pieces")
-                timeout = self.drain_timeout_s if b.failure else self.stall_timeout_s
-                if b.inflight and now - b.last_progress > timeout:
-                    broken = f"{len(b.inflight)} pieces to {peer} stuck for {now - b.last_progress:.1f}s"
-            for b in [b for b in queue if not b.inflight and (b.failure or b.cursor == len(b.len))]:
+                self._reap(peer, b, link, now)
+            self._issue(peer, queue, link, now)
+            # Stuck: no piece to this peer completed for the stall timeout while pieces are in flight
+            # (per peer, not per batch: a batch queued behind others on a full link is not stuck); a
+            # failed batch's pieces get drain_timeout_s (after a queue-full rejection the rest never finish)
+            timeout = self.drain_timeout_s if any(b.failure and b.inflight for b in queue) else self.stall_timeout_s
+            if link.stalled_for(now) > timeout:
+                stuck[peer] = f"writes to {peer} made no progress for {link.stalled_for(now):.1f}s ({link.describe()})"
+            for b in [b for b in queue if not b.inflight and (b.failure or not b.todo)]:
                 queue.remove(b)
                 b.handle._finish(BatchState.FAILED if b.failure else BatchState.DONE, b.failure)
             if not queue:
                 del self._queues[peer]
-        if broken is not None:
-            self._recreate(broken)
+        if stuck:
+            self._recreate(stuck)
 
-    def _recreate(self, reason: str) -> None:
-        """Throw the engine away (its stuck ops die with it) and start a fresh one."""
-        for queue in self._queues.values():
-            for b in queue:
-                b.handle._finish(BatchState.FAILED, b.failure or f"engine recreated: {reason}")
-        self._queues.clear()
+    def _reap(self, peer: str, b: _Batch, link: PeerLink, now: float) -> None:
+        # Pieces mostly finish in order: check from the oldest and stop at the first pending one (a
+        # full scan costs ~1 us per piece per poll); every FULL_SCAN_S look at all of them, so a
+        # failure or completion behind a slow piece is not missed for long.
+        full = now - b.last_full_scan >= FULL_SCAN_S
+        if full:
+            b.last_full_scan = now
+        still = []
+        for j, (bid, i) in enumerate(b.inflight):
+            rc = self._engine.transfer_check_status(bid)
+            if rc == 0:
+                still.append((bid, i))
+                if not full:
+                    still.extend(b.inflight[j + 1 :])
+                    break
+                continue
+            link.ended(b.len[i], now, ok=rc > 0)
+            if rc < 0:
+                b.fail(f"transfer to {peer} failed (status {rc})")
+        b.inflight = still
+
+    def _issue(self, peer: str, queue: collections.deque[_Batch], link: PeerLink, now: float) -> None:
+        """FIFO: earlier batches get the window (pieces) and the budget (bytes) first; what does not
+        fit waits here, not in the engine."""
+        for b in queue:
+            while b.todo:
+                i = b.todo[0]
+                if link.inflight_pieces >= self.window or not link.may_issue(b.len[i]):
+                    return
+                bid = self._engine.transfer_submit_write(peer, b.src[i], b.dst[i], b.len[i])
+                if bid in _BAD_BATCH_IDS:
+                    b.fail(f"submitting piece {i} to {peer} failed (peer unreachable?)")
+                    break
+                b.todo.popleft()
+                b.inflight.append((bid, i))
+                link.issued(b.len[i], now)
+            if b.injected and b.failure is None and not b.todo:
+                b.fail(f"injected failure after {b.fail_at} of {b.handle.num_pieces} pieces")
+
+    def _recreate(self, stuck: dict[str, str]) -> None:
+        """Throw the engine away (the stuck pieces die with it) and start a fresh one. What cannot
+        complete fails: batches with pieces on the wire to a stuck peer, and failed batches. Every
+        other batch (other peers', and a stuck peer's that had nothing on the wire) is issued again
+        on the new engine: its pieces in flight there are written again."""
+        for peer, queue in self._queues.items():
+            why = stuck.get(peer)
+            for b in list(queue):
+                if b.failure or (why is not None and b.inflight):
+                    queue.remove(b)
+                    b.handle._finish(BatchState.FAILED, b.failure or f"engine recreated: {why}")
+                else:
+                    self.resent += bool(b.inflight)
+                    b.restart()
+            self._links[peer].forget_inflight()
+        self._queues = {p: q for p, q in self._queues.items() if q}
         self._engine = None  # destroys the old engine and its connections
         self._engine = self._new_engine()
         self.generation += 1
+        self.recreated.append("; ".join(stuck.values()))
 
     def close(self) -> None:
         with self._lock:

@@ -7,19 +7,22 @@ Every control-plane frame and every bootstrap HTTP call then carries an HMAC-SHA
     context | timestamp | nonce | payload
 
 where `context` names the receiver: the destination ZeroMQ address, or for HTTP the method, the
-`host:port` the caller addressed, the path and the bootstrap server's instance id (random per
-start, so a captured header is refused by every other bootstrap server and by the same port after
-a restart); `payload` is the encoded message (whose fields hold the room) or the HTTP body. The
+endpoint the caller connected to (the IP and port: the server reads them off its accepted socket,
+so a call relayed by another server, whatever Host header it carries, names the wrong one), the
+path and the bootstrap server's instance id (random per start, so a captured header is refused by
+every other bootstrap server and by the same port after a restart); `payload` is the encoded
+message (whose fields hold the room) or the HTTP body. The
 receiver checks the tag in constant time, that the timestamp is within `max_skew_s` of its own
 clock, and that it has not seen the (timestamp, nonce) pair before (replays inside the window);
 anything else is rejected and counted. A bootstrap answer is tagged over the request's context,
-timestamp and nonce and its own body (`sign_reply`), so a decode accepts only the answer to the
-question it asked. The token itself never crosses the wire.
+timestamp and nonce (fresh per call) and its own body (`sign_reply`), so a decode accepts only the
+answer to the question it asked, from the endpoint it asked. The token itself never crosses the
+wire. (Roles among the holders of one token: bootstrap.py and docs/architecture.md.)
 
     auth = Authenticator.from_token("a-shared-secret-of-16+-chars")
     frame = auth.seal(payload, context=b"tcp://10.0.0.2:5555")   # sender
     payload = auth.open(frame, context=b"tcp://10.0.0.2:5555")   # receiver; raises AuthError
-    ctx = http_context("PUT", "10.0.0.2:8998", "/v1/prefill/ranks/0", server_instance)
+    ctx = http_context("PUT", "10.0.0.2:8998", "/v1/prefill/ranks/0", server_instance)  # the IP connected to
     header = auth.sign_http(ctx, body)                # X-Kvpipe-Auth value
     stamp = auth.verify_http(ctx, body, header)       # server; raises AuthError
     reply = auth.sign_reply(ctx, stamp, answer)       # X-Kvpipe-Auth-Reply value
@@ -58,10 +61,11 @@ class AuthError(Exception):
     """A frame or request without a valid tag, outside the time window, or replayed."""
 
 
-def http_context(method: str, authority: str, path: str, instance: str) -> bytes:
-    """What a bootstrap call's tag names: `authority` is the `host:port` the caller addressed (its
-    Host header), `instance` the bootstrap server's id (its /health says it)."""
-    return f"{method.upper()} {authority.lower()}{path} instance={instance}".encode()
+def http_context(method: str, endpoint: str, path: str, instance: str) -> bytes:
+    """What a bootstrap call's tag names: `endpoint` is the "ip:port" ("[v6]:port") the caller
+    connected to (bootstrap_client.endpoint_of), `instance` the bootstrap server's id (its /health
+    says it)."""
+    return f"{method.upper()} {endpoint.lower()}{path} instance={instance}".encode()
 
 
 def token_from_env() -> str | None:

@@ -39,6 +39,7 @@ NO_PAGE_OK = {"min_id": -1}  # field metadata: an int tuple whose entries may be
 TEXT = {"text": True}  # field metadata: a free-text str (a reason), cut to MAX_TEXT_CHARS when sent
 MAX_STR_BYTES = 4096  # any str on the wire: addresses, session ids, dtype names, reasons
 MAX_TEXT_CHARS = MAX_STR_BYTES // 4  # UTF-8 takes at most 4 bytes a character
+SHORT_BIN_BYTES = 64  # challenges and digests: every endpoint decodes a bin this long
 
 
 class ProtocolError(Exception):
@@ -160,7 +161,7 @@ class WireLimits:
     def for_classes(cls, classes: Iterable[type], max_ints: int) -> WireLimits:
         """Limits for an endpoint that receives `classes` (top-level messages, each encoded with
         two more keys, kind and version) whose int lists hold at most `max_ints` entries."""
-        bin_len = 8 * max_ints
+        bin_len = max(8 * max_ints, SHORT_BIN_BYTES)
         sizes = [_bound(c, bin_len) for c in classes]
         if not sizes:
             raise ValueError("an endpoint receives at least one message class")

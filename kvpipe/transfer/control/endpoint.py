@@ -27,7 +27,9 @@ distinct reply addresses cannot pile up sockets.
 from __future__ import annotations
 
 import collections
+import errno
 import logging
+import random
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +37,7 @@ from typing import Any
 
 import zmq
 
+from kvpipe.config import ConfigError, PortRange
 from kvpipe.transfer.control import messages
 from kvpipe.transfer.control.auth import FRAME_OVERHEAD, Authenticator, AuthError
 from kvpipe.transfer.control.codec import WireLimits
@@ -57,6 +60,21 @@ def _tcp(host: str) -> str:
     return f"tcp://[{host}]" if ":" in host else f"tcp://{host}"
 
 
+def _bind_in(sock: zmq.Socket, host: str, ports: PortRange) -> int:
+    """Bind `sock` to a free port of `ports` (tried in random order: endpoints of one server
+    started at once then rarely race for the same one); ConfigError when every one is taken."""
+    order = list(range(ports.first, ports.last + 1))
+    random.shuffle(order)
+    for port in order:
+        try:
+            sock.bind(f"{_tcp(host)}:{port}")
+            return port
+        except zmq.ZMQError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise
+    raise ConfigError(f"no free port for a control endpoint in --disaggregation-control-ports {ports} on {host}")
+
+
 class ControlEndpoint:
     def __init__(
         self,
@@ -69,6 +87,7 @@ class ControlEndpoint:
         auth: Authenticator | None = None,
         limits: WireLimits = messages.DEFAULT_LIMITS,
         max_sockets: int = 1024,
+        ports: PortRange | None = None,
     ) -> None:
         if max_sockets < 1:
             raise ValueError("an endpoint needs at least one PUSH socket")
@@ -89,7 +108,12 @@ class ControlEndpoint:
         self._pull.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
         if ":" in host:
             self._pull.setsockopt(zmq.IPV6, 1)
-        port = self._pull.bind_to_random_port(_tcp(host))
+        try:
+            port = self._pull.bind_to_random_port(_tcp(host)) if ports is None else _bind_in(self._pull, host, ports)
+        except BaseException:
+            self._pull.close(linger=0)
+            self._ctx.term()
+            raise
         self.address = f"{_tcp(host)}:{port}"
         self._push: collections.OrderedDict[str, zmq.Socket] = collections.OrderedDict()  # LRU last
         self._lock = threading.Lock()  # guards _push (zmq sockets are not thread-safe)

@@ -1,11 +1,17 @@
 """Where a decode may fetch a prefill's bootstrap info from, and what it will not try again soon.
 
 The bootstrap host and port come from the client's request body (the router fills them in), so a
-decode must not fetch wherever a client says:
-- an allow list (`--disaggregation-bootstrap-allow`: networks in CIDR notation or host names;
-  empty: anywhere; loopback is always allowed): a literal address must lie in a network, a name
-  must be listed or resolve to allowed addresses only, and the fetch then connects to the address
-  that was checked (`connect_to`), so the name cannot point elsewhere between check and connect;
+decode must not fetch wherever a client says. The address is parsed strictly first
+(bootstrap_address.py: an IP literal or a DNS name, a port 1..65535), then:
+- an allow list (`--disaggregation-bootstrap-allow`: networks in CIDR notation or host names)
+  is all that is allowed, loopback included (list 127.0.0.0/8 or ::1 to allow it); an empty list
+  allows any address;
+- without a PD auth token (and without --disaggregation-insecure) only loopback addresses are
+  allowed, whatever the list says (an unauthenticated decode would otherwise fetch from, and
+  register with, whatever a client names);
+- a literal address must be allowed; a name must be listed (then trusted as listed) or resolve
+  to allowed addresses only; the fetch connects to the address checked (`connect_to`), so the
+  name cannot point elsewhere between check and connect, and signs that address (auth.py);
 - an address this decode fetched from successfully is *proven* (a real prefill): its fetches run
   apart from the others (KVReceiver) and keep retrying while a restarted prefill comes back;
 - an unproven address whose fetch failed is refused for `negative_ttl_s` without a new try: a
@@ -13,9 +19,10 @@ decode must not fetch wherever a client says:
   whole bootstrap timeout of every request that names it.
 
     guard = FetchGuard(("10.0.0.0/8", "prefill-0.internal"), negative_ttl_s=10.0)
-    why = guard.refusal(("10.1.2.3", 8998))   # None, or why not (cheap: no DNS; the engine asks)
-    ip = guard.connect_to("prefill-0.internal")  # fetch worker: None (connect by name) or the checked
-                                                 # address; BootstrapRefused when not allowed
+    addr = parse_bootstrap_address(host, port)   # BootstrapRefused (a 400) for a malformed one
+    why = guard.refusal(addr)                    # None, or why not (cheap: no DNS; the engine asks)
+    ip = guard.connect_to(addr.host)             # fetch worker: the checked address to connect to;
+                                                 # BootstrapRefused when not allowed
     guard.succeeded(addr) / guard.failed(addr, why); guard.proven(addr)
 """
 
@@ -29,15 +36,20 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from kvpipe.config import parse_bootstrap_allow
-from kvpipe.transfer.control.bootstrap import BootstrapRefused
+from kvpipe.transfer.control.bootstrap_address import IP, BootstrapAddress, canonical_ip
+from kvpipe.transfer.control.bootstrap_info import BootstrapRefused
 
-Address = tuple[str, int]  # a bootstrap server: host, port
+Address = BootstrapAddress
 MAX_REMEMBERED = 4096  # proven and failed addresses each (oldest forgotten first)
+LOOPBACK_ONLY = (
+    "without a PD auth token (--disaggregation-auth-token-file) a decode fetches bootstrap info from "
+    "loopback addresses only (--disaggregation-insecure: from anywhere)"
+)
 
 
-def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+def _ip(host: str) -> IP | None:
     try:
-        return ipaddress.ip_address(host.strip("[]"))
+        return canonical_ip(ipaddress.ip_address(host))
     except ValueError:
         return None
 
@@ -51,9 +63,12 @@ class FetchGuard:
         negative_ttl_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
         resolve: Callable[[str], list[str]] | None = None,
+        loopback_only: bool = False,
     ) -> None:
+        """`loopback_only`: the decode has no PD auth token (and no --disaggregation-insecure)."""
         self._networks, self._names = parse_bootstrap_allow(allow)
         self.restricted = bool(allow)
+        self.loopback_only = loopback_only
         self._ttl = negative_ttl_s
         self._clock = clock
         self._resolve = resolve or _resolve
@@ -61,52 +76,59 @@ class FetchGuard:
         self._proven: OrderedDict[Address, None] = OrderedDict()
         self._failed: OrderedDict[Address, tuple[float, str]] = OrderedDict()  # addr -> (until, why)
 
-    def _allowed_ip(self, ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-            ip = ip.ipv4_mapped  # ::ffff:a.b.c.d reaches a.b.c.d
-        return ip.is_loopback or any(ip.version == net.version and ip in net for net in self._networks)
+    def _why_not(self, ip: IP, host: str) -> str | None:
+        """Why a fetch may not connect to `ip` (`host`: what the request named), or None."""
+        ip = canonical_ip(ip)  # ::ffff:a.b.c.d reaches a.b.c.d
+        if self.loopback_only and not ip.is_loopback:
+            return f"bootstrap host {host} is not a loopback address: {LOOPBACK_ONLY}"
+        if self.restricted and not any(ip.version == net.version and ip in net for net in self._networks):
+            return f"bootstrap host {host} is not in --disaggregation-bootstrap-allow"
+        return None
 
     def refusal(self, addr: Address) -> str | None:
         """Why a fetch from `addr` is refused now, as far as this can tell without DNS (a name
         that is not listed is resolved and checked by the fetch: connect_to); None: go ahead."""
-        host = addr[0]
+        host = addr.host
         with self._lock:
             bad = self._failed.get(addr)
             if bad is not None:
                 if bad[0] > self._clock():
                     return (
-                        f"bootstrap server {host}:{addr[1]} failed {self._ttl:g}s ago or less ({bad[1]}); "
+                        f"bootstrap server {addr} failed {self._ttl:g}s ago or less ({bad[1]}); "
                         "not tried again before then"
                     )
                 del self._failed[addr]
-        if not self.restricted:
-            return None
         ip = _ip(host)
-        if ip is not None and not self._allowed_ip(ip):
+        if ip is not None:
+            return self._why_not(ip, host)
+        if self.restricted and not self.loopback_only and host not in self._names and not self._networks:
             return f"bootstrap host {host} is not in --disaggregation-bootstrap-allow"
         return None
 
-    def connect_to(self, host: str) -> str | None:
-        """Where a fetch from `host` connects: None (by name: no allow list, or a listed name, or
-        a literal address) or the allowed address `host` resolved to. BootstrapRefused if `host`
-        is not allowed (a name: when any of its addresses is not)."""
-        if not self.restricted or host.lower().rstrip(".") in self._names:
-            return None
+    def connect_to(self, host: str) -> str:
+        """The address a fetch from `host` (canonical, bootstrap_address.py) connects to: the
+        literal itself, a listed name's first address, or the first of the allowed addresses an
+        unlisted name resolves to. BootstrapRefused if `host` is not allowed (a name: when any
+        of its addresses is not)."""
         ip = _ip(host)
         if ip is not None:
-            if not self._allowed_ip(ip):
-                raise BootstrapRefused(f"bootstrap host {host} is not in --disaggregation-bootstrap-allow")
-            return None
+            why = self._why_not(ip, host)
+            if why is not None:
+                raise BootstrapRefused(why)
+            return str(ip)
         try:
             found = self._resolve(host)
         except OSError as e:
-            raise BootstrapRefused(f"bootstrap host {host} does not resolve: {e}") from None
-        ips = [i for i in (_ip(a) for a in found) if i is not None]
-        if not ips or not all(self._allowed_ip(i) for i in ips):
-            raise BootstrapRefused(
-                f"bootstrap host {host} resolves to {sorted(set(found))}, not all inside "
-                "--disaggregation-bootstrap-allow"
-            )
+            raise BootstrapRefused(f"bootstrap host {host} does not resolve ({type(e).__name__})", str(e)) from None
+        ips = [i for i in (_ip(a.split("%")[0]) for a in found) if i is not None]
+        if not ips:
+            raise BootstrapRefused(f"bootstrap host {host} resolves to no address")
+        if self.restricted and host in self._names and not self.loopback_only:
+            return str(ips[0])  # listed by name: trusted as listed
+        for i in ips:
+            why = self._why_not(i, host)
+            if why is not None:
+                raise BootstrapRefused(f"{why} (it resolves to {sorted({str(a) for a in ips})})")
         return str(ips[0])
 
     def proven(self, addr: Address) -> bool:

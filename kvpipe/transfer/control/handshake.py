@@ -217,12 +217,14 @@ class RefusalNotice:
     """A decode refused this prefill's handshake for these rooms (POST /v1/prefill/refusals): the
     prefill fails them at once instead of holding their KV until its bootstrap timeout. Nothing
     was registered, so nothing was written. `handshake`: the decode's, so the prefill can name
-    both sides' values itself; `label`: the decode's /metrics reason."""
+    both sides' values itself; `label`: the decode's /metrics reason; `claims`: each room's claim
+    (messages.room_claim), without which the prefill fails no request (disagg/refusals.py)."""
 
     rooms: tuple[int, ...]
     reason: str
     label: str
     handshake: Handshake | None = None
+    claims: tuple[bytes, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -230,6 +232,7 @@ class RefusalNotice:
             "reason": self.reason[:MAX_REASON_CHARS],
             "label": self.label,
             "handshake": None if self.handshake is None else self.handshake.to_dict(),
+            "claims": [c.hex() for c in self.claims],
         }
 
     @classmethod
@@ -245,7 +248,18 @@ class RefusalNotice:
         if not isinstance(reason, str) or not isinstance(label, str) or not label.isidentifier() or len(label) > 64:
             raise ValueError("reason: a string, label: an identifier")
         hs = d.get("handshake")
-        return cls(tuple(rooms), reason[:MAX_REASON_CHARS], label, None if hs is None else Handshake.from_dict(hs))
+        claims = d.get("claims", [])
+        if not isinstance(claims, list) or (claims and len(claims) != len(rooms)):
+            raise ValueError("claims: one per room, or none")
+        if not all(isinstance(c, str) and len(c) == 32 for c in claims):
+            raise ValueError("claims: 16-byte hex strings")
+        return cls(
+            tuple(rooms),
+            reason[:MAX_REASON_CHARS],
+            label,
+            None if hs is None else Handshake.from_dict(hs),
+            tuple(bytes.fromhex(c) for c in claims),
+        )
 
 
 def refusal_status(detail: object) -> int | None:

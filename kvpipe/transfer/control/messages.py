@@ -3,9 +3,10 @@
 Wire form: a msgpack map {"kind": <tag>, "version": PROTOCOL_VERSION, <fields>}; see codec.py
 for the field rules. `decode` raises ProtocolError for anything malformed and nothing else.
 
-Flow: decode rank -> prefill: RegisterPeer once per (decode rank, prefill rank), then a
-TransferRequest per request; prefill -> decode: TransferStatus when the KV has landed (or
-failed); either side: Abort; both: Heartbeat.
+Flow: decode rank -> prefill: RegisterPeer once per (decode rank, prefill rank); prefill ->
+decode: RegisterReply (a challenge the decode sends back inside the RegisterPeer, then accepted or
+refused; later maybe evicted), then a TransferRequest per request; prefill -> decode:
+TransferStatus when the KV has landed (or failed); either side: Abort; both: Heartbeat.
 
 Staged chunks (heterogeneous TP through a staging ring, staging/buffers.py): prefill rank -> the decode
 rank's staging agent: StagingSlotRequest; agent -> prefill: StagingSlotGrant (a ring offset, or
@@ -25,7 +26,9 @@ announcement, so neither side acts on a frame about a chunk its sender never saw
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+import hashlib
+import struct
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import msgpack
@@ -43,7 +46,7 @@ from kvpipe.transfer.control.codec import (
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.recurrent.layout import StateLayout
 
-PROTOCOL_VERSION = 9  # 2: AuxData.cached_tokens; 3: staging ring messages, RegisterPeer.staging;
+PROTOCOL_VERSION = 10  # 2: AuxData.cached_tokens; 3: staging ring messages, RegisterPeer.staging;
 # 4: recurrent state (RegisterPeer.state, TransferRequest.state_slot); 5: sliding-window layers
 # (KVLayout.swa_layers, TransferRequest.dst_swa_pages: the window pages the decode wants);
 # 6: senders named (TransferStatus.sender, Abort.sender, StagingInfo.session_id, staging nonces);
@@ -51,6 +54,9 @@ PROTOCOL_VERSION = 9  # 2: AuxData.cached_tokens; 3: staging ring messages, Regi
 # 8: NEXTN's draft inputs (AuxData.hidden: the target's last hidden state, disagg/mtp_transfer.py)
 # 9: TransferRequest.dst_swa_pages may start before the decode's prefix (the prompt's last window
 # reaching back into a decode-cached prefix whose window pages the decode lacks)
+# 10: registrations answer a challenge (RegisterPeer.challenge, RegisterReply), rooms are claimed
+# with their prompt's digest (TransferRequest.claim, Abort.claim: room_claim), end-to-end KV
+# integrity (TransferRequest.integrity_key, TransferStatus.kv_digest: transfer/kv_digest.py)
 MAX_MESSAGE_INTS = 1 << 20  # `decode` without limits: int lists of up to 1M entries (8 MiB)
 
 
@@ -89,7 +95,10 @@ class DecodeRank:
 
 @dataclass(frozen=True)
 class RegisterPeer:
-    """A decode rank introduces itself to a prefill rank (once per pair, again after a restart)."""
+    """A decode rank introduces itself to a prefill rank (once per pair, again after a restart).
+    The prefill answers a registration without a valid `challenge` with RegisterReply(CHALLENGE)
+    to `control_address`; the decode sends the same registration again with that challenge: a
+    session belongs to whoever receives at its control address (sender/peers.py)."""
 
     KIND = "register_peer"
     session_id: str  # unique per decode process incarnation: a restart gets a new one
@@ -103,6 +112,26 @@ class RegisterPeer:
     # the draft model's KV pool (STANDALONE speculative decoding; None: no draft KV): its pages move
     # as the layers after the target's, the last layer group (disagg/draft_transfer.py)
     draft: KVLayout | None = None
+    challenge: bytes = b""  # the prefill's RegisterReply.challenge, echoed (b"": the first try)
+
+
+class RegisterState(enum.Enum):
+    CHALLENGE = "challenge"  # send the registration again with RegisterReply.challenge
+    ACCEPTED = "accepted"  # the session is registered: its requests are served
+    REFUSED = "refused"  # not registered (reason); rooms waiting for it fail with the reason
+    EVICTED = "evicted"  # the session was forgotten (idle, or room for another): register again
+
+
+@dataclass(frozen=True)
+class RegisterReply:
+    """A prefill rank's answer to a RegisterPeer, at the registration's control address."""
+
+    KIND = "register_reply"
+    session_id: str  # the decode session
+    sender: str  # the prefill rank's session
+    state: RegisterState
+    challenge: bytes = b""  # with CHALLENGE
+    reason: str = field(default="", metadata=TEXT)
 
 
 @dataclass(frozen=True)
@@ -125,6 +154,11 @@ class TransferRequest:
     # the decode's draft-pool pages for the prompt's draft KV, logical page i holding tokens from
     # i * page_size (from 0, whatever prefix_len: the draft has no prefix cache); None: not wanted
     dst_draft_pages: tuple[int, ...] | None = None
+    # room_claim(room, prompt): the decode was sent this request; a prefill that knows the room's
+    # prompt serves only a claim that names it (b"": none; sender/claims.py)
+    claim: bytes = b""
+    # --disaggregation-kv-integrity: the key of the digest of the written KV the final status carries
+    integrity_key: bytes = b""
 
     def __post_init__(self) -> None:
         if self.dst_swa_pages is not None:
@@ -169,6 +203,7 @@ class TransferStatus:
     reason: str = field(default="", metadata=TEXT)
     aux: AuxData | None = None  # required with SUCCESS
     sender: str = ""  # the prefill rank's session (f"{instance_id}/{rank}"): the decode checks the pair
+    kv_digest: bytes = b""  # with SUCCESS, when the request named an integrity_key: kv_digest.py
 
     def __post_init__(self) -> None:
         if self.state is WireState.SUCCESS and self.aux is None:
@@ -187,6 +222,7 @@ class Abort:
     side: Side  # who gave up
     reason: str = field(metadata=TEXT)
     sender: str = ""  # from a prefill: its session, checked like TransferStatus.sender
+    claim: bytes = b""  # from a decode that never requested the room: its room_claim
 
 
 @dataclass(frozen=True)
@@ -259,8 +295,22 @@ class StagingChunkDone:
     nonce: int = 0  # the request's
 
 
+CLAIM_BYTES = 16
+
+
+def room_claim(room: int, prompt: Sequence[int]) -> bytes:
+    """What a decode proves it was sent the request for `room` with: a digest of the room and the
+    prompt's token ids, which the prefill computes from its own copy of the request. A token
+    holder who learnt a room id (from /debug, logs, a guess) but not the prompt cannot claim it."""
+    h = hashlib.blake2b(digest_size=CLAIM_BYTES, person=b"kvpipe-claim")
+    h.update(room.to_bytes(8, "little"))
+    h.update(struct.pack(f"<{len(prompt)}q", *prompt))  # int64 little endian (twice numpy's speed on a list)
+    return h.digest()
+
+
 Message = (
     RegisterPeer
+    | RegisterReply
     | TransferRequest
     | TransferStatus
     | Abort
@@ -274,6 +324,7 @@ MESSAGE_TYPES: dict[str, type] = {
     c.KIND: c
     for c in (
         RegisterPeer,
+        RegisterReply,
         TransferRequest,
         TransferStatus,
         Abort,
@@ -288,7 +339,7 @@ MESSAGE_TYPES: dict[str, type] = {
 
 # what each kind of endpoint receives (their decoding limits follow from it: limits_for)
 SENDER_RECEIVES = (RegisterPeer, TransferRequest, Abort, Heartbeat, StagingSlotGrant, StagingChunkDone)
-RECEIVER_RECEIVES = (TransferStatus, Abort, Heartbeat)
+RECEIVER_RECEIVES = (TransferStatus, Abort, Heartbeat, RegisterReply)
 STAGING_AGENT_RECEIVES = (StagingSlotRequest, StagingChunkWritten)
 
 

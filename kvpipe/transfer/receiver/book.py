@@ -36,31 +36,35 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvpipe.config import DisaggregationConfig
+from kvpipe.transfer.control.bootstrap_address import BootstrapAddress
 from kvpipe.transfer.control.messages import (
     Abort,
     AuxData,
     DecodeRank,
     Heartbeat,
     RegisterPeer,
+    RegisterReply,
+    RegisterState,
     Side,
     TransferRequest,
     TransferStatus,
 )
 from kvpipe.transfer.lifecycle import DuplicateRoomError, PeerLiveness, RoomRecord, TransferState, receiver_timeouts
 from kvpipe.transfer.planning.window_table import window_pages_problem
+from kvpipe.transfer.receiver.registration import Pair, Registration
 from kvpipe.transfer.receiver.room import ReceiverRoom, rank_pairs
 
 if TYPE_CHECKING:  # bootstrap pulls in the HTTP stack; the book only reads the fetched info
     from kvpipe.transfer.control.bootstrap import PrefillInstanceInfo
 
 log = logging.getLogger(__name__)
-Address = tuple[str, int]  # a prefill's bootstrap server: host, port
+Address = BootstrapAddress  # a prefill's bootstrap server: host, port (parsed strictly)
 
 
 def per_rank_arrays(lists: Sequence[np.ndarray] | np.ndarray | list[int]) -> tuple[np.ndarray, ...]:
@@ -84,6 +88,7 @@ class ReceiverStats:
     rooms_failed: int = 0
     auth_rejected: int = 0  # control frames the endpoint dropped (no valid tag, stale, replayed)
     foreign_rejected: int = 0  # statuses / aborts naming a session or sender the room was not requested from
+    integrity_failed: int = 0  # rooms whose KV differed from the prefill's digest (kv_digest.py)
     # rooms failed because this decode refused their prefill's handshake, by reason (handshake.py labels)
     handshakes_refused: dict[str, int] = field(default_factory=dict)
 
@@ -99,6 +104,7 @@ class KnownPrefill:
     info: PrefillInstanceInfo
     sessions: dict[str, int]  # prefill session id -> prefill rank
     mine: tuple[str, ...] = ()  # per decode rank: our session with this instance (random, never published)
+    reg: Registration = field(default_factory=lambda: Registration((), ()))  # which pairs it accepted
 
 
 class ReceiverBook:
@@ -109,8 +115,12 @@ class ReceiverBook:
         instance_id: str,
         control_address: str,
         send: Callable[[str, Any], bool],
+        verify: Callable[[ReceiverRoom], str | None] | None = None,
     ) -> None:
+        """`verify(room)`: why a room whose prefill ranks all reported Success holds other KV than
+        they wrote, or None (kv_digest.py; rooms requested with an integrity key only)."""
         self.cfg, self.ranks = cfg, tuple(ranks)
+        self._verify = verify
         self.tp_size = len(self.ranks)
         self.control_address = control_address  # where prefill ranks answer (in RegisterPeer)
         self.send = send
@@ -211,6 +221,8 @@ class ReceiverBook:
         state_slot: int | None = None,
         swa_pages: tuple[np.ndarray, ...] | None = None,
         draft_pages: np.ndarray | None = None,
+        claim: bytes = b"",
+        integrity_key: bytes = b"",
     ) -> Address | None:
         """Open a room (pages from check_pages, swa_pages from check_swa_pages). Returns `prefill`
         when the caller must start a bootstrap fetch of it (then report with on_fetched), None when
@@ -228,6 +240,8 @@ class ReceiverBook:
             state_slot,
             swa_pages=swa_pages,
             draft_pages=draft_pages,
+            claim=claim,
+            integrity_key=integrity_key,
         )
         peer = self.prefills.get(prefill)
         if peer is not None:
@@ -246,14 +260,14 @@ class ReceiverBook:
             r.rec.fail(reason, now)
             self._settle(r, now)
 
-    def abort_unrequested(self, room: int, prefill: Address, reason: str) -> bool:
+    def abort_unrequested(self, room: int, prefill: Address, reason: str, claim: bytes = b"") -> bool:
         """A request that never got a room here is gone: Abort to the prefill's paired ranks if
         that prefill is known (it frees the room's KV at once), else nothing to tell (its bootstrap
         timeout frees it)."""
         peer = self.prefills.get(prefill)
         if room in self.rooms or peer is None:
             return False
-        return self._to_pairs(peer.info, lambda rank: Abort(room, peer.mine[rank], Side.DECODE, reason))
+        return self._to_pairs(peer.info, lambda rank: Abort(room, peer.mine[rank], Side.DECODE, reason, claim=claim))
 
     def poll(self, now: float) -> list[tuple[int, TransferState, str, AuxData | None]]:
         """Rooms that finished and whose pages are safe to reuse (each reported once)."""
@@ -262,6 +276,13 @@ class ReceiverBook:
             if not r.rec.state.terminal or not r.quiet(now):
                 continue
             ok = r.rec.state is TransferState.SUCCESS
+            if ok and r.integrity_key:  # before the first decode step reads the pages
+                why = "no KV digest checker on this decode" if self._verify is None else self._verify(r)
+                if why is not None:
+                    log.warning("room %d: %s", room, why)
+                    r.rec.fail(why, now)
+                    self.stats.integrity_failed += 1
+                    ok = False
             out.append((room, r.rec.state, r.rec.reason, r.aux if ok else None))
             del self.rooms[room]
             if ok:
@@ -329,10 +350,8 @@ class ReceiverBook:
                 r.prefill_gone = True
                 r.rec.fail(f"prefill at {addr[0]}:{addr[1]} restarted", now)
         mine = tuple(f"{self.sessions[r]}/{secrets.token_hex(16)}" for r in range(self.tp_size))
-        peer = KnownPrefill(addr, info, {f"{info.instance_id}/{p}": p for p in range(info.tp_size)}, mine)
-        self._to_pairs(
-            info,
-            lambda r: RegisterPeer(
+        regs = tuple(
+            RegisterPeer(
                 mine[r],
                 r,
                 self.tp_size,
@@ -342,32 +361,53 @@ class ReceiverBook:
                 self.ranks[r].staging,
                 self.ranks[r].state,
                 draft=self.ranks[r].draft,
-            ),
+            )
+            for r in range(self.tp_size)
         )
-        self.stats.registrations += len(rank_pairs(info.tp_size, self.tp_size))
+        peer = KnownPrefill(
+            addr,
+            info,
+            {f"{info.instance_id}/{p}": p for p in range(info.tp_size)},
+            mine,
+            Registration(tuple(rank_pairs(info.tp_size, self.tp_size)), regs),
+        )
+        self._register(peer, now)
         for s, p in peer.sessions.items():
             self._by_session[s] = (addr, p)
             self.liveness.track(s, now)  # the grace period for its first heartbeat starts now
         self.prefills[addr] = peer
         return peer
 
-    def _request(self, r: ReceiverRoom, peer: KnownPrefill, now: float) -> None:
-        info = peer.info
-        queued = self._to_pairs(
-            info,
-            lambda rank: TransferRequest(
-                r.room,
-                peer.mine[rank],
-                tuple(r.dst_pages[rank].tolist()),
-                r.prefix_len,
-                r.aux_slot,
-                r.state_slot,
-                None if r.swa_pages is None else tuple(r.swa_pages[rank].tolist()),
-                dst_draft_pages=(
-                    None if r.draft_pages is None or self.ranks[rank].draft is None else tuple(r.draft_pages.tolist())
-                ),
+    def _register(self, peer: KnownPrefill, now: float) -> None:
+        """Send the registration of every pair that is neither accepted nor awaiting an answer (one
+        unanswered for a heartbeat interval is sent again)."""
+        for p, r in peer.reg.to_send(now, self.cfg.heartbeat_interval_s):
+            self.send(peer.info.ranks[p].control_address, peer.reg.messages[r])
+            self.stats.registrations += 1
+
+    def _transfer_request(self, r: ReceiverRoom, peer: KnownPrefill, rank: int) -> TransferRequest:
+        return TransferRequest(
+            r.room,
+            peer.mine[rank],
+            tuple(r.dst_pages[rank].tolist()),
+            r.prefix_len,
+            r.aux_slot,
+            r.state_slot,
+            None if r.swa_pages is None else tuple(r.swa_pages[rank].tolist()),
+            dst_draft_pages=(
+                None if r.draft_pages is None or self.ranks[rank].draft is None else tuple(r.draft_pages.tolist())
             ),
+            claim=r.claim,
+            integrity_key=r.integrity_key,
         )
+
+    def _request(self, r: ReceiverRoom, peer: KnownPrefill, now: float) -> None:
+        if not peer.reg.ready:  # every pair's registration must be accepted first (registration.py)
+            peer.reg.queued.append(r)
+            self._register(peer, now)
+            return
+        info = peer.info
+        queued = self._to_pairs(info, lambda rank: self._transfer_request(r, peer, rank))
         r.requested_from(info.instance_id, info.tp_size, self.tp_size, peer.mine)
         r.rec.move(TransferState.WAITING_FOR_INPUT, now)
         if not queued:
@@ -381,6 +421,8 @@ class ReceiverBook:
         once. gone=False (silent): it may only be stalled with writes in flight, so its rooms keep
         their pages until it answers our Abort or transfer_timeout_s passed."""
         log.warning("%s", why)
+        for r in peer.reg.take_queued():  # never requested: nothing can land
+            r.rec.fail(why, now)
         for r in self.rooms.values():
             if r.prefill == peer.addr and r.instance_id == peer.info.instance_id:
                 r.prefill_gone = r.prefill_gone or gone
@@ -421,6 +463,8 @@ class ReceiverBook:
                 if self.liveness.seen(msg.session_id, now):
                     log.info("prefill session %s is alive again", msg.session_id)
             return
+        if isinstance(msg, RegisterReply):
+            return self._on_register_reply(msg, now)
         if not isinstance(msg, (TransferStatus, Abort)):
             return self._reject(f"unexpected {type(msg).__name__} on a decode")
         r = self.rooms.get(msg.room)
@@ -446,12 +490,61 @@ class ReceiverBook:
                 return self._reject(f"TransferStatus for room {msg.room}: {why}")
         self._settle(r, now)
 
+    def _on_register_reply(self, msg: RegisterReply, now: float) -> None:
+        """A prefill rank's word on one of our registrations (registration.py)."""
+        known = self._by_session.get(msg.sender)
+        peer = self.prefills.get(known[0]) if known is not None else None
+        rank = peer.mine.index(msg.session_id) if peer is not None and msg.session_id in peer.mine else None
+        if peer is None or known is None or rank is None or (known[1], rank) not in peer.reg.pairs:
+            self.stats.foreign_rejected += 1
+            return self._reject(f"RegisterReply from {msg.sender!r:.80} for session {msg.session_id!r:.80}: not ours")
+        pair: Pair = (known[1], rank)
+        reg, where = peer.reg, peer.info.ranks[pair[0]].control_address
+        if msg.state is RegisterState.CHALLENGE:
+            if reg.challenged(pair):
+                self.send(where, replace(reg.messages[rank], challenge=msg.challenge))
+            return None
+        if msg.state is RegisterState.EVICTED:
+            rooms = {
+                r.room
+                for r in self.rooms.values()
+                if r.requested
+                and r.prefill == peer.addr
+                and r.instance_id == peer.info.instance_id
+                and not r.rec.state.terminal
+                and (rank, pair[0]) not in r.reported
+            }
+            log.info("prefill rank %d evicted our session of decode rank %d (%d rooms to ask again)", *pair, len(rooms))
+            reg.evicted(pair, rooms)
+            if rooms:
+                self._register(peer, now)
+            return None
+        reg.answered(pair, msg.state is RegisterState.ACCEPTED)
+        if msg.state is RegisterState.REFUSED:
+            why = f"prefill rank {pair[0]} refused the registration of decode rank {rank}: {msg.reason}"
+            log.warning("%s", why)
+            for r in reg.take_queued():
+                r.rec.fail(why, now)
+        elif reg.ready:
+            for r in reg.take_queued():
+                if self.rooms.get(r.room) is r and not r.requested and not r.rec.state.terminal:
+                    self._request(r, peer, now)
+            for (p, r_rank), rooms in reg.take_again().items():
+                for room in rooms:
+                    again = self.rooms.get(room)
+                    if again is not None and again.requested and not again.rec.state.terminal:
+                        self.send(peer.info.ranks[p].control_address, self._transfer_request(again, peer, r_rank))
+        return None
+
     # ---- clock: deadlines, liveness, heartbeats ------------------------------------------------
 
     def housekeeping(self, now: float) -> None:
         for r in self.rooms.values():
             if r.rec.state is TransferState.BOOTSTRAPPING and r.rec.deadline is not None and now >= r.rec.deadline:
                 err = self._fetch_errors.get(r.prefill)
+                peer = self.prefills.get(r.prefill)
+                if err is None and peer is not None and not peer.reg.ready:
+                    err = "the prefill has not accepted this decode's registration"
                 r.rec.fail(
                     f"bootstrap with prefill {r.prefill[0]}:{r.prefill[1]} failed: not done "
                     f"within {self.cfg.bootstrap_timeout_s}s" + (f" ({err})" if err else ""),
@@ -473,6 +566,9 @@ class ReceiverBook:
                     now,
                     gone=False,
                 )
+        for peer in self.prefills.values():  # rooms wait for a registration no answer came for
+            if peer.reg.queued and not peer.reg.ready:
+                self._register(peer, now)
         if now < self._next_hb:
             return
         self._next_hb = now + self.cfg.heartbeat_interval_s

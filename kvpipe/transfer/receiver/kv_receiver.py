@@ -25,6 +25,7 @@ heartbeats every receiver_tick_s (TransferTuning). Control messages leave throug
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 import uuid
@@ -37,7 +38,7 @@ import numpy as np
 from kvpipe.config import DisaggregationConfig
 from kvpipe.transfer.control.auth import authenticator
 from kvpipe.transfer.control.bootstrap import (
-    DEFAULT_BOOTSTRAP_PORT,
+    BootstrapError,
     BootstrapNotReady,
     BootstrapRefused,
     BootstrapUnreachable,
@@ -48,18 +49,18 @@ from kvpipe.transfer.control.bootstrap import (
     fetch_prefill_info,
     report_refusal,
 )
+from kvpipe.transfer.control.bootstrap_address import parse_bootstrap_address
 from kvpipe.transfer.control.endpoint import ControlEndpoint
 from kvpipe.transfer.control.fetch_guard import FetchGuard
 from kvpipe.transfer.control.handshake import MAX_REFUSED_ROOMS, Handshake, RefusalNotice
 from kvpipe.transfer.control.messages import RECEIVER_RECEIVES, AuxData, DecodeRank, limits_for
+from kvpipe.transfer.kv_digest import KEY_BYTES, KVDigester
 from kvpipe.transfer.lifecycle import Clock, TransferState
+from kvpipe.transfer.planning.tp_mapping import slices_for_decode_rank
 from kvpipe.transfer.receiver.book import Address, ReceiverBook, ReceiverStats
+from kvpipe.transfer.receiver.room import ReceiverRoom
 
 log = logging.getLogger(__name__)
-
-
-def _address(bootstrap_host: str, bootstrap_port: int | None) -> tuple[str, int]:
-    return bootstrap_host, DEFAULT_BOOTSTRAP_PORT if bootstrap_port is None else int(bootstrap_port)
 
 
 class KVReceiver:
@@ -75,6 +76,7 @@ class KVReceiver:
         on_news: Callable[[], None] | None = None,
         handshake: Handshake | None = None,
         max_aux_bytes: int = 0,
+        digester: KVDigester | None = None,
     ) -> None:
         """`on_news` (called on the control thread after every message from a prefill, and on the
         worker thread at its tick when a room became reportable otherwise): poll() has something
@@ -82,9 +84,17 @@ class KVReceiver:
         `max_aux_bytes`: the largest raw field a prefill's aux data may carry (NEXTN's hidden state,
         AuxData.hidden; 0: none), a bound of the control frames this receiver decodes.
         `handshake`: this decode instance's (control/handshake.py), compared with every prefill's
-        (None: not checked; tests and benchmarks of bare receivers)."""
+        (None: not checked; tests and benchmarks of bare receivers). `digester`: over decode rank
+        0's pool, with cfg.kv_integrity (kv_digest.py: every room's KV checked before it is reported
+        a Success; decode TP 1 only, for now)."""
         if not ranks:
             raise ValueError("KVReceiver needs at least one decode rank")
+        if cfg.kv_integrity and (digester is None or len(ranks) != 1):
+            raise ValueError(
+                "--disaggregation-kv-integrity needs decode rank 0's pool and a decode TP size of 1 "
+                f"(this decode has {len(ranks)} ranks): the other ranks' KV is not checked yet"
+            )
+        self._digester = digester
         self.cfg, self.ranks, self.model_name = cfg, tuple(ranks), model_name
         self.tp_size = len(self.ranks)
         self.instance_id = instance_id or uuid.uuid4().hex[:12]
@@ -104,10 +114,22 @@ class KVReceiver:
             # statuses, aborts, heartbeats: no int lists; raw bytes (AuxData.hidden) up to max_aux_bytes
             limits=limits_for(RECEIVER_RECEIVES, -(-max_aux_bytes // 8)),
             max_sockets=cfg.limits.max_reply_sockets,
+            ports=cfg.control_ports,
         )
-        self._book = ReceiverBook(cfg, self.ranks, self.instance_id, self._endpoint.address, self._endpoint.send)
+        self._book = ReceiverBook(
+            cfg,
+            self.ranks,
+            self.instance_id,
+            self._endpoint.address,
+            self._endpoint.send,
+            verify=self._verify if cfg.kv_integrity else None,
+        )
         self.sessions = self._book.sessions  # per decode rank: its session id on the wire
-        self.guard = FetchGuard(cfg.bootstrap_allow, cfg.tuning.bootstrap_negative_ttl_s)
+        self.guard = FetchGuard(
+            cfg.bootstrap_allow,
+            cfg.tuning.bootstrap_negative_ttl_s,
+            loopback_only=cfg.auth_token is None and not cfg.insecure,
+        )
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvreceiver-bootstrap")
         # fetches of prefills fetched from before (restarts) never queue behind bogus hosts'
         self._proven_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvreceiver-bootstrap-proven")
@@ -156,6 +178,7 @@ class KVReceiver:
         state_slot: int | None = None,
         swa_pages: Sequence[np.ndarray] | np.ndarray | list[int] | None = None,
         draft_pages: np.ndarray | list[int] | None = None,
+        claim: bytes = b"",
     ) -> None:
         """Ask the prefill at bootstrap_host:bootstrap_port (None: 8998) for request `room`'s KV.
 
@@ -171,19 +194,24 @@ class KVReceiver:
         sliding layers into those pages only; draft_pages: a decode whose ranks
         have draft-model pools (STANDALONE speculative decoding, each rank its shard of the draft's
         heads): their pages for the prompt's draft KV from token 0, the same ids on every rank,
-        which the prefill fills if it has the draft KV (the aux data's draft_tokens says how much). Non-blocking.
+        which the prefill fills if it has the draft KV (the aux data's draft_tokens says how much);
+        claim: messages.room_claim(room, prompt), what shows the prefill this decode was sent the
+        request (b"": none; a prefill that knows the room's claim then refuses it). Non-blocking.
         Raises DuplicateRoomError if the room is active already, BootstrapRefused if this decode
         may not fetch from that address (reject that request only)."""
         pages = self._book.check_pages(room, dst_pages, prefix_len)
         self._book.check_state_slot(room, state_slot)
         swa = self._book.check_swa_pages(room, swa_pages, pages, prefix_len)
         draft = self._book.check_draft_pages(room, draft_pages)
-        addr = _address(bootstrap_host, bootstrap_port)
+        addr = parse_bootstrap_address(bootstrap_host, bootstrap_port)  # BootstrapRefused: malformed
         why = self.guard.refusal(addr)
         if why is not None:
             raise BootstrapRefused(why)
         with self._lock:
-            fetch = self._book.add_room(room, addr, pages, prefix_len, aux_slot, self._clock(), state_slot, swa, draft)
+            key = secrets.token_bytes(KEY_BYTES) if self.cfg.kv_integrity else b""
+            fetch = self._book.add_room(
+                room, addr, pages, prefix_len, aux_slot, self._clock(), state_slot, swa, draft, claim, key
+            )
             if fetch is not None:
                 (self._proven_pool if self.guard.proven(fetch) else self._pool).submit(self._fetch, fetch)
 
@@ -193,13 +221,20 @@ class KVReceiver:
             self._book.abort(room, reason, self._clock())
 
     def abort_unrequested(
-        self, room: int, bootstrap_host: str, bootstrap_port: int | None, reason: str = "aborted by decode"
+        self,
+        room: int,
+        bootstrap_host: str,
+        bootstrap_port: int | None,
+        reason: str = "aborted by decode",
+        claim: bytes = b"",
     ) -> bool:
         """A request this decode never opened a room for (it waited for pages) is gone: tell the
         prefill, if this decode knows it, so the prefill frees the request's KV now instead of
         holding it until its bootstrap timeout. True when the prefill ranks were told."""
         with self._lock:
-            return self._book.abort_unrequested(room, _address(bootstrap_host, bootstrap_port), reason)
+            return self._book.abort_unrequested(
+                room, parse_bootstrap_address(bootstrap_host, bootstrap_port), reason, claim
+            )
 
     def poll(self) -> list[tuple[int, TransferState, str, AuxData | None]]:
         """Rooms that finished and whose pages are safe to reuse (each reported once)."""
@@ -215,6 +250,23 @@ class KVReceiver:
         with self._lock:
             return self._book.num_active_rooms()
 
+    def _verify(self, r: ReceiverRoom) -> str | None:
+        """Why room `r`'s pages hold other KV than its prefill ranks wrote, or None (kv_digest.py);
+        under the lock, on the engine thread's poll, before the request's first decode step."""
+        assert self._digester is not None and r.integrity_key
+        total = self.ranks[0].layout.total_kv_heads
+        for s in slices_for_decode_rank(0, r.prefill_tp, self.tp_size, total):
+            got = r.digests.get((0, s.prefill_rank), b"")
+            if not got:
+                return f"KV integrity: prefill rank {s.prefill_rank} sent no digest of the KV it wrote"
+            if got != self._digester.digest(r.integrity_key, r.dst_pages[0], (s.head_start, s.head_end)):
+                return (
+                    f"KV integrity check failed: the KV in this request's pages differs from what prefill "
+                    f"rank {s.prefill_rank} wrote (heads {s.head_start}-{s.head_end - 1}); something else "
+                    "wrote into the decode's KV pool after the transfer"
+                )
+        return None
+
     # ---- threads ---------------------------------------------------------------------------
 
     def _fetch(self, addr: Address) -> None:
@@ -226,7 +278,7 @@ class KVReceiver:
         connect_to: str | None = None
         while not self._stop.is_set():
             try:
-                connect_to = self.guard.connect_to(addr[0])  # BootstrapRefused: not allowed
+                connect_to = self.guard.connect_to(addr.host)  # BootstrapRefused: not allowed
                 info = fetch_prefill_info(*addr, self.cfg.tuning.http_timeout_s, self._auth, connect_to)
                 check_compatible(info, self.decode_info)
                 self.guard.succeeded(addr)
@@ -247,30 +299,35 @@ class KVReceiver:
                 info, err = None, e
                 break
         refused = err if isinstance(err, IncompatiblePeerError) else None
+        if isinstance(err, BootstrapError) and err.detail:  # the peer's words: our log, never the client's error
+            log.warning("bootstrap server %s: %s (it said: %s)", addr, err, err.detail)
         if err is not None and info is None and refused is None:
             self.guard.failed(addr, str(err))  # unproven: refused for a while (a proven one is not)
         with self._lock:
             failed = self._book.on_fetched(addr, info, None if err is None else str(err), self._clock())
+            claims = {room: self._book.rooms[room].claim for room in failed if room in self._book.rooms}
             if refused is not None and failed:
                 self._book.stats.count_refused(refused.reason, len(failed))
         if refused is not None and failed:
             if self._on_news is not None:
                 self._on_news()  # the engine answers the refused requests now
-            self._report_refusal(addr, connect_to, failed, refused)
+            self._report_refusal(addr, connect_to, [(room, claims.get(room, b"")) for room in failed], refused)
 
     def _report_refusal(
-        self, addr: Address, connect_to: str | None, rooms: list[int], err: IncompatiblePeerError
+        self, addr: Address, connect_to: str | None, rooms: list[tuple[int, bytes]], err: IncompatiblePeerError
     ) -> None:
         """Tell the prefill which rooms this decode refused (and why), so it fails them now rather
         than at its bootstrap timeout. Each handshake with an incompatible prefill is tried anew
         (the address is not refused for a while like one that failed): a prefill restarted with a
         matching configuration is accepted at once, and every refused request is reported."""
         for i in range(0, len(rooms), MAX_REFUSED_ROOMS):
-            notice = RefusalNotice(tuple(rooms[i : i + MAX_REFUSED_ROOMS]), str(err), err.reason, self.handshake)
+            part = rooms[i : i + MAX_REFUSED_ROOMS]
+            claims = tuple(c for _, c in part) if all(c for _, c in part) else ()  # every room's, or none
+            notice = RefusalNotice(tuple(r for r, _ in part), str(err), err.reason, self.handshake, claims)
             try:
                 report_refusal(*addr, notice, self.cfg.tuning.http_timeout_s, self._auth, connect_to)
             except Exception as e:  # best effort: the prefill's bootstrap timeout frees them anyway
-                log.warning("could not report refused rooms to prefill %s:%d: %s", addr[0], addr[1], e)
+                log.warning("could not report refused rooms to prefill %s: %s", addr, e)
                 return
 
     def _on_message(self, msg: object) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from kvpipe.transfer.control.bootstrap_address import BootstrapAddress
 from kvpipe.transfer.control.messages import AuxData, TransferStatus, WireState
 from kvpipe.transfer.lifecycle import RoomRecord, TransferState
 from kvpipe.transfer.planning.tp_mapping import source_ranks
@@ -48,7 +49,7 @@ def merge_aux(held: AuxData | None, new: AuxData | None) -> tuple[AuxData | None
 class ReceiverRoom:
     room: int
     rec: RoomRecord
-    prefill: tuple[str, int]  # bootstrap host, port
+    prefill: BootstrapAddress  # bootstrap host, port
     dst_pages: tuple[np.ndarray, ...]  # per decode rank: pages for tokens from prefix_len on
     prefix_len: int
     aux_slot: int = 0
@@ -60,6 +61,11 @@ class ReceiverRoom:
     # STANDALONE speculative decoding: the draft pool's pages for the prompt's draft KV from token 0
     # (the same ids on every decode rank, each holding its shard of heads); None: no draft KV asked for
     draft_pages: np.ndarray | None = None
+    claim: bytes = b""  # messages.room_claim of the request (the prefill serves only that claim)
+    integrity_key: bytes = b""  # --disaggregation-kv-integrity: the key of the digests asked for
+    # (decode rank, prefill rank) -> the digest of the KV that prefill rank wrote (its Success status)
+    digests: dict[tuple[int, int], bytes] = field(default_factory=dict)
+    prefill_tp: int = 0  # the TP size of the prefill instance it was requested from
     expected: dict[int, int] = field(default_factory=dict)  # decode rank -> final statuses due
     finals: dict[int, int] = field(default_factory=dict)
     successes: dict[int, int] = field(default_factory=dict)
@@ -75,6 +81,7 @@ class ReceiverRoom:
 
     def requested_from(self, instance_id: str, prefill_tp: int, decode_tp: int, sessions: tuple[str, ...]) -> None:
         self.instance_id = instance_id
+        self.prefill_tp = prefill_tp
         self.requested = True
         self.sessions = sessions
         self.expected = {r: 0 for r in range(decode_tp)}
@@ -106,6 +113,7 @@ class ReceiverRoom:
             )
             return None
         self.successes[decode_rank] += 1
+        self.digests[(decode_rank, prefill_rank)] = st.kv_digest
         aux, why = merge_aux(self.aux, st.aux)
         if why is not None:
             self.rec.fail(f"prefill ranks disagree on {why}: {self.aux} vs {st.aux}", now)

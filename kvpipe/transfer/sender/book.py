@@ -1,10 +1,23 @@
 """Everything a prefill rank's KVSender decides, without threads, sockets or a backend.
 
-`SenderBook` holds the rooms (room.py), the decode peers (peers.py) and tombstones
-of finished rooms, and reacts to control messages and to the clock. It never performs I/O: control
-messages go out through the injected `send(address, message)`, write batches are handed to the
-caller by `take_work` and their outcomes come back through `record`. KVSender calls every method
-under its lock with `now` from its clock.
+`SenderBook` holds the rooms and reacts to the engine, to control messages and to the clock. It
+never performs I/O: control messages go out through the injected `send(address, message)`, write
+batches are handed to the caller by `take_work` and their outcomes come back through `record`.
+KVSender calls every method under its lock with `now` from its clock.
+
+The book's parts, each in its own module (all pure; the book owns one of each and calls them):
+- room.py             one request's destinations, queued sends, cursors, coalesced write batches
+- peers.py            the decode sessions registered here, their liveness and head slices
+- decode_requests.py  a decode's TransferRequest (bound to its room as a Destination,
+                      destinations.py) or Abort; `Replies`: final statuses, refused frames
+- session_bounds.py   tombstones of ended rooms and orphan rooms, bounded per decode session
+- sessions.py         which sessions and room claims it keeps (mixed in): registrations answer a
+                      challenge first (challenge.py), a room goes to its own request's claim (claims.py)
+- staged_sends.py     staged chunks (heterogeneous TP): gather -> slot -> one write -> scatter
+- stats.py            SenderStats and a succeeded room's TransferTiming
+What stays here: the engine side (add_room, add_call, abort, poll), the dispatch of control
+messages, and the clock: deadlines and heartbeats (`housekeeping`), planning and the write window
+(`take_work`), batch outcomes (`record`) and final statuses (`finalize`).
 
 Protocol rules it keeps (a decode must never reuse pages a write may still land in, and must
 hear of every failure):
@@ -13,27 +26,16 @@ hear of every failure):
 - a room the engine never admitted (the decode's request came first) that fails is answered and
   forgotten; a tombstone makes a late add_room of it fail at once;
 - the engine sees a room in `poll` only when it is drained and its destinations were told;
-- a staged chunk (staging/buffers.py) holds local staging bytes from gather to the end of its write and
-  a decode ring slot from grant to scatter; whatever happens to its room the slot is released
-  (StagingChunkWritten with scatter=False) or scattered, and the room's final status waits for
-  every scatter the decode acknowledges (or transfer_timeout_s).
-
-Bounds per decode session (issue 30, cfg.limits): rooms it requested that the engine has not
-admitted yet ("orphans": past the bound a request is refused with a failed status) and tombstones
-it caused (refused requests, aborts of rooms never seen, orphans that timed out: past the bound its
-oldest is forgotten, so a late add_room of that room waits for its request instead of failing at
-once). Every frame is checked against the session it names: a request or abort only for the
-rooms bound to that session (peers.py binds sessions to registrations); a staging grant or done
-only from the agent session the destination announced, with the chunk's nonce.
+- a room's final status waits for every staged chunk's scatter the decode acknowledges (or
+  transfer_timeout_s), and a chunk's decode slot is released or scattered whatever happens.
+Every frame is checked against the session it names (decode_requests.py, staged_sends.py).
 """
 
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -48,18 +50,17 @@ from kvpipe.transfer.control.messages import (
     RegisterPeer,
     Side,
     StagingChunkDone,
-    StagingChunkWritten,
     StagingSlotGrant,
-    StagingSlotRequest,
     TransferRequest,
-    TransferStatus,
-    WireState,
 )
 from kvpipe.transfer.lifecycle import DuplicateRoomError, RoomRecord, TransferState, sender_timeouts
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.planning.window_table import window_pages_problem
 from kvpipe.transfer.recurrent.layout import StateLayout
-from kvpipe.transfer.sender.peers import SenderPeers, expected_destinations
+from kvpipe.transfer.sender import claims
+from kvpipe.transfer.sender.challenge import Challenges
+from kvpipe.transfer.sender.decode_requests import DecodeRequests, Replies
+from kvpipe.transfer.sender.peers import SenderPeers
 from kvpipe.transfer.sender.room import (
     ChunkState,
     Destination,
@@ -68,58 +69,18 @@ from kvpipe.transfer.sender.room import (
     PlanError,
     SendCall,
     SenderRoom,
-    StagedChunk,
     StagingPolicy,
 )
-from kvpipe.transfer.staging.ring import RingAllocator
+from kvpipe.transfer.sender.session_bounds import Orphans, Tombstones
+from kvpipe.transfer.sender.sessions import SessionRules
+from kvpipe.transfer.sender.staged_sends import StagedSends
+from kvpipe.transfer.sender.stats import SenderStats, TransferTiming
 
 log = logging.getLogger(__name__)
 S, F = TransferState.SUCCESS, TransferState.FAILED
 
 
-@dataclass
-class SenderStats:
-    rejected_messages: int = 0  # invalid RegisterPeer / TransferRequest / Abort, answered or dropped
-    batches_submitted: int = 0
-    batches_failed: int = 0
-    ops_submitted: int = 0
-    bytes_written: int = 0
-    rooms_succeeded: int = 0
-    rooms_failed: int = 0
-    # Link goodput = busy_bytes / busy_s: seconds with at least one batch in flight and the bytes
-    # those batches landed, counted over finished busy periods only (the two always agree).
-    busy_s: float = 0.0
-    busy_bytes: int = 0
-    staged_chunks: int = 0  # staged chunks the decode scattered
-    staged_bytes: int = 0
-    auth_rejected: int = 0  # control frames the rank's endpoint dropped (no valid tag, stale, replayed)
-    foreign_rejected: int = 0  # staging grants / dones not from the chunk's agent session or without its nonce
-    orphans_refused: int = 0  # requests refused: their session had max_orphan_rooms_per_session waiting
-    tombstones_evicted: int = 0  # a session's oldest tombstones forgotten past max_tombstones_per_session
-
-
-@dataclass(frozen=True)
-class TransferTiming:
-    """How a room that succeeded used the link (sender clock, seconds)."""
-
-    room: int
-    nbytes: int  # bytes written to every destination
-    busy_s: float  # seconds with at least one of its batches in flight
-    first_submit_at: float | None
-    last_done_at: float | None
-    requested_at: float | None = None  # the decode's page tables (all its ranks') had arrived
-    busy_spans: tuple[tuple[float, float], ...] = ()  # (start, end) of each stretch of writes in flight
-
-
-@dataclass
-class Tombstone:
-    expires_at: float
-    what: str  # how the room ended
-    notified: set[str]  # decode sessions that already got our final status
-    by: str | None = None  # the decode session whose messages made it (None: a room our engine ran)
-
-
-class SenderBook:
+class SenderBook(SessionRules):
     def __init__(
         self,
         cfg: DisaggregationConfig,
@@ -137,6 +98,7 @@ class SenderBook:
         draft_layout: KVLayout | None = None,
         draft_at_prefix: bool = False,
         draft_rank: int | None = None,
+        digest: Callable[[bytes, np.ndarray, tuple[int, int]], bytes] | None = None,
     ) -> None:
         """`state_layout`: this rank's recurrent-state pool (hybrid models): every room has a
         state slot (add_room) that its decodes get with the KV. `own_data_address`: this rank's
@@ -147,32 +109,54 @@ class SenderBook:
         disagg/mtp_transfer.py): its layers are sent from the decode's prefix_len like the
         target's, not from token 0. `draft_rank`: SenderPeers' (NEXTN: the one TP rank of each
         side that holds the draft KV whole; the other prefill ranks send none, and their aux
-        data carries no draft fields: the decode takes them from that rank's)."""
+        data carries no draft fields: the decode takes them from that rank's). `digest(key, src pages,
+        global heads)`: the keyed digest of that part of this rank's pool (kv_digest.py), for
+        decodes that ask for one (None: they get none, and fail the room)."""
         self.cfg, self.layout, self.tp_rank, self.tp_size = cfg, layout, tp_rank, tp_size
         self.state_layout = state_layout
         self.draft_layout = draft_layout
         self.draft_at_prefix = draft_at_prefix
+        self._digest = digest
         self.session_id = session_id
         self.send = send
         self.control_address = control_address  # where staging agents answer
-        # staged sends: the policy, the local staging buffer's base and its allocator
-        self.staging, self.staging_addr = staging, staging_addr
-        self.local_ring = RingAllocator(staging.local_nbytes) if staging is not None else None
-        self._chunk_ids = itertools.count()
-        self._gathers: list[tuple[SenderRoom, StagedChunk]] = []  # for the worker: gather, then gathered()
         self.stats = SenderStats()
+        self.replies = Replies(send, session_id, tp_rank, self.stats)
+        self.staged = StagedSends(
+            staging,
+            staging_addr,
+            tp_rank=tp_rank,
+            session_id=session_id,
+            control_address=control_address,
+            send=send,
+            stats=self.stats,
+            transfer_timeout_s=cfg.transfer_timeout_s,
+        )
         self.peers = SenderPeers(
             cfg, layout, tp_rank, tp_size, state_layout, own_data_address, draft_layout, draft_rank=draft_rank
         )
+        self.challenges = Challenges()  # a registration is kept once answered at its control address
         self.rooms: dict[int, SenderRoom] = {}  # insertion order = FIFO for the write window
-        self.tombstones: dict[int, Tombstone] = {}
-        self._limits = cfg.limits
-        self._orphans: dict[str, set[int]] = {}  # decode session -> its rooms the engine has not admitted
-        self._tombs_by: dict[str, dict[int, None]] = {}  # decode session -> rooms of its tombstones, oldest first
+        self.tombstones = Tombstones(
+            cfg.limits.max_tombstones_per_session, 2 * cfg.waiting_timeout_s + cfg.bootstrap_timeout_s, self.stats
+        )
+        self.orphans = Orphans()
+        self.requests = DecodeRequests(
+            cfg,
+            self.rooms,
+            self.peers,
+            self.tombstones,
+            self.orphans,
+            self.replies,
+            self._room,
+            self._fail_or_drop,
+            layout=layout,
+            tp_size=tp_size,
+            draft_layout=draft_layout,
+            draft_at_prefix=draft_at_prefix,
+        )
         self.inflight_ops = 0
         self._timeouts = sender_timeouts(cfg)
-        self._orphan_timeouts = {TransferState.BOOTSTRAPPING: cfg.waiting_timeout_s}  # request before add_room
-        self._tomb_ttl = 2 * cfg.waiting_timeout_s + cfg.bootstrap_timeout_s
         self._hb_seq, self._next_hb = 0, float("-inf")
         # A full scan of all rooms (deadlines, planning, final statuses) runs after any event and
         # every idle_tick_s; in between, worker ticks only touch rooms with writes in flight.
@@ -180,7 +164,7 @@ class SenderBook:
         self._done: dict[int, None] = {}  # rooms poll() may report
         self._dirty = True
         self._next_scan = float("-inf")
-        self._peer_progress: dict[str, float] = {}  # data address -> last time a batch to it completed
+        self._peer_progress: dict[str, float] = {}  # data address -> last time a write to it completed
         self._link_busy_since: float | None = None  # start of the current busy period
         self._period_bytes = 0  # bytes landed in the current busy period
         self.timings: collections.deque[TransferTiming] = collections.deque(maxlen=1024)  # succeeded rooms
@@ -195,7 +179,9 @@ class SenderBook:
         state_slot: int | None = None,
         swa_pages: np.ndarray | None = None,
         draft_pages: np.ndarray | None = None,
+        claim: bytes | None = None,
     ) -> None:
+        """`claim`: the room's messages.room_claim (None: the first decode to ask takes it)."""
         self._dirty = True
         r = self.rooms.get(room)
         if r is not None and r.src_pages is not None:
@@ -208,9 +194,11 @@ class SenderBook:
         r.src_state_slot = state_slot
         r.src_swa_pages = swa_pages
         r.src_draft_pages = draft_pages
-        self._adopt(r)
-        tomb = self._untomb(room)
-        if tomb is not None:
+        r.claim = claim
+        self._settle_claims(r, now)
+        self.orphans.adopt(room, r.dests)
+        tomb = self.tombstones.pop(room)
+        if tomb is not None and claims.tomb_applies(tomb.by, tomb.claim, claim):
             r.notified |= tomb.notified
             r.rec.fail(f"room {room} was already used or aborted: {tomb.what}", now)
         if r.ready:
@@ -288,191 +276,40 @@ class SenderBook:
         if isinstance(msg, Heartbeat):
             self.peers.seen(msg.session_id, now)
         elif isinstance(msg, RegisterPeer):
-            why = self.peers.register(msg, now)
-            if why is not None:
-                self._reject(f"RegisterPeer from {msg.session_id}: {why}")
+            self._on_register(msg, now)
         elif isinstance(msg, TransferRequest):
             self.peers.seen(msg.session_id, now)
-            self._on_request(msg, now)
+            self.requests.on_request(msg, now)
         elif isinstance(msg, Abort):
             self.peers.seen(msg.session_id, now)
-            self._on_abort(msg, now)
+            self.requests.on_abort(msg, now)
         elif isinstance(msg, (StagingSlotGrant, StagingChunkDone)):
-            self._on_staging(msg, now)
+            why = self.staged.on_message(self.rooms.get(msg.room), msg, now)
+            if why is not None:
+                self.replies.reject(why)
         else:
-            self._reject(f"unexpected {type(msg).__name__} on a prefill rank")
+            self.replies.reject(f"unexpected {type(msg).__name__} on a prefill rank")
 
-    def _reject(self, what: str) -> None:
-        self.stats.rejected_messages += 1
-        log.warning("prefill rank %d rejected %s", self.tp_rank, what)
-
-    def _status(
-        self, addr: str, room: int, session: str, ok: bool, reason: str = "", aux: AuxData | None = None
-    ) -> None:
-        state = WireState.SUCCESS if ok else WireState.FAILED
-        self.send(addr, TransferStatus(room, session, state, reason, aux, self.session_id))
-
-    def _on_request(self, msg: TransferRequest, now: float) -> None:
-        room, session = msg.room, msg.session_id
-        r, tomb = self.rooms.get(room), self.tombstones.get(room)
-        if (r is not None and session in r.dests) or (tomb is not None and session in tomb.notified):
-            # This session has (or will get) its final status for the room; a second one would lie.
-            return self._reject(f"repeated TransferRequest for room {room} from {session}")
-        peer, why = self.peers.check_request(msg)
-        if why is None and tomb is not None:
-            why = f"room {room} already finished here ({tomb.what})"
-        elif why is None:
-            assert peer is not None  # check_request passes only the request of a registered session
-            why = self._bind(msg, peer, now)
-        if why is None:
-            return
-        self._reject(f"TransferRequest for room {room} from {session}: {why}")
-        addr = peer.control_address if peer is not None else self.peers.reply_address(session)
-        if addr is None:
-            return  # unknown session: nowhere to answer; its decode times out
-        self._status(addr, room, session, False, f"prefill rank {self.tp_rank}: {why}")
-        if r is not None:
-            r.notified.add(session)
-        elif tomb is not None:
-            tomb.notified.add(session)
-        elif peer is not None:  # a later add_room for this room fails at once instead of waiting for a request
-            self._entomb(room, Tombstone(now + self._tomb_ttl, f"invalid TransferRequest: {why}", {session}, session))
-
-    def _bind(self, msg: TransferRequest, peer: RegisterPeer, now: float) -> str | None:
-        """Attach a validated request to its room; returns why it cannot be, or None."""
-        room, session = msg.room, msg.session_id
-        r = self.rooms.get(room)
-        waiting = len(self._orphans.get(session, ()))
-        if (r is None or r.src_pages is None) and waiting >= self._limits.max_orphan_rooms_per_session:
-            self.stats.orphans_refused += 1
-            return (
-                f"{waiting} rooms of decode session {session} wait for this prefill's engine "
-                f"already (--disaggregation-max-orphan-rooms {self._limits.max_orphan_rooms_per_session})"
-            )
-        if r is None:  # the decode is ahead of our engine: keep it until add_room (or time out)
-            r = self.rooms[room] = self._room(room, RoomRecord.new(room, self._orphan_timeouts, now))
-        expected = expected_destinations(self.tp_rank, self.tp_size, peer.tp_size)
-        if (
-            (r.expected is not None and r.expected != expected)
-            or len(r.dests) >= expected
-            or any(d.decode_rank == peer.tp_rank or d.control_address != peer.control_address for d in r.dests.values())
-        ):
-            return f"room {room} is already bound to another decode (duplicate bootstrap_room?)"
-        r.expected = expected
-        if r.src_pages is None:
-            self._orphans.setdefault(session, set()).add(room)
-        swa = None if msg.dst_swa_pages is None else np.asarray(msg.dst_swa_pages, dtype=np.int64)
-        lead = 0 if swa is None else swa.size - len(msg.dst_pages)  # check_request: <= prefix pages
-        r.dests[session] = Destination(
-            session,
-            peer.tp_rank,
-            peer.control_address,
-            peer.data_address,
-            peer.layout,
-            np.asarray(msg.dst_pages, dtype=np.int64),
-            msg.prefix_len,
-            self.peers.heads.get(session),
-            # target layers from the decode's prefix on, draft layers (if any) from 0 (NEXTN's
-            # MTP layer from the prefix too: draft_at_prefix)
-            np.concatenate(
-                (
-                    np.full(self.layout.num_layers, msg.prefix_len, dtype=np.int64),
-                    np.full(
-                        0 if self.draft_layout is None else self.draft_layout.num_layers,
-                        msg.prefix_len if self.draft_at_prefix else 0,
-                        dtype=np.int64,
-                    ),
-                )
-            ),
-            peer.staging,
-            peer.state,
-            msg.state_slot,
-            None if peer.state is None else np.zeros(peer.state.num_linear, dtype=bool),
-            None if swa is None else swa[lead:],
-            draft_layout=None if msg.dst_draft_pages is None else peer.draft,
-            dst_draft_pages=None if msg.dst_draft_pages is None else np.asarray(msg.dst_draft_pages, dtype=np.int64),
-            draft_heads=self.peers.draft_heads.get(session),
-            # window pages of logical pages [prefix - lead, prefix): below the decode's prefix
-            dst_swa_lead=None if swa is None or lead == 0 else swa[:lead],
-            swa_lead_sent=None if swa is None or lead == 0 else np.zeros(self.layout.num_layers, dtype=bool),
-        )
-        if len(r.dests) >= expected:
-            r.requested_at = now
-        if r.ready:
-            r.rec.move(TransferState.WAITING_FOR_INPUT, now)
-        return None
+    def _kv_digest(self, r: SenderRoom, d: Destination) -> bytes:
+        """The digest a destination asked for of the pages we wrote into it (b"": not asked, or
+        we send it no heads, or we cannot: the decode fails the room then)."""
+        if not d.integrity_key or d.heads is None or self._digest is None or r.src_pages is None:
+            return b""
+        first = d.prefix_len // self.layout.page_size
+        return self._digest(d.integrity_key, r.src_pages[first : first + len(d.dst_pages)], d.heads)
 
     def _room(self, room: int, rec: RoomRecord) -> SenderRoom:
         return SenderRoom(room, rec, self.layout, self.state_layout, draft_layout=self.draft_layout)
-
-    def _on_abort(self, msg: Abort, now: float) -> None:
-        room, session = msg.room, msg.session_id
-        r, tomb = self.rooms.get(room), self.tombstones.get(room)
-        if (r is not None and session in r.notified) or (tomb is not None and session in tomb.notified):
-            return  # it already has our final status (the abort crossed it on the wire)
-        if r is not None and session in r.dests:
-            r.rec.fail(f"aborted by decode: {msg.reason}", now)
-            return
-        addr = self.peers.reply_address(session)
-        if addr is None or (r is not None and r.dests):  # a stranger, or a room bound to other sessions
-            return self._reject(f"Abort for room {room} from {session}, which is not bound to it")
-        if r is not None:
-            # The decode gave up before it asked for the room (it waited for pages): fail it now
-            # rather than hold its KV until the bootstrap timeout; nothing was written.
-            r.rec.fail(f"aborted by decode before its request: {msg.reason}", now)
-            self._status(addr, room, session, False, f"prefill rank {self.tp_rank} never wrote room {room}")
-            r.notified.add(session)
-            return
-        # Never saw this room from this session: nothing was written; say so, and remember it so
-        # that a late add_room fails at once instead of waiting for a request that never comes.
-        self._status(addr, room, session, False, f"prefill rank {self.tp_rank} never wrote room {room}")
-        if tomb is None:
-            self._entomb(room, Tombstone(now + self._tomb_ttl, f"aborted by decode: {msg.reason}", {session}, session))
-        else:
-            tomb.notified.add(session)
-
-    def _adopt(self, r: SenderRoom) -> None:
-        """The room is no orphan of its sessions any more (admitted, or gone)."""
-        for session in r.dests:
-            rooms = self._orphans.get(session)
-            if rooms is not None:
-                rooms.discard(r.room)
-                if not rooms:
-                    del self._orphans[session]
-
-    def _entomb(self, room: int, tomb: Tombstone) -> None:
-        """Remember how `room` ended; a session past its bound forgets its oldest tombstone."""
-        self._untomb(room)
-        self.tombstones[room] = tomb
-        if tomb.by is None:
-            return
-        mine = self._tombs_by.setdefault(tomb.by, {})
-        mine[room] = None
-        while len(mine) > self._limits.max_tombstones_per_session:
-            old = next(iter(mine))
-            del mine[old]
-            self.tombstones.pop(old, None)
-            self.stats.tombstones_evicted += 1
-
-    def _untomb(self, room: int) -> Tombstone | None:
-        tomb = self.tombstones.pop(room, None)
-        if tomb is not None and tomb.by is not None:
-            mine = self._tombs_by.get(tomb.by)
-            if mine is not None:
-                mine.pop(room, None)
-                if not mine:
-                    del self._tombs_by[tomb.by]
-        return tomb
 
     def _bury(self, r: SenderRoom, now: float) -> None:
         del self.rooms[r.room]
         self._busy.pop(r.room, None)
         self._done.pop(r.room, None)
-        self._adopt(r)
+        self.orphans.adopt(r.room, r.dests)
         what = "succeeded" if r.rec.state is S else f"failed: {r.rec.reason}"
         # a room our engine never admitted was made by its decode's messages: it counts against that session
         by = next(iter(r.dests), None) if r.src_pages is None else None
-        self._entomb(r.room, Tombstone(now + self._tomb_ttl, what, r.notified | set(r.dests), by))
+        self.tombstones.add(r.room, now, what, r.notified | set(r.dests), by)
         if r.src_pages is not None:
             self.stats.rooms_succeeded += r.rec.state is S
             self.stats.rooms_failed += r.rec.state is F
@@ -496,9 +333,10 @@ class SenderBook:
         for addr in self.peers.liveness.reap(now):
             why = f"decode at {addr} sent nothing for {self.cfg.heartbeat_timeout_s:.1f}s (heartbeats missed)"
             log.warning("prefill rank %d: %s", self.tp_rank, why)
-            for r in self.rooms.values():
-                if any(d.control_address == addr for d in r.dests.values()):
-                    r.rec.fail(why, now)
+            for r in list(self.rooms.values()):
+                dead = [s for s, d in r.dests.items() if d.control_address == addr]
+                if dead:
+                    self._fail_or_drop(r, dead, why, now)
                     self._dirty = True
         if now < self._next_hb:
             return []
@@ -506,9 +344,12 @@ class SenderBook:
         for addr in self.peers.control_addresses():
             self.send(addr, Heartbeat(self.session_id, self._hb_seq))
         self._hb_seq += 1
-        for room in [k for k, t in self.tombstones.items() if t.expires_at <= now]:
-            self._untomb(room)
-        return self.peers.prune(now, {d.control_address for r in self.rooms.values() for d in r.dests.values()})
+        self.tombstones.expire(now)
+        gone = self.peers.prune(
+            now, {d.control_address for r in self.rooms.values() for d in r.dests.values()}, self._sessions_in_use()
+        )
+        self._tell_evicted()
+        return gone
 
     def take_work(
         self, now: float
@@ -516,21 +357,22 @@ class SenderBook:
         """Plan queued sends; returns (batches to submit, batches to cancel, batches to poll)."""
         chunk = max(1, self.cfg.tuning.max_inflight_ops // 4)  # a few batches in flight keep the link busy
         take, cancels, watch = [], [], []
-        full = self._dirty or now >= self._next_scan
+        full = self._dirty or self.staged.dirty or now >= self._next_scan
         if full:
-            self._dirty, self._next_scan = False, now + self.cfg.tuning.idle_tick_s
+            self._dirty, self.staged.dirty = False, False
+            self._next_scan = now + self.cfg.tuning.idle_tick_s
         rooms = list(self.rooms.values() if full else self._busy.values())
         for r in rooms:
             if r.rec.deadline is not None and now >= r.rec.deadline:
                 r.rec.expire(now, self._awaited(r))
             if r.rec.state is not F and r.calls and r.ready:
                 try:
-                    if r.plan(chunk, self.staging, self._chunk_ids):
+                    if r.plan(chunk, self.staged.policy, self.staged.chunk_ids):
                         r.rec.move(TransferState.TRANSFERRING, now)
                 except PlanError as e:
                     r.rec.fail(str(e), now)
             if r.staged:
-                self._step_chunks(r, now)
+                self.staged.step(r, now)
             for inf in r.inflight:
                 # Stalled: nothing to this peer completed since the batch was submitted.
                 age = now - max(inf.submitted_at, self._peer_progress.get(inf.handle.peer, inf.submitted_at))
@@ -543,7 +385,7 @@ class SenderBook:
             if r.rec.state is F:
                 for b in r.queued:
                     if b.chunk is not None:  # granted, never written: give the slot back
-                        self._release(r, b.chunk)
+                        self.staged.release(r, b.chunk)
                 r.queued.clear()
                 r.calls.clear()
             while r.queued and (
@@ -559,160 +401,9 @@ class SenderBook:
         self.finalize(now, rooms)
         return take, cancels, watch
 
-    # ---- staged chunks: gather -> slot -> one write -> scatter ---------------------------------
-
-    def take_gathers(self) -> list[tuple[SenderRoom, StagedChunk]]:
-        """Chunks whose slices the worker must gather into local staging now (then `gathered`)."""
-        out, self._gathers = self._gathers, []
-        return out
-
-    def gathered(self, done: list[tuple[SenderRoom, StagedChunk, str | None]], now: float) -> None:
-        """The worker gathered these chunks (or failed: why): ask their agents for slots."""
-        for r, ch, err in done:
-            if err is not None:
-                r.rec.fail(f"staging gather failed: {err}", now)
-            dest = r.dests[ch.dest]
-            if r.rec.state is F:
-                self._finish_chunk(r, ch)
-                continue
-            assert dest.staging is not None
-            ch.state, ch.since = ChunkState.WAIT_SLOT, now
-            self.send(
-                dest.staging.control_address,
-                StagingSlotRequest(r.room, self.session_id, ch.chunk, ch.nbytes, self.control_address, ch.nonce),
-            )
-        self._dirty = True
-
-    def _step_chunks(self, r: SenderRoom, now: float) -> None:
-        """Move a room's staged chunks on: local space for new ones, writes for granted ones;
-        a failed room releases what it can and waits for what it cannot."""
-        failed = r.rec.state is F
-        for ch in list(r.staged.values()):
-            st, age = ch.state, now - ch.since
-            if failed:
-                if st is ChunkState.NEW:
-                    self._finish_chunk(r, ch)
-                elif st in (ChunkState.WAIT_SLOT, ChunkState.GRANTED):
-                    self._release(r, ch)
-                elif st is ChunkState.WAIT_DONE and age > self.cfg.transfer_timeout_s:
-                    log.warning(
-                        "prefill rank %d: decode never confirmed the scatter of chunk %d (room %d)",
-                        self.tp_rank,
-                        ch.chunk,
-                        r.room,
-                    )
-                    self._finish_chunk(r, ch)
-                continue  # GATHERING / WRITING: their outcome comes back through gathered / record
-            if st in (ChunkState.WAIT_SLOT, ChunkState.WAIT_DONE) and age > self.cfg.transfer_timeout_s:
-                what = "no staging slot granted" if st is ChunkState.WAIT_SLOT else "the chunk was not scattered"
-                r.rec.fail(
-                    f"decode rank {r.dests[ch.dest].decode_rank}: {what} within {self.cfg.transfer_timeout_s:.0f}s", now
-                )
-                return self._step_chunks(r, now)
-            if st is ChunkState.NEW:
-                assert self.local_ring is not None
-                slot = self.local_ring.alloc(ch.nbytes)  # chunks are sized to fit (room.py, SenderRoom._stage)
-                if slot is None:
-                    continue  # local staging is full: wait for writes to finish
-                ch.local, ch.state, ch.since = slot, ChunkState.GATHERING, now
-                self._gathers.append((r, ch))
-            elif st is ChunkState.GRANTED:  # one op, queued behind the room's page ops
-                assert ch.local is not None and ch.offset is not None
-                dest = r.dests[ch.dest]
-                assert dest.staging is not None
-                ch.state, ch.since = ChunkState.WRITING, now
-                one = lambda v: np.asarray([v], dtype=np.int64)  # noqa: E731
-                r.queued.append(
-                    OpBatch(
-                        dest.data_address,
-                        one(self.staging_addr + ch.local.offset),
-                        one(dest.staging.pool_addr + ch.offset),
-                        one(ch.nbytes),
-                        ch,
-                    )
-                )
-
-    def _on_staging(self, msg: StagingSlotGrant | StagingChunkDone, now: float) -> None:
-        r = self.rooms.get(msg.room)
-        ch = r.staged.get(msg.chunk) if r is not None else None
-        if r is None or ch is None:
-            return  # a chunk released meanwhile (its agent frees the slot on our release)
-        agent = r.dests[ch.dest].staging
-        if agent is None or msg.session_id != agent.session_id or msg.nonce != ch.nonce:
-            self.stats.foreign_rejected += 1
-            return self._reject(
-                f"{type(msg).__name__} for chunk {msg.chunk} of room {msg.room} from session "
-                f"{msg.session_id!r:.80}: not the chunk's staging agent, or not its nonce"
-            )
-        if isinstance(msg, StagingSlotGrant):
-            if ch.state is not ChunkState.WAIT_SLOT:
-                return self._reject(f"staging grant for chunk {msg.chunk} in state {ch.state.value}")
-            if not msg.ok:
-                r.rec.fail(f"decode rank {r.dests[ch.dest].decode_rank} refused a staging slot: {msg.reason}", now)
-                return self._finish_chunk(r, ch)
-            staging = r.dests[ch.dest].staging
-            assert staging is not None
-            ch.state, ch.since, ch.offset = ChunkState.GRANTED, now, msg.offset
-            if msg.offset + ch.nbytes > staging.pool_nbytes:
-                self._reject(f"staging grant for chunk {msg.chunk} at {msg.offset} overruns the decode's ring")
-                r.rec.fail(
-                    f"staging slot at {msg.offset} for {ch.nbytes} bytes overruns the decode's "
-                    f"{staging.pool_nbytes}-byte ring",
-                    now,
-                )
-                self._release(r, ch)
-            return
-        if ch.state is not ChunkState.WAIT_DONE:
-            return self._reject(f"staging done for chunk {msg.chunk} in state {ch.state.value}")
-        if msg.ok:
-            self.stats.staged_chunks += 1
-            self.stats.staged_bytes += ch.nbytes
-        else:
-            r.rec.fail(
-                f"decode rank {r.dests[ch.dest].decode_rank} could not scatter a staged chunk: {msg.reason}", now
-            )
-        self._finish_chunk(r, ch)
-
-    def _written(self, r: SenderRoom, ch: StagedChunk, ok: bool, now: float) -> None:
-        """The chunk's write ended: announce it for scattering, or (room failed) release the slot."""
-        if not ok or r.rec.state is F:
-            return self._release(r, ch)
-        dest = r.dests[ch.dest]
-        assert dest.staging is not None and self.local_ring is not None and ch.local is not None
-        self.local_ring.free(ch.local.slot_id)  # the bytes are on the decode now
-        ch.local, ch.state, ch.since = None, ChunkState.WAIT_DONE, now
-        self.send(
-            dest.staging.control_address,
-            StagingChunkWritten(
-                r.room,
-                ch.chunk,
-                self.session_id,
-                self.control_address,
-                True,
-                tuple(ch.dst_pages.tolist()),
-                ch.dst_col,
-                ch.ncols,
-                ch.l0,
-                ch.l1,
-                ch.nonce,
-            ),
-        )
-
-    def _release(self, r: SenderRoom, ch: StagedChunk) -> None:
-        staging = r.dests[ch.dest].staging
-        assert staging is not None
-        self.send(
-            staging.control_address,
-            StagingChunkWritten(r.room, ch.chunk, self.session_id, self.control_address, False, nonce=ch.nonce),
-        )
-        self._finish_chunk(r, ch)
-
-    def _finish_chunk(self, r: SenderRoom, ch: StagedChunk) -> None:
-        if ch.local is not None and self.local_ring is not None:
-            self.local_ring.free(ch.local.slot_id)
-            ch.local = None
-        r.staged.pop(ch.chunk, None)
-        self._dirty = True
+    def peer_progressed(self, peer: str, now: float) -> None:
+        """A write to the data address `peer` completed (a piece of a batch, seen by the backend)."""
+        self._peer_progress[peer] = now
 
     @staticmethod
     def _awaited(r: SenderRoom) -> str:
@@ -736,7 +427,7 @@ class SenderBook:
                 self.stats.batches_failed += 1
                 r.rec.fail(f"submitting writes to {b.peer} failed: {err}", now)
                 if b.chunk is not None:
-                    self._written(r, b.chunk, False, now)
+                    self.staged.written(r, b.chunk, False, now)
                 continue
             self.stats.batches_submitted += 1
             self.stats.ops_submitted += b.num_ops
@@ -759,7 +450,7 @@ class SenderBook:
                 self.stats.batches_failed += 1
                 r.rec.fail(f"write to decode failed: {inf.handle.error}", now)
             if inf.chunk is not None:
-                self._written(r, inf.chunk, state is BatchState.DONE, now)
+                self.staged.written(r, inf.chunk, state is BatchState.DONE, now)
         touched = {id(r): r for r, *_ in fresh + polled}.values()
         for r in touched:
             r.mark_idle_if_drained(now)
@@ -796,8 +487,14 @@ class SenderBook:
             ok = r.rec.state is S
             for d in r.dests.values():
                 if d.session_id not in r.notified:
-                    self._status(
-                        d.control_address, r.room, d.session_id, ok, "" if ok else r.rec.reason, r.aux if ok else None
+                    self.replies.status(
+                        d.control_address,
+                        r.room,
+                        d.session_id,
+                        ok,
+                        "" if ok else r.rec.reason,
+                        r.aux if ok else None,
+                        self._kv_digest(r, d) if ok else b"",
                     )
                     r.notified.add(d.session_id)
             if r.src_pages is None:  # a request without add_room that timed out or was aborted

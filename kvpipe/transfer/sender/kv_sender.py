@@ -45,20 +45,33 @@ import numpy as np
 
 from kvpipe.config import DisaggregationConfig
 from kvpipe.transfer.backends.base import BatchHandle, BatchState, TransferBackend, TransferError
-from kvpipe.transfer.control.auth import authenticator
+from kvpipe.transfer.control.auth import Authenticator, authenticator
 from kvpipe.transfer.control.bootstrap import BootstrapError, PrefillRankInfo, register_prefill_rank
 from kvpipe.transfer.control.endpoint import ControlEndpoint
 from kvpipe.transfer.control.handshake import Handshake
 from kvpipe.transfer.control.messages import SENDER_RECEIVES, AuxTuple, limits_for
+from kvpipe.transfer.kv_digest import KVDigester
 from kvpipe.transfer.lifecycle import Clock, TransferState
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.planning.window_table import window_pages_problem
 from kvpipe.transfer.recurrent.layout import StateLayout
-from kvpipe.transfer.sender.book import SenderBook, SenderStats, TransferTiming
+from kvpipe.transfer.sender.book import SenderBook
 from kvpipe.transfer.sender.room import OpBatch, SendCall, StagedChunk, StagingPolicy
+from kvpipe.transfer.sender.stats import SenderStats, TransferTiming
 from kvpipe.transfer.staging.buffers import StagingBuffer
 
 log = logging.getLogger(__name__)
+
+
+def _max_control_ints(layout: KVLayout, state_layout: StateLayout | None, draft_layout: KVLayout | None) -> int:
+    """The longest int list a decode can send: a page list (a prompt fits this rank's pool), or
+    buffer addresses / layer indices of a compatible layout."""
+    return max(
+        layout.num_pages,
+        layout.num_buffers,
+        state_layout.num_model_layers if state_layout else 0,
+        max(draft_layout.num_pages, draft_layout.num_buffers) if draft_layout else 0,
+    )
 
 
 class KVSender:
@@ -81,6 +94,7 @@ class KVSender:
         draft_layout: KVLayout | None = None,
         draft_at_prefix: bool = False,
         draft_rank: int | None = None,
+        digester: KVDigester | None = None,
     ) -> None:
         """`staging`: a registered local staging buffer over this rank's KV (staging/buffers.py); with
         cfg.staging "on" or "auto" sends to decode ranks that offer a staging ring are staged.
@@ -95,7 +109,8 @@ class KVSender:
         (num_layers: the model's layers with a state layout), after the target's (the last layer
         group), and rooms name their draft pages in add_room.
         `draft_at_prefix`: SenderBook's (NEXTN: the MTP KV is sent from the decode's prefix on).
-        `draft_rank`: SenderBook's (NEXTN: the MTP KV lives on TP rank 0 of each side only)."""
+        `draft_rank`: SenderBook's (NEXTN: the MTP KV lives on TP rank 0 of each side only).
+        `digester`: over this rank's pool, for decodes that check the KV they got (kv_digest.py)."""
         if instance_id is None:
             if tp_size != 1:
                 raise ValueError("with tp_size > 1 every rank needs the same instance_id")
@@ -120,15 +135,9 @@ class KVSender:
         # one worker pass at a time: the worker thread's, or pump()'s on the engine's thread
         self._pass_lock = threading.Lock()
         self._progress_at = clock()  # (under _pass_lock) when a pass last submitted or finished a batch
+        self._backend_progress: dict[str, float] = {}  # (under _pass_lock) backend.last_progress seen, per peer
         self._auth = authenticator(cfg.auth_token)  # control frames and the bootstrap registration
-        # the longest int list a decode can send: a page list (a prompt fits this rank's pool), or
-        # buffer addresses / layer indices of a compatible layout
-        max_ints = max(
-            layout.num_pages,
-            layout.num_buffers,
-            state_layout.num_model_layers if state_layout else 0,
-            max(draft_layout.num_pages, draft_layout.num_buffers) if draft_layout else 0,
-        )
+        max_ints = _max_control_ints(layout, state_layout, draft_layout)
         self._endpoint = ControlEndpoint(
             host,
             self._on_message,
@@ -137,6 +146,7 @@ class KVSender:
             auth=self._auth,
             limits=limits_for(SENDER_RECEIVES, max_ints),
             max_sockets=cfg.limits.max_reply_sockets,
+            ports=cfg.control_ports,
         )
         self._stager = staging if cfg.staging != "off" else None
         policy = (
@@ -157,6 +167,7 @@ class KVSender:
             draft_layout=draft_layout,
             draft_at_prefix=draft_at_prefix,
             draft_rank=draft_rank,
+            digest=None if digester is None else digester.digest,
         )
         self._worker = threading.Thread(target=self._run, name=f"kvsender-{tp_rank}-worker", daemon=True)
 
@@ -192,15 +203,17 @@ class KVSender:
             self.handshake,
         )
 
-    def start(self, bootstrap: tuple[str, int] | None = None) -> KVSender:
-        """Start the threads; with `bootstrap` (host, port), register this rank there."""
+    def start(self, bootstrap: tuple[str, int] | None = None, registrar_key: bytes | None = None) -> KVSender:
+        """Start the threads; with `bootstrap` (host, port), register this rank there, signed with
+        `registrar_key` (the prefill instance's own secret: bootstrap.py) or else the shared token."""
         self._endpoint.start()
         self._worker.start()
+        registrar = self._auth if registrar_key is None else Authenticator(registrar_key)
         if bootstrap is not None:
             end = time.monotonic() + self.cfg.bootstrap_timeout_s
             while True:  # the bootstrap server may still be starting
                 try:
-                    register_prefill_rank(*bootstrap, self.info, self.cfg.tuning.http_timeout_s, self._auth)
+                    register_prefill_rank(*bootstrap, self.info, self.cfg.tuning.http_timeout_s, registrar)
                     break
                 except BootstrapError:
                     if time.monotonic() >= end:
@@ -226,6 +239,7 @@ class KVSender:
         state_slot: int | None = None,
         src_swa_pages: np.ndarray | list[int] | None = None,
         src_draft_pages: np.ndarray | list[int] | None = None,
+        claim: bytes | None = None,
     ) -> None:
         """The engine admitted request `room`; `src_pages` is its page table (tokens from 0);
         `state_slot`: its recurrent-state slot (hybrid models: required; it must stay the room's
@@ -234,7 +248,8 @@ class KVSender:
         while not allocated; None: none yet). The pages the decode asks for must stay the room's
         until poll() reported it. `src_draft_pages`: the room's draft-model pages (a sender with a
         draft layout), the whole prompt's from token 0, kept like `src_pages`; None: no draft KV
-        for this room. Raises DuplicateRoomError if the room is active already
+        for this room. `claim`: messages.room_claim(room, prompt): only a decode that names it may
+        ask for the room (None: the first to ask). Raises DuplicateRoomError if the room is active already
         (reject that request only), ValueError for pages or a slot outside the pools."""
         pages = self._check_pages(room, src_pages)
         draft = self._check_draft_pages(room, src_draft_pages)
@@ -243,7 +258,7 @@ class KVSender:
             raise ValueError(f"room {room}: state slot {state_slot} outside [0, {sl.num_slots})")
         swa = self._check_swa_pages(room, src_swa_pages, pages)
         with self._lock:
-            self._book.add_room(room, pages, self._clock(), None if sl is None else state_slot, swa, draft)
+            self._book.add_room(room, pages, self._clock(), None if sl is None else state_slot, swa, draft, claim)
         self._wake.set()
 
     def _check_draft_pages(self, room: int, draft_pages: np.ndarray | list[int] | None) -> np.ndarray | None:
@@ -423,19 +438,22 @@ class KVSender:
                 for addr in self._book.housekeeping(now):
                     self._endpoint.disconnect(addr)
                 take, cancels, watch = self._book.take_work(now)
-                gathers = self._book.take_gathers()
+                gathers = self._book.staged.take_gathers()
             if gathers:
                 done = [(r, ch, self._gather(ch)) for r, ch in gathers]
                 with self._lock:
-                    self._book.gathered(done, self._clock())
+                    self._book.staged.gathered(done, self._clock())
                 self._wake.set()  # the slot requests are out: look again soon
             fresh = [(r, b, *self._submit(b)) for r, b in take]
             for inf, why in cancels:
                 self.backend.cancel(inf.handle, why)
             polled = [(r, inf, self.backend.poll(inf.handle)) for r, inf in watch]
-            progressed = bool(fresh) or any(st is not BatchState.PENDING for _, _, st in polled)
+            moved = self._peers_moved({inf.handle.peer for _, inf in watch})
+            progressed = bool(fresh or moved) or any(st is not BatchState.PENDING for _, _, st in polled)
             with self._lock:
                 now = self._clock()
+                for peer in moved:
+                    self._book.peer_progressed(peer, now)
                 busy = self._book.record(fresh, polled, now)
                 news = self._book.has_news()
             if progressed or not busy:
@@ -446,6 +464,17 @@ class KVSender:
         except Exception:  # never let the worker die: rooms would hang until their deadlines
             log.exception("prefill rank %d transfer worker error", self.tp_rank)
             return False
+
+    def _peers_moved(self, peers: set[str]) -> list[str]:
+        """Peers whose writes the backend saw complete since the last pass (a piece of a batch
+        counts: the book's stall check is per peer, and slow is not stuck)."""
+        moved = []
+        for peer in peers:
+            t = self.backend.last_progress(peer)
+            if t is not None and t != self._backend_progress.get(peer):
+                self._backend_progress[peer] = t
+                moved.append(peer)
+        return moved
 
     def _gather(self, ch: StagedChunk) -> str | None:
         assert self._stager is not None and ch.local is not None

@@ -14,8 +14,26 @@ decode rank registering again), so nobody can point a prefill's writes at other 
 decode's memory. The data address must be on the control address's host (when both are IP
 literals) and not this prefill rank's own; buffers and ring may not overlap or start at 0. The
 bootstrap server lists prefill ranks only, so these bindings, not a bootstrap record of the
-decode, are what a RegisterPeer is checked against. At most `max_sessions` sessions are kept
-(dead decodes are pruned).
+decode, are what a RegisterPeer is checked against.
+
+Sessions cannot be exhausted (issue 45, finding 3: 20 sessions from 127.0.0.N filled a table of
+16 and the genuine decode's requests timed out). A session is registered only once its
+registrant answered a challenge at the control address it named (challenge.py, SenderBook), so a
+session belongs to an endpoint that receives there. Then:
+- per endpoint (control address, decode rank) at most `max_sessions_per_endpoint`; at most
+  `max_sessions` in all;
+- past either bound the least recently used session that has no admitted room in flight (the
+  `in_use` sessions the book names) is evicted for the newcomer, and told so (RegisterReply
+  EVICTED: its decode registers again when it next needs this prefill, and asks again for any
+  room it had asked for, whose claim the eviction dropped); only when every session is busy with
+  admitted rooms is a registration refused. "Used" is a registration or a request bound to a room,
+  not a heartbeat (which an idle squatter sends as cheaply as anyone);
+- a session with no room for `session_idle_s` is evicted too, heartbeats or not; dead decodes are
+  pruned as before.
+What this cannot do with one shared token: a holder with many endpoints that registers again
+faster than a genuine decode's registration round trip keeps evicting its idle sessions (its busy
+ones are never touched); the decode then registers again before each request, which costs it a
+round trip, not the request.
 """
 
 from __future__ import annotations
@@ -66,6 +84,10 @@ class SenderPeers:
         self.draft_rank = draft_rank
         self.own_data_address = own_data_address  # this rank's backend: never a destination
         self.max_sessions = cfg.limits.max_sessions
+        self.max_per_endpoint = cfg.limits.max_sessions_per_endpoint
+        self.idle_s = float(cfg.limits.session_idle_s)
+        self.last_used: dict[str, float] = {}  # session -> its registration or last bound request
+        self.evicted: list[RegisterPeer] = []  # sessions forgotten for others or idleness (the book tells them)
         self.state_layout = state_layout
         self.peers: dict[str, RegisterPeer] = {}
         self.heads: dict[str, tuple[int, int] | None] = {}  # per session: heads we write, None = dummy pair
@@ -76,8 +98,9 @@ class SenderPeers:
         self.liveness = PeerLiveness[str](cfg.heartbeat_timeout_s)
         self._forget_after_s = 10 * cfg.heartbeat_timeout_s
 
-    def register(self, msg: RegisterPeer, now: float) -> str | None:
-        """Accept a decode rank's registration; returns why it was refused, or None."""
+    def register(self, msg: RegisterPeer, now: float, in_use: frozenset[str] | set[str] = frozenset()) -> str | None:
+        """Accept a decode rank's registration (its challenge answered: SenderBook); returns why it
+        was refused, or None. `in_use`: sessions with admitted rooms in flight (never evicted)."""
         clash = self._binding_clash(msg)
         if clash is not None:  # the bound session (or the address's owner) stays as it was
             if msg.session_id not in self.peers:
@@ -88,15 +111,56 @@ class SenderPeers:
             self._remember_rejected(msg, reason)
             self.peers.pop(msg.session_id, None)
             return reason
-        if msg.session_id not in self.peers and len(self.peers) >= self.max_sessions:
-            return f"{len(self.peers)} decode sessions are registered with prefill rank {self.tp_rank} already"
+        if msg.session_id not in self.peers:
+            why = self._make_room(msg, in_use)
+            if why is not None:
+                return why
         self.rejected.pop(msg.session_id, None)
+        self.last_used[msg.session_id] = now
         self.peers[msg.session_id] = msg
         self.heads[msg.session_id] = self._pair_heads(msg)
         if msg.draft is not None and self.draft_layout is not None:
             self.draft_heads[msg.session_id] = self._draft_heads(msg)
         self.liveness.seen(msg.control_address, now)
         return None
+
+    def _make_room(self, msg: RegisterPeer, in_use: frozenset[str] | set[str]) -> str | None:
+        """Evict what a new session needs evicted (module docstring), or say why it cannot be."""
+        endpoint = (msg.control_address, msg.tp_rank)
+        same = [s for s, p in self.peers.items() if (p.control_address, p.tp_rank) == endpoint]
+        for pool, cap, what in (
+            (same, self.max_per_endpoint, f"of the decode endpoint {msg.control_address} rank {msg.tp_rank}"),
+            (list(self.peers), self.max_sessions, "in all"),
+        ):
+            if len(pool) < cap:
+                continue
+            idle = [s for s in pool if s not in in_use]
+            if not idle:
+                return (
+                    f"{len(pool)} decode sessions {what} are registered with prefill rank {self.tp_rank} "
+                    "and every one has rooms in flight"
+                )
+            self.evict(min(idle, key=lambda s: self.last_used.get(s, float("-inf"))))
+        return None
+
+    def evict(self, session: str) -> None:
+        """Forget a session for another or for idleness; the book tells its decode (self.evicted)."""
+        peer = self.peers.get(session)
+        if peer is None:
+            return
+        self._forget_session(session)
+        self.evicted.append(peer)
+        if all(p.control_address != peer.control_address for p in self.peers.values()):
+            self.liveness.forget(peer.control_address)
+
+    def used(self, session: str, now: float) -> None:
+        """A request of the session was bound to a room: it is in use (LRU order)."""
+        if session in self.peers:
+            self.last_used[session] = now
+
+    def take_evicted(self) -> list[RegisterPeer]:
+        out, self.evicted = self.evicted, []
+        return out
 
     def _remember_rejected(self, msg: RegisterPeer, reason: str) -> None:
         """The session's requests are answered with `reason` (at its control address)."""
@@ -106,6 +170,7 @@ class SenderPeers:
 
     def _forget_session(self, session: str) -> None:
         self.peers.pop(session, None)
+        self.last_used.pop(session, None)
         self.heads.pop(session, None)
         self.draft_heads.pop(session, None)
 
@@ -310,8 +375,13 @@ class SenderPeers:
     def control_addresses(self) -> set[str]:
         return {p.control_address for p in self.peers.values()}
 
-    def prune(self, now: float, in_use: set[str]) -> list[str]:
-        """Forget decodes dead for long with no room using them; returns their addresses."""
+    def prune(
+        self, now: float, in_use: set[str], sessions_in_use: frozenset[str] | set[str] = frozenset()
+    ) -> list[str]:
+        """Forget decodes dead for long with no room using them (`in_use`: control addresses;
+        returns theirs), and evict sessions with no room (`sessions_in_use`) for session_idle_s."""
+        for s in [s for s, t in self.last_used.items() if now - t > self.idle_s and s not in sessions_in_use]:
+            self.evict(s)
         gone = [
             a
             for a in list(self.liveness.dead)

@@ -13,7 +13,7 @@ partial page waits for the next chunk, and `last=True` flushes every layer up to
 
 Staged sends (heterogeneous TP through the decode's staging ring, staging/buffers.py): when the policy
 says so, a planned span becomes `StagedChunk`s instead of page ops, each at most the policy's
-chunk size; book.py walks them through gather, slot, write, scatter.
+chunk size; staged_sends.py walks them through gather, slot, write, scatter.
 
 Sliding-window layers (KVLayout.swa_layers): their pages come from the room's window page table
 `src_swa_pages` (aligned with src_pages by logical page, -1 where the prefill holds none, shorter:
@@ -113,6 +113,9 @@ class Destination:
     # decode's prefix (-1: not wanted); None: none wanted there
     dst_swa_lead: np.ndarray | None = None
     swa_lead_sent: np.ndarray | None = None  # [num_layers] bool: the layer's lead pages are planned
+    claim: bytes = b""  # the request's room claim (claims.py)
+    expected: int = 1  # destinations of its decode that pair with this prefill rank for the room
+    integrity_key: bytes = b""  # the decode wants a digest of what we wrote (transfer/kv_digest.py)
 
 
 @dataclass(frozen=True)
@@ -199,6 +202,7 @@ class SenderRoom:
     src_state_slot: int | None = None  # the room's state slot here (hybrid models), from add_room
     src_swa_pages: np.ndarray | None = None  # [<= len(src_pages)] int64 window page table, -1: none held
     expected: int | None = None  # destinations to wait for; known from the first request
+    claim: bytes | None = None  # the room's prompt claim (add_room; claims.py); None: the first decode's
     dests: dict[str, Destination] = field(default_factory=dict)  # by decode session id
     calls: collections.deque[SendCall] = field(default_factory=collections.deque)
     token_end: int = 0  # highest token_end passed to send()

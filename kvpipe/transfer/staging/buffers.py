@@ -15,7 +15,7 @@ one write per (layer, K/V, page). Staging turns a send's slices into one contigu
 Chunk layout in both buffers: [layer_end - layer_start, 2 (K, V), pages, slice_nbytes] bytes, the
 slice being bytes [col, col + slice_nbytes) of each page (a contiguous head range, planning/layout.py).
 `KVBytes` does the tensor work (one index op per (layer, K/V)); the bookkeeping is in
-ring.py (allocation), book.py (the agent's protocol) and sender/book.py.
+ring.py (allocation), book.py (the agent's protocol) and sender/staged_sends.py.
 CUDA: gathers and scatters run on a side stream that is synchronised before the bytes are
 written or announced as scattered.
 """
@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvpipe.config import ControlLimits
+from kvpipe.config import ControlLimits, PortRange
 from kvpipe.transfer.backends.base import TransferBackend
 from kvpipe.transfer.control.auth import Authenticator
 from kvpipe.transfer.control.endpoint import ControlEndpoint
@@ -166,7 +166,9 @@ class StagingAgent:
         send_hwm: int = 10000,
         auth: Authenticator | None = None,
         limits: ControlLimits | None = None,
+        ports: PortRange | None = None,
     ) -> None:
+        """`ports`: where its control endpoint listens (--disaggregation-control-ports; None: any free port)."""
         limits = limits or ControlLimits()
         self.kv = kv
         self.ring = registered_buffer(backend, nbytes, kv.device)
@@ -182,6 +184,7 @@ class StagingAgent:
             auth=auth,
             limits=limits_for(STAGING_AGENT_RECEIVES, layout.num_pages),  # page lists of this rank's pool
             max_sockets=limits.max_reply_sockets,
+            ports=ports,
         )
         self._thread = threading.Thread(target=self._run, name=f"staging-{session_id}", daemon=True)
         self._tick_s = min(1.0, lease_s / 4)

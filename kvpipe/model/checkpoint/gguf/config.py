@@ -8,55 +8,44 @@ falls back on its config class default there), and rope scaling is read for ever
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvpipe.config import ConfigError
 from kvpipe.model.checkpoint.gguf.reader import Metadata
 
-# general.architecture -> the HF architecture name kvpipe's config.py knows
-FAMILIES: dict[str, str] = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
-
 # RoPE scaling types llama.cpp writes (`{arch}.rope.scaling.type`) that map onto an HF rope_scaling
 _ROPE_SCALING = ("none", "linear", "yarn")
 
 
-def architecture(meta: Metadata) -> str:
-    """The file's family, refused by name unless kvpipe reads it."""
-    arch = meta.require("general.architecture")
-    if arch not in FAMILIES:
-        raise ConfigError(
-            f"{meta.path}: GGUF architecture {arch!r} is not supported; kvpipe reads GGUF files of {sorted(FAMILIES)}"
-        )
-    return str(arch)
-
-
-def hf_config(meta: Metadata, tensor_names: frozenset[str]) -> dict[str, Any]:
-    """The config.json an HF checkpoint of this model would carry (the fields kvpipe reads)."""
-    arch = architecture(meta)
+def hf_config(
+    meta: Metadata,
+    tensor_names: frozenset[str],
+    arch: str,
+    header: dict[str, Any],
+    own_keys: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """The config.json an HF checkpoint of this model would carry (the fields kvpipe reads): the
+    `{arch}.*` keys of family `arch` (GGUFFamily.architecture) under `header`, the family's HF
+    `architectures` and `model_type` (Family.hf_header); `own_keys` (GGUFFamily.config_keys): the
+    family's own `{arch}.<key>` -> HF key, copied where the file has them."""
 
     def key(name: str) -> str:
         return f"{arch}.{name}"
 
     hidden = meta.require_int(key("embedding_length"))
     heads = meta.require_int(key("attention.head_count"))
-    kv_heads = meta.require_int(key("attention.head_count_kv")) if key("attention.head_count_kv") in meta else heads
-    head_dim = _head_dim(meta, arch, hidden, heads)
     vocab = meta.get(key("vocab_size"))
     if vocab is None:  # older files: the vocabulary's length (as transformers does)
         vocab = len(meta.require("tokenizer.ggml.tokens"))
     cfg: dict[str, Any] = {
-        "architectures": [FAMILIES[arch]],
-        "model_type": arch,
+        **header,
         "hidden_size": hidden,
         "intermediate_size": meta.require_int(key("feed_forward_length")),
         "num_hidden_layers": meta.require_int(key("block_count")),
         "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
+        "num_key_value_heads": meta.int_or(key("attention.head_count_kv"), heads),
+        "head_dim": _head_dim(meta, key, hidden // heads),
         "rms_norm_eps": meta.require_float(key("attention.layer_norm_rms_epsilon")),
         "rope_theta": float(meta.get(key("rope.freq_base"), 10000.0)),
         "max_position_embeddings": meta.require_int(key("context_length")),
@@ -67,23 +56,25 @@ def hf_config(meta: Metadata, tensor_names: frozenset[str]) -> dict[str, Any]:
         "hidden_act": "silu",
         "torch_dtype": "float32",  # weights are dequantized; the engine picks its own dtype
     }
-    scaling = _rope_scaling(meta, arch)
+    for gguf_key, hf_key in (own_keys or {}).items():
+        value = meta.get(key(gguf_key))
+        if value is not None:
+            cfg[hf_key] = value
+    scaling = _rope_scaling(meta, key)
     if scaling is not None:
         cfg["rope_scaling"] = scaling
     cfg.update(_special_ids(meta))
     return cfg
 
 
-def _head_dim(meta: Metadata, arch: str, hidden: int, heads: int) -> int:
+def _head_dim(meta: Metadata, key: Callable[[str], str], default: int) -> int:
     """attention.key_length if given, else hidden // heads. The rotary width must be the whole head
     (the llama/qwen models rotate all of it) and values as wide as keys."""
-    head_dim = meta.require_int(f"{arch}.attention.key_length") if f"{arch}.attention.key_length" in meta else None
-    if head_dim is None:
-        head_dim = hidden // heads
-    value_len = meta.get(f"{arch}.attention.value_length")
+    head_dim = meta.int_or(key("attention.key_length"), default)
+    value_len = meta.get(key("attention.value_length"))
     if value_len is not None and int(value_len) != head_dim:
         raise ConfigError(f"{meta.path}: attention.value_length {value_len} != key_length {head_dim} is not supported")
-    rotary = meta.get(f"{arch}.rope.dimension_count")
+    rotary = meta.get(key("rope.dimension_count"))
     if rotary is not None and int(rotary) != head_dim:
         raise ConfigError(
             f"{meta.path}: rope.dimension_count {rotary} != head_dim {head_dim} (partial rotary) is not supported"
@@ -91,9 +82,9 @@ def _head_dim(meta: Metadata, arch: str, hidden: int, heads: int) -> int:
     return head_dim
 
 
-def _rope_scaling(meta: Metadata, arch: str) -> dict[str, Any] | None:
+def _rope_scaling(meta: Metadata, key: Callable[[str], str]) -> dict[str, Any] | None:
     """`{arch}.rope.scaling.*` as an HF rope_scaling dict (linear or yarn), None without scaling."""
-    prefix = f"{arch}.rope.scaling."
+    prefix = key("rope.scaling.")
     kind = meta.get(prefix + "type", "none")
     if kind not in _ROPE_SCALING:
         raise ConfigError(f"{meta.path}: rope scaling type {kind!r} is not supported (only {_ROPE_SCALING})")

@@ -150,6 +150,10 @@ class Metadata:
             raise ConfigError(f"{self.path}: GGUF metadata {key}={_short(value)} is not one integer")
         return value
 
+    def int_or(self, key: str, default: int) -> int:
+        """An integer key, `default` when the file lacks it."""
+        return self.require_int(key) if key in self else default
+
     def require_float(self, key: str) -> float:
         value = self.require(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -21,36 +21,8 @@ from gguf.quants import dequantize
 from tqdm import tqdm
 
 from kvpipe.config import ConfigError
+from kvpipe.model.checkpoint.gguf.family import GLOBAL_TENSORS, GGUFFamily
 
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_QKV_BIAS_NAMES = {
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-}
-_QK_NORM_NAMES = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
-
-# Per family: the per-layer tensors it may hold. Llama may carry q/k/v biases (HF's attention_bias).
-LAYER_NAMES: dict[str, dict[str, str]] = {
-    "llama": {**_LAYER_NAMES, **_QKV_BIAS_NAMES},
-    "qwen2": {**_LAYER_NAMES, **_QKV_BIAS_NAMES},
-    "qwen3": {**_LAYER_NAMES, **_QK_NORM_NAMES},
-}
 # Tensors refused with a reason, rather than as merely unknown
 _REFUSED = {
     "rope_freqs.weight": "per-dimension RoPE frequency factors (Llama 3.1-style rope scaling) are not supported",
@@ -58,19 +30,19 @@ _REFUSED = {
 _LAYER = re.compile(r"blk\.(\d+)\.(.+)")
 
 
-def hf_tensor_name(gguf_name: str, family: str, num_layers: int) -> str | None:
+def hf_tensor_name(gguf_name: str, family: GGUFFamily, num_layers: int) -> str | None:
     """llama.cpp's tensor name -> HF's, None for a name this family does not have."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
+    if gguf_name in GLOBAL_TENSORS:
+        return GLOBAL_TENSORS[gguf_name]
     m = _LAYER.fullmatch(gguf_name)
-    if m is None or int(m[1]) >= num_layers or m[2] not in LAYER_NAMES[family]:
+    if m is None or int(m[1]) >= num_layers or m[2] not in family.layer_tensors:
         return None
-    return f"model.layers.{int(m[1])}.{LAYER_NAMES[family][m[2]]}"
+    return f"model.layers.{int(m[1])}.{family.layer_tensors[m[2]]}"
 
 
 def unpermute_rows(rows: int, n_head: int) -> np.ndarray:
     """llama.cpp's convert_hf_to_gguf reorders each head's q/k rows from HF's rotate-half layout
-    (first half, second half) into interleaved pairs, for llama only. Gather order undoing it (as
+    (first half, second half) into interleaved pairs (GGUFFamily.permuted_qk). Gather order undoing it (as
     transformers' reverse_permute): HF row i is GGUF row order[i]."""
     if rows % (2 * n_head):
         raise ConfigError(f"{rows} q/k rows do not split into {n_head} heads of rotary pairs")
@@ -84,6 +56,7 @@ class GGUFTensor:
     name: str
     raw: ReaderTensor
     row_order: np.ndarray | None = None  # HF row i = file row row_order[i]; None: the file's order
+    shift: float = 0.0  # subtracted from every value read (GGUFFamily.norm_shift, on its norms)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -113,11 +86,15 @@ class GGUFTensor:
     def raw_rows(self, key: slice) -> np.ndarray:
         """The file's bytes of HF rows `key`, in HF order: [rows, bytes per row] (blocks.py reads
         4-bit blocks from them without dequantizing)."""
+        if self.shift:
+            raise ValueError(f"{self.name}: its stored values are shifted; read it dequantized")
         rows = np.arange(self.shape[0])[key]
         return self.raw.data[rows if self.row_order is None else self.row_order[rows]]
 
     def _to_torch(self, data: np.ndarray) -> torch.Tensor:
         arr = dequantize(data, self.raw.tensor_type)
+        if self.shift:  # in the file's float32, as transformers does (a new array)
+            arr = arr - np.float32(self.shift)
         if not arr.flags.writeable or not arr.flags.c_contiguous:  # F32 comes back as a view of the file
             arr = np.array(arr, order="C")
         if len(self.shape) == 2:
@@ -129,8 +106,9 @@ class GGUFTensors(Mapping[str, GGUFTensor]):
     """HF name -> GGUFTensor for every tensor of the file. Refuses a file with a tensor this
     family does not have (it would be dropped silently, and the model computed without it)."""
 
-    def __init__(self, reader: GGUFReader, family: str, config: dict[str, Any]) -> None:
+    def __init__(self, reader: GGUFReader, family: GGUFFamily, config: dict[str, Any]) -> None:
         layers = int(config["num_hidden_layers"])
+        self.family = family
         self._tensors: dict[str, GGUFTensor] = {}
         unknown = []
         for t in reader.tensors:
@@ -140,14 +118,15 @@ class GGUFTensors(Mapping[str, GGUFTensor]):
             if name is None:
                 unknown.append(t.name)
                 continue
-            self._tensors[name] = GGUFTensor(name, t, self._row_order(t, family, config))
+            shift = family.norm_shift if name.endswith("norm.weight") else 0.0
+            self._tensors[name] = GGUFTensor(name, t, self._row_order(t, family, config), shift)
         if unknown:
             more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
-            raise ConfigError(f"tensors a {family} model does not have: {', '.join(unknown[:5])}{more}")
+            raise ConfigError(f"tensors a {family.architecture} model does not have: {', '.join(unknown[:5])}{more}")
 
     @staticmethod
-    def _row_order(t: ReaderTensor, family: str, config: dict[str, Any]) -> np.ndarray | None:
-        if family != "llama":
+    def _row_order(t: ReaderTensor, family: GGUFFamily, config: dict[str, Any]) -> np.ndarray | None:
+        if not family.permuted_qk:
             return None
         m = _LAYER.fullmatch(t.name)
         part = m[2] if m else ""

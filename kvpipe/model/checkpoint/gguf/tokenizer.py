@@ -1,9 +1,10 @@
 """The tokenizer a GGUF file describes (`tokenizer.ggml.*`), built with the `tokenizers` library.
 
-Byte-level BPE only (`tokenizer.ggml.model` "gpt2": GPT-2, Llama 3, Qwen2/3, SmolLM): vocabulary,
+Byte-level BPE (`tokenizer.ggml.model` "gpt2": GPT-2, Llama 3, Qwen2/3, SmolLM): vocabulary,
 merges, CONTROL tokens as special added tokens, USER_DEFINED ones as plain added tokens (as
 transformers' GGUF loader does), the pre-tokenizer split llama.cpp uses for `tokenizer.ggml.pre`,
-BOS/EOS added as `add_bos_token`/`add_eos_token` say. What kvpipe's Tokenizer reads from
+BOS/EOS added as `add_bos_token`/`add_eos_token` say. SentencePiece BPE ("llama") for the
+families whose GGUFFamily says how to rebuild its merges (Gemma: sentencepiece.py). What kvpipe's Tokenizer reads from
 tokenizer_config.json (special token strings, add_bos_token, chat_template) comes as a dict.
 """
 
@@ -18,6 +19,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from kvpipe.config import ConfigError
 from kvpipe.model.checkpoint.gguf.config import eos_token_ids
 from kvpipe.model.checkpoint.gguf.reader import Metadata
+from kvpipe.model.checkpoint.gguf.sentencepiece import sentencepiece_bpe
 from kvpipe.model.text.byte_alphabet import bytes_to_unicode
 
 # llama.cpp's pre-tokenizer regexes (llama-vocab.cpp), as the original tokenizer.json files have them
@@ -51,6 +53,8 @@ PRE_TOKENIZERS: dict[str, tuple[str | None, bool]] = {
     **dict.fromkeys(("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "falcon3", "dbrx"), (_LLAMA3_SPLIT, False)),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2"), (_QWEN2_SPLIT, False)),
 }
+# tokenizer.ggml.model: llama.cpp names a vocabulary kind after the first model that had it
+BYTE_LEVEL_BPE, SENTENCEPIECE_BPE = "gpt2", "llama"
 _SPECIAL_IDS = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown", "pad_token": "padding"}
 
 
@@ -64,19 +68,49 @@ class GGUFTokenizer:
     eos_token_ids: tuple[int, ...]  # eos, then eot/eom where the file names them
 
 
-def build_tokenizer(meta: Metadata) -> GGUFTokenizer:
+def build_tokenizer(meta: Metadata, token_order_merges: bool = False) -> GGUFTokenizer:
+    """`token_order_merges` (GGUFFamily's): the family's SentencePiece vocabulary ("llama") is read
+    as sentencepiece.py says; without it only byte-level BPE ("gpt2") is."""
     kind = meta.require("tokenizer.ggml.model")
-    if kind != "gpt2":
+    tokens: list[str] = meta.require("tokenizer.ggml.tokens")
+    types: list[int] = meta.get("tokenizer.ggml.token_type") or [int(TokenType.NORMAL)] * len(tokens)
+    if kind not in (BYTE_LEVEL_BPE, SENTENCEPIECE_BPE) or (kind == SENTENCEPIECE_BPE and not token_order_merges):
         raise ConfigError(
-            f"{meta.path}: GGUF tokenizer model {kind!r} is not supported (kvpipe builds byte-level BPE, 'gpt2')"
+            f"{meta.path}: GGUF tokenizer model {kind!r} is not supported here (kvpipe builds byte-level BPE, "
+            "'gpt2', and the SentencePiece BPE of families whose merges follow the token order, 'llama')"
         )
+    # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise (as transformers)
+    config: dict[str, Any] = {
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", kind == SENTENCEPIECE_BPE)),
+        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+    }
+    ids: dict[str, int] = {}
+    for name, key in _SPECIAL_IDS.items():
+        i = meta.get(f"tokenizer.ggml.{key}_token_id")
+        if i is not None:
+            if not 0 <= int(i) < len(tokens):
+                raise ConfigError(f"{meta.path}: tokenizer.ggml.{key}_token_id {i} is outside the vocabulary")
+            ids[name] = int(i)
+            config[name] = tokens[int(i)]
+    if kind == BYTE_LEVEL_BPE:
+        tok = _byte_level_bpe(meta, tokens, types)
+    else:
+        tok = sentencepiece_bpe(tokens, types, config.get("unk_token"))
+    bos = ids.get("bos_token") if config["add_bos_token"] else None
+    eos = ids.get("eos_token") if config["add_eos_token"] else None
+    tok.post_processor = _post_processor(tokens, bos, eos)
+    template = meta.get("tokenizer.chat_template")
+    if template is not None:
+        config["chat_template"] = template
+    return GGUFTokenizer(tok, config, template, eos_token_ids(meta))
+
+
+def _byte_level_bpe(meta: Metadata, tokens: list[str], types: list[int]) -> Tokenizer:
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZERS:
         raise ConfigError(
             f"{meta.path}: GGUF pre-tokenizer {pre!r} is not supported; kvpipe knows {sorted(PRE_TOKENIZERS)}"
         )
-    tokens: list[str] = meta.require("tokenizer.ggml.tokens")
-    types: list[int] = meta.get("tokenizer.ggml.token_type") or [int(TokenType.NORMAL)] * len(tokens)
     merges: list[str] = meta.require("tokenizer.ggml.merges")
     spelled = bytes_to_unicode()
     alphabet = set(spelled.values())
@@ -101,26 +135,7 @@ def build_tokenizer(meta: Metadata) -> GGUFTokenizer:
     ]
     tok.add_special_tokens(control)
     tok.add_tokens(user)
-
-    config: dict[str, Any] = {
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-    }
-    ids: dict[str, int] = {}
-    for name, key in _SPECIAL_IDS.items():
-        i = meta.get(f"tokenizer.ggml.{key}_token_id")
-        if i is not None:
-            if not 0 <= int(i) < len(tokens):
-                raise ConfigError(f"{meta.path}: tokenizer.ggml.{key}_token_id {i} is outside the vocabulary")
-            ids[name] = int(i)
-            config[name] = tokens[int(i)]
-    bos = ids.get("bos_token") if config["add_bos_token"] else None
-    eos = ids.get("eos_token") if config["add_eos_token"] else None
-    tok.post_processor = _post_processor(tokens, bos, eos)
-    template = meta.get("tokenizer.chat_template")
-    if template is not None:
-        config["chat_template"] = template
-    return GGUFTokenizer(tok, config, template, eos_token_ids(meta))
+    return tok
 
 
 def _merge_pair(meta: Metadata, merge: str) -> tuple[str, str]:

@@ -1,8 +1,9 @@
 """JIT build and load of the C++ CPU kernels (paged_decode.cpp; EXTRA_KERNELS), once per process.
 
 The extension compiles on the machine that runs it (`-march=native`) into a per-user cache keyed
-by torch version and CPU (`-march=native` code must not load on another CPU sharing the home
-directory), ~/.cache/kvpipe/kernels/torch-<version>-<cpu key> or $KVPIPE_KERNEL_DIR; torch's
+by torch version, CPU (`-march=native` code must not load on another CPU sharing the home
+directory) and sources (their checkout and bytes), ~/.cache/kvpipe/kernels/torch-<version>-<cpu
+key>-<sources key> or $KVPIPE_KERNEL_DIR; torch's
 cpp_extension rebuilds it when the source or flags change. Builders take an flock on the directory
 (`build_lock`), so servers starting together build it once; torch's own `lock` file stays behind
 when a builder is killed (and every later build would wait on it forever), so one found while the
@@ -64,11 +65,23 @@ def cpu_key() -> str:
     return hashlib.sha256((ident or platform.machine()).encode()).hexdigest()[:12]
 
 
+@functools.cache
+def sources_key() -> str:
+    """Short digest of where the kernel sources are and what they hold: two checkouts (or two
+    versions) build into directories of their own, so neither keeps rebuilding the other's (torch's
+    build files name the sources by path, and ninja rebuilds when a command's path changes)."""
+    here = Path(__file__).parent
+    h = hashlib.sha256(str(here.resolve()).encode())
+    for src in sorted(here.glob("*.cpp")):
+        h.update(src.name.encode() + b"\0" + src.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def build_dir() -> Path:
     env = os.environ.get(DIR_ENV)
     if env:
         return Path(env)
-    return Path.home() / ".cache" / "kvpipe" / "kernels" / f"torch-{torch.__version__}-{cpu_key()}"
+    return Path.home() / ".cache" / "kvpipe" / "kernels" / f"torch-{torch.__version__}-{cpu_key()}-{sources_key()}"
 
 
 def _ninja_on_path() -> None:

@@ -1,0 +1,1 @@
+"""`kvpipe bench kv-accuracy` (kv_dtype.py) and `kvpipe bench quant-accuracy` (quantization.py)."""
