@@ -85,6 +85,32 @@ AddArgs = Callable[[argparse.ArgumentParser], None]
 Run = Callable[[argparse.Namespace, list[str]], int]
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Every flag's help ends with its default ("none": unset) unless its text already says what
+    the default is; switches (store_true) are off unless given, and say nothing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (
+            "default" in text.lower()
+            or not action.option_strings
+            or action.nargs == 0
+            or action.required
+            or action.default is argparse.SUPPRESS
+        ):
+            return text
+        return text + (" (default: none)" if action.default is None else " (default: %(default)s)")
+
+
+def _format_defaults(parser: argparse.ArgumentParser) -> None:
+    """DefaultsHelpFormatter for the parser and the subcommands its module added (`testbed up`)."""
+    parser.formatter_class = DefaultsHelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _format_defaults(sub)
+
+
 def _handlers(cmd: Command) -> tuple[AddArgs, Run]:
     mod = importlib.import_module(cmd.module)
     return mod.add_args, mod.run
@@ -116,6 +142,7 @@ def build_parser(
         if wanted is None or list(path) == wanted[: len(path)]:
             add_args, run = _handlers(cmd)
             add_args(p)
+            _format_defaults(p)
             runners[path] = (cmd, run)
     return parser, runners
 

@@ -644,11 +644,19 @@ class ServerConfig:
     # a decode step's decoder layers as one C++ call each (--decode-fused-layer, kvpipe/model/
     # fused_decode.py): "auto" (decode batches up to 64 rows), "on", "off" (the same bits in all three)
     decode_fused_layer: str = "auto"
+    # SGLang's --decode-log-interval: a speed line every this many decode steps, and one per prefill
+    # batch (kvpipe/engine/step_log.py); 0: none
+    decode_log_interval: int = 40
+    # --worker-name: what this server is called in its stack (`kvpipe launch`'s prefill0, decode1, ...),
+    # reported in /server_info and /metrics (kvpipe_worker_info) for `kvpipe top`; None: unnamed
+    worker_name: str | None = None
     # on SIGTERM (or a first Ctrl-C): seconds the server keeps serving what it holds, refusing new
     # requests and failing /health, before it aborts what is left (kvpipe/server/drain.py)
     graceful_shutdown_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
+        if not (type(self.decode_log_interval) is int and self.decode_log_interval >= 0):
+            raise ConfigError(f"the decode log interval must be a step count >= 0, got {self.decode_log_interval!r}")
         if not (
             isinstance(self.graceful_shutdown_timeout_s, (int, float))
             and not isinstance(self.graceful_shutdown_timeout_s, bool)

@@ -2,9 +2,13 @@
 
 Each turn posts the whole conversation to `/v1/chat/completions` and streams the answer (SSE), so
 the server's prefix cache holds the history and only the new turn is computed. `/reset` starts
-over, Ctrl-D (end of input) exits, Ctrl-C during an answer stops that answer and keeps the session
-(closing the connection makes the server abort the request and free its pages). Answers go to
-stdout; the banner, errors and `--usage` lines go to stderr.
+over, `/set max_tokens N` or `/set temperature T` changes the sampling of the next turns, Ctrl-D
+(end of input) exits, Ctrl-C during an answer stops that answer and keeps the session (closing the
+connection makes the server abort the request and free its pages). Answers go to stdout; the
+banner, the settings, errors and `--usage` lines go to stderr.
+
+Safe defaults: an answer ends within DEFAULT_MAX_TOKENS, sampled at a low DEFAULT_TEMPERATURE (a
+server's own defaults, no limit at temperature 1.0, let a small model ramble or loop for minutes).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import argparse
 import json
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TextIO
 
 import httpx
@@ -27,7 +31,12 @@ except ImportError:  # pragma: no cover - e.g. Windows
     pass
 
 DEFAULT_URL = "http://127.0.0.1:8000"  # `kvpipe launch` / `make run`'s router
-HELP = "/reset starts a new conversation, /exit or Ctrl-D leaves, Ctrl-C stops an answer"
+DEFAULT_MAX_TOKENS = 256
+DEFAULT_TEMPERATURE = 0.3  # low: focused answers, yet not greedy decoding's loops on small models
+HELP = (
+    "/reset starts a new conversation, /set max_tokens N or /set temperature T changes the sampling, "
+    "/exit or Ctrl-D leaves, Ctrl-C stops an answer"
+)
 
 
 class ChatError(Exception):
@@ -66,26 +75,63 @@ class Conversation:
 
 
 @dataclass(frozen=True)
+class Sampling:
+    """What each turn asks for; `/set` replaces it."""
+
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = DEFAULT_TEMPERATURE
+
+    def __post_init__(self) -> None:
+        if self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+
+    def describe(self) -> str:
+        return f"max_tokens {self.max_tokens}, temperature {self.temperature:g}"
+
+    def with_setting(self, line: str) -> Sampling:
+        """`/set NAME VALUE` (NAME: max_tokens or temperature, dashes allowed) -> the new Sampling;
+        ValueError with a message for the user."""
+        parts = line.split()
+        if len(parts) != 3:
+            raise ValueError("usage: /set max_tokens N | /set temperature T")
+        name, value = parts[1].replace("-", "_"), parts[2]
+        try:
+            if name == "max_tokens":
+                return replace(self, max_tokens=int(value))
+            if name == "temperature":
+                return replace(self, temperature=float(value))
+        except ValueError as e:
+            raise ValueError(f"/set {name}: {e}") from None
+        raise ValueError(f"/set: unknown setting {parts[1]!r} (max_tokens, temperature)")
+
+
+@dataclass(frozen=True)
 class ChatClient:
     """Streams one answer of `/v1/chat/completions` at a time."""
 
     http: httpx.Client
     url: str
     model: str | None
-    max_tokens: int | None
-    temperature: float | None
 
-    def body(self, messages: list[dict[str, str]]) -> dict[str, Any]:
-        body: dict[str, Any] = {"messages": messages, "stream": True, "stream_options": {"include_usage": True}}
-        for key, value in (("model", self.model), ("max_tokens", self.max_tokens), ("temperature", self.temperature)):
-            if value is not None:
-                body[key] = value
+    def body(self, messages: list[dict[str, str]], sampling: Sampling) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "messages": messages,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "max_tokens": sampling.max_tokens,
+            "temperature": sampling.temperature,
+        }
+        if self.model is not None:
+            body["model"] = self.model
         return body
 
-    def stream(self, messages: list[dict[str, str]]) -> Iterator[str | Usage]:
+    def stream(self, messages: list[dict[str, str]], sampling: Sampling) -> Iterator[str | Usage]:
         """Text pieces of the answer as they arrive, then its Usage if the server sends one."""
+        body = self.body(messages, sampling)
         try:
-            with self.http.stream("POST", self.url + "/v1/chat/completions", json=self.body(messages)) as resp:
+            with self.http.stream("POST", self.url + "/v1/chat/completions", json=body) as resp:
                 if resp.status_code != 200:
                     resp.read()
                     raise ChatError(f"the server answered {resp.status_code}: {_error_message(resp.text)}")
@@ -153,13 +199,14 @@ class ChatLoop:
     out: TextIO
     err: TextIO
     show_usage: bool = False
+    sampling: Sampling = field(default_factory=Sampling)
     failed: bool = False  # a turn failed: the exit status says so
 
     def turn(self, text: str) -> None:
         self.conv.turns.append({"role": "user", "content": text})
         pieces: list[str] = []
         try:
-            for item in self.client.stream(self.conv.messages()):
+            for item in self.client.stream(self.conv.messages(), self.sampling):
                 if isinstance(item, Usage):
                     if self.show_usage:
                         print(
@@ -191,6 +238,15 @@ class ChatLoop:
         self.out.flush()
         self.conv.turns.append({"role": "assistant", "content": "".join(pieces)})
 
+    def set(self, line: str) -> None:
+        """`/set NAME VALUE`, or `/set` alone: print the settings."""
+        try:
+            self.sampling = self.sampling if line == "/set" else self.sampling.with_setting(line)
+        except ValueError as e:
+            print(f"kvpipe chat: {e}", file=self.err, flush=True)
+            return
+        print(f"[settings] {self.sampling.describe()}", file=self.err, flush=True)
+
     def _close_turn(self, answer: str) -> None:
         if answer:
             self.conv.turns.append({"role": "assistant", "content": answer})
@@ -214,6 +270,8 @@ class ChatLoop:
             if text == "/reset":
                 self.conv.reset()
                 print("[conversation reset]", file=self.err, flush=True)
+            elif text == "/set" or text.startswith("/set "):
+                self.set(text)
             elif text.startswith("/") and " " not in text:
                 print(f"unknown command {text}: {HELP}", file=self.err, flush=True)
             else:
@@ -226,24 +284,31 @@ class ChatLoop:
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default=DEFAULT_URL, help=f"server or router address (default {DEFAULT_URL})")
     p.add_argument("--model", default=None, help="model name to send (default: none, the server's own)")
-    p.add_argument("--max-tokens", type=int, default=None, help="answer length limit (default: the server's)")
-    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the server's)")
+    p.add_argument(
+        "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="answer length limit in tokens (/set max_tokens N)"
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=DEFAULT_TEMPERATURE,
+        help="sampling temperature, 0 = greedy (/set temperature T)",
+    )
     p.add_argument("--system", default=None, help="system prompt, kept across /reset")
     p.add_argument("--usage", action="store_true", help="print each turn's token counts (cached ones too) to stderr")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the next piece of an answer")
 
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
-    if args.max_tokens is not None and args.max_tokens <= 0:
-        raise SystemExit("kvpipe chat: --max-tokens must be positive")
-    if args.temperature is not None and args.temperature < 0:
-        raise SystemExit("kvpipe chat: --temperature must be >= 0")
+    try:
+        sampling = Sampling(args.max_tokens, args.temperature)
+    except ValueError as e:
+        raise SystemExit(f"kvpipe chat: --{e}".replace("_", "-")) from None
     url = args.url.rstrip("/")
     if "://" not in url:
         url = "http://" + url
     timeout = httpx.Timeout(args.timeout, connect=10.0)
     with httpx.Client(timeout=timeout, headers=client_headers(url=url)) as http:
-        client = ChatClient(http, url, args.model, args.max_tokens, args.temperature)
+        client = ChatClient(http, url, args.model)
         try:
             served = client.check()
         except ChatError as e:
@@ -252,5 +317,6 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         interactive = sys.stdin.isatty()
         if interactive:
             print(f"kvpipe chat with {args.model or served or 'the served model'} at {url}. {HELP}.", file=sys.stderr)
-        loop = ChatLoop(client, Conversation(args.system), sys.stdout, sys.stderr, args.usage)
+        print(f"[settings] {sampling.describe()}", file=sys.stderr, flush=True)
+        loop = ChatLoop(client, Conversation(args.system), sys.stdout, sys.stderr, args.usage, sampling)
         return loop.run("> " if interactive else "")

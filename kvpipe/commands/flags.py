@@ -33,9 +33,7 @@ from kvpipe.config import (
     parse_layer_groups,
 )
 from kvpipe.listen_ports import check_port_ranges
-from kvpipe.model.checkpoint.config_reader import model_config_of
 from kvpipe.model.checkpoint.default_model import resolve_model_path
-from kvpipe.model.checkpoint.loader import check_checkpoint
 from kvpipe.sglang_env import LayersPerGroup, flag_defaults
 from kvpipe.transfer.backends.registry import BACKENDS, backend_names, check_backend
 from kvpipe.transfer.control.auth import TOKEN_ENV, token_from_env
@@ -73,33 +71,28 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-prefill-tokens", type=int, default=d_sched.max_prefill_tokens, help="token budget of one prefill batch"
     )
-    p.add_argument("--max-running-requests", type=int, default=d_sched.max_running_requests)
     p.add_argument(
-        "--max-state-slots",
+        "--max-running-requests",
         type=int,
-        default=None,
-        help="hybrid (linear-attention) models: per-request recurrent-state slots; a request waits "
-        "for a free one like for pages (default: --max-running-requests)",
-    )
-    p.add_argument(
-        "--max-mamba-cache-size",
-        type=int,
-        default=None,
-        help="hybrid models with the radix cache (colocated): recurrent-state slots in all, the running "
-        "requests' plus the prefix cache's state snapshots; bounds snapshot memory "
-        "(default: 3 x --max-state-slots, i.e. 2 snapshots per running slot)",
-    )
-    p.add_argument(
-        "--mamba-scheduler-strategy",
-        choices=list(MAMBA_SCHEDULER_STRATEGIES),
-        default="auto",
-        help="hybrid prefix cache: where state snapshots are taken; extra_buffer (= auto) at any page "
-        "boundary inside a forward, no_buffer only where a chunk or decode step ends",
+        default=d_sched.max_running_requests,
+        help="requests in the running batch at once; more wait in the queue",
     )
     p.add_argument("--context-length", type=int, default=None, help="default: the model's max_position_embeddings")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs")
     p.add_argument("--random-seed", "--seed", dest="seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error", "critical"],
+        help="server log threshold; debug also shows the transfer engine's own start-up lines",
+    )
+    p.add_argument(
+        "--decode-log-interval",
+        type=int,
+        default=ServerConfig.decode_log_interval,
+        help="log a speed line (running requests, token usage, generation tokens/s, accept length) every "
+        "this many decode steps, and one per prefill batch (new sequences, tokens, cached tokens, queue); 0: none",
+    )
     p.add_argument(
         "--dtype",
         choices=list(MODEL_DTYPES),
@@ -128,9 +121,36 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         help="run each decoder layer of a decode step as one C++ call (CPU, fp32 Llama-style layers; "
         "the same ops, the same bits): auto (decode batches up to 64 rows), on, off (the module path)",
     )
+    add_hybrid_state_args(p)
     add_disaggregation_args(p)
     add_speculative_args(p)
     add_hicache_args(p)
+
+
+def add_hybrid_state_args(p: argparse.ArgumentParser) -> None:
+    """The recurrent-state slots of hybrid (linear-attention / Mamba-style) models."""
+    p.add_argument(
+        "--max-state-slots",
+        type=int,
+        default=None,
+        help="hybrid (linear-attention) models: per-request recurrent-state slots; a request waits "
+        "for a free one like for pages (default: --max-running-requests)",
+    )
+    p.add_argument(
+        "--max-mamba-cache-size",
+        type=int,
+        default=None,
+        help="hybrid models with the radix cache (colocated): recurrent-state slots in all, the running "
+        "requests' plus the prefix cache's state snapshots; bounds snapshot memory "
+        "(default: 3 x --max-state-slots, i.e. 2 snapshots per running slot)",
+    )
+    p.add_argument(
+        "--mamba-scheduler-strategy",
+        choices=list(MAMBA_SCHEDULER_STRATEGIES),
+        default="auto",
+        help="hybrid prefix cache: where state snapshots are taken; extra_buffer (= auto) at any page "
+        "boundary inside a forward, no_buffer only where a chunk or decode step ends",
+    )
 
 
 def add_speculative_args(p: argparse.ArgumentParser) -> None:
@@ -403,6 +423,8 @@ def disaggregation_config_from_args(args: argparse.Namespace, model_path: str) -
     try:
         layer_groups = args.disaggregation_layer_groups
         if isinstance(layer_groups, LayersPerGroup):
+            from kvpipe.model.checkpoint.config_reader import model_config_of  # torch (GGUF): not on --help's path
+
             try:
                 layer_groups = layer_groups.groups(model_config_of(model_path).num_layers)
             except ConfigError as e:
@@ -525,6 +547,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             request_metrics=not getattr(args, "disable_request_metrics", False),
             quantization=getattr(args, "quantization", None),
             decode_fused_layer=getattr(args, "decode_fused_layer", ServerConfig.decode_fused_layer),
+            decode_log_interval=getattr(args, "decode_log_interval", ServerConfig.decode_log_interval),
+            worker_name=getattr(args, "worker_name", None),
             graceful_shutdown_timeout_s=getattr(
                 args, "graceful_shutdown_timeout", ServerConfig.graceful_shutdown_timeout_s
             ),
@@ -539,6 +563,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
 def check_model(cfg: ServerConfig) -> None:
     """Refuse a bad checkpoint (missing, corrupt or truncated GGUF, unsupported architecture or
     tensor type, no tokenizer) with one line, before a server or engine starts."""
+    from kvpipe.model.checkpoint.loader import check_checkpoint  # torch: not on `--help`'s path
+
     try:
         check_checkpoint(cfg.model_path, cfg.tokenizer_path, cfg.quantization)
     except ConfigError as e:
@@ -548,9 +574,10 @@ def check_model(cfg: ServerConfig) -> None:
 def setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Mooncake's transfer engine reads its log level from the environment when it starts (later,
-    # and in TP children, which inherit it): its INFO lines only with --log-level debug; a
-    # user's MC_LOG_LEVEL wins
-    os.environ.setdefault("MC_LOG_LEVEL", "INFO" if level == "debug" else "WARNING")
+    # and in TP children, which inherit it): its INFO and WARNING lines (start-up noise such as
+    # "No RDMA devices found") only with --log-level debug (transfer/backends/mooncake_log.py);
+    # a user's MC_LOG_LEVEL wins
+    os.environ.setdefault("MC_LOG_LEVEL", "INFO" if level == "debug" else "ERROR")
     if level != "debug":  # httpx logs a line per bootstrap call at INFO
         for name in ("httpx", "httpcore"):
             logging.getLogger(name).setLevel(logging.WARNING)

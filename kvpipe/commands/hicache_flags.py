@@ -41,7 +41,12 @@ def add_hicache_args(p: argparse.ArgumentParser, env: Mapping[str, str] | None =
         help="share full prefix pages with every server of the model through a KV store "
         "(with --hicache-storage-backend)",
     )
-    g.add_argument("--hicache-storage-backend", choices=list(HICACHE_STORAGE_BACKENDS), default=None)
+    g.add_argument(
+        "--hicache-storage-backend",
+        choices=list(HICACHE_STORAGE_BACKENDS),
+        default=None,
+        help="the KV store behind --enable-hierarchical-cache (required with it; default: none)",
+    )
     g.add_argument(
         "--hicache-mooncake-master",
         default=env.get("MOONCAKE_MASTER"),

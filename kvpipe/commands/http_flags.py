@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvpipe.config import ListenerLimits
-from kvpipe.server.api_key import given_keys
 from kvpipe.server.client_keys import ADMIN_API_KEY_ENV, API_KEY_ENV
+from kvpipe.server.server_keys import given_keys
 
 
 def add_access_args(p: argparse.ArgumentParser) -> None:

@@ -1,4 +1,8 @@
-"""`kvpipe serve`: an HTTP server (SGLang native + OpenAI API), colocated or one half of a PD pair."""
+"""`kvpipe serve`: an HTTP server (SGLang native + OpenAI API), colocated or one half of a PD pair.
+
+The engine, the server and the connectors (torch and the rest) are imported in `run`, not here:
+`kvpipe serve --help` only builds the parser (tests/unit/test_cli_help.py checks it imports no torch).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import argparse
 import logging
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from kvpipe.commands.flags import (
     add_http_api_args,
@@ -15,21 +20,25 @@ from kvpipe.commands.flags import (
     setup_logging,
 )
 from kvpipe.config import DEFAULT_MAX_REQUEST_BODY_BYTES, ConfigError, ServerConfig
-from kvpipe.disagg.connectors import make_connector
-from kvpipe.disagg.setup import require_auth_off_loopback
-from kvpipe.engine.engine import Engine
 from kvpipe.listen_ports import mooncake_port_env
-from kvpipe.server.http_server import run_server
 from kvpipe.sglang_env import log_sglang_env
 from kvpipe.transfer.backends.registry import check_backend
+
+if TYPE_CHECKING:
+    from kvpipe.engine.engine import Engine
 
 logger = logging.getLogger(__name__)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     add_server_args(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--host", default="127.0.0.1", help="address the HTTP server listens on")
+    p.add_argument("--port", type=int, default=30000, help="port of the HTTP server")
+    p.add_argument(
+        "--worker-name",
+        default=None,
+        help="this server's name in its stack (e.g. prefill0, decode1), shown by `kvpipe top` and in /server_info",
+    )
     p.add_argument(
         "--max-request-body-bytes",
         type=int,
@@ -49,6 +58,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
+    from kvpipe.disagg.setup import require_auth_off_loopback
+    from kvpipe.server.http_server import run_server
+
     cfg = server_config_from_args(args)
     mode = cfg.disaggregation.mode
     try:  # before anything loads or listens
@@ -66,6 +78,9 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
 
 def engine_factory(cfg: ServerConfig) -> Callable[[], Engine]:
     """What the server's engine thread builds: an Engine, with the PD connector of its mode."""
+
+    from kvpipe.disagg.connectors import make_connector
+    from kvpipe.engine.engine import Engine
 
     def build() -> Engine:
         return Engine(cfg, make_connector(cfg))

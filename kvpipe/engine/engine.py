@@ -44,6 +44,7 @@ from kvpipe.engine.spec.registry import DrafterContext, DraftKV, drafter_entry
 from kvpipe.engine.spec.state_rollback import StateRollback
 from kvpipe.engine.spec.verify import SpecCounts
 from kvpipe.engine.spec.verify_step import VerifyStep
+from kvpipe.engine.step_log import SpecTotals, StepLog
 from kvpipe.engine.store_setup import attach_store_tier
 from kvpipe.engine.timeline import Phase
 from kvpipe.engine.tp_group import TPGroup, build_runner
@@ -107,6 +108,7 @@ class Engine:
             self.scheduler, self.finisher, self.generators, self.inbox, connector, self.drafter, cache_drafts
         )
         self.verifier = VerifyStep(self.sampler, self.generators, self.scheduler, self.finisher, self._rollback)
+        self.step_log = StepLog(cfg.decode_log_interval)
         self.driver: ConnectorDriver | None = None
         if connector is not None:
             self._start_connector(connector)
@@ -221,9 +223,12 @@ class Engine:
         s["num_waiting"] += self.inbox.num_new()
         s["num_waiting"] += self.driver.num_waiting if self.driver is not None else 0
         s.update(context_length=self.context_length, tp_size=self.cfg.tp_size, kv_cache_bytes=self.runner.pool.nbytes)
+        s["generated_tokens"] = self.step_log.generated
+        s["kv_cache_storage_dtype"] = str(self.runner.pool.dtype).removeprefix("torch.")  # --kv-cache-dtype resolved
         if self.spec.enabled:
             c = self.spec_counts
             s.update(spec_verify_steps=c.verify_ct, spec_proposed_tokens=c.proposed, spec_accepted_tokens=c.accepted)
+            s["avg_spec_accept_length"] = round(c.accept_length, 4)  # SGLang's name: tokens per verify step
         if self.connector is not None:
             s.update(self.connector.stats())
         if self.store_tier is not None:
@@ -239,8 +244,14 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch is None:
             return outs
+        started, before = time.monotonic(), sum(len(r.output_ids) for r in batch.reqs)
         logits = self._run(batch)
         outs += self._verify(batch, logits) if batch.drafts else self._sample(batch, logits)
+        generated = sum(len(r.output_ids) for r in batch.reqs) - before
+        spec = SpecTotals(self.spec_counts.verify_ct, self.spec_counts.emitted) if self.spec.enabled else None
+        line = self.step_log.after_step(batch, generated, time.monotonic() - started, self.stats, spec)
+        if line is not None:
+            logger.info(line)
         return outs
 
     def _drain_inbox(self) -> list[TokenOutput]:

@@ -7,9 +7,24 @@ import sys
 from collections.abc import Sequence
 
 # How soon the router trusts a worker again. Its defaults (circuit open for 60 s after 10
-# failures, health checks every 60 s) kept a prefill restarted in ~15 s out of service for a
-# minute; a check every 5 s costs one GET per worker.
-ROUTER_RECOVERY_FLAGS = ("--cb-timeout-duration-secs", "5", "--health-check-interval-secs", "5")
+# failures, health checks every 60 s, two good checks to come back) kept a prefill restarted in
+# ~15 s, or a link healed, out of service for a minute (68 s measured after a partition, issue 50).
+# Here: a check every 2 s that gives up after 3 s, one good check re-admits a worker (three bad
+# ones still mark it down: 6 s), an open circuit half-opens after 3 s and one success closes it;
+# so a healed worker is routed to again within ~3 + 2 s of answering. A check costs one GET per
+# worker. README's router command by hand and deploy/k8s/base/router.yaml carry the same flags.
+ROUTER_RECOVERY_FLAGS = (
+    "--health-check-interval-secs",
+    "2",
+    "--health-check-timeout-secs",
+    "3",
+    "--health-success-threshold",
+    "1",
+    "--cb-timeout-duration-secs",
+    "3",
+    "--cb-success-threshold",
+    "1",
+)
 # sglang-router 0.3.2's policies (its --prefill-policy also takes "bucket")
 ROUTER_POLICIES = ("random", "round_robin", "cache_aware", "power_of_two", "manual")
 

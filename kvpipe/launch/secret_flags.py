@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 from kvpipe.config import ConfigError
 from kvpipe.launch.core_split import has_flag
-from kvpipe.server.api_key import given_keys
 from kvpipe.server.client_keys import ADMIN_API_KEY_ENV, API_KEY_ENV, StackKeys
+from kvpipe.server.server_keys import given_keys
 from kvpipe.transfer.control.auth import TOKEN_ENV, new_token
 
 AUTH_TOKEN_FLAG = "--disaggregation-auth-token"
@@ -83,7 +83,7 @@ class StackArgs:
 
 def _take_keys(server: list[str], environ: Mapping[str, str]) -> tuple[list[str], str | None, str | None]:
     """The servers' flags without the key flags, the user key and the admin key (flag, file or
-    environment, as `kvpipe serve` reads them: api_key.given_keys)."""
+    environment, as `kvpipe serve` reads them: server_keys.given_keys)."""
     taken: dict[str, str | None] = {}
     for flag in KEY_FLAGS:
         server, taken[flag] = take_secret_flag(server, flag)

@@ -281,7 +281,7 @@ class Campaign:
 
 def add_args(p: argparse.ArgumentParser) -> None:
     d = ChaosConfig()
-    p.add_argument("--rounds", type=int, default=d.rounds)
+    p.add_argument("--rounds", type=int, default=d.rounds, help="kills, one per round")
     p.add_argument("--seed", type=int, default=d.seed, help="the order of the kills and where they land")
     p.add_argument("--clients", type=int, default=d.clients, help="clients streaming through the router")
     p.add_argument(

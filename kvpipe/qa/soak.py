@@ -50,7 +50,7 @@ SERVERS = ("prefill", "decode")
 def add_args(p: argparse.ArgumentParser) -> None:
     d, b = SoakConfig(), Bounds()
     w = p.add_argument_group("workload")
-    w.add_argument("--num-requests", type=int, default=d.num_requests)
+    w.add_argument("--num-requests", type=int, default=d.num_requests, help="requests in all")
     w.add_argument("--concurrency", type=int, default=d.concurrency, help="max requests in flight")
     w.add_argument("--prompt-min", type=int, default=d.prompt_min, help="shortest prompt (tokens or characters)")
     w.add_argument("--prompt-max", type=int, default=d.prompt_max, help="longest prompt (tokens or characters)")
@@ -87,17 +87,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--sample-interval", type=float, default=d.sample_interval_s, help="seconds between resource samples"
     )
     c.add_argument("--max-rss-growth-mb", type=float, default=b.rss_growth_mb, help="per server, final - baseline")
-    c.add_argument("--max-fd-delta", type=int, default=b.fd_delta)
-    c.add_argument("--max-thread-delta", type=int, default=b.thread_delta)
+    c.add_argument("--max-fd-delta", type=int, default=b.fd_delta, help="per server, open files final - baseline")
+    c.add_argument("--max-thread-delta", type=int, default=b.thread_delta, help="per server, threads final - baseline")
     s = p.add_argument_group("stack")
     s.add_argument("--model-path", default=None, help="checkpoint directory or .gguf file (default: tiny preset)")
     s.add_argument("--server-args", default="", help="extra flags for both servers, one string")
     s.add_argument("--log-dir", default=None, help="server logs (default: a new temp dir)")
-    s.add_argument("--startup-timeout", type=float, default=300.0)
+    s.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for the stack to start")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print the result as one JSON object")
     o.add_argument("--out", default=None, help="write the JSON result to this file")
-    o.add_argument("--no-progress", action="store_true")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def config_from_args(args: argparse.Namespace) -> SoakConfig:

@@ -27,8 +27,6 @@ from __future__ import annotations
 import enum
 import hashlib
 import hmac
-import os
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from starlette.datastructures import Headers
@@ -36,15 +34,12 @@ from starlette.requests import HTTPConnection
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvpipe.config import ConfigError
-from kvpipe.server.client_keys import API_KEY_ENV
 from kvpipe.server.errors import APIError, error_body
 
 OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics"})
 ADMIN_PATH_PREFIXES = ("/debug/",)
 CHALLENGE = {"WWW-Authenticate": 'Bearer realm="kvpipe"'}  # RFC 6750: how to authenticate
 CALLER_SCOPE_KEY = "kvpipe.caller"
-MAX_KEY_CHARS = 4096
 
 
 class Role(enum.Enum):
@@ -63,35 +58,6 @@ class Caller:
 
 
 OPEN_SERVER = Caller(Role.ADMIN)  # a server without keys: everyone
-
-
-def api_key_from_env(environ: Mapping[str, str] = os.environ) -> str | None:
-    return environ.get(API_KEY_ENV) or None
-
-
-def key_file_lines(path: str, flag: str) -> list[str]:
-    """The keys in a key file: one per line, # comments and blank lines skipped."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = [line.strip() for line in f.read(1 << 20).splitlines()]
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{flag} {path}: {e}") from None
-    keys = [line for line in lines if line and not line.startswith("#")]
-    if not keys:
-        raise ConfigError(f"{flag} {path} holds no key")
-    if any(len(k) > MAX_KEY_CHARS or " " in k for k in keys):
-        raise ConfigError(f"{flag} {path}: a key is one word of at most {MAX_KEY_CHARS} characters per line")
-    return keys
-
-
-def given_keys(flag_value: str | None, path: str | None, env: str, environ: Mapping[str, str], flag: str) -> list[str]:
-    """The keys of a flag, or of its file flag (not both), else of the environment."""
-    if flag_value is not None and path is not None:
-        raise ConfigError(f"give {flag} or {flag}-file, not both")
-    if path is not None:
-        return key_file_lines(path, f"{flag}-file")
-    value = flag_value if flag_value is not None else environ.get(env)
-    return [value] if value else []
 
 
 def _digest(value: str) -> bytes:

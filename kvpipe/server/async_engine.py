@@ -78,10 +78,13 @@ class AsyncEngine:
         on_fatal: Callable[[BaseException], None] | None = None,
         capacity: int | None = None,
         history: int = 0,
+        on_ready: Callable[[], None] | None = None,
     ) -> None:
-        """`history`: finished requests whose timelines `recent` keeps (GET /debug/requests)."""
+        """`history`: finished requests whose timelines `recent` keeps (GET /debug/requests);
+        `on_ready`: called on the event loop once the engine has loaded."""
         self._factory = engine_factory
         self._on_fatal = on_fatal
+        self._on_ready = on_ready
         # requests this server holds at once (running, waiting, in the engine's inbox); None: no cap
         self.capacity = capacity
         self._engine: EngineLike | None = None
@@ -172,7 +175,9 @@ class AsyncEngine:
             return
         self._engine = engine
         engine.set_wakeup(self._wake.set)  # transfer news ends a poll-interval sleep at once
-        logger.info("engine ready")
+        logger.debug("engine ready")
+        if self._on_ready is not None:
+            self._post(self._on_ready)
         failures = 0
         try:
             while not self._stopping:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from types import FrameType
@@ -48,6 +49,7 @@ from kvpipe.server.protocol import (
     split_generate_request,
 )
 from kvpipe.server.request_tracker import RequestOutput
+from kvpipe.server.startup_log import announce_ready, quiet_uvicorn_start
 from kvpipe.server.streaming import (
     SSE_DONE,
     ClosingStreamingResponse,
@@ -66,16 +68,7 @@ GRACEFUL_SHUTDOWN_S = 5  # whole seconds: uvicorn.Config takes an int
 
 def generate_response(out: RequestOutput, inp: GenerateInput, batched: bool) -> dict[str, Any]:
     """SGLang's `/generate` object (also each streamed event: cumulative text and output_ids)."""
-    meta: dict[str, Any] = {
-        "id": out.rid,
-        "finish_reason": out.finish_reason_json(),
-        "prompt_tokens": out.prompt_tokens,
-        "completion_tokens": out.completion_tokens,
-        "cached_tokens": out.cached_tokens,
-        "e2e_latency": round(out.e2e_latency, 6),
-    }
-    if out.spec is not None and out.finished:  # SGLang reports these when a request finished
-        meta.update(out.spec.meta_info())
+    meta = out.meta_info()
     if inp.return_timeline and out.timeline is not None:
         meta["timeline"] = out.timeline.to_json()
     if inp.return_logprob:
@@ -164,12 +157,14 @@ def create_app(
     on_fatal: Callable[[BaseException], None] | None = None,
     disaggregation_mode: str = "null",
     cpu_threads: CpuThreads | None = None,
+    on_ready: Callable[[], None] | None = None,
 ) -> FastAPI:
     """The ASGI app of one server; the engine starts loading when the app starts.
 
     `engine_factory` runs in the engine thread (default: the colocated Engine); PD workers pass
     their own engine and mode here. `cpu_threads`: what `run_server` applied to this process
-    (default: the config's plan, reported only).
+    (default: the config's plan, reported only). `on_ready`: called on the event loop once the
+    engine has loaded.
     """
     if engine_factory is None:
 
@@ -177,9 +172,13 @@ def create_app(
             return Engine(cfg)
 
     capacity = cfg.scheduler.max_running_requests + cfg.limits.max_queued_requests
-    async_engine = AsyncEngine(engine_factory, on_fatal=on_fatal, capacity=capacity, history=cfg.debug_requests_history)
-    role = "colocated" if disaggregation_mode == "null" else disaggregation_mode
-    metrics = ServerMetrics(cfg.model_name, async_engine.stats, role, per_request=cfg.request_metrics)
+    async_engine = AsyncEngine(
+        engine_factory, on_fatal=on_fatal, capacity=capacity, history=cfg.debug_requests_history, on_ready=on_ready
+    )
+    role = server_role(disaggregation_mode)
+    metrics = ServerMetrics(
+        cfg.model_name, async_engine.stats, role, per_request=cfg.request_metrics, worker_name=cfg.worker_name
+    )
     async_engine.metrics = metrics
     state = ServerState(cfg, async_engine, metrics, disaggregation_mode, cpu_threads or server_cpu_threads(cfg))
     state.drain = DrainControl(Drain(cfg.graceful_shutdown_timeout_s), async_engine)
@@ -212,10 +211,8 @@ def create_app(
     return app
 
 
-def _drop_router_probe_noise(record: logging.LogRecord) -> bool:
-    """sglang-router probes each worker with an HTTP/2 preface, which h11 refuses and uvicorn logs
-    as a warning every time: noise, not a fault of ours or of a client (shown with debug logs)."""
-    return record.getMessage() != "Invalid HTTP request received."
+def server_role(disaggregation_mode: str) -> str:
+    return "colocated" if disaggregation_mode == "null" else disaggregation_mode
 
 
 def draining_server(config: Any, control: DrainControl) -> Any:
@@ -249,6 +246,7 @@ def run_server(
     import uvicorn
 
     holder: dict[str, Any] = {}
+    since = time.monotonic()
 
     def on_fatal(exc: BaseException) -> None:
         logger.error("engine failed (%s): shutting the server down", exc)
@@ -261,7 +259,14 @@ def run_server(
     threads = server_cpu_threads(cfg)
     apply_cpu_threads(threads)
     logger.info(threads.describe())
-    app = create_app(cfg, engine_factory, on_fatal, disaggregation_mode, threads)
+    tasks: set[asyncio.Task] = set()  # the loop keeps only weak references to tasks
+
+    def on_ready() -> None:  # on the event loop
+        task = asyncio.ensure_future(announce_ready(server, cfg, server_role(disaggregation_mode), since))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    app = create_app(cfg, engine_factory, on_fatal, disaggregation_mode, threads, on_ready)
     config = uvicorn.Config(
         app,
         host=cfg.host,
@@ -274,7 +279,7 @@ def run_server(
         **listener_settings(cfg.listener),
     )
     if cfg.log_level != "debug":  # after uvicorn.Config: it (re)configures its loggers
-        logging.getLogger("uvicorn.error").addFilter(_drop_router_probe_noise)
+        logging.getLogger("uvicorn.error").addFilter(quiet_uvicorn_start)
     control: DrainControl = app.state.kvpipe.drain
     server = draining_server(config, control)
     holder["server"] = server

@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 import kvpipe
+from kvpipe.config import SpeculativeConfig
 from kvpipe.engine.cpu_threads import OMP_WAIT_ENV, torch_threads
 from kvpipe.engine.request import SamplingParams
 from kvpipe.server.api_key import caller_of
@@ -29,7 +30,9 @@ from kvpipe.server.protocol import GenerateInput, new_rid
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 # keys of /server_info (at any depth) only an admin reads: where the planes listen, where the
 # checkpoint lives; sglang-router needs none of them
-_ADMIN_ONLY_KEYS = frozenset({"bootstrap_port", "model_path", "tokenizer_path", "checkpoint_path", "listeners"})
+_ADMIN_ONLY_KEYS = frozenset(
+    {"bootstrap_port", "model_path", "tokenizer_path", "checkpoint_path", "listeners", "speculative_draft_model_path"}
+)
 _ADMIN_ONLY_SUFFIXES = ("_address", "_addresses", "_url", "_host", "_endpoint", "_endpoints")
 
 
@@ -45,12 +48,27 @@ def redacted(value: Any) -> Any:
     return value
 
 
+def speculative_info(spec: SpeculativeConfig) -> dict[str, Any]:
+    """The speculative settings under SGLang's server-argument names, as they are in effect (the
+    step count and draft tokens resolved from their defaults); all None when speculation is off.
+    Its statistics are the engine's: internal_states[0].avg_spec_accept_length and spec_*."""
+    on = spec.enabled
+    return {
+        "speculative_algorithm": spec.algorithm,
+        "speculative_num_steps": spec.max_drafts if on else None,
+        "speculative_eagle_topk": 1 if on else None,  # kvpipe verifies a chain
+        "speculative_num_draft_tokens": spec.max_drafts + 1 if on else None,
+        "speculative_draft_model_path": spec.draft_model_path,
+    }
+
+
 def server_info(state: ServerState) -> dict[str, Any]:
     """Everything /server_info reports (an admin's view)."""
     c = state.cfg
     return {
         **state.model_paths(),
         "served_model_name": c.model_name,
+        "worker_name": c.worker_name,
         "tp_size": c.tp_size,
         "dp_size": 1,
         "page_size": c.cache.page_size,
@@ -61,6 +79,7 @@ def server_info(state: ServerState) -> dict[str, Any]:
         "device": c.device,
         "dtype": c.dtype,  # --dtype and --kv-cache-dtype as given (SGLang reports its args)
         "kv_cache_dtype": c.cache.kv_cache_dtype,
+        **speculative_info(c.speculative),
         "disaggregation_mode": state.disaggregation_mode,
         "version": kvpipe.__version__,
         # the plan, and what torch reports in this process (rank 0): they differ only if

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
@@ -134,6 +134,13 @@ class _EngineStatsCollector(Collector):
                 "server's prefix cache (a PD decode: KV not transferred)",
                 value=float(stats["prefix_hit_tokens"]),
             )
+        if "generated_tokens" in stats:
+            yield CounterMetricFamily(
+                "kvpipe_engine_generated_tokens",
+                "Tokens this server's forwards generated, counted each step (kvpipe_generation_tokens "
+                "counts them as requests finish): its rate is the running requests' speed",
+                value=float(stats["generated_tokens"]),
+            )
         for key, doc in _SPEC_COUNTERS.items():
             if key in stats:
                 yield CounterMetricFamily(f"kvpipe_{key}", doc, value=float(stats[key]))
@@ -221,11 +228,25 @@ def _store_metrics(store: dict) -> Iterator[CounterMetricFamily]:
 
 class ServerMetrics:
     def __init__(
-        self, model_name: str, stats: Callable[[], dict | None], role: str = "colocated", per_request: bool = True
+        self,
+        model_name: str,
+        stats: Callable[[], dict | None],
+        role: str = "colocated",
+        per_request: bool = True,
+        worker_name: str | None = None,
     ) -> None:
         """`role`: colocated, prefill or decode (the label of the timeline histograms);
-        `per_request` False: the latency histograms are not fed (--disable-request-metrics)."""
+        `per_request` False: the latency histograms are not fed (--disable-request-metrics);
+        `worker_name`: --worker-name, exported as kvpipe_worker_info (`kvpipe top` names rows by it)."""
         self.registry = CollectorRegistry(auto_describe=True)
+        if worker_name is not None:
+            info = Gauge(
+                "kvpipe_worker_info",
+                "Always 1: this server's --worker-name and role",
+                ["name", "role"],
+                registry=self.registry,
+            )
+            info.labels(worker_name, role).set(1)
         labels = ["model_name"]
         self._model = model_name
         self.role = role

@@ -71,8 +71,8 @@ def _usage(outs: list[RequestOutput]) -> dict[str, Any]:
 class _Responder:
     """Builds response objects and SSE chunks for one OpenAI request."""
 
-    def __init__(self, state: ServerState, kind: str, rid: str, want_logprobs: bool) -> None:
-        self.state, self.kind, self.want_logprobs = state, kind, want_logprobs
+    def __init__(self, state: ServerState, kind: str, rid: str, want_logprobs: bool, want_meta: bool = False) -> None:
+        self.state, self.kind, self.want_logprobs, self.want_meta = state, kind, want_logprobs, want_meta
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{rid}"
         self.created = int(time.time())
         self.object = "chat.completion" if kind == "chat" else "text_completion"
@@ -111,6 +111,8 @@ class _Responder:
             else:
                 c["text"] = out.text
             c.update(logprobs=self.logprobs(out), **_finish_fields(out))
+            if self.want_meta:
+                c["meta_info"] = out.meta_info()
             choices.append(c)
         return {
             "id": self.id,
@@ -191,6 +193,10 @@ def _build_inputs(
 async def _respond(
     request: Request, state: ServerState, req: _OpenAIBase, inputs: list[GenerateInput], responder: _Responder
 ) -> Response:
+    if req.stream and req.return_meta_info:  # as SGLang: meta_info comes with a whole answer only
+        raise APIError(
+            "return_meta_info is not supported with streaming; set stream to false", param="return_meta_info"
+        )
     streams = state.submit_all(inputs)
     if not req.stream or state.is_prefill:
         return await state.respond_when_done(request, streams, responder.body)
@@ -278,7 +284,11 @@ def register_openai_routes(app: FastAPI, state: ServerState) -> None:
         req, rid, inputs = await state.offload(prepare_completion, body)
         inputs = state.for_caller(request, inputs, req.cache_salt)
         return await _respond(
-            request, state, req, inputs, _Responder(state, "completion", rid, req.logprobs is not None)
+            request,
+            state,
+            req,
+            inputs,
+            _Responder(state, "completion", rid, req.logprobs is not None, bool(req.return_meta_info)),
         )
 
     def prepare_chat(body: Any) -> tuple[ChatCompletionRequest, str, list[GenerateInput]]:
@@ -309,4 +319,5 @@ def register_openai_routes(app: FastAPI, state: ServerState) -> None:
     async def chat_completions(request: Request) -> Response:
         req, rid, inputs = await state.offload(prepare_chat, await read_json(request))
         inputs = state.for_caller(request, inputs, req.cache_salt)
-        return await _respond(request, state, req, inputs, _Responder(state, "chat", rid, bool(req.logprobs)))
+        responder = _Responder(state, "chat", rid, bool(req.logprobs), bool(req.return_meta_info))
+        return await _respond(request, state, req, inputs, responder)

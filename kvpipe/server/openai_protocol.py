@@ -45,6 +45,7 @@ class _OpenAIBase(WireModel):
     repetition_penalty: float | None = None
     rid: str | None = None
     cache_salt: str | None = None  # vLLM's: prefixes are shared only with requests of the same salt
+    return_meta_info: bool | None = False  # SGLang's: each choice carries /generate's meta_info (not streamed)
     # PD fields injected by sglang-router (lists for a batched prompt)
     bootstrap_host: str | list[str | None] | None = None
     bootstrap_port: int | list[int | None] | None = None

@@ -53,6 +53,21 @@ class RequestOutput:
     def finish_reason_json(self) -> dict[str, Any] | None:
         return finish_reason_json(self.finish_reason, self.finish_detail, self.completion_tokens)
 
+    def meta_info(self) -> dict[str, Any]:
+        """SGLang's `meta_info` of the request so far: /generate's (and, with `return_meta_info`,
+        an OpenAI choice's); a speculative engine's counts (spec_accept_length, ...) once it finished."""
+        meta: dict[str, Any] = {
+            "id": self.rid,
+            "finish_reason": self.finish_reason_json(),
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
+            "e2e_latency": round(self.e2e_latency, 6),
+        }
+        if self.spec is not None and self.finished:  # SGLang reports these when a request finished
+            meta.update(self.spec.meta_info())
+        return meta
+
 
 class RequestTracker:
     def __init__(self, inp: GenerateInput, detok: Detokenizer, start_time: float) -> None:

@@ -146,6 +146,7 @@ class PeerLiveness(Generic[PeerKey]):
     timeout_s: float
     last_seen: dict[PeerKey, float] = field(default_factory=dict)
     dead: set[PeerKey] = field(default_factory=set)
+    observed_at: float | None = None  # when the observer's worker last looked (observed())
 
     def seen(self, peer: PeerKey, now: float) -> bool:
         """Record a sign of life. Returns True when a peer reported dead came back."""
@@ -166,6 +167,22 @@ class PeerLiveness(Generic[PeerKey]):
 
     def alive(self, peer: PeerKey) -> bool:
         return peer in self.last_seen and peer not in self.dead
+
+    def observed(self, now: float, pause_after_s: float) -> None:
+        """The observer's worker is looking now (called by the real-time thread before `reap`, not
+        by the books, whose tests step a simulated clock): a gap since its last look longer than
+        `pause_after_s` was its own pause, credited to every peer."""
+        if self.observed_at is not None and now - self.observed_at > pause_after_s:
+            self.pause(now - self.observed_at, now)
+        self.observed_at = now
+
+    def pause(self, gap_s: float, now: float) -> None:
+        """The observer itself did not run for `gap_s` (its process starved of CPU, or its worker
+        held up): nothing it could have heard in that time counts against a peer, so every peer
+        gets the gap back (never past `now`). Without this, a worker that wakes before the receive
+        thread has read the heartbeats queued meanwhile would declare every peer dead."""
+        for p, t in self.last_seen.items():
+            self.last_seen[p] = min(t + gap_s, now)
 
     def reap(self, now: float) -> list[PeerKey]:
         """Peers that became dead since the last call (each reported once)."""

@@ -94,7 +94,7 @@ def generate(url: str, body: dict[str, Any], timeout_s: float = 120.0) -> dict[s
     """POST /generate; a streamed answer is folded into the final event (plus the event count).
 
     A router that has no healthy worker yet (a server restarted a moment ago: the router's next
-    health check re-admits it within ROUTER_RECOVERY_FLAGS' 5 s) answers 503 before choosing any
+    health check re-admits it within ROUTER_RECOVERY_FLAGS' 2 s checks) answers 503 before choosing any
     worker, so nothing ran: that answer is retried for up to 30 s."""
     if not body.get("stream"):
         deadline = time.monotonic() + 30.0

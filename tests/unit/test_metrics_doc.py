@@ -20,6 +20,7 @@ STATS = {
     **{k: 1 for k in _GAUGES},
     **{k: 2 for k in _SPEC_COUNTERS},
     "prefix_hit_tokens": 3,
+    "generated_tokens": 7,
     "disaggregation": {
         "bytes_written": 10,
         "auth_rejected": {"control": 0, "bootstrap": 0},
@@ -69,7 +70,7 @@ def documented_families() -> dict[str, str]:
 
 @pytest.mark.parametrize("role", ["colocated", "prefill", "decode"])
 def test_every_exposed_metric_is_documented(role: str) -> None:
-    m = ServerMetrics("tiny", lambda: stats_of(role), role)
+    m = ServerMetrics("tiny", lambda: stats_of(role), role, worker_name=f"{role}0")
     m.on_first_token(0.1)
     m.on_tokens(0.2, 2)
     m.on_finish("length", 5, 0, 3, 0.5, 0.1)
@@ -85,7 +86,7 @@ def test_every_documented_metric_exists() -> None:
     names: set[str] = set()
     for role in ("colocated", "prefill", "decode"):
         stats = stats_of(role)
-        m = ServerMetrics("tiny", lambda: stats, role)  # noqa: B023 - rendered in this iteration
+        m = ServerMetrics("tiny", lambda: stats, role, worker_name=f"{role}0")  # noqa: B023 - rendered here
         m.on_finish("length", 5, 0, 3, 0.5, 0.1)
         names |= {
             f"{fam.name}_total" if fam.type == "counter" else fam.name

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvpipe.config import ConfigError, ParallelConfig
-from kvpipe.model.checkpoint.loader import load_generation_eos, load_model
+from kvpipe.model.checkpoint.loader import check_checkpoint, load_generation_eos, load_model
 
 
 @pytest.fixture
@@ -46,6 +46,17 @@ def test_missing_directory_and_config(tmp_path):
         load_model(tmp_path / "nope")
     with pytest.raises(ConfigError, match="no config.json"):
         load_model(tmp_path)
+
+
+def test_hub_id_says_kvpipe_reads_local_files(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the id is a relative path that does not exist here
+    with pytest.raises(
+        ConfigError, match="hub id.*reads local files.*kvpipe models fetch.*huggingface-cli download Qwen/"
+    ):
+        check_checkpoint("Qwen/Qwen2.5-0.5B-Instruct")
+    with pytest.raises(ConfigError) as e:  # a missing absolute path is not taken for one
+        check_checkpoint(tmp_path / "nope")
+    assert "hub id" not in str(e.value)
 
 
 def test_missing_weights(model_copy):

@@ -261,14 +261,15 @@ def test_full_control_queue_fails_the_request():
 
 def test_heartbeats_one_per_prefill_rank_with_increasing_seq():
     d = Decode(tp=2)  # P=1, D=2: the prefill rank pairs with both decode ranks, gets one beat
-    d.book.housekeeping(0.0)
+    d.book.heartbeats(0.0)
     assert d.take() == []  # nobody known yet
     d.connected(1, prefill(), 0.0)
     d.take()
-    d.book.housekeeping(0.9)  # an interval has not passed since the first round
+    d.book.heartbeats(0.9)  # an interval has not passed since the first round
+    d.book.housekeeping(1.5)  # the worker's housekeeping never beats (the pulse thread does)
     assert d.take() == []
     for now in (1.0, 1.5, 2.0):
-        d.book.housekeeping(now)
+        d.book.heartbeats(now)
     assert d.take() == [("tcp://p0-0", m.Heartbeat(d.mine(1), 1)), ("tcp://p0-0", m.Heartbeat(d.mine(1), 2))]
 
 
@@ -292,6 +293,23 @@ def test_heartbeat_death_keeps_pages_until_quiet_and_forgets_the_prefill():
     assert d.book.poll(15.01)[0][:2] == (1, T.FAILED)
     assert not d.book.has_news(15.02)  # reported once
     assert d.add(2, 16.0) == ADDR  # forgotten: the next room fetches its bootstrap info again
+
+
+def test_a_prefill_is_judged_by_heartbeats_only_once_it_answered_the_registration():
+    """After a healed partition the registration's answer may come seconds late (TCP resends at
+    its backed-off RTO): until it comes the bootstrap deadline (5 s) judges the prefill, not the
+    heartbeat timeout (3 s), which would drop it with the answer on the way (issue 50)."""
+    d = Decode()
+    assert d.add(1, 0.0) == ADDR
+    d.book.on_fetched(ADDR, prefill(), None, 0.0)  # RegisterPeer sent, no answer yet
+    d.book.housekeeping(4.0)
+    assert d.book.room_state(1) is T.BOOTSTRAPPING and ADDR in d.book.prefills
+    d.accept(ADDR, 4.5)  # the answer arrives; from now on heartbeats are due
+    assert d.book.room_state(1) is T.WAITING_FOR_INPUT
+    d.book.housekeeping(7.4)
+    assert d.book.room_state(1) is T.WAITING_FOR_INPUT
+    d.book.housekeeping(7.6)  # 3.1 s silent since its answer
+    assert d.book.room_state(1) is T.FAILED and "sent no heartbeat" in d.book.rooms[1].rec.reason
 
 
 def test_prefill_restart_fails_old_rooms_and_frees_them_at_once():

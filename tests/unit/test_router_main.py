@@ -71,3 +71,22 @@ def test_the_environment_fills_only_the_keys_no_file_gave(tmp_path: Path) -> Non
     assert out[out.index("--api-key") + 1] == "from-file" and out.count("--api-key") == 1
     assert out[out.index("--control-plane-api-keys") + 1] == "kvpipe-admin:kvpipe admin:admin:adm"
     assert router_argv(["--port", "1"], {}) == ["--port", "1"]
+
+
+def test_recovery_flags_bound_the_time_to_serve_after_a_heal() -> None:
+    """sglang-router parses launch's recovery flags, and with them a worker that answers again is
+    routed to within 10 s (issue 50): a health check already in flight may run its timeout, the next
+    comes an interval later and one success re-admits it; an open circuit half-opens after its
+    timeout and one success closes it. The README's command by hand carries the same flags."""
+    pytest.importorskip("sglang_router")
+    from sglang_router.launch_router import parse_router_args
+
+    from kvpipe.launch.router import ROUTER_RECOVERY_FLAGS, router_command_xpyd
+
+    cmd = router_command_xpyd([("http://p:30000", 8998)], ["http://d:30000"], "127.0.0.1", 8000, 29000)
+    a = parse_router_args(cmd[cmd.index("--pd-disaggregation") :])
+    health_s = a.health_check_timeout_secs + a.health_check_interval_secs * a.health_success_threshold
+    assert health_s + a.cb_timeout_duration_secs * (a.cb_success_threshold > 1) <= 10
+    assert a.cb_timeout_duration_secs <= 10 and a.cb_success_threshold == 1
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert " ".join(ROUTER_RECOVERY_FLAGS[:6]) in readme and " ".join(ROUTER_RECOVERY_FLAGS[6:]) in readme

@@ -212,7 +212,9 @@ def test_book_deadlines_and_dead_decode():
     b.tick(8.6)  # silent for 3.1 s > 3 misses * 1 s
     room, state, reason = b.book.poll(8.6)[0]
     assert (room, state) == (2, T.FAILED) and "heartbeats missed" in reason
-    assert any(isinstance(msg, m.Heartbeat) for _, msg in b.sent)
+    assert not any(isinstance(msg, m.Heartbeat) for _, msg in b.sent)  # the worker's ticks send none
+    b.book.heartbeats(8.6)  # the pulse thread's call: one beat to the (dead, not yet forgotten) decode
+    assert [msg for _, msg in b.sent if isinstance(msg, m.Heartbeat)] == [m.Heartbeat(b.book.session_id, 0)]
 
 
 def test_rank_pairs_and_expected_destinations():

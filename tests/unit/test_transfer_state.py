@@ -95,6 +95,25 @@ def test_peer_liveness_reports_death_once_and_revival():
     assert not lv.alive("a") and lv.reap(now=1e9) == []
 
 
+def test_peer_liveness_does_not_count_the_observers_own_pause():
+    lv = PeerLiveness(timeout_s=3.0)
+    lv.seen("a", now=0.0)
+    lv.seen("b", now=0.0)
+    lv.observed(0.0, pause_after_s=1.0)
+    lv.observed(0.5, pause_after_s=1.0)  # a normal tick: nothing credited
+    assert lv.last_seen == {"a": 0.0, "b": 0.0}
+    # the observer's process was starved for 9.5 s (3x the timeout): its receive thread has not
+    # read the heartbeats queued meanwhile, so that silence says nothing about the peers
+    lv.observed(10.0, pause_after_s=1.0)
+    assert lv.reap(10.0) == [] and lv.last_seen == {"a": 9.5, "b": 9.5}
+    lv.seen("a", now=10.1)  # a's queued heartbeats arrive; b has really stopped
+    lv.observed(10.2, pause_after_s=1.0)
+    assert lv.reap(12.6) == ["b"]  # b: 3.1 s of silence the observer was awake for
+    lv.seen("c", now=20.0)
+    lv.observed(25.0, pause_after_s=1.0)
+    assert lv.last_seen["c"] == 25.0  # credited up to now, never past it
+
+
 def test_config_validation():
     with pytest.raises(ValueError):
         DisaggregationConfig(bootstrap_timeout_s=0)

@@ -85,8 +85,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=3, help="measured runs per point (medians are reported)")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured runs per prefill point first")
     p.add_argument("--seed", type=int, default=0, help="prompt token seed")
-    p.add_argument("--skip-prefill", action="store_true")
-    p.add_argument("--skip-decode", action="store_true")
+    p.add_argument("--skip-prefill", action="store_true", help="measure decode only")
+    p.add_argument("--skip-decode", action="store_true", help="measure prefill only")
     p.add_argument(
         "--compare-hf",
         action="store_true",

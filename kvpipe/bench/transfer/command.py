@@ -110,7 +110,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--staging-pool-mb", type=int, default=64, help="staging ring / buffer per rank (MB)")
     p.add_argument("--link-rate", default=None, help="emulate a link of this rate (tc syntax, e.g. 2gbit); needs root")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the KV bytes and page choices")
     p.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 

@@ -46,6 +46,9 @@ logger = logging.getLogger(__name__)
 SliceSource = Callable[[str], Any]
 
 
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # owner/name, as `from_pretrained` takes it
+
+
 def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
     """config.json of an HF directory, or the equivalent dict a GGUF file's metadata gives."""
     ckpt = gguf_checkpoint(model_dir)
@@ -55,6 +58,11 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
     expected = "expected a local HF checkpoint directory, a .gguf file, or a directory holding one"
     if not Path(model_dir).is_dir():
         what = "no such file or directory" if not Path(model_dir).exists() else "not a directory or a .gguf file"
+        if not Path(model_dir).exists() and _HUB_ID.fullmatch(str(model_dir)):
+            expected = (
+                "a Hugging Face hub id? kvpipe reads local files only: `kvpipe models fetch NAME` fetches the "
+                f"models of `kvpipe models list`, `huggingface-cli download {model_dir} --local-dir DIR` others"
+            )
         raise ConfigError(f"{model_dir}: {what} ({expected})")
     if not path.is_file():
         raise ConfigError(f"{model_dir}: no config.json and no .gguf file ({expected})")

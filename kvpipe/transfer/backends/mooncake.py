@@ -47,6 +47,7 @@ from kvpipe.transfer.backends.base import (
     _Injector,
     as_op_arrays,
 )
+from kvpipe.transfer.backends.mooncake_log import quiet_start
 from kvpipe.transfer.backends.peer_link import PeerLink
 from kvpipe.transfer.planning.op_pieces import split_ops
 
@@ -139,8 +140,9 @@ class MooncakeBackend(TransferBackend):
     def _new_engine(self):
         from mooncake.engine import TransferEngine  # lazy: optional dependency
 
-        engine = TransferEngine()
-        rc = engine.initialize(self.hostname, "P2PHANDSHAKE", self.protocol, self.device)
+        with quiet_start():
+            engine = TransferEngine()
+            rc = engine.initialize(self.hostname, "P2PHANDSHAKE", self.protocol, self.device)
         if rc != 0:
             raise TransferError(
                 f"Mooncake initialize({self.hostname!r}, P2PHANDSHAKE, {self.protocol!r}, "

@@ -374,7 +374,11 @@ class ReceiverBook:
         self._register(peer, now)
         for s, p in peer.sessions.items():
             self._by_session[s] = (addr, p)
-            self.liveness.track(s, now)  # the grace period for its first heartbeat starts now
+            # a prefill is heard only once it has our registration, which may take up to the
+            # bootstrap timeout (after a healed partition TCP resends at its backed-off RTO, seconds
+            # late): until then its rooms' bootstrap deadline judges it, not the heartbeat timeout
+            # (which dropped it 2.5 s after the heal, its answer already on the way: issue 50)
+            self.liveness.track(s, now + max(0.0, self.cfg.bootstrap_timeout_s - self.cfg.heartbeat_timeout_s))
         self.prefills[addr] = peer
         return peer
 
@@ -500,6 +504,7 @@ class ReceiverBook:
             return self._reject(f"RegisterReply from {msg.sender!r:.80} for session {msg.session_id!r:.80}: not ours")
         pair: Pair = (known[1], rank)
         reg, where = peer.reg, peer.info.ranks[pair[0]].control_address
+        self.liveness.seen(msg.sender, now)  # it answered: from now on the heartbeat timeout judges it
         if msg.state is RegisterState.CHALLENGE:
             if reg.challenged(pair):
                 self.send(where, replace(reg.messages[rank], challenge=msg.challenge))
@@ -569,6 +574,10 @@ class ReceiverBook:
         for peer in self.prefills.values():  # rooms wait for a registration no answer came for
             if peer.reg.queued and not peer.reg.ready:
                 self._register(peer, now)
+
+    def heartbeats(self, now: float) -> None:
+        """One beat per prefill rank, at most once per heartbeat interval. The receiver's `Pulse`
+        thread calls this, not the worker (whose housekeeping may wait on the lock)."""
         if now < self._next_hb:
             return
         self._next_hb = now + self.cfg.heartbeat_interval_s

@@ -18,8 +18,9 @@ a prefill's bootstrap info when the book asks (only where `guard` allows, contro
 retrying while a prefill that answered before restarts, then checking compatibility: a refused
 handshake fails every waiting room and posts them to the prefill's bootstrap server, which fails
 them there too, control/handshake.py) and hands the outcome back; a worker thread drives the
-book's deadlines and
-heartbeats every receiver_tick_s (TransferTuning). Control messages leave through the endpoint, never blocking.
+book's deadlines and liveness every receiver_tick_s (TransferTuning; a gap in its own ticks is not
+the prefills' silence: lifecycle.PeerLiveness.observed); heartbeats leave from their own thread
+(control/pulse.py). Control messages leave through the endpoint, never blocking.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from kvpipe.transfer.control.endpoint import ControlEndpoint
 from kvpipe.transfer.control.fetch_guard import FetchGuard
 from kvpipe.transfer.control.handshake import MAX_REFUSED_ROOMS, Handshake, RefusalNotice
 from kvpipe.transfer.control.messages import RECEIVER_RECEIVES, AuxData, DecodeRank, limits_for
+from kvpipe.transfer.control.pulse import Pulse
 from kvpipe.transfer.kv_digest import KEY_BYTES, KVDigester
 from kvpipe.transfer.lifecycle import Clock, TransferState
 from kvpipe.transfer.planning.tp_mapping import slices_for_decode_rank
@@ -134,6 +136,7 @@ class KVReceiver:
         # fetches of prefills fetched from before (restarts) never queue behind bogus hosts'
         self._proven_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvreceiver-bootstrap-proven")
         self._worker = threading.Thread(target=self._run, name="kvreceiver-worker", daemon=True)
+        self._pulse = Pulse(cfg.heartbeat_interval_s, self._beat, "kvreceiver", clock)
 
     @property
     def stats(self) -> ReceiverStats:
@@ -155,12 +158,14 @@ class KVReceiver:
     def start(self) -> KVReceiver:
         self._endpoint.start()
         self._worker.start()
+        self._pulse.start()
         return self
 
     def close(self) -> None:
         self._stop.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._proven_pool.shutdown(wait=False, cancel_futures=True)
+        self._pulse.close()
         if self._worker.is_alive():
             self._worker.join(timeout=5.0)
         self._endpoint.close()
@@ -336,11 +341,16 @@ class KVReceiver:
         if self._on_news is not None:
             self._on_news()
 
+    def _beat(self, now: float) -> None:
+        with self._lock:
+            self._book.heartbeats(now)
+
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
                 with self._lock:
                     now = self._clock()
+                    self._book.liveness.observed(now, self.cfg.heartbeat_interval_s)
                     self._book.housekeeping(now)
                     news = self._book.has_news(now)
                 # a room reportable for a reason no message brought (a deadline, a write that can

@@ -157,7 +157,7 @@ class SenderBook(SessionRules):
         )
         self.inflight_ops = 0
         self._timeouts = sender_timeouts(cfg)
-        self._hb_seq, self._next_hb = 0, float("-inf")
+        self._hb_seq, self._next_hb, self._next_sweep = 0, float("-inf"), float("-inf")
         # A full scan of all rooms (deadlines, planning, final statuses) runs after any event and
         # every idle_tick_s; in between, worker ticks only touch rooms with writes in flight.
         self._busy: dict[int, SenderRoom] = {}  # rooms with planned or in-flight writes
@@ -329,7 +329,7 @@ class SenderBook(SessionRules):
     # ---- clock: deadlines, liveness, heartbeats, planning, the write window --------------------
 
     def housekeeping(self, now: float) -> list[str]:
-        """Deadlines, dead decodes, heartbeats; returns decode addresses forgotten for good."""
+        """Deadlines, dead decodes, expiries; returns decode addresses forgotten for good."""
         for addr in self.peers.liveness.reap(now):
             why = f"decode at {addr} sent nothing for {self.cfg.heartbeat_timeout_s:.1f}s (heartbeats missed)"
             log.warning("prefill rank %d: %s", self.tp_rank, why)
@@ -338,18 +338,26 @@ class SenderBook(SessionRules):
                 if dead:
                     self._fail_or_drop(r, dead, why, now)
                     self._dirty = True
-        if now < self._next_hb:
+        if now < self._next_sweep:
             return []
-        self._next_hb = now + self.cfg.heartbeat_interval_s
-        for addr in self.peers.control_addresses():
-            self.send(addr, Heartbeat(self.session_id, self._hb_seq))
-        self._hb_seq += 1
+        self._next_sweep = now + self.cfg.heartbeat_interval_s
         self.tombstones.expire(now)
         gone = self.peers.prune(
             now, {d.control_address for r in self.rooms.values() for d in r.dests.values()}, self._sessions_in_use()
         )
         self._tell_evicted()
         return gone
+
+    def heartbeats(self, now: float) -> None:
+        """One beat to every known decode, at most once per heartbeat interval. The rank's
+        `Pulse` thread calls this, never the worker: a pass blocked in a backend call or a
+        gather must not silence a live rank (issue 50)."""
+        if now < self._next_hb:
+            return
+        self._next_hb = now + self.cfg.heartbeat_interval_s
+        for addr in self.peers.control_addresses():
+            self.send(addr, Heartbeat(self.session_id, self._hb_seq))
+        self._hb_seq += 1
 
     def take_work(
         self, now: float

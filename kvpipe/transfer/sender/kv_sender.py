@@ -22,11 +22,12 @@ addresses, validated once per session), TransferRequest (room -> dst pages, pref
 kept until add_room if it comes first), Abort and Heartbeat to the `SenderBook` (book.py,
 all decisions, no I/O). A worker thread plans queued send() calls, submits write batches within
 `max_inflight_ops` (`pump()` runs one such pass on the caller's thread), polls them, enforces
-deadlines, sends heartbeats and declares silent decodes dead. After the last batch landed every
-destination gets TransferStatus(SUCCESS, aux); a failed room first drains its in-flight writes,
-then gets TransferStatus(FAILED): prefill's final word, after which nothing it sent can still land.
-poll() reports a room only once it is drained, so freeing its pages is safe. Backend calls run
-outside the lock (a local submit copies inline).
+deadlines and declares silent decodes dead (a gap in its own passes is not the decodes' silence:
+lifecycle.PeerLiveness.observed); heartbeats leave from their own thread (control/pulse.py).
+After the last batch landed every destination gets TransferStatus(SUCCESS, aux); a failed room
+first drains its in-flight writes, then gets TransferStatus(FAILED): prefill's final word, after
+which nothing it sent can still land. poll() reports a room only once it is drained, so freeing
+its pages is safe. Backend calls run outside the lock (a local submit copies inline).
 
 Session id of this rank on the wire: f"{instance_id}/{tp_rank}" (the decode derives it from the
 bootstrap info to match heartbeats).
@@ -50,6 +51,7 @@ from kvpipe.transfer.control.bootstrap import BootstrapError, PrefillRankInfo, r
 from kvpipe.transfer.control.endpoint import ControlEndpoint
 from kvpipe.transfer.control.handshake import Handshake
 from kvpipe.transfer.control.messages import SENDER_RECEIVES, AuxTuple, limits_for
+from kvpipe.transfer.control.pulse import Pulse
 from kvpipe.transfer.kv_digest import KVDigester
 from kvpipe.transfer.lifecycle import Clock, TransferState
 from kvpipe.transfer.planning.layout import KVLayout
@@ -170,6 +172,7 @@ class KVSender:
             digest=None if digester is None else digester.digest,
         )
         self._worker = threading.Thread(target=self._run, name=f"kvsender-{tp_rank}-worker", daemon=True)
+        self._pulse = Pulse(cfg.heartbeat_interval_s, self._beat, f"kvsender-{tp_rank}", clock)
 
     @property
     def stats(self) -> SenderStats:
@@ -208,6 +211,7 @@ class KVSender:
         `registrar_key` (the prefill instance's own secret: bootstrap.py) or else the shared token."""
         self._endpoint.start()
         self._worker.start()
+        self._pulse.start()
         registrar = self._auth if registrar_key is None else Authenticator(registrar_key)
         if bootstrap is not None:
             end = time.monotonic() + self.cfg.bootstrap_timeout_s
@@ -226,6 +230,7 @@ class KVSender:
         """Stop the threads. In-flight writes are not waited for; the backend stays open."""
         self._stop.set()
         self._wake.set()
+        self._pulse.close()
         if self._worker.is_alive():
             self._worker.join(timeout=5.0)
         self._endpoint.close()
@@ -398,6 +403,10 @@ class KVSender:
             self._book.on_message(msg, self._clock())
         self._wake.set()
 
+    def _beat(self, now: float) -> None:
+        with self._lock:
+            self._book.heartbeats(now)
+
     def _run(self) -> None:
         while not self._stop.is_set():
             self._wake.clear()
@@ -435,6 +444,7 @@ class KVSender:
         try:
             with self._lock:
                 now = self._clock()
+                self._book.peers.liveness.observed(now, self.cfg.heartbeat_interval_s)
                 for addr in self._book.housekeeping(now):
                     self._endpoint.disconnect(addr)
                 take, cancels, watch = self._book.take_work(now)

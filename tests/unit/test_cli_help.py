@@ -1,0 +1,84 @@
+"""Every flag of every kvpipe command has help text that shows its default, and `--help` of the
+commands a newcomer meets first imports no torch (the parse path stays light: issue 47)."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from kvpipe.cli import DefaultsHelpFormatter, build_parser
+
+# `kvpipe launch` moves to kvpipe/commands/launch.py on another branch, which gives its flags help.
+KNOWN_GAPS = {("kvpipe launch", "--host")}
+
+
+def _walk(parser: argparse.ArgumentParser, name: str) -> Iterator[tuple[str, argparse.ArgumentParser, argparse.Action]]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub_name, sub in action.choices.items():
+                yield from _walk(sub, f"{name} {sub_name}")
+        elif not isinstance(action, argparse._HelpAction) and action.help != argparse.SUPPRESS:
+            yield name, parser, action
+
+
+def _flags() -> list[tuple[str, argparse.ArgumentParser, argparse.Action]]:
+    parser, _ = build_parser()
+    return list(_walk(parser, "kvpipe"))
+
+
+def _rendered(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
+    formatter = parser._get_formatter()
+    formatter.add_argument(action)
+    return " ".join(formatter.format_help().split())
+
+
+def test_the_walk_sees_every_command() -> None:
+    commands = {name for name, _, _ in _flags()}
+    assert {"kvpipe serve", "kvpipe chat", "kvpipe top", "kvpipe bench serve", "kvpipe launch"} <= commands
+
+
+def test_every_flag_has_help_that_shows_its_default() -> None:
+    missing, no_default = [], []
+    for name, parser, action in _flags():
+        flag = action.option_strings[0] if action.option_strings else action.dest
+        if (name, flag) in KNOWN_GAPS:
+            continue
+        if not action.help:
+            missing.append(f"{name} {flag}")
+            continue
+        assert isinstance(parser.formatter_class, type) and issubclass(parser.formatter_class, DefaultsHelpFormatter)
+        switch = action.nargs == 0
+        if action.option_strings and not switch and not action.required:
+            if "default" not in _rendered(parser, action).lower():
+                no_default.append(f"{name} {flag}")
+    assert not missing, f"flags without help: {missing}"
+    assert not no_default, f"flags whose help shows no default: {no_default}"
+
+
+def test_defaults_are_rendered_from_the_parser() -> None:
+    parser, _ = build_parser(["serve"])
+    serve = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
+    text = " ".join(serve.format_help().split())
+    assert "--port PORT port of the HTTP server (default: 30000)" in text
+    assert "--page-size PAGE_SIZE tokens per KV page (default: 64)" in text
+    assert "(default: None)" not in text  # an unset value reads "none"
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "chat", "top", "init-model", "models"])
+def test_help_imports_no_torch(command: str) -> None:
+    code = (
+        "import sys\n"
+        "from kvpipe.cli import main\n"
+        "try:\n"
+        f"    main([{command!r}, '--help'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', file=sys.stderr)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "usage: kvpipe" in out.stdout
+    assert out.stderr.strip().splitlines()[-1] == "NO-TORCH", out.stderr[-2000:]
