@@ -8,7 +8,9 @@ checkpoints per family), moe_block (SparseMoE next to HF's MoE blocks), toleranc
 two runs' logits must be, and the exactness check of two generations: tokens and logprobs,
 assert_same_generations), corrupt_kv (negative controls: one page, head slice or state slot
 corrupted on purpose), tp_ranks (a function on every rank of a gloo process group),
-preset_digests, gguf_files (small GGUF files written with gguf.GGUFWriter).
+preset_digests, gguf_files (small GGUF files written with gguf.GGUFWriter), trained_models (the
+trained GGUFs: SmolLM2 and the catalog's Qwen2.5-Coder, fetched on first use, with transformers'
+tokenizer and model of each).
 Engine and scheduler: engine, recording_connector, scheduler_steps.
 Transfer and PD: kv_transfer (sender/receiver rigs), bootstrap_info, wire_maps, pd_pair (prefill
 and decode engines in one process), pd_parity (PD against colocated), prefix_prompts.

@@ -34,6 +34,7 @@ def make_engine(
     kv_cache_dtype: str = "auto",
     speculative: SpeculativeConfig | None = None,
     request_metrics: bool = True,
+    quantization: str | None = None,
     **kw,
 ) -> Engine:
     """An engine on the tiny model; the prefix cache is off unless asked for, so page counts
@@ -45,6 +46,7 @@ def make_engine(
         scheduler=SchedulerConfig(chunked_prefill_size=chunk, max_prefill_tokens=max_prefill_tokens),
         speculative=speculative or SpeculativeConfig(),
         request_metrics=request_metrics,
+        quantization=quantization,
     )
     return Engine(cfg, **kw)
 

@@ -69,6 +69,7 @@ def start_stack(
     *server_args: str,
     prefill_args: tuple[str, ...] = (),
     decode_args: tuple[str, ...] = (),
+    timeout_s: float = 180.0,
 ) -> Stack:
     pd = start_pd_stack(
         str(model_dir),
@@ -76,7 +77,7 @@ def start_stack(
         prefill_args=list(prefill_args),
         decode_args=list(decode_args),
         log_dir=str(log_dir),
-        timeout_s=180.0,
+        timeout_s=timeout_s,
     )
     return Stack(pd, log_dir)
 

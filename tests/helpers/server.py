@@ -90,8 +90,8 @@ def start_server(model_dir: Path, log_path: Path, *extra: str, timeout_s: float 
     return srv
 
 
-def server_fixture(model_dir: Path, tmp_dir: Path, *extra: str) -> Iterator[ServerProc]:
-    srv = start_server(model_dir, tmp_dir / "server.log", *extra)
+def server_fixture(model_dir: Path, tmp_dir: Path, *extra: str, timeout_s: float = 120.0) -> Iterator[ServerProc]:
+    srv = start_server(model_dir, tmp_dir / "server.log", *extra, timeout_s=timeout_s)
     try:
         yield srv
     finally:

@@ -24,7 +24,7 @@ from kvpipe.launch.ports import free_port
 from kvpipe.launch.process import stop_process
 from kvpipe.model.text.tokenizer import Tokenizer
 from tests.helpers.server import ServerProc, server_fixture, start_server
-from tests.helpers.smollm2_text import GGUF_DIR, GGUF_NAME
+from tests.helpers.trained_models import gguf_path
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -258,7 +258,7 @@ def test_server_dying_mid_session(tmp_path: Path, tiny_model_dir: Path) -> None:
 def test_real_model_keeps_the_conversation(tmp_path: Path) -> None:
     """SmolLM2-135M-Instruct through `kvpipe chat`, served from its GGUF: the second question only
     makes sense with the first one's history, and the prefix cache serves that history."""
-    path = GGUF_DIR / GGUF_NAME
+    path = gguf_path()
     srv = start_server(path, tmp_path / "server.log", "--page-size", "16")
     chat = ChatProc(srv.url, "--max-tokens", "48", "--temperature", "0")
     try:

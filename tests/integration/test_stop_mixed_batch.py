@@ -22,7 +22,7 @@ import pytest
 
 from kvpipe.model.text.tokenizer import Tokenizer
 from tests.helpers.server import ServerProc, server_fixture, sse_events
-from tests.helpers.smollm2_text import GGUF_DIR, GGUF_NAME, kvpipe_tokenizer
+from tests.helpers.trained_models import gguf_path, kvpipe_tokenizer
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -44,7 +44,7 @@ def model(
     if request.param == "tiny":
         path, tok = tiny_model_dir, Tokenizer.from_dir(tiny_model_dir)
     else:  # SmolLM2-135M-Instruct's GGUF: real weights, its tokenizer and chat template
-        path, tok = GGUF_DIR / GGUF_NAME, kvpipe_tokenizer()
+        path, tok = gguf_path(), kvpipe_tokenizer()
     for srv in server_fixture(path, tmp_path_factory.mktemp(f"stop_{request.param}")):
         yield Model(request.param, srv, tok)
 

@@ -1,9 +1,11 @@
 """huge_pages.py: the arena starts on a 2 MiB boundary, relocated tensors keep shape, dtype and
-values, a model's parameters keep their objects and ties, and KVPIPE_HUGE_PAGES=0 moves nothing."""
+values, an original nobody refers to any more is freed before the next one is copied, a model's
+parameters keep their objects and ties, and KVPIPE_HUGE_PAGES=0 moves nothing."""
 
 from __future__ import annotations
 
 import sys
+import weakref
 
 import pytest
 import torch
@@ -22,6 +24,23 @@ def test_arena_is_aligned_and_relocate_keeps_values() -> None:
         assert m.dtype == t.dtype and m.shape == t.shape and m.is_contiguous() and torch.equal(m, t)
         assert m.data_ptr() % huge_pages.ALIGN == 0
     assert len({m.untyped_storage().data_ptr() for m in moved}) == 1  # one arena
+
+
+def test_relocate_lets_each_original_go_before_the_next_copy() -> None:
+    """What keeps a model's load from holding its weights twice (place_weights drops each original
+    in `moved`): when copy i is made, originals 0..i-1 are already freed."""
+    ts = [torch.randn(64, 64) for _ in range(4)]
+    want = [t.clone() for t in ts]
+    refs = [weakref.ref(t) for t in ts]
+    alive_at_copy: list[list[bool]] = []
+
+    def moved(i: int, copy: torch.Tensor) -> None:
+        alive_at_copy.append([r() is not None for r in refs])
+        ts[i] = copy
+
+    out = relocate(ts, moved)
+    assert alive_at_copy == [[j >= i for j in range(4)] for i in range(4)]
+    assert all(torch.equal(o, w) for o, w in zip(out, want, strict=True))
 
 
 class _Tied(nn.Module):

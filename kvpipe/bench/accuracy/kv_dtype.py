@@ -55,7 +55,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--num-prompts", type=int, default=32, help="chat prompts (the built-in questions, repeated)")
     p.add_argument("--output-len", type=int, default=128, help="greedy tokens per prompt")
+    add_common_args(p)
+
+
+def add_common_args(p: argparse.ArgumentParser) -> None:
+    """The flags kv-accuracy and quant-accuracy share after their own."""
     p.add_argument("--page-size", type=int, default=64, help="tokens per KV page")
+    # 32 prompts x 64 tokens of a 0.5B model took over 600 s (Engine.generate's default) on a loaded 2-core host
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds each engine may take to generate")
     add_output_args(p)
 
 
@@ -88,7 +95,7 @@ def generate(
     try:
         ids = ids or prompts(engine, args.num_prompts)
         params = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-        outs = engine.generate(ids, params)
+        outs = engine.generate(ids, params, timeout_s=args.timeout)
     finally:
         engine.shutdown()
     gens = [(o["output_ids"], [float(x) for x in o["meta_info"]["output_token_logprobs"]]) for o in outs]

@@ -18,8 +18,7 @@ import argparse
 import sys
 from typing import Any
 
-from kvpipe.bench.accuracy.kv_dtype import accuracy_table, compare, emit_report, generate
-from kvpipe.bench.output import add_output_args
+from kvpipe.bench.accuracy.kv_dtype import accuracy_table, add_common_args, compare, emit_report, generate
 from kvpipe.config import QUANTIZATIONS
 from kvpipe.model.checkpoint.default_model import resolve_model_path
 
@@ -33,8 +32,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--num-prompts", type=int, default=32, help="chat prompts (kv-accuracy's questions, repeated)")
     p.add_argument("--output-len", type=int, default=64, help="greedy tokens per prompt")
-    p.add_argument("--page-size", type=int, default=64, help="tokens per KV page")
-    add_output_args(p)
+    add_common_args(p)
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:

@@ -110,7 +110,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--spec-workload",
         choices=list(WORKLOADS),
         default="edit",
-        help="edit: a chat turn asking to repeat a paragraph with its typos fixed (needs a chat template); "
+        help="edit: a chat turn asking to repeat a paragraph with its typos fixed; code-edit: one asking to rename "
+        "identifiers in a Python module; chat: a free-form question (these three need a chat template); "
         "repeat: prompts repeating a random unit of tokens",
     )
     p.add_argument(

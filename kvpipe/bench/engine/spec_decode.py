@@ -9,8 +9,11 @@ equal both ways (greedy speculation changes nothing but the speed); the acceptan
 tokens each verify step emitted (1 + accepted drafts).
 
 The workloads: `edit` is a chat turn asking to repeat a paragraph with its typos fixed (a trained
-chat model copies most of it); `repeat` is prompts that repeat a random unit of tokens (for the
-random presets: their n-grams predict the continuation only where the model itself repeats).
+chat model copies most of it); `code-edit` one asking to rename identifiers in a short Python
+module and answer with the whole code (a coder model copies most of it); `chat` a free-form
+question whose answer is new text (what a draft model must guess, nothing to copy); `repeat` is
+prompts that repeat a random unit of tokens (for the random presets: their n-grams predict the
+continuation only where the model itself repeats).
 """
 
 from __future__ import annotations
@@ -35,6 +38,38 @@ EDIT_TEXT = (
 )
 
 
+CODE_EDIT_INSTRUCTION = (
+    "Rename the function `calc` to `average` and the parameter `lst` to `values` everywhere in this code. "
+    "Reply with the whole updated code only.\n\n"
+)
+CODE_EDIT_TEXT = """```python
+def calc(lst):
+    \"\"\"The mean of lst, 0.0 when it is empty.\"\"\"
+    if not lst:
+        return 0.0
+    total = 0
+    for x in lst:
+        total += x
+    return total / len(lst)
+
+
+def report(lst):
+    print("count:", len(lst))
+    print("mean:", calc(lst))
+    print("max:", max(lst) if lst else None)
+```"""
+CHAT_QUESTION = (
+    "Explain to a new programmer what a hash table is, how it deals with collisions, "
+    "and when they should use one instead of a list."
+)
+# the chat turn of each chat workload
+CHAT_TURNS = {
+    "edit": EDIT_INSTRUCTION + EDIT_TEXT,
+    "code-edit": CODE_EDIT_INSTRUCTION + CODE_EDIT_TEXT,
+    "chat": CHAT_QUESTION,
+}
+
+
 @dataclass(frozen=True)
 class SpecSample:
     """One repeat of one engine over the batch."""
@@ -52,14 +87,14 @@ class SpecSample:
         return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
 
-WORKLOADS = ("edit", "repeat")
+WORKLOADS = (*CHAT_TURNS, "repeat")
 
 
 def workload(engine: Engine, kind: str, batch: int, seed: int) -> list[list[int]]:
     """`batch` prompts of workload `kind` (WORKLOADS)."""
     tok = engine.tokenizer
-    if kind == "edit":
-        ids = tok.encode_chat([{"role": "user", "content": EDIT_INSTRUCTION + EDIT_TEXT}])
+    if kind in CHAT_TURNS:
+        ids = tok.encode_chat([{"role": "user", "content": CHAT_TURNS[kind]}])
         return [list(ids) for _ in range(batch)]
     rng = np.random.default_rng(seed)
     out = []

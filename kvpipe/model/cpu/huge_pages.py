@@ -24,7 +24,7 @@ import logging
 import mmap
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -62,18 +62,27 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def relocate(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def relocate(
+    tensors: Sequence[torch.Tensor], moved: Callable[[int, torch.Tensor], None] | None = None
+) -> list[torch.Tensor]:
     """Copies of `tensors` (dense CPU) packed into one huge-page arena, in this order; each copy is
-    contiguous with the original's shape, dtype and values."""
+    contiguous with the original's shape, dtype and values. `moved(i, copy)` runs as each copy is
+    made, and `tensors[i]` is read only when it is copied: a caller that drops its references to
+    original i there (its list entry too) has it freed before the next one is copied, so the peak
+    holds the arena and one original, not the arena and every original (a model's weights twice)."""
     sizes = [_aligned(t.numel() * t.element_size()) for t in tensors]
     if not tensors:
         return []
     buf = arena(sum(sizes))
     out, off = [], 0
-    for t, size in zip(tensors, sizes, strict=True):
+    for i, size in enumerate(sizes):
+        t = tensors[i]
         view = buf[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
         view.copy_(t)
+        del t
         out.append(view)
+        if moved is not None:
+            moved(i, view)
         off += size
     return out
 
@@ -82,16 +91,14 @@ def _movable(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.layout is torch.strided and not t.is_mkldnn and t.numel() > 0
 
 
-def place_weights(model: nn.Module) -> int:
-    """Move every dense CPU parameter and buffer of `model` into one huge-page arena (module
-    order; a tensor shared by several modules once); returns the bytes moved. No-op when
-    huge_pages_enabled() is False."""
-    if not huge_pages_enabled():
-        return 0
-    slots: list[tuple[nn.Module, str, bool]] = []  # (module, name, is_parameter)
+Slot = tuple[nn.Module, str, bool]  # (module, name, is_parameter)
+
+
+def _weights(model: nn.Module) -> tuple[list[torch.Tensor], dict[int, list[Slot]]]:
+    """The movable tensors of `model` in module order, each once, and where each one is used."""
+    slots: dict[int, list[Slot]] = {}
     first: dict[tuple[int, torch.dtype, tuple[int, ...]], int] = {}  # a tensor's identity -> its index
     tensors: list[torch.Tensor] = []
-    which: list[int] = []
     for mod in model.modules():
         for store, is_param in ((mod._parameters, True), (mod._buffers, False)):
             for name, t in store.items():
@@ -101,15 +108,28 @@ def place_weights(model: nn.Module) -> int:
                 if key not in first:
                     first[key] = len(tensors)
                     tensors.append(t.detach())
-                slots.append((mod, name, is_param))
-                which.append(first[key])
-    moved = relocate(tensors)
-    with torch.no_grad():
-        for (mod, name, is_param), i in zip(slots, which, strict=True):
+                slots.setdefault(first[key], []).append((mod, name, is_param))
+    return tensors, slots
+
+
+def place_weights(model: nn.Module) -> int:
+    """Move every dense CPU parameter and buffer of `model` into one huge-page arena (module
+    order; a tensor shared by several modules once); returns the bytes moved. No-op when
+    huge_pages_enabled() is False."""
+    if not huge_pages_enabled():
+        return 0
+    tensors, slots = _weights(model)
+
+    def swap(i: int, copy: torch.Tensor) -> None:  # every user of tensor i now holds its copy
+        tensors[i] = copy
+        for mod, name, is_param in slots[i]:
             if is_param:
-                mod._parameters[name].data = moved[i]  # type: ignore[union-attr]
+                mod._parameters[name].data = copy  # type: ignore[union-attr]
             else:
-                mod._buffers[name] = moved[i]
+                mod._buffers[name] = copy
+
+    with torch.no_grad():
+        moved = relocate(tensors, swap)
     nbytes = sum(t.numel() * t.element_size() for t in moved)
     logger.debug("%d tensors (%.1f MB) in huge pages", len(moved), nbytes / 1e6)
     return nbytes
