@@ -51,7 +51,6 @@ from kvpipe.launch.stack import PDStack
 from kvpipe.launch.start import start_pd_stack
 from kvpipe.launch.supervisor import RestartPolicy
 from kvpipe.model.checkpoint.default_model import resolve_model_path
-from kvpipe.model.checkpoint.loader import check_checkpoint
 
 PREFIX = "kvpipe launch: "
 FORWARDING_HELP = (
@@ -228,6 +227,8 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
 
 def _checked_model(args: argparse.Namespace, extra: list[str]) -> str:
     """The checkpoint to serve; a bad one is one line here, rather than two servers failing to start."""
+    from kvpipe.model.checkpoint.loader import check_checkpoint  # torch: not on `--help`'s path
+
     try:
         model_path = resolve_model_path(args.model_path)
         check_checkpoint(model_path, flag_value(extra, "--tokenizer-path"), flag_value(extra, "--quantization"))
