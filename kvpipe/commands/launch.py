@@ -5,7 +5,8 @@ One prefill and one decode by default; `--prefills N --decodes M` starts an xPyD
 server on ports of its own, the prefills each with a bootstrap port, the router told about all of
 them and routing with `--prefill-policy` / `--decode-policy`). Parts are named prefill, decode,
 router in a 1P1D stack and prefill0.., decode0.., router otherwise. Flags this command does not
-know go to every server (e.g. --page-size 16).
+know go to every server (e.g. --kv-cache-dtype fp8_e4m3); unless given, --page-size 16
+(LAUNCH_SERVER_DEFAULTS: a chat's second turn hits the prefill's prefix cache).
 
 Every process gets free loopback ports unless told otherwise, so two stacks can share a machine.
 Prefill and decode get disjoint shares of the cores (launch/core_split.py) instead of one torch
@@ -43,7 +44,7 @@ from kvpipe.commands.launch_report import (
     ready_banner,
 )
 from kvpipe.config import ConfigError
-from kvpipe.launch.core_split import flag_value
+from kvpipe.launch.core_split import flag_value, has_flag
 from kvpipe.launch.firewall import FirewallSpec
 from kvpipe.launch.prometheus_targets import scrape_targets, write_targets
 from kvpipe.launch.router import ROUTER_POLICIES
@@ -53,6 +54,11 @@ from kvpipe.launch.supervisor import RestartPolicy
 from kvpipe.model.checkpoint.default_model import resolve_model_path
 
 PREFIX = "kvpipe launch: "
+# Server flags launch sets unless given. A PD prefill's prefix cache holds prompts only (answers are
+# generated on the decode) and whole pages only: at serve's 64 tokens a page, a chat's second turn
+# found none of a 40-token first prompt cached. 16 is vLLM's block size (SGLang's page is 1 token);
+# the KV moves as coalesced page runs either way.
+LAUNCH_SERVER_DEFAULTS = (("--page-size", "16"),)
 FORWARDING_HELP = (
     "Every flag not listed here is forwarded to every server unchanged (`kvpipe serve --help` lists them), "
     "e.g. --page-size 16, --max-total-tokens N, --chunked-prefill-size N, --kv-cache-dtype fp8_e4m3, "
@@ -63,7 +69,9 @@ FORWARDING_HELP = (
     "--admin-api-key-file FILE (the router's POST /workers, the servers' admin routes), and the PD token "
     "--disaggregation-auth-token TOKEN / --disaggregation-auth-token-file FILE, go to the servers and the "
     "router in their environment, never on a command line (default: fresh random keys and token; "
-    "--no-api-keys: no keys). The layout printed at start echoes the forwarded flags."
+    "--no-api-keys: no keys). Unless given, every server gets --page-size 16 (kvpipe serve's default is 64): "
+    "a PD prefill caches whole pages of prompts, and a chat's second turn then finds its first prompt cached. "
+    "The layout printed at start echoes the forwarded flags."
 )
 
 
@@ -190,11 +198,17 @@ def policy_from_args(args: argparse.Namespace) -> RestartPolicy:
     )
 
 
+def launch_defaults(extra: list[str]) -> list[str]:
+    """LAUNCH_SERVER_DEFAULTS that `extra` (the flags forwarded to every server) does not give."""
+    return [a for flag, value in LAUNCH_SERVER_DEFAULTS if not has_flag(extra, flag) for a in (flag, value)]
+
+
 def run(args: argparse.Namespace, extra: list[str]) -> int:
     """Entry point of `kvpipe launch`; `extra` flags go to every server (e.g. --page-size 16)."""
     policy = policy_from_args(args)  # bad values fail before anything starts
     firewall = firewall_from_args(args)
-    stack = _start(args, extra, _checked_model(args, extra), firewall)
+    defaults = launch_defaults(extra)
+    stack = _start(args, [*defaults, *extra], _checked_model(args, extra), firewall)
     if args.prometheus_targets:
         _write_targets(stack, args.prometheus_targets)
     stop = threading.Event()
@@ -207,7 +221,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     prefill_args, decode_args = xpyd_server_args(args)
     for line in [
         *stack.layout_lines(),
-        *forwarded_lines(extra, [], {"prefill": prefill_args, "decode": decode_args}),
+        *forwarded_lines(extra, defaults, {"prefill": prefill_args, "decode": decode_args}),
         *cores_lines(stack, extra),
         *auth_lines(stack, extra),
         *keys_lines(stack),
