@@ -13,6 +13,7 @@ import argparse
 import importlib
 import os
 import sys
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -101,6 +102,13 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
         ):
             return text
         return text + (" (default: none)" if action.default is None else " (default: %(default)s)")
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        """Descriptions and epilogs wrapped without splitting a flag at its hyphens."""
+        text = " ".join(text.split())
+        return textwrap.fill(
+            text, width, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False, break_long_words=False
+        )
 
 
 def _format_defaults(parser: argparse.ArgumentParser) -> None:

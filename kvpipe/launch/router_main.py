@@ -24,6 +24,7 @@ only a key no file or flag gave.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -98,7 +99,14 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] = os.envi
         raise SystemExit(f"kvpipe router: {e}") from None
     from sglang_router.launch_router import launch_router, parse_router_args  # lazy: the router extra
 
-    launch_router(parse_router_args(args))
+    parsed = parse_router_args(args)
+    # launch_router logs "Error starting router: ..." and re-raises: a traceback for a port in use.
+    # One line instead, with the cause (the launcher names the part that exited).
+    logging.getLogger("router").disabled = True  # sglang_router.launch_router's logger
+    try:
+        launch_router(parsed)
+    except Exception as e:  # noqa: BLE001 - the router's own errors are RuntimeError, its setup's others
+        raise SystemExit(f"kvpipe router: cannot start: {e}") from None
 
 
 if __name__ == "__main__":

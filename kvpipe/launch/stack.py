@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvpipe.engine.cpu_threads import format_cores
-from kvpipe.launch.core_split import CoreSplit, StackCores, flag_value
+from kvpipe.engine.cpu_threads import affinity_cores, format_cores, plan_cpu_threads
+from kvpipe.launch.core_split import CPU_THREADS_FLAG, CoreSplit, StackCores, flag_value
 from kvpipe.launch.firewall import Firewall, FirewallError
 from kvpipe.launch.process import answers, spawn, stop_process
 from kvpipe.launch.store_master import StoreMaster
@@ -40,6 +40,14 @@ def server_names(prefills: int, decodes: int) -> list[str]:
     if prefills == 1 and decodes == 1:
         return ["prefill", "decode"]
     return [f"prefill{i}" for i in range(prefills)] + [f"decode{i}" for i in range(decodes)]
+
+
+def _int_flag(cmd: list[str], flag: str) -> int | None:
+    value = flag_value(cmd, flag)
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -115,22 +123,23 @@ class PDStack:
         names = [s.name for s in self.specs] or list(PARTS)
         return self.procs[names.index(name)]
 
+    def workers(self) -> list[tuple[str, str, int | None]]:
+        """(name, URL, bootstrap port or None) of every server, prefills first (spec order)."""
+        prefill_urls = self.prefill_urls or [self.prefill_url]
+        ports = self.bootstrap_ports or [self.bootstrap_port]
+        urls = self._server_urls()
+        return [
+            (name, urls[i], ports[i] if i < len(prefill_urls) else None) for i, name in enumerate(self._server_names())
+        ]
+
     def layout_lines(self) -> list[str]:
         """The stack's layout as `kvpipe launch` prints it at start: one line per worker, then the router."""
-        prefill_urls = self.prefill_urls or [self.prefill_url]
-        decode_urls = self.decode_urls or [self.decode_url]
-        ports = self.bootstrap_ports or [self.bootstrap_port]
-        names = self._server_names()
-        shares = self.core_shares()
-        lines = [f"layout: {len(prefill_urls)}P{len(decode_urls)}D"]
-        for i, name in enumerate(names):
-            tp = flag_value(list(self.specs[i].cmd), "--tp-size") if i < len(self.specs) else None
-            if i < len(prefill_urls):
-                where = f"{prefill_urls[i]} (bootstrap port {ports[i]}, "
-            else:
-                where = f"{decode_urls[i - len(prefill_urls)]} ("
-            cores = f", cores {format_cores(shares[i])}" if i < len(shares) else ""
-            lines.append(f"  {name:<9} {where}TP {tp or 1}{cores})")
+        workers = self.workers()
+        prefills = sum(port is not None for _, _, port in workers)
+        lines = [f"layout: {prefills}P{len(workers) - prefills}D"]
+        for i, (name, url, port) in enumerate(workers):
+            where = f"{url} (bootstrap port {port}, " if port is not None else f"{url} ("
+            lines.append(f"  {name:<9} {where}{self.cores_text(i)})")
         pp, dp = self.policies
         lines.append(
             f"  router    {self.router_url} (prefill policy {pp or 'cache_aware'}, decode policy {dp or 'cache_aware'})"
@@ -142,13 +151,29 @@ class PDStack:
             )
         return lines
 
-    def core_shares(self) -> list[tuple[int, ...]]:
-        """Each server's cores (spec order), or [] when the cores are not split."""
-        if self.cores is None:
-            return []
-        if isinstance(self.cores, CoreSplit):
-            return [self.cores.prefill, self.cores.decode]
-        return list(self.cores.shares)
+    def cores_text(self, i: int) -> str:
+        """Server i's TP size, torch threads and cores as its process has them: "TP 1, 2 threads, cores
+        0-1 (pinned)". The cores are its CPU affinity read from the running process (before it runs:
+        the cores it is started on); the threads what it plans with them (engine/cpu_threads.py)."""
+        if i >= len(self.specs):
+            return "TP 1"
+        spec = self.specs[i]
+        cmd = list(spec.cmd)
+        tp = _int_flag(cmd, "--tp-size") or 1
+        cores = self._affinity(i)
+        try:
+            threads = plan_cpu_threads(_int_flag(cmd, CPU_THREADS_FLAG), tp, cores).total
+        except ValueError:  # a bad --cpu-threads: the server refuses it and says so
+            return f"TP {tp}, cores {format_cores(cores)}"
+        pinned = "pinned" if spec.pin else "not pinned"
+        return f"TP {tp}, {threads} thread{'s' if threads != 1 else ''}, cores {format_cores(cores)} ({pinned})"
+
+    def _affinity(self, i: int) -> tuple[int, ...]:
+        """Server i's CPU affinity: its process's now, else the cores it is started on."""
+        if i < len(self.procs) and self.procs[i].poll() is None:
+            with contextlib.suppress(AttributeError, OSError):  # not Linux, or it just exited
+                return tuple(sorted(os.sched_getaffinity(self.procs[i].pid)))
+        return self.specs[i].pin or affinity_cores()
 
     def supervise(
         self,

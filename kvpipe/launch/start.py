@@ -38,7 +38,7 @@ from kvpipe.launch.core_split import (
     stack_server_cores,
 )
 from kvpipe.launch.firewall import MC_RANGE_ENV, FirewallSpec, mooncake_range
-from kvpipe.launch.ports import StackPorts, ports_taken
+from kvpipe.launch.ports import StackPorts, bind_error, ports_taken
 from kvpipe.launch.process import stop_process, wait_healthy
 from kvpipe.launch.router import router_command_xpyd
 from kvpipe.launch.secret_flags import StackArgs, StackSecrets, split_secrets
@@ -79,6 +79,7 @@ def start_pd_stack(
     `firewall`: its peer ports accept only this host and the networks allowed (firewall.py; root)."""
     if prefills < 1 or decodes < 1:
         raise ConfigError(f"a PD stack needs at least one prefill and one decode, got {prefills}P{decodes}D")
+    check_router_port(host, router_port)  # before any model loads
     # a secret given as a flag leaves the command lines (the children read it from their environment)
     args, secrets = split_secrets(server_args or [], prefill_args or [], decode_args or [], new_keys=api_keys)
     split, shares = _core_shares(split_cpus, prefills, decodes, args)
@@ -119,6 +120,14 @@ def _core_shares(
         return pair, list(server_cores(pair, args.server, args.prefill, args.decode))
     split = split_cores_among(affinity_cores(), prefills, decodes)
     return split, stack_server_cores(split, args.server, [args.prefill] * prefills + [args.decode] * decodes)
+
+
+def check_router_port(host: str, port: int | None) -> None:
+    """ConfigError when the router's given port cannot be bound (in use, or the host is not ours): at
+    once, not after the servers loaded their models. The ports the stack picks itself are free."""
+    reason = bind_error(host, port) if port else None
+    if reason is not None:
+        raise ConfigError(f"the router's port {port} on {host} cannot be used: {reason}")
 
 
 @dataclass
@@ -174,7 +183,8 @@ class StackSpecs:
         store = tuple(self.master.server_flags()) if self.master is not None else ()
         own = self.args.prefill if i < p.prefills else self.args.decode
         cmd = (sys.executable, "-m", "kvpipe.cli", "serve", "--host", p.host, *model, *self.args.server, *store)
-        cmd = (*cmd, *self.shares[i].flags, "--port", str(p.http[i]), *role, *own)
+        # its name in the stack last (over a --worker-name forwarded to every server): `kvpipe top`'s rows
+        cmd = (*cmd, *self.shares[i].flags, "--port", str(p.http[i]), *role, *own, "--worker-name", name)
         urls = [self.url(port) for port in p.http]
         s = self.stack
         s.prefill_urls, s.decode_urls, s.bootstrap_ports = urls[: p.prefills], urls[p.prefills :], list(p.bootstrap)
@@ -257,10 +267,15 @@ class _PartStarter:
         another reason (or ran out of starts), or if another process exited."""
         ports = self.specs.ports
         exited = [j for j in parts if self.stack.procs[j].poll() is not None]
-        if not exited or any(
-            self.starts.get(j, 1) >= START_TRIES or not ports_taken(ports.host, ports.picked(j)) for j in exited
-        ):
-            raise error
+        if not exited:
+            raise error  # another process exited (the store)
+        if any(self.starts.get(j, 1) >= START_TRIES or not ports_taken(ports.host, ports.picked(j)) for j in exited):
+            raise RuntimeError(
+                "; ".join(
+                    f"{self.stack.specs[j].name} exited with code {self.stack.procs[j].returncode} at startup"
+                    for j in exited
+                )
+            ) from error
         for j in exited:
             self.starts[j] = self.starts.get(j, 1) + 1
             logger.warning(

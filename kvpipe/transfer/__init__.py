@@ -10,22 +10,30 @@ backends/     one-sided batched writes into a peer's registered memory: the back
 api.py        what an engine sees: the KVSenderAPI / KVReceiverAPI Protocols and their plain types
 lifecycle.py  the room state machine (TransferState, RoomRecord), deadlines, peer liveness
 
-The package itself is light (no zmq, Mooncake or HTTP stack): it re-exports api.py. KVSender and
-KVReceiver come from their own modules (sender/kv_sender.py, receiver/kv_receiver.py).
+The package itself is light (no zmq, Mooncake or HTTP stack): it re-exports api.py, loaded on first
+use so that importing a light submodule (the backends' registry, control/auth.py: what `kvpipe serve
+--help` parses with) does not load api.py's numpy. KVSender and KVReceiver come from their own
+modules (sender/kv_sender.py, receiver/kv_receiver.py).
 """
 
-from kvpipe.transfer.api import (
-    AuxData,
-    DecodeRank,
-    DuplicateRoomError,
-    KVLayout,
-    KVReceiverAPI,
-    KVSenderAPI,
-    ReceiverStats,
-    SenderStats,
-    TransferState,
-    TransferTiming,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvpipe.transfer.api import (
+        AuxData,
+        DecodeRank,
+        DuplicateRoomError,
+        KVLayout,
+        KVReceiverAPI,
+        KVSenderAPI,
+        ReceiverStats,
+        SenderStats,
+        TransferState,
+        TransferTiming,
+    )
 
 __all__ = [
     "AuxData",
@@ -39,3 +47,10 @@ __all__ = [
     "TransferState",
     "TransferTiming",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """api.py's names, imported when first asked for (PEP 562)."""
+    if name in __all__:
+        return getattr(importlib.import_module("kvpipe.transfer.api"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,79 +11,35 @@ and then
 
 from __future__ import annotations
 
-import os
-import re
 import signal
 import stat
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 
-from kvpipe.launch.ports import free_port
 from kvpipe.launch.secret_flags import AUTH_TOKEN_FLAG, KEY_FLAGS
-from kvpipe.server.client_keys import RUN_DIR_ENV, read_keys_file
 from kvpipe.server.listeners import process_tree
 from kvpipe.transfer.control.auth import TOKEN_ENV
+from tests.helpers.launched import Launched, launched_stack
 
 pytest.importorskip("mooncake.engine")
 pytestmark = pytest.mark.timeout(400)
 
-ROOT = Path(__file__).resolve().parents[2]
 BODY = {"text": "Hello", "sampling_params": {"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True}}
-
-
-@dataclass
-class Launched:
-    proc: subprocess.Popen
-    out: list[str]
-    router: str
-    servers: list[str]
-    keys_file: Path
-    user: str
-    admin: str
-    env: dict[str, str]  # a client's environment: no key in it, the stack's run directory
 
 
 @pytest.fixture(scope="module")
 def launched(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launched]:
     tmp = tmp_path_factory.mktemp("secure_launch")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVPIPE_API", "KVPIPE_ADMIN", "OPENAI_"))}
-    env |= {RUN_DIR_ENV: str(tmp / "run"), "PYTHONPATH": str(ROOT)}
-    port = free_port()
-    cmd = [sys.executable, "-m", "kvpipe.cli", "launch", "--model-path", str(tiny_model_dir), "--port", str(port)]
-    cmd += ["--log-dir", str(tmp / "logs"), "--timeout", "240", "--page-size", "16", "--max-total-tokens", "4096"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out: list[str] = []
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:  # bounded by the launcher's own --timeout per part
-            out.append(line)
-            if line.startswith("kvpipe PD stack ready"):
-                break
-        text = "".join(out)
-        assert "kvpipe PD stack ready" in text, text[-3000:]
-        m = re.search(r"HTTP API keys: fresh random user and admin keys, in (\S+) \(mode 0600", text)
-        assert m, text
-        kf = read_keys_file(Path(m.group(1)))
-        assert kf is not None and kf.keys.user and kf.keys.admin
-        assert kf.keys.user not in text and kf.keys.admin not in text  # never printed
-        router = f"http://127.0.0.1:{port}"
-        yield Launched(proc, out, router, [u for u in kf.urls if u != router], Path(m.group(1)), kf.keys.user,
-                       kf.keys.admin, env)  # fmt: skip
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    with launched_stack(tiny_model_dir, tmp, "--page-size", "16", "--max-total-tokens", "4096") as stack:
+        assert "fresh random user and admin keys" in stack.text
+        assert stack.user not in stack.text and stack.admin not in stack.text  # never printed
+        yield stack
 
 
 def _bearer(key: str) -> dict[str, str]:

@@ -1,14 +1,17 @@
 """`kvpipe launch --prefills 2 --decodes 2` (start_pd_stack's xPyD stack): four servers behind one
 sglang-router serve greedy requests identical to a colocated engine, every server takes part
-(round_robin on both sides), and the layout printed at start lists the four workers."""
+(round_robin on both sides), the layout printed at start lists the four workers with the cores
+their processes really have, and each server is named in its /metrics by its part name."""
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from kvpipe.engine.cpu_threads import format_cores
 from kvpipe.launch.start import start_pd_stack
 from tests.helpers.pd_parity import colocated_reference, prompts
 from tests.helpers.pd_stack import generate, greedy, wait_for
@@ -44,6 +47,10 @@ def test_2p2d_serves_like_colocated(tiny_model_dir: Path, tmp_path: Path) -> Non
             assert sum(f"{url} (" in line for line in layout) == 1, (url, layout)
         assert "round_robin" in layout[-1] and stack.router_url in layout[-1]
         assert len(set(stack.bootstrap_ports)) == 2
+        for i, line in enumerate(layout[1:5]):  # the cores each server process really has (issue 47)
+            cores = format_cores(sorted(os.sched_getaffinity(stack.procs[i].pid)))
+            pinned = "pinned" if stack.specs[i].pin else "not pinned"
+            assert line.endswith(f", cores {cores} ({pinned}))"), (line, cores)
 
         def one(p: list[int]) -> Generation:
             return Generation.of(
@@ -56,6 +63,7 @@ def test_2p2d_serves_like_colocated(tiny_model_dir: Path, tmp_path: Path) -> Non
         for i, spec in enumerate(stack.specs[:4]):  # round_robin: every server took requests
             srv = ServerProc(spec.health_url.removesuffix("/health"), stack.procs[i], tmp_path / f"{spec.name}.log")
             assert srv.metric("kvpipe_prompt_tokens_total") > 0, spec.name
+            assert srv.metric("kvpipe_worker_info", f'name="{spec.name}"') == 1  # --worker-name: its part name
 
 
 @pytest.mark.slow  # ~75 s: five processes; the fast suite has test_kv_store_tier.py and the plain 2P2D above

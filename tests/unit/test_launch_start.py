@@ -4,13 +4,15 @@ part's spec built from them (start.py's StackSpecs)."""
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from kvpipe.config import ConfigError
 from kvpipe.launch.core_split import ServerCores
 from kvpipe.launch.ports import StackPorts
 from kvpipe.launch.secret_flags import StackArgs, StackSecrets, split_secrets
-from kvpipe.launch.start import StackSpecs
+from kvpipe.launch.start import StackSpecs, start_pd_stack
 from kvpipe.launch.store_master import StoreMaster
 from kvpipe.server.client_keys import ADMIN_API_KEY_ENV, API_KEY_ENV
 from kvpipe.transfer.control.auth import TOKEN_ENV
@@ -86,9 +88,9 @@ def test_specs_of_a_2p1d_stack() -> None:
     assert p1.endswith(
         f"serve --host {H} --model-path /m --page-size 16 --hicache-mooncake-master {H}:40 "
         f"--hicache-mooncake-metadata-server http://{H}:41/metadata --cpu-threads 1 --port 11 "
-        "--disaggregation-mode prefill --disaggregation-bootstrap-port 21 --tp-size 2"
+        "--disaggregation-mode prefill --disaggregation-bootstrap-port 21 --tp-size 2 --worker-name prefill1"
     )
-    assert stack.specs[2].cmd[-3:] == ("12", "--disaggregation-mode", "decode")
+    assert stack.specs[2].cmd[-5:] == ("12", "--disaggregation-mode", "decode", "--worker-name", "decode0")
     assert stack.specs[1].pin == (1,) and stack.specs[1].log_path == "/logs/prefill1.log"
     assert dict(stack.specs[0].env) == {TOKEN_ENV: "tok", API_KEY_ENV: "key"} and stack.auth_token == "tok"
     assert stack.specs[3].env == ((API_KEY_ENV, "key"),)  # the router's key in its environment, no token
@@ -140,3 +142,14 @@ def test_a_secure_stack_gets_fresh_keys_unless_given(monkeypatch: pytest.MonkeyP
         split_secrets(["--api-key-file", str(tmp_path / "users")], [], [], new_keys=True)
     with pytest.raises(ConfigError, match="must differ"):
         split_secrets(["--api-key", "same", "--admin-api-key", "same"], [], [])
+
+
+def test_a_router_port_in_use_is_refused_before_anything_starts() -> None:
+    """A given router port another process holds: one ConfigError at once, not after the servers
+    loaded their models (issue 47: 21 s, then a traceback)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind((H, 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"router's port {port} on {H} cannot be used: Address already in use"):
+            start_pd_stack(None, H, port, split_cpus=False)

@@ -4,11 +4,13 @@ restarted server, the router's worker list, and one rendered frame."""
 
 from __future__ import annotations
 
+import io
+
 import pytest
 from rich.console import Console
 
 from kvpipe.commands.top import frame
-from kvpipe.commands.top_stats import Hist, Scrape, parse_metrics, worker_view
+from kvpipe.commands.top_stats import Hist, Scrape, WorkerView, parse_metrics, worker_view
 from kvpipe.engine.timeline import Phase, Timeline
 from kvpipe.server.metrics import ServerMetrics
 from kvpipe.server.router_workers import role_of
@@ -80,7 +82,8 @@ def test_components_restart_and_the_rendered_frame() -> None:
     console = Console(record=True, width=230)
     console.print(frame([v, worker_view("http://p", after, None, "prefill")], "router http://r", 1.0))
     text = console.export_text()
-    assert "http://d" in text and "http://p" in text and "kv wait" in text and "decode wait" in text
+    assert "http://d" in text and "http://p" in text
+    assert "TTFT components of the decode servers" in text and text.split().count("wait") >= 2  # decode / kv wait
 
 
 def test_router_worker_types() -> None:
@@ -97,3 +100,54 @@ def test_a_server_that_finished_nothing_shows_zero_rates() -> None:
     console = Console(record=True, width=200)
     console.print(frame([v], "router http://r", 2.0))
     assert "no request finished in the last interval" in console.export_text()
+
+
+def _scrapes(role: str, name: str, stats: dict, work: int) -> tuple[Scrape, Scrape]:
+    """Two readings 2 s apart of a named server whose engine generated `work` tokens meanwhile and
+    finished nothing (its requests still run)."""
+    m = ServerMetrics("SmolLM2-135M-Instruct", lambda: stats, role, worker_name=name)
+    first = parse_metrics(m.render().decode(), at=10.0)
+    stats["generated_tokens"] += work
+    return first, parse_metrics(m.render().decode(), at=12.0)
+
+
+def test_decode_rows_show_the_running_requests_speed_under_their_worker_names() -> None:
+    stats = {"num_running": 8, "num_waiting": 0, "free_pages": 10, "total_pages": 100, "generated_tokens": 500}
+    first, second = _scrapes("decode", "decode1", stats, 96)
+    v = worker_view("http://d1", second, first, "decode")
+    assert v.name == v.label == "decode1" and v.role == "decode"
+    assert v.tokens_per_s == 48.0 and v.requests_per_s == 0.0  # nothing finished, tokens still flow
+    unnamed = ServerMetrics("m", lambda: {}, "decode")
+    assert worker_view("http://d", parse_metrics(unnamed.render().decode(), 1.0)).label == "decode"
+
+
+def test_the_frame_is_readable_at_80_columns_without_a_tty() -> None:
+    """Every header and worker name whole (issue 47: columns cut to "r..." at 80 columns or piped),
+    a 2P2D stack with large figures and one worker down."""
+    views = []
+    for i, (role, name) in enumerate([("prefill", "prefill0"), ("prefill", "prefill1"), ("decode", "decode0")]):
+        stats = {"num_running": 128, "num_waiting": 1024, "free_pages": 1, "total_pages": 65536}
+        stats |= {"generated_tokens": 10**6, "disaggregation": {"bytes_written": 10**9 * i}}
+        m = ServerMetrics("SmolLM2-135M-Instruct", lambda stats=stats: stats, role, worker_name=name)  # type: ignore[misc]
+        first = parse_metrics(m.render().decode(), at=10.0)
+        stats["generated_tokens"] += 24_000
+        m.on_first_token(12.5)
+        rec = decode_timeline(100.0, 7.5).record()
+        assert rec is not None
+        m.on_timeline(rec)
+        views.append(worker_view(f"http://127.0.0.1:3000{i}", parse_metrics(m.render().decode(), 12.0), first, role))
+    views.append(WorkerView("http://127.0.0.1:30003", "decode", up=False, name="decode1", error="ConnectError"))
+    console = Console(width=80, file=io.StringIO())  # what a pipe gets: rich's default width, no TTY
+    assert not console.is_terminal
+    console.print(frame(views, "router http://127.0.0.1:8000", 2.0))
+    text = console.file.getvalue()  # type: ignore[attr-defined]
+    lines = text.splitlines()
+    assert all(len(line) <= 80 for line in lines) and "…" not in text and "..." not in text, text
+    words = {w for line in lines for w in line.split()}
+    for header in ("worker", "up", "restarts", "req/s", "tok/s", "TTFT", "p50", "p99", "ms", "ITL", "run/", "wait"):
+        assert header in words, (header, text)
+    for header in ("role", "url", "pages", "slots", "KV", "GB/s", "kv", "decode"):
+        assert header in words, (header, text)
+    for name in ("prefill0", "prefill1", "decode0", "decode1"):
+        assert sum(line.split()[:1] == [name] for line in lines) >= 2, (name, text)  # in both tables
+    assert "http://127.0.0.1:30003" in text and "DOWN" in text and "12000.0" in text  # 24,000 tokens in 2 s

@@ -16,10 +16,12 @@ import enum
 import random
 import time
 from dataclasses import dataclass
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from kvpipe.config import FaultInjection
+
+if TYPE_CHECKING:  # numpy on use: the registry (what `kvpipe serve --help` parses with) loads this module
+    import numpy as np
 
 
 class TransferError(RuntimeError):
@@ -86,6 +88,8 @@ class _Injector:
 
 
 def as_op_arrays(src_addrs, dst_addrs, lengths) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    import numpy as np
+
     s, d, n = (np.asarray(x, dtype=np.int64).ravel() for x in (src_addrs, dst_addrs, lengths))
     if not s.shape == d.shape == n.shape:
         raise ValueError(f"op arrays differ in length: {s.size}, {d.size}, {n.size}")
