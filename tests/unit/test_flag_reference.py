@@ -26,7 +26,7 @@ def test_every_visible_flag_is_listed(name: str) -> None:
         parser = command_parser(name)
     doc = DOC.read_text()
     for action in parser._actions:
-        if action.help == argparse.SUPPRESS or not action.option_strings:
+        if action.help == argparse.SUPPRESS or not action.option_strings or action.dest == "help":
             continue
         assert f"`{action.option_strings[0]}`" in doc, action.option_strings
 
