@@ -30,12 +30,18 @@ DEFAULT_SOURCES = ("SGLANG_", "MOONCAKE_", "KVPIPE_", "MC_")
 # kvpipe's own variables (every "KVPIPE_..." name in kvpipe/ is here: the unit test greps for them)
 KVPIPE_ENV: tuple[tuple[str, str], ...] = (
     ("KVPIPE_API_KEY", "the user key: `serve`'s `--api-key` when not given; clients (chat, top, bench) send it"),
-    ("KVPIPE_ADMIN_API_KEY", "the admin key: `serve`'s `--admin-api-key` when not given; clients send it on admin reads"),
+    (
+        "KVPIPE_ADMIN_API_KEY",
+        "the admin key: `serve`'s `--admin-api-key` when not given; clients send it on admin reads",
+    ),
     (
         "KVPIPE_DISAGGREGATION_AUTH_TOKEN",
         "the PD token: `--disaggregation-auth-token` when not given (`launch` passes its token this way)",
     ),
-    ("KVPIPE_RUN_DIR", "where `launch` writes its keys files (else `$XDG_RUNTIME_DIR/kvpipe`, else `~/.cache/kvpipe/run`)"),
+    (
+        "KVPIPE_RUN_DIR",
+        "where `launch` writes its keys files (else `$XDG_RUNTIME_DIR/kvpipe`, else `~/.cache/kvpipe/run`)",
+    ),
     ("KVPIPE_STACK_URLS", "in a keys file: the URLs of the stack it belongs to (clients pick the file by URL)"),
     ("KVPIPE_STACK_PID", "in a keys file: the launcher's pid (a dead stack's file is removed at the next start)"),
     ("KVPIPE_MODEL_DIR", "where `kvpipe models fetch` puts trained models (default `~/.cache/kvpipe/models`)"),
@@ -125,8 +131,7 @@ def _commands() -> list[str]:
         "launch": "Every flag `launch` does not know goes to every server it starts (the `serve` flags "
         "above), e.g. `--page-size 16`; the key and token flags go through the servers' environment "
         "instead of their command lines (docs/security.md).",
-        "generate": "Plus the `serve` flags that build the model and engine (everything above but the "
-        "HTTP ones).",
+        "generate": "Plus the `serve` flags that build the model and engine (everything above but the HTTP ones).",
     }
     out: list[str] = []
     for name, parser in parsers.items():
