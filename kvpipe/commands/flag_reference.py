@@ -15,7 +15,7 @@ import argparse
 import importlib
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 
 from kvpipe.cli import COMMANDS
@@ -100,11 +100,11 @@ def _help(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
 
 
 def _name(action: argparse.Action) -> str:
-    names = action.option_strings or [action.metavar or action.dest]
+    names = action.option_strings or [str(action.metavar or action.dest)]
     return " ".join(f"`{n}`" for n in names)
 
 
-def flag_table(parser: argparse.ArgumentParser, skip: Sequence[str] = ()) -> list[str]:
+def flag_table(parser: argparse.ArgumentParser, skip: Collection[str] = ()) -> list[str]:
     """One markdown table per argument group of `parser`, without help-suppressed flags and those in `skip`."""
     out: list[str] = []
     for group in parser._action_groups:
