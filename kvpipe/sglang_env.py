@@ -4,7 +4,7 @@ A deployment written for SGLang sets part of its PD behaviour through SGLANG_* v
 flags. Each variable SGLang's disaggregation code (and its layer-pipelining PRs) reads is in
 `SGLANG_ENV`: those with a meaning here set the default of the matching flag, converted from
 SGLang's unit; the others are named with the reason they are ignored, and a server that finds one
-set logs a line saying so. The README's table lists the same variables and flags
+set logs a line saying so. docs/flags.md (generated) lists the same variables and flags
 (tests/unit/test_sglang_env.py keeps the two equal).
 
     parser.set_defaults(**flag_defaults(os.environ))   # ConfigError naming a malformed variable

@@ -18,7 +18,7 @@ the same command on the same ports, after a backoff, while the other parts keep 
 that keeps exiting past the policy's bound (launch/supervisor.py) stops the whole stack with exit
 code 1.
 
-Secure by default (README, Security): the PD control plane gets a fresh random token, and the
+Secure by default (docs/security.md): the PD control plane gets a fresh random token, and the
 HTTP API a user key and an admin key (the ones given, else fresh random ones) that the servers and
 the router ask for: the router's inference routes the user key, its control plane (`POST
 /workers`) the admin key. The keys are not printed: they go to a 0600 keys file whose path is

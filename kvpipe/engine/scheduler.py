@@ -203,7 +203,7 @@ class Scheduler:
         """False while the KV tier fetches stored pages past `req`'s radix match (bounded by its
         fetch timeout): `req` stays queued, other requests' steps go on; then they are in the cache."""
         if self.kv_tier is None or self.cache is None or req.cache_node is not None or req.cache_salt is not None:
-            return True  # a salted prompt skips the tier: its keys have no tenant (README, tenancy)
+            return True  # a salted prompt skips the tier: its keys have no tenant (docs/security.md, cache_salt)
         return self.kv_tier.ready(req.rid, req.input_ids[:-1], self.cache, self.allocator)
 
     def waiting_on_tier(self) -> bool:

@@ -1,7 +1,7 @@
 """`kvpipe launch --firewall`: the stack's peer ports accept connections only from the stack.
 
 Mooncake 0.3.13 binds its handshake port to 0.0.0.0 and its TCP data port to [::] whatever the
-servers' `--host`, with no credential (README, Deployment and security): whoever reaches a
+servers' `--host`, with no credential (docs/security.md): whoever reaches a
 server's Mooncake ports reads and writes its KV buffers. So the launcher (root) puts a table in
 the host's firewall, nftables or else iptables, that rejects (TCP reset) a new connection to a
 protected port unless it comes from this host (`fib saddr type local` / `addrtype LOCAL`: every

@@ -3,7 +3,7 @@
 A PD server opens more listeners than its flags say: the HTTP port, the prefill's bootstrap port,
 each rank's ZeroMQ control endpoint (a random port), and each rank's Mooncake Transfer Engine, whose
 P2P handshake port (the port of the rank's `data_address`) binds 0.0.0.0 and whose TCP data port
-binds [::] whatever `--host` says (README, Deployment and security). A firewall or a Kubernetes
+binds [::] whatever `--host` says (docs/security.md). A firewall or a Kubernetes
 NetworkPolicy needs all of them, so `/server_info` gives admins this table (`listeners`) and
 `kvpipe launch --firewall` closes them to everyone but the stack (launch/firewall.py).
 

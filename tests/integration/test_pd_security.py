@@ -60,7 +60,7 @@ MOONCAKE_WILDCARD = (
     "Mooncake Transfer Engine (0.3.13) binds its P2P handshake port to INADDR_ANY "
     "(findAvailableTcpPort in transfer_metadata_plugin.cpp) and its TCP data port to tcp::v6() "
     "dual-stack (TcpContext in tcp_transport_session_impl.h); no MC_* setting changes either "
-    "(README, Deployment and security)"
+    "(docs/security.md)"
 )
 
 

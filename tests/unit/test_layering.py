@@ -10,7 +10,11 @@ from pathlib import Path
 import kvpipe
 
 PACKAGE = Path(kvpipe.__file__).resolve().parent
-ENTRY_POINTS = {"cli.py", "__main__.py"}  # the CLI itself and `python -m kvpipe`
+ENTRY_POINTS = {
+    "cli.py",
+    "__main__.py",
+    "commands/flag_reference.py",
+}  # the CLI, `python -m kvpipe`, and docs/flags.md from its parsers
 
 
 def _imported_modules(path: Path) -> set[str]:

@@ -1,6 +1,6 @@
 """SGLang's environment variables as flag defaults (kvpipe/sglang_env.py): a set variable is the
 default, a given flag wins, a malformed value is a ConfigError naming the variable, an ignored
-one is logged, and the README's table lists exactly the variables and flags of the code's."""
+one is logged, and the table in docs/flags.md lists exactly the variables and flags of the code's."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from kvpipe.commands.flags import add_server_args, server_config_from_args
 from kvpipe.config import ConfigError, DisaggregationConfig, FaultInjection
 from kvpipe.sglang_env import SGLANG_ENV, LayersPerGroup, flag_defaults, log_sglang_env
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+FLAGS_DOC = Path(__file__).resolve().parents[2] / "docs" / "flags.md"
 
 
 def parse(*flags: str, model_path: str = "m") -> DisaggregationConfig:
@@ -147,9 +147,9 @@ def test_every_flag_of_the_table_exists() -> None:
     assert {var.flag for var in SGLANG_ENV if var.flag} <= flags
 
 
-def test_the_readme_table_is_the_codes() -> None:
-    rows = re.findall(r"^\| `(SGLANG_\w+)` \| (`--[\w-]+`|—) \|", README.read_text(), re.M)
-    readme = [(name, None if flag == "—" else flag.strip("`")) for name, flag in rows]
+def test_the_docs_table_is_the_codes() -> None:
+    rows = re.findall(r"^\| `(SGLANG_\w+)` \| (`--[\w-]+`|—) \|", FLAGS_DOC.read_text(), re.M)
+    documented = [(name, None if flag == "—" else flag.strip("`")) for name, flag in rows]
     code = [(var.name, var.flag) for var in SGLANG_ENV]
-    assert sorted(readme) == sorted(code)
+    assert sorted(documented) == sorted(code)
     assert len({name for name, _ in code}) == len(code)  # no variable twice
