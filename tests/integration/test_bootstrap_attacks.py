@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -57,7 +58,9 @@ class _Recorder(BaseHTTPRequestHandler):
             status, body = 200, b'{"status": "ok", "instance": "%s"}' % self.instance.encode()
         elif self.relay_to is not None:  # the decode's signed call, with its own Host header
             keep = {k: v for k, v in self.headers.items() if k.lower() in ("host", HTTP_HEADER.lower(), "content-type")}
-            r = httpx.request(self.command, self.relay_to + self.path, headers=keep, content=content, trust_env=False)
+            r = httpx.request(
+                self.command, self.relay_to + self.path, headers=keep, content=content, trust_env=False, timeout=60
+            )
             status, body = r.status_code, r.content
             headers.update({k: v for k, v in r.headers.items() if k.lower().startswith("x-kvpipe")})
             self.relayed.append((status, body))
@@ -145,6 +148,9 @@ def test_finding2_a_relayed_signed_lookup_is_refused_and_leaks_nothing(stack: Ex
         recv.add_room(5, "127.0.0.2", fake.server_address[1], np.arange(6))
         _, state, reason, _ = Results(recv).get(5)
         assert handler.seen == ["GET /health", "GET /v1/prefill/ranks"]
+        deadline = time.monotonic() + 60  # the relay's answer may land after the decode gave up
+        while not handler.relayed and time.monotonic() < deadline:
+            time.sleep(0.05)
         [(status, body)] = handler.relayed  # what the real prefill told the relay
     assert status == 401 and b"control_address" not in body and b"buffer_addrs" not in body
     assert state is TransferState.FAILED and "HTTP 401" in reason, reason

@@ -19,6 +19,7 @@ import uvicorn
 
 from kvpipe.config import ListenerLimits
 from kvpipe.http_listener import listener_settings
+from tests.helpers.http_wire import read_response
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -100,7 +101,7 @@ def test_a_new_connection_evicts_the_one_waiting_longest(served: tuple[int, Hold
     port, _ = served
     kept = socket.create_connection(("127.0.0.1", port), timeout=10)  # a served, then idle, connection
     kept.sendall(b"GET /quick HTTP/1.1\r\nHost: x\r\n\r\n")
-    assert kept.recv(4096).startswith(b"HTTP/1.1 200")
+    assert read_response(kept).startswith(b"HTTP/1.1 200")
     time.sleep(0.05)
     slow = [_connect(port), _connect(port)]  # the cap is full: kept (idle since its answer), slow[0], slow[1]
     newest = _connect(port)  # takes the idle connection's place: it waited longest
@@ -129,7 +130,7 @@ def test_503_only_when_every_connection_has_a_request_in(served: tuple[int, Hold
     assert app.holding == CAP  # nobody's request was cut for it
     app.release.set()
     for s in held:
-        assert s.recv(4096).startswith(b"HTTP/1.1 200")
+        assert read_response(s).startswith(b"HTTP/1.1 200")
         s.close()
     refused.close()
     with httpx.Client(timeout=10) as c:

@@ -46,7 +46,8 @@ def prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def gemma(prompts: list[list[int]]) -> tuple[Path, list]:
     path = g3.path()
-    return path, colocated_reference(path, prompts, NEW, PS, chunk=CHUNK)
+    # the servers' --max-total-tokens: a sliding-window request holds its window pages beside its full ones
+    return path, colocated_reference(path, prompts, NEW, PS, chunk=CHUNK, num_pages=8192 // PS)
 
 
 def test_the_window_halves_the_long_prompts_bytes() -> None:

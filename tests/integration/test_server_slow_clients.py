@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.helpers.http_wire import read_response
 from tests.helpers.server import ServerProc, server_fixture
 
 pytestmark = pytest.mark.timeout(300)
@@ -179,23 +180,6 @@ def test_a_trickled_body_is_cut(server: ServerProc) -> None:
     assert server.post("/generate", json=GENUINE).status_code == 200
 
 
-def _read_response(s: socket.socket, limit_s: float = 60.0) -> bytes:
-    """One whole response with a Content-Length (its head and body may come in separate reads)."""
-    data, deadline = b"", time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        head, sep, body = data.partition(b"\r\n\r\n")
-        if sep:
-            lines = head.split(b"\r\n")
-            lengths = [int(h.split(b":", 1)[1]) for h in lines if h.lower().startswith(b"content-length:")]
-            if len(body) >= (lengths[0] if lengths else 0):
-                return data
-        chunk = s.recv(65536)
-        if not chunk:
-            return data
-        data += chunk
-    return data
-
-
 def test_a_kept_alive_connection_s_next_head_has_the_same_deadline(server: ServerProc) -> None:
     """After a served request, the next head trickled on the same connection is cut like a first
     one (uvicorn's keep-alive timer stops at its first byte; the head deadline starts there)."""
@@ -205,7 +189,7 @@ def test_a_kept_alive_connection_s_next_head_has_the_same_deadline(server: Serve
     request += b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
         s.sendall(request)
-        first = _read_response(s)
+        first = read_response(s)
         assert first.startswith(b"HTTP/1.1 200"), first[:200]
         start = time.monotonic()
         answer = b""

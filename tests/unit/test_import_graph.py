@@ -22,6 +22,14 @@ LAZY_ALLOWED = {
     # the CLI imports a command's module only when that command runs (`kvpipe init-model` never
     # imports torch)
     ("kvpipe.cli", "kvpipe."),
+    # a command's --help imports no torch (tests/unit/test_cli_help.py): the engine, the server
+    # and the checkpoint readers are imported when the command runs
+    ("kvpipe.commands.serve", "kvpipe."),
+    ("kvpipe.commands.generate", "kvpipe.engine."),
+    ("kvpipe.commands.init_model", "kvpipe.model."),
+    ("kvpipe.commands.flags", "kvpipe.model.checkpoint."),
+    ("kvpipe.commands.pd_flags", "kvpipe.model.checkpoint."),
+    ("kvpipe.commands.launch", "kvpipe.model.checkpoint."),
 }
 # (The transfer backend registry imports a backend's module by its "module:Class" path, with
 # importlib, only when the backend is chosen: kvpipe/transfer/backends/registry.py.)
