@@ -51,7 +51,9 @@ def colocated_reference(
     prompts (chunk 0 here and on the PD servers): a later chunk reads the stored, rounded KV of
     the earlier ones, and where chunks end depends on which requests share a step; for prompts
     sharing prefixes also turn the prefix cache off (`radix_cache`): a hit is such a chunk end."""
-    cache = CacheConfig(page_size=page_size, num_pages=num_pages, kv_cache_dtype=kv_cache_dtype, radix_cache=radix_cache)
+    cache = CacheConfig(
+        page_size=page_size, num_pages=num_pages, kv_cache_dtype=kv_cache_dtype, radix_cache=radix_cache
+    )
     sched = SchedulerConfig() if chunk is None else SchedulerConfig(chunked_prefill_size=chunk)
     eng = Engine(ServerConfig(model_path=str(model_dir), cache=cache, scheduler=sched))
     try:
