@@ -28,7 +28,7 @@ arrives). Descriptors stay bounded whatever arrives: the accept backlog is the c
 adds at most one backlog's worth until the loop's next turn closes the evicted ones.
 
 Headers are bounded by h11's `max_incomplete_event_size` (`ListenerLimits.max_header_bytes`),
-bodies by BodyLimitMiddleware (body_limit.py). The limits come from kvpipe/config.py
+bodies by BodyLimitMiddleware (body_limit.py). The limits come from kvpipe/config/server.py
 `ListenerLimits`: the server's flags (commands/http_flags.py) and the bootstrap server's fixed
 BOOTSTRAP_LISTENER_LIMITS (transfer/control/bootstrap.py).
 

@@ -7,7 +7,7 @@ draft model shard when `draft_kv` is SHARDED (the engine tells them, engine/tp_g
 how the draft KV registers and moves from the same field (disagg/transfer_worker.py,
 disagg/mtp_transfer.py, disagg/draft_transfer.py). `config.SPECULATIVE_ALGORITHMS` (the flag's
 choices, validated where flags are parsed) names the same algorithms, and each entry's
-`draft_model` says what config.py accepts for --speculative-draft-model-path
+`draft_model` says what kvpipe/config/server.py accepts for --speculative-draft-model-path
 (tests/unit/test_drafter_registry.py holds the two together).
 
 A new drafter: one module implementing `Drafter` (engine/spec/drafter.py) and one entry here.
@@ -82,7 +82,7 @@ def _no_check(cfg: ServerConfig, model: ModelConfig) -> None:
 
 def _check_standalone(cfg: ServerConfig, model: ModelConfig) -> None:
     path = cfg.speculative.draft_model_path
-    assert path is not None  # DraftModelPath.REQUIRED: config.py refuses STANDALONE without it
+    assert path is not None  # DraftModelPath.REQUIRED: config/server.py refuses STANDALONE without it
     check_draft_model(cfg, model, model_config_of(path))
 
 
