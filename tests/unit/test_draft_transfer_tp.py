@@ -14,7 +14,7 @@ from kvpipe.disagg.draft_transfer import speculative_handshake
 from kvpipe.transfer.control import messages as m
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.sender.book import SenderBook
-from kvpipe.transfer.sender.room import SendCall
+from kvpipe.transfer.sender.plan_types import SendCall
 from tests.helpers.registered import register_answered
 from tests.unit.test_draft_transfer_plan import CFG, PAGES, PS
 

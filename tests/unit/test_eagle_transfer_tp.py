@@ -20,7 +20,7 @@ from kvpipe.transfer.control import messages as m
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.planning.tp_mapping import source_ranks
 from kvpipe.transfer.sender.book import SenderBook
-from kvpipe.transfer.sender.room import SendCall
+from kvpipe.transfer.sender.plan_types import SendCall
 from tests.helpers.draft_models import write_eagle_head
 from tests.unit.test_mtp_transfer import CFG, PAGES, PS
 from tests.unit.test_mtp_transfer_tp import DST_PAGES, HIDDEN, MTP_BASE, SRC_PAGES, register

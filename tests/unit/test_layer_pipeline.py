@@ -16,7 +16,7 @@ from kvpipe.transfer.control import messages as m
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.planning.wire_bytes import KVWireBytes
 from kvpipe.transfer.sender.book import SenderBook
-from kvpipe.transfer.sender.room import SendCall
+from kvpipe.transfer.sender.plan_types import SendCall
 from kvpipe.transfer.sender.stats import TransferTiming
 from tests.helpers.registered import register_answered
 

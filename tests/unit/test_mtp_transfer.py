@@ -19,7 +19,7 @@ from kvpipe.model.presets import preset_config, write_preset
 from kvpipe.transfer.control import messages as m
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.sender.book import SenderBook
-from kvpipe.transfer.sender.room import SendCall
+from kvpipe.transfer.sender.plan_types import SendCall
 from tests.helpers.registered import register_answered
 
 L, PS, PAGES = 2, 4, 64

@@ -24,7 +24,7 @@ from kvpipe.transfer.planning.tp_mapping import source_ranks
 from kvpipe.transfer.receiver.book import ReceiverBook
 from kvpipe.transfer.receiver.room import merge_aux
 from kvpipe.transfer.sender.book import SenderBook
-from kvpipe.transfer.sender.room import SendCall
+from kvpipe.transfer.sender.plan_types import SendCall
 from tests.helpers.registered import accept_registrations, register_answered
 from tests.unit.test_mtp_transfer import CFG, PAGES, PS
 

@@ -13,7 +13,7 @@ from kvpipe.transfer.control import messages as m
 from kvpipe.transfer.lifecycle import TransferState as T
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.sender.book import SenderBook
-from kvpipe.transfer.sender.room import ChunkState, SendCall, StagingPolicy
+from kvpipe.transfer.sender.plan_types import ChunkState, SendCall, StagingPolicy
 from kvpipe.transfer.staging.book import StagingBook
 from tests.helpers.registered import register_answered
 

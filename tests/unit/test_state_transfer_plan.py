@@ -21,7 +21,8 @@ from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.recurrent.layout import StateLayout
 from kvpipe.transfer.recurrent.plan import plan_state
 from kvpipe.transfer.sender.peers import SenderPeers
-from kvpipe.transfer.sender.room import Destination, PlanError, SendCall, SenderRoom
+from kvpipe.transfer.sender.plan_types import Destination, PlanError, SendCall
+from kvpipe.transfer.sender.room import SenderRoom
 
 TYPES = "LLLFLLLF"  # Qwen3.5's default pattern: every 4th layer full attention
 LINEAR = tuple(i for i, t in enumerate(TYPES) if t == "L")

@@ -22,7 +22,8 @@ from kvpipe.transfer.lifecycle import RoomRecord, TransferState, sender_timeouts
 from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.planning.planner import plan_pages
 from kvpipe.transfer.sender.book import SenderBook
-from kvpipe.transfer.sender.room import Destination, PlanError, SendCall, SenderRoom, StagingPolicy
+from kvpipe.transfer.sender.plan_types import Destination, PlanError, SendCall, StagingPolicy
+from kvpipe.transfer.sender.room import SenderRoom
 from tests.helpers.registered import register_answered
 
 L, PS, HD, PAGES = 4, 4, 8, 64

@@ -17,7 +17,8 @@ from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.receiver.room import ReceiverRoom, rank_pairs
 from kvpipe.transfer.sender.book import SenderBook
 from kvpipe.transfer.sender.peers import expected_destinations
-from kvpipe.transfer.sender.room import Destination, PlanError, SendCall, SenderRoom, equal_runs
+from kvpipe.transfer.sender.plan_types import Destination, PlanError, SendCall, equal_runs
+from kvpipe.transfer.sender.room import SenderRoom
 from tests.helpers.registered import register_answered
 
 L, PS, HD, PAGES = 2, 4, 8, 64

@@ -61,16 +61,16 @@ from kvpipe.transfer.sender import claims
 from kvpipe.transfer.sender.challenge import Challenges
 from kvpipe.transfer.sender.decode_requests import DecodeRequests, Replies
 from kvpipe.transfer.sender.peers import SenderPeers
-from kvpipe.transfer.sender.room import (
+from kvpipe.transfer.sender.plan_types import (
     ChunkState,
     Destination,
     Inflight,
     OpBatch,
     PlanError,
     SendCall,
-    SenderRoom,
     StagingPolicy,
 )
+from kvpipe.transfer.sender.room import SenderRoom
 from kvpipe.transfer.sender.session_bounds import Orphans, Tombstones
 from kvpipe.transfer.sender.sessions import SessionRules
 from kvpipe.transfer.sender.staged_sends import StagedSends

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvpipe.transfer.sender.room import Destination, SenderRoom
+from kvpipe.transfer.sender.plan_types import Destination
+from kvpipe.transfer.sender.room import SenderRoom
 
 
 def _key(d: Destination) -> tuple[str, bytes]:

@@ -8,7 +8,7 @@ import numpy as np
 
 from kvpipe.transfer.control.messages import RegisterPeer, TransferRequest
 from kvpipe.transfer.planning.layout import KVLayout
-from kvpipe.transfer.sender.room import Destination
+from kvpipe.transfer.sender.plan_types import Destination
 
 
 def destination(

@@ -58,7 +58,7 @@ from kvpipe.transfer.planning.layout import KVLayout
 from kvpipe.transfer.planning.window_table import window_pages_problem
 from kvpipe.transfer.recurrent.layout import StateLayout
 from kvpipe.transfer.sender.book import SenderBook
-from kvpipe.transfer.sender.room import OpBatch, SendCall, StagedChunk, StagingPolicy
+from kvpipe.transfer.sender.plan_types import OpBatch, SendCall, StagedChunk, StagingPolicy
 from kvpipe.transfer.sender.stats import SenderStats, TransferTiming
 from kvpipe.transfer.staging.buffers import StagingBuffer
 

@@ -26,7 +26,8 @@ import numpy as np
 
 from kvpipe.transfer.control.messages import StagingChunkDone, StagingChunkWritten, StagingSlotGrant, StagingSlotRequest
 from kvpipe.transfer.lifecycle import TransferState
-from kvpipe.transfer.sender.room import ChunkState, OpBatch, SenderRoom, StagedChunk, StagingPolicy
+from kvpipe.transfer.sender.plan_types import ChunkState, OpBatch, StagedChunk, StagingPolicy
+from kvpipe.transfer.sender.room import SenderRoom
 from kvpipe.transfer.sender.stats import SenderStats
 from kvpipe.transfer.staging.ring import RingAllocator
 
