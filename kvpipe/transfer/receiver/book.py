@@ -16,7 +16,9 @@ final TransferStatus per pair (room.py). Rules it keeps:
   failure once every paired prefill rank gave its final word, the prefill restarted, or
   transfer_timeout_s passed since the failure;
 - a failure (deadline, abort, a prefill rank's Failed) sends Abort to the paired prefill ranks,
-  unless they all answered already or the instance is gone;
+  unless they all answered already or the instance is gone; a room that fails before its
+  request went out is aborted too, once the prefill accepted our registration (a rank takes an
+  Abort only from a session it registered), so it does not hold the request to its bootstrap timeout;
 - a prefill rank that misses heartbeats is dead: its instance's rooms fail but keep their pages
   (a silent prefill may be stalled with writes in flight) and the instance is forgotten, so the
   next add_room fetches the bootstrap info again; a new instance id there proves the old one
@@ -57,7 +59,7 @@ from kvpipe.transfer.control.messages import (
 )
 from kvpipe.transfer.lifecycle import DuplicateRoomError, PeerLiveness, RoomRecord, TransferState, receiver_timeouts
 from kvpipe.transfer.planning.window_table import window_pages_problem
-from kvpipe.transfer.receiver.registration import Pair, Registration
+from kvpipe.transfer.receiver.registration import Pair, PendingAbort, Registration
 from kvpipe.transfer.receiver.room import ReceiverRoom, rank_pairs
 
 if TYPE_CHECKING:  # bootstrap pulls in the HTTP stack; the book only reads the fetched info
@@ -267,6 +269,15 @@ class ReceiverBook:
         peer = self.prefills.get(prefill)
         if room in self.rooms or peer is None:
             return False
+        return self._tell_unrequested(peer, (room, reason, claim))
+
+    def _tell_unrequested(self, peer: KnownPrefill, abort: PendingAbort) -> bool:
+        """Abort a room the prefill was never asked for on every paired rank: now if they all
+        accepted our registration, else once they have (registration.py). True once sent or queued."""
+        if not peer.reg.ready:
+            peer.reg.aborts.append(abort)
+            return True
+        room, reason, claim = abort
         return self._to_pairs(peer.info, lambda rank: Abort(room, peer.mine[rank], Side.DECODE, reason, claim=claim))
 
     def poll(self, now: float) -> list[tuple[int, TransferState, str, AuxData | None]]:
@@ -317,11 +328,8 @@ class ReceiverBook:
         was registered or requested for them: a refused handshake tells the prefill so)."""
         # A room that was reported and whose id came back (maybe for another prefill) is a new
         # room: only the very objects that waited, still active, are requested.
-        rooms = [
-            r
-            for r in self._waiting.pop(prefill, [])
-            if self.rooms.get(r.room) is r and not r.requested and not r.rec.state.terminal
-        ]
+        waited = self._waiting.pop(prefill, [])
+        rooms = [r for r in waited if self.rooms.get(r.room) is r and not r.requested and not r.rec.state.terminal]
         self._fetch_errors.pop(prefill, None)
         if info is None:
             why = f"bootstrap with prefill {prefill[0]}:{prefill[1]} failed: {error or 'no answer'}"
@@ -332,6 +340,9 @@ class ReceiverBook:
         peer = self._install(prefill, info, now)
         for r in rooms:
             self._request(r, peer, now)
+        for r in waited:  # failed while the fetch ran (client gone): the prefill still holds them
+            if r.rec.state is TransferState.FAILED and self.rooms.get(r.room) in (None, r):
+                self._tell_unrequested(peer, (r.room, r.rec.reason, r.claim))
         return []
 
     def _install(self, addr: Address, info: PrefillInstanceInfo, now: float) -> KnownPrefill:
@@ -444,7 +455,12 @@ class ReceiverBook:
             return
         r.quiet_deadline = now + self.cfg.transfer_timeout_s
         peer = self.prefills.get(r.prefill)
-        if not r.requested or r.all_final or r.prefill_gone or peer is None or peer.info.instance_id != r.instance_id:
+        if not r.requested:  # waiting for our registration: told once it is accepted (waiting for
+            # the bootstrap fetch: told by on_fetched); the prefill otherwise holds it until its timeout
+            if peer is not None and any(q is r for q in peer.reg.queued):
+                self._tell_unrequested(peer, (r.room, r.rec.reason, r.claim))
+            return
+        if r.all_final or r.prefill_gone or peer is None or peer.info.instance_id != r.instance_id:
             return
         self._to_pairs(peer.info, lambda rank: Abort(r.room, r.sessions[rank], Side.DECODE, r.rec.reason))
         r.aborts_sent = True
@@ -530,7 +546,12 @@ class ReceiverBook:
             log.warning("%s", why)
             for r in reg.take_queued():
                 r.rec.fail(why, now)
+            reg.take_aborts()  # it never knew this decode: only its bootstrap timeout frees those rooms
         elif reg.ready:
+            for room, why, claim in reg.take_aborts():
+                live = self.rooms.get(room)
+                if live is None or live.rec.state.terminal:  # not an id a new room of ours took since
+                    self._tell_unrequested(peer, (room, why, claim))
             for r in reg.take_queued():
                 if self.rooms.get(r.room) is r and not r.requested and not r.rec.state.terminal:
                     self._request(r, peer, now)
@@ -572,7 +593,7 @@ class ReceiverBook:
                     gone=False,
                 )
         for peer in self.prefills.values():  # rooms wait for a registration no answer came for
-            if peer.reg.queued and not peer.reg.ready:
+            if peer.reg.wanted and not peer.reg.ready:
                 self._register(peer, now)
 
     def heartbeats(self, now: float) -> None:
