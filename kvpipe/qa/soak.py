@@ -44,7 +44,7 @@ from kvpipe.launch.start import start_pd_stack
 from kvpipe.model.presets import model_path_or_preset
 from kvpipe.qa.checks import Check, checks_dict, failed, verdict
 from kvpipe.qa.leaks import wait_idle
-from kvpipe.qa.soak_link import LinkOptions, after_load, link_result, replay_exact, testbed_stack
+from kvpipe.qa.soak_link import HealProbe, LinkOptions, link_result, replay_exact, testbed_stack
 from kvpipe.qa.soak_plan import Bounds, SoakConfig, plan_requests, plan_warmup
 from kvpipe.qa.soak_report import room_deltas, table
 from kvpipe.qa.soak_resources import ResourceSeries, Sampler, resource_checks
@@ -242,10 +242,11 @@ def run_soak(
             series[name].baseline = s
         tally = Tally()
         fault = FaultRun(spec, link.fault, link.after_s) if link is not None and spec is not None else None
-        with sampler, fault or contextlib.nullcontext():
+        probe = HealProbe(stack.router_url, fault, cfg.deadline_s) if fault is not None else None
+        with sampler, fault or contextlib.nullcontext(), probe or contextlib.nullcontext():
             duration = _drive(stack.router_url, planned, model, cfg, tally, progress, "soak")
             load_end = time.monotonic()
-            probe_s = after_load(fault, stack.router_url, cfg.deadline_s) if fault is not None else None
+        probe_s = probe.served_s if probe is not None else None
         idle = wait_idle(urls, cfg.idle_timeout_s, baselines)
         final_stats = idle.stats
         for name, s in sampler.sample().items():

@@ -7,9 +7,10 @@ healed.
 What the fault gave, beside the soak's own checks (no hang, every failure clear, nothing leaked):
 - exact: the successes of the native API (their output ids) sent again one at a time once the
   link is healed and the stack idle; a success whose tokens differ was served wrong;
-- time to full service: from the heal to the first request sent after it from which every later
-  one was served (load requests sent after the heal), and to the first probe served (a short
-  request sent every PROBE_INTERVAL_S from the end of the load until one is served).
+- time to service after the heal: from the heal to the first probe served (HealProbe: a short
+  request every PROBE_INTERVAL_S from the heal on, beside the load), and from the heal to the
+  first load request sent after it from which every later one was served (with a closed-loop
+  load this is mostly how long the requests the fault caught held their slots).
 
 Root, iproute2 and nftables (netem for its kinds); the caller's thread runs inside side b.
 """
@@ -17,6 +18,7 @@ Root, iproute2 and nftables (netem for its kinds); the caller's thread runs insi
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -62,12 +64,36 @@ def testbed_stack(
             yield stack, tb.spec
 
 
-def after_load(run: FaultRun, url: str, deadline_s: float) -> float | None:
-    """Once the load ended: wait for the fault to heal (it may outlast the load), then probe until
-    served; seconds from the heal to the probe served (None: not within `deadline_s`)."""
-    left = (run.applied_at or time.monotonic()) + run.fault.duration_s - time.monotonic()
-    run.wait_healed(max(0.0, left) + run.start_after_s + 10.0)
-    return probe_served_s(url, run.healed_at, deadline_s)
+class HealProbe:
+    """Beside the load, from the heal on: a short request every PROBE_INTERVAL_S until one is
+    served. Its own thread (created inside the caller's namespace, so it is in there too) and its
+    own connection, so a load whose every slot waits on requests caught by the fault does not delay it."""
+
+    def __init__(self, url: str, run: FaultRun, deadline_s: float) -> None:
+        self.url, self.run, self.deadline_s = url, run, deadline_s
+        self.served_s: float | None = None  # heal -> the first probe served
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._probe, name="heal-probe", daemon=True)
+
+    def __enter__(self) -> HealProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Wait for the heal and a probe served (each bounded), then stop."""
+        self._thread.join(self._heal_bound_s() + self.deadline_s + 30.0)
+        self._stop.set()
+        self._thread.join(30.0)
+
+    def _heal_bound_s(self) -> float:
+        return self.run.start_after_s + self.run.fault.duration_s + 30.0
+
+    def _probe(self) -> None:
+        end = time.monotonic() + self._heal_bound_s()
+        while self.run.healed_at is None and time.monotonic() < end:
+            if self._stop.wait(0.05):
+                return
+        self.served_s = probe_served_s(self.url, self.run.healed_at, self.deadline_s, self._stop)
 
 
 def served(o: Outcome) -> bool:
@@ -92,15 +118,18 @@ def full_service_s(outcomes: Sequence[Outcome], healed_at: float | None) -> floa
     return max(0.0, after[first_ok].start_s - healed_at)
 
 
-def probe_served_s(url: str, healed_at: float | None, deadline_s: float) -> float | None:
-    """Send PROBE every PROBE_INTERVAL_S until one is served (bounded by `deadline_s`); seconds
-    from the heal to that success, None when none was."""
+def probe_served_s(
+    url: str, healed_at: float | None, deadline_s: float, stop: threading.Event | None = None
+) -> float | None:
+    """Send PROBE every PROBE_INTERVAL_S until one is served (bounded by `deadline_s`, and by
+    `stop`); seconds from the heal to that success, None when none was."""
     end = time.monotonic() + deadline_s
-    while healed_at is not None and time.monotonic() < end:
+    stop = stop or threading.Event()
+    while healed_at is not None and time.monotonic() < end and not stop.is_set():
         res = run_requests(url, [PROBE], 1, min(30.0, deadline_s), progress=False)
         if res.outcomes and res.outcomes[0].ok:
             return max(0.0, time.monotonic() - healed_at)
-        time.sleep(PROBE_INTERVAL_S)
+        stop.wait(PROBE_INTERVAL_S)
     return None
 
 
@@ -128,8 +157,8 @@ def link_result(
         "applied_s": None if applied is None else round(applied - t0, 2),
         "healed_s": None if healed is None else round(healed - t0, 2),
         "load_s": round(load_end - t0, 2),
-        "full_service_after_heal_s": _round(full_service_s(outcomes, healed)),
         "probe_served_after_heal_s": _round(probe_s),
+        "load_served_after_heal_s": _round(full_service_s(outcomes, healed)),
         "replay": exact,
         "error": None if run.error is None else f"{type(run.error).__name__}: {run.error}",
     }
@@ -140,7 +169,9 @@ def link_result(
             applied is not None and applied < load_end,
             f"applied {info['applied_s']} s, load ended {info['load_s']} s",
         ),
-        Check("served again after the heal", probe_s is not None, f"{info['probe_served_after_heal_s']} s"),
+        Check(
+            "served again after the heal", probe_s is not None, f"a probe {info['probe_served_after_heal_s']} s after"
+        ),
         Check("successes exact", exact["differ"] == 0 and exact["failed"] == 0, f"{exact}"),
     ]
     return info, checks

@@ -48,9 +48,9 @@ def table(result: Mapping[str, Any]) -> str:
         r = lf["replay"]
         lines.append(
             f"link fault {lf['fault']}: applied at {lf['applied_s']} s, healed at {lf['healed_s']} s, load "
-            f"ended at {lf['load_s']} s; full service {lf['full_service_after_heal_s']} s after the heal "
-            f"(probe served after {lf['probe_served_after_heal_s']} s); replayed {r['checked']}: "
-            f"{r['exact']} exact, {r['differ']} differ, {r['failed']} failed"
+            f"ended at {lf['load_s']} s; served {lf['probe_served_after_heal_s']} s after the heal (probe; "
+            f"the load's requests all served from {lf['load_served_after_heal_s']} s); "
+            f"replayed {r['checked']}: {r['exact']} exact, {r['differ']} differ, {r['failed']} failed"
         )
     failed = [c for c in result["checks"] if not c["ok"]]
     lines.append(

@@ -1,5 +1,5 @@
 """`kvpipe bench soak --link-fault`, small: the soak's stack across the link testbed (prefill on
-side a, decode and router on side b, 100 Mbit/s) and a 3 s partition 2 s into a load of 16 mixed
+side a, decode and router on side b, 100 Mbit/s) and a 3 s partition from the start of a load of 16 mixed
 requests at concurrency 4, shorter than the 10 s PD heartbeat timeout: nothing may be lost (every
 request served or failed clearly, none hung), every success is exact when sent again after the
 heal, nothing leaks, and the stack serves again after the heal. Nothing is timed beyond the
@@ -30,7 +30,7 @@ def test_soak_across_a_partition(tiny_model_dir: Path, tmp_path: Path, capsys: p
     argv += ["--prompt-max", "1024", "--failure-prob", "0", "--disconnect-prob", "0", "--warmup-requests", "4"]
     argv += ["--deadline", "90", "--idle-timeout", "90", "--sample-interval", "1", "--no-progress"]
     argv += ["--server-args=--disable-radix-cache", "--log-dir", str(tmp_path / "logs"), "--out", str(out)]
-    argv += ["--link-fault", "partition:3s", "--link-fault-after", "2", "--link-rate", "100mbit"]
+    argv += ["--link-fault", "partition:3s", "--link-fault-after", "0", "--link-rate", "100mbit"]
     rc = soak.main(argv)
     res = json.loads(out.read_text())
     failed = [c for c in res["checks"] if not c["ok"]]
