@@ -514,3 +514,22 @@ def test_no_abort_for_an_unrequested_room_after_a_refusal_or_when_its_id_is_live
     sent = [msg for _, msg in d2.take()]
     assert not any(isinstance(msg, m.Abort) for msg in sent)  # it would fail the live room on the prefill
     assert [msg.room for msg in sent if isinstance(msg, m.TransferRequest)] == [2]
+
+
+def test_a_prefill_dropped_for_silence_gets_a_fresh_connection_when_known_again():
+    # After a partition our connection to its ranks may sit in TCP's retransmission back-off: the
+    # registration after the heal must not queue behind it (it arrived 12 s late, docs/faults.md).
+    dropped: list[str] = []
+    d = Decode(tp=1)
+    d.book._reconnect = dropped.append
+    d.connected(1, prefill(tp=2))
+    d.book.housekeeping(0.5 + CFG.bootstrap_timeout_s)  # no heartbeat at all: dropped for silence
+    assert ADDR not in d.book.prefills and dropped == []  # its aborts may still flush meanwhile
+    assert d.add(2, 20.0) == ADDR
+    d.book.on_fetched(ADDR, prefill(tp=2), None, 20.1)
+    assert sorted(dropped) == ["tcp://p0-0", "tcp://p0-1"]  # before the registration is sent again
+    d2 = Decode()
+    d2.book._reconnect = dropped.append
+    d2.connected(1, prefill())
+    d2.book.on_fetched(ADDR, prefill("p1"), None, 1.0)  # restarted, not silent: nothing to replace
+    assert sorted(dropped) == ["tcp://p0-0", "tcp://p0-1"]

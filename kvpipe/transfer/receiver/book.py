@@ -67,6 +67,7 @@ if TYPE_CHECKING:  # bootstrap pulls in the HTTP stack; the book only reads the 
 
 log = logging.getLogger(__name__)
 Address = BootstrapAddress  # a prefill's bootstrap server: host, port (parsed strictly)
+MAX_STALE_CONTROLS = 4096  # prefill ranks dropped for silence whose connection is replaced when known again
 
 
 def per_rank_arrays(lists: Sequence[np.ndarray] | np.ndarray | list[int]) -> tuple[np.ndarray, ...]:
@@ -118,9 +119,12 @@ class ReceiverBook:
         control_address: str,
         send: Callable[[str, Any], bool],
         verify: Callable[[ReceiverRoom], str | None] | None = None,
+        reconnect: Callable[[str], None] | None = None,
     ) -> None:
         """`verify(room)`: why a room whose prefill ranks all reported Success holds other KV than
-        they wrote, or None (kv_digest.py; rooms requested with an integrity key only)."""
+        they wrote, or None (kv_digest.py; rooms requested with an integrity key only).
+        `reconnect(control address)`: drop our connection to a prefill rank, so the next send
+        opens a fresh one (called when a prefill dropped for silence is known again)."""
         self.cfg, self.ranks = cfg, tuple(ranks)
         self._verify = verify
         self.tp_size = len(self.ranks)
@@ -137,6 +141,11 @@ class ReceiverBook:
         self._waiting: dict[Address, list[ReceiverRoom]] = {}  # rooms waiting for a bootstrap fetch
         self._fetch_errors: dict[Address, str] = {}  # last error of a fetch still retrying
         self._hb_seq, self._next_hb = 0, float("-inf")
+        self._reconnect = reconnect
+        # control addresses of prefill ranks dropped for silence: after a partition our connection
+        # to one may sit in TCP's retransmission back-off, which held a registration sent after the
+        # heal for 12 s (issue 50, docs/faults.md); it is replaced when that prefill is known again
+        self._stale_controls: set[str] = set()
 
     # ---- engine side -----------------------------------------------------------------------
 
@@ -360,6 +369,11 @@ class ReceiverBook:
             if r.prefill == addr and r.instance_id not in (None, info.instance_id):
                 r.prefill_gone = True
                 r.rec.fail(f"prefill at {addr[0]}:{addr[1]} restarted", now)
+        for rank in info.ranks:
+            if rank.control_address in self._stale_controls:
+                self._stale_controls.discard(rank.control_address)
+                if self._reconnect is not None:
+                    self._reconnect(rank.control_address)
         mine = tuple(f"{self.sessions[r]}/{secrets.token_hex(16)}" for r in range(self.tp_size))
         regs = tuple(
             RegisterPeer(
@@ -446,6 +460,8 @@ class ReceiverBook:
         for s in peer.sessions:
             self._by_session.pop(s, None)
             self.liveness.forget(s)
+        if not gone and len(self._stale_controls) < MAX_STALE_CONTROLS:
+            self._stale_controls.update(rank.control_address for rank in peer.info.ranks)
         if self.prefills.get(peer.addr) is peer:
             del self.prefills[peer.addr]  # the next add_room fetches the bootstrap info again
 
