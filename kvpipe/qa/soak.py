@@ -113,6 +113,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     f.add_argument(
         "--link-fault-after", type=float, default=LinkOptions.after_s, help="seconds into the load the fault starts"
     )
+    f.add_argument(
+        "--link-rto-max-ms",
+        type=int,
+        default=None,
+        help="cap TCP's retransmission timeout in the testbed (net.ipv4.tcp_rto_max_ms; default: the kernel's 120 s)",
+    )
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print the result as one JSON object")
     o.add_argument("--out", default=None, help="write the JSON result to this file")
@@ -144,7 +150,9 @@ def link_from_args(args: argparse.Namespace) -> LinkOptions | None:
     if args.link_fault is None:
         return None
     try:
-        link = LinkOptions(LinkFault.parse(args.link_fault), args.link_rate, args.link_fault_after)
+        link = LinkOptions(
+            LinkFault.parse(args.link_fault), args.link_rate, args.link_fault_after, args.link_rto_max_ms
+        )
     except ValueError as e:
         raise SystemExit(f"kvpipe bench soak: {e}") from None
     why = netem_missing() if link.fault.kind.netem else nft_missing()

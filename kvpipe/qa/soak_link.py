@@ -44,6 +44,7 @@ class LinkOptions:
     fault: LinkFault
     rate: str = "100mbit"  # the testbed link's tbf rate
     after_s: float = 5.0  # seconds into the measured load before the fault starts
+    rto_max_ms: int | None = None  # TCP's retransmission timeout cap in the testbed (None: the kernel's)
 
 
 @contextlib.contextmanager
@@ -57,7 +58,8 @@ def testbed_stack(
 ) -> Iterator[tuple[PDStack, LinkSpec]]:
     """The stack across a fresh testbed and its link, the calling thread inside side b for the
     block; the testbed and its namespaces are removed at exit, also on failure."""
-    with LinkTestbed(opts.rate, state_dir=Path(log_dir) / "testbed") as tb, inside_netns(tb.ns_b):
+    testbed = LinkTestbed(opts.rate, state_dir=Path(log_dir) / "testbed", rto_max_ms=opts.rto_max_ms)
+    with testbed as tb, inside_netns(tb.ns_b):
         with start_testbed_stack(
             tb, model_path, server_args=server_args, prefill_args=prefill_args, log_dir=log_dir, timeout_s=timeout_s
         ) as stack:

@@ -10,6 +10,7 @@ import pytest
 from kvpipe.harness.link_faults import FaultKind
 from kvpipe.harness.outcome import End, Outcome
 from kvpipe.harness.request import Request
+from kvpipe.harness.testbed import make_spec, setup_commands
 from kvpipe.qa import soak
 from kvpipe.qa.soak_link import full_service_s
 
@@ -49,3 +50,17 @@ def test_link_fault_options() -> None:
     assert (link.rate, link.after_s) == ("8mbit", 3.0)
     with pytest.raises(SystemExit, match="bad link fault 'loss:1'"):
         soak.link_from_args(_args("--link-fault", "loss:1"))
+
+
+def test_the_testbed_caps_tcps_retransmission_timeout_when_asked() -> None:
+    # after a 15 s partition connections waited ~12 s for their backed-off retransmission
+    # (docs/faults.md); the cap is the namespaces' own sysctl, never the host's
+    spec = make_spec("100mbit", rto_max_ms=1000)
+    sysctls = [c for c in setup_commands(spec) if "sysctl" in c]
+    assert sorted(c[3] for c in sysctls) == sorted([spec.ns_a, spec.ns_b])
+    assert all(c[:3] == ["ip", "netns", "exec"] and c[-1] == "net.ipv4.tcp_rto_max_ms=1000" for c in sysctls)
+    assert not [c for c in setup_commands(make_spec("100mbit")) if "sysctl" in c]
+    with pytest.raises(ValueError, match="RTO cap"):
+        make_spec("100mbit", rto_max_ms=0)
+    link = soak.link_from_args(_args("--link-fault", "partition:6s", "--link-rto-max-ms", "1000"))
+    assert link is not None and link.rto_max_ms == 1000
