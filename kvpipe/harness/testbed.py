@@ -93,6 +93,9 @@ class LinkSpec:
     # the veth MTU: Linux's default 1500, or jumbo frames (9000, a datacenter link's usual MTU:
     # 6x fewer packets and ACKs for the kernels of both ends, which here share the servers' cores)
     mtu: int = DEFAULT_MTU
+    # TCP's retransmission timeout cap in both namespaces (net.ipv4.tcp_rto_max_ms, recent kernels;
+    # None: the kernel's 120 s): after a partition, connections resume within it (docs/faults.md)
+    rto_max_ms: int | None = None
 
     @property
     def ns_a(self) -> str:
@@ -124,7 +127,13 @@ class LinkSpec:
 MIN_BURST_BYTES = 128 * 1024
 
 
-def make_spec(rate: str, burst_bytes: int | None = None, latency_ms: int = 50, mtu: int = DEFAULT_MTU) -> LinkSpec:
+def make_spec(
+    rate: str,
+    burst_bytes: int | None = None,
+    latency_ms: int = 50,
+    mtu: int = DEFAULT_MTU,
+    rto_max_ms: int | None = None,
+) -> LinkSpec:
     """A spec with fresh unique names; burst defaults to 1 ms at line rate, at least
     MIN_BURST_BYTES (2 Gbit/s gives a 2 Mbit burst)."""
     norm, bps = parse_rate(rate)
@@ -133,8 +142,12 @@ def make_spec(rate: str, burst_bytes: int | None = None, latency_ms: int = 50, m
         raise ValueError(f"burst must be >= 2048 bytes and latency >= 1 ms, got {burst}, {latency_ms}")
     if not MIN_MTU <= mtu <= MAX_MTU:
         raise ValueError(f"mtu must be in [{MIN_MTU}, {MAX_MTU}], got {mtu}")
+    if rto_max_ms is not None and rto_max_ms < 1:
+        raise ValueError(f"the RTO cap must be >= 1 ms, got {rto_max_ms}")
     # "kv" + pid + 4 hex: short enough for veth names, unique across processes and within one.
-    return LinkSpec(f"kv{os.getpid()}{secrets.token_hex(2)}", norm, bps, burst, latency_ms, mtu=mtu)
+    return LinkSpec(
+        f"kv{os.getpid()}{secrets.token_hex(2)}", norm, bps, burst, latency_ms, mtu=mtu, rto_max_ms=rto_max_ms
+    )
 
 
 def setup_commands(s: LinkSpec) -> list[list[str]]:
@@ -151,6 +164,11 @@ def setup_commands(s: LinkSpec) -> list[list[str]]:
             ["ip", "-n", ns, "link", "set", dev, "mtu", str(s.mtu)],
             ["ip", "-n", ns, "link", "set", dev, "up"],
             ["ip", "-n", ns, "link", "set", "lo", "up"],
+            *(
+                [["ip", "netns", "exec", ns, "sysctl", "-qw", f"net.ipv4.tcp_rto_max_ms={s.rto_max_ms}"]]
+                if s.rto_max_ms
+                else []
+            ),
             [
                 "ip",
                 "netns",
@@ -320,8 +338,9 @@ class LinkTestbed:
         mtu: int = DEFAULT_MTU,
         persistent: bool = False,
         state_dir: Path | None = None,
+        rto_max_ms: int | None = None,
     ) -> None:
-        self.spec = make_spec(rate, burst_bytes, latency_ms, mtu)
+        self.spec = make_spec(rate, burst_bytes, latency_ms, mtu, rto_max_ms)
         self.persistent = persistent
         self.state_path = Path(state_dir or default_state_dir()) / f"{self.spec.name}.json"
         self._procs: list[subprocess.Popen] = []

@@ -141,7 +141,7 @@ class Campaign:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _check_ok(self) -> bool:
+    def check_ok(self) -> bool:
         """One short request through the router: did it succeed?"""
         assert self.stack is not None
         res = driver.run(self.stack.router_url, [generate([5 + i % 200 for i in range(40)], 8)], 1, 30.0, False)
@@ -188,14 +188,14 @@ class Campaign:
     def _recover(self, res: RoundResult, victim: str, restarts_before: int, t_kill: float) -> None:
         """Wait for `victim` to be restarted and healthy, then for requests to succeed again."""
         timeout = self.cfg.recover_timeout_s
-        up = wait_until(lambda: self._back_up(victim, restarts_before), timeout, 0.1)
+        up = wait_until(lambda: self.back_up(victim, restarts_before), timeout, 0.1)
         if up is None:
             res.error = f"{victim} not back up within {timeout:g} s"
             return
         res.restart_s = up - t_kill
-        if wait_until(self._check_ok, max(1.0, timeout - (time.monotonic() - t_kill)), 0.5):
+        if wait_until(self.check_ok, max(1.0, timeout - (time.monotonic() - t_kill)), 0.5):
             res.first_success_s = time.monotonic() - t_kill
-            res.serves_again = all(self._check_ok() for _ in range(3))
+            res.serves_again = all(self.check_ok() for _ in range(3))
 
     def _tally_inflight(self, res: RoundResult, sent: list[Sent], t_kill: float) -> None:
         """How the requests in flight at the kill ended: each within the deadline with a final
@@ -250,7 +250,7 @@ class Campaign:
             pass
         return pid
 
-    def _back_up(self, name: str, restarts_before: int) -> float | None:
+    def back_up(self, name: str, restarts_before: int) -> float | None:
         """The monotonic time `name` was restarted and became healthy again, else None."""
         stack = self.stack
         assert stack is not None and stack.supervisor is not None
@@ -262,7 +262,7 @@ class Campaign:
 
     # ---- the campaign -----------------------------------------------------------------------------
     def wait_serving(self, timeout_s: float = 60.0) -> None:
-        if wait_until(self._check_ok, timeout_s, 0.5) is None:
+        if wait_until(self.check_ok, timeout_s, 0.5) is None:
             raise RuntimeError(f"the stack does not serve a request within {timeout_s:g} s")
 
     def run(self, plan: list[tuple[str, Phase]]) -> list[RoundResult]:

@@ -63,9 +63,17 @@ class Load:
     per client."""
 
     def __init__(
-        self, url: str, clients: int, seed: int, deadline_s: float, vocab: int = 256, max_requests: int = 10_000
+        self,
+        url: str,
+        clients: int,
+        seed: int,
+        deadline_s: float,
+        vocab: int = 256,
+        max_requests: int = 10_000,
+        extra: int = 1,
     ) -> None:
-        self.url, self.clients, self.seed = url, clients, seed
+        """`extra`: how many requests sent with send() may run at once beside the clients'."""
+        self.url, self.clients, self.seed, self.extra = url, clients, seed, extra
         self.deadline_s, self.vocab, self.max_requests = deadline_s, vocab, max_requests
         self._sent: list[Sent] = []
         self._lock = threading.Lock()
@@ -108,7 +116,7 @@ class Load:
         await self._loop.shutdown_asyncgens()
 
     async def _new_client(self) -> httpx.AsyncClient:
-        return new_client(self.clients + 1, self.deadline_s, url=self.url)  # the clients and a probe
+        return new_client(self.clients + self.extra, self.deadline_s, url=self.url)  # the clients and the sent ones
 
     def _record(self, purpose: str) -> Sent:
         rec = Sent(purpose, time.monotonic())

@@ -43,6 +43,15 @@ def table(result: Mapping[str, Any]) -> str:
                 f"{d['rss_second_half_mb']:+.1f})  "
                 f"fds {d['fds']:+d}  threads {d['threads']:+d}  procs {d['procs']:+d}"
             )
+    lf = result.get("link_fault")
+    if lf:
+        r = lf["replay"]
+        lines.append(
+            f"link fault {lf['fault']}: applied at {lf['applied_s']} s, healed at {lf['healed_s']} s, load "
+            f"ended at {lf['load_s']} s; served {lf['probe_served_after_heal_s']} s after the heal (probe; "
+            f"the load's requests all served from {lf['load_served_after_heal_s']} s); "
+            f"replayed {r['checked']}: {r['exact']} exact, {r['differ']} differ, {r['failed']} failed"
+        )
     failed = [c for c in result["checks"] if not c["ok"]]
     lines.append(
         f"checks: {len(result['checks']) - len(failed)}/{len(result['checks'])} passed"

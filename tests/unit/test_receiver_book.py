@@ -465,3 +465,71 @@ def test_forged_statuses_for_another_sessions_room_are_refused_and_counted():
         (2, T.SUCCESS, "", m.AuxData(2, 42, -0.5)),
     ]
     assert d.book.num_active_rooms() == 0 and d.book.stats.foreign_rejected == len(forged)
+
+
+def test_a_room_that_fails_waiting_for_the_registration_is_aborted_once_it_is_accepted():
+    # The prefill holds a request until its bootstrap timeout unless told; a prefill rank takes an
+    # Abort only from a session it registered, so the abort waits for the registration.
+    d = Decode()
+    assert d.add(1, 0.0) == ADDR
+    d.book.on_fetched(ADDR, prefill(tp=2), None, 0.1)
+    d.take()
+    d.book.abort(1, "client gone", 0.2)
+    assert d.book.poll(0.2)[0][:2] == (1, T.FAILED)  # nothing requested: its pages are free at once
+    assert d.take(m.Abort) == []  # not yet registered: the prefill would refuse it
+    d.accept(ADDR, 0.3)
+    assert sorted(d.take()) == [(f"tcp://p0-{p}", m.Abort(1, d.mine(), m.Side.DECODE, "client gone")) for p in (0, 1)]
+    d.book.housekeeping(9.0)  # told once, and the registration is not sent again for it
+    assert d.take() == []
+
+
+def test_a_room_that_fails_waiting_for_the_fetch_is_aborted_once_registered():
+    d = Decode()
+    assert d.add(1, 0.0) == ADDR
+    d.book.housekeeping(5.0)  # the bootstrap deadline passes before the fetch answers
+    assert d.book.poll(5.0)[0][:2] == (1, T.FAILED)
+    d.book.on_fetched(ADDR, prefill(), None, 5.5)  # late: still registered with, for the abort
+    assert d.take(m.TransferRequest) == []
+    d.book.housekeeping(6.6)  # an unanswered registration is sent again while an abort waits
+    assert [msg for _, msg in d.take(m.RegisterPeer)]
+    d.accept(ADDR, 6.7)
+    [(addr, abort)] = d.take(m.Abort)
+    assert addr == "tcp://p0-0" and abort.room == 1 and "not done within 5s" in abort.reason
+
+
+def test_no_abort_for_an_unrequested_room_after_a_refusal_or_when_its_id_is_live_again():
+    d = Decode()
+    d.add(1, 0.0)
+    d.book.on_fetched(ADDR, prefill(), None, 0.1)
+    d.book.abort(1, "client gone", 0.2)
+    peer = d.book.prefills[ADDR]
+    d.book.on_message(m.RegisterReply(d.mine(), "p0/0", m.RegisterState.REFUSED, "no"), 0.3)
+    assert d.take(m.Abort) == [] and peer.reg.aborts == []
+    d2 = Decode()
+    d2.add(2, 0.0)
+    d2.book.abort(2, "client gone", 0.1)
+    d2.book.poll(0.1)
+    assert d2.add(2, 0.2) is None  # the id is back, for the same prefill: its fetch still runs
+    d2.fetched(ADDR, prefill(), 0.3)
+    sent = [msg for _, msg in d2.take()]
+    assert not any(isinstance(msg, m.Abort) for msg in sent)  # it would fail the live room on the prefill
+    assert [msg.room for msg in sent if isinstance(msg, m.TransferRequest)] == [2]
+
+
+def test_a_prefill_dropped_for_silence_gets_a_fresh_connection_when_known_again():
+    # After a partition our connection to its ranks may sit in TCP's retransmission back-off: the
+    # registration after the heal must not queue behind it (it arrived 12 s late, docs/faults.md).
+    dropped: list[str] = []
+    d = Decode(tp=1)
+    d.book._reconnect = dropped.append
+    d.connected(1, prefill(tp=2))
+    d.book.housekeeping(0.5 + CFG.bootstrap_timeout_s)  # no heartbeat at all: dropped for silence
+    assert ADDR not in d.book.prefills and dropped == []  # its aborts may still flush meanwhile
+    assert d.add(2, 20.0) == ADDR
+    d.book.on_fetched(ADDR, prefill(tp=2), None, 20.1)
+    assert sorted(dropped) == ["tcp://p0-0", "tcp://p0-1"]  # before the registration is sent again
+    d2 = Decode()
+    d2.book._reconnect = dropped.append
+    d2.connected(1, prefill())
+    d2.book.on_fetched(ADDR, prefill("p1"), None, 1.0)  # restarted, not silent: nothing to replace
+    assert sorted(dropped) == ["tcp://p0-0", "tcp://p0-1"]

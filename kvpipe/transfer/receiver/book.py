@@ -16,7 +16,9 @@ final TransferStatus per pair (room.py). Rules it keeps:
   failure once every paired prefill rank gave its final word, the prefill restarted, or
   transfer_timeout_s passed since the failure;
 - a failure (deadline, abort, a prefill rank's Failed) sends Abort to the paired prefill ranks,
-  unless they all answered already or the instance is gone;
+  unless they all answered already or the instance is gone; a room that fails before its
+  request went out is aborted too, once the prefill accepted our registration (a rank takes an
+  Abort only from a session it registered), so it does not hold the request to its bootstrap timeout;
 - a prefill rank that misses heartbeats is dead: its instance's rooms fail but keep their pages
   (a silent prefill may be stalled with writes in flight) and the instance is forgotten, so the
   next add_room fetches the bootstrap info again; a new instance id there proves the old one
@@ -57,7 +59,7 @@ from kvpipe.transfer.control.messages import (
 )
 from kvpipe.transfer.lifecycle import DuplicateRoomError, PeerLiveness, RoomRecord, TransferState, receiver_timeouts
 from kvpipe.transfer.planning.window_table import window_pages_problem
-from kvpipe.transfer.receiver.registration import Pair, Registration
+from kvpipe.transfer.receiver.registration import Pair, PendingAbort, Registration
 from kvpipe.transfer.receiver.room import ReceiverRoom, rank_pairs
 
 if TYPE_CHECKING:  # bootstrap pulls in the HTTP stack; the book only reads the fetched info
@@ -65,6 +67,7 @@ if TYPE_CHECKING:  # bootstrap pulls in the HTTP stack; the book only reads the 
 
 log = logging.getLogger(__name__)
 Address = BootstrapAddress  # a prefill's bootstrap server: host, port (parsed strictly)
+MAX_STALE_CONTROLS = 4096  # prefill ranks dropped for silence whose connection is replaced when known again
 
 
 def per_rank_arrays(lists: Sequence[np.ndarray] | np.ndarray | list[int]) -> tuple[np.ndarray, ...]:
@@ -116,9 +119,12 @@ class ReceiverBook:
         control_address: str,
         send: Callable[[str, Any], bool],
         verify: Callable[[ReceiverRoom], str | None] | None = None,
+        reconnect: Callable[[str], None] | None = None,
     ) -> None:
         """`verify(room)`: why a room whose prefill ranks all reported Success holds other KV than
-        they wrote, or None (kv_digest.py; rooms requested with an integrity key only)."""
+        they wrote, or None (kv_digest.py; rooms requested with an integrity key only).
+        `reconnect(control address)`: drop our connection to a prefill rank, so the next send
+        opens a fresh one (called when a prefill dropped for silence is known again)."""
         self.cfg, self.ranks = cfg, tuple(ranks)
         self._verify = verify
         self.tp_size = len(self.ranks)
@@ -135,6 +141,11 @@ class ReceiverBook:
         self._waiting: dict[Address, list[ReceiverRoom]] = {}  # rooms waiting for a bootstrap fetch
         self._fetch_errors: dict[Address, str] = {}  # last error of a fetch still retrying
         self._hb_seq, self._next_hb = 0, float("-inf")
+        self._reconnect = reconnect
+        # control addresses of prefill ranks dropped for silence: after a partition our connection
+        # to one may sit in TCP's retransmission back-off, which held a registration sent after the
+        # heal for 12 s (issue 50, docs/faults.md); it is replaced when that prefill is known again
+        self._stale_controls: set[str] = set()
 
     # ---- engine side -----------------------------------------------------------------------
 
@@ -267,6 +278,15 @@ class ReceiverBook:
         peer = self.prefills.get(prefill)
         if room in self.rooms or peer is None:
             return False
+        return self._tell_unrequested(peer, (room, reason, claim))
+
+    def _tell_unrequested(self, peer: KnownPrefill, abort: PendingAbort) -> bool:
+        """Abort a room the prefill was never asked for on every paired rank: now if they all
+        accepted our registration, else once they have (registration.py). True once sent or queued."""
+        if not peer.reg.ready:
+            peer.reg.aborts.append(abort)
+            return True
+        room, reason, claim = abort
         return self._to_pairs(peer.info, lambda rank: Abort(room, peer.mine[rank], Side.DECODE, reason, claim=claim))
 
     def poll(self, now: float) -> list[tuple[int, TransferState, str, AuxData | None]]:
@@ -317,11 +337,8 @@ class ReceiverBook:
         was registered or requested for them: a refused handshake tells the prefill so)."""
         # A room that was reported and whose id came back (maybe for another prefill) is a new
         # room: only the very objects that waited, still active, are requested.
-        rooms = [
-            r
-            for r in self._waiting.pop(prefill, [])
-            if self.rooms.get(r.room) is r and not r.requested and not r.rec.state.terminal
-        ]
+        waited = self._waiting.pop(prefill, [])
+        rooms = [r for r in waited if self.rooms.get(r.room) is r and not r.requested and not r.rec.state.terminal]
         self._fetch_errors.pop(prefill, None)
         if info is None:
             why = f"bootstrap with prefill {prefill[0]}:{prefill[1]} failed: {error or 'no answer'}"
@@ -332,6 +349,9 @@ class ReceiverBook:
         peer = self._install(prefill, info, now)
         for r in rooms:
             self._request(r, peer, now)
+        for r in waited:  # failed while the fetch ran (client gone): the prefill still holds them
+            if r.rec.state is TransferState.FAILED and self.rooms.get(r.room) in (None, r):
+                self._tell_unrequested(peer, (r.room, r.rec.reason, r.claim))
         return []
 
     def _install(self, addr: Address, info: PrefillInstanceInfo, now: float) -> KnownPrefill:
@@ -349,6 +369,11 @@ class ReceiverBook:
             if r.prefill == addr and r.instance_id not in (None, info.instance_id):
                 r.prefill_gone = True
                 r.rec.fail(f"prefill at {addr[0]}:{addr[1]} restarted", now)
+        for rank in info.ranks:
+            if rank.control_address in self._stale_controls:
+                self._stale_controls.discard(rank.control_address)
+                if self._reconnect is not None:
+                    self._reconnect(rank.control_address)
         mine = tuple(f"{self.sessions[r]}/{secrets.token_hex(16)}" for r in range(self.tp_size))
         regs = tuple(
             RegisterPeer(
@@ -435,6 +460,8 @@ class ReceiverBook:
         for s in peer.sessions:
             self._by_session.pop(s, None)
             self.liveness.forget(s)
+        if not gone and len(self._stale_controls) < MAX_STALE_CONTROLS:
+            self._stale_controls.update(rank.control_address for rank in peer.info.ranks)
         if self.prefills.get(peer.addr) is peer:
             del self.prefills[peer.addr]  # the next add_room fetches the bootstrap info again
 
@@ -444,7 +471,12 @@ class ReceiverBook:
             return
         r.quiet_deadline = now + self.cfg.transfer_timeout_s
         peer = self.prefills.get(r.prefill)
-        if not r.requested or r.all_final or r.prefill_gone or peer is None or peer.info.instance_id != r.instance_id:
+        if not r.requested:  # waiting for our registration: told once it is accepted (waiting for
+            # the bootstrap fetch: told by on_fetched); the prefill otherwise holds it until its timeout
+            if peer is not None and any(q is r for q in peer.reg.queued):
+                self._tell_unrequested(peer, (r.room, r.rec.reason, r.claim))
+            return
+        if r.all_final or r.prefill_gone or peer is None or peer.info.instance_id != r.instance_id:
             return
         self._to_pairs(peer.info, lambda rank: Abort(r.room, r.sessions[rank], Side.DECODE, r.rec.reason))
         r.aborts_sent = True
@@ -530,7 +562,12 @@ class ReceiverBook:
             log.warning("%s", why)
             for r in reg.take_queued():
                 r.rec.fail(why, now)
+            reg.take_aborts()  # it never knew this decode: only its bootstrap timeout frees those rooms
         elif reg.ready:
+            for room, why, claim in reg.take_aborts():
+                live = self.rooms.get(room)
+                if live is None or live.rec.state.terminal:  # not an id a new room of ours took since
+                    self._tell_unrequested(peer, (room, why, claim))
             for r in reg.take_queued():
                 if self.rooms.get(r.room) is r and not r.requested and not r.rec.state.terminal:
                     self._request(r, peer, now)
@@ -572,7 +609,7 @@ class ReceiverBook:
                     gone=False,
                 )
         for peer in self.prefills.values():  # rooms wait for a registration no answer came for
-            if peer.reg.queued and not peer.reg.ready:
+            if peer.reg.wanted and not peer.reg.ready:
                 self._register(peer, now)
 
     def heartbeats(self, now: float) -> None:

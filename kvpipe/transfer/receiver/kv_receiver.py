@@ -125,6 +125,7 @@ class KVReceiver:
             self._endpoint.address,
             self._endpoint.send,
             verify=self._verify if cfg.kv_integrity else None,
+            reconnect=self._endpoint.disconnect,
         )
         self.sessions = self._book.sessions  # per decode rank: its session id on the wire
         self.guard = FetchGuard(

@@ -11,6 +11,12 @@ rooms it had asked for and not heard from that pair again are asked for again on
 answered at most MAX_CHALLENGES times per attempt: a peer that keeps challenging gets no loop. An
 attempt no answer came for (a frame lost to a full queue or a dropped connection) is made again
 after `retry_s`, when a room needs the pair.
+
+A room that fails before its request went out (the client left, its bootstrap deadline passed)
+is still held by the prefill, which only its own bootstrap timeout would free; a prefill rank
+takes an Abort only from a session it registered, so such aborts wait in `aborts` until every
+pair is accepted (a refusal drops them: the prefill never knew this decode, only its timeout
+frees the room).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from kvpipe.transfer.control.messages import RegisterPeer
 from kvpipe.transfer.receiver.room import ReceiverRoom
 
 Pair = tuple[int, int]  # (prefill rank, decode rank)
+PendingAbort = tuple[int, str, bytes]  # room, reason, the request's claim
 MAX_CHALLENGES = 3
 
 
@@ -33,6 +40,7 @@ class Registration:
     challenges: dict[Pair, int] = field(default_factory=dict)  # challenges answered in this attempt
     queued: list[ReceiverRoom] = field(default_factory=list)  # rooms waiting for every pair
     again: dict[Pair, set[int]] = field(default_factory=dict)  # rooms to ask for again once re-accepted
+    aborts: list[PendingAbort] = field(default_factory=list)  # rooms that failed unrequested, to tell once ready
 
     @property
     def ready(self) -> bool:
@@ -75,6 +83,15 @@ class Registration:
 
     def take_queued(self) -> list[ReceiverRoom]:
         out, self.queued = self.queued, []
+        return out
+
+    @property
+    def wanted(self) -> bool:
+        """Whether rooms wait for this registration (to be requested, or to be aborted)."""
+        return bool(self.queued or self.aborts)
+
+    def take_aborts(self) -> list[PendingAbort]:
+        out, self.aborts = self.aborts, []
         return out
 
     def take_again(self) -> dict[Pair, set[int]]:
