@@ -17,7 +17,7 @@ import numpy as np
 from kvpipe.transfer.control.messages import AuxData, AuxTuple, DecodeRank
 from kvpipe.transfer.lifecycle import DuplicateRoomError, TransferState
 from kvpipe.transfer.planning.layout import KVLayout
-from kvpipe.transfer.receiver.book import ReceiverStats
+from kvpipe.transfer.receiver.stats import ReceiverStats
 from kvpipe.transfer.sender.stats import SenderStats, TransferTiming
 
 __all__ = [

@@ -58,9 +58,10 @@ from kvpipe.transfer.control.messages import (
     TransferStatus,
 )
 from kvpipe.transfer.lifecycle import DuplicateRoomError, PeerLiveness, RoomRecord, TransferState, receiver_timeouts
-from kvpipe.transfer.planning.window_table import window_pages_problem
 from kvpipe.transfer.receiver.registration import Pair, PendingAbort, Registration
 from kvpipe.transfer.receiver.room import ReceiverRoom, rank_pairs
+from kvpipe.transfer.receiver.room_checks import RoomChecks
+from kvpipe.transfer.receiver.stats import ReceiverStats
 
 if TYPE_CHECKING:  # bootstrap pulls in the HTTP stack; the book only reads the fetched info
     from kvpipe.transfer.control.bootstrap import PrefillInstanceInfo
@@ -68,35 +69,6 @@ if TYPE_CHECKING:  # bootstrap pulls in the HTTP stack; the book only reads the 
 log = logging.getLogger(__name__)
 Address = BootstrapAddress  # a prefill's bootstrap server: host, port (parsed strictly)
 MAX_STALE_CONTROLS = 4096  # prefill ranks dropped for silence whose connection is replaced when known again
-
-
-def per_rank_arrays(lists: Sequence[np.ndarray] | np.ndarray | list[int]) -> tuple[np.ndarray, ...]:
-    """Page lists as one int64 array per decode rank; one flat list (an array or ints) is a
-    single rank's."""
-    if (
-        isinstance(lists, np.ndarray)
-        and lists.ndim == 1
-        or (isinstance(lists, list) and all(isinstance(p, (int, np.integer)) for p in lists))
-    ):
-        return (np.asarray(lists, dtype=np.int64).ravel(),)
-    return tuple(np.asarray(p, dtype=np.int64).ravel() for p in lists)
-
-
-@dataclass
-class ReceiverStats:
-    rejected_messages: int = 0
-    bootstrap_fetches: int = 0
-    registrations: int = 0  # RegisterPeer messages sent
-    rooms_succeeded: int = 0
-    rooms_failed: int = 0
-    auth_rejected: int = 0  # control frames the endpoint dropped (no valid tag, stale, replayed)
-    foreign_rejected: int = 0  # statuses / aborts naming a session or sender the room was not requested from
-    integrity_failed: int = 0  # rooms whose KV differed from the prefill's digest (kv_digest.py)
-    # rooms failed because this decode refused their prefill's handshake, by reason (handshake.py labels)
-    handshakes_refused: dict[str, int] = field(default_factory=dict)
-
-    def count_refused(self, reason: str, rooms: int) -> None:
-        self.handshakes_refused[reason] = self.handshakes_refused.get(reason, 0) + rooms
 
 
 @dataclass
@@ -110,7 +82,7 @@ class KnownPrefill:
     reg: Registration = field(default_factory=lambda: Registration((), ()))  # which pairs it accepted
 
 
-class ReceiverBook:
+class ReceiverBook(RoomChecks):
     def __init__(
         self,
         cfg: DisaggregationConfig,
@@ -147,79 +119,7 @@ class ReceiverBook:
         # heal for 12 s (issue 50, docs/faults.md); it is replaced when that prefill is known again
         self._stale_controls: set[str] = set()
 
-    # ---- engine side -----------------------------------------------------------------------
-
-    def check_pages(
-        self, room: int, dst_pages: Sequence[np.ndarray] | np.ndarray | list[int], prefix_len: int
-    ) -> tuple[np.ndarray, ...]:
-        """add_room's page lists as one int64 array per decode rank, or ValueError (reads only the layouts)."""
-        pages = per_rank_arrays(dst_pages)
-        if len(pages) != self.tp_size:
-            raise ValueError(f"room {room}: {len(pages)} page lists for {self.tp_size} decode ranks")
-        ps = self.ranks[0].layout.page_size
-        if prefix_len < 0 or prefix_len % ps:
-            raise ValueError(f"room {room}: prefix_len {prefix_len} is not a multiple of the page size {ps}")
-        for r, p in enumerate(pages):
-            n = self.ranks[r].layout.num_pages
-            if p.size and (p.min() < 0 or p.max() >= n or np.unique(p).size != p.size):
-                raise ValueError(f"room {room}: decode rank {r} pages must be distinct ids in [0, {n})")
-        return pages
-
-    def check_swa_pages(
-        self,
-        room: int,
-        swa_pages: Sequence[np.ndarray] | np.ndarray | list[int] | None,
-        pages: tuple[np.ndarray, ...],
-        prefix_len: int = 0,
-    ) -> tuple[np.ndarray, ...] | None:
-        """add_room's window page tables (per decode rank, aligned with `pages` from check_pages at
-        their end, up to prefix_len // page_size entries more before them for logical pages below
-        the prefix; -1 where no sliding-window page is wanted) as int64 arrays, or ValueError.
-        Required iff the layout has sliding-window layers."""
-        lay = self.ranks[0].layout
-        if swa_pages is None:
-            if lay.swa_layers:
-                raise ValueError(f"room {room}: a sliding-window model's room needs its window pages (swa_pages)")
-            return None
-        if not lay.swa_layers:
-            raise ValueError(f"room {room}: window pages (swa_pages) for a model without sliding-window layers")
-        swa = per_rank_arrays(swa_pages)
-        if len(swa) != self.tp_size:
-            raise ValueError(f"room {room}: {len(swa)} window page lists for {self.tp_size} decode ranks")
-        for r, (w, p) in enumerate(zip(swa, pages)):
-            lay = self.ranks[r].layout
-            lead = prefix_len // lay.page_size
-            why = window_pages_problem(w, lay.num_pages, p, exact=True, aliased=lay.aliased, max_lead=lead)
-            if why is not None:
-                raise ValueError(f"room {room}: decode rank {r}: {why}")
-        return swa
-
-    def check_draft_pages(self, room: int, draft_pages: np.ndarray | list[int] | None) -> np.ndarray | None:
-        """add_room's draft-pool pages as int64, or ValueError: rank 0 has a draft pool, and every
-        rank with one has one of its size (STANDALONE: every rank its shard of the draft's heads;
-        NEXTN: rank 0 alone the MTP layer's whole; the same page ids on every rank that holds one:
-        one list for all, asked of those ranks only)."""
-        if draft_pages is None:
-            return None
-        draft = self.ranks[0].draft
-        if draft is None or any(r.draft is not None and r.draft.num_pages != draft.num_pages for r in self.ranks):
-            raise ValueError(
-                f"room {room}: draft pages need a draft-model KV pool on decode rank 0, "
-                "of one size on every rank that has one"
-            )
-        pages = np.asarray(draft_pages, dtype=np.int64).ravel()
-        if pages.size and (pages.min() < 0 or pages.max() >= draft.num_pages or np.unique(pages).size != pages.size):
-            raise ValueError(f"room {room}: draft pages must be distinct ids in [0, {draft.num_pages})")
-        return pages
-
-    def check_state_slot(self, room: int, state_slot: int | None) -> None:
-        """ValueError unless a hybrid decode (its ranks have state pools) names a slot inside them."""
-        state = self.ranks[0].state
-        if state is None:
-            if state_slot is not None:
-                raise ValueError(f"room {room}: a state slot for a model without recurrent state")
-        elif state_slot is None or not 0 <= state_slot < state.num_slots:
-            raise ValueError(f"room {room}: state slot {state_slot} outside [0, {state.num_slots})")
+    # ---- engine side (add_room's checks: room_checks.py) -------------------------------------
 
     def add_room(
         self,

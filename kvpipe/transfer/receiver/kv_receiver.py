@@ -59,8 +59,9 @@ from kvpipe.transfer.control.pulse import Pulse
 from kvpipe.transfer.kv_digest import KEY_BYTES, KVDigester
 from kvpipe.transfer.lifecycle import Clock, TransferState
 from kvpipe.transfer.planning.tp_mapping import slices_for_decode_rank
-from kvpipe.transfer.receiver.book import Address, ReceiverBook, ReceiverStats
+from kvpipe.transfer.receiver.book import Address, ReceiverBook
 from kvpipe.transfer.receiver.room import ReceiverRoom
+from kvpipe.transfer.receiver.stats import ReceiverStats
 
 log = logging.getLogger(__name__)
 
