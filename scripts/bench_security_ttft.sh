@@ -12,7 +12,8 @@ export MC_LOG_LEVEL=WARNING
 OUT=${1:-/tmp/kvpipe-security-ttft}; mkdir -p $OUT
 N=${N:-60}
 M=$OUT/tiny; [ -d $M ] || .venv/bin/kvpipe init-model --preset tiny --out $M >/dev/null
-for round in 1 2; do
+ROUNDS=${ROUNDS:-2}
+for round in $(seq 1 $ROUNDS); do
   for mode in on off; do
     port=$(.venv/bin/python -c 'from kvpipe.launch.ports import free_port; print(free_port())')  # no fixed port: runs may share the machine
     if [ $mode = on ]; then
@@ -30,7 +31,7 @@ for round in 1 2; do
     kill -INT $pid; wait $pid
   done
 done
-# TTFT of each run: summary.ttft_mean_ms / ttft_p50_ms in $OUT/bench-{on,off}-{1,2}.json
+# TTFT of each run: summary.ttft_mean_ms / ttft_p50_ms in $OUT/bench-{on,off}-N.json
 for f in $OUT/bench-*.json; do
   .venv/bin/python -c "import json,sys; s=json.load(open(sys.argv[1]))['summary']; print(sys.argv[1], round(s['ttft_mean_ms'],2), round(s['ttft_p50_ms'],2))" $f
 done
