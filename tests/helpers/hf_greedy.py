@@ -42,7 +42,7 @@ def hf_greedy(hf, prompts: list[list[int]], max_new: int, eos: int) -> list[HFRu
     runs = []
     for row, new in enumerate(out.sequences[:, width:].tolist()):
         n = new.index(eos) + 1 if eos in new else len(new)
-        runs.append(HFRun(new[:n], logits[row, :n]))
+        runs.append(HFRun(new[:n], logits[row, :n].clone()))  # a copy: the batch's stack can go
     return runs
 
 

@@ -33,6 +33,7 @@ from kvpipe.engine.request import SamplingParams
 from kvpipe.model.families.causal_lm import CausalLM
 from kvpipe.model.text.tokenizer import Tokenizer
 from tests.helpers import trained_models as trained
+from tests.helpers.hf_greedy import HFRun, hf_greedy
 from tests.helpers.paged_model import incremental_logits
 from tests.helpers.tolerance import assert_close_logits, logit_atol
 
@@ -97,12 +98,6 @@ CASES = {
 
 
 @dataclass(frozen=True)
-class HFRun:
-    tokens: list[int]  # new tokens, EOS included when it stopped there
-    logits: torch.Tensor  # [len(tokens), vocab]: the raw logits each token was chosen from
-
-
-@dataclass(frozen=True)
 class HFReference:
     prompt_logits: list[torch.Tensor]  # per prompt [len(prompt), vocab]: HF's forward over it
     runs: list[HFRun]  # per prompt: HF's greedy generation
@@ -143,27 +138,8 @@ def hf(model: trained.TrainedModel, prompts: list[list[int]], case: Case) -> HFR
 
 
 def hf_generate(hf: Any, prompts: list[list[int]], max_new: int) -> list[HFRun]:
-    """One batched `generate` (left-padded, with the attention mask), cut after each row's EOS."""
-    pad, eos = int(hf.config.pad_token_id), int(hf.generation_config.eos_token_id)
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    with torch.inference_mode():
-        out = hf.generate(
-            ids,
-            attention_mask=mask,
-            max_new_tokens=max_new,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=pad,
-        )
-    logits = torch.stack(out.logits, 1).float()  # [batch, steps, vocab]
-    runs = []
-    for row, new in enumerate(out.sequences[:, width:].tolist()):
-        n = new.index(eos) + 1 if eos in new else len(new)
-        runs.append(HFRun(new[:n], logits[row, :n].clone()))
-    return runs
+    """hf_greedy with the model's own EOS (its generation config)."""
+    return hf_greedy(hf, prompts, max_new, int(hf.generation_config.eos_token_id))
 
 
 @pytest.fixture(scope="module")
