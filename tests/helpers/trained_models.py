@@ -84,9 +84,13 @@ MODELS: dict[str, TrainedModel] = {
 }  # fmt: skip
 
 
-def params(*names: str) -> list[Any]:
-    """pytest params of these models (all when none are named), the large ones marked `slow`."""
-    return [pytest.param(n, id=n, marks=[pytest.mark.slow] if MODELS[n].slow else []) for n in (names or tuple(MODELS))]
+def params(*names: str, slow: tuple[str, ...] = ()) -> list[Any]:
+    """pytest params of these models (all when none are named), the large ones and those in `slow`
+    (a check too costly for `make test` on that model) marked `slow`."""
+    return [
+        pytest.param(n, id=n, marks=[pytest.mark.slow] if MODELS[n].slow or n in slow else [])
+        for n in (names or tuple(MODELS))
+    ]
 
 
 def gguf_path(name: str = SMOLLM2) -> Path:

@@ -1,7 +1,7 @@
 """kvpipe on trained weights against HF transformers on the same file, both in float32, on chat
 prompts rendered with the file's own template: SmolLM2-135M-Instruct's Q4_1 GGUF (the default
-model) and Qwen2.5-Coder-0.5B-Instruct's Q4_K_M (q/k/v biases, an untied head, K-quants) in
-`make test`, Qwen2.5-Coder-1.5B-Instruct's Q4_K_M (head_dim 128) `slow`; the Qwens also on code
+model) and Qwen2.5-Coder-0.5B-Instruct's Q4_K_M (q/k/v biases, an untied head, K-quants) and
+Qwen2.5-Coder-1.5B-Instruct's Q4_K_M (head_dim 128) `slow` (`make test-full`); the Qwens also on code
 prompts (writing, fixing and editing code: they are coder models).
 
 - prompt logits: kvpipe's model over paged KV against HF's forward, within logit_atol
@@ -103,7 +103,10 @@ class HFReference:
     runs: list[HFRun]  # per prompt: HF's greedy generation
 
 
-@pytest.fixture(scope="module", params=trained.params())
+# the 0.5B in `make test-full` only: its HF load and generate took 2 of make test's minutes, and make test
+# keeps what it checks on it through test_gguf_trained.py (every tensor equals transformers') and
+# test_pd_trained.py (PD equals colocated); the family's forward against HF is test_model_hf_parity.py's
+@pytest.fixture(scope="module", params=trained.params(slow=(trained.QWEN_05B,)))
 def model(request: pytest.FixtureRequest) -> trained.TrainedModel:
     return trained.MODELS[request.param]
 
