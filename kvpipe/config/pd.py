@@ -64,7 +64,8 @@ def parse_layer_groups(value: str | int) -> int | str:
     return n
 
 
-_HOSTNAME = re.compile(r"^(?=.{1,253}$)[a-z0-9_]([a-z0-9_-]{0,62})(\.[a-z0-9_][a-z0-9_-]{0,62})*$")
+# fullmatch, and \Z in the look-ahead: "$" also matches before a trailing newline
+_HOSTNAME = re.compile(r"(?=.{1,253}\Z)[a-z0-9_]([a-z0-9_-]{0,62})(\.[a-z0-9_][a-z0-9_-]{0,62})*")
 
 
 def parse_bootstrap_allow(
@@ -83,7 +84,7 @@ def parse_bootstrap_allow(
         except ValueError:
             pass
         name = entry.lower().rstrip(".")
-        if not _HOSTNAME.match(name) or name.replace(".", "").isdigit():
+        if not _HOSTNAME.fullmatch(name) or name.replace(".", "").isdigit():
             raise ConfigError(
                 f"--disaggregation-bootstrap-allow entry {raw!r} is neither a network (CIDR), "
                 "an address nor a host name"

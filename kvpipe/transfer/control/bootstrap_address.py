@@ -30,9 +30,10 @@ from kvpipe.transfer.control.bootstrap_info import DEFAULT_BOOTSTRAP_PORT, Boots
 
 IP = ipaddress.IPv4Address | ipaddress.IPv6Address
 MAX_HOST_CHARS = 253  # a DNS name's limit (RFC 1035); longer is no host at all
-_LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
-_DOTTED_QUAD = re.compile(r"^(0|[1-9][0-9]{0,2})(\.(0|[1-9][0-9]{0,2})){3}$")
-_PORT_DIGITS = re.compile(r"^[0-9]{1,5}$")
+# matched with fullmatch: "$" would also match before a trailing newline ("0\n" was a host name)
+_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
+_DOTTED_QUAD = re.compile(r"(0|[1-9][0-9]{0,2})(\.(0|[1-9][0-9]{0,2})){3}")
+_PORT_DIGITS = re.compile(r"[0-9]{1,5}")
 
 
 class BootstrapAddress(NamedTuple):
@@ -80,7 +81,7 @@ def parse_host(host: object) -> str:
         return _usable(canonical_ip(ip), host)
     if bracketed or "[" in host or "]" in host:
         raise BootstrapRefused(f"bootstrap_host {_show(host)}: brackets hold an IPv6 address only")
-    if _DOTTED_QUAD.match(inner):
+    if _DOTTED_QUAD.fullmatch(inner):
         ip = _literal(inner)
         if ip is None:
             raise BootstrapRefused(f"bootstrap_host {_show(host)} is not an IPv4 address")
@@ -88,7 +89,7 @@ def parse_host(host: object) -> str:
     name = inner.lower()
     name = name[:-1] if name.endswith(".") else name
     labels = name.split(".")
-    if len(name) > MAX_HOST_CHARS or not all(_LABEL.match(label) for label in labels) or labels[-1].isdigit():
+    if len(name) > MAX_HOST_CHARS or not all(_LABEL.fullmatch(label) for label in labels) or labels[-1].isdigit():
         raise BootstrapRefused(f"bootstrap_host {_show(host)} is not an IP address or a host name (RFC 1123)")
     return name
 
@@ -105,7 +106,7 @@ def parse_port(port: object) -> int:
     """A bootstrap port: None is the default, else an int (or a string of its digits) in 1..65535."""
     if port is None:
         return DEFAULT_BOOTSTRAP_PORT
-    if isinstance(port, str) and _PORT_DIGITS.match(port):
+    if isinstance(port, str) and _PORT_DIGITS.fullmatch(port):
         value = int(port)
     elif type(port) is int:
         value = port
