@@ -88,7 +88,8 @@ class HealProbe:
         self._thread.join(30.0)
 
     def _heal_bound_s(self) -> float:
-        return self.run.start_after_s + self.run.fault.duration_s + 30.0
+        # the heal's nft commands took 43 s on a host at load 27 near OOM: wait well past the duration
+        return self.run.start_after_s + self.run.fault.duration_s + 120.0
 
     def _probe(self) -> None:
         end = time.monotonic() + self._heal_bound_s()
