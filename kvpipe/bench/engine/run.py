@@ -15,8 +15,10 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from kvpipe.bench.engine.floor import Peaks, decode_floor_fields, peaks_section, prefill_floor_fields
 from kvpipe.bench.engine.hf_reference import HFReference
 from kvpipe.bench.engine.llamacpp_reference import LlamaCppReference, llamacpp_kinds, references
+from kvpipe.bench.engine.peaks import measure_peaks
 from kvpipe.bench.engine.spec_decode import compare as compare_speculative
 from kvpipe.bench.engine.stats import (
     DecodePoint,
@@ -39,7 +41,7 @@ from kvpipe.engine.cpu_threads import apply_cpu_threads, server_cpu_threads
 from kvpipe.engine.engine import Engine
 from kvpipe.harness.machine import cpu_name
 from kvpipe.model.checkpoint.gguf.reader import find_gguf
-from kvpipe.model.checkpoint.loader import check_checkpoint
+from kvpipe.model.checkpoint.loader import check_checkpoint, resolve_dtype
 from kvpipe.model.presets import default_model_dir
 
 
@@ -178,9 +180,13 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     )
     try:
         bench = EngineBench(engine, args.seed)
+        dtype = compute_dtype(args, engine)
+        peaks = measure_peaks(dtype)  # in this run, on its threads: the floors' rates
         prefill = [measure_prefill(args, bench, hf, llama, p, bar) for p in plan.prefill]
         decode = [measure_decode(args, bench, hf, llama, d, plan.budget, bar) for d in plan.decode]
-        kv_bytes = engine.stats()["kv_cache_bytes"]
+        stats = engine.stats()
+        kv_bytes = stats["kv_cache_bytes"]
+        prefill, decode = with_floors(engine, plan, peaks, dtype, stats["kv_cache_storage_dtype"], prefill, decode)
     finally:
         bar.close()
         engine.shutdown()
@@ -190,10 +196,37 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "config": _config_section(args, plan, engine, kv_bytes, hf, llama),
         "machine": _machine_section(load_start),
+        "peaks": peaks_section(peaks),
         "prefill": prefill,
         "decode": decode,
         **({"speculative": speculative} if speculative is not None else {}),
     }
+
+
+def compute_dtype(args: argparse.Namespace, engine: Engine) -> str:
+    """The dtype the model's matmuls run in: --dtype resolved as the loader does (auto: fp32 on
+    the CPU); --quantization's kernels compute in fp32."""
+    if args.quantization not in (None, "none"):
+        return "float32"
+    dtype = resolve_dtype(None if args.dtype == "auto" else args.dtype, engine.model_config, "cpu")
+    return str(dtype).removeprefix("torch.")
+
+
+def with_floors(
+    engine: Engine,
+    plan: BenchPlan,
+    peaks: Peaks,
+    dtype: str,
+    kv_dtype: str,
+    prefill: list[dict[str, Any]],
+    decode: list[dict[str, Any]],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every row with its floor (floor.py): prefill against the matmul peak, decode against the
+    bandwidth (the whole model's bytes: TP ranks on one machine share its memory)."""
+    cfg = engine.model_config
+    rows_p = [prefill_floor_fields(r, cfg, peaks) for r in prefill]
+    rows_d = [decode_floor_fields(r, cfg, peaks, dtype, plan.quantization, kv_dtype) for r in decode]
+    return rows_p, rows_d
 
 
 def measure_prefill(

@@ -152,12 +152,14 @@ def format_table(report: dict[str, Any]) -> str:
         "",
         f"prefill ({c['warmup']} warm-up run per point)",
         f"{'tokens':>7} {'batch':>5} {'ms':>10} {'tok/s':>10} {'steps':>5} {'cpu/wall':>8}"
+        + f" {'floor ms':>9} {'x floor':>7}"
         + (f" {'HF ms':>10} {'kvpipe/HF time':>15}" if hf else ""),
     ]
     for x in report["prefill"]:
         rows.append(
             f"{x['prompt_len']:>7} {x['batch']:>5} {x['ms_per_prefill']:>10.1f} "
             f"{x['tokens_per_s']:>10.0f} {x['steps']:>5} {_fmt(x['cpu_per_wall']):>8}"
+            + f" {_fmt(x.get('floor_ms')):>9} {_fmt(x.get('x_floor')):>7}"
             + (f" {x['hf']['ms_per_prefill']:>10.1f} {x['time_ratio_vs_hf']:>15.2f}" if "hf" in x else "")
         )
     rows += [
@@ -165,14 +167,24 @@ def format_table(report: dict[str, Any]) -> str:
         f"decode (context {c['decode_context']}, {c['output_len']} timed steps after "
         f"{c['decode_warmup_steps']} warm-up steps, fresh prefill per repeat)",
         f"{'batch':>5} {'ms/step':>9} {'tok/s':>9} {'p50 ms':>8} {'max ms':>8} {'cpu/wall':>8}"
+        + f" {'MB read':>8} {'floor ms':>9} {'x floor':>7}"
         + (f" {'HF ms':>9} {'kvpipe/HF tok/s':>16}" if hf else ""),
     ]
     for x in report["decode"]:
+        read = None if x.get("weight_bytes") is None else (x["weight_bytes"] + x["kv_bytes"]) / 1e6
         rows.append(
             f"{x['batch']:>5} {x['ms_per_step']:>9.2f} {x['tokens_per_s']:>9.1f} "
             f"{x['ms_per_step_p50']:>8.2f} {x['ms_per_step_max']:>8.2f} {_fmt(x['cpu_per_wall']):>8}"
+            + f" {_fmt(read):>8} {_fmt(x.get('floor_ms')):>9} {_fmt(x.get('x_floor')):>7}"
             + (f" {x['hf']['ms_per_step']:>9.2f} {x['throughput_ratio_vs_hf']:>16.2f}" if "hf" in x else "")
         )
+    peaks = report.get("peaks")
+    if peaks:
+        rows += [
+            "",
+            f"floors: decode = (weight + KV bytes) / {peaks['bandwidth_gb_s']:.1f} GB/s read bandwidth; prefill = "
+            f"FLOPs / {peaks['matmul_tflop_s']:.3f} TFLOP/s {peaks['dtype']} matmul peak (both measured in this run)",
+        ]
     return "\n".join(rows)
 
 
