@@ -14,7 +14,7 @@ from kvpipe.bench.engine.floor import (
     prefill_flops,
     weight_bytes,
 )
-from kvpipe.bench.engine.stats import format_table
+from kvpipe.bench.engine.stats import compare_dtype_decode, compare_dtype_prefill, format_table
 from kvpipe.model.registry import model_config
 
 # SmolLM2-135M's shape: 30 layers, hidden 576, 9 heads of 64, 3 KV heads, MLP 1536, vocab 49152, tied
@@ -113,3 +113,17 @@ def test_table_shows_floor_columns_and_rates():
     text = format_table(report)
     assert "x floor" in text and "4.00" in text and "2.00" in text and "3.00" in text  # MB read: 3.00
     assert "21.5 GB/s" in text and "0.900 TFLOP/s bfloat16" in text
+
+
+def test_compare_dtype_ratios_and_columns():
+    prefill = dict(prompt_len=8, batch=1, ms_per_prefill=2.0, tokens_per_s=4e3, steps=1, cpu_per_wall=1.9)
+    row = compare_dtype_prefill(prefill, {**prefill, "ms_per_prefill": 4.0}, "float32")
+    assert row["time_ratio_vs_dtype"] == 0.5 and row["other_dtype"]["dtype"] == "float32"
+    dec = dict(batch=1, ms_per_step=3.0, tokens_per_s=333.0, ms_per_step_p50=3.0, ms_per_step_max=3.1, cpu_per_wall=1.9)
+    drow = compare_dtype_decode(dec, {**dec, "ms_per_step": 2.0}, "float32")
+    assert drow["step_ratio_vs_dtype"] == 1.5
+    config = dict(model="m", tp_size=1, page_size=64, chunked_prefill_size=8192, repeat=1, warmup=0)
+    config.update(decode_context=8, output_len=4, decode_warmup_steps=0, run_dtype="bfloat16", compare_dtype="float32")
+    machine = {"torch": "2", "threads": 2, "cpu": "c"}
+    text = format_table({"machine": machine, "config": config, "prefill": [row], "decode": [drow]})
+    assert "float32 ms" in text and "0.50" in text and "1.50" in text and "dtype bfloat16" in text

@@ -1,4 +1,5 @@
-"""The machine's rates measured in a `kvpipe bench engine` run (floor.py turns them into floors).
+"""The machine's rates measured in a `kvpipe bench engine` run, and the run's rows set against
+them (floor.py computes the floors).
 
 - memory read bandwidth: torch.sum over a buffer far larger than any last-level cache (256 MiB of
   fp32), on the run's torch threads: bytes / the fastest of a few passes. A sum does one add per
@@ -13,11 +14,15 @@ pass down.
 
 from __future__ import annotations
 
+import argparse
 import time
+from typing import Any
 
 import torch
 
-from kvpipe.bench.engine.floor import Peaks
+from kvpipe.bench.engine.floor import Peaks, decode_floor_fields, prefill_floor_fields
+from kvpipe.engine.engine import Engine
+from kvpipe.model.checkpoint.loader import resolve_dtype
 
 BANDWIDTH_BYTES = 256 << 20
 MATMUL_N = 2048
@@ -53,3 +58,29 @@ def matmul_flops(dtype: str, n: int = MATMUL_N, passes: int = PASSES) -> float:
 def measure_peaks(dtype: str) -> Peaks:
     """Both rates, for a model computing in `dtype` (fp32 for --quantization's kernels)."""
     return Peaks(bandwidth=read_bandwidth(), flops=matmul_flops(dtype), dtype=dtype)
+
+
+def compute_dtype(args: argparse.Namespace, engine: Engine) -> str:
+    """The dtype the model's matmuls run in: --dtype resolved as the loader does (auto: fp32 on
+    the CPU); --quantization's kernels compute in fp32."""
+    if args.quantization not in (None, "none"):
+        return "float32"
+    dtype = resolve_dtype(None if args.dtype == "auto" else args.dtype, engine.model_config, "cpu")
+    return str(dtype).removeprefix("torch.")
+
+
+def with_floors(
+    engine: Engine,
+    quantization: str | None,
+    peaks: Peaks,
+    dtype: str,
+    kv_dtype: str,
+    prefill: list[dict[str, Any]],
+    decode: list[dict[str, Any]],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every row with its floor (floor.py): prefill against the matmul peak, decode against the
+    bandwidth (the whole model's bytes: TP ranks on one machine share its memory)."""
+    cfg = engine.model_config
+    rows_p = [prefill_floor_fields(r, cfg, peaks) for r in prefill]
+    rows_d = [decode_floor_fields(r, cfg, peaks, dtype, quantization, kv_dtype) for r in decode]
+    return rows_p, rows_d
