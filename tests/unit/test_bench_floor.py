@@ -127,3 +127,10 @@ def test_compare_dtype_ratios_and_columns():
     machine = {"torch": "2", "threads": 2, "cpu": "c"}
     text = format_table({"machine": machine, "config": config, "prefill": [row], "decode": [drow]})
     assert "float32 ms" in text and "0.50" in text and "1.50" in text and "dtype bfloat16" in text
+
+
+def test_peaks_keep_the_better_of_two_measurements():
+    a, b = Peaks(10e9, 1e12, "bfloat16"), Peaks(20e9, 0.5e12, "bfloat16")
+    assert a.best(b) == Peaks(20e9, 1e12, "bfloat16") == b.best(a)
+    with pytest.raises(ValueError):
+        a.best(Peaks(1.0, 1.0, "float32"))

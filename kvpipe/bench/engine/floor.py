@@ -121,6 +121,13 @@ class Peaks:
     flops: float
     dtype: str
 
+    def best(self, other: Peaks) -> Peaks:
+        """The higher of two measurements of each rate (a floor is the best the hardware did: a
+        shared machine only ever slows a measurement down)."""
+        if other.dtype != self.dtype:
+            raise ValueError(f"peaks of {self.dtype} and {other.dtype} do not combine")
+        return Peaks(max(self.bandwidth, other.bandwidth), max(self.flops, other.flops), self.dtype)
+
 
 def decode_floor_ms(weights: float | None, kv: int, peaks: Peaks) -> float | None:
     """The shortest a decode step can take: its bytes over the measured bandwidth."""

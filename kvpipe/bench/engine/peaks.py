@@ -9,7 +9,7 @@ them (floor.py computes the floors).
   through MKL/oneDNN's fp32 GEMM; bf16 through oneDNN's brgemm, on AMX or AVX-512-BF16 where the
   CPU has them): 2 n^3 / the fastest of a few products.
 Fastest, not median: a floor is what the hardware can do, and a shared machine only ever slows a
-pass down.
+pass down; the run measures both before and after its points and keeps the better (Peaks.best).
 """
 
 from __future__ import annotations
