@@ -46,6 +46,7 @@ def cfg(
     pages: int = 128,
     radix_cache: bool = True,
     kv_cache_dtype: str = "auto",
+    dtype: str = "auto",
     **disagg,
 ) -> ServerConfig:
     # generous deadlines: a loaded 2-core host can stall an engine step for a second
@@ -60,6 +61,7 @@ def cfg(
     )
     return ServerConfig(
         model_path=str(model_dir),
+        dtype=dtype,
         cache=CacheConfig(page_size=PS, num_pages=pages, radix_cache=radix_cache, kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(chunked_prefill_size=chunk, max_prefill_tokens=4096),
         disaggregation=DisaggregationConfig(**{**d, **disagg}),
@@ -261,10 +263,12 @@ def make_pair(
     prefill_cache: dict[str, Any] | None = None,
     prefill_tp: int = 1,
     decode_tp: int = 1,
+    dtype: str = "auto",
     **disagg,
 ):
     """Prefill + decode engines; the prefill keeps its prefix cache unless told otherwise, the
-    decode has one with `decode_radix_cache`; both pools store `kv_cache_dtype`; the decode
+    decode has one with `decode_radix_cache`; both compute in `dtype` (--dtype) and both pools store
+    `kv_cache_dtype`; the decode
     decodes speculatively with `decode_speculative`, and the prefill runs `prefill_speculative`'s
     draft model (STANDALONE: its draft KV goes to the decode); both run `quantization`'s weights.
     Mismatched pairs (the handshake tests): the decode serves `decode_model_dir` instead,
@@ -285,7 +289,7 @@ def make_pair(
             pb, db = LocalBackend(fabric, inject=inject), LocalBackend(fabric)
             es.callback(pb.close)
             es.callback(db.close)
-        p_cfg = cfg(model_dir, "prefill", chunk, p_pages, prefill_radix_cache, kv_cache_dtype, **disagg)
+        p_cfg = cfg(model_dir, "prefill", chunk, p_pages, prefill_radix_cache, kv_cache_dtype, dtype, **disagg)
         p_cfg = dataclasses.replace(p_cfg, tp_size=prefill_tp)
         if tp and inject is not None:
             p_cfg = dataclasses.replace(p_cfg, disaggregation=dataclasses.replace(p_cfg.disaggregation, faults=inject))
@@ -303,6 +307,7 @@ def make_pair(
             d_pages,
             decode_radix_cache=decode_radix_cache,
             kv_cache_dtype=kv_cache_dtype,
+            dtype=dtype,
             **disagg,
         )
         d_cfg = dataclasses.replace(d_cfg, tp_size=decode_tp)
@@ -320,12 +325,13 @@ Reference = Callable[..., Generation]  # (prompt ids, params=GREEDY) -> the colo
 
 
 def colocated_greedy(
-    model_dir: Path, kv_cache_dtype: str = "auto", quantization: str | None = None
+    model_dir: Path, kv_cache_dtype: str = "auto", quantization: str | None = None, dtype: str = "auto"
 ) -> Iterator[Reference]:
     """Generator of a memoized greedy reference (the colocated engine, no prefix cache; tokens and
-    logprobs of each prompt run alone) for a fixture; `quantization`: its --quantization."""
+    logprobs of each prompt run alone) for a fixture; `quantization`: its --quantization, `dtype`
+    its --dtype."""
     pool = CacheConfig(page_size=PS, num_pages=256, radix_cache=False, kv_cache_dtype=kv_cache_dtype)
-    eng = Engine(ServerConfig(model_path=str(model_dir), cache=pool, quantization=quantization))
+    eng = Engine(ServerConfig(model_path=str(model_dir), dtype=dtype, cache=pool, quantization=quantization))
     cache: dict[tuple, Generation] = {}
 
     def ref(ids: list[int], params: SamplingParams = GREEDY) -> Generation:

@@ -89,6 +89,31 @@ def logit_atol(
     return atol
 
 
+# bf16 (weights and activations bf16, sums and norms in fp32, as HF computes in bf16): two correct
+# implementations' fp32 sums differ in their last fp32 bits only, but each lands on one side of a
+# bf16 rounding of its output, so an activation of either side may be one bf16 step (eps) off the
+# other's wherever its fp32 value lies near a midpoint. That is a relative error of about eps per
+# rounding, a few roundings a layer, passed on by every later layer, and the head's logits (kvpipe
+# keeps them fp32, HF rounds them to bf16: half an eps more). So the bound is
+#     atol = BF16_GAIN * eps(bf16) * max|expected| * (layers + 1),
+# with no sqrt(width + positions): the reordered fp32 sums' own error (2^-24 per term) is far below
+# one bf16 step. Measured against HF bf16 on the tiny parity models (3 layers, width 64): a gain of
+# 0.5 on the dense families and 1.2 on Qwen3-MoE (a router score near a tie picks another expert in
+# one of them); BF16_GAIN = 3 leaves 2.5x on that. It is 9% of the logits' scale at 3 layers: coarse,
+# but still below a wrong RoPE or a dropped KV page (over a third of it and more).
+BF16_GAIN = 3.0
+
+
+def bf16_logit_atol(expected: torch.Tensor, shape: ModelShape) -> float:
+    """The absolute tolerance of logits of a bf16 model against another bf16 implementation (HF
+    transformers in bf16), as the comment above derives; refuses a bound that would check nothing."""
+    scale = float(expected.detach().abs().max())
+    atol = BF16_GAIN * torch.finfo(torch.bfloat16).eps * scale * (shape.num_layers + 1)
+    if scale > 0 and atol >= 0.25 * scale:
+        raise ValueError(f"a bf16 tolerance of {atol:.3g} on logits of scale {scale:.3g} would check nothing")
+    return atol
+
+
 def logits_close(
     actual: torch.Tensor, expected: torch.Tensor, shape: ModelShape, positions: int, dtype: torch.dtype = torch.float32
 ) -> bool:

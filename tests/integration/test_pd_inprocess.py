@@ -11,6 +11,7 @@ import time
 from dataclasses import replace
 
 import pytest
+import torch
 
 from kvpipe.config import FaultInjection
 from kvpipe.engine.request import FinishReason, Req, TokenOutput
@@ -63,6 +64,31 @@ def test_kv_cache_dtype_matches_colocated_and_shrinks_the_bytes(tiny_model_dir, 
     ps = [len(p) for p in prompts(2, LENS)]
     fp32, ours = (expected_bytes(tiny_model_dir, ps, PS, 1, 1, kv_itemsize=KV_ITEMSIZE[x]) for x in ("auto", kv))
     assert ours * 4 == fp32 * KV_ITEMSIZE[kv]
+
+
+def test_bf16_model_matches_colocated_bf16(tiny_model_dir):
+    """--dtype bfloat16 on both sides (bf16 weights, activations and KV; bf16_panel.cpp's linears)
+    with two layer groups: tokens and logprobs equal the colocated bf16 engine's (the same kernels
+    in one process: the same bits whatever rows share a step), and half the fp32 KV bytes move.
+    Whole prompts (chunk 0), as with a low-precision KV dtype (pd_parity.colocated_reference): a
+    later chunk's attention reads the earlier chunks' KV through the paged path, whose sums round
+    to bf16 elsewhere than the whole prompt's (a logprob moved by one bf16 step, 0.016)."""
+    ref = colocated_greedy(tiny_model_dir, dtype="bfloat16")
+    ps = prompts(5, LENS)
+    try:
+        reference = next(ref)
+        with make_pair(tiny_model_dir, 0, layer_groups=2, dtype="bfloat16") as pair:
+            assert next(pair.decode.runner.model.parameters()).dtype == torch.bfloat16
+            reqs = [pair.reqs(ids) for ids in ps]
+            pair.run(reqs)
+            assert_pd_matches([d for _, d in reqs], ps, reference, "PD vs colocated, bf16")
+            st = pair.prefill.stats()["disaggregation"]
+            assert (st["rooms_succeeded"], st["rooms_failed"]) == (len(ps), 0)
+            want = expected_bytes(tiny_model_dir, [len(p) for p in ps], PS, 1, 1, kv_itemsize=2)
+            assert st["bytes_written"] == want
+            pair.settle()
+    finally:
+        ref.close()
 
 
 @pytest.mark.parametrize(

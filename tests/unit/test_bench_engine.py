@@ -186,3 +186,26 @@ def test_compare_hf_runs_both_on_the_same_checkpoint(tmp_path):
         assert r["hf"]["ms_per_prefill"] > 0 and r["time_ratio_vs_hf"] > 0
     (d,) = report["decode"]
     assert d["hf"]["steps"] == 2 and d["hf"]["batch"] == 2 and d["throughput_ratio_vs_hf"] > 0
+
+
+def test_compare_dtype_and_floors_in_a_real_run():
+    """A real (tiny) run in bf16 against fp32: every point has the fp32 engine's row and the ratio,
+    and its floor from the rates measured in the run (positive; not compared with the times: the
+    tiny model's weights fit in the caches, so its steps may beat the memory floor)."""
+    from kvpipe.bench.engine.command import add_args
+    from kvpipe.bench.engine.run import run_bench
+
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    flags = "--preset tiny --prompt-lens 32 --prefill-batch 1 --batch-sizes 1 --decode-context 16 --output-len 2"
+    flags += " --repeat 1 --warmup 0 --threads 1 --no-progress --dtype bfloat16 --compare-dtype float32"
+    report = run_bench(parser.parse_args(flags.split()))
+    assert report["config"]["compare_dtype"] == "float32" and report["peaks"]["dtype"] == "bfloat16"
+    assert report["peaks"]["bandwidth_gb_s"] > 0 and report["peaks"]["matmul_tflop_s"] > 0
+    (p,) = report["prefill"]
+    assert p["other_dtype"]["dtype"] == "float32" and p["time_ratio_vs_dtype"] > 0
+    (d,) = report["decode"]
+    assert d["other_dtype"]["ms_per_step"] > 0 and d["step_ratio_vs_dtype"] > 0
+    assert d["weight_bytes"] > 0 and d["kv_bytes"] > 0
+    for row in (p, d):
+        assert row["floor_ms"] > 0 and row["x_floor"] > 0

@@ -87,15 +87,16 @@ def test_rms_norm_is_hf_formula_bit_for_bit(dtype: torch.dtype, scale: float) ->
     assert torch.equal(norm(x), want)
 
 
-def test_rope_store_is_apply_rope_and_pool_write_bit_for_bit() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # a bf16 model with its bf16 pool too
+def test_rope_store_is_apply_rope_and_pool_write_bit_for_bit(dtype: torch.dtype) -> None:
     ext = rope_store_kernel()
     assert ext is not None
     t, hq, hkv, d = 7, 9, 3, 64
     g = torch.Generator().manual_seed(0)
-    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g) * 3
-    cos, sin = rope_cos_sin(rope_inv_freq(d, 100000.0), torch.tensor([0, 5, 100, 1000, 7, 8, 9]), torch.float32)
+    qkv = (torch.randn(t, (hq + 2 * hkv) * d, generator=g) * 3).to(dtype)
+    cos, sin = rope_cos_sin(rope_inv_freq(d, 100000.0), torch.tensor([0, 5, 100, 1000, 7, 8, 9]), dtype)
     pages, offsets = torch.tensor([3, 3, 5, 1, 0, 19, 2]), torch.tensor([0, 1, 2, 3, 0, 1, 2])
-    want_pool, got_pool = KVPool(1, 20, 4, hkv, d), KVPool(1, 20, 4, hkv, d)
+    want_pool, got_pool = (KVPool(1, 20, 4, hkv, d, dtype=dtype) for _ in range(2))
     heads = qkv.view(t, hq + 2 * hkv, d)
     want = apply_rope(heads[:, : hq + hkv], cos, sin)
     want_pool.write(0, pages, offsets, want[:, hq:], heads[:, hq + hkv :])

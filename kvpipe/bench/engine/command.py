@@ -16,6 +16,13 @@ Each prefill point runs --warmup unmeasured times first; figures are medians ove
 repeat by repeat alternating with the engine so load drift on a shared machine hits both alike,
 and reports kvpipe/HF prefill time and kvpipe/HF decode throughput per point.
 
+--compare-dtype runs a second engine of the same model in another --dtype the same way (e.g. --dtype
+bfloat16 --compare-dtype float32) and reports the time ratio per point.
+
+Every point is also set against the hardware's floor measured in the same run (floor.py, peaks.py):
+a decode step against (weight + KV bytes) / read bandwidth, a prefill against FLOPs / the matmul
+peak of the dtype in use, as floor_ms and x_floor.
+
 --compare-llamacpp does the same with llama.cpp (bench/engine/llamacpp_reference.py, the `bench` extra)
 on the same GGUF and thread count: batch-1 prefill points and batch-1 decode, per llama.cpp type
 (--llamacpp-types; default the type matching --quantization: F32, Q8_0 or Q4_1), as
@@ -68,6 +75,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--tp-size", "--tp", type=int, default=1, help="tensor parallel ranks")
     p.add_argument("--dtype", default="auto", choices=list(MODEL_DTYPES), help="weights and activations")
+    p.add_argument(
+        "--compare-dtype",
+        default=None,
+        choices=[d for d in MODEL_DTYPES if d != "auto"],
+        help="also run a second engine in this --dtype, alternating with the first repeat by repeat, and report "
+        "the time ratio of the two per point (< 1: --dtype faster)",
+    )
     p.add_argument(
         "--kv-cache-dtype",
         default="auto",

@@ -5,6 +5,7 @@ by repeat, and the report (the figures: stats.py; the timing: timing.py)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import sys
@@ -15,13 +16,17 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from kvpipe.bench.engine.floor import peaks_section
 from kvpipe.bench.engine.hf_reference import HFReference
 from kvpipe.bench.engine.llamacpp_reference import LlamaCppReference, llamacpp_kinds, references
+from kvpipe.bench.engine.peaks import compute_dtype, measure_peaks, with_floors
 from kvpipe.bench.engine.spec_decode import compare as compare_speculative
 from kvpipe.bench.engine.stats import (
     DecodePoint,
     PrefillPoint,
     compare_decode,
+    compare_dtype_decode,
+    compare_dtype_prefill,
     compare_llamacpp_decode,
     compare_llamacpp_prefill,
     compare_prefill,
@@ -165,6 +170,9 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     load_start = list(os.getloadavg())
     llama = _llamacpp(args, plan, threads.total)  # refused before the engine
     engine = Engine(cfg)
+    other = None
+    if args.compare_dtype:  # a second engine in another --dtype, alternating with the first
+        other = Engine(dataclasses.replace(cfg, dtype=args.compare_dtype))
     hf = None
     if args.compare_hf:
         hf = HFReference(plan.model_path, args.seed, threads.total)  # the threads all engine ranks share
@@ -178,18 +186,28 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     )
     try:
         bench = EngineBench(engine, args.seed)
-        prefill = [measure_prefill(args, bench, hf, llama, p, bar) for p in plan.prefill]
-        decode = [measure_decode(args, bench, hf, llama, d, plan.budget, bar) for d in plan.decode]
-        kv_bytes = engine.stats()["kv_cache_bytes"]
+        pair = (bench, None if other is None else EngineBench(other, args.seed))
+        dtype = compute_dtype(args, engine)
+        peaks = measure_peaks(dtype)  # in this run, on its threads: the floors' rates
+        prefill = [measure_prefill(args, pair, hf, llama, p, bar) for p in plan.prefill]
+        decode = [measure_decode(args, pair, hf, llama, d, plan.budget, bar) for d in plan.decode]
+        peaks = peaks.best(measure_peaks(dtype))  # again after the points: the better of two
+        stats = engine.stats()
+        kv_bytes = stats["kv_cache_bytes"]
+        kv_dtype = stats["kv_cache_storage_dtype"]
+        prefill, decode = with_floors(engine, plan.quantization, peaks, dtype, kv_dtype, prefill, decode)
     finally:
         bar.close()
         engine.shutdown()
+        if other is not None:
+            other.shutdown()
         for r in llama:
             r.close()
     speculative = _speculative(args, cfg)
     return {
         "config": _config_section(args, plan, engine, kv_bytes, hf, llama),
         "machine": _machine_section(load_start),
+        "peaks": peaks_section(peaks),
         "prefill": prefill,
         "decode": decode,
         **({"speculative": speculative} if speculative is not None else {}),
@@ -198,23 +216,28 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 
 def measure_prefill(
     args: argparse.Namespace,
-    bench: EngineBench,
+    pair: tuple[EngineBench, EngineBench | None],
     hf: HFReference | None,
     llama: list[LlamaCppReference],
     p: PrefillPoint,
     bar: tqdm,
 ) -> dict[str, Any]:
     """Point p's row: --warmup unmeasured then --repeat measured prefills, each followed by the
-    same prefill on every reference (load drift on a shared machine hits them all alike)."""
+    same prefill on the --compare-dtype engine and every reference (load drift on a shared machine
+    hits them all alike)."""
     bar.set_postfix_str(f"prefill {p.prompt_len}x{p.batch}")
-    samples, hf_samples = [], []
+    bench, other = pair
+    samples, hf_samples, other_samples = [], [], []
     lc_samples: dict[str, list[tuple[float, float]]] = {r.kind: [] for r in llama}
     for i in range(args.warmup + args.repeat):
         res = bench.prefill_once(p)
+        other_res = other.prefill_once(p) if other else None
         hf_res = hf.prefill_once(p) if hf else None
         lc_res = [(r.kind, r.prefill_once(p)) for r in llama]
         if i >= args.warmup:
             samples.append(res)
+            if other_res:
+                other_samples.append(other_res)
             if hf_res:
                 hf_samples.append(hf_res)
             for kind, x in lc_res:
@@ -222,6 +245,9 @@ def measure_prefill(
                     lc_samples[kind].append(x)
         bar.update()
     row = summarize_prefill(p, [x[0] for x in samples], [x[1] for x in samples], [x[2] for x in samples])
+    if other_samples:
+        other_row = summarize_prefill(p, *(list(x) for x in zip(*other_samples)))
+        row = compare_dtype_prefill(row, other_row, args.compare_dtype)
     if hf:
         hf_row = summarize_prefill(
             p, [x[0] for x in hf_samples], [1] * len(hf_samples), [cpu_per_wall(c, t) for t, c in hf_samples]
@@ -237,19 +263,23 @@ def measure_prefill(
 
 def measure_decode(
     args: argparse.Namespace,
-    bench: EngineBench,
+    pair: tuple[EngineBench, EngineBench | None],
     hf: HFReference | None,
     llama: list[LlamaCppReference],
     d: DecodePoint,
     budget: int,
     bar: tqdm,
 ) -> dict[str, Any]:
-    """Point d's row: --repeat decode runs, each followed by the same run on every reference."""
+    """Point d's row: --repeat decode runs, each followed by the same run on the --compare-dtype
+    engine and every reference."""
     bar.set_postfix_str(f"decode batch {d.batch}")
-    reps, hf_reps = [], []
+    bench, other = pair
+    reps, hf_reps, other_reps = [], [], []
     lc_reps: dict[str, list[tuple[list[float], float]]] = {r.kind: [] for r in llama}
     for _ in range(args.repeat):
         reps.append(bench.decode_once(d, budget))
+        if other:
+            other_reps.append(other.decode_once(d, budget))
         if hf:
             hf_reps.append(hf.decode_once(d))
         for r in llama:
@@ -258,6 +288,9 @@ def measure_decode(
                 lc_reps[r.kind].append(steps)
         bar.update()
     row = summarize_decode(d, [r[0] for r in reps], [r[1] for r in reps])
+    if other_reps:
+        other_row = summarize_decode(d, [r[0] for r in other_reps], [r[1] for r in other_reps])
+        row = compare_dtype_decode(row, other_row, args.compare_dtype)
     if hf:
         hf_row = summarize_decode(d, [r[0] for r in hf_reps], [cpu_per_wall(c, sum(t)) for t, c in hf_reps])
         row = compare_decode(row, hf_row)
@@ -304,6 +337,7 @@ def _config_section(
         "kv_heads": mc.num_kv_heads,
         "dtype": mc.dtype,
         "run_dtype": args.dtype,
+        "compare_dtype": args.compare_dtype,
         "kv_cache_dtype": args.kv_cache_dtype,
         "tp_size": args.tp_size,
         "page_size": args.page_size,

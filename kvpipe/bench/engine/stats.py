@@ -137,6 +137,18 @@ def compare_decode(row: dict[str, Any], hf: dict[str, Any]) -> dict[str, Any]:
     return {**row, "hf": hf, "throughput_ratio_vs_hf": row["tokens_per_s"] / hf["tokens_per_s"]}
 
 
+def compare_dtype_prefill(row: dict[str, Any], other: dict[str, Any], dtype: str) -> dict[str, Any]:
+    """A prefill row with the --compare-dtype engine's row and this/that time (< 1: this faster)."""
+    ratio = row["ms_per_prefill"] / other["ms_per_prefill"]
+    return {**row, "other_dtype": {**other, "dtype": dtype}, "time_ratio_vs_dtype": ratio}
+
+
+def compare_dtype_decode(row: dict[str, Any], other: dict[str, Any], dtype: str) -> dict[str, Any]:
+    """A decode row with the --compare-dtype engine's row and this/that step time (< 1: this faster)."""
+    ratio = row["ms_per_step"] / other["ms_per_step"]
+    return {**row, "other_dtype": {**other, "dtype": dtype}, "step_ratio_vs_dtype": ratio}
+
+
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
@@ -144,20 +156,26 @@ def _fmt(x: float | None) -> str:
 def format_table(report: dict[str, Any]) -> str:
     m, c = report["machine"], report["config"]
     hf = c.get("compare_hf")
+    other = c.get("compare_dtype")  # --compare-dtype: the second engine's dtype
     rows = [
-        f"{c['model']} | tp {c['tp_size']} | KV {c.get('kv_cache_dtype', 'auto')} | page {c['page_size']} | "
+        f"{c['model']} | dtype {c.get('run_dtype', 'auto')} | tp {c['tp_size']} | "
+        f"KV {c.get('kv_cache_dtype', 'auto')} | page {c['page_size']} | "
         f"chunk {c['chunked_prefill_size']} | "
         f"median of {c['repeat']} | torch {m['torch']} | {m['threads']} threads | "
         f"{m['cpu']}" + (f" | HF transformers {hf['attn_implementation']}, {hf['threads']} threads" if hf else ""),
         "",
         f"prefill ({c['warmup']} warm-up run per point)",
         f"{'tokens':>7} {'batch':>5} {'ms':>10} {'tok/s':>10} {'steps':>5} {'cpu/wall':>8}"
+        + f" {'floor ms':>9} {'x floor':>7}"
+        + (f" {other + ' ms':>15} {'time ratio':>10}" if other else "")
         + (f" {'HF ms':>10} {'kvpipe/HF time':>15}" if hf else ""),
     ]
     for x in report["prefill"]:
         rows.append(
             f"{x['prompt_len']:>7} {x['batch']:>5} {x['ms_per_prefill']:>10.1f} "
             f"{x['tokens_per_s']:>10.0f} {x['steps']:>5} {_fmt(x['cpu_per_wall']):>8}"
+            + f" {_fmt(x.get('floor_ms')):>9} {_fmt(x.get('x_floor')):>7}"
+            + (f" {x['other_dtype']['ms_per_prefill']:>15.1f} {x['time_ratio_vs_dtype']:>10.2f}" if other else "")
             + (f" {x['hf']['ms_per_prefill']:>10.1f} {x['time_ratio_vs_hf']:>15.2f}" if "hf" in x else "")
         )
     rows += [
@@ -165,14 +183,26 @@ def format_table(report: dict[str, Any]) -> str:
         f"decode (context {c['decode_context']}, {c['output_len']} timed steps after "
         f"{c['decode_warmup_steps']} warm-up steps, fresh prefill per repeat)",
         f"{'batch':>5} {'ms/step':>9} {'tok/s':>9} {'p50 ms':>8} {'max ms':>8} {'cpu/wall':>8}"
+        + f" {'MB read':>8} {'floor ms':>9} {'x floor':>7}"
+        + (f" {other + ' ms':>15} {'step ratio':>10}" if other else "")
         + (f" {'HF ms':>9} {'kvpipe/HF tok/s':>16}" if hf else ""),
     ]
     for x in report["decode"]:
+        read = None if x.get("weight_bytes") is None else (x["weight_bytes"] + x["kv_bytes"]) / 1e6
         rows.append(
             f"{x['batch']:>5} {x['ms_per_step']:>9.2f} {x['tokens_per_s']:>9.1f} "
             f"{x['ms_per_step_p50']:>8.2f} {x['ms_per_step_max']:>8.2f} {_fmt(x['cpu_per_wall']):>8}"
+            + f" {_fmt(read):>8} {_fmt(x.get('floor_ms')):>9} {_fmt(x.get('x_floor')):>7}"
+            + (f" {x['other_dtype']['ms_per_step']:>15.2f} {x['step_ratio_vs_dtype']:>10.2f}" if other else "")
             + (f" {x['hf']['ms_per_step']:>9.2f} {x['throughput_ratio_vs_hf']:>16.2f}" if "hf" in x else "")
         )
+    peaks = report.get("peaks")
+    if peaks:
+        rows += [
+            "",
+            f"floors: decode = (weight + KV bytes) / {peaks['bandwidth_gb_s']:.1f} GB/s read bandwidth; prefill = "
+            f"FLOPs / {peaks['matmul_tflop_s']:.3f} TFLOP/s {peaks['dtype']} matmul peak (both measured in this run)",
+        ]
     return "\n".join(rows)
 
 

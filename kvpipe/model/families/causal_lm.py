@@ -20,7 +20,7 @@ from kvpipe.config import ConfigError, ParallelConfig
 from kvpipe.model.checkpoint.schema import ModelConfig
 from kvpipe.model.cpu.fused_decode import FusedDecodeLayers
 from kvpipe.model.cpu.packed_linear import can_pack
-from kvpipe.model.cpu.panel_weight import PanelWeight, panel_kernels
+from kvpipe.model.cpu.panel_weight import Bf16PanelWeight, PanelWeight, bf16_panels, panel_kernels
 from kvpipe.model.forward_batch import ForwardBatch
 from kvpipe.model.layers.decoder_layer import DecoderLayer
 from kvpipe.model.layers.linear import Linear
@@ -53,7 +53,7 @@ class LMBase(nn.Module):
         # --quantization with tied embeddings: an int8 copy of the table for the logits (quantization.py)
         self.head_quant: Int8Weight | None = None
         # fp32 on the CPU with tied embeddings: a panel copy of the table for the logits (pack_head)
-        self.head_panel: PanelWeight | None = None
+        self.head_panel: PanelWeight | Bf16PanelWeight | None = None
         # fp8 KV-cache scales per KV layer (the loader reads the checkpoint's; kv_scales.py)
         self.kv_scales = KVScales.ones(len(cfg.kv_layers))
         # the decode step's layers as one C++ call each (--decode-fused-layer; fused_decode.py),
@@ -78,7 +78,7 @@ class LMBase(nn.Module):
         return rope_cos_sin(self.inv_freq, batch.positions, like.dtype, self.rope_attention_factor)
 
     def pack_head(self) -> bool:
-        """Tied logits on the CPU: multiply by a panel copy of the fp32 embedding table (the lookup
+        """Tied logits on the CPU: multiply by a panel copy of the fp32 or bf16 embedding table (the lookup
         keeps the dense one), the kernel every other fp32 projection runs (panel_weight.py): one
         order of sums at any row count; --quantization's int8 copy goes into panels too. False
         where there is nothing to pack."""
@@ -87,6 +87,9 @@ class LMBase(nn.Module):
             return False
         if self.head_quant is not None:
             self.head_quant.pack(int(ext.f32_panel_width()))
+            return True
+        self.head_panel = bf16_panels(self.embed_tokens)  # bf16: its own kernel (bf16_panel.cpp)
+        if self.head_panel is not None:
             return True
         if not can_pack(self.embed_tokens):
             return False
@@ -117,7 +120,7 @@ class LMBase(nn.Module):
             if self.head_quant is not None:
                 return self.head_quant(h).float()
             if self.head_panel is not None:
-                return self.head_panel(h)
+                return self.head_panel(h).float()
             return F.linear(h, self.embed_tokens).float()
         return self.lm_head(h).float()
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from kvpipe.config import ParallelConfig
 from kvpipe.model.cpu.packed_linear import can_pack, pack_weight, packed_linear
-from kvpipe.model.cpu.panel_weight import PanelWeight, panel_kernels
+from kvpipe.model.cpu.panel_weight import Bf16PanelWeight, PanelWeight, bf16_panels, panel_kernels
 from kvpipe.model.quant.weights import QuantizedWeight
 
 
@@ -69,19 +69,25 @@ class Linear(nn.Module):
         self.group = group
         self.shard = shard  # None: the whole checkpoint tensor
         self.quant: QuantizedWeight | None = None  # --quantization: set by quantize(), replaces the weight
-        self.panel: PanelWeight | None = None  # fp32 on the CPU: set by pack(), replaces the weight
+        # fp32 or bf16 on the CPU: set by pack(), replaces the weight
+        self.panel: PanelWeight | Bf16PanelWeight | None = None
 
     def pack(self) -> bool:
-        """Once loaded: swap the dense fp32 weight for its column panels (panel_weight.py; the dense
-        one is dropped, an empty [0, in] tensor stays in its place), or oneDNN's packed form
+        """Once loaded: swap the dense fp32 or bf16 weight for its column panels (panel_weight.py;
+        the dense one is dropped, an empty [0, in] tensor stays in its place), or oneDNN's packed form
         (packed_linear.py) where the panel kernel is not built; a quantized weight lays its codes
         out in panels (quantized_weight.py). False where nothing was packed (not on the CPU, not
-        fp32, MLA's kv_b_proj, no panel kernel for quantized codes)."""
+        fp32 or bf16, MLA's kv_b_proj, no panel kernel for quantized codes)."""
         if self.quant is not None:  # int8 / int4 codes in panels too, where the kernels build
             ext = panel_kernels() if self.packable and self.quant.scale.device.type == "cpu" else None
             if ext is not None:
                 self.quant.pack(int(ext.f32_panel_width()))
             return ext is not None
+        bf16 = bf16_panels(self.weight) if self.packable else None
+        if bf16 is not None:
+            self.panel = bf16
+            self.weight = nn.Parameter(self.weight.new_empty(0, self.weight.shape[1]), requires_grad=False)
+            return True
         if not (self.packable and can_pack(self.weight)):
             return False
         ext = panel_kernels()

@@ -37,7 +37,10 @@ class RMSNorm(nn.Module):
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if x.device.type == "cpu":  # the same fp32 ops in one call (above), the weight applied after
+            h = F.rms_norm(h, self.weight.shape, None, self.eps)
+        else:
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.fp32_weight:
             return (self.weight * h).to(dtype)
         return self.weight * h.to(dtype)

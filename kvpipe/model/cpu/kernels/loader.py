@@ -33,13 +33,15 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("paged_decode.cpp")
 EXTENSION_NAME = "kvpipe_paged_decode"
 # the other extensions, source stem -> module name: the weight-only quantized linears
-# (weight_only.cpp), the RoPE + KV store of the decode step (rope_store.cpp) and the one-call
-# decoder layer of a decode step (decode_layer.cpp), each in its own subdirectory of the build
+# (weight_only.cpp), the RoPE + KV store of the decode step (rope_store.cpp), the one-call
+# decoder layer of a decode step (decode_layer.cpp) and the bf16 linears (bf16_panel.cpp), each
+# in its own subdirectory of the build
 # directory (torch's build files are per directory)
 EXTRA_KERNELS = {
     "weight_only": "kvpipe_weight_only",
     "rope_store": "kvpipe_rope_store",
     "decode_layer": "kvpipe_decode_layer",
+    "bf16_panel": "kvpipe_bf16_panel",
 }
 # sources an extension #includes: torch's JIT build rebuilds when the listed source or the flags
 # change, so their digest goes into the flags (decode_layer.cpp compiles the other kernels' code)

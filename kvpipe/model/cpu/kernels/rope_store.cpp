@@ -1,5 +1,5 @@
 // RoPE of an attention layer's q and k and the store of its new k and v into the paged pool, in
-// one call (fp32 model, fp32 pool): what gqa_attention.py does with apply_rope and
+// one call (fp32 model and pool, or bf16 model and pool): what gqa_attention.py does with apply_rope and
 // KVPool.write in about fifteen torch calls per layer (views, a negation, a concatenation, three
 // elementwise ops per rotation, two advanced-index writes). At batch 1 a decode step is bound by
 // such per-call costs (docs/benchmarks.md, issue 31).
@@ -26,64 +26,86 @@
 
 namespace {
 
-void check_pool(const at::Tensor& pool, const char* name, int64_t hkv, int64_t d) {
-  TORCH_CHECK(pool.device().is_cpu() && pool.scalar_type() == at::kFloat && pool.dim() == 4, name,
-              " must be a float32 CPU [num_pages, Hkv, P, D] tensor");
+void check_pool(const at::Tensor& pool, at::ScalarType dtype, const char* name, int64_t hkv, int64_t d) {
+  TORCH_CHECK(pool.device().is_cpu() && pool.scalar_type() == dtype && pool.dim() == 4, name,
+              " must be a CPU [num_pages, Hkv, P, D] tensor of qkv's dtype");
   TORCH_CHECK(pool.size(1) == hkv && pool.size(3) == d && pool.stride(3) == 1, name,
               ": Hkv and D must match, the last dim contiguous");
 }
 
-// one head: o[i] = x[i] * c[i] + r[i] * s[i], r = rotate_half(x)
-inline void rotate(const float* x, const float* c, const float* s, float* o, int64_t d) {
+// T's rounding of an fp32 result: none for fp32; bf16 rounds to nearest even, as each of torch's
+// bf16 elementwise kernels does (it computes in fp32 and rounds its output)
+inline float round_to(float v, float*) { return v; }
+inline float round_to(float v, at::BFloat16*) { return static_cast<float>(at::BFloat16(v)); }
+
+// one head: o[i] = x[i] * c[i] + r[i] * s[i], r = rotate_half(x); each product and the sum
+// rounded to T (cos and sin are in T already)
+template <typename T>
+inline void rotate(const T* x, const T* c, const T* s, T* o, int64_t d) {
+  T* tag = nullptr;
   const int64_t half = d / 2;
   for (int64_t i = 0; i < half; ++i) {
-    const float a = x[i] * c[i];
-    const float b = -x[i + half] * s[i];
-    o[i] = a + b;
+    const float a = round_to(static_cast<float>(x[i]) * static_cast<float>(c[i]), tag);
+    const float b = round_to(-static_cast<float>(x[i + half]) * static_cast<float>(s[i]), tag);
+    o[i] = static_cast<T>(round_to(a + b, tag));
   }
   for (int64_t i = half; i < d; ++i) {
-    const float a = x[i] * c[i];
-    const float b = x[i - half] * s[i];
-    o[i] = a + b;
+    const float a = round_to(static_cast<float>(x[i]) * static_cast<float>(c[i]), tag);
+    const float b = round_to(static_cast<float>(x[i - half]) * static_cast<float>(s[i]), tag);
+    o[i] = static_cast<T>(round_to(a + b, tag));
   }
 }
 
+template <typename T>
+void rope_store_as(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_pool,
+                   at::Tensor& v_pool, const at::Tensor& pages, const at::Tensor& offsets, int64_t hq, int64_t hkv,
+                   at::Tensor& out) {
+  const int64_t d = k_pool.size(3), t_n = qkv.size(0), width = (hq + 2 * hkv) * d;
+  const int64_t num_pages = k_pool.size(0), page = k_pool.size(2);
+  const T* x = qkv.data_ptr<T>();
+  const T *c = cos.data_ptr<T>(), *s = sin.data_ptr<T>();
+  const int64_t *pg = pages.data_ptr<int64_t>(), *off = offsets.data_ptr<int64_t>();
+  T* o = out.data_ptr<T>();
+  T *kp = k_pool.data_ptr<T>(), *vp = v_pool.data_ptr<T>();
+  for (int64_t t = 0; t < t_n; ++t) {
+    TORCH_CHECK(pg[t] >= 0 && pg[t] < num_pages && off[t] >= 0 && off[t] < page, "slot outside the pool");
+    const T* xt = x + t * width;
+    T* ot = o + t * (hq + hkv) * d;
+    for (int64_t h = 0; h < hq + hkv; ++h) rotate(xt + h * d, c + t * d, s + t * d, ot + h * d, d);
+    for (int64_t h = 0; h < hkv; ++h) {
+      T* kd = kp + pg[t] * k_pool.stride(0) + h * k_pool.stride(1) + off[t] * k_pool.stride(2);
+      T* vd = vp + pg[t] * v_pool.stride(0) + h * v_pool.stride(1) + off[t] * v_pool.stride(2);
+      std::memcpy(kd, ot + (hq + h) * d, d * sizeof(T));
+      std::memcpy(vd, xt + (hq + hkv + h) * d, d * sizeof(T));
+    }
+  }
+}
+
+// qkv, cos, sin and both pools all float32, or all bfloat16 (a --dtype bfloat16 model with its
+// bf16 pool: the bits of torch's bf16 elementwise ops)
 at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_pool,
                       at::Tensor v_pool, const at::Tensor& pages, const at::Tensor& offsets, int64_t hq,
                       int64_t hkv) {
+  const at::ScalarType dtype = qkv.scalar_type();
   const int64_t d = k_pool.size(3), t_n = qkv.size(0), width = (hq + 2 * hkv) * d;
-  TORCH_CHECK(qkv.device().is_cpu() && qkv.scalar_type() == at::kFloat && qkv.dim() == 2 && qkv.is_contiguous() &&
-                  qkv.size(1) == width,
-              "qkv must be a contiguous float32 [T, (Hq + 2 Hkv) D] tensor");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "qkv must be float32 or bfloat16");
+  TORCH_CHECK(qkv.device().is_cpu() && qkv.dim() == 2 && qkv.is_contiguous() && qkv.size(1) == width,
+              "qkv must be a contiguous [T, (Hq + 2 Hkv) D] tensor");
   TORCH_CHECK(d % 2 == 0, "the head dim must be even");
-  check_pool(k_pool, "k_pool", hkv, d);
-  check_pool(v_pool, "v_pool", hkv, d);
+  check_pool(k_pool, dtype, "k_pool", hkv, d);
+  check_pool(v_pool, dtype, "v_pool", hkv, d);
   for (const at::Tensor* t : {&cos, &sin})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == t_n &&
+    TORCH_CHECK(t->scalar_type() == dtype && t->is_contiguous() && t->dim() == 2 && t->size(0) == t_n &&
                     t->size(1) == d,
-                "cos and sin must be contiguous float32 [T, D]");
+                "cos and sin must be contiguous [T, D] in qkv's dtype");
   for (const at::Tensor* t : {&pages, &offsets})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == t_n,
                 "pages and offsets must be contiguous int64 [T]");
-  const int64_t num_pages = k_pool.size(0), page = k_pool.size(2);
   at::Tensor out = at::empty({t_n, hq + hkv, d}, qkv.options());
-  const float* x = qkv.data_ptr<float>();
-  const float *c = cos.data_ptr<float>(), *s = sin.data_ptr<float>();
-  const int64_t *pg = pages.data_ptr<int64_t>(), *off = offsets.data_ptr<int64_t>();
-  float* o = out.data_ptr<float>();
-  float *kp = k_pool.data_ptr<float>(), *vp = v_pool.data_ptr<float>();
-  for (int64_t t = 0; t < t_n; ++t) {
-    TORCH_CHECK(pg[t] >= 0 && pg[t] < num_pages && off[t] >= 0 && off[t] < page, "slot outside the pool");
-    const float* xt = x + t * width;
-    float* ot = o + t * (hq + hkv) * d;
-    for (int64_t h = 0; h < hq + hkv; ++h) rotate(xt + h * d, c + t * d, s + t * d, ot + h * d, d);
-    for (int64_t h = 0; h < hkv; ++h) {
-      float* kd = kp + pg[t] * k_pool.stride(0) + h * k_pool.stride(1) + off[t] * k_pool.stride(2);
-      float* vd = vp + pg[t] * v_pool.stride(0) + h * v_pool.stride(1) + off[t] * v_pool.stride(2);
-      std::memcpy(kd, ot + (hq + h) * d, d * sizeof(float));
-      std::memcpy(vd, xt + (hq + hkv + h) * d, d * sizeof(float));
-    }
-  }
+  if (dtype == at::kFloat)
+    rope_store_as<float>(qkv, cos, sin, k_pool, v_pool, pages, offsets, hq, hkv, out);
+  else
+    rope_store_as<at::BFloat16>(qkv, cos, sin, k_pool, v_pool, pages, offsets, hq, hkv, out);
   return out;
 }
 

@@ -17,12 +17,13 @@ def rope_store_kernel() -> ModuleType | None:
 
 
 def can_rope_store(qkv: torch.Tensor, cos: torch.Tensor, k_pool: torch.Tensor, head_dim: int) -> bool:
-    """Whether the kernel takes this layer's call: fp32 activations and pool on the CPU, full
-    (not partial) rotary dims."""
+    """Whether the kernel takes this layer's call: fp32 (or bf16) activations, cos/sin and pool on
+    the CPU, full (not partial) rotary dims."""
     return (
         qkv.device.type == "cpu"
-        and qkv.dtype == torch.float32
-        and k_pool.dtype == torch.float32
+        and qkv.dtype in (torch.float32, torch.bfloat16)
+        and k_pool.dtype == qkv.dtype
+        and cos.dtype == qkv.dtype
         and cos.shape[-1] == head_dim
         and qkv.is_contiguous()
     )
