@@ -283,3 +283,18 @@ def test_fault_injection_is_seeded_and_fails_after_a_prefix(spec: BackendSpec) -
 def test_fault_injection_fails_at_most_max_failures(spec: BackendSpec, cap: int) -> None:
     states = run_injected(spec, FaultInjection(prob=1.0, max_failures=cap), 6)
     assert states == [BatchState.FAILED] * cap + [BatchState.DONE] * (6 - cap)
+
+
+def test_relink_drops_the_connections_to_a_peer_and_writes_go_on(pair: Pair) -> None:
+    """A peer declared dead spoke again: `relink` drops what was written to it over (Mooncake: a new
+    engine, as its TCP transport cannot close one peer's lanes), and the next writes land."""
+    assert pair.tx.relink(pair.rx.address) is False  # nothing written to it yet: nothing to drop
+    h = pair.submit(pair.plan([0, 1], [2, 3]))
+    assert pair.tx.wait(h, deadline()) is BatchState.DONE, h.error
+    dropped = pair.tx.relink(pair.rx.address)
+    assert pair.tx.relink(pair.rx.address) is False  # nothing written since
+    h = pair.submit(pair.plan([4, 5], [6, 7]))
+    assert pair.tx.wait(h, deadline()) is BatchState.DONE, h.error
+    pair.assert_landed([0, 1, 4, 5], [2, 3, 6, 7])
+    if pair.tx.name == "mooncake":
+        assert dropped and getattr(pair.tx, "generation") == 1

@@ -19,6 +19,10 @@ mooncake-transfer-engine 0.3.13):
   batches); every other batch is issued again on the new engine (`resent`). A link that stops for
   less than `stall_timeout_s` (a partition that heals) resumes on the same connections: TCP
   retransmits what was in flight once packets pass again.
+- A peer declared dead (heartbeats) that speaks again is `relink`ed: if this engine wrote to it, the
+  engine is recreated as above (the TCP transport keeps its lanes to a peer open and has no call
+  that closes them), so the writes after the outage go out on fresh connections instead of ones
+  whose retransmission timer doubled through it. Only after a fault: nothing else calls it.
 - A write outside the peer's registered memory fails with -1 and the engine stays usable.
 - One op rides one lane (connection) of the TCP transport, 4 lanes per peer by default
   (MC_TCP_LANES_PER_PEER): a batch of fewer long ops than lanes leaves lanes idle, and the last
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import threading
 import time
 
@@ -50,6 +55,8 @@ from kvpipe.transfer.backends.base import (
 from kvpipe.transfer.backends.mooncake_log import quiet_start
 from kvpipe.transfer.backends.peer_link import PeerLink
 from kvpipe.transfer.planning.op_pieces import split_ops
+
+log = logging.getLogger(__name__)
 
 _BAD_BATCH_IDS = (0, -1, (1 << 64) - 1)  # how a failed submit comes back through pybind
 FULL_SCAN_S = 0.01
@@ -115,6 +122,7 @@ class MooncakeBackend(TransferBackend):
         self._links: dict[str, PeerLink] = {}  # per peer: what is in flight, how fast it completes
         self.resent = 0  # batches issued again on a recreated engine
         self.recreated: list[str] = []  # why each recreation happened
+        self._written: set[str] = set()  # peers this engine wrote to (it holds connections to them)
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
         self._engine = self._new_engine()
@@ -276,8 +284,16 @@ class MooncakeBackend(TransferBackend):
                 b.todo.popleft()
                 b.inflight.append((bid, i))
                 link.issued(b.len[i], now)
+                self._written.add(peer)
             if b.injected and b.failure is None and not b.todo:
                 b.fail(f"injected failure after {b.fail_at} of {b.handle.num_pieces} pieces")
+
+    def relink(self, peer: str) -> bool:
+        with self._lock:
+            if self._engine is None or peer not in self._written:
+                return False  # no connection to it on this engine (e.g. recreated since it went quiet)
+            self._recreate({peer: f"{peer} was declared dead and spoke again: new connections to it"})
+            return True
 
     def _recreate(self, stuck: dict[str, str]) -> None:
         """Throw the engine away (the stuck pieces die with it) and start a fresh one. What cannot
@@ -297,8 +313,15 @@ class MooncakeBackend(TransferBackend):
         self._queues = {p: q for p, q in self._queues.items() if q}
         self._engine = None  # destroys the old engine and its connections
         self._engine = self._new_engine()
+        self._written = set()
         self.generation += 1
         self.recreated.append("; ".join(stuck.values()))
+        log.warning(
+            "Mooncake engine recreated (generation %d, %d batches re-sent so far): %s",
+            self.generation,
+            self.resent,
+            self.recreated[-1],
+        )
 
     def close(self) -> None:
         with self._lock:

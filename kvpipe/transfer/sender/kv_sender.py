@@ -170,6 +170,7 @@ class KVSender:
             draft_at_prefix=draft_at_prefix,
             draft_rank=draft_rank,
             digest=None if digester is None else digester.digest,
+            reconnect=self._endpoint.disconnect,
         )
         self._worker = threading.Thread(target=self._run, name=f"kvsender-{tp_rank}-worker", daemon=True)
         self._pulse = Pulse(cfg.heartbeat_interval_s, self._beat, f"kvsender-{tp_rank}", clock)
@@ -449,6 +450,9 @@ class KVSender:
                     self._endpoint.disconnect(addr)
                 take, cancels, watch = self._book.take_work(now)
                 gathers = self._book.staged.take_gathers()
+                relinks = self._book.take_relinks()
+            for peer in relinks:  # before anything is written to it again (sender/revivals.py)
+                self._relink(peer)
             if gathers:
                 done = [(r, ch, self._gather(ch)) for r, ch in gathers]
                 with self._lock:
@@ -485,6 +489,17 @@ class KVSender:
                 self._backend_progress[peer] = t
                 moved.append(peer)
         return moved
+
+    def _relink(self, peer: str) -> None:
+        try:
+            if self.backend.relink(peer):
+                log.warning(
+                    "prefill rank %d: new connections to %s (it came back after it was declared dead)",
+                    self.tp_rank,
+                    peer,
+                )
+        except TransferError as e:  # the batches it failed say so; the worker goes on
+            log.error("prefill rank %d: reconnecting to %s failed: %s", self.tp_rank, peer, e)
 
     def _gather(self, ch: StagedChunk) -> str | None:
         assert self._stager is not None and ch.local is not None
