@@ -156,11 +156,12 @@ class TransferBackend(abc.ABC):
         return None
 
     def relink(self, peer: str) -> bool:
-        """Drop the connections this backend holds to `peer`, so the next write opens fresh ones; True
-        when it dropped any. A sender calls it when a peer it declared dead speaks again: connections
-        that carried writes through the outage sit in TCP's retransmission back-off, seconds behind
-        the link (issue 50). Batches with writes on the wire to `peer` fail; others carry on. A
-        backend without long-lived connections has nothing to drop."""
+        """Drop the connections to `peer` that carry writes of ours still on the wire, so the next
+        writes open fresh ones; True when it dropped any. A sender calls it when a peer it declared
+        dead speaks again: a connection that had data on the wire through the outage sits in TCP's
+        retransmission back-off, seconds behind the link (issue 50). Batches with writes on the wire
+        to `peer` fail; others carry on. A backend without long-lived connections has nothing to drop.
+        """
         return False
 
     def wait(self, handle: BatchHandle, deadline: float | None = None, poll_interval_s: float = 100e-6) -> BatchState:

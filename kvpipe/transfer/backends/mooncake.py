@@ -19,10 +19,13 @@ mooncake-transfer-engine 0.3.13):
   batches); every other batch is issued again on the new engine (`resent`). A link that stops for
   less than `stall_timeout_s` (a partition that heals) resumes on the same connections: TCP
   retransmits what was in flight once packets pass again.
-- A peer declared dead (heartbeats) that speaks again is `relink`ed: if this engine wrote to it, the
-  engine is recreated as above (the TCP transport keeps its lanes to a peer open and has no call
-  that closes them), so the writes after the outage go out on fresh connections instead of ones
-  whose retransmission timer doubled through it. Only after a fault: nothing else calls it.
+- A peer declared dead (heartbeats) that speaks again is `relink`ed: if pieces to it are still on the
+  wire, the engine is recreated as above (the TCP transport keeps its lanes to a peer open and has
+  no call that closes them), so the writes after the outage do not queue behind lanes whose
+  retransmission timer doubled through it. Lanes with nothing on the wire are not backed off (an
+  acknowledgement resets the timer) and stay. Usually the stall check above recreated the engine
+  already, while the peer was away (its rooms failed, their batches drained past drain_timeout_s);
+  this covers a peer that returns before that. Only after a fault: nothing else calls it.
 - A write outside the peer's registered memory fails with -1 and the engine stays usable.
 - One op rides one lane (connection) of the TCP transport, 4 lanes per peer by default
   (MC_TCP_LANES_PER_PEER): a batch of fewer long ops than lanes leaves lanes idle, and the last
@@ -122,7 +125,6 @@ class MooncakeBackend(TransferBackend):
         self._links: dict[str, PeerLink] = {}  # per peer: what is in flight, how fast it completes
         self.resent = 0  # batches issued again on a recreated engine
         self.recreated: list[str] = []  # why each recreation happened
-        self._written: set[str] = set()  # peers this engine wrote to (it holds connections to them)
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
         self._engine = self._new_engine()
@@ -284,14 +286,14 @@ class MooncakeBackend(TransferBackend):
                 b.todo.popleft()
                 b.inflight.append((bid, i))
                 link.issued(b.len[i], now)
-                self._written.add(peer)
             if b.injected and b.failure is None and not b.todo:
                 b.fail(f"injected failure after {b.fail_at} of {b.handle.num_pieces} pieces")
 
     def relink(self, peer: str) -> bool:
         with self._lock:
-            if self._engine is None or peer not in self._written:
-                return False  # no connection to it on this engine (e.g. recreated since it went quiet)
+            link = self._links.get(peer)
+            if self._engine is None or link is None or link.inflight_pieces == 0:
+                return False  # nothing on the wire to it: its lanes are not backed off
             self._recreate({peer: f"{peer} was declared dead and spoke again: new connections to it"})
             return True
 
@@ -313,7 +315,6 @@ class MooncakeBackend(TransferBackend):
         self._queues = {p: q for p, q in self._queues.items() if q}
         self._engine = None  # destroys the old engine and its connections
         self._engine = self._new_engine()
-        self._written = set()
         self.generation += 1
         self.recreated.append("; ".join(stuck.values()))
         log.warning(
