@@ -261,3 +261,19 @@ def test_a_decode_declared_dead_gets_fresh_connections_at_its_first_word_and_onl
     events.clear()
     book.on_message(m.Heartbeat("a/1", 2), 40.0)
     assert events[0] == ("reconnect", "tcp://a") and book.take_relinks() == ["data-a"]
+
+
+def test_all_dead_needs_known_peers_and_every_one_dead() -> None:
+    # KVSender.unreachable (readiness): a prefill that knows no decode yet is ready
+    book = SenderBook(CFG, layout(1 << 30), 0, 1, "p/0", lambda a, msg: True)
+    live = book.peers.liveness
+    assert not live.all_dead()
+    register_answered(book, reg("a/0", "tcp://a", data="data-a"), 0.0)
+    register_answered(book, reg("b/0", "tcp://b", data="data-b", base=1 << 41), 0.0)
+    book.on_message(m.Heartbeat("b/0", 1), 2.0)
+    book.housekeeping(4.0)  # a silent past the timeout, b not
+    assert live.dead == {"tcp://a"} and not live.all_dead()
+    book.housekeeping(5.1)
+    assert live.all_dead()
+    book.on_message(m.Heartbeat("b/0", 2), 6.0)
+    assert not live.all_dead()

@@ -393,6 +393,19 @@ class KVSender:
             r = self._book.rooms.get(room)
             return None if r is None else r.rec.state
 
+    def unreachable(self) -> str | None:
+        """Why this rank has no decode to send to (readiness), or None: one is alive, or none is known
+        yet. The decodes it declared dead stay known until they speak again (sender/revivals.py: a
+        decode looks for a prefill it lost on its own, receiver/lost.py) or are forgotten."""
+        with self._lock:
+            live = self._book.peers.liveness
+            if not live.all_dead():
+                return None
+            return (
+                f"no reachable decode: the {len(live.dead)} decode(s) prefill rank {self.tp_rank} knows sent "
+                f"nothing for {self.cfg.heartbeat_timeout_s:.1f}s (heartbeats missed)"
+            )
+
     def num_active_rooms(self) -> int:
         with self._lock:
             return sum(1 for r in self._book.rooms.values() if r.src_pages is not None)
