@@ -317,7 +317,14 @@ class KVReceiver:
                 break
         refused = err if isinstance(err, IncompatiblePeerError) else None
         if isinstance(err, BootstrapError) and err.detail:  # the peer's words: our log, never the client's error
-            log.warning("bootstrap server %s: %s (it said: %s)", addr, err, err.detail)
+            # a look for a lost prefill fails every heartbeat interval while it is away: not a warning each time
+            log.log(
+                logging.DEBUG if once else logging.WARNING,
+                "bootstrap server %s: %s (it said: %s)",
+                addr,
+                err,
+                err.detail,
+            )
         if err is not None and info is None and refused is None:
             self.guard.failed(addr, str(err))  # unproven: refused for a while (a proven one is not)
         with self._lock:
