@@ -212,6 +212,7 @@ class DecodeConnector(PDConnector):
                 ],
                 "active_rooms": len(self._transfers),
                 "transfer_rooms": self.receiver.num_rooms(),
+                "unreachable": self.receiver.unreachable(),  # why no prefill can be served with (readiness), or None
                 "rooms_succeeded": st.rooms_succeeded,
                 "rooms_failed": st.rooms_failed,
                 "rejected_messages": st.rejected_messages,

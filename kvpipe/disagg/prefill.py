@@ -410,6 +410,11 @@ class PrefillConnector(PDConnector):
         worker = self.local_worker
         return worker.sender.num_rooms() if worker is not None and worker.sender is not None else None
 
+    def _unreachable(self) -> str | None:
+        """Rank 0's word on its decodes (KVSender.unreachable; every rank pairs with the same decodes)."""
+        worker = self.local_worker
+        return worker.sender.unreachable() if worker is not None and worker.sender is not None else None
+
     def stats(self) -> dict[str, Any]:
         if self.pipeline is None or not self.ranks:
             return {}
@@ -424,6 +429,7 @@ class PrefillConnector(PDConnector):
                 "rank_addresses": [r.addresses() for r in self.ranks],  # every rank's (admins only)
                 "active_rooms": len(self._rooms),
                 "transfer_rooms": self._transfer_rooms(),
+                "unreachable": self._unreachable(),  # why no decode can be served (readiness), or None
                 "rooms_succeeded": st.rooms_succeeded,
                 "rooms_failed": st.rooms_failed,
                 "bytes_written": st.bytes_written,

@@ -97,25 +97,42 @@ def server_info(state: ServerState) -> dict[str, Any]:
 
 
 def _health_responses() -> dict[int | str, dict[str, Any]]:
-    # no body when healthy; `{"status": "loading" | "failed" | "timeout" | "draining"}` with 503 otherwise
-    status = {"type": "object", "properties": {"status": {"type": "string"}}}
+    # no body when healthy; `{"status": "loading" | "failed" | "timeout" | "draining" | "peers_unreachable"}`
+    # (the last with a "reason") with 503 otherwise
+    status = {"type": "object", "properties": {"status": {"type": "string"}, "reason": {"type": "string"}}}
     return {
         200: {"description": "ready", "content": None},
         503: {
-            "description": "loading, failed or draining (shutting down)",
+            "description": "loading, failed, draining (shutting down), or with ?peers=true no PD peer reachable",
             "content": {"application/json": {"schema": status}},
         },
     }
 
 
+def pd_unreachable(state: ServerState) -> str | None:
+    """Why a PD server has no peer to serve with (the prefill's decodes, or the decode's prefills, all
+    missed their heartbeats), or None: one is reachable, none is known yet, or not a PD server."""
+    if state.disaggregation_mode == "null":
+        return None
+    pd = (state.engine.stats() or {}).get("disaggregation") or {}
+    return pd.get("unreachable")
+
+
 def register_health_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health", response_class=Response, responses=_health_responses())
-    async def health() -> Response:
+    async def health(peers: bool = False) -> Response:
+        """200 when the server can take requests. `?peers=true` (a PD server): also 503
+        `{"status": "peers_unreachable", "reason"}` while every PD peer it knows missed its heartbeats
+        (a server that knows none yet is ready). sglang-router and the manifests probe plain /health:
+        a server out of the pool hears from no new peer (docs/deploy.md)."""
         if state.draining:  # shutting down: out of the router's pool and Kubernetes' endpoints at once
             return JSONResponse({"status": "draining"}, status_code=503)
         if not state.engine.ready:
             reason = "failed" if state.engine.fatal_error is not None else "loading"
             return JSONResponse({"status": reason}, status_code=503)
+        why = pd_unreachable(state) if peers else None
+        if why is not None:
+            return JSONResponse({"status": "peers_unreachable", "reason": why}, status_code=503)
         return Response(status_code=200)
 
     @app.get("/health_generate", response_class=Response, responses=_health_responses())

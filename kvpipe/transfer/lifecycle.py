@@ -168,6 +168,10 @@ class PeerLiveness(Generic[PeerKey]):
     def alive(self, peer: PeerKey) -> bool:
         return peer in self.last_seen and peer not in self.dead
 
+    def all_dead(self) -> bool:
+        """Peers are known and every one of them is dead (none known: False)."""
+        return bool(self.last_seen) and len(self.dead) >= len(self.last_seen)
+
     def observed(self, now: float, pause_after_s: float) -> None:
         """The observer's worker is looking now (called by the real-time thread before `reap`, not
         by the books, whose tests step a simulated clock): a gap since its last look longer than

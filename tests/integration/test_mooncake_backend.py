@@ -1,7 +1,7 @@
 """Mooncake backend on loopback (TCP): real engines, real KVPools, real failures. What every
 backend must do (pages land, bad writes fail cleanly, cancel, injection, close and re-create) is in
 tests/unit/test_backend_conformance.py; here what is Mooncake's own: the in-flight window, the
-engine's queue-full breakage and recovery, long ops split into pieces."""
+engine's queue-full breakage and recovery, long ops split into pieces, relink."""
 
 from __future__ import annotations
 
@@ -169,3 +169,30 @@ def test_injected_failure_counts_pieces():
     finally:
         tx.close()
         rx.close()
+
+
+def test_relink_with_pieces_on_the_wire_recreates_the_engine_and_fails_only_those():
+    # A peer declared dead spoke again while our pieces to it were on the wire (their lanes may sit in
+    # TCP's back-off): a new engine; that peer's batch fails, another peer's is sent again and lands.
+    tx, rx, other = MooncakeBackend(window=4, max_op_bytes=1024), MooncakeBackend(), MooncakeBackend()
+    try:
+        src, dst, dst2 = registered_pool(tx, seed=8), registered_pool(rx, seed=None), registered_pool(other, seed=None)
+        pages = np.arange(PAGES)
+        plan = plan_pages(pages, pages, KVLayout.from_pool(src), KVLayout.from_pool(dst))
+        plan2 = plan_pages(pages, pages, KVLayout.from_pool(src), KVLayout.from_pool(dst2))
+        assert not tx.relink(rx.address)  # never written to: nothing to drop
+        g = tx.submit(other.address, plan2.src_addr, plan2.dst_addr, plan2.length)
+        h = tx.submit(rx.address, plan.src_addr, plan.dst_addr, plan.length)
+        assert tx.relink(rx.address)  # submit issued a window of pieces: on the wire until the next poll
+        assert tx.generation == 1 and "spoke again" in tx.recreated[0]
+        assert h.state is BatchState.FAILED and h.error.startswith("engine recreated: ")
+        assert tx.wait(g, deadline()) is BatchState.DONE, g.error
+        h = tx.submit(rx.address, plan.src_addr, plan.dst_addr, plan.length)  # the new engine reaches it
+        assert tx.wait(h, deadline()) is BatchState.DONE, h.error
+        assert_pages_equal(src, dst, pages, pages)
+        assert_pages_equal(src, dst2, pages, pages)
+        assert not tx.relink(rx.address) and tx.generation == 1  # all landed: nothing on the wire
+    finally:
+        tx.close()
+        rx.close()
+        other.close()

@@ -8,15 +8,14 @@ generous liveness bound, and prints how long it took (docs/faults.md)."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from kvpipe.harness.link_faults import FaultRun, LinkFault, nft_missing
 from kvpipe.harness.testbed import LinkTestbed, can_run, inside_netns
 from kvpipe.harness.testbed_stack import start_testbed_stack
+from tests.helpers.heal import served_after
 from tests.helpers.pd_stack import greedy
 
 pytestmark = [
@@ -30,28 +29,12 @@ BODY = {"input_ids": list(range(5, 205)), "sampling_params": greedy(8)}
 BOUND_S = 120.0  # liveness, not a timing assert
 
 
-def served_after(url: str, deadline_s: float) -> tuple[dict, float, int]:
-    """POST /generate until one answer is 200 (503/500 while the router has no healthy pair, or
-    while a transfer fails); returns (answer, seconds from the first try, failed tries)."""
-    t0, failed = time.monotonic(), 0
-    while time.monotonic() - t0 < deadline_s:
-        try:
-            r = httpx.post(url + "/generate", json=BODY, timeout=60.0)
-            if r.status_code == 200:
-                return r.json(), time.monotonic() - t0, failed
-        except httpx.HTTPError:
-            pass
-        failed += 1
-        time.sleep(0.25)
-    raise AssertionError(f"no request served within {deadline_s}s of the heal ({failed} tries failed)")
-
-
 def test_router_serves_again_soon_after_a_heal(tmp_path: Path, tiny_model_dir: Path) -> None:
     with LinkTestbed("100mbit", state_dir=tmp_path) as tb, inside_netns(tb.ns_b):
         with start_testbed_stack(tb, str(tiny_model_dir), server_args=FLAGS, log_dir=str(tmp_path / "logs")) as stack:
-            before, _, _ = served_after(stack.router_url, BOUND_S)
+            before, _, _ = served_after(stack.router_url, BODY, BOUND_S)
             with FaultRun(tb.spec, LinkFault.parse("partition:8s")) as run:
                 assert run.wait_healed(60), "the partition did not heal"
-            after, took_s, failed = served_after(stack.router_url, BOUND_S)
+            after, took_s, failed = served_after(stack.router_url, BODY, BOUND_S)
             print(f"served {took_s:.1f}s after the heal, {failed} tries failed first")
             assert after["output_ids"] == before["output_ids"]

@@ -283,3 +283,16 @@ def test_fault_injection_is_seeded_and_fails_after_a_prefix(spec: BackendSpec) -
 def test_fault_injection_fails_at_most_max_failures(spec: BackendSpec, cap: int) -> None:
     states = run_injected(spec, FaultInjection(prob=1.0, max_failures=cap), 6)
     assert states == [BatchState.FAILED] * cap + [BatchState.DONE] * (6 - cap)
+
+
+def test_relink_with_nothing_on_the_wire_drops_nothing_and_writes_go_on(pair: Pair) -> None:
+    """A peer declared dead spoke again: with no write of ours on the wire to it, no connection of
+    ours to it is backed off and `relink` keeps them (integration/test_mooncake_backend.py: with
+    writes on the wire)."""
+    assert pair.tx.relink(pair.rx.address) is False  # nothing written to it yet
+    h = pair.submit(pair.plan([0, 1], [2, 3]))
+    assert pair.tx.wait(h, deadline()) is BatchState.DONE, h.error
+    assert pair.tx.relink(pair.rx.address) is False  # written, and landed
+    h = pair.submit(pair.plan([4, 5], [6, 7]))
+    assert pair.tx.wait(h, deadline()) is BatchState.DONE, h.error
+    pair.assert_landed([0, 1, 4, 5], [2, 3, 6, 7])

@@ -8,11 +8,14 @@ the dashboard)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
 import pytest
+import yaml
 
 from kvpipe.cli import build_parser
 from kvpipe.commands.flags import server_config_from_args
@@ -210,3 +213,28 @@ def test_the_dashboard_configmap_is_the_repos_dashboard() -> None:
         "deploy/k8s/base/grafana/kvpipe.json differs from deploy/grafana/kvpipe.json: "
         "cp deploy/grafana/kvpipe.json deploy/k8s/base/grafana/kvpipe.json"
     )
+
+
+def test_the_tcp_rto_cap_component_sets_the_sysctl_on_the_stack_pods(tmp_path: Path) -> None:
+    """deploy/k8s/components/tcp-rto-cap from an overlay: the servers' and the router's pods get
+    net.ipv4.tcp_rto_max_ms=1000 (docs/deploy.md) and still pass kubernetes-validate; the overlays
+    themselves leave it out (an unsafe sysctl needs the kubelet's allowlist)."""
+    k8s = Path(os.path.relpath(REPO / "deploy" / "k8s", tmp_path))  # kustomize takes no absolute paths
+    (tmp_path / "kustomization.yaml").write_text(
+        f"resources: [{k8s / 'overlays' / '1p1d'}]\ncomponents: [{k8s / 'components' / 'tcp-rto-cap'}]\n"
+    )
+    exe = kubectl()
+    assert exe is not None
+    out = subprocess.run([exe, "kustomize", str(tmp_path)], capture_output=True, text=True, timeout=120, check=True)
+    rendered = [d for d in yaml.safe_load_all(out.stdout) if d]
+    version = kubernetes_validate.latest_version()
+    for d in rendered:
+        kubernetes_validate.validate(d, version, strict=True)
+    want = [{"name": "net.ipv4.tcp_rto_max_ms", "value": "1000"}]
+    for objs in (rendered, docs("1p1d")):
+        sysctls = {
+            d["metadata"]["name"]: d["spec"]["template"]["spec"]["securityContext"].get("sysctls")
+            for d in of_kind(objs, "Deployment")
+        }
+        assert set(sysctls) == {"kvpipe-prefill", "kvpipe-decode", "kvpipe-router"}
+        assert all(v == (want if objs is rendered else None) for v in sysctls.values()), sysctls

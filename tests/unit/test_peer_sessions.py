@@ -231,3 +231,49 @@ def test_a_registration_no_answer_came_for_is_sent_again_after_a_heartbeat_inter
     assert len(d.take(m.RegisterPeer)) == 1
     d.reply(S.ACCEPTED, 1.2)
     assert [r.room for r in d.take(m.TransferRequest)] == [1]
+
+
+def test_a_decode_declared_dead_gets_fresh_connections_at_its_first_word_and_only_then() -> None:
+    # After a partition longer than the heartbeat timeout our connections to it sit in TCP's
+    # retransmission back-off: the challenge answering its new registration must not queue behind
+    # them (docs/faults.md), so the control socket is dropped before that answer goes out, and the
+    # backend is asked to reconnect to its data address before the next write (sender/revivals.py).
+    events: list[tuple[str, str]] = []
+    book = SenderBook(CFG, layout(1 << 30), 0, 1, "p/0", lambda a, msg: events.append(("send", a)) or True)
+    book._reconnect = lambda a: events.append(("reconnect", a))
+    register_answered(book, reg("a/0", "tcp://a", data="data-a"), 0.0)
+    register_answered(book, reg("b/0", "tcp://b", data="data-b", base=1 << 41), 0.0)
+    book.on_message(m.Heartbeat("a/0", 1), 1.0)  # alive: nothing to replace
+    assert ("reconnect", "tcp://a") not in events and book.take_relinks() == []
+    for now in (2.0, 3.0, 4.0, 5.0):  # a is silent past the heartbeat timeout, b is not
+        book.on_message(m.Heartbeat("b/0", int(now)), now)
+        book.housekeeping(now)
+    assert "tcp://a" in book.peers.liveness.dead and "tcp://b" not in book.peers.liveness.dead
+    events.clear()
+    book.on_message(reg("a/1", "tcp://a", data="data-a"), 20.0)  # it registers again after the heal
+    assert events == [("reconnect", "tcp://a"), ("send", "tcp://a")]  # dropped before the challenge went
+    assert book.take_relinks() == ["data-a"] and book.take_relinks() == []
+    register_answered(book, reg("a/1", "tcp://a", data="data-a"), 20.1)  # the answer: no second drop
+    book.on_message(m.Heartbeat("a/1", 1), 20.2)
+    assert [e for e in events if e[0] == "reconnect"] == [("reconnect", "tcp://a")] and book.take_relinks() == []
+    assert "tcp://a" not in book.peers.liveness.dead
+    book.housekeeping(20.2 + CFG.heartbeat_timeout_s + 0.1)  # dead again: its next word reconnects again
+    events.clear()
+    book.on_message(m.Heartbeat("a/1", 2), 40.0)
+    assert events[0] == ("reconnect", "tcp://a") and book.take_relinks() == ["data-a"]
+
+
+def test_all_dead_needs_known_peers_and_every_one_dead() -> None:
+    # KVSender.unreachable (readiness): a prefill that knows no decode yet is ready
+    book = SenderBook(CFG, layout(1 << 30), 0, 1, "p/0", lambda a, msg: True)
+    live = book.peers.liveness
+    assert not live.all_dead()
+    register_answered(book, reg("a/0", "tcp://a", data="data-a"), 0.0)
+    register_answered(book, reg("b/0", "tcp://b", data="data-b", base=1 << 41), 0.0)
+    book.on_message(m.Heartbeat("b/0", 1), 2.0)
+    book.housekeeping(4.0)  # a silent past the timeout, b not
+    assert live.dead == {"tcp://a"} and not live.all_dead()
+    book.housekeeping(5.1)
+    assert live.all_dead()
+    book.on_message(m.Heartbeat("b/0", 2), 6.0)
+    assert not live.all_dead()

@@ -533,3 +533,42 @@ def test_a_prefill_dropped_for_silence_gets_a_fresh_connection_when_known_again(
     d2.connected(1, prefill())
     d2.book.on_fetched(ADDR, prefill("p1"), None, 1.0)  # restarted, not silent: nothing to replace
     assert sorted(dropped) == ["tcp://p0-0", "tcp://p0-1"]
+
+
+def test_a_prefill_dropped_for_silence_is_looked_for_until_found_and_readiness_follows() -> None:
+    # receiver/lost.py: no request is needed to find it again after a heal, and until then the decode
+    # says why it cannot serve; a decode that never knew a prefill is ready (no flapping at start)
+    d = Decode()
+    assert d.book.unreachable(0.0) is None and d.book.take_refetches(0.0) == []
+    d.connected(1, prefill())
+    d.book.on_message(m.Heartbeat("p0/0", 0), 0.5)
+    assert d.book.unreachable(1.0) is None
+    dropped_at = 0.5 + CFG.heartbeat_timeout_s + 0.1
+    d.book.housekeeping(dropped_at)
+    assert ADDR not in d.book.prefills
+    why = d.book.unreachable(dropped_at)
+    assert why is not None and why.startswith("no reachable prefill: 1 prefill(s) dropped for missed heartbeats")
+    assert "prefill-host" not in why  # an open route answers with it: no addresses
+    assert d.book.take_refetches(dropped_at) == []  # the link just failed: not at once
+    retry = dropped_at + d.book.lost.retry_s
+    assert d.book.take_refetches(retry) == [ADDR]
+    assert d.book.take_refetches(retry + 5 * d.book.lost.retry_s) == []  # that look has not ended yet
+    assert d.book.on_fetched(ADDR, None, "unreachable", retry + 1.0) == []  # still partitioned
+    assert d.book.unreachable(retry + 1.0) is not None
+    later = retry + 2 * d.book.lost.retry_s
+    assert d.book.take_refetches(later) == [ADDR]
+    d.take()
+    assert d.book.on_fetched(ADDR, prefill(), None, later) == []  # it answers: installed, registering
+    assert ADDR in d.book.prefills and d.book.unreachable(later) is None
+    assert [a for a, _ in d.take(m.RegisterPeer)] == ["tcp://p0-0"]  # at once, with no request waiting
+    assert d.book.take_refetches(later + 60.0) == []  # found: no more looks
+
+
+def test_a_prefill_looked_for_in_vain_is_forgotten_and_readiness_comes_back() -> None:
+    # a removed prefill (its successor has a new address) must not keep a decode unready for good
+    d = Decode()
+    d.connected(1, prefill())
+    d.book.housekeeping(CFG.heartbeat_timeout_s + 0.1)
+    assert d.book.unreachable(CFG.heartbeat_timeout_s + 0.1) is not None
+    end = CFG.heartbeat_timeout_s + 0.2 + d.book.lost.forget_s
+    assert d.book.take_refetches(end) == [] and d.book.unreachable(end) is None

@@ -155,6 +155,15 @@ class TransferBackend(abc.ABC):
         that runs full a batch waits behind the others, and is not stuck (issue 50)."""
         return None
 
+    def relink(self, peer: str) -> bool:
+        """Drop the connections to `peer` that carry writes of ours still on the wire, so the next
+        writes open fresh ones; True when it dropped any. A sender calls it when a peer it declared
+        dead speaks again: a connection that had data on the wire through the outage sits in TCP's
+        retransmission back-off, seconds behind the link (issue 50). Batches with writes on the wire
+        to `peer` fail; others carry on. A backend without long-lived connections has nothing to drop.
+        """
+        return False
+
     def wait(self, handle: BatchHandle, deadline: float | None = None, poll_interval_s: float = 100e-6) -> BatchState:
         """Poll until terminal or `deadline` (time.monotonic()); PENDING means the deadline passed.
 

@@ -19,6 +19,13 @@ mooncake-transfer-engine 0.3.13):
   batches); every other batch is issued again on the new engine (`resent`). A link that stops for
   less than `stall_timeout_s` (a partition that heals) resumes on the same connections: TCP
   retransmits what was in flight once packets pass again.
+- A peer declared dead (heartbeats) that speaks again is `relink`ed: if pieces to it are still on the
+  wire, the engine is recreated as above (the TCP transport keeps its lanes to a peer open and has
+  no call that closes them), so the writes after the outage do not queue behind lanes whose
+  retransmission timer doubled through it. Lanes with nothing on the wire are not backed off (an
+  acknowledgement resets the timer) and stay. Usually the stall check above recreated the engine
+  already, while the peer was away (its rooms failed, their batches drained past drain_timeout_s);
+  this covers a peer that returns before that. Only after a fault: nothing else calls it.
 - A write outside the peer's registered memory fails with -1 and the engine stays usable.
 - One op rides one lane (connection) of the TCP transport, 4 lanes per peer by default
   (MC_TCP_LANES_PER_PEER): a batch of fewer long ops than lanes leaves lanes idle, and the last
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import threading
 import time
 
@@ -50,6 +58,8 @@ from kvpipe.transfer.backends.base import (
 from kvpipe.transfer.backends.mooncake_log import quiet_start
 from kvpipe.transfer.backends.peer_link import PeerLink
 from kvpipe.transfer.planning.op_pieces import split_ops
+
+log = logging.getLogger(__name__)
 
 _BAD_BATCH_IDS = (0, -1, (1 << 64) - 1)  # how a failed submit comes back through pybind
 FULL_SCAN_S = 0.01
@@ -279,6 +289,14 @@ class MooncakeBackend(TransferBackend):
             if b.injected and b.failure is None and not b.todo:
                 b.fail(f"injected failure after {b.fail_at} of {b.handle.num_pieces} pieces")
 
+    def relink(self, peer: str) -> bool:
+        with self._lock:
+            link = self._links.get(peer)
+            if self._engine is None or link is None or link.inflight_pieces == 0:
+                return False  # nothing on the wire to it: its lanes are not backed off
+            self._recreate({peer: f"{peer} was declared dead and spoke again: new connections to it"})
+            return True
+
     def _recreate(self, stuck: dict[str, str]) -> None:
         """Throw the engine away (the stuck pieces die with it) and start a fresh one. What cannot
         complete fails: batches with pieces on the wire to a stuck peer, and failed batches. Every
@@ -299,6 +317,12 @@ class MooncakeBackend(TransferBackend):
         self._engine = self._new_engine()
         self.generation += 1
         self.recreated.append("; ".join(stuck.values()))
+        log.warning(
+            "Mooncake engine recreated (generation %d, %d batches re-sent so far): %s",
+            self.generation,
+            self.resent,
+            self.recreated[-1],
+        )
 
     def close(self) -> None:
         with self._lock:

@@ -58,6 +58,7 @@ from kvpipe.transfer.control.messages import (
     TransferStatus,
 )
 from kvpipe.transfer.lifecycle import DuplicateRoomError, PeerLiveness, RoomRecord, TransferState, receiver_timeouts
+from kvpipe.transfer.receiver.lost import LostPrefills
 from kvpipe.transfer.receiver.registration import Pair, PendingAbort, Registration
 from kvpipe.transfer.receiver.room import ReceiverRoom, rank_pairs
 from kvpipe.transfer.receiver.room_checks import RoomChecks
@@ -118,6 +119,10 @@ class ReceiverBook(RoomChecks):
         # to one may sit in TCP's retransmission back-off, which held a registration sent after the
         # heal for 12 s (issue 50, docs/faults.md); it is replaced when that prefill is known again
         self._stale_controls: set[str] = set()
+        # prefills dropped for silence, looked for again (lost.py): readiness, and no request needed to
+        # register with one again after a heal
+        self.lost = LostPrefills(max(1.0, cfg.heartbeat_interval_s), 10 * cfg.heartbeat_timeout_s)
+        self._refetching: set[Address] = set()  # looks (take_refetches) whose fetch has not ended
 
     # ---- engine side (add_room's checks: room_checks.py) -------------------------------------
 
@@ -240,9 +245,10 @@ class ReceiverBook(RoomChecks):
         waited = self._waiting.pop(prefill, [])
         rooms = [r for r in waited if self.rooms.get(r.room) is r and not r.requested and not r.rec.state.terminal]
         self._fetch_errors.pop(prefill, None)
+        self._refetching.discard(prefill)
         if info is None:
             why = f"bootstrap with prefill {prefill[0]}:{prefill[1]} failed: {error or 'no answer'}"
-            log.warning("%s (%d rooms)", why, len(rooms))
+            log.log(logging.WARNING if waited else logging.DEBUG, "%s (%d rooms)", why, len(rooms))
             for r in rooms:
                 r.rec.fail(why, now)
             return [r.room for r in rooms]
@@ -255,6 +261,9 @@ class ReceiverBook(RoomChecks):
         return []
 
     def _install(self, addr: Address, info: PrefillInstanceInfo, now: float) -> KnownPrefill:
+        if addr in self.lost.since:
+            log.info("prefill at %s:%d answers again: registering on fresh connections", addr[0], addr[1])
+        self.lost.found(addr)
         old = self.prefills.get(addr)
         if old is not None and old.info.instance_id == info.instance_id:
             return old
@@ -362,6 +371,8 @@ class ReceiverBook(RoomChecks):
             self.liveness.forget(s)
         if not gone and len(self._stale_controls) < MAX_STALE_CONTROLS:
             self._stale_controls.update(rank.control_address for rank in peer.info.ranks)
+        if not gone:
+            self.lost.lost(peer.addr, now)
         if self.prefills.get(peer.addr) is peer:
             del self.prefills[peer.addr]  # the next add_room fetches the bootstrap info again
 
@@ -511,6 +522,18 @@ class ReceiverBook(RoomChecks):
         for peer in self.prefills.values():  # rooms wait for a registration no answer came for
             if peer.reg.wanted and not peer.reg.ready:
                 self._register(peer, now)
+
+    def take_refetches(self, now: float) -> list[Address]:
+        """Prefills dropped for silence to look for now (lost.py): the caller fetches each once and
+        reports through on_fetched, which installs and registers one that answers."""
+        out = self.lost.due(now, self._refetching | set(self._waiting) | set(self.prefills))
+        self._refetching.update(out)
+        return out
+
+    def unreachable(self, now: float) -> str | None:
+        """Why this decode has no prefill to serve with (its readiness), or None: it knows one, or
+        none yet (a decode that was never asked for a prefill is ready)."""
+        return None if self.prefills else self.lost.problem(now)
 
     def heartbeats(self, now: float) -> None:
         """One beat per prefill rank, at most once per heartbeat interval. The receiver's `Pulse`

@@ -25,6 +25,7 @@ the prefills' silence: lifecycle.PeerLiveness.observed); heartbeats leave from t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import threading
@@ -137,6 +138,8 @@ class KVReceiver:
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvreceiver-bootstrap")
         # fetches of prefills fetched from before (restarts) never queue behind bogus hosts'
         self._proven_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvreceiver-bootstrap-proven")
+        # looks for prefills dropped for silence (receiver/lost.py), one attempt each: never in a request's way
+        self._lost_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvreceiver-bootstrap-lost")
         self._worker = threading.Thread(target=self._run, name="kvreceiver-worker", daemon=True)
         self._pulse = Pulse(cfg.heartbeat_interval_s, self._beat, "kvreceiver", clock)
 
@@ -151,6 +154,11 @@ class KVReceiver:
     @property
     def control_address(self) -> str:
         return self._endpoint.address
+
+    def unreachable(self) -> str | None:
+        """Why this decode has no prefill it can serve with (readiness), or None (book.unreachable)."""
+        with self._lock:
+            return self._book.unreachable(self._clock())
 
     def num_rooms(self) -> int:
         """Rooms the book still holds (finished ones leave it): 0 once idle, else a leak."""
@@ -167,6 +175,7 @@ class KVReceiver:
         self._stop.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._proven_pool.shutdown(wait=False, cancel_futures=True)
+        self._lost_pool.shutdown(wait=False, cancel_futures=True)
         self._pulse.close()
         if self._worker.is_alive():
             self._worker.join(timeout=5.0)
@@ -276,8 +285,9 @@ class KVReceiver:
 
     # ---- threads ---------------------------------------------------------------------------
 
-    def _fetch(self, addr: Address) -> None:
-        """Pool thread: fetch a prefill's ranks (retrying while it starts), check them, tell the book."""
+    def _fetch(self, addr: Address, once: bool = False) -> None:
+        """Pool thread: fetch a prefill's ranks (retrying while it starts; `once`: one attempt, a look
+        for a prefill dropped for silence), check them, tell the book."""
         info: PrefillInstanceInfo | None = None
         err: Exception | None = None
         end = time.monotonic() + self.cfg.bootstrap_timeout_s
@@ -299,7 +309,7 @@ class KVReceiver:
                     self._book.fetch_retrying(addr, str(e))
                 # an address that never answered is not waited for: a bogus host would hold this
                 # worker for the whole bootstrap timeout (a server that says "not ready" is)
-                if time.monotonic() >= end or (not proven and isinstance(e, BootstrapUnreachable)):
+                if once or time.monotonic() >= end or (not proven and isinstance(e, BootstrapUnreachable)):
                     break
                 self._stop.wait(0.05)
             except Exception as e:  # incompatible, malformed, or a bug: fail the rooms with it
@@ -307,7 +317,14 @@ class KVReceiver:
                 break
         refused = err if isinstance(err, IncompatiblePeerError) else None
         if isinstance(err, BootstrapError) and err.detail:  # the peer's words: our log, never the client's error
-            log.warning("bootstrap server %s: %s (it said: %s)", addr, err, err.detail)
+            # a look for a lost prefill fails every heartbeat interval while it is away: not a warning each time
+            log.log(
+                logging.DEBUG if once else logging.WARNING,
+                "bootstrap server %s: %s (it said: %s)",
+                addr,
+                err,
+                err.detail,
+            )
         if err is not None and info is None and refused is None:
             self.guard.failed(addr, str(err))  # unproven: refused for a while (a proven one is not)
         with self._lock:
@@ -355,6 +372,10 @@ class KVReceiver:
                     self._book.liveness.observed(now, self.cfg.heartbeat_interval_s)
                     self._book.housekeeping(now)
                     news = self._book.has_news(now)
+                    lost = self._book.take_refetches(now)
+                for addr in lost:
+                    with contextlib.suppress(RuntimeError):  # closing: the pool takes no more
+                        self._lost_pool.submit(self._fetch, addr, True)
                 # a room reportable for a reason no message brought (a deadline, a write that can
                 # no longer land, a failed bootstrap fetch): the engine hears it within a tick
                 if news and self._on_news is not None:

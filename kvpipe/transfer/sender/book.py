@@ -70,6 +70,7 @@ from kvpipe.transfer.sender.plan_types import (
     SendCall,
     StagingPolicy,
 )
+from kvpipe.transfer.sender.revivals import Revivals
 from kvpipe.transfer.sender.room import SenderRoom
 from kvpipe.transfer.sender.session_bounds import Orphans, Tombstones
 from kvpipe.transfer.sender.sessions import SessionRules
@@ -99,6 +100,7 @@ class SenderBook(SessionRules):
         draft_at_prefix: bool = False,
         draft_rank: int | None = None,
         digest: Callable[[bytes, np.ndarray, tuple[int, int]], bytes] | None = None,
+        reconnect: Callable[[str], None] | None = None,
     ) -> None:
         """`state_layout`: this rank's recurrent-state pool (hybrid models): every room has a
         state slot (add_room) that its decodes get with the KV. `own_data_address`: this rank's
@@ -111,7 +113,9 @@ class SenderBook(SessionRules):
         side that holds the draft KV whole; the other prefill ranks send none, and their aux
         data carries no draft fields: the decode takes them from that rank's). `digest(key, src pages,
         global heads)`: the keyed digest of that part of this rank's pool (kv_digest.py), for
-        decodes that ask for one (None: they get none, and fail the room)."""
+        decodes that ask for one (None: they get none, and fail the room). `reconnect(control
+        address)`: drop our control connection to a decode, so the next send opens a fresh one
+        (revivals.py: a dead decode that speaks again)."""
         self.cfg, self.layout, self.tp_rank, self.tp_size = cfg, layout, tp_rank, tp_size
         self.state_layout = state_layout
         self.draft_layout = draft_layout
@@ -119,6 +123,9 @@ class SenderBook(SessionRules):
         self._digest = digest
         self.session_id = session_id
         self.send = send
+        self._reconnect = reconnect
+        self.revivals = Revivals()
+        self._relinks: list[str] = []  # data addresses the backend should reconnect to (take_relinks)
         self.control_address = control_address  # where staging agents answer
         self.stats = SenderStats()
         self.replies = Replies(send, session_id, tp_rank, self.stats)
@@ -273,6 +280,7 @@ class SenderBook(SessionRules):
 
     def on_message(self, msg: object, now: float) -> None:
         self._dirty = not isinstance(msg, Heartbeat) or self._dirty
+        self._heard_from(msg)
         if isinstance(msg, Heartbeat):
             self.peers.seen(msg.session_id, now)
         elif isinstance(msg, RegisterPeer):
@@ -289,6 +297,31 @@ class SenderBook(SessionRules):
                 self.replies.reject(why)
         else:
             self.replies.reject(f"unexpected {type(msg).__name__} on a prefill rank")
+
+    def _heard_from(self, msg: object) -> None:
+        """A decode we declared dead speaks again: fresh connections to it before we answer (revivals.py)."""
+        if isinstance(msg, RegisterPeer):
+            addr: str | None = msg.control_address
+        else:
+            peer = self.peers.peers.get(getattr(msg, "session_id", ""))
+            addr = None if peer is None else peer.control_address
+        data = None if addr is None else self.revivals.heard(addr, self.peers)
+        if addr is None or data is None:
+            return
+        log.info(
+            "prefill rank %d: decode at %s speaks again after it was declared dead: fresh connections",
+            self.tp_rank,
+            addr,
+        )
+        if self._reconnect is not None:
+            self._reconnect(addr)
+        self._relinks.extend(d for d in data if d not in self._relinks)
+
+    def take_relinks(self) -> list[str]:
+        """Data addresses of decodes that came back since the last call: the caller asks its backend to
+        drop its connections to them (TransferBackend.relink) before it writes to them again."""
+        out, self._relinks = self._relinks, []
+        return out
 
     def _kv_digest(self, r: SenderRoom, d: Destination) -> bytes:
         """The digest a destination asked for of the pages we wrote into it (b"": not asked, or
@@ -331,6 +364,7 @@ class SenderBook(SessionRules):
     def housekeeping(self, now: float) -> list[str]:
         """Deadlines, dead decodes, expiries; returns decode addresses forgotten for good."""
         for addr in self.peers.liveness.reap(now):
+            self.revivals.died(addr)
             why = f"decode at {addr} sent nothing for {self.cfg.heartbeat_timeout_s:.1f}s (heartbeats missed)"
             log.warning("prefill rank %d: %s", self.tp_rank, why)
             for r in list(self.rooms.values()):

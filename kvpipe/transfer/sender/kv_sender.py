@@ -170,6 +170,7 @@ class KVSender:
             draft_at_prefix=draft_at_prefix,
             draft_rank=draft_rank,
             digest=None if digester is None else digester.digest,
+            reconnect=self._endpoint.disconnect,
         )
         self._worker = threading.Thread(target=self._run, name=f"kvsender-{tp_rank}-worker", daemon=True)
         self._pulse = Pulse(cfg.heartbeat_interval_s, self._beat, f"kvsender-{tp_rank}", clock)
@@ -392,6 +393,19 @@ class KVSender:
             r = self._book.rooms.get(room)
             return None if r is None else r.rec.state
 
+    def unreachable(self) -> str | None:
+        """Why this rank has no decode to send to (readiness), or None: one is alive, or none is known
+        yet. The decodes it declared dead stay known until they speak again (sender/revivals.py: a
+        decode looks for a prefill it lost on its own, receiver/lost.py) or are forgotten."""
+        with self._lock:
+            live = self._book.peers.liveness
+            if not live.all_dead():
+                return None
+            return (
+                f"no reachable decode: the {len(live.dead)} decode(s) prefill rank {self.tp_rank} knows sent "
+                f"nothing for {self.cfg.heartbeat_timeout_s:.1f}s (heartbeats missed)"
+            )
+
     def num_active_rooms(self) -> int:
         with self._lock:
             return sum(1 for r in self._book.rooms.values() if r.src_pages is not None)
@@ -449,6 +463,9 @@ class KVSender:
                     self._endpoint.disconnect(addr)
                 take, cancels, watch = self._book.take_work(now)
                 gathers = self._book.staged.take_gathers()
+                relinks = self._book.take_relinks()
+            for peer in relinks:  # before anything is written to it again (sender/revivals.py)
+                self._relink(peer)
             if gathers:
                 done = [(r, ch, self._gather(ch)) for r, ch in gathers]
                 with self._lock:
@@ -485,6 +502,17 @@ class KVSender:
                 self._backend_progress[peer] = t
                 moved.append(peer)
         return moved
+
+    def _relink(self, peer: str) -> None:
+        try:
+            if self.backend.relink(peer):
+                log.warning(
+                    "prefill rank %d: new connections to %s (it came back after it was declared dead)",
+                    self.tp_rank,
+                    peer,
+                )
+        except TransferError as e:  # the batches it failed say so; the worker goes on
+            log.error("prefill rank %d: reconnecting to %s failed: %s", self.tp_rank, peer, e)
 
     def _gather(self, ch: StagedChunk) -> str | None:
         assert self._stager is not None and ch.local is not None
