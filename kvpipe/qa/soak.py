@@ -266,11 +266,12 @@ def run_soak(
             Check(f"{name} alive", p.poll() is None, f"exit code {p.poll()}")
             for name, p in zip(("prefill", "decode", "router"), stack.procs)
         ]
+    unwarmed = cfg.concurrency - cfg.warmup_requests  # connections the warm-up did not open
     checks = [
         *tally.checks(len(planned), cfg.failure_prob > 0 or link is not None),
         *idle.checks,
         *alive,
-        *(c for name in SERVERS for c in resource_checks(name, series[name], cfg.bounds)),
+        *(c for name in SERVERS for c in resource_checks(name, series[name], cfg.bounds, unwarmed)),
         *link_checks,
     ]
     if not warm_idle.ok:

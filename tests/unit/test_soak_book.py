@@ -187,6 +187,11 @@ def test_resource_deltas_and_bounds() -> None:
         c.name for c in resource_checks("prefill", s, Bounds(rss_growth_mb=20, fd_delta=2, thread_delta=0)) if not c.ok
     }
     assert failed == {"prefill RSS growth", "prefill open fds", "prefill threads"}
+    # a warm-up of fewer requests than the load's concurrency: one keep-alive connection each may come
+    tight = Bounds(rss_growth_mb=64, fd_delta=2, thread_delta=2)
+    assert not verdict(resource_checks("prefill", s, tight, unwarmed=0))
+    assert verdict(resource_checks("prefill", s, tight, unwarmed=1))
+    assert not verdict(resource_checks("prefill", s, tight, unwarmed=-5))  # more warm-up than slots: no less
     fewer = ResourceSeries(_sample(0, 500, fds=47, threads=13), [], _sample(1, 500, fds=38, threads=12))
     assert verdict(resource_checks("decode", fewer, Bounds()))  # closed keep-alive sockets are no leak
     gone = ResourceSeries(_sample(0, 500), [], None)
