@@ -89,7 +89,7 @@ def _model_bytes(model_path: str, server_args: tuple[str, ...]) -> tuple[KVWireB
     return kv, state_bytes_per_request(mc, served.model) or 0
 
 
-class _Sweep:
+class Sweep:
     """The measurements of one sweep: per (mode, prompt length), or per round when interleaved."""
 
     def __init__(
@@ -187,7 +187,7 @@ def run_sweep_cmd(args: argparse.Namespace, compare: bool = False) -> int:
     opts = StackOptions(model_path, tuple(shlex.split(args.server_args)), log_dir, args.startup_timeout)
     # --compare-colocated sends the same rounds whether interleaved or not: its two orders must
     # give the same ratios (issue 31), so they may differ only in what shares the machine meanwhile
-    sweep = _Sweep(args, configs, text, in_rounds=compare)
+    sweep = Sweep(args, configs, text, in_rounds=compare)
     points: list[SweepPoint]
     try:
         with contextlib.ExitStack() as stack:
