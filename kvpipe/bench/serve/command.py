@@ -81,7 +81,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--modes",
         default="baseline,pipelined,inproc",
         help="sweep: baseline, pipelined, pipelined-N (forced N groups), inproc (colocated), inproc-nocache "
-        "(colocated, --disable-radix-cache), pd (as kvpipe launch), pd-norecord / inproc-norecord (pd / inproc "
+        "(colocated, --disable-radix-cache), inproc-mixed (colocated, --enable-mixed-chunk), "
+        "pd (as kvpipe launch), pd-norecord / inproc-norecord (pd / inproc "
         "with --disable-request-metrics), decode-cache (baseline + the decode radix cache), pd-nocache "
         "(baseline, --disable-radix-cache on both servers)",
     )

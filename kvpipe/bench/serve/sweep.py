@@ -15,6 +15,8 @@ tests without servers. Modes:
                 histograms (interleave with pd / inproc: what recording costs, same run)
   pd-nocache    baseline with --disable-radix-cache on both servers: every turn recomputes and
                 resends its whole prompt (interleave with decode-cache: both caches' gain, same run)
+  inproc-mixed  inproc with --enable-mixed-chunk: decoders ride along prefill chunks (interleave
+                with inproc: the policy's TTFT and TPOT, same run)
 The rows of a sweep's result are sweep_rows.py.
 """
 
@@ -41,8 +43,26 @@ PD_NORECORD, INPROC_NORECORD = "pd-norecord", "inproc-norecord"
 NORECORD_FLAGS = ("--disable-request-metrics",)
 # PD with no prefix cache on either server (baseline's transfer): what both caches save, same run
 PD_NOCACHE = "pd-nocache"
-COLOCATED_MODES = (INPROC, INPROC_NOCACHE, INPROC_NORECORD)
-PLAIN_MODES = (BASELINE, PIPELINED, INPROC, DECODE_CACHE, PD, INPROC_NOCACHE, PD_NORECORD, INPROC_NORECORD, PD_NOCACHE)
+# a colocated server whose prefill steps carry the decoders' tokens (--enable-mixed-chunk), same run
+INPROC_MIXED = "inproc-mixed"
+COLOCATED_MODES = (INPROC, INPROC_NOCACHE, INPROC_NORECORD, INPROC_MIXED)
+PLAIN_MODES = (
+    BASELINE,
+    PIPELINED,
+    INPROC,
+    DECODE_CACHE,
+    PD,
+    INPROC_NOCACHE,
+    PD_NORECORD,
+    INPROC_NORECORD,
+    PD_NOCACHE,
+    INPROC_MIXED,
+)
+_COLOCATED_FLAGS = {
+    INPROC_NOCACHE: ("--disable-radix-cache",),
+    INPROC_NORECORD: NORECORD_FLAGS,
+    INPROC_MIXED: ("--enable-mixed-chunk",),
+}
 _PIPELINED_N = re.compile(r"^pipelined-(\d+)$")
 
 
@@ -56,7 +76,7 @@ def parse_modes(spec: str) -> list[str]:
         if m not in PLAIN_MODES and not (_PIPELINED_N.match(m) and int(m[10:]) >= 1):
             raise ValueError(
                 f"unknown mode {m!r}: choose from baseline, pipelined, pipelined-N, decode-cache, pd, inproc, "
-                "inproc-nocache, pd-norecord, inproc-norecord, pd-nocache"
+                "inproc-nocache, pd-norecord, inproc-norecord, pd-nocache, inproc-mixed"
             )
     if not modes or len(set(modes)) != len(modes):
         raise ValueError(f"modes must be a non-empty list without repeats, got {spec!r}")
@@ -73,9 +93,7 @@ class ModeFlags:
 
 def colocated_flags(mode: str) -> tuple[str, ...]:
     """Extra server flags of a colocated mode."""
-    if mode == INPROC_NORECORD:
-        return NORECORD_FLAGS
-    return ("--disable-radix-cache",) if mode == INPROC_NOCACHE else ()
+    return _COLOCATED_FLAGS.get(mode, ())
 
 
 def mode_server_flags(mode: str) -> ModeFlags | None:
