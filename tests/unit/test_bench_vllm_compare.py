@@ -12,7 +12,7 @@ import pytest
 
 from kvpipe.bench.serve.command import add_args, run
 from kvpipe.bench.serve.hf_export import export_dir
-from kvpipe.bench.serve.sweep import SweepPoint
+from kvpipe.bench.serve.sweep import SweepPoint, colocated_flags, mode_server_flags, parse_modes
 from kvpipe.bench.serve.vllm_compare import (
     RoundCheck,
     busy_fraction,
@@ -155,3 +155,12 @@ def test_export_dir_is_keyed_by_file_bytes_and_dtype(tmp_path: Path) -> None:
     assert export_dir(g, "float32", tmp_path) != a  # another file under the same name
     with pytest.raises(ValueError, match="dtype"):
         export_dir(g, "int8", tmp_path)
+
+
+def test_mixed_chunk_sweep_modes() -> None:
+    assert parse_modes("inproc,inproc-mixed,inproc-mixed-512") == ["inproc", "inproc-mixed", "inproc-mixed-512"]
+    assert colocated_flags("inproc-mixed") == ("--enable-mixed-chunk",)
+    assert colocated_flags("inproc-mixed-512") == ("--enable-mixed-chunk", "--chunked-prefill-size", "512")
+    assert mode_server_flags("inproc-mixed-512") is None  # colocated: no PD flags
+    with pytest.raises(ValueError, match="unknown mode"):
+        parse_modes("inproc-mixed-0")

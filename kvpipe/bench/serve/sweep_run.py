@@ -22,9 +22,9 @@ from kvpipe.bench.serve.run import config_dict, emit, measure, summary_of, vocab
 from kvpipe.bench.serve.spec_stats import reporting_spec
 from kvpipe.bench.serve.stacks import Endpoint, StackOptions, default_stack_factory
 from kvpipe.bench.serve.sweep import (
-    COLOCATED_MODES,
     SliceResult,
     SweepPoint,
+    is_colocated,
     parse_modes,
     parse_prompt_lens,
     run_sweep,
@@ -120,7 +120,7 @@ class Sweep:
             self.group_timelines[(mode, n)] = with_planner(g, ep.call(read_server_info, ep.info_url))
 
     def measure(self, ep: Endpoint, mode: str, n: int) -> tuple[dict, int | None, float | None, float | None]:
-        pd = ep.info_url is not None and mode not in COLOCATED_MODES
+        pd = ep.info_url is not None and not is_colocated(mode)
         before: list[Reading] = []
 
         def read_before() -> None:
@@ -138,7 +138,7 @@ class Sweep:
 
     def measure_slice(self, ep: Endpoint, mode: str, n: int, r: int) -> SliceResult:
         args, desc = self.args, f"{mode} len={n} round {r + 1}/{self.rounds}"
-        pd = ep.info_url is not None and mode not in COLOCATED_MODES
+        pd = ep.info_url is not None and not is_colocated(mode)
         if r == 0:
             warm_up(ep.call, ep.url, self.configs[n], args, desc, False, self.text)
         sub = self.slices[n][r].requests
