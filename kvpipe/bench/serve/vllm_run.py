@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvpipe.bench.plotting import grouped_bars, pyplot, save
 from kvpipe.bench.serve.chat_text import open_chat_text
 from kvpipe.bench.serve.hf_export import gguf_to_hf_dir
 from kvpipe.bench.serve.run import config_dict, emit, summary_of, vocab_size, workload_config
@@ -25,6 +26,7 @@ from kvpipe.bench.serve.stacks import Endpoint, StackOptions, colocated_server
 from kvpipe.bench.serve.sweep import INPROC, SliceResult, SweepPoint, parse_prompt_lens, run_sweep_interleaved
 from kvpipe.bench.serve.sweep_run import Sweep
 from kvpipe.bench.serve.vllm_compare import (
+    VLLM_KEYS,
     RoundCheck,
     busy_fraction,
     cpu_times,
@@ -166,9 +168,6 @@ def _kvpipe_version(ep: Endpoint) -> str | None:
 
 def plot_vllm(result: dict[str, Any], path: str) -> Path:
     """kvpipe/vLLM ratios per concurrency, one bar per figure (1.0: level)."""
-    from kvpipe.bench.plotting import grouped_bars, pyplot, save
-    from kvpipe.bench.serve.vllm_compare import VLLM_KEYS
-
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4))
     rows = result["vllm_compare"]

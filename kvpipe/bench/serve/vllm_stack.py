@@ -104,11 +104,15 @@ def vllm_server(opts: VllmOptions, env_out: dict[str, str] | None = None) -> Ite
     env = vllm_env(opts)
     if env_out is not None:
         env_out.update(knobs(env))
-    log = open(opts.log_path, "ab") if opts.log_path else subprocess.DEVNULL  # noqa: SIM115 - closed below
+    log = open(opts.log_path, "ab") if opts.log_path else None  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
-        vllm_command(opts, port), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        vllm_command(opts, port),
+        stdout=log if log is not None else subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
     )
-    if log is not subprocess.DEVNULL:
+    if log is not None:
         log.close()  # the child holds its own copy
     try:
         url = f"http://{opts.host}:{port}"
