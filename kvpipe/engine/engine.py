@@ -96,6 +96,12 @@ class Engine:
             window=sliding_window(self.model_config),
             drafter=self.drafter.propose if self.drafter is not None else None,
             max_drafts=self.spec.max_drafts,
+            # a MIXED step's decode rows go through the prefill forward: only where nothing else
+            # hooks a forward (a KV connector, a drafter) or keeps per-row recurrent state
+            mixed_chunk=cfg.scheduler.enable_mixed_chunk
+            and connector is None
+            and self.drafter is None
+            and self.state_slots is None,
         )
         # the KV tier on a Mooncake Store (--enable-hierarchical-cache): the scheduler loads and stores pages
         self.store_tier = attach_store_tier(cfg, self.runner.pool, self.scheduler, tp=self._tp)
@@ -285,7 +291,7 @@ class Engine:
     def _run(self, batch: ScheduledBatch) -> torch.Tensor | None:
         """The batch's forward; a failure leaves no half-run request behind: its pages go back (or
         to its transfer), and the caller sees the error."""
-        if batch.mode is ForwardMode.PREFILL:
+        if batch.mode is not ForwardMode.DECODE:
             self._mark_scheduled(batch)
         try:
             return self._forward(batch)
@@ -353,18 +359,18 @@ class Engine:
         if worker is not None:
             worker.before_forward(plan.meta)
             callback = lambda start, end, fb: self._after_layers(worker, plan.meta, batch, start, end, n)  # noqa: E731
-        if prefill:
-            for req, n_new in zip(batch.reqs, batch.extend_lens):
-                req.timeline.mark(Phase.FORWARD_START, value=n_new)
+        chunks = [(r, n) for i, (r, n) in enumerate(zip(batch.reqs, batch.extend_lens)) if batch.is_prompt_row(i)]
+        for req, n_new in chunks:
+            req.timeline.mark(Phase.FORWARD_START, value=n_new)
         logits = self._tp.run(spec, callback) if self._tp is not None else self.runner.run(spec, callback)
         if self.drafter is not None and self.drafter.uses_target_hidden:
             self.drafter.after_forward(batch, self.runner.take_hidden())
         if drafter is not None:  # the draft KV of the chunk, sent as the last layer group
             send = None if callback is None else LayerSend(plan.meta, lambda start, end: callback(start, end, None))
             drafter.prefill_forward(batch, send)
+        for req, n_new in chunks:
+            req.timeline.mark(Phase.FORWARD_END, value=n_new)
         if prefill:
-            for req, n_new in zip(batch.reqs, batch.extend_lens):
-                req.timeline.mark(Phase.FORWARD_END, value=n_new)
             if self.connector is not None:
                 self.connector.after_forward(batch)
         return logits

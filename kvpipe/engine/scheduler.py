@@ -1,9 +1,15 @@
 """Continuous batching with chunked prefill over Req objects and a PageAllocator (no tensors).
 
 Policy (simple and fair):
-- One step is either a prefill batch or a decode batch, never mixed. Prefill goes first,
+- One step is either a prefill batch or a decode batch. Prefill goes first,
   but never twice in a row while decoders wait, so a stream of long prompts cannot stall
   running generations for more than one step and new prompts are never starved either.
+  With `mixed_chunk` (--enable-mixed-chunk, as SGLang's) a step that prefills also carries one
+  token of every decoding request (a MIXED batch: prompt rows, then decode rows), and their
+  tokens count against the step's budget; a step with nothing to prefill stays a plain decode.
+  Decoders then advance at every step while prompts are computed, riding on weights the prefill
+  reads anyway (CPU decode is weight-bandwidth-bound: its rows cost little in a prefill forward),
+  and no step is spent on a decode alone while prompts wait (issue 51: TTFT under load).
 - A prefill batch first continues partially prefilled requests, then admits waiting ones in
   FIFO order (head-of-line: no overtaking), up to a token budget of
   min(max_prefill_tokens, chunked_prefill_size). With chunking, the last row takes what is
@@ -100,8 +106,14 @@ class Scheduler:
         window: int | None = None,
         drafter: Drafter | None = None,
         max_drafts: int = 0,
+        mixed_chunk: bool = False,
     ) -> None:
         self.cfg = cfg
+        # MIXED steps (--enable-mixed-chunk): the engine allows them where a forward can take decode
+        # rows beside prompt rows (no KV connector, drafter or recurrent state)
+        if mixed_chunk and (drafter is not None or state_slots is not None):
+            raise ValueError("mixed prefill/decode steps take no drafter and no recurrent state")
+        self.mixed_chunk = mixed_chunk
         # speculative decoding: each decode row verifies the drafts `drafter` proposes (at most
         # max_drafts, never past max_new_tokens); commit_verify then keeps the accepted ones
         self.drafter = drafter
@@ -292,6 +304,9 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         """The next batch to run, or None when there is nothing runnable."""
         has_decoders = any(r.prefill_done for r in self.running)
+        if self.mixed_chunk and has_decoders:
+            mixed = self._schedule_prefill(with_decoders=True)
+            return mixed if mixed is not None else self._schedule_decode()
         if not (has_decoders and self._last_was_prefill):
             batch = self._schedule_prefill()
             if batch is not None:
@@ -300,13 +315,17 @@ class Scheduler:
         self._last_was_prefill = False
         return self._schedule_decode() if has_decoders else None
 
-    def _schedule_prefill(self) -> ScheduledBatch | None:
+    def _schedule_prefill(self, with_decoders: bool = False) -> ScheduledBatch | None:
+        """Prompt rows under the step's token budget; `with_decoders`: a MIXED batch, every decoding
+        request's next token after them (their tokens taken from the budget first), or None when
+        no prompt row fits."""
         chunking = self.cfg.chunked_prefill_size > 0
         budget = self.cfg.max_prefill_tokens
         if chunking:
             budget = min(budget, self.cfg.chunked_prefill_size)
-        budget = max(budget, 1)
-        batch = ScheduledBatch(ForwardMode.PREFILL, [], [], [])
+        decoders = [r for r in self.running if r.prefill_done] if with_decoders else []
+        budget = max(budget - len(decoders), 1)  # a prompt row always gets a token
+        batch = ScheduledBatch(ForwardMode.MIXED if with_decoders else ForwardMode.PREFILL, [], [], [])
 
         def take(req: Req) -> None:
             nonlocal budget
@@ -345,7 +364,11 @@ class Scheduler:
             self.running.append(req)
             take(req)
             outstanding -= self.pages.own_pages(req)
-        return batch if batch.reqs else None
+        if not batch.reqs:
+            return None
+        for req in decoders:  # after the prompt rows: their pages were promised at admission
+            self._decode_row(req, batch, [])
+        return batch
 
     def _schedule_decode(self) -> ScheduledBatch:
         reqs = [r for r in self.running if r.prefill_done]
@@ -358,12 +381,22 @@ class Scheduler:
             drafts=drafts if self.drafter is not None else [],
         )
         for i, (r, d) in enumerate(zip(reqs, drafts)):
-            self.pages.ensure(r, r.num_cached + 1 + len(d))
-            self.pages.ensure_window(r, r.num_cached, r.num_cached + 1 + len(d))
-            # hybrid prefix cache: the snapshot after the last token only, which is always kept; those
-            # after accepted drafts are planned once acceptance is known (engine/spec/state_rollback.py)
-            self._plan_state(r, batch, i, r.num_cached, 1)
+            self._decode_row(r, batch, d, i)
         return batch
+
+    def _decode_row(self, r: Req, batch: ScheduledBatch, drafts: list[int], row: int | None = None) -> None:
+        """Pages for decode row `r` (its last token and `drafts`); appended to `batch` unless it is
+        already row `row` (a DECODE batch is built whole)."""
+        if row is None:
+            row = len(batch.reqs)
+            batch.reqs.append(r)
+            batch.extend_lens.append(1 + len(drafts))
+            batch.prefix_lens.append(r.num_cached)
+        self.pages.ensure(r, r.num_cached + 1 + len(drafts))
+        self.pages.ensure_window(r, r.num_cached, r.num_cached + 1 + len(drafts))
+        # hybrid prefix cache: the snapshot after the last token only, which is always kept; those
+        # after accepted drafts are planned once acceptance is known (engine/spec/state_rollback.py)
+        self._plan_state(r, batch, row, r.num_cached, 1)
 
     def _draft(self, req: Req) -> list[int]:
         if self.drafter is None:

@@ -85,10 +85,13 @@ class StepLog:
         self.step_done(generated, seconds)
         if not self.interval:
             return None
-        if batch.mode is ForwardMode.PREFILL:
-            # the prefix cache's hit: the cached tokens of the rows in their first chunk
-            cached = sum(p for r, p in zip(batch.reqs, batch.prefix_lens) if p == r.cached_tokens)
-            return self.prefill_line(len(batch.reqs), batch.num_tokens, cached, Occupancy.of(stats()))
+        if batch.mode is not ForwardMode.DECODE:
+            # the prefix cache's hit: the cached tokens of the rows in their first chunk (a MIXED
+            # batch's decode rows are not new sequences, nor their tokens new prompt tokens)
+            rows = [i for i in range(len(batch.reqs)) if batch.is_prompt_row(i)]
+            cached = sum(batch.prefix_lens[i] for i in rows if batch.prefix_lens[i] == batch.reqs[i].cached_tokens)
+            new_tokens = sum(batch.extend_lens[i] for i in rows)
+            return self.prefill_line(len(rows), new_tokens, cached, Occupancy.of(stats()))
         return self.decode_line(Occupancy.of(stats()), spec) if self.decode_due() else None
 
     @staticmethod

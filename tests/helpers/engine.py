@@ -35,6 +35,7 @@ def make_engine(
     speculative: SpeculativeConfig | None = None,
     request_metrics: bool = True,
     quantization: str | None = None,
+    mixed_chunk: bool = False,
     **kw,
 ) -> Engine:
     """An engine on the tiny model; the prefix cache is off unless asked for, so page counts
@@ -43,7 +44,9 @@ def make_engine(
         model_path=str(model_dir),
         tp_size=tp,
         cache=CacheConfig(page_size=page_size, num_pages=pages, radix_cache=radix_cache, kv_cache_dtype=kv_cache_dtype),
-        scheduler=SchedulerConfig(chunked_prefill_size=chunk, max_prefill_tokens=max_prefill_tokens),
+        scheduler=SchedulerConfig(
+            chunked_prefill_size=chunk, max_prefill_tokens=max_prefill_tokens, enable_mixed_chunk=mixed_chunk
+        ),
         speculative=speculative or SpeculativeConfig(),
         request_metrics=request_metrics,
         quantization=quantization,

