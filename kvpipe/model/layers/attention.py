@@ -1,7 +1,8 @@
 """Paged attention in plain torch. The seam for a GPU kernel is `paged_attention`.
 
-Three shapes of work, picked per forward from the ForwardBatch (the scheduler never mixes
-prefill and decode rows in one step):
+Three shapes of work, picked per forward from the ForwardBatch (a step is all decode rows, or
+prefill rows; with --enable-mixed-chunk a prefill step also carries decode rows, which then take
+the prefill path below as rows of one new token behind their cached pages):
 - decode (every row adds one token): one pass for the whole batch over its pages (DecodeIndex), no
   per-row Python work. On CPU the C++ kernel (cpu/kernels/paged_decode.cpp) reads the pages in
   place; elsewhere, or without the kernel, they are gathered once per layer with one
