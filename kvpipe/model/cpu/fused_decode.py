@@ -119,7 +119,7 @@ def build_fused_decode(model: nn.Module, mode: str) -> FusedDecodeLayers | None:
     if not isinstance(layers, nn.ModuleList) or cfg is None or cfg.rope_dim != cfg.head_dim:
         return None  # partial rotary: the RoPE + store kernel rotates whole heads
     specs = {i: spec for i, layer in enumerate(layers) if (spec := _layer_spec(layer, i)) is not None}
-    dtypes = {layers[i].input_layernorm.weight.dtype for i in specs}
+    dtypes = {t.dtype for spec in specs.values() if isinstance(t := spec["input_norm"], torch.Tensor)}
     if len(dtypes) != 1:
         return None  # no layer qualifies, or layers of two dtypes
     ext = decode_layer_kernels()
