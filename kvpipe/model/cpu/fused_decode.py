@@ -8,14 +8,17 @@ inputs from C++: RMSNorm, residual adds, silu and the SwiGLU product as the same
 projections as the same fp32 panel or weight-only kernel (or oneDNN's packed op where the panels
 are not built), RoPE + K/V store and the paged attention as the same kernels' code. So the outputs
 and the pool are bit-identical to the module path (tests/unit/test_decode_layer.py), in fp32 and
-in the quantized modes, and PD vs colocated stays exact.
+in the quantized modes, and PD vs colocated stays exact. A bf16 model (--dtype bfloat16) takes
+it too: its pair panels on bf16_panel.cpp's kernel, every op rounding to bf16 where the module
+path does, the RMSNorm statistics in fp32 (tests/unit/test_decode_layer_bf16.py, the same bits).
 
 Which layers take it: DecoderLayer(RMSNorm, GQAttention, RMSNorm, MLP) with fp32 weights on the
-CPU, q/k/v and gate/up fused (fused_projections.py), no biases, no q/k norms, no window or
-sinks, full rotary dims, TP 1; and per step, a decode batch (every row adds one token) with an
-fp32 pool and fp32 activations. Anything else (prefill, extend, Qwen3's q/k norms, MoE, TP > 1,
-bf16, an fp8 pool) runs the module path. All layers in a range or none: a mixed range runs the
-module path.
+CPU (dense, packed, panels or int8 / int4) or bf16 ones (pair panels or dense), q/k/v and gate/up
+fused (fused_projections.py), no biases, no q/k norms, no window or sinks, full rotary dims, TP
+1; and per step, a decode batch (every row adds one token) with activations and a pool in the
+layers' dtype. Anything else (prefill, extend, Qwen3's q/k norms, MoE, TP > 1, GPT-OSS's fp32
+norm weights in a bf16 model, an fp8 pool) runs the module path. All layers in a range or none,
+of one dtype: a mixed range runs the module path.
 
 Modes (ServerConfig.decode_fused_layer, --decode-fused-layer): "on" (every decode batch the
 layers can take), "auto" (decode batches of at most AUTO_MAX_BATCH rows), "off" (the module path).
@@ -31,6 +34,7 @@ from torch import nn
 from kvpipe.cache.kv_pool import KVPool
 from kvpipe.config import DECODE_FUSED_LAYER_MODES
 from kvpipe.model.cpu.kernels.decode_layer import decode_layer_kernels
+from kvpipe.model.cpu.panel_weight import Bf16PanelWeight, PanelWeight
 from kvpipe.model.forward_batch import ForwardBatch
 from kvpipe.model.layers.decoder_layer import DecoderLayer
 from kvpipe.model.layers.gqa_attention import GQAttention
@@ -44,7 +48,9 @@ from kvpipe.model.quant.weights import Int4Weight, Int8Weight
 AUTO_MAX_BATCH = 64
 
 # decode_layer.cpp's projection kinds
-_DENSE, _PACKED, _INT8, _INT4, _PANEL, _INT8_PANEL, _INT4_PANEL = 0, 1, 2, 3, 4, 5, 6
+_DENSE, _PACKED, _INT8, _INT4, _PANEL, _INT8_PANEL, _INT4_PANEL, _BF16_PANEL = 0, 1, 2, 3, 4, 5, 6, 7
+# the layers' dtypes decode_layer.cpp runs
+DTYPES = (torch.float32, torch.bfloat16)
 
 # (kind, weight, scale, minimum, output features of a panel weight)
 ProjSpec = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, int]
@@ -53,14 +59,15 @@ ProjSpec = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, int]
 class FusedDecodeLayers:
     """The C++ layer objects of a model, by layer index, and the step-level gate."""
 
-    def __init__(self, layers: dict[int, Any], max_batch: int | None) -> None:
+    def __init__(self, layers: dict[int, Any], max_batch: int | None, dtype: torch.dtype = torch.float32) -> None:
         self.layers = layers  # layer index -> decode_layer.cpp's DecodeLayer
         self.max_batch = max_batch  # None: any decode batch
+        self.dtype = dtype  # the layers' weights, activations and pool: float32 or bfloat16
 
     def takes(self, batch: ForwardBatch, pool: KVPool, hidden: torch.Tensor, start: int, end: int) -> bool:
         """Whether layers [start, end) of this forward run fused."""
         decode = batch.decode
-        if decode is None or hidden.dtype != torch.float32 or pool.dtype != torch.float32 or pool.latent:
+        if decode is None or hidden.dtype != self.dtype or pool.dtype != self.dtype or pool.latent:
             return False
         if self.max_batch is not None and decode.batch_size > self.max_batch:
             return False
@@ -112,13 +119,14 @@ def build_fused_decode(model: nn.Module, mode: str) -> FusedDecodeLayers | None:
     if not isinstance(layers, nn.ModuleList) or cfg is None or cfg.rope_dim != cfg.head_dim:
         return None  # partial rotary: the RoPE + store kernel rotates whole heads
     specs = {i: spec for i, layer in enumerate(layers) if (spec := _layer_spec(layer, i)) is not None}
-    if not specs:
-        return None
+    dtypes = {t.dtype for spec in specs.values() if isinstance(t := spec["input_norm"], torch.Tensor)}
+    if len(dtypes) != 1:
+        return None  # no layer qualifies, or layers of two dtypes
     ext = decode_layer_kernels()
     if ext is None:
         return None
     made = {i: ext.DecodeLayer(**spec) for i, spec in specs.items()}
-    return FusedDecodeLayers(made, AUTO_MAX_BATCH if mode == "auto" else None)
+    return FusedDecodeLayers(made, AUTO_MAX_BATCH if mode == "auto" else None, dtypes.pop())
 
 
 def _layer_spec(layer: nn.Module, index: int) -> dict[str, object] | None:
@@ -132,9 +140,10 @@ def _layer_spec(layer: nn.Module, index: int) -> dict[str, object] | None:
         return None
     if attn.window is not None or attn.sinks is not None or mlp.gate_up is None or mlp.activation != "silu":
         return None
-    if n1.eps != n2.eps or not all(_fp32_cpu(n.weight) for n in (n1, n2)):
+    dtype = n1.weight.dtype  # the layer's: a bf16 model's norm weights are bf16 (not GPT-OSS's fp32 ones)
+    if n1.eps != n2.eps or dtype not in DTYPES or not all(_on_cpu(n.weight, dtype) for n in (n1, n2)):
         return None
-    projs = [_proj(p) for p in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj)]
+    projs = [_proj(p, dtype) for p in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj)]
     if any(p is None for p in projs):
         return None
     qkv, o, gate_up, down = projs
@@ -154,16 +163,22 @@ def _layer_spec(layer: nn.Module, index: int) -> dict[str, object] | None:
     }
 
 
-def _fp32_cpu(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.dtype == torch.float32
+def _on_cpu(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    return t.device.type == "cpu" and t.dtype == dtype
 
 
-def _proj(p: Linear) -> ProjSpec | None:
-    """A projection as decode_layer.cpp holds it; None for one it cannot run (a bias, an
-    all-reduce, a non-fp32 weight)."""
-    if p.bias is not None or p.all_reduce or not _fp32_cpu(p.weight):
+def _proj(p: Linear, dtype: torch.dtype) -> ProjSpec | None:
+    """A projection as decode_layer.cpp holds it in a layer of `dtype`; None for one it cannot run
+    (a bias, an all-reduce, a weight of another dtype, a bf16 weight quantized or oneDNN-packed)."""
+    if p.bias is not None or p.all_reduce or not _on_cpu(p.weight, dtype):
         return None
     empty = torch.empty(0)
+    if dtype == torch.bfloat16:
+        if isinstance(p.panel, Bf16PanelWeight):
+            return (_BF16_PANEL, p.panel.panels, empty, empty, p.panel.out_features)
+        if p.quant is not None or p.panel is not None or p.weight.is_mkldnn or p.weight.numel() == 0:
+            return None
+        return (_DENSE, p.weight.detach(), empty, empty, 0)
     q = p.quant
     if isinstance(q, Int8Weight):
         kind, n = (_INT8_PANEL, q.out_features) if q.packed else (_INT8, 0)
@@ -171,7 +186,7 @@ def _proj(p: Linear) -> ProjSpec | None:
     if isinstance(q, Int4Weight):
         kind, n = (_INT4_PANEL, q.out_features) if q.packed else (_INT4, 0)
         return (kind, q.codes, q.scale, q.minimum, n)
-    if p.panel is not None:
+    if isinstance(p.panel, PanelWeight):
         return (_PANEL, p.panel.panels, empty, empty, p.panel.out_features)
     if q is not None or p.weight.numel() == 0:
         return None

@@ -159,6 +159,8 @@ bool bf16_panel_native() {
 
 }  // namespace
 
+// decode_layer.cpp compiles this file's kernel into its own extension: without a module of its own
+#ifndef KVPIPE_KERNELS_NO_MODULE
 // Every call releases the GIL while it runs (it touches no Python object), as weight_only.cpp's do.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_panel_linear", &bf16_panel_linear,
@@ -168,3 +170,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_panel_width", &bf16_panel_width, "PW: the columns of a panel");
   m.def("bf16_panel_native", &bf16_panel_native, "whether the kernel was built with AVX-512-BF16 (VDPBF16PS)");
 }
+#endif  // KVPIPE_KERNELS_NO_MODULE

@@ -45,7 +45,7 @@ EXTRA_KERNELS = {
 }
 # sources an extension #includes: torch's JIT build rebuilds when the listed source or the flags
 # change, so their digest goes into the flags (decode_layer.cpp compiles the other kernels' code)
-INCLUDED_SOURCES = {"decode_layer": ("weight_only", "rope_store", "paged_decode")}
+INCLUDED_SOURCES = {"decode_layer": ("weight_only", "rope_store", "paged_decode", "bf16_panel")}
 DISABLE_ENV = "KVPIPE_CPU_KERNELS"
 DIR_ENV = "KVPIPE_KERNEL_DIR"
 # -fopenmp: at::parallel_for is inline OpenMP in ATen's headers (the .so then shares torch's libgomp)
