@@ -108,26 +108,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="also run HF transformers on the same checkpoint, alternating with the engine repeat by "
         "repeat, and report kvpipe/HF ratios (needs the transformers package)",
     )
-    p.add_argument(
-        "--speculative-algorithm",
-        type=str.upper,
-        choices=list(SPECULATIVE_ALGORITHMS),
-        default=None,
-        help="also compare decode tokens/s with and without speculative decoding on an editing "
-        "workload (bench/engine/spec_decode.py); --skip-prefill --skip-decode runs only that",
-    )
-    p.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="tokens verified per step")
-    p.add_argument("--speculative-draft-model-path", default=None, help="STANDALONE: the draft model's checkpoint")
-    p.add_argument("--spec-output-len", type=int, default=160, help="max new tokens of the speculative workload")
-    p.add_argument("--spec-batch", type=int, default=1, help="requests of the speculative workload run together")
-    p.add_argument(
-        "--spec-workload",
-        choices=list(WORKLOADS),
-        default="edit",
-        help="edit: a chat turn asking to repeat a paragraph with its typos fixed; code-edit: one asking to rename "
-        "identifiers in a Python module; chat: a free-form question (these three need a chat template); "
-        "repeat: prompts repeating a random unit of tokens",
-    )
+    _add_spec_args(p)
     p.add_argument(
         "--quantization",
         default="none",
@@ -160,6 +141,30 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     add_output_args(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _add_spec_args(p: argparse.ArgumentParser) -> None:
+    """The speculative-decoding comparison (bench/engine/spec_decode.py)."""
+    p.add_argument(
+        "--speculative-algorithm",
+        type=str.upper,
+        choices=list(SPECULATIVE_ALGORITHMS),
+        default=None,
+        help="also compare decode tokens/s with and without speculative decoding on an editing "
+        "workload (bench/engine/spec_decode.py); --skip-prefill --skip-decode runs only that",
+    )
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="tokens verified per step")
+    p.add_argument("--speculative-draft-model-path", default=None, help="STANDALONE: the draft model's checkpoint")
+    p.add_argument("--spec-output-len", type=int, default=160, help="max new tokens of the speculative workload")
+    p.add_argument("--spec-batch", type=int, default=1, help="requests of the speculative workload run together")
+    p.add_argument(
+        "--spec-workload",
+        choices=list(WORKLOADS),
+        default="edit",
+        help="edit: a chat turn asking to repeat a paragraph with its typos fixed; code-edit: one asking to rename "
+        "identifiers in a Python module; chat: a free-form question (these three need a chat template); "
+        "repeat: prompts repeating a random unit of tokens",
+    )
 
 
 def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:

@@ -105,6 +105,36 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--prompt-lens value a point) and report e2e/TTFT p50/p90 and PD/colocated ratios",
     )
     t.add_argument(
+        "--link-rate",
+        default=None,
+        help="sweep: run PD stacks across an emulated link of this tc rate (e.g. 1gbit); needs root",
+    )
+    t.add_argument(
+        "--link-mtu",
+        type=int,
+        default=DEFAULT_MTU,
+        help="sweep: the emulated link's MTU (9000: jumbo frames, fewer packets for the kernels of both ends)",
+    )
+    t.add_argument("--log-dir", default=None, help="sweep: write server logs here (default: a new temp dir)")
+    t.add_argument("--startup-timeout", type=float, default=300.0, help="sweep: seconds for a stack to start")
+    _add_vllm_args(p)
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    o.add_argument("--out", default=None, help="write the JSON result to this file")
+    o.add_argument("--plot", default=None, help="PNG plot path (default: --out with .png)")
+    o.add_argument(
+        "--timeline",
+        default=None,
+        metavar="PNG",
+        help="single run: draw each measured request's phases (prefill compute per chunk, KV transfer "
+        "per layer group, decode) as bars from the servers' /debug/requests",
+    )
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _add_vllm_args(p: argparse.ArgumentParser) -> None:
+    t = p.add_argument_group("vs vLLM-CPU")
+    t.add_argument(
         "--compare-vllm",
         action="store_true",
         help="start a colocated kvpipe server and vLLM-CPU's OpenAI server (--vllm-python) on the same HF "
@@ -136,31 +166,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
         default=60.0,
         help="--compare-vllm: seconds to wait for an idle CPU before a round; then it runs anyway (recorded)",
     )
-    t.add_argument(
-        "--link-rate",
-        default=None,
-        help="sweep: run PD stacks across an emulated link of this tc rate (e.g. 1gbit); needs root",
-    )
-    t.add_argument(
-        "--link-mtu",
-        type=int,
-        default=DEFAULT_MTU,
-        help="sweep: the emulated link's MTU (9000: jumbo frames, fewer packets for the kernels of both ends)",
-    )
-    t.add_argument("--log-dir", default=None, help="sweep: write server logs here (default: a new temp dir)")
-    t.add_argument("--startup-timeout", type=float, default=300.0, help="sweep: seconds for a stack to start")
-    o = p.add_argument_group("output")
-    o.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    o.add_argument("--out", default=None, help="write the JSON result to this file")
-    o.add_argument("--plot", default=None, help="PNG plot path (default: --out with .png)")
-    o.add_argument(
-        "--timeline",
-        default=None,
-        metavar="PNG",
-        help="single run: draw each measured request's phases (prefill compute per chunk, KV transfer "
-        "per layer group, decode) as bars from the servers' /debug/requests",
-    )
-    o.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run_single(args: argparse.Namespace) -> int:
