@@ -4,6 +4,8 @@ model (token = seq_len), page bookkeeping checked after every step, and draining
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 
 from kvpipe.engine.batch import ScheduledBatch
@@ -53,3 +55,30 @@ def drain(s: Scheduler, limit: int = 10_000, hold: bool = False) -> list[Schedul
             return batches
         batches.append(b)
     raise AssertionError("scheduler did not drain")
+
+
+def random_load(
+    s: Scheduler, rnd: random.Random, n: int = 200, steps: int = 5000
+) -> tuple[list[Req], list[ScheduledBatch]]:
+    """`n` requests of 1-40 prompt and 1-20 new tokens arriving at random (each step: one arrives with
+    probability 0.5, a random one is aborted with probability 0.15), stepped (with `step`'s checks)
+    until all are sent and the scheduler is idle, at most `steps` steps. Returns the requests and
+    the batches; each step also checks that every used page belongs to a running or reserved one."""
+    reqs: list[Req] = []
+    batches: list[ScheduledBatch] = []
+    for _ in range(steps):
+        if len(reqs) < n and rnd.random() < 0.5:
+            r = req(f"r{len(reqs)}", rnd.randint(1, 40), max_new=rnd.randint(1, 20))
+            s.add(r)
+            reqs.append(r)
+        if reqs and rnd.random() < 0.15:
+            s.abort(rnd.choice(reqs).rid)
+        b = step(s)
+        if b is not None:
+            batches.append(b)
+        held = sum(len(r.pages) for r in s.running) + sum(len(r.pages) for r in s.reserved.values())
+        assert s.allocator.num_used == held
+        if len(reqs) == n and not s.has_work():
+            break
+    assert len(reqs) == n and not s.has_work()
+    return reqs, batches

@@ -26,7 +26,7 @@ from kvpipe.harness.link_faults import FaultRun, LinkFault, nft_missing
 from kvpipe.harness.testbed import LinkTestbed, can_run, inside_netns, tool
 from kvpipe.harness.testbed_stack import start_testbed_stack
 from tests.helpers.heal import served_after
-from tests.helpers.pd_stack import greedy
+from tests.helpers.pd_stack import greedy, wait_for
 
 pytestmark = [
     pytest.mark.timeout(600),
@@ -44,17 +44,6 @@ def peers_ready(url: str) -> tuple[int, dict]:
     """(status, body) of a server's /health?peers=true."""
     r = httpx.get(url + "/health", params={"peers": "true"}, timeout=10.0)
     return r.status_code, (r.json() if r.content else {})
-
-
-def until(fn, what: str, timeout_s: float = BOUND_S):
-    """fn() until it returns something true (bounded); returns that."""
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        out = fn()
-        if out:
-            return out
-        time.sleep(0.2)
-    raise AssertionError(f"not within {timeout_s}s: {what}")
 
 
 def connections(ns: str, peer: str) -> set[tuple[int, int]]:
@@ -87,14 +76,15 @@ def test_a_decode_declared_dead_gets_a_fresh_control_connection_after_the_heal(
             old = connections(tb.ns_a, tb.addr_b)  # the prefill's control connection to the decode among them
             with FaultRun(tb.spec, LinkFault.parse("partition:8s")) as run:
                 # the decode (this side) reports its lost prefill with a reason; plain /health stays 200
-                status, body = until(lambda: (s := peers_ready(d_url))[0] == 503 and s, "decode not ready")
+                status, body = wait_for(lambda: (s := peers_ready(d_url))[0] == 503 and s, BOUND_S, "decode not ready")
                 assert body["status"] == "peers_unreachable" and "no reachable prefill" in body["reason"]
                 assert httpx.get(d_url + "/health", timeout=10.0).status_code == 200
-                status, body = until(lambda: (s := tb.call_in("a", peers_ready, p_url))[0] == 503 and s, "prefill")
+                prefill_down = lambda: (s := tb.call_in("a", peers_ready, p_url))[0] == 503 and s  # noqa: E731
+                status, body = wait_for(prefill_down, BOUND_S, "prefill not ready")
                 assert body["status"] == "peers_unreachable" and "no reachable decode" in body["reason"]
                 assert run.wait_healed(60), "the partition did not heal"
             # back without any request: the decode looks for its lost prefill and registers again
-            until(lambda: peers_ready(d_url)[0] == 200 and peers_ready(p_url)[0] == 200, "both ready again")
+            wait_for(lambda: peers_ready(d_url)[0] == 200 and peers_ready(p_url)[0] == 200, BOUND_S, "both ready again")
             assert run.healed_at is not None
             print(f"both ready again {time.monotonic() - run.healed_at:.1f}s after the heal (at most this)")
             after, took_s, failed = served_after(stack.router_url, BODY, BOUND_S)

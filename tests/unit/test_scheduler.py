@@ -9,7 +9,7 @@ from kvpipe.config import SchedulerConfig
 from kvpipe.engine.batch import ForwardMode
 from kvpipe.engine.request import FinishReason, Req, ReqStatus, SamplingParams
 from kvpipe.engine.scheduler import Scheduler
-from tests.helpers.scheduler_steps import drain, req, step
+from tests.helpers.scheduler_steps import drain, random_load, req, step
 
 
 def make(num_pages=64, page_size=4, ctx=4096, whole=False, **cfg):
@@ -200,22 +200,7 @@ def test_200_mixed_requests_with_aborts_return_all_pages():
         max_prefill_tokens=24,
         max_running_requests=8,
     )
-    reqs, nxt = [], 0
-    for _ in range(5000):
-        if nxt < 200 and rnd.random() < 0.5:
-            r = req(f"r{nxt}", rnd.randint(1, 40), max_new=rnd.randint(1, 20))
-            nxt += 1
-            s.add(r)
-            reqs.append(r)
-        if reqs and rnd.random() < 0.15:
-            s.abort(rnd.choice(reqs).rid)
-        step(s)
-        assert s.allocator.num_used == sum(len(r.pages) for r in s.running) + sum(
-            len(r.pages) for r in s.reserved.values()
-        )
-        if nxt == 200 and not s.has_work():
-            break
-    assert nxt == 200 and not s.has_work()
+    reqs, _ = random_load(s, rnd)
     assert all(r.finished for r in reqs)
     assert any(r.finish_reason is FinishReason.ABORT for r in reqs)
     assert any(r.finish_reason is FinishReason.LENGTH for r in reqs)
