@@ -113,6 +113,10 @@ class ForwardBatch:
     # its attention and MLP compute (model/layers/attention.py, model/layers/mla.py): the runner ships a layer
     # group's KV from there, so the wire starts while the group's last layer still computes
     kv_stored: Callable[[int], None] | None = None
+    # a MIXED step (--enable-mixed-chunk): prompt rows, then decode rows; the index of those decode
+    # rows (seqs[-decode_tail.batch_size:], the batch's last tokens), so their attention is one
+    # decode pass, bit for bit a plain decode step's, not a prefill row each
+    decode_tail: DecodeIndex | None = None
 
     @classmethod
     def build(
@@ -160,6 +164,7 @@ class ForwardBatch:
                 logit_counts=logit_counts,
             )
             window = None  # this batch's own decode index covers whole contexts
+        tail = _decode_tail(seqs)
         return cls(
             input_ids=torch.tensor(ids, dtype=torch.int64),
             positions=positions,
@@ -170,12 +175,13 @@ class ForwardBatch:
             # a fresh 1-token prompt is a prefill: it attends to its own new K/V, not to what the
             # pool stores (a low-precision pool would round it), as it would packed with others
             decode=DecodeIndex.build(tuple(seqs), page_size, window)
-            if seqs and all(s.extend_len == 1 and s.prefix_len > 0 for s in seqs)
+            if seqs and all(_is_decode(s) for s in seqs)
             else None,
             state_slots=None if state_slots is None else torch.tensor(state_slots, dtype=torch.int64),
             swa=swa,
             state_snapshots=_row_snapshots(len(seqs), state_snapshots),
             verify_states=verify_states,
+            decode_tail=DecodeIndex.build(tail, page_size, window) if tail else None,
         )
 
     @property
@@ -195,6 +201,7 @@ class ForwardBatch:
             None if self.swa is None else self.swa.to(device),
             self.state_snapshots,
             self.verify_states,
+            decode_tail=None if self.decode_tail is None else self.decode_tail.to(device),
         )
 
 
@@ -208,3 +215,17 @@ def _row_snapshots(
     for row, k, slot in snaps:
         rows[row].append((k, slot))
     return tuple(tuple(sorted(r)) for r in rows)
+
+
+def _is_decode(s: SeqSpan) -> bool:
+    return s.extend_len == 1 and s.prefix_len > 0
+
+
+def _decode_tail(seqs: list[SeqSpan]) -> tuple[SeqSpan, ...]:
+    """The decode rows after a batch's last row that is not one (a MIXED step's): none where
+    every row decodes (a plain decode step: ForwardBatch.decode) or the last row prefills."""
+    n = len(seqs)
+    first = n
+    while first > 0 and _is_decode(seqs[first - 1]):
+        first -= 1
+    return tuple(seqs[first:]) if 0 < first < n else ()

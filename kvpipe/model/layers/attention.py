@@ -1,8 +1,9 @@
 """Paged attention in plain torch. The seam for a GPU kernel is `paged_attention`.
 
 Three shapes of work, picked per forward from the ForwardBatch (a step is all decode rows, or
-prefill rows; with --enable-mixed-chunk a prefill step also carries decode rows, which then take
-the prefill path below as rows of one new token behind their cached pages):
+prefill rows; with --enable-mixed-chunk a prefill step also carries decode rows after its prompt
+rows, ForwardBatch.decode_tail, which take the decode pass below, bit for bit a decode step's;
+MLA and layers with sinks or a window take them as prefill rows of one token):
 - decode (every row adds one token): one pass for the whole batch over its pages (DecodeIndex), no
   per-row Python work. On CPU the C++ kernel (cpu/kernels/paged_decode.cpp) reads the pages in
   place; elsewhere, or without the kernel, they are gathered once per layer with one
@@ -68,7 +69,12 @@ def paged_attention(
     if len(batch.seqs) == 1 and batch.seqs[0].prefix_len == 0:  # the common whole-prompt prefill
         return causal_attention(q, k, v, scale)
     out = torch.empty_like(q)
-    for s in batch.seqs:
+    seqs = batch.seqs
+    if batch.decode_tail is not None:  # a MIXED step: its decode rows (the last ones) in one pass
+        seqs = seqs[: len(seqs) - batch.decode_tail.batch_size]
+        d0 = seqs[-1].start + seqs[-1].extend_len
+        out[d0:] = decode_attention(q[d0:], layer, batch.decode_tail, pool, scale)
+    for s in seqs:
         rows = slice(s.start, s.start + s.extend_len)
         if s.prefix_len == 0:
             out[rows] = causal_attention(q[rows], k[rows], v[rows], scale)
