@@ -14,6 +14,7 @@ from typing import Any
 from kvpipe.model.checkpoint.catalog import CATALOG
 from kvpipe.model.checkpoint.fetch import fetch
 from kvpipe.model.text.tokenizer import Tokenizer
+from tests.helpers import hf_gguf
 
 NAME = "gemma-3-270m"
 LONG_TOKENS = 2100  # > 4 windows of 512
@@ -53,16 +54,9 @@ def long_prompt() -> list[int]:
 @lru_cache(maxsize=1)
 def hf_model() -> Any:
     """transformers' Gemma3ForCausalLM from the GGUF, float32, in eval mode (shared: do not modify)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    p = path()
-    return AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.float32).eval()
+    return hf_gguf.hf_causal_lm(path())
 
 
 @lru_cache(maxsize=1)
 def hf_tokenizer() -> Any:
-    from transformers import AutoTokenizer
-
-    p = path()
-    return AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
+    return hf_gguf.hf_tokenizer(path())

@@ -7,9 +7,10 @@ reference). A catalog model is fetched on first use (`fetch` is idempotent and f
 two test workers that ask at once wait for one download): the tests run whether or not
 `make models` ran. Tokenizers are built once per test process and model; an HF model is loaded
 anew for each caller, which owns it (a module-scoped fixture) and should let it go as soon as it
-has what it needs: loading dequantizes the whole file (10 s for SmolLM2, minutes for the Qwens on
-a loaded machine, a 5 GB peak for the 0.5B), and a cached copy lived on into the next module
-beside that module's own models (an 8.7 GB test process met the OOM killer).
+has what it needs: loading dequantizes the whole file (10 s for SmolLM2, 27 s for the 0.5B on 2
+cores, minutes on a loaded machine, a 5 GB peak for the 0.5B; tests/helpers/hf_gguf.py), and a
+cached copy lived on into the next module beside that module's own models (an 8.7 GB test
+process met the OOM killer).
 
     @pytest.fixture(scope="module", params=trained.params(trained.SMOLLM2, trained.QWEN_05B))
     def model(request) -> trained.TrainedModel: return trained.MODELS[request.param]
@@ -30,6 +31,7 @@ from kvpipe.model.checkpoint.fetch import fetch
 from kvpipe.model.checkpoint.gguf.checkpoint import gguf_checkpoint
 from kvpipe.model.checkpoint.gguf.tokenizer import PRE_TOKENIZERS
 from kvpipe.model.text.tokenizer import Tokenizer
+from tests.helpers import hf_gguf
 
 SMOLLM2 = "smollm2-135m"  # the default model (kvpipe/model/checkpoint/default_model.py)
 QWEN_05B = "qwen2.5-coder-0.5b"
@@ -105,11 +107,7 @@ def kvpipe_tokenizer(name: str = SMOLLM2) -> Tokenizer:
 
 def hf_model(name: str = SMOLLM2) -> Any:
     """transformers' model from the GGUF, float32, in eval mode (a new one each call)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    path = gguf_path(name)
-    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    return hf_gguf.hf_causal_lm(gguf_path(name))
 
 
 @lru_cache(maxsize=2)
@@ -124,10 +122,9 @@ def hf_tokenizer(name: str = SMOLLM2) -> Any:
     Qwen2's own regex, which is llama.cpp's: nothing is changed. Vocabulary, merges, special
     tokens and the template stay transformers' own."""
     from tokenizers import pre_tokenizers
-    from transformers import AutoTokenizer
 
     path = gguf_path(name)
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tok = hf_gguf.hf_tokenizer(path)
     ckpt = gguf_checkpoint(path)
     assert ckpt is not None, path
     split, digits_first = PRE_TOKENIZERS[ckpt.metadata.get("tokenizer.ggml.pre", "default")]

@@ -2,7 +2,8 @@
 file, both float32, on plain-text prompts (a base model), one of 2,100 tokens: the sliding layers'
 window of 512 slides four times.
 
-- the tokenizer: kvpipe's SentencePiece build from the GGUF gives transformers' ids and text;
+- the tokenizer: kvpipe's SentencePiece build from the GGUF gives transformers' ids and text
+  (`slow`; test_gguf_sentencepiece_tokenizer.py checks the same reader on a small vocabulary);
 - weights: the norms (stored by llama.cpp as 1 + w) and the embedding bit for bit;
 - prompt logits: kvpipe's model over paged KV against HF's forward, within logit_atol
   (tests/helpers/tolerance.py); the long prompt in chunks of 700, its last 64 positions;
@@ -93,6 +94,9 @@ def engine():
     eng.shutdown()
 
 
+# slow: transformers rebuilds the 262,144 pieces' merges in Python (half a minute); the same reader
+# on a small vocabulary of Gemma's layout is test_gguf_sentencepiece_tokenizer.py's, in `make test`
+@pytest.mark.slow
 def test_tokenizer_matches_transformers(tok: Tokenizer) -> None:
     theirs = g3.hf_tokenizer()
     for text in [*TOKENIZER_TEXTS, *g3.TEXTS]:
