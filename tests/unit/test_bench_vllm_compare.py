@@ -16,6 +16,7 @@ from kvpipe.bench.serve.sweep import SweepPoint, colocated_flags, mode_server_fl
 from kvpipe.bench.serve.vllm_compare import (
     RoundCheck,
     busy_fraction,
+    concurrency_seed,
     cpu_times,
     parse_concurrencies,
     verdicts,
@@ -81,6 +82,24 @@ def test_concurrencies() -> None:
     for bad in ("", "0", "4,4", "x"):
         with pytest.raises(ValueError, match="--concurrencies"):
             parse_concurrencies(bad)
+
+
+def test_each_concurrency_sends_new_prompts() -> None:
+    """Prompts a server has seen come from its prefix cache: no concurrency repeats another's, nor
+    the warm-up's."""
+    from dataclasses import replace
+
+    from kvpipe.bench.serve.run import warmup_config
+    from kvpipe.bench.workload import Api, WorkloadConfig, build_workload, parse_lengths
+
+    base = WorkloadConfig(parse_lengths("300", "l"), parse_lengths("4", "o"), 16, 49_152, api=Api.GENERATE, seed=5)
+    seeds = [concurrency_seed(5, i) for i in range(8)]
+    assert seeds[0] == 5 and len(set(seeds)) == 8
+    prompts = [{r.prompt for r in build_workload(replace(base, seed=s)).requests} for s in seeds]
+    warm = {r.prompt for r in build_workload(warmup_config(base, argparse.Namespace(warmup_requests=4))).requests}
+    for i, a in enumerate(prompts):
+        assert len(a) == 16 and not a & warm
+        assert all(not a & b for b in prompts[i + 1 :])
 
 
 def test_vllm_command_and_knobs() -> None:

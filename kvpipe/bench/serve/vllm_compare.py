@@ -32,6 +32,18 @@ def parse_concurrencies(spec: str) -> list[int]:
     return values
 
 
+# far from the warm-up's offset (run.warmup_config: seed + 1,000,003) for any number of concurrencies
+CONCURRENCY_SEED_STRIDE = 7_919
+
+
+def concurrency_seed(seed: int, index: int) -> int:
+    """The workload seed of the `index`-th concurrency of a run: each concurrency sends prompts
+    neither server has seen. With one seed for all, a later concurrency's prompts were an earlier
+    one's, and both servers' prefix caches answered them from memory: their TTFT measured no
+    prefill at all."""
+    return seed + CONCURRENCY_SEED_STRIDE * index
+
+
 def busy_fraction(before: Sequence[int], after: Sequence[int]) -> float:
     """Share of CPU time not idle between two /proc/stat 'cpu' lines' counters (user nice system
     idle iowait irq softirq steal ...): idle and iowait count as idle."""

