@@ -209,3 +209,26 @@ def test_compare_dtype_and_floors_in_a_real_run():
     assert d["weight_bytes"] > 0 and d["kv_bytes"] > 0
     for row in (p, d):
         assert row["floor_ms"] > 0 and row["x_floor"] > 0
+
+
+def test_matmul_size_stops_where_a_pass_gets_slow():
+    """The peak's product grows from 256 while a pass is quick, and stops at the first slow one (a
+    bf16 matmul without bf16 units) or at 2,048."""
+    from kvpipe.bench.engine.peaks import MATMUL_N, MATMUL_PASS_S, matmul_size
+
+    asked: list[int] = []
+
+    def timed(rate: float):
+        def pass_seconds(n: int) -> float:
+            asked.append(n)
+            return 2.0 * n**3 / rate
+
+        return pass_seconds
+
+    assert matmul_size(timed(1e12)) == MATMUL_N  # fast: up to the largest
+    assert asked == [256, 512, 1024]
+    asked.clear()
+    slow = 2.0 * 256**3 / MATMUL_PASS_S / 4  # a 256-cube pass takes 4x the target
+    assert matmul_size(timed(slow)) == 256 and asked == [256]
+    asked.clear()
+    assert matmul_size(timed(2.0 * 1024**3 / MATMUL_PASS_S / 1.5)) == 1024 and asked == [256, 512, 1024]

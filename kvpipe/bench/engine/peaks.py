@@ -5,9 +5,10 @@ them (floor.py computes the floors).
   fp32), on the run's torch threads: bytes / the fastest of a few passes. A sum does one add per
   4 bytes read, so it is bound by the memory, not the FMAs (the same stream a batch-1 decode step's
   weight panels are);
-- matmul peak: torch.matmul of two 2,048 x 2,048 matrices in the dtype the model computes in (fp32
+- matmul peak: torch.matmul of two n x n matrices in the dtype the model computes in (fp32
   through MKL/oneDNN's fp32 GEMM; bf16 through oneDNN's brgemm, on AMX or AVX-512-BF16 where the
-  CPU has them): 2 n^3 / the fastest of a few products.
+  CPU has them): 2 n^3 / the fastest of a few products; n = 2,048, or less where one such product
+  takes over a tenth of a second (matmul_size: bf16 without bf16 units).
 Fastest, not median: a floor is what the hardware can do, and a shared machine only ever slows a
 pass down; the run measures both before and after its points and keeps the better (Peaks.best).
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,6 +28,8 @@ from kvpipe.model.checkpoint.loader import resolve_dtype
 
 BANDWIDTH_BYTES = 256 << 20
 MATMUL_N = 2048
+MATMUL_MIN_N = 256
+MATMUL_PASS_S = 0.1  # matmul_size: a pass this long is long enough to time
 PASSES = 5
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -46,13 +50,35 @@ def read_bandwidth(nbytes: int = BANDWIDTH_BYTES, passes: int = PASSES) -> float
     return nbytes / _fastest(lambda: buf.sum(), passes)
 
 
-def matmul_flops(dtype: str, n: int = MATMUL_N, passes: int = PASSES) -> float:
-    """FLOP/s of an n x n x n torch.matmul in `dtype`."""
+def matmul_size(pass_seconds: Callable[[int], float], largest: int = MATMUL_N) -> int:
+    """The n of the peak's product: doubling from MATMUL_MIN_N while one n x n x n pass takes under
+    MATMUL_PASS_S, up to `largest`. A CPU without bf16 units runs torch's bf16 matmul on a slow
+    fallback (an AVX2 EPYC: minutes for one 2,048-cube pass, so `--dtype bfloat16` spent half an
+    hour measuring its peak); there the peak is measured on a product that takes a fraction of a
+    second, and elsewhere on the largest."""
+    n = MATMUL_MIN_N
+    while n < largest and pass_seconds(n) < MATMUL_PASS_S:
+        n *= 2
+    return min(n, largest)
+
+
+def matmul_flops(dtype: str, n: int | None = None, passes: int = PASSES) -> float:
+    """FLOP/s of an n x n x n torch.matmul in `dtype` (n: matmul_size's when None)."""
     torch_dtype = COMPUTE_DTYPES[dtype]
     g = torch.Generator().manual_seed(0)
-    a = torch.randn(n, n, generator=g).to(torch_dtype)
-    b = torch.randn(n, n, generator=g).to(torch_dtype)
-    return 2.0 * n**3 / _fastest(lambda: torch.matmul(a, b), passes)
+
+    def operands(size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (
+            torch.randn(size, size, generator=g).to(torch_dtype),
+            torch.randn(size, size, generator=g).to(torch_dtype),
+        )
+
+    def one_pass(size: int) -> float:
+        a, b = operands(size)
+        return _fastest(lambda: torch.matmul(a, b), 1)
+
+    a, b = operands(n or matmul_size(one_pass))
+    return 2.0 * a.shape[0] ** 3 / _fastest(lambda: torch.matmul(a, b), passes)
 
 
 def measure_peaks(dtype: str) -> Peaks:
