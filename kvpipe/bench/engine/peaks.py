@@ -53,8 +53,8 @@ def read_bandwidth(nbytes: int = BANDWIDTH_BYTES, passes: int = PASSES) -> float
 def matmul_size(pass_seconds: Callable[[int], float], largest: int = MATMUL_N) -> int:
     """The n of the peak's product: doubling from MATMUL_MIN_N while one n x n x n pass takes under
     MATMUL_PASS_S, up to `largest`. A CPU without bf16 units runs torch's bf16 matmul on a slow
-    fallback (an AVX2 EPYC: minutes for one 2,048-cube pass, so `--dtype bfloat16` spent half an
-    hour measuring its peak); there the peak is measured on a product that takes a fraction of a
+    fallback (an AVX2 EPYC: a tiny `--dtype bfloat16` run spent over 600 s measuring its peak on
+    2,048-cube passes); there the peak is measured on a product that takes a fraction of a
     second, and elsewhere on the largest."""
     n = MATMUL_MIN_N
     while n < largest and pass_seconds(n) < MATMUL_PASS_S:
