@@ -8,8 +8,8 @@ memmap.__array_finalize__ each time: most of the 83 s Gemma-3-270M's model (262,
 of dequantizing) and the 65 s Qwen2.5-Coder-0.5B's took to load on a 2-core host, 40 and 27 s
 this way (its tokenizer 35 -> 26 and 27 -> 11 s; 2026-12-02). Here, for the length of
 one load, `gguf.GGUFReader` (which transformers imports from gguf at each load) is a subclass that
-parses on a plain ndarray view of the same mapped bytes (kvpipe's own reader does the same:
-kvpipe/model/checkpoint/gguf/reader.py) and is built once per path. The bytes read, the parse and
+parses on a plain ndarray view of the same mapped bytes (kvpipe's own reader's base,
+kvpipe/model/checkpoint/gguf/reader.PlainArrayReader) and is built once per path. The bytes read, the parse and
 every step transformers takes after it are unchanged: the model is the one
 `AutoModelForCausalLM.from_pretrained(..., gguf_file=...)` returns. AutoTokenizer reads the
 config the same way (one reader) before it builds the tokenizer from its own, faster reader."""
@@ -22,17 +22,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import gguf
-import numpy as np
 
-
-class _PlainReader(gguf.GGUFReader):
-    @property  # type: ignore[override]
-    def data(self) -> np.ndarray:
-        return self._plain
-
-    @data.setter
-    def data(self, value: np.ndarray) -> None:
-        self._plain = value.view(np.ndarray)  # a view: keeps the memmap (and its mapping) alive
+from kvpipe.model.checkpoint.gguf.reader import PlainArrayReader
 
 
 @contextmanager
@@ -43,7 +34,7 @@ def one_parse_per_file() -> Iterator[None]:
     def reader(p: Any, mode: Literal["r", "r+", "c"] = "r") -> gguf.GGUFReader:
         key = (str(p), mode)
         if key not in readers:
-            readers[key] = _PlainReader(p, mode)
+            readers[key] = PlainArrayReader(p, mode)
         return readers[key]
 
     stock = gguf.GGUFReader

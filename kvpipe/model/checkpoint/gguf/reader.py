@@ -57,15 +57,11 @@ def find_gguf(path: str | Path) -> Path | None:
     return found[0] if found else None
 
 
-class _CheckedReader(GGUFReader):
-    """GGUFReader that names the tensor of an unknown type id. The stock reader turns the id into
-    GGMLQuantizationType first and fails with "99 is not a valid GGMLQuantizationType", without
-    saying which tensor; the tensor-info fields it parsed just before carry the name.
-
-    It also parses on a plain ndarray view of the file's memmap (the same mapped bytes): the
-    reader slices the buffer a few times per vocabulary string, and a np.memmap slice runs
+class PlainArrayReader(GGUFReader):
+    """GGUFReader that parses on a plain ndarray view of the file's memmap (the same mapped bytes):
+    the reader slices the buffer a few times per vocabulary string, and a np.memmap slice runs
     memmap.__array_finalize__ each time, over half of the metadata parse of a 49k-token vocabulary.
-    """
+    (tests/helpers/hf_gguf.py hands it to transformers' GGUF loads too.)"""
 
     @property  # type: ignore[override]
     def data(self) -> np.ndarray:
@@ -74,6 +70,12 @@ class _CheckedReader(GGUFReader):
     @data.setter
     def data(self, value: np.ndarray) -> None:
         self._plain = value.view(np.ndarray)  # a view: keeps the memmap (and its mapping) alive
+
+
+class _CheckedReader(PlainArrayReader):
+    """PlainArrayReader that names the tensor of an unknown type id. The stock reader turns the id
+    into GGMLQuantizationType first and fails with "99 is not a valid GGMLQuantizationType", without
+    saying which tensor; the tensor-info fields it parsed just before carry the name."""
 
     def _build_tensors(self, start_offs: int, fields: list[ReaderField]) -> None:
         for field in fields:
